@@ -1,0 +1,3 @@
+from distmm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""The public API: ``matmul`` and ``gemm`` with numpy's semantics.
+
+This module covers: validating operands with numpy's rules and exception
+types before any work starts, promoting 1-D operands and broadcasting batch
+dimensions, choosing the engine and backend, and returning the caller's array
+type (numpy in, numpy out; cupy in, cupy out; dask in, a lazy dask array out).
+It does *not* cover: tiling (``distmm.plan``), scheduling (``distmm.engine``)
+or kernels (``distmm.executor``).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from distmm._arrays import FAMILY_ORDER, array_family
+from distmm.config import get_config
+from distmm.plan import Plan, make_plan, result_dtype
+
+__all__ = ["matmul", "gemm", "plan_for"]
+
+ENGINES = ("auto", "local", "dask")
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """Validated operands of a matmul, before batching."""
+
+    a: Any
+    b: Any
+    family: str
+    dtype: np.dtype
+    a_vector: bool  # a was 1-D and got a leading 1
+    b_vector: bool  # b was 1-D and got a trailing 1
+    batch: tuple[int, ...]
+    m: int
+    n: int
+    k: int
+
+
+def _as_array(x, family: str):
+    if family == "numpy":
+        return x if isinstance(x, np.ndarray) else np.asarray(x)
+    if family == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    if family == "dask":
+        import dask.array as da
+
+        return da.asarray(x)
+    raise AssertionError(family)
+
+
+def _validate(a, b, what: str = "matmul") -> _Operands:
+    fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
+    a, b = _as_array(a, fam), _as_array(b, fam)
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim == 0:
+            raise ValueError(
+                f"{what}: operand {name} is 0-dimensional (a scalar); matmul needs at "
+                f"least 1 dimension: use * to multiply by a scalar"
+            )
+    dtype = result_dtype(a.dtype, b.dtype)
+    a_vector, b_vector = a.ndim == 1, b.ndim == 1
+    a_shape = (1,) + a.shape if a_vector else a.shape
+    b_shape = b.shape + (1,) if b_vector else b.shape
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(
+            f"{what}: inner dimensions differ: a has shape {a.shape}, b has shape {b.shape} "
+            f"({a_shape[-1]} != {b_shape[-2]})"
+        )
+    try:
+        batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"{what}: batch dimensions do not broadcast: a has shape {a.shape}, "
+            f"b has shape {b.shape}"
+        ) from None
+    for name, x in (("a", a), ("b", b)):
+        if any(s is None or (isinstance(s, float) and np.isnan(s)) for s in x.shape):
+            raise ValueError(
+                f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
+                f"call {name}.compute_chunk_sizes() first"
+            )
+    return _Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
+                     a_shape[-2], b_shape[-1], a_shape[-1])
+
+
+def _pick_engine(engine: str, client) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "auto":
+        return engine
+    if client is not None:
+        return "dask"
+    try:
+        from distributed import default_client
+
+        default_client()
+        return "dask"
+    except (ImportError, ValueError):
+        return "local"
+
+
+def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None) -> Plan:
+    """Make a plan with the configured tile and memory budget."""
+    cfg = get_config()
+    return make_plan(m, n, k, dtype, workers=workers,
+                     tile=tile if tile is not None else cfg.tile,
+                     memory_budget=cfg.memory_budget)
+
+
+def _broadcast(ops: _Operands, xp):
+    a = ops.a[None, :] if ops.a_vector else ops.a
+    b = ops.b[:, None] if ops.b_vector else ops.b
+    a = xp.broadcast_to(a, ops.batch + (ops.m, ops.k))
+    b = xp.broadcast_to(b, ops.batch + (ops.k, ops.n))
+    return a, b
+
+
+def _squeeze(out, ops: _Operands):
+    if ops.b_vector:
+        out = out[..., 0]
+    if ops.a_vector:
+        out = out[..., 0, :] if not ops.b_vector else out[..., 0]
+    if out.ndim == 0 and ops.family == "numpy":
+        return out[()]  # numpy gives a scalar for vector @ vector
+    return out
+
+
+def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str):
+    from distmm.executor import get_executor
+
+    eng = _pick_engine(engine, client)
+    if ops.family == "dask" or eng == "dask":
+        from distmm.engine import dask_engine
+
+        return _squeeze(dask_engine.matmul(ops, client=client, tile=tile, backend=backend), ops)
+    cfg = get_config()
+    from distmm.engine.local import default_workers, run_local
+
+    on_gpu = ops.family == "cupy"
+    if ops.family == "numpy" and backend == "auto" and cfg.backend != "auto":
+        backend = cfg.backend
+    workers = cfg.local_threads or default_workers()
+    plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=1 if on_gpu else workers, tile=tile)
+    executor = get_executor(backend, np.dtype(plan.acc_dtype), on_gpu=on_gpu)
+    if ops.family == "cupy":
+        out = executor.run_batched(plan, *_broadcast(ops, __import__("cupy")))
+    else:
+        with executor:
+            out = run_local(plan, *_broadcast(ops, np), executor)
+    return _squeeze(out, ops)
+
+
+def matmul(a, b, *, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+    """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
+
+    Parameters
+    ----------
+    a, b : array_like
+        numpy arrays or anything ``numpy.asarray`` takes, cupy arrays, or dask
+        arrays. 1-D operands are promoted as numpy does (a leading 1 for ``a``,
+        a trailing 1 for ``b``, removed again from the result); operands with
+        more than 2 dimensions are stacks of matrices whose leading dimensions
+        broadcast.
+    engine : {"auto", "local", "dask"}
+        ``"auto"`` uses a Dask cluster when ``client`` is given or a default
+        client exists, otherwise the in-process engine.
+    client : distributed.Client, optional
+        The cluster for ``engine="dask"``; default: the current client.
+    tile : int or (tm, tn, tk), optional
+        C tile size and k-block; ``None`` lets the planner choose.
+    backend : {"auto", "numba", "blas", "raw", "cublas"}
+        The executor. ``"auto"``: cuBLAS or distmm's raw kernels for cupy
+        arrays (whichever measured faster), BLAS for floating numpy arrays and
+        distmm's numba kernels for integer ones.
+
+    Returns
+    -------
+    ndarray, cupy.ndarray, dask.array.Array or scalar
+        numpy's result dtype: integers wrap as numpy's do, booleans stay
+        boolean, NaN and Inf propagate. A vector-vector product of numpy
+        operands is a numpy scalar, as with ``numpy.matmul``.
+
+    Raises
+    ------
+    ValueError
+        A 0-d operand, inner dimensions that differ, batch dimensions that do
+        not broadcast, or dask chunks of unknown size; the message names both
+        shapes.
+    TypeError
+        A dtype that is not boolean or numeric.
+
+    Examples
+    --------
+    >>> import numpy as np, distmm
+    >>> a = np.arange(6.0).reshape(2, 3)
+    >>> distmm.matmul(a, np.ones(3))
+    array([ 3., 12.])
+    >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
+    array([[-128]], dtype=int8)
+    """
+    ops = _validate(a, b)
+    return _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+
+
+def _scalar_for(value, dtype: np.dtype, name: str):
+    """Convert alpha or beta to the result dtype, refusing lossy conversions."""
+    if not isinstance(value, (numbers.Number, np.generic)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if dtype.kind in "biu":
+        if not (isinstance(value, (numbers.Integral, np.integer, np.bool_))
+                or (isinstance(value, numbers.Real) and float(value).is_integer())):
+            raise TypeError(f"{name}={value!r} cannot scale a {dtype} result without rounding")
+    elif dtype.kind == "f" and isinstance(value, (complex, np.complexfloating)) and value.imag != 0:
+        raise TypeError(f"{name}={value!r} is complex but the result dtype is {dtype}")
+    if dtype.kind == "b":
+        return np.bool_(value)
+    return dtype.type(int(value.real) if dtype.kind in "iu" and isinstance(value, complex) else value)
+
+
+def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: bool = False,
+         engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+    """BLAS-style ``alpha * op(A) @ op(B) + beta * C``, returned as a new array.
+
+    Parameters
+    ----------
+    a, b : 2-D array_like
+        The operands; ``op(X)`` is ``X.T`` when ``trans_x`` is set (a view,
+        never a copy).
+    c : 2-D array_like, optional
+        Of shape ``(m, n)``; never modified.
+    alpha, beta : number
+        Scalars, converted to the result dtype. As in BLAS, ``beta == 0``
+        means ``c`` is not read (NaN in ``c`` does not propagate) and
+        ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
+        ``beta * c``.
+    trans_a, trans_b : bool
+    engine, client, tile, backend
+        As for ``matmul``.
+
+    Returns
+    -------
+    array of the caller's type and shape ``(m, n)``; its dtype is numpy's
+    matmul dtype of ``a`` and ``b``, promoted with ``c``'s.
+
+    Raises
+    ------
+    ValueError
+        Operands that are not 2-D, inner dimensions that differ, or ``c`` of
+        the wrong shape.
+    TypeError
+        Non-numeric dtypes, or an ``alpha``/``beta`` that the result dtype
+        cannot hold exactly (``alpha=0.5`` for integers).
+
+    Examples
+    --------
+    >>> import numpy as np, distmm
+    >>> distmm.gemm(np.eye(2), np.ones((2, 2)), np.ones((2, 2)), alpha=2.0, beta=-1.0)
+    array([[1., 1.],
+           [1., 1.]])
+    """
+    fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
+              key=FAMILY_ORDER.index)
+    a, b = _as_array(a, fam), _as_array(b, fam)
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim != 2:
+            raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
+    op_a = a.T if trans_a else a
+    op_b = b.T if trans_b else b
+    ops = _validate(op_a, op_b, "gemm")
+    dtype = ops.dtype
+    if c is not None:
+        c = _as_array(c, fam)
+        if tuple(c.shape) != (ops.m, ops.n):
+            raise ValueError(
+                f"gemm: c has shape {tuple(c.shape)} but op(a) @ op(b) has shape {(ops.m, ops.n)} "
+                f"(a {tuple(a.shape)}, b {tuple(b.shape)})"
+            )
+        dtype = np.result_type(dtype, result_dtype(c.dtype, c.dtype))
+    alpha_t = _scalar_for(alpha, dtype, "alpha")
+    beta_t = _scalar_for(beta, dtype, "beta")
+
+    xp = _namespace(fam)
+    if alpha_t == 0 or ops.k == 0:
+        product = xp.zeros((ops.m, ops.n), dtype=dtype)
+    else:
+        if dtype != ops.dtype:
+            # Compute in the promoted dtype (c's precision), as a typed BLAS call would;
+            # the engines cast tile by tile, so no operand is copied whole.
+            ops = replace(ops, dtype=dtype)
+        product = _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+        if alpha_t != 1:
+            product = product * alpha_t
+    if c is None or beta_t == 0:
+        return product.astype(dtype, copy=False)
+    scaled = c.astype(dtype, copy=False) * beta_t if beta_t != 1 else c.astype(dtype, copy=True)
+    return (product + scaled).astype(dtype, copy=False)
+
+
+def _namespace(family: str):
+    if family == "cupy":
+        import cupy
+
+        return cupy
+    if family == "dask":
+        import dask.array as da
+
+        return da
+    return np

@@ -1,0 +1,143 @@
+"""The ``distmm`` command line: demo, plan, matmul, info (tune and trace come
+from the GPU executor). Uses only the public API."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def _cmd_plan(args) -> int:
+    from distmm.plan import make_plan
+
+    tile = tuple(args.tile) if args.tile and len(args.tile) == 3 else (args.tile[0] if args.tile else None)
+    print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile).describe())
+    return 0
+
+
+def _cmd_info(args) -> int:
+    import platform
+
+    import dask
+    import distributed
+    import numba
+
+    import distmm
+    from distmm.executor import gpu_available
+
+    print(f"distmm      {distmm.__version__}")
+    print(f"python      {platform.python_version()} on {platform.machine()}")
+    print(f"numpy       {np.__version__}")
+    print(f"numba       {numba.__version__}")
+    print(f"dask        {dask.__version__}; distributed {distributed.__version__}")
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        print(f"mpi4py      {mpi4py.__version__}; {MPI.Get_library_version().splitlines()[0]}")
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        print(f"mpi4py      unavailable ({exc})")
+    from distmm.engine.local import default_workers
+
+    print(f"cpu         {default_workers()} usable cores; backends numba, blas")
+    if gpu_available():
+        import cupy
+
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(d)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            print(f"gpu {d}       {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
+                  f"sm_{props['major']}{props['minor']}; cupy {cupy.__version__}; backends raw, cublas")
+    else:
+        print("gpu         none (install distmm[gpu] on a CUDA machine for the raw and cublas backends)")
+    return 0
+
+
+def _cmd_matmul(args) -> int:
+    import distmm
+    from distmm.io import open_operand, write_atomic
+
+    a = open_operand(args.a)
+    b = open_operand(args.b)
+    t0 = time.perf_counter()
+    c = distmm.matmul(np.asarray(a), np.asarray(b), engine=args.engine, backend=args.backend,
+                      tile=args.tile)
+    seconds = time.perf_counter() - t0
+    write_atomic(args.output, c)
+    print(f"wrote {args.output}: shape {np.shape(c)}, dtype {np.asarray(c).dtype}, {seconds:.3f} s")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    import distmm
+    from distmm.demo import run_demo
+
+    return run_demo(n=args.n, dtype=args.dtype, engine=args.engine, workers=args.workers,
+                    backend=args.backend, distmm=distmm)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distmm", description="distributed matrix multiplication")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="multiply random matrices, check against numpy, print plan and speed")
+    d.add_argument("-n", type=int, default=2048, help="matrix size (default 2048)")
+    d.add_argument("--dtype", default="float64")
+    d.add_argument("--engine", default="auto", choices=["auto", "local", "dask"],
+                   help="auto: an embedded LocalCluster (dask engine)")
+    d.add_argument("--workers", type=int, default=None, help="cluster workers (default: one per core)")
+    d.add_argument("--backend", default="auto")
+    d.set_defaults(func=_cmd_demo)
+
+    pl = sub.add_parser("plan", help="print the plan for C[M,N] = A[M,K] @ B[K,N]")
+    pl.add_argument("m", type=int)
+    pl.add_argument("n", type=int)
+    pl.add_argument("k", type=int)
+    pl.add_argument("--workers", type=int, default=1)
+    pl.add_argument("--dtype", default="float64")
+    pl.add_argument("--tile", type=int, nargs="+", help="tile size, or tm tn tk")
+    pl.set_defaults(func=_cmd_plan)
+
+    mm = sub.add_parser("matmul", help="C = A @ B on files (.npy, .zarr, file.h5:dataset)")
+    mm.add_argument("a")
+    mm.add_argument("b")
+    mm.add_argument("-o", "--output", required=True)
+    mm.add_argument("--engine", default="auto", choices=["auto", "local", "dask"])
+    mm.add_argument("--backend", default="auto")
+    mm.add_argument("--tile", type=int, default=None)
+    mm.set_defaults(func=_cmd_matmul)
+
+    i = sub.add_parser("info", help="devices, backends and versions")
+    i.set_defaults(func=_cmd_info)
+
+    for name, module, helptext in (("tune", "distmm.tune", "autotune GPU kernel parameters"),
+                                   ("trace", "distmm.trace", "render a copy/compute timeline PNG")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.set_defaults(func=_lazy_command(module))
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def _lazy_command(module_name: str):
+    def run(args) -> int:
+        import importlib
+
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            print(f"distmm: this command needs the GPU extras: pip install \"distmm[gpu]\" ({exc})",
+                  file=sys.stderr)
+            return 2
+        return module.main(args.rest)
+    return run
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"distmm {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,50 @@
+"""CPU executor: numba tiled kernels and BLAS through numpy.
+
+This module covers: multiplying host panels on the CPU. ``backend="numba"``
+runs distmm's own kernels (``distmm.kernels.numba_gemm``) for float32,
+float64 and 64-bit integers; every other accumulation dtype (complex,
+longdouble) goes through ``numpy.matmul`` (BLAS for floats and complex, numpy's
+exact loop for integers). ``backend="blas"`` always uses ``numpy.matmul``.
+It does *not* cover: tiling or scheduling (``distmm.plan``, ``distmm.engine``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from distmm.executor.base import Executor
+
+__all__ = ["CPUExecutor"]
+
+
+class CPUExecutor(Executor):
+    """Multiply panels on the CPU.
+
+    Parameters
+    ----------
+    backend : {"numba", "blas"}
+        ``"numba"``: distmm's numba kernels where they support the dtype.
+        ``"blas"``: ``numpy.matmul`` (multi-threaded BLAS for floats).
+    """
+
+    def __init__(self, backend: str = "blas"):
+        if backend not in ("numba", "blas"):
+            raise ValueError(f"CPU backend must be 'numba' or 'blas', got {backend!r}")
+        self.backend = backend
+        self.name = backend
+        # BLAS threads itself; the engine should not run many BLAS tasks at once.
+        self.threads_inside = backend == "blas"
+
+    def supports(self, dtype: np.dtype) -> bool:
+        return np.dtype(dtype).kind in "iufc"
+
+    def _uses_numba(self, dtype: np.dtype) -> bool:
+        from distmm.kernels import numba_gemm
+
+        return self.backend == "numba" and np.dtype(dtype).name in numba_gemm.SUPPORTED
+
+    def panel_product(self, a, b, tk: int = 256):
+        if self._uses_numba(a.dtype):
+            from distmm.kernels import numba_gemm
+
+            return numba_gemm.panel_product(a, b, tk)
+        return np.matmul(a, b)

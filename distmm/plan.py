@@ -1,0 +1,387 @@
+"""The tiling planner: pure functions and frozen dataclasses.
+
+This module covers: the dtype rules of a product (numpy's result dtype and the
+dtype tiles are accumulated in), the tile grid with ragged edges, the owner of
+each C tile, the k-split with its fixed reduction tree, and estimates of flops,
+bytes moved and peak memory per worker.
+
+It does *not* cover: running anything, reading files, or talking to a runtime.
+It imports numpy only: no dask, cupy or mpi4py, so every engine can consume a
+``Plan`` and none recomputes tile arithmetic.
+
+See also: ``distmm.engine`` (runs a plan), ``distmm.api`` (makes one).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "Plan",
+    "make_plan",
+    "split_edges",
+    "reduction_tree",
+    "result_dtype",
+    "accumulate_dtype",
+    "DEFAULT_MEMORY_BUDGET",
+]
+
+DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
+_MIN_TILE = 64
+
+
+def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
+    """Return the dtype numpy's ``matmul`` gives for these operand dtypes.
+
+    Raises
+    ------
+    TypeError
+        If either dtype is not boolean or numeric (strings, objects, datetimes,
+        structured types).
+    """
+    for name, dt in (("a", np.dtype(a_dtype)), ("b", np.dtype(b_dtype))):
+        if dt.kind not in "biufc":
+            raise TypeError(
+                f"matmul needs boolean or numeric operands; {name} has dtype {dt}"
+            )
+    # numpy's own type resolution, applied to two empty operands: it is the
+    # only source of truth for mixed signed/unsigned, float16 and complex cases.
+    probe = np.matmul(np.empty((1, 0), a_dtype), np.empty((0, 1), b_dtype))
+    return probe.dtype
+
+
+def accumulate_dtype(dtype: np.dtype) -> np.dtype:
+    """Return the dtype tiles are computed and reduced in, for a result dtype.
+
+    Integers accumulate in 64 bits and wrap: modular sums commute with the final
+    narrowing cast, so the result is bit-identical to numpy's wrap-around.
+    Booleans accumulate as counts (``any`` of ``a & b`` is ``count > 0``);
+    float16 accumulates in float32, as numpy's half loop does.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b" or dtype.kind == "i":
+        return np.dtype(np.int64)
+    if dtype.kind == "u":
+        return np.dtype(np.uint64)
+    if dtype == np.float16:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def split_edges(length: int, tile: int) -> tuple[int, ...]:
+    """Return the edges ``0 = e0 < e1 < ... = length`` of tiles of at most ``tile``.
+
+    The last tile is ragged; nothing is padded. ``length == 0`` gives ``(0,)``,
+    a grid of no tiles.
+    """
+    if tile < 1:
+        raise ValueError(f"tile size must be positive, got {tile}")
+    return tuple(range(0, length, tile)) + (length,) if length else (0,)
+
+
+def reduction_tree(count: int) -> tuple[tuple[int, int], ...]:
+    """Return the fixed pairwise reduction order of ``count`` partial products.
+
+    Each step ``(dst, src)`` means ``partial[dst] += partial[src]``; after all
+    steps ``partial[0]`` holds the sum. The tree is balanced (stride 1, 2, 4,
+    ...), so its depth is ``ceil(log2(count))`` and its order is the same on
+    every engine and every run: a plan's result is bitwise reproducible.
+    """
+    steps = []
+    stride = 1
+    while stride < count:
+        for dst in range(0, count - stride, 2 * stride):
+            steps.append((dst, dst + stride))
+        stride *= 2
+    return tuple(steps)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A frozen tiling of ``C[m, n] = A[m, k] @ B[k, n]``.
+
+    Attributes
+    ----------
+    m, n, k : int
+        The problem.
+    dtype : str
+        numpy's result dtype.
+    acc_dtype : str
+        The dtype tiles are computed and reduced in (see ``accumulate_dtype``).
+    tile : tuple of int
+        ``(tm, tn, tk)``: C tiles are ``tm x tn``; ``tk`` is the k-blocking the
+        executor uses inside a task.
+    row_edges, col_edges : tuple of int
+        Tile boundaries of C along m and n; ragged at the end.
+    k_edges : tuple of int
+        Boundaries of the k-split groups. One group means no split; with more,
+        each C tile has one partial product per group, summed along
+        ``reduction``.
+    reduction : tuple of (int, int)
+        The fixed tree over the k groups (``reduction_tree``).
+    workers : int
+        How many workers the plan was made for.
+    owners : tuple of tuple of int
+        ``owners[i][j]`` is the worker that owns C tile ``(i, j)`` and does its
+        reduction; partial products of a split tile go round-robin from there.
+    """
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    acc_dtype: str
+    tile: tuple[int, int, int]
+    row_edges: tuple[int, ...]
+    col_edges: tuple[int, ...]
+    k_edges: tuple[int, ...]
+    reduction: tuple[tuple[int, int], ...]
+    workers: int
+    owners: tuple[tuple[int, ...], ...] = field(repr=False)
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+
+    # -- grid ---------------------------------------------------------------
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Number of C tiles along m and n."""
+        return len(self.row_edges) - 1, len(self.col_edges) - 1
+
+    @property
+    def k_splits(self) -> int:
+        """Number of k groups (1 when k is not split)."""
+        return max(len(self.k_edges) - 1, 1)
+
+    def row_slice(self, i: int) -> slice:
+        return slice(self.row_edges[i], self.row_edges[i + 1])
+
+    def col_slice(self, j: int) -> slice:
+        return slice(self.col_edges[j], self.col_edges[j + 1])
+
+    def k_slice(self, s: int) -> slice:
+        if len(self.k_edges) < 2:
+            return slice(0, 0)
+        return slice(self.k_edges[s], self.k_edges[s + 1])
+
+    def tiles(self):
+        """Yield every C tile index ``(i, j)`` in row-major order."""
+        gm, gn = self.grid
+        for i in range(gm):
+            for j in range(gn):
+                yield i, j
+
+    def owner_of_tile(self, i: int, j: int) -> int:
+        return self.owners[i][j]
+
+    def owner_of_partial(self, i: int, j: int, s: int) -> int:
+        """Worker computing the partial product of k group ``s`` of tile (i, j)."""
+        return (self.owners[i][j] + s) % self.workers
+
+    # -- estimates ------------------------------------------------------------
+    @property
+    def flops(self) -> int:
+        """Multiply-adds counted as two flops: ``2 m n k``."""
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.acc_dtype).itemsize
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes of operand tiles sent to tasks plus partials and C written.
+
+        Each task reads its A row panel and B column panel for its k group;
+        split tiles also move ``k_splits - 1`` partials to their owner.
+        """
+        gm, gn = self.grid
+        size = self.itemsize
+        a = gn * self.m * self.k * size
+        b = gm * self.n * self.k * size
+        c = self.m * self.n * size
+        partials = (self.k_splits - 1) * self.m * self.n * size
+        return a + b + c + partials
+
+    @property
+    def peak_memory_per_worker(self) -> int:
+        """Largest bytes one task holds: its A and B panels, its C tile, and the
+        partials its owner keeps for the reduction."""
+        tm, tn, _ = self.tile
+        kg = max((self.k_edges[s + 1] - self.k_edges[s] for s in range(self.k_splits)),
+                 default=0) if len(self.k_edges) > 1 else 0
+        size = self.itemsize
+        return (tm * kg + kg * tn + tm * tn * (1 + (self.k_splits > 1))) * size
+
+    def describe(self) -> str:
+        """A human-readable summary (what ``distmm plan`` prints)."""
+        gm, gn = self.grid
+        tm, tn, tk = self.tile
+        per_worker = [0] * self.workers
+        for i, j in self.tiles():
+            per_worker[self.owners[i][j]] += 1
+        lines = [
+            f"C[{self.m}, {self.n}] = A[{self.m}, {self.k}] @ B[{self.k}, {self.n}]"
+            f"  dtype {self.dtype} (accumulate in {self.acc_dtype})",
+            f"tiles      {tm} x {tn} (k-block {tk}); grid {gm} x {gn} = {gm * gn} C tiles"
+            f"; ragged edges m:{self.m % tm if gm else 0} n:{self.n % tn if gn else 0}",
+            f"k-split    {self.k_splits} group(s); reduction tree depth "
+            f"{math.ceil(math.log2(self.k_splits)) if self.k_splits > 1 else 0}"
+            f" ({len(self.reduction)} additions per tile)",
+            f"workers    {self.workers}; C tiles per worker {per_worker}",
+            f"flops      {self.flops:.3e}",
+            f"bytes      {self.bytes_moved:.3e} moved to and from tasks",
+            f"memory     {self.peak_memory_per_worker / 2**20:.1f} MiB peak per task"
+            f" (budget {self.memory_budget / 2**20:.0f} MiB)",
+        ]
+        return "\n".join(lines)
+
+
+def _owners(gm: int, gn: int, workers: int) -> tuple[tuple[int, ...], ...]:
+    """Assign C tiles to workers in 2-D blocks: a block of tile rows and columns
+    per worker, so that a worker's tiles share A row panels and B column panels
+    (locality), with counts that differ by at most the block remainder (balance).
+    """
+    if gm * gn == 0:
+        return tuple(tuple() for _ in range(gm))
+    # Process grid pr x pc closest to the C grid's aspect ratio.
+    best = (1, workers)
+    for pr in range(1, workers + 1):
+        if workers % pr:
+            continue
+        pc = workers // pr
+        score = abs(math.log((gm / pr + 1e-9) / (gn / pc + 1e-9)))
+        if score < abs(math.log((gm / best[0] + 1e-9) / (gn / best[1] + 1e-9))):
+            best = (pr, pc)
+    pr, pc = best
+    if pr > gm or pc > gn:
+        # Fewer tiles than grid cells: plain round-robin keeps everyone busy.
+        flat = [(i * gn + j) % workers for i in range(gm) for j in range(gn)]
+        return tuple(tuple(flat[i * gn:(i + 1) * gn]) for i in range(gm))
+    return tuple(
+        tuple((i * pr // gm) * pc + (j * pc // gn) for j in range(gn)) for i in range(gm)
+    )
+
+
+def _choose_tile(m: int, n: int, k: int, workers: int, itemsize: int,
+                 memory_budget: int) -> tuple[int, int, int]:
+    """Pick square-ish C tiles big enough to amortise per-task overhead and
+    small enough that every worker gets at least two tiles when the problem
+    allows it, and that one task fits the memory budget."""
+    tile = 2048
+    while tile > _MIN_TILE:
+        tiles = math.ceil(m / tile) * math.ceil(n / tile)
+        if tiles >= 2 * workers:
+            break
+        tile //= 2
+    # Shrink while one task's panels (k group of at most 4 * tile) overflow the budget.
+    while tile > _MIN_TILE and (2 * tile * min(k, 4 * tile) + tile * tile) * itemsize > memory_budget:
+        tile //= 2
+    tm = min(tile, max(m, 1))
+    tn = min(tile, max(n, 1))
+    return tm, tn, 256
+
+
+def make_plan(
+    m: int,
+    n: int,
+    k: int,
+    dtype: np.dtype | str = "float64",
+    *,
+    workers: int = 1,
+    tile: int | tuple[int, int, int] | None = None,
+    k_splits: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Plan:
+    """Plan ``C[m, n] = A[m, k] @ B[k, n]`` for ``workers`` workers.
+
+    Parameters
+    ----------
+    m, n, k : int
+        Problem sizes; zero is allowed.
+    dtype : dtype
+        numpy's result dtype of the product.
+    workers : int
+        Number of workers that will run tasks.
+    tile : int or (tm, tn, tk), optional
+        C tile size (and k-block). ``None`` lets the planner choose.
+    k_splits : int, optional
+        Force the number of k groups; ``None`` splits k only when there are
+        fewer C tiles than workers and k is long (at least 4 k-blocks a group).
+    memory_budget : int
+        Bytes one task may hold; it bounds the tile and the k group length.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ValueError
+        On negative sizes, a non-positive worker count or tile.
+
+    Examples
+    --------
+    >>> p = make_plan(1000, 900, 5000, "float64", workers=2, tile=512)
+    >>> p.grid, p.k_splits
+    ((2, 2), 1)
+    """
+    for name, v in (("m", m), ("n", n), ("k", k)):
+        if int(v) != v or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    m, n, k = int(m), int(n), int(k)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    res = np.dtype(dtype)
+    acc = accumulate_dtype(res)
+    if tile is None:
+        tm, tn, tk = _choose_tile(m, n, k, workers, acc.itemsize, memory_budget)
+    elif isinstance(tile, (int, np.integer)):
+        tm = tn = tk = int(tile)
+    else:
+        if len(tile) != 3:
+            raise ValueError(f"tile must be an int or (tm, tn, tk), got {tile!r}")
+        tm, tn, tk = (int(t) for t in tile)
+    if min(tm, tn, tk) < 1:
+        raise ValueError(f"tile sizes must be positive, got {(tm, tn, tk)}")
+
+    row_edges = split_edges(m, tm)
+    col_edges = split_edges(n, tn)
+    gm, gn = len(row_edges) - 1, len(col_edges) - 1
+    if k_splits is None:
+        k_splits = 1
+        n_tiles = gm * gn
+        if 0 < n_tiles < workers:
+            k_splits = min(math.ceil(workers / n_tiles), k // (4 * tk))
+        # A k group's panels must fit the budget too.
+        panel_bytes = (tm + tn) * acc.itemsize
+        if panel_bytes and k:
+            k_splits = max(k_splits, math.ceil(k * panel_bytes / max(memory_budget // 2, 1)))
+        k_splits = max(1, min(k_splits, math.ceil(k / tk) if k else 1))
+    elif k_splits < 1:
+        raise ValueError(f"k_splits must be at least 1, got {k_splits}")
+    if k:
+        # Groups are whole k-blocks, spread evenly; the last may be ragged.
+        blocks = math.ceil(k / tk)
+        k_splits = min(k_splits, blocks)
+        k_edges = tuple(min(k, (blocks * s // k_splits) * tk) for s in range(k_splits)) + (k,)
+    else:
+        k_splits = 1
+        k_edges = (0, 0)
+    return Plan(
+        m=m, n=n, k=k,
+        dtype=res.name,
+        acc_dtype=acc.name,
+        tile=(tm, tn, tk),
+        row_edges=row_edges,
+        col_edges=col_edges,
+        k_edges=k_edges,
+        reduction=reduction_tree(k_splits),
+        workers=int(workers),
+        owners=_owners(gm, gn, int(workers)),
+        memory_budget=int(memory_budget),
+    )
