@@ -242,28 +242,14 @@ class Plan:
 
 
 def _owners(gm: int, gn: int, workers: int) -> tuple[tuple[int, ...], ...]:
-    """Assign C tiles to workers in 2-D blocks: a block of tile rows and columns
-    per worker, so that a worker's tiles share A row panels and B column panels
-    (locality), with counts that differ by at most the block remainder (balance).
+    """Assign C tiles to workers: tile ``t`` in row-major order goes to worker
+    ``t * workers // tiles``. Counts differ by at most one (balance), and each
+    worker's tiles are a contiguous run of rows, so they share A row panels
+    (locality); a worker's run spans whole B column sweeps when it can.
     """
-    if gm * gn == 0:
-        return tuple(tuple() for _ in range(gm))
-    # Process grid pr x pc closest to the C grid's aspect ratio.
-    best = (1, workers)
-    for pr in range(1, workers + 1):
-        if workers % pr:
-            continue
-        pc = workers // pr
-        score = abs(math.log((gm / pr + 1e-9) / (gn / pc + 1e-9)))
-        if score < abs(math.log((gm / best[0] + 1e-9) / (gn / best[1] + 1e-9))):
-            best = (pr, pc)
-    pr, pc = best
-    if pr > gm or pc > gn:
-        # Fewer tiles than grid cells: plain round-robin keeps everyone busy.
-        flat = [(i * gn + j) % workers for i in range(gm) for j in range(gn)]
-        return tuple(tuple(flat[i * gn:(i + 1) * gn]) for i in range(gm))
+    tiles = gm * gn
     return tuple(
-        tuple((i * pr // gm) * pc + (j * pc // gn) for j in range(gn)) for i in range(gm)
+        tuple((i * gn + j) * workers // tiles for j in range(gn)) for i in range(gm)
     )
 
 
