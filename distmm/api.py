@@ -156,7 +156,19 @@ def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str):
     return _squeeze(out, ops)
 
 
-def matmul(a, b, *, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+def _check_out(out, ops: _Operands):
+    shape = ops.batch + ((ops.m,) if not ops.a_vector else ()) + ((ops.n,) if not ops.b_vector else ())
+    if ops.family == "dask":
+        raise ValueError("matmul: out= is not supported for dask operands (the result is lazy)")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"matmul: out has shape {tuple(out.shape)} but a {ops.a.shape} @ "
+                         f"b {ops.b.shape} has shape {shape}")
+    if not np.can_cast(ops.dtype, out.dtype, casting="same_kind"):
+        raise TypeError(f"matmul: cannot cast the {ops.dtype} result to out's dtype {out.dtype} "
+                        f"with casting rule 'same_kind'")
+
+
+def matmul(a, b, *, out=None, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
     Parameters
@@ -170,6 +182,10 @@ def matmul(a, b, *, engine: str = "auto", client=None, tile=None, backend: str =
     engine : {"auto", "local", "dask"}
         ``"auto"`` uses a Dask cluster when ``client`` is given or a default
         client exists, otherwise the in-process engine.
+    out : ndarray, optional
+        Where to put the result, as ``numpy.matmul``'s ``out``: its shape must
+        be the result's and numpy's ``same_kind`` casting must allow the
+        result dtype. It is written only after the product is complete.
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional
@@ -190,10 +206,11 @@ def matmul(a, b, *, engine: str = "auto", client=None, tile=None, backend: str =
     ------
     ValueError
         A 0-d operand, inner dimensions that differ, batch dimensions that do
-        not broadcast, or dask chunks of unknown size; the message names both
-        shapes.
+        not broadcast, dask chunks of unknown size, or an ``out`` of the wrong
+        shape; the message names the shapes.
     TypeError
-        A dtype that is not boolean or numeric.
+        A dtype that is not boolean, numeric or object, or an ``out`` dtype
+        the result cannot be cast to.
 
     Examples
     --------
@@ -205,7 +222,13 @@ def matmul(a, b, *, engine: str = "auto", client=None, tile=None, backend: str =
     array([[-128]], dtype=int8)
     """
     ops = _validate(a, b)
-    return _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+    if out is not None:
+        _check_out(out, ops)
+    result = _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def _scalar_for(value, dtype: np.dtype, name: str):

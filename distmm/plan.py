@@ -38,11 +38,13 @@ def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
     Raises
     ------
     TypeError
-        If either dtype is not boolean or numeric (strings, objects, datetimes,
-        structured types).
+        If either dtype is not boolean, numeric or object (strings, bytes,
+        datetimes, timedeltas, structured types). Object arrays are accepted
+        as numpy accepts them (Python ints, Fractions, Decimals multiply
+        exactly); they run on the CPU through numpy.
     """
     for name, dt in (("a", np.dtype(a_dtype)), ("b", np.dtype(b_dtype))):
-        if dt.kind not in "biufc":
+        if dt.kind not in "biufcO":
             raise TypeError(
                 f"matmul needs boolean or numeric operands; {name} has dtype {dt}"
             )

@@ -3,7 +3,7 @@
 This module covers: multiplying host panels on the CPU. ``backend="numba"``
 runs distmm's own kernels (``distmm.kernels.numba_gemm``) for float32,
 float64 and 64-bit integers; every other accumulation dtype (complex,
-longdouble) goes through ``numpy.matmul`` (BLAS for floats and complex, numpy's
+longdouble, object) goes through ``numpy.matmul`` (BLAS for floats and complex, numpy's
 exact loop for integers). ``backend="blas"`` always uses ``numpy.matmul``.
 It does *not* cover: tiling or scheduling (``distmm.plan``, ``distmm.engine``).
 """
@@ -35,12 +35,19 @@ class CPUExecutor(Executor):
         self.threads_inside = backend == "blas"
 
     def supports(self, dtype: np.dtype) -> bool:
-        return np.dtype(dtype).kind in "iufc"
+        return np.dtype(dtype).kind in "iufcO"
 
     def _uses_numba(self, dtype: np.dtype) -> bool:
         from distmm.kernels import numba_gemm
 
         return self.backend == "numba" and np.dtype(dtype).name in numba_gemm.SUPPORTED
+
+    def asarray(self, x, dtype):
+        # The numba kernels pack their operands themselves and accept any strides:
+        # a view of the caller's array is enough (no copy when the dtype matches).
+        if self._uses_numba(dtype):
+            return np.asarray(x, dtype=dtype)
+        return super().asarray(x, dtype)
 
     def panel_product(self, a, b, tk: int = 256):
         if self._uses_numba(a.dtype):

@@ -1,0 +1,302 @@
+"""distmm.matmul and distmm.gemm against numpy, on the in-process engine.
+
+One test body per backend (numba, blas): shapes with odd sizes, ragged tiles,
+empty dimensions, 1-D and batched operands, every numeric dtype, views.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import distmm
+
+CPU_BACKENDS = ["numba", "blas"]
+FLOAT_TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13,
+             np.complex64: 2e-6, np.complex128: 1e-13, np.longdouble: 1e-13}
+
+
+def random_array(rng, shape, dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.3
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_matches_numpy(got, a, b):
+    """Exact for integers and booleans; relative error against a float64 (or
+    complex128) reference for floating types."""
+    want = np.matmul(a, b)
+    assert np.shape(got) == np.shape(want)
+    assert np.asarray(got).dtype == want.dtype
+    if want.dtype.kind in "biuO":
+        np.testing.assert_array_equal(got, want)
+        return
+    ref_type = np.complex128 if want.dtype.kind == "c" else np.float64
+    ref = np.matmul(np.asarray(a, ref_type), np.asarray(b, ref_type))
+    den = np.linalg.norm(ref) or 1.0
+    err = np.linalg.norm(np.asarray(got, ref_type) - ref) / den
+    assert err <= FLOAT_TOL[want.dtype.type] * max(1, np.sqrt(a.shape[-1])), err
+
+
+SHAPES = [
+    ((7, 33), (33, 5)),
+    ((1, 9), (9, 1)),
+    ((9, 1), (1, 9)),
+    ((33, 7), (7, 33)),
+    ((4097, 3), (3, 2)),
+    ((5, 0), (0, 3)),
+    ((0, 4), (4, 6)),
+    ((6, 4), (4, 0)),
+    ((65, 130), (130, 67)),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("a_shape,b_shape", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("tile", [None, 4, (5, 7, 3)], ids=["auto", "4", "5x7x3"])
+def test_shapes_and_ragged_tiles(backend, a_shape, b_shape, tile):
+    rng = np.random.default_rng()
+    a = random_array(rng, a_shape, np.float64)
+    b = random_array(rng, b_shape, np.float64)
+    assert_matches_numpy(distmm.matmul(a, b, backend=backend, tile=tile), a, b)
+
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "longdouble", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype(backend, dtype):
+    rng = np.random.default_rng()
+    a = random_array(rng, (13, 21), dtype)
+    b = random_array(rng, (21, 11), dtype)
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(distmm.matmul(a, b, backend=backend, tile=(4, 6, 5)), a, b)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [("int8", "uint8"), ("uint64", "int64"), ("bool", "int32"),
+                                             ("float16", "float32"), ("int32", "float32"),
+                                             ("float32", "complex64"), ("uint8", "bool")])
+def test_mixed_dtypes_follow_numpy(a_dtype, b_dtype):
+    rng = np.random.default_rng()
+    a = random_array(rng, (9, 17), a_dtype)
+    b = random_array(rng, (17, 8), b_dtype)
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(distmm.matmul(a, b, backend="numba", tile=5), a, b)
+
+
+def test_integer_wraparound_is_numpys():
+    a = np.array([[100, 100, 100]], dtype=np.int8)
+    b = np.array([[2], [2], [2]], dtype=np.int8)
+    np.testing.assert_array_equal(distmm.matmul(a, b, tile=1), np.matmul(a, b))
+    big = np.full((2, 40), 2**62, dtype=np.int64)
+    np.testing.assert_array_equal(distmm.matmul(big, big.T, tile=(1, 1, 3)), np.matmul(big, big.T))
+    ub = np.full((3, 50), 2**63 + 5, dtype=np.uint64)
+    np.testing.assert_array_equal(distmm.matmul(ub, ub.T, backend="numba", tile=7), np.matmul(ub, ub.T))
+
+
+def test_bool_stays_bool_across_k_splits():
+    rng = np.random.default_rng()
+    a = rng.random((6, 400)) < 0.01
+    b = rng.random((400, 5)) < 0.01
+    got = distmm.matmul(a, b, tile=(3, 3, 16))
+    assert got.dtype == np.bool_
+    assert got.view(np.uint8).max() <= 1
+    np.testing.assert_array_equal(got, np.matmul(a, b))
+
+
+def test_object_dtype_is_exact():
+    a = np.array([[Fraction(1, 3), 2, 10**30], [1, Fraction(5, 7), -1]], dtype=object)
+    b = np.array([[1, 2], [Fraction(1, 2), 3], [10**30, 1]], dtype=object)
+    got = distmm.matmul(a, b, tile=1)
+    assert got.dtype == object
+    np.testing.assert_array_equal(got, np.matmul(a, b))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_and_inf_propagate(backend):
+    a = np.ones((5, 8))
+    b = np.ones((8, 4))
+    a[1, 3] = np.nan
+    a[2, 0] = np.inf
+    b[0, 2] = 0.0  # inf * 0 -> nan
+    b[5, 1] = -np.inf
+    got = distmm.matmul(a, b, backend=backend, tile=(2, 2, 3))
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(got, np.matmul(a, b))
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((7,), (7,)), ((7,), (7, 3)), ((4, 7), (7,)), ((2, 3, 4, 5), (5,)), ((5,), (3, 5, 2)),
+    ((2, 1, 4, 5), (3, 5, 6)), ((1, 3, 3), (7, 3, 3)), ((3, 0, 2), (2, 4)), ((0, 2, 3), (3, 2)),
+])
+def test_vectors_and_batches_broadcast(a_shape, b_shape):
+    rng = np.random.default_rng()
+    a = random_array(rng, a_shape, np.float64)
+    b = random_array(rng, b_shape, np.float64)
+    got = distmm.matmul(a, b, tile=2)
+    assert_matches_numpy(got, a, b)
+    if a.ndim == b.ndim == 1:
+        assert isinstance(got, np.floating)  # numpy gives a scalar, not a 0-d array
+
+
+def test_array_likes_and_views():
+    rng = np.random.default_rng()
+    a = np.asfortranarray(random_array(rng, (31, 17), np.float64))
+    b = random_array(rng, (42, 93), np.float64)[::2, ::3].T  # strided, transposed view (31, 21)
+    assert_matches_numpy(distmm.matmul(a.T, b, tile=8), a.T, b)
+    assert distmm.matmul([[1, 2], [3, 4]], [5, 6]).tolist() == [17, 39]
+    assert distmm.matmul([[True, False]], [[True], [True]]).tolist() == [[True]]
+
+
+def test_inputs_are_not_modified():
+    rng = np.random.default_rng()
+    a = random_array(rng, (20, 30), np.float32)
+    b = random_array(rng, (30, 10), np.float32)
+    a0, b0 = a.copy(), b.copy()
+    distmm.matmul(a, b, tile=(7, 3, 4), backend="numba")
+    distmm.gemm(a, b, np.ones((20, 10), np.float32), alpha=2.0, beta=3.0)
+    np.testing.assert_array_equal(a, a0)
+    np.testing.assert_array_equal(b, b0)
+
+
+def test_out_argument_like_numpy():
+    rng = np.random.default_rng()
+    a = random_array(rng, (6, 5), np.float64)
+    b = random_array(rng, (5, 4), np.float64)
+    out = np.full((6, 4), np.nan, dtype=np.float32)
+    got = distmm.matmul(a, b, out=out, tile=3)
+    assert got is out
+    np.testing.assert_allclose(out, a @ b, rtol=1e-6)
+    # out may alias an input, as with numpy
+    sq = random_array(rng, (5, 5), np.float64)
+    want = sq @ sq
+    distmm.matmul(sq, sq.copy(), out=sq, tile=2)
+    np.testing.assert_allclose(sq, want, rtol=1e-13)
+    with pytest.raises(ValueError, match=r"out has shape \(6, 5\)"):
+        distmm.matmul(a, b, out=np.empty((6, 5)))
+    with pytest.raises(TypeError, match="same_kind"):
+        distmm.matmul(a, b, out=np.empty((6, 4), dtype=np.int64))
+
+
+# -- errors, raised before any work ------------------------------------------
+
+def test_shape_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"\(3, 4\).*\(5, 2\)"):
+        distmm.matmul(np.ones((3, 4)), np.ones((5, 2)))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        distmm.matmul(np.ones((2, 3, 4)), np.ones((3, 4, 5)))
+    with pytest.raises(ValueError):
+        distmm.matmul(np.ones(3), np.ones(4))
+
+
+@pytest.mark.parametrize("scalar_side", ["a", "b"])
+def test_zero_dim_operand_is_value_error(scalar_side):
+    args = (np.float64(2.0), np.ones((2, 2))) if scalar_side == "a" else (np.ones((2, 2)), 3)
+    with pytest.raises(ValueError, match=f"operand {scalar_side} is 0-dimensional"):
+        distmm.matmul(*args)
+
+
+@pytest.mark.parametrize("bad", [np.array([["a", "b"]]), np.zeros((1, 2), "M8[s]"),
+                                 np.zeros((1, 2), "m8[s]"), np.zeros((1, 2), "i4,i4")])
+def test_non_numeric_dtype_is_type_error(bad):
+    with pytest.raises(TypeError, match="dtype"):
+        distmm.matmul(bad, np.ones((2, 2)))
+
+
+def test_bad_engine_and_backend():
+    with pytest.raises(ValueError, match="engine"):
+        distmm.matmul(np.ones((2, 2)), np.ones((2, 2)), engine="spark")
+    with pytest.raises(ValueError, match="backend"):
+        distmm.matmul(np.ones((2, 2)), np.ones((2, 2)), backend="magic")
+    with pytest.raises(ValueError, match="tile"):
+        distmm.matmul(np.ones((2, 2)), np.ones((2, 2)), tile=0)
+
+
+# -- gemm --------------------------------------------------------------------
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (-2.5, 0.5), (0.0, 2.0), (1.0, 1.0)])
+def test_gemm_blas_semantics(trans_a, trans_b, alpha, beta):
+    rng = np.random.default_rng()
+    m, n, k = 22, 23, 24  # PBLAS-style odd sizes
+    a = random_array(rng, (k, m) if trans_a else (m, k), np.float64)
+    b = random_array(rng, (n, k) if trans_b else (k, n), np.float64)
+    c = random_array(rng, (m, n), np.float64)
+    got = distmm.gemm(a, b, c, alpha=alpha, beta=beta, trans_a=trans_a, trans_b=trans_b, tile=5)
+    want = alpha * ((a.T if trans_a else a) @ (b.T if trans_b else b)) + beta * c
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gemm_beta_zero_ignores_nan_in_c_and_k_zero_gives_beta_c():
+    a = np.ones((3, 2))
+    b = np.ones((2, 4))
+    c = np.full((3, 4), np.nan)
+    np.testing.assert_array_equal(distmm.gemm(a, b, c, beta=0.0), np.full((3, 4), 2.0))
+    c2 = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(distmm.gemm(np.ones((3, 0)), np.ones((0, 4)), c2, beta=3.0), 3 * c2)
+    # alpha == 0: A and B are not read (BLAS), so NaN there does not propagate
+    np.testing.assert_array_equal(distmm.gemm(a * np.nan, b, c2, alpha=0.0, beta=1.0), c2)
+
+
+def test_gemm_integers_wrap_and_reject_fractional_scalars():
+    a = np.full((2, 3), 100, dtype=np.int8)
+    b = np.full((3, 2), 2, dtype=np.int8)
+    c = np.full((2, 2), 7, dtype=np.int8)
+    got = distmm.gemm(a, b, c, alpha=3, beta=-2)
+    with np.errstate(over="ignore"):
+        want = (np.int8(3) * np.matmul(a, b) + np.int8(-2) * c).astype(np.int8)
+    assert got.dtype == np.int8
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="alpha"):
+        distmm.gemm(a, b, c, alpha=0.5)
+
+
+def test_gemm_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        distmm.gemm(np.ones(3), np.ones((3, 2)))
+    with pytest.raises(ValueError, match=r"c has shape \(2, 2\)"):
+        distmm.gemm(np.ones((3, 4)), np.ones((4, 2)), np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"\(3, 4\).*\(3, 2\)"):
+        distmm.gemm(np.ones((3, 4)), np.ones((3, 2)))
+
+
+def test_gemm_promotes_to_c_dtype():
+    rng = np.random.default_rng()
+    a = random_array(rng, (5, 6), np.float32)
+    b = random_array(rng, (6, 7), np.float32)
+    c = random_array(rng, (5, 7), np.float64)
+    got = distmm.gemm(a, b, c, alpha=1.0, beta=1.0)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b + c, rtol=1e-13)
+
+
+# -- randomized sweep ----------------------------------------------------------
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    m=st.integers(0, 40), n=st.integers(0, 40), k=st.integers(0, 70),
+    tm=st.integers(1, 17), tn=st.integers(1, 17), tk=st.integers(1, 33),
+    dtype=st.sampled_from(["float32", "float64", "int64", "int16", "uint32", "bool", "complex128"]),
+    backend=st.sampled_from(CPU_BACKENDS),
+    fortran=st.booleans(),
+)
+def test_randomized_sweep(m, n, k, tm, tn, tk, dtype, backend, fortran):
+    rng = np.random.default_rng()
+    a = random_array(rng, (m, k), dtype)
+    b = random_array(rng, (k, n), dtype)
+    if fortran:
+        a = np.asfortranarray(a)
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(distmm.matmul(a, b, tile=(tm, tn, tk), backend=backend), a, b)

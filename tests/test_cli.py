@@ -1,0 +1,103 @@
+"""The command line, run as a real subprocess, on real files."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_plan_command():
+    r = run_cli("plan", 5000, 3000, 7000, "--workers", 4, "--tile", 1024)
+    assert r.returncode == 0, r.stderr
+    assert "grid 5 x 3 = 15 C tiles" in r.stdout
+    assert "C tiles per worker [4, 4, 4, 3]" in r.stdout
+
+
+def test_info_command():
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "numpy" in r.stdout and "mpi4py" in r.stdout
+
+
+def test_demo_local_engine():
+    r = run_cli("demo", "-n", 300, "--engine", "local")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout and "GFLOP/s" in r.stdout
+
+
+@pytest.mark.parametrize("fmt", ["npy", "zarr", "h5"])
+def test_matmul_on_files(tmp_path: Path, fmt):
+    rng = np.random.default_rng()
+    a = rng.standard_normal((37, 50))
+    b = rng.standard_normal((50, 29))
+    if fmt == "npy":
+        pa, pb, pc = tmp_path / "a.npy", tmp_path / "b.npy", tmp_path / "c.npy"
+        np.save(pa, a)
+        np.save(pb, b)
+    elif fmt == "zarr":
+        pa, pb, pc = tmp_path / "a.zarr", tmp_path / "b.zarr", tmp_path / "c.zarr"
+        for p, x in ((pa, a), (pb, b)):
+            z = zarr.open_array(str(p), mode="w", shape=x.shape, dtype=x.dtype, chunks=(16, 16))
+            z[...] = x
+    else:
+        with h5py.File(tmp_path / "in.h5", "w") as fh:
+            fh["a"] = a
+            fh["b"] = b
+        pa, pb, pc = f"{tmp_path}/in.h5:a", f"{tmp_path}/in.h5:b", f"{tmp_path}/out.h5:c"
+    r = run_cli("matmul", pa, pb, "-o", pc, "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    if fmt == "npy":
+        c = np.load(pc)
+    elif fmt == "zarr":
+        c = zarr.open_array(str(pc), mode="r")[...]
+    else:
+        with h5py.File(tmp_path / "out.h5", "r") as fh:
+            c = fh["c"][...]
+    np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12)
+    leftovers = [p.name for p in tmp_path.iterdir() if "partial" in p.name]
+    assert not leftovers
+
+
+def test_failed_matmul_leaves_no_output(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.ones((3, 4)))
+    np.save(tmp_path / "b.npy", np.ones((5, 2)))
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy")
+    assert r.returncode == 2
+    assert "(3, 4)" in r.stderr and "(5, 2)" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
+
+
+def test_failed_write_keeps_old_output(tmp_path: Path, monkeypatch):
+    from distmm import io as dio
+
+    target = tmp_path / "c.npy"
+    np.save(target, np.arange(3.0))
+
+    def save_then_fail(fh, array):  # the disk fills up halfway through the write
+        fh.write(b"\x93NUMPY partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(dio.np, "save", save_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        dio.write_atomic(str(target), np.ones(5))
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.load(target), np.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy"]
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path):
+    r = run_cli("matmul", tmp_path / "nope.npy", tmp_path / "nope.npy", "-o", tmp_path / "c.npy")
+    assert r.returncode == 2
+    assert "nope.npy" in r.stderr

@@ -1,0 +1,85 @@
+"""The planner: pure, ragged, balanced, reproducible."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distmm
+from distmm.plan import make_plan, reduction_tree, split_edges
+
+
+def test_split_edges_are_ragged_not_padded():
+    assert split_edges(10, 4) == (0, 4, 8, 10)
+    assert split_edges(8, 4) == (0, 4, 8)
+    assert split_edges(0, 4) == (0,)
+    with pytest.raises(ValueError):
+        split_edges(5, 0)
+
+
+@pytest.mark.parametrize("count", range(1, 12))
+def test_reduction_tree_sums_everything_once(count):
+    values = [{i} for i in range(count)]
+    for dst, src in reduction_tree(count):
+        assert values[src] and not (values[dst] & values[src])
+        values[dst] = values[dst] | values[src]
+        values[src] = set()
+    assert values[0] == set(range(count))
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(0, 5000), n=st.integers(0, 5000), k=st.integers(0, 300000),
+       workers=st.integers(1, 16), tile=st.one_of(st.none(), st.integers(1, 3000)))
+def test_plan_covers_the_problem(m, n, k, workers, tile):
+    p = make_plan(m, n, k, "float64", workers=workers, tile=tile)
+    assert p.row_edges[0] == 0 and p.row_edges[-1] == m
+    assert p.col_edges[0] == 0 and p.col_edges[-1] == n
+    assert p.k_edges[0] == 0 and p.k_edges[-1] == k
+    assert all(x < y for x, y in zip(p.row_edges, p.row_edges[1:]))
+    assert all(x <= y for x, y in zip(p.k_edges, p.k_edges[1:]))
+    tm, tn, _ = p.tile
+    assert all(y - x <= tm for x, y in zip(p.row_edges, p.row_edges[1:]))
+    counts = np.bincount([p.owner_of_tile(i, j) for i, j in p.tiles()], minlength=workers)
+    if counts.size:
+        assert counts.max() - counts.min() <= 1  # balanced
+    assert p.flops == 2 * m * n * k
+
+
+def test_k_split_for_few_long_tiles():
+    p = make_plan(64, 64, 200000, "float64", workers=4)
+    assert p.grid == (1, 1)
+    assert p.k_splits == 4
+    assert len(p.reduction) == 3
+    assert {p.owner_of_partial(0, 0, s) for s in range(4)} == {0, 1, 2, 3}
+
+
+def test_plan_is_frozen_and_pure():
+    p = make_plan(100, 100, 100, "float32", workers=2)
+    with pytest.raises(AttributeError):
+        p.m = 5
+    assert p == make_plan(100, 100, 100, "float32", workers=2)
+    assert "C[100, 100]" in p.describe()
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="workers"):
+        make_plan(1, 1, 1, workers=0)
+    with pytest.raises(ValueError, match="m must be"):
+        make_plan(-1, 1, 1)
+    with pytest.raises(ValueError, match="tile"):
+        make_plan(4, 4, 4, tile=(1, 2))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_fixed_plan_is_bitwise_reproducible(dtype):
+    rng = np.random.default_rng()
+    a = rng.standard_normal((64, 20000)).astype(dtype)
+    b = rng.standard_normal((20000, 48)).astype(dtype)
+    runs = [distmm.matmul(a, b, tile=(32, 16, 512), backend="numba") for _ in range(3)]
+    runs += [distmm.matmul(a, b, tile=(32, 16, 512), backend="blas")]
+    for r in runs[1:3]:
+        assert r.tobytes() == runs[0].tobytes()
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    for r in runs:
+        assert np.linalg.norm(r - ref) / np.linalg.norm(ref) < (1e-5 if dtype == "float32" else 1e-13)
