@@ -1,0 +1,87 @@
+"""The public API on a GPU: cupy in gives cupy out, numpy in with a GPU backend
+gives numpy out, with numpy's semantics for every dtype and shape."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_api import assert_matches_numpy, random_array
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # pragma: no cover - depends on the machine
+    _HAS_GPU = False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+
+import distmm  # noqa: E402
+
+GPU_BACKENDS = ["raw", "cublas", "auto"]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "int8", "uint16",
+                                   "bool", "float16", "complex64"])
+def test_cupy_in_cupy_out_every_dtype(backend, dtype):
+    rng = np.random.default_rng()
+    a = random_array(rng, (33, 127), dtype)
+    b = random_array(rng, (127, 7), dtype)
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
+    assert isinstance(got, cupy.ndarray)
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(cupy.asnumpy(got), a, b)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((1, 1), (1, 1)), ((7, 33), (33, 4097)), ((1000, 1), (1, 127)), ((127,), (127, 33)),
+    ((33, 127), (127,)), ((2, 3, 33, 7), (7, 5)), ((5, 0), (0, 3)), ((4097, 33), (33, 7)),
+])
+def test_cupy_shapes(backend, a_shape, b_shape):
+    rng = np.random.default_rng()
+    a = random_array(rng, a_shape, np.float64)
+    b = random_array(rng, b_shape, np.float64)
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
+    assert_matches_numpy(cupy.asnumpy(got), a, b)
+
+
+def test_cupy_transposed_views_and_inputs_untouched():
+    rng = np.random.default_rng()
+    a = cupy.asarray(random_array(rng, (129, 65), np.float32))
+    b = cupy.asarray(random_array(rng, (33, 129), np.float32))
+    a0, b0 = a.copy(), b.copy()
+    got = distmm.matmul(a.T, b.T, backend="raw")
+    assert_matches_numpy(cupy.asnumpy(got), cupy.asnumpy(a).T, cupy.asnumpy(b).T)
+    assert bool((a == a0).all()) and bool((b == b0).all())
+
+
+@pytest.mark.parametrize("backend", ["raw", "cublas"])
+def test_numpy_in_gpu_backend_numpy_out(backend):
+    rng = np.random.default_rng()
+    a = random_array(rng, (1000, 333), np.float32)
+    b = random_array(rng, (333, 517), np.float32)
+    got = distmm.matmul(a, b, backend=backend)
+    assert isinstance(got, np.ndarray)
+    assert_matches_numpy(got, a, b)
+
+
+def test_gpu_gemm_alpha_beta():
+    rng = np.random.default_rng()
+    a = cupy.asarray(random_array(rng, (23, 22), np.float64))
+    b = cupy.asarray(random_array(rng, (24, 23), np.float64))
+    c = cupy.asarray(random_array(rng, (22, 24), np.float64))
+    got = distmm.gemm(a, b, c, alpha=-1.5, beta=0.25, trans_a=True, trans_b=True, backend="raw")
+    want = -1.5 * (cupy.asnumpy(a).T @ cupy.asnumpy(b).T) + 0.25 * cupy.asnumpy(c)
+    np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_gpu_nan_inf_propagate():
+    a = np.ones((40, 50), np.float32)
+    b = np.ones((50, 30), np.float32)
+    a[3, 4] = np.nan
+    a[5, 0] = np.inf
+    b[0, 7] = 0.0
+    got = cupy.asnumpy(distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend="raw"))
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(got, a @ b)
