@@ -50,6 +50,8 @@ NV = 3
 MC = 192
 #: columns of B packed per block (kept in L3); a multiple of every NR
 NC = 1536
+#: k steps ahead that the micro-kernel prefetches its A micro-panel
+PREFETCH_A = 8
 #: k block used when the caller gives none
 KC_DEFAULT = 256
 _VECTOR_BYTES = 64
@@ -63,7 +65,7 @@ def nr_for(dtype) -> int:
 def _make_microkernel(mr: int, nv: int):
     """Build the ``mr x (nv * W)`` micro-kernel intrinsic (``W`` lanes per 512-bit vector).
 
-    ``ukernel(kc, ap, aoff, bp, boff, c, coff, ldc)`` does, for ``i < mr``,
+    ``ukernel(kc, ap, aoff, bp, boff, c, coff, ldc, cnext)`` does, for ``i < mr``,
     ``j < NR``::
 
         c[coff + i*ldc + j] += sum over p < kc (ascending) of
@@ -71,17 +73,18 @@ def _make_microkernel(mr: int, nv: int):
 
     with the sum held in registers and one FMA per term (floats) or a wrapping
     multiply and add (integers). ``ap``, ``bp`` and ``c`` are 1-D contiguous
-    arrays of one dtype; nothing is bounds-checked.
+    arrays of one dtype; nothing is bounds-checked. ``cnext`` is the offset in
+    ``c`` of the next micro-tile, whose rows are prefetched (a hint only).
     """
 
     @intrinsic
-    def ukernel(typingctx, kc, ap, aoff, bp, boff, c, coff, ldc):
-        sig = types.void(kc, ap, aoff, bp, boff, c, coff, ldc)
+    def ukernel(typingctx, kc, ap, aoff, bp, boff, c, coff, ldc, cnext):
+        sig = types.void(kc, ap, aoff, bp, boff, c, coff, ldc, cnext)
 
         def codegen(context, builder, signature, args):
             st = signature.args
-            kc_v, aoff_v, boff_v, coff_v, ldc_v = (
-                context.cast(builder, args[i], st[i], types.intp) for i in (0, 2, 4, 6, 7))
+            kc_v, aoff_v, boff_v, coff_v, ldc_v, cnext_v = (
+                context.cast(builder, args[i], st[i], types.intp) for i in (0, 2, 4, 6, 7, 8))
             dt = st[1].dtype
             elt = context.get_value_type(dt)
             size = context.get_abi_sizeof(elt)
@@ -100,6 +103,16 @@ def _make_microkernel(mr: int, nv: int):
             a_ptr = builder.gep(data(1), [aoff_v])
             b_ptr = builder.gep(data(3), [boff_v])
             c_ptr = builder.gep(data(5), [coff_v])
+            c_next = builder.gep(data(5), [cnext_v])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+
+            def prefetch_line(ptr, write):
+                builder.call(prefetch, [builder.bitcast(ptr, i8p), ir.Constant(i32, write),
+                                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
             if is_float:
                 fma = cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(vty, [vty, vty, vty]),
@@ -114,6 +127,11 @@ def _make_microkernel(mr: int, nv: int):
                 c_rows.append(ptrs)
                 for v in range(nv):
                     builder.store(builder.load(ptrs[v], align=size), accs[i][v])
+            # The next micro-tile of C comes from L3 or memory: ask for it now.
+            for i in range(mr):
+                row = builder.gep(c_next, [builder.mul(ldc_v, const(i))])
+                for off in list(range(0, nr * size, 64)) + [nr * size - size]:
+                    prefetch_line(builder.gep(row, [const(off // size)]), 1)
             undef = ir.Constant(vty, ir.Undefined)
             splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
             with cgutils.for_range(builder, kc_v) as loop:
@@ -122,6 +140,9 @@ def _make_microkernel(mr: int, nv: int):
                 b_vecs = [builder.load(builder.bitcast(builder.gep(b_row, [const(v * lanes)]), vptr),
                                        align=size) for v in range(nv)]
                 a_col = builder.gep(a_ptr, [builder.mul(p, const(mr))])
+                # A streams from L2: fetch PREFETCH_A k-steps ahead (one line per step
+                # covers MR values of 64 bits; 32-bit values are asked for twice).
+                prefetch_line(builder.gep(a_col, [const(PREFETCH_A * mr)]), 0)
                 for i in range(mr):
                     a_val = builder.load(builder.gep(a_col, [const(i)]))
                     a_vec = builder.shuffle_vector(builder.insert_element(undef, a_val, const(0)),
@@ -218,8 +239,10 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
                         a_off = (ir // MR) * kc * MR
                         rows = min(MR, mc - ir)
                         if rows == MR and cols == nr:
-                            _microkernel(kc, a_buf, a_off, b_buf, b_off, c_flat,
-                                         (ic + ir) * n + jc + jr, n)
+                            c_off = (ic + ir) * n + jc + jr
+                            c_next = c_off + MR * n if ir + MR < mc else ic * n + jc + jr + nr
+                            _microkernel(kc, a_buf, a_off, b_buf, b_off, c_flat, c_off, n,
+                                         c_next)
                         else:
                             # Ragged micro-tile: same arithmetic on a padded copy.
                             for i in range(MR):
@@ -228,7 +251,7 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
                                         edge[i * nr + j] = c[ic + ir + i, jc + jr + j]
                                     else:
                                         edge[i * nr + j] = 0
-                            _microkernel(kc, a_buf, a_off, b_buf, b_off, edge, 0, nr)
+                            _microkernel(kc, a_buf, a_off, b_buf, b_off, edge, 0, nr, 0)
                             for i in range(rows):
                                 for j in range(cols):
                                     c[ic + ir + i, jc + jr + j] = edge[i * nr + j]
