@@ -1,0 +1,376 @@
+"""The stream pipeline's schedule and ordering, checked on the CPU.
+
+A simulated device stands in for CUDA: each stream is a thread that runs its
+operations in order after a random delay, events are flags set when a stream
+reaches them, and copies read their source when they run (as DMA does). A
+missing event wait, a staging buffer refilled too early or a slot reloaded
+while a kernel still reads it then shows as a wrong result. The same code
+path runs on the GPU in ``test_gpu_pipeline.py``.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from distmm.executor.pinned import PinnedPool
+from distmm.executor.pipeline import (
+    PipelineTiling,
+    Timeline,
+    choose_tiling,
+    plan_block_loads,
+    run_pipelined,
+)
+from distmm.plan import make_plan, result_dtype
+
+
+class SimOOM(MemoryError):
+    pass
+
+
+class SimStream:
+    def __init__(self, jitter: float):
+        self.jitter = jitter
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        self.ptr = id(self)
+
+    def _loop(self):
+        rng = random.Random(id(self))
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            if self.jitter:
+                time.sleep(rng.random() * self.jitter)
+            fn()
+
+    def enqueue(self, fn):
+        self.q.put(fn)
+
+
+class SimEvent:
+    def __init__(self):
+        self.flag = None
+        self.when = None
+
+
+class SimMem:
+    def __init__(self, nbytes):
+        self.buf = np.empty(nbytes, np.uint8)
+        self.buf[:] = 0xFF  # NaN pattern for floats: stale reads show
+
+
+class SimDevice:
+    name = "simulated"
+    oom_errors = (SimOOM,)
+
+    def __init__(self, limit=1 << 40, jitter=0.0005):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.jitter = jitter
+        self.streams: list[SimStream] = []
+        self.allocs = 0
+
+    def bind_thread(self):
+        pass
+
+    def available_bytes(self):
+        return self.limit
+
+    def alloc(self, nbytes):
+        if self.used + nbytes > self.limit:
+            raise SimOOM(f"simulated device: {nbytes} bytes asked, {self.limit - self.used} free")
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.allocs += 1
+        return SimMem(nbytes)
+
+    def release(self):
+        self.used = 0
+
+    def array(self, mem, shape, dtype):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        return mem.buf[:count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def stream(self):
+        s = SimStream(self.jitter)
+        self.streams.append(s)
+        return s
+
+    def event(self, timing=False):
+        return SimEvent()
+
+    def record(self, ev, stream):
+        flag = threading.Event()
+        ev.flag = flag
+
+        def mark():
+            ev.when = time.perf_counter()
+            flag.set()
+        stream.enqueue(mark)
+
+    def wait(self, stream, ev):
+        flag = ev.flag
+        if flag is not None:
+            stream.enqueue(flag.wait)
+
+    def sync_event(self, ev):
+        if ev.flag is not None:
+            ev.flag.wait()
+
+    def elapsed_ms(self, e0, e1):
+        return (e1.when - e0.when) * 1e3
+
+    def h2d(self, dst, src, stream):
+        stream.enqueue(lambda: np.copyto(dst, src))
+
+    def d2h(self, dst, src, stream):
+        stream.enqueue(lambda: np.copyto(dst, src))
+
+    def synchronize(self):
+        for s in self.streams:
+            ev = SimEvent()
+            self.record(ev, s)
+            self.sync_event(ev)
+
+    def close(self):
+        for s in self.streams:
+            s.q.put(None)
+
+
+class SimGemm:
+    def __init__(self):
+        self.calls = 0
+
+    def device_gemm(self, a, b, c, *, alpha=1.0, beta=0.0, stream=None):
+        self.calls += 1
+
+        def run():
+            if beta == 0:
+                c[...] = alpha * (a @ b)
+            else:
+                c[...] = alpha * (a @ b) + beta * c
+        stream.enqueue(run)
+
+
+def numpy_pool(limit):
+    return PinnedPool(limit, allocator=lambda n: (np.empty(n, np.uint8), None))
+
+
+def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None, trace=None,
+            jitter=0.0005):
+    m, k = a.shape
+    n = b.shape[1]
+    dtype = result_dtype(a.dtype, b.dtype)
+    if out is None:
+        out = np.full((m, n), np.nan, dtype=dtype)
+    plan = make_plan(m, n, k, dtype)
+    dev = SimDevice(device_limit, jitter)
+    pool = numpy_pool(pinned)
+    info: dict = {}
+    try:
+        run_pipelined(SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
+                      pinned_pool=pool, tiles=tiles, trace=trace, info=info, _device=dev)
+    finally:
+        dev.close()
+    assert pool.peak_bytes <= pool.limit
+    pool.close()
+    assert pool.held_bytes == 0
+    return out, info, dev
+
+
+def rand(shape, dtype, rng):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def check(c, a, b):
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    assert np.isfinite(c).all(), "unwritten (NaN) elements"
+    err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
+    tol = 1e-5 if np.asarray(c).dtype == np.float32 else 1e-12
+    assert err < tol, err
+
+
+# -- the schedule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,itemsize,budget", [
+    ((32768, 32768, 32768), 4, 70 << 30),
+    ((32768, 32768, 32768), 8, 70 << 30),
+    ((32768, 32768, 32768), 4, 8 << 30),
+    ((32768, 32768, 32768), 8, 8 << 30),
+    ((16384, 16384, 16384), 4, 70 << 30),
+    ((4097, 1023, 2049), 8, 16 << 20),
+    ((65, 7000, 3), 4, 1 << 20),
+    ((1, 1, 1), 8, 1 << 20),
+])
+def test_tiling_fits_budget(shape, itemsize, budget):
+    m, n, k = shape
+    t = choose_tiling(m, n, k, itemsize, budget)
+    assert t.device_bytes <= budget * 0.92
+    assert t.row_edges[0] == 0 and t.row_edges[-1] == m
+    assert t.col_edges[-1] == n and t.k_edges[-1] == k
+    assert all(x < y for x, y in zip(t.row_edges, t.row_edges[1:]))
+
+
+def test_full_width_when_b_fits_and_tail_is_short():
+    t = choose_tiling(32768, 32768, 32768, 4, 70 << 30)
+    assert t.mode == "full-width" and t.b_slots == len(t.k_edges) - 1
+    sizes = np.diff(t.row_edges)
+    assert sizes[0] == sizes.max()  # the first unit is the largest (B loads amortised)
+    assert sizes[-1] * 32768 * 4 <= 256 << 20  # little output left after the last kernel
+
+
+@pytest.mark.parametrize("a_slots,b_slots", [(1, 1), (2, 2), (3, 5), (40, 40)])
+def test_block_loads_keep_every_kernel_fed(a_slots, b_slots):
+    t = PipelineTiling((0, 100, 200, 300), (0, 50, 100, 150, 160), (0, 64, 128, 130),
+                       a_slots, b_slots, 2, 8)
+    steps = plan_block_loads(t)
+    assert len(steps) == 3 * 4 * 3
+    a_res, b_res = {}, {}
+    loads_a = loads_b = 0
+    for st in steps:
+        if st.load_a:
+            a_res[st.a_slot] = (st.i, st.kb)
+            loads_a += 1
+        if st.load_b:
+            b_res[st.b_slot] = (st.kb, st.j)
+            loads_b += 1
+        assert a_res.get(st.a_slot) == (st.i, st.kb)
+        assert b_res.get(st.b_slot) == (st.kb, st.j)
+        assert 0 <= st.a_slot < a_slots and 0 <= st.b_slot < b_slots
+    # each block is loaded at least once; with room for everything, exactly once
+    assert loads_a >= 3 * 3 and loads_b >= 4 * 3
+    if a_slots >= 9 and b_slots >= 12:
+        assert (loads_a, loads_b) == (9, 12)
+    # every unit starts with beta = 0 and ends once
+    assert sum(st.first for st in steps) == sum(st.last for st in steps) == 12
+
+
+def test_serpentine_reuses_b_panels_across_sweeps():
+    t = PipelineTiling((0, 64, 128), (0, 64, 128, 192), (0, 64), 4, 2, 2, 4)
+    steps = plan_block_loads(t)
+    # the second sweep starts on the panel the first one ended on: no reload there
+    assert [s.j for s in steps] == [0, 1, 2, 2, 1, 0]
+    assert not steps[3].load_b
+
+
+# -- whole products on the simulated device --------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(300, 257, 129), (64, 1000, 70), (513, 7, 1031), (1, 1, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_product_matches_numpy(m, n, k, dtype):
+    rng = np.random.default_rng(m * n + k)
+    a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
+    c, info, _ = run_sim(a, b, device_limit=1 << 30, pinned=1 << 20)
+    check(c, a, b)
+    assert info["retries"] == 0
+
+
+def test_operands_several_times_the_device_budget():
+    rng = np.random.default_rng(1)
+    a, b = rand((700, 600), "float64", rng), rand((600, 650), "float64", rng)
+    budget = 600 * 1024  # A + B + C = 9.5 MB, about 15x the budget
+    c, info, dev = run_sim(a, b, device_limit=budget, pinned=256 * 1024)
+    check(c, a, b)
+    assert info["tiling"]["mode"] == "tiles"
+    assert dev.peak <= budget
+    assert info["bytes_h2d"] > a.nbytes + b.nbytes  # blocks were reloaded
+
+
+def test_full_width_mode_product():
+    rng = np.random.default_rng(2)
+    a, b = rand((1500, 300), "float32", rng), rand((300, 200), "float32", rng)
+    c, info, _ = run_sim(a, b, device_limit=64 << 20, pinned=1 << 20)
+    check(c, a, b)
+    assert info["tiling"]["mode"] == "full-width"
+    assert info["bytes_h2d"] == a.nbytes + b.nbytes  # each operand crosses once
+
+
+def test_mixed_dtypes_cast_while_staging():
+    rng = np.random.default_rng(3)
+    a = rng.integers(-5, 5, (90, 80)).astype(np.int16)
+    b = rand((80, 70), "float32", rng)
+    c, _, _ = run_sim(a, b)
+    assert c.dtype == np.matmul(a[:1], b[:, :1]).dtype == np.float32
+    check(c, a, b)
+
+
+def test_out_of_memory_shrinks_tiles_and_retries():
+    rng = np.random.default_rng(4)
+    a, b = rand((512, 512), "float32", rng), rand((512, 512), "float32", rng)
+    # 256-tiles need 2*256 KiB of C plus slots: far over a 300 KiB device
+    c, info, dev = run_sim(a, b, device_limit=300 * 1024, tiles=(256, 256, 256))
+    check(c, a, b)
+    assert info["retries"] >= 1
+    assert info["tiling"]["tm_max"] < 256
+
+
+def test_out_of_memory_at_the_floor_raises_memory_error():
+    rng = np.random.default_rng(5)
+    a, b = rand((128, 128), "float64", rng), rand((128, 128), "float64", rng)
+    out = np.full((128, 128), np.nan)
+    dev = SimDevice(limit=4096, jitter=0)
+    pool = numpy_pool(1 << 20)
+    with pytest.raises(MemoryError):
+        run_pipelined(SimGemm(), make_plan(128, 128, 128, "float64"), a, b, out,
+                      device_memory_limit=1 << 30, pinned_pool=pool, tiles=(128, 128, 128),
+                      _device=dev)
+    dev.close()
+    assert pool.in_use_bytes == 0
+
+
+def test_memmap_and_zarr_operands_and_outputs(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(6)
+    a, b = rand((333, 222), "float32", rng), rand((222, 111), "float32", rng)
+    np.save(tmp_path / "a.npy", a)
+    a_mm = np.load(tmp_path / "a.npy", mmap_mode="r")
+    b_z = zarr.open_array(str(tmp_path / "b.zarr"), mode="w", shape=b.shape, dtype=b.dtype,
+                          chunks=(50, 40))
+    b_z[...] = b
+    out_mm = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.float32,
+                                       shape=(333, 111))
+    out_mm[...] = np.nan
+    run_sim(a_mm, b_z, out_mm, device_limit=200 * 1024, pinned=128 * 1024)
+    out_mm.flush()
+    check(np.load(tmp_path / "c.npy"), a, b)
+    out_z = zarr.open_array(str(tmp_path / "c.zarr"), mode="w", shape=(333, 111),
+                            dtype=np.float32, chunks=(64, 64), fill_value=np.nan)
+    run_sim(a_mm, b_z, out_z, device_limit=200 * 1024, pinned=128 * 1024)
+    check(out_z[...], a, b)
+
+
+def test_zero_sizes():
+    a, b = np.ones((3, 0)), np.ones((0, 4))
+    c, _, _ = run_sim(a, b)
+    assert (c == 0).all() and c.shape == (3, 4)
+    c, _, _ = run_sim(np.ones((0, 5)), np.ones((5, 4)))
+    assert c.shape == (0, 4)
+
+
+def test_unsupported_dtype_is_a_type_error():
+    a = np.ones((4, 4), np.int32)
+    with pytest.raises(TypeError, match="float32 and float64"):
+        run_sim(a, a)
+
+
+def test_trace_records_every_lane():
+    rng = np.random.default_rng(7)
+    a, b = rand((400, 300), "float64", rng), rand((300, 200), "float64", rng)
+    tl = Timeline()
+    c, _, _ = run_sim(a, b, device_limit=400 * 1024, pinned=128 * 1024, trace=tl)
+    check(c, a, b)
+    lanes = {o["lane"] for o in tl.ops}
+    assert {"h2d", "compute", "d2h", "host-stage", "host-unstage"} <= lanes
+    assert all(o["end_ms"] >= o["start_ms"] >= -1.0 for o in tl.ops)
+    assert tl.meta["m"] == 400 and tl.meta["bytes_d2h"] == c.nbytes
+    assert math.isfinite(tl.busy_ms("compute"))
