@@ -1,0 +1,71 @@
+#!/bin/bash
+# The one device script of issue 4: build, check, tune and time distmm's CUDA kernels.
+# Run from the repository root on a GPU machine:  . .whl/env.sh && bash bench/device_kernels.sh
+# Writes at most 8 files under $OUT (default /tmp/distmm-out): device.log, sass.txt,
+# tune.json, tune-*.jsonl, kernels-*.jsonl, kernels-table-*.md and two PNGs.
+# STEPS (default "warm test tune bench plot") picks the parts to run; every step has its
+# own timeout so the whole script ends within BUDGET seconds (default 570).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/distmm-out}
+mkdir -p "$OUT"
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
+export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
+unset CUPY_TF32
+BUDGET=${BUDGET:-570}
+STEPS=${STEPS:-"warm test tune bench plot"}
+PY=${PY:-python3}
+left() { echo $(( BUDGET - SECONDS )); }
+step_timeout() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+{
+echo "== $(date -u +%FT%TZ) device_kernels.sh: steps: $STEPS; budget ${BUDGET}s"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+$PY -c "import cupy, numpy, sys; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numpy', numpy.__version__, 'python', sys.version.split()[0])"
+nvcc --version | tail -1
+nproc
+
+# SASS of the float32 warptile kernel (default config, NN): instruction mix of the hot loop.
+( tmp=$(mktemp -d) && $PY - "$tmp" <<'PYEOF'
+import sys, distmm.registry as r
+from distmm.executor import cuda_loader as L
+s = r.best_kernel(); p = s.params("float32")
+e = s.name_expression("float32", p, False, False)
+open(sys.argv[1] + "/k.cu", "w").write(L.source(s.file) + L._explicit_instantiation(e, "float"))
+PYEOF
+  nvcc -std=c++17 -DDISTMM_NVRTC -arch=sm_90 -cubin -Xptxas -v -o "$tmp/k.cubin" "$tmp/k.cu" > "$OUT/sass.txt" 2>&1
+  cuobjdump -sass "$tmp/k.cubin" > "$tmp/k.sass" 2>&1
+  echo "== instruction histogram (whole kernel)" >> "$OUT/sass.txt"
+  grep -oE '^\s+/\*[0-9a-f]+\*/\s+[A-Z][A-Z0-9_.]*' "$tmp/k.sass" | awk '{print $2}' | sort | uniq -c | sort -rn | head -40 >> "$OUT/sass.txt"
+  echo "== first 400 lines" >> "$OUT/sass.txt"; head -400 "$tmp/k.sass" >> "$OUT/sass.txt" ) &
+SASS_PID=$!
+
+if has warm; then
+  echo "== warm: compile every kernel the tests and benchmark use ($(left)s left)"
+  timeout "$(step_timeout 150)" $PY -m bench.kernels --warm-only || echo "WARM FAILED rc=$?"
+fi
+if has test; then
+  echo "== tests: pytest -m gpu ($(left)s left)"
+  timeout "$(step_timeout 200)" $PY -m pytest -m gpu -q -p no:cacheprovider -rf --timeout 120 \
+      ${TESTS:-tests/test_gpu_kernels.py} 2>&1 | tail -60 || echo "TESTS FAILED rc=$?"
+fi
+if has tune; then
+  echo "== tune ($(left)s left)"
+  timeout "$(step_timeout 130)" $PY -m distmm tune --dtype float32 float64 --size 4096 \
+      --confirm-size 8192 --records "$OUT" || echo "TUNE FAILED rc=$?"
+  cp "$DISTMM_CACHE_DIR/tune.json" "$OUT/tune.json" 2>/dev/null
+fi
+if has bench; then
+  echo "== bench ($(left)s left)"
+  timeout "$(step_timeout 260)" $PY -m bench.kernels --out "$OUT" ${BENCH_ARGS:-} || echo "BENCH FAILED rc=$?"
+fi
+if has plot; then
+  echo "== plot ($(left)s left)"
+  timeout "$(step_timeout 40)" $PY -m bench.plot_kernels "$OUT"/kernels-*.jsonl --out "$OUT" || echo "PLOT FAILED rc=$?"
+fi
+wait $SASS_PID
+grep -A3 "instruction histogram" "$OUT/sass.txt" | head -5
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv
+echo "== done in ${SECONDS}s"
+} 2>&1 | tee "$OUT/device.log"

@@ -1,0 +1,191 @@
+"""Benchmark ``kernels``: every CUDA kernel step of distmm and cuBLAS, in one run.
+
+For each dtype and shape: fresh random operands; cuBLAS (``cupy.matmul``, variant
+``cublas``) and each kernel step (variant ``distmm-raw-<kernel>``) are first checked against
+a float64 product (relative error recorded), then timed with CUDA events (median after a
+warm-up). Also measured in the same run, for the roofline: the device-to-device copy
+bandwidth and the FFMA/DFMA peak of a register-only probe kernel (variants ``ceiling-*``).
+Records go to ``<out>/kernels-<device>-<date>.jsonl``; ``bench/plot_kernels.py`` makes the
+table and the plots from them.
+
+Usage (on a GPU machine, repository root on PYTHONPATH)::
+
+    python -m bench.kernels --out bench/results            # full run
+    python -m bench.kernels --sizes 1024 2048 --no-rect    # quick
+    python -m bench.kernels --warm-only                    # compile everything in parallel
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+import distmm  # noqa: F401
+import distmm.registry as registry
+from bench.records import RecordWriter, gpu_name
+
+SQUARE = (1024, 2048, 4096, 8192, 16384)
+RECT = ((4096, 4096, 16384), (16384, 16384, 1024), (8192, 2048, 8192))
+TF32_NOTE = "cupy.matmul with CUPY_TF32 unset: IEEE fp32 SGEMM (no TF32)"
+
+_PEAK_SRC = r"""
+template <typename T>
+__global__ void peak_fma(T* out, T x, T y, int iters) {
+    T a0 = threadIdx.x, a1 = a0 + 1, a2 = a0 + 2, a3 = a0 + 3,
+      a4 = a0 + 4, a5 = a0 + 5, a6 = a0 + 6, a7 = a0 + 7;
+#pragma unroll 4
+    for (int i = 0; i < iters; ++i) {
+        a0 = a0 * x + y; a1 = a1 * x + y; a2 = a2 * x + y; a3 = a3 * x + y;
+        a4 = a4 * x + y; a5 = a5 * x + y; a6 = a6 * x + y; a7 = a7 * x + y;
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
+"""
+
+
+def warm_items():
+    """Everything the GPU tests and this benchmark compile: each kernel for each dtype and
+    transpose layout, the tuner-space samples the tests use."""
+    items = []
+    for spec in registry.steps():
+        for dt in spec.dtypes:
+            layouts = [(a, b) for a in (0, 1) for b in (0, 1)] if spec.layout_template else [(0, 0)]
+            items += [(spec.name, dt, None, bool(a), bool(b)) for a, b in layouts]
+    spec = registry.best_kernel()
+    for dt in ("float32", "float64"):
+        cands = spec.candidates(dt)
+        for p in cands[1:len(cands):max(1, len(cands) // 4)]:
+            items += [(spec.name, dt, p, False, False), (spec.name, dt, p, True, True)]
+    return items
+
+
+def ceilings(rec, log=print):
+    """Measured memory bandwidth and FMA peaks (same run), as ``ceiling-*`` records."""
+    import cupy
+
+    from distmm.tune import time_gpu
+
+    n = 1 << 28  # 1 GiB of float32
+    src = cupy.random.default_rng().standard_normal(n, dtype=np.float32)
+    dst = cupy.empty_like(src)
+    sec = time_gpu(lambda: cupy.copyto(dst, src), repeat=10)
+    gbps = 2 * src.nbytes / sec / 1e9
+    rec.add("ceiling-copy", "float32", n, 1, 1, sec, None, tflops=None, gbps=gbps,
+            note="device-to-device copy, bytes read + written")
+    log(f"copy: {gbps:.0f} GB/s")
+    del src, dst
+    mod = cupy.RawModule(code=_PEAK_SRC, options=("-std=c++17",),
+                         name_expressions=["peak_fma<float>", "peak_fma<double>"])
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    threads, blocks = 256, sms * 8
+    for dt, expr, iters in (("float32", "peak_fma<float>", 1 << 16), ("float64", "peak_fma<double>", 1 << 14)):
+        k = mod.get_function(expr)
+        out = cupy.empty(blocks * threads, dtype=dt)
+        t = np.dtype(dt).type
+        run = lambda: k((blocks,), (threads,), (out, t(0.999), t(0.001), np.int32(iters)))  # noqa: E731
+        sec = time_gpu(run, repeat=5)
+        tf = 2 * 8 * iters * threads * blocks / sec / 1e12
+        rec.add(f"ceiling-{'ffma' if dt == 'float32' else 'dfma'}", dt, 0, 0, 0, sec, None,
+                tflops=tf, note=f"register-only FMA probe, {blocks}x{threads} threads")
+        log(f"{dt} FMA peak: {tf:.1f} TFLOP/s")
+
+
+def model_bytes(spec, params, m, n, k, itemsize):
+    """DRAM bytes if each block reads its A and B panels once and C is written once (the
+    tile model; L2 reuse between blocks makes real traffic lower)."""
+    if spec is None:  # ideal: every operand once
+        return itemsize * (m * k + k * n + m * n)
+    bm, bn = spec.tile(params)
+    return itemsize * (m * k * math.ceil(n / bn) + k * n * math.ceil(m / bm) + m * n)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="records folder (default bench/results)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SQUARE))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    ap.add_argument("--kernels", nargs="+", default=[k.name for k in registry.steps()])
+    ap.add_argument("--no-rect", action="store_true")
+    ap.add_argument("--max-seconds", type=float, default=0.6,
+                    help="skip a kernel at sizes where one run would take longer")
+    ap.add_argument("--warm-only", action="store_true")
+    ap.add_argument("--processes", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    import cupy
+
+    from distmm.executor import cuda_loader
+    from distmm.executor.gpu import GPUExecutor
+    from distmm.tune import random_operands, time_gpu
+
+    if os.environ.get("CUPY_TF32", "0") != "0":
+        print("CUPY_TF32 is set: the cuBLAS reference would use TF32; unset it", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    items = warm_items() if args.warm_only else [
+        (k, dt, GPUExecutor(backend="raw", kernel=k).kernel_params(dt), False, False)
+        for k in args.kernels for dt in args.dtypes]
+    errors = cuda_loader.warm(items, processes=args.processes)
+    print(f"compiled {len(items)} kernels in {time.perf_counter() - t0:.1f} s; {len(errors)} errors")
+    for e in errors:
+        print("  ", e)
+    if args.warm_only:
+        return 1 if errors else 0
+
+    device = gpu_name()
+    rec = RecordWriter("kernels", device, args.out, gpus=1)
+    print(f"{device}: records -> {rec.path}")
+    ceilings(rec)
+    shapes = [(s, s, s) for s in sorted(args.sizes)] + ([] if args.no_rect else list(RECT))
+    for dt in args.dtypes:
+        itemsize = np.dtype(dt).itemsize
+        speed = {}  # kernel -> last TFLOP/s, to skip runs that would be too slow
+        for m, n, k in shapes:
+            flops = 2.0 * m * n * k
+            a, b = random_operands(m, n, k, dt)
+            ref = cupy.matmul(a.astype(np.float64), b.astype(np.float64))
+            ref_norm = float(cupy.linalg.norm(ref))
+            c = cupy.empty((m, n), dtype=dt)
+
+            def check(run):
+                c.fill(np.nan)
+                run()
+                cupy.cuda.get_current_stream().synchronize()
+                return float(cupy.linalg.norm(c.astype(np.float64) - ref)) / ref_norm
+
+            repeat = 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
+            blas = lambda: cupy.matmul(a, b, out=c)  # noqa: E731
+            err = check(blas)
+            sec = time_gpu(blas, repeat=repeat, warmup=1)
+            rec.add("cublas", dt, m, n, k, sec, err, step=0, note=TF32_NOTE,
+                    model_bytes=model_bytes(None, None, m, n, k, itemsize))
+            line = [f"{dt} {m}x{n}x{k}: cublas {flops / sec / 1e12:6.2f}"]
+            for name in args.kernels:
+                spec = registry.get(name)
+                params = GPUExecutor(backend="raw", kernel=name).kernel_params(dt)
+                if name in speed and flops / (speed[name] * 1e12) > args.max_seconds:
+                    line.append(f"{name} skipped")
+                    continue
+                run = (lambda spec=spec, params=params: cuda_loader.launch(
+                    spec.name, a, False, k, b, False, n, c, n, m, n, k, params=params))
+                err = check(run)
+                sec = time_gpu(run, repeat=repeat, warmup=1)
+                tf = flops / sec / 1e12
+                speed[name] = tf
+                mb = model_bytes(spec, params, m, n, k, itemsize)
+                rec.add(f"distmm-raw-{name}", dt, m, n, k, sec, err, step=spec.step,
+                        kernel=name, params=params, model_bytes=mb, backend="raw")
+                line.append(f"{name} {tf:6.2f} ({err:.1e})")
+            print("; ".join(line), flush=True)
+            del a, b, ref, c
+            cupy.get_default_memory_pool().free_all_blocks()
+    print(f"done in {time.perf_counter() - t0:.0f} s: {rec.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

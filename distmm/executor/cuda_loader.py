@@ -1,0 +1,314 @@
+"""Compile, cache and launch distmm's CUDA GEMM kernels through CuPy.
+
+This module covers: turning a registry entry (``distmm.registry``) plus a dtype, template
+parameters and transpose flags into a loaded kernel, with ``cupy.RawModule(code=...,
+options=...)`` and NVRTC (the instantiation written out explicitly and looked up by its
+lowered name, so that CuPy caches the binary on disk under ``CUPY_CACHE_DIR``, default
+``~/.cupy/kernel_cache``; ``name_expressions=[...]`` is the fallback and the check) or, where NVRTC cannot be used
+(``DISTMM_CUDA_COMPILER=nvcc``), ``nvcc -cubin`` into distmm's cache directory, loaded by path;
+computing the launch geometry; checking every launch; and compiling many kernels ahead of
+time in parallel (``warm``). cupy is imported where a kernel is loaded, so the sources
+and the registry can be checked on machines without it.
+
+It does *not* cover: which kernel or backend to use (``distmm.executor.gpu``), or tuning
+(``distmm.tune``).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+import distmm.registry as registry
+
+__all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
+           "KernelLaunchError", "OPTIONS"]
+
+log = logging.getLogger("distmm.executor.cuda_loader")
+
+OPTIONS = ("-std=c++17", "-DDISTMM_NVRTC")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+class KernelLaunchError(RuntimeError):
+    """A kernel could not be launched, or failed while running (checked launches)."""
+
+
+def cuda_dir() -> Path:
+    from distmm.kernels import CUDA_DIR
+
+    return Path(CUDA_DIR)
+
+
+def cache_dir() -> Path:
+    """distmm's cache folder (see ``distmm.registry.cache_dir``)."""
+    return registry.cache_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def source(file: str) -> str:
+    """The kernel file's text with its local ``#include "x.cuh"`` lines inlined (once each),
+    so NVRTC needs no include path and CuPy's cache key covers the headers too."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (cuda_dir() / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(file)
+
+
+def compute_capability() -> int:
+    import cupy
+
+    dev = cupy.cuda.Device()
+    return int(dev.compute_capability)
+
+
+def _explicit_instantiation(expr: str, ctype: str) -> str:
+    return (f"template __global__ void {expr}(int, int, int, {ctype}, const {ctype}*, long long, "
+            f"const {ctype}*, long long, {ctype}, {ctype}*, long long, int);\n")
+
+
+def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str):
+    """Compile one instantiation with nvcc to a cubin in the cache folder; load it by path."""
+    import cupy
+
+    cc = compute_capability()
+    text = source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    key = hashlib.sha256(f"{cc}\n{text}\n{OPTIONS}".encode()).hexdigest()[:24]
+    folder = cache_dir() / "cubin"
+    folder.mkdir(parents=True, exist_ok=True)
+    cubin = folder / f"{spec.name}-{key}.cubin"
+    if not cubin.exists():
+        cu = folder / f"{spec.name}-{key}.cu"
+        cu.write_text(text)
+        tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc, *OPTIONS, f"-arch=sm_{cc}", "-cubin", "-o", str(tmp), str(cu)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelLaunchError(f"nvcc failed for {expr}:\n{res.stderr[-4000:]}")
+        os.replace(tmp, cubin)
+    data = cubin.read_bytes()
+    # The cubin's symbol table names the one kernel it holds (the .text.<name> and
+    # .nv.info.<name> sections repeat the mangled name).
+    kernels = sorted({n.decode() for n in re.findall(rb"_Z\d+distmm_gemm_[A-Za-z0-9_]+", data)})
+    if len(kernels) != 1:
+        raise KernelLaunchError(f"expected one kernel in {cubin}, found {kernels}")
+    module = cupy.RawModule(path=str(cubin))
+    return module.get_function(kernels[0])
+
+
+_TYPE_CODES = {"float": "f", "double": "d", "int": "i", "long long": "x"}
+_PARAMS_MANGLED = "viiiT_PKS0_xS2_xS0_PS0_xi"  # (int, int, int, T, const T*, long long, ...)
+
+
+def mangled_name(expr: str) -> str:
+    """The Itanium-ABI name of ``distmm_gemm_<step><T, ints..., bools...>`` with distmm's one
+    kernel signature, e.g. ``_Z17distmm_gemm_naiveIfEviiiT_PKS0_xS2_xS0_PS0_xi``.
+
+    Checked against nvcc's symbols for every registered kernel in the CPU tests and against
+    NVRTC's lowered name on the device.
+    """
+    m = re.fullmatch(r"(\w+)<(.*)>", expr.replace(" ", "").replace("longlong", "long long"))
+    if not m:
+        raise ValueError(f"not a template name expression: {expr!r}")
+    name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+    codes = []
+    for a in args:
+        if a in _TYPE_CODES:
+            codes.append(_TYPE_CODES[a])
+        elif a in ("true", "false"):
+            codes.append(f"Lb{int(a == 'true')}E")
+        elif re.fullmatch(r"-?\d+", a):
+            codes.append(f"Li{'n' + a[1:] if a.startswith('-') else a}E")
+        else:
+            raise ValueError(f"cannot mangle template argument {a!r} of {expr!r}")
+    return f"_Z{len(name)}{name}I{''.join(codes)}E{_PARAMS_MANGLED}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compiler: str):
+    import cupy
+
+    spec = registry.get(name)
+    params = dict(params_key)
+    expr = spec.name_expression(dtype, params, ta, tb)
+    ctype = registry.C_TYPES[dtype]
+    if compiler == "nvcc":
+        return _compile_nvcc(spec, expr, ctype)
+    if os.environ.get("DISTMM_NAME_EXPRESSIONS", "0") not in ("", "0"):
+        return _kernel_by_name_expression(spec, expr)
+    # CuPy's disk cache skips modules compiled with name_expressions (it recompiles them
+    # to learn the lowered names), so every process would compile every kernel again. The
+    # instantiation is therefore written out explicitly and its lowered name derived
+    # (``mangled_name``); the module is then cached on disk like any RawModule.
+    code = source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    module = cupy.RawModule(code=code, options=OPTIONS)
+    kern = module.get_function(mangled_name(expr))
+    try:
+        kern.kernel  # noqa: B018 - compile or load now, so a wrong name falls back here
+    except cupy.cuda.driver.CUDADriverError:
+        log.warning("lowered name of %s not found; compiling with name_expressions", expr)
+        return _kernel_by_name_expression(spec, expr)
+    return kern
+
+
+def _kernel_by_name_expression(spec, expr: str):
+    """``RawModule(code=..., options=..., name_expressions=[expr])``: NVRTC names the
+    instantiation (compiled in every process: CuPy does not cache these on disk)."""
+    import cupy
+
+    code = source(spec.file) + f"\n// distmm instantiation: {expr}\n"
+    module = cupy.RawModule(code=code, options=OPTIONS, name_expressions=[expr])
+    return module.get_function(expr)
+
+
+def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bool = False,
+               tb: bool = False, compiler: str | None = None):
+    """The loaded kernel (a ``cupy.RawKernel``) of one instantiation, compiled on first use.
+
+    Parameters
+    ----------
+    name : str
+        Registry name (``"warptile"``).
+    dtype : dtype
+        float32, float64, int32 or int64.
+    params : mapping, optional
+        Template parameters of tunable kernels; default: the registry's.
+    ta, tb : bool
+        Transpose flags (template parameters of the kernels that take them as such).
+    compiler : {"nvrtc", "nvcc"}, optional
+        Default: ``$DISTMM_CUDA_COMPILER`` or ``"nvrtc"``.
+    """
+    spec = registry.get(name)
+    dtype = np.dtype(dtype).name
+    if dtype not in spec.dtypes:
+        raise TypeError(f"kernel {name} has no {dtype} instantiation (has {spec.dtypes})")
+    p = spec.params(dtype, params)
+    if not spec.layout_template:
+        ta = tb = False
+    compiler = compiler or os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
+    if compiler not in ("nvrtc", "nvcc"):
+        raise ValueError(f"compiler must be 'nvrtc' or 'nvcc', got {compiler!r}")
+    kern = _kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler)
+    return kern
+
+
+_smem_set: set = set()
+
+
+def _operand_flags(x, ld: int) -> bool:
+    """Whether 16-byte vector loads are safe: aligned base, ld a multiple of 16 bytes."""
+    return x.data.ptr % 16 == 0 and (ld * x.itemsize) % 16 == 0
+
+
+def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
+           m: int, n: int, k: int, *, alpha=1, beta=0, params: Mapping[str, int] | None = None,
+           stream=None, compiler: str | None = None, check: bool | None = None) -> None:
+    """Launch ``C = alpha * op(A) @ op(B) + beta * C`` with kernel ``name``.
+
+    ``a``, ``b`` and ``c`` are cupy arrays of one dtype whose first element is the matrix's
+    first element; ``lda``/``ldb``/``ldc`` are row strides in elements of the row-major
+    stored matrices (A stored m x k, or k x m when ``ta``; likewise B). Runs on ``stream``
+    (default: cupy's current stream).
+
+    Raises
+    ------
+    ValueError
+        Sizes beyond 32-bit indexing or the grid's limits.
+    KernelLaunchError
+        The launch failed, or (with ``check``, or ``DISTMM_CHECK_LAUNCHES=1``) the kernel
+        failed while running.
+    """
+    import cupy
+
+    if m == 0 or n == 0:
+        return
+    if max(m, n, k) >= 2**31:
+        raise ValueError(f"m, n, k must be below 2^31, got {(m, n, k)}")
+    spec = registry.get(name)
+    dtype = np.dtype(c.dtype).name
+    for nm, x in (("a", a), ("b", b)):
+        if x.dtype != c.dtype:
+            raise TypeError(f"operand {nm} is {x.dtype} but C is {c.dtype}")
+    p = spec.params(dtype, params)
+    kern = get_kernel(name, dtype, p, ta, tb, compiler)
+    threads = spec.threads(p)
+    smem = spec.smem_bytes(dtype, p, ta, tb)
+    if smem > 48 * 1024:
+        key = (id(kern), smem)
+        if key not in _smem_set:
+            kern.max_dynamic_shared_size_bytes = smem
+            _smem_set.add(key)
+    grid = spec.grid_dims(m, n, p)
+    flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
+             | int(k > 0 and _operand_flags(b, ldb)) << 3)
+    scalar = np.dtype(dtype).type
+    args = (np.int32(m), np.int32(n), np.int32(k), scalar(alpha), a, np.int64(lda), b,
+            np.int64(ldb), scalar(beta), c, np.int64(ldc), np.int32(flags))
+    try:
+        kern(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
+    except Exception as exc:  # cupy raises CUDADriverError for a failed cuLaunchKernel
+        raise KernelLaunchError(f"launch of {spec.name} ({dtype}, {p}, grid {grid}, "
+                                f"{threads} threads, {smem} B smem) failed: {exc}") from exc
+    if check is None:
+        check = os.environ.get("DISTMM_CHECK_LAUNCHES", "0") not in ("", "0")
+    if check:
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        try:
+            s.synchronize()
+        except Exception as exc:
+            raise KernelLaunchError(f"{spec.name} ({dtype}, {p}) failed while running: {exc}") from exc
+
+
+# -- ahead-of-time compilation ---------------------------------------------------------
+
+def _warm_one(item) -> str:
+    name, dtype, params_key, ta, tb, compiler = item
+    try:
+        get_kernel(name, dtype, dict(params_key), ta, tb, compiler).kernel  # noqa: B018 - compiles
+        return ""
+    except Exception as exc:  # reported by the parent
+        return f"{name} {dtype} {dict(params_key)} ta={ta} tb={tb}: {exc}"
+
+
+def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
+    """Compile kernels ahead of time in parallel processes, filling CuPy's disk cache.
+
+    ``items`` are ``(name, dtype, params or None, ta, tb)``. Returns error messages (empty
+    when all compiled). Later loads in any process read the cache.
+    """
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    todo = []
+    compiler = os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
+    for name, dtype, params, ta, tb in items:
+        spec = registry.get(name)
+        dt = np.dtype(dtype).name
+        p = spec.params(dt, params)
+        if not spec.layout_template:
+            ta = tb = False
+        todo.append((name, dt, tuple(sorted(p.items())), bool(ta), bool(tb), compiler))
+    todo = list(dict.fromkeys(todo))
+    if not todo:
+        return []
+    processes = processes or min(len(todo), max(1, (os.cpu_count() or 2) - 1), 16)
+    if processes <= 1:
+        return [e for e in map(_warm_one, todo) if e]
+    with cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+        return [e for e in pool.map(_warm_one, todo) if e]

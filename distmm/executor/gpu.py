@@ -1,0 +1,296 @@
+"""GPU executor: distmm's CUDA kernels or cuBLAS, launched through CuPy.
+
+This module covers: multiplying device (cupy) operands with ``backend="raw"`` (the best
+kernel of ``distmm.registry``, with the autotuned configuration of this GPU and dtype when
+``distmm tune`` has stored one), ``backend="cublas"`` (``cupy.matmul``) or ``"auto"`` (the
+faster of the two as measured by ``distmm tune`` for this GPU, dtype and shape class, with
+sound defaults before any tuning); numpy's dtype semantics on the device (integers wrap,
+booleans stay boolean, float16 accumulates in float32); host operands through
+``run_plan`` (the stream pipeline of ``distmm.executor.pipeline`` when it is there).
+
+It does *not* cover: tiling or scheduling (``distmm.plan``, ``distmm.engine``), compiling
+kernels (``distmm.executor.cuda_loader``), or tuning (``distmm.tune``).
+
+Importing this module without cupy raises ImportError (``get_executor`` turns it into
+``BackendUnavailable`` with the install hint).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+import cupy
+
+import distmm.registry as registry
+from distmm.executor.base import BackendUnavailable, Executor
+
+__all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class"]
+
+log = logging.getLogger("distmm.executor.gpu")
+
+#: dtypes distmm's kernels compute directly
+RAW_DTYPES = frozenset(registry.DTYPES)
+
+
+def shape_class(m: int, n: int, k: int) -> str:
+    """The size class ``auto`` decides by: ``small`` (under 1024^3 work), ``medium`` (under
+    4096^3) or ``large``; ``skinny`` when one of m, n is under 128."""
+    if min(m, n) < 128:
+        return "skinny"
+    work = m * n * k
+    if work < 1024**3:
+        return "small"
+    if work < 4096**3:
+        return "medium"
+    return "large"
+
+
+def _gpu_name() -> str:
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _operand(x):
+    """``(array, ld, trans)`` describing a 2-D cupy array as a row-major matrix (``trans``
+    False, row stride ``ld``) or a transposed one (column-major storage), without copying
+    when the strides allow; otherwise a C-contiguous copy."""
+    r, c = x.shape
+    isz = x.itemsize
+    s0, s1 = x.strides
+    if (c <= 1 or s1 == isz) and (r <= 1 or (s0 > 0 and s0 % isz == 0 and s0 // isz >= c)):
+        return x, (s0 // isz if r > 1 else max(c, 1)), False
+    if (r <= 1 or s0 == isz) and (c <= 1 or (s1 > 0 and s1 % isz == 0 and s1 // isz >= r)):
+        return x, (s1 // isz if c > 1 else max(r, 1)), True
+    x = cupy.ascontiguousarray(x)
+    return x, max(c, 1), False
+
+
+class GPUExecutor(Executor):
+    """Multiply on the current CUDA device.
+
+    Parameters
+    ----------
+    backend : {"auto", "raw", "cublas"}
+        ``"raw"``: distmm's kernels for float32, float64, int32 and int64 (other dtypes are
+        computed in one of those, or by cuBLAS for complex); ``"cublas"``: ``cupy.matmul``;
+        ``"auto"``: per dtype and shape class, whichever ``distmm tune`` measured faster on
+        this GPU (before tuning: cuBLAS for floating point, distmm's kernels for integers,
+        which cuBLAS does not cover).
+    kernel : str, optional
+        Registry name of the raw kernel (default: the last step, ``warptile``).
+    params : mapping, optional
+        Template parameters for a tunable kernel (default: tuned, else the registry's).
+
+    Raises
+    ------
+    ValueError
+        Unknown backend.
+    BackendUnavailable
+        No CUDA device.
+    """
+
+    def __init__(self, backend: str = "auto", *, kernel: str | None = None, params=None):
+        if backend not in ("auto", "raw", "cublas"):
+            raise ValueError(f"GPU backend must be 'auto', 'raw' or 'cublas', got {backend!r}")
+        try:
+            ndev = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no driver
+            raise BackendUnavailable(f"no CUDA device: {exc}") from exc
+        if ndev < 1:
+            raise BackendUnavailable("no CUDA device")
+        self.backend = backend
+        self.name = backend
+        self.kernel = registry.get(kernel) if kernel else registry.best_kernel()
+        self._params = params
+        self._tuning: dict | None = None
+        self.threads_inside = True
+        self._closed = False
+
+    # -- choices --------------------------------------------------------------------
+    def _tuned(self) -> dict:
+        if self._tuning is None:
+            try:
+                self._tuning = registry.load_tuning_for(_gpu_name())
+            except Exception as exc:  # a broken cache must not stop a product
+                log.warning("ignoring the tuning cache: %s", exc)
+                self._tuning = {}
+        return self._tuning
+
+    def kernel_params(self, dtype) -> dict:
+        """Template parameters the raw backend uses for ``dtype`` on this GPU."""
+        dtype = np.dtype(dtype).name
+        if self._params is not None:
+            return self.kernel.params(dtype, self._params)
+        entry = self._tuned().get(dtype, {})
+        if entry.get("kernel") == self.kernel.name:
+            return registry.kernel_params(self.kernel, dtype, entry.get("params"))
+        return self.kernel.params(dtype)
+
+    def choose(self, dtype, m: int, n: int, k: int) -> str:
+        """``"raw"`` or ``"cublas"`` for this product."""
+        dtype = np.dtype(dtype).name
+        if dtype not in RAW_DTYPES:
+            return "cublas"
+        if self.backend != "auto":
+            return self.backend
+        if dtype in ("int32", "int64"):
+            return "raw"
+        prefer = self._tuned().get(dtype, {}).get("prefer", {})
+        return prefer.get(shape_class(m, n, k), "cublas")
+
+    # -- Executor interface ------------------------------------------------------------
+    def supports(self, dtype) -> bool:
+        return np.dtype(dtype).kind in "biufc"
+
+    def asarray(self, x, dtype):
+        return cupy.asarray(x, dtype=dtype)
+
+    def to_host(self, x) -> np.ndarray:
+        return cupy.asnumpy(x)
+
+    def panel_product(self, a, b, tk: int = 256):
+        a = cupy.asarray(a)
+        b = cupy.asarray(b)
+        out = cupy.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a.dtype, b.dtype))
+        self.device_gemm(a, b, out)
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- device GEMM -----------------------------------------------------------------
+    def device_gemm(self, a_dev, b_dev, c_dev, *, alpha=1, beta=0, stream=None) -> None:
+        """``c_dev = alpha * a_dev @ b_dev + beta * c_dev`` into the preallocated ``c_dev``,
+        on ``stream`` (default: cupy's current stream), with this executor's backend.
+
+        ``a_dev`` (m x k) and ``b_dev`` (k x n) may be any strided 2-D views (transposed
+        views are passed to the kernels as flags, never copied); they are cast to
+        ``c_dev``'s dtype when they differ. ``beta == 0`` means ``c_dev`` is not read.
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not match.
+        """
+        m, k = a_dev.shape
+        k2, n = b_dev.shape
+        if k != k2 or tuple(c_dev.shape) != (m, n):
+            raise ValueError(f"device_gemm: a {a_dev.shape} @ b {b_dev.shape} does not fit "
+                             f"c {c_dev.shape}")
+        if m == 0 or n == 0:
+            return
+        dt = c_dev.dtype
+        stream_ctx = stream if stream is not None else cupy.cuda.get_current_stream()
+        with stream_ctx:
+            if a_dev.dtype != dt:
+                a_dev = a_dev.astype(dt)
+            if b_dev.dtype != dt:
+                b_dev = b_dev.astype(dt)
+            if self.choose(dt, m, n, k) == "raw":
+                self._raw_gemm(a_dev, b_dev, c_dev, alpha, beta, stream_ctx)
+            else:
+                self._cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
+
+    def _raw_gemm(self, a, b, c, alpha, beta, stream) -> None:
+        from distmm.executor import cuda_loader
+
+        m, k = a.shape
+        n = b.shape[1]
+        dtype = np.dtype(c.dtype).name
+        a, lda, ta = _operand(a)
+        b, ldb, tb = _operand(b)
+        direct = c.ndim == 2 and (n <= 1 or c.strides[1] == c.itemsize) and (
+            m <= 1 or (c.strides[0] > 0 and c.strides[0] % c.itemsize == 0
+                       and c.strides[0] // c.itemsize >= n))
+        target = c if direct else cupy.ascontiguousarray(c)
+        ldc = target.strides[0] // target.itemsize if m > 1 else max(n, 1)
+        cuda_loader.launch(self.kernel.name, a, ta, lda, b, tb, ldb, target, ldc, m, n, k,
+                           alpha=alpha, beta=beta, params=self.kernel_params(dtype),
+                           stream=stream)
+        if not direct:
+            c[...] = target
+
+    @staticmethod
+    def _cublas_gemm(a, b, c, alpha, beta) -> None:
+        one = alpha == 1
+        if beta == 0:
+            if one:
+                cupy.matmul(a, b, out=c)
+            else:
+                cupy.multiply(cupy.matmul(a, b), c.dtype.type(alpha), out=c)
+            return
+        prod = cupy.matmul(a, b)
+        if not one:
+            prod *= c.dtype.type(alpha)
+        c *= c.dtype.type(beta)
+        c += prod
+
+    # -- whole products ----------------------------------------------------------------
+    def run_batched(self, plan, a, b):
+        """``a @ b`` for cupy operands shaped ``batch + (m, k)`` and ``batch + (k, n)``
+        (broadcast views allowed), with numpy's result dtype ``plan.dtype``.
+
+        Returns
+        -------
+        cupy.ndarray of shape ``batch + (m, n)``.
+        """
+        res = np.dtype(plan.dtype)
+        batch = tuple(a.shape[:-2])
+        m, k, n = plan.m, plan.k, plan.n
+        out = cupy.empty(batch + (m, n), dtype=res)
+        if out.size == 0:
+            return out
+        if k == 0:
+            out[...] = 0
+            return out
+        compute = self._compute_dtype(res)
+        for idx in np.ndindex(*batch):
+            a2, b2 = a[idx], b[idx]
+            if compute is None:  # complex and others: cuBLAS / cupy in the result dtype
+                out[idx] = cupy.matmul(a2.astype(res, copy=False), b2.astype(res, copy=False))
+                continue
+            if compute == res:
+                self.device_gemm(a2, b2, out[idx])
+            else:
+                tmp = cupy.empty((m, n), dtype=compute)
+                self.device_gemm(a2.astype(compute, copy=False), b2.astype(compute, copy=False), tmp)
+                out[idx] = (tmp != 0) if res.kind == "b" else tmp.astype(res)
+        return out
+
+    @staticmethod
+    def _compute_dtype(res: np.dtype):
+        """The dtype the kernels compute ``res`` in; None for cupy.matmul in ``res``."""
+        if res.name in RAW_DTYPES:
+            return res
+        if res.kind == "b":
+            return np.dtype(np.int32)  # counts; k < 2^31 so a nonzero count never wraps to 0
+        if res.kind in "iu":
+            return np.dtype(np.int64)  # sums mod 2^64 narrow to numpy's wrap-around result
+        if res == np.float16:
+            return np.dtype(np.float32)
+        return None
+
+    def run_plan(self, plan, a, b, out) -> None:
+        """Compute one 2-D product of host operands into the host array ``out``
+        (``plan.dtype``): the multi-stream pinned pipeline when available, else copy in,
+        compute, copy out."""
+        try:
+            from distmm.executor.pipeline import run_pipelined
+        except ImportError:
+            run_pipelined = None
+        if run_pipelined is not None:
+            run_pipelined(self, plan, a, b, out)
+            return
+        a_dev = cupy.asarray(a)
+        b_dev = cupy.asarray(b)
+        out[...] = cupy.asnumpy(self.run_batched(plan, a_dev, b_dev))
+
+    def __repr__(self) -> str:
+        return f"GPUExecutor(backend={self.backend!r}, kernel={self.kernel.name!r})"
+
+
+def _describe() -> dict[str, Any]:  # pragma: no cover - used by `distmm info`-like tools
+    return {"gpu": _gpu_name(), "kernels": [k.name for k in registry.steps()]}

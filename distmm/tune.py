@@ -1,0 +1,250 @@
+"""``distmm tune``: search the raw kernels' block, warp and thread tiles on this GPU.
+
+This module covers: the tuning cache (a JSON file under the user's cache directory, one
+entry per GPU model and dtype: the winning configuration, its speed, cuBLAS's speed in the
+same run and which of the two ``backend="auto"`` should use per shape class), the search
+itself and its command line. ``distmm.executor.gpu`` reads the cache; without one it uses
+the registry's defaults.
+
+It does *not* cover: the kernels or their constraints (``distmm.registry``), or compiling
+and launching (``distmm.executor.cuda_loader``). Importing it needs no GPU; tuning does.
+
+Examples
+--------
+$ distmm tune                       # float32 and float64, size 4096, confirmed at 8192
+$ distmm tune --dtype float32 --size 2048 --confirm-size 4096
+$ distmm tune --show
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from distmm import registry
+
+__all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "tune_dtype", "main",
+           "CACHE_VERSION"]
+
+from distmm.registry import (  # noqa: E402 - the cache lives in the lowest layer
+    CACHE_VERSION, cache_dir, cache_path, load_tuning as load, load_tuning_for as load_for,
+    store_tuning as store)
+
+
+def time_gpu(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` between CUDA events on the current stream, after warm-up."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def random_operands(m: int, n: int, k: int, dtype, seed: int | None = None):
+    """Fresh random device operands (never zeros): normal floats, small signed integers."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        a = rng.standard_normal((m, k), dtype=np.float64).astype(dt)
+        b = rng.standard_normal((k, n), dtype=np.float64).astype(dt)
+    else:
+        a = rng.integers(-8, 9, size=(m, k), dtype=np.int64).astype(dt)
+        b = rng.integers(-8, 9, size=(k, n), dtype=np.int64).astype(dt)
+    return a, b
+
+
+def relerr_gpu(c, a, b) -> float:
+    """``norm(C - A@B) / norm(A@B)`` with the reference in float64 (cuBLAS DGEMM)."""
+    import cupy
+
+    ref = cupy.matmul(a.astype(np.float64), b.astype(np.float64))
+    den = float(cupy.linalg.norm(ref))
+    err = float(cupy.linalg.norm(c.astype(np.float64) - ref))
+    return err / den if den else err
+
+
+def _raw_runner(spec, params, a, b, c):
+    from distmm.executor import cuda_loader
+
+    m, k = a.shape
+    n = b.shape[1]
+
+    def run():
+        cuda_loader.launch(spec.name, a, False, k, b, False, n, c, n, m, n, k, params=params)
+    return run
+
+
+def _search_space(spec, dtype: str, cc: int, max_configs: int) -> list[dict]:
+    """Phase 1 of the search: every valid block x warp shape at the default BK and stages
+    with 128 or 256 threads (the defaults first)."""
+    default = spec.params(dtype)
+    out = [default]
+    for p in spec.candidates(dtype, cc):
+        if p["BK"] == default["BK"] and p["STAGES"] == default["STAGES"] \
+                and spec.threads(p) in (128, 256) and p not in out:
+            out.append(p)
+    return out[:max_configs]
+
+
+def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 40,
+               processes: int | None = None, log=print, records=None) -> dict:
+    """Search the best kernel's configurations for ``dtype``; return the cache entry.
+
+    Phase 1 times every block x warp shape at ``size``; phase 2 varies BK and the number of
+    pipeline stages of the best three; the best five are timed again at ``confirm_size``
+    next to cuBLAS, and the winner is the fastest there. A configuration whose result is
+    wrong (relative error against a float64 product above 1e-4 for float32) is discarded.
+    """
+    import cupy
+
+    from distmm.executor import cuda_loader
+
+    spec = registry.best_kernel()
+    dtype = np.dtype(dtype).name
+    cc = cuda_loader.compute_capability()
+    tol = {"float32": 1e-4, "float64": 1e-12}.get(dtype, 0.0)
+
+    def measure(configs, n):
+        errors = cuda_loader.warm([(spec.name, dtype, p, False, False) for p in configs],
+                                  processes=processes)
+        for e in errors:
+            log(f"  compile failed: {e}")
+        a, b = random_operands(n, n, n, dtype)
+        c = cupy.full((n, n), np.nan if dtype.startswith("float") else -1, dtype=dtype)
+        results = []
+        for p in configs:
+            try:
+                run = _raw_runner(spec, p, a, b, c)
+                run()
+                cupy.cuda.get_current_stream().synchronize()
+                err = relerr_gpu(c, a, b)
+                if not err <= tol:
+                    log(f"  {p}: WRONG (relerr {err:.2e}); skipped")
+                    continue
+                sec = time_gpu(run, repeat=5, warmup=1)
+            except Exception as exc:
+                log(f"  {p}: failed ({exc})")
+                continue
+            tf = 2.0 * n**3 / sec / 1e12
+            results.append((tf, p, sec, err))
+            if records is not None:
+                records.add(f"tune-{spec.name}", dtype, n, n, n, sec, err, params=p)
+        results.sort(key=lambda r: -r[0])
+        return results
+
+    t0 = time.perf_counter()
+    phase1 = _search_space(spec, dtype, cc, max_configs)
+    log(f"{dtype}: phase 1, {len(phase1)} block/warp shapes at n={size}")
+    res1 = measure(phase1, size)
+    for tf, p, *_ in res1[:5]:
+        log(f"  {tf:6.2f} TFLOP/s  {p}")
+    if not res1:
+        raise RuntimeError(f"no {spec.name} configuration ran correctly for {dtype}")
+    phase2 = []
+    for _, best, *_ in res1[:3]:
+        for bk in spec.tune_space["BK"]:
+            for st in spec.tune_space["STAGES"]:
+                p = dict(best, BK=bk, STAGES=st)
+                if p not in phase1 and p not in phase2 and not spec.violations(dtype, p, cc):
+                    phase2.append(p)
+    log(f"{dtype}: phase 2, {len(phase2)} BK/stage variants at n={size}")
+    res2 = measure(phase2, size)
+    allres = sorted(res1 + res2, key=lambda r: -r[0])
+    top = [p for _, p, *_ in allres[:5]]
+    log(f"{dtype}: confirming the best {len(top)} at n={confirm_size}")
+    res3 = measure(top, confirm_size)
+    if not res3:
+        raise RuntimeError(f"no configuration ran at n={confirm_size} for {dtype}")
+    tf_best, p_best, sec_best, err_best = res3[0]
+
+    # cuBLAS in the same run, and the raw/cuBLAS choice per shape class
+    prefer, vs = {}, {}
+    shapes = {"small": (512, 512, 512), "medium": (2048, 2048, 2048),
+              "large": (confirm_size,) * 3, "skinny": (4096, 64, 4096)}
+    for cls, (m, n, k) in shapes.items():
+        a, b = random_operands(m, n, k, dtype)
+        c = cupy.empty((m, n), dtype=dtype)
+        t_raw = time_gpu(_raw_runner(spec, p_best, a, b, c))
+        t_blas = time_gpu(lambda: cupy.matmul(a, b, out=c))
+        prefer[cls] = "raw" if t_raw < t_blas else "cublas"
+        vs[cls] = {"raw_tflops": 2 * m * n * k / t_raw / 1e12,
+                   "cublas_tflops": 2 * m * n * k / t_blas / 1e12}
+        if records is not None:
+            records.add(f"distmm-raw-{spec.name}", dtype, m, n, k, t_raw, None,
+                        note="tune shape-class check", params=p_best)
+            records.add("cublas", dtype, m, n, k, t_blas, None, note="tune shape-class check")
+    entry = {
+        "kernel": spec.name, "params": p_best, "tflops": tf_best, "size": confirm_size,
+        "relerr": err_best, "cublas_tflops": vs["large"]["cublas_tflops"], "prefer": prefer,
+        "classes": vs, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds_spent": round(time.perf_counter() - t0, 1),
+    }
+    log(f"{dtype}: best {p_best}: {tf_best:.2f} TFLOP/s at n={confirm_size}; cuBLAS "
+        f"{entry['cublas_tflops']:.2f}; auto uses {prefer}")
+    return entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distmm tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", nargs="+", default=["float32", "float64"],
+                   choices=list(registry.DTYPES))
+    p.add_argument("--size", type=int, default=4096, help="search size n (n x n x n)")
+    p.add_argument("--confirm-size", type=int, default=8192, help="size of the final ranking")
+    p.add_argument("--max-configs", type=int, default=40)
+    p.add_argument("--processes", type=int, default=None, help="parallel compile processes")
+    p.add_argument("--cache", type=Path, default=None, help=f"cache file (default {cache_path()})")
+    p.add_argument("--records", type=Path, default=None,
+                   help="also write every measurement as bench records into this folder")
+    p.add_argument("--show", action="store_true", help="print the cache and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.show:
+        print(json.dumps(load(args.cache), indent=1, sort_keys=True))
+        return 0
+    try:
+        import cupy
+    except ImportError as exc:
+        print(f"distmm tune: needs cupy and a GPU: pip install \"distmm[gpu]\" ({exc})",
+              file=sys.stderr)
+        return 2
+    from distmm.executor.gpu import _gpu_name
+
+    gpu = _gpu_name()
+    records = None
+    if args.records is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.records import RecordWriter
+
+        records = RecordWriter("tune", gpu, args.records, gpus=1, backend="raw")
+    print(f"tuning on {gpu} (cupy {cupy.__version__}); cache {args.cache or cache_path()}")
+    for dt in args.dtype:
+        entry = tune_dtype(dt, size=args.size, confirm_size=args.confirm_size,
+                           max_configs=args.max_configs, processes=args.processes,
+                           records=records)
+        path = store(gpu, dt, entry, args.cache)
+        print(f"stored {dt} in {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

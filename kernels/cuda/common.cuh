@@ -1,0 +1,164 @@
+// distmm CUDA GEMM kernels: pieces every step shares.
+//
+// Every kernel computes C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C, row-major,
+// with leading dimensions in elements. op(A) = A when (flags & TRANS_A) == 0 (A stored
+// M x K, A[m*lda + k]) and A^T otherwise (A stored K x M, A[k*lda + m]); likewise B.
+// As in BLAS, beta == 0 means C is not read.
+//
+// Element types: float, double, int (int32) and long long (int64). Integers accumulate in
+// the unsigned type of the same width, so sums wrap modulo 2^w exactly as numpy's do,
+// without signed-overflow undefined behaviour.
+//
+// No standard headers: the file must compile under NVRTC (CuPy RawModule) and nvcc alike.
+#pragma once
+
+#define DISTMM_TRANS_A 1
+#define DISTMM_TRANS_B 2
+#define DISTMM_VEC_A 4   // A's base is 16-byte aligned and lda is a multiple of 16 bytes
+#define DISTMM_VEC_B 8   // the same for B
+
+namespace distmm {
+
+template <typename T> struct acc_type { typedef T type; };
+template <> struct acc_type<int> { typedef unsigned int type; };
+template <> struct acc_type<long long> { typedef unsigned long long type; };
+
+template <typename T>
+__device__ __forceinline__ typename acc_type<T>::type to_acc(T x) {
+    return (typename acc_type<T>::type)x;
+}
+
+// acc + a * b in the accumulation type; fused for floating point.
+__device__ __forceinline__ float madd(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double madd(double a, double b, double c) { return fma(a, b, c); }
+__device__ __forceinline__ unsigned int madd(int a, int b, unsigned int c) {
+    return (unsigned int)a * (unsigned int)b + c;
+}
+__device__ __forceinline__ unsigned long long madd(long long a, long long b, unsigned long long c) {
+    return (unsigned long long)a * (unsigned long long)b + c;
+}
+
+// Element (r, c) of op(X) for a row-major X with leading dimension ld.
+template <typename T>
+__device__ __forceinline__ T op_at(const T* __restrict__ x, long long ld, bool trans, int r, int c) {
+    return trans ? x[(long long)c * ld + r] : x[(long long)r * ld + c];
+}
+
+// C[idx] = alpha * acc + beta * C[idx]; C is not read when beta == 0.
+template <typename T>
+__device__ __forceinline__ void store_c(T* __restrict__ c, long long idx,
+                                        typename acc_type<T>::type acc, T alpha, T beta) {
+    typedef typename acc_type<T>::type A;
+    A r = to_acc(alpha) * acc;
+    if (beta != T(0)) r = r + to_acc(beta) * to_acc(c[idx]);
+    c[idx] = (T)r;
+}
+
+// 16-byte vectors: VEC elements of T.
+template <typename T> struct vec16 { static constexpr int n = 16 / sizeof(T); };
+
+__device__ __forceinline__ void ld16(const float* p, float* o) {
+    float4 v = *reinterpret_cast<const float4*>(p);
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+__device__ __forceinline__ void ld16(const int* p, int* o) {
+    int4 v = *reinterpret_cast<const int4*>(p);
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+__device__ __forceinline__ void ld16(const double* p, double* o) {
+    double2 v = *reinterpret_cast<const double2*>(p);
+    o[0] = v.x; o[1] = v.y;
+}
+__device__ __forceinline__ void ld16(const long long* p, long long* o) {
+    longlong2 v = *reinterpret_cast<const longlong2*>(p);
+    o[0] = v.x; o[1] = v.y;
+}
+// (Aggregate stores rather than make_float4 & co., which NVRTC need not declare.)
+__device__ __forceinline__ void st16(float* p, const float* o) {
+    float4 v; v.x = o[0]; v.y = o[1]; v.z = o[2]; v.w = o[3];
+    *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ void st16(int* p, const int* o) {
+    int4 v; v.x = o[0]; v.y = o[1]; v.z = o[2]; v.w = o[3];
+    *reinterpret_cast<int4*>(p) = v;
+}
+__device__ __forceinline__ void st16(double* p, const double* o) {
+    double2 v; v.x = o[0]; v.y = o[1];
+    *reinterpret_cast<double2*>(p) = v;
+}
+__device__ __forceinline__ void st16(long long* p, const long long* o) {
+    longlong2 v; v.x = o[0]; v.y = o[1];
+    *reinterpret_cast<longlong2*>(p) = v;
+}
+
+// ---- cp.async (sm_80+): global -> shared without a trip through registers ----------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm volatile("{ .reg .u64 u; cvta.to.shared.u64 u, %1; cvt.u32.u64 %0, u; }"
+                 : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Copy 16 bytes; only the first src_bytes are read, the rest of the 16 are zero-filled.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes) : "memory");
+}
+// Copy one element of 4 or 8 bytes (src_bytes 0 zero-fills it).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_elem(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "n"(BYTES), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// Copy a ROWS x COLS tile (COLS contiguous in global memory) into shared memory with
+// row stride SLD, through cp.async. Global element (r, c) of the tile is
+// g[(row0 + r) * ld + col0 + c] and exists when row0 + r < row_lim and col0 + c < col_lim;
+// missing elements are zero-filled. With vec (16-byte aligned rows) each thread copies
+// 16-byte chunks; otherwise single elements.
+template <typename T, int ROWS, int COLS, int SLD, int NT>
+__device__ __forceinline__ void tile_to_smem_async(T* __restrict__ s, const T* __restrict__ g,
+                                                   long long ld, int row0, int col0, int row_lim,
+                                                   int col_lim, bool vec, int tid) {
+    constexpr int V = vec16<T>::n;
+    static_assert(COLS % V == 0, "tile columns must be a multiple of the 16-byte vector");
+    constexpr int CHUNKS_PER_ROW = COLS / V;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    constexpr int ITERS = (CHUNKS + NT - 1) / NT;
+    if (vec) {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            int ch = tid + it * NT;
+            if (CHUNKS % NT == 0 || ch < CHUNKS) {
+                int r = ch / CHUNKS_PER_ROW, c = (ch % CHUNKS_PER_ROW) * V;
+                int gr = row0 + r, gc = col0 + c;
+                int n = (gr < row_lim) ? col_lim - gc : 0;
+                n = n < 0 ? 0 : (n > V ? V : n);
+                const T* src = n ? g + (long long)gr * ld + gc : g;
+                cp_async16(s + r * SLD + c, src, n * (int)sizeof(T));
+            }
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            int ch = tid + it * NT;
+            if (CHUNKS % NT == 0 || ch < CHUNKS) {
+                int r = ch / CHUNKS_PER_ROW, c = (ch % CHUNKS_PER_ROW) * V;
+                int gr = row0 + r;
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    int gc = col0 + c + e;
+                    bool ok = gr < row_lim && gc < col_lim;
+                    const T* src = ok ? g + (long long)gr * ld + gc : g;
+                    cp_async_elem<sizeof(T)>(s + r * SLD + c + e, src, ok ? (int)sizeof(T) : 0);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace distmm

@@ -1,0 +1,163 @@
+// The cp.async pipelined main loop shared by step 7 (double buffering, block-wide thread
+// grid) and step 8 (warp tiling, 2-4 stages). Included by 07_double_buffer.cu and
+// 08_warptile.cu; not a kernel by itself.
+//
+// Shared memory keeps each operand in the layout it has in global memory, so every copy is
+// a 16-byte cp.async with no trip through registers (a transpose cannot be done by
+// cp.async):
+//   op(A): A stored M x K (TA = false) -> As[m][k] (k contiguous), padded so that a row is
+//          an odd number of 16-byte chunks; A stored K x M (TA) -> As[k][m].
+//   op(B): B stored K x N (TB = false) -> Bs[k][n];  B stored N x K (TB) -> Bs[n][k], padded.
+// The inner loop reads V = 16/sizeof(T) consecutive k of a row at once in the k-contiguous
+// layouts and V consecutive m (n) in the others, always as 16-byte shared loads.
+//
+// Threads: the block's BM x BN tile is split into (BM/WM) x (BN/WN) "warp tiles", each
+// computed by LM x LN = (WM/TM) x (WN/TN) threads that own TM x TN accumulators. With
+// LM * LN == 32 a warp tile is a warp (step 8); step 7 uses one warp tile for the whole block.
+// A thread's rows and columns are interleaved so that, in every quarter warp, lanes either
+// read the same 16 bytes (broadcast) or consecutive 16-byte chunks: no bank conflicts.
+#pragma once
+#include "common.cuh"
+
+namespace distmm {
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
+          bool TA, bool TB>
+struct PipelinedShape {
+    static constexpr int V = vec16<T>::n;
+    static constexpr int LM = WM / TM, LN = WN / TN, LANES = LM * LN;
+    static constexpr int WGM = BM / WM, WGN = BN / WN;
+    static constexpr int NT = WGM * WGN * LANES;
+    static constexpr int A_ROWS = TA ? BK : BM, A_COLS = TA ? BM : BK;
+    static constexpr int A_LD = A_COLS + ((!TA && (BK / V) % 2 == 0) ? V : 0);
+    static constexpr int B_ROWS = TB ? BN : BK, B_COLS = TB ? BK : BN;
+    static constexpr int B_LD = B_COLS + ((TB && (BK / V) % 2 == 0) ? V : 0);
+    static constexpr int A_STAGE = A_ROWS * A_LD, B_STAGE = B_ROWS * B_LD;
+    static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * (int)sizeof(T);
+    static_assert(WM % TM == 0 && WN % TN == 0 && BM % WM == 0 && BN % WN == 0, "tile shapes");
+    static_assert(TM % V == 0 && TN % V == 0 && BK % V == 0, "16-byte vectors");
+    static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
+};
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
+          bool TA, bool TB>
+__device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+                                               long long lda, const T* __restrict__ B, long long ldb,
+                                               T beta, T* __restrict__ C, long long ldc, int flags) {
+    typedef PipelinedShape<T, BM, BN, BK, WM, WN, TM, TN, STAGES, TA, TB> S;
+    typedef typename acc_type<T>::type Acc;
+    constexpr int V = S::V, LM = S::LM, LN = S::LN, NT = S::NT;
+    extern __shared__ __align__(16) unsigned char distmm_smem[];
+    T* As = reinterpret_cast<T*>(distmm_smem);
+    T* Bs = As + STAGES * S::A_STAGE;
+
+    const int tid = threadIdx.x;
+    // Grouped tile order: GROUP row-tiles of C are swept together so the B panels they read
+    // stay in L2.
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
+    constexpr int GROUP = 8;
+    const int bid = blockIdx.x;
+    const int width = GROUP * grid_n;
+    const int first_m = (bid / width) * GROUP;
+    const int gsize = min(grid_m - first_m, GROUP);
+    const int m0 = (first_m + (bid % width) % gsize) * BM;
+    const int n0 = ((bid % width) / gsize) * BN;
+    const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
+
+    const int warp = tid / S::LANES, lane = tid % S::LANES;
+    const int wm = warp / S::WGN, wn = warp % S::WGN;
+    const int lm = lane / LN, ln = lane % LN;
+    // Row of C (within the block tile) of a thread's accumulator row i, column of column j.
+    const int row_base = wm * WM + (TA ? lm * V : lm);
+    const int col_base = wn * WN + (TB ? ln : ln * V);
+#define DISTMM_ROW(i) (row_base + (TA ? ((i) / V) * (LM * V) + (i) % V : (i) * LM))
+#define DISTMM_COL(j) (col_base + (TB ? (j) * LN : ((j) / V) * (LN * V) + (j) % V))
+
+    auto load_tile = [&](int kt, int stage) {
+        const int k0 = kt * BK;
+        T* as = As + stage * S::A_STAGE;
+        T* bs = Bs + stage * S::B_STAGE;
+        if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
+        else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
+        if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
+        else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+    };
+
+    Acc acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0;
+
+    const int KT = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();
+    }
+    int read_stage = 0, write_stage = STAGES - 1;
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
+        if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
+        cp_async_commit();
+        const T* as = As + read_stage * S::A_STAGE;
+        const T* bs = Bs + read_stage * S::B_STAGE;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += V) {
+            T a[V][TM], b[V][TN];
+            if (!TA) {
+#pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    T t[V];
+                    ld16(as + DISTMM_ROW(i) * S::A_LD + kk, t);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) a[v][i] = t[v];
+                }
+            } else {
+#pragma unroll
+                for (int v = 0; v < V; ++v)
+#pragma unroll
+                    for (int i = 0; i < TM; i += V) ld16(as + (kk + v) * S::A_LD + DISTMM_ROW(i), &a[v][i]);
+            }
+            if (!TB) {
+#pragma unroll
+                for (int v = 0; v < V; ++v)
+#pragma unroll
+                    for (int j = 0; j < TN; j += V) ld16(bs + (kk + v) * S::B_LD + DISTMM_COL(j), &b[v][j]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < TN; ++j) {
+                    T t[V];
+                    ld16(bs + DISTMM_COL(j) * S::B_LD + kk, t);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) b[v][j] = t[v];
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+#pragma unroll
+                for (int i = 0; i < TM; ++i)
+#pragma unroll
+                    for (int j = 0; j < TN; ++j) acc[i][j] = madd(a[v][i], b[v][j], acc[i][j]);
+        }
+        read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+        write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int row = m0 + DISTMM_ROW(i);
+        if (row >= M) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int col = n0 + DISTMM_COL(j);
+            if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j], alpha, beta);
+        }
+    }
+#undef DISTMM_ROW
+#undef DISTMM_COL
+}
+
+}  // namespace distmm

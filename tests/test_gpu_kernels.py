@@ -1,0 +1,243 @@
+"""Every registered CUDA kernel against a float64 reference, and the GPU executor.
+
+Fresh random inputs for every case, outputs poisoned before each launch (NaN for floats, a
+fixed pattern for integers) so an unwritten element fails; sizes 1, 7, 33, 127, 1000 and
+4097, rectangular and transposed cases, misaligned operands (element loads instead of
+16-byte vectors), alpha/beta. Integers are compared exactly, including wrap-around.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # pragma: no cover - depends on the machine
+    _HAS_GPU = False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+
+import distmm.registry as registry  # noqa: E402
+from distmm.executor import cuda_loader  # noqa: E402
+
+KERNELS = registry.steps()
+DTYPES = registry.DTYPES
+POISON = {"float32": np.nan, "float64": np.nan, "int32": -0x5A5A5A5A, "int64": -0x5A5A5A5A5A5A5A5A}
+TOL = {"float32": 2e-6, "float64": 1e-14}
+
+# (m, n, k, trans_a, trans_b)
+CASES = [(s, s, s, False, False) for s in (1, 7, 33, 127, 1000, 4097)] + [
+    (33, 127, 1000, False, False), (1000, 7, 127, False, False), (127, 1000, 33, False, False),
+    (4097, 33, 1000, False, False),
+    (127, 33, 1000, True, False), (127, 33, 1000, False, True), (127, 33, 1000, True, True),
+    (1000, 127, 33, True, True), (7, 1000, 129, True, False), (1000, 7, 129, False, True),
+]
+
+
+def _case_id(c):
+    m, n, k, ta, tb = c
+    return f"{m}x{n}x{k}" + ("-TA" if ta else "") + ("-TB" if tb else "")
+
+
+def _random(shape, dtype, rng, big=False):
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return rng.standard_normal(shape, dtype=np.float64).astype(dt)
+    if big:  # the full range (drawn on the host): exercises wrap-around
+        info = np.iinfo(dt)
+        host = np.random.default_rng().integers(info.min, info.max, size=shape, dtype=dt,
+                                                endpoint=True)
+        return cupy.asarray(host)
+    # small values: every sum is exact in the float64 reference
+    return cupy.random.randint(-3, 4, size=shape).astype(dt)
+
+
+def _operand(rows, cols, dtype, rng, trans, misalign=False, big=False):
+    """A matrix op(X) of shape (rows, cols), stored transposed when ``trans``; returns
+    (stored array, its leading dimension, op(X) as a view)."""
+    shape = (cols, rows) if trans else (rows, cols)
+    if misalign:  # a view that starts one element in and rows of an odd length
+        full = _random((shape[0], shape[1] + 1), dtype, rng, big)
+        stored = full[:, 1:]
+        ld = shape[1] + 1
+    else:
+        stored = _random(shape, dtype, rng, big)
+        ld = max(shape[1], 1)
+    return stored, ld, (stored.T if trans else stored)
+
+
+def _run(spec, dtype, m, n, k, ta, tb, *, alpha=1, beta=0, misalign=False, params=None,
+         compiler=None):
+    rng = cupy.random.default_rng()
+    a, lda, op_a = _operand(m, k, dtype, rng, ta, misalign)
+    b, ldb, op_b = _operand(k, n, dtype, rng, tb, misalign)
+    if beta != 0:
+        c = _random((m, n), dtype, rng)
+        c0 = c.copy()
+    else:
+        c = cupy.full((m, n), POISON[dtype], dtype=dtype)
+        c0 = cupy.zeros((m, n), dtype=dtype)
+    a_before, b_before = a.copy(), b.copy()
+    cuda_loader.launch(spec.name, a, ta, lda, b, tb, ldb, c, max(n, 1), m, n, k,
+                       alpha=alpha, beta=beta, params=params, compiler=compiler, check=True)
+    ref = alpha * cupy.matmul(op_a.astype(np.float64), op_b.astype(np.float64)) \
+        + beta * c0.astype(np.float64)
+    assert bool((a == a_before).all()) and bool((b == b_before).all()), "inputs modified"
+    if np.dtype(dtype).kind == "f":
+        assert bool(cupy.isfinite(c).all()), "unwritten (NaN) elements in C"
+        den = float(cupy.linalg.norm(ref))
+        err = float(cupy.linalg.norm(c.astype(np.float64) - ref)) / (den or 1.0)
+        assert err <= TOL[dtype] * max(1.0, np.sqrt(k) / 8), f"relerr {err:.3e}"
+    else:
+        want = cupy.rint(ref).astype(np.int64)
+        got = c.astype(np.int64)
+        bad = int((got != want).sum())
+        assert bad == 0, f"{bad} of {m * n} elements differ"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
+def test_kernel_matches_float64_reference(spec, dtype, case):
+    _run(spec, dtype, *case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
+def test_kernel_alpha_beta_misaligned(spec, dtype):
+    alpha, beta = (2, -3) if np.dtype(dtype).kind == "i" else (-1.5, 0.25)
+    _run(spec, dtype, 127, 65, 131, True, False, alpha=alpha, beta=beta, misalign=True)
+    _run(spec, dtype, 66, 129, 35, False, True, alpha=alpha, beta=0, misalign=True)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
+def test_integer_wraparound_matches_numpy(spec, dtype):
+    rng = cupy.random.default_rng()
+    a, lda, _ = _operand(33, 65, dtype, rng, False, big=True)
+    b, ldb, _ = _operand(65, 17, dtype, rng, True, big=True)
+    c = cupy.full((33, 17), POISON[dtype], dtype=dtype)
+    cuda_loader.launch(spec.name, a, False, lda, b, True, ldb, c, 17, 33, 17, 65, check=True)
+    with np.errstate(over="ignore"):
+        want = np.matmul(cupy.asnumpy(a), cupy.asnumpy(b).T)
+    assert want.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(cupy.asnumpy(c), want)
+
+
+@pytest.mark.parametrize("spec", KERNELS, ids=lambda k: k.name)
+def test_k_zero_gives_beta_c(spec):
+    c = cupy.arange(12, dtype=np.float32).reshape(3, 4)
+    a = cupy.empty((3, 0), np.float32)
+    b = cupy.empty((0, 4), np.float32)
+    cuda_loader.launch(spec.name, a, False, 1, b, False, 4, c, 4, 3, 4, 0, alpha=1.0, beta=2.0,
+                       check=True)
+    np.testing.assert_array_equal(cupy.asnumpy(c), 2 * np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_tuning_space_samples(dtype):
+    """A few non-default configurations of the tunable kernel, on ragged transposed sizes."""
+    spec = registry.best_kernel()
+    cands = spec.candidates(dtype)
+    for p in cands[1:len(cands):max(1, len(cands) // 4)]:
+        _run(spec, dtype, 257, 130, 77, False, False, params=p)
+        _run(spec, dtype, 130, 257, 77, True, True, params=p)
+
+
+def test_nvcc_cubin_path():
+    """The nvcc fallback: compiled to a cubin in the cache folder and loaded by path."""
+    spec = registry.best_kernel()
+    _run(spec, "float32", 300, 200, 100, False, True, compiler="nvcc")
+    assert any(cuda_loader.cache_dir().joinpath("cubin").glob("warptile-*.cubin"))
+
+
+def test_name_expressions_path_agrees(monkeypatch):
+    """NVRTC's own lowering (RawModule(name_expressions=...)) finds the same kernels."""
+    spec = registry.best_kernel()
+    expr = spec.name_expression("float32", spec.params("float32"), False, True)
+    kern = cuda_loader._kernel_by_name_expression(spec, expr)
+    assert kern.kernel is not None
+    cuda_loader._kernel.cache_clear()
+    monkeypatch.setenv("DISTMM_NAME_EXPRESSIONS", "1")
+    _run(spec, "float32", 130, 70, 90, False, True)
+    _run(registry.get("smem"), "int64", 33, 40, 50, True, False)
+    cuda_loader._kernel.cache_clear()
+
+
+# -- the executor --------------------------------------------------------------------------
+
+from distmm.executor.gpu import GPUExecutor  # noqa: E402
+from distmm.plan import make_plan  # noqa: E402
+
+
+@pytest.mark.parametrize("backend", ["raw", "cublas", "auto"])
+def test_device_gemm_on_a_stream(backend):
+    ex = GPUExecutor(backend=backend)
+    rng = cupy.random.default_rng()
+    a = rng.standard_normal((300, 200), dtype=np.float64)
+    b = rng.standard_normal((100, 200), dtype=np.float64).T  # a transposed view
+    c = rng.standard_normal((300, 100), dtype=np.float64)
+    c0 = c.copy()
+    s = cupy.cuda.Stream(non_blocking=True)
+    ex.device_gemm(a, b, c, alpha=0.5, beta=-2.0, stream=s)
+    s.synchronize()
+    want = 0.5 * (cupy.asnumpy(a) @ cupy.asnumpy(b)) - 2.0 * cupy.asnumpy(c0)
+    np.testing.assert_allclose(cupy.asnumpy(c), want, rtol=1e-12, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "int8", "uint16",
+                                   "bool", "float16", "complex64"])
+def test_run_batched_numpy_semantics(dtype):
+    ex = GPUExecutor(backend="raw")
+    rng = np.random.default_rng()
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        a, b = rng.random((2, 1, 33, 70)) < 0.05, rng.random((3, 70, 9)) < 0.05
+    elif dt.kind in "iu":
+        a = rng.integers(0, 100, (2, 1, 33, 70)).astype(dt)
+        b = rng.integers(0, 100, (3, 70, 9)).astype(dt)
+    else:
+        a = rng.standard_normal((2, 1, 33, 70)).astype(dt)
+        b = rng.standard_normal((3, 70, 9)).astype(dt)
+        if dt.kind == "c":
+            a = a + 1j * rng.standard_normal(a.shape).astype(dt)
+    with np.errstate(over="ignore"):
+        want = np.matmul(a, b)
+    plan = make_plan(33, 9, 70, want.dtype)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    ga = cupy.broadcast_to(cupy.asarray(a), batch + a.shape[-2:])
+    gb = cupy.broadcast_to(cupy.asarray(b), batch + b.shape[-2:])
+    got = ex.run_batched(plan, ga, gb)
+    assert isinstance(got, cupy.ndarray) and got.dtype == want.dtype and got.shape == want.shape
+    if dt.kind in "biu":
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    else:
+        tol = {"float16": 1e-2, "float32": 1e-5, "complex64": 1e-5}.get(dtype, 1e-12)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=tol, atol=tol * 10)
+
+
+def test_run_plan_host_operands():
+    ex = GPUExecutor(backend="raw")
+    rng = np.random.default_rng()
+    a = rng.standard_normal((513, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 257)).astype(np.float32)
+    out = np.full((513, 257), np.nan, np.float32)
+    ex.run_plan(make_plan(513, 257, 300, np.float32), a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_panel_product_and_copies():
+    ex = GPUExecutor(backend="auto")
+    rng = np.random.default_rng()
+    a = rng.integers(-50, 50, (64, 40)).astype(np.int64)
+    b = rng.integers(-50, 50, (40, 80)).astype(np.int64)
+    got = ex.to_host(ex.panel_product(ex.asarray(a, np.int64), ex.asarray(b, np.int64)))
+    np.testing.assert_array_equal(got, a @ b)
+    assert ex.choose(np.int64, 64, 80, 40) == "raw"
+
+
+def test_cupy_tf32_is_off_for_the_reference():
+    import os
+
+    assert os.environ.get("CUPY_TF32", "0") == "0"

@@ -1,0 +1,156 @@
+"""The kernel registry agrees with the CUDA sources, and every source compiles with nvcc
+for sm_90 and sm_80 (skipped without nvcc). No GPU needed."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import distmm  # noqa: F401  (aliases kernels/ as distmm.kernels in a source checkout)
+import distmm.registry as registry
+from distmm.executor import cuda_loader
+from distmm.kernels import CUDA_DIR
+
+NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
+CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
+
+
+def test_every_source_is_registered_once_and_steps_are_consecutive():
+    files = [k.file for k in registry.steps()]
+    assert sorted(files) == CU_FILES
+    assert [k.step for k in registry.steps()] == list(range(1, len(files) + 1))
+    for k in registry.steps():
+        assert k.file.startswith(f"{k.step:02d}_")
+
+
+@pytest.mark.parametrize("spec", registry.steps(), ids=lambda k: k.name)
+def test_template_names_a_kernel_in_its_file(spec):
+    text = (CUDA_DIR / spec.file).read_text()
+    entry = spec.template.split("<")[0]
+    assert entry == f"distmm_gemm_{spec.name}"
+    assert re.search(rf"__global__[^;{{]*\b{entry}\s*\(", text), f"{entry} not in {spec.file}"
+    fields = set(re.findall(r"{(\w+)}", spec.template))
+    expected = {"T"} | ({"TA", "TB"} if spec.layout_template else set())
+    for dt in spec.dtypes:
+        expected_dt = expected | set(spec.params(dt))
+        assert fields == expected_dt
+
+
+@pytest.mark.parametrize("dtype", registry.DTYPES)
+@pytest.mark.parametrize("spec", registry.steps(), ids=lambda k: k.name)
+def test_defaults_are_valid(spec, dtype):
+    p = spec.params(dtype)
+    assert spec.violations(dtype, p, 90) == []
+    assert spec.violations(dtype, p, 80) == []
+    assert spec.threads(p) <= 1024
+    expr = spec.name_expression(dtype, p, True, False)
+    assert registry.C_TYPES[dtype] in expr
+
+
+def test_tuning_space_is_valid_and_nonempty():
+    spec = registry.best_kernel()
+    assert spec.tunable
+    for dt in ("float32", "float64"):
+        cands = spec.candidates(dt)
+        assert len(cands) > 10
+        assert cands[0] == spec.params(dt)
+        for p in cands:
+            assert spec.violations(dt, p) == []
+
+
+def test_violations_catch_bad_configs():
+    spec = registry.get("warptile")
+    bad = dict(spec.params("float32"), WM=48)
+    assert spec.violations("float32", bad)
+    big = dict(spec.params("float64"), BM=256, BN=256, BK=32, STAGES=4)
+    assert any("shared memory" in v for v in spec.violations("float64", big, 80))
+    assert spec.violations("float32", spec.params("float32"), 75)  # cp.async needs sm_80
+
+
+def test_smem_matches_the_pipelined_layout():
+    spec = registry.get("warptile")
+    p = {"BM": 128, "BN": 128, "BK": 16, "STAGES": 3, "WM": 32, "WN": 64, "TM": 8, "TN": 8}
+    # A: 128 rows of 16 (+4 pad) floats; B: 16 rows of 128 floats; 3 stages
+    assert spec.smem_bytes("float32", p, False, False) == 3 * (128 * 20 + 16 * 128) * 4
+    # transposed A: 16 rows of 128; transposed B: 128 rows of 16 + 4
+    assert spec.smem_bytes("float32", p, True, True) == 3 * (16 * 128 + 128 * 20) * 4
+    assert spec.smem_bytes("float64", p, False, False) == 3 * (128 * 18 + 16 * 128) * 8
+
+
+def test_grid_dims():
+    w = registry.get("warptile")
+    p = w.params("float32")
+    assert w.grid_dims(1000, 300, p) == (8 * 3, 1, 1)
+    n = registry.get("naive")
+    assert n.grid_dims(9, 33, {}) == (2, 2, 1)
+    with pytest.raises(ValueError):
+        n.grid_dims(8 * 70000, 1, {})
+
+
+def test_tuning_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
+    assert registry.load_tuning_for("GPU X") == {}
+    entry = {"kernel": "warptile", "params": registry.get("warptile").params("float32"),
+             "prefer": {"large": "raw"}}
+    path = registry.store_tuning("GPU X", np.float32, entry)
+    assert path.parent == tmp_path
+    assert registry.load_tuning_for("GPU X")["float32"] == entry
+    # a tuned config that breaks the constraints falls back to the defaults
+    spec = registry.get("warptile")
+    assert registry.kernel_params(spec, "float32", dict(entry["params"], WM=48)) == spec.params("float32")
+    path.write_text("{not json")
+    assert registry.load_tuning_for("GPU X") == {}
+
+
+def test_source_inlines_headers():
+    for spec in registry.steps():
+        text = cuda_loader.source(spec.file)
+        assert '#include "' not in text
+        assert "namespace distmm" in text
+
+
+def _nvcc(args, src=None):
+    return subprocess.run([NVCC, *args], capture_output=True, text=True, input=src)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("file", CU_FILES)
+def test_source_compiles_with_nvcc(file, arch, tmp_path):
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "k.cubin"),
+                 str(CUDA_DIR / file)])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("spec", registry.steps(), ids=lambda k: k.name)
+def test_loader_source_and_lowered_name(spec, tmp_path):
+    """What the loader compiles (inlined headers, -DDISTMM_NVRTC, one explicit
+    instantiation) builds, and the kernel's symbol is ``mangled_name`` of its expression."""
+    p = spec.params("float64")
+    if spec.tunable:  # a non-default shape of the tuning space
+        p = dict(spec.params("float32"), BM=128, BN=256, WM=64, WN=64, TM=8, TN=16, STAGES=4)
+        assert spec.violations("float32", p) == []
+    dtype = "float32" if spec.tunable else "float64"
+    expr = spec.name_expression(dtype, p, True, False)
+    src = cuda_loader.source(spec.file) + cuda_loader._explicit_instantiation(
+        expr, registry.C_TYPES[dtype])
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    cubin = tmp_path / "k.cubin"
+    res = _nvcc([*cuda_loader.OPTIONS, "-arch=sm_90", "-cubin", "-o", str(cubin), str(cu)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    symbols = set(re.findall(rb"_Z\d+distmm_gemm_[A-Za-z0-9_]+", cubin.read_bytes()))
+    assert symbols == {cuda_loader.mangled_name(expr).encode()}
+
+
+def test_mangled_name_examples():
+    m = cuda_loader.mangled_name
+    assert m("distmm_gemm_naive<long long>") == "_Z17distmm_gemm_naiveIxEviiiT_PKS0_xS2_xS0_PS0_xi"
+    assert m("distmm_gemm_vectorized<int,true,false>") == \
+        "_Z22distmm_gemm_vectorizedIiLb1ELb0EEviiiT_PKS0_xS2_xS0_PS0_xi"
+    with pytest.raises(ValueError):
+        m("distmm_gemm_naive")
