@@ -133,6 +133,7 @@ class _TileSpec:
     a_keys: tuple  # block index (rb, kb) of each entry of the task's A list
     b_keys: tuple  # block index (kb, cb) of each entry of the task's B list
     finish: bool  # the plan does not split k: cast to the result dtype here
+    batch_ndim: int = 0  # leading length-1 axes of the output chunk
 
 
 def _partial_task(plan: Plan, backend: str, spec: _TileSpec, a_list, b_list):
@@ -149,12 +150,18 @@ def _partial_task(plan: Plan, backend: str, spec: _TileSpec, a_list, b_list):
         acc = part if acc is None else acc + part
     if isinstance(a_list[0], np.ndarray):
         acc = executor.to_host(acc)
-    return finish_tile(plan, acc) if spec.finish else acc
+    if not spec.finish:
+        return acc
+    return _as_chunk(finish_tile(plan, acc), spec.batch_ndim)
 
 
-def _reduce_task(plan: Plan, partials):
+def _reduce_task(plan: Plan, partials, batch_ndim: int = 0):
     """Sum one tile's partials along the plan's fixed tree, then cast."""
-    return finish_tile(plan, reduce_partials(plan, list(partials)))
+    return _as_chunk(finish_tile(plan, reduce_partials(plan, list(partials))), batch_ndim)
+
+
+def _as_chunk(tile, batch_ndim: int):
+    return tile.reshape((1,) * batch_ndim + tile.shape) if batch_ndim else tile
 
 
 # --------------------------------------------------------------------------
@@ -169,6 +176,13 @@ def worker_slots(client) -> list[str]:
     ``w`` maps to ``slots[w]``; single-thread workers give one slot each.
     """
     info = client.scheduler_info(n_workers=-1)["workers"]
+    if not info:
+        # a cluster still starting, or restarting a worker: wait briefly
+        try:
+            client.wait_for_workers(1, timeout=30)
+        except Exception:
+            return []
+        info = client.scheduler_info(n_workers=-1)["workers"]
     return [addr for addr in sorted(info) for _ in range(max(int(info[addr].get("nthreads", 1)), 1))]
 
 
@@ -290,6 +304,7 @@ def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *
     k_pieces = [_k_pieces(a_k_off, b_k_off, plan.k_slice(s).start, plan.k_slice(s).stop, plan.tile[2])
                 for s in range(plan.k_splits)]
     split = plan.k_splits > 1
+    partial_name = name.replace("distmm-matmul", "distmm-partial", 1)
     for ob in np.ndindex(*batch):
         a_bb, a_lead = a.batch_block(ob)
         b_bb, b_lead = b.batch_block(ob)
@@ -308,8 +323,8 @@ def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *
                 b_keys = tuple(sorted({(kb, cb) for _, b_k in pieces for kb, _, _ in b_k
                                        for cb, _, _ in b_cols}))
                 spec = _TileSpec(a_lead, b_lead, a_rows, b_cols, pieces, a_keys, b_keys,
-                                 finish=not split)
-                key = (f"{name}-partial",) + ob + (i, j, s) if split else out_key
+                                 finish=not split, batch_ndim=len(batch))
+                key = (partial_name,) + ob + (i, j, s) if split else out_key
                 graph[key] = Task(key, _partial_task, TaskRef(plan_key), backend, spec,
                                   List(*(a.ref(a_bb + ab) for ab in a_keys)),
                                   List(*(b.ref(b_bb + bb) for bb in b_keys)))
@@ -317,7 +332,8 @@ def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *
                     pins[key] = [slots[plan.owner_of_partial(i, j, s)]]
                 partial_refs.append(TaskRef(key))
             if split:
-                graph[out_key] = Task(out_key, _reduce_task, TaskRef(plan_key), List(*partial_refs))
+                graph[out_key] = Task(out_key, _reduce_task, TaskRef(plan_key), List(*partial_refs),
+                                       len(batch))
                 if slots:
                     pins[out_key] = [slots[plan.owner_of_tile(i, j)]]
             out_keys[(ob, i, j)] = out_key
@@ -345,7 +361,7 @@ def _tile_for_chunks(ops, a2, b2, tile):
         return None
     tm, tn = _regular(a2.chunks[-2]), _regular(b2.chunks[-1])
     lo, hi = _CHUNK_TILE_RANGE
-    if tm is None or tn is None:
+    if not tm or not tn or not ops.m or not ops.n:
         return None
     tm, tn = min(tm, ops.m), min(tn, ops.n)
     if not (lo <= tm <= hi or tm == ops.m) or not (lo <= tn <= hi or tn == ops.n):
@@ -482,12 +498,45 @@ def _lazy(ops, plan, a2, b2, slots, backend, out_shape, dtype):
     deps = {k: set(v) for k, v in hlg.dependencies.items()}
     deps[name] = {a2.name, b2.name} & set(layers) or set()
     hlg = HighLevelGraph(layers, deps)
-    out_meta = meta[(0,) * (meta.ndim - 2) + (slice(0, 0), slice(0, 0))] if meta.ndim >= 2 else meta
-    try:
-        out_meta = out_meta.astype(dtype).reshape((0,) * len(out_shape))
-    except Exception:
-        out_meta = np.empty((0,) * len(out_shape), dtype)
-    return da.Array(hlg, name, _output_chunks(plan, ops.batch), dtype=dtype, meta=out_meta)
+    from dask.array.utils import meta_from_array
+
+    out_meta = meta_from_array(meta, ndim=len(out_shape), dtype=dtype)
+    cls = _pinned_array_class() if pins else da.Array
+    return cls(hlg, name, _output_chunks(plan, ops.batch), dtype=dtype, meta=out_meta)
+
+
+_PINNED: list = []
+
+
+def _pinned_array_class():
+    """A ``dask.array.Array`` whose own optimisation only culls.
+
+    dask.array's default optimisation fuses tasks into a plain dict and so
+    drops per-key annotations, the plan's worker pins among them. Computing or
+    persisting the result itself keeps them; arrays derived from it are plain
+    ``dask.array.Array`` objects (correct, placed by the scheduler's own
+    heuristics).
+    """
+    if _PINNED:
+        return _PINNED[0]
+    import dask.array as da
+    from dask.core import flatten
+    from dask.highlevelgraph import HighLevelGraph
+
+    class PinnedArray(da.Array):
+        __slots__ = ()
+
+        @staticmethod
+        def __dask_optimize__(dsk, keys, **kwargs):
+            if not isinstance(dsk, HighLevelGraph):
+                dsk = HighLevelGraph.from_collections(str(id(dsk)), dsk, dependencies=())
+            return dsk.cull(set(flatten(keys)))
+
+    PinnedArray.__module__ = __name__
+    PinnedArray.__qualname__ = "PinnedArray"
+    globals()["PinnedArray"] = PinnedArray  # picklable by reference
+    _PINNED.append(PinnedArray)
+    return PinnedArray
 
 
 # -- numpy operands ------------------------------------------------------------
@@ -607,7 +656,8 @@ def _eager(ops, plan, client, slots, backend, out_shape, dtype, progress, report
                         failed = exc
                         continue
                     ob, i, j = where[fut.key]
-                    out[ob + (plan.row_slice(i), plan.col_slice(j))] = tile_out
+                    out[ob + (plan.row_slice(i), plan.col_slice(j))] = tile_out.reshape(
+                        tile_out.shape[-2:])
                     pending.discard((ob, i, j))
                     if bar is not None:
                         bar.update(1)

@@ -1,0 +1,311 @@
+"""The Dask engine on a real LocalCluster of worker processes.
+
+Covers: numpy and dask operands against numpy (odd shapes, uneven chunks,
+broadcast batches, vectors, every dtype the core supports), exact integer and
+boolean results, the k-split reduction and its bitwise reproducibility,
+call-time errors, pinning to the plan's owners, progress and performance
+reports, and a worker killed in the middle of a product.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import dask  # noqa: E402
+
+import distmm  # noqa: E402
+from distmm.api import plan_for  # noqa: E402
+from distmm.engine import dask_engine  # noqa: E402
+from distmm.engine.base import reduce_partials  # noqa: E402
+
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="3GiB") as cl:
+        yield cl
+
+
+@pytest.fixture()
+def client(cluster):
+    with distributed.Client(cluster) as c:
+        c.wait_for_workers(2, timeout=60)
+        yield c
+
+
+def _operands(rng, shape_a, shape_b, dtype):
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.random(shape_a) < 0.3, rng.random(shape_b) < 0.3
+    if dt.kind in "iu":
+        # large enough that narrow integers wrap, as numpy's do
+        lo, hi = (0, 200) if dt.kind == "u" else (-100, 100)
+        return (rng.integers(lo, hi, shape_a).astype(dt), rng.integers(lo, hi, shape_b).astype(dt))
+    a = rng.standard_normal(shape_a)
+    b = rng.standard_normal(shape_b)
+    if dt.kind == "c":
+        a = a + 1j * rng.standard_normal(shape_a)
+        b = b + 1j * rng.standard_normal(shape_b)
+    return a.astype(dt), b.astype(dt)
+
+
+def _check(got, want):
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        tol = {"float16": 2e-2, "float32": 1e-4, "complex64": 1e-4}.get(want.dtype.name, 1e-10)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, float(np.abs(want).max(initial=0))))
+
+
+# m, k, n: PBLAS's 22x23x24, p*t+1 edges, a single element, long-and-thin
+SHAPES = [(22, 23, 24), (1, 1, 1), (33, 17, 65), (65, 130, 1), (7, 300, 5)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=[f"{m}x{k}x{n}" for m, k, n in SHAPES])
+def test_numpy_operands_odd_shapes(client, m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    a, b = _operands(rng, (m, k), (k, n), "float64")
+    c = distmm.matmul(a, b, engine="dask", client=client, tile=16)
+    assert isinstance(c, np.ndarray)
+    _check(c, a @ b)
+
+
+CHUNKS = [
+    (((10, 40, 15), (23, 7, 70)), ((60, 40), (33, 1, 20))),   # uneven everywhere
+    (((65,), (100,)), ((100,), (54,))),                        # one chunk each
+    (((32, 33), (50, 50)), ((25, 25, 25, 25), (16, 16, 16, 6))),  # k chunks disagree
+    (((1,) * 5 + (60,), (99, 1)), ((3, 97), (54,))),           # slivers
+]
+
+
+@pytest.mark.parametrize("a_chunks,b_chunks", CHUNKS, ids=["uneven", "single", "k-misaligned", "slivers"])
+def test_dask_operands_uneven_chunks(client, a_chunks, b_chunks):
+    rng = np.random.default_rng(7)
+    a, b = _operands(rng, (65, 100), (100, 54), "float64")
+    A, B = da.from_array(a, chunks=a_chunks), da.from_array(b, chunks=b_chunks)
+    C = distmm.matmul(A, B, client=client, tile=(32, 16, 8))
+    assert isinstance(C, da.Array)
+    plan = plan_for(65, 54, 100, "float64", workers=2, tile=(32, 16, 8))
+    assert C.chunks == (tuple(np.diff(plan.row_edges)), tuple(np.diff(plan.col_edges)))
+    _check(C.compute(), a @ b)
+
+
+def test_dask_chunks_become_tiles(client):
+    """Regular chunks set the C tiles; no rechunk layer enters the graph."""
+    rng = np.random.default_rng(3)
+    a, b = _operands(rng, (300, 200), (200, 260), "float64")
+    A, B = da.from_array(a, chunks=(128, 64)), da.from_array(b, chunks=(64, 100))
+    C = distmm.matmul(A, B, client=client)
+    assert C.chunks == ((128, 128, 44), (100, 100, 60))
+    assert not any("rechunk" in name for name in C.dask.layers)
+    _check(C.compute(), a @ b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_numpy_and_dask(client, dtype):
+    rng = np.random.default_rng(11)
+    a, b = _operands(rng, (37, 90), (90, 29), dtype)
+    want = a @ b
+    _check(distmm.matmul(a, b, client=client, tile=(16, 16, 32)), want)
+    A = da.from_array(a, chunks=((20, 17), (45, 30, 15)))
+    B = da.from_array(b, chunks=((40, 50), (29,)))
+    C = distmm.matmul(A, B, client=client, tile=(16, 16, 32))
+    assert C.dtype == want.dtype
+    _check(C.compute(), want)
+
+
+def test_integers_stay_exact_where_dask_array_does_not(client):
+    """dask.array turns int8 into int64 and bool into counts once k has more
+    than one chunk; distmm keeps numpy's dtype and wrap-around."""
+    rng = np.random.default_rng(5)
+    a8, b8 = _operands(rng, (20, 64), (64, 10), "int8")
+    ab, bb = _operands(rng, (20, 64), (64, 10), "bool")
+    for a, b in ((a8, b8), (ab, bb)):
+        A, B = da.from_array(a, chunks=16), da.from_array(b, chunks=16)
+        got = distmm.matmul(A, B, client=client).compute()
+        assert got.dtype == (a @ b).dtype
+        np.testing.assert_array_equal(got, a @ b)
+
+
+def test_mixed_dtypes_and_gemm_promotion(client):
+    rng = np.random.default_rng(2)
+    a = rng.integers(-5, 5, (30, 40)).astype(np.int8)
+    b = rng.standard_normal((40, 20)).astype(np.float32)
+    _check(distmm.matmul(da.from_array(a, chunks=17), da.from_array(b, chunks=13), client=client).compute(),
+           a @ b)
+    c = rng.standard_normal((30, 20))
+    got = distmm.gemm(b.T, a.T.astype(np.float32), c.T, alpha=2.0, beta=-1.0, engine="dask", client=client)
+    want = 2.0 * (b.T.astype(np.float64) @ a.T.astype(np.float64)) - c.T
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["numpy", "dask"])
+def test_batches_and_vectors(client, family):
+    rng = np.random.default_rng(9)
+    cases = [((2, 1, 30, 40), (3, 40, 20)), ((40,), (3, 40, 20)), ((2, 30, 40), (40,)), ((40,), (40,))]
+    for sa, sb in cases:
+        a, b = _operands(rng, sa, sb, "float64")
+        if family == "dask":
+            A = da.from_array(a, chunks=tuple(max(s // 2, 1) for s in sa))
+            B = da.from_array(b, chunks=tuple(max(s // 3, 1) for s in sb))
+            got = distmm.matmul(A, B, client=client, tile=16)
+            assert isinstance(got, da.Array)
+            got = got.compute()
+        else:
+            got = distmm.matmul(a, b, engine="dask", client=client, tile=16)
+        want = a @ b
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        assert np.shape(got) == want.shape
+
+
+def test_empty_and_zero_k(client):
+    for sa, sb in (((0, 5), (5, 3)), ((4, 0), (0, 3)), ((4, 5), (5, 0))):
+        a, b = np.ones(sa), np.ones(sb)
+        _check(distmm.matmul(a, b, engine="dask", client=client), a @ b)
+        _check(distmm.matmul(da.from_array(a), da.from_array(b), client=client).compute(), a @ b)
+
+
+def test_k_split_is_reduced_along_the_fixed_tree(client):
+    """(64, 200000) @ (200000, 64): one C tile, k split over the workers,
+    partials summed in the plan's order: the same bits every run."""
+    # made on the cluster: a 100 MB operand is not shipped inside a graph
+    gen = da.random.default_rng(42)
+    A = gen.standard_normal((64, 200000), chunks=(64, 50000)).persist()
+    B = gen.standard_normal((200000, 64), chunks=(50000, 64)).persist()
+    a, b = A.compute(), B.compute()
+    plan = plan_for(64, 64, 200000, "float64", workers=2)
+    assert plan.grid == (1, 1) and plan.k_splits >= 2
+    c1 = distmm.matmul(a, b, client=client)
+    c2 = distmm.matmul(a, b, client=client)
+    assert np.array_equal(c1, c2)
+    parts = [a[:, plan.k_slice(s)] @ b[plan.k_slice(s), :] for s in range(plan.k_splits)]
+    assert np.array_equal(c1, reduce_partials(plan, parts))
+    np.testing.assert_allclose(c1, a @ b, rtol=1e-10, atol=1e-10)
+    # dask operands: the same plan, the same bits every run
+    d1 = distmm.matmul(A, B, client=client).compute()
+    assert np.array_equal(d1, distmm.matmul(A, B, client=client).compute())
+    np.testing.assert_allclose(d1, c1, rtol=1e-10, atol=1e-10)
+
+
+def test_shape_mismatch_fails_at_call_time(client):
+    A = da.ones((30, 40), chunks=10)
+    B = da.ones((41, 20), chunks=10)
+    with pytest.raises(ValueError, match=r"inner dimensions differ.*\(30, 40\).*\(41, 20\)"):
+        distmm.matmul(A, B)  # dask's own matmul raises only at compute (dask#8948)
+
+
+def test_unknown_chunk_sizes_fail_clearly(client):
+    x = da.from_array(np.arange(100.0), chunks=30)
+    A = x[x > 50].reshape((-1, 1)) if False else x[x > 50][:, None]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        distmm.matmul(A, da.ones((1, 3)))
+
+
+def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
+    rng = np.random.default_rng(1)
+    a, b = _operands(rng, (256, 128), (128, 256), "float64")
+    A, B = da.from_array(a, chunks=64).persist(), da.from_array(b, chunks=64).persist()
+    C = distmm.matmul(A, B).persist()  # auto, default client
+    distributed.wait(C)
+    plan = plan_for(256, 256, 128, "float64", workers=2, tile=(64, 64, 256))
+    slots = dask_engine.worker_slots(client)
+    who = client.who_has(C)
+    for (_, i, j), holders in who.items():
+        assert slots[plan.owner_of_tile(i, j)] in holders
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
+
+    before = _prefix_count(client)
+    distmm.matmul(a, b, client=client, tile=64)  # numpy operands, engine="auto"
+    assert _prefix_count(client) > before
+
+
+def _prefix_count(client) -> int:
+    def count(dask_scheduler):
+        tp = dask_scheduler.task_prefixes.get("distmm-matmul")
+        return 0 if tp is None else sum(tp.state_counts.values())
+
+    return client.run_on_scheduler(count)
+
+
+def test_progress_bar_and_performance_report(client, tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    a, b = _operands(rng, (100, 50), (50, 100), "float64")
+    report = tmp_path / "report.html"
+    with dask.config.set({"distmm.progress": True, "distmm.performance-report": str(report)}):
+        c = distmm.matmul(a, b, client=client, tile=32)
+    _check(c, a @ b)
+    assert "distmm matmul" in capsys.readouterr().err
+    assert report.exists() and report.stat().st_size > 1000
+
+
+def _kill_one_worker_when(client, condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("the product finished before a worker could be killed")
+        time.sleep(0.01)
+    pids = client.run(os.getpid)
+    victim = sorted(pids)[0]
+    os.kill(pids[victim], signal.SIGKILL)
+    return victim
+
+
+def _tiles_in_memory(client) -> int:
+    def count(dask_scheduler):
+        return sum(1 for k, ts in dask_scheduler.tasks.items()
+                   if isinstance(k, tuple) and str(k[0]).startswith("distmm-matmul") and ts.state == "memory")
+
+    return client.run_on_scheduler(count)
+
+
+@pytest.mark.slow
+def test_worker_killed_during_numpy_matmul(client):
+    rng = np.random.default_rng(13)
+    a, b = _operands(rng, (1536, 2000), (2000, 1536), "float64")
+    undisturbed = distmm.matmul(a, b, client=client, tile=128)
+    out = {}
+    run = threading.Thread(target=lambda: out.setdefault("c", distmm.matmul(a, b, client=client, tile=128)))
+    run.start()
+    try:
+        _kill_one_worker_when(client, lambda: _tiles_in_memory(client) >= 4 or not run.is_alive())
+    finally:
+        run.join()
+    assert "c" in out
+    assert np.array_equal(out["c"], undisturbed)
+    client.wait_for_workers(2, timeout=60)
+
+
+@pytest.mark.slow
+def test_worker_killed_during_dask_matmul(client):
+    gen = da.random.default_rng(17)
+    A = gen.standard_normal((1536, 2000), chunks=(128, 500))
+    B = gen.standard_normal((2000, 1536), chunks=(500, 128))
+    undisturbed = distmm.matmul(A, B, client=client).compute()
+    C = distmm.matmul(A + 0, B, client=client).persist()  # new keys: nothing reused
+    futures = distributed.futures_of(C)
+    _kill_one_worker_when(client, lambda: sum(f.status == "finished" for f in futures) >= 4)
+    assert np.array_equal(C.compute(), undisturbed)
+    client.wait_for_workers(2, timeout=60)
+
+
+@pytest.mark.slow
+def test_demo_starts_a_cluster_and_prints_the_dashboard(capsys):
+    from distmm.cli import main
+
+    assert main(["demo", "-n", "200", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "embedded LocalCluster" in out and "dashboard http" in out and "OK" in out
