@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SUPPORTED", "panel_product", "gemm", "MR", "NV", "MC", "NC", "KC_DEFAULT",
+__all__ = ["SUPPORTED", "panel_product", "gemm", "MR", "NV", "MC", "NC", "KC", "KC_DEFAULT",
            "nr_for"]
 
 SUPPORTED = ("float32", "float64", "int64", "uint64")
@@ -52,6 +52,9 @@ MC = 192
 NC = 1536
 #: k steps ahead that the micro-kernel prefetches its A micro-panel
 PREFETCH_A = 8
+#: largest k block: a B micro-panel (KC x NR) of 24 KiB stays in the 48 KiB L1 while
+#: the A micro-panels stream past it from L2 (NR * itemsize is 192 bytes for every dtype)
+KC = 128
 #: k block used when the caller gives none
 KC_DEFAULT = 256
 _VECTOR_BYTES = 64
@@ -176,6 +179,9 @@ def _signatures():
     return sigs
 
 
+_u = numba.uintp  # unsigned indices: numba then skips its negative-index wraparound
+
+
 @numba.njit(nogil=True, cache=True)
 def _pack_a(a, i0, mc, p0, kc, buf):
     """Pack ``a[i0:i0+mc, p0:p0+kc]`` into MR-row micro-panels, ``buf[r, p, i]``; rows
@@ -185,10 +191,10 @@ def _pack_a(a, i0, mc, p0, kc, buf):
         rows = min(MR, mc - r)
         for i in range(rows):
             for p in range(kc):
-                buf[base + p * MR + i] = a[i0 + r + i, p0 + p]
+                buf[_u(base + p * MR + i)] = a[_u(i0 + r + i), _u(p0 + p)]
         for i in range(rows, MR):
             for p in range(kc):
-                buf[base + p * MR + i] = 0
+                buf[_u(base + p * MR + i)] = 0
 
 
 @numba.njit(nogil=True, cache=True)
@@ -201,13 +207,13 @@ def _pack_b(b, p0, kc, j0, nc, nr, buf):
         if cols == nr:
             for p in range(kc):
                 for j in range(nr):
-                    buf[base + p * nr + j] = b[p0 + p, j0 + q + j]
+                    buf[_u(base + p * nr + j)] = b[_u(p0 + p), _u(j0 + q + j)]
         else:
             for p in range(kc):
                 for j in range(cols):
-                    buf[base + p * nr + j] = b[p0 + p, j0 + q + j]
+                    buf[_u(base + p * nr + j)] = b[_u(p0 + p), _u(j0 + q + j)]
                 for j in range(cols, nr):
-                    buf[base + p * nr + j] = 0
+                    buf[_u(base + p * nr + j)] = 0
 
 
 def _gemm_impl(a, b, kc_max, mc_max, nc_max):
@@ -271,7 +277,9 @@ def panel_product(a: np.ndarray, b: np.ndarray, tk: int = KC_DEFAULT) -> np.ndar
         2-D, ``(m, k)`` and ``(k, n)``; ``a.dtype`` is one of ``SUPPORTED``
         (``b`` is cast to it). Any strides; neither is modified.
     tk : int
-        The k block ``kc`` (the plan's ``tile[2]``).
+        The plan's k block (``tile[2]``); the kernel blocks k by ``min(tk, KC)``.
+        Each element of C is summed over k in ascending order whatever the
+        blocking, so the bits do not depend on ``tk``, ``MC`` or ``NC``.
 
     Returns
     -------
@@ -291,4 +299,4 @@ def panel_product(a: np.ndarray, b: np.ndarray, tk: int = KC_DEFAULT) -> np.ndar
     b = np.asarray(b, dtype=a.dtype)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"panel_product needs (m, k) @ (k, n): a is {a.shape}, b is {b.shape}")
-    return gemm(a, b, max(int(tk), 1), MC, NC)
+    return gemm(a, b, max(min(int(tk), KC), 1), MC, NC)
