@@ -75,7 +75,8 @@ def _cmd_demo(args) -> int:
     from distmm.demo import run_demo
 
     return run_demo(n=args.n, dtype=args.dtype, engine=args.engine, workers=args.workers,
-                    backend=args.backend, distmm=distmm)
+                    backend=args.backend, distmm=distmm, report=args.report,
+                    progress=args.progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: an embedded LocalCluster (dask engine)")
     d.add_argument("--workers", type=int, default=None, help="cluster workers (default: one per core)")
     d.add_argument("--backend", default="auto")
+    d.add_argument("--report", default=None, metavar="FILE.html",
+                   help="write a distributed performance_report of the product (dask engine)")
+    d.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
+                   help="progress bar as C tiles arrive (default: on a terminal, for long runs)")
     d.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser("plan", help="print the plan for C[M,N] = A[M,K] @ B[K,N]")

@@ -16,7 +16,8 @@ def _dask_engine_ready() -> bool:
     return importlib.util.find_spec("distmm.engine.dask_engine") is not None
 
 
-def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm) -> int:
+def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm,
+             report: str | None = None, progress: bool | None = None) -> int:
     from distmm.engine.local import default_workers
     from distmm.plan import result_dtype
 
@@ -46,9 +47,18 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         plan = distmm.api.plan_for(n, n, n, result_dtype(dt, dt), workers=workers)
         print(plan.describe())
         distmm.matmul(a[:64, :64], b[:64, :64], engine=eng, client=client, backend=backend)  # warm-up
-        t0 = time.perf_counter()
-        c = distmm.matmul(a, b, engine=eng, client=client, backend=backend)
-        seconds = time.perf_counter() - t0
+        import dask
+
+        # the Dask engine reads these: a tqdm bar as C tiles arrive, an HTML performance report
+        options = {"distmm.progress": progress}
+        if report and use_cluster:
+            options["distmm.performance-report"] = report
+        with dask.config.set(options):
+            t0 = time.perf_counter()
+            c = distmm.matmul(a, b, engine=eng, client=client, backend=backend)
+            seconds = time.perf_counter() - t0
+        if report and use_cluster:
+            print(f"performance report: {report}")
         ref = a.astype(np.float64) @ b.astype(np.float64)
         err = float(np.linalg.norm(np.asarray(c, dtype=np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
         tol = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}.get(dt, 1e-12)

@@ -303,9 +303,12 @@ def test_worker_killed_during_dask_matmul(client):
 
 
 @pytest.mark.slow
-def test_demo_starts_a_cluster_and_prints_the_dashboard(capsys):
+def test_demo_starts_a_cluster_and_prints_the_dashboard(capsys, tmp_path):
     from distmm.cli import main
 
-    assert main(["demo", "-n", "200", "--workers", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "embedded LocalCluster" in out and "dashboard http" in out and "OK" in out
+    report = tmp_path / "demo.html"
+    assert main(["demo", "-n", "200", "--workers", "2", "--report", str(report), "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "embedded LocalCluster" in captured.out and "dashboard http" in captured.out
+    assert "OK" in captured.out and "distmm matmul" in captured.err
+    assert report.exists()

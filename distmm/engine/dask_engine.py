@@ -146,8 +146,12 @@ def _partial_task(plan: Plan, backend: str, spec: _TileSpec, a_list, b_list):
         a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
         b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
         part = tile_partial(executor, plan, a_sub, b_sub)
-        # Pieces are summed in ascending k, always in the same order.
-        acc = part if acc is None else acc + part
+        # Pieces are summed in ascending k, always in the same order; the
+        # executor's result is a new array, so adding into it is safe.
+        if acc is None:
+            acc = part
+        else:
+            acc += part
     if isinstance(a_list[0], np.ndarray):
         acc = executor.to_host(acc)
     if not spec.finish:
