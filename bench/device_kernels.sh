@@ -48,11 +48,11 @@ fi
 if has test; then
   echo "== tests: pytest -m gpu ($(left)s left)"
   timeout "$(step_timeout 200)" $PY -m pytest -m gpu -q -p no:cacheprovider -rf --timeout 120 \
-      ${TESTS:-tests/test_gpu_kernels.py} 2>&1 | tail -60 || echo "TESTS FAILED rc=$?"
+      ${TESTS:-tests/test_gpu_kernels.py tests/test_gpu_api.py} 2>&1 | tail -60 || echo "TESTS FAILED rc=$?"
 fi
 if has tune; then
   echo "== tune ($(left)s left)"
-  timeout "$(step_timeout 130)" $PY -m distmm tune --dtype float32 float64 --size 4096 \
+  timeout "$(step_timeout 130)" $PY -m distmm.tune --dtype float32 float64 --size 4096 \
       --confirm-size 8192 --records "$OUT" || echo "TUNE FAILED rc=$?"
   cp "$DISTMM_CACHE_DIR/tune.json" "$OUT/tune.json" 2>/dev/null
 fi

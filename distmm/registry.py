@@ -149,14 +149,24 @@ class KernelSpec:
         if not 64 <= threads <= 1024:
             out.append(f"{threads} threads per block (64..1024 allowed)")
         words = tm * tn * np.dtype(dtype).itemsize // 4
-        if words > 128:
-            out.append(f"{tm}x{tn} accumulators take {words} registers (at most 128)")
+        minb = p.get("MINB", 1)
+        cap = min(255, 65536 // (max(minb, 1) * threads)) if threads else 255
+        if words > cap // 2 + 1:
+            out.append(f"{tm}x{tn} accumulators take {words} registers, more than half of "
+                       f"the {cap} a thread may use")
+        if minb == 2 and cap >= 255:
+            out.append("MINB=2 leaves the register limit at 255: the same kernel as MINB=1")
         limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
         smem = max(self.smem_bytes(dtype, p, ta, tb) for ta in (0, 1) for tb in (0, 1))
         if smem > limit:
             out.append(f"{smem} bytes of shared memory (at most {limit} on sm_{cc})")
         if p["STAGES"] < 2:
             out.append("at least 2 pipeline stages")
+        if p.get("MINB", 1) not in (1, 2) or (p.get("MINB", 1) == 2 and threads > 512):
+            out.append("MINB (blocks per SM for the register budget) must be 1, or 2 with "
+                       "at most 512 threads")
+        elif p.get("MINB", 1) == 2 and 2 * smem > MAX_SMEM_BYTES.get(cc, 99 * 1024):
+            out.append(f"two blocks of {smem} bytes of shared memory do not fit")
         return out
 
     def candidates(self, dtype: str, cc: int = 90) -> list[dict[str, int]]:
@@ -166,10 +176,10 @@ class KernelSpec:
             return [self.params(dtype)]
         space = self.tune_space
         out = [self.params(dtype)]
-        for blk, bk, warp, stages in itertools.product(space["block"], space["BK"],
-                                                      space["warp"], space["STAGES"]):
+        for blk, bk, warp, stages, minb in itertools.product(
+                space["block"], space["BK"], space["warp"], space["STAGES"], space["MINB"]):
             p = {"BM": blk[0], "BN": blk[1], "BK": bk, "WM": warp[0], "WN": warp[1],
-                 "TM": warp[2], "TN": warp[3], "STAGES": stages}
+                 "TM": warp[2], "TN": warp[3], "STAGES": stages, "MINB": minb}
             if p not in out and not self.violations(dtype, p, cc):
                 out.append(p)
         return out
@@ -210,19 +220,20 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
                fixed={"threads": 256, "BM": 128, "BN": 128}, grid="linear", min_cc=80),
     KernelSpec(
         "warptile", 8, "08_warptile.cu", "warp tiling + multi-stage cp.async",
-        "distmm_gemm_warptile<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{TA},{TB}>",
+        "distmm_gemm_warptile<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
         layout_template=True, grid="linear", min_cc=80,
         defaults={
-            "float32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3},
-            "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3},
-            "float64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3},
-            "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3},
+            "float32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
+            "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
+            "float64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+            "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
         tune_space={
             "block": ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64)),
             "BK": (8, 16, 32),
             "warp": _WARP_SHAPES,
             "STAGES": (2, 3, 4),
+            "MINB": (1, 2),
         }),
 )}
 

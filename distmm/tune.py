@@ -92,23 +92,25 @@ def _raw_runner(spec, params, a, b, c):
 
 
 def _search_space(spec, dtype: str, cc: int, max_configs: int) -> list[dict]:
-    """Phase 1 of the search: every valid block x warp shape at the default BK and stages
-    with 128 or 256 threads (the defaults first)."""
+    """Phase 1 of the search: every valid block x warp shape with 128 or 256 threads, at the
+    default BK and stages with one block per SM, and at BK=8 with the registers capped for
+    two blocks per SM (the defaults first)."""
     default = spec.params(dtype)
     out = [default]
     for p in spec.candidates(dtype, cc):
-        if p["BK"] == default["BK"] and p["STAGES"] == default["STAGES"] \
-                and spec.threads(p) in (128, 256) and p not in out:
+        if spec.threads(p) not in (128, 256) or p in out:
+            continue
+        if (p["BK"], p["STAGES"], p["MINB"]) in ((default["BK"], default["STAGES"], 1), (8, 3, 2)):
             out.append(p)
     return out[:max_configs]
 
 
-def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 40,
+def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 60,
                processes: int | None = None, log=print, records=None) -> dict:
     """Search the best kernel's configurations for ``dtype``; return the cache entry.
 
-    Phase 1 times every block x warp shape at ``size``; phase 2 varies BK and the number of
-    pipeline stages of the best three; the best five are timed again at ``confirm_size``
+    Phase 1 times every block x warp shape at ``size``; phase 2 varies BK, the number of
+    pipeline stages and the register budget (blocks per SM) of the best two; the best five are timed again at ``confirm_size``
     next to cuBLAS, and the winner is the fastest there. A configuration whose result is
     wrong (relative error against a float64 product above 1e-4 for float32) is discarded.
     """
@@ -158,12 +160,13 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     if not res1:
         raise RuntimeError(f"no {spec.name} configuration ran correctly for {dtype}")
     phase2 = []
-    for _, best, *_ in res1[:3]:
+    for _, best, *_ in res1[:2]:
         for bk in spec.tune_space["BK"]:
             for st in spec.tune_space["STAGES"]:
-                p = dict(best, BK=bk, STAGES=st)
-                if p not in phase1 and p not in phase2 and not spec.violations(dtype, p, cc):
-                    phase2.append(p)
+                for minb in spec.tune_space["MINB"]:
+                    p = dict(best, BK=bk, STAGES=st, MINB=minb)
+                    if p not in phase1 and p not in phase2 and not spec.violations(dtype, p, cc):
+                        phase2.append(p)
     log(f"{dtype}: phase 2, {len(phase2)} BK/stage variants at n={size}")
     res2 = measure(phase2, size)
     allres = sorted(res1 + res2, key=lambda r: -r[0])
@@ -207,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(registry.DTYPES))
     p.add_argument("--size", type=int, default=4096, help="search size n (n x n x n)")
     p.add_argument("--confirm-size", type=int, default=8192, help="size of the final ranking")
-    p.add_argument("--max-configs", type=int, default=40)
+    p.add_argument("--max-configs", type=int, default=60)
     p.add_argument("--processes", type=int, default=None, help="parallel compile processes")
     p.add_argument("--cache", type=Path, default=None, help=f"cache file (default {cache_path()})")
     p.add_argument("--records", type=Path, default=None,
@@ -217,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `distmm tune -- --dtype ...` (the CLI passes the rest verbatim)
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     if args.show:
         print(json.dumps(load(args.cache), indent=1, sort_keys=True))

@@ -105,7 +105,10 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
         const T* bs = Bs + read_stage * S::B_STAGE;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += V) {
-            T a[V][TM], b[V][TN];
+            // Fragments: a k-contiguous layout gives all V k-steps of a row in one 16-byte
+            // read, so those are loaded up front; the other layouts are loaded one k-step
+            // at a time, which keeps fewer registers live.
+            T a[TA ? 1 : V][TM], b[TB ? V : 1][TN];
             if (!TA) {
 #pragma unroll
                 for (int i = 0; i < TM; ++i) {
@@ -114,18 +117,8 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
 #pragma unroll
                     for (int v = 0; v < V; ++v) a[v][i] = t[v];
                 }
-            } else {
-#pragma unroll
-                for (int v = 0; v < V; ++v)
-#pragma unroll
-                    for (int i = 0; i < TM; i += V) ld16(as + (kk + v) * S::A_LD + DISTMM_ROW(i), &a[v][i]);
             }
-            if (!TB) {
-#pragma unroll
-                for (int v = 0; v < V; ++v)
-#pragma unroll
-                    for (int j = 0; j < TN; j += V) ld16(bs + (kk + v) * S::B_LD + DISTMM_COL(j), &b[v][j]);
-            } else {
+            if (TB) {
 #pragma unroll
                 for (int j = 0; j < TN; ++j) {
                     T t[V];
@@ -135,11 +128,21 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
                 }
             }
 #pragma unroll
-            for (int v = 0; v < V; ++v)
+            for (int v = 0; v < V; ++v) {
+                const int ai = TA ? 0 : v, bi = TB ? v : 0;
+                if (TA) {
+#pragma unroll
+                    for (int i = 0; i < TM; i += V) ld16(as + (kk + v) * S::A_LD + DISTMM_ROW(i), &a[0][i]);
+                }
+                if (!TB) {
+#pragma unroll
+                    for (int j = 0; j < TN; j += V) ld16(bs + (kk + v) * S::B_LD + DISTMM_COL(j), &b[0][j]);
+                }
 #pragma unroll
                 for (int i = 0; i < TM; ++i)
 #pragma unroll
-                    for (int j = 0; j < TN; ++j) acc[i][j] = madd(a[v][i], b[v][j], acc[i][j]);
+                    for (int j = 0; j < TN; ++j) acc[i][j] = madd(a[ai][i], b[bi][j], acc[i][j]);
+            }
         }
         read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
         write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
