@@ -50,6 +50,7 @@ See also: ``distmm.executor.pinned`` (the staging buffers), ``distmm.trace``
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import json
 import logging
 import math
@@ -474,6 +475,14 @@ class CublasGemm:
 
     name = "cublas"
 
+    def __init__(self):
+        try:
+            from cupy import cublas as _cublas
+
+            self._gemm = _cublas.gemm
+        except (ImportError, AttributeError):  # pragma: no cover - older/newer cupy
+            self._gemm = None
+
     def device_gemm(self, a, b, c, *, alpha=1.0, beta=0.0, stream=None):
         import contextlib
 
@@ -482,10 +491,15 @@ class CublasGemm:
         with stream if stream is not None else contextlib.nullcontext():
             if beta == 0 and alpha == 1:
                 cupy.matmul(a, b, out=c)
-            else:
-                import cupy.cublas
-
-                cupy.cublas.gemm("N", "N", a, b, out=c, alpha=alpha, beta=beta)
+            elif self._gemm is not None:
+                self._gemm("N", "N", a, b, out=c, alpha=alpha, beta=beta)
+            else:  # pragma: no cover - a temporary and two extra passes over c
+                prod = cupy.matmul(a, b)
+                if alpha != 1:
+                    prod *= c.dtype.type(alpha)
+                if beta != 1:
+                    c *= c.dtype.type(beta)
+                c += prod
         return c
 
     def close(self) -> None:
@@ -942,7 +956,8 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
             break
         # The whole product starts over: every element of out is written again,
         # so no tile of the failed attempt survives.
-        device.release()  # the failed attempt's frames are gone now: free its buffers
+        gc.collect()      # the failed attempt's frames are gone: free its buffers
+        device.release()
         retries += 1
         smaller = _shrink(tiling, m, n, k, dtype.itemsize, budget)
         if smaller is None:
@@ -984,19 +999,19 @@ def _shrink(tiling: PipelineTiling, m, n, k, s, budget) -> PipelineTiling | None
 
 
 def _gemm_executor(backend: str):
+    """``CublasGemm`` for ``"cublas"`` (cuBLAS with beta, no temporaries), else the
+    GPU executor with that backend."""
+    if backend == "cublas":
+        return CublasGemm()
     try:
         from distmm.executor.gpu import GPUExecutor
-    except ImportError:
-        GPUExecutor = None
-    if GPUExecutor is not None:
-        ex = GPUExecutor(backend=backend)
-        if hasattr(ex, "device_gemm"):
-            return ex
-    if backend in ("cublas", "auto"):
-        return CublasGemm()
-    from distmm.executor.base import BackendUnavailable
+    except ImportError as exc:
+        if backend == "auto":
+            return CublasGemm()
+        from distmm.executor.base import BackendUnavailable
 
-    raise BackendUnavailable(f"backend {backend!r} needs distmm.executor.gpu")
+        raise BackendUnavailable(f"backend {backend!r} needs distmm.executor.gpu ({exc})") from exc
+    return GPUExecutor(backend=backend)
 
 
 def matmul_to(a, b, out=None, *, backend: str = "cublas", device_memory_limit=None,
@@ -1053,5 +1068,5 @@ def matmul_to(a, b, out=None, *, backend: str = "cublas", device_memory_limit=No
                              pinned_pool=pinned_pool, trace=trace, info=info)
     finally:
         close = getattr(executor, "close", None)
-        if close is not None and isinstance(executor, CublasGemm):
+        if close is not None:
             close()

@@ -1,0 +1,168 @@
+"""The stream pipeline on a real GPU: host, memmap and zarr operands against numpy,
+products several times the device budget, the out-of-memory retry, pinned memory
+returned on close, and the timeline."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:  # pragma: no cover
+        pytest.skip("no CUDA device", allow_module_level=True)
+except Exception as exc:  # pragma: no cover - no driver
+    pytest.skip(f"no CUDA device ({exc})", allow_module_level=True)
+
+from distmm.executor.pinned import PinnedPool  # noqa: E402
+from distmm.executor.pipeline import CublasGemm, Timeline, matmul_to, run_pipelined  # noqa: E402
+from distmm.plan import make_plan, result_dtype  # noqa: E402
+
+
+def _executors():
+    out = [pytest.param(CublasGemm, id="cublas-adapter")]
+    try:
+        from distmm.executor.gpu import GPUExecutor
+    except ImportError:
+        return out
+    if hasattr(GPUExecutor, "device_gemm"):
+        out.append(pytest.param(lambda: GPUExecutor(backend="cublas"), id="gpu-executor-cublas"))
+        out.append(pytest.param(lambda: GPUExecutor(backend="raw"), id="gpu-executor-raw"))
+    return out
+
+
+@pytest.fixture(params=_executors())
+def executor(request):
+    ex = request.param()
+    yield ex
+    close = getattr(ex, "close", None)
+    if close:
+        close()
+
+
+def rand(shape, dtype, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def run(executor, a, b, out=None, **kw):
+    m, k = a.shape
+    n = b.shape[1]
+    dtype = result_dtype(a.dtype, b.dtype)
+    if out is None:
+        out = np.full((m, n), np.nan, dtype=dtype)
+    info = kw.pop("info", {})
+    run_pipelined(executor, make_plan(m, n, k, dtype), a, b, out, info=info, **kw)
+    return out, info
+
+
+def check(c, a, b):
+    c = np.asarray(c)
+    assert np.isfinite(c).all(), "unwritten (NaN) elements in the output"
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
+    # cuBLAS may use TF32-free FP32 or FP64 tensor cores; both stay far below these
+    tol = 1e-5 if c.dtype == np.float32 else 1e-13
+    assert err < tol, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1000, 1100, 900), (2049, 513, 1537), (1, 3000, 7), (4096, 4096, 4096)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_host_operands_match_numpy(executor, m, n, k, dtype):
+    a, b = rand((m, k), dtype, m), rand((k, n), dtype, n)
+    c, info = run(executor, a, b)
+    check(c, a, b)
+    assert info["retries"] == 0
+
+
+def test_mixed_dtypes(executor):
+    a = np.random.default_rng(0).integers(-9, 9, (700, 500)).astype(np.int32)
+    b = rand((500, 300), "float32", 1)
+    c, _ = run(executor, a, b)
+    assert c.dtype == np.matmul(a[:1], b[:, :1]).dtype
+    check(c, a, b)
+
+
+def test_memmap_operands_and_output(executor, tmp_path):
+    a, b = rand((1500, 1300), "float32", 2), rand((1300, 1700), "float32", 3)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    a_mm = np.load(tmp_path / "a.npy", mmap_mode="r")
+    b_mm = np.load(tmp_path / "b.npy", mmap_mode="r")
+    out = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.float32,
+                                    shape=(1500, 1700))
+    out[...] = np.nan
+    run(executor, a_mm, b_mm, out, device_memory_limit=8 << 20)
+    out.flush()
+    del out
+    check(np.load(tmp_path / "c.npy"), a, b)
+
+
+def test_zarr_operands_and_output(executor, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    a, b = rand((1200, 1000), "float64", 4), rand((1000, 900), "float64", 5)
+    za = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=a.shape, dtype=a.dtype,
+                         chunks=(300, 256))
+    za[...] = a
+    zb = zarr.open_array(str(tmp_path / "b.zarr"), mode="w", shape=b.shape, dtype=b.dtype,
+                         chunks=(256, 300))
+    zb[...] = b
+    zc = zarr.open_array(str(tmp_path / "c.zarr"), mode="w", shape=(1200, 900), dtype=np.float64,
+                         chunks=(256, 256), fill_value=np.nan)
+    run(executor, za, zb, zc, device_memory_limit=6 << 20)
+    check(zc[...], a, b)
+
+
+def test_operands_several_times_the_device_budget(executor):
+    n = 3000
+    a, b = rand((n, n), "float64", 6), rand((n, n), "float64", 7)
+    limit = 16 << 20  # A, B and C are 72 MB each: 13x the budget together
+    c, info = run(executor, a, b, device_memory_limit=limit)
+    check(c, a, b)
+    assert info["tiling"]["device_bytes"] <= limit
+    assert info["tiling"]["mode"] == "tiles"
+    assert info["bytes_h2d"] > a.nbytes + b.nbytes
+
+
+def test_out_of_memory_shrinks_tiles_and_retries(executor):
+    a, b = rand((2500, 2300), "float32", 8), rand((2300, 2100), "float32", 9)
+    # 2048-tiles need 2 x 16 MiB of C buffers alone: over a tiny 8 MiB device limit,
+    # so the allocation fails for real and the pipeline must shrink and start over
+    c, info = run(executor, a, b, device_memory_limit=8 << 20, tiles=(2048, 2048, 2048))
+    check(c, a, b)
+    assert info["retries"] >= 1
+    assert info["tiling"]["tm_max"] < 2048
+
+
+def test_pinned_memory_is_bounded_reused_and_returned(executor):
+    pool = PinnedPool(48 << 20)
+    a, b = rand((3000, 2000), "float32", 10), rand((2000, 2500), "float32", 11)
+    for _ in range(2):
+        c, _ = run(executor, a, b, pinned_pool=pool, device_memory_limit=32 << 20)
+        check(c, a, b)
+        held = pool.held_bytes
+        assert 0 < held <= pool.limit and pool.peak_bytes <= pool.limit
+    assert pool.in_use_bytes == 0
+    pool.close()
+    assert pool.held_bytes == 0
+
+
+def test_matmul_to_allocates_and_traces():
+    a, b = rand((4096, 3000), "float32", 12), rand((3000, 5000), "float32", 13)
+    tl = Timeline()
+    c = matmul_to(a, b, trace=tl, device_memory_limit=256 << 20)
+    check(c, a, b)
+    lanes = {o["lane"] for o in tl.ops}
+    assert {"h2d", "compute", "d2h", "host-stage", "host-unstage"} <= lanes
+    assert tl.meta["device"] and tl.meta["tflops"] > 0
+    # copies overlap kernels: some h2d op runs while a kernel runs
+    comp = [(o["start_ms"], o["end_ms"]) for o in tl.ops if o["lane"] == "compute"]
+    h2d = [(o["start_ms"], o["end_ms"]) for o in tl.ops if o["lane"] == "h2d"]
+    assert any(s < ce and e > cs for s, e in h2d for cs, ce in comp)
+
+
+def test_unsupported_dtype(executor):
+    a = np.ones((8, 8), np.int64)
+    with pytest.raises(TypeError):
+        run(executor, a, a)
