@@ -36,9 +36,38 @@ open(sys.argv[1] + "/k.cu", "w").write(L.source(s.file) + L._explicit_instantiat
 PYEOF
   nvcc -std=c++17 -DDISTMM_NVRTC -arch=sm_90 -cubin -Xptxas -v -o "$tmp/k.cubin" "$tmp/k.cu" > "$OUT/sass.txt" 2>&1
   cuobjdump -sass "$tmp/k.cubin" > "$tmp/k.sass" 2>&1
-  echo "== instruction histogram (whole kernel)" >> "$OUT/sass.txt"
-  grep -oE '^\s+/\*[0-9a-f]+\*/\s+[A-Z][A-Z0-9_.]*' "$tmp/k.sass" | awk '{print $2}' | sort | uniq -c | sort -rn | head -40 >> "$OUT/sass.txt"
-  echo "== first 400 lines" >> "$OUT/sass.txt"; head -400 "$tmp/k.sass" >> "$OUT/sass.txt" ) &
+  $PY - "$tmp/k.sass" >> "$OUT/sass.txt" <<'PYEOF'
+import re, sys, collections
+lines = open(sys.argv[1]).read().splitlines()
+ins = []
+for ln in lines:
+    m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+    if m:
+        ins.append((int(m.group(1), 16), m.group(2).strip()))
+def op(t):
+    t = re.sub(r"^@!?U?P\w+\s+", "", t)
+    return t.split()[0] if t else "?"
+print("== instruction histogram (whole kernel)")
+for k, v in collections.Counter(op(t) for _, t in ins).most_common(25):
+    print(f"{v:7d} {k}")
+best = None
+for i, (addr, t) in enumerate(ins):
+    m = re.search(r"BRA\s+(?:`?\(?\.?L?_?x?_?)?0x([0-9a-f]+)", t)
+    if m and int(m.group(1), 16) < addr:
+        body = [x for a, x in ins if int(m.group(1), 16) <= a <= addr]
+        n = sum(op(x) == "FFMA" for x in body)
+        if best is None or n > best[0]:
+            best = (n, int(m.group(1), 16), addr, body)
+if best:
+    n, lo, hi, body = best
+    print(f"== hot loop 0x{lo:x}..0x{hi:x}: {len(body)} instructions, {n} FFMA "
+          f"({100 * n / len(body):.1f}%)")
+    for k, v in collections.Counter(op(x) for x in body).most_common(25):
+        print(f"{v:7d} {k}")
+    print("== hot loop listing (first 250)")
+    print("\n".join(body[:250]))
+PYEOF
+) &
 SASS_PID=$!
 
 if has warm; then
@@ -65,7 +94,7 @@ if has plot; then
   timeout "$(step_timeout 40)" $PY -m bench.plot_kernels "$OUT"/kernels-*.jsonl --out "$OUT" || echo "PLOT FAILED rc=$?"
 fi
 wait $SASS_PID
-grep -A3 "instruction histogram" "$OUT/sass.txt" | head -5
+grep -A8 "== hot loop 0x" "$OUT/sass.txt" | head -10
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv
 echo "== done in ${SECONDS}s"
 } 2>&1 | tee "$OUT/device.log"

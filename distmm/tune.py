@@ -93,19 +93,20 @@ def _raw_runner(spec, params, a, b, c):
 
 def _search_space(spec, dtype: str, cc: int, max_configs: int) -> list[dict]:
     """Phase 1 of the search: every valid block x warp shape with 128 or 256 threads, at the
-    default BK and stages with one block per SM, and at BK=8 with the registers capped for
-    two blocks per SM (the defaults first)."""
+    default BK and 3 stages, and at BK=8 with the register budget of one or of two blocks
+    per SM (the defaults first)."""
     default = spec.params(dtype)
     out = [default]
     for p in spec.candidates(dtype, cc):
         if spec.threads(p) not in (128, 256) or p in out:
             continue
-        if (p["BK"], p["STAGES"], p["MINB"]) in ((default["BK"], default["STAGES"], 1), (8, 3, 2)):
+        if (p["BK"], p["STAGES"], p["MINB"]) in ((default["BK"], default["STAGES"], 1), (8, 3, 1),
+                                                 (8, 3, 2)):
             out.append(p)
     return out[:max_configs]
 
 
-def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 60,
+def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 90,
                processes: int | None = None, log=print, records=None) -> dict:
     """Search the best kernel's configurations for ``dtype``; return the cache entry.
 
@@ -210,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(registry.DTYPES))
     p.add_argument("--size", type=int, default=4096, help="search size n (n x n x n)")
     p.add_argument("--confirm-size", type=int, default=8192, help="size of the final ranking")
-    p.add_argument("--max-configs", type=int, default=60)
+    p.add_argument("--max-configs", type=int, default=90)
     p.add_argument("--processes", type=int, default=None, help="parallel compile processes")
     p.add_argument("--cache", type=Path, default=None, help=f"cache file (default {cache_path()})")
     p.add_argument("--records", type=Path, default=None,

@@ -179,6 +179,7 @@ def test_device_gemm_on_a_stream(backend):
     b = rng.standard_normal((100, 200), dtype=np.float64).T  # a transposed view
     c = rng.standard_normal((300, 100), dtype=np.float64)
     c0 = c.copy()
+    cupy.cuda.Device().synchronize()  # the inputs were made on the null stream
     s = cupy.cuda.Stream(non_blocking=True)
     ex.device_gemm(a, b, c, alpha=0.5, beta=-2.0, stream=s)
     s.synchronize()

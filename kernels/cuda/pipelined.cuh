@@ -73,14 +73,28 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
 #define DISTMM_ROW(i) (row_base + (TA ? ((i) / V) * (LM * V) + (i) % V : (i) * LM))
 #define DISTMM_COL(j) (col_base + (TB ? (j) * LN : ((j) / V) * (LN * V) + (j) % V))
 
+    // Interior tiles (the whole block tile inside C, 16-byte aligned operands, a full k
+    // tile) take the copy without bounds checks; edge tiles the general one.
+    const bool a_rows_in = vec_a && m0 + BM <= M, b_cols_in = vec_b && n0 + BN <= N;
     auto load_tile = [&](int kt, int stage) {
         const int k0 = kt * BK;
+        const bool k_in = k0 + BK <= K;
         T* as = As + stage * S::A_STAGE;
         T* bs = Bs + stage * S::B_STAGE;
-        if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
-        else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
-        if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
-        else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+        if (a_rows_in && k_in) {
+            if (!TA) tile_to_smem_async_interior<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, tid);
+            else     tile_to_smem_async_interior<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, tid);
+        } else {
+            if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
+            else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
+        }
+        if (b_cols_in && k_in) {
+            if (!TB) tile_to_smem_async_interior<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, tid);
+            else     tile_to_smem_async_interior<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, tid);
+        } else {
+            if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
+            else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+        }
     };
 
     Acc acc[TM][TN];
