@@ -13,7 +13,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
 export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
 unset CUPY_TF32
 BUDGET=${BUDGET:-570}
-STEPS=${STEPS:-"warm test tune bench plot"}
+STEPS=${STEPS:-"warm test tune bench plot profile"}
 PY=${PY:-python3}
 left() { echo $(( BUDGET - SECONDS )); }
 step_timeout() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
@@ -92,6 +92,16 @@ fi
 if has plot; then
   echo "== plot ($(left)s left)"
   timeout "$(step_timeout 40)" $PY -m bench.plot_kernels "$OUT"/kernels-*.jsonl --out "$OUT" || echo "PLOT FAILED rc=$?"
+fi
+if has profile && command -v ncu >/dev/null; then
+  for dt in float32 float64; do
+    echo "== ncu: best kernel, $dt, n=4096 ($(left)s left)"
+    timeout "$(step_timeout 60)" ncu --clock-control none --kernel-name regex:warptile \
+        --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables $PY -m bench.kernels --profile $dt 4096 \
+        2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 || echo "NCU FAILED rc=$?"
+  done
 fi
 wait $SASS_PID
 grep -A8 "== hot loop 0x" "$OUT/sass.txt" | head -10

@@ -114,6 +114,8 @@ def main(argv=None) -> int:
                     help="skip a kernel at sizes where one run would take longer")
     ap.add_argument("--warm-only", action="store_true")
     ap.add_argument("--processes", type=int, default=None)
+    ap.add_argument("--profile", nargs=2, metavar=("DTYPE", "N"), default=None,
+                    help="launch the tuned best kernel twice at n (for ncu --launch-skip 1)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -125,6 +127,17 @@ def main(argv=None) -> int:
     if os.environ.get("CUPY_TF32", "0") != "0":
         print("CUPY_TF32 is set: the cuBLAS reference would use TF32; unset it", file=sys.stderr)
         return 2
+    if args.profile:
+        dt, size = args.profile[0], int(args.profile[1])
+        spec = registry.best_kernel()
+        params = GPUExecutor(backend="raw").kernel_params(dt)
+        a, b = random_operands(size, size, size, dt)
+        c = cupy.empty((size, size), dtype=dt)
+        for _ in range(2):
+            cuda_loader.launch(spec.name, a, False, size, b, False, size, c, size, size, size,
+                               size, params=params, check=True)
+        print(f"profiled {spec.name} {dt} n={size} {params}")
+        return 0
     t0 = time.perf_counter()
     items = warm_items() if args.warm_only else [
         (k, dt, GPUExecutor(backend="raw", kernel=k).kernel_params(dt), False, False)
