@@ -94,6 +94,8 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
     for variant in variants[1:]:
         _, c = _run_cluster_variant(client, variant, a, b)
         errs[variant] = relerr(c.compute(), ref)
+        if variant == "distmm-dask":
+            c_tiles = (c.chunks[0][0], c.chunks[1][0])  # the plan's C tile, as chunks
         del c
     del a, b, ref
     _release(client)
@@ -111,7 +113,8 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
             del a, b, c
             _release(client)
     del a_np, b_np
-    plan = plan_for(n, n, n, dtype, workers=workers, tile=(chunk, chunk, plan_for(n, n, n, dtype, workers=1).tile[2]))
+    plan = plan_for(n, n, n, dtype, workers=workers,
+                    tile=c_tiles + (plan_for(n, n, n, dtype, workers=1).tile[2],))
     _emit(writer, rows, "cluster", variants, times, errs, dtype, n, chunk, plan,
           note="operands made and persisted on the cluster before the clock starts (fresh keys "
                "each repetition); C persisted on the cluster, not gathered; numpy: in-process "

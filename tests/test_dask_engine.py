@@ -218,14 +218,25 @@ def test_unknown_chunk_sizes_fail_clearly(client):
 def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
     rng = np.random.default_rng(1)
     a, b = _operands(rng, (256, 128), (128, 256), "float64")
-    A, B = da.from_array(a, chunks=64).persist(), da.from_array(b, chunks=64).persist()
-    C = distmm.matmul(A, B).persist()  # auto, default client
-    distributed.wait(C)
     plan = plan_for(256, 256, 128, "float64", workers=2, tile=(64, 64, 256))
     slots = dask_engine.worker_slots(client)
-    who = client.who_has(C)
-    for (_, i, j), holders in who.items():
-        assert slots[plan.owner_of_tile(i, j)] in holders
+    # operands not yet on the cluster: owner w is the w-th worker slot
+    C = distmm.matmul(da.from_array(a, chunks=64), da.from_array(b, chunks=64)).persist()  # auto
+    distributed.wait(C)
+    for (_, i, j), holders in client.who_has(C).items():
+        assert holders == (slots[plan.owner_of_tile(i, j)],)
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
+    # persisted operands: owners are mapped to workers by where the operands lie,
+    # each owner's tiles still on one worker and the workers evenly loaded
+    A, B = da.from_array(a, chunks=64).persist(), da.from_array(b, chunks=64).persist()
+    C = distmm.matmul(A, B).persist()
+    distributed.wait(C)
+    where = {key[1:]: holders for key, holders in client.who_has(C).items()}
+    by_owner = {}
+    for (i, j), holders in where.items():
+        by_owner.setdefault(plan.owner_of_tile(i, j), set()).update(holders)
+    assert all(len(h) == 1 for h in by_owner.values())
+    assert len(set().union(*by_owner.values())) == 2
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
 
     before = _prefix_count(client)

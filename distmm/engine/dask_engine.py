@@ -59,6 +59,9 @@ log = logging.getLogger("distmm.engine.dask")
 
 #: chunk sizes the engine adopts as its C tile (outside: the planner's tile)
 _CHUNK_TILE_RANGE = (64, 8192)
+#: chunk-derived tiles are halved (rows first) until each worker thread has this many
+_TILES_PER_SLOT = 4
+_MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
 _LONG_RUN_SECONDS = 10.0
 _ASSUMED_FLOPS_PER_SLOT = 20e9
@@ -188,6 +191,53 @@ def worker_slots(client) -> list[str]:
             return []
         info = client.scheduler_info(n_workers=-1)["workers"]
     return [addr for addr in sorted(info) for _ in range(max(int(info[addr].get("nthreads", 1)), 1))]
+
+
+def _slots_by_locality(client, plan: Plan, slots: list[str], a2, b2) -> list[str]:
+    """Map the plan's owners onto workers so that each owner's tiles find as
+    much of their input already in place as possible.
+
+    Only for operands already in the cluster's memory (persisted); otherwise
+    the slots are returned as they are. The plan's balance is kept: only
+    which worker plays which owner changes.
+    """
+    from distributed import futures_of
+
+    if not futures_of(a2) and not futures_of(b2):
+        return slots
+    try:
+        who = {**client.who_has(a2), **client.who_has(b2)}
+    except Exception:  # a worker leaving mid-call: placement is only a hint
+        return slots
+    if not any(who.values()):
+        return slots
+    a_rows, a_k = _edges_pieces(a2.chunks[-2]), _edges_pieces(a2.chunks[-1])
+    b_k, b_cols = _edges_pieces(b2.chunks[-2]), _edges_pieces(b2.chunks[-1])
+    score: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for i, j in plan.tiles():
+        rs, cs = plan.row_slice(i), plan.col_slice(j)
+        for s_ in range(plan.k_splits):
+            owner = plan.owner_of_partial(i, j, s_)
+            ks = plan.k_slice(s_)
+            for rb, r0, r1 in _locate(a_rows, rs.start, rs.stop):
+                for kb, k0, k1 in _locate(a_k, ks.start, ks.stop):
+                    for addr in who.get((a2.name, rb, kb), ()):
+                        score[owner][addr] += (r1 - r0) * (k1 - k0)
+            for kb, k0, k1 in _locate(b_k, ks.start, ks.stop):
+                for cb, c0, c1 in _locate(b_cols, cs.start, cs.stop):
+                    for addr in who.get((b2.name, kb, cb), ()):
+                        score[owner][addr] += (k1 - k0) * (c1 - c0)
+    capacity: dict[str, int] = defaultdict(int)
+    for addr in slots:
+        capacity[addr] += 1
+    mapping: dict[int, str] = {}
+    owners = sorted(range(len(slots)), key=lambda w: -max(score[w].values(), default=0))
+    for w in owners:
+        free = [addr for addr in sorted(capacity) if capacity[addr] > 0]
+        best = max(free, key=lambda addr: score[w].get(addr, 0))
+        mapping[w] = best
+        capacity[best] -= 1
+    return [mapping[w] for w in range(len(slots))]
 
 
 def _resolve_client(client, *, required: bool):
@@ -351,7 +401,7 @@ def _layer(graph: dict, pins: dict):
     return MaterializedLayer(graph, annotations=annotations)
 
 
-def _tile_for_chunks(ops, a2, b2, tile):
+def _tile_for_chunks(ops, a2, b2, tile, workers: int = 1):
     """The C tile the plan should use: the caller's, the configured one, or,
     for regularly chunked dask operands, their chunk size along m and n."""
     from distmm.config import get_config
@@ -370,6 +420,18 @@ def _tile_for_chunks(ops, a2, b2, tile):
     tm, tn = min(tm, ops.m), min(tn, ops.n)
     if not (lo <= tm <= hi or tm == ops.m) or not (lo <= tn <= hi or tn == ops.n):
         return None
+    # Several tiles per worker thread let the scheduler even out a slow worker
+    # (loosely pinned tasks can be stolen). Split rows first: a row slice of a
+    # C-ordered chunk is a view, a column slice would be copied.
+    import math
+
+    def count(tm_, tn_):
+        return math.ceil(ops.m / tm_) * math.ceil(ops.n / tn_)
+
+    while count(tm, tn) < _TILES_PER_SLOT * workers and tm % 2 == 0 and tm // 2 >= _MIN_SPLIT_TILE:
+        tm //= 2
+    while count(tm, tn) < _TILES_PER_SLOT * workers and tn % 2 == 0 and tn // 2 >= _MIN_SPLIT_TILE:
+        tn //= 2
     from distmm.plan import make_plan
 
     tk = make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=1).tile[2]
@@ -463,7 +525,9 @@ def matmul(ops, *, client=None, tile=None, backend: str = "auto", progress=None,
         b2 = ops.b[:, None] if ops.b_vector else ops.b
         _check_chunks("a", a2)
         _check_chunks("b", b2)
-        plan = _plan(ops, workers, _tile_for_chunks(ops, a2, b2, tile))
+        plan = _plan(ops, workers, _tile_for_chunks(ops, a2, b2, tile, workers))
+        if slots and not ops.batch:
+            slots = _slots_by_locality(client, plan, slots, a2, b2)
         return _lazy(ops, plan, a2, b2, slots, backend, out_shape, dtype)
 
     if progress is None:
@@ -490,7 +554,7 @@ def _lazy(ops, plan, a2, b2, slots, backend, out_shape, dtype):
         return da.zeros(out_shape, dtype=dtype, chunks=_output_chunks(plan, ops.batch))
     from dask._task_spec import TaskRef
 
-    name = "distmm-matmul-" + tokenize(a2.name, b2.name, plan, backend, ops.batch)
+    name = "distmm-matmul-" + tokenize(a2.name, b2.name, plan, backend, ops.batch, slots)
     a_op = _Operand(tuple(a2.shape), a2.chunks, lambda idx: TaskRef((a2.name,) + idx))
     b_op = _Operand(tuple(b2.shape), b2.chunks, lambda idx: TaskRef((b2.name,) + idx))
     graph, _, pins = _build_graph(plan, a_op, b_op, tuple(ops.batch), backend=backend,
