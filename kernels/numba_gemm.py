@@ -5,7 +5,7 @@ float64, int64 and uint64 (integers wrap as numpy's do). The structure is the
 classic one of GotoBLAS and BLIS:
 
 * loop ``jc`` over column blocks of ``nc`` columns of B and C;
-* loop ``pc`` over k blocks of ``kc`` (``tk`` from the plan): B's ``kc x nc``
+* loop ``pc`` over k blocks of ``kc = min(tk, KC)``: B's ``kc x nc``
   block is packed into ``NR``-column micro-panels (contiguous, zero-padded);
 * loop ``ic`` over row blocks of ``mc`` rows: A's ``mc x kc`` block is packed
   into ``MR``-row micro-panels (it stays in L2);
@@ -54,9 +54,10 @@ NC = 1536
 UNROLL = 4
 #: k steps ahead that the micro-kernel prefetches its A micro-panel
 PREFETCH_A = 8
-#: largest k block: a B micro-panel (KC x NR) of 24 KiB stays in the 48 KiB L1 while
-#: the A micro-panels stream past it from L2 (NR * itemsize is 192 bytes for every dtype)
-KC = 128
+#: largest k block. A B micro-panel (KC x NR, 192 bytes per k step for every dtype) is
+#: 48 KiB at 256: L1-sized on Ice Lake. 128 (24 KiB) did as well on one core but worse
+#: with both cores busy, where each k block costs one more pass over C through L3.
+KC = 256
 #: k block used when the caller gives none
 KC_DEFAULT = 256
 _VECTOR_BYTES = 64
