@@ -147,10 +147,21 @@ class PipelineTiling:
         return self.tm_max * self.tn_max * self.itemsize
 
     @property
+    def b_resident(self) -> bool:
+        """All of B lives in one device buffer (full-width mode); block ``kb`` is
+        its rows ``k_edges[kb]:k_edges[kb+1]``, so short k-blocks waste nothing."""
+        return self.mode == "full-width"
+
+    @property
+    def b_bytes(self) -> int:
+        if self.b_resident:
+            return self.k_edges[-1] * self.tn_max * self.itemsize
+        return self.b_slots * self.b_slot_bytes
+
+    @property
     def device_bytes(self) -> int:
         """Device memory the pipeline's buffers take."""
-        return (self.a_slots * self.a_slot_bytes + self.b_slots * self.b_slot_bytes
-                + self.c_buffers * self.c_buffer_bytes)
+        return self.a_slots * self.a_slot_bytes + self.b_bytes + self.c_buffers * self.c_buffer_bytes
 
     def describe(self) -> dict:
         d = asdict(self)
@@ -167,12 +178,16 @@ def _edges(length: int, tile: int) -> tuple[int, ...]:
 
 
 def _k_edges(k: int, tk: int) -> tuple[int, ...]:
-    """k-blocks of ``tk``, except a quarter-size first one: the first kernel can
-    start after a quarter of the bytes (the pipeline's start-up latency)."""
-    first = max(64, tk // 4)
-    if k <= tk or first >= tk:
-        return _edges(k, tk)
-    return (0,) + tuple(e for e in range(first, k, tk)) + (k,)
+    """k-blocks of ``tk``, after a ramp of ``tk/8, tk/4, tk/2``: the first kernel
+    starts after an eighth of a full block's bytes have crossed, and each later
+    block's copy hides behind the kernel before it (the pipeline's start-up)."""
+    edges, size = [0], max(64, tk // 8)
+    while size < tk and edges[-1] + size < k:
+        edges.append(edges[-1] + size)
+        size *= 2
+    edges.extend(range(edges[-1] + tk, k, tk))
+    edges.append(k)
+    return tuple(edges)
 
 
 def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
@@ -226,7 +241,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     --------
     >>> t = choose_tiling(32768, 32768, 32768, 4, 70 * 2**30)
     >>> t.mode, t.tm_max, t.tk_max, t.b_slots, t.k_edges[:3]
-    ('full-width', 16384, 2048, 17, (0, 512, 2560))
+    ('full-width', 16384, 2048, 19, (0, 256, 768))
     >>> choose_tiling(4096, 4096, 4096, 4, 16 * 2**20).mode
     'tiles'
     """
@@ -241,7 +256,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         tk = min(tk, k)
         k_edges = _k_edges(k, tk)
         kb = len(k_edges) - 1
-        b_bytes = kb * tk * n * s
+        b_bytes = k * n * s
         if b_bytes > 0.75 * usable:
             continue
         for tm in _TILE_CANDIDATES:
@@ -685,8 +700,17 @@ class _PipelineRun:
 
         # Device buffers first: an out-of-memory error here costs nothing.
         a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
-        b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
+        if t.b_resident:
+            b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), dtype)
+            b_mem = None
+        else:
+            b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
         c_mem = [dev.alloc(t.c_buffer_bytes) for _ in range(t.c_buffers)]
+
+        def b_block(slot, kb, rows, width):
+            if b_mem is None:
+                return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
+            return dev.array(b_mem[slot], (rows, width), dtype)
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
         ring_in = self.pool.acquire_many(chunk_bytes, n_in)
         try:
@@ -730,8 +754,10 @@ class _PipelineRun:
                     if ch.first and free_ev[ch.slot] is not None:
                         dev.wait(h2d, free_ev[ch.slot])
                     width = ch.c1 - ch.c0
-                    mem = (a_mem if ch.which == "A" else b_mem)[ch.slot]
-                    block = dev.array(mem, (ch.block_rows, width), dtype)
+                    if ch.which == "A":
+                        block = dev.array(a_mem[ch.slot], (ch.block_rows, width), dtype)
+                    else:
+                        block = b_block(ch.slot, st.kb, ch.block_rows, width)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
                     self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
                     self.bytes_h2d += view.nbytes
@@ -751,7 +777,7 @@ class _PipelineRun:
                 q0, q1 = t.col_edges[st.j], t.col_edges[st.j + 1]
                 k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
                 a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), dtype)
-                b_dev = dev.array(b_mem[st.b_slot], (k1 - k0, q1 - q0), dtype)
+                b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0)
                 c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
                 beta = 0.0 if st.first else 1.0
                 self._timed("compute", f"C[{st.i},{st.j}] k{st.kb}", comp,
