@@ -18,7 +18,7 @@ T_BENCH=${T_BENCH:-330}
 
 echo "== tests ==" | tee -a "$OUT/bench.log"
 timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gpu_pipeline.py tests/test_trace_render.py tests/test_pipeline_sim.py 2>&1 | tee "$OUT/pytest.log"
+  ${TESTS:-tests/test_gpu_pipeline.py tests/test_trace_render.py tests/test_pipeline_sim.py} 2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 tail -3 "$OUT/pytest.log" >> "$OUT/bench.log"
 
