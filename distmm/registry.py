@@ -154,19 +154,18 @@ class KernelSpec:
         if words > cap // 2 + 1:
             out.append(f"{tm}x{tn} accumulators take {words} registers, more than half of "
                        f"the {cap} a thread may use")
-        if minb == 2 and cap >= 255:
-            out.append("MINB=2 leaves the register limit at 255: the same kernel as MINB=1")
+        if minb > 1 and cap >= 255:
+            out.append(f"MINB={minb} leaves the register limit at 255: the same kernel as MINB=1")
         limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
         smem = max(self.smem_bytes(dtype, p, ta, tb) for ta in (0, 1) for tb in (0, 1))
         if smem > limit:
             out.append(f"{smem} bytes of shared memory (at most {limit} on sm_{cc})")
         if p["STAGES"] < 2:
             out.append("at least 2 pipeline stages")
-        if p.get("MINB", 1) not in (1, 2) or (p.get("MINB", 1) == 2 and threads > 512):
-            out.append("MINB (blocks per SM for the register budget) must be 1, or 2 with "
-                       "at most 512 threads")
-        elif p.get("MINB", 1) == 2 and 2 * smem > MAX_SMEM_BYTES.get(cc, 99 * 1024):
-            out.append(f"two blocks of {smem} bytes of shared memory do not fit")
+        if minb not in (1, 2, 3, 4):
+            out.append(f"MINB (blocks per SM the register budget allows) must be 1..4, got {minb}")
+        elif minb > 1 and minb * smem > MAX_SMEM_BYTES.get(cc, 99 * 1024) + 1024:
+            out.append(f"{minb} blocks of {smem} bytes of shared memory do not fit one SM")
         return out
 
     def candidates(self, dtype: str, cc: int = 90) -> list[dict[str, int]]:
@@ -223,9 +222,9 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         "distmm_gemm_warptile<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
         layout_template=True, grid="linear", min_cc=80,
         defaults={
-            "float32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
+            "float32": {"BM": 64, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
             "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
-            "float64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+            "float64": {"BM": 64, "BN": 128, "BK": 16, "WM": 64, "WN": 32, "TM": 8, "TN": 8, "STAGES": 2, "MINB": 1},
             "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
         tune_space={
@@ -233,7 +232,7 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
             "BK": (8, 16, 32),
             "warp": _WARP_SHAPES,
             "STAGES": (2, 3, 4),
-            "MINB": (1, 2),
+            "MINB": (1, 2, 3, 4),
         }),
 )}
 

@@ -92,27 +92,23 @@ def _raw_runner(spec, params, a, b, c):
 
 
 def _search_space(spec, dtype: str, cc: int, max_configs: int) -> list[dict]:
-    """Phase 1 of the search: every valid block x warp shape with 128 or 256 threads, at the
-    default BK and 3 stages, and at BK=8 with the register budget of one or of two blocks
-    per SM (the defaults first)."""
+    """Phase 1 of the search: every valid block x warp shape with 128 or 256 threads, for
+    every BK and register budget (blocks per SM), at 3 stages (the defaults first)."""
     default = spec.params(dtype)
     out = [default]
     for p in spec.candidates(dtype, cc):
-        if spec.threads(p) not in (128, 256) or p in out:
-            continue
-        if (p["BK"], p["STAGES"], p["MINB"]) in ((default["BK"], default["STAGES"], 1), (8, 3, 1),
-                                                 (8, 3, 2)):
+        if spec.threads(p) in (128, 256) and p["STAGES"] == 3 and p not in out:
             out.append(p)
     return out[:max_configs]
 
 
-def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 90,
+def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_configs: int = 400,
                processes: int | None = None, log=print, records=None) -> dict:
     """Search the best kernel's configurations for ``dtype``; return the cache entry.
 
-    Phase 1 times every block x warp shape at ``size``; phase 2 varies BK, the number of
-    pipeline stages and the register budget (blocks per SM) of the best two; the best five are timed again at ``confirm_size``
-    next to cuBLAS, and the winner is the fastest there. A configuration whose result is
+    Phase 1 times every block x warp shape, BK and register budget (blocks per SM) at
+    ``size`` with 3 stages; phase 2 varies the stages of the best four; the best six are
+    timed again at ``confirm_size`` next to cuBLAS, and the winner is the fastest there. A configuration whose result is
     wrong (relative error against a float64 product above 1e-4 for float32) is discarded.
     """
     import cupy
@@ -161,17 +157,15 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     if not res1:
         raise RuntimeError(f"no {spec.name} configuration ran correctly for {dtype}")
     phase2 = []
-    for _, best, *_ in res1[:2]:
-        for bk in spec.tune_space["BK"]:
-            for st in spec.tune_space["STAGES"]:
-                for minb in spec.tune_space["MINB"]:
-                    p = dict(best, BK=bk, STAGES=st, MINB=minb)
-                    if p not in phase1 and p not in phase2 and not spec.violations(dtype, p, cc):
-                        phase2.append(p)
+    for _, best, *_ in res1[:4]:
+        for st in spec.tune_space["STAGES"]:
+            p = dict(best, STAGES=st)
+            if p not in phase1 and p not in phase2 and not spec.violations(dtype, p, cc):
+                phase2.append(p)
     log(f"{dtype}: phase 2, {len(phase2)} BK/stage variants at n={size}")
     res2 = measure(phase2, size)
     allres = sorted(res1 + res2, key=lambda r: -r[0])
-    top = [p for _, p, *_ in allres[:5]]
+    top = [p for _, p, *_ in allres[:6]]
     log(f"{dtype}: confirming the best {len(top)} at n={confirm_size}")
     res3 = measure(top, confirm_size)
     if not res3:
@@ -211,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(registry.DTYPES))
     p.add_argument("--size", type=int, default=4096, help="search size n (n x n x n)")
     p.add_argument("--confirm-size", type=int, default=8192, help="size of the final ranking")
-    p.add_argument("--max-configs", type=int, default=90)
+    p.add_argument("--max-configs", type=int, default=400)
     p.add_argument("--processes", type=int, default=None, help="parallel compile processes")
     p.add_argument("--cache", type=Path, default=None, help=f"cache file (default {cache_path()})")
     p.add_argument("--records", type=Path, default=None,

@@ -82,7 +82,7 @@ def test_smem_matches_the_pipelined_layout():
 
 def test_grid_dims():
     w = registry.get("warptile")
-    p = w.params("float32")
+    p = dict(w.params("float32"), BM=128, BN=128)
     assert w.grid_dims(1000, 300, p) == (8 * 3, 1, 1)
     n = registry.get("naive")
     assert n.grid_dims(9, 33, {}) == (2, 2, 1)

@@ -28,8 +28,8 @@ distmm_gemm_warptile(int M, int N, int K, T alpha, const T* __restrict__ A, long
     DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, false, true)       \
     DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, true, false)       \
     DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, true, true)
-DISTMM_INST(float, 128, 128, 16, 32, 64, 8, 8, 3)
+DISTMM_INST(float, 64, 128, 16, 32, 64, 8, 8, 3)
 DISTMM_INST(int, 128, 128, 16, 32, 64, 8, 8, 3)
-DISTMM_INST(double, 128, 64, 16, 32, 32, 8, 4, 3)
+DISTMM_INST(double, 64, 128, 16, 64, 32, 8, 8, 2)
 DISTMM_INST(long long, 128, 64, 16, 32, 32, 8, 4, 3)
 #endif

@@ -129,6 +129,10 @@ __device__ __forceinline__ void tile_to_smem_async(T* __restrict__ s, const T* _
     constexpr int CHUNKS_PER_ROW = COLS / V;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     constexpr int ITERS = (CHUNKS + NT - 1) / NT;
+    // Only edge tiles come here. An opaque copy of tid keeps the compiler from hoisting
+    // this path's per-chunk addresses out of the k loop, where they would hold registers
+    // (and spill) for the whole kernel; recomputing them per edge tile costs little.
+    asm volatile("" : "+r"(tid));
     if (vec) {
 #pragma unroll
         for (int it = 0; it < ITERS; ++it) {
