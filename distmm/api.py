@@ -9,6 +9,7 @@ or kernels (``distmm.executor``).
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,9 +41,17 @@ class _Operands:
     k: int
 
 
+def _on_disk(x) -> bool:
+    """A 2-D array-like that reads by slices (zarr array, h5py dataset): kept
+    as it is, so the engines read only the panels a task needs."""
+    return (not isinstance(x, np.ndarray) and getattr(x, "ndim", None) == 2
+            and hasattr(x, "dtype") and hasattr(x, "shape") and hasattr(x, "__getitem__")
+            and not hasattr(x, "__array_namespace__") and array_family(x) == "numpy")
+
+
 def _as_array(x, family: str):
     if family == "numpy":
-        return x if isinstance(x, np.ndarray) else np.asarray(x)
+        return x if isinstance(x, np.ndarray) or _on_disk(x) else np.asarray(x)
     if family == "cupy":
         import cupy
 
@@ -63,7 +72,7 @@ def _validate(a, b, what: str = "matmul") -> _Operands:
                 f"{what}: operand {name} is 0-dimensional (a scalar); matmul needs at "
                 f"least 1 dimension: use * to multiply by a scalar"
             )
-    dtype = result_dtype(a.dtype, b.dtype)
+    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     a_vector, b_vector = a.ndim == 1, b.ndim == 1
     a_shape = (1,) + a.shape if a_vector else a.shape
     b_shape = b.shape + (1,) if b_vector else b.shape
@@ -114,6 +123,8 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None) -> Plan:
 
 
 def _broadcast(ops: _Operands, xp):
+    if not ops.batch and not ops.a_vector and not ops.b_vector and ops.a.ndim == ops.b.ndim == 2:
+        return ops.a, ops.b  # 2-D: as they are (on-disk arrays stay on disk)
     a = ops.a[None, :] if ops.a_vector else ops.a
     b = ops.b[:, None] if ops.b_vector else ops.b
     a = xp.broadcast_to(a, ops.batch + (ops.m, ops.k))
@@ -131,7 +142,28 @@ def _squeeze(out, ops: _Operands):
     return out
 
 
-def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str):
+@functools.lru_cache(maxsize=1)
+def _gpu_present() -> bool:
+    from distmm.executor import gpu_available
+
+    return gpu_available()
+
+
+#: smallest product (flops) that ``backend="auto"`` sends from host memory to a GPU
+AUTO_GPU_MIN_FLOPS = 2 * 1024**3
+
+
+def _auto_on_gpu(backend: str, ops: _Operands) -> bool:
+    """Whether ``backend="auto"`` sends host operands to the GPU (its stream
+    pipeline): large float32/float64 products when a GPU is present; smaller
+    or other products stay on the CPU (see ``get_executor``)."""
+    if backend != "auto" or ops.dtype not in (np.float32, np.float64):
+        return False
+    flops = 2 * ops.m * ops.n * ops.k * max(int(np.prod(ops.batch)), 1)
+    return flops >= AUTO_GPU_MIN_FLOPS and _gpu_present()
+
+
+def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str, out=None):
     from distmm.executor import get_executor
 
     eng = _pick_engine(engine, client)
@@ -142,9 +174,9 @@ def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str):
     cfg = get_config()
     from distmm.engine.local import default_workers, run_local
 
-    on_gpu = ops.family == "cupy"
     if ops.family == "numpy" and backend == "auto" and cfg.backend != "auto":
         backend = cfg.backend
+    on_gpu = ops.family == "cupy" or _auto_on_gpu(backend, ops)
     workers = cfg.local_threads or default_workers()
     plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=1 if on_gpu else workers, tile=tile)
     executor = get_executor(backend, np.dtype(plan.acc_dtype), on_gpu=on_gpu)
@@ -152,8 +184,20 @@ def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str):
         out = executor.run_batched(plan, *_broadcast(ops, __import__("cupy")))
     else:
         with executor:
-            out = run_local(plan, *_broadcast(ops, np), executor)
+            out = run_local(plan, *_broadcast(ops, np), executor, out=out)
     return _squeeze(out, ops)
+
+
+def _writes_direct(out, ops: _Operands, engine: str, client) -> bool:
+    """Whether the engines can write tiles into ``out`` itself: same dtype and
+    shape as the 2-D result, host memory, and no overlap with an operand."""
+    if ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
+        return False
+    if np.dtype(out.dtype) != ops.dtype or _pick_engine(engine, client) != "local":
+        return False
+    if isinstance(out, np.ndarray):
+        return not any(isinstance(x, np.ndarray) and np.may_share_memory(out, x) for x in (ops.a, ops.b))
+    return _on_disk(out)
 
 
 def _check_out(out, ops: _Operands):
@@ -163,7 +207,7 @@ def _check_out(out, ops: _Operands):
     if tuple(out.shape) != shape:
         raise ValueError(f"matmul: out has shape {tuple(out.shape)} but a {ops.a.shape} @ "
                          f"b {ops.b.shape} has shape {shape}")
-    if not np.can_cast(ops.dtype, out.dtype, casting="same_kind"):
+    if not np.can_cast(ops.dtype, np.dtype(out.dtype), casting="same_kind"):
         raise TypeError(f"matmul: cannot cast the {ops.dtype} result to out's dtype {out.dtype} "
                         f"with casting rule 'same_kind'")
 
@@ -224,6 +268,10 @@ def matmul(a, b, *, out=None, engine: str = "auto", client=None, tile=None, back
     ops = _validate(a, b)
     if out is not None:
         _check_out(out, ops)
+        if _writes_direct(out, ops, engine, client):
+            # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
+            _matmul(ops, engine=engine, client=client, tile=tile, backend=backend, out=out)
+            return out
     result = _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
     if out is None:
         return result

@@ -57,16 +57,30 @@ def _cmd_info(args) -> int:
 
 def _cmd_matmul(args) -> int:
     import distmm
-    from distmm.io import open_operand, write_atomic
+    from distmm.io import open_operand, staged_output
+    from distmm.plan import result_dtype
 
     a = open_operand(args.a)
     b = open_operand(args.b)
     t0 = time.perf_counter()
-    c = distmm.matmul(np.asarray(a), np.asarray(b), engine=args.engine, backend=args.backend,
-                      tile=args.tile)
+    if a.ndim == b.ndim == 2:
+        # Out of core: operands are read panel by panel and C is written tile by
+        # tile into a staged file that is renamed into place only on success.
+        if a.shape[1] != b.shape[0]:  # checked here too so that no file is staged
+            raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
+        shape = (a.shape[0], b.shape[1])
+        with staged_output(args.output, shape, result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))) as c:
+            distmm.matmul(a, b, out=c, engine=args.engine, backend=args.backend, tile=args.tile)
+            dtype = c.dtype
+    else:
+        from distmm.io import write_atomic
+
+        c = distmm.matmul(np.asarray(a), np.asarray(b), engine=args.engine, backend=args.backend,
+                          tile=args.tile)
+        shape, dtype = np.shape(c), np.asarray(c).dtype
+        write_atomic(args.output, c)
     seconds = time.perf_counter() - t0
-    write_atomic(args.output, c)
-    print(f"wrote {args.output}: shape {np.shape(c)}, dtype {np.asarray(c).dtype}, {seconds:.3f} s")
+    print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
     return 0
 
 
@@ -117,11 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="devices, backends and versions")
     i.set_defaults(func=_cmd_info)
 
-    for name, module, helptext in (("tune", "distmm.tune", "autotune GPU kernel parameters"),
-                                   ("trace", "distmm.trace", "render a copy/compute timeline PNG")):
-        sp = sub.add_parser(name, help=helptext)
-        sp.set_defaults(func=_lazy_command(module))
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
+                           ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):
+        sub.add_parser(name, help=helptext, add_help=False)
     return p
 
 
@@ -139,7 +151,14 @@ def _lazy_command(module_name: str):
     return run
 
 
+_PASS_THROUGH = {"tune": "distmm.tune", "trace": "distmm.trace"}
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        # These commands own their options: hand everything after the name over.
+        return _lazy_command(_PASS_THROUGH[argv[0]])(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["open_operand", "write_atomic", "SUFFIXES"]
+__all__ = ["open_operand", "staged_output", "write_atomic", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -77,25 +77,41 @@ def _staged(target: Path):
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def write_atomic(path: str, array) -> None:
-    """Write ``array`` to ``path`` (``.npy``, ``.zarr`` or ``file.h5:dataset``),
-    replacing any old file only once the new one is complete."""
+@contextmanager
+def staged_output(path: str, shape: tuple[int, ...], dtype):
+    """Yield an empty on-disk array to fill (a ``.npy`` memmap, a zarr array or
+    an h5py dataset) that appears at ``path`` only when the block exits without
+    an error; an older file there stays until then. On error nothing is left.
+
+    Examples
+    --------
+    >>> with staged_output("c.npy", (4, 5), "float64") as c:   # doctest: +SKIP
+    ...     distmm.matmul(a, b, out=c)
+    """
     kind = _kind(path)
-    array = np.asarray(array)
+    dtype = np.dtype(dtype)
     if kind == "h5":
         import h5py
 
         file, dataset = _split_h5(path)
-        with _staged(file) as tmp:
-            with h5py.File(tmp, "w") as fh:
-                fh.create_dataset(dataset, data=array)
+        with _staged(file) as tmp, h5py.File(tmp, "w") as fh:
+            yield fh.create_dataset(dataset, shape=shape, dtype=dtype)
         return
     with _staged(Path(path)) as tmp:
         if kind == "npy":
-            with open(tmp, "wb") as fh:
-                np.save(fh, array)
+            mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+            yield mm
+            mm.flush()
+            del mm
         else:
             import zarr
 
-            z = zarr.open_array(str(tmp), mode="w", shape=array.shape, dtype=array.dtype)
-            z[...] = array
+            yield zarr.open_array(str(tmp), mode="w", shape=shape, dtype=dtype)
+
+
+def write_atomic(path: str, array) -> None:
+    """Write ``array`` to ``path`` (``.npy``, ``.zarr`` or ``file.h5:dataset``),
+    replacing any old file only once the new one is complete."""
+    array = np.asarray(array)
+    with staged_output(path, array.shape, array.dtype) as out:
+        out[...] = array

@@ -79,22 +79,32 @@ def test_failed_matmul_leaves_no_output(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
 
 
-def test_failed_write_keeps_old_output(tmp_path: Path, monkeypatch):
-    from distmm import io as dio
+@pytest.mark.parametrize("name", ["c.npy", "c.zarr", "c.h5"])
+def test_failure_while_filling_keeps_old_output(tmp_path: Path, name):
+    from distmm.io import open_operand, staged_output, write_atomic
 
-    target = tmp_path / "c.npy"
-    np.save(target, np.arange(3.0))
-
-    def save_then_fail(fh, array):  # the disk fills up halfway through the write
-        fh.write(b"\x93NUMPY partial")
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(dio.np, "save", save_then_fail)
+    target = tmp_path / name
+    write_atomic(str(target), np.arange(6.0).reshape(2, 3))
     with pytest.raises(OSError, match="No space"):
-        dio.write_atomic(str(target), np.ones(5))
-    monkeypatch.undo()
-    np.testing.assert_array_equal(np.load(target), np.arange(3.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy"]
+        with staged_output(str(target), (4, 3), "float64") as c:
+            c[0:2, :] = 1.0  # half written, then the disk fills up
+            raise OSError("No space left on device")
+    np.testing.assert_array_equal(np.asarray(open_operand(str(target))[...]), np.arange(6.0).reshape(2, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_corrupt_input_mid_run_leaves_no_output(tmp_path: Path):
+    rng = np.random.default_rng()
+    a = rng.standard_normal((64, 48))
+    pa = tmp_path / "a.zarr"
+    z = zarr.open_array(str(pa), mode="w", shape=a.shape, dtype=a.dtype, chunks=(16, 16))
+    z[...] = a
+    np.save(tmp_path / "b.npy", rng.standard_normal((48, 40)))
+    chunks = sorted(p for p in pa.rglob("*") if p.is_file() and p.name[0].isdigit())
+    chunks[-1].write_bytes(b"not a chunk")  # the last row panel cannot be decoded
+    r = run_cli("matmul", pa, tmp_path / "b.npy", "-o", tmp_path / "c.npy", "--tile", 16, "--engine", "local")
+    assert r.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "b.npy"]
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path):
