@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
-    parser.add_argument("--int-size", type=int, default=1024,
+    parser.add_argument("--int-size", type=int, default=512,
                         help="n of the int64 case (numpy's integer loop is slow); 0 skips it")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out-dir", default=None)
