@@ -222,6 +222,13 @@ class GPUExecutor(Executor):
             else:
                 cupy.multiply(cupy.matmul(a, b), c.dtype.type(alpha), out=c)
             return
+        if c.dtype.kind in "fc" and c.flags.c_contiguous and a.dtype == b.dtype == c.dtype:
+            # In place: no temporary and no extra passes over c (the pipeline
+            # accumulates every k-block after the first with beta = 1).
+            from cupy import cublas
+
+            cublas.gemm("N", "N", a, b, out=c, alpha=alpha, beta=beta)
+            return
         prod = cupy.matmul(a, b)
         if not one:
             prod *= c.dtype.type(alpha)
@@ -278,14 +285,15 @@ class GPUExecutor(Executor):
         (``plan.dtype``): the multi-stream pinned pipeline when available, else copy in,
         compute, copy out."""
         try:
-            from distmm.executor.pipeline import run_pipelined
+            from distmm.executor.pipeline import FAST_DTYPES, run_pipelined
         except ImportError:
-            run_pipelined = None
-        if run_pipelined is not None:
+            run_pipelined, FAST_DTYPES = None, ()
+        if run_pipelined is not None and np.dtype(plan.dtype) in FAST_DTYPES:
             run_pipelined(self, plan, a, b, out)
             return
-        a_dev = cupy.asarray(a)
-        b_dev = cupy.asarray(b)
+        # Other dtypes (integers, bool, float16, complex): whole operands through the device.
+        a_dev = cupy.asarray(np.asarray(a[...]) if not isinstance(a, np.ndarray) else a)
+        b_dev = cupy.asarray(np.asarray(b[...]) if not isinstance(b, np.ndarray) else b)
         out[...] = cupy.asnumpy(self.run_batched(plan, a_dev, b_dev))
 
     def __repr__(self) -> str:
