@@ -187,23 +187,61 @@ def _signatures():
     for name in SUPPORTED:
         t = numba.from_dtype(np.dtype(name))
         arr2 = types.Array(t, 2, "A", readonly=True)
-        sigs.append(types.Array(t, 2, "C")(arr2, arr2, types.intp, types.intp, types.intp))
+        sigs.append(types.Array(t, 2, "A")(arr2, arr2, types.intp, types.intp, types.intp))
     return sigs
 
 
 _u = numba.uintp  # unsigned indices: numba then skips its negative-index wraparound
 
 
+@intrinsic
+def _flat_view(typingctx, arr):
+    """A 1-D contiguous read-only view that starts at ``arr``'s first element and has
+    no bound; it is indexed with element offsets computed from ``arr``'s strides, so
+    LLVM sees unit-stride loads (the strided 2-D view hides them behind run-time byte
+    strides). Only for arrays with non-negative strides."""
+    ret = types.Array(arr.dtype, 1, "C", readonly=True)
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(ret)(context, builder)
+        itemsize = context.get_constant(
+            types.intp, context.get_abi_sizeof(context.get_data_type(arr.dtype)))
+        unbounded = context.get_constant(types.intp, 1 << 40)
+        context.populate_array(out, data=src.data,
+                               shape=cgutils.pack_array(builder, [unbounded]),
+                               strides=cgutils.pack_array(builder, [itemsize]),
+                               itemsize=itemsize, meminfo=None)
+        return out._getvalue()
+
+    return ret(arr), codegen
+
+
 @numba.njit(nogil=True, cache=True)
 def _pack_a(a, i0, mc, p0, kc, buf):
     """Pack ``a[i0:i0+mc, p0:p0+kc]`` into MR-row micro-panels, ``buf[r, p, i]``; rows
     past ``mc`` are zero."""
+    s0 = a.strides[0] // a.itemsize
+    s1 = a.strides[1] // a.itemsize
+    flat = _flat_view(a)
     for r in range(0, mc, MR):
         base = (r // MR) * kc * MR
         rows = min(MR, mc - r)
-        for i in range(rows):
+        if a.strides[0] == a.itemsize and s1 >= 0 and rows == MR:
+            # column-major A (a transposed view): a micro-panel column is contiguous
             for p in range(kc):
-                buf[_u(base + p * MR + i)] = a[_u(i0 + r + i), _u(p0 + p)]
+                src = (p0 + p) * s1 + i0 + r
+                for i in range(MR):
+                    buf[_u(base + p * MR + i)] = flat[_u(src + i)]
+            continue
+        for i in range(rows):
+            if a.strides[1] == a.itemsize and s0 >= 0:
+                src = (i0 + r + i) * s0 + p0
+                for p in range(kc):
+                    buf[_u(base + p * MR + i)] = flat[_u(src + p)]
+            else:
+                for p in range(kc):
+                    buf[_u(base + p * MR + i)] = a[_u(i0 + r + i), _u(p0 + p)]
         for i in range(rows, MR):
             for p in range(kc):
                 buf[_u(base + p * MR + i)] = 0
@@ -213,17 +251,30 @@ def _pack_a(a, i0, mc, p0, kc, buf):
 def _pack_b(b, p0, kc, j0, nc, nr, buf):
     """Pack ``b[p0:p0+kc, j0:j0+nc]`` into ``nr``-column micro-panels, ``buf[q, p, j]``;
     columns past ``nc`` are zero."""
+    s0 = b.strides[0] // b.itemsize
+    s1 = b.strides[1] // b.itemsize
+    rows_contiguous = b.strides[1] == b.itemsize and s0 >= 0
+    cols_contiguous = b.strides[0] == b.itemsize and s1 >= 0
+    flat = _flat_view(b)
     for q in range(0, nc, nr):
         base = (q // nr) * kc * nr
         cols = min(nr, nc - q)
-        if cols == nr:
+        if rows_contiguous:
             for p in range(kc):
-                for j in range(nr):
-                    buf[_u(base + p * nr + j)] = b[_u(p0 + p), _u(j0 + q + j)]
+                src = (p0 + p) * s0 + j0 + q
+                for j in range(cols):
+                    buf[_u(base + p * nr + j)] = flat[_u(src + j)]
+        elif cols_contiguous:
+            for j in range(cols):
+                src = (j0 + q + j) * s1 + p0
+                for p in range(kc):
+                    buf[_u(base + p * nr + j)] = flat[_u(src + p)]
         else:
             for p in range(kc):
                 for j in range(cols):
                     buf[_u(base + p * nr + j)] = b[_u(p0 + p), _u(j0 + q + j)]
+        if cols < nr:
+            for p in range(kc):
                 for j in range(cols, nr):
                     buf[_u(base + p * nr + j)] = 0
 
@@ -231,8 +282,16 @@ def _pack_b(b, p0, kc, j0, nc, nr, buf):
 def _gemm_impl(a, b, kc_max, mc_max, nc_max):
     m, k = a.shape
     n = b.shape[1]
-    c = np.zeros((m, n), dtype=a.dtype)
-    nr = NV * (64 // a.itemsize)
+    lanes = 64 // a.itemsize
+    nr = NV * lanes
+    # C's rows are padded so that they are not a multiple of 256 bytes apart: with
+    # power-of-two widths, the MR rows of a micro-tile would otherwise share a few L1
+    # sets (4 KiB aliasing) and evict each other and the packed panels.
+    ldc = -(-max(n, 1) // lanes) * lanes
+    if (ldc * a.itemsize) % 256 == 0:
+        ldc += lanes
+    c_full = np.zeros((m, ldc), dtype=a.dtype)
+    c = c_full[:, :n]
     if m == 0 or n == 0 or k == 0:
         return c
     kc_max = max(1, min(kc_max, k))
@@ -241,7 +300,7 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
     a_buf = np.empty(mc_max * kc_max, dtype=a.dtype)
     b_buf = np.empty(nc_max * kc_max, dtype=a.dtype)
     edge = np.empty(MR * nr, dtype=a.dtype)
-    c_flat = c.reshape(m * n)
+    c_flat = c_full.reshape(m * ldc)
     for jc in range(0, n, nc_max):
         nc = min(nc_max, n - jc)
         for pc in range(0, k, kc_max):
@@ -257,9 +316,9 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
                         a_off = (ir // MR) * kc * MR
                         rows = min(MR, mc - ir)
                         if rows == MR and cols == nr:
-                            c_off = (ic + ir) * n + jc + jr
-                            c_next = c_off + MR * n if ir + MR < mc else ic * n + jc + jr + nr
-                            _microkernel(kc, a_buf, a_off, b_buf, b_off, c_flat, c_off, n,
+                            c_off = (ic + ir) * ldc + jc + jr
+                            c_next = c_off + MR * ldc if ir + MR < mc else ic * ldc + jc + jr + nr
+                            _microkernel(kc, a_buf, a_off, b_buf, b_off, c_flat, c_off, ldc,
                                          c_next)
                         else:
                             # Ragged micro-tile: same arithmetic on a padded copy.
@@ -276,7 +335,9 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
     return c
 
 
-#: ``gemm(a, b, kc, mc, nc) -> a @ b`` for 2-D arrays of one supported dtype (any layout).
+#: ``gemm(a, b, kc, mc, nc) -> a @ b`` for 2-D arrays of one supported dtype (any layout);
+#: the result is a view of a row-padded buffer (rows 64 bytes longer when their width
+#: is a multiple of 256 bytes).
 gemm = numba.njit(_signatures(), nogil=True, cache=True)(_gemm_impl)
 
 
@@ -296,7 +357,8 @@ def panel_product(a: np.ndarray, b: np.ndarray, tk: int = KC_DEFAULT) -> np.ndar
     Returns
     -------
     ndarray
-        C-contiguous ``(m, n)`` of ``a.dtype``.
+        ``(m, n)`` of ``a.dtype``: a view of a new buffer whose rows are padded
+        (see ``gemm``), so it is row-major but not C-contiguous in general.
 
     Raises
     ------
