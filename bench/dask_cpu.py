@@ -156,7 +156,8 @@ def bench_client(client, writer, n: int, chunk: int, dtype: str, repeat: int, wo
 def _emit(writer, rows, setup, variants, times, errs, dtype, n, chunk, plan, note):
     secs = {v: float(np.median(times[v])) for v in variants}
     for v in variants:
-        extra = {"setup": setup, "repeat": len(times[v]), "all_seconds": times[v], "note": note}
+        extra = {"setup": setup, "repeat": len(times[v]), "all_seconds": times[v],
+                 "best_seconds": float(np.min(times[v])), "note": note}
         if v != "numpy":
             extra["chunk"] = chunk
         if v == "distmm-dask":

@@ -60,7 +60,7 @@ log = logging.getLogger("distmm.engine.dask")
 #: chunk sizes the engine adopts as its C tile (outside: the planner's tile)
 _CHUNK_TILE_RANGE = (64, 8192)
 #: chunk-derived tiles are halved (rows first) until each worker thread has this many
-_TILES_PER_SLOT = 4
+_TILES_PER_SLOT = 8
 _MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
 _LONG_RUN_SECONDS = 10.0
@@ -439,9 +439,14 @@ def _tile_for_chunks(ops, a2, b2, tile, workers: int = 1):
 
 
 def _plan(ops, workers: int, tile) -> Plan:
-    from distmm.api import plan_for
+    """The plan, made as ``distmm.api.plan_for`` makes it (configured tile and
+    memory budget), without importing the layer above."""
+    from distmm.config import get_config
+    from distmm.plan import make_plan
 
-    return plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile)
+    cfg = get_config()
+    return make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=workers,
+                     tile=tile if tile is not None else cfg.tile, memory_budget=cfg.memory_budget)
 
 
 def _backend(backend: str, family: str) -> str:
