@@ -71,7 +71,7 @@ def nr_for(dtype) -> int:
 def _make_microkernel(mr: int, nv: int, unroll: int = 1):
     """Build the ``mr x (nv * W)`` micro-kernel intrinsic (``W`` lanes per 512-bit vector).
 
-    ``ukernel(kc, ap, aoff, bp, boff, c, coff, ldc, cnext)`` does, for ``i < mr``,
+    ``ukernel(kc, ap, aoff, bp, boff, c, coff, ldc, cnext, load_c)`` does, for ``i < mr``,
     ``j < NR``::
 
         c[coff + i*ldc + j] += sum over p < kc (ascending) of
@@ -80,17 +80,19 @@ def _make_microkernel(mr: int, nv: int, unroll: int = 1):
     with the sum held in registers and one FMA per term (floats) or a wrapping
     multiply and add (integers). ``ap``, ``bp`` and ``c`` are 1-D contiguous
     arrays of one dtype; nothing is bounds-checked. ``cnext`` is the offset in
-    ``c`` of the next micro-tile, whose rows are prefetched (a hint only).
+    ``c`` of the next micro-tile, whose rows are prefetched (a hint only). With
+    ``load_c`` false the sums start from zero instead of ``c`` (the first k block:
+    the same bits as adding to a zeroed ``c``, without reading it).
     """
 
     @intrinsic
-    def ukernel(typingctx, kc, ap, aoff, bp, boff, c, coff, ldc, cnext):
-        sig = types.void(kc, ap, aoff, bp, boff, c, coff, ldc, cnext)
+    def ukernel(typingctx, kc, ap, aoff, bp, boff, c, coff, ldc, cnext, load_c):
+        sig = types.void(kc, ap, aoff, bp, boff, c, coff, ldc, cnext, load_c)
 
         def codegen(context, builder, signature, args):
             st = signature.args
-            kc_v, aoff_v, boff_v, coff_v, ldc_v, cnext_v = (
-                context.cast(builder, args[i], st[i], types.intp) for i in (0, 2, 4, 6, 7, 8))
+            kc_v, aoff_v, boff_v, coff_v, ldc_v, cnext_v, load_c_v = (
+                context.cast(builder, args[i], st[i], types.intp) for i in (0, 2, 4, 6, 7, 8, 9))
             dt = st[1].dtype
             elt = context.get_value_type(dt)
             size = context.get_abi_sizeof(elt)
@@ -131,8 +133,15 @@ def _make_microkernel(mr: int, nv: int, unroll: int = 1):
                 ptrs = [builder.bitcast(builder.gep(row, [const(v * lanes)]), vptr)
                         for v in range(nv)]
                 c_rows.append(ptrs)
-                for v in range(nv):
-                    builder.store(builder.load(ptrs[v], align=size), accs[i][v])
+            with builder.if_else(builder.icmp_signed("!=", load_c_v, const(0))) as (then, zero):
+                with then:
+                    for i in range(mr):
+                        for v in range(nv):
+                            builder.store(builder.load(c_rows[i][v], align=size), accs[i][v])
+                with zero:
+                    for i in range(mr):
+                        for v in range(nv):
+                            builder.store(ir.Constant(vty, None), accs[i][v])
             # The next micro-tile of C comes from L3 or memory: ask for it now.
             for i in range(mr):
                 row = builder.gep(c_next, [builder.mul(ldc_v, const(i))])
@@ -319,7 +328,7 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
                             c_off = (ic + ir) * ldc + jc + jr
                             c_next = c_off + MR * ldc if ir + MR < mc else ic * ldc + jc + jr + nr
                             _microkernel(kc, a_buf, a_off, b_buf, b_off, c_flat, c_off, ldc,
-                                         c_next)
+                                         c_next, pc)
                         else:
                             # Ragged micro-tile: same arithmetic on a padded copy.
                             for i in range(MR):
@@ -328,7 +337,7 @@ def _gemm_impl(a, b, kc_max, mc_max, nc_max):
                                         edge[i * nr + j] = c[ic + ir + i, jc + jr + j]
                                     else:
                                         edge[i * nr + j] = 0
-                            _microkernel(kc, a_buf, a_off, b_buf, b_off, edge, 0, nr, 0)
+                            _microkernel(kc, a_buf, a_off, b_buf, b_off, edge, 0, nr, 0, 1)
                             for i in range(rows):
                                 for j in range(cols):
                                     c[ic + ir + i, jc + jr + j] = edge[i * nr + j]

@@ -191,7 +191,7 @@ def test_microkernel_uses_zmm_fmas():
 
     @numba.njit
     def call(kc, ap, bp, c):  # not cached, so its assembly can be inspected
-        ng._microkernel(kc, ap, 0, bp, 0, c, 0, 24, 0)
+        ng._microkernel(kc, ap, 0, bp, 0, c, 0, 24, 0, 1)
 
     r = nr("float64")
     ap, bp, c = np.ones(4 * MR), np.ones(4 * r), np.zeros(MR * 24 + r)
