@@ -85,6 +85,10 @@ class KernelSpec:
     dtypes: tuple[str, ...] = DTYPES
 
     # -- parameters -----------------------------------------------------------------
+    def _dmma(self, dtype: str) -> bool:
+        """Whether this kernel runs ``dtype`` on the FP64 tensor cores (step 9, float64)."""
+        return self.name == "dmma" and np.dtype(dtype).name == "float64"
+
     @property
     def tunable(self) -> bool:
         return bool(self.tune_space)
@@ -109,12 +113,16 @@ class KernelSpec:
 
     def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> int:
         """Dynamic shared memory per block; mirrors ``PipelinedShape`` in pipelined.cuh."""
-        if self.name not in ("double_buffer", "warptile"):
+        if self.name not in ("double_buffer", "warptile", "dmma"):
             return 0
         if self.name == "double_buffer":
             p = {"BM": 128, "BN": 128, "BK": 8, "STAGES": 2}
         v = _vec(dtype)
         bm, bn, bk, stages = p["BM"], p["BN"], p["BK"], p["STAGES"]
+        if self._dmma(dtype):  # DmmaShape in 09_dmma.cu: every row padded by 4 doubles
+            a_rows, a_cols = (bk, bm) if ta else (bm, bk)
+            b_rows, b_cols = (bn, bk) if tb else (bk, bn)
+            return stages * (a_rows * (a_cols + 4) + b_rows * (b_cols + 4)) * 8
         a_ld = (bm if ta else bk + (v if (bk // v) % 2 == 0 else 0))
         a_rows = bk if ta else bm
         b_ld = (bk + (v if (bk // v) % 2 == 0 else 0)) if tb else bn
@@ -145,6 +153,13 @@ class KernelSpec:
             out.append(f"block tile {bm}x{bn} is not a multiple of warp tile {wm}x{wn}")
         if tm % v or tn % v or bk % v:
             out.append(f"TM, TN and BK must be multiples of the 16-byte vector ({v} {dtype})")
+        if self._dmma(dtype):
+            # 8 x 8 DMMA tiles; TM x TN only counts a thread's accumulators (TM = 8 names
+            # each warp tile once); rows padded to 4 or 12 mod 16 doubles need multiples of 8
+            if tm != 8:
+                out.append("DMMA (float64): TM must be 8 (TM x TN only counts accumulators)")
+            if wm % 8 or wn % 8 or bm % 8 or bn % 8 or bk % 8:
+                out.append("DMMA (float64): WM, WN, BM, BN and BK must be multiples of 8")
         threads = self.threads(p)
         if not 64 <= threads <= 1024:
             out.append(f"{threads} threads per block (64..1024 allowed)")
@@ -225,6 +240,25 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
             "float32": {"BM": 64, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
             "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
             "float64": {"BM": 64, "BN": 128, "BK": 16, "WM": 64, "WN": 32, "TM": 8, "TN": 8, "STAGES": 2, "MINB": 1},
+            "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+        },
+        tune_space={
+            "block": ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64)),
+            "BK": (8, 16, 32),
+            "warp": _WARP_SHAPES,
+            "STAGES": (2, 3, 4),
+            "MINB": (1, 2, 3, 4),
+        }),
+    KernelSpec(
+        "dmma", 9, "09_dmma.cu", "FP64 tensor cores (DMMA 8x8x4); other dtypes as step 8",
+        "distmm_gemm_dmma<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
+        layout_template=True, grid="linear", min_cc=80,
+        defaults={
+            # float32: step 8's tuned best on the H200 (46.0 TFLOP/s, 91% of SGEMM at 8192)
+            "float32": {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "TM": 16, "TN": 8, "STAGES": 2, "MINB": 1},
+            "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
+            # float64: 8 warps of 32 x 64 (4 x 8 DMMA tiles, 64 accumulators a thread)
+            "float64": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
             "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
         tune_space={

@@ -149,7 +149,8 @@ def test_nvcc_cubin_path():
     """The nvcc fallback: compiled to a cubin in the cache folder and loaded by path."""
     spec = registry.best_kernel()
     _run(spec, "float32", 300, 200, 100, False, True, compiler="nvcc")
-    assert any(cuda_loader.cache_dir().joinpath("cubin").glob("warptile-*.cubin"))
+    assert any(cuda_loader.cache_dir().joinpath("cubin").glob(f"{spec.name}-*.cubin"))
+    _run(spec, "float64", 300, 200, 100, True, False, compiler="nvcc")
 
 
 def test_name_expressions_path_agrees(monkeypatch):

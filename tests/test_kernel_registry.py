@@ -80,6 +80,24 @@ def test_smem_matches_the_pipelined_layout():
     assert spec.smem_bytes("float64", p, False, False) == 3 * (128 * 18 + 16 * 128) * 8
 
 
+def test_dmma_float64_layout_and_constraints():
+    """Step 9 runs float64 on DMMA tiles: rows padded by 4 doubles, TM fixed at 8, and the
+    other dtypes keep step 8's layout and constraints."""
+    spec = registry.get("dmma")
+    p = {"BM": 128, "BN": 128, "BK": 16, "STAGES": 3, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "MINB": 1}
+    assert spec.smem_bytes("float64", p, False, False) == 3 * (128 * 20 + 16 * 132) * 8
+    assert spec.smem_bytes("float64", p, True, True) == 3 * (16 * 132 + 128 * 20) * 8
+    assert spec.smem_bytes("float32", p, False, False) == registry.get("warptile").smem_bytes(
+        "float32", p, False, False)
+    assert spec.violations("float64", p) == []
+    assert spec.violations("float64", dict(p, TM=16, TN=4))  # the same warp tile named twice
+    assert spec.violations("float32", dict(p, TM=16, TN=4)) == []
+    assert spec.violations("float64", dict(p, MINB=2))  # 64 accumulators need > 128 registers
+    assert registry.best_kernel() is spec
+    for dt in registry.DTYPES:
+        assert spec.violations(dt, spec.params(dt)) == []
+
+
 def test_grid_dims():
     w = registry.get("warptile")
     p = dict(w.params("float32"), BM=128, BN=128)

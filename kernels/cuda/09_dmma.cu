@@ -1,0 +1,184 @@
+// Step 9: FP64 tensor cores. For double, every warp computes its WM x WN warp tile as
+// (WM/8) x (WN/8) tiles of 8 x 8 with mma.sync.m8n8k4 (DMMA: IEEE fp64 fused multiply-adds,
+// sm_80+), instead of SIMT DFMA; other element types run step 8's SIMT body unchanged (same
+// parameters), so this step is the raw backend for every dtype.
+//
+// DMMA fragments (PTX ISA, mma.m8n8k4 .f64): lane = 4 * g + t (g = lane / 4, t = lane % 4)
+// holds A[g][t] of the 8 x 4 A tile, B[t][g] of the 4 x 8 B tile and C[g][2t], C[g][2t + 1]
+// of the 8 x 8 accumulator tile. A thread's accumulators are WM * WN / 32 doubles, so TM x TN
+// (TM * TN = WM * WN / 32, the registry's register budget check) only labels that count; the
+// registry takes TM = 8 for double.
+//
+// Shared memory: as in step 8 each operand keeps its global layout (cp.async 16-byte copies),
+// but every row is padded by 4 doubles (row length = 4 or 12 mod 16 doubles): the 16 lanes of
+// a half warp read 4 consecutive doubles in each of 4 rows, which then fall in 4 disjoint
+// groups of 8 banks, in all four layouts (A[m][k], A[k][m], B[k][n], B[n][k]).
+#include "pipelined.cuh"
+
+namespace distmm {
+
+template <typename T> struct is_f64 { static constexpr bool value = false; };
+template <> struct is_f64<double> { static constexpr bool value = true; };
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+struct DmmaShape {
+    static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
+    static constexpr int MT = WM / 8, NTI = WN / 8;  // 8 x 8 tiles per warp tile
+    static constexpr int A_ROWS = TA ? BK : BM, A_COLS = TA ? BM : BK;
+    static constexpr int B_ROWS = TB ? BN : BK, B_COLS = TB ? BK : BN;
+    static constexpr int A_LD = A_COLS + 4, B_LD = B_COLS + 4;
+    static constexpr int A_STAGE = A_ROWS * A_LD, B_STAGE = B_ROWS * B_LD;
+    static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * 8;
+    static_assert(BM % WM == 0 && BN % WN == 0 && WM % 8 == 0 && WN % 8 == 0, "tile shapes");
+    static_assert(BK % 8 == 0 && BM % 8 == 0 && BN % 8 == 0, "padding keeps rows 4 or 12 mod 16");
+    static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
+};
+
+// D = A * B + D for one 8 x 8 x 4 tile (fragments as above).
+__device__ __forceinline__ void dmma884(double& c0, double& c1, double a, double b) {
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};\n"
+        : "+d"(c0), "+d"(c1) : "d"(a), "d"(b));
+}
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+__device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, const double* __restrict__ A,
+                                          long long lda, const double* __restrict__ B, long long ldb,
+                                          double beta, double* __restrict__ C, long long ldc, int flags) {
+    typedef DmmaShape<BM, BN, BK, WM, WN, STAGES, TA, TB> S;
+    constexpr int NT = S::NT, MT = S::MT, NTI = S::NTI;
+    extern __shared__ __align__(16) unsigned char distmm_smem[];
+    double* As = reinterpret_cast<double*>(distmm_smem);
+    double* Bs = As + STAGES * S::A_STAGE;
+
+    const int tid = threadIdx.x;
+    // Grouped tile order, as in step 8.
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
+    constexpr int GROUP = 8;
+    const int bid = blockIdx.x;
+    const int width = GROUP * grid_n;
+    const int first_m = (bid / width) * GROUP;
+    const int gsize = min(grid_m - first_m, GROUP);
+    const int m0 = (first_m + (bid % width) % gsize) * BM;
+    const int n0 = ((bid % width) / gsize) * BN;
+    const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
+
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm = warp / S::WGN, wn = warp % S::WGN;
+    const int g = lane / 4, t = lane % 4;
+    const int row_w = wm * WM + g, col_w = wn * WN + g;  // this lane's fragment row / column
+
+    const bool a_rows_in = vec_a && m0 + BM <= M, b_cols_in = vec_b && n0 + BN <= N;
+    auto load_tile = [&](int kt, int stage) {
+        const int k0 = kt * BK;
+        const bool k_in = k0 + BK <= K;
+        double* as = As + stage * S::A_STAGE;
+        double* bs = Bs + stage * S::B_STAGE;
+        if (a_rows_in && k_in) {
+            if (!TA) tile_to_smem_async_interior<double, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, tid);
+            else     tile_to_smem_async_interior<double, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, tid);
+        } else {
+            if (!TA) tile_to_smem_async<double, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
+            else     tile_to_smem_async<double, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
+        }
+        if (b_cols_in && k_in) {
+            if (!TB) tile_to_smem_async_interior<double, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, tid);
+            else     tile_to_smem_async_interior<double, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, tid);
+        } else {
+            if (!TB) tile_to_smem_async<double, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
+            else     tile_to_smem_async<double, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+        }
+    };
+
+    double acc[MT][NTI][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NTI; ++j) acc[i][j][0] = acc[i][j][1] = 0.0;
+
+    // Offsets (in doubles, within a stage) of this lane's fragment elements at k-step 0;
+    // k-step kk adds kk * (stride of k).
+    const int a_off = TA ? t * S::A_LD + row_w : row_w * S::A_LD + t;
+    const int b_off = TB ? col_w * S::B_LD + t : t * S::B_LD + col_w;
+    constexpr int A_KSTEP = TA ? S::A_LD : 1, A_ISTEP = TA ? 8 : 8 * S::A_LD;
+    constexpr int B_KSTEP = TB ? 1 : S::B_LD, B_JSTEP = TB ? 8 * S::B_LD : 8;
+
+    const int KT = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();
+    }
+    int read_stage = 0, write_stage = STAGES - 1;
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
+        if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
+        cp_async_commit();
+        const double* as = As + read_stage * S::A_STAGE + a_off;
+        const double* bs = Bs + read_stage * S::B_STAGE + b_off;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 4) {
+            double af[MT], bf[NTI];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) af[i] = as[kk * A_KSTEP + i * A_ISTEP];
+#pragma unroll
+            for (int j = 0; j < NTI; ++j) bf[j] = bs[kk * B_KSTEP + j * B_JSTEP];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NTI; ++j) dmma884(acc[i][j][0], acc[i][j][1], af[i], bf[j]);
+        }
+        read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+        write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int row = m0 + wm * WM + i * 8 + g;
+        if (row >= M) continue;
+#pragma unroll
+        for (int j = 0; j < NTI; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = n0 + wn * WN + j * 8 + 2 * t + e;
+                if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j][e], alpha, beta);
+            }
+        }
+    }
+}
+
+}  // namespace distmm
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
+          int MINB, bool TA, bool TB>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
+distmm_gemm_dmma(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
+                 const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
+                 long long ldc, int flags) {
+    if constexpr (distmm::is_f64<T>::value) {
+        static_assert(TM * TN * 32 == WM * WN, "TM x TN counts a thread's accumulators");
+        distmm::dmma_body<BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
+                                                               beta, C, ldc, flags);
+    } else {
+        static_assert((WM / TM) * (WN / TN) == 32, "a warp tile is one warp");
+        distmm::pipelined_body<T, BM, BN, BK, WM, WN, TM, TN, STAGES, TA, TB>(
+            M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    }
+}
+
+#ifndef DISTMM_NVRTC
+// The default configurations of distmm/registry.py, for standalone compile checks.
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, TA, TB)                              \
+    template __global__ void distmm_gemm_dmma<T, BM, BN, BK, WM, WN, TM, TN, ST, 1, TA, TB>( \
+        int, int, int, T, const T*, long long, const T*, long long, T, T*, long long, int);
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, TM, TN, ST)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, true, true)
+DISTMM_INST(float, 128, 256, 32, 64, 64, 16, 8, 2)
+DISTMM_INST(int, 128, 128, 16, 32, 64, 8, 8, 3)
+DISTMM_INST(double, 128, 128, 16, 32, 64, 8, 8, 3)
+DISTMM_INST(long long, 128, 64, 16, 32, 32, 8, 4, 3)
+#endif
