@@ -18,6 +18,10 @@ Setups (``--setups``)
     are the chunks); ``dask.array``: ``(A @ B).persist()``. ``numpy``:
     ``a @ b`` on the same values, held in this process. Every timed repetition
     uses freshly made operands (new keys), so nothing is reused from a warm-up.
+``ceiling-1thread-per-worker`` (cluster setup, a reference, not a library)
+    every worker multiplies its own ``n / workers`` rows of A by all of B with
+    its single-thread BLAS, all workers at once, with nothing moved: what the
+    cluster could do with free communication and perfect balance.
 ``client``
     numpy operands in this process, numpy result back: ``distmm-dask`` is
     ``distmm.matmul(a, b, client=client)`` (scatter the blocks, compute,
@@ -74,6 +78,29 @@ def _release(client, *collections):
         time.sleep(0.05)
 
 
+def _worker_half_setup(n: int, workers: int, dtype: str, seed: int):
+    """On each worker: its own row band of A and all of B, kept in a global."""
+    import builtins
+
+    rng = np.random.default_rng(seed)
+    rows = -(-n // workers)
+    builtins._distmm_bench_half = (rng.standard_normal((rows, n)).astype(dtype),
+                                   rng.standard_normal((n, n)).astype(dtype))
+
+
+def _worker_half_gemm():
+    import builtins
+
+    a, b = builtins._distmm_bench_half
+    a @ b  # single-thread BLAS in the worker (OPENBLAS_NUM_THREADS=1)
+
+
+def _worker_half_clear():
+    import builtins
+
+    builtins.__dict__.pop("_distmm_bench_half", None)
+
+
 def _run_cluster_variant(client, variant: str, a, b):
     t0 = time.perf_counter()
     if variant == "distmm-dask":
@@ -99,9 +126,20 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
         del c
     del a, b, ref
     _release(client)
+    # the ceiling: every worker multiplies its own row band of A by B, at the
+    # same time, with operands already in place and nothing moved
+    variants.append("ceiling-1thread-per-worker")
+    client.run(_worker_half_setup, n, workers, dtype, 7)
+    client.run(_worker_half_gemm)
+    errs["ceiling-1thread-per-worker"] = None
     times: dict = {v: [] for v in variants}
     for rep in range(repeat):
         for variant in variants:
+            if variant == "ceiling-1thread-per-worker":
+                t0 = time.perf_counter()
+                client.run(_worker_half_gemm)
+                times[variant].append(time.perf_counter() - t0)
+                continue
             if variant == "numpy":
                 t0 = time.perf_counter()
                 a_np @ b_np
@@ -113,6 +151,7 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
             del a, b, c
             _release(client)
     del a_np, b_np
+    client.run(_worker_half_clear)
     plan = plan_for(n, n, n, dtype, workers=workers,
                     tile=c_tiles + (plan_for(n, n, n, dtype, workers=1).tile[2],))
     _emit(writer, rows, "cluster", variants, times, errs, dtype, n, chunk, plan,
@@ -158,8 +197,13 @@ def _emit(writer, rows, setup, variants, times, errs, dtype, n, chunk, plan, not
     for v in variants:
         extra = {"setup": setup, "repeat": len(times[v]), "all_seconds": times[v],
                  "best_seconds": float(np.min(times[v])), "note": note}
-        if v != "numpy":
+        if v in ("distmm-dask", "dask.array"):
             extra["chunk"] = chunk
+        if v.startswith("ceiling"):
+            extra["note"] = ("reference, not a library: each worker process multiplies its own "
+                             "n/workers rows of A by all of B with single-thread BLAS, all at "
+                             "once, operands already in place, nothing moved or gathered; "
+                             "relerr not checked (a plain BLAS call)")
         if v == "distmm-dask":
             extra.update(tile=list(plan.tile), grid=list(plan.grid), k_splits=plan.k_splits,
                          engine="dask", backend="auto")
@@ -167,7 +211,9 @@ def _emit(writer, rows, setup, variants, times, errs, dtype, n, chunk, plan, not
     print(f"[{setup}] {dtype} n={n}: " + "  ".join(
         f"{v} {2 * n**3 / secs[v] / 1e9:6.1f} GF/s" for v in variants)
         + f"  distmm/dask.array {secs['dask.array'] / secs['distmm-dask']:.2f}"
-        + f"  distmm/numpy {secs['numpy'] / secs['distmm-dask']:.2f}", flush=True)
+        + f"  distmm/numpy {secs['numpy'] / secs['distmm-dask']:.2f}"
+        + (f"  ceiling/numpy {secs['numpy'] / secs['ceiling-1thread-per-worker']:.2f}"
+           if "ceiling-1thread-per-worker" in secs else ""), flush=True)
 
 
 def main(argv=None) -> int:
