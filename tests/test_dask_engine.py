@@ -335,3 +335,19 @@ def test_demo_starts_a_cluster_and_prints_the_dashboard(capsys, tmp_path):
     assert "embedded LocalCluster" in captured.out and "dashboard http" in captured.out
     assert "OK" in captured.out and "distmm matmul" in captured.err
     assert report.exists()
+
+
+def test_without_a_client():
+    """Numpy operands need a cluster; dask operands give a lazy array that
+    any scheduler can compute (here dask's threads), unpinned."""
+    from distributed.client import _get_global_client
+
+    if _get_global_client() is not None:
+        pytest.skip("a default client is alive in this process")
+    rng = np.random.default_rng(21)
+    a, b = _operands(rng, (50, 70), (70, 40), "float64")
+    with pytest.raises(ValueError, match="needs a distributed.Client"):
+        distmm.matmul(a, b, engine="dask")
+    C = distmm.matmul(da.from_array(a, chunks=25), da.from_array(b, chunks=(35, 20)))
+    assert type(C) is da.Array
+    _check(C.compute(scheduler="threads"), a @ b)
