@@ -20,8 +20,11 @@ LLVM's auto-vectorizer (which leaves scalar code here and prefers 256-bit
 vectors on Xeons). Ragged micro-tiles go through a zero-padded scratch tile.
 
 Determinism and IEEE semantics: each C element is summed over k in ascending
-order, block by block, with one fused multiply-add per term; no fast-math
-flags, so NaN and Inf propagate as in numpy (``inf * 0`` is NaN). The kernels
+order with one fused multiply-add per term (the register sums carry on from C
+between k blocks), so the bits depend neither on the run nor on the blocking
+(``tk``, ``MC``, ``NC``). No fast-math flags: NaN and Inf propagate as in numpy
+(``inf * 0`` is NaN). Packing reads any strides (unit-stride fast paths for
+row- and column-major views) and never writes the operands. The kernels
 are compiled with ``nogil=True``: the local and Dask engines run one per thread,
 each on its own tile.
 
