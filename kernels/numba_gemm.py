@@ -382,6 +382,8 @@ def panel_product(a: np.ndarray, b: np.ndarray, tk: int = KC_DEFAULT) -> np.ndar
     a = np.asarray(a)
     if a.dtype.name not in SUPPORTED:
         raise TypeError(f"numba kernels support {SUPPORTED}, got {a.dtype}")
+    if not a.dtype.isnative:  # numba compiles native byte order only
+        a = a.astype(a.dtype.newbyteorder("="))
     b = np.asarray(b, dtype=a.dtype)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"panel_product needs (m, k) @ (k, n): a is {a.shape}, b is {b.shape}")

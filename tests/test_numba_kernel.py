@@ -93,6 +93,8 @@ def test_views_any_layout_and_inputs_untouched(dtype):
         check_product(c, np.ascontiguousarray(a), np.ascontiguousarray(b))
         np.testing.assert_array_equal(a, a_before)
         np.testing.assert_array_equal(b, b_before)
+    swapped_a = base_a.astype(base_a.dtype.newbyteorder(">" if np.little_endian else "<"))
+    check_product(ng.panel_product(swapped_a, base_b, 16), base_a, base_b)
     ro_a, ro_b = base_a.copy(), base_b.copy()
     ro_a.flags.writeable = ro_b.flags.writeable = False
     check_product(ng.panel_product(ro_a, ro_b), ro_a, ro_b)
