@@ -96,7 +96,7 @@ fi
 if has profile && command -v ncu >/dev/null; then
   for dt in float32 float64; do
     echo "== ncu: best kernel, $dt, n=4096 ($(left)s left)"
-    timeout "$(step_timeout 60)" ncu --clock-control none --kernel-name regex:warptile \
+    timeout "$(step_timeout 60)" ncu --clock-control none --kernel-name regex:distmm_gemm \
         --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
         --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables $PY -m bench.kernels --profile $dt 4096 \
