@@ -60,7 +60,7 @@ log = logging.getLogger("distmm.engine.dask")
 #: chunk sizes the engine adopts as its C tile (outside: the planner's tile)
 _CHUNK_TILE_RANGE = (64, 8192)
 #: chunk-derived tiles are halved (rows first) until each worker thread has this many
-_TILES_PER_SLOT = 8
+_TILES_PER_SLOT = 4
 _MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
 _LONG_RUN_SECONDS = 10.0
