@@ -124,6 +124,7 @@ def _make_microkernel(mr: int, nv: int, unroll: int = 1):
             def prefetch_line(ptr, write):
                 builder.call(prefetch, [builder.bitcast(ptr, i8p), ir.Constant(i32, write),
                                         ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
             if is_float:
                 fma = cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(vty, [vty, vty, vty]),
@@ -152,6 +153,7 @@ def _make_microkernel(mr: int, nv: int, unroll: int = 1):
                     prefetch_line(builder.gep(row, [const(off // size)]), 1)
             undef = ir.Constant(vty, ir.Undefined)
             splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+
             def k_step(p):
                 b_row = builder.gep(b_ptr, [builder.mul(p, const(nr))])
                 b_vecs = [builder.load(builder.bitcast(builder.gep(b_row, [const(v * lanes)]), vptr),
