@@ -80,7 +80,8 @@ class GPUExecutor(Executor):
         this GPU (before tuning: cuBLAS for floating point, distmm's kernels for integers,
         which cuBLAS does not cover).
     kernel : str, optional
-        Registry name of the raw kernel (default: the last step, ``warptile``).
+        Registry name of the raw kernel (default: ``registry.best_kernel()``, the last
+        step: ``dmma``, FP64 tensor cores for float64 and step 8's SIMT code otherwise).
     params : mapping, optional
         Template parameters for a tunable kernel (default: tuned, else the registry's).
 
