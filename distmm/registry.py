@@ -69,6 +69,10 @@ class KernelSpec:
         Lowest compute capability (10 * major + minor) the kernel runs on.
     tune_space : mapping
         For tunable kernels: parameter -> candidate values (see ``candidates``).
+    raw_choice : bool
+        Whether the kernel can be ``best_kernel()`` (what ``backend="raw"`` and ``distmm
+        tune`` use). False for side steps that the tests and benchmarks cover but that are
+        not the raw backend's kernel (step 10, the SIMT float64 study).
     """
 
     name: str
@@ -83,6 +87,7 @@ class KernelSpec:
     min_cc: int = 70
     tune_space: Mapping[str, tuple] = field(default_factory=dict)
     dtypes: tuple[str, ...] = DTYPES
+    raw_choice: bool = True
 
     # -- parameters -----------------------------------------------------------------
     def _dmma(self, dtype: str) -> bool:
@@ -113,7 +118,7 @@ class KernelSpec:
 
     def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> int:
         """Dynamic shared memory per block; mirrors ``PipelinedShape`` in pipelined.cuh."""
-        if self.name not in ("double_buffer", "warptile", "dmma"):
+        if self.name not in ("double_buffer", "warptile", "dmma", "simt_fp64"):
             return 0
         if self.name == "double_buffer":
             p = {"BM": 128, "BN": 128, "BK": 8, "STAGES": 2}
@@ -270,6 +275,30 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
             "STAGES": (2, 3, 4),
             "MINB": (1, 2, 3, 4),
         }),
+    KernelSpec(
+        # A SIMT side step: benchmarked and tested, never best_kernel() (dmma stays the raw
+        # backend's kernel for every dtype; see raw_choice).
+        "simt_fp64", 10, "10_simt_fp64.cu",
+        "SIMT fp64: small thread tiles, register double-buffered fragments",
+        "distmm_gemm_simt_fp64<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
+        layout_template=True, grid="linear", min_cc=80, raw_choice=False,
+        defaults={
+            # float64 (the target): 8 warps of 32 x 32, 8 x 4 accumulators a thread (64
+            # registers), MINB = 2: <= 128 registers, 16 warps per SM (4 per scheduler).
+            # Not yet timed on a GPU.
+            "float64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 2},
+            "float32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+            "int32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+            # int64 products are several instructions each: MINB = 2 spills, so 1
+            "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
+        },
+        tune_space={
+            "block": ((128, 64), (64, 128), (128, 128)),
+            "BK": (8, 16),
+            "warp": ((32, 32, 8, 4), (32, 32, 4, 8), (64, 16, 8, 4)),
+            "STAGES": (3, 4),
+            "MINB": (1, 2),
+        }),
 )}
 
 
@@ -287,8 +316,9 @@ def steps() -> list[KernelSpec]:
 
 
 def best_kernel() -> KernelSpec:
-    """The last step: what ``backend="raw"`` runs."""
-    return steps()[-1]
+    """The last step that may be the raw backend's kernel (``raw_choice``): what
+    ``backend="raw"`` runs and ``distmm tune`` tunes."""
+    return [k for k in steps() if k.raw_choice][-1]
 
 
 def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None = None) -> dict:

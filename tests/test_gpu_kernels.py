@@ -145,6 +145,15 @@ def test_tuning_space_samples(dtype):
         _run(spec, dtype, 130, 257, 77, True, True, params=p)
 
 
+def test_simt_fp64_tuning_space_samples():
+    """Step 10's own (small) tuning space, float64, on ragged sizes in two layouts."""
+    spec = registry.get("simt_fp64")
+    cands = spec.candidates("float64")
+    for p in cands[1:len(cands):max(1, len(cands) // 4)]:
+        _run(spec, "float64", 257, 130, 77, False, False, params=p)
+        _run(spec, "float64", 130, 257, 77, True, True, params=p)
+
+
 def test_nvcc_cubin_path():
     """The nvcc fallback: compiled to a cubin in the cache folder and loaded by path."""
     spec = registry.best_kernel()

@@ -172,3 +172,20 @@ def test_mangled_name_examples():
         "_Z22distmm_gemm_vectorizedIiLb1ELb0EEviiiT_PKS0_xS2_xS0_PS0_xi"
     with pytest.raises(ValueError):
         m("distmm_gemm_naive")
+
+
+def test_simt_fp64_is_a_side_step():
+    """Step 10 (SIMT float64) is registered, tested and benchmarked, but the raw backend's
+    kernel stays step 9 (dmma) for every dtype; its float64 default keeps <= 128 registers
+    (MINB = 2 blocks of 256 threads) and step 8's shared-memory layout."""
+    spec = registry.get("simt_fp64")
+    assert not spec.raw_choice and registry.best_kernel() is registry.get("dmma")
+    p = spec.params("float64")
+    assert spec.threads(p) == 256 and p["MINB"] == 2 and p["TM"] * p["TN"] == 32
+    for ta in (False, True):
+        for tb in (False, True):
+            assert spec.smem_bytes("float64", p, ta, tb) == registry.get("warptile").smem_bytes(
+                "float64", p, ta, tb)
+    for dt in registry.DTYPES:
+        assert spec.violations(dt, spec.params(dt)) == []
+        assert 1 < len(spec.candidates(dt)) <= 100

@@ -1,0 +1,203 @@
+// Step 10: a SIMT (DFMA/FFMA on the CUDA cores, no mma) kernel shaped for float64 on Hopper.
+//
+// Step 8's float64 best (8 x 8 accumulators a thread, 128 registers of them) leaves room for
+// only 2 warps per scheduler, and each k tile starts with a barrier followed by shared
+// loads whose latency nothing hides (ncu: FP64 pipe 71.5% busy, no eligible warp in 53% of
+// cycles). This step keeps step 8's cp.async multi-stage global -> shared pipeline, shared
+// layouts and thread mapping (pipelined.cuh: operands kept in their global layout, rows
+// padded so that fragment reads are broadcasts or conflict-free), and changes the inner loop:
+//
+// - smaller thread tiles (default 8 x 4: 32 fp64 accumulators = 64 registers) with
+//   __launch_bounds__(threads, MINB) so that MINB = 2 blocks of 256 threads (<= 128
+//   registers) give 4 warps per scheduler;
+// - fragments of ONE k at a time, explicitly double-buffered in registers: the fragments of
+//   k + 1 are read from shared memory while the TM x TN FMAs of k issue;
+// - the prefetch crosses the k-tile boundary: in the last k of a tile the thread waits for
+//   the next tile's cp.async group, passes the (only) barrier of the tile and reads the
+//   next tile's first fragments before issuing the FMAs of the tile's last k (whose
+//   fragments are already in registers), so the barrier and the load latency overlap
+//   the FMAs; the cp.async copies refilling the freed stage are issued after those FMAs;
+// - m- (n-) contiguous operands are read as 16-byte vectors (LDS.128: double2); in the
+//   k-contiguous layouts (A not transposed, B transposed) one element per row (LDS.64 for
+//   double) so that a fragment holds a single k. With a warp tile of 32 x 32 and 8 x 4
+//   thread tiles (4 x 8 lanes), NN reads 8 LDS.64 + 2 LDS.128 per 32 DFMA.
+//
+// Parameters as step 8 (see distmm/registry.py); BK must be even (the two fragment buffers
+// alternate within and across tiles). All four element types instantiate the same code.
+#include "pipelined.cuh"
+
+namespace distmm {
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
+          bool TA, bool TB>
+__device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+                                               long long lda, const T* __restrict__ B, long long ldb,
+                                               T beta, T* __restrict__ C, long long ldc, int flags) {
+    typedef PipelinedShape<T, BM, BN, BK, WM, WN, TM, TN, STAGES, TA, TB> S;
+    typedef typename acc_type<T>::type Acc;
+    constexpr int V = S::V, LM = S::LM, LN = S::LN, NT = S::NT;
+    static_assert(BK % 2 == 0, "BK must be even: two fragment buffers alternate");
+    extern __shared__ __align__(16) unsigned char distmm_smem[];
+    T* As = reinterpret_cast<T*>(distmm_smem);
+    T* Bs = As + STAGES * S::A_STAGE;
+
+    const int tid = threadIdx.x;
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
+    constexpr int GROUP = 8;
+    const int bid = blockIdx.x;
+    const int width = GROUP * grid_n;
+    const int first_m = (bid / width) * GROUP;
+    const int gsize = min(grid_m - first_m, GROUP);
+    const int m0 = (first_m + (bid % width) % gsize) * BM;
+    const int n0 = ((bid % width) / gsize) * BN;
+    const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
+
+    const int warp = tid / S::LANES, lane = tid % S::LANES;
+    const int wm = warp / S::WGN, wn = warp % S::WGN;
+    const int lm = lane / LN, ln = lane % LN;
+    const int row_base = wm * WM + (TA ? lm * V : lm);
+    const int col_base = wn * WN + (TB ? ln : ln * V);
+#define DISTMM_ROW(i) (row_base + (TA ? ((i) / V) * (LM * V) + (i) % V : (i) * LM))
+#define DISTMM_COL(j) (col_base + (TB ? (j) * LN : ((j) / V) * (LN * V) + (j) % V))
+
+    const bool a_rows_in = vec_a && m0 + BM <= M, b_cols_in = vec_b && n0 + BN <= N;
+    auto load_tile = [&](int kt, int stage) {
+        const int k0 = kt * BK;
+        const bool k_in = k0 + BK <= K;
+        T* as = As + stage * S::A_STAGE;
+        T* bs = Bs + stage * S::B_STAGE;
+        if (a_rows_in && k_in) {
+            if (!TA) tile_to_smem_async_interior<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, tid);
+            else     tile_to_smem_async_interior<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, tid);
+        } else {
+            if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
+            else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
+        }
+        if (b_cols_in && k_in) {
+            if (!TB) tile_to_smem_async_interior<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, tid);
+            else     tile_to_smem_async_interior<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, tid);
+        } else {
+            if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
+            else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+        }
+    };
+
+    // This thread's fragment base offsets inside a stage (element (row, k) / (k, col)).
+    const int a_off = TA ? DISTMM_ROW(0) : DISTMM_ROW(0) * S::A_LD;
+    const int b_off = TB ? DISTMM_COL(0) * S::B_LD : DISTMM_COL(0);
+    // Fragments of one k: a[i] = op(A)(row i, k), b[j] = op(B)(k, col j).
+    auto load_frag = [&](T (&a)[TM], T (&b)[TN], const T* as, const T* bs, int kk) {
+        if (!TA) {
+#pragma unroll
+            for (int i = 0; i < TM; ++i) a[i] = as[a_off + i * LM * S::A_LD + kk];
+        } else {
+#pragma unroll
+            for (int i = 0; i < TM; i += V) ld16(as + a_off + kk * S::A_LD + (i / V) * (LM * V), &a[i]);
+        }
+        if (TB) {
+#pragma unroll
+            for (int j = 0; j < TN; ++j) b[j] = bs[b_off + j * LN * S::B_LD + kk];
+        } else {
+#pragma unroll
+            for (int j = 0; j < TN; j += V) ld16(bs + b_off + kk * S::B_LD + (j / V) * (LN * V), &b[j]);
+        }
+    };
+
+    Acc acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0;
+
+    const int KT = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();
+    }
+    // Tile 0's boundary (as every later one below): wait for the tile, one barrier, then
+    // refill the stage that the previous tile used (here: the last, still empty, stage).
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (STAGES - 1 < KT) load_tile(STAGES - 1, STAGES - 1);
+    cp_async_commit();
+    int read_stage = 0, write_stage = 0;
+
+    T fa[2][TM], fb[2][TN];
+    if (KT > 0) load_frag(fa[0], fb[0], As, Bs, 0);
+    for (int kt = 0; kt < KT; ++kt) {
+        const T* as = As + read_stage * S::A_STAGE;
+        const T* bs = Bs + read_stage * S::B_STAGE;
+#pragma unroll
+        for (int kk = 0; kk < BK; ++kk) {
+            const int cur = kk & 1, nxt = cur ^ 1;
+            if (kk + 1 < BK) {
+                load_frag(fa[nxt], fb[nxt], as, bs, kk + 1);
+            } else if (kt + 1 < KT) {
+                // Every fragment of tile kt is in registers: wait for tile kt + 1, pass the
+                // barrier (after which no thread reads tile kt's stage), refill that stage
+                // with tile kt + STAGES and read tile kt + 1's first fragments; the FMAs of
+                // this k follow and cover the latency.
+                cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+                load_frag(fa[nxt], fb[nxt], As + read_stage * S::A_STAGE,
+                          Bs + read_stage * S::B_STAGE, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] = madd(fa[cur][i], fb[cur][j], acc[i][j]);
+            if (kk + 1 == BK && kt + 1 < KT) {
+                // The cp.async copies are issued after the FMAs, when this k's fragments
+                // are dead: the loader's addresses do not compete with them for registers.
+                if (kt + STAGES < KT) load_tile(kt + STAGES, write_stage);
+                cp_async_commit();
+                write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int row = m0 + DISTMM_ROW(i);
+        if (row >= M) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int col = n0 + DISTMM_COL(j);
+            if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j], alpha, beta);
+        }
+    }
+#undef DISTMM_ROW
+#undef DISTMM_COL
+}
+
+}  // namespace distmm
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
+          int MINB, bool TA, bool TB>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
+distmm_gemm_simt_fp64(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
+                      const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
+                      long long ldc, int flags) {
+    static_assert((WM / TM) * (WN / TN) == 32, "a warp tile is one warp");
+    distmm::simt_fp64_body<T, BM, BN, BK, WM, WN, TM, TN, STAGES, TA, TB>(
+        M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+}
+
+#ifndef DISTMM_NVRTC
+// The default configurations of distmm/registry.py, for standalone compile checks.
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, MB, TA, TB)                                  \
+    template __global__ void distmm_gemm_simt_fp64<T, BM, BN, BK, WM, WN, TM, TN, ST, MB, TA, TB>( \
+        int, int, int, T, const T*, long long, const T*, long long, T, T*, long long, int);
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, TM, TN, ST, MB)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, MB, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, MB, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, MB, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, TM, TN, ST, MB, true, true)
+DISTMM_INST(double, 128, 64, 16, 32, 32, 8, 4, 3, 2)
+DISTMM_INST(float, 128, 64, 16, 32, 32, 8, 4, 3, 1)
+DISTMM_INST(int, 128, 64, 16, 32, 32, 8, 4, 3, 1)
+DISTMM_INST(long long, 128, 64, 16, 32, 32, 8, 4, 3, 2)
+#endif
