@@ -16,6 +16,9 @@ log="$OUT/final.log"
   python3 -m distmm info
 } 2>&1 | tee "$log"
 
+echo "== warm: compile the kernels in parallel" | tee -a "$log"
+timeout 150 python3 -m bench.kernels --warm-only 2>&1 | tail -3 | tee -a "$log"
+
 echo "== GPU tests" | tee -a "$log"
 timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
   tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py \
