@@ -85,3 +85,18 @@ def test_gpu_nan_inf_propagate():
     got = cupy.asnumpy(distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend="raw"))
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal(got, a @ b)
+
+
+@pytest.mark.parametrize("backend", ["raw", "cublas"])
+def test_float32_subnormals_are_not_flushed(backend):
+    # CuPy compiles raw kernels with -ftz=true; distmm's float32 arithmetic must not flush.
+    rng = np.random.default_rng()
+    a = (rng.standard_normal((33, 40)) * 1e-20).astype(np.float32)
+    b = (rng.standard_normal((40, 7)) * 1e-20).astype(np.float32)  # products ~1e-40
+    want = a @ b
+    assert np.count_nonzero(want) == want.size
+    got = cupy.asnumpy(distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-45)
+    c = cupy.asarray((rng.standard_normal((33, 7)) * 1e-39).astype(np.float32))  # subnormal C
+    got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), c, alpha=1.0, beta=1.0, backend=backend)
+    np.testing.assert_allclose(cupy.asnumpy(got), want + cupy.asnumpy(c), rtol=1e-5, atol=2e-45)

@@ -29,7 +29,18 @@ __device__ __forceinline__ typename acc_type<T>::type to_acc(T x) {
 }
 
 // acc + a * b in the accumulation type; fused for floating point.
-__device__ __forceinline__ float madd(float a, float b, float c) { return fmaf(a, b, c); }
+// float: explicit PTX without .ftz. CuPy compiles every NVRTC module with -ftz=true,
+// which would flush subnormal operands and results to zero; numpy and cuBLAS keep them.
+__device__ __forceinline__ float madd(float a, float b, float c) {
+    float d;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+    return d;
+}
+__device__ __forceinline__ float mul_keep_subnormal(float a, float b) {
+    float d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
 __device__ __forceinline__ double madd(double a, double b, double c) { return fma(a, b, c); }
 __device__ __forceinline__ unsigned int madd(int a, int b, unsigned int c) {
     return (unsigned int)a * (unsigned int)b + c;
@@ -52,6 +63,15 @@ __device__ __forceinline__ void store_c(T* __restrict__ c, long long idx,
     A r = to_acc(alpha) * acc;
     if (beta != T(0)) r = r + to_acc(beta) * to_acc(c[idx]);
     c[idx] = (T)r;
+}
+
+// float: the same arithmetic (alpha * acc, then one fused beta * C + that) with no flush
+// of subnormals (see madd).
+__device__ __forceinline__ void store_c(float* __restrict__ c, long long idx, float acc,
+                                        float alpha, float beta) {
+    float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
+    if (beta != 0.0f) r = madd(beta, c[idx], r);
+    c[idx] = r;
 }
 
 // 16-byte vectors: VEC elements of T.
