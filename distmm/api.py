@@ -357,6 +357,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
     beta_t = _scalar_for(beta, dtype, "beta")
 
     xp = _namespace(fam)
+    if fam == "cupy" and dtype in (np.float32, np.float64):
+        return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend)
     if alpha_t == 0 or ops.k == 0:
         product = xp.zeros((ops.m, ops.n), dtype=dtype)
     else:
@@ -371,6 +373,25 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
         return product.astype(dtype, copy=False)
     scaled = c.astype(dtype, copy=False) * beta_t if beta_t != 1 else c.astype(dtype, copy=True)
     return (product + scaled).astype(dtype, copy=False)
+
+
+def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str):
+    """float32/float64 gemm of cupy operands with alpha and beta applied inside the
+    GEMM (distmm's kernel epilogue or cuBLAS), as BLAS does: no extra passes over C,
+    and no cupy elementwise kernels, which flush float32 subnormals."""
+    import cupy
+
+    from distmm.executor import get_executor
+
+    executor = get_executor(backend, dtype, on_gpu=True)
+    m, n = op_a.shape[0], op_b.shape[1]
+    read_c = c is not None and beta != 0
+    out = c.astype(dtype, copy=True) if read_c else cupy.empty((m, n), dtype=dtype)
+    if alpha == 0:
+        # BLAS: A and B are not read; an empty k gives C = beta * C in the same epilogue.
+        op_a, op_b, alpha = op_a[:, :0], op_b[:0, :], dtype.type(1)
+    executor.device_gemm(op_a, op_b, out, alpha=alpha, beta=beta if read_c else dtype.type(0))
+    return out
 
 
 def _namespace(family: str):
