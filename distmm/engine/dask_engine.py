@@ -59,7 +59,8 @@ log = logging.getLogger("distmm.engine.dask")
 
 #: chunk sizes the engine adopts as its C tile (outside: the planner's tile)
 _CHUNK_TILE_RANGE = (64, 8192)
-#: chunk-derived tiles are halved (rows first) until each worker thread has this many
+#: chunk-derived tiles are halved (rows first) until each worker thread has this
+#: many tasks (tiles times k pieces)
 _TILES_PER_SLOT = 4
 _MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
@@ -466,16 +467,21 @@ def _tile_for_chunks(ops, a2, b2, tile, workers: int = 1):
     # C-ordered chunk is a view, a column slice would be copied.
     import math
 
+    from distmm.plan import make_plan
+
+    tk = make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=1).tile[2]
+    # Tasks, not tiles, are what the scheduler balances: a tile whose k runs
+    # over several chunks is several piece tasks (see ``_build_graph``).
+    pieces = len(_k_pieces(_edges_pieces(a2.chunks[-1]), _edges_pieces(b2.chunks[-2]), 0, ops.k, tk))
+    pieces = pieces if 1 < pieces <= _MAX_PIECE_TASKS else 1
+
     def count(tm_, tn_):
-        return math.ceil(ops.m / tm_) * math.ceil(ops.n / tn_)
+        return math.ceil(ops.m / tm_) * math.ceil(ops.n / tn_) * pieces
 
     while count(tm, tn) < _TILES_PER_SLOT * workers and tm % 2 == 0 and tm // 2 >= _MIN_SPLIT_TILE:
         tm //= 2
     while count(tm, tn) < _TILES_PER_SLOT * workers and tn % 2 == 0 and tn // 2 >= _MIN_SPLIT_TILE:
         tn //= 2
-    from distmm.plan import make_plan
-
-    tk = make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=1).tile[2]
     return (tm, tn, tk)
 
 
