@@ -220,6 +220,15 @@ _WARP_SHAPES = (  # (WM, WN, TM, TN): 32 lanes each
     (32, 32, 4, 8), (32, 32, 8, 4), (64, 32, 16, 4), (32, 64, 4, 16),
 )
 
+#: the search space of the warp-tiled steps (8 and 9 share their block/warp structure)
+_WARPTILE_SPACE = {
+    "block": ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64)),
+    "BK": (8, 16, 32),
+    "warp": _WARP_SHAPES,
+    "STAGES": (2, 3, 4),
+    "MINB": (1, 2, 3, 4),
+}
+
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
     KernelSpec("naive", 1, "01_naive.cu", "naive (rows across threads)",
                "distmm_gemm_naive<{T}>", fixed={"threads": 256, "BM": 8, "BN": 32}),
@@ -247,15 +256,9 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
             "float64": {"BM": 64, "BN": 128, "BK": 16, "WM": 64, "WN": 32, "TM": 8, "TN": 8, "STAGES": 2, "MINB": 1},
             "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
-        tune_space={
-            "block": ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64)),
-            "BK": (8, 16, 32),
-            "warp": _WARP_SHAPES,
-            "STAGES": (2, 3, 4),
-            "MINB": (1, 2, 3, 4),
-        }),
+        tune_space=_WARPTILE_SPACE),
     KernelSpec(
-        "dmma", 9, "09_dmma.cu", "FP64 tensor cores (DMMA 8x8x4); other dtypes as step 8",
+        "dmma", 9, "09_dmma.cu", "FP64 tensor cores (mma m16n8k16 on sm_90, m8n8k4 on sm_80); other dtypes as step 8",
         "distmm_gemm_dmma<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
         layout_template=True, grid="linear", min_cc=80,
         defaults={
@@ -268,13 +271,7 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
             "float64": {"BM": 64, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
             "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
-        tune_space={
-            "block": ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64)),
-            "BK": (8, 16, 32),
-            "warp": _WARP_SHAPES,
-            "STAGES": (2, 3, 4),
-            "MINB": (1, 2, 3, 4),
-        }),
+        tune_space=_WARPTILE_SPACE),
     KernelSpec(
         # A SIMT side step: benchmarked and tested, never best_kernel() (dmma stays the raw
         # backend's kernel for every dtype; see raw_choice).
