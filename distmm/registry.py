@@ -291,9 +291,11 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         },
         tune_space={
             "block": ((128, 64), (64, 128), (128, 128)),
-            "BK": (8, 16),
-            "warp": ((32, 32, 8, 4), (32, 32, 4, 8), (64, 16, 8, 4)),
-            "STAGES": (3, 4),
+            "BK": (8, 16, 32),
+            # 8 x 4 tiles (occupancy) and 8 x 8 tiles (step 8's reuse, 2 blocks of 128
+            # threads per SM at <= 255 registers)
+            "warp": ((32, 32, 8, 4), (32, 32, 4, 8), (64, 16, 8, 4), (64, 32, 8, 8), (32, 64, 8, 8)),
+            "STAGES": (2, 3, 4),
             "MINB": (1, 2),
         }),
 )}
