@@ -280,10 +280,11 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         "distmm_gemm_simt_fp64<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
         layout_template=True, grid="linear", min_cc=80, raw_choice=False,
         defaults={
-            # float64 (the target): 8 warps of 32 x 32, 8 x 4 accumulators a thread (64
-            # registers), MINB = 2: <= 128 registers, 16 warps per SM (4 per scheduler).
-            # Not yet timed on a GPU.
-            "float64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 2},
+            # float64 (the target): 4 warps of 64 x 32, 8 x 8 accumulators a thread, 2 blocks
+            # per SM; the best of the 52 8x8 shapes searched on the H200 (bench/simt64.py,
+            # run of commit 7abafe5). The 8 x 4 / MINB = 2 shape of the first version ran at
+            # 34-35% of DGEMM (shared-memory reads per FMA).
+            "float64": {"BM": 64, "BN": 128, "BK": 16, "WM": 64, "WN": 32, "TM": 8, "TN": 8, "STAGES": 4, "MINB": 1},
             "float32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
             "int32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
             # int64 products are several instructions each: MINB = 2 spills, so 1

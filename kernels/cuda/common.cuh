@@ -125,6 +125,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes) : "memory");
 }
+// Copy 16 bytes to a shared-space address (as from smem_addr).
+__device__ __forceinline__ void cp_async16_shared(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+}
 // Copy one element of 4 or 8 bytes (src_bytes 0 zero-fills it).
 template <int BYTES>
 __device__ __forceinline__ void cp_async_elem(void* dst, const void* src, int src_bytes) {
@@ -184,6 +188,40 @@ __device__ __forceinline__ void tile_to_smem_async(T* __restrict__ s, const T* _
         }
     }
 }
+
+// The interior copy of step 10: the thread's source pointer and shared-memory offset are
+// computed once (constructor) and the pointer is advanced by the caller between tiles.
+// Only for tiles wholly inside the matrix with 16-byte aligned rows; a pointer advanced
+// past the matrix is never dereferenced (edge tiles take tile_to_smem_async).
+template <typename T, int ROWS, int COLS, int SLD, int NT>
+struct IncrementalTileCopy {
+    static constexpr int V = vec16<T>::n;
+    static constexpr int CHUNKS_PER_ROW = COLS / V;
+    static constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static constexpr int ITERS = (CHUNKS + NT - 1) / NT;
+    static constexpr int ROW_STEP = NT / CHUNKS_PER_ROW;
+    static_assert(NT % CHUNKS_PER_ROW == 0 || CHUNKS <= NT, "thread rows must not wrap");
+    const T* src;
+    unsigned dst;  // byte offset of the thread's first chunk in a stage
+    bool active;   // false only for threads beyond the last chunk of a small tile
+    __device__ __forceinline__ IncrementalTileCopy(const T* g, long long ld, int row0, int col0, int tid) {
+        const int r = tid / CHUNKS_PER_ROW, c = (tid % CHUNKS_PER_ROW) * V;
+        src = g + (long long)(row0 + r) * ld + col0 + c;
+        dst = (unsigned)((r * SLD + c) * sizeof(T));
+        active = tid < CHUNKS;
+    }
+    // stage: the shared-space address (smem_addr) of the stage; the chunk offsets are
+    // compile-time constants, so each copy is one LDGSTS with an immediate offset.
+    __device__ __forceinline__ void copy(unsigned stage, long long ld) const {
+        const long long step = (long long)ROW_STEP * ld;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            if (CHUNKS % NT == 0 || (active && dst + it * ROW_STEP * SLD * sizeof(T) < ROWS * SLD * sizeof(T)))
+                cp_async16_shared(stage + dst + it * ROW_STEP * SLD * (unsigned)sizeof(T), src + it * step);
+        }
+    }
+    __device__ __forceinline__ void advance(long long elems) { src += elems; }
+};
 
 // The same copy for a tile that lies wholly inside the matrix with 16-byte aligned rows
 // (every block's tile except those on the matrix edge): no bounds checks, no zero-fill,
