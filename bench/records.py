@@ -19,6 +19,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """``DISTMM_COMMIT`` when set (device copies of the tree may carry a stale .git), else HEAD."""
+    if os.environ.get("DISTMM_COMMIT"):
+        return os.environ["DISTMM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
