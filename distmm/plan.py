@@ -243,15 +243,23 @@ class Plan:
         return "\n".join(lines)
 
 
-def _owners(gm: int, gn: int, workers: int) -> tuple[tuple[int, ...], ...]:
-    """Assign C tiles to workers: tile ``t`` in row-major order goes to worker
-    ``t * workers // tiles``. Counts differ by at most one (balance), and each
-    worker's tiles are a contiguous run of rows, so they share A row panels
-    (locality); a worker's run spans whole B column sweeps when it can.
+def _owners(gm: int, gn: int, workers: int, order: str = "rows") -> tuple[tuple[int, ...], ...]:
+    """Assign C tiles to workers: tile ``t`` in row-major order (``order="rows"``)
+    or column-major order (``"cols"``) goes to worker ``t * workers // tiles``.
+    Counts differ by at most one (balance), and each worker's tiles are a
+    contiguous run of rows (sharing A row panels) or of columns (sharing B
+    column panels); the Dask engine picks the order under which more of a
+    worker's inputs are already on it.
     """
+    if order not in ("rows", "cols"):
+        raise ValueError(f"owner_order must be 'rows' or 'cols', got {order!r}")
     tiles = gm * gn
+    if order == "rows":
+        return tuple(
+            tuple((i * gn + j) * workers // tiles for j in range(gn)) for i in range(gm)
+        )
     return tuple(
-        tuple((i * gn + j) * workers // tiles for j in range(gn)) for i in range(gm)
+        tuple((j * gm + i) * workers // tiles for j in range(gn)) for i in range(gm)
     )
 
 
@@ -284,6 +292,7 @@ def make_plan(
     tile: int | tuple[int, int, int] | None = None,
     k_splits: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    owner_order: str = "rows",
 ) -> Plan:
     """Plan ``C[m, n] = A[m, k] @ B[k, n]`` for ``workers`` workers.
 
@@ -302,6 +311,9 @@ def make_plan(
         fewer C tiles than workers and k is long (at least 4 k-blocks a group).
     memory_budget : int
         Bytes one task may hold; it bounds the tile and the k group length.
+    owner_order : {"rows", "cols"}
+        Whether each worker owns a contiguous run of C tiles in row-major
+        (default) or column-major order.
 
     Returns
     -------
@@ -310,7 +322,8 @@ def make_plan(
     Raises
     ------
     ValueError
-        On negative sizes, a non-positive worker count or tile.
+        On negative sizes, a non-positive worker count or tile, an unknown
+        owner order.
 
     Examples
     --------
@@ -370,6 +383,6 @@ def make_plan(
         k_edges=k_edges,
         reduction=reduction_tree(k_splits),
         workers=int(workers),
-        owners=_owners(gm, gn, int(workers)),
+        owners=_owners(gm, gn, int(workers), owner_order),
         memory_budget=int(memory_budget),
     )

@@ -23,6 +23,7 @@ import dask  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.api import plan_for  # noqa: E402
+from distmm.plan import make_plan  # noqa: E402
 from distmm.engine import dask_engine  # noqa: E402
 from distmm.engine.base import reduce_partials  # noqa: E402
 
@@ -240,15 +241,22 @@ def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
     where = client.who_has(C)
     assert sum(holders == (slots[plan.owner_of_tile(k[1], k[2])],) for k, holders in where.items()) >= 12
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
-    # persisted operands: owners are mapped to workers by where the operands
-    # lie; each owner's tiles still share one worker, and both workers are used
+    # persisted operands: the owner order (row-major or column-major runs of
+    # tiles) and the owner -> worker mapping follow where the operands lie;
+    # each owner's tiles still share one worker, and both workers are used
     A, B = da.from_array(a, chunks=64).persist(), da.from_array(b, chunks=64).persist()
     C = distmm.matmul(A, B).persist()
     distributed.wait(C)
-    by_owner = {}
-    for (i, j), workers in _restrictions(client, C.name).items():
-        by_owner.setdefault(plan.owner_of_tile(i, j), set()).update(workers)
-    assert all(len(w) == 1 for w in by_owner.values()) and len(set().union(*by_owner.values())) == 2
+    pins = _restrictions(client, C.name)
+    fits = []
+    for order in ("rows", "cols"):
+        p = make_plan(256, 256, 128, "float64", workers=2, tile=(64, 64, 256), owner_order=order)
+        by_owner = {}
+        for (i, j), workers in pins.items():
+            by_owner.setdefault(p.owner_of_tile(i, j), set()).update(workers)
+        fits.append(all(len(w) == 1 for w in by_owner.values())
+                    and len(set().union(*by_owner.values())) == 2)
+    assert any(fits)
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
 
     before = _prefix_count(client)

@@ -83,3 +83,18 @@ def test_a_fixed_plan_is_bitwise_reproducible(dtype):
     ref = a.astype(np.float64) @ b.astype(np.float64)
     for r in runs:
         assert np.linalg.norm(r - ref) / np.linalg.norm(ref) < (1e-5 if dtype == "float32" else 1e-13)
+
+
+def test_owner_orders_balance_and_runs():
+    rows = make_plan(4096, 4096, 64, "float64", workers=2, tile=(1024, 2048, 256))
+    cols = make_plan(4096, 4096, 64, "float64", workers=2, tile=(1024, 2048, 256), owner_order="cols")
+    assert rows.owners == ((0, 0), (0, 0), (1, 1), (1, 1))  # row bands
+    assert cols.owners == ((0, 1), (0, 1), (0, 1), (0, 1))  # column bands
+    for p in (rows, cols):
+        counts = np.bincount([p.owner_of_tile(i, j) for i, j in p.tiles()], minlength=2)
+        assert counts.max() - counts.min() <= 1
+    uneven = make_plan(700, 500, 64, "float64", workers=3, tile=(128, 128, 64), owner_order="cols")
+    counts = np.bincount([uneven.owner_of_tile(i, j) for i, j in uneven.tiles()], minlength=3)
+    assert counts.max() - counts.min() <= 1
+    with pytest.raises(ValueError, match="owner_order"):
+        make_plan(8, 8, 8, owner_order="diagonal")

@@ -193,24 +193,20 @@ def worker_slots(client) -> list[str]:
     return [addr for addr in sorted(info) for _ in range(max(int(info[addr].get("nthreads", 1)), 1))]
 
 
-def _slots_by_locality(client, plan: Plan, slots: list[str], a2, b2) -> list[str]:
+def _slots_by_locality(client, plan: Plan, slots: list[str], a2, b2,
+                       who: dict | None = None) -> tuple[list[str], int]:
     """Map the plan's owners onto workers so that each owner's tiles find as
     much of their input already in place as possible.
 
     Only for operands already in the cluster's memory (persisted); otherwise
     the slots are returned as they are. The plan's balance is kept: only
-    which worker plays which owner changes.
+    which worker plays which owner changes. Returns the slots and the number
+    of input elements the tasks find on their own worker under that mapping.
     """
-    from distributed import futures_of
-
-    if not futures_of(a2) and not futures_of(b2):
-        return slots
-    try:
-        who = {**client.who_has(a2), **client.who_has(b2)}
-    except Exception:  # a worker leaving mid-call: placement is only a hint
-        return slots
-    if not any(who.values()):
-        return slots
+    if who is None:
+        who = _who_has(client, a2, b2)
+    if not who:
+        return slots, 0
     a_rows, a_k = _edges_pieces(a2.chunks[-2]), _edges_pieces(a2.chunks[-1])
     b_k, b_cols = _edges_pieces(b2.chunks[-2]), _edges_pieces(b2.chunks[-1])
     score: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -231,13 +227,44 @@ def _slots_by_locality(client, plan: Plan, slots: list[str], a2, b2) -> list[str
     for addr in slots:
         capacity[addr] += 1
     mapping: dict[int, str] = {}
+    local = 0
     owners = sorted(range(len(slots)), key=lambda w: -max(score[w].values(), default=0))
     for w in owners:
         free = [addr for addr in sorted(capacity) if capacity[addr] > 0]
         best = max(free, key=lambda addr: score[w].get(addr, 0))
         mapping[w] = best
+        local += score[w].get(best, 0)
         capacity[best] -= 1
-    return [mapping[w] for w in range(len(slots))]
+    return [mapping[w] for w in range(len(slots))], local
+
+
+def _who_has(client, a2, b2) -> dict:
+    """Where the persisted chunks of ``a2`` and ``b2`` are (empty: not persisted)."""
+    from distributed import futures_of
+
+    if not futures_of(a2) and not futures_of(b2):
+        return {}
+    try:
+        who = {**client.who_has(a2), **client.who_has(b2)}
+    except Exception:  # a worker leaving mid-call: placement is only a hint
+        return {}
+    return who if any(who.values()) else {}
+
+
+def _plan_by_locality(ops, workers: int, tile, client, slots: list[str], a2, b2):
+    """The plan and worker slots for persisted dask operands: of the row-major
+    and column-major owner orders, the one whose tasks find more of their
+    inputs on their own worker (ties: row-major)."""
+    who = _who_has(client, a2, b2)
+    best = None
+    for order in ("rows", "cols"):
+        plan = _plan(ops, workers, tile, owner_order=order)
+        mapped, local = _slots_by_locality(client, plan, slots, a2, b2, who)
+        if best is None or local > best[2]:
+            best = (plan, mapped, local)
+        if not who:
+            break
+    return best[0], best[1]
 
 
 def _resolve_client(client, *, required: bool):
@@ -438,7 +465,7 @@ def _tile_for_chunks(ops, a2, b2, tile, workers: int = 1):
     return (tm, tn, tk)
 
 
-def _plan(ops, workers: int, tile) -> Plan:
+def _plan(ops, workers: int, tile, owner_order: str = "rows") -> Plan:
     """The plan, made as ``distmm.api.plan_for`` makes it (configured tile and
     memory budget), without importing the layer above."""
     from distmm.config import get_config
@@ -446,7 +473,8 @@ def _plan(ops, workers: int, tile) -> Plan:
 
     cfg = get_config()
     return make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=workers,
-                     tile=tile if tile is not None else cfg.tile, memory_budget=cfg.memory_budget)
+                     tile=tile if tile is not None else cfg.tile, memory_budget=cfg.memory_budget,
+                     owner_order=owner_order)
 
 
 def _backend(backend: str, family: str) -> str:
@@ -530,9 +558,11 @@ def matmul(ops, *, client=None, tile=None, backend: str = "auto", progress=None,
         b2 = ops.b[:, None] if ops.b_vector else ops.b
         _check_chunks("a", a2)
         _check_chunks("b", b2)
-        plan = _plan(ops, workers, _tile_for_chunks(ops, a2, b2, tile, workers))
+        tile_ = _tile_for_chunks(ops, a2, b2, tile, workers)
         if slots and not ops.batch:
-            slots = _slots_by_locality(client, plan, slots, a2, b2)
+            plan, slots = _plan_by_locality(ops, workers, tile_, client, slots, a2, b2)
+        else:
+            plan = _plan(ops, workers, tile_)
         return _lazy(ops, plan, a2, b2, slots, backend, out_shape, dtype)
 
     if progress is None:
