@@ -359,3 +359,26 @@ def test_without_a_client():
     C = distmm.matmul(da.from_array(a, chunks=25), da.from_array(b, chunks=(35, 20)))
     assert type(C) is da.Array
     _check(C.compute(scheduler="threads"), a @ b)
+
+
+def test_k_pieces_run_as_separate_tasks_with_the_same_bits(client):
+    """Chunks along k: one task per piece and an ordered sum, bit for bit the
+    k-loop of a single task (the order the pieces run in does not matter)."""
+    rng = np.random.default_rng(21)
+    a, b = _operands(rng, (384, 1024), (1024, 320), "float64")
+    A = da.from_array(a, chunks=(128, 256)).persist()
+    B = da.from_array(b, chunks=(256, 160)).persist()
+    C = distmm.matmul(A, B, client=client)
+    pieces = [k for k in C.dask if isinstance(k, tuple) and str(k[0]).startswith("distmm-piece")]
+    assert len(pieces) == 3 * 2 * 4  # tiles x k chunks
+    got = C.compute()
+    old = dask_engine._MAX_PIECE_TASKS
+    dask_engine._MAX_PIECE_TASKS = 1  # one task per tile, its own k-loop
+    try:
+        single = distmm.matmul(A, B, client=client)
+        assert not any(isinstance(k, tuple) and str(k[0]).startswith("distmm-piece") for k in single.dask)
+        want = single.compute()
+    finally:
+        dask_engine._MAX_PIECE_TASKS = old
+    assert np.array_equal(got, want)
+    _check(got, a @ b)

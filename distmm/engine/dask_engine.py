@@ -65,6 +65,10 @@ _MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
 _LONG_RUN_SECONDS = 10.0
 _ASSUMED_FLOPS_PER_SLOT = 20e9
+#: a tile's k pieces (chunks along k) run as separate tasks, then an ordered
+#: sum, when there are at least 2 and at most this many (each piece's partial
+#: tile is held until the sum)
+_MAX_PIECE_TASKS = 8
 #: how many times scattered blocks are sent again after workers die
 _MAX_RESCATTERS = 5
 
@@ -160,6 +164,26 @@ def _partial_task(plan: Plan, backend: str, spec: _TileSpec, a_list, b_list):
     if not spec.finish:
         return acc
     return _as_chunk(finish_tile(plan, acc), spec.batch_ndim)
+
+
+def _sum_pieces_task(plan: Plan, backend: str, parts, finish: bool, batch_ndim: int = 0):
+    """Sum one tile's k pieces (computed by separate tasks) in ascending k.
+
+    The same additions, in the same order and on the same executor, as the
+    k-loop of ``_partial_task``: ``((p0 + p1) + p2) + ...``, so the bits do not
+    depend on whether the pieces ran in one task or several, nor in which
+    order they ran. The stored pieces are not modified (a task may rerun).
+    """
+    executor = _executor_for(backend, plan.acc_dtype, parts[0])
+    acc_dtype = np.dtype(plan.acc_dtype)
+    acc = executor.asarray(parts[0], acc_dtype) + executor.asarray(parts[1], acc_dtype)
+    for part in parts[2:]:
+        acc += executor.asarray(part, acc_dtype)
+    if isinstance(parts[0], np.ndarray):
+        acc = executor.to_host(acc)
+    if not finish:
+        return acc
+    return _as_chunk(finish_tile(plan, acc), batch_ndim)
 
 
 def _reduce_task(plan: Plan, partials, batch_ndim: int = 0):
@@ -370,7 +394,7 @@ class _Pins:
 
 
 def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *,
-                 backend: str, name: str, slots: list[str], only=None):
+                 backend: str, name: str, slots: list[str], only=None, piece_tasks: bool = True):
     """The graph of the product: ``{key: Task}``, the output keys by
     ``(batch index, i, j)``, and the worker each key is pinned to."""
     from dask._task_spec import DataNode, List, Task, TaskRef
@@ -386,6 +410,7 @@ def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *
                 for s in range(plan.k_splits)]
     split = plan.k_splits > 1
     partial_name = name.replace("distmm-matmul", "distmm-partial", 1)
+    piece_name = name.replace("distmm-matmul", "distmm-piece", 1)
     for ob in np.ndindex(*batch):
         a_bb, a_lead = a.batch_block(ob)
         b_bb, b_lead = b.batch_block(ob)
@@ -399,18 +424,34 @@ def _build_graph(plan: Plan, a: _Operand, b: _Operand, batch: tuple[int, ...], *
             partial_refs = []
             for s in range(plan.k_splits):
                 pieces = k_pieces[s]
-                a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for a_k, _ in pieces
-                                       for kb, _, _ in a_k}))
-                b_keys = tuple(sorted({(kb, cb) for _, b_k in pieces for kb, _, _ in b_k
-                                       for cb, _, _ in b_cols}))
-                spec = _TileSpec(a_lead, b_lead, a_rows, b_cols, pieces, a_keys, b_keys,
-                                 finish=not split, batch_ndim=len(batch))
                 key = (partial_name,) + ob + (i, j, s) if split else out_key
-                graph[key] = Task(key, _partial_task, TaskRef(plan_key), backend, spec,
-                                  List(*(a.ref(a_bb + ab) for ab in a_keys)),
-                                  List(*(b.ref(b_bb + bb) for bb in b_keys)))
-                if slots:
-                    pins[key] = [slots[plan.owner_of_partial(i, j, s)]]
+                pin = [slots[plan.owner_of_partial(i, j, s)]] if slots else None
+                # Several k pieces (chunks along k): one task per piece, then
+                # one task summing them in ascending k. A piece needs one A and
+                # one B chunk, not the whole panels, so a worker can start on
+                # the pieces whose chunks it already holds while the others
+                # are fetched; the sum keeps the k-loop's order and its bits.
+                per_piece = piece_tasks and 1 < len(pieces) <= _MAX_PIECE_TASKS
+                piece_refs = []
+                for p, piece_set in enumerate([(pc,) for pc in pieces] if per_piece else [pieces]):
+                    a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for a_k, _ in piece_set
+                                           for kb, _, _ in a_k}))
+                    b_keys = tuple(sorted({(kb, cb) for _, b_k in piece_set for kb, _, _ in b_k
+                                           for cb, _, _ in b_cols}))
+                    spec = _TileSpec(a_lead, b_lead, a_rows, b_cols, piece_set, a_keys, b_keys,
+                                     finish=not split and not per_piece, batch_ndim=len(batch))
+                    pkey = (piece_name,) + ob + (i, j, s, p) if per_piece else key
+                    graph[pkey] = Task(pkey, _partial_task, TaskRef(plan_key), backend, spec,
+                                       List(*(a.ref(a_bb + ab) for ab in a_keys)),
+                                       List(*(b.ref(b_bb + bb) for bb in b_keys)))
+                    if pin:
+                        pins[pkey] = pin
+                    piece_refs.append(TaskRef(pkey))
+                if per_piece:
+                    graph[key] = Task(key, _sum_pieces_task, TaskRef(plan_key), backend,
+                                      List(*piece_refs), not split, len(batch))
+                    if pin:
+                        pins[key] = pin
                 partial_refs.append(TaskRef(key))
             if split:
                 graph[out_key] = Task(out_key, _reduce_task, TaskRef(plan_key), List(*partial_refs),
