@@ -13,5 +13,8 @@ timeout "$(step_timeout 150)" $PY -m bench.kernels --out "$OUT" --rounds "$ROUND
     --sizes 4096 8192 16384 --no-rect --kernels warptile dmma 2>&1 | tee -a "$log" || echo "BENCH FAILED" | tee -a "$log"
 timeout "$(step_timeout 150)" $PY -m bench.kernels --out "$OUT" --rounds "$ROUNDS" --dtypes float64 \
     --sizes 4096 8192 16384 --no-rect --kernels warptile dmma simt_fp64 2>&1 | tee -a "$log" || echo "BENCH FAILED" | tee -a "$log"
+echo "== zarr-backed GPU pipeline tests (the bundle needs zarr: wheels.sh zarr==3.1.6 numcodecs ...)" | tee -a "$log"
+timeout "$(step_timeout 60)" $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_pipeline.py -k zarr \
+    2>&1 | tail -5 | tee -a "$log"
 gpu_state | tee -a "$log"
 echo "== done in ${SECONDS}s" | tee -a "$log"
