@@ -70,15 +70,8 @@ __device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, con
     double* Bs = As + STAGES * S::A_STAGE;
 
     const int tid = threadIdx.x;
-    // Grouped tile order, as in step 8.
-    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
-    constexpr int GROUP = 8;
-    const int bid = blockIdx.x;
-    const int width = GROUP * grid_n;
-    const int first_m = (bid / width) * GROUP;
-    const int gsize = min(grid_m - first_m, GROUP);
-    const int m0 = (first_m + (bid % width) % gsize) * BM;
-    const int n0 = ((bid % width) / gsize) * BN;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
 
     const int warp = tid / 32, lane = tid % 32;
@@ -88,24 +81,9 @@ __device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, con
 
     const bool a_rows_in = vec_a && m0 + BM <= M, b_cols_in = vec_b && n0 + BN <= N;
     auto load_tile = [&](int kt, int stage) {
-        const int k0 = kt * BK;
-        const bool k_in = k0 + BK <= K;
-        double* as = As + stage * S::A_STAGE;
-        double* bs = Bs + stage * S::B_STAGE;
-        if (a_rows_in && k_in) {
-            if (!TA) tile_to_smem_async_interior<double, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, tid);
-            else     tile_to_smem_async_interior<double, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, tid);
-        } else {
-            if (!TA) tile_to_smem_async<double, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
-            else     tile_to_smem_async<double, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
-        }
-        if (b_cols_in && k_in) {
-            if (!TB) tile_to_smem_async_interior<double, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, tid);
-            else     tile_to_smem_async_interior<double, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, tid);
-        } else {
-            if (!TB) tile_to_smem_async<double, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
-            else     tile_to_smem_async<double, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
-        }
+        ab_tile<double, BM, BN, BK, S::A_LD, S::B_LD, NT, TA, TB>(
+            As + stage * S::A_STAGE, Bs + stage * S::B_STAGE, A, lda, B, ldb, m0, n0, kt * BK,
+            M, N, K, a_rows_in, b_cols_in, vec_a, vec_b, tid);
     };
 
     double acc[MT][NTI][2];

@@ -42,14 +42,8 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
     T* Bs = As + STAGES * S::A_STAGE;
 
     const int tid = threadIdx.x;
-    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
-    constexpr int GROUP = 8;
-    const int bid = blockIdx.x;
-    const int width = GROUP * grid_n;
-    const int first_m = (bid / width) * GROUP;
-    const int gsize = min(grid_m - first_m, GROUP);
-    const int m0 = (first_m + (bid % width) % gsize) * BM;
-    const int n0 = ((bid % width) / gsize) * BN;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
 
     const int warp = tid / S::LANES, lane = tid % S::LANES;
@@ -80,14 +74,12 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
         if (a_rows_in && k_in) {
             copy_a.copy(as_base + stage * (unsigned)(S::A_STAGE * sizeof(T)), lda);
         } else {
-            if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
-            else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
+            a_tile_edge<T, BM, BK, S::A_LD, NT, TA>(as, A, lda, m0, k0, M, K, vec_a, tid);
         }
         if (b_cols_in && k_in) {
             copy_b.copy(bs_base + stage * (unsigned)(S::B_STAGE * sizeof(T)), ldb);
         } else {
-            if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
-            else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+            b_tile_edge<T, BK, BN, S::B_LD, NT, TB>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
         }
         copy_a.advance(a_tile_step);
         copy_b.advance(b_tile_step);

@@ -39,6 +39,58 @@ struct PipelinedShape {
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
 };
 
+// Grouped tile order (steps 8-10): GROUP row-tiles of C are swept together so the B panels
+// they read stay in L2. Sets the block's C tile origin (m0, n0) from blockIdx.x.
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_tile_origin(int M, int N, int& m0, int& n0) {
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
+    constexpr int GROUP = 8;
+    const int bid = blockIdx.x;
+    const int width = GROUP * grid_n;
+    const int first_m = (bid / width) * GROUP;
+    const int gsize = min(grid_m - first_m, GROUP);
+    m0 = (first_m + (bid % width) % gsize) * BM;
+    n0 = ((bid % width) / gsize) * BN;
+}
+
+// The k tile at k0 of op(A) (BM x BK, stored BK x BM when TA) and of op(B) (BK x BN, stored
+// BN x BK when TB) into one stage, with bounds checks (edge tiles).
+template <typename T, int BM, int BK, int A_LD, int NT, bool TA>
+__device__ __forceinline__ void a_tile_edge(T* as, const T* A, long long lda, int m0, int k0,
+                                            int M, int K, bool vec, int tid) {
+    if (!TA) tile_to_smem_async<T, BM, BK, A_LD, NT>(as, A, lda, m0, k0, M, K, vec, tid);
+    else     tile_to_smem_async<T, BK, BM, A_LD, NT>(as, A, lda, k0, m0, K, M, vec, tid);
+}
+
+template <typename T, int BK, int BN, int B_LD, int NT, bool TB>
+__device__ __forceinline__ void b_tile_edge(T* bs, const T* B, long long ldb, int k0, int n0,
+                                            int K, int N, bool vec, int tid) {
+    if (!TB) tile_to_smem_async<T, BK, BN, B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec, tid);
+    else     tile_to_smem_async<T, BN, BK, B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec, tid);
+}
+
+// Both operands' k tile at k0 (steps 8 and 9): an interior tile (the whole block tile inside
+// C, 16-byte aligned operands, a full k tile) is copied without bounds checks.
+template <typename T, int BM, int BN, int BK, int A_LD, int B_LD, int NT, bool TA, bool TB>
+__device__ __forceinline__ void ab_tile(T* as, T* bs, const T* A, long long lda, const T* B,
+                                        long long ldb, int m0, int n0, int k0, int M, int N, int K,
+                                        bool a_rows_in, bool b_cols_in, bool vec_a, bool vec_b,
+                                        int tid) {
+    const bool k_in = k0 + BK <= K;
+    if (a_rows_in && k_in) {
+        if (!TA) tile_to_smem_async_interior<T, BM, BK, A_LD, NT>(as, A, lda, m0, k0, tid);
+        else     tile_to_smem_async_interior<T, BK, BM, A_LD, NT>(as, A, lda, k0, m0, tid);
+    } else {
+        a_tile_edge<T, BM, BK, A_LD, NT, TA>(as, A, lda, m0, k0, M, K, vec_a, tid);
+    }
+    if (b_cols_in && k_in) {
+        if (!TB) tile_to_smem_async_interior<T, BK, BN, B_LD, NT>(bs, B, ldb, k0, n0, tid);
+        else     tile_to_smem_async_interior<T, BN, BK, B_LD, NT>(bs, B, ldb, n0, k0, tid);
+    } else {
+        b_tile_edge<T, BK, BN, B_LD, NT, TB>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
+    }
+}
+
 template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
           bool TA, bool TB>
 __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, const T* __restrict__ A,
@@ -52,16 +104,8 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
     T* Bs = As + STAGES * S::A_STAGE;
 
     const int tid = threadIdx.x;
-    // Grouped tile order: GROUP row-tiles of C are swept together so the B panels they read
-    // stay in L2.
-    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
-    constexpr int GROUP = 8;
-    const int bid = blockIdx.x;
-    const int width = GROUP * grid_n;
-    const int first_m = (bid / width) * GROUP;
-    const int gsize = min(grid_m - first_m, GROUP);
-    const int m0 = (first_m + (bid % width) % gsize) * BM;
-    const int n0 = ((bid % width) / gsize) * BN;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
 
     const int warp = tid / S::LANES, lane = tid % S::LANES;
@@ -73,28 +117,11 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
 #define DISTMM_ROW(i) (row_base + (TA ? ((i) / V) * (LM * V) + (i) % V : (i) * LM))
 #define DISTMM_COL(j) (col_base + (TB ? (j) * LN : ((j) / V) * (LN * V) + (j) % V))
 
-    // Interior tiles (the whole block tile inside C, 16-byte aligned operands, a full k
-    // tile) take the copy without bounds checks; edge tiles the general one.
     const bool a_rows_in = vec_a && m0 + BM <= M, b_cols_in = vec_b && n0 + BN <= N;
     auto load_tile = [&](int kt, int stage) {
-        const int k0 = kt * BK;
-        const bool k_in = k0 + BK <= K;
-        T* as = As + stage * S::A_STAGE;
-        T* bs = Bs + stage * S::B_STAGE;
-        if (a_rows_in && k_in) {
-            if (!TA) tile_to_smem_async_interior<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, tid);
-            else     tile_to_smem_async_interior<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, tid);
-        } else {
-            if (!TA) tile_to_smem_async<T, BM, BK, S::A_LD, NT>(as, A, lda, m0, k0, M, K, vec_a, tid);
-            else     tile_to_smem_async<T, BK, BM, S::A_LD, NT>(as, A, lda, k0, m0, K, M, vec_a, tid);
-        }
-        if (b_cols_in && k_in) {
-            if (!TB) tile_to_smem_async_interior<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, tid);
-            else     tile_to_smem_async_interior<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, tid);
-        } else {
-            if (!TB) tile_to_smem_async<T, BK, BN, S::B_LD, NT>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
-            else     tile_to_smem_async<T, BN, BK, S::B_LD, NT>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
-        }
+        ab_tile<T, BM, BN, BK, S::A_LD, S::B_LD, NT, TA, TB>(
+            As + stage * S::A_STAGE, Bs + stage * S::B_STAGE, A, lda, B, ldb, m0, n0, kt * BK,
+            M, N, K, a_rows_in, b_cols_in, vec_a, vec_b, tid);
     };
 
     Acc acc[TM][TN];
