@@ -4,7 +4,7 @@
 # kernel at 4096, 8192 and 16384 next to cuBLAS in the same run.
 # Run from the repo root:  . .whl/env.sh && DISTMM_COMMIT=<hash> bash bench/device_close.sh
 BUDGET=${BUDGET:-560}
-. bench/device_common.sh
+. "$(dirname "$0")/device_common.sh"
 T_SIMT=${T_SIMT:-150} bash bench/device_final.sh
 echo "== kernels: float64 steps 8, 9, 10 and float32 step 8 with cuBLAS ($(left)s left)" | tee -a "$OUT/final.log"
 timeout "$(step_timeout 150)" $PY -m bench.kernels --out "$OUT" --dtypes float64 --sizes 4096 8192 16384 \

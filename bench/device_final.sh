@@ -3,12 +3,7 @@
 # check and timing, the traced pipeline CLI, and a subnormal check of the raw kernels.
 # Run from the repo root:  . .whl/env.sh && bash bench/device_final.sh
 # Writes under $OUT: final.log, pytest.log, trace-8192.png, plus what device_simt64.sh writes.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/distmm-out}
-mkdir -p "$OUT"
-export CUPY_CACHE_DIR=/tmp/cupy-kernel-cache DISTMM_CACHE_DIR=/tmp/distmm-cache
-unset CUPY_TF32
+. "$(dirname "$0")/device_common.sh"
 log="$OUT/final.log"
 {
   date -u

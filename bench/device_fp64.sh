@@ -6,17 +6,8 @@
 #   . .whl/env.sh && bash bench/device_fp64.sh
 # Writes device.log, tune.json, tune-*.jsonl and kernels-*.jsonl under $OUT; ends within
 # BUDGET seconds (default 230).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/distmm-out}
-mkdir -p "$OUT"
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 BUDGET=${BUDGET:-230}
-PY=${PY:-python3}
-left() { echo $(( BUDGET - SECONDS )); }
-step_timeout() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+. "$(dirname "$0")/device_common.sh"
 PYTEST="$PY -m pytest -m gpu -q -p no:cacheprovider -rf --timeout 60 tests/test_gpu_kernels.py"
 
 {

@@ -2,11 +2,9 @@
 # Check and time the float32 kernels after the no-flush (subnormal-keeping) FMA change:
 # GPU tests of every float32 kernel and of the API, the subnormal check, and float32
 # cuBLAS vs steps 8 and 9 at 4096/8192/16384 in one run.   . .whl/env.sh && bash bench/device_ftz.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupy-kernel-cache DISTMM_CACHE_DIR=/tmp/distmm-cache
-unset CUPY_TF32
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"; log="$OUT/ftz.log"
-cp bench/results/kernels-tune-cache-nvidia-h200.json /tmp/distmm-cache/tune.json 2>/dev/null || { mkdir -p /tmp/distmm-cache && cp bench/results/kernels-tune-cache-nvidia-h200.json /tmp/distmm-cache/tune.json; }
+. "$(dirname "$0")/device_common.sh"
+log="$OUT/ftz.log"
+mkdir -p "$DISTMM_CACHE_DIR" && cp bench/results/kernels-tune-cache-nvidia-h200.json "$DISTMM_CACHE_DIR/tune.json"
 timeout 150 python3 -m bench.kernels --warm-only 2>&1 | tail -2 | tee "$log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py tests/test_gpu_api.py 2>&1 | tail -4 | tee -a "$log"
 timeout 60 python3 - <<'PY' 2>&1 | tee -a "$log"

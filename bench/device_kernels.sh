@@ -5,18 +5,9 @@
 # tune.json, tune-*.jsonl, kernels-*.jsonl, kernels-table-*.md and two PNGs.
 # STEPS (default "warm test tune bench plot") picks the parts to run; every step has its
 # own timeout so the whole script ends within BUDGET seconds (default 570).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/distmm-out}
-mkdir -p "$OUT"
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 BUDGET=${BUDGET:-570}
+. "$(dirname "$0")/device_common.sh"
 STEPS=${STEPS:-"warm test tune bench plot profile"}
-PY=${PY:-python3}
-left() { echo $(( BUDGET - SECONDS )); }
-step_timeout() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 {

@@ -3,10 +3,7 @@
 # benchmark with a timeline. Everything lands under $OUT (5 files):
 #   pytest.log, bench.log, pipeline-<device>-<date>.jsonl, timeline.png, timeline.json
 # Run from the repo root after `. .whl/env.sh`.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/distmm-out}
-mkdir -p "$OUT"
+. "$(dirname "$0")/device_common.sh"
 T_TESTS=${T_TESTS:-200}
 T_BENCH=${T_BENCH:-330}
 {

@@ -5,7 +5,7 @@
 # change during the run hits cuBLAS and the kernels alike.
 # Run from the repo root:  . .whl/env.sh && DISTMM_COMMIT=<hash> bash bench/device_ratios.sh
 BUDGET=${BUDGET:-300}
-. bench/device_common.sh
+. "$(dirname "$0")/device_common.sh"
 ROUNDS=${ROUNDS:-5}
 log="$OUT/ratios.log"
 { date -u; gpu_state; } | tee "$log"

@@ -5,17 +5,8 @@
 # quick timing of a few of step 10's float64 shapes at 4096. Run from the repository root:
 #   . .whl/env.sh && bash bench/device_simt64.sh
 # Writes device.log and kernels-*.jsonl under $OUT; ends within BUDGET seconds (default 150).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/distmm-out}
-mkdir -p "$OUT"
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 BUDGET=${BUDGET:-150}
-PY=${PY:-python3}
-left() { echo $(( BUDGET - SECONDS )); }
-step_timeout() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+. "$(dirname "$0")/device_common.sh"
 PYTEST="$PY -m pytest -m gpu -q -p no:cacheprovider -rf --timeout 60 tests/test_gpu_kernels.py"
 
 # The quick-tune shapes (float64): the default and its neighbours in the small space.
