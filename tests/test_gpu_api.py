@@ -102,3 +102,47 @@ def test_float32_subnormals_are_not_flushed(backend):
     c = cupy.asarray((rng.standard_normal((33, 7)) * 1e-39).astype(np.float32))  # subnormal C
     got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), c, alpha=1.0, beta=1.0, backend=backend)
     np.testing.assert_allclose(cupy.asnumpy(got), want + cupy.asnumpy(c), rtol=1e-5, atol=1e-43)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("da_,db_", [("int32", "float32"), ("int8", "uint8"), ("bool", "int16"),
+                                     ("float16", "float32"), ("float32", "complex64"),
+                                     ("int64", "float64"), ("complex128", "complex128")])
+def test_cupy_mixed_dtypes_promote_like_numpy(backend, da_, db_):
+    """The result dtype is numpy's for every pair (int32 @ float32 -> float64, int8 @ uint8 ->
+    int16, ...), as cupy's own matmul tests check."""
+    rng = np.random.default_rng()
+    a = random_array(rng, (17, 65), da_)
+    b = random_array(rng, (65, 9), db_)
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
+    assert isinstance(got, cupy.ndarray)
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(cupy.asnumpy(got), a, b)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cupy_vector_vector_and_batch_broadcast(backend):
+    rng = np.random.default_rng()
+    x, y = random_array(rng, (129,), np.float64), random_array(rng, (129,), np.float64)
+    got = distmm.matmul(cupy.asarray(x), cupy.asarray(y), backend=backend)
+    assert isinstance(got, cupy.ndarray) and got.shape == ()  # numpy gives a 0-d result
+    assert abs(float(got) - float(x @ y)) <= 1e-12 * np.abs(x) @ np.abs(y)
+    a = random_array(rng, (2, 1, 33, 4), np.float32)
+    b = random_array(rng, (5, 4, 7), np.float32)
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
+    assert got.shape == (2, 5, 33, 7)
+    assert_matches_numpy(cupy.asnumpy(got), a, b)
+
+
+def test_cupy_out_and_errors():
+    rng = np.random.default_rng()
+    a = cupy.asarray(random_array(rng, (33, 20), np.float64))
+    b = cupy.asarray(random_array(rng, (20, 7), np.float64))
+    out = cupy.full((33, 7), cupy.nan)
+    got = distmm.matmul(a, b, out=out, backend="raw")
+    assert got is out
+    assert_matches_numpy(cupy.asnumpy(out), cupy.asnumpy(a), cupy.asnumpy(b))
+    with pytest.raises(ValueError, match=r"\(33, 20\).*\(7, 20\)|\(7, 20\).*\(33, 20\)"):
+        distmm.matmul(a, b.T, backend="raw")
+    with pytest.raises(ValueError):
+        distmm.matmul(a, b, out=cupy.empty((7, 33)), backend="raw")
