@@ -20,7 +20,51 @@ from __future__ import annotations
 import numpy as np
 
 SRC = r"""
-template <int TM, int TN>
+// The TM x TN outer product acc += a b^T in one of several issue orders (ORDER):
+// 0 row by row (a[i] reused across a row), 1 column by column, 2 two column halves each
+// row by row, 3 rows alternating direction (zig-zag), 4 4 x 4 quadrants.
+template <int ORDER, int TM, int TN>
+__device__ __forceinline__ void outer(double (&acc)[TM][TN], const double (&a)[TM], const double (&b)[TN]) {
+    if (ORDER == 0) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    } else if (ORDER == 1) {
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+#pragma unroll
+            for (int i = 0; i < TM; ++i) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    } else if (ORDER == 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int jj = 0; jj < TN / 2; ++jj) {
+                    const int j = h * (TN / 2) + jj;
+                    acc[i][j] = fma(a[i], b[j], acc[i][j]);
+                }
+    } else if (ORDER == 3) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int jj = 0; jj < TN; ++jj) {
+                const int j = (i & 1) ? TN - 1 - jj : jj;
+                acc[i][j] = fma(a[i], b[j], acc[i][j]);
+            }
+    } else {
+#pragma unroll
+        for (int ih = 0; ih < TM; ih += 4)
+#pragma unroll
+            for (int jh = 0; jh < TN; jh += 4)
+#pragma unroll
+                for (int i = ih; i < ih + 4 && i < TM; ++i)
+#pragma unroll
+                    for (int j = jh; j < jh + 4 && j < TN; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    }
+}
+template <int TM, int TN, int ORDER = 0>
 __global__ void __launch_bounds__(128) probe_reg(double* out, double x, int iters) {
     double a[TM], b[TN], acc[TM][TN];
 #pragma unroll
@@ -31,12 +75,7 @@ __global__ void __launch_bounds__(128) probe_reg(double* out, double x, int iter
     for (int i = 0; i < TM; ++i)
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0;
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
-    }
+    for (int it = 0; it < iters; ++it) outer<ORDER>(acc, a, b);
     double s = 0;
 #pragma unroll
     for (int i = 0; i < TM; ++i)
@@ -47,7 +86,7 @@ __global__ void __launch_bounds__(128) probe_reg(double* out, double x, int iter
 
 // Fragments from shared memory: A tile BM x BK (k contiguous, rows padded by 2), B tile
 // BK x BN; 4 warps as 2 x 2 warp tiles of (TM*LM) x (TN*LN), lanes LM x LN.
-template <int TM, int TN, int LN>
+template <int TM, int TN, int LN, int ORDER = 0>
 __global__ void __launch_bounds__(128) probe_smem(double* out, double x, int iters, int zero) {
     constexpr int LM = 32 / LN, BK = 16, WM = TM * LM, WN = TN * LN, BM = 2 * WM, BN = 2 * WN;
     constexpr int ALD = BK + 2;
@@ -72,9 +111,7 @@ __global__ void __launch_bounds__(128) probe_smem(double* out, double x, int ite
         double2 t = *reinterpret_cast<const double2*>(bs + (k) * BN + col0 + (j / 2) * (LN * 2)); \
         b[j] = t.x; b[j + 1] = t.y;                                                         \
     }
-#define PROBE_FMA(a, b)                                                                      \
-    _Pragma("unroll") for (int i = 0; i < TM; ++i)                                          \
-    _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+#define PROBE_FMA(a, b) outer<ORDER>(acc, a, b);
     {
         const double* as = As;
         const double* bs = Bs;
@@ -118,13 +155,26 @@ __global__ void probe_chain(double* out, double x, double y, int iters) {
 SHAPES = ((8, 8), (8, 6), (6, 8), (8, 4))
 
 
-def main() -> int:
+ORDERS = ("rows", "columns", "halves", "zigzag", "quadrants")
+
+
+def main(argv=None) -> int:
+    import argparse
+
     import cupy
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--orders", action="store_true",
+                    help="only the 8 x 8 probes, once per outer-product issue order")
+    args = ap.parse_args(argv)
 
     from distmm.tune import time_gpu
 
     names = ["probe_chain"]
-    for tm, tn in SHAPES:
+    if args.orders:
+        names += [f"probe_reg<8,8,{o}>" for o in range(len(ORDERS))]
+        names += [f"probe_smem<8,8,4,{o}>" for o in range(len(ORDERS))]
+    for tm, tn in ([] if args.orders else SHAPES):
         names.append(f"probe_reg<{tm},{tn}>")
         for ln in (4, 8):
             if (tn * ln) % 2 == 0:
@@ -155,9 +205,15 @@ def main() -> int:
         fn = lambda: f((grid,), (128,), args, shared_mem=dyn)  # noqa: E731
         s = time_gpu(fn, repeat=5)
         tf = 2 * tm * tn * kk * iters * 128 * grid / s / 1e12
-        print(f"{name:22s} regs {regs:3d}, {resident} blocks/SM = {resident} warps/scheduler: "
+        print(f"{name:24s} regs {regs:3d}, {resident} blocks/SM = {resident} warps/scheduler: "
               f"{tf:6.2f} TFLOP/s = {100 * tf / peak:5.1f}% of the chain probe", flush=True)
 
+    if args.orders:
+        for o, oname in enumerate(ORDERS):
+            print(f"-- order {o}: {oname}")
+            run(f"probe_reg<8,8,{o}>", 8, 8, 2, 1 << 12, 1, 0)
+            run(f"probe_smem<8,8,4,{o}>", 8, 8, 2, 1 << 8, 16, (2 * 8 * 8 * 18 + 16 * 2 * 8 * 4) * 8)
+        return 0
     for tm, tn in SHAPES:
         for bps in (2, 3, 4):
             run(f"probe_reg<{tm},{tn}>", tm, tn, bps, 1 << 12, 1, 0)

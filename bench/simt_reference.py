@@ -1,0 +1,92 @@
+"""cuBLAS's own float64 GEMM without the FP64 tensor cores, next to step 10 and default DGEMM.
+
+The SIMT float64 target is a share of default cuBLAS DGEMM, which runs on the FP64 tensor
+cores (DMMA). cuBLAS can be asked not to use them (``CUBLAS_PEDANTIC_MATH``); if it then
+runs at no more than the DFMA peak, that is NVIDIA's own SIMT DGEMM, the best available
+reference for what the SIMT units give. Times default DGEMM (``cublas``), pedantic DGEMM
+(``cublas-pedantic``) and step 10 (``distmm-raw-simt_fp64``) in alternation at each size;
+writes records (benchmark ``kernels``) and prints TFLOP/s and ratios.
+``python -m bench.simt_reference --out DIR``
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+CUBLAS_DEFAULT_MATH, CUBLAS_PEDANTIC_MATH = 0, 2
+
+
+def main(argv=None) -> int:
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    from bench.records import RecordWriter, gpu_name
+    from distmm import registry
+    from distmm.executor import cuda_loader
+    from distmm.tune import random_operands, time_gpu
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    spec = registry.get("simt_fp64")
+    params = spec.params("float64")
+    rec = RecordWriter("kernels", gpu_name(), args.out, gpus=1)
+    print(f"{gpu_name()}: records -> {rec.path}")
+    for n in args.sizes:
+        a, b = random_operands(n, n, n, "float64")
+        ref = cupy.matmul(a, b)  # default mode, for the error check only
+        c = cupy.empty((n, n), dtype=np.float64)
+
+        def blas(mode):
+            def run():
+                cublas.setMathMode(handle, mode)
+                try:
+                    cupy.matmul(a, b, out=c)
+                finally:
+                    cublas.setMathMode(handle, CUBLAS_DEFAULT_MATH)
+            return run
+
+        runs = {
+            "cublas": blas(CUBLAS_DEFAULT_MATH),
+            "cublas-pedantic": blas(CUBLAS_PEDANTIC_MATH),
+            "distmm-raw-simt_fp64": lambda: cuda_loader.launch(
+                spec.name, a, False, n, b, False, n, c, n, n, n, n, params=params),
+        }
+        errs = {}
+        for name, run in runs.items():
+            c.fill(np.nan)
+            run()
+            cupy.cuda.get_current_stream().synchronize()
+            errs[name] = float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref))
+        times = {name: [] for name in runs}
+        repeat = 10 if n <= 4096 else (5 if n <= 8192 else 3)
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                times[name].append(time_gpu(run, repeat=repeat, warmup=1))
+        tf = {}
+        for name in runs:
+            sec = float(np.median(times[name]))
+            tf[name] = 2.0 * n**3 / sec / 1e12
+            extra = {"kernel": "simt_fp64", "params": params, "backend": "raw",
+                     "step": spec.step} if name.startswith("distmm") else {"step": 0}
+            rec.add(name, "float64", n, n, n, sec, errs[name], rounds=args.rounds,
+                    note="cublas-pedantic: cublasSetMathMode(CUBLAS_PEDANTIC_MATH)", **extra)
+        print(f"float64 n={n}: cublas {tf['cublas']:.2f}, cublas-pedantic {tf['cublas-pedantic']:.2f} "
+              f"({100 * tf['cublas-pedantic'] / tf['cublas']:.1f}% of cublas), simt_fp64 "
+              f"{tf['distmm-raw-simt_fp64']:.2f} ({100 * tf['distmm-raw-simt_fp64'] / tf['cublas']:.1f}% "
+              f"of cublas, {100 * tf['distmm-raw-simt_fp64'] / tf['cublas-pedantic']:.1f}% of pedantic); "
+              f"relerr vs default {errs['cublas-pedantic']:.1e} / {errs['distmm-raw-simt_fp64']:.1e}",
+              flush=True)
+        del a, b, ref, c
+        cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
