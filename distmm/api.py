@@ -294,15 +294,16 @@ def _scalar_for(value, dtype: np.dtype, name: str):
     return dtype.type(int(value.real) if dtype.kind in "iu" and isinstance(value, complex) else value)
 
 
-def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: bool = False,
-         engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
+         trans_b: bool | str = False, engine: str = "auto", client=None, tile=None,
+         backend: str = "auto"):
     """BLAS-style ``alpha * op(A) @ op(B) + beta * C``, returned as a new array.
 
     Parameters
     ----------
     a, b : 2-D array_like
-        The operands; ``op(X)`` is ``X.T`` when ``trans_x`` is set (a view,
-        never a copy).
+        The operands; ``op(X)`` is ``X``, ``X.T`` (a view, never a copy) or
+        ``X.conj().T`` as ``trans_x`` says.
     c : 2-D array_like, optional
         Of shape ``(m, n)``; never modified.
     alpha, beta : number
@@ -310,7 +311,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
         means ``c`` is not read (NaN in ``c`` does not propagate) and
         ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
         ``beta * c``.
-    trans_a, trans_b : bool
+    trans_a, trans_b : bool or {'N', 'T', 'C'}
+        BLAS's TRANSA / TRANSB: ``False`` or ``'N'`` (as is), ``True`` or
+        ``'T'`` (transposed), ``'C'`` (conjugate transposed; the same as
+        ``'T'`` for real dtypes). Lower case is accepted.
     engine, client, tile, backend
         As for ``matmul``.
 
@@ -322,8 +326,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
     Raises
     ------
     ValueError
-        Operands that are not 2-D, inner dimensions that differ, or ``c`` of
-        the wrong shape.
+        Operands that are not 2-D, inner dimensions that differ, ``c`` of
+        the wrong shape, or a ``trans_a``/``trans_b`` that is none of the above.
     TypeError
         Non-numeric dtypes, or an ``alpha``/``beta`` that the result dtype
         cannot hold exactly (``alpha=0.5`` for integers).
@@ -335,14 +339,14 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
     array([[1., 1.],
            [1., 1.]])
     """
+    flag_a, flag_b = _trans_flag(trans_a, "trans_a"), _trans_flag(trans_b, "trans_b")
     fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
               key=FAMILY_ORDER.index)
     a, b = _as_array(a, fam), _as_array(b, fam)
     for name, x in (("a", a), ("b", b)):
         if x.ndim != 2:
             raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
-    op_a = a.T if trans_a else a
-    op_b = b.T if trans_b else b
+    op_a, op_b = _op(a, flag_a), _op(b, flag_b)
     ops = _validate(op_a, op_b, "gemm")
     dtype = ops.dtype
     if c is not None:
@@ -373,6 +377,24 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool = False, trans_b: b
         return product.astype(dtype, copy=False)
     scaled = c.astype(dtype, copy=False) * beta_t if beta_t != 1 else c.astype(dtype, copy=True)
     return (product + scaled).astype(dtype, copy=False)
+
+
+def _trans_flag(value, name: str) -> str:
+    """BLAS's transpose argument: a bool or one of 'N', 'T', 'C' (any case) -> 'N'/'T'/'C'."""
+    if isinstance(value, (bool, np.bool_)):
+        return "T" if value else "N"
+    if isinstance(value, str) and value.upper() in ("N", "T", "C"):
+        return value.upper()
+    raise ValueError(f"gemm: {name} must be a bool or one of 'N', 'T', 'C', got {value!r}")
+
+
+def _op(x, flag: str):
+    """op(X) for a BLAS transpose flag: X, X.T (a view), or X.conj().T for complex X."""
+    if flag == "N":
+        return x
+    if flag == "C" and np.dtype(x.dtype).kind == "c":
+        return x.conj().T
+    return x.T
 
 
 def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str):

@@ -272,6 +272,30 @@ def test_gemm_errors():
         distmm.gemm(np.ones((3, 4)), np.ones((3, 2)))
 
 
+@pytest.mark.parametrize("dtype", [np.complex128, np.complex64, np.float64])
+def test_gemm_blas_transpose_letters(dtype):
+    """TRANSA / TRANSB as BLAS and PBLAS spell them: 'N', 'T', 'C' (conjugate transpose),
+    any case; 'C' is 'T' for real types."""
+    rng = np.random.default_rng()
+    m, n, k = 7, 9, 33
+    a = random_array(rng, (k, m), dtype)
+    b = random_array(rng, (n, k), dtype)
+    c = random_array(rng, (m, n), dtype)
+    ops = {"N": lambda x: x, "T": lambda x: x.T, "C": lambda x: x.conj().T}
+    for ta, tb in (("C", "T"), ("t", "c"), ("C", "C")):
+        got = distmm.gemm(a, b, c, alpha=0.5, beta=-1.0, trans_a=ta, trans_b=tb, tile=4)
+        want = 0.5 * (ops[ta.upper()](a) @ ops[tb.upper()](b)) - c
+        assert got.dtype == np.dtype(dtype)
+        tol = 1e-5 if np.dtype(dtype).itemsize <= 8 and np.dtype(dtype).kind == "c" else 1e-12
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    a0 = a.copy()
+    distmm.gemm(a, np.ones((k, 2), dtype), trans_a="C")
+    np.testing.assert_array_equal(a, a0)  # the conjugate is a copy; the input is untouched
+    for bad in ("X", "transpose", 1, None):
+        with pytest.raises(ValueError, match="trans_a"):
+            distmm.gemm(a, b.T, trans_a=bad)
+
+
 def test_gemm_promotes_to_c_dtype():
     rng = np.random.default_rng()
     a = random_array(rng, (5, 6), np.float32)
