@@ -146,3 +146,17 @@ def test_cupy_out_and_errors():
         distmm.matmul(a, b.T, backend="raw")
     with pytest.raises(ValueError):
         distmm.matmul(a, b, out=cupy.empty((7, 33)), backend="raw")
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, np.float64])
+def test_gpu_gemm_blas_letters(dtype):
+    """gemm with BLAS's 'C' / 'T' letters on cupy operands (conjugate transpose for complex)."""
+    rng = np.random.default_rng()
+    a = random_array(rng, (40, 9), dtype)
+    b = random_array(rng, (11, 40), dtype)
+    c = random_array(rng, (9, 11), dtype)
+    got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), cupy.asarray(c), alpha=2.0, beta=0.5,
+                      trans_a="C", trans_b="t")
+    assert isinstance(got, cupy.ndarray) and got.dtype == np.dtype(dtype)
+    want = 2.0 * (a.conj().T @ b.T) + 0.5 * c
+    np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-12, atol=1e-12)
