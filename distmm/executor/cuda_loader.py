@@ -208,7 +208,10 @@ def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bo
     return kern
 
 
-_smem_set: set = set()
+#: kernels whose dynamic shared-memory limit was raised, by (id, bytes). The value keeps the
+#: kernel object alive: keyed by id() alone, a kernel collected after ``_kernel.cache_clear()``
+#: could hand its id to a new kernel that was never raised (a failed launch, seen on the H200).
+_smem_set: dict = {}
 
 
 def _operand_flags(x, ld: int) -> bool:
@@ -251,9 +254,9 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     smem = spec.smem_bytes(dtype, p, ta, tb)
     if smem > 48 * 1024:
         key = (id(kern), smem)
-        if key not in _smem_set:
+        if _smem_set.get(key) is not kern:
             kern.max_dynamic_shared_size_bytes = smem
-            _smem_set.add(key)
+            _smem_set[key] = kern
     grid = spec.grid_dims(m, n, p)
     flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
              | int(k > 0 and _operand_flags(b, ldb)) << 3)
