@@ -158,6 +158,12 @@ SHAPES = ((8, 8), (8, 6), (6, 8), (8, 4))
 ORDERS = ("rows", "columns", "halves", "zigzag", "quadrants")
 
 
+def smem_probe_bytes(tm: int, tn: int, ln: int) -> int:
+    """Static shared memory of ``probe_smem<tm, tn, ln>``: A (BM x (16 + 2)) and B (16 x BN)."""
+    bm, bn = 2 * tm * (32 // ln), 2 * tn * ln
+    return (bm * 18 + 16 * bn) * 8
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -212,15 +218,13 @@ def main(argv=None) -> int:
         for o, oname in enumerate(ORDERS):
             print(f"-- order {o}: {oname}")
             run(f"probe_reg<8,8,{o}>", 8, 8, 2, 1 << 12, 1, 0)
-            run(f"probe_smem<8,8,4,{o}>", 8, 8, 2, 1 << 8, 16, (2 * 8 * 8 * 18 + 16 * 2 * 8 * 4) * 8)
+            run(f"probe_smem<8,8,4,{o}>", 8, 8, 2, 1 << 8, 16, smem_probe_bytes(8, 8, 4))
         return 0
     for tm, tn in SHAPES:
         for bps in (2, 3, 4):
             run(f"probe_reg<{tm},{tn}>", tm, tn, bps, 1 << 12, 1, 0)
         for ln in (4, 8):
-            lm = 32 // ln
-            bm, bn = 2 * tm * lm, 2 * tn * ln
-            static = (bm * 18 + 16 * bn) * 8
+            static = smem_probe_bytes(tm, tn, ln)
             for bps in (2, 3, 4):
                 run(f"probe_smem<{tm},{tn},{ln}>", tm, tn, bps, 1 << 8, 16, static)
     return 0

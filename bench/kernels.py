@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
     from distmm.executor import cuda_loader
     from distmm.executor.gpu import GPUExecutor
-    from distmm.tune import random_operands, time_gpu
+    from distmm.tune import random_operands, time_alternating, time_gpu
 
     if os.environ.get("CUPY_TF32", "0") != "0":
         print("CUPY_TF32 is set: the cuBLAS reference would use TF32; unset it", file=sys.stderr)
@@ -175,24 +175,23 @@ def main(argv=None) -> int:
             repeat = 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
             blas = lambda: cupy.matmul(a, b, out=c)  # noqa: E731
             runs = {"cublas": (blas, check(blas), None, None)}
-            line = [f"{dt} {m}x{n}x{k}:"]
+            skipped = []
             for name in args.kernels:
                 spec = registry.get(name)
                 params = GPUExecutor(backend="raw", kernel=name).kernel_params(dt)
                 if name in speed and flops / (speed[name] * 1e12) > args.max_seconds:
-                    line.append(f"{name} skipped")
+                    skipped.append(f"{name} skipped")
                     continue
                 run = (lambda spec=spec, params=params: cuda_loader.launch(
                     spec.name, a, False, k, b, False, n, c, n, m, n, k, params=params))
                 runs[name] = (run, check(run), spec, params)
             # cuBLAS and every kernel in alternation, --rounds times: a clock or power
             # change during the run hits all alike; each variant's record is the median
-            times = {name: [] for name in runs}
-            for _ in range(args.rounds):
-                for name, (run, _, _, _) in runs.items():
-                    times[name].append(time_gpu(run, repeat=repeat, warmup=1))
+            secs = time_alternating({name: r[0] for name, r in runs.items()},
+                                    rounds=args.rounds, repeat=repeat)
+            line = []
             for name, (run, err, spec, params) in runs.items():
-                sec = float(np.median(times[name]))
+                sec = secs[name]
                 tf = flops / sec / 1e12
                 if spec is None:
                     rec.add("cublas", dt, m, n, k, sec, err, step=0, note=TF32_NOTE,
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
                         kernel=name, params=params, model_bytes=mb, backend="raw",
                         rounds=args.rounds)
                 line.append(f"{name} {tf:6.2f} ({err:.1e})")
-            print("; ".join(line), flush=True)
+            print(f"{dt} {m}x{n}x{k}: " + "; ".join(line + skipped), flush=True)
             del a, b, ref, c
             cupy.get_default_memory_pool().free_all_blocks()
     print(f"done in {time.perf_counter() - t0:.0f} s: {rec.path}")

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from bench.records import RecordWriter, gpu_name
     from distmm import registry
     from distmm.executor import cuda_loader
-    from distmm.tune import random_operands, time_gpu
+    from distmm.tune import random_operands, time_alternating
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -64,19 +64,18 @@ def main(argv=None) -> int:
             run()
             cupy.cuda.get_current_stream().synchronize()
             errs[name] = float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref))
-        times = {name: [] for name in runs}
         repeat = 10 if n <= 4096 else (5 if n <= 8192 else 3)
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                times[name].append(time_gpu(run, repeat=repeat, warmup=1))
+        secs = time_alternating(runs, rounds=args.rounds, repeat=repeat)
+        extras = {
+            "cublas": {"step": 0},
+            "cublas-pedantic": {"step": 0, "note": "cublasSetMathMode(CUBLAS_PEDANTIC_MATH)"},
+            "distmm-raw-simt_fp64": {"kernel": "simt_fp64", "params": params, "backend": "raw",
+                                     "step": spec.step},
+        }
         tf = {}
-        for name in runs:
-            sec = float(np.median(times[name]))
+        for name, sec in secs.items():
             tf[name] = 2.0 * n**3 / sec / 1e12
-            extra = {"kernel": "simt_fp64", "params": params, "backend": "raw",
-                     "step": spec.step} if name.startswith("distmm") else {"step": 0}
-            rec.add(name, "float64", n, n, n, sec, errs[name], rounds=args.rounds,
-                    note="cublas-pedantic: cublasSetMathMode(CUBLAS_PEDANTIC_MATH)", **extra)
+            rec.add(name, "float64", n, n, n, sec, errs[name], rounds=args.rounds, **extras[name])
         print(f"float64 n={n}: cublas {tf['cublas']:.2f}, cublas-pedantic {tf['cublas-pedantic']:.2f} "
               f"({100 * tf['cublas-pedantic'] / tf['cublas']:.1f}% of cublas), simt_fp64 "
               f"{tf['distmm-raw-simt_fp64']:.2f} ({100 * tf['distmm-raw-simt_fp64'] / tf['cublas']:.1f}% "

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -53,6 +53,18 @@ def time_gpu(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 2) -> floa
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     return float(np.median(times))
+
+
+def time_alternating(runs: Mapping[str, Callable[[], Any]], *, rounds: int, repeat: int,
+                     warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each of ``runs`` timed in alternation: ``rounds`` rounds, each timing
+    every run once with ``time_gpu``, so that a clock or power change during the
+    measurement hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(time_gpu(fn, repeat=repeat, warmup=warmup))
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def random_operands(m: int, n: int, k: int, dtype, seed: int | None = None):

@@ -20,13 +20,20 @@ import distmm  # noqa: E402
 GPU_BACKENDS = ["raw", "cublas", "auto"]
 
 
+SAME_DTYPES = ["float32", "float64", "int32", "int64", "int8", "uint16", "bool", "float16",
+               "complex64"]
+#: mixed pairs promote as numpy does (int32 @ float32 -> float64, int8 @ uint8 -> int16, ...),
+#: as cupy's own matmul tests check
+MIXED_DTYPES = [("int32", "float32"), ("int8", "uint8"), ("bool", "int16"), ("float16", "float32"),
+                ("float32", "complex64"), ("int64", "float64"), ("complex128", "complex128")]
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "int8", "uint16",
-                                   "bool", "float16", "complex64"])
-def test_cupy_in_cupy_out_every_dtype(backend, dtype):
+@pytest.mark.parametrize("da_,db_", [(d, d) for d in SAME_DTYPES] + MIXED_DTYPES)
+def test_cupy_in_cupy_out_every_dtype(backend, da_, db_):
     rng = np.random.default_rng()
-    a = random_array(rng, (33, 127), dtype)
-    b = random_array(rng, (127, 7), dtype)
+    a = random_array(rng, (33, 127), da_)
+    b = random_array(rng, (127, 7), db_)
     got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
     assert isinstance(got, cupy.ndarray)
     with np.errstate(over="ignore"):
@@ -102,22 +109,6 @@ def test_float32_subnormals_are_not_flushed(backend):
     c = cupy.asarray((rng.standard_normal((33, 7)) * 1e-39).astype(np.float32))  # subnormal C
     got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), c, alpha=1.0, beta=1.0, backend=backend)
     np.testing.assert_allclose(cupy.asnumpy(got), want + cupy.asnumpy(c), rtol=1e-5, atol=1e-43)
-
-
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("da_,db_", [("int32", "float32"), ("int8", "uint8"), ("bool", "int16"),
-                                     ("float16", "float32"), ("float32", "complex64"),
-                                     ("int64", "float64"), ("complex128", "complex128")])
-def test_cupy_mixed_dtypes_promote_like_numpy(backend, da_, db_):
-    """The result dtype is numpy's for every pair (int32 @ float32 -> float64, int8 @ uint8 ->
-    int16, ...), as cupy's own matmul tests check."""
-    rng = np.random.default_rng()
-    a = random_array(rng, (17, 65), da_)
-    b = random_array(rng, (65, 9), db_)
-    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)
-    assert isinstance(got, cupy.ndarray)
-    with np.errstate(over="ignore"):
-        assert_matches_numpy(cupy.asnumpy(got), a, b)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
