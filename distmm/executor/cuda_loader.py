@@ -82,12 +82,17 @@ def _explicit_instantiation(expr: str, ctype: str) -> str:
             f"const {ctype}*, long long, {ctype}, {ctype}*, long long, int);\n")
 
 
-def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str):
+def _defines_text(defines: tuple) -> str:
+    """``#define`` lines put before a kernel's source (compile-time variants, see ``get_kernel``)."""
+    return "".join(f"#define {k} {int(v)}\n" for k, v in defines)
+
+
+def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str, defines: tuple = ()):
     """Compile one instantiation with nvcc to a cubin in the cache folder; load it by path."""
     import cupy
 
     cc = compute_capability()
-    text = source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    text = _defines_text(defines) + source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     key = hashlib.sha256(f"{cc}\n{text}\n{OPTIONS}".encode()).hexdigest()[:24]
     folder = cache_dir() / "cubin"
@@ -141,7 +146,8 @@ def mangled_name(expr: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compiler: str):
+def _kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compiler: str,
+            defines: tuple = ()):
     import cupy
 
     spec = registry.get(name)
@@ -149,36 +155,37 @@ def _kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compil
     expr = spec.name_expression(dtype, params, ta, tb)
     ctype = registry.C_TYPES[dtype]
     if compiler == "nvcc":
-        return _compile_nvcc(spec, expr, ctype)
+        return _compile_nvcc(spec, expr, ctype, defines)
     if os.environ.get("DISTMM_NAME_EXPRESSIONS", "0") not in ("", "0"):
-        return _kernel_by_name_expression(spec, expr)
+        return _kernel_by_name_expression(spec, expr, defines)
     # CuPy's disk cache skips modules compiled with name_expressions (it recompiles them
     # to learn the lowered names), so every process would compile every kernel again. The
     # instantiation is therefore written out explicitly and its lowered name derived
     # (``mangled_name``); the module is then cached on disk like any RawModule.
-    code = source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    code = _defines_text(defines) + source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
     module = cupy.RawModule(code=code, options=OPTIONS)
     kern = module.get_function(mangled_name(expr))
     try:
         kern.kernel  # noqa: B018 - compile or load now, so a wrong name falls back here
     except cupy.cuda.driver.CUDADriverError:
         log.warning("lowered name of %s not found; compiling with name_expressions", expr)
-        return _kernel_by_name_expression(spec, expr)
+        return _kernel_by_name_expression(spec, expr, defines)
     return kern
 
 
-def _kernel_by_name_expression(spec, expr: str):
+def _kernel_by_name_expression(spec, expr: str, defines: tuple = ()):
     """``RawModule(code=..., options=..., name_expressions=[expr])``: NVRTC names the
     instantiation (compiled in every process: CuPy does not cache these on disk)."""
     import cupy
 
-    code = source(spec.file) + f"\n// distmm instantiation: {expr}\n"
+    code = _defines_text(defines) + source(spec.file) + f"\n// distmm instantiation: {expr}\n"
     module = cupy.RawModule(code=code, options=OPTIONS, name_expressions=[expr])
     return module.get_function(expr)
 
 
 def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bool = False,
-               tb: bool = False, compiler: str | None = None):
+               tb: bool = False, compiler: str | None = None,
+               defines: Mapping[str, int] | None = None):
     """The loaded kernel (a ``cupy.RawKernel``) of one instantiation, compiled on first use.
 
     Parameters
@@ -193,6 +200,10 @@ def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bo
         Transpose flags (template parameters of the kernels that take them as such).
     compiler : {"nvrtc", "nvcc"}, optional
         Default: ``$DISTMM_CUDA_COMPILER`` or ``"nvrtc"``.
+    defines : mapping, optional
+        Compile-time variants of the source (``#define NAME int`` before it), for A/B
+        benchmarks of a kernel's inner loop (``bench/simt64_variants.py``); the registry's
+        kernels are the sources' defaults.
     """
     spec = registry.get(name)
     dtype = np.dtype(dtype).name
@@ -204,8 +215,11 @@ def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bo
     compiler = compiler or os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
     if compiler not in ("nvrtc", "nvcc"):
         raise ValueError(f"compiler must be 'nvrtc' or 'nvcc', got {compiler!r}")
-    kern = _kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler)
-    return kern
+    dkey = tuple(sorted((str(k), int(v)) for k, v in (defines or {}).items()))
+    for k, _ in dkey:
+        if not re.fullmatch(r"DISTMM_[A-Z0-9_]+", k):
+            raise ValueError(f"define names must be DISTMM_ macros, got {k!r}")
+    return _kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler, dkey)
 
 
 #: kernels whose dynamic shared-memory limit was raised, by (id, bytes). The value keeps the
@@ -221,7 +235,8 @@ def _operand_flags(x, ld: int) -> bool:
 
 def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
            m: int, n: int, k: int, *, alpha=1, beta=0, params: Mapping[str, int] | None = None,
-           stream=None, compiler: str | None = None, check: bool | None = None) -> None:
+           stream=None, compiler: str | None = None, check: bool | None = None,
+           defines: Mapping[str, int] | None = None) -> None:
     """Launch ``C = alpha * op(A) @ op(B) + beta * C`` with kernel ``name``.
 
     ``a``, ``b`` and ``c`` are cupy arrays of one dtype whose first element is the matrix's
@@ -249,7 +264,7 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
         if x.dtype != c.dtype:
             raise TypeError(f"operand {nm} is {x.dtype} but C is {c.dtype}")
     p = spec.params(dtype, params)
-    kern = get_kernel(name, dtype, p, ta, tb, compiler)
+    kern = get_kernel(name, dtype, p, ta, tb, compiler, defines)
     threads = spec.threads(p)
     smem = spec.smem_bytes(dtype, p, ta, tb)
     if smem > 48 * 1024:
@@ -281,32 +296,34 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
 # -- ahead-of-time compilation ---------------------------------------------------------
 
 def _warm_one(item) -> str:
-    name, dtype, params_key, ta, tb, compiler = item
+    name, dtype, params_key, ta, tb, compiler, defines = item
     try:
-        get_kernel(name, dtype, dict(params_key), ta, tb, compiler).kernel  # noqa: B018 - compiles
+        get_kernel(name, dtype, dict(params_key), ta, tb, compiler, dict(defines)).kernel  # noqa: B018
         return ""
     except Exception as exc:  # reported by the parent
-        return f"{name} {dtype} {dict(params_key)} ta={ta} tb={tb}: {exc}"
+        return f"{name} {dtype} {dict(params_key)} ta={ta} tb={tb} {dict(defines)}: {exc}"
 
 
 def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
     """Compile kernels ahead of time in parallel processes, filling CuPy's disk cache.
 
-    ``items`` are ``(name, dtype, params or None, ta, tb)``. Returns error messages (empty
-    when all compiled). Later loads in any process read the cache.
+    ``items`` are ``(name, dtype, params or None, ta, tb)``, optionally with a sixth element,
+    ``defines`` (see ``get_kernel``). Returns error messages (empty when all compiled). Later
+    loads in any process read the cache.
     """
     import concurrent.futures as cf
     import multiprocessing as mp
 
     todo = []
     compiler = os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
-    for name, dtype, params, ta, tb in items:
+    for name, dtype, params, ta, tb, *rest in items:
         spec = registry.get(name)
         dt = np.dtype(dtype).name
         p = spec.params(dt, params)
         if not spec.layout_template:
             ta = tb = False
-        todo.append((name, dt, tuple(sorted(p.items())), bool(ta), bool(tb), compiler))
+        defines = tuple(sorted((rest[0] or {}).items())) if rest else ()
+        todo.append((name, dt, tuple(sorted(p.items())), bool(ta), bool(tb), compiler, defines))
     todo = list(dict.fromkeys(todo))
     if not todo:
         return []

@@ -26,6 +26,17 @@
 // alternate within and across tiles). All four element types instantiate the same code.
 #include "pipelined.cuh"
 
+// Compile-time variants of the inner loop for A/B runs (bench/simt64_variants.py); the
+// defaults are the measured best on the H200 (bench/NOTES.md).
+#ifndef DISTMM_SIMT_KPAIRS
+#define DISTMM_SIMT_KPAIRS 64
+#endif
+#ifndef DISTMM_SIMT_ORDER
+#define DISTMM_SIMT_ORDER 0
+#endif
+#define DISTMM_DO_PRAGMA(x) _Pragma(#x)
+#define DISTMM_PRAGMA_UNROLL(n) DISTMM_DO_PRAGMA(unroll n)
+
 namespace distmm {
 
 template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
@@ -126,45 +137,65 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
     cp_async_commit();
     int read_stage = 0, write_stage = 0;
 
-    T fa[2][TM], fb[2][TN];
-    if (KT > 0) load_frag(fa[0], fb[0], As, Bs, 0);
-    for (int kt = 0; kt < KT; ++kt) {
-        const T* as = As + read_stage * S::A_STAGE;
-        const T* bs = Bs + read_stage * S::B_STAGE;
-#pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            const int cur = kk & 1, nxt = cur ^ 1;
-            if (kk + 1 < BK) {
-                load_frag(fa[nxt], fb[nxt], as, bs, kk + 1);
-            } else if (kt + 1 < KT) {
-                // Every fragment of tile kt is in registers: wait for tile kt + 1, pass the
-                // barrier (after which no thread reads tile kt's stage), refill that stage
-                // with tile kt + STAGES and read tile kt + 1's first fragments; the FMAs of
-                // this k follow and cover the latency.
-                cp_async_wait<STAGES - 2>();
-                __syncthreads();
-                read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-                load_frag(fa[nxt], fb[nxt], As + read_stage * S::A_STAGE,
-                          Bs + read_stage * S::B_STAGE, 0);
-            }
-            // Rows alternate direction (zig-zag): the last b of a row is the first of the
-            // next, which the DFMA probes ran at 80.7% of the DFMA rate against 78.8% row
-            // by row (bench/dfma_probe.py --orders). The order of independent FMAs leaves
-            // every accumulator's k order, and so the result, unchanged.
+    // One k's TM x TN FMAs. Rows alternate direction (zig-zag): the last b of a row is the
+    // first of the next, which the DFMA probes ran at 80.7% of the DFMA rate against 78.8%
+    // row by row (bench/dfma_probe.py --orders); DISTMM_SIMT_ORDER=1 walks columns the same
+    // way. The order of independent FMAs leaves every accumulator's k order, and so the
+    // result, unchanged.
+    auto fma_k = [&](const T (&a)[TM], const T (&b)[TN]) {
+        if (DISTMM_SIMT_ORDER == 0) {
 #pragma unroll
             for (int i = 0; i < TM; ++i)
 #pragma unroll
                 for (int jj = 0; jj < TN; ++jj) {
                     const int j = (i & 1) ? TN - 1 - jj : jj;
-                    acc[i][j] = madd(fa[cur][i], fb[cur][j], acc[i][j]);
+                    acc[i][j] = madd(a[i], b[j], acc[i][j]);
                 }
-            if (kk + 1 == BK && kt + 1 < KT) {
-                // The cp.async copies are issued after the FMAs, when this k's fragments
-                // are dead: the loader's addresses do not compete with them for registers.
-                if (kt + STAGES < KT) load_tile(kt + STAGES, write_stage);
-                cp_async_commit();
-                write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
-            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+#pragma unroll
+                for (int ii = 0; ii < TM; ++ii) {
+                    const int i = (j & 1) ? TM - 1 - ii : ii;
+                    acc[i][j] = madd(a[i], b[j], acc[i][j]);
+                }
+        }
+    };
+
+    // Fragments of k live in fa/fb[k & 1]; those of k + 1 are read while k's FMAs issue.
+    T fa[2][TM], fb[2][TN];
+    if (KT > 0) load_frag(fa[0], fb[0], As, Bs, 0);
+    for (int kt = 0; kt < KT; ++kt) {
+        const T* as = As + read_stage * S::A_STAGE;
+        const T* bs = Bs + read_stage * S::B_STAGE;
+        // k = 0 .. BK - 3 in pairs. DISTMM_SIMT_KPAIRS pairs per loop iteration: unrolled
+        // fully (the default) ptxas interleaves the FMAs of many k and of many rows.
+        DISTMM_PRAGMA_UNROLL(DISTMM_SIMT_KPAIRS)
+        for (int kk = 0; kk < BK - 2; kk += 2) {
+            load_frag(fa[1], fb[1], as, bs, kk + 1);
+            fma_k(fa[0], fb[0]);
+            load_frag(fa[0], fb[0], as, bs, kk + 2);
+            fma_k(fa[1], fb[1]);
+        }
+        load_frag(fa[1], fb[1], as, bs, BK - 1);
+        fma_k(fa[0], fb[0]);
+        if (kt + 1 < KT) {
+            // Every fragment of tile kt is in registers: wait for tile kt + 1, pass the
+            // barrier (after which no thread reads tile kt's stage) and read tile kt + 1's
+            // first fragments; the FMAs of the tile's last k follow and cover the latency.
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+            load_frag(fa[0], fb[0], As + read_stage * S::A_STAGE, Bs + read_stage * S::B_STAGE, 0);
+        }
+        fma_k(fa[1], fb[1]);
+        if (kt + 1 < KT) {
+            // The cp.async copies refilling the freed stage are issued after those FMAs,
+            // when this k's fragments are dead: the loader's addresses do not compete with
+            // them for registers.
+            if (kt + STAGES < KT) load_tile(kt + STAGES, write_stage);
+            cp_async_commit();
+            write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
         }
     }
     cp_async_wait<0>();

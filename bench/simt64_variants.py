@@ -1,0 +1,135 @@
+"""Benchmark ``kernels`` (focused): A/B of step 10's compile-time inner-loop variants.
+
+Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees its inner
+loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration;
+64 unrolls the whole k tile) and ``DISTMM_SIMT_ORDER`` (0 zig-zag rows, 1 zig-zag columns).
+For each variant given as ``NAME=KPAIRS,ORDER``, in one process:
+
+1. compile it for every layout (NN, NT, TN, TT) in parallel;
+2. check it on odd, rectangular and transposed products (7 .. 4097, alpha/beta, output
+   poisoned with NaN) against float64 products;
+3. time it at each ``--sizes`` in alternation with cuBLAS DGEMM (``cupy.matmul``) and the
+   other variants (``distmm.tune.time_alternating``), so all see the same clocks.
+
+Records: ``kernels-<device>-<date>.jsonl``, variants ``cublas`` and ``distmm-raw-simt_fp64``
+with ``params`` and a ``note`` naming the macros.
+
+    python -m bench.simt64_variants --out $OUT base=64,0 pair=1,0 paircol=1,1
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import distmm.registry as registry
+from bench.records import RecordWriter, gpu_name
+
+KERNEL = "simt_fp64"
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0})``."""
+    name, _, vals = text.partition("=")
+    try:
+        kpairs, order = (int(v) for v in vals.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER, got {text!r}") from None
+    if kpairs < 1 or order not in (0, 1) or not name:
+        raise argparse.ArgumentTypeError(f"KPAIRS >= 1 and ORDER 0 or 1, got {text!r}")
+    return name, {"DISTMM_SIMT_KPAIRS": kpairs, "DISTMM_SIMT_ORDER": order}
+
+
+def check(defines, p, dtype="float64") -> float:
+    """Worst relative error over odd, rectangular and transposed products; raises if wrong."""
+    import cupy
+
+    from distmm.executor import cuda_loader
+    from distmm.tune import random_operands
+
+    worst = 0.0
+    for m, n, k in ((7, 7, 7), (33, 33, 33), (127, 1000, 33), (1000, 33, 4097), (4097, 4097, 4097)):
+        for ta in (False, True):
+            for tb in (False, True):
+                if m == 4097 and (ta or tb):
+                    continue
+                a, b = random_operands(m, n, k, dtype)
+                sa = cupy.ascontiguousarray(a.T) if ta else a
+                sb = cupy.ascontiguousarray(b.T) if tb else b
+                c0 = cupy.asarray(np.random.default_rng().standard_normal((m, n)))
+                for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
+                    c = c0.copy() if beta else cupy.full((m, n), np.nan)
+                    cuda_loader.launch(KERNEL, sa, ta, sa.shape[1], sb, tb, sb.shape[1], c, n, m, n, k,
+                                       alpha=alpha, beta=beta, params=p, check=True, defines=defines)
+                    ref = alpha * cupy.matmul(a, b) + (beta * c0 if beta else 0)
+                    err = float(cupy.linalg.norm(c - ref)) / float(cupy.linalg.norm(ref))
+                    if not err < 1e-12:
+                        raise AssertionError(f"{defines} {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} "
+                                             f"beta={beta}: relerr {err}")
+                    worst = max(worst, err)
+    return worst
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    from distmm.executor import cuda_loader
+    from distmm.tune import random_operands, relerr_gpu, time_alternating
+
+    ap = argparse.ArgumentParser(prog="python -m bench.simt64_variants",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", type=parse_variant, help="NAME=KPAIRS,ORDER")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dt = "float64"
+    spec = registry.get(KERNEL)
+    p = spec.params(dt)
+    items = [(KERNEL, dt, p, ta, tb, d) for _, d in args.variants for ta in (0, 1) for tb in (0, 1)]
+    errs = cuda_loader.warm(items)
+    print(f"compiled {len(items)} kernels in {time.perf_counter() - t0:.0f} s; {len(errs)} errors", flush=True)
+    for e in errs:
+        print("  ", e)
+    if errs:
+        return 1
+    for name, d in args.variants:
+        regs = cuda_loader.get_kernel(KERNEL, dt, p, False, False, defines=d).num_regs
+        w = check(d, p, dt)
+        print(f"{name} {d}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
+              f"worst relerr {w:.1e}", flush=True)
+
+    rec = RecordWriter("kernels", gpu_name(), args.out)
+    for n in args.sizes:
+        a, b = random_operands(n, n, n, dt)
+        c = cupy.empty((n, n), dtype=dt)
+
+        def runner(d):
+            return lambda: cuda_loader.launch(KERNEL, a, False, n, b, False, n, c, n, n, n, n,
+                                              params=p, defines=d)
+
+        runs = {"cublas": lambda: cupy.matmul(a, b, out=c)}
+        runs.update({name: runner(d) for name, d in args.variants})
+        sec = time_alternating(runs, rounds=args.rounds, repeat=5)
+        tf = {k: 2 * n**3 / s / 1e12 for k, s in sec.items()}
+        note = f"simt64_variants run, median of {args.rounds} alternated rounds"
+        rec.add("cublas", dt, n, n, n, sec["cublas"], None, note=note)
+        line = [f"n={n}: cublas {tf['cublas']:.2f}"]
+        for name, d in args.variants:
+            c.fill(np.nan)
+            runner(d)()
+            err = relerr_gpu(c, a, b)
+            rec.add(f"distmm-raw-{KERNEL}", dt, n, n, n, sec[name], err, params=p,
+                    note=f"{note}; {name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+            line.append(f"{name} {tf[name]:.2f} ({100 * sec['cublas'] / sec[name]:.1f}%, relerr {err:.0e})")
+        print("; ".join(line), flush=True)
+        del a, b, c
+        cupy.get_default_memory_pool().free_all_blocks()
+    print(f"done in {time.perf_counter() - t0:.0f} s; records {rec.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
