@@ -5,14 +5,14 @@
 #   . .whl/env.sh && bash bench/device_simt64_variants.sh [NAME=KPAIRS,ORDER ...]
 BUDGET=${BUDGET:-420}
 . "$(dirname "$0")/device_common.sh"
-VARIANTS=${*:-"base=64,0 pair=1,0 paircol=1,1 pair2=2,0 col=64,1"}
+VARIANTS=${*:-"base=64,0 pair=1,0 apair=1,0,1 apair2=2,0,1 col=64,1 pair128=1,0:BM=128,BN=128 pairbk32=1,0:BK=32,STAGES=2 pairs3=1,0:STAGES=3"}
 {
 echo "== $(date -u +%FT%TZ) device_simt64_variants.sh; budget ${BUDGET}s; commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 gpu_state
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 250 > "$OUT/clocks.csv" &
 SMI=$!
 echo "== variants: $VARIANTS ($(left)s left)"
-timeout "$(step_timeout 300)" $PY -m bench.simt64_variants --out "$OUT" $VARIANTS || echo "VARIANTS FAILED rc=$?"
+timeout "$(step_timeout 330)" $PY -m bench.simt64_variants --out "$OUT" --clocks 8192 $VARIANTS || echo "VARIANTS FAILED rc=$?"
 kill $SMI 2>/dev/null
 $PY - "$OUT/clocks.csv" <<'PYEOF'
 import csv, sys

@@ -3,7 +3,9 @@
 Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees its inner
 loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration;
 64 unrolls the whole k tile) and ``DISTMM_SIMT_ORDER`` (0 zig-zag rows, 1 zig-zag columns).
-For each variant given as ``NAME=KPAIRS,ORDER``, in one process:
+``DISTMM_SIMT_APAIR=1`` reads a row-major A's fragments as 16-byte pairs of k. For each
+variant given as ``NAME=KPAIRS,ORDER[,APAIR][:PARAM=VALUE,...]`` (template parameters
+replacing the registry's float64 defaults), in one process:
 
 1. compile it for every layout (NN, NT, TN, TT) in parallel;
 2. check it on odd, rectangular and transposed products (7 .. 4097, alpha/beta, output
@@ -14,7 +16,8 @@ For each variant given as ``NAME=KPAIRS,ORDER``, in one process:
 Records: ``kernels-<device>-<date>.jsonl``, variants ``cublas`` and ``distmm-raw-simt_fp64``
 with ``params`` and a ``note`` naming the macros.
 
-    python -m bench.simt64_variants --out $OUT base=64,0 pair=1,0 paircol=1,1
+    python -m bench.simt64_variants --out $OUT base=64,0 pair=1,0 paircol=1,1 \
+        apair=1,0,1 pair128=1,0:BM=128,BN=128
 """
 from __future__ import annotations
 
@@ -29,16 +32,28 @@ from bench.records import RecordWriter, gpu_name
 KERNEL = "simt_fp64"
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int]]:
-    """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0})``."""
-    name, _, vals = text.partition("=")
+def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int]]:
+    """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0}, {})``;
+    ``"ap=1,0,1:BM=128,STAGES=3"`` adds ``DISTMM_SIMT_APAIR=1`` and template parameters that
+    replace the registry's float64 defaults."""
+    name, _, rest = text.partition("=")
+    macros, _, params = rest.partition(":")
     try:
-        kpairs, order = (int(v) for v in vals.split(","))
+        vals = [int(v) for v in macros.split(",")]
+        over = {k: int(v) for k, v in (kv.split("=") for kv in params.split(",") if kv)}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER, got {text!r}") from None
-    if kpairs < 1 or order not in (0, 1) or not name:
-        raise argparse.ArgumentTypeError(f"KPAIRS >= 1 and ORDER 0 or 1, got {text!r}")
-    return name, {"DISTMM_SIMT_KPAIRS": kpairs, "DISTMM_SIMT_ORDER": order}
+        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER[,APAIR][:P=V,...], got {text!r}") from None
+    if not name or len(vals) not in (2, 3) or vals[0] < 1 or vals[1] not in (0, 1):
+        raise argparse.ArgumentTypeError(f"KPAIRS >= 1, ORDER 0 or 1, APAIR 0 or 1; got {text!r}")
+    d = {"DISTMM_SIMT_KPAIRS": vals[0], "DISTMM_SIMT_ORDER": vals[1]}
+    if len(vals) == 3:
+        d["DISTMM_SIMT_APAIR"] = vals[2]
+    spec = registry.get(KERNEL)
+    p = dict(spec.params("float64"), **over)
+    bad = spec.violations("float64", p)
+    if bad or set(over) - set(p):
+        raise argparse.ArgumentTypeError(f"{text!r}: {'; '.join(bad) or 'unknown parameter'}")
+    return name, d, p
 
 
 def check(defines, p, dtype="float64") -> float:
@@ -71,6 +86,48 @@ def check(defines, p, dtype="float64") -> float:
     return worst
 
 
+def sustained_clock(fn, seconds: float = 2.0) -> tuple[float, float, float]:
+    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and
+    the board power; returns (median MHz, median W, calls per second)."""
+    import subprocess
+    import threading
+
+    import cupy
+
+    samples = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
+            try:
+                mhz, watt = (float(v) for v in out.stdout.strip().splitlines()[0].split(","))
+                samples.append((mhz, watt))
+            except (ValueError, IndexError):
+                pass
+            stop.wait(0.1)
+
+    for _ in range(3):  # warm up to the sustained clock before sampling
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t = threading.Thread(target=sample)
+    t0 = time.perf_counter()
+    t.start()
+    calls = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        cupy.cuda.get_current_stream().synchronize()
+    dt = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    mhz = float(np.median([m for m, _ in samples])) if samples else float("nan")
+    watt = float(np.median([w for _, w in samples])) if samples else float("nan")
+    return mhz, watt, calls / dt
+
+
 def main(argv=None) -> int:
     import cupy
 
@@ -83,22 +140,22 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--clocks", type=int, default=0, metavar="N",
+                    help="also run each for 2 s at N with the SM clock and power sampled")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     dt = "float64"
-    spec = registry.get(KERNEL)
-    p = spec.params(dt)
-    items = [(KERNEL, dt, p, ta, tb, d) for _, d in args.variants for ta in (0, 1) for tb in (0, 1)]
+    items = [(KERNEL, dt, p, ta, tb, d) for _, d, p in args.variants for ta in (0, 1) for tb in (0, 1)]
     errs = cuda_loader.warm(items)
     print(f"compiled {len(items)} kernels in {time.perf_counter() - t0:.0f} s; {len(errs)} errors", flush=True)
     for e in errs:
         print("  ", e)
     if errs:
         return 1
-    for name, d in args.variants:
+    for name, d, p in args.variants:
         regs = cuda_loader.get_kernel(KERNEL, dt, p, False, False, defines=d).num_regs
         w = check(d, p, dt)
-        print(f"{name} {d}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
+        print(f"{name} {d} {p}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
               f"worst relerr {w:.1e}", flush=True)
 
     rec = RecordWriter("kernels", gpu_name(), args.out)
@@ -106,20 +163,20 @@ def main(argv=None) -> int:
         a, b = random_operands(n, n, n, dt)
         c = cupy.empty((n, n), dtype=dt)
 
-        def runner(d):
+        def runner(d, p):
             return lambda: cuda_loader.launch(KERNEL, a, False, n, b, False, n, c, n, n, n, n,
                                               params=p, defines=d)
 
         runs = {"cublas": lambda: cupy.matmul(a, b, out=c)}
-        runs.update({name: runner(d) for name, d in args.variants})
+        runs.update({name: runner(d, p) for name, d, p in args.variants})
         sec = time_alternating(runs, rounds=args.rounds, repeat=5)
         tf = {k: 2 * n**3 / s / 1e12 for k, s in sec.items()}
         note = f"simt64_variants run, median of {args.rounds} alternated rounds"
         rec.add("cublas", dt, n, n, n, sec["cublas"], None, note=note)
         line = [f"n={n}: cublas {tf['cublas']:.2f}"]
-        for name, d in args.variants:
+        for name, d, p in args.variants:
             c.fill(np.nan)
-            runner(d)()
+            runner(d, p)()
             err = relerr_gpu(c, a, b)
             rec.add(f"distmm-raw-{KERNEL}", dt, n, n, n, sec[name], err, params=p,
                     note=f"{note}; {name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
@@ -127,6 +184,30 @@ def main(argv=None) -> int:
         print("; ".join(line), flush=True)
         del a, b, c
         cupy.get_default_memory_pool().free_all_blocks()
+    if args.clocks:
+        n = args.clocks
+        a, b = random_operands(n, n, n, dt)
+        c = cupy.empty((n, n), dtype=dt)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        runs = [("cublas", lambda: cupy.matmul(a, b, out=c))]
+        runs += [(name, (lambda d=d, p=p: cuda_loader.launch(KERNEL, a, False, n, b, False, n, c, n, n, n,
+                                                            n, params=p, defines=d)))
+                 for name, d, p in args.variants]
+        # the DFMA chain probe of bench/dfma_probe.py (8 independent chains a thread)
+        from bench.dfma_probe import SRC
+        chain = cupy.RawModule(code=SRC, options=("-std=c++17",),
+                               name_expressions=["probe_chain"]).get_function("probe_chain")
+        iters, out = 1 << 16, cupy.empty(sms * 8 * 256, dtype=np.float64)
+        runs.insert(0, ("dfma-chain-probe", lambda: chain((sms * 8,), (256,), (
+            out, np.float64(0.999), np.float64(1e-3), np.int32(iters)))))
+        flops = {"dfma-chain-probe": 2 * 8 * iters * 256 * sms * 8}
+        for name, fn in runs:
+            mhz, watt, rate = sustained_clock(fn)
+            tf = flops.get(name, 2 * n**3) * rate / 1e12
+            # FP64 SIMT peak at this clock: 64 DFMA lanes per SM (H100/H200), 2 flops each
+            peak = 2 * 64 * sms * mhz * 1e6 / 1e12
+            print(f"sustained n={n} {name}: {tf:.2f} TFLOP/s at {mhz:.0f} MHz, {watt:.0f} W "
+                  f"(DFMA peak at that clock {peak:.1f} TFLOP/s: {100 * tf / peak:.1f}%)", flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s; records {rec.path}")
     return 0
 
