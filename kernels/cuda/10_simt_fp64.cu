@@ -165,9 +165,10 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
         }
     };
 
-    if constexpr (DISTMM_SIMT_APAIR && !TA && V == 2 && BK % 4 == 0) {
-    // A (k contiguous) read as 16-byte pairs of k, double-buffered by pair; B one k at a
-    // time, double-buffered: 8 + 8 LDS.128 per two k instead of 8 LDS.64 + 8 LDS.128.
+    if constexpr (DISTMM_SIMT_APAIR && !TA && !TB && V == 2 && BK % 4 == 0) {
+    // NN layout: A (k contiguous) read as 16-byte pairs of k, double-buffered by pair; B
+    // (n contiguous) one k at a time, double-buffered: 8 + 8 LDS.128 per two k instead of
+    // 8 LDS.64 + 8 LDS.128. Other layouts take the loop below.
     T pa[2][TM][2], fb[2][TN];
     auto load_a2 = [&](T (&a)[TM][2], const T* as, int kk) {
 #pragma unroll
