@@ -1,11 +1,11 @@
 #!/bin/bash
 # Device script: A/B of step 10's compile-time inner-loop variants (bench/simt64_variants.py)
-# against cuBLAS DGEMM, with the SM clock and power sampled meanwhile, then step 10's GPU
-# tests with the source defaults. Run from the repository root:
+# against cuBLAS DGEMM, with the SM clock and power sampled meanwhile, the DFMA probes run
+# sustained (clock and power), then step 10's GPU tests with the source defaults. Run from the repository root:
 #   . .whl/env.sh && bash bench/device_simt64_variants.sh [NAME=KPAIRS,ORDER ...]
 BUDGET=${BUDGET:-420}
 . "$(dirname "$0")/device_common.sh"
-VARIANTS=${*:-"base=64,0 pair=1,0 apair=1,0,1 apair2=2,0,1 col=64,1 pair128=1,0:BM=128,BN=128 pairbk32=1,0:BK=32,STAGES=2 pairs3=1,0:STAGES=3"}
+VARIANTS=${*:-"unrolled=64,0 pair=1,0 col=64,1 pairs3=1,0:STAGES=3"}
 {
 echo "== $(date -u +%FT%TZ) device_simt64_variants.sh; budget ${BUDGET}s; commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 gpu_state
@@ -23,6 +23,8 @@ if busy:
     print(f"SM clock under load (power > 200 W, {len(busy)} samples): min {cl[0]} median {cl[len(cl)//2]} max {cl[-1]} MHz; "
           f"power median {pw[len(pw)//2]:.0f} W, max {pw[-1]:.0f} W")
 PYEOF
+echo "== DFMA probes, sustained ($(left)s left)"
+timeout "$(step_timeout 60)" $PY -m bench.dfma_probe --sustained || echo "PROBE FAILED rc=$?"
 echo "== tests: step 10 with the source defaults ($(left)s left)"
 timeout "$(step_timeout 90)" $PY -m pytest -m gpu -q -p no:cacheprovider -rf --timeout 60 \
     tests/test_gpu_kernels.py -k simt_fp64 2>&1 | tail -15 || echo "TESTS FAILED rc=$?"

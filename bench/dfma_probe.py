@@ -172,15 +172,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--orders", action="store_true",
                     help="only the 8 x 8 probes, once per outer-product issue order")
+    ap.add_argument("--sustained", action="store_true",
+                    help="the chain probe and the 8 x 8 row / zig-zag probes, each run for 2 s "
+                         "with the SM clock and board power sampled")
     args = ap.parse_args(argv)
 
-    from distmm.tune import time_gpu
+    from distmm.tune import sustained_clock, time_gpu
 
     names = ["probe_chain"]
-    if args.orders:
+    if args.orders or args.sustained:
         names += [f"probe_reg<8,8,{o}>" for o in range(len(ORDERS))]
         names += [f"probe_smem<8,8,4,{o}>" for o in range(len(ORDERS))]
-    for tm, tn in ([] if args.orders else SHAPES):
+    for tm, tn in ([] if args.orders or args.sustained else SHAPES):
         names.append(f"probe_reg<{tm},{tn}>")
         for ln in (4, 8):
             if (tn * ln) % 2 == 0:
@@ -197,7 +200,8 @@ def main(argv=None) -> int:
     peak = 2 * 8 * iters * 256 * sms * 8 / sec / 1e12
     print(f"chain probe (8 chains, 16 warps/scheduler): {peak:.2f} TFLOP/s")
 
-    def run(name, tm, tn, blocks_per_sm, iters, kk, static_smem):
+    def launcher(name, tm, tn, blocks_per_sm, iters, kk, static_smem):
+        """(launch function, flops per launch, registers, resident blocks per SM)."""
         f = mod.get_function(name)
         regs = f.num_regs
         # pad dynamic shared memory so that at most blocks_per_sm blocks fit one SM
@@ -209,11 +213,36 @@ def main(argv=None) -> int:
         grid = sms * resident * 8
         args = (out, np.float64(1.0001), np.int32(iters)) + ((np.int32(0),) if "smem" in name else ())
         fn = lambda: f((grid,), (128,), args, shared_mem=dyn)  # noqa: E731
+        return fn, 2 * tm * tn * kk * iters * 128 * grid, regs, resident
+
+    def run(name, tm, tn, blocks_per_sm, iters, kk, static_smem):
+        fn, flops, regs, resident = launcher(name, tm, tn, blocks_per_sm, iters, kk, static_smem)
         s = time_gpu(fn, repeat=5)
-        tf = 2 * tm * tn * kk * iters * 128 * grid / s / 1e12
+        tf = flops / s / 1e12
         print(f"{name:24s} regs {regs:3d}, {resident} blocks/SM = {resident} warps/scheduler: "
               f"{tf:6.2f} TFLOP/s = {100 * tf / peak:5.1f}% of the chain probe", flush=True)
 
+    if args.sustained:
+        # Each probe run back to back for 2 s with the SM clock and board power sampled: the
+        # GEMM kernels run at the board's power cap, so the clock, not only the issue
+        # rate, decides how close to the DFMA peak an inner loop gets.
+        chain = mod.get_function("probe_chain")
+        cargs = (out, np.float64(0.999), np.float64(1e-3), np.int32(iters))
+        probes = [("probe_chain (8 chains, 16 warps/scheduler)",
+                   lambda: chain((sms * 8,), (256,), cargs), 2 * 8 * iters * 256 * sms * 8)]
+        for o in (0, 3):
+            fn, flops, _, _ = launcher(f"probe_reg<8,8,{o}>", 8, 8, 2, 1 << 14, 1, 0)
+            probes.append((f"probe_reg<8,8,{o}> ({ORDERS[o]})", fn, flops))
+            fn, flops, _, _ = launcher(f"probe_smem<8,8,4,{o}>", 8, 8, 2, 1 << 10, 16,
+                                       smem_probe_bytes(8, 8, 4))
+            probes.append((f"probe_smem<8,8,4,{o}> ({ORDERS[o]})", fn, flops))
+        for label, fn, flops in probes:
+            mhz, watt, rate = sustained_clock(fn)
+            tf = flops * rate / 1e12
+            at_clock = 2 * 64 * sms * mhz * 1e6 / 1e12  # 64 FP64 lanes per SM (sm_80, sm_90)
+            print(f"sustained {label:44s} {tf:6.2f} TFLOP/s at {mhz:4.0f} MHz, {watt:3.0f} W: "
+                  f"{100 * tf / at_clock:5.1f}% of the DFMA rate at that clock", flush=True)
+        return 0
     if args.orders:
         for o, oname in enumerate(ORDERS):
             print(f"-- order {o}: {oname}")

@@ -1,11 +1,10 @@
 """Benchmark ``kernels`` (focused): A/B of step 10's compile-time inner-loop variants.
 
 Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees its inner
-loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration;
-64 unrolls the whole k tile) and ``DISTMM_SIMT_ORDER`` (0 zig-zag rows, 1 zig-zag columns).
-``DISTMM_SIMT_APAIR=1`` reads a row-major A's fragments as 16-byte pairs of k. For each
-variant given as ``NAME=KPAIRS,ORDER[,APAIR][:PARAM=VALUE,...]`` (template parameters
-replacing the registry's float64 defaults), in one process:
+loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration,
+default 1; 64 unrolls the whole k tile) and ``DISTMM_SIMT_ORDER`` (0 zig-zag rows, the
+default; 1 zig-zag columns). For each variant given as ``NAME=KPAIRS,ORDER[:PARAM=VALUE,...]``
+(template parameters replacing the registry's float64 defaults), in one process:
 
 1. compile it for every layout (NN, NT, TN, TT) in parallel;
 2. check it on odd, rectangular and transposed products (7 .. 4097, alpha/beta, output
@@ -16,8 +15,8 @@ replacing the registry's float64 defaults), in one process:
 Records: ``kernels-<device>-<date>.jsonl``, variants ``cublas`` and ``distmm-raw-simt_fp64``
 with ``params`` and a ``note`` naming the macros.
 
-    python -m bench.simt64_variants --out $OUT base=64,0 pair=1,0 paircol=1,1 \
-        apair=1,0,1 pair128=1,0:BM=128,BN=128
+    python -m bench.simt64_variants --out $OUT --clocks 8192 unrolled=64,0 pair=1,0 \
+        pair128=1,0:BM=128,BN=128
 """
 from __future__ import annotations
 
@@ -34,20 +33,18 @@ KERNEL = "simt_fp64"
 
 def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int]]:
     """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0}, {})``;
-    ``"ap=1,0,1:BM=128,STAGES=3"`` adds ``DISTMM_SIMT_APAIR=1`` and template parameters that
-    replace the registry's float64 defaults."""
+    ``"p3=1,0:STAGES=3"`` adds template parameters that replace the registry's float64
+    defaults."""
     name, _, rest = text.partition("=")
     macros, _, params = rest.partition(":")
     try:
         vals = [int(v) for v in macros.split(",")]
         over = {k: int(v) for k, v in (kv.split("=") for kv in params.split(",") if kv)}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER[,APAIR][:P=V,...], got {text!r}") from None
-    if not name or len(vals) not in (2, 3) or vals[0] < 1 or vals[1] not in (0, 1):
-        raise argparse.ArgumentTypeError(f"KPAIRS >= 1, ORDER 0 or 1, APAIR 0 or 1; got {text!r}")
+        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER[:P=V,...], got {text!r}") from None
+    if not name or len(vals) != 2 or vals[0] < 1 or vals[1] not in (0, 1):
+        raise argparse.ArgumentTypeError(f"KPAIRS >= 1 and ORDER 0 or 1; got {text!r}")
     d = {"DISTMM_SIMT_KPAIRS": vals[0], "DISTMM_SIMT_ORDER": vals[1]}
-    if len(vals) == 3:
-        d["DISTMM_SIMT_APAIR"] = vals[2]
     spec = registry.get(KERNEL)
     p = dict(spec.params("float64"), **over)
     bad = spec.violations("float64", p)
@@ -86,53 +83,11 @@ def check(defines, p, dtype="float64") -> float:
     return worst
 
 
-def sustained_clock(fn, seconds: float = 2.0) -> tuple[float, float, float]:
-    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and
-    the board power; returns (median MHz, median W, calls per second)."""
-    import subprocess
-    import threading
-
-    import cupy
-
-    samples = []
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
-            try:
-                mhz, watt = (float(v) for v in out.stdout.strip().splitlines()[0].split(","))
-                samples.append((mhz, watt))
-            except (ValueError, IndexError):
-                pass
-            stop.wait(0.1)
-
-    for _ in range(3):  # warm up to the sustained clock before sampling
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    t = threading.Thread(target=sample)
-    t0 = time.perf_counter()
-    t.start()
-    calls = 0
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(4):
-            fn()
-        calls += 4
-        cupy.cuda.get_current_stream().synchronize()
-    dt = time.perf_counter() - t0
-    stop.set()
-    t.join()
-    mhz = float(np.median([m for m, _ in samples])) if samples else float("nan")
-    watt = float(np.median([w for _, w in samples])) if samples else float("nan")
-    return mhz, watt, calls / dt
-
-
 def main(argv=None) -> int:
     import cupy
 
     from distmm.executor import cuda_loader
-    from distmm.tune import random_operands, relerr_gpu, time_alternating
+    from distmm.tune import random_operands, relerr_gpu, sustained_clock, time_alternating
 
     ap = argparse.ArgumentParser(prog="python -m bench.simt64_variants",
                                  description=__doc__.split("\n\n")[0])

@@ -67,6 +67,48 @@ def time_alternating(runs: Mapping[str, Callable[[], Any]], *, rounds: int, repe
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def sustained_clock(fn, seconds: float = 2.0) -> tuple[float, float, float]:
+    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and
+    the board power; returns (median MHz, median W, calls per second)."""
+    import subprocess
+    import threading
+
+    import cupy
+
+    samples = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
+            try:
+                mhz, watt = (float(v) for v in out.stdout.strip().splitlines()[0].split(","))
+                samples.append((mhz, watt))
+            except (ValueError, IndexError):
+                pass
+            stop.wait(0.1)
+
+    for _ in range(3):  # warm up to the sustained clock before sampling
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t = threading.Thread(target=sample)
+    t0 = time.perf_counter()
+    t.start()
+    calls = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        cupy.cuda.get_current_stream().synchronize()
+    dt = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    mhz = float(np.median([m for m, _ in samples])) if samples else float("nan")
+    watt = float(np.median([w for _, w in samples])) if samples else float("nan")
+    return mhz, watt, calls / dt
+
+
 def random_operands(m: int, n: int, k: int, dtype, seed: int | None = None):
     """Fresh random device operands (never zeros): normal floats, small signed integers."""
     import cupy

@@ -130,6 +130,21 @@ def test_source_inlines_headers():
         assert "namespace distmm" in text
 
 
+@pytest.mark.parametrize("spec", [k for k in registry.steps() if k.tunable], ids=lambda k: k.name)
+def test_standalone_instantiations_are_the_registry_defaults(spec):
+    """The instantiations a file compiles on its own (the nvcc check below and in CI) include
+    every dtype's registry default, so that check builds what the loader builds."""
+    text = (CUDA_DIR / spec.file).read_text()
+    inst = set()
+    for ctype, nums in re.findall(r"^DISTMM_INST\(([a-z ]+), ([0-9, ]+)\)$", text, re.M):
+        vals = tuple(int(v) for v in nums.split(","))
+        inst.add((ctype, vals if len(vals) == 9 else vals + (1,)))  # no MINB argument: 1
+    keys = ("BM", "BN", "BK", "WM", "WN", "TM", "TN", "STAGES", "MINB")
+    for dtype, ctype in registry.C_TYPES.items():
+        p = spec.params(dtype)
+        assert (ctype, tuple(p[k] for k in keys)) in inst, f"{spec.file}: no {dtype} default {p}"
+
+
 def _nvcc(args, src=None):
     return subprocess.run([NVCC, *args], capture_output=True, text=True, input=src)
 

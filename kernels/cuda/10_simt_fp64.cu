@@ -29,10 +29,7 @@
 // Compile-time variants of the inner loop for A/B runs (bench/simt64_variants.py); the
 // defaults are the measured best on the H200 (bench/NOTES.md).
 #ifndef DISTMM_SIMT_KPAIRS
-#define DISTMM_SIMT_KPAIRS 64
-#endif
-#ifndef DISTMM_SIMT_APAIR
-#define DISTMM_SIMT_APAIR 0
+#define DISTMM_SIMT_KPAIRS 1
 #endif
 #ifndef DISTMM_SIMT_ORDER
 #define DISTMM_SIMT_ORDER 0
@@ -165,72 +162,15 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
         }
     };
 
-    if constexpr (DISTMM_SIMT_APAIR && !TA && !TB && V == 2 && BK % 4 == 0) {
-    // NN layout: A (k contiguous) read as 16-byte pairs of k, double-buffered by pair; B
-    // (n contiguous) one k at a time, double-buffered: 8 + 8 LDS.128 per two k instead of
-    // 8 LDS.64 + 8 LDS.128. Other layouts take the loop below.
-    T pa[2][TM][2], fb[2][TN];
-    auto load_a2 = [&](T (&a)[TM][2], const T* as, int kk) {
-#pragma unroll
-        for (int i = 0; i < TM; ++i) ld16(as + a_off + i * LM * S::A_LD + kk, a[i]);
-    };
-    auto load_b = [&](T (&b)[TN], const T* bs, int kk) {
-#pragma unroll
-        for (int j = 0; j < TN; j += V) ld16(bs + b_off + kk * S::B_LD + (j / V) * (LN * V), &b[j]);
-    };
-    auto fma_a2 = [&](const T (&a)[TM][2], int h, const T (&b)[TN]) {
-        T col[TM];
-#pragma unroll
-        for (int i = 0; i < TM; ++i) col[i] = a[i][h];
-        fma_k(col, b);
-    };
-    if (KT > 0) { load_a2(pa[0], As, 0); load_b(fb[0], Bs, 0); }
-    for (int kt = 0; kt < KT; ++kt) {
-        const T* as = As + read_stage * S::A_STAGE;
-        const T* bs = Bs + read_stage * S::B_STAGE;
-        DISTMM_PRAGMA_UNROLL(DISTMM_SIMT_KPAIRS)
-        for (int kk = 0; kk < BK - 4; kk += 4) {
-            load_b(fb[1], bs, kk + 1);
-            fma_a2(pa[0], 0, fb[0]);
-            load_a2(pa[1], as, kk + 2);
-            load_b(fb[0], bs, kk + 2);
-            fma_a2(pa[0], 1, fb[1]);
-            load_b(fb[1], bs, kk + 3);
-            fma_a2(pa[1], 0, fb[0]);
-            load_a2(pa[0], as, kk + 4);
-            load_b(fb[0], bs, kk + 4);
-            fma_a2(pa[1], 1, fb[1]);
-        }
-        load_b(fb[1], bs, BK - 3);
-        fma_a2(pa[0], 0, fb[0]);
-        load_a2(pa[1], as, BK - 2);
-        load_b(fb[0], bs, BK - 2);
-        fma_a2(pa[0], 1, fb[1]);
-        load_b(fb[1], bs, BK - 1);
-        fma_a2(pa[1], 0, fb[0]);
-        if (kt + 1 < KT) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();
-            read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-            load_a2(pa[0], As + read_stage * S::A_STAGE, 0);
-            load_b(fb[0], Bs + read_stage * S::B_STAGE, 0);
-        }
-        fma_a2(pa[1], 1, fb[1]);
-        if (kt + 1 < KT) {
-            if (kt + STAGES < KT) load_tile(kt + STAGES, write_stage);
-            cp_async_commit();
-            write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
-        }
-    }
-    } else {
     // Fragments of k live in fa/fb[k & 1]; those of k + 1 are read while k's FMAs issue.
     T fa[2][TM], fb[2][TN];
     if (KT > 0) load_frag(fa[0], fb[0], As, Bs, 0);
     for (int kt = 0; kt < KT; ++kt) {
         const T* as = As + read_stage * S::A_STAGE;
         const T* bs = Bs + read_stage * S::B_STAGE;
-        // k = 0 .. BK - 3 in pairs. DISTMM_SIMT_KPAIRS pairs per loop iteration: unrolled
-        // fully (the default) ptxas interleaves the FMAs of many k and of many rows.
+        // k = 0 .. BK - 3 in pairs, one pair per loop iteration (DISTMM_SIMT_KPAIRS): with
+        // the whole tile unrolled (KPAIRS >= BK / 2) ptxas interleaves the FMAs of many k
+        // and rows, and the kernel ran 1-8% slower on the H200 (bench/NOTES.md).
         DISTMM_PRAGMA_UNROLL(DISTMM_SIMT_KPAIRS)
         for (int kk = 0; kk < BK - 2; kk += 2) {
             load_frag(fa[1], fb[1], as, bs, kk + 1);
@@ -258,7 +198,6 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
             cp_async_commit();
             write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
         }
-    }
     }
     cp_async_wait<0>();
 
@@ -302,5 +241,5 @@ distmm_gemm_simt_fp64(int M, int N, int K, T alpha, const T* __restrict__ A, lon
 DISTMM_INST(double, 64, 128, 16, 64, 32, 8, 8, 4, 1)
 DISTMM_INST(float, 128, 64, 16, 32, 32, 8, 4, 3, 1)
 DISTMM_INST(int, 128, 64, 16, 32, 32, 8, 4, 3, 1)
-DISTMM_INST(long long, 128, 64, 16, 32, 32, 8, 4, 3, 2)
+DISTMM_INST(long long, 128, 64, 16, 32, 32, 8, 4, 3, 1)
 #endif
