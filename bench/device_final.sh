@@ -20,7 +20,7 @@ timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
   2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$log"
 echo "pytest exit ${PIPESTATUS[0]}" | tee -a "$log"
 
-if [ -f bench/device_simt64.sh ]; then
+if [ -f bench/device_simt64.sh ] && [ -z "$SKIP_SIMT" ]; then
   echo "== SIMT fp64 step" | tee -a "$log"
   timeout ${T_SIMT:-170} bash bench/device_simt64.sh 2>&1 | tail -30 | tee -a "$log"
 fi

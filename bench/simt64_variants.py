@@ -4,7 +4,8 @@ Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees
 loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration,
 default 1; 64 unrolls the whole k tile) and ``DISTMM_SIMT_ORDER`` (0 zig-zag rows, the
 default; 1 zig-zag columns). For each variant given as ``NAME=KPAIRS,ORDER[:PARAM=VALUE,...]``
-(template parameters replacing the registry's float64 defaults), in one process:
+(template parameters replacing the registry's float64 defaults; ``NAME=1,0,0`` without the
+split tail of ``cuda_loader.launch``), in one process:
 
 1. compile it for every layout (NN, NT, TN, TT) in parallel;
 2. check it on odd, rectangular and transposed products (7 .. 4097, alpha/beta, output
@@ -31,8 +32,9 @@ from bench.records import RecordWriter, gpu_name
 KERNEL = "simt_fp64"
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int]]:
-    """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0}, {})``;
+def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int], bool]:
+    """``"pair=1,0"`` -> ``("pair", {"DISTMM_SIMT_KPAIRS": 1, "DISTMM_SIMT_ORDER": 0}, {}, True)``;
+    a third value 0 turns the split tail off (``cuda_loader.launch(split_tail=False)``);
     ``"p3=1,0:STAGES=3"`` adds template parameters that replace the registry's float64
     defaults."""
     name, _, rest = text.partition("=")
@@ -41,19 +43,19 @@ def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int]]:
         vals = [int(v) for v in macros.split(",")]
         over = {k: int(v) for k, v in (kv.split("=") for kv in params.split(",") if kv)}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER[:P=V,...], got {text!r}") from None
-    if not name or len(vals) != 2 or vals[0] < 1 or vals[1] not in (0, 1):
-        raise argparse.ArgumentTypeError(f"KPAIRS >= 1 and ORDER 0 or 1; got {text!r}")
+        raise argparse.ArgumentTypeError(f"variant must be NAME=KPAIRS,ORDER[,TAIL][:P=V,...], got {text!r}") from None
+    if not name or len(vals) not in (2, 3) or vals[0] < 1 or vals[1] not in (0, 1) or vals[2:] not in ([], [0], [1]):
+        raise argparse.ArgumentTypeError(f"KPAIRS >= 1, ORDER 0 or 1, TAIL 0 or 1; got {text!r}")
     d = {"DISTMM_SIMT_KPAIRS": vals[0], "DISTMM_SIMT_ORDER": vals[1]}
     spec = registry.get(KERNEL)
     p = dict(spec.params("float64"), **over)
     bad = spec.violations("float64", p)
     if bad or set(over) - set(p):
         raise argparse.ArgumentTypeError(f"{text!r}: {'; '.join(bad) or 'unknown parameter'}")
-    return name, d, p
+    return name, d, p, vals[2:] != [0]
 
 
-def check(defines, p, dtype="float64") -> float:
+def check(defines, p, dtype="float64", split_tail=True) -> float:
     """Worst relative error over odd, rectangular and transposed products; raises if wrong."""
     import cupy
 
@@ -73,7 +75,8 @@ def check(defines, p, dtype="float64") -> float:
                 for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
                     c = c0.copy() if beta else cupy.full((m, n), np.nan)
                     cuda_loader.launch(KERNEL, sa, ta, sa.shape[1], sb, tb, sb.shape[1], c, n, m, n, k,
-                                       alpha=alpha, beta=beta, params=p, check=True, defines=defines)
+                                       alpha=alpha, beta=beta, params=p, check=True, defines=defines,
+                                       split_tail=split_tail)
                     ref = alpha * cupy.matmul(a, b) + (beta * c0 if beta else 0)
                     err = float(cupy.linalg.norm(c - ref)) / float(cupy.linalg.norm(ref))
                     if not err < 1e-12:
@@ -100,17 +103,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     dt = "float64"
-    items = [(KERNEL, dt, p, ta, tb, d) for _, d, p in args.variants for ta in (0, 1) for tb in (0, 1)]
+    items = [(KERNEL, dt, p, ta, tb, d) for _, d, p, _ in args.variants for ta in (0, 1) for tb in (0, 1)]
     errs = cuda_loader.warm(items)
     print(f"compiled {len(items)} kernels in {time.perf_counter() - t0:.0f} s; {len(errs)} errors", flush=True)
     for e in errs:
         print("  ", e)
     if errs:
         return 1
-    for name, d, p in args.variants:
+    for name, d, p, tail in args.variants:
         regs = cuda_loader.get_kernel(KERNEL, dt, p, False, False, defines=d).num_regs
-        w = check(d, p, dt)
-        print(f"{name} {d} {p}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
+        w = check(d, p, dt, tail)
+        print(f"{name} {d} {p} split tail {tail}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
               f"worst relerr {w:.1e}", flush=True)
 
     rec = RecordWriter("kernels", gpu_name(), args.out)
@@ -118,23 +121,24 @@ def main(argv=None) -> int:
         a, b = random_operands(n, n, n, dt)
         c = cupy.empty((n, n), dtype=dt)
 
-        def runner(d, p):
+        def runner(d, p, tail):
             return lambda: cuda_loader.launch(KERNEL, a, False, n, b, False, n, c, n, n, n, n,
-                                              params=p, defines=d)
+                                              params=p, defines=d, split_tail=tail)
 
         runs = {"cublas": lambda: cupy.matmul(a, b, out=c)}
-        runs.update({name: runner(d, p) for name, d, p in args.variants})
+        runs.update({name: runner(d, p, t) for name, d, p, t in args.variants})
         sec = time_alternating(runs, rounds=args.rounds, repeat=5)
         tf = {k: 2 * n**3 / s / 1e12 for k, s in sec.items()}
         note = f"simt64_variants run, median of {args.rounds} alternated rounds"
         rec.add("cublas", dt, n, n, n, sec["cublas"], None, note=note)
         line = [f"n={n}: cublas {tf['cublas']:.2f}"]
-        for name, d, p in args.variants:
+        for name, d, p, tail in args.variants:
             c.fill(np.nan)
-            runner(d, p)()
+            runner(d, p, tail)()
             err = relerr_gpu(c, a, b)
             rec.add(f"distmm-raw-{KERNEL}", dt, n, n, n, sec[name], err, params=p,
-                    note=f"{note}; {name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+                    note=f"{note}; {name}: " + ", ".join(f"{k}={v}" for k, v in d.items())
+                    + f", split tail {'on' if tail else 'off'}")
             line.append(f"{name} {tf[name]:.2f} ({100 * sec['cublas'] / sec[name]:.1f}%, relerr {err:.0e})")
         print("; ".join(line), flush=True)
         del a, b, c
@@ -145,9 +149,9 @@ def main(argv=None) -> int:
         c = cupy.empty((n, n), dtype=dt)
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         runs = [("cublas", lambda: cupy.matmul(a, b, out=c))]
-        runs += [(name, (lambda d=d, p=p: cuda_loader.launch(KERNEL, a, False, n, b, False, n, c, n, n, n,
-                                                            n, params=p, defines=d)))
-                 for name, d, p in args.variants]
+        runs += [(name, (lambda d=d, p=p, t=t: cuda_loader.launch(
+                     KERNEL, a, False, n, b, False, n, c, n, n, n, n, params=p, defines=d, split_tail=t)))
+                 for name, d, p, t in args.variants]
         # the DFMA chain probe of bench/dfma_probe.py (8 independent chains a thread)
         from bench.dfma_probe import SRC
         chain = cupy.RawModule(code=SRC, options=("-std=c++17",),

@@ -73,6 +73,9 @@ class KernelSpec:
         Whether the kernel can be ``best_kernel()`` (what ``backend="raw"`` and ``distmm
         tune`` use). False for side steps that the tests and benchmarks cover but that are
         not the raw backend's kernel (step 10, the SIMT float64 study).
+    split_tail : bool
+        Whether the kernel can compute the last, partly filled wave of tiles split along k
+        (flag ``DISTMM_SPLIT_TAIL``; see ``cuda_loader.launch``). Step 10 only.
     """
 
     name: str
@@ -88,6 +91,7 @@ class KernelSpec:
     tune_space: Mapping[str, tuple] = field(default_factory=dict)
     dtypes: tuple[str, ...] = DTYPES
     raw_choice: bool = True
+    split_tail: bool = False
 
     # -- parameters -----------------------------------------------------------------
     def _dmma(self, dtype: str) -> bool:
@@ -278,7 +282,7 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         "simt_fp64", 10, "10_simt_fp64.cu",
         "SIMT fp64: small thread tiles, register double-buffered fragments",
         "distmm_gemm_simt_fp64<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
-        layout_template=True, grid="linear", min_cc=80, raw_choice=False,
+        layout_template=True, grid="linear", min_cc=80, raw_choice=False, split_tail=True,
         defaults={
             # float64 (the target): 4 warps of 64 x 32, 8 x 8 accumulators a thread, 2 blocks
             # per SM; the best of the 52 8x8 shapes searched on the H200 (bench/simt64.py,

@@ -108,6 +108,30 @@ def test_grid_dims():
         n.grid_dims(8 * 70000, 1, {})
 
 
+@pytest.mark.parametrize("m, n, bm, bn", [(8192, 8192, 64, 128), (1000, 33, 64, 128),
+                                         (4097, 4097, 128, 64), (64 * 9 + 1, 128 * 3, 64, 128)])
+def test_grouped_tile_origins_cover_every_tile_once(m, n, bm, bn):
+    tiles = -(-m // bm) * -(-n // bn)
+    m0, n0 = cuda_loader.grouped_tile_origins(m, n, bm, bn, np.arange(tiles))
+    assert len(set(zip(m0.tolist(), n0.tolist()))) == tiles
+    assert m0.min() == 0 and n0.min() == 0 and m0.max() < m and n0.max() < n
+    assert (m0 % bm == 0).all() and (n0 % bn == 0).all()
+    # row tiles are swept in groups of 8: the first 8 tiles share column 0
+    assert (n0[:min(8, -(-m // bm))] == 0).all()
+
+
+def test_split_tail_plan():
+    plan = cuda_loader.split_tail_plan
+    assert plan(8192, 264, 512) == (8, 33)    # 8192^2 on 132 SMs x 2: 8 tiles in the last wave
+    assert plan(32768, 264, 1024) == (32, 8)  # 16384^2
+    assert plan(2048, 264, 256) == (0, 1)     # 4096^2: 200 tiles, no room to split them
+    assert plan(528, 264, 512) == (0, 1)      # whole waves
+    assert plan(16, 264, 257) == (16, 16)     # few tiles, long k: split-K
+    assert plan(16, 264, 20) == (16, 5)       # at least 4 k tiles a range
+    assert plan(1, 264, 1) == (0, 1) and plan(0, 264, 10) == (0, 1)
+    assert plan(3, 264, 10000) == (3, 64)     # at most 64 ranges
+
+
 def test_tuning_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
     assert registry.load_tuning_for("GPU X") == {}

@@ -30,7 +30,7 @@ import numpy as np
 import distmm.registry as registry
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
-           "KernelLaunchError", "OPTIONS"]
+           "KernelLaunchError", "OPTIONS", "split_tail_plan", "grouped_tile_origins"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -233,16 +233,110 @@ def _operand_flags(x, ld: int) -> bool:
     return x.data.ptr % 16 == 0 and (ld * x.itemsize) % 16 == 0
 
 
+def grouped_tile_origins(m: int, n: int, bm: int, bn: int, bids) -> tuple[np.ndarray, np.ndarray]:
+    """(m0, n0) of the C tiles with indices ``bids`` in the grouped order of steps 8-10
+    (``grouped_tile_origin`` in pipelined.cuh, which this mirrors)."""
+    group = 8
+    bids = np.asarray(bids, dtype=np.int64)
+    grid_m, grid_n = -(-m // bm), -(-n // bn)
+    width = group * grid_n
+    first_m = (bids // width) * group
+    gsize = np.minimum(grid_m - first_m, group)
+    m0 = (first_m + (bids % width) % gsize) * bm
+    n0 = ((bids % width) // gsize) * bn
+    return m0, n0
+
+
+def split_tail_plan(tiles: int, slots: int, k_tiles: int, min_k_tiles: int = 4) -> tuple[int, int]:
+    """``(r, s)``: split the last ``r`` tiles of a launch into ``s`` ranges of k tiles each,
+    or ``(0, 1)`` for no split.
+
+    ``slots`` blocks run at once (blocks per SM x SMs), so ``tiles`` tiles take
+    ``ceil(tiles / slots)`` waves and the last holds ``r = tiles % slots`` of them (all of
+    them when ``tiles < slots``), leaving ``slots - r`` slots idle for a whole tile's time.
+    Split ``s = slots // r`` ways along k (each range at least ``min_k_tiles`` k tiles), the
+    last wave takes about ``1/s`` of that. No split when ``s < 2``.
+    """
+    if tiles <= 0 or slots <= 0:
+        return 0, 1
+    r = tiles % slots
+    if r == 0:
+        return 0, 1
+    s = min(slots // r, k_tiles // max(min_k_tiles, 1), 64)
+    return (r, s) if s >= 2 else (0, 1)
+
+
+_FIXUP_SRC = r"""
+// Step 10's split tail, second half: C tile t (origin m0[t], n0[t]) = alpha * (sum of its s
+// partial BM x BN sums in ascending k) + beta * C; C is not read when beta == 0.
+template <typename T>
+__global__ void distmm_split_tail_fixup(const T* __restrict__ w, const long long* __restrict__ m0,
+                                        const long long* __restrict__ n0, int r, int s, int bm, int bn,
+                                        int M, int N, T alpha, T beta, T* __restrict__ c, long long ldc) {
+    const long long tile_elems = (long long)bm * bn;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= tile_elems * r) return;
+    const long long t = i / tile_elems, e = i % tile_elems;
+    const long long row = m0[t] + e / bn, col = n0[t] + e % bn;
+    if (row >= M || col >= N) return;
+    T acc = 0;
+    for (int z = 0; z < s; ++z) acc += w[((long long)z * r + t) * tile_elems + e];
+    const long long idx = row * ldc + col;
+    T v = alpha * acc;
+    if (beta != T(0)) v = v + beta * c[idx];
+    c[idx] = v;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _fixup_kernel(ctype: str):
+    import cupy
+
+    expr = f"distmm_split_tail_fixup<{ctype}>"
+    mod = cupy.RawModule(code=_FIXUP_SRC, options=("-std=c++17",), name_expressions=[expr])
+    return mod.get_function(expr)
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_origins(device: int, m: int, n: int, bm: int, bn: int, r: int):
+    import cupy
+
+    tiles = -(-m // bm) * -(-n // bn)
+    m0, n0 = grouped_tile_origins(m, n, bm, bn, np.arange(tiles - r, tiles))
+    return cupy.asarray(m0), cupy.asarray(n0)
+
+
+def _slots(kern, threads: int, smem: int) -> int:
+    """Blocks of ``kern`` that run at once on this GPU (occupancy x SMs)."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    try:
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, threads, smem)
+    except Exception:  # older cupy: from the registers and shared memory the kernel takes
+        regs = -(-kern.num_regs // 8) * 8
+        per_sm = min(65536 // max(regs * threads, 1),
+                     dev.attributes["MaxSharedMemoryPerMultiprocessor"] // max(smem + 1024, 1))
+    return max(int(per_sm), 1) * dev.attributes["MultiProcessorCount"]
+
+
 def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
            m: int, n: int, k: int, *, alpha=1, beta=0, params: Mapping[str, int] | None = None,
            stream=None, compiler: str | None = None, check: bool | None = None,
-           defines: Mapping[str, int] | None = None) -> None:
+           defines: Mapping[str, int] | None = None, split_tail: bool | None = None) -> None:
     """Launch ``C = alpha * op(A) @ op(B) + beta * C`` with kernel ``name``.
 
     ``a``, ``b`` and ``c`` are cupy arrays of one dtype whose first element is the matrix's
     first element; ``lda``/``ldb``/``ldc`` are row strides in elements of the row-major
     stored matrices (A stored m x k, or k x m when ``ta``; likewise B). Runs on ``stream``
     (default: cupy's current stream).
+
+    Kernels registered with ``split_tail`` (step 10), in float32 and float64, split the
+    last, partly filled wave of C tiles along k (``split_tail_plan``): a second launch
+    writes the partial sums to a workspace and a fix-up adds them in ascending k, so the
+    result is the same on every run (its last bits may differ from the unsplit kernel's).
+    ``split_tail=False`` (or ``DISTMM_SPLIT_TAIL=0``) turns it off.
 
     Raises
     ------
@@ -276,19 +370,46 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
              | int(k > 0 and _operand_flags(b, ldb)) << 3)
     scalar = np.dtype(dtype).type
+    if split_tail is None:
+        split_tail = os.environ.get("DISTMM_SPLIT_TAIL", "1") not in ("", "0")
+    r, s = 0, 1
+    if split_tail and spec.split_tail and dtype in ("float32", "float64"):
+        bm, bn = spec.tile(p)
+        r, s = split_tail_plan(grid[0], _slots(kern, threads, smem), -(-k // p["BK"]))
+
+    def go(kernel, grid_, args, what):
+        try:
+            kernel(grid_, (threads, 1, 1), args, shared_mem=smem if kernel is kern else 0, stream=stream)
+        except Exception as exc:  # cupy raises CUDADriverError for a failed cuLaunchKernel
+            raise KernelLaunchError(f"launch of {spec.name} {what} ({dtype}, {p}, grid {grid_}, "
+                                    f"{threads} threads, {smem} B smem) failed: {exc}") from exc
+
     args = (np.int32(m), np.int32(n), np.int32(k), scalar(alpha), a, np.int64(lda), b,
             np.int64(ldb), scalar(beta), c, np.int64(ldc), np.int32(flags))
-    try:
-        kern(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
-    except Exception as exc:  # cupy raises CUDADriverError for a failed cuLaunchKernel
-        raise KernelLaunchError(f"launch of {spec.name} ({dtype}, {p}, grid {grid}, "
-                                f"{threads} threads, {smem} B smem) failed: {exc}") from exc
+    if r == 0:
+        go(kern, grid, args, "")
+    else:
+        with cupy.cuda.Device(c.device.id):
+            if grid[0] > r:
+                go(kern, (grid[0] - r, 1, 1), args, "(all but the last wave)")
+            work = cupy.empty((s, r, bm * bn), dtype=dtype)
+            go(kern, (r, s, 1), args[:9] + (work, np.int64(bn), np.int32(flags | 16)),
+               f"(split tail: {r} tiles x {s} k ranges)")
+            m0, n0 = _tail_origins(c.device.id, m, n, bm, bn, r)
+            total = r * bm * bn
+            fix = _fixup_kernel(registry.C_TYPES[dtype])
+            try:
+                fix(((total + 255) // 256,), (256,),
+                    (work, m0, n0, np.int32(r), np.int32(s), np.int32(bm), np.int32(bn), np.int32(m),
+                     np.int32(n), scalar(alpha), scalar(beta), c, np.int64(ldc)), stream=stream)
+            except Exception as exc:
+                raise KernelLaunchError(f"split-tail fix-up of {spec.name} failed: {exc}") from exc
     if check is None:
         check = os.environ.get("DISTMM_CHECK_LAUNCHES", "0") not in ("", "0")
     if check:
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        st = stream if stream is not None else cupy.cuda.get_current_stream()
         try:
-            s.synchronize()
+            st.synchronize()
         except Exception as exc:
             raise KernelLaunchError(f"{spec.name} ({dtype}, {p}) failed while running: {exc}") from exc
 

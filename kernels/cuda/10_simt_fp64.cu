@@ -53,8 +53,20 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
     T* Bs = As + STAGES * S::A_STAGE;
 
     const int tid = threadIdx.x;
+    // Split tail (flags & DISTMM_SPLIT_TAIL, see distmm.executor.cuda_loader): this launch
+    // computes the last gridDim.x tiles of the grouped order, each split into gridDim.y
+    // ranges of k tiles, and writes raw partial sums (no alpha, beta) to C as a workspace
+    // of gridDim.y x gridDim.x BM x BN tiles; a fix-up sums them in ascending k.
+    const bool tail = flags & DISTMM_SPLIT_TAIL;
+    const int KT_ALL = (K + BK - 1) / BK;
+    int bid = blockIdx.x, kt_begin = 0, KT = KT_ALL;
+    if (tail) {
+        bid = ((M + BM - 1) / BM) * ((N + BN - 1) / BN) - (int)gridDim.x + (int)blockIdx.x;
+        kt_begin = (int)(((long long)blockIdx.y * KT_ALL) / gridDim.y);
+        KT = (int)(((long long)(blockIdx.y + 1) * KT_ALL) / gridDim.y) - kt_begin;
+    }
     int m0, n0;
-    grouped_tile_origin<BM, BN>(M, N, m0, n0);
+    grouped_tile_origin<BM, BN>(M, N, m0, n0, bid);
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
 
     const int warp = tid / S::LANES, lane = tid % S::LANES;
@@ -72,13 +84,14 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
     // integer instructions per k tile per warp before, next to 1024 DFMA).
     typedef IncrementalTileCopy<T, (TA ? BK : BM), (TA ? BM : BK), S::A_LD, NT> CopyA;
     typedef IncrementalTileCopy<T, (TB ? BN : BK), (TB ? BK : BN), S::B_LD, NT> CopyB;
-    CopyA copy_a(A, lda, TA ? 0 : m0, TA ? m0 : 0, tid);
-    CopyB copy_b(B, ldb, TB ? n0 : 0, TB ? 0 : n0, tid);
+    const int kb = kt_begin * BK;
+    CopyA copy_a(A, lda, TA ? kb : m0, TA ? m0 : kb, tid);
+    CopyB copy_b(B, ldb, TB ? n0 : kb, TB ? kb : n0, tid);
     const unsigned as_base = smem_addr(As), bs_base = smem_addr(Bs);
     const long long a_tile_step = TA ? (long long)BK * lda : BK;
     const long long b_tile_step = TB ? BK : (long long)BK * ldb;
     auto load_tile = [&](int kt, int stage) {
-        const int k0 = kt * BK;
+        const int k0 = (kt_begin + kt) * BK;
         const bool k_in = k0 + BK <= K;
         T* as = As + stage * S::A_STAGE;
         T* bs = Bs + stage * S::B_STAGE;
@@ -123,7 +136,6 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0;
 
-    const int KT = (K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT) load_tile(s, s);
@@ -201,6 +213,14 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
     }
     cp_async_wait<0>();
 
+    if (tail) {
+        T* w = C + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * (BM * BN);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) w[DISTMM_ROW(i) * BN + DISTMM_COL(j)] = (T)acc[i][j];
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = m0 + DISTMM_ROW(i);

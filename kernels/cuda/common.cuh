@@ -16,6 +16,7 @@
 #define DISTMM_TRANS_B 2
 #define DISTMM_VEC_A 4   // A's base is 16-byte aligned and lda is a multiple of 16 bytes
 #define DISTMM_VEC_B 8   // the same for B
+#define DISTMM_SPLIT_TAIL 16  // step 10: this launch is the split tail (see 10_simt_fp64.cu)
 
 namespace distmm {
 

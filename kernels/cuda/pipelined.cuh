@@ -41,11 +41,13 @@ struct PipelinedShape {
 
 // Grouped tile order (steps 8-10): GROUP row-tiles of C are swept together so the B panels
 // they read stay in L2. Sets the block's C tile origin (m0, n0) from blockIdx.x.
+// (bid: the tile's index in that order; step 10's split tail passes its own.) Mirrored by
+// distmm.executor.cuda_loader.grouped_tile_origins for the split tail's fix-up.
 template <int BM, int BN>
-__device__ __forceinline__ void grouped_tile_origin(int M, int N, int& m0, int& n0) {
+__device__ __forceinline__ void grouped_tile_origin(int M, int N, int& m0, int& n0,
+                                                    int bid = blockIdx.x) {
     const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
     constexpr int GROUP = 8;
-    const int bid = blockIdx.x;
     const int width = GROUP * grid_n;
     const int first_m = (bid / width) * GROUP;
     const int gsize = min(grid_m - first_m, GROUP);
