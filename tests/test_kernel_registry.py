@@ -183,6 +183,16 @@ def test_source_compiles_with_nvcc(file, arch, tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_split_tail_fixup_compiles_with_nvcc(arch, tmp_path):
+    """The split tail's fix-up kernel (CUDA source kept in cuda_loader) builds too."""
+    src = tmp_path / "fixup.cu"
+    src.write_text(cuda_loader._FIXUP_SRC)
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "f.cubin"), str(src)])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec", registry.steps(), ids=lambda k: k.name)
 def test_loader_source_and_lowered_name(spec, tmp_path):
     """What the loader compiles (inlined headers, -DDISTMM_NVRTC, one explicit

@@ -269,42 +269,47 @@ def split_tail_plan(tiles: int, slots: int, k_tiles: int, min_k_tiles: int = 4) 
 _FIXUP_SRC = r"""
 // Step 10's split tail, second half: C tile t (origin m0[t], n0[t]) = alpha * (sum of its s
 // partial BM x BN sums in ascending k) + beta * C; C is not read when beta == 0.
-template <typename T>
-__global__ void distmm_split_tail_fixup(const T* __restrict__ w, const long long* __restrict__ m0,
-                                        const long long* __restrict__ n0, int r, int s, int bm, int bn,
-                                        int M, int N, T alpha, T beta, T* __restrict__ c, long long ldc) {
-    const long long tile_elems = (long long)bm * bn;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= tile_elems * r) return;
-    const long long t = i / tile_elems, e = i % tile_elems;
-    const long long row = m0[t] + e / bn, col = n0[t] + e % bn;
-    if (row >= M || col >= N) return;
-    T acc = 0;
-    for (int z = 0; z < s; ++z) acc += w[((long long)z * r + t) * tile_elems + e];
-    const long long idx = row * ldc + col;
-    T v = alpha * acc;
-    if (beta != T(0)) v = v + beta * c[idx];
-    c[idx] = v;
+#define DISTMM_FIXUP(NAME, T)                                                                  \
+extern "C" __global__ void NAME(const T* __restrict__ w, const long long* __restrict__ m0,   \
+                                const long long* __restrict__ n0, int r, int s, int bm, int bn, \
+                                int M, int N, T alpha, T beta, T* __restrict__ c, long long ldc) { \
+    const long long tile_elems = (long long)bm * bn;                                           \
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                      \
+    if (i >= tile_elems * r) return;                                                           \
+    const long long t = i / tile_elems, e = i % tile_elems;                                    \
+    const long long row = m0[t] + e / bn, col = n0[t] + e % bn;                                \
+    if (row >= M || col >= N) return;                                                          \
+    T acc = 0;                                                                                 \
+    for (int z = 0; z < s; ++z) acc += w[((long long)z * r + t) * tile_elems + e];             \
+    const long long idx = row * ldc + col;                                                     \
+    T v = alpha * acc;                                                                         \
+    if (beta != T(0)) v = v + beta * c[idx];                                                   \
+    c[idx] = v;                                                                                \
 }
+DISTMM_FIXUP(distmm_split_tail_fixup_float, float)
+DISTMM_FIXUP(distmm_split_tail_fixup_double, double)
 """
 
 
 @functools.lru_cache(maxsize=None)
 def _fixup_kernel(ctype: str):
+    """The fix-up for ``float`` or ``double`` (plain C names: CuPy caches the module on disk)."""
     import cupy
 
-    expr = f"distmm_split_tail_fixup<{ctype}>"
-    mod = cupy.RawModule(code=_FIXUP_SRC, options=("-std=c++17",), name_expressions=[expr])
-    return mod.get_function(expr)
+    return cupy.RawModule(code=_FIXUP_SRC, options=("-std=c++17",)).get_function(
+        f"distmm_split_tail_fixup_{ctype}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _tail_origins(device: int, m: int, n: int, bm: int, bn: int, r: int):
     import cupy
 
     tiles = -(-m // bm) * -(-n // bn)
     m0, n0 = grouped_tile_origins(m, n, bm, bn, np.arange(tiles - r, tiles))
-    return cupy.asarray(m0), cupy.asarray(n0)
+    out = cupy.asarray(m0), cupy.asarray(n0)
+    # cached and later used from any stream: the copies must be complete, not only queued
+    cupy.cuda.get_current_stream().synchronize()
+    return out
 
 
 def _slots(kern, threads: int, smem: int) -> int:
@@ -389,7 +394,10 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     if r == 0:
         go(kern, grid, args, "")
     else:
-        with cupy.cuda.Device(c.device.id):
+        # the workspace is allocated on the launch stream, so that CuPy's pool does not hand
+        # it to another stream's allocation before the fix-up has read it
+        st = stream if stream is not None else cupy.cuda.get_current_stream()
+        with cupy.cuda.Device(c.device.id), st:
             if grid[0] > r:
                 go(kern, (grid[0] - r, 1, 1), args, "(all but the last wave)")
             work = cupy.empty((s, r, bm * bn), dtype=dtype)
