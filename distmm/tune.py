@@ -68,8 +68,9 @@ def time_alternating(runs: Mapping[str, Callable[[], Any]], *, rounds: int, repe
 
 
 def sustained_clock(fn, seconds: float = 2.0) -> tuple[float, float, float]:
-    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and
-    the board power; returns (median MHz, median W, calls per second)."""
+    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the current GPU's
+    SM clock and board power; returns (median MHz, median W, calls per second). The GEMM
+    kernels run at the board's power cap, where the clock decides the speed (bench/NOTES.md)."""
     import subprocess
     import threading
 
@@ -77,10 +78,14 @@ def sustained_clock(fn, seconds: float = 2.0) -> tuple[float, float, float]:
 
     samples = []
     stop = threading.Event()
+    try:  # nvidia-smi's numbering may differ from CUDA's; the PCI bus id does not
+        gpu = str(cupy.cuda.Device().pci_bus_id)
+    except AttributeError:
+        gpu = str(cupy.cuda.Device().id)
 
     def sample():
         while not stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+            out = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True)
             try:
                 mhz, watt = (float(v) for v in out.stdout.strip().splitlines()[0].split(","))
