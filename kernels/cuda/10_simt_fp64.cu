@@ -1,27 +1,28 @@
 // Step 10: a SIMT (DFMA/FFMA on the CUDA cores, no mma) kernel shaped for float64 on Hopper.
 //
-// Step 8's float64 best (8 x 8 accumulators a thread, 128 registers of them) leaves room for
-// only 2 warps per scheduler, and each k tile starts with a barrier followed by shared
-// loads whose latency nothing hides (ncu: FP64 pipe 71.5% busy, no eligible warp in 53% of
-// cycles). This step keeps step 8's cp.async multi-stage global -> shared pipeline, shared
-// layouts and thread mapping (pipelined.cuh: operands kept in their global layout, rows
-// padded so that fragment reads are broadcasts or conflict-free), and changes the inner loop:
+// It keeps step 8's cp.async multi-stage global -> shared pipeline, shared layouts and
+// thread mapping (pipelined.cuh: operands kept in their global layout, rows padded so that
+// fragment reads are broadcasts or conflict-free) and changes the inner loop:
 //
-// - smaller thread tiles (default 8 x 4: 32 fp64 accumulators = 64 registers) with
-//   __launch_bounds__(threads, MINB) so that MINB = 2 blocks of 256 threads (<= 128
-//   registers) give 4 warps per scheduler;
+// - the float64 default: 64 x 128 blocks of 4 warps of 64 x 32, 8 x 8 accumulators a thread
+//   (128 registers of them), 2 blocks per SM (bench/simt64.py searched the 8 x 8 shapes; the
+//   8 x 4 / 4-warps-per-scheduler shape of the first version ran slower: fewer FMAs per
+//   shared load);
 // - fragments of ONE k at a time, explicitly double-buffered in registers: the fragments of
 //   k + 1 are read from shared memory while the TM x TN FMAs of k issue;
 // - the prefetch crosses the k-tile boundary: in the last k of a tile the thread waits for
 //   the next tile's cp.async group, passes the (only) barrier of the tile and reads the
-//   next tile's first fragments before issuing the FMAs of the tile's last k (whose
-//   fragments are already in registers), so the barrier and the load latency overlap
-//   the FMAs; the cp.async copies refilling the freed stage are issued after those FMAs;
-// - m- (n-) contiguous operands are read as 16-byte vectors (LDS.128: double2); in the
-//   k-contiguous layouts (A not transposed, B transposed) one element per row (LDS.64 for
-//   double) so that a fragment holds a single k. With a warp tile of 32 x 32 and 8 x 4
-//   thread tiles (4 x 8 lanes), NN reads 8 LDS.64 + 2 LDS.128 per 32 DFMA.
+//   next tile's first fragments before issuing the FMAs of the tile's last k, so the
+//   barrier and the load latency overlap the FMAs; the cp.async copies refilling the freed
+//   stage are issued after those FMAs;
+// - the k loop runs one pair of k per iteration and each k's FMAs go row by row in zig-zag
+//   order: fully unrolled, ptxas interleaved the FMAs of many k and rows and lost most of
+//   the operand reuse (bench/NOTES.md, "pair of k");
+// - m- (n-) contiguous operands are read as 16-byte vectors (LDS.128: double2), k-contiguous
+//   ones one element per row (NN: 8 LDS.64 + 4 LDS.128 per 64 DFMA);
+// - the last, partly filled wave of tiles can be split along k (DISTMM_SPLIT_TAIL below).
 //
+// On the H100/H200 the kernel runs at the board's 700 W power cap; see bench/NOTES.md.
 // Parameters as step 8 (see distmm/registry.py); BK must be even (the two fragment buffers
 // alternate within and across tiles). All four element types instantiate the same code.
 #include "pipelined.cuh"
