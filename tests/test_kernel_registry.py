@@ -120,6 +120,14 @@ def test_grouped_tile_origins_cover_every_tile_once(m, n, bm, bn):
     assert (n0[:min(8, -(-m // bm))] == 0).all()
 
 
+def test_defines_must_be_distmm_macros():
+    """Compile-time variants (``defines=``) are checked before anything is compiled."""
+    with pytest.raises(ValueError, match="DISTMM_"):
+        cuda_loader.get_kernel("simt_fp64", "float64", defines={"NDEBUG": 1})
+    with pytest.raises(ValueError):
+        cuda_loader.get_kernel("simt_fp64", "float64", defines={"DISTMM_SIMT_KPAIRS": "two"})
+
+
 def test_split_tail_plan():
     plan = cuda_loader.split_tail_plan
     assert plan(8192, 264, 512) == (8, 33)    # 8192^2 on 132 SMs x 2: 8 tiles in the last wave
