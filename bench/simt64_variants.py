@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m bench.simt64_variants",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", type=parse_variant, help="NAME=KPAIRS,ORDER")
+    ap.add_argument("variants", nargs="+", type=parse_variant, help="NAME=KPAIRS,ORDER[,TAIL][:P=V,...]")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
