@@ -87,11 +87,6 @@ def check(defines, p, dtype="float64", split_tail=True) -> float:
 
 
 def main(argv=None) -> int:
-    import cupy
-
-    from distmm.executor import cuda_loader
-    from distmm.tune import random_operands, relerr_gpu, sustained_clock, time_alternating
-
     ap = argparse.ArgumentParser(prog="python -m bench.simt64_variants",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="+", type=parse_variant, help="NAME=KPAIRS,ORDER[,TAIL][:P=V,...]")
@@ -101,6 +96,12 @@ def main(argv=None) -> int:
     ap.add_argument("--clocks", type=int, default=0, metavar="N",
                     help="also run each for 2 s at N with the SM clock and power sampled")
     args = ap.parse_args(argv)
+
+    import cupy
+
+    from distmm.executor import cuda_loader
+    from distmm.tune import random_operands, relerr_gpu, sustained_clock, time_alternating
+
     t0 = time.perf_counter()
     dt = "float64"
     items = [(KERNEL, dt, p, ta, tb, d) for _, d, p, _ in args.variants for ta in (0, 1) for tb in (0, 1)]
