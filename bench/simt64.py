@@ -34,32 +34,39 @@ def configs(spec, dtype: str, min_acc: int) -> list[dict]:
     return out
 
 
-def check_shapes(spec, p, dtype="float64") -> float:
-    """Worst relative error over odd, rectangular and transposed products (raises on NaN)."""
+CHECK_CASES = ((7, 7, 7), (33, 33, 33), (127, 127, 127), (1000, 33, 4097), (4097, 127, 33))
+
+
+def check_shapes(spec, p, dtype="float64", *, cases=CHECK_CASES, nn_cases=(), defines=None,
+                 split_tail=None) -> float:
+    """Worst relative error over odd, rectangular and transposed products, alpha/beta, output
+    poisoned with NaN; raises if one is wrong. ``cases`` run in all four layouts, ``nn_cases``
+    only untransposed; ``defines`` and ``split_tail`` go to ``cuda_loader.launch``."""
     import cupy
 
     from distmm.executor import cuda_loader
     from distmm.tune import random_operands
 
     worst = 0.0
-    cases = [(7, 7, 7), (33, 33, 33), (127, 127, 127), (1000, 33, 4097), (4097, 127, 33)]
-    for m, n, k in cases:
-        for ta in (False, True):
-            for tb in (False, True):
-                a, b = random_operands(m, n, k, dtype)
-                sa = cupy.ascontiguousarray(a.T) if ta else a
-                sb = cupy.ascontiguousarray(b.T) if tb else b
-                c0 = cupy.asarray(np.random.default_rng().standard_normal((m, n)))
-                for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
-                    c = c0.copy() if beta else cupy.full((m, n), np.nan)
-                    cuda_loader.launch(spec.name, sa, ta, sa.shape[1], sb, tb, sb.shape[1], c, n,
-                                       m, n, k, alpha=alpha, beta=beta, params=p, check=True)
-                    ref = alpha * (a @ b) + (beta * c0 if beta else 0)
-                    den = float(cupy.linalg.norm(ref))
-                    err = float(cupy.linalg.norm(c - ref)) / den
-                    if not err < 1e-12:
-                        raise AssertionError(f"{p} {m}x{n}x{k} ta={ta} tb={tb} a={alpha} b={beta}: relerr {err}")
-                    worst = max(worst, err)
+    layouts = [(ta, tb) for ta in (False, True) for tb in (False, True)]
+    todo = [(c, lay) for c in cases for lay in layouts] + [(c, (False, False)) for c in nn_cases]
+    for (m, n, k), (ta, tb) in todo:
+        a, b = random_operands(m, n, k, dtype)
+        sa = cupy.ascontiguousarray(a.T) if ta else a
+        sb = cupy.ascontiguousarray(b.T) if tb else b
+        c0 = cupy.asarray(np.random.default_rng().standard_normal((m, n)))
+        for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
+            c = c0.copy() if beta else cupy.full((m, n), np.nan)
+            cuda_loader.launch(spec.name, sa, ta, sa.shape[1], sb, tb, sb.shape[1], c, n,
+                               m, n, k, alpha=alpha, beta=beta, params=p, check=True,
+                               defines=defines, split_tail=split_tail)
+            ref = alpha * (a @ b) + (beta * c0 if beta else 0)
+            den = float(cupy.linalg.norm(ref))
+            err = float(cupy.linalg.norm(c - ref)) / den
+            if not err < 1e-12:
+                raise AssertionError(f"{p} {defines or ''} {m}x{n}x{k} ta={ta} tb={tb} a={alpha} "
+                                     f"b={beta}: relerr {err}")
+            worst = max(worst, err)
     return worst
 
 

@@ -28,6 +28,10 @@ import numpy as np
 
 import distmm.registry as registry
 from bench.records import RecordWriter, gpu_name
+from bench.simt64 import check_shapes
+
+#: checked in all four layouts (and 4097^3 untransposed)
+CHECK_CASES = ((7, 7, 7), (33, 33, 33), (127, 1000, 33), (1000, 33, 4097))
 
 KERNEL = "simt_fp64"
 
@@ -53,37 +57,6 @@ def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int], bool]
     if bad or set(over) - set(p):
         raise argparse.ArgumentTypeError(f"{text!r}: {'; '.join(bad) or 'unknown parameter'}")
     return name, d, p, vals[2:] != [0]
-
-
-def check(defines, p, dtype="float64", split_tail=True) -> float:
-    """Worst relative error over odd, rectangular and transposed products; raises if wrong."""
-    import cupy
-
-    from distmm.executor import cuda_loader
-    from distmm.tune import random_operands
-
-    worst = 0.0
-    for m, n, k in ((7, 7, 7), (33, 33, 33), (127, 1000, 33), (1000, 33, 4097), (4097, 4097, 4097)):
-        for ta in (False, True):
-            for tb in (False, True):
-                if m == 4097 and (ta or tb):
-                    continue
-                a, b = random_operands(m, n, k, dtype)
-                sa = cupy.ascontiguousarray(a.T) if ta else a
-                sb = cupy.ascontiguousarray(b.T) if tb else b
-                c0 = cupy.asarray(np.random.default_rng().standard_normal((m, n)))
-                for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
-                    c = c0.copy() if beta else cupy.full((m, n), np.nan)
-                    cuda_loader.launch(KERNEL, sa, ta, sa.shape[1], sb, tb, sb.shape[1], c, n, m, n, k,
-                                       alpha=alpha, beta=beta, params=p, check=True, defines=defines,
-                                       split_tail=split_tail)
-                    ref = alpha * cupy.matmul(a, b) + (beta * c0 if beta else 0)
-                    err = float(cupy.linalg.norm(c - ref)) / float(cupy.linalg.norm(ref))
-                    if not err < 1e-12:
-                        raise AssertionError(f"{defines} {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} "
-                                             f"beta={beta}: relerr {err}")
-                    worst = max(worst, err)
-    return worst
 
 
 def main(argv=None) -> int:
@@ -113,7 +86,8 @@ def main(argv=None) -> int:
         return 1
     for name, d, p, tail in args.variants:
         regs = cuda_loader.get_kernel(KERNEL, dt, p, False, False, defines=d).num_regs
-        w = check(d, p, dt, tail)
+        w = check_shapes(registry.get(KERNEL), p, dt, cases=CHECK_CASES, nn_cases=((4097, 4097, 4097),),
+                         defines=d, split_tail=tail)
         print(f"{name} {d} {p} split tail {tail}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
               f"worst relerr {w:.1e}", flush=True)
 
