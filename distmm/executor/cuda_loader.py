@@ -316,7 +316,15 @@ def _slots(kern, threads: int, smem: int) -> int:
     """Blocks of ``kern`` that run at once on this GPU (occupancy x SMs)."""
     import cupy
 
-    dev = cupy.cuda.Device()
+    return _slots_on(kern, threads, smem, cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _slots_on(kern, threads: int, smem: int, device: int) -> int:
+    """``_slots`` for one device, asked once per kernel and launch shape (not per launch)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device)
     try:
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, threads, smem)
     except Exception:  # older cupy: from the registers and shared memory the kernel takes
