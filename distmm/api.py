@@ -9,36 +9,18 @@ or kernels (``distmm.executor``).
 """
 from __future__ import annotations
 
-import functools
 import numbers
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
 from distmm._arrays import FAMILY_ORDER, array_family
 from distmm.config import get_config
+from distmm.engine import Operands, Request, get_engine
+from distmm.executor import resolve_backend
 from distmm.plan import Plan, make_plan, result_dtype
 
 __all__ = ["matmul", "gemm", "plan_for"]
-
-ENGINES = ("auto", "local", "dask")
-
-
-@dataclass(frozen=True)
-class _Operands:
-    """Validated operands of a matmul, before batching."""
-
-    a: Any
-    b: Any
-    family: str
-    dtype: np.dtype
-    a_vector: bool  # a was 1-D and got a leading 1
-    b_vector: bool  # b was 1-D and got a trailing 1
-    batch: tuple[int, ...]
-    m: int
-    n: int
-    k: int
 
 
 def _on_disk(x) -> bool:
@@ -63,16 +45,17 @@ def _as_array(x, family: str):
     raise AssertionError(family)
 
 
-def _validate(a, b, what: str = "matmul") -> _Operands:
+def _validate(a, b, what: str = "matmul") -> Operands:
     fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
     a, b = _as_array(a, fam), _as_array(b, fam)
+    # numpy resolves the loop (dtypes) before it looks at dimensions.
+    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     for name, x in (("a", a), ("b", b)):
         if x.ndim == 0:
             raise ValueError(
                 f"{what}: operand {name} is 0-dimensional (a scalar); matmul needs at "
                 f"least 1 dimension: use * to multiply by a scalar"
             )
-    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     a_vector, b_vector = a.ndim == 1, b.ndim == 1
     a_shape = (1,) + a.shape if a_vector else a.shape
     b_shape = b.shape + (1,) if b_vector else b.shape
@@ -94,125 +77,98 @@ def _validate(a, b, what: str = "matmul") -> _Operands:
                 f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
                 f"call {name}.compute_chunk_sizes() first"
             )
-    return _Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
+    return Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
                      a_shape[-2], b_shape[-1], a_shape[-1])
 
 
-def _pick_engine(engine: str, client) -> str:
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine != "auto":
-        return engine
-    if client is not None:
-        return "dask"
-    try:
-        from distributed import default_client
-
-        default_client()
-        return "dask"
-    except (ImportError, ValueError):
-        return "local"
-
-
-def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None) -> Plan:
-    """Make a plan with the configured tile and memory budget."""
+def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
+             hints: dict | None = None) -> Plan:
+    """Make a plan with the configured tile and memory budget: the one place
+    distmm plans a product. ``hints`` are an engine's ``plan_hints``; an
+    explicit or configured tile wins over a hinted one."""
     cfg = get_config()
-    return make_plan(m, n, k, dtype, workers=workers,
-                     tile=tile if tile is not None else cfg.tile,
-                     memory_budget=cfg.memory_budget)
+    hints = dict(hints or {})
+    tile = tile if tile is not None else cfg.tile
+    if tile is None:
+        tile = hints.pop("tile", None)
+    hints.pop("tile", None)
+    return make_plan(m, n, k, dtype, workers=workers, tile=tile,
+                     memory_budget=cfg.memory_budget, **hints)
 
 
-def _broadcast(ops: _Operands, xp):
-    if not ops.batch and not ops.a_vector and not ops.b_vector and ops.a.ndim == ops.b.ndim == 2:
-        return ops.a, ops.b  # 2-D: as they are (on-disk arrays stay on disk)
-    a = ops.a[None, :] if ops.a_vector else ops.a
-    b = ops.b[:, None] if ops.b_vector else ops.b
-    a = xp.broadcast_to(a, ops.batch + (ops.m, ops.k))
-    b = xp.broadcast_to(b, ops.batch + (ops.k, ops.n))
-    return a, b
+def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
+    """Resolve the engine, the backend and the plan once, into one request."""
+    cfg = get_config()
+    eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads)
+    if backend == "auto" and ops.family == "numpy":
+        backend = cfg.backend
+    flops = 2 * ops.m * ops.n * ops.k * max(int(np.prod(ops.batch, dtype=np.int64)), 1)
+    backend, on_gpu = resolve_backend(backend, ops.dtype, family=ops.family, flops=flops,
+                                      workers_decide=eng.name == "dask")
+    workers = eng.workers(ops, on_gpu=on_gpu)
+    plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile,
+                    hints=eng.plan_hints(ops, workers))
+    return eng, Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
+                        report=cfg.performance_report)
 
 
-def _squeeze(out, ops: _Operands):
+def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
+    eng, request = _request(ops, engine=engine, client=client, tile=tile, backend=backend, out=out)
+    return _squeeze(eng.run(request), ops)
+
+
+def _squeeze(out, ops: Operands):
     if ops.b_vector:
         out = out[..., 0]
     if ops.a_vector:
         out = out[..., 0, :] if not ops.b_vector else out[..., 0]
+    if ops.family == "numpy" and isinstance(out, np.ndarray) and out.dtype.type is not ops.dtype.type:
+        out = out.view(ops.dtype)  # numpy's own type (np.longlong where it gives one)
     if out.ndim == 0 and ops.family == "numpy":
         return out[()]  # numpy gives a scalar for vector @ vector
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _gpu_present() -> bool:
-    from distmm.executor import gpu_available
-
-    return gpu_available()
-
-
-#: smallest product (flops) that ``backend="auto"`` sends from host memory to a GPU
-AUTO_GPU_MIN_FLOPS = 2 * 1024**3
-
-
-def _auto_on_gpu(backend: str, ops: _Operands) -> bool:
-    """Whether ``backend="auto"`` sends host operands to the GPU (its stream
-    pipeline): large float32/float64 products when a GPU is present; smaller
-    or other products stay on the CPU (see ``get_executor``)."""
-    if backend != "auto" or ops.dtype not in (np.float32, np.float64):
-        return False
-    flops = 2 * ops.m * ops.n * ops.k * max(int(np.prod(ops.batch)), 1)
-    return flops >= AUTO_GPU_MIN_FLOPS and _gpu_present()
-
-
-def _matmul(ops: _Operands, *, engine: str, client, tile, backend: str, out=None):
-    from distmm.executor import get_executor
-
-    eng = _pick_engine(engine, client)
-    if ops.family == "dask" or eng == "dask":
-        from distmm.engine import dask_engine
-
-        return _squeeze(dask_engine.matmul(ops, client=client, tile=tile, backend=backend), ops)
-    cfg = get_config()
-    from distmm.engine.local import default_workers, run_local
-
-    if ops.family == "numpy" and backend == "auto" and cfg.backend != "auto":
-        backend = cfg.backend
-    on_gpu = ops.family == "cupy" or _auto_on_gpu(backend, ops)
-    workers = cfg.local_threads or default_workers()
-    plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=1 if on_gpu else workers, tile=tile)
-    executor = get_executor(backend, np.dtype(plan.acc_dtype), on_gpu=on_gpu)
-    if ops.family == "cupy":
-        out = executor.run_batched(plan, *_broadcast(ops, __import__("cupy")))
-    else:
-        with executor:
-            out = run_local(plan, *_broadcast(ops, np), executor, out=out)
-    return _squeeze(out, ops)
-
-
-def _writes_direct(out, ops: _Operands, engine: str, client) -> bool:
+def _writes_direct(out, ops: Operands, engine: str, client) -> bool:
     """Whether the engines can write tiles into ``out`` itself: same dtype and
     shape as the 2-D result, host memory, and no overlap with an operand."""
     if ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
         return False
-    if np.dtype(out.dtype) != ops.dtype or _pick_engine(engine, client) != "local":
+    if np.dtype(out.dtype) != ops.dtype or tuple(out.shape) != (ops.m, ops.n):
+        return False
+    if get_engine(engine, family=ops.family, client=client).name != "local":
         return False
     if isinstance(out, np.ndarray):
         return not any(isinstance(x, np.ndarray) and np.may_share_memory(out, x) for x in (ops.a, ops.b))
     return _on_disk(out)
 
 
-def _check_out(out, ops: _Operands):
+def _check_out(out, ops: Operands):
+    """numpy's rules for ``out``: the result broadcasts into it (core dimensions
+    equal, batch dimensions broadcast) and ``same_kind`` casting allows it."""
     shape = ops.batch + ((ops.m,) if not ops.a_vector else ()) + ((ops.n,) if not ops.b_vector else ())
     if ops.family == "dask":
         raise ValueError("matmul: out= is not supported for dask operands (the result is lazy)")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"matmul: out has shape {tuple(out.shape)} but a {ops.a.shape} @ "
-                         f"b {ops.b.shape} has shape {shape}")
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise TypeError(f"matmul: out must be an array, got {type(out).__name__}")
+    out_shape = tuple(out.shape)
+    core = len(shape) - len(ops.batch)
+    try:
+        fits = (len(out_shape) >= len(shape)
+                and out_shape[len(out_shape) - core:] == shape[len(shape) - core:]
+                and np.broadcast_shapes(out_shape, shape) == out_shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"matmul: non-broadcastable output operand with shape {out_shape} "
+                         f"doesn't match the broadcast shape {shape} of a {tuple(ops.a.shape)} @ "
+                         f"b {tuple(ops.b.shape)}")
     if not np.can_cast(ops.dtype, np.dtype(out.dtype), casting="same_kind"):
-        raise TypeError(f"matmul: cannot cast the {ops.dtype} result to out's dtype {out.dtype} "
-                        f"with casting rule 'same_kind'")
+        raise TypeError(f"Cannot cast ufunc 'matmul' output from {ops.dtype!r} to "
+                        f"{np.dtype(out.dtype)!r} with casting rule 'same_kind'")
 
 
-def matmul(a, b, *, out=None, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
     Parameters
@@ -223,13 +179,13 @@ def matmul(a, b, *, out=None, engine: str = "auto", client=None, tile=None, back
         a trailing 1 for ``b``, removed again from the result); operands with
         more than 2 dimensions are stacks of matrices whose leading dimensions
         broadcast.
-    engine : {"auto", "local", "dask"}
+    engine : {"auto", "local", "dask", "mpi"}
         ``"auto"`` uses a Dask cluster when ``client`` is given or a default
         client exists, otherwise the in-process engine.
     out : ndarray, optional
-        Where to put the result, as ``numpy.matmul``'s ``out``: its shape must
-        be the result's and numpy's ``same_kind`` casting must allow the
-        result dtype. It is written only after the product is complete.
+        Where to put the result, as ``numpy.matmul``'s ``out`` (also
+        positional): the result must broadcast into it and numpy's
+        ``same_kind`` casting must allow the result dtype.
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional
@@ -250,11 +206,11 @@ def matmul(a, b, *, out=None, engine: str = "auto", client=None, tile=None, back
     ------
     ValueError
         A 0-d operand, inner dimensions that differ, batch dimensions that do
-        not broadcast, dask chunks of unknown size, or an ``out`` of the wrong
-        shape; the message names the shapes.
+        not broadcast, dask chunks of unknown size, or an ``out`` the result
+        does not broadcast into; the message names the shapes.
     TypeError
-        A dtype that is not boolean, numeric or object, or an ``out`` dtype
-        the result cannot be cast to.
+        A dtype that is not boolean, numeric or object (``np.void`` among
+        them), or an ``out`` dtype the result cannot be cast to.
 
     Examples
     --------
@@ -405,7 +361,8 @@ def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str):
 
     from distmm.executor import get_executor
 
-    executor = get_executor(backend, dtype, on_gpu=True)
+    resolved, _ = resolve_backend(backend, dtype, family="cupy", flops=0)
+    executor = get_executor(resolved, dtype, on_gpu=True)
     m, n = op_a.shape[0], op_b.shape[1]
     read_c = c is not None and beta != 0
     out = c.astype(dtype, copy=True) if read_c else cupy.empty((m, n), dtype=dtype)

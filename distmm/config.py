@@ -50,6 +50,8 @@ class Config:
     device_memory_limit: int | None
     pinned_pool: int
     local_threads: int | None
+    progress: bool | None = None
+    performance_report: str | None = None
 
 
 def get_config() -> Config:
@@ -67,4 +69,6 @@ def get_config() -> Config:
         device_memory_limit=_bytes(c.get("device-memory-limit")),
         pinned_pool=_bytes(c["pinned-pool"]),
         local_threads=c.get("local-threads"),
+        progress=c.get("progress"),
+        performance_report=c.get("performance-report"),
     )

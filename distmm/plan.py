@@ -26,6 +26,7 @@ __all__ = [
     "result_dtype",
     "accumulate_dtype",
     "DEFAULT_MEMORY_BUDGET",
+    "tile_for_chunks",
 ]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
@@ -386,3 +387,55 @@ def make_plan(
         owners=_owners(gm, gn, int(workers), owner_order),
         memory_budget=int(memory_budget),
     )
+
+
+#: chunk sizes adopted as the C tile (outside this range: the planner's own tile)
+CHUNK_TILE_RANGE = (64, 8192)
+#: chunk-derived tiles are halved (rows first) until each worker has this many
+TILES_PER_WORKER = 4
+_MIN_SPLIT_TILE = 256
+
+
+def _regular(chunks) -> int | None:
+    """The chunk size of an axis chunked regularly (all equal, the last no larger)."""
+    chunks = tuple(chunks)
+    if not chunks:
+        return None
+    first = chunks[0]
+    if all(c == first for c in chunks[:-1]) and chunks[-1] <= first:
+        return int(first)
+    return None
+
+
+def tile_for_chunks(m: int, n: int, k: int, dtype, a_row_chunks, b_col_chunks,
+                    workers: int = 1) -> tuple[int, int, int] | None:
+    """The C tile for operands chunked along m (A's rows) and n (B's columns).
+
+    Regular chunks between 64 and 8192 (or spanning the whole axis) become the
+    tile, halved (rows first: a row slice of a C-ordered chunk is a view, a
+    column slice a copy) until every worker has several tiles, so that a slow
+    worker's tiles can be stolen. ``None``: irregular chunks, the planner
+    chooses.
+
+    Examples
+    --------
+    >>> tile_for_chunks(4096, 4096, 4096, "float64", (1024,) * 4, (1024,) * 4, workers=2)
+    (1024, 1024, 256)
+    """
+    tm, tn = _regular(a_row_chunks), _regular(b_col_chunks)
+    lo, hi = CHUNK_TILE_RANGE
+    if not tm or not tn or not m or not n:
+        return None
+    tm, tn = min(tm, m), min(tn, n)
+    if not (lo <= tm <= hi or tm == m) or not (lo <= tn <= hi or tn == n):
+        return None
+
+    def count(tm_, tn_):
+        return math.ceil(m / tm_) * math.ceil(n / tn_)
+
+    while count(tm, tn) < TILES_PER_WORKER * workers and tm % 2 == 0 and tm // 2 >= _MIN_SPLIT_TILE:
+        tm //= 2
+    while count(tm, tn) < TILES_PER_WORKER * workers and tn % 2 == 0 and tn // 2 >= _MIN_SPLIT_TILE:
+        tn //= 2
+    tk = make_plan(m, n, k, dtype, workers=1).tile[2]
+    return (tm, tn, tk)

@@ -183,10 +183,60 @@ def test_out_argument_like_numpy():
     want = sq @ sq
     distmm.matmul(sq, sq.copy(), out=sq, tile=2)
     np.testing.assert_allclose(sq, want, rtol=1e-13)
-    with pytest.raises(ValueError, match=r"out has shape \(6, 5\)"):
+    with pytest.raises(ValueError, match=r"non-broadcastable output operand with shape \(6, 5\)"):
         distmm.matmul(a, b, out=np.empty((6, 5)))
-    with pytest.raises(TypeError, match="same_kind"):
+    with pytest.raises(TypeError, match=r"Cannot cast ufunc 'matmul' output .*same_kind"):
         distmm.matmul(a, b, out=np.empty((6, 4), dtype=np.int64))
+
+
+# -- numpy parity: cases from numpy's own matmul tests ------------------------
+
+def test_out_is_positional_as_in_numpy():
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((7, 3)), rng.standard_normal((3, 5))
+    out = np.full((7, 5), np.nan)
+    assert distmm.matmul(a, b, out) is out
+    np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-13)
+
+
+@pytest.mark.parametrize("out_shape", [(4, 6, 5), (1, 6, 5)], ids=["batch4", "batch1"])
+def test_result_broadcasts_into_a_larger_out_as_numpy_does(out_shape):
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((6, 3)), rng.standard_normal((3, 5))
+    want, got = np.full(out_shape, np.nan), np.full(out_shape, np.nan)
+    np.matmul(a, b, want)
+    distmm.matmul(a, b, got)
+    np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,out_shape", [
+    ((6, 3), (3, 5), (6, 4)),        # core dimension differs
+    ((6, 3), (3, 5), (5,)),          # too few dimensions
+    ((2, 6, 3), (3, 5), (3, 6, 5)),  # batch does not broadcast
+])
+def test_out_that_cannot_hold_the_result_is_refused_like_numpy(a_shape, b_shape, out_shape):
+    a, b, out = np.ones(a_shape), np.ones(b_shape), np.zeros(out_shape)
+    with pytest.raises(ValueError):
+        np.matmul(a, b, out)
+    with pytest.raises(ValueError, match="non-broadcastable output operand"):
+        distmm.matmul(a, b, out)
+    assert not out.any()  # refused before any work
+
+
+@pytest.mark.parametrize("t", [np.longlong, np.int64, np.intc, np.ulonglong, np.float32,
+                               np.longdouble, np.bool_, np.complex128])
+def test_vector_dot_vector_is_numpy_scalar_type(t):
+    a = (np.arange(1, 4) % 2).astype(t)
+    want, got = np.matmul(a, a), distmm.matmul(a, a)
+    assert type(got) is type(want)
+    assert got == want
+
+
+def test_void_operand_is_a_type_error_like_numpy():
+    with pytest.raises(TypeError):
+        np.matmul(np.arange(10), np.void(b"abc"))
+    with pytest.raises(TypeError):
+        distmm.matmul(np.arange(10), np.void(b"abc"))
 
 
 # -- errors, raised before any work ------------------------------------------

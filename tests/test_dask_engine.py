@@ -25,7 +25,7 @@ import distmm  # noqa: E402
 from distmm.api import plan_for  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
 from distmm.engine import dask_engine  # noqa: E402
-from distmm.engine.base import reduce_partials  # noqa: E402
+from distmm.engine.tiles import reduce_partials  # noqa: E402
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128"]

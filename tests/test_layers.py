@@ -19,6 +19,7 @@ LEVELS = {
     "distmm._arrays": 0,
     "distmm.registry": 0,
     "distmm.config": 0,
+    "distmm.errors": 0,
     "distmm.executor": 1,
     "distmm.engine": 2,
     "distmm.api": 3,

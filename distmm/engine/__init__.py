@@ -1,4 +1,53 @@
-"""Engines turn a ``Plan`` into work on a runtime: ``local`` (threads in this
-process), ``dask_engine`` (a distributed cluster), ``mpi`` (SUMMA under mpirun).
-Engines know nothing of kernels: they call an executor.
+"""Engines turn a ``Request`` (operands, ``Plan``, backend) into work on a
+runtime: ``local`` (threads in this process), ``dask`` (a distributed
+cluster), ``mpi`` (SUMMA under mpirun, not built yet). Engines know nothing of
+kernels: they call an executor. ``get_engine`` picks one.
 """
+from __future__ import annotations
+
+from distmm.engine.base import Engine, Operands, Request
+
+__all__ = ["Engine", "Operands", "Request", "get_engine", "ENGINES"]
+
+ENGINES = ("auto", "local", "dask", "mpi")
+
+
+def _default_client():
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        return None
+
+
+def get_engine(name: str, *, family: str = "numpy", client=None,
+               threads: int | None = None) -> Engine:
+    """The engine for ``engine=name``.
+
+    ``"auto"``: the Dask engine for dask operands, or when ``client`` is given
+    or a default ``distributed`` client exists; the local engine otherwise.
+
+    Raises
+    ------
+    ValueError
+        An unknown name; ``"dask"`` with host operands and no client; ``"mpi"``
+        (not available yet).
+    """
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {name!r}")
+    if name == "mpi":
+        raise ValueError("engine='mpi' is not available yet: use engine='local' or 'dask'")
+    if family == "dask":
+        name = "dask"  # lazy operands give a lazy result, built as a graph
+    if name == "auto":
+        if client is None and family != "dask":
+            client = _default_client()
+        name = "dask" if family == "dask" or client is not None else "local"
+    if name == "local":
+        from distmm.engine.local import LocalEngine
+
+        return LocalEngine(threads=threads)
+    from distmm.engine.dask_engine import DaskEngine
+
+    return DaskEngine(client=client, required=family != "dask")

@@ -1,55 +1,120 @@
-"""Pieces every engine shares: the per-tile task body and the reduction.
+"""The engine contract: one request in, the product out.
 
-This module covers: computing one (k group of one) C tile through an executor,
-summing a tile's partials along the plan's fixed tree, and the final cast to
-numpy's result dtype. Engines decide only *where* these run.
-It does *not* cover: choosing tiles (``distmm.plan``) or device kernels
-(``distmm.executor``).
+This module covers: ``Request``, the frozen description of one product that
+``distmm.api`` builds after validating the operands (the operands, numpy's
+result dtype, the resolved ``Plan``, the resolved backend and where the result
+goes), and ``Engine``, the interface every engine implements: how many workers
+it plans for, and running a request.
+It does *not* cover: validation (``distmm.api``), tiling (``distmm.plan``),
+the per-tile work (``distmm.engine.tiles``) or kernels (``distmm.executor``).
+
+Every engine reads the same request: it never re-plans, never re-resolves the
+backend and never re-reads configuration.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from distmm.plan import Plan
 
-__all__ = ["tile_partial", "reduce_partials", "finish_tile"]
+__all__ = ["Operands", "Request", "Engine"]
 
 
-def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any) -> Any:
-    """Return ``a_panel @ b_panel`` in the plan's accumulation dtype.
+@dataclass(frozen=True)
+class Operands:
+    """Validated operands of one product, before 1-D promotion and batching.
 
-    ``a_panel`` is the A row panel of one C tile over one k group and
-    ``b_panel`` the matching B column panel; both may be views of any dtype
-    and layout.
+    ``a`` and ``b`` are arrays of ``family`` ("numpy", "cupy" or "dask"), or
+    2-D arrays that read by slices (memmaps, zarr arrays, h5py datasets) for
+    the "numpy" family. ``a_vector``/``b_vector``: the operand was 1-D and got
+    a leading/trailing 1. ``batch`` is the broadcast shape of the leading
+    dimensions; ``m``, ``n``, ``k`` the trailing product.
     """
-    acc = np.dtype(plan.acc_dtype)
-    a_dev = executor.asarray(a_panel, acc)
-    b_dev = executor.asarray(b_panel, acc)
-    return executor.panel_product(a_dev, b_dev, plan.tile[2])
+
+    a: Any
+    b: Any
+    family: str
+    dtype: np.dtype
+    a_vector: bool
+    b_vector: bool
+    batch: tuple[int, ...]
+    m: int
+    n: int
+    k: int
+
+    @property
+    def a2(self):
+        """``a`` with a 1-D operand promoted to a row, as numpy does."""
+        return self.a[None, :] if self.a_vector else self.a
+
+    @property
+    def b2(self):
+        """``b`` with a 1-D operand promoted to a column, as numpy does."""
+        return self.b[:, None] if self.b_vector else self.b
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape engines produce: ``batch + (m, n)`` (1-D axes not yet removed)."""
+        return tuple(self.batch) + (self.m, self.n)
 
 
-def reduce_partials(plan: Plan, partials: Sequence[Any]) -> Any:
-    """Sum a tile's partial products (one per k group) along the plan's tree.
+@dataclass(frozen=True)
+class Request:
+    """One product for an engine to run.
 
-    The order is fixed by ``plan.reduction``, so the bits do not depend on
-    which partial finished first. The inputs are not modified.
+    Attributes
+    ----------
+    operands : Operands
+    plan : Plan
+        Made once, by ``distmm.api``, for ``engine.workers(...)`` workers.
+    backend : str
+        The resolved executor backend (``distmm.executor.resolve_backend``):
+        ``"numba"``, ``"blas"``, ``"raw"``, ``"cublas"``; ``"gpu"`` for the
+        GPU executor's own per-shape choice; ``"auto"`` only for engines whose
+        workers pick their device themselves (a Dask cluster).
+    on_gpu : bool
+        Whether an in-process executor runs on the GPU.
+    out : array, optional
+        Where tiles are written directly (same dtype and shape as the 2-D
+        result, host memory or an on-disk array); ``None``: a new array.
+    progress : bool, optional
+        Show a progress bar; ``None``: on a terminal for long runs.
+    report : str, optional
+        Write a ``distributed.performance_report`` of the run to this file
+        (cluster engines).
     """
-    if len(partials) != plan.k_splits:
-        raise ValueError(f"expected {plan.k_splits} partials, got {len(partials)}")
-    work = list(partials)
-    for dst, src in plan.reduction:
-        work[dst] = work[dst] + work[src]
-    return work[0]
+
+    operands: Operands
+    plan: Plan
+    backend: str
+    on_gpu: bool = False
+    out: Any = None
+    progress: bool | None = None
+    report: str | None = None
 
 
-def finish_tile(plan: Plan, acc_tile: Any) -> Any:
-    """Cast an accumulated tile to numpy's result dtype: booleans become
-    ``count > 0``, integers wrap, float32 sums round to float16."""
-    res = np.dtype(plan.dtype)
-    if res.kind == "b":
-        return acc_tile != 0
-    if acc_tile.dtype == res:
-        return acc_tile
-    return acc_tile.astype(res)
+class Engine(ABC):
+    """Runs a ``Request`` on one runtime (threads, a Dask cluster, MPI ranks)."""
+
+    #: the name ``engine=`` selects
+    name: str = "abstract"
+
+    @abstractmethod
+    def workers(self, operands: Operands, *, on_gpu: bool) -> int:
+        """How many workers the plan should be made for."""
+
+    def plan_hints(self, operands: Operands, workers: int) -> dict:
+        """Keyword arguments for ``distmm.plan.make_plan`` that this engine's
+        operands suggest (an explicit or configured tile wins over them): the
+        Dask engine returns the chunk size of regularly chunked operands."""
+        return {}
+
+    @abstractmethod
+    def run(self, request: Request) -> Any:
+        """Compute the product: an array of ``request.operands.out_shape`` and
+        ``request.plan.dtype`` (numpy, cupy or lazy dask, as the operands), or
+        ``request.out`` filled."""

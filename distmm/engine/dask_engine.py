@@ -50,18 +50,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distmm.engine.base import finish_tile, reduce_partials, tile_partial
-from distmm.plan import Plan
+from distmm.engine.base import Engine, Operands, Request
+from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
+from distmm.plan import Plan, tile_for_chunks
 
-__all__ = ["matmul", "worker_slots"]
+__all__ = ["DaskEngine", "worker_slots"]
 
 log = logging.getLogger("distmm.engine.dask")
 
-#: chunk sizes the engine adopts as its C tile (outside: the planner's tile)
-_CHUNK_TILE_RANGE = (64, 8192)
-#: chunk-derived tiles are halved (rows first) until each worker thread has this many
-_TILES_PER_SLOT = 4
-_MIN_SPLIT_TILE = 256
 #: a run is "long" (progress bar on a terminal) above this estimated duration
 _LONG_RUN_SECONDS = 10.0
 _ASSUMED_FLOPS_PER_SLOT = 20e9
@@ -275,22 +271,6 @@ def _who_has(client, a2, b2) -> dict:
     return who if any(who.values()) else {}
 
 
-def _plan_by_locality(ops, workers: int, tile, client, slots: list[str], a2, b2):
-    """The plan and worker slots for persisted dask operands: of the row-major
-    and column-major owner orders, the one whose tasks find more of their
-    inputs on their own worker (ties: row-major)."""
-    who = _who_has(client, a2, b2)
-    best = None
-    for order in ("rows", "cols"):
-        plan = _plan(ops, workers, tile, owner_order=order)
-        mapped, local = _slots_by_locality(client, plan, slots, a2, b2, who)
-        if best is None or local > best[2]:
-            best = (plan, mapped, local)
-        if not who:
-            break
-    return best[0], best[1]
-
-
 def _resolve_client(client, *, required: bool):
     if client is not None:
         return client
@@ -305,16 +285,6 @@ def _resolve_client(client, *, required: bool):
                 "(distributed.Client(...)) before calling matmul"
             ) from None
         return None
-
-
-def _regular(chunks: tuple[int, ...]) -> int | None:
-    """The chunk size of an axis chunked regularly (all equal, the last no larger)."""
-    if not chunks:
-        return None
-    first = chunks[0]
-    if all(c == first for c in chunks[:-1]) and chunks[-1] <= first:
-        return first
-    return None
 
 
 def _edges_pieces(chunks: tuple[int, ...]) -> tuple[int, ...]:
@@ -469,65 +439,6 @@ def _layer(graph: dict, pins: dict):
     return MaterializedLayer(graph, annotations=annotations)
 
 
-def _tile_for_chunks(ops, a2, b2, tile, workers: int = 1):
-    """The C tile the plan should use: the caller's, the configured one, or,
-    for regularly chunked dask operands, their chunk size along m and n."""
-    from distmm.config import get_config
-
-    if tile is not None:
-        return tile
-    cfg_tile = get_config().tile
-    if cfg_tile is not None:
-        return cfg_tile
-    if a2 is None:
-        return None
-    tm, tn = _regular(a2.chunks[-2]), _regular(b2.chunks[-1])
-    lo, hi = _CHUNK_TILE_RANGE
-    if not tm or not tn or not ops.m or not ops.n:
-        return None
-    tm, tn = min(tm, ops.m), min(tn, ops.n)
-    if not (lo <= tm <= hi or tm == ops.m) or not (lo <= tn <= hi or tn == ops.n):
-        return None
-    # Several tiles per worker thread let the scheduler even out a slow worker
-    # (loosely pinned tasks can be stolen). Split rows first: a row slice of a
-    # C-ordered chunk is a view, a column slice would be copied.
-    import math
-
-    def count(tm_, tn_):
-        return math.ceil(ops.m / tm_) * math.ceil(ops.n / tn_)
-
-    while count(tm, tn) < _TILES_PER_SLOT * workers and tm % 2 == 0 and tm // 2 >= _MIN_SPLIT_TILE:
-        tm //= 2
-    while count(tm, tn) < _TILES_PER_SLOT * workers and tn % 2 == 0 and tn // 2 >= _MIN_SPLIT_TILE:
-        tn //= 2
-    from distmm.plan import make_plan
-
-    tk = make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=1).tile[2]
-    return (tm, tn, tk)
-
-
-def _plan(ops, workers: int, tile, owner_order: str = "rows") -> Plan:
-    """The plan, made as ``distmm.api.plan_for`` makes it (configured tile and
-    memory budget), without importing the layer above."""
-    from distmm.config import get_config
-    from distmm.plan import make_plan
-
-    cfg = get_config()
-    return make_plan(ops.m, ops.n, ops.k, ops.dtype, workers=workers,
-                     tile=tile if tile is not None else cfg.tile, memory_budget=cfg.memory_budget,
-                     owner_order=owner_order)
-
-
-def _backend(backend: str, family: str) -> str:
-    from distmm.config import get_config
-
-    if backend == "auto":
-        cfg = get_config().backend
-        if cfg != "auto" and family == "numpy":
-            return cfg
-    return backend
-
-
 def _check_chunks(name: str, x) -> None:
     for axis_chunks in x.chunks:
         if any(isinstance(c, float) and np.isnan(c) for c in axis_chunks):
@@ -542,76 +453,63 @@ def _check_chunks(name: str, x) -> None:
 # --------------------------------------------------------------------------
 
 
-def matmul(ops, *, client=None, tile=None, backend: str = "auto", progress=None, report=None):
-    """Run ``ops.a @ ops.b`` (validated, see ``distmm.api``) on a Dask cluster.
+class DaskEngine(Engine):
+    """Runs a request on a ``distributed`` cluster.
 
     Parameters
     ----------
-    ops : distmm.api._Operands
-        Validated operands; their batch dimensions broadcast.
     client : distributed.Client, optional
         Default: the current client. Dask operands without any client give a
         lazy array planned for this machine's cores, runnable on any scheduler.
-    tile : int or (tm, tn, tk), optional
-        Default: the configured tile, else for regularly chunked dask operands
-        their chunk size, else the planner's choice.
-    backend : str
-        Passed to ``distmm.executor.get_executor`` on each worker.
-    progress : bool, optional
-        Numpy operands only: show a tqdm bar as C tiles arrive. ``None`` reads
-        ``distmm.progress`` from ``dask.config``; unset, a bar is shown on a
-        terminal when the run is estimated to take over 10 seconds.
-    report : str, optional
-        Numpy operands only: write a ``distributed.performance_report`` of the
-        run to this HTML file. ``None`` reads ``distmm.performance-report``.
-
-    Returns
-    -------
-    numpy.ndarray for numpy operands (computed on the cluster and gathered),
-    a lazy dask.array.Array for dask operands, whose chunks are the plan's C
-    tiles (one chunk per element along batch axes). Shape
-    ``ops.batch + (ops.m, ops.n)``, dtype ``ops.dtype``.
+    required : bool
+        Whether a client must exist (host operands are computed eagerly).
 
     Raises
     ------
     ValueError
-        Dask operands with unknown chunk sizes; numpy operands and no client.
+        No client when one is required; a cluster with no workers.
     """
-    import dask
 
-    dtype = np.dtype(ops.dtype)
-    out_shape = tuple(ops.batch) + (ops.m, ops.n)
-    is_dask = ops.family == "dask"
-    client = _resolve_client(client, required=not is_dask)
-    backend = _backend(backend, ops.family)
-    slots = worker_slots(client) if client is not None else []
-    if client is not None and not slots:
-        raise ValueError("matmul: the Dask cluster has no workers")
-    if slots:
-        workers = len(slots)
-    else:
+    name = "dask"
+
+    def __init__(self, client=None, *, required: bool = True):
+        self.client = _resolve_client(client, required=required)
+        self.slots = worker_slots(self.client) if self.client is not None else []
+        if self.client is not None and not self.slots:
+            raise ValueError("matmul: the Dask cluster has no workers")
+
+    def workers(self, operands: Operands, *, on_gpu: bool) -> int:
+        if self.slots:
+            return len(self.slots)
         from distmm.engine.local import default_workers
 
-        workers = default_workers()
+        return default_workers()
 
-    if is_dask:
-        a2 = ops.a[None, :] if ops.a_vector else ops.a
-        b2 = ops.b[:, None] if ops.b_vector else ops.b
+    def plan_hints(self, operands: Operands, workers: int) -> dict:
+        if operands.family != "dask":
+            return {}
+        a2, b2 = operands.a2, operands.b2
         _check_chunks("a", a2)
         _check_chunks("b", b2)
-        tile_ = _tile_for_chunks(ops, a2, b2, tile, workers)
-        if slots and not ops.batch:
-            plan, slots = _plan_by_locality(ops, workers, tile_, client, slots, a2, b2)
-        else:
-            plan = _plan(ops, workers, tile_)
-        return _lazy(ops, plan, a2, b2, slots, backend, out_shape, dtype)
+        tile = tile_for_chunks(operands.m, operands.n, operands.k, operands.dtype,
+                               a2.chunks[-2], b2.chunks[-1], workers)
+        return {"tile": tile} if tile is not None else {}
 
-    if progress is None:
-        progress = dask.config.get("distmm.progress", None)
-    if report is None:
-        report = dask.config.get("distmm.performance-report", None)
-    plan = _plan(ops, workers, _tile_for_chunks(ops, None, None, tile))
-    return _eager(ops, plan, client, slots, backend, out_shape, dtype, progress, report)
+    def run(self, request: Request):
+        """``numpy.ndarray`` for host operands (computed on the cluster and
+        gathered), a lazy ``dask.array.Array`` for dask operands whose chunks
+        are the plan's C tiles (one chunk per element along batch axes)."""
+        ops, plan = request.operands, request.plan
+        dtype = np.dtype(ops.dtype)
+        out_shape = ops.out_shape
+        slots = self.slots
+        if ops.family == "dask":
+            a2, b2 = ops.a2, ops.b2
+            if slots and not ops.batch:
+                slots, _ = _slots_by_locality(self.client, plan, slots, a2, b2)
+            return _lazy(ops, plan, a2, b2, slots, request.backend, out_shape, dtype)
+        return _eager(ops, plan, self.client, slots, request.backend, out_shape, dtype,
+                      request.progress, request.report)
 
 
 def _output_chunks(plan: Plan, batch) -> tuple:

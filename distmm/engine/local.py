@@ -1,7 +1,9 @@
 """The in-process engine: a thread pool runs one task per (C tile, k group).
 
-This module covers: running a ``Plan`` over (batches of) host arrays in this
-process, for small work and whenever no cluster is around.
+This module covers: running a ``Request`` in this process: cupy operands
+through the GPU executor's batched path, host operands (numpy arrays,
+memmaps, zarr arrays, h5py datasets) tile by tile on threads or through the
+GPU stream pipeline, for small work and whenever no cluster is around.
 It does *not* cover: clusters (``distmm.engine.dask_engine``), MPI
 (``distmm.engine.mpi``), or kernels (``distmm.executor``).
 """
@@ -13,10 +15,11 @@ import os
 
 import numpy as np
 
-from distmm.engine.base import finish_tile, reduce_partials, tile_partial
+from distmm.engine.base import Engine, Operands, Request
+from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
 from distmm.plan import Plan
 
-__all__ = ["run_local", "default_workers"]
+__all__ = ["LocalEngine", "run_local", "default_workers"]
 
 log = logging.getLogger("distmm.engine.local")
 
@@ -29,7 +32,65 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None):
+def _batched(ops: Operands, xp):
+    """The operands as ``batch + (m, k)`` and ``batch + (k, n)`` arrays: 2-D
+    operands as they are (on-disk arrays stay on disk), others as broadcast
+    views (never copies)."""
+    if not ops.batch and not ops.a_vector and not ops.b_vector and ops.a.ndim == ops.b.ndim == 2:
+        return ops.a, ops.b
+    a = xp.broadcast_to(ops.a2, ops.batch + (ops.m, ops.k))
+    b = xp.broadcast_to(ops.b2, ops.batch + (ops.k, ops.n))
+    return a, b
+
+
+class LocalEngine(Engine):
+    """Threads in this process (or this process's GPU).
+
+    Parameters
+    ----------
+    threads : int, optional
+        Pool size for CPU tiles; default: the CPUs this process may use.
+    """
+
+    name = "local"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def workers(self, operands: Operands, *, on_gpu: bool) -> int:
+        return 1 if on_gpu or operands.family == "cupy" else (self.threads or default_workers())
+
+    def run(self, request: Request):
+        from distmm.executor import get_executor
+
+        ops, plan = request.operands, request.plan
+        executor = get_executor(request.backend, np.dtype(plan.acc_dtype), on_gpu=request.on_gpu)
+        if ops.family == "cupy":
+            import cupy
+
+            return executor.run_batched(plan, *_batched(ops, cupy))
+        with executor:
+            return run_local(plan, *_batched(ops, np), executor, out=request.out,
+                             progress=request.progress)
+
+
+def _progress_bar(progress, plan: Plan, count: int):
+    """A tqdm bar over C tiles when asked for, or (``None``) on a terminal for
+    products estimated to run over ten seconds at 20 GFLOP/s per worker."""
+    import sys
+
+    if progress is None:
+        progress = plan.flops * max(count, 1) / (20e9 * plan.workers) > 10 and sys.stderr.isatty()
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=count * plan.grid[0] * plan.grid[1], unit="tile",
+                desc="distmm matmul", file=sys.stderr)
+
+
+def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
+              progress: bool | None = False):
     """Compute ``a @ b`` on this process following ``plan``.
 
     Parameters
@@ -48,6 +109,8 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     out : array, optional
         Where to write C (shape ``batch + (m, n)``, the plan's dtype): a numpy
         array, a memmap, a zarr array or an h5py dataset, written tile by tile.
+    progress : bool, optional
+        Show a progress bar over C tiles; ``None``: on a terminal for long runs.
 
     Returns
     -------
@@ -64,7 +127,15 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     if threads is None:
         threads = 1 if getattr(executor, "threads_inside", False) else plan.workers
     batch_index = list(np.ndindex(*batch))  # broadcast views are indexed, never reshaped (no copies)
+    bar = _progress_bar(progress, plan, len(batch_index))
+    try:
+        return _run(plan, a, b, executor, threads, out, batch_index, bar)
+    finally:
+        if bar is not None:
+            bar.close()
 
+
+def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
     if hasattr(executor, "run_plan"):
         # Executors with a whole-product path (the GPU stream pipeline) take the plan as is.
         for idx in batch_index:
@@ -72,6 +143,8 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
                 executor.run_plan(plan, a[idx], b[idx], out[idx])
             else:  # 2-D: hand the operands over as they are (memmap, zarr, ...)
                 executor.run_plan(plan, a, b, out)
+            if bar is not None:
+                bar.update(plan.grid[0] * plan.grid[1])
         return out
 
     # Index with one tuple (batch index + slices) so that on-disk arrays read
@@ -84,6 +157,8 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
 
     def store(idx, i, j, parts):
         out[idx + (plan.row_slice(i), plan.col_slice(j))] = finish_tile(plan, reduce_partials(plan, parts))
+        if bar is not None:
+            bar.update(1)
 
     keys = [(idx, i, j) for idx in batch_index for i, j in plan.tiles()]
     if threads <= 1 or len(keys) * plan.k_splits == 1:

@@ -6,25 +6,80 @@ needs ``pip install "distmm[gpu]"``).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from distmm.executor.base import BackendUnavailable, Executor
 
-__all__ = ["Executor", "BackendUnavailable", "get_executor", "CPU_BACKENDS", "GPU_BACKENDS",
-           "gpu_available"]
+__all__ = ["Executor", "BackendUnavailable", "get_executor", "resolve_backend", "CPU_BACKENDS",
+           "GPU_BACKENDS", "BACKENDS", "gpu_available", "AUTO_GPU_MIN_FLOPS"]
 
 CPU_BACKENDS = ("numba", "blas")
 GPU_BACKENDS = ("raw", "cublas")
 BACKENDS = ("auto",) + CPU_BACKENDS + GPU_BACKENDS
 
 
+#: smallest product (flops) that ``backend="auto"`` sends from host memory to a GPU
+AUTO_GPU_MIN_FLOPS = 2 * 1024**3
+
+
+@functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
-    """Whether cupy imports and sees at least one CUDA device."""
+    """Whether cupy imports and sees at least one CUDA device (asked once per process)."""
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
+                    workers_decide: bool = False) -> tuple[str, bool]:
+    """Resolve a requested backend once, for a whole product.
+
+    Parameters
+    ----------
+    backend : str
+        One of ``BACKENDS`` (configuration already applied by the caller).
+    dtype : dtype
+        numpy's result dtype of the product.
+    family : {"numpy", "cupy", "dask"}
+        Where the operands live.
+    flops : int
+        ``2 m n k`` times the batch size.
+    workers_decide : bool
+        The engine's workers pick their own device (a Dask cluster): ``"auto"``
+        stays ``"auto"`` for them to resolve against the device they have.
+
+    Returns
+    -------
+    (backend, on_gpu)
+        ``backend`` is ``"numba"``, ``"blas"``, ``"raw"``, ``"cublas"`` or, with
+        ``on_gpu``, ``"auto"`` (the GPU executor's per-shape choice); ``"auto"``
+        without ``on_gpu`` only when ``workers_decide``. Host operands go to
+        the GPU for large float32/float64 products when a GPU is present.
+
+    Raises
+    ------
+    ValueError
+        An unknown backend, or a CPU backend for cupy operands.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    dtype = np.dtype(dtype)
+    if backend in GPU_BACKENDS:
+        return backend, not workers_decide
+    if family == "cupy":
+        if backend in CPU_BACKENDS and not workers_decide:
+            raise ValueError(f"backend {backend!r} runs on the CPU; cupy operands need 'raw', "
+                             f"'cublas' or 'auto'")
+        return backend, not workers_decide
+    if backend in CPU_BACKENDS or workers_decide:
+        return backend, False
+    if dtype in (np.float32, np.float64) and flops >= AUTO_GPU_MIN_FLOPS and gpu_available():
+        return "auto", True
+    return ("numba" if dtype.kind in "biu" else "blas"), False
 
 
 def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> Executor:

@@ -12,11 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from distmm.errors import BackendUnavailable
+
 __all__ = ["Executor", "BackendUnavailable"]
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend was asked for that this machine cannot run (no GPU, no cupy)."""
 
 
 class Executor(ABC):

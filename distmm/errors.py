@@ -1,0 +1,28 @@
+"""distmm's exception types, at the bottom of the house so every layer can raise them.
+
+This module covers: the few error types distmm adds to numpy's and Python's
+(``ValueError`` for bad shapes, ``TypeError`` for bad dtypes, ``OSError``
+subclasses for files). Each subclasses the built-in a caller would already
+catch, so ``except ValueError`` keeps working.
+It does *not* cover: formatting errors for the command line (``distmm.cli``).
+"""
+from __future__ import annotations
+
+__all__ = ["BackendUnavailable", "WorkersLost", "OutputExists", "InsufficientSpace"]
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend was asked for that this machine cannot run (no GPU, no cupy)."""
+
+
+class WorkersLost(RuntimeError):
+    """A cluster run gave up: workers kept dying, or none came back in time.
+    The message says what was lost and after how long."""
+
+
+class OutputExists(FileExistsError):
+    """The output target exists and overwriting it was not asked for."""
+
+
+class InsufficientSpace(OSError):
+    """The output does not fit the free space of its file system."""
