@@ -9,6 +9,7 @@ or kernels (``distmm.executor``).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import replace
 
@@ -46,8 +47,11 @@ def _as_array(x, family: str):
 
 
 def _validate(a, b, what: str = "matmul") -> Operands:
-    fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
-    a, b = _as_array(a, fam), _as_array(b, fam)
+    if type(a) is np.ndarray and type(b) is np.ndarray:
+        fam = "numpy"  # the common case, without the dispatch
+    else:
+        fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
+        a, b = _as_array(a, fam), _as_array(b, fam)
     # numpy resolves the loop (dtypes) before it looks at dimensions.
     dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     for name, x in (("a", a), ("b", b)):
@@ -65,13 +69,13 @@ def _validate(a, b, what: str = "matmul") -> Operands:
             f"({a_shape[-1]} != {b_shape[-2]})"
         )
     try:
-        batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+        batch = () if len(a_shape) == len(b_shape) == 2 else np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
     except ValueError:
         raise ValueError(
             f"{what}: batch dimensions do not broadcast: a has shape {a.shape}, "
             f"b has shape {b.shape}"
         ) from None
-    for name, x in (("a", a), ("b", b)):
+    for name, x in (("a", a), ("b", b)) if fam == "dask" else ():
         if any(s is None or (isinstance(s, float) and np.isnan(s)) for s in x.shape):
             raise ValueError(
                 f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
@@ -82,11 +86,11 @@ def _validate(a, b, what: str = "matmul") -> Operands:
 
 
 def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
-             hints: dict | None = None) -> Plan:
+             hints: dict | None = None, config=None) -> Plan:
     """Make a plan with the configured tile and memory budget: the one place
     distmm plans a product. ``hints`` are an engine's ``plan_hints``; an
     explicit or configured tile wins over a hinted one."""
-    cfg = get_config()
+    cfg = config if config is not None else get_config()
     hints = dict(hints or {})
     tile = tile if tile is not None else cfg.tile
     if tile is None:
@@ -102,12 +106,12 @@ def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None
     eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads)
     if backend == "auto" and ops.family == "numpy":
         backend = cfg.backend
-    flops = 2 * ops.m * ops.n * ops.k * max(int(np.prod(ops.batch, dtype=np.int64)), 1)
+    flops = 2 * ops.m * ops.n * ops.k * max(math.prod(ops.batch), 1)
     backend, on_gpu = resolve_backend(backend, ops.dtype, family=ops.family, flops=flops,
                                       workers_decide=eng.name == "dask")
     workers = eng.workers(ops, on_gpu=on_gpu)
     plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile,
-                    hints=eng.plan_hints(ops, workers))
+                    hints=eng.plan_hints(ops, workers), config=cfg)
     return eng, Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
                         report=cfg.performance_report)
 

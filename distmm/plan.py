@@ -13,6 +13,7 @@ See also: ``distmm.engine`` (runs a plan), ``distmm.api`` (makes one).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -34,6 +35,16 @@ _MIN_TILE = 64
 
 
 def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
+    """Return the dtype numpy's ``matmul`` gives for these operand dtypes
+    (remembered per pair of dtypes; see ``_result_dtype``)."""
+    a_dtype, b_dtype = np.dtype(a_dtype), np.dtype(b_dtype)
+    # dtype('q') == dtype('l') and they hash alike, but numpy keeps the type
+    # (np.longlong vs np.int64): the character code is part of the key.
+    return _result_dtype(a_dtype, a_dtype.char, b_dtype, b_dtype.char)
+
+
+@functools.lru_cache(maxsize=256)
+def _result_dtype(a_dtype: np.dtype, a_char: str, b_dtype: np.dtype, b_char: str) -> np.dtype:
     """Return the dtype numpy's ``matmul`` gives for these operand dtypes.
 
     Raises
@@ -332,6 +343,31 @@ def make_plan(
     >>> p.grid, p.k_splits
     ((2, 2), 1)
     """
+    if isinstance(tile, list):
+        tile = tuple(tile)
+    args = (m, n, k, np.dtype(dtype), workers, tile, k_splits, memory_budget, owner_order)
+    try:
+        return _cached_plan(*args)  # plans are frozen: the same request gives the same plan
+    except TypeError:  # an unhashable argument: plan without the cache
+        return _make_plan(*args)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_plan(*args) -> Plan:
+    return _make_plan(*args)
+
+
+def _make_plan(
+    m: int,
+    n: int,
+    k: int,
+    dtype: np.dtype | str = "float64",
+    workers: int = 1,
+    tile: int | tuple[int, int, int] | None = None,
+    k_splits: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    owner_order: str = "rows",
+) -> Plan:
     for name, v in (("m", m), ("n", n), ("k", k)):
         if int(v) != v or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")

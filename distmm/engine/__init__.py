@@ -13,6 +13,14 @@ ENGINES = ("auto", "local", "dask", "mpi")
 
 
 def _default_client():
+    """The default ``distributed`` client, or None. Cheap when there is none:
+    a client made default sets dask's ``scheduler`` to ``dask.distributed``."""
+    import sys
+
+    import dask.config
+
+    if "distributed" not in sys.modules or dask.config.get("scheduler", None) != "dask.distributed":
+        return None
     try:
         from distributed import default_client
 

@@ -74,6 +74,15 @@ class LocalEngine(Engine):
                              progress=request.progress)
 
 
+def _one_tile(plan: Plan, a, b, executor, out):
+    """A product of one tile and one k group (small products): no pool, no bar."""
+    acc = finish_tile(plan, tile_partial(executor, plan, a, b))
+    if out is None:
+        return executor.to_host(acc) if acc.dtype == np.dtype(plan.dtype) else acc
+    out[...] = acc
+    return out
+
+
 def _progress_bar(progress, plan: Plan, count: int):
     """A tqdm bar over C tiles when asked for, or (``None``) on a terminal for
     products estimated to run over ten seconds at 20 GFLOP/s per worker."""
@@ -117,6 +126,10 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     ``out``, or a new ndarray of ``batch + (m, n)`` and the plan's result dtype.
     """
     batch = tuple(a.shape[:-2])
+    if (not batch and plan.grid == (1, 1) and plan.k_splits == 1 and plan.k
+            and not hasattr(executor, "run_plan") and isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)):
+        return _one_tile(plan, a, b, executor, out)
     if out is None:
         out = np.empty(batch + (plan.m, plan.n), dtype=np.dtype(plan.dtype))
     if out.size == 0:
