@@ -1,7 +1,7 @@
 """CPU benchmark: distmm's numba kernels on the local engine against numpy (OpenBLAS).
 
 Writes one record per (variant, dtype, size) to
-``bench/results/cpu-<cpu-model>-<date>.jsonl`` through ``bench.records`` and prints
+``bench/results/cpu-<cpu-model>-<date>.jsonl`` through ``bench.common`` and prints
 a table of GFLOP/s and ratios to numpy measured in the same run.
 
 Variants
@@ -20,25 +20,17 @@ that load from other processes on this shared machine hits both alike; the
 record holds the median. Run it under ``flock /tmp/distmm-bench.lock`` so that
 benchmarks do not overlap::
 
-    flock /tmp/distmm-bench.lock env PYTHONPATH=. python bench/cpu.py
+    flock /tmp/distmm-bench.lock python -m bench.cpu
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import distmm  # noqa: E402
-from bench.records import RecordWriter, cpu_model, relerr  # noqa: E402
-from distmm.api import plan_for  # noqa: E402
-from distmm.engine.local import default_workers  # noqa: E402
-from distmm.kernels import numba_gemm  # noqa: E402
+import distmm
+from bench.common import RecordWriter, alternating_seconds, cpu_model, parser, relerr
 
 
 def _inputs(dtype: str, n: int, seed: int):
@@ -52,27 +44,19 @@ def _inputs(dtype: str, n: int, seed: int):
     return a, b
 
 
-def _time_alternating(fns: dict, repeat: int) -> dict:
-    """Median seconds of each callable, timed in turn ``repeat`` times."""
-    times = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
-    parser.add_argument("--int-size", type=int, default=512,
-                        help="n of the int64 case (numpy's integer loop is slow); 0 skips it")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--note", default="")
-    args = parser.parse_args(argv)
+    p = parser(__doc__, prog="python -m bench.cpu")
+    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
+    p.add_argument("--int-size", type=int, default=512,
+                   help="n of the int64 case (numpy's integer loop is slow); 0 skips it")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--note", default="")
+    args = p.parse_args(argv)
+
+    from distmm.api import plan_for
+    from distmm.engine.local import default_workers
+    from distmm.kernels import numba_gemm
 
     env = {key: os.environ.get(key) for key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                 "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
@@ -103,7 +87,7 @@ def main(argv=None) -> int:
         for name, fn in fns.items():  # check, and warm up (numba compile, page faults)
             errs[name] = relerr(fn(), ref)
         repeat = args.repeat if np.dtype(dtype).kind == "f" else max(2, args.repeat // 2)
-        secs = _time_alternating(fns, repeat)
+        secs = alternating_seconds(fns, repeat)
         for name in fns:
             extra = {"nr": numba_gemm.nr_for(dtype)} if name.startswith("distmm") else {}
             if name.startswith("distmm"):

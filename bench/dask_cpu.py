@@ -1,6 +1,6 @@
 """CPU benchmark of the Dask engine: distmm-dask against dask.array and numpy.
 
-Writes one record per (setup, variant, dtype, size) through ``bench.records``
+Writes one record per (setup, variant, dtype, size) through ``bench.common``
 (benchmark ``cpu``) to ``bench/results/cpu-dask-<cpu-model>-<date>.jsonl`` and
 prints GFLOP/s and the ratios measured in the same run.
 
@@ -33,27 +33,22 @@ before timing; variants are timed in alternation so that load from other
 processes on this shared machine hits all alike; records hold the median.
 Run under the benchmark lock::
 
-    flock /tmp/distmm-bench.lock env PYTHONPATH=. python bench/dask_cpu.py
+    flock /tmp/distmm-bench.lock python -m bench.dask_cpu
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
 import time
-from pathlib import Path
 
+import dask.array as da
 import numpy as np
+from distributed import Client, LocalCluster, wait
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import dask.array as da  # noqa: E402
-from distributed import Client, LocalCluster, wait  # noqa: E402
-
-import distmm  # noqa: E402
-from bench.records import RESULTS, RecordWriter, cpu_model, relerr, slug  # noqa: E402
-from distmm.api import plan_for  # noqa: E402
+import distmm
+from bench.common import RecordWriter, cpu_model, parser, relerr
+from distmm.api import plan_for
 
 
 def _fresh(n: int, chunk: int, seed: int, dtype: str):
@@ -163,7 +158,6 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
 def bench_client(client, writer, n: int, chunk: int, dtype: str, repeat: int, workers: int, rows):
     variants = ["numpy", "distmm-dask", "dask.array"]
     rng = np.random.default_rng(n)
-    fns = {}
     pairs = [tuple(rng.standard_normal((n, n)).astype(dtype) for _ in range(2)) for _ in range(2)]
 
     def run(variant, a, b):
@@ -189,7 +183,6 @@ def bench_client(client, writer, n: int, chunk: int, dtype: str, repeat: int, wo
     _emit(writer, rows, "client", variants, times, errs, dtype, n, chunk, plan,
           note="numpy operands in the client process and a numpy result back: includes moving "
                "A and B to the workers and gathering C; dask.array via da.from_array + compute")
-    del fns
 
 
 def _emit(writer, rows, setup, variants, times, errs, dtype, n, chunk, plan, note):
@@ -217,14 +210,13 @@ def _emit(writer, rows, setup, variants, times, errs, dtype, n, chunk, plan, not
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, prog="python -m bench.dask_cpu")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--dtype", default="float64")
     p.add_argument("--chunk", type=int, default=2048, help="dask chunk size (both variants)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--setups", nargs="+", default=["cluster"], choices=["cluster", "client"])
-    p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
 
     env = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
@@ -236,7 +228,7 @@ def main(argv=None) -> int:
                                           "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")})
         worker_env = next(iter(worker_env.values()))
         writer = RecordWriter(
-            "cpu", cpu_model(), out_dir=args.out_dir, workers=args.workers,
+            "cpu", cpu_model(), out_dir=args.out_dir, file_stem="cpu-dask", workers=args.workers,
             threads_per_worker=1, cluster="LocalCluster(processes=True)",
             client_openblas_env={k: v for k, v in env.items() if v is not None},
             worker_openblas_env={k: v for k, v in worker_env.items() if v is not None},
@@ -246,7 +238,6 @@ def main(argv=None) -> int:
             dask_version=__import__("dask").__version__,
             cores=len(os.sched_getaffinity(0)),
         )
-        writer.path = Path(args.out_dir or RESULTS) / f"cpu-dask-{slug(writer.device)}-{writer.date}.jsonl"
         print(f"workers' env: {worker_env}", flush=True)
         rows: list = []
         for setup in args.setups:

@@ -8,15 +8,15 @@ bandwidth and the FFMA/DFMA peak of a register-only probe kernel (variants ``cei
 Records go to ``<out>/kernels-<device>-<date>.jsonl``; ``bench/plot_kernels.py`` makes the
 table and the plots from them.
 
-Usage (on a GPU machine, repository root on PYTHONPATH)::
+Usage (on a GPU machine, from the repository root; ``bench/device/run.sh kernels`` runs it
+with the GPU tests' kernel cache)::
 
-    python -m bench.kernels --out bench/results            # full run
+    python -m bench.kernels --out-dir bench/results        # full run
     python -m bench.kernels --sizes 1024 2048 --no-rect    # quick
     python -m bench.kernels --warm-only                    # compile everything in parallel
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-import distmm  # noqa: F401
 import distmm.registry as registry
-from bench.records import RecordWriter, gpu_name
+from bench.common import (RecordWriter, event_alternating, event_seconds, gpu_name, parser,
+                          random_operands)
 
 SQUARE = (1024, 2048, 4096, 8192, 16384)
 RECT = ((4096, 4096, 16384), (16384, 16384, 1024), (8192, 2048, 8192))
@@ -67,12 +67,10 @@ def ceilings(rec, log=print):
     """Measured memory bandwidth and FMA peaks (same run), as ``ceiling-*`` records."""
     import cupy
 
-    from distmm.tune import time_gpu
-
     n = 1 << 28  # 1 GiB of float32
     src = cupy.random.default_rng().standard_normal(n, dtype=np.float32)
     dst = cupy.empty_like(src)
-    sec = time_gpu(lambda: cupy.copyto(dst, src), repeat=10)
+    sec = event_seconds(lambda: cupy.copyto(dst, src), repeat=10)
     gbps = 2 * src.nbytes / sec / 1e9
     rec.add("ceiling-copy", "float32", n, 1, 1, sec, None, tflops=None, gbps=gbps,
             note="device-to-device copy, bytes read + written")
@@ -87,7 +85,7 @@ def ceilings(rec, log=print):
         out = cupy.empty(blocks * threads, dtype=dt)
         t = np.dtype(dt).type
         run = lambda: k((blocks,), (threads,), (out, t(0.999), t(0.001), np.int32(iters)))  # noqa: E731
-        sec = time_gpu(run, repeat=5)
+        sec = event_seconds(run, repeat=5)
         tf = 2 * 8 * iters * threads * blocks / sec / 1e12
         rec.add(f"ceiling-{'ffma' if dt == 'float32' else 'dfma'}", dt, 0, 0, 0, sec, None,
                 tflops=tf, note=f"register-only FMA probe, {blocks}x{threads} threads")
@@ -104,8 +102,7 @@ def model_bytes(spec, params, m, n, k, itemsize):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="records folder (default bench/results)")
+    ap = parser(__doc__, prog="python -m bench.kernels")
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SQUARE))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     ap.add_argument("--kernels", nargs="+", default=[k.name for k in registry.steps()])
@@ -124,7 +121,6 @@ def main(argv=None) -> int:
 
     from distmm.executor import cuda_loader
     from distmm.executor.gpu import GPUExecutor
-    from distmm.tune import random_operands, time_alternating, time_gpu
 
     if os.environ.get("CUPY_TF32", "0") != "0":
         print("CUPY_TF32 is set: the cuBLAS reference would use TF32; unset it", file=sys.stderr)
@@ -152,7 +148,7 @@ def main(argv=None) -> int:
         return 1 if errors else 0
 
     device = gpu_name()
-    rec = RecordWriter("kernels", device, args.out, gpus=1)
+    rec = RecordWriter("kernels", device, args.out_dir, gpus=1)
     print(f"{device}: records -> {rec.path}")
     ceilings(rec)
     shapes = [(s, s, s) for s in sorted(args.sizes)] + ([] if args.no_rect else list(RECT))
@@ -187,7 +183,7 @@ def main(argv=None) -> int:
                 runs[name] = (run, check(run), spec, params)
             # cuBLAS and every kernel in alternation, --rounds times: a clock or power
             # change during the run hits all alike; each variant's record is the median
-            secs = time_alternating({name: r[0] for name, r in runs.items()},
+            secs = event_alternating({name: r[0] for name, r in runs.items()},
                                     rounds=args.rounds, repeat=repeat)
             line = []
             for name, (run, err, spec, params) in runs.items():

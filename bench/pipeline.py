@@ -17,72 +17,24 @@ to the host; outputs are poisoned with NaN before the checked run, and the
 error is measured on sampled rows of C against a float64 cuBLAS product of
 the same rows (a full CPU float64 product at n=32768 would take hours).
 
-Usage::
+Usage (``bench/device/run.sh pipeline`` runs the GPU tests of the pipeline first)::
 
-    python bench/pipeline.py --sizes 16384 32768 --dtypes float32 float64 \
+    python -m bench.pipeline --sizes 16384 32768 --dtypes float32 float64 \
         --out-dir "$OUT" --timeline "$OUT/timeline.png"
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.records import RecordWriter, gpu_name  # noqa: E402
+from bench.common import (RecordWriter, event_seconds, free_gpu, gpu_name, gpu_sync, parser,
+                          wall_times)
 
 CAP_BYTES = 8 * 10**9  # "capped at 8 GB"
 SAMPLE_ROWS = 64
-
-
-def _sync():
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-
-
-def _free_device():
-    import cupy
-
-    gc.collect()
-    cupy.get_default_memory_pool().free_all_blocks()
-    cupy.get_default_pinned_memory_pool().free_all_blocks()
-
-
-def _event_median(fn, repeat: int, warmup: int = 1) -> float:
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(repeat):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
-    return float(np.median(times))
-
-
-def _wall_median(fn, repeat: int, warmup: int = 0) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(repeat):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), times
 
 
 def _rel_rows(c_rows: np.ndarray, ref_rows: np.ndarray) -> float:
@@ -110,13 +62,13 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     # float64 reference of the sampled rows, on the GPU
     ref_rows = cupy.matmul(a_d[cupy.asarray(rows)].astype(np.float64),
                            b_d.astype(np.float64, copy=False)).get()
-    _free_device()
+    free_gpu()
 
     # -- in-core cuBLAS --------------------------------------------------------------
     c_d = cupy.full((m, n), np.nan, dtype=dt)
     cupy.matmul(a_d, b_d, out=c_d)
     err = _rel_rows(c_d[cupy.asarray(rows)].get(), ref_rows)
-    sec = _event_median(lambda: cupy.matmul(a_d, b_d, out=c_d), repeat)
+    sec = event_seconds(lambda: cupy.matmul(a_d, b_d, out=c_d), repeat=repeat, warmup=1)
     rec = writer.add("cublas", dt, m, n, k, sec, err, residency="device",
                      note=f"relerr on {SAMPLE_ROWS} sampled rows vs float64 cuBLAS")
     results["cublas"] = rec
@@ -125,7 +77,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     a_h = a_d.get()
     b_h = b_d.get()
     del a_d, b_d
-    _free_device()
+    free_gpu()
     c_h = np.empty((m, n), dtype=dt)
 
     # -- naive: copy in, one call, copy out ----------------------------------------------
@@ -138,13 +90,14 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         c_h[...] = np.nan
         naive()
         err = _rel_rows(c_h[rows], ref_rows)
-        sec, times = _wall_median(naive, max(1, repeat - 2))  # slow and simple: 1 timed run
+        times = wall_times(naive, repeat=max(1, repeat - 2), warmup=0, sync=gpu_sync)  # slow: 1 run
+        sec = float(np.median(times))
         rec = writer.add("naive-host", dt, m, n, k, sec, err, residency="host",
                          times=times, note="pageable copy in, cupy.matmul, pageable copy out; "
                          f"relerr on {SAMPLE_ROWS} sampled rows")
         results["naive-host"] = rec
         log(rec)
-        _free_device()
+        free_gpu()
 
     # -- the pipeline ----------------------------------------------------------------------
     gemm = CublasGemm()
@@ -162,7 +115,8 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         call()  # warm-up and the checked run (output poisoned above)
         all_written = bool(np.isfinite(c_h).all())
         err = _rel_rows(c_h[rows], ref_rows) if all_written else float("nan")
-        sec, times = _wall_median(call, repeat)
+        times = wall_times(call, repeat=repeat, warmup=0, sync=gpu_sync)
+        sec = float(np.median(times))
         err_after = _rel_rows(c_h[rows], ref_rows)
         rec = writer.add(variant, dt, m, n, k, sec, err, residency="host", times=times,
                          device_memory_limit=limit, budget=info.get("budget"),
@@ -188,7 +142,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
                     ("h2d", "compute", "d2h", "host-stage", "host-unstage")}
             print(f"timeline -> {trace_to[0]}: {tl.meta['tflops']:.2f} TFLOP/s traced, "
                   f"busy ms {busy}, span {max(o['end_ms'] for o in tl.ops):.1f} ms", flush=True)
-        _free_device()
+        free_gpu()
     del gemm, a_h, b_h, c_h
     gc.collect()
     return results
@@ -221,26 +175,25 @@ def probe() -> dict:
     for name, fn in (("h2d_pinned_GBps", lambda: d.set(dst)),
                      ("d2h_pinned_GBps", lambda: d.get(out=dst))):
         fn()
-        _sync()
+        gpu_sync()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        gpu_sync()
         out[name] = round(nbytes / (time.perf_counter() - t0) / 1e9, 1)
     del d
     pool.release(buf)
     pool.close()
-    _free_device()
+    free_gpu()
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, prog="python -m bench.pipeline")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variants", nargs="+",
                    default=["cublas", "naive-host", "distmm-host", "distmm-host-capped"])
-    p.add_argument("--out-dir", default=None, help="records folder (default bench/results)")
     p.add_argument("--timeline", default=None, help="PNG of one traced run")
     p.add_argument("--timeline-json", default=None)
     p.add_argument("--timeline-n", type=int, default=32768)

@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.records import load, slug
+from bench.common import load, slug
 
 STEP_TITLES = {
     "cublas": "cuBLAS (cupy.matmul)",

@@ -1,4 +1,7 @@
-"""Where does SIMT float64 GEMM stop? DFMA issue probes shaped like a GEMM's inner loop.
+"""Where does a SIMT float64 GEMM stop? DFMA issue probes shaped like a GEMM's inner loop.
+
+Answered on the H200 (NOTES.md, "SIMT float64"): an outer-product DFMA loop with shared-memory
+fragments stops near 80% of the DFMA rate whatever the occupancy, and at the board's power cap.
 
 Two kernels, each run with TM x TN accumulators a thread, 128-thread blocks and a chosen
 number of resident blocks per SM (capped by padding the dynamic shared memory), so the
@@ -13,11 +16,15 @@ number of warps per scheduler is controlled:
 The gap between them and the full kernel says what costs: register operands and
 occupancy (``reg``), shared-memory reads (``smem``), or the k-tile boundary and the
 global loads (the kernel). Prints TFLOP/s and % of the chain probe (8 independent FMA
-chains a thread, full occupancy: the DFMA peak). ``python -m bench.dfma_probe``
+chains a thread, full occupancy: the DFMA peak). ``python -m bench.research.dfma_probe``
 """
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+
+from bench.common import event_seconds, sustained_clock
 
 SRC = r"""
 // The TM x TN outer product acc += a b^T in one of several issue orders (ORDER):
@@ -165,11 +172,8 @@ def smem_probe_bytes(tm: int, tn: int, ln: int) -> int:
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    import cupy
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.research.dfma_probe",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--orders", action="store_true",
                     help="only the 8 x 8 probes, once per outer-product issue order")
     ap.add_argument("--sustained", action="store_true",
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
                          "with the SM clock and board power sampled")
     args = ap.parse_args(argv)
 
-    from distmm.tune import sustained_clock, time_gpu
+    import cupy
 
     names = ["probe_chain"]
     if args.orders or args.sustained:
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
 
     iters = 1 << 14
     k = mod.get_function("probe_chain")
-    sec = time_gpu(lambda: k((sms * 8,), (256,), (out, np.float64(0.999), np.float64(1e-3), np.int32(iters))), repeat=5)
+    sec = event_seconds(lambda: k((sms * 8,), (256,), (out, np.float64(0.999), np.float64(1e-3), np.int32(iters))), repeat=5)
     peak = 2 * 8 * iters * 256 * sms * 8 / sec / 1e12
     print(f"chain probe (8 chains, 16 warps/scheduler): {peak:.2f} TFLOP/s")
 
@@ -217,7 +221,7 @@ def main(argv=None) -> int:
 
     def run(name, tm, tn, blocks_per_sm, iters, kk, static_smem):
         fn, flops, regs, resident = launcher(name, tm, tn, blocks_per_sm, iters, kk, static_smem)
-        s = time_gpu(fn, repeat=5)
+        s = event_seconds(fn, repeat=5)
         tf = flops / s / 1e12
         print(f"{name:24s} regs {regs:3d}, {resident} blocks/SM = {resident} warps/scheduler: "
               f"{tf:6.2f} TFLOP/s = {100 * tf / peak:5.1f}% of the chain probe", flush=True)

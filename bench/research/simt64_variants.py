@@ -1,4 +1,8 @@
-"""Benchmark ``kernels`` (focused): A/B of step 10's compile-time inner-loop variants.
+"""Does an inner-loop variant of step 10 (SIMT float64) beat the default? An A/B of its compile-time macros.
+
+Answered on the H200 and H100 (NOTES.md, "SIMT float64"): one pair of k per loop iteration
+(+1-8%) and the split tail (+1% at 8192) became the defaults; column zig-zag, 16-byte A
+fragments, 128 x 128 blocks and BK 32 did not pay.
 
 Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees its inner
 loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration,
@@ -11,12 +15,12 @@ split tail of ``cuda_loader.launch``), in one process:
 2. check it on odd, rectangular and transposed products (7 .. 4097, alpha/beta, output
    poisoned with NaN) against float64 products;
 3. time it at each ``--sizes`` in alternation with cuBLAS DGEMM (``cupy.matmul``) and the
-   other variants (``distmm.tune.time_alternating``), so all see the same clocks.
+   other variants (``bench.common.event_alternating``), so all see the same clocks.
 
-Records: ``kernels-<device>-<date>.jsonl``, variants ``cublas`` and ``distmm-raw-simt_fp64``
+Records (benchmark ``kernels``): ``kernels-<device>-<date>.jsonl``, variants ``cublas`` and ``distmm-raw-simt_fp64``
 with ``params`` and a ``note`` naming the macros.
 
-    python -m bench.simt64_variants --out $OUT --clocks 8192 unrolled=64,0 pair=1,0 \
+    python -m bench.research.simt64_variants --out-dir $OUT --clocks 8192 unrolled=64,0 pair=1,0 \
         pair128=1,0:BM=128,BN=128
 """
 from __future__ import annotations
@@ -27,8 +31,9 @@ import time
 import numpy as np
 
 import distmm.registry as registry
-from bench.records import RecordWriter, gpu_name
-from bench.simt64 import check_shapes
+from bench.common import (RecordWriter, event_alternating, gpu_name, parser, random_operands,
+                          relerr_gpu, sustained_clock)
+from bench.research.simt64_search import check_shapes
 
 #: checked in all four layouts (and 4097^3 untransposed)
 CHECK_CASES = ((7, 7, 7), (33, 33, 33), (127, 1000, 33), (1000, 33, 4097))
@@ -60,12 +65,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, int], dict[str, int], bool]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.simt64_variants",
-                                 description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, prog="python -m bench.research.simt64_variants")
     ap.add_argument("variants", nargs="+", type=parse_variant, help="NAME=KPAIRS,ORDER[,TAIL][:P=V,...]")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
     ap.add_argument("--clocks", type=int, default=0, metavar="N",
                     help="also run each for 2 s at N with the SM clock and power sampled")
     args = ap.parse_args(argv)
@@ -73,7 +76,6 @@ def main(argv=None) -> int:
     import cupy
 
     from distmm.executor import cuda_loader
-    from distmm.tune import random_operands, relerr_gpu, sustained_clock, time_alternating
 
     t0 = time.perf_counter()
     dt = "float64"
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
         print(f"{name} {d} {p} split tail {tail}: {regs} registers (NN); odd/rectangular/transposed, alpha/beta: "
               f"worst relerr {w:.1e}", flush=True)
 
-    rec = RecordWriter("kernels", gpu_name(), args.out)
+    rec = RecordWriter("kernels", gpu_name(), args.out_dir)
     for n in args.sizes:
         a, b = random_operands(n, n, n, dt)
         c = cupy.empty((n, n), dtype=dt)
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
 
         runs = {"cublas": lambda: cupy.matmul(a, b, out=c)}
         runs.update({name: runner(d, p, t) for name, d, p, t in args.variants})
-        sec = time_alternating(runs, rounds=args.rounds, repeat=5)
+        sec = event_alternating(runs, rounds=args.rounds, repeat=5)
         tf = {k: 2 * n**3 / s / 1e12 for k, s in sec.items()}
         note = f"simt64_variants run, median of {args.rounds} alternated rounds"
         rec.add("cublas", dt, n, n, n, sec["cublas"], None, note=note)
@@ -127,8 +129,8 @@ def main(argv=None) -> int:
         runs += [(name, (lambda d=d, p=p, t=t: cuda_loader.launch(
                      KERNEL, a, False, n, b, False, n, c, n, n, n, n, params=p, defines=d, split_tail=t)))
                  for name, d, p, t in args.variants]
-        # the DFMA chain probe of bench/dfma_probe.py (8 independent chains a thread)
-        from bench.dfma_probe import SRC
+        # the DFMA chain probe of bench/research/dfma_probe.py (8 independent chains a thread)
+        from bench.research.dfma_probe import SRC
         chain = cupy.RawModule(code=SRC, options=("-std=c++17",),
                                name_expressions=["probe_chain"]).get_function("probe_chain")
         iters, out = 1 << 16, cupy.empty(sms * 8 * 256, dtype=np.float64)

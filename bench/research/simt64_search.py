@@ -1,4 +1,7 @@
-"""Benchmark ``kernels`` (focused): float64 on the SIMT units, a shape search next to cuBLAS.
+"""Which thread, warp and block tiles make step 10 (SIMT float64) fastest? A shape search next to cuBLAS.
+
+Answered on the H200 (NOTES.md, "SIMT float64"): all 52 8 x 8-thread-tile shapes ran within
+16.8-23.5 TFLOP/s; the best, 64x128 BK16 warp 64x32 (later 32x64) became the registry default.
 
 For one kernel step (default ``simt_fp64``, step 10) and a list of configurations
 (``--accumulators``: thread tiles with at least that many accumulators, from the step's
@@ -11,14 +14,13 @@ tuning space), in one process:
    all four layouts, alpha/beta) and time them at each ``--sizes`` alternating with
    cuBLAS DGEMM (``cupy.matmul``) in the same process, so both see the same clocks.
 
-Records: ``kernels-<device>-<date>.jsonl`` (variants ``cublas``, ``distmm-raw-<kernel>`` with
+Records (benchmark ``kernels``): ``kernels-<device>-<date>.jsonl`` (variants ``cublas``, ``distmm-raw-<kernel>`` with
 ``params`` and ``note`` naming the search), ``tune-<kernel>`` records for the search.
 
-    python -m bench.simt64 --out $OUT
+    python -m bench.research.simt64_search --out-dir $OUT
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 import distmm.registry as registry
-from bench.records import RecordWriter, gpu_name
+from bench.common import (RecordWriter, event_seconds, gpu_name, parser, random_operands,
+                          raw_runner, relerr_gpu)
 
 
 def configs(spec, dtype: str, min_acc: int) -> list[dict]:
@@ -45,7 +48,6 @@ def check_shapes(spec, p, dtype="float64", *, cases=CHECK_CASES, nn_cases=(), de
     import cupy
 
     from distmm.executor import cuda_loader
-    from distmm.tune import random_operands
 
     worst = 0.0
     layouts = [(ta, tb) for ta in (False, True) for tb in (False, True)]
@@ -70,13 +72,12 @@ def check_shapes(spec, p, dtype="float64", *, cases=CHECK_CASES, nn_cases=(), de
     return worst
 
 
+def _raw_runner(spec, p, a, b, c):
+    return raw_runner(spec.name, p, a, b, c)
+
+
 def main(argv=None) -> int:
-    import cupy
-
-    from distmm.executor import cuda_loader
-    from distmm.tune import _raw_runner, random_operands, relerr_gpu, time_gpu
-
-    ap = argparse.ArgumentParser(prog="python -m bench.simt64", description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, prog="python -m bench.research.simt64_search")
     ap.add_argument("--kernel", default="simt_fp64")
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--accumulators", type=int, default=64, help="min TM*TN of the searched shapes")
@@ -84,11 +85,15 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--also", nargs="*", default=["warptile"], help="kernels timed with their defaults")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; stops adding sizes after")
     ap.add_argument("--launch", nargs=2, metavar=("PARAMS_JSON", "N"), default=None,
                     help="only launch the kernel with these parameters twice at n (for ncu)")
     args = ap.parse_args(argv)
+
+    import cupy
+
+    from distmm.executor import cuda_loader
+
     t0 = time.perf_counter()
     spec = registry.get(args.kernel)
     dt = args.dtype
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
         cupy.cuda.get_current_stream().synchronize()
         print(f"launched {spec.name} {dt} n={n} {p} twice")
         return 0
-    rec = RecordWriter("kernels", gpu_name(), args.out)
+    rec = RecordWriter("kernels", gpu_name(), args.out_dir)
     cand = configs(spec, dt, args.accumulators)
     print(f"{len(cand)} {spec.name} {dt} configurations with >= {args.accumulators} accumulators", flush=True)
     items = [(spec.name, dt, p, False, False) for p in cand]
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
     n = args.search
     a, b = random_operands(n, n, n, dt)
     c = cupy.empty((n, n), dtype=dt)
-    t_blas = time_gpu(lambda: cupy.matmul(a, b, out=c), repeat=5)
+    t_blas = event_seconds(lambda: cupy.matmul(a, b, out=c), repeat=5)
     print(f"cublas n={n}: {2 * n**3 / t_blas / 1e12:.2f} TFLOP/s", flush=True)
     a7, b7 = random_operands(4097, 4097, 4097, dt)
     c7 = cupy.empty((4097, 4097), dtype=dt)
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
             if not err < 1e-12:
                 print(f"  {p}: WRONG relerr {err:.2e}", flush=True)
                 continue
-            sec = time_gpu(_raw_runner(spec, p, a, b, c), repeat=5, warmup=1)
+            sec = event_seconds(_raw_runner(spec, p, a, b, c), repeat=5, warmup=1)
         except Exception as exc:  # a configuration that fails to launch is reported, not fatal
             print(f"  {p}: failed ({exc})", flush=True)
             continue
@@ -137,8 +142,8 @@ def main(argv=None) -> int:
         print(f"  {tf:6.2f} TFLOP/s ({100 * t_blas / sec:4.1f}% of cuBLAS)  {p}", flush=True)
     res.sort(key=lambda r: -r[0])
     top = [p for _, p in res[:args.top]]
-    if top and args.out:
-        (Path(args.out) / "simt64-best.json").write_text(json.dumps(top[0]))
+    if top and args.out_dir:
+        (Path(args.out_dir) / "simt64-best.json").write_text(json.dumps(top[0]))
     del a, b, c, a7, b7, c7
 
     for p in top:
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
                     + [(f"distmm-raw-{s.name}", s, q) for s, q in others]:
                 fn = (lambda: cupy.matmul(a, b, out=c)) if sp is None else _raw_runner(sp, p, a, b, c)
                 key = (label, str(p))
-                rounds.setdefault(key, []).append(time_gpu(fn, repeat=5, warmup=1))
+                rounds.setdefault(key, []).append(event_seconds(fn, repeat=5, warmup=1))
         blas = min(rounds[("cublas", "None")])
         rec.add("cublas", dt, n, n, n, blas, None, note="simt64 search run, best of 2 medians")
         print(f"n={n}: cublas {2 * n**3 / blas / 1e12:.2f} TFLOP/s", flush=True)

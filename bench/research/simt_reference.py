@@ -1,4 +1,7 @@
-"""cuBLAS's own float64 GEMM without the FP64 tensor cores, next to step 10 and default DGEMM.
+"""Is cuBLAS DGEMM in pedantic math mode a SIMT (no tensor core) reference for step 10?
+
+Answered on the H200 (NOTES.md, "SIMT float64"): no; it ran above the DFMA peak, so it still
+uses the FP64 tensor cores.
 
 The SIMT float64 target is a share of default cuBLAS DGEMM, which runs on the FP64 tensor
 cores (DMMA). cuBLAS can be asked not to use them (``CUBLAS_PEDANTIC_MATH``); if it then
@@ -6,37 +9,35 @@ runs at no more than the DFMA peak, that is NVIDIA's own SIMT DGEMM, the best av
 reference for what the SIMT units give. Times default DGEMM (``cublas``), pedantic DGEMM
 (``cublas-pedantic``) and step 10 (``distmm-raw-simt_fp64``) in alternation at each size;
 writes records (benchmark ``kernels``) and prints TFLOP/s and ratios.
-``python -m bench.simt_reference --out DIR``
+``python -m bench.research.simt_reference --out-dir DIR``
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
+
+from bench.common import RecordWriter, event_alternating, gpu_name, parser, random_operands
 
 CUBLAS_DEFAULT_MATH, CUBLAS_PEDANTIC_MATH = 0, 2
 
 
 def main(argv=None) -> int:
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-
-    from bench.records import RecordWriter, gpu_name
-    from distmm import registry
-    from distmm.executor import cuda_loader
-    from distmm.tune import random_operands, time_alternating
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    ap = parser(__doc__, prog="python -m bench.research.simt_reference")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
 
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    from distmm import registry
+    from distmm.executor import cuda_loader
+
     handle = cupy.cuda.device.get_cublas_handle()
     spec = registry.get("simt_fp64")
     params = spec.params("float64")
-    rec = RecordWriter("kernels", gpu_name(), args.out, gpus=1)
+    rec = RecordWriter("kernels", gpu_name(), args.out_dir, gpus=1)
     print(f"{gpu_name()}: records -> {rec.path}")
     for n in args.sizes:
         a, b = random_operands(n, n, n, "float64")
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
             cupy.cuda.get_current_stream().synchronize()
             errs[name] = float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref))
         repeat = 10 if n <= 4096 else (5 if n <= 8192 else 3)
-        secs = time_alternating(runs, rounds=args.rounds, repeat=repeat)
+        secs = event_alternating(runs, rounds=args.rounds, repeat=repeat)
         extras = {
             "cublas": {"step": 0},
             "cublas-pedantic": {"step": 0, "note": "cublasSetMathMode(CUBLAS_PEDANTIC_MATH)"},

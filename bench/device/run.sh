@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# One runner for every GPU workload of distmm; from the repository root of a GPU machine:
+#
+#   bash bench/device/run.sh WORKLOAD [WORKLOAD ...]
+#
+# Workloads, run in the order given, each under its own timeout within BUDGET seconds:
+#   info      the GPU, driver, cupy/numpy/python versions, `python -m distmm info`
+#   warm      compile every kernel the GPU tests and benchmarks use, in parallel
+#   tests     the GPU tests (pytest -m gpu; TESTS overrides the files)
+#   kernels   benchmark `kernels`: every CUDA step and cuBLAS (KERNELS_ARGS), then its table and plots
+#   ratios    benchmark `kernels`, the headline ratios: float32 steps 8/9 and float64 steps
+#             8/9/10 against cuBLAS at 4096/8192/16384, timed in alternation (ROUNDS rounds)
+#   tune      `distmm tune` for float32 and float64, with records; copies the tune cache out
+#   pipeline  benchmark `pipeline`: host-resident products against in-core cuBLAS, with a
+#             timeline (SIZES, DTYPES, REPEAT)
+#   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
+#   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
+#   close     info warm tests smoke ratios (a session's closing call)
+#
+# Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
+# (<benchmark>-<device>-<date>.jsonl), plots. Set DISTMM_COMMIT when the copy has no .git.
+# Research probes (bench/research/) are run directly: python -m bench.research.<name> --help.
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ -f .whl/env.sh ] && { . .whl/env.sh || exit 1; }
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/distmm-out}
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
+export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
+unset CUPY_TF32   # the cuBLAS float32 reference is IEEE SGEMM, never TF32
+BUDGET=${BUDGET:-570}
+PY=${PY:-python3}
+left() { echo $(( BUDGET - SECONDS )); }
+# a step's timeout: what it wants, or what is left of the budget (at least 5 s)
+step() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+gpu_state() { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv; }
+GPU_TESTS="tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py"
+
+run_info() {
+  date -u
+  echo "commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  gpu_state
+  $PY -c "import cupy, numpy, os, sys; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numpy', numpy.__version__, 'python', sys.version.split()[0], 'cpus', len(os.sched_getaffinity(0)))"
+  command -v nvcc >/dev/null && nvcc --version | tail -1
+  $PY -m distmm info
+}
+
+run_warm() {
+  timeout "$(step 150)" $PY -m bench.kernels --warm-only 2>&1 | tail -3
+}
+
+run_tests() {
+  timeout "$(step ${T_TESTS:-300})" $PY -m pytest -q -p no:cacheprovider -rs -m gpu ${TESTS:-$GPU_TESTS} \
+    > "$OUT/pytest.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/pytest.log"
+  echo "pytest exit $rc"
+}
+
+run_kernels() {
+  timeout "$(step 260)" $PY -m bench.kernels --out-dir "$OUT" ${KERNELS_ARGS:-} || echo "BENCH FAILED rc=$?"
+  timeout "$(step 40)" $PY -m bench.plot_kernels "$OUT"/kernels-*.jsonl --out "$OUT" || echo "PLOT FAILED rc=$?"
+}
+
+run_ratios() {
+  local rounds=${ROUNDS:-5}
+  timeout "$(step 150)" $PY -m bench.kernels --out-dir "$OUT" --rounds "$rounds" --dtypes float32 \
+    --sizes 4096 8192 16384 --no-rect --kernels warptile dmma || echo "BENCH FAILED rc=$?"
+  timeout "$(step 150)" $PY -m bench.kernels --out-dir "$OUT" --rounds "$rounds" --dtypes float64 \
+    --sizes 4096 8192 16384 --no-rect --kernels warptile dmma simt_fp64 || echo "BENCH FAILED rc=$?"
+}
+
+run_tune() {
+  timeout "$(step 130)" $PY -m distmm tune --dtype float32 float64 --size 4096 --confirm-size 8192 \
+    --records "$OUT" || echo "TUNE FAILED rc=$?"
+  cp "$DISTMM_CACHE_DIR/tune.json" "$OUT/tune.json" 2>/dev/null
+}
+
+run_pipeline() {
+  timeout "$(step ${T_BENCH:-330})" $PY -m bench.pipeline --probe --sizes ${SIZES:-16384 32768} \
+    --dtypes ${DTYPES:-float32 float64} --repeat ${REPEAT:-3} --out-dir "$OUT" \
+    --timeline "$OUT/timeline.png" --timeline-json "$OUT/timeline.json" \
+    --timeline-n 32768 --timeline-dtype float32 || echo "BENCH FAILED rc=$?"
+}
+
+run_smoke() {
+  timeout "$(step 90)" $PY -m distmm trace --n 8192 --dtype float32 -o "$OUT/trace-8192.png" 2>&1 | tail -5
+  timeout "$(step 90)" $PY -m distmm demo -n 4096 --engine local 2>&1 | tail -3
+}
+
+run_profile() {
+  if command -v ncu >/dev/null; then
+    for dt in float32 float64; do
+      echo "-- ncu: best kernel, $dt, n=4096"
+      timeout "$(step 60)" ncu --clock-control none --kernel-name regex:distmm_gemm \
+        --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables $PY -m bench.kernels --profile $dt 4096 \
+        2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 || echo "NCU FAILED rc=$?"
+    done
+  else
+    echo "ncu not found: profile skipped"
+  fi
+  timeout "$(step 60)" $PY -m bench.research.sass_hot_loop --dtype float32 > "$OUT/sass.txt" 2>&1 \
+    && grep -A8 "== hot loop 0x" "$OUT/sass.txt" | head -10 || echo "SASS FAILED rc=$?"
+}
+
+set -- $(for w in "$@"; do [ "$w" = close ] && echo info warm tests smoke ratios || echo "$w"; done)
+for w in "$@"; do
+  declare -F "run_$w" >/dev/null || { echo "run.sh: unknown workload '$w' (see bench/device/run.sh's header)" >&2; exit 2; }
+done
+mkdir -p "$OUT"
+for w in "$@"; do
+  echo "== $w ($(left)s left)"
+  "run_$w" 2>&1 | tee "$OUT/$w.log"
+done
+gpu_state
+echo "== done in ${SECONDS}s"

@@ -1,0 +1,96 @@
+"""Every script under bench/ answers ``--help`` in a fresh process without cupy or a GPU, and
+bench/common.py writes the records BENCH_RECORDS.md defines."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+NOT_SCRIPTS = {"__init__.py", "common.py", "records.py"}
+# CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
+pytestmark = pytest.mark.skipif(not (BENCH / "common.py").is_file(),
+                                reason="bench/ is not beside this tests/ folder")
+SCRIPTS = sorted(p for p in [*BENCH.glob("*.py"), *BENCH.glob("research/*.py")]
+                 if p.name not in NOT_SCRIPTS)
+
+# cupy made unimportable, so a script that imports it before parsing its arguments fails
+NO_CUPY = "import sys; sys.modules['cupy'] = None; sys.argv = sys.argv[1:]; " \
+          "import runpy; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_the_scripts_are_found():
+    names = {p.relative_to(BENCH).as_posix() for p in SCRIPTS}
+    assert {"cpu.py", "dask_cpu.py", "kernels.py", "pipeline.py", "plot_kernels.py",
+            "research/dfma_probe.py"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(BENCH).as_posix())
+def test_help_without_cupy(script):
+    res = subprocess.run([sys.executable, "-c", NO_CUPY, str(script), "--help"], cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage:"), res.stdout[:500]
+    # the description is the docstring's first paragraph, never empty
+    assert len(res.stdout.splitlines()) > 3
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(BENCH).as_posix())
+def test_docstring_names_its_question_or_workload(script):
+    doc = script.read_text().split('"""')[1].strip()
+    assert doc, script
+    if "research" in script.parts:
+        assert "?" in doc.splitlines()[0], f"{script}: a probe's first line asks its question"
+
+
+def test_bad_option_is_a_usage_error():
+    res = subprocess.run([sys.executable, "-c", NO_CUPY, str(BENCH / "cpu.py"), "--no-such"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "--no-such" in res.stderr
+
+
+def test_record_writer(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTMM_COMMIT", "abc1234")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.common import RecordWriter, load, median_seconds, slug
+    finally:
+        sys.path.remove(str(ROOT))
+    w = RecordWriter("cpu", "AMD EPYC 7B13 64-Core Processor", tmp_path, file_stem="cpu-dask",
+                     workers=2)
+    assert w.path.name == f"cpu-dask-{slug('AMD EPYC 7B13 64-Core Processor')}-{w.date}.jsonl"
+    w.add("numpy", "float64", 3, 5, 7, 0.5, 1e-16, note="x")
+    w.add("distmm-dask", "float32", 4, 4, 4, 0.25, None, workers=3)
+    recs = load([w.path])
+    assert [json.loads(line) for line in w.path.read_text().splitlines()] == recs
+    first, second = recs
+    for key in ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds",
+                "tflops", "relerr", "commit", "date"):
+        assert key in first
+    assert first["run"] == second["run"] and first["commit"] == "abc1234"
+    assert first["tflops"] == pytest.approx(2 * 3 * 5 * 7 / 0.5 / 1e12)
+    assert (first["workers"], second["workers"]) == (2, 3)   # extra keys win over common ones
+    assert second["relerr"] is None and second["dtype"] == "float32"
+    calls = []
+    assert median_seconds(lambda: calls.append(1), repeat=3, warmup=2) >= 0
+    assert len(calls) == 5
+
+
+def test_device_runner_rejects_unknown_workloads():
+    res = subprocess.run(["bash", str(BENCH / "device" / "run.sh"), "no-such-workload"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(_env(), OUT=""))
+    assert res.returncode == 2
+    assert "no-such-workload" in res.stderr
