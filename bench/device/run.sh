@@ -21,7 +21,6 @@
 # (<benchmark>-<device>-<date>.jsonl), plots. Set DISTMM_COMMIT when the copy has no .git.
 # Research probes (bench/research/) are run directly: python -m bench.research.<name> --help.
 [ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
-[ -f .whl/env.sh ] && { . .whl/env.sh || exit 1; }
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/distmm-out}
@@ -109,6 +108,8 @@ set -- $(for w in "$@"; do [ "$w" = close ] && echo info warm tests smoke ratios
 for w in "$@"; do
   declare -F "run_$w" >/dev/null || { echo "run.sh: unknown workload '$w' (see bench/device/run.sh's header)" >&2; exit 2; }
 done
+# the offline bundle, once the workloads are known to exist
+[ -f .whl/env.sh ] && { . .whl/env.sh || exit 1; }
 mkdir -p "$OUT"
 for w in "$@"; do
   echo "== $w ($(left)s left)"
