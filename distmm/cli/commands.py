@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
@@ -157,13 +158,13 @@ def _cmd_matmul(args) -> int:
     import numpy as np
 
     import distmm
-    from distmm.cli.io import open_operand, parse_target, staged_output
+    from distmm.cli.io import open_operand, parse_target, same_file, staged_output
     from distmm.plan import result_dtype
 
     _refuse_ranks(args)
     parse_target(args.output)  # an unsupported output suffix fails before anything is read
-    a = open_operand(args.a)
-    b = open_operand(args.b)
+    a = open_operand(args.a, writable=same_file(args.a, args.output))
+    b = open_operand(args.b, writable=same_file(args.b, args.output))
     dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
@@ -350,7 +351,14 @@ def main(argv=None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
         if isinstance(exc, SystemExit):
             raise
-        return report(args.command, exc, debug=debug)
+        status = report(args.command, exc, debug=debug)
+        io = sys.modules.get("distmm.cli.io")
+        if io is not None and io.HDF5_UNCLOSED:
+            # HDF5 would retry the failed close at exit and crash: end here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     finally:
         import signal
 

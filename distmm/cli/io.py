@@ -99,8 +99,11 @@ def _zarr_node(path: Path) -> str | None:
 # ---------------------------------------------------------------- reading
 
 
-def open_operand(spec: str):
+def open_operand(spec: str, *, writable: bool = False):
     """Open an operand without reading it all: a memmap, a zarr array or an h5py dataset.
+
+    ``writable`` opens an HDF5 file in ``r+`` mode, for a file that also
+    receives the output (HDF5 opens one file twice only with the same mode).
 
     Raises
     ------
@@ -136,7 +139,7 @@ def open_operand(spec: str):
         raise IsADirectoryError(f"{t.path} is a directory, not an HDF5 file")
     if not h5py.is_hdf5(t.path):
         raise ValueError(f"{t.path} is not an HDF5 file")
-    fh = h5py.File(t.path, "r")
+    fh = h5py.File(t.path, "r+" if writable else "r")
     node = fh.get(t.dataset)
     if not isinstance(node, h5py.Dataset):
         names = []
@@ -284,11 +287,34 @@ def _check_folder(t: Target) -> None:
 
 
 def _check_space(t: Target, nbytes: int) -> None:
+    """Refuse an output that cannot fit: the file system's free space, and the
+    file-size limit (``ulimit -f``) for a single-file output, which HDF5 and a
+    ``.npy`` file are (zarr writes one file per chunk)."""
     free = shutil.disk_usage(t.path.parent).free
     need = nbytes + (1 << 20)  # headers and metadata
     if need > free:
         raise InsufficientSpace(f"{t} needs {need / 2**20:.1f} MiB but its file system has "
                                 f"{free / 2**20:.1f} MiB free")
+    if t.kind == "zarr":
+        return
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    size = nbytes + 4096 + (t.path.stat().st_size if t.kind == "h5" and t.path.exists() else 0)
+    if limit != resource.RLIM_INFINITY and size > limit:
+        raise InsufficientSpace(f"{t} needs a file of {size / 2**20:.1f} MiB but the file-size "
+                                f"limit (ulimit -f) is {limit / 2**20:.1f} MiB")
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two specs name the same HDF5 file (``x.h5:A`` and ``x.h5:C``)."""
+    ta, tb = parse_target(a), parse_target(b)
+    if ta.kind != "h5" or tb.kind != "h5":
+        return False
+    try:
+        return ta.path.resolve() == tb.path.resolve()
+    except OSError:
+        return False
 
 
 def check_target(t: Target, overwrite: bool) -> bool:
@@ -357,6 +383,18 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
     t = parse_target(spec)
     dtype = np.dtype(dtype)
     exists = check_target(t, overwrite)
+    try:
+        with _staged(t, shape, dtype, exists) as out:
+            yield out
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, f"{os.strerror(exc.errno)} while writing {t}; the partial "
+                                     f"output was removed") from exc
+        raise
+
+
+@contextmanager
+def _staged(t: Target, shape, dtype, exists: bool):
     _check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     if t.kind == "h5":
         with _staged_h5(t, shape, dtype) as ds:
@@ -402,32 +440,40 @@ def _zarr_format(t: Target) -> int | None:
     return None
 
 
+HDF5_UNCLOSED = []
+"""HDF5 files whose close failed (a full disk, a file-size limit): HDF5 tries
+to flush them again when the interpreter exits and crashes doing so, so a
+process that sees entries here should end with ``os._exit`` after reporting."""
+
+
 @contextmanager
 def _staged_h5(t: Target, shape, dtype):
     import h5py
 
     created = not t.path.exists()
     staged = f"{t.dataset}.{_PARTIAL}-{os.getpid()}"
-    fh = h5py.File(t.path, "a")
     try:
-        try:
-            if staged in fh:
-                del fh[staged]
-            yield fh.create_dataset(staged, shape=shape, dtype=dtype)
-            if t.dataset in fh:
-                del fh[t.dataset]
-            fh.move(staged, t.dataset)
-            fh.flush()
-        except BaseException:
-            if not created and staged in fh:
-                try:
-                    del fh[staged]
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    pass
-            raise
-        finally:
-            fh.close()
+        fh = h5py.File(t.path, "a")
+    except OSError as exc:
+        raise PermissionError(f"cannot open {t.path} to add {t.dataset!r}: {exc}") from None
+    try:
+        if staged in fh:
+            del fh[staged]
+        yield fh.create_dataset(staged, shape=shape, dtype=dtype)
+        if t.dataset in fh:
+            del fh[t.dataset]
+        fh.move(staged, t.dataset)
+        fh.close()
     except BaseException:
+        try:
+            if not created and staged in fh:
+                del fh[staged]
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+        try:
+            fh.close()
+        except Exception:  # noqa: BLE001 - as above
+            HDF5_UNCLOSED.append(t.path)
         if created:
             t.path.unlink(missing_ok=True)  # the file is ours alone: leave nothing
         raise
