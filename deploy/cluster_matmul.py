@@ -14,7 +14,7 @@ import dask.array as da
 from distributed import Client, LocalCluster
 
 import distmm
-from distmm.io import open_operand, write_atomic
+from distmm.cli.io import open_operand, write_atomic
 
 
 def main(argv=None) -> int:

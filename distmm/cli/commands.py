@@ -1,0 +1,365 @@
+"""The ``distmm`` command line: parsing arguments and running the commands.
+
+This module covers: the parser of every command (``demo``, ``plan``,
+``matmul``, ``info``, and ``tune``/``trace``, which own their options), and
+running one: each failure ends as one line on stderr and an exit status
+(``distmm.cli.exits``), with the traceback only under ``--debug``.
+It does *not* cover: file formats and staged output (``distmm.cli.io``), the
+demo (``distmm.cli.demo``), or the MPI environment (``distmm.cli.launch``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line: ``distmm matmul: error: ... (see --help)``."""
+
+    def error(self, message):
+        self.exit(BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} "
+                             f"(see {self.prog} --help)\n")
+
+
+def _dtype(text: str):
+    """An argparse type: a dtype numpy's matmul takes, as the API checks it."""
+    import numpy as np
+
+    from distmm.plan import result_dtype
+
+    try:
+        dt = np.dtype(text)
+        result_dtype(dt, dt)
+    except TypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype matmul takes ({exc})") from None
+    return dt
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cmd_plan(args) -> int:
+    from distmm.plan import make_plan
+
+    tile = None
+    if args.tile:
+        if len(args.tile) not in (1, 3):
+            raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
+        tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
+    print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile).describe())
+    return 0
+
+
+def _cmd_info(args) -> int:
+    import platform
+
+    import dask
+    import distributed
+    import numba
+    import numpy as np
+
+    import distmm
+    from distmm.executor import gpu_available
+
+    print(f"distmm      {distmm.__version__}")
+    print(f"python      {platform.python_version()} on {platform.machine()}")
+    print(f"numpy       {np.__version__}")
+    print(f"numba       {numba.__version__}")
+    print(f"dask        {dask.__version__}; distributed {distributed.__version__}")
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        print(f"mpi4py      {mpi4py.__version__}; {MPI.Get_library_version().splitlines()[0]}")
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        print(f"mpi4py      unavailable ({exc})")
+    from distmm.engine.local import default_workers
+
+    print(f"cpu         {default_workers()} usable cores; backends numba, blas")
+    if gpu_available():
+        import cupy
+
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(d)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            print(f"gpu {d}       {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
+                  f"sm_{props['major']}{props['minor']}; cupy {cupy.__version__}; backends raw, cublas")
+    else:
+        print("gpu         none (install distmm[gpu] on a CUDA machine for the raw and cublas backends)")
+    return 0
+
+
+def _refuse_ranks(args) -> None:
+    from distmm.cli.launch import launcher_ranks
+
+    if args.engine == "mpi":
+        raise ValueError("--engine mpi: the MPI engine is not available yet; run distmm matmul "
+                         "once, without mpirun/srun, with --engine local or dask")
+    ranks, var = launcher_ranks()
+    if ranks > 1:
+        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): the MPI engine is "
+                         f"not available yet, and any other --engine would run the same product "
+                         f"on every rank; run distmm matmul once, without mpirun/srun")
+
+
+def _connect(args):
+    """A client of the cluster named by --scheduler or --scheduler-file, or None."""
+    if not (args.scheduler or args.scheduler_file):
+        return None
+    if args.engine == "local":
+        raise ValueError("--engine local runs in this process: drop --scheduler/--scheduler-file "
+                         "or use --engine dask")
+    from pathlib import Path
+
+    from distributed import Client
+
+    if args.scheduler_file:
+        if not Path(args.scheduler_file).is_file():
+            raise FileNotFoundError(f"no such file: {args.scheduler_file} (--scheduler-file)")
+        where, kwargs = f"--scheduler-file {args.scheduler_file}", {"scheduler_file": args.scheduler_file}
+    else:
+        where, kwargs = f"--scheduler {args.scheduler}", {"address": args.scheduler}
+    try:
+        return Client(timeout=args.connect_timeout, **kwargs)
+    except (OSError, TimeoutError) as exc:
+        raise ConnectionError(f"cannot reach the Dask scheduler of {where} within "
+                              f"{args.connect_timeout} s ({' '.join(str(exc).split())})") from None
+
+
+def _cmd_matmul(args) -> int:
+    import dask
+    import numpy as np
+
+    import distmm
+    from distmm.cli.io import open_operand, parse_target, same_file, staged_output
+    from distmm.plan import result_dtype
+
+    _refuse_ranks(args)
+    parse_target(args.output)  # an unsupported output suffix fails before anything is read
+    a = open_operand(args.a, writable=same_file(args.a, args.output))
+    b = open_operand(args.b, writable=same_file(args.b, args.output))
+    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
+                         f"arrays of at least 1 dimension")
+    client = _connect(args)
+    engine = "dask" if client is not None else args.engine
+    options = {} if args.progress is None else {"distmm.progress": args.progress}
+    t0 = time.perf_counter()
+    try:
+        with dask.config.set(options):
+            if a.ndim == b.ndim == 2:
+                # Tiles go straight into the staged output (local engine); it
+                # appears at the target only when the product is complete.
+                if a.shape[1] != b.shape[0]:  # checked before anything is staged
+                    raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "
+                                     f"{args.b} has shape {b.shape}")
+                shape = (a.shape[0], b.shape[1])
+                with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
+                    distmm.matmul(a, b, out=c, engine=engine, client=client, backend=args.backend,
+                                  tile=args.tile)
+            else:
+                # Stacks and vectors: computed in memory, then written the same way.
+                c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine=engine,
+                                             client=client, backend=args.backend, tile=args.tile))
+                shape = c.shape
+                with staged_output(args.output, shape, c.dtype, overwrite=args.overwrite) as out:
+                    out[...] = c
+    finally:
+        if client is not None:
+            client.close()
+    seconds = time.perf_counter() - t0
+    print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    import distmm
+    from distmm.cli.demo import run_demo
+
+    return run_demo(n=args.n, dtype=str(args.dtype), engine=args.engine, workers=args.workers,
+                    backend=args.backend, distmm=distmm, report=args.report,
+                    progress=args.progress)
+
+
+# ---------------------------------------------------------------- the parser
+
+
+BACKENDS = ("auto", "numba", "blas", "raw", "cublas")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command (``tune`` and ``trace`` parse their own options)."""
+    from distmm import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of a failure, not only its one-line message")
+
+    p = _Parser(prog="distmm", description="distributed matrix multiplication",
+                epilog="exit status: 0 success, 1 a failed run, 2 bad input or arguments, "
+                       "130 SIGINT, 143 SIGTERM")
+    p.add_argument("--version", action="version", version=f"distmm {__version__}",
+                   help="print distmm's version and exit")
+    p.add_argument("--debug", action="store_true", default=False,
+                   help="print the traceback of a failure, not only its one-line message")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=_Parser)
+
+    d = sub.add_parser("demo", parents=[common],
+                       help="multiply random matrices, check against numpy, print plan and speed",
+                       description="multiply random n x n matrices, check against numpy, "
+                                   "print the plan and the speed")
+    d.add_argument("-n", type=_positive, default=2048, help="matrix size (default 2048)")
+    d.add_argument("--dtype", type=_dtype, default="float64",
+                   help="element type, as numpy names it (default float64)")
+    d.add_argument("--engine", default="auto", choices=["auto", "local", "dask"],
+                   help="auto: an embedded LocalCluster (dask engine); local: threads in this process")
+    d.add_argument("--workers", type=_positive, default=None,
+                   help="cluster workers or local threads (default: one per core)")
+    d.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="tile executor (default auto: BLAS/numba on the CPU, cuBLAS/raw on a GPU)")
+    d.add_argument("--report", default=None, metavar="FILE.html",
+                   help="write a distributed performance_report of the product (dask engine)")
+    d.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
+                   help="progress bar as C tiles arrive (default: on a terminal, for long runs)")
+    d.set_defaults(func=_cmd_demo)
+
+    pl = sub.add_parser("plan", parents=[common], help="print the plan for C[M,N] = A[M,K] @ B[K,N]",
+                        description="print the tiling plan for C[M,N] = A[M,K] @ B[K,N]")
+    pl.add_argument("m", type=_count, help="rows of A and C")
+    pl.add_argument("n", type=_count, help="columns of B and C")
+    pl.add_argument("k", type=_count, help="columns of A, rows of B")
+    pl.add_argument("--workers", type=_positive, default=1, help="workers to plan for (default 1)")
+    pl.add_argument("--dtype", type=_dtype, default="float64",
+                    help="result element type, checked as distmm.matmul does (default float64)")
+    pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",
+                    help="C tile size, or three sizes tm tn tk (default: the planner chooses)")
+    pl.set_defaults(func=_cmd_plan)
+
+    mm = sub.add_parser("matmul", parents=[common],
+                        help="C = A @ B on files (.npy, .zarr, file.h5:dataset)",
+                        description="C = A @ B on files. The output is staged beside its target "
+                                    "(.NAME.distmm-partial-PID) and moved into place only when "
+                                    "complete; a failure or a signal leaves the target as it was.")
+    mm.add_argument("a", help="A: a .npy file, a zarr array (x.zarr, group.zarr/array) or file.h5:dataset")
+    mm.add_argument("b", help="B: as A")
+    mm.add_argument("-o", "--output", required=True,
+                    help="where C goes: out.npy, out.zarr, group.zarr/C or file.h5:C (other "
+                         "datasets of the file are kept)")
+    mm.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output (never a folder, a zarr group or an HDF5 group)")
+    mm.add_argument("--engine", default="auto", choices=["auto", "local", "dask", "mpi"],
+                    help="auto: dask with --scheduler/--scheduler-file, else local threads; "
+                         "mpi: not available yet")
+    conn = mm.add_mutually_exclusive_group()
+    conn.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                      help="run on an existing Dask cluster, e.g. tcp://host:8786")
+    conn.add_argument("--scheduler-file", metavar="FILE", default=None,
+                      help="run on the Dask cluster described by this scheduler file "
+                           "(dask scheduler --scheduler-file)")
+    mm.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the scheduler (default 30)")
+    mm.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="tile executor (default auto); raw and cublas need a GPU")
+    mm.add_argument("--tile", type=_positive, default=None, help="C tile size (default: the planner chooses)")
+    mm.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
+                    help="progress bar over C tiles, for every engine (default: on a terminal, "
+                         "for long runs)")
+    mm.set_defaults(func=_cmd_matmul)
+
+    i = sub.add_parser("info", parents=[common], help="devices, backends and versions",
+                       description="print devices, backends and versions")
+    i.set_defaults(func=_cmd_info)
+
+    for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
+                           ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):
+        sub.add_parser(name, help=helptext, add_help=False)
+    return p
+
+
+# ---------------------------------------------------------------- dispatch
+
+_PASS_THROUGH = {"tune": ("distmm.cli.tune", "distmm.tune"),
+                 "trace": ("distmm.cli.trace", "distmm.trace")}
+
+
+def _import_first(names):
+    """Import the first module of ``names`` that exists (the commands' new home, then the old)."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the module exists but lacks a dependency
+                raise
+    raise ModuleNotFoundError(f"none of {', '.join(names)}", name=names[0])
+
+
+def _pass_through(command: str, argv: list[str]) -> int:
+    debug = "--debug" in argv
+    try:
+        module = _import_first(_PASS_THROUGH[command])
+    except ImportError as exc:
+        return report(command, exc, debug=debug,
+                      note=' (this command needs the GPU extras: pip install "distmm[gpu]")')
+    try:
+        return module.main(argv)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
+        return report(command, exc, debug=debug)
+
+
+def main(argv=None) -> int:
+    """Run ``distmm`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        # These commands own their options: hand everything after the name over.
+        return _pass_through(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    previous = terminate_on_sigterm()
+    try:
+        return args.func(args)
+    except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
+        if isinstance(exc, SystemExit):
+            raise
+        status = report(args.command, exc, debug=debug)
+        io = sys.modules.get("distmm.cli.io")
+        if io is not None and io.HDF5_UNCLOSED:
+            # HDF5 would retry the failed close at exit and crash: end here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
+    finally:
+        import signal
+
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,99 @@
+"""How the command line ends: exit statuses, one-line messages, and signals.
+
+This module covers: the mapping from an exception to an exit status and a
+one-line message on stderr, and turning SIGTERM (what Slurm and most batch
+systems send at the time limit) into an exception so that the same cleanup
+runs as for Ctrl-C or any error.
+
+Exit statuses:
+
+- 0: success;
+- 1: the run started and failed (a full disk, a file-size limit, lost
+  workers, a scheduler that cannot be reached, any unexpected error);
+- 2: bad input, found before or while reading it (missing or unreadable
+  files, a folder where a file was expected, ``file.h5:missing``, an
+  unsupported suffix, shapes that do not multiply, a non-numeric dtype, an
+  existing output without ``--overwrite``, an output folder that cannot be
+  written, a backend this machine lacks, several MPI ranks), and argument
+  errors;
+- 130: interrupted by SIGINT; 143: terminated by SIGTERM (128 + the signal).
+
+It does *not* cover: the commands themselves (``distmm.cli.commands``).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+
+from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists
+
+__all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
+           "OK", "FAILED", "BAD_INPUT"]
+
+OK, FAILED, BAD_INPUT = 0, 1, 2
+
+_BAD_INPUT = (ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+              PermissionError, OutputExists, BackendUnavailable)
+
+
+class Signalled(BaseException):
+    """The process got SIGTERM (or another terminating signal): unwind and clean up.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that ``except Exception``
+    in a library does not swallow it.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status for an exception (see the module docstring)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, Signalled):
+        return 128 + exc.signum
+    if isinstance(exc, InsufficientSpace):
+        return FAILED
+    if isinstance(exc, _BAD_INPUT):
+        return BAD_INPUT
+    return FAILED
+
+
+def message(exc: BaseException) -> str:
+    """One line that says what went wrong, naming the file where one is known."""
+    if isinstance(exc, KeyboardInterrupt):
+        text = "interrupted (SIGINT)"
+    elif isinstance(exc, OSError) and exc.strerror and not isinstance(exc, (OutputExists, InsufficientSpace)):
+        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+        if exc.filename is None and exc.args and len(exc.args) == 1:
+            text = str(exc)
+    elif isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    else:
+        text = str(exc) or type(exc).__name__
+    if not isinstance(exc, (ValueError, TypeError, OSError, KeyError, Signalled, KeyboardInterrupt,
+                            BackendUnavailable)):
+        text = f"{type(exc).__name__}: {text}"
+    return " ".join(text.split())
+
+
+def report(command: str, exc: BaseException, *, debug: bool = False, note: str = "") -> int:
+    """Print the one line (and with ``debug`` the traceback) and return the exit status."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"distmm {command}: error: {message(exc)}{note}", file=sys.stderr, flush=True)
+    return exit_status(exc)
+
+
+def terminate_on_sigterm():
+    """Raise ``Signalled`` in the main thread on SIGTERM (once: a second
+    signal during cleanup is ignored). Returns the previous handler."""
+
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)
+        raise Signalled(signum)
+
+    return signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,222 @@
+"""The command line's failures: one line on stderr naming the file, dataset or
+option; exit 2 for bad input, 1 for a failed run; no traceback without --debug.
+Run as real subprocesses (and under a real mpiexec)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+
+def run_cli(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, env=env, **kw)
+
+
+def one_line(r) -> str:
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
+
+
+@pytest.fixture
+def files(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.ones((6, 4)))
+    np.save(tmp_path / "b.npy", np.ones((4, 3)))
+    return tmp_path
+
+
+def test_directory_as_input(files):
+    (files / "d.npy").mkdir()
+    r = run_cli("matmul", files / "d.npy", files / "b.npy", "-o", files / "c.npy")
+    assert r.returncode == 2 and "d.npy is a directory" in one_line(r)
+
+
+def test_missing_h5_dataset(files):
+    with h5py.File(files / "in.h5", "w") as fh:
+        fh["A"] = np.ones((6, 4))
+    r = run_cli("matmul", f"{files}/in.h5:missing", files / "b.npy", "-o", files / "c.npy")
+    assert r.returncode == 2
+    assert "no dataset 'missing'" in one_line(r) and "in.h5" in r.stderr and "A" in r.stderr
+
+
+def test_missing_input_names_the_file(files):
+    r = run_cli("matmul", files / "missing.npy", files / "b.npy", "-o", files / "c.npy")
+    assert r.returncode == 2 and f"no such file: {files / 'missing.npy'}" in one_line(r)
+
+
+def test_unsupported_suffix_and_shape_mismatch(files):
+    r = run_cli("matmul", files / "a.csv", files / "b.npy", "-o", files / "c.npy")
+    assert r.returncode == 2 and "unsupported file type '.csv'" in one_line(r)
+    r = run_cli("matmul", files / "a.npy", files / "a.npy", "-o", files / "c.npy")
+    assert r.returncode == 2 and "inner dimensions differ" in one_line(r)
+    np.save(files / "s.npy", np.array(["x", "y", "z", "w"]))
+    r = run_cli("matmul", files / "a.npy", files / "s.npy", "-o", files / "c.npy")
+    assert r.returncode == 2 and "dtype" in one_line(r)
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "s.npy"]
+
+
+def test_backend_raw_without_gpu(files):
+    pytest.importorskip("numpy")
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("a GPU stack is present")
+    except ImportError:
+        pass
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy", "--backend", "raw")
+    assert r.returncode == 2 and "backend 'raw' needs cupy" in one_line(r)
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy", "--backend", "raw",
+                "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_unwritable_output_folder(files):
+    # root writes through chmod, so also a folder that cannot exist: under a file
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "a.npy" / "c.npy")
+    assert r.returncode == 2 and "is not a folder" in one_line(r)
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "nowhere" / "c.npy")
+    assert r.returncode == 2 and "no such folder" in one_line(r)
+    if os.geteuid() == 0:
+        return  # chmod does not stop root
+    ro = files / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", ro / "c.npy")
+        assert r.returncode == 2 and "Permission denied" in one_line(r)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_version_and_plan_dtype():
+    import distmm
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"distmm {distmm.__version__}"
+    r = run_cli("plan", 10, 10, 10, "--dtype", "U5")
+    assert r.returncode == 2 and "--dtype" in one_line(r) and "U5" in r.stderr
+    r = run_cli("plan", 10, 10, 10, "--dtype", "nonsense")
+    assert r.returncode == 2 and "--dtype" in one_line(r)
+    r = run_cli("matmul", "x.npy")
+    assert r.returncode == 2 and "--output" in one_line(r)
+
+
+def _walk(parser: argparse.ArgumentParser, prog: str = "distmm"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                yield f"{prog} {choice.dest}", choice
+            for name, sub in action.choices.items():
+                yield from _walk(sub, f"{prog} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield prog, action
+
+
+def test_every_argument_has_help():
+    from distmm.cli.commands import build_parser
+
+    seen, missing = 0, []
+    for prog, action in _walk(build_parser()):
+        seen += 1
+        if not (action.help and action.help.strip()) or action.help == argparse.SUPPRESS:
+            missing.append(f"{prog}: {action.option_strings or action.dest}")
+    assert seen > 25
+    assert not missing, missing
+
+
+def test_matmul_progress_bar_for_the_local_engine(files):
+    rng = np.random.default_rng()
+    np.save(files / "a.npy", rng.standard_normal((300, 200)))
+    np.save(files / "b.npy", rng.standard_normal((200, 100)))
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy", "--engine", "local",
+                "--tile", 50, "--progress")
+    assert r.returncode == 0, r.stderr
+    import re
+
+    assert "distmm matmul" in r.stderr and re.search(r"100%.*\b(\d+)/\1\b", r.stderr), r.stderr
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "d.npy", "--engine", "local",
+                "--tile", 50, "--no-progress")
+    assert r.returncode == 0 and r.stderr == ""
+
+
+@pytest.mark.slow
+def test_matmul_on_an_existing_cluster(files):
+    from distributed import Client, LocalCluster
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((70, 50)), rng.standard_normal((50, 40))
+    np.save(files / "a.npy", a)
+    np.save(files / "b.npy", b)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.write_scheduler_file(str(files / "sched.json"))
+        r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c1.npy",
+                    "--scheduler", cluster.scheduler_address)
+        assert r.returncode == 0, r.stderr
+        r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c2.npy",
+                    "--scheduler-file", files / "sched.json")
+        assert r.returncode == 0, r.stderr
+        # a product ran on the cluster's workers
+        assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.transition_log)) > 0
+    for name in ("c1.npy", "c2.npy"):
+        np.testing.assert_allclose(np.load(files / name), a @ b, rtol=1e-12, atol=1e-12)
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c3.npy",
+                "--scheduler", "tcp://127.0.0.1:1", "--connect-timeout", 2)
+    assert r.returncode == 1 and "cannot reach the Dask scheduler" in one_line(r)
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c3.npy",
+                "--scheduler-file", files / "none.json")
+    assert r.returncode == 2 and "none.json" in one_line(r)
+
+
+def test_engine_mpi_is_refused(files):
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy", "--engine", "mpi")
+    assert r.returncode == 2 and "MPI engine is not available yet" in one_line(r)
+
+
+def test_launcher_ranks_from_the_environment():
+    from distmm.cli.launch import launcher_ranks
+
+    assert launcher_ranks({}) == (1, None)
+    assert launcher_ranks({"OMPI_COMM_WORLD_SIZE": "4"}) == (4, "OMPI_COMM_WORLD_SIZE")
+    assert launcher_ranks({"PMI_SIZE": "2"}) == (2, "PMI_SIZE")
+    # a batch script has SLURM_NTASKS but is no step of many ranks
+    assert launcher_ranks({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) == (1, None)
+    assert launcher_ranks({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}) == (8, "SLURM_STEP_NUM_TASKS")
+
+
+@pytest.mark.mpi
+def test_mpirun_never_runs_the_product_on_every_rank(files):
+    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        pytest.skip("no mpiexec on PATH")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    # a wrapper that prints each rank's exit status, since mpiexec reports only one
+    wrapper = ("import subprocess, sys; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
+               "sys.argv[1:], capture_output=True, text=True); "
+               "print('STATUS', r.returncode, r.stderr.strip().replace(chr(10), ' | '), flush=True); "
+               "sys.exit(0)")
+    r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-c", wrapper,
+                        "matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("STATUS")]
+    assert len(lines) == 2, r.stdout + r.stderr
+    for ln in lines:
+        assert ln.startswith("STATUS 2 "), ln
+        assert "2 MPI ranks" in ln and " | " not in ln
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+    # and directly, the launcher sees both ranks fail
+    r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-m", "distmm",
+                        "matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0
+    assert r.stderr.count("the MPI engine is not available yet") == 2, r.stderr
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
