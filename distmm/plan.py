@@ -357,17 +357,8 @@ def _cached_plan(*args) -> Plan:
     return _make_plan(*args)
 
 
-def _make_plan(
-    m: int,
-    n: int,
-    k: int,
-    dtype: np.dtype | str = "float64",
-    workers: int = 1,
-    tile: int | tuple[int, int, int] | None = None,
-    k_splits: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    owner_order: str = "rows",
-) -> Plan:
+def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_order) -> Plan:
+    """``make_plan``'s work, with its arguments in order (see there)."""
     for name, v in (("m", m), ("n", n), ("k", k)):
         if int(v) != v or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
