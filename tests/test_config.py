@@ -11,6 +11,7 @@ memory limit.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -75,9 +76,16 @@ def test_cache_returns_the_same_object_until_the_section_changes():
 
 
 def test_refresh_keeps_the_defaults():
-    dask.config.refresh()
-    cfg = get_config()
-    assert cfg.memory_budget_from == "auto" and cfg.retry_timeout == 60.0
+    saved = copy.deepcopy(dask.config.config)
+    try:
+        with dask.config.set({"distmm.retry-timeout": 5}):
+            assert get_config().retry_timeout == 5.0
+            dask.config.refresh()
+            cfg = get_config()
+            assert cfg.memory_budget_from == "auto" and cfg.retry_timeout == 60.0
+    finally:  # other tests' settings (a default client's scheduler...) come back
+        dask.config.config.clear()
+        dask.config.config.update(saved)
 
 
 @pytest.mark.parametrize("key, value, words", [
