@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from distmm._arrays import FAMILY_ORDER, array_family
-from distmm.config import get_config
+from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
 from distmm.executor import resolve_backend
 from distmm.plan import Plan, make_plan, result_dtype
@@ -86,18 +86,22 @@ def _validate(a, b, what: str = "matmul") -> Operands:
 
 
 def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
-             hints: dict | None = None, config=None) -> Plan:
+             hints: dict | None = None, config=None, on_gpu: bool = False) -> Plan:
     """Make a plan with the configured tile and memory budget: the one place
     distmm plans a product. ``hints`` are an engine's ``plan_hints``; an
-    explicit or configured tile wins over a hinted one."""
+    explicit or configured tile wins over a hinted one, and the memory budget
+    is the lower of ``distmm.config.memory_budget(on_gpu)`` and a hinted one."""
     cfg = config if config is not None else get_config()
-    hints = dict(hints or {})
+    hints = dict(hints) if hints else {}
     tile = tile if tile is not None else cfg.tile
     if tile is None:
         tile = hints.pop("tile", None)
     hints.pop("tile", None)
-    return make_plan(m, n, k, dtype, workers=workers, tile=tile,
-                     memory_budget=cfg.memory_budget, **hints)
+    budget = memory_budget(on_gpu, config=cfg)
+    hinted = hints.pop("memory_budget", None)
+    if hinted is not None:
+        budget = min(budget, int(hinted))
+    return make_plan(m, n, k, dtype, workers=workers, tile=tile, memory_budget=budget, **hints)
 
 
 def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
@@ -111,7 +115,7 @@ def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None
                                       workers_decide=eng.name == "dask")
     workers = eng.workers(ops, on_gpu=on_gpu)
     plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile,
-                    hints=eng.plan_hints(ops, workers), config=cfg)
+                    hints=eng.plan_hints(ops, workers), config=cfg, on_gpu=on_gpu)
     return eng, Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
                         report=cfg.performance_report)
 

@@ -1,74 +1,382 @@
 """distmm's configuration: one frozen object read through ``dask.config``.
 
-This module covers: the defaults in ``distmm.yaml``, user overrides through
-dask's config files and ``dask.config.set``, and ``DISTMM_*`` environment
-variables. It does *not* cover: per-call keyword arguments, which win over it.
+This module covers: the keys and their defaults (``distmm.yaml``), reading
+them through ``dask.config.get("distmm.<key>")``, the ``DISTMM_<KEY>``
+shorthand for ``DASK_DISTMM__<KEY>``, checking every value (one ``ValueError``
+naming the key), and the memory budget a plan gets when none is configured
+(``memory_budget``: a fraction of what the worker, the GPU or the machine has).
+
+It does *not* cover: per-call keyword arguments (``tile=``, ``backend=``, ...),
+which win over it, nor an engine's own hints (``distmm.api.plan_for`` takes
+the lower of the configured and the hinted memory budget).
+
+Where a value comes from, lowest precedence first:
+
+1. ``distmm.yaml`` beside this file (the defaults);
+2. YAML files in dask's config paths (``~/.config/dask/*.yaml``, ``$DASK_CONFIG``),
+   under a ``distmm:`` key;
+3. ``DISTMM_<KEY>`` environment variables (``DISTMM_MEMORY_BUDGET=4GiB``): when
+   distmm is imported each one is copied to ``DASK_DISTMM__<KEY>`` unless that
+   is set, so it then behaves as dask's own form (``dask.config.refresh()`` and
+   worker processes see it);
+4. ``DASK_DISTMM__<KEY>`` environment variables, dask's convention (``_`` and
+   ``-`` in a key are the same key);
+5. ``dask.config.set({"distmm.<key>": value})``.
+
+``get_config`` reads the keys once per change of the ``distmm`` section, not
+once per call.
 """
 from __future__ import annotations
 
-import ast
+import copy
+import math
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import dask.config
 import yaml
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["Config", "get_config"]
+__all__ = ["Config", "get_config", "memory_budget", "KEYS",
+           "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
 dask.config.update_defaults(_defaults)
 
+#: every configuration key, as distmm.yaml spells it
+KEYS: tuple[str, ...] = tuple(_defaults["distmm"])
 
-def _env_overrides() -> dict:
-    out = {}
-    for key, raw in os.environ.items():
-        if not key.startswith("DISTMM_"):
-            continue
-        name = key[len("DISTMM_"):].lower().replace("_", "-")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
-        out[f"distmm.{name}"] = value
-    return out
+#: the auto memory budget's share of what the process has (see ``memory_budget``)
+WORKER_FRACTION = 0.5
+HOST_FRACTION = 0.5
+GPU_FRACTION = 0.5
+_AUTO_QUANTUM = 64 * 2**20  # auto budgets are whole multiples of this, so plans stay cached
+_AUTO_TTL = 1.0  # seconds an auto budget measured on the host or the GPU is reused
 
 
-def _bytes(value) -> int | None:
-    if value is None:
-        return None
-    return int(parse_bytes(value)) if isinstance(value, str) else int(value)
+def _env_suffix(key: str) -> str:
+    return key.upper().replace("-", "_")
+
+
+def _feed_distmm_env(environ=os.environ) -> dict:
+    """Copy each ``DISTMM_<KEY>`` to ``DASK_DISTMM__<KEY>`` (unless that is set)
+    and into the live configuration, as dask does with its own variables when
+    it is imported. Other ``DISTMM_*`` variables (``DISTMM_CACHE_DIR``...) are
+    not configuration keys and are left alone. Returns what was fed."""
+    fed = {}
+    for key in KEYS:
+        suffix = _env_suffix(key)
+        short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
+        if short in environ and full not in environ:
+            environ[full] = environ[short]
+            fed[full] = environ[short]
+    if fed:
+        dask.config.update(dask.config.config, dask.config.collect_env(fed))
+    return fed
+
+
+_feed_distmm_env()
 
 
 @dataclass(frozen=True)
 class Config:
+    """The distmm configuration in force (see the module docstring for where
+    each value comes from). ``memory_budget`` is ``None`` when the key is
+    ``"auto"``: ``memory_budget()`` then measures the process's memory."""
+
     engine: str
     backend: str
     tile: int | tuple[int, int, int] | None
-    memory_budget: int
+    memory_budget: int | None
     device_memory_limit: int | None
     pinned_pool: int
     local_threads: int | None
     progress: bool | None = None
     performance_report: str | None = None
+    retry_timeout: float = 60.0
+    memory_budget_from: str = "config"  # "config": bytes given; "auto": measured per call
+
+
+class _Bad(Exception):
+    """A value that does not parse; ``_read`` turns it into one ValueError."""
+
+
+def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise _Bad("a size is needed (bytes or a string such as '2GiB')")
+    if isinstance(value, bool):
+        raise _Bad("a size is needed, not a bool")
+    try:
+        out = parse_bytes(value) if isinstance(value, str) else value
+        if isinstance(out, float) and not out.is_integer():
+            raise _Bad("a whole number of bytes is needed")
+        out = int(out)
+    except (TypeError, ValueError) as e:
+        raise _Bad(f"not a size ({e})") from None
+    if out < minimum:
+        raise _Bad(f"must be at least {minimum} bytes")
+    return out
+
+
+def _positive_int(value, what: str = "a positive integer") -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _Bad(f"{what} is needed")
+    return value
+
+
+def _tile(value):
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if len(value) != 3:
+            raise _Bad("a tile is an int or three ints [tm, tn, tk]")
+        return tuple(_positive_int(t, "three positive integers [tm, tn, tk] are") for t in value)
+    return _positive_int(value, "a positive integer or [tm, tn, tk]")
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _optional_bool(value):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        if low in ("null", "none", ""):
+            return None
+    raise _Bad("true, false or null is needed")
+
+
+def _name(value, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Bad("a name is needed")
+    if choices and value not in choices:
+        raise _Bad(f"one of {', '.join(choices)} is needed")
+    return value
+
+
+def _optional_str(value):
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise _Bad("a file name or null is needed")
+
+
+def _seconds(value) -> float:
+    if isinstance(value, bool) or value is None:
+        raise _Bad("a duration is needed (seconds or a string such as '60s')")
+    try:
+        out = float(parse_timedelta(value, default="seconds"))
+    except (TypeError, ValueError, KeyError) as e:
+        raise _Bad(f"not a duration ({e})") from None
+    if not (out > 0 and math.isfinite(out)):
+        raise _Bad("must be a positive, finite duration")
+    return out
+
+
+def _budget(value):
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return _bytes(value, allow_none=False)
+
+
+# key -> (Config field, parser); the engine names live in distmm.engine (a
+# layer above), repeated here so a bad value fails naming its key.
+_PARSERS = {
+    "engine": ("engine", lambda v: _name(v, ("auto", "local", "dask", "mpi"))),
+    "backend": ("backend", _name),  # distmm.executor.resolve_backend checks the name
+    "tile": ("tile", _tile),
+    "memory-budget": ("memory_budget", _budget),
+    "device-memory-limit": ("device_memory_limit", lambda v: _bytes(v, allow_none=True)),
+    "pinned-pool": ("pinned_pool", lambda v: _bytes(v, allow_none=False, minimum=0)),
+    "local-threads": ("local_threads", lambda v: None if v is None else _positive_int(v)),
+    "progress": ("progress", _optional_bool),
+    "performance-report": ("performance_report", _optional_str),
+    "retry-timeout": ("retry_timeout", _seconds),
+}
+
+
+def _where(key: str) -> str:
+    suffix = _env_suffix(key)
+    return (f"set with dask.config.set({{'distmm.{key}': ...}}), a dask YAML file, "
+            f"DASK_DISTMM__{suffix} or DISTMM_{suffix}")
+
+
+def _read(section) -> Config:
+    """Parse the ``distmm`` section of dask's configuration into a ``Config``."""
+    if not isinstance(section, dict):
+        raise ValueError(f"distmm configuration: 'distmm' must be a mapping of keys, got "
+                         f"{section!r}")
+    for k in section:
+        if str(k).replace("_", "-") not in _PARSERS:
+            raise ValueError(f"distmm configuration: unknown key 'distmm.{k}'; the keys are "
+                             f"{', '.join(_PARSERS)}")
+    values = {}
+    for key, (field, parse) in _PARSERS.items():
+        raw = dask.config.get(f"distmm.{key}", None)  # '_' or '-': dask's canonical name
+        try:
+            values[field] = parse(raw)
+        except _Bad as e:
+            raise ValueError(f"distmm configuration: distmm.{key} = {raw!r} is not valid: {e} "
+                             f"({_where(key)})") from None
+    values["memory_budget_from"] = "config" if values["memory_budget"] is not None else "auto"
+    return Config(**values)
+
+
+_cache: tuple[dict, Config] | None = None
 
 
 def get_config() -> Config:
-    """Read the current configuration (environment variables win over files)."""
-    with dask.config.set(_env_overrides()):
-        c = dask.config.get("distmm")
-    tile = c.get("tile")
-    if isinstance(tile, list):
-        tile = tuple(int(t) for t in tile)
-    return Config(
-        engine=str(c["engine"]),
-        backend=str(c["backend"]),
-        tile=tile,
-        memory_budget=_bytes(c["memory-budget"]),
-        device_memory_limit=_bytes(c.get("device-memory-limit")),
-        pinned_pool=_bytes(c["pinned-pool"]),
-        local_threads=c.get("local-threads"),
-        progress=c.get("progress"),
-        performance_report=c.get("performance-report"),
-    )
+    """The configuration in force now.
+
+    The ``distmm`` section of ``dask.config`` is compared by value with a copy
+    of the one last read, so a call costs a dict comparison unless the
+    configuration changed (``dask.config.set`` entering or leaving, a refresh).
+
+    Raises
+    ------
+    ValueError
+        An unknown key, or a value that does not parse; the message names the
+        key and where it can be set.
+    """
+    global _cache
+    section = dask.config.get("distmm", None)
+    hit = _cache
+    if hit is not None and hit[0] == section:
+        return hit[1]
+    cfg = _read(section if section is not None else {})
+    _cache = (copy.deepcopy(section), cfg)
+    return cfg
+
+
+def _current_worker():
+    """The ``distributed`` worker running this code, or None (without importing
+    distributed when nothing has)."""
+    if "distributed" not in sys.modules:
+        return None
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):
+        return None
+
+
+def _worker_limit(worker) -> tuple[int | None, int]:
+    """A worker's memory limit in bytes (None: unlimited) and its thread count."""
+    manager = getattr(worker, "memory_manager", None)
+    limit = getattr(manager, "memory_limit", None)
+    if limit is None:
+        limit = getattr(worker, "memory_limit", None)
+    state = getattr(worker, "state", None)
+    threads = getattr(state, "nthreads", None) or getattr(worker, "nthreads", 1) or 1
+    return (int(limit) if limit else None), int(threads)
+
+
+def _host_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _device_free() -> int | None:
+    """Free bytes on the current GPU, or None without cupy or a usable device
+    (the executor then reports that, with its install hint)."""
+    try:
+        import cupy
+
+        free, _total = cupy.cuda.runtime.memGetInfo()
+    except (ImportError, RuntimeError):  # cupy's CUDARuntimeError is a RuntimeError
+        return None
+    return int(free)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+_probe_lock = threading.Lock()
+_probes: dict[tuple[bool, int | None], tuple[float, int]] = {}
+
+
+def _quantised(nbytes: float) -> int:
+    return max(_AUTO_QUANTUM, int(nbytes) // _AUTO_QUANTUM * _AUTO_QUANTUM)
+
+
+def _measured(on_gpu: bool, local_threads: int | None) -> int:
+    """The GPU's or the host's share (see ``memory_budget``), measured at most
+    once per ``_AUTO_TTL`` seconds: the measurement costs more than a small
+    product."""
+    key = (on_gpu, local_threads)
+    now = time.monotonic()
+    hit = _probes.get(key)
+    if hit is None or now - hit[0] > _AUTO_TTL:
+        with _probe_lock:
+            free = _device_free() if on_gpu else None
+            if free is not None:
+                value = _quantised(free * GPU_FRACTION)
+            else:
+                value = _quantised(_host_available() * HOST_FRACTION / (local_threads or _cpus()))
+            hit = (now, value)
+            _probes[key] = hit
+    return hit[1]
+
+
+def memory_budget(on_gpu: bool = False, *, config: Config | None = None) -> int:
+    """Bytes one task of a product may hold (operand panels and partials).
+
+    The configured ``distmm.memory-budget`` when it is a size. When it is
+    ``"auto"`` (the default), a share of what this process has:
+
+    - on a Dask worker (``distributed.get_worker()`` succeeds) with a memory
+      limit: ``WORKER_FRACTION`` (0.5) of the limit, split between the
+      worker's threads (each may run a task at once);
+    - for a GPU product (``on_gpu``): ``GPU_FRACTION`` (0.5) of the device's
+      free memory (cupy is imported only then; without cupy or a device, the
+      host's share below);
+    - otherwise: ``HOST_FRACTION`` (0.5) of the machine's available memory
+      (psutil), split between the threads the local engine runs.
+
+    The rest is left for the operands, the result and everything else the
+    process holds. The host and GPU budgets are rounded down to a multiple of
+    64 MiB (at least 64 MiB) and their measurements reused for a second, so
+    back-to-back products get the same (cached) plan.
+
+    Parameters
+    ----------
+    on_gpu : bool
+        Whether the product's tiles are multiplied on a GPU.
+    config : Config, optional
+        Default: ``get_config()``.
+
+    Returns
+    -------
+    int
+        Bytes, positive.
+    """
+    cfg = config if config is not None else get_config()
+    if cfg.memory_budget is not None:
+        return cfg.memory_budget
+    worker = _current_worker()
+    if worker is not None:
+        limit, threads = _worker_limit(worker)
+        if limit:
+            return max(1, int(limit * WORKER_FRACTION / threads))
+    return _measured(bool(on_gpu), cfg.local_threads)

@@ -1,0 +1,249 @@
+"""distmm's configuration: every form of setting a key, checking values, the
+per-change cache, and the memory budget that follows what the process has.
+
+Covers: ``dask.config.set`` (hyphen and underscore spellings, nested contexts,
+refresh), a YAML file found through ``DASK_CONFIG``, ``DASK_DISTMM__<KEY>`` and
+``DISTMM_<KEY>`` (fresh processes, since dask and distmm read the environment
+when imported) with their precedence, one ``ValueError`` naming the key for a
+bad value or an unknown key, and ``memory_budget`` explicit, automatic in a
+plain process and automatic inside a real LocalCluster worker with a 1 GiB
+memory limit.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import dask.config
+
+import distmm
+from distmm import config as config_mod
+from distmm.api import plan_for
+from distmm.config import KEYS, get_config, memory_budget
+
+MiB = 2**20
+
+
+def test_yaml_keys_and_parsers_agree():
+    assert set(KEYS) == set(config_mod._PARSERS)
+
+
+def test_defaults():
+    cfg = get_config()
+    assert cfg.engine == "auto" and cfg.backend == "auto" and cfg.tile is None
+    assert cfg.memory_budget is None and cfg.memory_budget_from == "auto"
+    assert cfg.pinned_pool == 2 * 1024**3 and cfg.retry_timeout == 60.0
+
+
+def test_dask_config_set_round_trips_and_nests():
+    before = get_config()
+    with dask.config.set({"distmm.memory-budget": "1GiB", "distmm.tile": [64, 32, 16]}):
+        cfg = get_config()
+        assert cfg.memory_budget == 2**30 and cfg.memory_budget_from == "config"
+        assert cfg.tile == (64, 32, 16)
+        with dask.config.set({"distmm.memory_budget": "3MiB"}):  # dask's underscore spelling
+            assert get_config().memory_budget == 3 * MiB
+            assert memory_budget() == 3 * MiB
+            with dask.config.set({"distmm.retry-timeout": "2 minutes", "distmm.progress": "false"}):
+                inner = get_config()
+                assert inner.retry_timeout == 120.0 and inner.progress is False
+                assert inner.memory_budget == 3 * MiB
+            assert get_config().retry_timeout == 60.0
+        assert get_config().memory_budget == 2**30
+        assert get_config().tile == (64, 32, 16)
+    after = get_config()
+    assert after == before and after.memory_budget is None and after.tile is None
+
+
+def test_cache_returns_the_same_object_until_the_section_changes():
+    first = get_config()
+    assert get_config() is first
+    with dask.config.set({"distmm.local-threads": 1}):
+        assert get_config().local_threads == 1
+    assert get_config().local_threads is None
+    # a value changed in place inside the section is seen too
+    with dask.config.set({"distmm.tile": [64, 64, 64]}):
+        assert get_config().tile == (64, 64, 64)
+        dask.config.config["distmm"]["tile"][0] = 32
+        assert get_config().tile == (32, 64, 64)
+
+
+def test_refresh_keeps_the_defaults():
+    saved = copy.deepcopy(dask.config.config)
+    try:
+        with dask.config.set({"distmm.retry-timeout": 5}):
+            assert get_config().retry_timeout == 5.0
+            dask.config.refresh()
+            cfg = get_config()
+            assert cfg.memory_budget_from == "auto" and cfg.retry_timeout == 60.0
+    finally:  # other tests' settings (a default client's scheduler...) come back
+        dask.config.config.clear()
+        dask.config.config.update(saved)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("memory-budget", "lots", "distmm.memory-budget"),
+    ("memory-budget", 0, "distmm.memory-budget"),
+    ("tile", [64, 64], "distmm.tile"),
+    ("tile", -4, "distmm.tile"),
+    ("engine", "spark", "distmm.engine"),
+    ("retry-timeout", -1, "distmm.retry-timeout"),
+    ("retry-timeout", "soon", "distmm.retry-timeout"),
+    ("progress", "maybe", "distmm.progress"),
+    ("local-threads", 0, "distmm.local-threads"),
+    ("pinned-pool", "-1GB", "distmm.pinned-pool"),
+    ("memory-bugdet", "1GiB", "unknown key 'distmm.memory-bugdet'"),
+])
+def test_a_bad_value_is_one_value_error_naming_the_key(key, value, words):
+    with dask.config.set({f"distmm.{key}": value}):
+        with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+            get_config()
+        with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+            distmm.matmul(np.ones((2, 2)), np.ones((2, 2)))
+    get_config()  # fine again once the context is gone
+
+
+# ---------------------------------------------------------------- environment and YAML
+
+_PROBE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import dask.config
+    import distmm
+    from distmm.api import plan_for
+    from distmm.config import get_config, memory_budget
+    a = np.random.default_rng(0).standard_normal((9, 7))
+    ok = bool(np.allclose(distmm.matmul(a, a.T), a @ a.T))  # the call that raised KeyError
+    cfg = get_config()
+    out = {"ok": ok, "budget": cfg.memory_budget, "from": cfg.memory_budget_from,
+           "tile": cfg.tile, "retry": cfg.retry_timeout,
+           "plan_budget": plan_for(100, 100, 100, "float64", workers=1).memory_budget}
+    dask.config.refresh()  # re-reads YAML and DASK_* variables: DISTMM_* must survive it
+    out["after_refresh"] = get_config().memory_budget
+    with dask.config.set({"distmm.memory-budget": "1MiB"}):
+        out["set_wins"] = get_config().memory_budget
+    print(json.dumps(out))
+""")
+
+
+def _probe(tmp_path, env_extra: dict, yaml_text: str | None = None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DASK_DISTMM__", "DISTMM_")) and k != "DASK_CONFIG"}
+    if yaml_text is not None:
+        folder = tmp_path / "dask-config"
+        folder.mkdir(exist_ok=True)
+        (folder / "distmm.yaml").write_text(yaml_text)
+        env["DASK_CONFIG"] = str(folder)
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    return res
+
+
+def _probe_ok(tmp_path, env_extra: dict, yaml_text: str | None = None) -> dict:
+    res = _probe(tmp_path, env_extra, yaml_text)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["set_wins"] == MiB
+    return out
+
+
+@pytest.mark.parametrize("env, yaml_text, budget", [
+    ({"DASK_DISTMM__MEMORY_BUDGET": "3MiB"}, None, 3 * MiB),
+    ({"DISTMM_MEMORY_BUDGET": "5MiB"}, None, 5 * MiB),
+    ({}, "distmm:\n  memory-budget: 7MiB\n  tile: [64, 64, 32]\n  retry-timeout: 90s\n", 7 * MiB),
+    # precedence: YAML < DISTMM_ < DASK_DISTMM__ (< dask.config.set, checked in every probe)
+    ({"DISTMM_MEMORY_BUDGET": "5MiB"}, "distmm:\n  memory-budget: 7MiB\n", 5 * MiB),
+    ({"DISTMM_MEMORY_BUDGET": "5MiB", "DASK_DISTMM__MEMORY_BUDGET": "3MiB"},
+     "distmm:\n  memory-budget: 7MiB\n", 3 * MiB),
+], ids=["dask-env", "distmm-env", "yaml", "distmm-env-over-yaml", "dask-env-over-distmm-env"])
+def test_environment_and_yaml(tmp_path, env, yaml_text, budget):
+    out = _probe_ok(tmp_path, env, yaml_text)
+    assert out["budget"] == budget and out["from"] == "config"
+    assert out["plan_budget"] == budget
+    assert out["after_refresh"] == budget
+    if yaml_text and "tile" in yaml_text:
+        assert out["tile"] == [64, 64, 32] and out["retry"] == 90.0
+
+
+def test_other_distmm_variables_are_not_keys(tmp_path):
+    # DISTMM_CACHE_DIR and friends are read by their own modules, not as configuration
+    out = _probe_ok(tmp_path, {"DISTMM_CACHE_DIR": str(tmp_path), "DISTMM_TILE": "[64, 64, 32]"})
+    assert out["tile"] == [64, 64, 32] and out["from"] == "auto"
+
+
+def test_a_bad_environment_value_names_the_key(tmp_path):
+    res = _probe(tmp_path, {"DASK_DISTMM__MEMORY_BUDGET": "lots"})
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError") and "distmm.memory-budget" in last, last
+    assert "DASK_DISTMM__MEMORY_BUDGET" in last and "KeyError" not in res.stderr
+
+
+# ---------------------------------------------------------------- memory budget
+
+def test_explicit_budget_is_used_as_given():
+    with dask.config.set({"distmm.memory-budget": 123456789}):
+        assert memory_budget() == 123456789 and memory_budget(on_gpu=True) == 123456789
+        plan = plan_for(2000, 2000, 2000, "float64", workers=1)
+        assert plan.memory_budget == 123456789
+        # an engine's hint lowers it, never raises it
+        assert plan_for(2000, 2000, 2000, "float64", workers=1,
+                        hints={"memory_budget": 1000}).memory_budget == 1000
+        assert plan_for(2000, 2000, 2000, "float64", workers=1,
+                        hints={"memory_budget": 10**12}).memory_budget == 123456789
+
+
+def test_auto_budget_follows_available_memory():
+    import psutil
+
+    cfg = get_config()
+    assert cfg.memory_budget_from == "auto"
+    budget = memory_budget()
+    available = psutil.virtual_memory().available
+    assert 64 * MiB <= budget <= max(available, 64 * MiB)
+    assert budget % (64 * MiB) == 0
+    assert plan_for(100, 100, 100, "float64", workers=1).memory_budget == budget
+    # fewer local threads: each task may hold more
+    with dask.config.set({"distmm.local-threads": 1}):
+        one = memory_budget()
+    assert one >= budget
+
+
+def _budget_on_worker():
+    from distmm.config import get_config, memory_budget
+
+    return memory_budget(), get_config().memory_budget_from
+
+
+def test_auto_budget_on_a_worker_follows_its_memory_limit():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
+                                  dashboard_address=":0", memory_limit="1GiB") as cluster:
+        with distributed.Client(cluster) as client:
+            budget, source = client.submit(_budget_on_worker, pure=False).result(timeout=60)
+    assert source == "auto"
+    assert 0 < budget <= 2**30
+    assert budget == int(2**30 * config_mod.WORKER_FRACTION / 2)  # split between 2 threads
+
+
+def test_gpu_budget_without_a_gpu_falls_back_to_the_host():
+    # a GPU backend asked for on a machine without cupy fails in the executor, with its
+    # install hint, not in the memory budget; with cupy and a device this is the GPU's share
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("cupy is installed: the GPU's own budget applies")
+    except ImportError:
+        pass
+    assert memory_budget(on_gpu=True) == memory_budget(on_gpu=False)
+    from distmm.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="distmm\\[gpu\\]"):
+        distmm.matmul(np.ones((4, 4)), np.ones((4, 4)), backend="raw")
