@@ -112,17 +112,19 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _refuse_ranks(args) -> None:
+def _mpi_run(args) -> bool:
+    """Whether this command runs on the MPI engine: ``--engine mpi``, or
+    several ranks started by a launcher with ``--engine auto``."""
     from distmm.cli.launch import launcher_ranks
 
     if args.engine == "mpi":
-        raise ValueError("--engine mpi: the MPI engine is not available yet; run distmm matmul "
-                         "once, without mpirun/srun, with --engine local or dask")
+        return True
     ranks, var = launcher_ranks()
-    if ranks > 1:
-        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): the MPI engine is "
-                         f"not available yet, and any other --engine would run the same product "
-                         f"on every rank; run distmm matmul once, without mpirun/srun")
+    if ranks > 1 and args.engine != "auto":
+        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): --engine "
+                         f"{args.engine} would run the same product on every rank; drop --engine "
+                         f"(the MPI engine runs under mpirun) or run distmm matmul once")
+    return ranks > 1
 
 
 def _connect(args):
@@ -157,7 +159,10 @@ def _cmd_matmul(args) -> int:
     from distmm.cli.io import open_operand, parse_target, same_file, staged_output
     from distmm.plan import result_dtype
 
-    _refuse_ranks(args)
+    if _mpi_run(args):
+        from distmm.cli.mpi_matmul import run_matmul
+
+        return run_matmul(args)
     parse_target(args.output)  # an unsupported output suffix fails before anything is read
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
@@ -273,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--overwrite", action="store_true",
                     help="replace an existing output (never a folder, a zarr group or an HDF5 group)")
     mm.add_argument("--engine", default="auto", choices=["auto", "local", "dask", "mpi"],
-                    help="auto: dask with --scheduler/--scheduler-file, else local threads; "
-                         "mpi: not available yet")
+                    help="auto: mpi under mpirun/srun with several ranks, dask with "
+                         "--scheduler/--scheduler-file, else local threads; mpi: SUMMA over the "
+                         "MPI ranks")
     conn = mm.add_mutually_exclusive_group()
     conn.add_argument("--scheduler", metavar="ADDRESS", default=None,
                       help="run on an existing Dask cluster, e.g. tcp://host:8786")
