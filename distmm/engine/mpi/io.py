@@ -237,9 +237,9 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
             header = _create(f, dist.shape, dtype, pid)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-    ok, message = _agree(comm, error is None, error)
-    if not ok:
-        raise (type(error) if error is not None else OSError)(message)
+    error = comm.bcast(error, root=0)  # the same exception on every rank
+    if error is not None:
+        raise error
     header = comm.bcast(header, root=0)
     error = None
     if f.kind == "npy":

@@ -1,0 +1,82 @@
+"""The MPI engine under a real ``mpiexec`` (CPU), P = 1, 2, 3, 4.
+
+Each launch runs tests/mpi_cases.py on every rank (all dtypes, odd and
+ragged shapes, tall-skinny and long-k products, every grid of P ranks with
+the bytes each rank received checked against the planner's estimate, the
+DistArray constructors and files); the ranks agree on one verdict, and a
+subprocess timeout bounds a hang. The command line under mpirun is tested in
+tests/test_mpi_cli.py. The grid planner itself is tested here without MPI.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distmm.grid import BlockLayout, even_edges, make_grid
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def mpi_env():
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def mpiexec():
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        pytest.skip("no mpiexec on PATH")
+    return exe
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_mpi_engine_cases(ranks, tmp_path):
+    r = subprocess.run([mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable,
+                        str(HERE / "mpi_cases.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240, env=mpi_env())
+    assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (100000, 50, 50), (50, 100000, 50),
+                                   (64, 64, 10**6), (22, 23, 24), (3, 1, 0)])
+def test_grid_plan(ranks, shape):
+    m, n, k = shape
+    g = make_grid(m, n, k, "float64", ranks=ranks)
+    assert g.layers * g.rows * g.cols == ranks
+    # the chosen grid is no worse, by the planner's own model, than every other
+    from distmm.grid import _candidates
+    cost = lambda p: max(p.flops(r) / 40e9 + p.bytes_received(r) / 4e9 for r in range(ranks))
+    assert all(cost(g) <= cost(make_grid(m, n, k, ranks=ranks, grid=c)) * (1 + 1e-9)
+               for c in _candidates(ranks))
+    for layout in (g.a_layout, g.b_layout, g.c_layout):  # every block once, owners distinct
+        area = sum((layout.bounds(i, j)[1] - layout.bounds(i, j)[0])
+                   * (layout.bounds(i, j)[3] - layout.bounds(i, j)[2])
+                   for i in range(layout.blocks[0]) for j in range(layout.blocks[1]))
+        assert area == layout.shape[0] * layout.shape[1]
+    for pe in g.panel_edges:
+        assert list(pe) == sorted(pe)
+
+
+def test_grid_shapes_follow_the_problem():
+    assert make_grid(100000, 50, 50, ranks=4).shape == (1, 4, 1)  # tall-skinny: nothing of A moves
+    assert make_grid(50, 100000, 50, ranks=4).shape == (1, 1, 4)
+    assert make_grid(64, 64, 10**6, ranks=4).shape == (4, 1, 1)  # long k: split k
+    assert make_grid(4096, 4096, 4096, ranks=4).shape == (1, 2, 2)
+    g = make_grid(4096, 4096, 4096, ranks=2)
+    assert max(g.bytes_per_rank) == 4096 * 2048 * 8  # half of A (or B) arrives at each rank
+    assert even_edges(10, 3) == (0, 4, 7, 10)
+    with pytest.raises(ValueError):
+        make_grid(4, 4, 4, ranks=4, grid=(1, 2, 3))
+    with pytest.raises(ValueError):
+        BlockLayout((4, 4), (0, 4), (0, 4), ((0, 0),))
