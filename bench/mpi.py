@@ -18,20 +18,25 @@ Variants
     this rank received (``bytes_measured``, max over ranks, counted by the
     broadcasters) next to the planner's estimate (``bytes_estimated``) and the grid.
 ``pylops-mpi``, ``heat``
-    Recorded as not run (``seconds`` null, ``note`` says why) when they do not import.
+    Recorded as not run (``seconds`` 0, ``tflops`` null, ``note`` says why): pylops-mpi
+    0.8.0's ``MPIMatrixMult`` refuses rank counts that are not square numbers, and
+    heat 1.9 is not on this machine's package index.
 ``cublas`` (``--gpu``)
     ``cupy.matmul`` in-core on one GPU, against ``distmm-mpi`` on 1 rank with the GPU backend.
 
 Modes: ``--mode cpu`` (default: 2 ranks, fp64 n = 4096 and 8192, numpy on 2
 threads), ``--mode cpu16`` (the 16-core GPU machine: 1, 2, 4, 8, 16 ranks, fp64
 n = 16384, numpy on 16 threads), ``--mode gpu`` (1 rank, fp32/fp64 32768, against
-cuBLAS in-core). Timing: one warm-up, then the median of ``--repeat`` runs, the
-ranks synchronised by a barrier before each; the result is checked (relerr
-against numpy's product, in float64) before timing.
+cuBLAS in-core). Timing: ``--rounds`` rounds, each timing the reference once
+and then each rank count once (a fresh ``mpiexec``, one untimed product first,
+the ranks synchronised by a barrier around the timed one); records hold the
+medians and every time. The first round checks the result (relerr against a
+float64 product) before timing.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -104,13 +109,16 @@ def _near_square(p: int):
     return square_grid(p)
 
 
-def _peer(name: str, module: str) -> str | None:
-    """None when the peer imports, else why it was not run."""
-    try:
-        __import__(module)
-        return None
-    except ImportError as exc:
-        return f"{name} not installed ({exc}); not in this machine's package index, so not run"
+def _peer_not_run(name: str, ranks: int) -> str:
+    """Why a peer was not measured (checked on the CPU machine, 2026-11-24)."""
+    if name == "pylops-mpi":
+        if math.isqrt(ranks) ** 2 != ranks:
+            return (f"pylops-mpi 0.8.0 MPIMatrixMult (kind 'summa' and 'block') raises 'Number of "
+                    f"processes must be a square number, provided {ranks}' (tried under mpiexec "
+                    f"-n 2 here); it cannot run on {ranks} ranks")
+        return "pylops-mpi runs only on square rank counts; its timing is not implemented here yet"
+    return ("heat not installed: heat 1.9 is not on this machine's package index (1.8.0 is the "
+            "newest there) and needs torch; not attempted")
 
 
 def driver(args) -> int:
@@ -125,61 +133,71 @@ def driver(args) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    def launch(ranks, n, dtype, check):
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "r.json"
+            cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable, "-m",
+                   "bench.mpi", "--worker", "--n", str(n), "--dtype", dtype,
+                   "--repeat", "1", "--result", str(result)]
+            cmd += ["--gpu"] if args.mode == "gpu" else []
+            cmd += [] if check else ["--no-check"]
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            if r.returncode != 0 or not result.exists():
+                raise RuntimeError(f"worker failed: {r.stdout[-3000:]} {r.stderr[-3000:]}")
+            return json.loads(result.read_text())
+
     for dtype in args.dtypes or mode["dtypes"]:
         for n in args.sizes or mode["sizes"]:
             a, b = _operands(n, dtype)
-            if args.mode == "gpu":
-                ref_seconds, ref_variant, ref_err = _cublas(a, b, args.repeat), "cublas", None
-            else:
-                c = a @ b  # numpy's BLAS on every core of this process (its default)
+            ref_err, ref_variant = None, "cublas" if args.mode == "gpu" else "numpy"
+            if args.mode != "gpu":
+                c = a @ b  # numpy's BLAS on every core of this process (its default); warm-up
                 ref_err = relerr(c, a.astype(np.float64) @ b.astype(np.float64))
                 del c
-                times = []
-                for _ in range(args.repeat + 1):
+            ref_times, dist = [], {r: {"times": []} for r in (args.ranks or mode["ranks"])}
+            # Rounds alternate the reference and each rank count, so that load from other
+            # processes on a shared machine hits both alike.
+            for rnd in range(args.rounds):
+                if args.mode == "gpu":
+                    ref_times.append(_cublas(a, b, 3))
+                else:
                     t0 = time.perf_counter()
                     a @ b
-                    times.append(time.perf_counter() - t0)
-                ref_seconds, ref_variant = float(np.median(times[1:])), "numpy"
+                    ref_times.append(time.perf_counter() - t0)
+                for ranks, acc in dist.items():
+                    res = launch(ranks, n, dtype, check=args.check and rnd == 0)
+                    acc["times"] += res["times"]
+                    if rnd == 0:
+                        acc.update({k: v for k, v in res.items() if k != "times"})
             del a, b
+            ref_seconds = float(np.median(ref_times))
             writer.add(ref_variant, dtype, n, n, n, ref_seconds, ref_err, ranks=1,
+                       times=ref_times,
                        note=f"{threads} BLAS threads" if ref_variant == "numpy" else "in-core")
             print(f"{ref_variant:12s} {dtype} n={n}: {ref_seconds:.3f} s "
                   f"{2 * n**3 / ref_seconds / 1e9:.1f} GFLOP/s", flush=True)
-            for ranks in args.ranks or mode["ranks"]:
-                with tempfile.TemporaryDirectory() as tmp:
-                    result = Path(tmp) / "r.json"
-                    cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable, "-m",
-                           "bench.mpi", "--worker", "--n", str(n), "--dtype", dtype,
-                           "--repeat", str(args.repeat), "--result", str(result)]
-                    cmd += ["--gpu"] if args.mode == "gpu" else []
-                    cmd += ["--no-check"] if not args.check else []
-                    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-                    if r.returncode != 0 or not result.exists():
-                        print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
-                        return 1
-                    res = json.loads(result.read_text())
-                rec = writer.add("distmm-mpi", dtype, n, n, n, res["seconds"], res["relerr"],
+            for ranks, res in dist.items():
+                seconds = float(np.median(res["times"]))
+                rec = writer.add("distmm-mpi", dtype, n, n, n, seconds, res["relerr"],
                                  ranks=ranks, grid=res["grid"], times=res["times"],
                                  bytes_measured=max(res["bytes_measured"]),
                                  bytes_estimated=max(res["bytes_estimated"]),
                                  bytes_measured_per_rank=res["bytes_measured"],
                                  bytes_estimated_per_rank=res["bytes_estimated"],
                                  panels_per_layer=res["panels_per_layer"],
-                                 ratio_to_reference=ref_seconds / res["seconds"],
+                                 ratio_to_reference=ref_seconds / seconds,
                                  backend="cublas" if args.mode == "gpu" else "blas",
                                  note="operands start distributed in the planner's layout; C stays "
-                                      "distributed; one BLAS thread per rank")
+                                      "distributed; one BLAS thread per rank; timed in rounds "
+                                      "alternating with the reference")
                 print(f"distmm-mpi   {dtype} n={n} ranks={ranks} grid={res['grid']}: "
-                      f"{res['seconds']:.3f} s {rec['tflops'] * 1e3:.1f} GFLOP/s, "
-                      f"{ref_seconds / res['seconds']:.2f} of {ref_variant}; bytes measured "
+                      f"{seconds:.3f} s {rec['tflops'] * 1e3:.1f} GFLOP/s, "
+                      f"{ref_seconds / seconds:.2f} of {ref_variant}; bytes measured "
                       f"{max(res['bytes_measured'])} estimated {max(res['bytes_estimated'])}",
                       flush=True)
-                for name, module in (("pylops-mpi", "pylops_mpi"), ("heat", "heat")):
-                    why = _peer(name, module)
-                    if why is not None:
-                        writer.add(name, dtype, n, n, n, float("nan"), None, ranks=ranks,
-                                   note=why)
-                    # Peers that import would be timed here; none is installed on this machine.
+                for name in ("pylops-mpi", "heat"):
+                    writer.add(name, dtype, n, n, n, 0.0, None, ranks=ranks,
+                               note="not run: " + _peer_not_run(name, ranks))
     print(f"records: {writer.path}")
     return 0
 
@@ -210,7 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--sizes", type=int, nargs="+", default=None)
     p.add_argument("--dtypes", nargs="+", default=None)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds: the reference, then each rank count, timed once each")
+    p.add_argument("--repeat", type=int, default=1, help=argparse_hidden())
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())
