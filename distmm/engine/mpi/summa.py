@@ -113,6 +113,8 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
             b_buf = xp.empty((k1 - k0, nj), dtype=acc)
         return a_buf, b_buf, comms.row.ibcast(a_buf, a_root), comms.col.ibcast(b_buf, b_root)
 
+    in_place = hasattr(executor, "device_gemm") and acc in (np.float32, np.float64)
+    first = 0
     c = None
     pending = post(0) if panels else None
     for p in range(len(panels)):
@@ -121,11 +123,17 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
         b_req.wait()
         pending = post(p + 1) if p + 1 < len(panels) else None  # moves while panel p multiplies
         if mi and nj:
-            prod = executor.panel_product(a_buf, b_buf, tk)
-            if c is None:
-                c = prod
+            if in_place:
+                # GPU: C += A_panel @ B_panel inside the GEMM (beta = 1), no extra pass over C.
+                if c is None:
+                    c = xp.empty((mi, nj), dtype=acc)
+                executor.device_gemm(a_buf, b_buf, c, beta=0 if p == first else 1)
             else:
-                c += prod
+                prod = executor.panel_product(a_buf, b_buf, tk)
+                if c is None:
+                    c = prod
+                else:
+                    c += prod
         del a_buf, b_buf
     if c is None:
         c = xp.zeros((mi, nj), dtype=acc)
