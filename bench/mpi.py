@@ -20,7 +20,7 @@ Variants
 ``pylops-mpi``, ``heat``
     Recorded as not run (``seconds`` 0, ``tflops`` null, ``note`` says why): pylops-mpi
     0.8.0's ``MPIMatrixMult`` refuses rank counts that are not square numbers, and
-    heat 1.9 is not on this machine's package index.
+    heat 1.9 is not on this machine's package index (1.8.0 needs torch<2.11.1).
 ``cublas`` (``--gpu``)
     ``cupy.matmul`` in-core on one GPU, against ``distmm-mpi`` on 1 rank with the GPU backend.
 
@@ -117,8 +117,9 @@ def _peer_not_run(name: str, ranks: int) -> str:
                     f"processes must be a square number, provided {ranks}' (tried under mpiexec "
                     f"-n 2 here); it cannot run on {ranks} ranks")
         return "pylops-mpi runs only on square rank counts; its timing is not implemented here yet"
-    return ("heat not installed: heat 1.9 is not on this machine's package index (1.8.0 is the "
-            "newest there) and needs torch; not attempted")
+    return ("heat not installed: heat 1.9 is not on this machine's package index, and heat 1.8.0 "
+            "(the newest there) needs torch<2.11.1 while the machine offers torch 2.13.0 only "
+            "(pip: ResolutionImpossible)")
 
 
 def driver(args) -> int:
