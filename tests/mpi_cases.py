@@ -92,6 +92,13 @@ def case_api_semantics():
             failures.append(f"rank {rank}: {exc.__name__} not raised")
         except exc:
             pass
+    # operands that differ between ranks: a ValueError on every rank, no hang
+    if P > 1:
+        try:
+            distmm.matmul(np.ones((3 + rank, 4)), np.ones((4, 2)), engine="mpi")
+            failures.append(f"rank {rank}: different operands per rank did not raise")
+        except ValueError:
+            pass
     # the same plan gives the same bits (fixed reduction order), k split included
     a, b = operands("float64", 9, 4000, 7)
     c1 = distmm.matmul(a, b, engine="mpi")

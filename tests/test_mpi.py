@@ -80,3 +80,34 @@ def test_grid_shapes_follow_the_problem():
         make_grid(4, 4, 4, ranks=4, grid=(1, 2, 3))
     with pytest.raises(ValueError):
         BlockLayout((4, 4), (0, 4), (0, 4), ((0, 0),))
+
+
+ABORT_SCRIPT = r"""
+import numpy as np
+from mpi4py import MPI
+import distmm
+
+class Boom:
+    def __mul__(self, other):
+        raise ArithmeticError("boom")
+    __rmul__ = __mul__
+
+comm = MPI.COMM_WORLD
+a = np.ones((40, 30), dtype=object)
+if comm.rank == 1:
+    a[-1, -1] = Boom()  # only rank 1's operand: rank 0 has nothing to fail on
+c = distmm.matmul(distmm.DistArray.from_array(a, comm), np.ones((30, 20), dtype=object))
+c.gather(root=None)  # rank 0 waits here for rank 1, which never comes: the abort ends it
+print("NOT ABORTED", comm.rank, flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_a_failure_on_one_rank_aborts_the_job(tmp_path):
+    script = tmp_path / "abort.py"
+    script.write_text(ABORT_SCRIPT)
+    r = subprocess.run([mpiexec(), "-n", "2", "--oversubscribe", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=60, env=mpi_env())
+    assert r.returncode != 0
+    assert "calling MPI_Abort" in r.stderr and "ArithmeticError: boom" in r.stderr, r.stderr[-3000:]
+    assert "NOT ABORTED" not in r.stdout

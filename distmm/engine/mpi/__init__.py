@@ -50,13 +50,18 @@ class MPIEngine(Engine):
     comm : mpi4py communicator, optional
     comm_backend : str
         Panel broadcasts: ``"auto"``, ``"mpi"``, ``"nccl"``, ``"cuda-aware"``, ``"staged"``.
+    abort_on_error : bool
+        An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
+        (the others would wait for it forever); errors found before any exchange
+        (operands that differ between ranks, a missing backend) are raised on every rank.
     """
 
     name = "mpi"
 
-    def __init__(self, comm=None, comm_backend: str = "auto"):
+    def __init__(self, comm=None, comm_backend: str = "auto", *, abort_on_error: bool = True):
         self.comm = comm if comm is not None else world()
         self.comm_backend = comm_backend
+        self.abort_on_error = abort_on_error
         #: what the last product moved: bytes this rank received, the estimate, the grid
         self.last_stats: dict = {}
 
@@ -67,6 +72,7 @@ class MPIEngine(Engine):
         ops, plan = request.operands, request.plan
         if ops.family == "dask":
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
+        _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str))
         grid = grid_for_plan(plan, self.comm.size)
         on_gpu = request.on_gpu or ops.family == "cupy"
         batch = tuple(ops.batch)
@@ -117,14 +123,27 @@ class MPIEngine(Engine):
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
         executor = get_executor(backend, acc, on_gpu=on_gpu)
-        with executor, GridComms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend) as comms:
-            a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
-            b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
-            xp = np
-            if on_gpu:
-                import cupy as xp
-            c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
-            received = comms.bytes_received
+        try:
+            with executor, GridComms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend) as comms:
+                a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
+                b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
+                xp = np
+                if on_gpu:
+                    import cupy as xp
+                c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
+                received = comms.bytes_received
+        except BaseException as exc:
+            if not self.abort_on_error or self.comm.size == 1:
+                raise
+            # The other ranks may be waiting in a broadcast for this one: end the job
+            # rather than leave it hanging.
+            log.critical("rank %d of %d failed during the product (%s: %s); aborting the job",
+                         self.comm.rank, self.comm.size, type(exc).__name__, exc)
+            import sys
+
+            print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the product "
+                  f"({type(exc).__name__}: {exc}); calling MPI_Abort", file=sys.stderr, flush=True)
+            self.comm.Abort(1)
         res = np.dtype(grid.dtype)
         shape = grid.c_layout.local_shape(self.comm.rank)
         if c is None:
@@ -140,6 +159,17 @@ class MPIEngine(Engine):
             "bytes_estimated": int(grid.bytes_received(self.comm.rank)),
         }
         return result
+
+
+def _same_on_every_rank(comm, key) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtypes."""
+    if comm.size == 1:
+        return
+    keys = comm.allgather(key)
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"engine='mpi' needs the same operands on every rank; got (a shape, b "
+                         f"shape, dtype) {keys[0]} on rank 0 but "
+                         f"{next(k for k in keys if k != keys[0])} on another")
 
 
 def _host(x):
