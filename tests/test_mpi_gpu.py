@@ -1,5 +1,7 @@
-"""The MPI engine on a GPU: 2 ranks sharing one GPU, panels over NCCL, staged MPI
-and (where the MPI reports it) CUDA-aware MPI; checked against numpy.
+"""The MPI engine on a GPU: 2 ranks (sharing one GPU on a one-GPU machine), panels
+through the automatic choice, NCCL (only when the ranks have GPUs of their own: NCCL
+refuses two ranks on one device), pinned host staging and (where the MPI reports it)
+CUDA-aware MPI; checked against a float64 product.
 
 Run on a GPU machine (the lead runs it on the device); skipped without a GPU.
 """
@@ -26,10 +28,16 @@ from distmm.grid import make_grid
 comm = MPI.COMM_WORLD
 fails = []
 rng = np.random.default_rng(5)
-for prefer in ("nccl", "staged", "cuda-aware"):
-    from distmm.engine.mpi.comm import mpi_cuda_aware
+from distmm.engine.mpi.comm import mpi_cuda_aware, select_local_gpu, shares_gpu
+select_local_gpu(comm)
+shared = shares_gpu(comm)
+if comm.rank == 0:
+    print("ranks share a GPU:", shared, "; CUDA-aware MPI:", mpi_cuda_aware())
+for prefer in ("auto", "nccl", "staged", "cuda-aware"):
     if prefer == "cuda-aware" and not mpi_cuda_aware():
         continue
+    if prefer == "nccl" and shared:
+        continue  # NCCL refuses two ranks on one device; "auto" falls back (checked above)
     for dt in ("float32", "float64"):
         for m, n, k in ((1000, 777, 1301), (33, 2, 5000), (4096, 4096, 4096)):
             a = rng.standard_normal((m, k)).astype(dt); b = rng.standard_normal((k, n)).astype(dt)

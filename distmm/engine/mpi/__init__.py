@@ -122,6 +122,10 @@ class MPIEngine(Engine):
             raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
+        if on_gpu:
+            from distmm.engine.mpi.comm import select_local_gpu
+
+            select_local_gpu(self.comm)
         executor = get_executor(backend, acc, on_gpu=on_gpu)
         try:
             with executor, GridComms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend) as comms:

@@ -172,12 +172,39 @@ class NcclBroadcaster:
             self.nccl = None
 
 
+def select_local_gpu(comm) -> int:
+    """Make this rank use GPU ``node-local rank % GPUs on the node`` (several ranks of a node
+    share GPUs round-robin); return the device id."""
+    import cupy
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        device = node.rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
+    finally:
+        node.Free()
+    cupy.cuda.Device(device).use()
+    return device
+
+
+def shares_gpu(comm) -> bool:
+    """Whether two ranks of ``comm`` use the same GPU (NCCL refuses that: "duplicate GPU")."""
+    import socket
+
+    import cupy
+
+    dev = cupy.cuda.Device()
+    key = (socket.gethostname(), cupy.cuda.runtime.deviceGetPCIBusId(dev.id))
+    keys = comm.allgather(key)
+    return len(set(keys)) != len(keys)
+
+
 def make_broadcaster(comm, *, on_gpu: bool, prefer: str = "auto"):
     """The broadcaster for panels on ``comm``.
 
     ``prefer``: ``"auto"`` (host MPI for host panels; for GPU panels NCCL when
-    ``cupy.cuda.nccl`` is available, else CUDA-aware MPI where the library
-    reports it, else pinned host staging), or one of ``"mpi"``, ``"nccl"``,
+    ``cupy.cuda.nccl`` is available and no two ranks share a GPU, else CUDA-aware
+    MPI where the library reports it, else pinned host staging), or one of ``"mpi"``, ``"nccl"``,
     ``"cuda-aware"``, ``"staged"``.
     """
     if not on_gpu or prefer == "mpi":
@@ -186,12 +213,16 @@ def make_broadcaster(comm, *, on_gpu: bool, prefer: str = "auto"):
         try:
             from cupy.cuda import nccl
 
-            if nccl.available:
-                return NcclBroadcaster(comm)
+            usable = nccl.available
         except ImportError:
-            pass
+            usable = False
+        shared = comm.size > 1 and shares_gpu(comm)  # collective: every rank asks
+        if usable and not shared:
+            return NcclBroadcaster(comm)
         if prefer == "nccl":
-            raise RuntimeError("NCCL is not available in this cupy (cupy.cuda.nccl.available is False)")
+            raise RuntimeError("NCCL cannot broadcast here: " + (
+                "two ranks share one GPU" if shared else
+                "this cupy has no NCCL (cupy.cuda.nccl.available is False)"))
     if prefer in ("auto", "cuda-aware") and mpi_cuda_aware():
         return CudaAwareBroadcaster(comm)
     return StagedBroadcaster(comm)
