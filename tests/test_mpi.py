@@ -111,3 +111,13 @@ def test_a_failure_on_one_rank_aborts_the_job(tmp_path):
     assert r.returncode != 0
     assert "calling MPI_Abort" in r.stderr and "ArithmeticError: boom" in r.stderr, r.stderr[-3000:]
     assert "NOT ABORTED" not in r.stdout
+
+
+def test_plan_command_prints_the_process_grid(capsys):
+    from distmm.cli import main
+
+    assert main(["plan", "64", "64", "1000000", "--ranks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "process grid 4 x 1 x 1 (layers x rows x cols) for 4 ranks" in out
+    assert main(["plan", "100000", "50", "50", "--ranks", "4"]) == 0
+    assert "process grid 1 x 4 x 1" in capsys.readouterr().out

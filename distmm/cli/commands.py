@@ -70,6 +70,10 @@ def _cmd_plan(args) -> int:
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
     print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile).describe())
+    if args.ranks:
+        from distmm.grid import make_grid
+
+        print(make_grid(args.m, args.n, args.k, args.dtype, ranks=args.ranks).describe())
     return 0
 
 
@@ -263,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="result element type, checked as distmm.matmul does (default float64)")
     pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",
                     help="C tile size, or three sizes tm tn tk (default: the planner chooses)")
+    pl.add_argument("--ranks", type=_positive, default=None,
+                    help="also print the MPI process grid for this many ranks, with the bytes "
+                         "each rank receives")
     pl.set_defaults(func=_cmd_plan)
 
     mm = sub.add_parser("matmul", parents=[common],
