@@ -84,6 +84,12 @@ def test_mpirun_matmul_formats(files):
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(zarr.open_array(str(d / "c.zarr"))[...], ref, rtol=1e-12, atol=1e-12)
     assert not [p for p in d.iterdir() if "partial" in p.name]
+    # a vector operand: numpy's promotion, computed by the engine and written by rank 0
+    v = np.arange(29.0)
+    np.save(d / "v.npy", v)
+    r = launch(2, "matmul", d / "b.npy", d / "v.npy", "-o", d / "bv.npy")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(d / "bv.npy"), np.load(d / "b.npy") @ v, rtol=1e-12)
 
 
 @pytest.mark.parametrize("bad", ["shape", "missing", "dtype", "exists"])
