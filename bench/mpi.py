@@ -77,6 +77,14 @@ def worker(args) -> int:
     del a_full, b_full
     # Blocks start in the planner's layout (the engine would redistribute otherwise).
     da, db = da.redistribute(grid.a_layout), db.redistribute(grid.b_layout)
+    if args.gpu:  # device-resident blocks, as cuBLAS in-core gets them; C stays on the GPU
+        import cupy
+
+        from distmm.engine.mpi.comm import select_local_gpu
+
+        select_local_gpu(comm)
+        da = DistArray(cupy.asarray(da.local), da.layout, comm)
+        db = DistArray(cupy.asarray(db.local), db.layout, comm)
     c = distmm.matmul(da, db, backend=backend)
     full = c.gather(root=0)
     relerr = None
@@ -91,6 +99,10 @@ def worker(args) -> int:
         comm.Barrier()
         t0 = time.perf_counter()
         c = distmm.matmul(da, db, backend=backend)
+        if args.gpu:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
         comm.Barrier()
         times.append(time.perf_counter() - t0)
     measured = comm.gather(c.stats["bytes_received"], root=0)

@@ -150,13 +150,23 @@ class MPIEngine(Engine):
             self.comm.Abort(1)
         res = np.dtype(grid.dtype)
         shape = grid.c_layout.local_shape(self.comm.rank)
+        on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays on the GPU
         if c is None:
             local = np.empty(shape, dtype=res)
+            if on_device:
+                import cupy
+
+                local = cupy.asarray(local)
         else:
             local = finish_tile(grid, c)
-            if not isinstance(local, np.ndarray):
-                local = local.get()
-            local = np.ascontiguousarray(local, dtype=res)
+            if on_device:
+                import cupy
+
+                local = cupy.ascontiguousarray(local.astype(res, copy=False))
+            else:
+                if not isinstance(local, np.ndarray):
+                    local = local.get()
+                local = np.ascontiguousarray(local, dtype=res)
         result = DistArray(local, grid.c_layout, self.comm)
         result.stats = self.last_stats = {
             "grid": grid.shape, "bytes_received": int(received),

@@ -39,8 +39,9 @@ class DistArray:
 
     Parameters
     ----------
-    local : ndarray
-        This rank's block (shape ``layout.local_shape(comm.rank)``; ``(0, 0)``
+    local : ndarray or cupy.ndarray
+        This rank's block (a cupy block stays on the GPU through products; gather,
+        redistribute and to_file copy it to the host) (shape ``layout.local_shape(comm.rank)``; ``(0, 0)``
         on ranks that own none).
     layout : BlockLayout
         Edges and owners of every block (the same on every rank).
@@ -79,7 +80,11 @@ class DistArray:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.local.dtype
+        return np.dtype(self.local.dtype)
+
+    def _host_local(self) -> np.ndarray:
+        """The local block in host memory (a cupy block is copied; numpy as it is)."""
+        return self.local.get() if hasattr(self.local, "__cuda_array_interface__") else self.local
 
     def __repr__(self) -> str:
         rows, cols = self.layout.blocks
@@ -172,6 +177,7 @@ class DistArray:
         if layout == self.layout:
             return self
         comm, rank, size = self.comm, self.comm.rank, self.comm.size
+        local = self._host_local()
         src = self.layout.local_bounds(rank)
         dst = layout.local_bounds(rank)
         pieces_out, pieces_in = [], []
@@ -180,7 +186,7 @@ class DistArray:
             pieces_in.append(_overlap(self.layout.local_bounds(peer), dst))
         out = np.empty((dst[1] - dst[0], dst[3] - dst[2]), dtype=self.dtype)
         if self.dtype.kind == "O":
-            send = [None if p is None else self.local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]]
+            send = [None if p is None else local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]]
                     for p in pieces_out]
             got = comm.alltoall(send)
             for p, block in zip(pieces_in, got):
@@ -194,7 +200,7 @@ class DistArray:
         pos = 0
         for p, count in zip(pieces_out, send_counts):
             if count:
-                piece = np.ascontiguousarray(self.local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]])
+                piece = np.ascontiguousarray(local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]])
                 send[pos:pos + count] = piece.reshape(-1).view(np.uint8)
                 pos += count
         recv = np.empty(sum(recv_counts), dtype=np.uint8)
@@ -220,11 +226,11 @@ class DistArray:
         comm = self.comm
         out = np.empty(self.shape, dtype=self.dtype)
         if self.dtype.kind == "O":
-            blocks = comm.allgather(self.local)
+            blocks = comm.allgather(self._host_local())
         else:
             counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
             flat = np.empty(sum(counts), dtype=np.uint8)
-            mine = np.ascontiguousarray(self.local).reshape(-1).view(np.uint8)
+            mine = np.ascontiguousarray(self._host_local()).reshape(-1).view(np.uint8)
             comm.Allgatherv(mine, [flat, counts])
             blocks, pos = [], 0
             for r, count in enumerate(counts):

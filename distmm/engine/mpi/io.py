@@ -136,7 +136,7 @@ def _write_own(f: FileSpec, dist, pid: int, header) -> None:
     r0, r1, c0, c1 = dist.layout.local_bounds(dist.comm.rank)
     if r1 <= r0 or c1 <= c0:
         return
-    block = dist.local
+    block = dist._host_local()
     if f.kind == "npy":
         n = dist.shape[1]
         item = block.dtype.itemsize
