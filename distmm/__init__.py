@@ -33,6 +33,7 @@ def _alias_source_kernels() -> None:
 _alias_source_kernels()
 
 from distmm.api import gemm, matmul  # noqa: E402
+from distmm.engine.mpi.distarray import DistArray  # noqa: E402
 from distmm.plan import Plan, make_plan  # noqa: E402
 
-__all__ = ["matmul", "gemm", "make_plan", "Plan", "__version__"]
+__all__ = ["matmul", "gemm", "make_plan", "Plan", "DistArray", "__version__"]

@@ -229,6 +229,8 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
     array([[-128]], dtype=int8)
     """
+    if _is_distributed(a) or _is_distributed(b):
+        return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend)
     ops = _validate(a, b)
     if out is not None:
         _check_out(out, ops)
@@ -241,6 +243,35 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         return result
     out[...] = result
     return out
+
+
+def _is_distributed(x) -> bool:
+    return type(x).__name__ == "DistArray" and hasattr(x, "layout") and hasattr(x, "comm")
+
+
+def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str):
+    """``DistArray @ DistArray`` (a replicated ndarray on either side is cut into
+    blocks): SUMMA on the process grid the planner picks, a ``DistArray`` out."""
+    from distmm.engine.mpi import DistArray, MPIEngine
+    from distmm.grid import make_grid
+
+    if out is not None:
+        raise ValueError("matmul: out= is not supported for DistArray operands")
+    if engine not in ("auto", "mpi"):
+        raise ValueError(f"matmul: DistArray operands run on engine='mpi', got engine={engine!r}")
+    comm = (a if _is_distributed(a) else b).comm
+    a = a if _is_distributed(a) else DistArray.from_array(a, comm)
+    b = b if _is_distributed(b) else DistArray.from_array(b, comm)
+    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: inner dimensions differ: a has shape {a.shape}, b has shape "
+                         f"{b.shape} ({a.shape[1]} != {b.shape[0]})")
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if backend == "auto":
+        backend = get_config().backend
+    backend, on_gpu = resolve_backend(backend, dtype, family="numpy", flops=2 * m * n * k)
+    grid = make_grid(m, n, k, dtype, ranks=comm.size)
+    return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu)
 
 
 def _scalar_for(value, dtype: np.dtype, name: str):

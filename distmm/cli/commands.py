@@ -70,6 +70,10 @@ def _cmd_plan(args) -> int:
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
     print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile).describe())
+    if args.ranks:
+        from distmm.grid import make_grid
+
+        print(make_grid(args.m, args.n, args.k, args.dtype, ranks=args.ranks).describe())
     return 0
 
 
@@ -112,17 +116,19 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _refuse_ranks(args) -> None:
+def _mpi_run(args) -> bool:
+    """Whether this command runs on the MPI engine: ``--engine mpi``, or
+    several ranks started by a launcher with ``--engine auto``."""
     from distmm.cli.launch import launcher_ranks
 
     if args.engine == "mpi":
-        raise ValueError("--engine mpi: the MPI engine is not available yet; run distmm matmul "
-                         "once, without mpirun/srun, with --engine local or dask")
+        return True
     ranks, var = launcher_ranks()
-    if ranks > 1:
-        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): the MPI engine is "
-                         f"not available yet, and any other --engine would run the same product "
-                         f"on every rank; run distmm matmul once, without mpirun/srun")
+    if ranks > 1 and args.engine != "auto":
+        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): --engine "
+                         f"{args.engine} would run the same product on every rank; drop --engine "
+                         f"(the MPI engine runs under mpirun) or run distmm matmul once")
+    return ranks > 1
 
 
 def _connect(args):
@@ -157,7 +163,10 @@ def _cmd_matmul(args) -> int:
     from distmm.cli.io import open_operand, parse_target, same_file, staged_output
     from distmm.plan import result_dtype
 
-    _refuse_ranks(args)
+    if _mpi_run(args):
+        from distmm.cli.mpi_matmul import run_matmul
+
+        return run_matmul(args)
     parse_target(args.output)  # an unsupported output suffix fails before anything is read
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
@@ -258,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="result element type, checked as distmm.matmul does (default float64)")
     pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",
                     help="C tile size, or three sizes tm tn tk (default: the planner chooses)")
+    pl.add_argument("--ranks", type=_positive, default=None,
+                    help="also print the MPI process grid for this many ranks, with the bytes "
+                         "each rank receives")
     pl.set_defaults(func=_cmd_plan)
 
     mm = sub.add_parser("matmul", parents=[common],
@@ -273,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--overwrite", action="store_true",
                     help="replace an existing output (never a folder, a zarr group or an HDF5 group)")
     mm.add_argument("--engine", default="auto", choices=["auto", "local", "dask", "mpi"],
-                    help="auto: dask with --scheduler/--scheduler-file, else local threads; "
-                         "mpi: not available yet")
+                    help="auto: mpi under mpirun/srun with several ranks, dask with "
+                         "--scheduler/--scheduler-file, else local threads; mpi: SUMMA over the "
+                         "MPI ranks")
     conn = mm.add_mutually_exclusive_group()
     conn.add_argument("--scheduler", metavar="ADDRESS", default=None,
                       help="run on an existing Dask cluster, e.g. tcp://host:8786")

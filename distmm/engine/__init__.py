@@ -1,6 +1,6 @@
 """Engines turn a ``Request`` (operands, ``Plan``, backend) into work on a
 runtime: ``local`` (threads in this process), ``dask`` (a distributed
-cluster), ``mpi`` (SUMMA under mpirun, not built yet). Engines know nothing of
+cluster), ``mpi`` (SUMMA under mpirun). Engines know nothing of
 kernels: they call an executor. ``get_engine`` picks one.
 """
 from __future__ import annotations
@@ -39,13 +39,14 @@ def get_engine(name: str, *, family: str = "numpy", client=None,
     Raises
     ------
     ValueError
-        An unknown name; ``"dask"`` with host operands and no client; ``"mpi"``
-        (not available yet).
+        An unknown name; ``"dask"`` with host operands and no client.
     """
     if name not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {name!r}")
     if name == "mpi":
-        raise ValueError("engine='mpi' is not available yet: use engine='local' or 'dask'")
+        from distmm.engine.mpi import MPIEngine
+
+        return MPIEngine()
     if family == "dask":
         name = "dask"  # lazy operands give a lazy result, built as a graph
     if name == "auto":

@@ -1,0 +1,200 @@
+"""The MPI engine: SUMMA on a process grid, for ``mpirun`` jobs and mpi4py programs.
+
+This module covers: ``MPIEngine`` (the ``Engine`` for ``engine="mpi"``):
+operands that every rank holds (numpy arrays, or memmaps, zarr arrays and
+h5py datasets that every rank can slice) are cut into the grid's blocks, each
+rank keeping (reading) only its own; SUMMA computes C's blocks; every rank gets
+the whole product (``Allgatherv``), or its block goes straight into
+``request.out`` when that is a shared on-disk target. ``run_distributed``
+multiplies two ``DistArray`` s and returns one.
+
+The process grid is ``distmm.grid.grid_for_plan(request.plan, ranks)``: a pure
+function of the plan the API made, the same on every rank.
+It does *not* cover: validation (``distmm.api``), grid choice (``distmm.grid``),
+panel broadcasts (``comm``), the algorithm (``summa``), files (``io``).
+Ranks run BLAS with the threads the environment gives them (set
+``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` to cores per rank).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from distmm.engine.base import Engine, Operands, Request
+from distmm.engine.mpi.distarray import DistArray, square_grid
+from distmm.engine.mpi.summa import GridComms, summa
+from distmm.engine.tiles import finish_tile
+from distmm.grid import GridPlan, grid_for_plan
+
+__all__ = ["MPIEngine", "DistArray", "square_grid", "world"]
+
+log = logging.getLogger("distmm.engine.mpi")
+
+
+def world():
+    """``MPI.COMM_WORLD`` (mpi4py is imported on first use)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+class MPIEngine(Engine):
+    """SUMMA over the ranks of ``comm`` (default ``MPI.COMM_WORLD``).
+
+    Every rank must call ``distmm.matmul`` with the same operands (same shapes
+    and dtypes); the result is the full product on every rank.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator, optional
+    comm_backend : str
+        Panel broadcasts: ``"auto"``, ``"mpi"``, ``"nccl"``, ``"cuda-aware"``, ``"staged"``.
+    abort_on_error : bool
+        An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
+        (the others would wait for it forever); errors found before any exchange
+        (operands that differ between ranks, a missing backend) are raised on every rank.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm=None, comm_backend: str = "auto", *, abort_on_error: bool = True):
+        self.comm = comm if comm is not None else world()
+        self.comm_backend = comm_backend
+        self.abort_on_error = abort_on_error
+        #: what the last product moved: bytes this rank received, the estimate, the grid
+        self.last_stats: dict = {}
+
+    def workers(self, operands: Operands, *, on_gpu: bool) -> int:
+        return self.comm.size
+
+    def run(self, request: Request):
+        ops, plan = request.operands, request.plan
+        if ops.family == "dask":
+            raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
+        _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str))
+        grid = grid_for_plan(plan, self.comm.size)
+        on_gpu = request.on_gpu or ops.family == "cupy"
+        batch = tuple(ops.batch)
+        a = ops.a2 if not batch else np.broadcast_to(ops.a2, batch + (ops.m, ops.k))
+        b = ops.b2 if not batch else np.broadcast_to(ops.b2, batch + (ops.k, ops.n))
+        if ops.family == "cupy":
+            import cupy
+
+            a = ops.a2 if not batch else cupy.broadcast_to(ops.a2, batch + (ops.m, ops.k))
+            b = ops.b2 if not batch else cupy.broadcast_to(ops.b2, batch + (ops.k, ops.n))
+        out = request.out
+        if out is None:
+            xp = np
+            if ops.family == "cupy":
+                import cupy as xp
+            out_arr = xp.empty(batch + (ops.m, ops.n), dtype=np.dtype(plan.dtype))
+        else:
+            out_arr = out
+        for idx in np.ndindex(*batch):
+            a2 = a[idx] if idx else a
+            b2 = b[idx] if idx else b
+            da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
+            db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
+            c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu)
+            full = c.gather(root=None)
+            if ops.family == "cupy":
+                import cupy
+
+                full = cupy.asarray(full)
+            if idx:
+                out_arr[idx] = full
+            else:
+                out_arr[...] = full
+        return out_arr
+
+    def run_distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
+                        on_gpu: bool = False) -> DistArray:
+        """``a @ b`` for distributed operands on ``grid`` (made by the planner
+        for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
+        layout are redistributed first; the result is in ``grid.c_layout``."""
+        from distmm.executor import get_executor
+
+        if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
+            raise ValueError("both operands must live on the engine's communicator")
+        acc = np.dtype(grid.acc_dtype)
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
+        a = a.redistribute(grid.a_layout)
+        b = b.redistribute(grid.b_layout)
+        if on_gpu:
+            from distmm.engine.mpi.comm import select_local_gpu
+
+            select_local_gpu(self.comm)
+        executor = get_executor(backend, acc, on_gpu=on_gpu)
+        try:
+            with executor, GridComms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend) as comms:
+                a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
+                b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
+                xp = np
+                if on_gpu:
+                    import cupy as xp
+                c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
+                received = comms.bytes_received
+        except BaseException as exc:
+            if not self.abort_on_error or self.comm.size == 1:
+                raise
+            # The other ranks may be waiting in a broadcast for this one: end the job
+            # rather than leave it hanging.
+            log.critical("rank %d of %d failed during the product (%s: %s); aborting the job",
+                         self.comm.rank, self.comm.size, type(exc).__name__, exc)
+            import sys
+
+            print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the product "
+                  f"({type(exc).__name__}: {exc}); calling MPI_Abort", file=sys.stderr, flush=True)
+            self.comm.Abort(1)
+        res = np.dtype(grid.dtype)
+        shape = grid.c_layout.local_shape(self.comm.rank)
+        on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays on the GPU
+        if c is None:
+            local = np.empty(shape, dtype=res)
+            if on_device:
+                import cupy
+
+                local = cupy.asarray(local)
+        else:
+            local = finish_tile(grid, c)
+            if on_device:
+                import cupy
+
+                local = cupy.ascontiguousarray(local.astype(res, copy=False))
+            else:
+                if not isinstance(local, np.ndarray):
+                    local = local.get()
+                local = np.ascontiguousarray(local, dtype=res)
+        result = DistArray(local, grid.c_layout, self.comm)
+        result.stats = self.last_stats = {
+            "grid": grid.shape, "bytes_received": int(received),
+            "bytes_estimated": int(grid.bytes_received(self.comm.rank)),
+        }
+        return result
+
+
+def _same_on_every_rank(comm, key) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtypes."""
+    if comm.size == 1:
+        return
+    keys = comm.allgather(key)
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"engine='mpi' needs the same operands on every rank; got (a shape, b "
+                         f"shape, dtype) {keys[0]} on rank 0 but "
+                         f"{next(k for k in keys if k != keys[0])} on another")
+
+
+def _host(x):
+    """numpy view of a host operand; cupy operands are copied to the host once per rank
+    (each rank then keeps only its block)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return x.get()
+    return x
+
+
+def _device(x, dtype):
+    import cupy
+
+    return cupy.asarray(x, dtype=dtype)

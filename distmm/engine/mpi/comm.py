@@ -1,0 +1,228 @@
+"""Panel broadcasts for SUMMA: one ``ibcast(panel, root)`` whatever moves the bytes.
+
+This module covers: ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers; a
+pickled ``bcast`` for object arrays), ``CudaAwareBroadcaster`` (mpi4py on cupy
+buffers, where the MPI library reports CUDA support through
+``MPIX_Query_cuda_support``), ``StagedBroadcaster`` (cupy buffers through pinned
+host memory for MPIs without CUDA support) and ``NcclBroadcaster``
+(``cupy.cuda.nccl``; the unique id goes over MPI), plus ``make_broadcaster``
+that picks one. Each counts the bytes its rank receives.
+It does *not* cover: which panel goes where (``distmm.engine.mpi.summa``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["HostBroadcaster", "CudaAwareBroadcaster", "StagedBroadcaster", "NcclBroadcaster",
+           "make_broadcaster", "mpi_cuda_aware"]
+
+
+class _Done:
+    """A finished request."""
+
+    def wait(self):
+        return None
+
+
+class _MPIRequest:
+    def __init__(self, request, after=None):
+        self.request, self.after = request, after
+
+    def wait(self):
+        self.request.Wait()
+        if self.after is not None:
+            self.after()
+            self.after = None
+
+
+class HostBroadcaster:
+    """Broadcasts host (numpy) panels over an mpi4py communicator.
+
+    ``ibcast(buf, root)`` starts a nonblocking broadcast of the contiguous
+    array ``buf`` (filled on ``root``, overwritten elsewhere) and returns a
+    request with ``wait()``. Object arrays are broadcast at once, pickled.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.bytes_received = 0
+
+    def ibcast(self, buf, root: int):
+        if self.comm.size == 1:
+            return _Done()
+        if self.comm.rank != root:
+            self.bytes_received += buf.nbytes
+        if buf.dtype.kind == "O":
+            got = self.comm.bcast(buf if self.comm.rank == root else None, root=root)
+            if self.comm.rank != root:
+                buf[...] = got
+            return _Done()
+        return _MPIRequest(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root))
+
+    def close(self):
+        pass
+
+
+def mpi_cuda_aware() -> bool:
+    """Whether the MPI library says it moves CUDA device buffers itself."""
+    try:
+        from mpi4py import MPI
+
+        query = getattr(MPI, "Query_cuda_support", None)
+        return bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 - an MPI without the extension: not CUDA-aware
+        return False
+
+
+class CudaAwareBroadcaster(HostBroadcaster):
+    """mpi4py on cupy buffers (``__cuda_array_interface__``), for CUDA-aware MPIs."""
+
+    def ibcast(self, buf, root: int):
+        if self.comm.size == 1:
+            return _Done()
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()  # the root's panel is written
+        if self.comm.rank != root:
+            self.bytes_received += buf.nbytes
+        return _MPIRequest(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root))
+
+
+class StagedBroadcaster(HostBroadcaster):
+    """cupy panels through pinned host buffers and host MPI (no CUDA-aware MPI)."""
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self._pinned = {}
+        self._next = 0
+
+    def _host(self, nbytes: int, slot: int):
+        import cupy
+
+        mem = self._pinned.get(slot)
+        if mem is None or mem[1] < nbytes:
+            mem = (cupy.cuda.alloc_pinned_memory(max(nbytes, 1)), nbytes)
+            self._pinned[slot] = mem
+        return np.frombuffer(mem[0], dtype=np.uint8, count=nbytes)
+
+    def ibcast(self, buf, root: int):
+        if self.comm.size == 1:
+            return _Done()
+        flat = buf.reshape(-1).view(np.uint8)
+        slot, self._next = self._next % 3, self._next + 1  # at most two panels in flight
+        host = self._host(flat.nbytes, slot)
+        if self.comm.rank == root:
+            flat.get(out=host)
+        else:
+            self.bytes_received += flat.nbytes
+
+        def upload():
+            if self.comm.rank != root:
+                flat.set(host)
+
+        return _MPIRequest(self.comm.Ibcast(host, root=root), after=upload)
+
+    def close(self):
+        self._pinned.clear()
+
+
+class NcclBroadcaster:
+    """NCCL broadcasts of cupy panels on a stream of their own (``cupy.cuda.nccl``).
+
+    The unique id is made on rank 0 of ``comm`` and broadcast over MPI. The
+    returned request's ``wait()`` makes the current stream wait for the
+    broadcast (an event), so the GEMM that uses the panel queues behind it
+    without blocking the host.
+    """
+
+    def __init__(self, comm):
+        import cupy
+        from cupy.cuda import nccl
+
+        self.comm = comm
+        self.bytes_received = 0
+        uid = nccl.get_unique_id() if comm.rank == 0 else None
+        uid = comm.bcast(uid, root=0)
+        self.nccl = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def ibcast(self, buf, root: int):
+        import cupy
+        from cupy.cuda import nccl
+
+        if self.comm.size == 1:
+            return _Done()
+        if self.comm.rank != root:
+            self.bytes_received += buf.nbytes
+        ready = cupy.cuda.get_current_stream().record()
+        self.stream.wait_event(ready)  # the root's panel copy is queued before the send
+        flat = buf.reshape(-1).view(np.uint8)
+        self.nccl.bcast(flat.data.ptr, flat.size, nccl.NCCL_UINT8, root, self.stream.ptr)
+        done = self.stream.record()
+
+        class _Event:
+            def wait(self_inner):
+                cupy.cuda.get_current_stream().wait_event(done)
+
+        return _Event()
+
+    def close(self):
+        if getattr(self, "nccl", None) is not None:
+            self.nccl.destroy()
+            self.nccl = None
+
+
+def select_local_gpu(comm) -> int:
+    """Make this rank use GPU ``node-local rank % GPUs on the node`` (several ranks of a node
+    share GPUs round-robin); return the device id."""
+    import cupy
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        device = node.rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
+    finally:
+        node.Free()
+    cupy.cuda.Device(device).use()
+    return device
+
+
+def shares_gpu(comm) -> bool:
+    """Whether two ranks of ``comm`` use the same GPU (NCCL refuses that: "duplicate GPU")."""
+    import socket
+
+    import cupy
+
+    dev = cupy.cuda.Device()
+    key = (socket.gethostname(), cupy.cuda.runtime.deviceGetPCIBusId(dev.id))
+    keys = comm.allgather(key)
+    return len(set(keys)) != len(keys)
+
+
+def make_broadcaster(comm, *, on_gpu: bool, prefer: str = "auto"):
+    """The broadcaster for panels on ``comm``.
+
+    ``prefer``: ``"auto"`` (host MPI for host panels; for GPU panels NCCL when
+    ``cupy.cuda.nccl`` is available and no two ranks share a GPU, else CUDA-aware
+    MPI where the library reports it, else pinned host staging), or one of ``"mpi"``, ``"nccl"``,
+    ``"cuda-aware"``, ``"staged"``.
+    """
+    if not on_gpu or prefer == "mpi":
+        return HostBroadcaster(comm)
+    if prefer in ("auto", "nccl"):
+        try:
+            from cupy.cuda import nccl
+
+            usable = nccl.available
+        except ImportError:
+            usable = False
+        shared = comm.size > 1 and shares_gpu(comm)  # collective: every rank asks
+        if usable and not shared:
+            return NcclBroadcaster(comm)
+        if prefer == "nccl":
+            raise RuntimeError("NCCL cannot broadcast here: " + (
+                "two ranks share one GPU" if shared else
+                "this cupy has no NCCL (cupy.cuda.nccl.available is False)"))
+    if prefer in ("auto", "cuda-aware") and mpi_cuda_aware():
+        return CudaAwareBroadcaster(comm)
+    return StagedBroadcaster(comm)

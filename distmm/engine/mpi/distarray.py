@@ -1,0 +1,258 @@
+"""The distributed matrix: one local block per rank and the layout that says where the rest is.
+
+This module covers: ``DistArray`` (a 2-D matrix split over the ranks of an
+mpi4py communicator as a ``distmm.grid.BlockLayout`` says), its constructors
+(from local blocks, from a replicated array, from a file each rank reads its
+own part of), moving it to another layout (``redistribute``, one
+``Alltoallv``), ``gather`` onto one rank or all, and ``to_file``.
+It does *not* cover: the product (``distmm.engine.mpi.summa``), choosing grids
+(``distmm.grid``), or file formats beyond reading and writing blocks
+(``distmm.engine.mpi.io``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distmm.grid import BlockLayout
+
+__all__ = ["DistArray", "square_grid"]
+
+
+def square_grid(ranks: int) -> tuple[int, int]:
+    """The most square ``rows x cols`` factorisation of ``ranks`` (rows <= cols)."""
+    rows = int(math.isqrt(ranks))
+    while ranks % rows:
+        rows -= 1
+    return rows, ranks // rows
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+class DistArray:
+    """A 2-D matrix distributed over the ranks of ``comm``, one block per rank.
+
+    Parameters
+    ----------
+    local : ndarray or cupy.ndarray
+        This rank's block (a cupy block stays on the GPU through products; gather,
+        redistribute and to_file copy it to the host) (shape ``layout.local_shape(comm.rank)``; ``(0, 0)``
+        on ranks that own none).
+    layout : BlockLayout
+        Edges and owners of every block (the same on every rank).
+    comm : mpi4py communicator
+
+    Attributes
+    ----------
+    shape, dtype, ndim, layout, comm, local
+    stats : dict
+        Set on products: bytes this rank received, the grid, the estimate.
+
+    Examples
+    --------
+    Under ``mpiexec -n 4``::
+
+        a = DistArray.from_array(np.ones((1000, 500)))      # each rank keeps its block
+        c = distmm.matmul(a, b)                              # a DistArray
+        full = c.gather(root=0)                              # ndarray on rank 0, None elsewhere
+    """
+
+    ndim = 2
+
+    def __init__(self, local, layout: BlockLayout, comm=None):
+        self.comm = comm if comm is not None else _world()
+        self.layout = layout
+        expected = layout.local_shape(self.comm.rank)
+        if tuple(local.shape) != expected:
+            raise ValueError(f"rank {self.comm.rank}: local block has shape {tuple(local.shape)}, "
+                             f"the layout gives it {expected}")
+        self.local = local
+        self.stats: dict = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.layout.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.local.dtype)
+
+    def _host_local(self) -> np.ndarray:
+        """The local block in host memory (a cupy block is copied; numpy as it is)."""
+        return self.local.get() if hasattr(self.local, "__cuda_array_interface__") else self.local
+
+    def __repr__(self) -> str:
+        rows, cols = self.layout.blocks
+        return (f"DistArray(shape={self.shape}, dtype={self.dtype}, blocks {rows} x {cols}, "
+                f"rank {self.comm.rank} holds {tuple(self.local.shape)})")
+
+    # -- constructors ---------------------------------------------------------
+    @classmethod
+    def from_array(cls, x, comm=None, layout: BlockLayout | None = None) -> "DistArray":
+        """From an array every rank holds (or can slice: a memmap, a zarr array,
+        an h5py dataset): each rank keeps (reads) only its own block.
+        The default layout is the most square grid of the ranks."""
+        comm = comm if comm is not None else _world()
+        if getattr(x, "ndim", None) != 2:
+            x = np.asarray(x)
+            if x.ndim != 2:
+                raise ValueError(f"DistArray needs a 2-D array, got shape {x.shape}")
+        if layout is None:
+            layout = BlockLayout.grid(tuple(x.shape), *square_grid(comm.size))
+        if tuple(layout.shape) != tuple(x.shape):
+            raise ValueError(f"layout is for shape {layout.shape}, the array has {tuple(x.shape)}")
+        r0, r1, c0, c1 = layout.local_bounds(comm.rank)
+        block = np.ascontiguousarray(x[r0:r1, c0:c1]) if r1 > r0 and c1 > c0 else \
+            np.empty((r1 - r0, c1 - c0), dtype=x.dtype)
+        return cls(block, layout, comm)
+
+    @classmethod
+    def from_local(cls, block, comm=None, *, grid: tuple[int, int] | None = None) -> "DistArray":
+        """From the block each rank holds, on a ``rows x cols`` grid of ranks
+        numbered row-major (default: the most square grid). Block shapes are
+        exchanged once; blocks in a grid row must have equal heights and blocks
+        in a grid column equal widths (ragged edges anywhere).
+
+        Raises
+        ------
+        ValueError
+            Blocks that do not tile a matrix, or a grid that is not the ranks'.
+        TypeError
+            Blocks of different dtypes on different ranks.
+        """
+        comm = comm if comm is not None else _world()
+        block = np.asarray(block)
+        if block.ndim != 2:
+            raise ValueError(f"rank {comm.rank}: a local block must be 2-D, got shape {block.shape}")
+        rows, cols = grid if grid is not None else square_grid(comm.size)
+        if rows * cols != comm.size:
+            raise ValueError(f"grid {rows} x {cols} does not match {comm.size} ranks")
+        info = comm.allgather((block.shape, block.dtype.str))
+        dtypes = {d for _, d in info}
+        if len(dtypes) > 1:
+            raise TypeError(f"local blocks have different dtypes: {sorted(dtypes)}")
+        shapes = [s for s, _ in info]
+        heights = [shapes[i * cols][0] for i in range(rows)]
+        widths = [shapes[j][1] for j in range(cols)]
+        for r, (h, w) in enumerate(shapes):
+            i, j = divmod(r, cols)
+            if h != heights[i] or w != widths[j]:
+                raise ValueError(f"block of rank {r} has shape {(h, w)}, but grid row {i} has "
+                                 f"height {heights[i]} and grid column {j} width {widths[j]}")
+        row_edges = tuple(np.concatenate([[0], np.cumsum(heights)]).astype(int).tolist())
+        col_edges = tuple(np.concatenate([[0], np.cumsum(widths)]).astype(int).tolist())
+        layout = BlockLayout((row_edges[-1], col_edges[-1]), row_edges, col_edges,
+                             tuple(tuple(i * cols + j for j in range(cols)) for i in range(rows)))
+        return cls(block, layout, comm)
+
+    @classmethod
+    def from_file(cls, spec: str, comm=None, layout: BlockLayout | None = None) -> "DistArray":
+        """From ``.npy`` (a memmap), a zarr array or ``file.h5:dataset``: each
+        rank reads only its own block.
+
+        Raises
+        ------
+        FileNotFoundError, ValueError
+            A missing file or dataset, an unsupported suffix, an array that is not 2-D.
+        """
+        from distmm.engine.mpi.io import open_block_source
+
+        source = open_block_source(spec)
+        try:
+            return cls.from_array(source.array, comm, layout)
+        finally:
+            source.close()
+
+    # -- moving -----------------------------------------------------------------
+    def redistribute(self, layout: BlockLayout) -> "DistArray":
+        """The same matrix in another layout (one ``Alltoallv`` of raw bytes;
+        object arrays go pickled)."""
+        if tuple(layout.shape) != tuple(self.shape):
+            raise ValueError(f"layout is for shape {layout.shape}, the array has {self.shape}")
+        if layout == self.layout:
+            return self
+        comm, rank, size = self.comm, self.comm.rank, self.comm.size
+        local = self._host_local()
+        src = self.layout.local_bounds(rank)
+        dst = layout.local_bounds(rank)
+        pieces_out, pieces_in = [], []
+        for peer in range(size):
+            pieces_out.append(_overlap(src, layout.local_bounds(peer)))
+            pieces_in.append(_overlap(self.layout.local_bounds(peer), dst))
+        out = np.empty((dst[1] - dst[0], dst[3] - dst[2]), dtype=self.dtype)
+        if self.dtype.kind == "O":
+            send = [None if p is None else local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]]
+                    for p in pieces_out]
+            got = comm.alltoall(send)
+            for p, block in zip(pieces_in, got):
+                if p is not None:
+                    out[p[0] - dst[0]:p[1] - dst[0], p[2] - dst[2]:p[3] - dst[2]] = block
+            return DistArray(out, layout, comm)
+        item = self.dtype.itemsize
+        send_counts = [0 if p is None else (p[1] - p[0]) * (p[3] - p[2]) * item for p in pieces_out]
+        recv_counts = [0 if p is None else (p[1] - p[0]) * (p[3] - p[2]) * item for p in pieces_in]
+        send = np.empty(sum(send_counts), dtype=np.uint8)
+        pos = 0
+        for p, count in zip(pieces_out, send_counts):
+            if count:
+                piece = np.ascontiguousarray(local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]])
+                send[pos:pos + count] = piece.reshape(-1).view(np.uint8)
+                pos += count
+        recv = np.empty(sum(recv_counts), dtype=np.uint8)
+        comm.Alltoallv([send, send_counts], [recv, recv_counts])
+        pos = 0
+        for p, count in zip(pieces_in, recv_counts):
+            if count:
+                shape = (p[1] - p[0], p[3] - p[2])
+                out[p[0] - dst[0]:p[1] - dst[0], p[2] - dst[2]:p[3] - dst[2]] = \
+                    recv[pos:pos + count].view(self.dtype).reshape(shape)
+                pos += count
+        return DistArray(out, layout, comm)
+
+    def gather(self, root: int | None = 0):
+        """The whole matrix as an ndarray on ``root`` (``None`` on the other
+        ranks), or on every rank with ``root=None``."""
+        if root is None:
+            return self._allgather()
+        full = self.redistribute(BlockLayout.single(self.shape, root))
+        return full.local if self.comm.rank == root else None
+
+    def _allgather(self) -> np.ndarray:
+        comm = self.comm
+        out = np.empty(self.shape, dtype=self.dtype)
+        if self.dtype.kind == "O":
+            blocks = comm.allgather(self._host_local())
+        else:
+            counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
+            flat = np.empty(sum(counts), dtype=np.uint8)
+            mine = np.ascontiguousarray(self._host_local()).reshape(-1).view(np.uint8)
+            comm.Allgatherv(mine, [flat, counts])
+            blocks, pos = [], 0
+            for r, count in enumerate(counts):
+                blocks.append(flat[pos:pos + count].view(self.dtype).reshape(self.layout.local_shape(r)))
+                pos += count
+        for r, block in enumerate(blocks):
+            r0, r1, c0, c1 = self.layout.local_bounds(r)
+            if r1 > r0 and c1 > c0:
+                out[r0:r1, c0:c1] = block
+        return out
+
+    def to_file(self, spec: str, *, overwrite: bool = False) -> None:
+        """Write the matrix to ``.npy``, zarr or ``file.h5:dataset``: each rank
+        writes its own block into one staged output that takes the final name
+        only after every rank succeeded (see ``distmm.engine.mpi.io``)."""
+        from distmm.engine.mpi.io import write_blocks
+
+        write_blocks(spec, self, overwrite=overwrite)
+
+
+def _overlap(a, b):
+    """The intersection of two ``(r0, r1, c0, c1)`` rectangles, or None."""
+    r0, r1 = max(a[0], b[0]), min(a[1], b[1])
+    c0, c1 = max(a[2], b[2]), min(a[3], b[3])
+    return (r0, r1, c0, c1) if r1 > r0 and c1 > c0 else None

@@ -1,0 +1,280 @@
+"""Per-rank block reads and writes for distributed matrices.
+
+This module covers: opening ``.npy`` (a read-only memmap), zarr arrays and
+``file.h5:dataset`` so that each rank reads only its block, and writing a
+``DistArray`` to one staged output (``.NAME.distmm-partial-PID``, or a dataset
+``NAME.distmm-partial-PID`` inside an HDF5 file, PID of rank 0) that takes the
+final name only after every rank reported success (an ``allreduce``):
+
+- ``.npy``: rank 0 writes the header, then every rank writes its own block at
+  once with ``os.pwrite`` (disjoint byte ranges of one file);
+- zarr and HDF5 (no parallel HDF5 needed): ranks write their blocks in turn,
+  rank 0 first, a barrier between turns, so no two processes ever write the
+  same zarr chunk or hold the HDF5 file open for writing together.
+
+On failure on any rank the staged output is removed and the target is left as
+it was. It does *not* cover: the command line's checks of a target before a
+run (``--overwrite``, free space: ``distmm.cli.io``), which the command runs
+on rank 0 before computing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec"]
+
+_PARTIAL = "distmm-partial"
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    kind: str  # "npy", "zarr" or "h5"
+    path: Path
+    dataset: str | None = None
+
+
+def parse_spec(spec: str) -> FileSpec:
+    """``a.npy``, ``a.zarr``, ``group.zarr/array`` or ``file.h5:dataset``.
+
+    Raises
+    ------
+    ValueError
+        Any other suffix.
+    """
+    spec = str(spec)
+    head, sep, dataset = spec.partition(":")
+    if Path(head).suffix in (".h5", ".hdf5"):
+        return FileSpec("h5", Path(head), (dataset.strip("/") if sep else "") or "data")
+    p = Path(spec)
+    if p.suffix == ".npy":
+        return FileSpec("npy", p)
+    if p.suffix == ".zarr" or any(part.endswith(".zarr") for part in p.parts[:-1]):
+        return FileSpec("zarr", p)
+    raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
+                     f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
+
+
+class _Source:
+    def __init__(self, array, handle=None):
+        self.array, self.handle = array, handle
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.close()
+
+
+def open_block_source(spec: str) -> _Source:
+    """Open a stored 2-D array for slicing (nothing is read yet).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file, or no such HDF5 dataset.
+    ValueError
+        An unsupported suffix, or an array that is not 2-D.
+    """
+    f = parse_spec(spec)
+    if not f.path.exists():
+        raise FileNotFoundError(f"no such file: {f.path}")
+    if f.kind == "npy":
+        src = _Source(np.load(f.path, mmap_mode="r", allow_pickle=False))
+    elif f.kind == "zarr":
+        import zarr
+
+        src = _Source(zarr.open_array(str(f.path), mode="r"))
+    else:
+        import h5py
+
+        fh = h5py.File(f.path, "r")
+        node = fh.get(f.dataset)
+        if not isinstance(node, h5py.Dataset):
+            fh.close()
+            raise FileNotFoundError(f"no dataset {f.dataset!r} in {f.path}")
+        src = _Source(node, fh)
+    if src.array.ndim != 2:
+        src.close()
+        raise ValueError(f"{spec} has shape {tuple(src.array.shape)}; a DistArray is 2-D")
+    return src
+
+
+def _staged_path(f: FileSpec, pid: int) -> Path:
+    return f.path.parent / f".{f.path.name}.{_PARTIAL}-{pid}"
+
+
+def _create(f: FileSpec, shape, dtype, pid: int):
+    """Rank 0: create the empty staged output."""
+    if f.kind == "npy":
+        path = _staged_path(f, pid)
+        with open(path, "xb") as fh:
+            np.lib.format.write_array_header_1_0(
+                fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                     "shape": tuple(shape)})
+            header = fh.tell()
+            fh.truncate(header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        return header
+    if f.kind == "zarr":
+        import zarr
+
+        zarr.open_array(str(_staged_path(f, pid)), mode="w-", shape=shape, dtype=dtype)
+        return None
+    import h5py
+
+    with h5py.File(f.path, "a") as fh:
+        name = f"{f.dataset}.{_PARTIAL}-{pid}"
+        if name in fh:
+            del fh[name]
+        fh.create_dataset(name, shape=shape, dtype=dtype)
+    return None
+
+
+def _write_own(f: FileSpec, dist, pid: int, header) -> None:
+    r0, r1, c0, c1 = dist.layout.local_bounds(dist.comm.rank)
+    if r1 <= r0 or c1 <= c0:
+        return
+    block = dist._host_local()
+    if f.kind == "npy":
+        n = dist.shape[1]
+        item = block.dtype.itemsize
+        fd = os.open(_staged_path(f, pid), os.O_WRONLY)
+        try:
+            rows = np.ascontiguousarray(block)
+            if c0 == 0 and c1 == n:
+                _pwrite_all(fd, rows.reshape(-1).view(np.uint8), header + r0 * n * item)
+            else:
+                for r in range(r1 - r0):
+                    _pwrite_all(fd, rows[r].view(np.uint8), header + ((r0 + r) * n + c0) * item)
+        finally:
+            os.close(fd)
+        return
+    if f.kind == "zarr":
+        import zarr
+
+        zarr.open_array(str(_staged_path(f, pid)), mode="r+")[r0:r1, c0:c1] = block
+        return
+    import h5py
+
+    with h5py.File(f.path, "a") as fh:
+        fh[f"{f.dataset}.{_PARTIAL}-{pid}"][r0:r1, c0:c1] = block
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _finish(f: FileSpec, pid: int, ok: bool) -> None:
+    """Rank 0: move the staged output to the target, or remove it."""
+    if f.kind == "h5":
+        import h5py
+
+        with h5py.File(f.path, "a") as fh:
+            name = f"{f.dataset}.{_PARTIAL}-{pid}"
+            if not ok:
+                if name in fh:
+                    del fh[name]
+                return
+            if f.dataset in fh:
+                del fh[f.dataset]
+            fh.move(name, f.dataset)
+        return
+    staged = _staged_path(f, pid)
+    if not ok:
+        if staged.is_dir():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
+        return
+    if f.kind == "zarr" and f.path.exists():
+        old = f.path.parent / f".{f.path.name}.distmm-old-{pid}"
+        os.replace(f.path, old)
+        os.replace(staged, f.path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, f.path)
+
+
+def _agree(comm, ok: bool, error: BaseException | None):
+    """Every rank learns whether all succeeded, and rank 0's view of the first error."""
+    from mpi4py import MPI
+
+    all_ok = comm.allreduce(1 if ok else 0, op=MPI.MIN) == 1
+    if all_ok:
+        return True, None
+    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    first = next((m for m in messages if m), "another rank failed")
+    return False, first
+
+
+def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
+    """Write a ``DistArray`` to ``spec``; every rank calls it.
+
+    Raises
+    ------
+    FileExistsError
+        The target exists and ``overwrite`` is false (on every rank).
+    OSError
+        Writing failed on some rank; nothing is left under the final name
+        (or the old target is left as it was).
+    """
+    comm = dist.comm
+    f = parse_spec(spec)
+    dtype = np.dtype(dist.dtype)
+    if dtype.kind == "O":
+        raise TypeError("object arrays cannot be written to .npy, zarr or HDF5 blocks")
+    pid = comm.bcast(os.getpid() if comm.rank == 0 else None, root=0)
+    header, error = None, None
+    if comm.rank == 0:
+        try:
+            if not overwrite and _exists(f):
+                raise FileExistsError(f"{spec} exists: pass overwrite=True to replace it")
+            header = _create(f, dist.shape, dtype, pid)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+    error = comm.bcast(error, root=0)  # the same exception on every rank
+    if error is not None:
+        raise error
+    header = comm.bcast(header, root=0)
+    error = None
+    if f.kind == "npy":
+        try:
+            _write_own(f, dist, pid, header)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    else:
+        for turn in range(comm.size):
+            if turn == comm.rank:
+                try:
+                    _write_own(f, dist, pid, header)
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            comm.Barrier()
+    ok, message = _agree(comm, error is None, error)
+    rename_error = None
+    if comm.rank == 0:
+        try:
+            _finish(f, pid, ok)
+        except Exception as exc:  # noqa: BLE001
+            rename_error = f"{type(exc).__name__}: {exc}"
+    rename_error = comm.bcast(rename_error, root=0)
+    if not ok:
+        raise OSError(f"writing {spec} failed ({message}); the partial output was removed")
+    if rename_error:
+        raise OSError(f"writing {spec} failed while renaming ({rename_error})")
+
+
+def _exists(f: FileSpec) -> bool:
+    if f.kind != "h5":
+        return f.path.exists()
+    if not f.path.exists():
+        return False
+    import h5py
+
+    with h5py.File(f.path, "r") as fh:
+        return f.dataset in fh

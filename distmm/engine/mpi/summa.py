@@ -1,0 +1,170 @@
+"""SUMMA on a ``layers x rows x cols`` process grid, panels double-buffered.
+
+This module covers: the communicators of a grid (``GridComms``: one per
+process row and one per process column, each with its broadcaster), and
+``summa``: for each panel of a layer's k range, the owner column broadcasts
+its A panel along the process row and the owner row its B panel along the
+process column, then every rank adds ``A_panel @ B_panel`` (through the
+executor) to its C block. The broadcasts of panel p+1 are posted before the
+product of panel p starts, so they move while it computes. With several
+layers (k split), the layers' C blocks are summed onto layer 0 along the
+grid's fixed tree, so the result's bits never depend on timing; inside a rank
+panels are summed in k order.
+It does *not* cover: choosing the grid (``distmm.grid``), moving operands into
+the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from distmm.engine.mpi.comm import make_broadcaster
+from distmm.grid import GridPlan
+
+__all__ = ["GridComms", "summa"]
+
+
+class GridComms:
+    """Row and column communicators of a grid, made once and reused (close them).
+
+    Parameters
+    ----------
+    comm : mpi4py communicator with ``grid.ranks`` ranks
+    grid : GridPlan
+    on_gpu : bool
+        Panels are cupy arrays (NCCL, CUDA-aware or staged MPI).
+    prefer : str
+        See ``distmm.engine.mpi.comm.make_broadcaster``.
+    """
+
+    def __init__(self, comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "auto"):
+        if comm.size != grid.ranks:
+            raise ValueError(f"the grid is for {grid.ranks} ranks, the communicator has {comm.size}")
+        self.comm, self.grid = comm, grid
+        layer, i, j = grid.coords(comm.rank)
+        self.row_comm = comm.Split(color=layer * grid.rows + i, key=j)
+        self.col_comm = comm.Split(color=layer * grid.cols + j, key=i)
+        self.row = make_broadcaster(self.row_comm, on_gpu=on_gpu, prefer=prefer)
+        self.col = make_broadcaster(self.col_comm, on_gpu=on_gpu, prefer=prefer)
+        self.reduce_bytes = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self.row.bytes_received + self.col.bytes_received + self.reduce_bytes
+
+    def close(self) -> None:
+        for b in (getattr(self, "row", None), getattr(self, "col", None)):
+            if b is not None:
+                b.close()
+        for c in (getattr(self, "row_comm", None), getattr(self, "col_comm", None)):
+            if c is not None:
+                c.Free()
+        self.row = self.col = self.row_comm = self.col_comm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np, tk: int = 256):
+    """This rank's part of ``C = A @ B``.
+
+    Parameters
+    ----------
+    a_local, b_local :
+        This rank's blocks of A (``grid.a_layout``) and B (``grid.b_layout``)
+        in the accumulation dtype, on the executor's device (numpy or cupy).
+    executor : Executor
+        Multiplies panels (``panel_product``).
+    comms : GridComms
+    xp : module
+        numpy or cupy, for panel buffers.
+
+    Returns
+    -------
+    The accumulated C block (``grid.c_layout``) on layer-0 ranks, ``None`` on
+    the others.
+    """
+    rank = comms.comm.rank
+    layer, i, j = grid.coords(rank)
+    acc = np.dtype(grid.acc_dtype)
+    mi = grid.row_edges[i + 1] - grid.row_edges[i]
+    nj = grid.col_edges[j + 1] - grid.col_edges[j]
+    a_edges, b_edges = grid.a_k_edges[layer], grid.b_k_edges[layer]
+    pe = grid.panel_edges[layer]
+    panels = list(zip(pe, pe[1:]))
+
+    def post(p):
+        k0, k1 = panels[p]
+        a_root = bisect.bisect_right(a_edges, k0) - 1
+        b_root = bisect.bisect_right(b_edges, k0) - 1
+        if j == a_root:
+            off = a_edges[j]
+            a_buf = xp.ascontiguousarray(a_local[:, k0 - off:k1 - off])
+        else:
+            a_buf = xp.empty((mi, k1 - k0), dtype=acc)
+        if i == b_root:
+            off = b_edges[i]
+            b_buf = xp.ascontiguousarray(b_local[k0 - off:k1 - off, :])
+        else:
+            b_buf = xp.empty((k1 - k0, nj), dtype=acc)
+        return a_buf, b_buf, comms.row.ibcast(a_buf, a_root), comms.col.ibcast(b_buf, b_root)
+
+    in_place = hasattr(executor, "device_gemm") and acc in (np.float32, np.float64)
+    first = 0
+    c = None
+    pending = post(0) if panels else None
+    for p in range(len(panels)):
+        a_buf, b_buf, a_req, b_req = pending
+        a_req.wait()
+        b_req.wait()
+        pending = post(p + 1) if p + 1 < len(panels) else None  # moves while panel p multiplies
+        if mi and nj:
+            if in_place:
+                # GPU: C += A_panel @ B_panel inside the GEMM (beta = 1), no extra pass over C.
+                if c is None:
+                    c = xp.empty((mi, nj), dtype=acc)
+                executor.device_gemm(a_buf, b_buf, c, beta=0 if p == first else 1)
+            else:
+                prod = executor.panel_product(a_buf, b_buf, tk)
+                if c is None:
+                    c = prod
+                else:
+                    c += prod
+        del a_buf, b_buf
+    if c is None:
+        c = xp.zeros((mi, nj), dtype=acc)
+    return _reduce_layers(grid, c, comms, layer, i, j)
+
+
+def _reduce_layers(grid: GridPlan, c, comms: GridComms, layer: int, i: int, j: int):
+    """Sum the layers' C blocks onto layer 0 along the grid's fixed tree."""
+    if grid.layers == 1:
+        return c
+    comm = comms.comm
+    on_host = isinstance(c, np.ndarray)
+    host = c if on_host else c.get()
+    for dst, src in grid.reduction:
+        if layer == src:
+            if host.dtype.kind == "O":
+                comm.send(host, dest=grid.rank_at(dst, i, j), tag=77)
+            else:
+                comm.Send(np.ascontiguousarray(host).reshape(-1).view(np.uint8),
+                          dest=grid.rank_at(dst, i, j), tag=77)
+            return None
+        if layer == dst:
+            if host.dtype.kind == "O":
+                other = comm.recv(source=grid.rank_at(src, i, j), tag=77)
+            else:
+                other = np.empty_like(host)
+                comm.Recv(other.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j), tag=77)
+            comms.reduce_bytes += other.nbytes
+            host = host + other
+    if on_host:
+        return host
+    import cupy
+
+    return cupy.asarray(host)

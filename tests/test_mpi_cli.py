@@ -1,0 +1,128 @@
+"""``mpirun -n P distmm matmul A B -o C`` runs the MPI engine (real mpiexec, CPU).
+
+Covers: .npy, zarr and HDF5 (same file in and out) inputs and outputs with
+the result checked against numpy; bad input (shape mismatch, a missing file, a
+non-numeric dtype) ending every rank with status 2 and one message; a failure
+during the product (a GPU backend on a machine without one) aborting the job;
+nothing under the final name after a failure. Every launch has a timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpi_env():
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def mpiexec():
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        pytest.skip("no mpiexec on PATH")
+    return exe
+
+pytestmark = pytest.mark.mpi
+
+# prints each rank's exit status and stderr on one line (mpiexec reports only one)
+WRAPPER = ("import subprocess, sys; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
+           "sys.argv[1:], capture_output=True, text=True); "
+           "print('STATUS', r.returncode, r.stderr.strip().replace(chr(10), ' | '), flush=True); "
+           "sys.exit(0)")
+
+
+def launch(ranks, *argv, wrap=False, timeout=120):
+    cmd = [mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable]
+    cmd += ["-c", WRAPPER] if wrap else ["-m", "distmm"]
+    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True,
+                          timeout=timeout, env=mpi_env())
+
+
+@pytest.fixture
+def files(tmp_path):
+    import h5py
+    import zarr
+
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((53, 41)), rng.standard_normal((41, 29))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.save(tmp_path / "s.npy", np.array([["x"] * 29] * 41))
+    with h5py.File(tmp_path / "x.h5", "w") as fh:
+        fh["A"], fh["B"] = a, b
+    for name, x in (("a.zarr", a), ("b.zarr", b)):
+        z = zarr.open_array(str(tmp_path / name), mode="w", shape=x.shape, dtype=x.dtype, chunks=(10, 10))
+        z[...] = x
+    return tmp_path, a @ b
+
+
+def test_mpirun_matmul_formats(files):
+    import h5py
+    import zarr
+
+    d, ref = files
+    r = launch(3, "matmul", d / "a.npy", d / "b.npy", "-o", d / "c.npy")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("wrote") == 1 and "3 ranks" in r.stdout  # rank 0 reports, once
+    np.testing.assert_allclose(np.load(d / "c.npy"), ref, rtol=1e-12, atol=1e-12)
+    r = launch(2, "matmul", f"{d}/x.h5:A", f"{d}/x.h5:B", "-o", f"{d}/x.h5:C")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(d / "x.h5") as fh:
+        assert sorted(fh) == ["A", "B", "C"]  # the staged dataset is gone
+        np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
+    r = launch(4, "matmul", d / "a.zarr", d / "b.zarr", "-o", d / "c.zarr")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(zarr.open_array(str(d / "c.zarr"))[...], ref, rtol=1e-12, atol=1e-12)
+    assert not [p for p in d.iterdir() if "partial" in p.name]
+    # a vector operand: numpy's promotion, computed by the engine and written by rank 0
+    v = np.arange(29.0)
+    np.save(d / "v.npy", v)
+    r = launch(2, "matmul", d / "b.npy", d / "v.npy", "-o", d / "bv.npy")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(d / "bv.npy"), np.load(d / "b.npy") @ v, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["shape", "missing", "dtype", "exists"])
+def test_mpirun_bad_input_ends_every_rank(files, bad):
+    d, _ = files
+    b = {"shape": d / "a.npy", "missing": d / "none.npy", "dtype": d / "s.npy"}.get(bad, d / "b.npy")
+    out = d / ("a.npy" if bad == "exists" else "c.npy")
+    r = launch(2, "matmul", d / "a.npy", b, "-o", out, wrap=True, timeout=60)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("STATUS")]
+    assert len(lines) == 2, r.stdout + r.stderr
+    assert all(ln.startswith("STATUS 2") for ln in lines), lines
+    messages = [ln for ln in lines if "error" in ln]
+    assert len(messages) == 1 and " | " not in messages[0], lines  # one message, from rank 0
+    assert {"shape": "inner dimensions differ", "missing": "no such file", "dtype": "numeric",
+            "exists": "--overwrite"}[bad] in messages[0]
+    assert not (d / "c.npy").exists()
+    assert not [p for p in d.iterdir() if "partial" in p.name]
+
+
+def test_mpirun_failure_during_the_product_aborts(files):
+    d, _ = files
+    # A GPU backend on a machine without one fails inside the engine, on every rank.
+    r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", d / "c.npy", "--backend", "raw",
+               timeout=60)
+    assert r.returncode != 0
+    assert "aborting the job" in r.stderr
+    assert not (d / "c.npy").exists()
+
+
+def test_engine_mpi_in_one_process(files):
+    d, ref = files
+    r = subprocess.run([sys.executable, "-m", "distmm", "matmul", d / "a.npy", d / "b.npy", "-o",
+                        d / "c.npy", "--engine", "mpi"], capture_output=True, text=True,
+                       timeout=60, env=mpi_env())
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(d / "c.npy"), ref, rtol=1e-12, atol=1e-12)
