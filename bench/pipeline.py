@@ -49,7 +49,8 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     import cupy
 
     from distmm.executor.pinned import default_pinned_pool
-    from distmm.executor.pipeline import CublasGemm, Timeline, run_pipelined
+    from distmm.executor.cublas import CublasGemm
+    from distmm.executor.pipeline import Timeline, run_pipelined
     from distmm.plan import make_plan
 
     dt = np.dtype(dtype)
@@ -131,7 +132,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         results[variant] = rec
         log(rec)
         if trace_to is not None and variant == "distmm-host":
-            from distmm.trace import render
+            from distmm.cli.trace import render
 
             tl = Timeline()
             call(trace=tl)
@@ -201,11 +202,11 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="print host/pinned copy bandwidths first")
     args = p.parse_args(argv)
 
-    from distmm.executor.pipeline import _host_threads
+    from distmm.executor.pipeline.run import host_threads
 
     device = gpu_name()
     writer = RecordWriter("pipeline", device, args.out_dir, gpus=1, workers=1, ranks=1,
-                          host_threads=_host_threads())
+                          host_threads=host_threads())
     print(f"pipeline benchmark on {device}; records -> {writer.path}", flush=True)
     if args.probe:
         try:

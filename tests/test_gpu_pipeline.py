@@ -16,7 +16,9 @@ except Exception as exc:  # pragma: no cover - no driver
     pytest.skip(f"no CUDA device ({exc})", allow_module_level=True)
 
 from distmm.executor.pinned import PinnedPool  # noqa: E402
-from distmm.executor.pipeline import CublasGemm, Timeline, matmul_to, run_pipelined  # noqa: E402
+from distmm.executor.cublas import CublasGemm  # noqa: E402
+from distmm.executor.gpu import matmul_to  # noqa: E402
+from distmm.executor.pipeline import Timeline, run_pipelined  # noqa: E402
 from distmm.plan import make_plan, result_dtype  # noqa: E402
 
 
