@@ -27,12 +27,27 @@ from distmm.executor.base import BackendUnavailable, Executor
 from distmm.executor.cublas import CublasGemm, cublas_gemm
 from distmm.executor.device import device_count, gpu_name
 
-__all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class", "matmul_to"]
+__all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class", "matmul_to", "executor_for"]
 
 log = logging.getLogger("distmm.executor.gpu")
 
 #: dtypes distmm's kernels compute directly
 RAW_DTYPES = frozenset(registry.DTYPES)
+
+
+_FLOATS = ("float32", "float64")
+
+_executors: dict = {}
+
+
+def executor_for(backend: str = "auto") -> "GPUExecutor":
+    """The GPU executor of ``backend`` for the current device, made once per process
+    (its kernel choice, tuned parameters and device properties are read once)."""
+    key = (backend, cupy.cuda.runtime.getDevice())
+    ex = _executors.get(key)
+    if ex is None:
+        ex = _executors.setdefault(key, GPUExecutor(backend=backend))
+    return ex
 
 
 def shape_class(m: int, n: int, k: int) -> str:
@@ -103,6 +118,8 @@ class GPUExecutor(Executor):
 
     # -- choices --------------------------------------------------------------------
     def _tuned(self) -> dict:
+        """This GPU's tuned entries: the cache file is read once per process
+        (``distmm.executor.tuning.tuning_for``), and once per executor from that copy."""
         if self._tuning is None:
             try:
                 self._tuning = tuning.tuning_for(gpu_name())
@@ -151,7 +168,16 @@ class GPUExecutor(Executor):
         return out
 
     def close(self) -> None:
+        """Nothing to free: the executor holds no device memory between calls (it is shared,
+        see ``executor_for``)."""
         self._closed = True
+
+    def empty_host(self, shape, dtype) -> np.ndarray:
+        """A fresh host array for a result this executor writes (huge pages, faulted in
+        by background threads while the GPU computes: ``distmm.executor.hostmem``)."""
+        from distmm.executor.hostmem import empty_host
+
+        return empty_host(shape, dtype)
 
     # -- device GEMM -----------------------------------------------------------------
     def device_gemm(self, a_dev, b_dev, c_dev, *, alpha=1, beta=0, stream=None) -> None:
@@ -174,17 +200,23 @@ class GPUExecutor(Executor):
                              f"c {c_dev.shape}")
         if m == 0 or n == 0:
             return
+        if stream is None:  # cupy's current stream: no context to enter (the per-call path)
+            self._gemm(a_dev, b_dev, c_dev, alpha, beta, m, n, k, None)
+            return
+        with stream:
+            self._gemm(a_dev, b_dev, c_dev, alpha, beta, m, n, k, stream)
+
+    def _gemm(self, a_dev, b_dev, c_dev, alpha, beta, m, n, k, stream) -> None:
         dt = c_dev.dtype
-        stream_ctx = stream if stream is not None else cupy.cuda.get_current_stream()
-        with stream_ctx:
-            if a_dev.dtype != dt:
-                a_dev = a_dev.astype(dt)
-            if b_dev.dtype != dt:
-                b_dev = b_dev.astype(dt)
-            if self.choose(dt, m, n, k) == "raw":
-                self._raw_gemm(a_dev, b_dev, c_dev, alpha, beta, stream_ctx)
-            else:
-                cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
+        if a_dev.dtype != dt:
+            a_dev = a_dev.astype(dt)
+        if b_dev.dtype != dt:
+            b_dev = b_dev.astype(dt)
+        if self.choose(dt, m, n, k) == "raw":
+            self._raw_gemm(a_dev, b_dev, c_dev, alpha, beta,
+                           stream if stream is not None else cupy.cuda.get_current_stream())
+        else:
+            cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
 
     def _raw_gemm(self, a, b, c, alpha, beta, stream) -> None:
         from distmm.executor import cuda_loader
@@ -217,6 +249,11 @@ class GPUExecutor(Executor):
         res = np.dtype(plan.dtype)
         batch = tuple(a.shape[:-2])
         m, k, n = plan.m, plan.k, plan.n
+        if not batch and k and m and n and a.dtype == b.dtype == res and res.name in _FLOATS:
+            # the common case, one float product in its own dtype: the least host work
+            out = cupy.empty((m, n), dtype=res)
+            self._gemm(a, b, out, 1, 0, m, n, k, None)
+            return out
         out = cupy.empty(batch + (m, n), dtype=res)
         if out.size == 0:
             return out

@@ -73,8 +73,12 @@ class CupyDevice:
         self.cp.cuda.Device(self.device_id).synchronize()
 
     def available_bytes(self) -> int:
+        """Free device bytes, after cupy's default pool gives back its idle blocks: counted
+        as free but still allocated, they made the budget too large, the first attempt ran
+        out of memory and the retry ran with small tiles (an fp64 run at 0.33 of in-core)."""
+        self.cp.get_default_memory_pool().free_all_blocks()
         free, _total = self._rt.memGetInfo()
-        return int(free + self.cp.get_default_memory_pool().free_bytes())
+        return int(free)
 
     def release(self) -> None:
         self.pool.free_all_blocks()

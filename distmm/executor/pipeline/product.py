@@ -162,5 +162,8 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
                           budget=budget, pinned_limit=pinned_pool.limit)
     if info is not None:
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
-                    bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget)
+                    bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
+                    **getattr(run, "phases", {}))
+    log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
+              run.seconds, retries, tiling.mode, getattr(run, "phases", {}))
     return out

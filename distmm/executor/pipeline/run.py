@@ -42,7 +42,10 @@ from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
 __all__ = ["PipelineRun", "host_threads"]
 
-_MAX_CHUNK = 32 * (1 << 20)      # staging copy granularity
+_MAX_CHUNK = 16 * (1 << 20)      # staging copy granularity
+_RING_IN, _RING_OUT = 16, 6      # staging buffers: 352 MiB pinned at most, allocated once per
+                                 # process (cudaHostAlloc runs at ~1.5 GB/s: a 1 GiB ring cost
+                                 # the first call ~0.7 s)
 
 
 _pools_lock = threading.Lock()
@@ -125,8 +128,8 @@ class PipelineRun:
         limit = self.pool.limit
         chunk = max(row, min(_MAX_CHUNK, limit // 32))
         chunk = -(-chunk // row) * row
-        n_in = int(min(24, max(2, (limit * 3 // 4) // chunk)))
-        n_out = int(min(8, max(2, (limit - n_in * chunk) // chunk)))
+        n_in = int(min(_RING_IN, max(2, (limit * 3 // 4) // chunk)))
+        n_out = int(min(_RING_OUT, max(2, (limit - n_in * chunk) // chunk)))
         if (n_in + n_out) * chunk > limit:
             raise ValueError(f"the pinned pool ({limit} bytes, distmm.pinned-pool) cannot hold "
                              f"4 staging buffers of {chunk} bytes; raise it")
@@ -205,6 +208,7 @@ class PipelineRun:
         chunks = self._chunks(steps, chunk_bytes)
 
         # Device buffers first: an out-of-memory error here costs nothing.
+        p0 = self._now()
         a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
         if t.b_resident:
             b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), dtype)
@@ -218,6 +222,7 @@ class PipelineRun:
                 return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
             return dev.array(b_mem[slot], (rows, width), dtype)
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
+        p1 = self._now()
         ring_in = self.pool.acquire_many(chunk_bytes, n_in)
         try:
             ring_out = self.pool.acquire_many(chunk_bytes, n_out)
@@ -225,6 +230,9 @@ class PipelineRun:
             for buf in ring_in:
                 self.pool.release(buf)
             raise
+        p2 = self._now()
+        self.phases = {"device_alloc_s": p1 - p0, "pinned_ring_s": p2 - p1,
+                       "ring_bytes": (n_in + n_out) * chunk_bytes}
         stage_pool = _thread_pool("stage", self.host_threads)
         unstage_pool = _thread_pool("unstage", max(2, self.host_threads // 2))
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool)
