@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["empty_host", "HUGE_MIN_BYTES", "thp_mode"]
+__all__ = ["empty_host", "populate", "HUGE_MIN_BYTES", "thp_mode"]
 
 #: results at least this large get huge-page advice and background first touch
 HUGE_MIN_BYTES = 64 << 20
@@ -62,6 +62,12 @@ def _touch(addr: int, start: int, stop: int, step: int, keep=None) -> None:
     for s0 in range(start, stop, step):
         if _madvise(addr + s0, min(step, stop - s0), _MADV_POPULATE_WRITE) != 0:
             return  # an older kernel (EINVAL): the writers fault the pages themselves
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault in ``nbytes`` at ``addr`` now (``MADV_POPULATE_WRITE``, contents unchanged);
+    False where the kernel cannot (the pages then fault on first use)."""
+    return _madvise is not None and _madvise(addr, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
 def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 
 import numpy as np
 
@@ -48,6 +49,30 @@ def _resolve_budget(device, device_memory_limit) -> int:
 
         device_memory_limit = parse_bytes(device_memory_limit)
     return min(int(device_memory_limit), available)
+
+
+_release_lock = threading.Lock()
+_releasing: list = []
+
+
+def _release_later(device) -> None:
+    """Free ``device``'s pool in a background thread (cudaFree of the run's buffers costs
+    tens of milliseconds per call); the next product waits for it (``_wait_for_release``)."""
+    def free():
+        device.bind_thread()
+        device.release()
+
+    th = threading.Thread(target=free, name="distmm-release", daemon=True)
+    with _release_lock:
+        _releasing.append(th)
+    th.start()
+
+
+def _wait_for_release() -> None:
+    with _release_lock:
+        pending, _releasing[:] = list(_releasing), []
+    for th in pending:
+        th.join()
 
 
 def _check_shapes(a, b, out, m, n, k) -> None:
@@ -122,6 +147,7 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
 
         pinned_pool = default_pinned_pool()
     device = _device if _device is not None else CupyDevice(1 << 62)
+    _wait_for_release()  # the previous product's device memory is free before the budget
     budget = _resolve_budget(device, device_memory_limit)
     if _device is None:
         device.pool.set_limit(size=budget)
@@ -136,10 +162,16 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
             run.execute()
         except device.oom_errors as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        finally:
+        except BaseException:
             device.release()
+            raise
         if failure is None:
+            if _device is None:
+                _release_later(device)  # cudaFree off the caller's path
+            else:
+                device.release()
             break
+        device.release()
         # The whole product starts over: every element of out is written again,
         # so no tile of the failed attempt survives.
         gc.collect()      # the failed attempt's frames are gone: free its buffers
