@@ -170,29 +170,6 @@ def test_unsupported_dtype(executor):
         run(executor, a, a)
 
 
-def test_registered_staging_memory_is_page_locked_and_copies():
-    """The staging ring's allocator pins fresh memory with cudaHostRegister: the driver
-    reports it as host memory, async copies through it round-trip, and it is unregistered
-    when dropped (registering it again succeeds)."""
-    from distmm.executor.pinned import registered_allocator
-
-    array, owner = registered_allocator(5 << 20)
-    attrs = cupy.cuda.runtime.pointerGetAttributes(array.ctypes.data)
-    assert attrs.type == cupy.cuda.runtime.memoryTypeHost
-    src = np.random.default_rng(3).standard_normal(array.nbytes // 8)
-    array.view(np.float64)[:] = src
-    dev = cupy.empty(src.shape, np.float64)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    rt = cupy.cuda.runtime
-    rt.memcpyAsync(dev.data.ptr, array.ctypes.data, array.nbytes, rt.memcpyHostToDevice, stream.ptr)
-    stream.synchronize()
-    assert np.array_equal(cupy.asnumpy(dev), src)
-    ptr, mem = owner.ptr, owner.mem
-    del owner
-    rt.hostRegister(ptr, len(mem), 0)  # would fail with "already registered"
-    rt.hostUnregister(ptr)
-
-
 def test_consecutive_products_reuse_nothing_stale():
     """Products back to back (the previous one's device memory freed in the background)
     and with different shapes are each right."""

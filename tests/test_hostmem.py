@@ -38,3 +38,26 @@ def test_populate_reports_what_it_did():
     assert isinstance(ok, bool)
     assert not buf.any()  # contents unchanged either way
     assert hostmem.thp_mode() in ("always", "madvise", "never", "?")
+
+
+def test_a_dropped_result_is_reused_for_the_next_of_its_size():
+    """Mappings of dropped results come back (pages already in) for the same size only,
+    and a reused array is an independent, writable result."""
+    import gc
+
+    shape = (4096, 4100)
+    c = hostmem.empty_host(shape, np.float32)
+    addr = c.ctypes.data
+    c[...] = 7
+    del c
+    gc.collect()
+    d = hostmem.empty_host(shape, np.float32)
+    assert d.ctypes.data == addr  # the same mapping
+    other = hostmem.empty_host((4096, 4200), np.float32)
+    assert other.ctypes.data != addr
+    d[...] = 3
+    e = hostmem.empty_host(shape, np.float32)  # d is alive: e is not its memory
+    assert e.ctypes.data != addr
+    e[...] = 5
+    assert (d == 3).all() and (e == 5).all()
+    assert sum(s for s, _ in hostmem._spare) <= hostmem.SPARE_MAX_BYTES

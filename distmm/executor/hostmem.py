@@ -6,7 +6,10 @@ result the GPU pipeline writes. Small arrays are ``np.empty``. Large ones (at le
 where the kernel's transparent huge pages allow it: one fault per 2 MiB instead of
 per 4 KiB), and background threads fault them in (``MADV_POPULATE_WRITE``, which never changes contents), rows first, while the GPU computes
 the first tiles, so that the copy-out threads seldom pay a first touch (measured 1.8 s
-per 4 GiB of 4 KiB pages on an H100 host). The array keeps its mapping alive.
+per 4 GiB of 4 KiB pages on an H100 host). The array keeps its mapping alive; when
+the caller drops it, the mapping (its pages already in) is kept for the next result of
+the same size, up to ``SPARE_MAX_BYTES`` (a fresh 4 GiB result costs its first touch on
+every call otherwise: the API returns a new array each time).
 
 It does *not* cover: pinned (page-locked) memory (``distmm.executor.pinned``) or
 operands (their pages are the caller's). Linux only for the advice; elsewhere the
@@ -15,11 +18,13 @@ array is plain anonymous memory.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
+import weakref
 
 import numpy as np
 
-__all__ = ["empty_host", "populate", "HUGE_MIN_BYTES", "thp_mode"]
+__all__ = ["empty_host", "populate", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
 
 #: results at least this large get huge-page advice and background first touch
 HUGE_MIN_BYTES = 64 << 20
@@ -70,6 +75,38 @@ def populate(addr: int, nbytes: int) -> bool:
     return _madvise is not None and _madvise(addr, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
+def _spare_max() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        ram = 16 << 30
+    return int(min(16 << 30, ram // 4))
+
+
+#: the most bytes of dropped results kept mapped (already faulted in) for the next ones
+SPARE_MAX_BYTES = _spare_max()
+_spare_lock = threading.Lock()
+_spare: list = []  # [size, mmap] of results the caller dropped, oldest first
+
+
+def _recycle(mem, size: int) -> None:
+    """A result's array died: keep its mapping (pages already faulted in) for the next
+    result of this size, within ``SPARE_MAX_BYTES``, oldest dropped first."""
+    with _spare_lock:
+        _spare.append((size, mem))
+        while sum(s for s, _ in _spare) > SPARE_MAX_BYTES:
+            _spare.pop(0)
+
+
+def _take_spare(size: int):
+    with _spare_lock:
+        for i, (s, mem) in enumerate(_spare):
+            if s == size:
+                del _spare[i]
+                return mem
+    return None
+
+
 def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in host memory.
 
@@ -85,6 +122,11 @@ def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:
     if nbytes < HUGE_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
     size = -(-nbytes // _PAGE) * _PAGE
+    mem = _take_spare(size)
+    if mem is not None:  # a dropped result's mapping: its pages are in already
+        raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+        weakref.finalize(raw, _recycle, mem, size)
+        return raw.view(dtype).reshape(shape)
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
@@ -93,6 +135,7 @@ def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:
         except OSError:  # pragma: no cover - kernels without transparent huge pages
             pass
     raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+    weakref.finalize(raw, _recycle, mem, size)
     if _madvise is None:
         return raw.view(dtype).reshape(shape)
     addr = raw.ctypes.data

@@ -25,8 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["PinnedPool", "PinnedBuffer", "default_pinned_pool", "cupy_pinned_allocator",
-           "registered_allocator"]
+__all__ = ["PinnedPool", "PinnedBuffer", "default_pinned_pool", "cupy_pinned_allocator"]
 
 
 def cupy_pinned_allocator(nbytes: int):
@@ -41,51 +40,6 @@ def cupy_pinned_allocator(nbytes: int):
     mem = cupy.cuda.PinnedMemory(nbytes)
     ptr = cupy.cuda.PinnedMemoryPointer(mem, 0)
     return np.frombuffer(ptr, dtype=np.uint8, count=nbytes), mem
-
-
-class _Registered:
-    """Owner of a page-locked anonymous mapping: unregisters, then unmaps, when dropped."""
-
-    __slots__ = ("mem", "ptr")
-
-    def __init__(self, mem, ptr: int):
-        self.mem, self.ptr = mem, ptr
-
-    def __del__(self):
-        try:
-            import cupy
-
-            cupy.cuda.runtime.hostUnregister(self.ptr)
-        except Exception:  # pragma: no cover - interpreter exit, driver gone
-            pass
-
-
-def registered_allocator(nbytes: int):
-    """Page-lock ``nbytes`` of fresh anonymous memory with ``cudaHostRegister``.
-
-    The mapping is advised ``MADV_HUGEPAGE`` and faulted in (``MADV_POPULATE_WRITE``)
-    before it is registered: on the H100 host, registering ran at 22-26 GB/s against
-    ``cudaHostAlloc``'s 1.5 GB/s, which cost the first pipelined call 0.22 s for a
-    352 MiB staging ring. Falls back to ``cupy_pinned_allocator`` when registering fails.
-    """
-    import mmap
-
-    import cupy
-
-    from distmm.executor import hostmem
-
-    size = -(-int(nbytes) // (2 << 20)) * (2 << 20)
-    try:
-        mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            mem.madvise(mmap.MADV_HUGEPAGE)
-        array = np.frombuffer(mem, dtype=np.uint8, count=int(nbytes))
-        ptr = int(array.ctypes.data)
-        hostmem.populate(ptr, size)
-        cupy.cuda.runtime.hostRegister(ptr, size, 1)  # cudaHostRegisterPortable
-    except Exception:
-        return cupy_pinned_allocator(nbytes)
-    return array, _Registered(mem, ptr)
 
 
 class PinnedBuffer:
@@ -132,8 +86,7 @@ class PinnedPool:
     allocator : callable, optional
         ``allocator(nbytes) -> (numpy uint8 array, owner)``; the memory is
         freed when ``owner`` is dropped. Default: ``cupy_pinned_allocator``
-        (``cudaHostRegister`` of fresh huge-page memory, else ``cudaHostAlloc``).
-        Tests pass a numpy allocator.
+        (``cudaHostAlloc``). Tests pass a numpy allocator.
 
     Notes
     -----
@@ -156,7 +109,7 @@ class PinnedPool:
         if int(limit_bytes) <= 0:
             raise ValueError(f"pinned pool limit must be positive, got {limit_bytes}")
         self.limit = int(limit_bytes)
-        self._allocator = allocator or registered_allocator
+        self._allocator = allocator or cupy_pinned_allocator
         self._cond = threading.Condition()
         self._idle: list[PinnedBuffer] = []
         self._in_use: set[int] = set()  # id() of buffers handed out

@@ -207,39 +207,20 @@ class PipelineRun:
         chunk_bytes, n_in, n_out = self._chunk_bytes()
         chunks = self._chunks(steps, chunk_bytes)
 
-        # Device buffers are allocated when first used, from the main thread, which runs
-        # ahead of the GPU: cudaMalloc costs ~25 ms per GiB (0.3-0.6 s for a 32768^3
-        # product's buffers), hidden behind the kernels already queued instead of
-        # paid before the first copy. Sizes stay within the tiling's device_bytes.
+        # Device buffers first: an out-of-memory error here costs nothing.
         p0 = self._now()
-        s = dtype.itemsize
-        a_mem: list = [None] * t.a_slots
-        b_mem: list = [None] * t.b_slots
-        b_size = [0] * t.b_slots
-        retired: list = []
-        c_mem: list = [None] * t.c_buffers
-
-        def a_buf(slot):
-            if a_mem[slot] is None:
-                a_mem[slot] = dev.alloc(t.a_slot_bytes)
-            return a_mem[slot]
+        a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
+        if t.b_resident:
+            b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), dtype)
+            b_mem = None
+        else:
+            b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
+        c_mem = [dev.alloc(t.c_buffer_bytes) for _ in range(t.c_buffers)]
 
         def b_block(slot, kb, rows, width):
-            if t.b_resident:  # block kb, exactly its rows, full width (k-blocks vary: a ramp)
-                rows, width = t.k_edges[kb + 1] - t.k_edges[kb], t.tn_max
-            need = (t.k_edges[kb + 1] - t.k_edges[kb]) * t.tn_max * s if t.b_resident \
-                else t.b_slot_bytes
-            if b_size[slot] < need:
-                if b_mem[slot] is not None:  # kernels may still read it: kept to the end
-                    retired.append(b_mem[slot])
-                b_mem[slot] = dev.alloc(need)
-                b_size[slot] = need
+            if b_mem is None:
+                return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
             return dev.array(b_mem[slot], (rows, width), dtype)
-
-        def c_buf(cb):
-            if c_mem[cb] is None:
-                c_mem[cb] = dev.alloc(t.c_buffer_bytes)
-            return c_mem[cb]
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
         p1 = self._now()
         ring_in = self.pool.acquire_many(chunk_bytes, n_in)
@@ -288,7 +269,7 @@ class PipelineRun:
                         dev.wait(h2d, free_ev[ch.slot])
                     width = ch.c1 - ch.c0
                     if ch.which == "A":
-                        block = dev.array(a_buf(ch.slot), (ch.block_rows, width), dtype)
+                        block = dev.array(a_mem[ch.slot], (ch.block_rows, width), dtype)
                     else:
                         block = b_block(ch.slot, st.kb, ch.block_rows, width)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
@@ -309,9 +290,9 @@ class PipelineRun:
                 r0, r1 = t.row_edges[st.i], t.row_edges[st.i + 1]
                 q0, q1 = t.col_edges[st.j], t.col_edges[st.j + 1]
                 k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
-                a_dev = dev.array(a_buf(st.a_slot), (r1 - r0, k1 - k0), dtype)
+                a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), dtype)
                 b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0)
-                c_dev = dev.array(c_buf(cb), (r1 - r0, q1 - q0), dtype)
+                c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
                 beta = 0.0 if st.first else 1.0
                 self._timed("compute", f"C[{st.i},{st.j}] k{st.kb}", comp,
                             lambda: self.gemm(a_dev, b_dev, c_dev, alpha=1.0, beta=beta,
