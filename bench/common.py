@@ -77,11 +77,9 @@ def cpu_model() -> str:
 
 def gpu_name() -> str:
     """The current GPU's name as the driver reports it (needs cupy)."""
-    import cupy
+    from distmm.executor.device import gpu_name as name
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
+    return name()
 
 
 def slug(text: str) -> str:

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-import distmm.registry as registry
+import distmm.executor.registry as registry
 from bench.common import (RecordWriter, event_alternating, event_seconds, gpu_name, parser,
                           random_operands)
 

@@ -17,6 +17,17 @@ to the host; outputs are poisoned with NaN before the checked run, and the
 error is measured on sampled rows of C against a float64 cuBLAS product of
 the same rows (a full CPU float64 product at n=32768 would take hours).
 
+With ``--first-call``, each (size, dtype) runs in a fresh process of its own and
+goes through ``distmm.matmul`` on numpy operands (the API's whole host path: the
+GPU executor, its huge-page result, the pinned staging ring, the pipeline):
+
+- ``first-call``: the first host-resident product of the process (the CUDA
+  context exists, nothing of distmm's is warm); wall time of the call;
+- ``steady``: the median of the next calls (each allocates its own result, as
+  the API does);
+- ``cublas``: in-core ``cupy.matmul`` into a preallocated output in the same
+  process, afterwards; CUDA-event timed.
+
 Usage (``bench/device/run.sh pipeline`` runs the GPU tests of the pipeline first)::
 
     python -m bench.pipeline --sizes 16384 32768 --dtypes float32 float64 \
@@ -24,6 +35,7 @@ Usage (``bench/device/run.sh pipeline`` runs the GPU tests of the pipeline first
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -49,7 +61,8 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     import cupy
 
     from distmm.executor.pinned import default_pinned_pool
-    from distmm.executor.pipeline import CublasGemm, Timeline, run_pipelined
+    from distmm.executor.cublas import CublasGemm
+    from distmm.executor.pipeline import Timeline, run_pipelined
     from distmm.plan import make_plan
 
     dt = np.dtype(dtype)
@@ -131,7 +144,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         results[variant] = rec
         log(rec)
         if trace_to is not None and variant == "distmm-host":
-            from distmm.trace import render
+            from distmm.cli.trace import render
 
             tl = Timeline()
             call(trace=tl)
@@ -187,8 +200,77 @@ def probe() -> dict:
     return out
 
 
+def first_call_child(n: int, dtype: str, out_dir, steady: int) -> None:
+    """One fresh process: distmm's first and steady host-resident calls, then in-core cuBLAS."""
+    import cupy
+
+    import distmm
+    from distmm.executor.hostmem import thp_mode
+    from distmm.executor.pinned import default_pinned_pool
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("distmm.executor.pipeline").setLevel(logging.DEBUG)
+    dt = np.dtype(dtype)
+    cupy.zeros(1)  # the CUDA context: not distmm's to pay
+    gpu_sync()
+    rng = cupy.random.default_rng(n + len(dtype))
+    a_h = cupy.asnumpy(rng.standard_normal((n, n), dtype=np.float64).astype(dt))
+    b_h = cupy.asnumpy(rng.standard_normal((n, n), dtype=np.float64).astype(dt))
+    free_gpu()
+    writer = RecordWriter("pipeline", gpu_name(), out_dir, gpus=1, workers=1, ranks=1,
+                          residency="host", thp=thp_mode())
+    t0 = time.perf_counter()
+    c = distmm.matmul(a_h, b_h)
+    first = time.perf_counter() - t0
+    pinned = default_pinned_pool().peak_bytes
+    rows = np.random.default_rng(n).choice(n, SAMPLE_ROWS, replace=False)
+    a_rows = cupy.asarray(a_h[rows]).astype(np.float64)
+    ref_rows = cupy.asnumpy(a_rows @ cupy.asarray(b_h).astype(np.float64))
+    err = _rel_rows(c[rows], ref_rows)
+    del c, a_rows
+    free_gpu()
+    times = []
+    for _ in range(steady):
+        gc.collect()
+        t0 = time.perf_counter()
+        c = distmm.matmul(a_h, b_h)
+        times.append(time.perf_counter() - t0)
+        del c
+    a_d, b_d = cupy.asarray(a_h), cupy.asarray(b_h)
+    c_d = cupy.empty((n, n), dt)
+    sec_ref = event_seconds(lambda: cupy.matmul(a_d, b_d, out=c_d), repeat=3, warmup=1)
+    ref = writer.add("cublas", dt, n, n, n, sec_ref, None, residency="device",
+                     note="in-core cupy.matmul, same process, after the distmm calls")
+    steady_s = float(np.median(times))
+    for variant, sec, extra in (("first-call", first, {"pinned_peak_bytes": pinned}),
+                                ("steady", steady_s, {"times": times})):
+        rec = writer.add(variant, dt, n, n, n, sec, err, ratio_vs_cublas=sec_ref / sec,
+                         api="distmm.matmul(numpy, numpy)", **extra)
+        print(f"{dtype:8s} n={n} {variant:10s} {sec:7.3f} s  {100 * sec_ref / sec:5.1f}% of in-core "
+              f"cuBLAS ({ref['seconds']:.3f} s)  relerr {err:.1e}", flush=True)
+
+
+def first_call_main(args) -> int:
+    """Each (size, dtype) in a fresh interpreter (``--child``)."""
+    import subprocess
+
+    rc = 0
+    for dtype in args.dtypes:
+        for n in args.sizes:
+            cmd = [sys.executable, "-m", "bench.pipeline", "--child", str(n), dtype,
+                   "--steady", str(args.steady)] + (["--out-dir", args.out_dir] if args.out_dir else [])
+            rc = subprocess.call(cmd) or rc
+    return rc
+
+
 def main(argv=None) -> int:
     p = parser(__doc__, prog="python -m bench.pipeline")
+    p.add_argument("--first-call", action="store_true",
+                   help="first-call and steady variants, one fresh process per size and dtype")
+    p.add_argument("--child", nargs=2, default=None, metavar=("N", "DTYPE"), help=argparse.SUPPRESS)
+    p.add_argument("--steady", type=int, default=2, help="--first-call: calls after the first")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     p.add_argument("--repeat", type=int, default=3)
@@ -200,12 +282,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeline-dtype", default="float32")
     p.add_argument("--probe", action="store_true", help="print host/pinned copy bandwidths first")
     args = p.parse_args(argv)
+    if args.child:
+        first_call_child(int(args.child[0]), args.child[1], args.out_dir, args.steady)
+        return 0
+    if args.first_call:
+        return first_call_main(args)
 
-    from distmm.executor.pipeline import _host_threads
+    from distmm.executor.pipeline.run import host_threads
 
     device = gpu_name()
     writer = RecordWriter("pipeline", device, args.out_dir, gpus=1, workers=1, ranks=1,
-                          host_threads=_host_threads())
+                          host_threads=host_threads())
     print(f"pipeline benchmark on {device}; records -> {writer.path}", flush=True)
     if args.probe:
         try:

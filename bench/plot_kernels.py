@@ -26,7 +26,7 @@ STEP_TITLES = {
 
 def _titles():
     try:
-        import distmm.registry as registry
+        import distmm.executor.registry as registry
 
         return {f"distmm-raw-{k.name}": f"{k.step}. {k.name}: {k.title}" for k in registry.steps()}
     except Exception:  # plotting needs no package import

@@ -18,7 +18,7 @@ except Exception:  # pragma: no cover - depends on the machine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
 
-import distmm.registry as registry  # noqa: E402
+import distmm.executor.registry as registry  # noqa: E402
 from distmm.executor import cuda_loader  # noqa: E402
 
 KERNELS = registry.steps()

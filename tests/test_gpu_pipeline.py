@@ -16,7 +16,9 @@ except Exception as exc:  # pragma: no cover - no driver
     pytest.skip(f"no CUDA device ({exc})", allow_module_level=True)
 
 from distmm.executor.pinned import PinnedPool  # noqa: E402
-from distmm.executor.pipeline import CublasGemm, Timeline, matmul_to, run_pipelined  # noqa: E402
+from distmm.executor.cublas import CublasGemm  # noqa: E402
+from distmm.executor.gpu import matmul_to  # noqa: E402
+from distmm.executor.pipeline import Timeline, run_pipelined  # noqa: E402
 from distmm.plan import make_plan, result_dtype  # noqa: E402
 
 
@@ -166,3 +168,15 @@ def test_unsupported_dtype(executor):
     a = np.ones((8, 8), np.int64)
     with pytest.raises(TypeError):
         run(executor, a, a)
+
+
+def test_consecutive_products_reuse_nothing_stale():
+    """Products back to back (the previous one's device memory freed in the background)
+    and with different shapes are each right."""
+    rng = np.random.default_rng(8)
+    for m, n, k in ((3000, 2000, 2500), (2500, 3100, 1900), (3000, 2000, 2500)):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        c = matmul_to(a, b)
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+        assert np.linalg.norm(c - ref) / np.linalg.norm(ref) < 1e-5

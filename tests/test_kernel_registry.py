@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import distmm  # noqa: F401  (aliases kernels/ as distmm.kernels in a source checkout)
-import distmm.registry as registry
+import distmm.executor.registry as registry
+from distmm.executor import tuning
 from distmm.executor import cuda_loader
 from distmm.kernels import CUDA_DIR
 
@@ -20,7 +21,7 @@ CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 
 def test_every_source_is_registered_once_and_steps_are_consecutive():
     files = [k.file for k in registry.steps()]
-    assert sorted(files) == CU_FILES
+    assert sorted(files + [cuda_loader.FIXUP_FILE]) == CU_FILES
     assert [k.step for k in registry.steps()] == list(range(1, len(files) + 1))
     for k in registry.steps():
         assert k.file.startswith(f"{k.step:02d}_")
@@ -142,17 +143,21 @@ def test_split_tail_plan():
 
 def test_tuning_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
-    assert registry.load_tuning_for("GPU X") == {}
+    assert tuning.load_tuning_for("GPU X") == {} and tuning.tuning_for("GPU X") == {}
     entry = {"kernel": "warptile", "params": registry.get("warptile").params("float32"),
              "prefer": {"large": "raw"}}
-    path = registry.store_tuning("GPU X", np.float32, entry)
+    path = tuning.store_tuning("GPU X", np.float32, entry)
     assert path.parent == tmp_path
-    assert registry.load_tuning_for("GPU X")["float32"] == entry
+    assert tuning.load_tuning_for("GPU X")["float32"] == entry
+    # the in-process copy the executor reads is refreshed by a store in this process
+    assert tuning.tuning_for("GPU X")["float32"] == entry
     # a tuned config that breaks the constraints falls back to the defaults
     spec = registry.get("warptile")
     assert registry.kernel_params(spec, "float32", dict(entry["params"], WM=48)) == spec.params("float32")
     path.write_text("{not json")
-    assert registry.load_tuning_for("GPU X") == {}
+    assert tuning.load_tuning_for("GPU X") == {}
+    # ... but not by another writer: the file is read once per process
+    assert tuning.tuning_for("GPU X")["float32"] == entry
 
 
 def test_source_inlines_headers():
@@ -192,12 +197,17 @@ def test_source_compiles_with_nvcc(file, arch, tmp_path):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_split_tail_fixup_compiles_with_nvcc(arch, tmp_path):
-    """The split tail's fix-up kernel (CUDA source kept in cuda_loader) builds too."""
-    src = tmp_path / "fixup.cu"
-    src.write_text(cuda_loader._FIXUP_SRC)
-    res = _nvcc(["-std=c++17", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "f.cubin"), str(src)])
+def test_split_tail_fixup_source_names_both_kernels(arch, tmp_path):
+    """The split tail's fix-up is a .cu file of its own (compiled by the test above and in
+    CI); the cubin holds the two names the loader asks for."""
+    text = cuda_loader.source(cuda_loader.FIXUP_FILE)
+    assert cuda_loader.FIXUP_FILE.startswith("10_") and "DISTMM_FIXUP" in text
+    cubin = tmp_path / "f.cubin"
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-cubin", "-o", str(cubin),
+                 str(CUDA_DIR / cuda_loader.FIXUP_FILE)])
     assert res.returncode == 0, res.stderr[-3000:]
+    for ctype in ("float", "double"):
+        assert f"distmm_split_tail_fixup_{ctype}".encode() in cubin.read_bytes()
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -19,13 +19,8 @@ import numpy as np
 import pytest
 
 from distmm.executor.pinned import PinnedPool
-from distmm.executor.pipeline import (
-    PipelineTiling,
-    Timeline,
-    choose_tiling,
-    plan_block_loads,
-    run_pipelined,
-)
+from distmm.executor.pipeline import Timeline, run_pipelined
+from distmm.plan_pipeline import PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads
 from distmm.plan import make_plan, result_dtype
 
 
@@ -219,6 +214,18 @@ def test_tiling_fits_budget(shape, itemsize, budget):
     assert t.row_edges[0] == 0 and t.row_edges[-1] == m
     assert t.col_edges[-1] == n and t.k_edges[-1] == k
     assert all(x < y for x, y in zip(t.row_edges, t.row_edges[1:]))
+
+
+def test_the_pipeline_runs_the_planners_tiling():
+    """One planner: the schedule the pipeline ran is ``pipeline_tiling(plan, budget)``."""
+    rng = np.random.default_rng(11)
+    a, b = rand((300, 170), np.float32, rng), rand((170, 230), np.float32, rng)
+    c, info, _ = run_sim(a, b, device_limit=1 << 20)
+    check(c, a, b)
+    plan = make_plan(300, 230, 170, np.float32)
+    assert info["tiling"] == pipeline_tiling(plan, info["budget"]).describe()
+    with pytest.raises(TypeError, match="float32 and float64"):
+        pipeline_tiling(make_plan(4, 4, 4, np.int32), 1 << 20)
 
 
 def test_full_width_when_b_fits_and_tail_is_short():

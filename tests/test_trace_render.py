@@ -27,7 +27,7 @@ def _timeline() -> Timeline:
 
 
 def test_render_from_saved_json(tmp_path):
-    from distmm.trace import main
+    from distmm.cli.trace import main
 
     src = tmp_path / "timeline.json"
     _timeline().to_json(src)

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_90")
     args = ap.parse_args(argv)
 
-    import distmm.registry as registry
+    import distmm.executor.registry as registry
     from distmm.executor import cuda_loader
 
     spec = registry.get(args.kernel) if args.kernel else registry.best_kernel()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-import distmm.registry as registry
+import distmm.executor.registry as registry
 from bench.common import (RecordWriter, event_seconds, gpu_name, parser, random_operands,
                           raw_runner, relerr_gpu)
 

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-import distmm.registry as registry
+import distmm.executor.registry as registry
 from bench.common import (RecordWriter, event_alternating, gpu_name, parser, random_operands,
                           relerr_gpu, sustained_clock)
 from bench.research.simt64_search import check_shapes

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    from distmm import registry
+    import distmm.executor.registry as registry
     from distmm.executor import cuda_loader
 
     handle = cupy.cuda.device.get_cublas_handle()

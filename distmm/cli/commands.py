@@ -106,10 +106,11 @@ def _cmd_info(args) -> int:
     if gpu_available():
         import cupy
 
-        for d in range(cupy.cuda.runtime.getDeviceCount()):
-            props = cupy.cuda.runtime.getDeviceProperties(d)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            print(f"gpu {d}       {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
+        from distmm.executor.device import device_count, device_properties
+
+        for d in range(device_count()):
+            props = device_properties(d)
+            print(f"gpu {d}       {props['name']}, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
                   f"sm_{props['major']}{props['minor']}; cupy {cupy.__version__}; backends raw, cublas")
     else:
         print("gpu         none (install distmm[gpu] on a CUDA machine for the raw and cublas backends)")
@@ -316,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------- dispatch
 
-_PASS_THROUGH = {"tune": ("distmm.cli.tune", "distmm.tune"),
-                 "trace": ("distmm.cli.trace", "distmm.trace")}
+_PASS_THROUGH = {"tune": ("distmm.cli.tune",),
+                 "trace": ("distmm.cli.trace",)}
 
 
 def _import_first(names):

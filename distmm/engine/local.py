@@ -131,7 +131,8 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
             and isinstance(b, np.ndarray)):
         return _one_tile(plan, a, b, executor, out)
     if out is None:
-        out = np.empty(batch + (plan.m, plan.n), dtype=np.dtype(plan.dtype))
+        # the GPU executor's host arrays are faulted in while it computes (hostmem)
+        out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np.dtype(plan.dtype))
     if out.size == 0:
         return out
     if plan.k == 0:

@@ -101,12 +101,12 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> 
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in GPU_BACKENDS or (backend == "auto" and on_gpu):
         try:
-            from distmm.executor.gpu import GPUExecutor
+            from distmm.executor.gpu import executor_for
         except ImportError as exc:
             raise BackendUnavailable(
                 f"backend {backend!r} needs cupy and a CUDA GPU: pip install \"distmm[gpu]\" ({exc})"
             ) from exc
-        return GPUExecutor(backend=backend)
+        return executor_for(backend)
     from distmm.executor.cpu import CPUExecutor
 
     if backend == "auto":

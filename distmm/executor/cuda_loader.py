@@ -1,6 +1,6 @@
 """Compile, cache and launch distmm's CUDA GEMM kernels through CuPy.
 
-This module covers: turning a registry entry (``distmm.registry``) plus a dtype, template
+This module covers: turning a registry entry (``distmm.executor.registry``) plus a dtype, template
 parameters and transpose flags into a loaded kernel, with ``cupy.RawModule(code=...,
 options=...)`` and NVRTC (the instantiation written out explicitly and looked up by its
 lowered name, so that CuPy caches the binary on disk under ``CUPY_CACHE_DIR``, default
@@ -11,7 +11,7 @@ time in parallel (``warm``). cupy is imported where a kernel is loaded, so the s
 and the registry can be checked on machines without it.
 
 It does *not* cover: which kernel or backend to use (``distmm.executor.gpu``), or tuning
-(``distmm.tune``).
+(``distmm.cli.tune``).
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-import distmm.registry as registry
+import distmm.executor.registry as registry
+from distmm.executor import tuning
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
-           "KernelLaunchError", "OPTIONS", "split_tail_plan", "grouped_tile_origins"]
+           "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -49,8 +50,8 @@ def cuda_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """distmm's cache folder (see ``distmm.registry.cache_dir``)."""
-    return registry.cache_dir()
+    """distmm's cache folder (see ``distmm.executor.tuning.cache_dir``)."""
+    return tuning.cache_dir()
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,37 +267,15 @@ def split_tail_plan(tiles: int, slots: int, k_tiles: int, min_k_tiles: int = 4) 
     return (r, s) if s >= 2 else (0, 1)
 
 
-_FIXUP_SRC = r"""
-// Step 10's split tail, second half: C tile t (origin m0[t], n0[t]) = alpha * (sum of its s
-// partial BM x BN sums in ascending k) + beta * C; C is not read when beta == 0.
-#define DISTMM_FIXUP(NAME, T)                                                                  \
-extern "C" __global__ void NAME(const T* __restrict__ w, const long long* __restrict__ m0,   \
-                                const long long* __restrict__ n0, int r, int s, int bm, int bn, \
-                                int M, int N, T alpha, T beta, T* __restrict__ c, long long ldc) { \
-    const long long tile_elems = (long long)bm * bn;                                           \
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                      \
-    if (i >= tile_elems * r) return;                                                           \
-    const long long t = i / tile_elems, e = i % tile_elems;                                    \
-    const long long row = m0[t] + e / bn, col = n0[t] + e % bn;                                \
-    if (row >= M || col >= N) return;                                                          \
-    T acc = 0;                                                                                 \
-    for (int z = 0; z < s; ++z) acc += w[((long long)z * r + t) * tile_elems + e];             \
-    const long long idx = row * ldc + col;                                                     \
-    T v = alpha * acc;                                                                         \
-    if (beta != T(0)) v = v + beta * c[idx];                                                   \
-    c[idx] = v;                                                                                \
-}
-DISTMM_FIXUP(distmm_split_tail_fixup_float, float)
-DISTMM_FIXUP(distmm_split_tail_fixup_double, double)
-"""
-
+#: the split tail's fix-up kernels (one per element type), a source of their own
+FIXUP_FILE = "10_split_tail_fixup.cu"
 
 @functools.lru_cache(maxsize=None)
 def _fixup_kernel(ctype: str):
     """The fix-up for ``float`` or ``double`` (plain C names: CuPy caches the module on disk)."""
     import cupy
 
-    return cupy.RawModule(code=_FIXUP_SRC, options=("-std=c++17",)).get_function(
+    return cupy.RawModule(code=source(FIXUP_FILE), options=("-std=c++17",)).get_function(
         f"distmm_split_tail_fixup_{ctype}")
 
 

@@ -1,15 +1,15 @@
 """GPU executor: distmm's CUDA kernels or cuBLAS, launched through CuPy.
 
 This module covers: multiplying device (cupy) operands with ``backend="raw"`` (the best
-kernel of ``distmm.registry``, with the autotuned configuration of this GPU and dtype when
+kernel of ``distmm.executor.registry``, with the autotuned configuration of this GPU and dtype when
 ``distmm tune`` has stored one), ``backend="cublas"`` (``cupy.matmul``) or ``"auto"`` (the
 faster of the two as measured by ``distmm tune`` for this GPU, dtype and shape class, with
 sound defaults before any tuning); numpy's dtype semantics on the device (integers wrap,
 booleans stay boolean, float16 accumulates in float32); host operands through
-``run_plan`` (the stream pipeline of ``distmm.executor.pipeline`` when it is there).
+``run_plan`` and ``matmul_to`` (the stream pipeline of ``distmm.executor.pipeline``).
 
 It does *not* cover: tiling or scheduling (``distmm.plan``, ``distmm.engine``), compiling
-kernels (``distmm.executor.cuda_loader``), or tuning (``distmm.tune``).
+kernels (``distmm.executor.cuda_loader``), or tuning (``distmm.cli.tune``).
 
 Importing this module without cupy raises ImportError (``get_executor`` turns it into
 ``BackendUnavailable`` with the install hint).
@@ -17,21 +17,37 @@ Importing this module without cupy raises ImportError (``get_executor`` turns it
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import numpy as np
 
 import cupy
 
-import distmm.registry as registry
+import distmm.executor.registry as registry
+from distmm.executor import tuning
 from distmm.executor.base import BackendUnavailable, Executor
+from distmm.executor.cublas import CublasGemm, cublas_gemm
+from distmm.executor.device import device_count, gpu_name
 
-__all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class"]
+__all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class", "matmul_to", "executor_for"]
 
 log = logging.getLogger("distmm.executor.gpu")
 
 #: dtypes distmm's kernels compute directly
 RAW_DTYPES = frozenset(registry.DTYPES)
+
+
+_FLOATS = ("float32", "float64")
+
+_executors: dict = {}
+
+
+def executor_for(backend: str = "auto") -> "GPUExecutor":
+    """The GPU executor of ``backend`` for the current device, made once per process
+    (its kernel choice, tuned parameters and device properties are read once)."""
+    key = (backend, cupy.cuda.runtime.getDevice())
+    ex = _executors.get(key)
+    if ex is None:
+        ex = _executors.setdefault(key, GPUExecutor(backend=backend))
+    return ex
 
 
 def shape_class(m: int, n: int, k: int) -> str:
@@ -45,12 +61,6 @@ def shape_class(m: int, n: int, k: int) -> str:
     if work < 4096**3:
         return "medium"
     return "large"
-
-
-def _gpu_name() -> str:
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _operand(x):
@@ -96,11 +106,7 @@ class GPUExecutor(Executor):
     def __init__(self, backend: str = "auto", *, kernel: str | None = None, params=None):
         if backend not in ("auto", "raw", "cublas"):
             raise ValueError(f"GPU backend must be 'auto', 'raw' or 'cublas', got {backend!r}")
-        try:
-            ndev = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # no driver
-            raise BackendUnavailable(f"no CUDA device: {exc}") from exc
-        if ndev < 1:
+        if device_count() < 1:
             raise BackendUnavailable("no CUDA device")
         self.backend = backend
         self.name = backend
@@ -112,9 +118,11 @@ class GPUExecutor(Executor):
 
     # -- choices --------------------------------------------------------------------
     def _tuned(self) -> dict:
+        """This GPU's tuned entries: the cache file is read once per process
+        (``distmm.executor.tuning.tuning_for``), and once per executor from that copy."""
         if self._tuning is None:
             try:
-                self._tuning = registry.load_tuning_for(_gpu_name())
+                self._tuning = tuning.tuning_for(gpu_name())
             except Exception as exc:  # a broken cache must not stop a product
                 log.warning("ignoring the tuning cache: %s", exc)
                 self._tuning = {}
@@ -160,7 +168,16 @@ class GPUExecutor(Executor):
         return out
 
     def close(self) -> None:
+        """Nothing to free: the executor holds no device memory between calls (it is shared,
+        see ``executor_for``)."""
         self._closed = True
+
+    def empty_host(self, shape, dtype) -> np.ndarray:
+        """A fresh host array for a result this executor writes (huge pages, faulted in
+        by background threads while the GPU computes: ``distmm.executor.hostmem``)."""
+        from distmm.executor.hostmem import empty_host
+
+        return empty_host(shape, dtype)
 
     # -- device GEMM -----------------------------------------------------------------
     def device_gemm(self, a_dev, b_dev, c_dev, *, alpha=1, beta=0, stream=None) -> None:
@@ -183,17 +200,23 @@ class GPUExecutor(Executor):
                              f"c {c_dev.shape}")
         if m == 0 or n == 0:
             return
+        if stream is None:  # cupy's current stream: no context to enter (the per-call path)
+            self._gemm(a_dev, b_dev, c_dev, alpha, beta, m, n, k, None)
+            return
+        with stream:
+            self._gemm(a_dev, b_dev, c_dev, alpha, beta, m, n, k, stream)
+
+    def _gemm(self, a_dev, b_dev, c_dev, alpha, beta, m, n, k, stream) -> None:
         dt = c_dev.dtype
-        stream_ctx = stream if stream is not None else cupy.cuda.get_current_stream()
-        with stream_ctx:
-            if a_dev.dtype != dt:
-                a_dev = a_dev.astype(dt)
-            if b_dev.dtype != dt:
-                b_dev = b_dev.astype(dt)
-            if self.choose(dt, m, n, k) == "raw":
-                self._raw_gemm(a_dev, b_dev, c_dev, alpha, beta, stream_ctx)
-            else:
-                self._cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
+        if a_dev.dtype != dt:
+            a_dev = a_dev.astype(dt)
+        if b_dev.dtype != dt:
+            b_dev = b_dev.astype(dt)
+        if self.choose(dt, m, n, k) == "raw":
+            self._raw_gemm(a_dev, b_dev, c_dev, alpha, beta,
+                           stream if stream is not None else cupy.cuda.get_current_stream())
+        else:
+            cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
 
     def _raw_gemm(self, a, b, c, alpha, beta, stream) -> None:
         from distmm.executor import cuda_loader
@@ -214,28 +237,6 @@ class GPUExecutor(Executor):
         if not direct:
             c[...] = target
 
-    @staticmethod
-    def _cublas_gemm(a, b, c, alpha, beta) -> None:
-        one = alpha == 1
-        if beta == 0:
-            if one:
-                cupy.matmul(a, b, out=c)
-            else:
-                cupy.multiply(cupy.matmul(a, b), c.dtype.type(alpha), out=c)
-            return
-        if c.dtype.kind in "fc" and c.flags.c_contiguous and a.dtype == b.dtype == c.dtype:
-            # In place: no temporary and no extra passes over c (the pipeline
-            # accumulates every k-block after the first with beta = 1).
-            from cupy import cublas
-
-            cublas.gemm("N", "N", a, b, out=c, alpha=alpha, beta=beta)
-            return
-        prod = cupy.matmul(a, b)
-        if not one:
-            prod *= c.dtype.type(alpha)
-        c *= c.dtype.type(beta)
-        c += prod
-
     # -- whole products ----------------------------------------------------------------
     def run_batched(self, plan, a, b):
         """``a @ b`` for cupy operands shaped ``batch + (m, k)`` and ``batch + (k, n)``
@@ -248,6 +249,14 @@ class GPUExecutor(Executor):
         res = np.dtype(plan.dtype)
         batch = tuple(a.shape[:-2])
         m, k, n = plan.m, plan.k, plan.n
+        if not batch and k and m and n and a.dtype == b.dtype == res and res.name in _FLOATS:
+            # The common case, one float product in its own dtype. With cuBLAS it is
+            # cupy.matmul's own call (no out=, no empty()): the same GPU work as cupy's.
+            if self.choose(res, m, n, k) == "cublas":
+                return cupy.matmul(a, b)
+            out = cupy.empty((m, n), dtype=res)
+            self._gemm(a, b, out, 1, 0, m, n, k, None)
+            return out
         out = cupy.empty(batch + (m, n), dtype=res)
         if out.size == 0:
             return out
@@ -285,11 +294,9 @@ class GPUExecutor(Executor):
         """Compute one 2-D product of host operands into the host array ``out``
         (``plan.dtype``): the multi-stream pinned pipeline when available, else copy in,
         compute, copy out."""
-        try:
-            from distmm.executor.pipeline import FAST_DTYPES, run_pipelined
-        except ImportError:
-            run_pipelined, FAST_DTYPES = None, ()
-        if run_pipelined is not None and np.dtype(plan.dtype) in FAST_DTYPES:
+        from distmm.executor.pipeline import FAST_DTYPES, run_pipelined
+
+        if np.dtype(plan.dtype) in FAST_DTYPES:
             run_pipelined(self, plan, a, b, out)
             return
         # Other dtypes (integers, bool, float16, complex): whole operands through the device.
@@ -301,5 +308,61 @@ class GPUExecutor(Executor):
         return f"GPUExecutor(backend={self.backend!r}, kernel={self.kernel.name!r})"
 
 
-def _describe() -> dict[str, Any]:  # pragma: no cover - used by `distmm info`-like tools
-    return {"gpu": _gpu_name(), "kernels": [k.name for k in registry.steps()]}
+def matmul_to(a, b, out=None, *, backend: str = "cublas", device_memory_limit=None,
+              trace=None, pinned_pool=None, info: dict | None = None):
+    """``out[...] = a @ b`` on the GPU for operands in host memory or on disk.
+
+    Parameters
+    ----------
+    a, b : 2-D array-like
+        numpy arrays, ``np.load(..., mmap_mode="r")`` memmaps, zarr arrays.
+    out : writable 2-D array, optional
+        numpy array, memmap or zarr array of shape ``(m, n)``; allocated as a
+        numpy array of numpy's result dtype when ``None``.
+    backend : {"cublas", "raw", "auto"}
+        The kernels ``GPUExecutor.device_gemm`` uses.
+    device_memory_limit, trace, pinned_pool, info
+        As for ``distmm.executor.pipeline.run_pipelined``.
+
+    Returns
+    -------
+    out
+
+    Raises
+    ------
+    ValueError
+        Operands that are not 2-D or whose inner dimensions differ.
+    TypeError
+        A result dtype other than float32 / float64.
+
+    Examples
+    --------
+    >>> import numpy as np                                    # doctest: +SKIP
+    >>> a = np.load("a.npy", mmap_mode="r"); b = np.load("b.npy", mmap_mode="r")  # doctest: +SKIP
+    >>> c = np.lib.format.open_memmap("c.npy", "w+", a.dtype, (a.shape[0], b.shape[1]))  # doctest: +SKIP
+    >>> matmul_to(a, b, c, device_memory_limit="8GB")          # doctest: +SKIP
+    """
+    from distmm.plan import make_plan, result_dtype
+
+    for name, x in (("a", a), ("b", b)):
+        if len(x.shape) != 2:
+            raise ValueError(f"matmul_to: operand {name} must be 2-D, got shape {tuple(x.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul_to: inner dimensions differ: a has shape {tuple(a.shape)}, "
+                         f"b has shape {tuple(b.shape)}")
+    m, k = (int(v) for v in a.shape)
+    n = int(b.shape[1])
+    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    if out is None:
+        out = np.empty((m, n), dtype=dtype)
+    plan = make_plan(m, n, k, dtype, workers=1, tile=(max(m, 1), max(n, 1), max(k, 1)))
+    from distmm.executor.pipeline import run_pipelined
+
+    executor = CublasGemm() if backend == "cublas" else GPUExecutor(backend=backend)
+    try:
+        return run_pipelined(executor, plan, a, b, out, device_memory_limit=device_memory_limit,
+                             pinned_pool=pinned_pool, trace=trace, info=info)
+    finally:
+        close = getattr(executor, "close", None)
+        if close is not None:
+            close()

@@ -92,7 +92,8 @@ def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
     import numpy as np
 
     import cupy
-    from distmm.executor.pipeline import Timeline, matmul_to
+    from distmm.executor.gpu import matmul_to
+    from distmm.executor.pipeline import Timeline
 
     rng = cupy.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float64).astype(dtype).get()

@@ -4,27 +4,25 @@ This module covers: every kernel in ``kernels/cuda/`` (one optimisation step per
 its template parameters, their defaults per dtype, the autotuner's search space and the
 constraints a configuration must meet, and the launch geometry (threads, tile, grid,
 dynamic shared memory) derived from them. The loader (``distmm.executor.cuda_loader``),
-the GPU tests, the benchmarks and ``distmm tune`` all read this table; none keeps its own
+the GPU tests, the benchmarks and ``distmm tune`` (``distmm.cli.tune``) all read this table; none keeps its own
 list of kernels.
 
-It does *not* cover: compiling or launching (``distmm.executor.cuda_loader``), or choosing
-between kernels and cuBLAS (``distmm.executor.gpu``). Pure Python, numpy only: importable
+It does *not* cover: compiling or launching (``distmm.executor.cuda_loader``), choosing
+between kernels and cuBLAS (``distmm.executor.gpu``), or the tuned configurations
+(``distmm.executor.tuning``). Pure Python, numpy only: importable
 without cupy or a GPU.
 """
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "C_TYPES", "get", "steps", "best_kernel",
-           "kernel_params", "MAX_SMEM_BYTES", "cache_dir", "cache_path", "load_tuning",
-           "load_tuning_for", "store_tuning", "CACHE_VERSION"]
+           "kernel_params", "MAX_SMEM_BYTES"]
 
 #: numpy dtype name -> C++ element type of the kernels
 C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
@@ -336,51 +334,3 @@ def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None 
         if not spec.violations(dtype, p):
             return p
     return spec.params(dtype)
-
-
-# -- the tuning cache (written by ``distmm tune``, read by the GPU executor) ---------------
-
-CACHE_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """``$DISTMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/distmm``, else ``~/.cache/distmm``."""
-    if os.environ.get("DISTMM_CACHE_DIR"):
-        return Path(os.environ["DISTMM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "distmm"
-
-
-def cache_path() -> Path:
-    return cache_dir() / "tune.json"
-
-
-def load_tuning(path: Path | None = None) -> dict:
-    """The whole cache (``{"version": 1, "gpus": {name: {dtype: entry}}}``); empty when
-    missing, unreadable or of another version."""
-    path = Path(path) if path else cache_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"version": CACHE_VERSION, "gpus": {}}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-        return {"version": CACHE_VERSION, "gpus": {}}
-    data.setdefault("gpus", {})
-    return data
-
-
-def load_tuning_for(gpu: str, path: Path | None = None) -> dict:
-    """Entries of one GPU model, keyed by dtype name."""
-    return dict(load_tuning(path)["gpus"].get(gpu, {}))
-
-
-def store_tuning(gpu: str, dtype: str, entry: dict, path: Path | None = None) -> Path:
-    """Write one entry (atomically: a temporary file, then rename)."""
-    path = Path(path) if path else cache_path()
-    data = load_tuning(path)
-    data["gpus"].setdefault(gpu, {})[np.dtype(dtype).name] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path

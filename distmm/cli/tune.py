@@ -6,7 +6,7 @@ same run and which of the two ``backend="auto"`` should use per shape class), th
 itself and its command line. ``distmm.executor.gpu`` reads the cache; without one it uses
 the registry's defaults.
 
-It does *not* cover: the kernels or their constraints (``distmm.registry``), or compiling
+It does *not* cover: the kernels or their constraints (``distmm.executor.registry``), or compiling
 and launching (``distmm.executor.cuda_loader``). Importing it needs no GPU; tuning does.
 
 Examples
@@ -27,14 +27,42 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distmm import registry
+import distmm.executor.registry as registry
+from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
+                                    load_tuning_for as load_for, store_tuning as store)
 
 __all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "tune_dtype", "main",
-           "CACHE_VERSION"]
+           "CACHE_VERSION", "TuneRecords"]
 
-from distmm.registry import (  # noqa: E402 - the cache lives in the lowest layer
-    CACHE_VERSION, cache_dir, cache_path, load_tuning as load, load_tuning_for as load_for,
-    store_tuning as store)
+
+class TuneRecords:
+    """Bench records (/work/shared/BENCH_RECORDS.md keys) of one ``distmm tune`` run,
+    appended to ``<folder>/tune-<device-slug>-<date>.jsonl``; ``DISTMM_COMMIT`` names the
+    commit measured ("unknown" without it: the installed package has no checkout)."""
+
+    def __init__(self, device: str, folder, **common):
+        import os
+
+        now = _dt.datetime.now(_dt.timezone.utc)
+        self.device, self.common = device, common
+        self.run, self.date = now.strftime("%Y%m%dT%H%M%SZ"), now.date().isoformat()
+        self.commit = os.environ.get("DISTMM_COMMIT", "unknown")
+        keep = "".join(ch.lower() if ch.isalnum() else "-" for ch in device)
+        slug = "-".join(part for part in keep.split("-") if part)[:40]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.path = Path(folder) / f"tune-{slug}-{self.date}.jsonl"
+
+    def add(self, variant: str, dtype, m: int, n: int, k: int, seconds: float, relerr, **extra):
+        rec = {"run": self.run, "benchmark": "tune", "variant": variant, "device": self.device,
+               "dtype": str(np.dtype(dtype)), "m": int(m), "n": int(n), "k": int(k),
+               "seconds": float(seconds),
+               "tflops": 2.0 * m * n * k / seconds / 1e12 if seconds > 0 else None,
+               "relerr": relerr, "commit": self.commit, "date": self.date}
+        rec.update(self.common)
+        rec.update(extra)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        return rec
 
 
 def time_gpu(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 2) -> float:
@@ -287,15 +315,12 @@ def main(argv=None) -> int:
         print(f"distmm tune: needs cupy and a GPU: pip install \"distmm[gpu]\" ({exc})",
               file=sys.stderr)
         return 2
-    from distmm.executor.gpu import _gpu_name
+    from distmm.executor.device import gpu_name
 
-    gpu = _gpu_name()
+    gpu = gpu_name()
     records = None
     if args.records is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench.records import RecordWriter
-
-        records = RecordWriter("tune", gpu, args.records, gpus=1, backend="raw")
+        records = TuneRecords(gpu, args.records, gpus=1, backend="raw")
     print(f"tuning on {gpu} (cupy {cupy.__version__}); cache {args.cache or cache_path()}")
     for dt in args.dtype:
         entry = tune_dtype(dt, size=args.size, confirm_size=args.confirm_size,

@@ -1,0 +1,201 @@
+"""A pipelined product of host-resident operands: budget, schedule, retries.
+
+This module covers: ``run_pipelined``, computing ``out[...] = a @ b`` on one
+GPU for operands in host memory (numpy arrays, memmaps, zarr arrays or
+anything whose 2-D slices are numpy arrays) with the result written to a
+host array, memmap or zarr array: it resolves the device budget, takes the
+planner's schedule for it (``distmm.plan_pipeline.pipeline_tiling``), runs it
+(``distmm.executor.pipeline.run``) and, when the device runs out of memory,
+starts over with the planner's smaller tiling.
+
+It does *not* cover: operands already on the GPU (``GPUExecutor`` multiplies
+those directly), choosing kernels (the executor's ``device_gemm`` does), Dask
+or MPI, or rendering timelines (``distmm.cli.trace``).
+
+Numerics: ``float32`` and ``float64`` results (numpy's result dtype of the two
+operands; operands are cast while they are staged). Each C element is a sum
+over k-blocks in a fixed order for a given tiling; the tiling depends on the
+memory budget, so results may differ in the last bits between budgets. Other
+result dtypes raise ``TypeError``: the GPU executor's tile path handles them.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+
+import numpy as np
+
+from distmm.executor.pipeline.device import CupyDevice
+from distmm.executor.pipeline.run import PipelineRun, host_threads
+from distmm.executor.pipeline.timeline import Timeline
+from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
+
+__all__ = ["run_pipelined"]
+
+log = logging.getLogger("distmm.executor.pipeline")
+
+
+def _resolve_budget(device, device_memory_limit) -> int:
+    available = int(0.95 * device.available_bytes())
+    if device_memory_limit is None:
+        from distmm.config import get_config
+
+        device_memory_limit = get_config().device_memory_limit
+    if device_memory_limit is None:
+        return int(0.9 * device.available_bytes())
+    if isinstance(device_memory_limit, str):
+        from dask.utils import parse_bytes
+
+        device_memory_limit = parse_bytes(device_memory_limit)
+    return min(int(device_memory_limit), available)
+
+
+_release_lock = threading.Lock()
+_releasing: list = []
+
+
+def _release_later(device) -> None:
+    """Free ``device``'s pool in a background thread (cudaFree of the run's buffers costs
+    tens of milliseconds per call); the next product waits for it (``_wait_for_release``)."""
+    def free():
+        device.bind_thread()
+        device.release()
+
+    th = threading.Thread(target=free, name="distmm-release", daemon=True)
+    with _release_lock:
+        _releasing.append(th)
+    th.start()
+
+
+def _wait_for_release() -> None:
+    with _release_lock:
+        pending, _releasing[:] = list(_releasing), []
+    for th in pending:
+        th.join()
+
+
+def _check_shapes(a, b, out, m, n, k) -> None:
+    for name, x, shape in (("a", a, (m, k)), ("b", b, (k, n)), ("out", out, (m, n))):
+        if len(x.shape) != 2 or tuple(x.shape) != shape:
+            raise ValueError(f"pipelined matmul: {name} has shape {tuple(x.shape)}, expected {shape} "
+                             f"(a {tuple(a.shape)}, b {tuple(b.shape)})")
+
+
+def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned_pool=None,
+                  trace: Timeline | None = None, tiles: tuple[int, int, int] | None = None,
+                  info: dict | None = None, _device=None):
+    """Compute ``out[...] = a @ b`` on the GPU from host-resident operands.
+
+    Parameters
+    ----------
+    executor
+        Any object with ``device_gemm(a_dev, b_dev, c_dev, *, alpha, beta,
+        stream)`` computing into a preallocated cupy array on a stream
+        (``GPUExecutor``, or ``distmm.executor.cublas.CublasGemm``).
+    plan : Plan
+        The product (``m``, ``n``, ``k``, ``dtype``); the schedule run is
+        ``distmm.plan_pipeline.pipeline_tiling(plan, budget)``, the planner's
+        tiling for this device's budget (the plan's own tile grid is for CPUs
+        and clusters).
+    a, b : array-like of shape (m, k), (k, n)
+        numpy arrays, memmaps, zarr or h5py arrays: anything whose 2-D slices
+        are numpy arrays; read tile by tile, never whole.
+    out : writable array of shape (m, n)
+        numpy array, memmap or zarr array; every element is written.
+    device_memory_limit : int or str, optional
+        Device bytes the pipeline may use. Default: ``distmm.device-memory-limit``,
+        else 90% of the free device memory. Products far larger than this
+        run in pieces.
+    pinned_pool : PinnedPool, optional
+        Staging buffers; default: the process-wide pool (``distmm.pinned-pool``).
+    trace : Timeline, optional
+        Filled with the start and end of every copy and kernel.
+    tiles : (tm, tn, tk), optional
+        Force square tiles of these sizes (mainly for tests).
+    info : dict, optional
+        Filled with the tiling used, the retries after out-of-memory errors,
+        bytes copied each way and wall seconds.
+
+    Returns
+    -------
+    out
+
+    Raises
+    ------
+    TypeError
+        A result dtype other than float32 / float64.
+    ValueError
+        Shapes that do not match the plan.
+    MemoryError
+        The device ran out of memory even with the smallest tiles (no partial
+        result is returned).
+    """
+    m, n, k = int(plan.m), int(plan.n), int(plan.k)
+    dtype = np.dtype(plan.dtype)
+    if dtype not in FAST_DTYPES:
+        raise TypeError(f"the stream pipeline computes float32 and float64 results, got {dtype}; "
+                        f"use the GPU executor's tile path for this dtype")
+    _check_shapes(a, b, out, m, n, k)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    if pinned_pool is None:
+        from distmm.executor.pinned import default_pinned_pool
+
+        pinned_pool = default_pinned_pool()
+    device = _device if _device is not None else CupyDevice(1 << 62)
+    _wait_for_release()  # the previous product's device memory is free before the budget
+    budget = _resolve_budget(device, device_memory_limit)
+    if _device is None:
+        device.pool.set_limit(size=budget)
+    gemm = executor.device_gemm
+    tiling = pipeline_tiling(plan, budget, tiles=tiles)
+    retries = 0
+    while True:
+        run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
+                           Timeline() if trace is not None else None, host_threads())
+        failure = None
+        try:
+            run.execute()
+        except device.oom_errors as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        except BaseException:
+            device.release()
+            raise
+        if failure is None:
+            if _device is None:
+                _release_later(device)  # cudaFree off the caller's path
+            else:
+                device.release()
+            break
+        device.release()
+        # The whole product starts over: every element of out is written again,
+        # so no tile of the failed attempt survives.
+        gc.collect()      # the failed attempt's frames are gone: free its buffers
+        device.release()
+        retries += 1
+        smaller = shrink_tiling(tiling, m, n, k, dtype.itemsize, budget)
+        if smaller is None:
+            raise MemoryError(f"the GPU ran out of memory even with {tiling.tm_max} x "
+                              f"{tiling.tn_max} tiles (budget {budget} bytes): {failure}")
+        log.warning("GPU out of memory with %d x %d x %d tiles (%s); retrying with %d x %d x %d",
+                    tiling.tm_max, tiling.tn_max, tiling.tk_max, failure,
+                    smaller.tm_max, smaller.tn_max, smaller.tk_max)
+        tiling = smaller
+    if trace is not None:
+        trace.ops.extend(run.timeline.ops)
+        trace.meta.update(m=m, n=n, k=k, dtype=dtype.name, device=getattr(device, "name", "?"),
+                          tiling=tiling.describe(), retries=retries, seconds=run.seconds,
+                          bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h,
+                          tflops=2 * m * n * k / run.seconds / 1e12 if run.seconds else None,
+                          budget=budget, pinned_limit=pinned_pool.limit)
+    if info is not None:
+        info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
+                    bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
+                    **getattr(run, "phases", {}))
+    log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
+              run.seconds, retries, tiling.mode, getattr(run, "phases", {}))
+    return out
