@@ -13,6 +13,11 @@
 #   tune      `distmm tune` for float32 and float64, with records; copies the tune cache out
 #   pipeline  benchmark `pipeline`: host-resident products against in-core cuBLAS, with a
 #             timeline (SIZES, DTYPES, REPEAT)
+#   overhead  benchmark `api-overhead`: distmm.matmul on cupy operands against cupy.matmul
+#   firstcall benchmark `pipeline`, variants first-call and steady: one fresh process per size
+#             and dtype (SIZES, default 32768), in-core cuBLAS in the same process
+#   mpi       benchmark `mpi`: 1 rank on the GPU (fp32/fp64 32768 against in-core cuBLAS), then
+#             1..16 CPU ranks at fp64 16384 against numpy's 16-thread BLAS (MPI_MODES)
 #   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
@@ -20,7 +25,7 @@
 # Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
 # (<benchmark>-<device>-<date>.jsonl), plots. Set DISTMM_COMMIT when the copy has no .git.
 # Research probes (bench/research/) are run directly: python -m bench.research.<name> --help.
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/distmm-out}
@@ -33,7 +38,7 @@ left() { echo $(( BUDGET - SECONDS )); }
 # a step's timeout: what it wants, or what is left of the budget (at least 5 s)
 step() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 gpu_state() { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv; }
-GPU_TESTS="tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py"
+GPU_TESTS="tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py tests/test_gpu_config.py tests/test_mpi_gpu.py"
 
 run_info() {
   date -u
@@ -80,6 +85,22 @@ run_pipeline() {
     --dtypes ${DTYPES:-float32 float64} --repeat ${REPEAT:-3} --out-dir "$OUT" \
     --timeline "$OUT/timeline.png" --timeline-json "$OUT/timeline.json" \
     --timeline-n 32768 --timeline-dtype float32 || echo "BENCH FAILED rc=$?"
+}
+
+run_overhead() {
+  timeout "$(step 150)" $PY -m bench.api_overhead gpu --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+}
+
+run_firstcall() {
+  timeout "$(step 240)" $PY -m bench.pipeline --first-call --sizes ${SIZES:-32768} \
+    --dtypes ${DTYPES:-float32 float64} --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+}
+
+run_mpi() {
+  local mode
+  for mode in ${MPI_MODES:-gpu cpu16}; do
+    timeout "$(step 200)" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" || echo "BENCH FAILED ($mode) rc=$?"
+  done
 }
 
 run_smoke() {
