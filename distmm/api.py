@@ -96,8 +96,10 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
     if tile is None:
         tile = hints.pop("tile", None)
     hints.pop("tile", None)
+    # an engine's budget (its workers' memory) can only lower the configured one
+    budget = min(cfg.memory_budget, hints.pop("memory_budget", cfg.memory_budget))
     return make_plan(m, n, k, dtype, workers=workers, tile=tile,
-                     memory_budget=cfg.memory_budget, **hints)
+                     memory_budget=budget, **hints)
 
 
 def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
