@@ -35,7 +35,7 @@ def test_graph_of_a_huge_product_builds_lazily():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     blocks = -(-n // c)
-    assert C.chunks == (A @ B).chunks
+    assert C.chunks == (A.chunks[0], B.chunks[1])  # dask.array's chunks of A @ B
     layer = graph.layers[C.name]
     assert not layer.is_materialized()
     groups = layer.geometry.groups
@@ -86,3 +86,21 @@ def test_ragged_chunks_match_numpy_exactly(case, dtype, budget):
     want = a @ b
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+def test_k_groups_sit_on_chunk_edges():
+    """A split product's k groups move onto the nearest chunk edges (a task
+    receives whole chunks), keeping the plan's number of groups."""
+    from distmm.engine.dask.chunks import Geometry
+    from distmm.plan import make_plan
+
+    plan = make_plan(64, 64, 1000, "float64", tile=(64, 64, 10), k_splits=3)
+    assert plan.k_edges == (0, 330, 660, 1000)
+    geo = Geometry.of(plan, ((64,), (300, 300, 400)), ((250, 250, 500), (64,)), follow_chunks=True)
+    assert geo.k_groups == (0, 300, 600, 1000)
+    # fewer chunk edges than groups: the plan's own edges, tasks slice the chunk
+    geo = Geometry.of(plan, ((64,), (1000,)), ((1000,), (64,)), follow_chunks=True)
+    assert geo.k_groups == plan.k_edges
+    # crowded edges never merge two groups
+    geo = Geometry.of(plan, ((64,), (1, 1, 998)), ((1000,), (64,)), follow_chunks=True)
+    assert geo.k_groups == (0, 1, 2, 1000)

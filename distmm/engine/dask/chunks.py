@@ -76,7 +76,9 @@ def _group_edges(plan: Plan, cuts: tuple[int, ...]) -> tuple[int, ...]:
     idx = [0]
     for s in range(1, groups):
         want = plan.k_edges[s]
-        near = min(range(len(cuts)), key=lambda c: (abs(cuts[c] - want), c))
+        right = bisect.bisect_left(cuts, want)
+        near = min((c for c in (right - 1, right) if 0 <= c < len(cuts)),
+                   key=lambda c: (abs(cuts[c] - want), c))
         near = max(near, idx[-1] + 1)
         near = min(near, len(cuts) - 1 - (groups - s))
         idx.append(near)
