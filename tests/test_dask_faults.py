@@ -50,27 +50,22 @@ def _product_running(client) -> bool:
 
 
 def _kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
-    """SIGKILL one live worker process ``kills`` times while ``run`` is alive;
-    returns how many were killed before it ended."""
+    """SIGKILL ``kills`` of the worker processes alive when the product started,
+    one every ``gap`` seconds while ``run`` is alive; returns how many were
+    killed before it ended. Replacements the nannies start are left alone (a
+    worker killed while its nanny is still starting it may not come back)."""
     deadline = time.monotonic() + 60
     while not _product_running(client):
         if not run.is_alive() or time.monotonic() > deadline:
             return 0
         time.sleep(0.01)
+    pids = sorted(client.run(os.getpid, on_error="ignore").values())
     killed = 0
-    for _ in range(kills):
+    for pid in pids[:kills]:
         if not run.is_alive():
             break
         try:
-            pids = client.run(os.getpid, on_error="ignore")
-        except Exception:  # a worker dying while asked
-            pids = {}
-        if not pids:
-            time.sleep(0.1)
-            continue
-        victim = sorted(pids)[killed % len(pids)]
-        try:
-            os.kill(pids[victim], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed += 1
         except ProcessLookupError:
             pass
@@ -88,6 +83,7 @@ def test_three_workers_killed_in_one_run_give_the_same_bits(client):
     np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
     for attempt in range(3):
         client.wait_for_workers(3, timeout=60)
+        time.sleep(1.0)  # let the nannies finish starting their new workers
         engine = get_engine("dask", client=client, retry_timeout=60.0)
         request = _request(engine, a, b, 128)
         out = {}
