@@ -76,8 +76,8 @@ def _kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
 @pytest.mark.slow
 def test_three_workers_killed_in_one_run_give_the_same_bits(client):
     rng = np.random.default_rng(31)
-    a = rng.standard_normal((1536, 2048))
-    b = rng.standard_normal((2048, 1536))
+    a = rng.standard_normal((2048, 4096))  # ~1 s of work for a single worker
+    b = rng.standard_normal((4096, 2048))
     engine = get_engine("dask", client=client, retry_timeout=60.0)
     undisturbed = engine.run(_request(engine, a, b, 128))
     np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
@@ -90,7 +90,7 @@ def test_three_workers_killed_in_one_run_give_the_same_bits(client):
         run = threading.Thread(target=lambda: out.setdefault("c", engine.run(request)))
         run.start()
         try:
-            killed = _kill_workers(client, run, kills=3, gap=0.4)
+            killed = _kill_workers(client, run, kills=3, gap=0.15)
         finally:
             run.join(180)
         assert not run.is_alive()

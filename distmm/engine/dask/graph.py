@@ -12,7 +12,7 @@ It does *not* cover: chunk geometry (``distmm.engine.dask.chunks``), task
 bodies (``distmm.engine.dask.tasks``), running the graph (``eager``, ``lazy``).
 
 This is the engine's one import site of dask's task specification
-(``dask._task_spec``, dask >= 2024.12); older dask gets the equivalent legacy
+(``dask._task_spec``, added in dask 2024.9.0 by dask#11248); older dask gets the equivalent legacy
 tuple tasks.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dask.highlevelgraph import Layer
 from distmm.engine.dask.chunks import Geometry, edges, locate
 from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, sum_step
 
-try:  # dask >= 2024.12
+try:  # dask >= 2024.9.0
     from dask._task_spec import List as _List
     from dask._task_spec import Task as _Task
     from dask._task_spec import TaskRef as _TaskRef
