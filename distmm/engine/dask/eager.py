@@ -80,7 +80,7 @@ class _Scattered:
             tuple(np.diff(self.row_edges).tolist()), tuple(np.diff(self.col_edges).tolist()))
 
     def keys(self) -> OperandKeys:
-        table = {idx: fut.key for idx, fut in self.futures.items()}
+        table = dict(self.futures)
         return OperandKeys(tuple(self.array.shape), self.chunks(), table=table)
 
     def block(self, idx):

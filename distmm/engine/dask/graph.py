@@ -44,7 +44,13 @@ def _task(key, func, *args):
 
 
 def _ref(key):
+    if hasattr(key, "key"):  # a distributed Future: every dask version resolves it in a graph
+        return key
     return key if _TaskRef is None else _TaskRef(key)
+
+
+def _key(ref):
+    return getattr(ref, "key", ref)
 
 
 def _list(items):
@@ -61,8 +67,8 @@ def names_of(name: str) -> tuple[str, str, str]:
 @dataclass(frozen=True)
 class OperandKeys:
     """Where the chunks of one operand are: its shape, chunks, and the key of
-    each chunk: ``(name,) + index`` for a dask array, or ``table[index]`` for
-    scattered blocks."""
+    each chunk: ``(name,) + index`` for a dask array, or ``table[index]`` (the
+    future) for scattered blocks."""
 
     shape: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
@@ -245,7 +251,7 @@ class ProductLayer(Layer):
         ob, bi, bj = block
         if kind == "p" or (kind == "out" and not self.split):
             _, a_refs, b_refs = self._partial_parts(ob, bi, bj, extra or 0)
-            return set(a_refs) | set(b_refs)
+            return {_key(r) for r in a_refs} | {_key(r) for r in b_refs}
         t = self._step(kind, block, extra)
         return {self._source_key(block, s) for s in self.steps[t]}
 
