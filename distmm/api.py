@@ -107,7 +107,8 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
 def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
     """Resolve the engine, the backend and the plan once, into one request."""
     cfg = get_config()
-    eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads)
+    eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads,
+                     retry_timeout=cfg.retry_timeout)
     if backend == "auto" and ops.family == "numpy":
         backend = cfg.backend
     flops = 2 * ops.m * ops.n * ops.k * max(math.prod(ops.batch), 1)

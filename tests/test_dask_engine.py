@@ -4,7 +4,7 @@ Covers: numpy and dask operands against numpy (odd shapes, uneven chunks,
 broadcast batches, vectors, every dtype the core supports), exact integer and
 boolean results, the k-split reduction and its bitwise reproducibility,
 call-time errors, pinning to the plan's owners, progress and performance
-reports, and a worker killed in the middle of a product.
+reports, a worker killed in the middle of a product, and the k-loop inside a task.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import dask  # noqa: E402
 import distmm  # noqa: E402
 from distmm.api import plan_for  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
-from distmm.engine import dask_engine  # noqa: E402
+from distmm.engine.dask import placement as dask_placement  # noqa: E402
 from distmm.engine.tiles import reduce_partials  # noqa: E402
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -229,7 +229,7 @@ def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
     rng = np.random.default_rng(1)
     a, b = _operands(rng, (256, 128), (128, 256), "float64")
     plan = plan_for(256, 256, 128, "float64", workers=2, tile=(64, 64, 256))
-    slots = dask_engine.worker_slots(client)
+    slots = dask_placement.worker_slots(client)
     # operands not yet on the cluster: owner w is the w-th worker slot
     C = distmm.matmul(da.from_array(a, chunks=64), da.from_array(b, chunks=64)).persist()  # auto
     distributed.wait(C)
@@ -361,24 +361,19 @@ def test_without_a_client():
     _check(C.compute(scheduler="threads"), a @ b)
 
 
-def test_k_pieces_run_as_separate_tasks_with_the_same_bits(client):
-    """Chunks along k: one task per piece and an ordered sum, bit for bit the
-    k-loop of a single task (the order the pieces run in does not matter)."""
+def test_k_loop_runs_inside_one_task_per_output_block(client):
+    """Chunks along k: one task per output block runs the k-loop over them
+    (no task per k chunk), on dask.array's output chunks."""
     rng = np.random.default_rng(21)
     a, b = _operands(rng, (384, 1024), (1024, 320), "float64")
     A = da.from_array(a, chunks=(128, 256)).persist()
     B = da.from_array(b, chunks=(256, 160)).persist()
     C = distmm.matmul(A, B, client=client)
-    pieces = [k for k in C.dask if isinstance(k, tuple) and str(k[0]).startswith("distmm-piece")]
-    assert len(pieces) == 3 * 2 * 4  # tiles x k chunks
+    assert C.chunks == (A @ B).chunks == ((128,) * 3, (160, 160))
+    layer = C.dask.layers[C.name]
+    assert len(layer) == 3 * 2 and not layer.is_materialized()
+    deps = layer.get_dependencies((C.name, 1, 1))
+    assert deps == {(A.name, 1, kb) for kb in range(4)} | {(B.name, kb, 1) for kb in range(4)}
     got = C.compute()
-    old = dask_engine._MAX_PIECE_TASKS
-    dask_engine._MAX_PIECE_TASKS = 1  # one task per tile, its own k-loop
-    try:
-        single = distmm.matmul(A, B, client=client)
-        assert not any(isinstance(k, tuple) and str(k[0]).startswith("distmm-piece") for k in single.dask)
-        want = single.compute()
-    finally:
-        dask_engine._MAX_PIECE_TASKS = old
-    assert np.array_equal(got, want)
+    assert np.array_equal(got, C.compute())
     _check(got, a @ b)

@@ -28,10 +28,10 @@ def cuda_client():
 
 
 def _worker_ran_on_gpu(client) -> bool:
-    from distmm.engine import dask_engine
+    from distmm.engine.dask import tasks as dask_tasks
 
     def used_gpu():
-        return any(key[2] for key in dask_engine._EXECUTORS)
+        return any(key[2] for key in dask_tasks._EXECUTORS)
 
     return all(client.run(used_gpu).values())
 

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def _dask_engine_ready() -> bool:
-    return importlib.util.find_spec("distmm.engine.dask_engine") is not None
+    return importlib.util.find_spec("distmm.engine.dask") is not None
 
 
 def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm,

@@ -30,11 +30,12 @@ def _default_client():
 
 
 def get_engine(name: str, *, family: str = "numpy", client=None,
-               threads: int | None = None) -> Engine:
+               threads: int | None = None, retry_timeout: float = 60.0) -> Engine:
     """The engine for ``engine=name``.
 
     ``"auto"``: the Dask engine for dask operands, or when ``client`` is given
     or a default ``distributed`` client exists; the local engine otherwise.
+    ``retry_timeout``: seconds the Dask engine retries after losing workers.
 
     Raises
     ------
@@ -57,6 +58,6 @@ def get_engine(name: str, *, family: str = "numpy", client=None,
         from distmm.engine.local import LocalEngine
 
         return LocalEngine(threads=threads)
-    from distmm.engine.dask_engine import DaskEngine
+    from distmm.engine.dask import DaskEngine
 
-    return DaskEngine(client=client, required=family != "dask")
+    return DaskEngine(client=client, required=family != "dask", retry_timeout=retry_timeout)

@@ -110,7 +110,8 @@ class Engine(ABC):
     def plan_hints(self, operands: Operands, workers: int) -> dict:
         """Keyword arguments for ``distmm.plan.make_plan`` that this engine's
         operands suggest (an explicit or configured tile wins over them): the
-        Dask engine returns the chunk size of regularly chunked operands."""
+        Dask engine returns its operands' chunk tile and a ``memory_budget``
+        from its workers' ``memory_limit`` (the lower budget wins)."""
         return {}
 
     @abstractmethod

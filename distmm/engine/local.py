@@ -4,7 +4,7 @@ This module covers: running a ``Request`` in this process: cupy operands
 through the GPU executor's batched path, host operands (numpy arrays,
 memmaps, zarr arrays, h5py datasets) tile by tile on threads or through the
 GPU stream pipeline, for small work and whenever no cluster is around.
-It does *not* cover: clusters (``distmm.engine.dask_engine``), MPI
+It does *not* cover: clusters (``distmm.engine.dask``), MPI
 (``distmm.engine.mpi``), or kernels (``distmm.executor``).
 """
 from __future__ import annotations

@@ -1,0 +1,164 @@
+"""The Dask engine: a ``Request`` becomes a task graph on a ``distributed`` cluster.
+
+This package covers: ``DaskEngine``, which reads the request (operands, plan,
+backend) and runs it: dask operands give a lazy array over their own chunks
+(``lazy``), numpy and on-disk operands are scattered, computed and gathered
+(``eager``). Its modules, one idea each:
+
+``tasks``      the task bodies that run on workers
+``chunks``     chunk geometry: output blocks, k groups, the pieces a task reads
+``placement``  worker slots and the placement annotation (plan owner per key)
+``graph``      the product as one lazy ``Layer``: blockwise over output blocks,
+               the k-loop inside the task, the plan's reduction tree after it
+``eager``      the scatter/gather loop for in-memory operands, with retries
+``lazy``       dask-array operands: the lazy result array
+
+It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
+validation (``distmm.api``) or kernels (``distmm.executor``).
+
+How a task gets its operands
+----------------------------
+By default the output chunks are dask.array's for ``A @ B``: A's row chunks by
+B's column chunks (the plan's tiles when a tile was asked for). A task reads
+the chunks of A and B that overlap its output block over its k group and
+nothing else: no rechunk is inserted. Where chunks straddle block edges, the
+task slices them, and k pieces shorter than the plan's k-block are joined
+before they reach the executor. When the plan splits k (a long k, or too few
+blocks for the workers), each group is one task, its edges moved onto chunk
+edges, and the partials are summed along the plan's fixed tree, one task per
+step, so the bits never depend on which task finished first.
+
+Memory
+------
+``plan_hints`` gives the planner a memory budget from the workers'
+``memory_limit`` (a quarter of it per worker thread), so that tiles and k
+groups fit workers that dask.array's own ``A @ B`` fits.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from distmm.engine.base import Engine, Operands, Request
+from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
+from distmm.engine.dask.placement import slots_by_locality, worker_slots
+
+__all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION"]
+
+log = logging.getLogger("distmm.engine.dask")
+
+#: share of a worker's ``memory_limit`` (per thread) one task may hold: the
+#: rest is the process itself, inputs fetched for the next tasks, and results
+#: waiting to be gathered, below dask's spill (60%) and pause (80%) thresholds
+MEMORY_FRACTION = 0.25
+
+
+def _resolve_client(client, *, required: bool):
+    if client is not None:
+        return client
+    if not required and "distributed" not in sys.modules:
+        return None  # no client can exist without distributed imported: skip its import
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        if required:
+            raise ValueError(
+                "engine='dask' needs a distributed.Client: pass client= or create one "
+                "(distributed.Client(...)) before calling matmul"
+            ) from None
+        return None
+
+
+def memory_budget(client) -> int | None:
+    """Bytes one task may hold on this cluster: ``MEMORY_FRACTION`` of the
+    smallest per-thread ``memory_limit`` of its workers (None: no limits)."""
+    try:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # a cluster in trouble: the configured budget stands
+        return None
+    limits = [int(w["memory_limit"]) // max(int(w.get("nthreads", 1)), 1)
+              for w in info.values() if w.get("memory_limit")]
+    return int(min(limits) * MEMORY_FRACTION) if limits else None
+
+
+class DaskEngine(Engine):
+    """Runs a request on a ``distributed`` cluster.
+
+    Parameters
+    ----------
+    client : distributed.Client, optional
+        Default: the current client. Dask operands without any client give a
+        lazy array planned for this machine's cores, runnable on any scheduler.
+    required : bool
+        Whether a client must exist (host operands are computed eagerly).
+    retry_timeout : float
+        Seconds the scatter/gather loop keeps retrying after workers are lost
+        (waiting for one when none is alive) before it raises
+        ``distmm.errors.WorkersLost``.
+
+    Raises
+    ------
+    ValueError
+        No client when one is required; a cluster with no workers.
+    """
+
+    name = "dask"
+
+    def __init__(self, client=None, *, required: bool = True, retry_timeout: float = 60.0):
+        if not retry_timeout > 0:
+            raise ValueError(f"retry_timeout must be positive, got {retry_timeout!r}")
+        self.client = _resolve_client(client, required=required)
+        self.retry_timeout = float(retry_timeout)
+        self.slots = worker_slots(self.client) if self.client is not None else []
+        if self.client is not None and not self.slots:
+            raise ValueError("matmul: the Dask cluster has no workers")
+        self._chunk_tile = None
+
+    def workers(self, operands: Operands, *, on_gpu: bool) -> int:
+        if self.slots:
+            return len(self.slots)
+        from distmm.engine.local import default_workers
+
+        return default_workers()
+
+    def plan_hints(self, operands: Operands, workers: int) -> dict:
+        hints: dict = {}
+        if self.client is not None:
+            budget = memory_budget(self.client)
+            if budget:
+                hints["memory_budget"] = budget
+        if operands.family != "dask":
+            return hints
+        a2, b2 = operands.a2, operands.b2
+        check_chunks("a", a2)
+        check_chunks("b", b2)
+        from distmm.plan import make_plan
+
+        tk = make_plan(operands.m, operands.n, operands.k, operands.dtype, workers=1).tile[2]
+        self._chunk_tile = chunk_tile(a2.chunks[-2], b2.chunks[-1], tk)
+        hints["tile"] = self._chunk_tile
+        return hints
+
+    def run(self, request: Request):
+        """``numpy.ndarray`` for host operands (computed on the cluster and
+        gathered), a lazy ``dask.array.Array`` for dask operands (dask.array's
+        output chunks, or the plan's tiles when a tile was asked for; one
+        chunk per element along batch axes)."""
+        ops, plan = request.operands, request.plan
+        slots = self.slots
+        if ops.family == "dask":
+            from distmm.engine.dask.lazy import lazy_product
+
+            a2, b2 = ops.a2, ops.b2
+            follow = self._chunk_tile is not None and tuple(plan.tile) == self._chunk_tile
+            geometry = Geometry.of(plan, a2.chunks, b2.chunks, follow_chunks=follow)
+            if slots and not ops.batch:
+                slots, _ = slots_by_locality(self.client, plan, geometry, slots, a2, b2)
+            return lazy_product(ops, plan, a2, b2, geometry, slots, request.backend)
+        from distmm.engine.dask.eager import run_eager
+
+        return run_eager(ops, plan, self.client, slots, request.backend,
+                         progress=request.progress, report=request.report,
+                         retry_timeout=self.retry_timeout)

@@ -1,0 +1,279 @@
+"""In-memory operands on a cluster: scatter the blocks, run the graph, gather C.
+
+This module covers: sending the blocks of numpy (or on-disk) operands to the
+workers whose tasks read them, running the product's graph over them, writing
+the output blocks into the result as they arrive (with a progress bar and an
+optional ``performance_report``), and surviving worker loss: blocks lost with
+a worker are sent again, output blocks not yet gathered are run again, and
+when no worker is alive the loop waits for one. It gives up only after
+``retry_timeout`` seconds of failures without one output block arriving, with
+``distmm.errors.WorkersLost`` saying what was lost.
+It does *not* cover: the graph (``distmm.engine.dask.graph``) or dask
+operands, whose chunks the scheduler recomputes itself
+(``distmm.engine.dask.lazy``).
+
+Scattered blocks have no task that could recompute them, which is why this
+loop exists. Every task is pure and deterministic and the reduction order is
+the plan's, so an output block computed again, on any worker, has the same
+bits: a run with failures equals an undisturbed one bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+from collections import defaultdict
+from contextlib import nullcontext
+from itertools import product as iproduct
+
+import numpy as np
+
+from distmm.engine.dask.chunks import Geometry
+from distmm.engine.dask.graph import OperandKeys, ProductLayer, names_of
+from distmm.engine.dask.placement import Placement, worker_slots
+from distmm.engine.dask.tasks import TaskPlan
+from distmm.errors import WorkersLost
+from distmm.plan import Plan
+
+__all__ = ["run_eager"]
+
+log = logging.getLogger("distmm.engine.dask")
+
+#: a run is "long" (progress bar on a terminal) above this estimated duration
+_LONG_RUN_SECONDS = 10.0
+_ASSUMED_FLOPS_PER_SLOT = 20e9
+
+
+def _transient_errors() -> tuple:
+    """What a lost or restarting worker raises through the client."""
+    from concurrent.futures import CancelledError
+
+    from distributed.scheduler import KilledWorker
+
+    return (CancelledError, KilledWorker, OSError, KeyError, TimeoutError)
+
+
+class _Scattered:
+    """The blocks of one host operand as futures on the cluster, sent again when lost.
+
+    Block ``(*batch, r, c)`` is ``array[batch..., row_edges[r]:row_edges[r+1],
+    col_edges[c]:col_edges[c+1]]`` with the batch axes kept (length 1), as a
+    dask chunk of one batch element. ``needers[idx]``: the plan owners whose
+    tasks read that block.
+    """
+
+    def __init__(self, client, array, row_edges, col_edges, needers: dict, tag: str):
+        self.client = client
+        self.array = array
+        self.row_edges = row_edges
+        self.col_edges = col_edges
+        self.needers = needers
+        self.tag = tag
+        self.generation = 0
+        self.futures: dict[tuple, object] = {}
+        self.resent = 0
+
+    def chunks(self) -> tuple:
+        batch = self.array.shape[:-2]
+        return tuple((1,) * s if s else (0,) for s in batch) + (
+            tuple(np.diff(self.row_edges).tolist()), tuple(np.diff(self.col_edges).tolist()))
+
+    def keys(self) -> OperandKeys:
+        table = dict(self.futures)
+        return OperandKeys(tuple(self.array.shape), self.chunks(), table=table)
+
+    def block(self, idx):
+        lead, r, c = idx[:-2], idx[-2], idx[-1]
+        return np.asarray(self.array[tuple(slice(x, x + 1) for x in lead) + (
+            slice(self.row_edges[r], self.row_edges[r + 1]),
+            slice(self.col_edges[c], self.col_edges[c + 1]))])
+
+    def missing(self) -> list:
+        """Blocks never sent, or whose only copy went with a worker."""
+        gone = [idx for idx in self.needers if idx not in self.futures
+                or self.futures[idx].status != "finished"]
+        held = [idx for idx in self.needers if idx not in set(gone)]
+        if held:
+            where = self.client.who_has([self.futures[idx] for idx in held])
+            gone += [idx for idx in held if not where.get(self.futures[idx].key)]
+        return gone
+
+    def scatter(self, indices, slots: list[str], alive: set, load: dict) -> None:
+        """Send blocks, each to the least loaded live worker among those
+        whose tasks need it (any live worker when none of those is alive)."""
+        if not indices:
+            return
+        if not alive:
+            raise OSError("no worker is alive to receive scattered blocks")
+        self.generation += 1
+        name = f"distmm-{self.tag}-{self.generation}"
+        by_worker: dict[str, dict] = defaultdict(dict)
+        for idx in indices:
+            wanted = {slots[o % len(slots)] for o in self.needers.get(idx, ())} & alive if slots else set()
+            candidates = sorted(wanted) or sorted(alive)
+            worker = min(candidates, key=lambda w: load.get(w, 0))
+            blk = self.block(idx)
+            load[worker] = load.get(worker, 0) + blk.nbytes
+            by_worker[worker][(name,) + tuple(idx)] = (idx, blk)
+        if self.futures:
+            self.resent += len(indices)
+        for worker, items in by_worker.items():
+            futs = self.client.scatter({key: blk for key, (_, blk) in items.items()},
+                                       workers=[worker], hash=False)
+            for key, (idx, _) in items.items():
+                self.futures[idx] = futs[key]
+
+
+def _needers(plan: Plan, batch, a_batch, b_batch):
+    """For every block of A and B, the plan owners whose tasks read it."""
+    a_need: dict = defaultdict(set)
+    b_need: dict = defaultdict(set)
+    for ob in iproduct(*(range(n) for n in batch)):
+        a_lead = tuple(0 if s == 1 else x for s, x in zip(a_batch, ob[len(ob) - len(a_batch):]))
+        b_lead = tuple(0 if s == 1 else x for s, x in zip(b_batch, ob[len(ob) - len(b_batch):]))
+        for i, j in plan.tiles():
+            for s in range(plan.k_splits):
+                w = plan.owner_of_partial(i, j, s)
+                a_need[a_lead + (i, s)].add(w)
+                b_need[b_lead + (s, j)].add(w)
+    return a_need, b_need
+
+
+def _show_progress(progress, plan: Plan, batch, slots) -> bool:
+    if progress is not None:
+        return bool(progress)
+    count = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    estimate = plan.flops * count / (max(len(slots), 1) * _ASSUMED_FLOPS_PER_SLOT)
+    return estimate > _LONG_RUN_SECONDS and sys.stderr.isatty()
+
+
+def _alive(client) -> tuple[set, list[str]]:
+    """Live workers, and the worker slots (paused workers can hold blocks but
+    run nothing, so slots prefer running ones)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    alive = set(info)
+    running = {a for a, w in info.items() if w.get("status", "running") == "running"} or alive
+    slots = [a for a in sorted(running) for _ in range(max(int(info[a].get("nthreads", 1)), 1))]
+    return alive, slots
+
+
+def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
+              report=None, retry_timeout: float = 60.0):
+    """Compute the product of host operands on the cluster; return numpy's array."""
+    dtype = np.dtype(ops.dtype)
+    out = np.empty(ops.out_shape, dtype=dtype)
+    if out.size == 0:
+        return out
+    if plan.k == 0:
+        out[...] = 0
+        return out
+    from distributed import as_completed, performance_report
+
+    a2, b2 = ops.a2, ops.b2
+    batch = tuple(ops.batch)
+    a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
+    token = uuid.uuid4().hex[:12]
+    a_sc = _Scattered(client, a2, plan.row_edges, plan.k_edges, a_need, f"a-{token}")
+    b_sc = _Scattered(client, b2, plan.k_edges, plan.col_edges, b_need, f"b-{token}")
+    geometry = Geometry.of(plan, a_sc.chunks(), b_sc.chunks(), follow_chunks=False)
+    pending = {(ob, i, j) for ob in np.ndindex(*batch) for i, j in plan.tiles()}
+    bar = None
+    if _show_progress(progress, plan, batch, slots):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(pending), unit="tile", desc="distmm matmul", file=sys.stderr)
+    transient = _transient_errors()
+    ctx = performance_report(filename=report) if report else nullcontext()
+    attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
+    t0 = time.perf_counter()
+    try:
+        with ctx:
+            while pending:
+                try:
+                    alive, live_slots = _alive(client)
+                    slots = live_slots or slots
+                    load: dict = {}
+                    a_sc.scatter(a_sc.missing(), slots, alive, load)
+                    b_sc.scatter(b_sc.missing(), slots, alive, load)
+                    name = f"distmm-matmul-{token}-{attempts}"
+                    layer = ProductLayer(
+                        name, geometry, a_sc.keys(), b_sc.keys(), TaskPlan.of(plan), backend,
+                        batch, plan.reduction, blocks=pending,
+                        annotations={"workers": Placement(plan, geometry, names_of(name), len(batch),
+                                                          plan.reduction, slots),
+                                     "allow_other_workers": True})
+                    futures = _submit(client, layer)
+                    for fut in as_completed(futures):
+                        try:
+                            tile_out = fut.result()
+                        except transient as exc:
+                            if fut.status == "error" and not _is_killed(exc):
+                                raise
+                            last_error, failed_tiles = exc, failed_tiles + 1
+                            continue
+                        ob, i, j = futures[fut]
+                        out[ob + (plan.row_slice(i), plan.col_slice(j))] = tile_out.reshape(
+                            tile_out.shape[-2:])
+                        pending.discard((ob, i, j))
+                        failing_since = None
+                        if bar is not None:
+                            bar.update(1)
+                        fut.release()
+                except transient as exc:
+                    last_error = exc
+                if not pending:
+                    break
+                attempts += 1
+                now = time.monotonic()
+                failing_since = failing_since or now
+                left = retry_timeout - (now - failing_since)
+                if left <= 0:
+                    raise WorkersLost(_lost_message(retry_timeout, attempts, len(pending), failed_tiles,
+                                                    a_sc.resent + b_sc.resent, client, last_error)
+                                      ) from last_error
+                log.warning("distmm: workers lost during matmul (%r); retrying %d output blocks "
+                            "(attempt %d)", last_error, len(pending), attempts)
+                _wait_for_a_worker(client, min(left, 5.0))
+    finally:
+        if bar is not None:
+            bar.close()
+    log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),
+             time.perf_counter() - t0)
+    return out
+
+
+def _is_killed(exc) -> bool:
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+def _wait_for_a_worker(client, timeout: float) -> None:
+    try:
+        client.wait_for_workers(1, timeout=max(timeout, 0.1))
+    except (TimeoutError, OSError):
+        pass
+    time.sleep(0.05)
+
+
+def _lost_message(timeout, attempts, pending, failed_tiles, resent, client, last_error) -> str:
+    try:
+        workers = len(client.scheduler_info(n_workers=-1)["workers"])
+    except Exception:  # the scheduler itself may be gone
+        workers = "unknown"
+    return (f"distmm dask engine: gave up after {timeout:g} s of worker failures "
+            f"({attempts} attempts): {pending} output block(s) never arrived, {failed_tiles} "
+            f"task result(s) lost, {resent} scattered block(s) sent again; workers alive now: "
+            f"{workers}; last error: {last_error!r}")
+
+
+def _submit(client, layer: ProductLayer) -> dict:
+    """Send the layer and return ``{future: (batch, i, j)}`` for its output blocks."""
+    from dask.highlevelgraph import HighLevelGraph
+
+    hlg = HighLevelGraph({layer.name: layer}, {layer.name: set()})
+    blocks = list(layer.iter_blocks())
+    keys = [layer.output_key(*blk) for blk in blocks]
+    futures = client.get(hlg, keys, sync=False)
+    return dict(zip(futures, blocks))

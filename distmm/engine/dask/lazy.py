@@ -1,0 +1,87 @@
+"""Dask-array operands: the product as a lazy ``dask.array.Array``.
+
+This module covers: wrapping a ``ProductLayer`` over the operands' own chunks
+into a dask array (no rechunk is inserted; the input layers stay as they
+are), and the array class whose optimisation keeps the placement annotations.
+It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), or
+numpy operands (``distmm.engine.dask.eager``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from distmm.engine.dask.chunks import Geometry
+from distmm.engine.dask.graph import OperandKeys, ProductLayer, names_of
+from distmm.engine.dask.placement import Placement
+from distmm.engine.dask.tasks import TaskPlan
+from distmm.plan import Plan
+
+__all__ = ["lazy_product", "PinnedArray"]
+
+
+def output_chunks(geometry_chunks, batch) -> tuple:
+    """Chunks of the result: one per element along batch axes."""
+    return tuple((1,) * b if b else (0,) for b in batch) + tuple(geometry_chunks)
+
+
+def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: str):
+    """The lazy ``A @ B`` of dask operands ``a2``, ``b2`` (1-D already
+    promoted), with ``ops.out_shape`` and numpy's result dtype."""
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    dtype = np.dtype(ops.dtype)
+    out_shape = ops.out_shape
+    batch = tuple(ops.batch)
+    chunks = output_chunks(geometry.chunks, batch)
+    if 0 in out_shape or plan.k == 0:
+        return da.zeros(out_shape, dtype=dtype, chunks=chunks)
+    name = "distmm-matmul-" + tokenize(a2.name, b2.name, plan, geometry, backend, batch, slots)
+    annotations = None
+    if slots:
+        placement = Placement(plan, geometry, names_of(name), len(batch), plan.reduction, slots)
+        annotations = {"workers": placement, "allow_other_workers": True}
+    layer = ProductLayer(name, geometry,
+                         OperandKeys(tuple(a2.shape), a2.chunks, a2.name),
+                         OperandKeys(tuple(b2.shape), b2.chunks, b2.name),
+                         TaskPlan.of(plan), backend, batch, plan.reduction,
+                         annotations=annotations)
+    hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
+    meta = getattr(a2, "_meta", np.empty((0, 0)))
+    out_meta = meta_from_array(meta, ndim=len(out_shape), dtype=dtype)
+    cls = PinnedArray if annotations else da.Array
+    return cls(hlg, name, chunks, dtype=dtype, meta=out_meta)
+
+
+def _cull_only(dsk, keys, **kwargs):
+    from dask.core import flatten
+    from dask.highlevelgraph import HighLevelGraph
+
+    if not isinstance(dsk, HighLevelGraph):
+        dsk = HighLevelGraph.from_collections(str(id(dsk)), dsk, dependencies=())
+    return dsk.cull(set(flatten(keys)))
+
+
+def _pinned_array_class():
+    import dask.array as da
+
+    class PinnedArray(da.Array):
+        """A ``dask.array.Array`` whose own optimisation only culls.
+
+        dask.array's default optimisation fuses tasks into a plain dict and so
+        drops per-key annotations, the plan's worker pins among them.
+        Computing or persisting the result itself keeps them; arrays derived
+        from it are plain ``dask.array.Array`` objects (correct, placed by the
+        scheduler's own heuristics).
+        """
+
+        __slots__ = ()
+        __dask_optimize__ = staticmethod(_cull_only)
+
+    PinnedArray.__module__ = __name__
+    return PinnedArray
+
+
+PinnedArray = _pinned_array_class()

@@ -1,0 +1,143 @@
+"""Task bodies of the Dask engine: what runs on a worker.
+
+This module covers: the executor each worker process keeps (CPU, or its GPU
+where it has one), assembling a task's panels from the chunks it was given,
+the k-loop of one output block over one k group, one step of the plan's
+reduction tree, and the final cast to numpy's result dtype.
+It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
+building the graph (``distmm.engine.dask.graph``) or kernels
+(``distmm.executor``). The functions here are module-level, pickled by
+reference, and import nothing of dask.
+
+Every task is pure and deterministic: recomputed on another worker after a
+failure, it gives the same bits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distmm.engine.tiles import finish_tile, tile_partial
+
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step"]
+
+_EXECUTORS: dict[tuple, Any] = {}
+_GPU: list[bool] = []
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """The part of a ``Plan`` a task reads (``tile_partial``/``finish_tile``
+    take it in place of the plan): small enough to ship in every task."""
+
+    dtype: str
+    acc_dtype: str
+    tile: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, plan) -> "TaskPlan":
+        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile))
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What one task needs to assemble its panels: plain data, no references.
+
+    ``k_pieces`` lists, per k piece, A's pieces along k and B's pieces along k
+    (each ``(block, start, stop)``); ``a_rows`` and ``b_cols`` the pieces along
+    m and n; ``a_lead``/``b_lead`` the index into the chunks' batch axes;
+    ``a_keys``/``b_keys`` the block index ``(row, col)`` of each chunk the task
+    is handed, in order.
+    """
+
+    a_lead: tuple
+    b_lead: tuple
+    a_rows: tuple
+    b_cols: tuple
+    k_pieces: tuple
+    a_keys: tuple
+    b_keys: tuple
+    finish: bool  # the product is not split along k: cast to the result dtype here
+    batch_ndim: int = 0  # leading length-1 axes of the output chunk
+
+
+def _worker_has_gpu() -> bool:
+    if not _GPU:
+        from distmm.executor import gpu_available
+
+        _GPU.append(gpu_available())
+    return _GPU[0]
+
+
+def executor_for(backend: str, acc_dtype: str, block) -> Any:
+    """The executor of this worker process, made once per (backend, dtype)."""
+    from distmm.executor import GPU_BACKENDS, get_executor
+
+    is_host = isinstance(block, np.ndarray)
+    on_gpu = backend in GPU_BACKENDS or (backend == "auto" and (not is_host or _worker_has_gpu()))
+    key = (backend, acc_dtype, on_gpu)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = get_executor(backend, np.dtype(acc_dtype), on_gpu=on_gpu)
+    return ex
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy  # a device chunk: the only other array type a worker holds here
+
+    return cupy
+
+
+def _panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
+    """The sub-panel of one operand over the given row and column pieces.
+
+    ``blocks[(rb, cb)]`` is a chunk; ``lead`` indexes its batch axes; each piece
+    is ``(block, start, stop)`` local to that block. One piece each: a view.
+    """
+    rows = []
+    for rb, r0, r1 in row_pieces:
+        cols = [blocks[(rb, cb)][lead + (slice(r0, r1), slice(c0, c1))] for cb, c0, c1 in col_pieces]
+        rows.append(cols[0] if len(cols) == 1 else _xp(cols[0]).concatenate(cols, axis=1))
+    return rows[0] if len(rows) == 1 else _xp(rows[0]).concatenate(rows, axis=0)
+
+
+def as_chunk(tile, batch_ndim: int):
+    """A 2-D tile with ``batch_ndim`` leading length-1 axes, as an output chunk."""
+    return tile.reshape((1,) * batch_ndim + tile.shape) if batch_ndim else tile
+
+
+def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
+    """One output block over one k group: the k-loop over its pieces in
+    ascending k, then (product not split) the cast to the result dtype."""
+    a_blocks = dict(zip(spec.a_keys, a_list))
+    b_blocks = dict(zip(spec.b_keys, b_list))
+    executor = executor_for(backend, tp.acc_dtype, a_list[0])
+    acc = None
+    for a_k, b_k in spec.k_pieces:
+        a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
+        b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        part = tile_partial(executor, tp, a_sub, b_sub)
+        # the executor's result is a new array: adding into it is safe
+        if acc is None:
+            acc = part
+        else:
+            acc += part
+    if isinstance(a_list[0], np.ndarray):
+        acc = executor.to_host(acc)
+    if not spec.finish:
+        return acc
+    return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
+    """One step ``partial[dst] + partial[src]`` of the plan's reduction tree
+    (``distmm.engine.tiles.reduce_partials`` runs the same additions in the
+    same order); the last step casts. The inputs are not modified."""
+    acc = dst + src
+    if not finish:
+        return acc
+    return as_chunk(finish_tile(tp, acc), batch_ndim)

@@ -1,0 +1,148 @@
+"""The Dask engine under repeated worker loss, on a real LocalCluster of
+nanny'd worker processes killed with SIGKILL.
+
+Covers: three workers killed during one product of numpy operands (the
+nannies start new ones) giving a result bitwise equal to an undisturbed run,
+several times over; and every worker gone for good, where the engine waits for
+one and then, after its retry timeout, raises ``WorkersLost`` (a
+``RuntimeError``) that says what was lost.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from distmm.engine import Operands, Request, get_engine  # noqa: E402
+from distmm.errors import WorkersLost  # noqa: E402
+from distmm.plan import make_plan  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB") as cl, \
+            distributed.Client(cl) as c:
+        c.wait_for_workers(3, timeout=60)
+        yield c
+
+
+def _request(engine, a, b, tile):
+    m, k = a.shape
+    n = b.shape[1]
+    ops = Operands(a, b, "numpy", np.dtype("float64"), False, False, (), m, n, k)
+    plan = make_plan(m, n, k, "float64", workers=engine.workers(ops, on_gpu=False), tile=tile)
+    return Request(ops, plan, "blas")
+
+
+def _product_running(client) -> bool:
+    def running(dask_scheduler):
+        return any(ts.state == "processing" for key, ts in dask_scheduler.tasks.items()
+                   if isinstance(key, tuple) and "distmm-" in str(key[0]))
+
+    return client.run_on_scheduler(running)
+
+
+def _kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
+    """SIGKILL ``kills`` of the worker processes alive when the product started,
+    one every ``gap`` seconds while ``run`` is alive; returns how many were
+    killed before it ended. Replacements the nannies start are left alone (a
+    worker killed while its nanny is still starting it may not come back)."""
+    deadline = time.monotonic() + 60
+    while not _product_running(client):
+        if not run.is_alive() or time.monotonic() > deadline:
+            return 0
+        time.sleep(0.01)
+    pids = sorted(client.run(os.getpid, on_error="ignore").values())
+    killed = 0
+    for pid in pids[:kills]:
+        if not run.is_alive():
+            break
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+        time.sleep(gap)
+    return killed
+
+
+@pytest.mark.slow
+def test_three_workers_killed_in_one_run_give_the_same_bits(client):
+    rng = np.random.default_rng(31)
+    a = rng.standard_normal((2048, 4096))  # ~1 s of work for a single worker
+    b = rng.standard_normal((4096, 2048))
+    engine = get_engine("dask", client=client, retry_timeout=60.0)
+    undisturbed = engine.run(_request(engine, a, b, 128))
+    np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
+    for attempt in range(3):
+        client.wait_for_workers(3, timeout=60)
+        time.sleep(1.0)  # let the nannies finish starting their new workers
+        engine = get_engine("dask", client=client, retry_timeout=60.0)
+        request = _request(engine, a, b, 128)
+        out = {}
+        run = threading.Thread(target=lambda: out.setdefault("c", engine.run(request)))
+        run.start()
+        try:
+            killed = _kill_workers(client, run, kills=3, gap=0.15)
+        finally:
+            run.join(180)
+        assert not run.is_alive()
+        assert killed == 3, f"run {attempt}: the product ended after {killed} kill(s)"
+        assert "c" in out, f"run {attempt} raised instead of retrying"
+        assert np.array_equal(out["c"], undisturbed), f"run {attempt}: bits differ"
+
+
+def test_no_worker_left_raises_workers_lost_after_the_timeout():
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cl, distributed.Client(cl) as c:
+        c.wait_for_workers(1, timeout=60)
+        engine = get_engine("dask", client=c, retry_timeout=2.0)
+        a = np.ones((512, 512))
+        request = _request(engine, a, a, 64)
+        cl.scale(0)  # every worker goes, and none is started again
+        deadline = time.monotonic() + 30
+        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            engine.run(request)
+        elapsed = time.monotonic() - t0
+    assert isinstance(info.value, WorkersLost)
+    message = str(info.value)
+    assert "gave up after 2 s" in message and "64 output block(s) never arrived" in message
+    assert "workers alive now: 0" in message
+    assert 1.9 < elapsed < 15, elapsed
+
+
+
+def test_retry_timeout_comes_from_the_configuration():
+    """``distmm.retry-timeout`` reaches the Dask engine that ``distmm.matmul`` builds,
+    and that engine gives up after it."""
+    import dask.config
+
+    from distmm import api
+
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cl, distributed.Client(cl) as c:
+        c.wait_for_workers(1, timeout=60)
+        a = np.ones((256, 256))
+        with dask.config.set({"distmm.retry-timeout": "1.5s"}):
+            engine, request = api._request(api._validate(a, a), engine="dask", client=c,
+                                           tile=64, backend="auto")
+        assert engine.retry_timeout == 1.5
+        cl.scale(0)
+        deadline = time.monotonic() + 30
+        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(WorkersLost, match="gave up after"):
+            engine.run(request)
+        elapsed = time.monotonic() - t0
+    assert 1.4 < elapsed < 15, elapsed
