@@ -145,7 +145,8 @@ def driver(args) -> int:
                           numpy_version=np.__version__)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+               PYTHONPATH=os.pathsep.join(filter(None, (str(Path(__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH")))))
     def launch(ranks, n, dtype, check):
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "r.json"
