@@ -98,3 +98,34 @@ def test_device_runner_rejects_unknown_workloads():
                          env=dict(_env(), OUT=""))
     assert res.returncode == 2
     assert "no-such-workload" in res.stderr
+
+
+def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
+    """bench/mpi.py at 4 ranks (square) and a ragged n: a checked pylops-mpi record where
+    pylops_mpi imports, otherwise a printed reason and no record (never a zero timing)."""
+    import shutil
+
+    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
+        pytest.skip("no mpiexec on PATH")
+    env = dict(_env(), OPENBLAS_NUM_THREADS="1")
+    has_pylops = subprocess.run([sys.executable, "-c", "import pylops_mpi"], env=env,
+                                capture_output=True, timeout=300).returncode == 0
+    res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "4", "--sizes", "51",
+                          "--rounds", "1", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("mpi-*.jsonl")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    by_variant = {r["variant"]: r for r in recs}
+    assert set(by_variant) == {"numpy", "distmm-mpi"} | ({"pylops-mpi"} if has_pylops else set())
+    assert by_variant["distmm-mpi"]["relerr"] < 1e-12
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("pylops-mpi")]
+    assert len(lines) == 1, res.stdout
+    if has_pylops:
+        rec = by_variant["pylops-mpi"]
+        assert (rec["ranks"], rec["grid"], rec["kind"], rec["n"]) == (4, [2, 2], "summa", 51)
+        assert rec["seconds"] > 0 and len(rec["times"]) == 1
+        assert rec["relerr"] < 1e-12 and rec["checked_elements"] == 51 * 51  # every row (< 64)
+        assert "not run" not in lines[0]
+    else:
+        assert "not run: import pylops_mpi failed" in lines[0], lines[0]
