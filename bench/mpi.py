@@ -109,7 +109,9 @@ def worker(args) -> int:
         a, b = _operands(n, dtype)
         rows = _sample_rows(n)
         ref = a[rows].astype(np.float64) @ b.astype(np.float64)
-        relerr = float(np.linalg.norm(np.asarray(full)[rows] - ref) / np.linalg.norm(ref))
+        got = full[rows]
+        got = got.get() if hasattr(got, "get") else np.asarray(got)  # C may stay on the GPU
+        relerr = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         del a, b, ref
     del full
     times = []
