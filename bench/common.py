@@ -273,47 +273,11 @@ def event_alternating(runs: Mapping[str, Callable[[], Any]], *, rounds: int, rep
 
 
 def sustained_clock(fn: Callable[[], Any], seconds: float = 2.0) -> tuple[float, float, float]:
-    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the current GPU's
-    SM clock and board power; returns (median MHz, median W, calls per second). The GEMM
-    kernels run at the board's power cap, where the clock decides the speed (NOTES.md)."""
-    import cupy
+    """(median SM MHz, median board W, calls per second) of ``fn`` run back to back: the one
+    implementation, ``distmm.cli.tune.sustained_clock`` (NOTES.md: the GEMMs run at the power cap)."""
+    from distmm.cli.tune import sustained_clock as measure
 
-    samples = []
-    stop = threading.Event()
-    try:  # nvidia-smi's numbering may differ from CUDA's; the PCI bus id does not
-        gpu = str(cupy.cuda.Device().pci_bus_id)
-    except AttributeError:
-        gpu = str(cupy.cuda.Device().id)
-
-    def sample():
-        while not stop.is_set():
-            out = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
-            try:
-                mhz, watt = (float(v) for v in out.stdout.strip().splitlines()[0].split(","))
-                samples.append((mhz, watt))
-            except (ValueError, IndexError):
-                pass
-            stop.wait(0.1)
-
-    for _ in range(3):  # warm up to the sustained clock before sampling
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    t = threading.Thread(target=sample)
-    t0 = time.perf_counter()
-    t.start()
-    calls = 0
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(4):
-            fn()
-        calls += 4
-        cupy.cuda.get_current_stream().synchronize()
-    dt = time.perf_counter() - t0
-    stop.set()
-    t.join()
-    mhz = float(np.median([m for m, _ in samples])) if samples else float("nan")
-    watt = float(np.median([w for _, w in samples])) if samples else float("nan")
-    return mhz, watt, calls / dt
+    return measure(fn, seconds)
 
 
 def raw_runner(kernel: str, params: dict | None, a, b, c, **launch) -> Callable[[], None]:
