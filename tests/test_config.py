@@ -242,7 +242,10 @@ def test_gpu_budget_without_a_gpu_falls_back_to_the_host():
         pytest.skip("cupy is installed: the GPU's own budget applies")
     except ImportError:
         pass
-    assert memory_budget(on_gpu=True) == memory_budget(on_gpu=False)
+    # the host's available memory moves between two reads (other processes), so allow a
+    # little drift; a GPU's free memory would be a different figure altogether
+    gpu, host = memory_budget(on_gpu=True), memory_budget(on_gpu=False)
+    assert abs(gpu - host) <= 0.1 * host, (gpu, host)
     from distmm.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="distmm\\[gpu\\]"):
