@@ -243,33 +243,20 @@ def alternating_seconds(fns: Mapping[str, Callable[[], Any]], repeat: int) -> di
 
 
 def event_seconds(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` between CUDA events on the current stream, after warm-up."""
-    import cupy
+    """Median seconds of ``fn()`` between CUDA events on the current stream, after warm-up
+    (``distmm.cli.tune.time_gpu``, the one implementation)."""
+    from distmm.cli.tune import time_gpu
 
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return float(np.median(times))
+    return time_gpu(fn, repeat=repeat, warmup=warmup)
 
 
 def event_alternating(runs: Mapping[str, Callable[[], Any]], *, rounds: int, repeat: int,
                       warmup: int = 1) -> dict[str, float]:
-    """Median seconds of each of ``runs`` timed in alternation: ``rounds`` rounds, each timing
-    every run once with ``event_seconds``, so that a clock or power change during the
-    measurement hits all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            times[name].append(event_seconds(fn, repeat=repeat, warmup=warmup))
-    return {name: float(np.median(t)) for name, t in times.items()}
+    """Median seconds of each of ``runs`` timed in alternation (``rounds`` rounds, each
+    timing every run once with CUDA events): ``distmm.cli.tune.time_alternating``."""
+    from distmm.cli.tune import time_alternating
+
+    return time_alternating(runs, rounds=rounds, repeat=repeat, warmup=warmup)
 
 
 def sustained_clock(fn: Callable[[], Any], seconds: float = 2.0) -> tuple[float, float, float]:
