@@ -23,6 +23,10 @@ GPU executor, its huge-page result, the pinned staging ring, the pipeline):
 
 - ``first-call``: the first host-resident product of the process (the CUDA
   context exists, nothing of distmm's is warm); wall time of the call;
+- ``first-call-warmup`` (``--warmup``): the same, in a process that called
+  ``distmm.warmup()`` (background) before making its operands, as a program that
+  starts it before loading its data would; the record holds the warm-up's phases
+  and whether it had finished when the call started;
 - ``steady``: the median of the next calls (each allocates its own result, as
   the API does);
 - ``cublas``: in-core ``cupy.matmul`` into a preallocated output in the same
@@ -200,7 +204,7 @@ def probe() -> dict:
     return out
 
 
-def first_call_child(n: int, dtype: str, out_dir, steady: int) -> None:
+def first_call_child(n: int, dtype: str, out_dir, steady: int, warm: bool = False) -> None:
     """One fresh process: distmm's first and steady host-resident calls, then in-core cuBLAS."""
     import cupy
 
@@ -215,15 +219,19 @@ def first_call_child(n: int, dtype: str, out_dir, steady: int) -> None:
     dt = np.dtype(dtype)
     cupy.zeros(1)  # the CUDA context: not distmm's to pay
     gpu_sync()
+    warm = distmm.warmup() if warm else None  # runs while the operands are made
     rng = cupy.random.default_rng(n + len(dtype))
     a_h = cupy.asnumpy(rng.standard_normal((n, n), dtype=np.float64).astype(dt))
     b_h = cupy.asnumpy(rng.standard_normal((n, n), dtype=np.float64).astype(dt))
     free_gpu()
     writer = RecordWriter("pipeline", gpu_name(), out_dir, gpus=1, workers=1, ranks=1,
                           residency="host", thp=thp_mode())
+    warm_done = warm.done if warm is not None else None
     t0 = time.perf_counter()
     c = distmm.matmul(a_h, b_h)
     first = time.perf_counter() - t0
+    first_extra = {} if warm is None else {"warmup_phases": warm.wait(0), "warmup_done_at_call":
+                                           warm_done, "warmup_error": warm.error}
     pinned = default_pinned_pool().peak_bytes
     rows = np.random.default_rng(n).choice(n, SAMPLE_ROWS, replace=False)
     a_rows = cupy.asarray(a_h[rows]).astype(np.float64)
@@ -244,7 +252,8 @@ def first_call_child(n: int, dtype: str, out_dir, steady: int) -> None:
     ref = writer.add("cublas", dt, n, n, n, sec_ref, None, residency="device",
                      note="in-core cupy.matmul, same process, after the distmm calls")
     steady_s = float(np.median(times))
-    for variant, sec, extra in (("first-call", first, {"pinned_peak_bytes": pinned}),
+    first_name = "first-call" if warm is None else "first-call-warmup"
+    for variant, sec, extra in ((first_name, first, {"pinned_peak_bytes": pinned, **first_extra}),
                                 ("steady", steady_s, {"times": times})):
         rec = writer.add(variant, dt, n, n, n, sec, err, ratio_vs_cublas=sec_ref / sec,
                          api="distmm.matmul(numpy, numpy)", **extra)
@@ -259,9 +268,11 @@ def first_call_main(args) -> int:
     rc = 0
     for dtype in args.dtypes:
         for n in args.sizes:
-            cmd = [sys.executable, "-m", "bench.pipeline", "--child", str(n), dtype,
-                   "--steady", str(args.steady)] + (["--out-dir", args.out_dir] if args.out_dir else [])
-            rc = subprocess.call(cmd) or rc
+            for warm in ([False, True] if args.warmup else [False]):
+                cmd = [sys.executable, "-m", "bench.pipeline", "--child", str(n), dtype,
+                       "--steady", str(args.steady)] + (["--out-dir", args.out_dir] if args.out_dir
+                                                        else []) + (["--warm-child"] if warm else [])
+                rc = subprocess.call(cmd) or rc
     return rc
 
 
@@ -271,6 +282,9 @@ def main(argv=None) -> int:
                    help="first-call and steady variants, one fresh process per size and dtype")
     p.add_argument("--child", nargs=2, default=None, metavar=("N", "DTYPE"), help=argparse.SUPPRESS)
     p.add_argument("--steady", type=int, default=2, help="--first-call: calls after the first")
+    p.add_argument("--warmup", action="store_true",
+                   help="--first-call: also a process that starts distmm.warmup() before its operands")
+    p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     p.add_argument("--repeat", type=int, default=3)
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="print host/pinned copy bandwidths first")
     args = p.parse_args(argv)
     if args.child:
-        first_call_child(int(args.child[0]), args.child[1], args.out_dir, args.steady)
+        first_call_child(int(args.child[0]), args.child[1], args.out_dir, args.steady,
+                         warm=args.warm_child)
         return 0
     if args.first_call:
         return first_call_main(args)

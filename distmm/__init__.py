@@ -34,6 +34,7 @@ _alias_source_kernels()
 
 from distmm.api import gemm, matmul  # noqa: E402
 from distmm.engine.mpi.distarray import DistArray  # noqa: E402
+from distmm.executor.warmup import warmup  # noqa: E402
 from distmm.plan import Plan, make_plan  # noqa: E402
 
-__all__ = ["matmul", "gemm", "make_plan", "Plan", "DistArray", "__version__"]
+__all__ = ["matmul", "gemm", "make_plan", "Plan", "DistArray", "warmup", "__version__"]

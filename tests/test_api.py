@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import importlib.util
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -374,3 +375,9 @@ def test_randomized_sweep(m, n, k, tm, tn, tk, dtype, backend, fortran):
         a = np.asfortranarray(a)
     with np.errstate(over="ignore"):
         assert_matches_numpy(distmm.matmul(a, b, tile=(tm, tn, tk), backend=backend), a, b)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
+def test_warmup_without_cupy_says_what_is_missing():
+    with pytest.raises(ImportError, match="cupy"):
+        distmm.warmup()

@@ -180,3 +180,28 @@ def test_consecutive_products_reuse_nothing_stale():
         c = matmul_to(a, b)
         ref = a.astype(np.float64) @ b.astype(np.float64)
         assert np.linalg.norm(c - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_warmup_pins_the_ring_and_the_next_product_reuses_it():
+    import distmm
+    from distmm.executor.pinned import default_pinned_pool
+    from distmm.executor.warmup import RING_BUFFER_BYTES, RING_BUFFERS
+
+    handle = distmm.warmup(background=False)
+    assert handle.done and handle.error is None, handle.error
+    assert set(handle.phases) >= {"context_s", "cublas_s", "device_alloc_s", "pinned_ring_s"}
+    pool = default_pinned_pool()
+    assert pool.held_bytes >= min(RING_BUFFERS, pool.limit // RING_BUFFER_BYTES) * RING_BUFFER_BYTES
+    held = pool.held_bytes
+    rng = np.random.default_rng()
+    a = rng.standard_normal((3001, 2049)).astype(np.float32)
+    b = rng.standard_normal((2049, 2500)).astype(np.float32)
+    out = np.full((3001, 2500), np.nan, np.float32)
+    plan = make_plan(3001, 2500, 2049, "float32", workers=1, tile=(3001, 2500, 2049))
+    run_pipelined(CublasGemm(), plan, a, b, out)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+    assert pool.held_bytes == held  # the ring the warm-up pinned was reused, not re-pinned
+    second = distmm.warmup(background=True)
+    second.wait(60)
+    assert second.error is None

@@ -93,7 +93,7 @@ run_overhead() {
 
 run_firstcall() {
   timeout "$(step 240)" $PY -m bench.pipeline --first-call --sizes ${SIZES:-32768} \
-    --dtypes ${DTYPES:-float32 float64} --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+    --dtypes ${DTYPES:-float32 float64} --warmup --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
 }
 
 run_mpi() {

@@ -156,6 +156,27 @@ def _connect(args):
                               f"{args.connect_timeout} s ({' '.join(str(exc).split())})") from None
 
 
+def _maybe_warm_gpu(args, engine, a, b, dtype) -> None:
+    """Start the GPU warm-up (context, cuBLAS, staging ring) on a thread while the
+    operands are read, when this product will run on the local GPU."""
+    import importlib.util
+
+    import numpy as np
+
+    from distmm.executor import AUTO_GPU_MIN_FLOPS, GPU_BACKENDS
+
+    if engine not in (None, "auto", "local") or not os.path.exists("/dev/nvidiactl"):
+        return
+    if a.ndim != 2 or b.ndim != 2 or importlib.util.find_spec("cupy") is None:
+        return
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    big_float = dtype in (np.float32, np.float64) and flops >= AUTO_GPU_MIN_FLOPS
+    if args.backend in GPU_BACKENDS or (args.backend in (None, "auto") and big_float):
+        from distmm.executor.warmup import warmup
+
+        warmup()
+
+
 def _cmd_matmul(args) -> int:
     import dask
     import numpy as np
@@ -177,6 +198,7 @@ def _cmd_matmul(args) -> int:
                          f"arrays of at least 1 dimension")
     client = _connect(args)
     engine = "dask" if client is not None else args.engine
+    _maybe_warm_gpu(args, engine, a, b, dtype)
     options = {} if args.progress is None else {"distmm.progress": args.progress}
     t0 = time.perf_counter()
     try:

@@ -29,6 +29,7 @@ import numpy as np
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.timeline import Timeline
+from distmm.executor.warmup import wait_running
 from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
 
 __all__ = ["run_pipelined"]
@@ -146,6 +147,7 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
         from distmm.executor.pinned import default_pinned_pool
 
         pinned_pool = default_pinned_pool()
+    wait_running()  # a warm-up still pinning the ring or making the context finishes first
     device = _device if _device is not None else CupyDevice(1 << 62)
     _wait_for_release()  # the previous product's device memory is free before the budget
     budget = _resolve_budget(device, device_memory_limit)

@@ -1,0 +1,158 @@
+"""GPU start-up work done ahead of the first product, on a background thread.
+
+This module covers: ``warmup()``, which pays once, off the caller's path, what a
+fresh process otherwise pays inside its first GPU product: CUDA's context on the
+device, cuBLAS's handle and its first kernels (one small GEMM per float dtype),
+a first device allocation, and the stream pipeline's page-locked staging ring,
+pinned into the process-wide pool that the pipeline takes its ring from. The
+product that starts while a warm-up still runs waits for it (``wait_running``),
+so the two never pin or initialise twice.
+It does *not* cover: the pipeline itself (``distmm.executor.pipeline``), the pool
+(``distmm.executor.pinned``), or choosing a backend.
+
+Why (measured on an H100 in a fresh process, fp32 32768^3 from numpy operands,
+``bench/NOTES.md``): the first call took 2.8 s against 1.43 s for the second; the
+context and cuBLAS's set-up took 0.6 s of it, the 352 MiB staging ring 0.2 s. A
+program that starts the warm-up before it loads its operands (the ``distmm
+matmul`` command does, while it reads the input files) hides both.
+
+A CUDA context is made in the calling process: call it where the process will
+use the GPU anyway (never before forking workers that use CUDA themselves).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["warmup", "WarmUp", "wait_running", "RING_BUFFERS", "RING_BUFFER_BYTES"]
+
+#: staging buffers the warm-up pins: the pipeline's ring (16 in, 6 out) ...
+RING_BUFFERS = 22
+#: ... of its 16 MiB chunks, plus slack for chunks rounded up to a whole row
+RING_BUFFER_BYTES = (16 << 20) + (1 << 20)
+
+_lock = threading.Lock()
+_running: "WarmUp | None" = None
+
+
+class WarmUp:
+    """A warm-up in progress or done: ``wait()`` returns its phases in seconds.
+
+    ``phases`` holds ``context_s``, ``cublas_s``, ``device_alloc_s``,
+    ``pinned_ring_s`` and ``total_s`` once done; ``error`` the text of an
+    exception that stopped it (a warm-up that fails costs the product nothing:
+    the product does the same work itself and reports its own errors).
+    """
+
+    def __init__(self):
+        self.phases: dict = {}
+        self.error: str | None = None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        self._done.wait(timeout)
+        return dict(self.phases)
+
+
+def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int) -> None:
+    global _running
+    t0 = time.perf_counter()
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        if device_id is not None:
+            rt.setDevice(device_id)
+        rt.getDeviceCount()
+        rt.memGetInfo()  # makes the context
+        t1 = time.perf_counter()
+        handle.phases["context_s"] = t1 - t0
+        cupy.cuda.device.get_cublas_handle()
+        for dt in (cupy.float32, cupy.float64):
+            x = cupy.ones((256, 256), dtype=dt)
+            cupy.matmul(x, x)
+        cupy.cuda.Device().synchronize()
+        t2 = time.perf_counter()
+        handle.phases["cublas_s"] = t2 - t1
+        if device_bytes > 0:
+            free, _total = rt.memGetInfo()
+            nbytes = min(int(device_bytes), int(free) // 2)
+            if nbytes > 0:
+                rt.free(rt.malloc(nbytes))
+        t3 = time.perf_counter()
+        handle.phases["device_alloc_s"] = t3 - t2
+        if pinned:
+            from distmm.executor.pinned import default_pinned_pool
+
+            pool = default_pinned_pool()
+            count = min(RING_BUFFERS, pool.limit // RING_BUFFER_BYTES)
+            if count > 0:
+                bufs = pool.acquire_many(RING_BUFFER_BYTES, count, timeout=60)
+                for buf in bufs:
+                    pool.release(buf)
+        handle.phases["pinned_ring_s"] = time.perf_counter() - t3
+    except BaseException as exc:  # noqa: BLE001 - reported on the handle, never raised
+        handle.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        handle.phases["total_s"] = time.perf_counter() - t0
+        with _lock:
+            if _running is handle:
+                _running = None
+        handle._done.set()
+
+
+def warmup(*, device: int | None = None, background: bool = True, pinned: bool = True,
+           device_bytes: int = 1 << 30) -> WarmUp:
+    """Initialise the GPU path now so that the first product does not pay for it.
+
+    Parameters
+    ----------
+    device : int, optional
+        The CUDA device (default: device 0, a thread's default; a program that
+        selects another device passes it).
+    background : bool
+        Run on a daemon thread and return at once (default); ``False`` waits.
+    pinned : bool
+        Pin the stream pipeline's staging ring (22 x 17 MiB) into the
+        process-wide pinned pool, where the first host-resident product finds it.
+    device_bytes : int
+        Allocate and free this many device bytes (at most half the free memory).
+
+    Returns
+    -------
+    WarmUp
+        ``wait()`` for the phases. A second call while one runs returns that one.
+
+    Raises
+    ------
+    ImportError
+        cupy is not installed.
+    """
+    global _running
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:  # cupy itself is imported on the thread
+        raise ImportError("distmm.warmup needs cupy (pip install \"distmm[gpu]\")")
+    with _lock:
+        if _running is not None:
+            return _running
+        handle = WarmUp()
+        _running = handle
+    if background:
+        threading.Thread(target=_run, args=(handle, device, pinned, device_bytes),
+                         name="distmm-warmup", daemon=True).start()
+    else:
+        _run(handle, device, pinned, device_bytes)
+    return handle
+
+
+def wait_running(timeout: float | None = None) -> None:
+    """Wait for a warm-up that is still running (a no-op when none is)."""
+    with _lock:
+        handle = _running
+    if handle is not None:
+        handle.wait(timeout)
