@@ -39,12 +39,14 @@ class WarmUp:
     """A warm-up in progress or done: ``wait()`` returns its phases in seconds.
 
     ``phases`` holds ``context_s``, ``cublas_s``, ``device_alloc_s``,
-    ``pinned_ring_s`` and ``total_s`` once done; ``error`` the text of an
+    ``pinned_ring_s``, ``pipeline_s`` (a small host-resident product per float
+    dtype through the pipeline) and ``total_s`` once done; ``error`` the text of an
     exception that stopped it (a warm-up that fails costs the product nothing:
     the product does the same work itself and reports its own errors).
     """
 
     def __init__(self):
+        self.thread_id: int | None = None
         self.phases: dict = {}
         self.error: str | None = None
         self._done = threading.Event()
@@ -60,6 +62,7 @@ class WarmUp:
 
 def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int) -> None:
     global _running
+    handle.thread_id = threading.get_ident()
     t0 = time.perf_counter()
     try:
         import cupy
@@ -94,7 +97,11 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
                 bufs = pool.acquire_many(RING_BUFFER_BYTES, count, timeout=60)
                 for buf in bufs:
                     pool.release(buf)
-        handle.phases["pinned_ring_s"] = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        handle.phases["pinned_ring_s"] = t4 - t3
+        if pinned:
+            _small_products()
+        handle.phases["pipeline_s"] = time.perf_counter() - t4
     except BaseException as exc:  # noqa: BLE001 - reported on the handle, never raised
         handle.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -103,6 +110,25 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
             if _running is handle:
                 _running = None
         handle._done.set()
+
+
+def _small_products() -> None:
+    """One small host-resident product per float dtype through the GPU executor's
+    pipeline, the path of a first large host-resident product: its modules, thread
+    pools, streams, events, pool and kernels are then set up."""
+    import numpy as np
+
+    from distmm.executor.gpu import executor_for
+    from distmm.plan import make_plan
+
+    n = 1024
+    for dt in (np.float32, np.float64):
+        a = np.ones((n, n), dtype=dt)
+        out = np.empty((n, n), dtype=dt)
+        plan = make_plan(n, n, n, dt, workers=1, tile=(n, n, n))
+        executor_for("auto").run_plan(plan, a, a, out)
+        if out[0, 0] != n or out[-1, -1] != n:
+            raise RuntimeError(f"warm-up product of ones gave {out[0, 0]}, expected {n}")
 
 
 def warmup(*, device: int | None = None, background: bool = True, pinned: bool = True,
@@ -154,5 +180,5 @@ def wait_running(timeout: float | None = None) -> None:
     """Wait for a warm-up that is still running (a no-op when none is)."""
     with _lock:
         handle = _running
-    if handle is not None:
-        handle.wait(timeout)
+    if handle is not None and handle.thread_id != threading.get_ident():
+        handle.wait(timeout)  # (the warm-up's own small products do not wait for themselves)
