@@ -6,7 +6,7 @@ device, cuBLAS's handle and its first kernels (one small GEMM per float dtype),
 a first device allocation, and the stream pipeline's page-locked staging ring,
 pinned into the process-wide pool that the pipeline takes its ring from. The
 product that starts while a warm-up still runs waits for it (``wait_running``),
-so the two never pin or initialise twice.
+so the two never pin or initialise twice (``distmm.executor.pipeline.startup``).
 It does *not* cover: the pipeline itself (``distmm.executor.pipeline``), the pool
 (``distmm.executor.pinned``), or choosing a backend.
 
@@ -24,16 +24,14 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["warmup", "WarmUp", "wait_running", "RING_BUFFERS", "RING_BUFFER_BYTES"]
+from distmm.executor.pipeline import startup
+
+__all__ = ["warmup", "WarmUp", "RING_BUFFERS", "RING_BUFFER_BYTES"]
 
 #: staging buffers the warm-up pins: the pipeline's ring (16 in, 6 out) ...
 RING_BUFFERS = 22
 #: ... of its 16 MiB chunks, plus slack for chunks rounded up to a whole row
 RING_BUFFER_BYTES = (16 << 20) + (1 << 20)
-
-_lock = threading.Lock()
-_running: "WarmUp | None" = None
-
 
 class WarmUp:
     """A warm-up in progress or done: ``wait()`` returns its phases in seconds.
@@ -61,7 +59,6 @@ class WarmUp:
 
 
 def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int) -> None:
-    global _running
     handle.thread_id = threading.get_ident()
     t0 = time.perf_counter()
     try:
@@ -106,9 +103,7 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
         handle.error = f"{type(exc).__name__}: {exc}"
     finally:
         handle.phases["total_s"] = time.perf_counter() - t0
-        with _lock:
-            if _running is handle:
-                _running = None
+        startup.finish(handle)
         handle._done.set()
 
 
@@ -158,27 +153,16 @@ def warmup(*, device: int | None = None, background: bool = True, pinned: bool =
     ImportError
         cupy is not installed.
     """
-    global _running
     import importlib.util
 
     if importlib.util.find_spec("cupy") is None:  # cupy itself is imported on the thread
         raise ImportError("distmm.warmup needs cupy (pip install \"distmm[gpu]\")")
-    with _lock:
-        if _running is not None:
-            return _running
-        handle = WarmUp()
-        _running = handle
+    handle, new = startup.start(WarmUp)
+    if not new:
+        return handle
     if background:
         threading.Thread(target=_run, args=(handle, device, pinned, device_bytes),
                          name="distmm-warmup", daemon=True).start()
     else:
         _run(handle, device, pinned, device_bytes)
     return handle
-
-
-def wait_running(timeout: float | None = None) -> None:
-    """Wait for a warm-up that is still running (a no-op when none is)."""
-    with _lock:
-        handle = _running
-    if handle is not None and handle.thread_id != threading.get_ident():
-        handle.wait(timeout)  # (the warm-up's own small products do not wait for themselves)

@@ -28,8 +28,8 @@ import numpy as np
 
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
+from distmm.executor.pipeline.startup import wait_running
 from distmm.executor.pipeline.timeline import Timeline
-from distmm.executor.warmup import wait_running
 from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
 
 __all__ = ["run_pipelined"]

@@ -1,0 +1,43 @@
+"""The warm-up a product waits for: which one is running, and waiting for it.
+
+This module covers: the process's running GPU warm-up (``distmm.executor.warmup``
+registers it here), and ``wait_running()``, which a product calls before it pins
+its ring or sizes its device budget so that the two never do the same work at
+once. It does *not* cover: what the warm-up does (``distmm.executor.warmup``).
+"""
+from __future__ import annotations
+
+import threading
+
+__all__ = ["start", "finish", "wait_running"]
+
+_lock = threading.Lock()
+_running = None  # the WarmUp handle in progress, or None
+
+
+def start(make):
+    """Register ``make()`` as the running warm-up and return ``(handle, True)``, or
+    return ``(running handle, False)`` when one already runs."""
+    global _running
+    with _lock:
+        if _running is not None:
+            return _running, False
+        _running = make()
+        return _running, True
+
+
+def finish(handle) -> None:
+    """``handle`` is done: nothing is running any more."""
+    global _running
+    with _lock:
+        if _running is handle:
+            _running = None
+
+
+def wait_running(timeout: float | None = None) -> None:
+    """Wait for a warm-up that is still running (a no-op when none is, and on the
+    warm-up's own thread, whose small products must not wait for themselves)."""
+    with _lock:
+        handle = _running
+    if handle is not None and handle.thread_id != threading.get_ident():
+        handle.wait(timeout)
