@@ -24,8 +24,6 @@ from __future__ import annotations
 import threading
 import time
 
-from distmm.executor.pipeline import startup
-
 __all__ = ["warmup", "WarmUp", "RING_BUFFERS", "RING_BUFFER_BYTES"]
 
 #: staging buffers the warm-up pins: the pipeline's ring (16 in, 6 out) ...
@@ -103,6 +101,8 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
         handle.error = f"{type(exc).__name__}: {exc}"
     finally:
         handle.phases["total_s"] = time.perf_counter() - t0
+        from distmm.executor.pipeline import startup
+
         startup.finish(handle)
         handle._done.set()
 
@@ -157,6 +157,8 @@ def warmup(*, device: int | None = None, background: bool = True, pinned: bool =
 
     if importlib.util.find_spec("cupy") is None:  # cupy itself is imported on the thread
         raise ImportError("distmm.warmup needs cupy (pip install \"distmm[gpu]\")")
+    from distmm.executor.pipeline import startup  # (imported here: ``import distmm`` stays lean)
+
     handle, new = startup.start(WarmUp)
     if not new:
         return handle
