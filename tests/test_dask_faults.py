@@ -1,11 +1,18 @@
 """The Dask engine under repeated worker loss, on a real LocalCluster of
 nanny'd worker processes killed with SIGKILL.
 
-Covers: three workers killed during one product of numpy operands (the
-nannies start new ones) giving a result bitwise equal to an undisturbed run,
-several times over; and every worker gone for good, where the engine waits for
-one and then, after its retry timeout, raises ``WorkersLost`` (a
+Covers: three of four workers killed during one product of numpy operands
+(the nannies start new ones) giving a result bitwise equal to an undisturbed
+run, several times over; every worker gone, where the engine waits and
+finishes, bitwise equal, once a worker joins again; and every worker gone for
+good, where the engine, after its retry timeout, raises ``WorkersLost`` (a
 ``RuntimeError``) that says what was lost.
+
+One worker survives the kills: a nanny whose replacement worker fails to start
+under load (seen on CI's two cores: ``Failed to restart worker after its
+process exited``) would otherwise leave no worker at all, and the test would
+measure the nannies rather than the engine. The empty cluster has its own test,
+in which the test itself brings a worker back.
 """
 from __future__ import annotations
 
@@ -26,11 +33,27 @@ from distmm.plan import make_plan  # noqa: E402
 
 @pytest.fixture(scope="module")
 def client():
-    with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+    with distributed.LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
                                   dashboard_address=":0", memory_limit="2GiB") as cl, \
             distributed.Client(cl) as c:
-        c.wait_for_workers(3, timeout=60)
+        c.wait_for_workers(4, timeout=60)
         yield c
+
+
+def _full_cluster(client, n: int = 4) -> None:
+    """Wait for ``n`` workers; where a nanny failed to start its replacement,
+    start the cluster's workers again (what a batch system's restart would do)."""
+    try:
+        client.wait_for_workers(n, timeout=20)
+        return
+    except TimeoutError:
+        pass
+    client.cluster.scale(0)
+    deadline = time.monotonic() + 30
+    while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.cluster.scale(n)
+    client.wait_for_workers(n, timeout=60)
 
 
 def _request(engine, a, b, tile):
@@ -61,7 +84,7 @@ def _kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
         time.sleep(0.01)
     pids = sorted(client.run(os.getpid, on_error="ignore").values())
     killed = 0
-    for pid in pids[:kills]:
+    for pid in pids[-kills:]:
         if not run.is_alive():
             break
         try:
@@ -82,21 +105,64 @@ def test_three_workers_killed_in_one_run_give_the_same_bits(client):
     undisturbed = engine.run(_request(engine, a, b, 128))
     np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
     for attempt in range(3):
-        client.wait_for_workers(3, timeout=60)
+        _full_cluster(client)
         time.sleep(1.0)  # let the nannies finish starting their new workers
         engine = get_engine("dask", client=client, retry_timeout=60.0)
         request = _request(engine, a, b, 128)
         out = {}
-        run = threading.Thread(target=lambda: out.setdefault("c", engine.run(request)))
+
+        def product():
+            try:
+                out["c"] = engine.run(request)
+            except BaseException as exc:  # reported by the assertion below
+                out["error"] = exc
+
+        run = threading.Thread(target=product)
         run.start()
         try:
-            killed = _kill_workers(client, run, kills=3, gap=0.15)
+            killed = _kill_workers(client, run, kills=3, gap=0.1)
         finally:
             run.join(180)
         assert not run.is_alive()
         assert killed == 3, f"run {attempt}: the product ended after {killed} kill(s)"
-        assert "c" in out, f"run {attempt} raised instead of retrying"
+        assert "c" in out, f"run {attempt} raised instead of retrying: {out.get('error')!r}"
         assert np.array_equal(out["c"], undisturbed), f"run {attempt}: bits differ"
+
+
+@pytest.mark.slow
+def test_with_no_worker_alive_the_run_waits_for_one_and_gives_the_same_bits():
+    rng = np.random.default_rng(37)
+    a = rng.standard_normal((700, 900))
+    b = rng.standard_normal((900, 500))
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cl, distributed.Client(cl) as c:
+        c.wait_for_workers(1, timeout=60)
+        engine = get_engine("dask", client=c, retry_timeout=60.0)
+        undisturbed = engine.run(_request(engine, a, b, 128))
+        np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
+        request = _request(engine, a, b, 128)
+        cl.scale(0)
+        deadline = time.monotonic() + 30
+        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not c.scheduler_info(n_workers=-1)["workers"]
+        out = {}
+
+        def product():
+            try:
+                out["c"] = engine.run(request)
+            except BaseException as exc:  # reported by the assertion below
+                out["error"] = exc
+
+        run = threading.Thread(target=product)
+        run.start()
+        time.sleep(2.0)
+        assert run.is_alive(), f"the run ended with no worker alive: {out!r}"
+        cl.scale(1)
+        run.join(120)
+        assert not run.is_alive()
+    assert "c" in out, f"the run raised instead of waiting: {out.get('error')!r}"
+    assert np.array_equal(out["c"], undisturbed)
 
 
 def test_no_worker_left_raises_workers_lost_after_the_timeout():
