@@ -325,6 +325,7 @@ def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
         if old is not None and not overwrite:
             raise OutputExists(f"{label} exists: pass --overwrite to replace it")
         new_group = _first_missing_group(dst, dataset)
+        committed = False
         try:
             try:
                 with h5py.File(staged, "r") as src:
@@ -337,7 +338,10 @@ def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
                     del dst[dataset]
                 dst.move(temp, dataset)
                 dst.flush()
+                committed = True  # a signal held off until here finds C complete
         except BaseException:
+            if committed:
+                raise
             with _signals_held():
                 try:
                     if new_group is not None and new_group in dst:

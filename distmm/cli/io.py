@@ -274,8 +274,9 @@ def check_target(t: Target, overwrite: bool) -> bool:
 
 @contextmanager
 def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool = False):
-    """Yield an empty array to fill (an ``NpyWriter``, a zarr array or an h5py
-    dataset) that replaces ``spec`` only when the block exits without an error.
+    """Yield an empty array to fill (an ``NpyWriter``, a zarr array, or for HDF5
+    a ``BlockWriter`` on the staged file's dataset) that replaces ``spec`` only
+    when the block exits without an error.
 
     Raises
     ------
