@@ -149,11 +149,12 @@ def test_file_size_limit_keeps_an_existing_h5_file(tmp_path, operands):
     f = tmp_path / "keep.h5"
     with h5py.File(f, "w") as fh:
         fh["X"] = np.arange(100_000.0)
-    before = f.read_bytes()
+    before = sha256(f)
     r = run_cli("matmul", pa, pb, "-o", f"{f}:C", "--engine", "local",
                 preexec_fn=_limit(f.stat().st_size + 1000))
     assert r.returncode == 1 and "file-size limit" in one_line(r.stderr)
-    assert f.read_bytes() == before
+    assert sha256(f) == before
+    assert partials(tmp_path) == []
 
 
 def _staged(folder: Path):
@@ -205,3 +206,131 @@ def test_no_space_is_checked_before_computing(tmp_path, operands):
     assert "MiB free" in one_line(r.stderr) and "c.npy" in r.stderr
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "c.npy").exists() and not _staged(tmp_path)
+
+
+# ---------------------------------------------------------------- HDF5: the user's file is never damaged
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def h5_storage(path: Path) -> dict:
+    """Every dataset of an HDF5 file: dtype, shape, attributes, the byte offset
+    of its data in the file and those raw bytes as stored."""
+    out = {}
+    raw = path.read_bytes()
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            offset, size = obj.id.get_offset(), obj.id.get_storage_size()
+            out[name] = (str(obj.dtype), obj.shape, dict(obj.attrs), offset,
+                         raw[offset:offset + size], obj[...].tobytes())
+
+    with h5py.File(path, "r") as fh:
+        fh.visititems(visit)
+    return out
+
+
+@pytest.fixture
+def user_h5(tmp_path):
+    """An existing HDF5 file with datasets X and grp/Y (fresh random data, two
+    dtypes, an attribute): the file distmm must not damage."""
+    rng = np.random.default_rng()
+    f = tmp_path / "user.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = rng.standard_normal((40, 30))
+        fh["grp/Y"] = rng.integers(-1000, 1000, (17, 5), dtype=np.int32)
+        fh["X"].attrs["units"] = "m"
+    return f
+
+
+def partials(folder: Path):
+    return sorted(p.name for p in folder.iterdir() if "partial" in p.name)
+
+
+def test_h5_add_and_overwrite_touch_only_c(tmp_path, operands, user_h5):
+    pa, pb, ref = operands
+    before = h5_storage(user_h5)
+    r = run_cli("matmul", pa, pb, "-o", f"{user_h5}:C", "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    after = h5_storage(user_h5)
+    assert sorted(after) == ["C", "X", "grp/Y"]
+    assert {k: after[k] for k in before} == before  # X and Y bitwise, in place
+    with h5py.File(user_h5, "r") as fh:
+        np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
+    # --overwrite replaces C (a new product, of another shape) and nothing else
+    rng = np.random.default_rng()
+    b2 = rng.standard_normal((50, 11))
+    np.save(tmp_path / "b2.npy", b2)
+    r = run_cli("matmul", pa, tmp_path / "b2.npy", "-o", f"{user_h5}:C", "--engine", "local",
+                "--overwrite")
+    assert r.returncode == 0, r.stderr
+    again = h5_storage(user_h5)
+    assert sorted(again) == ["C", "X", "grp/Y"] and {k: again[k] for k in before} == before
+    with h5py.File(user_h5, "r") as fh:
+        np.testing.assert_allclose(fh["C"][...], np.load(pa) @ b2, rtol=1e-12, atol=1e-12)
+    assert partials(tmp_path) == []
+
+
+def test_h5_new_file_is_the_staged_file_renamed(tmp_path, operands):
+    pa, pb, ref = operands
+    r = run_cli("matmul", pa, pb, "-o", f"{tmp_path}/new.h5:grp/C", "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "new.h5", "r") as fh:
+        names = []
+        fh.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        assert names == ["grp/C"]
+        np.testing.assert_allclose(fh["grp/C"][...], ref, rtol=1e-12, atol=1e-12)
+    assert partials(tmp_path) == []
+
+
+def _start_and_stop_mid_run(tmp_path, target):
+    """Start a product into ``target`` (an HDF5 file) and stop it (SIGSTOP) once
+    its staged file is complete and tiles are being computed."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((800, 3000)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((3000, 800)))
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy",
+                             tmp_path / "b.npy", "-o", f"{target}:C", "--engine", "local",
+                             "--tile", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    staged = tmp_path / f".{target.name}.distmm-partial-{proc.pid}"
+    deadline = time.monotonic() + 60
+    while not (staged.exists() and staged.stat().st_size >= 800 * 800 * 8):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert partials(tmp_path) == [staged.name]  # the only file distmm made
+    return proc
+
+
+def test_sigterm_mid_run_leaves_the_h5_file_as_it_was(tmp_path, user_h5):
+    before = sha256(user_h5)
+    proc = _start_and_stop_mid_run(tmp_path, user_h5)
+    assert sha256(user_h5) == before  # tiles go to the staged file only
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "SIGTERM" in one_line(err)
+    assert sha256(user_h5) == before
+    assert partials(tmp_path) == []
+
+
+def test_file_size_limit_mid_run_leaves_the_h5_file_as_it_was(tmp_path, user_h5):
+    """A real limit, lowered on the running process (prlimit) after the free-space
+    check passed: the tile writes into the staged file fail (EFBIG)."""
+    before = sha256(user_h5)
+    proc = _start_and_stop_mid_run(tmp_path, user_h5)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (65536, 65536))
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    line = one_line(err)
+    assert "File too large" in line and f"{user_h5}:C" in line
+    assert sha256(user_h5) == before
+    assert partials(tmp_path) == []

@@ -68,3 +68,85 @@ def test_parse_target():
     assert parse_target("g.zarr/C").kind == "zarr"
     with pytest.raises(ValueError, match="unsupported file type '.txt'"):
         parse_target("c.txt")
+
+
+# ---------------------------------------------------------------- distmm.staging: HDF5
+
+
+@pytest.mark.parametrize("dtype, shape", [("f8", (37, 23)), ("c16", (5, 9)), ("?", (7, 3)),
+                                          (">f4", (11, 4)), ("i2", (6,)), ("f8", ())])
+def test_h5_stage_written_with_pwrite_reads_back_in_h5py(tmp_path, dtype, shape):
+    import h5py
+
+    from distmm.staging import BlockWriter, create_h5_stage
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(shape) * 100).astype(dtype)
+    if x.dtype.kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    staged = tmp_path / ".c.h5.distmm-partial-1"
+    w = BlockWriter(staged, shape, x.dtype, create_h5_stage(staged, "g/C", shape, x.dtype))
+    if x.ndim == 2:
+        for r0 in range(0, shape[0], 4):
+            for c0 in range(0, shape[1], 3):
+                w[r0:r0 + 4, c0:c0 + 3] = x[r0:r0 + 4, c0:c0 + 3]
+    else:
+        w[...] = x
+    w.finish()
+    with h5py.File(staged, "r") as fh:
+        assert list(fh) == ["g"] and list(fh["g"]) == ["C"]
+        assert fh["g/C"].dtype == x.dtype and fh["g/C"].shape == shape
+        assert fh["g/C"][...].tobytes() == x.tobytes()
+
+
+def _staged_h5(path, x, dataset="C"):
+    from distmm.staging import BlockWriter, create_h5_stage
+
+    w = BlockWriter(path, x.shape, x.dtype, create_h5_stage(path, dataset, x.shape, x.dtype))
+    w[...] = x
+    w.finish()
+
+
+def test_commit_h5_refuses_before_touching_the_file(tmp_path):
+    """Under a real file-size limit too small for the copy, and for an existing
+    dataset without overwrite: the user's file stays byte-identical and the
+    staged file is gone."""
+    import hashlib
+
+    import h5py
+
+    rng = np.random.default_rng()
+    f = tmp_path / "user.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = rng.standard_normal((300, 200))
+        fh["C"] = np.zeros(3)
+    before = hashlib.sha256(f.read_bytes()).hexdigest()
+    staged = tmp_path / ".user.h5.distmm-partial-7"
+    _staged_h5(staged, rng.standard_normal((200, 300)))
+    code = textwrap.dedent(f"""
+        import resource
+        from distmm.staging import commit_h5
+        limit = {f.stat().st_size + 100_000}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            commit_h5({str(staged)!r}, {str(f)!r}, "C", overwrite=True)
+        except OSError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("InsufficientSpace") and "file-size limit" in r.stdout
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == before
+    assert not staged.exists()
+
+    from distmm.errors import OutputExists
+    from distmm.staging import commit_h5
+
+    _staged_h5(staged, rng.standard_normal((4, 4)))
+    with pytest.raises(OutputExists, match="user.h5:C exists"):
+        commit_h5(staged, f, "C", overwrite=False)
+    _staged_h5(staged, rng.standard_normal((4, 4)), dataset="X/Z")
+    with pytest.raises(OSError, match="copying .X/Z. into"):  # X is no group: nothing stays
+        commit_h5(staged, f, "X/Z", overwrite=True)
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == before
+    assert not staged.exists()

@@ -22,6 +22,7 @@ LEVELS = {
     "distmm._arrays": 0,
     "distmm.config": 0,
     "distmm.errors": 0,
+    "distmm.staging": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

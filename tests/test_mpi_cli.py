@@ -78,7 +78,7 @@ def test_mpirun_matmul_formats(files):
     r = launch(2, "matmul", f"{d}/x.h5:A", f"{d}/x.h5:B", "-o", f"{d}/x.h5:C")
     assert r.returncode == 0, r.stderr
     with h5py.File(d / "x.h5") as fh:
-        assert sorted(fh) == ["A", "B", "C"]  # the staged dataset is gone
+        assert sorted(fh) == ["A", "B", "C"]  # nothing staged inside the file
         np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
     r = launch(4, "matmul", d / "a.zarr", d / "b.zarr", "-o", d / "c.zarr")
     assert r.returncode == 0, r.stderr
@@ -126,3 +126,33 @@ def test_engine_mpi_in_one_process(files):
                        timeout=60, env=mpi_env())
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(np.load(d / "c.npy"), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_mpirun_h5_output_into_an_existing_file(files):
+    """Two ranks write their blocks of C into the hidden staged file; rank 0
+    copies C into the user's file: an old C is replaced (--overwrite), X and
+    grp/Y stay bitwise in place, and no staged file is left."""
+    import h5py
+
+    d, ref = files
+    rng = np.random.default_rng()
+    f = d / "user.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = rng.standard_normal((30, 20))
+        fh["grp/Y"] = rng.integers(0, 99, (7, 3), dtype=np.int16)
+        fh["C"] = np.zeros(4)
+
+    def stored():
+        raw = f.read_bytes()
+        with h5py.File(f, "r") as fh:
+            return {k: raw[fh[k].id.get_offset():][:fh[k].id.get_storage_size()] + fh[k][...].tobytes()
+                    for k in ("X", "grp/Y")}
+
+    before = stored()
+    r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", f"{f}:C", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert stored() == before
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["C", "X", "grp"]
+        np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
+    assert not [p for p in d.iterdir() if "partial" in p.name]

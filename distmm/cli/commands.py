@@ -384,8 +384,8 @@ def main(argv=None) -> int:
         if isinstance(exc, SystemExit):
             raise
         status = report(args.command, exc, debug=debug)
-        io = sys.modules.get("distmm.cli.io")
-        if io is not None and io.HDF5_UNCLOSED:
+        staging = sys.modules.get("distmm.staging")
+        if staging is not None and staging.HDF5_UNCLOSED:
             # HDF5 would retry the failed close at exit and crash: end here.
             sys.stdout.flush()
             sys.stderr.flush()

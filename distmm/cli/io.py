@@ -6,15 +6,17 @@ file or dataset, and writing a result so that nothing but the target changes:
 
 - the result is staged beside its target (same folder, so the final rename is
   atomic) under a name a user recognises, ``.NAME.distmm-partial-PID``; an
-  HDF5 result is staged as a dataset ``NAME.distmm-partial-PID`` inside the
-  file, which is opened in append mode, so its other datasets survive;
+  HDF5 result ``file.h5:C`` is staged as a hidden HDF5 file
+  ``.file.h5.distmm-partial-PID`` holding only ``C``, renamed to ``file.h5``
+  when there is no such file, else copied into it (after a check of the room
+  for the copy) with its other datasets untouched (``distmm.staging``);
 - an existing target is an error (``OutputExists``) unless ``overwrite``;
 - a directory is never removed, and a zarr group is never replaced (a zarr
   array inside a group is written as ``group.zarr/array``);
 - free space is checked before anything is computed (``InsufficientSpace``);
-- ``.npy`` tiles go to disk with ``os.pwrite``, not through a memory map, so a
-  full disk or a file-size limit raises ``OSError`` instead of killing the
-  process with SIGBUS;
+- ``.npy`` and HDF5 tiles go to disk with ``os.pwrite``, not through a memory
+  map or HDF5, so a full disk or a file-size limit raises ``OSError`` instead
+  of killing the process with SIGBUS or a crash inside HDF5;
 - on any exception (``KeyboardInterrupt`` and signals raised as exceptions
   included) the staged output is removed and the target is left as it was.
 
@@ -31,13 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.errors import InsufficientSpace, OutputExists
+from distmm.errors import OutputExists
+from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
+                            staged_path)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "Target",
            "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
-_PARTIAL = "distmm-partial"
 
 
 # ---------------------------------------------------------------- targets
@@ -154,26 +157,12 @@ def open_operand(spec: str, *, writable: bool = False):
 # ---------------------------------------------------------------- the .npy writer
 
 
-def _slice_bounds(s, size: int, axis: int) -> tuple[int, int]:
-    if isinstance(s, (int, np.integer)):
-        i = int(s) + (size if s < 0 else 0)
-        if not 0 <= i < size:
-            raise IndexError(f"index {s} is out of bounds for axis {axis} with size {size}")
-        return i, i + 1
-    if not isinstance(s, slice):
-        raise IndexError(f"only slices and integers index an output file, got {s!r}")
-    start, stop, step = s.indices(size)
-    if step != 1:
-        raise IndexError(f"only step-1 slices index an output file, got {s!r}")
-    return start, max(start, stop)
-
-
-class NpyWriter:
+class NpyWriter(BlockWriter):
     """A C-ordered ``.npy`` file written with ``os.pwrite``: ``out[rows, cols] = tile``.
 
-    Shaped like the array it will hold (``shape``, ``dtype``, ``ndim``), so
-    ``distmm.matmul(a, b, out=writer)`` writes tiles into it; ``writer[...]``
-    reads back. Writes raise ``OSError`` on a full disk or a file-size limit.
+    A ``BlockWriter`` (shaped like the array it will hold; ``writer[...]``
+    reads back) that creates the file and its header. Writes raise ``OSError``
+    on a full disk or a file-size limit.
 
     Parameters
     ----------
@@ -184,98 +173,23 @@ class NpyWriter:
     """
 
     def __init__(self, path, shape, dtype):
-        self.path = Path(path)
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
-        if self.dtype.hasobject:
-            raise TypeError(f"cannot write dtype {self.dtype} to a .npy file without pickling")
+        dtype = np.dtype(dtype)
+        if dtype.hasobject:
+            raise TypeError(f"cannot write dtype {dtype} to a .npy file without pickling")
         header = _io.BytesIO()
         np.lib.format.write_array_header_2_0(
-            header, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
-                     "shape": self.shape})
-        self._offset = header.tell()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                           0o666)
-        self._rfd = None
+            header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                     "shape": tuple(int(s) for s in shape)})
+        super().__init__(path, shape, dtype, header.tell(), create=True)
         self._pwrite(header.getvalue(), 0)
-
-    ndim = property(lambda self: len(self.shape))
-    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
-    nbytes = property(lambda self: self.size * self.dtype.itemsize)
-
-    def _pwrite(self, data, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
-
-    @property
-    def _width(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) if self.ndim >= 2 else 1
-
-    def _region(self, key) -> tuple[int, int, int, int, bool]:
-        """(row start, row stop, col start, col stop, whole array) of a key,
-        on the file's 2-D view (rows by the product of the other axes)."""
-        rows = self.shape[0] if self.ndim >= 1 else 1
-        if key is Ellipsis or key == () or key == (Ellipsis,):
-            return 0, rows, 0, self._width, True
-        if self.ndim != 2:
-            raise IndexError(f"an output file of shape {self.shape} takes [...] or 2-D slices")
-        key = key if isinstance(key, tuple) else (key,)
-        key = tuple(k for k in key if k is not Ellipsis)
-        key = key + (slice(None),) * (2 - len(key))
-        if len(key) != 2:
-            raise IndexError(f"too many indices for an output file of shape {self.shape}")
-        r0, r1 = _slice_bounds(key[0], rows, 0)
-        c0, c1 = _slice_bounds(key[1], self._width, 1)
-        return r0, r1, c0, c1, False
-
-    def __setitem__(self, key, value) -> None:
-        r0, r1, c0, c1, whole = self._region(key)
-        value = np.asarray(value).astype(self.dtype, copy=False)
-        if whole:
-            value = np.broadcast_to(value, self.shape).reshape(r1 - r0, c1 - c0)
-        block = np.ascontiguousarray(np.broadcast_to(value, (r1 - r0, c1 - c0)))
-        item, width = self.dtype.itemsize, self._width
-        if c0 == 0 and c1 == width:  # whole rows: one contiguous write
-            self._pwrite(block, self._offset + r0 * width * item)
-            return
-        for r in range(r1 - r0):
-            self._pwrite(block[r], self._offset + ((r0 + r) * width + c0) * item)
-
-    def __getitem__(self, key):
-        r0, r1, c0, c1, whole = self._region(key)
-        if self._rfd is None:
-            self._rfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        item, width = self.dtype.itemsize, self._width
-        out = np.zeros((r1 - r0, c1 - c0), dtype=self.dtype)  # holes not written read as zeros
-        for r in range(r1 - r0):
-            data = os.pread(self._rfd, (c1 - c0) * item, self._offset + ((r0 + r) * width + c0) * item)
-            row = np.frombuffer(data, dtype=self.dtype)
-            out[r, :row.size] = row
-        return out.reshape(self.shape) if whole else out
 
     def finish(self) -> None:
         """Give the file its full length and flush it to disk."""
         os.ftruncate(self._fd, self._offset + self.nbytes)
-        os.fsync(self._fd)
-        self.close()
-
-    def close(self) -> None:
-        for fd in (self._fd, self._rfd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._rfd = None
-
-    def __repr__(self) -> str:
-        return f"NpyWriter({str(self.path)!r}, shape={self.shape}, dtype={self.dtype})"
+        super().finish()
 
 
 # ---------------------------------------------------------------- staging
-
-
-def _staged_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{_PARTIAL}-{os.getpid()}"
 
 
 def _check_folder(t: Target) -> None:
@@ -289,21 +203,14 @@ def _check_folder(t: Target) -> None:
 def _check_space(t: Target, nbytes: int) -> None:
     """Refuse an output that cannot fit: the file system's free space, and the
     file-size limit (``ulimit -f``) for a single-file output, which HDF5 and a
-    ``.npy`` file are (zarr writes one file per chunk)."""
-    free = shutil.disk_usage(t.path.parent).free
-    need = nbytes + (1 << 20)  # headers and metadata
-    if need > free:
-        raise InsufficientSpace(f"{t} needs {need / 2**20:.1f} MiB but its file system has "
-                                f"{free / 2**20:.1f} MiB free")
-    if t.kind == "zarr":
-        return
-    import resource
-
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    size = nbytes + 4096 + (t.path.stat().st_size if t.kind == "h5" and t.path.exists() else 0)
-    if limit != resource.RLIM_INFINITY and size > limit:
-        raise InsufficientSpace(f"{t} needs a file of {size / 2**20:.1f} MiB but the file-size "
-                                f"limit (ulimit -f) is {limit / 2**20:.1f} MiB")
+    ``.npy`` file are (zarr writes one file per chunk). An HDF5 result for an
+    existing file needs room twice, for its staged file and for its copy."""
+    if t.kind != "h5":
+        check_room(t, t.path.parent, nbytes + (1 << 20), None if t.kind == "zarr" else nbytes + 4096)
+    elif t.path.exists():
+        check_room(t, t.path.parent, 2 * (nbytes + H5_MARGIN), t.path.stat().st_size + nbytes + H5_MARGIN)
+    else:
+        check_room(t, t.path.parent, nbytes + H5_MARGIN, nbytes + H5_MARGIN)
 
 
 def same_file(a: str, b: str) -> bool:
@@ -350,6 +257,8 @@ def check_target(t: Target, overwrite: bool) -> bool:
         if not h5py.is_hdf5(p):
             raise ValueError(f"{p} exists and is not an HDF5 file; distmm adds datasets only to "
                              f"HDF5 files")
+        if not os.access(p, os.W_OK):
+            raise PermissionError(f"cannot add {t.dataset!r} to {p}: the file is not writable")
         with h5py.File(p, "r") as fh:
             node = fh.get(t.dataset)
         if node is None:
@@ -365,8 +274,9 @@ def check_target(t: Target, overwrite: bool) -> bool:
 
 @contextmanager
 def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool = False):
-    """Yield an empty array to fill (an ``NpyWriter``, a zarr array or an h5py
-    dataset) that replaces ``spec`` only when the block exits without an error.
+    """Yield an empty array to fill (an ``NpyWriter``, a zarr array, or for HDF5
+    a ``BlockWriter`` on the staged file's dataset) that replaces ``spec`` only
+    when the block exits without an error.
 
     Raises
     ------
@@ -384,7 +294,7 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
     dtype = np.dtype(dtype)
     exists = check_target(t, overwrite)
     try:
-        with _staged(t, shape, dtype, exists) as out:
+        with _staged(t, shape, dtype, exists, overwrite) as out:
             yield out
     except OSError as exc:
         if exc.filename is None and exc.errno is not None:
@@ -394,22 +304,24 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
 
 
 @contextmanager
-def _staged(t: Target, shape, dtype, exists: bool):
+def _staged(t: Target, shape, dtype, exists: bool, overwrite: bool):
     _check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    if t.kind == "h5":
-        with _staged_h5(t, shape, dtype) as ds:
-            yield ds
-        return
-    tmp = _staged_name(t.path)
+    tmp = staged_path(t.path)
     try:
-        if t.kind == "npy":
-            writer = NpyWriter(tmp, shape, dtype)
+        if t.kind in ("npy", "h5"):
+            if t.kind == "npy":
+                writer = NpyWriter(tmp, shape, dtype)
+            else:  # a hidden HDF5 file holding only the new dataset
+                writer = BlockWriter(tmp, shape, dtype, create_h5_stage(tmp, t.dataset, shape, dtype))
             try:
                 yield writer
                 writer.finish()
             finally:
                 writer.close()
-            os.replace(tmp, t.path)
+            if t.kind == "npy":
+                os.replace(tmp, t.path)
+            else:
+                commit_h5(tmp, t.path, t.dataset, overwrite=overwrite)
             return
         import zarr
 
@@ -438,45 +350,6 @@ def _zarr_format(t: Target) -> int | None:
                 return 3
             break
     return None
-
-
-HDF5_UNCLOSED = []
-"""HDF5 files whose close failed (a full disk, a file-size limit): HDF5 tries
-to flush them again when the interpreter exits and crashes doing so, so a
-process that sees entries here should end with ``os._exit`` after reporting."""
-
-
-@contextmanager
-def _staged_h5(t: Target, shape, dtype):
-    import h5py
-
-    created = not t.path.exists()
-    staged = f"{t.dataset}.{_PARTIAL}-{os.getpid()}"
-    try:
-        fh = h5py.File(t.path, "a")
-    except OSError as exc:
-        raise PermissionError(f"cannot open {t.path} to add {t.dataset!r}: {exc}") from None
-    try:
-        if staged in fh:
-            del fh[staged]
-        yield fh.create_dataset(staged, shape=shape, dtype=dtype)
-        if t.dataset in fh:
-            del fh[t.dataset]
-        fh.move(staged, t.dataset)
-        fh.close()
-    except BaseException:
-        try:
-            if not created and staged in fh:
-                del fh[staged]
-        except Exception:  # noqa: BLE001 - the first error is the one to report
-            pass
-        try:
-            fh.close()
-        except Exception:  # noqa: BLE001 - as above
-            HDF5_UNCLOSED.append(t.path)
-        if created:
-            t.path.unlink(missing_ok=True)  # the file is ours alone: leave nothing
-        raise
 
 
 def write_atomic(spec: str, array, *, overwrite: bool = False) -> None:

@@ -8,9 +8,10 @@ rank within seconds with one message, printed by rank 0, and the same exit
 status. Then each rank reads only its blocks of A and B (memmap, zarr or HDF5
 slices), SUMMA runs on the planner's grid, and each rank writes its own blocks
 of C into one staged output that is renamed only after every rank succeeded
-(``distmm.engine.mpi.io``: ``.npy`` blocks written at once with ``pwrite``;
-zarr and HDF5 blocks written by one rank at a time, so no parallel HDF5 is
-needed). An exception on any rank during the product ends the job with
+(``distmm.engine.mpi.io``: ``.npy`` and HDF5 blocks written at once with
+``pwrite``, HDF5 into a hidden staged file that rank 0 then copies into the
+user's file, so no parallel HDF5 is needed; zarr blocks written by one rank at
+a time). An exception on any rank during the product ends the job with
 ``MPI_Abort`` rather than leaving the others waiting in a collective; the
 output is then at most a staged ``.NAME.distmm-partial-PID``, never the final
 name.

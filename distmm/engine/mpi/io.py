@@ -2,15 +2,20 @@
 
 This module covers: opening ``.npy`` (a read-only memmap), zarr arrays and
 ``file.h5:dataset`` so that each rank reads only its block, and writing a
-``DistArray`` to one staged output (``.NAME.distmm-partial-PID``, or a dataset
-``NAME.distmm-partial-PID`` inside an HDF5 file, PID of rank 0) that takes the
-final name only after every rank reported success (an ``allreduce``):
+``DistArray`` to one staged output (``.NAME.distmm-partial-PID`` beside the
+target, PID of rank 0) that takes the final name only after every rank
+reported success (an ``allreduce``):
 
 - ``.npy``: rank 0 writes the header, then every rank writes its own block at
   once with ``os.pwrite`` (disjoint byte ranges of one file);
-- zarr and HDF5 (no parallel HDF5 needed): ranks write their blocks in turn,
-  rank 0 first, a barrier between turns, so no two processes ever write the
-  same zarr chunk or hold the HDF5 file open for writing together.
+- HDF5 (``file.h5:C``): rank 0 creates the hidden staged HDF5 file holding
+  only ``C``, contiguous and allocated (``distmm.staging``); every rank writes
+  its block at once with ``os.pwrite`` at the data's offset, as for ``.npy``
+  (no parallel HDF5 needed); rank 0 then commits it: a rename when
+  ``file.h5`` does not exist, else a copy into it that touches no other
+  dataset;
+- zarr: ranks write their blocks in turn, rank 0 first, a barrier between
+  turns, so no two processes ever write the same zarr chunk.
 
 On failure on any rank the staged output is removed and the target is left as
 it was. It does *not* cover: the command line's checks of a target before a
@@ -26,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.staging import BlockWriter, commit_h5, create_h5_stage, staged_path
+
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec"]
-
-_PARTIAL = "distmm-partial"
-
 
 @dataclass(frozen=True)
 class FileSpec:
@@ -102,14 +106,11 @@ def open_block_source(spec: str) -> _Source:
     return src
 
 
-def _staged_path(f: FileSpec, pid: int) -> Path:
-    return f.path.parent / f".{f.path.name}.{_PARTIAL}-{pid}"
-
-
 def _create(f: FileSpec, shape, dtype, pid: int):
-    """Rank 0: create the empty staged output."""
+    """Rank 0: create the empty staged output; return the byte offset of the
+    data (``.npy`` and HDF5) or None (zarr)."""
     if f.kind == "npy":
-        path = _staged_path(f, pid)
+        path = staged_path(f.path, pid)
         with open(path, "xb") as fh:
             np.lib.format.write_array_header_1_0(
                 fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
@@ -120,16 +121,9 @@ def _create(f: FileSpec, shape, dtype, pid: int):
     if f.kind == "zarr":
         import zarr
 
-        zarr.open_array(str(_staged_path(f, pid)), mode="w-", shape=shape, dtype=dtype)
+        zarr.open_array(str(staged_path(f.path, pid)), mode="w-", shape=shape, dtype=dtype)
         return None
-    import h5py
-
-    with h5py.File(f.path, "a") as fh:
-        name = f"{f.dataset}.{_PARTIAL}-{pid}"
-        if name in fh:
-            del fh[name]
-        fh.create_dataset(name, shape=shape, dtype=dtype)
-    return None
+    return create_h5_stage(staged_path(f.path, pid), f.dataset, shape, dtype)
 
 
 def _write_own(f: FileSpec, dist, pid: int, header) -> None:
@@ -137,54 +131,25 @@ def _write_own(f: FileSpec, dist, pid: int, header) -> None:
     if r1 <= r0 or c1 <= c0:
         return
     block = dist._host_local()
-    if f.kind == "npy":
-        n = dist.shape[1]
-        item = block.dtype.itemsize
-        fd = os.open(_staged_path(f, pid), os.O_WRONLY)
-        try:
-            rows = np.ascontiguousarray(block)
-            if c0 == 0 and c1 == n:
-                _pwrite_all(fd, rows.reshape(-1).view(np.uint8), header + r0 * n * item)
-            else:
-                for r in range(r1 - r0):
-                    _pwrite_all(fd, rows[r].view(np.uint8), header + ((r0 + r) * n + c0) * item)
-        finally:
-            os.close(fd)
-        return
     if f.kind == "zarr":
         import zarr
 
-        zarr.open_array(str(_staged_path(f, pid)), mode="r+")[r0:r1, c0:c1] = block
+        zarr.open_array(str(staged_path(f.path, pid)), mode="r+")[r0:r1, c0:c1] = block
         return
-    import h5py
-
-    with h5py.File(f.path, "a") as fh:
-        fh[f"{f.dataset}.{_PARTIAL}-{pid}"][r0:r1, c0:c1] = block
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
+    writer = BlockWriter(staged_path(f.path, pid), dist.shape, dist.dtype, header)
+    try:
+        writer[r0:r1, c0:c1] = block
+        writer.finish()
+    finally:
+        writer.close()
 
 
-def _finish(f: FileSpec, pid: int, ok: bool) -> None:
+def _finish(f: FileSpec, pid: int, ok: bool, overwrite: bool) -> None:
     """Rank 0: move the staged output to the target, or remove it."""
-    if f.kind == "h5":
-        import h5py
-
-        with h5py.File(f.path, "a") as fh:
-            name = f"{f.dataset}.{_PARTIAL}-{pid}"
-            if not ok:
-                if name in fh:
-                    del fh[name]
-                return
-            if f.dataset in fh:
-                del fh[f.dataset]
-            fh.move(name, f.dataset)
+    staged = staged_path(f.path, pid)
+    if ok and f.kind == "h5":
+        commit_h5(staged, f.path, f.dataset, overwrite=overwrite)
         return
-    staged = _staged_path(f, pid)
     if not ok:
         if staged.is_dir():
             shutil.rmtree(staged, ignore_errors=True)
@@ -237,12 +202,13 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
             header = _create(f, dist.shape, dtype, pid)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
+            _finish(f, pid, False, overwrite)  # a half-created staged output, if any
     error = comm.bcast(error, root=0)  # the same exception on every rank
     if error is not None:
         raise error
     header = comm.bcast(header, root=0)
     error = None
-    if f.kind == "npy":
+    if f.kind != "zarr":
         try:
             _write_own(f, dist, pid, header)
         except Exception as exc:  # noqa: BLE001
@@ -259,14 +225,14 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
     rename_error = None
     if comm.rank == 0:
         try:
-            _finish(f, pid, ok)
+            _finish(f, pid, ok, overwrite)
         except Exception as exc:  # noqa: BLE001
             rename_error = f"{type(exc).__name__}: {exc}"
     rename_error = comm.bcast(rename_error, root=0)
     if not ok:
         raise OSError(f"writing {spec} failed ({message}); the partial output was removed")
     if rename_error:
-        raise OSError(f"writing {spec} failed while renaming ({rename_error})")
+        raise OSError(f"writing {spec} failed while moving it into place ({rename_error})")
 
 
 def _exists(f: FileSpec) -> bool:

@@ -1,0 +1,356 @@
+"""Staged outputs written with ordinary writes, and HDF5 results that leave the user's file alone.
+
+This module covers the parts of staging an output that the command line
+(``distmm.cli.io``) and the MPI engine (``distmm.engine.mpi.io``) share:
+
+- the staged name beside a target, ``.NAME.distmm-partial-PID`` (same folder,
+  so the final rename is atomic);
+- ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
+  by tile with ``os.pwrite``, so a full disk or a file-size limit raises a
+  clean ``OSError`` (no memory map to die of SIGBUS, no HDF5 call to crash);
+- free space and the file-size limit (``check_room``), checked before a file
+  is touched;
+- HDF5: ``create_h5_stage`` makes the hidden staged file
+  ``.file.h5.distmm-partial-PID`` holding only the new dataset, contiguous and
+  allocated at creation, and returns the byte offset of its data, so tiles are
+  written with ``pwrite`` and HDF5 writes nothing while they are; then
+  ``commit_h5`` moves it into place: a rename when the target file does not
+  exist, else (after ``check_room`` for the copy) the dataset is copied into
+  the user's file (opened for writing, never created or truncated) under a
+  temporary name, and only then is an old dataset of that name deleted and the
+  copy renamed onto it (signals held off for those two metadata steps). The
+  file's other datasets are never touched; on a failure the temporary dataset
+  is removed, and the staged file is removed in every case.
+
+HDF5 has no transactions: a copy that runs out of space half way can damage
+the file it writes into. That is why the room for the copy is checked first;
+what remains is a race with another process filling the disk during the copy.
+
+It does *not* cover: parsing targets, ``.npy`` headers, zarr, or the checks
+of a target before a run (``--overwrite``): ``distmm.cli.io``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from distmm.errors import InsufficientSpace, OutputExists
+
+__all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
+           "create_h5_stage", "commit_h5", "HDF5_UNCLOSED", "H5_MARGIN"]
+
+PARTIAL = "distmm-partial"
+
+H5_MARGIN = 1 << 20
+"""Bytes allowed for HDF5 metadata (object headers, group nodes) besides the data."""
+
+HDF5_UNCLOSED: list = []
+"""HDF5 files whose close failed (a full disk, a file-size limit): HDF5 tries
+to flush them again when the interpreter exits and crashes doing so, so a
+process that sees entries here should end with ``os._exit`` after reporting."""
+
+
+def staged_path(path, pid: int | None = None) -> Path:
+    """``.NAME.distmm-partial-PID`` beside ``path`` (PID: this process by default)."""
+    path = Path(path)
+    return path.parent / f".{path.name}.{PARTIAL}-{os.getpid() if pid is None else pid}"
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+# ---------------------------------------------------------------- the block writer
+
+
+def _slice_bounds(s, size: int, axis: int) -> tuple[int, int]:
+    if isinstance(s, (int, np.integer)):
+        i = int(s) + (size if s < 0 else 0)
+        if not 0 <= i < size:
+            raise IndexError(f"index {s} is out of bounds for axis {axis} with size {size}")
+        return i, i + 1
+    if not isinstance(s, slice):
+        raise IndexError(f"only slices and integers index an output file, got {s!r}")
+    start, stop, step = s.indices(size)
+    if step != 1:
+        raise IndexError(f"only step-1 slices index an output file, got {s!r}")
+    return start, max(start, stop)
+
+
+class BlockWriter:
+    """A C-ordered array stored at byte ``offset`` of a file, written with
+    ``os.pwrite``: ``out[rows, cols] = tile``; ``out[...]`` reads back.
+
+    Shaped like the array it holds (``shape``, ``dtype``, ``ndim``), so
+    ``distmm.matmul(a, b, out=writer)`` writes tiles into it. Writes raise
+    ``OSError`` on a full disk or a file-size limit.
+
+    Parameters
+    ----------
+    path : path
+        The file; it must exist unless ``create`` (then it must not).
+    shape : tuple of int
+    dtype : dtype
+    offset : int
+        Where the array's first byte goes.
+    create : bool
+        Create the file (exclusively).
+    """
+
+    def __init__(self, path, shape, dtype, offset: int, *, create: bool = False):
+        self.path = Path(path)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self._offset = int(offset)
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._fd = os.open(self.path, flags, 0o666)
+        self._rfd = None
+
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+    nbytes = property(lambda self: self.size * self.dtype.itemsize)
+
+    def _pwrite(self, data, offset: int) -> None:
+        pwrite_all(self._fd, data, offset)
+
+    @property
+    def _width(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if self.ndim >= 2 else 1
+
+    def _region(self, key) -> tuple[int, int, int, int, bool]:
+        """(row start, row stop, col start, col stop, whole array) of a key,
+        on the file's 2-D view (rows by the product of the other axes)."""
+        rows = self.shape[0] if self.ndim >= 1 else 1
+        if key is Ellipsis or key == () or key == (Ellipsis,):
+            return 0, rows, 0, self._width, True
+        if self.ndim != 2:
+            raise IndexError(f"an output file of shape {self.shape} takes [...] or 2-D slices")
+        key = key if isinstance(key, tuple) else (key,)
+        key = tuple(k for k in key if k is not Ellipsis)
+        key = key + (slice(None),) * (2 - len(key))
+        if len(key) != 2:
+            raise IndexError(f"too many indices for an output file of shape {self.shape}")
+        r0, r1 = _slice_bounds(key[0], rows, 0)
+        c0, c1 = _slice_bounds(key[1], self._width, 1)
+        return r0, r1, c0, c1, False
+
+    def __setitem__(self, key, value) -> None:
+        r0, r1, c0, c1, whole = self._region(key)
+        value = np.asarray(value).astype(self.dtype, copy=False)
+        if whole:
+            value = np.broadcast_to(value, self.shape).reshape(r1 - r0, c1 - c0)
+        block = np.ascontiguousarray(np.broadcast_to(value, (r1 - r0, c1 - c0)))
+        item, width = self.dtype.itemsize, self._width
+        if c0 == 0 and c1 == width:  # whole rows: one contiguous write
+            self._pwrite(block, self._offset + r0 * width * item)
+            return
+        for r in range(r1 - r0):
+            self._pwrite(block[r], self._offset + ((r0 + r) * width + c0) * item)
+
+    def __getitem__(self, key):
+        r0, r1, c0, c1, whole = self._region(key)
+        if self._rfd is None:
+            self._rfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        item, width = self.dtype.itemsize, self._width
+        out = np.zeros((r1 - r0, c1 - c0), dtype=self.dtype)  # holes not written read as zeros
+        for r in range(r1 - r0):
+            data = os.pread(self._rfd, (c1 - c0) * item, self._offset + ((r0 + r) * width + c0) * item)
+            row = np.frombuffer(data, dtype=self.dtype)
+            out[r, :row.size] = row
+        return out.reshape(self.shape) if whole else out
+
+    def finish(self) -> None:
+        """Flush the file to disk and close it."""
+        os.fsync(self._fd)
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self._fd, self._rfd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._rfd = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+# ---------------------------------------------------------------- room
+
+
+def check_room(label, folder, free_bytes: int, file_bytes: int | None) -> None:
+    """Refuse (``InsufficientSpace``, naming ``label``) when ``folder``'s file
+    system has less than ``free_bytes`` free, or when one file of
+    ``file_bytes`` (``None``: no single file) would pass the file-size limit
+    (``ulimit -f``). Nothing is written."""
+    free = shutil.disk_usage(folder).free
+    if free_bytes > free:
+        raise InsufficientSpace(f"{label} needs {free_bytes / 2**20:.1f} MiB but its file system "
+                                f"has {free / 2**20:.1f} MiB free")
+    if file_bytes is None:
+        return
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and file_bytes > limit:
+        raise InsufficientSpace(f"{label} needs a file of {file_bytes / 2**20:.1f} MiB but the "
+                                f"file-size limit (ulimit -f) is {limit / 2**20:.1f} MiB")
+
+
+# ---------------------------------------------------------------- HDF5
+
+
+def create_h5_stage(staged, dataset: str, shape, dtype) -> int:
+    """Create the HDF5 file ``staged`` (it must not exist) holding only
+    ``dataset``, contiguous, its storage allocated now and never filled (a
+    sparse file until written); return the byte offset of its data, which is
+    stored C-ordered with numpy's bytes for ``dtype``.
+
+    Raises
+    ------
+    TypeError
+        A dtype HDF5 stores with other bytes than numpy (object, strings).
+    """
+    import h5py
+
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError(f"cannot write dtype {dtype} to an HDF5 dataset")
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    with h5py.File(staged, "w-") as fh:
+        ds = fh.create_dataset(dataset, shape=tuple(shape), dtype=dtype, dcpl=dcpl, fill_time="never")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes and ds.id.get_offset() is None:  # a scalar: allocated by its first write
+            ds[()] = np.zeros((), dtype)
+        if ds.id.get_type().get_size() != dtype.itemsize or ds.id.get_storage_size() != nbytes:
+            raise TypeError(f"HDF5 stores dtype {dtype} in another layout than numpy")
+        offset = ds.id.get_offset()
+    return 0 if offset is None else int(offset)
+
+
+def _close(fh, path, *, quiet: bool) -> None:
+    """Close an HDF5 file; a failed close is recorded (``HDF5_UNCLOSED``) and
+    raised unless ``quiet`` (another error is already on its way)."""
+    try:
+        fh.close()
+    except Exception as exc:  # noqa: BLE001
+        HDF5_UNCLOSED.append(Path(path))
+        if not quiet:
+            raise OSError(f"cannot close {path} after adding a dataset "
+                          f"({' '.join(str(exc).split())})") from None
+
+
+@contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM wait until the block ends (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _first_missing_group(fh, dataset: str) -> str | None:
+    """The outermost group of ``dataset``'s path that ``fh`` lacks (the copy creates it)."""
+    parts = dataset.split("/")[:-1]
+    for n in range(1, len(parts) + 1):
+        name = "/".join(parts[:n])
+        if name not in fh:
+            return name
+    return None
+
+
+def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
+    """Move ``dataset`` of the staged file into the HDF5 file ``path``; the
+    staged file is removed in every case.
+
+    A ``path`` that does not exist becomes the staged file (a rename). Into an
+    existing file the dataset is copied under a temporary name, after checking
+    that the file system and the file-size limit have room for it; then an old
+    ``dataset`` (only with ``overwrite``) is deleted and the copy renamed onto
+    it. Nothing else in the file changes; on a failure the copy is removed.
+
+    Raises
+    ------
+    InsufficientSpace
+        No room for the copy (the user's file was not opened).
+    OutputExists
+        ``dataset`` exists and ``overwrite`` is false.
+    IsADirectoryError
+        ``dataset`` names an HDF5 group.
+    OSError
+        The file cannot be opened for writing, or the copy failed.
+    """
+    staged, path = Path(staged), Path(path)
+    try:
+        if not path.exists():
+            os.replace(staged, path)
+            return
+        _copy_into(staged, path, dataset, overwrite)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
+    import h5py
+
+    label = f"{path}:{dataset}"
+    with h5py.File(staged, "r") as src:
+        nbytes = int(src[dataset].id.get_storage_size())
+    check_room(label, path.parent, nbytes + H5_MARGIN, path.stat().st_size + nbytes + H5_MARGIN)
+    try:
+        dst = h5py.File(path, "r+")
+    except OSError as exc:
+        raise OSError(f"cannot open {path} to add {dataset!r} ({' '.join(str(exc).split())})") from None
+    temp = f"{dataset}.{PARTIAL}-{os.getpid()}"
+    failed = True
+    try:
+        old = dst.get(dataset)
+        if old is not None and not isinstance(old, h5py.Dataset):
+            raise IsADirectoryError(f"{label} is an HDF5 group, which distmm never replaces")
+        if old is not None and not overwrite:
+            raise OutputExists(f"{label} exists: pass --overwrite to replace it")
+        new_group = _first_missing_group(dst, dataset)
+        committed = False
+        try:
+            try:
+                with h5py.File(staged, "r") as src:
+                    dst.copy(src[dataset], temp)
+            except (RuntimeError, OSError) as exc:  # HDF5's own errors: several lines each
+                raise OSError(f"copying {dataset!r} into {path} failed "
+                              f"({' '.join(str(exc).split())})") from exc
+            with _signals_held():
+                if dataset in dst:
+                    del dst[dataset]
+                dst.move(temp, dataset)
+                dst.flush()
+                committed = True  # a signal held off until here finds C complete
+        except BaseException:
+            if committed:
+                raise
+            with _signals_held():
+                try:
+                    if new_group is not None and new_group in dst:
+                        del dst[new_group]
+                    elif temp in dst:
+                        del dst[temp]
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+            raise
+        failed = False
+    finally:
+        _close(dst, path, quiet=failed)
