@@ -171,8 +171,13 @@ def _check_distributed(comm, db, c, n: int, dtype: str):
     r0, r1, cc0, cc1 = c.layout.local_bounds(comm.rank)
     mine = (rows >= r0) & (rows < r1)
     if mine.any() and cc1 > cc0:
-        block = c.local[rows[mine] - r0]
-        got[mine, cc0:cc1] = block.get() if hasattr(block, "get") else block
+        idx = rows[mine] - r0
+        if hasattr(c.local, "__cuda_array_interface__"):  # C stayed on the GPU
+            import cupy
+
+            got[mine, cc0:cc1] = c.local[cupy.asarray(idx)].get()
+        else:
+            got[mine, cc0:cc1] = c.local[idx]
     total_ref = np.zeros_like(ref) if comm.rank == 0 else None
     total_got = np.zeros_like(got) if comm.rank == 0 else None
     comm.Reduce(ref, total_ref, op=MPI.SUM, root=0)
@@ -486,7 +491,7 @@ def _cublas(a, b, repeat: int, rows=None) -> tuple[float, float | None]:
     da, db = cupy.asarray(a), cupy.asarray(b)
     err = None
     if rows is not None:
-        got = cupy.matmul(da, db)[rows].get().astype(np.float64)
+        got = cupy.matmul(da, db)[cupy.asarray(rows)].get().astype(np.float64)
         ref = _rows_product(a[rows], db)
         err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     sec = event_seconds(lambda: cupy.matmul(da, db), repeat=repeat)

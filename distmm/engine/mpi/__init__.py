@@ -56,6 +56,12 @@ class MPIEngine(Engine):
         An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
         (the others would wait for it forever); errors found before any exchange
         (operands that differ between ranks, a missing backend) are raised on every rank.
+
+    The row and column communicators of each grid shape (NCCL ones on GPUs) are made by
+    the first product on ``comm`` and reused by every later one; they go when ``comm`` is
+    freed, at exit, or with ``distmm.engine.mpi.gridcomms.release(comm)`` (call it on every
+    rank after a failed product when ``abort_on_error=False``: a broadcast may have been
+    left half done).
     """
 
     name = "mpi"

@@ -122,6 +122,8 @@ def grid_comms(comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "aut
         streams belong to one device).
     """
     key = ("grid", grid.shape, bool(on_gpu), device, prefer)
+    if on_gpu:
+        import cupy  # noqa: F401 - imported before the exit hook is registered, so it runs first
     cache = _cache(comm)
     with _LOCK:
         found = cache.get(key)
@@ -138,13 +140,13 @@ def grid_comms(comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "aut
 def local_gpu(comm) -> int:
     """Use (and return) this rank's GPU: node-local rank modulo the node's GPUs, worked
     out once per communicator (``select_local_gpu`` is collective)."""
+    import cupy  # before the cache's exit hook is registered: that hook then runs first
+
     cache = _cache(comm)
     device = cache.get("local_gpu")
     if device is None:
         device = cache["local_gpu"] = select_local_gpu(comm)
     else:
-        import cupy
-
         cupy.cuda.Device(device).use()
     return device
 
