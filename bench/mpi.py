@@ -465,10 +465,11 @@ def _pylops_record(writer, res: dict, dtype: str, n: int, ranks: int, ref_second
     rec = writer.add("pylops-mpi", dtype, n, n, n, seconds, res["relerr"], ranks=ranks,
                      grid=res["grid"], times=res["times"], kind=PYLOPS_KIND,
                      pylops_mpi_version=res["version"], checked_elements=res["checked_elements"],
+                     threads_per_rank=res["threads_per_rank"],
                      ratio_to_reference=ref_seconds / seconds,
                      note=f"pylops-mpi {version} MPIMatrixMult kind={PYLOPS_KIND!r}, timed Aop @ x "
                           f"(C stays distributed); each rank holds only its local_block_split "
-                          f"blocks; one BLAS thread per rank; relerr on {res['checked_elements']} "
+                          f"blocks; {res['threads_per_rank']} BLAS thread(s) per rank; relerr on {res['checked_elements']} "
                           f"elements of C (up to {SAMPLE_ROWS} rows of each rank's block); timed in rounds alternating with the reference")
     print(f"pylops-mpi   {dtype} n={n} ranks={ranks} grid={res['grid']}: {seconds:.3f} s "
           f"{rec['tflops'] * 1e3:.1f} GFLOP/s, {ref_seconds / seconds:.2f} of {ref_variant}; "
