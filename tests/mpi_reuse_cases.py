@@ -4,8 +4,8 @@ same bits (CPU) and the right values, and the communicators go when their commun
 is freed, when ``release`` is called, and in ``MPI.Finalize`` (``finalize``) or at exit.
 
 Arguments: ``[gpu] [finalize]``. Rank 0 prints ``VERDICT ok`` or ``VERDICT FAIL`` (agreed
-by all ranks); with ``finalize``, ``FINALIZED live=<n> released_in_finalize=<n>`` after
-``MPI.Finalize()``, and without it ``EXITED live=<n>`` at interpreter exit, after distmm's
+by all ranks); with ``finalize``, ``FINALIZED live=<n> released_in_finalize=<n> of <n>:
+all`` after ``MPI.Finalize()``, and without it ``EXITED live=<n>`` at interpreter exit, after distmm's
 exit hook ran.
 """
 import atexit
@@ -158,9 +158,10 @@ if rank == 0:
     print("STATS", cache_stats())
     print("VERDICT", "ok" if ok else "FAIL", flush=True)
 if finalize:
-    live = cache_stats()["live"]
+    live, releases = cache_stats()["live"], cache_stats()["releases"]
     MPI.Finalize()
     after = cache_stats()
     if rank == 0:
-        print(f"FINALIZED live={after['live']} released_in_finalize="
-              f"{live - after['live']}", flush=True)
+        released = after["releases"] - releases
+        print(f"FINALIZED live={after['live']} released_in_finalize={released} "
+              f"of {live}: {'all' if live > 0 and released == live else 'NOT all'}", flush=True)
