@@ -1,4 +1,4 @@
-"""MPI benchmark (``mpi``): distmm's SUMMA engine under mpiexec against numpy's BLAS.
+"""MPI benchmark (``mpi``): distmm's SUMMA engine under mpiexec against numpy's BLAS and cuBLAS.
 
 Writes one record per (variant, ranks, dtype, n) to
 ``bench/results/mpi-<device>-<date>.jsonl``. The driver (this script without
@@ -6,17 +6,24 @@ Writes one record per (variant, ranks, dtype, n) to
 ``mpiexec -n P python -m bench.mpi --worker`` for distmm, so both are measured
 in the same run, one after the other.
 
+Operands come from ``bench/mpi_blocks.py``: every element is a fixed draw of a
+counter-based generator, so each rank makes only its own blocks (no rank ever
+holds a whole matrix, and large n fits), and the matrix is the same at every
+rank count; the references make the same matrices whole.
+
 Variants
 --------
 ``numpy``
     ``a @ b`` in the driver with OpenBLAS on every core (its default; the cores the
     ranks share).
 ``distmm-mpi``
-    ``distmm.matmul(A, B)`` on ``DistArray`` operands built from each rank's own
-    blocks (no operand is replicated; C stays distributed, as pylops-mpi's and
-    Heat's products do); one BLAS thread per rank. The record holds the bytes
-    this rank received (``bytes_measured``, max over ranks, counted by the
-    broadcasters) next to the planner's estimate (``bytes_estimated``) and the grid.
+    ``distmm.matmul(A, B)`` on ``DistArray`` operands whose blocks each rank made in the
+    planner's layout (C stays distributed, as pylops-mpi's and Heat's products do); each
+    rank's BLAS gets the cores over the ranks (``OPENBLAS_NUM_THREADS``). The record holds
+    the bytes each rank received (``bytes_measured``, max over ranks, counted by the
+    broadcasters) next to the planner's estimate (``bytes_estimated``), the grid, the
+    panels and the grid-communicator cache's counts (made once per communicator, reused by
+    every later product).
 ``pylops-mpi``
     pylops-mpi's ``MPIMatrixMult(kind="summa")`` built as its own SUMMA example builds
     it: each rank of a square ``P' x P'`` grid holds only its ``local_block_split``
@@ -24,25 +31,38 @@ Variants
     the timed call is ``Aop @ x`` (its matvec: the SUMMA broadcasts, the block GEMMs and
     the new ``DistributedArray`` holding C's blocks, C staying distributed). Building the
     operator and ``x`` is not timed, as building the ``DistArray``s is not for distmm.
-    Checked on sampled rows of each rank's C block against a float64 product. Runs only
-    at square rank counts (pylops-mpi 0.8.0 refuses others) and only where
+    Runs only at square rank counts (pylops-mpi 0.8.0 refuses others) and only where
     ``import pylops_mpi`` works in the workers' environment (it is no dependency of
     distmm: put it on ``PYTHONPATH``); otherwise the run prints why and writes no record.
 ``heat``
     Not run, and so not recorded (the run prints why): heat 1.9 is not on this
     machine's package index (1.8.0 needs torch<2.11.1).
-``cublas`` (``--gpu``)
-    ``cupy.matmul`` in-core on one GPU, against ``distmm-mpi`` on 1 rank with the GPU backend.
+``nvmath-python`` (cuBLASMp)
+    Not run: no such peer exists in bench/ yet (its wheels are not in the device bundle).
+``cublas`` (``--mode gpu``)
+    ``cupy.matmul`` in-core on one GPU (the driver's), against ``distmm-mpi`` with the
+    GPU backend and device-resident blocks.
 
-Modes: ``--mode cpu`` (default: 2 ranks, fp64 n = 4096 and 8192, numpy on 2
-threads; pylops-mpi at every square count given with ``--ranks``), ``--mode cpu16``
-(the 16-core GPU machine: 1, 2, 4, 8, 16 ranks, pylops-mpi at 4 and 16, fp64
-n = 16384, numpy on 16 threads), ``--mode gpu`` (1 rank, fp32/fp64 32768, against
-cuBLAS in-core). Timing: ``--rounds`` rounds, each timing the reference once
-and then each rank count once (a fresh ``mpiexec``, one untimed product first,
-the ranks synchronised by a barrier around the timed one); records hold the
-medians and every time. The first round checks the result (relerr of 64 sampled rows of C against a
-float64 product) before timing.
+Modes
+-----
+``cpu`` (default)
+    2 ranks, fp64 n = 4096 and 8192, numpy on the machine's threads; pylops-mpi at every
+    square count given with ``--ranks``.
+``cpu16``
+    The 16-core GPU machine: 16, 8, 4, 2 and 1 ranks (cores / ranks BLAS threads each),
+    fp64 n = 16384, numpy on 16 threads; pylops-mpi at 16 and 4 ranks.
+``gpu``
+    1 rank at fp32 and fp64 n = 32768 against in-core cuBLAS; 2 ranks sharing one GPU
+    (``CUDA_VISIBLE_DEVICES`` set to one device) at fp32 16384 against cuBLAS at 16384;
+    2 ranks on 2 GPUs at fp32 32768 when 2 are visible (``parallel_efficiency`` against
+    twice one GPU's cuBLAS).
+
+Timing: ``--rounds`` rounds (cpu: 3, cpu16 and gpu: 1), each timing the reference and
+then each rank count once (a fresh ``mpiexec``: one untimed product first, whose sampled
+rows are checked, then ``--repeat`` timed ones, the ranks synchronised by a barrier
+around each); records hold the medians and every time. Every record's ``relerr`` compares
+64 sampled rows of C with a float64 product (for distmm, each rank multiplies the sampled
+rows of A by its own block of B in float64 and the partial products are summed).
 """
 from __future__ import annotations
 
@@ -58,64 +78,62 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import mpi_blocks
+from bench.mpi_blocks import A, B, sample_rows
+
+# cases: (ranks, dtype, n, gpus) for the gpu mode (gpus: 1 = the ranks share one GPU);
 # peer_ranks: the rank counts pylops-mpi runs at (None: every square count of the run)
 MODES = {
     "cpu": {"ranks": [2], "sizes": [4096, 8192], "dtypes": ["float64"], "threads": 2,
-            "peer_ranks": None},
-    "cpu16": {"ranks": [1, 2, 4, 8, 16], "sizes": [16384], "dtypes": ["float64"], "threads": 16,
-              "peer_ranks": [4, 16]},
-    "gpu": {"ranks": [1], "sizes": [32768], "dtypes": ["float32", "float64"], "threads": 16,
-            "peer_ranks": []},
+            "peer_ranks": None, "rounds": 3, "repeat": 1},
+    "cpu16": {"ranks": [16, 8, 4, 2, 1], "sizes": [16384], "dtypes": ["float64"], "threads": 16,
+              "peer_ranks": [4, 16], "rounds": 1, "repeat": 1},
+    "gpu": {"cases": [(1, "float32", 32768, 1), (1, "float64", 32768, 1),
+                      (2, "float32", 16384, 1), (2, "float32", 32768, 2)],
+            "threads": 16, "peer_ranks": [], "rounds": 1, "repeat": 3},
 }
 PYLOPS_KIND = "summa"
-SAMPLE_ROWS = 64  # rows of each rank's C block checked against float64 (pylops-mpi)
+SAMPLE_ROWS = 64  # rows of C checked against float64
 
 
-def _operands(n: int, dtype: str, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, n)).astype(dtype), rng.standard_normal((n, n)).astype(dtype)
+def _threads_per_rank(ranks: int) -> int:
+    """BLAS (and block-making) threads of each rank: this process's cores over the ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // max(ranks, 1))
 
 
 def worker(args) -> int:
-    """Run under mpiexec: build DistArrays from each rank's blocks, time the product."""
+    """Run under mpiexec: each rank makes its own blocks in the planner's layout, then the
+    products are checked and timed."""
     from mpi4py import MPI
 
     import distmm
-    from distmm.engine.mpi import DistArray
-    from distmm.grid import BlockLayout, make_grid
+    from distmm.engine.mpi import DistArray, cache_stats
+    from distmm.grid import make_grid
 
     comm = MPI.COMM_WORLD
     n, dtype = args.n, args.dtype
     backend = "cublas" if args.gpu else "blas"
+    threads = _threads_per_rank(comm.size)
     grid = make_grid(n, n, n, dtype, ranks=comm.size)
-    a_full, b_full = _operands(n, dtype)  # same seed: each rank keeps only its block below
-    da = DistArray.from_array(a_full, comm, BlockLayout.grid((n, n), *_near_square(comm.size)))
-    db = DistArray.from_array(b_full, comm, BlockLayout.grid((n, n), *_near_square(comm.size)))
-    del a_full, b_full
-    # Blocks start in the planner's layout (the engine would redistribute otherwise).
-    da, db = da.redistribute(grid.a_layout), db.redistribute(grid.b_layout)
+    a_local = mpi_blocks.block(A, (n, n), grid.a_layout.local_bounds(comm.rank), dtype,
+                               threads=threads)
+    b_local = mpi_blocks.block(B, (n, n), grid.b_layout.local_bounds(comm.rank), dtype,
+                               threads=threads)
     if args.gpu:  # device-resident blocks, as cuBLAS in-core gets them; C stays on the GPU
         import cupy
 
-        from distmm.engine.mpi.comm import select_local_gpu
+        from distmm.engine.mpi.gridcomms import local_gpu
 
-        select_local_gpu(comm)
-        da = DistArray(cupy.asarray(da.local), da.layout, comm)
-        db = DistArray(cupy.asarray(db.local), db.layout, comm)
-    c = distmm.matmul(da, db, backend=backend)
-    full = c.gather(root=0)
-    relerr = None
-    if comm.rank == 0 and args.check:  # sampled rows against float64 (a full one takes hours)
-        a, b = _operands(n, dtype)
-        rows = _sample_rows(n)
-        ref = a[rows].astype(np.float64) @ b.astype(np.float64)
-        got = full[rows]
-        got = got.get() if hasattr(got, "get") else np.asarray(got)  # C may stay on the GPU
-        relerr = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        del a, b, ref
-    del full
+        local_gpu(comm)
+        a_local, b_local = cupy.asarray(a_local), cupy.asarray(b_local)
+    da = DistArray(a_local, grid.a_layout, comm)
+    db = DistArray(b_local, grid.b_layout, comm)
+    del a_local, b_local
+    c = distmm.matmul(da, db, backend=backend)  # untimed; its sampled rows are checked
+    relerr = _check_distributed(comm, db, c, n, dtype) if args.check else None
+    del c
     times = []
-    for _ in range(args.repeat):
+    for _ in range(max(args.repeat, 1)):
         comm.Barrier()
         t0 = time.perf_counter()
         c = distmm.matmul(da, db, backend=backend)
@@ -127,12 +145,60 @@ def worker(args) -> int:
         times.append(time.perf_counter() - t0)
     measured = comm.gather(c.stats["bytes_received"], root=0)
     estimated = comm.gather(c.stats["bytes_estimated"], root=0)
+    stats = comm.gather(cache_stats(), root=0)
     if comm.rank == 0:
         Path(args.result).write_text(json.dumps({
             "seconds": float(np.median(times)), "times": times, "relerr": relerr,
             "grid": list(c.stats["grid"]), "bytes_measured": measured, "bytes_estimated": estimated,
-            "panels_per_layer": [len(p) - 1 for p in grid.panel_edges]}))
+            "panels_per_layer": c.stats["panels_per_layer"], "threads_per_rank": threads,
+            "grid_comms": {k: max(s[k] for s in stats) for k in stats[0]}}))
     return 0
+
+
+def _check_distributed(comm, db, c, n: int, dtype: str):
+    """relerr of C's sampled rows against float64, with no rank holding a whole matrix:
+    each rank multiplies the sampled rows of A (over its B block's k range) by its block
+    of B in float64, and the partial products and C's sampled rows are summed on rank 0."""
+    from mpi4py import MPI
+
+    rows = sample_rows(n, SAMPLE_ROWS)
+    ref = np.zeros((rows.size, n))
+    got = np.zeros((rows.size, n))
+    k0, k1, c0, c1 = db.layout.local_bounds(comm.rank)
+    if k1 > k0 and c1 > c0:
+        a_rows = mpi_blocks.rows(A, (n, n), rows, k0, k1, dtype)
+        ref[:, c0:c1] = _rows_product(a_rows, db.local)
+    r0, r1, cc0, cc1 = c.layout.local_bounds(comm.rank)
+    mine = (rows >= r0) & (rows < r1)
+    if mine.any() and cc1 > cc0:
+        idx = rows[mine] - r0
+        if hasattr(c.local, "__cuda_array_interface__"):  # C stayed on the GPU
+            import cupy
+
+            got[mine, cc0:cc1] = c.local[cupy.asarray(idx)].get()
+        else:
+            got[mine, cc0:cc1] = c.local[idx]
+    total_ref = np.zeros_like(ref) if comm.rank == 0 else None
+    total_got = np.zeros_like(got) if comm.rank == 0 else None
+    comm.Reduce(ref, total_ref, op=MPI.SUM, root=0)
+    comm.Reduce(got, total_got, op=MPI.SUM, root=0)
+    if comm.rank != 0:
+        return None
+    return float(np.linalg.norm(total_got - total_ref) / np.linalg.norm(total_ref))
+
+
+def _rows_product(a_rows, b, chunk: int = 4096) -> np.ndarray:
+    """``a_rows @ b`` in float64 on ``b``'s device (column chunks of b, so a float64 copy
+    of a GPU block never needs more than ``k x chunk`` elements)."""
+    if hasattr(b, "__cuda_array_interface__"):
+        import cupy
+
+        a64 = cupy.asarray(a_rows, dtype=np.float64)
+        out = np.empty((a_rows.shape[0], b.shape[1]))
+        for j in range(0, b.shape[1], chunk):
+            out[:, j:j + chunk] = (a64 @ b[:, j:j + chunk].astype(np.float64)).get()
+        return out
+    return np.asarray(a_rows, dtype=np.float64) @ np.asarray(b, dtype=np.float64)
 
 
 def pylops_worker(args) -> int:
@@ -147,10 +213,10 @@ def pylops_worker(args) -> int:
     comm, rank, _, _, active = active_grid_comm(MPI.COMM_WORLD, n, n)  # as its example does
     if not active:  # only when P' > n: never at the sizes benchmarked here
         return 0
-    a_full, b_full = _operands(n, dtype)  # same seed as distmm: each rank keeps only its blocks
+    threads = _threads_per_rank(MPI.COMM_WORLD.size)
     a_slice, b_slice = local_block_split((n, n), rank, comm), local_block_split((n, n), rank, comm)
-    a_local, b_local = a_full[a_slice].copy(), b_full[b_slice].copy()
-    del a_full, b_full
+    a_local = mpi_blocks.block(A, (n, n), _bounds(a_slice, n), dtype, threads=threads)
+    b_local = mpi_blocks.block(B, (n, n), _bounds(b_slice, n), dtype, threads=threads)
     aop = MPIMatrixMult(a_local, n, base_comm=comm, kind=PYLOPS_KIND, dtype=a_local.dtype)
     x = pylops_mpi.DistributedArray(global_shape=n * n,
                                     local_shapes=comm.allgather(b_local.size), base_comm=comm,
@@ -160,19 +226,21 @@ def pylops_worker(args) -> int:
     diff2 = ref2 = 0.0
     checked = 0
     if args.check:  # sampled rows of this rank's C block against a float64 product
-        a, b = _operands(n, dtype)
-        rows = np.arange(a_slice[0].start, a_slice[0].stop)
+        rows = np.arange(*_bounds(a_slice, n)[:2])
         pick = np.random.default_rng(rank).choice(rows.size, min(SAMPLE_ROWS, rows.size),
                                                   replace=False)
         mine = y.local_array.reshape(rows.size, -1)[pick]
-        ref = a[rows[pick]].astype(np.float64) @ b[:, b_slice[1]].astype(np.float64)
+        c0, c1 = _bounds(b_slice, n)[2:]
+        a_rows = mpi_blocks.rows(A, (n, n), rows[pick], 0, n, dtype)
+        b_cols = mpi_blocks.block(B, (n, n), (0, n, c0, c1), dtype, threads=threads)
+        ref = _rows_product(a_rows, b_cols)
         diff2, ref2 = float(np.sum((mine - ref) ** 2)), float(np.sum(ref ** 2))
         checked = int(mine.size)
-        del a, b, ref
+        del b_cols, ref
     diff2, ref2, checked = comm.allreduce(diff2), comm.allreduce(ref2), comm.allreduce(checked)
     del y
     times = []
-    for _ in range(args.repeat):
+    for _ in range(max(args.repeat, 1)):
         comm.Barrier()
         t0 = time.perf_counter()
         y = aop @ x
@@ -184,8 +252,16 @@ def pylops_worker(args) -> int:
             "seconds": float(np.median(times)), "times": times,
             "relerr": math.sqrt(diff2 / ref2) if args.check else None,
             "grid": [p_prime, p_prime], "version": pylops_mpi.__version__,
-            "checked_elements": checked}))
+            "checked_elements": checked, "threads_per_rank": threads}))
     return 0
+
+
+def _bounds(slices, n: int) -> tuple[int, int, int, int]:
+    """``(r0, r1, c0, c1)`` of a pair of slices of an ``n x n`` matrix."""
+    r, c = slices
+    r0, r1, _ = r.indices(n)
+    c0, c1, _ = c.indices(n)
+    return r0, r1, c0, c1
 
 
 def _pylops_import(env) -> tuple[str | None, str]:
@@ -206,19 +282,6 @@ def _peer_ranks(mode: dict, ranks: list[int]) -> list[int]:
     return [r for r in ranks if math.isqrt(r) ** 2 == r]
 
 
-def _sample_rows(n: int, count: int = 64):
-    """The rows of C that are checked against a float64 product (all of them when few)."""
-    if n <= count:
-        return np.arange(n)
-    return np.sort(np.random.default_rng(n).choice(n, count, replace=False))
-
-
-def _near_square(p: int):
-    from distmm.engine.mpi import square_grid
-
-    return square_grid(p)
-
-
 def _peer_not_run(name: str, ranks: int, mode: str = "cpu", pylops_why: str = "") -> str:
     """Why a peer was not measured at this rank count (checked on the CPU machine, 2026-11-24)."""
     if name == "pylops-mpi":
@@ -229,109 +292,169 @@ def _peer_not_run(name: str, ranks: int, mode: str = "cpu", pylops_why: str = ""
                     f"processes must be a square number, provided {ranks}' (tried under mpiexec "
                     f"-n 2 here); it cannot run on {ranks} ranks")
         return pylops_why or f"mode {mode} runs pylops-mpi at other rank counts only"
+    if name == "nvmath-python":
+        return ("no nvmath-python (cuBLASMp) peer exists in bench/ yet: its wheels "
+                "(nvmath-python, nvidia-cublasmp-cu13, nccl4py) are not in the device bundle")
     return ("heat not installed: heat 1.9 is not on this machine's package index, and heat 1.8.0 "
             "(the newest there) needs torch<2.11.1 while the machine offers torch 2.13.0 only "
             "(pip: ResolutionImpossible)")
+
+
+def _cases(args, mode: dict) -> list[tuple[int, str, int, int]]:
+    """``(ranks, dtype, n, gpus)`` to run, in order (``gpus`` matters in the gpu mode only)."""
+    if "cases" in mode and not (args.ranks or args.sizes or args.dtypes):
+        return list(mode["cases"])
+    ranks = args.ranks or mode.get("ranks", [1])
+    return [(r, d, n, 1) for d in args.dtypes or mode.get("dtypes", ["float32", "float64"])
+            for n in args.sizes or mode.get("sizes", [32768]) for r in ranks]
+
+
+def _visible_gpus() -> list[str]:
+    """Ids of the GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` would name them."""
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    named = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return named[:count] if named else [str(i) for i in range(count)]
 
 
 def driver(args) -> int:
     from bench.common import RecordWriter, cpu_model, relerr
 
     mode = MODES[args.mode]
+    gpu = args.mode == "gpu"
+    rounds = args.rounds or mode["rounds"]
+    repeat = args.repeat or mode["repeat"]
     threads = os.cpu_count()  # numpy's OpenBLAS default: every core of the machine
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
-    device = cpu_model() if args.mode != "gpu" else _gpu_name()
+    device = cpu_model() if not gpu else _gpu_name()
     writer = RecordWriter("mpi", device, out_dir=args.out_dir, threads=threads, mode=args.mode,
                           numpy_version=np.__version__)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(
-                   [str(Path(__file__).resolve().parent.parent)]
-                   + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    run_ranks = args.ranks or mode["ranks"]
-    peer_ranks = _peer_ranks(mode, run_ranks)
-    pylops_version, pylops_why = _pylops_import(env) if peer_ranks else (None, "")
+    base_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    PYTHONPATH=os.pathsep.join(
+                        [str(Path(__file__).resolve().parent.parent)]
+                        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    cases = _cases(args, mode)
+    gpus_visible = _visible_gpus() if gpu else []
+    for case in [c for c in cases if c[3] > len(gpus_visible) and gpu]:
+        print(f"distmm-mpi   {case[1]} n={case[2]} ranks={case[0]} on {case[3]} GPUs: not run: "
+              f"{len(gpus_visible)} GPU(s) visible", flush=True)
+    cases = [c for c in cases if not gpu or c[3] <= len(gpus_visible)]
+    peer_ranks = _peer_ranks(mode, sorted({c[0] for c in cases})) if not gpu else []
+    pylops_version, pylops_why = _pylops_import(base_env) if peer_ranks else (None, "")
     if pylops_version is None:
         peer_ranks = []
 
-    def launch(ranks, n, dtype, check, peer=False):
+    def env_for(ranks: int, gpus: int) -> dict:
+        per = str(_threads_per_rank(ranks))
+        env = dict(base_env, OMP_NUM_THREADS=per, OPENBLAS_NUM_THREADS=per, MKL_NUM_THREADS=per)
+        if gpu and gpus == 1 and ranks > 1:  # the ranks share one GPU, even where more exist
+            env["CUDA_VISIBLE_DEVICES"] = gpus_visible[0]
+        return env
+
+    def launch(ranks, gpus, n, dtype, check, peer=False):
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "r.json"
-            cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable, "-m",
-                   "bench.mpi", "--worker", "--n", str(n), "--dtype", dtype,
-                   "--repeat", "1", "--result", str(result)]
-            cmd += ["--gpu"] if args.mode == "gpu" else []
+            cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+                   sys.executable, "-m", "bench.mpi", "--worker", "--n", str(n), "--dtype", dtype,
+                   "--repeat", str(repeat), "--result", str(result)]
+            cmd += ["--gpu"] if gpu else []
             cmd += ["--peer", "pylops-mpi"] if peer else []
             cmd += [] if check else ["--no-check"]
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            r = subprocess.run(cmd, env=env_for(ranks, gpus), capture_output=True, text=True,
+                               timeout=3600)
             if r.returncode != 0 or not result.exists():
                 raise RuntimeError(f"worker failed: {r.stdout[-3000:]} {r.stderr[-3000:]}")
             return json.loads(result.read_text())
 
-    for dtype in args.dtypes or mode["dtypes"]:
-        for n in args.sizes or mode["sizes"]:
-            a, b = _operands(n, dtype)
-            ref_err, ref_variant = None, "cublas" if args.mode == "gpu" else "numpy"
-            if args.mode != "gpu":
-                c = a @ b  # numpy's BLAS on every core of this process (its default); warm-up
-                rows = _sample_rows(n)
-                ref_err = relerr(c[rows], a[rows].astype(np.float64) @ b.astype(np.float64))
-                del c
-            ref_times, dist = [], {r: {"times": []} for r in run_ranks}
-            peer = {r: {"times": []} for r in peer_ranks}
-            # Rounds alternate the reference and each rank count, so that load from other
-            # processes on a shared machine hits both alike.
-            for rnd in range(args.rounds):
-                if args.mode == "gpu":
-                    ref_times.append(_cublas(a, b, 3))
-                else:
-                    t0 = time.perf_counter()
-                    a @ b
-                    ref_times.append(time.perf_counter() - t0)
-                for ranks, acc in dist.items():
-                    res = launch(ranks, n, dtype, check=args.check and rnd == 0)
-                    acc["times"] += res["times"]
+    groups: dict[tuple[str, int], list] = {}
+    for case in cases:
+        groups.setdefault((case[1], case[2]), []).append(case)
+    ref_variant = "cublas" if gpu else "numpy"
+    for (dtype, n), group in groups.items():
+        a = mpi_blocks.full(A, (n, n), dtype)
+        b = mpi_blocks.full(B, (n, n), dtype)
+        rows = sample_rows(n, SAMPLE_ROWS)
+        ref_err = None
+        if not gpu:
+            c = a @ b  # numpy's BLAS on every core of this process (its default); warm-up
+            ref_err = relerr(c[rows], a[rows].astype(np.float64) @ b.astype(np.float64))
+            del c
+        ref_times = []
+        dist = {case: {"times": []} for case in group}
+        peer = {case: {"times": []} for case in group if case[0] in peer_ranks}
+        # Rounds alternate the reference and each rank count, so that load from other
+        # processes on a shared machine hits both alike.
+        for rnd in range(rounds):
+            if gpu:
+                sec, err = _cublas(a, b, 3, rows if args.check and rnd == 0 else None)
+                ref_times.append(sec)
+                ref_err = err if rnd == 0 else ref_err
+            else:
+                t0 = time.perf_counter()
+                a @ b
+                ref_times.append(time.perf_counter() - t0)
+            for case, acc in dist.items():
+                ranks, _, _, gpus = case
+                res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0)
+                acc["times"] += res["times"]
+                if rnd == 0:
+                    acc.update({k: v for k, v in res.items() if k != "times"})
+                if case in peer:  # pylops-mpi right after distmm at the same rank count
+                    res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0, peer=True)
+                    peer[case]["times"] += res["times"]
                     if rnd == 0:
-                        acc.update({k: v for k, v in res.items() if k != "times"})
-                    if ranks in peer:  # pylops-mpi right after distmm at the same rank count
-                        res = launch(ranks, n, dtype, check=args.check and rnd == 0, peer=True)
-                        peer[ranks]["times"] += res["times"]
-                        if rnd == 0:
-                            peer[ranks].update({k: v for k, v in res.items() if k != "times"})
-            del a, b
-            ref_seconds = float(np.median(ref_times))
-            writer.add(ref_variant, dtype, n, n, n, ref_seconds, ref_err, ranks=1,
-                       times=ref_times,
-                       note=f"{threads} BLAS threads" if ref_variant == "numpy" else "in-core")
-            print(f"{ref_variant:12s} {dtype} n={n}: {ref_seconds:.3f} s "
-                  f"{2 * n**3 / ref_seconds / 1e9:.1f} GFLOP/s", flush=True)
-            for ranks, res in dist.items():
-                seconds = float(np.median(res["times"]))
-                rec = writer.add("distmm-mpi", dtype, n, n, n, seconds, res["relerr"],
-                                 ranks=ranks, grid=res["grid"], times=res["times"],
-                                 bytes_measured=max(res["bytes_measured"]),
-                                 bytes_estimated=max(res["bytes_estimated"]),
-                                 bytes_measured_per_rank=res["bytes_measured"],
-                                 bytes_estimated_per_rank=res["bytes_estimated"],
-                                 panels_per_layer=res["panels_per_layer"],
-                                 ratio_to_reference=ref_seconds / seconds,
-                                 backend="cublas" if args.mode == "gpu" else "blas",
-                                 note="operands start distributed in the planner's layout; C stays "
-                                      "distributed; one BLAS thread per rank; timed in rounds "
-                                      "alternating with the reference")
-                print(f"distmm-mpi   {dtype} n={n} ranks={ranks} grid={res['grid']}: "
-                      f"{seconds:.3f} s {rec['tflops'] * 1e3:.1f} GFLOP/s, "
-                      f"{ref_seconds / seconds:.2f} of {ref_variant}; bytes measured "
-                      f"{max(res['bytes_measured'])} estimated {max(res['bytes_estimated'])}",
-                      flush=True)
-                if ranks in peer:
-                    _pylops_record(writer, peer[ranks], dtype, n, ranks, ref_seconds, ref_variant,
-                                   pylops_version)
-                for name in ("pylops-mpi", "heat"):  # a peer not run gets no record, only a line
-                    if name == "pylops-mpi" and ranks in peer:
-                        continue
-                    print(f"{name:12s} {dtype} n={n} ranks={ranks}: not run: "
-                          f"{_peer_not_run(name, ranks, args.mode, pylops_why)}", flush=True)
+                        peer[case].update({k: v for k, v in res.items() if k != "times"})
+        del a, b
+        ref_seconds = float(np.median(ref_times))
+        writer.add(ref_variant, dtype, n, n, n, ref_seconds, ref_err, ranks=1, gpus=int(gpu),
+                   times=ref_times, rounds=rounds,
+                   note=(f"{threads} BLAS threads" if not gpu else "in-core, one GPU")
+                   + f"; relerr on {rows.size} sampled rows of C against float64")
+        print(f"{ref_variant:12s} {dtype} n={n}: {ref_seconds:.3f} s "
+              f"{2 * n**3 / ref_seconds / 1e9:.1f} GFLOP/s", flush=True)
+        for case, res in dist.items():
+            ranks, _, _, gpus = case
+            seconds = float(np.median(res["times"]))
+            extra = {}
+            if gpu:
+                extra["gpus"] = gpus
+                if gpus > 1:
+                    extra["parallel_efficiency"] = ref_seconds / (gpus * seconds)
+            note = ("each rank made only its own blocks, in the planner's layout; C stays "
+                    f"distributed; {res['threads_per_rank']} BLAS thread(s) per rank; "
+                    f"{repeat} timed product(s) per launch after an untimed checked one; "
+                    f"relerr on {rows.size} sampled rows of C against float64")
+            if gpu and gpus == 1 and ranks > 1:
+                note += (f"; the {ranks} ranks share ONE GPU (correctness and the overhead of "
+                         f"the MPI path, not scaling)")
+            rec = writer.add("distmm-mpi", dtype, n, n, n, seconds, res["relerr"],
+                             ranks=ranks, grid=res["grid"], times=res["times"], rounds=rounds,
+                             repeat=repeat, bytes_measured=max(res["bytes_measured"]),
+                             bytes_estimated=max(res["bytes_estimated"]),
+                             bytes_measured_per_rank=res["bytes_measured"],
+                             bytes_estimated_per_rank=res["bytes_estimated"],
+                             panels_per_layer=res["panels_per_layer"],
+                             threads_per_rank=res["threads_per_rank"],
+                             grid_comms=res["grid_comms"],
+                             ratio_to_reference=ref_seconds / seconds,
+                             backend="cublas" if gpu else "blas", note=note, **extra)
+            print(f"distmm-mpi   {dtype} n={n} ranks={ranks}" + (f" gpus={gpus}" if gpu else "")
+                  + f" grid={res['grid']}: {seconds:.3f} s {rec['tflops'] * 1e3:.1f} GFLOP/s, "
+                  f"{ref_seconds / seconds:.2f} of {ref_variant}"
+                  + (f", parallel efficiency {extra['parallel_efficiency']:.2f}"
+                     if "parallel_efficiency" in extra else "")
+                  + f"; relerr {res['relerr']}; bytes measured {max(res['bytes_measured'])} "
+                  f"estimated {max(res['bytes_estimated'])}", flush=True)
+            if case in peer:
+                _pylops_record(writer, peer[case], dtype, n, ranks, ref_seconds, ref_variant,
+                               pylops_version)
+            names = ("pylops-mpi", "heat") + (("nvmath-python",) if gpu else ())
+            for name in names:  # a peer not run gets no record, only a line
+                if name == "pylops-mpi" and case in peer:
+                    continue
+                print(f"{name:12s} {dtype} n={n} ranks={ranks}: not run: "
+                      f"{_peer_not_run(name, ranks, args.mode, pylops_why)}", flush=True)
     print(f"records: {writer.path}")
     return 0
 
@@ -342,10 +465,11 @@ def _pylops_record(writer, res: dict, dtype: str, n: int, ranks: int, ref_second
     rec = writer.add("pylops-mpi", dtype, n, n, n, seconds, res["relerr"], ranks=ranks,
                      grid=res["grid"], times=res["times"], kind=PYLOPS_KIND,
                      pylops_mpi_version=res["version"], checked_elements=res["checked_elements"],
+                     threads_per_rank=res["threads_per_rank"],
                      ratio_to_reference=ref_seconds / seconds,
                      note=f"pylops-mpi {version} MPIMatrixMult kind={PYLOPS_KIND!r}, timed Aop @ x "
                           f"(C stays distributed); each rank holds only its local_block_split "
-                          f"blocks; one BLAS thread per rank; relerr on {res['checked_elements']} "
+                          f"blocks; {res['threads_per_rank']} BLAS thread(s) per rank; relerr on {res['checked_elements']} "
                           f"elements of C (up to {SAMPLE_ROWS} rows of each rank's block); timed in rounds alternating with the reference")
     print(f"pylops-mpi   {dtype} n={n} ranks={ranks} grid={res['grid']}: {seconds:.3f} s "
           f"{rec['tflops'] * 1e3:.1f} GFLOP/s, {ref_seconds / seconds:.2f} of {ref_variant}; "
@@ -358,16 +482,23 @@ def _gpu_name() -> str:
     return gpu_name()
 
 
-def _cublas(a, b, repeat: int) -> float:
+def _cublas(a, b, repeat: int, rows=None) -> tuple[float, float | None]:
+    """In-core ``cupy.matmul`` on one GPU: event-timed median, and the relerr of ``rows``
+    of C against a float64 product (None when ``rows`` is None)."""
     import cupy
 
     from bench.common import event_seconds
 
     da, db = cupy.asarray(a), cupy.asarray(b)
+    err = None
+    if rows is not None:
+        got = cupy.matmul(da, db)[cupy.asarray(rows)].get().astype(np.float64)
+        ref = _rows_product(a[rows], db)
+        err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     sec = event_seconds(lambda: cupy.matmul(da, db), repeat=repeat)
     del da, db
     cupy.get_default_memory_pool().free_all_blocks()
-    return sec
+    return sec, err
 
 
 def main(argv=None) -> int:
@@ -378,9 +509,11 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--sizes", type=int, nargs="+", default=None)
     p.add_argument("--dtypes", nargs="+", default=None)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="alternating rounds: the reference, then each rank count, timed once each")
-    p.add_argument("--repeat", type=int, default=1, help=argparse_hidden())
+    p.add_argument("--rounds", type=int, default=0,
+                   help="alternating rounds: the reference, then each rank count, timed once "
+                        "each (default: the mode's)")
+    p.add_argument("--repeat", type=int, default=0,
+                   help="timed products per launch (default: the mode's)")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())

@@ -13,6 +13,7 @@ numpy and ``distmm.plan`` only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from distmm.plan import Plan, accumulate_dtype, reduction_tree
 
-__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges",
+__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
+           "GPU_MIN_PANEL",
            "DEFAULT_RANK_FLOPS", "DEFAULT_LINK_BYTES"]
 
 #: flop rate of one rank the grid choice assumes (only the ratio to the link matters)
@@ -30,6 +32,8 @@ DEFAULT_LINK_BYTES = 4e9
 #: SUMMA panels per layer the planner aims for (each at least MIN_PANEL wide)
 PANELS_PER_LAYER = 4
 MIN_PANEL = 256
+#: narrowest SUMMA panel for in-core GPU blocks: a rank-4096 update runs near cuBLAS's peak
+GPU_MIN_PANEL = 4096
 
 
 def even_edges(length: int, parts: int) -> tuple[int, ...]:
@@ -321,6 +325,27 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if time < best_time * (1 - 1e-9):
             best, best_time = plan, time
     return best
+
+
+def widen_panels(grid: GridPlan, min_width: int) -> GridPlan:
+    """``grid`` with SUMMA panels at least ``min_width`` wide (or a layer's k over
+    ``PANELS_PER_LAYER``, when wider), still cut at every owner's edge; layouts,
+    grid and bytes moved stay the same.
+
+    >>> g = make_grid(16384, 16384, 8192, ranks=2)
+    >>> [len(p) - 1 for p in widen_panels(g, 4096).panel_edges]
+    [2]
+    """
+    panels = []
+    for layer in range(grid.layers):
+        k0, k1 = grid.layer_edges[layer], grid.layer_edges[layer + 1]
+        width = max(int(min_width), MIN_PANEL, math.ceil((k1 - k0) / PANELS_PER_LAYER))
+        cuts = grid.a_k_edges[layer] + grid.b_k_edges[layer]
+        panels.append(_panels(k0, k1, cuts, width) if k1 > k0 else (k0,))
+    panels = tuple(panels)
+    if panels == grid.panel_edges:
+        return grid
+    return dataclasses.replace(grid, panel_edges=panels)
 
 
 def grid_for_plan(plan: Plan, ranks: int, grid=None) -> GridPlan:

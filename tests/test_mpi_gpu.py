@@ -1,4 +1,7 @@
-"""The MPI engine on a GPU: 2 ranks (sharing one GPU on a one-GPU machine), panels
+"""The MPI engine on a GPU: repeated products on 1 rank and on 2 ranks sharing one GPU
+reuse the grid communicators the first made (tests/mpi_reuse_cases.py with ``gpu``: no NCCL
+communicator at all on one rank) and give float64-close results; and 2 ranks (sharing
+one GPU on a one-GPU machine), panels
 through the automatic choice, NCCL (only when the ranks have GPUs of their own: NCCL
 refuses two ranks on one device), pinned host staging and (where the MPI reports it)
 CUDA-aware MPI; checked against a float64 product.
@@ -64,7 +67,8 @@ if comm.rank == 0:
 """
 
 
-def test_two_ranks_share_one_gpu(tmp_path):
+def _gpu_mpi_env():
+    """mpiexec and its environment, or skip without a GPU or mpiexec."""
     pytest.importorskip("cupy")
     from distmm.executor import gpu_available
 
@@ -73,11 +77,29 @@ def test_two_ranks_share_one_gpu(tmp_path):
     exe = shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
         pytest.skip("no mpiexec")
-    script = tmp_path / "gpu_case.py"
-    script.write_text(SCRIPT)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return exe, env
+
+
+def test_two_ranks_share_one_gpu(tmp_path):
+    exe, env = _gpu_mpi_env()
+    script = tmp_path / "gpu_case.py"
+    script.write_text(SCRIPT)
     r = subprocess.run([exe, "-n", "2", "--oversubscribe", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_repeated_products_reuse_the_grid_communicators(ranks):
+    exe, env = _gpu_mpi_env()
+    first = (env.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    env["CUDA_VISIBLE_DEVICES"] = first  # one GPU: two ranks share it, as on a one-GPU machine
+    r = subprocess.run([exe, "-n", str(ranks), "--oversubscribe", sys.executable,
+                        str(ROOT / "tests" / "mpi_reuse_cases.py"), "gpu"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
+    assert "EXITED live=0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]

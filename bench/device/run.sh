@@ -16,8 +16,11 @@
 #   overhead  benchmark `api-overhead`: distmm.matmul on cupy operands against cupy.matmul
 #   firstcall benchmark `pipeline`, variants first-call and steady: one fresh process per size
 #             and dtype (SIZES, default 32768), in-core cuBLAS in the same process
-#   mpi       benchmark `mpi`: 1 rank on the GPU (fp32/fp64 32768 against in-core cuBLAS), then
-#             1..16 CPU ranks at fp64 16384 against numpy's 16-thread BLAS (MPI_MODES)
+#   mpi       benchmark `mpi` (MPI_MODES, default "gpu cpu16"; each mode gets what is left of
+#             BUDGET, so run one mode per call): gpu = 1 rank fp32/fp64 32768 against in-core
+#             cuBLAS, 2 ranks sharing one GPU at fp32 16384, 2 ranks on 2 GPUs at fp32 32768
+#             when 2 are visible; cpu16 = 16, 8, 4, 2, 1 CPU ranks at fp64 16384 against
+#             numpy's 16-thread BLAS (pylops-mpi at 16 and 4 where it imports)
 #   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
@@ -99,7 +102,8 @@ run_firstcall() {
 run_mpi() {
   local mode
   for mode in ${MPI_MODES:-gpu cpu16}; do
-    timeout "$(step 200)" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" || echo "BENCH FAILED ($mode) rc=$?"
+    timeout "$(step ${T_MPI:-$(left)})" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" ${MPI_ARGS:-} \
+      || echo "BENCH FAILED ($mode) rc=$?"
   done
 }
 

@@ -11,7 +11,8 @@ multiplies two ``DistArray`` s and returns one.
 The process grid is ``distmm.grid.grid_for_plan(request.plan, ranks)``: a pure
 function of the plan the API made, the same on every rank.
 It does *not* cover: validation (``distmm.api``), grid choice (``distmm.grid``),
-panel broadcasts (``comm``), the algorithm (``summa``), files (``io``).
+panel broadcasts (``comm``), the grid's communicators, made once per
+communicator and reused (``gridcomms``), the algorithm (``summa``), files (``io``).
 Ranks run BLAS with the threads the environment gives them (set
 ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` to cores per rank).
 """
@@ -23,11 +24,12 @@ import numpy as np
 
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.mpi.distarray import DistArray, square_grid
-from distmm.engine.mpi.summa import GridComms, summa
+from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu
+from distmm.engine.mpi.summa import summa
 from distmm.engine.tiles import finish_tile
-from distmm.grid import GridPlan, grid_for_plan
+from distmm.grid import GPU_MIN_PANEL, GridPlan, grid_for_plan, widen_panels
 
-__all__ = ["MPIEngine", "DistArray", "square_grid", "world"]
+__all__ = ["MPIEngine", "DistArray", "square_grid", "world", "cache_stats"]
 
 log = logging.getLogger("distmm.engine.mpi")
 
@@ -54,6 +56,12 @@ class MPIEngine(Engine):
         An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
         (the others would wait for it forever); errors found before any exchange
         (operands that differ between ranks, a missing backend) are raised on every rank.
+
+    The row and column communicators of each grid shape (NCCL ones on GPUs) are made by
+    the first product on ``comm`` and reused by every later one; they go when ``comm`` is
+    freed, at exit, or with ``distmm.engine.mpi.gridcomms.release(comm)`` (call it on every
+    rank after a failed product when ``abort_on_error=False``: a broadcast may have been
+    left half done).
     """
 
     name = "mpi"
@@ -122,20 +130,24 @@ class MPIEngine(Engine):
             raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
+        device = None
         if on_gpu:
-            from distmm.engine.mpi.comm import select_local_gpu
-
-            select_local_gpu(self.comm)
+            device = local_gpu(self.comm)
+            # In-core GPU blocks: wide panels keep each rank-k update near cuBLAS's rate.
+            grid = widen_panels(grid, GPU_MIN_PANEL)
         executor = get_executor(backend, acc, on_gpu=on_gpu)
         try:
-            with executor, GridComms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend) as comms:
+            comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
+                               device=device)
+            before = comms.bytes_received
+            with executor:
                 a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
                 b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
                 xp = np
                 if on_gpu:
                     import cupy as xp
                 c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
-                received = comms.bytes_received
+                received = comms.bytes_received - before
         except BaseException as exc:
             if not self.abort_on_error or self.comm.size == 1:
                 raise
@@ -171,6 +183,7 @@ class MPIEngine(Engine):
         result.stats = self.last_stats = {
             "grid": grid.shape, "bytes_received": int(received),
             "bytes_estimated": int(grid.bytes_received(self.comm.rank)),
+            "panels_per_layer": [len(p) - 1 for p in grid.panel_edges] if grid.ranks > 1 else [1],
         }
         return result
 

@@ -1,6 +1,7 @@
 """Panel broadcasts for SUMMA: one ``ibcast(panel, root)`` whatever moves the bytes.
 
-This module covers: ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers; a
+This module covers: ``NullBroadcaster`` (a communicator of one rank: nothing
+moves, nothing is made), ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers; a
 pickled ``bcast`` for object arrays), ``CudaAwareBroadcaster`` (mpi4py on cupy
 buffers, where the MPI library reports CUDA support through
 ``MPIX_Query_cuda_support``), ``StagedBroadcaster`` (cupy buffers through pinned
@@ -11,9 +12,11 @@ It does *not* cover: which panel goes where (``distmm.engine.mpi.summa``).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["HostBroadcaster", "CudaAwareBroadcaster", "StagedBroadcaster", "NcclBroadcaster",
+__all__ = ["NullBroadcaster", "HostBroadcaster", "CudaAwareBroadcaster", "StagedBroadcaster", "NcclBroadcaster",
            "make_broadcaster", "mpi_cuda_aware"]
 
 
@@ -33,6 +36,23 @@ class _MPIRequest:
         if self.after is not None:
             self.after()
             self.after = None
+
+
+class NullBroadcaster:
+    """The broadcaster of a one-rank communicator (or none): every panel is already
+    where it is needed, so ``ibcast`` does nothing and nothing (no NCCL communicator,
+    no stream, no pinned buffer) is ever made."""
+
+    bytes_received = 0
+
+    def __init__(self, comm=None):
+        self.comm = comm
+
+    def ibcast(self, buf, root: int):
+        return _Done()
+
+    def close(self):
+        pass
 
 
 class HostBroadcaster:
@@ -172,6 +192,14 @@ class NcclBroadcaster:
             self.nccl = None
 
 
+@functools.lru_cache(maxsize=1)
+def _device_count() -> int:
+    """GPUs this process sees (asked once: the answer cannot change while it runs)."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
 def select_local_gpu(comm) -> int:
     """Make this rank use GPU ``node-local rank % GPUs on the node`` (several ranks of a node
     share GPUs round-robin); return the device id."""
@@ -180,7 +208,7 @@ def select_local_gpu(comm) -> int:
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        device = node.rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
+        device = node.rank % max(_device_count(), 1)
     finally:
         node.Free()
     cupy.cuda.Device(device).use()
@@ -205,8 +233,11 @@ def make_broadcaster(comm, *, on_gpu: bool, prefer: str = "auto"):
     ``prefer``: ``"auto"`` (host MPI for host panels; for GPU panels NCCL when
     ``cupy.cuda.nccl`` is available and no two ranks share a GPU, else CUDA-aware
     MPI where the library reports it, else pinned host staging), or one of ``"mpi"``, ``"nccl"``,
-    ``"cuda-aware"``, ``"staged"``.
+    ``"cuda-aware"``, ``"staged"``. A communicator of one rank (or ``None``) gets a
+    ``NullBroadcaster`` whatever ``prefer`` says.
     """
+    if comm is None or comm.size == 1:
+        return NullBroadcaster(comm)
     if not on_gpu or prefer == "mpi":
         return HostBroadcaster(comm)
     if prefer in ("auto", "nccl"):

@@ -1,8 +1,7 @@
 """SUMMA on a ``layers x rows x cols`` process grid, panels double-buffered.
 
-This module covers: the communicators of a grid (``GridComms``: one per
-process row and one per process column, each with its broadcaster), and
-``summa``: for each panel of a layer's k range, the owner column broadcasts
+This module covers: ``summa``: on one rank, one local GEMM through the
+executor (no panels: nothing moves); on more, for each panel of a layer's k range, the owner column broadcasts
 its A panel along the process row and the owner row its B panel along the
 process column, then every rank adds ``A_panel @ B_panel`` (through the
 executor) to its C block. The broadcasts of panel p+1 are posted before the
@@ -10,7 +9,8 @@ product of panel p starts, so they move while it computes. With several
 layers (k split), the layers' C blocks are summed onto layer 0 along the
 grid's fixed tree, so the result's bits never depend on timing; inside a rank
 panels are summed in k order.
-It does *not* cover: choosing the grid (``distmm.grid``), moving operands into
+It does *not* cover: choosing the grid (``distmm.grid``), the grid's
+communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
 """
 from __future__ import annotations
@@ -19,54 +19,10 @@ import bisect
 
 import numpy as np
 
-from distmm.engine.mpi.comm import make_broadcaster
+from distmm.engine.mpi.gridcomms import GridComms
 from distmm.grid import GridPlan
 
-__all__ = ["GridComms", "summa"]
-
-
-class GridComms:
-    """Row and column communicators of a grid, made once and reused (close them).
-
-    Parameters
-    ----------
-    comm : mpi4py communicator with ``grid.ranks`` ranks
-    grid : GridPlan
-    on_gpu : bool
-        Panels are cupy arrays (NCCL, CUDA-aware or staged MPI).
-    prefer : str
-        See ``distmm.engine.mpi.comm.make_broadcaster``.
-    """
-
-    def __init__(self, comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "auto"):
-        if comm.size != grid.ranks:
-            raise ValueError(f"the grid is for {grid.ranks} ranks, the communicator has {comm.size}")
-        self.comm, self.grid = comm, grid
-        layer, i, j = grid.coords(comm.rank)
-        self.row_comm = comm.Split(color=layer * grid.rows + i, key=j)
-        self.col_comm = comm.Split(color=layer * grid.cols + j, key=i)
-        self.row = make_broadcaster(self.row_comm, on_gpu=on_gpu, prefer=prefer)
-        self.col = make_broadcaster(self.col_comm, on_gpu=on_gpu, prefer=prefer)
-        self.reduce_bytes = 0
-
-    @property
-    def bytes_received(self) -> int:
-        return self.row.bytes_received + self.col.bytes_received + self.reduce_bytes
-
-    def close(self) -> None:
-        for b in (getattr(self, "row", None), getattr(self, "col", None)):
-            if b is not None:
-                b.close()
-        for c in (getattr(self, "row_comm", None), getattr(self, "col_comm", None)):
-            if c is not None:
-                c.Free()
-        self.row = self.col = self.row_comm = self.col_comm = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+__all__ = ["summa"]
 
 
 def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np, tk: int = 256):
@@ -91,6 +47,9 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     rank = comms.comm.rank
     layer, i, j = grid.coords(rank)
     acc = np.dtype(grid.acc_dtype)
+    in_place = hasattr(executor, "device_gemm") and acc in (np.float32, np.float64)
+    if grid.ranks == 1:
+        return _local_product(a_local, b_local, executor, in_place, xp, tk)
     mi = grid.row_edges[i + 1] - grid.row_edges[i]
     nj = grid.col_edges[j + 1] - grid.col_edges[j]
     a_edges, b_edges = grid.a_k_edges[layer], grid.b_k_edges[layer]
@@ -113,7 +72,6 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
             b_buf = xp.empty((k1 - k0, nj), dtype=acc)
         return a_buf, b_buf, comms.row.ibcast(a_buf, a_root), comms.col.ibcast(b_buf, b_root)
 
-    in_place = hasattr(executor, "device_gemm") and acc in (np.float32, np.float64)
     first = 0
     c = None
     pending = post(0) if panels else None
@@ -138,6 +96,22 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     if c is None:
         c = xp.zeros((mi, nj), dtype=acc)
     return _reduce_layers(grid, c, comms, layer, i, j)
+
+
+def _local_product(a_local, b_local, executor, in_place: bool, xp, tk: int):
+    """The whole product on one rank: one GEMM, as the executor would do it alone."""
+    m, n = a_local.shape[0], b_local.shape[1]
+    if in_place:
+        c = xp.empty((m, n), dtype=a_local.dtype)
+        if m and n:
+            if a_local.shape[1]:
+                executor.device_gemm(a_local, b_local, c, beta=0)
+            else:
+                c[...] = 0
+        return c
+    if a_local.shape[1] == 0 or not (m and n):
+        return xp.zeros((m, n), dtype=a_local.dtype)
+    return executor.panel_product(a_local, b_local, tk)
 
 
 def _reduce_layers(grid: GridPlan, c, comms: GridComms, layer: int, i: int, j: int):
