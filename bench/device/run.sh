@@ -25,6 +25,10 @@
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
 #
+# The offline bundle these workloads need (zarr for the I/O tests, pylops-mpi for the mpi peers):
+#   bash ../shared/gpu-node/wheels.sh zarr==3.1.6 numcodecs donfig crc32c google-crc32c \
+#        pylops-mpi==0.8.0 pylops pyproximal
+#
 # Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
 # (<benchmark>-<device>-<date>.jsonl), plots. Set DISTMM_COMMIT when the copy has no .git.
 # Research probes (bench/research/) are run directly: python -m bench.research.<name> --help.
