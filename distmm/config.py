@@ -254,7 +254,10 @@ def get_config() -> Config:
         key and where it can be set.
     """
     global _cache
-    section = dask.config.get("distmm", None)
+    # The dict dask.config.get reads (dask.config.set and refresh change it in
+    # place), looked up directly: dask.config.get("distmm") splits and
+    # canonicalises the key on every call, and "distmm" has no '-'/'_' variant.
+    section = dask.config.global_config.get("distmm")
     hit = _cache
     if hit is not None and hit[0] == section:
         return hit[1]

@@ -28,10 +28,23 @@ __all__ = [
     "accumulate_dtype",
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
+    "np_dtype",
 ]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
 _MIN_TILE = 64
+
+
+_NP_DTYPES: dict[str, np.dtype] = {}
+
+
+def np_dtype(name: str) -> np.dtype:
+    """``np.dtype(name)`` for the dtype names a ``Plan`` keeps (``plan.dtype``,
+    ``plan.acc_dtype``), looked up in a table instead of parsed on every call."""
+    try:
+        return _NP_DTYPES[name]
+    except KeyError:
+        return _NP_DTYPES.setdefault(name, np.dtype(name))
 
 
 def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:

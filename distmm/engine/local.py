@@ -17,7 +17,8 @@ import numpy as np
 
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
-from distmm.plan import Plan
+from distmm.executor import get_executor
+from distmm.plan import Plan, np_dtype
 
 __all__ = ["LocalEngine", "run_local", "default_workers"]
 
@@ -61,10 +62,8 @@ class LocalEngine(Engine):
         return 1 if on_gpu or operands.family == "cupy" else (self.threads or default_workers())
 
     def run(self, request: Request):
-        from distmm.executor import get_executor
-
         ops, plan = request.operands, request.plan
-        executor = get_executor(request.backend, np.dtype(plan.acc_dtype), on_gpu=request.on_gpu)
+        executor = get_executor(request.backend, np_dtype(plan.acc_dtype), on_gpu=request.on_gpu)
         if ops.family == "cupy":
             import cupy
 
@@ -78,7 +77,7 @@ def _one_tile(plan: Plan, a, b, executor, out):
     """A product of one tile and one k group (small products): no pool, no bar."""
     acc = finish_tile(plan, tile_partial(executor, plan, a, b))
     if out is None:
-        return executor.to_host(acc) if acc.dtype == np.dtype(plan.dtype) else acc
+        return executor.to_host(acc) if acc.dtype == np_dtype(plan.dtype) else acc
     out[...] = acc
     return out
 
@@ -132,7 +131,7 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
         return _one_tile(plan, a, b, executor, out)
     if out is None:
         # the GPU executor's host arrays are faulted in while it computes (hostmem)
-        out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np.dtype(plan.dtype))
+        out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np_dtype(plan.dtype))
     if out.size == 0:
         return out
     if plan.k == 0:

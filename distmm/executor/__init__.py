@@ -107,8 +107,15 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> 
                 f"backend {backend!r} needs cupy and a CUDA GPU: pip install \"distmm[gpu]\" ({exc})"
             ) from exc
         return executor_for(backend)
-    from distmm.executor.cpu import CPUExecutor
-
     if backend == "auto":
         backend = "numba" if np.dtype(acc_dtype).kind in "iu" else "blas"
+    return _cpu_executor(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_executor(backend: str) -> Executor:
+    """One shared CPU executor per backend: it holds no state between products
+    (its ``close`` frees nothing), so every product and thread may use it."""
+    from distmm.executor.cpu import CPUExecutor
+
     return CPUExecutor(backend=backend)
