@@ -23,6 +23,7 @@ import numpy as np
 from distmm._arrays import FAMILY_ORDER, array_family
 from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
+from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm.plan import Plan, make_plan, result_dtype
 
@@ -136,11 +137,13 @@ class _Resolved:
 
     config: Any
     engine: Any
-    fields: tuple  # Operands' fields after a and b: family, dtype, a_vector, ..., k
-    plan: Plan
-    backend: str
-    on_gpu: bool
+    operands: Operands  # without its arrays (a and b are None)
+    request: Request  # without its operands
     convert: Any  # cupy.asarray for cupy operands (it copies from another device), else None
+
+    @property
+    def plan(self) -> Plan:
+        return self.request.plan
 
 
 class CallCache:
@@ -183,6 +186,7 @@ class CallCache:
             self.last = None
 
     def get(self, key):
+        """The entry of ``key`` or None (TypeError: an unhashable key)."""
         return self._entries.get(key)
 
     def put(self, key, entry: _Resolved) -> None:
@@ -199,16 +203,16 @@ class CallCache:
 CALLS = CallCache()
 
 
-def _signature(a, b, engine: str, tile, backend: str):
-    """The cache key of ``matmul(a, b, ...)``, or None for operands without
-    array attributes (lists, scalars, on-disk arrays) or an unhashable tile."""
+def _lookup(a, b, engine: str, tile, backend: str):
+    """``(key, entry)``: the cache key of ``matmul(a, b, ...)`` and its cached
+    entry (None on a miss); ``(None, None)`` for operands without array
+    attributes (lists, scalars, on-disk arrays) or an unhashable tile."""
     try:
         key = (type(a), type(b), a.shape, b.shape, a.strides, b.strides, a.dtype, a.dtype.char,
                b.dtype, b.dtype.char, engine, backend, tile)
-        hash(key)
+        return key, CALLS.get(key)
     except (AttributeError, TypeError):
-        return None
-    return key
+        return None, None
 
 
 def _reuse(entry: _Resolved, a, b, engine: str):
@@ -217,21 +221,20 @@ def _reuse(entry: _Resolved, a, b, engine: str):
     cfg = get_config()
     if cfg is not entry.config:
         return None
-    family = entry.fields[0]
-    eng = get_engine(engine, family=family, threads=cfg.local_threads,
+    request = entry.request
+    eng = get_engine(engine, family=entry.operands.family, threads=cfg.local_threads,
                      retry_timeout=cfg.retry_timeout)
     if eng is not entry.engine:
         return None
     if entry.convert is not None and (entry.convert(a) is not a or entry.convert(b) is not b):
         return None
-    ops = Operands(a, b, *entry.fields)
-    plan, on_gpu = entry.plan, entry.on_gpu
+    ops = replace_fast(entry.operands, a=a, b=b)
+    plan, on_gpu = request.plan, request.on_gpu
     workers = eng.workers(ops, on_gpu=on_gpu)
     if (workers != plan.workers or eng.plan_hints(ops, workers)
             or memory_budget(on_gpu, config=cfg) != plan.memory_budget):
         return None
-    return eng, Request(ops, plan, entry.backend, on_gpu=on_gpu, progress=cfg.progress,
-                        report=cfg.performance_report)
+    return eng, replace_fast(request, operands=ops)
 
 
 def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
@@ -247,11 +250,10 @@ def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
         convert = cupy.asarray
     else:
         return
-    if eng.plan_hints(ops, request.plan.workers):
+    if eng.plan_hints(ops, request.plan.workers) or request.out is not None:
         return
-    fields = (ops.family, ops.dtype, ops.a_vector, ops.b_vector, ops.batch, ops.m, ops.n, ops.k)
-    CALLS.put(key, _Resolved(cfg, eng, fields, request.plan, request.backend, request.on_gpu,
-                             convert))
+    bare = replace(ops, a=None, b=None)
+    CALLS.put(key, _Resolved(cfg, eng, bare, replace(request, operands=bare), convert))
 
 
 def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
@@ -365,8 +367,7 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     """
     key = None
     if out is None and client is None:
-        key = _signature(a, b, engine, tile, backend)
-        entry = CALLS.get(key) if key is not None else None
+        key, entry = _lookup(a, b, engine, tile, backend)
         if entry is not None:
             hit = _reuse(entry, a, b, engine)
             if hit is not None:

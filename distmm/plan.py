@@ -184,6 +184,12 @@ class Plan:
         """Number of k groups (1 when k is not split)."""
         return max(len(self.k_edges) - 1, 1)
 
+    @functools.cached_property
+    def single_task(self) -> bool:
+        """One C tile and one k group: the whole product is one task (worked
+        out once per plan; the local engine asks on every call)."""
+        return self.grid == (1, 1) and self.k_splits == 1
+
     def row_slice(self, i: int) -> slice:
         return slice(self.row_edges[i], self.row_edges[i + 1])
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 import sys
 
-import dask.config  # imported by distmm.config already: no import cost here
+# imported by distmm.config already (no import cost); bound under another name
+# because importing the subpackage distmm.engine.dask rebinds "dask" here
+from dask import config as _dask_config
 
 from distmm.engine.base import Engine, Operands, Request
 
@@ -20,7 +22,7 @@ ENGINES = ("auto", "local", "dask", "mpi")
 def _default_client():
     """The default ``distributed`` client, or None. Cheap when there is none:
     a client made default sets dask's ``scheduler`` to ``dask.distributed``."""
-    if "distributed" not in sys.modules or dask.config.get("scheduler", None) != "dask.distributed":
+    if "distributed" not in sys.modules or _dask_config.get("scheduler", None) != "dask.distributed":
         return None
     try:
         from distributed import default_client
