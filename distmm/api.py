@@ -252,8 +252,8 @@ def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
         return
     if eng.plan_hints(ops, request.plan.workers) or request.out is not None:
         return
-    bare = replace(ops, a=None, b=None)
-    CALLS.put(key, _Resolved(cfg, eng, bare, replace(request, operands=bare), convert))
+    bare = replace_fast(ops, a=None, b=None)
+    CALLS.put(key, _Resolved(cfg, eng, bare, replace_fast(request, operands=bare), convert))
 
 
 def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
