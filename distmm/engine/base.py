@@ -4,7 +4,8 @@ This module covers: ``Request``, the frozen description of one product that
 ``distmm.api`` builds after validating the operands (the operands, numpy's
 result dtype, the resolved ``Plan``, the resolved backend and where the result
 goes), and ``Engine``, the interface every engine implements: how many workers
-it plans for, and running a request.
+it plans for, and running a request; ``replace_fast`` builds a request from a
+cached one without the dataclass's ``__init__`` (``distmm.api``'s call cache).
 It does *not* cover: validation (``distmm.api``), tiling (``distmm.plan``),
 the per-tile work (``distmm.engine.tiles``) or kernels (``distmm.executor``).
 
