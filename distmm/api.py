@@ -169,7 +169,9 @@ class CallCache:
 
     def __init__(self, maxsize: int = 256):
         self.maxsize = maxsize
+        #: calls served from an entry
         self.hits = 0
+        #: entries stored (calls resolved in full that may be replayed)
         self.misses = 0
         #: the ``_Resolved`` of the last call that went through the cache
         self.last: _Resolved | None = None
