@@ -6,12 +6,17 @@ Two workloads, each against its reference in the same run, timed in alternation:
     float64 products of n = 8, 64 and 256 with numpy operands through
     ``distmm.matmul`` (local engine) against ``a @ b``. The record keeps the
     median wall time of a batch of calls, per call; ``overhead_us`` is distmm's
-    time minus numpy's.
+    time minus numpy's. ``distmm`` is the warm call (served from the call
+    cache of ``distmm.api``), ``distmm-uncached`` the same call with the cache
+    emptied before each one (validation, engine, backend and plan resolved in
+    full). The first call of each size in the process is recorded too
+    (``call: "first"``, one call, so noisy).
 ``gpu``
     float32 (and float64) cupy operands at n = 512 ... 8192 through
-    ``distmm.matmul(a, b)`` (``backend="auto"`` and ``"cublas"``) against
-    ``cupy.matmul``, timed twice: CUDA events around the call (``timer:
-    "cuda-event"``) and the host clock with the device synchronised
+    ``distmm.matmul(a, b)`` (``backend="auto"`` and ``"cublas"``, and
+    ``distmm-auto-uncached`` with the call cache emptied before each call)
+    against ``cupy.matmul``, timed twice: CUDA events around the call
+    (``timer: "cuda-event"``) and the host clock with the device synchronised
     (``timer: "wall"``). The first call of each variant in the process is
     recorded too (``call: "first"``), apart from the steady state (``call:
     "steady"``, the median of the repetitions).
@@ -20,6 +25,7 @@ Every result is checked against a float64 reference before it is timed.
 Usage::
 
     python -m bench.api_overhead cpu
+    python -m bench.api_overhead cpu --cpu-sizes 8 --repeat 3     # a short run
     python -m bench.api_overhead gpu --sizes 512 1024 2048 4096 --out-dir $OUT
 """
 from __future__ import annotations
@@ -31,6 +37,13 @@ import numpy as np
 
 import distmm
 from bench.common import RecordWriter, cpu_model, gpu_name, parser, relerr
+from distmm.api import CALLS
+
+
+def _uncached(a, b, **kw):
+    """``distmm.matmul`` as a first call of its signature: the call cache emptied first."""
+    CALLS.clear()
+    return distmm.matmul(a, b, **kw)
 
 
 def _alternate(fns: dict, repeat: int, number: int, sync=None) -> dict:
@@ -53,22 +66,33 @@ def _alternate(fns: dict, repeat: int, number: int, sync=None) -> dict:
 def run_cpu(args) -> None:
     writer = RecordWriter("api-overhead", cpu_model(), args.out_dir, workload="cpu")
     rng = np.random.default_rng(args.seed)
-    print(f"{'n':>6} {'numpy us':>10} {'distmm us':>10} {'overhead us':>12}")
+    print(f"{'n':>6} {'numpy us':>10} {'first us':>10} {'uncached us':>12} {'distmm us':>10}"
+          f" {'overhead us':>12}")
     for n in args.cpu_sizes:
         a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
         ref = a.astype(np.float64) @ b.astype(np.float64)
-        err = relerr(distmm.matmul(a, b), ref)
+        t0 = time.perf_counter()
+        got = distmm.matmul(a, b)  # the first call of this signature in the process
+        first = time.perf_counter() - t0
+        err = relerr(got, ref)
         if not err < 1e-12:
             raise SystemExit(f"distmm result wrong at n={n}: relerr {err}")
+        err_uncached = relerr(_uncached(a, b), ref)
+        if not err_uncached < 1e-12:
+            raise SystemExit(f"uncached distmm result wrong at n={n}: relerr {err_uncached}")
+        writer.add("distmm", "float64", n, n, n, first, err, timer="wall", call="first",
+                   calls_per_sample=1, engine="local", note="one call: noisy")
         number = max(1, int(2e-3 / max(2 * n ** 3 / 20e9, 1e-7)))
-        med = _alternate({"numpy": lambda: a @ b, "distmm": lambda: distmm.matmul(a, b)},
-                         args.repeat, number)
-        over = (med["distmm"] - med["numpy"]) * 1e6
-        for variant in ("numpy", "distmm"):
-            writer.add(variant, "float64", n, n, n, med[variant], err if variant == "distmm" else 0.0,
-                       timer="wall", call="steady", calls_per_sample=number,
-                       overhead_us=over if variant == "distmm" else None, engine="local")
-        print(f"{n:>6} {med['numpy'] * 1e6:>10.2f} {med['distmm'] * 1e6:>10.2f} {over:>12.2f}")
+        med = _alternate({"numpy": lambda: a @ b, "distmm": lambda: distmm.matmul(a, b),
+                          "distmm-uncached": lambda: _uncached(a, b)}, args.repeat, number)
+        errs = {"numpy": 0.0, "distmm": err, "distmm-uncached": err_uncached}
+        for variant in ("numpy", "distmm", "distmm-uncached"):
+            over = (med[variant] - med["numpy"]) * 1e6 if variant != "numpy" else None
+            writer.add(variant, "float64", n, n, n, med[variant], errs[variant], timer="wall",
+                       call="steady", calls_per_sample=number, overhead_us=over, engine="local")
+        print(f"{n:>6} {med['numpy'] * 1e6:>10.2f} {first * 1e6:>10.1f}"
+              f" {med['distmm-uncached'] * 1e6:>12.2f} {med['distmm'] * 1e6:>10.2f}"
+              f" {(med['distmm'] - med['numpy']) * 1e6:>12.2f}")
     print(f"records: {writer.path}")
 
 
@@ -88,6 +112,7 @@ def run_gpu(args) -> None:
                 "cupy": lambda: cupy.matmul(a, b),
                 "distmm-auto": lambda: distmm.matmul(a, b),
                 "distmm-cublas": lambda: distmm.matmul(a, b, backend="cublas"),
+                "distmm-auto-uncached": lambda: _uncached(a, b),
             }
             first = {}
             for name, fn in variants.items():  # first call of each, then the check

@@ -4,6 +4,9 @@ This module covers: validating operands with numpy's rules and exception
 types before any work starts, promoting 1-D operands and broadcasting batch
 dimensions, choosing the engine and backend, and returning the caller's array
 type (numpy in, numpy out; cupy in, cupy out; dask in, a lazy dask array out).
+It also keeps the call cache: what a call resolves (validation's shapes and
+dtype, the engine, the backend and the plan) is remembered per call signature,
+so a repeated small product costs little more than numpy's or cupy's own call.
 It does *not* cover: tiling (``distmm.plan``), scheduling (``distmm.engine``)
 or kernels (``distmm.executor``).
 """
@@ -11,17 +14,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import replace
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from distmm._arrays import FAMILY_ORDER, array_family
 from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
+from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm.plan import Plan, make_plan, result_dtype
 
-__all__ = ["matmul", "gemm", "plan_for"]
+__all__ = ["matmul", "gemm", "plan_for", "CALLS", "CallCache"]
 
 
 def _on_disk(x) -> bool:
@@ -119,6 +125,137 @@ def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None
                     hints=eng.plan_hints(ops, workers), config=cfg, on_gpu=on_gpu)
     return eng, Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
                         report=cfg.performance_report)
+
+
+# -- the call cache ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What one call signature resolved to: every field of ``Operands`` but the
+    arrays, and the engine, backend and plan of its ``Request``, with the
+    configuration they were resolved under."""
+
+    config: Any
+    engine: Any
+    operands: Operands  # without its arrays (a and b are None)
+    request: Request  # without its operands
+    convert: Any  # cupy.asarray for cupy operands (it copies from another device), else None
+
+    @property
+    def plan(self) -> Plan:
+        return self.request.plan
+
+
+class CallCache:
+    """A bounded memo of resolved calls, keyed by call signature.
+
+    The key is everything validation, backend resolution and planning read from
+    the call: the operand types, shapes, strides (so C and F order differ),
+    dtypes (with numpy's type character: ``np.longlong`` is not ``np.int64``),
+    and the ``engine``, ``backend`` and ``tile`` arguments. What lies outside the
+    key is checked on every hit, so a hit is never stale:
+
+    - the configuration: the ``Config`` object ``get_config()`` returns (a new
+      one after ``dask.config.set``, a refresh or a changed environment);
+    - the engine ``get_engine`` picks (a default Dask client appearing turns
+      ``engine="auto"`` from local to dask);
+    - the engine's worker count and plan hints, and the memory budget
+      (``distmm.config.memory_budget``: configured, or measured at most once a
+      second and rounded to 64 MiB when ``"auto"``).
+
+    Only calls the local engine runs, with numpy or cupy operands taken as
+    they are (no conversion), are cached; a full cache drops its oldest entry.
+    """
+
+    def __init__(self, maxsize: int = 256):
+        self.maxsize = maxsize
+        #: calls served from an entry
+        self.hits = 0
+        #: entries stored (calls resolved in full that may be replayed)
+        self.misses = 0
+        #: the ``_Resolved`` of the last call that went through the cache
+        self.last: _Resolved | None = None
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+            self.last = None
+
+    def get(self, key):
+        """The entry of ``key`` or None (TypeError: an unhashable key)."""
+        return self._entries.get(key)
+
+    def put(self, key, entry: _Resolved) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+            while len(self._entries) >= self.maxsize:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = entry
+            self.misses += 1
+            self.last = entry
+
+
+#: the process's call cache
+CALLS = CallCache()
+
+
+def _lookup(a, b, engine: str, tile, backend: str):
+    """``(key, entry)``: the cache key of ``matmul(a, b, ...)`` and its cached
+    entry (None on a miss); ``(None, None)`` for operands without array
+    attributes (lists, scalars, on-disk arrays) or an unhashable tile."""
+    try:
+        key = (type(a), type(b), a.shape, b.shape, a.strides, b.strides, a.dtype, a.dtype.char,
+               b.dtype, b.dtype.char, engine, backend, tile)
+        return key, CALLS.get(key)
+    except (AttributeError, TypeError):
+        return None, None
+
+
+def _reuse(entry: _Resolved, a, b, engine: str):
+    """The engine and request of a cached call, or None when anything outside
+    the key changed since it was resolved (see ``CallCache``)."""
+    cfg = get_config()
+    if cfg is not entry.config:
+        return None
+    request = entry.request
+    eng = get_engine(engine, family=entry.operands.family, threads=cfg.local_threads,
+                     retry_timeout=cfg.retry_timeout)
+    if eng is not entry.engine:
+        return None
+    if entry.convert is not None and (entry.convert(a) is not a or entry.convert(b) is not b):
+        return None
+    ops = replace_fast(entry.operands, a=a, b=b)
+    plan, on_gpu = request.plan, request.on_gpu
+    workers = eng.workers(ops, on_gpu=on_gpu)
+    if (workers != plan.workers or eng.plan_hints(ops, workers)
+            or memory_budget(on_gpu, config=cfg) != plan.memory_budget):
+        return None
+    return eng, replace_fast(request, operands=ops)
+
+
+def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
+    """Cache a resolved call when it may be replayed exactly: local engine,
+    numpy or cupy operands used as given, no plan hints."""
+    if eng.name != "local" or ops.a is not a or ops.b is not b:
+        return
+    if ops.family == "numpy":
+        convert = None
+    elif ops.family == "cupy":
+        import cupy
+
+        convert = cupy.asarray
+    else:
+        return
+    if eng.plan_hints(ops, request.plan.workers) or request.out is not None:
+        return
+    bare = replace_fast(ops, a=None, b=None)
+    CALLS.put(key, _Resolved(cfg, eng, bare, replace_fast(request, operands=bare), convert))
 
 
 def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
@@ -230,9 +367,24 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
     array([[-128]], dtype=int8)
     """
+    key = None
+    if out is None and client is None:
+        key, entry = _lookup(a, b, engine, tile, backend)
+        if entry is not None:
+            hit = _reuse(entry, a, b, engine)
+            if hit is not None:
+                CALLS.hits += 1
+                CALLS.last = entry
+                eng, request = hit
+                return _squeeze(eng.run(request), request.operands)
     if _is_distributed(a) or _is_distributed(b):
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend)
     ops = _validate(a, b)
+    if key is not None:
+        cfg = get_config()
+        eng, request = _request(ops, engine=engine, client=None, tile=tile, backend=backend)
+        _remember(key, ops, eng, request, a, b, cfg)
+        return _squeeze(eng.run(request), ops)
     if out is not None:
         _check_out(out, ops)
         if _writes_direct(out, ops, engine, client):

@@ -41,7 +41,7 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["Config", "get_config", "memory_budget", "KEYS",
+__all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
@@ -254,7 +254,10 @@ def get_config() -> Config:
         key and where it can be set.
     """
     global _cache
-    section = dask.config.get("distmm", None)
+    # The dict dask.config.get reads (dask.config.set and refresh change it in
+    # place), looked up directly: dask.config.get("distmm") splits and
+    # canonicalises the key on every call, and "distmm" has no '-'/'_' variant.
+    section = dask.config.global_config.get("distmm")
     hit = _cache
     if hit is not None and hit[0] == section:
         return hit[1]
@@ -305,11 +308,24 @@ def _device_free() -> int | None:
     return int(free)
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:
-        return os.cpu_count() or 1
+_cpu_probe: tuple[float, int] | None = None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), read at most once
+    per ``_AUTO_TTL`` seconds: building the mask's set costs more than a small
+    product on a machine with many cores. The local engine's default thread
+    count and the host's auto memory budget split."""
+    global _cpu_probe
+    now = time.monotonic()
+    hit = _cpu_probe
+    if hit is None or now - hit[0] > _AUTO_TTL:
+        try:
+            count = len(os.sched_getaffinity(0)) or 1
+        except AttributeError:  # pragma: no cover - not Linux
+            count = os.cpu_count() or 1
+        hit = _cpu_probe = (now, count)
+    return hit[1]
 
 
 _probe_lock = threading.Lock()
@@ -333,7 +349,8 @@ def _measured(on_gpu: bool, local_threads: int | None) -> int:
             if free is not None:
                 value = _quantised(free * GPU_FRACTION)
             else:
-                value = _quantised(_host_available() * HOST_FRACTION / (local_threads or _cpus()))
+                share = _host_available() * HOST_FRACTION
+                value = _quantised(share / (local_threads or available_cpus()))
             hit = (now, value)
             _probes[key] = hit
     return hit[1]

@@ -28,10 +28,23 @@ __all__ = [
     "accumulate_dtype",
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
+    "np_dtype",
 ]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
 _MIN_TILE = 64
+
+
+_NP_DTYPES: dict[str, np.dtype] = {}
+
+
+def np_dtype(name: str) -> np.dtype:
+    """``np.dtype(name)`` for the dtype names a ``Plan`` keeps (``plan.dtype``,
+    ``plan.acc_dtype``), looked up in a table instead of parsed on every call."""
+    try:
+        return _NP_DTYPES[name]
+    except KeyError:
+        return _NP_DTYPES.setdefault(name, np.dtype(name))
 
 
 def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
@@ -170,6 +183,12 @@ class Plan:
     def k_splits(self) -> int:
         """Number of k groups (1 when k is not split)."""
         return max(len(self.k_edges) - 1, 1)
+
+    @functools.cached_property
+    def single_task(self) -> bool:
+        """One C tile and one k group: the whole product is one task (worked
+        out once per plan; the local engine asks on every call)."""
+        return self.grid == (1, 1) and self.k_splits == 1
 
     def row_slice(self, i: int) -> slice:
         return slice(self.row_edges[i], self.row_edges[i + 1])

@@ -151,3 +151,41 @@ def test_gpu_gemm_blas_letters(dtype):
     assert isinstance(got, cupy.ndarray) and got.dtype == np.dtype(dtype)
     want = 2.0 * (a.conj().T @ b.T) + 0.5 * c
     np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_second_identical_cupy_call_reuses_the_cached_request(backend, dtype):
+    """A repeated call with cupy operands is served from distmm.api's call cache
+    (no re-validation, re-resolution or re-planning) and gives the same bits."""
+    from distmm.api import CALLS
+
+    rng = np.random.default_rng()
+    a = random_array(rng, (257, 131), dtype)
+    b = random_array(rng, (131, 67), dtype)
+    a_dev, b_dev = cupy.asarray(a), cupy.asarray(b)
+    # Warm up first (kernel compilation, cuBLAS handle, memory pool): the auto memory
+    # budget is a share of the GPU's free memory, re-measured once a second, so a first
+    # call that compiles for seconds could otherwise change it before the second call.
+    distmm.matmul(a_dev, b_dev, backend=backend)
+    cupy.cuda.Device().synchronize()
+    CALLS.clear()
+    first = distmm.matmul(a_dev, b_dev, backend=backend)
+    entry = CALLS.last
+    assert (CALLS.misses, CALLS.hits) == (1, 0) and entry is not None
+    assert entry.operands.family == "cupy" and entry.request.on_gpu
+    second = distmm.matmul(a_dev, b_dev, backend=backend)
+    assert (CALLS.misses, CALLS.hits) == (1, 1) and CALLS.last is entry
+    third = distmm.matmul(cupy.asarray(a), cupy.asarray(b), backend=backend)  # new arrays
+    assert CALLS.hits == 2
+    for got in (second, third):
+        assert isinstance(got, cupy.ndarray) and got.dtype == first.dtype
+        assert cupy.asnumpy(got).tobytes() == cupy.asnumpy(first).tobytes()
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(cupy.asnumpy(second), a, b)
+    # host operands of the same shape are another signature: numpy out, numpy's result
+    host = distmm.matmul(a, b)
+    assert isinstance(host, np.ndarray) and CALLS.hits == 2
+    with np.errstate(over="ignore"):
+        assert_matches_numpy(host, a, b)
+    CALLS.clear()

@@ -5,6 +5,13 @@ kernels: they call an executor. ``get_engine`` picks one.
 """
 from __future__ import annotations
 
+import functools
+import sys
+
+# imported by distmm.config already (no import cost); bound under another name
+# because importing the subpackage distmm.engine.dask rebinds "dask" here
+from dask import config as _dask_config
+
 from distmm.engine.base import Engine, Operands, Request
 
 __all__ = ["Engine", "Operands", "Request", "get_engine", "ENGINES"]
@@ -15,11 +22,7 @@ ENGINES = ("auto", "local", "dask", "mpi")
 def _default_client():
     """The default ``distributed`` client, or None. Cheap when there is none:
     a client made default sets dask's ``scheduler`` to ``dask.distributed``."""
-    import sys
-
-    import dask.config
-
-    if "distributed" not in sys.modules or dask.config.get("scheduler", None) != "dask.distributed":
+    if "distributed" not in sys.modules or _dask_config.get("scheduler", None) != "dask.distributed":
         return None
     try:
         from distributed import default_client
@@ -27,6 +30,14 @@ def _default_client():
         return default_client()
     except (ImportError, ValueError):
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def _local_engine(threads: int | None) -> Engine:
+    """One shared local engine per thread count (it holds nothing but the count)."""
+    from distmm.engine.local import LocalEngine
+
+    return LocalEngine(threads=threads)
 
 
 def get_engine(name: str, *, family: str = "numpy", client=None,
@@ -55,9 +66,7 @@ def get_engine(name: str, *, family: str = "numpy", client=None,
             client = _default_client()
         name = "dask" if family == "dask" or client is not None else "local"
     if name == "local":
-        from distmm.engine.local import LocalEngine
-
-        return LocalEngine(threads=threads)
+        return _local_engine(threads)
     from distmm.engine.dask import DaskEngine
 
     return DaskEngine(client=client, required=family != "dask", retry_timeout=retry_timeout)

@@ -4,7 +4,8 @@ This module covers: ``Request``, the frozen description of one product that
 ``distmm.api`` builds after validating the operands (the operands, numpy's
 result dtype, the resolved ``Plan``, the resolved backend and where the result
 goes), and ``Engine``, the interface every engine implements: how many workers
-it plans for, and running a request.
+it plans for, and running a request; ``replace_fast`` builds a request from a
+cached one without the dataclass's ``__init__`` (``distmm.api``'s call cache).
 It does *not* cover: validation (``distmm.api``), tiling (``distmm.plan``),
 the per-tile work (``distmm.engine.tiles``) or kernels (``distmm.executor``).
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from distmm.plan import Plan
 
-__all__ = ["Operands", "Request", "Engine"]
+__all__ = ["Operands", "Request", "Engine", "replace_fast"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,19 @@ class Request:
     out: Any = None
     progress: bool | None = None
     report: str | None = None
+
+
+def replace_fast(template, **changes):
+    """``dataclasses.replace(template, **changes)`` for ``Operands`` and
+    ``Request`` (frozen, no ``__post_init__``, no slots) without running
+    ``__init__``, whose ``object.__setattr__`` per field costs a microsecond
+    or two: ``distmm.api``'s call cache builds both on every call, from
+    templates whose other fields are already checked."""
+    obj = object.__new__(type(template))
+    state = obj.__dict__
+    state.update(template.__dict__)
+    state.update(changes)
+    return obj
 
 
 class Engine(ABC):

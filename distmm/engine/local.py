@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 
 import numpy as np
 
+from distmm.config import available_cpus
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
-from distmm.plan import Plan
+from distmm.executor import get_executor
+from distmm.plan import Plan, np_dtype
 
 __all__ = ["LocalEngine", "run_local", "default_workers"]
 
@@ -25,11 +26,9 @@ log = logging.getLogger("distmm.engine.local")
 
 
 def default_workers() -> int:
-    """Threads the local engine uses: the CPUs this process may run on."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """Threads the local engine uses: the CPUs this process may run on
+    (``distmm.config.available_cpus``: its affinity, re-read once a second)."""
+    return available_cpus()
 
 
 def _batched(ops: Operands, xp):
@@ -61,10 +60,8 @@ class LocalEngine(Engine):
         return 1 if on_gpu or operands.family == "cupy" else (self.threads or default_workers())
 
     def run(self, request: Request):
-        from distmm.executor import get_executor
-
         ops, plan = request.operands, request.plan
-        executor = get_executor(request.backend, np.dtype(plan.acc_dtype), on_gpu=request.on_gpu)
+        executor = get_executor(request.backend, np_dtype(plan.acc_dtype), on_gpu=request.on_gpu)
         if ops.family == "cupy":
             import cupy
 
@@ -78,7 +75,7 @@ def _one_tile(plan: Plan, a, b, executor, out):
     """A product of one tile and one k group (small products): no pool, no bar."""
     acc = finish_tile(plan, tile_partial(executor, plan, a, b))
     if out is None:
-        return executor.to_host(acc) if acc.dtype == np.dtype(plan.dtype) else acc
+        return executor.to_host(acc) if acc.dtype == np_dtype(plan.dtype) else acc
     out[...] = acc
     return out
 
@@ -125,14 +122,13 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     -------
     ``out``, or a new ndarray of ``batch + (m, n)`` and the plan's result dtype.
     """
-    batch = tuple(a.shape[:-2])
-    if (not batch and plan.grid == (1, 1) and plan.k_splits == 1 and plan.k
-            and not hasattr(executor, "run_plan") and isinstance(a, np.ndarray)
-            and isinstance(b, np.ndarray)):
+    if (plan.single_task and plan.k and isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+            and a.ndim == 2 and not hasattr(executor, "run_plan")):
         return _one_tile(plan, a, b, executor, out)
+    batch = tuple(a.shape[:-2])
     if out is None:
         # the GPU executor's host arrays are faulted in while it computes (hostmem)
-        out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np.dtype(plan.dtype))
+        out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np_dtype(plan.dtype))
     if out.size == 0:
         return out
     if plan.k == 0:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
-
-from distmm.plan import Plan
+from distmm.plan import Plan, np_dtype
 
 __all__ = ["tile_partial", "reduce_partials", "finish_tile"]
 
@@ -24,7 +22,7 @@ def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any) -> Any:
     ``b_panel`` the matching B column panel; both may be views of any dtype
     and layout.
     """
-    acc = np.dtype(plan.acc_dtype)
+    acc = np_dtype(plan.acc_dtype)
     a_dev = executor.asarray(a_panel, acc)
     b_dev = executor.asarray(b_panel, acc)
     return executor.panel_product(a_dev, b_dev, plan.tile[2])
@@ -47,7 +45,7 @@ def reduce_partials(plan: Plan, partials: Sequence[Any]) -> Any:
 def finish_tile(plan: Plan, acc_tile: Any) -> Any:
     """Cast an accumulated tile to numpy's result dtype: booleans become
     ``count > 0``, integers wrap, float32 sums round to float16."""
-    res = np.dtype(plan.dtype)
+    res = np_dtype(plan.dtype)
     if res.kind == "b":
         return acc_tile != 0
     if acc_tile.dtype == res:

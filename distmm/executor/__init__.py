@@ -100,15 +100,35 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in GPU_BACKENDS or (backend == "auto" and on_gpu):
+        return _gpu_executor(backend)
+    if backend == "auto":
+        backend = "numba" if np.dtype(acc_dtype).kind in "iu" else "blas"
+    return _cpu_executor(backend)
+
+
+_executor_for = None
+
+
+def _gpu_executor(backend: str) -> Executor:
+    """The shared GPU executor of ``backend`` on the current device
+    (``distmm.executor.gpu.executor_for``, imported on first use); without
+    cupy, ``BackendUnavailable`` naming ``backend``."""
+    global _executor_for
+    if _executor_for is None:
         try:
             from distmm.executor.gpu import executor_for
         except ImportError as exc:
             raise BackendUnavailable(
                 f"backend {backend!r} needs cupy and a CUDA GPU: pip install \"distmm[gpu]\" ({exc})"
             ) from exc
-        return executor_for(backend)
+        _executor_for = executor_for
+    return _executor_for(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_executor(backend: str) -> Executor:
+    """One shared CPU executor per backend: it holds no state between products
+    (its ``close`` frees nothing), so every product and thread may use it."""
     from distmm.executor.cpu import CPUExecutor
 
-    if backend == "auto":
-        backend = "numba" if np.dtype(acc_dtype).kind in "iu" else "blas"
     return CPUExecutor(backend=backend)

@@ -26,6 +26,7 @@ from distmm.executor import tuning
 from distmm.executor.base import BackendUnavailable, Executor
 from distmm.executor.cublas import CublasGemm, cublas_gemm
 from distmm.executor.device import device_count, gpu_name
+from distmm.plan import np_dtype
 
 __all__ = ["GPUExecutor", "RAW_DTYPES", "shape_class", "matmul_to", "executor_for"]
 
@@ -246,7 +247,7 @@ class GPUExecutor(Executor):
         -------
         cupy.ndarray of shape ``batch + (m, n)``.
         """
-        res = np.dtype(plan.dtype)
+        res = np_dtype(plan.dtype)
         batch = tuple(a.shape[:-2])
         m, k, n = plan.m, plan.k, plan.n
         if not batch and k and m and n and a.dtype == b.dtype == res and res.name in _FLOATS:
