@@ -37,7 +37,6 @@ Run under the benchmark lock::
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time

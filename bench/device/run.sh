@@ -21,6 +21,9 @@
 #             cuBLAS, 2 ranks sharing one GPU at fp32 16384, 2 ranks on 2 GPUs at fp32 32768
 #             when 2 are visible; cpu16 = 16, 8, 4, 2, 1 CPU ranks at fp64 16384 against
 #             numpy's 16-thread BLAS (pylops-mpi at 16 and 4 where it imports)
+#   daskgpu   benchmark `dask-gpu`: distmm-dask, dask.array (chunks 8192, 4096) and in-core cuBLAS
+#             on dask-cuda clusters (DASKGPU_SETTINGS, default "1gpu shared mixed"; 2gpu needs
+#             two GPUs), fp32/fp64 at 16384/32768 (SIZES, DTYPES, ROUNDS default 3)
 #   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
@@ -109,6 +112,12 @@ run_mpi() {
     timeout "$(step ${T_MPI:-$(left)})" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" ${MPI_ARGS:-} \
       || echo "BENCH FAILED ($mode) rc=$?"
   done
+}
+
+run_daskgpu() {
+  timeout "$(step ${T_BENCH:-540})" $PY -m bench.dask_gpu --settings ${DASKGPU_SETTINGS:-1gpu shared mixed} \
+    --sizes ${SIZES:-16384 32768} --dtypes ${DTYPES:-float32 float64} --rounds ${ROUNDS:-3} \
+    --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
 }
 
 run_smoke() {
