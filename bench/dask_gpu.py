@@ -35,7 +35,8 @@ gathered, and the clock stops after every worker's GPU is synchronised.
 Timing: the first call of each variant (its check: the cluster has already made operands, so
 cupy is imported on the workers) is ``first_seconds``; then ``--rounds`` rounds, each timing
 every variant once in turn; ``seconds`` is their median. Check: 64 sampled rows of C against
-the float64 product of the same rows of A with B (computed on the GPU workers in float64);
+the float64 product of the same rows of A with B, computed on the GPU workers one column
+strip of B per task (one float64 GEMM over all of k: an order of sums neither variant uses);
 a result beyond the tolerance, or a variant that fails, makes the run exit 1.
 
 ``--rehearse`` runs the same code on the CPU, for CI: ``distributed.LocalCluster`` worker
@@ -95,13 +96,20 @@ def _args(argv):
 
 def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int):
     """(cluster, description, GPUs used, CPU workers) of one setting."""
-    from distmm.cli.cluster import add_cpu_workers, cpu_cluster, gpu_cluster
+    from distmm.cli.cluster import add_cpu_workers, cpu_cluster, gpu_cluster, share_workers
 
     if rehearse:
-        gpu_like = {"1gpu": 1, "2gpu": 2, "shared": 2, "mixed": 1}[setting]
+        gpu_like = {"1gpu": 1, "2gpu": 2, "shared": 1, "mixed": 1}[setting]
         cluster = cpu_cluster(gpu_like, gpu_resource=True)
         what = f"LocalCluster(processes=True), {gpu_like} worker(s) standing in for GPU workers"
         gpus = 0
+        if setting == "shared":  # the GPU setting's code path: a copy of the worker's spec
+            try:
+                share_workers(cluster, 2)
+            except BaseException:
+                cluster.close()
+                raise
+            what += " and a copy of its spec: 2 workers"
     elif setting == "2gpu":
         cluster = gpu_cluster("0,1")
         what, gpus = "LocalCUDACluster(CUDA_VISIBLE_DEVICES='0,1'), one worker per GPU", 2
@@ -173,15 +181,29 @@ class Bench:
         return time.perf_counter() - t0, c
 
     def check(self, c, a, b, rows) -> float:
-        """relerr of C's sampled rows against their float64 product, on the GPU workers."""
+        """relerr of C's sampled rows against their float64 product, computed on the GPU
+        workers one column strip of B at a time (one float64 GEMM over all of k per strip:
+        neither dask.array's block sums nor distmm's tiles)."""
+        from dask import delayed
+
         from bench.common import relerr
         from distmm.cli.cluster import to_host
 
-        ref = to_host(a[rows].astype(np.float64) @ b.astype(np.float64))
-        got = to_host(c[rows])
-        got, ref = self.client.compute([got, ref], workers=self.gpu_addrs,
-                                       allow_other_workers=False, sync=True)
-        return relerr(got, ref)
+        a_rows = self.persist(a[rows].rechunk((len(rows), a.shape[1])))
+        (a_part,) = a_rows.to_delayed().ravel()
+        strips = [delayed(_reference_strip)(a_part, *column)
+                  for column in b.to_delayed().T.tolist()]
+        got, *ref = self.client.compute([to_host(c[rows]), *strips], workers=self.gpu_addrs,
+                                        allow_other_workers=False, sync=True)
+        return relerr(got, np.hstack(ref))
+
+
+def _reference_strip(a_rows, *b_column):
+    """``a_rows @ B[:, strip]`` in float64 from B's chunks down one column, as numpy."""
+    xp = np if isinstance(a_rows, np.ndarray) else __import__("cupy")
+    strip = xp.concatenate([blk.astype(np.float64) for blk in b_column], axis=0)
+    out = xp.matmul(a_rows.astype(np.float64), strip)
+    return out if xp is np else out.get()
 
 
 def sample_rows(n: int) -> np.ndarray:
@@ -200,6 +222,7 @@ def in_core_reference(n: int, dtype: str, rounds: int, *, gpu: bool):
         import cupy
 
         a, b = random_operands(n, n, n, dtype, seed=n)
+        rows = cupy.asarray(rows)
         sync = gpu_sync
         mm = cupy.matmul
     else:

@@ -5,7 +5,8 @@ This module covers:
 - how many GPUs this process can use (``local_gpus``: cupy imports and the driver sees them);
 - starting a cluster: ``cpu_cluster`` (``distributed.LocalCluster`` of single-thread worker
   processes) and ``gpu_cluster`` (``dask_cuda.LocalCUDACluster``, one worker per GPU, or
-  ``per_device`` workers sharing each GPU), every GPU worker carrying the resource ``GPU: 1``;
+  ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
+  resource ``GPU: 1``;
   ``add_cpu_workers`` adds single-thread worker processes that see no GPU
   (``CUDA_VISIBLE_DEVICES=""``) to a running cluster (a mixed cluster);
 - random operands made on the workers, one seeded generator per chunk, numpy or cupy chunks
@@ -28,7 +29,8 @@ import copy
 
 import numpy as np
 
-__all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "add_cpu_workers", "gpu_workers",
+__all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "share_workers", "add_cpu_workers",
+           "gpu_workers",
            "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
@@ -75,15 +77,25 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
                                device_memory_limit=device_memory_limit / per_device, **kwargs)
     try:
         if per_device > 1:
-            for name, spec in list(cluster.worker_spec.items()):
-                for i in range(1, per_device):
-                    cluster.worker_spec[f"{name}-shared{i}"] = copy.deepcopy(spec)
-            cluster.scale(len(cluster.worker_spec))  # starts the new specs, removes none
+            share_workers(cluster, per_device, timeout=timeout)
         _wait_for(cluster, len(cluster.worker_spec), timeout)
     except BaseException:
         cluster.close()
         raise
     return cluster
+
+
+def share_workers(cluster, per_worker: int, *, timeout: float = 120) -> list[str]:
+    """Start ``per_worker - 1`` copies of every worker spec of ``cluster`` (same options:
+    environment, device, plugins, resources), under new names; returns the new names."""
+    names = []
+    for name, spec in list(cluster.worker_spec.items()):
+        for i in range(1, per_worker):
+            names.append(f"{name}-shared{i}")
+            cluster.worker_spec[names[-1]] = copy.deepcopy(spec)
+    cluster.scale(len(cluster.worker_spec))  # starts the new specs, removes none
+    _wait_for(cluster, len(cluster.worker_spec), timeout)
+    return names
 
 
 def add_cpu_workers(cluster, count: int, *, memory_limit: int | str | None = None,
