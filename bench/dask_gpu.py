@@ -144,13 +144,16 @@ class Bench:
         self.gpu = gpu
         self.timeout = timeout
         self.gpu_addrs = gpu_workers(client)
+        everyone = client.scheduler_info(n_workers=-1)["workers"]
+        # only where some workers have no GPU: a restriction also stops work stealing
+        self.restrict = self.gpu_addrs if len(everyone) > len(self.gpu_addrs) else None
         self.seed = 0
 
     def persist(self, collection):
         """Persisted on the GPU workers only (the operands, dask.array's product, the check)."""
         from distributed import wait
 
-        out = self.client.persist(collection, workers=self.gpu_addrs, allow_other_workers=False)
+        out = self.client.persist(collection, workers=self.restrict)
         wait(out, timeout=self.timeout)
         return out
 
@@ -175,7 +178,7 @@ class Bench:
         if variant == "distmm-dask":
             c = distmm.matmul(a, b, client=self.client).persist()
         else:
-            c = self.client.persist(a @ b, workers=self.gpu_addrs, allow_other_workers=False)
+            c = self.client.persist(a @ b, workers=self.restrict)
         wait(c, timeout=self.timeout)
         sync_workers(self.client)
         return time.perf_counter() - t0, c
@@ -189,13 +192,20 @@ class Bench:
         from bench.common import relerr
         from distmm.cli.cluster import to_host
 
-        a_rows = self.persist(a[rows].rechunk((len(rows), a.shape[1])))
+        a_rows = self.persist(take_rows(a, rows).rechunk((len(rows), a.shape[1])))
         (a_part,) = a_rows.to_delayed().ravel()
         strips = [delayed(_reference_strip)(a_part, *column)
                   for column in b.to_delayed().T.tolist()]
-        got, *ref = self.client.compute([to_host(c[rows]), *strips], workers=self.gpu_addrs,
-                                        allow_other_workers=False, sync=True)
+        got, *ref = self.client.compute([to_host(take_rows(c, rows)), *strips],
+                                        workers=self.restrict, sync=True)
         return relerr(got, np.hstack(ref))
+
+
+def take_rows(x, rows):
+    """Rows ``rows`` of dask array ``x``, by basic slices (no fancy index reaches a chunk)."""
+    import dask.array as da
+
+    return da.concatenate([x[int(r):int(r) + 1] for r in rows], axis=0)
 
 
 def _reference_strip(a_rows, *b_column):
