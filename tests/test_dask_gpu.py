@@ -170,9 +170,9 @@ def test_demo_on_a_gpu_machine_prints_the_gpu_figure_beside_cublas():
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
     assert re.search(r"embedded LocalCUDACluster: \d+ GPU worker\(s\) on \S", out), out
     assert "embedded LocalCluster:" not in out  # no CPU run
-    ours = re.search(r"distmm \(dask engine, \d+ GPU worker\(s\)\): time ([\d.]+) s, "
+    ours = re.search(r"distmm \(dask engine, \d+ GPU worker\(s\)\): time ([\d.e+-]+) s, "
                      r"([\d.]+) TFLOP/s", out)
-    theirs = re.search(r"cuBLAS in-core \(cupy\.matmul, 1 GPU\): time ([\d.]+) s, "
+    theirs = re.search(r"cuBLAS in-core \(cupy\.matmul, 1 GPU\): time ([\d.e+-]+) s, "
                        r"([\d.]+) TFLOP/s; distmm / cuBLAS ([\d.]+)", out)
     assert ours and theirs, out
     assert float(ours.group(1)) > 0 and float(ours.group(2)) > 0

@@ -24,7 +24,8 @@
 #   daskgpu   benchmark `dask-gpu`: distmm-dask, dask.array (chunks 8192, 4096) and in-core cuBLAS
 #             on dask-cuda clusters (DASKGPU_SETTINGS, default "1gpu shared mixed"; 2gpu needs
 #             two GPUs), fp32/fp64 at 16384/32768 (SIZES, DTYPES, ROUNDS default 3)
-#   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
+#   smoke     the traced pipeline through `distmm trace`, `distmm demo` on the local engine and
+#             on a LocalCUDACluster (its GPU figure beside cuBLAS)
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
 #
@@ -123,6 +124,7 @@ run_daskgpu() {
 run_smoke() {
   timeout "$(step 90)" $PY -m distmm trace --n 8192 --dtype float32 -o "$OUT/trace-8192.png" 2>&1 | tail -5
   timeout "$(step 90)" $PY -m distmm demo -n 4096 --engine local 2>&1 | tail -3
+  timeout "$(step 120)" $PY -m distmm demo -n 8192 --dtype float32 2>&1 | grep -E "LocalCUDACluster|LocalCluster|dask engine|cuBLAS|relative error"
 }
 
 run_profile() {

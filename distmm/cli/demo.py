@@ -172,10 +172,10 @@ def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
         a_h, b_h, c_h = client.compute([to_host(a), to_host(b), to_host(c)], sync=True)
         del a, b, c
     flops = 2 * n**3
-    print(f"distmm (dask engine, {gpus} GPU worker(s)): time {seconds:.3f} s, "
+    print(f"distmm (dask engine, {gpus} GPU worker(s)): time {seconds:.4g} s, "
           f"{flops / seconds / 1e12:.2f} TFLOP/s")
     ref_seconds = _cublas_seconds(a_h, b_h)
-    print(f"cuBLAS in-core (cupy.matmul, 1 GPU): time {ref_seconds:.3f} s, "
+    print(f"cuBLAS in-core (cupy.matmul, 1 GPU): time {ref_seconds:.4g} s, "
           f"{flops / ref_seconds / 1e12:.2f} TFLOP/s; distmm / cuBLAS {ref_seconds / seconds:.2f}")
     ref = a_h.astype(np.float64) @ b_h.astype(np.float64)
     err = float(np.linalg.norm(c_h.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
