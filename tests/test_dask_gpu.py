@@ -16,6 +16,7 @@ except Exception:  # pragma: no cover - depends on the machine
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
 
 import dask.array as da  # noqa: E402
+import distributed  # noqa: E402
 from distributed import Client  # noqa: E402
 
 import distmm  # noqa: E402
@@ -107,6 +108,7 @@ def test_two_workers_sharing_one_gpu_give_the_product(shared_client):
     A = cluster_random((1531, 1283), 512, "float32", seed=seed, gpu=True)
     B = cluster_random((1283, 1009), 400, "float32", seed=seed + 1, gpu=True)
     A, B = client.persist([A, B])
+    distributed.wait([A, B])
     holders = {w for ws in client.who_has([A, B]).values() for w in ws}
     C = distmm.matmul(A, B, client=client)
     assert isinstance(C, da.Array)

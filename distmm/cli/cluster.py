@@ -143,7 +143,7 @@ def _random_chunk(seed: int, dtype: str, gpu: bool, block_info=None):
     if gpu and dt in (np.float32, np.float64):
         import cupy
 
-        state = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
+        state = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
         return cupy.random.default_rng(state).standard_normal(shape, dtype=dt)
     rng = np.random.default_rng(entropy)
     if dt.kind == "f":
