@@ -154,7 +154,6 @@ def test_gpu_worker_killed_mid_run_gives_the_same_bits(shared_client):
         assert "error" not in out, f"the run raised instead of retrying: {out.get('error')!r}"
         if killed:
             assert np.array_equal(out["c"], undisturbed), "bits differ after the kill"
-            client.wait_for_workers(2, timeout=120)
             return
     pytest.fail("every product ended before the worker was killed")
 
