@@ -9,6 +9,7 @@ This module covers:
   (``sustained_clock``);
 - device naming (``gpu_name``, ``cpu_model``, ``slug``) and the commit measured
   (``git_commit``);
+- a Dask cluster emptied between measurements (``release_cluster``);
 - tidy records as /work/shared/BENCH_RECORDS.md defines them, one JSON object per line, under
   ``bench/results/<benchmark>-<device-slug>-<date>.jsonl`` (``RecordWriter``, ``load``);
 - fresh random GPU operands and float64 error checks (``random_operands``, ``relerr``,
@@ -202,6 +203,37 @@ def free_gpu() -> None:
     gc.collect()
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def _free_gpu_if_used() -> None:
+    import sys
+
+    if sys.modules.get("cupy") is not None:
+        try:
+            free_gpu()
+        except Exception:  # a worker that sees no GPU
+            pass
+
+
+def release_cluster(client, timeout: float = 30, keep=()) -> None:
+    """Wait until the scheduler of ``client`` holds no result in memory but the keys of the
+    collections in ``keep`` (what the caller dropped is forgotten), then return cupy's pooled
+    memory on every worker that used it (workers sharing a GPU cannot use each other's cached
+    blocks)."""
+    import gc
+
+    from distributed import futures_of
+
+    held = sum(len(futures_of(x)) for x in keep)
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = client.run_on_scheduler(lambda dask_scheduler: sum(
+            ts.state == "memory" for ts in dask_scheduler.tasks.values()))
+        if n <= held:
+            break
+        time.sleep(0.05)
+    client.run(_free_gpu_if_used)
 
 
 def wall_times(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,

@@ -37,7 +37,6 @@ Run under the benchmark lock::
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -47,7 +46,7 @@ import numpy as np
 from distributed import Client, LocalCluster, wait
 
 import distmm
-from bench.common import RecordWriter, cpu_model, parser, relerr
+from bench.common import RecordWriter, cpu_model, parser, relerr, release_cluster
 from distmm.api import plan_for
 
 
@@ -58,19 +57,6 @@ def _fresh(n: int, chunk: int, seed: int, dtype: str):
     a, b = a.persist(), b.persist()
     wait([a, b])
     return a, b
-
-
-def _release(client, *collections):
-    del collections
-    gc.collect()
-    deadline = time.monotonic() + 30
-    # wait until the scheduler has forgotten everything but what others hold
-    while time.monotonic() < deadline:
-        n = client.run_on_scheduler(lambda dask_scheduler: sum(
-            ts.state == "memory" for ts in dask_scheduler.tasks.values()))
-        if n == 0:
-            return
-        time.sleep(0.05)
 
 
 def _worker_half_setup(n: int, workers: int, dtype: str, seed: int):
@@ -120,7 +106,7 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
             c_tiles = (c.chunks[0][0], c.chunks[1][0])  # the plan's C tile, as chunks
         del c
     del a, b, ref
-    _release(client)
+    release_cluster(client)
     # the ceiling: every worker multiplies its own row band of A by B, at the
     # same time, with operands already in place and nothing moved
     variants.append("ceiling-1thread-per-worker")
@@ -144,7 +130,7 @@ def bench_cluster(client, writer, n: int, chunk: int, dtype: str, repeat: int, w
             seconds, c = _run_cluster_variant(client, variant, a, b)
             times[variant].append(seconds)
             del a, b, c
-            _release(client)
+            release_cluster(client)
     del a_np, b_np
     client.run(_worker_half_clear)
     plan = plan_for(n, n, n, dtype, workers=workers,
@@ -178,7 +164,7 @@ def bench_client(client, writer, n: int, chunk: int, dtype: str, repeat: int, wo
             t0 = time.perf_counter()
             run(variant, a, b)
             times[variant].append(time.perf_counter() - t0)
-            _release(client)
+            release_cluster(client)
     plan = plan_for(n, n, n, dtype, workers=workers)
     _emit(writer, rows, "client", variants, times, errs, dtype, n, chunk, plan,
           note="numpy operands in the client process and a numpy result back: includes moving "

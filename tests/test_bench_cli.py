@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,3 +130,46 @@ def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
         assert "not run" not in lines[0]
     else:
         assert "not run: import pylops_mpi failed" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_dask_gpu_rehearsal_writes_checked_records(tmp_path):
+    """bench/dask_gpu.py --rehearse: the GPU benchmark's code on CPU worker processes (a
+    worker-spec copy for 'shared', a CPU worker without GPU for 'mixed'), every variant checked
+    against float64 on sampled rows and recorded, the reference (numpy) in the same run."""
+    res = subprocess.run([sys.executable, "-m", "bench.dask_gpu", "--rehearse", "--settings",
+                          "shared", "mixed", "--sizes", "157", "--dtypes", "float32", "float64",
+                          "--chunks", "64", "48", "--rounds", "2", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, env=dict(_env(), OPENBLAS_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (path,) = tmp_path.glob("dask-gpu-*.jsonl")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    by = {(r["setting"], r["variant"], r["dtype"]): r for r in recs}
+    want = set()
+    for dtype in ("float32", "float64"):
+        want |= {("shared", v, dtype) for v in ("numpy", "distmm-dask@shared",
+                                                 "dask.array-chunk64@shared",
+                                                 "dask.array-chunk48@shared")}
+        want |= {("mixed", v, dtype) for v in ("numpy", "distmm-dask@mixed")}
+    assert set(by) == want and len(recs) == len(want)
+    assert len({r["run"] for r in recs}) == 1
+    for (setting, variant, dtype), rec in by.items():
+        assert rec["benchmark"] == "dask-gpu" and rec["rehearse"] is True and rec["gpus"] == 0
+        assert rec["m"] == rec["n"] == rec["k"] == 157 and rec["checked_rows"] == 64
+        assert 0 <= rec["relerr"] < (1e-5 if dtype == "float32" else 1e-13)
+        assert rec["seconds"] > 0 and rec["first_seconds"] > 0 and len(rec["all_seconds"]) == 2
+        assert rec["seconds"] == pytest.approx(float(np.median(rec["all_seconds"])))
+        if variant == "numpy":
+            continue
+        ref = by[(setting, "numpy", dtype)]
+        assert rec["ratio_to_numpy"] == pytest.approx(ref["seconds"] / rec["seconds"])
+        assert rec["chunk"] == (48 if "chunk48" in variant else 64)
+        if setting == "shared":
+            assert (rec["workers"], rec["gpu_workers"], rec["cpu_workers"]) == (2, 2, 0)
+        else:
+            assert (rec["workers"], rec["gpu_workers"], rec["cpu_workers"]) == (2, 1, 1)
+        if variant.startswith("distmm-dask"):
+            assert set(rec["speedup_vs"]) == ({"dask.array-chunk64", "dask.array-chunk48"}
+                                              if setting == "shared" else set())
+    assert "[mixed] float64 n=157" in res.stdout and "FAILED" not in res.stdout

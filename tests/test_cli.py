@@ -112,3 +112,24 @@ def test_missing_file_is_a_clear_error(tmp_path: Path):
     assert r.returncode == 2
     assert f"no such file: {tmp_path / 'nope.npy'}" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_cluster_operands_are_made_per_chunk_from_the_seed():
+    """distmm.cli.cluster.random_array (the demo's and benchmark's operands): the same seed and
+    chunks give the same values and keys, another seed other values, each chunk its own."""
+    import numpy as np
+
+    from distmm.cli.cluster import random_array, to_host
+
+    for dtype in ("float32", "float64", "int16", "bool"):
+        x = random_array((101, 67), 32, dtype, seed=5, gpu=False)
+        y = random_array((101, 67), 32, dtype, seed=5, gpu=False)
+        z = random_array((101, 67), 32, dtype, seed=6, gpu=False)
+        assert x.name == y.name != z.name
+        xv = to_host(x).compute(scheduler="sync")
+        assert xv.dtype == np.dtype(dtype) and xv.shape == (101, 67)
+        assert np.array_equal(xv, y.compute(scheduler="sync"))
+        assert not np.array_equal(xv, z.compute(scheduler="sync"))
+        assert not np.array_equal(xv[:32, :32], xv[32:64, :32])  # chunks seeded apart
+        if dtype.startswith("float"):
+            assert abs(float(xv.mean())) < 0.1 and 0.9 < float(xv.std()) < 1.1

@@ -21,7 +21,11 @@
 #             cuBLAS, 2 ranks sharing one GPU at fp32 16384, 2 ranks on 2 GPUs at fp32 32768
 #             when 2 are visible; cpu16 = 16, 8, 4, 2, 1 CPU ranks at fp64 16384 against
 #             numpy's 16-thread BLAS (pylops-mpi at 16 and 4 where it imports)
-#   smoke     the traced pipeline through `distmm trace` and `distmm demo` on the local engine
+#   daskgpu   benchmark `dask-gpu`: distmm-dask, dask.array (chunks 8192, 4096) and in-core cuBLAS
+#             on dask-cuda clusters (DASKGPU_SETTINGS, default "1gpu shared mixed"; 2gpu needs
+#             two GPUs), fp32/fp64 at 16384/32768 (SIZES, DTYPES, ROUNDS default 3)
+#   smoke     the traced pipeline through `distmm trace`, `distmm demo` on the local engine and
+#             on a LocalCUDACluster (its GPU figure beside cuBLAS)
 #   profile   ncu of the best kernel (float32, float64) at 4096, and its SASS hot loop
 #   close     info warm tests smoke ratios (a session's closing call)
 #
@@ -111,9 +115,16 @@ run_mpi() {
   done
 }
 
+run_daskgpu() {
+  timeout "$(step ${T_BENCH:-540})" $PY -m bench.dask_gpu --settings ${DASKGPU_SETTINGS:-1gpu shared mixed} \
+    --sizes ${SIZES:-16384 32768} --dtypes ${DTYPES:-float32 float64} --rounds ${ROUNDS:-3} \
+    --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+}
+
 run_smoke() {
   timeout "$(step 90)" $PY -m distmm trace --n 8192 --dtype float32 -o "$OUT/trace-8192.png" 2>&1 | tail -5
   timeout "$(step 90)" $PY -m distmm demo -n 4096 --engine local 2>&1 | tail -3
+  timeout "$(step 120)" $PY -m distmm demo -n 8192 --dtype float32 2>&1 | grep -E "LocalCUDACluster|LocalCluster|dask engine|cuBLAS|relative error"
 }
 
 run_profile() {

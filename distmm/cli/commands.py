@@ -269,9 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", type=_dtype, default="float64",
                    help="element type, as numpy names it (default float64)")
     d.add_argument("--engine", default="auto", choices=["auto", "local", "dask"],
-                   help="auto: an embedded LocalCluster (dask engine); local: threads in this process")
+                   help="auto: an embedded cluster, the dask engine (a LocalCUDACluster of the GPUs "
+                        "for float32/float64 where cupy, a GPU and dask_cuda are present, else a "
+                        "LocalCluster); local: threads in this process")
     d.add_argument("--workers", type=_positive, default=None,
-                   help="cluster workers or local threads (default: one per core)")
+                   help="cluster workers or local threads (default: one per core; on GPUs, "
+                        "how many GPUs, default all)")
     d.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="tile executor (default auto: BLAS/numba on the CPU, cuBLAS/raw on a GPU)")
     d.add_argument("--report", default=None, metavar="FILE.html",

@@ -1,15 +1,30 @@
 """``distmm demo``: multiply random matrices, check against numpy, report speed.
 
-With ``engine="auto"`` it starts an embedded ``distributed.LocalCluster``
-(one single-thread worker process per core) and runs the Dask engine on it;
-``engine="local"`` runs the in-process engine.
+With ``engine="auto"`` (or ``"dask"``) it starts an embedded cluster and runs the Dask engine
+on it:
+
+- on a machine with a GPU (cupy imports and sees a device) and dask_cuda installed, a
+  ``dask_cuda.LocalCUDACluster`` (one worker per GPU, ``--workers`` caps how many GPUs) for
+  float32 and float64: the operands are made on the GPU workers, the timed product stays
+  there (persisted, every worker's GPU synchronised), and cuBLAS in-core on one GPU
+  (``cupy.matmul`` in this process, same operands) is printed beside it;
+- otherwise (no GPU, no dask_cuda, or another dtype) a ``distributed.LocalCluster`` of one
+  single-thread worker process per core, with numpy operands sent from this process.
+
+``engine="local"`` runs the in-process engine. (The demo's ``auto`` is its own: ``distmm.matmul``'s
+``engine="auto"`` still picks the local engine unless a Dask client exists.) It does *not*
+cover starting clusters or making operands on them (``distmm.cli.cluster``).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 
 import numpy as np
+
+#: dtypes the GPU demo runs (the ones cuBLAS is compared on); others use CPU workers
+GPU_DEMO_DTYPES = ("float32", "float64")
 
 
 def _dask_engine_ready() -> bool:
@@ -24,6 +39,12 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
     rng = np.random.default_rng()
     dt = np.dtype(dtype)
     result_dtype(dt, dt)  # TypeError for non-numeric dtypes before any work
+    use_cluster = engine == "dask" or (engine == "auto" and _dask_engine_ready())
+    if use_cluster and dt.name in GPU_DEMO_DTYPES:
+        gpus = _gpu_cluster_available()
+        if gpus:
+            return run_gpu_demo(n=n, dtype=dt.name, gpus=min(gpus, workers or gpus),
+                                backend=backend, distmm=distmm, report=report)
     if dt.kind in "iu":
         a = rng.integers(-100, 100, size=(n, n)).astype(dt)
         b = rng.integers(-100, 100, size=(n, n)).astype(dt)
@@ -31,14 +52,14 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         a = rng.standard_normal((n, n)).astype(dt)
         b = rng.standard_normal((n, n)).astype(dt)
     workers = workers or default_workers()
-    use_cluster = engine == "dask" or (engine == "auto" and _dask_engine_ready())
     cluster = client = None
     try:
         if use_cluster:
-            from distributed import Client, LocalCluster
+            from distributed import Client
 
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                   dashboard_address=":0")
+            from distmm.cli.cluster import cpu_cluster
+
+            cluster = cpu_cluster(workers)
             client = Client(cluster)
             print(f"embedded LocalCluster: {workers} worker process(es); dashboard {client.dashboard_link}")
         else:
@@ -73,3 +94,92 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _gpu_cluster_available() -> int:
+    """GPUs a LocalCUDACluster can use here: 0 without cupy, a device or dask_cuda."""
+    from distmm.cli.cluster import local_gpus
+
+    gpus = local_gpus()
+    if gpus and importlib.util.find_spec("dask_cuda") is None:
+        print(f"{gpus} GPU(s) but dask_cuda is not installed: CPU workers "
+              f"(pip install dask-cuda for the GPU demo)")
+        return 0
+    return gpus
+
+
+def _cublas_seconds(a, b, repeat: int = 3) -> float:
+    """Median seconds of ``cupy.matmul`` on device copies of ``a``, ``b`` (after one call)."""
+    import cupy
+
+    x, y = cupy.asarray(a), cupy.asarray(b)
+    cupy.matmul(x, y)
+    times = []
+    for _ in range(repeat):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        cupy.matmul(x, y)
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    del x, y
+    cupy.get_default_memory_pool().free_all_blocks()
+    return float(np.median(times))
+
+
+def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
+                 report: str | None = None) -> int:
+    """The demo on a LocalCUDACluster of ``gpus`` workers: distmm's GPU figure beside cuBLAS."""
+    from contextlib import nullcontext
+
+    from distributed import Client, performance_report, wait
+
+    from distmm.cli.cluster import gpu_cluster, random_array, sync_workers, to_host
+    from distmm.executor.device import gpu_name
+
+    dt = np.dtype(dtype)
+    chunk = max(1, math.ceil(n / max(2, math.ceil(math.sqrt(gpus)))))  # >= 2 x 2 C blocks
+    devices = ",".join(str(i) for i in range(gpus))
+    with gpu_cluster(devices) as cluster, Client(cluster) as client:
+        print(f"embedded LocalCUDACluster: {gpus} GPU worker(s) on {gpu_name(0)}; "
+              f"dashboard {client.dashboard_link}")
+        tk = distmm.api.plan_for(n, n, n, dt, workers=1, on_gpu=True).tile[2]
+        print(distmm.api.plan_for(n, n, n, dt, workers=gpus, tile=(chunk, chunk, tk),
+                                  on_gpu=True).describe())
+
+        def operands(seed):
+            a = random_array((n, n), chunk, dt, seed=seed, gpu=True)
+            b = random_array((n, n), chunk, dt, seed=seed + 1, gpu=True)
+            a, b = client.persist([a, b])
+            wait([a, b])
+            return a, b
+
+        def product(a, b):
+            c = distmm.matmul(a, b, client=client, backend=backend).persist()
+            wait(c)
+            sync_workers(client)
+            return c
+
+        warm = product(*operands(11))  # imports, executors, cuBLAS handles: not timed
+        del warm
+        a, b = operands(int(np.random.default_rng().integers(1 << 30)) * 2)
+        print(f"operands made on the GPU workers: {n} x {n} {dt.name}, chunks {chunk} x {chunk}")
+        with performance_report(filename=report) if report else nullcontext():
+            t0 = time.perf_counter()
+            c = product(a, b)
+            seconds = time.perf_counter() - t0
+        if report:
+            print(f"performance report: {report}")
+        a_h, b_h, c_h = client.compute([to_host(a), to_host(b), to_host(c)], sync=True)
+        del a, b, c
+    flops = 2 * n**3
+    print(f"distmm (dask engine, {gpus} GPU worker(s)): time {seconds:.4g} s, "
+          f"{flops / seconds / 1e12:.2f} TFLOP/s")
+    ref_seconds = _cublas_seconds(a_h, b_h)
+    print(f"cuBLAS in-core (cupy.matmul, 1 GPU): time {ref_seconds:.4g} s, "
+          f"{flops / ref_seconds / 1e12:.2f} TFLOP/s; distmm / cuBLAS {ref_seconds / seconds:.2f}")
+    ref = a_h.astype(np.float64) @ b_h.astype(np.float64)
+    err = float(np.linalg.norm(c_h.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
+    tol = {np.dtype(np.float32): 1e-5}.get(dt, 1e-12)
+    ok = err <= tol
+    print(f"relative error vs float64 numpy {err:.2e}: {'OK' if ok else 'WRONG'}")
+    return 0 if ok else 1

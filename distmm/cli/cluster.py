@@ -1,0 +1,206 @@
+"""Embedded Dask clusters for ``distmm demo`` and the Dask benchmarks, and operands made on them.
+
+This module covers:
+
+- how many GPUs this process can use (``local_gpus``: cupy imports and the driver sees them);
+- starting a cluster: ``cpu_cluster`` (``distributed.LocalCluster`` of single-thread worker
+  processes) and ``gpu_cluster`` (``dask_cuda.LocalCUDACluster``, one worker per GPU, or
+  ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
+  resource ``GPU: 1``;
+  ``add_cpu_workers`` adds single-thread worker processes that see no GPU
+  (``CUDA_VISIBLE_DEVICES=""``) to a running cluster (a mixed cluster);
+- random operands made on the workers, one seeded generator per chunk, numpy or cupy chunks
+  (``random_array``), so that no operand travels from the client; ``to_host`` (chunks as
+  numpy) and ``sync_workers`` (wait for every worker's GPU, for timing).
+
+It does *not* cover: running a product (``distmm.engine.dask``), timing and records
+(``bench/``), or what the demo prints (``distmm.cli.demo``). dask, distributed, dask_cuda and
+cupy are imported inside the functions that need them: importing this module needs none.
+
+Why workers are added through ``worker_spec``: ``LocalCUDACluster`` names its workers by
+device and refuses a second worker on a device (``CUDA_VISIBLE_DEVICES="0,0"`` gives "Can not
+scale beyond visible devices"), so a shared GPU gets copies of that device's worker spec
+(same ``CUDA_VISIBLE_DEVICES``, spilling limit and plugins) under new names; the spec dict and
+``scale(n)`` are ``SpecCluster``'s public interface.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+__all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "share_workers", "add_cpu_workers",
+           "gpu_workers",
+           "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
+
+#: the worker resource a GPU worker carries here (``{"GPU": 1}``)
+GPU_RESOURCE = "GPU"
+
+
+def local_gpus() -> int:
+    """CUDA devices this process sees: 0 when cupy does not import or no driver answers."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def cpu_cluster(workers: int, *, gpu_resource: bool = False, **kwargs):
+    """A ``LocalCluster`` of ``workers`` single-thread worker processes (``gpu_resource``: each
+    carries ``GPU: 1``, as the benchmark's CPU rehearsal of a GPU cluster does)."""
+    from distributed import LocalCluster
+
+    kwargs.setdefault("dashboard_address", ":0")
+    if gpu_resource:
+        kwargs.setdefault("resources", {GPU_RESOURCE: 1})
+    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, **kwargs)
+
+
+def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
+                device_memory_limit: float = 0.8, timeout: float = 120, **kwargs):
+    """A ``dask_cuda.LocalCUDACluster`` on ``devices`` (``"0,1"``; default every visible GPU)
+    with ``per_device`` single-thread workers on each GPU, each carrying ``GPU: 1``.
+
+    Workers sharing a GPU split ``device_memory_limit`` (a fraction of the device's memory,
+    where dask_cuda starts spilling to the host) between them. Raises ``ImportError`` when
+    dask_cuda is not installed.
+    """
+    from dask_cuda import LocalCUDACluster
+
+    if per_device < 1:
+        raise ValueError(f"per_device must be at least 1, got {per_device}")
+    kwargs.setdefault("dashboard_address", ":0")
+    kwargs.setdefault("resources", {GPU_RESOURCE: 1})
+    cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1,
+                               device_memory_limit=device_memory_limit / per_device, **kwargs)
+    try:
+        if per_device > 1:
+            share_workers(cluster, per_device, timeout=timeout)
+        _wait_for(cluster, len(cluster.worker_spec), timeout)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def share_workers(cluster, per_worker: int, *, timeout: float = 120) -> list[str]:
+    """Start ``per_worker - 1`` copies of every worker spec of ``cluster`` (same options:
+    environment, device, plugins, resources), under new names; returns the new names."""
+    names = []
+    for name, spec in list(cluster.worker_spec.items()):
+        for i in range(1, per_worker):
+            names.append(f"{name}-shared{i}")
+            cluster.worker_spec[names[-1]] = copy.deepcopy(spec)
+    cluster.scale(len(cluster.worker_spec))  # starts the new specs, removes none
+    _wait_for(cluster, len(cluster.worker_spec), timeout)
+    return names
+
+
+def add_cpu_workers(cluster, count: int, *, memory_limit: int | str | None = None,
+                    timeout: float = 120) -> list[str]:
+    """Add ``count`` single-thread worker processes that see no GPU to ``cluster``; returns
+    their names. ``memory_limit``: each worker's (default: the host's memory shared by every
+    worker of the cluster)."""
+    from distributed import Nanny
+    from distributed.system import MEMORY_LIMIT
+
+    base = cluster.new_spec["options"]
+    keep = ("host", "protocol", "security", "interface", "dashboard_address", "dashboard",
+            "silence_logs", "services")
+    options = {key: base[key] for key in keep if key in base}
+    total = len(cluster.worker_spec) + count
+    options.update(nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""},
+                   memory_limit=memory_limit if memory_limit is not None else MEMORY_LIMIT // total)
+    names = [f"cpu-{i}" for i in range(count)]
+    for name in names:
+        cluster.worker_spec[name] = {"cls": Nanny, "options": copy.deepcopy(options)}
+    cluster.scale(len(cluster.worker_spec))
+    _wait_for(cluster, len(cluster.worker_spec), timeout)
+    return names
+
+
+def _wait_for(cluster, n: int, timeout: float) -> None:
+    cluster.wait_for_workers(n, timeout=timeout)
+
+
+def gpu_workers(client) -> list[str]:
+    """Addresses of the workers carrying the ``GPU`` resource, sorted."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(addr for addr, w in info.items() if w.get("resources", {}).get(GPU_RESOURCE))
+
+
+# -- operands made on the workers -----------------------------------------------------------
+
+def _random_chunk(seed: int, dtype: str, gpu: bool, block_info=None):
+    """One chunk of a random operand, seeded by ``(seed, chunk location)``: normal floats,
+    small signed integers, booleans; on the worker's GPU when ``gpu``."""
+    info = block_info[None]
+    shape, loc = tuple(info["chunk-shape"]), tuple(info["chunk-location"])
+    dt = np.dtype(dtype)
+    entropy = [int(seed), *map(int, loc)]
+    if gpu and dt in (np.float32, np.float64):
+        import cupy
+
+        state = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
+        return cupy.random.default_rng(state).standard_normal(shape, dtype=dt)
+    rng = np.random.default_rng(entropy)
+    if dt.kind == "f":
+        out = rng.standard_normal(shape).astype(dt)
+    elif dt.kind == "c":
+        out = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    elif dt.kind == "b":
+        out = rng.integers(0, 2, size=shape).astype(dt)
+    else:
+        low = 0 if dt.kind == "u" else -8
+        out = rng.integers(low, 9, size=shape).astype(dt)
+    if gpu:
+        import cupy
+
+        return cupy.asarray(out)
+    return out
+
+
+def random_array(shape, chunks, dtype, *, seed: int, gpu: bool):
+    """A lazy dask array of random values made chunk by chunk on the workers (cupy chunks when
+    ``gpu``, numpy otherwise); the same ``(seed, chunks)`` gives the same values and keys."""
+    import dask.array as da
+    from dask.array.core import normalize_chunks
+
+    dt = np.dtype(dtype)
+    chunks = normalize_chunks(chunks, tuple(shape), dtype=dt)
+    if gpu:
+        import cupy
+
+        meta = cupy.empty((0,) * len(shape), dtype=dt)
+    else:
+        meta = np.empty((0,) * len(shape), dtype=dt)
+    return da.map_blocks(_random_chunk, int(seed), dt.str, bool(gpu), chunks=chunks, dtype=dt,
+                         meta=meta, token="distmm-random")
+
+
+def _host_chunk(block):
+    return block if isinstance(block, np.ndarray) else block.get()
+
+
+def to_host(x):
+    """``x`` with every chunk as a numpy array (cupy chunks copied to the host on their worker)."""
+    return x.map_blocks(_host_chunk, dtype=x.dtype, meta=np.empty((0,) * x.ndim, dtype=x.dtype))
+
+
+def _sync_device() -> None:
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return
+    try:
+        cupy.cuda.Device().synchronize()
+    except Exception:  # a worker that sees no GPU
+        pass
+
+
+def sync_workers(client) -> None:
+    """Wait until the GPU of every worker that has used cupy is idle."""
+    client.run(_sync_device)
