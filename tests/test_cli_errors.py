@@ -46,6 +46,15 @@ def test_missing_h5_dataset(files):
     assert "no dataset 'missing'" in one_line(r) and "in.h5" in r.stderr and "A" in r.stderr
 
 
+def test_dot_dot_in_an_h5_output_path_is_refused_before_any_write(files):
+    with h5py.File(files / "out.h5", "w") as fh:
+        fh["X"] = np.arange(3.0)
+    before = (files / "out.h5").read_bytes()
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", f"{files}/out.h5:grp/../C")
+    assert r.returncode == 2 and "'.' and '..' are not dataset names" in one_line(r)
+    assert (files / "out.h5").read_bytes() == before
+
+
 def test_missing_input_names_the_file(files):
     r = run_cli("matmul", files / "missing.npy", files / "b.npy", "-o", files / "c.npy")
     assert r.returncode == 2 and f"no such file: {files / 'missing.npy'}" in one_line(r)

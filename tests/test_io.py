@@ -68,6 +68,9 @@ def test_parse_target():
     assert parse_target("g.zarr/C").kind == "zarr"
     with pytest.raises(ValueError, match="unsupported file type '.txt'"):
         parse_target("c.txt")
+    for bad in ("x.h5:grp/../C", "x.h5:./C", "x.h5:C/.."):
+        with pytest.raises(ValueError, match="are not dataset names"):
+            parse_target(bad)
 
 
 # ---------------------------------------------------------------- distmm.staging: HDF5

@@ -65,12 +65,17 @@ def parse_target(spec: str) -> Target:
     Raises
     ------
     ValueError
-        A suffix distmm does not read or write; the message names the path.
+        A suffix distmm does not read or write, or a dataset path with a ``.`` or
+        ``..`` part (HDF5 would make a link of that name); the message names the path.
     """
     spec = str(spec)
     head, sep, dataset = spec.partition(":")
     if sep and Path(head).suffix in (".h5", ".hdf5"):
-        return Target("h5", Path(head), dataset.strip("/") or "data")
+        name = dataset.strip("/") or "data"
+        if any(part in (".", "..") for part in name.split("/")):
+            raise ValueError(f"dataset path {name!r} in {spec}: '.' and '..' are not dataset "
+                             f"names; give the path from the file's root, e.g. file.h5:group/C")
+        return Target("h5", Path(head), name)
     p = Path(spec)
     if p.suffix in (".h5", ".hdf5"):
         return Target("h5", p, "data")
