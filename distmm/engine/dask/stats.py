@@ -1,0 +1,90 @@
+"""What a Dask product did and moved: the plan's estimate and the cluster's log.
+
+This module covers: the record of the last product this process ran with the
+Dask engine (``last_stats``: its layout, tasks, cells moved to CPU workers and
+the bytes the plan expects to move, by route), the estimate of those bytes
+for scattered operands (``estimate_eager``), and ``transfer_report``, which
+reads what ``distributed`` itself logged (each worker's
+``transfer_incoming_log``: fetches from other workers; ``transfer_outgoing_log``:
+data served to workers and to clients), so that a benchmark can put the
+estimate next to the measurement.
+It does *not* cover: running anything (``eager``, ``lazy``) or the layout
+(``layout``).
+
+Routes: ``scatter`` (client to workers, not in the transfer logs),
+``worker_to_worker`` (the incoming logs' sum), ``gather`` (workers to the
+client; the outgoing logs hold it plus ``worker_to_worker``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["last_stats", "record", "estimate_eager", "transfer_report"]
+
+_LAST: dict = {}
+_LOCK = threading.Lock()
+
+
+def record(stats: dict) -> None:
+    with _LOCK:
+        _LAST.clear()
+        _LAST.update(stats)
+
+
+def last_stats() -> dict:
+    """The last Dask product of this process: ``mode`` (``"tiles"`` or
+    ``"blocks"``), ``tasks``, ``cells``, ``units`` (per unit: worker, GPU or
+    not, share of C, its block), ``moved`` (cells rerun on CPU workers),
+    ``estimated_bytes`` (by route), ``started`` (``time.time()``) and
+    ``seconds``. Empty before the first product."""
+    with _LOCK:
+        return dict(_LAST)
+
+
+def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str], layout,
+                   c_bytes: int, acc_itemsize: int) -> dict:
+    """Bytes a block-mode run of scattered operands moves, by route: every
+    block scattered once, fetched by each other worker whose cells read it,
+    the partials of split cells moved to their reduction, C gathered."""
+    scatter = w2w = 0
+    for sc, need in ((a_sc, a_need), (b_sc, b_need)):
+        for idx, units in need.items():
+            lead, r, c = idx[:-2], idx[-2], idx[-1]
+            nbytes = ((sc.row_edges[r + 1] - sc.row_edges[r]) * (sc.col_edges[c + 1] - sc.col_edges[c])
+                      * sc.array.dtype.itemsize)
+            scatter += nbytes
+            holders = {addresses[u % len(addresses)] for u in units}
+            w2w += (len(holders) - 1) * nbytes
+    partials = 0
+    for bi, bj in layout.cells():
+        area = (layout.row_edges[bi + 1] - layout.row_edges[bi]) * (
+            layout.col_edges[bj + 1] - layout.col_edges[bj])
+        for t, (dst, src) in enumerate(layout.reduction):
+            a = addresses[layout.unit_of_partial(bi, bj, dst) % len(addresses)]
+            b = addresses[layout.unit_of_partial(bi, bj, src) % len(addresses)]
+            if a != b:
+                partials += area * acc_itemsize
+    return {"scatter": scatter, "worker_to_worker": w2w + partials, "gather": c_bytes}
+
+
+def _logs(dask_worker, since):
+    def total(log):
+        return sum(int(e.get("total", 0)) for e in list(log) if since is None or e.get("start", 0) >= since)
+
+    return {"incoming": total(dask_worker.transfer_incoming_log),
+            "outgoing": total(dask_worker.transfer_outgoing_log)}
+
+
+def transfer_report(client, since: float | None = None) -> dict:
+    """Bytes the workers logged moving: per worker ``incoming`` (fetched from
+    other workers) and ``outgoing`` (served to workers and clients), and
+    ``worker_to_worker`` (the incoming sum). ``since``: only transfers
+    starting at or after this ``time.time()`` (e.g. ``last_stats()["started"]``);
+    the logs are bounded deques (``distributed.admin.low-level-log-length``)."""
+    per = client.run(_logs, since=since, on_error="return")
+    per = {w: v for w, v in per.items() if isinstance(v, dict)}
+    return {"workers": per,
+            "worker_to_worker": sum(v["incoming"] for v in per.values()),
+            "outgoing": sum(v["outgoing"] for v in per.values()),
+            "measured_at": time.time()}
