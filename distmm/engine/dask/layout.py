@@ -86,8 +86,8 @@ def shares(gflops, m: int, n: int, k: int, itemsize: int = 8, *,
     share would make the run slower than the GPU alone. A share under
     ``min_share`` is dropped too: a few percent gained on paper are lost to
     a straggler or an error of the model. Ties keep the
-    workers' order. A product too small to share gives everything to the
-    fastest worker.
+    workers' order. (A product too small to give every worker a block is
+    cut into fewer blocks by ``block_layout``.)
     """
     rates = [max(float(g), 0.0) * 1e9 for g in gflops]
     if not rates:
