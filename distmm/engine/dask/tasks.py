@@ -176,7 +176,11 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
     from distmm.executor import GPU_BACKENDS, get_executor
 
     acc = np.dtype(tp.acc_dtype)
-    ex = get_executor(backend if backend in GPU_BACKENDS else "auto", acc, on_gpu=True)
+    name = backend if backend in GPU_BACKENDS else "auto"
+    key = (name, tp.acc_dtype, True)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = get_executor(name, acc, on_gpu=True)
     host = isinstance(a, np.ndarray)
     if host and acc.name in ("float32", "float64") and a.shape[1]:
         from distmm.executor.pipeline import run_pipelined
