@@ -108,6 +108,29 @@ def test_shares_follow_throughput_and_drop_slow_workers():
     assert lay.area(0) / 4096**2 == pytest.approx(0.75, abs=0.02)
 
 
+def test_chunked_panel_reads_slices_across_chunks():
+    """What the GPU pipeline reads of a block: slices of its chunks, never the
+    whole panel assembled first."""
+    from distmm.engine.dask.blocks import Chunked
+    from distmm.engine.dask.chunks import edges, locate
+
+    rng = np.random.default_rng()
+    full = rng.standard_normal((97, 131))
+    rows, cols = (30, 40, 27), (50, 1, 80)
+    re_, ce_ = edges(rows), edges(cols)
+    blocks = {(i, j): full[re_[i]:re_[i + 1], ce_[j]:ce_[j + 1]].copy()
+              for i in range(3) for j in range(3)}
+    panel = Chunked(blocks, (), locate(re_, 5, 90), locate(ce_, 20, 131))
+    want = full[5:90, 20:131]
+    assert panel.shape == want.shape and panel.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(panel), want)
+    for _ in range(20):
+        r0, r1 = sorted(rng.integers(0, want.shape[0] + 1, 2))
+        c0, c1 = sorted(rng.integers(0, want.shape[1] + 1, 2))
+        if r1 > r0 and c1 > c0:
+            np.testing.assert_array_equal(panel[r0:r1, c0:c1], want[r0:r1, c0:c1])
+
+
 # -- on a cluster: one worker marked GPU, one CPU worker --------------------------
 
 @pytest.fixture(scope="module")
@@ -222,6 +245,22 @@ def test_failed_gpu_cells_move_to_the_cpu_worker(mixed, dtype, caplog):
     runs = [(t["worker"], t.get("status")) for t in stream.data
             if "distmm-matmul" in str(t["key"]) and str(t["key"]).replace(" ", "").endswith(",0,0)")]
     assert (gpu, "error") in runs and (cpu, "OK") in runs, runs
+
+
+def test_failed_gpu_cells_of_dask_operands_rerun_on_the_cpu_worker(mixed):
+    """No loop outside the graph: the failing task hands its block to the CPU
+    worker itself and waits for it."""
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = _random(rng, (500, 301), "int64"), _random(rng, (301, 400), "int64")
+    A, B = da.from_array(a, chunks=(250, 150)), da.from_array(b, chunks=(150, 200))
+    with _gflops(1e6, 10), dask.config.set({"distmm-debug.fail-tiles": [[0, 0]]}):
+        C = distmm.matmul(A, B, client=client)
+    with distributed.get_task_stream(client) as stream:
+        got = C.compute()
+    np.testing.assert_array_equal(got, a @ b)
+    reruns = [t["worker"] for t in stream.data if "distmm-fallback" in str(t["key"])]
+    assert reruns == [cpu], stream.data
 
 
 def _sleep_on(client, worker, seconds):

@@ -6,6 +6,7 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 (``eager``). Its modules, one idea each:
 
 ``tasks``      the task bodies that run on workers
+``blocks``     block mode's task bodies: a whole block on a GPU or a CPU
 ``chunks``     chunk geometry: output blocks, k groups, the pieces a task reads
 ``placement``  worker slots and the placement annotation (plan owner per key)
 ``graph``      the product as one lazy ``Layer``: blockwise over output blocks,
@@ -232,7 +233,9 @@ class DaskEngine(Engine):
                 layout = self._layout(ops, plan, units, row_cuts=geometry.row_edges,
                                       col_cuts=geometry.col_edges,
                                       k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
-                cells = CellTasks(layout_devices(layout, units), _fail_tiles())
+                cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
+                    {u.address for u in units})
+                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu))
                 result = lazy_blocks(ops, plan, a2, b2, geometry, layout,
                                      [u.address for u in units], cells, request.backend)
                 stats.update(_layout_stats(layout, units, plan))

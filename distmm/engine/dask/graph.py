@@ -25,7 +25,8 @@ import numpy as np
 from dask.highlevelgraph import Layer
 
 from distmm.engine.dask.chunks import Geometry, edges, locate
-from distmm.engine.dask.tasks import BlockSpec, TaskPlan, block_product, partial_block, sum_step
+from distmm.engine.dask.blocks import block_product
+from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, sum_step
 
 try:  # dask >= 2024.9.0
     from dask._task_spec import List as _List
@@ -104,11 +105,12 @@ class CellTasks:
 
     ``devices[(bi, bj, g)]``: ``("gpu" | "cpu", workers sharing that GPU)``
     (missing: CPU); ``fail``: the cells raising ``TileFailed`` on the GPU on
-    purpose (``distmm-debug.fail-tiles``).
+    purpose (``distmm-debug.fail-tiles``); ``fallback``: see ``block_product``.
     """
 
     devices: Any
     fail: frozenset = frozenset()
+    fallback: tuple = ()  # CPU workers a failed GPU task hands its block to (lazy products)
 
     def device(self, bi: int, bj: int, g: int) -> tuple[str, int]:
         return self.devices.get((bi, bj, g), ("cpu", 1))
@@ -259,7 +261,8 @@ class ProductLayer(Layer):
             if self.cells is not None:
                 device, share = self.cells.device(bi, bj, extra or 0)
                 return _task(key, block_product, self.tp, self.backend, spec, device,
-                             (bi, bj) in self.cells.fail, share, a_list, b_list)
+                             (bi, bj) in self.cells.fail, share, a_list, b_list, (bi, bj),
+                             self.cells.fallback)
             return _task(key, partial_block, self.tp, self.backend, spec, a_list, b_list)
         t = self._step(kind, block, extra)
         src_dst, src_src = self.steps[t]

@@ -320,6 +320,17 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
             all_cols.update(_subsplit(c0, c1, parts, ccuts))
     r_edges = tuple(sorted(all_rows)) if m else (0,)
     c_edges = tuple(sorted(all_cols)) if n else (0,)
+    if memory_budget and k:
+        # cells as small as the cuts allow and still over the budget: split k
+        rh = max(np.diff(r_edges).tolist(), default=0)
+        cw = max(np.diff(c_edges).tolist(), default=0)
+        room = memory_budget - rh * cw * itemsize
+        need = 2 * (rh + cw) * k * itemsize
+        if need > max(room, 1) * (len(k_edges) - 1):
+            groups = max(len(k_edges) - 1, math.ceil(need / max(room, need / max(k // tk, 1))))
+            k_edges = split_k(k, groups, tk)
+            if k_cuts is not None and len(k_edges) > 2:
+                k_edges = snap(k_edges, sorted(set(int(c) for c in k_cuts) | {0, k}))
     owner = []
     for bi in range(len(r_edges) - 1):
         g = bisect.bisect_right(row_edges, r_edges[bi]) - 1

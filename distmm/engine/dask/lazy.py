@@ -72,7 +72,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
 
     from distmm.engine.dask.graph import _ref, _task
     from distmm.engine.dask.placement import BlockPlacement
-    from distmm.engine.dask.tasks import cut
+    from distmm.engine.dask.blocks import cut
 
     dtype = np.dtype(ops.dtype)
     chunks = tuple(geometry.chunks)

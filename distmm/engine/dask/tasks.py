@@ -3,10 +3,8 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, the final cast to numpy's result dtype, and one whole block
-of C in one task (``block_product``: the GPU executor's stream pipeline on a
-GPU worker's device, raising ``distmm.errors.TileFailed`` when the device
-fails, or the CPU executor).
+reduction tree, and the final cast to numpy's result dtype. Block mode's
+task bodies are in ``distmm.engine.dask.blocks``.
 It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
 building the graph (``distmm.engine.dask.graph``) or kernels
 (``distmm.executor``). The functions here are module-level, pickled by
@@ -24,7 +22,7 @@ import numpy as np
 
 from distmm.engine.tiles import finish_tile, tile_partial
 
-__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "block_product", "cut"]
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "as_chunk"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -145,107 +143,3 @@ def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
         return acc
     return as_chunk(finish_tile(tp, acc), batch_ndim)
 
-
-def _device_error(exc: BaseException) -> bool:
-    """An error of the device rather than of the inputs: cupy's and CUDA's own,
-    no GPU after all, or the pipeline's out-of-memory after its retries."""
-    from distmm.errors import BackendUnavailable
-
-    mod = type(exc).__module__ or ""
-    return mod.startswith(("cupy", "cupy_backends")) or isinstance(exc, (BackendUnavailable,
-                                                                         MemoryError))
-
-
-def _device_limit(share: int):
-    """Device bytes the pipeline may use when ``share`` workers use this GPU
-    (None: the pipeline's own default, ``distmm.device-memory-limit`` or 90%
-    of the free memory)."""
-    from distmm.config import get_config
-
-    if share <= 1 or get_config().device_memory_limit is not None:
-        return None
-    import cupy
-
-    free, total = cupy.cuda.runtime.memGetInfo()
-    return int(min(0.85 * total / share, 0.95 * free))
-
-
-def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
-    """``a @ b`` in the accumulation dtype on this worker's GPU: host float
-    panels through the stream pipeline, others through the device."""
-    from distmm.executor import GPU_BACKENDS, get_executor
-
-    acc = np.dtype(tp.acc_dtype)
-    name = backend if backend in GPU_BACKENDS else "auto"
-    key = (name, tp.acc_dtype, True)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = get_executor(name, acc, on_gpu=True)
-    host = isinstance(a, np.ndarray)
-    if host and acc.name in ("float32", "float64") and a.shape[1]:
-        from distmm.executor.pipeline import run_pipelined
-        from distmm.plan import make_plan
-
-        m, k = a.shape
-        n = b.shape[1]
-        out = ex.empty_host((m, n), acc)
-        run_pipelined(ex, make_plan(m, n, k, acc, workers=1), a.astype(acc, copy=False),
-                      b.astype(acc, copy=False), out, device_memory_limit=_device_limit(share))
-        return out
-    part = tile_partial(ex, tp, a, b)
-    return ex.to_host(part) if host else part
-
-
-def _cpu_block(tp: TaskPlan, backend: str, a, b):
-    from distmm.executor import CPU_BACKENDS, get_executor
-
-    if not isinstance(a, np.ndarray):  # device chunks falling back to the CPU
-        a, b = _xp(a).asnumpy(a), _xp(b).asnumpy(b)
-    name = backend if backend in CPU_BACKENDS else "auto"
-    key = (name, tp.acc_dtype, False)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = get_executor(name, np.dtype(tp.acc_dtype), on_gpu=False)
-    return tile_partial(ex, tp, a, b)
-
-
-def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail: bool,
-                  share: int, a_list, b_list):
-    """One block of C (over one k group) in one task.
-
-    ``device``: ``"gpu"`` runs the GPU executor on this worker's device (the
-    CPU executor where the worker is marked GPU but has none); a failure of
-    the device raises ``TileFailed`` for the engine to run the block again on
-    a CPU worker; ``fail`` raises it on purpose (``distmm-debug.fail-tiles``).
-    ``"cpu"`` runs the CPU executor. ``share``: workers using this GPU.
-    """
-    from distmm.errors import TileFailed
-
-    a_blocks = dict(zip(spec.a_keys, a_list))
-    b_blocks = dict(zip(spec.b_keys, b_list))
-    host = isinstance(a_list[0], np.ndarray)
-    acc = None
-    for a_k, b_k in spec.k_pieces:
-        a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
-        b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
-        if device == "gpu" and fail:
-            raise TileFailed("block failed on purpose (distmm-debug.fail-tiles)")
-        if device == "gpu" and (not host or _worker_has_gpu()):
-            try:
-                part = _gpu_block(tp, backend, a_sub, b_sub, share)
-            except Exception as exc:
-                if not _device_error(exc):
-                    raise
-                raise TileFailed(f"the GPU failed on a {a_sub.shape[0]} x {b_sub.shape[1]} block: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        else:
-            part = _cpu_block(tp, backend, a_sub, b_sub)
-        acc = part if acc is None else acc + part
-    if not spec.finish:
-        return acc
-    return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
-
-
-def cut(block, r0: int, r1: int, c0: int, c1: int):
-    """One output chunk of a block-mode block: ``block[r0:r1, c0:c1]``."""
-    return block[r0:r1, c0:c1]
