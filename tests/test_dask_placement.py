@@ -136,11 +136,12 @@ def test_chunked_panel_reads_slices_across_chunks():
 @pytest.fixture(scope="module")
 def mixed():
     """A LocalCluster of two nanny'd worker processes: ``gpu`` declares the
-    resource GPU=1 (no device behind it here: its GPU tasks run the CPU
+    resource GPU=1 (no device visible to it: its GPU tasks run the CPU
     executor), ``cpu`` declares nothing."""
     with distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
                                   dashboard_address=":0", memory_limit="2GiB") as cl:
-        opts = {"nthreads": 1, "memory_limit": "2GiB"}
+        # no device visible to either, on any machine: the GPU worker is GPU by its resource only
+        opts = {"nthreads": 1, "memory_limit": "2GiB", "env": {"CUDA_VISIBLE_DEVICES": ""}}
         cl.worker_spec["gpu"] = {"cls": distributed.Nanny, "options": {**opts, "resources": {"GPU": 1}}}
         cl.worker_spec["cpu"] = {"cls": distributed.Nanny, "options": dict(opts)}
         cl.sync(cl._correct_state)
@@ -318,7 +319,8 @@ def test_estimated_bytes_match_the_transfer_log(mixed):
 
 def test_cpu_only_clusters_keep_one_task_per_tile():
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
-                                  dashboard_address=":0", memory_limit="2GiB") as cl, \
+                                  dashboard_address=":0", memory_limit="2GiB",
+                                  env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
             distributed.Client(cl) as client:
         a = np.ones((300, 200))
         got = distmm.matmul(a, a.T, client=client, tile=100)
