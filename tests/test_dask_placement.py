@@ -300,7 +300,8 @@ def test_split_k_is_bitwise_reproducible_whoever_finishes_first(mixed):
 def test_estimated_bytes_match_the_transfer_log(mixed):
     """Two blocks in one column of the worker grid: each worker needs all of
     B, scattered to one of them and fetched by the other; the plan's
-    worker-to-worker estimate is what distributed logged, within 1.5x."""
+    worker-to-worker estimate is what distributed logged, within 1.5x. The
+    same for dask operands persisted across both workers."""
     client, gpu, cpu = mixed
     rng = np.random.default_rng()
     a, b = rng.standard_normal((2048, 1024)), rng.standard_normal((1024, 512))
@@ -313,8 +314,27 @@ def test_estimated_bytes_match_the_transfer_log(mixed):
     assert est["gather"] == got.nbytes
     assert est["worker_to_worker"] > 0
     ratio = measured["worker_to_worker"] / est["worker_to_worker"]
+    print(f"numpy operands: estimated {est}, logged {measured['worker_to_worker']}")
     assert 1 / 1.5 <= ratio <= 1.5, (measured, est)
     np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-9)
+    # dask operands persisted on both workers: the chunks a block lacks move, once each
+    gen = da.random.default_rng(int(rng.integers(1 << 30)))
+    A = gen.standard_normal((2048, 1024), chunks=(512, 256)).persist()
+    B = gen.standard_normal((1024, 512), chunks=(256, 512)).persist()
+    distributed.wait([A, B])
+    a, b = A.compute(), B.compute()
+    with _gflops(1000, 1000):
+        C = distmm.matmul(A, B, client=client)
+    stats = last_stats()
+    est = stats["estimated_bytes"]
+    C = C.persist()
+    distributed.wait(C)
+    measured = transfer_report(client, since=stats["started"])
+    assert est["worker_to_worker"] > 0
+    ratio = measured["worker_to_worker"] / est["worker_to_worker"]
+    print(f"dask operands: estimated {est}, logged {measured['worker_to_worker']}")
+    assert 1 / 1.5 <= ratio <= 1.5, (measured, est)
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-9)
 
 
 def test_cpu_only_clusters_keep_one_task_per_tile():

@@ -236,9 +236,12 @@ class DaskEngine(Engine):
                 cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
                     {u.address for u in units})
                 cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu))
-                result = lazy_blocks(ops, plan, a2, b2, geometry, layout,
-                                     [u.address for u in units], cells, request.backend)
+                addresses = [u.address for u in units]
+                result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
+                                     request.backend)
                 stats.update(_layout_stats(layout, units, plan))
+                stats["estimated_bytes"] = _lazy_estimate(self.client, ops, plan, layout,
+                                                          addresses, a2, b2)
                 record(stats)
                 return result
             if slots and not ops.batch:
@@ -264,6 +267,20 @@ class DaskEngine(Engine):
         stats["seconds"] = time.perf_counter() - t0
         record(stats)
         return out
+
+
+def _lazy_estimate(client, ops, plan, layout, addresses, a2, b2) -> dict:
+    import numpy as np
+
+    from distmm.engine.dask.placement import who_has
+    from distmm.engine.dask.stats import estimate_lazy
+
+    cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
+                                 a2.chunks, b2.chunks)
+    where = who_has(client, a2, b2)
+    return estimate_lazy(cell_geo, layout, addresses, a2, b2, where,
+                         np.dtype(plan.acc_dtype).itemsize,
+                         ops.m * ops.n * np.dtype(ops.dtype).itemsize)
 
 
 def _layout_stats(layout, units, plan) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["last_stats", "record", "estimate_eager", "transfer_report"]
+__all__ = ["last_stats", "record", "estimate_eager", "estimate_lazy", "transfer_report"]
 
 _LAST: dict = {}
 _LOCK = threading.Lock()
@@ -36,8 +36,10 @@ def last_stats() -> dict:
     """The last Dask product of this process: ``mode`` (``"tiles"`` or
     ``"blocks"``), ``tasks``, ``cells``, ``units`` (per unit: worker, GPU or
     not, share of C, its block), ``moved`` (cells rerun on CPU workers),
-    ``estimated_bytes`` (by route), ``started`` (``time.time()``) and
-    ``seconds``. Empty before the first product."""
+    ``estimated_bytes`` (block mode: by route, ``scatter`` for numpy operands,
+    ``worker_to_worker``, ``gather``; tile mode: ``plan``, the plan's own
+    ``bytes_moved``), ``started`` (``time.time()``) and ``seconds`` (numpy
+    operands). Empty before the first product."""
     with _LOCK:
         return dict(_LAST)
 
@@ -56,16 +58,54 @@ def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str],
             scatter += nbytes
             holders = {addresses[u % len(addresses)] for u in units}
             w2w += (len(holders) - 1) * nbytes
-    partials = 0
+    partials = _partials(layout, addresses, acc_itemsize)
+    return {"scatter": scatter, "worker_to_worker": w2w + partials, "gather": c_bytes}
+
+
+def _partials(layout, addresses, acc_itemsize: int) -> int:
+    out = 0
     for bi, bj in layout.cells():
         area = (layout.row_edges[bi + 1] - layout.row_edges[bi]) * (
             layout.col_edges[bj + 1] - layout.col_edges[bj])
-        for t, (dst, src) in enumerate(layout.reduction):
+        for dst, src in layout.reduction:
             a = addresses[layout.unit_of_partial(bi, bj, dst) % len(addresses)]
             b = addresses[layout.unit_of_partial(bi, bj, src) % len(addresses)]
             if a != b:
-                partials += area * acc_itemsize
-    return {"scatter": scatter, "worker_to_worker": w2w + partials, "gather": c_bytes}
+                out += area * acc_itemsize
+    return out
+
+
+def estimate_lazy(geometry, layout, addresses: list[str], a2, b2, where: dict,
+                  acc_itemsize: int, c_bytes: int) -> dict:
+    """Bytes a block-mode product of dask operands moves between workers:
+    each chunk to every worker reading it that does not hold it (``where``:
+    ``client.who_has`` of persisted chunks; a chunk not persisted counts as
+    made on one of its readers), plus the partials of split cells; and C, if
+    it is gathered."""
+    from distmm.engine.dask.chunks import locate
+
+    readers: dict = {}
+    for bi, bj in layout.cells():
+        for g in range(layout.groups):
+            addr = addresses[layout.unit_of_partial(bi, bj, g) % len(addresses)]
+            k0, k1 = geometry.k_groups[g], geometry.k_groups[g + 1]
+            for rb, _, _ in geometry.a_row_pieces(bi):
+                for kb, _, _ in locate(geometry.a_k, k0, k1):
+                    readers.setdefault((a2.name, rb, kb), set()).add(addr)
+            for kb, _, _ in locate(geometry.b_k, k0, k1):
+                for cb, _, _ in geometry.b_col_pieces(bj):
+                    readers.setdefault((b2.name, kb, cb), set()).add(addr)
+    moved = 0
+    for key, who in readers.items():
+        name, r, c = key
+        rows, cols = (geometry.a_rows, geometry.a_k) if name == a2.name else (geometry.b_k,
+                                                                              geometry.b_cols)
+        itemsize = (a2 if name == a2.name else b2).dtype.itemsize
+        nbytes = (rows[r + 1] - rows[r]) * (cols[c + 1] - cols[c]) * itemsize
+        held = set(where.get(key, ()))
+        moved += nbytes * (len(who - held) if held else len(who) - 1)
+    return {"worker_to_worker": moved + _partials(layout, addresses, acc_itemsize),
+            "gather": c_bytes}
 
 
 def _logs(dask_worker, since):
