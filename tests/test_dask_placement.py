@@ -350,3 +350,40 @@ def test_cpu_only_clusters_keep_one_task_per_tile():
         assert last_stats()["mode"] == "blocks" and len(last_stats()["units"]) == 2
         np.testing.assert_array_equal(got, a @ a.T)
         np.testing.assert_array_equal(got2, a @ a.T)
+
+
+@pytest.mark.slow
+def test_block_mode_survives_killed_workers_with_the_same_bits():
+    """The eager loop's retries in block mode: two of three GPU-marked workers
+    killed mid-run, the cells they held run again, bitwise equal."""
+    import threading
+
+    from test_dask_faults import _kill_workers
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((1536, 2500)), rng.standard_normal((2500, 1536))
+    with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="1GiB",
+                                  resources={"GPU": 1}, env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
+            distributed.Client(cl) as client, dask.config.set({"distmm.memory-budget": "8MiB"}):
+        client.wait_for_workers(3, timeout=60)
+        undisturbed = distmm.matmul(a, b, client=client)
+        assert last_stats()["mode"] == "blocks" and last_stats()["cells"] >= 16
+        out = {}
+
+        def product():
+            try:
+                out["c"] = distmm.matmul(a, b, client=client)
+            except BaseException as exc:  # reported by the assertion below
+                out["error"] = exc
+
+        run = threading.Thread(target=product)
+        run.start()
+        try:
+            killed = _kill_workers(client, run, kills=2, gap=0.1)
+        finally:
+            run.join(120)
+    assert killed >= 1, "the product ended before a worker could be killed"
+    assert "c" in out, f"raised instead of retrying: {out.get('error')!r}"
+    assert np.array_equal(out["c"], undisturbed)
+    np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10 * np.abs(a @ b).max())

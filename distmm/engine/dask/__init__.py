@@ -203,9 +203,9 @@ class DaskEngine(Engine):
 
         itemsize = np.dtype(plan.acc_dtype).itemsize
         weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
-        budget = memory_budget(self.client) or plan.memory_budget
+        # the plan's budget: the lower of the configured one and the workers' (plan_hints)
         return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
-                            memory_budget=budget, tk=plan.tile[2], **cuts)
+                            memory_budget=plan.memory_budget, tk=plan.tile[2], **cuts)
 
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
