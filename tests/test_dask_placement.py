@@ -350,6 +350,12 @@ def test_cpu_only_clusters_keep_one_task_per_tile():
         assert last_stats()["mode"] == "blocks" and len(last_stats()["units"]) == 2
         np.testing.assert_array_equal(got, a @ a.T)
         np.testing.assert_array_equal(got2, a @ a.T)
+        with dask.config.set({"distmm.dask-layout": "blocks"}):  # empty products, both paths
+            for sa, sb in (((0, 5), (5, 3)), ((4, 0), (0, 3)), ((4, 5), (5, 0))):
+                x, y = np.ones(sa), np.ones(sb)
+                np.testing.assert_array_equal(distmm.matmul(x, y, client=client), x @ y)
+                lazy = distmm.matmul(da.from_array(x), da.from_array(y), client=client)
+                np.testing.assert_array_equal(lazy.compute(), x @ y)
 
 
 @pytest.mark.slow
