@@ -99,6 +99,8 @@ class Config:
     performance_report: str | None = None
     retry_timeout: float = 60.0
     memory_budget_from: str = "config"  # "config": bytes given; "auto": measured per call
+    dask_layout: str = "auto"
+    dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
 
 
 class _Bad(Exception):
@@ -188,6 +190,24 @@ def _seconds(value) -> float:
     return out
 
 
+def _gflops(value):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Bad("a mapping of gpu, cpu or a worker address to GFLOP/s is needed")
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, bool):
+            raise _Bad(f"{key}: a number of GFLOP/s is needed")
+        try:
+            out[str(key)] = float(v)
+        except (TypeError, ValueError):
+            raise _Bad(f"{key}: a number of GFLOP/s is needed") from None
+        if not (out[str(key)] >= 0 and math.isfinite(out[str(key)])):
+            raise _Bad(f"{key}: GFLOP/s must be a finite number, at least 0")
+    return tuple(sorted(out.items()))  # hashable, as the rest of Config
+
+
 def _budget(value):
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
@@ -207,6 +227,8 @@ _PARSERS = {
     "progress": ("progress", _optional_bool),
     "performance-report": ("performance_report", _optional_str),
     "retry-timeout": ("retry_timeout", _seconds),
+    "dask-layout": ("dask_layout", lambda v: _name(v, ("auto", "tiles", "blocks"))),
+    "dask-worker-gflops": ("dask_worker_gflops", _gflops),
 }
 
 

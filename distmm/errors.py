@@ -8,7 +8,7 @@ It does *not* cover: formatting errors for the command line (``distmm.cli``).
 """
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "WorkersLost", "OutputExists", "InsufficientSpace"]
+__all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -18,6 +18,12 @@ class BackendUnavailable(RuntimeError):
 class WorkersLost(RuntimeError):
     """A cluster run gave up: workers kept dying, or none came back in time.
     The message says what was lost and after how long."""
+
+
+class TileFailed(RuntimeError):
+    """One tile (a block of C) could not be computed on its device: the GPU ran
+    out of memory after the retries, or the device was lost. The Dask engine
+    runs such a tile again on a CPU worker."""
 
 
 class OutputExists(FileExistsError):

@@ -31,6 +31,16 @@ DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
           "float16", "float32", "float64", "complex64", "complex128"]
 
 
+@pytest.fixture(autouse=True)
+def _tile_mode():
+    """These tests cover tile mode (one task per plan tile); on a GPU machine
+    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
+    import dask.config
+
+    with dask.config.set({"distmm.dask-layout": "tiles"}):
+        yield
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,

@@ -31,6 +31,16 @@ from distmm.errors import WorkersLost  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _tile_mode():
+    """These tests cover tile mode (one task per plan tile); on a GPU machine
+    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
+    import dask.config
+
+    with dask.config.set({"distmm.dask-layout": "tiles"}):
+        yield
+
+
 @pytest.fixture(scope="module")
 def client():
     with distributed.LocalCluster(n_workers=4, threads_per_worker=1, processes=True,

@@ -27,6 +27,16 @@ from distmm.engine.dask import MEMORY_FRACTION  # noqa: E402
 from distmm.api import _validate  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _tile_mode():
+    """These tests cover tile mode (one task per plan tile); on a GPU machine
+    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
+    import dask.config
+
+    with dask.config.set({"distmm.dask-layout": "tiles"}):
+        yield
+
+
 def _cluster(limit: str):
     return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                     dashboard_address=":0", memory_limit=limit)

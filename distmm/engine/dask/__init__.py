@@ -6,12 +6,18 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 (``eager``). Its modules, one idea each:
 
 ``tasks``      the task bodies that run on workers
+``blocks``     block mode's task bodies: a whole block on a GPU or a CPU
 ``chunks``     chunk geometry: output blocks, k groups, the pieces a task reads
 ``placement``  worker slots and the placement annotation (plan owner per key)
 ``graph``      the product as one lazy ``Layer``: blockwise over output blocks,
                the k-loop inside the task, the plan's reduction tree after it
 ``eager``      the scatter/gather loop for in-memory operands, with retries
+               and, in block mode, the fallback of failed GPU cells to CPU workers
 ``lazy``       dask-array operands: the lazy result array
+``workers``    GPU workers (a "GPU" resource or a probe) and each worker's GFLOP/s
+``layout``     block mode: one contiguous 2-D block of C per worker unit,
+               shares by throughput, split-K for products with few blocks
+``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
 validation (``distmm.api``) or kernels (``distmm.executor``).
@@ -28,6 +34,24 @@ blocks for the workers), each group is one task, its edges moved onto chunk
 edges, and the partials are summed along the plan's fixed tree, one task per
 step, so the bits never depend on which task finished first.
 
+Tiles or blocks
+---------------
+By default (``distmm.dask-layout: auto``) a cluster with a GPU worker runs in
+block mode: C is split into one contiguous 2-D block per unit (a GPU worker,
+or a CPU worker thread), near-square over the units as SUMMA's grid, sized in
+proportion to each unit's GFLOP/s (``distmm.dask-worker-gflops`` or measured;
+a CPU worker gets nothing where its share would slow the run), and each block
+is one task (or a few, to fit the memory budget) running the whole block
+through the GPU executor's stream pipeline or the CPU executor. Each A row
+panel and B column panel goes to a worker once. Dask operands keep their
+chunks: block edges lie on output chunk edges and each output chunk is a
+slice of its block. A GPU task that fails (``TileFailed``: out of memory
+after the pipeline's retries, a lost device) is run again on a CPU worker,
+and the log names the moved cells. CPU-only clusters keep one task per plan
+tile (``tiles``) unless ``blocks`` is configured: on two CPU cores the two
+shapes ran equally fast (``bench/NOTES.md``), and tiles keep the pinned,
+stealable small tasks the fault and memory tests rely on.
+
 Memory
 ------
 ``plan_hints`` gives the planner a memory budget from the workers'
@@ -42,8 +66,10 @@ import sys
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
+from distmm.engine.dask.stats import last_stats, record, transfer_report
 
-__all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION"]
+__all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION", "last_stats", "transfer_report",
+           "FAIL_TILES_KEY"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -51,6 +77,21 @@ log = logging.getLogger("distmm.engine.dask")
 #: rest is the process itself, inputs fetched for the next tasks, and results
 #: waiting to be gathered, below dask's spill (60%) and pause (80%) thresholds
 MEMORY_FRACTION = 0.25
+
+#: debug configuration (outside the checked ``distmm`` section): a list of
+#: cells ``[i, j]`` of the block layout whose GPU task raises ``TileFailed``
+#: on purpose, so that the CPU fallback can be tested without a GPU
+FAIL_TILES_KEY = "distmm-debug.fail-tiles"
+
+
+def _fail_tiles() -> frozenset:
+    import dask.config
+
+    raw = dask.config.get(FAIL_TILES_KEY, None) or ()
+    try:
+        return frozenset((int(i), int(j)) for i, j in raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{FAIL_TILES_KEY} must be a list of [i, j] cells, got {raw!r}") from None
 
 
 def _resolve_client(client, *, required: bool):
@@ -141,24 +182,117 @@ class DaskEngine(Engine):
         hints["tile"] = self._chunk_tile
         return hints
 
+    def _block_units(self, ops: Operands):
+        """The units of block mode, or None for one task per plan tile."""
+        from distmm.config import get_config
+
+        cfg = get_config()
+        if cfg.dask_layout == "tiles" or self.client is None or ops.batch:
+            return None
+        from distmm.engine.dask.workers import units, worker_info
+
+        infos = worker_info(self.client, cfg.dask_worker_gflops)
+        if not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos)):
+            return None
+        return units(infos)
+
+    def _layout(self, ops: Operands, plan, units, **cuts):
+        import numpy as np
+
+        from distmm.engine.dask.layout import block_layout, shares
+
+        itemsize = np.dtype(plan.acc_dtype).itemsize
+        weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
+        # the plan's budget: the lower of the configured one and the workers' (plan_hints)
+        return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
+                            memory_budget=plan.memory_budget, tk=plan.tile[2], **cuts)
+
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
         gathered), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
         chunk per element along batch axes)."""
+        import time
+
         ops, plan = request.operands, request.plan
         slots = self.slots
+        units = self._block_units(ops)
+        stats: dict = {"mode": "blocks" if units else "tiles", "started": time.time(),
+                       "shape": (ops.m, ops.n, ops.k), "moved": []}
+        t0 = time.perf_counter()
         if ops.family == "dask":
-            from distmm.engine.dask.lazy import lazy_product
+            from distmm.engine.dask.lazy import lazy_blocks, lazy_product
 
             a2, b2 = ops.a2, ops.b2
             follow = self._chunk_tile is not None and tuple(plan.tile) == self._chunk_tile
             geometry = Geometry.of(plan, a2.chunks, b2.chunks, follow_chunks=follow)
+            if units:
+                from distmm.engine.dask.graph import CellTasks
+                from distmm.engine.dask.layout import layout_devices
+
+                layout = self._layout(ops, plan, units, row_cuts=geometry.row_edges,
+                                      col_cuts=geometry.col_edges,
+                                      k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
+                cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
+                    {u.address for u in units})
+                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu))
+                addresses = [u.address for u in units]
+                result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
+                                     request.backend)
+                stats.update(_layout_stats(layout, units, plan))
+                stats["estimated_bytes"] = _lazy_estimate(self.client, ops, plan, layout,
+                                                          addresses, a2, b2)
+                record(stats)
+                return result
             if slots and not ops.batch:
                 slots, _ = slots_by_locality(self.client, plan, geometry, slots, a2, b2)
-            return lazy_product(ops, plan, a2, b2, geometry, slots, request.backend)
+            result = lazy_product(ops, plan, a2, b2, geometry, slots, request.backend)
+            gm, gn = geometry.grid
+            stats.update(tasks=len(result.dask.layers[result.name]), cells=gm * gn,
+                         estimated_bytes={"plan": plan.bytes_moved})
+            record(stats)
+            return result
         from distmm.engine.dask.eager import run_eager
 
-        return run_eager(ops, plan, self.client, slots, request.backend,
-                         progress=request.progress, report=request.report,
-                         retry_timeout=self.retry_timeout)
+        layout = self._layout(ops, plan, units) if units else None
+        if layout is not None:
+            stats.update(_layout_stats(layout, units, plan))
+        else:
+            stats.update(cells=plan.grid[0] * plan.grid[1],
+                         estimated_bytes={"plan": plan.bytes_moved})
+        out = run_eager(ops, plan, self.client, slots, request.backend,
+                        progress=request.progress, report=request.report,
+                        retry_timeout=self.retry_timeout, layout=layout, units=units,
+                        fail=_fail_tiles() if layout is not None else (), stats=stats)
+        stats["seconds"] = time.perf_counter() - t0
+        record(stats)
+        return out
+
+
+def _lazy_estimate(client, ops, plan, layout, addresses, a2, b2) -> dict:
+    import numpy as np
+
+    from distmm.engine.dask.placement import who_has
+    from distmm.engine.dask.stats import estimate_lazy
+
+    cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
+                                 a2.chunks, b2.chunks)
+    where = who_has(client, a2, b2)
+    return estimate_lazy(cell_geo, layout, addresses, a2, b2, where,
+                         np.dtype(plan.acc_dtype).itemsize,
+                         ops.m * ops.n * np.dtype(ops.dtype).itemsize)
+
+
+def _layout_stats(layout, units, plan) -> dict:
+    import numpy as np
+
+    gm, gn = layout.grid
+    per_unit = []
+    total = max(layout.m * layout.n, 1)
+    for u, unit in enumerate(units):
+        per_unit.append({"address": unit.address, "gpu": unit.gpu, "gflops": unit.gflops,
+                         "block": layout.blocks[u], "share": layout.area(u) / total})
+    est = layout.bytes_moved(np.dtype(plan.acc_dtype).itemsize)
+    return {"cells": gm * gn, "groups": layout.groups, "units": per_unit,
+            "grid": (gm, gn), "estimated_bytes": est,
+            "tasks": gm * gn * (1 if layout.groups == 1 else layout.groups + len(layout.reduction))}

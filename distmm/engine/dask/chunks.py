@@ -124,6 +124,16 @@ class Geometry:
         return cls(rows, cols, _group_edges(plan, cuts), a_rows, a_k, b_k, b_cols,
                    tile_rows, tile_cols)
 
+    @classmethod
+    def of_cells(cls, row_edges, col_edges, k_groups, a_chunks, b_chunks) -> "Geometry":
+        """The geometry of a block layout's cells (``distmm.engine.dask.layout``)
+        over operands chunked as ``a_chunks`` and ``b_chunks``; ``k_groups``
+        already lie on chunk edges."""
+        gm, gn = len(row_edges) - 1, len(col_edges) - 1
+        return cls(tuple(row_edges), tuple(col_edges), tuple(k_groups),
+                   edges(a_chunks[-2]), edges(a_chunks[-1]), edges(b_chunks[-2]),
+                   edges(b_chunks[-1]), tuple(range(gm)), tuple(range(gn)))
+
     @property
     def grid(self) -> tuple[int, int]:
         return len(self.row_edges) - 1, len(self.col_edges) - 1

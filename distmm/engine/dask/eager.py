@@ -8,6 +8,12 @@ a worker are sent again, output blocks not yet gathered are run again, and
 when no worker is alive the loop waits for one. It gives up only after
 ``retry_timeout`` seconds of failures without one output block arriving, with
 ``distmm.errors.WorkersLost`` saying what was lost.
+In block mode (``layout`` given: one contiguous block of C per worker unit,
+``distmm.engine.dask.layout``) the same loop runs over the layout's cells,
+and a cell whose GPU task raises ``distmm.errors.TileFailed`` is run again
+with the CPU executor on a CPU worker (any worker when there is none); the
+log names the cells that moved. A fallback is not a failure: it does not
+count towards ``retry_timeout``.
 It does *not* cover: the graph (``distmm.engine.dask.graph``) or dask
 operands, whose chunks the scheduler recomputes itself
 (``distmm.engine.dask.lazy``).
@@ -30,10 +36,10 @@ from itertools import product as iproduct
 import numpy as np
 
 from distmm.engine.dask.chunks import Geometry
-from distmm.engine.dask.graph import OperandKeys, ProductLayer, names_of
-from distmm.engine.dask.placement import Placement, worker_slots
+from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
+from distmm.engine.dask.placement import BlockPlacement, Placement, worker_slots
 from distmm.engine.dask.tasks import TaskPlan
-from distmm.errors import WorkersLost
+from distmm.errors import TileFailed, WorkersLost
 from distmm.plan import Plan
 
 __all__ = ["run_eager"]
@@ -140,6 +146,66 @@ def _needers(plan: Plan, batch, a_batch, b_batch):
     return a_need, b_need
 
 
+def _cell_needers(layout):
+    """For every block of A (row cell, k group) and B (k group, column cell),
+    the units whose tasks read it."""
+    a_need: dict = defaultdict(set)
+    b_need: dict = defaultdict(set)
+    for bi, bj in layout.cells():
+        for g in range(layout.groups):
+            u = layout.unit_of_partial(bi, bj, g)
+            a_need[(bi, g)].add(u)
+            b_need[(g, bj)].add(u)
+    return a_need, b_need
+
+
+class _Blocks:
+    """Block mode's state across attempts: the layout, its units, the cells
+    failing on purpose, and the cells moved to CPU workers."""
+
+    def __init__(self, layout, units, fail):
+        self.layout = layout
+        self.units = list(units)
+        self.fail = frozenset(fail)
+        self.moved: dict = {}  # cell -> the GPU worker it failed on
+
+    def addresses(self, alive: set) -> list[str]:
+        """Each unit's worker; a unit whose worker is gone goes to a live
+        worker of the same kind (any live worker when there is none)."""
+        gpu_alive = sorted({u.address for u in self.units if u.gpu} & alive)
+        any_alive = sorted(alive)
+        out = []
+        for i, u in enumerate(self.units):
+            if u.address in alive or not any_alive:
+                out.append(u.address)
+            else:
+                pool = (gpu_alive if u.gpu else []) or any_alive
+                out.append(pool[i % len(pool)])
+        return out
+
+    def cpu_workers(self, alive: set) -> list[str]:
+        cpu = sorted({u.address for u in self.units if not u.gpu} & alive)
+        return cpu or sorted(alive)
+
+    def devices(self) -> CellTasks:
+        from distmm.engine.dask.layout import layout_devices
+
+        table = {key: dev for key, dev in layout_devices(self.layout, self.units).items()
+                 if key[:2] not in self.moved}
+        return CellTasks(table, self.fail)
+
+    def placement(self, name: str, alive: set):
+        cpu = self.cpu_workers(alive)
+        moved = {cell: cpu[i % len(cpu)] for i, cell in enumerate(sorted(self.moved))} if cpu else {}
+        return BlockPlacement(self.layout, names_of(name), self.addresses(alive), moved)
+
+    def cell_text(self, cell) -> str:
+        bi, bj = cell
+        lay = self.layout
+        return (f"({bi}, {bj}) rows {lay.row_edges[bi]}:{lay.row_edges[bi + 1]} "
+                f"cols {lay.col_edges[bj]}:{lay.col_edges[bj + 1]}")
+
+
 def _show_progress(progress, plan: Plan, batch, slots) -> bool:
     if progress is not None:
         return bool(progress)
@@ -159,8 +225,14 @@ def _alive(client) -> tuple[set, list[str]]:
 
 
 def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
-              report=None, retry_timeout: float = 60.0):
-    """Compute the product of host operands on the cluster; return numpy's array."""
+              report=None, retry_timeout: float = 60.0, layout=None, units=None, fail=(),
+              stats: dict | None = None):
+    """Compute the product of host operands on the cluster; return numpy's array.
+
+    ``layout``/``units``: block mode (2-D products only); ``fail``: cells
+    that raise ``TileFailed`` on the GPU on purpose; ``stats``: filled with
+    what the run did (cells moved to CPU workers, tasks submitted).
+    """
     dtype = np.dtype(ops.dtype)
     out = np.empty(ops.out_shape, dtype=dtype)
     if out.size == 0:
@@ -172,12 +244,23 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
 
     a2, b2 = ops.a2, ops.b2
     batch = tuple(ops.batch)
-    a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
     token = uuid.uuid4().hex[:12]
-    a_sc = _Scattered(client, a2, plan.row_edges, plan.k_edges, a_need, f"a-{token}")
-    b_sc = _Scattered(client, b2, plan.k_edges, plan.col_edges, b_need, f"b-{token}")
-    geometry = Geometry.of(plan, a_sc.chunks(), b_sc.chunks(), follow_chunks=False)
-    pending = {(ob, i, j) for ob in np.ndindex(*batch) for i, j in plan.tiles()}
+    blocks = None
+    if layout is not None:
+        blocks = _Blocks(layout, units, fail)
+        a_need, b_need = _cell_needers(layout)
+        rows, cols, ks, reduction = layout.row_edges, layout.col_edges, layout.k_edges, layout.reduction
+    else:
+        a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
+        rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
+    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}")
+    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}")
+    if blocks is not None:
+        geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
+    else:
+        geometry = Geometry.of(plan, a_sc.chunks(), b_sc.chunks(), follow_chunks=False)
+    gm, gn = geometry.grid
+    pending = {(ob, i, j) for ob in np.ndindex(*batch) for i in range(gm) for j in range(gn)}
     bar = None
     if _show_progress(progress, plan, batch, slots):
         from tqdm.auto import tqdm
@@ -186,44 +269,62 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     transient = _transient_errors()
     ctx = performance_report(filename=report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
+    submitted = 0
     t0 = time.perf_counter()
     try:
         with ctx:
             while pending:
+                fell_back, troubled = [], False
                 try:
                     alive, live_slots = _alive(client)
                     slots = live_slots or slots
                     load: dict = {}
-                    a_sc.scatter(a_sc.missing(), slots, alive, load)
-                    b_sc.scatter(b_sc.missing(), slots, alive, load)
-                    name = f"distmm-matmul-{token}-{attempts}"
+                    targets = blocks.addresses(alive) if blocks is not None else slots
+                    a_sc.scatter(a_sc.missing(), targets, alive, load)
+                    b_sc.scatter(b_sc.missing(), targets, alive, load)
+                    name = f"distmm-matmul-{token}-{attempts}-{submitted}"
+                    if blocks is not None:
+                        placement, cells = blocks.placement(name, alive), blocks.devices()
+                    else:
+                        placement = Placement(plan, geometry, names_of(name), len(batch),
+                                              reduction, slots)
+                        cells = None
                     layer = ProductLayer(
                         name, geometry, a_sc.keys(), b_sc.keys(), TaskPlan.of(plan), backend,
-                        batch, plan.reduction, blocks=pending,
-                        annotations={"workers": Placement(plan, geometry, names_of(name), len(batch),
-                                                          plan.reduction, slots),
-                                     "allow_other_workers": True})
+                        batch, reduction, blocks=pending,
+                        annotations={"workers": placement, "allow_other_workers": True},
+                        cells=cells)
+                    submitted += len(layer)
                     futures = _submit(client, layer)
                     for fut in as_completed(futures):
                         try:
                             tile_out = fut.result()
+                        except TileFailed as exc:
+                            if blocks is None:
+                                raise
+                            fell_back.append((futures[fut], exc))
+                            continue
                         except transient as exc:
                             if fut.status == "error" and not _is_killed(exc):
                                 raise
-                            last_error, failed_tiles = exc, failed_tiles + 1
+                            last_error, failed_tiles, troubled = exc, failed_tiles + 1, True
                             continue
                         ob, i, j = futures[fut]
-                        out[ob + (plan.row_slice(i), plan.col_slice(j))] = tile_out.reshape(
-                            tile_out.shape[-2:])
+                        out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
+                            tile_out.reshape(tile_out.shape[-2:])
                         pending.discard((ob, i, j))
                         failing_since = None
                         if bar is not None:
                             bar.update(1)
                         fut.release()
                 except transient as exc:
-                    last_error = exc
+                    last_error, troubled = exc, True
                 if not pending:
                     break
+                if fell_back:
+                    _fall_back(blocks, fell_back, placement)
+                    if not troubled:
+                        continue  # a fallback is not a worker failure
                 attempts += 1
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -240,7 +341,32 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
             bar.close()
     log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),
              time.perf_counter() - t0)
+    if stats is not None:
+        if blocks is not None:
+            from distmm.engine.dask.stats import estimate_eager
+
+            stats["estimated_bytes"] = estimate_eager(
+                a_sc, b_sc, a_need, b_need, blocks.addresses(alive), layout, out.nbytes,
+                np.dtype(plan.acc_dtype).itemsize)
+        stats["tasks"] = submitted
+        stats["moved"] = sorted(blocks.moved) if blocks is not None else []
+        stats["resent"] = a_sc.resent + b_sc.resent
     return out
+
+
+def _fall_back(blocks: _Blocks, failed, placement) -> None:
+    """Mark the cells whose GPU task raised ``TileFailed`` for the CPU, and say so."""
+    lines = []
+    for (ob, i, j), exc in failed:
+        cell = (i, j)
+        if cell in blocks.moved:
+            continue
+        where = placement((placement.names[0], i, j)) or ["?"]
+        blocks.moved[cell] = where[0]
+        lines.append(f"{blocks.cell_text(cell)} from {where[0]} ({exc})")
+    if lines:
+        log.warning("distmm: %d tile(s) failed on the GPU and moved to CPU workers: %s",
+                    len(lines), "; ".join(lines))
 
 
 def _is_killed(exc) -> bool:

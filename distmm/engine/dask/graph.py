@@ -25,6 +25,7 @@ import numpy as np
 from dask.highlevelgraph import Layer
 
 from distmm.engine.dask.chunks import Geometry, edges, locate
+from distmm.engine.dask.blocks import block_product
 from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, sum_step
 
 try:  # dask >= 2024.9.0
@@ -34,7 +35,7 @@ try:  # dask >= 2024.9.0
 except ImportError:  # pragma: no cover - older dask: legacy tuple tasks
     _Task = _TaskRef = _List = None
 
-__all__ = ["OperandKeys", "ProductLayer", "names_of"]
+__all__ = ["OperandKeys", "ProductLayer", "CellTasks", "names_of"]
 
 
 def _task(key, func, *args):
@@ -96,6 +97,25 @@ class OperandKeys:
         return tuple(blocks), tuple(lead)
 
 
+@dataclass(frozen=True)
+class CellTasks:
+    """Block mode (``distmm.engine.dask.layout``): each output block is a whole
+    block of a worker, its task the k group's whole panels at once
+    (``tasks.block_product``), on a device per task.
+
+    ``devices[(bi, bj, g)]``: ``("gpu" | "cpu", workers sharing that GPU)``
+    (missing: CPU); ``fail``: the cells raising ``TileFailed`` on the GPU on
+    purpose (``distmm-debug.fail-tiles``); ``fallback``: see ``block_product``.
+    """
+
+    devices: Any
+    fail: frozenset = frozenset()
+    fallback: tuple = ()  # CPU workers a failed GPU task hands its block to (lazy products)
+
+    def device(self, bi: int, bj: int, g: int) -> tuple[str, int]:
+        return self.devices.get((bi, bj, g), ("cpu", 1))
+
+
 def _step_inputs(groups: int, reduction) -> tuple:
     """For each step of the reduction tree, where its two inputs come from:
     ``("p", g)`` the partial of group g, ``("s", t)`` the result of step t."""
@@ -122,8 +142,9 @@ class ProductLayer(Layer):
 
     def __init__(self, name: str, geometry: Geometry, a: OperandKeys, b: OperandKeys,
                  tp: TaskPlan, backend: str, batch: tuple[int, ...], reduction,
-                 annotations=None, blocks=None):
+                 annotations=None, blocks=None, cells: CellTasks | None = None):
         super().__init__(annotations=annotations)
+        self.cells = cells
         self.name = name
         self.out_name, self.partial_name, self.sum_name = names_of(name)
         self.geometry = geometry
@@ -205,8 +226,9 @@ class ProductLayer(Layer):
         b_bb, b_lead = self.b.batch_block(ob)
         ck = ("pieces", g)
         pieces = self._cache.get(ck)
-        if pieces is None:
-            pieces = self._cache[ck] = geo.pieces(g, self.tp.tile[2])
+        if pieces is None:  # block mode: the group's whole k in one piece
+            tk = self.tp.tile[2] if self.cells is None else geo.k_groups[-1] + 1
+            pieces = self._cache[ck] = geo.pieces(g, tk)
         a_rows = geo.a_row_pieces(bi)
         b_cols = geo.b_col_pieces(bj)
         a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for a_k, _ in pieces for kb, _, _ in a_k}))
@@ -235,8 +257,13 @@ class ProductLayer(Layer):
         ob, bi, bj = block
         if kind == "p" or (kind == "out" and not self.split):
             spec, a_refs, b_refs = self._partial_parts(ob, bi, bj, extra or 0)
-            return _task(key, partial_block, self.tp, self.backend, spec,
-                         _list(_ref(k) for k in a_refs), _list(_ref(k) for k in b_refs))
+            a_list, b_list = _list(_ref(k) for k in a_refs), _list(_ref(k) for k in b_refs)
+            if self.cells is not None:
+                device, share = self.cells.device(bi, bj, extra or 0)
+                return _task(key, block_product, self.tp, self.backend, spec, device,
+                             (bi, bj) in self.cells.fail, share, a_list, b_list, (bi, bj),
+                             self.cells.fallback)
+            return _task(key, partial_block, self.tp, self.backend, spec, a_list, b_list)
         t = self._step(kind, block, extra)
         src_dst, src_src = self.steps[t]
         final = t == len(self.reduction) - 1
@@ -280,7 +307,7 @@ class ProductLayer(Layer):
     def restricted(self, blocks) -> "ProductLayer":
         return ProductLayer(self.name, self.geometry, self.a, self.b, self.tp, self.backend,
                             self.batch, self.reduction, annotations=self.annotations,
-                            blocks=blocks)
+                            blocks=blocks, cells=self.cells)
 
     def cull(self, keys, all_hlg_keys):
         wanted = set()
@@ -296,4 +323,5 @@ class ProductLayer(Layer):
 
     def __reduce__(self):
         return (ProductLayer, (self.name, self.geometry, self.a, self.b, self.tp, self.backend,
-                               self.batch, self.reduction, self.annotations, self.blocks))
+                               self.batch, self.reduction, self.annotations, self.blocks,
+                               self.cells))

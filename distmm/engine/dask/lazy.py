@@ -2,7 +2,10 @@
 
 This module covers: wrapping a ``ProductLayer`` over the operands' own chunks
 into a dask array (no rechunk is inserted; the input layers stay as they
-are), and the array class whose optimisation keeps the placement annotations.
+are), in block mode (``lazy_blocks``) the layout's block tasks with one small
+task per output chunk slicing it out of its block (on the block's worker,
+where the block lies), and the array class whose optimisation keeps the
+placement annotations.
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), or
 numpy operands (``distmm.engine.dask.eager``).
 """
@@ -16,7 +19,7 @@ from distmm.engine.dask.placement import Placement
 from distmm.engine.dask.tasks import TaskPlan
 from distmm.plan import Plan
 
-__all__ = ["lazy_product", "PinnedArray"]
+__all__ = ["lazy_product", "lazy_blocks", "PinnedArray"]
 
 
 def output_chunks(geometry_chunks, batch) -> tuple:
@@ -53,6 +56,59 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
     out_meta = meta_from_array(meta, ndim=len(out_shape), dtype=dtype)
     cls = PinnedArray if annotations else da.Array
     return cls(hlg, name, chunks, dtype=dtype, meta=out_meta)
+
+
+def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, cells,
+                backend: str):
+    """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
+    cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
+    (one per unit), the output chunks sliced out of them."""
+    import bisect
+
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    from distmm.engine.dask.graph import _ref, _task
+    from distmm.engine.dask.placement import BlockPlacement
+    from distmm.engine.dask.blocks import cut
+
+    dtype = np.dtype(ops.dtype)
+    chunks = tuple(geometry.chunks)
+    if 0 in ops.out_shape or plan.k == 0:
+        return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
+    token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells)
+    name = "distmm-matmul-" + token
+    cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
+                                 a2.chunks, b2.chunks)
+    placement = BlockPlacement(layout, names_of(name), addresses)
+    layer = ProductLayer(name, cell_geo, OperandKeys(tuple(a2.shape), a2.chunks, a2.name),
+                         OperandKeys(tuple(b2.shape), b2.chunks, b2.name), TaskPlan.of(plan),
+                         backend, (), layout.reduction,
+                         annotations={"workers": placement, "allow_other_workers": True},
+                         cells=cells)
+    hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
+    out_name = "distmm-chunks-" + token
+    rows, cols = geometry.row_edges, geometry.col_edges
+    dsk = {}
+    for ci in range(len(rows) - 1):
+        bi = bisect.bisect_right(layout.row_edges, rows[ci]) - 1
+        r0 = layout.row_edges[bi]
+        for cj in range(len(cols) - 1):
+            bj = bisect.bisect_right(layout.col_edges, cols[cj]) - 1
+            c0 = layout.col_edges[bj]
+            key = (out_name, ci, cj)
+            dsk[key] = _task(key, cut, _ref((name, bi, bj)), rows[ci] - r0, rows[ci + 1] - r0,
+                             cols[cj] - c0, cols[cj + 1] - c0)
+    layers = dict(hlg.layers)
+    layers[out_name] = MaterializedLayer(dsk)
+    deps = dict(hlg.dependencies)
+    deps[out_name] = {name}
+    graph = HighLevelGraph(layers, deps)
+    meta = getattr(a2, "_meta", np.empty((0, 0)))
+    out_meta = meta_from_array(meta, ndim=2, dtype=dtype)
+    return PinnedArray(graph, out_name, chunks, dtype=dtype, meta=out_meta)
 
 
 def _cull_only(dsk, keys, **kwargs):

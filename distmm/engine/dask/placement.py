@@ -4,7 +4,9 @@ This module covers: the worker slots a plan is made for (one per worker
 thread), the ``Placement`` annotation that maps a task's key to the worker of
 its plan owner (computed from the key, so the graph holds no table per task;
 loose: a dead or busy worker's tasks move), and mapping the plan's owners
-onto workers so that tasks find their persisted inputs in place.
+onto workers so that tasks find their persisted inputs in place; in block
+mode (``distmm.engine.dask.layout``), ``BlockPlacement``: each cell's tasks
+on the worker of the unit owning it.
 It does *not* cover: the plan's owners themselves (``distmm.plan``) or the
 tasks (``distmm.engine.dask.graph``).
 """
@@ -15,7 +17,7 @@ from collections import defaultdict
 from distmm.engine.dask.chunks import Geometry, locate
 from distmm.plan import Plan
 
-__all__ = ["worker_slots", "Placement", "slots_by_locality", "who_has"]
+__all__ = ["worker_slots", "Placement", "BlockPlacement", "slots_by_locality", "who_has"]
 
 
 def worker_slots(client, wait: float = 30.0) -> list[str]:
@@ -73,6 +75,43 @@ class Placement:
         if w is None or not self.slots:
             return None
         return [self.slots[w % len(self.slots)]]
+
+
+class BlockPlacement:
+    """The ``workers=`` annotation of a product in block mode: a cell's k
+    group ``g`` runs on ``layout.unit_of_partial(bi, bj, g)``, a reduction
+    step on the unit of its destination; ``addresses[u]`` is unit u's worker.
+    Batch axes are not laid out in blocks (block mode is 2-D only)."""
+
+    def __init__(self, layout, names: tuple[str, str, str], addresses: list[str],
+                 moved: dict | None = None):
+        self.layout = layout
+        self.names = names
+        self.addresses = list(addresses)
+        self.moved = dict(moved or {})  # cell -> address: every task of that cell
+
+    def unit(self, key) -> int | None:
+        if not isinstance(key, tuple) or len(key) < 3:
+            return None
+        head, bi, bj = key[0], key[1], key[2]
+        lay = self.layout
+        if head == self.names[0] and len(key) == 3:
+            if lay.groups == 1:
+                return lay.unit_of_partial(bi, bj, 0)
+            return lay.unit_of_step(bi, bj, len(lay.reduction) - 1)
+        if head == self.names[1] and len(key) == 4:
+            return lay.unit_of_partial(bi, bj, key[3])
+        if head == self.names[2] and len(key) == 4:
+            return lay.unit_of_step(bi, bj, key[3])
+        return None
+
+    def __call__(self, key):
+        if self.moved and isinstance(key, tuple) and len(key) >= 3 and (key[1], key[2]) in self.moved:
+            return [self.moved[(key[1], key[2])]]
+        u = self.unit(key)
+        if u is None or not self.addresses:
+            return None
+        return [self.addresses[u % len(self.addresses)]]
 
 
 def who_has(client, a2, b2) -> dict:

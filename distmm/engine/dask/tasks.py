@@ -3,7 +3,8 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, and the final cast to numpy's result dtype.
+reduction tree, and the final cast to numpy's result dtype. Block mode's
+task bodies are in ``distmm.engine.dask.blocks``.
 It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
 building the graph (``distmm.engine.dask.graph``) or kernels
 (``distmm.executor``). The functions here are module-level, pickled by
@@ -21,7 +22,7 @@ import numpy as np
 
 from distmm.engine.tiles import finish_tile, tile_partial
 
-__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step"]
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "as_chunk"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -141,3 +142,4 @@ def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
     if not finish:
         return acc
     return as_chunk(finish_tile(tp, acc), batch_ndim)
+

@@ -1,0 +1,205 @@
+"""Block mode's task bodies: one whole block of C per task, on its device.
+
+This module covers: ``block_product``, which computes one block of C (over
+one k group) in one task: on a GPU worker with the GPU executor's stream
+pipeline reading the block's panels straight from the chunks it was handed
+(``Chunked``: no copy of the whole panel), raising
+``distmm.errors.TileFailed`` when the device fails (out of memory after the
+pipeline's retries, a lost device, or on purpose for tests), or handing the
+block to a CPU worker itself; on a CPU worker with the CPU executor; and
+``cut``, one output chunk sliced out of its block.
+It does *not* cover: which blocks exist (``distmm.engine.dask.layout``), the
+graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
+pickled by reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from distmm.engine.dask.tasks import (_EXECUTORS, BlockSpec, TaskPlan, _panel, _worker_has_gpu,
+                                      _xp, as_chunk)
+from distmm.engine.tiles import finish_tile, tile_partial
+
+__all__ = ["block_product", "cut", "Chunked"]
+
+
+class Chunked:
+    """A 2-D panel over a grid of chunks, read by slices as the stream
+    pipeline reads its operands: a slice inside one chunk is a view, one
+    across chunks is assembled from the pieces it covers (only that region is
+    copied, in the pipeline's copy threads)."""
+
+    def __init__(self, blocks: dict, lead: tuple, row_pieces, col_pieces):
+        self.blocks, self.lead = blocks, lead
+        self.row_pieces, self.col_pieces = tuple(row_pieces), tuple(col_pieces)
+        self.row_off = np.cumsum([0] + [r1 - r0 for _, r0, r1 in self.row_pieces]).tolist()
+        self.col_off = np.cumsum([0] + [c1 - c0 for _, c0, c1 in self.col_pieces]).tolist()
+        self.shape = (self.row_off[-1], self.col_off[-1])
+        self.ndim = 2
+        rb, cb = self.row_pieces[0][0], self.col_pieces[0][0]
+        self.dtype = blocks[(rb, cb)].dtype
+
+    @staticmethod
+    def _overlap(pieces, offsets, lo: int, hi: int):
+        out = []
+        for (blk, p0, _), g0, g1 in zip(pieces, offsets[:-1], offsets[1:]):
+            a, b = max(lo, g0), min(hi, g1)
+            if b > a:
+                out.append((blk, p0 + a - g0, p0 + b - g0))
+        return out
+
+    def __getitem__(self, idx):
+        rs, cs = idx
+        r0, r1, _ = rs.indices(self.shape[0])
+        c0, c1, _ = cs.indices(self.shape[1])
+        rows = self._overlap(self.row_pieces, self.row_off, r0, r1)
+        cols = self._overlap(self.col_pieces, self.col_off, c0, c1)
+        return _panel(self.blocks, self.lead, rows, cols)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[0:self.shape[0], 0:self.shape[1]]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def _whole(x):
+    return x if isinstance(x, np.ndarray) or not isinstance(x, Chunked) else np.asarray(x)
+
+
+def _device_error(exc: BaseException) -> bool:
+    """An error of the device rather than of the inputs: cupy's and CUDA's own,
+    no GPU after all, or the pipeline's out-of-memory after its retries."""
+    from distmm.errors import BackendUnavailable
+
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("cupy", "cupy_backends")) or isinstance(exc, (BackendUnavailable,
+                                                                         MemoryError))
+
+
+def _device_limit(share: int):
+    """Device bytes the pipeline may use when ``share`` workers use this GPU
+    (None: the pipeline's own default, ``distmm.device-memory-limit`` or 90%
+    of the free memory)."""
+    from distmm.config import get_config
+
+    if share <= 1 or get_config().device_memory_limit is not None:
+        return None
+    import cupy
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(min(0.85 * total / share, 0.95 * free))
+
+
+def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
+    """``a @ b`` in the accumulation dtype on this worker's GPU: host float
+    panels through the stream pipeline, others through the device."""
+    from distmm.executor import GPU_BACKENDS, get_executor
+
+    acc = np.dtype(tp.acc_dtype)
+    name = backend if backend in GPU_BACKENDS else "auto"
+    key = (name, tp.acc_dtype, True)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = get_executor(name, acc, on_gpu=True)
+    host = isinstance(a, (np.ndarray, Chunked))
+    if host and acc.name in ("float32", "float64") and a.shape[1]:
+        from distmm.executor.pipeline import run_pipelined
+        from distmm.plan import make_plan
+
+        m, k = a.shape
+        n = b.shape[1]
+        out = ex.empty_host((m, n), acc)
+        run_pipelined(ex, make_plan(m, n, k, acc, workers=1), a, b, out,  # copies cast
+                      device_memory_limit=_device_limit(share))
+        return out
+    a, b = _whole(a), _whole(b)
+    part = tile_partial(ex, tp, a, b)
+    return ex.to_host(part) if host else part
+
+
+def _cpu_block(tp: TaskPlan, backend: str, a, b):
+    from distmm.executor import CPU_BACKENDS, get_executor
+
+    a, b = _whole(a), _whole(b)
+    if not isinstance(a, np.ndarray):  # device chunks falling back to the CPU
+        a, b = _xp(a).asnumpy(a), _xp(b).asnumpy(b)
+    name = backend if backend in CPU_BACKENDS else "auto"
+    key = (name, tp.acc_dtype, False)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = get_executor(name, np.dtype(tp.acc_dtype), on_gpu=False)
+    return tile_partial(ex, tp, a, b)
+
+
+def _cpu_elsewhere(tp: TaskPlan, backend: str, a, b, workers, cell):
+    """Run ``a @ b`` with the CPU executor on one of ``workers`` from inside a
+    task (the task leaves the worker's thread pool while it waits)."""
+    import logging
+    import uuid
+
+    from distributed import worker_client
+
+    with worker_client() as client:
+        a_f, b_f = client.scatter([_whole(a), _whole(b)], workers=list(workers), broadcast=False, direct=True)
+        fut = client.submit(_cpu_block, tp, backend, a_f, b_f, workers=list(workers),
+                            allow_other_workers=True, key=f"distmm-fallback-{uuid.uuid4().hex}")
+        where = client.who_has([a_f]).get(a_f.key, ())
+        logging.getLogger("distmm.engine.dask").warning(
+            "distmm: tile %s failed on the GPU and moved to CPU worker(s) %s", cell, list(where))
+        return fut.result()
+
+
+def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail: bool,
+                  share: int, a_list, b_list, cell=None, fallback=()):
+    """One block of C (over one k group) in one task.
+
+    ``device``: ``"gpu"`` runs the GPU executor on this worker's device (the
+    CPU executor where the worker is marked GPU but has none); a failure of
+    the device raises ``TileFailed`` for the engine to run the block again on
+    a CPU worker; ``fail`` raises it on purpose (``distmm-debug.fail-tiles``).
+    ``"cpu"`` runs the CPU executor. ``share``: workers using this GPU.
+    ``fallback``: CPU workers that rerun a failed GPU block themselves (dask
+    operands, where no loop outside the graph can; the worker's log names
+    ``cell``); empty: ``TileFailed`` reaches the caller (the eager loop).
+    """
+    from distmm.errors import TileFailed
+
+    a_blocks = dict(zip(spec.a_keys, a_list))
+    b_blocks = dict(zip(spec.b_keys, b_list))
+    host = isinstance(a_list[0], np.ndarray)
+    acc = None
+    for a_k, b_k in spec.k_pieces:
+        on_gpu = device == "gpu" and (fail or not host or _worker_has_gpu())
+        if on_gpu and host:  # the pipeline reads the chunks by slices
+            a_sub = Chunked(a_blocks, spec.a_lead, spec.a_rows, a_k)
+            b_sub = Chunked(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        else:
+            a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
+            b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        if on_gpu:
+            try:
+                if fail:
+                    raise TileFailed("block failed on purpose (distmm-debug.fail-tiles)")
+                try:
+                    part = _gpu_block(tp, backend, a_sub, b_sub, share)
+                except Exception as exc:
+                    if not _device_error(exc):
+                        raise
+                    raise TileFailed(f"the GPU failed on a {a_sub.shape[0]} x {b_sub.shape[1]} "
+                                     f"block: {type(exc).__name__}: {exc}") from exc
+            except TileFailed:
+                if not fallback:
+                    raise
+                part = _cpu_elsewhere(tp, backend, a_sub, b_sub, fallback, cell)
+                if not host:
+                    part = _xp(a_list[0]).asarray(part)
+        else:
+            part = _cpu_block(tp, backend, a_sub, b_sub)
+        acc = part if acc is None else acc + part
+    if not spec.finish:
+        return acc
+    return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def cut(block, r0: int, r1: int, c0: int, c1: int):
+    """One output chunk of a block-mode block: ``block[r0:r1, c0:c1]``."""
+    return block[r0:r1, c0:c1]

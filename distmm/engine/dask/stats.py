@@ -1,0 +1,130 @@
+"""What a Dask product did and moved: the plan's estimate and the cluster's log.
+
+This module covers: the record of the last product this process ran with the
+Dask engine (``last_stats``: its layout, tasks, cells moved to CPU workers and
+the bytes the plan expects to move, by route), the estimate of those bytes
+for scattered operands (``estimate_eager``), and ``transfer_report``, which
+reads what ``distributed`` itself logged (each worker's
+``transfer_incoming_log``: fetches from other workers; ``transfer_outgoing_log``:
+data served to workers and to clients), so that a benchmark can put the
+estimate next to the measurement.
+It does *not* cover: running anything (``eager``, ``lazy``) or the layout
+(``layout``).
+
+Routes: ``scatter`` (client to workers, not in the transfer logs),
+``worker_to_worker`` (the incoming logs' sum), ``gather`` (workers to the
+client; the outgoing logs hold it plus ``worker_to_worker``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["last_stats", "record", "estimate_eager", "estimate_lazy", "transfer_report"]
+
+_LAST: dict = {}
+_LOCK = threading.Lock()
+
+
+def record(stats: dict) -> None:
+    with _LOCK:
+        _LAST.clear()
+        _LAST.update(stats)
+
+
+def last_stats() -> dict:
+    """The last Dask product of this process: ``mode`` (``"tiles"`` or
+    ``"blocks"``), ``tasks``, ``cells``, ``units`` (per unit: worker, GPU or
+    not, share of C, its block), ``moved`` (cells rerun on CPU workers),
+    ``estimated_bytes`` (block mode: by route, ``scatter`` for numpy operands,
+    ``worker_to_worker``, ``gather``; tile mode: ``plan``, the plan's own
+    ``bytes_moved``), ``started`` (``time.time()``) and ``seconds`` (numpy
+    operands). Empty before the first product."""
+    with _LOCK:
+        return dict(_LAST)
+
+
+def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str], layout,
+                   c_bytes: int, acc_itemsize: int) -> dict:
+    """Bytes a block-mode run of scattered operands moves, by route: every
+    block scattered once, fetched by each other worker whose cells read it,
+    the partials of split cells moved to their reduction, C gathered."""
+    scatter = w2w = 0
+    for sc, need in ((a_sc, a_need), (b_sc, b_need)):
+        for idx, units in need.items():
+            lead, r, c = idx[:-2], idx[-2], idx[-1]
+            nbytes = ((sc.row_edges[r + 1] - sc.row_edges[r]) * (sc.col_edges[c + 1] - sc.col_edges[c])
+                      * sc.array.dtype.itemsize)
+            scatter += nbytes
+            holders = {addresses[u % len(addresses)] for u in units}
+            w2w += (len(holders) - 1) * nbytes
+    partials = _partials(layout, addresses, acc_itemsize)
+    return {"scatter": scatter, "worker_to_worker": w2w + partials, "gather": c_bytes}
+
+
+def _partials(layout, addresses, acc_itemsize: int) -> int:
+    out = 0
+    for bi, bj in layout.cells():
+        area = (layout.row_edges[bi + 1] - layout.row_edges[bi]) * (
+            layout.col_edges[bj + 1] - layout.col_edges[bj])
+        for dst, src in layout.reduction:
+            a = addresses[layout.unit_of_partial(bi, bj, dst) % len(addresses)]
+            b = addresses[layout.unit_of_partial(bi, bj, src) % len(addresses)]
+            if a != b:
+                out += area * acc_itemsize
+    return out
+
+
+def estimate_lazy(geometry, layout, addresses: list[str], a2, b2, where: dict,
+                  acc_itemsize: int, c_bytes: int) -> dict:
+    """Bytes a block-mode product of dask operands moves between workers:
+    each chunk to every worker reading it that does not hold it (``where``:
+    ``client.who_has`` of persisted chunks; a chunk not persisted counts as
+    made on one of its readers), plus the partials of split cells; and C, if
+    it is gathered."""
+    from distmm.engine.dask.chunks import locate
+
+    readers: dict = {}
+    for bi, bj in layout.cells():
+        for g in range(layout.groups):
+            addr = addresses[layout.unit_of_partial(bi, bj, g) % len(addresses)]
+            k0, k1 = geometry.k_groups[g], geometry.k_groups[g + 1]
+            for rb, _, _ in geometry.a_row_pieces(bi):
+                for kb, _, _ in locate(geometry.a_k, k0, k1):
+                    readers.setdefault((a2.name, rb, kb), set()).add(addr)
+            for kb, _, _ in locate(geometry.b_k, k0, k1):
+                for cb, _, _ in geometry.b_col_pieces(bj):
+                    readers.setdefault((b2.name, kb, cb), set()).add(addr)
+    moved = 0
+    for key, who in readers.items():
+        name, r, c = key
+        rows, cols = (geometry.a_rows, geometry.a_k) if name == a2.name else (geometry.b_k,
+                                                                              geometry.b_cols)
+        itemsize = (a2 if name == a2.name else b2).dtype.itemsize
+        nbytes = (rows[r + 1] - rows[r]) * (cols[c + 1] - cols[c]) * itemsize
+        held = set(where.get(key, ()))
+        moved += nbytes * (len(who - held) if held else len(who) - 1)
+    return {"worker_to_worker": moved + _partials(layout, addresses, acc_itemsize),
+            "gather": c_bytes}
+
+
+def _logs(dask_worker, since):
+    def total(log):
+        return sum(int(e.get("total", 0)) for e in list(log) if since is None or e.get("start", 0) >= since)
+
+    return {"incoming": total(dask_worker.transfer_incoming_log),
+            "outgoing": total(dask_worker.transfer_outgoing_log)}
+
+
+def transfer_report(client, since: float | None = None) -> dict:
+    """Bytes the workers logged moving: per worker ``incoming`` (fetched from
+    other workers) and ``outgoing`` (served to workers and clients), and
+    ``worker_to_worker`` (the incoming sum). ``since``: only transfers
+    starting at or after this ``time.time()`` (e.g. ``last_stats()["started"]``);
+    the logs are bounded deques (``distributed.admin.low-level-log-length``)."""
+    per = client.run(_logs, since=since, on_error="return")
+    per = {w: v for w, v in per.items() if isinstance(v, dict)}
+    return {"workers": per,
+            "worker_to_worker": sum(v["incoming"] for v in per.values()),
+            "outgoing": sum(v["outgoing"] for v in per.values()),
+            "measured_at": time.time()}

@@ -1,0 +1,166 @@
+"""Which workers of a Dask cluster have a GPU, and how fast each worker is.
+
+This module covers: recognising GPU workers (a ``"GPU"`` resource, as
+``dask-cuda-worker --resources GPU=1`` or ``LocalCluster(resources=...)``
+declare, or a probe run on the worker that finds a CUDA device: cupy imports
+and ``getDeviceCount() > 0``), each worker's throughput in GFLOP/s (the
+``distmm.dask-worker-gflops`` configuration by address, then by kind, else
+measured by the probe: a small float64 product timed on the worker's device),
+which workers share one physical GPU, and the units the block layout shares C
+between (one per GPU worker, one per CPU worker thread). Probes are cached per
+worker address for the life of the client process.
+It does *not* cover: the layout itself (``distmm.engine.dask.layout``) or the
+tasks (``distmm.engine.dask.tasks``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["WorkerInfo", "Unit", "worker_info", "units", "probe", "forget"]
+
+log = logging.getLogger("distmm.engine.dask")
+
+#: GFLOP/s assumed for a worker marked GPU by its resources whose probe found
+#: no device (a test cluster, or a worker whose device is not visible to cupy)
+ASSUMED_GPU_GFLOPS = 20000.0
+
+_CACHE: dict[str, dict] = {}
+_LOCK = threading.Lock()
+
+
+def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
+    """Run on a worker: whether it sees a CUDA device, which one (PCI bus id),
+    and GFLOP/s of a small float64 product on the GPU (if any) and the CPU."""
+    import numpy as np
+
+    out: dict = {"cuda": False, "device": None, "gpu_gflops": None, "cpu_gflops": None}
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((cpu_size, cpu_size))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    out["cpu_gflops"] = 2 * cpu_size**3 / max(best, 1e-9) / 1e9
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return out
+        dev = cupy.cuda.Device()
+        out["cuda"] = True
+        out["device"] = dev.pci_bus_id
+        x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
+        x @ x  # cuBLAS's handle and the pool: not timed
+        cupy.cuda.runtime.deviceSynchronize()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            x @ x
+            cupy.cuda.runtime.deviceSynchronize()
+            best = min(best, time.perf_counter() - t0)
+        out["gpu_gflops"] = 2 * gpu_size**3 / max(best, 1e-9) / 1e9
+        del x
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:  # no cupy, no driver, a device in trouble: a CPU worker
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker: its address, threads, whether it runs GPU tasks (and on
+    which device), and its throughput in GFLOP/s for sharing C."""
+
+    address: str
+    nthreads: int
+    gpu: bool
+    device: str | None
+    gflops: float
+    cuda: bool  # the probe found a device (False for a worker marked GPU only by resources)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the layout gives one block: a GPU worker, or one thread of a CPU worker."""
+
+    address: str
+    gpu: bool
+    gflops: float
+    share_device: int = 1  # GPU workers on the same device as this one (itself included)
+
+
+def forget(address: str | None = None) -> None:
+    """Drop cached probes (one worker's, or all)."""
+    with _LOCK:
+        if address is None:
+            _CACHE.clear()
+        else:
+            _CACHE.pop(address, None)
+
+
+def _probes(client, addresses) -> dict:
+    with _LOCK:
+        missing = [a for a in addresses if a not in _CACHE]
+    if missing:
+        try:
+            got = client.run(probe, workers=missing, on_error="return")
+        except Exception as exc:  # a worker leaving mid-call: treat the rest as CPU workers
+            log.debug("distmm: worker probe failed: %r", exc)
+            got = {}
+        with _LOCK:
+            for addr, res in got.items():
+                if isinstance(res, dict):
+                    _CACHE[addr] = res
+    with _LOCK:
+        return {a: _CACHE.get(a, {}) for a in addresses}
+
+
+def _configured(gflops_cfg, address: str, kind: str):
+    table = dict(gflops_cfg or ())
+    if address in table:
+        return table[address]
+    return table.get(kind)
+
+
+def worker_info(client, gflops_cfg=None) -> list[WorkerInfo]:
+    """Every worker of the cluster, sorted by address (probing those not seen before)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    addresses = sorted(info)
+    found = _probes(client, addresses)
+    out = []
+    for addr in addresses:
+        w = info[addr]
+        res = found.get(addr, {})
+        marked = float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
+        cuda = bool(res.get("cuda"))
+        gpu = marked or cuda
+        kind = "gpu" if gpu else "cpu"
+        nthreads = max(int(w.get("nthreads", 1)), 1)
+        rate = _configured(gflops_cfg, addr, kind)
+        if rate is None:
+            if gpu:
+                rate = res.get("gpu_gflops") or ASSUMED_GPU_GFLOPS
+            else:
+                rate = (res.get("cpu_gflops") or 1.0) * nthreads
+        out.append(WorkerInfo(addr, nthreads, gpu, res.get("device"), float(rate), cuda))
+    return out
+
+
+def units(workers: list[WorkerInfo]) -> list[Unit]:
+    """The layout's units: one per GPU worker (a GPU runs one block at a
+    time), one per thread of a CPU worker (its throughput split evenly)."""
+    shared: dict = {}
+    for w in workers:
+        if w.gpu and w.device is not None:
+            shared[w.device] = shared.get(w.device, 0) + 1
+    out = []
+    for w in workers:
+        if w.gpu:
+            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1)))
+        else:
+            out += [Unit(w.address, False, w.gflops / w.nthreads)] * w.nthreads
+    return out

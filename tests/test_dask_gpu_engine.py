@@ -1,0 +1,156 @@
+"""The Dask engine's block mode on a GPU machine (one GPU is enough).
+
+Covers: a LocalCUDACluster of one worker (its block through the GPU
+executor's stream pipeline, one task), two workers sharing the one GPU
+(recognised by probing, each given half of C), float32 and float64 products
+against float64 references on odd sizes, dask operands keeping their chunks,
+and a mixed cluster (a GPU worker beside a CPU worker that sees no device)
+where GPU cells fail (a device budget too small for any tile, and the
+``distmm-debug.fail-tiles`` key) and are rerun on the CPU worker.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+distributed = pytest.importorskip("distributed")
+try:
+    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # pragma: no cover - depends on the machine
+    _HAS_GPU = False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+
+import dask  # noqa: E402
+import dask.array as da  # noqa: E402
+
+import distmm  # noqa: E402
+from distmm.engine.dask import last_stats  # noqa: E402
+
+
+def _inputs(rng, m, k, n, dtype):
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    return a, b, a.astype(np.float64) @ b.astype(np.float64)
+
+
+def _close(got, want, dtype):
+    tol = 3e-4 if np.dtype(dtype) == np.float32 else 1e-11
+    assert got.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def _ran_on_gpu(client, workers=None) -> dict:
+    def used():
+        from distmm.engine.dask import tasks
+
+        return any(key[2] for key in tasks._EXECUTORS)
+
+    return client.run(used, workers=workers)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    dask_cuda = pytest.importorskip("dask_cuda")
+    with dask_cuda.LocalCUDACluster(n_workers=1, threads_per_worker=1) as cl, \
+            distributed.Client(cl) as client:
+        client.wait_for_workers(1, timeout=120)
+        yield client
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_one_gpu_worker_runs_its_block_in_one_task(one_gpu, dtype):
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 3001, 2049, 2999, dtype)
+    got = distmm.matmul(a, b, client=one_gpu)
+    _close(got, want, dtype)
+    stats = last_stats()
+    assert stats["mode"] == "blocks"
+    assert [u["gpu"] for u in stats["units"]] == [True]
+    assert stats["tasks"] == 1 and stats["moved"] == []
+    assert all(_ran_on_gpu(one_gpu).values())
+
+
+def test_one_gpu_worker_with_dask_operands(one_gpu):
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 2500, 1999, 1777, "float32")
+    A = da.from_array(a, chunks=(1000, 1024)).persist()
+    B = da.from_array(b, chunks=(1024, 700)).persist()
+    C = distmm.matmul(A, B, client=one_gpu)
+    assert C.chunks == (A @ B).chunks
+    _close(C.compute(), want, "float32")
+
+
+def _sharing_cluster(form: str):
+    """Two worker processes on the one GPU: dask-cuda's own form (a repeated
+    device), or a LocalCluster whose workers declare GPU=1."""
+    if form == "dask-cuda":
+        dask_cuda = pytest.importorskip("dask_cuda")
+        return dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,0", threads_per_worker=1)
+    return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                    dashboard_address=":0", resources={"GPU": 1})
+
+
+@pytest.mark.parametrize("form", ["resources", "dask-cuda"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_two_workers_sharing_the_gpu(dtype, form):
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 4097, 3001, 3999, dtype)
+    try:
+        cl = _sharing_cluster(form)
+    except Exception as exc:  # dask-cuda refusing a repeated device: the other form covers it
+        pytest.skip(f"{form}: two workers on device 0 refused: {exc!r}")
+    with cl, distributed.Client(cl) as client:
+        try:
+            client.wait_for_workers(2, timeout=120)
+        except TimeoutError:
+            if form == "dask-cuda":
+                pytest.skip("dask-cuda did not start two workers on device 0")
+            raise
+        got = distmm.matmul(a, b, client=client)
+        stats = last_stats()
+        flags = _ran_on_gpu(client)
+    _close(got, want, dtype)
+    assert stats["mode"] == "blocks" and stats["moved"] == []
+    assert [u["gpu"] for u in stats["units"]] == [True, True]
+    for u in stats["units"]:
+        assert u["share"] == pytest.approx(0.5, abs=0.1)
+    assert all(flags.values()) and len(flags) == 2
+
+
+def _mixed_cluster(gpu_config=None):
+    """A GPU worker and a CPU worker (CUDA_VISIBLE_DEVICES empty: its probe finds no device)."""
+    cl = distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0")
+    gpu_opts = {"nthreads": 1}
+    if gpu_config:
+        gpu_opts["config"] = gpu_config
+    cl.worker_spec["gpu"] = {"cls": distributed.Nanny, "options": gpu_opts}
+    cl.worker_spec["cpu"] = {"cls": distributed.Nanny,
+                             "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": ""}}}
+    cl.sync(cl._correct_state)
+    return cl
+
+
+@pytest.mark.parametrize("how", ["device-budget", "fail-tiles"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_failed_gpu_blocks_fall_back_to_the_cpu_worker(how, dtype, caplog):
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 1031, 777, 1029, dtype)
+    # a device budget far below one 64 x 64 tile: the pipeline raises MemoryError
+    gpu_config = {"distmm": {"device-memory-limit": 4096}} if how == "device-budget" else None
+    debug = {"distmm-debug.fail-tiles": [[0, 0]]} if how == "fail-tiles" else {}
+    with _mixed_cluster(gpu_config) as cl, distributed.Client(cl) as client:
+        client.wait_for_workers(2, timeout=120)
+        with dask.config.set({"distmm.dask-worker-gflops": {"gpu": 1e6, "cpu": 1.0}, **debug}), \
+                caplog.at_level(logging.WARNING, logger="distmm.engine.dask"):
+            got = distmm.matmul(a, b, client=client)
+        stats = last_stats()
+    _close(got, want, dtype)
+    kinds = sorted(u["gpu"] for u in stats["units"])
+    assert kinds == [False, True]
+    assert stats["moved"], stats
+    assert "moved to CPU workers" in caplog.text and "(0, 0) rows 0:" in caplog.text

@@ -1,0 +1,395 @@
+"""The Dask engine's block mode: one contiguous block of C per worker unit.
+
+Covers: the block layout (contiguous rectangles covering C exactly once, on
+the allowed cuts, cut further for the memory budget), shares in proportion to
+throughput (a slow worker beside a fast one gets nothing), and, on a real
+LocalCluster of two worker processes, one marked GPU by its resources and one
+plain CPU worker: block products of numpy and dask operands against numpy,
+shares followed on the cluster, the fallback of cells failing on purpose
+(``distmm-debug.fail-tiles``) to the CPU worker with the log naming them,
+split-K bitwise reproducible whichever worker finishes first, and the plan's
+estimated bytes against distributed's transfer log.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import dask  # noqa: E402
+
+import distmm  # noqa: E402
+from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
+from distmm.engine.dask.layout import block_layout, shares, worker_grid  # noqa: E402
+from distmm.plan import reduction_tree  # noqa: E402
+
+
+# -- the layout, pure -----------------------------------------------------------
+
+def _paint(layout):
+    """Owner of every element of C (-1: nobody), and every unit's rectangle
+    checked against its cells."""
+    owner = np.full((layout.m, layout.n), -1)
+    hits = np.zeros((layout.m, layout.n), dtype=int)
+    for bi, bj in layout.cells():
+        rs = slice(layout.row_edges[bi], layout.row_edges[bi + 1])
+        cs = slice(layout.col_edges[bj], layout.col_edges[bj + 1])
+        owner[rs, cs] = layout.owner[bi][bj]
+        hits[rs, cs] += 1
+    return owner, hits
+
+
+LAYOUTS = [
+    (1000, 900, 500, [1, 1, 1, 1], {}),
+    (1000, 900, 500, [3, 1, 0], {}),
+    (777, 1234, 300, [5, 1, 1, 2, 1, 1], {}),
+    (4000, 3000, 4000, [1, 1], {"memory_budget": 40 * 2**20}),
+    (513, 257, 100, [1, 1, 1], {"row_cuts": range(0, 513, 100), "col_cuts": (0, 7, 100, 200)}),
+    (64, 64, 1 << 16, [1, 1, 1], {}),
+]
+
+
+@pytest.mark.parametrize("m,n,k,weights,kw", LAYOUTS, ids=[f"case{i}" for i in range(len(LAYOUTS))])
+def test_blocks_are_contiguous_and_cover_c_once(m, n, k, weights, kw):
+    lay = block_layout(m, n, k, weights, **kw)
+    owner, hits = _paint(lay)
+    assert (hits == 1).all()  # every element in exactly one cell
+    assert list(lay.row_edges) == sorted(set(lay.row_edges)) and lay.row_edges[-1] == m
+    assert list(lay.col_edges) == sorted(set(lay.col_edges)) and lay.col_edges[-1] == n
+    seen = np.zeros((m, n), dtype=int)
+    for u, blk in enumerate(lay.blocks):
+        mine = owner == u
+        if blk is None:
+            assert not mine.any()
+            continue
+        r0, r1, c0, c1 = blk
+        want = np.zeros((m, n), dtype=bool)
+        want[r0:r1, c0:c1] = True
+        assert np.array_equal(mine, want), f"unit {u}'s cells are not its rectangle {blk}"
+        seen[r0:r1, c0:c1] += 1
+    assert (seen == 1).all()
+    for u, w in enumerate(weights):
+        if w == 0:
+            assert lay.blocks[u] is None
+    if "row_cuts" in kw:
+        assert set(lay.row_edges) <= set(kw["row_cuts"]) | {m}
+        assert set(lay.col_edges) <= set(kw["col_cuts"]) | {n}
+    if "memory_budget" in kw:
+        kg = max(np.diff(lay.k_edges))
+        for bi, bj in lay.cells():
+            rh = lay.row_edges[bi + 1] - lay.row_edges[bi]
+            cw = lay.col_edges[bj + 1] - lay.col_edges[bj]
+            assert (2 * (rh + cw) * kg + rh * cw) * 8 <= kw["memory_budget"] * 1.3
+
+
+def test_worker_grid_is_near_square():
+    assert worker_grid(4, 1000, 1000) == (2, 2)
+    assert worker_grid(2, 1000, 1000) in ((1, 2), (2, 1))
+    assert sorted(worker_grid(6, 5000, 5000)) == [2, 3]
+    assert worker_grid(8, 100, 100000) == (1, 8)  # short and wide: columns
+    assert worker_grid(7, 500, 500) in ((1, 7), (7, 1))
+
+
+def test_shares_follow_throughput_and_drop_slow_workers():
+    s = shares([3000, 1000], 8192, 8192, 8192)
+    assert s == pytest.approx((0.75, 0.25))
+    # a CPU thread beside a GPU: its share would slow the run, it gets nothing
+    s = shares([40000, 50, 50, 50], 16384, 16384, 16384, 4)
+    assert s[0] == 1.0 and s[1:] == (0.0, 0.0, 0.0)
+    # a tiny product is one block, k not split (too short for a group each)
+    tiny = block_layout(8, 8, 8, shares([100, 100], 8, 8, 8))
+    assert tiny.grid == (1, 1) and tiny.groups == 1
+    lay = block_layout(4096, 4096, 4096, shares([3000, 1000], 4096, 4096, 4096))
+    assert lay.area(0) / 4096**2 == pytest.approx(0.75, abs=0.02)
+
+
+def test_chunked_panel_reads_slices_across_chunks():
+    """What the GPU pipeline reads of a block: slices of its chunks, never the
+    whole panel assembled first."""
+    from distmm.engine.dask.blocks import Chunked
+    from distmm.engine.dask.chunks import edges, locate
+
+    rng = np.random.default_rng()
+    full = rng.standard_normal((97, 131))
+    rows, cols = (30, 40, 27), (50, 1, 80)
+    re_, ce_ = edges(rows), edges(cols)
+    blocks = {(i, j): full[re_[i]:re_[i + 1], ce_[j]:ce_[j + 1]].copy()
+              for i in range(3) for j in range(3)}
+    panel = Chunked(blocks, (), locate(re_, 5, 90), locate(ce_, 20, 131))
+    want = full[5:90, 20:131]
+    assert panel.shape == want.shape and panel.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(panel), want)
+    for _ in range(20):
+        r0, r1 = sorted(rng.integers(0, want.shape[0] + 1, 2))
+        c0, c1 = sorted(rng.integers(0, want.shape[1] + 1, 2))
+        if r1 > r0 and c1 > c0:
+            np.testing.assert_array_equal(panel[r0:r1, c0:c1], want[r0:r1, c0:c1])
+
+
+# -- on a cluster: one worker marked GPU, one CPU worker --------------------------
+
+@pytest.fixture(scope="module")
+def mixed():
+    """A LocalCluster of two nanny'd worker processes: ``gpu`` declares the
+    resource GPU=1 (no device visible to it: its GPU tasks run the CPU
+    executor), ``cpu`` declares nothing."""
+    with distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB") as cl:
+        # no device visible to either, on any machine: the GPU worker is GPU by its resource only
+        opts = {"nthreads": 1, "memory_limit": "2GiB", "env": {"CUDA_VISIBLE_DEVICES": ""}}
+        cl.worker_spec["gpu"] = {"cls": distributed.Nanny, "options": {**opts, "resources": {"GPU": 1}}}
+        cl.worker_spec["cpu"] = {"cls": distributed.Nanny, "options": dict(opts)}
+        cl.sync(cl._correct_state)
+        with distributed.Client(cl) as client:
+            client.wait_for_workers(2, timeout=60)
+            info = client.scheduler_info(n_workers=-1)["workers"]
+            gpu = [a for a, w in info.items() if (w.get("resources") or {}).get("GPU")]
+            cpu = [a for a in info if a not in gpu]
+            assert len(gpu) == 1 and len(cpu) == 1
+            yield client, gpu[0], cpu[0]
+
+
+def _gflops(gpu, cpu):
+    return dask.config.set({"distmm.dask-worker-gflops": {"gpu": gpu, "cpu": cpu}})
+
+
+def _units(stats):
+    return {u["address"]: u for u in stats["units"]}
+
+
+def _random(rng, shape, dtype):
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-50, 50, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int64", "float32"])
+def test_block_products_on_a_mixed_cluster(mixed, dtype):
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = _random(rng, (613, 401), dtype), _random(rng, (401, 555), dtype)
+    with _gflops(1000, 1000):
+        got = distmm.matmul(a, b, client=client)
+    stats = last_stats()
+    assert stats["mode"] == "blocks"
+    units = _units(stats)
+    assert units[gpu]["gpu"] and not units[cpu]["gpu"]
+    assert units[gpu]["share"] == pytest.approx(0.5, abs=0.1)
+    assert stats["tasks"] == stats["cells"] == 2  # one task per worker's block
+    want = a @ b
+    assert got.dtype == want.dtype
+    if want.dtype.kind in "iu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        tol = 1e-4 if dtype == "float32" else 1e-11
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_dask_operands_keep_their_chunks_in_block_mode(mixed):
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
+    A = da.from_array(a, chunks=(100, 200)).persist()
+    B = da.from_array(b, chunks=(200, 150)).persist()
+    with _gflops(1000, 1000):
+        C = distmm.matmul(A, B, client=client)
+    assert last_stats()["mode"] == "blocks"
+    assert C.chunks == (A @ B).chunks
+    got = C.compute()
+    np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
+    np.testing.assert_array_equal(C[100:200, 150:300].compute(), got[100:200, 150:300])
+
+
+def test_shares_follow_configured_throughput_on_the_cluster(mixed):
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((1024, 300)), rng.standard_normal((300, 1024))
+    with _gflops(3000, 1000):
+        got = distmm.matmul(a, b, client=client)
+    units = _units(last_stats())
+    assert units[gpu]["share"] == pytest.approx(0.75, abs=0.07)
+    assert units[cpu]["share"] == pytest.approx(0.25, abs=0.07)
+    np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-9)
+    # the GPU far faster: the CPU worker gets nothing, and no task runs there
+    with _gflops(1e6, 10):
+        got = distmm.matmul(a, b, client=client)
+    units = _units(last_stats())
+    assert units[gpu]["share"] == 1.0 and units[cpu]["share"] == 0.0
+    np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float64"])
+def test_failed_gpu_cells_move_to_the_cpu_worker(mixed, dtype, caplog):
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = _random(rng, (900, 333), dtype), _random(rng, (333, 700), dtype)
+    with _gflops(1e6, 10), dask.config.set({"distmm-debug.fail-tiles": [[0, 0]]}), \
+            caplog.at_level(logging.WARNING, logger="distmm.engine.dask"), \
+            distributed.get_task_stream(client) as stream:
+        got = distmm.matmul(a, b, client=client, tile=128)
+    stats = last_stats()
+    assert _units(stats)[cpu]["share"] == 0.0  # planned for the GPU worker alone
+    assert stats["moved"] == [(0, 0)]
+    text = caplog.text
+    assert "moved to CPU workers" in text and "(0, 0) rows 0:" in text and gpu in text
+    want = a @ b
+    if dtype == "int64":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max())
+    # cell (0, 0) erred on the GPU worker, then ran on the CPU worker
+    runs = [(t["worker"], t.get("status")) for t in stream.data
+            if "distmm-matmul" in str(t["key"]) and str(t["key"]).replace(" ", "").endswith(",0,0)")]
+    assert (gpu, "error") in runs and (cpu, "OK") in runs, runs
+
+
+def test_failed_gpu_cells_of_dask_operands_rerun_on_the_cpu_worker(mixed):
+    """No loop outside the graph: the failing task hands its block to the CPU
+    worker itself and waits for it."""
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = _random(rng, (500, 301), "int64"), _random(rng, (301, 400), "int64")
+    A, B = da.from_array(a, chunks=(250, 150)), da.from_array(b, chunks=(150, 200))
+    with _gflops(1e6, 10), dask.config.set({"distmm-debug.fail-tiles": [[0, 0]]}):
+        C = distmm.matmul(A, B, client=client)
+    with distributed.get_task_stream(client) as stream:
+        got = C.compute()
+    np.testing.assert_array_equal(got, a @ b)
+    reruns = [t["worker"] for t in stream.data if "distmm-fallback" in str(t["key"])]
+    assert reruns == [cpu], stream.data
+
+
+def _sleep_on(client, worker, seconds):
+    return client.submit(time.sleep, seconds, workers=[worker], pure=False)
+
+
+def test_split_k_is_bitwise_reproducible_whoever_finishes_first(mixed):
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    m, k, n = 64, 1 << 16, 48
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    results = []
+    with _gflops(1000, 1000):
+        for busy in (None, gpu, cpu, gpu):
+            blocker = _sleep_on(client, busy, 0.4) if busy else None  # that worker finishes last
+            results.append(distmm.matmul(a, b, client=client))
+            stats = last_stats()
+            assert stats["cells"] == 1 and stats["groups"] == 2
+            if blocker is not None:
+                blocker.result()
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+    # the plan's tree over the plan's k groups, summed here in the same order
+    edges = (0, k // 2, k)  # two groups of whole 256-blocks
+    parts = [a[:, edges[g]:edges[g + 1]] @ b[edges[g]:edges[g + 1]] for g in range(2)]
+    want = parts[0] + parts[1]
+    assert reduction_tree(2) == ((0, 1),)
+    np.testing.assert_allclose(results[0], want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(results[0], a @ b, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+    # integers: exact
+    ai, bi = _random(rng, (m, k), "int64"), _random(rng, (k, n), "int64")
+    with _gflops(1000, 1000):
+        np.testing.assert_array_equal(distmm.matmul(ai, bi, client=client), ai @ bi)
+
+
+def test_estimated_bytes_match_the_transfer_log(mixed):
+    """Two blocks in one column of the worker grid: each worker needs all of
+    B, scattered to one of them and fetched by the other; the plan's
+    worker-to-worker estimate is what distributed logged, within 1.5x. The
+    same for dask operands persisted across both workers."""
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((2048, 1024)), rng.standard_normal((1024, 512))
+    with _gflops(1000, 1000):
+        got = distmm.matmul(a, b, client=client)
+    stats = last_stats()
+    est = stats["estimated_bytes"]
+    measured = transfer_report(client, since=stats["started"] - 1.0)
+    assert est["scatter"] == a.nbytes + b.nbytes
+    assert est["gather"] == got.nbytes
+    assert est["worker_to_worker"] > 0
+    ratio = measured["worker_to_worker"] / est["worker_to_worker"]
+    print(f"numpy operands: estimated {est}, logged {measured['worker_to_worker']}")
+    assert 1 / 1.5 <= ratio <= 1.5, (measured, est)
+    np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-9)
+    # dask operands persisted on both workers: the chunks a block lacks move, once each
+    gen = da.random.default_rng(int(rng.integers(1 << 30)))
+    A = gen.standard_normal((2048, 1024), chunks=(512, 256)).persist()
+    B = gen.standard_normal((1024, 512), chunks=(256, 512)).persist()
+    distributed.wait([A, B])
+    a, b = A.compute(), B.compute()
+    with _gflops(1000, 1000):
+        C = distmm.matmul(A, B, client=client)
+    stats = last_stats()
+    est = stats["estimated_bytes"]
+    C = C.persist()
+    distributed.wait(C)
+    measured = transfer_report(client, since=stats["started"])
+    assert est["worker_to_worker"] > 0
+    ratio = measured["worker_to_worker"] / est["worker_to_worker"]
+    print(f"dask operands: estimated {est}, logged {measured['worker_to_worker']}")
+    assert 1 / 1.5 <= ratio <= 1.5, (measured, est)
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-9)
+
+
+def test_cpu_only_clusters_keep_one_task_per_tile():
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB",
+                                  env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
+            distributed.Client(cl) as client:
+        a = np.ones((300, 200))
+        got = distmm.matmul(a, a.T, client=client, tile=100)
+        assert last_stats()["mode"] == "tiles" and last_stats()["cells"] == 9
+        with dask.config.set({"distmm.dask-layout": "blocks"}):
+            got2 = distmm.matmul(a, a.T, client=client, tile=100)
+        assert last_stats()["mode"] == "blocks" and len(last_stats()["units"]) == 2
+        np.testing.assert_array_equal(got, a @ a.T)
+        np.testing.assert_array_equal(got2, a @ a.T)
+        with dask.config.set({"distmm.dask-layout": "blocks"}):  # empty products, both paths
+            for sa, sb in (((0, 5), (5, 3)), ((4, 0), (0, 3)), ((4, 5), (5, 0))):
+                x, y = np.ones(sa), np.ones(sb)
+                np.testing.assert_array_equal(distmm.matmul(x, y, client=client), x @ y)
+                lazy = distmm.matmul(da.from_array(x), da.from_array(y), client=client)
+                np.testing.assert_array_equal(lazy.compute(), x @ y)
+
+
+@pytest.mark.slow
+def test_block_mode_survives_killed_workers_with_the_same_bits():
+    """The eager loop's retries in block mode: two of three GPU-marked workers
+    killed mid-run, the cells they held run again, bitwise equal."""
+    import threading
+
+    from test_dask_faults import _kill_workers
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((1536, 2500)), rng.standard_normal((2500, 1536))
+    with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="1GiB",
+                                  resources={"GPU": 1}, env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
+            distributed.Client(cl) as client, dask.config.set({"distmm.memory-budget": "8MiB"}):
+        client.wait_for_workers(3, timeout=60)
+        undisturbed = distmm.matmul(a, b, client=client)
+        assert last_stats()["mode"] == "blocks" and last_stats()["cells"] >= 16
+        out = {}
+
+        def product():
+            try:
+                out["c"] = distmm.matmul(a, b, client=client)
+            except BaseException as exc:  # reported by the assertion below
+                out["error"] = exc
+
+        run = threading.Thread(target=product)
+        run.start()
+        try:
+            killed = _kill_workers(client, run, kills=2, gap=0.1)
+        finally:
+            run.join(120)
+    assert killed >= 1, "the product ended before a worker could be killed"
+    assert "c" in out, f"raised instead of retrying: {out.get('error')!r}"
+    assert np.array_equal(out["c"], undisturbed)
+    np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10 * np.abs(a @ b).max())
