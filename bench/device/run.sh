@@ -49,7 +49,7 @@ left() { echo $(( BUDGET - SECONDS )); }
 # a step's timeout: what it wants, or what is left of the budget (at least 5 s)
 step() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 gpu_state() { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv; }
-GPU_TESTS="tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py tests/test_gpu_config.py tests/test_mpi_gpu.py"
+GPU_TESTS="tests/test_gpu_api.py tests/test_gpu_kernels.py tests/test_gpu_pipeline.py tests/test_dask_gpu.py tests/test_dask_gpu_engine.py tests/test_gpu_config.py tests/test_mpi_gpu.py"
 
 run_info() {
   date -u
@@ -116,7 +116,7 @@ run_mpi() {
 }
 
 run_daskgpu() {
-  timeout "$(step ${T_BENCH:-540})" $PY -m bench.dask_gpu --settings ${DASKGPU_SETTINGS:-1gpu shared mixed} \
+  timeout "$(step ${T_BENCH:-540})" $PY -m bench.dask_gpu --settings ${DASKGPU_SETTINGS:-1gpu shared mixed} ${DASKGPU_ARGS:-} \
     --sizes ${SIZES:-16384 32768} --dtypes ${DTYPES:-float32 float64} --rounds ${ROUNDS:-3} \
     --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
 }
