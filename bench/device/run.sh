@@ -34,7 +34,8 @@
 #        pylops-mpi==0.8.0 pylops pyproximal
 #
 # Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
-# (<benchmark>-<device>-<date>.jsonl), plots. Set DISTMM_COMMIT when the copy has no .git.
+# (<benchmark>-<device>-<date>.jsonl), plots. Always set DISTMM_COMMIT to the local HEAD: a
+# lent machine's copy may carry a stale .git (seen: records stamped with an older commit).
 # Research probes (bench/research/) are run directly: python -m bench.research.<name> --help.
 [ $# -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
 set -o pipefail
