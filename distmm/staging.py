@@ -228,8 +228,9 @@ def create_h5_stage(staged, dataset: str, shape, dtype) -> int:
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # on the plist: h5py < 3.11 has no fill_time=
     with h5py.File(staged, "w-") as fh:
-        ds = fh.create_dataset(dataset, shape=tuple(shape), dtype=dtype, dcpl=dcpl, fill_time="never")
+        ds = fh.create_dataset(dataset, shape=tuple(shape), dtype=dtype, dcpl=dcpl)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes and ds.id.get_offset() is None:  # a scalar: allocated by its first write
             ds[()] = np.zeros((), dtype)
