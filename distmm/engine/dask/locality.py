@@ -124,6 +124,12 @@ def _distinct_orders(sigs) -> int:
     return count
 
 
+def _busy(layout) -> int:
+    """Units given a block: a grid whose cuts leave a unit idle is no candidate
+    (fewer bytes, but the work no longer shared)."""
+    return sum(1 for b in layout.blocks if b is not None)
+
+
 @dataclass
 class Choice:
     """The assignment chosen: ``units`` in layout order, its ``layout`` and
@@ -165,7 +171,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
 
     naive, lay0, _ = evaluate(tuple(range(len(units))), None)
     best = (naive, 0, lay0, units, tuple(range(len(units))), None)
-    p = sum(1 for b in lay0.blocks if b is not None) if lay0.groups == 1 else 0
+    p = _busy(lay0) if lay0.groups == 1 else 0
     shapes = [None] + ([g for g in grids(p) if g != lay0.grid] if p > 1 else [])
     sigs = [(u.address, u.gflops, u.gpu) for u in units]
     exact = not orders or _distinct_orders(sigs) <= limit
@@ -184,7 +190,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
         if candidates is not None:
             for order in candidates:
                 c, lay, us = evaluate(order, grid)
-                if (c, rank) < best[:2]:
+                if (c, rank) < best[:2] and _busy(lay) >= p:
                     best = (c, rank, lay, us, order, grid)
             continue
         order = list(range(len(units)))  # pairwise swaps while one improves
@@ -201,7 +207,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
                 c, lay, us = evaluate(tuple(trial), grid)
                 if c < current[0]:
                     order, current, improved = trial, (c, lay, us), True
-        if (current[0], rank) < best[:2]:
+        if (current[0], rank) < best[:2] and _busy(current[1]) >= p:
             best = (current[0], rank, current[1], current[2], tuple(order), grid)
     c, _, lay, us, _, _ = best
     return Choice(list(us), lay, int(c), int(naive), "exact" if exact else "swaps", evaluated,
