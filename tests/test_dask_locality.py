@@ -150,6 +150,7 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
         got, stats, measured = _run_lazy(client, A, B)
     np.testing.assert_array_equal(got, a @ b)
     loc = stats["locality"]
+    print(f"co-located, operands on one worker: {loc['colocated']}, logged {measured}")
     assert loc["colocated"]["chosen"] == "one unit per device"
     assert loc["colocated"]["bytes"]["one unit per device"] == 0
     assert loc["colocated"]["bytes"]["one unit per worker"] > 0
@@ -179,6 +180,7 @@ def test_colocated_workers_stay_apart_when_that_moves_less(pair):
         got, stats, measured = _run_lazy(client, A, B)
     np.testing.assert_array_equal(got, a @ b)
     loc = stats["locality"]
+    print(f"co-located, rows split: {loc['colocated']}, logged {measured}")
     assert loc["colocated"]["chosen"] == "one unit per worker"
     assert loc["colocated"]["bytes"]["one unit per worker"] == 2 * 384 * 512 * 8
     assert loc["colocated"]["bytes"]["one unit per device"] == (512 * 768 + 384 * 512) * 8

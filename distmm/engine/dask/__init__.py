@@ -17,6 +17,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``workers``    GPU workers (a "GPU" resource or a probe) and each worker's GFLOP/s
 ``layout``     block mode: one contiguous 2-D block of C per worker unit,
                shares by throughput, split-K for products with few blocks
+``locality``   block mode: which unit computes which block (and the grid
+               shape) to move the fewest bytes, co-located workers as one unit
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
@@ -43,7 +45,13 @@ proportion to each unit's GFLOP/s (``distmm.dask-worker-gflops`` or measured;
 a CPU worker gets nothing where its share would slow the run), and each block
 is one task (or a few, to fit the memory budget) running the whole block
 through the GPU executor's stream pipeline or the CPU executor. Each A row
-panel and B column panel goes to a worker once. Dask operands keep their
+panel and B column panel goes to a worker once. Which unit computes which
+block, and the grid's shape, are chosen to move the fewest bytes: dask
+operands by where their persisted chunks are, numpy operands scattered
+straight to each worker reading them; GPU workers sharing one device are one
+unit (on the worker holding most of its operands) where that moves fewer
+bytes (``last_stats()["locality"]`` says what was chosen and what the
+naive order would have moved). Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,

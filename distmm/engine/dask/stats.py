@@ -38,7 +38,12 @@ def last_stats() -> dict:
     not, share of C, its block), ``moved`` (cells rerun on CPU workers),
     ``estimated_bytes`` (block mode: by route, ``scatter`` for numpy operands,
     ``worker_to_worker``, ``gather``; tile mode: ``plan``, the plan's own
-    ``bytes_moved``), ``started`` (``time.time()``) and ``seconds`` (numpy
+    ``bytes_moved``), in block mode ``locality`` (``assignment``: each busy
+    unit's worker in layout order, ``grid``, ``estimated_bytes`` of that
+    choice and ``naive_bytes`` of the units in address order on the default
+    grid, both on ``route``; ``method``; ``colocated``: None, or which of
+    "one unit per device" / "one unit per worker" was chosen and the bytes
+    of each), ``started`` (``time.time()``) and ``seconds`` (numpy
     operands). Empty before the first product."""
     with _LOCK:
         return dict(_LAST)

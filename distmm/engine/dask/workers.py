@@ -6,7 +6,8 @@ declare, or a probe run on the worker that finds a CUDA device: cupy imports
 and ``getDeviceCount() > 0``), each worker's throughput in GFLOP/s (the
 ``distmm.dask-worker-gflops`` configuration by address, then by kind, else
 measured by the probe: a small float64 product timed on the worker's device),
-which workers share one physical GPU, and the units the block layout shares C
+which workers share one physical GPU (the probe's PCI bus id, or
+``DEVICES_KEY`` for tests), and the units the block layout shares C
 between (one per GPU worker, one per CPU worker thread). Probes are cached per
 worker address for the life of the client process.
 It does *not* cover: the layout itself (``distmm.engine.dask.layout``) or the
