@@ -204,3 +204,40 @@ def test_numpy_blocks_go_straight_to_their_workers(pair):
     assert stats["estimated_bytes"]["worker_to_worker"] == 0
     assert stats["estimated_bytes"]["scatter"] >= a.nbytes + b.nbytes
     assert transfer_report(client, since=stats["started"])["worker_to_worker"] == 0
+
+
+def test_search_never_moves_more_than_the_naive_order():
+    """Pure: random chunk placements over four units of distinct speeds; the
+    exhaustive search is never beaten by pairwise swaps, nor they by the
+    units in their given order, and every candidate covers C once."""
+    from distmm.engine.dask import locality as loc
+    from distmm.engine.dask.layout import block_layout, shares
+    from distmm.engine.dask.workers import Unit
+
+    rng = np.random.default_rng()
+    m, n, k, ch = 4096, 3072, 2048, 512
+    rows, cols, ks = (ch,) * (m // ch), (ch,) * (n // ch), (ch,) * (k // ch)
+    units = [Unit(f"w{i}", True, float(g)) for i, g in enumerate(rng.uniform(900, 1100, 4))]
+
+    def make(us, grid):
+        lay = block_layout(m, n, k, shares([u.gflops for u in us], m, n, k), grid=grid,
+                           row_cuts=range(0, m + 1, ch), col_cuts=range(0, n + 1, ch))
+        assert sum(lay.area(u) for u in range(len(us))) == m * n
+        return lay
+
+    for _ in range(3):
+        where = {("a", r, c): (f"w{rng.integers(4)}",) for r in range(len(rows)) for c in range(len(ks))}
+        where.update({("b", r, c): (f"w{rng.integers(4)}",) for r in range(len(ks))
+                      for c in range(len(cols))})
+        reads = {}
+
+        def cost(lay, us):
+            if id(lay) not in reads:
+                reads[id(lay)] = (lay, loc.readers(lay, (rows, ks), (ks, cols), "a", "b", 8, 8))
+            return loc.moved(reads[id(lay)][1], [u.address for u in us], where)
+
+        exact = loc.choose(units, make, cost)
+        swaps = loc.choose(units, make, cost, limit=1)
+        assert exact.method == "exact" and swaps.method == "swaps"
+        assert exact.bytes <= swaps.bytes <= swaps.naive_bytes == exact.naive_bytes
+        assert exact.bytes == cost(exact.layout, exact.units)

@@ -5,8 +5,10 @@ given assignment of units to the layout's positions (``readers``, ``moved``:
 each chunk to every reader's worker not holding it; ``partial_bytes``: the
 partials of split cells sent to their reduction), the search for the
 assignment, grid shape and unit set moving the fewest bytes (``choose``:
-every distinct order of the units when there are few, pairwise swaps from
-the given order beyond, each over every grid shape the layout allows), and
+every distinct order of the units when there are few (``EXACT_LIMIT``
+layouts: five distinct GPU workers, or eight units of two kinds), pairwise
+swaps from the given order beyond, each over every grid shape the layout
+allows), and
 co-located GPU workers (several workers on one device) taken as one unit
 on the worker holding most of its operands (``merged``).
 It does *not* cover: where chunks are (the caller's ``client.who_has``),
@@ -30,8 +32,10 @@ from distmm.engine.dask.chunks import Geometry, locate
 __all__ = ["readers", "moved", "partial_bytes", "merged", "grids", "choose", "Choice",
            "EXACT_LIMIT"]
 
-#: the most distinct unit orders searched exhaustively; beyond, pairwise swaps
-EXACT_LIMIT = 5040
+#: the most layouts (distinct unit orders times grid shapes) costed in an
+#: exhaustive search; beyond, pairwise swaps. A layout costs about 0.5 ms to
+#: build and cost (32768^2, chunks 4096): 1000 of them add about half a second
+EXACT_LIMIT = 1000
 
 
 def readers(layout, a_chunks, b_chunks, a_name, b_name, a_itemsize: int, b_itemsize: int):
@@ -174,7 +178,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
     p = _busy(lay0) if lay0.groups == 1 else 0
     shapes = [None] + ([g for g in grids(p) if g != lay0.grid] if p > 1 else [])
     sigs = [(u.address, u.gflops, u.gpu) for u in units]
-    exact = not orders or _distinct_orders(sigs) <= limit
+    exact = not orders or _distinct_orders(sigs) * len(shapes) <= limit
     for rank, grid in enumerate(shapes):
         if not orders:
             candidates = [tuple(range(len(units)))]
