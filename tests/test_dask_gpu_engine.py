@@ -2,7 +2,8 @@
 
 Covers: a LocalCUDACluster of one worker (its block through the GPU
 executor's stream pipeline, one task), two workers sharing the one GPU
-(recognised by probing, each given half of C), float32 and float64 products
+(recognised by probing: one unit for numpy operands, two where each holds
+half of A's rows), float32 and float64 products
 against float64 references on odd sizes, dask operands keeping their chunks,
 and a mixed cluster (a GPU worker beside a CPU worker that sees no device)
 where GPU cells fail (a device budget too small for any tile, and the
@@ -115,9 +116,36 @@ def test_two_workers_sharing_the_gpu(dtype, form):
         flags = _ran_on_gpu(client)
     _close(got, want, dtype)
     assert stats["mode"] == "blocks" and stats["moved"] == []
-    assert [u["gpu"] for u in stats["units"]] == [True, True]
-    for u in stats["units"]:
-        assert u["share"] == pytest.approx(0.5, abs=0.1)
+    # numpy operands: one unit for the shared device scatters A and B once
+    # (two would scatter one of them twice), so one worker runs everything
+    assert stats["locality"]["colocated"]["chosen"] == "one unit per device", stats["locality"]
+    assert [(u["gpu"], u["share"]) for u in stats["units"]] == [(True, 1.0)]
+    assert sorted(flags.values()) == [False, True]
+
+
+def test_two_workers_sharing_the_gpu_keep_the_rows_they_hold():
+    """Each worker holds half of A's rows (dask operands persisted per
+    worker): two units, each on its own rows, move less than one unit would;
+    on the device, same bits as the tolerance allows against float64."""
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 4096, 3001, 1500, "float32")
+    with _sharing_cluster("resources") as cl, distributed.Client(cl) as client:
+        client.wait_for_workers(2, timeout=120)
+        w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        halves = [client.persist(da.from_array(a[:2048], chunks=-1), workers=[w1]),
+                  client.persist(da.from_array(a[2048:], chunks=-1), workers=[w0])]
+        A = client.persist(da.concatenate(halves))
+        B = client.persist(da.from_array(b, chunks=(1501, -1)))
+        distributed.wait([A, B])
+        C = distmm.matmul(A, B, client=client)
+        stats = last_stats()
+        got = C.compute()
+        flags = _ran_on_gpu(client)
+    _close(got, want, "float32")
+    loc = stats["locality"]
+    assert loc["colocated"]["chosen"] == "one unit per worker", loc
+    assert loc["estimated_bytes"] <= loc["naive_bytes"]
+    assert {u["address"]: u["block"][:2] for u in stats["units"]} == {w1: (0, 2048), w0: (2048, 4096)}
     assert all(flags.values()) and len(flags) == 2
 
 

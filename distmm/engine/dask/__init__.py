@@ -17,6 +17,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``workers``    GPU workers (a "GPU" resource or a probe) and each worker's GFLOP/s
 ``layout``     block mode: one contiguous 2-D block of C per worker unit,
                shares by throughput, split-K for products with few blocks
+``locality``   block mode: which unit computes which block (and the grid
+               shape) to move the fewest bytes, co-located workers as one unit
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
@@ -43,7 +45,13 @@ proportion to each unit's GFLOP/s (``distmm.dask-worker-gflops`` or measured;
 a CPU worker gets nothing where its share would slow the run), and each block
 is one task (or a few, to fit the memory budget) running the whole block
 through the GPU executor's stream pipeline or the CPU executor. Each A row
-panel and B column panel goes to a worker once. Dask operands keep their
+panel and B column panel goes to a worker once. Which unit computes which
+block, and the grid's shape, are chosen to move the fewest bytes: dask
+operands by where their persisted chunks are, numpy operands scattered
+straight to each worker reading them; GPU workers sharing one device are one
+unit (on the worker holding most of its operands) where that moves fewer
+bytes (``last_stats()["locality"]`` says what was chosen and what the
+naive order would have moved). Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,
@@ -196,7 +204,7 @@ class DaskEngine(Engine):
             return None
         return units(infos)
 
-    def _layout(self, ops: Operands, plan, units, **cuts):
+    def _layout(self, ops: Operands, plan, units, grid=None, **cuts):
         import numpy as np
 
         from distmm.engine.dask.layout import block_layout, shares
@@ -205,7 +213,60 @@ class DaskEngine(Engine):
         weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
         # the plan's budget: the lower of the configured one and the workers' (plan_hints)
         return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
-                            memory_budget=plan.memory_budget, tk=plan.tile[2], **cuts)
+                            memory_budget=plan.memory_budget, tk=plan.tile[2], grid=grid, **cuts)
+
+    def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, **cuts):
+        """Block mode's layout and units in layout order, chosen to move the
+        fewest bytes (``locality``): dask operands (``a2``, ``b2``) by where
+        their chunks are (``where``), numpy operands by what is scattered;
+        co-located GPU workers as one unit where that moves fewer bytes.
+        Returns ``(layout, units, stats["locality"])``."""
+        import numpy as np
+
+        from distmm.engine.dask import locality as loc
+
+        acc = np.dtype(plan.acc_dtype).itemsize
+        reads: dict = {}
+
+        def make(us, grid):
+            return self._layout(ops, plan, us, grid=grid, **cuts)
+
+        def cost(lay, us):
+            addrs = [u.address for u in us]
+            got = reads.get(id(lay))
+            if got is None:
+                if a2 is not None:
+                    got = loc.readers(lay, a2.chunks, b2.chunks, a2.name, b2.name,
+                                      a2.dtype.itemsize, b2.dtype.itemsize)
+                else:  # the scattered blocks are the layout's own cells
+                    rows, cols, ks = (tuple(np.diff(e).tolist()) for e in
+                                      (lay.row_edges, lay.col_edges, lay.k_edges))
+                    got = loc.readers(lay, (rows, ks), (ks, cols), "a", "b",
+                                      ops.a2.dtype.itemsize, ops.b2.dtype.itemsize)
+                reads[id(lay)] = (lay, got)  # the layout kept alive: its id stays its own
+            else:
+                got = got[1]
+            return (loc.moved(got, addrs, where, from_client=a2 is None)
+                    + loc.partial_bytes(lay, addrs, acc))
+
+        orders = a2 is not None and bool(where)
+        best = split = loc.choose(units, make, cost, orders=orders)
+        colocated = None
+        options = [loc.choose(us, make, cost, orders=orders) for us in loc.merged(units)]
+        if options:
+            one = min(options, key=lambda c: c.bytes)
+            pick = "device" if one.bytes <= split.bytes else "worker"
+            best = one if pick == "device" else split
+            colocated = {"chosen": f"one unit per {pick}",
+                         "bytes": {"one unit per device": one.bytes,
+                                   "one unit per worker": split.bytes}}
+        info = {"route": "worker_to_worker" if a2 is not None else "scatter",
+                "estimated_bytes": best.bytes, "naive_bytes": split.naive_bytes,
+                "method": best.method if orders else "grid", "candidates": best.candidates,
+                "grid": best.grid, "colocated": colocated,
+                "assignment": [u.address for u, blk in zip(best.units, best.layout.blocks)
+                               if blk is not None]}
+        return best.layout, best.units, info
 
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
@@ -230,9 +291,13 @@ class DaskEngine(Engine):
                 from distmm.engine.dask.graph import CellTasks
                 from distmm.engine.dask.layout import layout_devices
 
-                layout = self._layout(ops, plan, units, row_cuts=geometry.row_edges,
-                                      col_cuts=geometry.col_edges,
-                                      k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
+                from distmm.engine.dask.placement import who_has
+
+                where = who_has(self.client, a2, b2)
+                layout, units, stats["locality"] = self._place(
+                    ops, plan, units, where, a2, b2, row_cuts=geometry.row_edges,
+                    col_cuts=geometry.col_edges,
+                    k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
                 cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
                     {u.address for u in units})
                 cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu))
@@ -240,8 +305,8 @@ class DaskEngine(Engine):
                 result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
                                      request.backend)
                 stats.update(_layout_stats(layout, units, plan))
-                stats["estimated_bytes"] = _lazy_estimate(self.client, ops, plan, layout,
-                                                          addresses, a2, b2)
+                stats["estimated_bytes"] = _lazy_estimate(ops, plan, layout, addresses, a2, b2,
+                                                          where)
                 record(stats)
                 return result
             if slots and not ops.batch:
@@ -254,8 +319,9 @@ class DaskEngine(Engine):
             return result
         from distmm.engine.dask.eager import run_eager
 
-        layout = self._layout(ops, plan, units) if units else None
-        if layout is not None:
+        layout = None
+        if units:
+            layout, units, stats["locality"] = self._place(ops, plan, units, {})
             stats.update(_layout_stats(layout, units, plan))
         else:
             stats.update(cells=plan.grid[0] * plan.grid[1],
@@ -269,17 +335,12 @@ class DaskEngine(Engine):
         return out
 
 
-def _lazy_estimate(client, ops, plan, layout, addresses, a2, b2) -> dict:
+def _lazy_estimate(ops, plan, layout, addresses, a2, b2, where) -> dict:
     import numpy as np
 
-    from distmm.engine.dask.placement import who_has
     from distmm.engine.dask.stats import estimate_lazy
 
-    cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
-                                 a2.chunks, b2.chunks)
-    where = who_has(client, a2, b2)
-    return estimate_lazy(cell_geo, layout, addresses, a2, b2, where,
-                         np.dtype(plan.acc_dtype).itemsize,
+    return estimate_lazy(layout, addresses, a2, b2, where, np.dtype(plan.acc_dtype).itemsize,
                          ops.m * ops.n * np.dtype(ops.dtype).itemsize)
 
 

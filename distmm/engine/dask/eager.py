@@ -65,19 +65,24 @@ class _Scattered:
 
     Block ``(*batch, r, c)`` is ``array[batch..., row_edges[r]:row_edges[r+1],
     col_edges[c]:col_edges[c+1]]`` with the batch axes kept (length 1), as a
-    dask chunk of one batch element. ``needers[idx]``: the plan owners whose
-    tasks read that block.
+    dask chunk of one batch element. ``needers[idx]``: the plan owners (block
+    mode: the units) whose tasks read that block. ``copies`` (block mode):
+    each block goes straight to every worker reading it, one copy each, so
+    that no task fetches a block from another worker; otherwise one copy, on
+    the least loaded of its readers.
     """
 
-    def __init__(self, client, array, row_edges, col_edges, needers: dict, tag: str):
+    def __init__(self, client, array, row_edges, col_edges, needers: dict, tag: str,
+                 copies: bool = False):
         self.client = client
         self.array = array
         self.row_edges = row_edges
         self.col_edges = col_edges
         self.needers = needers
         self.tag = tag
+        self.copies = copies
         self.generation = 0
-        self.futures: dict[tuple, object] = {}
+        self.futures: dict[tuple, dict] = {}  # idx -> {worker: future}
         self.resent = 0
 
     def chunks(self) -> tuple:
@@ -86,7 +91,10 @@ class _Scattered:
             tuple(np.diff(self.row_edges).tolist()), tuple(np.diff(self.col_edges).tolist()))
 
     def keys(self) -> OperandKeys:
-        table = dict(self.futures)
+        if self.copies:
+            table = {idx: dict(by) for idx, by in self.futures.items()}
+        else:
+            table = {idx: next(iter(by.values())) for idx, by in self.futures.items() if by}
         return OperandKeys(tuple(self.array.shape), self.chunks(), table=table)
 
     def block(self, idx):
@@ -95,40 +103,58 @@ class _Scattered:
             slice(self.row_edges[r], self.row_edges[r + 1]),
             slice(self.col_edges[c], self.col_edges[c + 1]))])
 
-    def missing(self) -> list:
-        """Blocks never sent, or whose only copy went with a worker."""
-        gone = [idx for idx in self.needers if idx not in self.futures
-                or self.futures[idx].status != "finished"]
-        held = [idx for idx in self.needers if idx not in set(gone)]
-        if held:
-            where = self.client.who_has([self.futures[idx] for idx in held])
-            gone += [idx for idx in held if not where.get(self.futures[idx].key)]
-        return gone
+    def _wanted(self, idx, slots: list[str], alive: set) -> list[str]:
+        wanted = {slots[o % len(slots)] for o in self.needers.get(idx, ())} & alive if slots else set()
+        return sorted(wanted) or sorted(alive)
 
-    def scatter(self, indices, slots: list[str], alive: set, load: dict) -> None:
-        """Send blocks, each to the least loaded live worker among those
-        whose tasks need it (any live worker when none of those is alive)."""
-        if not indices:
+    def missing(self, slots: list[str] | None = None, alive: set | None = None) -> list:
+        """``(block, worker)`` to send: blocks never sent or whose only copy
+        went with a worker (worker None: the least loaded reader), and with
+        ``copies``, each reader's worker lacking its own copy."""
+        held: dict = {}
+        futs = [f for by in self.futures.values() for f in by.values() if f.status == "finished"]
+        if futs:
+            where = self.client.who_has(futs)
+            held = {f.key: set(where.get(f.key) or ()) for f in futs}
+        out = []
+        for idx in self.needers:
+            have = {w for w, f in self.futures.get(idx, {}).items() if held.get(f.key)}
+            if not self.copies:
+                if not have:
+                    out.append((idx, None))
+                continue
+            for w in self._wanted(idx, slots or [], alive or set()):
+                if w not in have:
+                    out.append((idx, w))
+        return out
+
+    def scatter(self, pairs, slots: list[str], alive: set, load: dict) -> None:
+        """Send blocks, each to its worker (None: the least loaded live
+        worker among those whose tasks need it, any live worker when none of
+        those is alive)."""
+        if not pairs:
             return
         if not alive:
             raise OSError("no worker is alive to receive scattered blocks")
         self.generation += 1
         name = f"distmm-{self.tag}-{self.generation}"
         by_worker: dict[str, dict] = defaultdict(dict)
-        for idx in indices:
-            wanted = {slots[o % len(slots)] for o in self.needers.get(idx, ())} & alive if slots else set()
-            candidates = sorted(wanted) or sorted(alive)
-            worker = min(candidates, key=lambda w: load.get(w, 0))
+        for idx, worker in pairs:
+            if worker is None:
+                worker = min(self._wanted(idx, slots, alive), key=lambda w: load.get(w, 0))
             blk = self.block(idx)
             load[worker] = load.get(worker, 0) + blk.nbytes
-            by_worker[worker][(name,) + tuple(idx)] = (idx, blk)
-        if self.futures:
-            self.resent += len(indices)
+            if self.futures.get(idx):
+                self.resent += 1
+            by_worker[worker][(name,) + tuple(idx) + (worker,)] = (idx, blk)
         for worker, items in by_worker.items():
             futs = self.client.scatter({key: blk for key, (_, blk) in items.items()},
                                        workers=[worker], hash=False)
             for key, (idx, _) in items.items():
-                self.futures[idx] = futs[key]
+                by = self.futures.setdefault(idx, {})
+                if not self.copies:
+                    by.clear()
+                by[worker] = futs[key]
 
 
 def _needers(plan: Plan, batch, a_batch, b_batch):
@@ -187,12 +213,15 @@ class _Blocks:
         cpu = sorted({u.address for u in self.units if not u.gpu} & alive)
         return cpu or sorted(alive)
 
-    def devices(self) -> CellTasks:
+    def devices(self, alive: set) -> CellTasks:
         from distmm.engine.dask.layout import layout_devices
 
         table = {key: dev for key, dev in layout_devices(self.layout, self.units).items()
                  if key[:2] not in self.moved}
-        return CellTasks(table, self.fail)
+        addresses = self.addresses(alive)
+        homes = {(bi, bj, g): addresses[self.layout.unit_of_partial(bi, bj, g)]
+                 for bi, bj in self.layout.cells() for g in range(self.layout.groups)}
+        return CellTasks(table, self.fail, homes=homes)
 
     def placement(self, name: str, alive: set):
         cpu = self.cpu_workers(alive)
@@ -253,8 +282,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
         rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
-    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}")
-    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}")
+    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None)
+    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}", copies=blocks is not None)
     if blocks is not None:
         geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
     else:
@@ -280,11 +309,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     slots = live_slots or slots
                     load: dict = {}
                     targets = blocks.addresses(alive) if blocks is not None else slots
-                    a_sc.scatter(a_sc.missing(), targets, alive, load)
-                    b_sc.scatter(b_sc.missing(), targets, alive, load)
+                    a_sc.scatter(a_sc.missing(targets, alive), targets, alive, load)
+                    b_sc.scatter(b_sc.missing(targets, alive), targets, alive, load)
                     name = f"distmm-matmul-{token}-{attempts}-{submitted}"
                     if blocks is not None:
-                        placement, cells = blocks.placement(name, alive), blocks.devices()
+                        placement, cells = blocks.placement(name, alive), blocks.devices(alive)
                     else:
                         placement = Placement(plan, geometry, names_of(name), len(batch),
                                               reduction, slots)

@@ -69,15 +69,22 @@ def names_of(name: str) -> tuple[str, str, str]:
 class OperandKeys:
     """Where the chunks of one operand are: its shape, chunks, and the key of
     each chunk: ``(name,) + index`` for a dask array, or ``table[index]`` (the
-    future) for scattered blocks."""
+    future) for scattered blocks; block mode scatters a copy to each worker
+    reading a block, ``table[index]`` then maps worker -> future, and a task
+    reads its own worker's copy (``home``)."""
 
     shape: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
     name: str | None = None
     table: Any = None
 
-    def key(self, idx: tuple):
-        return (self.name,) + idx if self.table is None else self.table[idx]
+    def key(self, idx: tuple, home: str | None = None):
+        if self.table is None:
+            return (self.name,) + idx
+        entry = self.table[idx]
+        if isinstance(entry, dict):
+            return entry.get(home) or entry[min(entry)]
+        return entry
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -105,15 +112,21 @@ class CellTasks:
 
     ``devices[(bi, bj, g)]``: ``("gpu" | "cpu", workers sharing that GPU)``
     (missing: CPU); ``fail``: the cells raising ``TileFailed`` on the GPU on
-    purpose (``distmm-debug.fail-tiles``); ``fallback``: see ``block_product``.
+    purpose (``distmm-debug.fail-tiles``); ``fallback``: see ``block_product``;
+    ``homes[(bi, bj, g)]``: the worker running that task (scattered operands:
+    whose copy of a block it reads).
     """
 
     devices: Any
     fail: frozenset = frozenset()
     fallback: tuple = ()  # CPU workers a failed GPU task hands its block to (lazy products)
+    homes: Any = None
 
     def device(self, bi: int, bj: int, g: int) -> tuple[str, int]:
         return self.devices.get((bi, bj, g), ("cpu", 1))
+
+    def home(self, bi: int, bj: int, g: int) -> str | None:
+        return None if self.homes is None else self.homes.get((bi, bj, g))
 
 
 def _step_inputs(groups: int, reduction) -> tuple:
@@ -235,7 +248,9 @@ class ProductLayer(Layer):
         b_keys = tuple(sorted({(kb, cb) for _, b_k in pieces for kb, _, _ in b_k for cb, _, _ in b_cols}))
         spec = BlockSpec(a_lead, b_lead, a_rows, b_cols, pieces, a_keys, b_keys,
                          finish=not self.split, batch_ndim=len(self.batch))
-        return spec, [self.a.key(a_bb + ab) for ab in a_keys], [self.b.key(b_bb + bb) for bb in b_keys]
+        home = None if self.cells is None else self.cells.home(bi, bj, g)
+        return spec, [self.a.key(a_bb + ab, home) for ab in a_keys], [
+            self.b.key(b_bb + bb, home) for bb in b_keys]
 
     def _source_key(self, block, source):
         kind, idx = source

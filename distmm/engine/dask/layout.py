@@ -247,7 +247,8 @@ def _axis_cuts(cuts, length: int, quantum: int):
 
 def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts=None,
                  col_cuts=None, quantum: int = 64, memory_budget: int | None = None,
-                 tk: int = 256, k_groups: int | None = None, k_cuts=None) -> BlockLayout:
+                 tk: int = 256, k_groups: int | None = None, k_cuts=None,
+                 grid: tuple[int, int] | None = None) -> BlockLayout:
     """Lay C out as one rectangle per unit with a positive weight.
 
     Parameters
@@ -267,6 +268,10 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
     k_cuts : sequence of int, optional
         Where k group edges may lie (the operands' chunk edges along k);
         groups that would share a chunk merge.
+    grid : (int, int), optional
+        The worker grid ``(pr, pc)`` (``distmm.engine.dask.locality`` picks it
+        by where the operands are); default, or when it does not multiply to
+        the units given blocks: ``worker_grid``.
     """
     weights = [max(float(w), 0.0) for w in weights]
     active = [u for u, w in enumerate(weights) if w > 0] or ([0] if weights else [])
@@ -285,6 +290,8 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
     else:
         groups = max(1, int(k_groups))
     pr, pc = worker_grid(len(active), m, n)
+    if grid is not None and grid[0] * grid[1] == len(active):
+        pr, pc = int(grid[0]), int(grid[1])
     rows = [active[g * pc:(g + 1) * pc] for g in range(pr)]
     row_edges = _proportional(m, [sum(weights[u] for u in grp) for grp in rows], rcuts)
     blocks: list = [None] * len(weights)

@@ -19,7 +19,7 @@ from distmm.engine.dask.placement import Placement
 from distmm.engine.dask.tasks import TaskPlan
 from distmm.plan import Plan
 
-__all__ = ["lazy_product", "lazy_blocks", "PinnedArray"]
+__all__ = ["lazy_product", "lazy_blocks", "PinnedArray", "ChunkHomes"]
 
 
 def output_chunks(geometry_chunks, batch) -> tuple:
@@ -91,7 +91,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     out_name = "distmm-chunks-" + token
     rows, cols = geometry.row_edges, geometry.col_edges
-    dsk = {}
+    dsk, homes = {}, {}
     for ci in range(len(rows) - 1):
         bi = bisect.bisect_right(layout.row_edges, rows[ci]) - 1
         r0 = layout.row_edges[bi]
@@ -101,14 +101,31 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
             key = (out_name, ci, cj)
             dsk[key] = _task(key, cut, _ref((name, bi, bj)), rows[ci] - r0, rows[ci + 1] - r0,
                              cols[cj] - c0, cols[cj + 1] - c0)
+            homes[(ci, cj)] = placement((name, bi, bj))
     layers = dict(hlg.layers)
-    layers[out_name] = MaterializedLayer(dsk)
+    # pinned to their block's worker: many small tasks over few blocks are
+    # "root-ish" to the scheduler, which would place them ignoring where the block is
+    layers[out_name] = MaterializedLayer(dsk, annotations={
+        "workers": ChunkHomes(out_name, homes), "allow_other_workers": True})
     deps = dict(hlg.dependencies)
     deps[out_name] = {name}
     graph = HighLevelGraph(layers, deps)
     meta = getattr(a2, "_meta", np.empty((0, 0)))
     out_meta = meta_from_array(meta, ndim=2, dtype=dtype)
     return PinnedArray(graph, out_name, chunks, dtype=dtype, meta=out_meta)
+
+
+class ChunkHomes:
+    """The ``workers=`` annotation of block mode's output chunks: each on the
+    worker of the block it is cut from."""
+
+    def __init__(self, name: str, homes: dict):
+        self.name, self.homes = name, dict(homes)
+
+    def __call__(self, key):
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == self.name:
+            return self.homes.get((key[1], key[2]))
+        return None
 
 
 def _cull_only(dsk, keys, **kwargs):

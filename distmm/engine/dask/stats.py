@@ -38,7 +38,12 @@ def last_stats() -> dict:
     not, share of C, its block), ``moved`` (cells rerun on CPU workers),
     ``estimated_bytes`` (block mode: by route, ``scatter`` for numpy operands,
     ``worker_to_worker``, ``gather``; tile mode: ``plan``, the plan's own
-    ``bytes_moved``), ``started`` (``time.time()``) and ``seconds`` (numpy
+    ``bytes_moved``), in block mode ``locality`` (``assignment``: each busy
+    unit's worker in layout order, ``grid``, ``estimated_bytes`` of that
+    choice and ``naive_bytes`` of the units in address order on the default
+    grid, both on ``route``; ``method``; ``colocated``: None, or which of
+    "one unit per device" / "one unit per worker" was chosen and the bytes
+    of each), ``started`` (``time.time()``) and ``seconds`` (numpy
     operands). Empty before the first product."""
     with _LOCK:
         return dict(_LAST)
@@ -47,65 +52,35 @@ def last_stats() -> dict:
 def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str], layout,
                    c_bytes: int, acc_itemsize: int) -> dict:
     """Bytes a block-mode run of scattered operands moves, by route: every
-    block scattered once, fetched by each other worker whose cells read it,
-    the partials of split cells moved to their reduction, C gathered."""
-    scatter = w2w = 0
+    block scattered straight to each worker whose cells read it (no block is
+    fetched from another worker), the partials of split cells moved to their
+    reduction, C gathered."""
+    from distmm.engine.dask.locality import partial_bytes
+
+    scatter = 0
     for sc, need in ((a_sc, a_need), (b_sc, b_need)):
         for idx, units in need.items():
-            lead, r, c = idx[:-2], idx[-2], idx[-1]
+            r, c = idx[-2], idx[-1]
             nbytes = ((sc.row_edges[r + 1] - sc.row_edges[r]) * (sc.col_edges[c + 1] - sc.col_edges[c])
                       * sc.array.dtype.itemsize)
-            scatter += nbytes
-            holders = {addresses[u % len(addresses)] for u in units}
-            w2w += (len(holders) - 1) * nbytes
-    partials = _partials(layout, addresses, acc_itemsize)
-    return {"scatter": scatter, "worker_to_worker": w2w + partials, "gather": c_bytes}
+            scatter += nbytes * len({addresses[u % len(addresses)] for u in units})
+    return {"scatter": scatter, "worker_to_worker": partial_bytes(layout, addresses, acc_itemsize),
+            "gather": c_bytes}
 
 
-def _partials(layout, addresses, acc_itemsize: int) -> int:
-    out = 0
-    for bi, bj in layout.cells():
-        area = (layout.row_edges[bi + 1] - layout.row_edges[bi]) * (
-            layout.col_edges[bj + 1] - layout.col_edges[bj])
-        for dst, src in layout.reduction:
-            a = addresses[layout.unit_of_partial(bi, bj, dst) % len(addresses)]
-            b = addresses[layout.unit_of_partial(bi, bj, src) % len(addresses)]
-            if a != b:
-                out += area * acc_itemsize
-    return out
-
-
-def estimate_lazy(geometry, layout, addresses: list[str], a2, b2, where: dict,
-                  acc_itemsize: int, c_bytes: int) -> dict:
+def estimate_lazy(layout, addresses: list[str], a2, b2, where: dict, acc_itemsize: int,
+                  c_bytes: int) -> dict:
     """Bytes a block-mode product of dask operands moves between workers:
     each chunk to every worker reading it that does not hold it (``where``:
     ``client.who_has`` of persisted chunks; a chunk not persisted counts as
     made on one of its readers), plus the partials of split cells; and C, if
     it is gathered."""
-    from distmm.engine.dask.chunks import locate
+    from distmm.engine.dask.locality import moved, partial_bytes, readers
 
-    readers: dict = {}
-    for bi, bj in layout.cells():
-        for g in range(layout.groups):
-            addr = addresses[layout.unit_of_partial(bi, bj, g) % len(addresses)]
-            k0, k1 = geometry.k_groups[g], geometry.k_groups[g + 1]
-            for rb, _, _ in geometry.a_row_pieces(bi):
-                for kb, _, _ in locate(geometry.a_k, k0, k1):
-                    readers.setdefault((a2.name, rb, kb), set()).add(addr)
-            for kb, _, _ in locate(geometry.b_k, k0, k1):
-                for cb, _, _ in geometry.b_col_pieces(bj):
-                    readers.setdefault((b2.name, kb, cb), set()).add(addr)
-    moved = 0
-    for key, who in readers.items():
-        name, r, c = key
-        rows, cols = (geometry.a_rows, geometry.a_k) if name == a2.name else (geometry.b_k,
-                                                                              geometry.b_cols)
-        itemsize = (a2 if name == a2.name else b2).dtype.itemsize
-        nbytes = (rows[r + 1] - rows[r]) * (cols[c + 1] - cols[c]) * itemsize
-        held = set(where.get(key, ()))
-        moved += nbytes * (len(who - held) if held else len(who) - 1)
-    return {"worker_to_worker": moved + _partials(layout, addresses, acc_itemsize),
-            "gather": c_bytes}
+    reads = readers(layout, a2.chunks, b2.chunks, a2.name, b2.name, a2.dtype.itemsize,
+                    b2.dtype.itemsize)
+    return {"worker_to_worker": moved(reads, addresses, where)
+            + partial_bytes(layout, addresses, acc_itemsize), "gather": c_bytes}
 
 
 def _logs(dask_worker, since):

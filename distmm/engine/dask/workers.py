@@ -6,7 +6,8 @@ declare, or a probe run on the worker that finds a CUDA device: cupy imports
 and ``getDeviceCount() > 0``), each worker's throughput in GFLOP/s (the
 ``distmm.dask-worker-gflops`` configuration by address, then by kind, else
 measured by the probe: a small float64 product timed on the worker's device),
-which workers share one physical GPU, and the units the block layout shares C
+which workers share one physical GPU (the probe's PCI bus id, or
+``DEVICES_KEY`` for tests), and the units the block layout shares C
 between (one per GPU worker, one per CPU worker thread). Probes are cached per
 worker address for the life of the client process.
 It does *not* cover: the layout itself (``distmm.engine.dask.layout``) or the
@@ -19,13 +20,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["WorkerInfo", "Unit", "worker_info", "units", "probe", "forget"]
+__all__ = ["WorkerInfo", "Unit", "worker_info", "units", "probe", "forget", "DEVICES_KEY"]
 
 log = logging.getLogger("distmm.engine.dask")
 
 #: GFLOP/s assumed for a worker marked GPU by its resources whose probe found
 #: no device (a test cluster, or a worker whose device is not visible to cupy)
 ASSUMED_GPU_GFLOPS = 20000.0
+
+#: debug configuration (outside the checked ``distmm`` section): ``{address:
+#: device id}`` standing in for the probe's PCI bus id, so that tests without a
+#: GPU can mark workers as sharing one device
+DEVICES_KEY = "distmm-debug.worker-devices"
 
 _CACHE: dict[str, dict] = {}
 _LOCK = threading.Lock()
@@ -91,6 +97,7 @@ class Unit:
     gpu: bool
     gflops: float
     share_device: int = 1  # GPU workers on the same device as this one (itself included)
+    device: str | None = None  # the device's PCI bus id (GPU workers whose probe found one)
 
 
 def forget(address: str | None = None) -> None:
@@ -131,6 +138,9 @@ def worker_info(client, gflops_cfg=None) -> list[WorkerInfo]:
     info = client.scheduler_info(n_workers=-1)["workers"]
     addresses = sorted(info)
     found = _probes(client, addresses)
+    import dask.config
+
+    devices = dict(dask.config.get(DEVICES_KEY, None) or {})
     out = []
     for addr in addresses:
         w = info[addr]
@@ -146,7 +156,9 @@ def worker_info(client, gflops_cfg=None) -> list[WorkerInfo]:
                 rate = res.get("gpu_gflops") or ASSUMED_GPU_GFLOPS
             else:
                 rate = (res.get("cpu_gflops") or 1.0) * nthreads
-        out.append(WorkerInfo(addr, nthreads, gpu, res.get("device"), float(rate), cuda))
+        device = devices.get(addr, res.get("device"))
+        out.append(WorkerInfo(addr, nthreads, gpu, None if device is None else str(device),
+                              float(rate), cuda))
     return out
 
 
@@ -160,7 +172,7 @@ def units(workers: list[WorkerInfo]) -> list[Unit]:
     out = []
     for w in workers:
         if w.gpu:
-            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1)))
+            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1), w.device))
         else:
             out += [Unit(w.address, False, w.gflops / w.nthreads)] * w.nthreads
     return out
