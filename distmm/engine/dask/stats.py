@@ -84,8 +84,14 @@ def estimate_lazy(layout, addresses: list[str], a2, b2, where: dict, acc_itemsiz
 
 
 def _logs(dask_worker, since):
+    # distributed stamps its transfer logs with the worker's time plus its estimate of the
+    # scheduler's clock offset (``scheduler_delay``, from heartbeats: tens of ms under load),
+    # which moved transfers made just before ``since`` after it; compare in the worker's time
+    delay = float(getattr(dask_worker, "scheduler_delay", 0) or 0)
+
     def total(log):
-        return sum(int(e.get("total", 0)) for e in list(log) if since is None or e.get("start", 0) >= since)
+        return sum(int(e.get("total", 0)) for e in list(log)
+                   if since is None or e.get("start", 0) - delay >= since)
 
     return {"incoming": total(dask_worker.transfer_incoming_log),
             "outgoing": total(dask_worker.transfer_outgoing_log)}
