@@ -187,18 +187,22 @@ class Bench:
         """relerr of C's sampled rows against their float64 product, computed on the GPU
         workers one column strip of B at a time (one float64 GEMM over all of k per strip:
         neither dask.array's block sums nor distmm's tiles)."""
-        from dask import delayed
+        from distributed import futures_of
 
         from bench.common import relerr
         from distmm.cli.cluster import to_host
 
+        # futures, not to_delayed(): dask 2024.12 (the floor) handed a persisted chunk's
+        # to_delayed() to the task as its unexecuted task tuple
         a_rows = self.persist(take_rows(a, rows).rechunk((len(rows), a.shape[1])))
-        (a_part,) = a_rows.to_delayed().ravel()
-        strips = [delayed(_reference_strip)(a_part, *column)
-                  for column in b.to_delayed().T.tolist()]
-        got, *ref = self.client.compute([to_host(take_rows(c, rows)), *strips],
-                                        workers=self.restrict, sync=True)
-        return relerr(got, np.hstack(ref))
+        (a_part,) = futures_of(a_rows)
+        b = self.persist(b)
+        held = {f.key: f for f in futures_of(b)}
+        columns = zip(*b.__dask_keys__())  # B's chunks down each column, top to bottom
+        strips = [self.client.submit(_reference_strip, a_part, *[held[key] for key in column],
+                                     workers=self.restrict, pure=False) for column in columns]
+        got = self.client.compute(to_host(take_rows(c, rows)), workers=self.restrict, sync=True)
+        return relerr(got, np.hstack(self.client.gather(strips)))
 
 
 def take_rows(x, rows):
