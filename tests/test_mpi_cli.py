@@ -34,10 +34,12 @@ def mpiexec():
 
 pytestmark = pytest.mark.mpi
 
-# prints each rank's exit status and stderr on one line (mpiexec reports only one)
-WRAPPER = ("import subprocess, sys; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
+# prints each rank's exit status and stderr on one line (mpiexec reports only one), in one
+# write: print() writes its pieces one by one when unbuffered, and two ranks' pieces interleaved
+WRAPPER = ("import os, subprocess, sys; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
            "sys.argv[1:], capture_output=True, text=True); "
-           "print('STATUS', r.returncode, r.stderr.strip().replace(chr(10), ' | '), flush=True); "
+           "line = 'STATUS %d %s' % (r.returncode, r.stderr.strip().replace(chr(10), ' | ')); "
+           "os.write(1, (line + chr(10)).encode()); "
            "sys.exit(0)")
 
 
