@@ -59,11 +59,32 @@ def _full_cluster(client, n: int = 4) -> None:
     except TimeoutError:
         pass
     client.cluster.scale(0)
-    deadline = time.monotonic() + 30
-    while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for_no_worker(client)
     client.cluster.scale(n)
     client.wait_for_workers(n, timeout=60)
+
+
+def _wait_for_no_worker(client, timeout: float = 30.0) -> None:
+    """Until the scheduler lists no worker (or ``timeout`` seconds pass)."""
+    deadline = time.monotonic() + timeout
+    while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _start_product(engine, request):
+    """Run ``engine.run(request)`` on a thread; ``out`` gets ``"c"`` (the result)
+    or ``"error"`` (what it raised, for the test's assertion to report)."""
+    out: dict = {}
+
+    def product():
+        try:
+            out["c"] = engine.run(request)
+        except BaseException as exc:  # reported by the caller's assertion
+            out["error"] = exc
+
+    run = threading.Thread(target=product)
+    run.start()
+    return run, out
 
 
 def _request(engine, a, b, tile):
@@ -119,16 +140,7 @@ def test_three_workers_killed_in_one_run_give_the_same_bits(client):
         time.sleep(1.0)  # let the nannies finish starting their new workers
         engine = get_engine("dask", client=client, retry_timeout=60.0)
         request = _request(engine, a, b, 128)
-        out = {}
-
-        def product():
-            try:
-                out["c"] = engine.run(request)
-            except BaseException as exc:  # reported by the assertion below
-                out["error"] = exc
-
-        run = threading.Thread(target=product)
-        run.start()
+        run, out = _start_product(engine, request)
         try:
             killed = _kill_workers(client, run, kills=3, gap=0.1)
         finally:
@@ -152,20 +164,9 @@ def test_with_no_worker_alive_the_run_waits_for_one_and_gives_the_same_bits():
         np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10)
         request = _request(engine, a, b, 128)
         cl.scale(0)
-        deadline = time.monotonic() + 30
-        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_no_worker(c)
         assert not c.scheduler_info(n_workers=-1)["workers"]
-        out = {}
-
-        def product():
-            try:
-                out["c"] = engine.run(request)
-            except BaseException as exc:  # reported by the assertion below
-                out["error"] = exc
-
-        run = threading.Thread(target=product)
-        run.start()
+        run, out = _start_product(engine, request)
         time.sleep(2.0)
         assert run.is_alive(), f"the run ended with no worker alive: {out!r}"
         cl.scale(1)
@@ -183,9 +184,7 @@ def test_no_worker_left_raises_workers_lost_after_the_timeout():
         a = np.ones((512, 512))
         request = _request(engine, a, a, 64)
         cl.scale(0)  # every worker goes, and none is started again
-        deadline = time.monotonic() + 30
-        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_no_worker(c)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             engine.run(request)
@@ -214,9 +213,7 @@ def test_retry_timeout_comes_from_the_configuration():
                                            tile=64, backend="auto")
         assert engine.retry_timeout == 1.5
         cl.scale(0)
-        deadline = time.monotonic() + 30
-        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_no_worker(c)
         t0 = time.monotonic()
         with pytest.raises(WorkersLost, match="gave up after"):
             engine.run(request)
