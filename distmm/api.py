@@ -140,6 +140,7 @@ class _Resolved:
     operands: Operands  # without its arrays (a and b are None)
     request: Request  # without its operands
     convert: Any  # cupy.asarray for cupy operands (it copies from another device), else None
+    replay: Any = None  # the engine's replayer (``Engine.replayer``), else None
 
     @property
     def plan(self) -> Plan:
@@ -161,7 +162,10 @@ class CallCache:
       ``engine="auto"`` from local to dask);
     - the engine's worker count and plan hints, and the memory budget
       (``distmm.config.memory_budget``: configured, or measured at most once a
-      second and rounded to 64 MiB when ``"auto"``).
+      second and rounded to 64 MiB when ``"auto"``), except where the engine
+      replays the call itself (``Engine.replayer``: 2-D cupy products, whose
+      result these cannot change; the replayer checks that the operands and
+      the current device are still the entry's device).
 
     Only calls the local engine runs, with numpy or cupy operands taken as
     they are (no conversion), are cached; a full cache drops its oldest entry.
@@ -218,8 +222,9 @@ def _lookup(a, b, engine: str, tile, backend: str):
 
 
 def _reuse(entry: _Resolved, a, b, engine: str):
-    """The engine and request of a cached call, or None when anything outside
-    the key changed since it was resolved (see ``CallCache``)."""
+    """The engine and request of a cached call (or the engine's replayer, which
+    takes ``(a, b)``), or None when anything outside the key changed since it
+    was resolved (see ``CallCache``)."""
     cfg = get_config()
     if cfg is not entry.config:
         return None
@@ -228,6 +233,10 @@ def _reuse(entry: _Resolved, a, b, engine: str):
                      retry_timeout=cfg.retry_timeout)
     if eng is not entry.engine:
         return None
+    if entry.replay is not None:
+        # The engine replays the product itself: what the cache checks below cannot change
+        # its result (Engine.replayer), and the replayer checks the operands' device.
+        return entry.replay
     if entry.convert is not None and (entry.convert(a) is not a or entry.convert(b) is not b):
         return None
     ops = replace_fast(entry.operands, a=a, b=b)
@@ -255,7 +264,8 @@ def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
     if eng.plan_hints(ops, request.plan.workers) or request.out is not None:
         return
     bare = replace_fast(ops, a=None, b=None)
-    CALLS.put(key, _Resolved(cfg, eng, bare, replace_fast(request, operands=bare), convert))
+    CALLS.put(key, _Resolved(cfg, eng, bare, replace_fast(request, operands=bare), convert,
+                             eng.replayer(request)))
 
 
 def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
@@ -373,10 +383,16 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         if entry is not None:
             hit = _reuse(entry, a, b, engine)
             if hit is not None:
-                CALLS.hits += 1
-                CALLS.last = entry
-                eng, request = hit
-                return _squeeze(eng.run(request), request.operands)
+                if type(hit) is tuple:
+                    CALLS.hits += 1
+                    CALLS.last = entry
+                    eng, request = hit
+                    return _squeeze(eng.run(request), request.operands)
+                result = hit(a, b)  # a replayer: 2-D operands, so nothing to squeeze
+                if result is not None:
+                    CALLS.hits += 1
+                    CALLS.last = entry
+                    return result
     if _is_distributed(a) or _is_distributed(b):
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend)
     ops = _validate(a, b)

@@ -189,3 +189,65 @@ def test_second_identical_cupy_call_reuses_the_cached_request(backend, dtype):
     with np.errstate(over="ignore"):
         assert_matches_numpy(host, a, b)
     CALLS.clear()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_repeated_2d_float_cupy_call_is_replayed_by_the_executor(backend, dtype):
+    """2-D float products of cupy operands are replayed by the GPU executor's
+    replayer (no request rebuilt, no budget read): the same bits as the full
+    path, a new array each call, and new operand values read."""
+    from distmm.api import CALLS
+
+    rng = np.random.default_rng()
+    a = random_array(rng, (301, 129), dtype)
+    b = random_array(rng, (129, 77), dtype)
+    a_dev, b_dev = cupy.asarray(a), cupy.asarray(b)
+    CALLS.clear()
+    first = distmm.matmul(a_dev, b_dev, backend=backend)
+    entry = CALLS.last
+    assert entry is not None and entry.replay is not None
+    replayed = distmm.matmul(a_dev, b_dev, backend=backend)
+    assert CALLS.hits == 1 and CALLS.last is entry
+    assert replayed is not first and replayed.data.ptr != first.data.ptr
+    assert cupy.asnumpy(replayed).tobytes() == cupy.asnumpy(first).tobytes()
+    assert_matches_numpy(cupy.asnumpy(replayed), a, b)
+    # new values written into the same operand, and new arrays: fresh products
+    a2, b2 = random_array(rng, a.shape, dtype), random_array(rng, b.shape, dtype)
+    a_dev[...] = cupy.asarray(a2)
+    assert_matches_numpy(cupy.asnumpy(distmm.matmul(a_dev, b_dev, backend=backend)), a2, b)
+    got = distmm.matmul(cupy.asarray(a2), cupy.asarray(b2), backend=backend)
+    assert CALLS.hits == 3
+    assert_matches_numpy(cupy.asnumpy(got), a2, b2)
+    CALLS.clear()
+
+
+@pytest.mark.parametrize("shapes", [((3, 40, 30), (30, 20)), ((40,), (40, 20)), ((40, 30), (30,))])
+def test_batched_and_vector_cupy_calls_are_not_replayed(shapes):
+    """Stacks and 1-D operands go through the full request on a hit (their result is
+    reshaped afterwards): no replayer, the same result as numpy."""
+    from distmm.api import CALLS
+
+    rng = np.random.default_rng()
+    a, b = (random_array(rng, s, np.float32) for s in shapes)
+    CALLS.clear()
+    distmm.matmul(cupy.asarray(a), cupy.asarray(b))
+    assert CALLS.last is not None and CALLS.last.replay is None
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b))
+    assert CALLS.hits == 1
+    assert got.shape == (a @ b).shape
+    assert_matches_numpy(cupy.asnumpy(got), a, b)
+    CALLS.clear()
+
+
+def test_int_cupy_call_is_not_replayed():
+    """Integer products keep the executor's full path on a hit (no replayer)."""
+    from distmm.api import CALLS
+
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    CALLS.clear()
+    distmm.matmul(cupy.asarray(a), cupy.asarray(a.T))
+    assert CALLS.last.replay is None
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(a.T))
+    assert CALLS.hits == 1 and cupy.asnumpy(got).tolist() == (a @ a.T).tolist()
+    CALLS.clear()

@@ -128,6 +128,16 @@ class Engine(ABC):
         from its workers' ``memory_limit`` (the lower budget wins)."""
         return {}
 
+    def replayer(self, request: Request):
+        """A callable ``f(a, b)`` that runs ``request`` again on new operands of
+        the same signature (types, shapes, strides, dtypes) with nothing
+        resolved again, returning the result, or None where the operands no
+        longer fit it (the caller then resolves the call in full); or None when
+        this engine has no such path for ``request``. Only for requests whose
+        result depends on nothing but the signature (``distmm.api``'s call
+        cache checks the configuration and the engine around it)."""
+        return None
+
     @abstractmethod
     def run(self, request: Request) -> Any:
         """Compute the product: an array of ``request.operands.out_shape`` and

@@ -59,6 +59,19 @@ class LocalEngine(Engine):
     def workers(self, operands: Operands, *, on_gpu: bool) -> int:
         return 1 if on_gpu or operands.family == "cupy" else (self.threads or default_workers())
 
+    def replayer(self, request: Request):
+        """For 2-D cupy operands (no batch, no 1-D operand): the GPU executor's
+        replayer of the product (``GPUExecutor.replayer``). The plan of a cupy
+        product carries only m, n, k and the dtype to the executor, so neither
+        the worker count nor the memory budget can change what it computes."""
+        ops = request.operands
+        if ops.family != "cupy" or ops.batch or ops.a_vector or ops.b_vector:
+            return None
+        executor = get_executor(request.backend, np_dtype(request.plan.acc_dtype),
+                                on_gpu=request.on_gpu)
+        return getattr(executor, "replayer", lambda plan, a_dtype, b_dtype: None)(
+            request.plan, ops.a.dtype, ops.b.dtype)
+
     def run(self, request: Request):
         ops, plan = request.operands, request.plan
         executor = get_executor(request.backend, np_dtype(plan.acc_dtype), on_gpu=request.on_gpu)

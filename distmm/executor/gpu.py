@@ -290,6 +290,36 @@ class GPUExecutor(Executor):
                 out[idx] = (tmp != 0) if res.kind == "b" else tmp.astype(res)
         return out
 
+    def replayer(self, plan, a_dtype, b_dtype):
+        """``f(a, b)``: ``run_batched(plan, a, b)`` for 2-D cupy operands of
+        ``a_dtype`` and ``b_dtype``, its choices (cuBLAS or the raw kernels,
+        the output) made once, here; ``f`` returns None when ``a``, ``b`` or the
+        current device is not this executor's device. None when the product is
+        not the common case (one float product in its own dtype)."""
+        res = np_dtype(plan.dtype)
+        m, n, k = plan.m, plan.n, plan.k
+        if not (k and m and n and a_dtype == b_dtype == res and _dtype_name(res) in _FLOATS):
+            return None
+        get_device = cupy.cuda.runtime.getDevice
+        device = get_device()  # executor_for gives each device its own executor
+        if self.choose(res, m, n, k) == "cublas":
+            matmul = cupy.matmul
+
+            def replay(a, b):
+                if a.data.device_id != device or b.data.device_id != device or get_device() != device:
+                    return None
+                return matmul(a, b)
+        else:
+            empty, gemm = cupy.empty, self._gemm
+
+            def replay(a, b):
+                if a.data.device_id != device or b.data.device_id != device or get_device() != device:
+                    return None
+                out = empty((m, n), dtype=res)
+                gemm(a, b, out, 1, 0, m, n, k, None)
+                return out
+        return replay
+
     @staticmethod
     def _compute_dtype(res: np.dtype):
         """The dtype the kernels compute ``res`` in; None for cupy.matmul in ``res``."""
