@@ -20,6 +20,7 @@ import distributed  # noqa: E402
 from distributed import Client  # noqa: E402
 
 import distmm  # noqa: E402
+from distmm.engine.dask import last_stats  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,15 @@ def cuda_client():
         yield client
 
 
-def _worker_ran_on_gpu(client) -> bool:
+def _used_gpu() -> bool:
     from distmm.engine.dask import tasks as dask_tasks
 
-    def used_gpu():
-        return any(key[2] for key in dask_tasks._EXECUTORS)
+    return any(key[2] for key in dask_tasks._EXECUTORS)
 
-    return all(client.run(used_gpu).values())
+
+def _worker_ran_on_gpu(client) -> bool:
+    """Whether every worker has run a task on its GPU executor."""
+    return all(client.run(_used_gpu).values())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "bool"])
@@ -102,7 +105,12 @@ def test_two_workers_sharing_one_gpu_give_the_product(shared_client):
         got = distmm.matmul(a, b, client=client, tile=256)  # numpy operands: eager path
         assert isinstance(got, np.ndarray)
         assert_matches_numpy(got, a, b)
-    assert _worker_ran_on_gpu(client)  # both workers ran tiles on their GPU executor
+        # scattered from the client, the operands move fewest bytes to one unit for the
+        # device (engine/dask/locality.py): one of the two workers runs it, on the GPU
+        stats = last_stats()
+        assert stats["locality"]["colocated"]["chosen"] == "one unit per device", stats["locality"]
+        assert [u["gpu"] for u in stats["units"]] == [True]
+    assert client.run(_used_gpu)[stats["units"][0]["address"]] is True
     # the benchmark's operands: made on the workers (cupy chunks), product kept lazy there
     seed = int(rng.integers(1 << 30)) * 2
     A = cluster_random((1531, 1283), 512, "float32", seed=seed, gpu=True)
