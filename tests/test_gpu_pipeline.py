@@ -205,3 +205,48 @@ def test_warmup_pins_the_ring_and_the_next_product_reuses_it():
     second = distmm.warmup(background=True)
     second.wait(60)
     assert second.error is None
+
+
+def test_registered_pinned_buffers_are_page_locked_and_copy_both_ways():
+    """The default allocator's buffers (fresh huge-page memory, faulted in, then
+    cudaHostRegister) are host memory the device sees as pinned; async copies through
+    them round-trip the bytes; dropping the owner unregisters (the range can be
+    registered again)."""
+    import gc
+
+    from distmm.executor.pinned import registered_allocator
+
+    nbytes = (17 << 20) + 12345
+    array, owner = registered_allocator(nbytes)
+    assert array.nbytes == nbytes and not array.any()
+    attrs = cupy.cuda.runtime.pointerGetAttributes(array.ctypes.data)
+    assert attrs.type == cupy.cuda.runtime.memoryTypeHost
+    src = np.random.default_rng().integers(0, 256, nbytes, dtype=np.uint8)
+    array[...] = src
+    dev = cupy.empty(nbytes, np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rt = cupy.cuda.runtime
+    rt.memcpyAsync(dev.data.ptr, array.ctypes.data, nbytes, rt.memcpyHostToDevice, stream.ptr)
+    stream.synchronize()
+    array[...] = 0
+    rt.memcpyAsync(array.ctypes.data, dev.data.ptr, nbytes, rt.memcpyDeviceToHost, stream.ptr)
+    stream.synchronize()
+    assert np.array_equal(array, src)
+    addr = array.ctypes.data
+    keep = array  # the mapping stays while the array lives; only the owner goes
+    del owner, array
+    gc.collect()
+    rt.hostRegister(addr, 2 << 20, 0)  # raises if the range were still registered
+    rt.hostUnregister(addr)
+    del keep
+
+
+def test_cublas_start_up_runs_once_per_dtype_and_device():
+    from distmm.executor.cublas import start_cublas
+
+    first = start_cublas("float32")
+    if first is not None:  # None: an earlier test of this process started it
+        first.result(timeout=60)
+        assert first.exception() is None
+    assert start_cublas("float32") is None
+    assert start_cublas(np.float32) is None

@@ -61,3 +61,53 @@ def test_a_dropped_result_is_reused_for_the_next_of_its_size():
     e[...] = 5
     assert (d == 3).all() and (e == 5).all()
     assert sum(s for s, _ in hostmem._spare) <= hostmem.SPARE_MAX_BYTES
+
+
+def _resident_pages(arr: np.ndarray) -> int:
+    """Pages of ``arr``'s memory that are in RAM now (mincore)."""
+    import ctypes
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = _mmap.PAGESIZE
+    addr = arr.ctypes.data // page * page
+    length = arr.ctypes.data + arr.nbytes - addr
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_a_touch_hold_stops_the_first_touch_until_every_hold_is_released():
+    """While a TouchHold is held the toucher threads wait (and fault nothing in);
+    when the last hold is released they go on and finish, contents unchanged."""
+    import threading
+    import time
+
+    probe = np.zeros(1 << 20, np.uint8)
+    can_populate = hostmem.populate(probe.ctypes.data, probe.nbytes)
+    before = set(threading.enumerate())
+    first, second = hostmem.TouchHold(), hostmem.TouchHold()
+    try:
+        c = hostmem.empty_host((3001, 9001), np.float32, touch_threads=2)  # 103 MiB, a size no
+        # other test uses (a dropped result of the same size would be reused, touched)
+        touchers = [t for t in threading.enumerate()
+                    if t not in before and t.name.startswith("distmm-touch")]
+        assert len(touchers) == 2
+        time.sleep(0.3)
+        assert all(t.is_alive() for t in touchers)  # waiting: the work alone takes < 0.1 s
+        if can_populate:
+            assert _resident_pages(c) == 0
+        first.release()
+        first.release()  # idempotent: the other hold still stops them
+        time.sleep(0.3)
+        assert all(t.is_alive() for t in touchers)
+    finally:
+        first.release()
+        second.release()
+    for t in touchers:
+        t.join(30)
+    assert not any(t.is_alive() for t in touchers)
+    if can_populate:
+        assert _resident_pages(c) == -(-c.nbytes // 4096)
+    assert not c.view(np.uint8).any()  # zeros: nothing was written

@@ -381,3 +381,41 @@ def test_trace_records_every_lane():
     assert all(o["end_ms"] >= o["start_ms"] >= -1.0 for o in tl.ops)
     assert tl.meta["m"] == 400 and tl.meta["bytes_d2h"] == c.nbytes
     assert math.isfinite(tl.busy_ms("compute"))
+
+
+def test_pinned_pool_makes_several_new_buffers_on_threads_all_or_none():
+    """acquire_many makes the buffers it lacks on up to four threads (faulting fresh
+    pages in is CPU work); when one allocation fails, none is handed out and the pool
+    holds nothing of that call."""
+    import threading
+    import time
+
+    seen, lock = set(), threading.Lock()
+
+    def alloc(n):
+        with lock:
+            seen.add(threading.current_thread().name)
+        time.sleep(0.05)  # as long as faulting a 17 MiB buffer in: the threads overlap
+        return np.zeros(n, np.uint8), None
+
+    pool = PinnedPool(64 << 20, allocator=alloc)
+    bufs = pool.acquire_many(1 << 20, 8)
+    assert len(bufs) == 8 and len({b.ptr for b in bufs}) == 8
+    assert all(name.startswith("distmm-pin") for name in seen) and 1 < len(seen) <= 4
+    for b in bufs:
+        pool.release(b)
+    calls = []
+
+    def failing(n):
+        with lock:
+            calls.append(n)
+            if len(calls) == 3:
+                raise MemoryError("no more pinned memory")
+        return np.zeros(n, np.uint8), None
+
+    pool2 = PinnedPool(64 << 20, allocator=failing)
+    with pytest.raises(MemoryError, match="no more pinned"):
+        pool2.acquire_many(1 << 20, 6)
+    assert pool2.held_bytes == 0 and pool2.in_use_bytes == 0
+    pool.close()
+    pool2.close()

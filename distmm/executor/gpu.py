@@ -24,7 +24,7 @@ import cupy
 import distmm.executor.registry as registry
 from distmm.executor import tuning
 from distmm.executor.base import BackendUnavailable, Executor
-from distmm.executor.cublas import CublasGemm, cublas_gemm
+from distmm.executor.cublas import CublasGemm, cublas_gemm, start_cublas
 from distmm.executor.device import device_count, gpu_name
 from distmm.plan import np_dtype
 
@@ -191,6 +191,11 @@ class GPUExecutor(Executor):
         from distmm.executor.hostmem import empty_host
 
         return empty_host(shape, dtype)
+
+    def start_cublas(self, dtype):
+        """cuBLAS's start-up for ``dtype`` on a background thread, once per process and
+        device (``distmm.executor.cublas.start_cublas``): its Future, or None."""
+        return start_cublas(dtype)
 
     # -- device GEMM -----------------------------------------------------------------
     def device_gemm(self, a_dev, b_dev, c_dev, *, alpha=1, beta=0, stream=None) -> None:

@@ -26,6 +26,7 @@ import threading
 
 import numpy as np
 
+from distmm.executor.hostmem import TouchHold
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import wait_running
@@ -148,6 +149,27 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
 
         pinned_pool = default_pinned_pool()
     wait_running()  # a warm-up still pinning the ring or making the context finishes first
+    # A fresh process's start-up, overlapped: cuBLAS starts on a thread while this one
+    # allocates device buffers and pins the ring, and the background first touch of a
+    # fresh result (hostmem) waits meanwhile, since it holds the lock those calls take.
+    holds = [TouchHold()]
+    start = getattr(executor, "start_cublas", None) if _device is None else None
+    started = start(dtype) if start is not None else None
+    if started is not None:
+        hold = TouchHold()
+        holds.append(hold)
+        started.add_done_callback(lambda _fut: hold.release())
+    try:
+        return _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, tiles,
+                    info, _device, holds[0])
+    finally:
+        holds[0].release()
+
+
+def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, tiles, info,
+         _device, ready_hold):
+    m, n, k = int(plan.m), int(plan.n), int(plan.k)
+    dtype = np.dtype(plan.dtype)
     device = _device if _device is not None else CupyDevice(1 << 62)
     _wait_for_release()  # the previous product's device memory is free before the budget
     budget = _resolve_budget(device, device_memory_limit)
@@ -158,7 +180,8 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
-                           Timeline() if trace is not None else None, host_threads())
+                           Timeline() if trace is not None else None, host_threads(),
+                           on_ready=ready_hold.release)
         failure = None
         try:
             run.execute()

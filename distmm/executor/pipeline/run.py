@@ -103,7 +103,7 @@ class PipelineRun:
     out-of-memory errors unchanged so that the caller can retry smaller."""
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
-                 timeline: Timeline | None, host_threads: int):
+                 timeline: Timeline | None, host_threads: int, on_ready=None):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
@@ -112,6 +112,7 @@ class PipelineRun:
         self.pool = pool
         self.timeline = timeline
         self.host_threads = host_threads
+        self.on_ready = on_ready  # called once the device buffers and the ring are held
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
         self._host_lock = threading.Lock()
@@ -231,6 +232,8 @@ class PipelineRun:
                 self.pool.release(buf)
             raise
         p2 = self._now()
+        if self.on_ready is not None:
+            self.on_ready()
         self.phases = {"device_alloc_s": p1 - p0, "pinned_ring_s": p2 - p1,
                        "ring_bytes": (n_in + n_out) * chunk_bytes}
         stage_pool = _thread_pool("stage", self.host_threads)
