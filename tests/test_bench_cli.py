@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py"}  # helpers, not scripts
+NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py",
+               "nvmath_peer.py"}  # helpers, not scripts
 # CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
 pytestmark = pytest.mark.skipif(not (BENCH / "common.py").is_file(),
                                 reason="bench/ is not beside this tests/ folder")
