@@ -37,8 +37,13 @@ Variants
 ``heat``
     Not run, and so not recorded (the run prints why): heat 1.9 is not on this
     machine's package index (1.8.0 needs torch<2.11.1).
-``nvmath-python`` (cuBLASMp)
-    Not run: no such peer exists in bench/ yet (its wheels are not in the device bundle).
+``nvmath-python`` (cuBLASMp, ``--mode gpu``; ``bench/nvmath_peer.py``)
+    nvmath-python's distributed ``Matmul`` (cuBLASMp over NCCL) under the same ``mpiexec``
+    as distmm, right after it, at the cases with one GPU per rank (NCCL allows no two ranks
+    on one GPU): rank r holds rows of A and columns of B, and gets rows of C. Its wheels
+    live in their own folder (``--nvmath-site``, first on the ``PYTHONPATH`` of its ranks
+    only). Where it does not load or initialise (missing wheels, an NCCL older than 2.29.2)
+    the run prints the exception's line and writes no record; distmm's are unaffected.
 ``cublas`` (``--mode gpu``)
     ``cupy.matmul`` in-core on one GPU (the driver's), against ``distmm-mpi`` with the
     GPU backend and device-resident blocks.
@@ -92,6 +97,7 @@ MODES = {
                       (2, "float32", 16384, 1), (2, "float32", 32768, 2)],
             "threads": 16, "peer_ranks": [], "rounds": 1, "repeat": 3},
 }
+PEERS = {"cpu": ["pylops-mpi"], "cpu16": ["pylops-mpi"], "gpu": ["nvmath-python"]}  # --peers
 PYLOPS_KIND = "summa"
 SAMPLE_ROWS = 64  # rows of C checked against float64
 
@@ -156,28 +162,36 @@ def worker(args) -> int:
 
 
 def _check_distributed(comm, db, c, n: int, dtype: str):
+    """relerr of C's sampled rows against float64 (``check_rows`` on distmm's blocks)."""
+    return check_rows(comm, db.local, db.layout.local_bounds(comm.rank), c.local,
+                      c.layout.local_bounds(comm.rank), n, dtype)
+
+
+def check_rows(comm, b_local, b_bounds, c_local, c_bounds, n: int, dtype: str):
     """relerr of C's sampled rows against float64, with no rank holding a whole matrix:
-    each rank multiplies the sampled rows of A (over its B block's k range) by its block
-    of B in float64, and the partial products and C's sampled rows are summed on rank 0."""
+    each rank multiplies the sampled rows of A (over its B block's k range, ``b_bounds =
+    (k0, k1, c0, c1)``) by its block of B in float64, and the partial products and C's
+    sampled rows (its block at ``c_bounds``) are summed on rank 0. Used by every MPI
+    variant whose ranks hold blocks of B and C (distmm-mpi, nvmath-python)."""
     from mpi4py import MPI
 
     rows = sample_rows(n, SAMPLE_ROWS)
     ref = np.zeros((rows.size, n))
     got = np.zeros((rows.size, n))
-    k0, k1, c0, c1 = db.layout.local_bounds(comm.rank)
+    k0, k1, c0, c1 = b_bounds
     if k1 > k0 and c1 > c0:
         a_rows = mpi_blocks.rows(A, (n, n), rows, k0, k1, dtype)
-        ref[:, c0:c1] = _rows_product(a_rows, db.local)
-    r0, r1, cc0, cc1 = c.layout.local_bounds(comm.rank)
+        ref[:, c0:c1] = _rows_product(a_rows, b_local)
+    r0, r1, cc0, cc1 = c_bounds
     mine = (rows >= r0) & (rows < r1)
     if mine.any() and cc1 > cc0:
         idx = rows[mine] - r0
-        if hasattr(c.local, "__cuda_array_interface__"):  # C stayed on the GPU
+        if hasattr(c_local, "__cuda_array_interface__"):  # C stayed on the GPU
             import cupy
 
-            got[mine, cc0:cc1] = c.local[cupy.asarray(idx)].get()
+            got[mine, cc0:cc1] = c_local[cupy.asarray(idx)].get()
         else:
-            got[mine, cc0:cc1] = c.local[idx]
+            got[mine, cc0:cc1] = c_local[idx]
     total_ref = np.zeros_like(ref) if comm.rank == 0 else None
     total_got = np.zeros_like(got) if comm.rank == 0 else None
     comm.Reduce(ref, total_ref, op=MPI.SUM, root=0)
@@ -282,8 +296,9 @@ def _peer_ranks(mode: dict, ranks: list[int]) -> list[int]:
     return [r for r in ranks if math.isqrt(r) ** 2 == r]
 
 
-def _peer_not_run(name: str, ranks: int, mode: str = "cpu", pylops_why: str = "") -> str:
-    """Why a peer was not measured at this rank count (checked on the CPU machine, 2026-11-24)."""
+def _peer_not_run(name: str, ranks: int, mode: str = "cpu", why: str = "") -> str:
+    """Why a peer was not measured at this rank count (checked on the CPU machine, 2026-11-24);
+    ``why``: the reason found in this run (an import that failed, ...), where there is one."""
     if name == "pylops-mpi":
         if mode == "gpu":
             return "pylops-mpi is compared on the CPU modes only"
@@ -291,10 +306,9 @@ def _peer_not_run(name: str, ranks: int, mode: str = "cpu", pylops_why: str = ""
             return (f"pylops-mpi 0.8.0 MPIMatrixMult (kind 'summa' and 'block') raises 'Number of "
                     f"processes must be a square number, provided {ranks}' (tried under mpiexec "
                     f"-n 2 here); it cannot run on {ranks} ranks")
-        return pylops_why or f"mode {mode} runs pylops-mpi at other rank counts only"
+        return why or f"mode {mode} runs pylops-mpi at other rank counts only"
     if name == "nvmath-python":
-        return ("no nvmath-python (cuBLASMp) peer exists in bench/ yet: its wheels "
-                "(nvmath-python, nvidia-cublasmp-cu13, nccl4py) are not in the device bundle")
+        return why or "not asked for (--peers)"
     return ("heat not installed: heat 1.9 is not on this machine's package index, and heat 1.8.0 "
             "(the newest there) needs torch<2.11.1 while the machine offers torch 2.13.0 only "
             "(pip: ResolutionImpossible)")
@@ -319,6 +333,7 @@ def _visible_gpus() -> list[str]:
 
 
 def driver(args) -> int:
+    from bench import nvmath_peer
     from bench.common import RecordWriter, cpu_model, relerr
 
     mode = MODES[args.mode]
@@ -340,29 +355,38 @@ def driver(args) -> int:
         print(f"distmm-mpi   {case[1]} n={case[2]} ranks={case[0]} on {case[3]} GPUs: not run: "
               f"{len(gpus_visible)} GPU(s) visible", flush=True)
     cases = [c for c in cases if not gpu or c[3] <= len(gpus_visible)]
-    peer_ranks = _peer_ranks(mode, sorted({c[0] for c in cases})) if not gpu else []
+    peers = PEERS[args.mode] if args.peers is None else args.peers
+    peer_ranks = (_peer_ranks(mode, sorted({c[0] for c in cases}))
+                  if not gpu and "pylops-mpi" in peers else [])
     pylops_version, pylops_why = _pylops_import(base_env) if peer_ranks else (None, "")
     if pylops_version is None:
         peer_ranks = []
+    pylops_why = pylops_why if "pylops-mpi" in peers else "not asked for (--peers)"
+    nvmath_env = nvmath_peer.env_with(args.nvmath_site, base_env)
+    nvmath_versions, nvmath_why = (nvmath_peer.check(nvmath_env) if "nvmath-python" in peers
+                                   else (None, "not asked for (--peers)"))
+    if nvmath_versions is not None and not gpu:
+        nvmath_versions, nvmath_why = None, "nvmath-python runs in --mode gpu only (cuBLASMp)"
 
-    def env_for(ranks: int, gpus: int) -> dict:
+    def env_for(ranks: int, gpus: int, peer: str = "") -> dict:
         per = str(_threads_per_rank(ranks))
-        env = dict(base_env, OMP_NUM_THREADS=per, OPENBLAS_NUM_THREADS=per, MKL_NUM_THREADS=per)
+        env = dict(nvmath_env if peer == nvmath_peer.NAME else base_env,
+                   OMP_NUM_THREADS=per, OPENBLAS_NUM_THREADS=per, MKL_NUM_THREADS=per)
         if gpu and gpus == 1 and ranks > 1:  # the ranks share one GPU, even where more exist
             env["CUDA_VISIBLE_DEVICES"] = gpus_visible[0]
         return env
 
-    def launch(ranks, gpus, n, dtype, check, peer=False):
+    def launch(ranks, gpus, n, dtype, check, peer=""):
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "r.json"
             cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
                    sys.executable, "-m", "bench.mpi", "--worker", "--n", str(n), "--dtype", dtype,
                    "--repeat", str(repeat), "--result", str(result)]
             cmd += ["--gpu"] if gpu else []
-            cmd += ["--peer", "pylops-mpi"] if peer else []
+            cmd += ["--peer", peer] if peer else []
             cmd += [] if check else ["--no-check"]
-            r = subprocess.run(cmd, env=env_for(ranks, gpus), capture_output=True, text=True,
-                               timeout=3600)
+            r = subprocess.run(cmd, env=env_for(ranks, gpus, peer), capture_output=True,
+                               text=True, timeout=3600)
             if r.returncode != 0 or not result.exists():
                 raise RuntimeError(f"worker failed: {r.stdout[-3000:]} {r.stderr[-3000:]}")
             return json.loads(result.read_text())
@@ -383,6 +407,8 @@ def driver(args) -> int:
         ref_times = []
         dist = {case: {"times": []} for case in group}
         peer = {case: {"times": []} for case in group if case[0] in peer_ranks}
+        nvm = {case: {"times": []} for case in group
+               if nvmath_versions is not None and case[0] == case[3]}  # one GPU per rank
         # Rounds alternate the reference and each rank count, so that load from other
         # processes on a shared machine hits both alike.
         for rnd in range(rounds):
@@ -401,10 +427,20 @@ def driver(args) -> int:
                 if rnd == 0:
                     acc.update({k: v for k, v in res.items() if k != "times"})
                 if case in peer:  # pylops-mpi right after distmm at the same rank count
-                    res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0, peer=True)
+                    res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0,
+                                 peer="pylops-mpi")
                     peer[case]["times"] += res["times"]
                     if rnd == 0:
                         peer[case].update({k: v for k, v in res.items() if k != "times"})
+                if case in nvm and "error" not in nvm[case]:  # nvmath-python, likewise
+                    try:
+                        res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0,
+                                     peer=nvmath_peer.NAME)
+                    except RuntimeError as e:  # its ranks died: never the distmm part
+                        res = {"error": (str(e).strip().splitlines() or ["?"])[-1]}
+                    nvm[case]["times"] += res.get("times", [])
+                    if rnd == 0 or "error" in res:
+                        nvm[case].update({k: v for k, v in res.items() if k != "times"})
         del a, b
         ref_seconds = float(np.median(ref_times))
         writer.add(ref_variant, dtype, n, n, n, ref_seconds, ref_err, ranks=1, gpus=int(gpu),
@@ -449,12 +485,23 @@ def driver(args) -> int:
             if case in peer:
                 _pylops_record(writer, peer[case], dtype, n, ranks, ref_seconds, ref_variant,
                                pylops_version)
-            names = ("pylops-mpi", "heat") + (("nvmath-python",) if gpu else ())
+            if case in nvm and "error" not in nvm[case]:
+                nvmath_peer.record(writer, nvm[case], case, ref_seconds, ref_variant, rounds,
+                                   repeat)
+            names = ("pylops-mpi", "heat") + (("nvmath-python",) if gpu or "nvmath-python"
+                                              in peers else ())
             for name in names:  # a peer not run gets no record, only a line
+                why = pylops_why
                 if name == "pylops-mpi" and case in peer:
                     continue
+                if name == "nvmath-python":
+                    if case in nvm and "error" not in nvm[case]:
+                        continue
+                    why = (nvm[case]["error"] if case in nvm else nvmath_why
+                           if nvmath_versions is None else
+                           f"NCCL allows one rank per GPU; these {ranks} ranks share {gpus}")
                 print(f"{name:12s} {dtype} n={n} ranks={ranks}: not run: "
-                      f"{_peer_not_run(name, ranks, args.mode, pylops_why)}", flush=True)
+                      f"{_peer_not_run(name, ranks, args.mode, why)}", flush=True)
     print(f"records: {writer.path}")
     return 0
 
@@ -515,13 +562,24 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=0,
                    help="timed products per launch (default: the mode's)")
     p.add_argument("--no-check", dest="check", action="store_false")
+    p.add_argument("--peers", nargs="*", default=None, choices=["pylops-mpi", "nvmath-python"],
+                   help="peers to run where they can (default: the mode's: pylops-mpi on the "
+                        "CPU modes, nvmath-python on gpu)")
+    p.add_argument("--nvmath-site", default=os.environ.get("DISTMM_NVMATH_SITE"),
+                   help="folder holding nvmath-python's wheels installed (pip --target), put "
+                        "first on PYTHONPATH of its ranks only (default $DISTMM_NVMATH_SITE)")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())
     p.add_argument("--dtype", default="float64", help=argparse_hidden())
     p.add_argument("--gpu", action="store_true", help=argparse_hidden())
-    p.add_argument("--peer", default="", choices=["", "pylops-mpi"], help=argparse_hidden())
+    p.add_argument("--peer", default="", choices=["", "pylops-mpi", "nvmath-python"],
+                   help=argparse_hidden())
     p.add_argument("--result", default="", help=argparse_hidden())
     args = p.parse_args(argv)
+    if args.worker and args.peer == "nvmath-python":
+        from bench import nvmath_peer
+
+        return nvmath_peer.worker(args)
     if args.worker:
         return pylops_worker(args) if args.peer == "pylops-mpi" else worker(args)
     return driver(args)

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py"}  # helpers, not scripts
+NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py",
+               "nvmath_peer.py"}  # helpers, not scripts
 # CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
 pytestmark = pytest.mark.skipif(not (BENCH / "common.py").is_file(),
                                 reason="bench/ is not beside this tests/ folder")
@@ -130,6 +131,43 @@ def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
         assert "not run" not in lines[0]
     else:
         assert "not run: import pylops_mpi failed" in lines[0], lines[0]
+
+
+def test_mpi_bench_nvmath_peer_says_why_and_changes_no_record(tmp_path):
+    """bench/mpi.py with the nvmath-python peer asked for where it does not load (no nvmath
+    here; on a machine with it, the CPU mode refuses it): one line with the reason, no
+    record, and the other records as in the same run without the peer."""
+    import shutil
+
+    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
+        pytest.skip("no mpiexec on PATH")
+    env = dict(_env(), OPENBLAS_NUM_THREADS="1")
+    runs = {}
+    for name, peers in (("without", []), ("with", ["--peers", "pylops-mpi", "nvmath-python"])):
+        res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "2", "--sizes", "37",
+                              "--rounds", "1", "--out-dir", str(tmp_path / name), *peers],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        (path,) = (tmp_path / name).glob("mpi-*.jsonl")
+        runs[name] = ([json.loads(line) for line in path.read_text().splitlines()],
+                      res.stdout.splitlines())
+    has_nvmath = subprocess.run([sys.executable, "-c", "import nvmath.distributed"], env=env,
+                                capture_output=True, timeout=300).returncode == 0
+    (line,) = [ln for ln in runs["with"][1] if ln.startswith("nvmath-python")]
+    assert "float64 n=37 ranks=2: not run: " in line, line
+    assert ("runs in --mode gpu only" if has_nvmath else
+            "does not load in the ranks' environment: ModuleNotFoundError: No module named "
+            "'nvmath'") in line, line
+    assert not [ln for ln in runs["without"][1] if ln.startswith("nvmath-python")]
+    assert [ln.split(":")[0] for ln in runs["with"][1] if not ln.startswith("nvmath")] == \
+        [ln.split(":")[0] for ln in runs["without"][1]]
+    timing = {"run", "seconds", "tflops", "times", "ratio_to_reference", "date"}
+    with_, without = ([{k: v for k, v in r.items() if k not in timing} for r in runs[name][0]]
+                      for name in ("with", "without"))
+    assert [r["variant"] for r in with_] == ["numpy", "distmm-mpi"]
+    for a, b in zip(with_, without, strict=True):
+        assert a.pop("relerr") == pytest.approx(b.pop("relerr"), rel=1e-6, abs=1e-18)
+        assert a == b
 
 
 @pytest.mark.slow

@@ -19,8 +19,11 @@
 #   mpi       benchmark `mpi` (MPI_MODES, default "gpu cpu16"; each mode gets what is left of
 #             BUDGET, so run one mode per call): gpu = 1 rank fp32/fp64 32768 against in-core
 #             cuBLAS, 2 ranks sharing one GPU at fp32 16384, 2 ranks on 2 GPUs at fp32 32768
-#             when 2 are visible; cpu16 = 16, 8, 4, 2, 1 CPU ranks at fp64 16384 against
-#             numpy's 16-thread BLAS (pylops-mpi at 16 and 4 where it imports)
+#             when 2 are visible, each beside nvmath-python's distributed matmul (cuBLASMp
+#             over NCCL) at the one-GPU-per-rank cases where .whl/nvmath/ holds its wheels
+#             (installed into /tmp/nvmath-site, on its ranks' PYTHONPATH only); cpu16 = 16,
+#             8, 4, 2, 1 CPU ranks at fp64 16384 against numpy's 16-thread BLAS (pylops-mpi
+#             at 16 and 4 where it imports)
 #   daskgpu   benchmark `dask-gpu`: distmm-dask, dask.array (chunks 8192, 4096) and in-core cuBLAS
 #             on dask-cuda clusters (DASKGPU_SETTINGS, default "1gpu shared mixed"; 2gpu needs
 #             two GPUs), fp32/fp64 at 16384/32768 (SIZES, DTYPES, ROUNDS default 3)
@@ -32,6 +35,19 @@
 # The offline bundle these workloads need (zarr for the I/O tests, pylops-mpi for the mpi peers):
 #   bash ../shared/gpu-node/wheels.sh zarr==3.1.6 numcodecs donfig crc32c google-crc32c \
 #        pylops-mpi==0.8.0 pylops pyproximal
+# and, for the mpi workload's nvmath-python peer, its wheels in their own folder (40 MB; the
+# bundle ~53 MB): env.sh would put cuda-core/cuda-bindings first for every workload, so
+# run_mpi installs them apart and only nvmath's ranks see them:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform any -d .whl/nvmath \
+#     nvmath-python==1.0.0 nvidia-cublasmp-cu13==0.9.1.3056 nccl4py==0.3.1.post1 \
+#     cuda-core==1.2.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 packaging==25.0 \
+#     typing-extensions==4.15.0
+# Why these versions (bench/NOTES.md, MPI engine): nvmath 1.0 takes cuBLASMp >=0.8.1,<0.10 and
+# nccl4py >=0.3.1,<0.4. Every cuBLASMp >= 0.8 needs NCCL >= 2.29.2 (ncclCommQueryProperties,
+# called when its grid is made): against the node's NCCL 2.28 it fails to load and the run
+# says so. nvidia-nccl-cu13 2.29.2 is a 201 MB wheel and nvidia-nvshmem-cu13 60 MB: neither
+# fits; cuBLASMp 0.6/0.7 (NCCL 2.28 is enough) need libnvshmem_host.so.3 and nvmath <= 0.8.
 #
 # Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
 # (<benchmark>-<device>-<date>.jsonl), plots. Always set DISTMM_COMMIT to the local HEAD: a
@@ -109,10 +125,15 @@ run_firstcall() {
 }
 
 run_mpi() {
-  local mode
+  local mode nvm=()
+  if ls .whl/nvmath/*.whl >/dev/null 2>&1; then  # nvmath-python's wheels, apart from /tmp/site
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/nvmath-site .whl/nvmath/*.whl && nvm=(--nvmath-site /tmp/nvmath-site) \
+      || echo "nvmath-python wheels: install failed"
+  fi
   for mode in ${MPI_MODES:-gpu cpu16}; do
-    timeout "$(step ${T_MPI:-$(left)})" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" ${MPI_ARGS:-} \
-      || echo "BENCH FAILED ($mode) rc=$?"
+    timeout "$(step ${T_MPI:-$(left)})" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" "${nvm[@]}" \
+      ${MPI_ARGS:-} || echo "BENCH FAILED ($mode) rc=$?"
   done
 }
 
