@@ -27,13 +27,15 @@ _started_lock = threading.Lock()
 def _start_up(device_id: int, dtype) -> None:
     import cupy
 
-    with cupy.cuda.Device(device_id):
+    # A stream of its own that does not wait for the legacy default stream: the caller's
+    # own GPU work (making its operands) may still be running there.
+    with cupy.cuda.Device(device_id), cupy.cuda.Stream(non_blocking=True) as stream:
         cupy.cuda.device.get_cublas_handle()
         x = cupy.ones((256, 256), dtype=dtype)
         c = cupy.empty_like(x)
         cublas_gemm(x, x, c, 1, 0)
         cublas_gemm(x, x, c, 1, 1)  # the in-place path of the later k-blocks
-        cupy.cuda.get_current_stream().synchronize()
+        stream.synchronize()
 
 
 def start_cublas(dtype):
