@@ -5,8 +5,10 @@ fresh process otherwise pays inside its first GPU product: CUDA's context on the
 device, cuBLAS's handle and its first kernels (one small GEMM per float dtype),
 a first device allocation, and the stream pipeline's page-locked staging ring,
 pinned into the process-wide pool that the pipeline takes its ring from. The
-product that starts while a warm-up still runs waits for it (``wait_running``),
-so the two never pin or initialise twice (``distmm.executor.pipeline.startup``).
+product that starts while a warm-up still runs waits for its ring (pinned first,
+``wait_running``), so the two never pin twice, and shares its cuBLAS start-up
+(``distmm.executor.cublas.start_cublas`` runs once per dtype and device); the rest
+of the warm-up goes on beside the product (``distmm.executor.pipeline.startup``).
 It does *not* cover: the pipeline itself (``distmm.executor.pipeline``), the pool
 (``distmm.executor.pinned``), or choosing a backend.
 
@@ -45,6 +47,9 @@ class WarmUp:
         self.thread_id: int | None = None
         self.phases: dict = {}
         self.error: str | None = None
+        #: set once the staging ring is pinned (or the warm-up stopped): what a product
+        #: that starts meanwhile waits for (``startup.wait_running``)
+        self.ring_ready = threading.Event()
         self._done = threading.Event()
 
     @property
@@ -69,21 +74,7 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
         rt.memGetInfo()  # makes the context
         t1 = time.perf_counter()
         handle.phases["context_s"] = t1 - t0
-        from distmm.executor.cublas import start_cublas
-
-        # on a stream of their own: the program's GPU work meanwhile is not waited for
-        for fut in [start_cublas(dt) for dt in ("float32", "float64")]:
-            if fut is not None:
-                fut.result()
-        t2 = time.perf_counter()
-        handle.phases["cublas_s"] = t2 - t1
-        if device_bytes > 0:
-            free, _total = rt.memGetInfo()
-            nbytes = min(int(device_bytes), int(free) // 2)
-            if nbytes > 0:
-                rt.free(rt.malloc(nbytes))
-        t3 = time.perf_counter()
-        handle.phases["device_alloc_s"] = t3 - t2
+        # The ring first: it is what a product that starts meanwhile waits for.
         if pinned:
             from distmm.executor.pinned import default_pinned_pool
 
@@ -93,14 +84,32 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
                 bufs = pool.acquire_many(RING_BUFFER_BYTES, count, timeout=60)
                 for buf in bufs:
                     pool.release(buf)
+        handle.ring_ready.set()
+        t2 = time.perf_counter()
+        handle.phases["pinned_ring_s"] = t2 - t1
+        from distmm.executor.cublas import start_cublas
+
+        # on a stream of their own: the program's GPU work meanwhile is not waited for;
+        # a product that starts meanwhile shares these start-ups (start_cublas runs each once)
+        for fut in [start_cublas(dt) for dt in ("float32", "float64")]:
+            if fut is not None:
+                fut.result()
+        t3 = time.perf_counter()
+        handle.phases["cublas_s"] = t3 - t2
+        if device_bytes > 0:
+            free, _total = rt.memGetInfo()
+            nbytes = min(int(device_bytes), int(free) // 2)
+            if nbytes > 0:
+                rt.free(rt.malloc(nbytes))
         t4 = time.perf_counter()
-        handle.phases["pinned_ring_s"] = t4 - t3
+        handle.phases["device_alloc_s"] = t4 - t3
         if pinned:
             _small_products()
         handle.phases["pipeline_s"] = time.perf_counter() - t4
     except BaseException as exc:  # noqa: BLE001 - reported on the handle, never raised
         handle.error = f"{type(exc).__name__}: {exc}"
     finally:
+        handle.ring_ready.set()
         handle.phases["total_s"] = time.perf_counter() - t0
         from distmm.executor.pipeline import startup
 

@@ -2,8 +2,8 @@
 
 This module covers: the process's running GPU warm-up (``distmm.executor.warmup``
 registers it here), and ``wait_running()``, which a product calls before it pins
-its ring or sizes its device budget so that the two never do the same work at
-once. It does *not* cover: what the warm-up does (``distmm.executor.warmup``).
+its ring so that the two never pin twice.
+It does *not* cover: what the warm-up does (``distmm.executor.warmup``).
 """
 from __future__ import annotations
 
@@ -35,9 +35,16 @@ def finish(handle) -> None:
 
 
 def wait_running(timeout: float | None = None) -> None:
-    """Wait for a warm-up that is still running (a no-op when none is, and on the
-    warm-up's own thread, whose small products must not wait for themselves)."""
+    """Wait until a warm-up that is still running has pinned its staging ring (a
+    no-op when none is, and on the warm-up's own thread, whose small products must
+    not wait for themselves). Only the ring: waiting for the whole warm-up made a
+    first product that started while its cuBLAS start-up still ran 0.3-0.5 s slower
+    than one with no warm-up at all (H100, bench/NOTES.md)."""
     with _lock:
         handle = _running
     if handle is not None and handle.thread_id != threading.get_ident():
-        handle.wait(timeout)
+        ready = getattr(handle, "ring_ready", None)
+        if ready is not None:
+            ready.wait(timeout)
+        else:
+            handle.wait(timeout)
