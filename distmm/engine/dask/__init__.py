@@ -19,6 +19,9 @@ backend) and runs it: dask operands give a lazy array over their own chunks
                shares by throughput, split-K for products with few blocks
 ``locality``   block mode: which unit computes which block (and the grid
                shape) to move the fewest bytes, co-located workers as one unit
+``transfer``   device (cupy) chunks between GPU workers of one host through
+               CUDA IPC: the mode, the probe per cluster, the export tasks'
+               offers and opening them, with TCP as the fallback
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
@@ -51,7 +54,11 @@ operands by where their persisted chunks are, numpy operands scattered
 straight to each worker reading them; GPU workers sharing one device are one
 unit (on the worker holding most of its operands) where that moves fewer
 bytes (``last_stats()["locality"]`` says what was chosen and what the
-naive order would have moved). Dask operands keep their
+naive order would have moved). Persisted cupy chunks that a GPU worker needs
+from another GPU worker of its host go device to device through CUDA IPC
+(``distmm.dask-device-transfer``, ``transfer``): an export task pinned to
+the holder hands the block task a small handle in place of the chunk, and
+the cost model counts those bytes at 1/256 of a TCP byte. Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,
