@@ -101,6 +101,7 @@ class Config:
     memory_budget_from: str = "config"  # "config": bytes given; "auto": measured per call
     dask_layout: str = "auto"
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
+    dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
 
 
 class _Bad(Exception):
@@ -229,6 +230,9 @@ _PARSERS = {
     "retry-timeout": ("retry_timeout", _seconds),
     "dask-layout": ("dask_layout", lambda v: _name(v, ("auto", "tiles", "blocks"))),
     "dask-worker-gflops": ("dask_worker_gflops", _gflops),
+    "dask-device-transfer": ("dask_device_transfer",
+                             lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
+                                             ("auto", "ipc", "tcp"))),
 }
 
 

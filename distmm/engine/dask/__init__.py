@@ -19,6 +19,9 @@ backend) and runs it: dask operands give a lazy array over their own chunks
                shares by throughput, split-K for products with few blocks
 ``locality``   block mode: which unit computes which block (and the grid
                shape) to move the fewest bytes, co-located workers as one unit
+``transfer``   device (cupy) chunks between GPU workers of one host through
+               CUDA IPC: the mode, the probe per cluster, the export tasks'
+               offers and opening them, with TCP as the fallback
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
@@ -51,7 +54,11 @@ operands by where their persisted chunks are, numpy operands scattered
 straight to each worker reading them; GPU workers sharing one device are one
 unit (on the worker holding most of its operands) where that moves fewer
 bytes (``last_stats()["locality"]`` says what was chosen and what the
-naive order would have moved). Dask operands keep their
+naive order would have moved). Persisted cupy chunks that a GPU worker needs
+from another GPU worker of its host go device to device through CUDA IPC
+(``distmm.dask-device-transfer``, ``transfer``): an export task pinned to
+the holder hands the block task a small handle in place of the chunk, and
+the cost model counts those bytes at 1/256 of a TCP byte. Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,
@@ -215,12 +222,16 @@ class DaskEngine(Engine):
         return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
                             memory_budget=plan.memory_budget, tk=plan.tile[2], grid=grid, **cuts)
 
-    def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, **cuts):
+    def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, ipc=frozenset(),
+               **cuts):
         """Block mode's layout and units in layout order, chosen to move the
         fewest bytes (``locality``): dask operands (``a2``, ``b2``) by where
         their chunks are (``where``), numpy operands by what is scattered;
-        co-located GPU workers as one unit where that moves fewer bytes.
-        Returns ``(layout, units, stats["locality"])``."""
+        co-located GPU workers as one unit where that moves fewer bytes;
+        ``ipc``: the ``(holder, reader)`` worker pairs whose chunks go through
+        CUDA IPC (``transfer.ipc_pairs``), their bytes weighted by
+        ``locality.cost``. Returns ``(layout, units, stats["locality"],
+        reads)``, ``reads`` being ``locality.readers`` of the chosen layout."""
         import numpy as np
 
         from distmm.engine.dask import locality as loc
@@ -231,23 +242,25 @@ class DaskEngine(Engine):
         def make(us, grid):
             return self._layout(ops, plan, us, grid=grid, **cuts)
 
+        def read(lay):
+            got = reads.get(id(lay))
+            if got is not None:
+                return got[1]
+            if a2 is not None:
+                got = loc.readers(lay, a2.chunks, b2.chunks, a2.name, b2.name,
+                                  a2.dtype.itemsize, b2.dtype.itemsize)
+            else:  # the scattered blocks are the layout's own cells
+                rows, cols, ks = (tuple(np.diff(e).tolist()) for e in
+                                  (lay.row_edges, lay.col_edges, lay.k_edges))
+                got = loc.readers(lay, (rows, ks), (ks, cols), "a", "b",
+                                  ops.a2.dtype.itemsize, ops.b2.dtype.itemsize)
+            reads[id(lay)] = (lay, got)  # the layout kept alive: its id stays its own
+            return got
+
         def cost(lay, us):
             addrs = [u.address for u in us]
-            got = reads.get(id(lay))
-            if got is None:
-                if a2 is not None:
-                    got = loc.readers(lay, a2.chunks, b2.chunks, a2.name, b2.name,
-                                      a2.dtype.itemsize, b2.dtype.itemsize)
-                else:  # the scattered blocks are the layout's own cells
-                    rows, cols, ks = (tuple(np.diff(e).tolist()) for e in
-                                      (lay.row_edges, lay.col_edges, lay.k_edges))
-                    got = loc.readers(lay, (rows, ks), (ks, cols), "a", "b",
-                                      ops.a2.dtype.itemsize, ops.b2.dtype.itemsize)
-                reads[id(lay)] = (lay, got)  # the layout kept alive: its id stays its own
-            else:
-                got = got[1]
-            return (loc.moved(got, addrs, where, from_client=a2 is None)
-                    + loc.partial_bytes(lay, addrs, acc))
+            routes = loc.by_route(read(lay), addrs, where, ipc=ipc, from_client=a2 is None)
+            return loc.cost(routes) + loc.partial_bytes(lay, addrs, acc)
 
         orders = a2 is not None and bool(where)
         best = split = loc.choose(units, make, cost, orders=orders)
@@ -260,13 +273,16 @@ class DaskEngine(Engine):
             colocated = {"chosen": f"one unit per {pick}",
                          "bytes": {"one unit per device": one.bytes,
                                    "one unit per worker": split.bytes}}
+        addrs = [u.address for u in best.units]
+        chosen = read(best.layout)
         info = {"route": "worker_to_worker" if a2 is not None else "scatter",
                 "estimated_bytes": best.bytes, "naive_bytes": split.naive_bytes,
                 "method": best.method if orders else "grid", "candidates": best.candidates,
                 "grid": best.grid, "colocated": colocated,
+                "routes": loc.by_route(chosen, addrs, where, ipc=ipc, from_client=a2 is None),
                 "assignment": [u.address for u, blk in zip(best.units, best.layout.blocks)
                                if blk is not None]}
-        return best.layout, best.units, info
+        return best.layout, best.units, info, chosen
 
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
@@ -293,20 +309,33 @@ class DaskEngine(Engine):
 
                 from distmm.engine.dask.placement import who_has
 
+                from distmm.config import get_config
+                from distmm.engine.dask import transfer
+                from distmm.engine.dask.locality import ipc_sources
+
                 where = who_has(self.client, a2, b2)
-                layout, units, stats["locality"] = self._place(
-                    ops, plan, units, where, a2, b2, row_cuts=geometry.row_edges,
+                pairs, stats["transfer"] = transfer.ipc_pairs(
+                    self.client, units, get_config().dask_device_transfer,
+                    bool(where) and transfer.device_chunks(a2, b2))
+                layout, units, stats["locality"], reads = self._place(
+                    ops, plan, units, where, a2, b2, ipc=pairs, row_cuts=geometry.row_edges,
                     col_cuts=geometry.col_edges,
                     k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
+                addresses = [u.address for u in units]
+                sources = ipc_sources(reads, addresses, where, pairs)
+                homes = None
+                if sources:  # each cell's worker: whose export of a chunk its task opens
+                    homes = {(bi, bj, g): addresses[layout.unit_of_partial(bi, bj, g)]
+                             for bi, bj in layout.cells() for g in range(layout.groups)}
                 cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
                     {u.address for u in units})
-                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu))
-                addresses = [u.address for u in units]
+                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu), homes)
                 result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
-                                     request.backend)
+                                     request.backend, sources=sources)
+                stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})
                 stats.update(_layout_stats(layout, units, plan))
                 stats["estimated_bytes"] = _lazy_estimate(ops, plan, layout, addresses, a2, b2,
-                                                          where)
+                                                          where, pairs)
                 record(stats)
                 return result
             if slots and not ops.batch:
@@ -321,7 +350,7 @@ class DaskEngine(Engine):
 
         layout = None
         if units:
-            layout, units, stats["locality"] = self._place(ops, plan, units, {})
+            layout, units, stats["locality"], _ = self._place(ops, plan, units, {})
             stats.update(_layout_stats(layout, units, plan))
         else:
             stats.update(cells=plan.grid[0] * plan.grid[1],
@@ -335,13 +364,13 @@ class DaskEngine(Engine):
         return out
 
 
-def _lazy_estimate(ops, plan, layout, addresses, a2, b2, where) -> dict:
+def _lazy_estimate(ops, plan, layout, addresses, a2, b2, where, ipc=frozenset()) -> dict:
     import numpy as np
 
     from distmm.engine.dask.stats import estimate_lazy
 
     return estimate_lazy(layout, addresses, a2, b2, where, np.dtype(plan.acc_dtype).itemsize,
-                         ops.m * ops.n * np.dtype(ops.dtype).itemsize)
+                         ops.m * ops.n * np.dtype(ops.dtype).itemsize, ipc=ipc)
 
 
 def _layout_stats(layout, units, plan) -> dict:

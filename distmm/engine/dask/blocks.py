@@ -7,7 +7,8 @@ pipeline reading the block's panels straight from the chunks it was handed
 ``distmm.errors.TileFailed`` when the device fails (out of memory after the
 pipeline's retries, a lost device, or on purpose for tests), or handing the
 block to a CPU worker itself; on a CPU worker with the CPU executor; and
-``cut``, one output chunk sliced out of its block.
+``cut``, one output chunk sliced out of its block. Device chunks of other
+workers may arrive as CUDA IPC offers (``transfer.take`` opens them).
 It does *not* cover: which blocks exist (``distmm.engine.dask.layout``), the
 graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
 pickled by reference.
@@ -18,6 +19,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (_EXECUTORS, BlockSpec, TaskPlan, _panel, _worker_has_gpu,
                                       _xp, as_chunk)
+from distmm.engine.dask.transfer import take
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked"]
@@ -160,9 +162,13 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     ``fallback``: CPU workers that rerun a failed GPU block themselves (dask
     operands, where no loop outside the graph can; the worker's log names
     ``cell``); empty: ``TileFailed`` reaches the caller (the eager loop).
+    Inputs may be ``transfer.Offer`` objects (another worker's device chunk
+    exported through CUDA IPC): each is opened onto this worker's device first.
     """
     from distmm.errors import TileFailed
 
+    a_list = [take(x) for x in a_list]
+    b_list = [take(x) for x in b_list]
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
     host = isinstance(a_list[0], np.ndarray)

@@ -71,15 +71,20 @@ class OperandKeys:
     each chunk: ``(name,) + index`` for a dask array, or ``table[index]`` (the
     future) for scattered blocks; block mode scatters a copy to each worker
     reading a block, ``table[index]`` then maps worker -> future, and a task
-    reads its own worker's copy (``home``)."""
+    reads its own worker's copy (``home``). ``routes[(index, home)]``: the
+    key of the export task (``transfer.export_chunk``) a task on worker
+    ``home`` reads in place of chunk ``index`` (CUDA IPC from its holder)."""
 
     shape: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
     name: str | None = None
     table: Any = None
+    routes: Any = None
 
     def key(self, idx: tuple, home: str | None = None):
         if self.table is None:
+            if self.routes and (idx, home) in self.routes:
+                return self.routes[(idx, home)]
             return (self.name,) + idx
         entry = self.table[idx]
         if isinstance(entry, dict):

@@ -4,8 +4,9 @@ This module covers: wrapping a ``ProductLayer`` over the operands' own chunks
 into a dask array (no rechunk is inserted; the input layers stay as they
 are), in block mode (``lazy_blocks``) the layout's block tasks with one small
 task per output chunk slicing it out of its block (on the block's worker,
-where the block lies), and the array class whose optimisation keeps the
-placement annotations.
+where the block lies) and, where device chunks go through CUDA IPC, one
+export task per chunk and holder, pinned to the holder (``export_layer``),
+and the array class whose optimisation keeps the placement annotations.
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), or
 numpy operands (``distmm.engine.dask.eager``).
 """
@@ -19,7 +20,8 @@ from distmm.engine.dask.placement import Placement
 from distmm.engine.dask.tasks import TaskPlan
 from distmm.plan import Plan
 
-__all__ = ["lazy_product", "lazy_blocks", "PinnedArray", "ChunkHomes"]
+__all__ = ["lazy_product", "lazy_blocks", "export_layer", "PinnedArray", "ChunkHomes",
+           "ExportHomes"]
 
 
 def output_chunks(geometry_chunks, batch) -> tuple:
@@ -59,10 +61,13 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
 
 
 def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, cells,
-                backend: str):
+                backend: str, sources=None):
     """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
     cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
-    (one per unit), the output chunks sliced out of them."""
+    (one per unit), the output chunks sliced out of them. ``sources``
+    (``locality.ipc_sources``: ``(chunk key, reader) -> holder``): those
+    chunks reach their reader's tasks through an export task on the holder
+    (``export_layer``); ``cells.homes`` then says each task's worker."""
     import bisect
 
     import dask.array as da
@@ -78,13 +83,18 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     chunks = tuple(geometry.chunks)
     if 0 in ops.out_shape or plan.k == 0:
         return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
-    token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells)
+    extra = (sorted(sources.items()),) if sources else ()  # tcp: the names of before
+    token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells, *extra)
     name = "distmm-matmul-" + token
     cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
                                  a2.chunks, b2.chunks)
     placement = BlockPlacement(layout, names_of(name), addresses)
-    layer = ProductLayer(name, cell_geo, OperandKeys(tuple(a2.shape), a2.chunks, a2.name),
-                         OperandKeys(tuple(b2.shape), b2.chunks, b2.name), TaskPlan.of(plan),
+    exports, routes = export_layer("distmm-export-" + token, sources or {})
+    layer = ProductLayer(name, cell_geo,
+                         OperandKeys(tuple(a2.shape), a2.chunks, a2.name,
+                                     routes=routes.get(a2.name)),
+                         OperandKeys(tuple(b2.shape), b2.chunks, b2.name,
+                                     routes=routes.get(b2.name)), TaskPlan.of(plan),
                          backend, (), layout.reduction,
                          annotations={"workers": placement, "allow_other_workers": True},
                          cells=cells)
@@ -103,16 +113,68 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
                              cols[cj] - c0, cols[cj + 1] - c0)
             homes[(ci, cj)] = placement((name, bi, bj))
     layers = dict(hlg.layers)
+    deps = dict(hlg.dependencies)
+    if exports is not None:
+        layers[exports.name] = exports.layer
+        deps[exports.name] = set(a2.__dask_layers__()) | set(b2.__dask_layers__())
+        deps[name] = set(deps[name]) | {exports.name}
     # pinned to their block's worker: many small tasks over few blocks are
     # "root-ish" to the scheduler, which would place them ignoring where the block is
     layers[out_name] = MaterializedLayer(dsk, annotations={
         "workers": ChunkHomes(out_name, homes), "allow_other_workers": True})
-    deps = dict(hlg.dependencies)
     deps[out_name] = {name}
     graph = HighLevelGraph(layers, deps)
     meta = getattr(a2, "_meta", np.empty((0, 0)))
     out_meta = meta_from_array(meta, ndim=2, dtype=dtype)
     return PinnedArray(graph, out_name, chunks, dtype=dtype, meta=out_meta)
+
+
+class ExportLayer:
+    """The export tasks of a block-mode product (``export_layer``): ``name``,
+    ``layer`` (a ``MaterializedLayer``), ``holders`` (export key -> worker)."""
+
+    def __init__(self, name: str, layer, holders: dict):
+        self.name, self.layer, self.holders = name, layer, holders
+
+
+def export_layer(name: str, sources: dict):
+    """The export tasks for ``sources`` (``(chunk key, reader) -> holder``):
+    one per chunk and holder, ``(name, i)``, each running
+    ``transfer.export_chunk`` on the chunk, pinned to the holder with
+    ``allow_other_workers=False`` (an export elsewhere would first fetch the
+    chunk over TCP, the very transfer it replaces). Returns the layer (None
+    when there is nothing to export) and, per operand name, the routes
+    ``{(chunk index, reader): export key}`` for ``OperandKeys.routes``."""
+    from dask.highlevelgraph import MaterializedLayer
+
+    from distmm.engine.dask.graph import _ref, _task
+    from distmm.engine.dask.transfer import export_chunk
+
+    if not sources:
+        return None, {}
+    keys: dict = {}
+    dsk, holders, routes = {}, {}, {}
+    for (chunk, reader), holder in sorted(sources.items()):
+        ex = keys.get((chunk, holder))
+        if ex is None:
+            ex = keys[(chunk, holder)] = (name, len(keys))
+            dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk))
+            holders[ex] = holder
+        routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = ex
+    layer = MaterializedLayer(dsk, annotations={"workers": ExportHomes(name, holders),
+                                                "allow_other_workers": False})
+    return ExportLayer(name, layer, holders), routes
+
+
+class ExportHomes:
+    """The ``workers=`` annotation of the export tasks: each on its chunk's holder."""
+
+    def __init__(self, name: str, holders: dict):
+        self.name, self.holders = name, dict(holders)
+
+    def __call__(self, key):
+        holder = self.holders.get(key)
+        return None if holder is None else [holder]
 
 
 class ChunkHomes:

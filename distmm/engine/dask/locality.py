@@ -19,6 +19,23 @@ Everything is in bytes of the operands' chunks as they lie: a chunk held by
 the worker that reads it costs nothing; a chunk read by several units of one
 worker moves to it once. Chunks held nowhere (``from_client``: scattered by
 the engine) cost one copy per worker reading them.
+
+Routes and their weights
+------------------------
+A chunk reaches a worker lacking it by one of two routes (``by_route``):
+``ipc``, when one of its holders and the reader are a pair in ``ipc`` (GPU
+workers of one host whose CUDA IPC works, device chunks:
+``distmm.engine.dask.transfer`` decides), else ``tcp``. The search minimises
+``cost``: TCP bytes plus IPC bytes divided by ``IPC_COST_DIVISOR`` (256), so
+layouts avoid TCP first and, among those, move fewer IPC bytes. Why 256: TCP
+between workers moves device chunks through host copies at about 1 GB/s (H100,
+measured in bench/results/dask-gpu-*); IPC is one device-to-device copy, about
+1.3 TB/s on one H100 and 300-400 GB/s between two over NVLink. The slower IPC
+route is ~300x TCP; 256 (a round power of two below) keeps IPC bytes cheap
+without making them free: each also costs a dedicated device copy on the
+holder and the reader, and a handle opened per task. With no pairs the cost
+is the bytes, as before. ``ipc_sources`` says which holder each reader opens
+a chunk from (the graph's export tasks), by the same rule as ``by_route``.
 """
 from __future__ import annotations
 
@@ -29,13 +46,16 @@ from dataclasses import dataclass, field, replace
 
 from distmm.engine.dask.chunks import Geometry, locate
 
-__all__ = ["readers", "moved", "partial_bytes", "merged", "grids", "choose", "Choice",
-           "EXACT_LIMIT"]
+__all__ = ["readers", "moved", "by_route", "cost", "ipc_sources", "partial_bytes", "merged",
+           "grids", "choose", "Choice", "EXACT_LIMIT", "IPC_COST_DIVISOR"]
 
 #: the most layouts (distinct unit orders times grid shapes) costed in an
 #: exhaustive search; beyond, pairwise swaps. A layout costs about 0.5 ms to
 #: build and cost (32768^2, chunks 4096): 1000 of them add about half a second
 EXACT_LIMIT = 1000
+
+#: an IPC byte costs 1 / IPC_COST_DIVISOR of a TCP byte (module docstring: why 256)
+IPC_COST_DIVISOR = 256
 
 
 def readers(layout, a_chunks, b_chunks, a_name, b_name, a_itemsize: int, b_itemsize: int):
@@ -79,6 +99,55 @@ def moved(reads, addresses, where: dict, *, from_client: bool = False) -> int:
         else:
             total += nbytes * (len(want) if from_client else len(want) - 1)
     return total
+
+
+def _ipc_holder(held, reader: str, ipc) -> str | None:
+    """The holder a reader opens a chunk from through IPC (the first by address), or None."""
+    if not ipc:
+        return None
+    return min((h for h in held if (h, reader) in ipc), default=None)
+
+
+def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: bool = False) -> dict:
+    """``moved``'s bytes split by route: ``{"tcp": ..., "ipc": ...}``; a
+    chunk goes by ``ipc`` to a reader that one of its holders is paired with
+    in ``ipc`` (``(holder, reader)`` address pairs), else by ``tcp``. Chunks
+    held nowhere (made on a reader, or scattered) count as ``tcp``."""
+    tcp = ipc_bytes = 0
+    for key, nbytes, units in reads:
+        want = {addresses[u] for u in units}
+        held = where.get(key)
+        if held:
+            for w in want.difference(held):
+                if _ipc_holder(held, w, ipc) is not None:
+                    ipc_bytes += nbytes
+                else:
+                    tcp += nbytes
+        else:
+            tcp += nbytes * (len(want) if from_client else len(want) - 1)
+    return {"tcp": tcp, "ipc": ipc_bytes}
+
+
+def cost(routes: dict) -> int:
+    """TCP-equivalent bytes of ``by_route``'s split: IPC bytes at 1/``IPC_COST_DIVISOR``."""
+    return int(routes.get("tcp", 0)) + int(routes.get("ipc", 0)) // IPC_COST_DIVISOR
+
+
+def ipc_sources(reads, addresses, where: dict, ipc) -> dict:
+    """``(chunk key, reader address) -> holder address`` for every chunk that
+    ``by_route`` sends by IPC: where the reader's export of it is opened from."""
+    out = {}
+    if not ipc:
+        return out
+    for key, _nbytes, units in reads:
+        held = where.get(key)
+        if not held:
+            continue
+        for w in sorted({addresses[u] for u in units}.difference(held)):
+            h = _ipc_holder(held, w, ipc)
+            if h is not None:
+                out[(key, w)] = h
+    return out
 
 
 def partial_bytes(layout, addresses, itemsize: int) -> int:

@@ -12,8 +12,10 @@ It does *not* cover: running anything (``eager``, ``lazy``) or the layout
 (``layout``).
 
 Routes: ``scatter`` (client to workers, not in the transfer logs),
-``worker_to_worker`` (the incoming logs' sum), ``gather`` (workers to the
-client; the outgoing logs hold it plus ``worker_to_worker``).
+``worker_to_worker`` (the incoming logs' sum: TCP), ``ipc`` (device chunks
+opened through CUDA IPC between GPU workers of one host: in no ``distributed``
+log; the workers' own count, ``transfer.routes_since``), ``gather`` (workers
+to the client; the outgoing logs hold it plus ``worker_to_worker``).
 """
 from __future__ import annotations
 
@@ -37,14 +39,19 @@ def last_stats() -> dict:
     ``"blocks"``), ``tasks``, ``cells``, ``units`` (per unit: worker, GPU or
     not, share of C, its block), ``moved`` (cells rerun on CPU workers),
     ``estimated_bytes`` (block mode: by route, ``scatter`` for numpy operands,
-    ``worker_to_worker``, ``gather``; tile mode: ``plan``, the plan's own
+    ``worker_to_worker`` (TCP), ``ipc`` (dask operands), ``gather``; tile mode: ``plan``, the plan's own
     ``bytes_moved``), in block mode ``locality`` (``assignment``: each busy
     unit's worker in layout order, ``grid``, ``estimated_bytes`` of that
     choice and ``naive_bytes`` of the units in address order on the default
     grid, both on ``route``; ``method``; ``colocated``: None, or which of
     "one unit per device" / "one unit per worker" was chosen and the bytes
-    of each), ``started`` (``time.time()``) and ``seconds`` (numpy
-    operands). Empty before the first product."""
+    of each; ``routes``: the choice's chunk bytes by ``tcp`` and ``ipc``; with
+    IPC pairs, every ``*bytes`` of ``locality`` is ``locality.cost``: IPC
+    bytes at 1/256), for dask operands in block mode ``transfer`` (``mode``,
+    ``device_chunks``, the IPC ``pairs`` ``(holder, reader)``, ``probe``: the
+    one-time probe's summary, ``exports``: export tasks in the graph),
+    ``started`` (``time.time()``) and ``seconds`` (numpy operands). Empty
+    before the first product."""
     with _LOCK:
         return dict(_LAST)
 
@@ -69,18 +76,24 @@ def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str],
 
 
 def estimate_lazy(layout, addresses: list[str], a2, b2, where: dict, acc_itemsize: int,
-                  c_bytes: int) -> dict:
+                  c_bytes: int, ipc=frozenset()) -> dict:
     """Bytes a block-mode product of dask operands moves between workers:
     each chunk to every worker reading it that does not hold it (``where``:
     ``client.who_has`` of persisted chunks; a chunk not persisted counts as
-    made on one of its readers), plus the partials of split cells; and C, if
-    it is gathered."""
-    from distmm.engine.dask.locality import moved, partial_bytes, readers
+    made on one of its readers), by ``ipc`` (CUDA IPC, between the
+    ``(holder, reader)`` pairs of ``ipc``) or over TCP (``worker_to_worker``,
+    with the partials of split cells); and C, if it is gathered."""
+    from distmm.engine.dask.locality import by_route, partial_bytes, readers
 
     reads = readers(layout, a2.chunks, b2.chunks, a2.name, b2.name, a2.dtype.itemsize,
                     b2.dtype.itemsize)
-    return {"worker_to_worker": moved(reads, addresses, where)
-            + partial_bytes(layout, addresses, acc_itemsize), "gather": c_bytes}
+    routes = by_route(reads, addresses, where, ipc=ipc)
+    return {"worker_to_worker": routes["tcp"] + partial_bytes(layout, addresses, acc_itemsize),
+            "ipc": routes["ipc"], "gather": c_bytes}
+
+
+def _key_name(key) -> str:
+    return str(key[0] if isinstance(key, tuple) and key else key)
 
 
 def _logs(dask_worker, since):
@@ -89,23 +102,44 @@ def _logs(dask_worker, since):
     # which moved transfers made just before ``since`` after it; compare in the worker's time
     delay = float(getattr(dask_worker, "scheduler_delay", 0) or 0)
 
+    def entries(log):
+        return [e for e in list(log) if since is None or e.get("start", 0) - delay >= since]
+
     def total(log):
-        return sum(int(e.get("total", 0)) for e in list(log)
-                   if since is None or e.get("start", 0) - delay >= since)
+        return sum(int(e.get("total", 0)) for e in entries(log))
+
+    names: dict = {}
+    for e in entries(dask_worker.transfer_incoming_log):
+        for key, nbytes in (e.get("keys") or {}).items():
+            names[_key_name(key)] = names.get(_key_name(key), 0) + int(nbytes or 0)
+    from distmm.engine.dask.transfer import routes_since
 
     return {"incoming": total(dask_worker.transfer_incoming_log),
-            "outgoing": total(dask_worker.transfer_outgoing_log)}
+            "outgoing": total(dask_worker.transfer_outgoing_log),
+            "incoming_by_name": names, "device_routes": routes_since(since)}
 
 
 def transfer_report(client, since: float | None = None) -> dict:
     """Bytes the workers logged moving: per worker ``incoming`` (fetched from
     other workers) and ``outgoing`` (served to workers and clients), and
-    ``worker_to_worker`` (the incoming sum). ``since``: only transfers
+    ``worker_to_worker`` (the incoming sum); ``by_name``: the incoming bytes
+    by key name (an operand's chunks under its dask name); ``device_routes``:
+    what block tasks received of other workers' device chunks by route
+    (``ipc``, ``local``, ``tcp``, ``fallback``: ``distmm.engine.dask.transfer``),
+    IPC bytes being in no ``distributed`` log. ``since``: only transfers
     starting at or after this ``time.time()`` (e.g. ``last_stats()["started"]``);
     the logs are bounded deques (``distributed.admin.low-level-log-length``)."""
     per = client.run(_logs, since=since, on_error="return")
     per = {w: v for w, v in per.items() if isinstance(v, dict)}
+    by_name: dict = {}
+    routes: dict = {}
+    for v in per.values():
+        for name, nbytes in v["incoming_by_name"].items():
+            by_name[name] = by_name.get(name, 0) + nbytes
+        for route, nbytes in v["device_routes"].items():
+            routes[route] = routes.get(route, 0) + nbytes
     return {"workers": per,
             "worker_to_worker": sum(v["incoming"] for v in per.values()),
             "outgoing": sum(v["outgoing"] for v in per.values()),
+            "by_name": by_name, "device_routes": routes,
             "measured_at": time.time()}

@@ -1,0 +1,304 @@
+"""Device chunks between GPU workers of one host: CUDA IPC in block mode, TCP otherwise.
+
+This module covers: whether a block-mode product moves device (cupy) chunks
+between GPU workers through CUDA IPC (``distmm.dask-device-transfer``:
+``auto``, ``ipc`` or ``tcp``; ``ipc_pairs``), the one-time probe per cluster
+that says between which workers IPC works (``probe``, cached per scheduler
+address and worker set), the export task's body (``export_chunk``: on the
+worker holding a chunk, an ``Offer`` wrapping ``distmm.executor.ipc.export``),
+opening an offer inside a block task (``take``) with its fallbacks, and the
+bytes each worker received by each route (``routes_since``, read by
+``stats.transfer_report``).
+It does *not* cover: CUDA itself (``distmm.executor.ipc``), the cost model
+and which holder serves which reader (``locality``: ``by_route``,
+``ipc_sources``), or the graph (``lazy``: the export tasks, pinned to their
+holder with ``allow_other_workers=False``).
+
+Routes a reader records (``routes_since``): ``ipc`` (opened from another
+process through CUDA IPC: one device copy), ``local`` (the block task ran in
+the exporting process itself: no copy, no bytes moved), ``tcp`` (the export
+failed on the holder, e.g. a numpy chunk or a full device: the offer carried
+the chunk itself, through distributed's TCP transfer, which its
+``transfer_incoming_log`` also counts) and ``fallback`` (opening failed on the
+reader, e.g. the task moved to another host: the chunk fetched from the
+holder's live export as host bytes through ``client.run``).
+
+Failures never give a wrong result: an export that fails ships the chunk; an
+open that fails fetches the exported bytes the slow way, and only if that
+fails too does the task raise (``IPCError``, naming both).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "take", "host_of",
+           "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
+           "routes_since"]
+
+log = logging.getLogger("distmm.engine.dask")
+
+MODES = ("auto", "ipc", "tcp")
+
+#: debug configuration (outside the checked ``distmm`` section): treat the
+#: operands' chunks as device chunks whatever their meta says, so that the
+#: export tasks can be built (and their fallbacks run) on a cluster without GPUs
+DEVICE_CHUNKS_KEY = "distmm-debug.device-chunks"
+
+_ROUTES: deque = deque(maxlen=100_000)  # (time.time(), route, nbytes) on this worker
+_OPEN_LOCK = threading.Lock()
+_PROBED: dict = {}  # (scheduler address, worker set) -> (pairs, info)
+_PROBE_LOCK = threading.Lock()
+_WARNED: set = set()
+
+
+def host_of(address: str) -> str:
+    """The host part of a worker address (``tcp://10.0.0.1:4000`` -> ``10.0.0.1``;
+    ``tcp://[::1]:4000`` -> ``::1``)."""
+    rest = str(address).split("://", 1)[-1]
+    if rest.startswith("["):
+        return rest[1:rest.index("]")] if "]" in rest else rest[1:]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def device_chunks(*arrays) -> bool:
+    """Whether the dask arrays' chunks are device (cupy) arrays, by their meta
+    (``DEVICE_CHUNKS_KEY`` set: always)."""
+    import dask.config
+
+    if dask.config.get(DEVICE_CHUNKS_KEY, False):
+        return True
+    for x in arrays:
+        meta = getattr(x, "_meta", None)
+        if meta is None or not (type(meta).__module__ or "").startswith("cupy"):
+            return False
+    return bool(arrays)
+
+
+def candidate_pairs(units) -> frozenset:
+    """``(holder, reader)`` address pairs of distinct GPU workers on one host."""
+    gpus = sorted({u.address for u in units if u.gpu})
+    return frozenset((a, b) for a in gpus for b in gpus
+                     if a != b and host_of(a) == host_of(b))
+
+
+def forget_probes() -> None:
+    """Drop the cached probe results (every cluster's)."""
+    with _PROBE_LOCK:
+        _PROBED.clear()
+
+
+def _probe_open(shareds, dask_worker=None):
+    from distmm.executor import ipc
+
+    me = getattr(dask_worker, "address", None)
+    return ipc.probe_open({a: s for a, s in shareds.items()
+                           if a != me and (me is None or host_of(a) == host_of(me))})
+
+
+def probe(client, addresses) -> tuple[frozenset, dict]:
+    """Between which of ``addresses`` (GPU workers) CUDA IPC works: each
+    exports a small array of known values, every other worker of its host
+    opens and checks it, then the exports are freed. Returns the working
+    ``(holder, reader)`` pairs and what was found (``cached``, ``pairs``,
+    ``failures``: reader -> holder -> error, or why no probe could run).
+    Cached per scheduler address and worker set."""
+    from distmm.executor import ipc
+
+    addresses = sorted(set(addresses))
+    key = (getattr(client.scheduler, "address", None), frozenset(addresses))
+    with _PROBE_LOCK:
+        hit = _PROBED.get(key)
+    if hit is not None:
+        return hit[0], dict(hit[1], cached=True)
+    pairs, failures = set(), {}
+    try:
+        try:
+            made = client.run(ipc.probe_export, workers=addresses, on_error="return")
+            good = {a: s for a, s in made.items() if isinstance(s, ipc.Shared)}
+            failures.update({a: {"export": f"{type(e).__name__}: {e}"}
+                             for a, e in made.items() if a not in good})
+            opened = (client.run(_probe_open, good, workers=sorted(good), on_error="return")
+                      if len(good) > 1 else {})
+        finally:
+            client.run(ipc.probe_release, workers=addresses, on_error="return")
+    except Exception as exc:  # a worker leaving mid-probe: TCP this time, probe again next
+        log.debug("distmm: IPC probe failed: %r", exc)
+        return frozenset(), {"cached": False, "pairs": 0, "failures": {"probe": repr(exc)}}
+    for reader, res in opened.items():
+        if not isinstance(res, dict):
+            failures[reader] = {"open": f"{type(res).__name__}: {res}"}
+            continue
+        for holder, ok in res.items():
+            if ok is True:
+                pairs.add((holder, reader))
+            else:
+                failures.setdefault(reader, {})[holder] = ok
+    out = (frozenset(pairs), {"pairs": len(pairs), "failures": failures})
+    with _PROBE_LOCK:
+        _PROBED[key] = out
+    return out[0], dict(out[1], cached=False)
+
+
+def ipc_pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
+    """The ``(holder, reader)`` pairs whose device chunks go through CUDA IPC,
+    and a summary for ``last_stats()["transfer"]``.
+
+    ``tcp``, host chunks (``device`` False) or no two GPU workers on one host:
+    none. ``ipc``: every pair of GPU workers on one host (a pair whose IPC
+    then fails falls back per chunk, see ``take``). ``auto``: the pairs among
+    those that ``probe`` found working, probing GPU workers whose worker
+    probe found a device.
+    """
+    if mode not in MODES:
+        raise ValueError(f"distmm.dask-device-transfer must be one of {', '.join(MODES)}, "
+                         f"got {mode!r}")
+    info = {"mode": mode, "device_chunks": bool(device), "probe": None}
+    cands = candidate_pairs(units) if device and mode != "tcp" else frozenset()
+    if not cands:
+        return frozenset(), dict(info, pairs=[])
+    if mode == "ipc":
+        return cands, dict(info, pairs=sorted(cands))
+    seen = sorted({u.address for u in units
+                   if u.gpu and getattr(u, "device", None) is not None
+                   and any(u.address in p for p in cands)})
+    found, summary = probe(client, seen) if len(seen) > 1 else (frozenset(), {"pairs": 0})
+    pairs = found & cands
+    return pairs, dict(info, pairs=sorted(pairs), probe=summary)
+
+
+# -- on the workers ------------------------------------------------------------------------
+
+def _record(route: str, nbytes: int) -> None:
+    _ROUTES.append((time.time(), route, int(nbytes)))
+
+
+def routes_since(since: float | None = None) -> dict:
+    """Bytes this process received by each route (module docstring) since
+    ``since`` (``time.time()``; None: all kept)."""
+    out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0}
+    for t, route, nbytes in list(_ROUTES):
+        if since is None or t >= since:
+            out[route] = out.get(route, 0) + nbytes
+    return out
+
+
+def _worker_address() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except Exception:
+        return None
+
+
+class Offer:
+    """An export task's result: a chunk offered to readers on other workers.
+
+    ``shared``: the ``distmm.executor.ipc.Shared`` of its exported copy (None
+    when the export failed: ``data`` then holds the chunk itself, which
+    travels with the offer), ``address`` of the holder, ``label`` (the chunk's
+    key, for messages), ``nbytes``, ``reason`` (why the export failed). A
+    reader opens it once per process (``take``); the copy is kept on the
+    offer, as a fetched dependency is kept by the worker, for the reader's
+    other tasks.
+    """
+
+    __slots__ = ("shared", "data", "address", "label", "nbytes", "reason", "_opened")
+
+    def __init__(self, shared, data, address, label, nbytes, reason=None):
+        self.shared, self.data, self.address = shared, data, address
+        self.label, self.nbytes, self.reason = label, int(nbytes), reason
+        self._opened = None
+
+    def __reduce__(self):
+        return (Offer, (self.shared, self.data, self.address, self.label, self.nbytes,
+                        self.reason))
+
+    def __sizeof__(self) -> int:
+        return 512 + (int(getattr(self.data, "nbytes", 0)) if self.data is not None else 0)
+
+    def __repr__(self):
+        how = "IPC" if self.shared is not None else f"inline ({self.reason})"
+        return f"Offer({self.label}, {self.nbytes} bytes, {how}, from {self.address})"
+
+
+def export_chunk(chunk, label: str = ""):
+    """Task body, on the worker holding ``chunk``: an ``Offer`` of it (its
+    CUDA IPC export, or, when exporting fails, the chunk itself)."""
+    from distmm.executor import ipc
+
+    address = _worker_address()
+    nbytes = int(getattr(chunk, "nbytes", 0))
+    try:
+        shared = ipc.export(chunk)
+    except ipc.IPCError as exc:
+        kind = type(chunk).__module__
+        if kind not in _WARNED:
+            _WARNED.add(kind)
+            log.warning("distmm: chunk %s not exported through CUDA IPC (%s); such chunks "
+                        "travel over TCP", label, exc)
+        return Offer(None, chunk, address, label, nbytes, str(exc))
+    return Offer(shared, None, address, label, nbytes)
+
+
+def _serve(token: str):
+    """On the holder: the live export ``token`` as host bytes (the fallback route)."""
+    from distmm.executor import ipc
+
+    return ipc.local_array(token).get()
+
+
+def _fetch(offer: Offer, first: BaseException):
+    """The offer's bytes from its holder's live export, through ``client.run``."""
+    from distmm.executor import ipc
+
+    try:
+        from distributed import worker_client
+
+        with worker_client() as client:
+            got = client.run(_serve, offer.shared.token, workers=[offer.address],
+                             on_error="return")
+        host = got.get(offer.address)
+        if not isinstance(host, np.ndarray):
+            raise ipc.IPCError(f"the holder answered {host!r}")
+    except Exception as exc:
+        raise ipc.IPCError(f"{offer!r}: opening failed ({first}) and fetching it from the "
+                           f"holder failed too ({type(exc).__name__}: {exc})") from exc
+    try:
+        import cupy
+
+        return cupy.asarray(host)
+    except ImportError:  # a reader without cupy: the host copy (the CPU executor reads it)
+        return host
+
+
+def take(x):
+    """In a block task: a chunk as it is, or an ``Offer`` opened (once per
+    process) into a chunk on this worker's device."""
+    if not isinstance(x, Offer):
+        return x
+    with _OPEN_LOCK:
+        if x._opened is not None:
+            return x._opened
+        if x.shared is None:
+            arr, route, moved = x.data, "tcp", x.nbytes
+        else:
+            from distmm.executor import ipc
+
+            if x.shared.local:
+                arr, route, moved = ipc.open_copy(x.shared, copy=False), "local", 0
+            else:
+                try:
+                    arr, route, moved = ipc.open_copy(x.shared), "ipc", x.nbytes
+                except ipc.IPCError as exc:
+                    log.warning("distmm: %r: CUDA IPC open failed (%s); fetching it from the "
+                                "holder through the scheduler", x, exc)
+                    arr, route, moved = _fetch(x, exc), "fallback", x.nbytes
+        _record(route, moved)
+        x._opened = arr
+        return arr

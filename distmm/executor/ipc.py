@@ -1,0 +1,336 @@
+"""CUDA IPC: a cupy array handed to another process on the same host, device to device.
+
+This module covers: ``export`` (a cupy array copied into a dedicated device
+allocation and described by a small picklable ``Shared``: the allocation's
+CUDA IPC handle, shape, dtype, the device's PCI bus id, the exporting
+process and host), ``open_copy`` (in another process: the handle opened, the
+bytes copied into a fresh array on this process's current device, the handle
+closed), ``local_array`` (the exporting process's own view of a live export,
+for a caller that fetches it some other way), the probe helpers that check
+the route between processes once (``probe_export``, ``probe_open``,
+``probe_release``), and ``available``.
+It does *not* cover: which arrays are exported, to whom, or what happens when
+opening fails (``distmm.engine.dask`` decides and falls back to its own
+transfers); it knows nothing of Dask. cupy is imported inside the functions,
+so importing this module needs no GPU.
+
+Why a dedicated allocation
+--------------------------
+``cudaIpcGetMemHandle`` describes the whole ``cudaMalloc`` allocation a
+pointer lies in, and the opening process gets that allocation's base. A cupy
+array from cupy's memory pool lies at some offset inside a pool chunk that
+other arrays share, so ``export`` copies it (made C-contiguous on the way)
+into a ``cupy.cuda.Memory`` of exactly its size, whose base pointer is the
+array's. The copy is synchronised before the handle is taken: the consumer,
+in another process, has no stream order with this one.
+
+Lifetime
+--------
+The dedicated allocation lives exactly as long as the exporting process holds
+the ``Shared`` object ``export`` returned (it keeps the allocation; its
+pickled form carries only the small fields, never the array, and an unpickled
+``Shared`` keeps nothing alive). When ``distributed`` stores an export task's
+result on the owner worker, the allocation therefore lives as long as dask
+keeps that key: dask releases it once its dependents (the tasks that open it)
+have run, and each of those closes its mapping before it returns, so no
+consumer holds a mapping when the allocation is freed. A ``Shared`` that
+``distributed`` spilled to disk and read back in the exporting process has
+lost its allocation: it is marked ``gone`` there, and opening it anywhere
+raises ``IPCError``. Opening a handle whose allocation was freed after the
+reader received it is undefined in CUDA; the lifetime above is what rules it
+out (a spill of the exporter's object between a reader receiving it and
+opening it would not be: ``distributed`` spills by host bytes, least recently
+used first, and the object reports a few hundred).
+
+Same-process and same-host checks
+---------------------------------
+A CUDA IPC handle cannot be opened in the process that made it, and means
+nothing on another host. ``Shared`` carries a random token of the exporting
+process (pids repeat across containers) and the host's identity (host name
+and boot id): the exporting process gets its own array back without any
+CUDA call, another host gets ``IPCError`` before any CUDA call.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+import weakref
+
+import numpy as np
+
+__all__ = ["Shared", "IPCError", "export", "open_copy", "local_array", "available",
+           "probe_export", "probe_open", "probe_release", "host_identity", "PROCESS",
+           "LAZY_PEER_ACCESS"]
+
+#: this process's identity in ``Shared`` (random: pids repeat across containers)
+PROCESS = uuid.uuid4().hex
+
+#: ``cudaIpcMemLazyEnablePeerAccess``: a handle of another device maps through peer access
+LAZY_PEER_ACCESS = 1
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified addresses
+
+_LIVE: dict[str, weakref.ref] = {}  # token -> the live export's allocation (exporting process)
+_LIVE_LOCK = threading.Lock()
+_PROBES: dict[str, "Shared"] = {}  # exports made by probe_export, kept until probe_release
+
+
+class IPCError(RuntimeError):
+    """A device buffer could not be exported or opened through CUDA IPC (no
+    cupy or device, another host, a device this process does not see, a
+    handle the driver refused, or an export no longer alive). The message
+    says which."""
+
+
+def host_identity() -> str:
+    """This host's identity: its name and the kernel's boot id (two
+    containers of one host share the boot id; two hosts named alike do not)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+_HOST = host_identity()
+
+
+class _Allocation:
+    """The exporting process's dedicated allocation and the array over it."""
+
+    __slots__ = ("memory", "array", "__weakref__")
+
+    def __init__(self, memory, array):
+        self.memory, self.array = memory, array
+
+
+class Shared:
+    """A device array exported through CUDA IPC: small and picklable.
+
+    ``handle`` (64 bytes, None for an empty array), ``shape``, ``dtype``,
+    ``pci_bus_id`` of the exporting device, ``pid`` and ``process`` (the
+    exporting process's pid and random token), ``host`` (``host_identity()``),
+    ``token`` (this export's id) and ``nbytes``. In the exporting process the
+    object also holds the allocation (see the module docstring); pickling
+    drops it.
+    """
+
+    __slots__ = ("handle", "shape", "dtype", "pci_bus_id", "pid", "process", "host", "token",
+                 "nbytes", "gone", "_alloc")
+
+    def __init__(self, handle, shape, dtype, pci_bus_id, pid, process, host, token,
+                 alloc=None, gone=False):
+        self.handle = handle
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.pci_bus_id = pci_bus_id
+        self.pid, self.process, self.host, self.token = int(pid), process, host, token
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self._alloc = alloc
+        # read back in the exporting process with its allocation freed (spilled and
+        # unspilled): say so to every later reader instead of handing out a dead handle
+        self.gone = bool(gone) or (alloc is None and handle is not None and self.local
+                                   and _live(token) is None)
+
+    def __reduce__(self):
+        return (Shared, (self.handle, self.shape, self.dtype.str, self.pci_bus_id, self.pid,
+                         self.process, self.host, self.token, None, self.gone))
+
+    def __sizeof__(self) -> int:  # the host bytes this object holds, not the device's
+        return 256
+
+    @property
+    def local(self) -> bool:
+        """Whether this is the exporting process."""
+        return self.process == PROCESS and self.host == _HOST
+
+    def __repr__(self):
+        return (f"Shared({self.shape}, {self.dtype}, device {self.pci_bus_id}, pid {self.pid}, "
+                f"{self.nbytes} bytes)")
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise IPCError("CUDA IPC needs cupy, which does not import here") from None
+    return cupy
+
+
+def available() -> bool:
+    """Whether this process could export: cupy imports, a device is visible,
+    and its runtime has the IPC calls (not HIP)."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return (rt.getDeviceCount() > 0 and not getattr(rt, "is_hip", False)
+                and hasattr(rt, "ipcGetMemHandle"))
+    except Exception:
+        return False
+
+
+def _allocate(cupy, nbytes: int):
+    """A dedicated ``cudaMalloc`` of ``nbytes`` (cupy's pool freed once if full)."""
+    try:
+        return cupy.cuda.Memory(nbytes)
+    except Exception:
+        cupy.get_default_memory_pool().free_all_blocks()
+        return cupy.cuda.Memory(nbytes)
+
+
+def export(array, *, token: str | None = None) -> Shared:
+    """Export a cupy array of this process's device through CUDA IPC.
+
+    The array is copied (C-contiguous) into a dedicated allocation; the
+    returned ``Shared`` keeps it alive in this process (module docstring:
+    lifetime). ``token``: the export's id (default: a fresh random one).
+    Raises ``IPCError`` for anything but a cupy array, or when the
+    allocation or the handle fails.
+    """
+    cupy = _cupy()
+    if not isinstance(array, cupy.ndarray):
+        raise IPCError(f"only cupy arrays are exported through CUDA IPC, got "
+                       f"{type(array).__module__}.{type(array).__name__}")
+    rt = cupy.cuda.runtime
+    token = token or uuid.uuid4().hex
+    try:
+        with array.device:
+            device = int(array.device.id)
+            bus = rt.deviceGetPCIBusId(device)
+            if array.size == 0:
+                return Shared(None, array.shape, array.dtype, bus, os.getpid(), PROCESS, _HOST,
+                              token)
+            memory = _allocate(cupy, array.nbytes)
+            dst = cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0))
+            dst[...] = array  # one copy kernel, any strides
+            cupy.cuda.get_current_stream().synchronize()
+            handle = rt.ipcGetMemHandle(memory.ptr)
+    except IPCError:
+        raise
+    except Exception as exc:
+        raise IPCError(f"exporting a {array.shape} {array.dtype} array failed: "
+                       f"{type(exc).__name__}: {exc}") from exc
+    alloc = _Allocation(memory, dst)
+    with _LIVE_LOCK:
+        _LIVE[token] = weakref.ref(alloc, lambda _ref, t=token: _LIVE.pop(t, None))
+    return Shared(bytes(handle), array.shape, array.dtype, bus, os.getpid(), PROCESS, _HOST,
+                  token, alloc)
+
+
+def _live(token: str):
+    """This process's live allocation of export ``token``, or None."""
+    with _LIVE_LOCK:
+        ref = _LIVE.get(token)
+    return ref() if ref is not None else None
+
+
+def local_array(shared):
+    """In the exporting process: the live export's array (no copy), by its
+    ``Shared`` or its token; ``IPCError`` when it is no longer alive or was
+    exported by another process."""
+    if isinstance(shared, Shared):
+        if not shared.local:
+            raise IPCError(f"{shared!r} was exported by another process")
+        if shared.handle is None:
+            return _cupy().empty(shared.shape, shared.dtype)
+        alloc, token = shared._alloc, shared.token
+    else:
+        alloc, token = None, str(shared)
+    if alloc is None:
+        alloc = _live(token)
+    if alloc is None:
+        raise IPCError(f"export {token}: no longer alive in this process (its allocation was "
+                       "freed, e.g. after its holder spilled it)")
+    return alloc.array
+
+
+def open_copy(shared: Shared, *, copy: bool = True):
+    """The exported array as a fresh cupy array on this process's current device.
+
+    In the exporting process: a copy of its own array (``copy=False``: the
+    array itself, to be read only). In another process of the same host: the
+    handle opened (peer access enabled lazily when the export is on another
+    device), one device-to-device (or peer) copy, the handle closed before
+    returning. Raises ``IPCError`` on another host, a device this process
+    does not see, or any CUDA error.
+    """
+    if not isinstance(shared, Shared):
+        raise IPCError(f"not an exported array: {type(shared).__name__}")
+    if shared.local:
+        arr = local_array(shared)
+        return arr.copy() if copy else arr
+    if shared.gone:
+        raise IPCError(f"{shared!r}: its exporting process freed the allocation (the "
+                       "export was spilled and read back)")
+    if shared.host != _HOST:
+        raise IPCError(f"{shared!r} was exported on host {shared.host!r}, this is {_HOST!r}: "
+                       "CUDA IPC works only between processes of one host")
+    cupy = _cupy()
+    if shared.handle is None:
+        return cupy.empty(shared.shape, shared.dtype)
+    rt = cupy.cuda.runtime
+    try:
+        rt.deviceGetByPCIBusId(shared.pci_bus_id)
+    except Exception as exc:
+        raise IPCError(f"{shared!r}: device {shared.pci_bus_id} is not visible in this process "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                       f"{exc}") from exc
+    try:
+        out = cupy.empty(shared.shape, shared.dtype)
+        stream = cupy.cuda.get_current_stream()
+        ptr = rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS)
+        try:
+            kind = getattr(rt, "memcpyDefault", _MEMCPY_DEFAULT)
+            rt.memcpyAsync(out.data.ptr, ptr, shared.nbytes, kind, stream.ptr)
+            stream.synchronize()  # the copy is done before the mapping goes
+        finally:
+            rt.ipcCloseMemHandle(ptr)
+    except Exception as exc:
+        raise IPCError(f"opening {shared!r} failed: {type(exc).__name__}: {exc}") from exc
+    return out
+
+
+# -- probes: does the route work between two processes? -----------------------------------
+
+_PROBE_ELEMENTS = 4099  # odd, not a multiple of any tile
+
+
+def _pattern(token: str, n: int = _PROBE_ELEMENTS) -> np.ndarray:
+    """The probe's values, derived from its token: a mapping of anything else fails the check."""
+    seed = int(token[:8], 16)
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed) & 0xFFFFFFFF).astype(np.uint32)
+
+
+def probe_export() -> Shared:
+    """Export a small array of known values and keep it until ``probe_release``."""
+    cupy = _cupy()
+    token = uuid.uuid4().hex  # the pattern's seed travels as the export's token
+    shared = export(cupy.asarray(_pattern(token)), token=token)
+    _PROBES[token] = shared
+    return shared
+
+
+def probe_open(shareds) -> dict:
+    """Open each of ``shareds`` (name -> ``Shared`` from ``probe_export``) and
+    compare with the values it was made from: name -> ``True``, or the error
+    as a string."""
+    out = {}
+    for name, shared in dict(shareds).items():
+        try:
+            got = open_copy(shared)
+            ok = np.array_equal(got.get(), _pattern(shared.token))
+            out[name] = True if ok else "the opened bytes differ from the exported ones"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def probe_release() -> int:
+    """Free this process's probe exports; returns how many there were."""
+    n = len(_PROBES)
+    _PROBES.clear()
+    return n

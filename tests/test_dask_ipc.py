@@ -1,0 +1,280 @@
+"""Device chunks between GPU workers of one host (CUDA IPC), without a GPU.
+
+Covers: the route rule (``locality.by_route``, ``ipc_sources``, ``cost``) and
+the pairs a cluster gets (``transfer.candidate_pairs``, ``ipc_pairs``) as
+pure functions; ``distmm.dask-device-transfer`` and its environment forms;
+``distmm.executor.ipc.Shared``'s pickled form and its origin checks; and, on
+a real LocalCluster of two worker processes marked GPU by their resources
+(``distmm-debug.device-chunks`` standing in for cupy chunks): ``ipc`` builds
+one export task per chunk crossing workers, pinned to its holder
+(``allow_other_workers`` False) and read by the block task in place of the
+chunk; the exports fail on numpy chunks and the chunks travel inside the
+offers over TCP, with the right product and the bytes the plan estimated;
+``tcp`` leaves the graph as it was; ``auto`` probes once per cluster and,
+finding no working IPC, adds nothing. The GPU side is
+``tests/test_dask_ipc_gpu.py``.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import dask  # noqa: E402
+
+import distmm  # noqa: E402
+from distmm.config import get_config  # noqa: E402
+from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
+from distmm.engine.dask import locality as loc  # noqa: E402
+from distmm.engine.dask import transfer  # noqa: E402
+from distmm.engine.dask.workers import DEVICES_KEY, Unit  # noqa: E402
+from distmm.executor import ipc  # noqa: E402
+from test_dask_locality import _check, _equal_gpus, _placed, pair  # noqa: E402,F401
+
+# -- the route rule, pure ---------------------------------------------------------------------
+
+H1A, H1B, H1C, H2A = "tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.1:4003", \
+    "tcp://10.0.0.2:4001"
+
+
+@pytest.mark.parametrize("address, host", [
+    (H1A, "10.0.0.1"), ("tcp://[::1]:8786", "::1"), ("ucx://node-7:1234", "node-7"),
+    ("inproc://10.1.2.3/4567/1", "10.1.2.3/4567/1"), ("tls://gpu-host:9000", "gpu-host"),
+])
+def test_host_of(address, host):
+    assert transfer.host_of(address) == host
+
+
+def test_routes_follow_the_pairs():
+    rng = np.random.default_rng()
+    sizes = [int(s) for s in rng.integers(1, 10**6, size=4)]
+    reads = [(("a", 0, 0), sizes[0], frozenset({0, 1})),  # held by the first worker
+             (("b", 0, 0), sizes[1], frozenset({1})),  # held by the first, read by the second
+             (("b", 1, 0), sizes[2], frozenset({0, 1})),  # held nowhere (made on a reader)
+             (("a", 1, 0), sizes[3], frozenset({1}))]  # replicas on the first and third
+    addresses = [H1A, H1B]
+    where = {("a", 0, 0): {H1A}, ("b", 0, 0): {H1A}, ("a", 1, 0): {H1C, H1A}}
+    everything = sizes[0] + sizes[1] + sizes[2] + sizes[3]
+    assert loc.by_route(reads, addresses, where) == {"tcp": everything, "ipc": 0}
+    assert loc.moved(reads, addresses, where) == everything
+    forward = frozenset({(H1A, H1B)})
+    routes = loc.by_route(reads, addresses, where, ipc=forward)
+    assert routes == {"tcp": sizes[2], "ipc": sizes[0] + sizes[1] + sizes[3]}
+    assert loc.cost(routes) == sizes[2] + (sizes[0] + sizes[1] + sizes[3]) // loc.IPC_COST_DIVISOR
+    assert loc.ipc_sources(reads, addresses, where, forward) == {
+        (("a", 0, 0), H1B): H1A, (("b", 0, 0), H1B): H1A, (("a", 1, 0), H1B): H1A}
+    # a pair has a direction; a replica paired with the reader serves it
+    backward = frozenset({(H1B, H1A)})
+    assert loc.by_route(reads, addresses, where, ipc=backward)["ipc"] == 0
+    third = frozenset({(H1C, H1B)})
+    assert loc.ipc_sources(reads, addresses, where, third) == {(("a", 1, 0), H1B): H1C}
+    assert loc.by_route(reads, addresses, where, ipc=third) == {
+        "tcp": everything - sizes[3], "ipc": sizes[3]}
+    # scattered from the client: never IPC
+    assert loc.by_route(reads, addresses, {}, ipc=forward, from_client=True)["ipc"] == 0
+
+
+def test_pairs_by_mode():
+    units = [Unit(H1A, True, 1000.0), Unit(H1B, True, 1000.0), Unit(H2A, True, 1000.0),
+             Unit(H1C, False, 10.0)]
+    both = frozenset({(H1A, H1B), (H1B, H1A)})
+    assert transfer.candidate_pairs(units) == both  # one host, GPU workers only
+    assert transfer.ipc_pairs(None, units, "ipc", True)[0] == both
+    for mode, device in (("tcp", True), ("ipc", False), ("auto", False)):
+        pairs, info = transfer.ipc_pairs(None, units, mode, device)
+        assert pairs == frozenset() and info["mode"] == mode and info["pairs"] == []
+    # auto with no probed device among them: nothing to probe, nothing paired
+    pairs, info = transfer.ipc_pairs(None, units, "auto", True)
+    assert pairs == frozenset() and info["probe"] == {"pairs": 0}
+    with pytest.raises(ValueError, match="dask-device-transfer"):
+        transfer.ipc_pairs(None, units, "udp", True)
+
+
+def test_device_chunks_by_meta():
+    x = da.ones((4, 4), chunks=2)
+    assert not transfer.device_chunks(x, x)
+    with dask.config.set({transfer.DEVICE_CHUNKS_KEY: True}):
+        assert transfer.device_chunks(x, x)
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, want", [("auto", "auto"), ("ipc", "ipc"), ("tcp", "tcp"),
+                                         ("IPC", "ipc"), (" tcp ", "tcp")])
+def test_the_key_parses(value, want):
+    assert get_config().dask_device_transfer == "auto"
+    with dask.config.set({"distmm.dask-device-transfer": value}):
+        assert get_config().dask_device_transfer == want
+
+
+@pytest.mark.parametrize("value", ["udp", "", None, 1])
+def test_a_bad_value_names_the_key(value):
+    with dask.config.set({"distmm.dask-device-transfer": value}):
+        with pytest.raises(ValueError, match="distmm.dask-device-transfer"):
+            get_config()
+
+
+def _config_in_subprocess(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DASK_DISTMM__", "DISTMM_")) and k != "DASK_CONFIG"}
+    env.update(env_extra)
+    code = "from distmm.config import get_config; print(get_config().dask_device_transfer)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"DISTMM_DASK_DEVICE_TRANSFER": "tcp"}, "tcp"),
+    ({"DASK_DISTMM__DASK_DEVICE_TRANSFER": "ipc"}, "ipc"),
+    ({"DISTMM_DASK_DEVICE_TRANSFER": "tcp", "DASK_DISTMM__DASK_DEVICE_TRANSFER": "ipc"}, "ipc"),
+])
+def test_environment_forms(env, want):
+    res = _config_in_subprocess(env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == want
+
+
+# -- the executor's Shared, without a GPU -----------------------------------------------------
+
+def test_shared_pickles_small_and_checks_where_it_is_opened():
+    rng = np.random.default_rng()
+    shape = (int(rng.integers(1, 5000)), int(rng.integers(1, 5000)))
+    handle = os.urandom(64)
+    other = ipc.Shared(handle, shape, "float32", "0000:3B:00.0", 4242, uuid.uuid4().hex,
+                       "elsewhere/0", uuid.uuid4().hex)
+    data = pickle.dumps(other)
+    assert len(data) < 1024  # never the array
+    back = pickle.loads(data)
+    assert (back.handle, back.shape, back.dtype, back.pci_bus_id, back.pid, back.nbytes) == (
+        handle, shape, np.dtype("float32"), "0000:3B:00.0", 4242, shape[0] * shape[1] * 4)
+    assert not back.local and not back.gone
+    with pytest.raises(ipc.IPCError, match="another host|only between processes of one host"):
+        ipc.open_copy(back)
+    # this process's own export whose allocation is gone: refused, never stale bytes
+    mine = ipc.Shared(handle, shape, "float64", "0000:3B:00.0", os.getpid(), ipc.PROCESS,
+                      ipc.host_identity(), uuid.uuid4().hex)
+    assert mine.local and mine.gone and pickle.loads(pickle.dumps(mine)).gone
+    with pytest.raises(ipc.IPCError):
+        ipc.open_copy(mine)
+    with pytest.raises(ipc.IPCError):
+        ipc.local_array(mine.token)
+    with pytest.raises(ipc.IPCError):
+        ipc.export(rng.standard_normal((3, 3)))  # no cupy here, or not a cupy array
+
+
+# -- on a LocalCluster ------------------------------------------------------------------------
+
+def _layer(C, prefix):
+    names = [n for n in C.dask.layers if n.startswith(prefix)]
+    assert len(names) <= 1, names
+    return C.dask.layers[names[0]] if names else None
+
+
+
+def _placed_pair(client, w0, w1, rng):
+    """A's top rows on the second worker, its bottom rows on the first; B's k
+    halves one each (``test_dask_locality``'s first case): the chosen layout
+    puts the top block on the second worker, and each worker lacks one B half."""
+    a, b = rng.standard_normal((1024, 768)), rng.standard_normal((768, 512))
+    A = _placed(client, a, ((512, 512), (768,)), [[w1], [w0]])
+    B = _placed(client, b, ((384, 384), (512,)), [[w0], [w1]])
+    return a, b, A, B
+
+
+def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
+    client, w0, w1 = pair
+    rng = np.random.default_rng()
+    a, b, A, B = _placed_pair(client, w0, w1, rng)
+    with _equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
+                                         transfer.DEVICE_CHUNKS_KEY: True}):
+        C = distmm.matmul(A, B, client=client)
+    stats = last_stats()
+    half_b = 384 * 512 * 8
+    assert stats["transfer"]["pairs"] == sorted([(w0, w1), (w1, w0)])
+    assert stats["transfer"]["exports"] == 2
+    assert stats["estimated_bytes"]["ipc"] == 2 * half_b
+    assert stats["estimated_bytes"]["worker_to_worker"] == 0
+    assert stats["locality"]["routes"] == {"tcp": 0, "ipc": 2 * half_b}
+    assert stats["locality"]["assignment"] == [w1, w0]
+    # the graph: one export per B half, pinned to the worker holding it
+    exports = _layer(C, "distmm-export-")
+    (export_name,) = [n for n in C.dask.layers if n.startswith("distmm-export-")]
+    assert exports is not None and exports.annotations["allow_other_workers"] is False
+    pinned = exports.annotations["workers"]
+    holder_of = {}
+    for key in exports:
+        (dep,) = exports[key].dependencies
+        holder_of[dep] = pinned(key)
+    assert holder_of == {(B.name, 0, 0): [w0], (B.name, 1, 0): [w1]}
+    product = _layer(C, "distmm-matmul-")
+    export_of = {dep: key for key in exports for dep in exports[key].dependencies}
+    top, bottom = (product.get_dependencies((product.name, i, 0)) for i in (0, 1))
+    assert top == {(A.name, 0, 0), export_of[(B.name, 0, 0)], (B.name, 1, 0)}
+    assert bottom == {(A.name, 1, 0), (B.name, 0, 0), export_of[(B.name, 1, 0)]}
+    # run it: numpy chunks cannot be exported, so each offer carries its chunk over TCP
+    with distributed.get_task_stream(client) as ts:
+        C = C.persist()
+        distributed.wait(C)
+    measured = transfer_report(client, since=stats["started"])
+    ran = {str(t["key"]): t["worker"] for t in ts.data}
+    for key, holder in ((export_of[(B.name, 0, 0)], w0), (export_of[(B.name, 1, 0)], w1)):
+        assert ran[str(key)] == holder, (key, ran)
+    routes = measured["device_routes"]
+    assert routes["tcp"] == 2 * half_b and routes["ipc"] == routes["fallback"] == 0, routes
+    assert measured["by_name"].get(B.name, 0) == 0  # no B chunk fetched as itself
+    assert 2 * half_b <= measured["by_name"][export_name] <= 2 * half_b + 4096
+    _check(C.compute(), a @ b)
+
+
+def test_tcp_leaves_the_graph_as_it_was(pair):
+    client, w0, w1 = pair
+    rng = np.random.default_rng()
+    a, b, A, B = _placed_pair(client, w0, w1, rng)
+    with _equal_gpus():
+        plain = distmm.matmul(A, B, client=client)  # numpy meta: no device chunks
+        before = last_stats()
+        with dask.config.set({"distmm.dask-device-transfer": "tcp",
+                              transfer.DEVICE_CHUNKS_KEY: True}):
+            C = distmm.matmul(A, B, client=client)
+        stats = last_stats()
+    assert C.name == plain.name and set(C.dask.layers) == set(plain.dask.layers)
+    assert _layer(C, "distmm-export-") is None
+    assert stats["transfer"] == {"mode": "tcp", "device_chunks": True, "probe": None,
+                                 "pairs": [], "exports": 0}
+    assert before["transfer"]["device_chunks"] is False
+    half_b = 384 * 512 * 8
+    assert stats["estimated_bytes"] == dict(before["estimated_bytes"], ipc=0)
+    assert stats["estimated_bytes"]["worker_to_worker"] == 2 * half_b
+    _check(C.compute(), a @ b)
+
+
+def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
+    client, w0, w1 = pair
+    rng = np.random.default_rng()
+    a, b, A, B = _placed_pair(client, w0, w1, rng)
+    transfer.forget_probes()
+    # two devices (the probe's identity, stood in for): both workers are probed
+    debug = {DEVICES_KEY: {w0: "dev-0", w1: "dev-1"}, transfer.DEVICE_CHUNKS_KEY: True}
+    seen = []
+    with _equal_gpus(), dask.config.set(debug):
+        for _ in range(2):
+            C = distmm.matmul(A, B, client=client)
+            seen.append(last_stats()["transfer"])
+    first, second = seen
+    assert first["mode"] == "auto" and first["pairs"] == [] and first["exports"] == 0
+    assert first["probe"]["cached"] is False and second["probe"]["cached"] is True
+    assert set(first["probe"]["failures"]) == {w0, w1}  # neither could export: no cupy here
+    assert all("IPCError" in str(v) for v in first["probe"]["failures"].values())
+    assert (client.scheduler.address, frozenset({w0, w1})) in transfer._PROBED
+    assert _layer(C, "distmm-export-") is None
+    # the probes' exports are gone from the workers
+    assert all(n == 0 for n in client.run(ipc.probe_release).values())
+    _check(C.compute(), a @ b)

@@ -1,0 +1,219 @@
+"""CUDA IPC between GPU worker processes of one host, on a real GPU (one is enough).
+
+Covers, on two dask-cuda workers sharing GPU 0 (``distmm.cli.cluster.gpu_cluster("0",
+per_device=2)``): ``distmm.executor.ipc.export`` in one process and ``open_copy`` in the
+other, bitwise equal to the source for float32, float64 and int32, odd shapes, an empty
+array and non-contiguous sources (made contiguous by the export); the exporting process
+opening its own export; the probe finding both directions; a reader whose open fails
+(an offer altered to look exported on another host) fetching the bytes from the
+holder's live export instead; and ``distmm.matmul`` of cupy chunks persisted on both
+workers: the plan's IPC bytes are what the workers opened, no operand chunk crosses
+TCP, the product matches a float64 reference, and ``distmm.dask-device-transfer: tcp``
+gives the same bits over TCP. The CPU side is ``tests/test_dask_ipc.py``.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+dask_cuda = pytest.importorskip("dask_cuda")
+try:
+    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # pragma: no cover - depends on the machine
+    _HAS_GPU = False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+
+import dask  # noqa: E402
+import distributed  # noqa: E402
+from distributed import Client  # noqa: E402
+
+import distmm  # noqa: E402
+from distmm.engine.dask import last_stats, transfer, transfer_report  # noqa: E402
+from test_dask_locality import _placed  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shared():
+    from distmm.cli.cluster import gpu_cluster
+
+    with gpu_cluster("0", per_device=2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        yield client, w0, w1
+
+
+# -- run on the workers ---------------------------------------------------------------------
+
+def _to_device(x, layout: str):
+    import cupy
+
+    d = cupy.asarray(x)
+    if layout == "transposed":
+        return d.T
+    if layout == "strided":
+        return d[::2, 1::3]
+    return d
+
+
+def _export(arr):
+    from distmm.executor import ipc
+
+    return ipc.export(arr)
+
+
+def _open(shared):
+    import cupy
+
+    from distmm.executor import ipc
+
+    out = ipc.open_copy(shared)
+    return {"host": cupy.asnumpy(out), "contiguous": bool(out.flags.c_contiguous),
+            "pid": os.getpid(), "cupy": isinstance(out, cupy.ndarray)}
+
+
+def _offer(arr):
+    from distmm.engine.dask.transfer import export_chunk
+
+    return export_chunk(arr, "test-chunk")
+
+
+def _take_as_if_elsewhere(offer):
+    """Open an offer as a reader on another host would: the IPC open is refused
+    (before any CUDA call) and the bytes come from the holder's live export."""
+    import time
+
+    import cupy
+
+    from distmm.engine.dask.transfer import routes_since, take
+
+    since = time.time()
+    offer.shared.host = "another-host/0"
+    got = take(offer)
+    return cupy.asnumpy(got), isinstance(got, cupy.ndarray), routes_since(since)
+
+
+def _submit(client, fn, *args, worker):
+    return client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
+
+
+def _source(rng, shape, dtype):
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-2**31, 2**31 - 1, size=shape, dtype=dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# -- the executor's export and open, between two processes ---------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+@pytest.mark.parametrize("shape, layout", [((777, 1283), "contiguous"), ((1, 1), "contiguous"),
+                                           ((4099, 3), "transposed"), ((1001, 999), "strided"),
+                                           ((0, 7), "contiguous")])
+def test_export_and_open_between_two_processes_are_bitwise(shared, dtype, shape, layout):
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, shape, dtype)
+    want = {"transposed": x.T, "strided": x[::2, 1::3]}.get(layout, x)
+    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), layout, worker=w0)
+    sh = _submit(client, _export, arr, worker=w0)
+    got = _submit(client, _open, sh, worker=w1).result()
+    assert got["cupy"] and got["contiguous"]
+    assert got["host"].dtype == want.dtype and got["host"].shape == want.shape
+    assert np.array_equal(got["host"], want)
+    meta = sh.result()  # on the client: the small fields only
+    assert meta.shape == want.shape and meta.dtype == want.dtype and not meta.local
+    assert meta.pid != got["pid"]
+    assert (meta.handle is None) == (want.size == 0)
+    if meta.handle is not None:
+        assert isinstance(meta.handle, bytes) and len(meta.handle) == 64
+    assert len(pickle.dumps(meta)) < 1024
+    # the exporting process opens its own export: a copy, the same bits
+    own = _submit(client, _open, sh, worker=w0).result()
+    assert own["pid"] == meta.pid and np.array_equal(own["host"], want)
+
+
+def test_the_probe_finds_both_directions(shared):
+    client, w0, w1 = shared
+    transfer.forget_probes()
+    pairs, info = transfer.probe(client, [w0, w1])
+    assert pairs == {(w0, w1), (w1, w0)}, info
+    assert info["failures"] == {} and info["cached"] is False
+    again, info = transfer.probe(client, [w1, w0])
+    assert again == pairs and info["cached"] is True
+
+
+def test_a_failed_open_fetches_the_bytes_from_the_holder(shared):
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, (1531, 257), "float32")
+    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), "contiguous", worker=w0)
+    offer = _submit(client, _offer, arr, worker=w0)
+    host, on_device, routes = _submit(client, _take_as_if_elsewhere, offer, worker=w1).result()
+    assert on_device and np.array_equal(host, x)
+    assert routes["fallback"] == x.nbytes and routes["ipc"] == routes["tcp"] == 0, routes
+
+
+# -- the engine: block mode over cupy chunks on both workers --------------------------------
+
+def _reference(client, A, B):
+    """The float64 product of the operands as they lie on the workers."""
+    from distmm.cli.cluster import to_host
+
+    a, b = client.compute([to_host(A), to_host(B)], sync=True)
+    return a.astype(np.float64) @ b.astype(np.float64)
+
+
+def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
+    """A's rows 0:1000 on the first worker, 1000:2027 on the second; B's k
+    halves one each: each worker computes the rows it holds and lacks one half
+    of B, which it opens through IPC from the other worker (both directions);
+    nothing of A or B crosses TCP."""
+    from distmm.cli.cluster import to_host
+
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    a = cupy.asarray(rng.standard_normal((2027, 1531)).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal((1531, 999)).astype(np.float32))
+    A = _placed(client, a, ((1000, 1027), (765, 766)), [[w0, w0], [w1, w1]])
+    B = _placed(client, b, ((765, 766), (999,)), [[w0], [w1]])
+    del a, b
+    results = {}
+    for mode in ("auto", "tcp"):
+        with dask.config.set({"distmm.dask-device-transfer": mode}):
+            C = distmm.matmul(A, B, client=client)
+        stats = last_stats()
+        C = client.persist(C)
+        distributed.wait(C)
+        measured = transfer_report(client, since=stats["started"])
+        got = client.compute(to_host(C), sync=True)
+        results[mode] = (stats, measured, got)
+    want = _reference(client, A, B)  # after the reports: it moves chunks too
+    half_b = (765 + 766) * 999 * 4  # each worker's missing half of B, both directions
+    stats, measured, got = results["auto"]
+    assert stats["mode"] == "blocks"
+    assert stats["transfer"]["pairs"] == sorted([(w0, w1), (w1, w0)]), stats["transfer"]
+    assert stats["transfer"]["exports"] == 2
+    assert stats["locality"]["assignment"] == [w0, w1], stats["locality"]
+    est = stats["estimated_bytes"]
+    assert est["ipc"] == half_b and est["worker_to_worker"] == 0, est
+    routes = measured["device_routes"]
+    assert routes["ipc"] == half_b, measured
+    assert routes["tcp"] == routes["fallback"] == 0, measured
+    tcp_device = measured["by_name"].get(A.name, 0) + measured["by_name"].get(B.name, 0)
+    assert tcp_device == 0, measured["by_name"]
+    assert measured["worker_to_worker"] < 64 * 1024  # two offers, a few hundred bytes each
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (2027, 999)
+    np.testing.assert_allclose(got, want, rtol=3e-4, atol=3e-4 * np.abs(want).max())
+    # over TCP: the same layout, the same bits, the half of B logged by distributed instead
+    stats_t, measured_t, got_t = results["tcp"]
+    assert stats_t["transfer"]["pairs"] == [] and stats_t["transfer"]["exports"] == 0
+    assert [u["block"] for u in stats_t["units"]] == [u["block"] for u in stats["units"]]
+    assert stats_t["estimated_bytes"]["ipc"] == 0
+    assert stats_t["estimated_bytes"]["worker_to_worker"] == half_b
+    assert measured_t["device_routes"]["ipc"] == 0
+    assert measured_t["by_name"].get(B.name, 0) == half_b, measured_t["by_name"]
+    assert np.array_equal(got_t, got)
