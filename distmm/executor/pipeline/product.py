@@ -29,7 +29,7 @@ import numpy as np
 from distmm.executor.hostmem import TouchHold
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
-from distmm.executor.pipeline.startup import wait_running
+from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
 
@@ -148,7 +148,8 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
         from distmm.executor.pinned import default_pinned_pool
 
         pinned_pool = default_pinned_pool()
-    wait_running()  # a warm-up still pinning the ring or making the context finishes first
+    note_product()
+    wait_running()  # a warm-up still pinning its ring finishes that first
     # A fresh process's start-up, overlapped: cuBLAS starts on a thread while this one
     # allocates device buffers and pins the ring, and the background first touch of a
     # fresh result (hostmem) waits meanwhile, since it holds the lock those calls take.

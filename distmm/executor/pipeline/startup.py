@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["start", "finish", "wait_running"]
+__all__ = ["start", "finish", "wait_running", "note_product", "product_started"]
 
 _lock = threading.Lock()
 _running = None  # the WarmUp handle in progress, or None
+_products = 0    # pipelined products started in this process
+
+
+def note_product() -> None:
+    """A pipelined product starts (the warm-up skips what it would then only slow)."""
+    global _products
+    with _lock:
+        _products += 1
+
+
+def product_started() -> bool:
+    """Whether a pipelined product has started in this process."""
+    return _products > 0
 
 
 def start(make):
