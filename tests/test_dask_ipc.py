@@ -110,7 +110,7 @@ def test_device_chunks_by_meta():
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("ipc", "ipc"), ("tcp", "tcp"),
                                          ("IPC", "ipc"), (" tcp ", "tcp")])
 def test_the_key_parses(value, want):
-    assert get_config().dask_device_transfer == "auto"
+    assert get_config().dask_device_transfer == "tcp"  # the default: IPC is opt-in
     with dask.config.set({"distmm.dask-device-transfer": value}):
         assert get_config().dask_device_transfer == want
 
@@ -262,7 +262,8 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     a, b, A, B = _placed_pair(client, w0, w1, rng)
     transfer.forget_probes()
     # two devices (the probe's identity, stood in for): both workers are probed
-    debug = {DEVICES_KEY: {w0: "dev-0", w1: "dev-1"}, transfer.DEVICE_CHUNKS_KEY: True}
+    debug = {DEVICES_KEY: {w0: "dev-0", w1: "dev-1"}, transfer.DEVICE_CHUNKS_KEY: True,
+             "distmm.dask-device-transfer": "auto"}  # opt-in (the default is tcp)
     seen = []
     with _equal_gpus(), dask.config.set(debug):
         for _ in range(2):
