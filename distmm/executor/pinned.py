@@ -300,14 +300,14 @@ class PinnedPool:
                                        f"{timeout} s (limit {self.limit}, held {self._held})")
 
     def _allocate(self, nbytes: int, count: int) -> list:
-        """``count`` new ``(array, owner)`` pairs, made on up to four threads (faulting
+        """``count`` new ``(array, owner)`` pairs, made on up to eight threads (faulting
         fresh pages in is CPU work that runs in parallel); every pair made is
         returned, or, when one fails, the others are dropped and the error raised."""
         if count <= 1:
             return [self._allocator(nbytes) for _ in range(count)]
         import concurrent.futures as cf
 
-        with cf.ThreadPoolExecutor(min(4, count), thread_name_prefix="distmm-pin") as pool:
+        with cf.ThreadPoolExecutor(min(8, count), thread_name_prefix="distmm-pin") as pool:
             futures = [pool.submit(self._allocator, nbytes) for _ in range(count)]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
