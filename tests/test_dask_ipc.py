@@ -279,3 +279,47 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     # the probes' exports are gone from the workers
     assert all(n == 0 for n in client.run(ipc.probe_release).values())
     _check(C.compute(), a @ b)
+
+
+# -- the exports' lifetime ---------------------------------------------------------------------
+
+def _hold_fake_export(token):
+    """On a worker, in a task: hold a stand-in export (any allocation object) until
+    the scheduler releases this task's key."""
+    fake = ipc.Shared(b"\0" * 64, (3,), "float32", "0000:00:00.0", os.getpid(), ipc.PROCESS,
+                      ipc.host_identity(), token, alloc=bytearray(16))
+    return transfer.keep_until_released(fake, ipc.hold)
+
+
+def _held_here():
+    return ipc.held(), transfer.held_keys()
+
+
+def test_exports_are_held_until_the_scheduler_releases_their_keys(pair):
+    """With the ExportLifetime plugin registered, an export task's allocation is
+    held by its token (so a spilled and re-read result still finds it) until the
+    scheduler releases the task's key, and then let go."""
+    import time
+
+    client, w0, _w1 = pair
+    assert transfer.ensure_lifetime(client)
+    assert transfer.ensure_lifetime(client)  # once per cluster
+    base = client.run(_held_here, workers=[w0])[w0]
+    fut = client.submit(_hold_fake_export, uuid.uuid4().hex, workers=[w0], pure=False)
+    assert fut.result(timeout=60) is True
+    assert client.run(_held_here, workers=[w0])[w0] == (base[0] + 1, base[1] + 1)
+    time.sleep(0.5)  # still held while the key is kept (the future is alive)
+    assert client.run(_held_here, workers=[w0])[w0] == (base[0] + 1, base[1] + 1)
+    del fut
+    deadline = time.monotonic() + 30
+    while client.run(_held_here, workers=[w0])[w0] != base and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.run(_held_here, workers=[w0])[w0] == base
+
+
+def test_outside_a_worker_task_nothing_is_held():
+    fake = ipc.Shared(b"\0" * 64, (3,), "float32", "0000:00:00.0", os.getpid(), ipc.PROCESS,
+                      ipc.host_identity(), uuid.uuid4().hex, alloc=bytearray(16))
+    before = ipc.held()
+    assert transfer.keep_until_released(fake, ipc.hold) is False
+    assert ipc.held() == before

@@ -42,6 +42,14 @@ out (a spill of the exporter's object between a reader receiving it and
 opening it would not be: ``distributed`` spills by host bytes, least recently
 used first, and the object reports a few hundred).
 
+Measured on an H200 (two dask-cuda workers sharing the GPU, fp32 32768): a
+worker whose host buffer outgrew its limit (device chunks spilled to the host
+land there) wrote its export tasks' results to disk, LRU first, whatever
+their size; read back they had lost their allocations, and the readers failed.
+So a caller that knows when an export's key is released may ``hold`` the
+export beyond its ``Shared`` (``release`` ends it): ``distmm.engine.dask``
+does, from a worker plugin that sees the key's release.
+
 Same-process and same-host checks
 ---------------------------------
 A CUDA IPC handle cannot be opened in the process that made it, and means
@@ -62,7 +70,7 @@ import numpy as np
 
 __all__ = ["Shared", "IPCError", "export", "open_copy", "local_array", "available",
            "probe_export", "probe_open", "probe_release", "host_identity", "PROCESS",
-           "LAZY_PEER_ACCESS"]
+           "LAZY_PEER_ACCESS", "hold", "release", "held"]
 
 #: this process's identity in ``Shared`` (random: pids repeat across containers)
 PROCESS = uuid.uuid4().hex
@@ -219,6 +227,32 @@ def export(array, *, token: str | None = None) -> Shared:
         _LIVE[token] = weakref.ref(alloc, lambda _ref, t=token: _LIVE.pop(t, None))
     return Shared(bytes(handle), array.shape, array.dtype, bus, os.getpid(), PROCESS, _HOST,
                   token, alloc)
+
+
+_HELD: dict = {}  # token -> an export's allocation kept alive beyond its Shared (hold/release)
+
+
+def hold(shared: "Shared") -> None:
+    """Keep ``shared``'s allocation alive (in the exporting process) until
+    ``release(shared.token)``, whatever happens to the ``Shared`` object itself
+    (a spill to disk drops it; read back, it finds the allocation by its token)."""
+    alloc = shared._alloc
+    if alloc is not None:
+        with _LIVE_LOCK:
+            _HELD[shared.token] = alloc
+
+
+def release(token: str) -> bool:
+    """End a ``hold``: True when one was held (the allocation is freed once no
+    ``Shared`` holds it either)."""
+    with _LIVE_LOCK:
+        return _HELD.pop(token, None) is not None
+
+
+def held() -> int:
+    """How many exports ``hold`` keeps in this process."""
+    with _LIVE_LOCK:
+        return len(_HELD)
 
 
 def _live(token: str):

@@ -8,7 +8,8 @@ address and worker set), the export task's body (``export_chunk``: on the
 worker holding a chunk, an ``Offer`` wrapping ``distmm.executor.ipc.export``),
 opening an offer inside a block task (``take``) with its fallbacks, and the
 bytes each worker received by each route (``routes_since``, read by
-``stats.transfer_report``).
+``stats.transfer_report``), and the exports' lifetime (``ExportLifetime``, a
+worker plugin: an export is held until the scheduler releases its task's key).
 It does *not* cover: CUDA itself (``distmm.executor.ipc``), the cost model
 and which holder serves which reader (``locality``: ``by_route``,
 ``ipc_sources``), or the graph (``lazy``: the export tasks, pinned to their
@@ -38,7 +39,8 @@ import numpy as np
 
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "take", "host_of",
            "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
-           "routes_since"]
+           "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
+           "held_keys"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -162,12 +164,15 @@ def ipc_pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
     if not cands:
         return frozenset(), dict(info, pairs=[])
     if mode == "ipc":
+        ensure_lifetime(client)
         return cands, dict(info, pairs=sorted(cands))
     seen = sorted({u.address for u in units
                    if u.gpu and getattr(u, "device", None) is not None
                    and any(u.address in p for p in cands)})
     found, summary = probe(client, seen) if len(seen) > 1 else (frozenset(), {"pairs": 0})
     pairs = found & cands
+    if pairs:
+        ensure_lifetime(client)
     return pairs, dict(info, pairs=sorted(pairs), probe=summary)
 
 
@@ -229,7 +234,9 @@ class Offer:
 
 def export_chunk(chunk, label: str = ""):
     """Task body, on the worker holding ``chunk``: an ``Offer`` of it (its
-    CUDA IPC export, or, when exporting fails, the chunk itself)."""
+    CUDA IPC export, or, when exporting fails, the chunk itself). Where the
+    ``ExportLifetime`` plugin runs on this worker, the export is held until
+    the scheduler releases this task's key (``keep_until_released``)."""
     from distmm.executor import ipc
 
     address = _worker_address()
@@ -243,7 +250,94 @@ def export_chunk(chunk, label: str = ""):
             log.warning("distmm: chunk %s not exported through CUDA IPC (%s); such chunks "
                         "travel over TCP", label, exc)
         return Offer(None, chunk, address, label, nbytes, str(exc))
+    keep_until_released(shared, ipc.hold)
     return Offer(shared, None, address, label, nbytes)
+
+
+# -- the exports' lifetime: until the scheduler releases their keys ----------------------------
+
+_KEY_TOKENS: dict = {}  # export task key -> (token, release) on this worker, while held
+_LIFETIME: list = []    # [True] once the plugin is set up in this worker process
+
+
+def _current_key():
+    try:
+        from distributed import get_worker
+
+        return get_worker().get_current_task()
+    except Exception:  # not in a task on a worker
+        return None
+
+
+def keep_until_released(shared, hold, release=None) -> bool:
+    """In a task on a worker where ``ExportLifetime`` runs: ``hold(shared)`` now
+    and ``release(shared.token)`` (default ``distmm.executor.ipc.release``) when
+    the scheduler releases the running task's key. False (nothing held) where
+    the plugin does not run: the export then lives as long as its ``Shared``."""
+    if not _LIFETIME:
+        return False
+    key = _current_key()
+    if key is None:
+        return False
+    if release is None:
+        from distmm.executor.ipc import release
+    hold(shared)
+    with _OPEN_LOCK:
+        _KEY_TOKENS[key] = (shared.token, release)
+    return True
+
+
+def held_keys() -> int:
+    """Export keys held on this worker (for tests and reports)."""
+    with _OPEN_LOCK:
+        return len(_KEY_TOKENS)
+
+
+try:
+    from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPlugin
+except ImportError:  # pragma: no cover - distributed is a dependency
+    _WorkerPlugin = object
+
+
+class ExportLifetime(_WorkerPlugin):
+    """Worker plugin: an export task's allocation lives until the scheduler
+    releases the task's key, even when the worker spilled the task's result to
+    disk meanwhile (the result's pickled form carries no allocation). Measured
+    need: an H200 run at fp32 32768 lost its exports that way."""
+
+    name = "distmm-ipc-exports"
+
+    def setup(self, worker):
+        if not _LIFETIME:
+            _LIFETIME.append(True)
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish in ("released", "forgotten", "error", "cancelled"):
+            with _OPEN_LOCK:
+                entry = _KEY_TOKENS.pop(key, None)
+            if entry is not None:
+                entry[1](entry[0])
+
+
+_PLUGGED: set = set()  # scheduler addresses the plugin was registered with
+
+
+def ensure_lifetime(client) -> bool:
+    """Register ``ExportLifetime`` on the cluster once (workers that join later
+    get it too). False, with a log line, where registering fails: the exports
+    then live only as long as their results stay in memory."""
+    if client is None:
+        return False
+    address = getattr(client.scheduler, "address", None)
+    if address in _PLUGGED:
+        return True
+    try:
+        client.register_plugin(ExportLifetime(), name=ExportLifetime.name)
+    except Exception as exc:
+        log.warning("distmm: the IPC export lifetime plugin could not be registered (%r)", exc)
+        return False
+    _PLUGGED.add(address)
+    return True
 
 
 def _serve(token: str):
