@@ -8,7 +8,6 @@ Usage: mpiexec -n P python tests/mpi_cases.py TMPDIR
 from __future__ import annotations
 
 import sys
-import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -16,6 +15,7 @@ from mpi4py import MPI
 import distmm
 from distmm.engine.mpi import DistArray, MPIEngine
 from distmm.grid import BlockLayout, _candidates, make_grid
+from mpi_verdict import run_cases
 
 comm = MPI.COMM_WORLD
 P, rank = comm.size, comm.rank
@@ -166,16 +166,10 @@ def case_distarray():
         pass
 
 
-for case in (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray):
-    try:
-        case()
-    except Exception:  # noqa: BLE001 - recorded, the verdict below is collective
-        failures.append(f"rank {rank}: {case.__name__} raised\n{traceback.format_exc()}")
-
-all_failures = comm.gather(failures, root=0)
-ok = comm.allreduce(0 if failures else 1, op=MPI.MIN) == 1
+ok, all_failures = run_cases(comm, (case_api_dtypes, case_api_semantics, case_every_grid,
+                                     case_distarray), failures)
 if rank == 0:
     if not ok:
-        for f in [f for fs in all_failures for f in fs][:30]:
+        for f in all_failures[:30]:
             print(f)
     print("VERDICT", "ok" if ok else "FAIL", flush=True)

@@ -10,7 +10,6 @@ exit hook ran.
 """
 import atexit
 import sys
-import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -19,6 +18,7 @@ import distmm
 from distmm.engine.mpi import DistArray, MPIEngine, cache_stats
 from distmm.engine.mpi.gridcomms import release
 from distmm.grid import _candidates, make_grid
+from mpi_verdict import run_cases
 
 gpu = "gpu" in sys.argv[1:]
 finalize = "finalize" in sys.argv[1:]
@@ -144,16 +144,9 @@ def case_every_grid_on_a_dup():
     other.Free()
 
 
-for case in (case_api_repeats, case_every_grid_on_a_dup):
-    try:
-        case()
-    except Exception:  # noqa: BLE001 - recorded, the verdict below is collective
-        failures.append(f"rank {rank}: {case.__name__} raised\n{traceback.format_exc()}")
-
-all_failures = comm.gather(failures, root=0)
-ok = comm.allreduce(0 if failures else 1, op=MPI.MIN) == 1
+ok, all_failures = run_cases(comm, (case_api_repeats, case_every_grid_on_a_dup), failures)
 if rank == 0:
-    for f in [f for fs in all_failures for f in fs][:30]:
+    for f in all_failures[:30]:
         print(f)
     print("STATS", cache_stats())
     print("VERDICT", "ok" if ok else "FAIL", flush=True)
