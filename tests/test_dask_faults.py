@@ -71,20 +71,26 @@ def _wait_for_no_worker(client, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _start_product(engine, request):
-    """Run ``engine.run(request)`` on a thread; ``out`` gets ``"c"`` (the result)
-    or ``"error"`` (what it raised, for the test's assertion to report)."""
+def _start_call(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on a started thread; returns ``(thread, out)``,
+    ``out`` getting ``"c"`` (the result) or ``"error"`` (what it raised, for the
+    test's assertion to report). Tests kill workers while it runs."""
     out: dict = {}
 
     def product():
         try:
-            out["c"] = engine.run(request)
+            out["c"] = fn(*args, **kwargs)
         except BaseException as exc:  # reported by the caller's assertion
             out["error"] = exc
 
     run = threading.Thread(target=product)
     run.start()
     return run, out
+
+
+def _start_product(engine, request):
+    """``engine.run(request)`` on a thread (``_start_call``)."""
+    return _start_call(engine.run, request)
 
 
 def _request(engine, a, b, tile):

@@ -130,10 +130,9 @@ def test_two_workers_sharing_one_gpu_give_the_product(shared_client):
 def test_gpu_worker_killed_mid_run_gives_the_same_bits(shared_client):
     """SIGKILL to one of the two GPU worker processes while the product runs: the nanny
     starts a new one, lost tiles are computed again, and C is bitwise the undisturbed C."""
-    import threading
     import time
 
-    from test_dask_faults import _kill_workers
+    from test_dask_faults import _kill_workers, _start_call
 
     client = shared_client
     rng = np.random.default_rng()
@@ -144,16 +143,7 @@ def test_gpu_worker_killed_mid_run_gives_the_same_bits(shared_client):
         b = rng.standard_normal((4099, 2999)).astype(np.float32)
         undisturbed = distmm.matmul(a, b, client=client, tile=256)
         assert_matches_numpy(undisturbed, a, b)
-        out = {}
-
-        def run():
-            try:
-                out["c"] = distmm.matmul(a, b, client=client, tile=256)
-            except BaseException as exc:  # reported below
-                out["error"] = exc
-
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread, out = _start_call(distmm.matmul, a, b, client=client, tile=256)
         try:
             killed = _kill_workers(client, thread, kills=1, gap=0.05)
         finally:

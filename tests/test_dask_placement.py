@@ -363,9 +363,7 @@ def test_cpu_only_clusters_keep_one_task_per_tile():
 def test_block_mode_survives_killed_workers_with_the_same_bits():
     """The eager loop's retries in block mode: two of three GPU-marked workers
     killed mid-run, the cells they held run again, bitwise equal."""
-    import threading
-
-    from test_dask_faults import _kill_workers
+    from test_dask_faults import _kill_workers, _start_call
 
     rng = np.random.default_rng()
     a, b = rng.standard_normal((1536, 2500)), rng.standard_normal((2500, 1536))
@@ -376,16 +374,7 @@ def test_block_mode_survives_killed_workers_with_the_same_bits():
         client.wait_for_workers(3, timeout=60)
         undisturbed = distmm.matmul(a, b, client=client)
         assert last_stats()["mode"] == "blocks" and last_stats()["cells"] >= 16
-        out = {}
-
-        def product():
-            try:
-                out["c"] = distmm.matmul(a, b, client=client)
-            except BaseException as exc:  # reported by the assertion below
-                out["error"] = exc
-
-        run = threading.Thread(target=product)
-        run.start()
+        run, out = _start_call(distmm.matmul, a, b, client=client)
         try:
             killed = _kill_workers(client, run, kills=2, gap=0.1)
         finally:
