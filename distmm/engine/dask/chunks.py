@@ -19,7 +19,7 @@ import numpy as np
 
 from distmm.plan import Plan
 
-__all__ = ["edges", "locate", "k_pieces", "Geometry", "chunk_tile", "check_chunks"]
+__all__ = ["edges", "locate", "k_pieces", "nearest_cut", "Geometry", "chunk_tile", "check_chunks"]
 
 
 def edges(chunks) -> tuple[int, ...]:
@@ -60,6 +60,13 @@ def k_pieces(a_off, b_off, k0: int, k1: int, tk: int):
                  for lo, hi in zip(merged[:-1], merged[1:]))
 
 
+def nearest_cut(cuts, edge: int) -> int:
+    """The index in ``cuts`` (sorted) of the cut nearest ``edge``; the lower one on a tie."""
+    right = bisect.bisect_left(cuts, edge)
+    return min((c for c in (right - 1, right) if 0 <= c < len(cuts)),
+               key=lambda c: (abs(cuts[c] - edge), c))
+
+
 def _group_edges(plan: Plan, cuts: tuple[int, ...]) -> tuple[int, ...]:
     """The plan's k groups moved onto chunk edges.
 
@@ -75,11 +82,7 @@ def _group_edges(plan: Plan, cuts: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(plan.k_edges)
     idx = [0]
     for s in range(1, groups):
-        want = plan.k_edges[s]
-        right = bisect.bisect_left(cuts, want)
-        near = min((c for c in (right - 1, right) if 0 <= c < len(cuts)),
-                   key=lambda c: (abs(cuts[c] - want), c))
-        near = max(near, idx[-1] + 1)
+        near = max(nearest_cut(cuts, plan.k_edges[s]), idx[-1] + 1)
         near = min(near, len(cuts) - 1 - (groups - s))
         idx.append(near)
     idx.append(len(cuts) - 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distmm.engine.dask.chunks import nearest_cut
 from distmm.plan import reduction_tree
 
 __all__ = ["worker_grid", "shares", "BlockLayout", "block_layout", "snap", "split_k", "layout_devices",
@@ -118,8 +119,7 @@ def snap(ideal, cuts) -> tuple[int, ...]:
     cuts = list(cuts)
     out = [cuts[0]]
     for e in ideal[1:-1]:
-        i = bisect.bisect_left(cuts, e)
-        near = min((c for c in (i - 1, i) if 0 <= c < len(cuts)), key=lambda c: (abs(cuts[c] - e), c))
+        near = nearest_cut(cuts, e)
         if cuts[near] > out[-1] and cuts[near] < cuts[-1]:
             out.append(cuts[near])
     out.append(cuts[-1])
@@ -136,9 +136,7 @@ def _proportional(length: int, weights, cuts) -> list[int]:
     ideal[-1] = length
     out = [0]
     for e in ideal[1:-1]:
-        i = bisect.bisect_left(cuts, e)
-        near = min((c for c in (i - 1, i) if 0 <= c < len(cuts)), key=lambda c: (abs(cuts[c] - e), c))
-        out.append(max(out[-1], cuts[near]))
+        out.append(max(out[-1], cuts[nearest_cut(cuts, e)]))
     out.append(length)
     return out
 
