@@ -59,6 +59,7 @@ def _unregister(runtime, addr: int, mem) -> None:
 
 
 _HUGE = 2 << 20
+_REGISTER_FAILED: list = []  # [True] once cudaHostRegister failed in this process
 
 
 def registered_allocator(nbytes: int):
@@ -69,13 +70,16 @@ def registered_allocator(nbytes: int):
     0.061 s (0.048 s faulting, 0.013 s registering) against 0.233 s for
     ``cudaHostAlloc``, which also holds the driver's lock all along, so that cuBLAS's
     start-up and device allocations on other threads waited for it. Where the mapping
-    or the registration fails, ``cupy_pinned_allocator``."""
+    or the registration fails, ``cupy_pinned_allocator`` (and, after a failed
+    registration, for the rest of the process: a memory-lock limit stays)."""
     import mmap
 
     import cupy
 
     from distmm.executor.hostmem import populate
 
+    if _REGISTER_FAILED:  # this process could not register before: do not fault pages in vain
+        return cupy_pinned_allocator(nbytes)
     size = -(-int(nbytes) // _HUGE) * _HUGE
     try:
         mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -94,6 +98,7 @@ def registered_allocator(nbytes: int):
     try:
         runtime.hostRegister(addr, size, 0)
     except Exception:  # noqa: BLE001 - e.g. RLIMIT_MEMLOCK: the driver's own pinned memory
+        _REGISTER_FAILED.append(True)
         del array
         try:
             mem.close()
