@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty_host", "populate", "TouchHold", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
+__all__ = ["empty_host", "huge_mapping", "populate", "TouchHold", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
 
 #: results at least this large get huge-page advice and background first touch
 HUGE_MIN_BYTES = 64 << 20
@@ -146,6 +146,20 @@ def _take_spare(size: int):
     return None
 
 
+def huge_mapping(size: int) -> mmap.mmap:
+    """A private anonymous mapping of ``size`` bytes advised ``MADV_HUGEPAGE`` where the
+    kernel knows the advice (its pages are not faulted in). Raises ``OSError`` where
+    no anonymous mapping can be made."""
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mem.madvise(advice)
+        except OSError:  # pragma: no cover - kernels without transparent huge pages
+            pass
+    return mem
+
+
 def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in host memory.
 
@@ -166,13 +180,7 @@ def empty_host(shape, dtype, *, touch_threads: int = 4) -> np.ndarray:
         raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
         weakref.finalize(raw, _recycle, mem, size)
         return raw.view(dtype).reshape(shape)
-    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            mem.madvise(advice)
-        except OSError:  # pragma: no cover - kernels without transparent huge pages
-            pass
+    mem = huge_mapping(size)
     raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
     weakref.finalize(raw, _recycle, mem, size)
     if _madvise is None:

@@ -72,25 +72,17 @@ def registered_allocator(nbytes: int):
     start-up and device allocations on other threads waited for it. Where the mapping
     or the registration fails, ``cupy_pinned_allocator`` (and, after a failed
     registration, for the rest of the process: a memory-lock limit stays)."""
-    import mmap
-
     import cupy
 
-    from distmm.executor.hostmem import populate
+    from distmm.executor.hostmem import huge_mapping, populate
 
     if _REGISTER_FAILED:  # this process could not register before: do not fault pages in vain
         return cupy_pinned_allocator(nbytes)
     size = -(-int(nbytes) // _HUGE) * _HUGE
     try:
-        mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem = huge_mapping(size)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return cupy_pinned_allocator(nbytes)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            mem.madvise(advice)
-        except OSError:  # pragma: no cover - kernels without transparent huge pages
-            pass
     array = np.frombuffer(mem, dtype=np.uint8, count=int(nbytes))
     addr = int(array.ctypes.data)
     populate(addr, size)
