@@ -3,8 +3,8 @@
 Covers, on two dask-cuda workers sharing GPU 0 (``distmm.cli.cluster.gpu_cluster("0",
 per_device=2)``): ``distmm.executor.ipc.export`` in one process and ``open_copy`` in the
 other, bitwise equal to the source for float32, float64 and int32, odd shapes, an empty
-array and non-contiguous sources (made contiguous by the export); the exporting process
-opening its own export; the probe finding both directions; a reader whose open fails
+array and non-contiguous sources (made contiguous by the export); eight threads of one
+reader opening the same export at once; the exporting process opening its own export; the probe finding both directions; a reader whose open fails
 (an offer altered to look exported on another host) fetching the bytes from the
 holder's live export instead; and ``distmm.matmul`` of cupy chunks persisted on both
 workers: the plan's IPC bytes are what the workers opened, no operand chunk crosses
@@ -134,6 +134,48 @@ def test_export_and_open_between_two_processes_are_bitwise(shared, dtype, shape,
     # the exporting process opens its own export: a copy, the same bits
     own = _submit(client, _open, sh, worker=w0).result()
     assert own["pid"] == meta.pid and np.array_equal(own["host"], want)
+
+
+def _open_at_once(shared, readers):
+    """``readers`` threads of this process open one export at the same moment (as two
+    tasks of one worker reading the same panel do)."""
+    import threading
+
+    import cupy
+
+    from distmm.executor import ipc
+
+    barrier = threading.Barrier(readers)
+    got: list = [None] * readers
+
+    def read(r):
+        cupy.cuda.Device(0).use()
+        barrier.wait(timeout=60)
+        try:
+            got[r] = cupy.asnumpy(ipc.open_copy(shared))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            got[r] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got, ipc.mapped()
+
+
+def test_readers_of_one_export_in_one_process_at_once_all_get_its_bytes(shared):
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, (2049, 1537), "float32")
+    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), "contiguous", worker=w0)
+    sh = _submit(client, _export, arr, worker=w0)
+    for _ in range(3):
+        got, still_mapped = _submit(client, _open_at_once, sh, 8, worker=w1).result()
+        errors = [g for g in got if isinstance(g, str)]
+        assert not errors, errors
+        assert all(np.array_equal(g, x) for g in got)
+        assert still_mapped == 0  # the last reader closed the shared mapping
 
 
 def test_the_probe_finds_both_directions(shared):
