@@ -70,7 +70,7 @@ import numpy as np
 
 __all__ = ["Shared", "IPCError", "export", "open_copy", "local_array", "available",
            "probe_export", "probe_open", "probe_release", "host_identity", "PROCESS",
-           "LAZY_PEER_ACCESS", "hold", "release", "held", "mapped"]
+           "LAZY_PEER_ACCESS", "hold", "release", "held"]
 
 #: this process's identity in ``Shared`` (random: pids repeat across containers)
 PROCESS = uuid.uuid4().hex
@@ -282,39 +282,6 @@ def local_array(shared):
     return alloc.array
 
 
-_MAPPED: dict = {}  # (handle, device) -> [mapped pointer, readers] in this process
-_MAPPED_LOCK = threading.Lock()
-
-
-def _map(rt, key) -> int:
-    """The mapping of handle ``key[0]`` in this process, opened by its first reader.
-    CUDA maps a handle once per process: a second ``cudaIpcOpenMemHandle`` of a
-    handle still open (two tasks of one worker reading the same panel at once) is
-    refused, so concurrent readers share one mapping."""
-    with _MAPPED_LOCK:
-        entry = _MAPPED.get(key)
-        if entry is None:
-            entry = _MAPPED[key] = [rt.ipcOpenMemHandle(key[0], LAZY_PEER_ACCESS), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _unmap(rt, key) -> None:
-    """One reader is done with ``key``'s mapping; the last one closes it."""
-    with _MAPPED_LOCK:
-        entry = _MAPPED[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _MAPPED[key]
-            rt.ipcCloseMemHandle(entry[0])
-
-
-def mapped() -> int:
-    """How many handles this process has open right now (0 once every reader is done)."""
-    with _MAPPED_LOCK:
-        return len(_MAPPED)
-
-
 def open_copy(shared: Shared, *, copy: bool = True):
     """The exported array as a fresh cupy array on this process's current device.
 
@@ -323,8 +290,7 @@ def open_copy(shared: Shared, *, copy: bool = True):
     handle opened (peer access enabled lazily when the export is on another
     device), one device-to-device (or peer) copy, the handle closed before
     returning. Raises ``IPCError`` on another host, a device this process
-    does not see, or any CUDA error. Readers of one export in one process at
-    the same time share one mapping (``_map``).
+    does not see, or any CUDA error.
     """
     if not isinstance(shared, Shared):
         raise IPCError(f"not an exported array: {type(shared).__name__}")
@@ -350,14 +316,13 @@ def open_copy(shared: Shared, *, copy: bool = True):
     try:
         out = cupy.empty(shared.shape, shared.dtype)
         stream = cupy.cuda.get_current_stream()
-        key = (shared.handle, rt.getDevice())
-        ptr = _map(rt, key)
+        ptr = rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS)
         try:
             kind = getattr(rt, "memcpyDefault", _MEMCPY_DEFAULT)
             rt.memcpyAsync(out.data.ptr, ptr, shared.nbytes, kind, stream.ptr)
             stream.synchronize()  # the copy is done before the mapping goes
         finally:
-            _unmap(rt, key)
+            rt.ipcCloseMemHandle(ptr)
     except Exception as exc:
         raise IPCError(f"opening {shared!r} failed: {type(exc).__name__}: {exc}") from exc
     return out
