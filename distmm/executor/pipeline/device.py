@@ -2,21 +2,17 @@
 
 This module covers: the few device operations the pipeline's run uses, behind
 one small class so that tests substitute a simulated device with the same
-methods; and loading the kernels a schedule will use ahead of it (``load_kernels``).
-It does *not* cover: the schedule (``distmm.plan_pipeline``), the run
+methods. It does *not* cover: the schedule (``distmm.plan_pipeline``), the run
 (``distmm.executor.pipeline.run``), or kernels (``device_gemm`` of an executor).
 cupy is imported when a ``CupyDevice`` is made, not when this module is.
 """
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 
 from distmm.executor.device import gpu_name
 
-__all__ = ["CupyDevice", "KernelLoad"]
+__all__ = ["CupyDevice"]
 
 
 class CupyDevice:
@@ -86,42 +82,3 @@ class CupyDevice:
 
     def release(self) -> None:
         self.pool.free_all_blocks()
-
-    def load_kernels(self, gemm, calls) -> "KernelLoad":
-        """Make the GPU library load the kernels ``calls`` will use, on a thread, without
-        running them: each ``(a, b, c, beta)`` goes through ``gemm`` on a stream that
-        captures a CUDA graph, which is then dropped unlaunched. cuBLAS loads a kernel's
-        module the first time a shape picks it (0.1-0.3 s of host time for some of the
-        schedule's shapes in a fresh process, H100); on the product's own thread that time
-        held back the copies and kernels queued behind it."""
-        return KernelLoad(self, gemm, calls)
-
-
-class KernelLoad(threading.Thread):
-    """``CupyDevice.load_kernels``'s thread: ``seconds`` and ``error`` (a string, or None)
-    once ``join`` returns. Nothing it captures runs: a capture only records launches, and a
-    launch into a capture that went wrong is refused, never run."""
-
-    def __init__(self, device: CupyDevice, gemm, calls):
-        super().__init__(name="distmm-kernel-load", daemon=True)
-        self.device, self.gemm, self.calls = device, gemm, list(calls)
-        self.seconds = 0.0
-        self.error: str | None = None
-        self.start()
-
-    def run(self) -> None:
-        cp = self.device.cp
-        t0 = time.perf_counter()
-        try:
-            self.device.bind_thread()
-            stream = cp.cuda.Stream(non_blocking=True)
-            stream.begin_capture()  # relaxed mode: other threads' calls are unaffected
-            try:
-                for a, b, c, beta in self.calls:
-                    self.gemm(a, b, c, alpha=1.0, beta=beta, stream=stream)
-            finally:
-                graph = stream.end_capture()
-            del graph
-        except Exception as exc:  # noqa: BLE001 - the product loads them itself then
-            self.error = f"{type(exc).__name__}: {exc}"
-        self.seconds = time.perf_counter() - t0

@@ -42,10 +42,6 @@ from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
 __all__ = ["PipelineRun", "host_threads"]
 
-#: load the schedule's GEMM kernels on a thread while the ring is pinned and the first tiles
-#: are staged (``CupyDevice.load_kernels``)
-LOAD_KERNELS_AHEAD = True
-
 _MAX_CHUNK = 16 * (1 << 20)      # staging copy granularity
 _RING_IN, _RING_OUT = 16, 6      # staging buffers: 352 MiB pinned at most, allocated once per
                                  # process (cudaHostAlloc runs at ~1.5 GB/s: a 1 GiB ring cost
@@ -204,23 +200,6 @@ class PipelineRun:
         self.dev.record(e1, stream)
         self._gpu_ops.append((lane, name, e0, e1))
 
-    def _first_of_each_shape(self, steps, a_mem, b_block, c_mem):
-        """``(a, b, c, beta)`` over the run's own buffers for the first step of each
-        distinct GEMM shape, in the schedule's order (for ``load_kernels``)."""
-        t, seen, calls = self.t, set(), []
-        for st in steps:
-            m = t.row_edges[st.i + 1] - t.row_edges[st.i]
-            n = t.col_edges[st.j + 1] - t.col_edges[st.j]
-            k = t.k_edges[st.kb + 1] - t.k_edges[st.kb]
-            beta = 0.0 if st.first else 1.0
-            if (m, n, k, beta) in seen:
-                continue
-            seen.add((m, n, k, beta))
-            calls.append((self.dev.array(a_mem[st.a_slot], (m, k), self.dtype),
-                          b_block(st.b_slot, st.kb, k, n),
-                          self.dev.array(c_mem[0], (m, n), self.dtype), beta))
-        return calls
-
     # -- the run --------------------------------------------------------------------
     def execute(self) -> None:
         dev, t = self.dev, self.t
@@ -244,22 +223,13 @@ class PipelineRun:
                 return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
             return dev.array(b_mem[slot], (rows, width), dtype)
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
-        loader = None
-        if LOAD_KERNELS_AHEAD and hasattr(dev, "load_kernels"):
-            loader = dev.load_kernels(self.gemm, self._first_of_each_shape(
-                steps, a_mem, b_block, c_mem))
         p1 = self._now()
+        ring_in = self.pool.acquire_many(chunk_bytes, n_in)
         try:
-            ring_in = self.pool.acquire_many(chunk_bytes, n_in)
-            try:
-                ring_out = self.pool.acquire_many(chunk_bytes, n_out)
-            except BaseException:
-                for buf in ring_in:
-                    self.pool.release(buf)
-                raise
+            ring_out = self.pool.acquire_many(chunk_bytes, n_out)
         except BaseException:
-            if loader is not None:
-                loader.join()  # before the caller frees the buffers it names
+            for buf in ring_in:
+                self.pool.release(buf)
             raise
         p2 = self._now()
         if self.on_ready is not None:
@@ -356,9 +326,6 @@ class PipelineRun:
             for buf in ring_in + ring_out:
                 self.pool.release(buf)
             writer.c_mem = None
-            if loader is not None:
-                loader.join()
-                self.phases.update(kernel_load_s=loader.seconds, kernel_load_error=loader.error)
         self.seconds = self._now() - wall0
         if self.timeline is not None:
             self._fill_timeline(t0_ev, host_t0)
