@@ -245,8 +245,8 @@ def test_cublas_start_up_runs_once_per_dtype_and_device():
     from distmm.executor.cublas import start_cublas
 
     first = start_cublas("float32")
-    if first is not None:  # None: an earlier test of this process started it
-        first.result(timeout=60)
-        assert first.exception() is None
-    assert start_cublas("float32") is None
-    assert start_cublas(np.float32) is None
+    first.result(timeout=60)
+    assert first.exception() is None
+    assert start_cublas("float32") is first
+    assert start_cublas(np.float32) is first
+    assert start_cublas("float64") is not first

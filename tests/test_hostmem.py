@@ -111,3 +111,34 @@ def test_a_touch_hold_stops_the_first_touch_until_every_hold_is_released():
     if can_populate:
         assert _resident_pages(c) == -(-c.nbytes // 4096)
     assert not c.view(np.uint8).any()  # zeros: nothing was written
+
+
+def test_hold_until_a_future_holds_the_first_touch_until_it_is_done():
+    """``hold_until`` (the GPU executor's cuBLAS start-up): the toucher threads wait
+    while the future runs and finish once it is done; a done future holds nothing."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    hostmem.hold_until(None)
+    done: cf.Future = cf.Future()
+    done.set_result(None)
+    hostmem.hold_until(done)
+    assert hostmem._resume.is_set()
+    running: cf.Future = cf.Future()
+    hostmem.hold_until(running)
+    try:
+        assert not hostmem._resume.is_set()
+        before = set(threading.enumerate())
+        c = hostmem.empty_host((2999, 8999), np.float32, touch_threads=2)
+        touchers = [t for t in threading.enumerate()
+                    if t not in before and t.name.startswith("distmm-touch")]
+        time.sleep(0.3)
+        assert touchers and all(t.is_alive() for t in touchers)
+    finally:
+        running.set_result(None)
+    assert hostmem._resume.is_set()
+    for t in touchers:
+        t.join(30)
+    assert not any(t.is_alive() for t in touchers)
+    assert not c.view(np.uint8).any()

@@ -108,6 +108,10 @@ def _progress_bar(progress, plan: Plan, count: int):
                 desc="distmm matmul", file=sys.stderr)
 
 
+def _nothing(_plan) -> None:
+    pass
+
+
 def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
               progress: bool | None = False):
     """Compute ``a @ b`` on this process following ``plan``.
@@ -139,6 +143,7 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
             and a.ndim == 2 and not hasattr(executor, "run_plan")):
         return _one_tile(plan, a, b, executor, out)
     batch = tuple(a.shape[:-2])
+    getattr(executor, "begin", _nothing)(plan)
     if out is None:
         # the GPU executor's host arrays are faulted in while it computes (hostmem)
         out = getattr(executor, "empty_host", np.empty)(batch + (plan.m, plan.n), np_dtype(plan.dtype))

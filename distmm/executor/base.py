@@ -51,6 +51,11 @@ class Executor(ABC):
     def to_host(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
+    def begin(self, plan) -> None:
+        """A product of ``plan`` over host operands is about to run on this process:
+        start what it will need (a GPU library) while the engine still prepares it.
+        Optional; nothing by default."""
+
     def close(self) -> None:
         """Release device resources (streams, pinned buffers). Idempotent."""
 

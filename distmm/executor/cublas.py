@@ -44,8 +44,8 @@ def _start_up(device_id: int, dtype) -> None:
 def start_cublas(dtype):
     """Start cuBLAS for ``dtype`` on the current device on a background thread: its
     library, handle and first kernels (0.28 s in a fresh process on an H100, most of
-    it loading cuBLASLt's kernels). Returns the thread's Future, or None when this
-    was started before. A caller that goes on with other start-up work (allocating,
+    it loading cuBLASLt's kernels). Returns the thread's Future: the same one on every
+    call for this dtype and device (it runs once). A caller that goes on with other start-up work (allocating,
     pinning, staging the first tiles) pays only what is left of it at its first GEMM.
     A failure is kept in the Future; the first GEMM then raises it itself."""
     import cupy
@@ -54,7 +54,7 @@ def start_cublas(dtype):
     key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).name)
     with _started_lock:
         if key in _started:
-            return None
+            return _started[key]
         fut: cf.Future = cf.Future()
         _started[key] = fut
 

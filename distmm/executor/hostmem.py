@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty_host", "huge_mapping", "populate", "TouchHold", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
+__all__ = ["empty_host", "huge_mapping", "populate", "TouchHold", "hold_until", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
 
 #: results at least this large get huge-page advice and background first touch
 HUGE_MIN_BYTES = 64 << 20
@@ -94,6 +94,16 @@ class TouchHold:
             _holds -= 1
             if _holds == 0:
                 _resume.set()
+
+
+def hold_until(future) -> None:
+    """Hold the first-touch threads until ``future`` is done (nothing when it already
+    is): a start-up on another thread that takes the memory-map lock (cuBLAS loading
+    its libraries) runs first."""
+    if future is None or future.done():
+        return
+    hold = TouchHold()
+    future.add_done_callback(lambda _fut: hold.release())
 
 
 def _touch(addr: int, start: int, stop: int, step: int, keep=None) -> None:

@@ -92,8 +92,7 @@ def _run(handle: WarmUp, device_id: int | None, pinned: bool, device_bytes: int)
         # on a stream of their own: the program's GPU work meanwhile is not waited for;
         # a product that starts meanwhile shares these start-ups (start_cublas runs each once)
         for fut in [start_cublas(dt) for dt in ("float32", "float64")]:
-            if fut is not None:
-                fut.result()
+            fut.result()
         t3 = time.perf_counter()
         handle.phases["cublas_s"] = t3 - t2
         if device_bytes > 0:

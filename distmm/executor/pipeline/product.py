@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from distmm.executor.hostmem import TouchHold
+from distmm.executor.hostmem import TouchHold, hold_until
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
@@ -155,11 +155,8 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
     # fresh result (hostmem) waits meanwhile, since it holds the lock those calls take.
     holds = [TouchHold()]
     start = getattr(executor, "start_cublas", None) if _device is None else None
-    started = start(dtype) if start is not None else None
-    if started is not None:
-        hold = TouchHold()
-        holds.append(hold)
-        started.add_done_callback(lambda _fut: hold.release())
+    if start is not None:  # usually started already by the executor's ``begin``
+        hold_until(start(dtype))
     try:
         return _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, tiles,
                     info, _device, holds[0])
