@@ -130,7 +130,7 @@ def test_hold_until_a_future_holds_the_first_touch_until_it_is_done():
     try:
         assert not hostmem._resume.is_set()
         before = set(threading.enumerate())
-        c = hostmem.empty_host((2999, 8999), np.float32, touch_threads=2)
+        c = hostmem.empty_host((2001, 9001), np.float32, touch_threads=2)  # a size of its own
         touchers = [t for t in threading.enumerate()
                     if t not in before and t.name.startswith("distmm-touch")]
         time.sleep(0.3)
