@@ -370,6 +370,50 @@ def test_unsupported_dtype_is_a_type_error():
         run_sim(a, a)
 
 
+def test_pinned_pool_pins_the_first_buffers_now_and_the_rest_behind():
+    """acquire_many(first=k) returns once k new buffers are pinned; the others are
+    counted at once (all or none) and pinned on a thread, their view waiting for it;
+    a failure there is raised by that buffer's view; closing waits for them."""
+    import threading
+
+    gate, lock = threading.Event(), threading.Lock()
+    made = []
+
+    def alloc(n):
+        with lock:
+            made.append(n)
+            index = len(made)
+        if index > 2:
+            gate.wait(30)  # the later buffers are still being pinned
+        if index == 5:
+            raise MemoryError("no more pinned memory")
+        return np.full(n, 7, np.uint8), None
+
+    pool = PinnedPool(64 << 20, allocator=alloc)
+    bufs = pool.acquire_many(1 << 20, 6, first=2)
+    assert len(bufs) == 6 and bufs[0]._ready is None and bufs[1]._ready is None
+    assert pool.held_bytes == 6 << 20 and pool.in_use_bytes == 6 << 20
+    assert bufs[0].view((4,), np.uint8).tolist() == [7] * 4  # pinned now, no wait
+    waiter = threading.Thread(target=lambda: bufs[2].view((4,), np.uint8))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # its memory is not there yet
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    outcomes = []
+    for b in bufs[2:]:
+        try:
+            outcomes.append(b.view((4,), np.uint8).tolist())
+        except MemoryError as exc:
+            outcomes.append(str(exc))
+    assert outcomes.count("no more pinned memory") == 1 and outcomes.count([7] * 4) == 3
+    for b in bufs:
+        pool.release(b)
+    pool.close()
+    assert pool.held_bytes == 0
+
+
 def test_trace_records_every_lane():
     rng = np.random.default_rng(7)
     a, b = rand((400, 300), "float64", rng), rand((300, 200), "float64", rng)

@@ -109,19 +109,40 @@ class PinnedBuffer:
     Give it back with ``pool.release(buf)`` (or use it as a context manager).
     """
 
-    __slots__ = ("nbytes", "_array", "_owner", "_pool", "__weakref__")
+    __slots__ = ("nbytes", "_array", "_owner", "_pool", "_ready", "_error", "__weakref__")
 
-    def __init__(self, array: np.ndarray, owner, pool: "PinnedPool"):
-        self.nbytes = int(array.nbytes)
+    def __init__(self, array: np.ndarray | None, owner, pool: "PinnedPool", *,
+                 nbytes: int | None = None):
+        self.nbytes = int(array.nbytes) if array is not None else int(nbytes)
         self._array = array
         self._owner = owner
         self._pool = pool
+        self._ready = None if array is not None else threading.Event()  # being pinned
+        self._error: BaseException | None = None
+
+    def _fill(self, made) -> None:
+        """The background allocation is done: ``made`` is ``(array, owner)`` or the
+        exception it raised (raised again by the first ``view``)."""
+        if isinstance(made, BaseException):
+            self._error = made
+        else:
+            self._array, self._owner = made
+        self._ready.set()
+
+    def wait(self) -> None:
+        """Until the memory is pinned (at once for a buffer made in place)."""
+        if self._ready is not None:
+            self._ready.wait()
+            if self._error is not None:
+                raise self._error
 
     @property
     def ptr(self) -> int:
+        self.wait()
         return int(self._array.ctypes.data)
 
     def view(self, shape, dtype) -> np.ndarray:
+        self.wait()
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
         if count * dtype.itemsize > self.nbytes:
@@ -240,12 +261,19 @@ class PinnedPool:
                     raise TimeoutError(f"no pinned buffer of {nbytes} bytes freed within "
                                        f"{timeout} s (limit {self.limit}, held {self._held})")
 
-    def acquire_many(self, nbytes: int, count: int, *,
-                     timeout: float | None = None) -> list[PinnedBuffer]:
+    def acquire_many(self, nbytes: int, count: int, *, timeout: float | None = None,
+                     first: int | None = None) -> list[PinnedBuffer]:
         """Return ``count`` buffers of at least ``nbytes`` each, all or none.
 
         Taking them together means two users of one pool cannot each hold half
         of what they need and wait for the other forever.
+
+        ``first``: of the buffers that must be newly pinned, pin only this many
+        before returning and the others on a background thread; their ``view``
+        and ``ptr`` wait until theirs is pinned. The list's order is reuse first,
+        then the ones pinned now, then those still being pinned, so a caller that
+        fills them in order starts before the whole set is pinned (the pipeline's
+        ring: 352 MiB took 0.09-0.15 s in a fresh process on an H100 host).
 
         Raises
         ------
@@ -278,12 +306,22 @@ class PinnedPool:
                                      key=lambda b: b.nbytes)
                         self._idle.remove(victim)
                         self._drop(victim)
+                    now = missing if first is None else min(missing, max(int(first), 0))
                     try:
-                        for array, owner in self._allocate(nbytes, missing):
+                        for array, owner in self._allocate(nbytes, now):
                             b = PinnedBuffer(array, owner, self)
                             self._held += b.nbytes
                             self._in_use.add(id(b))
                             out.append(b)
+                        later = [PinnedBuffer(None, None, self, nbytes=nbytes)
+                                 for _ in range(missing - now)]
+                        for b in later:
+                            self._held += b.nbytes
+                            self._in_use.add(id(b))
+                            out.append(b)
+                        if later:
+                            threading.Thread(target=self._pin_later, args=(later,), daemon=True,
+                                             name="distmm-pin-later").start()
                     except BaseException:
                         for b in out:  # all or none: hand back what was taken
                             self._in_use.discard(id(b))
@@ -311,6 +349,15 @@ class PinnedPool:
             raise errors[0]  # the pairs made are dropped with the futures
         return [f.result() for f in futures]
 
+    def _pin_later(self, bufs: list[PinnedBuffer]) -> None:
+        """Pin ``bufs`` (handed out already, their bytes counted) on this thread."""
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(min(8, len(bufs)), thread_name_prefix="distmm-pin") as pool:
+            futures = [pool.submit(self._allocator, bufs[0].nbytes) for _ in bufs]
+        for b, f in zip(bufs, futures):
+            b._fill(f.exception() if f.exception() is not None else f.result())
+
     def release(self, buf: PinnedBuffer) -> None:
         """Give a buffer back; after ``close()`` it is freed instead of kept."""
         with self._cond:
@@ -331,6 +378,8 @@ class PinnedPool:
             self._cond.notify_all()
 
     def _drop(self, buf: PinnedBuffer) -> None:
+        if buf._ready is not None:
+            buf._ready.wait()  # still being pinned: freed once it is
         self._held -= buf.nbytes
         buf._array = None
         buf._owner = None  # the last reference: cudaFreeHost runs here
