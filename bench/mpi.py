@@ -58,15 +58,15 @@ Modes
 -----
 ``cpu`` (default)
     2 ranks, fp64 n = 4096 and 8192, numpy on the machine's threads; pylops-mpi at every
-    square count given with ``--ranks``.
+    square count given with ``--ranks``; heat at every count.
 ``cpu16``
     The 16-core GPU machine: 16, 8, 4, 2 and 1 ranks (cores / ranks BLAS threads each),
-    fp64 n = 16384, numpy on 16 threads; pylops-mpi at 16 and 4 ranks.
+    fp64 n = 16384, numpy on 16 threads; pylops-mpi at 16 and 4 ranks; heat at every count.
 ``gpu``
     1 rank at fp32 and fp64 n = 32768 against in-core cuBLAS; 2 ranks sharing one GPU
     (``CUDA_VISIBLE_DEVICES`` set to one device) at fp32 16384 against cuBLAS at 16384;
     2 ranks on 2 GPUs at fp32 32768 when 2 are visible (``parallel_efficiency`` against
-    twice one GPU's cuBLAS).
+    twice one GPU's cuBLAS); heat (device ``gpu``) at every case.
 
 Timing: ``--rounds`` rounds (cpu: 3, cpu16 and gpu: 1), each timing the reference and
 then each rank count once (a fresh ``mpiexec``: one untimed product first, whose sampled
