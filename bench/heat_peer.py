@@ -66,10 +66,12 @@ def check(env: dict) -> tuple[dict | None, str]:
 
 
 def _local(t, gpu: bool):
-    """A rank's torch block as an array ``check_rows`` reads without a copy (cupy on GPU)."""
+    """A rank's torch block as an array ``check_rows`` reads without a copy (cupy on GPU,
+    on the tensor's device)."""
     if gpu:
         import cupy
 
+        cupy.cuda.Device(t.device.index).use()
         return cupy.asarray(t)
     return t.numpy()
 
@@ -87,7 +89,6 @@ def worker(args) -> int:
 
     n, dtype, gpu = args.n, args.dtype, args.gpu
     device = "gpu" if gpu else "cpu"
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
     _, _, (rows, _) = ht.MPI_WORLD.chunk((n, n), SPLITS["a"])
     _, _, (krows, _) = ht.MPI_WORLD.chunk((n, n), SPLITS["b"])
     a_local = mpi_blocks.block(A, (n, n), (rows.start, rows.stop, 0, n), dtype, threads=threads)
@@ -95,6 +96,7 @@ def worker(args) -> int:
     a = ht.array(torch.from_numpy(a_local), is_split=SPLITS["a"], device=device)
     b = ht.array(torch.from_numpy(b_local), is_split=SPLITS["b"], device=device)
     del a_local, b_local
+    sync = (lambda: torch.cuda.synchronize(a.larray.device)) if gpu else (lambda: None)
     c = ht.matmul(a, b)  # untimed; its sampled rows are checked
     sync()
     relerr = None
