@@ -34,9 +34,15 @@ Variants
     Runs only at square rank counts (pylops-mpi 0.8.0 refuses others) and only where
     ``import pylops_mpi`` works in the workers' environment (it is no dependency of
     distmm: put it on ``PYTHONPATH``); otherwise the run prints why and writes no record.
-``heat``
-    Not run, and so not recorded (the run prints why): heat 1.9 is not on this
-    machine's package index (1.8.0 needs torch<2.11.1).
+``heat`` (``bench/heat_peer.py``)
+    Heat 1.8.0's ``ht.matmul(A, B)`` with A and B split along rows (``split=0``, the
+    layout of Heat's own matmul benchmark; C stays distributed, split 0) under the same
+    ``mpiexec`` right after distmm, at every case of the run (device ``gpu`` in ``--mode
+    gpu``). heat 1.8.0 (the newest on PyPI) declares ``torch<2.11.1`` while the machines
+    have newer torch, so it is installed ``pip install --no-deps`` against that torch (with
+    scipy and the matching torchvision, which ``import heat`` needs), in its own folder if
+    need be (``--heat-site``, first on the ``PYTHONPATH`` of its ranks only). Where ``import
+    heat`` fails there the run prints the exception's line and writes no record.
 ``nvmath-python`` (cuBLASMp, ``--mode gpu``; ``bench/nvmath_peer.py``)
     nvmath-python's distributed ``Matmul`` (cuBLASMp over NCCL) under the same ``mpiexec``
     as distmm, right after it, at the cases with one GPU per rank (NCCL allows no two ranks
@@ -52,15 +58,15 @@ Modes
 -----
 ``cpu`` (default)
     2 ranks, fp64 n = 4096 and 8192, numpy on the machine's threads; pylops-mpi at every
-    square count given with ``--ranks``.
+    square count given with ``--ranks``; heat at every count.
 ``cpu16``
     The 16-core GPU machine: 16, 8, 4, 2 and 1 ranks (cores / ranks BLAS threads each),
-    fp64 n = 16384, numpy on 16 threads; pylops-mpi at 16 and 4 ranks.
+    fp64 n = 16384, numpy on 16 threads; pylops-mpi at 16 and 4 ranks; heat at every count.
 ``gpu``
     1 rank at fp32 and fp64 n = 32768 against in-core cuBLAS; 2 ranks sharing one GPU
     (``CUDA_VISIBLE_DEVICES`` set to one device) at fp32 16384 against cuBLAS at 16384;
     2 ranks on 2 GPUs at fp32 32768 when 2 are visible (``parallel_efficiency`` against
-    twice one GPU's cuBLAS).
+    twice one GPU's cuBLAS); heat (device ``gpu``) at every case.
 
 Timing: ``--rounds`` rounds (cpu: 3, cpu16 and gpu: 1), each timing the reference and
 then each rank count once (a fresh ``mpiexec``: one untimed product first, whose sampled
@@ -97,7 +103,8 @@ MODES = {
                       (2, "float32", 16384, 1), (2, "float32", 32768, 2)],
             "threads": 16, "peer_ranks": [], "rounds": 1, "repeat": 3},
 }
-PEERS = {"cpu": ["pylops-mpi"], "cpu16": ["pylops-mpi"], "gpu": ["nvmath-python"]}  # --peers
+PEERS = {"cpu": ["pylops-mpi", "heat"], "cpu16": ["pylops-mpi", "heat"],  # --peers
+         "gpu": ["nvmath-python", "heat"]}
 PYLOPS_KIND = "summa"
 SAMPLE_ROWS = 64  # rows of C checked against float64
 
@@ -309,9 +316,9 @@ def _peer_not_run(name: str, ranks: int, mode: str = "cpu", why: str = "") -> st
         return why or f"mode {mode} runs pylops-mpi at other rank counts only"
     if name == "nvmath-python":
         return why or "not asked for (--peers)"
-    return ("heat not installed: heat 1.9 is not on this machine's package index, and heat 1.8.0 "
-            "(the newest there) needs torch<2.11.1 while the machine offers torch 2.13.0 only "
-            "(pip: ResolutionImpossible)")
+    # heat: the import that failed in this run (heat 1.8.0, the newest on PyPI, declares
+    # torch<2.11.1: it is installed --no-deps beside a newer torch; see bench/heat_peer.py)
+    return why or "not asked for (--peers)"
 
 
 def _cases(args, mode: dict) -> list[tuple[int, str, int, int]]:
@@ -333,7 +340,7 @@ def _visible_gpus() -> list[str]:
 
 
 def driver(args) -> int:
-    from bench import nvmath_peer
+    from bench import heat_peer, nvmath_peer
     from bench.common import RecordWriter, cpu_model, relerr
 
     mode = MODES[args.mode]
@@ -367,10 +374,13 @@ def driver(args) -> int:
                                    else (None, "not asked for (--peers)"))
     if nvmath_versions is not None and not gpu:
         nvmath_versions, nvmath_why = None, "nvmath-python runs in --mode gpu only (cuBLASMp)"
+    heat_env = nvmath_peer.env_with(args.heat_site, base_env)
+    heat_versions, heat_why = (heat_peer.check(heat_env) if "heat" in peers
+                               else (None, "not asked for (--peers)"))
 
     def env_for(ranks: int, gpus: int, peer: str = "") -> dict:
         per = str(_threads_per_rank(ranks))
-        env = dict(nvmath_env if peer == nvmath_peer.NAME else base_env,
+        env = dict({nvmath_peer.NAME: nvmath_env, heat_peer.NAME: heat_env}.get(peer, base_env),
                    OMP_NUM_THREADS=per, OPENBLAS_NUM_THREADS=per, MKL_NUM_THREADS=per)
         if gpu and gpus == 1 and ranks > 1:  # the ranks share one GPU, even where more exist
             env["CUDA_VISIBLE_DEVICES"] = gpus_visible[0]
@@ -409,6 +419,7 @@ def driver(args) -> int:
         peer = {case: {"times": []} for case in group if case[0] in peer_ranks}
         nvm = {case: {"times": []} for case in group
                if nvmath_versions is not None and case[0] == case[3]}  # one GPU per rank
+        hts = {case: {"times": []} for case in group if heat_versions is not None}
         # Rounds alternate the reference and each rank count, so that load from other
         # processes on a shared machine hits both alike.
         for rnd in range(rounds):
@@ -432,15 +443,16 @@ def driver(args) -> int:
                     peer[case]["times"] += res["times"]
                     if rnd == 0:
                         peer[case].update({k: v for k, v in res.items() if k != "times"})
-                if case in nvm and "error" not in nvm[case]:  # nvmath-python, likewise
-                    try:
-                        res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0,
-                                     peer=nvmath_peer.NAME)
-                    except RuntimeError as e:  # its ranks died: never the distmm part
-                        res = {"error": (str(e).strip().splitlines() or ["?"])[-1]}
-                    nvm[case]["times"] += res.get("times", [])
-                    if rnd == 0 or "error" in res:
-                        nvm[case].update({k: v for k, v in res.items() if k != "times"})
+                for name, runs in ((nvmath_peer.NAME, nvm), (heat_peer.NAME, hts)):
+                    if case in runs and "error" not in runs[case]:  # likewise, each peer
+                        try:
+                            res = launch(ranks, gpus, n, dtype, check=args.check and rnd == 0,
+                                         peer=name)
+                        except RuntimeError as e:  # its ranks died: never the distmm part
+                            res = {"error": (str(e).strip().splitlines() or ["?"])[-1]}
+                        runs[case]["times"] += res.get("times", [])
+                        if rnd == 0 or "error" in res:
+                            runs[case].update({k: v for k, v in res.items() if k != "times"})
         del a, b
         ref_seconds = float(np.median(ref_times))
         writer.add(ref_variant, dtype, n, n, n, ref_seconds, ref_err, ranks=1, gpus=int(gpu),
@@ -488,12 +500,18 @@ def driver(args) -> int:
             if case in nvm and "error" not in nvm[case]:
                 nvmath_peer.record(writer, nvm[case], case, ref_seconds, ref_variant, rounds,
                                    repeat)
+            if case in hts and "error" not in hts[case]:
+                heat_peer.record(writer, hts[case], case, ref_seconds, ref_variant, rounds, repeat)
             names = ("pylops-mpi", "heat") + (("nvmath-python",) if gpu or "nvmath-python"
                                               in peers else ())
             for name in names:  # a peer not run gets no record, only a line
                 why = pylops_why
                 if name == "pylops-mpi" and case in peer:
                     continue
+                if name == "heat":
+                    if case in hts and "error" not in hts[case]:
+                        continue
+                    why = hts[case]["error"] if case in hts else heat_why
                 if name == "nvmath-python":
                     if case in nvm and "error" not in nvm[case]:
                         continue
@@ -562,17 +580,21 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=0,
                    help="timed products per launch (default: the mode's)")
     p.add_argument("--no-check", dest="check", action="store_false")
-    p.add_argument("--peers", nargs="*", default=None, choices=["pylops-mpi", "nvmath-python"],
+    p.add_argument("--peers", nargs="*", default=None,
+                   choices=["pylops-mpi", "nvmath-python", "heat"],
                    help="peers to run where they can (default: the mode's: pylops-mpi on the "
-                        "CPU modes, nvmath-python on gpu)")
+                        "CPU modes, nvmath-python on gpu, heat on all)")
     p.add_argument("--nvmath-site", default=os.environ.get("DISTMM_NVMATH_SITE"),
                    help="folder holding nvmath-python's wheels installed (pip --target), put "
                         "first on PYTHONPATH of its ranks only (default $DISTMM_NVMATH_SITE)")
+    p.add_argument("--heat-site", default=os.environ.get("DISTMM_HEAT_SITE"),
+                   help="folder holding heat and its torch installed (pip --target), put first "
+                        "on PYTHONPATH of its ranks only (default $DISTMM_HEAT_SITE)")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())
     p.add_argument("--dtype", default="float64", help=argparse_hidden())
     p.add_argument("--gpu", action="store_true", help=argparse_hidden())
-    p.add_argument("--peer", default="", choices=["", "pylops-mpi", "nvmath-python"],
+    p.add_argument("--peer", default="", choices=["", "pylops-mpi", "nvmath-python", "heat"],
                    help=argparse_hidden())
     p.add_argument("--result", default="", help=argparse_hidden())
     args = p.parse_args(argv)
@@ -580,6 +602,10 @@ def main(argv=None) -> int:
         from bench import nvmath_peer
 
         return nvmath_peer.worker(args)
+    if args.worker and args.peer == "heat":
+        from bench import heat_peer
+
+        return heat_peer.worker(args)
     if args.worker:
         return pylops_worker(args) if args.peer == "pylops-mpi" else worker(args)
     return driver(args)

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py",
-               "nvmath_peer.py"}  # helpers, not scripts
+               "nvmath_peer.py", "heat_peer.py"}  # helpers, not scripts
 # CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
 pytestmark = pytest.mark.skipif(not (BENCH / "common.py").is_file(),
                                 reason="bench/ is not beside this tests/ folder")
@@ -113,7 +113,8 @@ def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
     has_pylops = subprocess.run([sys.executable, "-c", "import pylops_mpi"], env=env,
                                 capture_output=True, timeout=300).returncode == 0
     res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "4", "--sizes", "51",
-                          "--rounds", "1", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          "--rounds", "1", "--peers", "pylops-mpi", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     (path,) = tmp_path.glob("mpi-*.jsonl")
@@ -143,7 +144,8 @@ def test_mpi_bench_nvmath_peer_says_why_and_changes_no_record(tmp_path):
         pytest.skip("no mpiexec on PATH")
     env = dict(_env(), OPENBLAS_NUM_THREADS="1")
     runs = {}
-    for name, peers in (("without", []), ("with", ["--peers", "pylops-mpi", "nvmath-python"])):
+    for name, peers in (("without", ["--peers", "pylops-mpi"]),
+                        ("with", ["--peers", "pylops-mpi", "nvmath-python"])):
         res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "2", "--sizes", "37",
                               "--rounds", "1", "--out-dir", str(tmp_path / name), *peers],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -168,6 +170,71 @@ def test_mpi_bench_nvmath_peer_says_why_and_changes_no_record(tmp_path):
     for a, b in zip(with_, without, strict=True):
         assert a.pop("relerr") == pytest.approx(b.pop("relerr"), rel=1e-6, abs=1e-18)
         assert a == b
+
+
+def _heat_env(site):
+    """The test environment with ``site`` first on PYTHONPATH (as ``--heat-site`` puts it for
+    heat's ranks), and the line ``import heat`` fails with there ("" where it imports)."""
+    env = dict(_env(), OPENBLAS_NUM_THREADS="1")
+    env.pop("DISTMM_HEAT_SITE", None)
+    if site:
+        env["PYTHONPATH"] = site + os.pathsep + env["PYTHONPATH"]
+    r = subprocess.run([sys.executable, "-c", "import heat"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    return env, "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def test_mpi_bench_heat_peer_checked_record(tmp_path):
+    """bench/mpi.py with the heat peer on 2 ranks and an odd n (uneven split-0 rows): a heat
+    record whose relerr covers every row of C against float64, where heat and torch import
+    (from $DISTMM_HEAT_SITE, a folder with heat 1.8.0 installed --no-deps beside torch)."""
+    import shutil
+
+    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
+        pytest.skip("no mpiexec on PATH")
+    site = os.environ.get("DISTMM_HEAT_SITE", "")
+    env, why = _heat_env(site)
+    if why:
+        pytest.skip(f"import heat fails here (heat needs torch, which CI does not install; set "
+                    f"DISTMM_HEAT_SITE to a folder holding heat and torch): {why}")
+    res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "2", "--sizes", "53",
+                          "--rounds", "1", "--peers", "heat", "--heat-site", site,
+                          "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("mpi-*.jsonl")
+    by_variant = {r["variant"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert set(by_variant) == {"numpy", "distmm-mpi", "heat"}
+    rec = by_variant["heat"]
+    assert (rec["ranks"], rec["n"], rec["dtype"], rec["heat_device"]) == (2, 53, "float64", "cpu:0")
+    assert rec["splits"] == {"a": 0, "b": 0, "c": 0}
+    assert 0 <= rec["relerr"] < 1e-13  # 64 sampled rows > n: every row of C
+    assert rec["seconds"] > 0 and len(rec["times"]) == 1 and rec["threads_per_rank"] == 1
+    assert set(rec["versions"]) == {"heat", "torch", "torch_blas"}
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("heat")]
+    assert "not run" not in line and "splits=0,0->0" in line, line
+
+
+def test_mpi_bench_heat_not_installed_says_why(tmp_path):
+    """bench/mpi.py with the heat peer asked for where ``import heat`` fails (CI: no heat, no
+    torch): one line with the import's own error, and no heat record."""
+    import shutil
+
+    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
+        pytest.skip("no mpiexec on PATH")
+    env, why = _heat_env("")
+    if not why:
+        pytest.skip("import heat works in this environment: nothing is missing")
+    res = subprocess.run([sys.executable, "-m", "bench.mpi", "--ranks", "2", "--sizes", "37",
+                          "--rounds", "1", "--peers", "heat", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("mpi-*.jsonl")
+    assert [json.loads(ln)["variant"] for ln in path.read_text().splitlines()] == \
+        ["numpy", "distmm-mpi"]
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("heat")]
+    assert line.endswith(f"float64 n=37 ranks=2: not run: import heat failed in the workers' "
+                         f"environment: {why}"), line
 
 
 @pytest.mark.slow

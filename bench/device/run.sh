@@ -23,7 +23,8 @@
 #             over NCCL) at the one-GPU-per-rank cases where .whl/nvmath/ holds its wheels
 #             (installed into /tmp/nvmath-site, on its ranks' PYTHONPATH only); cpu16 = 16,
 #             8, 4, 2, 1 CPU ranks at fp64 16384 against numpy's 16-thread BLAS (pylops-mpi
-#             at 16 and 4 where it imports)
+#             at 16 and 4 where it imports); heat beside both modes where .whl/heat/ holds it
+#             (installed --no-deps into /tmp/heat-site, on its ranks' PYTHONPATH only)
 #   daskgpu   benchmark `dask-gpu`: distmm-dask, dask.array (chunks 8192, 4096) and in-core cuBLAS
 #             on dask-cuda clusters (DASKGPU_SETTINGS, default "1gpu shared mixed"; 2gpu needs
 #             two GPUs), fp32/fp64 at 16384/32768 (SIZES, DTYPES, ROUNDS default 3)
@@ -43,6 +44,10 @@
 #     nvmath-python==1.0.0 nvidia-cublasmp-cu13==0.9.1.3056 nccl4py==0.3.1.post1 \
 #     cuda-core==1.2.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 packaging==25.0 \
 #     typing-extensions==4.15.0
+# and, for its heat peer, heat 1.8.0 alone (0.5 MB; it declares torch<2.11.1, so it is
+# installed --no-deps into /tmp/heat-site against the node's torch; add scipy and the
+# torchvision built for that torch only if the node lacks them: `import heat` needs both):
+#   python3 -m pip download -q --no-deps -d .whl/heat heat==1.8.0
 # Why these versions (bench/NOTES.md, MPI engine): nvmath 1.0 takes cuBLASMp >=0.8.1,<0.10 and
 # nccl4py >=0.3.1,<0.4. Every cuBLASMp >= 0.8 needs NCCL >= 2.29.2 (ncclCommQueryProperties,
 # called when its grid is made): against the node's NCCL 2.28 it fails to load and the run
@@ -130,6 +135,11 @@ run_mpi() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/nvmath-site .whl/nvmath/*.whl && nvm=(--nvmath-site /tmp/nvmath-site) \
       || echo "nvmath-python wheels: install failed"
+  fi
+  if ls .whl/heat/*.whl >/dev/null 2>&1; then  # heat --no-deps, against the node's own torch
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/heat-site .whl/heat/*.whl && nvm+=(--heat-site /tmp/heat-site) \
+      || echo "heat wheels: install failed"
   fi
   for mode in ${MPI_MODES:-gpu cpu16}; do
     timeout "$(step ${T_MPI:-$(left)})" $PY -m bench.mpi --mode "$mode" --out-dir "$OUT" "${nvm[@]}" \
