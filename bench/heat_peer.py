@@ -101,10 +101,13 @@ def worker(args) -> int:
     sync()
     relerr = None
     if args.check:
-        counts, displs = c.counts_displs()
-        c0 = displs[comm.rank]
+        if comm.size == 1 or c.split is None:  # one rank: Heat leaves C undistributed
+            c0, rows_c = 0, n
+        else:
+            counts, displs = c.counts_displs()
+            c0, rows_c = displs[comm.rank], counts[comm.rank]
         relerr = check_rows(comm, _local(b.larray, gpu), (krows.start, krows.stop, 0, n),
-                            _local(c.larray, gpu), (c0, c0 + counts[comm.rank], 0, n), n, dtype)
+                            _local(c.larray, gpu), (c0, c0 + rows_c, 0, n), n, dtype)
     c_split = c.split
     times = []
     for _ in range(max(args.repeat, 1)):
