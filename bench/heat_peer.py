@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench import mpi_blocks
-from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows
+from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows, peer_import
 from bench.mpi_blocks import A, B
 
 NAME = "heat"
@@ -56,13 +54,10 @@ def versions() -> dict:
 def check(env: dict) -> tuple[dict | None, str]:
     """(versions, "") where ``import heat`` works in the ranks' environment ``env``, else
     (None, why): the exception's own line. In a subprocess: importing heat initialises MPI."""
-    r = subprocess.run([sys.executable, "-c", "import json; from bench.heat_peer import versions;"
-                        " print(json.dumps(versions()))"], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode == 0:
-        return json.loads(r.stdout.strip().splitlines()[-1]), ""
-    last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return None, f"import heat failed in the workers' environment: {last}"
+    line, why = peer_import("import json; from bench.heat_peer import versions; "
+                            "print(json.dumps(versions()))", env,
+                            "import heat failed in the workers' environment")
+    return (json.loads(line), "") if line is not None else (None, why)
 
 
 def _local(t, gpu: bool):

@@ -285,15 +285,23 @@ def _bounds(slices, n: int) -> tuple[int, int, int, int]:
     return r0, r1, c0, c1
 
 
-def _pylops_import(env) -> tuple[str | None, str]:
-    """(version, "") when ``import pylops_mpi`` works in the workers' environment, else
-    (None, why). Checked in a subprocess: importing it initialises MPI (mpi4py)."""
-    r = subprocess.run([sys.executable, "-c", "import pylops_mpi; print(pylops_mpi.__version__)"],
-                       env=env, capture_output=True, text=True, timeout=300)
+def peer_import(code: str, env, failed: str) -> tuple[str | None, str]:
+    """Run ``python -c code`` in the ranks' environment ``env`` (a subprocess: a peer's
+    import initialises MPI or opens CUDA libraries): (its last stdout line, "") when it
+    works, else (None, ``failed: <the error's own line>``)."""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
     if r.returncode == 0:
         return r.stdout.strip().splitlines()[-1], ""
     last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return None, f"import pylops_mpi failed in the workers' environment: {last}"
+    return None, f"{failed}: {last}"
+
+
+def _pylops_import(env) -> tuple[str | None, str]:
+    """(version, "") when ``import pylops_mpi`` works in the workers' environment, else
+    (None, why)."""
+    return peer_import("import pylops_mpi; print(pylops_mpi.__version__)", env,
+                       "import pylops_mpi failed in the workers' environment")
 
 
 def _peer_ranks(mode: dict, ranks: list[int]) -> list[int]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import mpi_blocks
-from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows
+from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows, peer_import
 from bench.mpi_blocks import A, B
 
 NAME = "nvmath-python"
@@ -107,13 +106,10 @@ def load() -> dict:
 def check(env: dict) -> tuple[dict | None, str]:
     """(versions, "") where ``load`` works in the ranks' environment ``env``, else (None,
     why): the exception's own line. In a subprocess: loading opens CUDA libraries."""
-    r = subprocess.run([sys.executable, "-c", "import json; from bench.nvmath_peer import load; "
-                        "print(json.dumps(load()))"], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode == 0:
-        return json.loads(r.stdout.strip().splitlines()[-1]), ""
-    last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return None, f"nvmath-python does not load in the ranks' environment: {last}"
+    line, why = peer_import("import json; from bench.nvmath_peer import load; "
+                            "print(json.dumps(load()))", env,
+                            "nvmath-python does not load in the ranks' environment")
+    return (json.loads(line), "") if line is not None else (None, why)
 
 
 def slab(n: int, parts: int, i: int) -> tuple[int, int]:
