@@ -1,7 +1,7 @@
 """CUDA IPC between GPU worker processes of one host, on a real GPU (one is enough).
 
-Covers, on two dask-cuda workers sharing GPU 0 (``distmm.cli.cluster.gpu_cluster("0",
-per_device=2)``): ``distmm.executor.ipc.export`` in one process and ``open_copy`` in the
+Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of test_dask_gpu:
+``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and ``open_copy`` in the
 other, bitwise equal to the source for float32, float64 and int32, odd shapes, an empty
 array and non-contiguous sources (made contiguous by the export); eight threads of one
 reader opening the same export at once; the exporting process opening its own export; the probe finding both directions; a reader whose open fails
@@ -30,21 +30,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA 
 
 import dask  # noqa: E402
 import distributed  # noqa: E402
-from distributed import Client  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.engine.dask import last_stats, transfer, transfer_report  # noqa: E402
+from test_dask_gpu import shared_client  # noqa: E402,F401 - the fixture (two workers, GPU 0)
 from test_dask_locality import _placed  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def shared():
-    from distmm.cli.cluster import gpu_cluster
-
-    with gpu_cluster("0", per_device=2) as cluster, Client(cluster) as client:
-        client.wait_for_workers(2, timeout=120)
-        w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        yield client, w0, w1
+def shared(shared_client):
+    """test_dask_gpu's two workers on GPU 0, and their addresses in order."""
+    w0, w1 = sorted(shared_client.scheduler_info(n_workers=-1)["workers"])
+    return shared_client, w0, w1
 
 
 # -- run on the workers ---------------------------------------------------------------------
@@ -101,6 +98,11 @@ def _submit(client, fn, *args, worker):
     return client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
 
 
+def _on_worker(client, x, worker, layout="contiguous"):
+    """``x`` as a cupy array (in ``layout``) held by ``worker``."""
+    return _submit(client, _to_device, client.scatter(x, workers=[worker]), layout, worker=worker)
+
+
 def _source(rng, shape, dtype):
     if np.dtype(dtype).kind == "i":
         return rng.integers(-2**31, 2**31 - 1, size=shape, dtype=dtype)
@@ -118,7 +120,7 @@ def test_export_and_open_between_two_processes_are_bitwise(shared, dtype, shape,
     rng = np.random.default_rng()
     x = _source(rng, shape, dtype)
     want = {"transposed": x.T, "strided": x[::2, 1::3]}.get(layout, x)
-    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), layout, worker=w0)
+    arr = _on_worker(client, x, w0, layout)
     sh = _submit(client, _export, arr, worker=w0)
     got = _submit(client, _open, sh, worker=w1).result()
     assert got["cupy"] and got["contiguous"]
@@ -168,7 +170,7 @@ def test_readers_of_one_export_in_one_process_at_once_all_get_its_bytes(shared):
     client, w0, w1 = shared
     rng = np.random.default_rng()
     x = _source(rng, (2049, 1537), "float32")
-    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), "contiguous", worker=w0)
+    arr = _on_worker(client, x, w0)
     sh = _submit(client, _export, arr, worker=w0)
     for _ in range(3):
         got = _submit(client, _open_at_once, sh, 8, worker=w1).result()
@@ -191,7 +193,7 @@ def test_a_failed_open_fetches_the_bytes_from_the_holder(shared):
     client, w0, w1 = shared
     rng = np.random.default_rng()
     x = _source(rng, (1531, 257), "float32")
-    arr = _submit(client, _to_device, client.scatter(x, workers=[w0]), "contiguous", worker=w0)
+    arr = _on_worker(client, x, w0)
     offer = _submit(client, _offer, arr, worker=w0)
     host, on_device, routes = _submit(client, _take_as_if_elsewhere, offer, worker=w1).result()
     assert on_device and np.array_equal(host, x)
