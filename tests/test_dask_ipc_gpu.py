@@ -1,15 +1,16 @@
 """CUDA IPC between GPU worker processes of one host, on a real GPU (one is enough).
 
 Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of test_dask_gpu:
-``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and ``open_copy`` in the
-other, bitwise equal to the source for float32, float64 and int32, odd shapes, an empty
-array and non-contiguous sources (made contiguous by the export); eight threads of one
-reader opening the same export at once; the exporting process opening its own export; the probe finding both directions; a reader whose open fails
-(an offer altered to look exported on another host) fetching the bytes from the
-holder's live export instead; and ``distmm.matmul`` of cupy chunks persisted on both
-workers: the plan's IPC bytes are what the workers opened, no operand chunk crosses
-TCP, the product matches a float64 reference, and ``distmm.dask-device-transfer: tcp``
-gives the same bits over TCP. The CPU side is ``tests/test_dask_ipc.py``.
+``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and
+``open_copy`` in the other, bitwise equal to the source for float32, float64 and int32, odd
+shapes, an empty array and non-contiguous sources (made contiguous by the export); eight
+threads of one reader opening the same export at once; the exporting process opening its own
+export; the probe finding both directions; a reader whose open fails (an offer altered to
+look exported on another host) fetching the bytes from the holder's live export instead; and
+``distmm.matmul`` of cupy chunks persisted on both workers: the plan's IPC bytes are what
+the workers opened, no operand chunk crosses TCP, the product matches a float64 reference,
+and ``distmm.dask-device-transfer: tcp`` gives the same bits over TCP. The CPU side is
+``tests/test_dask_ipc.py``.
 """
 from __future__ import annotations
 
