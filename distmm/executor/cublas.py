@@ -45,8 +45,9 @@ def start_cublas(dtype):
     """Start cuBLAS for ``dtype`` on the current device on a background thread: its
     library, handle and first kernels (0.28 s in a fresh process on an H100, most of
     it loading cuBLASLt's kernels). Returns the thread's Future: the same one on every
-    call for this dtype and device (it runs once). A caller that goes on with other start-up work (allocating,
-    pinning, staging the first tiles) pays only what is left of it at its first GEMM.
+    call for this dtype and device (it runs once). A caller that goes on with other
+    start-up work (allocating, pinning, staging the first tiles) pays only what is left
+    of it at its first GEMM.
     A failure is kept in the Future; the first GEMM then raises it itself."""
     import cupy
     import numpy as np

@@ -340,22 +340,22 @@ class PinnedPool:
         returned, or, when one fails, the others are dropped and the error raised."""
         if count <= 1:
             return [self._allocator(nbytes) for _ in range(count)]
-        import concurrent.futures as cf
-
-        with cf.ThreadPoolExecutor(min(8, count), thread_name_prefix="distmm-pin") as pool:
-            futures = [pool.submit(self._allocator, nbytes) for _ in range(count)]
+        futures = self._allocate_all(nbytes, count)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]  # the pairs made are dropped with the futures
         return [f.result() for f in futures]
 
-    def _pin_later(self, bufs: list[PinnedBuffer]) -> None:
-        """Pin ``bufs`` (handed out already, their bytes counted) on this thread."""
+    def _allocate_all(self, nbytes: int, count: int) -> list:
+        """``count`` allocations on up to eight threads, waited for: their futures."""
         import concurrent.futures as cf
 
-        with cf.ThreadPoolExecutor(min(8, len(bufs)), thread_name_prefix="distmm-pin") as pool:
-            futures = [pool.submit(self._allocator, bufs[0].nbytes) for _ in bufs]
-        for b, f in zip(bufs, futures):
+        with cf.ThreadPoolExecutor(min(8, count), thread_name_prefix="distmm-pin") as pool:
+            return [pool.submit(self._allocator, nbytes) for _ in range(count)]
+
+    def _pin_later(self, bufs: list[PinnedBuffer]) -> None:
+        """Pin ``bufs`` (handed out already, their bytes counted) on this thread."""
+        for b, f in zip(bufs, self._allocate_all(bufs[0].nbytes, len(bufs))):
             b._fill(f.exception() if f.exception() is not None else f.result())
 
     def release(self, buf: PinnedBuffer) -> None:

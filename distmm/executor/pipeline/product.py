@@ -153,15 +153,15 @@ def run_pipelined(executor, plan, a, b, out, *, device_memory_limit=None, pinned
     # A fresh process's start-up, overlapped: cuBLAS starts on a thread while this one
     # allocates device buffers and pins the ring, and the background first touch of a
     # fresh result (hostmem) waits meanwhile, since it holds the lock those calls take.
-    holds = [TouchHold()]
+    hold = TouchHold()
     start = getattr(executor, "start_cublas", None) if _device is None else None
     if start is not None:  # usually started already by the executor's ``begin``
         hold_until(start(dtype))
     try:
         return _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, tiles,
-                    info, _device, holds[0])
+                    info, _device, hold)
     finally:
-        holds[0].release()
+        hold.release()
 
 
 def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, tiles, info,
