@@ -25,6 +25,8 @@ cuda-pathfinder lists ``nvshmem_host`` as a dependency of cuBLASMp, so ``load`` 
 nvmath asks NVSHMEM whether each GPU operand lies on its symmetric heap, so, where
 ``libnvshmem_host.so.3`` is missing, that question is answered "no" (which is what NVSHMEM
 answers when it was not initialised, as it is not with ``backends=["nccl"]``).
+nvmath 0.8 with cuBLASMp 0.7 is the generation that runs on NCCL 2.28: it needs NVSHMEM
+too (the GPU image has ``nvidia-nvshmem-cu13``), so ``load`` says which backends to start.
 """
 from __future__ import annotations
 
@@ -62,14 +64,26 @@ def env_with(site: str | None, env: dict) -> dict:
         "PYTHONPATH", "").split(os.pathsep) if p]))
 
 
+def _nccl_version(path: str) -> str:
+    """NCCL's own version number (``ncclGetVersion``) of the library at ``path``."""
+    v = ctypes.c_int()
+    ctypes.CDLL(path).ncclGetVersion(ctypes.byref(v))
+    major, rest = divmod(v.value, 10000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
 def load() -> dict:
-    """Import nvmath's distributed matmul and load cuBLASMp with its NCCL; the versions.
-    Raises, with the reason, where any of it is missing or does not load."""
+    """Import nvmath's distributed matmul and load cuBLASMp with its NCCL; the versions and
+    the backends to initialise (``"backends"``). Raises, with the reason, where any of it is
+    missing or does not load.
+
+    Two generations: nvmath >= 0.9 (cuBLASMp >= 0.8, NCCL >= 2.29.2, nccl4py) runs on the NCCL
+    backend alone; nvmath 0.8 (cuBLASMp 0.6/0.7, NCCL >= 2.28.3) needs NVSHMEM as well
+    (its ``Matmul`` refuses a runtime without it and puts its workspace on the symmetric heap).
+    """
     import nvmath
     import nvmath.distributed  # noqa: F401 -- nvmath first: its absence is the usual reason
     import cuda.core
-    import nccl
-    import nccl.core
     from cuda.pathfinder import DynamicLibNotFoundError, load_nvidia_dynamic_lib
 
     libs = {}
@@ -78,11 +92,16 @@ def load() -> dict:
         if path is not None:
             ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
         libs[name] = load_nvidia_dynamic_lib(name).abs_path  # the copy already open, if any
-    nccl_version = str(nccl.core.get_lib_version())
+    nccl_version = _nccl_version(libs["nccl"])
     path = _on_sys_path(CUBLASMP)
     if path is None:
         raise FileNotFoundError(f"{CUBLASMP} is on no sys.path entry (nvidia-cublasmp-cu13 "
                                 f"not installed where the ranks look)")
+    try:
+        load_nvidia_dynamic_lib("nvshmem_host")
+        nvshmem = True
+    except DynamicLibNotFoundError:
+        nvshmem = False
     try:  # RTLD_NOW (ctypes always adds it): a missing NCCL function fails here, not mid-run
         ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
     except OSError as e:
@@ -90,17 +109,27 @@ def load() -> dict:
         raise OSError(f"{e} (NCCL {nccl_version} at {libs['nccl']}{hint})") from None
     from nvmath.bindings import cublasMp
 
-    try:
-        load_nvidia_dynamic_lib("nvshmem_host")
-        nvshmem = True
-    except DynamicLibNotFoundError:
-        from nvmath.distributed._internal import tensor_ifc
+    major_minor = tuple(int(x) for x in nvmath.__version__.split(".")[:2])
+    if major_minor < (0, 9):  # nvmath 0.8's Matmul needs both runtimes
+        if not nvshmem:
+            raise OSError("nvmath-python < 0.9 needs NVSHMEM (libnvshmem_host.so.3), not found")
+        backends = ["nvshmem", "nccl"]
+    else:
+        backends = ["nccl"]
+        if not nvshmem:
+            from nvmath.distributed._internal import tensor_ifc
 
-        tensor_ifc.is_nvshmem_initialized = lambda: False  # not initialised: not installed
-        nvshmem = False
+            tensor_ifc.is_nvshmem_initialized = lambda: False  # not initialised: not installed
+    try:
+        import nccl
+
+        nccl4py = nccl.__version__
+    except ImportError:
+        nccl4py = None  # nvmath < 0.9 binds NCCL itself
     return {"nvmath_python": nvmath.__version__, "cublasmp": cublasMp.get_version(),
-            "nccl": nccl_version, "nccl4py": nccl.__version__, "cuda_core": cuda.core.__version__,
-            "nvshmem": nvshmem, "libnccl": libs["nccl"], "libcublas": libs["cublas"]}
+            "nccl": nccl_version, "nccl4py": nccl4py, "cuda_core": cuda.core.__version__,
+            "nvshmem": nvshmem, "backends": backends, "libnccl": libs["nccl"],
+            "libcublas": libs["cublas"]}
 
 
 def check(env: dict) -> tuple[dict | None, str]:
@@ -136,7 +165,10 @@ def worker(args) -> int:
         from distmm.engine.mpi.gridcomms import local_gpu
 
         device = local_gpu(comm)
-        nvmath.distributed.initialize(device, comm, backends=["nccl"])
+        # nvmath 0.8 puts cuBLASMp's workspace on NVSHMEM's symmetric heap (AG+GEMM needs
+        # it there); NVSHMEM's default 1 GiB is less than a gathered 32768^2 float32 panel
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "10G")
+        nvmath.distributed.initialize(device, comm, backends=versions["backends"])
     except Exception as e:  # noqa: BLE001 -- reported as the peer's one line
         why = f"{type(e).__name__}: {e}".splitlines()[0]
     whys = [w for w in comm.allgather(why) if w]
@@ -191,10 +223,12 @@ def record(writer, res: dict, case, ref_seconds: float, ref_variant: str, rounds
     v = res["versions"]
     rec = writer.add(NAME, dtype, n, n, n, seconds, res["relerr"], ranks=ranks, gpus=gpus,
                      times=res["times"], rounds=rounds, repeat=repeat, versions=v,
-                     ratio_to_reference=ref_seconds / seconds, backend="cublasmp-nccl",
+                     ratio_to_reference=ref_seconds / seconds,
+                     backend="cublasmp-" + "+".join(v.get("backends", ["nccl"])),
                      distributions=["Slab.Y (A transposed view)", "Slab.Y", "Slab.X"], **extra,
                      note=f"nvmath-python {v['nvmath_python']} distributed Matmul, cuBLASMp "
-                          f"{v['cublasmp']}, NCCL {v['nccl']}, backends=['nccl'] (NVSHMEM "
+                          f"{v['cublasmp']}, NCCL {v['nccl']}, backends="
+                          f"{v.get('backends', ['nccl'])} (NVSHMEM "
                           f"{'present' if v['nvshmem'] else 'absent'}); one GPU per rank; "
                           f"each rank made only its rows of A and columns of B (C stays "
                           f"distributed by rows); Matmul and plan() untimed; {repeat} timed "

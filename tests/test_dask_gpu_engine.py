@@ -149,6 +149,40 @@ def test_two_workers_sharing_the_gpu_keep_the_rows_they_hold():
     assert all(flags.values()) and len(flags) == 2
 
 
+def _gpu_count() -> int:
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # pragma: no cover - depends on the machine
+        return 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="fewer than two GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_two_gpus_each_run_their_own_block(dtype):
+    """A LocalCUDACluster of one worker per GPU: numpy operands give one unit per device,
+    each worker runs its block on its own GPU, the rows of C are split between them, and
+    the result is float64-close."""
+    dask_cuda = pytest.importorskip("dask_cuda")
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 4099, 3001, 3997, dtype)
+    with dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1) as cl, \
+            distributed.Client(cl) as client:
+        client.wait_for_workers(2, timeout=120)
+        got = distmm.matmul(a, b, client=client)
+        stats = last_stats()
+        flags = _ran_on_gpu(client)
+        buses = client.run(lambda: cupy.cuda.Device().pci_bus_id)
+    _close(got, want, dtype)
+    assert len(set(buses.values())) == 2, buses  # each worker on a GPU of its own
+    assert stats["mode"] == "blocks" and stats["moved"] == []
+    units = stats["units"]
+    assert len(units) == 2 and all(u["gpu"] for u in units), units
+    assert {u["address"] for u in units} == set(buses), units
+    assert all(flags.values()) and len(flags) == 2
+    area = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in (u["block"] for u in units))
+    assert area == got.size and units[0]["block"] != units[1]["block"], units  # C, tiled once
+
+
 def _mixed_cluster(gpu_config=None):
     """A GPU worker and a CPU worker (CUDA_VISIBLE_DEVICES empty: its probe finds no device)."""
     cl = distributed.LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
