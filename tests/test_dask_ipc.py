@@ -20,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -315,6 +316,50 @@ def test_exports_are_held_until_the_scheduler_releases_their_keys(pair):
     while client.run(_held_here, workers=[w0])[w0] != base and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.run(_held_here, workers=[w0])[w0] == base
+
+
+def _orphans_here():
+    return ipc.held(), transfer.orphans()
+
+
+def _drop_replica(key, address, dask_scheduler=None):
+    """What the Active Memory Manager does to a key held by two workers."""
+    dask_scheduler.request_remove_replicas(address, [key], stimulus_id="test-remove-replicas")
+
+
+def _until(client, fn, worker, want, seconds=30):
+    deadline = time.monotonic() + seconds
+    while client.run(fn, workers=[worker])[worker] != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return client.run(fn, workers=[worker])[worker]
+
+
+def test_a_dropped_replica_keeps_the_export_until_the_key_is_gone(pair):
+    """A reader fetched the offer (two replicas) and the scheduler drops the holder's:
+    the holder keeps the allocation while the key lives on the reader, and lets it go
+    once the scheduler no longer knows the key (seen on two H100s: the Active Memory
+    Manager dropped holders' replicas and the exports were freed under their readers)."""
+    client, w0, w1 = pair
+    assert transfer.ensure_lifetime(client)
+    client.amm.stop()  # the test drops the replica itself, on the holder
+    try:
+        base = client.run(_orphans_here, workers=[w0])[w0]
+        fut = client.submit(_hold_fake_export, uuid.uuid4().hex, workers=[w0], pure=False)
+        assert fut.result(timeout=60) is True
+        copy = client.submit(lambda x: x, fut, workers=[w1], allow_other_workers=False,
+                             pure=False)
+        assert copy.result(timeout=60) is True
+        assert sorted(client.who_has(fut)[fut.key]) == sorted([w0, w1])
+        client.run_on_scheduler(_drop_replica, fut.key, w0)
+        assert _until(client, _orphans_here, w0, (base[0] + 1, base[1] + 1)) == \
+            (base[0] + 1, base[1] + 1)
+        time.sleep(2 * transfer.SWEEP_SECONDS + 0.5)  # the key lives on w1: still held
+        assert list(client.who_has(fut)[fut.key]) == [w1]
+        assert client.run(_orphans_here, workers=[w0])[w0] == (base[0] + 1, base[1] + 1)
+        del fut, copy
+        assert _until(client, _orphans_here, w0, base) == base  # gone: let go
+    finally:
+        client.amm.start()
 
 
 def test_outside_a_worker_task_nothing_is_held():

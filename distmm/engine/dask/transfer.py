@@ -40,7 +40,7 @@ import numpy as np
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "take", "host_of",
            "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
            "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
-           "held_keys"]
+           "held_keys", "orphans"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -299,24 +299,97 @@ except ImportError:  # pragma: no cover - distributed is a dependency
     _WorkerPlugin = object
 
 
+_ORPHANS: dict = {}  # export key -> (token, release): this worker's replica dropped, key alive
+SWEEP_SECONDS = 1.0  # how often a worker asks the scheduler whether its orphans' keys are gone
+
+
+def _replica_dropped(worker, key) -> bool:
+    """Whether ``key`` is being released on ``worker`` because the scheduler dropped this
+    worker's replica (``remove-replicas``: the Active Memory Manager keeps one copy of a key
+    held by several workers), not because the key itself was released. The worker's log
+    records that request before the transition it causes."""
+    try:
+        for entry in reversed(worker.state.log):
+            if entry[0] == key:
+                return entry[1] == "remove-replica"
+    except Exception:  # noqa: BLE001 -- a log of another shape: the key was released
+        return False
+    return False
+
+
+def _norm(key):
+    """A key as the scheduler's reply may spell it (lists for tuples)."""
+    return tuple(_norm(k) for k in key) if isinstance(key, list) else key
+
+
 class ExportLifetime(_WorkerPlugin):
     """Worker plugin: an export task's allocation lives until the scheduler
     releases the task's key, even when the worker spilled the task's result to
     disk meanwhile (the result's pickled form carries no allocation). Measured
-    need: an H200 run at fp32 32768 lost its exports that way."""
+    need: an H200 run at fp32 32768 lost its exports that way.
+
+    A holder whose replica of the key is dropped while another worker (a reader that
+    fetched the offer) still holds it keeps the allocation (an orphan) until the
+    scheduler no longer knows the key anywhere: it asks every ``SWEEP_SECONDS``. Measured
+    need: on two H100s the Active Memory Manager dropped holders' replicas, the exports
+    were freed, and readers' opens and the holders' own tasks failed."""
 
     name = "distmm-ipc-exports"
 
     def setup(self, worker):
         if not _LIFETIME:
             _LIFETIME.append(True)
+        self._worker = worker
+        try:
+            from tornado.ioloop import PeriodicCallback
+
+            pc = PeriodicCallback(self._sweep, SWEEP_SECONDS * 1000)
+            worker.periodic_callbacks["distmm-ipc-orphans"] = pc
+            pc.start()
+        except Exception as exc:  # noqa: BLE001 -- orphans then wait for teardown
+            log.warning("distmm: the IPC orphan sweep could not start (%r)", exc)
+
+    def teardown(self, worker):
+        with _OPEN_LOCK:
+            entries = list(_ORPHANS.values())
+            _ORPHANS.clear()
+        for token, release in entries:
+            release(token)
 
     def transition(self, key, start, finish, **kwargs):
         if finish in ("released", "forgotten", "error", "cancelled"):
             with _OPEN_LOCK:
                 entry = _KEY_TOKENS.pop(key, None)
-            if entry is not None:
-                entry[1](entry[0])
+            if entry is None:
+                return
+            if finish == "released" and _replica_dropped(getattr(self, "_worker", None), key):
+                with _OPEN_LOCK:
+                    _ORPHANS[key] = entry
+                return
+            entry[1](entry[0])
+
+    async def _sweep(self):
+        with _OPEN_LOCK:
+            keys = list(_ORPHANS)
+        if not keys:
+            return
+        try:
+            who = await self._worker.scheduler.who_has(keys=keys)
+        except Exception:  # noqa: BLE001 -- the scheduler away for now: ask again later
+            return
+        gone = {_norm(k) for k, holders in (who or {}).items() if not holders}
+        for key in keys:
+            if _norm(key) in gone:
+                with _OPEN_LOCK:
+                    entry = _ORPHANS.pop(key, None)
+                if entry is not None:
+                    entry[1](entry[0])
+
+
+def orphans() -> int:
+    """Exports this worker holds for keys that live on only other workers now."""
+    with _OPEN_LOCK:
+        return len(_ORPHANS)
 
 
 _PLUGGED: set = set()  # scheduler addresses the plugin was registered with
