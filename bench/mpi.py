@@ -334,7 +334,8 @@ def _cases(args, mode: dict) -> list[tuple[int, str, int, int]]:
     if "cases" in mode and not (args.ranks or args.sizes or args.dtypes):
         return list(mode["cases"])
     ranks = args.ranks or mode.get("ranks", [1])
-    return [(r, d, n, 1) for d in args.dtypes or mode.get("dtypes", ["float32", "float64"])
+    gpus = getattr(args, "gpus", 1) or 1
+    return [(r, d, n, min(gpus, r)) for d in args.dtypes or mode.get("dtypes", ["float32", "float64"])
             for n in args.sizes or mode.get("sizes", [32768]) for r in ranks]
 
 
@@ -582,6 +583,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--sizes", type=int, nargs="+", default=None)
     p.add_argument("--dtypes", nargs="+", default=None)
+    p.add_argument("--gpus", type=int, default=1,
+                   help="--mode gpu with --ranks: GPUs the ranks spread over (1: they share "
+                        "one; a count above the ranks is cut to the ranks)")
     p.add_argument("--rounds", type=int, default=0,
                    help="alternating rounds: the reference, then each rank count, timed once "
                         "each (default: the mode's)")
