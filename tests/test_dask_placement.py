@@ -383,3 +383,26 @@ def test_block_mode_survives_killed_workers_with_the_same_bits():
     assert "c" in out, f"raised instead of retrying: {out.get('error')!r}"
     assert np.array_equal(out["c"], undisturbed)
     np.testing.assert_allclose(undisturbed, a @ b, rtol=1e-10, atol=1e-10 * np.abs(a @ b).max())
+
+
+def test_gpu_blocks_are_budgeted_by_the_device_not_the_client():
+    """Block tasks of GPU workers hold their panels on the device: half of the smallest
+    device (split between workers sharing it) bounds them, capped by a configured size;
+    a cluster with a CPU unit (or a device the probe did not measure) keeps the plan's."""
+    from distmm.engine.dask import DEVICE_FRACTION, block_budget
+    from distmm.engine.dask.workers import Unit
+
+    gib = 2**30
+    two = [Unit("a", True, 1.0, 1, "0", 80 * gib), Unit("b", True, 1.0, 1, "1", 40 * gib)]
+    assert block_budget(3 * gib, two) == int(40 * gib * DEVICE_FRACTION)
+    shared = [Unit("a", True, 1.0, 2, "0", 80 * gib), Unit("b", True, 1.0, 2, "0", 80 * gib)]
+    assert block_budget(3 * gib, shared) == int(40 * gib * DEVICE_FRACTION)
+    assert block_budget(3 * gib, two[:1] + [Unit("c", False, 1.0)]) == 3 * gib
+    assert block_budget(3 * gib, [Unit("d", True, 1.0)]) == 3 * gib  # not measured
+    with dask.config.set({"distmm.memory-budget": "8GiB"}):
+        assert block_budget(3 * gib, two) == 8 * gib
+    # what it changes: a float32 32768 product on two 80 GB GPUs is one cell per GPU
+    lay = block_layout(32768, 32768, 32768, [1.0, 1.0], itemsize=4,
+                       memory_budget=block_budget(3 * gib, [two[0], two[0]]), tk=512,
+                       row_cuts=range(0, 32769, 8192), col_cuts=range(0, 32769, 8192))
+    assert (len(lay.row_edges) - 1) * (len(lay.col_edges) - 1) == 2 and lay.k_edges == (0, 32768)

@@ -93,6 +93,10 @@ log = logging.getLogger("distmm.engine.dask")
 #: waiting to be gathered, below dask's spill (60%) and pause (80%) thresholds
 MEMORY_FRACTION = 0.25
 
+#: share of a GPU worker's device (split between the workers sharing it) one block task
+#: may hold: its panels and its cell live there, beside the operands' chunks
+DEVICE_FRACTION = 0.5
+
 #: debug configuration (outside the checked ``distmm`` section): a list of
 #: cells ``[i, j]`` of the block layout whose GPU task raises ``TileFailed``
 #: on purpose, so that the CPU fallback can be tested without a GPU
@@ -137,6 +141,25 @@ def memory_budget(client) -> int | None:
     limits = [int(w["memory_limit"]) // max(int(w.get("nthreads", 1)), 1)
               for w in info.values() if w.get("memory_limit")]
     return int(min(limits) * MEMORY_FRACTION) if limits else None
+
+
+def block_budget(plan_budget: int, units) -> int:
+    """Bytes one block task may hold. On a cluster whose units are all GPU workers with a
+    device the probe measured: ``DEVICE_FRACTION`` of the smallest device (split between
+    the workers sharing it), bounded by a ``distmm.memory-budget`` given as a size. Else
+    the plan's budget: the lower of the configured one and the workers' host limits
+    (``plan_hints``). Measured need: on two H100s the client-side budget (half the free
+    memory of a device the workers' pools held) cut each GPU's block of a float32 32768
+    product into 16 cells and 2 k groups, whose partials crossed TCP (4.4 GB)."""
+    from distmm.config import get_config
+
+    shares = [u.device_memory // max(u.share_device, 1) for u in units
+              if u.gpu and u.device_memory]
+    if not units or len(shares) != len(units):
+        return plan_budget
+    budget = int(min(shares) * DEVICE_FRACTION)
+    configured = get_config().memory_budget
+    return min(budget, configured) if configured is not None else budget
 
 
 class DaskEngine(Engine):
@@ -218,9 +241,9 @@ class DaskEngine(Engine):
 
         itemsize = np.dtype(plan.acc_dtype).itemsize
         weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
-        # the plan's budget: the lower of the configured one and the workers' (plan_hints)
         return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
-                            memory_budget=plan.memory_budget, tk=plan.tile[2], grid=grid, **cuts)
+                            memory_budget=block_budget(plan.memory_budget, units),
+                            tk=plan.tile[2], grid=grid, **cuts)
 
     def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, ipc=frozenset(),
                **cuts):

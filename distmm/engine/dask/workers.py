@@ -42,7 +42,8 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
     and GFLOP/s of a small float64 product on the GPU (if any) and the CPU."""
     import numpy as np
 
-    out: dict = {"cuda": False, "device": None, "gpu_gflops": None, "cpu_gflops": None}
+    out: dict = {"cuda": False, "device": None, "gpu_gflops": None, "cpu_gflops": None,
+                 "device_memory": None}
     rng = np.random.default_rng(0)
     a = rng.standard_normal((cpu_size, cpu_size))
     best = float("inf")
@@ -59,6 +60,7 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
         dev = cupy.cuda.Device()
         out["cuda"] = True
         out["device"] = dev.pci_bus_id
+        out["device_memory"] = int(dev.mem_info[1])  # the device's total bytes
         x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
         x @ x  # cuBLAS's handle and the pool: not timed
         cupy.cuda.runtime.deviceSynchronize()
@@ -87,6 +89,7 @@ class WorkerInfo:
     device: str | None
     gflops: float
     cuda: bool  # the probe found a device (False for a worker marked GPU only by resources)
+    device_memory: int | None = None  # the device's total bytes (where the probe found one)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Unit:
     gflops: float
     share_device: int = 1  # GPU workers on the same device as this one (itself included)
     device: str | None = None  # the device's PCI bus id (GPU workers whose probe found one)
+    device_memory: int | None = None  # that device's total bytes
 
 
 def forget(address: str | None = None) -> None:
@@ -157,8 +161,9 @@ def worker_info(client, gflops_cfg=None) -> list[WorkerInfo]:
             else:
                 rate = (res.get("cpu_gflops") or 1.0) * nthreads
         device = devices.get(addr, res.get("device"))
+        mem = res.get("device_memory") if cuda else None
         out.append(WorkerInfo(addr, nthreads, gpu, None if device is None else str(device),
-                              float(rate), cuda))
+                              float(rate), cuda, None if mem is None else int(mem)))
     return out
 
 
@@ -172,7 +177,8 @@ def units(workers: list[WorkerInfo]) -> list[Unit]:
     out = []
     for w in workers:
         if w.gpu:
-            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1), w.device))
+            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1), w.device,
+                            w.device_memory))
         else:
             out += [Unit(w.address, False, w.gflops / w.nthreads)] * w.nthreads
     return out
