@@ -101,7 +101,7 @@ class Config:
     memory_budget_from: str = "config"  # "config": bytes given; "auto": measured per call
     dask_layout: str = "auto"
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
-    dask_device_transfer: str = "tcp"  # tcp | ipc | auto: device chunks between GPU workers
+    dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
 
 
 class _Bad(Exception):

@@ -111,7 +111,7 @@ def test_device_chunks_by_meta():
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("ipc", "ipc"), ("tcp", "tcp"),
                                          ("IPC", "ipc"), (" tcp ", "tcp")])
 def test_the_key_parses(value, want):
-    assert get_config().dask_device_transfer == "tcp"  # the default: IPC is opt-in
+    assert get_config().dask_device_transfer == "auto"  # the default: IPC where it works
     with dask.config.set({"distmm.dask-device-transfer": value}):
         assert get_config().dask_device_transfer == want
 
@@ -264,7 +264,7 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     transfer.forget_probes()
     # two devices (the probe's identity, stood in for): both workers are probed
     debug = {DEVICES_KEY: {w0: "dev-0", w1: "dev-1"}, transfer.DEVICE_CHUNKS_KEY: True,
-             "distmm.dask-device-transfer": "auto"}  # opt-in (the default is tcp)
+             "distmm.dask-device-transfer": "auto"}  # the default, said outright
     seen = []
     with _equal_gpus(), dask.config.set(debug):
         for _ in range(2):

@@ -36,23 +36,22 @@
 # The offline bundle these workloads need (zarr for the I/O tests, pylops-mpi for the mpi peers):
 #   bash ../shared/gpu-node/wheels.sh zarr==3.1.6 numcodecs donfig crc32c google-crc32c \
 #        pylops-mpi==0.8.0 pylops pyproximal
-# and, for the mpi workload's nvmath-python peer, its wheels in their own folder (40 MB; the
-# bundle ~53 MB): env.sh would put cuda-core/cuda-bindings first for every workload, so
-# run_mpi installs them apart and only nvmath's ranks see them:
+# and, for the mpi workload's nvmath-python peer, its wheels in their own folder (42 MB; the
+# bundle ~53 MB): nvmath 0.8 with cuBLASMp 0.7, the pair that runs on the node's NCCL 2.28
+# (with the image's NVSHMEM); cuda-core 0.7 because nvmath 0.8 declares cuda-core < 1. So that
+# they never shadow what cupy and numba-cuda use in the other workloads, run_mpi installs
+# them apart and only nvmath's ranks see them:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform any -d .whl/nvmath \
-#     nvmath-python==1.0.0 nvidia-cublasmp-cu13==0.9.1.3056 nccl4py==0.3.1.post1 \
-#     cuda-core==1.2.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 packaging==25.0 \
-#     typing-extensions==4.15.0
+#     nvmath-python==0.8.0 nvidia-cublasmp-cu13==0.7.0.125 cuda-core==0.7.0
 # and, for its heat peer, heat 1.8.0 alone (0.5 MB; it declares torch<2.11.1, so it is
 # installed --no-deps into /tmp/heat-site against the node's torch; add scipy and the
 # torchvision built for that torch only if the node lacks them: `import heat` needs both):
 #   python3 -m pip download -q --no-deps -d .whl/heat heat==1.8.0
-# Why these versions (bench/NOTES.md, MPI engine): nvmath 1.0 takes cuBLASMp >=0.8.1,<0.10 and
-# nccl4py >=0.3.1,<0.4. Every cuBLASMp >= 0.8 needs NCCL >= 2.29.2 (ncclCommQueryProperties,
-# called when its grid is made): against the node's NCCL 2.28 it fails to load and the run
-# says so. nvidia-nccl-cu13 2.29.2 is a 201 MB wheel and nvidia-nvshmem-cu13 60 MB: neither
-# fits; cuBLASMp 0.6/0.7 (NCCL 2.28 is enough) need libnvshmem_host.so.3 and nvmath <= 0.8.
+# Why these versions (bench/NOTES.md, MPI engine): nvmath 1.0 takes cuBLASMp >=0.8.1,<0.10,
+# and every cuBLASMp >= 0.8 needs NCCL >= 2.29.2 (ncclCommQueryProperties): against the
+# node's NCCL 2.28 it fails to load (nvmath_peer.load says so), and nvidia-nccl-cu13 2.29.2
+# is a 201 MB wheel. cuBLASMp 0.7 needs libnvshmem_host.so.3, which the GPU image has.
 #
 # Everything lands under $OUT (default /tmp/distmm-out): <workload>.log, the records
 # (<benchmark>-<device>-<date>.jsonl), plots. Always set DISTMM_COMMIT to the local HEAD: a
