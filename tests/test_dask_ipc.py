@@ -362,6 +362,42 @@ def test_a_dropped_replica_keeps_the_export_until_the_key_is_gone(pair):
         client.amm.start()
 
 
+class _SlowShared:
+    """Stands in for an export whose open (or fallback fetch) takes a while."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    @property
+    def local(self):
+        self.gate.wait(20)
+        return True
+
+
+def test_a_release_does_not_wait_for_a_reader_opening_an_offer():
+    """The worker's event loop runs ExportLifetime.transition; a task thread opening an
+    offer (a fallback fetch waits on that same event loop) must not block it. Seen on an
+    H100: a fallback fetch that never returned."""
+    import threading
+
+    gate = threading.Event()
+    offer = transfer.Offer(_SlowShared(gate), None, "tcp://10.0.0.1:1", "chunk", 12)
+    reader = threading.Thread(target=lambda: pytest.raises(ipc.IPCError, transfer.take, offer),
+                              daemon=True)
+    reader.start()
+    time.sleep(0.2)  # the reader is inside take(), opening
+    released, key = [], ("distmm-export-test", uuid.uuid4().hex)
+    transfer._KEY_TOKENS[key] = ("token", released.append)  # as keep_until_released does
+    loop = threading.Thread(target=transfer.ExportLifetime().transition,
+                            args=(key, "memory", "forgotten"), daemon=True)
+    loop.start()
+    loop.join(5)
+    stuck = loop.is_alive()
+    gate.set()
+    reader.join(20)
+    assert not stuck and released == ["token"]
+
+
 def test_outside_a_worker_task_nothing_is_held():
     fake = ipc.Shared(b"\0" * 64, (3,), "float32", "0000:00:00.0", os.getpid(), ipc.PROCESS,
                       ipc.host_identity(), uuid.uuid4().hex, alloc=bytearray(16))

@@ -52,7 +52,8 @@ MODES = ("auto", "ipc", "tcp")
 DEVICE_CHUNKS_KEY = "distmm-debug.device-chunks"
 
 _ROUTES: deque = deque(maxlen=100_000)  # (time.time(), route, nbytes) on this worker
-_OPEN_LOCK = threading.Lock()
+_STATE_LOCK = threading.Lock()  # the held export keys; never held across I/O: the worker's
+                                # event loop takes it in ExportLifetime.transition
 _PROBED: dict = {}  # (scheduler address, worker set) -> (pairs, info)
 _PROBE_LOCK = threading.Lock()
 _WARNED: set = set()
@@ -213,12 +214,13 @@ class Offer:
     other tasks.
     """
 
-    __slots__ = ("shared", "data", "address", "label", "nbytes", "reason", "_opened")
+    __slots__ = ("shared", "data", "address", "label", "nbytes", "reason", "_opened", "_lock")
 
     def __init__(self, shared, data, address, label, nbytes, reason=None):
         self.shared, self.data, self.address = shared, data, address
         self.label, self.nbytes, self.reason = label, int(nbytes), reason
         self._opened = None
+        self._lock = threading.Lock()
 
     def __reduce__(self):
         return (Offer, (self.shared, self.data, self.address, self.label, self.nbytes,
@@ -282,14 +284,14 @@ def keep_until_released(shared, hold, release=None) -> bool:
     if release is None:
         from distmm.executor.ipc import release
     hold(shared)
-    with _OPEN_LOCK:
+    with _STATE_LOCK:
         _KEY_TOKENS[key] = (shared.token, release)
     return True
 
 
 def held_keys() -> int:
     """Export keys held on this worker (for tests and reports)."""
-    with _OPEN_LOCK:
+    with _STATE_LOCK:
         return len(_KEY_TOKENS)
 
 
@@ -350,7 +352,7 @@ class ExportLifetime(_WorkerPlugin):
             log.warning("distmm: the IPC orphan sweep could not start (%r)", exc)
 
     def teardown(self, worker):
-        with _OPEN_LOCK:
+        with _STATE_LOCK:
             entries = list(_ORPHANS.values())
             _ORPHANS.clear()
         for token, release in entries:
@@ -358,18 +360,18 @@ class ExportLifetime(_WorkerPlugin):
 
     def transition(self, key, start, finish, **kwargs):
         if finish in ("released", "forgotten", "error", "cancelled"):
-            with _OPEN_LOCK:
+            with _STATE_LOCK:
                 entry = _KEY_TOKENS.pop(key, None)
             if entry is None:
                 return
             if finish == "released" and _replica_dropped(getattr(self, "_worker", None), key):
-                with _OPEN_LOCK:
+                with _STATE_LOCK:
                     _ORPHANS[key] = entry
                 return
             entry[1](entry[0])
 
     async def _sweep(self):
-        with _OPEN_LOCK:
+        with _STATE_LOCK:
             keys = list(_ORPHANS)
         if not keys:
             return
@@ -380,7 +382,7 @@ class ExportLifetime(_WorkerPlugin):
         gone = {_norm(k) for k, holders in (who or {}).items() if not holders}
         for key in keys:
             if _norm(key) in gone:
-                with _OPEN_LOCK:
+                with _STATE_LOCK:
                     entry = _ORPHANS.pop(key, None)
                 if entry is not None:
                     entry[1](entry[0])
@@ -388,7 +390,7 @@ class ExportLifetime(_WorkerPlugin):
 
 def orphans() -> int:
     """Exports this worker holds for keys that live on only other workers now."""
-    with _OPEN_LOCK:
+    with _STATE_LOCK:
         return len(_ORPHANS)
 
 
@@ -449,7 +451,7 @@ def take(x):
     process) into a chunk on this worker's device."""
     if not isinstance(x, Offer):
         return x
-    with _OPEN_LOCK:
+    with x._lock:  # one open per offer and process; other offers open meanwhile
         if x._opened is not None:
             return x._opened
         if x.shared is None:
