@@ -197,20 +197,64 @@ def _mixed_cluster(gpu_config=None):
     return cl
 
 
-@pytest.mark.parametrize("how", ["device-budget", "fail-tiles"])
+def _fill_device(client, address):
+    """Take all but a few MiB of the worker's device (a real cudaMalloc, outside cupy's
+    pool), as another process filling the GPU would. Returns the bytes taken."""
+
+    def fill(dask_worker=None):
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        for leave in (4 << 20, 16 << 20, 64 << 20):
+            try:
+                dask_worker._distmm_test_hog = cupy.cuda.runtime.malloc(free - leave)
+                return free - leave
+            except cupy.cuda.runtime.CUDARuntimeError:
+                continue
+        return 0
+
+    return client.run(fill, workers=[address])[address]
+
+
+def _free_device(client, address):
+    def free(dask_worker=None):
+        import cupy
+
+        ptr = getattr(dask_worker, "_distmm_test_hog", None)
+        if ptr:
+            cupy.cuda.runtime.free(ptr)
+            dask_worker._distmm_test_hog = None
+
+    client.run(free, workers=[address])
+
+
+@pytest.mark.parametrize("how", ["device-budget", "fail-tiles", "device-full"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_failed_gpu_blocks_fall_back_to_the_cpu_worker(how, dtype, caplog):
+    """``device-full``: the GPU worker's device really is out of memory (all but a few MiB
+    taken by a cudaMalloc before the product, far less than its 3001 x 2049 x 2999 block)."""
     rng = np.random.default_rng()
-    a, b, want = _inputs(rng, 1031, 777, 1029, dtype)
+    shape = (3001, 2049, 2999) if how == "device-full" else (1031, 777, 1029)
+    a, b, want = _inputs(rng, *shape, dtype)
     # a device budget far below one 64 x 64 tile: the pipeline raises MemoryError
     gpu_config = {"distmm": {"device-memory-limit": 4096}} if how == "device-budget" else None
     debug = {"distmm-debug.fail-tiles": [[0, 0]]} if how == "fail-tiles" else {}
     with _mixed_cluster(gpu_config) as cl, distributed.Client(cl) as client:
         client.wait_for_workers(2, timeout=120)
-        with dask.config.set({"distmm.dask-worker-gflops": {"gpu": 1e6, "cpu": 1.0}, **debug}), \
-                caplog.at_level(logging.WARNING, logger="distmm.engine.dask"):
-            got = distmm.matmul(a, b, client=client)
-        stats = last_stats()
+        gpu_addr = next(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                        if w.get("name") == "gpu")
+        try:
+            if how == "device-full":
+                assert _fill_device(client, gpu_addr) > 0
+            with dask.config.set({"distmm.dask-worker-gflops": {"gpu": 1e6, "cpu": 1.0},
+                                  **debug}), \
+                    caplog.at_level(logging.WARNING, logger="distmm.engine.dask"):
+                got = distmm.matmul(a, b, client=client)
+            stats = last_stats()
+        finally:
+            if how == "device-full":
+                _free_device(client, gpu_addr)
     _close(got, want, dtype)
     kinds = sorted(u["gpu"] for u in stats["units"])
     assert kinds == [False, True]
