@@ -278,3 +278,21 @@ def test_dask_gpu_rehearsal_writes_checked_records(tmp_path):
             assert set(rec["speedup_vs"]) == ({"dask.array-chunk64", "dask.array-chunk48"}
                                               if setting == "shared" else set())
     assert "[mixed] float64 n=157" in res.stdout and "FAILED" not in res.stdout
+
+
+def test_mpi_bench_gpus_option_places_the_ranks():
+    """``--ranks R --gpus G`` in the gpu mode: R ranks over min(G, R) GPUs (1: they share
+    one); the mode's own cases when no ranks, sizes or dtypes are named."""
+    import argparse
+
+    from bench.mpi import MODES, _cases
+
+    def cases(**kw):
+        base = dict(ranks=None, sizes=None, dtypes=None, gpus=1)
+        return _cases(argparse.Namespace(**dict(base, **kw)), MODES["gpu"])
+
+    assert cases() == list(MODES["gpu"]["cases"])
+    assert cases(ranks=[2], sizes=[64], dtypes=["float32"], gpus=2) == [(2, "float32", 64, 2)]
+    assert cases(ranks=[1, 2], sizes=[64], dtypes=["float32"], gpus=4) == \
+        [(1, "float32", 64, 1), (2, "float32", 64, 2)]
+    assert cases(ranks=[2], sizes=[64], dtypes=["float32"]) == [(2, "float32", 64, 1)]
