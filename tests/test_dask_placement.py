@@ -406,3 +406,21 @@ def test_gpu_blocks_are_budgeted_by_the_device_not_the_client():
                        memory_budget=block_budget(3 * gib, [two[0], two[0]]), tk=512,
                        row_cuts=range(0, 32769, 8192), col_cuts=range(0, 32769, 8192))
     assert (len(lay.row_edges) - 1) * (len(lay.col_edges) - 1) == 2 and lay.k_edges == (0, 32768)
+
+
+def test_a_k_split_for_the_budget_keeps_each_cells_groups_on_its_owner():
+    """k groups forced by the memory budget (every unit has a block) run on the cell's
+    owner, so no partial crosses workers; a split-K shape (too small a C for the units)
+    still spreads its groups over the units."""
+    lay = block_layout(32768, 32768, 32768, [1.0, 1.0], itemsize=4, memory_budget=3 * 2**30,
+                       tk=512, row_cuts=range(0, 32769, 8192), col_cuts=range(0, 32769, 8192),
+                       k_cuts=range(0, 32769, 8192))
+    assert lay.groups > 1
+    for bi, bj in lay.cells():
+        assert {lay.unit_of_partial(bi, bj, g) for g in range(lay.groups)} == \
+            {lay.owner[bi][bj]}
+    assert lay.bytes_moved(4)["partials"] == 0
+    skinny = block_layout(64, 64, 2**22, [1.0, 1.0], itemsize=4, tk=256)
+    assert skinny.groups > 1
+    assert {skinny.unit_of_partial(0, 0, g) for g in range(skinny.groups)} == {0, 1}
+    assert skinny.bytes_moved(4)["partials"] > 0

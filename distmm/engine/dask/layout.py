@@ -170,7 +170,8 @@ class BlockLayout:
     ``(bi, bj)``. ``blocks[u]``: unit ``u``'s rectangle ``(r0, r1, c0, c1)``
     (None: it gets nothing). ``k_edges``: the k groups (one: ``(0, k)``);
     ``rotation``: the units partial products go round, starting at the cell's
-    owner; ``reduction``: the fixed tree over the groups.
+    owner (empty: every group of a cell runs on its owner, as when the memory budget
+    alone split k); ``reduction``: the fixed tree over the groups.
     """
 
     m: int
@@ -224,7 +225,7 @@ class BlockLayout:
             if blk is not None:
                 r0, r1, c0, c1 = blk
                 panels += ((r1 - r0) + (c1 - c0)) * self.k * itemsize
-        if self.groups > 1:
+        if self.groups > 1 and len(self.rotation) > 1:  # groups spread over the units
             panels = (self.m + self.n) * self.k * itemsize  # each group's slice, once each
         partials = 0
         for bi, bj in self.cells():
@@ -287,6 +288,10 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
             active = sorted(keep)
     else:
         groups = max(1, int(k_groups))
+    # k groups go round the units only for these reasons (too small a C, or asked for); a
+    # k split the memory budget forces below stays with each cell's owner: its partials
+    # never cross workers
+    spread = groups > 1
     pr, pc = worker_grid(len(active), m, n)
     if grid is not None and grid[0] * grid[1] == len(active):
         pr, pc = int(grid[0]), int(grid[1])
@@ -347,7 +352,7 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
             line.append(rows[g][j])
         owner.append(tuple(line))
     return BlockLayout(m, n, k, r_edges, c_edges, tuple(owner), tuple(blocks), k_edges,
-                       rotation, reduction_tree(len(k_edges) - 1))
+                       rotation if spread else (), reduction_tree(len(k_edges) - 1))
 
 
 def layout_devices(layout, units) -> dict:
