@@ -346,6 +346,9 @@ class ExportLifetime(_WorkerPlugin):
             from tornado.ioloop import PeriodicCallback
 
             pc = PeriodicCallback(self._sweep, SWEEP_SECONDS * 1000)
+            earlier = worker.periodic_callbacks.pop("distmm-ipc-orphans", None)
+            if earlier is not None:  # the plugin registered again: one sweep is enough
+                earlier.stop()
             worker.periodic_callbacks["distmm-ipc-orphans"] = pc
             pc.start()
         except Exception as exc:  # noqa: BLE001 -- orphans then wait for teardown
