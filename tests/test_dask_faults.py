@@ -225,3 +225,33 @@ def test_retry_timeout_comes_from_the_configuration():
             engine.run(request)
         elapsed = time.monotonic() - t0
     assert 1.4 < elapsed < 15, elapsed
+
+
+@pytest.mark.slow
+def test_workers_killed_while_reading_file_operands_give_the_same_bits(client, tmp_path):
+    """Operands in ``.npy`` files the workers read themselves (engine/dask/files): blocks
+    being read, or held, on killed workers are read again elsewhere; same bits as the
+    undisturbed product of the same arrays in memory."""
+    from distmm.engine.dask import last_stats
+
+    rng = np.random.default_rng(37)
+    a = rng.standard_normal((2048, 4096))
+    b = rng.standard_normal((4096, 2048))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    am, bm = (np.load(tmp_path / f"{x}.npy", mmap_mode="r") for x in "ab")
+    _full_cluster(client)
+    engine = get_engine("dask", client=client, retry_timeout=60.0)
+    undisturbed = engine.run(_request(engine, a, b, 128))
+    time.sleep(1.0)
+    engine = get_engine("dask", client=client, retry_timeout=60.0)
+    run, out = _start_product(engine, _request(engine, am, bm, 128))
+    try:
+        killed = _kill_workers(client, run, kills=2, gap=0.1)
+    finally:
+        run.join(180)
+    assert not run.is_alive()
+    assert "c" in out, f"raised instead of retrying: {out.get('error')!r}"
+    assert killed >= 1, "the product ended before a worker was killed"
+    assert last_stats()["read_on_workers"] == [True, True]
+    assert np.array_equal(out["c"], undisturbed)

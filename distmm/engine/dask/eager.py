@@ -73,9 +73,10 @@ class _Scattered:
     """
 
     def __init__(self, client, array, row_edges, col_edges, needers: dict, tag: str,
-                 copies: bool = False):
+                 copies: bool = False, source=None):
         self.client = client
         self.array = array
+        self.source = source  # files.FileSource: workers read their blocks from the file
         self.row_edges = row_edges
         self.col_edges = col_edges
         self.needers = needers
@@ -97,11 +98,19 @@ class _Scattered:
             table = {idx: next(iter(by.values())) for idx, by in self.futures.items() if by}
         return OperandKeys(tuple(self.array.shape), self.chunks(), table=table)
 
-    def block(self, idx):
+    def index(self, idx) -> tuple:
         lead, r, c = idx[:-2], idx[-2], idx[-1]
-        return np.asarray(self.array[tuple(slice(x, x + 1) for x in lead) + (
+        return tuple(slice(x, x + 1) for x in lead) + (
             slice(self.row_edges[r], self.row_edges[r + 1]),
-            slice(self.col_edges[c], self.col_edges[c + 1]))])
+            slice(self.col_edges[c], self.col_edges[c + 1]))
+
+    def block(self, idx):
+        return np.asarray(self.array[self.index(idx)])
+
+    def nbytes(self, idx) -> int:
+        lead, r, c = idx[:-2], idx[-2], idx[-1]
+        return int((self.row_edges[r + 1] - self.row_edges[r])
+                   * (self.col_edges[c + 1] - self.col_edges[c]) * self.array.dtype.itemsize)
 
     def _wanted(self, idx, slots: list[str], alive: set) -> list[str]:
         wanted = {slots[o % len(slots)] for o in self.needers.get(idx, ())} & alive if slots else set()
@@ -116,6 +125,10 @@ class _Scattered:
         if futs:
             where = self.client.who_has(futs)
             held = {f.key: set(where.get(f.key) or ()) for f in futs}
+        for by in self.futures.values():  # blocks being read from their file: a read
+            for w, f in by.items():        # whose worker is lost runs again on another
+                if f.status == "pending":
+                    held[f.key] = {w}
         out = []
         for idx in self.needers:
             have = {w for w, f in self.futures.get(idx, {}).items() if held.get(f.key)}
@@ -142,19 +155,43 @@ class _Scattered:
         for idx, worker in pairs:
             if worker is None:
                 worker = min(self._wanted(idx, slots, alive), key=lambda w: load.get(w, 0))
-            blk = self.block(idx)
-            load[worker] = load.get(worker, 0) + blk.nbytes
+            blk = self.block(idx) if self.source is None else None
+            load[worker] = load.get(worker, 0) + self.nbytes(idx)
             if self.futures.get(idx):
                 self.resent += 1
             by_worker[worker][(name,) + tuple(idx) + (worker,)] = (idx, blk)
         for worker, items in by_worker.items():
-            futs = self.client.scatter({key: blk for key, (_, blk) in items.items()},
-                                       workers=[worker], hash=False)
+            if self.source is not None:  # the worker reads its blocks from the file
+                from distmm.engine.dask.files import read_block
+
+                futs = {key: self.client.submit(read_block, self.source, self.index(idx),
+                                                key=key, workers=[worker],
+                                                allow_other_workers=True, pure=False)
+                        for key, (idx, _) in items.items()}
+            else:
+                futs = self.client.scatter({key: blk for key, (_, blk) in items.items()},
+                                           workers=[worker], hash=False)
             for key, (idx, _) in items.items():
                 by = self.futures.setdefault(idx, {})
                 if not self.copies:
                     by.clear()
                 by[worker] = futs[key]
+
+
+def _file_sources(client, a2, b2):
+    """``files.FileSource`` of each operand whose file every worker sees (None: the client
+    reads its blocks and sends them)."""
+    from distmm.engine.dask import files
+
+    found = [files.source_of(x) for x in (a2, b2)]
+    if not any(found):
+        return None, None
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    if not files.visible(client, found, workers):
+        log.info("distmm: an operand's file is not the same on every worker; the client "
+                 "reads it and sends the blocks")
+        return None, None
+    return found[0], found[1]
 
 
 def _needers(plan: Plan, batch, a_batch, b_batch):
@@ -282,8 +319,13 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
         rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
-    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None)
-    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}", copies=blocks is not None)
+    a_src, b_src = _file_sources(client, a2, b2)
+    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None,
+                      source=a_src)
+    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}", copies=blocks is not None,
+                      source=b_src)
+    if stats is not None:
+        stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
     if blocks is not None:
         geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
     else:

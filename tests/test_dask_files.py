@@ -1,0 +1,108 @@
+"""Operands in files every worker sees: the workers read their own blocks (engine/dask/files).
+
+Covers, on a real LocalCluster of worker processes: a whole ``.npy`` memmap and a zarr
+array (a root array and one inside a group) multiplied with the workers reading the
+blocks they need from the file (read tasks in the task stream, nothing scattered), with
+the same bits as the same product of in-memory operands; what is not the file (a slice, a
+transpose, an in-memory copy) going through the client as before; and the visibility
+check refusing a file the workers see differently.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+zarr = pytest.importorskip("zarr")
+
+import distmm  # noqa: E402
+from distmm.engine.dask import files, last_stats  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cl, \
+            distributed.Client(cl) as c:
+        c.wait_for_workers(2, timeout=120)
+        yield c
+
+
+def _read_tasks(ts, operand: str) -> int:
+    """Tasks of the task stream that read blocks of operand ``a`` or ``b`` from a file."""
+    return sum(1 for t in ts.data if isinstance(t["key"], tuple)
+               and str(t["key"][0]).startswith(f"distmm-{operand}-"))
+
+
+def _operands(tmp_path, dtype, m=301, k=257, n=199):
+    rng = np.random.default_rng()
+    if np.dtype(dtype).kind == "i":
+        a = rng.integers(-50, 50, (m, k)).astype(dtype)
+        b = rng.integers(-50, 50, (k, n)).astype(dtype)
+    else:
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_npy_memmaps_are_read_by_the_workers(client, tmp_path, dtype):
+    a, b = _operands(tmp_path, dtype)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", np.asfortranarray(b))  # a Fortran-ordered file too
+    am = np.load(tmp_path / "a.npy", mmap_mode="r")
+    bm = np.load(tmp_path / "b.npy", mmap_mode="r")
+    with distributed.get_task_stream(client) as ts:
+        got = distmm.matmul(am, bm, client=client)
+    assert last_stats()["read_on_workers"] == [True, True]
+    assert _read_tasks(ts, "a") > 0 and _read_tasks(ts, "b") > 0
+    want = distmm.matmul(a, b, client=client)  # the same product, scattered from memory
+    assert last_stats()["read_on_workers"] == [False, False]
+    assert got.dtype == want.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got, want)
+    if dtype == "int64":
+        np.testing.assert_array_equal(got, a @ b)
+    else:
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+        tol = 1e-4 if dtype == "float32" else 1e-12
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+
+
+def test_zarr_arrays_are_read_by_the_workers(client, tmp_path):
+    a, b = _operands(tmp_path, "float64", 520, 333, 410)
+    za = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=a.shape, chunks=(128, 100),
+                         dtype=a.dtype)
+    za[:] = a
+    group = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
+    zb = group.create_array("b", shape=b.shape, chunks=(90, 128), dtype=b.dtype)
+    zb[:] = b
+    with distributed.get_task_stream(client) as ts:
+        got = distmm.matmul(za, zb, client=client)
+    assert last_stats()["read_on_workers"] == [True, True]
+    assert _read_tasks(ts, "a") > 0 and _read_tasks(ts, "b") > 0
+    np.testing.assert_array_equal(got, distmm.matmul(a, b, client=client))
+
+
+def test_what_is_not_the_whole_file_goes_through_the_client(client, tmp_path):
+    a, b = _operands(tmp_path, "float64", 120, 120, 90)
+    np.save(tmp_path / "a.npy", a)
+    am = np.load(tmp_path / "a.npy", mmap_mode="r")
+    for view, want_a in ((am[1:], a[1:]), (am.T, a.T), (np.array(am), a)):
+        bb = b if view.shape[1] == b.shape[0] else b[1:]
+        got = distmm.matmul(view, bb, client=client)
+        assert last_stats()["read_on_workers"] == [False, False]
+        np.testing.assert_allclose(got, want_a @ bb, rtol=1e-12, atol=1e-12)
+
+
+def test_a_file_the_workers_see_differently_is_not_read_there(client, tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((4, 5)))
+    src = files.source_of(np.load(tmp_path / "a.npy", mmap_mode="r"))
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    assert files.visible(client, [src], workers)
+    stale = files.FileSource(src.kind, src.path, src.node, src.shape, src.dtype, src.size,
+                             src.mtime_ns - 1)  # as if written again since
+    assert not files.visible(client, [stale], workers)
+    os.remove(tmp_path / "a.npy")
+    assert not files.visible(client, [src], workers)
