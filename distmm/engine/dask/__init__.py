@@ -150,7 +150,7 @@ def block_budget(plan_budget: int, units) -> int:
     the plan's budget: the lower of the configured one and the workers' host limits
     (``plan_hints``). Measured need: on two H100s the client-side budget (half the free
     memory of a device the workers' pools held) cut each GPU's block of a float32 32768
-    product into 16 cells and 2 k groups, whose partials crossed TCP (4.4 GB)."""
+    product into 8 cells and 2 k groups, whose partials crossed TCP (4.4 GB)."""
     from distmm.config import get_config
 
     shares = [u.device_memory // max(u.share_device, 1) for u in units

@@ -120,6 +120,7 @@ def visible(client, sources, workers) -> bool:
 
 _OPEN: dict = {}  # (path, node, mtime_ns) -> the opened array, one per worker process
 _OPEN_LOCK = threading.Lock()
+_KEEP_OPEN = 16  # files kept open per process (the oldest closed first)
 
 
 def _opened(src: FileSource):
@@ -137,6 +138,8 @@ def _opened(src: FileSource):
                 raise ValueError(f"{src.path}: the file changed since the product began "
                                  f"({arr.shape} {arr.dtype}, expected {src.shape} "
                                  f"{np.dtype(src.dtype)})")
+            while len(_OPEN) >= _KEEP_OPEN:
+                _OPEN.pop(next(iter(_OPEN)))
             _OPEN[key] = arr
     return arr
 
