@@ -334,8 +334,8 @@ def _cases(args, mode: dict) -> list[tuple[int, str, int, int]]:
     if "cases" in mode and not (args.ranks or args.sizes or args.dtypes):
         return list(mode["cases"])
     ranks = args.ranks or mode.get("ranks", [1])
-    gpus = getattr(args, "gpus", 1) or 1
-    return [(r, d, n, min(gpus, r)) for d in args.dtypes or mode.get("dtypes", ["float32", "float64"])
+    dtypes = args.dtypes or mode.get("dtypes", ["float32", "float64"])
+    return [(r, d, n, min(args.gpus, r)) for d in dtypes
             for n in args.sizes or mode.get("sizes", [32768]) for r in ranks]
 
 

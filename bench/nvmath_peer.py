@@ -224,11 +224,11 @@ def record(writer, res: dict, case, ref_seconds: float, ref_variant: str, rounds
     rec = writer.add(NAME, dtype, n, n, n, seconds, res["relerr"], ranks=ranks, gpus=gpus,
                      times=res["times"], rounds=rounds, repeat=repeat, versions=v,
                      ratio_to_reference=ref_seconds / seconds,
-                     backend="cublasmp-" + "+".join(v.get("backends", ["nccl"])),
+                     backend="cublasmp-" + "+".join(v["backends"]),
                      distributions=["Slab.Y (A transposed view)", "Slab.Y", "Slab.X"], **extra,
                      note=f"nvmath-python {v['nvmath_python']} distributed Matmul, cuBLASMp "
                           f"{v['cublasmp']}, NCCL {v['nccl']}, backends="
-                          f"{v.get('backends', ['nccl'])} (NVSHMEM "
+                          f"{v['backends']} (NVSHMEM "
                           f"{'present' if v['nvshmem'] else 'absent'}); one GPU per rank; "
                           f"each rank made only its rows of A and columns of B (C stays "
                           f"distributed by rows); Matmul and plan() untimed; {repeat} timed "

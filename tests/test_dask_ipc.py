@@ -292,6 +292,14 @@ def _hold_fake_export(token):
     return transfer.keep_until_released(fake, ipc.hold)
 
 
+def _until(client, fn, worker, want, seconds=30):
+    """``fn()`` on ``worker`` once it returns ``want`` (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while client.run(fn, workers=[worker])[worker] != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return client.run(fn, workers=[worker])[worker]
+
+
 def _held_here():
     return ipc.held(), transfer.held_keys()
 
@@ -300,8 +308,6 @@ def test_exports_are_held_until_the_scheduler_releases_their_keys(pair):
     """With the ExportLifetime plugin registered, an export task's allocation is
     held by its token (so a spilled and re-read result still finds it) until the
     scheduler releases the task's key, and then let go."""
-    import time
-
     client, w0, _w1 = pair
     assert transfer.ensure_lifetime(client)
     assert transfer.ensure_lifetime(client)  # once per cluster
@@ -312,10 +318,7 @@ def test_exports_are_held_until_the_scheduler_releases_their_keys(pair):
     time.sleep(0.5)  # still held while the key is kept (the future is alive)
     assert client.run(_held_here, workers=[w0])[w0] == (base[0] + 1, base[1] + 1)
     del fut
-    deadline = time.monotonic() + 30
-    while client.run(_held_here, workers=[w0])[w0] != base and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert client.run(_held_here, workers=[w0])[w0] == base
+    assert _until(client, _held_here, w0, base) == base
 
 
 def _orphans_here():
@@ -325,13 +328,6 @@ def _orphans_here():
 def _drop_replica(key, address, dask_scheduler=None):
     """What the Active Memory Manager does to a key held by two workers."""
     dask_scheduler.request_remove_replicas(address, [key], stimulus_id="test-remove-replicas")
-
-
-def _until(client, fn, worker, want, seconds=30):
-    deadline = time.monotonic() + seconds
-    while client.run(fn, workers=[worker])[worker] != want and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return client.run(fn, workers=[worker])[worker]
 
 
 def test_a_dropped_replica_keeps_the_export_until_the_key_is_gone(pair):

@@ -108,9 +108,8 @@ class _Scattered:
         return np.asarray(self.array[self.index(idx)])
 
     def nbytes(self, idx) -> int:
-        lead, r, c = idx[:-2], idx[-2], idx[-1]
-        return int((self.row_edges[r + 1] - self.row_edges[r])
-                   * (self.col_edges[c + 1] - self.col_edges[c]) * self.array.dtype.itemsize)
+        rows, cols = self.index(idx)[-2:]
+        return (rows.stop - rows.start) * (cols.stop - cols.start) * self.array.dtype.itemsize
 
     def _wanted(self, idx, slots: list[str], alive: set) -> list[str]:
         wanted = {slots[o % len(slots)] for o in self.needers.get(idx, ())} & alive if slots else set()

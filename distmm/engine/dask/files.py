@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -84,10 +84,8 @@ def _zarr_source(x) -> FileSource | None:
         return None
     src = FileSource("zarr", os.path.abspath(str(root)), str(getattr(x, "path", "") or ""),
                      tuple(x.shape), np.dtype(x.dtype).str, 0, 0)
-    stamp = _stamp(src.stamp_path)
-    if stamp is None:
-        return None
-    return FileSource(src.kind, src.path, src.node, src.shape, src.dtype, *stamp)
+    stamp = _stamp(src.stamp_path)  # where the metadata lies depends on path and node
+    return None if stamp is None else replace(src, size=stamp[0], mtime_ns=stamp[1])
 
 
 def source_of(x) -> FileSource | None:
