@@ -106,3 +106,26 @@ def test_a_file_the_workers_see_differently_is_not_read_there(client, tmp_path):
     assert not files.visible(client, [stale], workers)
     os.remove(tmp_path / "a.npy")
     assert not files.visible(client, [src], workers)
+
+
+def test_a_file_gone_after_the_check_raises_its_error_at_once(client, tmp_path, monkeypatch):
+    """The file vanishes between the visibility check and the workers' reads: the
+    product raises the reads' FileNotFoundError at once, not the retry loop's
+    WorkersLost a minute later (seen trying it as a user)."""
+    import time
+
+    a, b = _operands(tmp_path, "float64", 400, 300, 200)
+    np.save(tmp_path / "a.npy", a)
+    am = np.load(tmp_path / "a.npy", mmap_mode="r")
+    checked = files.visible
+
+    def checked_then_removed(*args, **kwargs):  # the moment: right after the real check
+        ok = checked(*args, **kwargs)
+        os.remove(tmp_path / "a.npy")
+        return ok
+
+    monkeypatch.setattr(files, "visible", checked_then_removed)
+    t0 = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="a.npy"):
+        distmm.matmul(am, b, client=client, tile=100)
+    assert time.monotonic() - t0 < 30

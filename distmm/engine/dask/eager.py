@@ -60,6 +60,15 @@ def _transient_errors() -> tuple:
     return (CancelledError, KilledWorker, OSError, KeyError, TimeoutError)
 
 
+class _TaskError(Exception):
+    """A task of the product raised ``error`` itself: raised through the loop's handler of
+    lost workers (``error`` may be an ``OSError``, which a lost worker's comm raises too)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(error)
+        self.error = error
+
+
 class _Scattered:
     """The blocks of one host operand as futures on the cluster, sent again when lost.
 
@@ -376,7 +385,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                             continue
                         except transient as exc:
                             if fut.status == "error" and not _is_killed(exc):
-                                raise
+                                raise _TaskError(exc) from exc  # past the loss handler
                             last_error, failed_tiles, troubled = exc, failed_tiles + 1, True
                             continue
                         ob, i, j = futures[fut]
@@ -406,6 +415,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 log.warning("distmm: workers lost during matmul (%r); retrying %d output blocks "
                             "(attempt %d)", last_error, len(pending), attempts)
                 _wait_for_a_worker(client, min(left, 5.0))
+    except _TaskError as failed:  # a task's own error (a file gone, say), not a lost worker
+        raise failed.error from None
     finally:
         if bar is not None:
             bar.close()
