@@ -105,3 +105,42 @@ def test_k_groups_sit_on_chunk_edges():
     # crowded edges never merge two groups
     geo = Geometry.of(plan, ((64,), (1, 1, 998)), ((1000,), (64,)), follow_chunks=True)
     assert geo.k_groups == (0, 1, 2, 1000)
+
+
+def _rows(sizes):
+    return tuple((i, 0, s) for i, s in enumerate(sizes))
+
+
+@pytest.mark.parametrize("sizes, groups", [
+    ([8192] * 4, ((0, 1), (1, 2), (2, 3), (3, 4))),   # 32768 rows: a GEMM per chunk row
+    ([8192, 8192], ((0, 1), (1, 2))),
+    ([1000, 1027], ()),                                # under two groups' rows: one GEMM
+    ([8192], ()),
+    ([3000, 3000, 3000, 100], ((0, 1), (1, 2), (2, 4))),  # a short tail joins the last group
+    ([256] * 128, tuple((i, i + 16) for i in range(0, 128, 16))),  # at most 8 groups
+    ([5000, 100], ()),
+])
+def test_row_groups_are_whole_chunk_rows_of_a_floor_size(sizes, groups):
+    from distmm.engine.dask.tasks import ROW_GROUP_MIN_ROWS, ROW_GROUP_MOST, row_groups
+
+    got = row_groups(_rows(sizes))
+    assert got == groups
+    if got:
+        assert got[0][0] == 0 and got[-1][1] == len(sizes)
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))  # consecutive, nothing skipped
+        assert len(got) <= ROW_GROUP_MOST
+        floor = max(ROW_GROUP_MIN_ROWS, -(-sum(sizes) // ROW_GROUP_MOST))
+        assert all(sum(sizes[g0:g1]) >= floor for g0, g1 in got)
+
+
+def test_block_tasks_read_b_first_then_a_by_row_group():
+    from distmm.engine.dask.blocks import _read_order
+    from distmm.engine.dask.tasks import BlockSpec
+
+    a_rows = ((0, 0, 4096), (1, 0, 4096), (2, 0, 100))
+    b_cols = ((0, 10, 30),)
+    k = (((0, 0, 50), (1, 0, 50)), ((0, 0, 50), (1, 0, 50)))
+    spec = BlockSpec((), (), a_rows, b_cols, (k,), (), (), True, row_groups=((0, 1), (1, 3)))
+    a_order, b_order = _read_order(spec)
+    assert b_order == [(0, 0), (1, 0)]
+    assert a_order == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]

@@ -261,3 +261,47 @@ def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
     assert measured_t["device_routes"]["ipc"] == 0
     assert measured_t["by_name"].get(B.name, 0) == half_b, measured_t["by_name"]
     assert np.array_equal(got_t, got)
+
+
+def test_row_groups_open_chunks_while_gemms_run_and_keep_the_bits(shared):
+    """Blocks of several row groups (A's chunk rows 2048, ..., 1809) whose A and B
+    chunks alternate between the workers: each block task opens the other
+    worker's chunks on its opening thread while its first groups' GEMMs run
+    (``prefetch.Inputs``). The same bits over TCP (every chunk there before
+    the task) and on a second run; one GEMM per block
+    (``distmm-debug.block-rows: false``) matches the float64 reference too."""
+    from distmm.cli.cluster import to_host
+    from test_dask_locality import _block_specs
+
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    a = cupy.asarray(rng.standard_normal((10001, 1531)).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal((1531, 2999)).astype(np.float32))
+    A = _placed(client, a, ((2048,) * 4 + (1809,), (765, 766)),
+                [[w0, w1], [w1, w0], [w0, w1], [w1, w0], [w0, w1]])
+    B = _placed(client, b, ((765, 766), (1500, 1499)), [[w0, w1], [w1, w0]])
+    del a, b
+    results = {}
+    for name, cfg in (("auto", {}), ("tcp", {"distmm.dask-device-transfer": "tcp"}),
+                      ("again", {}), ("whole", {"distmm-debug.block-rows": False})):
+        with dask.config.set(cfg):
+            C = distmm.matmul(A, B, client=client)
+        stats = last_stats()
+        groups = [s.row_groups for s in _block_specs(C)]
+        C = client.persist(C)
+        distributed.wait(C)
+        measured = transfer_report(client, since=stats["started"])
+        got = client.compute(to_host(C), sync=True)
+        results[name] = (stats, measured, got, groups)
+    want = _reference(client, A, B)
+    stats, measured, got, groups = results["auto"]
+    assert stats["mode"] == "blocks", stats
+    assert any(groups) and results["tcp"][3] == groups, groups
+    assert all(g == () for g in results["whole"][3])
+    assert measured["device_routes"]["ipc"] > 0, measured
+    assert measured["device_routes"]["tcp"] == measured["device_routes"]["fallback"] == 0
+    np.testing.assert_allclose(got, want, rtol=3e-4, atol=3e-4 * np.abs(want).max())
+    assert np.array_equal(results["tcp"][2], got)
+    assert np.array_equal(results["again"][2], got)
+    whole = results["whole"][2]
+    np.testing.assert_allclose(whole, want, rtol=3e-4, atol=3e-4 * np.abs(want).max())

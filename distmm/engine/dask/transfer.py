@@ -449,9 +449,10 @@ def _fetch(offer: Offer, first: BaseException):
         return host
 
 
-def take(x):
+def take(x, out=None):
     """In a block task: a chunk as it is, or an ``Offer`` opened (once per
-    process) into a chunk on this worker's device."""
+    process) into a chunk on this worker's device (copied from another process
+    into ``out`` when given: ``ipc.open_copy``)."""
     if not isinstance(x, Offer):
         return x
     with x._lock:  # one open per offer and process; other offers open meanwhile
@@ -466,7 +467,7 @@ def take(x):
                 arr, route, moved = ipc.open_copy(x.shared, copy=False), "local", 0
             else:
                 try:
-                    arr, route, moved = ipc.open_copy(x.shared), "ipc", x.nbytes
+                    arr, route, moved = ipc.open_copy(x.shared, out=out), "ipc", x.nbytes
                 except ipc.IPCError as exc:
                     log.warning("distmm: %r: CUDA IPC open failed (%s); fetching it from the "
                                 "holder through the scheduler", x, exc)
