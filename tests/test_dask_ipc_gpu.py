@@ -58,10 +58,19 @@ def _to_device(x, layout: str):
     return d
 
 
+_KEPT: list = []  # in the worker processes: exports made by _export, kept alive
+
+
 def _export(arr):
+    """Export ``arr`` and keep the export alive in this process, as a holder must
+    (the engine's ``ExportLifetime``): distributed's Active Memory Manager may drop
+    this task's replica here once a reader holds the result, and with it the last
+    reference to the allocation (seen on 2 x H200: the exporter's own open failed)."""
     from distmm.executor import ipc
 
-    return ipc.export(arr)
+    shared = ipc.export(arr)
+    _KEPT.append(shared)
+    return shared
 
 
 def _open(shared):
