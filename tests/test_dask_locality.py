@@ -241,39 +241,3 @@ def test_search_never_moves_more_than_the_naive_order():
         assert exact.method == "exact" and swaps.method == "swaps"
         assert exact.bytes <= swaps.bytes <= swaps.naive_bytes == exact.naive_bytes
         assert exact.bytes == cost(exact.layout, exact.units)
-
-
-def _block_specs(C) -> list:
-    """The ``BlockSpec`` of every block task in C's graph."""
-    from distmm.engine.dask.tasks import BlockSpec
-
-    specs = []
-    for name, layer in C.dask.layers.items():
-        if name.startswith("distmm-matmul-"):
-            for key in layer:
-                specs += [x for x in getattr(layer[key], "args", ()) if isinstance(x, BlockSpec)]
-    return specs
-
-
-def test_block_row_groups_come_from_the_plan_not_the_route(pair):
-    """Each block's GEMM row groups are in its task's spec, the same whichever
-    route the chunks take, and none with ``distmm-debug.block-rows: false``;
-    the product is the same either way (host chunks: the pipeline ignores them)."""
-    client, w0, w1 = pair
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((10001, 96)), rng.standard_normal((96, 64))
-    A = _placed(client, a, ((2048,) * 4 + (1809,), (96,)), [[w0], [w1], [w0], [w1], [w0]])
-    B = _placed(client, b, ((96,), (64,)), [[w1]])
-    got = {}
-    for name, cfg in (("split", {}), ("tcp", {"distmm.dask-device-transfer": "tcp"}),
-                      ("whole", {"distmm-debug.block-rows": False})):
-        with _equal_gpus(), dask.config.set(cfg):
-            C = distmm.matmul(A, B, client=client)
-        specs = _block_specs(C)
-        assert specs, "no block task found in the graph"
-        got[name] = ([s.row_groups for s in specs], C.compute())
-    assert any(got["split"][0]), got["split"][0]
-    assert got["tcp"][0] == got["split"][0]
-    assert all(g == () for g in got["whole"][0])
-    _check(got["split"][1], a @ b)
-    assert np.array_equal(got["split"][1], got["whole"][1])

@@ -12,9 +12,6 @@ tasks, cells, units with their blocks, the route and estimated bytes), the bytes
 workers logged by route and by key name, and per (task prefix, action, worker) the count,
 summed duration and when the last one ended after the first task started.
 ``DISTMM_DASK_DEVICE_TRANSFER`` picks the route as for any product.
-``--modes rows whole`` alternates, call by call, GPU blocks split into row-group GEMMs
-(the default) and one GEMM per block (``distmm-debug.block-rows: false``), and ends with
-each mode's median; ``--brief`` prints one line per call.
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
 """
 from __future__ import annotations
@@ -54,13 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--calls", type=int, default=2)
-    p.add_argument("--modes", nargs="+", choices=["rows", "whole"], default=["rows"])
-    p.add_argument("--brief", action="store_true")
     args = p.parse_args(argv)
 
-    import statistics
-
-    import dask
     import distributed
 
     from bench.dask_gpu import Bench, start_cluster
@@ -70,36 +62,25 @@ def main(argv=None) -> int:
     with cluster, distributed.Client(cluster) as client:
         print(what, flush=True)
         bench = Bench(client, gpu=True, timeout=300)
-        times: dict = collections.defaultdict(list)
         for n in args.sizes:
-            for call, mode in ((i, m) for i in range(args.calls) for m in args.modes):
+            for call in range(args.calls):
                 a, b = bench.operands(n, args.chunk, args.dtype)
                 since = time.time()
-                with distributed.get_task_stream(client) as ts, \
-                        dask.config.set({"distmm-debug.block-rows": mode == "rows"}):
+                with distributed.get_task_stream(client) as ts:
                     sec, c = bench.product("distmm-dask", a, b)
-                if call:  # the first call of a size is a cold one
-                    times[(n, mode)].append(sec)
-                if args.brief:
-                    print(f"== {args.dtype} n={n} call {call} {mode}: {sec:.3f} s", flush=True)
-                    del c, a, b
-                    continue
                 st = last_stats()
                 moved = transfer_report(client, since=since)
                 keep = {k: st.get(k) for k in ("mode", "tasks", "cells", "moved", "transfer",
                                                "estimated_bytes")}
                 keep["units"] = [{k: u.get(k) for k in ("address", "block", "gpu", "share")}
                                  for u in st.get("units", [])]
-                print(f"== {args.dtype} n={n} call {call} {mode}: {sec:.3f} s", flush=True)
+                print(f"== {args.dtype} n={n} call {call}: {sec:.3f} s", flush=True)
                 print(json.dumps(keep, default=str))
                 print("routes", moved["device_routes"], "worker_to_worker",
                       moved["worker_to_worker"], "by_name",
                       {k[:40]: v for k, v in moved["by_name"].items()})
                 print("\n".join(stream_summary(ts.data)), flush=True)
                 del c, a, b
-        for (n, mode), ts_ in sorted(times.items()):
-            print(f"median {args.dtype} n={n} {mode}: {statistics.median(ts_):.4f} s over "
-                  f"{len(ts_)} warm call(s): {' '.join(f'{t:.4f}' for t in ts_)}", flush=True)
     return 0
 
 

@@ -282,10 +282,8 @@ def local_array(shared):
     return alloc.array
 
 
-def open_copy(shared: Shared, *, copy: bool = True, out=None):
-    """The exported array as a fresh cupy array on this process's current device
-    (from another process: copied into ``out`` when given, an array of its shape and
-    dtype, on cupy's current stream).
+def open_copy(shared: Shared, *, copy: bool = True):
+    """The exported array as a fresh cupy array on this process's current device.
 
     In the exporting process: a copy of its own array (``copy=False``: the
     array itself, to be read only). In another process of the same host: the
@@ -306,12 +304,8 @@ def open_copy(shared: Shared, *, copy: bool = True, out=None):
         raise IPCError(f"{shared!r} was exported on host {shared.host!r}, this is {_HOST!r}: "
                        "CUDA IPC works only between processes of one host")
     cupy = _cupy()
-    if out is not None and (tuple(out.shape) != tuple(shared.shape) or out.dtype != shared.dtype
-                            or not out.flags.c_contiguous):
-        raise IPCError(f"{shared!r}: out= must be a C-contiguous {shared.dtype} array of shape "
-                       f"{shared.shape}, got {out.dtype} {out.shape}")
     if shared.handle is None:
-        return cupy.empty(shared.shape, shared.dtype) if out is None else out
+        return cupy.empty(shared.shape, shared.dtype)
     rt = cupy.cuda.runtime
     try:
         rt.deviceGetByPCIBusId(shared.pci_bus_id)
@@ -320,8 +314,7 @@ def open_copy(shared: Shared, *, copy: bool = True, out=None):
                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
                        f"{exc}") from exc
     try:
-        if out is None:
-            out = cupy.empty(shared.shape, shared.dtype)
+        out = cupy.empty(shared.shape, shared.dtype)
         stream = cupy.cuda.get_current_stream()
         ptr = rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS)
         try:

@@ -327,7 +327,7 @@ class DaskEngine(Engine):
             follow = self._chunk_tile is not None and tuple(plan.tile) == self._chunk_tile
             geometry = Geometry.of(plan, a2.chunks, b2.chunks, follow_chunks=follow)
             if units:
-                from distmm.engine.dask.graph import CellTasks, split_rows
+                from distmm.engine.dask.graph import CellTasks
                 from distmm.engine.dask.layout import layout_devices
 
                 from distmm.engine.dask.placement import who_has
@@ -352,8 +352,7 @@ class DaskEngine(Engine):
                              for bi, bj in layout.cells() for g in range(layout.groups)}
                 cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
                     {u.address for u in units})
-                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu), homes,
-                                  split_rows())
+                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu), homes)
                 result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
                                      request.backend, sources=sources)
                 stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})

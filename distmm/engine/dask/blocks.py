@@ -19,7 +19,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (_EXECUTORS, BlockSpec, TaskPlan, _panel, _worker_has_gpu,
                                       _xp, as_chunk)
-from distmm.engine.dask.prefetch import Inputs
+from distmm.engine.dask.transfer import take
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked"]
@@ -91,23 +91,17 @@ def _device_limit(share: int):
     return int(min(0.85 * total / share, 0.95 * free))
 
 
-def _gpu_executor(tp: TaskPlan, backend: str):
-    """This worker process's GPU executor for ``backend`` (``auto`` for a CPU one)."""
+def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
+    """``a @ b`` in the accumulation dtype on this worker's GPU: host float
+    panels through the stream pipeline, others through the device."""
     from distmm.executor import GPU_BACKENDS, get_executor
 
+    acc = np.dtype(tp.acc_dtype)
     name = backend if backend in GPU_BACKENDS else "auto"
     key = (name, tp.acc_dtype, True)
     ex = _EXECUTORS.get(key)
     if ex is None:
-        ex = _EXECUTORS[key] = get_executor(name, np.dtype(tp.acc_dtype), on_gpu=True)
-    return ex
-
-
-def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
-    """``a @ b`` in the accumulation dtype on this worker's GPU: host float
-    panels through the stream pipeline, others through the device."""
-    acc = np.dtype(tp.acc_dtype)
-    ex = _gpu_executor(tp, backend)
+        ex = _EXECUTORS[key] = get_executor(name, acc, on_gpu=True)
     host = isinstance(a, (np.ndarray, Chunked))
     if host and acc.name in ("float32", "float64") and a.shape[1]:
         from distmm.executor.pipeline import run_pipelined
@@ -169,89 +163,47 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     operands, where no loop outside the graph can; the worker's log names
     ``cell``); empty: ``TileFailed`` reaches the caller (the eager loop).
     Inputs may be ``transfer.Offer`` objects (another worker's device chunk
-    exported through CUDA IPC): they are opened onto this worker's device in
-    the background, B's first, then A's by row group (``prefetch.Inputs``),
-    while the GEMMs of the row groups already here run (``_gpu_rows``).
+    exported through CUDA IPC): each is opened onto this worker's device first.
     """
     from distmm.errors import TileFailed
 
-    host = isinstance(a_list[0], np.ndarray)  # an Offer is always a device chunk's
-    a_order, b_order = _read_order(spec)
-    b_blocks = Inputs(spec.b_keys, b_list, b_order)  # B's copies are queued first
-    a_blocks = Inputs(spec.a_keys, a_list, a_order)
-    m = sum(r1 - r0 for _, r0, r1 in spec.a_rows)
-    n = sum(c1 - c0 for _, c0, c1 in spec.b_cols)
+    a_list = [take(x) for x in a_list]
+    b_list = [take(x) for x in b_list]
+    a_blocks = dict(zip(spec.a_keys, a_list))
+    b_blocks = dict(zip(spec.b_keys, b_list))
+    host = isinstance(a_list[0], np.ndarray)
     acc = None
     for a_k, b_k in spec.k_pieces:
         on_gpu = device == "gpu" and (fail or not host or _worker_has_gpu())
+        if on_gpu and host:  # the pipeline reads the chunks by slices
+            a_sub = Chunked(a_blocks, spec.a_lead, spec.a_rows, a_k)
+            b_sub = Chunked(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        else:
+            a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
+            b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
         if on_gpu:
             try:
                 if fail:
                     raise TileFailed("block failed on purpose (distmm-debug.fail-tiles)")
                 try:
-                    if host:  # the pipeline reads the chunks by slices
-                        part = _gpu_block(tp, backend, Chunked(a_blocks, spec.a_lead, spec.a_rows,
-                                                               a_k),
-                                          Chunked(b_blocks, spec.b_lead, b_k, spec.b_cols), share)
-                    else:
-                        part = _gpu_rows(tp, backend, spec, a_blocks, b_blocks, a_k, b_k)
+                    part = _gpu_block(tp, backend, a_sub, b_sub, share)
                 except Exception as exc:
                     if not _device_error(exc):
                         raise
-                    raise TileFailed(f"the GPU failed on a {m} x {n} block: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                    raise TileFailed(f"the GPU failed on a {a_sub.shape[0]} x {b_sub.shape[1]} "
+                                     f"block: {type(exc).__name__}: {exc}") from exc
             except TileFailed:
                 if not fallback:
                     raise
-                part = _cpu_elsewhere(tp, backend, _panel(a_blocks, spec.a_lead, spec.a_rows, a_k),
-                                      _panel(b_blocks, spec.b_lead, b_k, spec.b_cols), fallback,
-                                      cell)
+                part = _cpu_elsewhere(tp, backend, a_sub, b_sub, fallback, cell)
                 if not host:
-                    part = _xp(a_blocks.first()).asarray(part)
+                    part = _xp(a_list[0]).asarray(part)
         else:
-            part = _cpu_block(tp, backend, _panel(a_blocks, spec.a_lead, spec.a_rows, a_k),
-                              _panel(b_blocks, spec.b_lead, b_k, spec.b_cols))
+            part = _cpu_block(tp, backend, a_sub, b_sub)
         acc = part if acc is None else acc + part
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
-
-
-def _read_order(spec: BlockSpec) -> tuple[list, list]:
-    """The order a block task reads its A and B blocks in: per k piece, B's
-    panel, then A's blocks row group by row group (``spec.row_groups``)."""
-    groups = spec.row_groups or ((0, len(spec.a_rows)),)
-    a_order, b_order = [], []
-    for a_k, b_k in spec.k_pieces:
-        b_order += [(kb, cb) for kb, _, _ in b_k for cb, _, _ in spec.b_cols]
-        for g0, g1 in groups:
-            a_order += [(rb, kb) for rb, _, _ in spec.a_rows[g0:g1] for kb, _, _ in a_k]
-    return a_order, b_order
-
-
-def _gpu_rows(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks, b_blocks, a_k, b_k):
-    """``A @ B`` of device chunks over one k piece: B's panel, then one GEMM per
-    row group of A (``spec.row_groups``; none: one GEMM of the whole block) into
-    its rows of C, each queued as soon as its A blocks have arrived, so that
-    the copies of later groups overlap the GEMMs of earlier ones. The groups
-    are the plan's, never where the chunks happen to be: a task run again
-    elsewhere, or over another route, gives the same bits."""
-    import cupy
-
-    ex = _gpu_executor(tp, backend)
-    acc = np.dtype(tp.acc_dtype)
-    b = ex.asarray(_panel(b_blocks, spec.b_lead, b_k, spec.b_cols), acc)
-    groups = spec.row_groups or ((0, len(spec.a_rows)),)
-    if len(groups) == 1:
-        return tile_partial(ex, tp, _panel(a_blocks, spec.a_lead, spec.a_rows, a_k), b)
-    m = sum(r1 - r0 for _, r0, r1 in spec.a_rows)
-    out = cupy.empty((m, b.shape[1]), acc)
-    r = 0
-    for g0, g1 in groups:
-        a = ex.asarray(_panel(a_blocks, spec.a_lead, spec.a_rows[g0:g1], a_k), acc)
-        ex.device_gemm(a, b, out[r:r + a.shape[0]])
-        r += a.shape[0]
-    return out
 
 
 def cut(block, r0: int, r1: int, c0: int, c1: int):

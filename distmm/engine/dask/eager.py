@@ -36,7 +36,7 @@ from itertools import product as iproduct
 import numpy as np
 
 from distmm.engine.dask.chunks import Geometry
-from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of, split_rows
+from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
 from distmm.engine.dask.placement import BlockPlacement, Placement, worker_slots
 from distmm.engine.dask.tasks import TaskPlan
 from distmm.errors import TileFailed, WorkersLost
@@ -266,7 +266,7 @@ class _Blocks:
         addresses = self.addresses(alive)
         homes = {(bi, bj, g): addresses[self.layout.unit_of_partial(bi, bj, g)]
                  for bi, bj in self.layout.cells() for g in range(self.layout.groups)}
-        return CellTasks(table, self.fail, homes=homes, split_rows=split_rows())
+        return CellTasks(table, self.fail, homes=homes)
 
     def placement(self, name: str, alive: set):
         cpu = self.cpu_workers(alive)

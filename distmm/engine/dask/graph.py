@@ -26,7 +26,7 @@ from dask.highlevelgraph import Layer
 
 from distmm.engine.dask.chunks import Geometry, edges, locate
 from distmm.engine.dask.blocks import block_product
-from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, row_groups, sum_step
+from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, sum_step
 
 try:  # dask >= 2024.9.0
     from dask._task_spec import List as _List
@@ -109,18 +109,6 @@ class OperandKeys:
         return tuple(blocks), tuple(lead)
 
 
-#: debug configuration: false makes a GPU block task of device chunks one GEMM, as before
-#: row groups (``tasks.row_groups``); for A/B measurements (bench/research/dask_stream.py)
-BLOCK_ROWS_KEY = "distmm-debug.block-rows"
-
-
-def split_rows() -> bool:
-    """``distmm-debug.block-rows`` (default true), read where the graph is made."""
-    import dask.config
-
-    return bool(dask.config.get(BLOCK_ROWS_KEY, True))
-
-
 @dataclass(frozen=True)
 class CellTasks:
     """Block mode (``distmm.engine.dask.layout``): each output block is a whole
@@ -138,7 +126,6 @@ class CellTasks:
     fail: frozenset = frozenset()
     fallback: tuple = ()  # CPU workers a failed GPU task hands its block to (lazy products)
     homes: Any = None
-    split_rows: bool = True  # GPU blocks of device chunks: one GEMM per row group (row_groups)
 
     def device(self, bi: int, bj: int, g: int) -> tuple[str, int]:
         return self.devices.get((bi, bj, g), ("cpu", 1))
@@ -264,9 +251,8 @@ class ProductLayer(Layer):
         b_cols = geo.b_col_pieces(bj)
         a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for a_k, _ in pieces for kb, _, _ in a_k}))
         b_keys = tuple(sorted({(kb, cb) for _, b_k in pieces for kb, _, _ in b_k for cb, _, _ in b_cols}))
-        groups = row_groups(a_rows) if self.cells is not None and self.cells.split_rows else ()
         spec = BlockSpec(a_lead, b_lead, a_rows, b_cols, pieces, a_keys, b_keys,
-                         finish=not self.split, batch_ndim=len(self.batch), row_groups=groups)
+                         finish=not self.split, batch_ndim=len(self.batch))
         home = None if self.cells is None else self.cells.home(bi, bj, g)
         return spec, [self.a.key(a_bb + ab, home) for ab in a_keys], [
             self.b.key(b_bb + bb, home) for bb in b_keys]

@@ -22,7 +22,7 @@ import numpy as np
 
 from distmm.engine.tiles import finish_tile, tile_partial
 
-__all__ = ["TaskPlan", "BlockSpec", "row_groups", "partial_block", "sum_step", "executor_for", "as_chunk"]
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "as_chunk"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -62,35 +62,6 @@ class BlockSpec:
     b_keys: tuple
     finish: bool  # the product is not split along k: cast to the result dtype here
     batch_ndim: int = 0  # leading length-1 axes of the output chunk
-    row_groups: tuple = ()  # block mode on a GPU: (first, stop) ranges of a_rows, one GEMM each
-
-
-#: block mode's row groups (``row_groups``): at least this many rows each, at most this many
-ROW_GROUP_MIN_ROWS = 2048
-ROW_GROUP_MOST = 8
-
-
-def row_groups(a_rows) -> tuple:
-    """The GEMMs a block task on a GPU splits its block into, by rows of C: runs
-    of consecutive pieces of ``a_rows`` (``(block, start, stop)``, one per A
-    chunk row) of at least ``max(ROW_GROUP_MIN_ROWS, m / ROW_GROUP_MOST)`` rows,
-    a short last run joined to the one before; ``()`` for one group. Chunk
-    rows are whole in a group, so that each group's A panel is copied in
-    once its chunks have arrived (``blocks._gpu_rows``)."""
-    sizes = [r1 - r0 for _, r0, r1 in a_rows]
-    floor = max(ROW_GROUP_MIN_ROWS, -(-sum(sizes) // ROW_GROUP_MOST))
-    groups, start, rows = [], 0, 0
-    for i, size in enumerate(sizes):
-        rows += size
-        if rows >= floor:
-            groups.append([start, i + 1])
-            start, rows = i + 1, 0
-    if start < len(sizes):  # a short tail
-        if groups:
-            groups[-1][1] = len(sizes)
-        else:
-            groups.append([0, len(sizes)])
-    return tuple(map(tuple, groups)) if len(groups) > 1 else ()
 
 
 def _worker_has_gpu() -> bool:

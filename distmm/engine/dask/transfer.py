@@ -449,10 +449,9 @@ def _fetch(offer: Offer, first: BaseException):
         return host
 
 
-def take(x, out=None):
+def take(x):
     """In a block task: a chunk as it is, or an ``Offer`` opened (once per
-    process) into a chunk on this worker's device (copied from another process
-    into ``out`` when given: ``ipc.open_copy``)."""
+    process) into a chunk on this worker's device."""
     if not isinstance(x, Offer):
         return x
     with x._lock:  # one open per offer and process; other offers open meanwhile
@@ -467,7 +466,7 @@ def take(x, out=None):
                 arr, route, moved = ipc.open_copy(x.shared, copy=False), "local", 0
             else:
                 try:
-                    arr, route, moved = ipc.open_copy(x.shared, out=out), "ipc", x.nbytes
+                    arr, route, moved = ipc.open_copy(x.shared), "ipc", x.nbytes
                 except ipc.IPCError as exc:
                     log.warning("distmm: %r: CUDA IPC open failed (%s); fetching it from the "
                                 "holder through the scheduler", x, exc)
