@@ -12,6 +12,10 @@ tasks, cells, units with their blocks, the route and estimated bytes), the bytes
 workers logged by route and by key name, and per (task prefix, action, worker) the count,
 summed duration and when the last one ended after the first task started.
 ``DISTMM_DASK_DEVICE_TRANSFER`` picks the route as for any product.
+``--trace`` wraps the block task's parts on the workers (``client.run``; the engine is not
+changed) and prints, per worker and from the call's start: when the block task started,
+its host seconds opening offers (``take``) and joining panels, when its GEMM was queued,
+and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself.
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
 """
 from __future__ import annotations
@@ -43,6 +47,88 @@ def stream_summary(data) -> list[str]:
             for k, (n, tot, end) in sorted(agg.items(), key=lambda kv: kv[1][2])]
 
 
+def _install_trace(dask_worker=None):
+    """On a worker: wrap ``blocks.block_product``, ``take``, ``_panel`` and ``_gpu_block``
+    to record host times and CUDA events into ``blocks._TRACE`` (a list per process)."""
+    import time as _t
+
+    import cupy
+
+    from distmm.engine.dask import blocks
+
+    if getattr(blocks, "_TRACE", None) is not None:
+        return False
+    blocks._TRACE = []
+    orig = {n: getattr(blocks, n) for n in ("block_product", "take", "_panel", "_gpu_block")}
+    cur: dict = {}
+
+    def block_product(*args, **kwargs):
+        cur.clear()
+        cur.update(t_start=_t.time(), take=0.0, panel=0.0,
+                   e0=cupy.cuda.get_current_stream().record())
+        out = orig["block_product"](*args, **kwargs)
+        cur.update(t_end=_t.time(), e_end=cupy.cuda.get_current_stream().record())
+        blocks._TRACE.append(dict(cur))
+        return out
+
+    def timed(name):
+        def run(*args, **kwargs):
+            t0 = _t.perf_counter()
+            try:
+                return orig[name](*args, **kwargs)
+            finally:
+                if cur:
+                    cur[name.strip("_")] = cur.get(name.strip("_"), 0.0) + _t.perf_counter() - t0
+        return run
+
+    def gpu_block(*args, **kwargs):
+        cur.update(t_gemm=_t.time(), e_g0=cupy.cuda.get_current_stream().record())
+        out = orig["_gpu_block"](*args, **kwargs)
+        cur.update(t_gemm_queued=_t.time(), e_g1=cupy.cuda.get_current_stream().record())
+        return out
+
+    blocks.block_product = block_product
+    blocks.take, blocks._panel = timed("take"), timed("_panel")
+    blocks._gpu_block = gpu_block
+    return True
+
+
+def _collect_trace(dask_worker=None) -> list:
+    """On a worker: the recorded block tasks since the last collection, as plain numbers."""
+    import cupy
+
+    from distmm.engine.dask import blocks
+
+    out = []
+    for r in getattr(blocks, "_TRACE", None) or []:
+        r["e_end"].synchronize()
+        ms = cupy.cuda.get_elapsed_time
+        row = {k: r[k] for k in ("t_start", "t_end", "take", "panel") if k in r}
+        if "e_g0" in r:
+            row.update(t_gemm=r["t_gemm"], t_gemm_queued=r["t_gemm_queued"],
+                       gpu_before_gemm=ms(r["e0"], r["e_g0"]) / 1e3,
+                       gpu_gemm=ms(r["e_g0"], r["e_g1"]) / 1e3)
+        out.append(row)
+    if getattr(blocks, "_TRACE", None) is not None:
+        blocks._TRACE.clear()
+    return out
+
+
+def trace_lines(traces: dict, t0: float) -> list[str]:
+    """One line per block task: times from the call's start ``t0`` (seconds)."""
+    lines = []
+    for worker, rows in sorted(traces.items()):
+        for r in rows:
+            line = (f"   trace {worker.rsplit(':', 1)[-1]}: start {r['t_start'] - t0:.3f} "
+                    f"take {r['take']:.3f}s panel {r['panel']:.3f}s")
+            if "t_gemm" in r:
+                line += (f" gemm queued at {r['t_gemm_queued'] - t0:.3f} (entered "
+                         f"{r['t_gemm'] - t0:.3f}); GPU: before-gemm {r['gpu_before_gemm']:.3f}s "
+                         f"gemm {r['gpu_gemm']:.3f}s, done ~{r['t_start'] - t0 + r['gpu_before_gemm'] + r['gpu_gemm']:.3f}")
+            lines.append(line + f"; task returned {r['t_end'] - t0:.3f}")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.research.dask_stream",
                                 description=__doc__.splitlines()[0])
@@ -51,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--calls", type=int, default=2)
+    p.add_argument("--trace", action="store_true")
     args = p.parse_args(argv)
 
     import distributed
@@ -62,12 +149,17 @@ def main(argv=None) -> int:
     with cluster, distributed.Client(cluster) as client:
         print(what, flush=True)
         bench = Bench(client, gpu=True, timeout=300)
+        if args.trace:
+            client.run(_install_trace)
         for n in args.sizes:
             for call in range(args.calls):
                 a, b = bench.operands(n, args.chunk, args.dtype)
+                if args.trace:
+                    client.run(_collect_trace)  # drop what the operands' making left
                 since = time.time()
                 with distributed.get_task_stream(client) as ts:
                     sec, c = bench.product("distmm-dask", a, b)
+                traces = client.run(_collect_trace) if args.trace else {}
                 st = last_stats()
                 moved = transfer_report(client, since=since)
                 keep = {k: st.get(k) for k in ("mode", "tasks", "cells", "moved", "transfer",
@@ -80,6 +172,8 @@ def main(argv=None) -> int:
                       moved["worker_to_worker"], "by_name",
                       {k[:40]: v for k, v in moved["by_name"].items()})
                 print("\n".join(stream_summary(ts.data)), flush=True)
+                if traces:
+                    print("\n".join(trace_lines(traces, since)), flush=True)
                 del c, a, b
     return 0
 
