@@ -4,7 +4,8 @@ Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of test_dask_g
 ``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and
 ``open_copy`` in the other, bitwise equal to the source for float32, float64 and int32, odd
 shapes, an empty array and non-contiguous sources (made contiguous by the export); eight
-threads of one reader opening the same export at once; the exporting process opening its own
+threads of one reader opening the same export at once; rectangles of an export copied
+straight into place in a larger buffer (``map_export`` + ``copy_rect``, as block panels are made); the exporting process opening its own
 export; the probe finding both directions; a reader whose open fails (an offer altered to
 look exported on another host) fetching the bytes from the holder's live export instead; and
 ``distmm.matmul`` of cupy chunks persisted on both workers: the plan's IPC bytes are what
@@ -208,6 +209,47 @@ def test_a_failed_open_fetches_the_bytes_from_the_holder(shared):
     host, on_device, routes = _submit(client, _take_as_if_elsewhere, offer, worker=w1).result()
     assert on_device and np.array_equal(host, x)
     assert routes["fallback"] == x.nbytes and routes["ipc"] == routes["tcp"] == 0, routes
+
+
+def _copy_rects(shared, rects, shape, dtype):
+    """In the reader: map ``shared`` once, copy each ``(r0, c0, rows, cols, dr, dc)``
+    rectangle of it to ``(dr, dc)`` of a NaN- (or -1-) filled ``shape`` buffer by
+    ``ipc.copy_rect``, synchronise, unmap; the buffer on the host and the bytes."""
+    import cupy
+
+    from distmm.executor import ipc
+
+    buf = cupy.full(shape, -1 if np.dtype(dtype).kind == "i" else np.nan, dtype=dtype)
+    ptr = ipc.map_export(shared)
+    moved = 0
+    try:
+        for r0, c0, rows, cols, dr, dc in rects:
+            moved += ipc.copy_rect(ptr, shared, buf[dr:dr + rows, dc:dc + cols], r0, c0)
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        ipc.unmap(ptr)
+    return cupy.asnumpy(buf), moved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_rectangles_of_an_export_copy_into_place_bitwise(shared, dtype):
+    """``map_export`` + ``copy_rect`` (what a block task's panels use): pieces of
+    another process's export land at their place in a larger buffer, bit for
+    bit, and nothing else of the buffer is written."""
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, (777, 1283), dtype)
+    sh = _submit(client, _export, _on_worker(client, x, w0), worker=w0)
+    rects = [(0, 0, 777, 1283, 5, 3),         # the whole export
+             (100, 7, 300, 1001, 790, 1300),  # an inner rectangle, odd offsets
+             (776, 1282, 1, 1, 0, 2600)]      # its last element
+    got, moved = _submit(client, _copy_rects, sh, rects, (1100, 2700), dtype,
+                         worker=w1).result()
+    want = np.full((1100, 2700), -1 if np.dtype(dtype).kind == "i" else np.nan, dtype=dtype)
+    for r0, c0, rows, cols, dr, dc in rects:
+        want[dr:dr + rows, dc:dc + cols] = x[r0:r0 + rows, c0:c0 + cols]
+    np.testing.assert_array_equal(got, want)  # NaN where nothing was copied, on both sides
+    assert moved == sum(r[2] * r[3] for r in rects) * np.dtype(dtype).itemsize
 
 
 # -- the engine: block mode over cupy chunks on both workers --------------------------------

@@ -70,7 +70,7 @@ import numpy as np
 
 __all__ = ["Shared", "IPCError", "export", "open_copy", "local_array", "available",
            "probe_export", "probe_open", "probe_release", "host_identity", "PROCESS",
-           "LAZY_PEER_ACCESS", "hold", "release", "held"]
+           "LAZY_PEER_ACCESS", "hold", "release", "held", "map_export", "unmap", "copy_rect"]
 
 #: this process's identity in ``Shared`` (random: pids repeat across containers)
 PROCESS = uuid.uuid4().hex
@@ -297,16 +297,37 @@ def open_copy(shared: Shared, *, copy: bool = True):
     if shared.local:
         arr = local_array(shared)
         return arr.copy() if copy else arr
+    if shared.handle is None:
+        return _cupy().empty(shared.shape, shared.dtype)
+    ptr = map_export(shared)  # checks the host and the device before any CUDA call
+    cupy = _cupy()
+    try:
+        out = cupy.empty(shared.shape, shared.dtype)
+        stream = cupy.cuda.get_current_stream()
+        kind = getattr(cupy.cuda.runtime, "memcpyDefault", _MEMCPY_DEFAULT)
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, ptr, shared.nbytes, kind, stream.ptr)
+        stream.synchronize()  # the copy is done before the mapping goes
+    except Exception as exc:
+        raise IPCError(f"opening {shared!r} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        unmap(ptr)
+    return out
+
+
+def map_export(shared: Shared) -> int:
+    """Map another process's export (same host) into this process: the device
+    pointer of its first element, valid until ``unmap``. Peer access is enabled
+    lazily when the export lives on another device. ``IPCError`` on another
+    host, an empty export, a device this process does not see, or a CUDA error."""
+    if shared.local or shared.handle is None:
+        raise IPCError(f"{shared!r}: only another process's non-empty export is mapped")
     if shared.gone:
         raise IPCError(f"{shared!r}: its exporting process freed the allocation (the "
                        "export was spilled and read back)")
     if shared.host != _HOST:
         raise IPCError(f"{shared!r} was exported on host {shared.host!r}, this is {_HOST!r}: "
                        "CUDA IPC works only between processes of one host")
-    cupy = _cupy()
-    if shared.handle is None:
-        return cupy.empty(shared.shape, shared.dtype)
-    rt = cupy.cuda.runtime
+    rt = _cupy().cuda.runtime
     try:
         rt.deviceGetByPCIBusId(shared.pci_bus_id)
     except Exception as exc:
@@ -314,18 +335,40 @@ def open_copy(shared: Shared, *, copy: bool = True):
                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
                        f"{exc}") from exc
     try:
-        out = cupy.empty(shared.shape, shared.dtype)
-        stream = cupy.cuda.get_current_stream()
-        ptr = rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS)
-        try:
-            kind = getattr(rt, "memcpyDefault", _MEMCPY_DEFAULT)
-            rt.memcpyAsync(out.data.ptr, ptr, shared.nbytes, kind, stream.ptr)
-            stream.synchronize()  # the copy is done before the mapping goes
-        finally:
-            rt.ipcCloseMemHandle(ptr)
+        return int(rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS))
     except Exception as exc:
         raise IPCError(f"opening {shared!r} failed: {type(exc).__name__}: {exc}") from exc
-    return out
+
+
+def unmap(ptr: int) -> None:
+    """End a ``map_export`` (after every copy from it has finished)."""
+    _cupy().cuda.runtime.ipcCloseMemHandle(ptr)
+
+
+def copy_rect(ptr: int, shared: Shared, dst, r0: int, c0: int, stream=None) -> int:
+    """Queue the copy of rows ``r0:r0 + dst.shape[0]``, columns ``c0:c0 +
+    dst.shape[1]`` of a mapped export (``map_export``'s ``ptr``; the export is
+    C-ordered, ``shared.shape[1]`` elements a row) into ``dst``, a 2-D view whose
+    rows are contiguous (any row pitch), on ``stream`` (default: cupy's current
+    one), by the copy engines: one device-to-device or peer copy, no staging.
+    Returns the bytes copied. The caller synchronises before ``unmap``."""
+    cupy = _cupy()
+    rows, cols = dst.shape
+    isz = np.dtype(shared.dtype).itemsize
+    if (np.dtype(dst.dtype) != np.dtype(shared.dtype) or dst.ndim != 2
+            or (rows > 1 and dst.strides[0] % isz) or (cols > 1 and dst.strides[1] != isz)
+            or r0 + rows > shared.shape[0] or c0 + cols > shared.shape[1]):
+        raise IPCError(f"{shared!r}: cannot copy rows {r0}+{rows}, columns {c0}+{cols} into a "
+                       f"{dst.dtype} array of strides {dst.strides}")
+    if rows == 0 or cols == 0:
+        return 0
+    stream = stream or cupy.cuda.get_current_stream()
+    pitch = shared.shape[1] * isz
+    kind = getattr(cupy.cuda.runtime, "memcpyDefault", _MEMCPY_DEFAULT)
+    cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0] if rows > 1 else cols * isz,
+                                    ptr + r0 * pitch + c0 * isz, pitch, cols * isz, rows, kind,
+                                    stream.ptr)
+    return rows * cols * isz
 
 
 # -- probes: does the route work between two processes? -----------------------------------

@@ -8,7 +8,9 @@ pipeline reading the block's panels straight from the chunks it was handed
 pipeline's retries, a lost device, or on purpose for tests), or handing the
 block to a CPU worker itself; on a CPU worker with the CPU executor; and
 ``cut``, one output chunk sliced out of its block. Device chunks of other
-workers may arrive as CUDA IPC offers (``transfer.take`` opens them).
+workers may arrive as CUDA IPC offers: a GPU task copies the pieces it needs
+straight from the other process's memory into its panels
+(``transfer.take_into``), assembling each panel in one pass.
 It does *not* cover: which blocks exist (``distmm.engine.dask.layout``), the
 graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
 pickled by reference.
@@ -19,7 +21,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (_EXECUTORS, BlockSpec, TaskPlan, _panel, _worker_has_gpu,
                                       _xp, as_chunk)
-from distmm.engine.dask.transfer import take
+from distmm.engine.dask.transfer import Offer, _dtype, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked"]
@@ -163,21 +165,26 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     operands, where no loop outside the graph can; the worker's log names
     ``cell``); empty: ``TileFailed`` reaches the caller (the eager loop).
     Inputs may be ``transfer.Offer`` objects (another worker's device chunk
-    exported through CUDA IPC): each is opened onto this worker's device first.
+    exported through CUDA IPC): on a GPU their pieces are copied straight into
+    the panels (``_device_panels``); elsewhere each is opened whole first.
     """
     from distmm.errors import TileFailed
 
-    a_list = [take(x) for x in a_list]
-    b_list = [take(x) for x in b_list]
+    host = isinstance(a_list[0], np.ndarray)  # an Offer is always a device chunk's
+    device_panels = device == "gpu" and not host
+    if not device_panels:  # device panels open offers as they copy them in (_device_panels)
+        a_list = [take(x) for x in a_list]
+        b_list = [take(x) for x in b_list]
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
-    host = isinstance(a_list[0], np.ndarray)
     acc = None
     for a_k, b_k in spec.k_pieces:
         on_gpu = device == "gpu" and (fail or not host or _worker_has_gpu())
         if on_gpu and host:  # the pipeline reads the chunks by slices
             a_sub = Chunked(a_blocks, spec.a_lead, spec.a_rows, a_k)
             b_sub = Chunked(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        elif device_panels:
+            a_sub, b_sub = _device_panels(spec, a_k, b_k, a_blocks, b_blocks)
         else:
             a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
             b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
@@ -197,13 +204,55 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
                     raise
                 part = _cpu_elsewhere(tp, backend, a_sub, b_sub, fallback, cell)
                 if not host:
-                    part = _xp(a_list[0]).asarray(part)
+                    part = _xp(a_sub).asarray(part)
         else:
             part = _cpu_block(tp, backend, a_sub, b_sub)
         acc = part if acc is None else acc + part
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def _device_panels(spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict):
+    """A's and B's panels of one k piece on this worker's GPU, from device
+    chunks and CUDA IPC offers (``transfer.Offer``), each assembled in one
+    pass: every piece is copied into its place, another process's export
+    straight from its memory by the copy engines (``transfer.take_into``). A
+    panel of one piece of a chunk at hand is a view. The mappings are closed
+    once every copy has finished."""
+    import cupy
+
+    from distmm.executor import ipc
+
+    mapped: dict = {}
+    try:
+        a = _assemble(a_blocks, spec.a_lead, spec.a_rows, a_k, mapped)
+        b = _assemble(b_blocks, spec.b_lead, b_k, spec.b_cols, mapped)
+    finally:
+        if mapped:
+            cupy.cuda.get_current_stream().synchronize()
+            for ptr in mapped.values():
+                ipc.unmap(ptr)
+    return a, b
+
+
+def _assemble(blocks: dict, lead: tuple, row_pieces, col_pieces, mapped: dict):
+    import cupy
+
+    first = blocks[(row_pieces[0][0], col_pieces[0][0])]
+    if len(row_pieces) == 1 and len(col_pieces) == 1 and not isinstance(first, Offer):
+        return _panel(blocks, lead, row_pieces, col_pieces)
+    rows = sum(r1 - r0 for _, r0, r1 in row_pieces)
+    cols = sum(c1 - c0 for _, c0, c1 in col_pieces)
+    out = cupy.empty((rows, cols), _dtype(first))
+    r = 0
+    for rb, r0, r1 in row_pieces:
+        c = 0
+        for cb, c0, c1 in col_pieces:
+            take_into(blocks[(rb, cb)], out[r:r + r1 - r0, c:c + c1 - c0], lead, r0, c0, mapped)
+            c += c1 - c0
+        r += r1 - r0
+    return out
 
 
 def cut(block, r0: int, r1: int, c0: int, c1: int):

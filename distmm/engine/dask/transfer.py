@@ -37,7 +37,7 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "take", "host_of",
+__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "take", "take_into", "host_of",
            "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
            "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
            "held_keys", "orphans"]
@@ -447,6 +447,38 @@ def _fetch(offer: Offer, first: BaseException):
         return cupy.asarray(host)
     except ImportError:  # a reader without cupy: the host copy (the CPU executor reads it)
         return host
+
+
+def _dtype(x):
+    if isinstance(x, Offer):
+        return x.shared.dtype if x.shared is not None else x.data.dtype
+    return x.dtype
+
+
+def take_into(x, dst, lead: tuple, r0: int, c0: int, mapped: dict) -> None:
+    """In a block task on a GPU: rows ``r0:``, columns ``c0:`` (``dst``'s shape)
+    of a chunk or an ``Offer`` (batch index ``lead``) copied into ``dst``, a
+    2-D device view. Another process's CUDA IPC export is copied straight from
+    its memory into ``dst`` (``ipc.copy_rect``: no whole-chunk copy first); its
+    mapping is kept in ``mapped`` (token -> pointer), which the caller unmaps
+    after synchronising. Anything else, or a mapping that fails, goes through
+    ``take`` (and its fallback) and one copy kernel."""
+    rows, cols = dst.shape
+    if (isinstance(x, Offer) and x._opened is None and x.shared is not None
+            and not x.shared.local and x.shared.handle is not None and len(x.shared.shape) == 2
+            and not lead):
+        from distmm.executor import ipc
+
+        try:
+            ptr = mapped.get(x.shared.token)
+            if ptr is None:
+                ptr = mapped[x.shared.token] = ipc.map_export(x.shared)
+            _record("ipc", ipc.copy_rect(ptr, x.shared, dst, r0, c0))
+            return
+        except ipc.IPCError as exc:
+            log.warning("distmm: %r: mapping its CUDA IPC export failed (%s); opening it whole",
+                        x, exc)
+    dst[...] = take(x)[lead + (slice(r0, r0 + rows), slice(c0, c0 + cols))]
 
 
 def take(x):
