@@ -211,6 +211,52 @@ def test_a_failed_open_fetches_the_bytes_from_the_holder(shared):
     assert routes["fallback"] == x.nbytes and routes["ipc"] == routes["tcp"] == 0, routes
 
 
+def _take_into_panel(offer, elsewhere: bool):
+    """In the reader: rows 100:900, columns 3:250 of the offered chunk copied into
+    the middle of a NaN panel by ``transfer.take_into`` (as a block task's panels
+    are made); ``elsewhere``: the offer altered to look exported on another host,
+    so that mapping it fails and the bytes come through ``take``'s fallback."""
+    import time
+
+    import cupy
+
+    from distmm.engine.dask.transfer import routes_since, take_into
+    from distmm.executor import ipc
+
+    since = time.time()
+    if elsewhere:
+        offer.shared.host = "another-host/0"
+    panel = cupy.full((1000, 400), np.nan, dtype=np.float32)
+    mapped: dict = {}
+    try:
+        take_into(offer, panel[50:850, 60:307], (), 100, 3, mapped)
+    finally:
+        cupy.cuda.get_current_stream().synchronize()
+        for ptr in mapped.values():
+            ipc.unmap(ptr)
+    return cupy.asnumpy(panel), len(mapped), routes_since(since)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_take_into_copies_a_piece_of_an_offer_into_its_place(shared, elsewhere):
+    """What a GPU block task does with another worker's chunk: the piece it needs
+    copied straight into its panel (one mapping, the piece's bytes by the IPC
+    route), or, when the mapping fails, the whole chunk fetched from the holder
+    and the piece copied from it; the same values either way."""
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, (1531, 257), "float32")
+    offer = _submit(client, _offer, _on_worker(client, x, w0), worker=w0)
+    got, maps, routes = _submit(client, _take_into_panel, offer, elsewhere, worker=w1).result()
+    want = np.full((1000, 400), np.nan, dtype=np.float32)
+    want[50:850, 60:307] = x[100:900, 3:250]
+    np.testing.assert_array_equal(got, want)
+    if elsewhere:
+        assert maps == 0 and routes["fallback"] == x.nbytes and routes["ipc"] == 0, routes
+    else:
+        assert maps == 1 and routes["ipc"] == 800 * 247 * 4 and routes["fallback"] == 0, routes
+
+
 def _copy_rects(shared, rects, shape, dtype):
     """In the reader: map ``shared`` once, copy each ``(r0, c0, rows, cols, dr, dc)``
     rectangle of it to ``(dr, dc)`` of a NaN- (or -1-) filled ``shape`` buffer by
