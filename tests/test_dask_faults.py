@@ -255,3 +255,34 @@ def test_workers_killed_while_reading_file_operands_give_the_same_bits(client, t
     assert killed >= 1, "the product ended before a worker was killed"
     assert last_stats()["read_on_workers"] == [True, True]
     assert np.array_equal(out["c"], undisturbed)
+
+
+def test_tasks_placed_on_a_worker_that_left_are_cancelled_for_a_retry():
+    """The eager loop's stall watch (``eager._StallWatch``): a task held for a worker
+    that has left the cluster (a strict restriction here: what distributed 2024.12
+    leaves of a loose one that went "no-worker" while every worker was paused) is
+    cancelled once nothing has arrived for ``quiet`` seconds, so that the loop runs
+    its block again; a task placed on a live worker is left to finish."""
+    from distmm.engine.dask.eager import _StallWatch
+
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cl, distributed.Client(cl) as c:
+        c.wait_for_workers(2, timeout=60)
+        before = set(c.scheduler_info(n_workers=-1)["workers"])
+        cl.scale(1)  # one worker leaves for good
+        deadline = time.monotonic() + 30
+        while len(c.scheduler_info(n_workers=-1)["workers"]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = set(c.scheduler_info(n_workers=-1)["workers"])
+        (gone,) = before - alive
+        (live,) = alive
+        stuck = c.submit(sum, [1, 2], workers=[gone], allow_other_workers=False, pure=False)
+        fine = c.submit(time.sleep, 1.0, workers=[live], pure=False)
+        t0 = time.monotonic()
+        with _StallWatch(c, [fine], {live}, every=0.2, quiet=0.5) as ok, \
+                _StallWatch(c, [stuck], {gone}, every=0.2, quiet=0.5) as watch:
+            while stuck.status == "pending" and time.monotonic() - t0 < 20:
+                time.sleep(0.05)
+        assert stuck.status == "cancelled" and watch.gone == {gone}
+        assert time.monotonic() - t0 < 10
+        assert fine.result(timeout=30) is None and ok.gone == set()

@@ -4,8 +4,9 @@ This module covers: sending the blocks of numpy (or on-disk) operands to the
 workers whose tasks read them, running the product's graph over them, writing
 the output blocks into the result as they arrive (with a progress bar and an
 optional ``performance_report``), and surviving worker loss: blocks lost with
-a worker are sent again, output blocks not yet gathered are run again, and
-when no worker is alive the loop waits for one. It gives up only after
+a worker are sent again, output blocks not yet gathered are run again (also
+those whose tasks wait for a worker that has left while nothing arrives:
+``_StallWatch``), and when no worker is alive the loop waits for one. It gives up only after
 ``retry_timeout`` seconds of failures without one output block arriving, with
 ``distmm.errors.WorkersLost`` saying what was lost.
 In block mode (``layout`` given: one contiguous block of C per worker unit,
@@ -298,6 +299,58 @@ def _alive(client) -> tuple[set, list[str]]:
     return alive, slots
 
 
+class _StallWatch:
+    """Cancels one attempt's futures when a worker its tasks were placed on has
+    left the cluster and no output block has arrived for ``quiet`` seconds.
+
+    A task restricted to a lost worker can stay unrunnable for ever: distributed
+    2024.12 moves a task to "no-worker" when no worker is running (all paused at
+    their memory limit, say) and later reschedules it only onto a worker its
+    restrictions name, loose or not. Seen on 256 MiB workers, one of them
+    restarted by its nanny: the loop waited on those blocks with both workers
+    idle. The cancelled blocks come back to the loop as lost ones and run again
+    on the live workers.
+    """
+
+    def __init__(self, client, futures, placed_on, *, every: float = 1.0, quiet: float = 5.0):
+        import threading
+
+        self.client, self.futures, self.placed_on = client, list(futures), set(placed_on)
+        self.every, self.quiet = every, quiet
+        self.last = time.monotonic()
+        self.gone: set = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distmm-stall-watch", daemon=True)
+
+    def arrived(self) -> None:
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if time.monotonic() - self.last < self.quiet:
+                continue
+            try:
+                alive, _ = _alive(self.client)
+            except Exception:  # the scheduler unreachable for now: the loop's own errors say so
+                continue
+            gone = self.placed_on - alive
+            if gone:
+                self.gone = gone
+                log.warning("distmm: worker(s) %s left with tasks placed on them and nothing "
+                            "arrived for %.0f s; running those blocks again on the live workers",
+                            sorted(gone), self.quiet)
+                self.client.cancel(self.futures)
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
               report=None, retry_timeout: float = 60.0, layout=None, units=None, fail=(),
               stats: dict | None = None):
@@ -375,27 +428,30 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                         cells=cells)
                     submitted += len(layer)
                     futures = _submit(client, layer)
-                    for fut in as_completed(futures):
-                        try:
-                            tile_out = fut.result()
-                        except TileFailed as exc:
-                            if blocks is None:
-                                raise
-                            fell_back.append((futures[fut], exc))
-                            continue
-                        except transient as exc:
-                            if fut.status == "error" and not _is_killed(exc):
-                                raise _TaskError(exc) from exc  # past the loss handler
-                            last_error, failed_tiles, troubled = exc, failed_tiles + 1, True
-                            continue
-                        ob, i, j = futures[fut]
-                        out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
-                            tile_out.reshape(tile_out.shape[-2:])
-                        pending.discard((ob, i, j))
-                        failing_since = None
-                        if bar is not None:
-                            bar.update(1)
-                        fut.release()
+                    with _StallWatch(client, futures, targets) as watch:
+                        for fut in as_completed(futures):
+                            try:
+                                tile_out = fut.result()
+                            except TileFailed as exc:
+                                if blocks is None:
+                                    raise
+                                fell_back.append((futures[fut], exc))
+                                continue
+                            except transient as exc:
+                                if fut.status == "error" and not _is_killed(exc):
+                                    raise _TaskError(exc) from exc  # past the loss handler
+                                last_error, failed_tiles, troubled = exc, failed_tiles + 1, True
+                                continue
+                            watch.arrived()
+                            ob, i, j = futures[fut]
+                            out[ob + (slice(rows[i], rows[i + 1]),
+                                      slice(cols[j], cols[j + 1]))] = \
+                                tile_out.reshape(tile_out.shape[-2:])
+                            pending.discard((ob, i, j))
+                            failing_since = None
+                            if bar is not None:
+                                bar.update(1)
+                            fut.release()
                 except transient as exc:
                     last_error, troubled = exc, True
                 if not pending:
