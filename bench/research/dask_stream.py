@@ -14,7 +14,9 @@ summed duration and when the last one ended after the first task started.
 ``DISTMM_DASK_DEVICE_TRANSFER`` picks the route as for any product.
 ``--trace`` wraps the block task's parts on the workers (``client.run``; the engine is not
 changed) and prints, per worker and from the call's start: when the block task started,
-its host seconds opening offers (``take``) and joining panels, when its GEMM was queued,
+its host seconds opening whole offers (``take``), copying pieces into panels
+(``take_into``) and making the panels (``_panel`` for host-side joins, ``_device_panels``
+for GPU panels, their copies and one synchronisation included), when its GEMM was queued,
 and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself.
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
 """
@@ -48,7 +50,8 @@ def stream_summary(data) -> list[str]:
 
 
 def _install_trace(dask_worker=None):
-    """On a worker: wrap ``blocks.block_product``, ``take``, ``_panel`` and ``_gpu_block``
+    """On a worker: wrap ``blocks.block_product``, ``take``, ``take_into``, ``_panel``,
+    ``_device_panels`` and ``_gpu_block``
     to record host times and CUDA events into ``blocks._TRACE`` (a list per process)."""
     import time as _t
 
@@ -59,12 +62,13 @@ def _install_trace(dask_worker=None):
     if getattr(blocks, "_TRACE", None) is not None:
         return False
     blocks._TRACE = []
-    orig = {n: getattr(blocks, n) for n in ("block_product", "take", "_panel", "_gpu_block")}
+    timed_names = ("take", "take_into", "_panel", "_device_panels")
+    orig = {n: getattr(blocks, n) for n in ("block_product", "_gpu_block") + timed_names}
     cur: dict = {}
 
     def block_product(*args, **kwargs):
         cur.clear()
-        cur.update(t_start=_t.time(), take=0.0, panel=0.0,
+        cur.update(t_start=_t.time(), **{n.strip("_"): 0.0 for n in timed_names},
                    e0=cupy.cuda.get_current_stream().record())
         out = orig["block_product"](*args, **kwargs)
         cur.update(t_end=_t.time(), e_end=cupy.cuda.get_current_stream().record())
@@ -88,7 +92,8 @@ def _install_trace(dask_worker=None):
         return out
 
     blocks.block_product = block_product
-    blocks.take, blocks._panel = timed("take"), timed("_panel")
+    for name in timed_names:
+        setattr(blocks, name, timed(name))
     blocks._gpu_block = gpu_block
     return True
 
@@ -103,7 +108,8 @@ def _collect_trace(dask_worker=None) -> list:
     for r in getattr(blocks, "_TRACE", None) or []:
         r["e_end"].synchronize()
         ms = cupy.cuda.get_elapsed_time
-        row = {k: r[k] for k in ("t_start", "t_end", "take", "panel") if k in r}
+        row = {k: r[k] for k in ("t_start", "t_end", "take", "take_into", "panel",
+                                 "device_panels") if k in r}
         if "e_g0" in r:
             row.update(t_gemm=r["t_gemm"], t_gemm_queued=r["t_gemm_queued"],
                        gpu_before_gemm=ms(r["e0"], r["e_g0"]) / 1e3,
@@ -120,7 +126,8 @@ def trace_lines(traces: dict, t0: float) -> list[str]:
     for worker, rows in sorted(traces.items()):
         for r in rows:
             line = (f"   trace {worker.rsplit(':', 1)[-1]}: start {r['t_start'] - t0:.3f} "
-                    f"take {r['take']:.3f}s panel {r['panel']:.3f}s")
+                    f"take {r['take']:.3f}s take_into {r['take_into']:.3f}s panel "
+                    f"{r['panel']:.3f}s device_panels {r['device_panels']:.3f}s")
             if "t_gemm" in r:
                 line += (f" gemm queued at {r['t_gemm_queued'] - t0:.3f} (entered "
                          f"{r['t_gemm'] - t0:.3f}); GPU: before-gemm {r['gpu_before_gemm']:.3f}s "
