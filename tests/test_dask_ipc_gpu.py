@@ -3,7 +3,8 @@
 Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of test_dask_gpu:
 ``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and
 ``open_copy`` in the other, bitwise equal to the source for float32, float64 and int32, odd
-shapes, an empty array and non-contiguous sources (made contiguous by the export); eight
+shapes, an empty array, non-contiguous sources (copied contiguous by the export) and a
+contiguous one at an offset into its allocation (exported in place); eight
 threads of one reader opening the same export at once; rectangles of an export copied
 straight into place in a larger buffer (``map_export`` + ``copy_rect``, as block panels are made); the exporting process opening its own
 export; the probe finding both directions; a reader whose open fails (an offer altered to
@@ -51,6 +52,10 @@ def shared(shared_client):
 def _to_device(x, layout: str):
     import cupy
 
+    if layout == "offset":  # contiguous, 5 rows into a larger allocation: exported directly
+        d = cupy.zeros((x.shape[0] + 5,) + x.shape[1:], x.dtype)
+        d[5:] = cupy.asarray(x)
+        return d[5:]
     d = cupy.asarray(x)
     if layout == "transposed":
         return d.T
@@ -125,6 +130,7 @@ def _source(rng, shape, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
 @pytest.mark.parametrize("shape, layout", [((777, 1283), "contiguous"), ((1, 1), "contiguous"),
                                            ((4099, 3), "transposed"), ((1001, 999), "strided"),
+                                           ((513, 257), "offset"),
                                            ((0, 7), "contiguous")])
 def test_export_and_open_between_two_processes_are_bitwise(shared, dtype, shape, layout):
     client, w0, w1 = shared
@@ -144,6 +150,10 @@ def test_export_and_open_between_two_processes_are_bitwise(shared, dtype, shape,
     if meta.handle is not None:
         assert isinstance(meta.handle, bytes) and len(meta.handle) == 64
     assert len(pickle.dumps(meta)) < 1024
+    if layout == "offset":  # exported in place: the array starts 5 rows into its allocation
+        assert meta.offset >= 5 * shape[1] * np.dtype(dtype).itemsize
+    elif layout in ("transposed", "strided"):  # a contiguous copy of its own
+        assert meta.offset == 0
     # the exporting process opens its own export: a copy, the same bits
     own = _submit(client, _open, sh, worker=w0).result()
     assert own["pid"] == meta.pid and np.array_equal(own["host"], want)
