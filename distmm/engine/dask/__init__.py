@@ -131,11 +131,13 @@ def _resolve_client(client, *, required: bool):
         return None
 
 
-def memory_budget(client) -> int | None:
+def memory_budget(client, info: dict | None = None) -> int | None:
     """Bytes one task may hold on this cluster: ``MEMORY_FRACTION`` of the
-    smallest per-thread ``memory_limit`` of its workers (None: no limits)."""
+    smallest per-thread ``memory_limit`` of its workers (None: no limits);
+    ``info``: the scheduler's ``workers`` table when the caller has it already."""
     try:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        if info is None:
+            info = client.scheduler_info(n_workers=-1)["workers"]
     except Exception:  # a cluster in trouble: the configured budget stands
         return None
     limits = [int(w["memory_limit"]) // max(int(w.get("nthreads", 1)), 1)
@@ -190,7 +192,12 @@ class DaskEngine(Engine):
             raise ValueError(f"retry_timeout must be positive, got {retry_timeout!r}")
         self.client = _resolve_client(client, required=required)
         self.retry_timeout = float(retry_timeout)
-        self.slots = worker_slots(self.client) if self.client is not None else []
+        # one scheduler_info per call, read by the slots, the budget and the units
+        self._info = None
+        if self.client is not None:
+            self._info = self.client.scheduler_info(n_workers=-1)["workers"] or None
+        self.slots = (worker_slots(self.client, info=self._info)
+                      if self.client is not None else [])
         if self.client is not None and not self.slots:
             raise ValueError("matmul: the Dask cluster has no workers")
         self._chunk_tile = None
@@ -205,7 +212,7 @@ class DaskEngine(Engine):
     def plan_hints(self, operands: Operands, workers: int) -> dict:
         hints: dict = {}
         if self.client is not None:
-            budget = memory_budget(self.client)
+            budget = memory_budget(self.client, self._info)
             if budget:
                 hints["memory_budget"] = budget
         if operands.family != "dask":
@@ -229,7 +236,7 @@ class DaskEngine(Engine):
             return None
         from distmm.engine.dask.workers import units, worker_info
 
-        infos = worker_info(self.client, cfg.dask_worker_gflops)
+        infos = worker_info(self.client, cfg.dask_worker_gflops, self._info)
         if not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos)):
             return None
         return units(infos)
@@ -353,8 +360,11 @@ class DaskEngine(Engine):
                 cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
                     {u.address for u in units})
                 cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu), homes)
+                pull = bool(sources) and transfer.ensure_lifetime(self.client)
                 result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
-                                     request.backend, sources=sources)
+                                     request.backend, sources=sources, pull=pull)
+                if sources:
+                    stats["transfer"]["pull"] = pull
                 stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})
                 stats.update(_layout_stats(layout, units, plan))
                 stats["estimated_bytes"] = _lazy_estimate(ops, plan, layout, addresses, a2, b2,

@@ -167,9 +167,12 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     Inputs may be ``transfer.Offer`` objects (another worker's device chunk
     exported through CUDA IPC): on a GPU their pieces are copied straight into
     the panels (``_device_panels``); elsewhere each is opened whole first.
+    A ``pull.Pull`` input is first fetched from its holder (``pull.resolve``).
     """
+    from distmm.engine.dask.pull import resolve
     from distmm.errors import TileFailed
 
+    a_list, b_list = resolve(a_list, b_list)
     host = isinstance(a_list[0], np.ndarray)  # an Offer is always a device chunk's
     device_panels = device == "gpu" and not host
     if not device_panels:  # device panels open offers as they copy them in (_device_panels)
@@ -255,6 +258,8 @@ def _assemble(blocks: dict, lead: tuple, row_pieces, col_pieces, mapped: dict):
     return out
 
 
-def cut(block, r0: int, r1: int, c0: int, c1: int):
-    """One output chunk of a block-mode block: ``block[r0:r1, c0:c1]``."""
+def cut(block, r0: int, r1: int, c0: int, c1: int, *anchors):
+    """One output chunk of a block-mode block: ``block[r0:r1, c0:c1]``.
+    ``anchors``: the receipts of the exports the block's tasks pulled, read only
+    so that their keys (and the exports) live until the block is made."""
     return block[r0:r1, c0:c1]

@@ -26,6 +26,7 @@ from dask.highlevelgraph import Layer
 
 from distmm.engine.dask.chunks import Geometry, edges, locate
 from distmm.engine.dask.blocks import block_product
+from distmm.engine.dask.pull import Pull
 from distmm.engine.dask.tasks import BlockSpec, TaskPlan, partial_block, sum_step
 
 try:  # dask >= 2024.9.0
@@ -54,6 +55,11 @@ def _key(ref):
     return getattr(ref, "key", ref)
 
 
+def _arg(ref):
+    """A task's input: a reference to a key, or a ``pull.Pull`` as it is (no dependency)."""
+    return ref if isinstance(ref, Pull) else _ref(ref)
+
+
 def _list(items):
     return list(items) if _List is None else _List(*items)
 
@@ -73,7 +79,9 @@ class OperandKeys:
     reading a block, ``table[index]`` then maps worker -> future, and a task
     reads its own worker's copy (``home``). ``routes[(index, home)]``: the
     key of the export task (``transfer.export_chunk``) a task on worker
-    ``home`` reads in place of chunk ``index`` (CUDA IPC from its holder)."""
+    ``home`` reads in place of chunk ``index`` (CUDA IPC from its holder), or
+    a ``pull.Pull`` of it: an argument, not a dependency, fetched by the task
+    from the holder itself."""
 
     shape: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
@@ -277,7 +285,7 @@ class ProductLayer(Layer):
         ob, bi, bj = block
         if kind == "p" or (kind == "out" and not self.split):
             spec, a_refs, b_refs = self._partial_parts(ob, bi, bj, extra or 0)
-            a_list, b_list = _list(_ref(k) for k in a_refs), _list(_ref(k) for k in b_refs)
+            a_list, b_list = _list(_arg(k) for k in a_refs), _list(_arg(k) for k in b_refs)
             if self.cells is not None:
                 device, share = self.cells.device(bi, bj, extra or 0)
                 return _task(key, block_product, self.tp, self.backend, spec, device,
@@ -298,7 +306,7 @@ class ProductLayer(Layer):
         ob, bi, bj = block
         if kind == "p" or (kind == "out" and not self.split):
             _, a_refs, b_refs = self._partial_parts(ob, bi, bj, extra or 0)
-            return {_key(r) for r in a_refs} | {_key(r) for r in b_refs}
+            return {_key(r) for r in a_refs + b_refs if not isinstance(r, Pull)}
         t = self._step(kind, block, extra)
         return {self._source_key(block, s) for s in self.steps[t]}
 

@@ -61,13 +61,18 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
 
 
 def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, cells,
-                backend: str, sources=None):
+                backend: str, sources=None, pull: bool = False):
     """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
     cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
     (one per unit), the output chunks sliced out of them. ``sources``
     (``locality.ipc_sources``: ``(chunk key, reader) -> holder``): those
     chunks reach their reader's tasks through an export task on the holder
-    (``export_layer``); ``cells.homes`` then says each task's worker."""
+    (``export_layer``); ``cells.homes`` then says each task's worker.
+    ``pull`` (the workers run ``transfer.ExportLifetime``): a block task gets
+    a ``pull.Pull`` of each export and asks the holder for it, so it starts
+    without waiting for the export tasks; the output chunks cut from a block
+    depend on the exports its worker reads, which keeps them alive until the
+    block is made."""
     import bisect
 
     import dask.array as da
@@ -89,7 +94,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
                                  a2.chunks, b2.chunks)
     placement = BlockPlacement(layout, names_of(name), addresses)
-    exports, routes = export_layer("distmm-export-" + token, sources or {})
+    exports, routes = export_layer("distmm-export-" + token, sources or {}, pull=pull)
     layer = ProductLayer(name, cell_geo,
                          OperandKeys(tuple(a2.shape), a2.chunks, a2.name,
                                      routes=routes.get(a2.name)),
@@ -102,6 +107,14 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     out_name = "distmm-chunks-" + token
     rows, cols = geometry.row_edges, geometry.col_edges
     dsk, homes = {}, {}
+    anchors: dict = {}  # reader -> the export keys its tasks pull (pull mode)
+    if exports is not None and pull:
+        for (chunk, reader), holder in sources.items():
+            anchors.setdefault(reader, set()).add(exports.key_of[(chunk, holder)])
+    readers_of = {}  # block -> the workers of its tasks (k groups may go round the units)
+    if anchors and cells.homes:
+        for (bi, bj, _g), home in cells.homes.items():
+            readers_of.setdefault((bi, bj), set()).add(home)
     for ci in range(len(rows) - 1):
         bi = bisect.bisect_right(layout.row_edges, rows[ci]) - 1
         r0 = layout.row_edges[bi]
@@ -109,20 +122,24 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
             bj = bisect.bisect_right(layout.col_edges, cols[cj]) - 1
             c0 = layout.col_edges[bj]
             key = (out_name, ci, cj)
+            held = sorted({ex for r in readers_of.get((bi, bj), ()) for ex in anchors.get(r, ())})
             dsk[key] = _task(key, cut, _ref((name, bi, bj)), rows[ci] - r0, rows[ci + 1] - r0,
-                             cols[cj] - c0, cols[cj + 1] - c0)
+                             cols[cj] - c0, cols[cj + 1] - c0, *[_ref(ex) for ex in held])
             homes[(ci, cj)] = placement((name, bi, bj))
     layers = dict(hlg.layers)
     deps = dict(hlg.dependencies)
     if exports is not None:
         layers[exports.name] = exports.layer
         deps[exports.name] = set(a2.__dask_layers__()) | set(b2.__dask_layers__())
-        deps[name] = set(deps[name]) | {exports.name}
+        if pull:
+            deps[out_name] = {name, exports.name}
+        else:
+            deps[name] = set(deps[name]) | {exports.name}
     # pinned to their block's worker: many small tasks over few blocks are
     # "root-ish" to the scheduler, which would place them ignoring where the block is
     layers[out_name] = MaterializedLayer(dsk, annotations={
         "workers": ChunkHomes(out_name, homes), "allow_other_workers": True})
-    deps[out_name] = {name}
+    deps.setdefault(out_name, {name})
     graph = HighLevelGraph(layers, deps)
     meta = getattr(a2, "_meta", np.empty((0, 0)))
     out_meta = meta_from_array(meta, ndim=2, dtype=dtype)
@@ -131,23 +148,28 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
 
 class ExportLayer:
     """The export tasks of a block-mode product (``export_layer``): ``name``,
-    ``layer`` (a ``MaterializedLayer``), ``holders`` (export key -> worker)."""
+    ``layer`` (a ``MaterializedLayer``), ``holders`` (export key -> worker),
+    ``key_of`` ((chunk key, holder) -> export key)."""
 
-    def __init__(self, name: str, layer, holders: dict):
-        self.name, self.layer, self.holders = name, layer, holders
+    def __init__(self, name: str, layer, holders: dict, key_of: dict):
+        self.name, self.layer, self.holders, self.key_of = name, layer, holders, key_of
 
 
-def export_layer(name: str, sources: dict):
+def export_layer(name: str, sources: dict, pull: bool = False):
     """The export tasks for ``sources`` (``(chunk key, reader) -> holder``):
     one per chunk and holder, ``(name, i)``, each running
     ``transfer.export_chunk`` on the chunk, pinned to the holder with
     ``allow_other_workers=False`` (an export elsewhere would first fetch the
-    chunk over TCP, the very transfer it replaces). Returns the layer (None
+    chunk over TCP, the very transfer it replaces), ahead of other ready tasks
+    (priority 1: a block task may be waiting for them). Returns the layer (None
     when there is nothing to export) and, per operand name, the routes
-    ``{(chunk index, reader): export key}`` for ``OperandKeys.routes``."""
+    ``{(chunk index, reader): export key}`` for ``OperandKeys.routes``, with
+    ``pull``: ``{(chunk index, reader): pull.Pull}`` (the export tasks then
+    publish their offers and return receipts)."""
     from dask.highlevelgraph import MaterializedLayer
 
     from distmm.engine.dask.graph import _ref, _task
+    from distmm.engine.dask.pull import Pull
     from distmm.engine.dask.transfer import export_chunk
 
     if not sources:
@@ -158,12 +180,13 @@ def export_layer(name: str, sources: dict):
         ex = keys.get((chunk, holder))
         if ex is None:
             ex = keys[(chunk, holder)] = (name, len(keys))
-            dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk))
+            dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk), *((True,) if pull else ()))
             holders[ex] = holder
-        routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = ex
+        routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = (
+            Pull(ex, holder, repr(chunk)) if pull else ex)
     layer = MaterializedLayer(dsk, annotations={"workers": ExportHomes(name, holders),
-                                                "allow_other_workers": False})
-    return ExportLayer(name, layer, holders), routes
+                                                "allow_other_workers": False, "priority": 1})
+    return ExportLayer(name, layer, holders, keys), routes
 
 
 class ExportHomes:

@@ -20,14 +20,16 @@ from distmm.plan import Plan
 __all__ = ["worker_slots", "Placement", "BlockPlacement", "slots_by_locality", "who_has"]
 
 
-def worker_slots(client, wait: float = 30.0) -> list[str]:
+def worker_slots(client, wait: float = 30.0, info: dict | None = None) -> list[str]:
     """One entry per worker thread: the address of its worker, sorted by address.
 
     The plan is made for ``len(worker_slots(client))`` workers and its owner
     ``w`` maps to ``slots[w]``; single-thread workers give one slot each. A
-    cluster with no worker yet is waited for up to ``wait`` seconds.
+    cluster with no worker yet is waited for up to ``wait`` seconds. ``info``:
+    the scheduler's ``workers`` table when the caller has it already.
     """
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    if info is None:
+        info = client.scheduler_info(n_workers=-1)["workers"]
     if not info and wait > 0:
         try:
             client.wait_for_workers(1, timeout=wait)
@@ -121,7 +123,7 @@ def who_has(client, a2, b2) -> dict:
     if not futures_of(a2) and not futures_of(b2):
         return {}
     try:
-        where = {**client.who_has(a2), **client.who_has(b2)}
+        where = dict(client.who_has([a2, b2]))  # one request for both
     except Exception:  # a worker leaving mid-call: placement is only a hint
         return {}
     return where if any(where.values()) else {}

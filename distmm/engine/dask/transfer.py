@@ -234,26 +234,48 @@ class Offer:
         return f"Offer({self.label}, {self.nbytes} bytes, {how}, from {self.address})"
 
 
-def export_chunk(chunk, label: str = ""):
+def export_chunk(chunk, label: str = "", publish: bool = False):
     """Task body, on the worker holding ``chunk``: an ``Offer`` of it (its
     CUDA IPC export, or, when exporting fails, the chunk itself). Where the
     ``ExportLifetime`` plugin runs on this worker, the export is held until
-    the scheduler releases this task's key (``keep_until_released``)."""
+    the scheduler releases this task's key (``keep_until_released``).
+    ``publish`` (readers pull their offers, ``distmm.engine.dask.pull``): the
+    offer is published for the plugin's handler until that release, and the
+    task returns a small ``pull.Receipt`` (an offer that carries the chunk
+    would otherwise cross TCP again to every task depending on the key)."""
     from distmm.executor import ipc
 
     address = _worker_address()
     nbytes = int(getattr(chunk, "nbytes", 0))
     try:
         shared = ipc.export(chunk)
+        offer = Offer(shared, None, address, label, nbytes)
     except ipc.IPCError as exc:
+        shared = None
         kind = type(chunk).__module__
         if kind not in _WARNED:
             _WARNED.add(kind)
             log.warning("distmm: chunk %s not exported through CUDA IPC (%s); such chunks "
                         "travel over TCP", label, exc)
-        return Offer(None, chunk, address, label, nbytes, str(exc))
-    keep_until_released(shared, ipc.hold)
-    return Offer(shared, None, address, label, nbytes)
+        offer = Offer(None, chunk, address, label, nbytes, str(exc))
+    key = _current_key() if publish and _LIFETIME else None
+    if key is not None:
+        from distmm.engine.dask import pull
+
+        def release(token, key=key, held=shared is not None):
+            pull.withdraw(key)
+            if held:
+                ipc.release(token)
+
+        pull.publish(key, offer)
+        if shared is not None:
+            ipc.hold(shared)
+        with _STATE_LOCK:
+            _KEY_TOKENS[key] = (shared.token if shared is not None else repr(key), release)
+        return pull.Receipt(label, address)
+    if shared is not None:
+        keep_until_released(shared, ipc.hold)
+    return offer
 
 
 # -- the exports' lifetime: until the scheduler releases their keys ----------------------------
@@ -334,11 +356,17 @@ class ExportLifetime(_WorkerPlugin):
     fetched the offer) still holds it keeps the allocation (an orphan) until the
     scheduler no longer knows the key anywhere: it asks every ``SWEEP_SECONDS``. Measured
     need: on two H100s the Active Memory Manager dropped holders' replicas, the exports
-    were freed, and readers' opens and the holders' own tasks failed."""
+    were freed, and readers' opens and the holders' own tasks failed.
+
+    It also installs ``pull.serve``, the handler from which block tasks fetch the
+    offers published here (``export_chunk(..., publish=True)``)."""
 
     name = "distmm-ipc-exports"
 
     def setup(self, worker):
+        from distmm.engine.dask import pull
+
+        worker.handlers[pull.HANDLER] = pull.serve  # readers ask for their offers here
         if not _LIFETIME:
             _LIFETIME.append(True)
         self._worker = worker

@@ -137,9 +137,11 @@ def _configured(gflops_cfg, address: str, kind: str):
     return table.get(kind)
 
 
-def worker_info(client, gflops_cfg=None) -> list[WorkerInfo]:
-    """Every worker of the cluster, sorted by address (probing those not seen before)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[WorkerInfo]:
+    """Every worker of the cluster, sorted by address (probing those not seen before);
+    ``info``: the scheduler's ``workers`` table when the caller has it already."""
+    if info is None:
+        info = client.scheduler_info(n_workers=-1)["workers"]
     addresses = sorted(info)
     found = _probes(client, addresses)
     import dask.config
