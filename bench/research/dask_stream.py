@@ -14,7 +14,8 @@ summed duration and when the last one ended after the first task started.
 ``DISTMM_DASK_DEVICE_TRANSFER`` picks the route as for any product.
 ``--trace`` wraps the block task's parts on the workers (``client.run``; the engine is not
 changed) and prints, per worker and from the call's start: when the block task started,
-its host seconds opening whole offers (``take``), copying pieces into panels
+its host seconds fetching pulled offers from their holders (``pull``), opening whole
+offers (``take``), copying pieces into panels
 (``take_into``) and making the panels (``_panel`` for host-side joins, ``_device_panels``
 for GPU panels, their copies and one synchronisation included), when its GEMM was queued,
 and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself.
@@ -33,20 +34,23 @@ def _prefix(key) -> str:
     return name.rsplit("-", 1)[0]
 
 
-def stream_summary(data) -> list[str]:
-    """Lines: per (prefix, action, worker port) the count, summed and last-end seconds."""
+def stream_summary(data, t0: float | None = None) -> list[str]:
+    """Lines: per (prefix, action, worker port) the count, summed seconds, and when the
+    first began and the last ended, from ``t0`` (default: the first task's start)."""
     if not data:
         return []
-    t0 = min(x["startstops"][0]["start"] for x in data if x["startstops"])
-    agg: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    if t0 is None:
+        t0 = min(x["startstops"][0]["start"] for x in data if x["startstops"])
+    agg: dict = collections.defaultdict(lambda: [0, 0.0, float("inf"), 0.0])
     for x in data:
         for s in x["startstops"]:
             g = agg[(_prefix(x["key"]), s["action"], x["worker"].rsplit(":", 1)[-1])]
             g[0] += 1
             g[1] += s["stop"] - s["start"]
-            g[2] = max(g[2], s["stop"] - t0)
-    return [f"   {k}: n={n} total={tot:.3f}s ends_at={end:.3f}s"
-            for k, (n, tot, end) in sorted(agg.items(), key=lambda kv: kv[1][2])]
+            g[2] = min(g[2], s["start"] - t0)
+            g[3] = max(g[3], s["stop"] - t0)
+    return [f"   {k}: n={n} total={tot:.3f}s first_start={first:.3f}s last_end={end:.3f}s"
+            for k, (n, tot, first, end) in sorted(agg.items(), key=lambda kv: kv[1][3])]
 
 
 def _install_trace(dask_worker=None):
@@ -95,7 +99,45 @@ def _install_trace(dask_worker=None):
     for name in timed_names:
         setattr(blocks, name, timed(name))
     blocks._gpu_block = gpu_block
+
+    from distmm.engine.dask import transfer
+    from distmm.executor import ipc
+
+    blocks._XTRACE = []  # (what, wall start, host seconds) outside block tasks
+
+    def outside(what, fn):
+        def run(*args, **kwargs):
+            t0, p0 = _t.time(), _t.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                blocks._XTRACE.append((what, t0, _t.perf_counter() - p0))
+        return run
+
+    transfer.export_chunk = outside("export", transfer.export_chunk)
+    ipc.release = outside("release", ipc.release)
+    for name in ("map_export", "unmap"):
+        setattr(ipc, name, timed_into(cur, name, getattr(ipc, name)))
+    from distmm.engine.dask import pull
+
+    pull.resolve = timed_into(cur, "pull", pull.resolve)
     return True
+
+
+def timed_into(cur: dict, name: str, fn):
+    """``fn`` whose host seconds and calls add to ``cur[name]`` and ``cur[name + '_n']``
+    while a block task is traced."""
+    import time as _t
+
+    def run(*args, **kwargs):
+        t0 = _t.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if cur:
+                cur[name] = cur.get(name, 0.0) + _t.perf_counter() - t0
+                cur[name + "_n"] = cur.get(name + "_n", 0) + 1
+    return run
 
 
 def _collect_trace(dask_worker=None) -> list:
@@ -109,7 +151,8 @@ def _collect_trace(dask_worker=None) -> list:
         r["e_end"].synchronize()
         ms = cupy.cuda.get_elapsed_time
         row = {k: r[k] for k in ("t_start", "t_end", "take", "take_into", "panel",
-                                 "device_panels") if k in r}
+                                 "device_panels", "map_export", "map_export_n", "unmap",
+                                 "unmap_n", "pull") if k in r}
         if "e_g0" in r:
             row.update(t_gemm=r["t_gemm"], t_gemm_queued=r["t_gemm_queued"],
                        gpu_before_gemm=ms(r["e0"], r["e_g0"]) / 1e3,
@@ -117,6 +160,10 @@ def _collect_trace(dask_worker=None) -> list:
         out.append(row)
     if getattr(blocks, "_TRACE", None) is not None:
         blocks._TRACE.clear()
+    for what, t, sec in getattr(blocks, "_XTRACE", None) or []:
+        out.append({"what": what, "t": t, "seconds": sec})
+    if getattr(blocks, "_XTRACE", None) is not None:
+        blocks._XTRACE.clear()
     return out
 
 
@@ -124,16 +171,49 @@ def trace_lines(traces: dict, t0: float) -> list[str]:
     """One line per block task: times from the call's start ``t0`` (seconds)."""
     lines = []
     for worker, rows in sorted(traces.items()):
+        port = worker.rsplit(":", 1)[-1]
+        other = [r for r in rows if "what" in r]
+        for what in sorted({r["what"] for r in other}):
+            got = [r for r in other if r["what"] == what]
+            lines.append(f"   trace {port}: {what} n={len(got)} host "
+                         f"{sum(r['seconds'] for r in got):.4f}s, from "
+                         f"{min(r['t'] for r in got) - t0:.3f} to "
+                         f"{max(r['t'] + r['seconds'] for r in got) - t0:.3f}")
         for r in rows:
+            if "what" in r:
+                continue
             line = (f"   trace {worker.rsplit(':', 1)[-1]}: start {r['t_start'] - t0:.3f} "
+                    f"pull {r.get('pull', 0):.4f}s "
                     f"take {r['take']:.3f}s take_into {r['take_into']:.3f}s panel "
-                    f"{r['panel']:.3f}s device_panels {r['device_panels']:.3f}s")
+                    f"{r['panel']:.3f}s device_panels {r['device_panels']:.3f}s map "
+                    f"{r.get('map_export', 0):.4f}s/{r.get('map_export_n', 0)} unmap "
+                    f"{r.get('unmap', 0):.4f}s/{r.get('unmap_n', 0)}")
             if "t_gemm" in r:
                 line += (f" gemm queued at {r['t_gemm_queued'] - t0:.3f} (entered "
                          f"{r['t_gemm'] - t0:.3f}); GPU: before-gemm {r['gpu_before_gemm']:.3f}s "
                          f"gemm {r['gpu_gemm']:.3f}s, done ~{r['t_start'] - t0 + r['gpu_before_gemm'] + r['gpu_gemm']:.3f}")
             lines.append(line + f"; task returned {r['t_end'] - t0:.3f}")
     return lines
+
+
+def phased_product(bench, a, b):
+    """``bench.product("distmm-dask", a, b)`` with its client-side phases: building the
+    lazy product (``distmm.matmul``), ``persist``, waiting for C, the device sync."""
+    from distributed import wait
+
+    import distmm
+    from distmm.cli.cluster import sync_workers
+
+    t0 = time.perf_counter()
+    lazy = distmm.matmul(a, b, client=bench.client)
+    t1 = time.perf_counter()
+    c = lazy.persist()
+    t2 = time.perf_counter()
+    wait(c, timeout=bench.timeout)
+    t3 = time.perf_counter()
+    sync_workers(bench.client)
+    t4 = time.perf_counter()
+    return t4 - t0, c, {"build": t1 - t0, "persist": t2 - t1, "wait": t3 - t2, "sync": t4 - t3}
 
 
 def main(argv=None) -> int:
@@ -165,7 +245,7 @@ def main(argv=None) -> int:
                     client.run(_collect_trace)  # drop what the operands' making left
                 since = time.time()
                 with distributed.get_task_stream(client) as ts:
-                    sec, c = bench.product("distmm-dask", a, b)
+                    sec, c, phases = phased_product(bench, a, b)
                 traces = client.run(_collect_trace) if args.trace else {}
                 st = last_stats()
                 moved = transfer_report(client, since=since)
@@ -173,12 +253,13 @@ def main(argv=None) -> int:
                                                "estimated_bytes")}
                 keep["units"] = [{k: u.get(k) for k in ("address", "block", "gpu", "share")}
                                  for u in st.get("units", [])]
-                print(f"== {args.dtype} n={n} call {call}: {sec:.3f} s", flush=True)
+                print(f"== {args.dtype} n={n} call {call}: {sec:.3f} s; client: " + ", ".join(
+                    f"{k} {v:.4f}s" for k, v in phases.items()), flush=True)
                 print(json.dumps(keep, default=str))
                 print("routes", moved["device_routes"], "worker_to_worker",
                       moved["worker_to_worker"], "by_name",
                       {k[:40]: v for k, v in moved["by_name"].items()})
-                print("\n".join(stream_summary(ts.data)), flush=True)
+                print("\n".join(stream_summary(ts.data, since)), flush=True)
                 if traces:
                     print("\n".join(trace_lines(traces, since)), flush=True)
                 del c, a, b
