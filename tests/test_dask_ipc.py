@@ -464,3 +464,30 @@ def test_readers_holding_each_others_chunks_do_not_deadlock(pair):
     while client.run(_published_here) != base and time.time() < deadline:
         time.sleep(0.05)
     assert client.run(_published_here) == base
+
+
+def test_pulled_exports_are_one_task_per_holder_and_reader():
+    from distmm.engine.dask.lazy import export_layer
+
+    sources = {(("b", 0, 0), H1B): H1A, (("b", 1, 0), H1B): H1A, (("a", 0, 1), H1B): H1A,
+               (("b", 0, 0), H1C): H1A, (("a", 1, 1), H1A): H1B}
+    exports, routes = export_layer("distmm-export-t", sources, pull=True)
+    assert len(exports.layer) == 3  # (H1A -> H1B), (H1A -> H1C), (H1B -> H1A)
+    by_task = {}
+    for (chunk, reader), ex in exports.key_of.items():
+        by_task.setdefault(ex, set()).add((chunk, reader))
+        assert exports.holders[ex] == sources[(chunk, reader)]
+    assert sorted(len(v) for v in by_task.values()) == [1, 1, 3]
+    for (chunk, reader), holder in sources.items():
+        p = routes[chunk[0]][(chunk[1:], reader)]
+        assert isinstance(p, Pull) and p.holder == holder
+        assert p.key == exports.key_of[(chunk, reader)]
+        deps = [d for d in exports.layer[p.key].dependencies]
+        assert len(deps) == len(by_task[p.key])
+    # the offers' indexes follow the order of the task's chunks
+    got = {routes[c[0]][(c[1:], H1B)].index: c for c, r in sources if r == H1B}
+    assert sorted(got) == [0, 1, 2] and [got[i] for i in range(3)] == sorted(got.values())
+    # without pull: one per chunk and holder, read by key (the chunk ('b', 0, 0) once)
+    exports, routes = export_layer("distmm-export-t", sources, pull=False)
+    assert len(exports.layer) == 4
+    assert routes["b"][((0, 0), H1B)] == routes["b"][((0, 0), H1C)]

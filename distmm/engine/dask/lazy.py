@@ -109,8 +109,8 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     dsk, homes = {}, {}
     anchors: dict = {}  # reader -> the export keys its tasks pull (pull mode)
     if exports is not None and pull:
-        for (chunk, reader), holder in sources.items():
-            anchors.setdefault(reader, set()).add(exports.key_of[(chunk, holder)])
+        for chunk, reader in sources:
+            anchors.setdefault(reader, set()).add(exports.key_of[(chunk, reader)])
     readers_of = {}  # block -> the workers of its tasks (k groups may go round the units)
     if anchors and cells.homes:
         for (bi, bj, _g), home in cells.homes.items():
@@ -149,44 +149,60 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
 class ExportLayer:
     """The export tasks of a block-mode product (``export_layer``): ``name``,
     ``layer`` (a ``MaterializedLayer``), ``holders`` (export key -> worker),
-    ``key_of`` ((chunk key, holder) -> export key)."""
+    ``key_of`` ((chunk key, reader) -> the export key that reader reads it through)."""
 
     def __init__(self, name: str, layer, holders: dict, key_of: dict):
         self.name, self.layer, self.holders, self.key_of = name, layer, holders, key_of
 
 
 def export_layer(name: str, sources: dict, pull: bool = False):
-    """The export tasks for ``sources`` (``(chunk key, reader) -> holder``):
-    one per chunk and holder, ``(name, i)``, each running
-    ``transfer.export_chunk`` on the chunk, pinned to the holder with
-    ``allow_other_workers=False`` (an export elsewhere would first fetch the
-    chunk over TCP, the very transfer it replaces), ahead of other ready tasks
-    (priority 1: a block task may be waiting for them). Returns the layer (None
-    when there is nothing to export) and, per operand name, the routes
-    ``{(chunk index, reader): export key}`` for ``OperandKeys.routes``, with
-    ``pull``: ``{(chunk index, reader): pull.Pull}`` (the export tasks then
-    publish their offers and return receipts)."""
+    """The export tasks for ``sources`` (``(chunk key, reader) -> holder``),
+    ``(name, i)``, pinned to their holder with ``allow_other_workers=False``
+    (an export elsewhere would first fetch the chunk over TCP, the very
+    transfer it replaces), ahead of other ready tasks (priority 1: a block task
+    may be waiting for them). Without ``pull``: one per chunk and holder,
+    running ``transfer.export_chunk``; the routes are ``{(chunk index,
+    reader): export key}`` per operand name (``OperandKeys.routes``). With
+    ``pull``: one per holder and reader, running ``transfer.export_chunks`` on
+    the chunks that reader needs from that holder (the offers are published,
+    the task returns a receipt); the routes are ``{(chunk index, reader):
+    pull.Pull(key, holder, index)}``. Returns the layer (None when there is
+    nothing to export) and the routes."""
     from dask.highlevelgraph import MaterializedLayer
 
-    from distmm.engine.dask.graph import _ref, _task
+    from distmm.engine.dask.graph import _list, _ref, _task
     from distmm.engine.dask.pull import Pull
-    from distmm.engine.dask.transfer import export_chunk
+    from distmm.engine.dask.transfer import export_chunk, export_chunks
 
     if not sources:
         return None, {}
-    keys: dict = {}
-    dsk, holders, routes = {}, {}, {}
-    for (chunk, reader), holder in sorted(sources.items()):
-        ex = keys.get((chunk, holder))
-        if ex is None:
-            ex = keys[(chunk, holder)] = (name, len(keys))
-            dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk), *((True,) if pull else ()))
+    dsk, holders, routes, key_of = {}, {}, {}, {}
+    if pull:
+        groups: dict = {}
+        for (chunk, reader), holder in sorted(sources.items()):
+            groups.setdefault((holder, reader), []).append(chunk)
+        for i, ((holder, reader), chunks) in enumerate(sorted(groups.items())):
+            ex = (name, i)
+            labels = [repr(c) for c in chunks]
+            dsk[ex] = _task(ex, export_chunks, _list(_ref(c) for c in chunks), labels)
             holders[ex] = holder
-        routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = (
-            Pull(ex, holder, repr(chunk)) if pull else ex)
+            for j, chunk in enumerate(chunks):
+                key_of[(chunk, reader)] = ex
+                routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = Pull(
+                    ex, holder, labels[j], j)
+    else:
+        keys: dict = {}
+        for (chunk, reader), holder in sorted(sources.items()):
+            ex = keys.get((chunk, holder))
+            if ex is None:
+                ex = keys[(chunk, holder)] = (name, len(keys))
+                dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk))
+                holders[ex] = holder
+            key_of[(chunk, reader)] = ex
+            routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = ex
     layer = MaterializedLayer(dsk, annotations={"workers": ExportHomes(name, holders),
                                                 "allow_other_workers": False, "priority": 1})
-    return ExportLayer(name, layer, holders, keys), routes
+    return ExportLayer(name, layer, holders, key_of), routes
 
 
 class ExportHomes:

@@ -56,25 +56,26 @@ def _norm(key):
 
 
 class Pull:
-    """A block task's argument in place of export ``key``, held by worker ``holder``
-    (its address); ``label`` names the chunk in messages."""
+    """A block task's argument in place of offer ``index`` of export task ``key``,
+    held by worker ``holder`` (its address); ``label`` names the chunk in messages."""
 
-    __slots__ = ("key", "holder", "label")
+    __slots__ = ("key", "holder", "label", "index")
 
-    def __init__(self, key, holder: str, label: str = ""):
-        self.key, self.holder, self.label = _norm(key), holder, label
+    def __init__(self, key, holder: str, label: str = "", index: int = 0):
+        self.key, self.holder, self.label, self.index = _norm(key), holder, label, int(index)
 
     def __reduce__(self):
-        return (Pull, (self.key, self.holder, self.label))
+        return (Pull, (self.key, self.holder, self.label, self.index))
 
     def __eq__(self, other):
-        return isinstance(other, Pull) and (self.key, self.holder) == (other.key, other.holder)
+        return isinstance(other, Pull) and (self.key, self.holder, self.index) == (
+            other.key, other.holder, other.index)
 
     def __hash__(self):
-        return hash((self.key, self.holder))
+        return hash((self.key, self.holder, self.index))
 
     def __repr__(self):
-        return f"Pull({self.key!r} from {self.holder}, {self.label})"
+        return f"Pull({self.key!r}[{self.index}] from {self.holder}, {self.label})"
 
 
 class Receipt:
@@ -96,10 +97,10 @@ class Receipt:
         return f"Receipt({self.label} on {self.address})"
 
 
-def publish(key, offer) -> None:
-    """On the holder: ``offer`` is export ``key``'s, for ``serve`` to hand out."""
+def publish(key, offers: tuple) -> None:
+    """On the holder: ``offers`` are export task ``key``'s, for ``serve`` to hand out."""
     with _LOCK:
-        _OFFERS[_norm(key)] = offer
+        _OFFERS[_norm(key)] = tuple(offers)
 
 
 def withdraw(key) -> None:
@@ -115,9 +116,9 @@ def published() -> int:
 
 
 async def serve(keys=None, wait: float = 0.0):
-    """The holder's handler: the offers of ``keys`` (export keys), each once
-    published, waiting up to ``wait`` seconds for those not yet; pickled, a
-    missing one as None."""
+    """The holder's handler: the offers of ``keys`` (export task keys: a tuple each),
+    each once published, waiting up to ``wait`` seconds for those not yet; pickled,
+    a missing one as None."""
     import asyncio
 
     keys = [_norm(k) for k in keys or ()]
@@ -147,7 +148,7 @@ async def _ask_all(worker, by_holder: dict, wait: float) -> dict:
 
 
 def _ask(worker, by_holder: dict, wait: float) -> dict:
-    """``{(holder, key): offer}`` for those the holders had; raises ``IPCError``
+    """``{(holder, key): offers}`` for those the holders had; raises ``IPCError``
     naming a holder that could not be asked."""
     from distributed.utils import sync
 
@@ -165,6 +166,7 @@ def _ask(worker, by_holder: dict, wait: float) -> dict:
 def resolve(*lists):
     """In a block task: ``lists`` with every ``Pull`` replaced by its offer,
     fetched from its holder (``FIRST_WAIT``, then seceded up to ``LONG_WAIT``)."""
+    # one request entry per export task (a task's offers come together)
     wanted = {(x.holder, x.key): x for lst in lists for x in lst if isinstance(x, Pull)}
     if not wanted:
         return lists
@@ -192,5 +194,5 @@ def resolve(*lists):
     if missing:
         raise IPCError("no CUDA IPC offer published within "
                        f"{LONG_WAIT:.0f} s for " + ", ".join(repr(wanted[p]) for p in missing))
-    return tuple([got[(x.holder, x.key)] if isinstance(x, Pull) else x for x in lst]
+    return tuple([got[(x.holder, x.key)][x.index] if isinstance(x, Pull) else x for x in lst]
                  for lst in lists)
