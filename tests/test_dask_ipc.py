@@ -491,3 +491,34 @@ def test_pulled_exports_are_one_task_per_holder_and_reader():
     exports, routes = export_layer("distmm-export-t", sources, pull=False)
     assert len(exports.layer) == 4
     assert routes["b"][((0, 0), H1B)] == routes["b"][((0, 0), H1C)]
+
+
+def _await_then_look(p):
+    from distmm.engine.dask import pull
+
+    pull.await_own([p])
+    with pull._LOCK:
+        return pull._norm(p.key) in pull._OFFERS
+
+
+def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
+    """A task that started before the export task pinned to its own (single-thread)
+    worker secedes, the export runs and publishes, and only then the task goes on (on
+    a GPU the export's synchronisation would otherwise wait for the task's GEMM)."""
+    client, w0, _w1 = pair
+    assert transfer.ensure_lifetime(client)
+    x = np.arange(12.0).reshape(3, 4)
+    c = client.scatter(x, workers=[w0])
+    key = f"distmm-export-test-{uuid.uuid4().hex}"
+    pinned = {"allow_other_workers": False, "pure": False}
+    t = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
+    deadline = time.time() + 30
+    while t.key not in client.processing().get(w0, ()) and time.time() < deadline:
+        time.sleep(0.02)
+    e = client.submit(transfer.export_chunk, c, "x", True, key=key, workers=[w0], **pinned)
+    assert t.result(timeout=60) is True
+    assert type(e.result(timeout=60)).__name__ == "Receipt"
+    # held by another worker: nothing to wait for
+    other = client.submit(_await_then_look, Pull("distmm-export-none", _w1), workers=[w0],
+                          **pinned)
+    assert other.result(timeout=30) is False

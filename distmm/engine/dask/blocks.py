@@ -153,7 +153,7 @@ def _cpu_elsewhere(tp: TaskPlan, backend: str, a, b, workers, cell):
 
 
 def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail: bool,
-                  share: int, a_list, b_list, cell=None, fallback=()):
+                  share: int, a_list, b_list, cell=None, fallback=(), own_exports=()):
     """One block of C (over one k group) in one task.
 
     ``device``: ``"gpu"`` runs the GPU executor on this worker's device (the
@@ -167,11 +167,14 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     Inputs may be ``transfer.Offer`` objects (another worker's device chunk
     exported through CUDA IPC): on a GPU their pieces are copied straight into
     the panels (``_device_panels``); elsewhere each is opened whole first.
-    A ``pull.Pull`` input is first fetched from its holder (``pull.resolve``).
+    A ``pull.Pull`` input is first fetched from its holder (``pull.resolve``),
+    after the export tasks of this worker (``own_exports``, ``pull.Pull`` each)
+    have run (``pull.await_own``).
     """
-    from distmm.engine.dask.pull import resolve
+    from distmm.engine.dask.pull import await_own, resolve
     from distmm.errors import TileFailed
 
+    await_own(own_exports)
     a_list, b_list = resolve(a_list, b_list)
     host = isinstance(a_list[0], np.ndarray)  # an Offer is always a device chunk's
     device_panels = device == "gpu" and not host

@@ -127,19 +127,27 @@ class CellTasks:
     (missing: CPU); ``fail``: the cells raising ``TileFailed`` on the GPU on
     purpose (``distmm-debug.fail-tiles``); ``fallback``: see ``block_product``;
     ``homes[(bi, bj, g)]``: the worker running that task (scattered operands:
-    whose copy of a block it reads).
+    whose copy of a block it reads); ``exports_at[worker]``: the ``pull.Pull``
+    of each export task pinned to that worker, which a block task there lets
+    run before it queues its GEMM (``pull.await_own``).
     """
 
     devices: Any
     fail: frozenset = frozenset()
     fallback: tuple = ()  # CPU workers a failed GPU task hands its block to (lazy products)
     homes: Any = None
+    exports_at: Any = None
 
     def device(self, bi: int, bj: int, g: int) -> tuple[str, int]:
         return self.devices.get((bi, bj, g), ("cpu", 1))
 
     def home(self, bi: int, bj: int, g: int) -> str | None:
         return None if self.homes is None else self.homes.get((bi, bj, g))
+
+    def own_exports(self, bi: int, bj: int, g: int) -> tuple:
+        if not self.exports_at:
+            return ()
+        return tuple(self.exports_at.get(self.home(bi, bj, g), ()))
 
 
 def _step_inputs(groups: int, reduction) -> tuple:
@@ -288,9 +296,10 @@ class ProductLayer(Layer):
             a_list, b_list = _list(_arg(k) for k in a_refs), _list(_arg(k) for k in b_refs)
             if self.cells is not None:
                 device, share = self.cells.device(bi, bj, extra or 0)
+                own = self.cells.own_exports(bi, bj, extra or 0)
                 return _task(key, block_product, self.tp, self.backend, spec, device,
                              (bi, bj) in self.cells.fail, share, a_list, b_list, (bi, bj),
-                             self.cells.fallback)
+                             self.cells.fallback, *((own,) if own else ()))
             return _task(key, partial_block, self.tp, self.backend, spec, a_list, b_list)
         t = self._step(kind, block, extra)
         src_dst, src_src = self.steps[t]

@@ -82,6 +82,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
 
     from distmm.engine.dask.graph import _ref, _task
     from distmm.engine.dask.placement import BlockPlacement
+    from distmm.engine.dask.pull import Pull
     from distmm.engine.dask.blocks import cut
 
     dtype = np.dtype(ops.dtype)
@@ -95,6 +96,13 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
                                  a2.chunks, b2.chunks)
     placement = BlockPlacement(layout, names_of(name), addresses)
     exports, routes = export_layer("distmm-export-" + token, sources or {}, pull=pull)
+    if exports is not None and pull:  # block tasks let their worker's exports go first
+        import dataclasses
+
+        at: dict = {}
+        for ex, holder in sorted(exports.holders.items()):
+            at.setdefault(holder, []).append(Pull(ex, holder))
+        cells = dataclasses.replace(cells, exports_at={h: tuple(v) for h, v in at.items()})
     layer = ProductLayer(name, cell_geo,
                          OperandKeys(tuple(a2.shape), a2.chunks, a2.name,
                                      routes=routes.get(a2.name)),

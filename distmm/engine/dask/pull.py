@@ -21,6 +21,17 @@ block task out, and the reader had fetched the offers: measured on one H100 (fp3
 the block task's start, on a call of 0.19 s. Here the block task starts as soon
 as its own chunks are there, beside the export tasks, and asks the holders.
 
+Exports before the GEMM
+-----------------------
+An export synchronises its worker's current stream before it hands out the
+handle (the reader has no stream order with it), and a block task queues its
+GEMM on that same stream. So a worker that ran its block task before its export
+tasks made every reader of its exports wait for its whole GEMM: measured on two
+H200s (fp32 32768), one worker's pull took 0.67 s, the other's GEMM. A block
+task therefore first lets the export tasks pinned to its own worker run
+(``await_own``: seceding while they have not published), then asks for its
+offers.
+
 Deadlock
 --------
 A holder answers from its event loop and never needs a worker thread, but its
@@ -38,7 +49,7 @@ import threading
 import time
 
 __all__ = ["Pull", "Receipt", "HANDLER", "publish", "withdraw", "published", "serve",
-           "resolve"]
+           "resolve", "await_own"]
 
 #: the worker handler's name (``worker.handlers``)
 HANDLER = "distmm_pull"
@@ -196,3 +207,35 @@ def resolve(*lists):
                        f"{LONG_WAIT:.0f} s for " + ", ".join(repr(wanted[p]) for p in missing))
     return tuple([got[(x.holder, x.key)][x.index] if isinstance(x, Pull) else x for x in lst]
                  for lst in lists)
+
+
+def await_own(exports) -> None:
+    """In a block task: until each of ``exports`` (``Pull`` objects) held by this
+    worker is published, secede so that those export tasks can run on this
+    worker's thread, and wait for them (``LONG_WAIT`` at most, then go on: only
+    the readers' wait is at stake, not the result)."""
+    if not exports:
+        return
+    from distributed import get_worker, rejoin, secede
+
+    try:
+        here = get_worker().address
+    except ValueError:  # not on a worker
+        return
+    mine = [_norm(p.key) for p in exports if p.holder == here]
+
+    def pending():
+        with _LOCK:
+            return [k for k in mine if k not in _OFFERS]
+
+    if not pending():
+        return
+    secede()
+    try:
+        deadline = time.monotonic() + LONG_WAIT
+        pause = 0.0002
+        while pending() and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+    finally:
+        rejoin()
