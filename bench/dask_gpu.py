@@ -78,6 +78,10 @@ def _args(argv):
                    help="CPU workers of the mixed setting (default: cores - 1; rehearsal 1)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one product may take before the variant is given up")
+    p.add_argument("--protocol", default="auto", choices=["auto", "ucx", "tcp"],
+                   help="comms of the GPU clusters: UCX where distributed-ucxx is installed "
+                        "(auto), or as named; the records carry it, and '+ucx' ends the "
+                        "variant names of UCX runs")
     p.add_argument("--rehearse", action="store_true",
                    help="CPU rehearsal: LocalCluster workers, numpy chunks, numpy for cuBLAS")
     args = p.parse_args(argv)
@@ -94,8 +98,9 @@ def _args(argv):
 
 # -- clusters --------------------------------------------------------------------------------
 
-def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int):
-    """(cluster, description, GPUs used, CPU workers) of one setting."""
+def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: str = "auto"):
+    """(cluster, description, GPUs used, CPU workers) of one setting (``protocol``: the GPU
+    clusters' comms, ``distmm.cli.cluster.gpu_cluster``; a rehearsal is TCP)."""
     from distmm.cli.cluster import add_cpu_workers, cpu_cluster, gpu_cluster, share_workers
 
     if rehearse:
@@ -111,15 +116,15 @@ def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int):
                 raise
             what += " and a copy of its spec: 2 workers"
     elif setting == "2gpu":
-        cluster = gpu_cluster("0,1")
+        cluster = gpu_cluster("0,1", protocol=protocol)
         what, gpus = "LocalCUDACluster(CUDA_VISIBLE_DEVICES='0,1'), one worker per GPU", 2
     elif setting == "shared":
-        cluster = gpu_cluster("0", per_device=2)
+        cluster = gpu_cluster("0", per_device=2, protocol=protocol)
         what = ("LocalCUDACluster(CUDA_VISIBLE_DEVICES='0') and a copy of its worker spec: "
                 "2 workers on GPU 0, device_memory_limit 0.4 each")
         gpus = 1
     else:
-        cluster = gpu_cluster("0")
+        cluster = gpu_cluster("0", protocol=protocol)
         what, gpus = "LocalCUDACluster(CUDA_VISIBLE_DEVICES='0'), 1 worker", 1
     try:
         cpus = 0
@@ -351,14 +356,17 @@ def main(argv=None) -> int:
             continue
         variants = [v for v in chunks if setting != "mixed" or v == "distmm-dask"]
         cluster, what, gpus, cpus = start_cluster(setting, rehearse=args.rehearse,
-                                                  cpu_workers=args.cpu_workers)
+                                                  cpu_workers=args.cpu_workers,
+                                                  protocol=args.protocol)
         with cluster, Client(cluster) as client:
             bench = Bench(client, gpu=gpu, timeout=args.timeout)
             workers = len(client.scheduler_info(n_workers=-1)["workers"])
+            protocol = client.scheduler.address.split("://", 1)[0]
             print(f"[{setting}] {what}: {workers} worker(s), {len(bench.gpu_addrs)} GPU "
-                  f"worker(s)", flush=True)
+                  f"worker(s), {protocol}", flush=True)
             common = {"setting": setting, "gpus": gpus, "workers": workers,
-                      "gpu_workers": len(bench.gpu_addrs), "cpu_workers": cpus, "cluster": what}
+                      "gpu_workers": len(bench.gpu_addrs), "cpu_workers": cpus, "cluster": what,
+                      "protocol": protocol, "device_transfer": _device_transfer()}
             for dtype in args.dtypes:
                 for n in args.sizes:
                     first, ref_s, ref_times, ref_err = in_core_reference(n, dtype, args.rounds,
@@ -368,6 +376,13 @@ def main(argv=None) -> int:
                                     (first, ref_s, ref_times, ref_err), done, why, chunks)
     print(f"run {writer.run}; records: {writer.path}", flush=True)
     return 1 if failed else 0
+
+
+def _device_transfer() -> str:
+    """``distmm.dask-device-transfer`` as configured (``DISTMM_DASK_DEVICE_TRANSFER``)."""
+    from distmm.config import get_config
+
+    return get_config().dask_device_transfer
 
 
 def _emit(writer, setting, common, reference, dtype, n, ref, results, why, chunks) -> int:
@@ -384,7 +399,12 @@ def _emit(writer, setting, common, reference, dtype, n, ref, results, why, chunk
              f"{rec['tflops']:8.4g} TFLOP/s  relerr {ref_err:.1e}"]
     dask_array = {v: r for v, r in results.items() if v.startswith("dask.array")}
     for variant in [*results, *why]:
-        name = variant if setting == "1gpu" else f"{variant}@{setting}"
+        name = variant
+        if variant == "distmm-dask" and common["device_transfer"] != "auto":
+            name += f"({common['device_transfer']})"  # distmm.dask-device-transfer as set
+        name = name if setting == "1gpu" else f"{name}@{setting}"
+        if common["protocol"] == "ucx":
+            name += "+ucx"
         if variant in why:
             failed += 1
             lines.append(f"  {name:28s} FAILED (no record): {why[variant]}"[:400])

@@ -133,3 +133,21 @@ def test_cluster_operands_are_made_per_chunk_from_the_seed():
         assert not np.array_equal(xv[:32, :32], xv[32:64, :32])  # chunks seeded apart
         if dtype.startswith("float"):
             assert abs(float(xv.mean())) < 0.1 and 0.9 < float(xv.std()) < 1.1
+
+
+def test_gpu_cluster_protocol_is_ucx_only_where_distributed_ucxx_imports(monkeypatch):
+    import sys
+    import types
+
+    from distmm.cli.cluster import gpu_protocol
+
+    monkeypatch.setitem(sys.modules, "distributed_ucxx", None)  # import fails: not installed
+    assert gpu_protocol("auto") == "tcp"
+    assert gpu_protocol("tcp") == "tcp"
+    with pytest.raises(ImportError, match="distributed-ucxx"):
+        gpu_protocol("ucx")
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        gpu_protocol("ucxx")
+    monkeypatch.setitem(sys.modules, "distributed_ucxx", types.ModuleType("distributed_ucxx"))
+    assert gpu_protocol("auto") == "ucx"
+    assert gpu_protocol("tcp") == "tcp"  # asked for: kept

@@ -216,3 +216,38 @@ def test_dask_gpu_benchmark_writes_checked_records(tmp_path):
         if rec["variant"] != "cublas":
             assert len(rec["all_seconds"]) == 2 and rec["ratio_to_cublas"] > 0
             assert rec["workers"] == rec["gpu_workers"] == (2 if rec["setting"] == "shared" else 1)
+
+
+def test_a_ucx_cluster_moves_device_chunks_and_gives_the_product():
+    """``gpu_cluster(protocol="ucx")`` where distributed-ucxx is installed: the workers talk
+    UCX, and a product of cupy chunks persisted on two workers sharing GPU 0 gives the
+    float64 reference's result, with distmm's CUDA IPC route (``auto``) and with the
+    chunks moved by dask itself over UCX (``tcp``: no IPC exports), bit for bit the same."""
+    pytest.importorskip("distributed_ucxx")
+    import dask
+
+    from distmm.cli.cluster import gpu_cluster, gpu_protocol, random_array as cluster_random
+    from distmm.cli.cluster import to_host
+
+    assert gpu_protocol("auto") == "ucx"
+    rng = np.random.default_rng()
+    with gpu_cluster("0", per_device=2, protocol="ucx") as cluster, Client(cluster) as client:
+        addresses = list(client.scheduler_info(n_workers=-1)["workers"])
+        assert len(addresses) == 2 and all(a.startswith("ucx://") for a in addresses), addresses
+        seed = int(rng.integers(1 << 30)) * 2
+        A = cluster_random((2053, 1531), 512, "float32", seed=seed, gpu=True)
+        B = cluster_random((1531, 1777), 512, "float32", seed=seed + 1, gpu=True)
+        A, B = client.persist([A, B])
+        distributed.wait([A, B])
+        a_h, b_h = client.compute([to_host(A), to_host(B)], sync=True)
+        got = {}
+        for mode in ("auto", "tcp"):
+            with dask.config.set({"distmm.dask-device-transfer": mode}):
+                C = distmm.matmul(A, B, client=client)
+                got[mode] = client.compute(to_host(C), sync=True)
+            stats = last_stats()
+            assert stats["mode"] == "blocks"
+            if mode == "tcp":
+                assert stats["transfer"]["exports"] == 0
+        assert_matches_numpy(got["auto"], a_h, b_h)
+        assert np.array_equal(got["auto"], got["tcp"])

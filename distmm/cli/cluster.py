@@ -6,7 +6,8 @@ This module covers:
 - starting a cluster: ``cpu_cluster`` (``distributed.LocalCluster`` of single-thread worker
   processes) and ``gpu_cluster`` (``dask_cuda.LocalCUDACluster``, one worker per GPU, or
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
-  resource ``GPU: 1``;
+  resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
+  otherwise (``gpu_protocol``: ``protocol="auto"``);
   ``add_cpu_workers`` adds single-thread worker processes that see no GPU
   (``CUDA_VISIBLE_DEVICES=""``) to a running cluster (a mixed cluster);
 - random operands made on the workers, one seeded generator per chunk, numpy or cupy chunks
@@ -29,12 +30,38 @@ import copy
 
 import numpy as np
 
-__all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "share_workers", "add_cpu_workers",
-           "gpu_workers",
+__all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
+           "PROTOCOLS", "share_workers", "add_cpu_workers", "gpu_workers",
            "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
+
+#: ``gpu_cluster``'s ``protocol``: UCX where it is installed (``auto``), or one of them
+PROTOCOLS = ("auto", "ucx", "tcp")
+
+
+def ucx_available() -> bool:
+    """Whether ``distributed`` can open UCX comms here: ``distributed-ucxx`` imports."""
+    try:
+        import distributed_ucxx  # noqa: F401
+    except Exception:  # not installed, or its UCX libraries do not load
+        return False
+    return True
+
+
+def gpu_protocol(protocol: str = "auto") -> str:
+    """The comm protocol of an embedded GPU cluster: ``"ucx"`` for ``auto`` where
+    ``ucx_available()``, else ``"tcp"``. ``ValueError`` for another name,
+    ``ImportError`` for ``"ucx"`` without ``distributed-ucxx``."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if protocol == "auto":
+        return "ucx" if ucx_available() else "tcp"
+    if protocol == "ucx" and not ucx_available():
+        raise ImportError("protocol 'ucx' needs distributed-ucxx (pip install "
+                          "distributed-ucxx-cu13, or -cu12 for CUDA 12), which does not import")
+    return protocol
 
 
 def local_gpus() -> int:
@@ -59,22 +86,41 @@ def cpu_cluster(workers: int, *, gpu_resource: bool = False, **kwargs):
 
 
 def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
-                device_memory_limit: float = 0.8, timeout: float = 120, **kwargs):
+                device_memory_limit: float = 0.8, timeout: float = 120,
+                protocol: str = "auto", **kwargs):
     """A ``dask_cuda.LocalCUDACluster`` on ``devices`` (``"0,1"``; default every visible GPU)
     with ``per_device`` single-thread workers on each GPU, each carrying ``GPU: 1``.
 
     Workers sharing a GPU split ``device_memory_limit`` (a fraction of the device's memory,
-    where dask_cuda starts spilling to the host) between them. Raises ``ImportError`` when
-    dask_cuda is not installed.
+    where dask_cuda starts spilling to the host) between them. ``protocol``
+    (``gpu_protocol``): ``"auto"`` takes UCX where ``distributed-ucxx`` is installed, so
+    that device buffers move between workers without host copies (NVLink where there
+    is one), and falls back to TCP, with a warning, when a UCX cluster does not start.
+    Raises ``ImportError`` when dask_cuda is not installed.
     """
+    import logging
+
     from dask_cuda import LocalCUDACluster
 
     if per_device < 1:
         raise ValueError(f"per_device must be at least 1, got {per_device}")
+    chosen = gpu_protocol(protocol)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("resources", {GPU_RESOURCE: 1})
-    cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1,
-                               device_memory_limit=device_memory_limit / per_device, **kwargs)
+
+    def start(proto):
+        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1,
+                                device_memory_limit=device_memory_limit / per_device,
+                                protocol=proto, **kwargs)
+
+    try:
+        cluster = start(chosen)
+    except Exception as exc:
+        if protocol != "auto" or chosen == "tcp":
+            raise
+        logging.getLogger("distmm").warning(
+            "distmm: a UCX cluster did not start (%s: %s); using TCP", type(exc).__name__, exc)
+        cluster = start("tcp")
     try:
         if per_device > 1:
             share_workers(cluster, per_device, timeout=timeout)

@@ -140,8 +140,9 @@ def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
     chunk = max(1, math.ceil(n / max(2, math.ceil(math.sqrt(gpus)))))  # >= 2 x 2 C blocks
     devices = ",".join(str(i) for i in range(gpus))
     with gpu_cluster(devices) as cluster, Client(cluster) as client:
-        print(f"embedded LocalCUDACluster: {gpus} GPU worker(s) on {gpu_name(0)}; "
-              f"dashboard {client.dashboard_link}")
+        comms = client.scheduler.address.split("://", 1)[0]
+        print(f"embedded LocalCUDACluster: {gpus} GPU worker(s) on {gpu_name(0)}, {comms} "
+              f"comms; dashboard {client.dashboard_link}")
         tk = distmm.api.plan_for(n, n, n, dt, workers=1, on_gpu=True).tile[2]
         print(distmm.api.plan_for(n, n, n, dt, workers=gpus, tile=(chunk, chunk, tk),
                                   on_gpu=True).describe())
