@@ -48,6 +48,9 @@
 # installed --no-deps into /tmp/heat-site against the node's torch; add scipy and the
 # torchvision built for that torch only if the node lacks them: `import heat` needs both):
 #   python3 -m pip download -q --no-deps -d .whl/heat heat==1.8.0
+# GPU runs over UCX carry their own bundle instead, .whlu/ (bench/device/ucx_bundle.sh: the Dask
+# wheels and distributed-ucxx with its UCX libraries, ~55 MB, no MPI or peer wheels): begin
+# `. .whlu/env.sh && ` and run e.g. DASKGPU_ARGS="--protocol ucx" ... daskgpu.
 # Why these versions (bench/NOTES.md, MPI engine): nvmath 1.0 takes cuBLASMp >=0.8.1,<0.10,
 # and every cuBLASMp >= 0.8 needs NCCL >= 2.29.2 (ncclCommQueryProperties): against the
 # node's NCCL 2.28 it fails to load (nvmath_peer.load says so), and nvidia-nccl-cu13 2.29.2

@@ -22,6 +22,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``transfer``   device (cupy) chunks between GPU workers of one host through
                CUDA IPC: the mode, the probe per cluster, the export tasks'
                offers and opening them, with TCP as the fallback
+``pull``       block tasks fetch those offers straight from the holders, not
+               through the scheduler
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
 It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
@@ -57,8 +59,9 @@ bytes (``last_stats()["locality"]`` says what was chosen and what the
 naive order would have moved). Persisted cupy chunks that a GPU worker needs
 from another GPU worker of its host go device to device through CUDA IPC
 (``distmm.dask-device-transfer``, ``transfer``): an export task pinned to
-the holder hands the block task a small handle in place of the chunk, and
-the cost model counts those bytes at 1/256 of a TCP byte. Dask operands keep their
+the holder publishes a small handle in place of the chunk, which the block
+task asks the holder for (``pull``), and the cost model counts those bytes
+at 1/256 of a TCP byte. Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,
