@@ -522,3 +522,11 @@ def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
     other = client.submit(_await_then_look, Pull("distmm-export-none", _w1), workers=[w0],
                           **pinned)
     assert other.result(timeout=30) is False
+
+
+def test_pulling_outside_a_worker_says_where_the_product_must_run():
+    from distmm.engine.dask.pull import resolve
+
+    with pytest.raises(ipc.IPCError, match="compute it there"):
+        resolve([Pull(("distmm-export-x", 0), "tcp://10.0.0.1:1")])
+    assert resolve([1, 2], [3]) == ([1, 2], [3])  # nothing to pull: the lists as they are

@@ -185,7 +185,12 @@ def resolve(*lists):
 
     from distmm.executor.ipc import IPCError
 
-    worker = get_worker()
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise IPCError("this product was built for the distributed cluster it was planned on "
+                       "(its block tasks fetch CUDA IPC offers from that cluster's workers); "
+                       "compute it there, not with another scheduler") from None
 
     def by_holder(pairs):
         out: dict = {}

@@ -4,8 +4,10 @@ This module covers: whether a block-mode product moves device (cupy) chunks
 between GPU workers through CUDA IPC (``distmm.dask-device-transfer``:
 ``auto``, ``ipc`` or ``tcp``; ``ipc_pairs``), the one-time probe per cluster
 that says between which workers IPC works (``probe``, cached per scheduler
-address and worker set), the export task's body (``export_chunk``: on the
-worker holding a chunk, an ``Offer`` wrapping ``distmm.executor.ipc.export``),
+address and worker set), the export tasks' bodies (``export_chunk``: on the
+worker holding a chunk, an ``Offer`` wrapping ``distmm.executor.ipc.export``;
+``export_chunks``: the offers one reader needs from that worker, published for
+``pull``),
 opening an offer inside a block task (``take``) with its fallbacks, and the
 bytes each worker received by each route (``routes_since``, read by
 ``stats.transfer_report``), and the exports' lifetime (``ExportLifetime``, a
