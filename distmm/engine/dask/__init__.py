@@ -149,13 +149,15 @@ def memory_budget(client, info: dict | None = None) -> int | None:
 
 
 def block_budget(plan_budget: int, units) -> int:
-    """Bytes one block task may hold. On a cluster whose units are all GPU workers with a
-    device the probe measured: ``DEVICE_FRACTION`` of the smallest device (split between
-    the workers sharing it), bounded by a ``distmm.memory-budget`` given as a size. Else
-    the plan's budget: the lower of the configured one and the workers' host limits
-    (``plan_hints``). Measured need: on two H100s the client-side budget (half the free
-    memory of a device the workers' pools held) cut each GPU's block of a float32 32768
-    product into 8 cells and 2 k groups, whose partials crossed TCP (4.4 GB)."""
+    """Bytes one block task may hold. Where ``units`` (those given a block) are all GPU
+    workers with a device the probe measured: ``DEVICE_FRACTION`` of the smallest device
+    (split between the workers sharing it), bounded by a ``distmm.memory-budget`` given as
+    a size. Else the plan's budget: the lower of the configured one and the workers' host
+    limits (``plan_hints``). Measured need: on two H100s the client-side budget (half the
+    free memory of a device the workers' pools held) cut each GPU's block of a float32
+    32768 product into 8 cells and 2 k groups, whose partials crossed TCP (4.4 GB); in a
+    mixed cluster whose CPU workers got no block, the host budget cut the GPU's block
+    into 16 cells and 3 k groups (H100, fp32 32768: 1.54 s against 1.35 s alone)."""
     from distmm.config import get_config
 
     shares = [u.device_memory // max(u.share_device, 1) for u in units
@@ -251,8 +253,11 @@ class DaskEngine(Engine):
 
         itemsize = np.dtype(plan.acc_dtype).itemsize
         weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
+        # budgeted by the units that get a block: in a mixed cluster whose CPU workers get
+        # nothing, the GPU's device, not the host limit a CPU block would need
+        working = [u for u, w in zip(units, weights) if w > 0] or list(units)
         return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
-                            memory_budget=block_budget(plan.memory_budget, units),
+                            memory_budget=block_budget(plan.memory_budget, working),
                             tk=plan.tile[2], grid=grid, **cuts)
 
     def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, ipc=frozenset(),
