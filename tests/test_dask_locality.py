@@ -241,3 +241,31 @@ def test_search_never_moves_more_than_the_naive_order():
         assert exact.method == "exact" and swaps.method == "swaps"
         assert exact.bytes <= swaps.bytes <= swaps.naive_bytes == exact.naive_bytes
         assert exact.bytes == cost(exact.layout, exact.units)
+
+
+def test_units_too_slow_for_a_share_stay_out_of_the_search():
+    """A GPU worker beside 15 CPU workers that get no share: only the GPU's place is
+    searched (a handful of layouts, not hundreds), every unit is kept (the CPU ones, last,
+    still serve as the fallback), and the GPU gets the whole of C wherever it started."""
+    from distmm.engine.dask import locality as loc
+    from distmm.engine.dask.layout import block_layout, shares
+    from distmm.engine.dask.workers import Unit
+
+    m = n = k = 4096
+    for gpu_at in (0, 7, 15):
+        units = [Unit(f"c{i:02d}", False, 20.0) for i in range(15)]
+        units.insert(gpu_at, Unit("g", True, 56000.0))
+
+        def make(us, grid):
+            return block_layout(m, n, k, shares([u.gflops for u in us], m, n, k), grid=grid,
+                                row_cuts=range(0, m + 1, 1024), col_cuts=range(0, n + 1, 1024))
+
+        got = loc.choose(units, make, lambda lay, us: 0)
+        assert got.candidates <= 4, got.candidates
+        assert sorted(u.address for u in got.units) == sorted(u.address for u in units)
+        busy = [u.address for u, b in zip(got.units, got.layout.blocks) if b is not None]
+        assert busy == ["g"]
+    # units that do get shares are still searched (two GPUs of different speeds)
+    two = [Unit("c", False, 20.0), Unit("g1", True, 30000.0), Unit("g2", True, 56000.0)]
+    got = loc.choose(two, make, lambda lay, us: 0)
+    assert got.candidates >= 2

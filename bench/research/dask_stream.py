@@ -219,7 +219,8 @@ def phased_product(bench, a, b):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.research.dask_stream",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--setting", choices=["1gpu", "2gpu", "shared"], default="2gpu")
+    p.add_argument("--setting", choices=["1gpu", "2gpu", "shared", "mixed"], default="2gpu")
+    p.add_argument("--cpu-workers", type=int, default=15, help="CPU workers of the mixed setting")
     p.add_argument("--protocol", choices=["auto", "ucx", "tcp"], default="auto")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--dtype", default="float32")
@@ -233,7 +234,8 @@ def main(argv=None) -> int:
     from bench.dask_gpu import Bench, start_cluster
     from distmm.engine.dask import last_stats, transfer_report
 
-    cluster, what, _gpus, _cpus = start_cluster(args.setting, rehearse=False, cpu_workers=0,
+    cluster, what, _gpus, _cpus = start_cluster(args.setting, rehearse=False,
+                                                cpu_workers=args.cpu_workers,
                                                 protocol=args.protocol)
     with cluster, distributed.Client(cluster) as client:
         print(what, client.scheduler.address, flush=True)
