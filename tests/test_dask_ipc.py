@@ -530,3 +530,28 @@ def test_pulling_outside_a_worker_says_where_the_product_must_run():
     with pytest.raises(ipc.IPCError, match="compute it there"):
         resolve([Pull(("distmm-export-x", 0), "tcp://10.0.0.1:1")])
     assert resolve([1, 2], [3]) == ([1, 2], [3])  # nothing to pull: the lists as they are
+
+
+def _export_that_fails(chunk):
+    raise RuntimeError("export failed on purpose")
+
+
+def test_a_failed_export_fails_its_readers_at_once(pair):
+    """An export task that raised never publishes: a reader's pull says so (naming the
+    holder) instead of waiting ``pull.LONG_WAIT`` seconds, and a block task on the holder
+    stops waiting for it."""
+    client, w0, w1 = pair
+    assert transfer.ensure_lifetime(client)
+    c = client.scatter(np.ones(3), workers=[w0])
+    key = f"distmm-export-test-{uuid.uuid4().hex}"
+    pinned = {"allow_other_workers": False, "pure": False}
+    e = client.submit(_export_that_fails, c, key=key, workers=[w0], **pinned)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        e.result(timeout=30)
+    t0 = time.time()
+    r = client.submit(_pull_and_sum, Pull(key, w0, "x"), workers=[w1], **pinned)
+    with pytest.raises(ipc.IPCError, match=f"holder {w0}.*failed"):
+        r.result(timeout=60)
+    own = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
+    assert own.result(timeout=60) is False
+    assert time.time() - t0 < 30

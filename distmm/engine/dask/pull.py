@@ -126,10 +126,22 @@ def published() -> int:
         return len(_OFFERS)
 
 
-async def serve(keys=None, wait: float = 0.0):
+def _failed(worker, keys) -> list:
+    """Those of ``keys`` whose task failed on ``worker`` (they will never publish)."""
+    tasks = getattr(getattr(worker, "state", None), "tasks", None) or {}
+    out = []
+    for key in keys:
+        ts = tasks.get(key)
+        if ts is not None and getattr(ts, "state", None) == "error":
+            out.append(key)
+    return out
+
+
+async def serve(keys=None, wait: float = 0.0, worker=None):
     """The holder's handler: the offers of ``keys`` (export task keys: a tuple each),
     each once published, waiting up to ``wait`` seconds for those not yet; pickled,
-    a missing one as None."""
+    a missing one as None, and under ``"failed"`` the keys whose export task raised
+    on this ``worker`` (the plugin binds it), which will never publish."""
     import asyncio
 
     keys = [_norm(k) for k in keys or ()]
@@ -138,8 +150,11 @@ async def serve(keys=None, wait: float = 0.0):
     while True:
         with _LOCK:
             got = [_OFFERS.get(k) for k in keys]
-        if all(g is not None for g in got) or time.monotonic() >= deadline:
-            return {"offers": pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)}
+        missing = [k for k, g in zip(keys, got) if g is None]
+        failed = _failed(worker, missing) if missing and worker is not None else []
+        if not missing or failed or time.monotonic() >= deadline:
+            return {"offers": pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL),
+                    "failed": pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL)}
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.01)
 
@@ -152,6 +167,9 @@ async def _ask_all(worker, by_holder: dict, wait: float) -> dict:
             reply = await worker.rpc(holder).distmm_pull(keys=list(keys), wait=wait)
         except Exception as exc:  # noqa: BLE001 -- named with the holder below
             return holder, exc
+        failed = pickle.loads(reply["failed"]) if reply.get("failed") else []
+        if failed:
+            return holder, RuntimeError(f"its export task(s) {failed} failed there")
         return holder, dict(zip(keys, pickle.loads(reply["offers"])))
 
     answers = await asyncio.gather(*(ask(h, ks) for h, ks in by_holder.items()))
@@ -224,14 +242,16 @@ def await_own(exports) -> None:
     from distributed import get_worker, rejoin, secede
 
     try:
-        here = get_worker().address
+        worker = get_worker()
     except ValueError:  # not on a worker
         return
-    mine = [_norm(p.key) for p in exports if p.holder == here]
+    mine = [_norm(p.key) for p in exports if p.holder == worker.address]
 
     def pending():
         with _LOCK:
-            return [k for k in mine if k not in _OFFERS]
+            waiting = [k for k in mine if k not in _OFFERS]
+        failed = set(_failed(worker, waiting)) if waiting else set()
+        return [k for k in waiting if k not in failed]  # a failed export never publishes
 
     if not pending():
         return

@@ -392,7 +392,7 @@ class ExportLifetime(_WorkerPlugin):
     def setup(self, worker):
         from distmm.engine.dask import pull
 
-        worker.handlers[pull.HANDLER] = pull.serve  # readers ask for their offers here
+        worker.handlers[pull.HANDLER] = self._serve_pull  # readers ask for their offers here
         if not _LIFETIME:
             _LIFETIME.append(True)
         self._worker = worker
@@ -407,6 +407,12 @@ class ExportLifetime(_WorkerPlugin):
             pc.start()
         except Exception as exc:  # noqa: BLE001 -- orphans then wait for teardown
             log.warning("distmm: the IPC orphan sweep could not start (%r)", exc)
+
+    async def _serve_pull(self, keys=None, wait: float = 0.0):
+        """``pull.serve`` on this worker (which sees the export tasks that failed here)."""
+        from distmm.engine.dask import pull
+
+        return await pull.serve(keys, wait, getattr(self, "_worker", None))
 
     def teardown(self, worker):
         with _STATE_LOCK:
