@@ -185,7 +185,7 @@ class Bench:
         else:
             c = self.client.persist(a @ b, workers=self.restrict)
         wait(c, timeout=self.timeout)
-        sync_workers(self.client)
+        sync_workers(self.client, self.gpu_addrs if self.gpu else None)
         return time.perf_counter() - t0, c
 
     def check(self, c, a, b, rows) -> float:
@@ -422,7 +422,7 @@ def _emit(writer, setting, common, reference, dtype, n, ref, results, why, chunk
         rec = writer.add(name, dtype, n, n, n, seconds, err, **common, **extra,
                          note="operands made and persisted on the GPU workers before the clock "
                               "(fresh keys each call); C persisted, not gathered; clock stops "
-                              "after every worker's device is synchronised")
+                              "after every GPU worker's device is synchronised")
         lines.append(f"  {name:28s} first {first_v:8.3f} s  warm {seconds:8.3f} s "
                      f"{rec['tflops']:8.4g} TFLOP/s  {ref_s / seconds:5.2f}x {reference}  "
                      f"relerr {err:.1e}{'  WRONG' if err > tol else ''}")

@@ -211,7 +211,7 @@ def phased_product(bench, a, b):
     t2 = time.perf_counter()
     wait(c, timeout=bench.timeout)
     t3 = time.perf_counter()
-    sync_workers(bench.client)
+    sync_workers(bench.client, bench.gpu_addrs)
     t4 = time.perf_counter()
     return t4 - t0, c, {"build": t1 - t0, "persist": t2 - t1, "wait": t3 - t2, "sync": t4 - t3}
 

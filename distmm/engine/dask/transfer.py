@@ -39,9 +39,9 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take", "take_into", "host_of",
-           "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
-           "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
+__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take",
+           "take_into", "host_of", "device_chunks", "candidate_pairs", "ipc_pairs", "probe",
+           "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
            "held_keys", "orphans"]
 
 log = logging.getLogger("distmm.engine.dask")
