@@ -453,8 +453,8 @@ def test_readers_holding_each_others_chunks_do_not_deadlock(pair):
         if r0.key in busy.get(w0, ()) and r1.key in busy.get(w1, ()):
             break
         time.sleep(0.02)
-    e0 = client.submit(transfer.export_chunk, c0, "x0", True, key=k0, workers=[w0], **pinned)
-    e1 = client.submit(transfer.export_chunk, c1, "x1", True, key=k1, workers=[w1], **pinned)
+    e0 = client.submit(transfer.export_chunks, [c0], ["x0"], key=k0, workers=[w0], **pinned)
+    e1 = client.submit(transfer.export_chunks, [c1], ["x1"], key=k1, workers=[w1], **pinned)
     assert r0.result(timeout=60) == pytest.approx(float(x1.sum()), rel=1e-12)
     assert r1.result(timeout=60) == pytest.approx(float(x0.sum()), rel=1e-12)
     assert type(e0.result(timeout=60)).__name__ == "Receipt"  # small: the offer stays put
@@ -498,7 +498,7 @@ def _await_then_look(p):
 
     pull.await_own([p])
     with pull._LOCK:
-        return pull._norm(p.key) in pull._OFFERS
+        return pull.norm_key(p.key) in pull._OFFERS
 
 
 def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
@@ -515,7 +515,7 @@ def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
     deadline = time.time() + 30
     while t.key not in client.processing().get(w0, ()) and time.time() < deadline:
         time.sleep(0.02)
-    e = client.submit(transfer.export_chunk, c, "x", True, key=key, workers=[w0], **pinned)
+    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **pinned)
     assert t.result(timeout=60) is True
     assert type(e.result(timeout=60)).__name__ == "Receipt"
     # held by another worker: nothing to wait for

@@ -198,13 +198,12 @@ class DaskEngine(Engine):
         self.client = _resolve_client(client, required=required)
         self.retry_timeout = float(retry_timeout)
         # one scheduler_info per call, read by the slots, the budget and the units
-        self._info = None
+        self._info, self.slots = None, []
         if self.client is not None:
             self._info = self.client.scheduler_info(n_workers=-1)["workers"] or None
-        self.slots = (worker_slots(self.client, info=self._info)
-                      if self.client is not None else [])
-        if self.client is not None and not self.slots:
-            raise ValueError("matmul: the Dask cluster has no workers")
+            self.slots = worker_slots(self.client, info=self._info)
+            if not self.slots:
+                raise ValueError("matmul: the Dask cluster has no workers")
         self._chunk_tile = None
 
     def workers(self, operands: Operands, *, on_gpu: bool) -> int:

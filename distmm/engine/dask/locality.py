@@ -253,7 +253,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
     # 37 ms of the client's time per product on the H100 machine.
     busy = {(u.gflops, u.gpu) for u, b in zip(units, lay0.blocks) if b is not None}
     active = [i for i, u in enumerate(units) if (u.gflops, u.gpu) in busy]
-    idle = tuple(i for i in range(len(units)) if i not in set(active))
+    idle = tuple(sorted(set(range(len(units))) - set(active)))
     exact = not orders or _distinct_orders([sigs[i] for i in active]) * len(shapes) <= limit
     for rank, grid in enumerate(shapes):
         if not orders:
@@ -273,7 +273,7 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
                 if (c, rank) < best[:2] and _busy(lay) >= p:
                     best = (c, rank, lay, us, order, grid)
             continue
-        order = list(active) + list(idle)  # pairwise swaps of the active units while one improves
+        order = list(active) + list(idle)  # swaps of two active units while one improves
         c, lay, us = evaluate(tuple(order), grid)
         current = (c, lay, us)
         improved = True

@@ -49,7 +49,7 @@ import threading
 import time
 
 __all__ = ["Pull", "Receipt", "HANDLER", "publish", "withdraw", "published", "serve",
-           "resolve", "await_own"]
+           "resolve", "await_own", "norm_key"]
 
 #: the worker handler's name (``worker.handlers``)
 HANDLER = "distmm_pull"
@@ -62,8 +62,9 @@ _OFFERS: dict = {}  # export key (tuples, as the scheduler spells it) -> Offer, 
 _LOCK = threading.Lock()
 
 
-def _norm(key):
-    return tuple(_norm(k) for k in key) if isinstance(key, (list, tuple)) else key
+def norm_key(key):
+    """A task key as the worker spells it: the lists of a msgpack'd reply made tuples."""
+    return tuple(norm_key(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
 class Pull:
@@ -73,7 +74,7 @@ class Pull:
     __slots__ = ("key", "holder", "label", "index")
 
     def __init__(self, key, holder: str, label: str = "", index: int = 0):
-        self.key, self.holder, self.label, self.index = _norm(key), holder, label, int(index)
+        self.key, self.holder, self.label, self.index = norm_key(key), holder, label, int(index)
 
     def __reduce__(self):
         return (Pull, (self.key, self.holder, self.label, self.index))
@@ -111,13 +112,13 @@ class Receipt:
 def publish(key, offers: tuple) -> None:
     """On the holder: ``offers`` are export task ``key``'s, for ``serve`` to hand out."""
     with _LOCK:
-        _OFFERS[_norm(key)] = tuple(offers)
+        _OFFERS[norm_key(key)] = tuple(offers)
 
 
 def withdraw(key) -> None:
     """On the holder: export ``key`` is released; stop handing it out."""
     with _LOCK:
-        _OFFERS.pop(_norm(key), None)
+        _OFFERS.pop(norm_key(key), None)
 
 
 def published() -> int:
@@ -144,7 +145,7 @@ async def serve(keys=None, wait: float = 0.0, worker=None):
     on this ``worker`` (the plugin binds it), which will never publish."""
     import asyncio
 
-    keys = [_norm(k) for k in keys or ()]
+    keys = [norm_key(k) for k in keys or ()]
     deadline = time.monotonic() + max(float(wait), 0.0)
     pause = 0.0005
     while True:
@@ -245,7 +246,7 @@ def await_own(exports) -> None:
         worker = get_worker()
     except ValueError:  # not on a worker
         return
-    mine = [_norm(p.key) for p in exports if p.holder == worker.address]
+    mine = [norm_key(p.key) for p in exports if p.holder == worker.address]
 
     def pending():
         with _LOCK:

@@ -39,10 +39,12 @@ from collections import deque
 
 import numpy as np
 
+from distmm.engine.dask.pull import norm_key
+
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take",
            "take_into", "host_of", "device_chunks", "candidate_pairs", "ipc_pairs", "probe",
-           "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
-           "held_keys", "orphans"]
+           "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime",
+           "keep_until_released", "held_keys", "orphans"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -253,16 +255,13 @@ def _offer_of(chunk, label: str, address):
     return Offer(shared, None, address, label, nbytes), shared
 
 
-def export_chunk(chunk, label: str = "", publish: bool = False):
+def export_chunk(chunk, label: str = ""):
     """Task body, on the worker holding ``chunk``: an ``Offer`` of it (its
     CUDA IPC export, or, when exporting fails, the chunk itself). Where the
     ``ExportLifetime`` plugin runs on this worker, the export is held until
-    the scheduler releases this task's key (``keep_until_released``).
-    ``publish``: as ``export_chunks([chunk], [label])``."""
+    the scheduler releases this task's key (``keep_until_released``)."""
     from distmm.executor import ipc
 
-    if publish:
-        return export_chunks([chunk], [label])
     offer, shared = _offer_of(chunk, label, _worker_address())
     if shared is not None:
         keep_until_released(shared, ipc.hold)
@@ -367,11 +366,6 @@ def _replica_dropped(worker, key) -> bool:
     return False
 
 
-def _norm(key):
-    """A key as the scheduler's reply may spell it (lists for tuples)."""
-    return tuple(_norm(k) for k in key) if isinstance(key, list) else key
-
-
 class ExportLifetime(_WorkerPlugin):
     """Worker plugin: an export task's allocation lives until the scheduler
     releases the task's key, even when the worker spilled the task's result to
@@ -385,7 +379,7 @@ class ExportLifetime(_WorkerPlugin):
     were freed, and readers' opens and the holders' own tasks failed.
 
     It also installs ``pull.serve``, the handler from which block tasks fetch the
-    offers published here (``export_chunk(..., publish=True)``)."""
+    offers published here (``export_chunks``)."""
 
     name = "distmm-ipc-exports"
 
@@ -442,9 +436,9 @@ class ExportLifetime(_WorkerPlugin):
             who = await self._worker.scheduler.who_has(keys=keys)
         except Exception:  # noqa: BLE001 -- the scheduler away for now: ask again later
             return
-        gone = {_norm(k) for k, holders in (who or {}).items() if not holders}
+        gone = {norm_key(k) for k, holders in (who or {}).items() if not holders}
         for key in keys:
-            if _norm(key) in gone:
+            if norm_key(key) in gone:
                 with _STATE_LOCK:
                     entry = _ORPHANS.pop(key, None)
                 if entry is not None:
