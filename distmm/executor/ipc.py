@@ -245,14 +245,14 @@ def _direct_handle(cupy, array):
         return None
 
 
-def export(array, *, token: str | None = None, copy: bool = False) -> Shared:
+def export(array, *, token: str | None = None) -> Shared:
     """Export a cupy array of this process's device through CUDA IPC.
 
     The array's own memory is exported where it can be (the module docstring
-    says when it cannot), else (or with ``copy``) a C-contiguous copy in a
-    dedicated allocation; the returned ``Shared`` keeps it alive in this process
-    (module docstring: lifetime), so a direct export must not be written to
-    while it is open elsewhere. ``token``: the export's id (default: a fresh
+    says when it cannot), else a C-contiguous copy in a dedicated allocation;
+    the returned ``Shared`` keeps it alive in this process (module docstring:
+    lifetime), so a direct export must not be written to while it is open
+    elsewhere. ``token``: the export's id (default: a fresh
     random one). Raises ``IPCError`` for anything but a cupy array, or when the
     allocation or the handle fails.
     """
@@ -270,17 +270,15 @@ def export(array, *, token: str | None = None, copy: bool = False) -> Shared:
             if array.size == 0:
                 return Shared(None, array.shape, array.dtype, bus, os.getpid(), PROCESS, _HOST,
                               token)
-            direct = None if copy else _direct_handle(cupy, array)
+            direct = _direct_handle(cupy, array)
             if direct is not None:
-                handle, offset = direct
-                dst = array
+                (handle, offset), dst = direct, array
             else:
                 memory = _allocate(cupy, array.nbytes)
                 dst = cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0))
                 dst[...] = array  # one copy kernel, any strides
-            cupy.cuda.get_current_stream().synchronize()
-            if direct is None:
                 handle = rt.ipcGetMemHandle(memory.ptr)
+            cupy.cuda.get_current_stream().synchronize()  # before anyone gets the handle
     except IPCError:
         raise
     except Exception as exc:
@@ -383,9 +381,10 @@ def map_export(shared: Shared) -> int:
     """Map another process's export (same host) into this process: the device
     pointer of the allocation's base (the array starts ``shared.offset`` bytes
     in), valid until ``unmap``. A handle this process has mapped already is
-    mapped again by reference count (the driver returns the same pointer). Peer access is enabled
-    lazily when the export lives on another device. ``IPCError`` on another
-    host, an empty export, a device this process does not see, or a CUDA error."""
+    mapped again by reference count (the driver returns the same pointer). Peer
+    access is enabled lazily when the export lives on another device. ``IPCError``
+    on another host, an empty export, a device this process does not see, or a
+    CUDA error."""
     if shared.local or shared.handle is None:
         raise IPCError(f"{shared!r}: only another process's non-empty export is mapped")
     if shared.gone:
