@@ -223,6 +223,33 @@ def test_shares_follow_configured_throughput_on_the_cluster(mixed):
     np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-9)
 
 
+def test_units_without_a_share_stay_out_of_the_layouts_costed(mixed, monkeypatch):
+    """The CPU worker too slow for a share: the placement search lays C out for the GPU
+    worker alone (the mixed cluster costs what the GPU worker alone would), and only the
+    chosen layout carries the CPU unit, blockless and last (still the fallback)."""
+    from distmm.engine.dask import DaskEngine
+
+    client, gpu, cpu = mixed
+    seen = []
+    layout = DaskEngine._layout
+
+    def spy(self, ops, plan, units, grid=None, **cuts):
+        seen.append(tuple(u.address for u in units))
+        return layout(self, ops, plan, units, grid=grid, **cuts)
+
+    monkeypatch.setattr(DaskEngine, "_layout", spy)
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
+    A = da.from_array(a, chunks=(100, 200)).persist()
+    B = da.from_array(b, chunks=(200, 150)).persist()
+    with _gflops(1e6, 10):
+        C = distmm.matmul(A, B, client=client)
+    assert len(seen) >= 2 and set(seen[:-1]) == {(gpu,)} and seen[-1] == (gpu, cpu)
+    stats = last_stats()
+    assert [(u["address"], u["share"]) for u in stats["units"]] == [(gpu, 1.0), (cpu, 0.0)]
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
+
+
 @pytest.mark.parametrize("dtype", ["int64", "float64"])
 def test_failed_gpu_cells_move_to_the_cpu_worker(mixed, dtype, caplog):
     client, gpu, cpu = mixed
