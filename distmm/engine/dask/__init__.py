@@ -245,13 +245,15 @@ class DaskEngine(Engine):
             return None
         return units(infos)
 
-    def _layout(self, ops: Operands, plan, units, grid=None, **cuts):
+    def _layout(self, ops: Operands, plan, units, grid=None, weights=None, **cuts):
+        """``weights``: the units' shares where the caller has them (default ``shares``)."""
         import numpy as np
 
         from distmm.engine.dask.layout import block_layout, shares
 
         itemsize = np.dtype(plan.acc_dtype).itemsize
-        weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
+        if weights is None:
+            weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
         # budgeted by the units that get a block: in a mixed cluster whose CPU workers get
         # nothing, the GPU's device, not the host limit a CPU block would need
         working = [u for u, w in zip(units, weights) if w > 0] or list(units)
@@ -278,8 +280,8 @@ class DaskEngine(Engine):
         acc = np.dtype(plan.acc_dtype).itemsize
         reads: dict = {}
 
-        def make(us, grid):
-            return self._layout(ops, plan, us, grid=grid, **cuts)
+        def make(us, grid, weights=None):
+            return self._layout(ops, plan, us, grid=grid, weights=weights, **cuts)
 
         def read(lay):
             got = reads.get(id(lay))
@@ -313,9 +315,11 @@ class DaskEngine(Engine):
         idle = [u for u, w in zip(units, weights) if w <= 0]
         working = [u for u, w in zip(units, weights) if w > 0]
         best = split = loc.choose(working if idle else units, make, cost, orders=orders)
-        if idle:
+        if idle:  # the working units' shares, unchanged by the idle ones (0 each)
             full = best.units + idle
-            best = split = replace(best, units=full, layout=make(full, best.grid))
+            kept = shares([u.gflops for u in best.units], ops.m, ops.n, ops.k, acc)
+            best = split = replace(best, units=full,
+                                   layout=make(full, best.grid, kept + (0.0,) * len(idle)))
         colocated = None
         options = [loc.choose(us, make, cost, orders=orders) for us in loc.merged(units)]
         if options:

@@ -64,16 +64,15 @@ def _makespan(rates, m: int, n: int, k: int, itemsize: int, bandwidth: float,
               overhead: float) -> float:
     """Modelled seconds of a product shared in proportion to ``rates`` (flop/s):
     each worker computes its share and receives the panels of a square block
-    of its share's area."""
+    of its share's area. Every worker computes for the same time (shares follow the rates),
+    so the slowest is the one with the largest share, and so the most panels: only the
+    fastest worker's time is computed."""
     total = sum(rates)
-    worst = 0.0
-    for r in rates:
-        share = r / total
-        side = math.sqrt(share * m * n)
-        panels = min(side, m) + min(side, n)
-        t = share * 2.0 * m * n * k / r + panels * k * itemsize / bandwidth + overhead
-        worst = max(worst, t)
-    return worst
+    r = max(rates)
+    share = r / total
+    side = math.sqrt(share * m * n)
+    panels = min(side, m) + min(side, n)
+    return share * 2.0 * m * n * k / r + panels * k * itemsize / bandwidth + overhead
 
 
 def shares(gflops, m: int, n: int, k: int, itemsize: int = 8, *,
