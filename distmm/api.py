@@ -114,7 +114,7 @@ def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None
     """Resolve the engine, the backend and the plan once, into one request."""
     cfg = get_config()
     eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads,
-                     retry_timeout=cfg.retry_timeout)
+                     retry_timeout=cfg.retry_timeout, operands=ops)
     if backend == "auto" and ops.family == "numpy":
         backend = cfg.backend
     flops = 2 * ops.m * ops.n * ops.k * max(math.prod(ops.batch), 1)

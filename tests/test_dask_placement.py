@@ -250,6 +250,40 @@ def test_units_without_a_share_stay_out_of_the_layouts_costed(mixed, monkeypatch
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
 
 
+def test_the_worker_table_and_where_the_chunks_are_come_in_one_round_trip(mixed, monkeypatch):
+    """A product of persisted dask operands asks the scheduler once before its graph is
+    built: no ``scheduler_info`` or ``who_has`` of its own, and the placement still knows
+    where the chunks are (it searched orders, which it does only with their places)."""
+    from distmm.engine.dask import placement
+
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
+    A = da.from_array(a, chunks=(100, 200)).persist()
+    B = da.from_array(b, chunks=(200, 150)).persist()
+    distributed.wait([A, B])
+    asked = []
+    state = placement.cluster_state
+
+    def once(*args, **kw):
+        asked.append(len(args))
+        return state(*args, **kw)
+
+    def boom(*args, **kw):
+        raise AssertionError("a second request to the scheduler")
+
+    with monkeypatch.context() as mp, _gflops(1000, 1000):
+        mp.setattr(placement, "cluster_state", once)
+        mp.setattr(placement, "who_has", boom)
+        mp.setattr(client, "scheduler_info", boom)
+        mp.setattr(client, "who_has", boom)
+        C = distmm.matmul(A, B, client=client)
+    assert asked == [3]  # the client and both operands
+    loc = last_stats()["locality"]
+    assert loc["method"] in ("exact", "swaps") and loc["estimated_bytes"] <= loc["naive_bytes"]
+    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
+
+
 @pytest.mark.parametrize("dtype", ["int64", "float64"])
 def test_failed_gpu_cells_move_to_the_cpu_worker(mixed, dtype, caplog):
     client, gpu, cpu = mixed

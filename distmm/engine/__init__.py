@@ -41,12 +41,15 @@ def _local_engine(threads: int | None) -> Engine:
 
 
 def get_engine(name: str, *, family: str = "numpy", client=None,
-               threads: int | None = None, retry_timeout: float = 60.0) -> Engine:
+               threads: int | None = None, retry_timeout: float = 60.0,
+               operands=None) -> Engine:
     """The engine for ``engine=name``.
 
     ``"auto"``: the Dask engine for dask operands, or when ``client`` is given
     or a default ``distributed`` client exists; the local engine otherwise.
     ``retry_timeout``: seconds the Dask engine retries after losing workers.
+    ``operands``: the call's ``Operands`` (the Dask engine asks where dask operands'
+    chunks are in the same round trip as its worker table).
 
     Raises
     ------
@@ -69,4 +72,5 @@ def get_engine(name: str, *, family: str = "numpy", client=None,
         return _local_engine(threads)
     from distmm.engine.dask import DaskEngine
 
-    return DaskEngine(client=client, required=family != "dask", retry_timeout=retry_timeout)
+    return DaskEngine(client=client, required=family != "dask", retry_timeout=retry_timeout,
+                      operands=operands)

@@ -192,19 +192,38 @@ class DaskEngine(Engine):
 
     name = "dask"
 
-    def __init__(self, client=None, *, required: bool = True, retry_timeout: float = 60.0):
+    def __init__(self, client=None, *, required: bool = True, retry_timeout: float = 60.0,
+                 operands: Operands | None = None):
         if not retry_timeout > 0:
             raise ValueError(f"retry_timeout must be positive, got {retry_timeout!r}")
         self.client = _resolve_client(client, required=required)
         self.retry_timeout = float(retry_timeout)
-        # one scheduler_info per call, read by the slots, the budget and the units
-        self._info, self.slots = None, []
+        # one round trip per call: the scheduler's worker table (read by the slots, the
+        # budget and the units) and, for the call's dask ``operands``, where their
+        # persisted chunks are
+        self._info, self.slots, self._where = None, [], None
         if self.client is not None:
-            self._info = self.client.scheduler_info(n_workers=-1)["workers"] or None
+            from distmm.engine.dask.placement import cluster_state
+
+            dask_ops = operands is not None and operands.family == "dask"
+            info, where = cluster_state(self.client, *((operands.a2, operands.b2) if dask_ops
+                                                       else ()))
+            self._info = info or None
+            if dask_ops:
+                self._where = (operands.a, operands.b, where)
             self.slots = worker_slots(self.client, info=self._info)
             if not self.slots:
                 raise ValueError("matmul: the Dask cluster has no workers")
         self._chunk_tile = None
+
+    def _where_of(self, ops: Operands) -> dict:
+        """Where the persisted chunks of ``ops`` are: as asked with the worker table when
+        these are the operands the engine was made for, else asked now."""
+        from distmm.engine.dask.placement import who_has
+
+        if self._where is not None and self._where[0] is ops.a and self._where[1] is ops.b:
+            return self._where[2]
+        return who_has(self.client, ops.a2, ops.b2)
 
     def workers(self, operands: Operands, *, on_gpu: bool) -> int:
         if self.slots:
@@ -363,13 +382,11 @@ class DaskEngine(Engine):
                 from distmm.engine.dask.graph import CellTasks
                 from distmm.engine.dask.layout import layout_devices
 
-                from distmm.engine.dask.placement import who_has
-
                 from distmm.config import get_config
                 from distmm.engine.dask import transfer
                 from distmm.engine.dask.locality import ipc_sources
 
-                where = who_has(self.client, a2, b2)
+                where = self._where_of(ops)
                 pairs, stats["transfer"] = transfer.ipc_pairs(
                     self.client, units, get_config().dask_device_transfer,
                     bool(where) and transfer.device_chunks(a2, b2))
@@ -398,7 +415,8 @@ class DaskEngine(Engine):
                 record(stats)
                 return result
             if slots and not ops.batch:
-                slots, _ = slots_by_locality(self.client, plan, geometry, slots, a2, b2)
+                slots, _ = slots_by_locality(self.client, plan, geometry, slots, a2, b2,
+                                             where=self._where_of(ops))
             result = lazy_product(ops, plan, a2, b2, geometry, slots, request.backend)
             gm, gn = geometry.grid
             stats.update(tasks=len(result.dask.layers[result.name]), cells=gm * gn,

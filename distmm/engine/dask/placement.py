@@ -17,7 +17,8 @@ from collections import defaultdict
 from distmm.engine.dask.chunks import Geometry, locate
 from distmm.plan import Plan
 
-__all__ = ["worker_slots", "Placement", "BlockPlacement", "slots_by_locality", "who_has"]
+__all__ = ["worker_slots", "Placement", "BlockPlacement", "slots_by_locality", "who_has",
+           "cluster_state"]
 
 
 def worker_slots(client, wait: float = 30.0, info: dict | None = None) -> list[str]:
@@ -114,6 +115,34 @@ class BlockPlacement:
         if u is None or not self.addresses:
             return None
         return [self.addresses[u % len(self.addresses)]]
+
+
+def cluster_state(client, a2=None, b2=None) -> tuple[dict, dict]:
+    """The scheduler's ``workers`` table and where the persisted chunks of ``a2`` and
+    ``b2`` are (``who_has``: ``{}`` where none is persisted, or where that request failed,
+    placement being only a hint), asked together: one round trip to the scheduler where
+    ``scheduler_info`` then ``who_has`` took two. Measured need: each took 0.4 ms with one
+    GPU worker and 0.6-1.2 ms beside 15 CPU workers (the scheduler shares the client's
+    process in a ``LocalCluster``), one after the other before every product."""
+    import asyncio
+
+    from distributed import futures_of
+
+    keys = list({f.key for x in (a2, b2) if x is not None for f in futures_of(x)})
+
+    async def ask():
+        if not keys:
+            return await client.scheduler.identity(n_workers=-1), {}
+        return await asyncio.gather(client.scheduler.identity(n_workers=-1),
+                                    client.scheduler.who_has(keys=keys), return_exceptions=True)
+
+    info, where = client.sync(ask)
+    if isinstance(info, BaseException):
+        raise info
+    if isinstance(where, BaseException):  # a worker leaving mid-call
+        where = {}
+    where = dict(where)
+    return dict(info.get("workers") or {}), (where if any(where.values()) else {})
 
 
 def who_has(client, a2, b2) -> dict:
