@@ -154,6 +154,27 @@ def mixed():
             yield client, gpu[0], cpu[0]
 
 
+@pytest.mark.parametrize("hidden", ["", " ", "-1", "-1,0"])
+def test_a_worker_whose_devices_are_hidden_is_a_cpu_worker_at_once(hidden):
+    """CUDA_VISIBLE_DEVICES hiding every device: the probe reports no device without
+    asking the driver or importing cupy (either took a CPU worker 0.1 s or more)."""
+    import os
+    import subprocess
+    import sys
+
+    # the driver library may not even be opened: ctypes.CDLL raises if it is
+    code = ("import sys, ctypes\n"
+            "def trap(*a, **k):\n    raise AssertionError('the driver was asked')\n"
+            "ctypes.CDLL = trap\n"
+            "from distmm.engine.dask.workers import _driver_devices, probe\n"
+            "got = probe()\n"
+            "print(_driver_devices(), got['cuda'], got['device'], 'cupy' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["0", "False", "None", "False"], res.stdout
+
+
 def _gflops(gpu, cpu):
     return dask.config.set({"distmm.dask-worker-gflops": {"gpu": gpu, "cpu": cpu}})
 

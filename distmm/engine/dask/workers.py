@@ -15,6 +15,7 @@ tasks (``distmm.engine.dask.tasks``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -38,15 +39,22 @@ _CACHE: dict[str, dict] = {}
 _LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=1)
 def _driver_devices() -> int | None:
-    """CUDA devices the driver shows this process, asked through the driver library
-    (``cuInit``, ``cuDeviceGetCount``) without importing cupy: 0 where no driver library
-    loads or it reports no device (``CUDA_VISIBLE_DEVICES=''``, a machine without GPUs);
-    None where the library lacks those entry points. Measured need: 15 CPU workers each
-    importing cupy to find no device made a mixed cluster's first product about 0.2 s
-    slower than its GPU worker alone's (H200 machine, 16 cores)."""
+    """CUDA devices this process may use, found without importing cupy: 0 where
+    ``CUDA_VISIBLE_DEVICES`` hides them all (empty, or a first entry of -1), where no
+    driver library loads, or where the driver (``cuInit``, ``cuDeviceGetCount``) reports
+    none; None where the library lacks those entry points. Measured need (H200 machine,
+    16 cores, a GPU worker beside 15 CPU workers with ``CUDA_VISIBLE_DEVICES=''``): each
+    CPU worker importing cupy to find no device made the first product about 0.15 s
+    slower than the GPU worker alone's; asking the driver instead still took each probe
+    0.12-0.14 s (``cuInit`` failing), the environment variable none."""
     import ctypes
+    import os
 
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and (not hidden.strip() or hidden.split(",")[0].strip() == "-1"):
+        return 0
     names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
     for name in names:
         try:
