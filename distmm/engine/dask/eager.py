@@ -32,6 +32,7 @@ import time
 import uuid
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from itertools import product as iproduct
 
 import numpy as np
@@ -299,6 +300,49 @@ def _alive(client) -> tuple[set, list[str]]:
     return alive, slots
 
 
+@dataclass
+class _Round:
+    """What one round of tasks gave: tiles written, GPU cells to rerun on CPU workers
+    (``fell_back``), tasks lost to a worker failure and the last such error."""
+
+    arrived: int = 0
+    fell_back: list = field(default_factory=list)
+    lost: int = 0
+    last_error: BaseException | None = None
+
+
+def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall_back: bool,
+             transient) -> None:
+    """Take the round's tasks as they finish, into ``got``: each tile written into
+    ``out`` and struck from ``pending``; a ``TileFailed`` kept for the CPU fallback (block
+    mode; raised otherwise); a task lost with its worker counted (the round is retried);
+    any other task error raised past the retry loop."""
+    from distributed import as_completed
+
+    for fut in as_completed(futures):
+        try:
+            tile_out = fut.result()
+        except TileFailed as exc:
+            if not fall_back:
+                raise
+            got.fell_back.append((futures[fut], exc))
+            continue
+        except transient as exc:
+            if fut.status == "error" and not _is_killed(exc):
+                raise _TaskError(exc) from exc  # past the loss handler
+            got.lost, got.last_error = got.lost + 1, exc
+            continue
+        watch.arrived()
+        ob, i, j = futures[fut]
+        out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
+            tile_out.reshape(tile_out.shape[-2:])
+        pending.discard((ob, i, j))
+        got.arrived += 1
+        if bar is not None:
+            bar.update(1)
+        fut.release()
+
+
 class _StallWatch:
     """Cancels one attempt's futures when a worker its tasks were placed on has
     left the cluster and no output block has arrived for ``quiet`` seconds.
@@ -367,7 +411,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     if plan.k == 0:
         out[...] = 0
         return out
-    from distributed import as_completed, performance_report
+    from distributed import performance_report
 
     a2, b2 = ops.a2, ops.b2
     batch = tuple(ops.batch)
@@ -406,7 +450,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     try:
         with ctx:
             while pending:
-                fell_back, troubled = [], False
+                got, outer = _Round(), None
                 try:
                     alive, live_slots = _alive(client)
                     slots = live_slots or slots
@@ -429,31 +473,15 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     submitted += len(layer)
                     futures = _submit(client, layer)
                     with _StallWatch(client, futures, targets) as watch:
-                        for fut in as_completed(futures):
-                            try:
-                                tile_out = fut.result()
-                            except TileFailed as exc:
-                                if blocks is None:
-                                    raise
-                                fell_back.append((futures[fut], exc))
-                                continue
-                            except transient as exc:
-                                if fut.status == "error" and not _is_killed(exc):
-                                    raise _TaskError(exc) from exc  # past the loss handler
-                                last_error, failed_tiles, troubled = exc, failed_tiles + 1, True
-                                continue
-                            watch.arrived()
-                            ob, i, j = futures[fut]
-                            out[ob + (slice(rows[i], rows[i + 1]),
-                                      slice(cols[j], cols[j + 1]))] = \
-                                tile_out.reshape(tile_out.shape[-2:])
-                            pending.discard((ob, i, j))
-                            failing_since = None
-                            if bar is not None:
-                                bar.update(1)
-                            fut.release()
+                        _collect(got, futures, watch, out, rows, cols, pending, bar,
+                                 fall_back=blocks is not None, transient=transient)
                 except transient as exc:
-                    last_error, troubled = exc, True
+                    outer = exc
+                # what the round gave, kept also when it ended in a lost worker's error
+                fell_back, troubled = got.fell_back, bool(got.lost) or outer is not None
+                failing_since = None if got.arrived else failing_since
+                failed_tiles += got.lost
+                last_error = outer or got.last_error or last_error
                 if not pending:
                     break
                 if fell_back:
