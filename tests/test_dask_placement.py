@@ -305,6 +305,30 @@ def test_the_worker_table_and_where_the_chunks_are_come_in_one_round_trip(mixed,
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
 
 
+def test_the_worker_table_is_read_again_when_the_workers_change():
+    """The full table is kept per client while the running workers stay the same, and
+    read again when one joins or leaves."""
+    from distmm.engine.dask.placement import cluster_state
+
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="1GiB") as cl, \
+            distributed.Client(cl) as client:
+        first, _ = cluster_state(client)
+        again, _ = cluster_state(client)
+        assert again is first and len(first) == 1
+        cl.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        grown, _ = cluster_state(client)
+        assert grown is not first and len(grown) == 2 and set(first) < set(grown)
+        assert all(w["nthreads"] == 1 and w["memory_limit"] == 2**30 for w in grown.values())
+        cl.scale(1)
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info(n_workers=-1)["workers"]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shrunk, _ = cluster_state(client)
+        assert len(shrunk) == 1 and shrunk is not grown
+
+
 @pytest.mark.parametrize("dtype", ["int64", "float64"])
 def test_failed_gpu_cells_move_to_the_cpu_worker(mixed, dtype, caplog):
     client, gpu, cpu = mixed
