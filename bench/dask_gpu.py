@@ -22,9 +22,10 @@ Variants, all in the same run
 ``distmm-dask``           ``distmm.matmul(A, B, client=client).persist()`` on operands with
                           chunks ``--chunks[0]``.
 ``dask.array-chunk<c>``   ``(A @ B).persist()``, dask.array's own matmul, for each ``c`` of
-                          ``--chunks`` (default 8192 and 4096). Not run in ``mixed``: its tasks
-                          on cupy chunks cannot run on workers without a GPU, and restricted to
-                          the GPU worker it is the ``1gpu`` setting.
+                          ``--chunks`` (default 8192 and 4096). In ``mixed`` only at the
+                          first chunk size, restricted to the GPU worker (its tasks on cupy
+                          chunks cannot run on workers without a GPU): against ``1gpu`` it
+                          shows what the other workers cost any computation on the cluster.
 ``cublas``                ``cupy.matmul`` in this process, in-core on one GPU, measured in each
                           setting just before its cluster variants (the ratios' reference).
 A and B are random normal arrays made on the GPU workers (cupy chunks, one seeded generator
@@ -354,7 +355,10 @@ def main(argv=None) -> int:
         if setting == "2gpu" and gpu and visible < 2:
             print(f"[2gpu] not run: {visible} GPU visible", flush=True)
             continue
-        variants = [v for v in chunks if setting != "mixed" or v == "distmm-dask"]
+        # mixed: dask.array at distmm's chunk size only, on the GPU worker (what the
+        # cluster's other workers cost any computation on it, beside distmm's figure)
+        variants = [v for v in chunks if setting != "mixed" or v == "distmm-dask"
+                    or v == f"dask.array-chunk{args.chunks[0]}"]
         cluster, what, gpus, cpus = start_cluster(setting, rehearse=args.rehearse,
                                                   cpu_workers=args.cpu_workers,
                                                   protocol=args.protocol)

@@ -256,7 +256,8 @@ def test_dask_gpu_rehearsal_writes_checked_records(tmp_path):
         want |= {("shared", v, dtype) for v in ("numpy", "distmm-dask@shared",
                                                  "dask.array-chunk64@shared",
                                                  "dask.array-chunk48@shared")}
-        want |= {("mixed", v, dtype) for v in ("numpy", "distmm-dask@mixed")}
+        want |= {("mixed", v, dtype) for v in ("numpy", "distmm-dask@mixed",
+                                                "dask.array-chunk64@mixed")}
     assert set(by) == want and len(recs) == len(want)
     assert len({r["run"] for r in recs}) == 1
     for (setting, variant, dtype), rec in by.items():
@@ -276,7 +277,7 @@ def test_dask_gpu_rehearsal_writes_checked_records(tmp_path):
             assert (rec["workers"], rec["gpu_workers"], rec["cpu_workers"]) == (2, 1, 1)
         if variant.startswith("distmm-dask"):
             assert set(rec["speedup_vs"]) == ({"dask.array-chunk64", "dask.array-chunk48"}
-                                              if setting == "shared" else set())
+                                              if setting == "shared" else {"dask.array-chunk64"})
     assert "[mixed] float64 n=157" in res.stdout and "FAILED" not in res.stdout
 
 
