@@ -323,7 +323,8 @@ def test_the_worker_table_is_read_again_when_the_workers_change():
         assert all(w["nthreads"] == 1 and w["memory_limit"] == 2**30 for w in grown.values())
         cl.scale(1)
         deadline = time.monotonic() + 60
-        while len(client.scheduler_info(n_workers=-1)["workers"]) > 1 and time.monotonic() < deadline:
+        while (len(client.scheduler_info(n_workers=-1)["workers"]) > 1
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         shrunk, _ = cluster_state(client)
         assert len(shrunk) == 1 and shrunk is not grown
