@@ -183,6 +183,16 @@ def _units(stats):
     return {u["address"]: u for u in stats["units"]}
 
 
+def _persisted_pair():
+    """Fresh random float64 operands (700 x 513 @ 513 x 601) and the same as dask arrays
+    with uneven chunks, persisted on the cluster."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
+    A = da.from_array(a, chunks=(100, 200)).persist()
+    B = da.from_array(b, chunks=(200, 150)).persist()
+    return a, b, A, B
+
+
 def _random(rng, shape, dtype):
     if np.dtype(dtype).kind in "iu":
         return rng.integers(-50, 50, shape).astype(dtype)
@@ -213,10 +223,7 @@ def test_block_products_on_a_mixed_cluster(mixed, dtype):
 
 def test_dask_operands_keep_their_chunks_in_block_mode(mixed):
     client, gpu, cpu = mixed
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
-    A = da.from_array(a, chunks=(100, 200)).persist()
-    B = da.from_array(b, chunks=(200, 150)).persist()
+    a, b, A, B = _persisted_pair()
     with _gflops(1000, 1000):
         C = distmm.matmul(A, B, client=client)
     assert last_stats()["mode"] == "blocks"
@@ -259,10 +266,7 @@ def test_units_without_a_share_stay_out_of_the_layouts_costed(mixed, monkeypatch
         return layout(self, ops, plan, units, grid=grid, **cuts)
 
     monkeypatch.setattr(DaskEngine, "_layout", spy)
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
-    A = da.from_array(a, chunks=(100, 200)).persist()
-    B = da.from_array(b, chunks=(200, 150)).persist()
+    a, b, A, B = _persisted_pair()
     with _gflops(1e6, 10):
         C = distmm.matmul(A, B, client=client)
     assert len(seen) >= 2 and set(seen[:-1]) == {(gpu,)} and seen[-1] == (gpu, cpu)
@@ -278,10 +282,7 @@ def test_the_worker_table_and_where_the_chunks_are_come_in_one_round_trip(mixed,
     from distmm.engine.dask import placement
 
     client, gpu, cpu = mixed
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((700, 513)), rng.standard_normal((513, 601))
-    A = da.from_array(a, chunks=(100, 200)).persist()
-    B = da.from_array(b, chunks=(200, 150)).persist()
+    a, b, A, B = _persisted_pair()
     distributed.wait([A, B])
     asked = []
     state = placement.cluster_state

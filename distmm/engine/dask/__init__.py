@@ -326,8 +326,8 @@ class DaskEngine(Engine):
         # units no layout gives a share (CPU workers beside a GPU: shares() follows the
         # throughputs alone) stay out of the search and are kept last, blockless. Measured
         # need: with a GPU worker beside 15 CPU workers, every layout costed shared C
-        # between 16 units again (on the 2-core CI machine the call's client time was
-        # 5.0 ms against 2.9 ms with the GPU worker alone)
+        # between 16 units again (in a CPU rehearsal on a 2-core machine the call's client time
+        # was 5.0 ms against 2.9 ms with the GPU worker alone)
         from distmm.engine.dask.layout import shares
 
         weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, acc)

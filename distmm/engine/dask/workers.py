@@ -3,8 +3,9 @@
 This module covers: recognising GPU workers (a ``"GPU"`` resource, as
 ``dask-cuda-worker --resources GPU=1`` or ``LocalCluster(resources=...)``
 declare, or a probe run on the worker that finds a CUDA device: the driver
-shows one, cupy imports and ``getDeviceCount() > 0``), each worker's throughput in GFLOP/s (the
-``distmm.dask-worker-gflops`` configuration by address, then by kind, else
+shows one, cupy imports and ``getDeviceCount() > 0``), each worker's
+throughput in GFLOP/s (the ``distmm.dask-worker-gflops`` configuration by
+address, then by kind, else
 measured by the probe: a small float64 product timed on the worker's device),
 which workers share one physical GPU (the probe's PCI bus id, or
 ``DEVICES_KEY`` for tests), and the units the block layout shares C
