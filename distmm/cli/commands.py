@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
                     help="progress bar over C tiles, for every engine (default: on a terminal, "
                          "for long runs)")
+    mm.add_argument("--profile", metavar="FILE.json", default=None,
+                    help="write where the time went, per rank (open, read, h2d, gemm, comm, d2h, "
+                         "write, sync, wait, commit), as JSON; the summary line shows the totals")
     mm.set_defaults(func=_cmd_matmul)
 
     i = sub.add_parser("info", parents=[common], help="devices, backends and versions",

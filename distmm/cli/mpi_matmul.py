@@ -53,6 +53,10 @@ def run_matmul(args) -> int:
     from distmm.plan import result_dtype
 
     comm = MPI.COMM_WORLD
+    from distmm.phases import Phases
+
+    comm.Barrier()  # one time axis for every rank's profile
+    phases = Phases()
     if args.scheduler or args.scheduler_file:
         error = ValueError("--scheduler/--scheduler-file use the Dask engine; under mpirun the "
                            "MPI engine runs the product: drop them")
@@ -81,7 +85,9 @@ def run_matmul(args) -> int:
                 _check_space(target, m * n * dtype.itemsize)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
-    error = _agree(comm, error)
+    phases.add("open", t0, time.perf_counter())
+    with phases.phase("wait"):
+        error = _agree(comm, error)
     if error is not None:
         return _fail(comm, error)
 
@@ -93,27 +99,47 @@ def run_matmul(args) -> int:
 
     try:
         grid = make_grid(m, n, k, dtype, ranks=comm.size)
-        da = DistArray.from_array(a, comm, grid.a_layout)  # each rank reads its own block only
-        db = DistArray.from_array(b, comm, grid.b_layout)
+        with phases.phase("read"):
+            da = DistArray.from_array(a, comm, grid.a_layout)  # each rank reads its own block only
+            db = DistArray.from_array(b, comm, grid.b_layout)
         for x in (a, b):
             handle = getattr(x, "file", None)
             if handle is not None:
                 handle.close()  # HDF5: rank 0 opens the file to write C next
-        comm.Barrier()
-        c = MPIEngine(comm).run_distributed(da, db, grid, backend, on_gpu=on_gpu)
+        with phases.phase("wait"):
+            comm.Barrier()
+        c = MPIEngine(comm).run_distributed(da, db, grid, backend, on_gpu=on_gpu, phases=phases)
     except BaseException as exc:  # noqa: BLE001 - the other ranks may wait in a collective
         _abort(comm, exc, args)
     error = None
     try:
-        c.to_file(args.output, overwrite=args.overwrite)
+        with phases.phase("write"):
+            c.to_file(args.output, overwrite=args.overwrite)
     except Exception as exc:  # noqa: BLE001 - write_blocks raised it on every rank
         error = exc
     if error is not None:
         return _fail(comm, error)
+    _report_profile(comm, args, phases, t0, grid)
     if comm.rank == 0:
         print(f"wrote {args.output}: shape {(m, n)}, dtype {dtype}, {comm.size} ranks, grid "
               f"{'x'.join(map(str, grid.shape))}, {time.perf_counter() - t0:.3f} s")
     return 0
+
+
+def _report_profile(comm, args, phases, t0, grid) -> None:
+    """Gather every rank's spans; rank 0 writes ``--profile FILE`` and prints the totals."""
+    import socket
+
+    from distmm.phases import summary_line, write_profile
+
+    records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname()), root=0)
+    if comm.rank != 0:
+        return
+    if args.profile:
+        write_profile(args.profile, records, {"a": args.a, "b": args.b, "output": args.output,
+                                              "ranks": comm.size, "grid": list(grid.shape),
+                                              "wall": time.perf_counter() - t0})
+    print(f"phases (busiest rank): {summary_line(records)}")
 
 
 def _stacked(comm, args, a, b, t0) -> int:

@@ -19,6 +19,7 @@ Ranks run BLAS with the threads the environment gives them (set
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class MPIEngine(Engine):
         return out_arr
 
     def run_distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
-                        on_gpu: bool = False) -> DistArray:
+                        on_gpu: bool = False, phases=None) -> DistArray:
         """``a @ b`` for distributed operands on ``grid`` (made by the planner
         for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
         layout are redistributed first; the result is in ``grid.c_layout``."""
@@ -130,7 +131,12 @@ class MPIEngine(Engine):
             raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
+        from distmm.phases import Phases
+
+        phases = phases if phases is not None else Phases()
         device = None
+        sync = _synchronizer(on_gpu)
+        start = time.perf_counter()
         if on_gpu:
             device = local_gpu(self.comm)
             # In-core GPU blocks: wide panels keep each rank-k update near cuBLAS's rate.
@@ -140,13 +146,18 @@ class MPIEngine(Engine):
             comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
                                device=device)
             before = comms.bytes_received
+            phases.add("startup", start, time.perf_counter())
             with executor:
-                a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
-                b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
+                with phases.phase("h2d" if on_gpu else "read"):
+                    a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
+                    b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
+                    sync()
                 xp = np
                 if on_gpu:
                     import cupy as xp
-                c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
+                with phases.phase("gemm"):  # panel broadcasts overlap it
+                    c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
+                    sync()
                 received = comms.bytes_received - before
         except BaseException as exc:
             if not self.abort_on_error or self.comm.size == 1:
@@ -162,6 +173,7 @@ class MPIEngine(Engine):
             self.comm.Abort(1)
         res = np.dtype(grid.dtype)
         shape = grid.c_layout.local_shape(self.comm.rank)
+        start = time.perf_counter()
         on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays on the GPU
         if c is None:
             local = np.empty(shape, dtype=res)
@@ -179,6 +191,7 @@ class MPIEngine(Engine):
                 if not isinstance(local, np.ndarray):
                     local = local.get()
                 local = np.ascontiguousarray(local, dtype=res)
+        phases.add("d2h", start, time.perf_counter())
         result = DistArray(local, grid.c_layout, self.comm)
         result.stats = self.last_stats = {
             "grid": grid.shape, "bytes_received": int(received),
@@ -197,6 +210,15 @@ def _same_on_every_rank(comm, key) -> None:
         raise ValueError(f"engine='mpi' needs the same operands on every rank; got (a shape, b "
                          f"shape, dtype) {keys[0]} on rank 0 but "
                          f"{next(k for k in keys if k != keys[0])} on another")
+
+
+def _synchronizer(on_gpu: bool):
+    """A function that waits for this device's queued work (nothing on CPUs)."""
+    if not on_gpu:
+        return lambda: None
+    import cupy
+
+    return cupy.cuda.Device().synchronize
 
 
 def _host(x):
