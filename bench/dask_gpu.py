@@ -7,7 +7,8 @@ the same run (issue 13, item 6).
 Settings (``--settings``), each a fresh cluster
 ------------------------------------------------
 ``1gpu``    ``dask_cuda.LocalCUDACluster``, one worker on GPU 0.
-``2gpu``    two workers on two GPUs of this host; run only when two are visible.
+``2gpu``, ``4gpu``  one worker per GPU on two or four GPUs of this host; run only when as many
+            are visible.
 ``shared``  two dask-cuda workers sharing GPU 0 (dask_cuda refuses ``CUDA_VISIBLE_DEVICES="0,0"``,
             so the second is a copy of the first's worker spec; see ``distmm.cli.cluster``),
             each with half the device-memory spilling limit: correctness and overhead where
@@ -56,7 +57,7 @@ import time
 
 import numpy as np
 
-SETTINGS = ("1gpu", "2gpu", "shared", "mixed")
+SETTINGS = ("1gpu", "2gpu", "4gpu", "shared", "mixed")
 SAMPLE_ROWS = 64
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
@@ -105,7 +106,7 @@ def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: s
     from distmm.cli.cluster import add_cpu_workers, cpu_cluster, gpu_cluster, share_workers
 
     if rehearse:
-        gpu_like = {"1gpu": 1, "2gpu": 2, "shared": 1, "mixed": 1}[setting]
+        gpu_like = {"1gpu": 1, "2gpu": 2, "4gpu": 4, "shared": 1, "mixed": 1}[setting]
         cluster = cpu_cluster(gpu_like, gpu_resource=True)
         what = f"LocalCluster(processes=True), {gpu_like} worker(s) standing in for GPU workers"
         gpus = 0
@@ -116,9 +117,11 @@ def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: s
                 cluster.close()
                 raise
             what += " and a copy of its spec: 2 workers"
-    elif setting == "2gpu":
-        cluster = gpu_cluster("0,1", protocol=protocol)
-        what, gpus = "LocalCUDACluster(CUDA_VISIBLE_DEVICES='0,1'), one worker per GPU", 2
+    elif setting in ("2gpu", "4gpu"):
+        gpus = int(setting[0])
+        devices = ",".join(map(str, range(gpus)))
+        cluster = gpu_cluster(devices, protocol=protocol)
+        what = f"LocalCUDACluster(CUDA_VISIBLE_DEVICES='{devices}'), one worker per GPU"
     elif setting == "shared":
         cluster = gpu_cluster("0", per_device=2, protocol=protocol)
         what = ("LocalCUDACluster(CUDA_VISIBLE_DEVICES='0') and a copy of its worker spec: "
@@ -352,8 +355,8 @@ def main(argv=None) -> int:
     reference = "cublas" if gpu else "numpy"
     failed = 0
     for setting in args.settings:
-        if setting == "2gpu" and gpu and visible < 2:
-            print(f"[2gpu] not run: {visible} GPU visible", flush=True)
+        if setting in ("2gpu", "4gpu") and gpu and visible < int(setting[0]):
+            print(f"[{setting}] not run: {visible} GPU visible", flush=True)
             continue
         # mixed: dask.array at distmm's chunk size only, on the GPU worker (what the
         # cluster's other workers cost any computation on it, beside distmm's figure)

@@ -219,7 +219,7 @@ def phased_product(bench, a, b):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.research.dask_stream",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--setting", choices=["1gpu", "2gpu", "shared", "mixed"], default="2gpu")
+    p.add_argument("--setting", choices=["1gpu", "2gpu", "4gpu", "shared", "mixed"], default="2gpu")
     p.add_argument("--cpu-workers", type=int, default=15, help="CPU workers of the mixed setting")
     p.add_argument("--protocol", choices=["auto", "ucx", "tcp"], default="auto")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])

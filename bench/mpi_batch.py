@@ -1,0 +1,217 @@
+"""Batch-job benchmark (``mpi-batch``): ``mpirun -n P distmm matmul A.npy B.npy -o C.npy``.
+
+Times the command a batch user runs, file to file, against what plain tools take in the
+same run on the same machine: reading both inputs (``cat A B > /dev/null``, page cache warm,
+as the command finds them), writing an output of C's size with ``dd ... conv=fsync``, and
+in-core cuBLAS (``cupy.matmul`` on device-resident operands of the same size, one GPU). The
+target a run is judged by is ``read + write + gemm / P``.
+
+For each size, the operands are written once as ``.npy`` files in ``--work`` (random values
+made on the GPU, or with numpy without one); then for each rank count ``P`` the command runs
+``--repeat`` times (``P = 1`` also without ``mpirun``: variant ``distmm-cli``), each run with
+``--profile``, and its output is checked on sampled rows against a float64 product before it
+is deleted. One record per (variant, size) with the median wall time; the per-phase totals of
+the median run's profile go into the record (``phases``), and every profile into one JSON
+file beside the records.
+
+``python -m bench.mpi_batch --sizes 32768 --ranks 1 2 4 --repeat 1 --work /tmp/batch``
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import RecordWriter, cpu_model, gpu_name, parser
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy or no device: a CPU run
+        return False
+
+
+def write_operand(path: Path, rows: int, cols: int, dtype, seed: int, gpu: bool) -> None:
+    """A ``.npy`` of standard normal values, written a row block at a time."""
+    dtype = np.dtype(dtype)
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_1_0(
+            fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                 "shape": (rows, cols)})
+        step = max(1, (256 << 20) // max(1, cols * dtype.itemsize))
+        if gpu:
+            import cupy
+
+            rng = cupy.random.default_rng(seed)
+            for r in range(0, rows, step):
+                fh.write(rng.standard_normal((min(step, rows - r), cols), dtype=dtype).get().data)
+        else:
+            rng = np.random.default_rng(seed)
+            for r in range(0, rows, step):
+                fh.write(rng.standard_normal((min(step, rows - r), cols), dtype=dtype).data)
+
+
+def sampled_relerr(a_path: Path, b_path: Path, c_path: Path, rows: int = 32, seed: int = 0) -> float:
+    """``norm(C[s] - A[s] @ B) / norm(A[s] @ B)`` over ``rows`` random rows ``s``, in float64."""
+    a = np.load(a_path, mmap_mode="r")
+    b = np.load(b_path, mmap_mode="r")
+    c = np.load(c_path, mmap_mode="r")
+    pick = np.sort(np.random.default_rng(seed).choice(a.shape[0], size=min(rows, a.shape[0]),
+                                                      replace=False))
+    ref = np.asarray(a[pick], dtype=np.float64) @ np.asarray(b, dtype=np.float64)
+    got = np.asarray(c[pick], dtype=np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def timed(cmd: list[str], env=None) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return time.perf_counter() - start, proc
+
+
+def read_seconds(paths) -> float:
+    """``cat`` of the files to /dev/null (run twice, the second timed: the cache as warm as
+    the command will find it)."""
+    cmd = ["sh", "-c", "cat " + " ".join(map(str, paths)) + " > /dev/null"]
+    timed(cmd)
+    return timed(cmd)[0]
+
+
+def write_seconds(folder: Path, nbytes: int) -> float:
+    """``dd`` of ``nbytes`` zeros into a new file with ``conv=fsync``."""
+    target = folder / "dd-probe.bin"
+    mib = max(1, nbytes >> 20)
+    try:
+        sec, proc = timed(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}",
+                           "conv=fsync", "status=none"])
+        if proc.returncode:
+            raise RuntimeError(f"dd failed: {proc.stderr.strip()}")
+        return sec
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def incore_gemm_seconds(n: int, dtype, repeat: int = 3) -> float:
+    """Median seconds of ``cupy.matmul`` on device-resident random operands (TF32 off)."""
+    import cupy
+
+    rng = cupy.random.default_rng(7)
+    a = rng.standard_normal((n, n), dtype=dtype)
+    b = rng.standard_normal((n, n), dtype=dtype)
+    c = cupy.matmul(a, b)
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        cupy.matmul(a, b, out=c)
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - start)
+    del a, b, c
+    cupy.get_default_memory_pool().free_all_blocks()
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, prog="python -m bench.mpi_batch")
+    p.add_argument("--sizes", type=int, nargs="+", default=[32768])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--work", default="/tmp/distmm-batch", help="folder for the operand files")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more options for distmm matmul (e.g. --backend cublas)")
+    p.add_argument("--no-cli", action="store_true", help="skip the plain single-process command")
+    args = p.parse_args(argv)
+    gpu = _have_gpu()
+    device = gpu_name() if gpu else cpu_model()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out_dir) if args.out_dir else None
+    writer = RecordWriter("mpi-batch", device, out_dir=args.out_dir, format="npy",
+                          gpus_visible=_gpus_visible() if gpu else 0)
+    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    profiles = {}
+    dtype = np.dtype(args.dtype)
+    for n in args.sizes:
+        a_path, b_path, c_path = work / f"a{n}.npy", work / f"b{n}.npy", work / f"c{n}.npy"
+        t = time.perf_counter()
+        for path, seed in ((a_path, 1), (b_path, 2)):
+            if not path.exists():
+                write_operand(path, n, n, dtype, seed, gpu)
+        print(f"n={n}: operands ready ({time.perf_counter() - t:.1f} s)", flush=True)
+        c_bytes = n * n * dtype.itemsize
+        refs = {"read-cat": read_seconds([a_path, b_path]),
+                "write-dd-fsync": write_seconds(work, c_bytes)}
+        if gpu:
+            refs["cublas-incore"] = incore_gemm_seconds(n, dtype)
+        for name, sec in refs.items():
+            writer.add(name, dtype, n, n, n, sec, None, ranks=1,
+                       note="reference measured in the same run")
+        print("  references: " + ", ".join(f"{k} {v:.2f} s" for k, v in refs.items()), flush=True)
+        cases = [("distmm-cli", 1)] if not args.no_cli else []
+        cases += [(f"mpirun-{r}", r) for r in args.ranks]
+        for variant, ranks in cases:
+            if mpiexec is None and variant != "distmm-cli":
+                print(f"  {variant}: no mpiexec", flush=True)
+                continue
+            base = [sys.executable, "-m", "distmm", "matmul", str(a_path), str(b_path), "-o",
+                    str(c_path), "--overwrite"] + list(args.extra)
+            if variant != "distmm-cli":
+                base = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + base
+            runs = []
+            for rep in range(args.repeat):
+                prof = work / f"profile-{variant}-{n}-{rep}.json"
+                c_path.unlink(missing_ok=True)
+                sec, proc = timed(base + ["--profile", str(prof)])
+                if proc.returncode:
+                    print(f"  {variant}: failed rc={proc.returncode}: {proc.stderr.strip()[-800:]}",
+                          flush=True)
+                    break
+                err = sampled_relerr(a_path, b_path, c_path)
+                data = json.loads(prof.read_text()) if prof.exists() else None
+                runs.append((sec, err, data, proc.stdout.strip().splitlines()[-2:]))
+                c_path.unlink(missing_ok=True)
+            if not runs:
+                continue
+            runs.sort(key=lambda r: r[0])
+            sec, err, data, lines = runs[len(runs) // 2]
+            totals = {}
+            if data:
+                for rec in data["ranks"]:
+                    for k, v in rec["totals"].items():
+                        totals[k] = max(totals.get(k, 0.0), v)
+                profiles[f"{variant}-{n}"] = data
+            target = refs["read-cat"] + refs["write-dd-fsync"] + refs.get("cublas-incore", 0) / ranks
+            writer.add(variant, dtype, n, n, n, sec, err, ranks=ranks, repeats=len(runs),
+                       all_seconds=[r[0] for r in runs], phases=totals,
+                       grid=(data or {}).get("meta", {}).get("grid"),
+                       target_seconds=target, over_target=sec / target)
+            print(f"  {variant}: {sec:.2f} s (target {target:.2f} s, x{sec / target:.2f}), "
+                  f"relerr {err:.1e}; {lines[0] if lines else ''}", flush=True)
+        for path in (a_path, b_path):
+            if len(args.sizes) > 1:
+                path.unlink(missing_ok=True)
+    if profiles:
+        dest = (out_dir or Path(writer.path).parent) / f"mpi-batch-profiles-{writer.run}.json"
+        dest.write_text(json.dumps(profiles))
+    return 0
+
+
+def _gpus_visible() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
