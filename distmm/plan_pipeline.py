@@ -307,8 +307,8 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
         resident: dict = {}     # block -> slot
         next_use: dict = {}     # block -> next step using it
         # Free slots are reused oldest-freed first: a load then waits for a kernel
-        # long finished, not the one just issued (LIFO reuse serialised copies and
-        # kernels: measured 8 ms gaps between 43 ms kernels, run 20261122T0237).
+        # long finished, not the one just issued (LIFO reuse made each load wait for
+        # the kernel just issued, serialising copies and kernels: bench/NOTES.md).
         free = collections.deque(range(slots))
         out = []
         for s, key in enumerate(block_keys):

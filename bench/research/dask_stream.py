@@ -1,8 +1,7 @@
 """Where does a block-mode product's time go on a GPU cluster? The task stream, by prefix.
 
-Found with it (bench/NOTES.md, IPC section): on two H100s at fp32 32768 each GPU's block
-was cut into 8 cells and 2 k groups whose partials crossed TCP, because the block budget
-came from the client's view of a device the workers' memory pools held.
+What it found is in bench/NOTES.md, "Dask engine on GPU workers" (the per-GPU block
+budget, the pulled offers, the mixed cluster's client time).
 
 Runs ``distmm.matmul(A, B, client).persist()`` on operands made on the workers (the
 ``dask-gpu`` benchmark's, chunks ``--chunk``), ``--calls`` times per size, on a fresh

@@ -1,7 +1,7 @@
 """Where does a SIMT float64 GEMM stop? DFMA issue probes shaped like a GEMM's inner loop.
 
-Answered on the H200 (NOTES.md, "SIMT float64"): an outer-product DFMA loop with shared-memory
-fragments stops near 80% of the DFMA rate whatever the occupancy, and at the board's power cap.
+What it answered is in bench/NOTES.md, "Step 10: SIMT float64" (the DFMA probes and the
+power cap).
 
 Two kernels, each run with TM x TN accumulators a thread, 128-thread blocks and a chosen
 number of resident blocks per SM (capped by padding the dynamic shared memory), so the

@@ -1,10 +1,9 @@
 """Does cuBLAS's speed on one GPU depend on the operands' memory order? A probe for a lead.
 
-The lead (bench/NOTES.md, MPI engine, nvmath-python on the GPU machines): on one H100,
-nvmath-python's one-rank matmul (cuBLASMp -> cuBLASLt, A passed transposed, column-major
-operands) ran float64 n=32768 in 1.229 s, against 1.373 s for ``cupy.matmul`` on row-major
-operands in the same run: 1.12x. Every float64 path of distmm multiplies row-major blocks
-with ``cupy.matmul``, so a faster order would lift them all.
+The lead (bench/NOTES.md, "MPI engine"): nvmath-python's one-rank matmul (cuBLASMp ->
+cuBLASLt, A passed transposed, column-major operands) beat ``cupy.matmul`` on row-major
+operands at float64. Every float64 path of distmm multiplies row-major blocks with
+``cupy.matmul``, so a faster order would lift them all.
 
 This times ``cupy.matmul(a, b)`` with A and B each C- or F-ordered (four orders; the
 conversion is not timed), and ``cupy.cublas.gemm`` on the same buffers with the

@@ -1,8 +1,7 @@
 """What does the hot loop of a raw kernel execute? Its SASS instruction mix, from an nvcc cubin.
 
-Answered for step 8 on the H200 (NOTES.md, "GPU kernels, steps 1-8"): 1026 FFMA, 357 IADD3
-and 248 MOV in the kernel, the cp.async loader's bounds arithmetic running for every chunk of
-every tile; the bounds-free interior path followed.
+What it showed for step 8 (the loader's bounds arithmetic in the hot loop, hence the
+bounds-free interior path) is in bench/NOTES.md, "GPU kernels, steps 1-8".
 
 Compiles one instantiation (``--kernel``, default the registry's best; ``--dtype``; registry
 default parameters; NN layout) with ``nvcc -Xptxas -v`` (register and spill report), disassembles

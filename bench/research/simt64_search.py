@@ -1,7 +1,7 @@
 """Which thread, warp and block tiles make step 10 (SIMT float64) fastest? A shape search next to cuBLAS.
 
-Answered on the H200 (NOTES.md, "SIMT float64"): all 52 8 x 8-thread-tile shapes ran within
-16.8-23.5 TFLOP/s; the best, 64x128 BK16 warp 64x32 (later 32x64) became the registry default.
+What it answered (no 8 x 8 shape beat step 8; the best became the registry default) is
+in bench/NOTES.md, "Step 10: SIMT float64".
 
 For one kernel step (default ``simt_fp64``, step 10) and a list of configurations
 (``--accumulators``: thread tiles with at least that many accumulators, from the step's

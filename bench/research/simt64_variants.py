@@ -1,8 +1,7 @@
 """Does an inner-loop variant of step 10 (SIMT float64) beat the default? An A/B of its compile-time macros.
 
-Answered on the H200 and H100 (NOTES.md, "SIMT float64"): one pair of k per loop iteration
-(+1-8%) and the split tail (+1% at 8192) became the defaults; column zig-zag, 16-byte A
-fragments, 128 x 128 blocks and BK 32 did not pay.
+What it answered (one pair of k per loop iteration and the split tail became the
+defaults; the other variants did not pay) is in bench/NOTES.md, "Step 10: SIMT float64".
 
 Step 10 (``kernels/cuda/10_simt_fp64.cu``) has macros that change how ptxas sees its inner
 loop without changing any result: ``DISTMM_SIMT_KPAIRS`` (pairs of k per loop iteration,

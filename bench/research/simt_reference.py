@@ -1,7 +1,7 @@
 """Is cuBLAS DGEMM in pedantic math mode a SIMT (no tensor core) reference for step 10?
 
-Answered on the H200 (NOTES.md, "SIMT float64"): no; it ran above the DFMA peak, so it still
-uses the FP64 tensor cores.
+What it answered (no: pedantic DGEMM still uses the FP64 tensor cores) is in
+bench/NOTES.md, "Step 10: SIMT float64".
 
 The SIMT float64 target is a share of default cuBLAS DGEMM, which runs on the FP64 tensor
 cores (DMMA). cuBLAS can be asked not to use them (``CUBLAS_PEDANTIC_MATH``); if it then

@@ -32,8 +32,7 @@ def _start_up(device_id: int, dtype) -> None:
     with cupy.cuda.Device(device_id), cupy.cuda.Stream(non_blocking=True) as stream:
         cupy.cuda.device.get_cublas_handle()
         # empty, not ones: filling needs cupy's elementwise kernel, compiled by NVRTC on a
-        # cold kernel cache (0.11 s of this thread in a fresh process on an H100); the
-        # values are never read
+        # cold kernel cache; the values are never read
         x = cupy.empty((256, 256), dtype=dtype)
         c = cupy.empty_like(x)
         cublas_gemm(x, x, c, 1, 0)
@@ -43,8 +42,8 @@ def _start_up(device_id: int, dtype) -> None:
 
 def start_cublas(dtype):
     """Start cuBLAS for ``dtype`` on the current device on a background thread: its
-    library, handle and first kernels (0.28 s in a fresh process on an H100, most of
-    it loading cuBLASLt's kernels). Returns the thread's Future: the same one on every
+    library, handle and first kernels (most of it loading cuBLASLt's kernels).
+    Returns the thread's Future: the same one on every
     call for this dtype and device (it runs once). A caller that goes on with other
     start-up work (allocating, pinning, staging the first tiles) pays only what is left
     of it at its first GEMM.

@@ -225,7 +225,7 @@ def get_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bo
 
 #: kernels whose dynamic shared-memory limit was raised, by (id, bytes). The value keeps the
 #: kernel object alive: keyed by id() alone, a kernel collected after ``_kernel.cache_clear()``
-#: could hand its id to a new kernel that was never raised (a failed launch, seen on the H200).
+#: could hand its id to a new kernel that was never raised (and its launch would fail).
 _smem_set: dict = {}
 
 

@@ -56,7 +56,7 @@ _NAMES: dict = {}
 
 def _dtype_name(dtype) -> str:
     """``np.dtype(dtype).name``, remembered: numpy builds the name string on every
-    access (about 1.5 us, twice per call on the cupy hot path)."""
+    access, twice per call on the cupy hot path."""
     name = _NAMES.get(dtype)
     if name is None:
         name = _NAMES[dtype] = np.dtype(dtype).name
@@ -195,9 +195,8 @@ class GPUExecutor(Executor):
     def begin(self, plan) -> None:
         """A product of ``plan`` with host operands is about to start: cuBLAS starts now on
         its thread (``start_cublas``), before the engine allocates the result and the
-        pipeline its buffers, with the result's first touch held until it is up. In a
-        fresh process on an H100 it was the last thing the first GEMM waited for
-        (0.33 s from the pipeline's own start, its ring ready at 0.18 s)."""
+        pipeline its buffers, with the result's first touch held until it is up, so that
+        the first GEMM of a fresh process does not wait for cuBLAS's start-up."""
         from distmm.executor.pipeline import FAST_DTYPES
 
         if np.dtype(plan.dtype) in FAST_DTYPES:

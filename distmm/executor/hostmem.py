@@ -5,8 +5,8 @@ result the GPU pipeline writes. Small arrays are ``np.empty``. Large ones (at le
 ``HUGE_MIN_BYTES``) are an anonymous ``mmap`` advised ``MADV_HUGEPAGE`` (2 MiB pages
 where the kernel's transparent huge pages allow it: one fault per 2 MiB instead of
 per 4 KiB), and background threads fault them in (``MADV_POPULATE_WRITE``, which never changes contents), rows first, while the GPU computes
-the first tiles, so that the copy-out threads seldom pay a first touch (measured 1.8 s
-per 4 GiB of 4 KiB pages on an H100 host). The array keeps its mapping alive; when
+the first tiles, so that the copy-out threads seldom pay a first touch (which costs
+seconds for a result of several GiB in 4 KiB pages). The array keeps its mapping alive; when
 the caller drops it, the mapping (its pages already in) is kept for the next result of
 the same size, up to ``SPARE_MAX_BYTES`` (a fresh 4 GiB result costs its first touch on
 every call otherwise: the API returns a new array each time).
@@ -71,9 +71,9 @@ class TouchHold:
     ``release()`` (idempotent) is called for this and every other hold.
 
     Why: faulting pages in holds the process's memory-map lock, which
-    ``cudaMalloc``, page-locking and loading cuBLAS also take. Measured on an H100
-    host in a fresh process, fp64 32768^3: the pipeline's device buffers took 2.08 s
-    to allocate while an 8 GiB result was being faulted in, 0.002 s alone. The
+    ``cudaMalloc``, page-locking and loading cuBLAS also take, so a large device
+    allocation made while a result is being faulted in waits for the faulting
+    (``bench/NOTES.md``, "First call"). The
     stream pipeline holds the threads while it allocates, pins its staging ring and
     starts cuBLAS, then lets them go on while the GPU computes.
     """

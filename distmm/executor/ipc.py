@@ -27,9 +27,8 @@ that cannot be done (an array that is not C-contiguous, memory from a
 entry point) it copies the array into a ``cupy.cuda.Memory`` of exactly its
 size (offset 0). Either way the current stream is synchronised before the
 handle is taken: the consumer, in another process, has no stream order with
-this one. Measured need for the direct form (H100, fp32 16384, two workers
-sharing the GPU): the copy path's ``cudaMalloc``, copy and synchronisation took
-about 0.5 ms per 256 MiB chunk, on the critical path of every product.
+this one. The direct form exists because the copy path's ``cudaMalloc``, copy
+and synchronisation lie on the critical path of every product.
 
 Lifetime
 --------
@@ -50,11 +49,10 @@ out (a spill of the exporter's object between a reader receiving it and
 opening it would not be: ``distributed`` spills by host bytes, least recently
 used first, and the object reports a few hundred).
 
-Measured on an H200 (two dask-cuda workers sharing the GPU, fp32 32768): a
-worker whose host buffer outgrew its limit (device chunks spilled to the host
-land there) wrote its export tasks' results to disk, LRU first, whatever
-their size; read back they had lost their allocations, and the readers failed.
-So a caller that knows when an export's key is released may ``hold`` the
+A worker whose host buffer outgrows its limit (device chunks spilled to the
+host land there) writes its export tasks' results to disk, least recently used
+first, whatever their size; read back they have lost their allocations, and the
+readers fail. So a caller that knows when an export's key is released may ``hold`` the
 export beyond its ``Shared`` (``release`` ends it): ``distmm.engine.dask``
 does, from a worker plugin that sees the key's release.
 

@@ -66,10 +66,9 @@ def registered_allocator(nbytes: int):
     """Page-lock ``nbytes`` of fresh anonymous memory and return ``(numpy uint8 view,
     owner)``: an ``mmap`` advised ``MADV_HUGEPAGE``, faulted in by
     ``distmm.executor.hostmem.populate`` (no CUDA lock held meanwhile), then
-    ``cudaHostRegister``. Measured on an H100 host for the pipeline's 374 MiB ring:
-    0.061 s (0.048 s faulting, 0.013 s registering) against 0.233 s for
-    ``cudaHostAlloc``, which also holds the driver's lock all along, so that cuBLAS's
-    start-up and device allocations on other threads waited for it. Where the mapping
+    ``cudaHostRegister``. This is faster than ``cudaHostAlloc``, which also holds the
+    driver's lock all along, so that cuBLAS's start-up and device allocations on
+    other threads would wait for it (figures in ``bench/NOTES.md``). Where the mapping
     or the registration fails, ``cupy_pinned_allocator`` (and, after a failed
     registration, for the rest of the process: a memory-lock limit stays)."""
     import cupy
@@ -273,7 +272,7 @@ class PinnedPool:
         and ``ptr`` wait until theirs is pinned. The list's order is reuse first,
         then the ones pinned now, then those still being pinned, so a caller that
         fills them in order starts before the whole set is pinned (the pipeline's
-        ring: 352 MiB took 0.09-0.15 s in a fresh process on an H100 host).
+        ring starts copying after its first few buffers rather than after all).
 
         Raises
         ------

@@ -264,12 +264,12 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         "distmm_gemm_dmma<{T},{BM},{BN},{BK},{WM},{WN},{TM},{TN},{STAGES},{MINB},{TA},{TB}>",
         layout_template=True, grid="linear", min_cc=80,
         defaults={
-            # float32: step 8's tuned best on the H200 (46.0 TFLOP/s, 91% of SGEMM at 8192)
+            # float32: the tuner's best shape for step 8 (bench/NOTES.md, steps 1-8)
             "float32": {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "TM": 16, "TN": 8, "STAGES": 2, "MINB": 1},
             "int32": {"BM": 128, "BN": 128, "BK": 16, "WM": 32, "WN": 64, "TM": 8, "TN": 8, "STAGES": 3, "MINB": 1},
-            # float64: 4 warps of 32 x 32 (32 accumulators a thread): on the H200, 48.9 TFLOP/s
-            # at 8192 with m16n8k16 (tuner run 20261122T031541Z; its best, 64x128 BK16 warp
-            # 64x32 2 stages, 50.9); the best of the m8n8k4 run (30.5)
+            # float64: 4 warps of 32 x 32 (32 accumulators a thread): a little below the tuner's
+            # best with m16n8k16, the best shape with m8n8k4 (sm_80), and the shape the GPU
+            # tests check in every layout
             "float64": {"BM": 64, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
             "int64": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
         },
@@ -283,9 +283,9 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (
         layout_template=True, grid="linear", min_cc=80, raw_choice=False, split_tail=True,
         defaults={
             # float64 (the target): 4 warps of 64 x 32, 8 x 8 accumulators a thread, 2 blocks
-            # per SM; the best of the 52 8x8 shapes searched on the H200 (bench/simt64.py,
-            # run of commit 7abafe5). The 8 x 4 / MINB = 2 shape of the first version ran at
-            # 34-35% of DGEMM (shared-memory reads per FMA).
+            # per SM; the best 8x8 shape of the search (bench/research/simt64_search.py). 8 x 4
+            # thread tiles read shared memory twice as often per FMA and are slower
+            # (bench/NOTES.md, step 10).
             "float64": {"BM": 64, "BN": 128, "BK": 16, "WM": 64, "WN": 32, "TM": 8, "TN": 8, "STAGES": 4, "MINB": 1},
             "float32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},
             "int32": {"BM": 128, "BN": 64, "BK": 16, "WM": 32, "WN": 32, "TM": 8, "TN": 4, "STAGES": 3, "MINB": 1},

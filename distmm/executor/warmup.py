@@ -12,11 +12,10 @@ of the warm-up goes on beside the product (``distmm.executor.pipeline.startup``)
 It does *not* cover: the pipeline itself (``distmm.executor.pipeline``), the pool
 (``distmm.executor.pinned``), or choosing a backend.
 
-Why (measured on an H100 in a fresh process, fp32 32768^3 from numpy operands,
-``bench/NOTES.md``): the first call took 2.8 s against 1.43 s for the second; the
-context and cuBLAS's set-up took 0.6 s of it, the 352 MiB staging ring 0.2 s. A
+Why: in a fresh process the context, cuBLAS's set-up and the staging ring are a
+large part of the first GPU product's time (``bench/NOTES.md``, "First call"). A
 program that starts the warm-up before it loads its operands (the ``distmm
-matmul`` command does, while it reads the input files) hides both.
+matmul`` command does, while it reads the input files) hides them.
 
 A CUDA context is made in the calling process: call it where the process will
 use the GPU anyway (never before forking workers that use CUDA themselves).

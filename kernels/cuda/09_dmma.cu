@@ -41,8 +41,8 @@ __device__ __forceinline__ void dmma884(double& c0, double& c1, double a, double
         : "+d"(c0), "+d"(c1) : "d"(a), "d"(b));
 }
 
-// sm_90 adds m16n8k16 (PTX ISA 7.8): 8 times the work of m8n8k4 per instruction; on the
-// H200 m8n8k4 kernels stopped at ~30 TFLOP/s, about half of cuBLAS DGEMM. Fragments, with
+// sm_90 adds m16n8k16 (PTX ISA 7.8): 8 times the work of m8n8k4 per instruction; on sm_90
+// m8n8k4 kernels plateau at about half of cuBLAS DGEMM (bench/NOTES.md). Fragments, with
 // g = lane / 4, t = lane % 4: a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], b[v] = B[t + 4 v][g],
 // c0, c1 = C[g][2t], C[g][2t + 1]; c2, c3 = C[g + 8][2t], C[g + 8][2t + 1].
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

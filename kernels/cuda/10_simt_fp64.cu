@@ -22,13 +22,14 @@
 //   ones one element per row (NN: 8 LDS.64 + 4 LDS.128 per 64 DFMA);
 // - the last, partly filled wave of tiles can be split along k (DISTMM_SPLIT_TAIL below).
 //
-// On the H100/H200 the kernel runs at the board's 700 W power cap; see bench/NOTES.md.
-// Parameters as step 8 (see distmm/registry.py); BK must be even (the two fragment buffers
+// On boards with a power cap the kernel can run at the cap, where the clock sets its speed;
+// see bench/NOTES.md.
+// Parameters as step 8 (see distmm/executor/registry.py); BK must be even (the two fragment buffers
 // alternate within and across tiles). All four element types instantiate the same code.
 #include "pipelined.cuh"
 
 // Compile-time variants of the inner loop for A/B runs (bench/simt64_variants.py); the
-// defaults are the measured best on the H200 (bench/NOTES.md).
+// defaults are the fastest variants (bench/NOTES.md, step 10).
 #ifndef DISTMM_SIMT_KPAIRS
 #define DISTMM_SIMT_KPAIRS 1
 #endif
@@ -183,7 +184,7 @@ __device__ __forceinline__ void simt_fp64_body(int M, int N, int K, T alpha, con
         const T* bs = Bs + read_stage * S::B_STAGE;
         // k = 0 .. BK - 3 in pairs, one pair per loop iteration (DISTMM_SIMT_KPAIRS): with
         // the whole tile unrolled (KPAIRS >= BK / 2) ptxas interleaves the FMAs of many k
-        // and rows, and the kernel ran 1-8% slower on the H200 (bench/NOTES.md).
+        // and rows, losing operand reuse, and the kernel runs slower (bench/NOTES.md).
         DISTMM_PRAGMA_UNROLL(DISTMM_SIMT_KPAIRS)
         for (int kk = 0; kk < BK - 2; kk += 2) {
             load_frag(fa[1], fb[1], as, bs, kk + 1);

@@ -45,8 +45,8 @@ __all__ = ["PipelineRun", "host_threads"]
 _MAX_CHUNK = 16 * (1 << 20)      # staging copy granularity
 _RING_FIRST = 4                  # staging buffers pinned before the first copy starts
 _RING_IN, _RING_OUT = 16, 6      # staging buffers: 352 MiB pinned at most, allocated once per
-                                 # process (cudaHostAlloc runs at ~1.5 GB/s: a 1 GiB ring cost
-                                 # the first call ~0.7 s)
+                                 # process (pinning is slow: a larger ring lengthens the
+                                 # first call)
 
 
 _pools_lock = threading.Lock()
@@ -226,7 +226,7 @@ class PipelineRun:
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
         p1 = self._now()
         # the first staging buffers now, the rest pinned while those fill (a fresh
-        # process pins them all once: 0.09-0.15 s on an H100 host)
+        # process pins them all once, which the first copies need not wait for)
         ring_in = self.pool.acquire_many(chunk_bytes, n_in, first=_RING_FIRST)
         try:
             ring_out = self.pool.acquire_many(chunk_bytes, n_out, first=0)

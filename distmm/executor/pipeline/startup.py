@@ -50,9 +50,9 @@ def finish(handle) -> None:
 def wait_running(timeout: float | None = None) -> None:
     """Wait until a warm-up that is still running has pinned its staging ring (a
     no-op when none is, and on the warm-up's own thread, whose small products must
-    not wait for themselves). Only the ring: waiting for the whole warm-up made a
-    first product that started while its cuBLAS start-up still ran 0.3-0.5 s slower
-    than one with no warm-up at all (H100, bench/NOTES.md)."""
+    not wait for themselves). Only the ring: a first product that waited for the
+    whole warm-up, while its cuBLAS start-up still ran, was slower than one with no
+    warm-up at all (bench/NOTES.md, "First call")."""
     with _lock:
         handle = _running
     if handle is not None and handle.thread_id != threading.get_ident():
