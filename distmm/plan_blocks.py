@@ -71,7 +71,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -400,7 +400,7 @@ def block_layout(m: int, n: int, k: int, weights, *, itemsize: int = 8, row_cuts
         Where k group edges may lie (the operands' chunk edges along k);
         groups that would share a chunk merge.
     grid : (int, int), optional
-        The worker grid ``(pr, pc)`` (``distmm.engine.dask.locality`` picks it
+        The worker grid ``(pr, pc)`` (``choose`` picks it
         by where the operands are); default, or when it does not multiply to
         the units given blocks: ``worker_grid``.
     """
