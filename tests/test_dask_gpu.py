@@ -32,7 +32,7 @@ def cuda_client():
 def _used_gpu() -> bool:
     from distmm.engine.dask import tasks as dask_tasks
 
-    return any(key[2] for key in dask_tasks._EXECUTORS)
+    return any(key[2] for key in dask_tasks.executors_made())
 
 
 def _worker_ran_on_gpu(client) -> bool:
@@ -106,7 +106,7 @@ def test_two_workers_sharing_one_gpu_give_the_product(shared_client):
         assert isinstance(got, np.ndarray)
         assert_matches_numpy(got, a, b)
         # scattered from the client, the operands move fewest bytes to one unit for the
-        # device (engine/dask/locality.py): one of the two workers runs it, on the GPU
+        # device (distmm/plan_blocks.py): one of the two workers runs it, on the GPU
         stats = last_stats()
         assert stats["locality"]["colocated"]["chosen"] == "one unit per device", stats["locality"]
         assert [u["gpu"] for u in stats["units"]] == [True]

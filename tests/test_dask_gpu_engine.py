@@ -48,7 +48,7 @@ def _ran_on_gpu(client, workers=None) -> dict:
     def used():
         from distmm.engine.dask import tasks
 
-        return any(key[2] for key in tasks._EXECUTORS)
+        return any(key[2] for key in tasks.executors_made())
 
     return client.run(used, workers=workers)
 

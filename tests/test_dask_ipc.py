@@ -1,6 +1,6 @@
 """Device chunks between GPU workers of one host (CUDA IPC), without a GPU.
 
-Covers: the route rule (``locality.by_route``, ``ipc_sources``, ``cost``) and
+Covers: the route rule (``plan_blocks.by_route``, ``ipc_sources``, ``cost``) and
 the pairs a cluster gets (``transfer.candidate_pairs``, ``ipc_pairs``) as
 pure functions; ``distmm.dask-device-transfer`` and its environment forms;
 ``distmm.executor.ipc.Shared``'s pickled form and its origin checks; and, on
@@ -34,10 +34,11 @@ import dask  # noqa: E402
 import distmm  # noqa: E402
 from distmm.config import get_config  # noqa: E402
 from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
-from distmm.engine.dask import locality as loc  # noqa: E402
+from distmm import plan_blocks as loc  # noqa: E402
 from distmm.engine.dask import transfer  # noqa: E402
 from distmm.engine.dask.pull import Pull  # noqa: E402
-from distmm.engine.dask.workers import DEVICES_KEY, Unit  # noqa: E402
+from distmm.engine.dask.workers import DEVICES_KEY  # noqa: E402
+from distmm.plan_blocks import Unit  # noqa: E402
 from distmm.executor import ipc  # noqa: E402
 from test_dask_locality import _check, _equal_gpus, _placed, pair  # noqa: E402,F401
 

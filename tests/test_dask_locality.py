@@ -1,4 +1,4 @@
-"""Block mode's placement by locality (``distmm.engine.dask.locality``).
+"""Block mode's placement by locality (``distmm.plan_blocks``).
 
 Covers, on a real LocalCluster of two worker processes both marked GPU by
 their resources (no device visible: their GPU tasks run the CPU executor):
@@ -210,9 +210,8 @@ def test_search_never_moves_more_than_the_naive_order():
     """Pure: random chunk placements over four units of distinct speeds; the
     exhaustive search is never beaten by pairwise swaps, nor they by the
     units in their given order, and every candidate covers C once."""
-    from distmm.engine.dask import locality as loc
-    from distmm.engine.dask.layout import block_layout, shares
-    from distmm.engine.dask.workers import Unit
+    from distmm import plan_blocks as loc
+    from distmm.plan_blocks import Unit, block_layout, shares
 
     rng = np.random.default_rng()
     m, n, k, ch = 4096, 3072, 2048, 512
@@ -247,9 +246,8 @@ def test_units_too_slow_for_a_share_stay_out_of_the_search():
     """A GPU worker beside 15 CPU workers that get no share: only the GPU's place is
     searched (a handful of layouts, not hundreds), every unit is kept (the CPU ones, last,
     still serve as the fallback), and the GPU gets the whole of C wherever it started."""
-    from distmm.engine.dask import locality as loc
-    from distmm.engine.dask.layout import block_layout, shares
-    from distmm.engine.dask.workers import Unit
+    from distmm import plan_blocks as loc
+    from distmm.plan_blocks import Unit, block_layout, shares
 
     m = n = k = 4096
     for gpu_at in (0, 7, 15):

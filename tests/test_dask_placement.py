@@ -25,7 +25,7 @@ import dask  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
-from distmm.engine.dask.layout import block_layout, shares, worker_grid  # noqa: E402
+from distmm.plan_blocks import block_layout, shares, worker_grid  # noqa: E402
 from distmm.plan import reduction_tree  # noqa: E402
 
 
@@ -255,17 +255,17 @@ def test_units_without_a_share_stay_out_of_the_layouts_costed(mixed, monkeypatch
     """The CPU worker too slow for a share: the placement search lays C out for the GPU
     worker alone (the mixed cluster costs what the GPU worker alone would), and only the
     chosen layout carries the CPU unit, blockless and last (still the fallback)."""
-    from distmm.engine.dask import DaskEngine
+    from distmm import plan_blocks
 
     client, gpu, cpu = mixed
     seen = []
-    layout = DaskEngine._layout
+    layout = plan_blocks.layout_for
 
-    def spy(self, ops, plan, units, grid=None, **cuts):
+    def spy(plan, units, **kw):
         seen.append(tuple(u.address for u in units))
-        return layout(self, ops, plan, units, grid=grid, **cuts)
+        return layout(plan, units, **kw)
 
-    monkeypatch.setattr(DaskEngine, "_layout", spy)
+    monkeypatch.setattr(plan_blocks, "layout_for", spy)
     a, b, A, B = _persisted_pair()
     with _gflops(1e6, 10):
         C = distmm.matmul(A, B, client=client)
@@ -497,8 +497,7 @@ def test_gpu_blocks_are_budgeted_by_the_device_not_the_client():
     """Block tasks of GPU workers hold their panels on the device: half of the smallest
     device (split between workers sharing it) bounds them, capped by a configured size;
     a cluster with a CPU unit (or a device the probe did not measure) keeps the plan's."""
-    from distmm.engine.dask import DEVICE_FRACTION, block_budget
-    from distmm.engine.dask.workers import Unit
+    from distmm.plan_blocks import DEVICE_FRACTION, Unit, block_budget
 
     gib = 2**30
     two = [Unit("a", True, 1.0, 1, "0", 80 * gib), Unit("b", True, 1.0, 1, "1", 40 * gib)]
@@ -507,8 +506,7 @@ def test_gpu_blocks_are_budgeted_by_the_device_not_the_client():
     assert block_budget(3 * gib, shared) == int(40 * gib * DEVICE_FRACTION)
     assert block_budget(3 * gib, two[:1] + [Unit("c", False, 1.0)]) == 3 * gib
     assert block_budget(3 * gib, [Unit("d", True, 1.0)]) == 3 * gib  # not measured
-    with dask.config.set({"distmm.memory-budget": "8GiB"}):
-        assert block_budget(3 * gib, two) == 8 * gib
+    assert block_budget(3 * gib, two, configured=8 * gib) == 8 * gib
     # what it changes: a float32 32768 product on two 80 GB GPUs is one cell per GPU
     lay = block_layout(32768, 32768, 32768, [1.0, 1.0], itemsize=4,
                        memory_budget=block_budget(3 * gib, [two[0], two[0]]), tk=512,
@@ -541,21 +539,18 @@ def test_a_mixed_cluster_whose_cpu_workers_get_no_block_budgets_by_the_device():
     alone); a CPU worker that does get a share brings back the plan's (host) budget."""
     from types import SimpleNamespace
 
-    from distmm.engine.dask import DaskEngine
-    from distmm.engine.dask.workers import Unit
+    from distmm.plan_blocks import Unit, layout_for
 
     gib = 2**30
     gpu = Unit("g", True, 56000.0, 1, "0", 80 * gib)
-    ops = SimpleNamespace(m=32768, n=32768, k=32768)
-    plan = SimpleNamespace(acc_dtype=np.dtype("float32"), memory_budget=3 * gib,
-                           tile=(512, 512, 512))
+    plan = SimpleNamespace(m=32768, n=32768, k=32768, acc_dtype=np.dtype("float32"),
+                           memory_budget=3 * gib, tile=(512, 512, 512))
     cuts = {name: range(0, 32769, 8192) for name in ("row_cuts", "col_cuts", "k_cuts")}
-    engine = DaskEngine.__new__(DaskEngine)  # _layout reads no cluster
     slow = [Unit(f"c{i}", False, 20.0) for i in range(15)]
-    lay = engine._layout(ops, plan, [gpu] + slow, **cuts)
+    lay = layout_for(plan, [gpu] + slow, **cuts)
     assert [blk is not None for blk in lay.blocks] == [True] + [False] * 15
     assert (len(lay.row_edges) - 1) * (len(lay.col_edges) - 1) == 1 and lay.groups == 1
     fast = [Unit("c", False, 40000.0)]  # a CPU unit with a share: the host budget again
-    lay = engine._layout(ops, plan, [gpu] + fast, **cuts)
+    lay = layout_for(plan, [gpu] + fast, **cuts)
     assert lay.blocks[1] is not None
     assert (len(lay.row_edges) - 1) * (len(lay.col_edges) - 1) * lay.groups > 2

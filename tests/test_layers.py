@@ -19,6 +19,7 @@ LEVELS = {
     "distmm.plan": 0,
     "distmm.grid": 0,
     "distmm.plan_pipeline": 0,
+    "distmm.plan_blocks": 0,
     "distmm._arrays": 0,
     "distmm.config": 0,
     "distmm.errors": 0,

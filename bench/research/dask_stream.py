@@ -53,7 +53,7 @@ def stream_summary(data, t0: float | None = None) -> list[str]:
 
 
 def _install_trace(dask_worker=None):
-    """On a worker: wrap ``blocks.block_product``, ``take``, ``take_into``, ``_panel``,
+    """On a worker: wrap ``blocks.block_product``, ``take``, ``take_into``, ``panel``,
     ``_device_panels`` and ``_gpu_block``
     to record host times and CUDA events into ``blocks._TRACE`` (a list per process)."""
     import time as _t
@@ -65,7 +65,7 @@ def _install_trace(dask_worker=None):
     if getattr(blocks, "_TRACE", None) is not None:
         return False
     blocks._TRACE = []
-    timed_names = ("take", "take_into", "_panel", "_device_panels")
+    timed_names = ("take", "take_into", "panel", "_device_panels")
     orig = {n: getattr(blocks, n) for n in ("block_product", "_gpu_block") + timed_names}
     cur: dict = {}
 

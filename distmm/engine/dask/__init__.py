@@ -15,10 +15,6 @@ backend) and runs it: dask operands give a lazy array over their own chunks
                and, in block mode, the fallback of failed GPU cells to CPU workers
 ``lazy``       dask-array operands: the lazy result array
 ``workers``    GPU workers (a "GPU" resource or a probe) and each worker's GFLOP/s
-``layout``     block mode: one contiguous 2-D block of C per worker unit,
-               shares by throughput, split-K for products with few blocks
-``locality``   block mode: which unit computes which block (and the grid
-               shape) to move the fewest bytes, co-located workers as one unit
 ``transfer``   device (cupy) chunks between GPU workers of one host through
                CUDA IPC: the mode, the probe per cluster, the export tasks'
                offers and opening them, with TCP as the fallback
@@ -26,7 +22,9 @@ backend) and runs it: dask operands give a lazy array over their own chunks
                through the scheduler
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
 
-It does *not* cover: tile arithmetic (``distmm.plan``), numpy's semantics and
+It does *not* cover: tile arithmetic (``distmm.plan``), block mode's placement
+(``distmm.plan_blocks``: the layout, which unit computes which block, what moves
+where; a pure planner fed the facts ``run`` gathers), numpy's semantics and
 validation (``distmm.api``) or kernels (``distmm.executor``).
 
 How a task gets its operands
@@ -61,7 +59,9 @@ from another GPU worker of its host go device to device through CUDA IPC
 (``distmm.dask-device-transfer``, ``transfer``): an export task pinned to
 the holder publishes a small handle in place of the chunk, which the block
 task asks the holder for (``pull``), and the cost model counts those bytes
-at 1/256 of a TCP byte. Dask operands keep their
+at 1/256 of a TCP byte. ``run`` gathers the facts (the worker table and
+where the chunks are in one round trip, the workers' probes and the IPC
+pairs, both cached), plans (``distmm.plan_blocks.plan_blocks``), then runs. Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
 slice of its block. A GPU task that fails (``TileFailed``: out of memory
 after the pipeline's retries, a lost device) is run again on a CPU worker,
@@ -78,13 +78,16 @@ groups fit workers that dask.array's own ``A @ B`` fits.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import time
 
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
 from distmm.engine.dask.stats import last_stats, record, transfer_report
+from distmm.plan_blocks import ClusterFacts, OperandFacts, plan_blocks
 
 __all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION", "last_stats", "transfer_report",
            "FAIL_TILES_KEY"]
@@ -95,10 +98,6 @@ log = logging.getLogger("distmm.engine.dask")
 #: rest is the process itself, inputs fetched for the next tasks, and results
 #: waiting to be gathered, below dask's spill (60%) and pause (80%) thresholds
 MEMORY_FRACTION = 0.25
-
-#: share of a GPU worker's device (split between the workers sharing it) one block task
-#: may hold: its panels and its cell live there, beside the operands' chunks
-DEVICE_FRACTION = 0.5
 
 #: debug configuration (outside the checked ``distmm`` section): a list of
 #: cells ``[i, j]`` of the block layout whose GPU task raises ``TileFailed``
@@ -148,25 +147,24 @@ def memory_budget(client, info: dict | None = None) -> int | None:
     return int(min(limits) * MEMORY_FRACTION) if limits else None
 
 
-def block_budget(plan_budget: int, units) -> int:
-    """Bytes one block task may hold. Where ``units`` (those given a block) are all GPU
-    workers with a device the probe measured: ``DEVICE_FRACTION`` of the smallest device
-    (split between the workers sharing it), bounded by a ``distmm.memory-budget`` given as
-    a size. Else the plan's budget: the lower of the configured one and the workers' host
-    limits (``plan_hints``). Measured need: on two H100s the client-side budget (half the
-    free memory of a device the workers' pools held) cut each GPU's block of a float32
-    32768 product into 8 cells and 2 k groups, whose partials crossed TCP (4.4 GB); in a
-    mixed cluster whose CPU workers got no block, the host budget cut the GPU's block
-    into 16 cells and 3 k groups (H100, fp32 32768: 1.54 s against 1.35 s alone)."""
-    from distmm.config import get_config
+@functools.lru_cache(maxsize=64)
+def _chunk_hint(m: int, n: int, k: int, dtype, a_row_chunks, b_col_chunks) -> tuple[int, int, int]:
+    """The plan tile chunked operands suggest (``chunk_tile`` with the planner's k-block
+    for one worker): pure, kept for the few shapes of a session so that ``run`` reads
+    the same answer ``plan_hints`` gave without planning twice."""
+    from distmm.plan import make_plan
 
-    shares = [u.device_memory // max(u.share_device, 1) for u in units
-              if u.gpu and u.device_memory]
-    if not units or len(shares) != len(units):
-        return plan_budget
-    budget = int(min(shares) * DEVICE_FRACTION)
-    configured = get_config().memory_budget
-    return min(budget, configured) if configured is not None else budget
+    return chunk_tile(a_row_chunks, b_col_chunks, make_plan(m, n, k, dtype, workers=1).tile[2])
+
+
+def _chunk_tile_of(ops: Operands) -> tuple[int, int, int]:
+    return _chunk_hint(ops.m, ops.n, ops.k, ops.dtype, tuple(ops.a2.chunks[-2]),
+                       tuple(ops.b2.chunks[-1]))
+
+
+def _operand_facts(x) -> OperandFacts:
+    """A dask operand as the block planner sees it: its name and last two axes' chunks."""
+    return OperandFacts(x.dtype.itemsize, x.name, (tuple(x.chunks[-2]), tuple(x.chunks[-1])))
 
 
 class DaskEngine(Engine):
@@ -183,6 +181,9 @@ class DaskEngine(Engine):
         Seconds the scatter/gather loop keeps retrying after workers are lost
         (waiting for one when none is alive) before it raises
         ``distmm.errors.WorkersLost``.
+    operands : Operands, optional
+        The call's operands: for dask operands, where their persisted chunks are
+        is asked together with the worker table.
 
     Raises
     ------
@@ -214,7 +215,6 @@ class DaskEngine(Engine):
             self.slots = worker_slots(self.client, info=self._info)
             if not self.slots:
                 raise ValueError("matmul: the Dask cluster has no workers")
-        self._chunk_tile = None
 
     def _where_of(self, ops: Operands) -> dict:
         """Where the persisted chunks of ``ops`` are: as asked with the worker table when
@@ -233,6 +233,15 @@ class DaskEngine(Engine):
         return default_workers()
 
     def plan_hints(self, operands: Operands, workers: int) -> dict:
+        """``memory_budget`` from the workers' ``memory_limit`` (``memory_budget``) and,
+        for dask operands, the ``tile`` their chunks suggest (``chunk_tile``). Stores
+        nothing: ``run`` follows the operands' chunks when the plan's tile is that one.
+
+        Raises
+        ------
+        ValueError
+            A dask operand with unknown chunk sizes.
+        """
         hints: dict = {}
         if self.client is not None:
             budget = memory_budget(self.client, self._info)
@@ -240,180 +249,61 @@ class DaskEngine(Engine):
                 hints["memory_budget"] = budget
         if operands.family != "dask":
             return hints
-        a2, b2 = operands.a2, operands.b2
-        check_chunks("a", a2)
-        check_chunks("b", b2)
-        from distmm.plan import make_plan
-
-        tk = make_plan(operands.m, operands.n, operands.k, operands.dtype, workers=1).tile[2]
-        self._chunk_tile = chunk_tile(a2.chunks[-2], b2.chunks[-1], tk)
-        hints["tile"] = self._chunk_tile
+        check_chunks("a", operands.a2)
+        check_chunks("b", operands.b2)
+        hints["tile"] = _chunk_tile_of(operands)
         return hints
-
-    def _block_units(self, ops: Operands):
-        """The units of block mode, or None for one task per plan tile."""
-        from distmm.config import get_config
-
-        cfg = get_config()
-        if cfg.dask_layout == "tiles" or self.client is None or ops.batch:
-            return None
-        from distmm.engine.dask.workers import units, worker_info
-
-        infos = worker_info(self.client, cfg.dask_worker_gflops, self._info)
-        if not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos)):
-            return None
-        return units(infos)
-
-    def _layout(self, ops: Operands, plan, units, grid=None, weights=None, **cuts):
-        """``weights``: the units' shares where the caller has them (default ``shares``)."""
-        import numpy as np
-
-        from distmm.engine.dask.layout import block_layout, shares
-
-        itemsize = np.dtype(plan.acc_dtype).itemsize
-        if weights is None:
-            weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, itemsize)
-        # budgeted by the units that get a block: in a mixed cluster whose CPU workers get
-        # nothing, the GPU's device, not the host limit a CPU block would need
-        working = [u for u, w in zip(units, weights) if w > 0] or list(units)
-        return block_layout(ops.m, ops.n, ops.k, weights, itemsize=itemsize,
-                            memory_budget=block_budget(plan.memory_budget, working),
-                            tk=plan.tile[2], grid=grid, **cuts)
-
-    def _place(self, ops: Operands, plan, units, where: dict, a2=None, b2=None, ipc=frozenset(),
-               **cuts):
-        """Block mode's layout and units in layout order, chosen to move the
-        fewest bytes (``locality``): dask operands (``a2``, ``b2``) by where
-        their chunks are (``where``), numpy operands by what is scattered;
-        co-located GPU workers as one unit where that moves fewer bytes;
-        ``ipc``: the ``(holder, reader)`` worker pairs whose chunks go through
-        CUDA IPC (``transfer.ipc_pairs``), their bytes weighted by
-        ``locality.cost``. Returns ``(layout, units, stats["locality"],
-        reads)``, ``reads`` being ``locality.readers`` of the chosen layout."""
-        from dataclasses import replace
-
-        import numpy as np
-
-        from distmm.engine.dask import locality as loc
-
-        acc = np.dtype(plan.acc_dtype).itemsize
-        reads: dict = {}
-
-        def make(us, grid, weights=None):
-            return self._layout(ops, plan, us, grid=grid, weights=weights, **cuts)
-
-        def read(lay):
-            got = reads.get(id(lay))
-            if got is not None:
-                return got[1]
-            if a2 is not None:
-                got = loc.readers(lay, a2.chunks, b2.chunks, a2.name, b2.name,
-                                  a2.dtype.itemsize, b2.dtype.itemsize)
-            else:  # the scattered blocks are the layout's own cells
-                rows, cols, ks = (tuple(np.diff(e).tolist()) for e in
-                                  (lay.row_edges, lay.col_edges, lay.k_edges))
-                got = loc.readers(lay, (rows, ks), (ks, cols), "a", "b",
-                                  ops.a2.dtype.itemsize, ops.b2.dtype.itemsize)
-            reads[id(lay)] = (lay, got)  # the layout kept alive: its id stays its own
-            return got
-
-        def cost(lay, us):
-            addrs = [u.address for u in us]
-            routes = loc.by_route(read(lay), addrs, where, ipc=ipc, from_client=a2 is None)
-            return loc.cost(routes) + loc.partial_bytes(lay, addrs, acc)
-
-        orders = a2 is not None and bool(where)
-        # units no layout gives a share (CPU workers beside a GPU: shares() follows the
-        # throughputs alone) stay out of the search and are kept last, blockless. Measured
-        # need: with a GPU worker beside 15 CPU workers, every layout costed shared C
-        # between 16 units again (in a CPU rehearsal on a 2-core machine the call's client time
-        # was 5.0 ms against 2.9 ms with the GPU worker alone)
-        from distmm.engine.dask.layout import shares
-
-        weights = shares([u.gflops for u in units], ops.m, ops.n, ops.k, acc)
-        idle = [u for u, w in zip(units, weights) if w <= 0]
-        working = [u for u, w in zip(units, weights) if w > 0]
-        best = split = loc.choose(working if idle else units, make, cost, orders=orders)
-        if idle:  # the working units' shares, unchanged by the idle ones (0 each)
-            full = best.units + idle
-            kept = shares([u.gflops for u in best.units], ops.m, ops.n, ops.k, acc)
-            best = split = replace(best, units=full,
-                                   layout=make(full, best.grid, kept + (0.0,) * len(idle)))
-        colocated = None
-        options = [loc.choose(us, make, cost, orders=orders) for us in loc.merged(units)]
-        if options:
-            one = min(options, key=lambda c: c.bytes)
-            pick = "device" if one.bytes <= split.bytes else "worker"
-            best = one if pick == "device" else split
-            colocated = {"chosen": f"one unit per {pick}",
-                         "bytes": {"one unit per device": one.bytes,
-                                   "one unit per worker": split.bytes}}
-        addrs = [u.address for u in best.units]
-        chosen = read(best.layout)
-        info = {"route": "worker_to_worker" if a2 is not None else "scatter",
-                "estimated_bytes": best.bytes, "naive_bytes": split.naive_bytes,
-                "method": best.method if orders else "grid", "candidates": best.candidates,
-                "grid": best.grid, "colocated": colocated,
-                "routes": loc.by_route(chosen, addrs, where, ipc=ipc, from_client=a2 is None),
-                "assignment": [u.address for u, blk in zip(best.units, best.layout.blocks)
-                               if blk is not None]}
-        return best.layout, best.units, info, chosen
 
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
         gathered), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
-        chunk per element along batch axes)."""
-        import time
+        chunk per element along batch axes). Gathers the cluster's facts, plans
+        block mode's placement (``distmm.plan_blocks``) where it applies, then runs."""
+        t0, started = time.perf_counter(), time.time()
+        ops = request.operands
+        facts, transfer_info = self._facts(ops)
+        stats: dict = {"mode": "blocks" if facts else "tiles", "started": started,
+                       "shape": (ops.m, ops.n, ops.k), "moved": []}
+        if transfer_info is not None:
+            stats["transfer"] = transfer_info
+        if ops.family == "dask":
+            return self._run_lazy(request, facts, stats)
+        return self._run_eager(request, facts, stats, t0)
+
+    def _facts(self, ops: Operands):
+        """Block mode's ``ClusterFacts`` (None: one task per plan tile) and, for dask
+        operands, the CUDA IPC summary for ``last_stats()["transfer"]``."""
+        from distmm.config import get_config
+
+        cfg = get_config()
+        if cfg.dask_layout == "tiles" or self.client is None or ops.batch:
+            return None, None
+        from distmm.engine.dask.workers import worker_info
+
+        infos = worker_info(self.client, cfg.dask_worker_gflops, self._info)
+        if not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos)):
+            return None, None
+        if ops.family != "dask":
+            return ClusterFacts(infos), None
+        from distmm.engine.dask import transfer
+
+        where = self._where_of(ops)
+        pairs, info = transfer.ipc_pairs(self.client, infos, cfg.dask_device_transfer,
+                                         bool(where) and transfer.device_chunks(ops.a2, ops.b2))
+        return ClusterFacts(infos, where, pairs), info
+
+    def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
+        from distmm.engine.dask.lazy import lazy_product
 
         ops, plan = request.operands, request.plan
-        slots = self.slots
-        units = self._block_units(ops)
-        stats: dict = {"mode": "blocks" if units else "tiles", "started": time.time(),
-                       "shape": (ops.m, ops.n, ops.k), "moved": []}
-        t0 = time.perf_counter()
-        if ops.family == "dask":
-            from distmm.engine.dask.lazy import lazy_blocks, lazy_product
-
-            a2, b2 = ops.a2, ops.b2
-            follow = self._chunk_tile is not None and tuple(plan.tile) == self._chunk_tile
-            geometry = Geometry.of(plan, a2.chunks, b2.chunks, follow_chunks=follow)
-            if units:
-                from distmm.engine.dask.graph import CellTasks
-                from distmm.engine.dask.layout import layout_devices
-
-                from distmm.config import get_config
-                from distmm.engine.dask import transfer
-                from distmm.engine.dask.locality import ipc_sources
-
-                where = self._where_of(ops)
-                pairs, stats["transfer"] = transfer.ipc_pairs(
-                    self.client, units, get_config().dask_device_transfer,
-                    bool(where) and transfer.device_chunks(a2, b2))
-                layout, units, stats["locality"], reads = self._place(
-                    ops, plan, units, where, a2, b2, ipc=pairs, row_cuts=geometry.row_edges,
-                    col_cuts=geometry.col_edges,
-                    k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)))
-                addresses = [u.address for u in units]
-                sources = ipc_sources(reads, addresses, where, pairs)
-                homes = None
-                if sources:  # each cell's worker: whose export of a chunk its task opens
-                    homes = {(bi, bj, g): addresses[layout.unit_of_partial(bi, bj, g)]
-                             for bi, bj in layout.cells() for g in range(layout.groups)}
-                cpu = sorted({u.address for u in units if not u.gpu}) or sorted(
-                    {u.address for u in units})
-                cells = CellTasks(layout_devices(layout, units), _fail_tiles(), tuple(cpu), homes)
-                pull = bool(sources) and transfer.ensure_lifetime(self.client)
-                result = lazy_blocks(ops, plan, a2, b2, geometry, layout, addresses, cells,
-                                     request.backend, sources=sources, pull=pull)
-                if sources:
-                    stats["transfer"]["pull"] = pull
-                stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})
-                stats.update(_layout_stats(layout, units, plan))
-                stats["estimated_bytes"] = _lazy_estimate(ops, plan, layout, addresses, a2, b2,
-                                                          where, pairs)
-                record(stats)
-                return result
+        a2, b2 = ops.a2, ops.b2
+        geometry = Geometry.of(plan, a2.chunks, b2.chunks,
+                               follow_chunks=tuple(plan.tile) == _chunk_tile_of(ops))
+        if facts is not None:
+            result = self._lazy_blocks(request, facts, geometry, stats)
+        else:
+            slots = self.slots
             if slots and not ops.batch:
                 slots, _ = slots_by_locality(self.client, plan, geometry, slots, a2, b2,
                                              where=self._where_of(ops))
@@ -421,45 +311,62 @@ class DaskEngine(Engine):
             gm, gn = geometry.grid
             stats.update(tasks=len(result.dask.layers[result.name]), cells=gm * gn,
                          estimated_bytes={"plan": plan.bytes_moved})
-            record(stats)
-            return result
+        record(stats)
+        return result
+
+    def _lazy_blocks(self, request: Request, facts: ClusterFacts, geometry, stats: dict):
+        """Block mode over dask operands: plan on the output chunks' edges, then build
+        the graph (``lazy.lazy_blocks``), export tasks where chunks go through CUDA IPC."""
+        import numpy as np
+
+        from distmm.config import get_config
+        from distmm.engine.dask import transfer
+        from distmm.engine.dask.graph import CellTasks
+        from distmm.engine.dask.lazy import lazy_blocks
+
+        ops, plan = request.operands, request.plan
+        a2, b2 = ops.a2, ops.b2
+        bp = plan_blocks(plan, facts, _operand_facts(a2), _operand_facts(b2),
+                         row_cuts=geometry.row_edges, col_cuts=geometry.col_edges,
+                         k_cuts=sorted(set(geometry.a_k) | set(geometry.b_k)),
+                         configured_budget=get_config().memory_budget)
+        stats["locality"] = dict(bp.locality)
+        sources = dict(bp.sources)
+        # each cell's worker: whose export of a chunk its task opens
+        cells = CellTasks(bp.devices(), _fail_tiles(), bp.fallback_workers(),
+                          bp.homes() if sources else None)
+        pull = bool(sources) and transfer.ensure_lifetime(self.client)
+        result = lazy_blocks(ops, plan, a2, b2, geometry, bp.layout, bp.addresses, cells,
+                             request.backend, sources=sources, pull=pull)
+        if sources:
+            stats["transfer"]["pull"] = pull
+        stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})
+        stats.update(bp.stats(np.dtype(plan.acc_dtype).itemsize))
+        stats["estimated_bytes"] = dict(bp.estimated_bytes)
+        return result
+
+    def _run_eager(self, request: Request, facts: ClusterFacts | None, stats: dict, t0: float):
+        import numpy as np
+
+        from distmm.config import get_config
         from distmm.engine.dask.eager import run_eager
 
-        layout = None
-        if units:
-            layout, units, stats["locality"], _ = self._place(ops, plan, units, {})
-            stats.update(_layout_stats(layout, units, plan))
+        ops, plan = request.operands, request.plan
+        layout = units = None
+        if facts is not None:
+            bp = plan_blocks(plan, facts, OperandFacts(ops.a2.dtype.itemsize),
+                             OperandFacts(ops.b2.dtype.itemsize),
+                             configured_budget=get_config().memory_budget)
+            layout, units = bp.layout, list(bp.units)
+            stats["locality"] = dict(bp.locality)
+            stats.update(bp.stats(np.dtype(plan.acc_dtype).itemsize))
         else:
             stats.update(cells=plan.grid[0] * plan.grid[1],
                          estimated_bytes={"plan": plan.bytes_moved})
-        out = run_eager(ops, plan, self.client, slots, request.backend,
+        out = run_eager(ops, plan, self.client, self.slots, request.backend,
                         progress=request.progress, report=request.report,
                         retry_timeout=self.retry_timeout, layout=layout, units=units,
                         fail=_fail_tiles() if layout is not None else (), stats=stats)
         stats["seconds"] = time.perf_counter() - t0
         record(stats)
         return out
-
-
-def _lazy_estimate(ops, plan, layout, addresses, a2, b2, where, ipc=frozenset()) -> dict:
-    import numpy as np
-
-    from distmm.engine.dask.stats import estimate_lazy
-
-    return estimate_lazy(layout, addresses, a2, b2, where, np.dtype(plan.acc_dtype).itemsize,
-                         ops.m * ops.n * np.dtype(ops.dtype).itemsize, ipc=ipc)
-
-
-def _layout_stats(layout, units, plan) -> dict:
-    import numpy as np
-
-    gm, gn = layout.grid
-    per_unit = []
-    total = max(layout.m * layout.n, 1)
-    for u, unit in enumerate(units):
-        per_unit.append({"address": unit.address, "gpu": unit.gpu, "gflops": unit.gflops,
-                         "block": layout.blocks[u], "share": layout.area(u) / total})
-    est = layout.bytes_moved(np.dtype(plan.acc_dtype).itemsize)
-    return {"cells": gm * gn, "groups": layout.groups, "units": per_unit,
-            "grid": (gm, gn), "estimated_bytes": est,
-            "tasks": gm * gn * (1 if layout.groups == 1 else layout.groups + len(layout.reduction))}

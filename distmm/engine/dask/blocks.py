@@ -11,7 +11,7 @@ block to a CPU worker itself; on a CPU worker with the CPU executor; and
 workers may arrive as CUDA IPC offers: a GPU task copies the pieces it needs
 straight from the other process's memory into its panels
 (``transfer.take_into``), assembling each panel in one pass.
-It does *not* cover: which blocks exist (``distmm.engine.dask.layout``), the
+It does *not* cover: which blocks exist (``distmm.plan_blocks``), the
 graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
 pickled by reference.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from distmm.engine.dask.tasks import (_EXECUTORS, BlockSpec, TaskPlan, _panel, _worker_has_gpu,
-                                      _xp, as_chunk)
-from distmm.engine.dask.transfer import Offer, _dtype, take, take_into
+from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
+                                      panel, worker_has_gpu)
+from distmm.engine.dask.transfer import Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked"]
@@ -58,7 +58,7 @@ class Chunked:
         c0, c1, _ = cs.indices(self.shape[1])
         rows = self._overlap(self.row_pieces, self.row_off, r0, r1)
         cols = self._overlap(self.col_pieces, self.col_off, c0, c1)
-        return _panel(self.blocks, self.lead, rows, cols)
+        return panel(self.blocks, self.lead, rows, cols)
 
     def __array__(self, dtype=None, copy=None):
         out = self[0:self.shape[0], 0:self.shape[1]]
@@ -96,14 +96,10 @@ def _device_limit(share: int):
 def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
     """``a @ b`` in the accumulation dtype on this worker's GPU: host float
     panels through the stream pipeline, others through the device."""
-    from distmm.executor import GPU_BACKENDS, get_executor
+    from distmm.executor import GPU_BACKENDS
 
     acc = np.dtype(tp.acc_dtype)
-    name = backend if backend in GPU_BACKENDS else "auto"
-    key = (name, tp.acc_dtype, True)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = get_executor(name, acc, on_gpu=True)
+    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True)
     host = isinstance(a, (np.ndarray, Chunked))
     if host and acc.name in ("float32", "float64") and a.shape[1]:
         from distmm.executor.pipeline import run_pipelined
@@ -121,16 +117,12 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
 
 
 def _cpu_block(tp: TaskPlan, backend: str, a, b):
-    from distmm.executor import CPU_BACKENDS, get_executor
+    from distmm.executor import CPU_BACKENDS
 
     a, b = _whole(a), _whole(b)
     if not isinstance(a, np.ndarray):  # device chunks falling back to the CPU
-        a, b = _xp(a).asnumpy(a), _xp(b).asnumpy(b)
-    name = backend if backend in CPU_BACKENDS else "auto"
-    key = (name, tp.acc_dtype, False)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = get_executor(name, np.dtype(tp.acc_dtype), on_gpu=False)
+        a, b = array_module(a).asnumpy(a), array_module(b).asnumpy(b)
+    ex = cached_executor(backend if backend in CPU_BACKENDS else "auto", tp.acc_dtype, False)
     return tile_partial(ex, tp, a, b)
 
 
@@ -185,15 +177,15 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     b_blocks = dict(zip(spec.b_keys, b_list))
     acc = None
     for a_k, b_k in spec.k_pieces:
-        on_gpu = device == "gpu" and (fail or not host or _worker_has_gpu())
+        on_gpu = device == "gpu" and (fail or not host or worker_has_gpu())
         if on_gpu and host:  # the pipeline reads the chunks by slices
             a_sub = Chunked(a_blocks, spec.a_lead, spec.a_rows, a_k)
             b_sub = Chunked(b_blocks, spec.b_lead, b_k, spec.b_cols)
         elif device_panels:
             a_sub, b_sub = _device_panels(spec, a_k, b_k, a_blocks, b_blocks)
         else:
-            a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
-            b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
+            a_sub = panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
+            b_sub = panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
         if on_gpu:
             try:
                 if fail:
@@ -210,7 +202,7 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
                     raise
                 part = _cpu_elsewhere(tp, backend, a_sub, b_sub, fallback, cell)
                 if not host:
-                    part = _xp(a_sub).asarray(part)
+                    part = array_module(a_sub).asarray(part)
         else:
             part = _cpu_block(tp, backend, a_sub, b_sub)
         acc = part if acc is None else acc + part
@@ -247,10 +239,10 @@ def _assemble(blocks: dict, lead: tuple, row_pieces, col_pieces, mapped: dict):
 
     first = blocks[(row_pieces[0][0], col_pieces[0][0])]
     if len(row_pieces) == 1 and len(col_pieces) == 1 and not isinstance(first, Offer):
-        return _panel(blocks, lead, row_pieces, col_pieces)
+        return panel(blocks, lead, row_pieces, col_pieces)
     rows = sum(r1 - r0 for _, r0, r1 in row_pieces)
     cols = sum(c1 - c0 for _, c0, c1 in col_pieces)
-    out = cupy.empty((rows, cols), _dtype(first))
+    out = cupy.empty((rows, cols), dtype_of(first))
     r = 0
     for rb, r0, r1 in row_pieces:
         c = 0

@@ -1,12 +1,13 @@
 """Chunk geometry of the Dask engine: which operand chunks each task reads.
 
-This module covers: chunk offsets along an axis, locating the chunks that
-overlap a range, the output blocks of a product (dask.array's ``A @ B`` chunks
+This module covers: the output blocks of a product (dask.array's ``A @ B`` chunks
 by default: A's row chunks by B's column chunks; the plan's tiles when a tile
 was asked for), the k groups of a split product laid on the operands' chunk
 edges, the k pieces of one task's k-loop, and the tile hint the engine gives
 the planner for chunked operands.
-It does *not* cover: tiling arithmetic of the plan itself (``distmm.plan``),
+It does *not* cover: chunk offsets along an axis and locating the chunks that
+overlap a range (``distmm.plan_blocks``: ``edges``, ``locate``, ``nearest_cut``,
+re-exported here), tiling arithmetic of the plan itself (``distmm.plan``),
 building tasks (``distmm.engine.dask.graph``) or where tasks run
 (``distmm.engine.dask.placement``). Everything here is pure: no dask imports.
 """
@@ -18,29 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from distmm.plan import Plan
+from distmm.plan_blocks import edges, locate, nearest_cut
 
 __all__ = ["edges", "locate", "k_pieces", "nearest_cut", "Geometry", "chunk_tile", "check_chunks"]
-
-
-def edges(chunks) -> tuple[int, ...]:
-    """Offsets ``0, c0, c0 + c1, ...`` of an axis chunked as ``chunks``."""
-    out = [0]
-    for c in chunks:
-        out.append(out[-1] + int(c))
-    return tuple(out)
-
-
-def locate(offsets: tuple[int, ...], start: int, stop: int) -> tuple[tuple[int, int, int], ...]:
-    """Blocks of an axis (given its chunk offsets) overlapping ``[start, stop)``,
-    as ``(block, local start, local stop)``; empty chunks are skipped."""
-    out = []
-    blk = bisect.bisect_right(offsets, start) - 1
-    while blk < len(offsets) - 1 and offsets[blk] < stop:
-        lo, hi = max(start, offsets[blk]), min(stop, offsets[blk + 1])
-        if hi > lo:
-            out.append((blk, lo - offsets[blk], hi - offsets[blk]))
-        blk += 1
-    return tuple(out)
 
 
 def k_pieces(a_off, b_off, k0: int, k1: int, tk: int):
@@ -58,13 +39,6 @@ def k_pieces(a_off, b_off, k0: int, k1: int, tk: int):
         merged.append(e)
     return tuple((locate(a_off, lo, hi), locate(b_off, lo, hi))
                  for lo, hi in zip(merged[:-1], merged[1:]))
-
-
-def nearest_cut(cuts, edge: int) -> int:
-    """The index in ``cuts`` (sorted) of the cut nearest ``edge``; the lower one on a tie."""
-    right = bisect.bisect_left(cuts, edge)
-    return min((c for c in (right - 1, right) if 0 <= c < len(cuts)),
-               key=lambda c: (abs(cuts[c] - edge), c))
 
 
 def _group_edges(plan: Plan, cuts: tuple[int, ...]) -> tuple[int, ...]:
@@ -129,7 +103,7 @@ class Geometry:
 
     @classmethod
     def of_cells(cls, row_edges, col_edges, k_groups, a_chunks, b_chunks) -> "Geometry":
-        """The geometry of a block layout's cells (``distmm.engine.dask.layout``)
+        """The geometry of a block layout's cells (``distmm.plan_blocks``)
         over operands chunked as ``a_chunks`` and ``b_chunks``; ``k_groups``
         already lie on chunk edges."""
         gm, gn = len(row_edges) - 1, len(col_edges) - 1

@@ -10,7 +10,7 @@ those whose tasks wait for a worker that has left while nothing arrives:
 ``retry_timeout`` seconds of failures without one output block arriving, with
 ``distmm.errors.WorkersLost`` saying what was lost.
 In block mode (``layout`` given: one contiguous block of C per worker unit,
-``distmm.engine.dask.layout``) the same loop runs over the layout's cells,
+``distmm.plan_blocks``) the same loop runs over the layout's cells,
 and a cell whose GPU task raises ``distmm.errors.TileFailed`` is run again
 with the CPU executor on a CPU worker (any worker when there is none); the
 log names the cells that moved. A fallback is not a failure: it does not
@@ -261,7 +261,7 @@ class _Blocks:
         return cpu or sorted(alive)
 
     def devices(self, alive: set) -> CellTasks:
-        from distmm.engine.dask.layout import layout_devices
+        from distmm.plan_blocks import layout_devices
 
         table = {key: dev for key, dev in layout_devices(self.layout, self.units).items()
                  if key[:2] not in self.moved}

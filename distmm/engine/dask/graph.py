@@ -36,16 +36,20 @@ try:  # dask >= 2024.9.0
 except ImportError:  # pragma: no cover - older dask: legacy tuple tasks
     _Task = _TaskRef = _List = None
 
-__all__ = ["OperandKeys", "ProductLayer", "CellTasks", "names_of"]
+__all__ = ["OperandKeys", "ProductLayer", "CellTasks", "names_of", "make_task", "task_ref",
+           "task_list"]
 
 
-def _task(key, func, *args):
+def make_task(key, func, *args):
+    """Task ``key`` calling ``func(*args)``: a ``dask._task_spec.Task`` (a legacy tuple on
+    older dask)."""
     if _Task is None:  # pragma: no cover
         return (func,) + tuple(args)
     return _Task(key, func, *args)
 
 
-def _ref(key):
+def task_ref(key):
+    """A task's argument standing for ``key``'s result (a distributed Future as it is)."""
     if hasattr(key, "key"):  # a distributed Future: every dask version resolves it in a graph
         return key
     return key if _TaskRef is None else _TaskRef(key)
@@ -57,10 +61,11 @@ def _key(ref):
 
 def _arg(ref):
     """A task's input: a reference to a key, or a ``pull.Pull`` as it is (no dependency)."""
-    return ref if isinstance(ref, Pull) else _ref(ref)
+    return ref if isinstance(ref, Pull) else task_ref(ref)
 
 
-def _list(items):
+def task_list(items):
+    """A task's argument holding ``items`` (task references among them)."""
     return list(items) if _List is None else _List(*items)
 
 
@@ -119,7 +124,7 @@ class OperandKeys:
 
 @dataclass(frozen=True)
 class CellTasks:
-    """Block mode (``distmm.engine.dask.layout``): each output block is a whole
+    """Block mode (``distmm.plan_blocks``): each output block is a whole
     block of a worker, its task the k group's whole panels at once
     (``tasks.block_product``), on a device per task.
 
@@ -293,19 +298,19 @@ class ProductLayer(Layer):
         ob, bi, bj = block
         if kind == "p" or (kind == "out" and not self.split):
             spec, a_refs, b_refs = self._partial_parts(ob, bi, bj, extra or 0)
-            a_list, b_list = _list(_arg(k) for k in a_refs), _list(_arg(k) for k in b_refs)
+            a_list, b_list = task_list(_arg(k) for k in a_refs), task_list(_arg(k) for k in b_refs)
             if self.cells is not None:
                 device, share = self.cells.device(bi, bj, extra or 0)
                 own = self.cells.own_exports(bi, bj, extra or 0)
-                return _task(key, block_product, self.tp, self.backend, spec, device,
+                return make_task(key, block_product, self.tp, self.backend, spec, device,
                              (bi, bj) in self.cells.fail, share, a_list, b_list, (bi, bj),
                              self.cells.fallback, *((own,) if own else ()))
-            return _task(key, partial_block, self.tp, self.backend, spec, a_list, b_list)
+            return make_task(key, partial_block, self.tp, self.backend, spec, a_list, b_list)
         t = self._step(kind, block, extra)
         src_dst, src_src = self.steps[t]
         final = t == len(self.reduction) - 1
-        return _task(key, sum_step, self.tp, _ref(self._source_key(block, src_dst)),
-                     _ref(self._source_key(block, src_src)), final, len(self.batch) if final else 0)
+        return make_task(key, sum_step, self.tp, task_ref(self._source_key(block, src_dst)),
+                     task_ref(self._source_key(block, src_src)), final, len(self.batch) if final else 0)
 
     def get_dependencies(self, key, all_hlg_keys=None) -> set:
         parsed = self._parse(key)

@@ -65,7 +65,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
     cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
     (one per unit), the output chunks sliced out of them. ``sources``
-    (``locality.ipc_sources``: ``(chunk key, reader) -> holder``): those
+    (``distmm.plan_blocks.ipc_sources``: ``(chunk key, reader) -> holder``): those
     chunks reach their reader's tasks through an export task on the holder
     (``export_layer``); ``cells.homes`` then says each task's worker.
     ``pull`` (the workers run ``transfer.ExportLifetime``): a block task gets
@@ -80,7 +80,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-    from distmm.engine.dask.graph import _ref, _task
+    from distmm.engine.dask.graph import make_task, task_ref
     from distmm.engine.dask.placement import BlockPlacement
     from distmm.engine.dask.pull import Pull
     from distmm.engine.dask.blocks import cut
@@ -131,8 +131,8 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
             c0 = layout.col_edges[bj]
             key = (out_name, ci, cj)
             held = sorted({ex for r in readers_of.get((bi, bj), ()) for ex in anchors.get(r, ())})
-            dsk[key] = _task(key, cut, _ref((name, bi, bj)), rows[ci] - r0, rows[ci + 1] - r0,
-                             cols[cj] - c0, cols[cj + 1] - c0, *[_ref(ex) for ex in held])
+            dsk[key] = make_task(key, cut, task_ref((name, bi, bj)), rows[ci] - r0, rows[ci + 1] - r0,
+                             cols[cj] - c0, cols[cj + 1] - c0, *[task_ref(ex) for ex in held])
             homes[(ci, cj)] = placement((name, bi, bj))
     layers = dict(hlg.layers)
     deps = dict(hlg.dependencies)
@@ -178,7 +178,7 @@ def export_layer(name: str, sources: dict, pull: bool = False):
     nothing to export) and the routes."""
     from dask.highlevelgraph import MaterializedLayer
 
-    from distmm.engine.dask.graph import _list, _ref, _task
+    from distmm.engine.dask.graph import make_task, task_list, task_ref
     from distmm.engine.dask.pull import Pull
     from distmm.engine.dask.transfer import export_chunk, export_chunks
 
@@ -192,7 +192,7 @@ def export_layer(name: str, sources: dict, pull: bool = False):
         for i, ((holder, reader), chunks) in enumerate(sorted(groups.items())):
             ex = (name, i)
             labels = [repr(c) for c in chunks]
-            dsk[ex] = _task(ex, export_chunks, _list(_ref(c) for c in chunks), labels)
+            dsk[ex] = make_task(ex, export_chunks, task_list(task_ref(c) for c in chunks), labels)
             holders[ex] = holder
             for j, chunk in enumerate(chunks):
                 key_of[(chunk, reader)] = ex
@@ -204,7 +204,7 @@ def export_layer(name: str, sources: dict, pull: bool = False):
             ex = keys.get((chunk, holder))
             if ex is None:
                 ex = keys[(chunk, holder)] = (name, len(keys))
-                dsk[ex] = _task(ex, export_chunk, _ref(chunk), repr(chunk))
+                dsk[ex] = make_task(ex, export_chunk, task_ref(chunk), repr(chunk))
                 holders[ex] = holder
             key_of[(chunk, reader)] = ex
             routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = ex

@@ -5,7 +5,7 @@ thread), the ``Placement`` annotation that maps a task's key to the worker of
 its plan owner (computed from the key, so the graph holds no table per task;
 loose: a dead or busy worker's tasks move), and mapping the plan's owners
 onto workers so that tasks find their persisted inputs in place; in block
-mode (``distmm.engine.dask.layout``), ``BlockPlacement``: each cell's tasks
+mode (``distmm.plan_blocks``), ``BlockPlacement``: each cell's tasks
 on the worker of the unit owning it.
 It does *not* cover: the plan's owners themselves (``distmm.plan``) or the
 tasks (``distmm.engine.dask.graph``).

@@ -3,13 +3,14 @@
 This module covers: the record of the last product this process ran with the
 Dask engine (``last_stats``: its layout, tasks, cells moved to CPU workers and
 the bytes the plan expects to move, by route), the estimate of those bytes
-for scattered operands (``estimate_eager``), and ``transfer_report``, which
+for scattered operands (``estimate_eager``; dask operands': the block plan's,
+``distmm.plan_blocks.BlockPlan.estimated_bytes``), and ``transfer_report``, which
 reads what ``distributed`` itself logged (each worker's
 ``transfer_incoming_log``: fetches from other workers; ``transfer_outgoing_log``:
 data served to workers and to clients), so that a benchmark can put the
 estimate next to the measurement.
 It does *not* cover: running anything (``eager``, ``lazy``) or the layout
-(``layout``).
+(``distmm.plan_blocks``).
 
 Routes: ``scatter`` (client to workers, not in the transfer logs),
 ``worker_to_worker`` (the incoming logs' sum: TCP), ``ipc`` (device chunks
@@ -22,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["last_stats", "record", "estimate_eager", "estimate_lazy", "transfer_report"]
+__all__ = ["last_stats", "record", "estimate_eager", "transfer_report"]
 
 _LAST: dict = {}
 _LOCK = threading.Lock()
@@ -46,7 +47,7 @@ def last_stats() -> dict:
     grid, both on ``route``; ``method``; ``colocated``: None, or which of
     "one unit per device" / "one unit per worker" was chosen and the bytes
     of each; ``routes``: the choice's chunk bytes by ``tcp`` and ``ipc``; with
-    IPC pairs, every ``*bytes`` of ``locality`` is ``locality.cost``: IPC
+    IPC pairs, every ``*bytes`` of ``locality`` is ``distmm.plan_blocks.cost``: IPC
     bytes at 1/256), for dask operands in block mode ``transfer`` (``mode``,
     ``device_chunks``, the IPC ``pairs`` ``(holder, reader)``, ``probe``: the
     one-time probe's summary, ``exports``: export tasks in the graph),
@@ -62,7 +63,7 @@ def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str],
     block scattered straight to each worker whose cells read it (no block is
     fetched from another worker), the partials of split cells moved to their
     reduction, C gathered."""
-    from distmm.engine.dask.locality import partial_bytes
+    from distmm.plan_blocks import partial_bytes
 
     scatter = 0
     for sc, need in ((a_sc, a_need), (b_sc, b_need)):
@@ -73,23 +74,6 @@ def estimate_eager(a_sc, b_sc, a_need: dict, b_need: dict, addresses: list[str],
             scatter += nbytes * len({addresses[u % len(addresses)] for u in units})
     return {"scatter": scatter, "worker_to_worker": partial_bytes(layout, addresses, acc_itemsize),
             "gather": c_bytes}
-
-
-def estimate_lazy(layout, addresses: list[str], a2, b2, where: dict, acc_itemsize: int,
-                  c_bytes: int, ipc=frozenset()) -> dict:
-    """Bytes a block-mode product of dask operands moves between workers:
-    each chunk to every worker reading it that does not hold it (``where``:
-    ``client.who_has`` of persisted chunks; a chunk not persisted counts as
-    made on one of its readers), by ``ipc`` (CUDA IPC, between the
-    ``(holder, reader)`` pairs of ``ipc``) or over TCP (``worker_to_worker``,
-    with the partials of split cells); and C, if it is gathered."""
-    from distmm.engine.dask.locality import by_route, partial_bytes, readers
-
-    reads = readers(layout, a2.chunks, b2.chunks, a2.name, b2.name, a2.dtype.itemsize,
-                    b2.dtype.itemsize)
-    routes = by_route(reads, addresses, where, ipc=ipc)
-    return {"worker_to_worker": routes["tcp"] + partial_bytes(layout, addresses, acc_itemsize),
-            "ipc": routes["ipc"], "gather": c_bytes}
 
 
 def _key_name(key) -> str:

@@ -22,7 +22,8 @@ import numpy as np
 
 from distmm.engine.tiles import finish_tile, tile_partial
 
-__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "as_chunk"]
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "cached_executor",
+           "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -64,7 +65,8 @@ class BlockSpec:
     batch_ndim: int = 0  # leading length-1 axes of the output chunk
 
 
-def _worker_has_gpu() -> bool:
+def worker_has_gpu() -> bool:
+    """Whether this worker process sees a GPU (asked once per process)."""
     if not _GPU:
         from distmm.executor import gpu_available
 
@@ -72,20 +74,36 @@ def _worker_has_gpu() -> bool:
     return _GPU[0]
 
 
-def executor_for(backend: str, acc_dtype: str, block) -> Any:
-    """The executor of this worker process, made once per (backend, dtype)."""
-    from distmm.executor import GPU_BACKENDS, get_executor
-
-    is_host = isinstance(block, np.ndarray)
-    on_gpu = backend in GPU_BACKENDS or (backend == "auto" and (not is_host or _worker_has_gpu()))
-    key = (backend, acc_dtype, on_gpu)
+def cached_executor(backend: str, acc_dtype: str, on_gpu: bool) -> Any:
+    """The executor of this worker process for ``backend``, the accumulation dtype and
+    the device (``on_gpu``), made once per process and reused by every tile and block
+    task (``distmm.executor.get_executor``)."""
+    key = (backend, acc_dtype, bool(on_gpu))
     ex = _EXECUTORS.get(key)
     if ex is None:
-        ex = _EXECUTORS[key] = get_executor(backend, np.dtype(acc_dtype), on_gpu=on_gpu)
+        from distmm.executor import get_executor
+
+        ex = _EXECUTORS[key] = get_executor(backend, np.dtype(acc_dtype), on_gpu=bool(on_gpu))
     return ex
 
 
-def _xp(x):
+def executors_made() -> tuple[tuple[str, str, bool], ...]:
+    """The ``(backend, acc_dtype, on_gpu)`` of every executor this process has made."""
+    return tuple(_EXECUTORS)
+
+
+def executor_for(backend: str, acc_dtype: str, block) -> Any:
+    """The executor of a tile task on this worker process: on the GPU for a GPU backend,
+    or for ``"auto"`` where ``block`` is a device array or the worker has a GPU."""
+    from distmm.executor import GPU_BACKENDS
+
+    is_host = isinstance(block, np.ndarray)
+    on_gpu = backend in GPU_BACKENDS or (backend == "auto" and (not is_host or worker_has_gpu()))
+    return cached_executor(backend, acc_dtype, on_gpu)
+
+
+def array_module(x):
+    """numpy for a host array, cupy for a device array."""
     if isinstance(x, np.ndarray):
         return np
     import cupy  # a device chunk: the only other array type a worker holds here
@@ -93,7 +111,7 @@ def _xp(x):
     return cupy
 
 
-def _panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
+def panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
     """The sub-panel of one operand over the given row and column pieces.
 
     ``blocks[(rb, cb)]`` is a chunk; ``lead`` indexes its batch axes; each piece
@@ -102,8 +120,8 @@ def _panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
     rows = []
     for rb, r0, r1 in row_pieces:
         cols = [blocks[(rb, cb)][lead + (slice(r0, r1), slice(c0, c1))] for cb, c0, c1 in col_pieces]
-        rows.append(cols[0] if len(cols) == 1 else _xp(cols[0]).concatenate(cols, axis=1))
-    return rows[0] if len(rows) == 1 else _xp(rows[0]).concatenate(rows, axis=0)
+        rows.append(cols[0] if len(cols) == 1 else array_module(cols[0]).concatenate(cols, axis=1))
+    return rows[0] if len(rows) == 1 else array_module(rows[0]).concatenate(rows, axis=0)
 
 
 def as_chunk(tile, batch_ndim: int):
@@ -119,8 +137,8 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     executor = executor_for(backend, tp.acc_dtype, a_list[0])
     acc = None
     for a_k, b_k in spec.k_pieces:
-        a_sub = _panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
-        b_sub = _panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
+        a_sub = panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
+        b_sub = panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
         part = tile_partial(executor, tp, a_sub, b_sub)
         # the executor's result is a new array: adding into it is safe
         if acc is None:

@@ -13,7 +13,7 @@ bytes each worker received by each route (``routes_since``, read by
 ``stats.transfer_report``), and the exports' lifetime (``ExportLifetime``, a
 worker plugin: an export is held until the scheduler releases its task's key).
 It does *not* cover: CUDA itself (``distmm.executor.ipc``), the cost model
-and which holder serves which reader (``locality``: ``by_route``,
+and which holder serves which reader (``distmm.plan_blocks``: ``by_route``,
 ``ipc_sources``), or the graph (``lazy``: the export tasks, pinned to their
 holder with ``allow_other_workers=False``).
 
@@ -42,7 +42,7 @@ import numpy as np
 from distmm.engine.dask.pull import norm_key
 
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take",
-           "take_into", "host_of", "device_chunks", "candidate_pairs", "ipc_pairs", "probe",
+           "take_into", "dtype_of", "host_of", "device_chunks", "candidate_pairs", "ipc_pairs", "probe",
            "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime",
            "keep_until_released", "held_keys", "orphans"]
 
@@ -503,7 +503,8 @@ def _fetch(offer: Offer, first: BaseException):
         return host
 
 
-def _dtype(x):
+def dtype_of(x):
+    """The dtype of a chunk or of the chunk an ``Offer`` stands for."""
     if isinstance(x, Offer):
         return x.shared.dtype if x.shared is not None else x.data.dtype
     return x.dtype

@@ -8,11 +8,10 @@ throughput in GFLOP/s (the ``distmm.dask-worker-gflops`` configuration by
 address, then by kind, else
 measured by the probe: a small float64 product timed on the worker's device),
 which workers share one physical GPU (the probe's PCI bus id, or
-``DEVICES_KEY`` for tests), and the units the block layout shares C
-between (one per GPU worker, one per CPU worker thread). Probes are cached per
-worker address for the life of the client process.
-It does *not* cover: the layout itself (``distmm.engine.dask.layout``) or the
-tasks (``distmm.engine.dask.tasks``).
+``DEVICES_KEY`` for tests), as one ``distmm.plan_blocks.WorkerInfo`` per
+worker. Probes are cached per worker address for the life of the client process.
+It does *not* cover: the units the block layout shares C between, or the layout
+itself (``distmm.plan_blocks``), or the tasks (``distmm.engine.dask.tasks``).
 """
 from __future__ import annotations
 
@@ -21,9 +20,10 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
-__all__ = ["WorkerInfo", "Unit", "worker_info", "units", "probe", "forget", "DEVICES_KEY"]
+from distmm.plan_blocks import WorkerInfo
+
+__all__ = ["worker_info", "probe", "forget", "DEVICES_KEY"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -117,32 +117,6 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    """One worker: its address, threads, whether it runs GPU tasks (and on
-    which device), and its throughput in GFLOP/s for sharing C."""
-
-    address: str
-    nthreads: int
-    gpu: bool
-    device: str | None
-    gflops: float
-    cuda: bool  # the probe found a device (False for a worker marked GPU only by resources)
-    device_memory: int | None = None  # the device's total bytes (where the probe found one)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What the layout gives one block: a GPU worker, or one thread of a CPU worker."""
-
-    address: str
-    gpu: bool
-    gflops: float
-    share_device: int = 1  # GPU workers on the same device as this one (itself included)
-    device: str | None = None  # the device's PCI bus id (GPU workers whose probe found one)
-    device_memory: int | None = None  # that device's total bytes
-
-
 def forget(address: str | None = None) -> None:
     """Drop cached probes (one worker's, or all)."""
     with _LOCK:
@@ -205,21 +179,4 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
         mem = res.get("device_memory") if cuda else None
         out.append(WorkerInfo(addr, nthreads, gpu, None if device is None else str(device),
                               float(rate), cuda, None if mem is None else int(mem)))
-    return out
-
-
-def units(workers: list[WorkerInfo]) -> list[Unit]:
-    """The layout's units: one per GPU worker (a GPU runs one block at a
-    time), one per thread of a CPU worker (its throughput split evenly)."""
-    shared: dict = {}
-    for w in workers:
-        if w.gpu and w.device is not None:
-            shared[w.device] = shared.get(w.device, 0) + 1
-    out = []
-    for w in workers:
-        if w.gpu:
-            out.append(Unit(w.address, True, w.gflops, shared.get(w.device, 1), w.device,
-                            w.device_memory))
-        else:
-            out += [Unit(w.address, False, w.gflops / w.nthreads)] * w.nthreads
     return out
