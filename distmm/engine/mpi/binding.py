@@ -111,12 +111,14 @@ class Binding:
         """Whether another rank of the node uses the same device."""
         return self.shared > 1
 
-    def describe(self) -> str:
-        """One line: host, node-local rank, device and how it was chosen."""
-        gpu = "no GPU" if self.device is None else f"GPU {self.device}"
+    def describe(self, gpu: str | None = None) -> str:
+        """One line: host, device (``gpu`` names it, e.g. its model), node-local rank and
+        how the device was chosen."""
+        if gpu is None:
+            gpu = "no GPU" if self.device is None else f"GPU {self.device}"
         shared = f", shared by {self.shared} ranks" if self.sharing else ""
-        return (f"{self.host}: node-local rank {self.local_rank} of {self.local_size} "
-                f"({self.rank_source}), {gpu}{shared} ({self.how})")
+        return (f"{self.host}, {gpu}{shared}; node-local rank {self.local_rank} of "
+                f"{self.local_size} ({self.rank_source}); {self.how}")
 
 
 def _int(value) -> int | None:
@@ -271,7 +273,7 @@ def choose_binding(environ: Mapping[str, str] | None, device_count: int, *,
     slot = group.index(local.rank)
     if device_count == 0:
         return Binding(host, rank, local.rank, local.size, local.source, None, 0,
-                       "no GPU visible", 1)
+                       "CUDA shows this process no device", 1)
     choices, why = list(range(device_count)), f"all {device_count} visible"
     if mine is not None:
         why = f"CUDA_VISIBLE_DEVICES={mine} ({device_count} visible)"
