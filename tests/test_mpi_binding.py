@@ -11,17 +11,17 @@ rank order, from rank 0. GPU checks are in tests/test_mpi_gpu_blocks.py.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_mpi import mpi_env as base_mpi_env
+from test_mpi import mpiexec
 
 from distmm.engine.mpi.binding import SPLIT, Binding, choose_binding, node_rank, sharing_warning
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 
 def ompi(local_rank: int, local_size: int, world: int | None = None, **more) -> dict:
@@ -161,16 +161,10 @@ def test_sharing_warning_names_each_host_once():
 # -- under a real mpiexec ------------------------------------------------------------------
 
 def mpi_env():
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-
-
-def mpiexec():
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec on PATH")
-    return exe
+    """test_mpi's environment, with tests/ importable (mpi_verdict) by a script elsewhere."""
+    env = base_mpi_env()
+    env["PYTHONPATH"] = str(HERE) + os.pathsep + env["PYTHONPATH"]
+    return env
 
 
 BIND_SCRIPT = r"""

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_mpi_gpu import _gpu_mpi_env as gpu_mpi_env
 
 pytestmark = pytest.mark.gpu
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 BLOCKS_SCRIPT = r"""
 import numpy as np, cupy
@@ -115,18 +114,10 @@ else:
 
 
 def _gpu_mpi_env():
-    """mpiexec and its environment, or skip without a GPU or mpiexec."""
-    pytest.importorskip("cupy")
-    from distmm.executor import gpu_available
-
-    if not gpu_available():
-        pytest.skip("no GPU")
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    """test_mpi_gpu's mpiexec and environment (skips without a GPU or mpiexec), with
+    tests/ importable (mpi_verdict) by a script elsewhere."""
+    exe, env = gpu_mpi_env()
+    env["PYTHONPATH"] = str(HERE) + os.pathsep + env["PYTHONPATH"]
     return exe, env
 
 
