@@ -37,44 +37,48 @@ def slurm_step(local_id: int, gtids: str, ntasks: int, **more) -> dict:
                  "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_PROCID": str(local_id)}, **more)
 
 
-# (environment, device count, peers or None, split or None, world size or None,
-#  expected (local rank, local size, rank source, device, shared))
+OM, SL = "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"
+
+# name: (environment, device count, peers or None, split or None, world size or None,
+#        expected (local rank, local size, rank source, device, ranks on that device))
 CASES = {
-    "ompi-3-ranks-2-gpus-rank0": (ompi(0, 3), 2, None, None, 3, (0, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 2)),
-    "ompi-3-ranks-2-gpus-rank1": (ompi(1, 3), 2, None, None, 3, (1, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 1, 1)),
-    "ompi-3-ranks-2-gpus-rank2": (ompi(2, 3), 2, None, None, 3, (2, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 2)),
-    "ompi-4-ranks-4-gpus-rank3": (ompi(3, 4), 4, None, None, 4, (3, 4, "OMPI_COMM_WORLD_LOCAL_RANK", 3, 1)),
-    "ompi-2-ranks-1-gpu": (ompi(1, 2), 1, None, None, 2, (1, 2, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 2)),
+    "ompi-3-ranks-2-gpus-rank0": (ompi(0, 3), 2, None, None, 3, (0, 3, OM, 0, 2)),
+    "ompi-3-ranks-2-gpus-rank1": (ompi(1, 3), 2, None, None, 3, (1, 3, OM, 1, 1)),
+    "ompi-3-ranks-2-gpus-rank2": (ompi(2, 3), 2, None, None, 3, (2, 3, OM, 0, 2)),
+    "ompi-4-ranks-4-gpus-rank3": (ompi(3, 4), 4, None, None, 4, (3, 4, OM, 3, 1)),
+    "ompi-2-ranks-1-gpu": (ompi(1, 2), 1, None, None, 2, (1, 2, OM, 0, 2)),
     "ompi-2-nodes-local-rank-not-world-rank": (ompi(1, 2, world=4), 2, None, None, 4,
-                                               (1, 2, "OMPI_COMM_WORLD_LOCAL_RANK", 1, 1)),
-    "no-gpu": (ompi(1, 3), 0, None, None, 3, (1, 3, "OMPI_COMM_WORLD_LOCAL_RANK", None, 1)),
+                                               (1, 2, OM, 1, 1)),
+    "no-gpu": (ompi(1, 3), 0, None, None, 3, (1, 3, OM, None, 1)),
     # srun --gpus-per-task=1 with a device cgroup: task 3 sees its one GPU as device 0
-    "slurm-per-task-cgroup": (slurm_step(3, "0,1,2,3", 4, CUDA_VISIBLE_DEVICES="0", SLURM_GPUS_ON_NODE="4",
-                                         SLURM_STEP_GPUS="0,1,2,3"), 1, None, None, 4,
-                              (3, 4, "SLURM_LOCALID", 0, 1)),
+    "slurm-per-task-cgroup": (slurm_step(3, "0,1,2,3", 4, CUDA_VISIBLE_DEVICES="0",
+                                         SLURM_GPUS_ON_NODE="4", SLURM_STEP_GPUS="0,1,2,3"),
+                              1, None, None, 4, (3, 4, SL, 0, 1)),
     # the same without a cgroup: CUDA_VISIBLE_DEVICES=3 is the global ID, still device 0 to CUDA
     "slurm-per-task-global-id": (slurm_step(3, "0,1,2,3", 4, CUDA_VISIBLE_DEVICES="3",
-                                            SLURM_STEP_GPUS="0,1,2,3"), 1, None, None, 4,
-                                 (3, 4, "SLURM_LOCALID", 0, 1)),
+                                            SLURM_STEP_GPUS="0,1,2,3"),
+                                 1, None, None, 4, (3, 4, SL, 0, 1)),
     # --gpus-per-task=2: the rank's own two GPUs; it takes the first, alone
-    "slurm-two-gpus-per-task": (slurm_step(1, "0,1", 2, CUDA_VISIBLE_DEVICES="2,3", SLURM_GPUS_ON_NODE="4"),
-                                2, None, None, 2, (1, 2, "SLURM_LOCALID", 0, 1)),
+    "slurm-two-gpus-per-task": (slurm_step(1, "0,1", 2, CUDA_VISIBLE_DEVICES="2,3",
+                                           SLURM_GPUS_ON_NODE="4"),
+                                2, None, None, 2, (1, 2, SL, 0, 1)),
     # one CUDA_VISIBLE_DEVICES for the whole step: round-robin over what it shows
-    "slurm-step-wide-visible": (slurm_step(2, "4,5,6", 6, CUDA_VISIBLE_DEVICES="0,1,2", SLURM_GPUS_ON_NODE="3"),
-                                3, None, None, 6, (2, 3, "SLURM_LOCALID", 2, 1)),
+    "slurm-step-wide-visible": (slurm_step(2, "4,5,6", 6, CUDA_VISIBLE_DEVICES="0,1,2",
+                                           SLURM_GPUS_ON_NODE="3"),
+                                3, None, None, 6, (2, 3, SL, 2, 1)),
     # no CUDA_VISIBLE_DEVICES and no cgroup: the process sees all 8, Slurm gave the step 4..7
-    "slurm-step-gpus-global": (slurm_step(1, "0,1", 2, SLURM_STEP_GPUS="4,5,6,7"), 8, None, None, 2,
-                               (1, 2, "SLURM_LOCALID", 5, 1)),
+    "slurm-step-gpus-global": (slurm_step(1, "0,1", 2, SLURM_STEP_GPUS="4,5,6,7"),
+                               8, None, None, 2, (1, 2, SL, 5, 1)),
     # a device cgroup shows exactly the step's GPUs, renumbered: the IDs are not used
-    "slurm-step-gpus-cgroup": (slurm_step(1, "0,1", 2, SLURM_STEP_GPUS="4,5"), 2, None, None, 2,
-                               (1, 2, "SLURM_LOCALID", 1, 1)),
-    "slurm-job-gpus-when-no-step-gpus": (slurm_step(0, "0", 1, SLURM_JOB_GPUS="2"), 4, None, None, 1,
-                                         (0, 1, "SLURM_LOCALID", 2, 1)),
+    "slurm-step-gpus-cgroup": (slurm_step(1, "0,1", 2, SLURM_STEP_GPUS="4,5"),
+                               2, None, None, 2, (1, 2, SL, 1, 1)),
+    "slurm-job-gpus-when-no-step-gpus": (slurm_step(0, "0", 1, SLURM_JOB_GPUS="2"),
+                                         4, None, None, 1, (0, 1, SL, 2, 1)),
     # mpirun inside an sbatch script: the batch step's SLURM_LOCALID=0 reaches every rank
-    "mpirun-in-sbatch-ompi-wins": (dict(ompi(2, 3), SLURM_LOCALID="0", SLURM_JOB_GPUS="0,1,2"), 3, None,
-                                   None, 3, (2, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 2, 1)),
-    "batch-script-localid-ignored": ({"SLURM_LOCALID": "0", "SLURM_GTIDS": "0"}, 2, None, (1, 2), 2,
-                                     (1, 2, SPLIT, 1, 1)),
+    "mpirun-in-sbatch-ompi-wins": (dict(ompi(2, 3), SLURM_LOCALID="0", SLURM_JOB_GPUS="0,1,2"),
+                                   3, None, None, 3, (2, 3, OM, 2, 1)),
+    "batch-script-localid-ignored": ({"SLURM_LOCALID": "0", "SLURM_GTIDS": "0"},
+                                     2, None, (1, 2), 2, (1, 2, SPLIT, 1, 1)),
     # variables of another launch (another world size): the split decides
     "other-world-size": (ompi(0, 2, world=8), 2, None, (1, 2), 2, (1, 2, SPLIT, 1, 1)),
     # a sub-communicator: node size differs from the launcher's, the split decides
@@ -82,14 +86,13 @@ CASES = {
     "split-only": ({}, 2, None, (2, 3), None, (2, 3, SPLIT, 0, 2)),
     # peers from the node: ranks 0 and 2 see "0", rank 1 sees "1" -> rank 2 is second on "0"
     "peers-per-rank-values": (ompi(2, 3, CUDA_VISIBLE_DEVICES="0"), 1, ["0", "1", "0"], None, 3,
-                              (2, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 2)),
-    "peers-all-distinct": (ompi(2, 3, CUDA_VISIBLE_DEVICES="GPU-c"), 1, ["GPU-a", "GPU-b", "GPU-c"], None, 3,
-                           (2, 3, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 1)),
+                              (2, 3, OM, 0, 2)),
+    "peers-all-distinct": (ompi(2, 3, CUDA_VISIBLE_DEVICES="GPU-c"), 1, ["GPU-a", "GPU-b", "GPU-c"],
+                           None, 3, (2, 3, OM, 0, 1)),
     # rank 3 is the third of ranks 0, 2, 3 on value "a": slot 2 of 2 devices -> device 0
     "peers-uneven-groups": (ompi(3, 4, CUDA_VISIBLE_DEVICES="a"), 2, ["a", "b", "a", "a"], None, 4,
-                            (3, 4, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 2)),
-    "peers-unset-everywhere": (ompi(1, 2), 2, [None, None], None, 2,
-                               (1, 2, "OMPI_COMM_WORLD_LOCAL_RANK", 1, 1)),
+                            (3, 4, OM, 0, 2)),
+    "peers-unset-everywhere": (ompi(1, 2), 2, [None, None], None, 2, (1, 2, OM, 1, 1)),
 }
 
 
@@ -109,7 +112,8 @@ def test_binding_table(case):
 def test_visible_devices_are_never_used_as_indices():
     """CUDA renumbers what CUDA_VISIBLE_DEVICES lists from 0: a rank given GPU 5 uses device 0."""
     for local in range(8):
-        env = slurm_step(local, "0,1,2,3,4,5,6,7", 8, CUDA_VISIBLE_DEVICES=str(local), SLURM_GPUS_ON_NODE="8")
+        env = slurm_step(local, "0,1,2,3,4,5,6,7", 8, CUDA_VISIBLE_DEVICES=str(local),
+                         SLURM_GPUS_ON_NODE="8")
         b = choose_binding(env, 1)
         assert (b.device, b.shared) == (0, 1), b
 
@@ -215,8 +219,8 @@ def sub_communicator():
     finally:
         sub.Free()
 
-ok, fails = run_cases(comm, [round_robin, own_visible_device, two_ranks_one_value, sub_communicator],
-                      failures)
+cases = [round_robin, own_visible_device, two_ranks_one_value, sub_communicator]
+ok, fails = run_cases(comm, cases, failures)
 if comm.rank == 0:
     print("\n".join(fails or []))
     print("VERDICT", "ok" if ok else "FAIL", flush=True)
@@ -241,8 +245,8 @@ def test_bind_rank_under_mpiexec_3(tmp_path):
 
 @pytest.mark.mpi
 def test_info_under_mpiexec_prints_every_rank_once():
-    r = subprocess.run([mpiexec(), "-n", "2", "--oversubscribe", sys.executable, "-m", "distmm", "info"],
-                       capture_output=True, text=True, timeout=120, env=mpi_env())
+    r = subprocess.run([mpiexec(), "-n", "2", "--oversubscribe", sys.executable, "-m", "distmm",
+                        "info"], capture_output=True, text=True, timeout=120, env=mpi_env())
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()
     assert sum(line.startswith("distmm ") for line in out) == 1, r.stdout  # the usual info, once

@@ -63,7 +63,8 @@ def from_local_blocks():
                   f"{dt} {m}x{k}x{n}: block {got.shape} vs {want.shape}, relerr {err}")
             full = c.gather(root=None)
             rel = np.linalg.norm(full - ref) / np.linalg.norm(ref)
-            check(isinstance(full, np.ndarray) and rel <= tol, f"{dt} {m}x{k}x{n}: gathered, relerr {rel}")
+            check(isinstance(full, np.ndarray) and rel <= tol,
+                  f"{dt} {m}x{k}x{n}: gathered, relerr {rel}")
 
 def from_array_cupy():
     rng = np.random.default_rng(12)

@@ -54,8 +54,12 @@ def rank_table(comm) -> list[str] | None:
     --------
     Under ``mpirun -n 2`` on a host without GPUs, rank 0 gets::
 
-        rank 0      node1, no GPU; node-local rank 0 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); no GPU visible
-        rank 1      node1, no GPU; node-local rank 1 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); no GPU visible
+        rank 0      node1, no GPU; node-local rank 0 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
+                    shows this process no device
+        rank 1      node1, no GPU; node-local rank 1 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
+                    shows this process no device
+
+    (one line per rank, wrapped here).
     """
     from distmm.engine.mpi.binding import bind_rank, sharing_warning
 

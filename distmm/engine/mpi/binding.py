@@ -299,8 +299,8 @@ def sharing_warning(bindings: Sequence[Binding]) -> str | None:
     Examples
     --------
     >>> b = [choose_binding({}, 1, split=(r, 2), host="n1", rank=r) for r in range(2)]
-    >>> sharing_warning(b)
-    'distmm: ranks share GPUs round-robin (slower than a GPU each; NCCL is not used): n1: 2 ranks on 1 GPU'
+    >>> sharing_warning(b).split(": ", 1)[1]
+    'ranks share GPUs round-robin (slower than a GPU each; NCCL is not used): n1: 2 ranks on 1 GPU'
     """
     hosts: dict[str, tuple[int, set]] = {}
     for b in bindings:

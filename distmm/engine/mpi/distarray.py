@@ -164,8 +164,9 @@ class DistArray:
             raise TypeError(f"local blocks have different dtypes: {sorted(dtypes)}")
         on_device = [r for r, (_, _, dev) in enumerate(info) if dev]
         if 0 < len(on_device) < comm.size:
-            raise TypeError(f"local blocks are cupy arrays on ranks {on_device} and numpy arrays "
-                            f"on the other {comm.size - len(on_device)}: use one kind on every rank")
+            raise TypeError(f"local blocks are cupy arrays on ranks {on_device} and numpy "
+                            f"arrays on the other {comm.size - len(on_device)}: use one kind "
+                            f"on every rank")
         shapes = [s for s, _, _ in info]
         heights = [shapes[i * cols][0] for i in range(rows)]
         widths = [shapes[j][1] for j in range(cols)]
