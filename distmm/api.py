@@ -438,7 +438,8 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str):
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if backend == "auto":
         backend = get_config().backend
-    backend, on_gpu = resolve_backend(backend, dtype, family="numpy", flops=2 * m * n * k)
+    family = "cupy" if "cupy" in (array_family(a.local), array_family(b.local)) else "numpy"
+    backend, on_gpu = resolve_backend(backend, dtype, family=family, flops=2 * m * n * k)
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
     return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu)
 

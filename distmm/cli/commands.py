@@ -86,8 +86,17 @@ def _cmd_info(args) -> int:
     import numpy as np
 
     import distmm
+    from distmm.cli.launch import launcher_ranks, rank_table
     from distmm.executor import gpu_available
 
+    ranks, var = launcher_ranks()
+    table = None
+    if ranks > 1:  # every rank reports its binding; rank 0 prints everything once
+        from mpi4py import MPI
+
+        table = rank_table(MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.rank != 0:
+            return 0
     print(f"distmm      {distmm.__version__}")
     print(f"python      {platform.python_version()} on {platform.machine()}")
     print(f"numpy       {np.__version__}")
@@ -114,6 +123,9 @@ def _cmd_info(args) -> int:
                   f"sm_{props['major']}{props['minor']}; cupy {cupy.__version__}; backends raw, cublas")
     else:
         print("gpu         none (install distmm[gpu] on a CUDA machine for the raw and cublas backends)")
+    if table is not None:
+        print(f"ranks       {ranks} ({var}); the GPU each uses:")
+        print("\n".join(table))
     return 0
 
 

@@ -2,14 +2,16 @@
 
 This module covers: reading the environment that ``mpirun``/``mpiexec``
 (Open MPI, MPICH, Intel MPI, MVAPICH) and ``srun`` give each rank, so the
-command line never runs the same product once per rank. It does *not* cover:
-running anything under MPI (the MPI engine, ``distmm.engine``).
+command line never runs the same product once per rank; and ``rank_table``,
+every rank's host, GPU and binding for ``distmm info`` under a launcher. It does
+*not* cover: choosing the GPU (``distmm.engine.mpi.binding``) or running anything
+under MPI (the MPI engine, ``distmm.engine``).
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["launcher_ranks"]
+__all__ = ["launcher_ranks", "rank_table"]
 
 # (variable holding the world size, variable that must be set beside it)
 _SIZE_VARS = (
@@ -41,3 +43,35 @@ def launcher_ranks(environ=None) -> tuple[int, str | None]:
         if size > best[0]:
             best = (size, name)
     return best
+
+
+def rank_table(comm) -> list[str] | None:
+    """Every rank's host, GPU (or "no GPU") and binding, one line per rank in rank
+    order, then the sharing warning if ranks share GPUs: on rank 0 (None on the
+    others). Collective on ``comm``; no device is made current.
+
+    Examples
+    --------
+    Under ``mpirun -n 2`` on a host without GPUs, rank 0 gets::
+
+        rank 0      node1, no GPU; node-local rank 0 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
+                    shows this process no device
+        rank 1      node1, no GPU; node-local rank 1 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
+                    shows this process no device
+
+    (one line per rank, wrapped here).
+    """
+    from distmm.engine.mpi.binding import bind_rank, sharing_warning
+
+    binding = bind_rank(comm, warn=False)
+    gpu = None
+    if binding.device is not None:
+        from distmm.executor.device import device_properties
+
+        gpu = f"GPU {binding.device} ({device_properties(binding.device)['name']})"
+    rows = comm.gather((binding, gpu), root=0)
+    if comm.rank != 0:
+        return None
+    lines = [f"rank {r:<7d}{b.describe(g)}" for r, (b, g) in enumerate(rows)]
+    warning = sharing_warning([b for b, _ in rows])
+    return lines + ([warning] if warning else [])

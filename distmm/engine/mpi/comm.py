@@ -12,7 +12,7 @@ It does *not* cover: which panel goes where (``distmm.engine.mpi.summa``).
 """
 from __future__ import annotations
 
-import functools
+import os
 
 import numpy as np
 
@@ -192,27 +192,32 @@ class NcclBroadcaster:
             self.nccl = None
 
 
-@functools.lru_cache(maxsize=1)
-def _device_count() -> int:
-    """GPUs this process sees (asked once: the answer cannot change while it runs)."""
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
-
-
 def select_local_gpu(comm) -> int:
-    """Make this rank use GPU ``node-local rank % GPUs on the node`` (several ranks of a node
-    share GPUs round-robin); return the device id."""
-    import cupy
-    from mpi4py import MPI
+    """Make this rank use its GPU and return the device index (collective on ``comm``).
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        device = node.rank % max(_device_count(), 1)
-    finally:
-        node.Free()
-    cupy.cuda.Device(device).use()
-    return device
+    The choice is ``distmm.engine.mpi.binding.bind_rank``'s: the node-local rank (launcher
+    variables, else the MPI shared-memory split) over the devices ``CUDA_VISIBLE_DEVICES``
+    or Slurm leave this rank, round-robin when ranks outnumber GPUs (one warning, rank 0).
+
+    Raises
+    ------
+    RuntimeError
+        A rank of ``comm`` sees no GPU (raised on every rank, so none waits for it).
+    """
+    import cupy
+
+    from distmm.engine.mpi.binding import bind_rank
+
+    binding = bind_rank(comm)
+    blind = comm.allgather(None if binding.device is not None else (
+        comm.rank, binding.host, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    blind = [b for b in blind if b is not None]
+    if blind:
+        rank, host, visible = blind[0]
+        raise RuntimeError(f"{len(blind)} of {comm.size} ranks see no GPU; rank {rank} on {host} "
+                           f"(CUDA_VISIBLE_DEVICES={visible!r}) is one")
+    cupy.cuda.Device(binding.device).use()
+    return binding.device
 
 
 def shares_gpu(comm) -> bool:

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from distmm._arrays import array_family
 from distmm.grid import BlockLayout
 
 __all__ = ["DistArray", "square_grid"]
@@ -26,6 +27,15 @@ def square_grid(ranks: int) -> tuple[int, int]:
     while ranks % rows:
         rows -= 1
     return rows, ranks // rows
+
+
+def _xp(x):
+    """The array module of ``x``'s family: cupy for cupy arrays, numpy for the rest."""
+    if array_family(x) == "cupy":
+        import cupy
+
+        return cupy
+    return np
 
 
 def _world():
@@ -40,9 +50,9 @@ class DistArray:
     Parameters
     ----------
     local : ndarray or cupy.ndarray
-        This rank's block (a cupy block stays on the GPU through products; gather,
-        redistribute and to_file copy it to the host) (shape ``layout.local_shape(comm.rank)``; ``(0, 0)``
-        on ranks that own none).
+        This rank's block, shape ``layout.local_shape(comm.rank)`` (``(0, 0)`` on ranks
+        that own none). A cupy block stays on the GPU through products and
+        ``redistribute``; ``gather`` and ``to_file`` copy it to the host.
     layout : BlockLayout
         Edges and owners of every block (the same on every rank).
     comm : mpi4py communicator
@@ -86,6 +96,11 @@ class DistArray:
         """The local block in host memory (a cupy block is copied; numpy as it is)."""
         return self.local.get() if hasattr(self.local, "__cuda_array_interface__") else self.local
 
+    def _like_local(self, host: np.ndarray):
+        """``host`` where the local block lives: copied to the device for a cupy block."""
+        xp = _xp(self.local)
+        return host if xp is np else xp.asarray(host)
+
     def __repr__(self) -> str:
         rows, cols = self.layout.blocks
         return (f"DistArray(shape={self.shape}, dtype={self.dtype}, blocks {rows} x {cols}, "
@@ -95,11 +110,19 @@ class DistArray:
     @classmethod
     def from_array(cls, x, comm=None, layout: BlockLayout | None = None) -> "DistArray":
         """From an array every rank holds (or can slice: a memmap, a zarr array,
-        an h5py dataset): each rank keeps (reads) only its own block.
-        The default layout is the most square grid of the ranks."""
+        an h5py dataset, a cupy array): each rank keeps (reads) only its own block,
+        a cupy block for a cupy array (on the array's device).
+        The default layout is the most square grid of the ranks.
+
+        Raises
+        ------
+        ValueError
+            An array that is not 2-D, or a layout for another shape.
+        """
         comm = comm if comm is not None else _world()
+        xp = _xp(x)
         if getattr(x, "ndim", None) != 2:
-            x = np.asarray(x)
+            x = xp.asarray(x)
             if x.ndim != 2:
                 raise ValueError(f"DistArray needs a 2-D array, got shape {x.shape}")
         if layout is None:
@@ -107,8 +130,8 @@ class DistArray:
         if tuple(layout.shape) != tuple(x.shape):
             raise ValueError(f"layout is for shape {layout.shape}, the array has {tuple(x.shape)}")
         r0, r1, c0, c1 = layout.local_bounds(comm.rank)
-        block = np.ascontiguousarray(x[r0:r1, c0:c1]) if r1 > r0 and c1 > c0 else \
-            np.empty((r1 - r0, c1 - c0), dtype=x.dtype)
+        block = xp.ascontiguousarray(x[r0:r1, c0:c1]) if r1 > r0 and c1 > c0 else \
+            xp.empty((r1 - r0, c1 - c0), dtype=x.dtype)
         return cls(block, layout, comm)
 
     @classmethod
@@ -116,27 +139,35 @@ class DistArray:
         """From the block each rank holds, on a ``rows x cols`` grid of ranks
         numbered row-major (default: the most square grid). Block shapes are
         exchanged once; blocks in a grid row must have equal heights and blocks
-        in a grid column equal widths (ragged edges anywhere).
+        in a grid column equal widths (ragged edges anywhere). A cupy block stays
+        on its device; anything else goes through ``numpy.asarray``.
 
         Raises
         ------
         ValueError
             Blocks that do not tile a matrix, or a grid that is not the ranks'.
         TypeError
-            Blocks of different dtypes on different ranks.
+            Blocks of different dtypes, or cupy blocks on some ranks and numpy
+            blocks on others.
         """
         comm = comm if comm is not None else _world()
-        block = np.asarray(block)
+        if _xp(block) is np:
+            block = np.asarray(block)
         if block.ndim != 2:
             raise ValueError(f"rank {comm.rank}: a local block must be 2-D, got shape {block.shape}")
         rows, cols = grid if grid is not None else square_grid(comm.size)
         if rows * cols != comm.size:
             raise ValueError(f"grid {rows} x {cols} does not match {comm.size} ranks")
-        info = comm.allgather((block.shape, block.dtype.str))
-        dtypes = {d for _, d in info}
+        info = comm.allgather((tuple(block.shape), block.dtype.str, _xp(block) is not np))
+        dtypes = {d for _, d, _ in info}
         if len(dtypes) > 1:
             raise TypeError(f"local blocks have different dtypes: {sorted(dtypes)}")
-        shapes = [s for s, _ in info]
+        on_device = [r for r, (_, _, dev) in enumerate(info) if dev]
+        if 0 < len(on_device) < comm.size:
+            raise TypeError(f"local blocks are cupy arrays on ranks {on_device} and numpy "
+                            f"arrays on the other {comm.size - len(on_device)}: use one kind "
+                            f"on every rank")
+        shapes = [s for s, _, _ in info]
         heights = [shapes[i * cols][0] for i in range(rows)]
         widths = [shapes[j][1] for j in range(cols)]
         for r, (h, w) in enumerate(shapes):
@@ -170,8 +201,8 @@ class DistArray:
 
     # -- moving -----------------------------------------------------------------
     def redistribute(self, layout: BlockLayout) -> "DistArray":
-        """The same matrix in another layout (one ``Alltoallv`` of raw bytes;
-        object arrays go pickled)."""
+        """The same matrix in another layout (one ``Alltoallv`` of raw bytes through
+        host memory; object arrays go pickled); cupy blocks come back as cupy blocks."""
         if tuple(layout.shape) != tuple(self.shape):
             raise ValueError(f"layout is for shape {layout.shape}, the array has {self.shape}")
         if layout == self.layout:
@@ -192,7 +223,7 @@ class DistArray:
             for p, block in zip(pieces_in, got):
                 if p is not None:
                     out[p[0] - dst[0]:p[1] - dst[0], p[2] - dst[2]:p[3] - dst[2]] = block
-            return DistArray(out, layout, comm)
+            return DistArray(self._like_local(out), layout, comm)
         item = self.dtype.itemsize
         send_counts = [0 if p is None else (p[1] - p[0]) * (p[3] - p[2]) * item for p in pieces_out]
         recv_counts = [0 if p is None else (p[1] - p[0]) * (p[3] - p[2]) * item for p in pieces_in]
@@ -212,7 +243,7 @@ class DistArray:
                 out[p[0] - dst[0]:p[1] - dst[0], p[2] - dst[2]:p[3] - dst[2]] = \
                     recv[pos:pos + count].view(self.dtype).reshape(shape)
                 pos += count
-        return DistArray(out, layout, comm)
+        return DistArray(self._like_local(out), layout, comm)
 
     def gather(self, root: int | None = 0):
         """The whole matrix as an ndarray on ``root`` (``None`` on the other
@@ -220,7 +251,7 @@ class DistArray:
         if root is None:
             return self._allgather()
         full = self.redistribute(BlockLayout.single(self.shape, root))
-        return full.local if self.comm.rank == root else None
+        return full._host_local() if self.comm.rank == root else None
 
     def _allgather(self) -> np.ndarray:
         comm = self.comm
