@@ -102,6 +102,7 @@ class Config:
     dask_layout: str = "auto"
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
     dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
+    batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
 
 
 class _Bad(Exception):
@@ -233,6 +234,7 @@ _PARSERS = {
     "dask-device-transfer": ("dask_device_transfer",
                              lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                              ("auto", "ipc", "tcp"))),
+    "batch-stripes": ("batch_stripes", _positive_int),
 }
 
 

@@ -8,7 +8,10 @@ It does *not* cover: formatting errors for the command line (``distmm.cli``).
 """
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace"]
+import signal
+
+__all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
+           "Signalled"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -32,3 +35,15 @@ class OutputExists(FileExistsError):
 
 class InsufficientSpace(OSError):
     """The output does not fit the free space of its file system."""
+
+
+class Signalled(BaseException):
+    """The process got SIGTERM (or another terminating signal): unwind and clean up.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that ``except Exception``
+    in a library does not swallow it.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")

@@ -271,7 +271,7 @@ def _candidates(ranks: int):
 def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
               grid: tuple[int, int, int] | None = None,
               rank_flops: float = DEFAULT_RANK_FLOPS,
-              link_bytes: float = DEFAULT_LINK_BYTES) -> GridPlan:
+              link_bytes: float = DEFAULT_LINK_BYTES, k_split: bool = True) -> GridPlan:
     """Choose the process grid for ``ranks`` ranks and plan SUMMA on it.
 
     Every factorisation ``layers * rows * cols == ranks`` is scored by the
@@ -290,6 +290,9 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         Number of MPI ranks.
     grid : (layers, rows, cols), optional
         Force a grid (its product must be ``ranks``).
+    k_split : bool
+        Whether grids with more than one layer are considered (a batch job that writes C
+        from every rank takes ``False``: each rank then owns a block of C).
 
     Raises
     ------
@@ -319,6 +322,8 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         return _build(m, n, k, res, acc, *map(int, grid))
     best, best_time = None, math.inf
     for layers, rows, cols in _candidates(ranks):
+        if layers > 1 and not k_split:
+            continue
         plan = _build(m, n, k, res, acc, layers, rows, cols)
         time = max(plan.flops(r) / rank_flops + plan.bytes_received(r) / link_bytes
                    for r in range(ranks))

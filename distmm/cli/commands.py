@@ -340,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
                     help="progress bar over C tiles, for every engine (default: on a terminal, "
                          "for long runs)")
+    mm.add_argument("--resume", action="store_true",
+                    help="keep a stopped run's staged output and finished stripes (SIGTERM, "
+                         "SIGINT, a failure), and finish such a run instead of starting over; "
+                         "the inputs, arguments and rank count must be the same")
     mm.add_argument("--profile", metavar="FILE.json", default=None,
                     help="write where the time went, per rank (open, read, h2d, gemm, comm, d2h, "
                          "write, sync, wait, commit), as JSON; the summary line shows the totals")

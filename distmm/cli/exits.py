@@ -26,7 +26,7 @@ import signal
 import sys
 import traceback
 
-from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists
+from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists, Signalled
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
            "OK", "FAILED", "BAD_INPUT"]
@@ -35,18 +35,6 @@ OK, FAILED, BAD_INPUT = 0, 1, 2
 
 _BAD_INPUT = (ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
               PermissionError, OutputExists, BackendUnavailable)
-
-
-class Signalled(BaseException):
-    """The process got SIGTERM (or another terminating signal): unwind and clean up.
-
-    A ``BaseException``, like ``KeyboardInterrupt``, so that ``except Exception``
-    in a library does not swallow it.
-    """
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
 def exit_status(exc: BaseException) -> int:

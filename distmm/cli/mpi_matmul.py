@@ -49,7 +49,8 @@ def run_matmul(args) -> int:
     from mpi4py import MPI
 
     from distmm.cli.io import _check_space, check_target, open_operand, parse_target
-    from distmm.executor import resolve_backend
+    from distmm.errors import BackendUnavailable
+    from distmm.executor import gpu_available, resolve_backend
     from distmm.plan import result_dtype
 
     comm = MPI.COMM_WORLD
@@ -80,6 +81,9 @@ def run_matmul(args) -> int:
         if two_d:
             m, k, n = a.shape[0], a.shape[1], b.shape[1]
             backend, on_gpu = resolve_backend(args.backend, dtype, family="numpy", flops=2 * m * n * k)
+            if on_gpu and not gpu_available():
+                raise BackendUnavailable(f"backend {backend!r} needs a CUDA GPU and cupy on every "
+                                         f"rank; this rank has none (use --backend auto)")
             if comm.rank == 0:
                 check_target(target, args.overwrite)
                 _check_space(target, m * n * dtype.itemsize)
@@ -94,52 +98,83 @@ def run_matmul(args) -> int:
     if not two_d:
         return _stacked(comm, args, a, b, t0)
 
-    from distmm.engine.mpi import DistArray, MPIEngine
-    from distmm.grid import make_grid
+    from distmm.cli.exits import exit_status, message
+    from distmm.engine.mpi.batch import run_batch
 
-    try:
-        grid = make_grid(m, n, k, dtype, ranks=comm.size)
-        with phases.phase("read"):
-            da = DistArray.from_array(a, comm, grid.a_layout)  # each rank reads its own block only
-            db = DistArray.from_array(b, comm, grid.b_layout)
-        for x in (a, b):
-            handle = getattr(x, "file", None)
-            if handle is not None:
-                handle.close()  # HDF5: rank 0 opens the file to write C next
-        with phases.phase("wait"):
-            comm.Barrier()
-        c = MPIEngine(comm).run_distributed(da, db, grid, backend, on_gpu=on_gpu, phases=phases)
-    except BaseException as exc:  # noqa: BLE001 - the other ranks may wait in a collective
-        _abort(comm, exc, args)
-    error = None
-    try:
-        with phases.phase("write"):
-            c.to_file(args.output, overwrite=args.overwrite)
-    except Exception as exc:  # noqa: BLE001 - write_blocks raised it on every rank
-        error = exc
-    if error is not None:
-        return _fail(comm, error)
-    _report_profile(comm, args, phases, t0, grid)
+    outcome = run_batch(args, a, b, dtype=dtype, backend=backend, on_gpu=on_gpu, comm=comm,
+                        phases=phases, judge=lambda exc: (exit_status(exc), message(exc)),
+                        progress=_progress_bar(args, comm, 2 * m * n * k))
+    if comm.rank == 0:
+        for note in outcome.notes:
+            print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
+    grid = outcome.plan.grid if outcome.plan is not None else None
+    totals = _report_profile(comm, args, phases, t0, grid)
+    if outcome.status:
+        if comm.rank == 0:
+            if getattr(args, "debug", False) and outcome.error is not None:
+                import traceback
+
+                traceback.print_exception(outcome.error, file=sys.stderr)
+            print(f"distmm matmul: error: {outcome.message}", file=sys.stderr, flush=True)
+        _end(outcome.status)
     if comm.rank == 0:
         print(f"wrote {args.output}: shape {(m, n)}, dtype {dtype}, {comm.size} ranks, grid "
-              f"{'x'.join(map(str, grid.shape))}, {time.perf_counter() - t0:.3f} s")
+              f"{grid.rows}x{grid.cols}, {time.perf_counter() - t0:.3f} s{totals}")
     return 0
 
 
-def _report_profile(comm, args, phases, t0, grid) -> None:
-    """Gather every rank's spans; rank 0 writes ``--profile FILE`` and prints the totals."""
+def _progress_bar(args, comm, flops: int):
+    """``--progress`` under the MPI engine: rank 0's bar over its C stripes (the ranks move
+    in step: each stripe needs every rank of its row). None elsewhere or when not asked."""
+    show = args.progress
+    if show is None:
+        show = sys.stderr.isatty() and flops / (40e12 * comm.size) > 10
+    if not show or comm.rank != 0:
+        return None
+
+    def bar(count):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=count, unit="stripe", desc="C stripes (rank 0)", file=sys.stderr)
+
+    return bar
+
+
+def _end(status: int) -> None:
+    """Leave at once with ``status`` after a stop: a GEMM thread or a broadcast the stop left
+    behind must not hold the process (MPI is finalized first, so the launcher sees a clean
+    exit of every rank)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    finally:
+        os._exit(status)
+
+
+def _report_profile(comm, args, phases, t0, grid) -> str:
+    """With ``--profile``: gather every rank's spans, write the file on rank 0, and return
+    the totals for the summary line (``"; read 1.20, ... s"``); else ``""``."""
     import socket
 
     from distmm.phases import summary_line, write_profile
 
+    if not args.profile:
+        return ""
     records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname()), root=0)
     if comm.rank != 0:
-        return
+        return ""
     if args.profile:
         write_profile(args.profile, records, {"a": args.a, "b": args.b, "output": args.output,
-                                              "ranks": comm.size, "grid": list(grid.shape),
+                                              "ranks": comm.size,
+                                              "grid": None if grid is None else list(grid.shape),
                                               "wall": time.perf_counter() - t0})
-    print(f"phases (busiest rank): {summary_line(records)}")
+    return f"; busiest rank: {summary_line(records)}"
 
 
 def _stacked(comm, args, a, b, t0) -> int:

@@ -146,6 +146,19 @@ class StagedBroadcaster(HostBroadcaster):
         self._pinned.clear()
 
 
+class _StreamRequest:
+    """A broadcast queued on a stream: ``wait()`` makes the current stream wait for it;
+    ``start`` and ``done`` are its CUDA events (for timelines)."""
+
+    def __init__(self, start, done):
+        self.start, self.done = start, done
+
+    def wait(self):
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(self.done)
+
+
 class NcclBroadcaster:
     """NCCL broadcasts of cupy panels on a stream of their own (``cupy.cuda.nccl``).
 
@@ -177,14 +190,9 @@ class NcclBroadcaster:
         ready = cupy.cuda.get_current_stream().record()
         self.stream.wait_event(ready)  # the root's panel copy is queued before the send
         flat = buf.reshape(-1).view(np.uint8)
+        start = self.stream.record()
         self.nccl.bcast(flat.data.ptr, flat.size, nccl.NCCL_UINT8, root, self.stream.ptr)
-        done = self.stream.record()
-
-        class _Event:
-            def wait(self_inner):
-                cupy.cuda.get_current_stream().wait_event(done)
-
-        return _Event()
+        return _StreamRequest(start, self.stream.record())
 
     def close(self):
         if getattr(self, "nccl", None) is not None:

@@ -33,7 +33,8 @@ import numpy as np
 
 from distmm.staging import BlockWriter, commit_h5, create_h5_stage, staged_path
 
-__all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec"]
+__all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
+           "StripeWriter", "finish_staged", "staged_exists"]
 
 @dataclass(frozen=True)
 class FileSpec:
@@ -106,9 +107,9 @@ def open_block_source(spec: str) -> _Source:
     return src
 
 
-def _create(f: FileSpec, shape, dtype, pid: int):
+def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
     """Rank 0: create the empty staged output; return the byte offset of the
-    data (``.npy`` and HDF5) or None (zarr)."""
+    data (``.npy`` and HDF5) or None (zarr, chunked as ``chunks`` when given)."""
     if f.kind == "npy":
         path = staged_path(f.path, pid)
         with open(path, "xb") as fh:
@@ -121,7 +122,9 @@ def _create(f: FileSpec, shape, dtype, pid: int):
     if f.kind == "zarr":
         import zarr
 
-        zarr.open_array(str(staged_path(f.path, pid)), mode="w-", shape=shape, dtype=dtype)
+        extra = {} if chunks is None else {"chunks": tuple(int(c) for c in chunks)}
+        zarr.open_array(str(staged_path(f.path, pid)), mode="w-", shape=shape, dtype=dtype,
+                        **extra)
         return None
     return create_h5_stage(staged_path(f.path, pid), f.dataset, shape, dtype)
 
@@ -244,3 +247,108 @@ def _exists(f: FileSpec) -> bool:
 
     with h5py.File(f.path, "r") as fh:
         return f.dataset in fh
+
+
+# ---------------------------------------------------------------- stripes, for the batch path
+
+
+def create_staged(spec: str, shape, dtype, pid: int, *, chunks=None):
+    """Rank 0: create the staged output of ``spec`` for ``pid`` (see ``_create``); a failure
+    removes what was made. Returns the data's byte offset (``.npy``, HDF5) or None (zarr)."""
+    f = parse_spec(spec)
+    try:
+        return _create(f, shape, np.dtype(dtype), pid, chunks)
+    except BaseException:
+        _finish(f, pid, False, False)
+        raise
+
+
+def staged_exists(spec: str, pid: int) -> bool:
+    return staged_path(parse_spec(spec).path, pid).exists()
+
+
+def finish_staged(spec: str, pid: int, ok: bool, *, overwrite: bool = False) -> None:
+    """Rank 0, once every rank is done: move the staged output onto the target (``ok``)
+    or remove it."""
+    _finish(parse_spec(spec), pid, ok, overwrite)
+
+
+class StripeWriter:
+    """One rank's writer of C regions into the staged output of ``spec`` (``pid``'s).
+
+    ``write(r0, r1, c0, c1, block)`` puts a block in place: ``.npy`` and HDF5 with
+    ``os.pwrite`` at the data's offset, then asks the kernel to start writing those pages
+    to disk (``sync_file_range``, Linux; elsewhere the final ``finish`` flushes all), so the
+    disk works while the ranks compute; zarr through zarr, under an advisory lock beside the
+    array unless ``aligned`` (every write covers whole chunks, so writers never share one).
+    ``finish()`` flushes to disk and closes.
+    """
+
+    def __init__(self, spec: str, pid: int, shape, dtype, header, *, aligned: bool = False):
+        self.spec = parse_spec(spec)
+        self.path = staged_path(self.spec.path, pid)
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.aligned = aligned
+        self._zarr = None
+        self._blocks = None
+        if self.spec.kind == "zarr":
+            import zarr
+
+            self._zarr = zarr.open_array(str(self.path), mode="r+")
+        else:
+            self._blocks = BlockWriter(self.path, self.shape, self.dtype, header)
+            self._header = int(header)
+
+    def write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:
+        if r1 <= r0 or c1 <= c0:
+            return
+        if self._zarr is not None:
+            if self.aligned:
+                self._zarr[r0:r1, c0:c1] = block
+                return
+            import fcntl
+
+            with open(f"{self.path}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    self._zarr[r0:r1, c0:c1] = block
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+            return
+        self._blocks[r0:r1, c0:c1] = block
+        width = self.shape[1] * self.dtype.itemsize
+        start = self._header + r0 * width + c0 * self.dtype.itemsize
+        _start_writeback(self._blocks._fd, start, (r1 - r0 - 1) * width + (c1 - c0) * self.dtype.itemsize)
+
+    def finish(self) -> None:
+        if self._blocks is not None:
+            self._blocks.finish()
+            self._blocks = None
+
+    def close(self) -> None:
+        if self._blocks is not None:
+            self._blocks.close()
+            self._blocks = None
+
+
+_SYNC_FILE_RANGE = []
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a file range to disk without waiting (Linux ``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE``); nothing where the call is missing."""
+    if not _SYNC_FILE_RANGE:
+        import ctypes
+
+        fn = None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _SYNC_FILE_RANGE.append(fn)
+    fn = _SYNC_FILE_RANGE[0]
+    if fn is not None and nbytes > 0:
+        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure leaves it to fsync

@@ -1,0 +1,285 @@
+"""A file-to-file product over the ranks of a job: what ``mpirun -n P distmm matmul`` runs.
+
+This module covers: ``run_batch``, called by every rank with the operands opened (memmaps,
+zarr arrays, h5py datasets) and the output checked: it binds the rank's GPU, plans the
+product (``distmm.plan_batch``, with the smallest device memory of any rank), prepares the
+staged output (rank 0: removes what killed runs left beside the target, or with ``resume``
+takes the staged output whose manifest matches and refuses one that does not, naming what
+changed), works out the stripes still missing, runs ``distmm.engine.mpi.stream.run_stripes``
+and then lets the ranks agree on the outcome: on success rank 0 moves the staged output into
+place; on a failure or a signal on any rank every rank stops within milliseconds, and the
+staged output is removed, or kept with its manifest and the ranks' logs when ``resume``.
+SIGINT and SIGTERM are turned into a flag the ranks' waits poll (``StopWatch``), so they act
+on it wherever they are, whatever the backend.
+
+It does *not* cover: opening operands and checking the target (the command line,
+``distmm.cli``), the product itself (``stream``), the manifest's format (``resume``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from distmm.engine.mpi import resume as rs
+from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, parse_spec,
+                                  staged_path)
+from distmm.engine.mpi.stop import PeerStopped, StopWatch
+from distmm.engine.mpi.stream import PanelSource, run_stripes
+from distmm.errors import Signalled
+from distmm.plan_batch import BatchPlan, plan_batch
+
+__all__ = ["run_batch", "BatchOutcome"]
+
+
+@dataclass
+class BatchOutcome:
+    """What the ranks agreed on (the same on every rank).
+
+    ``status``: 0, or the exit status of the failure that stopped the ranks (128 + the signal
+    for a signal); ``message``: its one line; ``error``: this rank's exception (its own, or a
+    ``PeerStopped``); ``notes``: lines for the user (removed leftovers; on rank 0, what a
+    stopped run kept)."""
+
+    status: int = 0
+    message: str = ""
+    error: BaseException | None = None
+    plan: BatchPlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _signals_to(watch: StopWatch):
+    """SIGINT and SIGTERM set the watch's failure instead of unwinding the interpreter."""
+    def handler(signum, frame):
+        watch.fail(KeyboardInterrupt() if signum == signal.SIGINT else Signalled(signum))
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _judged(exc: BaseException, judge) -> tuple[int, str]:
+    """(exit status, one line) of a failure; a peer's stop carries its own."""
+    if isinstance(exc, PeerStopped):
+        return exc.status, exc.reason
+    return judge(exc)
+
+
+def _device_memory(on_gpu: bool, comm) -> int | None:
+    """The smallest memory a rank may use for the product (GPU ranks), or None (CPU)."""
+    from mpi4py import MPI
+
+    if not on_gpu:
+        return None
+    import cupy
+
+    from distmm.config import get_config
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    free += cupy.get_default_memory_pool().free_bytes()
+    limit = get_config().device_memory_limit
+    mine = int(min(free * 0.85, limit) if limit else free * 0.85)
+    return comm.allreduce(mine, op=MPI.MIN)
+
+
+def _manifest(args, a, b, dtype, backend, comm, plan, pid, header):
+    return rs.Manifest.make(a=rs.input_facts(args.a, a), b=rs.input_facts(args.b, b),
+                            output=args.output, dtype=dtype, backend=backend, ranks=comm.size,
+                            grid=plan.grid.shape, stripe_edges=plan.stripe_edges, pid=pid,
+                            header=header)
+
+
+def _prepare(args, a, b, dtype, backend, comm, plan, chunks):
+    """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
+    ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
+    target = parse_spec(args.output).path
+    notes = []
+    found = [p for p in rs.leftovers(target) if not rs.is_live(p)]
+    reuse = None
+    if args.resume:
+        want = _manifest(args, a, b, dtype, backend, comm, plan, 0, None)
+        for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+            old = rs.Manifest.load(staged)
+            if old is None:
+                continue
+            what = rs.mismatch(old, want)
+            if what is not None:
+                raise ValueError(f"cannot resume {args.output} from {staged.name}: {what}; run "
+                                 f"without --resume to start over (that removes it)")
+            reuse = staged
+            break
+    for staged in found:
+        if staged != reuse:
+            rs.remove_leftover(staged)
+            notes.append(f"removed {staged.name}, left beside {args.output} by a run that was "
+                         f"killed")
+    if reuse is not None:
+        old = rs.Manifest.load(reuse)
+        return old["pid"], old["header"], True, notes
+    pid = os.getpid()
+    header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
+    if args.resume:
+        _manifest(args, a, b, dtype, backend, comm, plan, pid, header).save(staged_path(target, pid))
+    return pid, header, False, notes
+
+
+def _zarr_chunks(plan: BatchPlan):
+    """Chunks every stripe of every rank covers whole (so zarr writers never share one),
+    or None where the stripes are ragged."""
+    g = plan.grid
+    heights = {b - a for e in plan.stripe_edges for a, b in zip(e, e[1:])}
+    widths = {b - a for a, b in zip(g.col_edges, g.col_edges[1:])}
+    if len(heights) == 1 and len(widths) == 1 and min(heights) > 0 and min(widths) > 0:
+        return (heights.pop(), widths.pop())
+    return None
+
+
+def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, judge,
+              progress=None) -> BatchOutcome:
+    """Every rank: the product of the opened operands ``a`` and ``b`` into ``args.output``.
+
+    ``args`` carries ``a``, ``b``, ``output`` (specs), ``overwrite`` and ``resume``;
+    ``judge(exc)`` gives a failure's ``(exit status, one line)``; ``progress(count)``, when
+    given, makes a bar with ``update(1)`` and ``close()`` over this rank's stripes. Returns
+    the agreed outcome.
+    """
+    from distmm.config import get_config
+    from distmm.engine.mpi.gridcomms import grid_comms, local_gpu
+    from distmm.executor import get_executor
+
+    outcome = BatchOutcome()
+    watch = StopWatch(comm)
+    writer = log = None
+    error: BaseException | None = None
+    resumed = False
+    pid = None
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    with _signals_to(watch):
+        try:
+            start = time.perf_counter()
+            device = local_gpu(comm) if on_gpu else None
+            plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=_device_memory(on_gpu, comm),
+                              stripes=get_config().batch_stripes)
+            outcome.plan = plan
+            phases.add("startup", start, time.perf_counter())
+            chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
+            with phases.phase("open"):
+                setup, setup_error = None, None
+                if comm.rank == 0:
+                    try:
+                        setup = _prepare(args, a, b, dtype, backend, comm, plan, chunks)
+                    except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                        setup_error = exc
+                setup, setup_error = comm.bcast((setup, setup_error), root=0)
+            if setup_error is not None:
+                raise setup_error
+            pid, header, resumed, outcome.notes = setup
+            staged = staged_path(parse_spec(args.output).path, pid)
+            _, i, j = plan.grid.coords(comm.rank)
+            mine = rs.read_done(staged, comm.rank) if resumed else set()
+            with phases.phase("wait"):
+                everyone = comm.allgather(mine)
+            row = [everyone[plan.grid.rank_at(0, i, jj)] for jj in range(plan.grid.cols)]
+            todo = [s for s in range(plan.stripe_count(i)) if not all(s in d for d in row)]
+            log = rs.DoneLog(staged, comm.rank) if args.resume else None
+            writer = StripeWriter(args.output, pid, (m, n), dtype, header,
+                                  aligned=chunks is not None)
+            executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
+            with phases.phase("startup"):
+                comms = grid_comms(comm, plan.grid, on_gpu=on_gpu, device=device)
+            bar = progress(len(todo)) if progress is not None else None
+
+            def written(stripe):
+                if log is not None:
+                    log.add(stripe)
+                if bar is not None:
+                    bar.update(1)
+
+            with executor:
+                run_stripes(plan, comm.rank, PanelSource(a), PanelSource(b), writer, executor,
+                            comms, watch, phases, on_gpu=on_gpu, todo=todo, skip=mine,
+                            on_written=written)
+            if bar is not None:
+                bar.close()
+        except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
+            error = exc
+            watch.tell(*reversed(_judged(exc, judge)))
+        finally:
+            if writer is not None:
+                writer.close()
+            if log is not None:
+                log.close()
+        _close_sources(a, b)
+        with phases.phase("wait"):
+            mine_report = None if error is None else (*_judged(error, judge),
+                                                      isinstance(error, PeerStopped))
+            reports = comm.allgather(mine_report)
+        failures = [rep for rep in reports if rep is not None]
+        if failures:
+            origin = next((rep for rep in failures if not rep[2]), failures[0])
+            outcome.status, outcome.message = origin[0], origin[1]
+            outcome.error = error
+        with phases.phase("commit"):
+            commit_error = None
+            if comm.rank == 0 and pid is not None:
+                try:
+                    commit_error = _finish(args, pid, ok=not failures, keep=bool(args.resume))
+                except Exception as exc:  # noqa: BLE001
+                    commit_error = f"{type(exc).__name__}: {exc}"
+            commit_error = comm.bcast(commit_error, root=0)
+        if commit_error and not failures:
+            outcome.status = 1
+            outcome.message = f"writing {args.output} failed while moving it into place ({commit_error})"
+        if failures and args.resume and pid is not None and comm.rank == 0:
+            staged = staged_path(parse_spec(args.output).path, pid)
+            if staged.exists():
+                written = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
+                outcome.notes.append(
+                    f"{written} of {_stripes(outcome.plan)} C stripes are written and kept in "
+                    f"{staged.name}: run the same command with --resume to finish")
+    watch.close()
+    return outcome
+
+
+def _stripes(plan: BatchPlan | None) -> int:
+    """Stripes of all ranks together."""
+    if plan is None:
+        return 0
+    g = plan.grid
+    return sum(plan.stripe_count(g.coords(r)[1]) for r in range(g.ranks))
+
+
+def _finish(args, pid: int, *, ok: bool, keep: bool):
+    """Rank 0: commit (and drop the manifest and logs), or remove, or keep for ``--resume``."""
+    staged = staged_path(parse_spec(args.output).path, pid)
+    if ok:
+        finish_staged(args.output, pid, True, overwrite=args.overwrite)
+        for extra in staged.parent.glob(f"{staged.name}.*"):
+            extra.unlink(missing_ok=True)
+        return None
+    if keep and staged.exists():
+        lock = Path(f"{staged}.lock")
+        lock.unlink(missing_ok=True)
+        return None
+    rs.remove_leftover(staged)
+    return None
+
+
+def _close_sources(*arrays) -> None:
+    """Close HDF5 inputs (rank 0 may open the target file for writing next)."""
+    for x in arrays:
+        handle = getattr(x, "file", None)
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception:  # noqa: BLE001 - already closed
+                pass

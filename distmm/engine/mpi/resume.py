@@ -1,0 +1,173 @@
+"""What a stopped batch product keeps so that a rerun computes only what is missing.
+
+This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
+output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size and
+modification time, the result dtype, the rank count, the grid and its stripes, the staged
+output's name and data offset), the per-rank logs of finished stripes (``STAGED.done-RANK``:
+one stripe index per line, appended and flushed to disk only after the stripe's bytes were),
+comparing a manifest with a new run's (one line naming what changed), and finding the staged
+outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
+without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
+matches).
+
+It does *not* cover: computing or writing stripes (``distmm.engine.mpi.stream``) or the
+command line's messages (``distmm.cli.mpi_matmul``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from distmm.staging import PARTIAL
+
+__all__ = ["Manifest", "input_facts", "manifest_path", "done_log_path", "read_done",
+           "DoneLog", "leftovers", "remove_leftover", "mismatch"]
+
+FORMAT = "distmm-resume-1"
+
+
+def manifest_path(staged: Path) -> Path:
+    return Path(f"{staged}.resume.json")
+
+
+def done_log_path(staged: Path, rank: int) -> Path:
+    return Path(f"{staged}.done-{rank}")
+
+
+def input_facts(spec: str, array) -> dict:
+    """What identifies an input: its spec, shape, dtype, and its file's size and
+    modification time (the newest file inside a zarr folder)."""
+    from distmm.engine.mpi.io import parse_spec
+
+    path = parse_spec(spec).path
+    if path.is_dir():
+        stats = [p.stat() for p in path.rglob("*") if p.is_file()]
+        size = sum(st.st_size for st in stats)
+        mtime = max((st.st_mtime_ns for st in stats), default=0)
+    else:
+        st = path.stat()
+        size, mtime = st.st_size, st.st_mtime_ns
+    return {"spec": str(spec), "shape": [int(s) for s in array.shape], "dtype": str(array.dtype),
+            "bytes": int(size), "mtime_ns": int(mtime)}
+
+
+class Manifest(dict):
+    """A resumable run's facts (a dict, saved as JSON)."""
+
+    @classmethod
+    def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
+             grid: tuple, stripe_edges, pid: int, header) -> "Manifest":
+        return cls(format=FORMAT, a=a, b=b, output=str(output), dtype=str(dtype),
+                   backend=str(backend), ranks=int(ranks), grid=[int(g) for g in grid],
+                   stripe_edges=[list(map(int, e)) for e in stripe_edges], pid=int(pid),
+                   header=None if header is None else int(header))
+
+    def save(self, staged: Path) -> None:
+        path = manifest_path(staged)
+        tmp = Path(f"{path}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(self, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, staged: Path) -> "Manifest | None":
+        try:
+            with open(manifest_path(staged)) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        return cls(data) if data.get("format") == FORMAT else None
+
+
+def mismatch(old: dict, new: dict) -> str | None:
+    """One phrase naming what differs between two manifests, or None."""
+    for key, what in (("a", "input A"), ("b", "input B")):
+        o, n = old.get(key, {}), new.get(key, {})
+        if o.get("spec") != n.get("spec"):
+            return f"{what} was {o.get('spec')}, now {n.get('spec')}"
+        for field, label in (("shape", "shape"), ("dtype", "dtype"), ("bytes", "size"),
+                             ("mtime_ns", "modification time")):
+            if o.get(field) != n.get(field):
+                return f"{what} ({n.get('spec')}) changed: its {label} differs"
+    for key, label in (("output", "output"), ("dtype", "result dtype"), ("backend", "backend"),
+                       ("ranks", "rank count"), ("grid", "process grid"),
+                       ("stripe_edges", "stripes")):
+        if old.get(key) != new.get(key):
+            return f"the {label} changed ({old.get(key)} then, {new.get(key)} now)"
+    return None
+
+
+def read_done(staged: Path, rank: int) -> set[int]:
+    """Stripes ``rank`` logged as written (a torn last line is ignored)."""
+    try:
+        text = done_log_path(staged, rank).read_text()
+    except OSError:
+        return set()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]
+    return {int(x) for x in lines if x.strip().isdigit()}
+
+
+class DoneLog:
+    """This rank's log of finished stripes, appended and flushed to disk per stripe."""
+
+    def __init__(self, staged: Path, rank: int):
+        self.path = done_log_path(staged, rank)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def add(self, stripe: int) -> None:
+        os.write(self._fd, f"{int(stripe)}\n".encode())
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def leftovers(target: Path) -> list[Path]:
+    """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``)."""
+    target = Path(target)
+    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
+    folder = target.parent if str(target.parent) else Path(".")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(folder / n for n in names if pattern.match(n))
+
+
+def staged_pid(staged: Path) -> int:
+    return int(str(staged).rsplit("-", 1)[1])
+
+
+def is_live(staged: Path) -> bool:
+    """Whether the process that made ``staged`` still runs on this host (a distmm run)."""
+    pid = staged_pid(staged)
+    if pid == os.getpid():
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"distmm" in cmdline
+
+
+def remove_leftover(staged: Path) -> None:
+    """Remove a staged output and its manifest, logs and lock."""
+    staged = Path(staged)
+    for extra in staged.parent.glob(f"{staged.name}.*"):
+        if extra.is_dir():
+            shutil.rmtree(extra, ignore_errors=True)
+        else:
+            extra.unlink(missing_ok=True)
+    if staged.is_dir():
+        shutil.rmtree(staged, ignore_errors=True)
+    else:
+        staged.unlink(missing_ok=True)

@@ -1,0 +1,450 @@
+"""The batch product of the MPI engine: C's stripes computed and written while the next are read.
+
+This module covers: ``run_stripes``, one rank's part of a ``BatchPlan`` (``distmm.plan_batch``)
+from two readable operands to a writer:
+
+1. B's column panel: each rank reads its own block of B (in chunks, the next read while the last
+   is copied to the device), then the ranks of a grid column broadcast their pieces, so every
+   rank holds ``B[:, col_j]``, kept for all stripes;
+2. for each stripe of the rank's row block, the ranks of the grid row read their pieces of A's
+   stripe (a reader thread, two stripes ahead), broadcast them along the row, and every rank
+   multiplies the stripe by the column panel, panel by panel in k order (so the bits never
+   depend on timing, and a resumed run equals an uninterrupted one); the stripe's C goes to a
+   writer thread, which writes it into the staged output while the next stripes compute, and
+   then calls ``on_written(stripe)``.
+
+On a GPU the copies in, the broadcasts (NCCL), the GEMMs and the copies out each run on a
+stream of their own through pinned host buffers, ordered by events, two stripes in flight; on
+CPU ranks the same steps run with host buffers, MPI broadcasts and the CPU executor, the GEMM
+on a thread. No wait blocks in MPI, NCCL or CUDA: each polls the rank's ``StopWatch``
+(``distmm.engine.mpi.stop``), so a signal or another rank's failure stops the product within
+milliseconds wherever it is. Every span (read, h2d, comm, gemm, d2h, write, sync, startup,
+wait) goes to the caller's ``Phases``; GPU spans come from CUDA events.
+
+``DISTMM_BATCH_STRIPE_PAUSE=SECONDS`` makes the writer wait that long after each stripe: a
+fixed point to interrupt a run at, for tests and for trying ``--resume`` out.
+
+It does *not* cover: planning (``distmm.plan_batch``), opening files or the staged output
+(``distmm.engine.mpi.io``), what a stopped run keeps (``distmm.engine.mpi.resume``).
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from distmm.engine.mpi.stop import StopWatch, poll
+from distmm.plan_batch import BatchPlan
+
+__all__ = ["PanelSource", "run_stripes"]
+
+PAUSE = float(os.environ.get("DISTMM_BATCH_STRIPE_PAUSE", "0") or 0)
+
+#: rows of B's own block read per chunk while the previous chunk is copied to the device
+B_CHUNK_BYTES = 256 << 20
+
+
+class PanelSource:
+    """Reads rectangles of a 2-D operand that may be larger than memory: a memmap, an ndarray,
+    a zarr array or an h5py dataset (indices are the operand's own, minus ``origin``: a rank's
+    local block of a ``DistArray`` is read with ``origin`` its block's first row and column)."""
+
+    def __init__(self, array, origin: tuple[int, int] = (0, 0)):
+        self.array = array
+        self.origin = origin
+
+    def read_into(self, out: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
+        y, x = self.origin
+        part = self.array[r0 - y:r1 - y, c0 - x:c1 - x]
+        if isinstance(part, np.ndarray):
+            np.copyto(out, part, casting="unsafe")  # a memmap's pages are read here
+        else:
+            out[...] = np.asarray(part)
+
+
+def _owner(cuts, k0: int) -> int:
+    return bisect.bisect_right(cuts, k0) - 1
+
+
+class _Writer(threading.Thread):
+    """Writes finished stripes in order; ``put`` hands one over (waits while two are queued)."""
+
+    def __init__(self, sink, watch: StopWatch, phases, on_written, to_result):
+        super().__init__(name="distmm-stripe-writer", daemon=True)
+        self.sink, self.watch, self.phases = sink, watch, phases
+        self.on_written, self.to_result = on_written, to_result
+        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.stopped = False
+        self.error: BaseException | None = None
+
+    def put(self, item) -> None:
+        while True:
+            try:
+                self.queue.put(item, timeout=0.002)
+                return
+            except queue.Full:
+                self.watch.check()
+
+    def run(self) -> None:
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                stripe, region, block, ready, release = item
+                if ready is not None:
+                    poll(lambda: ready.done or self.stopped, None)
+                if self.stopped:
+                    return
+                start = time.perf_counter()
+                data = self.to_result(block)
+                self.sink.write(*region, data)
+                self.phases.add("write", start, time.perf_counter(), data.nbytes)
+                if release is not None:
+                    release.set()
+                self.on_written(stripe)
+                if PAUSE:
+                    time.sleep(PAUSE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread's watch
+            self.error = exc
+            self.watch.fail(exc)
+
+    def drain(self) -> None:
+        """Wait until every stripe handed over is written (the watch checked meanwhile)."""
+        self.put(None)
+        poll(lambda: not self.is_alive(), self.watch)
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self) -> None:
+        self.stopped = True
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            pass
+
+
+def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink, executor,
+                comms, watch: StopWatch, phases, *, on_gpu: bool, todo, skip=frozenset(),
+                on_written=lambda stripe: None) -> None:
+    """Compute this rank's stripes ``todo`` (indices into its grid row's stripes) and write
+    them through ``sink.write(r0, r1, c0, c1, block)``; the ranks of a grid row must pass the
+    same ``todo``. Stripes in ``skip`` are already written by this rank: it still sends its
+    pieces of A for them (the row needs them) but neither multiplies nor writes them.
+    ``sink.finish()`` flushes the output at the end."""
+    runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch, phases)
+    runner.run(list(todo), set(skip), on_written)
+
+
+class _Run:
+    """What the GPU and CPU runs share: the rank's place, its readers and its writer."""
+
+    def __init__(self, plan, rank, a, b, sink, executor, comms, watch, phases):
+        g = plan.grid
+        self.plan, self.grid, self.rank = plan, g, rank
+        _, self.i, self.j = g.coords(rank)
+        self.a, self.b, self.sink, self.executor = a, b, sink, executor
+        self.comms, self.watch, self.phases = comms, watch, phases
+        self.acc = np.dtype(g.acc_dtype)
+        self.res = np.dtype(g.dtype)
+        self.c0, self.c1 = g.col_edges[self.j], g.col_edges[self.j + 1]
+        self.nj = self.c1 - self.c0
+        self.a_cuts, self.b_cuts = g.a_k_edges[0], g.b_k_edges[0]
+        self.stripes = plan.stripe_edges[self.i]
+        self.hmax = max((b_ - a_ for a_, b_ in zip(self.stripes, self.stripes[1:])), default=0)
+        self.widths = [self.a_cuts[j + 1] - self.a_cuts[j] for j in range(g.cols)]
+        self.readers = ThreadPoolExecutor(2, thread_name_prefix="distmm-reader")
+
+    def rows_of(self, stripe: int) -> tuple[int, int]:
+        return self.stripes[stripe], self.stripes[stripe + 1]
+
+    def read(self, source, out, r0, r1, c0, c1, before=None):
+        """Read a rectangle on a reader thread (after ``before()`` returns); a Future."""
+
+        def task():
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            source.read_into(out, r0, r1, c0, c1)
+            self.phases.add("read", start, time.perf_counter(), out.nbytes)
+            return out
+
+        return self.readers.submit(task)
+
+    def result(self, future):
+        poll(future.done, self.watch)
+        return future.result()
+
+    def to_result(self, block):
+        """A stripe of C in numpy's result dtype (booleans: ``count > 0``)."""
+        if self.res.kind == "b":
+            return block != 0
+        return block if block.dtype == self.res else block.astype(self.res)
+
+    def panel_pairs(self):
+        """Per k panel: (owner column of A, k0, k1)."""
+        p = self.plan.panels
+        return [(_owner(self.a_cuts, k0), k0, k1) for k0, k1 in zip(p, p[1:]) if k1 > k0]
+
+    def run(self, todo, skip, on_written):
+        writer = _Writer(self.sink, self.watch, self.phases, on_written, self.to_result)
+        writer.start()
+        try:
+            self.load_b()
+            self.stripe_loop(todo, skip, writer)
+            writer.drain()
+            start = time.perf_counter()
+            self.sink.finish()
+            self.phases.add("sync", start, time.perf_counter())
+        except BaseException:
+            writer.abandon()
+            raise
+        finally:
+            self.readers.shutdown(wait=False, cancel_futures=True)
+            self.close()
+
+    def close(self):
+        pass
+
+
+class _CPURun(_Run):
+    def load_b(self):
+        g, i = self.grid, self.i
+        self.b_store = np.empty((g.k, self.nj), dtype=self.acc)
+        k0, k1 = self.b_cuts[i], self.b_cuts[i + 1]
+        if k1 > k0 and self.nj:
+            self.result(self.read(self.b, self.b_store[k0:k1], k0, k1, self.c0, self.c1))
+        for root in range(g.rows):
+            lo, hi = self.b_cuts[root], self.b_cuts[root + 1]
+            self.bcast(self.comms.col, self.b_store[lo:hi], root)
+
+    def bcast(self, broadcaster, buf, root):
+        start = time.perf_counter()
+        request = broadcaster.ibcast(buf, root)
+        inner = getattr(request, "request", None)
+        if inner is not None:
+            poll(lambda: inner.Test(), self.watch)
+        request.wait()
+        self.phases.add("comm", start, time.perf_counter(), buf.nbytes)
+
+    def pieces(self, h):
+        return [np.empty((h, w), dtype=self.acc) for w in self.widths]
+
+    def stripe_loop(self, todo, skip, writer):
+        if not todo:
+            return
+        gemm = ThreadPoolExecutor(1, thread_name_prefix="distmm-gemm")
+        try:
+            ahead = self.prefetch(todo[0])
+            for t, stripe in enumerate(todo):
+                pieces, future = ahead
+                if future is not None:
+                    self.result(future)
+                ahead = self.prefetch(todo[t + 1]) if t + 1 < len(todo) else None
+                r0, r1 = self.rows_of(stripe)
+                for root in range(self.grid.cols):
+                    self.bcast(self.comms.row, pieces[root], root)
+                if stripe in skip:
+                    continue
+                start = time.perf_counter()
+                c = self.result(gemm.submit(self.product, pieces, r1 - r0))
+                self.phases.add("gemm", start, time.perf_counter())
+                writer.put((stripe, (r0, r1, self.c0, self.c1), c, None, None))
+        finally:
+            gemm.shutdown(wait=False, cancel_futures=True)
+
+    def prefetch(self, stripe):
+        r0, r1 = self.rows_of(stripe)
+        pieces = self.pieces(r1 - r0)
+        k0, k1 = self.a_cuts[self.j], self.a_cuts[self.j + 1]
+        mine = pieces[self.j]
+        future = self.read(self.a, mine, r0, r1, k0, k1) if mine.size else None
+        return pieces, future
+
+    def product(self, pieces, h):
+        c = None
+        for owner, k0, k1 in self.panel_pairs():
+            off = self.a_cuts[owner]
+            part = self.executor.panel_product(pieces[owner][:, k0 - off:k1 - off],
+                                               self.b_store[k0:k1], 256)
+            c = part if c is None else c + part  # k order: the bits do not depend on timing
+        if c is None:
+            c = np.zeros((h, self.nj), dtype=self.acc)
+        return np.ascontiguousarray(c, dtype=self.acc)
+
+
+class _GPURun(_Run):
+    def __init__(self, *args):
+        super().__init__(*args)
+        import cupy
+
+        self.cp = cupy
+        start = time.perf_counter()
+        self.h2d = cupy.cuda.Stream(non_blocking=True)
+        self.compute = cupy.cuda.Stream(non_blocking=True)
+        self.d2h = cupy.cuda.Stream(non_blocking=True)
+        self.events: list[tuple[str, object, object, int]] = []
+        self.owners: list = []  # keep the pinned buffers registered while the run lasts
+        h, acc = self.hmax, self.acc
+        self.a_dev = [[cupy.empty((h, w), dtype=acc) for w in self.widths] for _ in range(2)]
+        self.c_dev = [cupy.empty((h, self.nj), dtype=acc) for _ in range(2)]
+        own_a = self.widths[self.j]
+        self.a_host = [self.pinned((h, own_a)) for _ in range(2)]
+        self.c_host = [self.pinned((h, self.nj)) for _ in range(2)]
+        self.c_free = [threading.Event() for _ in range(2)]
+        for e in self.c_free:
+            e.set()
+        self.a_host_free = [None, None]  # the event after which a pinned A slot may be refilled
+        self.gemm_done = [None, None]
+        self.d2h_done = [None, None]
+        cupy.cuda.Device().synchronize()
+        self.ref = cupy.cuda.Event()
+        self.ref.record(self.compute)
+        self.ref.synchronize()
+        self.ref_time = time.perf_counter()
+        self.phases.add("startup", start, self.ref_time)
+
+    def pinned(self, shape):
+        """A page-locked host array (``distmm.executor.pinned.registered_allocator``)."""
+        from distmm.executor.pinned import registered_allocator
+
+        count = int(np.prod(shape))
+        raw, owner = registered_allocator(max(1, count * self.acc.itemsize))
+        self.owners.append(owner)
+        return raw[:count * self.acc.itemsize].view(self.acc).reshape(shape)
+
+    def span(self, phase, start_event, end_event, nbytes=0):
+        self.events.append((phase, start_event, end_event, nbytes))
+
+    def wait_event(self, event):
+        if event is not None:
+            poll(lambda: event.done, self.watch)
+
+    def load_b(self):
+        cp, g, i = self.cp, self.grid, self.i
+        self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
+        k0, k1 = self.b_cuts[i], self.b_cuts[i + 1]
+        if k1 > k0 and self.nj:
+            rows = max(1, B_CHUNK_BYTES // max(1, self.nj * self.acc.itemsize))
+            slots = [self.pinned((min(rows, k1 - k0), self.nj)) for _ in range(2)]
+            uploaded = [None, None]
+            starts = list(range(k0, k1, rows))
+            futures = {}
+
+            def submit(n):
+                lo, hi = starts[n], min(starts[n] + rows, k1)
+                slot = n % 2
+                futures[n] = self.read(self.b, slots[slot][:hi - lo], lo, hi, self.c0, self.c1,
+                                       before=lambda s=slot: _event_wait(uploaded[s]))
+
+            submit(0)
+            if len(starts) > 1:
+                submit(1)
+            for n, lo in enumerate(starts):
+                hi = min(lo + rows, k1)
+                host = self.result(futures.pop(n))
+                with self.h2d:
+                    begin = self.h2d.record()
+                    self.b_store[lo:hi].set(host, stream=self.h2d)
+                    uploaded[n % 2] = self.h2d.record()
+                self.span("h2d", begin, uploaded[n % 2], host.nbytes)
+                if n + 2 < len(starts):
+                    submit(n + 2)
+        with self.h2d:  # NCCL waits for the uploads above, queued on this stream
+            requests = [self.comms.col.ibcast(self.b_store[self.b_cuts[r]:self.b_cuts[r + 1]], r)
+                        for r in range(g.rows)]
+        self.note_comm(requests)
+        with self.compute:
+            for request in requests:
+                request.wait()
+
+    def note_comm(self, requests):
+        for request in requests:
+            if hasattr(request, "start"):
+                self.span("comm", request.start, request.done)
+
+    def prefetch(self, t, stripe):
+        r0, r1 = self.rows_of(stripe)
+        k0, k1 = self.a_cuts[self.j], self.a_cuts[self.j + 1]
+        slot = t % 2
+        host = self.a_host[slot][:r1 - r0]
+        if k1 <= k0 or r1 <= r0:
+            return None
+        return self.read(self.a, host, r0, r1, k0, k1,
+                         before=lambda: _event_wait(self.a_host_free[slot]))
+
+    def stripe_loop(self, todo, skip, writer):
+        cp = self.cp
+        futures = {t: self.prefetch(t, s) for t, s in enumerate(todo[:2])}
+        for t, stripe in enumerate(todo):
+            slot = t % 2
+            r0, r1 = self.rows_of(stripe)
+            h = r1 - r0
+            pieces = [p[:h] for p in self.a_dev[slot]]
+            future = futures.pop(t)
+            host = self.result(future) if future is not None else None
+            with self.h2d:
+                if self.gemm_done[slot] is not None:  # stripe t-2's GEMM has read this slot
+                    self.h2d.wait_event(self.gemm_done[slot])
+                if host is not None:
+                    begin = self.h2d.record()
+                    pieces[self.j].set(host, stream=self.h2d)
+                    self.a_host_free[slot] = self.h2d.record()
+                    self.span("h2d", begin, self.a_host_free[slot], host.nbytes)
+                requests = [self.comms.row.ibcast(pieces[root], root)
+                            for root in range(self.grid.cols)]
+            self.note_comm(requests)
+            if t + 2 < len(todo):
+                futures[t + 2] = self.prefetch(t + 2, todo[t + 2])
+            with self.compute:
+                for request in requests:
+                    request.wait()
+                if stripe in skip:
+                    self.gemm_done[slot] = self.compute.record()
+                    continue
+                if self.d2h_done[slot] is not None:  # stripe t-2's C has left this slot
+                    self.compute.wait_event(self.d2h_done[slot])
+                c = self.c_dev[slot][:h]
+                begin = self.compute.record()
+                first = True
+                for owner, k0, k1 in self.panel_pairs():
+                    off = self.a_cuts[owner]
+                    self.executor.device_gemm(pieces[owner][:, k0 - off:k1 - off],
+                                              self.b_store[k0:k1], c, beta=0 if first else 1,
+                                              stream=self.compute)
+                    first = False
+                if first:
+                    c.fill(0)
+                self.gemm_done[slot] = self.compute.record()
+                self.span("gemm", begin, self.gemm_done[slot])
+            free = self.c_free[slot]
+            poll(free.is_set, self.watch)  # the writer is done with this pinned slot
+            free.clear()
+            out = self.c_host[slot][:h]
+            with self.d2h:
+                self.d2h.wait_event(self.gemm_done[slot])
+                begin = self.d2h.record()
+                c.get(stream=self.d2h, out=out)
+                self.d2h_done[slot] = self.d2h.record()
+                self.span("d2h", begin, self.d2h_done[slot], out.nbytes)
+            writer.put((stripe, (r0, r1, self.c0, self.c1), out, self.d2h_done[slot], free))
+
+    def close(self):
+        """Turn the CUDA events into spans on the host clock (only those that completed)."""
+        get = self.cp.cuda.get_elapsed_time
+        for phase, begin, end, nbytes in self.events:
+            if begin.done and end.done:
+                start = self.ref_time + get(self.ref, begin) / 1e3
+                self.phases.add(phase, start, self.ref_time + get(self.ref, end) / 1e3, nbytes)
+        self.events.clear()
+
+
+def _event_wait(event) -> None:
+    """On a reader thread: wait until a CUDA event has passed (None: at once)."""
+    if event is not None:
+        poll(lambda: event.done, None)

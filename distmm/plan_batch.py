@@ -1,0 +1,145 @@
+"""The plan of a file-to-file batch product under MPI: pure functions and a frozen dataclass.
+
+This module covers: the process grid of a batch job (``rows x cols`` ranks, k never split,
+so that every rank owns a block of C and writes it itself), the stripes that cut each
+rank's C block into row ranges computed and written one after another (so that writing C
+overlaps computing it, and a stopped job can resume at a stripe), the k panels of a stripe's
+product (every owner's edge of A and B), and what one rank holds at once: B's column panel
+(``k x n_j``, kept for every stripe), two A stripes and two C stripes, all in the accumulation
+dtype. ``plan_batch`` refuses a product whose column panel of B does not fit the memory it is
+given, before anything is read.
+
+It does *not* cover: reading, moving or writing bytes (``distmm.engine.mpi.stream``), or the
+in-memory SUMMA of ``distmm.grid``, whose grids it reuses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from distmm.grid import GridPlan, even_edges, make_grid
+
+__all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS"]
+
+#: stripes each rank's C block is cut into, when memory allows (more: finer resume points and
+#: an earlier first write; fewer: larger GEMMs)
+STRIPES_PER_RANK = 8
+#: the narrowest stripe memory may force (a GEMM of fewer rows runs well below the device's rate)
+MIN_STRIPE_ROWS = 256
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch product ``C[m, n] = A[m, k] @ B[k, n]`` on ``grid.rows x grid.cols`` ranks.
+
+    Rank ``(i, j)`` owns ``A[row_i, kA_j]`` and ``B[kB_i, col_j]`` (``grid.a_layout`` and
+    ``grid.b_layout``) and computes ``C[row_i, col_j]`` stripe by stripe: for stripe ``s``
+    of grid row ``i`` (rows ``stripe_edges[i][s]:stripe_edges[i][s+1]``) each rank of the
+    row contributes its piece of A's stripe, and the product is summed over ``panels`` in k
+    order against B's column panel, which the ranks of column ``j`` assemble once.
+
+    Attributes
+    ----------
+    grid : GridPlan
+        ``layers == 1``.
+    stripe_edges : tuple of tuple of int
+        Per grid row, absolute row edges of its stripes.
+    panels : tuple of int
+        k edges of the stripe product's panels (every owner's edge of A and B).
+    held_bytes : tuple of int
+        Per rank: bytes held at once on the device (or in host memory for CPU ranks).
+    """
+
+    grid: GridPlan
+    stripe_edges: tuple[tuple[int, ...], ...]
+    panels: tuple[int, ...]
+    held_bytes: tuple[int, ...]
+
+    @property
+    def stripes(self) -> int:
+        """Most stripes of any grid row (rows differ by at most one stripe)."""
+        return max(len(e) - 1 for e in self.stripe_edges)
+
+    def stripe_count(self, i: int) -> int:
+        return len(self.stripe_edges[i]) - 1
+
+    def stripe_rows(self, i: int, s: int) -> tuple[int, int]:
+        e = self.stripe_edges[i]
+        return e[s], e[s + 1]
+
+    def describe(self) -> str:
+        g = self.grid
+        return (f"batch grid {g.rows} x {g.cols} ranks, {self.stripes} stripe(s) per rank, "
+                f"{len(self.panels) - 1} k panel(s); held per rank at most "
+                f"{max(self.held_bytes) / 2**30:.2f} GiB")
+
+
+def _held(grid: GridPlan, i: int, j: int, stripe: int) -> int:
+    nj = grid.col_edges[j + 1] - grid.col_edges[j]
+    return (grid.k * nj + 2 * stripe * grid.k + 2 * stripe * nj) * grid.itemsize
+
+
+def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
+               memory: int | None = None, stripes: int = STRIPES_PER_RANK,
+               grid: tuple[int, int] | None = None) -> BatchPlan:
+    """Plan a batch product on ``ranks`` ranks.
+
+    Parameters
+    ----------
+    m, n, k : int
+    dtype : dtype
+        numpy's result dtype.
+    ranks : int
+    memory : int, optional
+        Bytes one rank may hold (its GPU's, or host memory for CPU ranks); ``None``: no limit.
+    stripes : int
+        Stripes per rank's C block (fewer when a block has fewer rows; more when two stripes
+        would not fit ``memory``, down to ``MIN_STRIPE_ROWS`` rows each).
+    grid : (rows, cols), optional
+        Force the process grid.
+
+    Raises
+    ------
+    ValueError
+        Negative sizes, a forced grid that is not ``ranks``, or a column panel of B
+        (``k x n / cols``) that does not fit ``memory`` with two stripes of the narrowest
+        width (the message says how much one rank needs).
+
+    Examples
+    --------
+    >>> p = plan_batch(32768, 32768, 32768, "float32", ranks=4)
+    >>> p.grid.shape, p.stripes, len(p.panels) - 1
+    ((1, 2, 2), 8, 2)
+    >>> p.stripe_edges[1][:3]
+    (16384, 18432, 20480)
+    """
+    if stripes < 1:
+        raise ValueError(f"stripes must be at least 1, got {stripes}")
+    forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
+    g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
+    edges, held = [], [0] * g.ranks
+    for i in range(g.rows):
+        r0, r1 = g.row_edges[i], g.row_edges[i + 1]
+        mi = r1 - r0
+        count = max(1, min(stripes, mi))
+        if memory is not None:
+            while True:
+                width = math.ceil(mi / count) if mi else 0
+                need = max(_held(g, i, j, width) for j in range(g.cols))
+                if need <= memory or width <= MIN_STRIPE_ROWS or width <= 1:
+                    break
+                count *= 2
+        edges.append(tuple(r0 + e for e in even_edges(mi, count)))
+        width = max((b - a for a, b in zip(edges[-1], edges[-1][1:])), default=0)
+        for j in range(g.cols):
+            held[g.rank_at(0, i, j)] = _held(g, i, j, width)
+    if memory is not None and max(held) > memory:
+        worst = max(range(g.ranks), key=held.__getitem__)
+        raise ValueError(
+            f"a {m} x {n} x {k} {np.dtype(dtype).name} product on {g.rows} x {g.cols} ranks needs "
+            f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
+            f"stripes), more than the {memory / 2**30:.1f} GiB it has: use more ranks")
+    panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
+    return BatchPlan(grid=g, stripe_edges=tuple(edges), panels=panels, held_bytes=tuple(held))

@@ -1,0 +1,262 @@
+"""``mpirun -n P distmm matmul`` on files: the striped batch path (real mpiexec, real signals).
+
+Covers: products at 1 to 4 ranks (3 included) in several dtypes and ragged shapes, against
+numpy; rows of ranks with nothing to do; the profile file's contents; ``--resume`` after a real
+SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
+bitwise equal to an uninterrupted run's); refusal after an input or the rank count changes;
+SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s; staged files
+of a killed run (``kill -9``) named and removed by the next run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def _cmd(ranks, *argv):
+    import shutil
+
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        pytest.skip("no mpiexec on PATH")
+    return [exe, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "distmm",
+            *[str(a) for a in argv]]
+
+
+def run(ranks, *argv, timeout=180, **env):
+    return subprocess.run(_cmd(ranks, *argv), capture_output=True, text=True, timeout=timeout,
+                          env=_env(**env))
+
+
+def _operands(d: Path, m, k, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind in "iu":
+        a = rng.integers(-50, 50, size=(m, k)).astype(dtype)
+        b = rng.integers(-50, 50, size=(k, n)).astype(dtype)
+    elif np.dtype(dtype).kind == "b":
+        a, b = rng.random((m, k)) < 0.3, rng.random((k, n)) < 0.3
+    else:
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+    np.save(d / "a.npy", a)
+    np.save(d / "b.npy", b)
+    return a, b
+
+
+@pytest.mark.parametrize("ranks,shape,dtype", [
+    (1, (37, 23, 41), "float64"),
+    (2, (53, 41, 29), "float32"),
+    (3, (61, 17, 33), "int32"),
+    (4, (45, 30, 26), "float64"),
+    (3, (2, 5, 7), "float64"),       # fewer rows than ranks: some ranks own nothing
+    (4, (33, 19, 20), "bool"),
+])
+def test_products_match_numpy(tmp_path, ranks, shape, dtype):
+    m, k, n = shape
+    a, b = _operands(tmp_path, m, k, n, dtype, seed=ranks * 100 + m)
+    poison = tmp_path / "c.npy"
+    r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", poison,
+            "--engine", "mpi", DISTMM_BATCH_STRIPES="3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("wrote") == 1 and f"{ranks} ranks" in r.stdout
+    got = np.load(poison)
+    ref = np.matmul(a, b)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if ref.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, ref)
+    else:
+        ref64 = a.astype(np.float64) @ b.astype(np.float64)
+        tol = 1e-5 if ref.dtype == np.float32 else 1e-12
+        assert np.linalg.norm(got - ref64) <= tol * np.linalg.norm(ref64)
+    assert not list(tmp_path.glob(".c.npy.*"))  # nothing staged is left
+
+
+def test_profile_file(tmp_path):
+    _operands(tmp_path, 40, 30, 20, "float64", seed=5)
+    prof = tmp_path / "p.json"
+    r = run(3, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+            "--profile", prof)
+    assert r.returncode == 0, r.stderr
+    assert "busiest rank:" in r.stdout and "gemm" in r.stdout
+    data = json.loads(prof.read_text())
+    assert data["format"] == "distmm-profile-1" and data["meta"]["ranks"] == 3
+    assert [x["rank"] for x in data["ranks"]] == [0, 1, 2]
+    for rec in data["ranks"]:
+        phases = {s["phase"] for s in rec["spans"]}
+        assert {"open", "read", "gemm", "write", "sync", "wait"} <= phases, phases
+        for s in rec["spans"]:
+            assert 0 <= s["start"] <= s["end"] <= data["meta"]["wall"] + 1
+        assert rec["bytes"]["write"] == sum(
+            s["bytes"] for s in rec["spans"] if s["phase"] == "write") > 0
+    assert sum(rec["bytes"]["write"] for rec in data["ranks"]) == 40 * 20 * 8
+
+
+def _logged(folder: Path) -> int:
+    return sum(len(p.read_text().split()) for p in folder.glob(".c.npy.distmm-partial-*.done-*"))
+
+
+def _interrupt_after(cmd, env, folder: Path, stripes: int, signum=signal.SIGTERM, timeout=120):
+    """Start ``cmd``; once ``stripes`` stripes are logged, send ``signum`` to every rank.
+    Returns (completed process, seconds from the signal to the launcher's exit)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.time() + timeout
+    while _logged(folder) < stripes:
+        if proc.poll() is not None or time.time() > deadline:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (rc {proc.returncode}) before {stripes} stripes: {err}")
+        time.sleep(0.01)
+    ranks = _rank_pids(proc.pid)
+    sent = time.perf_counter()
+    for pid in ranks:
+        os.kill(pid, signum)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - sent
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The python processes started under ``launcher`` (its descendants running distmm)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(launcher).children(recursive=True)
+            if "distmm" in " ".join(p.cmdline())]
+
+
+def test_resume_after_sigterm_is_bitwise_equal(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    full.mkdir()
+    part.mkdir()
+    _operands(full, 600, 1500, 500, "float64", seed=11)
+    for name in ("a.npy", "b.npy"):
+        (part / name).write_bytes((full / name).read_bytes())
+        os.utime(part / name, ns=((full / name).stat().st_atime_ns, (full / name).stat().st_mtime_ns))
+    opts = ["--backend", "numba", "--resume"]
+    env = _env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    r = run(2, "matmul", full / "a.npy", full / "b.npy", "-o", full / "c.npy", *opts[:2],
+            DISTMM_BATCH_STRIPES="24")
+    assert r.returncode == 0, r.stderr
+    stopped, _ = _interrupt_after(_cmd(2, "matmul", part / "a.npy", part / "b.npy", "-o",
+                                       part / "c.npy", *opts), env, part, stripes=6)
+    assert stopped.returncode != 0
+    assert not (part / "c.npy").exists()
+    kept = list(part.glob(".c.npy.distmm-partial-*"))
+    assert any(p.name.endswith(".resume.json") for p in kept), kept
+    done = _logged(part)
+    assert 6 <= done < 48
+    # the rerun computes only what is missing
+    prof = part / "p.json"
+    r = run(2, "matmul", part / "a.npy", part / "b.npy", "-o", part / "c.npy", *opts,
+            "--profile", prof, DISTMM_BATCH_STRIPES="24")
+    assert r.returncode == 0, r.stderr
+    written = sum(rec["bytes"].get("write", 0) for rec in json.loads(prof.read_text())["ranks"])
+    assert written < 600 * 500 * 8  # not everything again
+    assert np.load(part / "c.npy").tobytes() == np.load(full / "c.npy").tobytes()
+    assert not list(part.glob(".c.npy.*"))
+
+
+def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path):
+    _operands(tmp_path, 600, 1500, 500, "float64", seed=12)
+    opts = ["--backend", "numba", "--resume"]
+    env = _env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    stopped, _ = _interrupt_after(_cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+                                       tmp_path / "c.npy", *opts), env, tmp_path, stripes=4)
+    assert stopped.returncode != 0
+    r = run(3, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy", *opts,
+            DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    assert r.returncode == 2
+    assert r.stderr.count("distmm matmul: error: cannot resume") == 1
+    assert "rank count changed" in r.stderr
+    a = np.load(tmp_path / "a.npy")
+    a[0, 0] += 1
+    np.save(tmp_path / "a.npy", a)
+    r = run(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy", *opts,
+            DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    assert r.returncode == 2
+    assert "input A" in r.stderr and "changed" in r.stderr
+    assert list(tmp_path.glob(".c.npy.distmm-partial-*.resume.json"))  # still there to resume
+    # without --resume the leftover is named and removed, and the product starts over
+    r = run(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+            "--backend", "numba")
+    assert r.returncode == 0, r.stderr
+    assert "removed .c.npy.distmm-partial-" in r.stderr
+    assert not list(tmp_path.glob(".c.npy.*"))
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_end_every_rank_with_one_line(tmp_path, signum, status):
+    _operands(tmp_path, 600, 1500, 500, "float64", seed=13)
+    wrapper = ("import subprocess, sys, os; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
+               "sys.argv[1:], stderr=subprocess.PIPE, text=True); "
+               "os.write(1, ('STATUS %d LINES %d %s\\n' % (r.returncode, len(r.stderr.splitlines()), "
+               "r.stderr.strip().replace(chr(10), ' | '))).encode())")
+    cmd = _cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+               "--backend", "numba", "--resume")
+    cmd[cmd.index("-m"):cmd.index("-m") + 2] = ["-c", wrapper]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+    deadline = time.time() + 120
+    while _logged(tmp_path) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    import psutil
+
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "-m" in p.cmdline() and "distmm" in p.cmdline()]
+    assert len(ranks) == 2
+    sent = time.perf_counter()
+    for p in ranks:
+        p.send_signal(signum)
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    elapsed = time.perf_counter() - sent
+    out, err = proc.communicate(timeout=60)
+    assert not alive and elapsed < 2.0, (elapsed, err)
+    lines = [x for x in out.splitlines() if x.startswith("STATUS")]
+    assert sorted(int(x.split()[1]) for x in lines) == [status, status], out
+    stderr_lines = [int(x.split()[3]) for x in lines]
+    assert sorted(stderr_lines) == [0, 2], out  # rank 0: the error and what was kept; others: nothing
+    assert "terminated by SIGTERM" in out if signum == signal.SIGTERM else "interrupted" in out
+    assert not (tmp_path / "c.npy").exists()
+
+
+def test_kill_9_leftovers_are_named_and_removed(tmp_path):
+    _operands(tmp_path, 600, 1500, 500, "float64", seed=14)
+    cmd = [sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+           tmp_path / "c.npy", "--engine", "mpi", "--backend", "numba"]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".c.npy.distmm-partial-*")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    left = list(tmp_path.glob(".c.npy.distmm-partial-*"))
+    assert left
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=180,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert f"removed {left[0].name}" in r.stderr
+    assert not list(tmp_path.glob(".c.npy.*"))
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
