@@ -70,9 +70,10 @@ def test_local_calls_resolve_the_engine_once(monkeypatch):
 
 @pytest.fixture(scope="module")
 def client():
+    # not the default client: the other tests' engine="auto" stays local
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                   dashboard_address=":0") as cluster, \
-            distributed.Client(cluster) as c:
+            distributed.Client(cluster, set_as_default=False) as c:
         c.wait_for_workers(2, timeout=60)
         yield c
 
@@ -92,7 +93,8 @@ def test_cluster_calls_build_one_engine_and_ask_the_scheduler_once(client, monke
     def once(fn):
         built.clear()
         asked.clear()
-        result = fn()
+        with client.as_current():  # the engine's as_completed asks for the current client
+            result = fn()
         assert len(built) == 1 and len(asked) == 1, (built, asked)
         return result
 
@@ -101,8 +103,9 @@ def test_cluster_calls_build_one_engine_and_ask_the_scheduler_once(client, monke
     out = np.empty((131, 65))
     assert once(lambda: distmm.matmul(a, b, out=out, client=client, tile=64)) is out
     np.testing.assert_allclose(out, ref, rtol=1e-12)
-    with client.as_current():  # the default client: engine="auto" picks the cluster
+    with distributed.Client(client.scheduler.address):  # a default client: "auto" uses it
         np.testing.assert_allclose(once(lambda: distmm.matmul(a, b, tile=64)), ref, rtol=1e-12)
+    assert api.get_engine("auto").name == "local"
     np.testing.assert_allclose(once(lambda: distmm.gemm(a, b, client=client, tile=64)), ref,
                                rtol=1e-12)
 
@@ -192,7 +195,8 @@ def test_float16_stacks_and_the_cluster_are_numpys_bits(client):
     want = np.matmul(a, b).view(np.uint16)
     assert np.array_equal(distmm.matmul(a, b).view(np.uint16), want)
     a2, b2 = _operands(rng, 64, 4096, 64, "float16")  # fewer tiles than workers: no k split
-    got = distmm.matmul(a2, b2, client=client, tile=(32, 32, 256))
+    with client.as_current():
+        got = distmm.matmul(a2, b2, client=client, tile=(32, 32, 256))
     assert np.array_equal(got.view(np.uint16), np.matmul(a2, b2).view(np.uint16))
 
 
