@@ -124,8 +124,10 @@ def _backend_family(ops: Operands) -> str:
     """Where the operands' elements live, as ``resolve_backend`` reads ``family``:
     ``"cupy"`` for cupy arrays and for dask arrays of cupy chunks."""
     if ops.family == "dask":
-        metas = [getattr(x, "_meta", None) for x in (ops.a, ops.b)]
-        return "numpy" if all(isinstance(x, np.ndarray) for x in metas) else "cupy"
+        from dask.array.utils import meta_from_array
+
+        host = all(isinstance(meta_from_array(x), np.ndarray) for x in (ops.a, ops.b))
+        return "numpy" if host else "cupy"
     return ops.family
 
 

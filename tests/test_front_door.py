@@ -210,3 +210,20 @@ def test_float16_never_splits_k_and_auto_is_numba():
                            workers_decide=True) == ("numba", False)
     assert resolve_backend("blas", np.float16, family="numpy", flops=1) == ("blas", False)
     assert resolve_backend("auto", np.float16, family="cupy", flops=1) == ("auto", True)
+
+
+@pytest.mark.parametrize("k_chunk", [
+    4096,
+    pytest.param(1000, marks=pytest.mark.xfail(
+        strict=True, reason="the Dask engine sums each k chunk apart and adds the partials "
+                            "(distmm/engine/dask: float16 needs whole k per task)")),
+], ids=["k-whole", "k-chunked"])
+def test_float16_dask_arrays_are_numpys_bits(k_chunk):
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a, b = _operands(rng, 64, 4096, 96, "float16")
+    lazy = distmm.matmul(da.from_array(a, chunks=(32, k_chunk)),
+                         da.from_array(b, chunks=(k_chunk, 48)))
+    got = lazy.compute(scheduler="threads")
+    differ = int(np.count_nonzero(got.view(np.uint16) != np.matmul(a, b).view(np.uint16)))
+    assert differ == 0, f"{differ} of {got.size} elements differ from numpy"
