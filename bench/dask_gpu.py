@@ -57,14 +57,17 @@ import time
 
 import numpy as np
 
+from bench.common import (GPU_RESOURCE, RecordWriter, add_cpu_workers, cpu_cluster, cpu_model,
+                          free_gpu, gpu_cluster, gpu_name, gpu_sync, gpu_workers, local_gpus,
+                          parser, random_array, random_operands, release_cluster, relerr,
+                          share_workers, sync_workers, to_host)
+
 SETTINGS = ("1gpu", "2gpu", "4gpu", "shared", "mixed")
 SAMPLE_ROWS = 64
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
 
 def _args(argv):
-    from bench.common import parser
-
     p = parser(__doc__, prog="python -m bench.dask_gpu")
     p.add_argument("--settings", nargs="+", default=["1gpu", "shared", "mixed"], choices=SETTINGS)
     p.add_argument("--sizes", type=int, nargs="+", default=None,
@@ -102,12 +105,10 @@ def _args(argv):
 
 def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: str = "auto"):
     """(cluster, description, GPUs used, CPU workers) of one setting (``protocol``: the GPU
-    clusters' comms, ``distmm.cli.cluster.gpu_cluster``; a rehearsal is TCP)."""
-    from distmm.cli.cluster import add_cpu_workers, cpu_cluster, gpu_cluster, share_workers
-
+    clusters' comms, ``bench.common.gpu_cluster``; a rehearsal is TCP)."""
     if rehearse:
         gpu_like = {"1gpu": 1, "2gpu": 2, "4gpu": 4, "shared": 1, "mixed": 1}[setting]
-        cluster = cpu_cluster(gpu_like, gpu_resource=True)
+        cluster = cpu_cluster(gpu_like, resources={GPU_RESOURCE: 1})
         what = f"LocalCluster(processes=True), {gpu_like} worker(s) standing in for GPU workers"
         gpus = 0
         if setting == "shared":  # the GPU setting's code path: a copy of the worker's spec
@@ -147,8 +148,6 @@ class Bench:
     """The cluster of one setting and what every measurement on it shares."""
 
     def __init__(self, client, *, gpu: bool, timeout: float):
-        from distmm.cli.cluster import gpu_workers
-
         self.client = client
         self.gpu = gpu
         self.timeout = timeout
@@ -167,8 +166,6 @@ class Bench:
         return out
 
     def operands(self, n: int, chunk: int, dtype: str, seed: int | None = None):
-        from distmm.cli.cluster import random_array
-
         if seed is None:
             self.seed += 2
             seed = 1_000_000 + self.seed
@@ -181,7 +178,6 @@ class Bench:
         from distributed import wait
 
         import distmm
-        from distmm.cli.cluster import sync_workers
 
         t0 = time.perf_counter()
         if variant == "distmm-dask":
@@ -197,9 +193,6 @@ class Bench:
         workers one column strip of B at a time (one float64 GEMM over all of k per strip:
         neither dask.array's block sums nor distmm's tiles)."""
         from distributed import futures_of
-
-        from bench.common import relerr
-        from distmm.cli.cluster import to_host
 
         # futures, not to_delayed(): dask 2024.12 (the floor) handed a persisted chunk's
         # to_delayed() to the task as its unexecuted task tuple
@@ -238,8 +231,6 @@ def sample_rows(n: int) -> np.ndarray:
 def in_core_reference(n: int, dtype: str, rounds: int, *, gpu: bool):
     """(first seconds, median seconds, every time, relerr on sampled rows) of the in-core
     single-device product in this process: cupy.matmul, or numpy in a rehearsal."""
-    from bench.common import free_gpu, gpu_sync, random_operands, relerr
-
     rows = sample_rows(n)
     if gpu:
         import cupy
@@ -282,8 +273,6 @@ def in_core_reference(n: int, dtype: str, rounds: int, *, gpu: bool):
 
 def measure(bench: Bench, variants: list[str], chunks: dict, n: int, dtype: str, rounds: int):
     """({variant: (first seconds, every timed seconds, relerr)}, {variant: why it failed})."""
-    from bench.common import release_cluster
-
     client = bench.client
     done: dict = {}
     failed: dict = {}
@@ -326,15 +315,11 @@ def main(argv=None) -> int:
     import distributed
     from distributed import Client
 
-    from bench.common import RecordWriter, cpu_model, gpu_name
-
     gpu = not args.rehearse
     visible = 0
     versions = {"dask_version": dask.__version__, "distributed_version": distributed.__version__,
                 "numpy_version": np.__version__}
     if gpu:
-        from distmm.cli.cluster import local_gpus
-
         visible = local_gpus()
         if visible < 1:
             print("dask_gpu: no GPU visible (cupy and a CUDA device are needed; --rehearse "

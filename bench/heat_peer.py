@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import mpi_blocks
-from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows, peer_import
+from bench.common.peers import SAMPLE_ROWS, check_rows, peer_import, threads_per_rank
 from bench.mpi_blocks import A, B
 
 NAME = "heat"
@@ -76,7 +76,7 @@ def worker(args) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    threads = _threads_per_rank(comm.size)
+    threads = threads_per_rank(comm.size)
     import torch
 
     torch.set_num_threads(threads)

@@ -90,6 +90,8 @@ from pathlib import Path
 import numpy as np
 
 from bench import mpi_blocks
+from bench.common.peers import (SAMPLE_ROWS, check_rows, peer_import, rows_product,
+                                threads_per_rank)
 from bench.mpi_blocks import A, B, sample_rows
 
 # cases: (ranks, dtype, n, gpus) for the gpu mode (gpus: 1 = the ranks share one GPU);
@@ -106,14 +108,6 @@ MODES = {
 PEERS = {"cpu": ["pylops-mpi", "heat"], "cpu16": ["pylops-mpi", "heat"],  # --peers
          "gpu": ["nvmath-python", "heat"]}
 PYLOPS_KIND = "summa"
-SAMPLE_ROWS = 64  # rows of C checked against float64
-
-
-def _threads_per_rank(ranks: int) -> int:
-    """BLAS (and block-making) threads of each rank: this process's cores over the ranks."""
-    return max(1, len(os.sched_getaffinity(0)) // max(ranks, 1))
-
-
 def worker(args) -> int:
     """Run under mpiexec: each rank makes its own blocks in the planner's layout, then the
     products are checked and timed."""
@@ -126,7 +120,7 @@ def worker(args) -> int:
     comm = MPI.COMM_WORLD
     n, dtype = args.n, args.dtype
     backend = "cublas" if args.gpu else "blas"
-    threads = _threads_per_rank(comm.size)
+    threads = threads_per_rank(comm.size)
     grid = make_grid(n, n, n, dtype, ranks=comm.size)
     a_local = mpi_blocks.block(A, (n, n), grid.a_layout.local_bounds(comm.rank), dtype,
                                threads=threads)
@@ -174,54 +168,6 @@ def _check_distributed(comm, db, c, n: int, dtype: str):
                       c.layout.local_bounds(comm.rank), n, dtype)
 
 
-def check_rows(comm, b_local, b_bounds, c_local, c_bounds, n: int, dtype: str):
-    """relerr of C's sampled rows against float64, with no rank holding a whole matrix:
-    each rank multiplies the sampled rows of A (over its B block's k range, ``b_bounds =
-    (k0, k1, c0, c1)``) by its block of B in float64, and the partial products and C's
-    sampled rows (its block at ``c_bounds``) are summed on rank 0. Used by every MPI
-    variant whose ranks hold blocks of B and C (distmm-mpi, nvmath-python)."""
-    from mpi4py import MPI
-
-    rows = sample_rows(n, SAMPLE_ROWS)
-    ref = np.zeros((rows.size, n))
-    got = np.zeros((rows.size, n))
-    k0, k1, c0, c1 = b_bounds
-    if k1 > k0 and c1 > c0:
-        a_rows = mpi_blocks.rows(A, (n, n), rows, k0, k1, dtype)
-        ref[:, c0:c1] = _rows_product(a_rows, b_local)
-    r0, r1, cc0, cc1 = c_bounds
-    mine = (rows >= r0) & (rows < r1)
-    if mine.any() and cc1 > cc0:
-        idx = rows[mine] - r0
-        if hasattr(c_local, "__cuda_array_interface__"):  # C stayed on the GPU
-            import cupy
-
-            got[mine, cc0:cc1] = c_local[cupy.asarray(idx)].get()
-        else:
-            got[mine, cc0:cc1] = c_local[idx]
-    total_ref = np.zeros_like(ref) if comm.rank == 0 else None
-    total_got = np.zeros_like(got) if comm.rank == 0 else None
-    comm.Reduce(ref, total_ref, op=MPI.SUM, root=0)
-    comm.Reduce(got, total_got, op=MPI.SUM, root=0)
-    if comm.rank != 0:
-        return None
-    return float(np.linalg.norm(total_got - total_ref) / np.linalg.norm(total_ref))
-
-
-def _rows_product(a_rows, b, chunk: int = 4096) -> np.ndarray:
-    """``a_rows @ b`` in float64 on ``b``'s device (column chunks of b, so a float64 copy
-    of a GPU block never needs more than ``k x chunk`` elements)."""
-    if hasattr(b, "__cuda_array_interface__"):
-        import cupy
-
-        a64 = cupy.asarray(a_rows, dtype=np.float64)
-        out = np.empty((a_rows.shape[0], b.shape[1]))
-        for j in range(0, b.shape[1], chunk):
-            out[:, j:j + chunk] = (a64 @ b[:, j:j + chunk].astype(np.float64)).get()
-        return out
-    return np.asarray(a_rows, dtype=np.float64) @ np.asarray(b, dtype=np.float64)
-
-
 def pylops_worker(args) -> int:
     """Run under mpiexec: pylops-mpi's SUMMA ``MPIMatrixMult`` on each rank's own blocks."""
     from mpi4py import MPI
@@ -234,7 +180,7 @@ def pylops_worker(args) -> int:
     comm, rank, _, _, active = active_grid_comm(MPI.COMM_WORLD, n, n)  # as its example does
     if not active:  # only when P' > n: never at the sizes benchmarked here
         return 0
-    threads = _threads_per_rank(MPI.COMM_WORLD.size)
+    threads = threads_per_rank(MPI.COMM_WORLD.size)
     a_slice, b_slice = local_block_split((n, n), rank, comm), local_block_split((n, n), rank, comm)
     a_local = mpi_blocks.block(A, (n, n), _bounds(a_slice, n), dtype, threads=threads)
     b_local = mpi_blocks.block(B, (n, n), _bounds(b_slice, n), dtype, threads=threads)
@@ -254,7 +200,7 @@ def pylops_worker(args) -> int:
         c0, c1 = _bounds(b_slice, n)[2:]
         a_rows = mpi_blocks.rows(A, (n, n), rows[pick], 0, n, dtype)
         b_cols = mpi_blocks.block(B, (n, n), (0, n, c0, c1), dtype, threads=threads)
-        ref = _rows_product(a_rows, b_cols)
+        ref = rows_product(a_rows, b_cols)
         diff2, ref2 = float(np.sum((mine - ref) ** 2)), float(np.sum(ref ** 2))
         checked = int(mine.size)
         del b_cols, ref
@@ -283,18 +229,6 @@ def _bounds(slices, n: int) -> tuple[int, int, int, int]:
     r0, r1, _ = r.indices(n)
     c0, c1, _ = c.indices(n)
     return r0, r1, c0, c1
-
-
-def peer_import(code: str, env, failed: str) -> tuple[str | None, str]:
-    """Run ``python -c code`` in the ranks' environment ``env`` (a subprocess: a peer's
-    import initialises MPI or opens CUDA libraries): (its last stdout line, "") when it
-    works, else (None, ``failed: <the error's own line>``)."""
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode == 0:
-        return r.stdout.strip().splitlines()[-1], ""
-    last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return None, f"{failed}: {last}"
 
 
 def _pylops_import(env) -> tuple[str | None, str]:
@@ -388,7 +322,7 @@ def driver(args) -> int:
                                else (None, "not asked for (--peers)"))
 
     def env_for(ranks: int, gpus: int, peer: str = "") -> dict:
-        per = str(_threads_per_rank(ranks))
+        per = str(threads_per_rank(ranks))
         env = dict({nvmath_peer.NAME: nvmath_env, heat_peer.NAME: heat_env}.get(peer, base_env),
                    OMP_NUM_THREADS=per, OPENBLAS_NUM_THREADS=per, MKL_NUM_THREADS=per)
         if gpu and gpus == 1 and ranks > 1:  # the ranks share one GPU, even where more exist
@@ -567,7 +501,7 @@ def _cublas(a, b, repeat: int, rows=None) -> tuple[float, float | None]:
     err = None
     if rows is not None:
         got = cupy.matmul(da, db)[cupy.asarray(rows)].get().astype(np.float64)
-        ref = _rows_product(a[rows], db)
+        ref = rows_product(a[rows], db)
         err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     sec = event_seconds(lambda: cupy.matmul(da, db), repeat=repeat)
     del da, db

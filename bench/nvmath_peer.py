@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import mpi_blocks
-from bench.mpi import SAMPLE_ROWS, _threads_per_rank, check_rows, peer_import
+from bench.common.peers import SAMPLE_ROWS, check_rows, peer_import, threads_per_rank
 from bench.mpi_blocks import A, B
 
 NAME = "nvmath-python"
@@ -180,7 +180,7 @@ def worker(args) -> int:
     from nvmath.distributed.linalg.advanced import Matmul, matrix_qualifiers_dtype
 
     n, dtype, p, rank = args.n, args.dtype, comm.size, comm.rank
-    threads = _threads_per_rank(p)
+    threads = threads_per_rank(p)
     r0, r1 = slab(n, p, rank)
     c0, c1 = slab(n, p, rank)
     a = cupy.asarray(mpi_blocks.block(A, (n, n), (r0, r1, 0, n), dtype, threads=threads)).T

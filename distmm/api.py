@@ -25,9 +25,10 @@ from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
-from distmm.plan import Plan, make_plan, result_dtype
+from distmm import plan as planner
+from distmm.plan import Plan, result_dtype
 
-__all__ = ["matmul", "gemm", "plan_for", "CALLS", "CallCache"]
+__all__ = ["matmul", "gemm", "make_plan", "plan_for", "CALLS", "CallCache"]
 
 
 def _on_disk(x) -> bool:
@@ -107,24 +108,114 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
     hinted = hints.pop("memory_budget", None)
     if hinted is not None:
         budget = min(budget, int(hinted))
-    return make_plan(m, n, k, dtype, workers=workers, tile=tile, memory_budget=budget, **hints)
+    return planner.make_plan(m, n, k, dtype, workers=workers, tile=tile, memory_budget=budget,
+                             **hints)
 
 
-def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
-    """Resolve the engine, the backend and the plan once, into one request."""
-    cfg = get_config()
-    eng = get_engine(engine, family=ops.family, client=client, threads=cfg.local_threads,
-                     retry_timeout=cfg.retry_timeout, operands=ops)
+def _engine_for(engine: str, family: str, client, cfg, ops: Operands | None = None):
+    """The engine of one call (``get_engine``, with the configured local thread
+    count and retry timeout): resolved once per call and handed to everything
+    that needs it, so a Dask engine asks its scheduler for the cluster once."""
+    return get_engine(engine, family=family, client=client, threads=cfg.local_threads,
+                      retry_timeout=cfg.retry_timeout, operands=ops)
+
+
+def _backend_family(ops: Operands) -> str:
+    """Where the operands' elements live, as ``resolve_backend`` reads ``family``:
+    ``"cupy"`` for cupy arrays and for dask arrays of cupy chunks."""
+    if ops.family == "dask":
+        from dask.array.utils import meta_from_array
+
+        host = all(isinstance(meta_from_array(x), np.ndarray) for x in (ops.a, ops.b))
+        return "numpy" if host else "cupy"
+    return ops.family
+
+
+def _resolve(eng, ops: Operands, cfg, *, tile, backend: str, out=None,
+             workers: int | None = None, hints: dict | None = None) -> Request:
+    """The request of one call on ``eng``: the backend resolved and the plan made
+    from the configuration ``cfg``, once. ``workers`` and ``hints`` (``make_plan``'s
+    arguments) stand in for the engine's worker count and join its plan hints."""
     if backend == "auto" and ops.family == "numpy":
         backend = cfg.backend
     flops = 2 * ops.m * ops.n * ops.k * max(math.prod(ops.batch), 1)
-    backend, on_gpu = resolve_backend(backend, ops.dtype, family=ops.family, flops=flops,
-                                      workers_decide=eng.name == "dask")
-    workers = eng.workers(ops, on_gpu=on_gpu)
+    backend, on_gpu = resolve_backend(backend, ops.dtype, family=_backend_family(ops),
+                                      flops=flops, workers_decide=eng.name == "dask")
+    if workers is None:
+        workers = eng.workers(ops, on_gpu=on_gpu)
+    hints = {**eng.plan_hints(ops, workers), **(hints or {})}
     plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile,
-                    hints=eng.plan_hints(ops, workers), config=cfg, on_gpu=on_gpu)
-    return eng, Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
-                        report=cfg.performance_report)
+                    hints=hints, config=cfg, on_gpu=on_gpu)
+    return Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
+                   report=cfg.performance_report)
+
+
+def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
+    """``(engine, request)`` of a call: the engine, the backend and the plan resolved
+    once, under the configuration in force."""
+    cfg = get_config()
+    eng = _engine_for(engine, ops.family, client, cfg, ops)
+    return eng, _resolve(eng, ops, cfg, tile=tile, backend=backend, out=out)
+
+
+def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = None,
+              tile=None, backend: str = "auto", k_splits: int | None = None,
+              owner_order: str = "rows") -> Plan:
+    """The plan ``distmm.matmul`` makes for numpy operands of these sizes.
+
+    The same path as the call itself: the configured backend (``distmm.backend``)
+    resolved for this product, the local engine's worker count, and the tile
+    and memory budget from ``distmm.config`` (``distmm.tile``,
+    ``distmm.memory-budget``, through ``plan_for``). This is what
+    ``distmm plan`` prints. ``distmm.plan.make_plan`` is the pure planner
+    underneath: it reads no configuration and takes every input as given.
+
+    Parameters
+    ----------
+    m, n, k : int
+        ``C[m, n] = A[m, k] @ B[k, n]``.
+    dtype : dtype
+        numpy's result dtype of the product.
+    workers : int, optional
+        Plan for this many workers; default: what the local engine runs
+        (``distmm.local-threads``, else the CPUs this process may use; 1 on a GPU).
+    tile : int or (tm, tn, tk), optional
+        As ``matmul``'s ``tile``: wins over ``distmm.tile``.
+    backend : {"auto", "numba", "blas", "raw", "cublas"}
+        As ``matmul``'s ``backend``; it decides whether the product runs on a
+        GPU, and so which memory budget applies.
+    k_splits, owner_order
+        As ``distmm.plan.make_plan``.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ValueError
+        A negative size, a worker count below 1, an unknown backend, or a
+        configuration value that does not parse.
+    TypeError
+        A dtype matmul does not take.
+
+    Examples
+    --------
+    >>> import distmm
+    >>> p = distmm.make_plan(1000, 900, 5000, "float64", workers=2, tile=512)
+    >>> p.grid, p.k_splits
+    ((2, 2), 1)
+    """
+    dt = result_dtype(np.dtype(dtype), np.dtype(dtype))
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    cfg = get_config()
+    ops = Operands(None, None, "numpy", dt, False, False, (), m, n, k)
+    hints = {} if k_splits is None else {"k_splits": k_splits}
+    if owner_order != "rows":
+        hints["owner_order"] = owner_order
+    return _resolve(_engine_for("local", "numpy", None, cfg), ops, cfg, tile=tile,
+                    backend=backend, workers=workers, hints=hints).plan
 
 
 # -- the call cache ---------------------------------------------------------------
@@ -221,17 +312,11 @@ def _lookup(a, b, engine: str, tile, backend: str):
         return None, None
 
 
-def _reuse(entry: _Resolved, a, b, engine: str):
-    """The engine and request of a cached call (or the engine's replayer, which
-    takes ``(a, b)``), or None when anything outside the key changed since it
-    was resolved (see ``CallCache``)."""
-    cfg = get_config()
-    if cfg is not entry.config:
-        return None
-    request = entry.request
-    eng = get_engine(engine, family=entry.operands.family, threads=cfg.local_threads,
-                     retry_timeout=cfg.retry_timeout)
-    if eng is not entry.engine:
+def _reuse(entry: _Resolved, a, b, eng, cfg):
+    """The request of a cached call on ``eng`` (this call's engine), or the
+    engine's replayer (which takes ``(a, b)``), or None when anything outside
+    the key changed since it was resolved (see ``CallCache``)."""
+    if cfg is not entry.config or eng is not entry.engine:
         return None
     if entry.replay is not None:
         # The engine replays the product itself: what the cache checks below cannot change
@@ -239,13 +324,14 @@ def _reuse(entry: _Resolved, a, b, engine: str):
         return entry.replay
     if entry.convert is not None and (entry.convert(a) is not a or entry.convert(b) is not b):
         return None
+    request = entry.request
     ops = replace_fast(entry.operands, a=a, b=b)
     plan, on_gpu = request.plan, request.on_gpu
     workers = eng.workers(ops, on_gpu=on_gpu)
     if (workers != plan.workers or eng.plan_hints(ops, workers)
             or memory_budget(on_gpu, config=cfg) != plan.memory_budget):
         return None
-    return eng, replace_fast(request, operands=ops)
+    return replace_fast(request, operands=ops)
 
 
 def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
@@ -268,9 +354,8 @@ def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
                              eng.replayer(request)))
 
 
-def _matmul(ops: Operands, *, engine: str, client, tile, backend: str, out=None):
-    eng, request = _request(ops, engine=engine, client=client, tile=tile, backend=backend, out=out)
-    return _squeeze(eng.run(request), ops)
+def _run(eng, ops: Operands, cfg, *, tile, backend: str, out=None):
+    return _squeeze(eng.run(_resolve(eng, ops, cfg, tile=tile, backend=backend, out=out)), ops)
 
 
 def _squeeze(out, ops: Operands):
@@ -285,14 +370,13 @@ def _squeeze(out, ops: Operands):
     return out
 
 
-def _writes_direct(out, ops: Operands, engine: str, client) -> bool:
-    """Whether the engines can write tiles into ``out`` itself: same dtype and
-    shape as the 2-D result, host memory, and no overlap with an operand."""
-    if ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
+def _writes_direct(out, ops: Operands, eng) -> bool:
+    """Whether engine ``eng`` can write tiles into ``out`` itself: the local
+    engine, same dtype and shape as the 2-D result, host memory, and no
+    overlap with an operand."""
+    if eng.name != "local" or ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
         return False
     if np.dtype(out.dtype) != ops.dtype or tuple(out.shape) != (ops.m, ops.n):
-        return False
-    if get_engine(engine, family=ops.family, client=client).name != "local":
         return False
     if isinstance(out, np.ndarray):
         return not any(isinstance(x, np.ndarray) and np.may_share_memory(out, x) for x in (ops.a, ops.b))
@@ -377,17 +461,19 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
     array([[-128]], dtype=int8)
     """
-    key = None
+    cfg = get_config()
+    key = eng = None
     if out is None and client is None:
         key, entry = _lookup(a, b, engine, tile, backend)
         if entry is not None:
-            hit = _reuse(entry, a, b, engine)
+            # the same key, the same operand types: the engine this call would get
+            eng = _engine_for(engine, entry.operands.family, None, cfg)
+            hit = _reuse(entry, a, b, eng, cfg)
             if hit is not None:
-                if type(hit) is tuple:
+                if type(hit) is Request:
                     CALLS.hits += 1
                     CALLS.last = entry
-                    eng, request = hit
-                    return _squeeze(eng.run(request), request.operands)
+                    return _squeeze(eng.run(hit), hit.operands)
                 result = hit(a, b)  # a replayer: 2-D operands, so nothing to squeeze
                 if result is not None:
                     CALLS.hits += 1
@@ -396,18 +482,19 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     if _is_distributed(a) or _is_distributed(b):
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend)
     ops = _validate(a, b)
-    if key is not None:
-        cfg = get_config()
-        eng, request = _request(ops, engine=engine, client=None, tile=tile, backend=backend)
-        _remember(key, ops, eng, request, a, b, cfg)
-        return _squeeze(eng.run(request), ops)
     if out is not None:
         _check_out(out, ops)
-        if _writes_direct(out, ops, engine, client):
-            # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
-            _matmul(ops, engine=engine, client=client, tile=tile, backend=backend, out=out)
-            return out
-    result = _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+    if eng is None:
+        eng = _engine_for(engine, ops.family, client, cfg, ops)
+    if key is not None:
+        request = _resolve(eng, ops, cfg, tile=tile, backend=backend)
+        _remember(key, ops, eng, request, a, b, cfg)
+        return _squeeze(eng.run(request), ops)
+    if out is not None and _writes_direct(out, ops, eng):
+        # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
+        _run(eng, ops, cfg, tile=tile, backend=backend, out=out)
+        return out
+    result = _run(eng, ops, cfg, tile=tile, backend=backend)
     if out is None:
         return result
     out[...] = result
@@ -535,7 +622,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             # Compute in the promoted dtype (c's precision), as a typed BLAS call would;
             # the engines cast tile by tile, so no operand is copied whole.
             ops = replace(ops, dtype=dtype)
-        product = _matmul(ops, engine=engine, client=client, tile=tile, backend=backend)
+        cfg = get_config()
+        product = _run(_engine_for(engine, ops.family, client, cfg, ops), ops, cfg, tile=tile,
+                       backend=backend)
         if alpha_t != 1:
             product = product * alpha_t
     if c is None or beta_t == 0:

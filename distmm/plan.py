@@ -339,9 +339,14 @@ def make_plan(
         C tile size (and k-block). ``None`` lets the planner choose.
     k_splits : int, optional
         Force the number of k groups; ``None`` splits k only when there are
-        fewer C tiles than workers and k is long (at least 4 k-blocks a group).
+        fewer C tiles than workers and k is long (at least 4 k-blocks a group),
+        or when one group's panels would not fit ``memory_budget``; never for
+        float16, whose elements numpy sums over k in one ascending float32 sum
+        (a k group's panels may then exceed the budget).
     memory_budget : int
         Bytes one task may hold; it bounds the tile and the k group length.
+        This pure planner reads no configuration: ``distmm.make_plan`` and
+        ``distmm.matmul`` pass the configured budget (``distmm.config``).
     owner_order : {"rows", "cols"}
         Whether each worker owns a contiguous run of C tiles in row-major
         (default) or column-major order.
@@ -400,7 +405,11 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     row_edges = split_edges(m, tm)
     col_edges = split_edges(n, tn)
     gm, gn = len(row_edges) - 1, len(col_edges) - 1
-    if k_splits is None:
+    if k_splits is None and res == np.float16:
+        # numpy's half loop sums each element over k in one ascending float32 sum; partial
+        # sums of k groups added afterwards round differently (1 ulp in float16, measured).
+        k_splits = 1
+    elif k_splits is None:
         k_splits = 1
         n_tiles = gm * gn
         if 0 < n_tiles < workers:

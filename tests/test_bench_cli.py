@@ -1,5 +1,5 @@
 """Every script under bench/ answers ``--help`` in a fresh process without cupy or a GPU, and
-bench/common.py writes the records BENCH_RECORDS.md defines."""
+bench.common writes the records BENCH_RECORDS.md defines."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-NOT_SCRIPTS = {"__init__.py", "common.py", "records.py", "mpi_blocks.py",
+NOT_SCRIPTS = {"__init__.py", "records.py", "mpi_blocks.py",
                "nvmath_peer.py", "heat_peer.py"}  # helpers, not scripts
 # CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
-pytestmark = pytest.mark.skipif(not (BENCH / "common.py").is_file(),
+pytestmark = pytest.mark.skipif(not (BENCH / "common" / "__init__.py").is_file(),
                                 reason="bench/ is not beside this tests/ folder")
 SCRIPTS = sorted(p for p in [*BENCH.glob("*.py"), *BENCH.glob("research/*.py")]
                  if p.name not in NOT_SCRIPTS)

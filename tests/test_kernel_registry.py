@@ -221,7 +221,7 @@ def test_loader_source_and_lowered_name(spec, tmp_path):
         assert spec.violations("float32", p) == []
     dtype = "float32" if spec.tunable else "float64"
     expr = spec.name_expression(dtype, p, True, False)
-    src = cuda_loader.source(spec.file) + cuda_loader._explicit_instantiation(
+    src = cuda_loader.source(spec.file) + cuda_loader.explicit_instantiation(
         expr, registry.C_TYPES[dtype])
     cu = tmp_path / "k.cu"
     cu.write_text(src)

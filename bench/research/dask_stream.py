@@ -201,7 +201,7 @@ def phased_product(bench, a, b):
     from distributed import wait
 
     import distmm
-    from distmm.cli.cluster import sync_workers
+    from bench.common import sync_workers
 
     t0 = time.perf_counter()
     lazy = distmm.matmul(a, b, client=bench.client)

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     ctype = CTYPES[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
-        # the same text the loader's nvcc path compiles (private helper: see the bench report)
-        cu.write_text(cuda_loader.source(spec.file) + cuda_loader._explicit_instantiation(expr, ctype))
+        # the same text the loader's nvcc path compiles
+        cu.write_text(cuda_loader.source(spec.file) + cuda_loader.explicit_instantiation(expr, ctype))
         res = subprocess.run(["nvcc", "-std=c++17", "-DDISTMM_NVRTC", f"-arch={args.arch}", "-cubin",
                               "-Xptxas", "-v", "-o", str(cubin), str(cu)],
                              capture_output=True, text=True)

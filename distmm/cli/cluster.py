@@ -8,14 +8,13 @@ This module covers:
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
   resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
   otherwise (``gpu_protocol``: ``protocol="auto"``);
-  ``add_cpu_workers`` adds single-thread worker processes that see no GPU
-  (``CUDA_VISIBLE_DEVICES=""``) to a running cluster (a mixed cluster);
 - random operands made on the workers, one seeded generator per chunk, numpy or cupy chunks
   (``random_array``), so that no operand travels from the client; ``to_host`` (chunks as
   numpy) and ``sync_workers`` (wait for every worker's GPU, for timing).
 
-It does *not* cover: running a product (``distmm.engine.dask``), timing and records
-(``bench/``), or what the demo prints (``distmm.cli.demo``). dask, distributed, dask_cuda and
+It does *not* cover: running a product (``distmm.engine.dask``), what only the benchmarks
+do with clusters (CPU workers beside GPU workers, timing, records: ``bench.common``), or what
+the demo prints (``distmm.cli.demo``). dask, distributed, dask_cuda and
 cupy are imported inside the functions that need them: importing this module needs none.
 
 Why workers are added through ``worker_spec``: ``LocalCUDACluster`` names its workers by
@@ -31,8 +30,7 @@ import copy
 import numpy as np
 
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
-           "PROTOCOLS", "share_workers", "add_cpu_workers", "gpu_workers",
-           "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
+           "PROTOCOLS", "share_workers", "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
@@ -74,14 +72,12 @@ def local_gpus() -> int:
         return 0
 
 
-def cpu_cluster(workers: int, *, gpu_resource: bool = False, **kwargs):
-    """A ``LocalCluster`` of ``workers`` single-thread worker processes (``gpu_resource``: each
-    carries ``GPU: 1``, as the benchmark's CPU rehearsal of a GPU cluster does)."""
+def cpu_cluster(workers: int, **kwargs):
+    """A ``LocalCluster`` of ``workers`` single-thread worker processes; ``kwargs`` go to
+    ``LocalCluster`` (``resources={"GPU": 1}``: workers standing in for GPU workers)."""
     from distributed import LocalCluster
 
     kwargs.setdefault("dashboard_address", ":0")
-    if gpu_resource:
-        kwargs.setdefault("resources", {GPU_RESOURCE: 1})
     return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, **kwargs)
 
 
@@ -144,37 +140,8 @@ def share_workers(cluster, per_worker: int, *, timeout: float = 120) -> list[str
     return names
 
 
-def add_cpu_workers(cluster, count: int, *, memory_limit: int | str | None = None,
-                    timeout: float = 120) -> list[str]:
-    """Add ``count`` single-thread worker processes that see no GPU to ``cluster``; returns
-    their names. ``memory_limit``: each worker's (default: the host's memory shared by every
-    worker of the cluster)."""
-    from distributed import Nanny
-    from distributed.system import MEMORY_LIMIT
-
-    base = cluster.new_spec["options"]
-    keep = ("host", "protocol", "security", "interface", "dashboard_address", "dashboard",
-            "silence_logs", "services")
-    options = {key: base[key] for key in keep if key in base}
-    total = len(cluster.worker_spec) + count
-    options.update(nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""},
-                   memory_limit=memory_limit if memory_limit is not None else MEMORY_LIMIT // total)
-    names = [f"cpu-{i}" for i in range(count)]
-    for name in names:
-        cluster.worker_spec[name] = {"cls": Nanny, "options": copy.deepcopy(options)}
-    cluster.scale(len(cluster.worker_spec))
-    _wait_for(cluster, len(cluster.worker_spec), timeout)
-    return names
-
-
 def _wait_for(cluster, n: int, timeout: float) -> None:
     cluster.wait_for_workers(n, timeout=timeout)
-
-
-def gpu_workers(client) -> list[str]:
-    """Addresses of the workers carrying the ``GPU`` resource, sorted."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return sorted(addr for addr, w in info.items() if w.get("resources", {}).get(GPU_RESOURCE))
 
 
 # -- operands made on the workers -----------------------------------------------------------

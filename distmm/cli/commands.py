@@ -62,14 +62,16 @@ _count = _integer_at_least(0, "must not be negative")
 
 
 def _cmd_plan(args) -> int:
-    from distmm.plan import make_plan
+    from distmm.api import make_plan
 
     tile = None
     if args.tile:
         if len(args.tile) not in (1, 3):
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
-    print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile).describe())
+    # distmm.matmul's own planning: the configured tile, backend and memory budget
+    print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
+                    backend=args.backend).describe())
     if args.ranks:
         from distmm.grid import make_grid
 
@@ -296,11 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser("plan", parents=[common], help="print the plan for C[M,N] = A[M,K] @ B[K,N]",
-                        description="print the tiling plan for C[M,N] = A[M,K] @ B[K,N]")
+                        description="print the tiling plan distmm.matmul makes for "
+                                    "C[M,N] = A[M,K] @ B[K,N] of numpy arrays in this process: "
+                                    "the tile, backend and memory budget come from distmm's "
+                                    "configuration (DISTMM_MEMORY_BUDGET, DISTMM_TILE, ...) as "
+                                    "for the product itself")
     pl.add_argument("m", type=_count, help="rows of A and C")
     pl.add_argument("n", type=_count, help="columns of B and C")
     pl.add_argument("k", type=_count, help="columns of A, rows of B")
-    pl.add_argument("--workers", type=_positive, default=1, help="workers to plan for (default 1)")
+    pl.add_argument("--workers", type=_positive, default=None,
+                    help="workers to plan for (default: the threads the local engine runs, "
+                         "distmm.local-threads or the usable cores; 1 on a GPU)")
+    pl.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="tile executor, as for distmm matmul (default auto); it decides "
+                         "whether the product runs on a GPU and so its memory budget")
     pl.add_argument("--dtype", type=_dtype, default="float64",
                     help="result element type, checked as distmm.matmul does (default float64)")
     pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",

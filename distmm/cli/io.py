@@ -37,8 +37,8 @@ from distmm.errors import OutputExists
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
                             staged_path)
 
-__all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "Target",
-           "NpyWriter", "SUFFIXES"]
+__all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
+           "check_space", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -205,7 +205,7 @@ def _check_folder(t: Target) -> None:
         raise NotADirectoryError(f"cannot write {t}: {parent} is not a folder")
 
 
-def _check_space(t: Target, nbytes: int) -> None:
+def check_space(t: Target, nbytes: int) -> None:
     """Refuse an output that cannot fit: the file system's free space, and the
     file-size limit (``ulimit -f``) for a single-file output, which HDF5 and a
     ``.npy`` file are (zarr writes one file per chunk). An HDF5 result for an
@@ -310,7 +310,7 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
 
 @contextmanager
 def _staged(t: Target, shape, dtype, exists: bool, overwrite: bool):
-    _check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     tmp = staged_path(t.path)
     try:
         if t.kind in ("npy", "h5"):

@@ -48,7 +48,7 @@ def _fail(comm, error):
 def run_matmul(args) -> int:
     from mpi4py import MPI
 
-    from distmm.cli.io import _check_space, check_target, open_operand, parse_target
+    from distmm.cli.io import check_space, check_target, open_operand, parse_target
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.plan import result_dtype
@@ -86,7 +86,7 @@ def run_matmul(args) -> int:
                                          f"rank; this rank has none (use --backend auto)")
             if comm.rank == 0:
                 check_target(target, args.overwrite)
-                _check_space(target, m * n * dtype.itemsize)
+                check_space(target, m * n * dtype.itemsize)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     phases.add("open", t0, time.perf_counter())

@@ -31,7 +31,8 @@ import distmm.executor.registry as registry
 from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
                                     load_tuning_for as load_for, store_tuning as store)
 
-__all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "tune_dtype", "main",
+__all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "time_alternating",
+           "sustained_clock", "random_operands", "relerr_gpu", "tune_dtype", "main",
            "CACHE_VERSION", "TuneRecords"]
 
 

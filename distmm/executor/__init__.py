@@ -59,6 +59,8 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
         ``on_gpu``, ``"auto"`` (the GPU executor's per-shape choice); ``"auto"``
         without ``on_gpu`` only when ``workers_decide``. Host operands go to
         the GPU for large float32/float64 products when a GPU is present.
+        ``"auto"`` for a float16 product of host operands is ``"numba"``, also
+        where workers decide: its sums give numpy's bits, BLAS's do not.
 
     Raises
     ------
@@ -75,6 +77,12 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
             raise ValueError(f"backend {backend!r} runs on the CPU; cupy operands need 'raw', "
                              f"'cublas' or 'auto'")
         return backend, not workers_decide
+    if backend == "auto" and dtype == np.float16:
+        # numpy's half loop: each element one ascending float32 sum over k (products of
+        # halves are exact in float32). distmm's numba kernels sum in that order with one
+        # FMA per term, so they give numpy's bits; BLAS's blocked sums differ by 1 ulp in
+        # a few elements of a thousand.
+        return "numba", False
     if backend in CPU_BACKENDS or workers_decide:
         return backend, False
     if dtype in (np.float32, np.float64) and flops >= AUTO_GPU_MIN_FLOPS and gpu_available():

@@ -31,7 +31,8 @@ import distmm.executor.registry as registry
 from distmm.executor import tuning
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
-           "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins"]
+           "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins",
+           "explicit_instantiation"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -78,7 +79,9 @@ def compute_capability() -> int:
     return int(dev.compute_capability)
 
 
-def _explicit_instantiation(expr: str, ctype: str) -> str:
+def explicit_instantiation(expr: str, ctype: str) -> str:
+    """The line that instantiates kernel template ``expr`` for element type ``ctype``, put
+    after a kernel's source when nvcc compiles it (``source(file) + "\n" + this``)."""
     return (f"template __global__ void {expr}(int, int, int, {ctype}, const {ctype}*, long long, "
             f"const {ctype}*, long long, {ctype}, {ctype}*, long long, int);\n")
 
@@ -93,7 +96,7 @@ def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str, defines: tup
     import cupy
 
     cc = compute_capability()
-    text = _defines_text(defines) + source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    text = _defines_text(defines) + source(spec.file) + "\n" + explicit_instantiation(expr, ctype)
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     key = hashlib.sha256(f"{cc}\n{text}\n{OPTIONS}".encode()).hexdigest()[:24]
     folder = cache_dir() / "cubin"
@@ -163,7 +166,7 @@ def _kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compil
     # to learn the lowered names), so every process would compile every kernel again. The
     # instantiation is therefore written out explicitly and its lowered name derived
     # (``mangled_name``); the module is then cached on disk like any RawModule.
-    code = _defines_text(defines) + source(spec.file) + "\n" + _explicit_instantiation(expr, ctype)
+    code = _defines_text(defines) + source(spec.file) + "\n" + explicit_instantiation(expr, ctype)
     module = cupy.RawModule(code=code, options=OPTIONS)
     kern = module.get_function(mangled_name(expr))
     try:
