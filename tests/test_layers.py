@@ -20,6 +20,8 @@ LEVELS = {
     "distmm.grid": 0,
     "distmm.plan_pipeline": 0,
     "distmm.plan_blocks": 0,
+    "distmm.plan_batch": 0,
+    "distmm.phases": 0,
     "distmm._arrays": 0,
     "distmm.config": 0,
     "distmm.errors": 0,
