@@ -61,16 +61,34 @@ def write_operand(path: Path, rows: int, cols: int, dtype, seed: int, gpu: bool)
                 fh.write(rng.standard_normal((min(step, rows - r), cols), dtype=dtype).data)
 
 
-def sampled_relerr(a_path: Path, b_path: Path, c_path: Path, rows: int = 32, seed: int = 0) -> float:
-    """``norm(C[s] - A[s] @ B) / norm(A[s] @ B)`` over ``rows`` random rows ``s``, in float64."""
+def sampled_relerr(a_path: Path, b_path: Path, c_spec: str, rows: int = 32, cols: int = 256,
+                   seed: int = 0) -> float:
+    """``norm(C[s, w] - A[s] @ B[:, w]) / norm(A[s] @ B[:, w])`` in float64, over ``rows`` random
+    rows ``s`` and a random window ``w`` of ``cols`` columns (a fresh pick per call)."""
+    from distmm.cli.io import open_operand
+
     a = np.load(a_path, mmap_mode="r")
     b = np.load(b_path, mmap_mode="r")
-    c = np.load(c_path, mmap_mode="r")
-    pick = np.sort(np.random.default_rng(seed).choice(a.shape[0], size=min(rows, a.shape[0]),
-                                                      replace=False))
-    ref = np.asarray(a[pick], dtype=np.float64) @ np.asarray(b, dtype=np.float64)
-    got = np.asarray(c[pick], dtype=np.float64)
+    c = open_operand(c_spec)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(a.shape[0], size=min(rows, a.shape[0]), replace=False))
+    c0 = int(rng.integers(0, max(1, b.shape[1] - cols)))
+    w = slice(c0, min(b.shape[1], c0 + cols))
+    ref = np.asarray(a[pick], dtype=np.float64) @ np.asarray(b[:, w], dtype=np.float64)
+    got = np.asarray(c[pick, w] if not hasattr(c, "file") else c[pick.tolist(), w],
+                     dtype=np.float64)
+    handle = getattr(c, "file", None)
+    if handle is not None:
+        handle.close()
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def remove_output(spec: str) -> None:
+    path = Path(spec.split(":")[0])
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def timed(cmd: list[str], env=None) -> tuple[float, subprocess.CompletedProcess]:
@@ -130,14 +148,16 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/distmm-batch", help="folder for the operand files")
     p.add_argument("--extra", nargs="*", default=[],
                    help="more options for distmm matmul (e.g. --backend cublas)")
-    p.add_argument("--no-cli", action="store_true", help="skip the plain single-process command")
+    p.add_argument("--no-cli", action="store_true", help="skip the single-process commands")
+    p.add_argument("--formats", nargs="*", default=[], choices=["zarr", "h5"],
+                   help="also write C as these formats, at the largest rank count")
     args = p.parse_args(argv)
     gpu = _have_gpu()
     device = gpu_name() if gpu else cpu_model()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out_dir) if args.out_dir else None
-    writer = RecordWriter("mpi-batch", device, out_dir=args.out_dir, format="npy",
+    writer = RecordWriter("mpi-batch", device, out_dir=args.out_dir, inputs="npy",
                           gpus_visible=_gpus_visible() if gpu else 0)
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
     profiles = {}
@@ -158,29 +178,37 @@ def main(argv=None) -> int:
             writer.add(name, dtype, n, n, n, sec, None, ranks=1,
                        note="reference measured in the same run")
         print("  references: " + ", ".join(f"{k} {v:.2f} s" for k, v in refs.items()), flush=True)
-        cases = [("distmm-cli", 1)] if not args.no_cli else []
-        cases += [(f"mpirun-{r}", r) for r in args.ranks]
-        for variant, ranks in cases:
-            if mpiexec is None and variant != "distmm-cli":
+        outputs = {"npy": str(c_path), "zarr": str(work / f"c{n}.zarr"),
+                   "h5": f"{work / f'c{n}.h5'}:C"}
+        # distmm-cli: one process, the local engine; batch-1: one process, the MPI engine's
+        # striped path (--engine mpi); mpirun-P: P ranks
+        cases = [("distmm-cli", 1, "npy"), ("batch-1", 1, "npy")] if not args.no_cli else []
+        cases += [(f"mpirun-{r}", r, "npy") for r in args.ranks]
+        cases += [(f"mpirun-{max(args.ranks)}-{f}", max(args.ranks), f) for f in args.formats]
+        for variant, ranks, fmt in cases:
+            if mpiexec is None and variant.startswith("mpirun"):
                 print(f"  {variant}: no mpiexec", flush=True)
                 continue
+            out = outputs[fmt]
             base = [sys.executable, "-m", "distmm", "matmul", str(a_path), str(b_path), "-o",
-                    str(c_path), "--overwrite"] + list(args.extra)
-            if variant != "distmm-cli":
+                    out, "--overwrite"] + list(args.extra)
+            if variant == "batch-1":
+                base += ["--engine", "mpi"]
+            if variant.startswith("mpirun"):
                 base = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + base
             runs = []
             for rep in range(args.repeat):
                 prof = work / f"profile-{variant}-{n}-{rep}.json"
-                c_path.unlink(missing_ok=True)
+                remove_output(out)
                 sec, proc = timed(base + ["--profile", str(prof)])
                 if proc.returncode:
                     print(f"  {variant}: failed rc={proc.returncode}: {proc.stderr.strip()[-800:]}",
                           flush=True)
                     break
-                err = sampled_relerr(a_path, b_path, c_path)
+                err = sampled_relerr(a_path, b_path, out, seed=rep)
                 data = json.loads(prof.read_text()) if prof.exists() else None
                 runs.append((sec, err, data, proc.stdout.strip().splitlines()[-2:]))
-                c_path.unlink(missing_ok=True)
+                remove_output(out)
             if not runs:
                 continue
             runs.sort(key=lambda r: r[0])
@@ -192,7 +220,7 @@ def main(argv=None) -> int:
                         totals[k] = max(totals.get(k, 0.0), v)
                 profiles[f"{variant}-{n}"] = data
             target = refs["read-cat"] + refs["write-dd-fsync"] + refs.get("cublas-incore", 0) / ranks
-            writer.add(variant, dtype, n, n, n, sec, err, ranks=ranks, repeats=len(runs),
+            writer.add(variant, dtype, n, n, n, sec, err, ranks=ranks, repeats=len(runs), output=fmt,
                        all_seconds=[r[0] for r in runs], phases=totals,
                        grid=(data or {}).get("meta", {}).get("grid"),
                        target_seconds=target, over_target=sec / target)

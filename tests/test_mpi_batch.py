@@ -260,3 +260,56 @@ def test_kill_9_leftovers_are_named_and_removed(tmp_path):
     assert not list(tmp_path.glob(".c.npy.*"))
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no cupy or no device
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks,dtype,backend,fmt", [
+    (2, "float32", "cublas", "c.npy"),
+    (3, "float64", "raw", "c.h5:C"),
+    (4, "float32", "auto", "c.zarr"),
+])
+def test_gpu_ranks_stream_their_stripes(tmp_path, ranks, dtype, backend, fmt):
+    """Ranks on GPUs (shared when fewer than ranks): NCCL or staged broadcasts, the stripes'
+    copies and GEMMs on their streams, every format through the parallel writers."""
+    if not _gpus():
+        pytest.skip("no GPU")
+    from distmm.cli.io import open_operand
+
+    a, b = _operands(tmp_path, 1031, 777, 523, dtype, seed=ranks)
+    r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / fmt,
+            "--backend", backend, "--profile", tmp_path / "p.json", DISTMM_BATCH_STRIPES="5")
+    assert r.returncode == 0, r.stderr
+    c = open_operand(str(tmp_path / fmt))
+    got = np.asarray(c[...], dtype=np.float64)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    assert np.linalg.norm(got - ref) <= tol * np.linalg.norm(ref)
+    spans = {s["phase"] for rec in json.loads((tmp_path / "p.json").read_text())["ranks"]
+             for s in rec["spans"]}
+    assert {"h2d", "gemm", "d2h", "write"} <= spans
+
+
+@pytest.mark.gpu
+def test_gpu_resume_is_bitwise_equal(tmp_path):
+    if not _gpus():
+        pytest.skip("no GPU")
+    _operands(tmp_path, 2048, 1024, 1536, "float32", seed=3)
+    args = ["matmul", tmp_path / "a.npy", tmp_path / "b.npy", "--backend", "cublas"]
+    r = run(2, *args, "-o", tmp_path / "full.npy", DISTMM_BATCH_STRIPES="16")
+    assert r.returncode == 0, r.stderr
+    stopped, _ = _interrupt_after(_cmd(2, *args, "-o", tmp_path / "c.npy", "--resume"),
+                                  _env(DISTMM_BATCH_STRIPES="16", DISTMM_BATCH_STRIPE_PAUSE="0.1"),
+                                  tmp_path, stripes=5)
+    assert stopped.returncode != 0
+    r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", DISTMM_BATCH_STRIPES="16")
+    assert r.returncode == 0, r.stderr
+    assert np.load(tmp_path / "c.npy").tobytes() == np.load(tmp_path / "full.npy").tobytes()

@@ -122,7 +122,10 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
     if f.kind == "zarr":
         import zarr
 
-        extra = {} if chunks is None else {"chunks": tuple(int(c) for c in chunks)}
+        # the batch path's chunks: every rank's stripes cover whole chunks; stored uncompressed
+        # (dense floating-point products hardly compress, and compressing costs the writers)
+        extra = {} if chunks is None else {"chunks": tuple(int(c) for c in chunks),
+                                           "compressors": None}
         zarr.open_array(str(staged_path(f.path, pid)), mode="w-", shape=shape, dtype=dtype,
                         **extra)
         return None
