@@ -167,6 +167,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         try:
             start = time.perf_counter()
             device = local_gpu(comm) if on_gpu else None
+            if on_gpu:  # cuBLAS starts on a thread while the ranks plan and open the output
+                from distmm.executor.cublas import start_cublas
+
+                start_cublas(np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.float64)
             plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=_device_memory(on_gpu, comm),
                               stripes=get_config().batch_stripes)
             outcome.plan = plan
@@ -196,6 +200,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
             with phases.phase("startup"):
                 comms = grid_comms(comm, plan.grid, on_gpu=on_gpu, device=device)
+                warm = _warm_links(comms, plan.grid.acc_dtype) if on_gpu else []
             bar = progress(len(todo)) if progress is not None else None
 
             def written(stripe):
@@ -210,6 +215,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                             on_written=written)
             if bar is not None:
                 bar.close()
+            del warm
         except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
             error = exc
             watch.tell(*reversed(_judged(exc, judge)))
@@ -256,6 +262,20 @@ def _stripes(plan: BatchPlan | None) -> int:
         return 0
     g = plan.grid
     return sum(plan.stripe_count(g.coords(r)[1]) for r in range(g.ranks))
+
+
+def _warm_links(comms, dtype) -> list:
+    """Queue a one-element broadcast on each NCCL communicator: NCCL connects its peers on
+    first use, and this way that happens while the ranks read B, not in the first panel's
+    broadcast."""
+    import cupy
+
+    buffers = []
+    for broadcaster in (comms.row, comms.col):
+        if getattr(broadcaster, "nccl", None) is not None:
+            buffers.append(cupy.zeros(1, dtype=dtype))
+            broadcaster.ibcast(buffers[-1], 0)
+    return buffers  # the caller keeps them until the product ends (NCCL writes into them)
 
 
 def _finish(args, pid: int, *, ok: bool, keep: bool):

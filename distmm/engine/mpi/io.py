@@ -122,12 +122,15 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
     if f.kind == "zarr":
         import zarr
 
-        # the batch path's chunks: every rank's stripes cover whole chunks; stored uncompressed
-        # (dense floating-point products hardly compress, and compressing costs the writers)
-        extra = {} if chunks is None else {"chunks": tuple(int(c) for c in chunks),
-                                           "compressors": None}
-        zarr.open_array(str(staged_path(f.path, pid)), mode="w-", shape=shape, dtype=dtype,
-                        **extra)
+        staged = str(staged_path(f.path, pid))
+        if chunks is None:
+            zarr.open_array(staged, mode="w-", shape=shape, dtype=dtype)
+        else:
+            # the batch path's chunks: every rank's stripes cover whole chunks; stored
+            # uncompressed (dense floating-point products hardly compress, and compressing
+            # would cost the writers more than the disk saves)
+            zarr.create_array(staged, shape=shape, dtype=dtype,
+                              chunks=tuple(int(c) for c in chunks), compressors=None)
         return None
     return create_h5_stage(staged_path(f.path, pid), f.dataset, shape, dtype)
 
