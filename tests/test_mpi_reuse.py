@@ -19,7 +19,10 @@ CASES = Path(__file__).resolve().parent / "mpi_reuse_cases.py"
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+# 2 and 3 ranks (the smallest grid of several ranks, and an odd one) by default; 1 and 4
+# under ``pytest -m slow``
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 3,
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_grid_communicators_are_reused_and_released_at_exit(ranks, mpirun):
     r = mpirun(ranks, CASES)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
