@@ -196,7 +196,7 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     rng = np.random.default_rng()
     a, b, A, B = _placed_pair(client, w0, w1, rng)
     with equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
-                                         transfer.DEVICE_CHUNKS_KEY: True}):
+                                        transfer.DEVICE_CHUNKS_KEY: True}):
         C = distmm.matmul(A, B, client=client)
     stats = last_stats()
     half_b = 384 * 512 * 8
