@@ -14,39 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distmm
+from conftest import assert_matches_numpy, random_array
 
 CPU_BACKENDS = ["numba", "blas"]
-FLOAT_TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13,
-             np.complex64: 2e-6, np.complex128: 1e-13, np.longdouble: 1e-13}
-
-
-def random_array(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind == "b":
-        return rng.random(shape) < 0.3
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
-    if dtype.kind == "c":
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def assert_matches_numpy(got, a, b):
-    """Exact for integers and booleans; relative error against a float64 (or
-    complex128) reference for floating types."""
-    want = np.matmul(a, b)
-    assert np.shape(got) == np.shape(want)
-    assert np.asarray(got).dtype == want.dtype
-    if want.dtype.kind in "biuO":
-        np.testing.assert_array_equal(got, want)
-        return
-    ref_type = np.complex128 if want.dtype.kind == "c" else np.float64
-    ref = np.matmul(np.asarray(a, ref_type), np.asarray(b, ref_type))
-    den = np.linalg.norm(ref) or 1.0
-    err = np.linalg.norm(np.asarray(got, ref_type) - ref) / den
-    assert err <= FLOAT_TOL[want.dtype.type] * max(1, np.sqrt(a.shape[-1])), err
-
 
 SHAPES = [
     ((7, 33), (33, 5)),

@@ -102,13 +102,10 @@ def test_device_runner_rejects_unknown_workloads():
     assert "no-such-workload" in res.stderr
 
 
+@pytest.mark.mpi
 def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
     """bench/mpi.py at 4 ranks (square) and a ragged n: a checked pylops-mpi record where
     pylops_mpi imports, otherwise a printed reason and no record (never a zero timing)."""
-    import shutil
-
-    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
-        pytest.skip("no mpiexec on PATH")
     env = dict(_env(), OPENBLAS_NUM_THREADS="1")
     has_pylops = subprocess.run([sys.executable, "-c", "import pylops_mpi"], env=env,
                                 capture_output=True, timeout=300).returncode == 0
@@ -134,14 +131,11 @@ def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
         assert "not run: import pylops_mpi failed" in lines[0], lines[0]
 
 
+@pytest.mark.mpi
 def test_mpi_bench_nvmath_peer_says_why_and_changes_no_record(tmp_path):
     """bench/mpi.py with the nvmath-python peer asked for where it does not load (no nvmath
     here; on a machine with it, the CPU mode refuses it): one line with the reason, no
     record, and the other records as in the same run without the peer."""
-    import shutil
-
-    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
-        pytest.skip("no mpiexec on PATH")
     env = dict(_env(), OPENBLAS_NUM_THREADS="1")
     runs = {}
     for name, peers in (("without", ["--peers", "pylops-mpi"]),
@@ -184,14 +178,11 @@ def _heat_env(site):
     return env, "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
+@pytest.mark.mpi
 def test_mpi_bench_heat_peer_checked_record(tmp_path):
     """bench/mpi.py with the heat peer on 2 ranks and an odd n (uneven split-0 rows): a heat
     record whose relerr covers every row of C against float64, where heat and torch import
     (from $DISTMM_HEAT_SITE, a folder with heat 1.8.0 installed --no-deps beside torch)."""
-    import shutil
-
-    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
-        pytest.skip("no mpiexec on PATH")
     site = os.environ.get("DISTMM_HEAT_SITE", "")
     env, why = _heat_env(site)
     if why:
@@ -215,13 +206,10 @@ def test_mpi_bench_heat_peer_checked_record(tmp_path):
     assert "not run" not in line and "splits=0,0->0" in line, line
 
 
+@pytest.mark.mpi
 def test_mpi_bench_heat_not_installed_says_why(tmp_path):
     """bench/mpi.py with the heat peer asked for where ``import heat`` fails (CI: no heat, no
     torch): one line with the import's own error, and no heat record."""
-    import shutil
-
-    if not (shutil.which("mpiexec") or shutil.which("mpirun")):
-        pytest.skip("no mpiexec on PATH")
     env, why = _heat_env("")
     if not why:
         pytest.skip("import heat works in this environment: nothing is missing")

@@ -7,14 +7,15 @@ gathered through DistArray, equal the whole matrix made in this process.
 """
 from __future__ import annotations
 
-import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from distmm.grid import _candidates, make_grid
-from test_mpi import ROOT, mpi_env, mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # CI runs the tests from a copy of tests/ alone (against the installed package): no bench/ there
 if not (ROOT / "bench" / "mpi_blocks.py").is_file():
@@ -84,13 +85,11 @@ if comm.rank == 0:
 
 
 @pytest.mark.mpi
-def test_ranks_make_only_their_blocks_of_the_same_matrix(tmp_path):
+def test_ranks_make_only_their_blocks_of_the_same_matrix(tmp_path, mpirun):
     seed = int(np.random.SeedSequence().entropy % 2**32)
     script = tmp_path / "blocks.py"
     script.write_text(SCRIPT)
     out = tmp_path / "a.npy"
-    r = subprocess.run([mpiexec(), "-n", "3", "--oversubscribe", sys.executable, str(script),
-                        "301", "7", "255", str(seed), str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env=mpi_env())
+    r = mpirun(3, script, 301, 7, 255, seed, out, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert np.array_equal(np.load(out), mpi_blocks.full(A, (301, 255), "float64", seed))

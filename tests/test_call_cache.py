@@ -21,7 +21,7 @@ import pytest
 
 import distmm
 from distmm.api import CALLS
-from test_api import assert_matches_numpy, random_array
+from conftest import assert_matches_numpy, random_array
 
 ROOT = Path(__file__).resolve().parent.parent
 

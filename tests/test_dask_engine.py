@@ -31,28 +31,7 @@ DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
           "float16", "float32", "float64", "complex64", "complex128"]
 
 
-@pytest.fixture(autouse=True)
-def _tile_mode():
-    """These tests cover tile mode (one task per plan tile); on a GPU machine
-    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
-    import dask.config
-
-    with dask.config.set({"distmm.dask-layout": "tiles"}):
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", memory_limit="3GiB") as cl:
-        yield cl
-
-
-@pytest.fixture()
-def client(cluster):
-    with distributed.Client(cluster) as c:
-        c.wait_for_workers(2, timeout=60)
-        yield c
+pytestmark = pytest.mark.usefixtures("tile_mode")
 
 
 def _operands(rng, shape_a, shape_b, dtype):

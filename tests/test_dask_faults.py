@@ -16,9 +16,6 @@ in which the test itself brings a worker back.
 """
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import numpy as np
@@ -29,16 +26,9 @@ distributed = pytest.importorskip("distributed")
 from distmm.engine import Operands, Request, get_engine  # noqa: E402
 from distmm.errors import WorkersLost  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
+from conftest import kill_workers, start_call  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _tile_mode():
-    """These tests cover tile mode (one task per plan tile); on a GPU machine
-    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
-    import dask.config
-
-    with dask.config.set({"distmm.dask-layout": "tiles"}):
-        yield
+pytestmark = pytest.mark.usefixtures("tile_mode")
 
 
 @pytest.fixture(scope="module")
@@ -71,26 +61,9 @@ def _wait_for_no_worker(client, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _start_call(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` on a started thread; returns ``(thread, out)``,
-    ``out`` getting ``"c"`` (the result) or ``"error"`` (what it raised, for the
-    test's assertion to report). Tests kill workers while it runs."""
-    out: dict = {}
-
-    def product():
-        try:
-            out["c"] = fn(*args, **kwargs)
-        except BaseException as exc:  # reported by the caller's assertion
-            out["error"] = exc
-
-    run = threading.Thread(target=product)
-    run.start()
-    return run, out
-
-
 def _start_product(engine, request):
-    """``engine.run(request)`` on a thread (``_start_call``)."""
-    return _start_call(engine.run, request)
+    """``engine.run(request)`` on a thread (``start_call``)."""
+    return start_call(engine.run, request)
 
 
 def _request(engine, a, b, tile):
@@ -99,38 +72,6 @@ def _request(engine, a, b, tile):
     ops = Operands(a, b, "numpy", np.dtype("float64"), False, False, (), m, n, k)
     plan = make_plan(m, n, k, "float64", workers=engine.workers(ops, on_gpu=False), tile=tile)
     return Request(ops, plan, "blas")
-
-
-def _product_running(client) -> bool:
-    def running(dask_scheduler):
-        return any(ts.state == "processing" for key, ts in dask_scheduler.tasks.items()
-                   if isinstance(key, tuple) and "distmm-" in str(key[0]))
-
-    return client.run_on_scheduler(running)
-
-
-def _kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
-    """SIGKILL ``kills`` of the worker processes alive when the product started,
-    one every ``gap`` seconds while ``run`` is alive; returns how many were
-    killed before it ended. Replacements the nannies start are left alone (a
-    worker killed while its nanny is still starting it may not come back)."""
-    deadline = time.monotonic() + 60
-    while not _product_running(client):
-        if not run.is_alive() or time.monotonic() > deadline:
-            return 0
-        time.sleep(0.01)
-    pids = sorted(client.run(os.getpid, on_error="ignore").values())
-    killed = 0
-    for pid in pids[-kills:]:
-        if not run.is_alive():
-            break
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except ProcessLookupError:
-            pass
-        time.sleep(gap)
-    return killed
 
 
 @pytest.mark.slow
@@ -148,7 +89,7 @@ def test_three_workers_killed_in_one_run_give_the_same_bits(client):
         request = _request(engine, a, b, 128)
         run, out = _start_product(engine, request)
         try:
-            killed = _kill_workers(client, run, kills=3, gap=0.1)
+            killed = kill_workers(client, run, kills=3, gap=0.1)
         finally:
             run.join(180)
         assert not run.is_alive()
@@ -247,7 +188,7 @@ def test_workers_killed_while_reading_file_operands_give_the_same_bits(client, t
     engine = get_engine("dask", client=client, retry_timeout=60.0)
     run, out = _start_product(engine, _request(engine, am, bm, 128))
     try:
-        killed = _kill_workers(client, run, kills=2, gap=0.1)
+        killed = kill_workers(client, run, kills=2, gap=0.1)
     finally:
         run.join(180)
     assert not run.is_alive()

@@ -21,15 +21,6 @@ import distmm  # noqa: E402
 from distmm.engine.dask import files, last_stats  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def client():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0") as cl, \
-            distributed.Client(cl) as c:
-        c.wait_for_workers(2, timeout=120)
-        yield c
-
-
 def _read_tasks(ts, operand: str) -> int:
     """Tasks of the task stream that read blocks of operand ``a`` or ``b`` from a file."""
     return sum(1 for t in ts.data if isinstance(t["key"], tuple)

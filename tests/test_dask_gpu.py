@@ -4,16 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_api import assert_matches_numpy, random_array
-
 cupy = pytest.importorskip("cupy")
 dask_cuda = pytest.importorskip("dask_cuda")
-try:
-    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # pragma: no cover - depends on the machine
-    _HAS_GPU = False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 import dask.array as da  # noqa: E402
 import distributed  # noqa: E402
@@ -21,6 +15,7 @@ from distributed import Client  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.engine.dask import last_stats  # noqa: E402
+from conftest import assert_matches_numpy, kill_workers, random_array, start_call  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +73,6 @@ def _device_identity():
     return os.environ.get("CUDA_VISIBLE_DEVICES"), props["pciBusID"], props["pciDeviceID"]
 
 
-@pytest.fixture(scope="module")
-def shared_client():
-    from distmm.cli.cluster import gpu_cluster
-
-    with gpu_cluster("0", per_device=2) as cluster, Client(cluster) as client:
-        client.wait_for_workers(2, timeout=120)
-        yield client
-
-
 def test_two_workers_sharing_one_gpu_give_the_product(shared_client):
     from distmm.cli.cluster import GPU_RESOURCE, random_array as cluster_random
     from distmm.cli.cluster import to_host
@@ -131,8 +117,6 @@ def test_gpu_worker_killed_mid_run_gives_the_same_bits(shared_client):
     starts a new one, lost tiles are computed again, and C is bitwise the undisturbed C."""
     import time
 
-    from test_dask_faults import _kill_workers, _start_call
-
     client = shared_client
     rng = np.random.default_rng()
     for rows in (3001, 6007, 12011):  # larger when the product ended before the kill
@@ -142,9 +126,9 @@ def test_gpu_worker_killed_mid_run_gives_the_same_bits(shared_client):
         b = rng.standard_normal((4099, 2999)).astype(np.float32)
         undisturbed = distmm.matmul(a, b, client=client, tile=256)
         assert_matches_numpy(undisturbed, a, b)
-        thread, out = _start_call(distmm.matmul, a, b, client=client, tile=256)
+        thread, out = start_call(distmm.matmul, a, b, client=client, tile=256)
         try:
-            killed = _kill_workers(client, thread, kills=1, gap=0.05)
+            killed = kill_workers(client, thread, kills=1, gap=0.05)
         finally:
             thread.join(300)
         assert not thread.is_alive()

@@ -40,7 +40,7 @@ from distmm.engine.dask.pull import Pull  # noqa: E402
 from distmm.engine.dask.workers import DEVICES_KEY  # noqa: E402
 from distmm.plan_blocks import Unit  # noqa: E402
 from distmm.executor import ipc  # noqa: E402
-from test_dask_locality import _check, _equal_gpus, _placed, pair  # noqa: E402,F401
+from conftest import assert_close, equal_gpus, placed  # noqa: E402
 
 # -- the route rule, pure ---------------------------------------------------------------------
 
@@ -187,8 +187,8 @@ def _placed_pair(client, w0, w1, rng):
     halves one each (``test_dask_locality``'s first case): the chosen layout
     puts the top block on the second worker, and each worker lacks one B half."""
     a, b = rng.standard_normal((1024, 768)), rng.standard_normal((768, 512))
-    A = _placed(client, a, ((512, 512), (768,)), [[w1], [w0]])
-    B = _placed(client, b, ((384, 384), (512,)), [[w0], [w1]])
+    A = placed(client, a, ((512, 512), (768,)), [[w1], [w0]])
+    B = placed(client, b, ((384, 384), (512,)), [[w0], [w1]])
     return a, b, A, B
 
 
@@ -196,8 +196,8 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b, A, B = _placed_pair(client, w0, w1, rng)
-    with _equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
-                                         transfer.DEVICE_CHUNKS_KEY: True}):
+    with equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
+                                        transfer.DEVICE_CHUNKS_KEY: True}):
         C = distmm.matmul(A, B, client=client)
     stats = last_stats()
     half_b = 384 * 512 * 8
@@ -245,14 +245,14 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     # the offers (with the chunks) came through the holders' handler, once; the output
     # chunks fetched the exports' small receipts only
     assert measured["by_name"].get(export_name, 0) <= 4096, measured["by_name"]
-    _check(C.compute(), a @ b)
+    assert_close(C.compute(), a @ b)
 
 
 def test_tcp_leaves_the_graph_as_it_was(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b, A, B = _placed_pair(client, w0, w1, rng)
-    with _equal_gpus():
+    with equal_gpus():
         plain = distmm.matmul(A, B, client=client)  # numpy meta: no device chunks
         before = last_stats()
         with dask.config.set({"distmm.dask-device-transfer": "tcp",
@@ -267,7 +267,7 @@ def test_tcp_leaves_the_graph_as_it_was(pair):
     half_b = 384 * 512 * 8
     assert stats["estimated_bytes"] == dict(before["estimated_bytes"], ipc=0)
     assert stats["estimated_bytes"]["worker_to_worker"] == 2 * half_b
-    _check(C.compute(), a @ b)
+    assert_close(C.compute(), a @ b)
 
 
 def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
@@ -279,7 +279,7 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     debug = {DEVICES_KEY: {w0: "dev-0", w1: "dev-1"}, transfer.DEVICE_CHUNKS_KEY: True,
              "distmm.dask-device-transfer": "auto"}  # the default, said outright
     seen = []
-    with _equal_gpus(), dask.config.set(debug):
+    with equal_gpus(), dask.config.set(debug):
         for _ in range(2):
             C = distmm.matmul(A, B, client=client)
             seen.append(last_stats()["transfer"])
@@ -292,7 +292,7 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     assert _layer(C, "distmm-export-") is None
     # the probes' exports are gone from the workers
     assert all(n == 0 for n in client.run(ipc.probe_release).values())
-    _check(C.compute(), a @ b)
+    assert_close(C.compute(), a @ b)
 
 
 # -- the exports' lifetime ---------------------------------------------------------------------

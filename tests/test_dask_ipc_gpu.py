@@ -1,6 +1,6 @@
 """CUDA IPC between GPU worker processes of one host, on a real GPU (one is enough).
 
-Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of test_dask_gpu:
+Covers, on two dask-cuda workers sharing GPU 0 (``shared_client`` of conftest.py:
 ``gpu_cluster("0", per_device=2)``): ``distmm.executor.ipc.export`` in one process and
 ``open_copy`` in the other, bitwise equal to the source for float32, float64 and int32, odd
 shapes, an empty array, non-contiguous sources (copied contiguous by the export) and a
@@ -23,26 +23,20 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
-dask_cuda = pytest.importorskip("dask_cuda")
-try:
-    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # pragma: no cover - depends on the machine
-    _HAS_GPU = False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 import dask  # noqa: E402
 import distributed  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.engine.dask import last_stats, transfer, transfer_report  # noqa: E402
-from test_dask_gpu import shared_client  # noqa: E402,F401 - the fixture (two workers, GPU 0)
-from test_dask_locality import _placed  # noqa: E402
+from conftest import placed  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def shared(shared_client):
-    """test_dask_gpu's two workers on GPU 0, and their addresses in order."""
+    """``shared_client``'s two workers on GPU 0, and their addresses in order."""
     w0, w1 = sorted(shared_client.scheduler_info(n_workers=-1)["workers"])
     return shared_client, w0, w1
 
@@ -329,8 +323,8 @@ def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
     rng = np.random.default_rng()
     a = cupy.asarray(rng.standard_normal((2027, 1531)).astype(np.float32))
     b = cupy.asarray(rng.standard_normal((1531, 999)).astype(np.float32))
-    A = _placed(client, a, ((1000, 1027), (765, 766)), [[w0, w0], [w1, w1]])
-    B = _placed(client, b, ((765, 766), (999,)), [[w0], [w1]])
+    A = placed(client, a, ((1000, 1027), (765, 766)), [[w0, w0], [w1, w1]])
+    B = placed(client, b, ((765, 766), (999,)), [[w0], [w1]])
     del a, b
     results = {}
     for mode in ("auto", "tcp"):

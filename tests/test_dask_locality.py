@@ -24,53 +24,9 @@ import dask  # noqa: E402
 import distmm  # noqa: E402
 from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
 from distmm.engine.dask.workers import DEVICES_KEY  # noqa: E402
+from conftest import assert_close, equal_gpus, placed  # noqa: E402
 
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """Two single-thread worker processes, both GPU by their resource only;
-    their addresses in the engine's (sorted) order."""
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", memory_limit="2GiB",
-                                  resources={"GPU": 1}, env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
-            distributed.Client(cl) as client:
-        client.wait_for_workers(2, timeout=60)
-        w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        yield client, w0, w1
-
-
-def _equal_gpus():
-    return dask.config.set({"distmm.dask-worker-gflops": {"gpu": 1000, "cpu": 1}})
-
-
-def _placed(client, x, chunks, where):
-    """``x`` as a dask array of ``chunks`` whose chunk ``(i, j)`` is persisted
-    on ``where[i][j]``; checked with ``who_has``."""
-    rows, cols = np.cumsum((0,) + chunks[0]), np.cumsum((0,) + chunks[1])
-    pieces = []
-    for i in range(len(chunks[0])):
-        line = []
-        for j in range(len(chunks[1])):
-            blk = da.from_array(x[rows[i]:rows[i + 1], cols[j]:cols[j + 1]], chunks=-1)
-            line.append(client.persist(blk, workers=[where[i][j]]))
-        pieces.append(line)
-    distributed.wait([p for line in pieces for p in line])
-    out = client.persist(da.block(pieces))
-    distributed.wait(out)
-    held = client.who_has(out)
-    for i, line in enumerate(where):
-        for j, w in enumerate(line):
-            assert held[(out.name, i, j)] == (w,), (held, where)
-    return out
-
-
-def _check(got, want):
-    if want.dtype.kind in "iu":
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max())
 
 
 def _run_lazy(client, A, B):
@@ -94,11 +50,11 @@ def test_blocks_go_where_their_operands_are(pair, dtype):
         a, b = rng.integers(-50, 50, (m, k)), rng.integers(-50, 50, (k, n))
     else:
         a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-    A = _placed(client, a, ((512, 512), (768,)), [[w1], [w0]])
-    B = _placed(client, b, ((384, 384), (512,)), [[w0], [w1]])
-    with _equal_gpus():
+    A = placed(client, a, ((512, 512), (768,)), [[w1], [w0]])
+    B = placed(client, b, ((384, 384), (512,)), [[w0], [w1]])
+    with equal_gpus():
         got, stats, measured = _run_lazy(client, A, B)
-    _check(got, a @ b)
+    assert_close(got, a @ b)
     loc = stats["locality"]
     half_b = 384 * 512 * 8
     assert stats["grid"] == (2, 1)
@@ -121,9 +77,9 @@ def test_operands_persisted_by_dask_move_no_more_than_naively(pair):
     B = gen.standard_normal((1000, 1280), chunks=(500, 256)).persist()
     distributed.wait([A, B])
     a, b = A.compute(), B.compute()
-    with _equal_gpus():
+    with equal_gpus():
         got, stats, measured = _run_lazy(client, A, B)
-    _check(got, a @ b)
+    assert_close(got, a @ b)
     loc = stats["locality"]
     est = stats["estimated_bytes"]["worker_to_worker"]
     assert est == loc["estimated_bytes"] <= loc["naive_bytes"]
@@ -144,9 +100,9 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b = rng.integers(-9, 9, (777, 513)), rng.integers(-9, 9, (513, 655))
-    A = _placed(client, a, ((400, 377), (513,)), [[w1], [w1]])
-    B = _placed(client, b, ((513,), (300, 355)), [[w1, w1]])
-    with _equal_gpus(), _shared_device(w0, w1):
+    A = placed(client, a, ((400, 377), (513,)), [[w1], [w1]])
+    B = placed(client, b, ((513,), (300, 355)), [[w1, w1]])
+    with equal_gpus(), _shared_device(w0, w1):
         got, stats, measured = _run_lazy(client, A, B)
     np.testing.assert_array_equal(got, a @ b)
     loc = stats["locality"]
@@ -158,10 +114,10 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
     assert stats["estimated_bytes"]["worker_to_worker"] == 0 and measured == 0
     # numpy operands: one unit, each operand scattered once, nothing between workers
     x, y = rng.standard_normal((900, 301)), rng.standard_normal((301, 700))
-    with _equal_gpus(), _shared_device(w0, w1):
+    with equal_gpus(), _shared_device(w0, w1):
         got = distmm.matmul(x, y, client=client)
     stats = last_stats()
-    _check(got, x @ y)
+    assert_close(got, x @ y)
     assert stats["locality"]["colocated"]["chosen"] == "one unit per device"
     assert len(stats["units"]) == 1 and stats["cells"] == 1
     assert stats["estimated_bytes"]["scatter"] == x.nbytes + y.nbytes
@@ -174,9 +130,9 @@ def test_colocated_workers_stay_apart_when_that_moves_less(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b = rng.integers(-9, 9, (1024, 768)), rng.integers(-9, 9, (768, 512))
-    A = _placed(client, a, ((512, 512), (768,)), [[w0], [w1]])
-    B = _placed(client, b, ((384, 384), (512,)), [[w1], [w0]])
-    with _equal_gpus(), _shared_device(w0, w1):
+    A = placed(client, a, ((512, 512), (768,)), [[w0], [w1]])
+    B = placed(client, b, ((384, 384), (512,)), [[w1], [w0]])
+    with equal_gpus(), _shared_device(w0, w1):
         got, stats, measured = _run_lazy(client, A, B)
     np.testing.assert_array_equal(got, a @ b)
     loc = stats["locality"]
@@ -196,10 +152,10 @@ def test_numpy_blocks_go_straight_to_their_workers(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b = rng.standard_normal((1200, 700)), rng.standard_normal((700, 1100))
-    with _equal_gpus(), dask.config.set({"distmm.memory-budget": "6MiB"}):
+    with equal_gpus(), dask.config.set({"distmm.memory-budget": "6MiB"}):
         got = distmm.matmul(a, b, client=client)
     stats = last_stats()
-    _check(got, a @ b)
+    assert_close(got, a @ b)
     assert stats["mode"] == "blocks" and stats["cells"] > 2
     assert stats["estimated_bytes"]["worker_to_worker"] == 0
     assert stats["estimated_bytes"]["scatter"] >= a.nbytes + b.nbytes

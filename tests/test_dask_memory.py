@@ -27,14 +27,7 @@ from distmm.engine.dask import MEMORY_FRACTION  # noqa: E402
 from distmm.api import _validate  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _tile_mode():
-    """These tests cover tile mode (one task per plan tile); on a GPU machine
-    the workers would see the GPU and run block mode (tests/test_dask_placement.py)."""
-    import dask.config
-
-    with dask.config.set({"distmm.dask-layout": "tiles"}):
-        yield
+pytestmark = pytest.mark.usefixtures("tile_mode")
 
 
 def _cluster(limit: str):

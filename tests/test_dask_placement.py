@@ -27,6 +27,7 @@ import distmm  # noqa: E402
 from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
 from distmm.plan_blocks import block_layout, shares, worker_grid  # noqa: E402
 from distmm.plan import reduction_tree  # noqa: E402
+from conftest import kill_workers, start_call  # noqa: E402
 
 
 # -- the layout, pure -----------------------------------------------------------
@@ -471,8 +472,6 @@ def test_cpu_only_clusters_keep_one_task_per_tile():
 def test_block_mode_survives_killed_workers_with_the_same_bits():
     """The eager loop's retries in block mode: two of three GPU-marked workers
     killed mid-run, the cells they held run again, bitwise equal."""
-    from test_dask_faults import _kill_workers, _start_call
-
     rng = np.random.default_rng()
     a, b = rng.standard_normal((1536, 2500)), rng.standard_normal((2500, 1536))
     with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
@@ -482,9 +481,9 @@ def test_block_mode_survives_killed_workers_with_the_same_bits():
         client.wait_for_workers(3, timeout=60)
         undisturbed = distmm.matmul(a, b, client=client)
         assert last_stats()["mode"] == "blocks" and last_stats()["cells"] >= 16
-        run, out = _start_call(distmm.matmul, a, b, client=client)
+        run, out = start_call(distmm.matmul, a, b, client=client)
         try:
-            killed = _kill_workers(client, run, kills=2, gap=0.1)
+            killed = kill_workers(client, run, kills=2, gap=0.1)
         finally:
             run.join(120)
     assert killed >= 1, "the product ended before a worker could be killed"

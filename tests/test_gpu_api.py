@@ -5,15 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_api import assert_matches_numpy, random_array
+from conftest import assert_matches_numpy, random_array
 
 cupy = pytest.importorskip("cupy")
-try:
-    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # pragma: no cover - depends on the machine
-    _HAS_GPU = False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="no CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 import distmm  # noqa: E402
 

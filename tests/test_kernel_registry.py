@@ -186,9 +186,14 @@ def _nvcc(args, src=None):
     return subprocess.run([NVCC, *args], capture_output=True, text=True, input=src)
 
 
+# The first source for both architectures in the default run; every other source (seconds
+# of nvcc each) under ``pytest -m slow``, as in CI's own nvcc pass over every kernel.
+NVCC_CASES = [pytest.param(file, arch, marks=() if file == CU_FILES[0] else pytest.mark.slow)
+              for file in CU_FILES for arch in ("sm_90", "sm_80")]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-@pytest.mark.parametrize("file", CU_FILES)
+@pytest.mark.parametrize("file,arch", NVCC_CASES)
 def test_source_compiles_with_nvcc(file, arch, tmp_path):
     res = _nvcc(["-std=c++17", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "k.cubin"),
                  str(CUDA_DIR / file)])

@@ -9,10 +9,6 @@ tests/test_mpi_cli.py. The grid planner itself is tested here without MPI.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,28 +17,12 @@ import pytest
 from distmm.grid import BlockLayout, even_edges, make_grid
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-
-
-def mpi_env():
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def mpiexec():
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec on PATH")
-    return exe
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_mpi_engine_cases(ranks, tmp_path):
-    r = subprocess.run([mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable,
-                        str(HERE / "mpi_cases.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=240, env=mpi_env())
+def test_mpi_engine_cases(ranks, tmp_path, mpirun):
+    r = mpirun(ranks, HERE / "mpi_cases.py", tmp_path, timeout=240)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0
 
@@ -103,11 +83,10 @@ print("NOT ABORTED", comm.rank, flush=True)
 
 
 @pytest.mark.mpi
-def test_a_failure_on_one_rank_aborts_the_job(tmp_path):
+def test_a_failure_on_one_rank_aborts_the_job(tmp_path, mpirun):
     script = tmp_path / "abort.py"
     script.write_text(ABORT_SCRIPT)
-    r = subprocess.run([mpiexec(), "-n", "2", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=60, env=mpi_env())
+    r = mpirun(2, script, timeout=60)
     assert r.returncode != 0
     assert "calling MPI_Abort" in r.stderr and "ArithmeticError: boom" in r.stderr, r.stderr[-3000:]
     assert "NOT ABORTED" not in r.stdout

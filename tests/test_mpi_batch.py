@@ -22,31 +22,27 @@ import pytest
 
 pytestmark = pytest.mark.mpi
 
-ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.fixture
+def batch_env(mpi_env):
+    """``batch_env(**extra)``: the ranks' environment (numba on one thread) with ``extra``."""
+    return lambda **extra: {**mpi_env, "NUMBA_NUM_THREADS": "1", **extra}
 
 
-def _env(**extra):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.update(extra)
-    return env
+@pytest.fixture
+def cmd(mpiexec):
+    """``cmd(ranks, *argv)``: the ``mpiexec`` command line of ``distmm *argv``."""
+    return lambda ranks, *argv: [mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable,
+                                 "-m", "distmm", *[str(a) for a in argv]]
 
 
-def _cmd(ranks, *argv):
-    import shutil
-
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec on PATH")
-    return [exe, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "distmm",
-            *[str(a) for a in argv]]
-
-
-def run(ranks, *argv, timeout=180, **env):
-    return subprocess.run(_cmd(ranks, *argv), capture_output=True, text=True, timeout=timeout,
-                          env=_env(**env))
+@pytest.fixture
+def run(cmd, batch_env):
+    """``run(ranks, *argv, timeout=180, **env)``: ``distmm *argv`` under mpiexec, finished."""
+    def go(ranks, *argv, timeout=180, **env):
+        return subprocess.run(cmd(ranks, *argv), capture_output=True, text=True,
+                              timeout=timeout, env=batch_env(**env))
+    return go
 
 
 def _operands(d: Path, m, k, n, dtype, seed):
@@ -72,7 +68,7 @@ def _operands(d: Path, m, k, n, dtype, seed):
     (3, (2, 5, 7), "float64"),       # fewer rows than ranks: some ranks own nothing
     (4, (33, 19, 20), "bool"),
 ])
-def test_products_match_numpy(tmp_path, ranks, shape, dtype):
+def test_products_match_numpy(tmp_path, run, ranks, shape, dtype):
     m, k, n = shape
     a, b = _operands(tmp_path, m, k, n, dtype, seed=ranks * 100 + m)
     poison = tmp_path / "c.npy"
@@ -92,7 +88,7 @@ def test_products_match_numpy(tmp_path, ranks, shape, dtype):
     assert not list(tmp_path.glob(".c.npy.*"))  # nothing staged is left
 
 
-def test_profile_file(tmp_path):
+def test_profile_file(tmp_path, run):
     _operands(tmp_path, 40, 30, 20, "float64", seed=5)
     prof = tmp_path / "p.json"
     r = run(3, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
@@ -143,7 +139,7 @@ def _rank_pids(launcher: int) -> list[int]:
             if "distmm" in " ".join(p.cmdline())]
 
 
-def test_resume_after_sigterm_is_bitwise_equal(tmp_path):
+def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
     part.mkdir()
@@ -152,11 +148,11 @@ def test_resume_after_sigterm_is_bitwise_equal(tmp_path):
         (part / name).write_bytes((full / name).read_bytes())
         os.utime(part / name, ns=((full / name).stat().st_atime_ns, (full / name).stat().st_mtime_ns))
     opts = ["--backend", "numba", "--resume"]
-    env = _env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    env = batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
     r = run(2, "matmul", full / "a.npy", full / "b.npy", "-o", full / "c.npy", *opts[:2],
             DISTMM_BATCH_STRIPES="24")
     assert r.returncode == 0, r.stderr
-    stopped, _ = _interrupt_after(_cmd(2, "matmul", part / "a.npy", part / "b.npy", "-o",
+    stopped, _ = _interrupt_after(cmd(2, "matmul", part / "a.npy", part / "b.npy", "-o",
                                        part / "c.npy", *opts), env, part, stripes=6)
     assert stopped.returncode != 0
     assert not (part / "c.npy").exists()
@@ -175,11 +171,11 @@ def test_resume_after_sigterm_is_bitwise_equal(tmp_path):
     assert not list(part.glob(".c.npy.*"))
 
 
-def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path):
+def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch_env):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=12)
     opts = ["--backend", "numba", "--resume"]
-    env = _env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
-    stopped, _ = _interrupt_after(_cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+    env = batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    stopped, _ = _interrupt_after(cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
                                        tmp_path / "c.npy", *opts), env, tmp_path, stripes=4)
     assert stopped.returncode != 0
     r = run(3, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy", *opts,
@@ -204,17 +200,17 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path):
 
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signals_end_every_rank_with_one_line(tmp_path, signum, status):
+def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, status):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=13)
     wrapper = ("import subprocess, sys, os; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
                "sys.argv[1:], stderr=subprocess.PIPE, text=True); "
                "os.write(1, ('STATUS %d LINES %d %s\\n' % (r.returncode, len(r.stderr.splitlines()), "
                "r.stderr.strip().replace(chr(10), ' | '))).encode())")
-    cmd = _cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+    line = cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
                "--backend", "numba", "--resume")
-    cmd[cmd.index("-m"):cmd.index("-m") + 2] = ["-c", wrapper]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+    line[line.index("-m"):line.index("-m") + 2] = ["-c", wrapper]
+    proc = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
     deadline = time.time() + 120
     while _logged(tmp_path) < 2:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -239,12 +235,12 @@ def test_signals_end_every_rank_with_one_line(tmp_path, signum, status):
     assert not (tmp_path / "c.npy").exists()
 
 
-def test_kill_9_leftovers_are_named_and_removed(tmp_path):
+def test_kill_9_leftovers_are_named_and_removed(tmp_path, batch_env):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=14)
     cmd = [sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
            tmp_path / "c.npy", "--engine", "mpi", "--backend", "numba"]
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+                            stderr=subprocess.PIPE, env=batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
     deadline = time.time() + 120
     while not list(tmp_path.glob(".c.npy.distmm-partial-*")):
         assert proc.poll() is None and time.time() < deadline
@@ -254,21 +250,12 @@ def test_kill_9_leftovers_are_named_and_removed(tmp_path):
     left = list(tmp_path.glob(".c.npy.distmm-partial-*"))
     assert left
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=180,
-                       env=_env())
+                       env=batch_env())
     assert r.returncode == 0, r.stderr
     assert f"removed {left[0].name}" in r.stderr
     assert not list(tmp_path.glob(".c.npy.*"))
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
-
-
-def _gpus() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no cupy or no device
-        return 0
 
 
 @pytest.mark.gpu
@@ -277,11 +264,9 @@ def _gpus() -> int:
     (3, "float64", "raw", "c.h5:C"),
     (4, "float32", "cublas", "c.zarr"),
 ])
-def test_gpu_ranks_stream_their_stripes(tmp_path, ranks, dtype, backend, fmt):
+def test_gpu_ranks_stream_their_stripes(tmp_path, run, ranks, dtype, backend, fmt):
     """Ranks on GPUs (shared when fewer than ranks): NCCL or staged broadcasts, the stripes'
     copies and GEMMs on their streams, every format through the parallel writers."""
-    if not _gpus():
-        pytest.skip("no GPU")
     from distmm.cli.io import open_operand
 
     a, b = _operands(tmp_path, 1031, 777, 523, dtype, seed=ranks)
@@ -299,15 +284,13 @@ def test_gpu_ranks_stream_their_stripes(tmp_path, ranks, dtype, backend, fmt):
 
 
 @pytest.mark.gpu
-def test_gpu_resume_is_bitwise_equal(tmp_path):
-    if not _gpus():
-        pytest.skip("no GPU")
+def test_gpu_resume_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     _operands(tmp_path, 2048, 1024, 1536, "float32", seed=3)
     args = ["matmul", tmp_path / "a.npy", tmp_path / "b.npy", "--backend", "cublas"]
     r = run(2, *args, "-o", tmp_path / "full.npy", DISTMM_BATCH_STRIPES="16")
     assert r.returncode == 0, r.stderr
-    stopped, _ = _interrupt_after(_cmd(2, *args, "-o", tmp_path / "c.npy", "--resume"),
-                                  _env(DISTMM_BATCH_STRIPES="16", DISTMM_BATCH_STRIPE_PAUSE="0.1"),
+    stopped, _ = _interrupt_after(cmd(2, *args, "-o", tmp_path / "c.npy", "--resume"),
+                                  batch_env(DISTMM_BATCH_STRIPES="16", DISTMM_BATCH_STRIPE_PAUSE="0.1"),
                                   tmp_path, stripes=5)
     assert stopped.returncode != 0
     r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", DISTMM_BATCH_STRIPES="16")

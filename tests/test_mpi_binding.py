@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_mpi import mpi_env as base_mpi_env
-from test_mpi import mpiexec
 
 from distmm.engine.mpi.binding import SPLIT, Binding, choose_binding, node_rank, sharing_warning
 
@@ -164,11 +162,11 @@ def test_sharing_warning_names_each_host_once():
 
 # -- under a real mpiexec ------------------------------------------------------------------
 
-def mpi_env():
-    """test_mpi's environment, with tests/ importable (mpi_verdict) by a script elsewhere."""
-    env = base_mpi_env()
-    env["PYTHONPATH"] = str(HERE) + os.pathsep + env["PYTHONPATH"]
-    return env
+@pytest.fixture
+def script_env(mpi_env):
+    """The ranks' environment, with tests/ importable (mpi_verdict) by a script elsewhere."""
+    mpi_env["PYTHONPATH"] = str(HERE) + os.pathsep + mpi_env["PYTHONPATH"]
+    return mpi_env
 
 
 BIND_SCRIPT = r"""
@@ -228,11 +226,11 @@ if comm.rank == 0:
 
 
 @pytest.mark.mpi
-def test_bind_rank_under_mpiexec_3(tmp_path):
+def test_bind_rank_under_mpiexec_3(tmp_path, mpiexec, script_env):
     script = tmp_path / "bind.py"
     script.write_text(BIND_SCRIPT)
-    r = subprocess.run([mpiexec(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=120, env=mpi_env())
+    r = subprocess.run([mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=120, env=script_env)
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
     assert r.returncode == 0, r.stderr[-3000:]
     # one warning per sharing call (device counts 1 and 2, ranks 0 and 2 on one value),
@@ -244,9 +242,8 @@ def test_bind_rank_under_mpiexec_3(tmp_path):
 
 
 @pytest.mark.mpi
-def test_info_under_mpiexec_prints_every_rank_once():
-    r = subprocess.run([mpiexec(), "-n", "2", "--oversubscribe", sys.executable, "-m", "distmm",
-                        "info"], capture_output=True, text=True, timeout=120, env=mpi_env())
+def test_info_under_mpiexec_prints_every_rank_once(mpirun):
+    r = mpirun(2, "-m", "distmm", "info")
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()
     assert sum(line.startswith("distmm ") for line in out) == 1, r.stdout  # the usual info, once

@@ -8,29 +8,12 @@ nothing under the final name after a failure. Every launch has a timeout.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def mpi_env():
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def mpiexec():
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec on PATH")
-    return exe
 
 pytestmark = pytest.mark.mpi
 
@@ -43,11 +26,16 @@ WRAPPER = ("import os, subprocess, sys; r = subprocess.run([sys.executable, '-m'
            "sys.exit(0)")
 
 
-def launch(ranks, *argv, wrap=False, timeout=120):
-    cmd = [mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable]
-    cmd += ["-c", WRAPPER] if wrap else ["-m", "distmm"]
-    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True,
-                          timeout=timeout, env=mpi_env())
+@pytest.fixture
+def launch(mpirun):
+    """``launch(ranks, *argv, wrap=False, timeout=120)``: ``distmm *argv`` on every rank;
+    with ``wrap``, each rank's exit status and stderr on a line of stdout (``WRAPPER``)."""
+
+    def run(ranks, *argv, wrap=False, timeout=120):
+        return mpirun(ranks, *(["-c", WRAPPER] if wrap else ["-m", "distmm"]), *argv,
+                      timeout=timeout)
+
+    return run
 
 
 @pytest.fixture
@@ -68,7 +56,7 @@ def files(tmp_path):
     return tmp_path, a @ b
 
 
-def test_mpirun_matmul_formats(files):
+def test_mpirun_matmul_formats(files, launch):
     import h5py
     import zarr
 
@@ -95,7 +83,7 @@ def test_mpirun_matmul_formats(files):
 
 
 @pytest.mark.parametrize("bad", ["shape", "missing", "dtype", "exists"])
-def test_mpirun_bad_input_ends_every_rank(files, bad):
+def test_mpirun_bad_input_ends_every_rank(files, launch, bad):
     d, _ = files
     b = {"shape": d / "a.npy", "missing": d / "none.npy", "dtype": d / "s.npy"}.get(bad, d / "b.npy")
     out = d / ("a.npy" if bad == "exists" else "c.npy")
@@ -111,7 +99,7 @@ def test_mpirun_bad_input_ends_every_rank(files, bad):
     assert not [p for p in d.iterdir() if "partial" in p.name]
 
 
-def test_mpirun_gpu_backend_without_a_gpu_is_refused(files):
+def test_mpirun_gpu_backend_without_a_gpu_is_refused(files, launch):
     d, _ = files
     r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", d / "c.npy", "--backend", "raw",
                timeout=60)
@@ -122,16 +110,16 @@ def test_mpirun_gpu_backend_without_a_gpu_is_refused(files):
     assert not (d / "c.npy").exists()
 
 
-def test_engine_mpi_in_one_process(files):
+def test_engine_mpi_in_one_process(files, mpi_env):
     d, ref = files
     r = subprocess.run([sys.executable, "-m", "distmm", "matmul", d / "a.npy", d / "b.npy", "-o",
                         d / "c.npy", "--engine", "mpi"], capture_output=True, text=True,
-                       timeout=60, env=mpi_env())
+                       timeout=60, env=mpi_env)
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(np.load(d / "c.npy"), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_mpirun_h5_output_into_an_existing_file(files):
+def test_mpirun_h5_output_into_an_existing_file(files, launch):
     """Two ranks write their blocks of C into the hidden staged file; rank 0
     copies C into the user's file: an old C is replaced (--overwrite), X and
     grp/Y stay bitwise in place, and no staged file is left."""

@@ -11,16 +11,13 @@ Run on a GPU machine (the lead runs it on the device); skipped without a GPU.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
 
 SCRIPT = r"""
 import sys, numpy as np, cupy
@@ -67,39 +64,19 @@ if comm.rank == 0:
 """
 
 
-def _gpu_mpi_env():
-    """mpiexec and its environment, or skip without a GPU or mpiexec."""
-    pytest.importorskip("cupy")
-    from distmm.executor import gpu_available
-
-    if not gpu_available():
-        pytest.skip("no GPU")
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpiexec")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return exe, env
-
-
-def test_two_ranks_share_one_gpu(tmp_path):
-    exe, env = _gpu_mpi_env()
+def test_two_ranks_share_one_gpu(tmp_path, mpirun):
     script = tmp_path / "gpu_case.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([exe, "-n", "2", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = mpirun(2, script, timeout=600)
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_repeated_products_reuse_the_grid_communicators(ranks):
-    exe, env = _gpu_mpi_env()
-    first = (env.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    env["CUDA_VISIBLE_DEVICES"] = first  # one GPU: two ranks share it, as on a one-GPU machine
-    r = subprocess.run([exe, "-n", str(ranks), "--oversubscribe", sys.executable,
-                        str(ROOT / "tests" / "mpi_reuse_cases.py"), "gpu"],
-                       capture_output=True, text=True, timeout=300, env=env)
+def test_repeated_products_reuse_the_grid_communicators(ranks, mpirun):
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    # one GPU: two ranks share it, as on a one-GPU machine
+    r = mpirun(ranks, HERE / "mpi_reuse_cases.py", "gpu", timeout=300,
+               env={"CUDA_VISIBLE_DEVICES": first})
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
     assert "EXITED live=0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]

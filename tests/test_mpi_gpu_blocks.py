@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_mpi_gpu import _gpu_mpi_env as gpu_mpi_env
 
 pytestmark = pytest.mark.gpu
 
@@ -114,24 +111,22 @@ else:
 """
 
 
-def _gpu_mpi_env():
-    """test_mpi_gpu's mpiexec and environment (skips without a GPU or mpiexec), with
-    tests/ importable (mpi_verdict) by a script elsewhere."""
-    exe, env = gpu_mpi_env()
-    env["PYTHONPATH"] = str(HERE) + os.pathsep + env["PYTHONPATH"]
-    return exe, env
+@pytest.fixture
+def run_script(mpirun, tmp_path):
+    """``run_script(script, name, env=None)``: the script under ``mpiexec -n 2``, with tests/
+    importable (mpi_verdict) from where it is written."""
+
+    def run(script, name, env=None):
+        path = tmp_path / name
+        path.write_text(script)
+        extra = {"PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        return mpirun(2, path, timeout=600, env={**extra, **(env or {})})
+
+    return run
 
 
-def _run(exe, env, script, tmp_path, name):
-    path = tmp_path / name
-    path.write_text(script)
-    return subprocess.run([exe, "-n", "2", "--oversubscribe", sys.executable, str(path)],
-                          capture_output=True, text=True, timeout=600, env=env)
-
-
-def test_device_blocks_through_matmul(tmp_path):
-    exe, env = _gpu_mpi_env()
-    r = _run(exe, env, BLOCKS_SCRIPT, tmp_path, "blocks.py")
+def test_device_blocks_through_matmul(run_script):
+    r = run_script(BLOCKS_SCRIPT, "blocks.py")
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -143,13 +138,12 @@ def _devices(stdout: str):
     return [tuple(d) for d in report["devices"]], report["shared"]
 
 
-def test_binding_distinct_devices_when_two_are_visible(tmp_path):
-    exe, env = _gpu_mpi_env()
+def test_binding_distinct_devices_when_two_are_visible(run_script):
     from distmm.engine.mpi.binding import visible_device_count
 
     if visible_device_count() < 2:
         pytest.skip("fewer than 2 GPUs visible")
-    r = _run(exe, env, BIND_SCRIPT, tmp_path, "bind.py")
+    r = run_script(BIND_SCRIPT, "bind.py")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     devices, shared = _devices(r.stdout)
     assert sorted(d for d, _, _ in devices) == [0, 1], devices  # node-local ranks 0 and 1
@@ -158,10 +152,9 @@ def test_binding_distinct_devices_when_two_are_visible(tmp_path):
     assert "share GPUs" not in r.stderr, r.stderr[-3000:]
 
 
-def test_binding_shares_one_gpu_with_one_warning(tmp_path):
-    exe, env = _gpu_mpi_env()
-    env["CUDA_VISIBLE_DEVICES"] = (env.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    r = _run(exe, env, BIND_SCRIPT, tmp_path, "bind1.py")
+def test_binding_shares_one_gpu_with_one_warning(run_script):
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    r = run_script(BIND_SCRIPT, "bind1.py", env={"CUDA_VISIBLE_DEVICES": first})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     devices, shared = _devices(r.stdout)
     assert devices == [(0, 0, 1), (0, 0, 1)], devices

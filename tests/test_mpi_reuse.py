@@ -10,35 +10,28 @@ all ranks; a subprocess timeout bounds a hang.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_mpi import mpi_env, mpiexec
-
-HERE = Path(__file__).resolve().parent
+CASES = Path(__file__).resolve().parent / "mpi_reuse_cases.py"
 
 pytestmark = pytest.mark.mpi
 
 
-def run_cases(ranks, *args, timeout=120):
-    return subprocess.run([mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable,
-                           str(HERE / "mpi_reuse_cases.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=mpi_env())
-
-
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_grid_communicators_are_reused_and_released_at_exit(ranks):
-    r = run_cases(ranks)
+# 2 and 3 ranks (the smallest grid of several ranks, and an odd one) by default; 1 and 4
+# under ``pytest -m slow``
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 3,
+                                   pytest.param(4, marks=pytest.mark.slow)])
+def test_grid_communicators_are_reused_and_released_at_exit(ranks, mpirun):
+    r = mpirun(ranks, CASES)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
     assert "EXITED live=0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_grid_communicators_are_released_in_finalize():
-    r = run_cases(2, "finalize")
+def test_grid_communicators_are_released_in_finalize(mpirun):
+    r = mpirun(2, CASES, "finalize")
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
     assert "FINALIZED live=0 " in r.stdout and ": all" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,298 @@
+"""What the test modules share: skip logic, fixtures and comparison helpers.
+
+This module covers:
+
+- skipping by marker: a test marked ``gpu`` is skipped unless cupy imports and sees a CUDA
+  device, and one marked ``mpi`` unless ``mpiexec`` (or ``mpirun``) is on PATH, so no
+  test module carries a prelude of its own;
+- MPI launches: the ``mpiexec`` path, the environment the ranks run in (``mpi_env``) and
+  ``mpirun`` (``mpiexec -n P python ...`` with a timeout, output captured);
+- the shared Dask fixtures, all on real worker processes: ``cluster`` and ``client`` (two
+  single-thread workers), ``pair`` (two workers marked GPU by their resource only),
+  ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
+- helpers that more than one test module calls: the numpy comparison
+  (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
+  (``placed``) and worker loss during a product (``start_call``, ``kill_workers``). Test
+  modules import them with ``from conftest import ...``; no test module imports another.
+
+It does *not* cover what the scripts under ``mpiexec`` need (``mpi_cases.py``,
+``mpi_reuse_cases.py`` and ``mpi_verdict.py`` run outside pytest and import nothing from
+here).
+
+See also the markers in ``pyproject.toml``: ``slow`` cases run only under
+``pytest -m slow``; the plain ``pytest`` leaves them out.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- skipping by marker ---------------------------------------------------------------------
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """Whether cupy imports and sees at least one CUDA device (asked once per session)."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device: the runtime raises its own error types
+        return False
+
+
+def _mpiexec_path() -> str | None:
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests without cupy and a device, ``mpi`` tests without mpiexec."""
+    no_gpu = pytest.mark.skip(reason="needs cupy and a CUDA GPU")
+    no_mpi = pytest.mark.skip(reason="no mpiexec on PATH")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not gpu_available():
+            item.add_marker(no_gpu)
+        if item.get_closest_marker("mpi") is not None and _mpiexec_path() is None:
+            item.add_marker(no_mpi)
+
+
+# -- MPI ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mpiexec() -> str:
+    """The path of ``mpiexec`` (or ``mpirun``); skips the test where there is none."""
+    exe = _mpiexec_path()
+    if exe is None:
+        pytest.skip("no mpiexec on PATH")
+    return exe
+
+
+@pytest.fixture
+def mpi_env() -> dict[str, str]:
+    """A fresh copy of the environment ranks run in: root allowed, oversubscription on,
+    one BLAS thread per rank, and the checkout first on PYTHONPATH (the scripts under
+    tests/ import ``mpi_verdict`` and the package)."""
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@pytest.fixture
+def mpirun(mpiexec, mpi_env):
+    """``mpirun(ranks, *argv, timeout=120, env=None, cwd=None)``: runs
+    ``mpiexec -n ranks --oversubscribe python *argv`` in ``mpi_env`` (updated by ``env``)
+    and returns the ``subprocess.CompletedProcess`` (text output captured). The timeout
+    bounds a hang: ``subprocess.TimeoutExpired`` fails the test."""
+
+    def run(ranks: int, *argv, timeout: float = 120, env: dict | None = None, cwd=None):
+        return subprocess.run([mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable,
+                               *map(str, argv)], capture_output=True, text=True,
+                              timeout=timeout, env={**mpi_env, **(env or {})}, cwd=cwd)
+
+    return run
+
+
+# -- Dask clusters (real worker processes) --------------------------------------------------
+
+
+@pytest.fixture
+def tile_mode():
+    """The Dask engine in tile mode (one task per plan tile) for the test: on a GPU machine
+    the workers would see the GPU and run block mode (tests/test_dask_placement.py). Modules
+    that test tile mode use it with ``pytestmark = pytest.mark.usefixtures("tile_mode")``."""
+    import dask.config
+
+    with dask.config.set({"distmm.dask-layout": "tiles"}):
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A LocalCluster of two single-thread worker processes (3 GiB each), one per module."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="3GiB") as cl:
+        yield cl
+
+
+@pytest.fixture
+def client(cluster):
+    """A client of ``cluster`` for one test, once both workers are up (after a test that
+    killed one, its nanny's replacement)."""
+    import distributed
+
+    with distributed.Client(cluster) as c:
+        c.wait_for_workers(2, timeout=120)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two single-thread worker processes, both GPU by their resource only (no device
+    visible to either: their GPU tasks run the CPU executor); ``(client, w0, w1)`` with
+    the addresses in the engine's (sorted) order."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB",
+                                  resources={"GPU": 1}, env={"CUDA_VISIBLE_DEVICES": ""}) as cl, \
+            distributed.Client(cl) as c:
+        c.wait_for_workers(2, timeout=60)
+        w0, w1 = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        yield c, w0, w1
+
+
+@pytest.fixture(scope="module")
+def shared_client():
+    """Two dask-cuda workers sharing GPU 0 (``gpu_cluster("0", per_device=2)``), for ``gpu``
+    tests; skips without dask-cuda."""
+    pytest.importorskip("dask_cuda")
+    from distributed import Client
+
+    from distmm.cli.cluster import gpu_cluster
+
+    with gpu_cluster("0", per_device=2) as cl, Client(cl) as c:
+        c.wait_for_workers(2, timeout=120)
+        yield c
+
+
+# -- helpers more than one module calls ------------------------------------------------------
+
+FLOAT_TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13,
+             np.complex64: 2e-6, np.complex128: 1e-13, np.longdouble: 1e-13}
+
+
+def random_array(rng, shape, dtype):
+    """Fresh random values of ``dtype``: booleans (30 % true), integers over their whole
+    range (so narrow ones wrap as numpy's do), standard normal floats and complexes."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.3
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_matches_numpy(got, a, b):
+    """``got`` has the shape and dtype of ``np.matmul(a, b)``; its values are exact for
+    integers and booleans, and within a relative error (scaled by sqrt(k)) of a float64
+    (or complex128) reference for floating types."""
+    want = np.matmul(a, b)
+    assert np.shape(got) == np.shape(want)
+    assert np.asarray(got).dtype == want.dtype
+    if want.dtype.kind in "biuO":
+        np.testing.assert_array_equal(got, want)
+        return
+    ref_type = np.complex128 if want.dtype.kind == "c" else np.float64
+    ref = np.matmul(np.asarray(a, ref_type), np.asarray(b, ref_type))
+    den = np.linalg.norm(ref) or 1.0
+    err = np.linalg.norm(np.asarray(got, ref_type) - ref) / den
+    assert err <= FLOAT_TOL[want.dtype.type] * max(1, np.sqrt(a.shape[-1])), err
+
+
+def assert_close(got, want):
+    """Exact for integers; float64 results within 1e-11 of ``want`` (relative, and
+    absolute against its largest magnitude)."""
+    if want.dtype.kind in "iu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max())
+
+
+def equal_gpus():
+    """A config context in which the Dask engine rates every GPU worker alike."""
+    import dask.config
+
+    return dask.config.set({"distmm.dask-worker-gflops": {"gpu": 1000, "cpu": 1}})
+
+
+def placed(client, x, chunks, where):
+    """``x`` as a dask array of ``chunks`` whose chunk ``(i, j)`` is persisted on
+    ``where[i][j]``; checked with ``who_has``."""
+    import dask.array as da
+    import distributed
+
+    rows, cols = np.cumsum((0,) + chunks[0]), np.cumsum((0,) + chunks[1])
+    pieces = []
+    for i in range(len(chunks[0])):
+        line = []
+        for j in range(len(chunks[1])):
+            blk = da.from_array(x[rows[i]:rows[i + 1], cols[j]:cols[j + 1]], chunks=-1)
+            line.append(client.persist(blk, workers=[where[i][j]]))
+        pieces.append(line)
+    distributed.wait([p for line in pieces for p in line])
+    out = client.persist(da.block(pieces))
+    distributed.wait(out)
+    held = client.who_has(out)
+    for i, line in enumerate(where):
+        for j, w in enumerate(line):
+            assert held[(out.name, i, j)] == (w,), (held, where)
+    return out
+
+
+def start_call(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on a started thread; returns ``(thread, out)``,
+    ``out`` getting ``"c"`` (the result) or ``"error"`` (what it raised, for the
+    test's assertion to report). Tests kill workers while it runs."""
+    out: dict = {}
+
+    def product():
+        try:
+            out["c"] = fn(*args, **kwargs)
+        except BaseException as exc:  # reported by the caller's assertion
+            out["error"] = exc
+
+    run = threading.Thread(target=product)
+    run.start()
+    return run, out
+
+
+def _product_running(client) -> bool:
+    def running(dask_scheduler):
+        return any(ts.state == "processing" for key, ts in dask_scheduler.tasks.items()
+                   if isinstance(key, tuple) and "distmm-" in str(key[0]))
+
+    return client.run_on_scheduler(running)
+
+
+def kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
+    """SIGKILL ``kills`` of the worker processes alive when the product started,
+    one every ``gap`` seconds while ``run`` is alive; returns how many were
+    killed before it ended. Replacements the nannies start are left alone (a
+    worker killed while its nanny is still starting it may not come back)."""
+    deadline = time.monotonic() + 60
+    while not _product_running(client):
+        if not run.is_alive() or time.monotonic() > deadline:
+            return 0
+        time.sleep(0.01)
+    pids = sorted(client.run(os.getpid, on_error="ignore").values())
+    killed = 0
+    for pid in pids[-kills:]:
+        if not run.is_alive():
+            break
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+        time.sleep(gap)
+    return killed
