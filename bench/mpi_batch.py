@@ -19,7 +19,6 @@ file beside the records.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess

@@ -379,7 +379,6 @@ class _GPURun(_Run):
                          before=lambda: _event_wait(self.a_host_free[slot]))
 
     def stripe_loop(self, todo, skip, writer):
-        cp = self.cp
         futures = {t: self.prefetch(t, s) for t, s in enumerate(todo[:2])}
         for t, stripe in enumerate(todo):
             slot = t % 2
