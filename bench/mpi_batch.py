@@ -199,13 +199,18 @@ def main(argv=None) -> int:
             for rep in range(args.repeat):
                 prof = work / f"profile-{variant}-{n}-{rep}.json"
                 remove_output(out)
+                launched = time.time()
                 sec, proc = timed(base + ["--profile", str(prof)])
+                ended = time.time()
                 if proc.returncode:
                     print(f"  {variant}: failed rc={proc.returncode}: {proc.stderr.strip()[-800:]}",
                           flush=True)
                     break
                 err = sampled_relerr(a_path, b_path, out, seed=rep)
                 data = json.loads(prof.read_text()) if prof.exists() else None
+                if data:  # the wall time outside the profile: launch and imports, then exit
+                    data["meta"]["before"] = min(r["epoch"] for r in data["ranks"]) - launched
+                    data["meta"]["after"] = ended - data["meta"]["written_epoch"]
                 runs.append((sec, err, data, proc.stdout.strip().splitlines()[-2:]))
                 remove_output(out)
             if not runs:
@@ -222,9 +227,13 @@ def main(argv=None) -> int:
             writer.add(variant, dtype, n, n, n, sec, err, ranks=ranks, repeats=len(runs), output=fmt,
                        all_seconds=[r[0] for r in runs], phases=totals,
                        grid=(data or {}).get("meta", {}).get("grid"),
+                       launch_seconds=(data or {}).get("meta", {}).get("before"),
+                       exit_seconds=(data or {}).get("meta", {}).get("after"),
                        target_seconds=target, over_target=sec / target)
+            meta = (data or {}).get("meta", {})
             print(f"  {variant}: {sec:.2f} s (target {target:.2f} s, x{sec / target:.2f}), "
-                  f"relerr {err:.1e}; {lines[0] if lines else ''}", flush=True)
+                  f"relerr {err:.1e}; launch {meta.get('before', float('nan')):.2f} s, exit "
+                  f"{meta.get('after', float('nan')):.2f} s; {lines[0] if lines else ''}", flush=True)
         for path in (a_path, b_path):
             if len(args.sizes) > 1:
                 path.unlink(missing_ok=True)

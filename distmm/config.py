@@ -103,6 +103,7 @@ class Config:
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
     dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
+    batch_panels: str = "auto"  # auto | read | broadcast: how its ranks get the panels they need
 
 
 class _Bad(Exception):
@@ -235,6 +236,7 @@ _PARSERS = {
                              lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                              ("auto", "ipc", "tcp"))),
     "batch-stripes": ("batch_stripes", _positive_int),
+    "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "broadcast"))),
 }
 
 

@@ -60,6 +60,7 @@ def _operands(d: Path, m, k, n, dtype, seed):
     return a, b
 
 
+@pytest.mark.parametrize("panels", ["read", "broadcast"])
 @pytest.mark.parametrize("ranks,shape,dtype", [
     (1, (37, 23, 41), "float64"),
     (2, (53, 41, 29), "float32"),
@@ -68,12 +69,12 @@ def _operands(d: Path, m, k, n, dtype, seed):
     (3, (2, 5, 7), "float64"),       # fewer rows than ranks: some ranks own nothing
     (4, (33, 19, 20), "bool"),
 ])
-def test_products_match_numpy(tmp_path, run, ranks, shape, dtype):
+def test_products_match_numpy(tmp_path, run, ranks, shape, dtype, panels):
     m, k, n = shape
     a, b = _operands(tmp_path, m, k, n, dtype, seed=ranks * 100 + m)
     poison = tmp_path / "c.npy"
     r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", poison,
-            "--engine", "mpi", DISTMM_BATCH_STRIPES="3")
+            "--engine", "mpi", DISTMM_BATCH_STRIPES="3", DISTMM_BATCH_PANELS=panels)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("wrote") == 1 and f"{ranks} ranks" in r.stdout
     got = np.load(poison)
@@ -259,19 +260,21 @@ def test_kill_9_leftovers_are_named_and_removed(tmp_path, batch_env):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranks,dtype,backend,fmt", [
-    (2, "float32", "cublas", "c.npy"),
-    (3, "float64", "raw", "c.h5:C"),
-    (4, "float32", "cublas", "c.zarr"),
+@pytest.mark.parametrize("ranks,dtype,backend,fmt,panels", [
+    (2, "float32", "cublas", "c.npy", "read"),
+    (2, "float32", "cublas", "c.npy", "broadcast"),
+    (3, "float64", "raw", "c.h5:C", "broadcast"),
+    (4, "float32", "cublas", "c.zarr", "read"),
 ])
-def test_gpu_ranks_stream_their_stripes(tmp_path, run, ranks, dtype, backend, fmt):
+def test_gpu_ranks_stream_their_stripes(tmp_path, run, ranks, dtype, backend, fmt, panels):
     """Ranks on GPUs (shared when fewer than ranks): NCCL or staged broadcasts, the stripes'
     copies and GEMMs on their streams, every format through the parallel writers."""
     from distmm.cli.io import open_operand
 
     a, b = _operands(tmp_path, 1031, 777, 523, dtype, seed=ranks)
     r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / fmt,
-            "--backend", backend, "--profile", tmp_path / "p.json", DISTMM_BATCH_STRIPES="5")
+            "--backend", backend, "--profile", tmp_path / "p.json", DISTMM_BATCH_STRIPES="5",
+            DISTMM_BATCH_PANELS=panels)
     assert r.returncode == 0, r.stderr
     c = open_operand(str(tmp_path / fmt))
     got = np.asarray(c[...], dtype=np.float64)

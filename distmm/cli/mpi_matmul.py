@@ -58,6 +58,7 @@ def run_matmul(args) -> int:
 
     comm.Barrier()  # one time axis for every rank's profile
     phases = Phases()
+    epoch = time.time()  # the profile's origin on the wall clock (launch and exit costs)
     if args.scheduler or args.scheduler_file:
         error = ValueError("--scheduler/--scheduler-file use the Dask engine; under mpirun the "
                            "MPI engine runs the product: drop them")
@@ -108,7 +109,7 @@ def run_matmul(args) -> int:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
     grid = outcome.plan.grid if outcome.plan is not None else None
-    totals = _report_profile(comm, args, phases, t0, grid)
+    totals = _report_profile(comm, args, phases, t0, grid, epoch)
     if outcome.status:
         if comm.rank == 0:
             if getattr(args, "debug", False) and outcome.error is not None:
@@ -158,7 +159,7 @@ def _end(status: int) -> None:
         os._exit(status)
 
 
-def _report_profile(comm, args, phases, t0, grid) -> str:
+def _report_profile(comm, args, phases, t0, grid, epoch: float) -> str:
     """With ``--profile``: gather every rank's spans, write the file on rank 0, and return
     the totals for the summary line (``"; read 1.20, ... s"``); else ``""``."""
     import socket
@@ -167,14 +168,16 @@ def _report_profile(comm, args, phases, t0, grid) -> str:
 
     if not args.profile:
         return ""
-    records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname()), root=0)
+    records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname(), epoch=epoch),
+                          root=0)
     if comm.rank != 0:
         return ""
     if args.profile:
         write_profile(args.profile, records, {"a": args.a, "b": args.b, "output": args.output,
                                               "ranks": comm.size,
                                               "grid": None if grid is None else list(grid.shape),
-                                              "wall": time.perf_counter() - t0})
+                                              "wall": time.perf_counter() - t0,
+                                              "written_epoch": time.time()})
     return f"; busiest rank: {summary_line(records)}"
 
 

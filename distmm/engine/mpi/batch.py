@@ -198,9 +198,13 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             writer = StripeWriter(args.output, pid, (m, n), dtype, header,
                                   aligned=chunks is not None)
             executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
-            with phases.phase("startup"):
-                comms = grid_comms(comm, plan.grid, on_gpu=on_gpu, device=device)
-                warm = _warm_links(comms, plan.grid.acc_dtype) if on_gpu else []
+            direct = _reads_directly(comm, get_config().batch_panels)
+            warm = []
+            comms = None
+            if not direct:
+                with phases.phase("startup"):
+                    comms = grid_comms(comm, plan.grid, on_gpu=on_gpu, device=device)
+                    warm = _warm_links(comms, plan.grid.acc_dtype) if on_gpu else []
             bar = progress(len(todo)) if progress is not None else None
 
             def written(stripe):
@@ -262,6 +266,16 @@ def _stripes(plan: BatchPlan | None) -> int:
         return 0
     g = plan.grid
     return sum(plan.stripe_count(g.coords(r)[1]) for r in range(g.ranks))
+
+
+def _reads_directly(comm, choice: str) -> bool:
+    """Whether each rank reads every panel it needs (``read``) rather than only its own
+    block, the rest coming by broadcast: ``auto`` reads when all ranks share one host."""
+    if choice != "auto":
+        return choice == "read"
+    import socket
+
+    return len(set(comm.allgather(socket.gethostname()))) == 1
 
 
 def _warm_links(comms, dtype) -> list:

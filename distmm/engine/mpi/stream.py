@@ -137,14 +137,15 @@ def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink
     same ``todo``. Stripes in ``skip`` are already written by this rank: it still sends its
     pieces of A for them (the row needs them) but neither multiplies nor writes them.
     ``sink.finish()`` flushes the output at the end."""
-    runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch, phases)
+    runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch,
+                                              phases, direct=comms is None)
     runner.run(list(todo), set(skip), on_written)
 
 
 class _Run:
     """What the GPU and CPU runs share: the rank's place, its readers and its writer."""
 
-    def __init__(self, plan, rank, a, b, sink, executor, comms, watch, phases):
+    def __init__(self, plan, rank, a, b, sink, executor, comms, watch, phases, *, direct):
         g = plan.grid
         self.plan, self.grid, self.rank = plan, g, rank
         _, self.i, self.j = g.coords(rank)
@@ -158,7 +159,13 @@ class _Run:
         self.stripes = plan.stripe_edges[self.i]
         self.hmax = max((b_ - a_ for a_, b_ in zip(self.stripes, self.stripes[1:])), default=0)
         self.widths = [self.a_cuts[j + 1] - self.a_cuts[j] for j in range(g.cols)]
-        self.readers = ThreadPoolExecutor(2, thread_name_prefix="distmm-reader")
+        # the pieces of A's stripes and B's column panel this rank reads itself: its own (the
+        # others come by broadcast), or all of them when it reads what it needs directly
+        self.direct = direct
+        self.a_mine = list(range(g.cols)) if direct else [self.j]
+        b_mine = list(range(g.rows)) if direct else [self.i]
+        self.b_range = (self.b_cuts[b_mine[0]], self.b_cuts[b_mine[-1] + 1])
+        self.readers = ThreadPoolExecutor(4 if direct else 2, thread_name_prefix="distmm-reader")
 
     def rows_of(self, stripe: int) -> tuple[int, int]:
         return self.stripes[stripe], self.stripes[stripe + 1]
@@ -216,9 +223,11 @@ class _CPURun(_Run):
     def load_b(self):
         g, i = self.grid, self.i
         self.b_store = np.empty((g.k, self.nj), dtype=self.acc)
-        k0, k1 = self.b_cuts[i], self.b_cuts[i + 1]
+        k0, k1 = self.b_range
         if k1 > k0 and self.nj:
             self.result(self.read(self.b, self.b_store[k0:k1], k0, k1, self.c0, self.c1))
+        if self.direct:
+            return
         for root in range(g.rows):
             lo, hi = self.b_cuts[root], self.b_cuts[root + 1]
             self.bcast(self.comms.col, self.b_store[lo:hi], root)
@@ -242,12 +251,12 @@ class _CPURun(_Run):
         try:
             ahead = self.prefetch(todo[0])
             for t, stripe in enumerate(todo):
-                pieces, future = ahead
-                if future is not None:
+                pieces, futures = ahead
+                for future in futures:
                     self.result(future)
                 ahead = self.prefetch(todo[t + 1]) if t + 1 < len(todo) else None
                 r0, r1 = self.rows_of(stripe)
-                for root in range(self.grid.cols):
+                for root in range(self.grid.cols) if not self.direct else ():
                     self.bcast(self.comms.row, pieces[root], root)
                 if stripe in skip:
                     continue
@@ -261,10 +270,9 @@ class _CPURun(_Run):
     def prefetch(self, stripe):
         r0, r1 = self.rows_of(stripe)
         pieces = self.pieces(r1 - r0)
-        k0, k1 = self.a_cuts[self.j], self.a_cuts[self.j + 1]
-        mine = pieces[self.j]
-        future = self.read(self.a, mine, r0, r1, k0, k1) if mine.size else None
-        return pieces, future
+        futures = [self.read(self.a, pieces[jj], r0, r1, self.a_cuts[jj], self.a_cuts[jj + 1])
+                   for jj in self.a_mine if pieces[jj].size]
+        return pieces, futures
 
     def product(self, pieces, h):
         c = None
@@ -293,8 +301,8 @@ class _GPURun(_Run):
         h, acc = self.hmax, self.acc
         self.a_dev = [[cupy.empty((h, w), dtype=acc) for w in self.widths] for _ in range(2)]
         self.c_dev = [cupy.empty((h, self.nj), dtype=acc) for _ in range(2)]
-        own_a = self.widths[self.j]
-        self.a_host = [self.pinned((h, own_a)) for _ in range(2)]
+        self.a_host = [{jj: self.pinned((h, self.widths[jj])) for jj in self.a_mine}
+                       for _ in range(2)]
         self.c_host = [self.pinned((h, self.nj)) for _ in range(2)]
         self.c_free = [threading.Event() for _ in range(2)]
         for e in self.c_free:
@@ -328,7 +336,7 @@ class _GPURun(_Run):
     def load_b(self):
         cp, g, i = self.cp, self.grid, self.i
         self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
-        k0, k1 = self.b_cuts[i], self.b_cuts[i + 1]
+        k0, k1 = self.b_range
         if k1 > k0 and self.nj:
             rows = max(1, B_CHUNK_BYTES // max(1, self.nj * self.acc.itemsize))
             slots = [self.pinned((min(rows, k1 - k0), self.nj)) for _ in range(2)]
@@ -355,6 +363,9 @@ class _GPURun(_Run):
                 self.span("h2d", begin, uploaded[n % 2], host.nbytes)
                 if n + 2 < len(starts):
                     submit(n + 2)
+        if self.direct:
+            self.compute.wait_event(self.h2d.record())
+            return
         with self.h2d:  # NCCL waits for the uploads above, queued on this stream
             requests = [self.comms.col.ibcast(self.b_store[self.b_cuts[r]:self.b_cuts[r + 1]], r)
                         for r in range(g.rows)]
@@ -369,14 +380,14 @@ class _GPURun(_Run):
                 self.span("comm", request.start, request.done)
 
     def prefetch(self, t, stripe):
+        """Reads of this rank's pieces of A's stripe into pinned slot ``t % 2``: ``{piece:
+        Future}`` (each waits until the slot's last copy to the device has passed)."""
         r0, r1 = self.rows_of(stripe)
-        k0, k1 = self.a_cuts[self.j], self.a_cuts[self.j + 1]
         slot = t % 2
-        host = self.a_host[slot][:r1 - r0]
-        if k1 <= k0 or r1 <= r0:
-            return None
-        return self.read(self.a, host, r0, r1, k0, k1,
-                         before=lambda: _event_wait(self.a_host_free[slot]))
+        return {jj: self.read(self.a, self.a_host[slot][jj][:r1 - r0], r0, r1, self.a_cuts[jj],
+                              self.a_cuts[jj + 1],
+                              before=lambda: _event_wait(self.a_host_free[slot]))
+                for jj in self.a_mine if r1 > r0 and self.widths[jj]}
 
     def stripe_loop(self, todo, skip, writer):
         futures = {t: self.prefetch(t, s) for t, s in enumerate(todo[:2])}
@@ -385,22 +396,24 @@ class _GPURun(_Run):
             r0, r1 = self.rows_of(stripe)
             h = r1 - r0
             pieces = [p[:h] for p in self.a_dev[slot]]
-            future = futures.pop(t)
-            host = self.result(future) if future is not None else None
+            reads = futures.pop(t)
             with self.h2d:
                 if self.gemm_done[slot] is not None:  # stripe t-2's GEMM has read this slot
                     self.h2d.wait_event(self.gemm_done[slot])
-                if host is not None:
+                for jj, future in reads.items():
+                    host = self.result(future)
                     begin = self.h2d.record()
-                    pieces[self.j].set(host, stream=self.h2d)
+                    pieces[jj].set(host, stream=self.h2d)
                     self.a_host_free[slot] = self.h2d.record()
                     self.span("h2d", begin, self.a_host_free[slot], host.nbytes)
-                requests = [self.comms.row.ibcast(pieces[root], root)
-                            for root in range(self.grid.cols)]
+                uploaded = self.h2d.record()
+                requests = [] if self.direct else [self.comms.row.ibcast(pieces[root], root)
+                                                   for root in range(self.grid.cols)]
             self.note_comm(requests)
             if t + 2 < len(todo):
                 futures[t + 2] = self.prefetch(t + 2, todo[t + 2])
             with self.compute:
+                self.compute.wait_event(uploaded)
                 for request in requests:
                     request.wait()
                 if stripe in skip:
