@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--extra", nargs="*", default=[],
                    help="more options for distmm matmul (e.g. --backend cublas)")
     p.add_argument("--no-cli", action="store_true", help="skip the single-process commands")
+    p.add_argument("--gemm-repeat", type=int, default=3, help="timed in-core cuBLAS products")
     p.add_argument("--formats", nargs="*", default=[], choices=["zarr", "h5"],
                    help="also write C as these formats, at the largest rank count")
     args = p.parse_args(argv)
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
         refs = {"read-cat": read_seconds([a_path, b_path]),
                 "write-dd-fsync": write_seconds(work, c_bytes)}
         if gpu:
-            refs["cublas-incore"] = incore_gemm_seconds(n, dtype)
+            refs["cublas-incore"] = incore_gemm_seconds(n, dtype, repeat=args.gemm_repeat)
         for name, sec in refs.items():
             writer.add(name, dtype, n, n, n, sec, None, ranks=1,
                        note="reference measured in the same run")
