@@ -287,8 +287,8 @@ class _CPURun(_Run):
 
 
 class _GPURun(_Run):
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         import cupy
 
         self.cp = cupy
