@@ -44,10 +44,10 @@ one of its holders and the reader are a pair in ``ipc`` (GPU workers of one host
 CUDA IPC works, device chunks: ``distmm.engine.dask.transfer`` decides), else ``tcp``.
 The search minimises ``cost``: TCP bytes plus IPC bytes divided by ``IPC_COST_DIVISOR``
 (256), so layouts avoid TCP first and, among those, move fewer IPC bytes. Why 256: TCP
-between workers moves device chunks through host copies at about 1 GB/s; IPC is one
-device-to-device copy, about 1.3 TB/s on one device and 300-400 GB/s between two over
-NVLink (the measurements are in ``bench/NOTES.md``). The slower IPC route is ~300x TCP;
-256 (a round power of two below) keeps IPC bytes cheap without making them free: each
+between workers moves device chunks through host copies; IPC is one device-to-device copy,
+over NVLink between two GPUs some hundreds of times faster than TCP's route (the TCP figure
+is in ``bench/NOTES.md``); 256, a round power of two below that ratio, keeps IPC bytes
+cheap without making them free: each
 also costs a dedicated device copy on the holder and the reader, and a handle opened per
 task. With no pairs the cost is the bytes. ``ipc_sources`` says which holder each
 reader opens a chunk from (the graph's export tasks), by the same rule as ``by_route``.
@@ -502,8 +502,8 @@ def layout_devices(layout, units) -> dict:
 # -- locality: the bytes an assignment moves, and the search ----------------------------------
 
 #: the most layouts (distinct unit orders times grid shapes) costed in an
-#: exhaustive search; beyond, pairwise swaps. A layout costs about 0.5 ms to
-#: build and cost (32768^2, chunks 4096): 1000 of them add about half a second
+#: exhaustive search; beyond, pairwise swaps. Each layout is built and costed in
+#: full on the client, so the limit bounds the planning time the search adds per call
 EXACT_LIMIT = 1000
 
 #: an IPC byte costs 1 / IPC_COST_DIVISOR of a TCP byte (module docstring: why 256)
@@ -706,9 +706,9 @@ def choose(units, make_layout, cost, *, orders: bool = True, limit: int = EXACT_
     shapes = [None] + ([g for g in grids(p) if g != lay0.grid] if p > 1 else [])
     sigs = [(u.address, u.gflops, u.gpu) for u in units]
     # units of a throughput no unit of which got a block stay idle in every order (shares
-    # follow the throughputs, not the positions): kept last, out of the search. Measured
-    # need: a GPU worker beside 15 CPU workers too slow for a share cost 366 layouts,
-    # 37 ms of the client's time per product on the H100 machine.
+    # follow the throughputs, not the positions): kept last, out of the search. Otherwise
+    # a GPU worker beside many CPU workers too slow for a share multiplies the orders
+    # searched, in client time per product (bench/NOTES.md, the mixed cluster).
     busy = {(u.gflops, u.gpu) for u, b in zip(units, lay0.blocks) if b is not None}
     active = [i for i, u in enumerate(units) if (u.gflops, u.gpu) in busy]
     idle = tuple(sorted(set(range(len(units))) - set(active)))

@@ -132,8 +132,10 @@ def _cmd_info(args) -> int:
 
 
 def _mpi_run(args) -> bool:
-    """Whether this command runs on the MPI engine: ``--engine mpi``, or
-    several ranks started by a launcher with ``--engine auto``."""
+    """Whether this command runs on the MPI engine: ``--engine mpi``, several ranks started
+    by a launcher with ``--engine auto``, or ``--resume``/``--profile`` (the MPI engine's
+    striped product keeps what ``--resume`` needs and records the phases, in one process
+    too)."""
     from distmm.cli.launch import launcher_ranks
 
     if args.engine == "mpi":
@@ -143,7 +145,12 @@ def _mpi_run(args) -> bool:
         raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): --engine "
                          f"{args.engine} would run the same product on every rank; drop --engine "
                          f"(the MPI engine runs under mpirun) or run distmm matmul once")
-    return ranks > 1
+    wants = [flag for flag, on in (("--resume", args.resume), ("--profile", args.profile)) if on]
+    if wants and ranks == 1 and (args.engine != "auto" or args.scheduler or args.scheduler_file):
+        raise ValueError(f"{' and '.join(wants)} run the MPI engine's file-to-file product (in "
+                         f"one process or under mpirun): drop --engine, --scheduler and "
+                         f"--scheduler-file")
+    return ranks > 1 or bool(wants)
 
 
 def _connect(args):

@@ -76,6 +76,9 @@ def run_matmul(args) -> int:
             raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
                              f"arrays of at least 1 dimension")
         two_d = a.ndim == b.ndim == 2
+        if not two_d and (args.resume or args.profile):
+            raise ValueError("--resume and --profile take 2-D operands (matrices); "
+                             f"{args.a} and {args.b} have {a.ndim} and {b.ndim} dimensions")
         if two_d and a.shape[1] != b.shape[0]:
             raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "
                              f"{args.b} has shape {b.shape}")

@@ -137,10 +137,10 @@ def cluster_state(client, a2=None, b2=None) -> tuple[dict, dict]:
     (``identity()``, which lists every worker in each ``distributed``; the floor's takes no
     ``n_workers``) once per client, and again whenever the running workers or their thread
     counts (``ncores_running``, a small reply) differ from those it was read with: a
-    worker joining, leaving, pausing or resuming. Measured need (H100 machine, a GPU worker
-    beside 15 CPU workers, the scheduler in the client's process): the full table took
-    1.15 ms against 0.44 ms for one worker, and ``who_has`` 0.6 ms after it, before every
-    product."""
+    worker joining, leaving, pausing or resuming. Both requests precede every product, and
+    the full table's cost grows with the number of workers, so on a cluster of many workers
+    one round trip and a kept table are a measurable saving per call (``bench/NOTES.md``,
+    the mixed cluster)."""
     import asyncio
 
     from distributed import futures_of

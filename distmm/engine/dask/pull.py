@@ -16,20 +16,20 @@ Why
 ---
 With the export keys as the block task's dependencies, a block task started only
 after each export task had reported to the scheduler, the scheduler had sent the
-block task out, and the reader had fetched the offers: measured on one H100 (fp32
-16384, two workers sharing the GPU), 6 to 8 ms between the last export's end and
-the block task's start, on a call of 0.19 s. Here the block task starts as soon
-as its own chunks are there, beside the export tasks, and asks the holders.
+block task out, and the reader had fetched the offers: a whole scheduler round
+between the last export's end and the block task's start, a measurable share of a
+call (``bench/NOTES.md``, block tasks pull their offers). Here the block task starts
+as soon as its own chunks are there, beside the export tasks, and asks the holders.
 
 Exports before the GEMM
 -----------------------
 An export synchronises its worker's current stream before it hands out the
 handle (the reader has no stream order with it), and a block task queues its
 GEMM on that same stream. So a worker that ran its block task before its export
-tasks made every reader of its exports wait for its whole GEMM: measured on two
-H200s (fp32 32768), one worker's pull took 0.67 s, the other's GEMM. A block
-task therefore first lets the export tasks pinned to its own worker run
-(``await_own``: seceding while they have not published), then asks for its
+tasks made every reader of its exports wait for its whole GEMM, serialising the
+workers' GEMMs (``bench/NOTES.md``, a block task lets its own worker's exports run
+first). A block task therefore first lets the export tasks pinned to its own worker
+run (``await_own``: seceding while they have not published), then asks for its
 offers.
 
 Deadlock

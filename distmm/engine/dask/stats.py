@@ -82,7 +82,7 @@ def _key_name(key) -> str:
 
 def _logs(dask_worker, since):
     # distributed stamps its transfer logs with the worker's time plus its estimate of the
-    # scheduler's clock offset (``scheduler_delay``, from heartbeats: tens of ms under load),
+    # scheduler's clock offset (``scheduler_delay``, from heartbeats: large under load),
     # which moved transfers made just before ``since`` after it; compare in the worker's time
     delay = float(getattr(dask_worker, "scheduler_delay", 0) or 0)
 

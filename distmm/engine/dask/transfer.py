@@ -275,9 +275,10 @@ def export_chunks(chunks, labels):
     (offer ``i`` is ``Pull(key, holder, index=i)``) and held until the scheduler
     releases the key. Returns a small ``pull.Receipt``: an offer that carries a chunk
     (a failed export) would otherwise cross TCP again to every task depending on the
-    key. One task for all: each export task cost about 0.7 ms of the worker's own
-    per-task time (H100), in sequence on the holder's thread, before a reader had
-    them all. Without the plugin (or outside a task) the offers themselves are
+    key. One task for all: every task carries the worker's own per-task overhead, paid
+    in sequence on the holder's thread, so one export task per chunk would delay the
+    moment a reader has them all (``bench/NOTES.md``: one export task per holder and
+    reader). Without the plugin (or outside a task) the offers themselves are
     returned, as a tuple."""
     from distmm.engine.dask import pull
     from distmm.executor import ipc
@@ -369,14 +370,15 @@ def _replica_dropped(worker, key) -> bool:
 class ExportLifetime(_WorkerPlugin):
     """Worker plugin: an export task's allocation lives until the scheduler
     releases the task's key, even when the worker spilled the task's result to
-    disk meanwhile (the result's pickled form carries no allocation). Measured
-    need: an H200 run at fp32 32768 lost its exports that way.
+    disk meanwhile (the result's pickled form carries no allocation): releasing it
+    with the in-memory result would free exports that readers still open.
 
     A holder whose replica of the key is dropped while another worker (a reader that
     fetched the offer) still holds it keeps the allocation (an orphan) until the
-    scheduler no longer knows the key anywhere: it asks every ``SWEEP_SECONDS``. Measured
-    need: on two H100s the Active Memory Manager dropped holders' replicas, the exports
-    were freed, and readers' opens and the holders' own tasks failed.
+    scheduler no longer knows the key anywhere: it asks every ``SWEEP_SECONDS``. Why:
+    distributed's Active Memory Manager (``ReduceReplicas``) may drop a holder's replica
+    of a key a reader has fetched; freeing the export then would make readers' opens and
+    the holder's own tasks fail (``bench/NOTES.md``, export lifetime).
 
     It also installs ``pull.serve``, the handler from which block tasks fetch the
     offers published here (``export_chunks``)."""

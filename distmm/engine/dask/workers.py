@@ -45,11 +45,11 @@ def _driver_devices() -> int | None:
     """CUDA devices this process may use, found without importing cupy: 0 where
     ``CUDA_VISIBLE_DEVICES`` hides them all (empty, or a first entry of -1), where no
     driver library loads, or where the driver (``cuInit``, ``cuDeviceGetCount``) reports
-    none; None where the library lacks those entry points. Measured need (H200 machine,
-    16 cores, a GPU worker beside 15 CPU workers with ``CUDA_VISIBLE_DEVICES=''``): each
-    CPU worker importing cupy to find no device made the first product about 0.15 s
-    slower than the GPU worker alone's; asking the driver instead still took each probe
-    0.12-0.14 s (``cuInit`` failing), the environment variable none."""
+    none; None where the library lacks those entry points. The environment variable is
+    read first because it costs nothing: on a mixed cluster (a GPU worker beside CPU
+    workers started with ``CUDA_VISIBLE_DEVICES=''``) importing cupy, or even a failing
+    ``cuInit``, in every CPU worker's probe delays the first product measurably
+    (``bench/NOTES.md``, the mixed cluster)."""
     import ctypes
     import os
 

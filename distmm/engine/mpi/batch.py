@@ -30,7 +30,7 @@ from distmm.engine.mpi import resume as rs
 from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, parse_spec,
                                   staged_path)
 from distmm.engine.mpi.stop import PeerStopped, StopWatch
-from distmm.engine.mpi.stream import PanelSource, run_stripes
+from distmm.engine.mpi.stream import PanelSource, k_panels, run_stripes
 from distmm.errors import Signalled
 from distmm.plan_batch import BatchPlan, plan_batch
 
@@ -91,14 +91,14 @@ def _device_memory(on_gpu: bool, comm) -> int | None:
     return comm.allreduce(mine, op=MPI.MIN)
 
 
-def _manifest(args, a, b, dtype, backend, comm, plan, pid, header):
+def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header):
     return rs.Manifest.make(a=rs.input_facts(args.a, a), b=rs.input_facts(args.b, b),
                             output=args.output, dtype=dtype, backend=backend, ranks=comm.size,
-                            grid=plan.grid.shape, stripe_edges=plan.stripe_edges, pid=pid,
-                            header=header)
+                            grid=plan.grid.shape, stripe_edges=plan.stripe_edges, panels=panels,
+                            pid=pid, header=header)
 
 
-def _prepare(args, a, b, dtype, backend, comm, plan, chunks):
+def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
     target = parse_spec(args.output).path
@@ -106,7 +106,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, chunks):
     found = [p for p in rs.leftovers(target) if not rs.is_live(p)]
     reuse = None
     if args.resume:
-        want = _manifest(args, a, b, dtype, backend, comm, plan, 0, None)
+        want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None)
         for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
             old = rs.Manifest.load(staged)
             if old is None:
@@ -128,7 +128,8 @@ def _prepare(args, a, b, dtype, backend, comm, plan, chunks):
     pid = os.getpid()
     header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
     if args.resume:
-        _manifest(args, a, b, dtype, backend, comm, plan, pid, header).save(staged_path(target, pid))
+        _manifest(args, a, b, dtype, backend, comm, plan, panels, pid,
+                  header).save(staged_path(target, pid))
     return pid, header, False, notes
 
 
@@ -176,11 +177,13 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
+            direct = _reads_directly(comm, get_config().batch_panels)
+            panels = k_panels(plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None
                 if comm.rank == 0:
                     try:
-                        setup = _prepare(args, a, b, dtype, backend, comm, plan, chunks)
+                        setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks)
                     except Exception as exc:  # noqa: BLE001 - every rank raises it below
                         setup_error = exc
                 setup, setup_error = comm.bcast((setup, setup_error), root=0)
@@ -198,7 +201,6 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             writer = StripeWriter(args.output, pid, (m, n), dtype, header,
                                   aligned=chunks is not None)
             executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
-            direct = _reads_directly(comm, get_config().batch_panels)
             warm = []
             comms = None
             if not direct:

@@ -5,9 +5,10 @@ process column, each with its panel broadcaster; a dimension of one rank gets
 neither a communicator nor a broadcaster, so a 1 x 1 grid makes nothing), and
 the cache that keeps them: ``grid_comms(comm, grid, ...)`` returns the
 ``GridComms`` for ``comm``, the grid's shape, the device and the broadcast
-choice, making it on the first call only (NCCL communicators cost ~0.07 s to
-make and ~0.2 s to destroy on an H100, more than a whole 8192 product);
-``local_gpu(comm)`` picks this rank's GPU once per communicator.
+choice, making it on the first call only (making and destroying NCCL
+communicators can cost more than a whole moderate product: ``bench/NOTES.md``,
+communicators made once); ``local_gpu(comm)`` picks this rank's GPU once per
+communicator.
 
 The cache lives on the communicator itself (an MPI attribute), so it goes when
 the communicator goes: ``comm.Free()`` runs the attribute's delete callback,
@@ -138,8 +139,20 @@ def grid_comms(comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "aut
 
 
 def local_gpu(comm) -> int:
-    """Use (and return) this rank's GPU: node-local rank modulo the node's GPUs, worked
-    out once per communicator (``select_local_gpu`` is collective)."""
+    """Use (and return) this rank's GPU, chosen once per communicator.
+
+    The first call asks ``distmm.engine.mpi.comm.select_local_gpu``, which takes
+    ``distmm.engine.mpi.binding.bind_rank``'s choice (the node-local rank from the
+    launcher's variables, else the MPI shared-memory split, over the devices
+    ``CUDA_VISIBLE_DEVICES`` or Slurm leave this rank, round-robin where ranks outnumber
+    them) and makes it current; later calls make the cached device current again. The
+    first call is collective on ``comm``: every rank must make it.
+
+    Raises
+    ------
+    RuntimeError
+        A rank of ``comm`` sees no GPU (``select_local_gpu`` raises it on every rank).
+    """
     import cupy  # before the cache's exit hook is registered: that hook then runs first
 
     cache = _cache(comm)

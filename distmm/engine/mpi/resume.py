@@ -2,8 +2,9 @@
 
 This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
 output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size and
-modification time, the result dtype, the rank count, the grid and its stripes, the staged
-output's name and data offset), the per-rank logs of finished stripes (``STAGED.done-RANK``:
+modification time, the result dtype, the rank count, the grid, its stripes and the k panels each stripe is summed
+over (so a rerun that would add in another order is refused), the staged output's name and
+data offset), the per-rank logs of finished stripes (``STAGED.done-RANK``:
 one stripe index per line, appended and flushed to disk only after the stripe's bytes were),
 comparing a manifest with a new run's (one line naming what changed), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
@@ -59,10 +60,11 @@ class Manifest(dict):
 
     @classmethod
     def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
-             grid: tuple, stripe_edges, pid: int, header) -> "Manifest":
+             grid: tuple, stripe_edges, panels, pid: int, header) -> "Manifest":
         return cls(format=FORMAT, a=a, b=b, output=str(output), dtype=str(dtype),
                    backend=str(backend), ranks=int(ranks), grid=[int(g) for g in grid],
-                   stripe_edges=[list(map(int, e)) for e in stripe_edges], pid=int(pid),
+                   stripe_edges=[list(map(int, e)) for e in stripe_edges],
+                   panels=[int(p) for p in panels], pid=int(pid),
                    header=None if header is None else int(header))
 
     def save(self, staged: Path) -> None:
@@ -96,7 +98,7 @@ def mismatch(old: dict, new: dict) -> str | None:
                 return f"{what} ({n.get('spec')}) changed: its {label} differs"
     for key, label in (("output", "output"), ("dtype", "result dtype"), ("backend", "backend"),
                        ("ranks", "rank count"), ("grid", "process grid"),
-                       ("stripe_edges", "stripes")):
+                       ("stripe_edges", "stripes"), ("panels", "k panels of a stripe's sum")):
         if old.get(key) != new.get(key):
             return f"the {label} changed ({old.get(key)} then, {new.get(key)} now)"
     return None

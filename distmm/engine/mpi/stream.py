@@ -41,7 +41,7 @@ import numpy as np
 from distmm.engine.mpi.stop import StopWatch, poll
 from distmm.plan_batch import BatchPlan
 
-__all__ = ["PanelSource", "run_stripes"]
+__all__ = ["PanelSource", "run_stripes", "k_panels"]
 
 PAUSE = float(os.environ.get("DISTMM_BATCH_STRIPE_PAUSE", "0") or 0)
 
@@ -65,6 +65,15 @@ class PanelSource:
             np.copyto(out, part, casting="unsafe")  # a memmap's pages are read here
         else:
             out[...] = np.asarray(part)
+
+
+def k_panels(plan: BatchPlan, *, on_gpu: bool, direct: bool) -> tuple[int, ...]:
+    """The k edges a stripe's product is summed over, in order: one panel over all of k where
+    a CPU rank holds the whole of A's stripe (it reads every piece itself: one GEMM, and for
+    float16 numpy's own single float32 sum over k), else every owner's edge of A and B."""
+    if direct and not on_gpu:
+        return (0, plan.grid.k)
+    return plan.panels
 
 
 def _owner(cuts, k0: int) -> int:
@@ -166,6 +175,7 @@ class _Run:
         b_mine = list(range(g.rows)) if direct else [self.i]
         self.b_range = (self.b_cuts[b_mine[0]], self.b_cuts[b_mine[-1] + 1])
         self.readers = ThreadPoolExecutor(4 if direct else 2, thread_name_prefix="distmm-reader")
+        self.panels = k_panels(plan, on_gpu=isinstance(self, _GPURun), direct=direct)
 
     def rows_of(self, stripe: int) -> tuple[int, int]:
         return self.stripes[stripe], self.stripes[stripe + 1]
@@ -195,7 +205,7 @@ class _Run:
 
     def panel_pairs(self):
         """Per k panel: (owner column of A, k0, k1)."""
-        p = self.plan.panels
+        p = self.panels
         return [(_owner(self.a_cuts, k0), k0, k1) for k0, k1 in zip(p, p[1:]) if k1 > k0]
 
     def run(self, todo, skip, on_written):
@@ -242,6 +252,11 @@ class _CPURun(_Run):
         self.phases.add("comm", start, time.perf_counter(), buf.nbytes)
 
     def pieces(self, h):
+        """A's stripe by owner column: views of one ``h x k`` array (a whole stripe is one
+        operand when this rank reads every piece), or one array per piece."""
+        if self.direct:
+            whole = np.empty((h, self.grid.k), dtype=self.acc)
+            return [whole[:, self.a_cuts[j]:self.a_cuts[j + 1]] for j in range(self.grid.cols)]
         return [np.empty((h, w), dtype=self.acc) for w in self.widths]
 
     def stripe_loop(self, todo, skip, writer):
@@ -275,6 +290,10 @@ class _CPURun(_Run):
         return pieces, futures
 
     def product(self, pieces, h):
+        if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
+            whole = pieces[0].base if pieces[0].base is not None else pieces[0]
+            c = self.executor.panel_product(whole, self.b_store, 256)
+            return np.ascontiguousarray(c, dtype=self.acc)
         c = None
         for owner, k0, k1 in self.panel_pairs():
             off = self.a_cuts[owner]
