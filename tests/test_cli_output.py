@@ -189,6 +189,33 @@ def test_signal_mid_run_leaves_nothing(tmp_path, signum, status):
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(5.0))
 
 
+def test_sigterm_is_acted_on_within_2_s_while_numba_compiles_and_runs(tmp_path):
+    """The numba backend's first tiles compile and then run for seconds on a pool thread;
+    the signal ends the process within 2 s anyway (running tiles are not waited for)."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((2500, 2500)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((2500, 2500)))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))  # compiles afresh
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy",
+                             tmp_path / "b.npy", "-o", tmp_path / "c.npy", "--backend", "numba",
+                             "--engine", "local"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not _staged(tmp_path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the product finished before the signal: make it bigger"
+    sent = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 2.0
+    assert proc.returncode == 143, err
+    assert one_line(err).strip() == "distmm matmul: error: terminated by SIGTERM"
+    assert not _staged(tmp_path) and not (tmp_path / "c.npy").exists()
+
+
 def test_no_space_is_checked_before_computing(tmp_path, operands):
     """A result larger than the file system's free space fails before any
     tile: made with a huge shape from two small broadcast-free operands."""

@@ -425,6 +425,12 @@ def main(argv=None) -> int:
             raise
         status = report(args.command, exc, debug=debug)
         staging = sys.modules.get("distmm.staging")
+        if status in (128 + 2, 128 + 15):
+            # a signal: the staged output is gone already; tiles still running on pool threads
+            # are not waited for (the interpreter would join them at exit)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
         if staging is not None and staging.HDF5_UNCLOSED:
             # HDF5 would retry the failed close at exit and crash: end here.
             sys.stdout.flush()

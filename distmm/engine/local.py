@@ -193,14 +193,15 @@ def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
         for key in keys:
             store(*key, [task(*key, s) for s in range(plan.k_splits)])
         return out
-    with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local") as pool:
-        futures = {key: [pool.submit(task, *key, s) for s in range(plan.k_splits)] for key in keys}
-        try:
-            for key, futs in futures.items():
-                store(*key, [f.result() for f in futs])
-        except BaseException:
-            for futs in futures.values():
-                for f in futs:
-                    f.cancel()
-            raise
+    pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local")
+    futures = {key: [pool.submit(task, *key, s) for s in range(plan.k_splits)] for key in keys}
+    try:
+        for key, futs in futures.items():
+            store(*key, [f.result() for f in futs])
+    except BaseException:
+        # a signal or a failure: the tiles not started are dropped and the running ones are
+        # not waited for (a numba tile can take seconds), so the caller cleans up at once
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return out
