@@ -54,15 +54,15 @@ def test_local_calls_resolve_the_engine_once(monkeypatch):
         assert calls == ["get_engine"], calls
         return result
 
-    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12)  # miss
-    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12)  # hit
+    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12, atol=1e-12)  # miss
+    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12, atol=1e-12)  # hit
     assert CALLS.hits == 1
     direct = np.empty((67, 23))  # tiles written into out
     assert once(lambda: distmm.matmul(a, b, out=direct)) is direct
-    np.testing.assert_allclose(direct, ref, rtol=1e-12)
+    np.testing.assert_allclose(direct, ref, rtol=1e-12, atol=1e-12)
     cast = np.empty((67, 23), dtype=np.complex128)  # another dtype: computed, then copied
     assert once(lambda: distmm.matmul(a, b, out=cast)) is cast
-    np.testing.assert_allclose(cast.real, ref, rtol=1e-12)
+    np.testing.assert_allclose(cast.real, ref, rtol=1e-12, atol=1e-12)
     c = rng.standard_normal((67, 23))
     np.testing.assert_allclose(once(lambda: distmm.gemm(a, b, c, alpha=2.0, beta=-0.5)),
                                2.0 * ref - 0.5 * c, rtol=1e-12, atol=1e-12)
@@ -99,15 +99,15 @@ def test_cluster_calls_build_one_engine_and_ask_the_scheduler_once(client, monke
         return result
 
     np.testing.assert_allclose(once(lambda: distmm.matmul(a, b, client=client, tile=64)), ref,
-                               rtol=1e-12)
+                               rtol=1e-12, atol=1e-12)
     out = np.empty((131, 65))
     assert once(lambda: distmm.matmul(a, b, out=out, client=client, tile=64)) is out
-    np.testing.assert_allclose(out, ref, rtol=1e-12)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     with distributed.Client(client.scheduler.address):  # a default client: "auto" uses it
-        np.testing.assert_allclose(once(lambda: distmm.matmul(a, b, tile=64)), ref, rtol=1e-12)
+        np.testing.assert_allclose(once(lambda: distmm.matmul(a, b, tile=64)), ref, rtol=1e-12, atol=1e-12)
     assert api.get_engine("auto").name == "local"
     np.testing.assert_allclose(once(lambda: distmm.gemm(a, b, client=client, tile=64)), ref,
-                               rtol=1e-12)
+                               rtol=1e-12, atol=1e-12)
 
 
 # -- one configuration: the dry run shows the plan the run uses --------------------------------
