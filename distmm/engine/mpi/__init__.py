@@ -118,10 +118,18 @@ class MPIEngine(Engine):
         return out_arr
 
     def run_distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
-                        on_gpu: bool = False, phases=None) -> DistArray:
+                        on_gpu: bool = False, phases=None,
+                        streamed: bool | None = None) -> DistArray:
         """``a @ b`` for distributed operands on ``grid`` (made by the planner
         for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
-        layout are redistributed first; the result is in ``grid.c_layout``."""
+        layout are redistributed first; the result is in ``grid.c_layout``.
+
+        ``streamed``: the product runs in stripes (``distmm.engine.mpi.stream``: each
+        rank's host blocks stay in host memory, pieces of A's stripes and B's column panel
+        are broadcast, C is written into a host block stripe by stripe) on a ``rows x
+        cols`` grid with k not split, whose ``c_layout`` the result then has. ``None``
+        (default): streamed for GPU ranks whose host blocks, with C's, would not fit the
+        device memory all ranks have."""
         from distmm.executor import get_executor
 
         if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
@@ -129,6 +137,10 @@ class MPIEngine(Engine):
         acc = np.dtype(grid.acc_dtype)
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
+        if streamed is None:
+            streamed = on_gpu and _too_big_for_the_device(self.comm, a, b, grid)
+        if streamed:
+            return self._streamed(a, b, grid, backend, on_gpu=on_gpu, phases=phases)
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
         from distmm.phases import Phases
@@ -199,6 +211,67 @@ class MPIEngine(Engine):
             "panels_per_layer": [len(p) - 1 for p in grid.panel_edges] if grid.ranks > 1 else [1],
         }
         return result
+
+
+    def _streamed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
+                  on_gpu: bool, phases) -> DistArray:
+        """The stripes of ``distmm.engine.mpi.stream`` from host blocks into a host block."""
+        from distmm.engine.mpi.stop import StopWatch
+        from distmm.engine.mpi.stream import BlockSink, PanelSource, device_memory, run_stripes
+        from distmm.executor import get_executor
+        from distmm.phases import Phases
+        from distmm.plan_batch import plan_batch
+
+        phases = phases if phases is not None else Phases()
+        comm, rank = self.comm, self.comm.rank
+        device = local_gpu(comm) if on_gpu else None
+        forced = (grid.rows, grid.cols) if grid.layers == 1 else None
+        plan = plan_batch(grid.m, grid.n, grid.k, grid.dtype, ranks=comm.size,
+                          memory=device_memory(on_gpu, comm), grid=forced)
+        g = plan.grid
+        a = a.redistribute(g.a_layout)
+        b = b.redistribute(g.b_layout)
+        ar0, _, ac0, _ = g.a_layout.local_bounds(rank)
+        br0, _, bc0, _ = g.b_layout.local_bounds(rank)
+        cr0, _, cc0, _ = g.c_layout.local_bounds(rank)
+        c_local = np.empty(g.c_layout.local_shape(rank), dtype=np.dtype(g.dtype))
+        comms = grid_comms(comm, g, on_gpu=on_gpu, prefer=self.comm_backend, device=device)
+        before = comms.bytes_received
+        watch = StopWatch(comm)
+        try:
+            with get_executor(backend, np.dtype(g.acc_dtype), on_gpu=on_gpu) as executor:
+                run_stripes(plan, rank, PanelSource(a._host_local(), (ar0, ac0)),
+                            PanelSource(b._host_local(), (br0, bc0)), BlockSink(c_local, (cr0, cc0)),
+                            executor, comms, watch, phases, on_gpu=on_gpu,
+                            todo=range(plan.stripe_count(g.coords(rank)[1])))
+        except BaseException as exc:
+            watch.tell(f"{type(exc).__name__}: {exc}", 1)
+            raise
+        finally:
+            watch.close()
+        result = DistArray(c_local, g.c_layout, comm)
+        result.stats = self.last_stats = {
+            "grid": g.shape, "bytes_received": int(comms.bytes_received - before),
+            "bytes_estimated": int(g.bytes_received(rank)), "stripes": plan.stripes,
+            "streamed": True,
+        }
+        return result
+
+
+def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) -> bool:
+    """Whether any rank's host blocks of A and B, with its block of C, exceed the device
+    memory every rank has (the in-core product copies all three to the GPU)."""
+    if hasattr(a.local, "__cuda_array_interface__") or hasattr(b.local, "__cuda_array_interface__"):
+        return False
+    from distmm.engine.mpi.stream import device_memory
+
+    local_gpu(comm)
+    item = np.dtype(grid.acc_dtype).itemsize
+    need = max((grid.a_layout.local_shape(r)[0] * grid.a_layout.local_shape(r)[1]
+                + grid.b_layout.local_shape(r)[0] * grid.b_layout.local_shape(r)[1]
+                + grid.c_layout.local_shape(r)[0] * grid.c_layout.local_shape(r)[1]) * item
+               for r in range(comm.size))
+    return need > device_memory(True, comm)
 
 
 def _same_on_every_rank(comm, key) -> None:

@@ -30,7 +30,7 @@ from distmm.engine.mpi import resume as rs
 from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, parse_spec,
                                   staged_path)
 from distmm.engine.mpi.stop import PeerStopped, StopWatch
-from distmm.engine.mpi.stream import PanelSource, k_panels, run_stripes
+from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
 from distmm.errors import Signalled
 from distmm.plan_batch import BatchPlan, plan_batch
 
@@ -72,23 +72,6 @@ def _judged(exc: BaseException, judge) -> tuple[int, str]:
     if isinstance(exc, PeerStopped):
         return exc.status, exc.reason
     return judge(exc)
-
-
-def _device_memory(on_gpu: bool, comm) -> int | None:
-    """The smallest memory a rank may use for the product (GPU ranks), or None (CPU)."""
-    from mpi4py import MPI
-
-    if not on_gpu:
-        return None
-    import cupy
-
-    from distmm.config import get_config
-
-    free, _ = cupy.cuda.runtime.memGetInfo()
-    free += cupy.get_default_memory_pool().free_bytes()
-    limit = get_config().device_memory_limit
-    mine = int(min(free * 0.85, limit) if limit else free * 0.85)
-    return comm.allreduce(mine, op=MPI.MIN)
 
 
 def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header):
@@ -172,7 +155,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 from distmm.executor.cublas import start_cublas
 
                 start_cublas(np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.float64)
-            plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=_device_memory(on_gpu, comm),
+            plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
                               stripes=get_config().batch_stripes)
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())

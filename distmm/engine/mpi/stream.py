@@ -41,7 +41,7 @@ import numpy as np
 from distmm.engine.mpi.stop import StopWatch, poll
 from distmm.plan_batch import BatchPlan
 
-__all__ = ["PanelSource", "run_stripes", "k_panels"]
+__all__ = ["PanelSource", "BlockSink", "run_stripes", "k_panels", "device_memory"]
 
 PAUSE = float(os.environ.get("DISTMM_BATCH_STRIPE_PAUSE", "0") or 0)
 
@@ -65,6 +65,41 @@ class PanelSource:
             np.copyto(out, part, casting="unsafe")  # a memmap's pages are read here
         else:
             out[...] = np.asarray(part)
+
+
+def device_memory(on_gpu: bool, comm) -> int | None:
+    """The smallest memory a rank may use for the product (GPU ranks), or None (CPU)."""
+    from mpi4py import MPI
+
+    if not on_gpu:
+        return None
+    import cupy
+
+    from distmm.config import get_config
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    free += cupy.get_default_memory_pool().free_bytes()
+    limit = get_config().device_memory_limit
+    mine = int(min(free * 0.85, limit) if limit else free * 0.85)
+    return comm.allreduce(mine, op=MPI.MIN)
+
+
+class BlockSink:
+    """Stripes of C into this rank's block in memory (``origin``: its first row and column),
+    for products of ``DistArray`` s; ``finish`` and ``close`` have nothing to do."""
+
+    def __init__(self, block: np.ndarray, origin: tuple[int, int]):
+        self.block, self.origin = block, origin
+
+    def write(self, r0: int, r1: int, c0: int, c1: int, data) -> None:
+        y, x = self.origin
+        self.block[r0 - y:r1 - y, c0 - x:c1 - x] = data
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def k_panels(plan: BatchPlan, *, on_gpu: bool, direct: bool) -> tuple[int, ...]:
@@ -231,7 +266,7 @@ class _Run:
 
 class _CPURun(_Run):
     def load_b(self):
-        g, i = self.grid, self.i
+        g = self.grid
         self.b_store = np.empty((g.k, self.nj), dtype=self.acc)
         k0, k1 = self.b_range
         if k1 > k0 and self.nj:
@@ -353,7 +388,7 @@ class _GPURun(_Run):
             poll(lambda: event.done, self.watch)
 
     def load_b(self):
-        cp, g, i = self.cp, self.grid, self.i
+        cp, g = self.cp, self.grid
         self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
         k0, k1 = self.b_range
         if k1 > k0 and self.nj:

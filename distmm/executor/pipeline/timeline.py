@@ -42,15 +42,6 @@ class Timeline:
 
     def busy_ms(self, lane: str) -> float:
         """Total time ``lane`` was busy (overlapping ops merged)."""
-        spans = sorted((o["start_ms"], o["end_ms"]) for o in self.ops if o["lane"] == lane)
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            total += cur_e - cur_s
-        return total
+        from distmm.phases import merged_seconds
+
+        return merged_seconds((o["start_ms"], o["end_ms"]) for o in self.ops if o["lane"] == lane)
