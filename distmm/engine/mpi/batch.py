@@ -154,7 +154,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             if on_gpu:  # cuBLAS starts on a thread while the ranks plan and open the output
                 from distmm.executor.cublas import start_cublas
 
-                start_cublas(np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.float64)
+                start_cublas(dtype)
             plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
                               stripes=get_config().batch_stripes)
             outcome.plan = plan
@@ -237,9 +237,9 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         if failures and args.resume and pid is not None and comm.rank == 0:
             staged = staged_path(parse_spec(args.output).path, pid)
             if staged.exists():
-                written = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
+                kept = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
                 outcome.notes.append(
-                    f"{written} of {_stripes(outcome.plan)} C stripes are written and kept in "
+                    f"{kept} of {_stripes(outcome.plan)} C stripes are written and kept in "
                     f"{staged.name}: run the same command with --resume to finish")
     watch.close()
     return outcome
