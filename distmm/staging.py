@@ -4,7 +4,8 @@ This module covers the parts of staging an output that the command line
 (``distmm.cli.io``) and the MPI engine (``distmm.engine.mpi.io``) share:
 
 - the staged name beside a target, ``.NAME.distmm-partial-PID`` (same folder,
-  so the final rename is atomic);
+  so the final rename is atomic), and the staged outputs a killed run left there
+  (``leftovers``; ``is_live`` tells a running one on this host; ``remove_leftover``);
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
   by tile with ``os.pwrite``, so a full disk or a file-size limit raises a
   clean ``OSError`` (no memory map to die of SIGBUS, no HDF5 call to crash);
@@ -32,6 +33,7 @@ of a target before a run (``--overwrite``): ``distmm.cli.io``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -43,7 +45,8 @@ import numpy as np
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
-           "create_h5_stage", "commit_h5", "HDF5_UNCLOSED", "H5_MARGIN"]
+           "create_h5_stage", "commit_h5", "HDF5_UNCLOSED", "H5_MARGIN", "leftovers", "is_live",
+           "remove_leftover"]
 
 PARTIAL = "distmm-partial"
 
@@ -60,6 +63,44 @@ def staged_path(path, pid: int | None = None) -> Path:
     """``.NAME.distmm-partial-PID`` beside ``path`` (PID: this process by default)."""
     path = Path(path)
     return path.parent / f".{path.name}.{PARTIAL}-{os.getpid() if pid is None else pid}"
+
+
+def leftovers(target: Path) -> list[Path]:
+    """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``)."""
+    target = Path(target)
+    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
+    folder = target.parent if str(target.parent) else Path(".")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(folder / n for n in names if pattern.match(n))
+
+
+def is_live(staged: Path) -> bool:
+    """Whether the process that made ``staged`` still runs on this host (a distmm run)."""
+    pid = int(str(staged).rsplit("-", 1)[1])
+    if pid == os.getpid():
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"distmm" in cmdline
+
+
+def remove_leftover(staged: Path) -> None:
+    """Remove a staged output and its manifest, logs and lock."""
+    staged = Path(staged)
+    for extra in staged.parent.glob(f"{staged.name}.*"):
+        if extra.is_dir():
+            shutil.rmtree(extra, ignore_errors=True)
+        else:
+            extra.unlink(missing_ok=True)
+    if staged.is_dir():
+        shutil.rmtree(staged, ignore_errors=True)
+    else:
+        staged.unlink(missing_ok=True)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

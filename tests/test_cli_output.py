@@ -216,6 +216,30 @@ def test_sigterm_is_acted_on_within_2_s_while_numba_compiles_and_runs(tmp_path):
     assert not _staged(tmp_path) and not (tmp_path / "c.npy").exists()
 
 
+def test_kill_9_leftovers_of_one_process_are_named_and_removed(tmp_path):
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((2500, 2500)), rng.standard_normal((2500, 2500))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    cmd = [sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy",
+           "-o", tmp_path / "c.npy", "--backend", "numba", "--engine", "local"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not _staged(tmp_path):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    left = _staged(tmp_path)
+    assert left, "the staged output went with the killed process"
+    r = subprocess.run(cmd[:-4] + ["--backend", "blas"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"distmm matmul: removed {left[0].name}" in r.stderr
+    assert not _staged(tmp_path)
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
+
+
 def test_no_space_is_checked_before_computing(tmp_path, operands):
     """A result larger than the file system's free space fails before any
     tile: made with a huge shape from two small broadcast-free operands."""

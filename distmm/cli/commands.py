@@ -217,6 +217,7 @@ def _cmd_matmul(args) -> int:
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")
+    _remove_leftovers(args.output)
     client = _connect(args)
     engine = "dask" if client is not None else args.engine
     _maybe_warm_gpu(args, engine, a, b, dtype)
@@ -247,6 +248,19 @@ def _cmd_matmul(args) -> int:
     seconds = time.perf_counter() - t0
     print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
     return 0
+
+
+def _remove_leftovers(output: str) -> None:
+    """Name and remove the staged outputs that killed runs (``kill -9``) left beside the
+    target; those of a distmm process still running on this host stay."""
+    from distmm.cli.io import parse_target
+    from distmm.staging import is_live, leftovers, remove_leftover
+
+    for staged in leftovers(parse_target(output).path):
+        if not is_live(staged):
+            remove_leftover(staged)
+            print(f"distmm matmul: removed {staged.name}, left beside {output} by a run that was "
+                  f"killed", file=sys.stderr, flush=True)
 
 
 def _cmd_demo(args) -> int:

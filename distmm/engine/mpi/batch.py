@@ -33,6 +33,7 @@ from distmm.engine.mpi.stop import PeerStopped, StopWatch
 from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
 from distmm.errors import Signalled
 from distmm.plan_batch import BatchPlan, plan_batch
+from distmm.staging import is_live, leftovers, remove_leftover
 
 __all__ = ["run_batch", "BatchOutcome"]
 
@@ -86,7 +87,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
     target = parse_spec(args.output).path
     notes = []
-    found = [p for p in rs.leftovers(target) if not rs.is_live(p)]
+    found = [p for p in leftovers(target) if not is_live(p)]
     reuse = None
     if args.resume:
         want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None)
@@ -102,7 +103,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
             break
     for staged in found:
         if staged != reuse:
-            rs.remove_leftover(staged)
+            remove_leftover(staged)
             notes.append(f"removed {staged.name}, left beside {args.output} by a run that was "
                          f"killed")
     if reuse is not None:
@@ -289,7 +290,7 @@ def _finish(args, pid: int, *, ok: bool, keep: bool):
         lock = Path(f"{staged}.lock")
         lock.unlink(missing_ok=True)
         return None
-    rs.remove_leftover(staged)
+    remove_leftover(staged)
     return None
 
 

@@ -9,7 +9,7 @@ one stripe index per line, appended and flushed to disk only after the stripe's 
 comparing a manifest with a new run's (one line naming what changed), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
-matches).
+matches; ``distmm.staging`` finds and removes them).
 
 It does *not* cover: computing or writing stripes (``distmm.engine.mpi.stream``) or the
 command line's messages (``distmm.cli.mpi_matmul``).
@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 from pathlib import Path
 
-from distmm.staging import PARTIAL
-
 __all__ = ["Manifest", "input_facts", "manifest_path", "done_log_path", "read_done",
-           "DoneLog", "leftovers", "remove_leftover", "mismatch"]
+           "DoneLog", "mismatch"]
 
 FORMAT = "distmm-resume-1"
 
@@ -131,45 +127,3 @@ class DoneLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def leftovers(target: Path) -> list[Path]:
-    """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``)."""
-    target = Path(target)
-    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
-    folder = target.parent if str(target.parent) else Path(".")
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return sorted(folder / n for n in names if pattern.match(n))
-
-
-def staged_pid(staged: Path) -> int:
-    return int(str(staged).rsplit("-", 1)[1])
-
-
-def is_live(staged: Path) -> bool:
-    """Whether the process that made ``staged`` still runs on this host (a distmm run)."""
-    pid = staged_pid(staged)
-    if pid == os.getpid():
-        return True
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"distmm" in cmdline
-
-
-def remove_leftover(staged: Path) -> None:
-    """Remove a staged output and its manifest, logs and lock."""
-    staged = Path(staged)
-    for extra in staged.parent.glob(f"{staged.name}.*"):
-        if extra.is_dir():
-            shutil.rmtree(extra, ignore_errors=True)
-        else:
-            extra.unlink(missing_ok=True)
-    if staged.is_dir():
-        shutil.rmtree(staged, ignore_errors=True)
-    else:
-        staged.unlink(missing_ok=True)
