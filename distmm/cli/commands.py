@@ -272,6 +272,12 @@ def _cmd_demo(args) -> int:
                     progress=args.progress)
 
 
+def _cmd_report(args) -> int:
+    from distmm.cli.report import run_report
+
+    return run_report(args.records, args.output, overwrite=args.overwrite)
+
+
 # ---------------------------------------------------------------- the parser
 
 
@@ -384,6 +390,18 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", parents=[common], help="devices, backends and versions",
                        description="print devices, backends and versions")
     i.set_defaults(func=_cmd_info)
+
+    r = sub.add_parser("report", parents=[common],
+                       help="plots and tables from benchmark records (needs distmm[bench])",
+                       description="write TFLOP/s, scaling and timeline PNGs, report.md and "
+                                   "index.html into a new folder, from benchmark records (JSON "
+                                   "lines) and distmm-profile-1 profiles (.json)")
+    r.add_argument("records", nargs="+", metavar="RECORDS",
+                   help="record files (.jsonl) and profiles (.json, e.g. mpi-batch-profiles-*.json)")
+    r.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="the folder to write (created; an existing non-empty one needs --overwrite)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
+    r.set_defaults(func=_cmd_report)
 
     for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
                            ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):

@@ -1,0 +1,438 @@
+"""``distmm report``: plots and tables made from benchmark record files.
+
+This module covers: reading benchmark records (JSON lines, ``docs/performance.md``
+§ Records) and ``distmm-profile-1`` profiles (``.json``); the pure computations on them
+(grouping, strong and weak scaling, shares of a same-run reference, timeline rows); and
+writing ``report.md``, ``index.html`` and matplotlib PNGs into a new folder, staged in a
+temporary folder beside it and renamed into place only when complete.
+It does *not* cover: running benchmarks (``bench/``) or recording profiles
+(``distmm.phases``).
+
+The rules, in one place:
+
+- **count**: the first of ``ranks``, ``gpus``, ``workers`` a record has (else 1).
+- **family**: the variant with its count token removed (``mpirun-4-h5`` at 4 ranks is
+  ``mpirun-h5``; ``distmm-dask@2gpu`` at 2 GPUs is ``distmm-dask``), so that one
+  configuration measured at several counts forms one series.
+- **strong scaling**: records of one ``run``, ``benchmark``, ``device``, ``dtype``, size
+  and family at two or more counts. **Weak scaling**: the same without the size, where
+  each count has one size and the size grows with the count. In both, a count's seconds
+  are the median of its records; speedup is TFLOP/s over the smallest count's TFLOP/s
+  (for strong scaling the time ratio) and efficiency is speedup * smallest count / count.
+- **reference**: a variant named ``cublas``, ``numpy``, ``dask.array``, ``read-cat`` or
+  ``write-dd`` (the storage ceilings of ``mpi-batch``), alone or followed by ``-``, ``@`` or ``.`` (``cublas-incore``,
+  ``dask.array-chunk8192@2gpu``). A record's share of a reference is reference seconds /
+  its seconds (its TFLOP/s over the reference's; above 1 it was faster), for every
+  reference of the same ``run``, ``benchmark``, ``dtype``, ``m``, ``n``, ``k``.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from distmm.errors import OutputExists
+
+__all__ = ["REFERENCES", "REQUIRED", "count_of", "family", "is_reference", "scaling",
+           "reference_shares", "timeline_rows", "read_inputs", "run_report"]
+
+REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
+REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
+COUNT_KEYS = ("ranks", "gpus", "workers")
+INSTALL = 'distmm report needs matplotlib: pip install "distmm[bench]"'
+
+
+# ---------------------------------------------------------------- pure computations
+
+
+def count_of(record: dict) -> tuple[str, int]:
+    """The key and value of how many took part: the first of ``ranks``, ``gpus``,
+    ``workers`` present and not null, else ``("ranks", 1)``."""
+    for key in COUNT_KEYS:
+        if record.get(key) is not None:
+            return key, int(record[key])
+    return "ranks", 1
+
+
+def family(variant: str, count: int) -> str:
+    """``variant`` without its count token: ``family("mpirun-4-h5", 4) == "mpirun-h5"``,
+    ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
+    token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
+    return re.sub(token, "", variant, count=1) or variant
+
+
+def is_reference(variant: str) -> bool:
+    """Whether ``variant`` is a reference (see the module docstring)."""
+    return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant) for r in REFERENCES)
+
+
+def _flops(record: dict) -> int:
+    return 2 * int(record["m"]) * int(record["n"]) * int(record["k"])
+
+
+@dataclass(frozen=True)
+class Point:
+    """One count of a scaling series; ``size`` is ``(m, n, k)``."""
+    count: int
+    size: tuple[int, int, int]
+    seconds: float
+    speedup: float
+    efficiency: float
+
+
+@dataclass(frozen=True)
+class Series:
+    """A scaling series: ``kind`` is ``"strong"`` or ``"weak"``; points by count."""
+    kind: str
+    run: str
+    benchmark: str
+    device: str
+    dtype: str
+    family: str
+    count_key: str
+    points: tuple[Point, ...]
+
+    @property
+    def label(self) -> str:
+        size = "x".join(map(str, self.points[0].size)) if self.kind == "strong" else "weak"
+        return f"{self.family} {self.dtype} {size} run {self.run}"
+
+
+def scaling(records: list[dict], kind: str) -> list[Series]:
+    """The strong (``kind="strong"``) or weak (``"weak"``) scaling series in ``records``.
+
+    Parameters
+    ----------
+    records : list of dict
+        Benchmark records with the ``REQUIRED`` keys.
+    kind : {"strong", "weak"}
+
+    Returns
+    -------
+    list of Series
+        Sorted by benchmark, device, dtype, family and run; each with two counts or more.
+
+    Examples
+    --------
+    >>> recs = [dict(run="r", benchmark="b", variant=f"v-{p}", device="d", dtype="float64",
+    ...              m=8, n=8, k=8, seconds=4.0 / p, ranks=p) for p in (1, 2)]
+    >>> [p.speedup for p in scaling(recs, "strong")[0].points]
+    [1.0, 2.0]
+    """
+    if kind not in ("strong", "weak"):
+        raise ValueError(f"kind must be 'strong' or 'weak', got {kind!r}")
+    groups: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        key, count = count_of(r)
+        if _flops(r) == 0 or not r["seconds"] or r["seconds"] <= 0:
+            continue
+        size = (int(r["m"]), int(r["n"]), int(r["k"]))
+        group = (r["benchmark"], r["device"], r["dtype"], family(r["variant"], count), str(r["run"]), key)
+        groups[group + ((size,) if kind == "strong" else ())][count].append(r)
+    out = []
+    for group, by_count in groups.items():
+        if len(by_count) < 2:
+            continue
+        counts = sorted(by_count)
+        sizes = [{(int(r["m"]), int(r["n"]), int(r["k"])) for r in by_count[c]} for c in counts]
+        if kind == "weak":
+            flops = [2 * a * b * c for s in sizes for a, b, c in s]
+            if any(len(s) != 1 for s in sizes) or any(x >= y for x, y in zip(flops, flops[1:])):
+                continue
+        sizes = [min(s) for s in sizes]
+        seconds = [statistics.median(r["seconds"] for r in by_count[c]) for c in counts]
+        rates = [2 * s[0] * s[1] * s[2] / t for s, t in zip(sizes, seconds)]
+        points = tuple(Point(c, s, t, rate / rates[0], rate / rates[0] * counts[0] / c)
+                       for c, s, t, rate in zip(counts, sizes, seconds, rates))
+        bench, device, dtype, fam, run, key = group[:6]
+        out.append(Series(kind, run, bench, device, dtype, fam, key, points))
+    return sorted(out, key=lambda s: (s.benchmark, s.device, s.dtype, s.family, s.run,
+                                      s.points[0].size))
+
+
+@dataclass(frozen=True)
+class Share:
+    """``record`` against ``reference`` of the same run and problem: ``share`` is
+    reference seconds / record seconds."""
+    record: dict
+    reference: str
+    reference_seconds: float
+    share: float
+
+
+def reference_shares(records: list[dict]) -> list[Share]:
+    """Every non-reference record against every reference of its run and problem.
+
+    A reference measured several times in one run counts with its median seconds.
+    Returns the shares in the order of ``records``, then by reference name.
+
+    Examples
+    --------
+    >>> recs = [dict(run="r", benchmark="b", variant=v, dtype="float32", m=2, n=2, k=2,
+    ...              seconds=s) for v, s in (("cublas", 1.0), ("distmm-mpi", 2.0))]
+    >>> [(s.reference, s.share) for s in reference_shares(recs)]
+    [('cublas', 0.5)]
+    """
+    def problem(r):
+        return (str(r["run"]), r["benchmark"], r["dtype"], int(r["m"]), int(r["n"]), int(r["k"]))
+
+    refs: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if is_reference(r["variant"]) and r["seconds"] and r["seconds"] > 0:
+            refs[problem(r)][r["variant"]].append(r["seconds"])
+    out = []
+    for r in records:
+        if is_reference(r["variant"]) or not r["seconds"] or r["seconds"] <= 0:
+            continue
+        for name, times in sorted(refs.get(problem(r), {}).items()):
+            ref = statistics.median(times)
+            out.append(Share(r, name, ref, ref / r["seconds"]))
+    return out
+
+
+def timeline_rows(profile: dict) -> list[tuple[int, list[tuple[str, float, float]]]]:
+    """``(rank, [(phase, start, end), ...])`` per rank of a ``distmm-profile-1`` profile,
+    by rank, spans by start."""
+    rows = []
+    for entry in profile["ranks"]:
+        spans = sorted((s["phase"], float(s["start"]), float(s["end"])) for s in entry["spans"])
+        rows.append((int(entry["rank"]), sorted(spans, key=lambda s: s[1])))
+    return sorted(rows)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _tables(records, strong, weak, shares) -> list[tuple[str, list[str], list[list[str]]]]:
+    """``(title, header, rows)`` of every table of the report."""
+    tables = []
+    for title, series in (("Strong scaling", strong), ("Weak scaling", weak)):
+        rows = [[s.benchmark, s.device, s.run, s.family, s.dtype, "x".join(map(str, p.size)),
+                 f"{s.count_key} {p.count}", f"{p.seconds:.4g}", f"{p.speedup:.2f}",
+                 f"{p.efficiency:.1%}"] for s in series for p in s.points]
+        if rows:
+            tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
+                                   "count", "seconds", "speedup", "efficiency"], rows))
+    rows = [[s.record["benchmark"], str(s.record["run"]), s.record["dtype"],
+             f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}', s.record["variant"],
+             "{} {}".format(*count_of(s.record)), f'{s.record["seconds"]:.4g}', s.reference,
+             f"{s.reference_seconds:.4g}", f"{s.share:.2f}"] for s in shares]
+    if rows:
+        tables.append(("Share of the same-run reference (reference seconds / seconds)",
+                       ["benchmark", "run", "dtype", "m x n x k", "variant", "count", "seconds",
+                        "reference", "reference seconds", "share"], rows))
+    return tables
+
+
+def _markdown(tables, images, sources) -> str:
+    lines = ["# distmm report", "", "Made by `distmm report` from " + ", ".join(
+        f"`{s}`" for s in sources) + ".", ""]
+    for title, header, rows in tables:
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows] + [""]
+    lines += ["## Figures", ""] + [f"![{name}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+def _html(tables, images, sources) -> str:
+    e = html.escape
+    parts = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>distmm report</title>',
+             "<style>table{border-collapse:collapse}td,th{border:1px solid #999;padding:2px 6px}"
+             "img{max-width:100%}</style></head><body>", "<h1>distmm report</h1>",
+             "<p>Made from " + ", ".join(f"<code>{e(s)}</code>" for s in sources) + ".</p>"]
+    for title, header, rows in tables:
+        parts += [f"<h2>{e(title)}</h2>", "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header)
+                  + "</tr>"] + ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
+    parts += ["<h2>Figures</h2>"] + [f'<p><img src="{e(n)}" alt="{e(n)}"></p>' for n in images]
+    return "\n".join(parts + ["</body></html>"]) + "\n"
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _slug(*parts) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", "-".join(map(str, parts)).lower()).strip("-")
+
+
+def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
+    """Draw every figure into ``folder``; return the file names."""
+    names = []
+
+    def save(fig, name):
+        fig.savefig(folder / name, bbox_inches="tight")
+        plt.close(fig)
+        names.append(name)
+
+    by_bench = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in records:
+        if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0:
+            size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
+            by_bench[(r["benchmark"], r["device"])][(r["variant"], r["dtype"])][size].append(r["tflops"])
+    for (bench, device), lines in sorted(by_bench.items()):
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+        for (variant, dtype), points in sorted(lines.items()):
+            xs = sorted(points)
+            ax.plot(xs, [statistics.median(points[x]) for x in xs], "o-", label=f"{variant} {dtype}")
+        ax.set(xscale="log", xlabel="size, (m n k)^(1/3)", ylabel="TFLOP/s (median over runs)",
+               title=f"{bench} on {device}")
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1, 0.5))
+        save(fig, f"tflops-{_slug(bench, device)}.png")
+    for kind, series in (("strong", strong), ("weak", weak)):
+        figs = defaultdict(list)
+        for s in series:
+            figs[(s.benchmark, s.device)].append(s)
+        for (bench, device), group in sorted(figs.items()):
+            fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=100)
+            counts = sorted({p.count for s in group for p in s.points})
+            for s in group:
+                xs = [p.count for p in s.points]
+                left.plot(xs, [p.speedup for p in s.points], "o-", label=s.label)
+                right.plot(xs, [p.efficiency for p in s.points], "o-", label=s.label)
+            base = min(s.points[0].count for s in group)
+            if kind == "strong":
+                left.plot(counts, [c / base for c in counts], "k--", label="ideal")
+            right.axhline(1.0, color="k", ls="--")
+            what = group[0].count_key
+            left.set(xlabel=what, ylabel="speedup" if kind == "strong" else "TFLOP/s over the smallest count",
+                     title=f"{kind} scaling: {bench} on {device}")
+            right.set(xlabel=what, ylabel="parallel efficiency", ylim=(0, None))
+            left.legend(fontsize=6)
+            save(fig, f"{kind}-{_slug(bench, device)}.png")
+    for name, profile in profiles:
+        rows = timeline_rows(profile)
+        phases = sorted({p for _, spans in rows for p, _, _ in spans})
+        palette = plt.get_cmap("tab10" if len(phases) <= 10 else "tab20")
+        colours = {p: palette(i % palette.N) for i, p in enumerate(phases)}
+        fig, ax = plt.subplots(figsize=(12, 1.5 + 0.5 * len(rows)), dpi=100)
+        for y, (rank, spans) in enumerate(rows):
+            for phase in phases:
+                bars = [(s, e - s) for p, s, e in spans if p == phase]
+                ax.broken_barh(bars, (y - 0.4, 0.8), color=colours[phase])
+        ax.set(yticks=range(len(rows)), yticklabels=[f"rank {r}" for r, _ in rows],
+               xlabel="seconds", title=f"{name}: phases per rank")
+        ax.invert_yaxis()
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases],
+                  labels=phases, fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+        save(fig, f"timeline-{_slug(name)}.png")
+    return names
+
+
+# ---------------------------------------------------------------- files
+
+
+def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
+    """Read record files (JSON lines) and profiles (files ending ``.json``).
+
+    A profile file is one ``distmm-profile-1`` object (named by the file's stem) or an
+    object of named ones (``bench/mpi_batch.py``'s ``mpi-batch-profiles-*.json``).
+
+    Returns
+    -------
+    records, profiles : list of dict, list of (name, profile)
+
+    Raises
+    ------
+    FileNotFoundError
+        A path that does not exist.
+    ValueError
+        A line that is not a JSON object with the ``REQUIRED`` keys (named with its
+        line number), a profile in another format, or no records and no profiles at all.
+    """
+    records, profiles = [], []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(2, "No such file or directory" if not os.path.exists(path)
+                                    else "Not a file", path)
+        if path.endswith(".json"):
+            try:
+                with open(path) as fh:
+                    data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+            named = [(Path(path).stem, data)] if isinstance(data, dict) and "format" in data else (
+                [(f"{Path(path).stem} {k}", v) for k, v in data.items()] if isinstance(data, dict) else [])
+            for name, profile in named:
+                if not isinstance(profile, dict) or profile.get("format") != "distmm-profile-1":
+                    raise ValueError(f"{path}: {name} is not a distmm-profile-1 profile")
+            if not named:
+                raise ValueError(f"{path}: not a distmm-profile-1 profile or an object of them")
+            profiles += named
+            continue
+        with open(path) as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number}: a record is a JSON object, got "
+                                     f"{type(record).__name__}")
+                missing = [k for k in REQUIRED if k not in record]
+                if missing:
+                    raise ValueError(f"{path}:{number}: the record lacks {', '.join(missing)}")
+                records.append(record)
+    if not records and not profiles:
+        raise ValueError(f"no benchmark records in {', '.join(paths)}")
+    return records, profiles
+
+
+def _check_output(folder: Path, overwrite: bool) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise OutputExists(f"{folder} exists and is not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise OutputExists(f"{folder} exists and is not empty: pass --overwrite to replace it")
+
+
+def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int:
+    """Write the report of ``paths`` into the folder ``output``; return the exit status.
+
+    Inputs and the output folder are checked before anything is drawn; everything is
+    written to a temporary folder beside ``output`` that replaces it at the end, so a
+    failure leaves ``output`` as it was. Without matplotlib it prints one line and
+    returns 2.
+    """
+    folder = Path(output)
+    _check_output(folder, overwrite)
+    records, profiles = read_inputs(paths)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"distmm report: error: {INSTALL}", file=sys.stderr)
+        return 2
+    strong, weak = scaling(records, "strong"), scaling(records, "weak")
+    folder.absolute().parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
+                                   dir=folder.absolute().parent))
+    staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
+    try:
+        images = _figures(plt, records, strong, weak, profiles, staged)
+        tables = _tables(records, strong, weak, reference_shares(records))
+        (staged / "report.md").write_text(_markdown(tables, images, paths))
+        (staged / "index.html").write_text(_html(tables, images, paths))
+        old = None
+        if folder.exists():
+            old = staged.with_name(staged.name + "-old")
+            folder.rename(old)
+        staged.rename(folder)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    print(f"wrote {folder}: report.md, index.html, {len(images)} figures from "
+          f"{len(records)} records and {len(profiles)} profiles")
+    return 0
