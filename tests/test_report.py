@@ -1,0 +1,210 @@
+"""``distmm report``: the pure computations on known records, and the command end to end on
+synthetic and committed records (real files, real PNGs)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from distmm.cli import main
+from distmm.cli.report import (count_of, family, is_reference, read_inputs, reference_shares,
+                               scaling, timeline_rows)
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+BATCH = RESULTS / "mpi-batch-nvidia-h200-2026-11-26.jsonl"
+PROFILES = RESULTS / "mpi-batch-profiles-20261126T222450Z.json"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def record(variant, seconds, *, run="r1", m=1000, n=1001, k=999, dtype="float64", **extra):
+    return dict(run=run, benchmark="scaling", variant=variant, device="test-cpu", dtype=dtype,
+                m=m, n=n, k=k, seconds=seconds, tflops=2 * m * n * k / seconds / 1e12, **extra)
+
+
+# 1, 2, 4 ranks at 8 s, 5 s, 4 s: speedup 1, 1.6, 2; efficiency 1, 0.8, 0.5
+STRONG = [record(f"distmm-mpi-{p}", t, ranks=p) for p, t in ((1, 8.0), (2, 5.0), (4, 4.0))]
+# sizes grow with the GPUs: per-GPU work 2*m^3/p constant at m = 1000 * p^(1/3)
+WEAK = [record(f"distmm-dask@{g}gpu", t, m=m, n=m, k=m, gpus=g, run="w")
+        for g, m, t in ((1, 1000, 2.0), (8, 2000, 2.5))]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_count_family_and_reference_rules():
+    assert count_of({"ranks": 4, "gpus": 1}) == ("ranks", 4)
+    assert count_of({"ranks": None, "gpus": 2, "workers": 1}) == ("gpus", 2)
+    assert count_of({"workers": 3}) == ("workers", 3)
+    assert count_of({}) == ("ranks", 1)
+    assert family("mpirun-4-h5", 4) == "mpirun-h5"
+    assert family("mpirun-4", 2) == "mpirun-4"
+    assert family("distmm-dask@2gpu", 2) == "distmm-dask"
+    assert family("batch-1", 1) == "batch"
+    assert [v for v in ("cublas", "cublas-incore", "numpy", "dask.array-chunk8192@2gpu",
+                        "read-cat", "write-dd-fsync", "distmm-mpi", "numpyish", "heat",
+                        "distmm-raw-cublas") if is_reference(v)] == [
+        "cublas", "cublas-incore", "numpy", "dask.array-chunk8192@2gpu", "read-cat",
+        "write-dd-fsync"]
+
+
+def test_strong_scaling_exact():
+    noise = [record("cublas", 1.0, ranks=1), record("distmm-mpi-2", 9.0, ranks=2, run="other")]
+    (series,) = scaling(STRONG + noise, "strong")
+    assert (series.family, series.count_key, series.run) == ("distmm-mpi", "ranks", "r1")
+    assert [p.count for p in series.points] == [1, 2, 4]
+    assert [p.speedup for p in series.points] == pytest.approx([1.0, 1.6, 2.0], rel=1e-12)
+    assert [p.efficiency for p in series.points] == pytest.approx([1.0, 0.8, 0.5], rel=1e-12)
+    assert scaling(STRONG, "weak") == []  # one size at every count is not weak scaling
+
+
+def test_strong_scaling_median_of_repeats_and_base_above_one():
+    recs = [record("v-2", t, ranks=2) for t in (3.0, 4.0, 100.0)] + [record("v-8", 1.0, ranks=8)]
+    (series,) = scaling(recs, "strong")
+    assert [p.seconds for p in series.points] == [4.0, 1.0]
+    assert [p.speedup for p in series.points] == pytest.approx([1.0, 4.0])
+    assert [p.efficiency for p in series.points] == pytest.approx([1.0, 1.0])
+
+
+def test_weak_scaling_exact():
+    (series,) = scaling(WEAK, "weak")
+    assert (series.family, series.count_key) == ("distmm-dask", "gpus")
+    assert [p.size for p in series.points] == [(1000,) * 3, (2000,) * 3]
+    # TFLOP/s ratio (8x the work in 1.25x the time) = 6.4; efficiency 6.4 / 8 = 0.8
+    assert [p.speedup for p in series.points] == pytest.approx([1.0, 6.4], rel=1e-12)
+    assert [p.efficiency for p in series.points] == pytest.approx([1.0, 0.8], rel=1e-12)
+    assert scaling(WEAK, "strong") == []
+    shrinking = [WEAK[0], dict(WEAK[1], m=500, n=500, k=500)]
+    assert scaling(shrinking, "weak") == []
+    with pytest.raises(ValueError, match="'strong' or 'weak'"):
+        scaling(WEAK, "medium")
+
+
+def test_reference_shares_pair_same_run_and_problem():
+    recs = [record("cublas", 2.0), record("cublas", 4.0), record("cublas", 6.0),
+            record("numpy", 10.0), record("distmm-raw", 5.0),
+            record("distmm-raw", 5.0, run="r2"),               # no reference in its run
+            record("distmm-raw", 5.0, dtype="float32"),        # nor of its dtype
+            record("cublas", 1.0, m=7), record("distmm-raw", 0.5, m=7)]
+    shares = reference_shares(recs)
+    got = [(s.record["m"], s.record["run"], s.reference, s.reference_seconds, s.share) for s in shares]
+    assert got == [(1000, "r1", "cublas", 4.0, pytest.approx(0.8)),
+                   (1000, "r1", "numpy", 10.0, pytest.approx(2.0)),
+                   (7, "r1", "cublas", 1.0, pytest.approx(2.0))]
+
+
+def profile(ranks=2):
+    spans = [[{"phase": "read", "lane": "read", "start": 0.5 * r + 1.0, "end": 2.0},
+              {"phase": "open", "lane": "open", "start": 0.0, "end": 0.5 * r + 1.0},
+              {"phase": "gemm", "lane": "gemm", "start": 2.0, "end": 3.0 + r}] for r in range(ranks)]
+    return {"format": "distmm-profile-1", "meta": {"ranks": ranks, "wall": 4.0},
+            "ranks": [{"rank": r, "host": "h", "spans": spans[r]} for r in reversed(range(ranks))]}
+
+
+def test_timeline_rows():
+    rows = timeline_rows(profile(2))
+    assert [r for r, _ in rows] == [0, 1]
+    assert rows[1][1] == [("open", 0.0, 1.5), ("read", 1.5, 2.0), ("gemm", 2.0, 4.0)]
+
+
+def check_folder(folder: Path, pngs: set[str]) -> str:
+    names = {p.name for p in folder.iterdir()}
+    assert names == pngs | {"report.md", "index.html"}
+    for name in pngs:
+        data = (folder / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000, name
+    html = (folder / "index.html").read_text()
+    for name in pngs:
+        assert f'<img src="{name}"' in html
+    assert not list(folder.parent.glob(f".{folder.name}.distmm-partial-*"))
+    return (folder / "report.md").read_text()
+
+
+def test_command_on_synthetic_records(tmp_path, capsys):
+    recs = write_jsonl(tmp_path / "scaling.jsonl", STRONG + WEAK + [record("numpy", 4.0, ranks=1)])
+    prof = tmp_path / "run.json"
+    prof.write_text(json.dumps(profile(3)))
+    out = tmp_path / "report"
+    assert main(["report", str(recs), str(prof), "-o", str(out)]) == 0
+    text = check_folder(out, {"tflops-scaling-test-cpu.png", "strong-scaling-test-cpu.png",
+                              "weak-scaling-test-cpu.png", "timeline-run.png"})
+    assert "| scaling | test-cpu | r1 | distmm-mpi | float64 | 1000x1001x999 | ranks 2 | 5 | 1.60 | 80.0% |" in text
+    assert "| ranks 4 | 4 | 2.00 | 50.0% |" in text
+    assert "| w | distmm-dask | float64 | 2000x2000x2000 | gpus 8 | 2.5 | 6.40 | 80.0% |" in text
+    # distmm-mpi-4 (4 s) against numpy (4 s) of the same run and problem; -1 at 8 s: 0.50
+    assert "| distmm-mpi-4 | ranks 4 | 4 | numpy | 4 | 1.00 |" in text
+    assert "| distmm-mpi-1 | ranks 1 | 8 | numpy | 4 | 0.50 |" in text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_command_on_committed_batch_records(tmp_path):
+    out = tmp_path / "batch"
+    assert main(["report", str(BATCH), str(PROFILES), "-o", str(out)]) == 0
+    labels = ("batch-1-32768", "mpirun-2-32768", "mpirun-4-32768", "mpirun-4-zarr-32768",
+              "mpirun-4-h5-32768")
+    text = check_folder(out, {"tflops-mpi-batch-nvidia-h200.png", "strong-mpi-batch-nvidia-h200.png"}
+                        | {f"timeline-mpi-batch-profiles-20261126t222450z-{x}.png" for x in labels})
+    # run 20261126T220207Z: mpirun-1 5.9758 s, mpirun-2 8.1364 s, mpirun-4 8.3809 s
+    assert "| 20261126T220207Z | mpirun | float32 | 32768x32768x32768 | ranks 2 | 8.136 | 0.73 | 36.7% |" in text
+    assert "| 20261126T220207Z | mpirun | float32 | 32768x32768x32768 | ranks 4 | 8.381 | 0.71 | 17.8% |" in text
+    # distmm-cli 5.4657 s against cublas-incore 1.3255 s in run 20261126T222450Z
+    assert ("| 20261126T222450Z | float32 | 32768x32768x32768 | distmm-cli | ranks 1 | 5.466 | "
+            "cublas-incore | 1.326 | 0.24 |") in text
+
+
+def test_overwrite_replaces_and_refusal_keeps(tmp_path, capsys):
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["report", str(recs), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"distmm report: error: {out} exists and is not empty: pass --overwrite to replace it"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["report", str(recs), "-o", str(out), "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "report.md").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.jsonl"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(recs), "-o", str(empty)]) == 0
+
+
+@pytest.mark.parametrize("content, expected", [
+    ('{"run": 1}\nnot json\n', "bad.jsonl:1: the record lacks benchmark, variant, device"),
+    (json.dumps(STRONG[0]) + "\n\n{oops\n", "bad.jsonl:3: not a JSON line"),
+    (json.dumps(STRONG[0]) + "\n[1, 2]\n", "bad.jsonl:2: a record is a JSON object, got list"),
+    ("\n\n", "no benchmark records in"),
+], ids=["missing-keys", "bad-json-line-3", "not-an-object", "empty"])
+def test_bad_records_fail_in_one_line_before_output(tmp_path, capsys, content, expected):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    assert main(["report", str(bad), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distmm report: error: ") and expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_missing_file_and_bad_profile(tmp_path, capsys):
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    assert main(["report", str(recs), str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (f"distmm report: error: No such file or directory: "
+                                       f"{tmp_path / 'nope.jsonl'}\n")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"x": {"format": "other"}}))
+    assert main(["report", str(prof), "-o", str(tmp_path / "o")]) == 2
+    assert "p.json: p x is not a distmm-profile-1 profile" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="no benchmark records"):
+        read_inputs([str(write_jsonl(tmp_path / "e.jsonl", []))])
+
+
+def test_without_matplotlib_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["report", str(recs), "-o", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ('distmm report: error: distmm report needs matplotlib: '
+                                       'pip install "distmm[bench]"\n')
+    assert not (tmp_path / "o").exists()
