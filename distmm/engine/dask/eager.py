@@ -137,8 +137,11 @@ class _Scattered:
             held = {f.key: set(where.get(f.key) or ()) for f in futs}
         for by in self.futures.values():  # blocks being read from their file: a read
             for w, f in by.items():        # whose worker is lost runs again on another
-                if f.status == "pending":
+                if f.status == "pending" and (alive is None or w in alive):
                     held[f.key] = {w}
+                # a read pinned to a lost worker is not counted: distributed 2024.12 can
+                # leave it "no-worker" for ever (restricted, loose or not, to that worker),
+                # and the product tasks of the next round would wait on it
         out = []
         for idx in self.needers:
             have = {w for w, f in self.futures.get(idx, {}).items() if held.get(f.key)}
