@@ -145,9 +145,11 @@ class MPIEngine(Engine):
         b = b.redistribute(grid.b_layout)
         from distmm.phases import Phases
 
+        # device synchronizations only where the caller asked for the phases: otherwise the
+        # product stays asynchronous on the device, as before the phases were recorded
+        sync = _synchronizer(on_gpu and phases is not None)
         phases = phases if phases is not None else Phases()
         device = None
-        sync = _synchronizer(on_gpu)
         start = time.perf_counter()
         if on_gpu:
             device = local_gpu(self.comm)

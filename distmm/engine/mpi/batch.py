@@ -145,7 +145,6 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
     watch = StopWatch(comm)
     writer = log = None
     error: BaseException | None = None
-    resumed = False
     pid = None
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     with _signals_to(watch):
