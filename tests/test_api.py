@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distmm
-from conftest import assert_matches_numpy, random_array
+from conftest import assert_close, assert_matches_numpy, random_array
 
 CPU_BACKENDS = ["numba", "blas"]
 
@@ -153,7 +153,7 @@ def test_out_argument_like_numpy():
     sq = random_array(rng, (5, 5), np.float64)
     want = sq @ sq
     distmm.matmul(sq, sq.copy(), out=sq, tile=2)
-    np.testing.assert_allclose(sq, want, rtol=1e-13)
+    assert_close(sq, want)
     with pytest.raises(ValueError, match=r"non-broadcastable output operand with shape \(6, 5\)"):
         distmm.matmul(a, b, out=np.empty((6, 5)))
     with pytest.raises(TypeError, match=r"Cannot cast ufunc 'matmul' output .*same_kind"):
@@ -167,7 +167,7 @@ def test_out_is_positional_as_in_numpy():
     a, b = rng.standard_normal((7, 3)), rng.standard_normal((3, 5))
     out = np.full((7, 5), np.nan)
     assert distmm.matmul(a, b, out) is out
-    np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-13)
+    assert_close(out, np.matmul(a, b))
 
 
 @pytest.mark.parametrize("out_shape", [(4, 6, 5), (1, 6, 5)], ids=["batch4", "batch1"])
@@ -177,7 +177,7 @@ def test_result_broadcasts_into_a_larger_out_as_numpy_does(out_shape):
     want, got = np.full(out_shape, np.nan), np.full(out_shape, np.nan)
     np.matmul(a, b, want)
     distmm.matmul(a, b, got)
-    np.testing.assert_allclose(got, want, rtol=1e-13)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("a_shape,b_shape,out_shape", [
@@ -324,7 +324,7 @@ def test_gemm_promotes_to_c_dtype():
     c = random_array(rng, (5, 7), np.float64)
     got = distmm.gemm(a, b, c, alpha=1.0, beta=1.0)
     assert got.dtype == np.float64
-    np.testing.assert_allclose(got, a.astype(np.float64) @ b + c, rtol=1e-13)
+    assert_close(got, a.astype(np.float64) @ b + c)
 
 
 # -- randomized sweep ----------------------------------------------------------

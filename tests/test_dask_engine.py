@@ -26,6 +26,7 @@ from distmm.api import plan_for  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
 from distmm.engine.dask import placement as dask_placement  # noqa: E402
 from distmm.engine.tiles import reduce_partials  # noqa: E402
+from conftest import assert_close  # noqa: E402
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128"]
@@ -229,7 +230,7 @@ def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
     # loose pins: the scheduler may steal a task to balance, but most stay put
     where = client.who_has(C)
     assert sum(holders == (slots[plan.owner_of_tile(k[1], k[2])],) for k, holders in where.items()) >= 12
-    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
+    assert_close(C.compute(), a @ b)
     # persisted operands: the owner order (row-major or column-major runs of
     # tiles) and the owner -> worker mapping follow where the operands lie;
     # each owner's tiles still share one worker, and both workers are used
@@ -246,7 +247,7 @@ def test_auto_engine_uses_the_cluster_and_pins_tasks(client):
         fits.append(all(len(w) == 1 for w in by_owner.values())
                     and len(set().union(*by_owner.values())) == 2)
     assert any(fits)
-    np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-12)
+    assert_close(C.compute(), a @ b)
 
     before = _prefix_count(client)
     distmm.matmul(a, b, client=client, tile=64)  # numpy operands, engine="auto"

@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import assert_close
+
 pytestmark = pytest.mark.mpi
 
 # prints each rank's exit status and stderr on one line (mpiexec reports only one), in one
@@ -79,7 +81,7 @@ def test_mpirun_matmul_formats(files, launch):
     np.save(d / "v.npy", v)
     r = launch(2, "matmul", d / "b.npy", d / "v.npy", "-o", d / "bv.npy")
     assert r.returncode == 0, r.stderr
-    np.testing.assert_allclose(np.load(d / "bv.npy"), np.load(d / "b.npy") @ v, rtol=1e-12)
+    assert_close(np.load(d / "bv.npy"), np.load(d / "b.npy") @ v)
 
 
 @pytest.mark.parametrize("bad", ["shape", "missing", "dtype", "exists"])
