@@ -10,7 +10,7 @@ over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It als
 calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
 rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
 from ``--profile`` files, and fixed costs fitted on a subset of distmm's own measurements
-(``fit_subset``); and where a calibration is stored (``default_path``: per host, under the
+(``distmm.cli.records.fit_subset``); and where a calibration is stored (``default_path``: per host, under the
 user's cache folder).
 
 It does *not* cover: the model itself (``distmm.plan_model``), or comparing it with records
@@ -32,14 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.cli.records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
+                                machine_of, predict_record)
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 
-__all__ = ["measure", "from_records", "load_records", "default_path", "save", "load",
-           "fit_gemm", "machine_of", "fit_subset", "DEVICE_MEMORY"]
-
-#: bytes per GPU by device name (the records do not carry it)
-DEVICE_MEMORY = {"H100": 80 * 2**30, "H200": 141 * 10**9}
-
+__all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
+           "load_records", "machine_of"]
 
 def default_path() -> Path:
     """``$XDG_CACHE_HOME/distmm/calibration-HOST.json`` (``~/.cache`` without it)."""
@@ -102,44 +100,6 @@ def fit_gemm(points) -> GemmRate:
 
 # ----------------------------------------------------------------------- records
 
-def load_records(paths) -> list[dict]:
-    """Benchmark records (JSON lines) and ``--profile`` files (``distmm-profile-1``, one or a
-    mapping of several), each record tagged with its ``_file``; profiles come back as
-    ``{"profile": name, "_file": ..., **profile}``."""
-    out = []
-    for path in paths:
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".json":
-            data = json.loads(text)
-            if isinstance(data, dict) and data.get("format") == "distmm-profile-1":
-                data = {path.stem: data}
-            if not isinstance(data, dict):
-                raise ValueError(f"{path}: neither a profile nor a mapping of profiles")
-            for name, prof in data.items():
-                if isinstance(prof, dict) and prof.get("format") == "distmm-profile-1":
-                    out.append({"profile": name, "_file": path.name, **prof})
-            continue
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
-            rec["_file"] = path.name
-            out.append(rec)
-    return out
-
-
-def machine_of(device: str) -> str:
-    """A record's ``device`` as a machine name: the GPU model, or the CPU's name."""
-    for gpu in DEVICE_MEMORY:
-        if gpu in device:
-            return f"NVIDIA {gpu}"
-    return device
-
-
 def _profile_machine(prof, records) -> str | None:
     run = re.search(r"(\d{8}T\d{6}Z)", prof["_file"])
     if not run:
@@ -148,21 +108,6 @@ def _profile_machine(prof, records) -> str | None:
         if r.get("run") == run.group(1) and "device" in r:
             return machine_of(r["device"])
     return None
-
-
-def fit_subset(rec: dict) -> bool:
-    """Whether a distmm measurement is one the fixed costs are fitted on: one device (one GPU,
-    one rank or one worker) at the smaller size each benchmark ran. Everything else (every
-    configuration on several devices, every larger size) is held out."""
-    size = min(rec.get("m", 0), rec.get("n", 0), rec.get("k", 0))
-    bench = rec.get("benchmark")
-    if bench == "mpi-batch":
-        return rec.get("variant") in ("batch-1", "mpirun-1") and size <= 32768
-    if bench == "dask-gpu":
-        return rec.get("setting") == "1gpu" and size <= 16384 and rec.get("dtype") == "float32"
-    if bench == "mpi":
-        return rec.get("ranks") == 1 and (rec.get("gpus") or 1) <= 1
-    return False
 
 
 def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
@@ -182,8 +127,6 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     ValueError
         No record of ``machine``.
     """
-    from distmm.cli.validate import configuration, predict_record
-
     base = default_calibration()
     mine = [r for r in records if "profile" not in r and machine_of(r.get("device", "")) == machine]
     if not mine:
@@ -485,8 +428,7 @@ def _gpu(sizes, repeat, nbytes) -> dict:
         for s in sizes:
             a = cp.ones((s, s), dtype=dt)
             b = cp.ones((s, s), dtype=dt)
-            pts.append((s, 2.0 * s**3 / timed(lambda: a @ b)))
-            del a, b
+            pts.append((s, 2.0 * s**3 / timed(lambda: cp.matmul(a, b))))
         out["gemm"][dt] = pts
     dev = cp.empty(nbytes // 4, dtype=cp.float32)
     host = cp.cuda.alloc_pinned_memory(nbytes)
@@ -499,7 +441,7 @@ def _gpu(sizes, repeat, nbytes) -> dict:
         out["links"][name] = _fit_link([(small, timed(fn_small)), (nbytes, timed(fn))])
     dst = cp.empty_like(dev)
     out["memory_bandwidth"] = 2.0 * dev.nbytes / timed(lambda: cp.copyto(dst, dev))
-    del dev, dst
+    dev = dst = None  # freed before the NCCL children allocate
     if count >= 2:
         for name, env in (("nvlink", {}),
                           ("nccl-socket", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})):

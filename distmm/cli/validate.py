@@ -1,80 +1,25 @@
 """The performance model against committed benchmark records: every measured configuration.
 
-This module covers: which records are distmm measurements the model describes and how
-(``configuration``: the MPI engine in core on GPUs or CPU ranks, the batch path
-``mpirun distmm matmul`` on files, the Dask engine on GPU workers (one, two, two sharing a GPU,
-one beside CPU workers) and on CPU workers), the prediction for one (``predict_record``), and
-``validate``: a calibration per machine from the records' reference measurements and the fit
+This module covers: ``validate``: a calibration per machine from the records' reference measurements and the fit
 subset (``distmm.cli.calibrate.from_records``), then the model's prediction against the latest
 measurement of every configuration, with the relative error and whether the configuration was
 fitted on or held out; ``validation_records`` turns the rows into JSON-lines records with
 ``predicted_seconds`` beside ``seconds`` (what ``distmm report`` reads).
 
-It does *not* cover: the model (``distmm.plan_model``) or printing (``distmm.cli.model``).
-References (cuBLAS, numpy, dask.array, peers), the local engine and the kernel benchmarks are
-not configurations of the model and are skipped.
+It does *not* cover: the model (``distmm.plan_model``), which records are configurations of
+it (``distmm.cli.records``), or printing (``distmm.cli.model``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from distmm.plan_model import Calibration, Prediction, predict
+from distmm.cli.records import KEYS, configuration, predict_record
+from distmm.plan_model import Calibration
 
-__all__ = ["configuration", "predict_record", "validate", "validation_records", "TARGET"]
+__all__ = ["validate", "validation_records", "TARGET", "configuration", "predict_record"]
 
 #: the issue's target: every measured time within this relative error
 TARGET = 0.15
-
-
-def configuration(rec: dict) -> dict | None:
-    """How the model describes a record, or None for a record that is no distmm measurement
-    of an engine it models."""
-    bench, variant = rec.get("benchmark"), str(rec.get("variant", ""))
-    if "profile" in rec or not rec.get("seconds") or not rec.get("m"):
-        return None
-    base = {"m": rec["m"], "n": rec["n"], "k": rec["k"], "dtype": rec["dtype"]}
-    if bench == "mpi" and variant == "distmm-mpi":
-        ranks = int(rec.get("ranks") or 1)
-        grid = tuple(rec["grid"]) if rec.get("grid") else None
-        if rec.get("mode") == "gpu":
-            gpus = int(rec.get("gpus") or 1)
-            return {**base, "engine": "mpi", "device": "gpu", "devices": ranks,
-                    "ranks_per_device": max(1, ranks // max(gpus, 1)), "grid": grid,
-                    "label": f"mpi gpu {ranks} rank(s) on {gpus} GPU(s)"}
-        threads = int(rec.get("threads_per_rank") or 1)
-        cores = int(rec.get("threads") or ranks * threads)
-        return {**base, "engine": "mpi", "device": "cpu", "devices": ranks, "grid": grid,
-                "threads_per_rank": threads,
-                "ranks_per_device": max(1, -(-ranks * threads // max(cores, 1))),
-                "label": f"mpi cpu {ranks} rank(s) on {cores} cores"}
-    if bench == "mpi-batch" and (variant.startswith("mpirun-") or variant == "batch-1"):
-        ranks = int(rec.get("ranks") or 1)
-        grid = tuple(rec["grid"])[-2:] if rec.get("grid") else None
-        return {**base, "engine": "batch", "device": "gpu", "devices": ranks, "grid": grid,
-                "label": f"batch {variant}"}
-    if bench == "dask-gpu" and variant.startswith("distmm-dask"):
-        setting = rec.get("setting")
-        conf = {**base, "engine": "dask", "device": "gpu", "label": f"dask gpu {variant}"}
-        if setting == "shared":
-            return {**conf, "devices": 2, "ranks_per_device": 2}
-        if setting == "mixed":
-            return {**conf, "devices": int(rec.get("gpu_workers") or 1),
-                    "extra_cpu_workers": int(rec.get("cpu_workers") or 0)}
-        return {**conf, "devices": int(rec.get("gpus") or 1)}
-    if bench == "cpu" and variant == "distmm-dask":
-        return {**base, "engine": "dask", "device": "cpu", "devices": int(rec.get("workers") or 1),
-                "label": "dask cpu"}
-    return None
-
-
-_KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_rank",
-         "extra_cpu_workers", "link")
-
-
-def predict_record(conf: dict, cal: Calibration) -> Prediction:
-    """The model's prediction for a ``configuration``."""
-    kwargs = {k: conf[k] for k in _KEYS if conf.get(k) is not None}
-    return predict(conf["m"], conf["n"], conf["k"], conf["dtype"], calibration=cal, **kwargs)
 
 
 def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
@@ -96,7 +41,8 @@ def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
         ``role`` (``fit``: fixed costs were fitted on it; ``held-out``) and ``within``
         (``|error| <= TARGET``).
     """
-    from distmm.cli.calibrate import fit_subset, from_records, machine_of
+    from distmm.cli.calibrate import from_records
+    from distmm.cli.records import fit_subset, machine_of
 
     groups: dict = defaultdict(list)
     for rec in records:
@@ -105,7 +51,7 @@ def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
             continue
         machine = machine_of(rec["device"])
         key = (machine, conf["label"]) + tuple(
-            (k, conf.get(k)) for k in ("m", "n", "k", "dtype") + _KEYS)
+            (k, conf.get(k)) for k in ("m", "n", "k", "dtype") + KEYS)
         groups[key].append((rec, conf))
     cals: dict = {}
     rows = []
