@@ -135,7 +135,9 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     sources = dict(base.sources)
     files = lambda rs: "records: " + ", ".join(sorted({r["_file"] for r in rs}))  # noqa: E731
     gpu = any(g in machine for g in DEVICE_MEMORY)
-    gemm = dict(base.gemm) if gpu else {k: v for k, v in base.gemm.items() if k.startswith("gpu")}
+    # a GPU machine keeps nominal rates for what its records lack (its CPU workers' cores,
+    # float16); a CPU machine gets no GPU rate at all
+    gemm = dict(base.gemm) if gpu else {k: v for k, v in base.gemm.items() if k.startswith("cpu")}
     by_key: dict = {}
     for r in mine:
         if not r.get("seconds") or not r.get("m"):
