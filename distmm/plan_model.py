@@ -40,6 +40,8 @@ __all__ = ["GemmRate", "Link", "Calibration", "Prediction", "Bounds", "predict",
            "lower_bounds", "ENGINES", "LINKS", "DEVICE_KINDS", "default_calibration"]
 
 ENGINES = ("mpi", "batch", "dask")
+#: k extent of the A and B panels a Dask GPU worker holds at once, for the memory check
+DASK_K_GROUP = 8192
 DEVICE_KINDS = ("gpu", "cpu")
 #: link kinds: pinned PCIe both ways, NCCL over NVLink, NCCL over sockets, host-staged MPI
 #: (shared memory on one host), TCP between Dask workers, CUDA IPC between GPU workers
@@ -594,7 +596,10 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
         mi, nj = m / pr, n / pc
         received = int((1.0 - 1.0 / devices) * (mi * k + k * nj) * size)
         touched = mi * k + k * nj + mi * nj
-        held = int((mi * k + k * nj + mi * nj) * size)
+        # block mode cuts a block into cells that fit the device (distmm.plan_blocks): the
+        # block of C stays, panels of A and B pass through, two k groups at a time
+        kg = min(k, DASK_K_GROUP)
+        held = int((mi * nj + 2 * (mi * kg + kg * nj)) * size)
         return (pr, pc), comp, exposed, 0.0, overhead, received, touched, held, ""
     # CPU workers: one task per C tile, tiles spread over the workers' threads
     core = cal.rate("cpu", acc)
