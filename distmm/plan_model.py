@@ -352,7 +352,8 @@ class Prediction:
         gib = 2**30
         return (f"warning: on {self.devices} {self.device}(s) a rank needs "
                 f"{self.memory_needed / gib:.1f} GiB but has {self.memory_available / gib:.1f} "
-                f"GiB: {self.shortfall / gib:.1f} GiB ({self.shortfall / self.memory_available:.0%}) "
+                f"GiB: {self.shortfall / gib:.1f} GiB "
+                f"({self.shortfall / self.memory_available:.0%}) "
                 f"short")
 
     def to_dict(self) -> dict:

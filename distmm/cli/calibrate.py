@@ -10,8 +10,8 @@ over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It als
 calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
 rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
 from ``--profile`` files, and fixed costs fitted on a subset of distmm's own measurements
-(``distmm.cli.records.fit_subset``); and where a calibration is stored (``default_path``: per host, under the
-user's cache folder).
+(``distmm.cli.records.fit_subset``); and where a calibration is stored (``default_path``: per
+host, under the user's cache folder).
 
 It does *not* cover: the model itself (``distmm.plan_model``), or comparing it with records
 (``distmm.cli.validate``).
@@ -119,8 +119,9 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     and writes with fsync (``write-dd-fsync``), PCIe rates and the batch job's launch, exit
     and start-up from ``--profile`` files of runs ``fit`` admits. Fixed costs of the engines
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
-    admits (the smallest difference between the measured and the modelled time without them). Links the
-    records do not measure keep ``default_calibration``'s values, and ``sources`` says so.
+    admits (the smallest difference between the measured and the modelled time without them).
+    Links the records do not measure keep ``default_calibration``'s values, and ``sources``
+    says so.
 
     Raises
     ------

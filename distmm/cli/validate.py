@@ -1,9 +1,9 @@
 """The performance model against committed benchmark records: every measured configuration.
 
-This module covers: ``validate``: a calibration per machine from the records' reference measurements and the fit
-subset (``distmm.cli.calibrate.from_records``), then the model's prediction against the latest
-measurement of every configuration, with the relative error and whether the configuration was
-fitted on or held out; ``validation_records`` turns the rows into JSON-lines records with
+This module covers: ``validate``: a calibration per machine from the records' reference
+measurements and the fit subset (``distmm.cli.calibrate.from_records``), then the model's
+prediction against the latest measurement of every configuration, with the relative error and
+whether the configuration was fitted on or held out; ``validation_records`` turns the rows into JSON-lines records with
 ``predicted_seconds`` beside ``seconds`` (what ``distmm report`` reads).
 
 It does *not* cover: the model (``distmm.plan_model``), which records are configurations of
@@ -24,12 +24,12 @@ TARGET = 0.15
 
 def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
     """Compare the model with every configuration in ``records`` (from
-    ``distmm.cli.calibrate.load_records``).
+    ``distmm.cli.records.load_records``).
 
     Each machine gets its calibration from the records (``from_records``), unless
-    ``calibration`` is given: then it serves every machine. A configuration is one engine, device count, layout, size and
-    dtype on one machine; its measured time is that of its latest run (the code as it is),
-    with the range over every run beside it.
+    ``calibration`` is given: then it serves every machine. A configuration is one engine,
+    device count, layout, size and dtype on one machine; its measured time is that of its
+    latest run (the code as it is), with the range over every run beside it.
 
     Returns
     -------
