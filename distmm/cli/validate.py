@@ -3,8 +3,9 @@
 This module covers: ``validate``: a calibration per machine from the records' reference
 measurements and the fit subset (``distmm.cli.calibrate.from_records``), then the model's
 prediction against the latest measurement of every configuration, with the relative error and
-whether the configuration was fitted on or held out; ``validation_records`` turns the rows into JSON-lines records with
-``predicted_seconds`` beside ``seconds`` (what ``distmm report`` reads).
+whether the configuration was fitted on or held out; ``validation_records`` turns the rows
+into JSON-lines records with ``predicted_seconds`` beside ``seconds`` (what ``distmm report``
+reads).
 
 It does *not* cover: the model (``distmm.plan_model``), which records are configurations of
 it (``distmm.cli.records``), or printing (``distmm.cli.model``).
