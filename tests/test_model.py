@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from distmm.cli.calibrate import fit_gemm, from_records, load
-from distmm.cli.records import load_records
+from distmm.cli.model_records import load_records
 from distmm.cli.validate import TARGET, validate
 from distmm.plan_model import (Calibration, GemmRate, Link, best_plan, default_calibration,
                                lower_bounds, predict)

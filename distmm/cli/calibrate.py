@@ -10,7 +10,7 @@ over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It als
 calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
 rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
 from ``--profile`` files, and fixed costs fitted on a subset of distmm's own measurements
-(``distmm.cli.records.fit_subset``); and where a calibration is stored (``default_path``: per
+(``distmm.cli.model_records.fit_subset``); and where a calibration is stored (``default_path``: per
 host, under the user's cache folder).
 
 It does *not* cover: the model itself (``distmm.plan_model``), or comparing it with records
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.cli.records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
+from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
                                 machine_of, predict_record)
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 

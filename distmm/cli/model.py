@@ -242,7 +242,7 @@ def _acc(dtype):
 
 
 def _validate(args) -> int:
-    from distmm.cli.records import load_records
+    from distmm.cli.model_records import load_records
     from distmm.cli.validate import TARGET, validate, validation_records
 
     calibration = _calibration(args.calibration)[0] if args.calibration else None

@@ -8,13 +8,13 @@ into JSON-lines records with ``predicted_seconds`` beside ``seconds`` (what ``di
 reads).
 
 It does *not* cover: the model (``distmm.plan_model``), which records are configurations of
-it (``distmm.cli.records``), or printing (``distmm.cli.model``).
+it (``distmm.cli.model_records``), or printing (``distmm.cli.model``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from distmm.cli.records import KEYS, configuration, predict_record
+from distmm.cli.model_records import KEYS, configuration, predict_record
 from distmm.plan_model import Calibration
 
 __all__ = ["validate", "validation_records", "TARGET", "configuration", "predict_record"]
@@ -25,7 +25,7 @@ TARGET = 0.15
 
 def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
     """Compare the model with every configuration in ``records`` (from
-    ``distmm.cli.records.load_records``).
+    ``distmm.cli.model_records.load_records``).
 
     Each machine gets its calibration from the records (``from_records``), unless
     ``calibration`` is given: then it serves every machine. A configuration is one engine,
@@ -43,7 +43,7 @@ def validate(records, *, calibration: Calibration | None = None) -> list[dict]:
         (``|error| <= TARGET``).
     """
     from distmm.cli.calibrate import from_records
-    from distmm.cli.records import fit_subset, machine_of
+    from distmm.cli.model_records import fit_subset, machine_of
 
     groups: dict = defaultdict(list)
     for rec in records:
