@@ -21,6 +21,7 @@ LEVELS = {
     "distmm.plan_pipeline": 0,
     "distmm.plan_blocks": 0,
     "distmm.plan_batch": 0,
+    "distmm.plan_model": 0,
     "distmm.phases": 0,
     "distmm._arrays": 0,
     "distmm.config": 0,

@@ -1,7 +1,8 @@
 """The ``distmm`` command line: parsing arguments and running the commands.
 
 This module covers: the parser of every command (``demo``, ``plan``,
-``matmul``, ``info``, and ``tune``/``trace``, which own their options), and
+``matmul``, ``info``, ``report``, ``calibrate``/``model`` (their options in
+``distmm.cli.model``), and ``tune``/``trace``, which own their options), and
 running one: each failure ends as one line on stderr and an exit status
 (``distmm.cli.exits``), with the traceback only under ``--debug``.
 It does *not* cover: file formats and staged output (``distmm.cli.io``), the
@@ -402,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the folder to write (created; an existing non-empty one needs --overwrite)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
     r.set_defaults(func=_cmd_report)
+
+    from distmm.cli.model import add_parsers as add_model_parsers
+
+    add_model_parsers(sub, common, _dtype, _count)  # distmm calibrate, distmm model
 
     for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
                            ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):
