@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
     r.set_defaults(func=_cmd_report)
 
+    from distmm.cli.bench import add_parser as add_bench  # distmm bench STUDY.toml
+
+    add_bench(sub, common)
+
     for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
                            ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):
         sub.add_parser(name, help=helptext, add_help=False)
