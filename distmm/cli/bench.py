@@ -38,9 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.cli.records import progress_line
 from distmm.cli.study import Config, Study, load_study
 
-__all__ = ["add_parser", "run_bench", "RELERR_BOUND", "default_output", "progress_line"]
+__all__ = ["add_parser", "run_bench", "RELERR_BOUND", "default_output"]
 
 #: relerr above this fails the configuration (its record is still written, ``relerr_ok`` false)
 RELERR_BOUND = {"float32": 1e-4, "float64": 1e-11}
@@ -401,7 +402,8 @@ class _Runner:
     def mpi(self, count: int, group: list[Config]) -> None:
         from distmm.cli import bench_rank
 
-        threads = 1 if self.gpu else max(1, self.cores // count)
+        threads = 1 if self.gpu else (self.study.threads_per_rank
+                                      or max(1, self.cores // count))
         spec = {"configs": [bench_rank.config_to_dict(c, self.index[id(c)]) for c in group],
                 "total": self.total, "repeats": self.study.repeats,
                 "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,
@@ -463,10 +465,3 @@ def _settle(client, keep: int, timeout: float = 30) -> None:
         if held <= keep:
             return
         time.sleep(0.02)
-
-
-def progress_line(index: int, total: int, rec: dict) -> str:
-    return (f"[{index}/{total}] {rec['variant']} {rec['dtype']} {rec['m']}x{rec['n']}x{rec['k']}"
-            f" ({rec['series']}): first {rec['first_seconds']:.4g} s, median "
-            f"{rec['seconds']:.4g} s of {len(rec['all_seconds'])}, {rec['tflops']:.4g} TFLOP/s, "
-            f"relerr {rec['relerr']:.2e}" + ("" if rec["relerr_ok"] else " ABOVE BOUND"))

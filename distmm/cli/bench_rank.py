@@ -95,7 +95,7 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
 def main(argv=None) -> int:
     from mpi4py import MPI
 
-    from distmm.cli.records import append_record, make_record
+    from distmm.cli.records import append_record, make_record, progress_line
 
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as fh:
@@ -111,8 +111,6 @@ def main(argv=None) -> int:
         append_record(spec["output"], rec)
         why = "" if result["ok"] else f"relerr {result['relerr']} above {result['bound']:g}"
         append_record(spec["status"], {"index": cfg["index"], "ok": result["ok"], "why": why})
-        from distmm.cli.bench import progress_line
-
         print(progress_line(cfg["index"], spec["total"], rec), flush=True)
     return 0
 

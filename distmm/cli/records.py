@@ -5,7 +5,8 @@ This module covers: device naming (``gpu_name``, ``cpu_model``, ``slug``) and th
 measured (``git_commit``); appending records to a ``.jsonl`` file, each record one
 ``write`` of one whole line on a file opened for appending, flushed to disk before the next
 measurement starts, so that a killed run keeps every record it finished and never a partial
-line (``RecordWriter``, ``append_record``); reading them back (``load``).
+line (``RecordWriter``, ``append_record``); reading them back (``load``); one line saying
+what a record measured (``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
 (``distmm.cli.report``).
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
-           "load", "make_record"]
+           "load", "make_record", "progress_line"]
 
 
 # -- the commit and the device ---------------------------------------------------------------
@@ -153,3 +154,11 @@ def load(paths) -> list[dict]:
         with open(p) as fh:
             out.extend(json.loads(line) for line in fh if line.strip())
     return out
+
+
+def progress_line(index: int, total: int, rec: dict) -> str:
+    """The progress line of record number ``index`` of ``total`` (``distmm bench``'s)."""
+    return (f"[{index}/{total}] {rec['variant']} {rec['dtype']} {rec['m']}x{rec['n']}x{rec['k']}"
+            f" ({rec['series']}): first {rec['first_seconds']:.4g} s, median "
+            f"{rec['seconds']:.4g} s of {len(rec['all_seconds'])}, {rec['tflops']:.4g} TFLOP/s, "
+            f"relerr {rec['relerr']:.2e}" + ("" if rec["relerr_ok"] else " ABOVE BOUND"))

@@ -23,6 +23,7 @@ default)::
     seed = 0
     references = ["numpy"]      # numpy, dask.array, cublas: measured in the same run
     mpiexec = ["mpiexec"]       # the launcher, "-n P" and the rank program appended
+    threads_per_rank = "share"  # BLAS threads of a CPU rank: "share" (cores // ranks) or a number
 
     [[series]]
     kind = "strong"             # "strong": the same sizes at every count
@@ -58,7 +59,7 @@ DTYPES = ("float32", "float64")
 KINDS = ("strong", "weak")
 
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
-            "references", "mpiexec", "series", "note"}
+            "references", "mpiexec", "threads_per_rank", "series", "note"}
 SERIES_KEYS = {"kind", "engines", "counts", "sizes", "sizes_per_device", "k", "backends",
                "dtypes", "chunk"}
 
@@ -109,6 +110,7 @@ class Study:
     references: tuple[str, ...]
     mpiexec: tuple[str, ...]
     series: tuple[Series, ...]
+    threads_per_rank: int | None = None   # None: the cores shared between the ranks
     note: str = ""
     path: str = ""
     _configs: list = field(default_factory=list, compare=False, repr=False)
@@ -261,6 +263,9 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if (not isinstance(mpiexec, list) or not mpiexec
             or not all(isinstance(x, str) and x for x in mpiexec)):
         bad("mpiexec", f"a non-empty list of strings (the launcher's argv), got {mpiexec!r}")
+    threads = data.get("threads_per_rank", "share")
+    if threads != "share" and (type(threads) is not int or threads < 1):
+        bad("threads_per_rank", f"\"share\" or a positive integer, got {threads!r}")
     note = _string(data, "note", "", bad)
     raw = data.get("series")
     if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
@@ -270,7 +275,7 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
         bad("references", "dask.array is measured on the Dask clusters: add a series with "
                           "engine \"dask\"")
     study = Study(name, benchmark, device, repeats, check_rows, seed, tuple(references),
-                  tuple(mpiexec), series, note, where)
+                  tuple(mpiexec), series, None if threads == "share" else threads, note, where)
     study.configurations()
     return study
 
