@@ -259,6 +259,9 @@ class _Runner:
 
         c0 = group[0]
         m, n, k, dtype, seed = c0.m, c0.n, c0.k, c0.dtype, self.study.seed
+        group = [c for c in group if c.engine != "cublas" or self.cublas_fits(c)]
+        if not group:  # nothing left to measure: no operands made
+            return
         a = blocks.full(blocks.A, (m, k), dtype, seed)
         b = blocks.full(blocks.B, (k, n), dtype, seed)
         rows = self.rows(m)
@@ -276,8 +279,10 @@ class _Runner:
         del a, b
         gc.collect()
 
-    def timed(self, c: Config, fn, rows, ref, *, sync=None, get=np.asarray, **extra) -> None:
-        """Time the first call of ``fn`` and ``repeats`` more; check the first's result."""
+    def timed(self, c: Config, fn, rows, ref, *, sync=None, get=np.asarray, index=None,
+              **extra) -> None:
+        """Time the first call of ``fn`` and ``repeats`` more; check the first's rows ``rows``
+        (``index``: the same rows as the result's array type takes them)."""
         def once():
             t0 = time.perf_counter()
             out = fn()
@@ -286,7 +291,7 @@ class _Runner:
             return time.perf_counter() - t0, out
 
         first, out = once()
-        relerr = _relerr(get(out[rows]), ref)
+        relerr = _relerr(get(out[rows if index is None else index]), ref)
         del out
         times = []
         for _ in range(self.study.repeats):
@@ -305,20 +310,27 @@ class _Runner:
             self.timed(c, lambda: distmm.matmul(a, b, engine="local", backend=c.backend),
                        rows, ref, residency="host")
 
+    def cublas_fits(self, c: Config) -> bool:
+        """Whether A, B and C of ``c`` fit the GPU's free memory; says so when not."""
+        import cupy
+
+        itemsize = np.dtype(c.dtype).itemsize
+        need = (c.m * c.k + c.k * c.n + c.m * c.n) * itemsize
+        free = cupy.cuda.Device().mem_info[0]
+        if need <= 0.95 * free:
+            return True
+        self.skip(c, f"in-core cuBLAS needs {need / 2**30:.1f} GiB, the GPU has "
+                     f"{free / 2**30:.1f} GiB free")
+        return False
+
     def cublas(self, c: Config, a, b, rows, ref) -> None:
         import cupy
 
-        need = (a.nbytes + b.nbytes + c.m * c.n * a.itemsize)
-        free = cupy.cuda.Device().mem_info[0]
-        if need > 0.95 * free:
-            self.skip(c, f"in-core cuBLAS needs {need / 2**30:.1f} GiB, the GPU has "
-                         f"{free / 2**30:.1f} GiB free")
-            return
         a_d, b_d = cupy.asarray(a), cupy.asarray(b)
         out = cupy.empty((c.m, c.n), dtype=a.dtype)
         try:
             self.timed(c, lambda: cupy.matmul(a_d, b_d, out=out), rows, ref, sync=_gpu_sync,
-                       get=lambda x: x.get(), residency="device")
+                       get=lambda x: x.get(), index=cupy.asarray(rows), residency="device")
         finally:
             del a_d, b_d, out
             cupy.get_default_memory_pool().free_all_blocks()
@@ -402,8 +414,8 @@ class _Runner:
     def mpi(self, count: int, group: list[Config]) -> None:
         from distmm.cli import bench_rank
 
-        threads = 1 if self.gpu else (self.study.threads_per_rank
-                                      or max(1, self.cores // count))
+        # a CPU rank's BLAS threads; on GPUs only the threads that make each rank's blocks
+        threads = self.study.threads_per_rank or max(1, self.cores // count)
         spec = {"configs": [bench_rank.config_to_dict(c, self.index[id(c)]) for c in group],
                 "total": self.total, "repeats": self.study.repeats,
                 "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,
@@ -454,14 +466,20 @@ class _Runner:
                 self.failures.append(f"{c.describe()}: {entry['why']}")
 
 
-def _settle(client, keep: int, timeout: float = 30) -> None:
+def _settle(client, keep: int, timeout: float = 30, still: float = 2.0) -> None:
     """Wait until the scheduler holds no more than ``keep`` results in memory (the
-    operands), so that a dropped C is gone before the next call starts."""
+    operands), so that a dropped C is gone before the next call starts; or until the count
+    has not moved for ``still`` seconds (what an engine keeps on purpose), or ``timeout``."""
     gc.collect()
     deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
     while time.monotonic() < deadline:
         held = client.run_on_scheduler(lambda dask_scheduler: sum(
             ts.state == "memory" for ts in dask_scheduler.tasks.values()))
         if held <= keep:
+            return
+        if held != last:
+            last, since = held, time.monotonic()
+        elif time.monotonic() - since > still:
             return
         time.sleep(0.02)

@@ -85,7 +85,8 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
     ok = relerr is not None and relerr <= bound
     extra = {"first_seconds": first, "all_seconds": times, "relerr_rows": int(picked.size),
              "relerr_ok": ok, **spec["extra"][str(cfg["index"])],
-             "grid": list(stats["grid"]) if stats.get("grid") else None, "threads_per_rank": threads,
+             "grid": list(stats["grid"]) if stats.get("grid") else None,
+             "threads_per_rank": None if gpu else threads,
              "bytes_received_max": max((r for r in received if r is not None), default=None),
              "residency": "device" if gpu else "host"}
     return {"relerr": relerr, "seconds": float(np.median(times)), "ok": ok, "bound": bound,
