@@ -189,6 +189,39 @@ def test_dry_run_lists_configurations(tmp_path):
     assert not list(tmp_path.glob("*.jsonl"))
 
 
+MPI_ONLY = """
+device = "cpu"
+repeats = 1
+references = ["numpy"]
+mpiexec = [%s]
+[[series]]
+kind = "strong"
+engines = ["local", "mpi"]
+counts = [1]
+sizes = [33]
+"""
+
+
+def test_missing_launcher_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out.jsonl"
+    res = _distmm("bench", _study(tmp_path, MPI_ONLY % '"no-such-mpiexec", "-x"'), "-o", out,
+                  timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "mpiexec: 'no-such-mpiexec' is not on PATH" in res.stderr and not res.stdout
+    assert not out.exists()
+
+
+def test_failed_launch_is_reported_and_the_rest_recorded(tmp_path):
+    """A launcher that fails (``false``): the MPI configuration gets a FAILED line and no
+    record, the others their records, and the study exits 1."""
+    out = tmp_path / "out.jsonl"
+    res = _distmm("bench", _study(tmp_path, MPI_ONLY % '"false"'), "-o", out, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "[3/3] distmm-mpi@1ranks float64 33x33x33 (strong): FAILED" in res.stdout
+    assert sorted(r["variant"] for r in load([out])) == ["distmm-local@1workers", "numpy"]
+    assert "2 records" in res.stdout.splitlines()[-1] and "1 failed" in res.stdout
+
+
 # ---------------------------------------------------------------- the records file
 
 
