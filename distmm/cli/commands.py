@@ -408,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_parsers(sub, common, _dtype, _count)  # distmm calibrate, distmm model
 
+    from distmm.cli.bench import add_parser as add_bench  # distmm bench STUDY.toml
+
+    add_bench(sub, common)
+
     for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
                            ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):
         sub.add_parser(name, help=helptext, add_help=False)
