@@ -251,6 +251,7 @@ def slurm_job(job_id: str) -> int:
             if (folder / "cancel").exists():
                 _kill_session(proc.pid, signal.SIGTERM)
             time.sleep(0.05)
+        left = _left_running(proc.pid)
         _kill_session(proc.pid, signal.SIGKILL)  # what the script left running
         stdout.close()
         if (folder / "requeue").exists():
@@ -261,7 +262,8 @@ def slurm_job(job_id: str) -> int:
         cancelled = (folder / "cancel").exists()
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         write_state(job_id, state="CANCELLED" if cancelled else (
-            "COMPLETED" if code == 0 else "FAILED"), exit_code=code, restarts=restarts)
+            "COMPLETED" if code == 0 else "FAILED"), exit_code=code, restarts=restarts,
+            left_running=left)
         return 0
 
 
@@ -302,6 +304,26 @@ def _session_pids(leader: int) -> list[int]:
         except (ProcessLookupError, PermissionError):
             continue
     return pids
+
+
+def _left_running(leader: int) -> list[str]:
+    """The command lines of the job's processes still running after its script ended
+    (given a moment to finish exiting), for ``state.json``'s ``left_running``."""
+    import psutil
+
+    deadline = time.monotonic() + 2
+    while True:
+        left = []
+        for pid in _session_pids(leader):
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(proc.cmdline()))
+            except psutil.NoSuchProcess:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def _kill_session(leader: int, signum: int) -> None:
@@ -439,7 +461,14 @@ def qsub(argv: list[str]) -> int:
         return 1
     script = Path(rest[0]).resolve()
     file_opts, _ = split_options(directives(script, "#PBS"), QSUB_VALUES)
-    merged = {k: file_opts.get(k, []) + opts.get(k, []) for k in {*file_opts, *opts}}
+    merged = {**file_opts, **opts}
+    limits: dict = {}  # a resource given on the command line replaces the script's
+    for item in file_opts.get("-l", []) + opts.get("-l", []):
+        for part in str(item).split(","):
+            key, _, value = part.partition("=")
+            limits[key] = value
+    merged["-l"] = [f"{k}={v}" for k, v in limits.items()]
+    merged["-v"] = file_opts.get("-v", []) + opts.get("-v", [])
     job_id = new_job_id()
     folder = job_dir(str(job_id))
     copy = folder / "job.sh"
@@ -513,9 +542,10 @@ def pbs_job(job_id: str) -> int:
         if termed is not None and time.monotonic() - termed > 10:
             _kill_session(proc.pid, signal.SIGKILL)
         time.sleep(0.05)
+    left = _left_running(proc.pid)
     _kill_session(proc.pid, signal.SIGKILL)
     code = proc.returncode if proc.returncode >= 0 else 256 - proc.returncode
-    write_state(job_id, state="F", exit_code=code)
+    write_state(job_id, state="F", exit_code=code, left_running=left)
     return 0
 
 
