@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 
 def gpus_on_node() -> int:
@@ -113,14 +114,19 @@ def client_main(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    import dask
     import dask_mpi
     from mpi4py import MPI
 
     worker_class, options = worker_setup(MPI.COMM_WORLD)
     interface = os.environ.get("DISTMM_INTERFACE") or None
+    # the workers' scratch space: dask's temporary-directory, else the node's temporary
+    # folder (older dask-mpi would put it in the working directory, beside the output)
+    scratch = dask.config.get("temporary-directory", None) or tempfile.gettempdir()
     # every rank but the client stays inside initialize() until the client ends, then exits
     dask_mpi.initialize(interface=interface, worker_class=worker_class, worker_options=options,
                         nthreads=int(os.environ.get("DISTMM_THREADS_PER_WORKER", "1")),
+                        local_directory=scratch,
                         dashboard_address=os.environ.get("DISTMM_DASHBOARD", ":8787"))
     return client_main(args)
 

@@ -9,7 +9,8 @@ by its time limit (the ``--signal`` delivered mid-product) requeues itself and f
 ``--resume``, bitwise equal to an uninterrupted run, and the PBS one resubmits itself the
 same way; the dask-mpi program under ``mpiexec -n 4`` and its bad input;
 ``jobqueue_cluster``'s job scripts (``bash -n``, the directives of GPU and CPU jobs) and a
-cluster that scales to two jobs of the stand-ins whose workers run a product.
+cluster that scales to two jobs of the stand-ins whose workers run a product. Tests marked
+``mpi`` start ``mpiexec`` (the ``srun`` stand-in starts its tasks through it).
 """
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, assert_close
-
-pytestmark = pytest.mark.mpi
 
 DEPLOY = ROOT / "deploy"
 SCRIPTS = sorted([*DEPLOY.glob("slurm/*.sbatch"), *DEPLOY.glob("pbs/*.pbs")])
@@ -61,6 +60,13 @@ def _qsub(env, cwd, script, select, **variables):
 # -- every script ---------------------------------------------------------------------------
 
 
+def test_every_script_is_here():
+    """deploy/ sits beside tests/ (CI copies both): a missing folder fails, not skips."""
+    assert [p.name for p in SCRIPTS] == ["dask-mpi.pbs", "dask.pbs", "mpi.pbs",
+                                         "dask-mpi.sbatch", "dask.sbatch", "mpi.sbatch"]
+    assert PROGRAM.is_file()
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_parse_and_name_no_site(script):
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -78,6 +84,7 @@ def test_scripts_parse_and_name_no_site(script):
 # -- Slurm ----------------------------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_slurm_dask_job(tmp_path, batch_env):
     a, b = _operands(tmp_path)
     env = {**batch_env, "DISTMM_A": "a.npy", "DISTMM_B": "b.npy", "DISTMM_C": "c.npy",
@@ -93,6 +100,7 @@ def test_slurm_dask_job(tmp_path, batch_env):
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_slurm_dask_job_runs_a_program_and_returns_its_status(tmp_path, batch_env):
     """A failing command still shuts the cluster down; the job's status is the command's."""
     program = tmp_path / "prog.py"
@@ -109,6 +117,7 @@ def test_slurm_dask_job_runs_a_program_and_returns_its_status(tmp_path, batch_en
     assert _state(env, job)["left_running"] == []
 
 
+@pytest.mark.mpi
 def test_slurm_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=1)
     status, job, log = _submit(batch_env, tmp_path, "sbatch", "--wait", "--nodes=1",
@@ -135,6 +144,7 @@ def _when_stripes_logged(folder: Path, stripes: int, then, timeout=120):
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_slurm_mpi_job_requeues_at_its_time_limit_and_resumes(tmp_path, batch_env):
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
@@ -173,6 +183,7 @@ def test_slurm_mpi_job_requeues_at_its_time_limit_and_resumes(tmp_path, batch_en
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_slurm_dask_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=2)
     env = {**batch_env, "DISTMM_PROGRAM": str(PROGRAM), "DISTMM_GPUS_PER_NODE": "0"}
@@ -188,6 +199,7 @@ def test_slurm_dask_mpi_job(tmp_path, batch_env):
 # -- dask-mpi under mpiexec -----------------------------------------------------------------
 
 
+@pytest.mark.mpi
 def test_dask_mpi_program_under_mpiexec(tmp_path, mpirun):
     a, b = _operands(tmp_path, 53, 61, 29, seed=3)
     r = mpirun(4, PROGRAM, "a.npy", "b.npy", "-o", "c.npy", cwd=tmp_path,
@@ -199,6 +211,7 @@ def test_dask_mpi_program_under_mpiexec(tmp_path, mpirun):
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_dask_mpi_program_bad_input_is_one_line(tmp_path, mpirun):
     _operands(tmp_path, 10, 11, 12)
     np.save(tmp_path / "b.npy", np.ones((5, 3)))
@@ -229,6 +242,7 @@ def test_pbs_dask_job(tmp_path, batch_env):
     assert not list(tmp_path.glob("distmm-scheduler-*"))  # scheduler and node script removed
 
 
+@pytest.mark.mpi
 def test_pbs_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=5)
     status, job, log = _qsub(batch_env, tmp_path, "mpi.pbs", "1:ncpus=2:mpiprocs=2",
@@ -242,6 +256,7 @@ def test_pbs_mpi_job(tmp_path, batch_env):
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_pbs_mpi_job_resubmits_before_its_walltime_and_resumes(tmp_path, batch_env, mpirun):
     a, b = _operands(tmp_path, 600, 1500, 500, seed=12)
     env = batch_env
@@ -291,6 +306,7 @@ def test_pbs_mpi_job_resubmits_before_its_walltime_and_resumes(tmp_path, batch_e
     assert_close(np.load(tmp_path / "c.npy"), a @ b)
 
 
+@pytest.mark.mpi
 def test_pbs_dask_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=6)
     status, job, log = _qsub(batch_env, tmp_path, "dask-mpi.pbs", "1:ncpus=2:mpiprocs=4",
