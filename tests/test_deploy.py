@@ -84,6 +84,7 @@ def test_scripts_parse_and_name_no_site(script):
 # -- Slurm ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_slurm_dask_job(tmp_path, batch_env):
     a, b = _operands(tmp_path)
