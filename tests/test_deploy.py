@@ -118,6 +118,30 @@ def test_slurm_dask_job_runs_a_program_and_returns_its_status(tmp_path, batch_en
     assert _state(env, job)["left_running"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_slurm_dask_job_cancelled_leaves_nothing_running(tmp_path, batch_env):
+    env = {**batch_env, "DISTMM_GPUS_PER_NODE": "0", "DISTMM_WORKERS_PER_NODE": "1"}
+    r = subprocess.run(["sbatch", "--nodes=1", str(DEPLOY / "slurm" / "dask.sbatch"),
+                        "sleep", "600"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.split()[-1]
+    log = tmp_path / f"distmm-dask-{job}.out"
+    deadline = time.time() + 120
+    while "workers ready" not in (log.read_text() if log.exists() else ""):
+        assert time.time() < deadline, "the workers never came up"
+        time.sleep(0.1)
+    assert subprocess.run(["scancel", job], env=env).returncode == 0
+    while _state(env, job)["state"] not in ("CANCELLED", "COMPLETED", "FAILED"):
+        assert time.time() < deadline + 60, "scancel did not end the job"
+        time.sleep(0.1)
+    state = _state(env, job)
+    assert state["state"] == "CANCELLED" and state["exit_code"] == 143
+    assert state["left_running"] == []
+    assert not list(tmp_path.glob("distmm-scheduler-*"))
+
+
 @pytest.mark.mpi
 def test_slurm_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=1)

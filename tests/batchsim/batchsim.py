@@ -239,16 +239,16 @@ def slurm_job(job_id: str) -> int:
         write_state(job_id, state="RUNNING", pid=proc.pid, restarts=restarts)
         started = time.monotonic()
         signalled = restarts > 0 or not sig_spec
-        requeued = False
+        ended = None  # when scancel or scontrol requeue sent SIGTERM (once, as Slurm does)
         while proc.poll() is None:
             if not signalled and _time_limit_reached(started):
                 signalled = True
                 _send_slurm_signal(str(sig_spec), proc.pid)
-            if (folder / "requeue").exists() and not requeued:
-                requeued = True
+            if ended is None and ((folder / "requeue").exists() or (folder / "cancel").exists()):
+                ended = time.monotonic()
                 _kill_session(proc.pid, signal.SIGTERM)
-            if (folder / "cancel").exists():
-                _kill_session(proc.pid, signal.SIGTERM)
+            if ended is not None and time.monotonic() - ended > KILL_WAIT:
+                _kill_session(proc.pid, signal.SIGKILL)
             time.sleep(0.05)
         left = _left_running(proc.pid)
         _kill_session(proc.pid, signal.SIGKILL)  # what the script left running
@@ -264,6 +264,10 @@ def slurm_job(job_id: str) -> int:
             "COMPLETED" if code == 0 else "FAILED"), exit_code=code, restarts=restarts,
             left_running=left)
         return 0
+
+
+#: seconds between SIGTERM and SIGKILL when a job is cancelled or requeued (Slurm's KillWait)
+KILL_WAIT = 30
 
 
 def _time_limit_reached(started: float) -> bool:
