@@ -35,7 +35,7 @@ def _require_jobqueue():
     return dask_jobqueue
 
 
-def _positive_int(value, what: str) -> int:
+def _count(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
     return value
@@ -93,17 +93,19 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     Two nodes of four GPUs each, on Slurm::
 
         from distributed import Client
+
+        import distmm
         from distmm.deploy import jobqueue_cluster
 
         with jobqueue_cluster("slurm", jobs=2, gpus=4, cores=32, memory="256GiB",
                               env_setup="/path/to/env.sh") as cluster, Client(cluster) as c:
             c.wait_for_workers(8)
-            c_np = distmm.matmul(a, b, client=c)
+            product = distmm.matmul(a, b, client=c)
     """
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
-    _positive_int(jobs, "jobs")
-    _positive_int(gpus, "gpus")
+    _count(jobs, "jobs")
+    _count(gpus, "gpus")
     if threads_per_worker < 1:
         raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker!r}")
     if memory is None:
