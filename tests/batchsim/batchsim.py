@@ -27,7 +27,8 @@ localhost, with the variables the real commands set:
   each chunk) and runs the script in the home folder with the small environment PBS gives
   (``PATH`` of the system and of these stand-ins, ``PBS_O_WORKDIR``, ``PBS_JOBID``, ...),
   the submitter's only with ``-V``. ``pbsdsh`` runs a command once per line of the node file
-  (``-u``: once per node) with that small environment, as PBS's task manager does.
+  (``-u``: once per host; ``-n I``: on the host of line I only) with that small environment,
+  as PBS's task manager does.
 
 It does *not* cover: resource limits, several hosts, partitions, accounts, job arrays,
 dependencies, or any real scheduling (every job starts at once). The spool folder is
@@ -592,15 +593,22 @@ def pbsdsh(argv: list[str]) -> int:
     if not nodefile or not command:
         print("pbsdsh: not in a PBS job, or no command", file=sys.stderr)
         return 1
-    nodes = Path(nodefile).read_text().split()
-    if "-u" in opts:
-        nodes = list(dict.fromkeys(nodes))
+    lines = Path(nodefile).read_text().split()
+    nodes = list(enumerate(lines))  # (index in the node file, host)
+    if "-u" in opts:  # Torque: once per host
+        nodes = [(i, h) for i, h in nodes if lines.index(h) == i]
+    index = last(opts, "-n")
+    if index is not None:  # the node of that line of the node file only
+        if not 0 <= int(index) < len(lines):
+            print(f"pbsdsh: no node {index}", file=sys.stderr)
+            return 1
+        nodes = [(int(index), lines[int(index)])]
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("PBS_", "BATCHSIM_")) or k in ("HOME", "USER", "LANG", "TMPDIR")}
     env["PATH"] = f"{HERE}:{SYSTEM_PATH}"
     procs = []
-    for i, _ in enumerate(nodes):
-        procs.append(subprocess.Popen(command, env={**env, "PBS_TASKNUM": str(i),
+    for task, (i, _) in enumerate(nodes):
+        procs.append(subprocess.Popen(command, env={**env, "PBS_TASKNUM": str(task),
                                                     "PBS_NODENUM": str(i), "PBS_VNODENUM": str(i)}))
 
     def forward(signum, frame):
