@@ -235,6 +235,29 @@ def test_dask_mpi_program_under_mpiexec(tmp_path, mpirun):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
+@pytest.mark.mpi
+def test_dask_mpi_gpu_workers_take_one_gpu_each(tmp_path, mpirun):
+    """On a node of 2 GPUs, 6 ranks: the scheduler and the client take none, the 4 workers
+    GPUs 0, 1, 0, 1 as dask_cuda.CUDAWorkers (the choice alone: no worker is started)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(DEPLOY)!r})\n"
+        "from mpi4py import MPI\n"
+        "from dask_mpi_matmul import worker_setup\n"
+        "cls, options = worker_setup(MPI.COMM_WORLD)\n"
+        "row = [MPI.COMM_WORLD.rank, cls, os.environ.get('CUDA_VISIBLE_DEVICES'), options]\n"
+        "rows = MPI.COMM_WORLD.gather(row)\n"
+        "if MPI.COMM_WORLD.rank == 0:\n"
+        "    print(json.dumps(rows))\n")
+    r = mpirun(6, probe, env={"DISTMM_GPUS_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    cpu = ["distributed.Worker", "", {"resources": {}}]
+    gpu = lambda d: ["dask_cuda.CUDAWorker", d, {"resources": "GPU=1"}]  # noqa: E731
+    assert [row[1:] for row in rows] == [cpu, cpu, gpu("0"), gpu("1"), gpu("0"), gpu("1")]
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_dask_mpi_program_bad_input_is_one_line(tmp_path, mpirun):
