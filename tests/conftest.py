@@ -10,6 +10,9 @@ This module covers:
 - the shared Dask fixtures, all on real worker processes: ``cluster`` and ``client`` (two
   single-thread workers), ``pair`` (two workers marked GPU by their resource only),
   ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
+- batch jobs on localhost (``batch_env``): Slurm's and PBS's commands replaced by the
+  stand-ins of ``tests/batchsim/`` on ``PATH``, a spool folder per test, and the file the
+  jobs source to find this Python (``DISTMM_ENV_SETUP``);
 - helpers that more than one test module calls: the numpy comparison
   (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
   (``placed``) and worker loss during a product (``start_call``, ``kill_workers``). Test
@@ -170,6 +173,32 @@ def shared_client():
     with gpu_cluster("0", per_device=2) as cl, Client(cl) as c:
         c.wait_for_workers(2, timeout=120)
         yield c
+
+
+# -- batch jobs (tests/batchsim stand-ins for sbatch, srun, qsub, ...) -----------------------
+
+BATCHSIM = ROOT / "tests" / "batchsim"
+
+
+@pytest.fixture
+def batch_env(tmp_path, mpi_env) -> dict[str, str]:
+    """The environment a test submits batch jobs in: the stand-ins first on ``PATH``, then
+    this Python's folder (``dask``, ``distmm``, ``mpiexec``), a spool folder under
+    ``tmp_path``, and ``DISTMM_ENV_SETUP``: a file that gives a job (PBS passes none of the
+    submitter's environment) this Python, the checkout, and MPI allowed as root with more
+    ranks than cores. Dashboards on any free port."""
+    bindir = os.path.dirname(sys.executable)
+    setup = tmp_path / "env-setup.sh"
+    setup.write_text(
+        f"export PATH={bindir}:$PATH PYTHONPATH={ROOT}\n"
+        "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^ofi\n"
+        "export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe\n"
+        "export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1\n")
+    return {**mpi_env, "PATH": f"{BATCHSIM}{os.pathsep}{bindir}{os.pathsep}{os.environ['PATH']}",
+            "BATCHSIM_SPOOL": str(tmp_path / "spool"), "BATCHSIM_PYTHON": sys.executable,
+            "DISTMM_ENV_SETUP": str(setup), "DISTMM_DASHBOARD": ":0", "OMPI_MCA_btl": "^ofi",
+            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+            "NUMBA_NUM_THREADS": "1"}
 
 
 # -- helpers more than one module calls ------------------------------------------------------

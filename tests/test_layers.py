@@ -36,6 +36,7 @@ LEVELS = {
     "distmm.engine": 2,
     "distmm.engine.mpi": 2,
     "distmm.api": 3,
+    "distmm.deploy": 3,
     "distmm": 3,
     "distmm.cli": 4,
     "distmm.__main__": 4,
