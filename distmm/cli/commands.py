@@ -1,11 +1,13 @@
 """The ``distmm`` command line: parsing arguments and running the commands.
 
 This module covers: the parser of every command (``demo``, ``plan``,
-``matmul``, ``info``, and ``tune``/``trace``, which own their options), and
+``matmul``, ``info``, and ``tune``/``trace``, which own their options; ``cluster``
+registers itself from ``distmm.cli.serve``), and
 running one: each failure ends as one line on stderr and an exit status
 (``distmm.cli.exits``), with the traceback only under ``--debug``.
 It does *not* cover: file formats and staged output (``distmm.cli.io``), the
-demo (``distmm.cli.demo``), or the MPI environment (``distmm.cli.launch``).
+demo (``distmm.cli.demo``), the MPI environment (``distmm.cli.launch``), connecting to a
+scheduler (``distmm.cli.connect``) or serving a cluster (``distmm.cli.serve``).
 """
 from __future__ import annotations
 
@@ -394,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write where the time went, per rank (open, read, h2d, gemm, comm, d2h, "
                          "write, sync, wait, commit), as JSON; the summary line shows the totals")
     mm.set_defaults(func=_cmd_matmul)
+
+    from distmm.cli.serve import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub, common)  # distmm cluster: distmm.cli.serve
 
     i = sub.add_parser("info", parents=[common], help="devices, backends and versions",
                        description="print devices, backends and versions")
