@@ -17,71 +17,12 @@ import numpy as np
 import psutil
 import pytest
 
+from conftest import assert_all_gone, serve_cluster, stop_cluster
+
 
 def run_cli(*args, timeout=120, **kw):
     return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, **kw)
-
-
-def serve(scheduler_file: Path, *args) -> subprocess.Popen:
-    """``distmm cluster ... --scheduler-file F`` in a session of its own, once F exists."""
-    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--port", "0",
-                             "--dashboard-address", ":0", "--scheduler-file", str(scheduler_file),
-                             *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not _ready(scheduler_file):
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"distmm cluster ended with {proc.returncode}: {out} {err}")
-        if time.monotonic() > deadline:
-            _stop_all(proc)
-            pytest.fail("distmm cluster wrote no scheduler file in 120 s")
-        time.sleep(0.05)
-    return proc
-
-
-def _ready(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text())["address"].startswith("tcp://")
-    except (FileNotFoundError, ValueError, KeyError):
-        return False
-
-
-def _stop_all(proc: subprocess.Popen) -> None:
-    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    proc.communicate()
-
-
-def stop(proc: subprocess.Popen, send) -> tuple[int, str, str, float]:
-    """Send a signal with ``send(proc)``; the exit status, stdout, stderr and seconds."""
-    t0 = time.monotonic()
-    send(proc)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        _stop_all(proc)
-        pytest.fail("distmm cluster did not stop within 60 s of the signal")
-    return proc.returncode, out, err, time.monotonic() - t0
-
-
-def assert_all_gone(procs: list) -> None:
-    """Every process of ``procs`` has ended (a zombie waiting for its new parent has)."""
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    alive = [p for p in alive if _status(p) not in (None, psutil.STATUS_ZOMBIE)]
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
-
-
-def _status(p):
-    try:
-        return p.status()
-    except psutil.NoSuchProcess:
-        return None
 
 
 @pytest.mark.slow
@@ -91,7 +32,7 @@ def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
     a, b = rng.standard_normal((83, 61)), rng.standard_normal((61, 47))
     np.save(tmp_path / "a.npy", a)
     np.save(tmp_path / "b.npy", b)
-    proc = serve(sched, "--workers", 2, "--threads", 1)
+    proc = serve_cluster(sched, "--workers", 2, "--threads", 1)
     try:
         workers = psutil.Process(proc.pid).children(recursive=True)
         address = json.loads(sched.read_text())["address"]
@@ -114,9 +55,9 @@ def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
         assert r.returncode == 1 and "is a Dask Worker, not a Dask scheduler" in r.stderr, r.stderr
         assert not (tmp_path / "w.npy").exists()
     except BaseException:
-        _stop_all(proc)
+        stop_cluster(proc, None)
         raise
-    status, out, err, seconds = stop(proc, lambda p: p.send_signal(signal.SIGTERM))
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
     want = a @ b
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), want, rtol=1e-11,
                                atol=1e-11 * np.abs(want).max())
@@ -136,7 +77,7 @@ def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
 def test_ctrl_c_closes_the_cluster_and_keeps_a_file_it_did_not_write(tmp_path: Path):
     sched = tmp_path / "sched.json"
     sched.write_text("stale")
-    proc = serve(sched, "--workers", 1, "--overwrite")
+    proc = serve_cluster(sched, "--workers", 1, "--overwrite")
     try:
         workers = psutil.Process(proc.pid).children(recursive=True)
         info = json.loads(sched.read_text())
@@ -145,10 +86,10 @@ def test_ctrl_c_closes_the_cluster_and_keeps_a_file_it_did_not_write(tmp_path: P
         # another program takes the file over: the stop must not remove it
         sched.write_text('{"address": "tcp://127.0.0.1:1"}')
     except BaseException:
-        _stop_all(proc)
+        stop_cluster(proc, None)
         raise
     # a terminal's Ctrl-C reaches the whole foreground process group, workers included
-    status, out, err, seconds = stop(proc, lambda p: os.killpg(p.pid, signal.SIGINT))
+    status, out, err, seconds = stop_cluster(proc, lambda p: os.killpg(p.pid, signal.SIGINT))
     assert status == 130, err
     assert info["address"] in out and "1 CPU worker" in out
     assert err.count("\n") == 1 and "Traceback" not in err, err
