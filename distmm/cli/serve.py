@@ -478,11 +478,19 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
 
 
 def _close(cluster) -> int:
-    """Close ``cluster`` (workers, then scheduler) and make sure no worker process is left;
-    returns how many had to be killed."""
+    """Close ``cluster``: the workers first (``scale(0)``: each retired and its process
+    ended while the scheduler still answers, so that no worker reports a lost scheduler),
+    then the scheduler; then make sure no worker process is left. Returns how many had to
+    be killed."""
+    import time
+
     if cluster is None:
         return _reap(0)
     try:
+        cluster.scale(0)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        while cluster.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
         cluster.close(timeout=CLOSE_TIMEOUT)
     finally:
         killed = _reap(5.0)
