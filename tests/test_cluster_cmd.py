@@ -135,3 +135,36 @@ def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, bus
     assert (tmp_path / "exists.json").read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.json"]
     assert time.monotonic() - t0 < 30  # no worker was waited for
+
+
+def test_sigterm_while_the_workers_start_closes_them_once_up(tmp_path: Path):
+    sched = tmp_path / "sched.json"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",
+                             "--port", "0", "--dashboard-address", ":0", "--scheduler-file", sched],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 60
+    try:
+        while not any(_is_spawned_worker(p) for p in seen.values()):  # a worker is starting
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            seen.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
+            time.sleep(0.01)
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    assert status == 143, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
+                          "closed"), err
+    assert not sched.exists() and list(tmp_path.iterdir()) == []
+    assert_all_gone(list(seen.values()))
+    assert seconds < 60
+
+
+def _is_spawned_worker(p: psutil.Process) -> bool:
+    try:
+        return "spawn_main" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False

@@ -32,6 +32,7 @@ several machines or batch jobs (``deploy/``), or running products.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -239,9 +240,11 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind(address)
         except OSError as exc:
-            what = "in use" if exc.errno == 98 else (exc.strerror or str(exc)).lower()
-            raise ValueError(f"--port {port} on {host}: {what} (another scheduler? --port 0 "
-                             f"takes a free port)") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} on {host}: in use (another scheduler? --port 0 "
+                                 f"takes a free port)") from None
+            raise ValueError(f"--host {host}: cannot listen there "
+                             f"({(exc.strerror or str(exc)).lower()})") from None
 
 
 def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
@@ -424,8 +427,7 @@ def run_cluster(args) -> int:
         from distmm.cli.cluster import gpu_protocol
 
         gpu_protocol(args.protocol)  # ucx without distributed-ucxx fails here, before starting
-    if args.port:
-        _check_port(args.host, args.port)
+    _check_port(args.host, args.port)
     target = _check_scheduler_file(args.scheduler_file, args.overwrite)
 
     stop = _Stop()
@@ -452,6 +454,8 @@ def run_cluster(args) -> int:
 def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
     cluster, written = None, None
     try:
+        # a first signal while the workers start is acted on once they are up: then they
+        # close in order (a second one stops at once)
         cluster, _ = _start(args, devices)
         if stop.signum is None and target is not None:
             written = _write_scheduler_file(target, _identity(cluster), args.overwrite)
