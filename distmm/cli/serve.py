@@ -394,7 +394,7 @@ def _describe(cluster, devices, args, scheduler_file: Path | None) -> str:
     first = next(iter(workers.values()), {})
     limit = first.get("memory_limit")
     each = (f"{args.threads} thread{'s' if args.threads > 1 else ''}"
-            + (f" and {format_bytes(limit)} of memory" if limit else ", no memory limit"))
+            + (f" and {format_bytes(limit)} of memory" if limit else " and no memory limit"))
     if devices is None:
         kind = f"{len(workers)} CPU worker{'s' if len(workers) != 1 else ''}"
     else:
