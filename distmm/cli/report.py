@@ -340,12 +340,17 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path) -
             fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=100)
             counts = sorted({p.count for s in group for p in s.points})
             for s in group:
-                xs = [p.count for p in s.points]
-                line, = left.plot(xs, [p.speedup for p in s.points], "o-", label=s.label)
-                right.plot(xs, [p.efficiency for p in s.points], "o-", label=s.label,
-                           color=line.get_color())
+                known = [p for p in s.points if not p.predicted]
+                line, = left.plot([p.count for p in known], [p.speedup for p in known], "o-",
+                                  label=s.label)
+                right.plot([p.count for p in known], [p.efficiency for p in known], "o-",
+                           label=s.label, color=line.get_color())
                 for ax, value in ((left, "speedup"), (right, "efficiency")):
                     guessed = [p for p in s.points if p.predicted]
+                    if guessed:  # dashed from the last measured count on
+                        tail = [p for p in s.points if p.count >= known[-1].count]
+                        ax.plot([p.count for p in tail], [getattr(p, value) for p in tail], "--",
+                                color=line.get_color())
                     ax.scatter([p.count for p in guessed], [getattr(p, value) for p in guessed],
                                s=70, facecolor="white", edgecolor=line.get_color(), zorder=3)
                     for p in guessed:
