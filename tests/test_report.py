@@ -281,6 +281,11 @@ def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
         c = found[name]
         assert (f"| test-gpu | {name} | {c.value:.4g} | {unit} | {rule} | {scope} | "
                 f"{c.variant}, run {c.run} |") in text
+    # batch-1: 2*2048^3 / 0.05 s = 0.3436 TFLOP/s at 2048/2 FLOP per byte of C; its roof is the
+    # write ceiling (0.5243 GB/s x 1024 = 0.5369 TFLOP/s), below cuBLAS float32's 26.84
+    write = found["file write (dd, fsync)"].value
+    assert (f"| test-gpu | mpi-batch | batch-1 | float32 | 2048x2048x2048 | 0.3436 | 1024 | "
+            f"file write (dd, fsync) | {write * 1024 / 1e3:.4g} | 64% |") in text
     # test-cpu has a numpy reference but no bandwidth ceiling: no figure, a note
     assert not (out / "roofline-test-cpu.png").exists()
     assert ("- No roofline for test-cpu: its records have no bandwidth (ceiling-copy, read-cat "
@@ -345,3 +350,37 @@ def test_no_ceilings_and_no_predictions_give_notes_not_figures(tmp_path):
             "an FMA probe) and bandwidth (ceiling-copy, read-cat or write-dd) ceiling.") in text
     assert "- No predicted against measured figure: no record has predicted_seconds." in text
     assert "Roofline ceilings" not in text and "Predicted against measured" not in text
+
+
+def test_only_and_no_html_and_a_bad_section(tmp_path, capsys):
+    recs = write_jsonl(tmp_path / "r.jsonl", ROOF + STRONG)
+    out = tmp_path / "report"
+    assert main(["report", str(recs), "-o", str(out), "--only", "roofline", "--no-html"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "roofline-test-gpu.png"]
+    text = (out / "report.md").read_text()
+    assert "Roofline ceilings" in text and "Strong scaling" not in text
+    assert "predicted_seconds" not in text  # the model section was not asked for
+    assert main(["report", str(recs), "-o", str(tmp_path / "o"), "--only", "roofline,tflopz"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown section 'tflopz': choose from tflops, strong" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_docs_figures_are_the_report_of_the_committed_records(tmp_path, monkeypatch):
+    """docs/figures is what the command at the top of docs/performance.md makes today."""
+    root = RESULTS.parent.parent
+    monkeypatch.chdir(root)
+    doc = (root / "docs" / "performance.md").read_text()
+    command = ("distmm report bench/results/*.jsonl -o docs/figures --only roofline,model "
+               "--no-html --overwrite")
+    assert command in doc
+    out = tmp_path / "figures"
+    paths = sorted(str(p.relative_to(root)) for p in RESULTS.glob("*.jsonl"))
+    assert main(["report", *paths, "-o", str(out), "--only", "roofline,model", "--no-html"]) == 0
+    committed = root / "docs" / "figures"
+    assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in out.iterdir())
+    body = lambda text: text.split("\n", 3)[3]  # after the line naming the inputs
+    assert body((committed / "report.md").read_text()) == body((out / "report.md").read_text())
+    for png in committed.glob("*.png"):
+        assert f"figures/{png.name}" in doc, png.name
+    assert sum(p.stat().st_size for p in committed.iterdir()) < 400 * 1024

@@ -48,12 +48,14 @@ from pathlib import Path
 
 from distmm.errors import OutputExists
 
-__all__ = ["REFERENCES", "REQUIRED", "count_of", "family", "is_reference", "scaling",
-           "reference_shares", "timeline_rows", "read_inputs", "run_report"]
+__all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "family", "is_reference", "scaling",
+           "reference_shares", "timeline_rows", "read_inputs", "add_options", "run_report"]
 
 REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
 REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
 COUNT_KEYS = ("ranks", "gpus", "workers")
+#: what ``--only`` may name: the report's figures and tables, by kind
+SECTIONS = ("tflops", "strong", "weak", "shares", "timeline", "roofline", "model")
 INSTALL = 'distmm report needs matplotlib: pip install "distmm[bench]"'
 
 
@@ -239,7 +241,7 @@ def timeline_rows(profile: dict) -> list[tuple[int, list[tuple[str, float, float
 def _tables(records, strong, weak, shares, roofs, model) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header, rows)`` of every table of the report."""
     from distmm.cli.report_model import model_table
-    from distmm.cli.report_roofline import ceiling_rows
+    from distmm.cli.report_roofline import ceiling_rows, point_rows, roofline_points
 
     tables = []
     for title, series in (("Strong scaling", strong), ("Weak scaling", weak)):
@@ -263,6 +265,11 @@ def _tables(records, strong, weak, shares, roofs, model) -> list[tuple[str, list
         tables.append(("Roofline ceilings (best measured per device)",
                        ["device", "ceiling", "value", "unit", "a GEMM's bytes across it",
                         "bounds", "record (variant, run)"], rows))
+        rows = [row for device in sorted(roofs)
+                for row in point_rows(roofline_points(records, roofs[device]), roofs[device])]
+        tables.append(("Roofline points (one-device runs, largest size, median TFLOP/s)",
+                       ["device", "benchmark", "variant", "dtype", "m x n x k", "TFLOP/s",
+                        "FLOP/byte", "binding ceiling", "roof TFLOP/s", "of roof"], rows))
     if model:
         header, rows = model_table(model)
         tables.append(("Predicted against measured (error = (predicted - measured) / measured)",
@@ -305,7 +312,8 @@ def _slug(*parts) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", "-".join(map(str, parts)).lower()).strip("-")
 
 
-def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path) -> list[str]:
+def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
+             sections=SECTIONS) -> list[str]:
     """Draw every figure into ``folder``; return the file names."""
     from distmm.cli.report_model import draw_predicted
     from distmm.cli.report_roofline import draw_roofline, roofline_points
@@ -318,7 +326,7 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path) -
         names.append(name)
 
     by_bench = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for r in records:
+    for r in records if "tflops" in sections else ():
         if (isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0
                 and "predicted_seconds" not in r):
             size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
@@ -479,8 +487,33 @@ def _check_output(folder: Path, overwrite: bool) -> None:
         raise OutputExists(f"{folder} exists and is not empty: pass --overwrite to replace it")
 
 
-def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int:
+def _sections(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {', '.join(map(repr, unknown)) or repr(text)}: choose from "
+            f"{', '.join(SECTIONS)}")
+    return names
+
+
+def add_options(parser) -> None:
+    """``distmm report``'s options beyond the records and ``-o`` (called by ``build_parser``)."""
+    parser.add_argument("--only", type=_sections, default=None, metavar="SECTION,...",
+                        help="draw and tabulate only these: " + ", ".join(SECTIONS)
+                             + " (default: all)")
+    parser.add_argument("--no-html", action="store_true",
+                        help="write report.md and the figures, not index.html")
+
+
+def run_report(paths: list[str], output: str, *, overwrite: bool = False,
+               only: tuple[str, ...] | None = None, html: bool = True) -> int:
     """Write the report of ``paths`` into the folder ``output``; return the exit status.
+
+    ``only`` names the sections (``SECTIONS``) to draw and tabulate, default all; ``html``
+    False leaves out ``index.html``.
 
     Inputs and the output folder are checked before anything is drawn; everything is
     written to a temporary folder beside ``output`` that replaces it at the end, so a
@@ -500,23 +533,30 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int
         return 2
     from distmm.cli.report_model import model_rows
 
-    strong, weak = scaling(records, "strong"), scaling(records, "weak")
-    roofs, notes = _rooflines([r for r in records if "predicted_seconds" not in r])
-    model = model_rows(records)
-    if not model:
+    sections = set(only or SECTIONS)
+    strong = scaling(records, "strong") if "strong" in sections else []
+    weak = scaling(records, "weak") if "weak" in sections else []
+    profiles = profiles if "timeline" in sections else []
+    roofs, notes = {}, []
+    if "roofline" in sections:
+        roofs, notes = _rooflines([r for r in records if "predicted_seconds" not in r])
+    model = model_rows(records) if "model" in sections else []
+    if "model" in sections and not model:
         notes.append("No predicted against measured figure: no record has predicted_seconds.")
-    elif not any(row.measured is not None for row in model):
+    elif model and not any(row.measured is not None for row in model):
         notes.append("No predicted against measured figure: every record with "
                      "predicted_seconds is a prediction (seconds null).")
+    shares = reference_shares(records) if "shares" in sections else []
     folder.absolute().parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
                                    dir=folder.absolute().parent))
     staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
     try:
-        images = _figures(plt, records, strong, weak, profiles, roofs, model, staged)
-        tables = _tables(records, strong, weak, reference_shares(records), roofs, model)
+        images = _figures(plt, records, strong, weak, profiles, roofs, model, staged, sections)
+        tables = _tables(records, strong, weak, shares, roofs, model)
         (staged / "report.md").write_text(_markdown(tables, images, paths, notes))
-        (staged / "index.html").write_text(_html(tables, images, paths, notes))
+        if html:
+            (staged / "index.html").write_text(_html(tables, images, paths, notes))
         old = None
         if folder.exists():
             old = staged.with_name(staged.name + "-old")
@@ -527,6 +567,6 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    print(f"wrote {folder}: report.md, index.html, {len(images)} figures from "
+    print(f"wrote {folder}: report.md, {'index.html, ' if html else ''}{len(images)} figures from "
           f"{len(records)} records and {len(profiles)} profiles")
     return 0

@@ -40,8 +40,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points",
-           "ceiling_rows", "draw_roofline"]
+__all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points", "roof",
+           "ceiling_rows", "point_rows", "draw_roofline"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
             "complex128": 16, "int32": 4, "int64": 8}
@@ -212,6 +212,28 @@ def roofline_points(records: list[dict], device_ceilings: list[Ceiling]) -> list
         points.append(RoofPoint(bench, variant, dtype, size, statistics.median(by_size[size]),
                                 intensity(sample, binding), binding))
     return points
+
+
+def roof(point: RoofPoint, device_ceilings: list[Ceiling]) -> float | None:
+    """The roof over ``point`` in TFLOP/s: the lower of its binding bandwidth x intensity and
+    the highest compute ceiling of its dtype (None without one)."""
+    tops = [c.value for c in device_ceilings if c.kind == "compute" and c.dtype == point.dtype]
+    if not tops:
+        return None
+    return min(max(tops), point.ceiling.value * point.intensity / 1e3)
+
+
+def point_rows(points: list[RoofPoint], device_ceilings: list[Ceiling]) -> list[list[str]]:
+    """Rows of the points table: device, benchmark, variant, dtype, size, TFLOP/s, FLOP per
+    byte, the binding ceiling, the roof and the share of it reached."""
+    rows = []
+    for p in points:
+        top = roof(p, device_ceilings)
+        rows.append([p.ceiling.device, p.benchmark, p.variant, p.dtype, "x".join(map(str, p.size)),
+                     f"{p.tflops:.4g}", f"{p.intensity:.4g}", p.ceiling.name,
+                     "-" if top is None else f"{top:.4g}",
+                     "-" if top is None else f"{p.tflops / top:.0%}"])
+    return rows
 
 
 def ceiling_rows(device_ceilings: list[Ceiling]) -> list[list[str]]:
