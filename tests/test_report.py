@@ -281,11 +281,16 @@ def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
         c = found[name]
         assert (f"| test-gpu | {name} | {c.value:.4g} | {unit} | {rule} | {scope} | "
                 f"{c.variant}, run {c.run} |") in text
-    # batch-1: 2*2048^3 / 0.05 s = 0.3436 TFLOP/s at 2048/2 FLOP per byte of C; its roof is the
-    # write ceiling (0.5243 GB/s x 1024 = 0.5369 TFLOP/s), below cuBLAS float32's 26.84
+    # batch-1: 2*2048^3 / 0.05 s = 0.3436 TFLOP/s at 2*2048^3 / (2048^2 * 4) = 1024 FLOP per
+    # byte of C; its roof is the write ceiling (2.097 GB/s x 1024 = 2.147 TFLOP/s: 16%), below
+    # the read's (8.389 GB/s x 512), device memory's and cuBLAS float32's 26.84 TFLOP/s
     write = found["file write (dd, fsync)"].value
-    assert (f"| test-gpu | mpi-batch | batch-1 | float32 | 2048x2048x2048 | 0.3436 | 1024 | "
-            f"file write (dd, fsync) | {write * 1024 / 1e3:.4g} | 64% |") in text
+    assert write * 1024 / 1e3 < found["file read (cat A B)"].value * 512 / 1e3
+    rate = 2 * 2048**3 / 0.05 / 1e12
+    assert (f"| test-gpu | mpi-batch | batch-1 | float32 | 2048x2048x2048 | {rate:.4g} | 1024 | "
+            f"file write (dd, fsync) | {write * 1024 / 1e3:.4g} | "
+            f"{rate / (write * 1024 / 1e3):.0%} |") in text
+    assert "| file write (dd, fsync) | 2.147 | 16% |" in text
     # test-cpu has a numpy reference but no bandwidth ceiling: no figure, a note
     assert not (out / "roofline-test-cpu.png").exists()
     assert ("- No roofline for test-cpu: its records have no bandwidth (ceiling-copy, read-cat "
@@ -360,7 +365,9 @@ def test_only_and_no_html_and_a_bad_section(tmp_path, capsys):
     text = (out / "report.md").read_text()
     assert "Roofline ceilings" in text and "Strong scaling" not in text
     assert "predicted_seconds" not in text  # the model section was not asked for
-    assert main(["report", str(recs), "-o", str(tmp_path / "o"), "--only", "roofline,tflopz"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(recs), "-o", str(tmp_path / "o"), "--only", "roofline,tflopz"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "unknown section 'tflopz': choose from tflops, strong" in err
     assert not (tmp_path / "o").exists()
@@ -380,7 +387,10 @@ def test_docs_figures_are_the_report_of_the_committed_records(tmp_path, monkeypa
     committed = root / "docs" / "figures"
     assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in out.iterdir())
     body = lambda text: text.split("\n", 3)[3]  # after the line naming the inputs
-    assert body((committed / "report.md").read_text()) == body((out / "report.md").read_text())
+    rendered = body((committed / "report.md").read_text())
+    assert rendered == body((out / "report.md").read_text()), f"stale: run {command}"
+    copied = [line for line in doc.splitlines() if line.startswith("| NVIDIA ")]
+    assert len(copied) == 12 and all(f"\n{line}\n" in rendered for line in copied)
     for png in committed.glob("*.png"):
         assert f"figures/{png.name}" in doc, png.name
     assert sum(p.stat().st_size for p in committed.iterdir()) < 400 * 1024
