@@ -46,41 +46,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from distmm.cli.report_rules import REFERENCES, count_of, family, is_reference
 from distmm.errors import OutputExists
 
 __all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "family", "is_reference", "scaling",
            "reference_shares", "timeline_rows", "read_inputs", "add_options", "run_report"]
 
-REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
 REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
-COUNT_KEYS = ("ranks", "gpus", "workers")
 #: what ``--only`` may name: the report's figures and tables, by kind
 SECTIONS = ("tflops", "strong", "weak", "shares", "timeline", "roofline", "model")
 INSTALL = 'distmm report needs matplotlib: pip install "distmm[bench]"'
 
 
 # ---------------------------------------------------------------- pure computations
-
-
-def count_of(record: dict) -> tuple[str, int]:
-    """The key and value of how many took part: the first of ``ranks``, ``gpus``,
-    ``workers`` present and not null, else ``("ranks", 1)``."""
-    for key in COUNT_KEYS:
-        if record.get(key) is not None:
-            return key, int(record[key])
-    return "ranks", 1
-
-
-def family(variant: str, count: int) -> str:
-    """``variant`` without its count token: ``family("mpirun-4-h5", 4) == "mpirun-h5"``,
-    ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
-    token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
-    return re.sub(token, "", variant, count=1) or variant
-
-
-def is_reference(variant: str) -> bool:
-    """Whether ``variant`` is a reference (see the module docstring)."""
-    return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant) for r in REFERENCES)
 
 
 def _flops(record: dict) -> int:

@@ -26,7 +26,7 @@ The rules, in one place:
   The device-memory ceiling applies to every run on the device; the file ceilings only to
   runs of the benchmark that measured them (``mpi-batch`` reads and writes files, the others
   keep their operands in memory).
-- **points**: one-device runs (count 1, see ``distmm.cli.report.count_of``) that are not a
+- **points**: one-device runs (count 1, see ``distmm.cli.report_rules.count_of``) that are not a
   reference, a probe or a model record (``predicted_seconds``); per benchmark, variant and dtype the largest problem, its median
   TFLOP/s. Each sits at its intensity against the applicable bandwidth ceiling whose roof
   (GB/s x intensity) is lowest: the link that binds it.
@@ -39,6 +39,8 @@ import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+
+from distmm.cli.report_rules import count_of, is_reference
 
 __all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points", "roof",
            "ceiling_rows", "point_rows", "draw_roofline"]
@@ -182,8 +184,6 @@ class RoofPoint:
 def roofline_points(records: list[dict], device_ceilings: list[Ceiling]) -> list[RoofPoint]:
     """The one-device runs of ``device_ceilings``' device, each against its binding ceiling
     (see the module docstring), sorted by benchmark, variant and dtype."""
-    from distmm.cli.report import count_of, is_reference
-
     if not device_ceilings:
         return []
     device = device_ceilings[0].device
