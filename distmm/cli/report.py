@@ -216,7 +216,8 @@ def timeline_rows(profile: dict) -> list[tuple[int, list[tuple[str, float, float
 # ---------------------------------------------------------------- tables
 
 
-def _tables(records, strong, weak, shares, roofs, model) -> list[tuple[str, list[str], list[list[str]]]]:
+def _tables(records, strong, weak, shares, roofs,
+            model) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header, rows)`` of every table of the report."""
     from distmm.cli.report_model import model_table
     from distmm.cli.report_roofline import ceiling_rows, point_rows, roofline_points

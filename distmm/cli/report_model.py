@@ -115,8 +115,8 @@ def draw_predicted(plt, rows: list[ModelRow], path) -> None:
     values = [v for row in compared for v in (row.measured, row.predicted)]
     lo, hi = min(values) / 2, max(values) * 2
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="measured = predicted")
-    ax.fill_between([lo, hi], [lo * (1 - BAND), hi * (1 - BAND)], [lo * (1 + BAND), hi * (1 + BAND)],
-                    color="0.85", label=f"within {BAND:.0%}")
+    ax.fill_between([lo, hi], [lo * (1 - BAND), hi * (1 - BAND)],
+                    [lo * (1 + BAND), hi * (1 + BAND)], color="0.85", label=f"within {BAND:.0%}")
     for role in sorted({row.role for row in compared}, key=lambda r: (r != "held-out", r)):
         group = [row for row in compared if row.role == role]
         inside = sum(abs(row.error) <= BAND for row in group)

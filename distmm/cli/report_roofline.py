@@ -27,8 +27,8 @@ The rules, in one place:
   runs of the benchmark that measured them (``mpi-batch`` reads and writes files, the others
   keep their operands in memory).
 - **points**: one-device runs (count 1, see ``distmm.cli.report_rules.count_of``) that are not a
-  reference, a probe or a model record (``predicted_seconds``); per benchmark, variant and dtype the largest problem, its median
-  TFLOP/s. Each sits at its intensity against the applicable bandwidth ceiling whose roof
+  reference, a probe or a model record (``predicted_seconds``); per benchmark, variant and
+  dtype the largest problem, its median TFLOP/s. Each sits at its intensity against the applicable bandwidth ceiling whose roof
   (GB/s x intensity) is lowest: the link that binds it.
 - A device gets a roofline when it has at least one compute and one bandwidth ceiling.
 """
@@ -292,8 +292,9 @@ def draw_roofline(plt, device: str, device_ceilings: list[Ceiling], points: list
                    color=_DTYPE_COLOURS.get(p.dtype, "0.4"), edgecolor="black", linewidth=0.4)
     handles = [plt.Line2D([], [], ls="", marker=_MARKERS[i % len(_MARKERS)], color="0.5",
                           label=b) for i, b in enumerate(benches)]
+    dtypes = {p.dtype for p in points}
     handles += [plt.Line2D([], [], ls="", marker="o", color=colour, label=dtype)
-                for dtype, colour in _DTYPE_COLOURS.items() if any(p.dtype == dtype for p in points)]
+                for dtype, colour in _DTYPE_COLOURS.items() if dtype in dtypes]
     if handles:
         ax.legend(handles=handles, fontsize=7, loc="lower right", title="points", title_fontsize=7)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(ymin, ymax),
