@@ -94,7 +94,7 @@ def _bandwidth(record: dict) -> tuple[str, float] | None:
     variant, seconds = record["variant"], record.get("seconds")
     if variant == "ceiling-copy" and _positive(record.get("gbps")):
         return "memory", float(record["gbps"])
-    if not _positive(seconds):
+    if not _positive(seconds) or record["dtype"] not in ITEMSIZE:
         return None
     m, n, k = int(record["m"]), int(record["n"]), int(record["k"])
     if variant == "read-cat" or variant.startswith("read-cat-"):
