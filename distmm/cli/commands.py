@@ -285,7 +285,8 @@ def _cmd_demo(args) -> int:
 def _cmd_report(args) -> int:
     from distmm.cli.report import run_report
 
-    return run_report(args.records, args.output, overwrite=args.overwrite)
+    return run_report(args.records, args.output, overwrite=args.overwrite, only=args.only,
+                      html=not args.no_html)
 
 
 # ---------------------------------------------------------------- the parser
@@ -408,14 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", parents=[common],
                        help="plots and tables from benchmark records (needs distmm[bench])",
-                       description="write TFLOP/s, scaling and timeline PNGs, report.md and "
-                                   "index.html into a new folder, from benchmark records (JSON "
-                                   "lines) and distmm-profile-1 profiles (.json)")
+                       description="write TFLOP/s, scaling, timeline, roofline and "
+                                   "predicted-against-measured PNGs, report.md and index.html "
+                                   "into a new folder, from benchmark records (JSON lines) and "
+                                   "distmm-profile-1 profiles (.json)")
     r.add_argument("records", nargs="+", metavar="RECORDS",
                    help="record files (.jsonl) and profiles (.json, e.g. mpi-batch-profiles-*.json)")
     r.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the folder to write (created; an existing non-empty one needs --overwrite)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
+    from distmm.cli.report import add_options as add_report_options
+
+    add_report_options(r)  # --only, --no-html
     r.set_defaults(func=_cmd_report)
 
     from distmm.cli.model import add_parsers as add_model_parsers
