@@ -19,6 +19,9 @@ The rules, in one place:
   each count has one size and the size grows with the count. In both, a count's seconds
   are the median of its records; speedup is TFLOP/s over the smallest count's TFLOP/s
   (for strong scaling the time ratio) and efficiency is speedup * smallest count / count.
+- **emulated nodes**: a record with ``emulated_nodes`` (a count, or ``"all-links"``) was
+  measured on nodes emulated on one host (``distmm.emulate``); its family, its rows and
+  its lines say so (``emulated_label``: ``[emulated nodes: 2]``).
 - **reference**: a variant named ``cublas``, ``numpy``, ``dask.array``, ``read-cat`` or
   ``write-dd`` (the storage ceilings of ``mpi-batch``), alone or followed by ``-``, ``@`` or ``.`` (``cublas-incore``,
   ``dask.array-chunk8192@2gpu``). A record's share of a reference is reference seconds /
@@ -41,7 +44,8 @@ from pathlib import Path
 
 from distmm.errors import OutputExists
 
-__all__ = ["REFERENCES", "REQUIRED", "count_of", "family", "is_reference", "scaling",
+__all__ = ["REFERENCES", "REQUIRED", "count_of", "family", "emulated_label", "is_reference",
+           "scaling",
            "reference_shares", "timeline_rows", "read_inputs", "run_report"]
 
 REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
@@ -67,6 +71,17 @@ def family(variant: str, count: int) -> str:
     ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
     token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
     return re.sub(token, "", variant, count=1) or variant
+
+
+def emulated_label(record: dict) -> str:
+    """``" [emulated nodes: N]"`` for a record measured on emulated nodes (its
+    ``emulated_nodes``), else ``""``.
+
+    >>> emulated_label({"emulated_nodes": 2}), emulated_label({})
+    (' [emulated nodes: 2]', '')
+    """
+    nodes = record.get("emulated_nodes")
+    return "" if nodes in (None, False) else f" [emulated nodes: {nodes}]"
 
 
 def is_reference(variant: str) -> bool:
@@ -135,7 +150,8 @@ def scaling(records: list[dict], kind: str) -> list[Series]:
         if _flops(r) == 0 or not r["seconds"] or r["seconds"] <= 0:
             continue
         size = (int(r["m"]), int(r["n"]), int(r["k"]))
-        group = (r["benchmark"], r["device"], r["dtype"], family(r["variant"], count), str(r["run"]), key)
+        group = (r["benchmark"], r["device"], r["dtype"],
+                 family(r["variant"], count) + emulated_label(r), str(r["run"]), key)
         groups[group + ((size,) if kind == "strong" else ())][count].append(r)
     out = []
     for group, by_count in groups.items():
@@ -222,7 +238,8 @@ def _tables(records, strong, weak, shares) -> list[tuple[str, list[str], list[li
             tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
                                    "count", "seconds", "speedup", "efficiency"], rows))
     rows = [[s.record["benchmark"], str(s.record["run"]), s.record["dtype"],
-             f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}', s.record["variant"],
+             f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}',
+             s.record["variant"] + emulated_label(s.record),
              "{} {}".format(*count_of(s.record)), f'{s.record["seconds"]:.4g}', s.reference,
              f"{s.reference_seconds:.4g}", f"{s.share:.2f}"] for s in shares]
     if rows:
@@ -276,7 +293,8 @@ def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
     for r in records:
         if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0:
             size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
-            by_bench[(r["benchmark"], r["device"])][(r["variant"], r["dtype"])][size].append(r["tflops"])
+            by_bench[(r["benchmark"], r["device"])][(r["variant"] + emulated_label(r),
+                                                     r["dtype"])][size].append(r["tflops"])
     for (bench, device), lines in sorted(by_bench.items()):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
         for (variant, dtype), points in sorted(lines.items()):
