@@ -51,6 +51,12 @@ def real_binding():
         assert binding.device == rank, binding  # four ranks, four devices: distinct ones
     devices = comm.allgather(binding.device)
     assert len(set(devices)) == P, devices
+    if GPU:  # for the test reading NCCL's log: which device (ordinal, PCI bus) is whose
+        import cupy
+
+        bus = cupy.cuda.Device(binding.device).pci_bus_id
+        print(f"DEVICE rank {rank} node {this_node()} ordinal {binding.device} bus {bus}",
+              flush=True)
 
 
 def products():

@@ -314,3 +314,66 @@ def test_engine_products_on_emulated_nodes(emulated_client):
         np.testing.assert_allclose(got, a @ b, rtol=1e-12, atol=1e-12)
         eager = distmm.matmul(a, b, engine="dask", client=emulated_client)
         np.testing.assert_allclose(np.asarray(eager), a @ b, rtol=1e-12, atol=1e-12)
+
+
+# -- the study runner, end to end -------------------------------------------------------------
+
+EMULATED_STUDY = """
+name = "emu-test"
+device = "cpu"
+dtypes = ["float64"]
+repeats = 1
+check_rows = 0
+references = ["numpy"]
+mpiexec = ["mpiexec", "--oversubscribe"]
+threads_per_rank = 1
+
+[[series]]
+kind = "strong"
+engines = ["dask", "mpi"]
+counts = [4]
+sizes = [[67, 45, 51]]
+chunk = 32
+nodes = 2
+emulated = true
+
+[[series]]
+kind = "strong"
+engines = ["mpi"]
+counts = [4]
+sizes = [[67, 45, 51]]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_emulated_study_end_to_end_then_report(tmp_path, mpi_env):
+    """``distmm bench`` on a series of 4 as 2 emulated nodes (a Dask cluster and an MPMD
+    launch) beside a plain one: records carry ``emulated_nodes`` and the report says so."""
+    study = tmp_path / "emu.toml"
+    study.write_text(EMULATED_STUDY)
+    out = tmp_path / "records.jsonl"
+    env = {**mpi_env, "NUMBA_NUM_THREADS": "1"}
+
+    def distmm_cli(*argv):
+        return subprocess.run([sys.executable, "-m", "distmm", *map(str, argv)],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    dry = distmm_cli("bench", study, "--dry-run")
+    assert dry.returncode == 0 and "as 2 emulated nodes" in dry.stdout, dry.stderr
+    assert "-x DISTMM_EMULATED_NODE=1" in dry.stdout
+    r = distmm_cli("bench", study, "-o", out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = {rec["variant"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"numpy", "distmm-dask-emulated-2nodes@4workers",
+                            "distmm-mpi-emulated-2nodes@4ranks", "distmm-mpi@4ranks"}
+    for variant, rec in records.items():
+        assert rec["relerr_ok"] is True and rec["relerr"] < 1e-14, rec
+        assert rec.get("emulated_nodes") == (2 if "emulated" in variant else None), rec
+    pytest.importorskip("matplotlib")
+    report = tmp_path / "report"
+    res = distmm_cli("report", out, "-o", report)
+    assert res.returncode == 0, res.stderr
+    md = (report / "report.md").read_text()
+    assert "distmm-mpi-emulated-2nodes@4ranks [emulated nodes: 2]" in md
+    assert "| distmm-mpi@4ranks |" in md
