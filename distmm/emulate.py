@@ -20,7 +20,8 @@ What is emulated, and what is not
 NCCL takes two ranks for one node when their host hashes agree; ``NCCL_HOSTID`` replaces
 the hash's input, so ranks of different emulated nodes connect through NCCL's network
 transport (``NCCL_NET=Socket``, ``NCCL_IB_DISABLE=1``, ``NCCL_SOCKET_IFNAME=lo``: TCP over
-loopback), while ranks of one node keep P2P (NVLink) and SHM. Open MPI cannot choose its
+loopback; ``NCCL_MNNVL_ENABLE=0``: no multi-node NVLink fabric), while ranks of one node keep
+P2P (NVLink) and SHM. Open MPI cannot choose its
 transport per pair of ranks: the job's host traffic goes over ``pml ob1`` and ``btl
 self,tcp`` on loopback for every pair, inside an emulated node too. A Dask cluster's
 comms are TCP between all workers; CUDA IPC (``dask-device-transfer``) is used only
@@ -44,7 +45,10 @@ ENV_NODES = "DISTMM_EMULATED_NODES"
 #: the crude mode: every member its own node, NCCL's P2P and SHM off for everyone
 ALL_LINKS = "all-links"
 
-_NETWORK = {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
+# NCCL_MNNVL_ENABLE=0: where GPUs share an NVLink fabric across hosts (GB200 NVL72), NCCL
+# would otherwise join "different hosts" through it again
+_NETWORK = {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_MNNVL_ENABLE": "0"}
 _OPEN_MPI = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp",
              "OMPI_MCA_btl_tcp_if_include": "lo"}
 
