@@ -10,7 +10,8 @@ measured by the probe: a small float64 product timed on the worker's device),
 which workers share one physical GPU (the probe's PCI bus id, or
 ``DEVICES_KEY`` for tests), and the emulated node a worker was started in
 (``DISTMM_EMULATED_NODE``, ``distmm.emulate``), as one
-``distmm.plan_blocks.WorkerInfo`` per worker. Probes are cached per worker address for the life of the client process.
+``distmm.plan_blocks.WorkerInfo`` per worker. Probes are cached per worker
+address for the life of the client process.
 It does *not* cover: the units the block layout shares C between, or the layout
 itself (``distmm.plan_blocks``), or the tasks (``distmm.engine.dask.tasks``).
 """
