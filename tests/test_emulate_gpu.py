@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.gpu]
 
 HERE = Path(__file__).resolve().parent
 
-# "Channel 00/0 : 1[1] -> 2[2] [send] via NET/Socket/0"; older NCCL prints the PCI bus id
-# in the brackets ("0[1b000]")
-CONNECTION = re.compile(r"Channel \d+/\d+ : \d+\[([0-9a-fx]+)\] -> \d+\[([0-9a-fx]+)\]"
+# "Channel 00/0 : 1[1] -> 2[2] [send] via NET/Socket/0": NCCL's rank, then the NVML index of
+# its device (CUDA_DEVICE_ORDER=PCI_BUS_ID below makes it the CUDA ordinal); older NCCL
+# prints the PCI bus id there ("0[1b000]")
+CONNECTION = re.compile(r"Channel \d+(?:/\d+)? : \d+\[([0-9a-fx]+)\] -> \d+\[([0-9a-fx]+)\]"
                         r"(?: \[(?:send|receive)\])? via (\S+)")
 
 
@@ -48,7 +49,7 @@ def test_nccl_carries_traffic_between_emulated_nodes_over_sockets(mpiexec, mpi_e
     argv = mpiexec_command([mpiexec, "--oversubscribe"], 4, 2,
                            [sys.executable, str(HERE / "mpi_emulate_cases.py"), "2", "gpu"])
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=HERE,
-                       env={**mpi_env, "NCCL_DEBUG": "INFO"})
+                       env={**mpi_env, "NCCL_DEBUG": "INFO", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "VERDICT ok" in r.stdout, out[-4000:]
     node_of = {}
