@@ -32,7 +32,7 @@ from distmm.executor import tuning
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
            "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins",
-           "explicit_instantiation"]
+           "explicit_instantiation", "tc_instantiation", "get_tc_kernel", "launch_tc", "to_input_format"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -91,12 +91,16 @@ def _defines_text(defines: tuple) -> str:
     return "".join(f"#define {k} {int(v)}\n" for k, v in defines)
 
 
-def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str, defines: tuple = ()):
-    """Compile one instantiation with nvcc to a cubin in the cache folder; load it by path."""
+def _compile_nvcc(spec, expr: str, ctype: str, defines: tuple = (), inst: str | None = None,
+                  arch_suffix: str = ""):
+    """Compile one instantiation with nvcc to a cubin in the cache folder; load it by path.
+    (``inst``: the instantiation line, default ``explicit_instantiation(expr, ctype)``;
+    ``arch_suffix``: ``"a"`` for the architecture-specific target, sm_90a.)"""
     import cupy
 
-    cc = compute_capability()
-    text = _defines_text(defines) + source(spec.file) + "\n" + explicit_instantiation(expr, ctype)
+    cc = f"{compute_capability()}{arch_suffix}"
+    text = (_defines_text(defines) + source(spec.file) + "\n"
+            + (inst or explicit_instantiation(expr, ctype)))
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     key = hashlib.sha256(f"{cc}\n{text}\n{OPTIONS}".encode()).hexdigest()[:24]
     folder = cache_dir() / "cubin"
@@ -121,8 +125,12 @@ def _compile_nvcc(spec: registry.KernelSpec, expr: str, ctype: str, defines: tup
     return module.get_function(kernels[0])
 
 
-_TYPE_CODES = {"float": "f", "double": "d", "int": "i", "long long": "x"}
+_TYPE_CODES = {"float": "f", "double": "d", "int": "i", "long long": "x",
+               "distmm_bf16": "11distmm_bf16", "distmm_fp16": "11distmm_fp16"}
 _PARAMS_MANGLED = "viiiT_PKS0_xS2_xS0_PS0_xi"  # (int, int, int, T, const T*, long long, ...)
+# the tensor-core steps' 16-bit inputs: (int, int, int, float, const Tin*, long long, ...,
+# float, float*, long long, int), Tin a class type (itself a substitution candidate)
+_PARAMS_MANGLED_16 = "viiifPKT_xS3_xfPfxi"
 
 
 def mangled_name(expr: str) -> str:
@@ -146,7 +154,8 @@ def mangled_name(expr: str) -> str:
             codes.append(f"Li{'n' + a[1:] if a.startswith('-') else a}E")
         else:
             raise ValueError(f"cannot mangle template argument {a!r} of {expr!r}")
-    return f"_Z{len(name)}{name}I{''.join(codes)}E{_PARAMS_MANGLED}"
+    sig = _PARAMS_MANGLED_16 if args[0] in ("distmm_bf16", "distmm_fp16") else _PARAMS_MANGLED
+    return f"_Z{len(name)}{name}I{''.join(codes)}E{sig}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -451,3 +460,144 @@ def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
         return [e for e in map(_warm_one, todo) if e]
     with cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
         return [e for e in pool.map(_warm_one, todo) if e]
+
+
+# -- tensor-core steps (reduced precision: registry.TC_KERNELS) ------------------------
+
+def tc_instantiation(expr: str, in_ctype: str) -> str:
+    """The explicit instantiation of a tensor-core kernel (inputs ``in_ctype``, C float)."""
+    return (f"template __global__ void {expr}(int, int, int, float, const {in_ctype}*, long long, "
+            f"const {in_ctype}*, long long, float, float*, long long, int);\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _tc_kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, compiler: str):
+    import cupy
+
+    spec = registry.get_tc(name)
+    expr = spec.name_expression(dtype, dict(params_key), ta, tb)
+    ctype = registry.TC_INPUT_TYPES[dtype]
+    inst = tc_instantiation(expr, ctype)
+    if compiler == "nvcc" or spec.arch_suffix:
+        # sm_90a (wgmma) is an nvcc target here: NVRTC through cupy compiles for the
+        # device's plain compute capability
+        return _compile_nvcc(spec, expr, ctype, inst=inst, arch_suffix=spec.arch_suffix)
+    module = cupy.RawModule(code=source(spec.file) + "\n" + inst, options=OPTIONS)
+    return module.get_function(mangled_name(expr))
+
+
+def get_tc_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bool = False,
+                  tb: bool = False, compiler: str | None = None):
+    """The loaded tensor-core kernel ``name`` for input format ``dtype`` ("float32",
+    "bfloat16" or "float16"); compiled on first use (NVRTC, or nvcc for sm_90a)."""
+    spec = registry.get_tc(name)
+    dtype = registry._tc_dtype(dtype)
+    if dtype not in spec.inputs:
+        raise TypeError(f"kernel {name} has no {dtype} instantiation (has {spec.inputs})")
+    p = spec.params(dtype, params)
+    compiler = compiler or os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
+    if compiler not in ("nvrtc", "nvcc"):
+        raise ValueError(f"compiler must be 'nvrtc' or 'nvcc', got {compiler!r}")
+    return _tc_kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler)
+
+
+def to_input_format(x, fmt: str):
+    """A C-contiguous copy of the 2-D cupy array ``x`` in input format ``fmt``: float32
+    unchanged (TF32 rounding happens in the kernel), float16 rounded to nearest even by
+    cupy, bfloat16 rounded to nearest even (NaN kept quiet) and returned as its uint16 bits.
+    Arrays already in the format (float16, or uint16 bfloat16 bits) are only made contiguous."""
+    import cupy
+
+    if fmt == "float32":
+        return cupy.ascontiguousarray(x, dtype=cupy.float32)
+    if fmt == "float16":
+        return cupy.ascontiguousarray(x, dtype=cupy.float16)
+    if fmt != "bfloat16":
+        raise ValueError(f"no tensor-core input format {fmt!r}")
+    if x.dtype == cupy.uint16:  # already bfloat16 bits
+        return cupy.ascontiguousarray(x)
+    x32 = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    u = x32.view(cupy.uint32)
+    rounded = (u + (cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1)))) >> 16
+    quiet_nan = (u >> 16) | cupy.uint32(0x40)
+    return cupy.where(cupy.isnan(x32), quiet_nan, rounded).astype(cupy.uint16)
+
+
+def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
+              m: int, n: int, k: int, *, precision: str, alpha=1.0, beta=0.0,
+              params: Mapping[str, int] | None = None, stream=None, compiler: str | None = None,
+              check: bool | None = None) -> None:
+    """Launch tensor-core kernel ``name`` (``registry.kernel_for``): ``C = alpha op(A) op(B)
+    + beta C`` in ``precision``, C float32.
+
+    ``a`` and ``b`` are stored as in ``launch`` (row strides ``lda``, ``ldb`` in elements),
+    either float32 or already in the precision's input format (float16, or bfloat16 bits as
+    uint16). float32 operands of ``"bf16"`` / ``"fp16"`` are first converted on the GPU to
+    contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
+    convert before ``cublasGemmEx``); ``"tf32"`` rounds inside the kernel (cvt.rna).
+
+    Raises
+    ------
+    ValueError
+        An unknown precision, or one the kernel does not compute; sizes beyond the grid.
+    TypeError
+        C is not float32.
+    KernelLaunchError
+        As ``launch``.
+    """
+    import cupy
+
+    spec = registry.get_tc(name)
+    if precision not in spec.precisions:
+        raise ValueError(f"kernel {name} computes {', '.join(spec.precisions)}, not {precision!r}")
+    if c.dtype != np.float32:
+        raise TypeError(f"C must be float32 for tensor-core kernels, got {c.dtype}")
+    if m == 0 or n == 0:
+        return
+    if max(m, n, k) >= 2**31:
+        raise ValueError(f"m, n, k must be below 2^31, got {(m, n, k)}")
+    fmt = spec.precisions[precision]
+    st = stream if stream is not None else cupy.cuda.get_current_stream()
+    with st:
+        if fmt != "float32" or a.dtype != np.float32:
+            rows_a, cols_a = (k, m) if ta else (m, k)
+            rows_b, cols_b = (n, k) if tb else (k, n)
+            a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt)
+            b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt)
+            lda, ldb = max(cols_a, 1), max(cols_b, 1)
+        p = spec.params(fmt, params)
+        kern = get_tc_kernel(name, fmt, p, ta, tb, compiler)
+        threads = spec.threads(p)
+        smem = spec.smem_bytes(fmt, p, ta, tb)
+        if smem > 48 * 1024:
+            key = (id(kern), smem)
+            if _smem_set.get(key) is not kern:
+                kern.max_dynamic_shared_size_bytes = smem
+                _smem_set[key] = kern
+        grid = spec.grid_dims(m, n, p)
+        flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
+                 | int(k > 0 and _operand_flags(b, ldb)) << 3)
+        args = (np.int32(m), np.int32(n), np.int32(k), np.float32(alpha), a, np.int64(lda), b,
+                np.int64(ldb), np.float32(beta), c, np.int64(ldc), np.int32(flags))
+        try:
+            kern(grid, (threads, 1, 1), args, shared_mem=smem, stream=st)
+        except Exception as exc:
+            raise KernelLaunchError(f"launch of {name} ({precision}, {p}, grid {grid}, {threads} "
+                                    f"threads, {smem} B smem) failed: {exc}") from exc
+    if check is None:
+        check = os.environ.get("DISTMM_CHECK_LAUNCHES", "0") not in ("", "0")
+    if check:
+        try:
+            st.synchronize()
+        except Exception as exc:
+            raise KernelLaunchError(f"{name} ({precision}, {p}) failed while running: {exc}") from exc
+
+
+def _stored(x, rows: int, cols: int, ld: int):
+    """``x`` checked to be the stored rows x cols operand (a 2-D view whose row stride is
+    ``ld`` elements, as ``launch`` takes it)."""
+    if x.ndim != 2 or x.shape != (rows, cols):
+        raise ValueError(f"operand is {x.shape}, expected the stored ({rows}, {cols}) matrix")
+    if rows > 1 and cols > 0 and x.strides[0] != ld * x.itemsize:
+        raise ValueError(f"operand's row stride is {x.strides[0] // x.itemsize} elements, ld is {ld}")
+    return x

@@ -1,6 +1,8 @@
 """The one table of distmm's CUDA GEMM kernels.
 
-This module covers: every kernel in ``kernels/cuda/`` (one optimisation step per file),
+This module covers: every kernel in ``kernels/cuda/`` (one optimisation step per file;
+steps 1-10 in ``KERNELS``, the reduced-precision tensor-core steps 11-13 in ``TC_KERNELS``
+with ``kernel_for``, the lookup by precision and compute capability),
 its template parameters, their defaults per dtype, the autotuner's search space and the
 constraints a configuration must meet, and the launch geometry (threads, tile, grid,
 dynamic shared memory) derived from them. The loader (``distmm.executor.cuda_loader``),
@@ -22,7 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "C_TYPES", "get", "steps", "best_kernel",
-           "kernel_params", "MAX_SMEM_BYTES"]
+           "kernel_params", "MAX_SMEM_BYTES", "TensorCoreSpec", "TC_KERNELS", "TC_INPUT_TYPES",
+           "PRECISION_KERNELS", "PRECISION_INPUT", "get_tc", "tc_steps", "kernel_for"]
 
 #: numpy dtype name -> C++ element type of the kernels
 C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
@@ -334,3 +337,287 @@ def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None 
         if not spec.violations(dtype, p):
             return p
     return spec.params(dtype)
+
+
+# -- tensor-core steps (reduced precision) ---------------------------------------------
+
+#: numpy dtype name of a tensor-core kernel's input format -> its C++ storage type.
+#: bfloat16 has no numpy dtype of its own on the GPU: its bits travel as uint16.
+TC_INPUT_TYPES = {"float32": "float", "bfloat16": "distmm_bf16", "float16": "distmm_fp16"}
+
+#: reduced precision mode -> the input format its kernels read
+PRECISION_INPUT = {"tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class TensorCoreSpec:
+    """One tensor-core kernel (steps 11-13): a product in a reduced precision, fp32
+    accumulation, float32 C.
+
+    Unlike ``KernelSpec``'s kernels, which compute in the dtype of A, B and C alike, these
+    read A and B in an input format (``inputs``: float32 rounded to TF32 inside the kernel,
+    or bfloat16 / float16 arrays) and write float32; alpha and beta are float32. Same launch
+    geometry rules (linear grid, grouped tile order), one signature::
+
+        (int M, int N, int K, float alpha, const Tin* A, long long lda,
+         const Tin* B, long long ldb, float beta, float* C, long long ldc, int flags)
+
+    Attributes
+    ----------
+    name, step, file, title, template
+        As ``KernelSpec`` (``{T}`` is the input's C++ type, ``TC_INPUT_TYPES``).
+    precisions : mapping
+        Precision mode (``"tf32"``, ``"bf16"``, ``"fp16"``) -> the input dtype name.
+    min_cc, max_cc : int
+        Compute capabilities (10 * major + minor) the kernel runs on, both inclusive.
+    arch_suffix : str
+        ``"a"`` for kernels built for the architecture-specific target (``sm_90a``: wgmma),
+        which only nvcc is asked to compile (``cuda_loader``).
+    defaults, tune_space
+        Default parameters per input dtype and the tuner's space (see ``candidates``).
+    """
+
+    name: str
+    step: int
+    file: str
+    title: str
+    template: str
+    precisions: Mapping[str, str]
+    defaults: Mapping[str, Mapping[str, int]]
+    tune_space: Mapping[str, tuple]
+    min_cc: int = 80
+    max_cc: int = 1000
+    arch_suffix: str = ""
+    layout_template: bool = True
+    grid: str = "linear"
+    raw_choice: bool = False  # never best_kernel(): chosen by precision (kernel_for)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.precisions.values()))
+
+    @property
+    def tunable(self) -> bool:
+        return True
+
+    @property
+    def wgmma(self) -> bool:
+        return self.name == "wgmma_bf16"
+
+    def params(self, dtype: str, params: Mapping[str, int] | None = None) -> dict[str, int]:
+        dtype = _tc_dtype(dtype)
+        if params is not None:
+            return {k: int(params[k]) for k in self.defaults[dtype]}
+        return dict(self.defaults.get(dtype, {}))
+
+    def threads(self, p: Mapping[str, int]) -> int:
+        if self.wgmma:  # a producer warpgroup and one consumer warpgroup per 64 rows
+            return 128 * (p["BM"] // 64 + 1)
+        return (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
+
+    def tile(self, p: Mapping[str, int]) -> tuple[int, int]:
+        return p["BM"], p["BN"]
+
+    def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool = False, tb: bool = False) -> int:
+        """Dynamic shared memory per block (``Tf32Shape``, ``Mma16Shape``, ``WgmmaShape``);
+        the same in every layout (no padding: the tiles are swizzled)."""
+        size = np.dtype(_np_dtype(dtype)).itemsize
+        data = p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * size
+        return data + (16 * p["STAGES"] if self.wgmma else 0)  # wgmma: two mbarriers a stage
+
+    def name_expression(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> str:
+        fmt = dict(p, T=TC_INPUT_TYPES[_tc_dtype(dtype)], TA=str(bool(ta)).lower(),
+                   TB=str(bool(tb)).lower())
+        return self.template.format(**fmt)
+
+    def runs_on(self, cc: int) -> bool:
+        return self.min_cc <= cc <= self.max_cc
+
+    def violations(self, dtype: str, p: Mapping[str, int], cc: int = 90) -> list[str]:
+        """Constraints ``p`` breaks for input ``dtype`` on compute capability ``cc``."""
+        dtype = _tc_dtype(dtype)
+        out = []
+        if dtype not in self.inputs:
+            out.append(f"{self.name} has no {dtype} instantiation (has {', '.join(self.inputs)})")
+            return out
+        if not self.runs_on(cc):
+            need = (f"compute capability {self.min_cc}" if self.min_cc == self.max_cc
+                    else f"compute capability >= {self.min_cc}")
+            out.append(f"{self.name} needs {need}, device has {cc}")
+        size = np.dtype(_np_dtype(dtype)).itemsize
+        bm, bn, bk, stages = p["BM"], p["BN"], p["BK"], p["STAGES"]
+        threads = self.threads(p)
+        minb = p.get("MINB", 1)
+        if self.wgmma:
+            if bm % 64 or not 64 <= bm <= 256:
+                out.append(f"BM={bm}: one consumer warpgroup per 64 rows, 1 to 4 of them")
+            if bn not in (64, 128, 256):
+                out.append(f"BN={bn}: wgmma's N is 64, 128 or 256 here")
+            if bk % 16:
+                out.append(f"BK={bk} is not a multiple of wgmma's k (16)")
+            cap = min(255, 65536 // threads)
+            if bn // 2 + 48 > cap:
+                out.append(f"{bn // 2} accumulators a thread leave too few of the {cap} "
+                           f"registers {threads} threads may use")
+        else:
+            wm, wn = p["WM"], p["WN"]
+            wn_step = 16 if size == 2 else 8  # ldmatrix.x4 loads the B fragments of 2 n tiles
+            if wm % 16 or wn % wn_step:
+                out.append(f"warp tile {wm}x{wn}: WM a multiple of 16, WN of {wn_step}")
+            if bm % wm or bn % wn:
+                out.append(f"block tile {bm}x{bn} is not a multiple of warp tile {wm}x{wn}")
+            row = 128 // size  # shared rows are multiples of 128 bytes (the swizzle's span)
+            if bm % row or bn % row or bk % row:
+                out.append(f"BM, BN and BK must be multiples of {row} ({dtype}: 128-byte "
+                           "shared-memory rows)")
+            if not 64 <= threads <= 1024:
+                out.append(f"{threads} threads per block (64..1024 allowed)")
+            words = wm * wn // 32  # fp32 accumulators a thread
+            cap = min(255, 65536 // (max(minb, 1) * max(threads, 1)))
+            if words > cap // 2 + 1:
+                out.append(f"{words} accumulators a thread, more than half of the {cap} "
+                           "registers a thread may use")
+            if minb not in (1, 2, 3, 4):
+                out.append(f"MINB (blocks per SM the register budget allows) must be 1..4, got {minb}")
+        if stages < 2:
+            out.append("at least 2 pipeline stages")
+        limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
+        smem = self.smem_bytes(dtype, p)
+        if smem > limit:
+            out.append(f"{smem} bytes of shared memory (at most {limit} on sm_{cc})")
+        elif minb > 1 and minb * smem > limit + 1024:
+            out.append(f"{minb} blocks of {smem} bytes of shared memory do not fit one SM")
+        return out
+
+    def candidates(self, dtype: str, cc: int = 90) -> list[dict[str, int]]:
+        """Every valid configuration of the tuning space for input ``dtype`` (defaults first)."""
+        dtype = _tc_dtype(dtype)
+        space = self.tune_space
+        out = [self.params(dtype)]
+        for blk, bk, warp, stages, minb in itertools.product(
+                space["block"], space["BK"], space.get("warp", (None,)), space["STAGES"],
+                space.get("MINB", (1,))):
+            p = {"BM": blk[0], "BN": blk[1], "BK": bk}
+            if warp is not None:
+                p.update(WM=warp[0], WN=warp[1])
+            p["STAGES"] = stages
+            if not self.wgmma:
+                p["MINB"] = minb
+            if p not in out and not self.violations(dtype, p, cc):
+                out.append(p)
+        return out
+
+    def grid_dims(self, m: int, n: int, p: Mapping[str, int]) -> tuple[int, int, int]:
+        bm, bn = self.tile(p)
+        tiles = -(-m // bm) * -(-n // bn)
+        if tiles >= 2**31:
+            raise ValueError(f"{m}x{n} needs {tiles} blocks of {bm}x{bn}; at most 2^31 - 1")
+        return tiles, 1, 1
+
+
+def _tc_dtype(dtype) -> str:
+    """The name of a tensor-core input dtype: "float32", "float16" or "bfloat16" (the last
+    also from ``ml_dtypes.bfloat16`` or the string)."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return dtype
+    dt = np.dtype(dtype)
+    return "bfloat16" if dt.name == "bfloat16" else dt.name
+
+
+def _np_dtype(dtype) -> str:
+    """A numpy dtype of the same size as the input format (bfloat16 travels as uint16)."""
+    return "uint16" if _tc_dtype(dtype) == "bfloat16" else _tc_dtype(dtype)
+
+
+_MMA_WARPS = ((64, 32), (32, 64), (64, 64), (32, 32))
+_MMA_BLOCKS = ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64))
+
+TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
+    TensorCoreSpec(
+        "mma_tf32", 11, "11_mma_tf32.cu",
+        "TF32 tensor cores: mma.sync m16n8k8, cvt.rna rounding, swizzled smem",
+        "distmm_gemm_mma_tf32<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
+        precisions={"tf32": "float32"},
+        defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}},
+        tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
+                    "STAGES": (2, 3, 4), "MINB": (1, 2)}),
+    TensorCoreSpec(
+        "mma_bf16", 12, "12_mma_bf16.cu",
+        "BF16/FP16 tensor cores: mma.sync m16n8k16, ldmatrix(.trans), swizzled smem",
+        "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
+        precisions={"bf16": "bfloat16", "fp16": "float16"},
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}
+                  for dt in ("bfloat16", "float16")},
+        tune_space={"block": _MMA_BLOCKS, "BK": (64, 128), "warp": _MMA_WARPS,
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2)}),
+    TensorCoreSpec(
+        "wgmma_bf16", 13, "13_wgmma_bf16.cu",
+        "Hopper wgmma m64nNk16: warp-specialised producer/consumers, mbarriers (sm_90a)",
+        "distmm_gemm_wgmma_bf16<{T},{BM},{BN},{BK},{STAGES},{TA},{TB}>",
+        precisions={"bf16": "bfloat16", "fp16": "float16"},
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4} for dt in ("bfloat16", "float16")},
+        tune_space={"block": ((128, 128), (64, 128), (64, 256), (128, 64), (192, 128), (256, 128)),
+                    "BK": (32, 64), "STAGES": (3, 4, 5, 6)},
+        min_cc=90, max_cc=90, arch_suffix="a"),
+)}
+
+#: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the
+#: first that runs on the device)
+PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
+    "tf32": ("mma_tf32",),
+    "bf16": ("wgmma_bf16", "mma_bf16"),
+    "fp16": ("wgmma_bf16", "mma_bf16"),
+}
+
+
+def get_tc(name: str) -> TensorCoreSpec:
+    """The spec of tensor-core kernel ``name``; ``KeyError`` names the known ones."""
+    try:
+        return TC_KERNELS[name]
+    except KeyError:
+        raise KeyError(f"no tensor-core kernel {name!r}; known: {', '.join(TC_KERNELS)}") from None
+
+
+def tc_steps() -> list[TensorCoreSpec]:
+    """Tensor-core kernels in step order."""
+    return sorted(TC_KERNELS.values(), key=lambda k: k.step)
+
+
+def kernel_for(dtype, precision: str, cc: int) -> TensorCoreSpec | None:
+    """The tensor-core kernel for a product in ``precision`` on compute capability ``cc``,
+    or None (the caller then uses cuBLAS, or for ``"highest"`` ``best_kernel()``).
+
+    Parameters
+    ----------
+    dtype : dtype
+        The operands' dtype as the caller holds them: float32 for every mode (the loader
+        rounds or converts), or the mode's own input format (bfloat16 for ``"bf16"``,
+        float16 for ``"fp16"``).
+    precision : {"highest", "tf32", "bf16", "fp16"}
+    cc : int
+        10 * major + minor (90 for H100 / H200).
+
+    Returns
+    -------
+    TensorCoreSpec or None
+        None for ``"highest"``, for dtypes the mode does not take, and where no kernel runs
+        on ``cc`` (below 8.0). ``spec.precisions[precision]`` is the input format to launch
+        with (``cuda_loader.launch_tc``).
+
+    Examples
+    --------
+    >>> kernel_for("float32", "bf16", 90).name, kernel_for("float32", "bf16", 80).name
+    ('wgmma_bf16', 'mma_bf16')
+    >>> kernel_for("float32", "tf32", 75) is None
+    True
+    """
+    if precision not in PRECISION_KERNELS:
+        return None
+    held = _tc_dtype(dtype)
+    if held not in ("float32", PRECISION_INPUT[precision]):
+        return None
+    for name in PRECISION_KERNELS[precision]:
+        spec = TC_KERNELS[name]
+        if spec.runs_on(cc):
+            return spec
+    return None
