@@ -20,10 +20,11 @@ CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 
 
 def test_every_source_is_registered_once_and_steps_are_consecutive():
-    files = [k.file for k in registry.steps()]
+    every = registry.steps() + registry.tc_steps()
+    files = [k.file for k in every]
     assert sorted(files + [cuda_loader.FIXUP_FILE]) == CU_FILES
-    assert [k.step for k in registry.steps()] == list(range(1, len(files) + 1))
-    for k in registry.steps():
+    assert [k.step for k in every] == list(range(1, len(files) + 1))
+    for k in every:
         assert k.file.startswith(f"{k.step:02d}_")
 
 
@@ -266,3 +267,166 @@ def test_simt_fp64_is_a_side_step():
         cands = spec.candidates(dt)
         assert 1 < len(cands) <= 300 and cands[0] == spec.params(dt)
         assert {c["TM"] * c["TN"] for c in cands} >= {32, 64}  # 4x8 / 8x4 and 8x8 thread tiles
+
+
+# -- tensor-core steps 11-13 (reduced precision) ----------------------------------------
+
+TC = registry.tc_steps()
+TC_INPUTS = [(spec, dt) for spec in TC for dt in spec.inputs]
+
+
+def _tc_id(case):
+    spec, dt = case
+    return f"{spec.name}-{dt}"
+
+
+def test_tensor_core_steps_leave_the_existing_table_alone():
+    """Steps 11-13 live in their own table: steps(), best_kernel() and every dtype's
+    "highest" kernel are what they were (dmma is still the raw backend's kernel)."""
+    assert [k.name for k in TC] == ["mma_tf32", "mma_bf16", "wgmma_bf16"]
+    assert not set(registry.TC_KERNELS) & set(registry.KERNELS)
+    assert registry.best_kernel() is registry.get("dmma")
+    assert [k.step for k in registry.steps()] == list(range(1, 11))
+    for spec in TC:
+        assert not spec.raw_choice
+        with pytest.raises(KeyError):
+            registry.get(spec.name)
+        assert registry.get_tc(spec.name) is spec
+    with pytest.raises(KeyError, match="known: mma_tf32"):
+        registry.get_tc("nope")
+
+
+@pytest.mark.parametrize("spec", TC, ids=lambda k: k.name)
+def test_tc_template_names_a_kernel_in_its_file(spec):
+    text = (CUDA_DIR / spec.file).read_text()
+    entry = spec.template.split("<")[0]
+    assert entry == f"distmm_gemm_{spec.name}"
+    assert re.search(rf"__global__[^;{{]*\b{entry}\s*\(", text), f"{entry} not in {spec.file}"
+    fields = set(re.findall(r"{(\w+)}", spec.template))
+    for dt in spec.inputs:
+        assert fields == {"T", "TA", "TB"} | set(spec.params(dt))
+        assert registry.TC_INPUT_TYPES[dt] in spec.name_expression(dt, spec.params(dt), 0, 1)
+
+
+@pytest.mark.parametrize("case", TC_INPUTS, ids=_tc_id)
+def test_tc_defaults_are_valid_and_candidates_too(case):
+    spec, dt = case
+    p = spec.params(dt)
+    assert spec.violations(dt, p, 90) == []
+    for cc in (80, 86, 89):
+        assert (spec.violations(dt, p, cc) == []) == (not spec.wgmma)
+    assert spec.threads(p) <= 1024
+    cands = spec.candidates(dt, 90)
+    assert cands[0] == p and len(cands) > 10
+    assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+    assert all(spec.violations(dt, c, 90) == [] for c in cands)
+    # sm_80's smaller shared memory leaves fewer candidates, and only valid ones
+    if not spec.wgmma:
+        c80 = spec.candidates(dt, 80)
+        assert all(spec.violations(dt, c, 80) == [] for c in c80)
+
+
+def test_tc_violations_catch_bad_configs():
+    tf32, bf16, wg = (registry.get_tc(n) for n in ("mma_tf32", "mma_bf16", "wgmma_bf16"))
+    p = tf32.params("float32")
+    assert any("compute capability >= 80" in v for v in tf32.violations("float32", p, 75))
+    assert any("no bfloat16" in v for v in tf32.violations("bfloat16", p))
+    assert any("128-byte" in v for v in tf32.violations("float32", dict(p, BK=16)))
+    assert any("warp tile" in v for v in tf32.violations("float32", dict(p, WM=24)))
+    assert any("shared memory" in v for v in tf32.violations("float32", dict(p, STAGES=8)))
+    q = bf16.params("bfloat16")
+    # 16-bit rows: BK = 32 is 64 bytes, below the swizzle's 128
+    assert any("128-byte" in v for v in bf16.violations("bfloat16", dict(q, BK=32)))
+    assert any("WN of 16" in v for v in bf16.violations("float16", dict(q, WN=8, BN=64)))
+    assert any("no float32" in v for v in bf16.violations("float32", q))
+    w = wg.params("bfloat16")
+    for cc in (80, 89, 100):
+        assert any("compute capability 90" in v for v in wg.violations("bfloat16", w, cc))
+    assert any("wgmma's N" in v for v in wg.violations("bfloat16", dict(w, BN=96)))
+    assert any("warpgroup" in v for v in wg.violations("bfloat16", dict(w, BM=96)))
+    assert any("registers" in v for v in wg.violations("bfloat16", dict(w, BN=256)))
+    assert wg.violations("bfloat16", dict(w, BM=64, BN=256)) == []
+
+
+def test_tc_shared_memory_and_geometry():
+    tf32, bf16, wg = (registry.get_tc(n) for n in ("mma_tf32", "mma_bf16", "wgmma_bf16"))
+    p = {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}
+    assert tf32.smem_bytes("float32", p) == 3 * (128 * 32 + 32 * 128) * 4  # Tf32Shape
+    q = dict(p, BK=64)
+    assert bf16.smem_bytes("bfloat16", q) == 3 * (128 * 64 + 64 * 128) * 2  # Mma16Shape
+    w = {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4}
+    assert wg.smem_bytes("float16", w) == 4 * (128 + 128) * 64 * 2 + 4 * 16  # + mbarriers
+    assert tf32.threads(p) == 256 and wg.threads(w) == 384  # producer + 2 consumer warpgroups
+    assert wg.grid_dims(1000, 129, w) == (8 * 2, 1, 1)
+    assert tf32.grid_dims(1, 1, p) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("dtype,precision,cc,expected", [
+    ("float32", "tf32", 90, "mma_tf32"), ("float32", "tf32", 80, "mma_tf32"),
+    ("float32", "tf32", 75, None), ("float32", "bf16", 90, "wgmma_bf16"),
+    ("float32", "bf16", 89, "mma_bf16"), ("float32", "bf16", 80, "mma_bf16"),
+    ("float32", "bf16", 100, "mma_bf16"), ("bfloat16", "bf16", 90, "wgmma_bf16"),
+    ("float16", "fp16", 86, "mma_bf16"), ("float32", "fp16", 90, "wgmma_bf16"),
+    ("float16", "bf16", 90, None), ("float64", "tf32", 90, None), ("int32", "bf16", 90, None),
+    ("float32", "highest", 90, None), ("float64", "highest", 90, None),
+])
+def test_kernel_for(dtype, precision, cc, expected):
+    spec = registry.kernel_for(dtype, precision, cc)
+    assert (spec.name if spec else None) == expected
+    if spec is not None:
+        fmt = spec.precisions[precision]
+        assert fmt == registry.PRECISION_INPUT[precision]
+        assert spec.violations(fmt, spec.params(fmt), cc) == []
+
+
+@pytest.mark.parametrize("spec", TC, ids=lambda k: k.name)
+def test_tc_standalone_instantiations_are_the_registry_defaults(spec):
+    text = (CUDA_DIR / spec.file).read_text()
+    inst = {(m.group(1) or "float", tuple(int(v) for v in m.group(2).split(",")))
+            for m in re.finditer(r"^DISTMM_INST\((?:(distmm_\w+), )?([0-9, ]+)\)$", text, re.M)}
+    for dt in spec.inputs:
+        p = spec.params(dt)
+        assert (registry.TC_INPUT_TYPES[dt], tuple(p.values())) in inst, f"no {dt} default {p}"
+
+
+def test_tc_mangled_names():
+    m = cuda_loader.mangled_name
+    assert m("distmm_gemm_mma_bf16<distmm_fp16,64,64,64,32,32,2,1,true,false>") == (
+        "_Z20distmm_gemm_mma_bf16I11distmm_fp16Li64ELi64ELi64ELi32ELi32ELi2ELi1ELb1ELb0EE"
+        "viiifPKT_xS3_xfPfxi")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("case", TC_INPUTS, ids=_tc_id)
+def test_tc_loader_source_and_lowered_name(case, tmp_path):
+    """What the loader compiles for a tensor-core kernel (inlined headers, -DDISTMM_NVRTC,
+    one instantiation, a non-default candidate) builds for its target (sm_90a for wgmma),
+    and its one symbol is ``mangled_name`` of the expression."""
+    spec, dt = case
+    p = spec.candidates(dt)[3]
+    expr = spec.name_expression(dt, p, True, False)
+    src = cuda_loader.source(spec.file) + cuda_loader.tc_instantiation(
+        expr, registry.TC_INPUT_TYPES[dt])
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    cubin = tmp_path / "k.cubin"
+    res = _nvcc([*cuda_loader.OPTIONS, f"-arch=sm_90{spec.arch_suffix}", "-cubin", "-o", str(cubin),
+                 str(cu)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    symbols = set(re.findall(rb"_Z\d+distmm_gemm_[A-Za-z0-9_]+", cubin.read_bytes()))
+    assert symbols == {cuda_loader.mangled_name(expr).encode()}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch,has_wgmma", [("sm_90a", True), ("sm_90", False), ("sm_80", False)])
+def test_wgmma_body_only_for_sm90a(arch, has_wgmma, tmp_path):
+    """Step 13's body is wgmma only where nvcc targets sm_90a; CI's -arch=sm_90 and sm_80
+    builds compile a trapping stub (the registry never launches those)."""
+    ptx = tmp_path / "k.ptx"
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-ptx", "-o", str(ptx),
+                 str(CUDA_DIR / "13_wgmma_bf16.cu")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = ptx.read_text()
+    assert ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in text) == has_wgmma
+    assert ("mbarrier.try_wait.parity" in text) == has_wgmma
+    assert ("trap;" in text) == (not has_wgmma)
