@@ -171,6 +171,139 @@ def test_name_expressions_path_agrees(monkeypatch):
     cuda_loader._kernel.cache_clear()
 
 
+# -- tensor-core steps 11-13 (reduced precision: registry.TC_KERNELS) ---------------------
+#
+# Each kernel in each of its precisions against two float64 references: the product of the
+# inputs as given, within the mode's bound (2 u_in + u_in^2 + k u_acc) |A||B| elementwise,
+# and the product of the inputs rounded as the mode rounds them (TF32: to nearest, ties away
+# from zero, cvt.rna; BF16 and FP16: to nearest even), within k u_acc |A'||B'|, which only
+# holds if the kernel rounded exactly so. u_acc = 2^-23, not 2^-24: tensor cores may truncate
+# inside one mma (Fasi et al., PeerJ CS 2021).
+
+TC_MODES = [(spec, prec) for spec in registry.tc_steps() for prec in spec.precisions]
+U_IN = {"tf32": 2.0**-11, "bf16": 2.0**-8, "fp16": 2.0**-11}
+U_ACC = 2.0**-23
+TC_CASES = [(s, s, s, False, False) for s in (1, 7, 33, 127, 1000)] + [
+    (127, 33, 1000, True, False), (127, 33, 1000, False, True), (127, 33, 1000, True, True),
+    (1000, 127, 33, True, True), (7, 1000, 129, True, False), (1000, 7, 129, False, True),
+    (4097, 257, 300, False, False), (520, 1024, 256, False, False),
+]
+
+
+def _tc_id(mode):
+    spec, prec = mode
+    return f"{spec.name}-{prec}"
+
+
+def _skip_unless_runs(spec):
+    cc = cuda_loader.compute_capability()
+    if not spec.runs_on(cc):
+        pytest.skip(f"{spec.name} runs on compute capability {spec.min_cc}..{spec.max_cc}, not {cc}")
+
+
+def _rounded(x, precision):
+    """float64 values of float32 ``x`` rounded to the mode's input format (computed here,
+    independently of the kernels and of cuda_loader.to_input_format)."""
+    if precision == "fp16":
+        return x.astype(cupy.float16).astype(cupy.float64)
+    bits = 11 if precision == "tf32" else 8  # significant bits, the implicit one included
+    mant, expo = cupy.frexp(x.astype(cupy.float64))
+    scaled = cupy.ldexp(mant, bits)
+    if precision == "tf32":  # ties away from zero
+        scaled = cupy.sign(scaled) * cupy.floor(cupy.abs(scaled) + 0.5)
+    else:  # ties to even
+        scaled = cupy.rint(scaled)
+    return cupy.ldexp(scaled, expo - bits)
+
+
+def _tc_run(spec, precision, m, n, k, ta, tb, *, alpha=1.0, beta=0.0, misalign=False,
+            params=None, preconverted=False):
+    rng = cupy.random.default_rng()
+    a, lda, op_a = _operand(m, k, "float32", rng, ta, misalign)
+    b, ldb, op_b = _operand(k, n, "float32", rng, tb, misalign)
+    if beta != 0:
+        c = rng.standard_normal((m, n), dtype=np.float32)
+        c0 = c.copy()
+    else:
+        c = cupy.full((m, n), np.nan, dtype=np.float32)
+        c0 = cupy.zeros((m, n), dtype=np.float32)
+    a_in, b_in = a, b
+    if preconverted and precision != "tf32":  # operands already in the input format
+        fmt = spec.precisions[precision]
+        a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
+        lda, ldb = a_in.shape[1], b_in.shape[1]
+    a_before, b_before = a.copy(), b.copy()
+    cuda_loader.launch_tc(spec.name, a_in, ta, lda, b_in, tb, ldb, c, max(n, 1), m, n, k,
+                          precision=precision, alpha=alpha, beta=beta, params=params, check=True)
+    assert bool((a == a_before).all()) and bool((b == b_before).all()), "inputs modified"
+    assert bool(cupy.isfinite(c).all()), "unwritten (NaN) elements in C"
+    got = c.astype(np.float64)
+    a64, b64 = op_a.astype(np.float64), op_b.astype(np.float64)
+    ar, br = _rounded(op_a, precision), _rounded(op_b, precision)
+    epilogue = U_ACC * (abs(alpha) * cupy.abs(ar) @ cupy.abs(br) + abs(beta) * cupy.abs(c0)) + 1e-30
+    u = U_IN[precision]
+    # against the inputs as given: the mode's bound
+    err = cupy.abs(got - (alpha * (a64 @ b64) + beta * c0))
+    bound = abs(alpha) * (2 * u + u * u + k * U_ACC) * (cupy.abs(a64) @ cupy.abs(b64)) + epilogue
+    worst = float((err / bound).max()) if err.size else 0.0
+    assert worst <= 1.0, f"{spec.name} {precision}: error {worst:.3g} x the bound"
+    # against the inputs rounded as the mode rounds them: only the accumulation's error
+    err_r = cupy.abs(got - (alpha * (ar @ br) + beta * c0))
+    bound_r = abs(alpha) * k * U_ACC * (cupy.abs(ar) @ cupy.abs(br)) + epilogue
+    worst_r = float((err_r / bound_r).max()) if err_r.size else 0.0
+    assert worst_r <= 1.0, f"{spec.name} {precision}: not rounded as {precision} rounds ({worst_r:.3g})"
+
+
+@pytest.mark.parametrize("case", TC_CASES, ids=_case_id)
+@pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
+def test_tensor_core_kernel_within_its_bound(mode, case):
+    spec, precision = mode
+    _skip_unless_runs(spec)
+    _tc_run(spec, precision, *case)
+
+
+@pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
+def test_tensor_core_alpha_beta_misaligned_preconverted(mode):
+    spec, precision = mode
+    _skip_unless_runs(spec)
+    _tc_run(spec, precision, 127, 65, 131, True, False, alpha=-1.5, beta=0.25, misalign=True)
+    _tc_run(spec, precision, 66, 129, 35, False, True, alpha=2.0, beta=0.0, misalign=True)
+    _tc_run(spec, precision, 200, 136, 72, True, True, alpha=0.5, beta=-1.0, preconverted=True)
+
+
+@pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
+def test_tensor_core_k_zero_gives_beta_c(mode):
+    spec, precision = mode
+    _skip_unless_runs(spec)
+    c = cupy.arange(12, dtype=np.float32).reshape(3, 4)
+    a, b = cupy.empty((3, 0), np.float32), cupy.empty((0, 4), np.float32)
+    cuda_loader.launch_tc(spec.name, a, False, 1, b, False, 4, c, 4, 3, 4, 0,
+                          precision=precision, alpha=1.0, beta=2.0, check=True)
+    np.testing.assert_array_equal(cupy.asnumpy(c), 2 * np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+@pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
+def test_tensor_core_tuning_space_samples(mode):
+    spec, precision = mode
+    _skip_unless_runs(spec)
+    fmt = spec.precisions[precision]
+    cands = spec.candidates(fmt, cuda_loader.compute_capability())
+    for p in cands[1:len(cands):max(1, len(cands) // 4)]:
+        _tc_run(spec, precision, 257, 130, 200, False, False, params=p)
+        _tc_run(spec, precision, 130, 257, 77, True, True, params=p)
+
+
+def test_kernel_for_this_device_runs():
+    """What ``kernel_for`` hands the precision API on this device computes each mode."""
+    cc = cuda_loader.compute_capability()
+    for precision in ("tf32", "bf16", "fp16"):
+        spec = registry.kernel_for("float32", precision, cc)
+        if spec is None:
+            assert cc < 80
+            continue
+        _tc_run(spec, precision, 333, 222, 111, False, True, alpha=1.0, beta=0.5)
+
+
 # -- the executor --------------------------------------------------------------------------
 
 from distmm.executor.gpu import GPUExecutor  # noqa: E402
