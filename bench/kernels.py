@@ -14,6 +14,14 @@ with the GPU tests' kernel cache)::
     python -m bench.kernels --out-dir bench/results        # full run
     python -m bench.kernels --sizes 1024 2048 --no-rect    # quick
     python -m bench.kernels --warm-only                    # compile everything in parallel
+    python -m bench.kernels --precisions tf32 bf16 fp16 --sizes 8192   # tensor-core steps
+
+With ``--precisions``, the reduced-precision steps 11-13 (``registry.TC_KERNELS``: each
+kernel that runs on this device for each mode) are measured instead, beside cuBLAS at the
+same precision (``cublasGemmEx``: float32 operands with ``CUBLAS_COMPUTE_32F_FAST_TF32`` for
+tf32; bfloat16 / float16 operands with ``CUBLAS_COMPUTE_32F`` for bf16 / fp16, C float32),
+both on operands already in the input format (the conversion is not timed); variants
+``cublas-<precision>`` and ``distmm-raw-<kernel>``, records with ``precision``.
 """
 from __future__ import annotations
 
@@ -92,6 +100,79 @@ def ceilings(rec, log=print):
         log(f"{dt} FMA peak: {tf:.1f} TFLOP/s")
 
 
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+
+
+def cublas_precision_runner(a_in, b_in, c, m, n, k, precision):
+    """cuBLAS at ``precision`` on operands already in its input format (float32 for tf32,
+    float16, or bfloat16 bits as uint16): row-major C = A @ B as column-major C^T = B^T A^T."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    in_type = {"tf32": CUDA_R_32F, "bf16": CUDA_R_16BF, "fp16": CUDA_R_16F}[precision]
+    compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "tf32" else CUBLAS_COMPUTE_32F
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+
+    def run():
+        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, one.ctypes.data,
+                      b_in.data.ptr, in_type, n, a_in.data.ptr, in_type, k, zero.ctypes.data,
+                      c.data.ptr, CUDA_R_32F, n, compute, -1)  # -1: CUBLAS_GEMM_DEFAULT
+    return run
+
+
+def tensor_cores(args, rec) -> None:
+    """The tensor-core steps against cuBLAS at each precision in ``args.precisions``."""
+    import cupy
+
+    from distmm.executor import cuda_loader
+
+    cc = cuda_loader.compute_capability()
+    shapes = [(s, s, s) for s in sorted(args.sizes)] + ([] if args.no_rect else list(RECT))
+    for precision in args.precisions:
+        specs = [s for s in registry.tc_steps() if precision in s.precisions and s.runs_on(cc)]
+        fmt = registry.PRECISION_INPUT[precision]
+        for m, n, k in shapes:
+            flops = 2.0 * m * n * k
+            a, b = random_operands(m, n, k, "float32")
+            ref = cupy.matmul(a.astype(np.float64), b.astype(np.float64))
+            ref_norm = float(cupy.linalg.norm(ref))
+            a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
+            c = cupy.empty((m, n), dtype=np.float32)
+
+            def check(run):
+                c.fill(np.nan)
+                run()
+                cupy.cuda.get_current_stream().synchronize()
+                return float(cupy.linalg.norm(c.astype(np.float64) - ref)) / ref_norm
+
+            repeat = 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
+            blas = cublas_precision_runner(a_in, b_in, c, m, n, k, precision)
+            runs = {f"cublas-{precision}": (blas, check(blas), None, None)}
+            for spec in specs:
+                params = spec.params(fmt)
+                run = (lambda spec=spec, params=params: cuda_loader.launch_tc(
+                    spec.name, a_in, False, k, b_in, False, n, c, n, m, n, k,
+                    precision=precision, params=params))
+                runs[f"distmm-raw-{spec.name}"] = (run, check(run), spec, params)
+            secs = event_alternating({name: r[0] for name, r in runs.items()},
+                                     rounds=args.rounds, repeat=repeat)
+            line = []
+            for name, (run, err, spec, params) in runs.items():
+                sec = secs[name]
+                extra = {} if spec is None else {"kernel": spec.name, "params": params,
+                                                 "backend": "raw"}
+                rec.add(name, "float32", m, n, k, sec, err, step=spec.step if spec else 0,
+                        precision=precision, input_format=fmt, rounds=args.rounds, **extra)
+                line.append(f"{name} {flops / sec / 1e12:6.1f} ({err:.1e})")
+            print(f"{precision} {m}x{n}x{k}: " + "; ".join(line), flush=True)
+            del a, b, a_in, b_in, ref, c
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
 def model_bytes(spec, params, m, n, k, itemsize):
     """DRAM bytes if each block reads its A and B panels once and C is written once (the
     tile model; L2 reuse between blocks makes real traffic lower)."""
@@ -113,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time cuBLAS and the kernels in alternation this many times; median")
     ap.add_argument("--processes", type=int, default=None)
+    ap.add_argument("--precisions", nargs="+", choices=("tf32", "bf16", "fp16"), default=None,
+                    help="measure the tensor-core steps (11-13) at these precisions instead")
     ap.add_argument("--profile", nargs=2, metavar=("DTYPE", "N"), default=None,
                     help="launch the tuned best kernel twice at n (for ncu --launch-skip 1)")
     args = ap.parse_args(argv)
@@ -137,6 +220,13 @@ def main(argv=None) -> int:
         print(f"profiled {spec.name} {dt} n={size} {params}")
         return 0
     t0 = time.perf_counter()
+    if args.precisions:
+        device = gpu_name()
+        rec = RecordWriter("kernels", device, args.out_dir, gpus=1)
+        print(f"{device}: records -> {rec.path}")
+        tensor_cores(args, rec)
+        print(f"done in {time.perf_counter() - t0:.0f} s: {rec.path}")
+        return 0
     items = warm_items() if args.warm_only else [
         (k, dt, GPUExecutor(backend="raw", kernel=k).kernel_params(dt), False, False)
         for k in args.kernels for dt in args.dtypes]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The tensor-core steps (11 mma TF32, 12 mma BF16/FP16, 13 wgmma BF16/FP16) on one GPU, in one
+# call, from the repository root:
+#
+#   bash bench/device/tensorcores.sh
+#
+# 1. build: every tensor-core source with CI's nvcc commands (-arch=sm_90, sm_80) and with
+#    -arch=sm_90a, ptxas's register and spill report kept ($OUT/ptxas-<file>-<arch>.txt);
+# 2. the GPU tests of steps 11-13 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
+#    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta;
+# 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
+#    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl).
+# Step 13 is compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
+# /usr/local/cuda/bin) its tests and benchmark fail, and the log says so.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/distmm-out}
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
+export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
+unset CUPY_TF32
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PATH=$PATH:/usr/local/cuda/bin
+date -u
+echo "commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "nvcc: not found (step 13 cannot be built)"
+
+echo "== build"
+for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/13_wgmma_bf16.cu; do
+  for arch in sm_90 sm_80 sm_90a; do
+    log="$OUT/ptxas-$(basename "$cu" .cu)-$arch.txt"
+    if nvcc -std=c++17 -arch=$arch -cubin -Xptxas -v -o /dev/null "$cu" > "$log" 2>&1; then
+      echo "ok $cu $arch: $(grep -c 'spill stores' "$log") kernels, $(grep -o '[0-9]* bytes spill stores' "$log" | sort -u | tr '\n' ' ')"
+    else
+      echo "FAILED $cu $arch"; tail -5 "$log"
+    fi
+  done
+done
+
+echo "== GPU tests (steps 11-13)"
+timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
+  -k "tensor_core or kernel_for" > "$OUT/pytest-tensorcores.log" 2>&1
+rc=$?
+tail -30 "$OUT/pytest-tensorcores.log"
+echo "pytest exit $rc"
+
+echo "== benchmark"
+timeout ${T_BENCH:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --sizes ${SIZES:-8192} \
+  --no-rect --rounds ${ROUNDS:-3} --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+ls -la "$OUT"
