@@ -12,11 +12,13 @@
 // consumer thread arrives once its wgmma reading the stage has completed).
 //
 // Copies: cp.async (16 bytes a thread, zero-filled at the matrix edges, so any m, n, k),
-// not TMA. A TMA load (cp.async.bulk.tensor) needs a CUtensorMap made on the host by
-// cuTensorMapEncodeTiled, which cupy does not expose (cupy.cuda.driver has no binding for
-// it); the bulk copy without a tensor map (cp.async.bulk) moves one contiguous range per
-// instruction and cannot zero-fill, so the ragged edges and transposes would need a second
-// path. Operands that are not 16-byte aligned are copied element by element.
+// not TMA. A TMA load (cp.async.bulk.tensor, which would also zero-fill out of bounds) needs
+// a CUtensorMap made on the host by cuTensorMapEncodeTiled and passed by value as a
+// __grid_constant__ parameter; cupy's driver module has no binding for that call (only
+// ctypes on libcuda or cuda-python's bindings reach it, neither a distmm dependency). The
+// bulk copy without a tensor map (cp.async.bulk) moves one contiguous range per instruction
+// and cannot zero-fill, so the ragged edges and transposes would need a second path.
+// Operands that are not 16-byte aligned are copied element by element.
 //
 // Shared-memory layout: wgmma's "interleaved" (no swizzle) canonical layout. The tile is cut
 // into core matrices of 8 rows x 16 bytes, 128 contiguous bytes each; a k-major operand
@@ -26,9 +28,9 @@
 // lies at (mn / 8 * BK / 8 + k / 8) * 128 bytes: the descriptor's leading byte offset (next
 // core matrix along k) is 128 and its stride byte offset (next along m or n) BK / 8 * 128.
 //
-// Built only for sm_90a (wgmma and setmaxnreg-free warp specialisation need the
-// architecture-specific feature set): the registry chooses it on compute capability 9.0
-// alone and the loader compiles it with nvcc -arch=sm_90a. Other targets (CI's -arch=sm_90
+// Built only for sm_90a (wgmma is in the architecture-specific feature set, not in sm_90):
+// the registry chooses it on compute capability 9.0 alone and the loader compiles it with
+// nvcc -arch=sm_90a. Other targets (CI's -arch=sm_90
 // and sm_80 checks) compile a body that traps.
 #include "tensorcore.cuh"
 
