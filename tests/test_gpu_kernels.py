@@ -198,7 +198,8 @@ def _tc_id(mode):
 def _skip_unless_runs(spec):
     cc = cuda_loader.compute_capability()
     if not spec.runs_on(cc):
-        pytest.skip(f"{spec.name} runs on compute capability {spec.min_cc}..{spec.max_cc}, not {cc}")
+        pytest.skip(f"{spec.name} runs on compute capability {spec.min_cc}..{spec.max_cc}, "
+                    f"not {cc}")
 
 
 def _rounded(x, precision):
@@ -251,7 +252,8 @@ def _tc_run(spec, precision, m, n, k, ta, tb, *, alpha=1.0, beta=0.0, misalign=F
     err_r = cupy.abs(got - (alpha * (ar @ br) + beta * c0))
     bound_r = abs(alpha) * k * U_ACC * (cupy.abs(ar) @ cupy.abs(br)) + epilogue
     worst_r = float((err_r / bound_r).max()) if err_r.size else 0.0
-    assert worst_r <= 1.0, f"{spec.name} {precision}: not rounded as {precision} rounds ({worst_r:.3g})"
+    assert worst_r <= 1.0, \
+        f"{spec.name} {precision}: not rounded as {precision} rounds ({worst_r:.3g})"
 
 
 @pytest.mark.parametrize("case", TC_CASES, ids=_case_id)
@@ -279,7 +281,8 @@ def test_tensor_core_k_zero_gives_beta_c(mode):
     a, b = cupy.empty((3, 0), np.float32), cupy.empty((0, 4), np.float32)
     cuda_loader.launch_tc(spec.name, a, False, 1, b, False, 4, c, 4, 3, 4, 0,
                           precision=precision, alpha=1.0, beta=2.0, check=True)
-    np.testing.assert_array_equal(cupy.asnumpy(c), 2 * np.arange(12, dtype=np.float32).reshape(3, 4))
+    want = 2 * np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(cupy.asnumpy(c), want)
 
 
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)

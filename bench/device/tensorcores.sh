@@ -24,14 +24,16 @@ export PATH=$PATH:/usr/local/cuda/bin
 date -u
 echo "commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "nvcc: not found (step 13 cannot be built)"
+command -v nvcc >/dev/null && nvcc --version | tail -1 \
+  || echo "nvcc: not found (step 13 cannot be built)"
 
 echo "== build"
 for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/13_wgmma_bf16.cu; do
   for arch in sm_90 sm_80 sm_90a; do
     log="$OUT/ptxas-$(basename "$cu" .cu)-$arch.txt"
     if nvcc -std=c++17 -arch=$arch -cubin -Xptxas -v -o /dev/null "$cu" > "$log" 2>&1; then
-      echo "ok $cu $arch: $(grep -c 'spill stores' "$log") kernels, $(grep -o '[0-9]* bytes spill stores' "$log" | sort -u | tr '\n' ' ')"
+      spills=$(grep -o '[0-9]* bytes spill stores' "$log" | sort -u | tr '\n' ' ')
+      echo "ok $cu $arch: $(grep -c 'spill stores' "$log") kernels, $spills"
     else
       echo "FAILED $cu $arch"; tail -5 "$log"
     fi

@@ -32,7 +32,8 @@ from distmm.executor import tuning
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
            "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins",
-           "explicit_instantiation", "tc_instantiation", "get_tc_kernel", "launch_tc", "to_input_format"]
+           "explicit_instantiation", "tc_instantiation", "get_tc_kernel", "launch_tc",
+           "to_input_format"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -590,7 +591,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         try:
             st.synchronize()
         except Exception as exc:
-            raise KernelLaunchError(f"{name} ({precision}, {p}) failed while running: {exc}") from exc
+            raise KernelLaunchError(
+                f"{name} ({precision}, {p}) failed while running: {exc}") from exc
 
 
 def _stored(x, rows: int, cols: int, ld: int):
@@ -599,5 +601,6 @@ def _stored(x, rows: int, cols: int, ld: int):
     if x.ndim != 2 or x.shape != (rows, cols):
         raise ValueError(f"operand is {x.shape}, expected the stored ({rows}, {cols}) matrix")
     if rows > 1 and cols > 0 and x.strides[0] != ld * x.itemsize:
-        raise ValueError(f"operand's row stride is {x.strides[0] // x.itemsize} elements, ld is {ld}")
+        raise ValueError(f"operand's row stride is {x.strides[0] // x.itemsize} elements, "
+                         f"ld is {ld}")
     return x

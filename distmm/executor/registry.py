@@ -418,7 +418,8 @@ class TensorCoreSpec:
     def tile(self, p: Mapping[str, int]) -> tuple[int, int]:
         return p["BM"], p["BN"]
 
-    def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool = False, tb: bool = False) -> int:
+    def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool = False,
+                   tb: bool = False) -> int:
         """Dynamic shared memory per block (``Tf32Shape``, ``Mma16Shape``, ``WgmmaShape``);
         the same in every layout (no padding: the tiles are swizzled)."""
         size = np.dtype(_np_dtype(dtype)).itemsize
@@ -478,7 +479,8 @@ class TensorCoreSpec:
                 out.append(f"{words} accumulators a thread, more than half of the {cap} "
                            "registers a thread may use")
             if minb not in (1, 2, 3, 4):
-                out.append(f"MINB (blocks per SM the register budget allows) must be 1..4, got {minb}")
+                out.append("MINB (blocks per SM the register budget allows) must be 1..4, "
+                           f"got {minb}")
         if stages < 2:
             out.append("at least 2 pipeline stages")
         limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
@@ -538,7 +540,8 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "TF32 tensor cores: mma.sync m16n8k8, cvt.rna rounding, swizzled smem",
         "distmm_gemm_mma_tf32<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
         precisions={"tf32": "float32"},
-        defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}},
+        defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3,
+                              "MINB": 1}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4), "MINB": (1, 2)}),
     TensorCoreSpec(
@@ -555,7 +558,8 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "Hopper wgmma m64nNk16: warp-specialised producer/consumers, mbarriers (sm_90a)",
         "distmm_gemm_wgmma_bf16<{T},{BM},{BN},{BK},{STAGES},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4} for dt in ("bfloat16", "float16")},
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4}
+                  for dt in ("bfloat16", "float16")},
         tune_space={"block": ((128, 128), (64, 128), (64, 256), (128, 64), (192, 128), (256, 128)),
                     "BK": (32, 64), "STAGES": (3, 4, 5, 6)},
         min_cc=90, max_cc=90, arch_suffix="a"),
