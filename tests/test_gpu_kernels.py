@@ -296,6 +296,25 @@ def test_tensor_core_tuning_space_samples(mode):
         _tc_run(spec, precision, 130, 257, 77, True, True, params=p)
 
 
+@pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
+def test_launch_dispatches_tensor_core_steps(mode):
+    """``cuda_loader.launch`` on operands already in the input format gives what
+    ``launch_tc`` gives, bit for bit (the executor's call)."""
+    spec, precision = mode
+    _skip_unless_runs(spec)
+    fmt = spec.precisions[precision]
+    rng = cupy.random.default_rng()
+    a = cuda_loader.to_input_format(rng.standard_normal((130, 70), dtype=np.float32), fmt)
+    b = cuda_loader.to_input_format(rng.standard_normal((70, 90), dtype=np.float32), fmt)
+    c1 = cupy.full((130, 90), np.nan, dtype=np.float32)
+    c2 = cupy.full((130, 90), np.nan, dtype=np.float32)
+    cuda_loader.launch(spec.name, a, False, 70, b, False, 90, c1, 90, 130, 90, 70, check=True)
+    cuda_loader.launch_tc(spec.name, a, False, 70, b, False, 90, c2, 90, 130, 90, 70,
+                          precision=precision, check=True)
+    assert bool(cupy.isfinite(c1).all())
+    assert bool((c1 == c2).all())
+
+
 def test_kernel_for_this_device_runs():
     """What ``kernel_for`` hands the precision API on this device computes each mode."""
     cc = cuda_loader.compute_capability()

@@ -430,3 +430,16 @@ def test_wgmma_body_only_for_sm90a(arch, has_wgmma, tmp_path):
     assert ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in text) == has_wgmma
     assert ("mbarrier.try_wait.parity" in text) == has_wgmma
     assert ("trap;" in text) == (not has_wgmma)
+
+
+def test_launch_reads_a_tensor_core_precision_off_the_operands():
+    """``cuda_loader.launch`` hands a tensor-core step to ``launch_tc`` with the precision its
+    operands' dtype names; float32 operands of a 16-bit step are refused (they need
+    ``launch_tc(precision=...)``, which converts them)."""
+    pick = cuda_loader._precision_of
+    assert pick("mma_tf32", np.float32) == "tf32"
+    assert pick("mma_bf16", np.uint16) == "bf16" and pick("wgmma_bf16", np.float16) == "fp16"
+    with pytest.raises(TypeError, match="launch_tc"):
+        pick("mma_bf16", np.float32)
+    with pytest.raises(TypeError, match="not float16"):
+        pick("mma_tf32", np.float16)

@@ -337,6 +337,9 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     stored matrices (A stored m x k, or k x m when ``ta``; likewise B). Runs on ``stream``
     (default: cupy's current stream).
 
+    A tensor-core step (``registry.TC_KERNELS``) goes to ``launch_tc``, its precision read off
+    A's dtype (float16: fp16, uint16 bfloat16 bits: bf16, float32: tf32); C is float32.
+
     Kernels registered with ``split_tail`` (step 10), in float32 and float64, split the
     last, partly filled wave of C tiles along k (``split_tail_plan``): a second launch
     writes the partial sums to a workspace and a fix-up adds them in ascending k, so the
@@ -353,6 +356,11 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     """
     import cupy
 
+    if name in registry.TC_KERNELS:  # a tensor-core step: its precision read off A's dtype
+        launch_tc(name, a, ta, lda, b, tb, ldb, c, ldc, m, n, k, alpha=alpha, beta=beta,
+                  precision=_precision_of(name, a.dtype), params=params or None, stream=stream,
+                  compiler=compiler, check=check)
+        return
     if m == 0 or n == 0:
         return
     if max(m, n, k) >= 2**31:
@@ -593,6 +601,21 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         except Exception as exc:
             raise KernelLaunchError(
                 f"{name} ({precision}, {p}) failed while running: {exc}") from exc
+
+
+def _precision_of(name: str, dtype) -> str:
+    """The precision a tensor-core kernel computes for operands of ``dtype`` handed to
+    ``launch``: float16 -> "fp16", uint16 (bfloat16 bits) -> "bf16", float32 -> the kernel's
+    one float32 mode ("tf32"); ``launch_tc`` names it explicitly instead."""
+    spec = registry.get_tc(name)
+    by_dtype = {"float16": "fp16", "uint16": "bf16"}
+    dt = np.dtype(dtype).name
+    modes = [p for p in spec.precisions if by_dtype.get(dt) == p
+             or (dt == "float32" and spec.precisions[p] == "float32")]
+    if len(modes) != 1:
+        raise TypeError(f"kernel {name} takes {', '.join(spec.precisions)} operands, not {dt} "
+                        "(float32 inputs of bf16/fp16 go through launch_tc(precision=...))")
+    return modes[0]
 
 
 def _stored(x, rows: int, cols: int, ld: int):
