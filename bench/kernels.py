@@ -15,6 +15,7 @@ with the GPU tests' kernel cache)::
     python -m bench.kernels --sizes 1024 2048 --no-rect    # quick
     python -m bench.kernels --warm-only                    # compile everything in parallel
     python -m bench.kernels --precisions tf32 bf16 fp16 --sizes 8192   # tensor-core steps
+    python -m bench.kernels --precisions tf32 bf16 fp16 --warm-only    # ... compiled first
 
 With ``--precisions``, the reduced-precision steps 11-13 (``registry.TC_KERNELS``: each
 kernel that runs on this device for each mode) are measured instead, beside cuBLAS at the
@@ -68,6 +69,22 @@ def warm_items():
         cands = spec.candidates(dt)
         for p in cands[1:len(cands):max(1, len(cands) // 4)]:
             items += [(spec.name, dt, p, False, False), (spec.name, dt, p, True, True)]
+    return items
+
+
+def tc_warm_items(cc: int):
+    """What the tensor-core GPU tests and ``--precisions`` compile on compute capability
+    ``cc``: each step that runs there, each input format and layout, and the tuning-space
+    samples the tests use."""
+    items = []
+    for spec in registry.tc_steps():
+        if not spec.runs_on(cc):
+            continue
+        for fmt in spec.inputs:
+            items += [(spec.name, fmt, None, bool(a), bool(b)) for a in (0, 1) for b in (0, 1)]
+            cands = spec.candidates(fmt, cc)
+            for p in cands[1:len(cands):max(1, len(cands) // 4)]:
+                items += [(spec.name, fmt, p, False, False), (spec.name, fmt, p, True, True)]
     return items
 
 
@@ -220,6 +237,14 @@ def main(argv=None) -> int:
         print(f"profiled {spec.name} {dt} n={size} {params}")
         return 0
     t0 = time.perf_counter()
+    if args.precisions and args.warm_only:
+        items = tc_warm_items(cuda_loader.compute_capability())
+        errors = cuda_loader.warm(items, processes=args.processes)
+        print(f"compiled {len(items)} tensor-core kernels in {time.perf_counter() - t0:.1f} s; "
+              f"{len(errors)} errors")
+        for e in errors:
+            print("  ", e)
+        return 1 if errors else 0
     if args.precisions:
         device = gpu_name()
         rec = RecordWriter("kernels", device, args.out_dir, gpus=1)

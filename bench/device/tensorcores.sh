@@ -6,7 +6,8 @@
 #
 # 1. build: every tensor-core source with CI's nvcc commands (-arch=sm_90, sm_80) and with
 #    -arch=sm_90a, ptxas's register and spill report kept ($OUT/ptxas-<file>-<arch>.txt);
-# 2. the GPU tests of steps 11-13 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
+# 2. compile what the tests and the benchmark use, in parallel (bench.kernels --warm-only);
+#    the GPU tests of steps 11-13 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
 #    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta;
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
 #    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl).
@@ -39,6 +40,9 @@ for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/1
     fi
   done
 done
+
+echo "== compile what the tests and the benchmark use (parallel processes)"
+timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-only 2>&1 | tail -12
 
 echo "== GPU tests (steps 11-13)"
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \

@@ -435,7 +435,10 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
 def _warm_one(item) -> str:
     name, dtype, params_key, ta, tb, compiler, defines = item
     try:
-        get_kernel(name, dtype, dict(params_key), ta, tb, compiler, dict(defines)).kernel  # noqa: B018
+        if name in registry.TC_KERNELS:
+            get_tc_kernel(name, dtype, dict(params_key), ta, tb, compiler).kernel  # noqa: B018
+        else:
+            get_kernel(name, dtype, dict(params_key), ta, tb, compiler, dict(defines)).kernel  # noqa: B018
         return ""
     except Exception as exc:  # reported by the parent
         return f"{name} {dtype} {dict(params_key)} ta={ta} tb={tb} {dict(defines)}: {exc}"
@@ -445,8 +448,9 @@ def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
     """Compile kernels ahead of time in parallel processes, filling CuPy's disk cache.
 
     ``items`` are ``(name, dtype, params or None, ta, tb)``, optionally with a sixth element,
-    ``defines`` (see ``get_kernel``). Returns error messages (empty when all compiled). Later
-    loads in any process read the cache.
+    ``defines`` (see ``get_kernel``); for a tensor-core step (``registry.TC_KERNELS``) dtype
+    is its input format ("float32", "bfloat16", "float16"). Returns error messages (empty
+    when all compiled). Later loads in any process read the cache.
     """
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -454,6 +458,12 @@ def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
     todo = []
     compiler = os.environ.get("DISTMM_CUDA_COMPILER", "nvrtc")
     for name, dtype, params, ta, tb, *rest in items:
+        if name in registry.TC_KERNELS:
+            spec = registry.get_tc(name)
+            dt = registry._tc_dtype(dtype)
+            p = spec.params(dt, params)
+            todo.append((name, dt, tuple(sorted(p.items())), bool(ta), bool(tb), compiler, ()))
+            continue
         spec = registry.get(name)
         dt = np.dtype(dtype).name
         p = spec.params(dt, params)
