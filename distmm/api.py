@@ -371,10 +371,12 @@ def _squeeze(out, ops: Operands):
 
 
 def _writes_direct(out, ops: Operands, eng) -> bool:
-    """Whether engine ``eng`` can write tiles into ``out`` itself: the local
-    engine, same dtype and shape as the 2-D result, host memory, and no
+    """Whether engine ``eng`` can write tiles into ``out`` itself: the local or
+    the Dask engine (whose workers write a staged output file themselves), same
+    dtype and shape as the 2-D result, host memory or an on-disk array, and no
     overlap with an operand."""
-    if eng.name != "local" or ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
+    if (eng.name not in ("local", "dask") or ops.family != "numpy" or ops.batch
+            or ops.a_vector or ops.b_vector):
         return False
     if np.dtype(out.dtype) != ops.dtype or tuple(out.shape) != (ops.m, ops.n):
         return False
