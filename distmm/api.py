@@ -427,7 +427,10 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     out : ndarray, optional
         Where to put the result, as ``numpy.matmul``'s ``out`` (also
         positional): the result must broadcast into it and numpy's
-        ``same_kind`` casting must allow the result dtype.
+        ``same_kind`` casting must allow the result dtype. With 2-D operands of
+        the result's dtype, the local and Dask engines write the tiles into it
+        directly; on a Dask cluster the workers write a staged output file of
+        ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional

@@ -7,6 +7,7 @@ the same bits as the same product gathered on the client, write tasks in the tas
 and only their few-byte acknowledgements sent to a client (``served_to_clients``: the same
 check on the gathered product sees all of C); ragged blocks (301 x 199 in tiles of 100);
 ``--overwrite`` (refused without it, replacing a ``.npy`` file and one HDF5 dataset with it);
+an ``out=`` that is no staged file (a numpy or a user's zarr array) filled by the client;
 runs that fail (shapes that do not multiply, a worker whose file-size limit stops its
 writes, SIGTERM to the command) leaving nothing beside the target and no late write
 making one again; a worker that cannot see the output (its own mount namespace, as a
@@ -58,9 +59,13 @@ def operands(tmp_path):
     return a, b, tmp_path / "in" / "ops.h5"
 
 
-def _tasks(ts, prefix: str) -> int:
+def _tasks(ts, prefix: str, since: float = 0.0) -> int:
+    """Tasks of ``ts`` whose key starts with ``prefix`` and that started after ``since``
+    (``time.time()``: distributed 2024.12's task stream can also hand back a few tasks
+    that ended just before it was opened)."""
     return sum(1 for t in ts.data if isinstance(t["key"], tuple)
-               and str(t["key"][0]).startswith(prefix))
+               and str(t["key"][0]).startswith(prefix)
+               and min(s["start"] for s in t["startstops"]) >= since)
 
 
 def _read(spec: str) -> np.ndarray:
@@ -98,7 +103,7 @@ def test_each_format_is_written_by_the_workers(client, scheduler_file, operands,
     spec = str(folder / target)
     if target.startswith("g.zarr"):
         zarr.open_group(str(folder / "g.zarr"), mode="w")
-    before = served_to_clients(client)
+    before, since = served_to_clients(client), time.time()
     with distributed.get_task_stream(client) as ts:
         status = main(["matmul", f"{h5}:A", f"{h5}:B", "-o", spec, "--scheduler-file",
                        str(scheduler_file), "--tile", str(TILE)])
@@ -107,8 +112,8 @@ def test_each_format_is_written_by_the_workers(client, scheduler_file, operands,
     assert out.startswith(f"wrote {spec}: shape ({M}, {N})") and err == ""
     stats = last_stats()
     assert stats["written_on_workers"] and stats["read_on_workers"] == [True, True]
-    assert _tasks(ts, "distmm-write-") == BLOCKS
-    assert _tasks(ts, "distmm-a-") > 0 and _tasks(ts, "distmm-b-") > 0  # read on the workers
+    assert _tasks(ts, "distmm-write-", since) == BLOCKS
+    assert _tasks(ts, "distmm-a-", since) > 0 and _tasks(ts, "distmm-b-", since) > 0  # read there
     assert served_to_clients(client) - before < ACK_BYTES
     np.testing.assert_array_equal(_read(spec), want)  # tiles in the same order: the same bits
     assert _left_beside(h5.parent.parent) == []
@@ -138,6 +143,20 @@ def test_overwrite_replaces_only_the_target(client, scheduler_file, operands, ca
         assert sorted(fh) == ["C", "X"]
         np.testing.assert_array_equal(fh["X"][...], np.arange(7.0))
     assert sorted(p.name for p in out.iterdir()) == ["c.npy", "user.h5"]
+
+
+def test_an_out_that_is_no_staged_file_is_filled_by_the_client(client, tmp_path):
+    """``out=`` a numpy array or a user's zarr array (not a staged output of the command
+    line): the client writes the blocks into it as they arrive."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    want = distmm.matmul(a, b, client=client, tile=TILE)
+    mine = zarr.open_array(str(tmp_path / "mine.zarr"), mode="w", shape=(M, N), chunks=(64, 64),
+                           dtype="float64")
+    for out in (np.full((M, N), np.nan), mine):
+        assert distmm.matmul(a, b, out=out, client=client, tile=TILE) is out
+        assert last_stats()["written_on_workers"] is False
+        np.testing.assert_array_equal(out[...], want)
 
 
 def test_shapes_that_do_not_multiply_stage_nothing(client, scheduler_file, operands, capsys):
