@@ -8,6 +8,7 @@ and only their few-byte acknowledgements sent to a client (``served_to_clients``
 check on the gathered product sees all of C); ragged blocks (301 x 199 in tiles of 100);
 ``--overwrite`` (refused without it, replacing a ``.npy`` file and one HDF5 dataset with it);
 an ``out=`` that is no staged file (a numpy or a user's zarr array) filled by the client;
+block mode, with a cell failing on the "GPU" and written after its CPU rerun;
 runs that fail (shapes that do not multiply, a worker whose file-size limit stops its
 writes, SIGTERM to the command) leaving nothing beside the target and no late write
 making one again; a worker that cannot see the output (its own mount namespace, as a
@@ -36,7 +37,8 @@ zarr = pytest.importorskip("zarr")
 import distmm  # noqa: E402
 from distmm.cli.commands import main  # noqa: E402
 from distmm.engine.dask import last_stats  # noqa: E402
-from conftest import kill_workers, served_to_clients, start_call, write_scheduler_file  # noqa: E402,E501
+from conftest import (equal_gpus, kill_workers, served_to_clients, start_call,  # noqa: E402
+                      write_scheduler_file)
 
 pytestmark = pytest.mark.usefixtures("tile_mode")
 
@@ -157,6 +159,40 @@ def test_an_out_that_is_no_staged_file_is_filled_by_the_client(client, tmp_path)
         assert distmm.matmul(a, b, out=out, client=client, tile=TILE) is out
         assert last_stats()["written_on_workers"] is False
         np.testing.assert_array_equal(out[...], want)
+
+
+def test_block_mode_cells_are_written_by_the_workers_also_after_a_fallback(pair, tmp_path):
+    """Block mode (``pair``: two workers that are GPUs by their resource only), cell (0, 0)
+    failing on the GPU on purpose: its write task fails with it, and the cell, run again on
+    the CPU executor, is written by the worker that ran it; the bits of the same product
+    gathered."""
+    import dask.config
+
+    from distmm.cli.io import staged_output
+
+    client = pair[0]
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    am = np.load(tmp_path / "a.npy", mmap_mode="r")
+    bm = np.load(tmp_path / "b.npy", mmap_mode="r")
+    with equal_gpus(), dask.config.set({"distmm.dask-layout": "auto",
+                                        "distmm-debug.fail-tiles": [[0, 0]]}):
+        want = distmm.matmul(a, b, client=client)
+        cells = last_stats()["cells"]
+        since = time.time()
+        with distributed.get_task_stream(client) as ts, \
+                staged_output(str(tmp_path / "c.npy"), want.shape, want.dtype) as out:
+            distmm.matmul(am, bm, out=out, client=client)
+    stats = last_stats()
+    assert stats["mode"] == "blocks" and stats["moved"] == [(0, 0)] and stats["written_on_workers"]
+    writes = [t for t in ts.data if isinstance(t["key"], tuple) and t["startstops"]
+              and str(t["key"][0]).startswith("distmm-write-")
+              and min(x["start"] for x in t["startstops"]) >= since]
+    assert sum(t.get("status") == "OK" for t in writes) == cells
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
 def test_shapes_that_do_not_multiply_stage_nothing(client, scheduler_file, operands, capsys):
