@@ -61,13 +61,19 @@ def operands(tmp_path):
     return a, b, tmp_path / "in" / "ops.h5"
 
 
-def _tasks(ts, prefix: str, since: float = 0.0) -> int:
-    """Tasks of ``ts`` whose key starts with ``prefix`` and that started after ``since``
-    (``time.time()``: distributed 2024.12's task stream can also hand back a few tasks
-    that ended just before it was opened)."""
-    return sum(1 for t in ts.data if isinstance(t["key"], tuple)
-               and str(t["key"][0]).startswith(prefix)
-               and min(s["start"] for s in t["startstops"]) >= since)
+def _recorded(client) -> list[dict]:
+    """Every task the scheduler's task stream holds (its plugin is added by the first
+    call): read whole, then picked by key, since distributed 2024.12 places a window of
+    time (``get_task_stream()`` as a context) a few tenths of a second off for some
+    workers, dropping tasks of the run or adding ones of the run before."""
+    return list(client.get_task_stream())
+
+
+def _tasks(records, prefix: str, token: str = "") -> int:
+    """Tasks whose key starts with ``prefix`` and, given a ``token``, of the product of that
+    token (``last_stats()["token"]``)."""
+    return sum(1 for t in records if isinstance(t["key"], tuple)
+               and str(t["key"][0]).startswith(prefix) and token in str(t["key"][0]))
 
 
 def _read(spec: str) -> np.ndarray:
@@ -105,17 +111,19 @@ def test_each_format_is_written_by_the_workers(client, scheduler_file, operands,
     spec = str(folder / target)
     if target.startswith("g.zarr"):
         zarr.open_group(str(folder / "g.zarr"), mode="w")
-    before, since = served_to_clients(client), time.time()
-    with distributed.get_task_stream(client) as ts:
-        status = main(["matmul", f"{h5}:A", f"{h5}:B", "-o", spec, "--scheduler-file",
-                       str(scheduler_file), "--tile", str(TILE)])
+    before = served_to_clients(client)
+    _recorded(client)
+    status = main(["matmul", f"{h5}:A", f"{h5}:B", "-o", spec, "--scheduler-file",
+                   str(scheduler_file), "--tile", str(TILE)])
+    ts = _recorded(client)
     out, err = capsys.readouterr()
     assert status == 0, err
     assert out.startswith(f"wrote {spec}: shape ({M}, {N})") and err == ""
     stats = last_stats()
     assert stats["written_on_workers"] and stats["read_on_workers"] == [True, True]
-    assert _tasks(ts, "distmm-write-", since) == BLOCKS
-    assert _tasks(ts, "distmm-a-", since) > 0 and _tasks(ts, "distmm-b-", since) > 0  # read there
+    token = stats["token"]
+    assert _tasks(ts, "distmm-write-", token) == BLOCKS
+    assert _tasks(ts, "distmm-a-", token) > 0 and _tasks(ts, "distmm-b-", token) > 0  # read there
     assert served_to_clients(client) - before < ACK_BYTES
     np.testing.assert_array_equal(_read(spec), want)  # tiles in the same order: the same bits
     assert _left_beside(h5.parent.parent) == []
@@ -181,15 +189,14 @@ def test_block_mode_cells_are_written_by_the_workers_also_after_a_fallback(pair,
                                         "distmm-debug.fail-tiles": [[0, 0]]}):
         want = distmm.matmul(a, b, client=client)
         cells = last_stats()["cells"]
-        since = time.time()
-        with distributed.get_task_stream(client) as ts, \
-                staged_output(str(tmp_path / "c.npy"), want.shape, want.dtype) as out:
+        _recorded(client)
+        with staged_output(str(tmp_path / "c.npy"), want.shape, want.dtype) as out:
             distmm.matmul(am, bm, out=out, client=client)
     stats = last_stats()
+    ts = _recorded(client)
     assert stats["mode"] == "blocks" and stats["moved"] == [(0, 0)] and stats["written_on_workers"]
-    writes = [t for t in ts.data if isinstance(t["key"], tuple) and t["startstops"]
-              and str(t["key"][0]).startswith("distmm-write-")
-              and min(x["start"] for x in t["startstops"]) >= since]
+    writes = [t for t in ts if isinstance(t["key"], tuple)
+              and str(t["key"][0]).startswith(f"distmm-write-{stats['token']}-")]
     assert sum(t.get("status") == "OK" for t in writes) == cells
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), want)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
@@ -280,11 +287,12 @@ def test_a_worker_that_does_not_see_the_output_gives_the_gathered_fallback(opera
         write_scheduler_file(c, tmp_path / "sched.json")
         want = _gathered(c, a, b)
         before = served_to_clients(c)
-        with distributed.get_task_stream(c) as ts:
-            r = subprocess.run([sys.executable, "-m", "distmm", "matmul", f"{h5}:A", f"{h5}:B",
-                                "-o", out / "c.npy", "--scheduler-file", tmp_path / "sched.json",
-                                "--tile", str(TILE)], capture_output=True, text=True, timeout=300)
+        _recorded(c)
+        r = subprocess.run([sys.executable, "-m", "distmm", "matmul", f"{h5}:A", f"{h5}:B",
+                            "-o", out / "c.npy", "--scheduler-file", tmp_path / "sched.json",
+                            "--tile", str(TILE)], capture_output=True, text=True, timeout=300)
         served = served_to_clients(c) - before
+        ts = _recorded(c)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("\n") == 1 and "the workers do not see" in r.stderr, r.stderr
     assert "gathered" in r.stderr
@@ -357,20 +365,21 @@ def test_a_worker_killed_while_blocks_are_written(tmp_path):
                 distmm.matmul(am, bm, out=out, client=c, tile=250)
             return last_stats()
 
-        with distributed.get_task_stream(c) as stream:
-            run, result = start_call(product)
-            staged = tmp_path / f".c.npy.distmm-partial-{os.getpid()}"
-            deadline = time.monotonic() + 60
-            while not (staged.exists() and staged.stat().st_size > (1 << 20)):  # writes begun
-                assert run.is_alive() and time.monotonic() < deadline, result
-                time.sleep(0.005)
-            killed = kill_workers(c, run, kills=1, gap=0.0)
-            run.join(timeout=120)
+        _recorded(c)
+        run, result = start_call(product)
+        staged = tmp_path / f".c.npy.distmm-partial-{os.getpid()}"
+        deadline = time.monotonic() + 60
+        while not (staged.exists() and staged.stat().st_size > (1 << 20)):  # writes begun
+            assert run.is_alive() and time.monotonic() < deadline, result
+            time.sleep(0.005)
+        killed = kill_workers(c, run, kills=1, gap=0.0)
+        run.join(timeout=120)
+        stream = _recorded(c)
     assert killed == 1
     assert "error" not in result, result.get("error")
     assert result["c"]["written_on_workers"]
-    written = {t["key"][1:] for t in stream.data if isinstance(t["key"], tuple)
-               and str(t["key"][0]).startswith("distmm-write-")}
+    written = {t["key"][1:] for t in stream if isinstance(t["key"], tuple)
+               and str(t["key"][0]).startswith(f"distmm-write-{result['c']['token']}-")}
     assert written == {(i, j) for i in range(8) for j in range(8)}  # each block, by a worker
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), want)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]

@@ -480,6 +480,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     if stats is not None:
         stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
         stats["written_on_workers"] = sink is not None
+        stats["token"] = token  # in the keys of this product's tasks: distmm-*-TOKEN-...
     if blocks is not None:
         geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
     else:
