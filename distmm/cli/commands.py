@@ -226,7 +226,8 @@ def _cmd_matmul(args) -> int:
     try:
         with dask.config.set(options):
             if a.ndim == b.ndim == 2:
-                # Tiles go straight into the staged output (local engine); it
+                # Tiles go straight into the staged output (local engine; on a Dask
+                # cluster the workers write theirs when they all see the file); it
                 # appears at the target only when the product is complete.
                 if a.shape[1] != b.shape[0]:  # checked before anything is staged
                     raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "

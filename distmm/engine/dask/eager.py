@@ -1,9 +1,13 @@
 """In-memory operands on a cluster: scatter the blocks, run the graph, gather C.
 
 This module covers: sending the blocks of numpy (or on-disk) operands to the
-workers whose tasks read them, running the product's graph over them, writing
-the output blocks into the result as they arrive (with a progress bar and an
-optional ``performance_report``), and surviving worker loss: blocks lost with
+workers whose tasks read them (or the workers reading them from a file they
+all see: ``files``), running the product's graph over them, writing the output
+blocks into the result as they arrive, or, for a staged output file every
+worker sees, a write task after each block that puts it there on the worker
+and sends the client only the bytes it wrote (``sink``; the writes end, on
+every worker, before ``run_eager`` returns or raises), with a progress bar and an
+optional ``performance_report``, and surviving worker loss: blocks lost with
 a worker are sent again, output blocks not yet gathered are run again (also
 those whose tasks wait for a worker that has left while nothing arrives:
 ``_StallWatch``), and when no worker is alive the loop waits for one. It gives up only after
