@@ -41,6 +41,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from distmm.errors import ConfigError
+
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
 
@@ -261,8 +263,12 @@ def _read(section) -> Config:
         try:
             values[field] = parse(raw)
         except _Bad as e:
-            raise ValueError(f"distmm configuration: distmm.{key} = {raw!r} is not valid: {e} "
-                             f"({_where(key)})") from None
+            what = f"distmm configuration: distmm.{key} = {raw!r} is not valid: {e}"
+            suffix = _env_suffix(key)
+            raise ConfigError(f"{what} ({_where(key)})",
+                              cli_message=f"{what} (set DISTMM_{suffix} or DASK_DISTMM__{suffix} "
+                                          f"in the environment, or distmm.{key} in a dask YAML "
+                                          f"file)") from None
     values["memory_budget_from"] = "config" if values["memory_budget"] is not None else "auto"
     return Config(**values)
 

@@ -11,7 +11,17 @@ from __future__ import annotations
 import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
-           "Signalled"]
+           "Signalled", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A distmm configuration value that does not parse. Its message gives Python's ways to
+    set the key; ``cli_message`` the same with the ways open at a command line (environment
+    variables, a dask YAML file), which ``distmm.cli.exits`` prints."""
+
+    def __init__(self, message: str, *, cli_message: str | None = None):
+        super().__init__(message)
+        self.cli_message = cli_message or message
 
 
 class BackendUnavailable(RuntimeError):

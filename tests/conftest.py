@@ -11,10 +11,14 @@ This module covers:
   single-thread workers), ``scheduler_file`` (the ``cluster``'s, for ``distmm matmul
   --scheduler-file``), ``pair`` (two workers marked GPU by their resource only),
   ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
+- batch jobs on localhost (``batch_env``): Slurm's and PBS's commands replaced by the
+  stand-ins of ``tests/batchsim/`` on ``PATH``, a spool folder per test, and the file the
+  jobs source to find this Python (``DISTMM_ENV_SETUP``);
 - helpers that more than one test module calls: the numpy comparison
   (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
   (``placed``), worker loss during a product (``start_call``, ``kill_workers``), and the
-  bytes the workers have sent to clients (``served_to_clients``). Test
+  bytes the workers have sent to clients (``served_to_clients``); ``distmm cluster`` as a
+  subprocess (``serve_cluster``, ``stop_cluster``, ``assert_all_gone``). Test
   modules import them with ``from conftest import ...``; no test module imports another.
 
 It does *not* cover what the scripts under ``mpiexec`` need (``mpi_cases.py``,
@@ -194,6 +198,32 @@ def shared_client():
         yield c
 
 
+# -- batch jobs (tests/batchsim stand-ins for sbatch, srun, qsub, ...) -----------------------
+
+BATCHSIM = ROOT / "tests" / "batchsim"
+
+
+@pytest.fixture
+def batch_env(tmp_path, mpi_env) -> dict[str, str]:
+    """The environment a test submits batch jobs in: the stand-ins first on ``PATH``, then
+    this Python's folder (``dask``, ``distmm``, ``mpiexec``), a spool folder under
+    ``tmp_path``, and ``DISTMM_ENV_SETUP``: a file that gives a job (PBS passes none of the
+    submitter's environment) this Python, the checkout, and MPI allowed as root with more
+    ranks than cores. Dashboards on any free port."""
+    bindir = os.path.dirname(sys.executable)
+    setup = tmp_path / "env-setup.sh"
+    setup.write_text(
+        f"export PATH={bindir}:$PATH PYTHONPATH={ROOT}\n"
+        "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^ofi\n"
+        "export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe\n"
+        "export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1\n")
+    return {**mpi_env, "PATH": f"{BATCHSIM}{os.pathsep}{bindir}{os.pathsep}{os.environ['PATH']}",
+            "BATCHSIM_SPOOL": str(tmp_path / "spool"), "BATCHSIM_PYTHON": sys.executable,
+            "DISTMM_ENV_SETUP": str(setup), "DISTMM_DASHBOARD": ":0", "OMPI_MCA_btl": "^ofi",
+            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+            "NUMBA_NUM_THREADS": "1"}
+
+
 # -- helpers more than one module calls ------------------------------------------------------
 
 FLOAT_TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13,
@@ -330,3 +360,73 @@ def kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
             pass
         time.sleep(gap)
     return killed
+
+
+# -- distmm cluster as a subprocess ---------------------------------------------------------
+
+
+def serve_cluster(scheduler_file: Path, *args, timeout: float = 120) -> subprocess.Popen:
+    """``distmm cluster --port 0 --dashboard-address :0 --scheduler-file F *args`` in a
+    session of its own (so that a signal to its group is a terminal's Ctrl-C), returned
+    once F names a scheduler; fails the test if it ends or takes ``timeout`` seconds first."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--port", "0",
+                             "--dashboard-address", ":0", "--scheduler-file", str(scheduler_file),
+                             *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if json.loads(scheduler_file.read_text())["address"]:
+                return proc
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"distmm cluster ended with {proc.returncode}: {out} {err}")
+        if time.monotonic() > deadline:
+            stop_cluster(proc, None)
+            pytest.fail(f"distmm cluster wrote no scheduler file in {timeout} s")
+        time.sleep(0.05)
+
+
+def stop_cluster(proc: subprocess.Popen, send, timeout: float = 60):
+    """Stop ``distmm cluster``: ``send(proc)`` sends the signal; returns ``(exit status,
+    stdout, stderr, seconds)``, failing the test after ``timeout`` s. ``send=None`` kills
+    the command and every process under it (cleanup after a failed test)."""
+    import psutil
+
+    if send is None:
+        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.communicate()
+        return None
+    t0 = time.monotonic()
+    send(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_cluster(proc, None)
+        pytest.fail(f"distmm cluster did not stop within {timeout} s of the signal")
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def assert_all_gone(procs: list) -> None:
+    """Every ``psutil.Process`` of ``procs`` has ended within 10 s (a zombie waiting for
+    its new parent to reap it has ended)."""
+    import psutil
+
+    def status(p):
+        try:
+            return p.status()
+        except psutil.NoSuchProcess:
+            return None
+
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    alive = [p for p in alive if status(p) not in (None, psutil.STATUS_ZOMBIE)]
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]

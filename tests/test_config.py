@@ -183,7 +183,8 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
     res = _probe(tmp_path, {"DASK_DISTMM__MEMORY_BUDGET": "lots"})
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError") and "distmm.memory-budget" in last, last
+    # distmm.errors.ConfigError, a ValueError
+    assert last.startswith("distmm.errors.ConfigError") and "distmm.memory-budget" in last, last
     assert "DASK_DISTMM__MEMORY_BUDGET" in last and "KeyError" not in res.stderr
 
 

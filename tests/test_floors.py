@@ -1,7 +1,7 @@
 """The declared dependency floors are the ones CI tests.
 
 Covers: every ``>=`` floor in pyproject.toml (runtime and the ``test`` and
-``bench`` extras) equals its pin in ``.ci/floors.txt`` and the other way round;
+``bench`` and ``deploy`` extras) equals its pin in ``.ci/floors.txt`` and the other way round;
 and, in CI's second run (``DISTMM_EXPECT_FLOORS=1``, set by ``.ci/run``), that
 the installed versions are exactly those floors. Not covered: the ``gpu``
 extra (cupy, dask-cuda), which CI, having no GPU, cannot install.
@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 FLOORS = ROOT / ".ci" / "floors.txt"
-EXTRAS_CHECKED = ("test", "bench")
+EXTRAS_CHECKED = ("test", "bench", "deploy")
 
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*?)\s*(;.*)?$")
 

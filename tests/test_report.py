@@ -11,8 +11,11 @@ import pytest
 from distmm.cli import main
 from distmm.cli.report import (count_of, family, is_reference, read_inputs, reference_shares,
                                scaling, timeline_rows)
+from distmm.cli.report_model import model_rows
+from distmm.cli.report_roofline import ceilings, intensity, roofline_points
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+MODEL = RESULTS / "model-validation-2026-11-27.jsonl"
 BATCH = RESULTS / "mpi-batch-nvidia-h200-2026-11-26.jsonl"
 PROFILES = RESULTS / "mpi-batch-profiles-20261126T222450Z.json"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -145,7 +148,8 @@ def test_command_on_committed_batch_records(tmp_path):
     assert main(["report", str(BATCH), str(PROFILES), "-o", str(out)]) == 0
     labels = ("batch-1-32768", "mpirun-2-32768", "mpirun-4-32768", "mpirun-4-zarr-32768",
               "mpirun-4-h5-32768")
-    text = check_folder(out, {"tflops-mpi-batch-nvidia-h200.png", "strong-mpi-batch-nvidia-h200.png"}
+    text = check_folder(out, {"tflops-mpi-batch-nvidia-h200.png", "roofline-nvidia-h200.png",
+                              "strong-mpi-batch-nvidia-h200.png"}
                         | {f"timeline-mpi-batch-profiles-20261126t222450z-{x}.png" for x in labels})
     # run 20261126T220207Z: mpirun-1 5.9758 s, mpirun-2 8.1364 s, mpirun-4 8.3809 s
     assert "| 20261126T220207Z | mpirun | float32 | 32768x32768x32768 | ranks 2 | 8.136 | 0.73 | 36.7% |" in text
@@ -208,3 +212,189 @@ def test_without_matplotlib_one_line_exit_2(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == ('distmm report: error: distmm report needs matplotlib: '
                                        'pip install "distmm[bench]"\n')
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def gpu_record(variant, seconds=None, *, benchmark="kernels", m=1024, n=1024, k=1024,
+               dtype="float32", **extra):
+    tflops = 2 * m * n * k / seconds / 1e12 if seconds else None
+    return dict(run=extra.pop("run", "g1"), benchmark=benchmark, variant=variant,
+                device="test-gpu", dtype=dtype, m=m, n=n, k=k, seconds=seconds, tflops=tflops,
+                gpus=extra.pop("gpus", 1), **extra)
+
+
+# two cuBLAS runs per dtype (the best counts), two copy probes, file read and write of
+# mpi-batch, and distmm runs: one on one GPU per benchmark, one on two GPUs (not a point)
+ROOF = [gpu_record("cublas", 0.0001, run="a"), gpu_record("cublas", 0.00008, run="b"),
+        gpu_record("cublas", 0.0002, dtype="float64"),
+        dict(gpu_record("ceiling-copy", 0.001, m=2**28, n=1, k=1), tflops=None, gbps=2500.0),
+        dict(gpu_record("ceiling-copy", 0.001, m=2**28, n=1, k=1, run="b"), tflops=None,
+             gbps=3100.0),
+        gpu_record("read-cat", 0.004, benchmark="mpi-batch", m=2048, n=2048, k=2048),
+        gpu_record("write-dd-fsync", 0.008, benchmark="mpi-batch", m=2048, n=2048, k=2048),
+        gpu_record("distmm-raw-warptile", 0.0001), gpu_record("distmm-raw-warptile", 0.0004, m=512),
+        gpu_record("distmm-mpi@2ranks", 0.00006, ranks=2, gpus=2),
+        gpu_record("batch-1", 0.05, benchmark="mpi-batch", m=2048, n=2048, k=2048, ranks=1)]
+
+
+def test_ceilings_are_the_best_measured_per_device_and_kind():
+    (device, found), = ceilings(ROOF + STRONG).items()  # test-cpu has no ceiling at all
+    assert device == "test-gpu"
+    got = {c.name: (c.kind, c.dtype, c.value, c.scope, c.run) for c in found}
+    a_b, c_bytes, gemm = 2 * 2048 * 2048 * 4, 2048 * 2048 * 4, 2 * 1024**3
+    approx = pytest.approx
+    assert got == {
+        "cuBLAS float32": ("compute", "float32", approx(gemm / 0.00008 / 1e12), None, "b"),
+        "cuBLAS float64": ("compute", "float64", approx(gemm / 0.0002 / 1e12), None, "g1"),
+        "device memory (copy)": ("memory", None, 3100.0, None, "b"),
+        "file read (cat A B)": ("file-read", None, approx(a_b / 0.004 / 1e9), "mpi-batch", "g1"),
+        "file write (dd, fsync)": ("file-write", None, approx(c_bytes / 0.008 / 1e9), "mpi-batch",
+                                   "g1"),
+    }
+    memory, read, write = (c for c in found if c.kind != "compute")
+    square = dict(m=1024, n=1024, k=1024, dtype="float32")
+    assert intensity(square, memory) == 2 * 1024**3 / (3 * 1024**2 * 4)
+    assert intensity(square, read) == 2 * 1024**3 / (2 * 1024**2 * 4)
+    assert intensity(square, write) == 2 * 1024**3 / (1024**2 * 4)
+    points = roofline_points(ROOF, found)
+    # the largest size of warptile, not its 512 run; batch-1 bound by the slow write, not memory
+    assert [(p.benchmark, p.variant, p.size, p.ceiling.kind) for p in points] == [
+        ("kernels", "distmm-raw-warptile", (1024,) * 3, "memory"),
+        ("mpi-batch", "batch-1", (2048,) * 3, "file-write")]
+    assert points[0].tflops == pytest.approx(2 * 1024**3 / 0.0001 / 1e12)
+    assert points[1].intensity == pytest.approx(2 * 2048**3 / c_bytes)
+
+
+def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
+    recs = write_jsonl(tmp_path / "roof.jsonl", ROOF + STRONG + [record("numpy", 4.0, ranks=1)])
+    out = tmp_path / "report"
+    assert main(["report", str(recs), "-o", str(out)]) == 0
+    png = (out / "roofline-test-gpu.png").read_bytes()
+    assert png.startswith(PNG) and len(png) > 10_000
+    text = (out / "report.md").read_text()
+    assert "![roofline-test-gpu.png](roofline-test-gpu.png)" in text
+    found = {c.name: c for c in ceilings(ROOF)["test-gpu"]}
+    for name, unit, rule, scope in (("cuBLAS float32", "TFLOP/s", "-", "every run"),
+                                    ("device memory (copy)", "GB/s", "A+B+C once", "every run"),
+                                    ("file read (cat A B)", "GB/s", "A+B", "mpi-batch runs"),
+                                    ("file write (dd, fsync)", "GB/s", "C", "mpi-batch runs")):
+        c = found[name]
+        assert (f"| test-gpu | {name} | {c.value:.4g} | {unit} | {rule} | {scope} | "
+                f"{c.variant}, run {c.run} |") in text
+    # batch-1: 2*2048^3 / 0.05 s = 0.3436 TFLOP/s at 2*2048^3 / (2048^2 * 4) = 1024 FLOP per
+    # byte of C; its roof is the write ceiling (2.097 GB/s x 1024 = 2.147 TFLOP/s: 16%), below
+    # the read's (8.389 GB/s x 512), device memory's and cuBLAS float32's 26.84 TFLOP/s
+    write = found["file write (dd, fsync)"].value
+    assert write * 1024 / 1e3 < found["file read (cat A B)"].value * 512 / 1e3
+    rate = 2 * 2048**3 / 0.05 / 1e12
+    assert (f"| test-gpu | mpi-batch | batch-1 | float32 | 2048x2048x2048 | {rate:.4g} | 1024 | "
+            f"file write (dd, fsync) | {write * 1024 / 1e3:.4g} | "
+            f"{rate / (write * 1024 / 1e3):.0%} |") in text
+    assert "| file write (dd, fsync) | 2.147 | 16% |" in text
+    # test-cpu has a numpy reference but no bandwidth ceiling: no figure, a note
+    assert not (out / "roofline-test-cpu.png").exists()
+    assert ("- No roofline for test-cpu: its records have no bandwidth (ceiling-copy, read-cat "
+            "or write-dd) ceiling.") in text
+
+
+# ---------------------------------------------------------------- predicted against measured
+
+
+def test_model_errors_are_computed_from_the_committed_records():
+    lines = [json.loads(line) for line in MODEL.read_text().splitlines() if line.strip()]
+    rows = model_rows(lines)
+    assert len(rows) == len(lines) == 55
+    for row in rows:
+        r = row.record
+        assert row.error == (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
+        assert row.error == pytest.approx(r["error"], rel=1e-12)
+        assert row.role == r["role"]
+    assert sum(abs(r.error) <= 0.15 for r in rows if r.role == "held-out") == 31
+
+
+def test_command_on_committed_model_records(tmp_path):
+    out = tmp_path / "model"
+    assert main(["report", str(MODEL), "-o", str(out)]) == 0
+    text = check_folder(out, {"predicted-vs-measured.png"})  # model records feed no other figure
+    # (20.41 - 19.04) / 19.04 = +7.2%; (0.1694 - 0.547) / 0.547 = -69.0%
+    assert ("| batch mpirun-4 (batch) | NVIDIA H200 | float32 | 65536x65536x65536 | 19.04 | "
+            "20.41 | +7.2% | held-out |") in text
+    assert ("| mpi gpu 1 rank(s) on 1 GPU(s) (mpi) | NVIDIA H200 | float32 | 16384x16384x16384 | "
+            "0.547 | 0.1694 | -69.0% | fit |") in text
+    for r in map(json.loads, MODEL.read_text().splitlines()):
+        error = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
+        cells = f'{r["seconds"]:.4g} | {r["predicted_seconds"]:.4g} | {error:+.1%} | {r["role"]}'
+        assert f" | {cells} |" in text
+
+
+def test_prediction_extends_a_series_labelled_predicted(tmp_path):
+    forecast = dict(record("distmm-mpi-8", 1.0, ranks=8, run="model"), seconds=None,
+                    tflops=None, predicted_seconds=2.5, role="predicted")
+    compared = record("distmm-mpi-2", 5.0, ranks=2, run="v", predicted_seconds=5.5, role="held-out")
+    recs = STRONG + [forecast, compared]
+    (series,) = scaling(recs, "strong")  # the compared record restates a measurement: not a point
+    assert [(p.count, p.seconds, p.predicted) for p in series.points] == [
+        (1, 8.0, False), (2, 5.0, False), (4, 4.0, False), (8, 2.5, True)]
+    assert series.points[-1].speedup == pytest.approx(3.2)
+    assert [(r.role, r.measured, r.predicted, r.error) for r in model_rows(recs)] == [
+        ("held-out", 5.0, 5.5, pytest.approx(0.1)), ("predicted", None, 2.5, None)]
+    out = tmp_path / "report"
+    assert main(["report", str(write_jsonl(tmp_path / "r.jsonl", recs)), "-o", str(out)]) == 0
+    text = check_folder(out, {"tflops-scaling-test-cpu.png", "strong-scaling-test-cpu.png",
+                              "predicted-vs-measured.png"})
+    assert "| ranks 8 | 2.5 (predicted) | 3.20 | 40.0% |" in text
+    assert ("| distmm-mpi-8 | test-cpu | float64 | 1000x1001x999 | - | 2.5 (predicted) | - | "
+            "predicted |") in text
+    assert ("| distmm-mpi-2 | test-cpu | float64 | 1000x1001x999 | 5 | 5.5 | +10.0% | held-out |"
+            in text)
+
+
+def test_no_ceilings_and_no_predictions_give_notes_not_figures(tmp_path):
+    out = tmp_path / "report"
+    assert main(["report", str(write_jsonl(tmp_path / "r.jsonl", STRONG)), "-o", str(out)]) == 0
+    text = check_folder(out, {"tflops-scaling-test-cpu.png", "strong-scaling-test-cpu.png"})
+    assert ("- No roofline for test-cpu: its records have no compute (a cublas/numpy reference or "
+            "an FMA probe) and bandwidth (ceiling-copy, read-cat or write-dd) ceiling.") in text
+    assert "- No predicted against measured figure: no record has predicted_seconds." in text
+    assert "Roofline ceilings" not in text and "Predicted against measured" not in text
+
+
+def test_only_and_no_html_and_a_bad_section(tmp_path, capsys):
+    recs = write_jsonl(tmp_path / "r.jsonl", ROOF + STRONG)
+    out = tmp_path / "report"
+    assert main(["report", str(recs), "-o", str(out), "--only", "roofline", "--no-html"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "roofline-test-gpu.png"]
+    text = (out / "report.md").read_text()
+    assert "Roofline ceilings" in text and "Strong scaling" not in text
+    assert "predicted_seconds" not in text  # the model section was not asked for
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(recs), "-o", str(tmp_path / "o"), "--only", "roofline,tflopz"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown section 'tflopz': choose from tflops, strong" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_docs_figures_are_the_report_of_the_committed_records(tmp_path, monkeypatch):
+    """docs/figures is what the command at the top of docs/performance.md makes today."""
+    root = RESULTS.parent.parent
+    monkeypatch.chdir(root)
+    doc = (root / "docs" / "performance.md").read_text()
+    command = ("distmm report bench/results/*.jsonl -o docs/figures --only roofline,model "
+               "--no-html --overwrite")
+    assert command in doc
+    out = tmp_path / "figures"
+    paths = sorted(str(p.relative_to(root)) for p in RESULTS.glob("*.jsonl"))
+    assert main(["report", *paths, "-o", str(out), "--only", "roofline,model", "--no-html"]) == 0
+    committed = root / "docs" / "figures"
+    assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in out.iterdir())
+    body = lambda text: text.split("\n", 3)[3]  # after the line naming the inputs
+    rendered = body((committed / "report.md").read_text())
+    assert rendered == body((out / "report.md").read_text()), f"stale: run {command}"
+    copied = [line for line in doc.splitlines() if line.startswith("| NVIDIA ")]
+    assert len(copied) == 12 and all(f"\n{line}\n" in rendered for line in copied)
+    for png in committed.glob("*.png"):
+        assert f"figures/{png.name}" in doc, png.name
+    assert sum(p.stat().st_size for p in committed.iterdir()) < 400 * 1024

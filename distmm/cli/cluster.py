@@ -72,20 +72,23 @@ def local_gpus() -> int:
         return 0
 
 
-def cpu_cluster(workers: int, **kwargs):
-    """A ``LocalCluster`` of ``workers`` single-thread worker processes; ``kwargs`` go to
-    ``LocalCluster`` (``resources={"GPU": 1}``: workers standing in for GPU workers)."""
+def cpu_cluster(workers: int, *, threads_per_worker: int = 1, **kwargs):
+    """A ``LocalCluster`` of ``workers`` worker processes (single-thread unless
+    ``threads_per_worker``); ``kwargs`` go to ``LocalCluster`` (``resources={"GPU": 1}``:
+    workers standing in for GPU workers)."""
     from distributed import LocalCluster
 
     kwargs.setdefault("dashboard_address", ":0")
-    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, **kwargs)
+    return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
+                        **kwargs)
 
 
 def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
                 device_memory_limit: float = 0.8, timeout: float = 120,
-                protocol: str = "auto", **kwargs):
+                protocol: str = "auto", threads_per_worker: int = 1, **kwargs):
     """A ``dask_cuda.LocalCUDACluster`` on ``devices`` (``"0,1"``; default every visible GPU)
-    with ``per_device`` single-thread workers on each GPU, each carrying ``GPU: 1``.
+    with ``per_device`` workers on each GPU (single-thread unless ``threads_per_worker``),
+    each carrying ``GPU: 1``.
 
     Workers sharing a GPU split ``device_memory_limit`` (a fraction of the device's memory,
     where dask_cuda starts spilling to the host) between them. ``protocol``
@@ -105,7 +108,7 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
     kwargs.setdefault("resources", {GPU_RESOURCE: 1})
 
     def start(proto):
-        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1,
+        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=threads_per_worker,
                                 device_memory_limit=device_memory_limit / per_device,
                                 protocol=proto, **kwargs)
 

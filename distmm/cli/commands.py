@@ -1,11 +1,14 @@
 """The ``distmm`` command line: parsing arguments and running the commands.
 
 This module covers: the parser of every command (``demo``, ``plan``,
-``matmul``, ``info``, and ``tune``/``trace``, which own their options), and
+``matmul``, ``info``, ``report``, ``tune``/``trace``, which own their options; ``calibrate``,
+``model``, ``bench`` and ``cluster`` register themselves from ``distmm.cli.model``,
+``distmm.cli.bench`` and ``distmm.cli.serve``), and
 running one: each failure ends as one line on stderr and an exit status
 (``distmm.cli.exits``), with the traceback only under ``--debug``.
 It does *not* cover: file formats and staged output (``distmm.cli.io``), the
-demo (``distmm.cli.demo``), or the MPI environment (``distmm.cli.launch``).
+demo (``distmm.cli.demo``), the MPI environment (``distmm.cli.launch``), connecting to a
+scheduler (``distmm.cli.connect``) or serving a cluster (``distmm.cli.serve``).
 """
 from __future__ import annotations
 
@@ -55,6 +58,19 @@ def _integer_at_least(low: int, what: str):
 
 
 _positive = _integer_at_least(1, "must be at least 1")
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of seconds")
+    return value
 _count = _integer_at_least(0, "must not be negative")
 
 
@@ -154,27 +170,21 @@ def _mpi_run(args) -> bool:
 
 
 def _connect(args):
-    """A client of the cluster named by --scheduler or --scheduler-file, or None."""
+    """A client of the cluster named by --scheduler or --scheduler-file, or None
+    (``distmm.cli.connect``: the whole connection bounded by --connect-timeout)."""
     if not (args.scheduler or args.scheduler_file):
+        if args.engine == "dask":
+            raise ValueError("--engine dask runs on a Dask cluster: pass --scheduler ADDRESS or "
+                             "--scheduler-file FILE (start one with distmm cluster "
+                             "--scheduler-file FILE)")
         return None
     if args.engine == "local":
         raise ValueError("--engine local runs in this process: drop --scheduler/--scheduler-file "
                          "or use --engine dask")
-    from pathlib import Path
+    from distmm.cli.connect import connect_client
 
-    from distributed import Client
-
-    if args.scheduler_file:
-        if not Path(args.scheduler_file).is_file():
-            raise FileNotFoundError(f"no such file: {args.scheduler_file} (--scheduler-file)")
-        where, kwargs = f"--scheduler-file {args.scheduler_file}", {"scheduler_file": args.scheduler_file}
-    else:
-        where, kwargs = f"--scheduler {args.scheduler}", {"address": args.scheduler}
-    try:
-        return Client(timeout=args.connect_timeout, **kwargs)
-    except (OSError, TimeoutError) as exc:
-        raise ConnectionError(f"cannot reach the Dask scheduler of {where} within "
-                              f"{args.connect_timeout} s ({' '.join(str(exc).split())})") from None
+    return connect_client(scheduler=args.scheduler, scheduler_file=args.scheduler_file,
+                          timeout=args.connect_timeout)
 
 
 def _maybe_warm_gpu(args, engine, a, b, dtype) -> None:
@@ -276,7 +286,8 @@ def _cmd_demo(args) -> int:
 def _cmd_report(args) -> int:
     from distmm.cli.report import run_report
 
-    return run_report(args.records, args.output, overwrite=args.overwrite)
+    return run_report(args.records, args.output, overwrite=args.overwrite, only=args.only,
+                      html=not args.no_html)
 
 
 # ---------------------------------------------------------------- the parser
@@ -371,8 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     conn.add_argument("--scheduler-file", metavar="FILE", default=None,
                       help="run on the Dask cluster described by this scheduler file "
                            "(dask scheduler --scheduler-file)")
-    mm.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS",
-                    help="how long to wait for the scheduler (default 30)")
+    mm.add_argument("--connect-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="how long to wait for a Dask scheduler to answer at --scheduler or "
+                         "--scheduler-file, whatever listens there (default 30)")
     mm.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="tile executor (default auto); raw and cublas need a GPU")
     mm.add_argument("--tile", type=_positive, default=None, help="C tile size (default: the planner chooses)")
@@ -388,21 +400,37 @@ def build_parser() -> argparse.ArgumentParser:
                          "write, sync, wait, commit), as JSON; the summary line shows the totals")
     mm.set_defaults(func=_cmd_matmul)
 
+    from distmm.cli.serve import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub, common)  # distmm cluster: distmm.cli.serve
+
     i = sub.add_parser("info", parents=[common], help="devices, backends and versions",
                        description="print devices, backends and versions")
     i.set_defaults(func=_cmd_info)
 
     r = sub.add_parser("report", parents=[common],
                        help="plots and tables from benchmark records (needs distmm[bench])",
-                       description="write TFLOP/s, scaling and timeline PNGs, report.md and "
-                                   "index.html into a new folder, from benchmark records (JSON "
-                                   "lines) and distmm-profile-1 profiles (.json)")
+                       description="write TFLOP/s, scaling, timeline, roofline and "
+                                   "predicted-against-measured PNGs, report.md and index.html "
+                                   "into a new folder, from benchmark records (JSON lines) and "
+                                   "distmm-profile-1 profiles (.json)")
     r.add_argument("records", nargs="+", metavar="RECORDS",
                    help="record files (.jsonl) and profiles (.json, e.g. mpi-batch-profiles-*.json)")
     r.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the folder to write (created; an existing non-empty one needs --overwrite)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
+    from distmm.cli.report import add_options as add_report_options
+
+    add_report_options(r)  # --only, --no-html
     r.set_defaults(func=_cmd_report)
+
+    from distmm.cli.model import add_parsers as add_model_parsers
+
+    add_model_parsers(sub, common, _dtype, _count)  # distmm calibrate, distmm model
+
+    from distmm.cli.bench import add_parser as add_bench  # distmm bench STUDY.toml
+
+    add_bench(sub, common)
 
     for name, helptext in (("tune", "autotune GPU kernel parameters (distmm tune --help)"),
                            ("trace", "copy/compute timeline PNG of a pipelined run (distmm trace --help)")):

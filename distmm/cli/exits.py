@@ -60,6 +60,8 @@ def message(exc: BaseException) -> str:
             text = str(exc)
     elif isinstance(exc, KeyError) and exc.args:
         text = str(exc.args[0])
+    elif getattr(exc, "cli_message", None):  # ConfigError: the advice a command line can take
+        text = exc.cli_message
     else:
         text = str(exc) or type(exc).__name__
     if not isinstance(exc, (ValueError, TypeError, OSError, KeyError, Signalled, KeyboardInterrupt,

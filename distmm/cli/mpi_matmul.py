@@ -1,21 +1,16 @@
-"""``distmm matmul`` under ``mpirun``/``srun``: one product over all ranks.
+"""``distmm matmul`` under ``mpirun``/``srun`` (or with ``--resume``/``--profile``): one
+product over all ranks.
 
-This module covers: the command when a launcher started several ranks (or
-``--engine mpi``): every rank opens the operands lazily and checks them (and
-rank 0 the target: ``--overwrite``, free space) before anything is computed;
-the ranks agree on the outcome (an ``allgather``), so bad input ends every
-rank within seconds with one message, printed by rank 0, and the same exit
-status. Then each rank reads only its blocks of A and B (memmap, zarr or HDF5
-slices), SUMMA runs on the planner's grid, and each rank writes its own blocks
-of C into one staged output that is renamed only after every rank succeeded
-(``distmm.engine.mpi.io``: ``.npy`` and HDF5 blocks written at once with
-``pwrite``, HDF5 into a hidden staged file that rank 0 then copies into the
-user's file, so no parallel HDF5 is needed; zarr blocks written by one rank at
-a time). An exception on any rank during the product ends the job with
-``MPI_Abort`` rather than leaving the others waiting in a collective; the
-output is then at most a staged ``.NAME.distmm-partial-PID``, never the final
-name.
-It does *not* cover: the single-process command (``distmm.cli.commands``).
+This module covers: the command's side of a multi-rank run. Every rank opens the operands
+lazily and checks them (and rank 0 the target: ``--overwrite``, free space) before anything
+is computed; the ranks agree on the outcome (an ``allgather``), so bad input ends every rank
+within seconds with one message, printed by rank 0, and the same exit status. Matrices then
+go to the batch path (``distmm.engine.mpi.batch.run_batch``: binding, plan, streamed stripes,
+staged output, resume), whose outcome this module reports: notes, the summary line, the
+``--profile`` file and ``--progress`` bar of rank 0, the exit status. Vectors and stacks are
+computed in memory by the MPI engine and written by rank 0 (``_stacked``).
+It does *not* cover: the single-process command (``distmm.cli.commands``) or the product
+itself (``distmm.engine.mpi``).
 """
 from __future__ import annotations
 

@@ -24,6 +24,13 @@ The rules, in one place:
   ``dask.array-chunk8192@2gpu``). A record's share of a reference is reference seconds /
   its seconds (its TFLOP/s over the reference's; above 1 it was faster), for every
   reference of the same ``run``, ``benchmark``, ``dtype``, ``m``, ``n``, ``k``.
+- **model records**: a record with ``predicted_seconds`` feeds only the model section
+  (``distmm.cli.report_model``); its measured ``seconds`` restate a record of another file
+  (its ``source``), so it is kept out of the TFLOP/s, scaling and share figures. A prediction
+  (``seconds`` null) joins the scaling series of its family at its count where that count was
+  not measured, drawn hollow and labelled "predicted" in the figure and the table.
+- **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``);
+  a device without them is named in the report's notes.
 """
 from __future__ import annotations
 
@@ -39,39 +46,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from distmm.cli.report_rules import REFERENCES, count_of, family, is_reference
 from distmm.errors import OutputExists
 
-__all__ = ["REFERENCES", "REQUIRED", "count_of", "family", "is_reference", "scaling",
-           "reference_shares", "timeline_rows", "read_inputs", "run_report"]
+__all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "family", "is_reference", "scaling",
+           "reference_shares", "timeline_rows", "read_inputs", "add_options", "run_report"]
 
-REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
 REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
-COUNT_KEYS = ("ranks", "gpus", "workers")
+#: what ``--only`` may name: the report's figures and tables, by kind
+SECTIONS = ("tflops", "strong", "weak", "shares", "timeline", "roofline", "model")
 INSTALL = 'distmm report needs matplotlib: pip install "distmm[bench]"'
 
 
 # ---------------------------------------------------------------- pure computations
-
-
-def count_of(record: dict) -> tuple[str, int]:
-    """The key and value of how many took part: the first of ``ranks``, ``gpus``,
-    ``workers`` present and not null, else ``("ranks", 1)``."""
-    for key in COUNT_KEYS:
-        if record.get(key) is not None:
-            return key, int(record[key])
-    return "ranks", 1
-
-
-def family(variant: str, count: int) -> str:
-    """``variant`` without its count token: ``family("mpirun-4-h5", 4) == "mpirun-h5"``,
-    ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
-    token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
-    return re.sub(token, "", variant, count=1) or variant
-
-
-def is_reference(variant: str) -> bool:
-    """Whether ``variant`` is a reference (see the module docstring)."""
-    return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant) for r in REFERENCES)
 
 
 def _flops(record: dict) -> int:
@@ -86,6 +73,7 @@ class Point:
     seconds: float
     speedup: float
     efficiency: float
+    predicted: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,28 +117,44 @@ def scaling(records: list[dict], kind: str) -> list[Series]:
     """
     if kind not in ("strong", "weak"):
         raise ValueError(f"kind must be 'strong' or 'weak', got {kind!r}")
+    from distmm.cli.report_model import is_prediction
+
     groups: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    forecasts: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         key, count = count_of(r)
-        if _flops(r) == 0 or not r["seconds"] or r["seconds"] <= 0:
+        predicted = is_prediction(r)
+        if _flops(r) == 0 or (not predicted and ("predicted_seconds" in r or not r["seconds"]
+                                                 or r["seconds"] <= 0)):
             continue
         size = (int(r["m"]), int(r["n"]), int(r["k"]))
         group = (r["benchmark"], r["device"], r["dtype"], family(r["variant"], count), str(r["run"]), key)
-        groups[group + ((size,) if kind == "strong" else ())][count].append(r)
+        if predicted:  # a prediction joins the series of every run of its family
+            group = group[:4] + (None, key)
+        target = forecasts if predicted else groups
+        target[group + ((size,) if kind == "strong" else ())][count].append(r)
     out = []
-    for group, by_count in groups.items():
+    for group, measured in groups.items():
+        loose = group[:4] + (None,) + group[5:]
+        by_count = {c: (rs, False) for c, rs in measured.items()}
+        base = min(by_count)
+        for c, rs in forecasts.get(loose, {}).items():
+            if c > base and c not in by_count:
+                by_count[c] = (rs, True)
         if len(by_count) < 2:
             continue
         counts = sorted(by_count)
-        sizes = [{(int(r["m"]), int(r["n"]), int(r["k"])) for r in by_count[c]} for c in counts]
+        sizes = [{(int(r["m"]), int(r["n"]), int(r["k"])) for r in by_count[c][0]} for c in counts]
         if kind == "weak":
             flops = [2 * a * b * c for s in sizes for a, b, c in s]
             if any(len(s) != 1 for s in sizes) or any(x >= y for x, y in zip(flops, flops[1:])):
                 continue
         sizes = [min(s) for s in sizes]
-        seconds = [statistics.median(r["seconds"] for r in by_count[c]) for c in counts]
+        seconds = [statistics.median(r["predicted_seconds"] if forecast else r["seconds"]
+                                     for r in rs) for rs, forecast in (by_count[c] for c in counts)]
         rates = [2 * s[0] * s[1] * s[2] / t for s, t in zip(sizes, seconds)]
-        points = tuple(Point(c, s, t, rate / rates[0], rate / rates[0] * counts[0] / c)
+        points = tuple(Point(c, s, t, rate / rates[0], rate / rates[0] * counts[0] / c,
+                             by_count[c][1])
                        for c, s, t, rate in zip(counts, sizes, seconds, rates))
         bench, device, dtype, fam, run, key = group[:6]
         out.append(Series(kind, run, bench, device, dtype, fam, key, points))
@@ -184,6 +188,7 @@ def reference_shares(records: list[dict]) -> list[Share]:
     def problem(r):
         return (str(r["run"]), r["benchmark"], r["dtype"], int(r["m"]), int(r["n"]), int(r["k"]))
 
+    records = [r for r in records if "predicted_seconds" not in r]  # model records restate
     refs: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         if is_reference(r["variant"]) and r["seconds"] and r["seconds"] > 0:
@@ -211,13 +216,18 @@ def timeline_rows(profile: dict) -> list[tuple[int, list[tuple[str, float, float
 # ---------------------------------------------------------------- tables
 
 
-def _tables(records, strong, weak, shares) -> list[tuple[str, list[str], list[list[str]]]]:
+def _tables(records, strong, weak, shares, roofs,
+            model) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header, rows)`` of every table of the report."""
+    from distmm.cli.report_model import model_table
+    from distmm.cli.report_roofline import ceiling_rows, point_rows, roofline_points
+
     tables = []
     for title, series in (("Strong scaling", strong), ("Weak scaling", weak)):
         rows = [[s.benchmark, s.device, s.run, s.family, s.dtype, "x".join(map(str, p.size)),
-                 f"{s.count_key} {p.count}", f"{p.seconds:.4g}", f"{p.speedup:.2f}",
-                 f"{p.efficiency:.1%}"] for s in series for p in s.points]
+                 f"{s.count_key} {p.count}",
+                 f"{p.seconds:.4g}" + (" (predicted)" if p.predicted else ""),
+                 f"{p.speedup:.2f}", f"{p.efficiency:.1%}"] for s in series for p in s.points]
         if rows:
             tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
                                    "count", "seconds", "speedup", "efficiency"], rows))
@@ -229,12 +239,28 @@ def _tables(records, strong, weak, shares) -> list[tuple[str, list[str], list[li
         tables.append(("Share of the same-run reference (reference seconds / seconds)",
                        ["benchmark", "run", "dtype", "m x n x k", "variant", "count", "seconds",
                         "reference", "reference seconds", "share"], rows))
+    rows = [row for device in sorted(roofs) for row in ceiling_rows(roofs[device])]
+    if rows:
+        tables.append(("Roofline ceilings (best measured per device)",
+                       ["device", "ceiling", "value", "unit", "a GEMM's bytes across it",
+                        "bounds", "record (variant, run)"], rows))
+        rows = [row for device in sorted(roofs)
+                for row in point_rows(roofline_points(records, roofs[device]), roofs[device])]
+        tables.append(("Roofline points (one-device runs, largest size, median TFLOP/s)",
+                       ["device", "benchmark", "variant", "dtype", "m x n x k", "TFLOP/s",
+                        "FLOP/byte", "binding ceiling", "roof TFLOP/s", "of roof"], rows))
+    if model:
+        header, rows = model_table(model)
+        tables.append(("Predicted against measured (error = (predicted - measured) / measured)",
+                       header, rows))
     return tables
 
 
-def _markdown(tables, images, sources) -> str:
+def _markdown(tables, images, sources, notes=()) -> str:
     lines = ["# distmm report", "", "Made by `distmm report` from " + ", ".join(
         f"`{s}`" for s in sources) + ".", ""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
     for title, header, rows in tables:
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
                   "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows] + [""]
@@ -242,12 +268,14 @@ def _markdown(tables, images, sources) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _html(tables, images, sources) -> str:
+def _html(tables, images, sources, notes=()) -> str:
     e = html.escape
     parts = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>distmm report</title>',
              "<style>table{border-collapse:collapse}td,th{border:1px solid #999;padding:2px 6px}"
              "img{max-width:100%}</style></head><body>", "<h1>distmm report</h1>",
              "<p>Made from " + ", ".join(f"<code>{e(s)}</code>" for s in sources) + ".</p>"]
+    if notes:
+        parts += ["<h2>Notes</h2>", "<ul>"] + [f"<li>{e(n)}</li>" for n in notes] + ["</ul>"]
     for title, header, rows in tables:
         parts += [f"<h2>{e(title)}</h2>", "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header)
                   + "</tr>"] + ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
@@ -263,8 +291,12 @@ def _slug(*parts) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", "-".join(map(str, parts)).lower()).strip("-")
 
 
-def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
+def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
+             sections=SECTIONS) -> list[str]:
     """Draw every figure into ``folder``; return the file names."""
+    from distmm.cli.report_model import draw_predicted
+    from distmm.cli.report_roofline import draw_roofline, roofline_points
+
     names = []
 
     def save(fig, name):
@@ -273,8 +305,9 @@ def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
         names.append(name)
 
     by_bench = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for r in records:
-        if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0:
+    for r in records if "tflops" in sections else ():
+        if (isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0
+                and "predicted_seconds" not in r):
             size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
             by_bench[(r["benchmark"], r["device"])][(r["variant"], r["dtype"])][size].append(r["tflops"])
     for (bench, device), lines in sorted(by_bench.items()):
@@ -294,9 +327,23 @@ def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
             fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=100)
             counts = sorted({p.count for s in group for p in s.points})
             for s in group:
-                xs = [p.count for p in s.points]
-                left.plot(xs, [p.speedup for p in s.points], "o-", label=s.label)
-                right.plot(xs, [p.efficiency for p in s.points], "o-", label=s.label)
+                known = [p for p in s.points if not p.predicted]
+                line, = left.plot([p.count for p in known], [p.speedup for p in known], "o-",
+                                  label=s.label)
+                right.plot([p.count for p in known], [p.efficiency for p in known], "o-",
+                           label=s.label, color=line.get_color())
+                for ax, value in ((left, "speedup"), (right, "efficiency")):
+                    guessed = [p for p in s.points if p.predicted]
+                    if guessed:  # dashed from the last measured count on
+                        tail = [p for p in s.points if p.count >= known[-1].count]
+                        ax.plot([p.count for p in tail], [getattr(p, value) for p in tail], "--",
+                                color=line.get_color())
+                    ax.scatter([p.count for p in guessed], [getattr(p, value) for p in guessed],
+                               s=70, facecolor="white", edgecolor=line.get_color(), zorder=3)
+                    for p in guessed:
+                        ax.annotate("predicted", (p.count, getattr(p, value)), fontsize=7,
+                                    xytext=(4, -10), textcoords="offset points",
+                                    color=line.get_color())
             base = min(s.points[0].count for s in group)
             if kind == "strong":
                 left.plot(counts, [c / base for c in counts], "k--", label="ideal")
@@ -323,7 +370,32 @@ def _figures(plt, records, strong, weak, profiles, folder: Path) -> list[str]:
         ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases],
                   labels=phases, fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
         save(fig, f"timeline-{_slug(name)}.png")
+    for device, device_ceilings in sorted(roofs.items()):
+        draw_roofline(plt, device, device_ceilings, roofline_points(records, device_ceilings),
+                      folder / f"roofline-{_slug(device)}.png")
+        names.append(f"roofline-{_slug(device)}.png")
+    if any(row.measured is not None for row in model):
+        draw_predicted(plt, model, folder / "predicted-vs-measured.png")
+        names.append("predicted-vs-measured.png")
     return names
+
+
+def _rooflines(records) -> tuple[dict, list[str]]:
+    """The devices with a roofline and their ceilings, and a note for every other device."""
+    from distmm.cli.report_roofline import ceilings
+
+    found = ceilings(records)
+    roofs, notes = {}, []
+    for device in sorted({r["device"] for r in records}):
+        kinds = {c.kind == "compute" for c in found.get(device, [])}
+        if kinds == {True, False}:
+            roofs[device] = found[device]
+            continue
+        missing = " and ".join(what for what, there in (
+            ("compute (a cublas/numpy reference or an FMA probe)", True in kinds),
+            ("bandwidth (ceiling-copy, read-cat or write-dd)", False in kinds)) if not there)
+        notes.append(f"No roofline for {device}: its records have no {missing} ceiling.")
+    return roofs, notes
 
 
 # ---------------------------------------------------------------- files
@@ -394,8 +466,33 @@ def _check_output(folder: Path, overwrite: bool) -> None:
         raise OutputExists(f"{folder} exists and is not empty: pass --overwrite to replace it")
 
 
-def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int:
+def _sections(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {', '.join(map(repr, unknown)) or repr(text)}: choose from "
+            f"{', '.join(SECTIONS)}")
+    return names
+
+
+def add_options(parser) -> None:
+    """``distmm report``'s options beyond the records and ``-o`` (called by ``build_parser``)."""
+    parser.add_argument("--only", type=_sections, default=None, metavar="SECTION,...",
+                        help="draw and tabulate only these: " + ", ".join(SECTIONS)
+                             + " (default: all)")
+    parser.add_argument("--no-html", action="store_true",
+                        help="write report.md and the figures, not index.html")
+
+
+def run_report(paths: list[str], output: str, *, overwrite: bool = False,
+               only: tuple[str, ...] | None = None, html: bool = True) -> int:
     """Write the report of ``paths`` into the folder ``output``; return the exit status.
+
+    ``only`` names the sections (``SECTIONS``) to draw and tabulate, default all; ``html``
+    False leaves out ``index.html``.
 
     Inputs and the output folder are checked before anything is drawn; everything is
     written to a temporary folder beside ``output`` that replaces it at the end, so a
@@ -413,16 +510,32 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int
     except ImportError:
         print(f"distmm report: error: {INSTALL}", file=sys.stderr)
         return 2
-    strong, weak = scaling(records, "strong"), scaling(records, "weak")
+    from distmm.cli.report_model import model_rows
+
+    sections = set(only or SECTIONS)
+    strong = scaling(records, "strong") if "strong" in sections else []
+    weak = scaling(records, "weak") if "weak" in sections else []
+    profiles = profiles if "timeline" in sections else []
+    roofs, notes = {}, []
+    if "roofline" in sections:
+        roofs, notes = _rooflines([r for r in records if "predicted_seconds" not in r])
+    model = model_rows(records) if "model" in sections else []
+    if "model" in sections and not model:
+        notes.append("No predicted against measured figure: no record has predicted_seconds.")
+    elif model and not any(row.measured is not None for row in model):
+        notes.append("No predicted against measured figure: every record with "
+                     "predicted_seconds is a prediction (seconds null).")
+    shares = reference_shares(records) if "shares" in sections else []
     folder.absolute().parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
                                    dir=folder.absolute().parent))
     staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
     try:
-        images = _figures(plt, records, strong, weak, profiles, staged)
-        tables = _tables(records, strong, weak, reference_shares(records))
-        (staged / "report.md").write_text(_markdown(tables, images, paths))
-        (staged / "index.html").write_text(_html(tables, images, paths))
+        images = _figures(plt, records, strong, weak, profiles, roofs, model, staged, sections)
+        tables = _tables(records, strong, weak, shares, roofs, model)
+        (staged / "report.md").write_text(_markdown(tables, images, paths, notes))
+        if html:
+            (staged / "index.html").write_text(_html(tables, images, paths, notes))
         old = None
         if folder.exists():
             old = staged.with_name(staged.name + "-old")
@@ -433,6 +546,6 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False) -> int
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    print(f"wrote {folder}: report.md, index.html, {len(images)} figures from "
+    print(f"wrote {folder}: report.md, {'index.html, ' if html else ''}{len(images)} figures from "
           f"{len(records)} records and {len(profiles)} profiles")
     return 0

@@ -1,0 +1,485 @@
+"""``distmm bench STUDY.toml``: run a scaling study and write one record per configuration.
+
+This module covers: the command's options (``add_parser``); the checks of the machine
+before anything runs (the GPUs, ``mpiexec``, dask-cuda a study needs); ``--dry-run``; and
+measuring every configuration of a study (``distmm.cli.study``): the in-process references
+(numpy's BLAS on every core, in-core cuBLAS on one GPU) and the local engine on operands
+made once per problem, a real ``distributed`` cluster per Dask worker count (single-thread
+CPU worker processes, or one dask-cuda worker per GPU) with dask.array measured on the same
+cluster, and one ``mpiexec -n P`` per rank count (``distmm.cli.bench_rank``). Every
+configuration's first call and ``repeats`` warm calls are timed (the record's ``seconds``
+is the warm calls' median), its result is checked against float64 (``check_rows``
+sampled rows of C, or all of them), and its record is appended to the output in one write
+as soon as it is measured, so a killed study keeps what it finished; one progress line per
+configuration.
+It does *not* cover: the study file's schema (``distmm.cli.study``), the ranks' own program
+(``distmm.cli.bench_rank``), the records' format (``distmm.cli.records``) or the plots
+(``distmm report``). dask, distributed, dask_cuda, cupy and mpi4py are imported where used.
+
+Operands: the in-process variants and the MPI ranks multiply the same matrices
+(``distmm.cli.blocks``, made block by block so no rank holds a whole one); the Dask
+variants multiply random operands made and persisted on the workers before the clock
+starts (``distmm.cli.cluster.random_array``), and C stays on the cluster (persisted, not
+gathered). A GPU study's local engine gets numpy operands (host-resident, the stream
+pipeline); cuBLAS, the Dask workers and the MPI ranks hold theirs on the GPU.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from distmm.cli.records import progress_line
+from distmm.cli.study import Config, Study, load_study
+
+__all__ = ["add_parser", "run_bench", "RELERR_BOUND", "default_output"]
+
+#: relerr above this fails the configuration (its record is still written, ``relerr_ok`` false)
+RELERR_BOUND = {"float32": 1e-4, "float64": 1e-11}
+
+
+def add_parser(sub, common) -> None:
+    """Add ``distmm bench`` to the subparsers ``sub`` of ``distmm``."""
+    b = sub.add_parser("bench", parents=[common], help="run a scaling study (a TOML file) and "
+                       "write its records",
+                       description="run the scaling study STUDY.toml (engines, backends, "
+                                   "dtypes, sizes, strong and weak series over device counts, "
+                                   "references measured in the same run) and append one "
+                                   "record per configuration to a JSON-lines file, which "
+                                   "distmm report reads")
+    b.add_argument("study", metavar="STUDY.toml", help="the study file (bench/studies/*.toml)")
+    b.add_argument("-o", "--output", metavar="FILE.jsonl", default=None,
+                   help="the records file, appended to (default: <study>-<device>-<date>.jsonl "
+                        "in the results/ folder beside a studies/ folder holding the study, "
+                        "else in the current folder)")
+    b.add_argument("--dry-run", action="store_true",
+                   help="list the configurations, the clusters and the mpiexec launches, and "
+                        "measure nothing")
+    b.set_defaults(func=lambda args: run_bench(args.study, args.output, dry_run=args.dry_run))
+
+
+# ---------------------------------------------------------------- the command
+
+
+def default_output(study: Study, device: str, date: str) -> Path:
+    """``<results>/<study>-<device-slug>-<date>.jsonl``: ``results/`` beside the ``studies/``
+    folder that holds the study file (``bench/results`` for ``bench/studies/x.toml``), else
+    the current folder."""
+    from distmm.cli.records import slug
+
+    where = Path(study.path).resolve().parent
+    folder = where.parent / "results" if where.name == "studies" else Path.cwd()
+    return folder / f"{study.name}-{slug(device)}-{date}.jsonl"
+
+
+def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = False) -> int:
+    """Run the study ``study_path``; return the exit status (1 when a configuration failed or
+    was off its float64 reference, after the others ran).
+
+    Raises ``ValueError`` (exit 2) for a bad study file or a machine that lacks what it
+    asks for, before anything runs."""
+    study = load_study(study_path)
+    configs = study.configurations()
+    if dry_run:
+        _list(study, configs)
+        return 0
+    _check_machine(study, configs)
+    if output is not None and Path(output).is_dir():
+        raise IsADirectoryError(21, "Is a directory (-o takes a records file)", output)
+    from distmm.cli.records import RecordWriter, cpu_model, gpu_name
+
+    device = gpu_name() if study.device == "gpu" else cpu_model()
+    path = output or default_output(study, device, datetime.date.today().isoformat())
+    writer = RecordWriter(study.benchmark, device, path=path, study=study.name)
+    runner = _Runner(study, configs, writer)
+    print(f"distmm bench {study.name}: {len(configs)} configurations on {device}, run "
+          f"{writer.run}, records to {writer.path}", flush=True)
+    runner.run()
+    failed = runner.failures
+    print(f"distmm bench {study.name}: {runner.written} records in {writer.path}"
+          + (f"; {len(failed)} failed: {'; '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+def _list(study: Study, configs: list[Config]) -> None:
+    clusters = sorted({c.count for c in configs if c.engine == "dask"})
+    launches = sorted({c.count for c in configs if c.engine == "mpi"})
+    unit = "GPU" if study.device == "gpu" else "CPU"
+    print(f"study {study.name} ({study.path}): device {study.device}, {len(configs)} "
+          f"configurations, {study.repeats} warm calls each after the first")
+    for i, c in enumerate(configs, 1):
+        where = {"dask": f"Dask cluster of {c.count} {unit} workers",
+                 "mpi": f"mpiexec -n {c.count}", "local": "this process",
+                 "numpy": "this process", "cublas": "this process, one GPU"}[c.engine]
+        print(f"[{i}/{len(configs)}] {c.describe()}: {where}"
+              + (f", chunks {c.chunk}" if c.chunk else ""))
+    print(f"Dask clusters: {', '.join(map(str, clusters)) or 'none'} workers; mpiexec launches: "
+          f"{', '.join(map(str, launches)) or 'none'} ranks")
+
+
+def _check_machine(study: Study, configs: list[Config]) -> None:
+    """What the study needs of this machine, before anything runs (``ValueError``)."""
+    where = study.path
+    engines = {c.engine for c in configs}
+    if "mpi" in engines:
+        if shutil.which(study.mpiexec[0]) is None:
+            raise ValueError(f"{where}: mpiexec: {study.mpiexec[0]!r} is not on PATH (the "
+                             f"study has an mpi series)")
+    if study.device == "gpu":
+        from distmm.cli.cluster import local_gpus
+
+        need = max(c.count for c in configs)
+        have = local_gpus()
+        if have < need:
+            raise ValueError(f"{where}: device: the study needs {need} GPU(s), this machine "
+                             f"has {have} (cupy and a CUDA driver)")
+        if "dask" in engines:
+            try:
+                import dask_cuda  # noqa: F401
+            except ImportError:
+                raise ValueError(f"{where}: the study's dask series on GPUs need dask-cuda: "
+                                 f"pip install \"distmm[gpu]\"") from None
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _relerr(got, ref) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / den) if den else float(np.linalg.norm(got))
+
+
+def _gpu_sync() -> None:
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+
+
+class _Runner:
+    """Measures the configurations in order and writes their records."""
+
+    def __init__(self, study: Study, configs: list[Config], writer):
+        self.study, self.configs, self.writer = study, configs, writer
+        self.total = len(configs)
+        self.index = {id(c): i for i, c in enumerate(configs, 1)}
+        self.written = 0
+        self.failures: list[str] = []
+        self.cores = len(os.sched_getaffinity(0))
+        self.gpu = study.device == "gpu"
+
+    # -- bookkeeping
+
+    def rows(self, m: int) -> np.ndarray:
+        """The rows of C checked against float64 (the ranks pick the same)."""
+        from distmm.cli.blocks import sample_rows
+
+        return sample_rows(m, self.study.check_rows or m)
+
+    def counts(self, c: Config) -> dict:
+        """The record's count keys (``distmm report`` reads ranks, then gpus, then workers)."""
+        if c.engine == "numpy":
+            return {"threads": self.cores}
+        if c.engine == "cublas":
+            return {"gpus": 1}
+        if c.engine == "local":
+            return {"gpus": 1} if self.gpu else {"workers": c.count, "threads": c.count}
+        if c.engine == "dask":
+            return ({"gpus": c.count, "workers": c.count} if self.gpu
+                    else {"workers": c.count, "threads_per_worker": 1})
+        return {"ranks": c.count, "gpus": c.count} if self.gpu else {"ranks": c.count}
+
+    def common(self, c: Config) -> dict:
+        extra = {"engine": c.engine if c.reference is None else "reference",
+                 "backend": c.backend, "series": c.series, "repeats": self.study.repeats,
+                 "check_rows": self.study.check_rows, "cores": self.cores}
+        extra.update(self.counts(c))
+        if c.per_device is not None:
+            extra["per_device"] = c.per_device
+        if c.chunk is not None:
+            extra["chunk"] = c.chunk
+        if self.study.note:
+            extra["note"] = self.study.note
+        return extra
+
+    def write(self, c: Config, first: float, times: list[float], relerr: float | None,
+              checked: int, **extra) -> None:
+        seconds = float(np.median(times))
+        ok = relerr is not None and relerr <= RELERR_BOUND[c.dtype]
+        rec = self.writer.add(c.variant, c.dtype, c.m, c.n, c.k, seconds, relerr,
+                              first_seconds=first, all_seconds=times, relerr_rows=checked,
+                              relerr_ok=ok, **{**self.common(c), **extra})
+        self.written += 1
+        print(progress_line(self.index[id(c)], self.total, rec), flush=True)
+        if not ok:
+            self.failures.append(f"{c.describe()}: relerr {relerr} above "
+                                 f"{RELERR_BOUND[c.dtype]:g}")
+
+    def fail(self, c: Config, exc: BaseException) -> None:
+        if not isinstance(exc, Exception):
+            raise exc
+        line = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"[{self.index[id(c)]}/{self.total}] {c.describe()}: FAILED ({line})", flush=True)
+        self.failures.append(f"{c.describe()}: {line}")
+
+    def skip(self, c: Config, why: str) -> None:
+        print(f"[{self.index[id(c)]}/{self.total}] {c.describe()}: skipped ({why})", flush=True)
+
+    # -- the order
+
+    def run(self) -> None:
+        groups: dict[tuple, list[Config]] = {}
+        for c in self.configs:
+            if c.engine in ("numpy", "cublas", "local"):
+                key = ("process", c.dtype, c.m, c.n, c.k)
+            else:
+                key = (c.engine, c.count)
+            groups.setdefault(key, []).append(c)
+        for key, group in groups.items():
+            if key[0] == "process":
+                self.in_process(group)
+            elif key[0] == "dask":
+                self.dask(key[1], group)
+            else:
+                self.mpi(key[1], group)
+
+    # -- in this process: numpy, cuBLAS, the local engine
+
+    def in_process(self, group: list[Config]) -> None:
+        from distmm.cli import blocks
+
+        c0 = group[0]
+        m, n, k, dtype, seed = c0.m, c0.n, c0.k, c0.dtype, self.study.seed
+        group = [c for c in group if c.engine != "cublas" or self.cublas_fits(c)]
+        if not group:  # nothing left to measure: no operands made
+            return
+        a = blocks.full(blocks.A, (m, k), dtype, seed)
+        b = blocks.full(blocks.B, (k, n), dtype, seed)
+        rows = self.rows(m)
+        ref = blocks.rows_product(a[rows], b)
+        for c in group:
+            try:
+                if c.engine == "numpy":
+                    self.timed(c, lambda: a @ b, rows, ref)
+                elif c.engine == "cublas":
+                    self.cublas(c, a, b, rows, ref)
+                else:
+                    self.local(c, a, b, rows, ref)
+            except Exception as exc:
+                self.fail(c, exc)
+        del a, b
+        gc.collect()
+
+    def timed(self, c: Config, fn, rows, ref, *, sync=None, get=np.asarray, index=None,
+              **extra) -> None:
+        """Time the first call of ``fn`` and ``repeats`` more; check the first's rows ``rows``
+        (``index``: the same rows as the result's array type takes them)."""
+        def once():
+            t0 = time.perf_counter()
+            out = fn()
+            if sync:
+                sync()
+            return time.perf_counter() - t0, out
+
+        first, out = once()
+        relerr = _relerr(get(out[rows if index is None else index]), ref)
+        del out
+        times = []
+        for _ in range(self.study.repeats):
+            seconds, out = once()
+            del out
+            times.append(seconds)
+        self.write(c, first, times, relerr, len(rows), **extra)
+
+    def local(self, c: Config, a, b, rows, ref) -> None:
+        import dask.config
+
+        import distmm
+
+        options = {} if self.gpu else {"distmm.local-threads": c.count}
+        with dask.config.set(options):
+            self.timed(c, lambda: distmm.matmul(a, b, engine="local", backend=c.backend),
+                       rows, ref, residency="host")
+
+    def cublas_fits(self, c: Config) -> bool:
+        """Whether A, B and C of ``c`` fit the GPU's free memory; says so when not."""
+        import cupy
+
+        itemsize = np.dtype(c.dtype).itemsize
+        need = (c.m * c.k + c.k * c.n + c.m * c.n) * itemsize
+        free = cupy.cuda.Device().mem_info[0]
+        if need <= 0.95 * free:
+            return True
+        self.skip(c, f"in-core cuBLAS needs {need / 2**30:.1f} GiB, the GPU has "
+                     f"{free / 2**30:.1f} GiB free")
+        return False
+
+    def cublas(self, c: Config, a, b, rows, ref) -> None:
+        import cupy
+
+        a_d, b_d = cupy.asarray(a), cupy.asarray(b)
+        out = cupy.empty((c.m, c.n), dtype=a.dtype)
+        try:
+            self.timed(c, lambda: cupy.matmul(a_d, b_d, out=out), rows, ref, sync=_gpu_sync,
+                       get=lambda x: x.get(), index=cupy.asarray(rows), residency="device")
+        finally:
+            del a_d, b_d, out
+            cupy.get_default_memory_pool().free_all_blocks()
+
+    # -- a Dask cluster per count
+
+    def dask(self, count: int, group: list[Config]) -> None:
+        from distributed import Client
+
+        from distmm.cli.cluster import cpu_cluster, gpu_cluster
+
+        try:
+            cluster = (gpu_cluster(",".join(map(str, range(count)))) if self.gpu
+                       else cpu_cluster(count))
+        except Exception as exc:
+            for c in group:
+                self.fail(c, exc)
+            return
+        with cluster, Client(cluster) as client:
+            client.wait_for_workers(count, timeout=120)
+            problems: dict[tuple, list[Config]] = {}
+            for c in group:
+                problems.setdefault((c.dtype, c.m, c.n, c.k, c.chunk), []).append(c)
+            for (dtype, m, n, k, chunk), configs in problems.items():
+                try:
+                    self.dask_problem(client, configs, dtype, m, n, k, chunk)
+                except Exception as exc:  # the operands or the check failed: all of them
+                    for c in configs:
+                        self.fail(c, exc)
+
+    def dask_problem(self, client, configs, dtype, m, n, k, chunk) -> None:
+        import dask.array as da
+        from distributed import wait
+
+        import distmm
+        from distmm.cli.cluster import random_array, sync_workers, to_host
+
+        seed = self.study.seed
+        a = random_array((m, k), chunk, dtype, seed=2 * seed + 1, gpu=self.gpu).persist()
+        b = random_array((k, n), chunk, dtype, seed=2 * seed + 2, gpu=self.gpu).persist()
+        wait([a, b])
+        rows = self.rows(m)
+        a64 = to_host(a)[rows].astype(np.float64)
+        ref = da.matmul(a64, to_host(b).astype(np.float64)).compute()
+        keep = a.npartitions + b.npartitions
+        for c in configs:
+            def product(c=c):
+                if c.reference == "dask.array":
+                    return (a @ b).persist()
+                return distmm.matmul(a, b, engine="dask", client=client,
+                                     backend=c.backend).persist()
+
+            def once(c=c):
+                t0 = time.perf_counter()
+                out = product()
+                wait(out)
+                if self.gpu:
+                    sync_workers(client)
+                return time.perf_counter() - t0, out
+
+            try:
+                first, out = once()
+                relerr = _relerr(to_host(out)[rows].compute(), ref)
+                del out
+                _settle(client, keep)
+                times = []
+                for _ in range(self.study.repeats):
+                    seconds, out = once()
+                    del out
+                    _settle(client, keep)
+                    times.append(seconds)
+                self.write(c, first, times, relerr, len(rows), residency="cluster")
+            except Exception as exc:
+                self.fail(c, exc)
+                _settle(client, keep)
+        del a, b, a64
+        _settle(client, 0)
+
+    # -- one mpiexec per count
+
+    def mpi(self, count: int, group: list[Config]) -> None:
+        from distmm.cli import bench_rank
+
+        # a CPU rank's BLAS threads; on GPUs only the threads that make each rank's blocks
+        threads = self.study.threads_per_rank or max(1, self.cores // count)
+        spec = {"configs": [bench_rank.config_to_dict(c, self.index[id(c)]) for c in group],
+                "total": self.total, "repeats": self.study.repeats,
+                "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,
+                "threads": threads, "output": str(self.writer.path),
+                "relerr_bound": RELERR_BOUND,
+                "record": {"run": self.writer.run, "benchmark": self.writer.benchmark,
+                           "device": self.writer.device, "commit": self.writer.commit,
+                           "date": self.writer.date, **self.writer.common},
+                "extra": {str(self.index[id(c)]): self.common(c) for c in group}}
+        env = dict(os.environ)
+        if not self.gpu:  # each rank's BLAS gets its share of the cores
+            env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                       MKL_NUM_THREADS=str(threads))
+        fd, spec_path = tempfile.mkstemp(prefix="distmm-bench-", suffix=".json")
+        status_path = spec_path[:-5] + "-status.jsonl"
+        spec["status"] = status_path
+        with os.fdopen(fd, "w") as fh:
+            json.dump(spec, fh)
+        argv = [*self.study.mpiexec, "-n", str(count), sys.executable, "-m", "mpi4py", "-m",
+                "distmm.cli.bench_rank", spec_path]
+        proc = subprocess.Popen(argv, env=env)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        finally:
+            os.unlink(spec_path)
+        done = {}
+        if os.path.exists(status_path):
+            with open(status_path) as fh:
+                for line in fh:
+                    entry = json.loads(line)
+                    done[entry["index"]] = entry
+            os.unlink(status_path)
+        for c in group:
+            entry = done.get(self.index[id(c)])
+            if entry is None:
+                self.fail(c, RuntimeError(f"not measured: mpiexec -n {count} ended with status "
+                                          f"{code}"))
+                continue
+            self.written += 1
+            if not entry["ok"]:
+                self.failures.append(f"{c.describe()}: {entry['why']}")
+
+
+def _settle(client, keep: int, timeout: float = 30, still: float = 2.0) -> None:
+    """Wait until the scheduler holds no more than ``keep`` results in memory (the
+    operands), so that a dropped C is gone before the next call starts; or until the count
+    has not moved for ``still`` seconds (what an engine keeps on purpose), or ``timeout``."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        held = client.run_on_scheduler(lambda dask_scheduler: sum(
+            ts.state == "memory" for ts in dask_scheduler.tasks.values()))
+        if held <= keep:
+            return
+        if held != last:
+            last, since = held, time.monotonic()
+        elif time.monotonic() - since > still:
+            return
+        time.sleep(0.02)

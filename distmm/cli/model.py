@@ -1,0 +1,280 @@
+"""``distmm calibrate`` and ``distmm model``: their options, and what they print.
+
+This module covers: the parsers of both commands (``add_parsers``, called by
+``distmm.cli.commands.build_parser``), ``distmm calibrate [-o FILE] [--quick]
+[--from-records FILES --machine NAME]`` (measure this machine, or derive a calibration from
+benchmark records, and store it), and ``distmm model --gpus 8,64 M N K`` (per device count:
+predicted time and its parts, efficiency, the best grid and its replication, the words a rank
+touches against the 2D / 2.5D / 3D lower bounds, and a warning first where a rank's memory
+will not suffice) and ``distmm model --validate RECORDS... [-o FILE.jsonl]`` (the model against
+every configuration in the records, a table, and records with ``predicted_seconds``).
+
+It does *not* cover: the model (``distmm.plan_model``), measuring (``distmm.cli.calibrate``),
+or reading records (``distmm.cli.validate``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["add_parsers", "run_calibrate", "run_model"]
+
+
+def _counts(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of device counts") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"device counts must be at least 1, got {value}")
+        out.append(value)
+    return out
+
+
+def _size(text: str) -> int:
+    from dask.utils import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
+    return int(value)
+
+
+def add_parsers(sub, common, dtype_type, count_type) -> None:
+    """Add ``calibrate`` and ``model`` to the ``distmm`` parser's subcommands."""
+    from distmm.plan_model import DEVICE_KINDS, ENGINES, LINKS
+
+    c = sub.add_parser("calibrate", parents=[common],
+                       help="measure the performance model's parameters on this machine",
+                       description="measure GEMM rates, memory, MPI, TCP and file bandwidths "
+                                   "(and on GPUs cuBLAS, PCIe and NCCL) and store them as JSON; "
+                                   "or derive them from benchmark records")
+    c.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="where to store it (default: a per-host file under the user's cache "
+                        "folder, ~/.cache/distmm/calibration-HOST.json)")
+    c.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats (seconds, for tests)")
+    c.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
+                   help="derive the calibration from benchmark records (.jsonl) and --profile "
+                        "files (.json) instead of measuring")
+    c.add_argument("--machine", default=None,
+                   help="with --from-records: which machine's records (a device name such as "
+                        "'NVIDIA H200'; default: the only one, or the GPU one)")
+    c.set_defaults(func=run_calibrate)
+
+    m = sub.add_parser("model", parents=[common],
+                       help="predict time, efficiency and the best grid per device count",
+                       description="the calibrated performance model: per device count the "
+                                   "predicted time, efficiency, best grid, communication against "
+                                   "the 2D/2.5D/3D lower bounds and a memory check; or, with "
+                                   "--validate, the model against measured records")
+    m.add_argument("sizes", nargs="*", type=count_type, metavar="M N K",
+                   help="C[M,N] = A[M,K] @ B[K,N]")
+    m.add_argument("--gpus", "--devices", dest="devices", type=_counts, default=None,
+                   metavar="P1,P2,...", help="device counts (ranks or workers), e.g. 8,64,512")
+    m.add_argument("--dtype", type=dtype_type, default="float32",
+                   help="result element type (default float32)")
+    m.add_argument("--engine", choices=ENGINES, default="mpi",
+                   help="mpi: in-core SUMMA; batch: mpirun distmm matmul on files; dask: block "
+                        "layout (GPU workers) or tiles (CPU workers) (default mpi)")
+    m.add_argument("--device", choices=DEVICE_KINDS, default="gpu",
+                   help="what each rank or worker computes on (default gpu)")
+    m.add_argument("--calibration", default=None, metavar="FILE",
+                   help="a stored calibration (default: this host's, else nominal H100 values)")
+    m.add_argument("--link", choices=LINKS, default=None,
+                   help="the link between ranks (default: nvlink for GPU ranks, ipc for GPU "
+                        "workers, mpi-host for CPU ranks, tcp for CPU workers)")
+    m.add_argument("--memory", type=_size, default=None, metavar="SIZE",
+                   help="memory of one device, e.g. 80GiB (default: the calibration's)")
+    m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS",
+                   help="compare the model with every configuration in these records")
+    m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl",
+                   help="with --validate: write the comparison as records (predicted_seconds)")
+    m.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    m.set_defaults(func=run_model)
+
+
+# ------------------------------------------------------------------------- calibrate
+
+
+def run_calibrate(args) -> int:
+    from distmm.cli import calibrate as cb
+
+    path = Path(args.output) if args.output else cb.default_path()
+    if path.exists() and path.is_dir():
+        raise IsADirectoryError(21, "a folder, not a file", str(path))
+    if args.from_records:
+        if args.quick:
+            raise ValueError("--quick measures; it does not go with --from-records")
+        records = cb.load_records(args.from_records)
+        machines = sorted({cb.machine_of(r["device"]) for r in records if "device" in r})
+        machine = args.machine
+        if machine is None:
+            gpus = [mm for mm in machines if mm.startswith("NVIDIA")]
+            if len(machines) == 1 or len(gpus) == 1:
+                machine = machines[0] if len(machines) == 1 else gpus[0]
+            else:
+                raise ValueError(f"the records hold several machines ({', '.join(machines)}): "
+                                 f"name one with --machine")
+        cal = cb.from_records(records, machine)
+    else:
+        if args.machine:
+            raise ValueError("--machine goes with --from-records")
+        cal = cb.measure(quick=args.quick,
+                         progress=lambda line: print(f"calibrate: {line}", file=sys.stderr,
+                                                     flush=True))
+    cb.save(cal, path)
+    _print_calibration(cal)
+    print(f"stored in {path}")
+    return 0
+
+
+def _print_calibration(cal) -> None:
+    print(f"calibration of {cal.machine}")
+    for key, rate in sorted(cal.gemm.items()):
+        print(f"  GEMM {key:14} {rate.peak / 1e12:9.3f} TFLOP/s peak, half rate at "
+              f"min(m,n,k) = {rate.half_size:.0f}  [{cal.sources.get(key, '?')}]")
+    for name, link in sorted(cal.links.items()):
+        print(f"  link {name:14} {link.bandwidth / 1e9:9.2f} GB/s, latency "
+              f"{link.latency * 1e6:.1f} us  [{cal.sources.get(name, '?')}]")
+    print(f"  files: read {cal.file_read / 1e9:.2f} GB/s, write {cal.file_write / 1e9:.2f} GB/s"
+          f"  [{cal.sources.get('file_write', '?')}]")
+    mem = ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in sorted(cal.memory_bandwidth.items()))
+    print(f"  memory bandwidth: {mem}")
+
+
+# ------------------------------------------------------------------------- model
+
+
+def _calibration(path_text):
+    from distmm.cli import calibrate as cb
+    from distmm.plan_model import default_calibration
+
+    if path_text:
+        return cb.load(path_text), str(path_text)
+    path = cb.default_path()
+    if path.exists():
+        return cb.load(path), str(path)
+    return default_calibration(), f"none stored at {path}: nominal values (run distmm calibrate)"
+
+
+def _words(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def run_model(args) -> int:
+    if args.validate:
+        if args.sizes or args.devices:
+            raise ValueError("--validate takes records only, not M N K or --gpus")
+        return _validate(args)
+    if args.output:
+        raise ValueError("-o goes with --validate")
+    if len(args.sizes) != 3:
+        raise ValueError(f"model needs three sizes M N K, got {len(args.sizes)}")
+    if not args.devices:
+        raise ValueError("model needs --gpus P1,P2,... (device counts)")
+    from distmm.plan_model import best_plan, predict
+
+    m, n, k = args.sizes
+    cal, where = _calibration(args.calibration)
+    cal.rate(args.device, _acc(args.dtype))  # a missing rate fails before anything prints
+    rows = []
+    for p in args.devices:
+        best = best_plan(m, n, k, args.dtype, devices=p, calibration=cal, engine=args.engine,
+                         device=args.device, link=args.link, memory=args.memory)
+        own = best if args.engine != "mpi" else predict(
+            m, n, k, args.dtype, devices=p, calibration=cal, engine=args.engine,
+            device=args.device, link=args.link, memory=args.memory)
+        rows.append((p, best, own))
+    if args.json:
+        for p, best, own in rows:
+            print(json.dumps({**best.to_dict(), "engine_grid": list(own.grid),
+                              "engine_seconds": own.seconds, "calibration": cal.machine}))
+        for _, best, _ in rows:
+            if best.memory_warning():
+                print(best.memory_warning(), file=sys.stderr)
+        return 0
+    for _, best, _ in rows:  # before the table: a run would fail
+        if best.memory_warning():
+            print(best.memory_warning())
+    link = rows[0][1].link
+    print(f"C[{m},{n}] = A[{m},{k}] @ B[{k},{n}] {args.dtype.name}; engine {args.engine} on "
+          f"{args.device}s, link {link}; calibration: {cal.machine} ({where})")
+    head = (f"{'devices':>8} {'time s':>10} {'eff':>6} {'best grid':>12} {'c':>3} "
+            f"{'compute':>9} {'comm':>9} {'io':>8} {'fixed':>7} {'recv/rank':>10} "
+            f"{'words/rank':>10} {'2D bound':>9} {'2.5D bound':>10} {'3D bound':>9} "
+            f"{'mem/rank':>9}")
+    print(head)
+    for p, best, own in rows:
+        g = "x".join(map(str, best.grid))
+        b = best.bounds
+        print(f"{p:>8} {best.seconds:>10.4g} {best.efficiency:>6.2f} {g:>12} "
+              f"{best.replication:>3} {best.compute:>9.4g} {best.communication:>9.3g} "
+              f"{best.io:>8.3g} {best.overhead:>7.3g} {best.bytes_received / 2**30:>8.3g}Gi "
+              f"{_words(best.words_touched):>10} {_words(b.two_d):>9} "
+              f"{_words(b.two_and_half_d) + f' c={b.replication}':>10} {_words(b.three_d):>9} "
+              f"{best.memory_needed / 2**30:>7.3g}Gi")
+        if own.grid != best.grid:
+            print(f"{'':>8} distmm's own grid {'x'.join(map(str, own.grid))}: "
+                  f"{own.seconds:.4g} s")
+    print("words/rank: elements one rank loads or holds (its A and B panels, C and partials); "
+          "bounds after Kwasniewski et al. SC19 (2D/2.5D: 2mnk/(P sqrt S); 3D: 3(mnk/P)^(2/3))")
+    return 0
+
+
+def _acc(dtype):
+    from distmm.plan import accumulate_dtype
+
+    return accumulate_dtype(dtype)
+
+
+def _validate(args) -> int:
+    from distmm.cli.model_records import load_records
+    from distmm.cli.validate import TARGET, validate, validation_records
+
+    calibration = _calibration(args.calibration)[0] if args.calibration else None
+    for path in args.validate:
+        if not Path(path).is_file():
+            raise FileNotFoundError(2, "no such record file", path)
+    rows = validate(load_records(args.validate), calibration=calibration)
+    if not rows:
+        raise ValueError("no distmm measurement the model describes in these records")
+    print(f"{'machine':18} {'configuration':40} {'dtype':7} {'size':>6} {'grid':>8} "
+          f"{'measured':>9} {'predicted':>9} {'error':>7} {'role':9} runs")
+    for r in rows:
+        grid = "x".join(map(str, r["grid"]))
+        mark = "" if r["within"] else "  <- outside"
+        print(f"{r['machine'][:18]:18} {r['label'][:40]:40} {r['dtype']:7} {r['m']:>6} "
+              f"{grid:>8} {r['seconds']:>9.4g} {r['predicted_seconds']:>9.4g} "
+              f"{r['error']:>+7.1%} {r['role']:9} {r['runs']}{mark}")
+    inside = sum(r["within"] for r in rows)
+    held = [r for r in rows if r["role"] == "held-out"]
+    print(f"{inside} of {len(rows)} configurations within {TARGET:.0%} "
+          f"({sum(r['within'] for r in held)} of {len(held)} held out)")
+    if args.output:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        recs = validation_records(rows, run=now.strftime("%Y%m%dT%H%M%SZ"),
+                                  commit=os.environ.get("DISTMM_COMMIT", "unknown"),
+                                  date=now.strftime("%Y-%m-%d"))
+        out = Path(args.output)
+        tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        print(f"wrote {len(recs)} records to {out}")
+    return 0

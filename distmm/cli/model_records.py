@@ -1,0 +1,130 @@
+"""Benchmark records as the performance model reads them.
+
+This module covers: loading record files (JSON lines) and ``--profile`` files
+(``load_records``), a record's machine (``machine_of``), which records are distmm measurements
+the model describes and how (``configuration``: the MPI engine in core on GPUs or CPU ranks,
+the batch path ``mpirun distmm matmul`` on files, the Dask engine on GPU workers (one, two,
+two sharing a GPU, one beside CPU workers) and on CPU workers), the model's prediction for one
+(``predict_record``), and which measurements the fixed costs are fitted on (``fit_subset``).
+
+It does *not* cover: deriving a calibration (``distmm.cli.calibrate``) or the comparison
+(``distmm.cli.validate``). References (cuBLAS, numpy, dask.array, peers), the local engine and
+the kernel benchmarks are no configurations of the model: ``configuration`` gives None.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distmm.plan_model import Calibration, Prediction, predict
+
+__all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
+           "DEVICE_MEMORY", "KEYS"]
+
+#: bytes per GPU by device name (the records do not carry it)
+DEVICE_MEMORY = {"H100": 80 * 2**30, "H200": 141 * 10**9}
+
+
+def load_records(paths) -> list[dict]:
+    """Benchmark records (JSON lines) and ``--profile`` files (``distmm-profile-1``, one or a
+    mapping of several), each record tagged with its ``_file``; profiles come back as
+    ``{"profile": name, "_file": ..., **profile}``."""
+    out = []
+    for path in paths:
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+            if isinstance(data, dict) and data.get("format") == "distmm-profile-1":
+                data = {path.stem: data}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: neither a profile nor a mapping of profiles")
+            for name, prof in data.items():
+                if isinstance(prof, dict) and prof.get("format") == "distmm-profile-1":
+                    out.append({"profile": name, "_file": path.name, **prof})
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
+            rec["_file"] = path.name
+            out.append(rec)
+    return out
+
+
+def machine_of(device: str) -> str:
+    """A record's ``device`` as a machine name: the GPU model, or the CPU's name."""
+    for gpu in DEVICE_MEMORY:
+        if gpu in device:
+            return f"NVIDIA {gpu}"
+    return device
+
+
+def fit_subset(rec: dict) -> bool:
+    """Whether a distmm measurement is one the fixed costs are fitted on: one device (one GPU,
+    one rank or one worker) at the smaller size each benchmark ran. Everything else (every
+    configuration on several devices, every larger size) is held out."""
+    size = min(rec.get("m", 0), rec.get("n", 0), rec.get("k", 0))
+    bench = rec.get("benchmark")
+    if bench == "mpi-batch":
+        return rec.get("variant") in ("batch-1", "mpirun-1") and size <= 32768
+    if bench == "dask-gpu":
+        return rec.get("setting") == "1gpu" and size <= 16384 and rec.get("dtype") == "float32"
+    if bench == "mpi":
+        return rec.get("ranks") == 1 and (rec.get("gpus") or 1) <= 1
+    return False
+
+
+def configuration(rec: dict) -> dict | None:
+    """How the model describes a record, or None for a record that is no distmm measurement
+    of an engine it models."""
+    bench, variant = rec.get("benchmark"), str(rec.get("variant", ""))
+    if "profile" in rec or not rec.get("seconds") or not rec.get("m"):
+        return None
+    base = {"m": rec["m"], "n": rec["n"], "k": rec["k"], "dtype": rec["dtype"]}
+    if bench == "mpi" and variant == "distmm-mpi":
+        ranks = int(rec.get("ranks") or 1)
+        grid = tuple(rec["grid"]) if rec.get("grid") else None
+        if rec.get("mode") == "gpu":
+            gpus = int(rec.get("gpus") or 1)
+            return {**base, "engine": "mpi", "device": "gpu", "devices": ranks,
+                    "ranks_per_device": max(1, ranks // max(gpus, 1)), "grid": grid,
+                    "label": f"mpi gpu {ranks} rank(s) on {gpus} GPU(s)"}
+        threads = int(rec.get("threads_per_rank") or 1)
+        cores = int(rec.get("threads") or ranks * threads)
+        return {**base, "engine": "mpi", "device": "cpu", "devices": ranks, "grid": grid,
+                "threads_per_rank": threads,
+                "ranks_per_device": max(1, -(-ranks * threads // max(cores, 1))),
+                "label": f"mpi cpu {ranks} rank(s) on {cores} cores"}
+    if bench == "mpi-batch" and (variant.startswith("mpirun-") or variant == "batch-1"):
+        ranks = int(rec.get("ranks") or 1)
+        grid = tuple(rec["grid"])[-2:] if rec.get("grid") else None
+        return {**base, "engine": "batch", "device": "gpu", "devices": ranks, "grid": grid,
+                "label": f"batch {variant}"}
+    if bench == "dask-gpu" and variant.startswith("distmm-dask"):
+        setting = rec.get("setting")
+        conf = {**base, "engine": "dask", "device": "gpu", "label": f"dask gpu {variant}"}
+        if setting == "shared":
+            return {**conf, "devices": 2, "ranks_per_device": 2}
+        if setting == "mixed":
+            return {**conf, "devices": int(rec.get("gpu_workers") or 1),
+                    "extra_cpu_workers": int(rec.get("cpu_workers") or 0)}
+        return {**conf, "devices": int(rec.get("gpus") or 1)}
+    if bench == "cpu" and variant == "distmm-dask":
+        return {**base, "engine": "dask", "device": "cpu", "devices": int(rec.get("workers") or 1),
+                "label": "dask cpu"}
+    return None
+
+
+#: the arguments of ``predict`` a configuration may carry
+KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_rank",
+         "extra_cpu_workers", "link")
+
+
+def predict_record(conf: dict, cal: Calibration) -> Prediction:
+    """The model's prediction for a ``configuration``."""
+    kwargs = {k: conf[k] for k in KEYS if conf.get(k) is not None}
+    return predict(conf["m"], conf["n"], conf["k"], conf["dtype"], calibration=cal, **kwargs)

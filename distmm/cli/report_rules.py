@@ -1,0 +1,38 @@
+"""``distmm report``'s naming rules for records: how many took part, the series a variant
+belongs to, and which variants are references.
+
+This module covers: ``count_of``, ``family`` and ``is_reference`` (their rules are spelled out
+in ``distmm.cli.report``'s docstring), shared by the report's sections.
+It does *not* cover: reading records or drawing anything (``distmm.cli.report``,
+``distmm.cli.report_roofline``, ``distmm.cli.report_model``).
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["REFERENCES", "COUNT_KEYS", "count_of", "family", "is_reference"]
+
+REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
+COUNT_KEYS = ("ranks", "gpus", "workers")
+
+
+def count_of(record: dict) -> tuple[str, int]:
+    """The key and value of how many took part: the first of ``ranks``, ``gpus``,
+    ``workers`` present and not null, else ``("ranks", 1)``."""
+    for key in COUNT_KEYS:
+        if record.get(key) is not None:
+            return key, int(record[key])
+    return "ranks", 1
+
+
+def family(variant: str, count: int) -> str:
+    """``variant`` without its count token: ``family("mpirun-4-h5", 4) == "mpirun-h5"``,
+    ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
+    token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
+    return re.sub(token, "", variant, count=1) or variant
+
+
+def is_reference(variant: str) -> bool:
+    """Whether ``variant`` is a reference: one of ``REFERENCES``, alone or followed by
+    ``-``, ``@`` or ``.``."""
+    return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant) for r in REFERENCES)

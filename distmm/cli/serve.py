@@ -1,0 +1,501 @@
+"""``distmm cluster``: a local Dask cluster served until a signal stops it.
+
+This module covers:
+
+- the command's options (``add_parser``) and their checks, all made before anything starts:
+  GPUs (``--gpus``: how many or which; 0 for CPU workers), workers, threads and memory per
+  worker, the scheduler's host, port and dashboard, the scheduler file;
+- starting the workers: dask-cuda workers, one per GPU (``distmm.cli.cluster.gpu_cluster``;
+  ``--workers W`` puts W workers on each GPU) where GPUs and dask-cuda are present, else
+  CPU worker processes (``cpu_cluster``);
+- the scheduler file, in distributed's format (the scheduler's identity as JSON), which
+  ``distmm matmul --scheduler-file`` and ``distributed.Client(scheduler_file=...)`` read.
+  It appears whole (written beside its target, then linked into place) once every worker
+  is up, so a file that exists names a cluster ready to run products; an existing file is
+  refused unless ``--overwrite``;
+- serving until SIGINT or SIGTERM, then closing the workers and the scheduler, making sure
+  no worker process outlives the command, and removing the scheduler file when it is still
+  the one this command wrote. A second signal during that stops at once (worker processes
+  are killed, the file still removed).
+
+Exit status: 130 after SIGINT, 143 after SIGTERM (128 + the signal, as the rest of the
+command line and the shell report a process a signal ended), once the cluster is closed;
+2 for bad options; 1 when the cluster fails to start or to close.
+
+Worker processes ignore SIGINT (``distmm.cli.worker_setup``, a preload), so that Ctrl-C at
+a terminal, which reaches every process of the foreground group, stops them through this
+command's orderly close rather than by ``KeyboardInterrupt`` inside each of them.
+
+It does *not* cover: connecting to a cluster (``distmm.cli.connect``), clusters of
+several machines or batch jobs (``deploy/``), or running products.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["add_parser", "run_cluster"]
+
+#: seconds ``cluster.close`` may take before the worker processes left are killed
+CLOSE_TIMEOUT = 30.0
+#: the preload every worker runs as it starts (it ignores SIGINT)
+WORKER_SETUP = "distmm.cli.worker_setup"
+#: seconds the workers may take to start
+START_TIMEOUT = 120.0
+
+
+# ---------------------------------------------------------------- option types
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
+        return value
+    return parse
+
+
+def _gpus(text: str):
+    """``all``, a count (``0``: CPU workers) or a list of GPU indices (``0,2``; ``3,`` for
+    GPU 3 alone)."""
+    text = text.strip()
+    if text == "all":
+        return "all"
+    if "," not in text:
+        return _at_least(0)(text)
+    try:
+        picked = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count or a list of GPU indices "
+                                         f"such as 0,2") from None
+    if not picked or min(picked) < 0 or len(set(picked)) != len(picked):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices must be distinct and not "
+                                         f"negative")
+    return tuple(picked)
+
+
+def _memory_limit(text: str) -> str:
+    """dask's per-worker ``memory_limit``: ``auto``, ``0``/``none`` (no limit), a fraction
+    of the machine's memory (``0.5``) or a size (``4GiB``, ``4e9``)."""
+    from dask.utils import parse_bytes
+
+    low = text.strip().lower()
+    if low in ("auto", "none", "0"):
+        return "auto" if low == "auto" else "0"
+    try:
+        value = float(low)
+    except ValueError:
+        value = None
+    if value is not None:
+        if not (0 < value <= 1 or (value > 1 and value == int(value))):
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction of the memory "
+                                             f"(0 to 1) nor a whole number of bytes")
+        return text.strip()
+    try:
+        if parse_bytes(text) <= 0:
+            raise ValueError("not positive")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: auto, 0 (none), a "
+                                         f"fraction such as 0.5 or a size such as 4GiB") from None
+    return text.strip()
+
+
+def _port(text: str) -> int:
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return value
+
+
+def _dashboard(text: str):
+    """``:8787``, ``host:port``, a port, or ``none``."""
+    text = text.strip()
+    if text.lower() == "none":
+        return None
+    host, _, port = text.rpartition(":") if ":" in text else ("", "", text)
+    try:
+        _port(port)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dashboard address such as :8787, "
+                                         f"host:8787 or none") from None
+    return f"{host}:{int(port)}"
+
+
+def add_parser(sub, common) -> None:
+    """Register ``distmm cluster`` on the subparsers ``sub`` (``common``: the shared
+    ``--debug``)."""
+    c = sub.add_parser("cluster", parents=[common],
+                       help="serve a local Dask cluster (GPU or CPU workers) until Ctrl-C",
+                       description="start a Dask scheduler and workers on this machine: one "
+                                   "dask-cuda worker per GPU where GPUs and dask-cuda are "
+                                   "present, CPU worker processes otherwise; print where they "
+                                   "are and serve until SIGINT or SIGTERM, then close them and "
+                                   "remove the scheduler file written. Use it with distmm matmul "
+                                   "--scheduler ADDRESS or --scheduler-file FILE, or "
+                                   "distributed.Client(scheduler_file=FILE).",
+                       epilog="exit status: 130 after SIGINT, 143 after SIGTERM once the "
+                              "cluster is closed; 2 bad arguments; 1 a cluster that failed "
+                              "to start or to close")
+    c.add_argument("--gpus", type=_gpus, default="all", metavar="N|LIST",
+                   help="GPUs to start workers on: all (default: every GPU this process sees, "
+                        "CPU workers if none or without dask-cuda), a count N (the first N), a "
+                        "list of indices such as 0,2 (3, for GPU 3 alone), or 0 for CPU workers")
+    c.add_argument("--workers", type=_at_least(1), default=None,
+                   help="CPU worker processes (default: the usable cores divided by --threads); "
+                        "on GPUs, workers per GPU (default 1)")
+    c.add_argument("--threads", type=_at_least(1), default=1,
+                   help="threads per worker (default 1)")
+    c.add_argument("--memory-limit", type=_memory_limit, default="auto", metavar="LIMIT",
+                   help="host memory per worker, in dask's terms: auto (default: the machine's "
+                        "memory split between the workers), 0 (no limit), a fraction such as "
+                        "0.5, or a size such as 4GiB")
+    c.add_argument("--scheduler-file", metavar="FILE", default=None,
+                   help="write the scheduler's address here (distributed's JSON format) once "
+                        "every worker is up; removed again at the stop")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --scheduler-file (by default it is refused)")
+    c.add_argument("--host", default="127.0.0.1",
+                   help="interface the scheduler and workers listen on (default 127.0.0.1: "
+                        "this machine only; Dask has no authentication of its own)")
+    c.add_argument("--port", type=_port, default=8786,
+                   help="the scheduler's port (default 8786, dask's; 0: any free port)")
+    c.add_argument("--dashboard-address", type=_dashboard, default=":8787", metavar="ADDRESS",
+                   help="the dashboard's [host]:port (default :8787; another port if that one "
+                        "is taken), or none")
+    c.add_argument("--protocol", default="tcp", choices=["tcp", "ucx", "auto"],
+                   help="GPU workers' comms: tcp (default), ucx (needs distributed-ucxx), auto "
+                        "(ucx where installed); CPU workers use tcp")
+    c.set_defaults(func=run_cluster)
+
+
+# ---------------------------------------------------------------- checks before starting
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _choose_gpus(wanted) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entries to start workers on, or None for CPU workers;
+    ``ValueError``/``BackendUnavailable`` for GPUs asked for that are not there."""
+    import importlib.util
+
+    from distmm.cli.cluster import local_gpus
+    from distmm.errors import BackendUnavailable
+
+    if wanted == 0:
+        return None
+    seen = local_gpus()
+    has_dask_cuda = importlib.util.find_spec("dask_cuda") is not None
+    if wanted == "all":
+        if seen == 0 or not has_dask_cuda:
+            if seen:
+                print(f"distmm cluster: {seen} GPU(s) seen but dask-cuda is not installed: CPU "
+                      f"workers (pip install \"distmm[gpu]\" for GPU workers)", file=sys.stderr)
+            return None
+        picked = list(range(seen))
+    else:
+        picked = list(range(wanted)) if isinstance(wanted, int) else list(wanted)
+        if not has_dask_cuda or seen == 0:
+            raise BackendUnavailable(f"--gpus {_show(wanted)}: GPU workers need cupy, a CUDA "
+                                     f"GPU and dask-cuda (pip install \"distmm[gpu]\"); this "
+                                     f"machine has {seen} usable GPUs"
+                                     f"{'' if has_dask_cuda else ' and no dask-cuda'}; "
+                                     f"--gpus 0 starts CPU workers")
+        if max(picked) >= seen:
+            raise ValueError(f"--gpus {_show(wanted)}: this process sees {seen} GPU(s) "
+                             f"(indices 0 to {seen - 1})")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(seen)]
+    return [names[i] for i in picked]
+
+
+def _show(wanted) -> str:
+    return ",".join(map(str, wanted)) if isinstance(wanted, tuple) else str(wanted)
+
+
+def _check_port(host: str, port: int) -> None:
+    """``ValueError`` when the scheduler could not listen on ``host:port``."""
+    try:
+        infos = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as tornado's listener does
+        try:
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} on {host}: in use (another scheduler? --port 0 "
+                                 f"takes a free port)") from None
+            raise ValueError(f"--host {host}: cannot listen there "
+                             f"({(exc.strerror or str(exc)).lower()})") from None
+
+
+def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
+    from distmm.errors import OutputExists
+
+    if path is None:
+        return None
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise IsADirectoryError(f"--scheduler-file {path} is a directory")
+    if target.exists() and not overwrite:
+        raise OutputExists(f"--scheduler-file {path} exists (a running cluster's, or one left by "
+                           f"a killed one): pass --overwrite to replace it, or choose another file")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"--scheduler-file {path}: no such directory: {target.parent}")
+    if not os.access(target.parent, os.W_OK):
+        raise PermissionError(f"--scheduler-file {path}: cannot write in {target.parent}")
+    return target
+
+
+# ---------------------------------------------------------------- the scheduler file
+
+
+def _write_scheduler_file(target: Path, identity: dict, overwrite: bool) -> bytes:
+    """Write ``identity`` as JSON to ``target``, whole or not at all; returns the bytes."""
+    from distmm.errors import OutputExists
+
+    data = json.dumps(identity, indent=2, default=str).encode()
+    staged = target.with_name(f".{target.name}.distmm-partial-{os.getpid()}")
+    try:
+        with open(staged, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(staged, target)
+        else:
+            try:
+                os.link(staged, target)  # fails, rather than replaces, if one appeared meanwhile
+            except FileExistsError:
+                raise OutputExists(f"--scheduler-file {target} appeared while the cluster "
+                                   f"started: pass --overwrite to replace it") from None
+    finally:
+        staged.unlink(missing_ok=True)
+    return data
+
+
+def _remove_scheduler_file(target: Path | None, data: bytes | None) -> str:
+    """Remove ``target`` if it still holds ``data``; a phrase saying what was done."""
+    if target is None or data is None:
+        return ""
+    try:
+        if target.read_bytes() != data:
+            return f", {target} left as it is (rewritten by another program)"
+        target.unlink()
+    except FileNotFoundError:
+        return f", {target} already gone"
+    except OSError as exc:
+        return f", {target} not removed ({exc.strerror or exc})"
+    return f", {target} removed"
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _descendants() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _is_worker(proc) -> bool:
+    """A worker process (multiprocessing spawn), not the resource tracker, which ends
+    with this process."""
+    import psutil
+
+    try:
+        return "resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _reap(grace: float) -> int:
+    """Wait ``grace`` seconds for worker processes still alive, kill the rest; returns
+    how many had to be killed."""
+    import psutil
+
+    left = [p for p in _descendants() if _is_worker(p)]
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return len(alive)
+
+
+# ---------------------------------------------------------------- the command
+
+
+class _Stop:
+    """The signal that asked for the stop, set from the handler (main thread)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.event = threading.Event()
+        self.force = None  # called on a second signal
+
+    def handler(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            self.event.set()
+        elif self.force is not None:
+            self.force(signum)
+
+
+def _start(args, devices):
+    from distmm.cli.cluster import cpu_cluster, gpu_cluster
+
+    common = dict(host=args.host, scheduler_port=args.port,
+                  dashboard_address=args.dashboard_address,
+                  memory_limit=args.memory_limit, preload=[WORKER_SETUP])
+    if devices is None:
+        workers = args.workers or max(1, _usable_cores() // args.threads)
+        cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
+        try:
+            cluster.wait_for_workers(workers, timeout=START_TIMEOUT)
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster, workers
+    per_gpu = args.workers or 1
+    cluster = gpu_cluster(",".join(devices), per_device=per_gpu, protocol=args.protocol,
+                          threads_per_worker=args.threads, timeout=START_TIMEOUT, **common)
+    return cluster, per_gpu * len(devices)
+
+
+def _describe(cluster, devices, args, scheduler_file: Path | None) -> str:
+    from dask.utils import format_bytes
+
+    info = cluster.scheduler_info
+    workers = info.get("workers", {})
+    first = next(iter(workers.values()), {})
+    limit = first.get("memory_limit")
+    each = (f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+            + (f" and {format_bytes(limit)} of memory" if limit else " and no memory limit"))
+    if devices is None:
+        kind = f"{len(workers)} CPU worker{'s' if len(workers) != 1 else ''}"
+    else:
+        kind = (f"{len(workers)} GPU worker{'s' if len(workers) != 1 else ''} on GPU"
+                f"{'s' if len(devices) > 1 else ''} {','.join(devices)}")
+    lines = [f"distmm cluster: {kind}, {each} each",
+             f"  scheduler       {cluster.scheduler_address}",
+             f"  dashboard       {cluster.dashboard_link or 'none'}",
+             f"  workers         {', '.join(sorted(workers))}"]
+    if scheduler_file is not None:
+        lines.append(f"  scheduler file  {scheduler_file}")
+        use = f"--scheduler-file {scheduler_file}"
+    else:
+        use = f"--scheduler {cluster.scheduler_address}"
+    lines.append(f"  use it with     distmm matmul A B -o C {use}; stop it with Ctrl-C or SIGTERM")
+    return "\n".join(lines)
+
+
+def _identity(cluster) -> dict:
+    async def ask():
+        return cluster.scheduler.identity()
+
+    return cluster.sync(ask)
+
+
+def run_cluster(args) -> int:
+    """Start the cluster ``args`` describe, serve until SIGINT/SIGTERM, close it; the exit status."""
+    devices = _choose_gpus(args.gpus)
+    if devices is not None and args.protocol != "tcp":
+        from distmm.cli.cluster import gpu_protocol
+
+        gpu_protocol(args.protocol)  # ucx without distributed-ucxx fails here, before starting
+    _check_port(args.host, args.port)
+    target = _check_scheduler_file(args.scheduler_file, args.overwrite)
+
+    stop = _Stop()
+    previous = {s: signal.signal(s, stop.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    written_box: list[bytes] = []  # the scheduler file's bytes, once written
+
+    def force(signum):
+        # a second signal: no more waiting for an orderly close
+        killed = _reap(0)
+        note = _remove_scheduler_file(target, written_box[0] if written_box else None)
+        print(f"distmm cluster: stopped at once by a second {signal.Signals(signum).name}: "
+              f"{killed} worker process(es) killed{note}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + stop.signum)
+
+    stop.force = force
+    try:
+        return _serve(args, devices, target, stop, lambda data: written_box.append(data))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
+    cluster, written = None, None
+    try:
+        # a first signal while the workers start is acted on once they are up: then they
+        # close in order (a second one stops at once)
+        cluster, _ = _start(args, devices)
+        if stop.signum is None and target is not None:
+            written = _write_scheduler_file(target, _identity(cluster), args.overwrite)
+            keep(written)
+        if stop.signum is None:
+            print(_describe(cluster, devices, args, target), flush=True)
+        while not stop.event.wait(1.0):
+            pass
+        name = signal.Signals(stop.signum).name
+        n = len(cluster.scheduler_info.get("workers", {}))
+        killed = _close(cluster)
+    except BaseException:
+        try:
+            _close(cluster)
+        finally:
+            _remove_scheduler_file(target, written)
+        raise
+    note = _remove_scheduler_file(target, written)
+    if killed:
+        note += f", {killed} worker process(es) killed after the close"
+    print(f"distmm cluster: stopped by {name}: {n} worker{'s' if n != 1 else ''} and the "
+          f"scheduler closed{note}", file=sys.stderr, flush=True)
+    return 128 + stop.signum
+
+
+def _close(cluster) -> int:
+    """Close ``cluster``: the workers first (``scale(0)``: each retired and its process
+    ended while the scheduler still answers, so that no worker reports a lost scheduler),
+    then the scheduler; then make sure no worker process is left. Returns how many had to
+    be killed."""
+    import time
+
+    if cluster is None:
+        return _reap(0)
+    try:
+        cluster.scale(0)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        while cluster.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cluster.close(timeout=CLOSE_TIMEOUT)
+    finally:
+        killed = _reap(5.0)
+    return killed

@@ -1,0 +1,150 @@
+"""Dask clusters whose workers are batch jobs: ``jobqueue_cluster`` on Slurm or PBS.
+
+This module covers: building a ``dask_jobqueue.SLURMCluster`` or ``PBSCluster`` whose jobs
+are distmm workers, with resources that follow from what one job holds: on GPU nodes one
+``dask cuda worker`` process per job starting one Dask worker per GPU (each with the
+``GPU=1`` resource the Dask engine recognises GPU workers by), the GPUs asked for with
+``--gres=gpu:N`` (Slurm) or ``ngpus=N`` (PBS); on CPU nodes single-thread worker processes,
+one per core (numba and BLAS tiles of different workers then do not compete for cores); and
+scaling it to a number of jobs.
+
+It does *not* cover: the batch scripts that start a whole cluster, or an MPI job, from inside
+one allocation (``deploy/slurm/``, ``deploy/pbs/``), or running a product (``distmm.matmul``
+with a ``distributed.Client`` of the cluster). dask-jobqueue is imported when the function
+runs: it comes with ``pip install "distmm[deploy]"``.
+"""
+from __future__ import annotations
+
+__all__ = ["jobqueue_cluster", "SYSTEMS"]
+
+#: batch systems ``jobqueue_cluster`` knows, by the name it takes
+SYSTEMS = ("slurm", "pbs")
+
+#: the worker command of a GPU job, which dask-jobqueue runs as ``python -m dask cuda worker``:
+#: dask-cuda's worker command through dask's own command line (one worker per GPU, named
+#: ``NAME-0``, ``NAME-1``, ... as dask-jobqueue expects of a job of several processes)
+GPU_WORKER_COMMAND = "dask cuda worker"
+
+
+def _require_jobqueue():
+    try:
+        import dask_jobqueue
+    except ImportError:
+        raise ImportError('distmm.deploy.jobqueue_cluster needs dask-jobqueue: '
+                          'pip install "distmm[deploy]"') from None
+    return dask_jobqueue
+
+
+def _count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
+                     cores: int | None = None, memory: str | None = None,
+                     threads_per_worker: int = 1, walltime: str = "01:00:00",
+                     env_setup: str | None = None, **kwargs):
+    """A dask-jobqueue cluster of distmm workers on Slurm or PBS, scaled to ``jobs`` jobs.
+
+    Parameters
+    ----------
+    system
+        ``"slurm"`` (``SLURMCluster``) or ``"pbs"`` (``PBSCluster``).
+    jobs
+        Batch jobs to start now (``cluster.scale(jobs=jobs)``); 0 starts none.
+    gpus
+        GPUs of one job. More than 0: the job runs ``dask cuda worker``, one worker per GPU
+        (``processes=gpus``), each marked with the ``GPU=1`` resource, and asks for the
+        GPUs (Slurm ``--gres=gpu:N``, PBS ``ngpus=N`` in ``select``). 0: CPU workers.
+    cores
+        Cores of one job. Default: ``gpus`` for a GPU job (one thread per GPU worker);
+        required for a CPU job, which runs ``cores // threads_per_worker`` worker processes.
+    memory
+        Host memory of one job, as dask-jobqueue takes it (``"64GiB"``); split evenly
+        between its workers. Required.
+    threads_per_worker
+        Threads of each CPU worker (default 1).
+    walltime
+        The jobs' time limit (``HH:MM:SS``).
+    env_setup
+        A file every job sources before starting its workers (modules, a venv), the
+        ``DISTMM_ENV_SETUP`` of the batch scripts.
+    **kwargs
+        Passed to the dask-jobqueue cluster: ``queue``, ``account``, ``interface``,
+        ``job_extra_directives``, ``job_script_prologue`` (after ``env_setup``),
+        ``worker_extra_args``, ``log_directory``, ``python``, ...
+
+    Returns
+    -------
+    dask_jobqueue.SLURMCluster or dask_jobqueue.PBSCluster
+        Close it (or use it as a context manager) to cancel its jobs.
+
+    Raises
+    ------
+    ImportError
+        dask-jobqueue is not installed (``pip install "distmm[deploy]"``).
+    ValueError
+        An unknown ``system``, no ``memory``, a CPU job without ``cores``, or counts that
+        are not positive integers; raised before anything is submitted.
+
+    Examples
+    --------
+    Two nodes of four GPUs each, on Slurm::
+
+        from distributed import Client
+
+        import distmm
+        from distmm.deploy import jobqueue_cluster
+
+        with jobqueue_cluster("slurm", jobs=2, gpus=4, cores=32, memory="256GiB",
+                              env_setup="/path/to/env.sh") as cluster, Client(cluster) as c:
+            c.wait_for_workers(8)
+            product = distmm.matmul(a, b, client=c)
+    """
+    if system not in SYSTEMS:
+        raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
+    _count(jobs, "jobs")
+    _count(gpus, "gpus")
+    if threads_per_worker < 1:
+        raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker!r}")
+    if memory is None:
+        raise ValueError("memory= (the host memory of one job, e.g. '64GiB') is required")
+    if cores is None:
+        if not gpus:
+            raise ValueError("cores= (the cores of one job) is required for CPU workers")
+        cores = gpus
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be a positive integer, got {cores!r}")
+    if gpus and cores < gpus:
+        raise ValueError(f"cores={cores} is fewer than gpus={gpus}: each GPU worker needs a core")
+    jq = _require_jobqueue()
+
+    prologue = list(kwargs.pop("job_script_prologue", None) or [])
+    if env_setup:
+        import shlex
+
+        prologue.insert(0, f"source {shlex.quote(str(env_setup))}")
+    extra_args = list(kwargs.pop("worker_extra_args", None) or [])
+    directives = list(kwargs.pop("job_extra_directives", None) or [])
+    options = dict(cores=cores, memory=memory, walltime=walltime, job_script_prologue=prologue)
+    if gpus:
+        options.update(processes=gpus, worker_command=GPU_WORKER_COMMAND)
+        extra_args += ["--resources", "GPU=1"]
+        if system == "slurm":
+            directives.append(f"--gres=gpu:{gpus}")
+        elif "resource_spec" not in kwargs:
+            from dask.utils import parse_bytes
+            from dask_jobqueue.pbs import pbs_format_bytes_ceil
+
+            kwargs["resource_spec"] = (f"select=1:ncpus={cores}:ngpus={gpus}:"
+                                       f"mem={pbs_format_bytes_ceil(parse_bytes(memory))}")
+    else:
+        options.update(processes=max(1, cores // threads_per_worker))
+    options.update(worker_extra_args=extra_args, job_extra_directives=directives)
+    options.update(kwargs)
+    cls = jq.SLURMCluster if system == "slurm" else jq.PBSCluster
+    cluster = cls(**options)
+    if jobs:
+        cluster.scale(jobs=jobs)
+    return cluster

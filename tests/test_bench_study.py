@@ -1,0 +1,323 @@
+"""``distmm bench STUDY.toml``: the study schema (bad files refused with one line naming the
+key, before anything runs), the configurations a study expands to, the records file (whole
+lines only, also when the study is killed), and a tiny CPU study run end to end in a
+subprocess (the local engine, a real Dask cluster of 2 worker processes, ``mpiexec -n 2``),
+its records fed to ``distmm report``."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distmm.cli.records import RecordWriter, append_record, load
+from distmm.cli.study import load_study, parse_study, weak_shape
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDIES = ROOT / "bench" / "studies"
+REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds",
+            "tflops", "relerr", "commit", "date", "series", "first_seconds", "study")
+
+# what the end-to-end test runs: every engine at 2 workers / ranks, the local engine and
+# the weak series also at 1, odd sizes, every row of C checked
+TINY = """
+name = "tiny-test"
+device = "cpu"
+dtypes = ["float64", "float32"]
+repeats = 2
+check_rows = 0
+references = ["numpy", "dask.array"]
+
+[[series]]
+kind = "strong"
+engines = ["local", "dask", "mpi"]
+counts = [2]
+sizes = [[67, 45, 51]]
+chunk = 32
+
+[[series]]
+kind = "strong"
+engines = ["local"]
+counts = [1]
+sizes = [[67, 45, 51]]
+
+[[series]]
+kind = "weak"
+engines = ["mpi"]
+counts = [1, 2]
+sizes_per_device = [40]
+dtypes = ["float64"]
+"""
+
+
+def _distmm(*argv, env=None, timeout=180, cwd=None):
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "distmm", *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def _study(tmp_path: Path, text: str, name: str = "study.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- the schema
+
+GOOD = {"device": "cpu", "series": [{"kind": "strong", "engines": ["dask"], "counts": [1, 2],
+                                     "sizes": [100]}]}
+
+
+def _with(top=None, **series):
+    data = json.loads(json.dumps(GOOD))
+    data.update(top or {})
+    data["series"][0].update(series)
+    for key in [k for k, v in data["series"][0].items() if v is None]:
+        del data["series"][0][key]
+    return data
+
+
+@pytest.mark.parametrize("data, key", [
+    (_with({"colour": "red"}), "colour: unknown key"),
+    (_with({"device": "tpu"}), "device: 'tpu' is not one of cpu, gpu"),
+    (_with({"dtypes": ["int8"]}), "dtypes: 'int8' is not one of"),
+    (_with({"repeats": 0}), "repeats: an integer of at least 1"),
+    (_with({"repeats": 2.5}), "repeats: an integer of at least 1"),
+    (_with({"references": ["blas"]}), "references: 'blas' is not one of"),
+    (_with({"references": ["cublas"]}), "references: cublas is a GPU reference"),
+    (_with({"mpiexec": "mpiexec"}), "mpiexec: a non-empty list of strings"),
+    (_with({"threads_per_rank": 0}), "threads_per_rank:"),
+    (_with({"name": "../x"}), "name: '../x' is not a file-name stem"),
+    ({"device": "cpu"}, "series: at least one [[series]] table"),
+    (_with(kind="fast"), "series[0].kind: 'fast' is not one of strong, weak"),
+    (_with(kind=None), "series[0].kind: missing"),
+    (_with(engines=["spark"]), "series[0].engines: 'spark' is not one of local, dask, mpi"),
+    (_with(engines=[]), "series[0].engines: a non-empty list"),
+    (_with(counts=[0, 2]), "series[0].counts: a non-empty list of integers of at least 1"),
+    (_with(counts=[2, 2]), "series[0].counts: [2, 2] repeats a count"),
+    (_with(sizes=[[1, 2]]), "series[0].sizes: [1, 2] is neither"),
+    (_with(sizes=None), "series[0].sizes: missing"),
+    (_with(backends=["cublas"]), "series[0].backends: 'cublas' is not one of auto, blas, numba"),
+    (_with(sizes_per_device=[64]), "series[0].sizes_per_device: belongs to a weak series"),
+    (_with(kind="weak"), "series[0].sizes: belongs to a strong series"),
+    (_with(kind="weak", sizes=None), "series[0].sizes_per_device: missing"),
+    (_with(kind="weak", sizes=None, sizes_per_device=[64], counts=[4]),
+     "series[0].counts: a weak series needs two counts or more"),
+    (_with(engines=["mpi"], chunk=64), "series[0].chunk: only the Dask engine has chunks"),
+    (_with({"references": ["dask.array"]}, engines=["mpi"]), "references: dask.array is measured"),
+    (_with({"device": "gpu"}, engines=["local"], counts=[1, 2]), "series[0].counts: the local engine"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_study_refused_naming_the_key(data, key):
+    with pytest.raises(ValueError) as info:
+        parse_study(data, where="s.toml")
+    message = str(info.value)
+    assert message.startswith("s.toml: ") and key in message, message
+    assert "\n" not in message
+
+
+def test_good_study_expands_to_named_configurations():
+    study = parse_study({
+        "device": "cpu", "dtypes": ["float32", "float64"], "references": ["numpy", "dask.array"],
+        "series": [{"kind": "strong", "engines": ["local", "dask", "mpi"], "counts": [1, 2],
+                    "sizes": [96, [30, 40, 50]], "backends": ["auto", "numba"]},
+                   {"kind": "weak", "engines": ["mpi"], "counts": [1, 2, 4],
+                    "sizes_per_device": [64], "k": 32, "dtypes": ["float64"]}]}, default_name="s")
+    configs = study.configurations()
+    variants = {c.variant for c in configs}
+    assert {"numpy", "distmm-local@1workers", "distmm-local-numba@2workers", "distmm-dask@2workers",
+            "dask.array@1workers", "distmm-mpi@2ranks", "distmm-mpi-weak@4ranks"} <= variants
+    # strong: 3 engines x 2 counts x 2 sizes x 2 dtypes x 2 backends; dask.array: 2 x 2 x 2;
+    # weak: 3 counts; numpy: one per problem (2 strong sizes x 2 dtypes + 3 weak)
+    assert len(configs) == 48 + 8 + 3 + 7
+    assert len(set(configs)) == len(configs)
+    weak = sorted((c.count, (c.m, c.n, c.k)) for c in configs if c.variant.startswith("distmm-mpi-weak"))
+    assert weak == [(1, (64, 64, 32)), (2, (128, 64, 32)), (4, (128, 128, 32))]
+    # the in-process work of a problem comes before any cluster; clusters and launches by count
+    kinds = [c.engine for c in configs]
+    assert max(i for i, e in enumerate(kinds) if e in ("numpy", "local")) < kinds.index("dask")
+    assert max(i for i, e in enumerate(kinds) if e == "dask") < kinds.index("mpi")
+    dask_counts = [c.count for c in configs if c.engine == "dask"]
+    assert dask_counts == sorted(dask_counts)
+
+
+def test_weak_shape_keeps_c_per_device():
+    for count in (1, 2, 3, 4, 6, 8, 12, 16):
+        m, n, k = weak_shape(count, 100, 7)
+        assert m * n == count * 100 * 100 and m >= n and k == 7
+
+
+def test_committed_studies_are_valid():
+    if not STUDIES.is_dir():
+        pytest.skip("bench/studies is not beside this tests/ folder")
+    names = sorted(p.stem for p in STUDIES.glob("*.toml"))
+    assert {"cpu-scaling", "gpu-one", "gpu-scaling", "tiny"} <= set(names)
+    for path in STUDIES.glob("*.toml"):
+        assert load_study(path).configurations(), path
+
+
+def test_bad_file_is_one_line_and_exit_2(tmp_path):
+    """At the command line: exit 2, one line naming the file and key, no traceback, and no
+    records file made; a TOML syntax error and a missing file alike."""
+    out = tmp_path / "out.jsonl"
+    bad = _study(tmp_path, TINY.replace('kind = "weak"', 'kind = "weakest"'))
+    broken = _study(tmp_path, "name = \n", "broken.toml")
+    for path, what in ((bad, "series[2].kind: 'weakest'"), (broken, "not a TOML file"),
+                       (tmp_path / "none.toml", "none.toml")):
+        res = _distmm("bench", path, "-o", out, timeout=60)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("distmm bench: error: "), res.stderr
+        assert what in lines[0] and "Traceback" not in res.stderr
+        assert not out.exists()
+    res = _distmm("bench", bad, "--dry-run", timeout=60)
+    assert res.returncode == 2 and "series[2].kind" in res.stderr
+
+
+def test_dry_run_lists_configurations(tmp_path):
+    res = _distmm("bench", _study(tmp_path, TINY), "--dry-run", timeout=60)
+    assert res.returncode == 0, res.stderr
+    listed = [ln for ln in res.stdout.splitlines() if ln.startswith("[")]
+    assert len(listed) == len(load_study(tmp_path / "study.toml").configurations()) == 16
+    assert "distmm-mpi-weak@2ranks float64 80x40x40 (weak): mpiexec -n 2" in res.stdout
+    assert "Dask clusters: 2 workers; mpiexec launches: 1, 2 ranks" in res.stdout
+    assert not list(tmp_path.glob("*.jsonl"))
+
+
+MPI_ONLY = """
+device = "cpu"
+repeats = 1
+references = ["numpy"]
+mpiexec = [%s]
+[[series]]
+kind = "strong"
+engines = ["local", "mpi"]
+counts = [1]
+sizes = [33]
+"""
+
+
+def test_missing_launcher_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out.jsonl"
+    res = _distmm("bench", _study(tmp_path, MPI_ONLY % '"no-such-mpiexec", "-x"'), "-o", out,
+                  timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "mpiexec: 'no-such-mpiexec' is not on PATH" in res.stderr and not res.stdout
+    assert not out.exists()
+
+
+def test_failed_launch_is_reported_and_the_rest_recorded(tmp_path):
+    """A launcher that fails (``false``): the MPI configuration gets a FAILED line and no
+    record, the others their records, and the study exits 1."""
+    out = tmp_path / "out.jsonl"
+    res = _distmm("bench", _study(tmp_path, MPI_ONLY % '"false"'), "-o", out, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "[3/3] distmm-mpi@1ranks float64 33x33x33 (strong): FAILED" in res.stdout
+    assert sorted(r["variant"] for r in load([out])) == ["distmm-local@1workers", "numpy"]
+    assert "2 records" in res.stdout.splitlines()[-1] and "1 failed" in res.stdout
+
+
+# ---------------------------------------------------------------- the records file
+
+
+def test_record_writer_appends_whole_lines(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTMM_COMMIT", "abc1234")
+    w = RecordWriter("scaling", "Test CPU 9000", path=tmp_path / "r.jsonl", study="s")
+    w.add("numpy", "float64", 3, 5, 7, 0.5, 1e-16, series="strong")
+    append_record(w.path, {"extra": 1})
+    w.add("distmm-mpi@2ranks", "float32", 4, 4, 4, 0.25, None, ranks=2)
+    first, extra, third = load([w.path])
+    assert extra == {"extra": 1} and w.path.read_text().count("\n") == 3
+    assert (first["commit"], first["study"], first["series"]) == ("abc1234", "s", "strong")
+    assert first["tflops"] == pytest.approx(2 * 3 * 5 * 7 / 0.5 / 1e12)
+    assert third["ranks"] == 2 and third["relerr"] is None and third["run"] == first["run"]
+
+
+def test_killed_study_keeps_whole_records(tmp_path):
+    """SIGKILL in the middle of a study: the records written before stay, every line is one
+    whole record, and the file can be appended to by the next run."""
+    study = _study(tmp_path, """
+name = "killed"
+device = "cpu"
+repeats = 30
+references = ["numpy"]
+[[series]]
+kind = "strong"
+engines = ["local"]
+counts = [1, 2]
+sizes = [700, 701, 702, 703, 704, 705]
+""")
+    out = tmp_path / "killed.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "bench", str(study), "-o", str(out)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 60
+        while seen < 3 and time.monotonic() < deadline:
+            if proc.stdout.readline().startswith("["):
+                seen += 1
+        assert seen == 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    text = out.read_text()
+    assert text.endswith("\n")
+    records = [json.loads(line) for line in text.splitlines()]
+    assert 3 <= len(records) < 18
+    assert all(r["seconds"] > 0 and len(r["all_seconds"]) == 30 for r in records)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.mpi
+def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):
+    """The local engine, a Dask cluster of 2 worker processes and mpiexec -n 2 on odd sizes:
+    every configuration's record has the schema, positive times and a relerr within bound,
+    the progress has one line per configuration, and distmm report draws the series."""
+    study = _study(tmp_path, TINY)
+    out = tmp_path / "records.jsonl"
+    res = _distmm("bench", study, "-o", out, env=dict(mpi_env, OMPI_MCA_btl="^ofi"), timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    configs = load_study(study).configurations()
+    progress = [ln for ln in res.stdout.splitlines() if ln.startswith("[")]
+    assert len(progress) == len(configs) == 16, res.stdout
+    records = load([out])
+    assert sorted(r["variant"] + r["dtype"] for r in records) == sorted(
+        c.variant + c.dtype for c in configs)
+    assert len({r["run"] for r in records}) == 1
+    for r in records:
+        assert all(key in r for key in REQUIRED), r
+        assert r["seconds"] > 0 and r["first_seconds"] > 0 and r["tflops"] > 0
+        assert len(r["all_seconds"]) == 2 and r["relerr_ok"] is True
+        assert r["relerr"] < (1e-5 if r["dtype"] == "float32" else 1e-14), r
+        assert r["relerr_rows"] == r["m"]  # check_rows = 0: every row
+        assert r["study"] == "tiny-test" and r["benchmark"] == "scaling"
+    by = {(r["variant"], r["dtype"]): r for r in records}
+    assert by[("distmm-dask@2workers", "float32")]["workers"] == 2
+    assert by[("dask.array@2workers", "float64")]["chunk"] == 32
+    mpi2 = by[("distmm-mpi@2ranks", "float64")]
+    assert mpi2["ranks"] == 2 and mpi2["threads_per_rank"] >= 1
+    assert (mpi2["m"], mpi2["n"], mpi2["k"]) == (67, 45, 51)
+    weak = by[("distmm-mpi-weak@2ranks", "float64")]
+    assert (weak["m"], weak["n"], weak["k"], weak["per_device"]) == (80, 40, 40, 40)
+
+    report = tmp_path / "report"
+    res = _distmm("report", out, "-o", report, timeout=120)
+    assert res.returncode == 0, res.stderr
+    pngs = {p.name for p in report.glob("*.png")}
+    assert any(p.startswith("strong-") for p in pngs) and any(p.startswith("weak-") for p in pngs)
+    assert all((report / p).read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
+    md = (report / "report.md").read_text()
+    assert "## Strong scaling" in md and "## Weak scaling" in md and "distmm-mpi-weak" in md
+    assert "| distmm-local |" in md  # local at 1 and 2 threads: one strong series
+    assert "distmm-dask@2workers" in md and "| numpy |" in md  # shares of the references

@@ -1,0 +1,170 @@
+"""``distmm cluster``: a real scheduler and real worker processes served by the command,
+products through it from other processes, and its stop by real signals (SIGTERM with
+``kill``, SIGINT to the whole process group as a terminal's Ctrl-C sends it): the exit
+status, the one line, the scheduler file removed, no worker process left (psutil)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import assert_all_gone, serve_cluster, stop_cluster
+
+
+def run_cli(*args, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+@pytest.mark.slow
+def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
+    sched = tmp_path / "sched.json"
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((83, 61)), rng.standard_normal((61, 47))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    proc = serve_cluster(sched, "--workers", 2, "--threads", 1)
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        address = json.loads(sched.read_text())["address"]
+        # from another process: the command line
+        r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+                    "--scheduler-file", sched)
+        assert r.returncode == 0, r.stderr
+        # and Python: a Client of the scheduler file
+        from distributed import Client
+
+        import distmm
+
+        with Client(scheduler_file=str(sched), timeout=30) as client:
+            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+            got = distmm.matmul(a, b, client=client, engine="dask", tile=32)
+            worker_address = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+        # a worker's address is not the scheduler's: said at once, not waited for
+        r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "w.npy",
+                    "--scheduler", worker_address, "--connect-timeout", 10)
+        assert r.returncode == 1 and "is a Dask Worker, not a Dask scheduler" in r.stderr, r.stderr
+        assert not (tmp_path / "w.npy").exists()
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    want = a @ b
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), want, rtol=1e-11,
+                               atol=1e-11 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max())
+    assert status == 143, err
+    assert address in out and "2 CPU workers, 1 thread" in out and "dashboard" in out
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
+                          f"closed, {sched} removed"), err
+    assert not sched.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+    assert len(workers) >= 2
+    assert_all_gone(workers)
+    assert seconds < 30
+
+
+def test_ctrl_c_closes_the_cluster_and_keeps_a_file_it_did_not_write(tmp_path: Path):
+    sched = tmp_path / "sched.json"
+    sched.write_text("stale")
+    proc = serve_cluster(sched, "--workers", 1, "--overwrite")
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        info = json.loads(sched.read_text())
+        assert info["type"] == "Scheduler" and len(info["workers"]) == 1
+        assert len(workers) >= 1
+        # another program takes the file over: the stop must not remove it
+        sched.write_text('{"address": "tcp://127.0.0.1:1"}')
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    # a terminal's Ctrl-C reaches the whole foreground process group, workers included
+    status, out, err, seconds = stop_cluster(proc, lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert status == 130, err
+    assert info["address"] in out and "1 CPU worker" in out
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGINT: 1 worker and the scheduler closed, "
+                          f"{sched} left as it is"), err
+    assert sched.read_text() == '{"address": "tcp://127.0.0.1:1"}'
+    assert [p.name for p in tmp_path.iterdir()] == ["sched.json"]  # no staged file left
+    assert_all_gone(workers)
+    assert seconds < 30
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "0"], "argument --workers: '0' must be at least 1"),
+    (["--threads", "x"], "argument --threads: 'x' is not an integer"),
+    (["--memory-limit", "lots"], "argument --memory-limit: 'lots' is not a memory limit"),
+    (["--memory-limit=-1GiB"], "argument --memory-limit: '-1GiB' is not a memory limit"),
+    (["--gpus", "1,1"], "argument --gpus: '1,1': GPU indices must be distinct"),
+    (["--gpus", "99"], "--gpus 99: "),
+    (["--port", "70000"], "argument --port: '70000' is not a port"),
+    (["--dashboard-address", "host:http"], "not a dashboard address"),
+    (["--scheduler-file", "{tmp}/exists.json"], "exists.json exists"),
+    (["--scheduler-file", "{tmp}/no/such/dir/s.json"], "no such directory"),
+    (["--port", "{busy}"], "in use"),
+], ids=["workers-0", "threads-x", "memory-word", "memory-negative", "gpus-repeated",
+        "gpus-too-many", "port-range", "dashboard", "file-exists", "file-dir", "port-busy"])
+def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, busy_port, args, says):
+    (tmp_path / "exists.json").write_text("{}")
+    args = [a.format(tmp=tmp_path, busy=busy_port) for a in args]
+    t0 = time.monotonic()
+    r = run_cli("cluster", "--dashboard-address", ":0", *args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("distmm cluster: error: ") and says in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert (tmp_path / "exists.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.json"]
+    assert time.monotonic() - t0 < 30  # no worker was waited for
+
+
+def test_sigterm_while_the_workers_start_closes_them_once_up(tmp_path: Path):
+    sched = tmp_path / "sched.json"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",
+                             "--port", "0", "--dashboard-address", ":0", "--scheduler-file", sched],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 60
+    try:
+        while not any(_is_spawned_worker(p) for p in seen.values()):  # a worker is starting
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            seen.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
+            time.sleep(0.01)
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    assert status == 143, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
+                          "closed"), err
+    assert not sched.exists() and list(tmp_path.iterdir()) == []
+    assert_all_gone(list(seen.values()))
+    assert seconds < 60
+
+
+def _is_spawned_worker(p: psutil.Process) -> bool:
+    try:
+        return "spawn_main" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False

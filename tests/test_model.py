@@ -1,0 +1,369 @@
+"""The performance model (``distmm.plan_model``), ``distmm calibrate`` and ``distmm model``.
+
+Covers: monotonicity (more bandwidth or GEMM rate never predicts slower; time falls with the
+device count for a compute-bound size), the COSMA lower bounds (closed forms, and no plan's
+volume below them), memory warnings, the calibration's JSON round trip and its derivation
+from the committed records, the command line (output, bad arguments as one line and exit 2),
+``distmm calibrate --quick`` end to end (a real ``mpiexec -n 2`` ping-pong, real worker
+processes, real files), and the model against every committed measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distmm.cli.calibrate import fit_gemm, from_records, load
+from distmm.cli.model_records import load_records
+from distmm.cli.validate import TARGET, validate
+from distmm.plan_model import (Calibration, GemmRate, Link, best_plan, default_calibration,
+                               lower_bounds, predict)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CAL = default_calibration()
+
+
+def _records():
+    return load_records(sorted(RESULTS.glob("*.jsonl")) + sorted(
+        RESULTS.glob("mpi-batch-profiles-*.json")))
+
+
+def _distmm(*argv, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "distmm", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _scaled_link(cal, name, factor):
+    links = dict(cal.links)
+    links[name] = Link(links[name].latency, links[name].bandwidth * factor)
+    return dataclasses.replace(cal, links=links)
+
+
+def _scaled_gemm(cal, factor):
+    return dataclasses.replace(cal, gemm={k: GemmRate(v.peak * factor, v.half_size)
+                                          for k, v in cal.gemm.items()})
+
+
+CASES = [  # (engine, device, m, n, k, devices)
+    ("mpi", "gpu", 65536, 65536, 65536, 8),
+    ("mpi", "gpu", 30001, 17, 40000, 4),
+    ("mpi", "gpu", 64, 64, 10**6, 4),
+    ("mpi", "cpu", 4097, 4095, 4099, 6),
+    ("batch", "gpu", 32768, 32768, 32768, 4),
+    ("batch", "gpu", 50001, 30000, 20000, 6),
+    ("dask", "gpu", 32768, 32768, 32768, 2),
+    ("dask", "cpu", 4096, 4096, 4096, 2),
+]
+
+
+@pytest.mark.parametrize("engine,device,m,n,k,p", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}x{c[3]}x{c[4]}-P{c[5]}" for c in CASES])
+def test_more_bandwidth_or_gemm_rate_never_slower(engine, device, m, n, k, p):
+    base = predict(m, n, k, "float32", devices=p, calibration=CAL, engine=engine, device=device)
+    for factor in (1.5, 4.0):
+        for link in ("nvlink", "mpi-host", "ipc", "tcp", "pcie-h2d", "pcie-d2h"):
+            faster = _scaled_link(CAL, link, factor)
+            got = predict(m, n, k, "float32", devices=p, calibration=faster, engine=engine,
+                          device=device)
+            assert got.seconds <= base.seconds * (1 + 1e-12), (link, factor)
+        for name in ("file_read", "file_write", "file_write_shared"):
+            faster = dataclasses.replace(CAL, **{name: getattr(CAL, name) * factor})
+            got = predict(m, n, k, "float32", devices=p, calibration=faster, engine=engine,
+                          device=device)
+            assert got.seconds <= base.seconds * (1 + 1e-12), (name, factor)
+        got = predict(m, n, k, "float32", devices=p, calibration=_scaled_gemm(CAL, factor),
+                      engine=engine, device=device)
+        assert got.seconds < base.seconds, factor
+
+
+def test_parts_add_up_and_are_not_negative():
+    for engine, device, m, n, k, p in CASES:
+        got = predict(m, n, k, "float64", devices=p, calibration=CAL, engine=engine, device=device)
+        parts = (got.compute, got.communication, got.io, got.overhead)
+        assert min(parts) >= 0
+        assert math.isclose(sum(parts), got.seconds, rel_tol=1e-12)
+        assert 0 < got.efficiency <= 1 + 1e-9
+
+
+@pytest.mark.parametrize("engine", ["mpi", "dask"])
+def test_time_falls_with_devices_for_a_compute_bound_size(engine):
+    times = [best_plan(65536, 65536, 65536, "float32", devices=p, calibration=CAL,
+                       engine=engine).seconds for p in (1, 2, 4, 8, 16)]
+    assert all(b < a for a, b in zip(times, times[1:])), times
+    # and efficiency stays high: compute-bound
+    assert best_plan(65536, 65536, 65536, "float32", devices=16, calibration=CAL).efficiency > 0.9
+
+
+def test_lower_bounds_closed_forms():
+    n, p = 4096, 64
+    b = lower_bounds(n, n, n, p)
+    assert math.isclose(b.three_d, 3 * n**2 / p ** (2 / 3), rel_tol=1e-12)
+    assert math.isclose(b.two_d, 2 * n**2 / math.sqrt(3 * p), rel_tol=1e-12)
+    assert b.replication == 4
+    assert math.isclose(b.two_and_half_d, b.two_d / 2, rel_tol=1e-12)
+    s = 10**6
+    assert math.isclose(lower_bounds(n, n, n, p, s).memory, 2 * n**3 / (p * 1000), rel_tol=1e-12)
+    # memory limits replication: room for one copy only
+    assert lower_bounds(n, n, n, p, 3 * n * n / p).replication == 1
+    assert lower_bounds(0, 5, 5, 4) == lower_bounds(5, 5, 0, 4)
+    assert lower_bounds(0, 5, 5, 4).lower == 0
+
+
+def test_one_rank_meets_the_3d_bound_exactly():
+    got = predict(1000, 1000, 1000, "float64", devices=1, calibration=CAL)
+    assert math.isclose(got.words_touched, got.bounds.three_d, rel_tol=1e-9)
+    assert got.bytes_received == 0
+
+
+@pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (30001, 977, 12345), (64, 64, 2**20),
+                                   (100000, 64, 64)])
+def test_volume_is_never_below_the_lower_bounds(m, n, k):
+    for p in (1, 2, 3, 4, 8, 12, 16, 64, 256):
+        for plan in (predict(m, n, k, "float32", devices=p, calibration=CAL),
+                     best_plan(m, n, k, "float32", devices=p, calibration=CAL, limit=16)):
+            if not plan.fits:
+                continue
+            assert plan.words_touched >= plan.bounds.lower * (1 - 1e-9), (p, plan.grid)
+            assert plan.words_touched >= plan.bounds.three_d * (1 - 1e-9)
+
+
+def test_square_2d_grid_volume_by_hand():
+    n = 8192  # a 2 x 2 grid: each rank touches A's row panel, B's column panel and its C block
+    got = predict(n, n, n, "float32", devices=4, calibration=CAL, grid=(1, 2, 2))
+    assert got.words_touched == n * n / 2 + n * n / 2 + n * n / 4
+    assert got.bytes_received == (n // 2) * (n // 2) * 2 * 4
+
+
+def test_memory_warning_says_by_how_much():
+    got = predict(200000, 200000, 200000, "float32", devices=2, calibration=CAL,
+                  memory=80 * 2**30)
+    assert not got.fits
+    assert got.shortfall == got.memory_needed - 80 * 2**30
+    line = got.memory_warning()
+    assert "80.0 GiB" in line and f"{got.shortfall / 2**30:.1f} GiB" in line and "short" in line
+    fits = predict(200000, 200000, 200000, "float32", devices=64, calibration=CAL,
+                   memory=80 * 2**30)
+    assert fits.fits and fits.memory_warning() == ""
+    # the best plan prefers a grid that fits
+    best = best_plan(60000, 60000, 60000, "float32", devices=8, calibration=CAL,
+                     memory=9 * 2**30)
+    assert best.fits
+
+
+def test_bad_inputs_are_value_errors():
+    with pytest.raises(ValueError, match="devices must be a positive integer"):
+        predict(10, 10, 10, devices=0, calibration=CAL)
+    with pytest.raises(ValueError, match="m must be a non-negative integer"):
+        predict(-1, 10, 10, devices=2, calibration=CAL)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        predict(10, 10, 10, devices=2, calibration=CAL, engine="spark")
+    with pytest.raises(ValueError, match="link must be one of"):
+        predict(10, 10, 10, devices=2, calibration=CAL, link="carrier-pigeon")
+    with pytest.raises(ValueError, match="no gpu GEMM rate for int64"):
+        predict(10, 10, 10, "int8", devices=2, calibration=CAL)
+    with pytest.raises(ValueError, match="positive flop/s"):
+        GemmRate(0.0)
+
+
+def test_calibration_json_round_trip(tmp_path):
+    from distmm.cli.calibrate import save
+
+    path = save(CAL, tmp_path / "c.json")
+    assert load(path) == CAL
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="bad.json: not a distmm calibration"):
+        load(tmp_path / "bad.json")
+    with pytest.raises(FileNotFoundError, match="no calibration at"):
+        load(tmp_path / "missing.json")
+
+
+def test_gemm_fit_recovers_its_parameters():
+    truth = GemmRate(50e12, 900.0)
+    pts = [(s, truth.rate(s, s, s)) for s in (1024, 2048, 4096, 8192, 16384)]
+    got = fit_gemm(pts)
+    assert math.isclose(got.peak, truth.peak, rel_tol=1e-6)
+    assert math.isclose(got.half_size, truth.half_size, rel_tol=1e-4)
+    # rates falling with size: no extrapolated peak, the median
+    assert fit_gemm([(4096, 60e12), (8192, 55e12), (16384, 52e12)]) == GemmRate(55e12, 0.0)
+
+
+def test_calibration_from_committed_records():
+    recs = _records()
+    h200 = from_records(recs, "NVIDIA H200")
+    assert 48e12 < h200.rate("gpu", "float32").peak < 56e12  # cuBLAS in-core records
+    assert "records:" in h200.sources["gpu:float32"]
+    assert 1.0e9 < h200.file_write < 2.0e9  # dd with fsync, 4-16 GiB
+    assert 6e9 < h200.file_read < 10e9  # cat from the page cache
+    assert 40e9 < h200.links["pcie-h2d"].bandwidth < 70e9  # --profile of a one-rank batch job
+    assert 1.0 < h200.overhead("mpi-launch") < 3.0
+    assert h200.sources["nvlink"] == "default"  # no record measures it
+    cpu = from_records(recs, "AMD EPYC")
+    assert "gpu:float32" not in cpu.gemm and cpu.cores == 2
+    with pytest.raises(ValueError, match="no records of machine"):
+        from_records(recs, "Cray-1")
+
+
+# -- the model against every committed measurement --------------------------------------------
+
+#: configurations whose latest measurement the model misses by more than TARGET, and why
+#: (the lead's table in bench/NOTES.md, "A calibrated performance model", has every error)
+KNOWN_MISSES = {
+    # measured at commit 5cce11f, before block mode moved chunks between GPUs by CUDA IPC:
+    # TCP through host copies then (4.4-10.5 s); the H200 records of the same settings at
+    # later commits are within 6%
+    ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float32", 16384),
+    ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float32", 32768),
+    ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float64", 32768),
+    # two GPU workers at 16384 in double precision: 0.117 s against 0.081 s of GEMM; the
+    # model's fixed cost per product is fitted on one worker (6 ms) and has no term per worker
+    # (IPC handles, panel assembly: the fit subset cannot tell one apart)
+    ("NVIDIA H200", "dask gpu distmm-dask@2gpu", "float64", 16384),
+    # two ranks sharing one GPU broadcast through host memory: no record measures host MPI
+    # on the GPU machines (the nominal 8 GB/s stands in), and the PCIe rate comes from the
+    # batch job's profiles: -22% here, +12% on the H100
+    ("NVIDIA H200", "mpi gpu 2 rank(s) on 1 GPU(s)", "float32", 16384),
+    # one run, at commit 10739ff, when one MPI rank on a GPU took 3.4x cuBLAS
+    ("NVIDIA H200", "mpi gpu 1 rank(s) on 1 GPU(s)", "float32", 16384),
+    # the disk: dd with fsync (the model's write rate) is slower than distmm's writes and a
+    # sync at the end at 32768, faster at 65536 where the 16 GiB file outgrows the cache
+    ("NVIDIA H200", "batch batch-1", "float32", 32768),
+    ("NVIDIA H200", "batch batch-1", "float32", 65536),
+    # shared 2- and 16-core VMs: numpy's own time varies 1.7-2.5x between runs of one
+    # benchmark, so one per-core rate per machine misses single runs by more than 15%
+    ("AMD EPYC", "mpi cpu 2 rank(s) on 2 cores", "float64", 4096),
+    ("AMD EPYC", "mpi cpu 2 rank(s) on 2 cores", "float64", 8192),
+    ("AMD EPYC", "mpi cpu 4 rank(s) on 2 cores", "float64", 4096),
+    ("AMD EPYC", "mpi cpu 4 rank(s) on 2 cores", "float64", 8192),
+    ("Intel(R) Xeon(R) Processor", "mpi cpu 1 rank(s) on 16 cores", "float64", 16384),
+    ("Intel(R) Xeon(R) Processor", "mpi cpu 16 rank(s) on 16 cores", "float64", 16384),
+    ("Intel(R) Xeon(R) Processor", "mpi cpu 4 rank(s) on 16 cores", "float64", 16384),
+    ("Intel(R) Xeon(R) Processor @ 2.80GHz", "dask cpu", "float64", 8192),
+}
+
+
+def test_model_against_every_committed_measurement():
+    rows = validate(_records())
+    engines = {r["engine"] for r in rows}
+    assert engines == {"mpi", "batch", "dask"}
+    assert len(rows) >= 50
+    misses = {(r["machine"], r["label"], r["dtype"], r["m"]) for r in rows if not r["within"]}
+    assert misses == KNOWN_MISSES, (
+        f"outside {TARGET:.0%}: {sorted(misses)}; newly outside: {sorted(misses - KNOWN_MISSES)}; "
+        f"now within: {sorted(KNOWN_MISSES - misses)}")
+    # the GPU configurations of the code as it is: the MPI engine on 1 and 2 GPUs at 32768,
+    # the batch path on 2 and 4 GPUs at 32768 and 65536, the Dask engine on H200: all within
+    gpu = [r for r in rows if r["machine"].startswith("NVIDIA")
+           and (r["machine"], r["label"], r["dtype"], r["m"]) not in KNOWN_MISSES]
+    assert len(gpu) >= 30 and all(abs(r["error"]) <= TARGET for r in gpu)
+    held = [r for r in gpu if r["role"] == "held-out"]
+    assert len(held) >= 25
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def test_model_command_prints_a_row_per_device_count(tmp_path):
+    from distmm.cli.calibrate import save
+
+    save(from_records(_records(), "NVIDIA H100"), tmp_path / "h100.json")
+    done = _distmm("model", "--gpus", "1,2,8", "32768", "32768", "32768", "--calibration",
+                   str(tmp_path / "h100.json"))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "engine mpi" in lines[0] and "NVIDIA H100" in lines[0]
+    rows = {int(ln.split()[0]): ln.split() for ln in lines[2:] if ln.split()[0].isdigit()}
+    assert sorted(rows) == [1, 2, 8]
+    assert rows[1][3] == "1x1x1" and float(rows[1][2]) == pytest.approx(1.0, abs=0.01)
+    assert float(rows[8][1]) < float(rows[2][1]) < float(rows[1][1])
+    js = _distmm("model", "--gpus", "4", "1000", "2000", "3000", "--json", "--engine", "batch",
+                 "--calibration", str(tmp_path / "h100.json"))
+    rec = json.loads(js.stdout.splitlines()[0])
+    assert rec["engine"] == "batch" and rec["devices"] == 4 and rec["predicted_seconds"] > 0
+
+
+def test_model_command_warns_before_the_table():
+    done = _distmm("model", "--gpus", "2,64", "200000", "200000", "200000", "--memory", "80GiB")
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("warning: on 2 gpu(s) a rank needs") and "short" in first
+    assert sum(ln.startswith("warning:") for ln in done.stdout.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpus", "8,x", "10", "10", "10"], "not a comma-separated list of device counts"),
+    (["--gpus", "0", "10", "10", "10"], "device counts must be at least 1"),
+    (["--gpus", "8", "10", "10"], "model needs three sizes M N K, got 2"),
+    (["10", "10", "10"], "model needs --gpus"),
+    (["--gpus", "8", "10", "10", "-1"], "must not be negative"),
+    (["--gpus", "8", "10", "10", "10", "--engine", "spark"], "invalid choice: 'spark'"),
+    (["--gpus", "8", "10", "10", "10", "--link", "pigeon"], "invalid choice: 'pigeon'"),
+    (["--gpus", "8", "10", "10", "10", "--memory", "lots"], "'lots' is not a size"),
+    (["--gpus", "8", "10", "10", "10", "--calibration", "/nonexistent/c.json"],
+     "no calibration at /nonexistent/c.json"),
+    (["--gpus", "8", "10", "10", "10", "--dtype", "int8"], "no gpu GEMM rate for int64"),
+    (["--validate", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
+    (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
+], ids=["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link", "memory",
+        "calibration", "int8", "records", "validate-gpus"])
+def test_model_bad_arguments_one_line_exit_2(argv, needle):
+    done = _distmm("model", *argv)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert needle in done.stderr and done.stderr.startswith("distmm model: error:")
+
+
+def test_model_validate_writes_records_report_can_read(tmp_path):
+    out = tmp_path / "v.jsonl"
+    files = [str(p) for p in sorted(RESULTS.glob("mpi-batch-*"))]
+    done = _distmm("model", "--validate", *files, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert {r["benchmark"] for r in recs} == {"model-validation"}
+    assert all(r["predicted_seconds"] > 0 and r["seconds"] > 0 for r in recs)
+    assert "configurations within 15%" in done.stdout
+    from distmm.cli.report import REQUIRED
+
+    assert all(all(k in r for k in REQUIRED) for r in recs)
+
+
+def test_calibrate_from_records_needs_a_machine_when_several(tmp_path):
+    files = [str(RESULTS / "mpi-amd-epyc-2026-11-25.jsonl"),
+             str(RESULTS / "mpi-intel-r-xeon-r-processor-2026-11-25.jsonl")]
+    done = _distmm("calibrate", "--from-records", *files, "-o", str(tmp_path / "c.json"))
+    assert done.returncode == 2 and "name one with --machine" in done.stderr
+    assert not (tmp_path / "c.json").exists()
+    done = _distmm("calibrate", "--from-records", *files, "--machine", "AMD EPYC", "-o",
+                   str(tmp_path / "c.json"))
+    assert done.returncode == 0, done.stderr
+    assert load(tmp_path / "c.json").machine == "AMD EPYC"
+
+
+@pytest.mark.mpi
+def test_calibrate_quick_end_to_end(tmp_path, mpi_env):
+    out = tmp_path / "cal.json"
+    done = _distmm("calibrate", "--quick", "-o", str(out), env={
+        **mpi_env, "TMPDIR": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        timeout=180)
+    assert done.returncode == 0, done.stderr
+    cal = load(out)
+    assert isinstance(cal, Calibration)
+    assert cal.sources["mpi-host"].startswith("measured: mpiexec -n 2")
+    assert cal.sources["tcp"].startswith("measured: LocalCluster")
+    assert cal.rate("cpu", "float64").peak > 1e8
+    assert cal.links["mpi-host"].bandwidth > 1e7 and cal.links["mpi-host"].latency < 0.1
+    assert cal.file_write > 1e6 and cal.file_read > 1e6
+    assert not list(tmp_path.glob("distmm-calibrate-*"))  # its temporary files are gone
+    assert not (tmp_path / "cache").exists()  # -o: nothing written to the default place
+    model = _distmm("model", "--gpus", "1,2", "--device", "cpu", "--dtype", "float64",
+                    "--calibration", str(out), "2000", "2000", "2000")
+    assert model.returncode == 0, model.stderr
+    assert "engine mpi on cpus" in model.stdout
+    folder = _distmm("calibrate", "--quick", "-o", str(tmp_path))
+    assert folder.returncode == 2 and "a folder, not a file" in folder.stderr
