@@ -206,8 +206,9 @@ def _file_sink(client, out, rows, cols):
         return None
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
     if not files.visible(client, [found], workers):
-        log.warning("distmm: the workers do not see %s (another host, or no shared file "
-                    "system); C is gathered and written by this process", found.staged)
+        log.warning("distmm: the workers do not see the staged %s (another host, or no "
+                    "shared file system): C is gathered and written by this process",
+                    found.target)
         return None
     return found.for_blocks(rows, cols)
 
