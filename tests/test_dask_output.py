@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -224,17 +225,23 @@ def _cluster_with_outsider(command_prefix=(), preexec_fn=None):
         cmd = [*command_prefix, sys.executable, "-m", "distributed.cli.dask_worker",
                cl.scheduler_address, "--nthreads", "1", "--no-nanny", "--memory-limit", "2GiB",
                "--dashboard-address", ":0"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                preexec_fn=preexec_fn, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # this distmm
+        log = tempfile.TemporaryFile()  # a pipe nobody reads could fill and stop the worker
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                preexec_fn=preexec_fn, env=env)
         try:
             with distributed.Client(cl) as c:
                 try:
                     c.wait_for_workers(2, timeout=60)
                 except TimeoutError:
                     proc.kill()
-                    pytest.fail(f"the outside worker did not start: {proc.communicate()[1][-2000:]}")
+                    proc.wait()
+                    log.seek(0)
+                    pytest.fail("the outside worker did not start: "
+                                f"{log.read()[-2000:].decode(errors='replace')}")
                 yield c
         finally:
+            log.close()
             proc.terminate()
             try:
                 proc.wait(timeout=20)
@@ -246,7 +253,8 @@ def _cluster_with_outsider(command_prefix=(), preexec_fn=None):
 def _file_size_limit():
     import resource
 
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
 
 
 def test_a_worker_that_cannot_write_fails_the_run_and_leaves_nothing(operands, tmp_path, capsys):
