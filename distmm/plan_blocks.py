@@ -132,6 +132,7 @@ class WorkerInfo:
     gflops: float
     cuda: bool  # the probe found a device (False for a worker marked GPU only by resources)
     device_memory: int | None = None  # the device's total bytes (where the probe found one)
+    node: int | None = None  # the worker's emulated node (distmm.emulate), None where none
 
 
 @dataclass(frozen=True)

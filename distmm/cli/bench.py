@@ -6,7 +6,10 @@ measuring every configuration of a study (``distmm.cli.study``): the in-process 
 (numpy's BLAS on every core, in-core cuBLAS on one GPU) and the local engine on operands
 made once per problem, a real ``distributed`` cluster per Dask worker count (single-thread
 CPU worker processes, or one dask-cuda worker per GPU) with dask.array measured on the same
-cluster, and one ``mpiexec -n P`` per rank count (``distmm.cli.bench_rank``). Every
+cluster, and one ``mpiexec -n P`` per rank count (``distmm.cli.bench_rank``); a series on
+emulated nodes (``nodes``, ``emulated`` in the study) gets its own cluster, started as those
+nodes (``distmm.cli.cluster``), or its own launch, Open MPI's MPMD form with each node's
+environment (``distmm.cli.emulated``), and its records carry ``emulated_nodes``. Every
 configuration's first call and ``repeats`` warm calls are timed (the record's ``seconds``
 is the warm calls' median), its result is checked against float64 (``check_rows``
 sampled rows of C, or all of them), and its record is appended to the output in one write
@@ -110,20 +113,36 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
     return 1 if failed else 0
 
 
+def _as_nodes(nodes) -> str:
+    """`` as N emulated nodes`` (or the all-links mode) for the listing; empty for one host."""
+    if nodes is None:
+        return ""
+    return (" with every link on the network path (emulated, all-links)" if nodes == "all-links"
+            else f" as {nodes} emulated nodes")
+
+
 def _list(study: Study, configs: list[Config]) -> None:
-    clusters = sorted({c.count for c in configs if c.engine == "dask"})
-    launches = sorted({c.count for c in configs if c.engine == "mpi"})
+    from distmm.cli.emulated import mpiexec_command
+
+    def places(engine):
+        seen = {c.place: c for c in configs if c.engine == engine}
+        return ", ".join(f"{c.count}{_as_nodes(c.nodes)}"
+                         for _, c in sorted(seen.items(), key=lambda kv: str(kv[0]))) or "none"
+
     unit = "GPU" if study.device == "gpu" else "CPU"
     print(f"study {study.name} ({study.path}): device {study.device}, {len(configs)} "
           f"configurations, {study.repeats} warm calls each after the first")
     for i, c in enumerate(configs, 1):
-        where = {"dask": f"Dask cluster of {c.count} {unit} workers",
-                 "mpi": f"mpiexec -n {c.count}", "local": "this process",
+        where = {"dask": f"Dask cluster of {c.count} {unit} workers{_as_nodes(c.nodes)}",
+                 "mpi": f"mpiexec -n {c.count}{_as_nodes(c.nodes)}", "local": "this process",
                  "numpy": "this process", "cublas": "this process, one GPU"}[c.engine]
         print(f"[{i}/{len(configs)}] {c.describe()}: {where}"
               + (f", chunks {c.chunk}" if c.chunk else ""))
-    print(f"Dask clusters: {', '.join(map(str, clusters)) or 'none'} workers; mpiexec launches: "
-          f"{', '.join(map(str, launches)) or 'none'} ranks")
+    print(f"Dask clusters: {places('dask')} workers; mpiexec launches: {places('mpi')} ranks")
+    for c in {c.place: c for c in configs if c.engine == "mpi" and c.nodes is not None}.values():
+        argv = mpiexec_command(study.mpiexec, c.count, c.nodes,
+                               ["python", "-m", "mpi4py", "-m", "distmm.cli.bench_rank", "SPEC"])
+        print(f"emulated launch of {c.count} ranks: {' '.join(argv)}")
 
 
 def _check_machine(study: Study, configs: list[Config]) -> None:
@@ -134,6 +153,8 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
         if shutil.which(study.mpiexec[0]) is None:
             raise ValueError(f"{where}: mpiexec: {study.mpiexec[0]!r} is not on PATH (the "
                              f"study has an mpi series)")
+        if any(c.engine == "mpi" and c.nodes is not None for c in configs):
+            _check_open_mpi(study)
     if study.device == "gpu":
         from distmm.cli.cluster import local_gpus
 
@@ -148,6 +169,21 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
             except ImportError:
                 raise ValueError(f"{where}: the study's dask series on GPUs need dask-cuda: "
                                  f"pip install \"distmm[gpu]\"") from None
+
+
+def _check_open_mpi(study: Study) -> None:
+    """Emulated nodes under MPI give each node's ranks their environment with Open MPI's
+    ``-x`` (``distmm.cli.emulated``): another launcher is refused before anything runs."""
+    try:
+        out = subprocess.run([study.mpiexec[0], "--version"], capture_output=True, text=True,
+                             timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = str(exc)
+    if "Open MPI" not in text:
+        raise ValueError(f"{study.path}: mpiexec: emulated nodes need Open MPI's mpiexec (its "
+                         f"-x gives each node's ranks their environment); "
+                         f"{study.mpiexec[0]} --version says {' '.join(text.split())[:80]!r}")
 
 
 # ---------------------------------------------------------------- measuring
@@ -207,6 +243,8 @@ class _Runner:
             extra["per_device"] = c.per_device
         if c.chunk is not None:
             extra["chunk"] = c.chunk
+        if c.nodes is not None:  # the count (or "all-links") the nodes were emulated as
+            extra["emulated_nodes"] = c.nodes
         if self.study.note:
             extra["note"] = self.study.note
         return extra
@@ -242,15 +280,15 @@ class _Runner:
             if c.engine in ("numpy", "cublas", "local"):
                 key = ("process", c.dtype, c.m, c.n, c.k)
             else:
-                key = (c.engine, c.count)
+                key = c.place
             groups.setdefault(key, []).append(c)
         for key, group in groups.items():
             if key[0] == "process":
                 self.in_process(group)
             elif key[0] == "dask":
-                self.dask(key[1], group)
+                self.dask(key[1], group, nodes=key[2])
             else:
-                self.mpi(key[1], group)
+                self.mpi(key[1], group, nodes=key[2])
 
     # -- in this process: numpy, cuBLAS, the local engine
 
@@ -337,14 +375,15 @@ class _Runner:
 
     # -- a Dask cluster per count
 
-    def dask(self, count: int, group: list[Config]) -> None:
+    def dask(self, count: int, group: list[Config], nodes=None) -> None:
         from distributed import Client
 
         from distmm.cli.cluster import cpu_cluster, gpu_cluster
 
+        split = 1 if nodes is None else (count if nodes == "all-links" else nodes)
         try:
-            cluster = (gpu_cluster(",".join(map(str, range(count)))) if self.gpu
-                       else cpu_cluster(count))
+            cluster = (gpu_cluster(",".join(map(str, range(count))), nodes=split) if self.gpu
+                       else cpu_cluster(count, nodes=split))
         except Exception as exc:
             for c in group:
                 self.fail(c, exc)
@@ -411,8 +450,9 @@ class _Runner:
 
     # -- one mpiexec per count
 
-    def mpi(self, count: int, group: list[Config]) -> None:
+    def mpi(self, count: int, group: list[Config], nodes=None) -> None:
         from distmm.cli import bench_rank
+        from distmm.cli.emulated import mpiexec_command
 
         # a CPU rank's BLAS threads; on GPUs only the threads that make each rank's blocks
         threads = self.study.threads_per_rank or max(1, self.cores // count)
@@ -434,8 +474,9 @@ class _Runner:
         spec["status"] = status_path
         with os.fdopen(fd, "w") as fh:
             json.dump(spec, fh)
-        argv = [*self.study.mpiexec, "-n", str(count), sys.executable, "-m", "mpi4py", "-m",
-                "distmm.cli.bench_rank", spec_path]
+        argv = mpiexec_command(self.study.mpiexec, count, 1 if nodes is None else nodes,
+                               [sys.executable, "-m", "mpi4py", "-m", "distmm.cli.bench_rank",
+                                spec_path])
         proc = subprocess.Popen(argv, env=env)
         try:
             code = proc.wait()

@@ -8,6 +8,10 @@ This module covers:
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
   resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
   otherwise (``gpu_protocol``: ``protocol="auto"``);
+- emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
+  started with its group's environment (``distmm.emulate``: ``DISTMM_EMULATED_NODE``, which
+  the Dask engine's worker probe reads) and named ``node<i>-<name>``; a GPU cluster's comms
+  are then TCP (UCX would carry the traffic between emulated nodes over CUDA IPC);
 - random operands made on the workers, one seeded generator per chunk, numpy or cupy chunks
   (``random_array``), so that no operand travels from the client; ``to_host`` (chunks as
   numpy) and ``sync_workers`` (wait for every worker's GPU, for timing).
@@ -30,7 +34,8 @@ import copy
 import numpy as np
 
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
-           "PROTOCOLS", "share_workers", "random_array", "to_host", "sync_workers", "GPU_RESOURCE"]
+           "PROTOCOLS", "share_workers", "emulate_nodes", "random_array", "to_host",
+           "sync_workers", "GPU_RESOURCE"]
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
@@ -72,20 +77,91 @@ def local_gpus() -> int:
         return 0
 
 
-def cpu_cluster(workers: int, *, threads_per_worker: int = 1, **kwargs):
+def cpu_cluster(workers: int, *, threads_per_worker: int = 1, nodes: int = 1,
+                timeout: float = 120, **kwargs):
     """A ``LocalCluster`` of ``workers`` worker processes (single-thread unless
     ``threads_per_worker``); ``kwargs`` go to ``LocalCluster`` (``resources={"GPU": 1}``:
-    workers standing in for GPU workers)."""
+    workers standing in for GPU workers). ``nodes``: the workers as that many emulated nodes
+    (``emulate_nodes``; ``ValueError`` for an uneven split, before any worker starts)."""
     from distributed import LocalCluster
 
+    from distmm.emulate import layout
+
+    lay = layout(workers, nodes)
     kwargs.setdefault("dashboard_address", ":0")
-    return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker, processes=True,
-                        **kwargs)
+    if not lay.active:
+        return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker,
+                            processes=True, **kwargs)
+    if "memory_limit" not in kwargs:  # LocalCluster's "auto" share, which n_workers=0 loses
+        from distributed.system import MEMORY_LIMIT
+
+        kwargs["memory_limit"] = int(MEMORY_LIMIT / workers)
+    cluster = LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
+                           **kwargs)
+    try:
+        specs = {f"w{i}": copy.deepcopy(cluster.new_spec) for i in range(workers)}
+        _start_as_nodes(cluster, specs, lay, timeout)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _node_specs(specs: dict, lay) -> dict:
+    """``specs`` (name -> worker spec, in member order) renamed ``node<i>-<name>``, each
+    with its node's environment added to the worker's ``env``."""
+    out = {}
+    for member, (name, spec) in enumerate(specs.items()):
+        node = lay.node_of(member)
+        spec = copy.deepcopy(spec)
+        options = spec.setdefault("options", {})
+        options["env"] = {**(options.get("env") or {}), **lay.environment(node)}
+        out[f"node{node}-{name}"] = spec
+    return out
+
+
+def _start_as_nodes(cluster, specs: dict, lay, timeout: float) -> None:
+    """Replace ``cluster``'s workers by ``specs`` started as ``lay``'s emulated nodes, and
+    wait until exactly those run."""
+    import time
+
+    wanted = _node_specs(specs, lay)
+    cluster.worker_spec.clear()
+    cluster.worker_spec.update(wanted)
+    cluster.scale(len(wanted))  # closes workers no longer in the spec, starts the new ones
+    deadline = time.monotonic() + timeout
+    while True:
+        names = {w.get("name") for w in cluster.scheduler_info.get("workers", {}).values()}
+        if names == set(wanted):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the emulated nodes' workers did not start within {timeout} s "
+                               f"(running: {sorted(map(str, names))})")
+        time.sleep(0.05)
+
+
+def emulate_nodes(cluster, nodes: int, *, timeout: float = 120) -> None:
+    """Restart ``cluster``'s workers (a ``SpecCluster``: ``LocalCluster``,
+    ``LocalCUDACluster``) as ``nodes`` emulated nodes: worker ``i`` in name order (for
+    ``LocalCUDACluster`` that is device order) joins node ``i // (workers / nodes)``.
+    ``ValueError`` for an uneven split."""
+    from distmm.emulate import layout
+
+    specs = dict(sorted(cluster.worker_spec.items(), key=lambda kv: _name_key(kv[0])))
+    lay = layout(len(specs), nodes)
+    if lay.active:
+        _start_as_nodes(cluster, specs, lay, timeout)
+
+
+def _name_key(name):
+    text = str(name)
+    return (0, int(text), "") if text.isdigit() else (1, 0, text)
 
 
 def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
                 device_memory_limit: float = 0.8, timeout: float = 120,
-                protocol: str = "auto", threads_per_worker: int = 1, **kwargs):
+                protocol: str = "auto", threads_per_worker: int = 1, nodes: int = 1,
+                **kwargs):
     """A ``dask_cuda.LocalCUDACluster`` on ``devices`` (``"0,1"``; default every visible GPU)
     with ``per_device`` workers on each GPU (single-thread unless ``threads_per_worker``),
     each carrying ``GPU: 1``.
@@ -95,6 +171,9 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
     (``gpu_protocol``): ``"auto"`` takes UCX where ``distributed-ucxx`` is installed, so
     that device buffers move between workers without host copies (NVLink where there
     is one), and falls back to TCP, with a warning, when a UCX cluster does not start.
+    ``nodes``: the GPUs' workers as that many emulated nodes (``emulate_nodes``, one worker
+    per GPU); the comms are then TCP whatever ``protocol`` says (``"ucx"`` is refused), so
+    that only distmm's CUDA IPC, inside a node, moves device buffers directly.
     Raises ``ImportError`` when dask_cuda is not installed.
     """
     import logging
@@ -103,6 +182,18 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
 
     if per_device < 1:
         raise ValueError(f"per_device must be at least 1, got {per_device}")
+    if nodes != 1:
+        if devices is not None:
+            from distmm.emulate import layout
+
+            layout(len([d for d in devices.split(",") if d.strip()]), nodes)  # before starting
+        if per_device != 1:
+            raise ValueError(f"emulated nodes take one worker per GPU, got per_device="
+                             f"{per_device}")
+        if protocol == "ucx":
+            raise ValueError("emulated nodes run over TCP: UCX would move device buffers "
+                             "between emulated nodes through CUDA IPC")
+        protocol = "tcp"
     chosen = gpu_protocol(protocol)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("resources", {GPU_RESOURCE: 1})
@@ -124,6 +215,8 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
         if per_device > 1:
             share_workers(cluster, per_device, timeout=timeout)
         _wait_for(cluster, len(cluster.worker_spec), timeout)
+        if nodes != 1:
+            emulate_nodes(cluster, nodes, timeout=timeout)
     except BaseException:
         cluster.close()
         raise

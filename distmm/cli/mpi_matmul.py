@@ -107,7 +107,7 @@ def run_matmul(args) -> int:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
     grid = outcome.plan.grid if outcome.plan is not None else None
-    totals = _report_profile(comm, args, phases, t0, grid, epoch)
+    totals = _report_profile(comm, args, phases, t0, grid, epoch, panels=outcome.panels)
     if outcome.status:
         if comm.rank == 0:
             if getattr(args, "debug", False) and outcome.error is not None:
@@ -157,11 +157,14 @@ def _end(status: int) -> None:
         os._exit(status)
 
 
-def _report_profile(comm, args, phases, t0, grid, epoch: float) -> str:
+def _report_profile(comm, args, phases, t0, grid, epoch: float, *, panels=None) -> str:
     """With ``--profile``: gather every rank's spans, write the file on rank 0, and return
-    the totals for the summary line (``"; read 1.20, ... s"``); else ``""``."""
+    the totals for the summary line (``"; read 1.20, ... s"``); else ``""``. ``panels``:
+    the batch path's ``read`` or ``broadcast`` decision, kept in the profile with the
+    emulated nodes the job ran as (``distmm.emulate``)."""
     import socket
 
+    from distmm.emulate import record_value
     from distmm.phases import summary_line, write_profile
 
     if not args.profile:
@@ -174,6 +177,8 @@ def _report_profile(comm, args, phases, t0, grid, epoch: float) -> str:
         write_profile(args.profile, records, {"a": args.a, "b": args.b, "output": args.output,
                                               "ranks": comm.size,
                                               "grid": None if grid is None else list(grid.shape),
+                                              "batch_panels": panels,
+                                              "emulated_nodes": record_value(),
                                               "wall": time.perf_counter() - t0,
                                               "written_epoch": time.time()})
     return f"; busiest rank: {summary_line(records)}"

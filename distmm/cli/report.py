@@ -19,6 +19,9 @@ The rules, in one place:
   each count has one size and the size grows with the count. In both, a count's seconds
   are the median of its records; speedup is TFLOP/s over the smallest count's TFLOP/s
   (for strong scaling the time ratio) and efficiency is speedup * smallest count / count.
+- **emulated nodes**: a record with ``emulated_nodes`` (a count, or ``"all-links"``) was
+  measured on nodes emulated on one host (``distmm.emulate``); its family, its rows and
+  its lines say so (``emulated_label``: ``[emulated nodes: 2]``).
 - **reference**: a variant named ``cublas``, ``numpy``, ``dask.array``, ``read-cat`` or
   ``write-dd`` (the storage ceilings of ``mpi-batch``), alone or followed by ``-``, ``@`` or ``.`` (``cublas-incore``,
   ``dask.array-chunk8192@2gpu``). A record's share of a reference is reference seconds /
@@ -46,10 +49,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmm.cli.report_rules import REFERENCES, count_of, family, is_reference
+from distmm.cli.report_rules import (REFERENCES, count_of, emulated_label, family,
+                                     is_reference)
 from distmm.errors import OutputExists
 
-__all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "family", "is_reference", "scaling",
+__all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "emulated_label", "family",
+           "is_reference", "scaling",
            "reference_shares", "timeline_rows", "read_inputs", "add_options", "run_report"]
 
 REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
@@ -128,7 +133,9 @@ def scaling(records: list[dict], kind: str) -> list[Series]:
                                                  or r["seconds"] <= 0)):
             continue
         size = (int(r["m"]), int(r["n"]), int(r["k"]))
-        group = (r["benchmark"], r["device"], r["dtype"], family(r["variant"], count), str(r["run"]), key)
+        group = (r["benchmark"], r["device"], r["dtype"],
+                 family(r["variant"], count) + emulated_label(r),
+                 str(r["run"]), key)
         if predicted:  # a prediction joins the series of every run of its family
             group = group[:4] + (None, key)
         target = forecasts if predicted else groups
@@ -232,7 +239,8 @@ def _tables(records, strong, weak, shares, roofs,
             tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
                                    "count", "seconds", "speedup", "efficiency"], rows))
     rows = [[s.record["benchmark"], str(s.record["run"]), s.record["dtype"],
-             f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}', s.record["variant"],
+             f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}',
+             s.record["variant"] + emulated_label(s.record),
              "{} {}".format(*count_of(s.record)), f'{s.record["seconds"]:.4g}', s.reference,
              f"{s.reference_seconds:.4g}", f"{s.share:.2f}"] for s in shares]
     if rows:
@@ -309,7 +317,8 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
         if (isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0 and _flops(r) > 0
                 and "predicted_seconds" not in r):
             size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
-            by_bench[(r["benchmark"], r["device"])][(r["variant"], r["dtype"])][size].append(r["tflops"])
+            by_bench[(r["benchmark"], r["device"])][(r["variant"] + emulated_label(r),
+                                                     r["dtype"])][size].append(r["tflops"])
     for (bench, device), lines in sorted(by_bench.items()):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
         for (variant, dtype), points in sorted(lines.items()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["REFERENCES", "COUNT_KEYS", "count_of", "family", "is_reference"]
+__all__ = ["REFERENCES", "COUNT_KEYS", "count_of", "emulated_label", "family", "is_reference"]
 
 REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
 COUNT_KEYS = ("ranks", "gpus", "workers")
@@ -30,6 +30,17 @@ def family(variant: str, count: int) -> str:
     ``family("distmm-dask@2gpu", 2) == "distmm-dask"``; unchanged without one."""
     token = rf"[-@]{count}(?:gpus?|ranks?|workers?)?(?=[-@.]|$)"
     return re.sub(token, "", variant, count=1) or variant
+
+
+def emulated_label(record: dict) -> str:
+    """``" [emulated nodes: N]"`` for a record measured on emulated nodes (its
+    ``emulated_nodes``), else ``""``.
+
+    >>> emulated_label({"emulated_nodes": 2}), emulated_label({})
+    (' [emulated nodes: 2]', '')
+    """
+    nodes = record.get("emulated_nodes")
+    return "" if nodes in (None, False) else f" [emulated nodes: {nodes}]"
 
 
 def is_reference(variant: str) -> bool:

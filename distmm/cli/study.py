@@ -33,6 +33,9 @@ default)::
     backends = ["auto"]         # cpu: auto, blas, numba; gpu: auto, raw, cublas
     dtypes = ["float64"]        # the study's unless given
     chunk = 2048                # Dask operands' chunks (default: 2048 on cpu, 8192 on gpu)
+    nodes = 2                   # dask and mpi only, with emulated = true: every count split
+    emulated = true             #   into that many emulated nodes of one host (distmm.emulate);
+                                #   emulated = "all-links": every link on the network path
 
     [[series]]
     kind = "weak"               # "weak": C grows with the count, a fixed size per device
@@ -61,7 +64,10 @@ KINDS = ("strong", "weak")
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
             "references", "mpiexec", "threads_per_rank", "series", "note"}
 SERIES_KEYS = {"kind", "engines", "counts", "sizes", "sizes_per_device", "k", "backends",
-               "dtypes", "chunk"}
+               "dtypes", "chunk", "nodes", "emulated"}
+#: ``emulated``'s crude mode (``distmm.emulate.ALL_LINKS``, repeated: this module imports
+#: nothing but the standard library)
+ALL_LINKS = "all-links"
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Config:
     reference: str | None = None
     per_device: int | None = None
     chunk: int | None = None
+    nodes: int | str | None = None  # emulated nodes (a count or "all-links"); None: one host
 
     @property
     def flops(self) -> int:
@@ -86,6 +93,11 @@ class Config:
 
     def describe(self) -> str:
         return f"{self.variant} {self.dtype} {self.m}x{self.n}x{self.k} ({self.series})"
+
+    @property
+    def place(self) -> tuple:
+        """What one cluster or ``mpiexec`` launch serves: engine, count, emulated nodes."""
+        return (self.engine, self.count, self.nodes)
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Series:
     backends: tuple[str, ...]
     dtypes: tuple[str, ...]
     chunk: int | None
+    nodes: int | str | None = None  # emulated nodes (a count or "all-links"); None: one host
 
 
 @dataclass(frozen=True)
@@ -144,20 +157,32 @@ def weak_shape(count: int, side: int, k: int) -> tuple[int, int, int]:
     return (count // cols) * side, cols * side, k
 
 
-def variant_name(engine: str, backend: str, series: str, count: int, device: str) -> str:
-    """A distmm configuration's variant: ``distmm-<engine>[-<backend>][-weak]@<count><unit>``,
-    the unit ``workers`` (local threads, Dask workers) or ``ranks``, or ``gpu`` on a GPU
-    study. ``distmm report`` strips the ``@<count><unit>`` token to find one series over the
-    counts; ``-weak`` keeps a weak series apart from a strong one of the same engine.
+def variant_name(engine: str, backend: str, series: str, count: int, device: str,
+                 nodes: int | str | None = None) -> str:
+    """A distmm configuration's variant:
+    ``distmm-<engine>[-<backend>][-weak][-emulated-<N>nodes]@<count><unit>``, the unit
+    ``workers`` (local threads, Dask workers) or ``ranks``, or ``gpu`` on a GPU study.
+    ``distmm report`` strips the ``@<count><unit>`` token to find one series over the
+    counts; ``-weak`` keeps a weak series apart from a strong one of the same engine, and
+    ``-emulated-<N>nodes`` (``-emulated-all-links``) one on emulated nodes from one on a
+    single host.
 
     Examples
     --------
     >>> variant_name("mpi", "auto", "strong", 4, "cpu"), variant_name("dask", "numba", "weak", 2, "cpu")
     ('distmm-mpi@4ranks', 'distmm-dask-numba-weak@2workers')
+    >>> variant_name("mpi", "auto", "strong", 4, "gpu", nodes=2)
+    'distmm-mpi-emulated-2nodes@4gpu'
     """
     name = f"distmm-{engine}" + ("" if backend == "auto" else f"-{backend}")
     name += "-weak" if series == "weak" else ""
-    return name + "@" + _count_token(engine, count, device)
+    return name + _nodes_token(nodes) + "@" + _count_token(engine, count, device)
+
+
+def _nodes_token(nodes: int | str | None) -> str:
+    if nodes is None:
+        return ""
+    return f"-emulated-{nodes}" if nodes == ALL_LINKS else f"-emulated-{nodes}nodes"
 
 
 def _count_token(engine: str, count: int, device: str) -> str:
@@ -178,19 +203,22 @@ def _expand(study: Study) -> list[Config]:
                         problems.setdefault((dtype, m, n, k), s.kind)
                         for backend in s.backends:
                             cfg = Config(engine, backend, dtype, m, n, k, count, s.kind,
-                                         variant_name(engine, backend, s.kind, count, study.device),
+                                         variant_name(engine, backend, s.kind, count,
+                                                      study.device, s.nodes),
                                          per_device=size[0] if s.kind == "weak" else None,
                                          chunk=_chunk(s, study.device, m, n, k)
-                                         if engine == "dask" else None)
-                            seen.setdefault((engine, backend, dtype, m, n, k, count, s.kind), cfg)
+                                         if engine == "dask" else None, nodes=s.nodes)
+                            seen.setdefault((engine, backend, dtype, m, n, k, count, s.kind,
+                                             s.nodes), cfg)
                         if engine == "dask" and "dask.array" in study.references:
-                            suffix = "-weak" if s.kind == "weak" else ""
+                            suffix = ("-weak" if s.kind == "weak" else "") + _nodes_token(s.nodes)
                             ref = Config("dask", "auto", dtype, m, n, k, count, s.kind,
                                          f"dask.array{suffix}@{_count_token('dask', count, study.device)}",
                                          reference="dask.array",
                                          per_device=size[0] if s.kind == "weak" else None,
-                                         chunk=_chunk(s, study.device, m, n, k))
-                            seen.setdefault(("dask.array", dtype, m, n, k, count, s.kind), ref)
+                                         chunk=_chunk(s, study.device, m, n, k), nodes=s.nodes)
+                            seen.setdefault(("dask.array", dtype, m, n, k, count, s.kind,
+                                             s.nodes), ref)
     refs = [Config(ref, "auto", dtype, m, n, k, 1, kind, ref, reference=ref)
             for ref in ("numpy", "cublas") if ref in study.references
             for (dtype, m, n, k), kind in problems.items()]
@@ -201,8 +229,8 @@ def _expand(study: Study) -> list[Config]:
         if c.engine in ("numpy", "cublas", "local"):  # one process, operands made per problem
             return (0, 0) + problem + (c.engine != "numpy", c.engine != "cublas", c.count,
                                        c.backend, c.series)
-        return (order[c.engine], c.count) + problem + (c.reference is not None, c.backend,
-                                                         c.series)
+        return (order[c.engine], c.count, str(c.nodes)) + problem + (
+            c.reference is not None, c.backend, c.series)
     return sorted(refs + list(seen.values()), key=key)
 
 
@@ -310,6 +338,7 @@ def _series(s: dict, where: str, device: str, dtypes, bad) -> Series:
         sbad("chunk", f"a positive integer, got {chunk!r}")
     if chunk is not None and "dask" not in engines:
         sbad("chunk", "only the Dask engine has chunks")
+    nodes = _nodes(s, engines, counts, sbad)
     if kind == "strong":
         for key in ("sizes_per_device", "k"):
             if key in s:
@@ -333,7 +362,36 @@ def _series(s: dict, where: str, device: str, dtypes, bad) -> Series:
             sbad("counts", "a weak series needs two counts or more")
         sizes = tuple((b, b, k or b) for b in sides)
     return Series(kind, tuple(engines), tuple(counts), sizes, tuple(backends),
-                  tuple(series_dtypes), chunk)
+                  tuple(series_dtypes), chunk, nodes)
+
+
+def _nodes(s: dict, engines, counts, sbad) -> int | str | None:
+    """A series' emulated nodes (``nodes`` and ``emulated``), or None for one host."""
+    emulated = s.get("emulated", False)
+    if emulated not in (True, False, ALL_LINKS):
+        sbad("emulated", f"true, false or \"{ALL_LINKS}\", got {emulated!r}")
+    nodes = s.get("nodes")
+    if nodes is not None and (type(nodes) is not int or nodes < 1):
+        sbad("nodes", f"a positive integer, got {nodes!r}")
+    if emulated is False:
+        if nodes not in (None, 1):
+            sbad("nodes", "the runner runs on one host: set emulated = true to run the "
+                          "counts as emulated nodes of it")
+        return None
+    if "local" in engines:
+        sbad("emulated", "the local engine runs in one process: emulated nodes take the dask "
+                         "and mpi engines")
+    if emulated == ALL_LINKS:
+        if nodes is not None:
+            sbad("nodes", f"emulated = \"{ALL_LINKS}\" makes every device its own node: "
+                          f"leave nodes out")
+        return ALL_LINKS
+    if nodes is None or nodes < 2:
+        sbad("nodes", "emulated = true needs nodes = 2 or more")
+    uneven = [c for c in counts if c % nodes]
+    if uneven:
+        sbad("counts", f"{uneven[0]} does not split evenly into {nodes} emulated nodes")
+    return nodes
 
 
 def _sizes(raw, sbad) -> tuple[tuple[int, int, int], ...]:

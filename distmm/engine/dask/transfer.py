@@ -1,5 +1,8 @@
 """Device chunks between GPU workers of one host: CUDA IPC in block mode, TCP otherwise.
 
+Workers of one host started as different emulated nodes (``distmm.emulate``) count as
+workers of different hosts here (``link_of``): CUDA IPC only inside an emulated node.
+
 This module covers: whether a block-mode product moves device (cupy) chunks
 between GPU workers through CUDA IPC (``distmm.dask-device-transfer``:
 ``auto``, ``ipc`` or ``tcp``; ``ipc_pairs``), the one-time probe per cluster
@@ -42,7 +45,8 @@ import numpy as np
 from distmm.engine.dask.pull import norm_key
 
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take",
-           "take_into", "dtype_of", "host_of", "device_chunks", "candidate_pairs", "ipc_pairs", "probe",
+           "take_into", "dtype_of", "host_of", "link_of", "device_chunks", "candidate_pairs",
+           "ipc_pairs", "probe",
            "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime",
            "keep_until_released", "held_keys", "orphans"]
 
@@ -86,11 +90,29 @@ def device_chunks(*arrays) -> bool:
     return bool(arrays)
 
 
+def link_of(unit) -> tuple:
+    """Where a worker's links reach: its host and its emulated node (``node``, None
+    where none). Workers of one host but different emulated nodes are taken for
+    workers of different hosts: their device chunks go over TCP, never CUDA IPC."""
+    return host_of(unit.address), getattr(unit, "node", None)
+
+
 def candidate_pairs(units) -> frozenset:
-    """``(holder, reader)`` address pairs of distinct GPU workers on one host."""
-    gpus = sorted({u.address for u in units if u.gpu})
-    return frozenset((a, b) for a in gpus for b in gpus
-                     if a != b and host_of(a) == host_of(b))
+    """``(holder, reader)`` address pairs of distinct GPU workers on one host and in
+    one emulated node (``link_of``).
+
+    Examples
+    --------
+    >>> from distmm.plan_blocks import WorkerInfo
+    >>> w = [WorkerInfo(f"tcp://10.0.0.1:{p}", 1, True, str(p), 1.0, True, node=p // 2)
+    ...      for p in range(4)]
+    >>> pairs = candidate_pairs(w)
+    >>> len(pairs), all(int(a[-1]) // 2 == int(b[-1]) // 2 for a, b in pairs)
+    (4, True)
+    """
+    links = {u.address: link_of(u) for u in units if u.gpu}
+    gpus = sorted(links)
+    return frozenset((a, b) for a in gpus for b in gpus if a != b and links[a] == links[b])
 
 
 def forget_probes() -> None:

@@ -8,8 +8,10 @@ throughput in GFLOP/s (the ``distmm.dask-worker-gflops`` configuration by
 address, then by kind, else
 measured by the probe: a small float64 product timed on the worker's device),
 which workers share one physical GPU (the probe's PCI bus id, or
-``DEVICES_KEY`` for tests), as one ``distmm.plan_blocks.WorkerInfo`` per
-worker. Probes are cached per worker address for the life of the client process.
+``DEVICES_KEY`` for tests), and the emulated node a worker was started in
+(``DISTMM_EMULATED_NODE``, ``distmm.emulate``), as one
+``distmm.plan_blocks.WorkerInfo`` per worker. Probes are cached per worker
+address for the life of the client process.
 It does *not* cover: the units the block layout shares C between, or the layout
 itself (``distmm.plan_blocks``), or the tasks (``distmm.engine.dask.tasks``).
 """
@@ -76,11 +78,14 @@ def _driver_devices() -> int | None:
 
 def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
     """Run on a worker: whether it sees a CUDA device, which one (PCI bus id),
-    and GFLOP/s of a small float64 product on the GPU (if any) and the CPU."""
+    GFLOP/s of a small float64 product on the GPU (if any) and the CPU, and its
+    emulated node (None where none)."""
     import numpy as np
 
+    from distmm.emulate import this_node
+
     out: dict = {"cuda": False, "device": None, "gpu_gflops": None, "cpu_gflops": None,
-                 "device_memory": None}
+                 "device_memory": None, "node": this_node()}
     rng = np.random.default_rng(0)
     a = rng.standard_normal((cpu_size, cpu_size))
     best = float("inf")
@@ -178,5 +183,6 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
         device = devices.get(addr, res.get("device"))
         mem = res.get("device_memory") if cuda else None
         out.append(WorkerInfo(addr, nthreads, gpu, None if device is None else str(device),
-                              float(rate), cuda, None if mem is None else int(mem)))
+                              float(rate), cuda, None if mem is None else int(mem),
+                              res.get("node")))
     return out

@@ -45,13 +45,14 @@ class BatchOutcome:
     ``status``: 0, or the exit status of the failure that stopped the ranks (128 + the signal
     for a signal); ``message``: its one line; ``error``: this rank's exception (its own, or a
     ``PeerStopped``); ``notes``: lines for the user (removed leftovers; on rank 0, what a
-    stopped run kept)."""
+    stopped run kept); ``panels``: ``"read"`` or ``"broadcast"`` (``batch-panels``, decided)."""
 
     status: int = 0
     message: str = ""
     error: BaseException | None = None
     plan: BatchPlan | None = None
     notes: list[str] = field(default_factory=list)
+    panels: str | None = None  # how the ranks got their panels: "read" or "broadcast"
 
 
 @contextmanager
@@ -161,6 +162,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
             direct = _reads_directly(comm, get_config().batch_panels)
+            outcome.panels = "read" if direct else "broadcast"
             panels = k_panels(plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None
@@ -255,12 +257,13 @@ def _stripes(plan: BatchPlan | None) -> int:
 
 def _reads_directly(comm, choice: str) -> bool:
     """Whether each rank reads every panel it needs (``read``) rather than only its own
-    block, the rest coming by broadcast: ``auto`` reads when all ranks share one host."""
+    block, the rest coming by broadcast: ``auto`` reads when all ranks share one host (an
+    emulated node counts as a host of its own: ``distmm.emulate.link_host``)."""
     if choice != "auto":
         return choice == "read"
-    import socket
+    from distmm.emulate import link_host
 
-    return len(set(comm.allgather(socket.gethostname()))) == 1
+    return len(set(comm.allgather(link_host()))) == 1
 
 
 def _warm_links(comms, dtype) -> list:
