@@ -6,7 +6,7 @@ This module covers: recognising an ``out=`` that is a staged output of the comma
 (the target, the process that staged it, where the data starts, what the client sees of the
 file), the task that writes one block of C there on a worker (``write_block``), and the
 fence that ends a product's writes (``close``). The writes go through the MPI batch path's
-``StripeWriter`` (``distmm.engine.mpi.io``), one per worker process and product: ``.npy`` and
+``StripeWriter`` (``distmm.stripe_writer``), one per worker process and product: ``.npy`` and
 HDF5 with ``os.pwrite`` at the data's offset, zarr through zarr, under ``StripeWriter``'s
 lock beside the staged array unless every block covers whole zarr chunks (``aligned``), so
 two writers never write one chunk at once. Whether every worker sees the staged file is
@@ -22,7 +22,7 @@ which the block's next run, on another worker, writes whole again; ``close`` als
 the temporary chunk files zarr's atomic writes leave behind a killed writer.
 
 It does *not* cover: creating, committing or removing the staged output (``distmm.cli.io``,
-``distmm.staging``, ``distmm.engine.mpi.io``), or running the product and retrying lost
+``distmm.staging``, ``distmm.stripe_writer``), or running the product and retrying lost
 blocks (``distmm.engine.dask.eager``). Outputs that are not staged files (a user's memmap,
 zarr or HDF5 array passed as ``out=``) are written by the client, block by block.
 """
@@ -168,7 +168,7 @@ def _begin(sink: FileSink) -> _Writer:
             raise SinkClosed(f"the writes into {sink.staged} have ended")
         entry = _WRITERS.get(sink.token)
         if entry is None:
-            from distmm.engine.mpi.io import StripeWriter
+            from distmm.stripe_writer import StripeWriter
 
             entry = _WRITERS[sink.token] = _Writer(StripeWriter(
                 sink.target, sink.pid, sink.shape, sink.dtype, sink.header, aligned=sink.aligned))
