@@ -310,8 +310,9 @@ def test_model_command_warns_before_the_table():
     (["--gpus", "8", "10", "10", "10", "--dtype", "int8"], "no gpu GEMM rate for int64"),
     (["--validate", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
     (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
+    (["--gpus", "8", "10", "10", "10", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
 ], ids=["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link", "memory",
-        "calibration", "int8", "records", "validate-gpus"])
+        "calibration", "int8", "records", "validate-gpus", "gpus-per-node"])
 def test_model_bad_arguments_one_line_exit_2(argv, needle):
     done = _distmm("model", *argv)
     assert done.returncode == 2, (done.stdout, done.stderr)

@@ -96,6 +96,9 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                         "workers, mpi-host for CPU ranks, tcp for CPU workers)")
     m.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (default: the calibration's)")
+    m.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="devices per host, which share its disk and links (default: the "
+                        "calibration's, i.e. the machine it was measured on)")
     m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS",
                    help="compare the model with every configuration in these records")
     m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl",
@@ -198,6 +201,12 @@ def run_model(args) -> int:
 
     m, n, k = args.sizes
     cal, where = _calibration(args.calibration)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+        import dataclasses
+
+        cal = dataclasses.replace(cal, gpus_per_node=args.gpus_per_node)
     cal.rate(args.device, _acc(args.dtype))  # a missing rate fails before anything prints
     rows = []
     for p in args.devices:
@@ -274,7 +283,8 @@ def _write_predictions(args, cal, rows) -> None:
             "predicted_seconds": own.seconds, "role": "predicted", **count,
             "grid": list(own.grid), "best_grid": list(best.grid),
             "best_predicted_seconds": best.seconds, "engine": args.engine,
-            "link": own.link, "calibration": cal.machine, "commit": git_commit(),
+            "link": own.link, "calibration": cal.machine, "gpus_per_node": cal.gpus_per_node,
+            "commit": git_commit(),
             "date": now.date().isoformat(),
             "note": "predicted by distmm model, not measured"})
 
