@@ -130,13 +130,14 @@ def _zarr_chunks(plan: BatchPlan):
 
 
 def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, judge,
-              progress=None) -> BatchOutcome:
+              progress=None, precision: str = "highest") -> BatchOutcome:
     """Every rank: the product of the opened operands ``a`` and ``b`` into ``args.output``.
 
     ``args`` carries ``a``, ``b``, ``output`` (specs), ``overwrite`` and ``resume``;
     ``judge(exc)`` gives a failure's ``(exit status, one line)``; ``progress(count)``, when
     given, makes a bar with ``update(1)`` and ``close()`` over this rank's stripes. Returns
-    the agreed outcome.
+    the agreed outcome. ``precision``: ``distmm.precision``'s mode (checked against
+    ``dtype`` by the caller), applied by every rank's executor.
     """
     from distmm.config import get_config
     from distmm.engine.mpi.gridcomms import grid_comms, local_gpu
@@ -185,7 +186,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             log = rs.DoneLog(staged, comm.rank) if args.resume else None
             writer = StripeWriter(args.output, pid, (m, n), dtype, header,
                                   aligned=chunks is not None)
-            executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
+            executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu,
+                                    precision=precision)
             warm = []
             comms = None
             if not direct:
