@@ -42,7 +42,7 @@ import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
 from distmm.errors import ConfigError
-from distmm.precision import PRECISIONS
+from distmm.plan import PRECISIONS
 
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]

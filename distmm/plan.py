@@ -1,7 +1,8 @@
 """The tiling planner: pure functions and frozen dataclasses.
 
-This module covers: the dtype rules of a product (numpy's result dtype and the
-dtype tiles are accumulated in), the tile grid with ragged edges, the owner of
+This module covers: the dtype rules of a product (numpy's result dtype, the
+dtype tiles are accumulated in, and which precision modes a dtype takes:
+``check_precision``; ``distmm.precision`` describes the modes and their bounds), the tile grid with ragged edges, the owner of
 each C tile, the k-split with its fixed reduction tree, and estimates of flops,
 bytes moved and peak memory per worker.
 
@@ -19,8 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distmm.precision import check_precision, is_bfloat16
-
 __all__ = [
     "Plan",
     "make_plan",
@@ -31,6 +30,8 @@ __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
     "np_dtype",
+    "PRECISIONS",
+    "check_precision",
 ]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
@@ -47,6 +48,64 @@ def np_dtype(name: str) -> np.dtype:
         return _NP_DTYPES[name]
     except KeyError:
         return _NP_DTYPES.setdefault(name, np.dtype(name))
+
+
+#: the names ``precision=`` takes (``distmm.precision`` describes the modes)
+PRECISIONS = ("highest", "tf32", "bf16", "fp16")
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ``ml_dtypes.bfloat16`` (told by name: distmm does not
+    import ml_dtypes; whoever holds a bfloat16 array has it)."""
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def reduced_applies(result_dtype) -> bool:
+    """Whether a reduced mode applies to a product of this numpy result dtype."""
+    dt = np.dtype(result_dtype)
+    return dt in (np.float32, np.float16) or is_bfloat16(dt)
+
+
+def check_precision(precision, result_dtype=None, *, what: str = "matmul") -> str:
+    """Return ``precision`` checked, for a product of numpy result dtype ``result_dtype``.
+
+    Parameters
+    ----------
+    precision : str
+        One of ``PRECISIONS`` (any case).
+    result_dtype : dtype, optional
+        numpy's result dtype of the product; ``None`` checks the name only.
+    what : str
+        The call named in the message.
+
+    Returns
+    -------
+    str
+        The mode, lower case.
+
+    Raises
+    ------
+    ValueError
+        A name that is not one of ``PRECISIONS``.
+    TypeError
+        A reduced mode for a result dtype it does not apply to.
+
+    Examples
+    --------
+    >>> check_precision("TF32", np.float32)
+    'tf32'
+    """
+    if precision == "highest":  # the default, on every call
+        return precision
+    if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
+        raise ValueError(f"{what}: precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
+    precision = precision.lower()
+    if precision != "highest" and result_dtype is not None and not reduced_applies(result_dtype):
+        raise TypeError(f"{what}: precision={precision!r} needs a float32, float16 or bfloat16 "
+                        f"product, but the operands' result dtype is {np.dtype(result_dtype)}; "
+                        f"use precision='highest'")
+    return precision
 
 
 def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:

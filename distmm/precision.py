@@ -1,9 +1,10 @@
 """Precision modes of a product: which apply to which dtypes, and their error bounds.
 
-This module covers: the names ``precision=`` takes (``PRECISIONS``), the rule that
-refuses a mode the operands' dtypes cannot take (``check_precision``), the unit
-roundoffs of the input formats, and the proven elementwise error bound of each
-mode (``error_bound``). It is pure: numpy only, no rounding of arrays.
+This module covers: what the modes mean, the unit roundoffs of their input
+formats, and the proven elementwise error bound of each (``error_bound``); the
+names ``precision=`` takes (``PRECISIONS``) and the rule that refuses a mode the
+operands' dtypes cannot take (``check_precision``) are the planner's dtype rules
+(``distmm.plan``), re-exported here. Pure: numpy only, no rounding of arrays.
 It does *not* cover: rounding operands to a format or multiplying
 (``distmm.executor.reduced`` on the CPU, ``distmm.executor.cublas`` and the
 kernel registry on the GPU), or reading the configured default
@@ -16,13 +17,17 @@ The modes
     the result dtype's own arithmetic rounds.
 ``"tf32"``, ``"bf16"``, ``"fp16"``
     What the tensor cores compute: both operands are converted to the
-    accumulation dtype (float32) and then rounded to nearest (ties to even)
-    into the format's significand: TF32 (10 stored bits, float32's exponent),
+    accumulation dtype (float32) and then rounded to nearest (TF32 with ties
+    away from zero, as PTX's ``cvt.rna.tf32.f32``; bfloat16 and float16 with
+    ties to even) into the format's significand: TF32 (10 stored bits, float32's exponent),
     bfloat16 (7 bits, float32's exponent) or float16 (10 bits, 5-bit
     exponent); products of two rounded values are exact in float32 and are
     summed in float32. ``"tf32"`` is cuBLAS's ``CUBLAS_COMPUTE_32F_FAST_TF32``;
     ``"bf16"`` and ``"fp16"`` are ``CUBLAS_COMPUTE_32F`` on operands converted
-    to that format (``..._FAST_16BF`` / ``..._FAST_16F``).
+    to that format (``..._FAST_16BF`` / ``..._FAST_16F``). distmm's GPU paths
+    round the operands themselves before the tensor cores see them, so the
+    hardware's own handling of low bits (truncation, in some generations)
+    never applies.
 
 A reduced mode applies where numpy's result dtype of the product is float32,
 float16 or bfloat16 (``ml_dtypes.bfloat16``; numpy gives float32 for
@@ -60,11 +65,11 @@ from __future__ import annotations
 
 import numpy as np
 
+# the dtype rules live with the planner's (distmm.plan imports nothing of distmm)
+from distmm.plan import PRECISIONS, check_precision, is_bfloat16, reduced_applies
+
 __all__ = ["PRECISIONS", "REDUCED", "UNIT_ROUNDOFF", "check_precision", "error_bound",
            "is_bfloat16", "reduced_applies"]
-
-#: the names ``precision=`` takes
-PRECISIONS = ("highest", "tf32", "bf16", "fp16")
 
 #: the reduced modes (tensor-core formats)
 REDUCED = ("tf32", "bf16", "fp16")
@@ -74,58 +79,6 @@ UNIT_ROUNDOFF = {"tf32": 2.0**-11, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 #: float32, the accumulation format of every reduced mode
 U_FP32 = 2.0**-24
-
-
-def is_bfloat16(dtype) -> bool:
-    """Whether ``dtype`` is ``ml_dtypes.bfloat16`` (told by name: distmm does not
-    import ml_dtypes; whoever holds a bfloat16 array has it)."""
-    return np.dtype(dtype).name == "bfloat16"
-
-
-def reduced_applies(result_dtype) -> bool:
-    """Whether a reduced mode applies to a product of this numpy result dtype."""
-    dt = np.dtype(result_dtype)
-    return dt in (np.float32, np.float16) or is_bfloat16(dt)
-
-
-def check_precision(precision, result_dtype=None, *, what: str = "matmul") -> str:
-    """Return ``precision`` checked, for a product of numpy result dtype ``result_dtype``.
-
-    Parameters
-    ----------
-    precision : str
-        One of ``PRECISIONS`` (any case).
-    result_dtype : dtype, optional
-        numpy's result dtype of the product; ``None`` checks the name only.
-    what : str
-        The call named in the message.
-
-    Returns
-    -------
-    str
-        The mode, lower case.
-
-    Raises
-    ------
-    ValueError
-        A name that is not one of ``PRECISIONS``.
-    TypeError
-        A reduced mode for a result dtype it does not apply to.
-
-    Examples
-    --------
-    >>> check_precision("TF32", np.float32)
-    'tf32'
-    """
-    if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
-        raise ValueError(f"{what}: precision must be one of {', '.join(PRECISIONS)}, "
-                         f"got {precision!r}")
-    precision = precision.lower()
-    if precision != "highest" and result_dtype is not None and not reduced_applies(result_dtype):
-        raise TypeError(f"{what}: precision={precision!r} needs a float32, float16 or bfloat16 "
-                        f"product, but the operands' result dtype is {np.dtype(result_dtype)}; "
-                        f"use precision='highest'")
-    return precision
 
 
 def error_bound(precision: str, k: int, *, out_dtype=None, u_acc: float = U_FP32) -> float:

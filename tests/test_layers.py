@@ -28,6 +28,7 @@ LEVELS = {
     "distmm.errors": 0,
     "distmm.staging": 0,
     "distmm.emulate": 0,
+    "distmm.precision": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

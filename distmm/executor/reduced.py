@@ -1,10 +1,11 @@
 """Reduced-precision products on the CPU: the tensor cores' arithmetic, emulated.
 
 This module covers: rounding float32 operands to the input format of a reduced
-precision mode as the tensor cores take them (``round_to``: TF32's and
-bfloat16's significands by bit arithmetic, round to nearest with ties to
-even; float16 through numpy's own cast, which rounds the same way and
-overflows to infinity), and ``reduced_product``, a product of rounded panels
+precision mode as the tensor cores are fed them (``round_to``, by bit arithmetic:
+TF32 to nearest with ties away from zero, as PTX's ``cvt.rna.tf32.f32`` that
+distmm's TF32 kernel and its cuBLAS path use; bfloat16 to nearest with ties to
+even, as ``cvt.rn.bf16.f32`` and ``ml_dtypes``; float16 through numpy's own cast,
+which rounds to nearest even and overflows to infinity), and ``reduced_product``, a product of rounded panels
 summed in float32, which is what ``distmm.precision`` describes and bounds.
 It does *not* cover: which modes apply to which dtypes or their error bounds
 (``distmm.precision``), the GPU's own paths (``distmm.executor.cublas``,
@@ -20,20 +21,25 @@ import numpy as np
 
 __all__ = ["round_to", "reduced_product", "DROPPED_BITS"]
 
-#: low float32 significand bits each format drops (float32 keeps 23)
+#: low float32 significand bits each format drops (float32 keeps 23), and whether its
+#: ties go to even (else away from zero)
 DROPPED_BITS = {"tf32": 13, "bf16": 16}
+TIES_TO_EVEN = {"tf32": False, "bf16": True}
 
 
-def _round_bits(x: np.ndarray, dropped: int) -> np.ndarray:
-    """float32 ``x`` with its low ``dropped`` significand bits rounded away (to nearest,
-    ties to even); the exponent is float32's, so only overflow past float32's largest
-    value (to infinity) changes it. NaNs stay NaN."""
+def _round_bits(x: np.ndarray, dropped: int, ties_to_even: bool) -> np.ndarray:
+    """float32 ``x`` with its low ``dropped`` significand bits rounded away (to nearest;
+    ties to even or away from zero); the exponent is float32's, so only overflow past
+    float32's largest value (to infinity) changes it. NaNs stay NaN."""
     bits = x.view(np.uint32)
-    half = np.uint32((1 << (dropped - 1)) - 1)
-    lsb = (bits >> np.uint32(dropped)) & np.uint32(1)
-    # uint32 arithmetic: a carry out of the significand moves into the exponent, as
-    # rounding up to the next binade (or to infinity) must
-    rounded = (bits + half + lsb) & np.uint32(~((1 << dropped) - 1) & 0xFFFFFFFF)
+    if ties_to_even:
+        half = np.uint32((1 << (dropped - 1)) - 1) + ((bits >> np.uint32(dropped)) & np.uint32(1))
+    else:
+        half = np.uint32(1 << (dropped - 1))
+    # uint32 arithmetic on the magnitude's bits (the sign bit is untouched below the
+    # top): a carry out of the significand moves into the exponent, as rounding up to
+    # the next binade (or to infinity) must
+    rounded = (bits + half) & np.uint32(~((1 << dropped) - 1) & 0xFFFFFFFF)
     out = rounded.view(np.float32)
     nan = np.isnan(x)
     if nan.any():
@@ -49,6 +55,7 @@ def round_to(x, precision: str) -> np.ndarray:
     ----------
     x : ndarray of float32
     precision : {"tf32", "bf16", "fp16"}
+        TF32 rounds ties away from zero, bfloat16 and float16 to even.
 
     Returns
     -------
@@ -72,7 +79,7 @@ def round_to(x, precision: str) -> np.ndarray:
     except KeyError:
         raise ValueError(f"round_to: precision must be one of tf32, bf16, fp16, "
                          f"got {precision!r}") from None
-    return _round_bits(x, dropped)
+    return _round_bits(x, dropped, TIES_TO_EVEN[precision])
 
 
 def reduced_product(a, b, precision: str, matmul=np.matmul) -> np.ndarray:
