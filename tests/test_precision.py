@@ -263,6 +263,21 @@ def test_error_bound_values():
         error_bound("highest", 3)
 
 
+def test_kernel_for_falls_back_to_cublas():
+    """The registry hook: None (cuBLAS) for "highest", dtypes other than float32, and a
+    device older than every tensor-core kernel; a listed name not in the registry is
+    skipped rather than failing."""
+    from distmm.executor import registry
+
+    assert registry.kernel_for("float32", "highest", 90) is None
+    assert registry.kernel_for("float64", "tf32", 90) is None
+    for mode in MODES:
+        assert registry.kernel_for("float32", mode, 10) is None
+        spec = registry.kernel_for("float32", mode, 90)
+        assert spec is None or (spec.name in registry.PRECISION_KERNELS[mode]
+                                and spec.min_cc <= 90)
+
+
 # -- Dask engine (a real LocalCluster) ----------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["tiles", "blocks"])
@@ -317,6 +332,24 @@ def test_mpirun_cli_precision(mpirun, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "precision='bf16' needs a float32" in r.stderr and "Traceback" not in r.stderr
     assert not bad.exists()
+
+
+def test_resume_refuses_another_precision():
+    """A stopped ``mpirun distmm matmul --resume`` run is finished only in its own mode:
+    the manifest keeps the precision (one written before it existed was "highest")."""
+    from distmm.engine.mpi import resume as rs
+
+    facts = dict(a={"spec": "a.npy"}, b={"spec": "b.npy"}, output="c.npy", dtype="float32",
+                 backend="blas", ranks=2, grid=(1, 2, 1), stripe_edges=[[0, 5]], panels=[1],
+                 pid=0, header=None)
+    tf32 = rs.Manifest.make(**facts, precision="tf32")
+    assert rs.mismatch(tf32, rs.Manifest.make(**facts, precision="tf32")) is None
+    assert "precision changed (tf32 then, bf16 now)" in rs.mismatch(
+        tf32, rs.Manifest.make(**facts, precision="bf16"))
+    older = dict(rs.Manifest.make(**facts))
+    older.pop("precision")
+    assert rs.mismatch(older, rs.Manifest.make(**facts)) is None
+    assert "precision changed" in rs.mismatch(older, tf32)
 
 
 # -- the command line ---------------------------------------------------------------------

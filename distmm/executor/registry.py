@@ -345,9 +345,9 @@ def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None 
 #: ``KERNELS`` are skipped, and a mode without a kernel runs on cuBLAS
 #: (``distmm.executor.cublas.cublas_gemm_precision``).
 PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
-    "tf32": ("11_mma_tf32",),
-    "bf16": ("13_wgmma_bf16", "12_mma_bf16"),
-    "fp16": (),
+    "tf32": ("mma_tf32",),  # kernels/cuda/11_mma_tf32.cu
+    "bf16": ("wgmma_bf16", "mma_bf16"),  # 13_wgmma_bf16.cu (sm_90), 12_mma_bf16.cu (sm_80)
+    "fp16": (),  # cuBLAS
 }
 
 
