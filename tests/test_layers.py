@@ -29,6 +29,7 @@ LEVELS = {
     "distmm.staging": 0,
     "distmm.stripe_writer": 0,
     "distmm.emulate": 0,
+    "distmm.precision": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

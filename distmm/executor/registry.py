@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "C_TYPES", "get", "steps", "best_kernel",
-           "kernel_params", "MAX_SMEM_BYTES"]
+           "kernel_params", "MAX_SMEM_BYTES", "PRECISION_KERNELS", "kernel_for"]
 
 #: numpy dtype name -> C++ element type of the kernels
 C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
@@ -334,3 +334,32 @@ def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None 
         if not spec.violations(dtype, p):
             return p
     return spec.params(dtype)
+
+
+#: reduced precision mode (``distmm.precision``) -> names of tensor-core kernels for it,
+#: fastest first (a kernel whose ``min_cc`` the device lacks is passed over). A kernel
+#: listed here takes float32 A, B and C as ``cuda_loader.launch`` passes them, rounds A
+#: and B to the mode's format as it loads them (round to nearest, ties to even, as
+#: ``distmm.executor.reduced.round_to`` does) and accumulates in float32, so its result
+#: is within ``distmm.precision.error_bound`` of the CPU emulation's. Names not (yet) in
+#: ``KERNELS`` are skipped, and a mode without a kernel runs on cuBLAS
+#: (``distmm.executor.cublas.cublas_gemm_precision``).
+PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
+    "tf32": ("mma_tf32",),  # kernels/cuda/11_mma_tf32.cu
+    "bf16": ("wgmma_bf16", "mma_bf16"),  # 13_wgmma_bf16.cu (sm_90), 12_mma_bf16.cu (sm_80)
+    "fp16": (),  # cuBLAS
+}
+
+
+def kernel_for(dtype, precision: str, cc: int) -> KernelSpec | None:
+    """The fastest registered kernel for a product of accumulation dtype ``dtype`` in
+    ``precision`` on a device of compute capability ``cc`` (10 * major + minor), or None
+    when there is none (the caller then uses cuBLAS). ``"highest"`` and dtypes other than
+    float32 have none here: their kernels are ``best_kernel()``'s."""
+    if precision == "highest" or np.dtype(dtype).name != "float32":
+        return None
+    for name in PRECISION_KERNELS.get(precision, ()):
+        spec = KERNELS.get(name)
+        if spec is not None and cc >= spec.min_cc:
+            return spec
+    return None
