@@ -27,8 +27,9 @@ from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm import plan as planner
 from distmm.plan import Plan, result_dtype
+from distmm.precision import check_precision
 
-__all__ = ["matmul", "gemm", "make_plan", "plan_for", "CALLS", "CallCache"]
+__all__ = ["matmul", "gemm", "make_plan", "plan_for", "resolve_precision", "CALLS", "CallCache"]
 
 
 def _on_disk(x) -> bool:
@@ -92,8 +93,19 @@ def _validate(a, b, what: str = "matmul") -> Operands:
                      a_shape[-2], b_shape[-1], a_shape[-1])
 
 
+def resolve_precision(precision, dtype, *, what: str = "matmul", config=None) -> str:
+    """The precision mode of a product of numpy result dtype ``dtype``: ``precision``,
+    or the configured ``distmm.precision`` when it is None, checked against ``dtype``
+    (``distmm.precision.check_precision``: ValueError for an unknown name, TypeError
+    for a reduced mode on a dtype it does not apply to)."""
+    if precision is None:
+        precision = (config if config is not None else get_config()).precision
+    return check_precision(precision, dtype, what=what)
+
+
 def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
-             hints: dict | None = None, config=None, on_gpu: bool = False) -> Plan:
+             hints: dict | None = None, config=None, on_gpu: bool = False,
+             precision: str = "highest") -> Plan:
     """Make a plan with the configured tile and memory budget: the one place
     distmm plans a product. ``hints`` are an engine's ``plan_hints``; an
     explicit or configured tile wins over a hinted one, and the memory budget
@@ -109,7 +121,7 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
     if hinted is not None:
         budget = min(budget, int(hinted))
     return planner.make_plan(m, n, k, dtype, workers=workers, tile=tile, memory_budget=budget,
-                             **hints)
+                             precision=precision, **hints)
 
 
 def _engine_for(engine: str, family: str, client, cfg, ops: Operands | None = None):
@@ -132,7 +144,8 @@ def _backend_family(ops: Operands) -> str:
 
 
 def _resolve(eng, ops: Operands, cfg, *, tile, backend: str, out=None,
-             workers: int | None = None, hints: dict | None = None) -> Request:
+             workers: int | None = None, hints: dict | None = None,
+             precision: str = "highest") -> Request:
     """The request of one call on ``eng``: the backend resolved and the plan made
     from the configuration ``cfg``, once. ``workers`` and ``hints`` (``make_plan``'s
     arguments) stand in for the engine's worker count and join its plan hints."""
@@ -145,7 +158,7 @@ def _resolve(eng, ops: Operands, cfg, *, tile, backend: str, out=None,
         workers = eng.workers(ops, on_gpu=on_gpu)
     hints = {**eng.plan_hints(ops, workers), **(hints or {})}
     plan = plan_for(ops.m, ops.n, ops.k, ops.dtype, workers=workers, tile=tile,
-                    hints=hints, config=cfg, on_gpu=on_gpu)
+                    hints=hints, config=cfg, on_gpu=on_gpu, precision=precision)
     return Request(ops, plan, backend, on_gpu=on_gpu, out=out, progress=cfg.progress,
                    report=cfg.performance_report)
 
@@ -160,7 +173,7 @@ def _request(ops: Operands, *, engine: str, client, tile, backend: str, out=None
 
 def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = None,
               tile=None, backend: str = "auto", k_splits: int | None = None,
-              owner_order: str = "rows") -> Plan:
+              owner_order: str = "rows", precision: str | None = None) -> Plan:
     """The plan ``distmm.matmul`` makes for numpy operands of these sizes.
 
     The same path as the call itself: the configured backend (``distmm.backend``)
@@ -186,6 +199,8 @@ def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = 
         GPU, and so which memory budget applies.
     k_splits, owner_order
         As ``distmm.plan.make_plan``.
+    precision : {"highest", "tf32", "bf16", "fp16"}, optional
+        As ``matmul``'s ``precision``; default ``distmm.precision``.
 
     Returns
     -------
@@ -197,7 +212,7 @@ def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = 
         A negative size, a worker count below 1, an unknown backend, or a
         configuration value that does not parse.
     TypeError
-        A dtype matmul does not take.
+        A dtype matmul does not take, or a precision it does not take.
 
     Examples
     --------
@@ -210,12 +225,13 @@ def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = 
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     cfg = get_config()
+    precision = resolve_precision(precision, dt, what="make_plan", config=cfg)
     ops = Operands(None, None, "numpy", dt, False, False, (), m, n, k)
     hints = {} if k_splits is None else {"k_splits": k_splits}
     if owner_order != "rows":
         hints["owner_order"] = owner_order
     return _resolve(_engine_for("local", "numpy", None, cfg), ops, cfg, tile=tile,
-                    backend=backend, workers=workers, hints=hints).plan
+                    backend=backend, workers=workers, hints=hints, precision=precision).plan
 
 
 # -- the call cache ---------------------------------------------------------------
@@ -244,7 +260,9 @@ class CallCache:
     The key is everything validation, backend resolution and planning read from
     the call: the operand types, shapes, strides (so C and F order differ),
     dtypes (with numpy's type character: ``np.longlong`` is not ``np.int64``),
-    and the ``engine``, ``backend`` and ``tile`` arguments. What lies outside the
+    and the ``engine``, ``backend``, ``tile`` and ``precision`` arguments (a
+    ``precision`` of None reads ``distmm.precision``, which the configuration
+    check below covers). What lies outside the
     key is checked on every hit, so a hit is never stale:
 
     - the configuration: the ``Config`` object ``get_config()`` returns (a new
@@ -300,13 +318,13 @@ class CallCache:
 CALLS = CallCache()
 
 
-def _lookup(a, b, engine: str, tile, backend: str):
+def _lookup(a, b, engine: str, tile, backend: str, precision=None):
     """``(key, entry)``: the cache key of ``matmul(a, b, ...)`` and its cached
     entry (None on a miss); ``(None, None)`` for operands without array
     attributes (lists, scalars, on-disk arrays) or an unhashable tile."""
     try:
         key = (type(a), type(b), a.shape, b.shape, a.strides, b.strides, a.dtype, a.dtype.char,
-               b.dtype, b.dtype.char, engine, backend, tile)
+               b.dtype, b.dtype.char, engine, backend, tile, precision)
         return key, CALLS.get(key)
     except (AttributeError, TypeError):
         return None, None
@@ -354,8 +372,9 @@ def _remember(key, ops: Operands, eng, request: Request, a, b, cfg) -> None:
                              eng.replayer(request)))
 
 
-def _run(eng, ops: Operands, cfg, *, tile, backend: str, out=None):
-    return _squeeze(eng.run(_resolve(eng, ops, cfg, tile=tile, backend=backend, out=out)), ops)
+def _run(eng, ops: Operands, cfg, *, tile, backend: str, out=None, precision: str = "highest"):
+    return _squeeze(eng.run(_resolve(eng, ops, cfg, tile=tile, backend=backend, out=out,
+                                     precision=precision)), ops)
 
 
 def _squeeze(out, ops: Operands):
@@ -371,10 +390,12 @@ def _squeeze(out, ops: Operands):
 
 
 def _writes_direct(out, ops: Operands, eng) -> bool:
-    """Whether engine ``eng`` can write tiles into ``out`` itself: the local
-    engine, same dtype and shape as the 2-D result, host memory, and no
+    """Whether engine ``eng`` can write tiles into ``out`` itself: the local or
+    the Dask engine (whose workers write a staged output file themselves), same
+    dtype and shape as the 2-D result, host memory or an on-disk array, and no
     overlap with an operand."""
-    if eng.name != "local" or ops.family != "numpy" or ops.batch or ops.a_vector or ops.b_vector:
+    if (eng.name not in ("local", "dask") or ops.family != "numpy" or ops.batch
+            or ops.a_vector or ops.b_vector):
         return False
     if np.dtype(out.dtype) != ops.dtype or tuple(out.shape) != (ops.m, ops.n):
         return False
@@ -408,7 +429,8 @@ def _check_out(out, ops: Operands):
                         f"{np.dtype(out.dtype)!r} with casting rule 'same_kind'")
 
 
-def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, backend: str = "auto"):
+def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, backend: str = "auto",
+           precision: str | None = None):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
     Parameters
@@ -425,7 +447,10 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     out : ndarray, optional
         Where to put the result, as ``numpy.matmul``'s ``out`` (also
         positional): the result must broadcast into it and numpy's
-        ``same_kind`` casting must allow the result dtype.
+        ``same_kind`` casting must allow the result dtype. With 2-D operands of
+        the result's dtype, the local and Dask engines write the tiles into it
+        directly; on a Dask cluster the workers write a staged output file of
+        ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional
@@ -434,6 +459,23 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         The executor. ``"auto"``: cuBLAS or distmm's raw kernels for cupy
         arrays (whichever measured faster), BLAS for floating numpy arrays and
         distmm's numba kernels for integer ones.
+    precision : {"highest", "tf32", "bf16", "fp16"}, optional
+        Default: ``distmm.precision`` (``"highest"`` unless configured).
+        ``"highest"``: exact for the dtype, as numpy. ``"tf32"``, ``"bf16"``,
+        ``"fp16"``: for float32, float16 and bfloat16 (``ml_dtypes``) results
+        only: both operands are rounded to nearest into TF32 (10 significand
+        bits), bfloat16 (7) or float16 (10, and float16's range), multiplied
+        exactly and summed in float32: tensor cores on a GPU (a distmm kernel
+        for the mode where the registry has one, else cuBLAS), emulated on the
+        CPU. The result dtype is numpy's either way. Elementwise, with u_in
+        2^-11 (TF32, FP16) or 2^-8 (BF16), u = 2^-24 and
+        ``gamma_j = j u / (1 - j u)``::
+
+            |C - A @ B| <= (2 u_in + u_in^2 + gamma_{k-1} (1 + u_in)^2) |A| |B|
+
+        (``distmm.precision.error_bound``, which also covers a float16 result's
+        last rounding and the GPU's truncating adds; no overflow or float16
+        underflow assumed).
 
     Returns
     -------
@@ -448,9 +490,12 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         A 0-d operand, inner dimensions that differ, batch dimensions that do
         not broadcast, dask chunks of unknown size, or an ``out`` the result
         does not broadcast into; the message names the shapes.
+        An unknown ``precision``.
     TypeError
         A dtype that is not boolean, numeric or object (``np.void`` among
-        them), or an ``out`` dtype the result cannot be cast to.
+        them), an ``out`` dtype the result cannot be cast to, or a reduced
+        ``precision`` for a result that is not float32, float16 or bfloat16
+        (integers, float64, complex).
 
     Examples
     --------
@@ -464,7 +509,7 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     cfg = get_config()
     key = eng = None
     if out is None and client is None:
-        key, entry = _lookup(a, b, engine, tile, backend)
+        key, entry = _lookup(a, b, engine, tile, backend, precision)
         if entry is not None:
             # the same key, the same operand types: the engine this call would get
             eng = _engine_for(engine, entry.operands.family, None, cfg)
@@ -480,21 +525,23 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
                     CALLS.last = entry
                     return result
     if _is_distributed(a) or _is_distributed(b):
-        return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend)
+        return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
+                                   precision=precision)
     ops = _validate(a, b)
+    precision = resolve_precision(precision, ops.dtype, config=cfg)
     if out is not None:
         _check_out(out, ops)
     if eng is None:
         eng = _engine_for(engine, ops.family, client, cfg, ops)
     if key is not None:
-        request = _resolve(eng, ops, cfg, tile=tile, backend=backend)
+        request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         _remember(key, ops, eng, request, a, b, cfg)
         return _squeeze(eng.run(request), ops)
     if out is not None and _writes_direct(out, ops, eng):
         # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
-        _run(eng, ops, cfg, tile=tile, backend=backend, out=out)
+        _run(eng, ops, cfg, tile=tile, backend=backend, out=out, precision=precision)
         return out
-    result = _run(eng, ops, cfg, tile=tile, backend=backend)
+    result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
         return result
     out[...] = result
@@ -505,7 +552,7 @@ def _is_distributed(x) -> bool:
     return type(x).__name__ == "DistArray" and hasattr(x, "layout") and hasattr(x, "comm")
 
 
-def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str):
+def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision=None):
     """``DistArray @ DistArray`` (a replicated ndarray on either side is cut into
     blocks): SUMMA on the process grid the planner picks, a ``DistArray`` out."""
     from distmm.engine.mpi import DistArray, MPIEngine
@@ -522,13 +569,14 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str):
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: inner dimensions differ: a has shape {a.shape}, b has shape "
                          f"{b.shape} ({a.shape[1]} != {b.shape[0]})")
+    precision = resolve_precision(precision, dtype)
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if backend == "auto":
         backend = get_config().backend
     family = "cupy" if "cupy" in (array_family(a.local), array_family(b.local)) else "numpy"
     backend, on_gpu = resolve_backend(backend, dtype, family=family, flops=2 * m * n * k)
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
-    return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu)
+    return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu, precision=precision)
 
 
 def _scalar_for(value, dtype: np.dtype, name: str):
@@ -548,7 +596,7 @@ def _scalar_for(value, dtype: np.dtype, name: str):
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
          trans_b: bool | str = False, engine: str = "auto", client=None, tile=None,
-         backend: str = "auto"):
+         backend: str = "auto", precision: str | None = None):
     """BLAS-style ``alpha * op(A) @ op(B) + beta * C``, returned as a new array.
 
     Parameters
@@ -567,8 +615,12 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         BLAS's TRANSA / TRANSB: ``False`` or ``'N'`` (as is), ``True`` or
         ``'T'`` (transposed), ``'C'`` (conjugate transposed; the same as
         ``'T'`` for real dtypes). Lower case is accepted.
-    engine, client, tile, backend
-        As for ``matmul``.
+    engine, client, tile, backend, precision
+        As for ``matmul``; ``precision`` applies to ``op(A) @ op(B)`` (its error
+        bound is ``matmul``'s, for ``alpha * op(A) @ op(B)`` times ``|alpha|``),
+        and is checked against the dtype the product is computed in (promoted
+        with ``c``'s: a float64 ``c`` makes a float64 product, which takes
+        ``"highest"`` only).
 
     Returns
     -------
@@ -579,10 +631,12 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ------
     ValueError
         Operands that are not 2-D, inner dimensions that differ, ``c`` of
-        the wrong shape, or a ``trans_a``/``trans_b`` that is none of the above.
+        the wrong shape, a ``trans_a``/``trans_b`` that is none of the above,
+        or an unknown ``precision``.
     TypeError
-        Non-numeric dtypes, or an ``alpha``/``beta`` that the result dtype
-        cannot hold exactly (``alpha=0.5`` for integers).
+        Non-numeric dtypes, an ``alpha``/``beta`` that the result dtype
+        cannot hold exactly (``alpha=0.5`` for integers), or a reduced
+        ``precision`` for a product that is not float32, float16 or bfloat16.
 
     Examples
     --------
@@ -611,10 +665,11 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         dtype = np.result_type(dtype, result_dtype(c.dtype, c.dtype))
     alpha_t = _scalar_for(alpha, dtype, "alpha")
     beta_t = _scalar_for(beta, dtype, "beta")
+    precision = resolve_precision(precision, dtype, what="gemm")
 
     xp = _namespace(fam)
     if fam == "cupy" and dtype in (np.float32, np.float64):
-        return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend)
+        return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend, precision)
     if alpha_t == 0 or ops.k == 0:
         product = xp.zeros((ops.m, ops.n), dtype=dtype)
     else:
@@ -624,7 +679,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             ops = replace(ops, dtype=dtype)
         cfg = get_config()
         product = _run(_engine_for(engine, ops.family, client, cfg, ops), ops, cfg, tile=tile,
-                       backend=backend)
+                       backend=backend, precision=precision)
         if alpha_t != 1:
             product = product * alpha_t
     if c is None or beta_t == 0:
@@ -651,7 +706,8 @@ def _op(x, flag: str):
     return x.T
 
 
-def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str):
+def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str,
+                    precision: str = "highest"):
     """float32/float64 gemm of cupy operands with alpha and beta applied inside the
     GEMM (distmm's kernel epilogue or cuBLAS), as BLAS does: no extra passes over C,
     and no cupy elementwise kernels, which flush float32 subnormals."""
@@ -660,7 +716,7 @@ def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str):
     from distmm.executor import get_executor
 
     resolved, _ = resolve_backend(backend, dtype, family="cupy", flops=0)
-    executor = get_executor(resolved, dtype, on_gpu=True)
+    executor = get_executor(resolved, dtype, on_gpu=True, precision=precision)
     m, n = op_a.shape[0], op_b.shape[1]
     read_c = c is not None and beta != 0
     out = c.astype(dtype, copy=True) if read_c else cupy.empty((m, n), dtype=dtype)

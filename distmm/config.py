@@ -42,6 +42,7 @@ import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
 from distmm.errors import ConfigError
+from distmm.plan import PRECISIONS
 
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
@@ -106,6 +107,7 @@ class Config:
     dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
     batch_panels: str = "auto"  # auto | read | broadcast: how its ranks get the panels they need
+    precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
 
 
 class _Bad(Exception):
@@ -239,6 +241,8 @@ _PARSERS = {
                                              ("auto", "ipc", "tcp"))),
     "batch-stripes": ("batch_stripes", _positive_int),
     "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "broadcast"))),
+    "precision": ("precision", lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
+                                               PRECISIONS)),
 }
 
 

@@ -1,7 +1,8 @@
 """The tiling planner: pure functions and frozen dataclasses.
 
-This module covers: the dtype rules of a product (numpy's result dtype and the
-dtype tiles are accumulated in), the tile grid with ragged edges, the owner of
+This module covers: the dtype rules of a product (numpy's result dtype, the
+dtype tiles are accumulated in, and which precision modes a dtype takes:
+``check_precision``; ``distmm.precision`` describes the modes and their bounds), the tile grid with ragged edges, the owner of
 each C tile, the k-split with its fixed reduction tree, and estimates of flops,
 bytes moved and peak memory per worker.
 
@@ -29,6 +30,8 @@ __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
     "np_dtype",
+    "PRECISIONS",
+    "check_precision",
 ]
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3  # bytes per worker for operand tiles and partials
@@ -45,6 +48,64 @@ def np_dtype(name: str) -> np.dtype:
         return _NP_DTYPES[name]
     except KeyError:
         return _NP_DTYPES.setdefault(name, np.dtype(name))
+
+
+#: the names ``precision=`` takes (``distmm.precision`` describes the modes)
+PRECISIONS = ("highest", "tf32", "bf16", "fp16")
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ``ml_dtypes.bfloat16`` (told by name: distmm does not
+    import ml_dtypes; whoever holds a bfloat16 array has it)."""
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def reduced_applies(result_dtype) -> bool:
+    """Whether a reduced mode applies to a product of this numpy result dtype."""
+    dt = np.dtype(result_dtype)
+    return dt in (np.float32, np.float16) or is_bfloat16(dt)
+
+
+def check_precision(precision, result_dtype=None, *, what: str = "matmul") -> str:
+    """Return ``precision`` checked, for a product of numpy result dtype ``result_dtype``.
+
+    Parameters
+    ----------
+    precision : str
+        One of ``PRECISIONS`` (any case).
+    result_dtype : dtype, optional
+        numpy's result dtype of the product; ``None`` checks the name only.
+    what : str
+        The call named in the message.
+
+    Returns
+    -------
+    str
+        The mode, lower case.
+
+    Raises
+    ------
+    ValueError
+        A name that is not one of ``PRECISIONS``.
+    TypeError
+        A reduced mode for a result dtype it does not apply to.
+
+    Examples
+    --------
+    >>> check_precision("TF32", np.float32)
+    'tf32'
+    """
+    if precision == "highest":  # the default, on every call
+        return precision
+    if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
+        raise ValueError(f"{what}: precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
+    precision = precision.lower()
+    if precision != "highest" and result_dtype is not None and not reduced_applies(result_dtype):
+        raise TypeError(f"{what}: precision={precision!r} needs a float32, float16 or bfloat16 "
+                        f"product, but the operands' result dtype is {np.dtype(result_dtype)}; "
+                        f"use precision='highest'")
+    return precision
 
 
 def result_dtype(a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
@@ -69,7 +130,7 @@ def _result_dtype(a_dtype: np.dtype, a_char: str, b_dtype: np.dtype, b_char: str
         exactly); they run on the CPU through numpy.
     """
     for name, dt in (("a", np.dtype(a_dtype)), ("b", np.dtype(b_dtype))):
-        if dt.kind not in "biufcO":
+        if dt.kind not in "biufcO" and not is_bfloat16(dt):
             raise TypeError(
                 f"matmul needs boolean or numeric operands; {name} has dtype {dt}"
             )
@@ -92,7 +153,7 @@ def accumulate_dtype(dtype: np.dtype) -> np.dtype:
         return np.dtype(np.int64)
     if dtype.kind == "u":
         return np.dtype(np.uint64)
-    if dtype == np.float16:
+    if dtype == np.float16 or is_bfloat16(dtype):
         return np.dtype(np.float32)
     return dtype
 
@@ -157,6 +218,10 @@ class Plan:
     owners : tuple of tuple of int
         ``owners[i][j]`` is the worker that owns C tile ``(i, j)`` and does its
         reduction; partial products of a split tile go round-robin from there.
+    precision : str
+        ``distmm.precision``'s mode: ``"highest"`` (exact for the dtype) or a
+        reduced tensor-core mode (``"tf32"``, ``"bf16"``, ``"fp16"``) that every
+        executor applies to the panels it multiplies (``tile_partial``).
     """
 
     m: int
@@ -172,6 +237,7 @@ class Plan:
     workers: int
     owners: tuple[tuple[int, ...], ...] = field(repr=False)
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    precision: str = "highest"
 
     # -- grid ---------------------------------------------------------------
     @property
@@ -259,7 +325,8 @@ class Plan:
             per_worker[self.owners[i][j]] += 1
         lines = [
             f"C[{self.m}, {self.n}] = A[{self.m}, {self.k}] @ B[{self.k}, {self.n}]"
-            f"  dtype {self.dtype} (accumulate in {self.acc_dtype})",
+            f"  dtype {self.dtype} (accumulate in {self.acc_dtype})"
+            + ("" if self.precision == "highest" else f", precision {self.precision}"),
             f"tiles      {tm} x {tn} (k-block {tk}); grid {gm} x {gn} = {gm * gn} C tiles"
             f"; ragged edges m:{self.m % tm if gm else 0} n:{self.n % tn if gn else 0}",
             f"k-split    {self.k_splits} group(s); reduction tree depth "
@@ -324,6 +391,7 @@ def make_plan(
     k_splits: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     owner_order: str = "rows",
+    precision: str = "highest",
 ) -> Plan:
     """Plan ``C[m, n] = A[m, k] @ B[k, n]`` for ``workers`` workers.
 
@@ -350,6 +418,9 @@ def make_plan(
     owner_order : {"rows", "cols"}
         Whether each worker owns a contiguous run of C tiles in row-major
         (default) or column-major order.
+    precision : {"highest", "tf32", "bf16", "fp16"}
+        The mode (``distmm.precision``), checked against ``dtype``; kept in
+        the plan for the executors.
 
     Returns
     -------
@@ -359,7 +430,9 @@ def make_plan(
     ------
     ValueError
         On negative sizes, a non-positive worker count or tile, an unknown
-        owner order.
+        owner order or precision.
+    TypeError
+        A reduced precision for a dtype it does not apply to.
 
     Examples
     --------
@@ -369,7 +442,8 @@ def make_plan(
     """
     if isinstance(tile, list):
         tile = tuple(tile)
-    args = (m, n, k, np.dtype(dtype), workers, tile, k_splits, memory_budget, owner_order)
+    args = (m, n, k, np.dtype(dtype), workers, tile, k_splits, memory_budget, owner_order,
+            precision)
     try:
         return _cached_plan(*args)  # plans are frozen: the same request gives the same plan
     except TypeError:  # an unhashable argument: plan without the cache
@@ -381,7 +455,8 @@ def _cached_plan(*args) -> Plan:
     return _make_plan(*args)
 
 
-def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_order) -> Plan:
+def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_order,
+               precision="highest") -> Plan:
     """``make_plan``'s work, with its arguments in order (see there)."""
     for name, v in (("m", m), ("n", n), ("k", k)):
         if int(v) != v or v < 0:
@@ -391,6 +466,7 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
         raise ValueError(f"workers must be at least 1, got {workers}")
     res = np.dtype(dtype)
     acc = accumulate_dtype(res)
+    precision = check_precision(precision, res, what="make_plan")
     if tile is None:
         tm, tn, tk = _choose_tile(m, n, k, workers, acc.itemsize, memory_budget)
     elif isinstance(tile, (int, np.integer)):
@@ -441,6 +517,7 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
         workers=int(workers),
         owners=_owners(gm, gn, int(workers), owner_order),
         memory_budget=int(memory_budget),
+        precision=precision,
     )
 
 

@@ -158,6 +158,7 @@ class BlockWriter:
         self._rfd = None
 
     ndim = property(lambda self: len(self.shape))
+    offset = property(lambda self: self._offset, doc="Where the array's first byte is.")
     size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
     nbytes = property(lambda self: self.size * self.dtype.itemsize)
 

@@ -8,16 +8,17 @@ This module covers:
 - MPI launches: the ``mpiexec`` path, the environment the ranks run in (``mpi_env``) and
   ``mpirun`` (``mpiexec -n P python ...`` with a timeout, output captured);
 - the shared Dask fixtures, all on real worker processes: ``cluster`` and ``client`` (two
-  single-thread workers), ``pair`` (two workers marked GPU by their resource only),
+  single-thread workers), ``scheduler_file`` (the ``cluster``'s, for ``distmm matmul
+  --scheduler-file``), ``pair`` (two workers marked GPU by their resource only),
   ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
 - batch jobs on localhost (``batch_env``): Slurm's and PBS's commands replaced by the
   stand-ins of ``tests/batchsim/`` on ``PATH``, a spool folder per test, and the file the
   jobs source to find this Python (``DISTMM_ENV_SETUP``);
 - helpers that more than one test module calls: the numpy comparison
   (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
-  (``placed``) and worker loss during a product (``start_call``, ``kill_workers``);
-  ``distmm cluster`` as a subprocess (``serve_cluster``, ``stop_cluster``,
-  ``assert_all_gone``). Test
+  (``placed``), worker loss during a product (``start_call``, ``kill_workers``), and the
+  bytes the workers have sent to clients (``served_to_clients``); ``distmm cluster`` as a
+  subprocess (``serve_cluster``, ``stop_cluster``, ``assert_all_gone``). Test
   modules import them with ``from conftest import ...``; no test module imports another.
 
 It does *not* cover what the scripts under ``mpiexec`` need (``mpi_cases.py``,
@@ -146,6 +147,26 @@ def client(cluster):
     with distributed.Client(cluster) as c:
         c.wait_for_workers(2, timeout=120)
         yield c
+
+
+def write_scheduler_file(client, path) -> Path:
+    """A scheduler file naming ``client``'s scheduler at ``path``, as ``dask scheduler
+    --scheduler-file`` writes one (its ``address`` is what a client reads).
+    ``Client.write_scheduler_file`` dumps the whole ``scheduler_info()``, which stops being
+    JSON once the workers report metrics keyed by tuples."""
+    import json
+
+    path = Path(path)
+    path.write_text(json.dumps({"type": "Scheduler", "address": client.scheduler.address}))
+    return path
+
+
+@pytest.fixture
+def scheduler_file(client, tmp_path):
+    """The scheduler file of ``cluster`` (``write_scheduler_file``), in a folder of its own
+    beside the test's files."""
+    (tmp_path / "scheduler").mkdir()
+    return write_scheduler_file(client, tmp_path / "scheduler" / "scheduler.json")
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +299,18 @@ def placed(client, x, chunks, where):
         for j, w in enumerate(line):
             assert held[(out.name, i, j)] == (w,), (held, where)
     return out
+
+
+def _served_here(dask_worker) -> int:
+    # a client fetches results with get_data and no ``who``; a worker names itself
+    return sum(int(e["total"]) for e in dask_worker.transfer_outgoing_log if e.get("who") is None)
+
+
+def served_to_clients(client) -> int:
+    """Bytes of task results the cluster's workers have sent to clients so far (gathered
+    futures: the ``transfer_outgoing_log`` entries of requests that name no worker).
+    The difference around a call is what its clients received."""
+    return sum(client.run(_served_here).values())
 
 
 def start_call(fn, *args, **kwargs):

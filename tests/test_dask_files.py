@@ -1,8 +1,10 @@
 """Operands in files every worker sees: the workers read their own blocks (engine/dask/files).
 
-Covers, on a real LocalCluster of worker processes: a whole ``.npy`` memmap and a zarr
-array (a root array and one inside a group) multiplied with the workers reading the
-blocks they need from the file (read tasks in the task stream, nothing scattered), with
+Covers, on a real LocalCluster of worker processes: a whole ``.npy`` memmap, a zarr
+array (a root array and one inside a group) and HDF5 datasets (contiguous, and chunked
+with compression, in a file the client holds open for writing) multiplied with the workers
+reading the blocks they need from the file (read tasks in the task stream, nothing
+scattered; the workers' HDF5 handles closed afterwards), with
 the same bits as the same product of in-memory operands; what is not the file (a slice, a
 transpose, an in-memory copy) going through the client as before; and the visibility
 check refusing a file the workers see differently.
@@ -16,6 +18,7 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
+h5py = pytest.importorskip("h5py")
 
 import distmm  # noqa: E402
 from distmm.engine.dask import files, last_stats  # noqa: E402
@@ -74,6 +77,54 @@ def test_zarr_arrays_are_read_by_the_workers(client, tmp_path):
     assert last_stats()["read_on_workers"] == [True, True]
     assert _read_tasks(ts, "a") > 0 and _read_tasks(ts, "b") > 0
     np.testing.assert_array_equal(got, distmm.matmul(a, b, client=client))
+
+
+def _open_h5_handles(dask_worker=None) -> int:
+    return sum(1 for entry in files._OPEN.values() if entry[1] is not None)
+
+
+@pytest.mark.parametrize("mode", ["r", "r+"])
+def test_h5_datasets_are_read_by_the_workers(client, tmp_path, mode):
+    """``r+``: the client holds the file open for writing (the command line does so when
+    the output goes into the operands' file); the workers read it all the same."""
+    a, b = _operands(tmp_path, "float64", 301, 257, 199)
+    with h5py.File(tmp_path / "ops.h5", "w") as fh:
+        fh["A"] = a
+        fh.create_dataset("g/B", data=b, chunks=(40, 64), compression="gzip")
+    fh = h5py.File(tmp_path / "ops.h5", mode)
+    try:
+        ds_a, ds_b = fh["A"], fh["g/B"]
+        client.get_task_stream()  # the scheduler records tasks from now on
+        got = distmm.matmul(ds_a, ds_b, client=client, tile=100)
+        stats = last_stats()
+        assert stats["read_on_workers"] == [True, True]
+        reads = {str(t["key"][0]).split("-")[1] for t in client.get_task_stream()  # all held
+                 if isinstance(t["key"], tuple) and stats["token"] in str(t["key"][0])
+                 and str(t["key"][0]).startswith(("distmm-a-", "distmm-b-"))}
+        assert reads == {"a", "b"}
+        assert sum(client.run(_open_h5_handles).values()) == 0  # closed when the product ended
+    finally:
+        fh.close()
+    want = distmm.matmul(a, b, client=client, tile=100)  # the same product, scattered
+    assert last_stats()["read_on_workers"] == [False, False]
+    np.testing.assert_array_equal(got, want)
+    ref = a @ b
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-12
+
+
+def test_an_h5_file_the_workers_see_differently_is_read_by_the_client(client, tmp_path):
+    with h5py.File(tmp_path / "x.h5", "w") as fh:
+        fh["A"] = np.ones((4, 5))
+    with h5py.File(tmp_path / "x.h5", "r") as fh:
+        src = files.source_of(fh["A"])
+    assert (src.kind, src.node, src.shape) == ("h5", "/A", (4, 5))
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    assert files.visible(client, [src], workers)
+    os.utime(tmp_path / "x.h5", ns=(src.mtime_ns + 10**9, src.mtime_ns + 10**9))  # rewritten
+    assert not files.visible(client, [src], workers)
+    with h5py.File(tmp_path / "m.h5", "w", driver="core", backing_store=False) as fh:
+        fh["A"] = np.ones((4, 5))  # in memory only: no file for a worker to open
+        assert files.source_of(fh["A"]) is None
 
 
 def test_what_is_not_the_whole_file_goes_through_the_client(client, tmp_path):

@@ -310,8 +310,9 @@ def test_model_command_warns_before_the_table():
     (["--gpus", "8", "10", "10", "10", "--dtype", "int8"], "no gpu GEMM rate for int64"),
     (["--validate", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
     (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
+    (["--gpus", "8", "10", "10", "10", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
 ], ids=["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link", "memory",
-        "calibration", "int8", "records", "validate-gpus"])
+        "calibration", "int8", "records", "validate-gpus", "gpus-per-node"])
 def test_model_bad_arguments_one_line_exit_2(argv, needle):
     done = _distmm("model", *argv)
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -331,6 +332,32 @@ def test_model_validate_writes_records_report_can_read(tmp_path):
     from distmm.cli.report import REQUIRED
 
     assert all(all(k in r for k in REQUIRED) for r in recs)
+
+
+def test_model_predictions_become_records_report_marks_predicted(tmp_path):
+    from distmm.cli.calibrate import save
+
+    save(from_records(_records(), "NVIDIA H200"), tmp_path / "h200.json")
+    out = tmp_path / "pred.jsonl"
+    done = _distmm("model", "--gpus", "8,16", "32768", "32768", "32768", "--calibration",
+                   str(tmp_path / "h200.json"), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["variant"] for r in recs] == ["distmm-mpi@8gpus", "distmm-mpi@16gpus"]
+    for r, p in zip(recs, (8, 16)):
+        assert r["seconds"] is None and r["role"] == "predicted" and r["ranks"] == p
+        assert r["device"] == "NVIDIA H200" and r["benchmark"] == "mpi"
+        assert r["predicted_seconds"] > 0 and "not measured" in r["note"]
+    assert recs[1]["predicted_seconds"] < recs[0]["predicted_seconds"]
+    # the report puts them after the measured 1- and 2-GPU runs of the same family, marked
+    measured = [str(p) for p in sorted(RESULTS.glob("mpi-nvidia-h200-*.jsonl"))]
+    done = _distmm("report", *measured, str(out), "-o", str(tmp_path / "rep"))
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "rep" / "report.md").read_text()
+    rows = [ln for ln in table.splitlines() if "| distmm-mpi |" in ln and "ranks 8 " in ln]
+    assert rows and all(f"{recs[0]['predicted_seconds']:.4g} (predicted)" in ln for ln in rows)
+    bad = _distmm("model", "--gpus", "8", "10", "10", "10", "--variant", "x")
+    assert bad.returncode == 2 and "add -o" in bad.stderr
 
 
 def test_calibrate_from_records_needs_a_machine_when_several(tmp_path):

@@ -8,7 +8,8 @@
 #    -arch=sm_90a, ptxas's register and spill report kept ($OUT/ptxas-<file>-<arch>.txt);
 # 2. compile what the tests and the benchmark use, in parallel (bench.kernels --warm-only);
 #    the GPU tests of steps 11-13 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
-#    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta;
+#    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta; and
+#    precision='s executor test that runs kernel_for's choice (tests/test_precision_gpu.py);
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
 #    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl).
 # Step 13 is compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
@@ -46,7 +47,7 @@ timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-o
 
 echo "== GPU tests (steps 11-13)"
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
-  -k "tensor_core or kernel_for" > "$OUT/pytest-tensorcores.log" 2>&1
+  tests/test_precision_gpu.py -k "tensor_core or kernel_for" > "$OUT/pytest-tensorcores.log" 2>&1
 rc=$?
 tail -30 "$OUT/pytest-tensorcores.log"
 echo "pytest exit $rc"

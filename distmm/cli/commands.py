@@ -213,6 +213,7 @@ def _cmd_matmul(args) -> int:
     import numpy as np
 
     import distmm
+    from distmm.api import resolve_precision
     from distmm.cli.io import open_operand, parse_target, same_file, staged_output
     from distmm.plan import result_dtype
 
@@ -227,6 +228,7 @@ def _cmd_matmul(args) -> int:
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")
+    precision = resolve_precision(args.precision, dtype)  # refused before any work
     _remove_leftovers(args.output)
     client = _connect(args)
     engine = "dask" if client is not None else args.engine
@@ -236,7 +238,8 @@ def _cmd_matmul(args) -> int:
     try:
         with dask.config.set(options):
             if a.ndim == b.ndim == 2:
-                # Tiles go straight into the staged output (local engine); it
+                # Tiles go straight into the staged output (local engine; on a Dask
+                # cluster the workers write theirs when they all see the file); it
                 # appears at the target only when the product is complete.
                 if a.shape[1] != b.shape[0]:  # checked before anything is staged
                     raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "
@@ -244,11 +247,12 @@ def _cmd_matmul(args) -> int:
                 shape = (a.shape[0], b.shape[1])
                 with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
                     distmm.matmul(a, b, out=c, engine=engine, client=client, backend=args.backend,
-                                  tile=args.tile)
+                                  tile=args.tile, precision=precision)
             else:
                 # Stacks and vectors: computed in memory, then written the same way.
                 c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine=engine,
-                                             client=client, backend=args.backend, tile=args.tile))
+                                             client=client, backend=args.backend, tile=args.tile,
+                                             precision=precision))
                 shape = c.shape
                 with staged_output(args.output, shape, c.dtype, overwrite=args.overwrite) as out:
                     out[...] = c
@@ -387,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="tile executor (default auto); raw and cublas need a GPU")
     mm.add_argument("--tile", type=_positive, default=None, help="C tile size (default: the planner chooses)")
+    from distmm.plan import PRECISIONS
+
+    mm.add_argument("--precision", default=None, choices=PRECISIONS,
+                    help="highest: exact for the dtype; tf32, bf16, fp16: float32/float16/bfloat16 "
+                         "operands rounded to that format, summed in float32 (tensor cores; "
+                         "emulated on the CPU) (default: distmm.precision, else highest)")
     mm.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
                     help="progress bar over C tiles, for every engine (default: on a terminal, "
                          "for long runs)")

@@ -96,10 +96,21 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                         "workers, mpi-host for CPU ranks, tcp for CPU workers)")
     m.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (default: the calibration's)")
+    m.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="devices per host, which share its disk and links (default: the "
+                        "calibration's, i.e. the machine it was measured on)")
     m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS",
                    help="compare the model with every configuration in these records")
     m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl",
-                   help="with --validate: write the comparison as records (predicted_seconds)")
+                   help="with --validate: write the comparison as records (predicted_seconds); "
+                        "else append one prediction record per device count (seconds null, "
+                        "role predicted), which distmm report draws as predicted")
+    m.add_argument("--benchmark", default=None, metavar="NAME",
+                   help="with -o: the benchmark the predictions join (default: the engine's, "
+                        "mpi, mpi-batch or dask-gpu / cpu-dask)")
+    m.add_argument("--variant", default=None, metavar="NAME",
+                   help="with -o: the variant family (default distmm-ENGINE); the count is "
+                        "added as @Pgpus / @Pranks / @Pworkers")
     m.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     m.set_defaults(func=run_model)
 
@@ -180,8 +191,8 @@ def run_model(args) -> int:
         if args.sizes or args.devices:
             raise ValueError("--validate takes records only, not M N K or --gpus")
         return _validate(args)
-    if args.output:
-        raise ValueError("-o goes with --validate")
+    if (args.benchmark or args.variant) and not args.output:
+        raise ValueError("--benchmark and --variant name the records of -o FILE.jsonl: add -o")
     if len(args.sizes) != 3:
         raise ValueError(f"model needs three sizes M N K, got {len(args.sizes)}")
     if not args.devices:
@@ -190,6 +201,12 @@ def run_model(args) -> int:
 
     m, n, k = args.sizes
     cal, where = _calibration(args.calibration)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+        import dataclasses
+
+        cal = dataclasses.replace(cal, gpus_per_node=args.gpus_per_node)
     cal.rate(args.device, _acc(args.dtype))  # a missing rate fails before anything prints
     rows = []
     for p in args.devices:
@@ -199,6 +216,8 @@ def run_model(args) -> int:
             m, n, k, args.dtype, devices=p, calibration=cal, engine=args.engine,
             device=args.device, link=args.link, memory=args.memory)
         rows.append((p, best, own))
+    if args.output:
+        _write_predictions(args, cal, rows)
     if args.json:
         for p, best, own in rows:
             print(json.dumps({**best.to_dict(), "engine_grid": list(own.grid),
@@ -233,6 +252,41 @@ def run_model(args) -> int:
     print("words/rank: elements one rank loads or holds (its A and B panels, C and partials); "
           "bounds after Kwasniewski et al. SC19 (2D/2.5D: 2mnk/(P sqrt S); 3D: 3(mnk/P)^(2/3))")
     return 0
+
+
+#: the benchmark a prediction joins by default, per engine and device kind
+_BENCHMARKS = {("mpi", "gpu"): "mpi", ("mpi", "cpu"): "mpi", ("batch", "gpu"): "mpi-batch",
+               ("batch", "cpu"): "mpi-batch", ("dask", "gpu"): "dask-gpu", ("dask", "cpu"): "cpu-dask"}
+
+
+def _write_predictions(args, cal, rows) -> None:
+    """Append one record per device count to ``args.output``: distmm's own plan (the grid
+    the engine would choose), ``predicted_seconds`` and ``seconds`` null, ``role``
+    ``"predicted"``, so that ``distmm report`` shows it in place of a measurement, marked."""
+    import datetime as dt
+
+    from distmm.cli.records import append_record, git_commit
+
+    m, n, k = args.sizes
+    now = dt.datetime.now(dt.timezone.utc)
+    benchmark = args.benchmark or _BENCHMARKS.get((args.engine, args.device), args.engine)
+    family = args.variant or f"distmm-{args.engine}"
+    unit = "workers" if args.engine == "dask" and args.device == "cpu" else (
+        "gpus" if args.device == "gpu" else "ranks")
+    for p, best, own in rows:
+        count = {"gpus": p, "ranks": p} if unit != "workers" else {"workers": p}
+        append_record(args.output, {
+            "run": "model-" + now.strftime("%Y%m%dT%H%M%SZ"), "benchmark": benchmark,
+            "variant": f"{family}@{p}{unit}", "device": cal.machine,
+            "dtype": args.dtype.name, "m": int(m), "n": int(n), "k": int(k),
+            "seconds": None, "tflops": None, "relerr": None,
+            "predicted_seconds": own.seconds, "role": "predicted", **count,
+            "grid": list(own.grid), "best_grid": list(best.grid),
+            "best_predicted_seconds": best.seconds, "engine": args.engine,
+            "link": own.link, "calibration": cal.machine, "gpus_per_node": cal.gpus_per_node,
+            "commit": git_commit(),
+            "date": now.date().isoformat(),
+            "note": "predicted by distmm model, not measured"})
 
 
 def _acc(dtype):

@@ -46,6 +46,7 @@ def run_matmul(args) -> int:
     from distmm.cli.io import check_space, check_target, open_operand, parse_target
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
+    from distmm.api import resolve_precision
     from distmm.plan import result_dtype
 
     comm = MPI.COMM_WORLD
@@ -67,6 +68,7 @@ def run_matmul(args) -> int:
         a = open_operand(args.a)
         b = open_operand(args.b)
         dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+        precision = resolve_precision(getattr(args, "precision", None), dtype)
         if a.ndim == 0 or b.ndim == 0:
             raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
                              f"arrays of at least 1 dimension")
@@ -95,14 +97,14 @@ def run_matmul(args) -> int:
         return _fail(comm, error)
 
     if not two_d:
-        return _stacked(comm, args, a, b, t0)
+        return _stacked(comm, args, a, b, t0, precision)
 
     from distmm.cli.exits import exit_status, message
     from distmm.engine.mpi.batch import run_batch
 
     outcome = run_batch(args, a, b, dtype=dtype, backend=backend, on_gpu=on_gpu, comm=comm,
                         phases=phases, judge=lambda exc: (exit_status(exc), message(exc)),
-                        progress=_progress_bar(args, comm, 2 * m * n * k))
+                        progress=_progress_bar(args, comm, 2 * m * n * k), precision=precision)
     if comm.rank == 0:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
@@ -184,14 +186,15 @@ def _report_profile(comm, args, phases, t0, grid, epoch: float, *, panels=None) 
     return f"; busiest rank: {summary_line(records)}"
 
 
-def _stacked(comm, args, a, b, t0) -> int:
+def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     """Vectors and stacks: every rank computes the product with the MPI engine,
     rank 0 writes it (staged), and all agree on the outcome."""
     import distmm
     from distmm.cli.io import staged_output
 
     try:
-        c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine="mpi", backend=args.backend))
+        c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine="mpi", backend=args.backend,
+                                     precision=precision))
     except BaseException as exc:  # noqa: BLE001
         _abort(comm, exc, args)
     error = None

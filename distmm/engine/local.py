@@ -68,13 +68,14 @@ class LocalEngine(Engine):
         if ops.family != "cupy" or ops.batch or ops.a_vector or ops.b_vector:
             return None
         executor = get_executor(request.backend, np_dtype(request.plan.acc_dtype),
-                                on_gpu=request.on_gpu)
+                                on_gpu=request.on_gpu, precision=request.plan.precision)
         return getattr(executor, "replayer", lambda plan, a_dtype, b_dtype: None)(
             request.plan, ops.a.dtype, ops.b.dtype)
 
     def run(self, request: Request):
         ops, plan = request.operands, request.plan
-        executor = get_executor(request.backend, np_dtype(plan.acc_dtype), on_gpu=request.on_gpu)
+        executor = get_executor(request.backend, np_dtype(plan.acc_dtype), on_gpu=request.on_gpu,
+                                precision=plan.precision)
         if ops.family == "cupy":
             import cupy
 

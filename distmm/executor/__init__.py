@@ -90,8 +90,13 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
     return ("numba" if dtype.kind in "biu" else "blas"), False
 
 
-def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> Executor:
+def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False,
+                 precision: str = "highest") -> Executor:
     """Return an executor for ``backend``.
+
+    ``precision`` (``distmm.precision``'s modes) is applied by the executor to
+    every panel it multiplies: emulated on the CPU (``distmm.executor.reduced``),
+    on the tensor cores on the GPU (a registry kernel for the mode, else cuBLAS).
 
     ``backend="auto"`` picks the GPU executor (its own auto choice between
     ``raw`` and ``cublas``) when ``on_gpu``; on the CPU it picks BLAS for
@@ -108,16 +113,16 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False) -> 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in GPU_BACKENDS or (backend == "auto" and on_gpu):
-        return _gpu_executor(backend)
+        return _gpu_executor(backend, precision)
     if backend == "auto":
         backend = "numba" if np.dtype(acc_dtype).kind in "iu" else "blas"
-    return _cpu_executor(backend)
+    return _cpu_executor(backend, precision)
 
 
 _executor_for = None
 
 
-def _gpu_executor(backend: str) -> Executor:
+def _gpu_executor(backend: str, precision: str = "highest") -> Executor:
     """The shared GPU executor of ``backend`` on the current device
     (``distmm.executor.gpu.executor_for``, imported on first use); without
     cupy, ``BackendUnavailable`` naming ``backend``."""
@@ -130,13 +135,13 @@ def _gpu_executor(backend: str) -> Executor:
                 f"backend {backend!r} needs cupy and a CUDA GPU: pip install \"distmm[gpu]\" ({exc})"
             ) from exc
         _executor_for = executor_for
-    return _executor_for(backend)
+    return _executor_for(backend) if precision == "highest" else _executor_for(backend, precision)
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_executor(backend: str) -> Executor:
-    """One shared CPU executor per backend: it holds no state between products
-    (its ``close`` frees nothing), so every product and thread may use it."""
+def _cpu_executor(backend: str, precision: str = "highest") -> Executor:
+    """One shared CPU executor per backend and precision: it holds no state between
+    products (its ``close`` frees nothing), so every product and thread may use it."""
     from distmm.executor.cpu import CPUExecutor
 
-    return CPUExecutor(backend=backend)
+    return CPUExecutor(backend=backend, precision=precision)

@@ -5,7 +5,9 @@ runs distmm's own kernels (``distmm.kernels.numba_gemm``) for float32,
 float64 and 64-bit integers; every other accumulation dtype (complex,
 longdouble, object) goes through ``numpy.matmul`` (BLAS for floats and complex, numpy's
 exact loop for integers). ``backend="blas"`` always uses ``numpy.matmul``. numba is
-imported only when a product runs on its kernels.
+imported only when a product runs on its kernels. A reduced precision (``"tf32"``,
+``"bf16"``, ``"fp16"``) is emulated: panels rounded to the format, then a float32
+product (``distmm.executor.reduced``).
 It does *not* cover: tiling or scheduling (``distmm.plan``, ``distmm.engine``).
 """
 from __future__ import annotations
@@ -29,13 +31,21 @@ class CPUExecutor(Executor):
     backend : {"numba", "blas"}
         ``"numba"``: distmm's numba kernels where they support the dtype.
         ``"blas"``: ``numpy.matmul`` (multi-threaded BLAS for floats).
+    precision : {"highest", "tf32", "bf16", "fp16"}
+        ``"highest"``: the dtype's own product. A reduced mode (float32 panels
+        only, as ``distmm.precision.check_precision`` admits) rounds both
+        panels to the format and sums in float32: the tensor cores' arithmetic,
+        within ``distmm.precision.error_bound`` of theirs.
     """
 
-    def __init__(self, backend: str = "blas"):
+    def __init__(self, backend: str = "blas", precision: str = "highest"):
         if backend not in ("numba", "blas"):
             raise ValueError(f"CPU backend must be 'numba' or 'blas', got {backend!r}")
+        from distmm.precision import check_precision
+
         self.backend = backend
         self.name = backend
+        self.precision = check_precision(precision, what="CPUExecutor")
         # BLAS threads itself; the engine should not run many BLAS tasks at once.
         self.threads_inside = backend == "blas"
 
@@ -57,8 +67,23 @@ class CPUExecutor(Executor):
         return super().asarray(x, dtype)
 
     def panel_product(self, a, b, tk: int = 256):
+        if self.precision != "highest":
+            return self._reduced(a, b, tk)
         if self._uses_numba(a.dtype):
             from distmm.kernels import numba_gemm
 
             return numba_gemm.panel_product(a, b, tk)
         return np.matmul(a, b)
+
+    def _reduced(self, a, b, tk: int):
+        from distmm.executor.reduced import reduced_product
+
+        if a.dtype != np.float32 or b.dtype != np.float32:
+            raise TypeError(f"precision={self.precision!r} multiplies float32 panels, got "
+                            f"{a.dtype} @ {b.dtype}")
+        if self.backend == "numba":
+            from distmm.kernels import numba_gemm
+
+            return reduced_product(a, b, self.precision,
+                                   lambda x, y: numba_gemm.panel_product(x, y, tk))
+        return reduced_product(a, b, self.precision)

@@ -5,8 +5,10 @@ This module covers: ``cublas_gemm(a, b, c, alpha, beta)``, computing
 stream (``cupy.matmul`` for ``beta == 0``, ``cupy.cublas.gemm`` in place for
 ``beta != 0`` when the dtypes and layout allow, else a temporary), and
 ``CublasGemm``, the smallest executor the stream pipeline can use (its
-``device_gemm`` adds a stream), and ``start_cublas``, cuBLAS's start-up on a
-background thread.
+``device_gemm`` adds a stream), ``start_cublas``, cuBLAS's start-up on a
+background thread, and ``cublas_gemm_precision``, the cuBLAS path of the reduced
+precision modes (``distmm.precision``: operands rounded to TF32, bfloat16 or
+float16 on the device, ``cublasGemmEx`` with float32 accumulation).
 
 It does *not* cover: distmm's own kernels (``distmm.executor.cuda_loader``),
 choosing between them and cuBLAS (``distmm.executor.gpu``), or dtype promotion
@@ -18,7 +20,7 @@ import concurrent.futures as cf
 import contextlib
 import threading
 
-__all__ = ["cublas_gemm", "CublasGemm", "start_cublas"]
+__all__ = ["cublas_gemm", "CublasGemm", "start_cublas", "cublas_gemm_precision", "to_input_format"]
 
 _started: dict = {}  # (device id, dtype name) -> Future of the start-up
 _started_lock = threading.Lock()
@@ -108,3 +110,99 @@ class CublasGemm:
 
     def close(self) -> None:
         pass
+
+
+# -- reduced precision (distmm.precision's modes) ---------------------------------------
+
+#: cudaDataType_t and cublasComputeType_t values (cublas_api.h, library_types.h)
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+CUBLAS_GEMM_DEFAULT = -1
+
+_ROUND_KERNELS: dict = {}
+
+
+def _rounding_kernel(precision: str):
+    """A cupy elementwise kernel taking float32 to the bits the tensor cores are fed:
+    TF32 as float32 (cvt.rna's rounding: ties away from zero), bfloat16 as uint16 (ties to even);
+    NaN stays NaN. The same rounding as ``distmm.executor.reduced.round_to``."""
+    kernel = _ROUND_KERNELS.get(precision)
+    if kernel is None:
+        import cupy
+
+        if precision == "tf32":
+            kernel = cupy.ElementwiseKernel(
+                "float32 x", "float32 y",
+                # cvt.rna.tf32.f32's rounding in integer arithmetic (any architecture):
+                # half an ulp of TF32 added to the magnitude's bits, ties away from zero
+                "y = isnan(x) ? x : __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);",
+                "distmm_round_tf32")
+        else:
+            kernel = cupy.ElementwiseKernel(
+                "float32 x", "uint16 y",
+                "unsigned b = __float_as_uint(x);"
+                " y = isnan(x) ? (unsigned short)((b >> 16) | 0x40u)"
+                " : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);",
+                "distmm_round_bf16")
+        _ROUND_KERNELS[precision] = kernel
+    return kernel
+
+
+def to_input_format(x, precision: str):
+    """A cupy float32 matrix as the tensor cores take it in ``precision``: ``(array,
+    cudaDataType)``, a new C-contiguous array: float32 rounded to TF32, bfloat16 bits
+    (uint16) or float16."""
+    import cupy
+
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    if precision == "fp16":
+        return x.astype(cupy.float16), CUDA_R_16F
+    if precision == "bf16":
+        return _rounding_kernel("bf16")(x), CUDA_R_16BF
+    if precision == "tf32":
+        return _rounding_kernel("tf32")(x), CUDA_R_32F
+    raise ValueError(f"to_input_format: precision must be tf32, bf16 or fp16, got {precision!r}")
+
+
+def cublas_gemm_precision(a, b, c, precision: str, alpha=1, beta=0) -> None:
+    """``c = alpha * a @ b + beta * c`` for float32 cupy matrices in a reduced precision
+    mode, on cupy's current stream, through ``cublasGemmEx``: the operands are rounded
+    to the mode's format first (``to_input_format``), then ``CUBLAS_COMPUTE_32F_FAST_TF32``
+    for ``"tf32"`` (float32 storage of TF32 values) or ``CUBLAS_COMPUTE_32F`` on bfloat16
+    or float16 operands, with float32 accumulation and output. ``beta == 0`` means ``c``
+    is not read. ``c`` may be any float32 2-D array (a strided one goes through a copy)."""
+    import cupy
+    import numpy as np
+    from cupy_backends.cuda.libs import cublas
+
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if beta == 0:
+            c[...] = 0
+        else:
+            c *= np.float32(beta)
+        return
+    a_in, a_type = to_input_format(a, precision)
+    b_in, b_type = to_input_format(b, precision)
+    direct = c.dtype == np.float32 and c.flags.c_contiguous
+    target = c if direct else cupy.ascontiguousarray(c, dtype=cupy.float32)
+    compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "tf32" else CUBLAS_COMPUTE_32F
+    one = np.array(alpha, dtype=np.float32)
+    zero = np.array(beta, dtype=np.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        # row-major C = A @ B is column-major C^T = B^T @ A^T: no transposes, swapped operands
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
+                      one.ctypes.data, b_in.data.ptr, b_type, n, a_in.data.ptr, a_type, k,
+                      zero.ctypes.data, target.data.ptr, CUDA_R_32F, n, compute,
+                      CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    if not direct:
+        c[...] = target

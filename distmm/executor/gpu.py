@@ -41,13 +41,14 @@ _FLOATS = ("float32", "float64")
 _executors: dict = {}
 
 
-def executor_for(backend: str = "auto") -> "GPUExecutor":
-    """The GPU executor of ``backend`` for the current device, made once per process
-    (its kernel choice, tuned parameters and device properties are read once)."""
-    key = (backend, cupy.cuda.runtime.getDevice())
+def executor_for(backend: str = "auto", precision: str = "highest") -> "GPUExecutor":
+    """The GPU executor of ``backend`` (and precision mode) for the current device, made
+    once per process (its kernel choice, tuned parameters and device properties are read
+    once)."""
+    key = (backend, cupy.cuda.runtime.getDevice()) + ((precision,) if precision != "highest" else ())
     ex = _executors.get(key)
     if ex is None:
-        ex = _executors.setdefault(key, GPUExecutor(backend=backend))
+        ex = _executors.setdefault(key, GPUExecutor(backend=backend, precision=precision))
     return ex
 
 
@@ -107,6 +108,11 @@ class GPUExecutor(Executor):
         step: ``dmma``, FP64 tensor cores for float64 and step 8's SIMT code otherwise).
     params : mapping, optional
         Template parameters for a tunable kernel (default: tuned, else the registry's).
+    precision : {"highest", "tf32", "bf16", "fp16"}
+        ``distmm.precision``'s mode. A reduced mode applies to float32 products
+        (float16 ones are computed in float32): the registry's kernel for the mode
+        (``registry.kernel_for``) with ``backend`` ``"auto"`` or ``"raw"`` where one
+        exists for this GPU, else cuBLAS (``cublas.cublas_gemm_precision``).
 
     Raises
     ------
@@ -116,9 +122,14 @@ class GPUExecutor(Executor):
         No CUDA device.
     """
 
-    def __init__(self, backend: str = "auto", *, kernel: str | None = None, params=None):
+    def __init__(self, backend: str = "auto", *, kernel: str | None = None, params=None,
+                 precision: str = "highest"):
         if backend not in ("auto", "raw", "cublas"):
             raise ValueError(f"GPU backend must be 'auto', 'raw' or 'cublas', got {backend!r}")
+        from distmm.precision import check_precision
+
+        self.precision = check_precision(precision, what="GPUExecutor")
+        self._precision_kernel: list = []  # [KernelSpec or None], looked up once
         if device_count() < 1:
             raise BackendUnavailable("no CUDA device")
         self.backend = backend
@@ -238,6 +249,9 @@ class GPUExecutor(Executor):
 
     def _gemm(self, a_dev, b_dev, c_dev, alpha, beta, m, n, k, stream) -> None:
         dt = c_dev.dtype
+        if self.precision != "highest":
+            self._reduced_gemm(a_dev, b_dev, c_dev, alpha, beta, stream)
+            return
         if a_dev.dtype != dt:
             a_dev = a_dev.astype(dt)
         if b_dev.dtype != dt:
@@ -247,6 +261,45 @@ class GPUExecutor(Executor):
                            stream if stream is not None else cupy.cuda.get_current_stream())
         else:
             cublas_gemm(a_dev, b_dev, c_dev, alpha, beta)
+
+    def precision_kernel(self):
+        """The registry's kernel for this executor's reduced precision on this GPU
+        (``registry.kernel_for``), or None: cuBLAS then (always for ``backend="cublas"``)."""
+        if not self._precision_kernel:
+            spec = None
+            if self.backend != "cublas":
+                major_minor = int(cupy.cuda.Device().compute_capability)
+                spec = registry.kernel_for("float32", self.precision, major_minor)
+            self._precision_kernel.append(spec)
+        return self._precision_kernel[0]
+
+    def _reduced_gemm(self, a, b, c, alpha, beta, stream) -> None:
+        """``c = alpha * a @ b + beta * c`` in this executor's reduced precision, float32 out."""
+        from distmm.executor.cublas import cublas_gemm_precision, to_input_format
+
+        if c.dtype != np.float32:
+            raise TypeError(f"precision={self.precision!r} computes float32 products, got a "
+                            f"{c.dtype} result")
+        spec = self.precision_kernel()
+        if spec is None:
+            cublas_gemm_precision(a, b, c, self.precision, alpha, beta)
+            return
+        from distmm.executor import cuda_loader
+
+        m, k = a.shape
+        n = b.shape[1]
+        if self.precision == "tf32":  # float32 operands, rounded by the kernel as it loads them
+            a, lda, ta = _operand(a.astype(np.float32, copy=False))
+            b, ldb, tb = _operand(b.astype(np.float32, copy=False))
+        else:  # 16-bit operands, rounded here (bfloat16 bits as uint16, or float16)
+            (a, _), (b, _) = to_input_format(a, self.precision), to_input_format(b, self.precision)
+            lda, ta, ldb, tb = k, False, n, False
+        target = c if c.flags.c_contiguous else cupy.ascontiguousarray(c)
+        cuda_loader.launch(spec.name, a, ta, lda, b, tb, ldb, target, n, m, n, k,
+                           alpha=alpha, beta=beta, params=registry.kernel_params(spec, "float32"),
+                           stream=stream if stream is not None else cupy.cuda.get_current_stream())
+        if target is not c:
+            c[...] = target
 
     def _raw_gemm(self, a, b, c, alpha, beta, stream) -> None:
         from distmm.executor import cuda_loader
@@ -282,7 +335,7 @@ class GPUExecutor(Executor):
         if not batch and k and m and n and a.dtype == b.dtype == res and _dtype_name(res) in _FLOATS:
             # The common case, one float product in its own dtype. With cuBLAS it is
             # cupy.matmul's own call (no out=, no empty()): the same GPU work as cupy's.
-            if self.choose(res, m, n, k) == "cublas":
+            if self.precision == "highest" and self.choose(res, m, n, k) == "cublas":
                 return cupy.matmul(a, b)
             out = cupy.empty((m, n), dtype=res)
             self._gemm(a, b, out, 1, 0, m, n, k, None)
@@ -315,6 +368,8 @@ class GPUExecutor(Executor):
         not the common case (one float product in its own dtype)."""
         res = np_dtype(plan.dtype)
         m, n, k = plan.m, plan.n, plan.k
+        if self.precision != "highest":
+            return None  # run_batched each time: its reduced path converts the operands
         if not (k and m and n and a_dtype == b_dtype == res and _dtype_name(res) in _FLOATS):
             return None
         get_device = cupy.cuda.runtime.getDevice
@@ -365,7 +420,8 @@ class GPUExecutor(Executor):
         out[...] = cupy.asnumpy(self.run_batched(plan, a_dev, b_dev))
 
     def __repr__(self) -> str:
-        return f"GPUExecutor(backend={self.backend!r}, kernel={self.kernel.name!r})"
+        extra = "" if self.precision == "highest" else f", precision={self.precision!r}"
+        return f"GPUExecutor(backend={self.backend!r}, kernel={self.kernel.name!r}{extra})"
 
 
 def matmul_to(a, b, out=None, *, backend: str = "cublas", device_memory_limit=None,

@@ -21,6 +21,9 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``pull``       block tasks fetch those offers straight from the holders, not
                through the scheduler
 ``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
+``files``      operands in files every worker sees (``.npy``, zarr, HDF5): the
+               workers read their own blocks
+``sink``       C written by the workers into a staged output file (``out=``)
 
 It does *not* cover: tile arithmetic (``distmm.plan``), block mode's placement
 (``distmm.plan_blocks``: the layout, which unit computes which block, what moves
@@ -256,7 +259,9 @@ class DaskEngine(Engine):
 
     def run(self, request: Request):
         """``numpy.ndarray`` for host operands (computed on the cluster and
-        gathered), a lazy ``dask.array.Array`` for dask operands (dask.array's
+        gathered), ``request.out`` filled when there is one (by the workers
+        themselves when it is a staged output file they all see:
+        ``distmm.engine.dask.sink``), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
         chunk per element along batch axes). Gathers the cluster's facts, plans
         block mode's placement (``distmm.plan_blocks``) where it applies, then runs."""
@@ -366,7 +371,8 @@ class DaskEngine(Engine):
         out = run_eager(ops, plan, self.client, self.slots, request.backend,
                         progress=request.progress, report=request.report,
                         retry_timeout=self.retry_timeout, layout=layout, units=units,
-                        fail=_fail_tiles() if layout is not None else (), stats=stats)
+                        fail=_fail_tiles() if layout is not None else (), stats=stats,
+                        out=request.out)
         stats["seconds"] = time.perf_counter() - t0
         record(stats)
         return out

@@ -99,7 +99,8 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
     from distmm.executor import GPU_BACKENDS
 
     acc = np.dtype(tp.acc_dtype)
-    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True)
+    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True,
+                         tp.precision)
     host = isinstance(a, (np.ndarray, Chunked))
     if host and acc.name in ("float32", "float64") and a.shape[1]:
         from distmm.executor.pipeline import run_pipelined
@@ -108,7 +109,8 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
         m, k = a.shape
         n = b.shape[1]
         out = ex.empty_host((m, n), acc)
-        run_pipelined(ex, make_plan(m, n, k, acc, workers=1), a, b, out,  # copies cast
+        run_pipelined(ex, make_plan(m, n, k, acc, workers=1, precision=tp.precision), a, b,
+                      out,  # copies cast
                       device_memory_limit=_device_limit(share))
         return out
     a, b = _whole(a), _whole(b)
@@ -122,7 +124,8 @@ def _cpu_block(tp: TaskPlan, backend: str, a, b):
     a, b = _whole(a), _whole(b)
     if not isinstance(a, np.ndarray):  # device chunks falling back to the CPU
         a, b = array_module(a).asnumpy(a), array_module(b).asnumpy(b)
-    ex = cached_executor(backend if backend in CPU_BACKENDS else "auto", tp.acc_dtype, False)
+    ex = cached_executor(backend if backend in CPU_BACKENDS else "auto", tp.acc_dtype, False,
+                         tp.precision)
     return tile_partial(ex, tp, a, b)
 
 

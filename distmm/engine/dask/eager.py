@@ -1,9 +1,13 @@
 """In-memory operands on a cluster: scatter the blocks, run the graph, gather C.
 
 This module covers: sending the blocks of numpy (or on-disk) operands to the
-workers whose tasks read them, running the product's graph over them, writing
-the output blocks into the result as they arrive (with a progress bar and an
-optional ``performance_report``), and surviving worker loss: blocks lost with
+workers whose tasks read them (or the workers reading them from a file they
+all see: ``files``), running the product's graph over them, writing the output
+blocks into the result as they arrive, or, for a staged output file every
+worker sees, a write task after each block that puts it there on the worker
+and sends the client only the bytes it wrote (``sink``; the writes end, on
+every worker, before ``run_eager`` returns or raises), with a progress bar and an
+optional ``performance_report``, and surviving worker loss: blocks lost with
 a worker are sent again, output blocks not yet gathered are run again (also
 those whose tasks wait for a worker that has left while nothing arrives:
 ``_StallWatch``), and when no worker is alive the loop waits for one. It gives up only after
@@ -191,6 +195,45 @@ class _Scattered:
                 by[worker] = futs[key]
 
 
+def _file_sink(client, out, rows, cols):
+    """The ``sink.FileSink`` of ``out`` when it is a staged output every worker sees (the
+    workers write C there), else None: the client writes the blocks, and says so on
+    stderr when ``out`` is a staged file the workers do not see."""
+    from distmm.engine.dask import files, sink
+
+    found = sink.sink_of(out)
+    if found is None:
+        return None
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    if not files.visible(client, [found], workers):
+        log.warning("distmm: the workers do not see the staged %s (another host, or no "
+                    "shared file system): C is gathered and written by this process",
+                    found.target)
+        return None
+    return found.for_blocks(rows, cols)
+
+
+def _finish_files(client, sink, sources, *, written: bool, lost: bool, futures) -> None:
+    """After the product, in success and in failure: the workers' writes of C end
+    (``sink.close``: nothing writes into the staged output once the engine returns or
+    raises; its tasks still queued are cancelled first), and their HDF5 operand files
+    close (``files.release``)."""
+    from distmm.engine.dask import files
+
+    try:
+        if sink is not None:
+            from distmm.engine.dask.sink import close
+
+            if not written and futures:
+                try:
+                    client.cancel(list(futures))
+                except Exception:  # noqa: BLE001 - the cluster in trouble: the fence still runs
+                    pass
+            close(client, sink, ok=written, lost=lost)
+    finally:
+        files.release(client, sources)
+
+
 def _file_sources(client, a2, b2):
     """``files.FileSource`` of each operand whose file every worker sees (None: the client
     reads its blocks and sends them)."""
@@ -324,7 +367,7 @@ def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall
 
     for fut in as_completed(futures):
         try:
-            tile_out = fut.result()
+            tile_out = fut.result()  # a block of C, or the bytes a worker wrote (out None)
         except TileFailed as exc:
             if not fall_back:
                 raise
@@ -337,8 +380,9 @@ def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall
             continue
         watch.arrived()
         ob, i, j = futures[fut]
-        out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
-            tile_out.reshape(tile_out.shape[-2:])
+        if out is not None:
+            out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
+                tile_out.reshape(tile_out.shape[-2:])
         pending.discard((ob, i, j))
         got.arrived += 1
         if bar is not None:
@@ -400,15 +444,20 @@ class _StallWatch:
 
 def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
               report=None, retry_timeout: float = 60.0, layout=None, units=None, fail=(),
-              stats: dict | None = None):
-    """Compute the product of host operands on the cluster; return numpy's array.
+              stats: dict | None = None, out=None):
+    """Compute the product of host operands on the cluster; return numpy's array, or
+    ``out`` filled.
 
     ``layout``/``units``: block mode (2-D products only); ``fail``: cells
     that raise ``TileFailed`` on the GPU on purpose; ``stats``: filled with
-    what the run did (cells moved to CPU workers, tasks submitted).
+    what the run did (cells moved to CPU workers, tasks submitted, whether the
+    workers wrote C). ``out``: where C goes (the 2-D result's shape and dtype):
+    a staged output every worker sees is written by the workers themselves
+    (``distmm.engine.dask.sink``), anything else by the client as blocks arrive.
     """
     dtype = np.dtype(ops.dtype)
-    out = np.empty(ops.out_shape, dtype=dtype)
+    if out is None:
+        out = np.empty(ops.out_shape, dtype=dtype)
     if out.size == 0:
         return out
     if plan.k == 0:
@@ -428,12 +477,15 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
         a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
         rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
     a_src, b_src = _file_sources(client, a2, b2)
+    sink = _file_sink(client, out, rows, cols)
     a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None,
                       source=a_src)
     b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}", copies=blocks is not None,
                       source=b_src)
     if stats is not None:
         stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
+        stats["written_on_workers"] = sink is not None
+        stats["token"] = token  # in the keys of this product's tasks: distmm-*-TOKEN-...
     if blocks is not None:
         geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
     else:
@@ -448,7 +500,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     transient = _transient_errors()
     ctx = performance_report(filename=report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
-    submitted = 0
+    submitted, written, futures = 0, False, {}
     t0 = time.perf_counter()
     try:
         with ctx:
@@ -474,10 +526,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                         annotations={"workers": placement, "allow_other_workers": True},
                         cells=cells)
                     submitted += len(layer)
-                    futures = _submit(client, layer)
+                    futures = _submit(client, layer, sink, rows, cols)
                     with _StallWatch(client, futures, targets) as watch:
-                        _collect(got, futures, watch, out, rows, cols, pending, bar,
-                                 fall_back=blocks is not None, transient=transient)
+                        _collect(got, futures, watch, None if sink else out, rows, cols,
+                                 pending, bar, fall_back=blocks is not None,
+                                 transient=transient)
                 except transient as exc:
                     outer = exc
                 # what the round gave, kept also when it ended in a lost worker's error
@@ -502,11 +555,14 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 log.warning("distmm: workers lost during matmul (%r); retrying %d output blocks "
                             "(attempt %d)", last_error, len(pending), attempts)
                 _wait_for_a_worker(client, min(left, 5.0))
+        written = True
     except _TaskError as failed:  # a task's own error (a file gone, say), not a lost worker
         raise failed.error from None
     finally:
         if bar is not None:
             bar.close()
+        _finish_files(client, sink, (a_src, b_src), written=written,
+                      lost=bool(attempts), futures=futures)
     log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),
              time.perf_counter() - t0)
     if stats is not None:
@@ -562,12 +618,26 @@ def _lost_message(timeout, attempts, pending, failed_tiles, resent, client, last
             f"{workers}; last error: {last_error!r}")
 
 
-def _submit(client, layer: ProductLayer) -> dict:
-    """Send the layer and return ``{future: (batch, i, j)}`` for its output blocks."""
+def _submit(client, layer: ProductLayer, sink=None, rows=None, cols=None) -> dict:
+    """Send the layer and return ``{future: (batch, i, j)}`` for its output blocks; with a
+    ``sink``, a write task after each output block (``sink.write_block``, keys
+    ``distmm-write-...``) whose future, the bytes it wrote, stands for the block."""
     from dask.highlevelgraph import HighLevelGraph
 
-    hlg = HighLevelGraph({layer.name: layer}, {layer.name: set()})
+    layers, deps = {layer.name: layer}, {layer.name: set()}
     blocks = list(layer.iter_blocks())
     keys = [layer.output_key(*blk) for blk in blocks]
-    futures = client.get(hlg, keys, sync=False)
+    if sink is not None:
+        from distmm.engine.dask.graph import make_task, task_ref
+        from distmm.engine.dask.sink import write_block
+
+        name = layer.name.replace("distmm-matmul", "distmm-write", 1)
+        writes = {}
+        for (ob, i, j), key in zip(blocks, keys):
+            wkey = (name,) + tuple(ob) + (i, j)
+            region = (int(rows[i]), int(rows[i + 1]), int(cols[j]), int(cols[j + 1]))
+            writes[wkey] = make_task(wkey, write_block, sink, region, task_ref(key))
+        layers[name], deps[name] = writes, {layer.name}
+        keys = list(writes)
+    futures = client.get(HighLevelGraph(layers, deps), keys, sync=False)
     return dict(zip(futures, blocks))

@@ -1,15 +1,22 @@
 """Operands in files every worker sees: the workers read their own blocks.
 
 This module covers: recognising a host operand that is a whole ``.npy`` file opened with
-``numpy.load(path, mmap_mode="r")`` or a zarr array in a local folder (``FileSource``,
-``source_of``), checking that every worker sees the same file (same size and modification
-time, ``visible``), and the task that reads one block of it on a worker (``read_block``:
-the ``.npy`` memory-mapped once per process, zarr by slices). With these the eager loop
-(``distmm.engine.dask.eager``) sends a worker the name of the file and the slices it needs
-instead of reading the block in the client and shipping its bytes: the client never holds
-the operand, and a block whose worker is lost is read again by another.
-It does *not* cover: HDF5 datasets (an open h5py file cannot travel to a worker: they are
-read in the client as before), files some worker does not see (the same), or writing.
+``numpy.load(path, mmap_mode="r")``, a zarr array in a local folder, or a dataset of an
+HDF5 file opened with h5py (``FileSource``, ``source_of``), checking that every worker sees
+the same file (same size and modification time, ``visible``), and the task that reads one
+block of it on a worker (``read_block``: the ``.npy`` memory-mapped once per process, zarr
+by slices, the HDF5 file opened read-only once per process and closed when the product ends,
+``release``). With these the eager loop (``distmm.engine.dask.eager``) sends a worker the
+name of the file and the slices it needs instead of reading the block in the client and
+shipping its bytes: the client never holds the operand, and a block whose worker is lost is
+read again by another.
+It does *not* cover: files some worker does not see (the client reads their blocks and
+sends them, as for any in-memory operand), or writing C (``distmm.engine.dask.sink``).
+
+HDF5 files are opened on the workers without HDF5's file locking (``locking=False`` where
+h5py and its HDF5 offer it): the client may hold the same file open for writing when the
+product's output goes into it (``distmm matmul f.h5:A f.h5:B -o f.h5:C``), and it writes
+nothing there until the workers are done and ``release`` has closed their handles.
 """
 from __future__ import annotations
 
@@ -19,15 +26,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["FileSource", "source_of", "visible", "read_block"]
+__all__ = ["FileSource", "source_of", "visible", "read_block", "release"]
 
 
 @dataclass(frozen=True)
 class FileSource:
-    """Where an operand lives: ``kind`` ``"npy"`` or ``"zarr"``, the file (``path``; a
-    zarr store folder and the array's ``node`` inside it), what the client saw of it
-    (``size``, ``mtime_ns``: the ``.npy`` file, or the zarr array's metadata file), and
-    its ``shape`` and ``dtype``."""
+    """Where an operand lives: ``kind`` ``"npy"``, ``"zarr"`` or ``"h5"``, the file
+    (``path``; a zarr store folder and the array's ``node`` inside it; an HDF5 file and
+    the dataset's ``node``), what the client saw of it (``size``, ``mtime_ns``: the
+    ``.npy`` or HDF5 file, or the zarr array's metadata file), and its ``shape`` and
+    ``dtype``."""
 
     kind: str
     path: str
@@ -39,7 +47,7 @@ class FileSource:
 
     @property
     def stamp_path(self) -> str:
-        if self.kind == "npy":
+        if self.kind in ("npy", "h5"):
             return self.path
         return os.path.join(self.path, self.node, "zarr.json") if self.node else \
             os.path.join(self.path, "zarr.json")
@@ -88,10 +96,35 @@ def _zarr_source(x) -> FileSource | None:
     return None if stamp is None else replace(src, size=stamp[0], mtime_ns=stamp[1])
 
 
+def _h5_source(x) -> FileSource | None:
+    """A dataset of an HDF5 file on disk (not one held in memory by the ``core`` driver)."""
+    import sys
+
+    h5py = sys.modules.get("h5py")  # an h5py dataset means h5py is imported already
+    if h5py is None or not isinstance(x, h5py.Dataset):
+        return None
+    try:
+        fh = x.file
+        if fh.driver not in ("sec2", "stdio"):  # "core" (in memory), "fileobj" (Python file)
+            return None
+        path, node = os.path.abspath(fh.filename), x.name
+        if fh.mode == "r+":  # what this process wrote must be on disk for the workers
+            fh.flush()
+    except (ValueError, RuntimeError, OSError):  # a closed file
+        return None
+    stamp = _stamp(path)
+    if stamp is None or not node:
+        return None
+    return FileSource("h5", path, node, tuple(x.shape), np.dtype(x.dtype).str, *stamp)
+
+
 def source_of(x) -> FileSource | None:
-    """The file behind operand ``x`` (a whole ``.npy`` memmap, a local zarr array), or None."""
+    """The file behind operand ``x`` (a whole ``.npy`` memmap, a local zarr array, an HDF5
+    dataset), or None."""
     if isinstance(x, np.memmap):
         return _npy_source(x)
+    if type(x).__module__.split(".")[0] == "h5py":
+        return _h5_source(x)
     return _zarr_source(x)
 
 
@@ -116,7 +149,7 @@ def visible(client, sources, workers) -> bool:
                for v in seen.values()) and len(seen) == len(set(workers))
 
 
-_OPEN: dict = {}  # (path, node, mtime_ns) -> the opened array, one per worker process
+_OPEN: dict = {}  # (path, node, mtime_ns) -> (the opened array, its HDF5 file or None)
 _OPEN_LOCK = threading.Lock()
 _KEEP_OPEN = 16  # files kept open per process (the oldest closed first)
 
@@ -124,22 +157,74 @@ _KEEP_OPEN = 16  # files kept open per process (the oldest closed first)
 def _opened(src: FileSource):
     key = (src.path, src.node, src.mtime_ns)
     with _OPEN_LOCK:
-        arr = _OPEN.get(key)
-        if arr is None:
+        entry = _OPEN.get(key)
+        if entry is None:
+            handle = None
             if src.kind == "npy":
                 arr = np.load(src.path, mmap_mode="r", allow_pickle=False)
+            elif src.kind == "h5":
+                handle = _open_h5(src.path)
+                arr = handle.get(src.node)
+                if arr is None:
+                    handle.close()
+                    raise FileNotFoundError(f"no dataset {src.node!r} in {src.path}")
             else:
                 import zarr
 
                 arr = zarr.open_array(src.path, path=src.node, mode="r")
             if tuple(arr.shape) != src.shape or np.dtype(arr.dtype).str != src.dtype:
+                if handle is not None:
+                    handle.close()
                 raise ValueError(f"{src.path}: the file changed since the product began "
                                  f"({arr.shape} {arr.dtype}, expected {src.shape} "
                                  f"{np.dtype(src.dtype)})")
             while len(_OPEN) >= _KEEP_OPEN:
-                _OPEN.pop(next(iter(_OPEN)))
-            _OPEN[key] = arr
-    return arr
+                _close(_OPEN.pop(next(iter(_OPEN))))
+            entry = _OPEN[key] = (arr, handle)
+    return entry[0]
+
+
+def _open_h5(path: str):
+    """``path`` opened read-only by h5py, without HDF5's file locks where they can be
+    turned off (h5py >= 3.5 with HDF5 >= 1.10.7)."""
+    import h5py
+
+    try:
+        return h5py.File(path, "r", locking=False)
+    except (TypeError, ValueError):  # this h5py or HDF5 cannot turn locking off
+        return h5py.File(path, "r")
+
+
+def _close(entry) -> None:
+    handle = entry[1]
+    if handle is not None:
+        try:
+            handle.close()
+        except Exception:  # noqa: BLE001 - a handle already closed or its file gone
+            pass
+
+
+def _release(paths) -> int:
+    """Close this process's HDF5 handles on ``paths``; the number closed."""
+    paths = set(paths)
+    with _OPEN_LOCK:
+        gone = [key for key, entry in _OPEN.items() if key[0] in paths and entry[1] is not None]
+        for key in gone:
+            _close(_OPEN.pop(key))
+    return len(gone)
+
+
+def release(client, sources) -> None:
+    """Close the HDF5 files of ``sources`` on every worker (the product is over: the client
+    may now write into such a file, or the user replace it). ``.npy`` maps and zarr arrays
+    stay open: they hold no lock and see no stale metadata."""
+    paths = sorted({s.path for s in sources if s is not None and s.kind == "h5"})
+    if not paths:
+        return
+    try:
+        client.run(_release, paths, on_error="return")
+    except Exception:  # noqa: BLE001 - a worker that cannot answer holds nothing of ours now
+        pass
 
 
 def read_block(src: FileSource, index: tuple) -> np.ndarray:

@@ -37,10 +37,11 @@ class TaskPlan:
     dtype: str
     acc_dtype: str
     tile: tuple[int, int, int]
+    precision: str = "highest"  # the plan's mode: the task's executor applies it
 
     @classmethod
     def of(cls, plan) -> "TaskPlan":
-        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile))
+        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile), plan.precision)
 
 
 @dataclass(frozen=True)
@@ -74,32 +75,35 @@ def worker_has_gpu() -> bool:
     return _GPU[0]
 
 
-def cached_executor(backend: str, acc_dtype: str, on_gpu: bool) -> Any:
-    """The executor of this worker process for ``backend``, the accumulation dtype and
-    the device (``on_gpu``), made once per process and reused by every tile and block
-    task (``distmm.executor.get_executor``)."""
-    key = (backend, acc_dtype, bool(on_gpu))
+def cached_executor(backend: str, acc_dtype: str, on_gpu: bool,
+                    precision: str = "highest") -> Any:
+    """The executor of this worker process for ``backend``, the accumulation dtype, the
+    device (``on_gpu``) and the precision mode, made once per process and reused by every
+    tile and block task (``distmm.executor.get_executor``)."""
+    key = (backend, acc_dtype, bool(on_gpu)) + ((precision,) if precision != "highest" else ())
     ex = _EXECUTORS.get(key)
     if ex is None:
         from distmm.executor import get_executor
 
-        ex = _EXECUTORS[key] = get_executor(backend, np.dtype(acc_dtype), on_gpu=bool(on_gpu))
+        ex = _EXECUTORS[key] = get_executor(backend, np.dtype(acc_dtype), on_gpu=bool(on_gpu),
+                                            precision=precision)
     return ex
 
 
 def executors_made() -> tuple[tuple[str, str, bool], ...]:
-    """The ``(backend, acc_dtype, on_gpu)`` of every executor this process has made."""
+    """The ``(backend, acc_dtype, on_gpu)`` of every executor this process has made
+    (with the precision mode after them where it is not ``"highest"``)."""
     return tuple(_EXECUTORS)
 
 
-def executor_for(backend: str, acc_dtype: str, block) -> Any:
+def executor_for(backend: str, acc_dtype: str, block, precision: str = "highest") -> Any:
     """The executor of a tile task on this worker process: on the GPU for a GPU backend,
     or for ``"auto"`` where ``block`` is a device array or the worker has a GPU."""
     from distmm.executor import GPU_BACKENDS
 
     is_host = isinstance(block, np.ndarray)
     on_gpu = backend in GPU_BACKENDS or (backend == "auto" and (not is_host or worker_has_gpu()))
-    return cached_executor(backend, acc_dtype, on_gpu)
+    return cached_executor(backend, acc_dtype, on_gpu, precision)
 
 
 def array_module(x):
@@ -134,7 +138,7 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     ascending k, then (product not split) the cast to the result dtype."""
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
-    executor = executor_for(backend, tp.acc_dtype, a_list[0])
+    executor = executor_for(backend, tp.acc_dtype, a_list[0], tp.precision)
     acc = None
     for a_k, b_k in spec.k_pieces:
         a_sub = panel(a_blocks, spec.a_lead, spec.a_rows, a_k)

@@ -105,7 +105,8 @@ class MPIEngine(Engine):
             b2 = b[idx] if idx else b
             da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
             db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
-            c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu)
+            c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
+                                     precision=plan.precision)
             full = c.gather(root=None)
             if ops.family == "cupy":
                 import cupy
@@ -119,7 +120,7 @@ class MPIEngine(Engine):
 
     def run_distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
                         on_gpu: bool = False, phases=None,
-                        streamed: bool | None = None) -> DistArray:
+                        streamed: bool | None = None, precision: str = "highest") -> DistArray:
         """``a @ b`` for distributed operands on ``grid`` (made by the planner
         for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
         layout are redistributed first; the result is in ``grid.c_layout``.
@@ -129,7 +130,10 @@ class MPIEngine(Engine):
         are broadcast, C is written into a host block stripe by stripe) on a ``rows x
         cols`` grid with k not split, whose ``c_layout`` the result then has. ``None``
         (default): streamed for GPU ranks whose host blocks, with C's, would not fit the
-        device memory all ranks have."""
+        device memory all ranks have.
+
+        ``precision``: ``distmm.precision``'s mode, which every rank's executor applies
+        to the panels it multiplies (checked against the grid's dtype by the caller)."""
         from distmm.executor import get_executor
 
         if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
@@ -140,7 +144,8 @@ class MPIEngine(Engine):
         if streamed is None:
             streamed = on_gpu and _too_big_for_the_device(self.comm, a, b, grid)
         if streamed:
-            return self._streamed(a, b, grid, backend, on_gpu=on_gpu, phases=phases)
+            return self._streamed(a, b, grid, backend, on_gpu=on_gpu, phases=phases,
+                                  precision=precision)
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
         from distmm.phases import Phases
@@ -155,7 +160,7 @@ class MPIEngine(Engine):
             device = local_gpu(self.comm)
             # In-core GPU blocks: wide panels keep each rank-k update near cuBLAS's rate.
             grid = widen_panels(grid, GPU_MIN_PANEL)
-        executor = get_executor(backend, acc, on_gpu=on_gpu)
+        executor = get_executor(backend, acc, on_gpu=on_gpu, precision=precision)
         try:
             comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
                                device=device)
@@ -216,7 +221,7 @@ class MPIEngine(Engine):
 
 
     def _streamed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
-                  on_gpu: bool, phases) -> DistArray:
+                  on_gpu: bool, phases, precision: str = "highest") -> DistArray:
         """The stripes of ``distmm.engine.mpi.stream`` from host blocks into a host block."""
         from distmm.engine.mpi.stop import StopWatch
         from distmm.engine.mpi.stream import BlockSink, PanelSource, device_memory, run_stripes
@@ -241,7 +246,8 @@ class MPIEngine(Engine):
         before = comms.bytes_received
         watch = StopWatch(comm)
         try:
-            with get_executor(backend, np.dtype(g.acc_dtype), on_gpu=on_gpu) as executor:
+            with get_executor(backend, np.dtype(g.acc_dtype), on_gpu=on_gpu,
+                              precision=precision) as executor:
                 run_stripes(plan, rank, PanelSource(a._host_local(), (ar0, ac0)),
                             PanelSource(b._host_local(), (br0, bc0)), BlockSink(c_local, (cr0, cc0)),
                             executor, comms, watch, phases, on_gpu=on_gpu,

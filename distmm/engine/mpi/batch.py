@@ -76,14 +76,14 @@ def _judged(exc: BaseException, judge) -> tuple[int, str]:
     return judge(exc)
 
 
-def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header):
+def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header, precision="highest"):
     return rs.Manifest.make(a=rs.input_facts(args.a, a), b=rs.input_facts(args.b, b),
                             output=args.output, dtype=dtype, backend=backend, ranks=comm.size,
                             grid=plan.grid.shape, stripe_edges=plan.stripe_edges, panels=panels,
-                            pid=pid, header=header)
+                            pid=pid, header=header, precision=precision)
 
 
-def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
+def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest"):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
     target = parse_spec(args.output).path
@@ -91,7 +91,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
     found = [p for p in leftovers(target) if not is_live(p)]
     reuse = None
     if args.resume:
-        want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None)
+        want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
         for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
             old = rs.Manifest.load(staged)
             if old is None:
@@ -114,7 +114,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks):
     header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
     if args.resume:
         _manifest(args, a, b, dtype, backend, comm, plan, panels, pid,
-                  header).save(staged_path(target, pid))
+                  header, precision).save(staged_path(target, pid))
     return pid, header, False, notes
 
 
@@ -130,13 +130,14 @@ def _zarr_chunks(plan: BatchPlan):
 
 
 def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, judge,
-              progress=None) -> BatchOutcome:
+              progress=None, precision: str = "highest") -> BatchOutcome:
     """Every rank: the product of the opened operands ``a`` and ``b`` into ``args.output``.
 
     ``args`` carries ``a``, ``b``, ``output`` (specs), ``overwrite`` and ``resume``;
     ``judge(exc)`` gives a failure's ``(exit status, one line)``; ``progress(count)``, when
     given, makes a bar with ``update(1)`` and ``close()`` over this rank's stripes. Returns
-    the agreed outcome.
+    the agreed outcome. ``precision``: ``distmm.precision``'s mode (checked against
+    ``dtype`` by the caller), applied by every rank's executor.
     """
     from distmm.config import get_config
     from distmm.engine.mpi.gridcomms import grid_comms, local_gpu
@@ -168,7 +169,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 setup, setup_error = None, None
                 if comm.rank == 0:
                     try:
-                        setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks)
+                        setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks,
+                                         precision)
                     except Exception as exc:  # noqa: BLE001 - every rank raises it below
                         setup_error = exc
                 setup, setup_error = comm.bcast((setup, setup_error), root=0)
@@ -185,7 +187,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             log = rs.DoneLog(staged, comm.rank) if args.resume else None
             writer = StripeWriter(args.output, pid, (m, n), dtype, header,
                                   aligned=chunks is not None)
-            executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu)
+            executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu,
+                                    precision=precision)
             warm = []
             comms = None
             if not direct:

@@ -18,7 +18,8 @@ reported success (an ``allreduce``):
   turns, so no two processes ever write the same zarr chunk.
 
 On failure on any rank the staged output is removed and the target is left as
-it was. It does *not* cover: the command line's checks of a target before a
+it was. ``parse_spec`` and ``StripeWriter`` live in ``distmm.stripe_writer`` (the Dask
+engine's workers use them too); they are re-exported here. It does *not* cover: the command line's checks of a target before a
 run (``--overwrite``, free space: ``distmm.cli.io``), which the command runs
 on rank 0 before computing.
 """
@@ -26,43 +27,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from distmm.staging import BlockWriter, commit_h5, create_h5_stage, staged_path
+from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec
 
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
            "StripeWriter", "finish_staged", "staged_exists"]
-
-@dataclass(frozen=True)
-class FileSpec:
-    kind: str  # "npy", "zarr" or "h5"
-    path: Path
-    dataset: str | None = None
-
-
-def parse_spec(spec: str) -> FileSpec:
-    """``a.npy``, ``a.zarr``, ``group.zarr/array`` or ``file.h5:dataset``.
-
-    Raises
-    ------
-    ValueError
-        Any other suffix.
-    """
-    spec = str(spec)
-    head, sep, dataset = spec.partition(":")
-    if Path(head).suffix in (".h5", ".hdf5"):
-        return FileSpec("h5", Path(head), (dataset.strip("/") if sep else "") or "data")
-    p = Path(spec)
-    if p.suffix == ".npy":
-        return FileSpec("npy", p)
-    if p.suffix == ".zarr" or any(part.endswith(".zarr") for part in p.parts[:-1]):
-        return FileSpec("zarr", p)
-    raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
-                     f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
-
 
 class _Source:
     def __init__(self, array, handle=None):
@@ -277,84 +249,3 @@ def finish_staged(spec: str, pid: int, ok: bool, *, overwrite: bool = False) -> 
     """Rank 0, once every rank is done: move the staged output onto the target (``ok``)
     or remove it."""
     _finish(parse_spec(spec), pid, ok, overwrite)
-
-
-class StripeWriter:
-    """One rank's writer of C regions into the staged output of ``spec`` (``pid``'s).
-
-    ``write(r0, r1, c0, c1, block)`` puts a block in place: ``.npy`` and HDF5 with
-    ``os.pwrite`` at the data's offset, then asks the kernel to start writing those pages
-    to disk (``sync_file_range``, Linux; elsewhere the final ``finish`` flushes all), so the
-    disk works while the ranks compute; zarr through zarr, under an advisory lock beside the
-    array unless ``aligned`` (every write covers whole chunks, so writers never share one).
-    ``finish()`` flushes to disk and closes.
-    """
-
-    def __init__(self, spec: str, pid: int, shape, dtype, header, *, aligned: bool = False):
-        self.spec = parse_spec(spec)
-        self.path = staged_path(self.spec.path, pid)
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.aligned = aligned
-        self._zarr = None
-        self._blocks = None
-        if self.spec.kind == "zarr":
-            import zarr
-
-            self._zarr = zarr.open_array(str(self.path), mode="r+")
-        else:
-            self._blocks = BlockWriter(self.path, self.shape, self.dtype, header)
-            self._header = int(header)
-
-    def write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:
-        if r1 <= r0 or c1 <= c0:
-            return
-        if self._zarr is not None:
-            if self.aligned:
-                self._zarr[r0:r1, c0:c1] = block
-                return
-            import fcntl
-
-            with open(f"{self.path}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                try:
-                    self._zarr[r0:r1, c0:c1] = block
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
-            return
-        self._blocks[r0:r1, c0:c1] = block
-        width = self.shape[1] * self.dtype.itemsize
-        start = self._header + r0 * width + c0 * self.dtype.itemsize
-        _start_writeback(self._blocks._fd, start, (r1 - r0 - 1) * width + (c1 - c0) * self.dtype.itemsize)
-
-    def finish(self) -> None:
-        if self._blocks is not None:
-            self._blocks.finish()
-            self._blocks = None
-
-    def close(self) -> None:
-        if self._blocks is not None:
-            self._blocks.close()
-            self._blocks = None
-
-
-_SYNC_FILE_RANGE = []
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a file range to disk without waiting (Linux ``sync_file_range`` with
-    ``SYNC_FILE_RANGE_WRITE``); nothing where the call is missing."""
-    if not _SYNC_FILE_RANGE:
-        import ctypes
-
-        fn = None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _SYNC_FILE_RANGE.append(fn)
-    fn = _SYNC_FILE_RANGE[0]
-    if fn is not None and nbytes > 0:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure leaves it to fsync

@@ -56,8 +56,10 @@ class Manifest(dict):
 
     @classmethod
     def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
-             grid: tuple, stripe_edges, panels, pid: int, header) -> "Manifest":
+             grid: tuple, stripe_edges, panels, pid: int, header,
+             precision: str = "highest") -> "Manifest":
         return cls(format=FORMAT, a=a, b=b, output=str(output), dtype=str(dtype),
+                   precision=str(precision),
                    backend=str(backend), ranks=int(ranks), grid=[int(g) for g in grid],
                    stripe_edges=[list(map(int, e)) for e in stripe_edges],
                    panels=[int(p) for p in panels], pid=int(pid),
@@ -97,6 +99,10 @@ def mismatch(old: dict, new: dict) -> str | None:
                        ("stripe_edges", "stripes"), ("panels", "k panels of a stripe's sum")):
         if old.get(key) != new.get(key):
             return f"the {label} changed ({old.get(key)} then, {new.get(key)} now)"
+    # a manifest written before precision= existed was a "highest" run
+    if old.get("precision", "highest") != new.get("precision", "highest"):
+        return (f"the precision changed ({old.get('precision', 'highest')} then, "
+                f"{new.get('precision', 'highest')} now)")
     return None
 
 
