@@ -126,6 +126,7 @@ def test_registry_kernel_for_mode(mode):
     ex = GPUExecutor("raw", precision=mode)
     assert ex.precision_kernel() is spec
     assert GPUExecutor("cublas", precision=mode).precision_kernel() is None
+    assert GPUExecutor("auto", precision=mode).precision_kernel() is None  # until measured
     rng = np.random.default_rng(6)
     for m, n, k in SHAPES:
         a, b = low_bits(rng, (m, k)), low_bits(rng, (k, n))

@@ -110,9 +110,11 @@ class GPUExecutor(Executor):
         Template parameters for a tunable kernel (default: tuned, else the registry's).
     precision : {"highest", "tf32", "bf16", "fp16"}
         ``distmm.precision``'s mode. A reduced mode applies to float32 products
-        (float16 ones are computed in float32): the registry's kernel for the mode
-        (``registry.kernel_for``) with ``backend`` ``"auto"`` or ``"raw"`` where one
-        exists for this GPU, else cuBLAS (``cublas.cublas_gemm_precision``).
+        (float16 ones are computed in float32): with ``backend="raw"`` the registry's
+        kernel for the mode (``registry.kernel_for``) where one exists for this GPU, else
+        cuBLAS (``cublas.cublas_gemm_precision``). ``"auto"`` takes cuBLAS for the reduced
+        modes: distmm's tensor-core kernels become its choice once a device run has checked
+        and timed them (none has yet).
 
     Raises
     ------
@@ -264,10 +266,10 @@ class GPUExecutor(Executor):
 
     def precision_kernel(self):
         """The registry's kernel for this executor's reduced precision on this GPU
-        (``registry.kernel_for``), or None: cuBLAS then (always for ``backend="cublas"``)."""
+        (``registry.kernel_for``) with ``backend="raw"``, or None: cuBLAS then."""
         if not self._precision_kernel:
             spec = None
-            if self.backend != "cublas":
+            if self.backend == "raw":
                 major_minor = int(cupy.cuda.Device().compute_capability)
                 spec = registry.kernel_for("float32", self.precision, major_minor)
             self._precision_kernel.append(spec)
