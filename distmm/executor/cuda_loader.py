@@ -326,6 +326,16 @@ def _slots_on(kern, threads: int, smem: int, device: int) -> int:
     return max(int(per_sm), 1) * dev.attributes["MultiProcessorCount"]
 
 
+def _allow_smem(kern, smem: int) -> None:
+    """Let ``kern`` use ``smem`` bytes of dynamic shared memory (above 48 KiB CUDA needs it
+    said once per kernel and size)."""
+    if smem > 48 * 1024:
+        key = (id(kern), smem)
+        if _smem_set.get(key) is not kern:
+            kern.max_dynamic_shared_size_bytes = smem
+            _smem_set[key] = kern
+
+
 def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
            m: int, n: int, k: int, *, alpha=1, beta=0, params: Mapping[str, int] | None = None,
            stream=None, compiler: str | None = None, check: bool | None = None,
@@ -374,11 +384,7 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     kern = get_kernel(name, dtype, p, ta, tb, compiler, defines)
     threads = spec.threads(p)
     smem = spec.smem_bytes(dtype, p, ta, tb)
-    if smem > 48 * 1024:
-        key = (id(kern), smem)
-        if _smem_set.get(key) is not kern:
-            kern.max_dynamic_shared_size_bytes = smem
-            _smem_set[key] = kern
+    _allow_smem(kern, smem)
     grid = spec.grid_dims(m, n, p)
     flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
              | int(k > 0 and _operand_flags(b, ldb)) << 3)
@@ -588,11 +594,7 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         kern = get_tc_kernel(name, fmt, p, ta, tb, compiler)
         threads = spec.threads(p)
         smem = spec.smem_bytes(fmt, p, ta, tb)
-        if smem > 48 * 1024:
-            key = (id(kern), smem)
-            if _smem_set.get(key) is not kern:
-                kern.max_dynamic_shared_size_bytes = smem
-                _smem_set[key] = kern
+        _allow_smem(kern, smem)
         grid = spec.grid_dims(m, n, p)
         flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
                  | int(k > 0 and _operand_flags(b, ldb)) << 3)
