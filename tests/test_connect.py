@@ -136,7 +136,7 @@ def test_probe_ends_on_its_deadline_and_leaves_no_thread():
         with pytest.raises(ConnectionError, match=f"no Dask scheduler answered at tcp://127.0.0.1:"
                                                   f"{listener.port} within 0.5 s"):
             probe_scheduler(f"tcp://127.0.0.1:{listener.port}", 0.5)
-        assert time.monotonic() - t0 < 0.5 + 0.5
+        assert time.monotonic() - t0 < 0.5 + 1.5  # the deadline plus room for a loaded 2-core CI machine
     finally:
         listener.close()
     assert set(threading.enumerate()) - before == set()
