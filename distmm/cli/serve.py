@@ -55,9 +55,15 @@ START_TIMEOUT = 120.0
 
 
 def _at_least(low: int):
-    from distmm.cli.commands import _integer_at_least
-
-    return _integer_at_least(low, f"must be at least {low}")
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
+        return value
+    return parse
 
 
 def _gpus(text: str):
