@@ -248,6 +248,24 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     assert_close(C.compute(), a @ b)
 
 
+def test_an_inline_offer_first_in_a_block_is_a_host_chunk(pair):
+    """A's k halves on different workers: whichever worker computes a block lacks one A half,
+    so an offer can come first among a block's inputs. Without cupy the export fails and the
+    offer carries the numpy chunk inline: the block is then a host product, not one that
+    imports cupy."""
+    client, w0, w1 = pair
+    rng = np.random.default_rng()
+    for where in ([[w1, w0]], [[w0, w1]]):  # either worker lacks the first A half
+        a, b = rng.standard_normal((512, 768)), rng.standard_normal((768, 256))  # new keys
+        A = placed(client, a, ((512,), (384, 384)), where)
+        B = placed(client, b, ((384, 384), (256,)), [[w0], [w1]])
+        with equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
+                                            transfer.DEVICE_CHUNKS_KEY: True}):
+            C = distmm.matmul(A, B, client=client)
+            assert last_stats()["transfer"]["exports"] > 0
+            assert_close(C.compute(), a @ b)
+
+
 def test_tcp_leaves_the_graph_as_it_was(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()

@@ -171,7 +171,7 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
 
     await_own(own_exports)
     a_list, b_list = resolve(a_list, b_list)
-    host = isinstance(a_list[0], np.ndarray)  # an Offer is always a device chunk's
+    host = isinstance(_held(a_list[0]), np.ndarray)
     device_panels = device == "gpu" and not host
     if not device_panels:  # device panels open offers as they copy them in (_device_panels)
         a_list = [take(x) for x in a_list]
@@ -212,6 +212,17 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def _held(x):
+    """What an input holds: a chunk as it is; for a ``transfer.Offer`` whose export failed, the
+    chunk it carries inline (a host chunk where cupy does not import); else the offer (an IPC
+    export of a device chunk)."""
+    from distmm.engine.dask.transfer import Offer
+
+    if isinstance(x, Offer) and x.shared is None:
+        return x.data
+    return x
 
 
 def _device_panels(spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict):
