@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm
 
 __all__ = ["main", "build_parser"]
@@ -45,19 +46,7 @@ def _dtype(text: str):
     return dt
 
 
-def _integer_at_least(low: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} {what}")
-        return value
-    return parse
-
-
-_positive = _integer_at_least(1, "must be at least 1")
+_positive = integer_at_least(1)
 
 
 def _seconds(text: str) -> float:
@@ -71,7 +60,9 @@ def _seconds(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of seconds")
     return value
-_count = _integer_at_least(0, "must not be negative")
+
+
+_count = integer_at_least(0, "must not be negative")
 
 
 # ---------------------------------------------------------------- commands

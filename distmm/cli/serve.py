@@ -41,6 +41,8 @@ import sys
 import threading
 from pathlib import Path
 
+from distmm.cli.argtypes import integer_at_least
+
 __all__ = ["add_parser", "run_cluster"]
 
 #: seconds ``cluster.close`` may take before the worker processes left are killed
@@ -54,18 +56,6 @@ START_TIMEOUT = 120.0
 # ---------------------------------------------------------------- option types
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
-        return value
-    return parse
-
-
 def _gpus(text: str):
     """``all``, a count (``0``: CPU workers) or a list of GPU indices (``0,2``; ``3,`` for
     GPU 3 alone)."""
@@ -73,7 +63,7 @@ def _gpus(text: str):
     if text == "all":
         return "all"
     if "," not in text:
-        return _at_least(0)(text)
+        return integer_at_least(0)(text)
     try:
         picked = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -112,7 +102,7 @@ def _memory_limit(text: str) -> str:
 
 
 def _port(text: str) -> int:
-    value = _at_least(0)(text)
+    value = integer_at_least(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
     return value
@@ -151,10 +141,10 @@ def add_parser(sub, common) -> None:
                    help="GPUs to start workers on: all (default: every GPU this process sees, "
                         "CPU workers if none or without dask-cuda), a count N (the first N), a "
                         "list of indices such as 0,2 (3, for GPU 3 alone), or 0 for CPU workers")
-    c.add_argument("--workers", type=_at_least(1), default=None,
+    c.add_argument("--workers", type=integer_at_least(1), default=None,
                    help="CPU worker processes (default: the usable cores divided by --threads); "
                         "on GPUs, workers per GPU (default 1)")
-    c.add_argument("--threads", type=_at_least(1), default=1,
+    c.add_argument("--threads", type=integer_at_least(1), default=1,
                    help="threads per worker (default 1)")
     c.add_argument("--memory-limit", type=_memory_limit, default="auto", metavar="LIMIT",
                    help="host memory per worker, in dask's terms: auto (default: the machine's "
