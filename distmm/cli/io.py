@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.errors import OutputExists
+from distmm.stripe_writer import parse_spec
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
                             staged_path)
 
@@ -68,23 +69,11 @@ def parse_target(spec: str) -> Target:
         A suffix distmm does not read or write, or a dataset path with a ``.`` or
         ``..`` part (HDF5 would make a link of that name); the message names the path.
     """
-    spec = str(spec)
-    head, sep, dataset = spec.partition(":")
-    if sep and Path(head).suffix in (".h5", ".hdf5"):
-        name = dataset.strip("/") or "data"
-        if any(part in (".", "..") for part in name.split("/")):
-            raise ValueError(f"dataset path {name!r} in {spec}: '.' and '..' are not dataset "
-                             f"names; give the path from the file's root, e.g. file.h5:group/C")
-        return Target("h5", Path(head), name)
-    p = Path(spec)
-    if p.suffix in (".h5", ".hdf5"):
-        return Target("h5", p, "data")
-    if p.suffix == ".npy":
-        return Target("npy", p)
-    if p.suffix == ".zarr" or any(part.endswith(".zarr") for part in p.parts[:-1]):
-        return Target("zarr", p)
-    raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
-                     f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
+    f = parse_spec(spec)
+    if f.kind == "h5" and any(part in (".", "..") for part in f.dataset.split("/")):
+        raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
+                         f"names; give the path from the file's root, e.g. file.h5:group/C")
+    return Target(f.kind, f.path, f.dataset)
 
 
 def _zarr_node(path: Path) -> str | None:
