@@ -141,6 +141,24 @@ def cublas_precision_runner(a_in, b_in, c, m, n, k, precision):
     return run
 
 
+def _poisoned_check(c, ref, ref_norm):
+    """``check(run)``: C filled with NaN, ``run()``, then C's relative error against ``ref``
+    (a run that writes nothing gives NaN, never a pass)."""
+    import cupy
+
+    def check(run):
+        c.fill(np.nan)
+        run()
+        cupy.cuda.get_current_stream().synchronize()
+        return float(cupy.linalg.norm(c.astype(np.float64) - ref)) / ref_norm
+    return check
+
+
+def _repeats(m: int, n: int, k: int) -> int:
+    """Timed repetitions per size: fewer for the large products."""
+    return 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
+
+
 def tensor_cores(args, rec) -> None:
     """The tensor-core steps against cuBLAS at each precision in ``args.precisions``."""
     import cupy
@@ -160,13 +178,8 @@ def tensor_cores(args, rec) -> None:
             a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
             c = cupy.empty((m, n), dtype=np.float32)
 
-            def check(run):
-                c.fill(np.nan)
-                run()
-                cupy.cuda.get_current_stream().synchronize()
-                return float(cupy.linalg.norm(c.astype(np.float64) - ref)) / ref_norm
-
-            repeat = 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
+            check = _poisoned_check(c, ref, ref_norm)
+            repeat = _repeats(m, n, k)
             blas = cublas_precision_runner(a_in, b_in, c, m, n, k, precision)
             runs = {f"cublas-{precision}": (blas, check(blas), None, None)}
             for spec in specs:
@@ -186,7 +199,7 @@ def tensor_cores(args, rec) -> None:
                         precision=precision, input_format=fmt, rounds=args.rounds, **extra)
                 line.append(f"{name} {flops / sec / 1e12:6.1f} ({err:.1e})")
             print(f"{precision} {m}x{n}x{k}: " + "; ".join(line), flush=True)
-            del a, b, a_in, b_in, ref, c
+            del a, b, a_in, b_in, ref, c, check  # check holds C and the reference
             cupy.get_default_memory_pool().free_all_blocks()
 
 
@@ -277,13 +290,8 @@ def main(argv=None) -> int:
             ref_norm = float(cupy.linalg.norm(ref))
             c = cupy.empty((m, n), dtype=dt)
 
-            def check(run):
-                c.fill(np.nan)
-                run()
-                cupy.cuda.get_current_stream().synchronize()
-                return float(cupy.linalg.norm(c.astype(np.float64) - ref)) / ref_norm
-
-            repeat = 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
+            check = _poisoned_check(c, ref, ref_norm)
+            repeat = _repeats(m, n, k)
             blas = lambda: cupy.matmul(a, b, out=c)  # noqa: E731
             runs = {"cublas": (blas, check(blas), None, None)}
             skipped = []
@@ -317,7 +325,7 @@ def main(argv=None) -> int:
                         rounds=args.rounds)
                 line.append(f"{name} {tf:6.2f} ({err:.1e})")
             print(f"{dt} {m}x{n}x{k}: " + "; ".join(line + skipped), flush=True)
-            del a, b, ref, c
+            del a, b, ref, c, check  # check holds C and the reference
             cupy.get_default_memory_pool().free_all_blocks()
     print(f"done in {time.perf_counter() - t0:.0f} s: {rec.path}")
     return 0
