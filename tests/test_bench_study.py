@@ -112,6 +112,9 @@ def _with(top=None, **series):
     (_with(engines=["mpi"], chunk=64), "series[0].chunk: only the Dask engine has chunks"),
     (_with({"references": ["dask.array"]}, engines=["mpi"]), "references: dask.array is measured"),
     (_with({"device": "gpu"}, engines=["local"], counts=[1, 2]), "series[0].counts: the local engine"),
+    (_with({"references": ["numpy"]}, references=["dask.array"]),
+     "series[0].references: dask.array is not among the study's references (numpy)"),
+    (_with(references="numpy"), "series[0].references: a list of"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_study_refused_naming_the_key(data, key):
     with pytest.raises(ValueError) as info:
@@ -144,6 +147,19 @@ def test_good_study_expands_to_named_configurations():
     assert max(i for i, e in enumerate(kinds) if e == "dask") < kinds.index("mpi")
     dask_counts = [c.count for c in configs if c.engine == "dask"]
     assert dask_counts == sorted(dask_counts)
+
+
+def test_series_references_are_a_subset_measured_beside_that_series_only():
+    study = parse_study({
+        "device": "cpu", "references": ["numpy", "dask.array"],
+        "series": [{"kind": "strong", "engines": ["dask"], "counts": [1, 2], "sizes": [96]},
+                   {"kind": "strong", "engines": ["dask", "mpi"], "counts": [2], "sizes": [128],
+                    "references": []},
+                   {"kind": "strong", "engines": ["mpi"], "counts": [2], "sizes": [160],
+                    "references": ["numpy"]}]}, default_name="s")
+    refs = sorted((c.reference, c.m, c.count) for c in study.configurations() if c.reference)
+    assert refs == [("dask.array", 96, 1), ("dask.array", 96, 2), ("numpy", 96, 1),
+                    ("numpy", 160, 1)]
 
 
 def test_weak_shape_keeps_c_per_device():

@@ -32,6 +32,7 @@ default)::
     sizes = [4096, [1000, 1100, 900]]   # n (m = n = k) or [m, n, k]
     backends = ["auto"]         # cpu: auto, blas, numba; gpu: auto, raw, cublas
     dtypes = ["float64"]        # the study's unless given
+    references = ["numpy"]      # the study's unless given (a subset of them)
     chunk = 2048                # Dask operands' chunks (default: 2048 on cpu, 8192 on gpu)
     nodes = 2                   # dask and mpi only, with emulated = true: every count split
     emulated = true             #   into that many emulated nodes of one host (distmm.emulate);
@@ -64,7 +65,7 @@ KINDS = ("strong", "weak")
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
             "references", "mpiexec", "threads_per_rank", "series", "note"}
 SERIES_KEYS = {"kind", "engines", "counts", "sizes", "sizes_per_device", "k", "backends",
-               "dtypes", "chunk", "nodes", "emulated"}
+               "dtypes", "chunk", "nodes", "emulated", "references"}
 #: ``emulated``'s crude mode (``distmm.emulate.ALL_LINKS``, repeated: this module imports
 #: nothing but the standard library)
 ALL_LINKS = "all-links"
@@ -110,6 +111,7 @@ class Series:
     dtypes: tuple[str, ...]
     chunk: int | None
     nodes: int | str | None = None  # emulated nodes (a count or "all-links"); None: one host
+    references: tuple[str, ...] | None = None  # None: the study's
 
 
 @dataclass(frozen=True)
@@ -194,13 +196,16 @@ def _count_token(engine: str, count: int, device: str) -> str:
 def _expand(study: Study) -> list[Config]:
     seen: dict[tuple, Config] = {}
     problems: dict[tuple, str] = {}  # (dtype, m, n, k) -> series kind (the first one)
+    wanted: dict[tuple, set] = {}    # (dtype, m, n, k) -> the in-process references it takes
     for s in study.series:
         for engine in s.engines:
             for count in s.counts:
                 for size in s.sizes:
                     m, n, k = weak_shape(count, size[0], size[2]) if s.kind == "weak" else size
                     for dtype in s.dtypes:
+                        refs_here = study.references if s.references is None else s.references
                         problems.setdefault((dtype, m, n, k), s.kind)
+                        wanted.setdefault((dtype, m, n, k), set()).update(refs_here)
                         for backend in s.backends:
                             cfg = Config(engine, backend, dtype, m, n, k, count, s.kind,
                                          variant_name(engine, backend, s.kind, count,
@@ -210,7 +215,7 @@ def _expand(study: Study) -> list[Config]:
                                          if engine == "dask" else None, nodes=s.nodes)
                             seen.setdefault((engine, backend, dtype, m, n, k, count, s.kind,
                                              s.nodes), cfg)
-                        if engine == "dask" and "dask.array" in study.references:
+                        if engine == "dask" and "dask.array" in refs_here:
                             suffix = ("-weak" if s.kind == "weak" else "") + _nodes_token(s.nodes)
                             ref = Config("dask", "auto", dtype, m, n, k, count, s.kind,
                                          f"dask.array{suffix}@{_count_token('dask', count, study.device)}",
@@ -220,8 +225,8 @@ def _expand(study: Study) -> list[Config]:
                             seen.setdefault(("dask.array", dtype, m, n, k, count, s.kind,
                                              s.nodes), ref)
     refs = [Config(ref, "auto", dtype, m, n, k, 1, kind, ref, reference=ref)
-            for ref in ("numpy", "cublas") if ref in study.references
-            for (dtype, m, n, k), kind in problems.items()]
+            for ref in ("numpy", "cublas")
+            for (dtype, m, n, k), kind in problems.items() if ref in wanted[dtype, m, n, k]]
     order = {"numpy": 0, "cublas": 0, "local": 0, "dask": 2, "mpi": 3}
 
     def key(c: Config):
@@ -298,7 +303,8 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     raw = data.get("series")
     if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
         bad("series", "at least one [[series]] table is needed")
-    series = tuple(_series(s, f"series[{i}]", device, dtypes, bad) for i, s in enumerate(raw))
+    series = tuple(_series(s, f"series[{i}]", device, dtypes, references, bad)
+                   for i, s in enumerate(raw))
     if "dask.array" in references and not any("dask" in s.engines for s in series):
         bad("references", "dask.array is measured on the Dask clusters: add a series with "
                           "engine \"dask\"")
@@ -308,7 +314,7 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     return study
 
 
-def _series(s: dict, where: str, device: str, dtypes, bad) -> Series:
+def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series:
     def sbad(key, why):
         bad(f"{where}.{key}", why)
 
@@ -339,6 +345,13 @@ def _series(s: dict, where: str, device: str, dtypes, bad) -> Series:
     if chunk is not None and "dask" not in engines:
         sbad("chunk", "only the Dask engine has chunks")
     nodes = _nodes(s, engines, counts, sbad)
+    refs = None
+    if "references" in s:
+        refs = tuple(_choices(s, "references", [], REFERENCES, sbad, empty_ok=True))
+        extra = sorted(set(refs) - set(references))
+        if extra:
+            sbad("references", f"{extra[0]} is not among the study's references "
+                               f"({', '.join(references) or 'none'}): a series measures a subset")
     if kind == "strong":
         for key in ("sizes_per_device", "k"):
             if key in s:
@@ -362,7 +375,7 @@ def _series(s: dict, where: str, device: str, dtypes, bad) -> Series:
             sbad("counts", "a weak series needs two counts or more")
         sizes = tuple((b, b, k or b) for b in sides)
     return Series(kind, tuple(engines), tuple(counts), sizes, tuple(backends),
-                  tuple(series_dtypes), chunk, nodes)
+                  tuple(series_dtypes), chunk, nodes, refs)
 
 
 def _nodes(s: dict, engines, counts, sbad) -> int | str | None:
