@@ -1,0 +1,87 @@
+"""Where a Dask-engine product on N GPU workers stalls: run it with a deadline and, when
+the deadline passes, print what every worker is doing (its running tasks' stacks, the
+offers its export tasks published, its task states) and the scheduler's view.
+
+    python -m bench.research.dask_stall --gpus 4 --size 16384 --deadline 45
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+
+
+def _worker_state(dask_worker):
+    from distmm.engine.dask import pull
+
+    with pull._LOCK:
+        offers = sorted(map(str, pull._OFFERS))
+    states = Counter(ts.state for ts in dask_worker.state.tasks.values())
+    executing = [str(ts.key) for ts in dask_worker.state.tasks.values() if ts.state in
+                 ("executing", "long-running")]
+    waiting = [str(ts.key) for ts in dask_worker.state.tasks.values() if ts.state in
+               ("waiting", "ready", "constrained", "fetch", "flight")][:12]
+    return {"offers": offers[:20], "n_offers": len(offers), "states": dict(states),
+            "executing": executing, "waiting": waiting,
+            "threads": dask_worker.state.nthreads}
+
+
+def _scheduler_state(dask_scheduler):
+    states = Counter(ts.state for ts in dask_scheduler.tasks.values())
+    unrunnable = [str(k) for k, ts in dask_scheduler.tasks.items() if ts.state == "no-worker"]
+    queued = [str(ts.key) for ts in list(dask_scheduler.queued)[:10]]
+    return {"states": dict(states), "no-worker": unrunnable[:10], "queued": queued}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--size", type=int, default=16384)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--deadline", type=float, default=45)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="CPU workers (a check of this probe)")
+    args = p.parse_args(argv)
+
+    from distributed import Client, wait
+
+    import distmm
+    from distmm.cli.cluster import cpu_cluster, gpu_cluster, random_array, sync_workers
+
+    gpu = not args.cpu
+    cluster = gpu_cluster(",".join(map(str, range(args.gpus)))) if gpu else cpu_cluster(args.gpus)
+    with cluster, Client(cluster) as client:
+        client.wait_for_workers(args.gpus, timeout=120)
+        n = args.size
+        a = random_array((n, n), args.chunk, args.dtype, seed=1, gpu=gpu).persist()
+        b = random_array((n, n), args.chunk, args.dtype, seed=2, gpu=gpu).persist()
+        wait([a, b])
+        for call in range(args.calls):
+            t0 = time.perf_counter()
+            out = distmm.matmul(a, b, engine="dask", client=client).persist()
+            try:
+                wait(out, timeout=args.deadline)
+                if gpu:
+                    sync_workers(client)
+                print(f"call {call}: {time.perf_counter() - t0:.3f} s", flush=True)
+                del out
+                continue
+            except Exception as exc:  # the deadline passed
+                print(f"call {call}: STALLED after {args.deadline} s ({type(exc).__name__})")
+            print("scheduler:", client.run_on_scheduler(_scheduler_state))
+            for addr, state in client.run(_worker_state).items():
+                print("worker", addr, state)
+            stacks = client.call_stack()
+            for addr, tasks in stacks.items():
+                for key, frames in tasks.items():
+                    print(f"--- {addr} running {key}")
+                    print("".join(frames[-12:]) if isinstance(frames, list) else frames)
+            print("distmm stats:", distmm.last_stats() if hasattr(distmm, "last_stats") else "")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
