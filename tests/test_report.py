@@ -267,6 +267,25 @@ def test_ceilings_are_the_best_measured_per_device_and_kind():
     assert points[1].intensity == pytest.approx(2 * 2048**3 / c_bytes)
 
 
+def test_reduced_precisions_have_their_own_ceilings_and_points():
+    """A bf16 cuBLAS record (dtype float32, precision bf16) is no float32 ceiling; a bf16
+    kernel sits under the bf16 ceiling, at the intensity of 2-byte operands."""
+    from distmm.cli.report_roofline import roof
+
+    records = ROOF + [gpu_record("cublas-bf16", 0.00001, precision="bf16"),
+                      gpu_record("distmm-raw-mma_bf16", 0.00004, precision="bf16")]
+    (_, found), = ceilings(records).items()
+    compute = {c.name: c.value for c in found if c.kind == "compute"}
+    gemm = 2 * 1024**3
+    assert compute["cuBLAS float32"] == pytest.approx(gemm / 0.00008 / 1e12)
+    assert compute["cuBLAS bf16"] == pytest.approx(gemm / 0.00001 / 1e12)
+    (point,) = [p for p in roofline_points(records, found) if p.variant.endswith("mma_bf16")]
+    assert point.dtype == "bf16"
+    assert point.intensity == pytest.approx(gemm / (3 * 1024**2 * 2))
+    assert roof(point, found) == pytest.approx(min(gemm / 0.00001 / 1e12,
+                                                   3100.0 * point.intensity / 1e3))
+
+
 def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
     recs = write_jsonl(tmp_path / "roof.jsonl", ROOF + STRONG + [record("numpy", 4.0, ranks=1)])
     out = tmp_path / "report"

@@ -9,7 +9,8 @@ or ceilings no record measures (nominal PCIe, NVLink or network rates are never 
 
 The rules, in one place:
 
-- **compute ceilings**, per device and dtype: the best TFLOP/s of a ``cublas*`` or ``numpy*``
+- **compute ceilings**, per device and arithmetic (the dtype, or the reduced ``precision``
+  tf32/bf16/fp16 a record carries): the best TFLOP/s of a ``cublas*`` or ``numpy*``
   reference record (the same-run reference of the benchmarks), and the best of a
   ``ceiling-ffma`` / ``ceiling-dfma`` record (a register-only FMA probe of ``bench/kernels.py``).
 - **bandwidth ceilings**, per device, the best of each kind, with the bytes a GEMM moves across
@@ -41,12 +42,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from distmm.cli.report_rules import count_of, is_reference
+from distmm.precision import REDUCED
 
 __all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points", "roof",
            "ceiling_rows", "point_rows", "draw_roofline"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
-            "complex128": 16, "int32": 4, "int64": 8}
+            "complex128": 16, "int32": 4, "int64": 8,
+            "tf32": 4, "bf16": 2, "fp16": 2}  # reduced precisions: their operands' bytes
 COMPUTE_REFERENCES = ("cublas", "numpy")
 PROBES = ("ceiling-ffma", "ceiling-dfma")
 BYTES_RULE = {"memory": "A+B+C once", "file-read": "A+B", "file-write": "C"}
@@ -57,6 +60,14 @@ def _itemsize(dtype: str) -> int:
         return ITEMSIZE[dtype]
     except KeyError:
         raise ValueError(f"no element size known for dtype {dtype!r}") from None
+
+
+def arithmetic(record: dict) -> str:
+    """What a record computes in: its reduced ``precision`` (tf32, bf16, fp16) where it
+    has one, else its dtype; ceilings and points are grouped by it, so a bf16 cuBLAS is
+    no float32 ceiling."""
+    precision = record.get("precision")
+    return precision if precision in REDUCED else record["dtype"]
 
 
 def _is_compute_reference(variant: str) -> bool:
@@ -127,8 +138,8 @@ def ceilings(records: list[dict]) -> dict[str, list[Ceiling]]:
         variant, device = r["variant"], r["device"]
         if _is_compute_reference(variant) and _positive(r.get("tflops")):
             name = "cuBLAS" if variant.startswith("cublas") else "numpy"
-            offer((device, "compute", r["dtype"], name), float(r["tflops"]), r,
-                  f"{name} {r['dtype']}")
+            offer((device, "compute", arithmetic(r), name), float(r["tflops"]), r,
+                  f"{name} {arithmetic(r)}")
         elif variant in PROBES and _positive(r.get("tflops")):
             offer((device, "compute", r["dtype"], "probe"), float(r["tflops"]), r,
                   f"FMA probe {r['dtype']}")
@@ -195,12 +206,12 @@ def roofline_points(records: list[dict], device_ceilings: list[Ceiling]) -> list
                 or variant.startswith("ceiling-")
                 or variant.startswith("tune-") or count_of(r)[1] != 1
                 or not _positive(r.get("tflops")) or not _positive(r.get("seconds"))
-                or r["dtype"] not in ITEMSIZE):
+                or arithmetic(r) not in ITEMSIZE):
             continue
         size = (int(r["m"]), int(r["n"]), int(r["k"]))
         if 0 in size:
             continue
-        groups[(r["benchmark"], variant, r["dtype"])][size].append(float(r["tflops"]))
+        groups[(r["benchmark"], variant, arithmetic(r))][size].append(float(r["tflops"]))
     points = []
     for (bench, variant, dtype), by_size in sorted(groups.items()):
         size = max(by_size, key=lambda s: (s[0] * s[1] * s[2], s))
@@ -250,7 +261,8 @@ def ceiling_rows(device_ceilings: list[Ceiling]) -> list[list[str]]:
 
 
 _DTYPE_COLOURS = {"float32": "tab:blue", "float64": "tab:red", "float16": "tab:green",
-                  "bfloat16": "tab:olive", "complex64": "tab:purple", "complex128": "tab:brown"}
+                  "bfloat16": "tab:olive", "complex64": "tab:purple", "complex128": "tab:brown",
+                  "tf32": "tab:cyan", "bf16": "tab:orange", "fp16": "tab:pink"}
 _BANDWIDTH_STYLES = {"memory": "-", "file-read": "--", "file-write": ":"}
 _MARKERS = "osD^v<>pP*XhH8d"
 
