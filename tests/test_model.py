@@ -246,6 +246,20 @@ KNOWN_MISSES = {
     ("Intel(R) Xeon(R) Processor", "mpi cpu 16 rank(s) on 16 cores", "float64", 16384),
     ("Intel(R) Xeon(R) Processor", "mpi cpu 4 rank(s) on 16 cores", "float64", 16384),
     ("Intel(R) Xeon(R) Processor @ 2.80GHz", "dask cpu", "float64", 8192),
+    # 4 H100 as 2 emulated nodes: NCCL's socket transport between them is uncalibrated (the
+    # nominal 10 GB/s stands in); the run took 11.3 s, the model says 3.3 s
+    ("NVIDIA H100", "study mpi gpu on 4 GPU(s), emulated nodes 2", "float32", 65536),
+} | {
+    # cpu-scaling on 16 cores of the 64-core H100 host (set apart with taskset while GPU tests
+    # ran on the others): one busy core ran 78 GFLOP/s, 1.9x its share of numpy's 16 threads
+    # (42), and the model has one per-core rate (numpy's over its threads): it is slow for
+    # every count but 16 (bench/NOTES.md, scaling studies)
+    ("Intel(R) Xeon(R) Processor", f"study {engine} cpu on {cores} core(s)", "float64", m)
+    for engine, cores, m in [("dask", 1, 2048), ("dask", 1, 4096), ("dask", 2, 4096),
+                             ("dask", 4, 4096), ("dask", 8, 4096), ("dask", 8, 8192),
+                             ("dask", 16, 4096), ("dask", 16, 8192), ("mpi", 1, 2048),
+                             ("mpi", 1, 4096), ("mpi", 2, 4096), ("mpi", 4, 4096),
+                             ("mpi", 8, 4096), ("mpi", 8, 8192), ("mpi", 16, 8192)]
 }
 
 
@@ -265,6 +279,10 @@ def test_model_against_every_committed_measurement():
     assert len(gpu) >= 30 and all(abs(r["error"]) <= TARGET for r in gpu)
     held = [r for r in gpu if r["role"] == "held-out"]
     assert len(held) >= 25
+    # distmm bench's study records are configurations too: the MPI engine on 1, 2 and 4 H100
+    # (strong and weak) and the Dask engine on 2, all within
+    study = [r for r in gpu if r["label"].startswith("study ")]
+    assert {r["devices"] for r in study} == {1, 2, 4} and len(study) >= 10
 
 
 # -- the command line ------------------------------------------------------------------------

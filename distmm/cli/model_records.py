@@ -113,10 +113,34 @@ def configuration(rec: dict) -> dict | None:
             return {**conf, "devices": int(rec.get("gpu_workers") or 1),
                     "extra_cpu_workers": int(rec.get("cpu_workers") or 0)}
         return {**conf, "devices": int(rec.get("gpus") or 1)}
+    if bench == "scaling" and rec.get("engine") in ("mpi", "dask") and variant.startswith("distmm-"):
+        return _study_configuration(rec, base)
     if bench == "cpu" and variant == "distmm-dask":
         return {**base, "engine": "dask", "device": "cpu", "devices": int(rec.get("workers") or 1),
                 "label": "dask cpu"}
     return None
+
+
+def _study_configuration(rec: dict, base: dict) -> dict:
+    """A ``distmm bench`` study's record (benchmark ``scaling``) of the MPI or Dask engine.
+    Emulated nodes (``emulated_nodes``) are modelled with every link on NCCL's socket
+    transport (MPI) or TCP (Dask): the model has one link kind per configuration, and the
+    links between emulated nodes are the slower ones."""
+    engine, gpu = rec["engine"], "gpus" in rec
+    count = int(rec.get("ranks") or rec.get("workers") or rec.get("gpus") or 1)
+    nodes = rec.get("emulated_nodes")
+    where = f"{count} GPU(s)" if gpu else f"{count} core(s)"
+    label = f"study {engine} {'gpu' if gpu else 'cpu'} on {where}" + (
+        f", emulated nodes {nodes}" if nodes else "")
+    conf = {**base, "engine": engine, "device": "gpu" if gpu else "cpu", "devices": count,
+            "label": label}
+    if engine == "mpi" and rec.get("grid"):
+        conf["grid"] = tuple(rec["grid"])
+    if engine == "mpi" and not gpu:
+        conf["threads_per_rank"] = int(rec.get("threads_per_rank") or 1)
+    if nodes:
+        conf["link"] = ("nccl-socket" if gpu else "tcp") if engine == "mpi" or not gpu else "tcp"
+    return conf
 
 
 #: the arguments of ``predict`` a configuration may carry
