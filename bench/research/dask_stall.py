@@ -2,7 +2,13 @@
 the deadline passes, print what every worker is doing (its running tasks' stacks, the
 offers its export tasks published, its task states) and the scheduler's view.
 
-    python -m bench.research.dask_stall --gpus 4 --size 16384 --deadline 45
+    python -m bench.research.dask_stall --gpus 4 --size 65536 --deadline 60
+    python -m bench.research.dask_stall --gpus 4 --nodes 2 --size 3000 --chunk 700 --dtype float64
+
+Seen on 4 x H100 (bench/NOTES.md, Dask engine on four GPUs): fp32 65536 with chunks of 8192
+stalled (no call finished in 5 minutes), as did tests/test_emulate_gpu.py's 3000 x 2500
+product with chunks of 700 on 2 emulated nodes; fp32 16384 with chunks of 8192 did not
+(1.18 s, then 0.16 s).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--deadline", type=float, default=45)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=1, help="the GPUs as that many emulated nodes")
     p.add_argument("--cpu", action="store_true", help="CPU workers (a check of this probe)")
     args = p.parse_args(argv)
 
@@ -51,7 +58,8 @@ def main(argv=None) -> int:
     from distmm.cli.cluster import cpu_cluster, gpu_cluster, random_array, sync_workers
 
     gpu = not args.cpu
-    cluster = gpu_cluster(",".join(map(str, range(args.gpus)))) if gpu else cpu_cluster(args.gpus)
+    cluster = (gpu_cluster(",".join(map(str, range(args.gpus))), nodes=args.nodes) if gpu
+               else cpu_cluster(args.gpus, nodes=args.nodes))
     with cluster, Client(cluster) as client:
         client.wait_for_workers(args.gpus, timeout=120)
         n = args.size
