@@ -1,4 +1,4 @@
-"""Where a Dask-engine product on N GPU workers stalls: run it with a deadline and, when
+"""Where does a Dask-engine product on N GPU workers stall? Run it with a deadline and, when
 the deadline passes, print what every worker is doing (its running tasks' stacks, the
 offers its export tasks published, its task states) and the scheduler's view.
 

@@ -139,7 +139,7 @@ def _study_configuration(rec: dict, base: dict) -> dict:
     if engine == "mpi" and not gpu:
         conf["threads_per_rank"] = int(rec.get("threads_per_rank") or 1)
     if nodes:
-        conf["link"] = ("nccl-socket" if gpu else "tcp") if engine == "mpi" or not gpu else "tcp"
+        conf["link"] = "nccl-socket" if engine == "mpi" and gpu else "tcp"
     return conf
 
 
