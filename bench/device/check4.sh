@@ -24,7 +24,7 @@ ONE="tests/test_gpu_kernels.py tests/test_gpu_api.py tests/test_gpu_pipeline.py 
 TWO="tests/test_dask_gpu.py tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py tests/test_mpi_gpu.py tests/test_mpi_gpu_blocks.py tests/test_mpi_batch.py"
 CUDA_VISIBLE_DEVICES=0 taskset -c 0-23 timeout $T $PT $ONE > "$OUT/pytest-one.log" 2>&1 & p1=$!
 CUDA_VISIBLE_DEVICES=1,2 taskset -c 24-47 timeout $T $PT $TWO > "$OUT/pytest-two.log" 2>&1 & p2=$!
-CUDA_VISIBLE_DEVICES=3 taskset -c 0-47 T_TESTS=200 T_BENCH=150 bash bench/device/tensorcores.sh \
+CUDA_VISIBLE_DEVICES=3 T_TESTS=200 T_BENCH=150 taskset -c 0-47 bash bench/device/tensorcores.sh \
   > "$OUT/tensorcores.log" 2>&1 & p3=$!
 if [ -n "${CPU_STUDY-bench/studies/cpu-scaling.toml}" ]; then
   sed 's/"--bind-to", "core"/"--bind-to", "none"/' "${CPU_STUDY-bench/studies/cpu-scaling.toml}" \
