@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distmm.cli.records import json_lines
 from distmm.plan_model import Calibration, Prediction, predict
 
 __all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
@@ -32,9 +33,8 @@ def load_records(paths) -> list[dict]:
     out = []
     for path in paths:
         path = Path(path)
-        text = path.read_text()
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(path.read_text())
             if isinstance(data, dict) and data.get("format") == "distmm-profile-1":
                 data = {path.stem: data}
             if not isinstance(data, dict):
@@ -43,13 +43,7 @@ def load_records(paths) -> list[dict]:
                 if isinstance(prof, dict) and prof.get("format") == "distmm-profile-1":
                     out.append({"profile": name, "_file": path.name, **prof})
             continue
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
+        for _, rec in json_lines(path):
             rec["_file"] = path.name
             out.append(rec)
     return out

@@ -5,7 +5,8 @@ This module covers: device naming (``gpu_name``, ``cpu_model``, ``slug``) and th
 measured (``git_commit``); appending records to a ``.jsonl`` file, each record one
 ``write`` of one whole line on a file opened for appending, flushed to disk before the next
 measurement starts, so that a killed run keeps every record it finished and never a partial
-line (``RecordWriter``, ``append_record``); reading them back (``load``); one line saying
+line (``RecordWriter``, ``append_record``); reading them back (``json_lines``, ``load``: the
+values of a file with their line numbers, the records of several); one line saying
 what a record measured (``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
-           "load", "make_record", "progress_line"]
+           "json_lines", "load", "make_record", "progress_line"]
 
 
 # -- the commit and the device ---------------------------------------------------------------
@@ -147,13 +148,23 @@ class RecordWriter:
         return rec
 
 
+def json_lines(path):
+    """The values of a JSON-lines file with their line numbers, ``(number, value)``, blank
+    lines skipped; a line that does not parse raises ``ValueError`` naming ``path:number``."""
+    with open(path) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            yield number, value
+
+
 def load(paths) -> list[dict]:
     """Read records from jsonl files (plots and tables use only this)."""
-    out = []
-    for p in paths:
-        with open(p) as fh:
-            out.extend(json.loads(line) for line in fh if line.strip())
-    return out
+    return [value for p in paths for _, value in json_lines(p)]
 
 
 def progress_line(index: int, total: int, rec: dict) -> str:

@@ -49,6 +49,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from distmm.cli.records import json_lines
 from distmm.cli.report_rules import (REFERENCES, count_of, emulated_label, family,
                                      is_reference)
 from distmm.errors import OutputExists
@@ -448,21 +449,14 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
                 raise ValueError(f"{path}: not a distmm-profile-1 profile or an object of them")
             profiles += named
             continue
-        with open(path) as fh:
-            for number, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number}: a record is a JSON object, got "
-                                     f"{type(record).__name__}")
-                missing = [k for k in REQUIRED if k not in record]
-                if missing:
-                    raise ValueError(f"{path}:{number}: the record lacks {', '.join(missing)}")
-                records.append(record)
+        for number, record in json_lines(path):
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: a record is a JSON object, got "
+                                 f"{type(record).__name__}")
+            missing = [k for k in REQUIRED if k not in record]
+            if missing:
+                raise ValueError(f"{path}:{number}: the record lacks {', '.join(missing)}")
+            records.append(record)
     if not records and not profiles:
         raise ValueError(f"no benchmark records in {', '.join(paths)}")
     return records, profiles

@@ -195,8 +195,8 @@ def _count_token(engine: str, count: int, device: str) -> str:
 
 def _expand(study: Study) -> list[Config]:
     seen: dict[tuple, Config] = {}
-    problems: dict[tuple, str] = {}  # (dtype, m, n, k) -> series kind (the first one)
-    wanted: dict[tuple, set] = {}    # (dtype, m, n, k) -> the in-process references it takes
+    # (dtype, m, n, k) -> (series kind (the first one), the references its series take)
+    problems: dict[tuple, tuple[str, set]] = {}
     for s in study.series:
         for engine in s.engines:
             for count in s.counts:
@@ -204,8 +204,7 @@ def _expand(study: Study) -> list[Config]:
                     m, n, k = weak_shape(count, size[0], size[2]) if s.kind == "weak" else size
                     for dtype in s.dtypes:
                         refs_here = study.references if s.references is None else s.references
-                        problems.setdefault((dtype, m, n, k), s.kind)
-                        wanted.setdefault((dtype, m, n, k), set()).update(refs_here)
+                        problems.setdefault((dtype, m, n, k), (s.kind, set()))[1].update(refs_here)
                         for backend in s.backends:
                             cfg = Config(engine, backend, dtype, m, n, k, count, s.kind,
                                          variant_name(engine, backend, s.kind, count,
@@ -226,7 +225,7 @@ def _expand(study: Study) -> list[Config]:
                                              s.nodes), ref)
     refs = [Config(ref, "auto", dtype, m, n, k, 1, kind, ref, reference=ref)
             for ref in ("numpy", "cublas")
-            for (dtype, m, n, k), kind in problems.items() if ref in wanted[dtype, m, n, k]]
+            for (dtype, m, n, k), (kind, wanted) in problems.items() if ref in wanted]
     order = {"numpy": 0, "cublas": 0, "local": 0, "dask": 2, "mpi": 3}
 
     def key(c: Config):
@@ -330,8 +329,7 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
     if "counts" not in s:
         sbad("counts", "missing (a list of device counts)")
     counts = s["counts"]
-    if (not isinstance(counts, list) or not counts
-            or not all(type(c) is int and c >= 1 for c in counts)):
+    if not _positive_ints(counts):
         sbad("counts", f"a non-empty list of integers of at least 1, got {counts!r}")
     if len(set(counts)) != len(counts):
         sbad("counts", f"{counts!r} repeats a count")
@@ -365,8 +363,7 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
         if "sizes_per_device" not in s:
             sbad("sizes_per_device", "missing (a list of C's side per device)")
         sides = s["sizes_per_device"]
-        if (not isinstance(sides, list) or not sides
-                or not all(type(x) is int and x >= 1 for x in sides)):
+        if not _positive_ints(sides):
             sbad("sizes_per_device", f"a non-empty list of positive integers, got {sides!r}")
         k = s.get("k")
         if k is not None and (type(k) is not int or k < 1):
@@ -376,6 +373,12 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
         sizes = tuple((b, b, k or b) for b in sides)
     return Series(kind, tuple(engines), tuple(counts), sizes, tuple(backends),
                   tuple(series_dtypes), chunk, nodes, refs)
+
+
+def _positive_ints(value) -> bool:
+    """Whether ``value`` is a non-empty list of integers of at least 1 (not bools)."""
+    return (isinstance(value, list) and bool(value)
+            and all(type(x) is int and x >= 1 for x in value))
 
 
 def _nodes(s: dict, engines, counts, sbad) -> int | str | None:
