@@ -146,23 +146,7 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
         write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
     }
     cp_async_wait<0>();
-
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = m0 + wm * WM + i * 16 + g + 8 * h;
-            if (row >= M) continue;
-#pragma unroll
-            for (int j = 0; j < NI; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = n0 + wn * WN + j * 8 + 2 * t + e;
-                    if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j][2 * h + e], alpha, beta);
-                }
-            }
-        }
-    }
+    store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
 }
 
 }  // namespace distmm

@@ -97,4 +97,30 @@ __device__ __forceinline__ void swz_ab_tile(T* as, T* bs, const T* A, long long 
     else     swz_tile_copy<T, BN, BK, NT, K_SWZ>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
 }
 
+// A warp's m16n8 accumulator fragments into C: fragment (i, j) covers rows r0 + 16 i + g and
+// + 8, columns c0 + 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4); rows and columns outside
+// M x N are skipped. C = alpha acc + beta C (common.cuh's store_c).
+template <int MI, int NI, typename T>
+__device__ __forceinline__ void store_mma_fragments(const float (&acc)[MI][NI][4], T* C,
+                                                    long long ldc, int M, int N, int r0, int c0,
+                                                    int g, int t, T alpha, T beta) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = r0 + i * 16 + g + 8 * h;
+            if (row >= M) continue;
+#pragma unroll
+            for (int j = 0; j < NI; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = c0 + j * 8 + 2 * t + e;
+                    if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j][2 * h + e], alpha, beta);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace distmm
+
