@@ -28,9 +28,23 @@ def _worker_state(dask_worker):
                  ("executing", "long-running")]
     waiting = [str(ts.key) for ts in dask_worker.state.tasks.values() if ts.state in
                ("waiting", "ready", "constrained", "fetch", "flight")][:12]
+    import sys
+    import traceback
+
+    ex = dask_worker.executors.get("default")
+    pool = {"threads": len(getattr(ex, "_threads", ())),
+            "rejoining": len(getattr(ex, "_rejoin_list", ())),
+            "queued": getattr(getattr(ex, "_work_queue", None), "qsize", lambda: -1)()}
+    stacks = {}
+    for tid, frame in sys._current_frames().items():
+        text = "".join(traceback.format_stack(frame)[-8:])
+        if "distmm" in text or ("threadpoolexecutor" in text and "work_queue.get" not in text):
+            stacks[tid] = text
     return {"offers": offers[:20], "n_offers": len(offers), "states": dict(states),
-            "executing": executing, "waiting": waiting,
-            "threads": dask_worker.state.nthreads}
+            "executing": executing, "waiting": waiting, "status": str(dask_worker.status),
+            "nthreads": dask_worker.state.nthreads, "pool": pool,
+            "long_running": [str(ts.key) for ts in dask_worker.state.long_running][:12],
+            "stacks": stacks}
 
 
 def _scheduler_state(dask_scheduler):
@@ -80,7 +94,10 @@ def main(argv=None) -> int:
                 print(f"call {call}: STALLED after {args.deadline} s ({type(exc).__name__})")
             print("scheduler:", client.run_on_scheduler(_scheduler_state))
             for addr, state in client.run(_worker_state).items():
+                stacks = state.pop("stacks", {})
                 print("worker", addr, state)
+                for tid, text in stacks.items():
+                    print(f"  thread {tid}:\n{text}")
             stacks = client.call_stack()
             for addr, tasks in stacks.items():
                 for key, frames in tasks.items():
