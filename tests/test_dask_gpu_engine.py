@@ -81,6 +81,23 @@ def test_one_gpu_worker_with_dask_operands(one_gpu):
     _close(C.compute(), want, "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_device_chunks_ragged_along_k_add_into_one_block(one_gpu, dtype):
+    """cupy chunks cut unevenly along k: the block's k pieces are copied on a second stream
+    while the previous piece multiplies, each GEMM adding into the one block; float64-close
+    on odd sizes, with a k chunk shorter than the k-block (joined to its neighbour)."""
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 2501, 2548, 1777, dtype)
+    ks = (700, 513, 1024, 300, 11)
+    A = da.from_array(a, chunks=((1200, 1301), ks)).map_blocks(cupy.asarray).persist()
+    B = da.from_array(b, chunks=(ks, (900, 877))).map_blocks(cupy.asarray).persist()
+    C = distmm.matmul(A, B, client=one_gpu)
+    got = C.compute()
+    assert isinstance(got, cupy.ndarray)
+    _close(cupy.asnumpy(got), want, dtype)
+    assert last_stats()["mode"] == "blocks"
+
+
 def _sharing_cluster(form: str):
     """Two worker processes on the one GPU: dask-cuda's own form (a repeated
     device), or a LocalCluster whose workers declare GPU=1."""

@@ -449,6 +449,26 @@ def _published_here():
     return pull.published()
 
 
+def test_a_late_release_leaves_a_later_export_of_the_same_key_published():
+    """Two products of the same operands run export tasks of the same key: the release of
+    the first (an orphan the sweep frees after the second has published) must not withdraw
+    the second's offers, which its readers are waiting for."""
+    from distmm.engine.dask import pull
+
+    key = ("distmm-export-same", 0)
+    first = pull.publish(key, ["first"])
+    second = pull.publish(list(key), ["second"])  # the same key as msgpack spells it
+    try:
+        pull.withdraw(key, first)
+        with pull._LOCK:
+            assert pull._OFFERS.get(key) == ("second",)
+        pull.withdraw(key, second)
+        with pull._LOCK:
+            assert key not in pull._OFFERS
+    finally:
+        pull.withdraw(key)
+
+
 def test_readers_holding_each_others_chunks_do_not_deadlock(pair):
     """Two single-thread workers, each running a task that pulls an offer the other
     worker's export task will publish, both started before either export: each reader

@@ -17,6 +17,8 @@ pickled by reference.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
@@ -179,7 +181,18 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
     acc = None
-    for a_k, b_k in spec.k_pieces:
+    if device_panels and not fail and worker_has_gpu() and np.dtype(tp.acc_dtype).kind == "f":
+        try:
+            acc = _overlapped_block(tp, backend, spec, a_blocks, b_blocks)
+        except Exception as exc:
+            if not _device_error(exc):
+                raise
+            import logging
+
+            logging.getLogger("distmm.engine.dask").warning(
+                "distmm: block %s failed on the GPU (%s: %s); running it piece by piece",
+                cell, type(exc).__name__, exc)
+    for a_k, b_k in (spec.k_pieces if acc is None else ()):
         on_gpu = device == "gpu" and (fail or not host or worker_has_gpu())
         if on_gpu and host:  # the pipeline reads the chunks by slices
             a_sub = Chunked(a_blocks, spec.a_lead, spec.a_rows, a_k)
@@ -246,6 +259,62 @@ def _device_panels(spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict):
             for ptr in mapped.values():
                 ipc.unmap(ptr)
     return a, b
+
+
+_COPY_STREAMS = threading.local()  # each worker thread's stream for assembling panels
+
+
+def _copy_stream():
+    stream = getattr(_COPY_STREAMS, "stream", None)
+    if stream is None:
+        import cupy
+
+        # non-blocking: the worker's GEMMs run on the legacy default stream, which a
+        # blocking stream would wait for
+        stream = _COPY_STREAMS.stream = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dict,
+                      b_blocks: dict):
+    """The block (in the accumulation dtype) on this worker's GPU, its k pieces' panels
+    assembled on a copy stream while the previous piece's GEMM runs on the current stream,
+    each GEMM adding into one C (``beta = 1`` after the first). Two pieces' panels are held
+    at a time: a piece's memory is reused only after its GEMM has read it. Mappings of
+    other workers' exports are closed once the copies have finished."""
+    import cupy
+
+    from distmm.executor import GPU_BACKENDS, ipc
+
+    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True,
+                         tp.precision)
+    m = sum(r1 - r0 for _, r0, r1 in spec.a_rows)
+    n = sum(c1 - c0 for _, c0, c1 in spec.b_cols)
+    compute = cupy.cuda.get_current_stream()
+    copy = _copy_stream()
+    out = cupy.empty((m, n), dtype=np.dtype(tp.acc_dtype))
+    mapped: dict = {}
+    held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
+    try:
+        for g, (a_k, b_k) in enumerate(spec.k_pieces):
+            with copy:
+                if len(held) == 2:  # piece g - 2's panels: reusable once its GEMM is done
+                    done = held.pop(0)
+                    copy.wait_event(done[0])
+                    del done
+                a = _assemble(a_blocks, spec.a_lead, spec.a_rows, a_k, mapped)
+                b = _assemble(b_blocks, spec.b_lead, b_k, spec.b_cols, mapped)
+                ready = copy.record()
+            compute.wait_event(ready)
+            ex.device_gemm(a, b, out, beta=0 if g == 0 else 1)
+            held.append((compute.record(), a, b))
+    finally:
+        copy.synchronize()
+        for ptr in mapped.values():
+            ipc.unmap(ptr)
+        copy.wait_event(compute.record())  # the panels' memory returns to the copy stream
+        held.clear()
+    return out
 
 
 def _assemble(blocks: dict, lead: tuple, row_pieces, col_pieces, mapped: dict):

@@ -109,16 +109,24 @@ class Receipt:
         return f"Receipt({self.label} on {self.address})"
 
 
-def publish(key, offers: tuple) -> None:
-    """On the holder: ``offers`` are export task ``key``'s, for ``serve`` to hand out."""
+def publish(key, offers: tuple) -> tuple:
+    """On the holder: ``offers`` are export task ``key``'s, for ``serve`` to hand out.
+    Returns the tuple published (what ``withdraw`` is given)."""
+    offers = tuple(offers)
     with _LOCK:
-        _OFFERS[norm_key(key)] = tuple(offers)
+        _OFFERS[norm_key(key)] = offers
+    return offers
 
 
-def withdraw(key) -> None:
-    """On the holder: export ``key`` is released; stop handing it out."""
+def withdraw(key, offers=None) -> None:
+    """On the holder: export ``key`` is released; stop handing it out. With ``offers``
+    (those its task published), only while they are still the ones published: a later
+    product of the same operands runs an export task of the same key, whose offers the
+    release of the earlier one (an orphan swept late) must not take away."""
+    key = norm_key(key)
     with _LOCK:
-        _OFFERS.pop(norm_key(key), None)
+        if offers is None or _OFFERS.get(key) is offers:
+            _OFFERS.pop(key, None)
 
 
 def published() -> int:

@@ -313,14 +313,16 @@ def export_chunks(chunks, labels):
         return offers
     shareds = [shared for _, shared in made if shared is not None]
 
+    published = []
+
     def release(_token, key=key, shareds=shareds):
-        pull.withdraw(key)
+        pull.withdraw(key, published[0] if published else None)
         for shared in shareds:
             ipc.release(shared.token)
 
     for shared in shareds:
         ipc.hold(shared)
-    pull.publish(key, offers)
+    published.append(pull.publish(key, offers))
     with _STATE_LOCK:
         _KEY_TOKENS[key] = (repr(key), release)
     return pull.Receipt(", ".join(labels), address)
