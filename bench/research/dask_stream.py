@@ -65,8 +65,9 @@ def _install_trace(dask_worker=None):
     if getattr(blocks, "_TRACE", None) is not None:
         return False
     blocks._TRACE = []
-    timed_names = ("take", "take_into", "panel", "_device_panels")
-    orig = {n: getattr(blocks, n) for n in ("block_product", "_gpu_block") + timed_names}
+    timed_names = ("take", "take_into", "panel", "_device_panels", "_assemble")
+    orig = {n: getattr(blocks, n) for n in ("block_product", "_gpu_block", "_overlapped_block")
+            + timed_names}
     cur: dict = {}
 
     def block_product(*args, **kwargs):
@@ -88,16 +89,19 @@ def _install_trace(dask_worker=None):
                     cur[name.strip("_")] = cur.get(name.strip("_"), 0.0) + _t.perf_counter() - t0
         return run
 
-    def gpu_block(*args, **kwargs):
-        cur.update(t_gemm=_t.time(), e_g0=cupy.cuda.get_current_stream().record())
-        out = orig["_gpu_block"](*args, **kwargs)
-        cur.update(t_gemm_queued=_t.time(), e_g1=cupy.cuda.get_current_stream().record())
-        return out
+    def gemm_of(name):  # the GEMM part: _gpu_block, or all of _overlapped_block (its copies too)
+        def run(*args, **kwargs):
+            cur.update(t_gemm=_t.time(), e_g0=cupy.cuda.get_current_stream().record())
+            out = orig[name](*args, **kwargs)
+            cur.update(t_gemm_queued=_t.time(), e_g1=cupy.cuda.get_current_stream().record())
+            return out
+        return run
 
     blocks.block_product = block_product
     for name in timed_names:
         setattr(blocks, name, timed(name))
-    blocks._gpu_block = gpu_block
+    blocks._gpu_block = gemm_of("_gpu_block")
+    blocks._overlapped_block = gemm_of("_overlapped_block")
 
     from distmm.engine.dask import transfer
     from distmm.executor import ipc
@@ -150,7 +154,7 @@ def _collect_trace(dask_worker=None) -> list:
         r["e_end"].synchronize()
         ms = cupy.cuda.get_elapsed_time
         row = {k: r[k] for k in ("t_start", "t_end", "take", "take_into", "panel",
-                                 "device_panels", "map_export", "map_export_n", "unmap",
+                                 "device_panels", "assemble", "map_export", "map_export_n", "unmap",
                                  "unmap_n", "pull") if k in r}
         if "e_g0" in r:
             row.update(t_gemm=r["t_gemm"], t_gemm_queued=r["t_gemm_queued"],
@@ -184,7 +188,8 @@ def trace_lines(traces: dict, t0: float) -> list[str]:
             line = (f"   trace {worker.rsplit(':', 1)[-1]}: start {r['t_start'] - t0:.3f} "
                     f"pull {r.get('pull', 0):.4f}s "
                     f"take {r['take']:.3f}s take_into {r['take_into']:.3f}s panel "
-                    f"{r['panel']:.3f}s device_panels {r['device_panels']:.3f}s map "
+                    f"{r['panel']:.3f}s device_panels {r['device_panels']:.3f}s assemble "
+                    f"{r.get('assemble', 0):.3f}s map "
                     f"{r.get('map_export', 0):.4f}s/{r.get('map_export_n', 0)} unmap "
                     f"{r.get('unmap', 0):.4f}s/{r.get('unmap_n', 0)}")
             if "t_gemm" in r:
