@@ -68,7 +68,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
@@ -1090,6 +1090,32 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         raise ValueError(f"operands must be both scattered or both chunked, got a "
                          f"{'scattered' if a.scattered else 'chunked'} and b "
                          f"{'scattered' if b.scattered else 'chunked'}")
+    try:
+        key = (plan, cluster.workers, cluster.ipc, a, b, configured_budget,
+               tuple(sorted((k, tuple(sorted(v))) for k, v in cluster.where.items())),
+               *(None if c is None else tuple(c) for c in (row_cuts, col_cuts, k_cuts)))
+        hash(key)
+    except TypeError:  # facts that do not hash: plan afresh
+        key = None
+    if key is not None and key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    bp = _plan_blocks(plan, cluster, a, b, row_cuts, col_cuts, k_cuts, configured_budget)
+    if key is not None:
+        _PLANS[key] = bp
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return bp
+
+
+#: plans kept for facts seen again (a product repeated on the same persisted operands and
+#: workers is planned once: the layout search costs tens of milliseconds a call)
+_PLANS_KEPT = 32
+_PLANS: OrderedDict = OrderedDict()
+
+
+def _plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, row_cuts,
+                 col_cuts, k_cuts, configured_budget) -> BlockPlan:
     cuts = {name: c for name, c in (("row_cuts", row_cuts), ("col_cuts", col_cuts),
                                     ("k_cuts", k_cuts)) if c is not None}
     search = _Search(plan, a, b, cluster.where, cluster.ipc, cuts, configured_budget)
@@ -1108,5 +1134,6 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         estimated = {"worker_to_worker": routes["tcp"] + partials, "ipc": routes["ipc"],
                      "gather": c_bytes}
         sources = ipc_sources(reads, addresses, cluster.where, cluster.ipc)
-    return BlockPlan(layout, tuple(placed), info, reads, moves, MappingProxyType(sources),
-                     MappingProxyType(estimated), _seconds(layout, placed, moves))
+    return BlockPlan(layout, tuple(placed), MappingProxyType(info), reads, moves,
+                     MappingProxyType(sources), MappingProxyType(estimated),
+                     _seconds(layout, placed, moves))

@@ -193,10 +193,41 @@ def test_the_same_facts_give_the_same_plan():
     cuts = dict(row_cuts=edges(a_ch[0]), col_cuts=edges(b_ch[1]),
                 k_cuts=sorted(set(edges(a_ch[1])) | set(edges(b_ch[0]))))
     ops = OperandFacts(8, "A", a_ch), OperandFacts(8, "B", b_ch)
+    pb._PLANS.clear()
     first = plan_blocks(plan, ClusterFacts((GPU0, GPU1, CPU), where), *ops, **cuts)
+    pb._PLANS.clear()  # searched again, not taken from the planner's memo
     again = plan_blocks(plan, ClusterFacts((GPU0, GPU1, CPU), shuffled), *ops, **cuts)
+    assert first is not again
     assert first == again and repr(first) == repr(again)
     assert first.estimated_seconds == again.estimated_seconds > TASK_OVERHEAD
+
+
+def test_facts_seen_again_are_planned_once(monkeypatch):
+    """The same facts (where-dicts in another order included) return the plan made for
+    them without a search; a chunk held elsewhere is new facts and is planned."""
+    rng = np.random.default_rng()
+    m, n, k = 3001, 2049, 1777
+    a_ch, b_ch = (_ragged(m, rng), _ragged(k, rng)), (_ragged(k, rng), _ragged(n, rng))
+    addrs = [GPU0.address, GPU1.address]
+    where = {(name, r, c): [addrs[int(rng.integers(2))]]
+             for name, ch in (("A", a_ch), ("B", b_ch))
+             for r, c in itertools.product(range(len(ch[0])), range(len(ch[1])))}
+    plan = make_plan(m, n, k, "float32", workers=2)
+    ops = OperandFacts(4, "A", a_ch), OperandFacts(4, "B", b_ch)
+    pb._PLANS.clear()
+    searches = []
+    real = pb._plan_blocks
+    monkeypatch.setattr(pb, "_plan_blocks", lambda *a: searches.append(1) or real(*a))
+    first = plan_blocks(plan, ClusterFacts((GPU0, GPU1), where), *ops)
+    again = plan_blocks(plan, ClusterFacts((GPU0, GPU1), dict(reversed(where.items()))), *ops)
+    assert again is first and len(searches) == 1
+    moved = dict(where)
+    key = next(iter(moved))
+    moved[key] = [a for a in addrs if a not in moved[key]]
+    other = plan_blocks(plan, ClusterFacts((GPU0, GPU1), moved), *ops)
+    assert len(searches) == 2 and other is not first
+    with pytest.raises(TypeError):
+        first.locality["method"] = "changed"  # what the memo hands out cannot be changed
 
 
 def test_estimated_seconds_is_the_slowest_unit_and_what_it_receives():
