@@ -115,6 +115,12 @@ def _with(top=None, **series):
     (_with({"references": ["numpy"]}, references=["dask.array"]),
      "series[0].references: dask.array is not among the study's references (numpy)"),
     (_with(references="numpy"), "series[0].references: a list of"),
+    (_with({"precision": "fp8"}), "precision: 'fp8' is not one of highest, tf32, bf16, fp16"),
+    (_with({"precision": "tf32", "dtypes": ["float64"]}), "dtypes: precision tf32 takes float32"),
+    (_with({"precision": "bf16", "dtypes": ["float32"], "references": ["numpy"]}),
+     "references: numpy has no bf16 mode"),
+    (_with({"precision": "tf32", "dtypes": ["float32"]}, dtypes=["float64"]),
+     "series: precision tf32 takes float32 operands"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_study_refused_naming_the_key(data, key):
     with pytest.raises(ValueError) as info:
@@ -296,6 +302,33 @@ sizes = [700, 701, 702, 703, 704, 705]
 
 
 @pytest.mark.mpi
+def test_a_reduced_precision_study_runs_every_engine_in_it(tmp_path, mpi_env):
+    """precision = "tf32" on CPU (emulated): the local engine, a Dask cluster and mpiexec -n 2
+    each compute in TF32, which shows in their error against float64 (far above float32's,
+    within TF32's bound), and every record says the precision."""
+    study = _study(tmp_path, """
+name = "tf32-test"
+device = "cpu"
+dtypes = ["float32"]
+precision = "tf32"
+repeats = 1
+check_rows = 0
+[[series]]
+kind = "strong"
+engines = ["local", "dask", "mpi"]
+counts = [2]
+sizes = [[97, 61, 203]]
+""")
+    out = tmp_path / "records.jsonl"
+    res = _distmm("bench", study, "-o", out, env=dict(mpi_env, OMPI_MCA_btl="^ofi"), timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = load([out])
+    assert sorted(r["engine"] for r in records) == ["dask", "local", "mpi"]
+    for r in records:
+        assert r["precision"] == "tf32" and r["relerr_ok"] is True, r
+        assert 1e-5 < r["relerr"] < 5e-3, r  # float32 alone gives ~1e-7 here
+
+
 def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):
     """The local engine, a Dask cluster of 2 worker processes and mpiexec -n 2 on odd sizes:
     every configuration's record has the schema, positive times and a relerr within bound,

@@ -48,6 +48,9 @@ __all__ = ["add_parser", "run_bench", "RELERR_BOUND", "default_output"]
 
 #: relerr above this fails the configuration (its record is still written, ``relerr_ok`` false)
 RELERR_BOUND = {"float32": 1e-4, "float64": 1e-11}
+#: the same at a study's reduced ``precision`` (float32 operands): about ten times each
+#: format's unit roundoff (2**-11 for tf32 and fp16, 2**-8 for bf16)
+PRECISION_RELERR_BOUND = {"tf32": 5e-3, "fp16": 5e-3, "bf16": 4e-2}
 
 
 def add_parser(sub, common) -> None:
@@ -247,12 +250,20 @@ class _Runner:
             extra["emulated_nodes"] = c.nodes
         if self.study.note:
             extra["note"] = self.study.note
+        if self.study.precision != "highest":
+            extra["precision"] = self.study.precision
         return extra
+
+    def relerr_bounds(self) -> dict:
+        """relerr above which a configuration fails, per dtype, at the study's precision."""
+        if self.study.precision == "highest":
+            return dict(RELERR_BOUND)
+        return {"float32": PRECISION_RELERR_BOUND[self.study.precision]}
 
     def write(self, c: Config, first: float, times: list[float], relerr: float | None,
               checked: int, **extra) -> None:
         seconds = float(np.median(times))
-        ok = relerr is not None and relerr <= RELERR_BOUND[c.dtype]
+        ok = relerr is not None and relerr <= self.relerr_bounds()[c.dtype]
         rec = self.writer.add(c.variant, c.dtype, c.m, c.n, c.k, seconds, relerr,
                               first_seconds=first, all_seconds=times, relerr_rows=checked,
                               relerr_ok=ok, **{**self.common(c), **extra})
@@ -260,7 +271,7 @@ class _Runner:
         print(progress_line(self.index[id(c)], self.total, rec), flush=True)
         if not ok:
             self.failures.append(f"{c.describe()}: relerr {relerr} above "
-                                 f"{RELERR_BOUND[c.dtype]:g}")
+                                 f"{self.relerr_bounds()[c.dtype]:g}")
 
     def fail(self, c: Config, exc: BaseException) -> None:
         if not isinstance(exc, Exception):
@@ -345,7 +356,8 @@ class _Runner:
 
         options = {} if self.gpu else {"distmm.local-threads": c.count}
         with dask.config.set(options):
-            self.timed(c, lambda: distmm.matmul(a, b, engine="local", backend=c.backend),
+            self.timed(c, lambda: distmm.matmul(a, b, engine="local", backend=c.backend,
+                                                precision=self.study.precision),
                        rows, ref, residency="host")
 
     def cublas_fits(self, c: Config) -> bool:
@@ -366,8 +378,18 @@ class _Runner:
 
         a_d, b_d = cupy.asarray(a), cupy.asarray(b)
         out = cupy.empty((c.m, c.n), dtype=a.dtype)
+        precision = self.study.precision
+
+        def product():
+            if precision == "highest":
+                return cupy.matmul(a_d, b_d, out=out)
+            from distmm.executor.cublas import cublas_gemm_precision
+
+            cublas_gemm_precision(a_d, b_d, out, precision)  # cublasGemmEx in the mode
+            return out
+
         try:
-            self.timed(c, lambda: cupy.matmul(a_d, b_d, out=out), rows, ref, sync=_gpu_sync,
+            self.timed(c, product, rows, ref, sync=_gpu_sync,
                        get=lambda x: x.get(), index=cupy.asarray(rows), residency="device")
         finally:
             del a_d, b_d, out
@@ -420,6 +442,7 @@ class _Runner:
                 if c.reference == "dask.array":
                     return (a @ b).persist()
                 return distmm.matmul(a, b, engine="dask", client=client,
+                                     precision=self.study.precision,
                                      backend=c.backend).persist()
 
             def once(c=c):
@@ -460,7 +483,7 @@ class _Runner:
                 "total": self.total, "repeats": self.study.repeats,
                 "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,
                 "threads": threads, "output": str(self.writer.path),
-                "relerr_bound": RELERR_BOUND,
+                "relerr_bound": self.relerr_bounds(), "precision": self.study.precision,
                 "record": {"run": self.writer.run, "benchmark": self.writer.benchmark,
                            "device": self.writer.device, "commit": self.writer.commit,
                            "date": self.writer.date, **self.writer.common},

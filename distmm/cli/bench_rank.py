@@ -60,7 +60,8 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
     def once():
         comm.Barrier()
         t0 = time.perf_counter()
-        c = distmm.matmul(da, db, backend=cfg["backend"])
+        c = distmm.matmul(da, db, backend=cfg["backend"],
+                          precision=spec.get("precision", "highest"))
         if sync:
             sync()
         comm.Barrier()

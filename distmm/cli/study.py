@@ -18,6 +18,9 @@ default)::
     benchmark = "scaling"       # the records' "benchmark"
     device = "cpu"              # "cpu" or "gpu": what the engines run on
     dtypes = ["float64"]        # float32, float64
+    precision = "highest"       # or "tf32", "bf16", "fp16" (float32, only the cublas reference):
+                                #   every engine and cuBLAS compute in it (emulated on a CPU);
+                                #   the records carry it
     repeats = 3                 # warm calls timed after the first; the record holds their median
     check_rows = 64             # rows of C checked against float64 (0: every row)
     seed = 0
@@ -61,9 +64,10 @@ DEVICES = ("cpu", "gpu")
 BACKENDS = {"cpu": ("auto", "blas", "numba"), "gpu": ("auto", "raw", "cublas")}
 DTYPES = ("float32", "float64")
 KINDS = ("strong", "weak")
+PRECISIONS = ("highest", "tf32", "bf16", "fp16")  # distmm.precision.PRECISIONS (stdlib only here)
 
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
-            "references", "mpiexec", "threads_per_rank", "series", "note"}
+            "references", "mpiexec", "threads_per_rank", "series", "note", "precision"}
 SERIES_KEYS = {"kind", "engines", "counts", "sizes", "sizes_per_device", "k", "backends",
                "dtypes", "chunk", "nodes", "emulated", "references"}
 #: ``emulated``'s crude mode (``distmm.emulate.ALL_LINKS``, repeated: this module imports
@@ -128,6 +132,7 @@ class Study:
     threads_per_rank: int | None = None   # None: the cores shared between the ranks
     note: str = ""
     path: str = ""
+    precision: str = "highest"
     _configs: list = field(default_factory=list, compare=False, repr=False)
 
     def configurations(self) -> list[Config]:
@@ -299,6 +304,15 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if threads != "share" and (type(threads) is not int or threads < 1):
         bad("threads_per_rank", f"\"share\" or a positive integer, got {threads!r}")
     note = _string(data, "note", "", bad)
+    precision = _choice(data, "precision", "highest", PRECISIONS, bad)
+    if precision != "highest":
+        if dtypes != ["float32"]:
+            bad("dtypes", f"precision {precision} takes float32 operands: dtypes = "
+                          f"[\"float32\"], got {dtypes!r}")
+        others = [r for r in references if r != "cublas"]
+        if others:
+            bad("references", f"{others[0]} has no {precision} mode: only cublas is measured "
+                              f"at a reduced precision")
     raw = data.get("series")
     if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
         bad("series", "at least one [[series]] table is needed")
@@ -307,8 +321,12 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if "dask.array" in references and not any("dask" in s.engines for s in series):
         bad("references", "dask.array is measured on the Dask clusters: add a series with "
                           "engine \"dask\"")
+    if precision != "highest" and any(s.dtypes != ("float32",) for s in series):
+        bad("series", f"precision {precision} takes float32 operands: a series lists "
+                      f"other dtypes")
     study = Study(name, benchmark, device, repeats, check_rows, seed, tuple(references),
-                  tuple(mpiexec), series, None if threads == "share" else threads, note, where)
+                  tuple(mpiexec), series, None if threads == "share" else threads, note, where,
+                  precision=precision)
     study.configurations()
     return study
 
