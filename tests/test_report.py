@@ -99,6 +99,23 @@ def test_reference_shares_pair_same_run_and_problem():
                    (7, "r1", "cublas", 1.0, pytest.approx(2.0))]
 
 
+def test_a_reduced_precision_is_its_own_series_and_reference():
+    """TF32 records of the same variants and size (one run) beside float32 ones (another run,
+    and in the same run): each series and each share stays within its arithmetic."""
+    fp32 = [record(f"distmm-mpi@{p}gpu", t, gpus=p, dtype="float32") for p, t in ((2, 5.0), (4, 2.6))]
+    tf32 = [record(f"distmm-mpi@{p}gpu", t, gpus=p, dtype="float32", precision="tf32", run="t")
+            for p, t in ((2, 1.0), (4, 0.6))]
+    refs = [record("cublas", 9.0, dtype="float32"),
+            record("cublas", 1.8, dtype="float32", precision="tf32", run="t"),
+            record("cublas", 100.0, dtype="float32", precision="bf16", run="t")]
+    series = scaling(fp32 + tf32 + refs, "strong")
+    assert sorted((s.dtype, s.run, [p.seconds for p in s.points]) for s in series) == [
+        ("float32", "r1", [5.0, 2.6]), ("tf32", "t", [1.0, 0.6])]
+    got = sorted((s.record["run"], s.record["gpus"], s.reference_seconds)
+                 for s in reference_shares(fp32 + tf32 + refs))
+    assert got == [("r1", 2, 9.0), ("r1", 4, 9.0), ("t", 2, 1.8), ("t", 4, 1.8)]
+
+
 def profile(ranks=2):
     spans = [[{"phase": "read", "lane": "read", "start": 0.5 * r + 1.0, "end": 2.0},
               {"phase": "open", "lane": "open", "start": 0.0, "end": 0.5 * r + 1.0},

@@ -29,7 +29,8 @@ DEVICE_MEMORY = {"H100": 80 * 2**30, "H200": 141 * 10**9}
 def load_records(paths) -> list[dict]:
     """Benchmark records (JSON lines) and ``--profile`` files (``distmm-profile-1``, one or a
     mapping of several), each record tagged with its ``_file``; profiles come back as
-    ``{"profile": name, "_file": ..., **profile}``."""
+    ``{"profile": name, "_file": ..., **profile}``. Records of a reduced ``precision`` (tf32,
+    bf16, fp16) are left out: the model's rates are those of each dtype's own arithmetic."""
     out = []
     for path in paths:
         path = Path(path)
@@ -44,6 +45,8 @@ def load_records(paths) -> list[dict]:
                     out.append({"profile": name, "_file": path.name, **prof})
             continue
         for _, rec in json_lines(path):
+            if rec.get("precision", "highest") != "highest":
+                continue
             rec["_file"] = path.name
             out.append(rec)
     return out

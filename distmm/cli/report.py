@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmm.cli.records import json_lines
-from distmm.cli.report_rules import (REFERENCES, count_of, emulated_label, family,
+from distmm.cli.report_rules import (REFERENCES, arithmetic, count_of, emulated_label, family,
                                      is_reference)
 from distmm.errors import OutputExists
 
@@ -134,7 +134,7 @@ def scaling(records: list[dict], kind: str) -> list[Series]:
                                                  or r["seconds"] <= 0)):
             continue
         size = (int(r["m"]), int(r["n"]), int(r["k"]))
-        group = (r["benchmark"], r["device"], r["dtype"],
+        group = (r["benchmark"], r["device"], arithmetic(r),
                  family(r["variant"], count) + emulated_label(r),
                  str(r["run"]), key)
         if predicted:  # a prediction joins the series of every run of its family
@@ -194,7 +194,8 @@ def reference_shares(records: list[dict]) -> list[Share]:
     [('cublas', 0.5)]
     """
     def problem(r):
-        return (str(r["run"]), r["benchmark"], r["dtype"], int(r["m"]), int(r["n"]), int(r["k"]))
+        return (str(r["run"]), r["benchmark"], arithmetic(r), int(r["m"]), int(r["n"]),
+                int(r["k"]))
 
     records = [r for r in records if "predicted_seconds" not in r]  # model records restate
     refs: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -239,7 +240,7 @@ def _tables(records, strong, weak, shares, roofs,
         if rows:
             tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
                                    "count", "seconds", "speedup", "efficiency"], rows))
-    rows = [[s.record["benchmark"], str(s.record["run"]), s.record["dtype"],
+    rows = [[s.record["benchmark"], str(s.record["run"]), arithmetic(s.record),
              f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}',
              s.record["variant"] + emulated_label(s.record),
              "{} {}".format(*count_of(s.record)), f'{s.record["seconds"]:.4g}', s.reference,
@@ -319,7 +320,7 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
                 and "predicted_seconds" not in r):
             size = (int(r["m"]) * int(r["n"]) * int(r["k"])) ** (1 / 3)
             by_bench[(r["benchmark"], r["device"])][(r["variant"] + emulated_label(r),
-                                                     r["dtype"])][size].append(r["tflops"])
+                                                     arithmetic(r))][size].append(r["tflops"])
     for (bench, device), lines in sorted(by_bench.items()):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
         for (variant, dtype), points in sorted(lines.items()):

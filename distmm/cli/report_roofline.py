@@ -41,8 +41,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from distmm.cli.report_rules import count_of, is_reference
-from distmm.precision import REDUCED
+from distmm.cli.report_rules import arithmetic, count_of, is_reference
 
 __all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points", "roof",
            "ceiling_rows", "point_rows", "draw_roofline"]
@@ -60,14 +59,6 @@ def _itemsize(dtype: str) -> int:
         return ITEMSIZE[dtype]
     except KeyError:
         raise ValueError(f"no element size known for dtype {dtype!r}") from None
-
-
-def arithmetic(record: dict) -> str:
-    """What a record computes in: its reduced ``precision`` (tf32, bf16, fp16) where it
-    has one, else its dtype; ceilings and points are grouped by it, so a bf16 cuBLAS is
-    no float32 ceiling."""
-    precision = record.get("precision")
-    return precision if precision in REDUCED else record["dtype"]
 
 
 def _is_compute_reference(variant: str) -> bool:

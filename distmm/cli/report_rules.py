@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["REFERENCES", "COUNT_KEYS", "count_of", "emulated_label", "family", "is_reference"]
+__all__ = ["REFERENCES", "COUNT_KEYS", "arithmetic", "count_of", "emulated_label", "family",
+           "is_reference"]
 
 REFERENCES = ("cublas", "numpy", "dask.array", "read-cat", "write-dd")
 COUNT_KEYS = ("ranks", "gpus", "workers")
@@ -47,3 +48,13 @@ def is_reference(variant: str) -> bool:
     """Whether ``variant`` is a reference: one of ``REFERENCES``, alone or followed by
     ``-``, ``@`` or ``.``."""
     return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant) for r in REFERENCES)
+
+
+def arithmetic(record: dict) -> str:
+    """What a record computes in: its reduced ``precision`` (tf32, bf16, fp16) where it
+    has one, else its dtype. Series, shares, curves, ceilings and points are grouped by it,
+    so that a TF32 study is no float32 series and a bf16 cuBLAS no float32 ceiling."""
+    from distmm.precision import REDUCED
+
+    precision = record.get("precision")
+    return precision if precision in REDUCED else record["dtype"]
