@@ -19,6 +19,7 @@ file beside the records.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -158,7 +159,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out_dir) if args.out_dir else None
     writer = RecordWriter("mpi-batch", device, out_dir=args.out_dir, inputs="npy",
-                          gpus_visible=_gpus_visible() if gpu else 0)
+                          gpus_visible=_gpus_visible() if gpu else 0,
+                          # Open MPI's transports as the launcher passes them (the README's
+                          # OMPI_MCA_btl=^ofi skips the libfabric probe in MPI_Init)
+                          ompi_mca_btl=os.environ.get("OMPI_MCA_btl", "default"))
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
     profiles = {}
     dtype = np.dtype(args.dtype)
