@@ -1108,8 +1108,8 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
     return bp
 
 
-#: plans kept for facts seen again (a product repeated on the same persisted operands and
-#: workers is planned once: the layout search costs tens of milliseconds a call)
+#: plans kept for facts seen again: a product repeated on the same persisted operands and
+#: workers is planned once (the layout search is the client's largest cost of a warm call)
 _PLANS_KEPT = 32
 _PLANS: OrderedDict = OrderedDict()
 

@@ -571,6 +571,83 @@ def test_pulling_outside_a_worker_says_where_the_product_must_run():
     assert resolve([1, 2], [3]) == ([1, 2], [3])  # nothing to pull: the lists as they are
 
 
+def _withdraw_here(key):
+    from distmm.engine.dask import pull
+
+    pull.withdraw(key)
+    return pull.published()
+
+
+def test_an_export_whose_offers_were_withdrawn_fails_its_readers_at_once(pair):
+    """An export task that finished but whose offers are no longer published (withdrawn while
+    its key stays in memory) will not publish again: a reader's pull says so, naming the
+    holder, instead of waiting ``pull.LONG_WAIT`` seconds, and a block task on the holder
+    stops waiting for it."""
+    client, w0, w1 = pair
+    assert transfer.ensure_lifetime(client)
+    c = client.scatter(np.ones(3), workers=[w0])
+    key = f"distmm-export-test-{uuid.uuid4().hex}"
+    pinned = {"allow_other_workers": False, "pure": False}
+    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **pinned)
+    assert type(e.result(timeout=30)).__name__ == "Receipt"
+    before = client.run(_published_here)[w0]
+    assert client.run(_withdraw_here, key, workers=[w0])[w0] == before - 1
+    t0 = time.time()
+    r = client.submit(_pull_and_sum, Pull(key, w0, "x"), workers=[w1], **pinned)
+    with pytest.raises(ipc.IPCError, match=f"holder {w0}.*withdrawn"):
+        r.result(timeout=60)
+    own = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
+    assert own.result(timeout=60) is False
+    assert time.time() - t0 < 20
+    del e
+
+
+def _set_patience(seconds):
+    """On a worker: ``pull.PATIENCE`` set, the engine's warnings kept from now on."""
+    import logging
+
+    from distmm.engine.dask import pull
+
+    log = logging.getLogger("distmm.engine.dask")
+    if not hasattr(log, "kept"):
+        class Keep(logging.Handler):
+            def emit(self, record):
+                log.kept.append(record.getMessage())
+        log.kept = []
+        log.addHandler(Keep(logging.WARNING))
+    old, pull.PATIENCE = pull.PATIENCE, seconds
+    return old
+
+
+def _kept_warnings():
+    import logging
+
+    return list(getattr(logging.getLogger("distmm.engine.dask"), "kept", []))
+
+
+def test_a_reader_still_waiting_says_so_and_then_gets_its_offer(pair):
+    """A reader whose offer comes late logs, every ``pull.PATIENCE`` seconds, what it still
+    waits for (naming the pulled export), and goes on once the export publishes."""
+    client, w0, w1 = pair
+    assert transfer.ensure_lifetime(client)
+    old = client.run(_set_patience, 0.3, workers=[w1])[w1]
+    try:
+        x = np.arange(6.0)
+        c = client.scatter(x, workers=[w0])
+        key = f"distmm-export-test-{uuid.uuid4().hex}"
+        pinned = {"allow_other_workers": False, "pure": False}
+        r = client.submit(_pull_and_sum, Pull(key, w0, "late-x"), workers=[w1], **pinned)
+        time.sleep(1.5)
+        e = client.submit(transfer.export_chunks, [c], ["late-x"], key=key, workers=[w0],
+                          **pinned)
+        assert r.result(timeout=60) == pytest.approx(float(x.sum()))
+        logs = client.run(_kept_warnings, workers=[w1])[w1]
+        assert any("has waited" in msg and "late-x" in msg for msg in logs), logs[-5:]
+        del e
+    finally:
+        client.run(_set_patience, old, workers=[w1])
+
+
 def _export_that_fails(chunk):
     raise RuntimeError("export failed on purpose")
 

@@ -38,9 +38,11 @@ A holder answers from its event loop and never needs a worker thread, but its
 export tasks do. A block task that asked and did not get every offer within
 ``FIRST_WAIT`` seconds (the holder's thread busy, e.g. with its own block task
 asking this worker) ``secede``\\ s, so that this worker's own export tasks can run,
-asks again for up to ``LONG_WAIT`` seconds, and ``rejoin``\\ s. A holder that
-cannot be reached, or never publishes, makes the block task raise ``IPCError``
-naming it.
+asks again for up to ``LONG_WAIT`` seconds (a warning every ``PATIENCE`` seconds
+names what it still waits for), and ``rejoin``\\ s. A holder that cannot be reached,
+or never publishes, makes the block task raise ``IPCError`` naming it; an export task
+that raised, or that finished and whose offers were withdrawn since, ends the wait at
+once.
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ HANDLER = "distmm_pull"
 #: seconds a block task waits for its offers before it secedes, and after
 FIRST_WAIT = 0.25
 LONG_WAIT = 600.0
+#: seconds between the warnings of a block task still waiting for offers
+PATIENCE = 30.0
 
 _OFFERS: dict = {}  # export key (tuples, as the scheduler spells it) -> Offer, on the holder
 _LOCK = threading.Lock()
@@ -135,22 +139,30 @@ def published() -> int:
         return len(_OFFERS)
 
 
+def _in_state(worker, keys, state: str) -> list:
+    """Those of ``keys`` whose task is in ``state`` on ``worker``."""
+    tasks = getattr(getattr(worker, "state", None), "tasks", None) or {}
+    return [key for key in keys
+            if getattr(tasks.get(key), "state", None) == state]
+
+
 def _failed(worker, keys) -> list:
     """Those of ``keys`` whose task failed on ``worker`` (they will never publish)."""
-    tasks = getattr(getattr(worker, "state", None), "tasks", None) or {}
-    out = []
-    for key in keys:
-        ts = tasks.get(key)
-        if ts is not None and getattr(ts, "state", None) == "error":
-            out.append(key)
-    return out
+    return _in_state(worker, keys, "error")
+
+
+def _withdrawn(worker, keys) -> list:
+    """Those of ``keys`` whose task finished on ``worker`` (an export task publishes before
+    it returns) but whose offers are not published: withdrawn, they will not come back."""
+    return _in_state(worker, keys, "memory")
 
 
 async def serve(keys=None, wait: float = 0.0, worker=None):
     """The holder's handler: the offers of ``keys`` (export task keys: a tuple each),
     each once published, waiting up to ``wait`` seconds for those not yet; pickled,
     a missing one as None, and under ``"failed"`` the keys whose export task raised
-    on this ``worker`` (the plugin binds it), which will never publish."""
+    on this ``worker`` (the plugin binds it) or finished with its offers withdrawn,
+    which will never publish."""
     import asyncio
 
     keys = [norm_key(k) for k in keys or ()]
@@ -160,7 +172,8 @@ async def serve(keys=None, wait: float = 0.0, worker=None):
         with _LOCK:
             got = [_OFFERS.get(k) for k in keys]
         missing = [k for k, g in zip(keys, got) if g is None]
-        failed = _failed(worker, missing) if missing and worker is not None else []
+        failed = (_failed(worker, missing) + _withdrawn(worker, missing)
+                  if missing and worker is not None else [])
         if not missing or failed or time.monotonic() >= deadline:
             return {"offers": pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL),
                     "failed": pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL)}
@@ -178,7 +191,8 @@ async def _ask_all(worker, by_holder: dict, wait: float) -> dict:
             return holder, exc
         failed = pickle.loads(reply["failed"]) if reply.get("failed") else []
         if failed:
-            return holder, RuntimeError(f"its export task(s) {failed} failed there")
+            return holder, RuntimeError(f"its export task(s) {failed} failed there, or "
+                                        f"finished with their offers withdrawn")
         return holder, dict(zip(keys, pickle.loads(reply["offers"])))
 
     answers = await asyncio.gather(*(ask(h, ks) for h, ks in by_holder.items()))
@@ -230,10 +244,23 @@ def resolve(*lists):
     if missing:
         secede()  # this worker's own export tasks may be what another holder waits for
         try:
-            got.update(_ask(worker, by_holder(missing), LONG_WAIT))
+            start = time.monotonic()
+            while missing:
+                left = LONG_WAIT - (time.monotonic() - start)
+                if left <= 0:
+                    break
+                got.update(_ask(worker, by_holder(missing), min(PATIENCE, left)))
+                missing = [p for p in wanted if p not in got]
+                if missing and time.monotonic() - start < LONG_WAIT:
+                    import logging
+
+                    logging.getLogger("distmm.engine.dask").warning(
+                        "distmm: a block task on %s has waited %.0f s for the CUDA IPC offers "
+                        "of %s (gives up after %.0f s)", worker.address,
+                        time.monotonic() - start,
+                        ", ".join(repr(wanted[p]) for p in missing[:4]), LONG_WAIT)
         finally:
             rejoin()
-        missing = [p for p in wanted if p not in got]
     if missing:
         raise IPCError("no CUDA IPC offer published within "
                        f"{LONG_WAIT:.0f} s for " + ", ".join(repr(wanted[p]) for p in missing))
@@ -259,8 +286,8 @@ def await_own(exports) -> None:
     def pending():
         with _LOCK:
             waiting = [k for k in mine if k not in _OFFERS]
-        failed = set(_failed(worker, waiting)) if waiting else set()
-        return [k for k in waiting if k not in failed]  # a failed export never publishes
+        failed = set(_failed(worker, waiting) + _withdrawn(worker, waiting)) if waiting else set()
+        return [k for k in waiting if k not in failed]  # these will never publish
 
     if not pending():
         return
