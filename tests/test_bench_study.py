@@ -327,6 +327,7 @@ sizes = [[97, 61, 203]]
     for r in records:
         assert r["precision"] == "tf32" and r["relerr_ok"] is True, r
         assert 1e-5 < r["relerr"] < 5e-3, r  # float32 alone gives ~1e-7 here
+    assert "configurations on" in res.stdout and "at precision tf32" in res.stdout
 
 
 def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):

@@ -107,7 +107,8 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
     path = output or default_output(study, device, datetime.date.today().isoformat())
     writer = RecordWriter(study.benchmark, device, path=path, study=study.name)
     runner = _Runner(study, configs, writer)
-    print(f"distmm bench {study.name}: {len(configs)} configurations on {device}, run "
+    mode = "" if study.precision == "highest" else f" at precision {study.precision}"
+    print(f"distmm bench {study.name}: {len(configs)} configurations on {device}{mode}, run "
           f"{writer.run}, records to {writer.path}", flush=True)
     runner.run()
     failed = runner.failures
@@ -133,7 +134,8 @@ def _list(study: Study, configs: list[Config]) -> None:
                          for _, c in sorted(seen.items(), key=lambda kv: str(kv[0]))) or "none"
 
     unit = "GPU" if study.device == "gpu" else "CPU"
-    print(f"study {study.name} ({study.path}): device {study.device}, {len(configs)} "
+    mode = "" if study.precision == "highest" else f", precision {study.precision}"
+    print(f"study {study.name} ({study.path}): device {study.device}{mode}, {len(configs)} "
           f"configurations, {study.repeats} warm calls each after the first")
     for i, c in enumerate(configs, 1):
         where = {"dask": f"Dask cluster of {c.count} {unit} workers{_as_nodes(c.nodes)}",
