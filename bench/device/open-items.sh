@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The measurements the open issues still lack, on a 4-GPU machine, from the repository root
+# after `. .whl/env.sh`; name the steps to run (each a few minutes), in order:
+#   bash bench/device/open-items.sh outofcore resume trace emulated emulated-tuned
+# outofcore       131072^2 fp32 on GPUs 0,1 from host blocks (bench/mpi_outofcore.py); on
+#                 cards above 100 GB the device limit is set to 64 GiB so that ranks stream
+# resume          mpirun -n 4 at fp32 32768: whole, stopped half way by SIGTERM, resumed
+#                 (bench/mpi_resume.py)
+# trace           the Dask engine's first and warm calls on 4 GPUs, traced
+#                 (bench/research/dask_stream.py)
+# emulated        bench/studies/gpu-emulated.toml (both engines, 4 GPUs as 2 emulated nodes)
+# emulated-tuned  the same with NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 (NCCL's TCP knobs)
+# Records land under $OUT.
+set -u
+OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
+export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
+unset CUPY_TF32
+date -u; echo "commit ${DISTMM_COMMIT:-?}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | uniq -c; free -g | head -2
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+for step in "$@"; do
+  echo "== $step"
+  case $step in
+    outofcore)
+      limit=; [ "$mem" -gt 100000 ] && limit=64GiB
+      CUDA_VISIBLE_DEVICES=0,1 DASK_DISTMM__DEVICE_MEMORY_LIMIT=$limit timeout 400 \
+        mpiexec --oversubscribe --bind-to none -n 2 python3 -m bench.mpi_outofcore --n 131072 \
+        --repeat 1 --out-dir "$OUT" 2>&1 | tail -5 ;;
+    resume)
+      timeout 400 python3 -m bench.mpi_resume --n 32768 --ranks 4 --repeat 2 --out-dir "$OUT" \
+        2>&1 | tail -5 ;;
+    trace)
+      timeout 240 python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 --calls 3 \
+        --trace 2>&1 | grep -v "CancelledError\|state_machine - WARNING" | cut -c1-400 \
+        | grep "==\|trace\|distmm-" | head -80 ;;
+    emulated)
+      timeout 560 python3 -m distmm bench bench/studies/gpu-emulated.toml \
+        -o "$OUT/gpu-emulated.jsonl" 2>&1 | cut -c1-300 | tail -12 ;;
+    emulated-tuned)
+      NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 timeout 560 python3 -m distmm bench \
+        bench/studies/gpu-emulated.toml -o "$OUT/gpu-emulated-tuned.jsonl" 2>&1 \
+        | cut -c1-300 | tail -12 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+ls -la "$OUT"
