@@ -320,10 +320,12 @@ counts = [2]
 sizes = [[97, 61, 203]]
 """)
     out = tmp_path / "records.jsonl"
-    res = _distmm("bench", study, "-o", out, env=dict(mpi_env, OMPI_MCA_btl="^ofi"), timeout=240)
+    res = _distmm("bench", study, "-o", out, timeout=240,
+                  env=dict(mpi_env, OMPI_MCA_btl="^ofi", NCCL_SOCKET_NTHREADS="2"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = load([out])
     assert sorted(r["engine"] for r in records) == ["dask", "local", "mpi"]
+    assert all(r["nccl_env"]["NCCL_SOCKET_NTHREADS"] == "2" for r in records)
     for r in records:
         assert r["precision"] == "tf32" and r["relerr_ok"] is True, r
         assert 1e-5 < r["relerr"] < 5e-3, r  # float32 alone gives ~1e-7 here

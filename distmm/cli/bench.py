@@ -254,6 +254,9 @@ class _Runner:
             extra["note"] = self.study.note
         if self.study.precision != "highest":
             extra["precision"] = self.study.precision
+        nccl = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+        if nccl:  # the user's NCCL settings, which the ranks inherit
+            extra["nccl_env"] = nccl
         return extra
 
     def relerr_bounds(self) -> dict:
