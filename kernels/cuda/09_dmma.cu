@@ -87,10 +87,7 @@ __device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, con
     };
 
     double acc[MT][NTI][2];
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NTI; ++j) acc[i][j][0] = acc[i][j][1] = 0.0;
+    zero_acc(acc);
 
     // Offsets (in doubles, within a stage) of this lane's fragment elements at k-step 0;
     // k-step kk adds kk * (stride of k).
@@ -104,17 +101,10 @@ __device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, con
 #endif
 
     const int KT = (K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();
-    }
+    cp_async_prologue<STAGES>(KT, load_tile);
     int read_stage = 0, write_stage = STAGES - 1;
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
-        if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
-        cp_async_commit();
+        cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
         const double* as = As + read_stage * S::A_STAGE + a_off;
         const double* bs = Bs + read_stage * S::B_STAGE + b_off;
 #if DISTMM_DMMA16
@@ -154,8 +144,8 @@ __device__ __forceinline__ void dmma_body(int M, int N, int K, double alpha, con
                     for (int j = 0; j < NTI; ++j) dmma884(acc[i][j][0], acc[i][j][1], af[i], bf[j]);
             }
         }
-        read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-        write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+        read_stage = next_stage<STAGES>(read_stage);
+        write_stage = next_stage<STAGES>(write_stage);
     }
     cp_async_wait<0>();
 

@@ -93,26 +93,14 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
     };
 
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_acc(acc);
 
     const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     const int KT = (K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();
-    }
+    cp_async_prologue<STAGES>(KT, load_tile);
     int read_stage = 0, write_stage = STAGES - 1;
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
-        if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
-        cp_async_commit();
+        cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
         const unsigned as = as0 + read_stage * S::A_STAGE * 2;
         const unsigned bs = bs0 + read_stage * S::B_STAGE * 2;
 #pragma unroll
@@ -142,8 +130,8 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
 #pragma unroll
                 for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
         }
-        read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-        write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+        read_stage = next_stage<STAGES>(read_stage);
+        write_stage = next_stage<STAGES>(write_stage);
     }
     cp_async_wait<0>();
     store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);

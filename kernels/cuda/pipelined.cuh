@@ -1,6 +1,7 @@
 // The cp.async pipelined main loop shared by step 7 (double buffering, block-wide thread
-// grid) and step 8 (warp tiling, 2-4 stages). Included by 07_double_buffer.cu and
-// 08_warptile.cu; not a kernel by itself.
+// grid) and step 8 (warp tiling, 2-4 stages), and the pipeline's pieces (accumulator
+// zeroing, prologue, stage rotation) that steps 9, 11 and 12 use around their own k loops.
+// Included by steps 7-10 and by tensorcore.cuh (steps 11-13); not a kernel by itself.
 //
 // Shared memory keeps each operand in the layout it has in global memory, so every copy is
 // a 16-byte cp.async with no trip through registers (a transpose cannot be done by
@@ -93,6 +94,52 @@ __device__ __forceinline__ void ab_tile(T* as, T* bs, const T* A, long long lda,
     }
 }
 
+// Accumulators (a scalar, or an array of any rank) set to zero (steps 7-9, 11, 12).
+template <typename X>
+__device__ __forceinline__ void zero_acc(X& x) { x = X(0); }
+
+template <typename X, int N>
+__device__ __forceinline__ void zero_acc(X (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) zero_acc(a[i]);
+}
+
+// The cp.async multi-stage pipeline (steps 7-9, 11, 12), in pieces around the caller's k
+// loop; load_tile(kt, stage) issues the copies of k tile kt into a stage:
+//   cp_async_prologue<STAGES>(KT, load_tile);
+//   int read_stage = 0, write_stage = STAGES - 1;
+//   for (int kt = 0; kt < KT; ++kt) {
+//       cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
+//       ... compute on stage read_stage ...
+//       read_stage = next_stage<STAGES>(read_stage);
+//       write_stage = next_stage<STAGES>(write_stage);
+//   }
+//   cp_async_wait<0>();
+// Prologue: the first STAGES - 1 k tiles, one commit group each (empty past KT).
+template <int STAGES, typename Load>
+__device__ __forceinline__ void cp_async_prologue(int KT, Load& load_tile) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();
+    }
+}
+
+// Start of iteration kt: wait for tile kt, pass the barrier, issue tile kt + STAGES - 1.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void cp_async_next_tile(int kt, int KT, int write_stage, Load& load_tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
+    if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
+    cp_async_commit();
+}
+
+// The stage after stage s, around the ring.
+template <int STAGES>
+__device__ __forceinline__ int next_stage(int s) {
+    return s + 1 == STAGES ? 0 : s + 1;
+}
+
 template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES,
           bool TA, bool TB>
 __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, const T* __restrict__ A,
@@ -127,23 +174,13 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
     };
 
     Acc acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0;
+    zero_acc(acc);
 
     const int KT = (K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();
-    }
+    cp_async_prologue<STAGES>(KT, load_tile);
     int read_stage = 0, write_stage = STAGES - 1;
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt is visible to all; stage write_stage is no longer read
-        if (kt + STAGES - 1 < KT) load_tile(kt + STAGES - 1, write_stage);
-        cp_async_commit();
+        cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
         const T* as = As + read_stage * S::A_STAGE;
         const T* bs = Bs + read_stage * S::B_STAGE;
 #pragma unroll
@@ -187,8 +224,8 @@ __device__ __forceinline__ void pipelined_body(int M, int N, int K, T alpha, con
                     for (int j = 0; j < TN; ++j) acc[i][j] = madd(a[ai][i], b[bi][j], acc[i][j]);
             }
         }
-        read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-        write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+        read_stage = next_stage<STAGES>(read_stage);
+        write_stage = next_stage<STAGES>(write_stage);
     }
     cp_async_wait<0>();
 
