@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import RecordWriter, cpu_model, gpu_name, parser
+from bench.common.operands import write_operand
+from bench.common.timing import incore_gemm_seconds
 
 
 def _have_gpu() -> bool:
@@ -39,26 +40,6 @@ def _have_gpu() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - no cupy or no device: a CPU run
         return False
-
-
-def write_operand(path: Path, rows: int, cols: int, dtype, seed: int, gpu: bool) -> None:
-    """A ``.npy`` of standard normal values, written a row block at a time."""
-    dtype = np.dtype(dtype)
-    with open(path, "wb") as fh:
-        np.lib.format.write_array_header_1_0(
-            fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                 "shape": (rows, cols)})
-        step = max(1, (256 << 20) // max(1, cols * dtype.itemsize))
-        if gpu:
-            import cupy
-
-            rng = cupy.random.default_rng(seed)
-            for r in range(0, rows, step):
-                fh.write(rng.standard_normal((min(step, rows - r), cols), dtype=dtype).get().data)
-        else:
-            rng = np.random.default_rng(seed)
-            for r in range(0, rows, step):
-                fh.write(rng.standard_normal((min(step, rows - r), cols), dtype=dtype).data)
 
 
 def sampled_relerr(a_path: Path, b_path: Path, c_spec: str, rows: int = 32, cols: int = 256,
@@ -117,26 +98,6 @@ def write_seconds(folder: Path, nbytes: int) -> float:
         return sec
     finally:
         target.unlink(missing_ok=True)
-
-
-def incore_gemm_seconds(n: int, dtype, repeat: int = 3) -> float:
-    """Median seconds of ``cupy.matmul`` on device-resident random operands (TF32 off)."""
-    import cupy
-
-    rng = cupy.random.default_rng(7)
-    a = rng.standard_normal((n, n), dtype=dtype)
-    b = rng.standard_normal((n, n), dtype=dtype)
-    c = cupy.matmul(a, b)
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        cupy.matmul(a, b, out=c)
-        cupy.cuda.Device().synchronize()
-        times.append(time.perf_counter() - start)
-    del a, b, c
-    cupy.get_default_memory_pool().free_all_blocks()
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         local_gpu(comm)
     ref_seconds = None
     if gpu and comm.rank == 0:
-        from bench.mpi_batch import incore_gemm_seconds
+        from bench.common.timing import incore_gemm_seconds
 
         ref_seconds = incore_gemm_seconds(args.ref_n, dtype, repeat=3)
     comm.Barrier()

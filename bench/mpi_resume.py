@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from bench.common.records import RecordWriter
-    from bench.mpi_batch import write_operand
+    from bench.common.operands import write_operand
     from distmm.cli.records import cpu_model, gpu_name
 
     gpu = False

@@ -1,12 +1,14 @@
 """Timing of the benchmarks: wall-clock medians with an optional device synchronisation
 (``median_seconds``, ``wall_times``, ``alternating_seconds``), CUDA-event medians on the
 current stream (``event_seconds``, ``event_alternating``), the sustained clock of a GPU loop
-(``sustained_clock``), and freeing cupy's pools between configurations (``free_gpu``).
+(``sustained_clock``), in-core cupy GEMM seconds (``incore_gemm_seconds``), and freeing
+cupy's pools between configurations (``free_gpu``).
 
 It does not cover what is timed. Importing it needs neither cupy nor a GPU.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Mapping
 
@@ -92,3 +94,23 @@ def sustained_clock(fn: Callable[[], Any], seconds: float = 2.0) -> tuple[float,
     from distmm.cli.tune import sustained_clock as measure
 
     return measure(fn, seconds)
+
+
+def incore_gemm_seconds(n: int, dtype, repeat: int = 3) -> float:
+    """Median seconds of ``cupy.matmul`` on device-resident random operands (TF32 off)."""
+    import cupy
+
+    rng = cupy.random.default_rng(7)
+    a = rng.standard_normal((n, n), dtype=dtype)
+    b = rng.standard_normal((n, n), dtype=dtype)
+    c = cupy.matmul(a, b)
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        cupy.matmul(a, b, out=c)
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - start)
+    del a, b, c
+    cupy.get_default_memory_pool().free_all_blocks()
+    return statistics.median(times)
