@@ -10,7 +10,8 @@ block to a CPU worker itself; on a CPU worker with the CPU executor; and
 ``cut``, one output chunk sliced out of its block. Device chunks of other
 workers may arrive as CUDA IPC offers: a GPU task copies the pieces it needs
 straight from the other process's memory into its panels
-(``transfer.take_into``), assembling each panel in one pass.
+(``transfer.take_into``), assembling each panel in one pass, each k piece's panels
+on a second stream while the previous piece's GEMM runs (``_overlapped_block``).
 It does *not* cover: which blocks exist (``distmm.plan_blocks``), the
 graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
 pickled by reference.
