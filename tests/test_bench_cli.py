@@ -131,6 +131,7 @@ def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
         assert "not run: import pylops_mpi failed" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_bench_nvmath_peer_says_why_and_changes_no_record(tmp_path):
     """bench/mpi.py with the nvmath-python peer asked for where it does not load (no nvmath

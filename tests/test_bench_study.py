@@ -301,6 +301,7 @@ sizes = [700, 701, 702, 703, 704, 705]
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_reduced_precision_study_runs_every_engine_in_it(tmp_path, mpi_env):
     """precision = "tf32" on CPU (emulated): the local engine, a Dask cluster and mpiexec -n 2
@@ -332,6 +333,7 @@ sizes = [[97, 61, 203]]
     assert "configurations on" in res.stdout and "at precision tf32" in res.stdout
 
 
+@pytest.mark.slow
 def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):
     """The local engine, a Dask cluster of 2 worker processes and mpiexec -n 2 on odd sizes:
     every configuration's record has the schema, positive times and a relerr within bound,

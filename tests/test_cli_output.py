@@ -216,6 +216,7 @@ def test_sigterm_is_acted_on_within_2_s_while_numba_compiles_and_runs(tmp_path):
     assert not _staged(tmp_path) and not (tmp_path / "c.npy").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_leftovers_of_one_process_are_named_and_removed(tmp_path):
     rng = np.random.default_rng()
     a, b = rng.standard_normal((2500, 2500)), rng.standard_normal((2500, 2500))

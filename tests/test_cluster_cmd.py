@@ -74,6 +74,7 @@ def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
     assert seconds < 30
 
 
+@pytest.mark.slow
 def test_ctrl_c_closes_the_cluster_and_keeps_a_file_it_did_not_write(tmp_path: Path):
     sched = tmp_path / "sched.json"
     sched.write_text("stale")
@@ -137,6 +138,7 @@ def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, bus
     assert time.monotonic() - t0 < 30  # no worker was waited for
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_workers_start_closes_them_once_up(tmp_path: Path):
     sched = tmp_path / "sched.json"
     proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",

@@ -170,6 +170,7 @@ def test_empty_and_zero_k(client):
         _check(distmm.matmul(da.from_array(a), da.from_array(b), client=client).compute(), a @ b)
 
 
+@pytest.mark.slow
 def test_k_split_is_reduced_along_the_fixed_tree(client):
     """(64, 200000) @ (200000, 64): one C tile, k split over the workers,
     partials summed in the plan's order: the same bits every run."""

@@ -123,6 +123,7 @@ def test_with_no_worker_alive_the_run_waits_for_one_and_gives_the_same_bits():
     assert np.array_equal(out["c"], undisturbed)
 
 
+@pytest.mark.slow
 def test_no_worker_left_raises_workers_lost_after_the_timeout():
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                                   dashboard_address=":0") as cl, distributed.Client(cl) as c:
@@ -198,6 +199,7 @@ def test_workers_killed_while_reading_file_operands_give_the_same_bits(client, t
     assert np.array_equal(out["c"], undisturbed)
 
 
+@pytest.mark.slow
 def test_tasks_placed_on_a_worker_that_left_are_cancelled_for_a_retry():
     """The eager loop's stall watch (``eager._StallWatch``): a task held for a worker
     that has left the cluster (a strict restriction here: what distributed 2024.12

@@ -361,6 +361,7 @@ def _drop_replica(key, address, dask_scheduler=None):
     dask_scheduler.request_remove_replicas(address, [key], stimulus_id="test-remove-replicas")
 
 
+@pytest.mark.slow
 def test_a_dropped_replica_keeps_the_export_until_the_key_is_gone(pair):
     """A reader fetched the offer (two replicas) and the scheduler drops the holder's:
     the holder keeps the allocation while the key lives on the reader, and lets it go

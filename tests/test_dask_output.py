@@ -257,6 +257,7 @@ def _file_size_limit():
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_write_fails_the_run_and_leaves_nothing(operands, tmp_path, capsys):
     """One worker's file-size limit (64 KiB: C is 468 KiB) stops its writes with EFBIG: the
     command fails with one line naming the output, and nothing is left beside it."""
@@ -287,6 +288,7 @@ def _unshare_prefix(hidden: Path) -> list[str]:
     return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs tmpfs {hidden} && exec "$@"', "sh"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_does_not_see_the_output_gives_the_gathered_fallback(operands, tmp_path):
     """The command, as a process of its own: its note is one line on its stderr."""
     a, b, h5 = operands

@@ -377,6 +377,7 @@ def _sleep_on(client, worker, seconds):
     return client.submit(time.sleep, seconds, workers=[worker], pure=False)
 
 
+@pytest.mark.slow
 def test_split_k_is_bitwise_reproducible_whoever_finishes_first(mixed):
     client, gpu, cpu = mixed
     rng = np.random.default_rng()

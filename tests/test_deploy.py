@@ -224,6 +224,7 @@ def test_slurm_dask_mpi_job(tmp_path, batch_env):
 # -- dask-mpi under mpiexec -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_dask_mpi_program_under_mpiexec(tmp_path, mpirun):
     a, b = _operands(tmp_path, 53, 61, 29, seed=3)
@@ -354,6 +355,7 @@ def test_pbs_mpi_job_resubmits_before_its_walltime_and_resumes(tmp_path, batch_e
     assert_close(np.load(tmp_path / "c.npy"), a @ b)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_pbs_dask_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=6)

@@ -136,6 +136,7 @@ print(CALLS.last.plan.describe())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["DISTMM_MEMORY_BUDGET", "DASK_DISTMM__MEMORY_BUDGET"])
 def test_plan_command_prints_the_plan_matmul_runs(variable):
     env = {variable: "64MiB"}

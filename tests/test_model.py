@@ -392,6 +392,7 @@ def test_calibrate_from_records_needs_a_machine_when_several(tmp_path):
     assert load(tmp_path / "c.json").machine == "AMD EPYC"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_calibrate_quick_end_to_end(tmp_path, mpi_env):
     out = tmp_path / "cal.json"

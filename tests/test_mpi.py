@@ -20,7 +20,8 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("ranks", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_mpi_engine_cases(ranks, tmp_path, mpirun):
     r = mpirun(ranks, HERE / "mpi_cases.py", tmp_path, timeout=240)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]

@@ -142,6 +142,7 @@ def _rank_pids(launcher: int) -> list[int]:
             if "distmm" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
@@ -174,6 +175,7 @@ def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     assert not list(part.glob(".c.npy.*"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch_env):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=12)
     opts = ["--backend", "numba", "--resume"]
@@ -303,6 +305,7 @@ def test_gpu_resume_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     assert np.load(tmp_path / "c.npy").tobytes() == np.load(tmp_path / "full.npy").tobytes()
 
 
+@pytest.mark.slow
 def test_progress_under_mpirun_is_rank_0s_bar(tmp_path, run):
     _operands(tmp_path, 300, 200, 100, "float64", seed=15)
     r = run(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",

@@ -58,6 +58,7 @@ def files(tmp_path):
     return tmp_path, a @ b
 
 
+@pytest.mark.slow
 def test_mpirun_matmul_formats(files, launch):
     import h5py
     import zarr

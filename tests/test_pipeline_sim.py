@@ -282,6 +282,7 @@ def test_product_matches_numpy(m, n, k, dtype):
     assert info["retries"] == 0
 
 
+@pytest.mark.slow
 def test_operands_several_times_the_device_budget():
     rng = np.random.default_rng(1)
     a, b = rand((700, 600), "float64", rng), rand((600, 650), "float64", rng)

@@ -31,6 +31,7 @@ def test_reduction_tree_sums_everything_once(count):
 @settings(max_examples=200, deadline=None)
 @given(m=st.integers(0, 5000), n=st.integers(0, 5000), k=st.integers(0, 300000),
        workers=st.integers(1, 16), tile=st.one_of(st.none(), st.integers(1, 3000)))
+@pytest.mark.slow
 def test_plan_covers_the_problem(m, n, k, workers, tile):
     p = make_plan(m, n, k, "float64", workers=workers, tile=tile)
     assert p.row_edges[0] == 0 and p.row_edges[-1] == m

@@ -310,6 +310,7 @@ def test_mpi_within_bound(mpirun, tmp_path):
     assert "VERDICT ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpirun_cli_precision(mpirun, tmp_path):
     """``mpirun -n 2 distmm matmul --precision tf32``: the batch path's executors round."""
