@@ -96,14 +96,19 @@ def _device_limit(share: int):
     return int(min(0.85 * total / share, 0.95 * free))
 
 
+def _gpu_executor(tp: TaskPlan, backend: str):
+    """This worker's GPU executor for ``tp`` (``backend`` where it is a GPU one, else auto)."""
+    from distmm.executor import GPU_BACKENDS
+
+    return cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True,
+                           tp.precision)
+
+
 def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
     """``a @ b`` in the accumulation dtype on this worker's GPU: host float
     panels through the stream pipeline, others through the device."""
-    from distmm.executor import GPU_BACKENDS
-
     acc = np.dtype(tp.acc_dtype)
-    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True,
-                         tp.precision)
+    ex = _gpu_executor(tp, backend)
     host = isinstance(a, (np.ndarray, Chunked))
     if host and acc.name in ("float32", "float64") and a.shape[1]:
         from distmm.executor.pipeline import run_pipelined
@@ -285,10 +290,9 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     other workers' exports are closed once the copies have finished."""
     import cupy
 
-    from distmm.executor import GPU_BACKENDS, ipc
+    from distmm.executor import ipc
 
-    ex = cached_executor(backend if backend in GPU_BACKENDS else "auto", tp.acc_dtype, True,
-                         tp.precision)
+    ex = _gpu_executor(tp, backend)
     m = sum(r1 - r0 for _, r0, r1 in spec.a_rows)
     n = sum(c1 - c0 for _, c0, c1 in spec.b_cols)
     compute = cupy.cuda.get_current_stream()
