@@ -28,18 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import RecordWriter, cpu_model, gpu_name, parser
+from bench.common import RecordWriter, cpu_model, gpu_name, local_gpus, parser
 from bench.common.operands import write_operand
 from bench.common.timing import incore_gemm_seconds
-
-
-def _have_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no cupy or no device: a CPU run
-        return False
 
 
 def sampled_relerr(a_path: Path, b_path: Path, c_spec: str, rows: int = 32, cols: int = 256,
@@ -114,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="*", default=[], choices=["zarr", "h5"],
                    help="also write C as these formats, at the largest rank count")
     args = p.parse_args(argv)
-    gpu = _have_gpu()
+    gpu = local_gpus() > 0
     device = gpu_name() if gpu else cpu_model()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -47,13 +47,9 @@ def main(argv=None) -> int:
 
     comm = MPI.COMM_WORLD
     n, dtype = args.n, np.dtype(args.dtype)
-    gpu = False
-    try:
-        import cupy
+    from bench.common import local_gpus
 
-        gpu = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 -- no GPU here: the CPU path, for a smoke run
-        gpu = False
+    gpu = local_gpus() > 0  # none: the CPU path, for a smoke run
     if gpu:
         from distmm.engine.mpi.gridcomms import local_gpu
 

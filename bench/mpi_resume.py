@@ -75,13 +75,9 @@ def main(argv=None) -> int:
     from bench.common.operands import write_operand
     from distmm.cli.records import cpu_model, gpu_name
 
-    gpu = False
-    try:
-        import cupy
+    from bench.common import local_gpus
 
-        gpu = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 -- a CPU machine
-        gpu = False
+    gpu = local_gpus() > 0  # none: the CPU path, for a smoke run
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     n, dtype = args.n, np.dtype(args.dtype)
