@@ -10,13 +10,8 @@
 # then, on all four GPUs, the tests that take every GPU (distmm cluster, emulated nodes).
 # Logs and records land under $OUT.
 set -u
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 T=${T_GROUPS:-330}
-date -u; echo "commit ${DISTMM_COMMIT:-?}"
+. "$(dirname "$0")/prelude.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m | head -8
 nproc; python3 -c "import cupy, numpy, sys; print('cupy', cupy.__version__, 'numpy', numpy.__version__, sys.version.split()[0])"
 PT="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"

@@ -4,13 +4,8 @@
 # study bench/studies/gpu-dask.toml (1, 2, 4 GPUs against cuBLAS in the same run) and the
 # emulated-nodes GPU tests. Logs and records land under $OUT.
 set -u
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 BUDGET=${BUDGET:-570}
-date -u; echo "commit ${DISTMM_COMMIT:-?}"
+. "$(dirname "$0")/prelude.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | uniq -c
 PT="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
 echo "== Dask GPU tests on GPUs 0,1"

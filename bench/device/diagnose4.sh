@@ -5,9 +5,7 @@
 # one output from 4 writers (bench/research/write_paths.py) and what MPI's launch costs with
 # and without Open MPI's libfabric BTL. Logs land under $OUT.
 set -u
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
-date -u; echo "commit ${DISTMM_COMMIT:-?}"
+. "$(dirname "$0")/prelude.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
 ( taskset -c 48-63 python3 -m bench.research.write_paths --gib 4 --procs 4 --dir /tmp --repeat 2
   for btl in default "^ofi"; do

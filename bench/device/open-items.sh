@@ -12,12 +12,8 @@
 # emulated-tuned  the same with NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 (NCCL's TCP knobs)
 # Records land under $OUT.
 set -u
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
-date -u; echo "commit ${DISTMM_COMMIT:-?}"
+export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
+. "$(dirname "$0")/prelude.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | uniq -c; free -g | head -2
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 for step in "$@"; do

@@ -4,13 +4,8 @@
 #   bash bench/device/studies.sh bench/studies/gpu-scaling-65536.toml bench/studies/gpu-scaling.toml
 # Each study's records land in $OUT/<study>.jsonl (what a killed study wrote stays whole).
 set -u
-OUT=${OUT:-/tmp/distmm-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-kernel-cache}
-export DISTMM_CACHE_DIR=${DISTMM_CACHE_DIR:-/tmp/distmm-cache}
-unset CUPY_TF32
 BUDGET=${BUDGET:-560}
-date -u; echo "commit ${DISTMM_COMMIT:-?}"
+. "$(dirname "$0")/prelude.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for study in "$@"; do
   left=$(( BUDGET - SECONDS ))
