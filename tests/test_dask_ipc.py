@@ -572,6 +572,20 @@ def test_pulling_outside_a_worker_says_where_the_product_must_run():
     assert resolve([1, 2], [3]) == ([1, 2], [3])  # nothing to pull: the lists as they are
 
 
+def _readers_stop_waiting(client, key, holder, reader, why: str, within: float):
+    """An export ``key`` on ``holder`` that will never publish: a reader's pull raises
+    ``IPCError`` naming the holder and ``why``, and a block task on the holder stops waiting
+    for it, both within ``within`` seconds (not ``pull.LONG_WAIT``)."""
+    pinned = {"allow_other_workers": False, "pure": False}
+    t0 = time.time()
+    r = client.submit(_pull_and_sum, Pull(key, holder, "x"), workers=[reader], **pinned)
+    with pytest.raises(ipc.IPCError, match=f"holder {holder}.*{why}"):
+        r.result(timeout=60)
+    own = client.submit(_await_then_look, Pull(key, holder, "x"), workers=[holder], **pinned)
+    assert own.result(timeout=60) is False
+    assert time.time() - t0 < within
+
+
 def _withdraw_here(key):
     from distmm.engine.dask import pull
 
@@ -593,13 +607,7 @@ def test_an_export_whose_offers_were_withdrawn_fails_its_readers_at_once(pair):
     assert type(e.result(timeout=30)).__name__ == "Receipt"
     before = client.run(_published_here)[w0]
     assert client.run(_withdraw_here, key, workers=[w0])[w0] == before - 1
-    t0 = time.time()
-    r = client.submit(_pull_and_sum, Pull(key, w0, "x"), workers=[w1], **pinned)
-    with pytest.raises(ipc.IPCError, match=f"holder {w0}.*withdrawn"):
-        r.result(timeout=60)
-    own = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
-    assert own.result(timeout=60) is False
-    assert time.time() - t0 < 20
+    _readers_stop_waiting(client, key, w0, w1, "withdrawn", within=20)
     del e
 
 
@@ -665,10 +673,4 @@ def test_a_failed_export_fails_its_readers_at_once(pair):
     e = client.submit(_export_that_fails, c, key=key, workers=[w0], **pinned)
     with pytest.raises(RuntimeError, match="on purpose"):
         e.result(timeout=30)
-    t0 = time.time()
-    r = client.submit(_pull_and_sum, Pull(key, w0, "x"), workers=[w1], **pinned)
-    with pytest.raises(ipc.IPCError, match=f"holder {w0}.*failed"):
-        r.result(timeout=60)
-    own = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
-    assert own.result(timeout=60) is False
-    assert time.time() - t0 < 30
+    _readers_stop_waiting(client, key, w0, w1, "failed", within=30)
