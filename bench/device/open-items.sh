@@ -10,6 +10,8 @@
 #                 (bench/research/dask_stream.py)
 # emulated        bench/studies/gpu-emulated.toml (both engines, 4 GPUs as 2 emulated nodes)
 # emulated-tuned  the same with NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 (NCCL's TCP knobs)
+# firstcall       host-resident first calls at 32768 (fp64, fp32), each in a fresh process that
+#                 made its operands with cupy first (bench/pipeline.py --first-call)
 # Records land under $OUT.
 set -u
 export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
@@ -38,6 +40,9 @@ for step in "$@"; do
       NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 timeout 560 python3 -m distmm bench \
         bench/studies/gpu-emulated.toml -o "$OUT/gpu-emulated-tuned.jsonl" 2>&1 \
         | cut -c1-300 | tail -12 ;;
+    firstcall)
+      timeout 300 python3 -m bench.pipeline --first-call --sizes 32768 --dtypes float64 float32 \
+        --steady 2 --out-dir "$OUT" 2>&1 | grep -v DEBUG | tail -8 ;;
     *) echo "unknown step $step" ;;
   esac
 done
