@@ -108,6 +108,7 @@ class Config:
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
     batch_panels: str = "auto"  # auto | read | broadcast: how its ranks get the panels they need
     precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
+    direct_writes: bool = True  # large spans of .npy/HDF5 outputs written with O_DIRECT
 
 
 class _Bad(Exception):
@@ -153,6 +154,13 @@ def _tile(value):
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
+
+
+def _required_bool(value) -> bool:
+    got = _optional_bool(value)
+    if got is None:
+        raise _Bad("true or false is needed")
+    return got
 
 
 def _optional_bool(value):
@@ -241,6 +249,7 @@ _PARSERS = {
                                              ("auto", "ipc", "tcp"))),
     "batch-stripes": ("batch_stripes", _positive_int),
     "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "broadcast"))),
+    "direct-writes": ("direct_writes", _required_bool),
     "precision": ("precision", lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                                PRECISIONS)),
 }

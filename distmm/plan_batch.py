@@ -1,7 +1,8 @@
 """The plan of a file-to-file batch product under MPI: pure functions and a frozen dataclass.
 
 This module covers: the process grid of a batch job (``rows x cols`` ranks, k never split,
-so that every rank owns a block of C and writes it itself), the stripes that cut each
+so that every rank owns a block of C and writes it itself; ``ranks x 1`` when asked for whole
+rows and B fits, so that each block is one contiguous range of the output file), the stripes that cut each
 rank's C block into row ranges computed and written one after another (so that writing C
 overlaps computing it, and a stopped job can resume at a stripe), the k panels of a stripe's
 product (every owner's edge of A and B), and what one rank holds at once: B's column panel
@@ -83,7 +84,7 @@ def _held(grid: GridPlan, i: int, j: int, stripe: int) -> int:
 
 def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
                memory: int | None = None, stripes: int = STRIPES_PER_RANK,
-               grid: tuple[int, int] | None = None) -> BatchPlan:
+               grid: tuple[int, int] | None = None, whole_rows: bool = False) -> BatchPlan:
     """Plan a batch product on ``ranks`` ranks.
 
     Parameters
@@ -99,6 +100,10 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         would not fit ``memory``, down to ``MIN_STRIPE_ROWS`` rows each).
     grid : (rows, cols), optional
         Force the process grid.
+    whole_rows : bool
+        Prefer ``ranks x 1`` (each rank's C block whole rows: one contiguous range of a
+        C-ordered file, written directly; every rank holds all of B) when B and two stripes
+        fit ``memory`` and ``m >= ranks``; otherwise the grid ``distmm.grid.make_grid`` picks.
 
     Raises
     ------
@@ -114,9 +119,17 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     ((1, 2, 2), 8, 2)
     >>> p.stripe_edges[1][:3]
     (16384, 18432, 20480)
+    >>> plan_batch(32768, 32768, 32768, "float32", ranks=4, whole_rows=True).grid.shape
+    (1, 4, 1)
     """
     if stripes < 1:
         raise ValueError(f"stripes must be at least 1, got {stripes}")
+    if whole_rows and grid is None and ranks > 1 and m >= ranks:
+        try:
+            return plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
+                              grid=(ranks, 1))
+        except ValueError:  # B does not fit one rank: the grid below shares it
+            pass
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
     g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
     edges, held = [], [0] * g.ranks

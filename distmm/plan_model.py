@@ -523,11 +523,13 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
     share = max(1, ranks_per_device)
     avail = _devices_info(cal, device, devices, ranks_per_device, memory)
     forced = None if grid is None else tuple(grid)[-2:]
+    # ranks of one node read their panels, and then take whole rows of C (distmm.engine.mpi.batch)
+    rows = devices <= (cal.gpus_per_node if device == "gpu" else cal.cores)
     try:
-        bp = plan_batch(m, n, k, dt, ranks=devices, memory=avail, grid=forced)
+        bp = plan_batch(m, n, k, dt, ranks=devices, memory=avail, grid=forced, whole_rows=rows)
         note = ""
     except ValueError:
-        bp = plan_batch(m, n, k, dt, ranks=devices, grid=forced)
+        bp = plan_batch(m, n, k, dt, ranks=devices, grid=forced, whole_rows=rows)
         note = "the batch planner refuses this: B's column panel does not fit a rank"
     g = bp.grid
     per_node = max(1, min(devices, cal.gpus_per_node if device == "gpu" else cal.cores))

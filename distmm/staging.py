@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
@@ -146,9 +147,13 @@ class BlockWriter:
         Where the array's first byte goes.
     create : bool
         Create the file (exclusively).
+    direct : bool, optional
+        Write spans of 1 MiB and more past the page cache (``distmm.direct_io``) where the
+        file system takes ``O_DIRECT``; ``None``: the ``direct-writes`` setting.
     """
 
-    def __init__(self, path, shape, dtype, offset: int, *, create: bool = False):
+    def __init__(self, path, shape, dtype, offset: int, *, create: bool = False,
+                 direct: bool | None = None):
         self.path = Path(path)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
@@ -156,6 +161,11 @@ class BlockWriter:
         flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(self.path, flags, 0o666)
         self._rfd = None
+        if direct is None:
+            from distmm.config import get_config
+
+            direct = get_config().direct_writes
+        self._span = SpanWriter(self.path, self._fd) if direct else None
 
     ndim = property(lambda self: len(self.shape))
     offset = property(lambda self: self._offset, doc="Where the array's first byte is.")
@@ -163,7 +173,15 @@ class BlockWriter:
     nbytes = property(lambda self: self.size * self.dtype.itemsize)
 
     def _pwrite(self, data, offset: int) -> None:
-        pwrite_all(self._fd, data, offset)
+        if self._span is not None:
+            self._span.write(data, offset, pwrite_all)
+        else:
+            pwrite_all(self._fd, data, offset)
+
+    @property
+    def written_direct(self) -> int:
+        """Bytes written past the page cache so far."""
+        return 0 if self._span is None else self._span.written_direct
 
     @property
     def _width(self) -> int:
@@ -217,6 +235,9 @@ class BlockWriter:
         self.close()
 
     def close(self) -> None:
+        if self._span is not None:
+            self._span.close()
+            self._span = None
         for fd in (self._fd, self._rfd):
             if fd is not None:
                 os.close(fd)
@@ -271,7 +292,8 @@ def create_h5_stage(staged, dataset: str, shape, dtype) -> int:
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # on the plist: h5py < 3.11 has no fill_time=
-    with h5py.File(staged, "w-") as fh:
+    # large objects start on a block boundary, so whole rows of the data can be written directly
+    with h5py.File(staged, "w-", alignment_threshold=MIN_DIRECT, alignment_interval=ALIGN) as fh:
         ds = fh.create_dataset(dataset, shape=tuple(shape), dtype=dtype, dcpl=dcpl)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes and ds.id.get_offset() is None:  # a scalar: allocated by its first write
@@ -279,7 +301,16 @@ def create_h5_stage(staged, dataset: str, shape, dtype) -> int:
         if ds.id.get_type().get_size() != dtype.itemsize or ds.id.get_storage_size() != nbytes:
             raise TypeError(f"HDF5 stores dtype {dtype} in another layout than numpy")
         offset = ds.id.get_offset()
-    return 0 if offset is None else int(offset)
+    offset = 0 if offset is None else int(offset)
+    from distmm.config import get_config
+
+    if nbytes and get_config().direct_writes:  # the data's blocks now (a full disk fails here)
+        fd = os.open(staged, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            preallocate(fd, offset, nbytes)
+        finally:
+            os.close(fd)
+    return offset
 
 
 def _close(fh, path, *, quiet: bool) -> None:

@@ -4,8 +4,9 @@ This module covers: naming an output (``parse_spec``: ``a.npy``, ``a.zarr``,
 ``group.zarr/array``, ``file.h5:dataset``) and ``StripeWriter``, which one process (an MPI
 rank of the batch path, a Dask worker of the Dask engine) uses to put blocks of C into the
 staged output that another process created (``distmm.staging``): ``.npy`` and HDF5 with
-``os.pwrite`` at the data's offset and the kernel's writeback started at once
-(``sync_file_range``), zarr through zarr under an advisory lock unless the writes cover whole
+``os.pwrite`` at the data's offset (spans of whole rows past the page cache,
+``distmm.direct_io``; the rest with the kernel's writeback started at once,
+``sync_file_range``), zarr through zarr under an advisory lock unless the writes cover whole
 chunks.
 It does *not* cover: creating, committing or removing the staged output
 (``distmm.staging``, ``distmm.engine.mpi.io``), or deciding who writes which block (the
@@ -69,6 +70,7 @@ class StripeWriter:
         self.aligned = aligned
         self._zarr = None
         self._blocks = None
+        self._direct_done = 0  # bytes written past the page cache by a closed BlockWriter
         if self.spec.kind == "zarr":
             import zarr
 
@@ -98,13 +100,20 @@ class StripeWriter:
         start = self._header + r0 * width + c0 * self.dtype.itemsize
         _start_writeback(self._blocks._fd, start, (r1 - r0 - 1) * width + (c1 - c0) * self.dtype.itemsize)
 
+    @property
+    def written_direct(self) -> int:
+        """Bytes of C written past the page cache (``distmm.direct_io``)."""
+        return self._direct_done + (self._blocks.written_direct if self._blocks else 0)
+
     def finish(self) -> None:
         if self._blocks is not None:
+            self._direct_done += self._blocks.written_direct
             self._blocks.finish()
             self._blocks = None
 
     def close(self) -> None:
         if self._blocks is not None:
+            self._direct_done += self._blocks.written_direct
             self._blocks.close()
             self._blocks = None
 

@@ -27,6 +27,7 @@ LEVELS = {
     "distmm.config": 0,
     "distmm.errors": 0,
     "distmm.staging": 0,
+    "distmm.direct_io": 0,
     "distmm.stripe_writer": 0,
     "distmm.emulate": 0,
     "distmm.precision": 0,

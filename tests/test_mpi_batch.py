@@ -111,6 +111,48 @@ def test_profile_file(tmp_path, run):
     assert sum(rec["bytes"]["write"] for rec in data["ranks"]) == 40 * 20 * 8
 
 
+@pytest.mark.parametrize("fmt", ["npy", "h5"])
+def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
+    """On one host each of 3 ranks takes whole rows of C (grid 3 x 1) and writes its stripes,
+    4 MiB and more, past the page cache where the file system takes O_DIRECT; the file equals
+    numpy's product and its data starts on a block."""
+    from distmm.direct_io import ALIGN, aligned_split
+
+    m, k, n = 1536, 24, 2048  # a rank's stripe: 256 rows of 16 KiB
+    a, b = _operands(tmp_path, m, k, n, "float64", seed=11)
+    out = tmp_path / ("c.npy" if fmt == "npy" else "c.h5")
+    target = str(out) if fmt == "npy" else f"{out}:c"
+    prof = tmp_path / "p.json"
+    r = run(3, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", target, "--profile", prof,
+            DISTMM_BATCH_STRIPES="2", DISTMM_BATCH_PANELS="read")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(prof.read_text())
+    assert data["meta"]["grid"] == [1, 3, 1]
+    if fmt == "npy":
+        got = np.load(out, mmap_mode="r")
+        assert got.offset % ALIGN == 0
+    else:
+        import h5py
+
+        with h5py.File(out) as fh:
+            assert fh["c"].id.get_offset() % ALIGN == 0
+            got = fh["c"][...]
+    ref = a @ b
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    direct = [rec["written_direct"] for rec in data["ranks"]]
+    probe = tmp_path / "probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+        os.close(fd)
+        takes = bool(getattr(os, "O_DIRECT", 0))
+    except OSError:
+        takes = False
+    if takes:  # every stripe's aligned middle went past the page cache
+        assert all(d >= 2 * aligned_split(ALIGN, 256 * n * 8)[1] - 2 * ALIGN for d in direct), direct
+    else:
+        assert direct == [0, 0, 0]
+
+
 def _logged(folder: Path) -> int:
     return sum(len(p.read_text().split()) for p in folder.glob(".c.npy.distmm-partial-*.done-*"))
 

@@ -24,7 +24,6 @@ It does *not* cover: computing anything, or signal handling (``distmm.cli``).
 """
 from __future__ import annotations
 
-import io as _io
 import os
 import shutil
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.direct_io import npy_header, preallocate
 from distmm.errors import OutputExists
 from distmm.stripe_writer import parse_spec
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
@@ -170,12 +170,11 @@ class NpyWriter(BlockWriter):
         dtype = np.dtype(dtype)
         if dtype.hasobject:
             raise TypeError(f"cannot write dtype {dtype} to a .npy file without pickling")
-        header = _io.BytesIO()
-        np.lib.format.write_array_header_2_0(
-            header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                     "shape": tuple(int(s) for s in shape)})
-        super().__init__(path, shape, dtype, header.tell(), create=True)
-        self._pwrite(header.getvalue(), 0)
+        header = npy_header(shape, dtype)
+        super().__init__(path, shape, dtype, len(header), create=True)
+        self._pwrite(header, 0)
+        if self._span is not None:  # blocks now: a full disk fails here, direct writes in place
+            preallocate(self._fd, len(header), self.nbytes)
 
     def finish(self) -> None:
         """Give the file its full length and flush it to disk."""

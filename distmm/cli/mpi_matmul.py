@@ -109,7 +109,8 @@ def run_matmul(args) -> int:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
     grid = outcome.plan.grid if outcome.plan is not None else None
-    totals = _report_profile(comm, args, phases, t0, grid, epoch, panels=outcome.panels)
+    totals = _report_profile(comm, args, phases, t0, grid, epoch, panels=outcome.panels,
+                             written_direct=outcome.written_direct)
     if outcome.status:
         if comm.rank == 0:
             if getattr(args, "debug", False) and outcome.error is not None:
@@ -159,11 +160,13 @@ def _end(status: int) -> None:
         os._exit(status)
 
 
-def _report_profile(comm, args, phases, t0, grid, epoch: float, *, panels=None) -> str:
+def _report_profile(comm, args, phases, t0, grid, epoch: float, *, panels=None,
+                    written_direct: int = 0) -> str:
     """With ``--profile``: gather every rank's spans, write the file on rank 0, and return
     the totals for the summary line (``"; read 1.20, ... s"``); else ``""``. ``panels``:
     the batch path's ``read`` or ``broadcast`` decision, kept in the profile with the
-    emulated nodes the job ran as (``distmm.emulate``)."""
+    emulated nodes the job ran as (``distmm.emulate``); ``written_direct``: this rank's bytes
+    of C written past the page cache, kept in its record."""
     import socket
 
     from distmm.emulate import record_value
@@ -171,8 +174,8 @@ def _report_profile(comm, args, phases, t0, grid, epoch: float, *, panels=None) 
 
     if not args.profile:
         return ""
-    records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname(), epoch=epoch),
-                          root=0)
+    records = comm.gather(phases.record(rank=comm.rank, host=socket.gethostname(), epoch=epoch,
+                                        written_direct=written_direct), root=0)
     if comm.rank != 0:
         return ""
     if args.profile:

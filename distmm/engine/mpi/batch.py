@@ -53,6 +53,7 @@ class BatchOutcome:
     plan: BatchPlan | None = None
     notes: list[str] = field(default_factory=list)
     panels: str | None = None  # how the ranks got their panels: "read" or "broadcast"
+    written_direct: int = 0  # this rank's bytes of C written past the page cache
 
 
 @contextmanager
@@ -157,13 +158,15 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 from distmm.executor.cublas import start_cublas
 
                 start_cublas(dtype)
+            direct = _reads_directly(comm, get_config().batch_panels)
+            outcome.panels = "read" if direct else "broadcast"
+            # ranks that read their panels take whole rows of C when B fits: each writes one
+            # contiguous range of the output, directly (broadcasting all of B would not pay)
             plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
-                              stripes=get_config().batch_stripes)
+                              stripes=get_config().batch_stripes, whole_rows=direct)
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
-            direct = _reads_directly(comm, get_config().batch_panels)
-            outcome.panels = "read" if direct else "broadcast"
             panels = k_panels(plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None
@@ -216,6 +219,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         finally:
             if writer is not None:
                 writer.close()
+                outcome.written_direct = writer.written_direct
             if log is not None:
                 log.close()
         _close_sources(a, b)

@@ -30,6 +30,8 @@ import shutil
 
 import numpy as np
 
+from distmm.config import get_config
+from distmm.direct_io import npy_header, preallocate
 from distmm.staging import BlockWriter, commit_h5, create_h5_stage, staged_path
 from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec
 
@@ -84,13 +86,15 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
     data (``.npy`` and HDF5) or None (zarr, chunked as ``chunks`` when given)."""
     if f.kind == "npy":
         path = staged_path(f.path, pid)
+        head = npy_header(shape, dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         with open(path, "xb") as fh:
-            np.lib.format.write_array_header_1_0(
-                fh, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                     "shape": tuple(shape)})
-            header = fh.tell()
-            fh.truncate(header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        return header
+            fh.write(head)
+            fh.truncate(len(head) + nbytes)
+            fh.flush()
+            if get_config().direct_writes:  # blocks now: a full disk fails before any work
+                preallocate(fh.fileno(), len(head), nbytes)
+        return len(head)
     if f.kind == "zarr":
         import zarr
 
