@@ -8,8 +8,9 @@ target a run is judged by is ``read + write + gemm / P``.
 
 For each size, the operands are written once as ``.npy`` files in ``--work`` (random values
 made on the GPU, or with numpy without one); then for each rank count ``P`` the command runs
-``--repeat`` times (``P = 1`` also without ``mpirun``: variant ``distmm-cli``), each run with
-``--profile``, and its output is checked on sampled rows against a float64 product before it
+``--repeat`` times (``P = 1`` also without ``mpirun``: variant ``distmm-cli``, the plain
+command without ``--profile``, which would run it through the MPI engine; ``batch-1`` is
+that), every other run with ``--profile``, and its output is checked on sampled rows against a float64 product before it
 is deleted. One record per (variant, size) with the median wall time; the per-phase totals of
 the median run's profile go into the record (``phases``), and every profile into one JSON
 file beside the records.
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--extra", nargs="*", default=[],
                    help="more options for distmm matmul (e.g. --backend cublas)")
     p.add_argument("--no-cli", action="store_true", help="skip the single-process commands")
+    p.add_argument("--label", default="",
+                   help="appended to every variant's name (a setting compared in the same run)")
     p.add_argument("--gemm-repeat", type=int, default=3, help="timed in-core cuBLAS products")
     p.add_argument("--formats", nargs="*", default=[], choices=["zarr", "h5"],
                    help="also write C as these formats, at the largest rank count")
@@ -136,11 +139,12 @@ def main(argv=None) -> int:
         print("  references: " + ", ".join(f"{k} {v:.2f} s" for k, v in refs.items()), flush=True)
         outputs = {"npy": str(c_path), "zarr": str(work / f"c{n}.zarr"),
                    "h5": f"{work / f'c{n}.h5'}:C"}
-        # distmm-cli: one process, the local engine; batch-1: one process, the MPI engine's
-        # striped path (--engine mpi); mpirun-P: P ranks
+        # distmm-cli: one process, the local engine, without --profile; batch-1: one process,
+        # the MPI engine's striped path (--engine mpi); mpirun-P: P ranks
         cases = [("distmm-cli", 1, "npy"), ("batch-1", 1, "npy")] if not args.no_cli else []
         cases += [(f"mpirun-{r}", r, "npy") for r in args.ranks]
         cases += [(f"mpirun-{max(args.ranks)}-{f}", max(args.ranks), f) for f in args.formats]
+        cases = [(v + args.label, r, f) for v, r, f in cases]
         for variant, ranks, fmt in cases:
             if mpiexec is None and variant.startswith("mpirun"):
                 print(f"  {variant}: no mpiexec", flush=True)
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
             out = outputs[fmt]
             base = [sys.executable, "-m", "distmm", "matmul", str(a_path), str(b_path), "-o",
                     out, "--overwrite"] + list(args.extra)
-            if variant == "batch-1":
+            if variant.startswith("batch-1"):
                 base += ["--engine", "mpi"]
             if variant.startswith("mpirun"):
                 base = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + base
@@ -157,7 +161,10 @@ def main(argv=None) -> int:
                 prof = work / f"profile-{variant}-{n}-{rep}.json"
                 remove_output(out)
                 launched = time.time()
-                sec, proc = timed(base + ["--profile", str(prof)])
+                # the plain command as a user types it (--profile runs one process through
+                # the MPI engine's striped path, as batch-1 does)
+                plain = variant.startswith("distmm-cli")
+                sec, proc = timed(base + ([] if plain else ["--profile", str(prof)]))
                 ended = time.time()
                 if proc.returncode:
                     print(f"  {variant}: failed rc={proc.returncode}: {proc.stderr.strip()[-800:]}",
@@ -186,7 +193,10 @@ def main(argv=None) -> int:
                        grid=(data or {}).get("meta", {}).get("grid"),
                        launch_seconds=(data or {}).get("meta", {}).get("before"),
                        exit_seconds=(data or {}).get("meta", {}).get("after"),
-                       target_seconds=target, over_target=sec / target)
+                       target_seconds=target, over_target=sec / target,
+                       written_direct=sum(r.get("written_direct", 0)
+                                          for r in (data or {}).get("ranks", [])),
+                       direct_writes=os.environ.get("DISTMM_DIRECT_WRITES", "true"))
             meta = (data or {}).get("meta", {})
             print(f"  {variant}: {sec:.2f} s (target {target:.2f} s, x{sec / target:.2f}), "
                   f"relerr {err:.1e}; launch {meta.get('before', float('nan')):.2f} s, exit "

@@ -96,10 +96,10 @@ def main(argv=None) -> int:
         if rc:
             print(f"whole run failed (exit {rc}): {text[-800:]}", flush=True)
             return 1
-        stopped, rc, text = _run(_command(args.ranks, a, b, c, args.extra),
-                                 stop_after=args.at * full)
-        if rc == 0 or c.exists():
-            print(f"the stop at {args.at * full:.2f} s did not leave a resumable run (exit {rc}, "
+        stopped, stop_rc, text = _run(_command(args.ranks, a, b, c, args.extra),
+                                      stop_after=args.at * full)
+        if stop_rc == 0 or c.exists():
+            print(f"the stop at {args.at * full:.2f} s did not leave a resumable run (exit {stop_rc}, "
                   f"output {'present' if c.exists() else 'absent'}): {text[-400:]}", flush=True)
             return 1
         resumed, rc, text = _run(_command(args.ranks, a, b, c, args.extra))
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         rec = writer.add(f"resumed-{args.ranks}", dtype, n, n, n, resumed, None,
                          full_seconds=full, stopped_after=stopped, stop_at=args.at,
                          share_of_full=resumed / full, bitwise_equal=same,
-                         stopped_status=rc,
+                         stopped_status=stop_rc,
                          note="a whole run, then one stopped by SIGTERM to its ranks and resumed")
         print(f"n={n} ranks={args.ranks}: whole {full:.2f} s; stopped at {stopped:.2f} s; "
               f"resumed {resumed:.2f} s = {rec['share_of_full']:.2f} of whole; bitwise "

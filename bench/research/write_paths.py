@@ -10,6 +10,9 @@ from a common barrier to its fsync's end):
 - ``mmap``: every process copies its range into a shared mapping of one file, then
   ``msync``/``fsync``;
 - ``direct``: ``O_DIRECT`` pwrites of page-aligned pieces into one preallocated file;
+- ``direct-1``: one process writes the whole file that way;
+- ``span`` / ``span-1``: distmm's own writer (``distmm.direct_io.SpanWriter``: ``O_DIRECT``
+  chunks, several in flight) from P processes / from one;
 - ``files``: every process writes its own file (what zarr's chunk files get).
 
 ``python -m bench.research.write_paths --gib 4 --procs 4 --dir /tmp``
@@ -36,7 +39,8 @@ def _buffer(nbytes: int, seed: int):
 
 def _one(way: str, path: str, i: int, procs: int, nbytes: int, barrier, times):
     part = nbytes // procs
-    buf = _buffer(part if way != "pwrite-1" else nbytes, i) if (way != "pwrite-1" or i == 0) else None
+    one = way.endswith("-1")
+    buf = _buffer(part if not one else nbytes, i) if (not one or i == 0) else None
     barrier.wait()
     t0 = time.perf_counter()
     if way == "files":
@@ -53,12 +57,27 @@ def _one(way: str, path: str, i: int, procs: int, nbytes: int, barrier, times):
                 os.pwrite(fd, memoryview(buf)[s:s + STEP], off + s)
             os.fsync(fd)
             os.close(fd)
-    elif way == "direct":
-        fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-        for s in range(0, part, STEP):
-            os.pwrite(fd, memoryview(buf)[s:s + STEP], i * part + s)
-        os.fsync(fd)
-        os.close(fd)
+    elif way in ("direct", "direct-1"):
+        if buf is not None:
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            off = 0 if one else i * part
+            for s in range(0, len(buf), STEP):
+                os.pwrite(fd, memoryview(buf)[s:s + STEP], off + s)
+            os.fsync(fd)
+            os.close(fd)
+    elif way in ("span", "span-1"):
+        if buf is not None:
+            from distmm.direct_io import SpanWriter
+            from distmm.staging import pwrite_all
+
+            fd = os.open(path, os.O_WRONLY)
+            w = SpanWriter(path, fd)
+            off = 0 if one else i * part
+            for s in range(0, len(buf), 8 * STEP):  # 512 MiB spans, as a stripe of C
+                w.write(memoryview(buf)[s:s + 8 * STEP], off + s, pwrite_all)
+            w.close()
+            os.fsync(fd)
+            os.close(fd)
     elif way == "mmap":
         fd = os.open(path, os.O_RDWR)
         m = mmap.mmap(fd, nbytes)
@@ -73,7 +92,7 @@ def _one(way: str, path: str, i: int, procs: int, nbytes: int, barrier, times):
 def run(way: str, folder: str, procs: int, nbytes: int) -> float:
     path = os.path.join(folder, "distmm-write-paths.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    if way == "direct":
+    if way.startswith(("direct", "span")):
         os.posix_fallocate(fd, 0, nbytes)
     else:
         os.ftruncate(fd, nbytes)
@@ -100,7 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--dir", default="/tmp")
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--ways", nargs="+", default=["pwrite-1", "pwrite", "mmap", "direct", "files"])
+    p.add_argument("--ways", nargs="+", default=["pwrite-1", "pwrite", "mmap", "direct", "direct-1", "span", "span-1",
+                                        "files"])
     args = p.parse_args(argv)
     nbytes = int(args.gib * (1 << 30)) // (args.procs * 4096) * args.procs * 4096
     for way in args.ways:
