@@ -206,10 +206,14 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 if bar is not None:
                     bar.update(1)
 
-            with executor:
-                run_stripes(plan, comm.rank, PanelSource(a), PanelSource(b), writer, executor,
-                            comms, watch, phases, on_gpu=on_gpu, todo=todo, skip=mine,
-                            on_written=written)
+            sources = (PanelSource(a), PanelSource(b))
+            try:
+                with executor:
+                    run_stripes(plan, comm.rank, *sources, writer, executor, comms, watch,
+                                phases, on_gpu=on_gpu, todo=todo, skip=mine, on_written=written)
+            finally:
+                for source in sources:
+                    source.close()
             if bar is not None:
                 bar.close()
             del warm
