@@ -12,6 +12,9 @@
 # emulated-tuned  the same with NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 (NCCL's TCP knobs)
 # firstcall       host-resident first calls at 32768 (fp64, fp32), each in a fresh process that
 #                 made its operands with cupy first (bench/pipeline.py --first-call)
+# batch           mpirun -n P distmm matmul at fp32 32768, P = 1 (two ways), 2, 4 (bench/mpi_batch.py)
+# resume-big      the resume step at fp32 65536, once
+# cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # Records land under $OUT.
 set -u
 export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
@@ -25,7 +28,7 @@ for step in "$@"; do
       limit=; [ "$mem" -gt 100000 ] && limit=64GiB
       CUDA_VISIBLE_DEVICES=0,1 DASK_DISTMM__DEVICE_MEMORY_LIMIT=$limit timeout 400 \
         mpiexec --oversubscribe --bind-to none -n 2 python3 -m bench.mpi_outofcore --n 131072 \
-        --repeat 1 --out-dir "$OUT" 2>&1 | tail -5 ;;
+        --repeat 1 --out-dir "$OUT" 2>&1 | grep -v "^ *$" | tail -30 ;;
     resume)
       timeout 400 python3 -m bench.mpi_resume --n 32768 --ranks 4 --repeat 2 --out-dir "$OUT" \
         2>&1 | tail -5 ;;
@@ -43,6 +46,21 @@ for step in "$@"; do
     firstcall)
       timeout 300 python3 -m bench.pipeline --first-call --sizes 32768 --dtypes float64 float32 \
         --steady 2 --out-dir "$OUT" 2>&1 | grep -v DEBUG | tail -8 ;;
+    batch)
+      timeout 200 python3 -m bench.mpi_batch --sizes 32768 --ranks 2 4 --repeat 3 \
+        --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-400
+      rm -rf /tmp/distmm-batch ;;
+    resume-big)
+      timeout 300 python3 -m bench.mpi_resume --n 65536 --ranks 4 --repeat 1 --out-dir "$OUT" \
+        2>&1 | tail -5
+      rm -rf /tmp/distmm-resume ;;
+    cuinit)
+      probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
+      echo "4 visible:"; python3 -c "$probe"; python3 -c "$probe"
+      echo "1 visible:"; CUDA_VISIBLE_DEVICES=0 python3 -c "$probe"
+      echo "4 at once, 4 visible:"; for g in 0 1 2 3; do python3 -c "$probe" & done; wait
+      echo "4 at once, 1 visible each:"
+      for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g python3 -c "$probe" & done; wait ;;
     *) echo "unknown step $step" ;;
   esac
 done
