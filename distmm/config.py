@@ -116,6 +116,8 @@ class _Bad(Exception):
 
 
 def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
+    if isinstance(value, str) and not value.strip():
+        value = None  # an empty setting (`DISTMM_DEVICE_MEMORY_LIMIT=`) is no setting, not 1 byte
     if value is None:
         if allow_none:
             return None

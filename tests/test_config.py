@@ -251,3 +251,15 @@ def test_gpu_budget_without_a_gpu_falls_back_to_the_host():
 
     with pytest.raises(BackendUnavailable, match="distmm\\[gpu\\]"):
         distmm.matmul(np.ones((4, 4)), np.ones((4, 4)), backend="raw")
+
+
+def test_an_empty_size_setting_is_no_setting():
+    """``DISTMM_DEVICE_MEMORY_LIMIT=`` in a script means unset, not a limit of one byte (which
+    made every streamed product refuse to plan); a size that must be given still fails."""
+    with dask.config.set({"distmm.device-memory-limit": ""}):
+        assert get_config().device_memory_limit is None
+    with dask.config.set({"distmm.device-memory-limit": "  "}):
+        assert get_config().device_memory_limit is None
+    with dask.config.set({"distmm.pinned-pool": ""}):
+        with pytest.raises(ValueError, match="pinned-pool"):
+            get_config()
