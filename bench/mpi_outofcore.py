@@ -92,6 +92,9 @@ def main(argv=None) -> int:
         del c
         times.append(seconds)
     held = comm.gather((da.local.nbytes + db.local.nbytes) / 2**30, root=0)
+    # the first call's busy time per phase, the busiest rank's (where the streamed product
+    # spends what it does not spend in GEMMs)
+    busy = comm.gather(stats.get("phases") or {}, root=0)
     if comm.rank != 0:
         return 0
     from bench.common.records import RecordWriter
@@ -114,6 +117,7 @@ def main(argv=None) -> int:
                      grid=list(stats["grid"]) if stats.get("grid") else None,
                      host_blocks_gib_per_rank=max(held), c_on_host=on_host,
                      operands_made_seconds=made, residency="host",
+                     phases={k: max(b.get(k, 0.0) for b in busy) for b in busy for k in b},
                      device_memory_limit=get_config().device_memory_limit, **extra)
     print(f"n={n} {dtype}: first {first:.2f} s, median {seconds:.2f} s of {len(times)}, "
           f"{rec['tflops']:.1f} TFLOP/s, streamed {rec['streamed']}, relerr {relerr:.2e}, "

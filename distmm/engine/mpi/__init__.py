@@ -261,7 +261,7 @@ class MPIEngine(Engine):
         result.stats = self.last_stats = {
             "grid": g.shape, "bytes_received": int(comms.bytes_received - before),
             "bytes_estimated": int(g.bytes_received(rank)), "stripes": plan.stripes,
-            "streamed": True,
+            "streamed": True, "phases": phases.totals(),
         }
         return result
 
