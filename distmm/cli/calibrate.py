@@ -116,7 +116,8 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     Reference measurements of the machine (every run) give its parameters: cuBLAS (``cublas``,
     ``cublas-incore``) and numpy rates per dtype and size (numpy's over its BLAS threads:
     one core's), the device copy ceiling (``ceiling-copy``), page-cache reads (``read-cat``)
-    and writes with fsync (``write-dd-fsync``), PCIe rates and the batch job's launch, exit
+    and writes with fsync (``write-dd-fsync``; the write rate of single-rank ``--profile``
+    files that wrote C directly replaces it), PCIe rates and the batch job's launch, exit
     and start-up from ``--profile`` files of runs ``fit`` admits. Fixed costs of the engines
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
     admits (the smallest difference between the measured and the modelled time without them).
@@ -190,6 +191,16 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
             launch.append(meta["before"] + meta["after"])
         startup.append(tot.get("startup", 0.0) + tot.get("open", 0.0))
     used = files(fit_profiles) if fit_profiles else ""
+    # distmm writes C past the page cache (distmm.direct_io), faster than dd's buffered write and
+    # fsync: where single-rank profiles wrote directly, their rate is the machine's write rate
+    direct = [p["ranks"][0] for p in fit_profiles if p["ranks"][0].get("written_direct")]
+    rates = [r["bytes"]["write"] / r["totals"]["write"] for r in direct
+             if r.get("bytes", {}).get("write") and r.get("totals", {}).get("write")]
+    if rates:
+        file_write = statistics.median(rates)
+        sources["file_write"] = files([p for p in fit_profiles
+                                       if p["ranks"][0].get("written_direct")]) + \
+            " (distmm's direct writes, single-rank profiles)"
     if h2d:
         links["pcie-h2d"] = Link(links["pcie-h2d"].latency, statistics.median(h2d))
         sources["pcie-h2d"] = used
