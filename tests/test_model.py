@@ -205,6 +205,11 @@ def test_calibration_from_committed_records():
     assert 40e9 < h200.links["pcie-h2d"].bandwidth < 70e9  # --profile of a one-rank batch job
     assert 1.0 < h200.overhead("mpi-launch") < 3.0
     assert h200.sources["nvlink"] == "default"  # no record measures it
+    # the H100's single-rank batch profiles wrote C directly: their rate, not dd's, is its write
+    # rate (2.0-2.1 GB/s against dd's 0.5-1.4)
+    h100 = from_records(recs, "NVIDIA H100")
+    assert 1.8e9 < h100.file_write < 2.4e9 and "direct writes" in h100.sources["file_write"]
+    assert "direct writes" not in h200.sources["file_write"]
     cpu = from_records(recs, "AMD EPYC")
     assert "gpu:float32" not in cpu.gemm and cpu.cores == 2
     with pytest.raises(ValueError, match="no records of machine"):
