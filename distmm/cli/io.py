@@ -172,9 +172,13 @@ class NpyWriter(BlockWriter):
             raise TypeError(f"cannot write dtype {dtype} to a .npy file without pickling")
         header = npy_header(shape, dtype)
         super().__init__(path, shape, dtype, len(header), create=True)
-        self._pwrite(header, 0)
-        if self._span is not None:  # blocks now: a full disk fails here, direct writes in place
-            preallocate(self._fd, len(header), self.nbytes)
+        try:
+            self._pwrite(header, 0)
+            if self._span is not None:  # blocks now: a full disk fails here, direct writes in place
+                preallocate(self._fd, len(header), self.nbytes)
+        except BaseException:
+            self.close()
+            raise
 
     def finish(self) -> None:
         """Give the file its full length and flush it to disk."""
