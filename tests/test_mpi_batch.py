@@ -421,3 +421,23 @@ def test_distarrays_multiply_in_stripes_on_gpus(tmp_path, mpirun):
                                       + os.environ.get("PYTHONPATH", ""),
                                       "DISTMM_BATCH_STRIPES": "3"})
     assert "VERDICT ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+HOST_FIT_SCRIPT = r"""
+from mpi4py import MPI
+from distmm.engine.mpi.batch import _b_fits_host
+comm = MPI.COMM_WORLD
+small = _b_fits_host(comm, 512, 512, "float32")
+huge = _b_fits_host(comm, 10**7, 10**7, "float64")  # 800 TB of B per rank
+if comm.rank == 0:
+    print("FITS", small, huge, flush=True)
+"""
+
+
+def test_cpu_ranks_hold_all_of_b_only_where_the_host_has_room(tmp_path, mpirun):
+    """Whole rows make every CPU rank of a host hold all of B: only where that takes at most
+    half the host's available memory, decided alike on every rank (else the 2-D grid)."""
+    script = tmp_path / "fit.py"
+    script.write_text(HOST_FIT_SCRIPT)
+    r = mpirun(2, script)
+    assert "FITS True False" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

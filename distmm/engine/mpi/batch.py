@@ -162,8 +162,9 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             outcome.panels = "read" if direct else "broadcast"
             # ranks that read their panels take whole rows of C when B fits: each writes one
             # contiguous range of the output, directly (broadcasting all of B would not pay)
+            rows = direct and (on_gpu or _b_fits_host(comm, k, n, dtype))
             plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
-                              stripes=get_config().batch_stripes, whole_rows=direct)
+                              stripes=get_config().batch_stripes, whole_rows=rows)
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
@@ -264,6 +265,23 @@ def _stripes(plan: BatchPlan | None) -> int:
         return 0
     g = plan.grid
     return sum(plan.stripe_count(g.coords(r)[1]) for r in range(g.ranks))
+
+
+def _b_fits_host(comm, k: int, n: int, dtype) -> bool:
+    """CPU ranks of one host: whether every rank may hold all of B (whole rows of C) in at
+    most half of the host's available memory; the same answer on every rank."""
+    import psutil
+
+    from distmm.plan import accumulate_dtype
+
+    need = k * n * np.dtype(accumulate_dtype(np.dtype(dtype))).itemsize * comm.size
+    return bool(comm.allreduce(int(need <= psutil.virtual_memory().available // 2), op=_min()))
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
 
 
 def _reads_directly(comm, choice: str) -> bool:
