@@ -106,7 +106,7 @@ class Config:
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
     dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
-    batch_panels: str = "auto"  # auto | read | broadcast: how its ranks get the panels they need
+    batch_panels: str = "auto"  # auto | read | share | broadcast: how its ranks get their panels
     precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
     direct_writes: bool = True  # large spans of .npy/HDF5 outputs written with O_DIRECT
 
@@ -250,7 +250,7 @@ _PARSERS = {
                              lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                              ("auto", "ipc", "tcp"))),
     "batch-stripes": ("batch_stripes", _positive_int),
-    "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "broadcast"))),
+    "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "share", "broadcast"))),
     "direct-writes": ("direct_writes", _required_bool),
     "precision": ("precision", lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                                PRECISIONS)),

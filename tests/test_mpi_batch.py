@@ -441,3 +441,41 @@ def test_cpu_ranks_hold_all_of_b_only_where_the_host_has_room(tmp_path, mpirun):
     script.write_text(HOST_FIT_SCRIPT)
     r = mpirun(2, script)
     assert "FITS True False" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def _panels_run(tmp_path, run, ranks, panels, backend, tag):
+    out = tmp_path / f"c-{tag}.npy"
+    prof = tmp_path / f"p-{tag}.json"
+    r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", out, "--backend",
+            backend, "--profile", prof, DISTMM_BATCH_STRIPES="3", DISTMM_BATCH_PANELS=panels)
+    assert r.returncode == 0, r.stderr
+    return out.read_bytes(), json.loads(prof.read_text())
+
+
+def test_share_on_cpu_ranks_reads_as_read_does(tmp_path, run):
+    """``batch-panels: share`` is for GPU ranks: CPU ranks read their panels as with ``read``,
+    the same bytes, and the profile says so."""
+    _operands(tmp_path, 301, 257, 203, "float64", seed=21)
+    read, _ = _panels_run(tmp_path, run, 3, "read", "numba", "read")
+    shared, prof = _panels_run(tmp_path, run, 3, "share", "numba", "share")
+    assert shared == read and prof["meta"]["batch_panels"] == "read"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gpu_ranks_share_b_over_cuda_ipc(tmp_path, run, ranks):
+    """``batch-panels: share``: each GPU rank reads a share of B's rows and copies the others'
+    from their devices (CUDA IPC, also between ranks sharing one GPU); the output is bitwise
+    that of ranks that read all of B, and the profile shows the copies."""
+    k, n = 777, 523
+    _operands(tmp_path, 1031, k, n, "float32", seed=ranks)
+    read, _ = _panels_run(tmp_path, run, ranks, "read", "cublas", "read")
+    shared, prof = _panels_run(tmp_path, run, ranks, "share", "cublas", "share")
+    assert shared == read and prof["meta"]["batch_panels"] == "share"
+    copied = [sum(s["bytes"] for s in rec["spans"] if s["phase"] == "comm")
+              for rec in prof["ranks"]]
+    read_b = [rec["bytes"]["h2d"] for rec in prof["ranks"]]
+    # every rank copied the others' shares of B (k x n float32, the grid is ranks x 1) from
+    # their devices, and uploaded less than all of B itself
+    assert all(abs(c - k * n * 4 * (ranks - 1) / ranks) <= n * 4 * ranks for c in copied), copied
+    assert sum(copied) > 0 and all(h > 0 for h in read_b)

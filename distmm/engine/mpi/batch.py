@@ -45,14 +45,15 @@ class BatchOutcome:
     ``status``: 0, or the exit status of the failure that stopped the ranks (128 + the signal
     for a signal); ``message``: its one line; ``error``: this rank's exception (its own, or a
     ``PeerStopped``); ``notes``: lines for the user (removed leftovers; on rank 0, what a
-    stopped run kept); ``panels``: ``"read"`` or ``"broadcast"`` (``batch-panels``, decided)."""
+    stopped run kept); ``panels``: ``"read"``, ``"share"`` or ``"broadcast"`` (``batch-panels``,
+    decided)."""
 
     status: int = 0
     message: str = ""
     error: BaseException | None = None
     plan: BatchPlan | None = None
     notes: list[str] = field(default_factory=list)
-    panels: str | None = None  # how the ranks got their panels: "read" or "broadcast"
+    panels: str | None = None  # how the ranks got their panels: "read", "share" or "broadcast"
     written_direct: int = 0  # this rank's bytes of C written past the page cache
 
 
@@ -158,8 +159,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 from distmm.executor.cublas import start_cublas
 
                 start_cublas(dtype)
-            direct = _reads_directly(comm, get_config().batch_panels)
-            outcome.panels = "read" if direct else "broadcast"
+            choice = get_config().batch_panels
+            direct = _reads_directly(comm, choice)
+            share = direct and on_gpu and choice == "share"
+            outcome.panels = "share" if share else "read" if direct else "broadcast"
             # ranks that read their panels take whole rows of C when B fits: each writes one
             # contiguous range of the output, directly (broadcasting all of B would not pay)
             rows = direct and (on_gpu or _b_fits_host(comm, k, n, dtype))
@@ -211,7 +214,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             try:
                 with executor:
                     run_stripes(plan, comm.rank, *sources, writer, executor, comms, watch,
-                                phases, on_gpu=on_gpu, todo=todo, skip=mine, on_written=written)
+                                phases, on_gpu=on_gpu, todo=todo, skip=mine, on_written=written,
+                                share_b=share)
             finally:
                 for source in sources:
                     source.close()
@@ -289,7 +293,7 @@ def _reads_directly(comm, choice: str) -> bool:
     block, the rest coming by broadcast: ``auto`` reads when all ranks share one host (an
     emulated node counts as a host of its own: ``distmm.emulate.link_host``)."""
     if choice != "auto":
-        return choice == "read"
+        return choice in ("read", "share")
     from distmm.emulate import link_host
 
     return len(set(comm.allgather(link_host()))) == 1

@@ -230,15 +230,48 @@ class _Writer(threading.Thread):
 
 def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink, executor,
                 comms, watch: StopWatch, phases, *, on_gpu: bool, todo, skip=frozenset(),
-                on_written=lambda stripe: None) -> None:
+                on_written=lambda stripe: None, share_b: bool = False) -> None:
     """Compute this rank's stripes ``todo`` (indices into its grid row's stripes) and write
     them through ``sink.write(r0, r1, c0, c1, block)``; the ranks of a grid row must pass the
     same ``todo``. Stripes in ``skip`` are already written by this rank: it still sends its
     pieces of A for them (the row needs them) but neither multiplies nor writes them.
-    ``sink.finish()`` flushes the output at the end."""
+    ``sink.finish()`` flushes the output at the end. ``share_b`` (GPU ranks of one host that
+    read their panels, ``comms`` None): the ranks holding the same column panel of B each read
+    a share of its rows and copy the others' from their GPUs (CUDA IPC); every rank must pass
+    the same value."""
     runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch,
                                               phases, direct=comms is None)
+    runner.share_b = bool(share_b and comms is None and on_gpu)
     runner.run(list(todo), set(skip), on_written)
+
+
+#: the tag of the messages ranks sharing B's panel exchange (on the stop watch's communicator,
+#: whose own messages carry another)
+_SHARE_TAG = 7302
+
+
+def _exchange(watch: StopWatch, group, rank: int, value) -> dict:
+    """``{rank: value}`` of every rank of ``group`` (this one's included), waits polling
+    ``watch`` (a stopped rank stops the others here too)."""
+    comm = watch.comm
+    sends = [comm.isend(value, dest=p, tag=_SHARE_TAG) for p in group if p != rank]
+    out = {rank: value}
+    for p in group:
+        if p == rank:
+            continue
+        request, box = comm.irecv(source=p, tag=_SHARE_TAG), []
+
+        def arrived(request=request, box=box):
+            done, got = request.test()
+            if done:
+                box.append(got)
+            return done
+
+        poll(arrived, watch)
+        out[p] = box[0]
+    for request in sends:
+        poll(lambda request=request: request.test()[0], watch)
+    return out
 
 
 class _Run:
@@ -446,6 +479,71 @@ class _GPURun(_Run):
         cp, g = self.cp, self.grid
         self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
         k0, k1 = self.b_range
+        group = [g.rank_at(0, ii, self.j) for ii in range(g.rows)]  # holders of this panel
+        if getattr(self, "share_b", False) and len(group) > 1 and k1 > k0 and self.nj:
+            from distmm.grid import even_edges
+
+            edges = [k0 + e for e in even_edges(k1 - k0, len(group))]
+            shares = {p: (edges[n], edges[n + 1]) for n, p in enumerate(group)}
+            self.upload_rows(*shares[self.rank])
+            self.copy_shares(group, shares)
+        else:
+            self.upload_rows(k0, k1)
+        if self.direct:
+            self.compute.wait_event(self.h2d.record())
+            return
+        with self.h2d:  # NCCL waits for the uploads above, queued on this stream
+            requests = [self.comms.col.ibcast(self.b_store[self.b_cuts[r]:self.b_cuts[r + 1]], r)
+                        for r in range(g.rows)]
+        self.note_comm(requests)
+        with self.compute:
+            for request in requests:
+                request.wait()
+
+    def copy_shares(self, group, shares):
+        """The other ranks' shares of B's panel, copied from their devices into this rank's
+        (CUDA IPC: NVLink or the same device, no host memory, no NCCL set-up). A share whose
+        export cannot be opened here is read from the file instead. Two exchanges: the
+        exports, then "copied" (so that no rank frees its panel, or computes with a share a
+        stopped rank's device no longer holds, before every copy has ended)."""
+        from distmm.executor import ipc
+
+        self.wait_event(self.h2d.record())  # this rank's share is on its device
+        try:
+            mine = ipc.export(self.b_store)
+        except ipc.IPCError:
+            mine = None
+        exports = _exchange(self.watch, group, self.rank, mine)
+        mapped, missing = [], []
+        try:
+            for peer in group:
+                lo, hi = shares[peer]
+                if peer == self.rank or hi <= lo:
+                    continue
+                shared = exports.get(peer)
+                try:
+                    if shared is None:
+                        raise ipc.IPCError(f"rank {peer} could not export its share of B")
+                    ptr = ipc.map_export(shared)
+                except ipc.IPCError:
+                    missing.append((lo, hi))
+                    continue
+                mapped.append(ptr)
+                begin = self.h2d.record()
+                nbytes = ipc.copy_rect(ptr, shared, self.b_store[lo:hi], lo, 0, stream=self.h2d)
+                self.span("comm", begin, self.h2d.record(), nbytes)
+            self.wait_event(self.h2d.record())
+        finally:
+            for ptr in mapped:
+                ipc.unmap(ptr)
+        for lo, hi in missing:
+            self.upload_rows(lo, hi)
+        _exchange(self.watch, group, self.rank, True)
+        self.b_export = mine  # keeps the export's record until the run ends
+
+    def upload_rows(self, k0, k1):
+        """Read rows ``k0:k1`` of B's column panel from the file (reader threads, two pinned
+        slots) and queue their copies into ``b_store`` on the h2d stream."""
         if k1 > k0 and self.nj:
             rows = max(1, B_CHUNK_BYTES // max(1, self.nj * self.acc.itemsize))
             slots = [self.pinned((min(rows, k1 - k0), self.nj)) for _ in range(2)]
@@ -472,16 +570,6 @@ class _GPURun(_Run):
                 self.span("h2d", begin, uploaded[n % 2], host.nbytes)
                 if n + 2 < len(starts):
                     submit(n + 2)
-        if self.direct:
-            self.compute.wait_event(self.h2d.record())
-            return
-        with self.h2d:  # NCCL waits for the uploads above, queued on this stream
-            requests = [self.comms.col.ibcast(self.b_store[self.b_cuts[r]:self.b_cuts[r + 1]], r)
-                        for r in range(g.rows)]
-        self.note_comm(requests)
-        with self.compute:
-            for request in requests:
-                request.wait()
 
     def note_comm(self, requests):
         for request in requests:
