@@ -3,7 +3,8 @@
 # `. .whl/env.sh`: what starting MPI costs, the GPU tests of the striped path, the write paths
 # of this disk (bench/research/write_paths.py), then `mpirun -n P distmm matmul` at fp32 32768
 # (P = 2, 4; one process with the local engine and with the MPI engine; zarr and HDF5 outputs
-# at P = 4; and P = 1, 4 again with direct writes off, label "-buffered") and 65536 (P = 2, 4
+# at P = 4; P = 2, 4 with batch-panels share, label "-share"; and P = 1, 4 again with direct
+# writes off, label "-buffered") and 65536 (P = 2, 4
 # and one process), each beside cat, dd conv=fsync and in-core cuBLAS measured in the same run.
 # Records and profiles land under $OUT. SIZES_BIG= (empty) skips 65536.
 set -u
@@ -23,6 +24,8 @@ timeout 90 python3 -m bench.research.write_paths --gib 4 --procs 4 --dir /tmp --
 echo "== fp32 32768"
 timeout 200 python3 -m bench.mpi_batch --sizes 32768 --ranks 2 4 --repeat 3 --formats zarr h5 \
   --work $W --out-dir "$OUT" 2>&1 | cut -c1-400
+DISTMM_BATCH_PANELS=share timeout 100 python3 -m bench.mpi_batch --sizes 32768 --ranks 2 4 \
+  --no-cli --repeat 3 --label=-share --gemm-repeat 1 --work $W --out-dir "$OUT" 2>&1 | cut -c1-400
 DISTMM_DIRECT_WRITES=false timeout 100 python3 -m bench.mpi_batch --sizes 32768 --ranks 4 \
   --repeat 2 --label=-buffered --gemm-repeat 1 --work $W --out-dir "$OUT" 2>&1 | cut -c1-400
 rm -rf $W
