@@ -240,8 +240,8 @@ def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink
     a share of its rows and copy the others' from their GPUs (CUDA IPC); every rank must pass
     the same value."""
     runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch,
-                                              phases, direct=comms is None)
-    runner.share_b = bool(share_b and comms is None and on_gpu)
+                                              phases, direct=comms is None,
+                                              share_b=share_b and comms is None and on_gpu)
     runner.run(list(todo), set(skip), on_written)
 
 
@@ -277,8 +277,10 @@ def _exchange(watch: StopWatch, group, rank: int, value) -> dict:
 class _Run:
     """What the GPU and CPU runs share: the rank's place, its readers and its writer."""
 
-    def __init__(self, plan, rank, a, b, sink, executor, comms, watch, phases, *, direct):
+    def __init__(self, plan, rank, a, b, sink, executor, comms, watch, phases, *, direct,
+                 share_b=False):
         g = plan.grid
+        self.share_b = bool(share_b)  # GPU ranks: B's panel shared over CUDA IPC (load_b)
         self.plan, self.grid, self.rank = plan, g, rank
         _, self.i, self.j = g.coords(rank)
         self.a, self.b, self.sink, self.executor = a, b, sink, executor
@@ -480,7 +482,7 @@ class _GPURun(_Run):
         self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
         k0, k1 = self.b_range
         group = [g.rank_at(0, ii, self.j) for ii in range(g.rows)]  # holders of this panel
-        if getattr(self, "share_b", False) and len(group) > 1 and k1 > k0 and self.nj:
+        if self.share_b and len(group) > 1 and k1 > k0 and self.nj:
             from distmm.grid import even_edges
 
             edges = [k0 + e for e in even_edges(k1 - k0, len(group))]
