@@ -9,9 +9,9 @@ blocks at creation (Linux ``fallocate``: a full disk is found before any work, a
 writes do not allocate as they go).
 
 Why: writes through the page cache reach the disk at the rate of the kernel's writeback (one
-flusher per device); on the GPU hosts a 4 GiB output took 2.9-3.5 s that way against ~2 s
-written directly (``bench/NOTES.md``, "Batch jobs"). ``distmm.direct-writes: false`` turns it
-off (a file system that refuses ``O_DIRECT`` is written the ordinary way without asking).
+flusher per device); direct writes were faster on the GPU hosts' disks (``bench/NOTES.md``,
+"Batch jobs: direct writes, whole rows, ``preadv``"). ``distmm.direct-writes: false`` turns
+it off (a file system that refuses ``O_DIRECT`` is written the ordinary way without asking).
 
 It does *not* cover: which writes are whole rows (``distmm.staging.BlockWriter``), staging
 and committing outputs (``distmm.staging``).

@@ -56,10 +56,8 @@ class PanelSource:
     local block of a ``DistArray`` is read with ``origin`` its block's first row and column).
 
     A C-ordered ``.npy`` memmap of the dtype asked for is read with ``os.preadv`` (one call for
-    whole rows, one per row otherwise) instead of through its mapping: ranks of one host that
-    read the same file would otherwise fault in every page of it, each on its own, and a rank's
-    reader threads wait on its page-table lock (4 ranks reading B at fp32 32768 took 0.8-1.9 s
-    that way, 4 x H100)."""
+    whole rows, one per row otherwise) instead of through its mapping: no page faults, and no
+    page-table lock shared by the rank's reader threads."""
 
     #: row pieces shorter than this are copied through the mapping (a call per row would cost more)
     MIN_ROW_READ = 4096
