@@ -131,6 +131,7 @@ class SpanWriter:
         self._dfd = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        self._lock = threading.Lock()  # writers may call from several threads (tiles of C)
         flag = getattr(os, "O_DIRECT", 0)
         if flag:
             try:
@@ -157,18 +158,21 @@ class SpanWriter:
             pwrite_all(self.fd, view[head + body:], offset + head + body)
 
     def _direct(self, view: memoryview, offset: int, pwrite_all) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="distmm-direct")
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="distmm-direct")
+            pool = self._pool
         aligned = _address(view) % ALIGN == 0
-        futures = [self._pool.submit(self._chunk, view[s:s + CHUNK], offset + s, aligned,
-                                     pwrite_all)
+        futures = [pool.submit(self._chunk, view[s:s + CHUNK], offset + s, aligned, pwrite_all)
                    for s in range(0, view.nbytes, CHUNK)]
-        error = None
+        error, done = None, 0
         for f in futures:  # every chunk ends before the caller may reuse its memory
             try:
-                self.written_direct += f.result()
+                done += f.result()
             except BaseException as exc:  # noqa: BLE001 - the first is raised
                 error = error or exc
+        with self._lock:
+            self.written_direct += done
         if error is not None:
             raise error
 
@@ -199,9 +203,10 @@ class SpanWriter:
         return done
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if self._dfd is not None:
             os.close(self._dfd)
             self._dfd = None

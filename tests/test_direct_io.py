@@ -167,3 +167,26 @@ def test_output_files_start_data_on_a_block(tmp_path):
     with h5py.File(tmp_path / "c.h5") as fh:
         assert fh["g/c"].id.get_offset() % ALIGN == 0
         np.testing.assert_allclose(fh["g/c"][...], a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_span_writer_from_several_threads(tmp_path):
+    """The local engine writes tiles of C from several threads into one writer: every span
+    lands, and the count of direct bytes adds up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows, width = 64, 1 << 18  # rows of 256 KiB, written 4 rows (1 MiB) at a time
+    data = np.random.default_rng(5).integers(0, 256, (rows, width), dtype=np.uint8)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_WRONLY)
+    w = SpanWriter(path, fd)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda r: w.write(data[r:r + 4], ALIGN + r * width, pwrite_all),
+                          range(0, rows, 4)))
+    finally:
+        w.close()
+        os.close(fd)
+    got = np.fromfile(path, np.uint8)[ALIGN:].reshape(rows, width)
+    np.testing.assert_array_equal(got, data)
+    assert w.written_direct == (rows * width if _takes_direct(tmp_path) else 0)
