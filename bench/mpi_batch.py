@@ -10,10 +10,10 @@ For each size, the operands are written once as ``.npy`` files in ``--work`` (ra
 made on the GPU, or with numpy without one); then for each rank count ``P`` the command runs
 ``--repeat`` times (``P = 1`` also without ``mpirun``: variant ``distmm-cli``, the plain
 command without ``--profile``, which would run it through the MPI engine; ``batch-1`` is
-that), every other run with ``--profile``, and its output is checked on sampled rows against a float64 product before it
-is deleted. One record per (variant, size) with the median wall time; the per-phase totals of
-the median run's profile go into the record (``phases``), and every profile into one JSON
-file beside the records.
+that), every other run with ``--profile``, and its output is checked on sampled rows against
+a float64 product before it is deleted. One record per (variant, size) with the median wall
+time; the per-phase totals of the median run's profile go into the record (``phases``), and
+every profile into one JSON file beside the records.
 
 ``python -m bench.mpi_batch --sizes 32768 --ranks 1 2 4 --repeat 1 --work /tmp/batch``
 """

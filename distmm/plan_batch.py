@@ -2,8 +2,8 @@
 
 This module covers: the process grid of a batch job (``rows x cols`` ranks, k never split,
 so that every rank owns a block of C and writes it itself; ``ranks x 1`` when asked for whole
-rows and B fits, so that each block is one contiguous range of the output file), the stripes that cut each
-rank's C block into row ranges computed and written one after another (so that writing C
+rows and B fits, so that each block is one contiguous range of the output file), the stripes
+that cut each rank's C block into row ranges computed and written one after another (so that writing C
 overlaps computing it, and a stopped job can resume at a stripe), the k panels of a stripe's
 product (every owner's edge of A and B), and what one rank holds at once: B's column panel
 (``k x n_j``, kept for every stripe), two A stripes and two C stripes, all in the accumulation

@@ -96,7 +96,8 @@ class PanelSource:
                 _pread_into(fd, memoryview(out).cast("B"), offset + r0 * row)
             else:
                 for r in range(r1 - r0):
-                    _pread_into(fd, memoryview(out[r]).cast("B"), offset + (r0 + r) * row + c0 * item)
+                    _pread_into(fd, memoryview(out[r]).cast("B"),
+                                offset + (r0 + r) * row + c0 * item)
             return
         part = self.array[r0:r1, c0:c1]
         if isinstance(part, np.ndarray):
