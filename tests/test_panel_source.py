@@ -49,3 +49,24 @@ def test_a_truncated_file_fails_with_a_clear_error(tmp_path, operand):
     out = np.empty((301, 2050), np.float32)
     with pytest.raises(OSError, match="ended .* early"):
         PanelSource(mm).read_into(out, 0, 301, 0, 2050)
+
+
+def test_hdf5_zarr_and_plain_arrays_are_read_through_the_array(tmp_path, operand):
+    """What is not a ``.npy`` mapping (an h5py dataset, a zarr array, an ndarray) is sliced."""
+    import h5py
+    import zarr
+
+    a, _ = operand
+    with h5py.File(tmp_path / "a.h5", "w") as fh:
+        fh["A"] = a
+    z = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=a.shape, dtype=a.dtype,
+                        chunks=(64, 512))
+    z[...] = a
+    with h5py.File(tmp_path / "a.h5", "r") as fh:
+        for array in (fh["A"], z, np.ascontiguousarray(a)):
+            src = PanelSource(array)
+            for r0, r1, c0, c1 in [(0, 301, 0, 2050), (5, 77, 1024, 2050), (3, 40, 7, 20)]:
+                out = np.full((r1 - r0, c1 - c0), np.nan, np.float32)
+                src.read_into(out, r0, r1, c0, c1)
+                np.testing.assert_array_equal(out, a[r0:r1, c0:c1])
+            assert src._fd is None

@@ -84,7 +84,7 @@ class PanelSource:
     def read_into(self, out: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
         y, x = self.origin
         r0, r1, c0, c1 = r0 - y, r1 - y, c0 - x, c1 - x
-        item = self.array.itemsize
+        item = np.dtype(self.array.dtype).itemsize  # zarr arrays and h5py datasets too
         whole = c0 == 0 and c1 == self.array.shape[-1]
         f = None
         if (out.dtype == self.array.dtype and out.flags.c_contiguous
