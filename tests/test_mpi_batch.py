@@ -140,14 +140,7 @@ def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
     ref = a @ b
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     direct = [rec["written_direct"] for rec in data["ranks"]]
-    probe = tmp_path / "probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
-        os.close(fd)
-        takes = bool(getattr(os, "O_DIRECT", 0))
-    except OSError:
-        takes = False
-    if takes:  # every stripe's aligned middle went past the page cache
+    if _takes_direct(tmp_path):  # every stripe's aligned middle went past the page cache
         assert all(d >= 2 * aligned_split(ALIGN, 256 * n * 8)[1] - 2 * ALIGN for d in direct), direct
     else:
         assert direct == [0, 0, 0]
@@ -185,36 +178,56 @@ def _rank_pids(launcher: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env):
+@pytest.mark.parametrize("m,k,n,stripes,stop", [
+    (600, 1500, 500, 24, 6),   # stripes of 50 KB: written through the page cache
+    (600, 300, 8192, 8, 4),    # stripes of 2.4 MiB: their aligned middles written directly
+])
+def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env, m, k, n, stripes,
+                                               stop):
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
     part.mkdir()
-    _operands(full, 600, 1500, 500, "float64", seed=11)
+    _operands(full, m, k, n, "float64", seed=11)
     for name in ("a.npy", "b.npy"):
         (part / name).write_bytes((full / name).read_bytes())
         os.utime(part / name, ns=((full / name).stat().st_atime_ns, (full / name).stat().st_mtime_ns))
     opts = ["--backend", "numba", "--resume"]
-    env = batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    env = batch_env(DISTMM_BATCH_STRIPES=str(stripes), DISTMM_BATCH_STRIPE_PAUSE="0.1")
     r = run(2, "matmul", full / "a.npy", full / "b.npy", "-o", full / "c.npy", *opts[:2],
-            DISTMM_BATCH_STRIPES="24")
+            DISTMM_BATCH_STRIPES=str(stripes))
     assert r.returncode == 0, r.stderr
     stopped, _ = _interrupt_after(cmd(2, "matmul", part / "a.npy", part / "b.npy", "-o",
-                                       part / "c.npy", *opts), env, part, stripes=6)
+                                       part / "c.npy", *opts), env, part, stripes=stop)
     assert stopped.returncode != 0
     assert not (part / "c.npy").exists()
     kept = list(part.glob(".c.npy.distmm-partial-*"))
     assert any(p.name.endswith(".resume.json") for p in kept), kept
     done = _logged(part)
-    assert 6 <= done < 48
+    assert stop <= done < 2 * stripes
     # the rerun computes only what is missing
     prof = part / "p.json"
     r = run(2, "matmul", part / "a.npy", part / "b.npy", "-o", part / "c.npy", *opts,
-            "--profile", prof, DISTMM_BATCH_STRIPES="24")
+            "--profile", prof, DISTMM_BATCH_STRIPES=str(stripes))
     assert r.returncode == 0, r.stderr
-    written = sum(rec["bytes"].get("write", 0) for rec in json.loads(prof.read_text())["ranks"])
-    assert written < 600 * 500 * 8  # not everything again
+    ranks = json.loads(prof.read_text())["ranks"]
+    written = sum(rec["bytes"].get("write", 0) for rec in ranks)
+    assert written < m * n * 8  # not everything again
+    if n * 8 * (m // (2 * stripes)) >= 2 << 20 and _takes_direct(part):
+        assert sum(rec["written_direct"] for rec in ranks) > 0
     assert np.load(part / "c.npy").tobytes() == np.load(full / "c.npy").tobytes()
     assert not list(part.glob(".c.npy.*"))
+
+
+def _takes_direct(folder) -> bool:
+    """Whether ``folder``'s file system opens files with O_DIRECT."""
+    probe = Path(folder) / "direct-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return bool(getattr(os, "O_DIRECT", 0))
 
 
 @pytest.mark.slow
