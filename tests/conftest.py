@@ -17,7 +17,8 @@ This module covers:
 - helpers that more than one test module calls: the numpy comparison
   (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
   (``placed``), worker loss during a product (``start_call``, ``kill_workers``), and the
-  bytes the workers have sent to clients (``served_to_clients``); ``distmm cluster`` as a
+  bytes the workers have sent to clients (``served_to_clients``); whether a folder takes
+  ``O_DIRECT`` writes (``takes_direct``); ``distmm cluster`` as a
   subprocess (``serve_cluster``, ``stop_cluster``, ``assert_all_gone``). Test
   modules import them with ``from conftest import ...``; no test module imports another.
 
@@ -360,6 +361,27 @@ def kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
             pass
         time.sleep(gap)
     return killed
+
+
+def takes_direct(folder) -> bool:
+    """Whether ``folder``'s file system takes an aligned ``O_DIRECT`` write (tmpfs and some
+    overlay or network file systems do not; distmm then writes through the page cache)."""
+    import mmap
+
+    flag = getattr(os, "O_DIRECT", 0)
+    path = Path(folder) / "direct-probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flag, 0o644)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, mmap.mmap(-1, 4096), 0)
+        return bool(flag)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
 
 
 # -- distmm cluster as a subprocess ---------------------------------------------------------

@@ -13,22 +13,7 @@ from distmm import direct_io
 from distmm.direct_io import ALIGN, SpanWriter, aligned_split, npy_header, preallocate
 from distmm.staging import BlockWriter, pwrite_all
 
-
-def _takes_direct(folder) -> bool:
-    """Whether ``folder``'s file system accepts an aligned O_DIRECT write."""
-    path = os.path.join(folder, "probe")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError:
-        return False
-    try:
-        os.pwrite(fd, mmap.mmap(-1, ALIGN), 0)
-        return bool(getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
+from conftest import takes_direct
 
 
 @pytest.mark.parametrize("offset, nbytes, want", [
@@ -94,7 +79,7 @@ def test_span_writer_bytes(tmp_path, aligned_memory, offset, nbytes):
     assert (got[:offset] == 0xAB).all() and (got[offset + nbytes:] == 0xAB).all()
     np.testing.assert_array_equal(got[offset:offset + nbytes], base[start:start + nbytes])
     head, body = aligned_split(offset, nbytes)
-    expect = body if _takes_direct(tmp_path) else 0
+    expect = body if takes_direct(tmp_path) else 0
     assert w.written_direct == expect
 
 
@@ -118,7 +103,7 @@ def test_block_writer_whole_rows_direct_equals_ordinary(tmp_path):
         np.testing.assert_array_equal(np.load(path), c)
         if not direct:
             assert direct_bytes == 0
-        elif _takes_direct(tmp_path):
+        elif takes_direct(tmp_path):
             assert direct_bytes >= 600 * 1536 * 8
     assert files[True] == files[False]
 
@@ -189,4 +174,4 @@ def test_span_writer_from_several_threads(tmp_path):
         os.close(fd)
     got = np.fromfile(path, np.uint8)[ALIGN:].reshape(rows, width)
     np.testing.assert_array_equal(got, data)
-    assert w.written_direct == (rows * width if _takes_direct(tmp_path) else 0)
+    assert w.written_direct == (rows * width if takes_direct(tmp_path) else 0)

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import takes_direct
+
 pytestmark = pytest.mark.mpi
 
 
@@ -140,7 +142,7 @@ def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
     ref = a @ b
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     direct = [rec["written_direct"] for rec in data["ranks"]]
-    if _takes_direct(tmp_path):  # every stripe's aligned middle went past the page cache
+    if takes_direct(tmp_path):  # every stripe's aligned middle went past the page cache
         assert all(d >= 2 * aligned_split(ALIGN, 256 * n * 8)[1] - 2 * ALIGN for d in direct), direct
     else:
         assert direct == [0, 0, 0]
@@ -212,22 +214,10 @@ def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env, m,
     ranks = json.loads(prof.read_text())["ranks"]
     written = sum(rec["bytes"].get("write", 0) for rec in ranks)
     assert written < m * n * 8  # not everything again
-    if n * 8 * (m // (2 * stripes)) >= 2 << 20 and _takes_direct(part):
+    if n * 8 * (m // (2 * stripes)) >= 2 << 20 and takes_direct(part):
         assert sum(rec["written_direct"] for rec in ranks) > 0
     assert np.load(part / "c.npy").tobytes() == np.load(full / "c.npy").tobytes()
     assert not list(part.glob(".c.npy.*"))
-
-
-def _takes_direct(folder) -> bool:
-    """Whether ``folder``'s file system opens files with O_DIRECT."""
-    probe = Path(folder) / "direct-probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644))
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-    return bool(getattr(os, "O_DIRECT", 0))
 
 
 @pytest.mark.slow
