@@ -42,6 +42,9 @@ from distmm.plan_blocks import Unit  # noqa: E402
 from distmm.executor import ipc  # noqa: E402
 from conftest import assert_close, equal_gpus, placed  # noqa: E402
 
+#: a task that runs only on the worker named, and always runs (export and pull tests)
+PINNED = {"allow_other_workers": False, "pure": False}
+
 # -- the route rule, pure ---------------------------------------------------------------------
 
 H1A, H1B, H1C, H2A = "tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.1:4003", \
@@ -484,17 +487,16 @@ def test_readers_holding_each_others_chunks_do_not_deadlock(pair):
     c1 = client.scatter(x1, workers=[w1])
     k0, k1 = (f"distmm-export-test-{uuid.uuid4().hex}" for _ in range(2))
     base = client.run(_published_here)
-    pinned = {"allow_other_workers": False, "pure": False}
-    r0 = client.submit(_pull_and_sum, Pull(k1, w1, "x1"), workers=[w0], **pinned)
-    r1 = client.submit(_pull_and_sum, Pull(k0, w0, "x0"), workers=[w1], **pinned)
+    r0 = client.submit(_pull_and_sum, Pull(k1, w1, "x1"), workers=[w0], **PINNED)
+    r1 = client.submit(_pull_and_sum, Pull(k0, w0, "x0"), workers=[w1], **PINNED)
     deadline = time.time() + 30
     while time.time() < deadline:  # both readers hold their worker's only thread
         busy = client.processing()
         if r0.key in busy.get(w0, ()) and r1.key in busy.get(w1, ()):
             break
         time.sleep(0.02)
-    e0 = client.submit(transfer.export_chunks, [c0], ["x0"], key=k0, workers=[w0], **pinned)
-    e1 = client.submit(transfer.export_chunks, [c1], ["x1"], key=k1, workers=[w1], **pinned)
+    e0 = client.submit(transfer.export_chunks, [c0], ["x0"], key=k0, workers=[w0], **PINNED)
+    e1 = client.submit(transfer.export_chunks, [c1], ["x1"], key=k1, workers=[w1], **PINNED)
     assert r0.result(timeout=60) == pytest.approx(float(x1.sum()), rel=1e-12)
     assert r1.result(timeout=60) == pytest.approx(float(x0.sum()), rel=1e-12)
     assert type(e0.result(timeout=60)).__name__ == "Receipt"  # small: the offer stays put
@@ -550,17 +552,16 @@ def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
     x = np.arange(12.0).reshape(3, 4)
     c = client.scatter(x, workers=[w0])
     key = f"distmm-export-test-{uuid.uuid4().hex}"
-    pinned = {"allow_other_workers": False, "pure": False}
-    t = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **pinned)
+    t = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **PINNED)
     deadline = time.time() + 30
     while t.key not in client.processing().get(w0, ()) and time.time() < deadline:
         time.sleep(0.02)
-    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **pinned)
+    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **PINNED)
     assert t.result(timeout=60) is True
     assert type(e.result(timeout=60)).__name__ == "Receipt"
     # held by another worker: nothing to wait for
     other = client.submit(_await_then_look, Pull("distmm-export-none", _w1), workers=[w0],
-                          **pinned)
+                          **PINNED)
     assert other.result(timeout=30) is False
 
 
@@ -576,12 +577,11 @@ def _readers_stop_waiting(client, key, holder, reader, why: str, within: float):
     """An export ``key`` on ``holder`` that will never publish: a reader's pull raises
     ``IPCError`` naming the holder and ``why``, and a block task on the holder stops waiting
     for it, both within ``within`` seconds (not ``pull.LONG_WAIT``)."""
-    pinned = {"allow_other_workers": False, "pure": False}
     t0 = time.time()
-    r = client.submit(_pull_and_sum, Pull(key, holder, "x"), workers=[reader], **pinned)
+    r = client.submit(_pull_and_sum, Pull(key, holder, "x"), workers=[reader], **PINNED)
     with pytest.raises(ipc.IPCError, match=f"holder {holder}.*{why}"):
         r.result(timeout=60)
-    own = client.submit(_await_then_look, Pull(key, holder, "x"), workers=[holder], **pinned)
+    own = client.submit(_await_then_look, Pull(key, holder, "x"), workers=[holder], **PINNED)
     assert own.result(timeout=60) is False
     assert time.time() - t0 < within
 
@@ -602,8 +602,7 @@ def test_an_export_whose_offers_were_withdrawn_fails_its_readers_at_once(pair):
     assert transfer.ensure_lifetime(client)
     c = client.scatter(np.ones(3), workers=[w0])
     key = f"distmm-export-test-{uuid.uuid4().hex}"
-    pinned = {"allow_other_workers": False, "pure": False}
-    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **pinned)
+    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **PINNED)
     assert type(e.result(timeout=30)).__name__ == "Receipt"
     before = client.run(_published_here)[w0]
     assert client.run(_withdraw_here, key, workers=[w0])[w0] == before - 1
@@ -644,11 +643,10 @@ def test_a_reader_still_waiting_says_so_and_then_gets_its_offer(pair):
         x = np.arange(6.0)
         c = client.scatter(x, workers=[w0])
         key = f"distmm-export-test-{uuid.uuid4().hex}"
-        pinned = {"allow_other_workers": False, "pure": False}
-        r = client.submit(_pull_and_sum, Pull(key, w0, "late-x"), workers=[w1], **pinned)
+        r = client.submit(_pull_and_sum, Pull(key, w0, "late-x"), workers=[w1], **PINNED)
         time.sleep(1.5)
         e = client.submit(transfer.export_chunks, [c], ["late-x"], key=key, workers=[w0],
-                          **pinned)
+                          **PINNED)
         assert r.result(timeout=60) == pytest.approx(float(x.sum()))
         logs = client.run(_kept_warnings, workers=[w1])[w1]
         assert any("has waited" in msg and "late-x" in msg for msg in logs), logs[-5:]
@@ -669,8 +667,7 @@ def test_a_failed_export_fails_its_readers_at_once(pair):
     assert transfer.ensure_lifetime(client)
     c = client.scatter(np.ones(3), workers=[w0])
     key = f"distmm-export-test-{uuid.uuid4().hex}"
-    pinned = {"allow_other_workers": False, "pure": False}
-    e = client.submit(_export_that_fails, c, key=key, workers=[w0], **pinned)
+    e = client.submit(_export_that_fails, c, key=key, workers=[w0], **PINNED)
     with pytest.raises(RuntimeError, match="on purpose"):
         e.result(timeout=30)
     _readers_stop_waiting(client, key, w0, w1, "failed", within=30)
