@@ -49,17 +49,10 @@ def _one(way: str, path: str, i: int, procs: int, nbytes: int, barrier, times):
             os.pwrite(fd, memoryview(buf)[s:s + STEP], s)
         os.fsync(fd)
         os.close(fd)
-    elif way in ("pwrite", "pwrite-1"):
+    elif way in ("pwrite", "pwrite-1", "direct", "direct-1"):
         if buf is not None:
-            fd = os.open(path, os.O_WRONLY)
-            off = 0 if way == "pwrite-1" else i * part
-            for s in range(0, len(buf), STEP):
-                os.pwrite(fd, memoryview(buf)[s:s + STEP], off + s)
-            os.fsync(fd)
-            os.close(fd)
-    elif way in ("direct", "direct-1"):
-        if buf is not None:
-            fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            direct = getattr(os, "O_DIRECT", 0) if way.startswith("direct") else 0
+            fd = os.open(path, os.O_WRONLY | direct)
             off = 0 if one else i * part
             for s in range(0, len(buf), STEP):
                 os.pwrite(fd, memoryview(buf)[s:s + STEP], off + s)
