@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 __all__ = ["ALIGN", "CHUNK", "THREADS", "MIN_DIRECT", "aligned_split", "npy_header",
-           "preallocate", "SpanWriter"]
+           "libc_function", "preallocate", "SpanWriter"]
 
 #: the alignment of a direct write's file offset, length and memory (a page: enough for the
 #: logical blocks of every disk distmm meets, 512 B or 4 KiB)
@@ -77,7 +77,22 @@ def npy_header(shape, dtype) -> bytes:
     return raw[:8] + (ALIGN - prefix).to_bytes(size_bytes, "little") + text
 
 
-_FALLOCATE: list = []
+_LIBC: dict = {}
+
+
+def libc_function(name: str, argtypes, restype):
+    """The C library's function ``name`` (ctypes, errno kept), looked up once per process;
+    None where the library has no such function (not Linux)."""
+    if name not in _LIBC:
+        import ctypes
+
+        try:
+            fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+            fn.argtypes, fn.restype = argtypes, restype
+        except (OSError, AttributeError):
+            fn = None
+        _LIBC[name] = fn
+    return _LIBC[name]
 
 
 def preallocate(fd: int, offset: int, nbytes: int) -> bool:
@@ -87,21 +102,13 @@ def preallocate(fd: int, offset: int, nbytes: int) -> bool:
     zeros instead). Raises ``OSError`` for a full disk or a file-size limit."""
     if nbytes <= 0:
         return True
-    if not _FALLOCATE:
-        import ctypes
-
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).fallocate
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _FALLOCATE.append(fn)
-    fn = _FALLOCATE[0]
-    if fn is None:
-        return False
     import ctypes
     import errno
+
+    fn = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
+                       ctypes.c_int)
+    if fn is None:
+        return False
 
     if fn(fd, 0, offset, nbytes) == 0:
         return True

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.direct_io import libc_function
 from distmm.staging import BlockWriter, staged_path
 
 __all__ = ["FileSpec", "parse_spec", "StripeWriter"]
@@ -118,24 +119,12 @@ class StripeWriter:
             self._blocks = None
 
 
-_SYNC_FILE_RANGE = []
-
-
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing a file range to disk without waiting (Linux ``sync_file_range`` with
     ``SYNC_FILE_RANGE_WRITE``); nothing where the call is missing."""
-    if not _SYNC_FILE_RANGE:
-        import ctypes
+    import ctypes
 
-        fn = None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _SYNC_FILE_RANGE.append(fn)
-    fn = _SYNC_FILE_RANGE[0]
+    fn = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_uint], ctypes.c_int)
     if fn is not None and nbytes > 0:
         fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure leaves it to fsync

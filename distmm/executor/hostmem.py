@@ -17,12 +17,15 @@ array is plain anonymous memory.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
 import weakref
 
 import numpy as np
+
+from distmm.direct_io import libc_function
 
 __all__ = ["empty_host", "huge_mapping", "populate", "TouchHold", "hold_until", "HUGE_MIN_BYTES", "SPARE_MAX_BYTES", "thp_mode"]
 
@@ -45,19 +48,8 @@ def thp_mode() -> str:
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, contents unchanged
 
 
-def _libc_madvise():
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-
-
-_madvise = _libc_madvise()
+_madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int),
+                         ctypes.c_int)  # None where not Linux
 
 
 _resume = threading.Event()
