@@ -15,6 +15,9 @@
 # batch           mpirun -n P distmm matmul at fp32 32768, P = 1 (two ways), 2, 4 (bench/mpi_batch.py)
 # resume-big      the resume step at fp32 65536, once
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
+# share           the GPU test of batch-panels share, then mpirun -n 2, 4 at fp32 32768 and
+#                 -n 4 at 65536 with batch-panels read (and the single-process command at
+#                 32768) and with share (label "-share"), beside the same run's references
 # Records land under $OUT.
 set -u
 export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
@@ -61,6 +64,18 @@ for step in "$@"; do
       echo "4 at once, 4 visible:"; for g in 0 1 2 3; do python3 -c "$probe" & done; wait
       echo "4 at once, 1 visible each:"
       for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g python3 -c "$probe" & done; wait ;;
+    share)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+        tests/test_mpi_batch.py -k "share" 2>&1 | tail -4
+      for n in 32768 65536; do
+        if [ $n = 32768 ]; then args="--ranks 2 4 --repeat 3"; else args="--ranks 4 --repeat 2 --no-cli"; fi
+        timeout 280 python3 -m bench.mpi_batch --sizes $n $args --gemm-repeat 1 \
+          --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-300
+        DISTMM_BATCH_PANELS=share timeout 150 python3 -m bench.mpi_batch --sizes $n $args \
+          --no-cli --label=-share --gemm-repeat 1 --work /tmp/distmm-batch --out-dir "$OUT" \
+          2>&1 | cut -c1-300
+        rm -rf /tmp/distmm-batch
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
