@@ -5,7 +5,8 @@ so that every rank owns a block of C and writes it itself; ``ranks x 1`` when as
 rows and B fits, so that each block is one contiguous range of the output file), the stripes
 that cut each rank's C block into row ranges computed and written one after another (so that writing C
 overlaps computing it, and a stopped job can resume at a stripe), the k panels of a stripe's
-product (every owner's edge of A and B), and what one rank holds at once: B's column panel
+product (every owner's edge of A and B; finer for the first stripe, whose product starts while B's
+panel is still arriving), and what one rank holds at once: B's column panel
 (``k x n_j``, kept for every stripe), two A stripes and two C stripes, all in the accumulation
 dtype. ``plan_batch`` refuses a product whose column panel of B does not fit the memory it is
 given, before anything is read.
@@ -22,13 +23,20 @@ import numpy as np
 
 from distmm.grid import GridPlan, even_edges, make_grid
 
-__all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS"]
+__all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS", "B_CHUNK_BYTES",
+           "FIRST_STEP_CHUNKS"]
 
 #: stripes each rank's C block is cut into, when memory allows (more: finer resume points and
 #: an earlier first write; fewer: larger GEMMs)
 STRIPES_PER_RANK = 8
 #: the narrowest stripe memory may force (a GEMM of fewer rows runs well below the device's rate)
 MIN_STRIPE_ROWS = 256
+#: bytes of B's widest column panel read and copied to the device per chunk (the next chunk is
+#: read while the last one is copied)
+B_CHUNK_BYTES = 256 << 20
+#: chunks of B per k step of the first stripe's product (each step starts once its rows of B
+#: are on the device; larger steps: fewer passes over C, a later start)
+FIRST_STEP_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,20 @@ class BatchPlan:
         k edges of the stripe product's panels (every owner's edge of A and B).
     held_bytes : tuple of int
         Per rank: bytes held at once on the device (or in host memory for CPU ranks).
+    chunk_rows : int
+        Rows of B's column panel read and copied per chunk (``B_CHUNK_BYTES`` of the widest).
+    first_panels : tuple of int
+        k edges of the first stripe's product on GPU ranks: ``panels`` cut every
+        ``FIRST_STEP_CHUNKS`` chunks, so that its GEMMs run while B's panel arrives. Fixed by
+        the plan, not by timing: a resumed run sums every stripe as an uninterrupted one does.
     """
 
     grid: GridPlan
     stripe_edges: tuple[tuple[int, ...], ...]
     panels: tuple[int, ...]
     held_bytes: tuple[int, ...]
+    chunk_rows: int = 1
+    first_panels: tuple[int, ...] = ()
 
     @property
     def stripes(self) -> int:
@@ -155,4 +171,9 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
             f"stripes), more than the {memory / 2**30:.1f} GiB it has: use more ranks")
     panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
-    return BatchPlan(grid=g, stripe_edges=tuple(edges), panels=panels, held_bytes=tuple(held))
+    widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
+    chunk_rows = max(1, B_CHUNK_BYTES // max(1, widest * np.dtype(g.acc_dtype).itemsize))
+    step = chunk_rows * FIRST_STEP_CHUNKS
+    first = tuple(sorted(set(panels) | set(range(0, k, step))))
+    return BatchPlan(grid=g, stripe_edges=tuple(edges), panels=panels, held_bytes=tuple(held),
+                     chunk_rows=chunk_rows, first_panels=first)

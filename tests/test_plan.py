@@ -99,3 +99,27 @@ def test_owner_orders_balance_and_runs():
     assert counts.max() - counts.min() <= 1
     with pytest.raises(ValueError, match="owner_order"):
         make_plan(8, 8, 8, owner_order="diagonal")
+
+
+@pytest.mark.parametrize("m,n,k,dtype,ranks,rows", [
+    (131072, 131072, 131072, "float32", 2, False),  # the out-of-core grid, 1 x 2
+    (32768, 32768, 32768, "float32", 4, True),      # whole rows, 4 x 1
+    (1031, 523, 777, "float64", 3, True),
+    (40, 7, 3, "float16", 2, False),
+])
+def test_batch_first_stripe_steps_refine_the_panels(m, n, k, dtype, ranks, rows):
+    """The first stripe's k edges contain every panel edge (so each step lies in one owner's
+    piece of A), are cut at least every ``FIRST_STEP_CHUNKS`` chunks of B, and cover k."""
+    from distmm.plan_batch import B_CHUNK_BYTES, FIRST_STEP_CHUNKS, plan_batch
+
+    p = plan_batch(m, n, k, dtype, ranks=ranks, whole_rows=rows)
+    g = p.grid
+    first = p.first_panels
+    assert first[0] == 0 and first[-1] == k and list(first) == sorted(set(first))
+    assert set(p.panels) <= set(first)
+    widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
+    item = np.dtype(g.acc_dtype).itemsize
+    assert p.chunk_rows == max(1, B_CHUNK_BYTES // (widest * item))
+    assert max(b - a for a, b in zip(first, first[1:])) <= p.chunk_rows * FIRST_STEP_CHUNKS
+    if max(b - a for a, b in zip(p.panels, p.panels[1:])) > p.chunk_rows * FIRST_STEP_CHUNKS:
+        assert len(first) > len(p.panels)  # a panel of several steps was cut

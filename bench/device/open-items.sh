@@ -15,6 +15,9 @@
 # batch           mpirun -n P distmm matmul at fp32 32768, P = 1 (two ways), 2, 4 (bench/mpi_batch.py)
 # resume-big      the resume step at fp32 65536, once
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
+# exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
+#                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
+#                 distmm's ranks do: MPI_Finalize, then os._exit)
 # share           the GPU test of batch-panels share, then mpirun -n 2, 4 at fp32 32768 and
 #                 -n 4 at 65536 with batch-panels read (and the single-process command at
 #                 32768) and with share (label "-share"), beside the same run's references
@@ -64,6 +67,26 @@ for step in "$@"; do
       echo "4 at once, 4 visible:"; for g in 0 1 2 3; do python3 -c "$probe" & done; wait
       echo "4 at once, 1 visible each:"
       for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g python3 -c "$probe" & done; wait ;;
+    exitprobe)
+      for n in 1 4; do for mem in 0 1; do for rep in 1 2; do
+        /usr/bin/time -f "n=$n memory=$mem: %e s" mpiexec --oversubscribe --bind-to none -n $n \
+          python3 -c "
+import os, time, cupy
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+cupy.cuda.Device(c.rank % cupy.cuda.runtime.getDeviceCount()).use()
+cupy.zeros(1)
+if $mem:
+    d = cupy.empty(8 << 30, dtype=cupy.uint8); d.fill(1)
+    h = cupy.cuda.alloc_pinned_memory(2 << 30)
+cupy.cuda.Device().synchronize()
+c.Barrier()
+t = time.time()
+if c.rank == 0:
+    print(f'at end {t:.3f}', flush=True)
+MPI.Finalize()
+os._exit(0)" 2>&1 | grep -v '^$'; date +"exited %s.%N"
+      done; done; done ;;
     share)
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
         tests/test_mpi_batch.py -k "share" 2>&1 | tail -4

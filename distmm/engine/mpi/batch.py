@@ -161,7 +161,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 start_cublas(dtype)
             choice = get_config().batch_panels
             direct = _reads_directly(comm, choice)
-            share = direct and on_gpu and choice == "share"
+            share = direct and on_gpu and choice in ("share", "auto")  # one host: auto shares
             outcome.panels = "share" if share else "read" if direct else "broadcast"
             # ranks that read their panels take whole rows of C when B fits: each writes one
             # contiguous range of the output, directly (broadcasting all of B would not pay)

@@ -5,7 +5,10 @@ from two readable operands to a writer:
 
 1. B's column panel: each rank reads its own block of B (in chunks, the next read while the last
    is copied to the device), then the ranks of a grid column broadcast their pieces, so every
-   rank holds ``B[:, col_j]``, kept for all stripes;
+   rank holds ``B[:, col_j]``, kept for all stripes. Where a GPU rank gets the whole panel by
+   its own copies (it reads what it needs, or its grid column is itself), B's chunks are copied
+   while the first stripe multiplies: each k step of that stripe (``plan.first_panels``) waits
+   only for its own rows of B;
 2. for each stripe of the rank's row block, the ranks of the grid row read their pieces of A's
    stripe (a reader thread, two stripes ahead), broadcast them along the row, and every rank
    multiplies the stripe by the column panel, panel by panel in k order (so the bits never
@@ -45,9 +48,6 @@ from distmm.plan_batch import BatchPlan
 __all__ = ["PanelSource", "BlockSink", "run_stripes", "k_panels", "device_memory"]
 
 PAUSE = float(os.environ.get("DISTMM_BATCH_STRIPE_PAUSE", "0") or 0)
-
-#: rows of B's own block read per chunk while the previous chunk is copied to the device
-B_CHUNK_BYTES = 256 << 20
 
 
 class PanelSource:
@@ -327,9 +327,9 @@ class _Run:
             return block != 0
         return block if block.dtype == self.res else block.astype(self.res)
 
-    def panel_pairs(self):
-        """Per k panel: (owner column of A, k0, k1)."""
-        p = self.panels
+    def panel_pairs(self, edges=None):
+        """Per k panel (``edges``, default the stripes' panels): (owner column of A, k0, k1)."""
+        p = self.panels if edges is None else edges
         return [(_owner(self.a_cuts, k0), k0, k1) for k0, k1 in zip(p, p[1:]) if k1 > k0]
 
     def run(self, todo, skip, on_written):
@@ -481,7 +481,13 @@ class _GPURun(_Run):
         self.b_store = cp.empty((g.k, self.nj), dtype=self.acc)
         k0, k1 = self.b_range
         group = [g.rank_at(0, ii, self.j) for ii in range(g.rows)]  # holders of this panel
-        if self.share_b and len(group) > 1 and k1 > k0 and self.nj:
+        sharing = self.share_b and len(group) > 1 and k1 > k0 and self.nj
+        # the whole panel by this rank's own copies: they run while the first stripe multiplies
+        # (stripe_loop calls fill_b)
+        self.b_pending = not sharing and (self.direct or g.rows == 1)
+        if self.b_pending:
+            return
+        if sharing:
             from distmm.grid import even_edges
 
             edges = [k0 + e for e in even_edges(k1 - k0, len(group))]
@@ -542,11 +548,44 @@ class _GPURun(_Run):
         _exchange(self.watch, group, self.rank, True)
         self.b_export = mine  # keeps the export's record until the run ends
 
-    def upload_rows(self, k0, k1):
+    def fill_b(self, first=None):
+        """Copy B's column panel (rows ``b_range``) to the device; ``first``: ``(pieces, c,
+        pairs)`` of the first stripe, whose GEMMs are queued as their rows of B arrive (each
+        waits on the copy of its last chunk). Returns whether no GEMM was queued."""
+        self.b_pending = False
+        pending = list(first[2]) if first is not None else []
+        state = {"first": True}
+
+        def arrived(hi, event):
+            with self.compute:
+                while pending and pending[0][2] <= hi:
+                    self.compute.wait_event(event)
+                    state["first"] = self.queue_gemms(first[0], first[1], [pending.pop(0)],
+                                                      state["first"])
+
+        self.upload_rows(*self.b_range, on_chunk=arrived if first is not None else None)
+        self.compute.wait_event(self.h2d.record())
+        if pending:  # panels outside this rank's rows of B (none where it holds all of k)
+            state["first"] = self.queue_gemms(first[0], first[1], pending, state["first"])
+        return state["first"]
+
+    def queue_gemms(self, pieces, c, pairs, first=True):
+        """Queue ``c (+)= A_piece @ B_rows`` on the compute stream for each ``(owner, k0, k1)``
+        in k order (the first with ``beta = 0`` when ``first``); whether none was queued."""
+        for owner, k0, k1 in pairs:
+            off = self.a_cuts[owner]
+            self.executor.device_gemm(pieces[owner][:, k0 - off:k1 - off], self.b_store[k0:k1],
+                                      c, beta=0 if first else 1, stream=self.compute)
+            first = False
+        return first
+
+    def upload_rows(self, k0, k1, on_chunk=None):
         """Read rows ``k0:k1`` of B's column panel from the file (reader threads, two pinned
-        slots) and queue their copies into ``b_store`` on the h2d stream."""
+        slots) and queue their copies into ``b_store`` on the h2d stream; ``on_chunk(hi,
+        event)`` after each chunk's copy is queued (rows below ``hi`` are on the device once
+        ``event`` has passed)."""
         if k1 > k0 and self.nj:
-            rows = max(1, B_CHUNK_BYTES // max(1, self.nj * self.acc.itemsize))
+            rows = self.plan.chunk_rows
             slots = [self.pinned((min(rows, k1 - k0), self.nj)) for _ in range(2)]
             uploaded = [None, None]
             starts = list(range(k0, k1, rows))
@@ -571,6 +610,8 @@ class _GPURun(_Run):
                 self.span("h2d", begin, uploaded[n % 2], host.nbytes)
                 if n + 2 < len(starts):
                     submit(n + 2)
+                if on_chunk is not None:
+                    on_chunk(hi, uploaded[n % 2])
 
     def note_comm(self, requests):
         for request in requests:
@@ -610,24 +651,25 @@ class _GPURun(_Run):
             self.note_comm(requests)
             if t + 2 < len(todo):
                 futures[t + 2] = self.prefetch(t + 2, todo[t + 2])
+            # the first stripe in finer k steps (wherever it runs: the bits stay the same)
+            pairs = self.panel_pairs(self.plan.first_panels if stripe == 0 else None)
             with self.compute:
                 self.compute.wait_event(uploaded)
                 for request in requests:
                     request.wait()
                 if stripe in skip:
+                    if self.b_pending:
+                        self.fill_b()
                     self.gemm_done[slot] = self.compute.record()
                     continue
                 if self.d2h_done[slot] is not None:  # stripe t-2's C has left this slot
                     self.compute.wait_event(self.d2h_done[slot])
                 c = self.c_dev[slot][:h]
                 begin = self.compute.record()
-                first = True
-                for owner, k0, k1 in self.panel_pairs():
-                    off = self.a_cuts[owner]
-                    self.executor.device_gemm(pieces[owner][:, k0 - off:k1 - off],
-                                              self.b_store[k0:k1], c, beta=0 if first else 1,
-                                              stream=self.compute)
-                    first = False
+                if self.b_pending:  # B's panel arrives while this stripe multiplies
+                    first = self.fill_b((pieces, c, pairs))
+                else:
+                    first = self.queue_gemms(pieces, c, pairs)
                 if first:
                     c.fill(0)
                 self.gemm_done[slot] = self.compute.record()
