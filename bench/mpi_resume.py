@@ -38,9 +38,14 @@ def _command(ranks: int, a: Path, b: Path, c: Path, extra) -> list[str]:
 
 def _run(cmd, stop_after: float | None = None) -> tuple[float, int, str]:
     """Run ``cmd``; with ``stop_after``, SIGTERM to its distmm processes (the ranks, or the one
-    process) after that many seconds. Returns (seconds, exit status, output)."""
+    process, and ``mpiexec`` itself where it is named ``prterun``, as a scheduler's time limit
+    signals the whole step) after that many seconds. Every run starts with no dirty page
+    cache (``sync`` first): the operands just made, or the last run's output, being written
+    back would slow the disk under one run and not the next. Returns (seconds, exit status,
+    output)."""
     import psutil
 
+    os.sync()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if stop_after is not None:
