@@ -191,6 +191,7 @@ def main(argv=None) -> int:
             writer.add(variant, dtype, n, n, n, sec, err, ranks=ranks, repeats=len(runs), output=fmt,
                        all_seconds=[r[0] for r in runs], phases=totals,
                        grid=(data or {}).get("meta", {}).get("grid"),
+                       batch_panels=(data or {}).get("meta", {}).get("batch_panels"),
                        launch_seconds=(data or {}).get("meta", {}).get("before"),
                        exit_seconds=(data or {}).get("meta", {}).get("after"),
                        target_seconds=target, over_target=sec / target,

@@ -516,7 +516,8 @@ def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_d
     return g.shape, worst[0], worst[1], 0.0, cal.overhead("mpi-call"), received, touched, held, ""
 
 
-def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device):
+def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device,
+           panels="auto"):
     acc = accumulate_dtype(np.dtype(dt))
     size = np.dtype(acc).itemsize
     gemm = cal.rate(device, acc)
@@ -542,9 +543,15 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
         nj = g.col_edges[j + 1] - g.col_edges[j]
         stripes = max(1, bp.stripe_count(i))
         h = math.ceil(mi / stripes) if mi else 0
-        panel_read = k * nj * size / read_bw
+        # GPU ranks of one node sharing B (batch-panels share, auto's choice there) read a
+        # share of its rows each and copy the others' from their GPUs
+        split = g.rows if (device == "gpu" and rows and g.rows > 1
+                           and panels in ("auto", "share")) else 1
+        panel_read = k * nj * size / split / read_bw
         if device == "gpu":
-            panel_read += cal.link("pcie-h2d").seconds(k * nj * size)
+            panel_read += cal.link("pcie-h2d").seconds(k * nj * size / split)
+        if split > 1:
+            panel_read += cal.link(link_name).seconds(k * nj * size * (split - 1) / split)
         r_s = h * k * size / read_bw
         c_s = gemm.seconds(h, nj, k) * share
         if device == "gpu":
@@ -626,7 +633,8 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
 def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibration: Calibration,
             engine: str = "mpi", device: str = "gpu", link: str | None = None,
             grid=None, memory: int | None = None, ranks_per_device: int = 1,
-            threads_per_rank: int = 1, extra_cpu_workers: int = 0) -> Prediction:
+            threads_per_rank: int = 1, extra_cpu_workers: int = 0,
+            batch_panels: str = "auto") -> Prediction:
     """The model's estimate of ``C[m, n] = A[m, k] @ B[k, n]`` on ``devices`` devices.
 
     Parameters
@@ -655,6 +663,10 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
     extra_cpu_workers : int
         Dask: CPU workers of one thread beside the GPU workers (they get a share only where
         it shortens the run, as ``distmm.plan_blocks.shares`` decides).
+    batch_panels : str
+        The batch path's ``batch-panels`` setting: ``auto`` and ``share`` have GPU ranks of
+        one node read a share of B each and copy the rest from each other; ``read``: each
+        reads all of its column panel.
 
     Raises
     ------
@@ -680,7 +692,7 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
                    ranks_per_device, threads_per_rank)
     elif engine == "batch":
         out = _batch(m, n, k, dt, devices, calibration, device, link, grid, memory,
-                     ranks_per_device)
+                     ranks_per_device, batch_panels)
     else:
         out = _dask(m, n, k, dt, devices, calibration, device, link, grid, memory,
                     ranks_per_device, extra_cpu_workers)

@@ -100,7 +100,7 @@ def configuration(rec: dict) -> dict | None:
         ranks = int(rec.get("ranks") or 1)
         grid = tuple(rec["grid"])[-2:] if rec.get("grid") else None
         return {**base, "engine": "batch", "device": "gpu", "devices": ranks, "grid": grid,
-                "label": f"batch {variant}"}
+                "batch_panels": _batch_panels(rec, ranks, grid), "label": f"batch {variant}"}
     if bench == "dask-gpu" and variant.startswith("distmm-dask"):
         setting = rec.get("setting")
         conf = {**base, "engine": "dask", "device": "gpu", "label": f"dask gpu {variant}"}
@@ -116,6 +116,16 @@ def configuration(rec: dict) -> dict | None:
         return {**base, "engine": "dask", "device": "cpu", "devices": int(rec.get("workers") or 1),
                 "label": "dask cpu"}
     return None
+
+
+def _batch_panels(rec: dict, ranks: int, grid) -> str:
+    """How a batch record's ranks got B: its ``batch_panels``, or, in records made before it
+    was kept, what its profile shows (ranks of a whole-rows grid that copied pieces of B from
+    each other's GPUs shared it; such ranks that copied nothing read it all)."""
+    if rec.get("batch_panels"):
+        return rec["batch_panels"]
+    whole_rows = grid is not None and grid[-1] == 1 and ranks > 1
+    return "share" if whole_rows and (rec.get("phases") or {}).get("comm") else "read"
 
 
 def _study_configuration(rec: dict, base: dict) -> dict:
@@ -142,7 +152,7 @@ def _study_configuration(rec: dict, base: dict) -> dict:
 
 #: the arguments of ``predict`` a configuration may carry
 KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_rank",
-         "extra_cpu_workers", "link")
+         "extra_cpu_workers", "link", "batch_panels")
 
 
 def predict_record(conf: dict, cal: Calibration) -> Prediction:
