@@ -446,7 +446,12 @@ class _GPURun(_Run):
         self.c_dev = [cupy.empty((h, self.nj), dtype=acc) for _ in range(2)]
         self.a_host = [{jj: self.pinned((h, self.widths[jj])) for jj in self.a_mine}
                        for _ in range(2)]
-        self.c_host = [self.pinned((h, self.nj)) for _ in range(2)]
+        # C's pinned slots are first needed after the first GEMM: page-locked on a thread of
+        # their own meanwhile (the stripes' reads and B's copies start without waiting for them)
+        device = cupy.cuda.Device().id
+        self.pinning = ThreadPoolExecutor(1, thread_name_prefix="distmm-pin")
+        self.c_host_ready = self.pinning.submit(self.pinned_on, device, [(h, self.nj)] * 2)
+        self.c_host = None
         self.c_free = [threading.Event() for _ in range(2)]
         for e in self.c_free:
             e.set()
@@ -459,6 +464,12 @@ class _GPURun(_Run):
         self.ref.synchronize()
         self.ref_time = time.perf_counter()
         self.phases.add("startup", start, self.ref_time)
+
+    def pinned_on(self, device: int, shapes):
+        """``pinned`` arrays of ``shapes``, from another thread (which takes ``device``, so
+        that it starts no context on another GPU)."""
+        self.cp.cuda.Device(device).use()
+        return [self.pinned(shape) for shape in shapes]
 
     def pinned(self, shape):
         """A page-locked host array (``distmm.executor.pinned.registered_allocator``)."""
@@ -677,6 +688,8 @@ class _GPURun(_Run):
             free = self.c_free[slot]
             poll(free.is_set, self.watch)  # the writer is done with this pinned slot
             free.clear()
+            if self.c_host is None:
+                self.c_host = self.result(self.c_host_ready)
             out = self.c_host[slot][:h]
             with self.d2h:
                 self.d2h.wait_event(self.gemm_done[slot])
@@ -688,6 +701,7 @@ class _GPURun(_Run):
 
     def close(self):
         """Turn the CUDA events into spans on the host clock (only those that completed)."""
+        self.pinning.shutdown(wait=False)
         get = self.cp.cuda.get_elapsed_time
         for phase, begin, end, nbytes in self.events:
             if begin.done and end.done:
