@@ -24,13 +24,16 @@ import numpy as np
 from distmm.grid import GridPlan, even_edges, make_grid
 
 __all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS", "B_CHUNK_BYTES",
-           "FIRST_STEP_CHUNKS"]
+           "FIRST_STEP_CHUNKS", "RESUME_STRIPE_BYTES"]
 
 #: stripes each rank's C block is cut into, when memory allows (more: finer resume points and
 #: an earlier first write; fewer: larger GEMMs)
 STRIPES_PER_RANK = 8
 #: the narrowest stripe memory may force (a GEMM of fewer rows runs well below the device's rate)
 MIN_STRIPE_ROWS = 256
+#: the most bytes of C in one stripe of a resumable run (``--resume``): a stop loses the stripes
+#: in flight (computed or being written), so smaller ones lose less
+RESUME_STRIPE_BYTES = 512 << 20
 #: bytes of B's widest column panel read and copied to the device per chunk (the next chunk is
 #: read while the last one is copied)
 B_CHUNK_BYTES = 256 << 20
@@ -100,7 +103,8 @@ def _held(grid: GridPlan, i: int, j: int, stripe: int) -> int:
 
 def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
                memory: int | None = None, stripes: int = STRIPES_PER_RANK,
-               grid: tuple[int, int] | None = None, whole_rows: bool = False) -> BatchPlan:
+               grid: tuple[int, int] | None = None, whole_rows: bool = False,
+               stripe_bytes: int | None = None) -> BatchPlan:
     """Plan a batch product on ``ranks`` ranks.
 
     Parameters
@@ -120,6 +124,9 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         Prefer ``ranks x 1`` (each rank's C block whole rows: one contiguous range of a
         C-ordered file, written directly; every rank holds all of B) when B and two stripes
         fit ``memory`` and ``m >= ranks``; otherwise the grid ``distmm.grid.make_grid`` picks.
+    stripe_bytes : int, optional
+        More stripes where one would hold more than this many bytes of C (a resumable run
+        passes ``RESUME_STRIPE_BYTES``).
 
     Raises
     ------
@@ -143,7 +150,7 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     if whole_rows and grid is None and ranks > 1 and m >= ranks:
         try:
             return plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
-                              grid=(ranks, 1))
+                              grid=(ranks, 1), stripe_bytes=stripe_bytes)
         except ValueError:  # B does not fit one rank: the grid below shares it
             pass
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
@@ -152,7 +159,11 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     for i in range(g.rows):
         r0, r1 = g.row_edges[i], g.row_edges[i + 1]
         mi = r1 - r0
-        count = max(1, min(stripes, mi))
+        count = stripes
+        if stripe_bytes:
+            widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
+            count = max(count, -(-mi * widest * np.dtype(g.dtype).itemsize // int(stripe_bytes)))
+        count = max(1, min(count, mi))
         if memory is not None:
             while True:
                 width = math.ceil(mi / count) if mi else 0

@@ -123,3 +123,24 @@ def test_batch_first_stripe_steps_refine_the_panels(m, n, k, dtype, ranks, rows)
     assert max(b - a for a, b in zip(first, first[1:])) <= p.chunk_rows * FIRST_STEP_CHUNKS
     if max(b - a for a, b in zip(p.panels, p.panels[1:])) > p.chunk_rows * FIRST_STEP_CHUNKS:
         assert len(first) > len(p.panels)  # a panel of several steps was cut
+
+
+def test_resumable_batch_stripes_hold_at_most_the_resume_bytes():
+    """``--resume`` plans stripes of at most ``RESUME_STRIPE_BYTES`` of C (a stop loses the
+    stripes in flight); small blocks keep the stripes asked for, and memory may force more."""
+    from distmm.plan_batch import RESUME_STRIPE_BYTES, plan_batch
+
+    def widest(p):
+        g = p.grid
+        return max(b - a for e in p.stripe_edges for a, b in zip(e, e[1:])) * max(
+            g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
+
+    whole = plan_batch(65536, 65536, 65536, "float64", ranks=4, whole_rows=True)
+    resumable = plan_batch(65536, 65536, 65536, "float64", ranks=4, whole_rows=True,
+                           stripe_bytes=RESUME_STRIPE_BYTES)
+    assert whole.stripes == 8 and widest(whole) * 8 > RESUME_STRIPE_BYTES
+    assert resumable.stripes == 16 and widest(resumable) * 8 <= RESUME_STRIPE_BYTES
+    assert resumable.grid == whole.grid and resumable.panels == whole.panels
+    small = plan_batch(1031, 523, 777, "float32", ranks=3, stripe_bytes=RESUME_STRIPE_BYTES)
+    assert small.stripe_edges == plan_batch(1031, 523, 777, "float32", ranks=3).stripe_edges
+    assert plan_batch(100, 10, 10, "float64", ranks=1, stripe_bytes=8 * 10 * 7).stripes == 15

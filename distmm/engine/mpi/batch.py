@@ -32,7 +32,7 @@ from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, pa
 from distmm.engine.mpi.stop import PeerStopped, StopWatch
 from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
 from distmm.errors import Signalled
-from distmm.plan_batch import BatchPlan, plan_batch
+from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
 from distmm.staging import is_live, leftovers, remove_leftover
 
 __all__ = ["run_batch", "BatchOutcome"]
@@ -167,7 +167,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             # contiguous range of the output, directly (broadcasting all of B would not pay)
             rows = direct and (on_gpu or _b_fits_host(comm, k, n, dtype))
             plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
-                              stripes=get_config().batch_stripes, whole_rows=rows)
+                              stripes=get_config().batch_stripes, whole_rows=rows,
+                              stripe_bytes=RESUME_STRIPE_BYTES if args.resume else None)
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
