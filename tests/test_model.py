@@ -269,10 +269,8 @@ KNOWN_MISSES = {
     ("NVIDIA H200", "batch mpirun-4-h5", "float32", 32768),
     ("NVIDIA H200", "batch mpirun-4-zarr", "float32", 32768),
     ("NVIDIA H200", "batch mpirun-4", "float32", 65536),
-    # ... and today's code at 4 ranks (b64be4f, B shared over CUDA IPC): 5.86 s against 5.01
-    # (-15.3%). The model's start and exit are one rank's (1.27 s); four ranks' took 1.90 s
-    # (their CUDA start-ups and exits contend: bench/NOTES.md, batch jobs), and it has no term
-    # per rank. The superseded run of the same key missed by -30%
+    # (grid 2 x 2, -30%; today's code on the same key, grid 4 x 1 at b64be4f, is within: -14.5%,
+    # the model's start and exit being one rank's, 1.27 s, where four ranks' took 1.90 s)
     ("NVIDIA H200", "batch mpirun-4", "float32", 32768),
     # shared 2- and 16-core VMs: numpy's own time varies 1.7-2.5x between runs of one
     # benchmark, so one per-core rate per machine misses single runs by more than 15%
