@@ -156,12 +156,12 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
     g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
     edges, held = [], [0] * g.ranks
+    widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))  # of C's columns
     for i in range(g.rows):
         r0, r1 = g.row_edges[i], g.row_edges[i + 1]
         mi = r1 - r0
         count = stripes
         if stripe_bytes:
-            widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
             count = max(count, -(-mi * widest * np.dtype(g.dtype).itemsize // int(stripe_bytes)))
         count = max(1, min(count, mi))
         if memory is not None:
@@ -182,7 +182,6 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
             f"stripes), more than the {memory / 2**30:.1f} GiB it has: use more ranks")
     panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
-    widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))
     chunk_rows = max(1, B_CHUNK_BYTES // max(1, widest * np.dtype(g.acc_dtype).itemsize))
     step = chunk_rows * FIRST_STEP_CHUNKS
     first = tuple(sorted(set(panels) | set(range(0, k, step))))
