@@ -449,3 +449,18 @@ def test_calibrate_quick_end_to_end(tmp_path, mpi_env):
     assert "engine mpi on cpus" in model.stdout
     folder = _distmm("calibrate", "--quick", "-o", str(tmp_path))
     assert folder.returncode == 2 and "a folder, not a file" in folder.stderr
+
+
+def test_batch_records_say_how_b_reached_the_ranks():
+    """A batch record's configuration carries ``batch_panels``: the record's own, or, for
+    records made before it was kept, ``share`` where a whole-rows run copied between GPUs."""
+    from distmm.cli.model_records import configuration
+
+    base = {"benchmark": "mpi-batch", "device": "NVIDIA H100 80GB HBM3", "dtype": "float32",
+            "m": 32768, "n": 32768, "k": 32768, "seconds": 5.0, "ranks": 4,
+            "grid": [1, 4, 1]}
+    conf = lambda **r: configuration({**base, "variant": "mpirun-4", **r})["batch_panels"]
+    assert conf(batch_panels="broadcast") == "broadcast"
+    assert conf(phases={"read": 1.0, "comm": 0.02}) == "share"
+    assert conf(phases={"read": 1.0}) == "read"
+    assert conf(grid=[1, 2, 2], phases={"comm": 0.5}) == "read"  # a 2-D grid of one host
