@@ -13,7 +13,7 @@
 # firstcall       host-resident first calls at 32768 (fp64, fp32), each in a fresh process that
 #                 made its operands with cupy first (bench/pipeline.py --first-call)
 # batch           mpirun -n P distmm matmul at fp32 32768, P = 1 (two ways), 2, 4 (bench/mpi_batch.py)
-# resume-big      the resume step at fp32 65536, once
+# resume-big      the resume step at fp64 65536 (whole runs of ~25 s), twice
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
 #                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
@@ -57,8 +57,8 @@ for step in "$@"; do
         --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-400
       rm -rf /tmp/distmm-batch ;;
     resume-big)
-      timeout 300 python3 -m bench.mpi_resume --n 65536 --ranks 4 --repeat 1 --out-dir "$OUT" \
-        2>&1 | tail -5
+      timeout 420 python3 -m bench.mpi_resume --n 65536 --dtype float64 --ranks 4 --repeat 2 \
+        --out-dir "$OUT" 2>&1 | tail -5
       rm -rf /tmp/distmm-resume ;;
     cuinit)
       probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
