@@ -535,7 +535,7 @@ def test_gpu_first_stripe_multiplies_while_b_arrives(tmp_path, mpirun, mpiexec, 
     a, b = _operands(tmp_path, 1031, 777, 523, "float32", seed=8)
     args = ["cli", str(4 * 523 * 5), "matmul", tmp_path / "a.npy", tmp_path / "b.npy",
             "--backend", "cublas"]
-    env = batch_env(DISTMM_BATCH_STRIPES="6")
+    env = batch_env(DISTMM_BATCH_STRIPES="6", DISTMM_BATCH_PANELS="read")  # each its own B
     r = mpirun(3, script, *args, "-o", tmp_path / "full.npy", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     full = np.load(tmp_path / "full.npy")
@@ -544,7 +544,8 @@ def test_gpu_first_stripe_multiplies_while_b_arrives(tmp_path, mpirun, mpiexec, 
     cmd = [mpiexec, "-n", "3", "--oversubscribe", sys.executable, script, *args, "-o",
            tmp_path / "c.npy", "--resume"]
     stopped, _ = _interrupt_after([str(x) for x in cmd],
-                                  batch_env(DISTMM_BATCH_STRIPES="6", DISTMM_BATCH_STRIPE_PAUSE="0.2"),
+                                  batch_env(DISTMM_BATCH_STRIPES="6", DISTMM_BATCH_PANELS="read",
+                                            DISTMM_BATCH_STRIPE_PAUSE="0.2"),
                                   tmp_path, stripes=2)
     assert stopped.returncode != 0
     r = mpirun(3, script, *args, "-o", tmp_path / "c.npy", "--resume", env=env)
