@@ -252,15 +252,21 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch
 @pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, status):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=13)
+    # each rank's wrapper writes what its distmm process did into a file of its own (output a
+    # process writes just before it ends can be lost by the launcher's forwarding under load)
     wrapper = ("import subprocess, sys, os; r = subprocess.run([sys.executable, '-m', 'distmm'] + "
                "sys.argv[1:], stderr=subprocess.PIPE, text=True); "
-               "os.write(1, ('STATUS %d LINES %d %s\\n' % (r.returncode, len(r.stderr.splitlines()), "
-               "r.stderr.strip().replace(chr(10), ' | '))).encode())")
+               "open(os.path.join(os.environ['STATUS_DIR'], 'status-%d' % os.getpid()), 'w').write("
+               "'STATUS %d LINES %d %s\\n' % (r.returncode, len(r.stderr.splitlines()), "
+               "r.stderr.strip().replace(chr(10), ' | ')))")
     line = cmd(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
                "--backend", "numba", "--resume")
     line[line.index("-m"):line.index("-m") + 2] = ["-c", wrapper]
+    statuses = tmp_path / "statuses"
+    statuses.mkdir()
     proc = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+                            env=batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1",
+                                          STATUS_DIR=str(statuses)))
     deadline = time.time() + 120
     while _logged(tmp_path) < 2:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -277,7 +283,8 @@ def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, 
     elapsed = time.perf_counter() - sent
     out, err = proc.communicate(timeout=60)
     assert not alive and elapsed < 2.0, (elapsed, err)
-    lines = [x for x in out.splitlines() if x.startswith("STATUS")]
+    lines = [f.read_text().strip() for f in sorted(statuses.glob("status-*"))]
+    out = "\n".join(lines)
     assert sorted(int(x.split()[1]) for x in lines) == [status, status], out
     stderr_lines = [int(x.split()[3]) for x in lines]
     assert sorted(stderr_lines) == [0, 2], out  # rank 0: the error and what was kept; others: nothing
