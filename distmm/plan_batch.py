@@ -182,7 +182,7 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
             f"stripes), more than the {memory / 2**30:.1f} GiB it has: use more ranks")
     panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
-    chunk_rows = max(1, B_CHUNK_BYTES // max(1, widest * np.dtype(g.acc_dtype).itemsize))
+    chunk_rows = max(1, B_CHUNK_BYTES // max(1, widest * g.itemsize))
     step = chunk_rows * FIRST_STEP_CHUNKS
     first = tuple(sorted(set(panels) | set(range(0, k, step))))
     return BatchPlan(grid=g, stripe_edges=tuple(edges), panels=panels, held_bytes=tuple(held),
