@@ -565,20 +565,21 @@ class _GPURun(_Run):
         waits on the copy of its last chunk). Returns whether no GEMM was queued."""
         self.b_pending = False
         pending = list(first[2]) if first is not None else []
-        state = {"first": True}
+        none_queued = True
 
         def arrived(hi, event):
-            with self.compute:
-                while pending and pending[0][2] <= hi:
-                    self.compute.wait_event(event)
-                    state["first"] = self.queue_gemms(first[0], first[1], [pending.pop(0)],
-                                                      state["first"])
+            nonlocal none_queued
+            ready = [pair for pair in pending if pair[2] <= hi]  # k order: a prefix
+            if ready:
+                del pending[:len(ready)]
+                self.compute.wait_event(event)
+                none_queued = self.queue_gemms(first[0], first[1], ready, none_queued)
 
         self.upload_rows(*self.b_range, on_chunk=arrived if first is not None else None)
         self.compute.wait_event(self.h2d.record())
         if pending:  # panels outside this rank's rows of B (none where it holds all of k)
-            state["first"] = self.queue_gemms(first[0], first[1], pending, state["first"])
-        return state["first"]
+            none_queued = self.queue_gemms(first[0], first[1], pending, none_queued)
+        return none_queued
 
     def queue_gemms(self, pieces, c, pairs, first=True):
         """Queue ``c (+)= A_piece @ B_rows`` on the compute stream for each ``(owner, k0, k1)``
