@@ -33,7 +33,7 @@ import dask  # noqa: E402
 
 import distmm  # noqa: E402
 from distmm.config import get_config  # noqa: E402
-from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
+from distmm.engine.dask import last_stats, transfer_mark, transfer_report  # noqa: E402
 from distmm import plan_blocks as loc  # noqa: E402
 from distmm.engine.dask import transfer  # noqa: E402
 from distmm.engine.dask.pull import Pull  # noqa: E402
@@ -199,6 +199,7 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b, A, B = _placed_pair(client, w0, w1, rng)
+    mark = transfer_mark(client)
     with equal_gpus(), dask.config.set({"distmm.dask-device-transfer": "ipc",
                                         transfer.DEVICE_CHUNKS_KEY: True}):
         C = distmm.matmul(A, B, client=client)
@@ -238,7 +239,7 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     with distributed.get_task_stream(client) as ts:
         C = C.persist()
         distributed.wait(C)
-    measured = transfer_report(client, since=stats["started"])
+    measured = transfer_report(client, since=mark)
     ran = {str(t["key"]): t["worker"] for t in ts.data}
     for key, holder in ((export_of[(B.name, 0, 0)], w0), (export_of[(B.name, 1, 0)], w1)):
         assert ran[str(key)] == holder, (key, ran)

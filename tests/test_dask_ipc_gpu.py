@@ -30,7 +30,7 @@ import dask  # noqa: E402
 import distributed  # noqa: E402
 
 import distmm  # noqa: E402
-from distmm.engine.dask import last_stats, transfer, transfer_report  # noqa: E402
+from distmm.engine.dask import last_stats, transfer, transfer_mark, transfer_report  # noqa: E402
 from conftest import placed  # noqa: E402
 
 
@@ -328,12 +328,13 @@ def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
     del a, b
     results = {}
     for mode in ("auto", "tcp"):
+        mark = transfer_mark(client)
         with dask.config.set({"distmm.dask-device-transfer": mode}):
             C = distmm.matmul(A, B, client=client)
         stats = last_stats()
         C = client.persist(C)
         distributed.wait(C)
-        measured = transfer_report(client, since=stats["started"])
+        measured = transfer_report(client, since=mark)
         got = client.compute(to_host(C), sync=True)
         results[mode] = (stats, measured, got)
     want = _reference(client, A, B)  # after the reports: it moves chunks too

@@ -22,7 +22,7 @@ distributed = pytest.importorskip("distributed")
 import dask  # noqa: E402
 
 import distmm  # noqa: E402
-from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
+from distmm.engine.dask import last_stats, transfer_mark, transfer_report  # noqa: E402
 from distmm.engine.dask.workers import DEVICES_KEY  # noqa: E402
 from conftest import assert_close, equal_gpus, placed  # noqa: E402
 
@@ -30,11 +30,12 @@ MiB = 2**20
 
 
 def _run_lazy(client, A, B):
+    mark = transfer_mark(client)
     C = distmm.matmul(A, B, client=client)
     stats = last_stats()
     C = C.persist()
     distributed.wait(C)
-    measured = transfer_report(client, since=stats["started"])["worker_to_worker"]
+    measured = transfer_report(client, since=mark)["worker_to_worker"]
     return C.compute(), stats, measured
 
 
@@ -114,6 +115,7 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
     assert stats["estimated_bytes"]["worker_to_worker"] == 0 and measured == 0
     # numpy operands: one unit, each operand scattered once, nothing between workers
     x, y = rng.standard_normal((900, 301)), rng.standard_normal((301, 700))
+    mark = transfer_mark(client)
     with equal_gpus(), _shared_device(w0, w1):
         got = distmm.matmul(x, y, client=client)
     stats = last_stats()
@@ -121,7 +123,7 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
     assert stats["locality"]["colocated"]["chosen"] == "one unit per device"
     assert len(stats["units"]) == 1 and stats["cells"] == 1
     assert stats["estimated_bytes"]["scatter"] == x.nbytes + y.nbytes
-    assert transfer_report(client, since=stats["started"])["worker_to_worker"] == 0
+    assert transfer_report(client, since=mark)["worker_to_worker"] == 0
 
 
 def test_colocated_workers_stay_apart_when_that_moves_less(pair):
@@ -152,6 +154,7 @@ def test_numpy_blocks_go_straight_to_their_workers(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
     a, b = rng.standard_normal((1200, 700)), rng.standard_normal((700, 1100))
+    mark = transfer_mark(client)
     with equal_gpus(), dask.config.set({"distmm.memory-budget": "6MiB"}):
         got = distmm.matmul(a, b, client=client)
     stats = last_stats()
@@ -159,7 +162,7 @@ def test_numpy_blocks_go_straight_to_their_workers(pair):
     assert stats["mode"] == "blocks" and stats["cells"] > 2
     assert stats["estimated_bytes"]["worker_to_worker"] == 0
     assert stats["estimated_bytes"]["scatter"] >= a.nbytes + b.nbytes
-    assert transfer_report(client, since=stats["started"])["worker_to_worker"] == 0
+    assert transfer_report(client, since=mark)["worker_to_worker"] == 0
 
 
 def test_search_never_moves_more_than_the_naive_order():
@@ -223,3 +226,19 @@ def test_units_too_slow_for_a_share_stay_out_of_the_search():
     two = [Unit("c", False, 20.0), Unit("g1", True, 30000.0), Unit("g2", True, 56000.0)]
     got = loc.choose(two, make, lambda lay, us: 0)
     assert got.candidates >= 2
+
+
+def test_a_transfer_mark_counts_what_came_after_it_even_once_it_left_the_log():
+    from collections import deque
+
+    from distmm.engine.dask.stats import _after, _entry_mark
+
+    log = deque(maxlen=3)
+    assert _after(log, _entry_mark(log)) == []
+    log.extend({"start": 0.0, "total": i} for i in range(2))
+    mark = _entry_mark(log)
+    log.append({"start": 0.0, "total": 2})
+    assert [e["total"] for e in _after(log, mark)] == [2]
+    log.extend({"start": 0.0, "total": i} for i in (3, 4))  # the marked entry leaves the log
+    assert [e["total"] for e in _after(log, mark)] == [2, 3, 4]
+    assert _after(log, None) == list(log)

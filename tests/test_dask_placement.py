@@ -24,7 +24,7 @@ distributed = pytest.importorskip("distributed")
 import dask  # noqa: E402
 
 import distmm  # noqa: E402
-from distmm.engine.dask import last_stats, transfer_report  # noqa: E402
+from distmm.engine.dask import last_stats, transfer_mark, transfer_report  # noqa: E402
 from distmm.plan_blocks import block_layout, shares, worker_grid  # noqa: E402
 from distmm.plan import reduction_tree  # noqa: E402
 from conftest import kill_workers, start_call  # noqa: E402
@@ -416,11 +416,12 @@ def test_estimated_bytes_match_the_transfer_log(mixed):
     client, gpu, cpu = mixed
     rng = np.random.default_rng()
     a, b = rng.standard_normal((2048, 1024)), rng.standard_normal((1024, 512))
+    mark = transfer_mark(client)
     with _gflops(1000, 1000):
         got = distmm.matmul(a, b, client=client)
     stats = last_stats()
     est = stats["estimated_bytes"]
-    measured = transfer_report(client, since=stats["started"])
+    measured = transfer_report(client, since=mark)
     assert stats["grid"] == (2, 1)
     assert est["scatter"] == a.nbytes + 2 * b.nbytes
     assert est["gather"] == got.nbytes
@@ -433,13 +434,14 @@ def test_estimated_bytes_match_the_transfer_log(mixed):
     A = gen.standard_normal((2048, 1024), chunks=(512, 256)).persist()
     B = gen.standard_normal((1024, 512), chunks=(256, 512)).persist()
     distributed.wait([A, B])
+    mark = transfer_mark(client)
     with _gflops(1000, 1000):
         C = distmm.matmul(A, B, client=client)
     stats = last_stats()
     est = stats["estimated_bytes"]
     C = C.persist()
     distributed.wait(C)
-    measured = transfer_report(client, since=stats["started"])
+    measured = transfer_report(client, since=mark)
     a, b = A.compute(), B.compute()  # after the report: computing them moves chunks too
     assert est["worker_to_worker"] > 0
     ratio = measured["worker_to_worker"] / est["worker_to_worker"]

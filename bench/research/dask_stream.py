@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     import distributed
 
     from bench.dask_gpu import Bench, start_cluster
-    from distmm.engine.dask import last_stats, transfer_report
+    from distmm.engine.dask import last_stats, transfer_mark, transfer_report
 
     cluster, what, _gpus, _cpus = start_cluster(args.setting, rehearse=False,
                                                 cpu_workers=args.cpu_workers,
@@ -251,12 +251,13 @@ def main(argv=None) -> int:
                 a, b = bench.operands(n, args.chunk, args.dtype)
                 if args.trace:
                     client.run(_collect_trace)  # drop what the operands' making left
+                mark = transfer_mark(client)
                 since = time.time()
                 with distributed.get_task_stream(client) as ts:
                     sec, c, phases = phased_product(bench, a, b)
                 traces = client.run(_collect_trace) if args.trace else {}
                 st = last_stats()
-                moved = transfer_report(client, since=since)
+                moved = transfer_report(client, since=mark)
                 keep = {k: st.get(k) for k in ("mode", "tasks", "cells", "moved", "transfer",
                                                "estimated_bytes")}
                 keep["units"] = [{k: u.get(k) for k in ("address", "block", "gpu", "share")}

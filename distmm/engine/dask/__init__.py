@@ -20,7 +20,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
                offers and opening them, with TCP as the fallback
 ``pull``       block tasks fetch those offers straight from the holders, not
                through the scheduler
-``stats``      ``last_stats`` (tasks, estimated bytes) and ``transfer_report``
+``stats``      ``last_stats`` (tasks, estimated bytes), ``transfer_mark`` and
+               ``transfer_report``
 ``files``      operands in files every worker sees (``.npy``, zarr, HDF5): the
                workers read their own blocks
 ``sink``       C written by the workers into a staged output file (``out=``)
@@ -89,11 +90,11 @@ import time
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
-from distmm.engine.dask.stats import last_stats, record, transfer_report
+from distmm.engine.dask.stats import last_stats, record, transfer_mark, transfer_report
 from distmm.plan_blocks import ClusterFacts, OperandFacts, plan_blocks
 
-__all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION", "last_stats", "transfer_report",
-           "FAIL_TILES_KEY"]
+__all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION", "last_stats", "transfer_mark",
+           "transfer_report", "FAIL_TILES_KEY"]
 
 log = logging.getLogger("distmm.engine.dask")
 

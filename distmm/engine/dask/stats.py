@@ -8,7 +8,8 @@ for scattered operands (``estimate_eager``; dask operands': the block plan's,
 reads what ``distributed`` itself logged (each worker's
 ``transfer_incoming_log``: fetches from other workers; ``transfer_outgoing_log``:
 data served to workers and to clients), so that a benchmark can put the
-estimate next to the measurement.
+estimate next to the measurement. ``transfer_mark`` notes where each
+worker's logs stand, so that a report counts exactly what came after it.
 It does *not* cover: running anything (``eager``, ``lazy``) or the layout
 (``distmm.plan_blocks``).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["last_stats", "record", "estimate_eager", "transfer_report"]
+__all__ = ["last_stats", "record", "estimate_eager", "transfer_mark", "transfer_report"]
 
 _LAST: dict = {}
 _LOCK = threading.Lock()
@@ -80,27 +81,67 @@ def _key_name(key) -> str:
     return str(key[0] if isinstance(key, tuple) and key else key)
 
 
-def _logs(dask_worker, since):
+def _entry_mark(log):
+    # the last entry, known by its identity and its own fields (an id alone can be reused
+    # once the entry has left the bounded log)
+    if not log:
+        return None
+    e = log[-1]
+    return (id(e), e.get("start"), e.get("total"))
+
+
+def _marks(dask_worker):
+    from distmm.engine.dask.transfer import routes_mark
+
+    return {"incoming": _entry_mark(dask_worker.transfer_incoming_log),
+            "outgoing": _entry_mark(dask_worker.transfer_outgoing_log),
+            "routes": routes_mark()}
+
+
+def _after(log, mark):
+    items = list(log)
+    if mark is None:
+        return items
+    for i in range(len(items) - 1, -1, -1):
+        e = items[i]
+        if (id(e), e.get("start"), e.get("total")) == mark:
+            return items[i + 1:]
+    return items  # the marked entry has left the log: every entry kept came after it
+
+
+def _logs(dask_worker, since, marks=None):
+    mark = (marks or {}).get(dask_worker.address)
     # distributed stamps its transfer logs with the worker's time plus its estimate of the
     # scheduler's clock offset (``scheduler_delay``, from heartbeats: large under load),
     # which moved transfers made just before ``since`` after it; compare in the worker's time
+    # (an estimate that moved between a transfer and now still misplaces it: a mark does not)
     delay = float(getattr(dask_worker, "scheduler_delay", 0) or 0)
 
-    def entries(log):
+    def entries(log, key):
+        if mark is not None:
+            return _after(log, mark[key])
         return [e for e in list(log) if since is None or e.get("start", 0) - delay >= since]
 
-    def total(log):
-        return sum(int(e.get("total", 0)) for e in entries(log))
+    def total(log, key):
+        return sum(int(e.get("total", 0)) for e in entries(log, key))
 
     names: dict = {}
-    for e in entries(dask_worker.transfer_incoming_log):
+    for e in entries(dask_worker.transfer_incoming_log, "incoming"):
         for key, nbytes in (e.get("keys") or {}).items():
             names[_key_name(key)] = names.get(_key_name(key), 0) + int(nbytes or 0)
     from distmm.engine.dask.transfer import routes_since
 
-    return {"incoming": total(dask_worker.transfer_incoming_log),
-            "outgoing": total(dask_worker.transfer_outgoing_log),
-            "incoming_by_name": names, "device_routes": routes_since(since)}
+    return {"incoming": total(dask_worker.transfer_incoming_log, "incoming"),
+            "outgoing": total(dask_worker.transfer_outgoing_log, "outgoing"),
+            "incoming_by_name": names,
+            "device_routes": routes_since(since, after=mark["routes"] if mark else None)}
+
+
+def transfer_mark(client) -> dict:
+    """Where each worker's transfer logs stand now (its last entries and its
+    route count), for ``transfer_report(client, since=mark)``."""
+    per = client.run(_marks, on_error="return")
+    return {"marks": {w: v for w, v in per.items() if isinstance(v, dict)}}
 
 
 def transfer_report(client, since: float | None = None) -> dict:
@@ -110,10 +151,16 @@ def transfer_report(client, since: float | None = None) -> dict:
     by key name (an operand's chunks under its dask name); ``device_routes``:
     what block tasks received of other workers' device chunks by route
     (``ipc``, ``local``, ``tcp``, ``fallback``: ``distmm.engine.dask.transfer``),
-    IPC bytes being in no ``distributed`` log. ``since``: only transfers
-    starting at or after this ``time.time()`` (e.g. ``last_stats()["started"]``);
-    the logs are bounded deques (``distributed.admin.low-level-log-length``)."""
-    per = client.run(_logs, since=since, on_error="return")
+    IPC bytes being in no ``distributed`` log. ``since``: a ``transfer_mark``
+    taken before the work (exact: only what each worker logged after it), or a
+    ``time.time()`` (e.g. ``last_stats()["started"]``: only transfers starting at
+    or after it, as far as the workers' stamps, which carry an estimated clock
+    offset, can tell); the logs are bounded deques
+    (``distributed.admin.low-level-log-length``)."""
+    if isinstance(since, dict):
+        per = client.run(_logs, since=None, marks=since["marks"], on_error="return")
+    else:
+        per = client.run(_logs, since=since, on_error="return")
     per = {w: v for w, v in per.items() if isinstance(v, dict)}
     by_name: dict = {}
     routes: dict = {}

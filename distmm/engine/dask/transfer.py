@@ -60,6 +60,8 @@ MODES = ("auto", "ipc", "tcp")
 DEVICE_CHUNKS_KEY = "distmm-debug.device-chunks"
 
 _ROUTES: deque = deque(maxlen=100_000)  # (time.time(), route, nbytes) on this worker
+_RECORDED = 0  # receipts recorded in all (the deque keeps the last 100,000)
+_ROUTES_LOCK = threading.Lock()
 _STATE_LOCK = threading.Lock()  # the held export keys; never held across I/O: the worker's
                                 # event loop takes it in ExportLifetime.transition
 _PROBED: dict = {}  # (scheduler address, worker set) -> (pairs, info)
@@ -206,15 +208,28 @@ def ipc_pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
 # -- on the workers ------------------------------------------------------------------------
 
 def _record(route: str, nbytes: int) -> None:
-    _ROUTES.append((time.time(), route, int(nbytes)))
+    global _RECORDED
+    with _ROUTES_LOCK:
+        _ROUTES.append((time.time(), route, int(nbytes)))
+        _RECORDED += 1
 
 
-def routes_since(since: float | None = None) -> dict:
+def routes_mark() -> int:
+    """How many receipts this process has recorded so far (``routes_since(after=)``)."""
+    return _RECORDED
+
+
+def routes_since(since: float | None = None, after: int | None = None) -> dict:
     """Bytes this process received by each route (module docstring) since
-    ``since`` (``time.time()``; None: all kept)."""
+    ``since`` (``time.time()``; None: all kept), or after the receipt count
+    ``after`` (``routes_mark``)."""
     out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0}
-    for t, route, nbytes in list(_ROUTES):
-        if since is None or t >= since:
+    with _ROUTES_LOCK:
+        kept, recorded = list(_ROUTES), _RECORDED
+    if after is not None:
+        kept = kept[len(kept) - min(len(kept), recorded - after):]
+    for t, route, nbytes in kept:
+        if after is not None or since is None or t >= since:
             out[route] = out.get(route, 0) + nbytes
     return out
 
