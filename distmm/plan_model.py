@@ -54,25 +54,40 @@ def _frozen(mapping) -> Mapping:
 
 @dataclass(frozen=True)
 class GemmRate:
-    """One device's GEMM rate: ``peak`` flop/s, reached as ``s = min(m, n, k)`` grows, as
+    """One device's GEMM rate: ``peak`` flop/s, reached as the GEMM's size ``s`` grows, as
     ``peak / (1 + (half_size / s)**2)``; ``half_size`` is the ``s`` at which the rate is half
-    of it (small GEMMs are slower: launch, tails, too few tiles to fill the device).
+    of it. ``size_rule`` says what ``s`` is: ``"min"``, ``min(m, n, k)`` (a GPU: a thin
+    dimension leaves too few tiles to fill it); ``"volume"``, the side of the cube of the same
+    work, ``(m n k)**(1/3)``, but no more than 8 ``min(m, n, k)`` (a core: its BLAS blocks are
+    small, so a panel of a few hundred columns runs near its peak, and only a very thin one,
+    towards a matrix-vector product, is held back by memory).
 
     >>> GemmRate(50e12, 1000).rate(1000, 4096, 4096) / 50e12
     0.5
+    >>> round(GemmRate(40e9, 500, "volume").rate(2048, 2048, 512) / 40e9, 2)
+    0.87
     """
 
     peak: float
     half_size: float = 0.0
+    size_rule: str = "min"
 
     def __post_init__(self):
         if not (self.peak > 0 and math.isfinite(self.peak)):
             raise ValueError(f"a GEMM rate must be a positive flop/s, got {self.peak!r}")
         if not self.half_size >= 0:
             raise ValueError(f"half_size must not be negative, got {self.half_size!r}")
+        if self.size_rule not in ("min", "volume"):
+            raise ValueError(f"size_rule must be 'min' or 'volume', got {self.size_rule!r}")
+
+    def size(self, m: int, n: int, k: int) -> float:
+        low = min(m, n, k)
+        if self.size_rule == "volume" and low > 0:
+            return min(float(m * n * k) ** (1.0 / 3.0), 8.0 * low)
+        return float(low)
 
     def rate(self, m: int, n: int, k: int) -> float:
-        s = min(m, n, k)
+        s = self.size(m, n, k)
         return self.peak / (1.0 + (self.half_size / s) ** 2) if s > 0 else self.peak
 
     def seconds(self, m: int, n: int, k: int) -> float:
@@ -107,7 +122,12 @@ class Calibration:
     machine : str
         What the parameters describe (a device name, or ``host`` for CPUs).
     gemm : mapping
-        ``"gpu:float32"``-style keys (``gpu``: one GPU; ``cpu``: one core) -> ``GemmRate``.
+        ``"gpu:float32"``-style keys (``gpu``: one GPU; ``cpu``: one core while every core of
+        the node is busy) -> ``GemmRate``.
+    core_boost : mapping
+        dtype name -> how much faster one core runs while it is the only one busy (1 or
+        more: its clock and memory bandwidth are not shared); the time per flop falls
+        linearly from all ``cores`` busy to one (``core_rate``). Missing: 1.
     links : mapping
         Link kind (``LINKS``) -> ``Link``.
     memory_bandwidth : mapping
@@ -150,9 +170,11 @@ class Calibration:
         {"mpi-call": 0.0, "mpi-launch": 2.0, "batch-startup": 1.0, "dask-call": 0.02,
          "dask-worker": 0.0, "dask-task": 0.002}))
     sources: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
+    core_boost: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
 
     def __post_init__(self):
-        for name in ("gemm", "links", "memory_bandwidth", "overlap", "overheads", "sources"):
+        for name in ("gemm", "links", "memory_bandwidth", "overlap", "overheads", "sources",
+                     "core_boost"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         unknown = sorted(set(self.links) - set(LINKS))
         if unknown:
@@ -167,6 +189,9 @@ class Calibration:
         for eng, frac in self.overlap.items():
             if not 0.0 <= frac <= 1.0:
                 raise ValueError(f"overlap of {eng} must lie in [0, 1], got {frac!r}")
+        for dt, boost in self.core_boost.items():
+            if not (boost >= 1.0 and math.isfinite(boost)):
+                raise ValueError(f"core_boost of {dt} must be 1 or more, got {boost!r}")
 
     # -- look-ups ----------------------------------------------------------------------
     def rate(self, kind: str, dtype) -> GemmRate:
@@ -178,6 +203,17 @@ class Calibration:
             raise ValueError(f"the calibration of {self.machine!r} has no {kind} GEMM rate for "
                              f"{name} (it has: {have}); run distmm calibrate on such a machine")
         return got
+
+    def core_rate(self, dtype, busy: int) -> GemmRate:
+        """One core's GEMM rate in ``dtype`` while ``busy`` cores of its node compute:
+        ``gemm["cpu:DTYPE"]`` with every core busy, ``core_boost`` times faster with one, the
+        time per flop linear in between."""
+        gemm = self.rate("cpu", dtype)
+        boost = float(self.core_boost.get(np.dtype(dtype).name, 1.0))
+        if boost == 1.0 or self.cores <= 1:
+            return gemm
+        frac = (min(max(int(busy), 1), self.cores) - 1) / (self.cores - 1)
+        return replace(gemm, peak=gemm.peak / (1.0 / boost + frac * (1.0 - 1.0 / boost)))
 
     def link(self, name: str) -> Link:
         got = self.links.get(name)
@@ -192,8 +228,9 @@ class Calibration:
     # -- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"format": "distmm-calibration-1", "machine": self.machine,
-                "gemm": {k: {"peak": v.peak, "half_size": v.half_size}
+                "gemm": {k: {"peak": v.peak, "half_size": v.half_size, "size_rule": v.size_rule}
                          for k, v in sorted(self.gemm.items())},
+                "core_boost": dict(self.core_boost),
                 "links": {k: {"latency": v.latency, "bandwidth": v.bandwidth}
                           for k, v in sorted(self.links.items())},
                 "memory_bandwidth": dict(self.memory_bandwidth),
@@ -211,8 +248,10 @@ class Calibration:
             raise ValueError("not a distmm calibration (no 'format': 'distmm-calibration-1')")
         try:
             return cls(machine=str(d["machine"]),
-                       gemm={k: GemmRate(float(v["peak"]), float(v.get("half_size", 0.0)))
+                       gemm={k: GemmRate(float(v["peak"]), float(v.get("half_size", 0.0)),
+                                         str(v.get("size_rule", "min")))
                              for k, v in d["gemm"].items()},
+                       core_boost={k: float(v) for k, v in d.get("core_boost", {}).items()},
                        links={k: Link(float(v["latency"]), float(v["bandwidth"]))
                               for k, v in d["links"].items()},
                        memory_bandwidth={k: float(v) for k, v in d["memory_bandwidth"].items()},
@@ -245,7 +284,8 @@ def default_calibration() -> Calibration:
              "mpi-host": Link(5e-6, 8e9), "tcp": Link(100e-6, 1e9), "ipc": Link(50e-6, 150e9)}
     gemm = {"gpu:float32": GemmRate(53e12, 1000.0), "gpu:float64": GemmRate(50e12, 1000.0),
             "gpu:float16": GemmRate(600e12, 2000.0),
-            "cpu:float32": GemmRate(60e9, 64.0), "cpu:float64": GemmRate(30e9, 64.0)}
+            "cpu:float32": GemmRate(60e9, 64.0, "volume"),
+            "cpu:float64": GemmRate(30e9, 64.0, "volume")}
     params = list(gemm) + list(links) + ["files", "memory", "overlap", "overheads"]
     return Calibration(machine="nominal H100 node", gemm=gemm, links=links,
                        memory_bandwidth={"gpu": 3.0e12, "cpu": 20e9},
@@ -485,20 +525,22 @@ def _one_device_seconds(m, n, k, gemm: GemmRate) -> float:
     return 2.0 * m * n * k / gemm.peak if m and n and k else 0.0
 
 
-def _rank_rate(cal, device, acc, ranks_per_device, threads_per_rank):
+def _rank_rate(cal, device, acc, ranks_per_device, threads_per_rank, ranks=1):
     """One rank's GEMM rate and the factor its device is shared by: a GPU shared by
     ``ranks_per_device`` ranks, or a CPU rank of ``threads_per_rank`` cores whose cores
-    ``ranks_per_device`` ranks share (more ranks than cores)."""
-    gemm = cal.rate(device, acc)
+    ``ranks_per_device`` ranks share (more ranks than cores), ``ranks`` of them at once."""
     if device == "cpu":
+        gemm = cal.core_rate(acc, ranks * max(1, threads_per_rank))
         gemm = replace(gemm, peak=gemm.peak * max(1, threads_per_rank))
+    else:
+        gemm = cal.rate(device, acc)
     return gemm, float(max(1, ranks_per_device))
 
 
 def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device,
          threads_per_rank):
     acc = accumulate_dtype(np.dtype(dt))
-    gemm, share = _rank_rate(cal, device, acc, ranks_per_device, threads_per_rank)
+    gemm, share = _rank_rate(cal, device, acc, ranks_per_device, threads_per_rank, devices)
     cal.link(link_name)
     g = grid if isinstance(grid, GridPlan) else make_grid(m, n, k, dt, ranks=devices, grid=grid)
     if device == "gpu":
@@ -520,7 +562,7 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
            panels="auto"):
     acc = accumulate_dtype(np.dtype(dt))
     size = np.dtype(acc).itemsize
-    gemm = cal.rate(device, acc)
+    gemm = cal.core_rate(acc, devices) if device == "cpu" else cal.rate(device, acc)
     share = max(1, ranks_per_device)
     avail = _devices_info(cal, device, devices, ranks_per_device, memory)
     forced = None if grid is None else tuple(grid)[-2:]
@@ -582,7 +624,8 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
         share = max(1, ranks_per_device)
         rates = [gemm.peak / share / 1e9] * devices
         if extra_cpu_workers:
-            core = cal.rate("cpu", acc) if f"cpu:{np.dtype(acc).name}" in cal.gemm else None
+            core = (cal.core_rate(acc, extra_cpu_workers)
+                    if f"cpu:{np.dtype(acc).name}" in cal.gemm else None)
             rates += [core.peak / 1e9 if core else 0.0] * extra_cpu_workers
         sh = shares(rates, m, n, k, size)
         working = [i for i, s in enumerate(sh) if s > 0]
@@ -612,7 +655,7 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
         held = int((mi * nj + 2 * (mi * kg + kg * nj)) * size)
         return (pr, pc), comp, exposed, 0.0, overhead, received, touched, held, ""
     # CPU workers: one task per C tile, tiles spread over the workers' threads
-    core = cal.rate("cpu", acc)
+    core = cal.core_rate(acc, devices)
     plan = make_plan(m, n, k, dt, workers=devices)
     gm, gn = plan.grid
     tiles = gm * gn * plan.k_splits
@@ -622,7 +665,13 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
     comp = per_worker * core.seconds(tm, tn, math.ceil(k / plan.k_splits)) * share
     moved = (1.0 - 1.0 / devices) * plan.bytes_moved / devices if devices > 1 else 0.0
     comm = link.seconds(moved) if moved else 0.0
-    exposed = max(0.0, comm - overlap * comp)
+    if per_worker > 1 and moved:
+        # a worker fetches the operands of its queued tiles while it multiplies the running
+        # one: only the first tile's wait is exposed, and what the tiles' compute cannot hide
+        first = link.seconds(min(moved, (tm + tn) * math.ceil(k / plan.k_splits) * size))
+        exposed = first + max(0.0, comm - first - comp)
+    else:
+        exposed = max(0.0, comm - overlap * comp)
     overhead = (cal.overhead("dask-call") + cal.overhead("dask-worker") * devices
                 + cal.overhead("dask-task") * per_worker)
     touched = float(per_worker * (tm * k + k * tn + tm * tn))

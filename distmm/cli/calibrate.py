@@ -80,8 +80,9 @@ def load(path) -> Calibration:
 
 # ----------------------------------------------------------------------- GEMM rate fit
 
-def fit_gemm(points) -> GemmRate:
-    """A ``GemmRate`` from ``(min(m, n, k), flop/s)`` points: least squares of
+def fit_gemm(points, size_rule: str = "min") -> GemmRate:
+    """A ``GemmRate`` from ``(size, flop/s)`` points (the size as ``size_rule`` measures it:
+    ``GemmRate``): least squares of
     ``1/rate = 1/peak + half_size**2 / (peak * size**2)``, relative to each point's time; a
     fit that would make small sizes faster (rates falling with size) keeps ``half_size = 0``
     and the median rate, as does a fit whose peak lies more than 10% above every point."""
@@ -94,11 +95,18 @@ def fit_gemm(points) -> GemmRate:
         b, a = np.polyfit(xs, ys, 1, w=1.0 / ys)
         # a peak well above every measurement is an extrapolation of noise, not a rate
         if a > 0 and b > 0 and 1.0 / a <= 1.1 * max(r for _, r in pts):
-            return GemmRate(1.0 / a, math.sqrt(b / a))
-    return GemmRate(float(np.median([r for _, r in pts])), 0.0)
+            return GemmRate(1.0 / a, math.sqrt(b / a), size_rule)
+    return GemmRate(float(np.median([r for _, r in pts])), 0.0, size_rule)
 
 
 # ----------------------------------------------------------------------- records
+
+def _one_core_reference(r) -> bool:
+    """A reference that ran numpy's BLAS on one core alone: dask.array on one single-thread
+    worker (a study's reference at one worker)."""
+    return (str(r.get("variant", "")).startswith("dask.array") and r.get("engine") == "reference"
+            and r.get("workers") == 1 and (r.get("threads_per_worker") or 1) == 1)
+
 
 def _profile_machine(prof, records) -> str | None:
     run = re.search(r"(\d{8}T\d{6}Z)", prof["_file"])
@@ -141,6 +149,7 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     # float16); a CPU machine gets no GPU rate at all
     gemm = dict(base.gemm) if gpu else {k: v for k, v in base.gemm.items() if k.startswith("cpu")}
     by_key: dict = {}
+    alone: dict = {}  # dtype -> (size, flop/s) of one core computing alone
     for r in mine:
         if not r.get("seconds") or not r.get("m"):
             continue
@@ -150,10 +159,22 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
             by_key.setdefault(f"gpu:{r['dtype']}", []).append((size, flops, r))
         elif r.get("variant") == "numpy" and not gpu:
             threads = r.get("threads") or r.get("cores") or r.get("workers") or 1
-            by_key.setdefault(f"cpu:{r['dtype']}", []).append((size, flops / threads, r))
+            # a core's share of the work: the side of its cube (GemmRate's "volume" rule)
+            side = (r["m"] * r["n"] * r["k"] / threads) ** (1.0 / 3.0)
+            by_key.setdefault(f"cpu:{r['dtype']}", []).append((side, flops / threads, r))
+        elif (not gpu and _one_core_reference(r)):
+            alone.setdefault(r["dtype"], []).append(
+                ((r["m"] * r["n"] * r["k"]) ** (1.0 / 3.0), flops, r))
     for key, pts in by_key.items():
-        gemm[key] = fit_gemm([(s, f) for s, f, _ in pts])
+        gemm[key] = fit_gemm([(s, f) for s, f, _ in pts],
+                             size_rule="volume" if key.startswith("cpu") else "min")
         sources[key] = files([r for *_, r in pts])
+    core_boost = {}
+    for dt, pts in alone.items():
+        if f"cpu:{dt}" in by_key:
+            shared = gemm[f"cpu:{dt}"]
+            core_boost[dt] = max(1.0, statistics.median(f / shared.rate(s, s, s) for s, f, _ in pts))
+            sources[f"core_boost:{dt}"] = files([r for *_, r in pts]) + " (one core alone)"
     mem_bw = dict(base.memory_bandwidth)
     copies = [r for r in mine if r.get("variant") == "ceiling-copy" and r.get("gbps")]
     if copies:
@@ -223,7 +244,8 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
                       host_memory=base.host_memory, cores=cores if not gpu else base.cores,
                       gpus_per_node=max((r.get("gpus_visible") or r.get("gpus") or 1
                                          for r in mine), default=1) if gpu else 1,
-                      overlap=base.overlap, overheads=overheads, sources=sources)
+                      overlap=base.overlap, overheads=overheads, sources=sources,
+                      core_boost=core_boost)
     # fixed costs: measured minus modelled without them, on the fit subset only
     for name in ("dask-call", "mpi-call"):
         cal = cal.with_overheads(**{name.replace("-", "_"): 0.0})
@@ -286,12 +308,13 @@ print(json.dumps(out))
 """
 
 
-def _cpu_gemm(sizes, repeat) -> dict:
-    """One core's GEMM rate per dtype: numpy in a child process with one BLAS thread."""
+def _cpu_gemm(sizes, repeat, threads: int = 1) -> dict:
+    """numpy's GEMM rate per dtype, ``{dtype: [(size, flop/s)]}``, in a child process with
+    ``threads`` BLAS threads."""
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS"):
-        env[var] = "1"
+        env[var] = str(threads)
     done = subprocess.run([sys.executable, "-c", _GEMM_CHILD, json.dumps(sizes), str(repeat)],
                           env=env, capture_output=True, text=True, timeout=300)
     if done.returncode:
@@ -524,11 +547,20 @@ def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
     else:
         sizes, repeat, mem, fbytes, msg = [256, 512, 1024, 2048], 3, 256 * 2**20, 512 * 2**20, \
             [8, 64 * 2**20]
-    say("GEMM: numpy, one BLAS thread")
-    gemm = {}
-    for dt, pts in _cpu_gemm(sizes, repeat).items():
-        gemm[f"cpu:{dt}"] = fit_gemm(pts)
-        sources[f"cpu:{dt}"] = f"measured: numpy, sizes {sizes}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    say(f"GEMM: numpy, {cores} BLAS thread(s), then one")
+    gemm, core_boost = {}, {}
+    alone = _cpu_gemm(sizes, repeat) if cores > 1 else None
+    for dt, pts in _cpu_gemm(sizes, repeat, cores).items():
+        # one core's share of the work and of the rate (GemmRate's "volume" rule)
+        gemm[f"cpu:{dt}"] = fit_gemm([(s / cores ** (1.0 / 3.0), f / cores) for s, f in pts],
+                                     size_rule="volume")
+        sources[f"cpu:{dt}"] = f"measured: numpy on {cores} thread(s), sizes {sizes}"
+        if alone:
+            core_boost[dt] = max(1.0, statistics.median(
+                f / gemm[f"cpu:{dt}"].rate(s, s, s) for s, f in alone[dt]))
+            sources[f"core_boost:{dt}"] = f"measured: numpy on one thread, sizes {sizes}"
     say("host memory bandwidth")
     mem_bw = {"cpu": _host_memory_bandwidth(mem, repeat)}
     sources["memory_bandwidth"] = "measured: numpy copy"
@@ -571,6 +603,6 @@ def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
                        memory_bandwidth={**base.memory_bandwidth, **mem_bw},
                        file_read=read, file_write=write, file_write_shared=write,
                        device_memory=device_memory, host_memory=int(pages),
-                       cores=os.cpu_count() or 1, gpus_per_node=gpus, overlap=base.overlap,
-                       overheads=base.overheads,
+                       cores=cores, gpus_per_node=gpus, overlap=base.overlap,
+                       overheads=base.overheads, core_boost=core_boost,
                        sources={**{k: "default" for k in ("overlap", "overheads")}, **sources})
