@@ -21,7 +21,8 @@ public API on a cluster that lives as long as the job). It covers ``.npy`` files
 zarr or HDF5 operands and outputs, use ``deploy/slurm/dask.sbatch`` (``distmm matmul
 --scheduler-file``) or the MPI engine. Environment: ``DISTMM_GPUS_PER_NODE`` (0 for CPU
 workers; default: what ``nvidia-smi -L`` lists), ``DISTMM_THREADS_PER_WORKER`` (CPU
-workers, default 1), ``DISTMM_INTERFACE`` (the network interface, e.g. ``ib0``).
+workers, default 1), ``DISTMM_INTERFACE`` (the network interface, e.g. ``ib0``),
+``DISTMM_WORKER_TIMEOUT`` (seconds the client waits for every worker rank to join, default 300).
 """
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def client_main(args) -> int:
-    """Rank 1: the product on the cluster, C staged and moved into place."""
+def client_main(args, workers_expected: int = 1) -> int:
+    """Rank 1: the product on the cluster, C staged and moved into place, once every worker
+    of the job (``workers_expected``: the ranks after the scheduler and the client) has
+    joined, within ``DISTMM_WORKER_TIMEOUT`` seconds (default 300)."""
     import numpy as np
     from distributed import Client
 
@@ -94,6 +97,10 @@ def client_main(args) -> int:
     staged = os.path.join(folder, f".{name}.dask-mpi-partial-{os.getpid()}.npy")
     try:
         with Client() as client:  # the scheduler dask_mpi.initialize() put in the config
+            # the workers start beside this rank and join when they are ready: the product
+            # would otherwise run on those that happened to be there (seen: 1 of 2)
+            client.wait_for_workers(workers_expected,
+                                    timeout=float(os.environ.get("DISTMM_WORKER_TIMEOUT", 300)))
             workers = len(client.scheduler_info(n_workers=-1)["workers"])
             out = np.lib.format.open_memmap(staged, mode="w+", shape=(a.shape[0], b.shape[1]),
                                             dtype=np.result_type(a.dtype, b.dtype))
@@ -114,6 +121,9 @@ def client_main(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    from distmm.cli.exits import whole_line_writes
+
+    whole_line_writes()  # each line in one write: mpiexec interleaves the ranks' writes
     import dask
     import dask_mpi
     from mpi4py import MPI
@@ -128,7 +138,7 @@ def main(argv=None) -> int:
                         nthreads=int(os.environ.get("DISTMM_THREADS_PER_WORKER", "1")),
                         local_directory=scratch,
                         dashboard_address=os.environ.get("DISTMM_DASHBOARD", ":8787"))
-    return client_main(args)
+    return client_main(args, workers_expected=MPI.COMM_WORLD.size - 2)
 
 
 if __name__ == "__main__":

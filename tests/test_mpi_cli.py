@@ -150,3 +150,38 @@ def test_mpirun_h5_output_into_an_existing_file(files, launch):
         assert sorted(fh) == ["C", "X", "grp"]
         np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
     assert not [p for p in d.iterdir() if "partial" in p.name]
+
+
+LINES_SCRIPT = r"""
+import sys
+from mpi4py import MPI
+from distmm.cli.exits import whole_line_writes
+
+whole_line_writes()
+rank = MPI.COMM_WORLD.rank
+MPI.COMM_WORLD.Barrier()
+for i in range(3):
+    print(f"rank {rank} line {i} " + "x" * 300, file=sys.stderr if i == 1 else sys.stdout)
+"""
+
+
+def test_ranks_lines_reach_mpirun_whole(mpirun):
+    """Unbuffered, print() writes a line's text and its newline apart and mpirun interleaves
+    the ranks' writes (one run in three at 4 ranks ran two lines into one); the command
+    line's streams keep each line in one write."""
+    for _ in range(5):
+        r = mpirun(4, "-c", LINES_SCRIPT, env={"PYTHONUNBUFFERED": "1"}, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "line" in ln]
+        assert sorted(lines) == sorted(f"rank {p} line {i} " + "x" * 300
+                                       for p in range(4) for i in range(3)), r.stdout + r.stderr
+
+
+def test_the_command_line_writes_whole_lines(mpi_env):
+    probe = ("import sys; from distmm.cli.commands import main; main(['plan', '64', '64', '64']); "
+             "print(sys.stdout.line_buffering, sys.stdout.write_through, "
+             "sys.stderr.line_buffering, sys.stderr.write_through)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**mpi_env, "PYTHONUNBUFFERED": "1"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "True False True False"

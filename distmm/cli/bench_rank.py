@@ -97,8 +97,10 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
 def main(argv=None) -> int:
     from mpi4py import MPI
 
+    from distmm.cli.exits import whole_line_writes
     from distmm.cli.records import append_record, make_record, progress_line
 
+    whole_line_writes()
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as fh:
         spec = json.load(fh)

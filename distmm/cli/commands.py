@@ -19,7 +19,7 @@ import sys
 import time
 
 from distmm.cli.argtypes import integer_at_least
-from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm
+from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm, whole_line_writes
 
 __all__ = ["main", "build_parser"]
 
@@ -473,6 +473,7 @@ def _pass_through(command: str, argv: list[str]) -> int:
 def main(argv=None) -> int:
     """Run ``distmm`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    whole_line_writes()
     if argv and argv[0] in _PASS_THROUGH:
         # These commands own their options: hand everything after the name over.
         return _pass_through(argv[0], argv[1:])

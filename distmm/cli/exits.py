@@ -29,6 +29,7 @@ import traceback
 from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists, Signalled
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
+           "whole_line_writes",
            "OK", "FAILED", "BAD_INPUT"]
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -76,6 +77,23 @@ def report(command: str, exc: BaseException, *, debug: bool = False, note: str =
         traceback.print_exception(exc, file=sys.stderr)
     print(f"distmm {command}: error: {message(exc)}{note}", file=sys.stderr, flush=True)
     return exit_status(exc)
+
+
+def whole_line_writes() -> None:
+    """Make every line printed to stdout and stderr reach the file descriptor in one write.
+
+    Unbuffered (``PYTHONUNBUFFERED``, ``python -u``, and stderr always) ``print`` writes a
+    line's text and its newline apart, and ``mpirun`` interleaves what its ranks write at
+    that grain: one rank's line then ran into another's and broke in two (seen with Open MPI
+    5 in 1 run of 3 at 4 ranks). Line buffering without write-through keeps a line's parts
+    together until its newline (or an explicit flush: progress bars flush their own)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(line_buffering=True, write_through=False)
+            except (ValueError, OSError):  # a closed or detached stream: nothing to keep whole
+                pass
 
 
 def terminate_on_sigterm():
