@@ -118,7 +118,7 @@ def _profile_machine(prof, records) -> str | None:
     return None
 
 
-def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
+def from_records(records, machine: str, *, fit=fit_subset, run: str | None = None) -> Calibration:
     """The calibration of ``machine`` (``machine_of`` a record's device) from records.
 
     Reference measurements of the machine (every run) give its parameters: cuBLAS (``cublas``,
@@ -130,7 +130,8 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
     admits (the smallest difference between the measured and the modelled time without them).
     Links the records do not measure keep ``default_calibration``'s values, and ``sources``
-    says so.
+    says so. ``run``: a CPU's GEMM rates (numpy's, and one core alone) come from that run's
+    references where it has numpy's, from every run's otherwise.
 
     Raises
     ------
@@ -150,7 +151,11 @@ def from_records(records, machine: str, *, fit=fit_subset) -> Calibration:
     gemm = dict(base.gemm) if gpu else {k: v for k, v in base.gemm.items() if k.startswith("cpu")}
     by_key: dict = {}
     alone: dict = {}  # dtype -> (size, flop/s) of one core computing alone
+    cpu_refs = [r for r in mine if r.get("run") == run and r.get("variant") == "numpy"]
     for r in mine:
+        if cpu_refs and r.get("run") != run and (r.get("variant") == "numpy"
+                                                 or _one_core_reference(r)):
+            continue  # a CPU calibrated on the references of one run
         if not r.get("seconds") or not r.get("m"):
             continue
         flops = 2.0 * r["m"] * r["n"] * r["k"] / r["seconds"]
