@@ -329,7 +329,7 @@ KNOWN_MISSES = {
 } | {
     # cpu-scaling on 16 cores of the 64-core H100 host (set apart with taskset while GPU tests
     # ran on the others), with the run's own numpy (16 threads) and one-core reference (a
-    # single-thread worker: 1.31x one core's share of numpy's 16 threads) as the core rates
+    # single-thread worker: 1.33x one core's share of numpy's 16 threads) as the core rates
     # (bench/NOTES.md, "CPU model"). What it misses: runs faster than that one-core reference
     # on one or two cores (the MPI engine's one GEMM at 4096: 78 GFLOP/s against the
     # reference's 59 in the same run), and 16 single-thread ranks at 0.67-0.78 of numpy's 16
