@@ -297,6 +297,19 @@ def test_tensor_core_tuning_space_samples(mode):
         _tc_run(spec, precision, 130, 257, 77, True, True, params=p)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: "x".join(map(str, c[:3])) + (
+    "-" + "t" * c[3] + "n" * (not c[3]) + "t" * c[4] + "n" * (not c[4])))
+def test_wgmma_with_a_group_left_in_flight(precision, case):
+    """Step 13 with INFLIGHT=1 (a stage handed back one k tile later): the odd sizes and
+    transposes of the defaults' cases, k from one tile to many more than the stages."""
+    spec = registry.get_tc("wgmma_bf16")
+    _skip_unless_runs(spec)
+    p = dict(spec.params(spec.precisions[precision]), INFLIGHT=1)
+    _tc_run(spec, precision, *case, params=p)
+    _tc_run(spec, precision, *case, params=dict(p, STAGES=3, BK=32))
+
+
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
 def test_launch_dispatches_tensor_core_steps(mode):
     """``cuda_loader.launch`` on operands already in the input format gives what

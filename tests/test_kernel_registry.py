@@ -346,6 +346,13 @@ def test_tc_violations_catch_bad_configs():
     assert any("warpgroup" in v for v in wg.violations("bfloat16", dict(w, BM=96)))
     assert any("registers" in v for v in wg.violations("bfloat16", dict(w, BN=256)))
     assert wg.violations("bfloat16", dict(w, BM=64, BN=256)) == []
+    assert any("INFLIGHT=2" in v for v in wg.violations("bfloat16", dict(w, INFLIGHT=2)))
+    # the tuner tries each configuration with and without a wgmma group left in flight; a
+    # configuration saved before INFLIGHT existed reads back with its default
+    cands = wg.candidates("bfloat16", 90)
+    assert {c["INFLIGHT"] for c in cands} == {0, 1}
+    assert wg.params("bfloat16", {"BM": 64, "BN": 128, "BK": 64, "STAGES": 5}) == {
+        "BM": 64, "BN": 128, "BK": 64, "STAGES": 5, "INFLIGHT": 0}
 
 
 def test_tc_shared_memory_and_geometry():

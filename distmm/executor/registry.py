@@ -406,8 +406,8 @@ class TensorCoreSpec:
 
     def params(self, dtype: str, params: Mapping[str, int] | None = None) -> dict[str, int]:
         dtype = _tc_dtype(dtype)
-        if params is not None:
-            return {k: int(params[k]) for k in self.defaults[dtype]}
+        if params is not None:  # a parameter added since ``params`` was saved: its default
+            return {k: int(params.get(k, v)) for k, v in self.defaults[dtype].items()}
         return dict(self.defaults.get(dtype, {}))
 
     def threads(self, p: Mapping[str, int]) -> int:
@@ -456,6 +456,8 @@ class TensorCoreSpec:
                 out.append(f"BN={bn}: wgmma's N is 64, 128 or 256 here")
             if bk % 16:
                 out.append(f"BK={bk} is not a multiple of wgmma's k (16)")
+            if p.get("INFLIGHT", 0) not in (0, 1):
+                out.append(f"INFLIGHT={p['INFLIGHT']}: 0 or 1 wgmma group left running")
             cap = min(255, 65536 // threads)
             if bn // 2 + 48 > cap:
                 out.append(f"{bn // 2} accumulators a thread leave too few of the {cap} "
@@ -496,15 +498,17 @@ class TensorCoreSpec:
         dtype = _tc_dtype(dtype)
         space = self.tune_space
         out = [self.params(dtype)]
-        for blk, bk, warp, stages, minb in itertools.product(
+        for blk, bk, warp, stages, minb, inflight in itertools.product(
                 space["block"], space["BK"], space.get("warp", (None,)), space["STAGES"],
-                space.get("MINB", (1,))):
+                space.get("MINB", (1,)), space.get("INFLIGHT", (None,))):
             p = {"BM": blk[0], "BN": blk[1], "BK": bk}
             if warp is not None:
                 p.update(WM=warp[0], WN=warp[1])
             p["STAGES"] = stages
             if not self.wgmma:
                 p["MINB"] = minb
+            else:
+                p["INFLIGHT"] = inflight
             if p not in out and not self.violations(dtype, p, cc):
                 out.append(p)
         return out
@@ -556,12 +560,12 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
     TensorCoreSpec(
         "wgmma_bf16", 13, "13_wgmma_bf16.cu",
         "Hopper wgmma m64nNk16: warp-specialised producer/consumers, mbarriers (sm_90a)",
-        "distmm_gemm_wgmma_bf16<{T},{BM},{BN},{BK},{STAGES},{TA},{TB}>",
+        "distmm_gemm_wgmma_bf16<{T},{BM},{BN},{BK},{STAGES},{INFLIGHT},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4}
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "STAGES": 4, "INFLIGHT": 0}
                   for dt in ("bfloat16", "float16")},
         tune_space={"block": ((128, 128), (64, 128), (64, 256), (128, 64), (192, 128), (256, 128)),
-                    "BK": (32, 64), "STAGES": (3, 4, 5, 6)},
+                    "BK": (32, 64), "STAGES": (3, 4, 5, 6), "INFLIGHT": (0, 1)},
         min_cc=90, max_cc=90, arch_suffix="a"),
 )}
 

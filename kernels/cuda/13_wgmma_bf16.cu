@@ -238,7 +238,7 @@ __device__ __forceinline__ void core_tile_copy(T* __restrict__ s, const T* __res
     }
 }
 
-template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int STAGES, int INFLIGHT, bool TA, bool TB>
 __device__ __forceinline__ void wgmma_body(int M, int N, int K, float alpha, const Tin* __restrict__ A,
                                            long long lda, const Tin* __restrict__ B, long long ldb,
                                            float beta, float* __restrict__ C, long long ldc, int flags) {
@@ -310,9 +310,21 @@ __device__ __forceinline__ void wgmma_body(int M, int N, int K, float alpha, con
             Wgmma<BN>::template mma<wgmma_input<Tin>::bf16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (INFLIGHT) {
+            // leave this k tile's group running while the next stage is awaited and issued:
+            // wait only for the previous group, then hand its stage back
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            fence_operands<R>(d);
+            if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+        } else {
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fence_operands<R>(d);
+            mbar_arrive(empty0 + 8 * s);
+        }
+    }
+    if (INFLIGHT) {  // the last group: the producer has issued its last stage already
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fence_operands<R>(d);
-        mbar_arrive(empty0 + 8 * s);
     }
 
     // d[4j + 2h + e] = C[16 w + g + 8h][8j + 2t + e] of the warpgroup's 64 x BN tile
@@ -335,18 +347,21 @@ __device__ __forceinline__ void wgmma_body(int M, int N, int K, float alpha, con
 
 }  // namespace distmm
 
-// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. MINB is 1 (kept so that
-// the parameters read like the other warp-tiled steps').
-template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
+// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. INFLIGHT: 0, each
+// consumer waits for its k tile's wgmma group before it hands the stage back and takes the
+// next; 1, one group stays in flight while the next is issued (a stage goes back one k tile
+// later).
+template <typename Tin, int BM, int BN, int BK, int STAGES, int INFLIGHT, bool TA, bool TB>
 __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)
 distmm_gemm_wgmma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A, long long lda,
                        const Tin* __restrict__ B, long long ldb, float beta, float* __restrict__ C,
                        long long ldc, int flags) {
     static_assert(distmm::wgmma_input<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    static_assert(INFLIGHT == 0 || INFLIGHT == 1, "INFLIGHT: 0 or 1 wgmma group left running");
     (void)distmm::WgmmaShape<BM, BN, BK, STAGES>::SMEM_BYTES;
 #if DISTMM_WGMMA
-    distmm::wgmma_body<Tin, BM, BN, BK, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb, beta, C,
-                                                        ldc, flags);
+    distmm::wgmma_body<Tin, BM, BN, BK, STAGES, INFLIGHT, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
+                                                                  beta, C, ldc, flags);
 #else
     __trap();  // not built for sm_90a: the registry never launches this build
 #endif
@@ -354,15 +369,17 @@ distmm_gemm_wgmma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(T, BM, BN, BK, ST, TA, TB)                                          \
-    template __global__ void distmm_gemm_wgmma_bf16<T, BM, BN, BK, ST, TA, TB>(          \
+#define DISTMM_INST2(T, BM, BN, BK, ST, IF, TA, TB)                                      \
+    template __global__ void distmm_gemm_wgmma_bf16<T, BM, BN, BK, ST, IF, TA, TB>(      \
         int, int, int, float, const T*, long long, const T*, long long, float, float*,  \
         long long, int);
-#define DISTMM_INST(T, BM, BN, BK, ST)                 \
-    DISTMM_INST2(T, BM, BN, BK, ST, false, false)      \
-    DISTMM_INST2(T, BM, BN, BK, ST, false, true)       \
-    DISTMM_INST2(T, BM, BN, BK, ST, true, false)       \
-    DISTMM_INST2(T, BM, BN, BK, ST, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 4)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 4)
+#define DISTMM_INST(T, BM, BN, BK, ST, IF)                 \
+    DISTMM_INST2(T, BM, BN, BK, ST, IF, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, ST, IF, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, ST, IF, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, ST, IF, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 4, 0)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 4, 0)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 4, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 4, 1)
 #endif
