@@ -72,10 +72,10 @@ def warm_items():
     return items
 
 
-def tc_warm_items(cc: int):
+def tc_warm_items(cc: int, variants=()):
     """What the tensor-core GPU tests and ``--precisions`` compile on compute capability
-    ``cc``: each step that runs there, each input format and layout, and the tuning-space
-    samples the tests use."""
+    ``cc``: each step that runs there, each input format and layout, the tuning-space
+    samples the tests use, and the ``--tc-variant`` configurations (``variants``)."""
     items = []
     for spec in registry.tc_steps():
         if not spec.runs_on(cc):
@@ -85,6 +85,8 @@ def tc_warm_items(cc: int):
             cands = spec.candidates(fmt, cc)
             for p in cands[1:len(cands):max(1, len(cands) // 4)]:
                 items += [(spec.name, fmt, p, False, False), (spec.name, fmt, p, True, True)]
+            for _, p in tc_variants(spec, fmt, variants, cc)[1:]:
+                items.append((spec.name, fmt, p, False, False))
     return items
 
 
@@ -159,6 +161,31 @@ def _repeats(m: int, n: int, k: int) -> int:
     return 10 if m * n * k <= 4096**3 else (5 if m * n * k <= 8192**3 else 3)
 
 
+def parse_variant(text: str) -> dict[str, int]:
+    """``"INFLIGHT=1,BM=256"`` -> ``{"INFLIGHT": 1, "BM": 256}``."""
+    out = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--tc-variant {text!r}: KEY=INT[,KEY=INT...] expected")
+        out[key.strip()] = int(value)
+    return out
+
+
+def tc_variants(spec, fmt: str, variants, cc: int) -> list[tuple[str, dict]]:
+    """The defaults (suffix ``""``) and each ``--tc-variant`` that names only ``spec``'s
+    parameters and is valid on ``cc`` (suffix ``+KEY=V,...``), for ``fmt``."""
+    base = spec.params(fmt)
+    out = [("", base)]
+    for text in variants or ():
+        change = parse_variant(text)
+        if set(change) <= set(base):
+            p = dict(base, **change)
+            if not spec.violations(fmt, p, cc) and p not in [q for _, q in out]:
+                out.append(("+" + text.replace(" ", ""), p))
+    return out
+
+
 def tensor_cores(args, rec) -> None:
     """The tensor-core steps against cuBLAS at each precision in ``args.precisions``."""
     import cupy
@@ -183,11 +210,11 @@ def tensor_cores(args, rec) -> None:
             blas = cublas_precision_runner(a_in, b_in, c, m, n, k, precision)
             runs = {f"cublas-{precision}": (blas, check(blas), None, None)}
             for spec in specs:
-                params = spec.params(fmt)
-                run = (lambda spec=spec, params=params: cuda_loader.launch_tc(
-                    spec.name, a_in, False, k, b_in, False, n, c, n, m, n, k,
-                    precision=precision, params=params))
-                runs[f"distmm-raw-{spec.name}"] = (run, check(run), spec, params)
+                for suffix, params in tc_variants(spec, fmt, args.tc_variant, cc):
+                    run = (lambda spec=spec, params=params: cuda_loader.launch_tc(
+                        spec.name, a_in, False, k, b_in, False, n, c, n, m, n, k,
+                        precision=precision, params=params))
+                    runs[f"distmm-raw-{spec.name}{suffix}"] = (run, check(run), spec, params)
             secs = event_alternating({name: r[0] for name, r in runs.items()},
                                      rounds=args.rounds, repeat=repeat)
             line = []
@@ -226,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=None)
     ap.add_argument("--precisions", nargs="+", choices=("tf32", "bf16", "fp16"), default=None,
                     help="measure the tensor-core steps (11-13) at these precisions instead")
+    ap.add_argument("--tc-variant", action="append", default=[], metavar="KEY=INT[,KEY=INT]",
+                    help="with --precisions: also time each tensor-core step whose parameters "
+                         "these name, with them changed from its defaults (repeatable)")
     ap.add_argument("--profile", nargs=2, metavar=("DTYPE", "N"), default=None,
                     help="launch the tuned best kernel twice at n (for ncu --launch-skip 1)")
     args = ap.parse_args(argv)
@@ -251,7 +281,7 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
     if args.precisions and args.warm_only:
-        items = tc_warm_items(cuda_loader.compute_capability())
+        items = tc_warm_items(cuda_loader.compute_capability(), args.tc_variant)
         errors = cuda_loader.warm(items, processes=args.processes)
         print(f"compiled {len(items)} tensor-core kernels in {time.perf_counter() - t0:.1f} s; "
               f"{len(errors)} errors")

@@ -286,3 +286,24 @@ def test_mpi_bench_gpus_option_places_the_ranks():
     assert cases(ranks=[1, 2], sizes=[64], dtypes=["float32"], gpus=4) == \
         [(1, "float32", 64, 1), (2, "float32", 64, 2)]
     assert cases(ranks=[2], sizes=[64], dtypes=["float32"]) == [(2, "float32", 64, 1)]
+
+
+def test_tensor_core_variants_name_only_valid_changes():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.kernels import parse_variant, tc_variants
+    finally:
+        sys.path.remove(str(ROOT))
+    import distmm.executor.registry as registry
+
+    assert parse_variant("INFLIGHT=1, BM=256") == {"INFLIGHT": 1, "BM": 256}
+    with pytest.raises(ValueError, match="KEY=INT"):
+        parse_variant("INFLIGHT")
+    wg, mma = registry.get_tc("wgmma_bf16"), registry.get_tc("mma_bf16")
+    got = tc_variants(wg, "bfloat16", ["INFLIGHT=1", "INFLIGHT=1,BN=256", "INFLIGHT=0",
+                                       "MINB=2"], 90)
+    # the defaults first; a change equal to them, one breaking the registers' rule and one
+    # naming another step's parameter are left out
+    assert [s for s, _ in got] == ["", "+INFLIGHT=1"]
+    assert got[1][1] == dict(wg.params("bfloat16"), INFLIGHT=1)
+    assert [s for s, _ in tc_variants(mma, "bfloat16", ["INFLIGHT=1"], 90)] == [""]

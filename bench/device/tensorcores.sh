@@ -11,7 +11,9 @@
 #    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta; and
 #    precision='s executor test that runs kernel_for's choice (tests/test_precision_gpu.py);
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
-#    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl).
+#    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl); step 13 also
+#    with each of TC_VARIANTS (space-separated KEY=INT[,KEY=INT]: one wgmma group left in
+#    flight, more stages, other tiles).
 # Step 13 is compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
 # /usr/local/cuda/bin) its tests and benchmark fail, and the log says so.
 set -u -o pipefail
@@ -43,16 +45,19 @@ for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/1
 done
 
 echo "== compile what the tests and the benchmark use (parallel processes)"
-timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-only 2>&1 | tail -12
+# step 13's variants timed beside its defaults (bench.kernels --tc-variant)
+read -r -a variants <<< "${TC_VARIANTS:-INFLIGHT=1 INFLIGHT=1,STAGES=5 INFLIGHT=1,BM=192 INFLIGHT=1,BM=64,BN=256}"
+vargs=(); for v in "${variants[@]}"; do vargs+=(--tc-variant "$v"); done
+timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-only "${vargs[@]}" 2>&1 | tail -12
 
 echo "== GPU tests (steps 11-13)"
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
-  tests/test_precision_gpu.py -k "tensor_core or kernel_for" > "$OUT/pytest-tensorcores.log" 2>&1
+  tests/test_precision_gpu.py -k "tensor_core or kernel_for or in_flight" > "$OUT/pytest-tensorcores.log" 2>&1
 rc=$?
 tail -30 "$OUT/pytest-tensorcores.log"
 echo "pytest exit $rc"
 
 echo "== benchmark"
 timeout ${T_BENCH:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --sizes ${SIZES:-8192} \
-  --no-rect --rounds ${ROUNDS:-3} --out-dir "$OUT" || echo "BENCH FAILED rc=$?"
+  --no-rect --rounds ${ROUNDS:-3} --out-dir "$OUT" "${vargs[@]}" || echo "BENCH FAILED rc=$?"
 ls -la "$OUT"
