@@ -144,7 +144,7 @@ def transfer_mark(client) -> dict:
     return {"marks": {w: v for w, v in per.items() if isinstance(v, dict)}}
 
 
-def transfer_report(client, since: float | None = None) -> dict:
+def transfer_report(client, since: float | dict | None = None) -> dict:
     """Bytes the workers logged moving: per worker ``incoming`` (fetched from
     other workers) and ``outgoing`` (served to workers and clients), and
     ``worker_to_worker`` (the incoming sum); ``by_name``: the incoming bytes
