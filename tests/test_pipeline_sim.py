@@ -161,8 +161,26 @@ def numpy_pool(limit):
     return PinnedPool(limit, allocator=lambda n: (np.empty(n, np.uint8), None))
 
 
+class SimBf16Gemm(SimGemm):
+    """An executor of ``precision="bf16"``: it takes bfloat16 bits (uint16) as they are."""
+    precision = "bf16"
+
+    def device_gemm(self, a, b, c, *, alpha=1.0, beta=0.0, stream=None):
+        self.calls += 1
+
+        def bits(x):  # read when the stream runs, as a kernel reads its operands
+            return (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x
+
+        def run():
+            if beta == 0:
+                c[...] = alpha * (bits(a) @ bits(b))
+            else:
+                c[...] = alpha * (bits(a) @ bits(b)) + beta * c
+        stream.enqueue(run)
+
+
 def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None, trace=None,
-            jitter=0.0005):
+            jitter=0.0005, gemm=None):
     m, k = a.shape
     n = b.shape[1]
     dtype = result_dtype(a.dtype, b.dtype)
@@ -173,7 +191,7 @@ def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None,
     pool = numpy_pool(pinned)
     info: dict = {}
     try:
-        run_pipelined(SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
+        run_pipelined(gemm or SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
                       pinned_pool=pool, tiles=tiles, trace=trace, info=info, _device=dev)
     finally:
         dev.close()
@@ -310,6 +328,26 @@ def test_mixed_dtypes_cast_while_staging():
     c, _, _ = run_sim(a, b)
     assert c.dtype == np.matmul(a[:1], b[:, :1]).dtype == np.float32
     check(c, a, b)
+
+
+@pytest.mark.parametrize("device_limit", [64 << 20, 400 * 1024], ids=["full-width", "tiles"])
+def test_bfloat16_operands_cross_as_their_bits(device_limit):
+    """bfloat16 operands under precision="bf16" are staged and copied as their 16-bit
+    patterns (half of float32's bytes, nothing converted on the host); the product is the
+    same, bit for bit, as with the operands widened to float32 while staging."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(4)
+    a = rand((700, 300), "float32", rng).astype(ml_dtypes.bfloat16)
+    b = rand((300, 250), "float32", rng).astype(ml_dtypes.bfloat16)
+    c16, info16, _ = run_sim(a, b, device_limit=device_limit, pinned=256 * 1024,
+                             gemm=SimBf16Gemm())
+    c32, info32, _ = run_sim(a, b, device_limit=device_limit, pinned=256 * 1024)
+    check(c16, a, b)
+    assert c16.dtype == np.float32 and c16.tobytes() == c32.tobytes()
+    assert (info16["operands_as"], info32["operands_as"]) == ("uint16", "float32")
+    assert info16["tiling"] == info32["tiling"]
+    assert info16["bytes_h2d"] * 2 == info32["bytes_h2d"] >= 2 * (a.nbytes + b.nbytes)
+    assert info16["bytes_d2h"] == info32["bytes_d2h"] == c16.nbytes
 
 
 def test_out_of_memory_shrinks_tiles_and_retries():

@@ -103,6 +103,37 @@ def test_pipeline_host_operands(mode):
     check(c, a, b, mode)
 
 
+@pytest.mark.parametrize("backend", ["cublas", "raw"])
+def test_pipeline_takes_bfloat16_operands_as_their_bits(backend):
+    """Host bfloat16 operands under precision="bf16" cross to the GPU as their 16-bit
+    patterns (half the bytes, no conversion on the host) and give, bit for bit, what the same
+    values given as float32 give (rounded to bfloat16 on the device: the same bits)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from distmm.executor.gpu import GPUExecutor
+    from distmm.executor.pipeline import run_pipelined
+    from distmm.plan import make_plan
+
+    rng = np.random.default_rng(6)
+    a = low_bits(rng, (1500, 2100)).astype(ml_dtypes.bfloat16)
+    b = low_bits(rng, (2100, 900)).astype(ml_dtypes.bfloat16)
+    ex = GPUExecutor(backend=backend, precision="bf16")
+    plan = make_plan(1500, 900, 2100, np.float32)
+    got, info = {}, {}
+    pairs = {"bf16": (a, b), "f32": (a.astype(np.float32), b.astype(np.float32))}
+    for name, (x, y) in pairs.items():
+        out = np.full((1500, 900), np.nan, np.float32)
+        info[name] = {}
+        run_pipelined(ex, plan, x, y, out, tiles=(512, 512, 512), info=info[name])
+        got[name] = out
+    assert (info["bf16"]["operands_as"], info["f32"]["operands_as"]) == ("uint16", "float32")
+    assert info["bf16"]["bytes_h2d"] * 2 == info["f32"]["bytes_h2d"]
+    assert got["bf16"].tobytes() == got["f32"].tobytes()
+    check(got["bf16"], a.astype(np.float32), b.astype(np.float32), "bf16")
+    # through the API: the same product
+    c = distmm.matmul(a, b, backend=backend, tile=(512, 512, 512), precision="bf16")
+    check(c, a.astype(np.float32), b.astype(np.float32), "bf16")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gemm_on_device(mode):
     rng = np.random.default_rng(5)

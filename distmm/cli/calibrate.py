@@ -178,7 +178,8 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     for dt, pts in alone.items():
         if f"cpu:{dt}" in by_key:
             shared = gemm[f"cpu:{dt}"]
-            core_boost[dt] = max(1.0, statistics.median(f / shared.rate(s, s, s) for s, f, _ in pts))
+            core_boost[dt] = max(1.0, statistics.median(f / shared.rate(s, s, s)
+                                                        for s, f, _ in pts))
             sources[f"core_boost:{dt}"] = files([r for *_, r in pts]) + " (one core alone)"
     mem_bw = dict(base.memory_bandwidth)
     copies = [r for r in mine if r.get("variant") == "ceiling-copy" and r.get("gbps")]

@@ -151,9 +151,15 @@ def _rounding_kernel(precision: str):
 def to_input_format(x, precision: str):
     """A cupy float32 matrix as the tensor cores take it in ``precision``: ``(array,
     cudaDataType)``, a new C-contiguous array: float32 rounded to TF32, bfloat16 bits
-    (uint16) or float16."""
+    (uint16) or float16. bfloat16 bits (uint16) under ``"bf16"`` are that format already:
+    they pass as they are (C-contiguous), as the stream pipeline hands bfloat16 operands."""
     import cupy
 
+    if x.dtype == cupy.uint16:
+        if precision != "bf16":
+            raise TypeError(f"to_input_format: uint16 operands are bfloat16 bits, for "
+                            f"precision 'bf16', not {precision!r}")
+        return cupy.ascontiguousarray(x), CUDA_R_16BF
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)
     if precision == "fp16":
         return x.astype(cupy.float16), CUDA_R_16F

@@ -31,9 +31,10 @@ from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
+from distmm.plan import is_bfloat16
 from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
 
-__all__ = ["run_pipelined"]
+__all__ = ["run_pipelined", "operand_transport"]
 
 log = logging.getLogger("distmm.executor.pipeline")
 
@@ -75,6 +76,17 @@ def _wait_for_release() -> None:
         pending, _releasing[:] = list(_releasing), []
     for th in pending:
         th.join()
+
+
+def operand_transport(executor, a, b, dtype) -> np.dtype:
+    """The dtype A and B cross to the device in: bfloat16 operands (``ml_dtypes``) that an
+    executor of ``precision="bf16"`` multiplies as they are go as their bits (uint16: half of
+    float32's bytes, and no conversion on the host); anything else as ``dtype``, the result's
+    (cast while staging)."""
+    if (np.dtype(dtype) == np.float32 and getattr(executor, "precision", "highest") == "bf16"
+            and is_bfloat16(a.dtype) and is_bfloat16(b.dtype)):
+        return np.dtype(np.uint16)
+    return np.dtype(dtype)
 
 
 def _check_shapes(a, b, out, m, n, k) -> None:
@@ -174,12 +186,13 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     if _device is None:
         device.pool.set_limit(size=budget)
     gemm = executor.device_gemm
+    in_dtype = operand_transport(executor, a, b, dtype)
     tiling = pipeline_tiling(plan, budget, tiles=tiles)
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
-                           on_ready=ready_hold.release)
+                           on_ready=ready_hold.release, in_dtype=in_dtype)
         failure = None
         try:
             run.execute()
@@ -218,6 +231,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     if info is not None:
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
                     bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
+                    operands_as=in_dtype.name,
                     **getattr(run, "phases", {}))
     log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
               run.seconds, retries, tiling.mode, getattr(run, "phases", {}))

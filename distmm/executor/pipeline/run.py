@@ -104,12 +104,15 @@ class PipelineRun:
     out-of-memory errors unchanged so that the caller can retry smaller."""
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
-                 timeline: Timeline | None, host_threads: int, on_ready=None):
+                 timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
         self.a, self.b, self.out = a, b, out
         self.dtype = np.dtype(dtype)
+        # what A and B cross in (``product.operand_transport``): C's dtype, or uint16 for
+        # bfloat16 operands' bits (the device slots, sized for C's dtype, are half used)
+        self.in_dtype = np.dtype(in_dtype if in_dtype is not None else dtype)
         self.pool = pool
         self.timeline = timeline
         self.host_threads = host_threads
@@ -138,7 +141,7 @@ class PipelineRun:
         return chunk, n_in, n_out
 
     def _chunks(self, steps: list[Step], chunk_bytes: int) -> list[_Chunk]:
-        t, s = self.t, self.dtype.itemsize
+        t, s = self.t, self.in_dtype.itemsize
         out = []
         for idx, st in enumerate(steps):
             k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
@@ -170,8 +173,11 @@ class PipelineRun:
             self.dev.sync_event(wait_ev)
         t0 = self._now()
         src = self.a if chunk.which == "A" else self.b
-        view = buf.view((chunk.r1 - chunk.r0, chunk.c1 - chunk.c0), self.dtype)
-        np.copyto(view, src[chunk.r0:chunk.r1, chunk.c0:chunk.c1], casting="unsafe")
+        view = buf.view((chunk.r1 - chunk.r0, chunk.c1 - chunk.c0), self.in_dtype)
+        part = src[chunk.r0:chunk.r1, chunk.c0:chunk.c1]
+        if self.in_dtype == np.uint16:  # bfloat16 operands: their bits, as they are
+            part = np.asarray(part).view(np.uint16)
+        np.copyto(view, part, casting="unsafe")
         if self.timeline is not None:
             with self._host_lock:
                 self._host_ops.append(("host-stage", chunk.label, t0, self._now()))
@@ -204,7 +210,7 @@ class PipelineRun:
     # -- the run --------------------------------------------------------------------
     def execute(self) -> None:
         dev, t = self.dev, self.t
-        dtype = self.dtype
+        dtype, in_dtype = self.dtype, self.in_dtype
         steps = plan_block_loads(t)
         chunk_bytes, n_in, n_out = self._chunk_bytes()
         chunks = self._chunks(steps, chunk_bytes)
@@ -213,7 +219,7 @@ class PipelineRun:
         p0 = self._now()
         a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
         if t.b_resident:
-            b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), dtype)
+            b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), in_dtype)
             b_mem = None
         else:
             b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
@@ -222,7 +228,7 @@ class PipelineRun:
         def b_block(slot, kb, rows, width):
             if b_mem is None:
                 return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
-            return dev.array(b_mem[slot], (rows, width), dtype)
+            return dev.array(b_mem[slot], (rows, width), in_dtype)
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
         p1 = self._now()
         # the first staging buffers now, the rest pinned while those fill (a fresh
@@ -264,7 +270,6 @@ class PipelineRun:
             b_loaded: list = [None] * t.b_slots
             c_free: list = [None] * t.c_buffers   # futures -> event of the copy-out
             c = 0
-            s = dtype.itemsize
             for idx, st in enumerate(steps):
                 cb = st.unit % t.c_buffers
                 while c < len(chunks) and chunks[c].step == idx:
@@ -275,7 +280,7 @@ class PipelineRun:
                         dev.wait(h2d, free_ev[ch.slot])
                     width = ch.c1 - ch.c0
                     if ch.which == "A":
-                        block = dev.array(a_mem[ch.slot], (ch.block_rows, width), dtype)
+                        block = dev.array(a_mem[ch.slot], (ch.block_rows, width), in_dtype)
                     else:
                         block = b_block(ch.slot, st.kb, ch.block_rows, width)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
@@ -296,7 +301,7 @@ class PipelineRun:
                 r0, r1 = t.row_edges[st.i], t.row_edges[st.i + 1]
                 q0, q1 = t.col_edges[st.j], t.col_edges[st.j + 1]
                 k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
-                a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), dtype)
+                a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), in_dtype)
                 b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0)
                 c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
                 beta = 0.0 if st.first else 1.0
