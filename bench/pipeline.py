@@ -10,6 +10,9 @@ Variants (records under ``bench/results/pipeline-<device>-<date>.jsonl``):
 - ``distmm-host-capped``: the same with ``device_memory_limit`` = 8 GB.
 - ``naive-host``: copy in (pageable), one ``cupy.matmul``, copy out (pageable)
   into a preallocated host array, one stream.
+- ``--precision bf16``: host-resident bfloat16 instead (``bench_bf16``): ``cublas-bf16``
+  in core, ``distmm-host-bf16`` (``ml_dtypes.bfloat16`` host operands, which cross as their
+  bits) and ``distmm-host-bf16-from-f32`` (the same values as float32 host operands).
 
 The pipeline's compute is cuBLAS (``CublasGemm``): the claim is about hiding
 the copies. Inputs are fresh random normal matrices made on the GPU and copied
@@ -165,6 +168,96 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     return results
 
 
+def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
+               trace_to: tuple[str, str | None] | None = None) -> dict:
+    """Host-resident bfloat16 at n^3 (``--precision bf16``): ``cublas-bf16``, in-core
+    ``cublasGemmEx`` on bfloat16 operands already on the GPU (float32 out); the pipeline
+    (``GPUExecutor(backend="cublas", precision="bf16")``) on the same values held on the host
+    as ``ml_dtypes.bfloat16`` (``distmm-host-bf16``: they cross as their 16-bit bits) and as
+    float32 (``distmm-host-bf16-from-f32``: 4 bytes an element cross, rounded on the GPU)."""
+    import cupy
+    import ml_dtypes
+
+    from distmm.executor.cublas import cublas_gemm_precision, to_input_format
+    from distmm.executor.gpu import GPUExecutor
+    from distmm.executor.pipeline import Timeline, run_pipelined
+    from distmm.plan import make_plan
+
+    m = k = n
+    rng = cupy.random.default_rng(seed)
+    a_bits, _ = to_input_format(rng.standard_normal((m, k), dtype=np.float32), "bf16")
+    b_bits, _ = to_input_format(rng.standard_normal((k, n), dtype=np.float32), "bf16")
+
+    def widen(bits):
+        return (bits.astype(cupy.uint32) << 16).view(cupy.float32)
+
+    rows = np.sort(np.random.default_rng(seed).choice(m, SAMPLE_ROWS, replace=False))
+    ref_rows = cupy.matmul(widen(a_bits[cupy.asarray(rows)]).astype(np.float64),
+                           widen(b_bits).astype(np.float64)).get()
+    results = {}
+    c_d = cupy.full((m, n), np.nan, dtype=np.float32)
+    cublas_gemm_precision(a_bits, b_bits, c_d, "bf16")
+    err = _rel_rows(c_d[cupy.asarray(rows)].get(), ref_rows)
+    sec = event_seconds(lambda: cublas_gemm_precision(a_bits, b_bits, c_d, "bf16"),
+                        repeat=repeat, warmup=1)
+    rec = writer.add("cublas-bf16", np.float32, m, n, k, sec, err, residency="device",
+                     precision="bf16", input_format="bfloat16",
+                     note=f"cublasGemmEx bf16 in, fp32 out; relerr on {SAMPLE_ROWS} sampled rows "
+                          "vs float64 of the bfloat16 values")
+    results["cublas-bf16"] = rec
+    log(rec)
+    del c_d
+    a16 = a_bits.get().view(ml_dtypes.bfloat16)
+    b16 = b_bits.get().view(ml_dtypes.bfloat16)
+    del a_bits, b_bits
+    free_gpu()
+    c_h = np.empty((m, n), dtype=np.float32)
+    ex = GPUExecutor(backend="cublas", precision="bf16")
+    plan = make_plan(m, n, k, np.float32)
+    for variant, (a_h, b_h) in (("distmm-host-bf16", (a16, b16)),
+                                ("distmm-host-bf16-from-f32", (None, None))):
+        if a_h is None:
+            a_h, b_h = a16.astype(np.float32), b16.astype(np.float32)
+        info: dict = {}
+        c_h[...] = np.nan
+
+        def call(info=info, a_h=a_h, b_h=b_h, trace=None):
+            run_pipelined(ex, plan, a_h, b_h, c_h, info=info, trace=trace)
+        call()
+        all_written = bool(np.isfinite(c_h).all())
+        err = _rel_rows(c_h[rows], ref_rows) if all_written else float("nan")
+        times = wall_times(call, repeat=repeat, warmup=0, sync=gpu_sync)
+        sec = float(np.median(times))
+        rec = writer.add(variant, np.float32, m, n, k, sec, err, residency="host", times=times,
+                         precision="bf16", input_format=np.dtype(a_h.dtype).name,
+                         operands_as=info.get("operands_as"), budget=info.get("budget"),
+                         tiling=info.get("tiling"), bytes_h2d=info.get("bytes_h2d"),
+                         bytes_d2h=info.get("bytes_d2h"), retries=info.get("retries"),
+                         all_written=all_written,
+                         ratio_vs_cublas=results["cublas-bf16"]["seconds"] / sec,
+                         compute="cuBLAS bf16 (GPUExecutor precision='bf16')",
+                         note=f"wall time host to host; relerr on {SAMPLE_ROWS} sampled rows; "
+                              "output poisoned with NaN before the checked run")
+        results[variant] = rec
+        log(rec)
+        if trace_to is not None and variant == "distmm-host-bf16":
+            from distmm.cli.trace import render
+
+            tl = Timeline()
+            call(trace=tl)
+            if trace_to[1]:
+                tl.to_json(trace_to[1])
+            render(tl, trace_to[0])
+            busy = {lane: round(tl.busy_ms(lane), 1) for lane in
+                    ("h2d", "compute", "d2h", "host-stage", "host-unstage")}
+            print(f"timeline -> {trace_to[0]}: busy ms {busy}", flush=True)
+        del a_h, b_h
+        free_gpu()
+    del c_h, ex
+    gc.collect()
+    return results
+
+
 def probe() -> dict:
     """Host copy bandwidth with 1..12 threads (numpy, GIL released) and pinned copies:
     the rates the pipeline's overlap depends on (printed, for the notes)."""
@@ -295,6 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeline-n", type=int, default=32768)
     p.add_argument("--timeline-dtype", default="float32")
     p.add_argument("--probe", action="store_true", help="print host/pinned copy bandwidths first")
+    p.add_argument("--precision", choices=("bf16",), default=None,
+                   help="host-resident bfloat16 against in-core cuBLAS bf16 instead (bench_bf16)")
     args = p.parse_args(argv)
     if args.child:
         first_call_child(int(args.child[0]), args.child[1], args.out_dir, args.steady,
@@ -322,6 +417,17 @@ def main(argv=None) -> int:
               + (f"  {100 * ratio:5.1f}% of cuBLAS" if ratio else ""), flush=True)
 
     table = []
+    if args.precision == "bf16":
+        for n in args.sizes:
+            trace_to = ((args.timeline, args.timeline_json)
+                        if args.timeline and n == args.timeline_n else None)
+            res = bench_bf16(writer, n, args.repeat, seed=n + 16, log=log, trace_to=trace_to)
+            table.extend(res.values())
+        for rec in table:
+            ratio = rec.get("ratio_vs_cublas")
+            print(f"  bf16 {rec['m']:6d} {rec['variant']:28s} {rec['tflops']:7.2f} TFLOP/s"
+                  + (f"  {100 * ratio:5.1f}% of cuBLAS bf16" if ratio else ""))
+        return 0
     for dtype in args.dtypes:
         for n in args.sizes:
             trace_to = ((args.timeline, args.timeline_json)

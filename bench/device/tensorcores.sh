@@ -13,7 +13,9 @@
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
 #    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl); step 13 also
 #    with each of TC_VARIANTS (space-separated KEY=INT[,KEY=INT]: one wgmma group left in
-#    flight, more stages, other tiles).
+#    flight, more stages, other tiles);
+# 4. host-resident bfloat16 at 32768^3 (BF16_SIZES) through the stream pipeline against
+#    in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
 # Step 13 is compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
 # /usr/local/cuda/bin) its tests and benchmark fail, and the log says so.
 set -u -o pipefail
@@ -60,4 +62,9 @@ echo "pytest exit $rc"
 echo "== benchmark"
 timeout ${T_BENCH:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --sizes ${SIZES:-8192} \
   --no-rect --rounds ${ROUNDS:-3} --out-dir "$OUT" "${vargs[@]}" || echo "BENCH FAILED rc=$?"
+
+echo "== host-resident bfloat16 through the stream pipeline (bench.pipeline --precision bf16)"
+timeout ${T_BF16:-240} $PY -m bench.pipeline --precision bf16 --sizes ${BF16_SIZES:-32768} \
+  --repeat 3 --out-dir "$OUT" --timeline "$OUT/timeline-bf16.png" \
+  --timeline-json "$OUT/timeline-bf16.json" || echo "BF16 PIPELINE FAILED rc=$?"
 ls -la "$OUT"
