@@ -319,7 +319,7 @@ KNOWN_MISSES = {
     # shared VMs, each run predicted with the core rates of numpy measured in the same run:
     # at 16384 on 16 cores, 4 and 16 ranks ran 1.35x faster than numpy's 16 threads did in
     # that run (the same counts ran 1.6x slower in the other runs of the day: 9.1-15.6 s);
-    # at 4096 on 2 cores one run of six (2.03-4.18 s) is the latest, 21% slower than numpy
+    # at 4096 on 2 cores the latest of six runs (2.03-4.18 s) took 2.29 s, the model 1.82 s
     ("Intel(R) Xeon(R) Processor", "mpi cpu 16 rank(s) on 16 cores", "float64", 16384),
     ("Intel(R) Xeon(R) Processor", "mpi cpu 4 rank(s) on 16 cores", "float64", 16384),
     ("Intel(R) Xeon(R) Processor @ 2.80GHz", "dask cpu", "float64", 4096),
