@@ -9,7 +9,8 @@ one-line summary the command line prints; and ``write_profile``, the JSON file
 
 Phases are fixed names: ``startup`` (imports, the device, communicators), ``open``
 (opening the operands and checking them), ``read`` (operand bytes from files into host
-memory), ``h2d``, ``gemm``, ``comm`` (panel broadcasts), ``d2h``, ``write`` (C bytes to
+memory), ``h2d``, ``gemm``, ``comm`` (panel broadcasts), ``d2h``, ``release`` (a GPU
+rank's device memory given back once its last copy out has ended), ``write`` (C bytes to
 the staged output), ``sync`` (flushing it to disk), ``wait`` (barriers and agreement
 between ranks) and ``commit`` (moving the output into place). Spans of GPU work come from
 CUDA events, converted to this clock by the caller.
@@ -26,8 +27,8 @@ from contextlib import contextmanager
 
 __all__ = ["PHASES", "Phases", "merged_seconds", "summary_line", "write_profile"]
 
-PHASES = ("startup", "open", "read", "h2d", "gemm", "comm", "d2h", "write", "sync", "wait",
-          "commit")
+PHASES = ("startup", "open", "read", "h2d", "gemm", "comm", "d2h", "release", "write", "sync",
+          "wait", "commit")
 
 
 def merged_seconds(spans) -> float:

@@ -338,6 +338,7 @@ class _Run:
         try:
             self.load_b()
             self.stripe_loop(todo, skip, writer)
+            self.release_device()
             writer.drain()
             start = time.perf_counter()
             self.sink.finish()
@@ -348,6 +349,9 @@ class _Run:
         finally:
             self.readers.shutdown(wait=False, cancel_futures=True)
             self.close()
+
+    def release_device(self):
+        """Give the device's memory back (GPU ranks), while the writer drains."""
 
     def close(self):
         pass
@@ -699,6 +703,19 @@ class _GPURun(_Run):
                 self.d2h_done[slot] = self.d2h.record()
                 self.span("d2h", begin, self.d2h_done[slot], out.nbytes)
             writer.put((stripe, (r0, r1, self.c0, self.c1), out, self.d2h_done[slot], free))
+
+    def release_device(self):
+        """Once the last GEMM and copy out have ended, free the device buffers (A's stripes,
+        C's, B's panel and its export: every peer has copied its share, ``copy_shares``) while
+        the writer drains the last stripes: at the end of a job the driver frees the ranks'
+        memory one process after another (4 ranks holding 8 GiB each: ~1 s more than without,
+        ``open-items.sh exitprobe``)."""
+        start = time.perf_counter()
+        for stream in (self.h2d, self.compute, self.d2h):
+            self.wait_event(stream.record())
+        self.a_dev = self.c_dev = self.b_store = self.b_export = None
+        self.cp.get_default_memory_pool().free_all_blocks()
+        self.phases.add("release", start, time.perf_counter())
 
     def close(self):
         """Turn the CUDA events into spans on the host clock (only those that completed)."""
