@@ -63,13 +63,30 @@ def _rel_rows(c_rows: np.ndarray, ref_rows: np.ndarray) -> float:
     return float(np.linalg.norm(c_rows - ref_rows) / np.linalg.norm(ref_rows))
 
 
+def _traced(call, trace_to: tuple[str, str | None]) -> None:
+    """One more run of ``call(trace=...)`` traced: the timeline drawn to ``trace_to[0]`` (and
+    its JSON to ``trace_to[1]``), its throughput and busy lanes printed."""
+    from distmm.cli.trace import render
+    from distmm.executor.pipeline import Timeline
+
+    tl = Timeline()
+    call(trace=tl)
+    if trace_to[1]:
+        tl.to_json(trace_to[1])
+    render(tl, trace_to[0])
+    busy = {lane: round(tl.busy_ms(lane), 1) for lane in
+            ("h2d", "compute", "d2h", "host-stage", "host-unstage")}
+    print(f"timeline -> {trace_to[0]}: {tl.meta['tflops']:.2f} TFLOP/s traced, "
+          f"busy ms {busy}, span {max(o['end_ms'] for o in tl.ops):.1f} ms", flush=True)
+
+
 def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
               variants: set[str], log, trace_to: tuple[str, str | None] | None = None) -> dict:
     import cupy
 
     from distmm.executor.pinned import default_pinned_pool
     from distmm.executor.cublas import CublasGemm
-    from distmm.executor.pipeline import Timeline, run_pipelined
+    from distmm.executor.pipeline import run_pipelined
     from distmm.plan import make_plan
 
     dt = np.dtype(dtype)
@@ -151,17 +168,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         results[variant] = rec
         log(rec)
         if trace_to is not None and variant == "distmm-host":
-            from distmm.cli.trace import render
-
-            tl = Timeline()
-            call(trace=tl)
-            if trace_to[1]:
-                tl.to_json(trace_to[1])
-            render(tl, trace_to[0])
-            busy = {lane: round(tl.busy_ms(lane), 1) for lane in
-                    ("h2d", "compute", "d2h", "host-stage", "host-unstage")}
-            print(f"timeline -> {trace_to[0]}: {tl.meta['tflops']:.2f} TFLOP/s traced, "
-                  f"busy ms {busy}, span {max(o['end_ms'] for o in tl.ops):.1f} ms", flush=True)
+            _traced(call, trace_to)
         free_gpu()
     del gemm, a_h, b_h, c_h
     gc.collect()
@@ -180,7 +187,7 @@ def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
 
     from distmm.executor.cublas import cublas_gemm_precision, to_input_format
     from distmm.executor.gpu import GPUExecutor
-    from distmm.executor.pipeline import Timeline, run_pipelined
+    from distmm.executor.pipeline import run_pipelined
     from distmm.plan import make_plan
 
     m = k = n
@@ -241,16 +248,7 @@ def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
         results[variant] = rec
         log(rec)
         if trace_to is not None and variant == "distmm-host-bf16":
-            from distmm.cli.trace import render
-
-            tl = Timeline()
-            call(trace=tl)
-            if trace_to[1]:
-                tl.to_json(trace_to[1])
-            render(tl, trace_to[0])
-            busy = {lane: round(tl.busy_ms(lane), 1) for lane in
-                    ("h2d", "compute", "d2h", "host-stage", "host-unstage")}
-            print(f"timeline -> {trace_to[0]}: busy ms {busy}", flush=True)
+            _traced(call, trace_to)
         del a_h, b_h
         free_gpu()
     del c_h, ex
