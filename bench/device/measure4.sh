@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU tests and the open measurements on a 4-GPU host (64 cores), in phases named on the
+# command line, from the repository root after `. .whl/env.sh`:
+#   bash bench/device/measure4.sh tests trace      # one call (~8 min)
+#   bash bench/device/measure4.sh batch            # the next (~8 min)
+# tests  in parallel, each on its own GPU and cores:
+#          GPU 0     the one-GPU tests (API, pipeline, config, precision=), then the first-call
+#                    benchmark at 32768 (fp64, fp32; bench/pipeline.py --first-call)
+#          GPUs 1,2  the MPI and Dask GPU tests (two GPUs where they use two)
+#          GPU 3     bench/device/tensorcores.sh (steps 11-13: build, tests, variants, bf16
+#                    through the stream pipeline)
+# trace  the Dask engine on all 4 GPUs at 32768, fp32 then fp64, chunks 8192, traced per block
+#        task (bench/research/dask_stream.py --trace; logs kept whole under $OUT)
+# batch  `mpirun -n P distmm matmul` at fp32 32768 (P = 1 two ways, 2, 4; repeat 3) and 65536
+#        (P = 1, 2, 4; repeat 1), each beside cat, dd conv=fsync and in-core cuBLAS measured in
+#        the same run (bench/mpi_batch.py)
+# dask   the study bench/studies/gpu-dask.toml (1, 2, 4 GPUs against cuBLAS in the same run)
+# Logs and records land under $OUT.
+set -u
+export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
+. "$(dirname "$0")/prelude.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | uniq -c
+PT="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
+for phase in "$@"; do
+  echo "== $phase ($SECONDS s)"
+  case $phase in
+    tests)
+      ONE="tests/test_gpu_api.py tests/test_gpu_pipeline.py tests/test_gpu_config.py tests/test_precision_gpu.py"
+      TWO="tests/test_mpi_gpu.py tests/test_mpi_gpu_blocks.py tests/test_mpi_batch.py tests/test_dask_gpu.py tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py"
+      ( CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout ${T_ONE:-200} $PT $ONE > "$OUT/pytest-one.log" 2>&1
+        echo "one-GPU tests exit $?" >> "$OUT/pytest-one.log"
+        CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout ${T_FIRST:-150} python3 -m bench.pipeline \
+          --first-call --sizes 32768 --dtypes float64 float32 --steady 2 --out-dir "$OUT" \
+          > "$OUT/firstcall.log" 2>&1 ) & p1=$!
+      CUDA_VISIBLE_DEVICES=1,2 taskset -c 16-47 timeout ${T_TWO:-330} $PT $TWO > "$OUT/pytest-two.log" 2>&1 & p2=$!
+      CUDA_VISIBLE_DEVICES=3 T_TESTS=150 T_BENCH=120 T_BF16=120 taskset -c 48-63 \
+        bash bench/device/tensorcores.sh > "$OUT/tensorcores.log" 2>&1 & p3=$!
+      wait $p1; tail -6 "$OUT/pytest-one.log"; grep -v DEBUG "$OUT/firstcall.log" | tail -8
+      wait $p2; echo "MPI/Dask tests exit $?"; tail -12 "$OUT/pytest-two.log"
+      wait $p3; grep -v "^ok " "$OUT/tensorcores.log" | tail -45 ;;
+    trace)
+      for dt in float32 float64; do
+        timeout ${T_TRACE:-110} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
+          --dtype $dt --calls 3 --trace > "$OUT/trace-4gpu-$dt.log" 2>&1
+        echo "exit $?"
+        grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-$dt.log" | cut -c1-330 \
+          | grep "^== \|trace.*start\|export\|release" | tail -22
+      done ;;
+    batch)
+      timeout ${T_BATCH:-230} python3 -m bench.mpi_batch --sizes 32768 --ranks 2 4 --repeat 3 \
+        --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-300
+      rm -rf /tmp/distmm-batch
+      timeout ${T_BIG:-270} python3 -m bench.mpi_batch --sizes 65536 --ranks 2 4 --repeat 1 \
+        --gemm-repeat 1 --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-300
+      rm -rf /tmp/distmm-batch ;;
+    dask)
+      timeout ${T_DASK:-400} python3 -m distmm bench bench/studies/gpu-dask.toml \
+        -o "$OUT/gpu-dask.jsonl" 2>&1 | cut -c1-300 | tail -40 ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+ls -la "$OUT"
