@@ -567,18 +567,26 @@ def _ipc_holder(held, reader: str, ipc) -> str | None:
     return min((h for h in held if (h, reader) in ipc), default=None)
 
 
-def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: bool = False) -> dict:
+def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: bool = False,
+             memo: dict | None = None) -> dict:
     """``moved``'s bytes split by route: ``{"tcp": ..., "ipc": ...}``; a
     chunk goes by ``ipc`` to a reader that one of its holders is paired with
     in ``ipc`` (``(holder, reader)`` address pairs), else by ``tcp``. Chunks
-    held nowhere (made on a reader, or scattered) count as ``tcp``."""
+    held nowhere (made on a reader, or scattered) count as ``tcp``. ``memo``: a
+    dict kept across calls with the same ``where`` and ``ipc`` (a layout search),
+    remembering each (chunk, reader)'s route."""
     tcp = ipc_bytes = 0
     for key, nbytes, units in reads:
         want = {addresses[u] for u in units}
         held = where.get(key)
         if held:
             for w in want.difference(held):
-                if _ipc_holder(held, w, ipc) is not None:
+                via = None if memo is None else memo.get((key, w))
+                if via is None:
+                    via = _ipc_holder(held, w, ipc) is not None
+                    if memo is not None:
+                        memo[(key, w)] = via
+                if via:
                     ipc_bytes += nbytes
                 else:
                     tcp += nbytes
@@ -929,6 +937,7 @@ class _Search:
         self.acc = np.dtype(plan.acc_dtype).itemsize
         self.scattered = a.scattered
         self._reads: dict = {}
+        self._routes: dict = {}  # (chunk key, reader) -> by IPC: by_route's memo
 
     def make(self, units, grid, weights=None) -> BlockLayout:
         return layout_for(self.plan, units, grid=grid, weights=weights,
@@ -951,7 +960,7 @@ class _Search:
 
     def routes(self, lay, addresses) -> dict:
         return by_route(self.read(lay), addresses, self.where, ipc=self.ipc,
-                        from_client=self.scattered)
+                        from_client=self.scattered, memo=self._routes)
 
     def cost(self, lay, units) -> int:
         addresses = [u.address for u in units]
@@ -1090,6 +1099,12 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         raise ValueError(f"operands must be both scattered or both chunked, got a "
                          f"{'scattered' if a.scattered else 'chunked'} and b "
                          f"{'scattered' if b.scattered else 'chunked'}")
+    names: dict = {}
+    if not a.scattered:  # planned by where the chunks lie, whatever the operands are called
+        names = {a.name: _NAME_A}
+        names.setdefault(b.name, _NAME_B)
+        a, b = replace(a, name=names[a.name]), replace(b, name=names[b.name])
+        cluster = replace(cluster, where={_rename(k, names): v for k, v in cluster.where.items()})
     try:
         key = (plan, cluster.workers, cluster.ipc, a, b, configured_budget,
                tuple(sorted((k, tuple(sorted(v))) for k, v in cluster.where.items())),
@@ -1099,16 +1114,37 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         key = None
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)
-        return _PLANS[key]
-    bp = _plan_blocks(plan, cluster, a, b, row_cuts, col_cuts, k_cuts, configured_budget)
-    if key is not None:
-        _PLANS[key] = bp
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    return bp
+        bp = _PLANS[key]
+    else:
+        bp = _plan_blocks(plan, cluster, a, b, row_cuts, col_cuts, k_cuts, configured_budget)
+        if key is not None:
+            _PLANS[key] = bp
+            while len(_PLANS) > _PLANS_KEPT:
+                _PLANS.popitem(last=False)
+    return _with_names(bp, {v: k for k, v in names.items()}) if names else bp
 
 
-#: plans kept for facts seen again: a product repeated on the same persisted operands and
+#: the names the memo plans dask operands under (no dask key is spelled so)
+_NAME_A, _NAME_B = "\x00distmm-a", "\x00distmm-b"
+
+
+def _rename(key, names: dict):
+    """Chunk key ``(name, r, c)`` with its name looked up in ``names`` (others as they are)."""
+    if isinstance(key, tuple) and key and key[0] in names:
+        return (names[key[0]],) + key[1:]
+    return key
+
+
+def _with_names(bp: "BlockPlan", names: dict) -> "BlockPlan":
+    """``bp`` (planned under the memo's names) with its chunk keys named as ``names`` says."""
+    return replace(bp, reads=tuple((_rename(k, names), nb, pos) for k, nb, pos in bp.reads),
+                   moves=tuple(replace(mv, key=_rename(mv.key, names)) for mv in bp.moves),
+                   sources=MappingProxyType({(_rename(k, names), r): h
+                                             for (k, r), h in bp.sources.items()}))
+
+
+#: plans kept for facts seen again: a product repeated on operands whose chunks lie where an
+#: earlier product's did (the same persisted operands, or new ones made alike) on the same
 #: workers is planned once (the layout search is the client's largest cost of a warm call)
 _PLANS_KEPT = 32
 _PLANS: OrderedDict = OrderedDict()

@@ -220,7 +220,7 @@ def test_facts_seen_again_are_planned_once(monkeypatch):
     monkeypatch.setattr(pb, "_plan_blocks", lambda *a: searches.append(1) or real(*a))
     first = plan_blocks(plan, ClusterFacts((GPU0, GPU1), where), *ops)
     again = plan_blocks(plan, ClusterFacts((GPU0, GPU1), dict(reversed(where.items()))), *ops)
-    assert again is first and len(searches) == 1
+    assert again == first and len(searches) == 1
     moved = dict(where)
     key = next(iter(moved))
     moved[key] = [a for a in addrs if a not in moved[key]]
@@ -228,6 +228,50 @@ def test_facts_seen_again_are_planned_once(monkeypatch):
     assert len(searches) == 2 and other is not first
     with pytest.raises(TypeError):
         first.locality["method"] = "changed"  # what the memo hands out cannot be changed
+
+
+def test_new_operands_lying_where_earlier_ones_did_reuse_their_plan(monkeypatch):
+    """Operands of other names whose chunks lie on the same workers (a new pair made alike)
+    take the plan searched for the first pair, with their own keys in it: the same plan a
+    search under their names gives. A @ A (one name) is planned apart."""
+    rng = np.random.default_rng()
+    m, n, k = 2049, 1537, 1025
+    a_ch, b_ch = (_ragged(m, rng), _ragged(k, rng)), (_ragged(k, rng), _ragged(n, rng))
+    addrs = [GPU0.address, GPU1.address]
+    spots = {(side, r, c): [addrs[int(rng.integers(2))]]
+             for side, ch in (("a", a_ch), ("b", b_ch))
+             for r, c in itertools.product(range(len(ch[0])), range(len(ch[1])))}
+
+    def facts(na, nb):
+        where = {({"a": na, "b": nb}[side], r, c): v for (side, r, c), v in spots.items()}
+        return ClusterFacts((GPU0, GPU1), where, ipc={(GPU0.address, GPU1.address),
+                                                      (GPU1.address, GPU0.address)})
+
+    plan = make_plan(m, n, k, "float32", workers=2)
+    pb._PLANS.clear()
+    searches = []
+    real = pb._plan_blocks
+    monkeypatch.setattr(pb, "_plan_blocks", lambda *a: searches.append(1) or real(*a))
+    first = plan_blocks(plan, facts("A1", "B1"), OperandFacts(4, "A1", a_ch),
+                        OperandFacts(4, "B1", b_ch))
+    second = plan_blocks(plan, facts("A2", "B2"), OperandFacts(4, "A2", a_ch),
+                         OperandFacts(4, "B2", b_ch))
+    assert len(searches) == 1
+    assert {k[0] for k, _, _ in second.reads} == {"A2", "B2"}
+    assert {mv.key[0] for mv in second.moves} <= {"A2", "B2"} and second.moves
+    assert all(k[0] in ("A2", "B2") for k, _ in second.sources)
+    pb._PLANS.clear()
+    fresh = plan_blocks(plan, facts("A2", "B2"), OperandFacts(4, "A2", a_ch),
+                        OperandFacts(4, "B2", b_ch))
+    assert fresh == second and len(searches) == 2
+    assert first.layout == second.layout and first.units == second.units
+    square = (_ragged(m, rng),) * 2
+    where = {("S", r, c): [addrs[(r + c) % 2]] for r in range(len(square[0]))
+             for c in range(len(square[1]))}
+    same = plan_blocks(make_plan(m, m, m, "float32", workers=2),
+                       ClusterFacts((GPU0, GPU1), where), OperandFacts(4, "S", square),
+                       OperandFacts(4, "S", square))
+    assert {k[0] for k, _, _ in same.reads} == {"S"} and len(searches) == 3
 
 
 def test_estimated_seconds_is_the_slowest_unit_and_what_it_receives():

@@ -302,6 +302,44 @@ def test_rectangles_of_an_export_copy_into_place_bitwise(shared, dtype):
     assert moved == sum(r[2] * r[3] for r in rects) * np.dtype(dtype).itemsize
 
 
+def _map_copy_and_end_later(shared):
+    """In the reader: map ``shared`` through the driver (a context is current once this
+    thread has allocated), copy it whole, queue GEMMs, hand the mapping to the
+    closing thread; whether the driver's path was taken, whether the queued work was still
+    running when ``unmap_later`` returned, the mappings left after waiting, the copy."""
+    import cupy
+
+    from distmm.executor import ipc
+
+    buf = cupy.full(shared.shape, np.nan, dtype=shared.dtype)
+    driver = ipc.current_context() is not None
+    ptr = ipc.map_export(shared)
+    ipc.copy_rect(ptr, shared, buf, 0, 0)
+    cupy.cuda.get_current_stream().synchronize()
+    x = cupy.ones((4096, 4096), dtype=np.float64)
+    for _ in range(40):  # about 0.1 s of queued work in all on an H100
+        x = x @ x * (1.0 / 4096)
+    busy = cupy.cuda.get_current_stream().record()
+    ipc.unmap_later([ptr])
+    still_running = not busy.done
+    left = ipc.closing(wait=120)
+    return cupy.asnumpy(buf), driver, still_running, left
+
+
+def test_a_mapping_ends_on_the_closing_thread_without_waiting_for_queued_work(shared):
+    """``map_export`` goes through the driver's entry points where a context is current
+    (other Python threads run meanwhile), and ``unmap_later`` returns while the device
+    still runs queued work (ending a mapping waits for it); the closing thread ends it."""
+    client, w0, w1 = shared
+    rng = np.random.default_rng()
+    x = _source(rng, (1283, 777), "float32")
+    sh = _submit(client, _export, _on_worker(client, x, w0), worker=w0)
+    got, driver, still_running, left = _submit(client, _map_copy_and_end_later, sh,
+                                               worker=w1).result()
+    np.testing.assert_array_equal(got, x)
+    assert driver and still_running and left == 0
+
+
 # -- the engine: block mode over cupy chunks on both workers --------------------------------
 
 def _reference(client, A, B):

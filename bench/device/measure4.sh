@@ -9,8 +9,9 @@
 #          GPUs 1,2  the MPI and Dask GPU tests (two GPUs where they use two)
 #          GPU 3     bench/device/tensorcores.sh (steps 11-13: build, tests, variants, bf16
 #                    through the stream pipeline)
-# trace  the Dask engine on all 4 GPUs at 32768, fp32 then fp64, chunks 8192, traced per block
-#        task (bench/research/dask_stream.py --trace; logs kept whole under $OUT)
+# dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
+# trace  the Dask engine on all 4 GPUs at 32768 (TRACE_DTYPES, default fp32 then fp64), chunks
+#        8192, traced per block task (bench/research/dask_stream.py --trace; logs under $OUT)
 # batch  `mpirun -n P distmm matmul` at fp32 32768 (P = 1 two ways, 2, 4; repeat 3) and 65536
 #        (P = 1, 2, 4; repeat 1), each beside cat, dd conv=fsync and in-core cuBLAS measured in
 #        the same run (bench/mpi_batch.py)
@@ -38,8 +39,12 @@ for phase in "$@"; do
       wait $p1; tail -6 "$OUT/pytest-one.log"; grep -v DEBUG "$OUT/firstcall.log" | tail -8
       wait $p2; echo "MPI/Dask tests exit $?"; tail -12 "$OUT/pytest-two.log"
       wait $p3; grep -v "^ok " "$OUT/tensorcores.log" | tail -45 ;;
+    dasktests)
+      CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT tests/test_dask_gpu.py \
+        tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py > "$OUT/pytest-dask.log" 2>&1
+      echo "exit $?"; tail -8 "$OUT/pytest-dask.log" ;;
     trace)
-      for dt in float32 float64; do
+      for dt in ${TRACE_DTYPES:-float32 float64}; do
         timeout ${T_TRACE:-110} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
           --dtype $dt --calls 3 --trace > "$OUT/trace-4gpu-$dt.log" 2>&1
         echo "exit $?"

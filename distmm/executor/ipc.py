@@ -6,7 +6,10 @@ CUDA IPC handle, shape, dtype, the device's PCI bus id, the exporting
 process and host), ``open_copy`` (in another process: the handle opened, the
 bytes copied into a fresh array on this process's current device, the handle
 closed), ``local_array`` (the exporting process's own view of a live export,
-for a caller that fetches it some other way), the probe helpers that check
+for a caller that fetches it some other way), ``map_export``/``unmap`` (a
+mapping to copy pieces from, ended at once or on a closing thread:
+``unmap_later``; both through the driver's entry points, which let other Python
+threads run meanwhile, where a context is current), the probe helpers that check
 the route between processes once (``probe_export``, ``probe_open``,
 ``probe_release``), and ``available``.
 It does *not* cover: which arrays are exported, to whom, or what happens when
@@ -39,8 +42,10 @@ pickled form carries only the small fields, never the array, and an unpickled
 ``Shared`` keeps nothing alive). When ``distributed`` stores an export task's
 result on the owner worker, the allocation therefore lives as long as dask
 keeps that key: dask releases it once its dependents (the tasks that open it)
-have run, and each of those closes its mapping before it returns, so no
-consumer holds a mapping when the allocation is freed. A ``Shared`` that
+have run, and each of those has finished copying from it before it returns
+and ends its mapping then or right after (``unmap_later``: a closing thread, since
+ending a mapping waits for the device's queued work), so no consumer reads a
+mapping when the allocation is freed. A ``Shared`` that
 ``distributed`` spilled to disk and read back in the exporting process has
 lost its allocation: it is marked ``gone`` there, and opening it anywhere
 raises ``IPCError``. Opening a handle whose allocation was freed after the
@@ -76,7 +81,8 @@ import numpy as np
 
 __all__ = ["Shared", "IPCError", "export", "open_copy", "local_array", "available",
            "probe_export", "probe_open", "probe_release", "host_identity", "PROCESS",
-           "LAZY_PEER_ACCESS", "hold", "release", "held", "map_export", "unmap", "copy_rect"]
+           "LAZY_PEER_ACCESS", "hold", "release", "held", "map_export", "unmap", "copy_rect",
+           "current_context", "unmap_later", "closing"]
 
 #: this process's identity in ``Shared`` (random: pids repeat across containers)
 PROCESS = uuid.uuid4().hex
@@ -198,7 +204,71 @@ def _allocate(cupy, nbytes: int):
         return cupy.cuda.Memory(nbytes)
 
 
-_DRIVER: list = []  # [ctypes libcuda or None], loaded once
+_HANDLE_TYPE: list = []  # [ctypes' CUipcMemHandle structure], made on first use
+
+
+def _handle_type():
+    import ctypes
+
+    if not _HANDLE_TYPE:
+        _HANDLE_TYPE.append(type("CUipcMemHandle", (ctypes.Structure,),
+                                 {"_fields_": [("reserved", ctypes.c_char * 64)]}))
+    return _HANDLE_TYPE[0]
+
+
+def _handle_struct(handle: bytes):
+    """``handle`` (64 bytes) as a ``CUipcMemHandle``, passed by value."""
+    import ctypes
+
+    out = _handle_type()()
+    ctypes.memmove(ctypes.addressof(out), handle, 64)
+    return out
+
+
+_DRIVER: list = []  # [a namespace of libcuda's entry points, or None], loaded once
+
+
+def _driver():
+    """The driver entry points this module calls through ``ctypes`` (which lets other
+    Python threads run during each call, where cupy's IPC calls hold the interpreter
+    lock): ``range`` (``cuMemGetAddressRange``), ``open``/``close``
+    (``cuIpcOpenMemHandle``/``cuIpcCloseMemHandle``), ``current``/``set_current``
+    (``cuCtxGetCurrent``/``cuCtxSetCurrent``); None without a driver library."""
+    import ctypes
+    import types
+
+    if not _DRIVER:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            u64, ptr = ctypes.c_uint64, ctypes.POINTER
+            fns = {"range": ("cuMemGetAddressRange_v2", [ptr(u64), ptr(ctypes.c_size_t), u64]),
+                   "open": ("cuIpcOpenMemHandle_v2", [ptr(u64), _handle_type(), ctypes.c_uint]),
+                   "close": ("cuIpcCloseMemHandle", [u64]),
+                   "current": ("cuCtxGetCurrent", [ptr(ctypes.c_void_p)]),
+                   "set_current": ("cuCtxSetCurrent", [ctypes.c_void_p])}
+            ns = types.SimpleNamespace()
+            for name, (symbol, args) in fns.items():
+                fn = getattr(lib, symbol)
+                fn.argtypes, fn.restype = args, ctypes.c_int
+                setattr(ns, name, fn)
+            _DRIVER.append(ns)
+        except (OSError, AttributeError):
+            _DRIVER.append(None)
+    return _DRIVER[0]
+
+
+def current_context():
+    """The CUDA context current on this thread (an int), or None (no driver, or none
+    current)."""
+    import ctypes
+
+    drv = _driver()
+    if drv is None:
+        return None
+    ctx = ctypes.c_void_p(0)
+    if drv.current(ctypes.byref(ctx)) != 0 or not ctx.value:
+        return None
+    return int(ctx.value)
 
 
 def _allocation_base(ptr: int):
@@ -206,21 +276,11 @@ def _allocation_base(ptr: int):
     (the driver's ``cuMemGetAddressRange``), or None where that cannot be told."""
     import ctypes
 
-    if not _DRIVER:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fn = lib.cuMemGetAddressRange_v2
-            fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                           ctypes.c_uint64]
-            fn.restype = ctypes.c_int
-            _DRIVER.append(fn)
-        except (OSError, AttributeError):
-            _DRIVER.append(None)
-    fn = _DRIVER[0]
-    if fn is None:
+    drv = _driver()
+    if drv is None:
         return None
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+    if drv.range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
         return None
     return int(base.value), int(size.value)
 
@@ -398,15 +458,88 @@ def map_export(shared: Shared) -> int:
         raise IPCError(f"{shared!r}: device {shared.pci_bus_id} is not visible in this process "
                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
                        f"{exc}") from exc
+    if current_context() is not None:  # the driver's call: other threads run meanwhile
+        import ctypes
+
+        out = ctypes.c_uint64(0)
+        status = _driver().open(ctypes.byref(out), _handle_struct(shared.handle),
+                                LAZY_PEER_ACCESS)
+        if status != 0:
+            raise IPCError(f"opening {shared!r} failed: CUDA driver error {status}")
+        return int(out.value)
     try:
         return int(rt.ipcOpenMemHandle(shared.handle, LAZY_PEER_ACCESS))
     except Exception as exc:
         raise IPCError(f"opening {shared!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def unmap(ptr: int) -> None:
-    """End a ``map_export`` (after every copy from it has finished)."""
+def unmap(ptr: int, context=None) -> None:
+    """End a ``map_export`` (after every copy from it has finished). The driver may wait
+    for the device to finish its queued work first; other Python threads run meanwhile
+    where the driver's entry point is at hand. ``context``: the CUDA context the mapping
+    was made in (``current_context()`` there), for a thread that did not make it."""
+    drv = _driver()
+    if drv is not None and (context is not None or current_context() is not None):
+        if context is not None:
+            drv.set_current(context)
+        status = drv.close(ptr)
+        if status != 0:
+            raise IPCError(f"closing the mapping at {ptr:#x} failed: CUDA driver error {status}")
+        return
     _cupy().cuda.runtime.ipcCloseMemHandle(ptr)
+
+
+_CLOSER: list = []  # [the closing thread's queue], started on first use
+_CLOSING = [0]  # mappings handed to the closing thread and not yet ended
+_CLOSER_LOCK = threading.Condition()
+
+
+def unmap_later(ptrs) -> None:
+    """End ``map_export`` mappings whose copies have all finished (the caller has
+    synchronised them) on this process's closing thread, so that the caller does not
+    wait while the driver waits for the device's other queued work (a GEMM reading the
+    copies, say). Without the driver's entry points or a current context they end here."""
+    ptrs = [int(p) for p in ptrs]
+    if not ptrs:
+        return
+    ctx = current_context()
+    if ctx is None:
+        for ptr in ptrs:
+            unmap(ptr)
+        return
+    import queue
+
+    with _CLOSER_LOCK:
+        if not _CLOSER:
+            _CLOSER.append(queue.SimpleQueue())
+            threading.Thread(target=_close_loop, args=(_CLOSER[0],), name="distmm-ipc-close",
+                             daemon=True).start()
+        _CLOSING[0] += len(ptrs)
+    _CLOSER[0].put((ctx, ptrs))
+
+
+def _close_loop(todo) -> None:
+    import logging
+
+    while True:
+        ctx, ptrs = todo.get()
+        for ptr in ptrs:
+            try:
+                unmap(ptr, ctx)
+            except Exception as exc:  # noqa: BLE001 -- a leaked mapping, not a wrong result
+                logging.getLogger("distmm.executor.ipc").warning(
+                    "distmm: ending a CUDA IPC mapping failed: %s", exc)
+            with _CLOSER_LOCK:
+                _CLOSING[0] -= 1
+                _CLOSER_LOCK.notify_all()
+
+
+def closing(wait: float = 0.0) -> int:
+    """Mappings handed to ``unmap_later`` and not yet ended, after waiting up to ``wait``
+    seconds for none to be left."""
+    with _CLOSER_LOCK:
+        _CLOSER_LOCK.wait_for(lambda: _CLOSING[0] == 0, timeout=wait)
+        return _CLOSING[0]
 
 
 def copy_rect(ptr: int, shared: Shared, dst, r0: int, c0: int, stream=None) -> int:

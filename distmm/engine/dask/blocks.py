@@ -262,8 +262,7 @@ def _device_panels(spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict):
     finally:
         if mapped:
             cupy.cuda.get_current_stream().synchronize()
-            for ptr in mapped.values():
-                ipc.unmap(ptr)
+            ipc.unmap_later(mapped.values())
     return a, b
 
 
@@ -287,7 +286,9 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     assembled on a copy stream while the previous piece's GEMM runs on the current stream,
     each GEMM adding into one C (``beta = 1`` after the first). Two pieces' panels are held
     at a time: a piece's memory is reused only after its GEMM has read it. Mappings of
-    other workers' exports are closed once the copies have finished."""
+    other workers' exports are closed once the copies have finished, on the closing thread
+    (``ipc.unmap_later``), and the task returns with its last GEMMs still queued on the
+    device (C's readers are ordered after them on the device, as for any cupy result)."""
     import cupy
 
     from distmm.executor import ipc
@@ -315,8 +316,7 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
             held.append((compute.record(), a, b))
     finally:
         copy.synchronize()
-        for ptr in mapped.values():
-            ipc.unmap(ptr)
+        ipc.unmap_later(mapped.values())  # not here: ending one waits for the queued GEMMs
         copy.wait_event(compute.record())  # the panels' memory returns to the copy stream
         held.clear()
     return out

@@ -178,7 +178,7 @@ async def serve(keys=None, wait: float = 0.0, worker=None):
             return {"offers": pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL),
                     "failed": pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL)}
         await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.01)
+        pause = min(pause * 2, 0.001)
 
 
 async def _ask_all(worker, by_holder: dict, wait: float) -> dict:
@@ -297,6 +297,6 @@ def await_own(exports) -> None:
         pause = 0.0002
         while pending() and time.monotonic() < deadline:
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, 0.001)
     finally:
         rejoin()
