@@ -16,6 +16,8 @@
 #        (P = 1, 2, 4; repeat 1), each beside cat, dd conv=fsync and in-core cuBLAS measured in
 #        the same run (bench/mpi_batch.py)
 # dask   the study bench/studies/gpu-dask.toml (1, 2, 4 GPUs against cuBLAS in the same run)
+# tf32   the study bench/studies/gpu-tf32.toml (both engines on 2 and 4 GPUs at TF32, cuBLAS
+#        TF32 in the same run)
 # Logs and records land under $OUT.
 set -u
 export OMPI_MCA_btl=${OMPI_MCA_btl-^ofi}
@@ -40,8 +42,8 @@ for phase in "$@"; do
       wait $p2; echo "MPI/Dask tests exit $?"; tail -12 "$OUT/pytest-two.log"
       wait $p3; grep -v "^ok " "$OUT/tensorcores.log" | tail -45 ;;
     dasktests)
-      CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT tests/test_dask_gpu.py \
-        tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py > "$OUT/pytest-dask.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT ${DASK_TESTS:-tests/test_dask_gpu.py \
+        tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py} > "$OUT/pytest-dask.log" 2>&1
       echo "exit $?"; tail -8 "$OUT/pytest-dask.log" ;;
     trace)
       for dt in ${TRACE_DTYPES:-float32 float64}; do
@@ -58,6 +60,9 @@ for phase in "$@"; do
       timeout ${T_BIG:-270} python3 -m bench.mpi_batch --sizes 65536 --ranks 2 4 --repeat 1 \
         --gemm-repeat 1 --work /tmp/distmm-batch --out-dir "$OUT" 2>&1 | cut -c1-300
       rm -rf /tmp/distmm-batch ;;
+    tf32)
+      timeout ${T_TF32:-240} python3 -m distmm bench bench/studies/gpu-tf32.toml \
+        -o "$OUT/gpu-tf32.jsonl" 2>&1 | cut -c1-300 | tail -12 ;;
     dask)
       timeout ${T_DASK:-400} python3 -m distmm bench bench/studies/gpu-dask.toml \
         -o "$OUT/gpu-dask.jsonl" 2>&1 | cut -c1-300 | tail -40 ;;

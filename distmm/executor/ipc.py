@@ -496,9 +496,11 @@ _CLOSER_LOCK = threading.Condition()
 
 def unmap_later(ptrs) -> None:
     """End ``map_export`` mappings whose copies have all finished (the caller has
-    synchronised them) on this process's closing thread, so that the caller does not
-    wait while the driver waits for the device's other queued work (a GEMM reading the
-    copies, say). Without the driver's entry points or a current context they end here."""
+    synchronised them) on this process's closing thread, once the work queued on the
+    current stream so far has finished: ending a mapping waits for the device's queued
+    work, and other threads' CUDA calls wait meanwhile, so the closing thread first waits
+    for that work on an event (which holds nothing) and the caller does not wait at all.
+    Without the driver's entry points or a current context they end here."""
     ptrs = [int(p) for p in ptrs]
     if not ptrs:
         return
@@ -509,20 +511,25 @@ def unmap_later(ptrs) -> None:
         return
     import queue
 
+    done = _cupy().cuda.get_current_stream().record()
     with _CLOSER_LOCK:
         if not _CLOSER:
             _CLOSER.append(queue.SimpleQueue())
             threading.Thread(target=_close_loop, args=(_CLOSER[0],), name="distmm-ipc-close",
                              daemon=True).start()
         _CLOSING[0] += len(ptrs)
-    _CLOSER[0].put((ctx, ptrs))
+    _CLOSER[0].put((ctx, done, ptrs))
 
 
 def _close_loop(todo) -> None:
     import logging
 
     while True:
-        ctx, ptrs = todo.get()
+        ctx, done, ptrs = todo.get()
+        try:
+            done.synchronize()
+        except Exception:  # noqa: BLE001 -- a failed device: the close below says so
+            pass
         for ptr in ptrs:
             try:
                 unmap(ptr, ctx)

@@ -286,9 +286,10 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     assembled on a copy stream while the previous piece's GEMM runs on the current stream,
     each GEMM adding into one C (``beta = 1`` after the first). Two pieces' panels are held
     at a time: a piece's memory is reused only after its GEMM has read it. Mappings of
-    other workers' exports are closed once the copies have finished, on the closing thread
-    (``ipc.unmap_later``), and the task returns with its last GEMMs still queued on the
-    device (C's readers are ordered after them on the device, as for any cupy result)."""
+    other workers' exports are ended on the closing thread once the copies and GEMMs queued
+    here have run (``ipc.unmap_later``): the task returns with its last copies and GEMMs
+    still queued on the device (C's readers are ordered after them on the device, as for
+    any cupy result)."""
     import cupy
 
     from distmm.executor import ipc
@@ -315,8 +316,8 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
             ex.device_gemm(a, b, out, beta=0 if g == 0 else 1)
             held.append((compute.record(), a, b))
     finally:
-        copy.synchronize()
-        ipc.unmap_later(mapped.values())  # not here: ending one waits for the queued GEMMs
+        compute.wait_event(copy.record())  # so `compute`'s queued work covers every copy
+        ipc.unmap_later(mapped.values())  # once that work has run, on the closing thread
         copy.wait_event(compute.record())  # the panels' memory returns to the copy stream
         held.clear()
     return out
