@@ -14,8 +14,9 @@ summed duration and when the last one ended after the first task started.
 ``--trace`` wraps the block task's parts on the workers (``client.run``; the engine is not
 changed) and prints, per worker and from the call's start: when the block task started,
 its host seconds fetching pulled offers from their holders (``pull``), opening whole
-offers (``take``), copying pieces into panels
-(``take_into``) and making the panels (``_panel`` for host-side joins, ``_device_panels``
+offers (``take``), mapping exports (``map``) and ending mappings inside the task (``unmap``;
+those ended on ``ipc``'s closing thread print as ``close``, outside the tasks), copying
+pieces into panels (``take_into``) and making the panels (``_panel`` for host-side joins, ``_device_panels``
 for GPU panels, their copies and one synchronisation included), when its GEMM was queued,
 and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself.
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
@@ -119,8 +120,16 @@ def _install_trace(dask_worker=None):
 
     transfer.export_chunk = outside("export", transfer.export_chunk)
     ipc.release = outside("release", ipc.release)
-    for name in ("map_export", "unmap"):
-        setattr(ipc, name, timed_into(cur, name, getattr(ipc, name)))
+    ipc.map_export = timed_into(cur, "map_export", ipc.map_export)
+    in_task, closing = timed_into(cur, "unmap", ipc.unmap), outside("close", ipc.unmap)
+
+    def unmap(*args, **kwargs):  # ended on ipc's closing thread: outside any block task
+        import threading
+
+        closer = threading.current_thread().name == "distmm-ipc-close"
+        return (closing if closer else in_task)(*args, **kwargs)
+
+    ipc.unmap = unmap
     from distmm.engine.dask import pull
 
     pull.resolve = timed_into(cur, "pull", pull.resolve)
