@@ -202,7 +202,17 @@ def test_the_same_facts_give_the_same_plan():
     assert first.estimated_seconds == again.estimated_seconds > TASK_OVERHEAD
 
 
-def test_facts_seen_again_are_planned_once(monkeypatch):
+@pytest.fixture
+def searches(monkeypatch):
+    """The planner's memo emptied, and a list that gets one entry per layout search."""
+    pb._PLANS.clear()
+    found: list = []
+    real = pb._plan_blocks
+    monkeypatch.setattr(pb, "_plan_blocks", lambda *a: found.append(1) or real(*a))
+    return found
+
+
+def test_facts_seen_again_are_planned_once(searches):
     """The same facts (where-dicts in another order included) return the plan made for
     them without a search; a chunk held elsewhere is new facts and is planned."""
     rng = np.random.default_rng()
@@ -214,10 +224,6 @@ def test_facts_seen_again_are_planned_once(monkeypatch):
              for r, c in itertools.product(range(len(ch[0])), range(len(ch[1])))}
     plan = make_plan(m, n, k, "float32", workers=2)
     ops = OperandFacts(4, "A", a_ch), OperandFacts(4, "B", b_ch)
-    pb._PLANS.clear()
-    searches = []
-    real = pb._plan_blocks
-    monkeypatch.setattr(pb, "_plan_blocks", lambda *a: searches.append(1) or real(*a))
     first = plan_blocks(plan, ClusterFacts((GPU0, GPU1), where), *ops)
     again = plan_blocks(plan, ClusterFacts((GPU0, GPU1), dict(reversed(where.items()))), *ops)
     assert again == first and len(searches) == 1
@@ -230,7 +236,7 @@ def test_facts_seen_again_are_planned_once(monkeypatch):
         first.locality["method"] = "changed"  # what the memo hands out cannot be changed
 
 
-def test_new_operands_lying_where_earlier_ones_did_reuse_their_plan(monkeypatch):
+def test_new_operands_lying_where_earlier_ones_did_reuse_their_plan(searches):
     """Operands of other names whose chunks lie on the same workers (a new pair made alike)
     take the plan searched for the first pair, with their own keys in it: the same plan a
     search under their names gives. A @ A (one name) is planned apart."""
@@ -248,10 +254,6 @@ def test_new_operands_lying_where_earlier_ones_did_reuse_their_plan(monkeypatch)
                                                       (GPU1.address, GPU0.address)})
 
     plan = make_plan(m, n, k, "float32", workers=2)
-    pb._PLANS.clear()
-    searches = []
-    real = pb._plan_blocks
-    monkeypatch.setattr(pb, "_plan_blocks", lambda *a: searches.append(1) or real(*a))
     first = plan_blocks(plan, facts("A1", "B1"), OperandFacts(4, "A1", a_ch),
                         OperandFacts(4, "B1", b_ch))
     second = plan_blocks(plan, facts("A2", "B2"), OperandFacts(4, "A2", a_ch),
