@@ -63,6 +63,12 @@ def _rel_rows(c_rows: np.ndarray, ref_rows: np.ndarray) -> float:
     return float(np.linalg.norm(c_rows - ref_rows) / np.linalg.norm(ref_rows))
 
 
+def _run_fields(info: dict) -> dict:
+    """The pipeline run's own facts a record keeps (``run_pipelined``'s ``info``)."""
+    return {key: info.get(key) for key in ("budget", "tiling", "bytes_h2d", "bytes_d2h",
+                                           "retries")}
+
+
 def _traced(call, trace_to: tuple[str, str | None]) -> None:
     """One more run of ``call(trace=...)`` traced: the timeline drawn to ``trace_to[0]`` (and
     its JSON to ``trace_to[1]``), its throughput and busy lanes printed."""
@@ -156,9 +162,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         sec = float(np.median(times))
         err_after = _rel_rows(c_h[rows], ref_rows)
         rec = writer.add(variant, dt, m, n, k, sec, err, residency="host", times=times,
-                         device_memory_limit=limit, budget=info.get("budget"),
-                         tiling=info.get("tiling"), bytes_h2d=info.get("bytes_h2d"),
-                         bytes_d2h=info.get("bytes_d2h"), retries=info.get("retries"),
+                         device_memory_limit=limit, **_run_fields(info),
                          pinned_limit=pool.limit, pinned_peak=pool.peak_bytes,
                          all_written=all_written, relerr_after_timing=err_after,
                          ratio_vs_cublas=results["cublas"]["seconds"] / sec,
@@ -237,9 +241,7 @@ def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
         sec = float(np.median(times))
         rec = writer.add(variant, np.float32, m, n, k, sec, err, residency="host", times=times,
                          precision="bf16", input_format=np.dtype(a_h.dtype).name,
-                         operands_as=info.get("operands_as"), budget=info.get("budget"),
-                         tiling=info.get("tiling"), bytes_h2d=info.get("bytes_h2d"),
-                         bytes_d2h=info.get("bytes_d2h"), retries=info.get("retries"),
+                         operands_as=info.get("operands_as"), **_run_fields(info),
                          all_written=all_written,
                          ratio_vs_cublas=results["cublas-bf16"]["seconds"] / sec,
                          compute="cuBLAS bf16 (GPUExecutor precision='bf16')",
