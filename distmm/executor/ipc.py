@@ -495,9 +495,9 @@ _CLOSER_LOCK = threading.Condition()
 
 
 def unmap_later(ptrs) -> None:
-    """End ``map_export`` mappings whose copies have all finished (the caller has
-    synchronised them) on this process's closing thread, once the work queued on the
-    current stream so far has finished: ending a mapping waits for the device's queued
+    """End ``map_export`` mappings on this process's closing thread, once the work queued on
+    the current stream so far has finished (every copy from them must be queued there or
+    have finished before the call): ending a mapping waits for the device's queued
     work, and other threads' CUDA calls wait meanwhile, so the closing thread first waits
     for that work on an event (which holds nothing) and the caller does not wait at all.
     Without the driver's entry points or a current context they end here."""
