@@ -214,6 +214,8 @@ def tensor_cores(args, rec) -> None:
                     run = (lambda spec=spec, params=params: cuda_loader.launch_tc(
                         spec.name, a_in, False, k, b_in, False, n, c, n, m, n, k,
                         precision=precision, params=params))
+                    if run() != spec.name:  # step 14 hands what no tensor map fits to 13
+                        raise RuntimeError(f"{spec.name} did not run the {m}x{n}x{k} product")
                     runs[f"distmm-raw-{spec.name}{suffix}"] = (run, check(run), spec, params)
             secs = event_alternating({name: r[0] for name, r in runs.items()},
                                      rounds=args.rounds, repeat=repeat)

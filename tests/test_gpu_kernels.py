@@ -172,7 +172,7 @@ def test_name_expressions_path_agrees(monkeypatch):
     cuda_loader._kernel.cache_clear()
 
 
-# -- tensor-core steps 11-13 (reduced precision: registry.TC_KERNELS) ---------------------
+# -- tensor-core steps 11-14 (reduced precision: registry.TC_KERNELS) ---------------------
 #
 # Each kernel in each of its precisions against two float64 references: the product of the
 # inputs as given, within the mode's bound (2 u_in + u_in^2 + k u_acc) |A||B| elementwise,
@@ -235,8 +235,10 @@ def _tc_run(spec, precision, m, n, k, ta, tb, *, alpha=1.0, beta=0.0, misalign=F
         a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
         lda, ldb = a_in.shape[1], b_in.shape[1]
     a_before, b_before = a.copy(), b.copy()
-    cuda_loader.launch_tc(spec.name, a_in, ta, lda, b_in, tb, ldb, c, max(n, 1), m, n, k,
-                          precision=precision, alpha=alpha, beta=beta, params=params, check=True)
+    ran = cuda_loader.launch_tc(spec.name, a_in, ta, lda, b_in, tb, ldb, c, max(n, 1), m, n, k,
+                                precision=precision, alpha=alpha, beta=beta, params=params,
+                                check=True)
+    assert ran == spec.name, f"{spec.name} handed the product to {ran}"
     assert bool((a == a_before).all()) and bool((b == b_before).all()), "inputs modified"
     assert bool(cupy.isfinite(c).all()), "unwritten (NaN) elements in C"
     got = c.astype(np.float64)
@@ -280,10 +282,40 @@ def test_tensor_core_k_zero_gives_beta_c(mode):
     _skip_unless_runs(spec)
     c = cupy.arange(12, dtype=np.float32).reshape(3, 4)
     a, b = cupy.empty((3, 0), np.float32), cupy.empty((0, 4), np.float32)
-    cuda_loader.launch_tc(spec.name, a, False, 1, b, False, 4, c, 4, 3, 4, 0,
-                          precision=precision, alpha=1.0, beta=2.0, check=True)
+    ran = cuda_loader.launch_tc(spec.name, a, False, 1, b, False, 4, c, 4, 3, 4, 0,
+                                precision=precision, alpha=1.0, beta=2.0, check=True)
     want = 2 * np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(cupy.asnumpy(c), want)
+    # k = 0 has no tensor map: step 14 hands it to step 13
+    assert ran == ("wgmma_bf16" if spec.tma else spec.name)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_tma_step_takes_odd_rows_and_hands_misaligned_operands_to_step_13(precision):
+    """Step 14's tensor maps need 16-byte aligned bases and rows: rows of an odd length are
+    copied padded (step 14 runs), operands whose base is off 16 bytes go to step 13; both
+    products are the rounded inputs' product within the accumulation's bound."""
+    spec = registry.get_tc("wgmma_tma")
+    _skip_unless_runs(spec)
+    fmt = spec.precisions[precision]
+    rng = cupy.random.default_rng()
+    m, n, k = 300, 77, 129
+    a32 = rng.standard_normal((m, k), dtype=np.float32)
+    b32 = rng.standard_normal((k, n), dtype=np.float32)
+    a_in, b_in = cuda_loader.to_input_format(a32, fmt), cuda_loader.to_input_format(b32, fmt)
+    # the same values in a buffer that starts one element (2 bytes) past an allocation
+    flat = cupy.empty(m * k + 1, dtype=a_in.dtype)
+    a_off = flat[1:].reshape(m, k)
+    a_off[...] = a_in
+    ref = _rounded(a32, precision) @ _rounded(b32, precision)
+    bound = k * U_ACC * (_rounded(cupy.abs(a32), precision)
+                         @ _rounded(cupy.abs(b32), precision)) + 1e-30
+    for a, want in ((a_in, "wgmma_tma"), (a_off, "wgmma_bf16")):
+        c = cupy.full((m, n), np.nan, dtype=np.float32)
+        ran = cuda_loader.launch_tc(spec.name, a, False, k, b_in, False, n, c, n, m, n, k,
+                                    precision=precision, check=True)
+        assert ran == want
+        assert float((cupy.abs(c - ref) / bound).max()) <= 1.0
 
 
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)

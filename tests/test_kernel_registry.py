@@ -281,9 +281,9 @@ def _tc_id(case):
 
 
 def test_tensor_core_steps_leave_the_existing_table_alone():
-    """Steps 11-13 live in their own table: steps(), best_kernel() and every dtype's
+    """Steps 11-14 live in their own table: steps(), best_kernel() and every dtype's
     "highest" kernel are what they were (dmma is still the raw backend's kernel)."""
-    assert [k.name for k in TC] == ["mma_tf32", "mma_bf16", "wgmma_bf16"]
+    assert [k.name for k in TC] == ["mma_tf32", "mma_bf16", "wgmma_bf16", "wgmma_tma"]
     assert not set(registry.TC_KERNELS) & set(registry.KERNELS)
     assert registry.best_kernel() is registry.get("dmma")
     assert [k.step for k in registry.steps()] == list(range(1, 11))
@@ -355,6 +355,33 @@ def test_tc_violations_catch_bad_configs():
         "BM": 64, "BN": 128, "BK": 64, "STAGES": 5, "INFLIGHT": 0}
 
 
+def test_tma_step_constraints():
+    """Step 14: a k tile is one 128-byte swizzle row, one or two consumer warpgroups (the
+    second takes the producer's registers: 128 accumulators fit), 1024 bytes of alignment."""
+    tma = registry.get_tc("wgmma_tma")
+    p = tma.params("bfloat16")
+    assert p == {"BM": 128, "BN": 256, "BK": 64, "STAGES": 4}
+    assert any("swizzle row" in v for v in tma.violations("bfloat16", dict(p, BK=32)))
+    assert any("consumer" in v for v in tma.violations("bfloat16", dict(p, BM=192, BN=128)))
+    assert tma.violations("float16", dict(p, BM=64)) == []
+    assert tma.smem_bytes("bfloat16", p) == 1024 + 4 * (128 + 256) * 64 * 2 + 4 * 16
+    assert tma.threads(p) == 384 and tma.tma and not registry.get_tc("wgmma_bf16").tma
+    assert "distmm_tmap" in cuda_loader.tc_instantiation("x<1>", "distmm_bf16", tma=True)
+
+
+def test_tensor_map_eligibility_and_boxes():
+    from distmm.executor import tma
+
+    assert tma.eligible(1 << 20, 1000, 64, 64)
+    assert not tma.eligible(1 << 20, 1000, 63, 63)  # rows of 126 bytes
+    assert tma.eligible(1 << 20, 1000, 63, 64)  # padded rows
+    assert not tma.eligible((1 << 20) + 2, 1000, 64, 64)  # base off 16 bytes
+    assert not tma.eligible(1 << 20, 0, 64, 64) and not tma.eligible(1 << 20, 8, 0, 8)
+    assert tma.box_for(True, 128) == (64, 128) and tma.box_for(False, 256) == (64, 64)
+    with pytest.raises(ValueError, match="16-byte"):
+        tma.encode_2d(3, 8, 8, 8, (64, 8))
+
+
 def test_tc_shared_memory_and_geometry():
     tf32, bf16, wg = (registry.get_tc(n) for n in ("mma_tf32", "mma_bf16", "wgmma_bf16"))
     p = {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}
@@ -370,10 +397,10 @@ def test_tc_shared_memory_and_geometry():
 
 @pytest.mark.parametrize("dtype,precision,cc,expected", [
     ("float32", "tf32", 90, "mma_tf32"), ("float32", "tf32", 80, "mma_tf32"),
-    ("float32", "tf32", 75, None), ("float32", "bf16", 90, "wgmma_bf16"),
+    ("float32", "tf32", 75, None), ("float32", "bf16", 90, "wgmma_tma"),
     ("float32", "bf16", 89, "mma_bf16"), ("float32", "bf16", 80, "mma_bf16"),
-    ("float32", "bf16", 100, "mma_bf16"), ("bfloat16", "bf16", 90, "wgmma_bf16"),
-    ("float16", "fp16", 86, "mma_bf16"), ("float32", "fp16", 90, "wgmma_bf16"),
+    ("float32", "bf16", 100, "mma_bf16"), ("bfloat16", "bf16", 90, "wgmma_tma"),
+    ("float16", "fp16", 86, "mma_bf16"), ("float32", "fp16", 90, "wgmma_tma"),
     ("float16", "bf16", 90, None), ("float64", "tf32", 90, None), ("int32", "bf16", 90, None),
     ("float32", "highest", 90, None), ("float64", "highest", 90, None),
 ])
@@ -413,7 +440,7 @@ def test_tc_loader_source_and_lowered_name(case, tmp_path):
     p = spec.candidates(dt)[3]
     expr = spec.name_expression(dt, p, True, False)
     src = cuda_loader.source(spec.file) + cuda_loader.tc_instantiation(
-        expr, registry.TC_INPUT_TYPES[dt])
+        expr, registry.TC_INPUT_TYPES[dt], spec.tma)
     cu = tmp_path / "k.cu"
     cu.write_text(src)
     cubin = tmp_path / "k.cubin"
@@ -421,21 +448,28 @@ def test_tc_loader_source_and_lowered_name(case, tmp_path):
                  str(cu)])
     assert res.returncode == 0, res.stderr[-3000:]
     symbols = set(re.findall(rb"_Z\d+distmm_gemm_[A-Za-z0-9_]+", cubin.read_bytes()))
-    assert symbols == {cuda_loader.mangled_name(expr).encode()}
+    if spec.tma:  # tensor maps in the signature: the loader finds the cubin's one symbol
+        assert len(symbols) == 1 and next(iter(symbols)).startswith(b"_Z21distmm_gemm_wgmma_tma")
+    else:
+        assert symbols == {cuda_loader.mangled_name(expr).encode()}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch,has_wgmma", [("sm_90a", True), ("sm_90", False), ("sm_80", False)])
-def test_wgmma_body_only_for_sm90a(arch, has_wgmma, tmp_path):
-    """Step 13's body is wgmma only where nvcc targets sm_90a; CI's -arch=sm_90 and sm_80
-    builds compile a trapping stub (the registry never launches those)."""
+@pytest.mark.parametrize("file,n,copy", [("13_wgmma_bf16.cu", 128, "cp.async.mbarrier.arrive"),
+                                         ("14_wgmma_tma.cu", 256, "cp.async.bulk.tensor.2d")])
+def test_wgmma_body_only_for_sm90a(file, n, copy, arch, has_wgmma, tmp_path):
+    """Steps 13 and 14 are wgmma only where nvcc targets sm_90a; CI's -arch=sm_90 and sm_80
+    builds compile a trapping stub (the registry never launches those). Step 13 copies with
+    cp.async, step 14 with the copy engine (and moves registers with setmaxnreg)."""
     ptx = tmp_path / "k.ptx"
-    res = _nvcc(["-std=c++17", f"-arch={arch}", "-ptx", "-o", str(ptx),
-                 str(CUDA_DIR / "13_wgmma_bf16.cu")])
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-ptx", "-o", str(ptx), str(CUDA_DIR / file)])
     assert res.returncode == 0, res.stderr[-3000:]
     text = ptx.read_text()
-    assert ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in text) == has_wgmma
+    assert (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in text) == has_wgmma
     assert ("mbarrier.try_wait.parity" in text) == has_wgmma
+    assert (copy in text) == has_wgmma
+    assert ("setmaxnreg.inc" in text) == (has_wgmma and file.startswith("14"))
     assert ("trap;" in text) == (not has_wgmma)
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The tensor-core steps (11 mma TF32, 12 mma BF16/FP16, 13 wgmma BF16/FP16) on one GPU, in one
+# The tensor-core steps (11 mma TF32, 12 mma BF16/FP16, 13 wgmma BF16/FP16 with cp.async,
+# 14 wgmma BF16/FP16 with TMA) on one GPU, in one
 # call, from the repository root:
 #
 #   bash bench/device/tensorcores.sh
@@ -7,17 +8,17 @@
 # 1. build: every tensor-core source with CI's nvcc commands (-arch=sm_90, sm_80) and with
 #    -arch=sm_90a, ptxas's register and spill report kept ($OUT/ptxas-<file>-<arch>.txt);
 # 2. compile what the tests and the benchmark use, in parallel (bench.kernels --warm-only);
-#    the GPU tests of steps 11-13 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
+#    the GPU tests of steps 11-14 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
 #    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta; and
 #    precision='s executor test that runs kernel_for's choice (tests/test_precision_gpu.py);
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
-#    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl); step 13 also
-#    with each of TC_VARIANTS (space-separated KEY=INT[,KEY=INT]: one wgmma group left in
-#    flight, more stages, other tiles);
+#    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl); each step
+#    also with each of TC_VARIANTS that names its parameters (space-separated
+#    KEY=INT[,KEY=INT]: other tiles, more or fewer stages);
 # 4. host-resident bfloat16 at 32768^3 (BF16_SIZES) through the stream pipeline against
 #    in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
-# Step 13 is compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
-# /usr/local/cuda/bin) its tests and benchmark fail, and the log says so.
+# Steps 13 and 14 are compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
+# /usr/local/cuda/bin) their tests and benchmark fail, and the log says so.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/distmm-out}
@@ -31,10 +32,11 @@ date -u
 echo "commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 command -v nvcc >/dev/null && nvcc --version | tail -1 \
-  || echo "nvcc: not found (step 13 cannot be built)"
+  || echo "nvcc: not found (steps 13 and 14 cannot be built)"
 
 echo "== build"
-for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/13_wgmma_bf16.cu; do
+for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/13_wgmma_bf16.cu \
+    kernels/cuda/14_wgmma_tma.cu; do
   for arch in sm_90 sm_80 sm_90a; do
     log="$OUT/ptxas-$(basename "$cu" .cu)-$arch.txt"
     if nvcc -std=c++17 -arch=$arch -cubin -Xptxas -v -o /dev/null "$cu" > "$log" 2>&1; then
@@ -47,14 +49,15 @@ for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/1
 done
 
 echo "== compile what the tests and the benchmark use (parallel processes)"
-# step 13's variants timed beside its defaults (bench.kernels --tc-variant)
-read -r -a variants <<< "${TC_VARIANTS:-INFLIGHT=1 INFLIGHT=1,STAGES=5 INFLIGHT=1,BM=192 INFLIGHT=1,BM=64,BN=256}"
+# variants timed beside each step's defaults (bench.kernels --tc-variant; a variant
+# applies to every step whose parameters it names)
+read -r -a variants <<< "${TC_VARIANTS:-BN=128 STAGES=3 STAGES=5 BM=64}"
 vargs=(); for v in "${variants[@]}"; do vargs+=(--tc-variant "$v"); done
 timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-only "${vargs[@]}" 2>&1 | tail -12
 
-echo "== GPU tests (steps 11-13)"
+echo "== GPU tests (steps 11-14)"
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
-  tests/test_precision_gpu.py -k "tensor_core or kernel_for or in_flight" > "$OUT/pytest-tensorcores.log" 2>&1
+  tests/test_precision_gpu.py -k "tensor_core or kernel_for or in_flight or tma" > "$OUT/pytest-tensorcores.log" 2>&1
 rc=$?
 tail -30 "$OUT/pytest-tensorcores.log"
 echo "pytest exit $rc"

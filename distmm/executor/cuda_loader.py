@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 import distmm.executor.registry as registry
-from distmm.executor import tuning
+from distmm.executor import tma, tuning
 
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
            "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins",
@@ -489,8 +489,12 @@ def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
 
 # -- tensor-core steps (reduced precision: registry.TC_KERNELS) ------------------------
 
-def tc_instantiation(expr: str, in_ctype: str) -> str:
-    """The explicit instantiation of a tensor-core kernel (inputs ``in_ctype``, C float)."""
+def tc_instantiation(expr: str, in_ctype: str, tma: bool = False) -> str:
+    """The explicit instantiation of a tensor-core kernel (inputs ``in_ctype``, C float;
+    ``tma``: step 14's signature, A and B as tensor maps)."""
+    if tma:
+        return (f"template __global__ void {expr}(int, int, int, float, const __grid_constant__ "
+                f"distmm_tmap, const __grid_constant__ distmm_tmap, float, float*, long long);\n")
     return (f"template __global__ void {expr}(int, int, int, float, const {in_ctype}*, long long, "
             f"const {in_ctype}*, long long, float, float*, long long, int);\n")
 
@@ -502,7 +506,7 @@ def _tc_kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, com
     spec = registry.get_tc(name)
     expr = spec.name_expression(dtype, dict(params_key), ta, tb)
     ctype = registry.TC_INPUT_TYPES[dtype]
-    inst = tc_instantiation(expr, ctype)
+    inst = tc_instantiation(expr, ctype, spec.tma)
     if compiler == "nvcc" or spec.arch_suffix:
         # sm_90a (wgmma) is an nvcc target here: NVRTC through cupy compiles for the
         # device's plain compute capability
@@ -560,6 +564,14 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     uint16). float32 operands of ``"bf16"`` / ``"fp16"`` are first converted on the GPU to
     contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
     convert before ``cublasGemmEx``); ``"tf32"`` rounds inside the kernel (cvt.rna).
+    Step 14 (``spec.tma``) reads operands through tensor maps: rows that are not a multiple
+    of 16 bytes are copied padded; operands no map can describe (a base off 16 bytes, or
+    k = 0) go to step 13.
+
+    Returns
+    -------
+    str
+        The name of the kernel that ran (``name``, or step 13's in that last case).
 
     Raises
     ------
@@ -578,7 +590,7 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     if c.dtype != np.float32:
         raise TypeError(f"C must be float32 for tensor-core kernels, got {c.dtype}")
     if m == 0 or n == 0:
-        return
+        return name
     if max(m, n, k) >= 2**31:
         raise ValueError(f"m, n, k must be below 2^31, got {(m, n, k)}")
     fmt = spec.precisions[precision]
@@ -590,6 +602,18 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
             a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt)
             b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt)
             lda, ldb = max(cols_a, 1), max(cols_b, 1)
+            if spec.tma:
+                # rows padded to a multiple of 16 bytes (a copy) where they are not one
+                (a, lda), (b, ldb) = _tma_rows(a), _tma_rows(b)
+                if k == 0 or not (tma.eligible(int(a.data.ptr), rows_a, cols_a, lda)
+                                  and tma.eligible(int(b.data.ptr), rows_b, cols_b, ldb)):
+                    # no tensor map describes these operands: step 13 copies any layout
+                    return launch_tc("wgmma_bf16", a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
+                                     precision=precision, alpha=alpha, beta=beta, stream=st,
+                                     compiler=compiler, check=check)
+                _launch_tma(spec, fmt, params, a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
+                            alpha, beta, st, compiler)
+                return _checked(name, precision, spec.params(fmt, params), st, check)
         p = spec.params(fmt, params)
         kern = get_tc_kernel(name, fmt, p, ta, tb, compiler)
         threads = spec.threads(p)
@@ -605,6 +629,12 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         except Exception as exc:
             raise KernelLaunchError(f"launch of {name} ({precision}, {p}, grid {grid}, {threads} "
                                     f"threads, {smem} B smem) failed: {exc}") from exc
+    return _checked(name, precision, p, st, check)
+
+
+def _checked(name: str, precision: str, p, st, check: bool | None) -> str:
+    """``name``, after waiting for the launch on ``st`` when ``check`` (or
+    ``DISTMM_CHECK_LAUNCHES``) asks for it: a fault inside the kernel raises here."""
     if check is None:
         check = os.environ.get("DISTMM_CHECK_LAUNCHES", "0") not in ("", "0")
     if check:
@@ -613,6 +643,47 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         except Exception as exc:
             raise KernelLaunchError(
                 f"{name} ({precision}, {p}) failed while running: {exc}") from exc
+    return name
+
+
+def _tma_rows(x):
+    """``(x, ld)`` for a contiguous 2-D array of 16-bit elements: itself when its rows are a
+    multiple of 16 bytes, else a copy whose rows are padded to one (the padding is never read:
+    the tensor map's width is the matrix's)."""
+    import cupy
+
+    rows, cols = x.shape
+    if (cols * x.itemsize) % 16 == 0 or rows == 0 or cols == 0:
+        return x, max(cols, 1)
+    ld = -(-cols * x.itemsize // 16) * 16 // x.itemsize
+    out = cupy.empty((rows, ld), dtype=x.dtype)[:, :cols]
+    out[...] = x
+    return out, ld
+
+
+def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb: int, c,
+                ldc: int, m: int, n: int, k: int, alpha, beta, st, compiler) -> None:
+    """Step 14's launch: tensor maps of A and B as stored (``tma.encode_2d``, boxes from
+    ``tma.box_for``) and the kernel's parameters passed to the driver by value."""
+    import ctypes
+
+    p = spec.params(fmt, params)
+    kern = get_tc_kernel(spec.name, fmt, p, ta, tb, compiler)
+    rows_a, cols_a = (k, m) if ta else (m, k)
+    rows_b, cols_b = (n, k) if tb else (k, n)
+    map_a = tma.encode_2d(int(a.data.ptr), rows_a, cols_a, lda, tma.box_for(not ta, p["BM"]))
+    map_b = tma.encode_2d(int(b.data.ptr), rows_b, cols_b, ldb, tma.box_for(tb, p["BN"]))
+    threads = spec.threads(p)
+    smem = spec.smem_bytes(fmt, p, ta, tb)
+    _allow_smem(kern, smem)
+    grid = spec.grid_dims(m, n, p)
+    args = (ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_float(alpha), map_a,
+            map_b, ctypes.c_float(beta), ctypes.c_uint64(int(c.data.ptr)), ctypes.c_longlong(ldc))
+    try:
+        tma.launch(kern.ptr, grid, (threads, 1, 1), smem, st.ptr, args)
+    except Exception as exc:
+        raise KernelLaunchError(f"launch of {spec.name} ({fmt}, {p}, grid {grid}, {threads} "
+                                f"threads, {smem} B smem) failed: {exc}") from exc
 
 
 def _precision_of(name: str, dtype) -> str:

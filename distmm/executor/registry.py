@@ -391,6 +391,7 @@ class TensorCoreSpec:
     layout_template: bool = True
     grid: str = "linear"
     raw_choice: bool = False  # never best_kernel(): chosen by precision (kernel_for)
+    tma: bool = False  # takes tensor maps of A and B, not pointers (step 14; ``tma``)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -402,7 +403,7 @@ class TensorCoreSpec:
 
     @property
     def wgmma(self) -> bool:
-        return self.name == "wgmma_bf16"
+        return self.name.startswith("wgmma")
 
     def params(self, dtype: str, params: Mapping[str, int] | None = None) -> dict[str, int]:
         dtype = _tc_dtype(dtype)
@@ -424,6 +425,8 @@ class TensorCoreSpec:
         the same in every layout (no padding: the tiles are swizzled)."""
         size = np.dtype(_np_dtype(dtype)).itemsize
         data = p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * size
+        if self.tma:  # + 1024 to align the stages to the 128-byte swizzle's 1024-byte pattern
+            data += 1024
         return data + (16 * p["STAGES"] if self.wgmma else 0)  # wgmma: two mbarriers a stage
 
     def name_expression(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> str:
@@ -458,7 +461,14 @@ class TensorCoreSpec:
                 out.append(f"BK={bk} is not a multiple of wgmma's k (16)")
             if p.get("INFLIGHT", 0) not in (0, 1):
                 out.append(f"INFLIGHT={p['INFLIGHT']}: 0 or 1 wgmma group left running")
+            if self.tma and bk * size != 128:
+                out.append(f"BK={bk}: a k tile is one 128-byte swizzle row ({128 // size} "
+                           f"elements of {dtype})")
+            if self.tma and bm > 128:
+                out.append(f"BM={bm}: one or two consumer warpgroups (BM 64 or 128)")
             cap = min(255, 65536 // threads)
+            if self.tma and bm == 128:  # setmaxnreg moves the producer's registers to them
+                cap = 232
             if bn // 2 + 48 > cap:
                 out.append(f"{bn // 2} accumulators a thread leave too few of the {cap} "
                            f"registers {threads} threads may use")
@@ -507,7 +517,7 @@ class TensorCoreSpec:
             p["STAGES"] = stages
             if not self.wgmma:
                 p["MINB"] = minb
-            else:
+            elif inflight is not None:
                 p["INFLIGHT"] = inflight
             if p not in out and not self.violations(dtype, p, cc):
                 out.append(p)
@@ -567,14 +577,24 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         tune_space={"block": ((128, 128), (64, 128), (64, 256), (128, 64), (192, 128), (256, 128)),
                     "BK": (32, 64), "STAGES": (3, 4, 5, 6), "INFLIGHT": (0, 1)},
         min_cc=90, max_cc=90, arch_suffix="a"),
+    TensorCoreSpec(
+        "wgmma_tma", 14, "14_wgmma_tma.cu",
+        "Hopper wgmma fed by TMA: tensor maps, 128-byte swizzle, setmaxnreg (sm_90a)",
+        "distmm_gemm_wgmma_tma<{T},{BM},{BN},{BK},{STAGES},{TA},{TB}>",
+        precisions={"bf16": "bfloat16", "fp16": "float16"},
+        defaults={dt: {"BM": 128, "BN": 256, "BK": 64, "STAGES": 4}
+                  for dt in ("bfloat16", "float16")},
+        tune_space={"block": ((128, 256), (128, 128), (64, 256), (64, 128)), "BK": (64,),
+                    "STAGES": (3, 4, 5, 6)},
+        min_cc=90, max_cc=90, arch_suffix="a", tma=True),
 )}
 
 #: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the
 #: first that runs on the device)
 PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
     "tf32": ("mma_tf32",),
-    "bf16": ("wgmma_bf16", "mma_bf16"),
-    "fp16": ("wgmma_bf16", "mma_bf16"),
+    "bf16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
+    "fp16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
 }
 
 
@@ -615,7 +635,7 @@ def kernel_for(dtype, precision: str, cc: int) -> TensorCoreSpec | None:
     Examples
     --------
     >>> kernel_for("float32", "bf16", 90).name, kernel_for("float32", "bf16", 80).name
-    ('wgmma_bf16', 'mma_bf16')
+    ('wgmma_tma', 'mma_bf16')
     >>> kernel_for("float32", "tf32", 75) is None
     True
     """

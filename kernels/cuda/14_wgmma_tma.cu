@@ -1,0 +1,222 @@
+// Step 14: Hopper (sm_90a) wgmma fed by the tensor memory accelerator (TMA), for BF16 and
+// FP16 with fp32 accumulation. Step 13 copied every 16 bytes of a k tile with a cp.async
+// issued by one of 128 producer threads, into the interleaved (unswizzled) layout; here one
+// producer thread asks the copy engine for whole boxes of a matrix (cp.async.bulk.tensor),
+// which lands them in shared memory already in the 128-byte swizzled layout wgmma reads,
+// zero-fills what lies outside the matrix, and counts the bytes on the stage's mbarrier.
+//
+// Tensor maps: each operand is described on the host by a CUtensorMap (the driver's
+// cuTensorMapEncodeTiled, distmm.executor.tma), 2-D, 16-bit elements, box inner dimension
+// 64 elements = one 128-byte swizzle row, passed by value as a __grid_constant__ parameter
+// (the copy instruction takes its address in parameter space). The map needs a 16-byte
+// aligned base and a row stride that is a multiple of 16 bytes; the loader checks that and
+// takes step 13 otherwise.
+//
+// Shared memory, per stage, in 128-byte rows of 64 elements:
+//   a k-major operand (A stored M x K, or B stored N x K): one box of BM (BN) rows by 64 k;
+//     the wgmma descriptor's stride byte offset is 8 rows = 1024 bytes, a k step of 16 adds
+//     32 bytes to the start address (the swizzle is applied to the address bits);
+//   an mn-major operand (A stored K x M, B stored K x N): BM / 64 (BN / 64) boxes of 64 k
+//     rows by 64 m (n); the descriptor's leading byte offset is one box (8192 bytes: the next
+//     64 m or n), its stride byte offset 8 k rows (1024 bytes), a k step of 16 adds 2048
+//     bytes; wgmma reads it transposed (imm-trans-a / -b).
+//
+// Warp specialisation as in step 13: warpgroup 0 produces (one thread issues the copies; the
+// warpgroup gives registers back with setmaxnreg.dec), warpgroups 1 .. BM/64 consume (each
+// takes more registers with setmaxnreg.inc for its 64 x BN accumulators). "full" mbarriers
+// complete when a stage's bytes have landed (expect_tx), "empty" ones when every consumer
+// warpgroup's wgmma reading the stage has finished; a consumer leaves one wgmma group in
+// flight and hands back the stage of the group before it.
+//
+// The epilogue writes C (float32) from the accumulators: C = alpha acc + beta C, two
+// neighbouring columns per 8-byte store where C allows.
+#include "wgmma.cuh"
+
+// A CUtensorMap's 128 opaque bytes (cuda.h's type, without needing cuda.h)
+struct __align__(64) distmm_tmap { unsigned long long bits[16]; };
+
+namespace distmm {
+
+template <int BM, int BN, int BK, int STAGES>
+struct TmaShape {
+    static_assert(BK == 64, "a k tile is one 128-byte swizzle row of 16-bit elements");
+    static constexpr int CONSUMERS = BM / 64, NT = 128 * (CONSUMERS + 1);
+    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int BOX_BYTES = 64 * BK * 2;  // an mn-major box: 64 k rows of 64 m or n
+    // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + the mbarriers
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGES * 16;
+    static_assert(BM % 64 == 0 && BM >= 64 && BM <= 128, "one or two consumer warpgroups");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N: 64, 128 or 256");
+    static_assert(STAGES >= 2, "stages");
+};
+
+#if DISTMM_WGMMA
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// The box of map at coordinates (c0 innermost, c1) into shared memory at dst; its bytes
+// complete the transaction count of mbarrier bar.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const distmm_tmap* map, unsigned bar,
+                                            int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];\n"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+__device__ __forceinline__ float epilogue(float acc, float alpha, float beta, const float* c) {
+    float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
+    if (beta != 0.0f) r = madd(beta, *c, r);
+    return r;
+}
+
+template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
+__device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const distmm_tmap* mapA,
+                                         const distmm_tmap* mapB, float beta,
+                                         float* __restrict__ C, long long ldc) {
+    typedef TmaShape<BM, BN, BK, STAGES> S;
+    extern __shared__ unsigned char distmm_smem[];
+    const unsigned raw = smem_addr(distmm_smem);
+    const unsigned a0 = (raw + 1023u) & ~1023u, b0 = a0 + STAGES * S::A_BYTES;
+    const unsigned full0 = a0 + STAGES * S::STAGE_BYTES, empty0 = full0 + STAGES * 8;
+
+    const int tid = threadIdx.x, wg = tid / 128;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
+    const int KT = (K + BK - 1) / BK;
+
+    if (tid == 0) {
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapA)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapB)) : "memory");
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);                 // the producer's expect_tx
+            mbar_init(empty0 + 8 * s, S::CONSUMERS);     // one thread per consumer warpgroup
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer: one thread issues every copy
+        // two consumers: their 128 accumulators a thread take the producer's registers
+        if (S::CONSUMERS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            for (int kt = 0; kt < KT; ++kt) {
+                const int s = kt % STAGES;
+                if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) - 1) & 1);
+                const unsigned full = full0 + 8 * s;
+                mbar_expect_tx(full, S::STAGE_BYTES);
+                const int k0 = kt * BK;
+                const unsigned as = a0 + s * S::A_BYTES, bs = b0 + s * S::B_BYTES;
+                if (!TA) {
+                    tma_load_2d(as, mapA, full, k0, m0);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < BM / 64; ++j) tma_load_2d(as + j * S::BOX_BYTES, mapA, full, m0 + 64 * j, k0);
+                }
+                if (TB) {
+                    tma_load_2d(bs, mapB, full, k0, n0);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < BN / 64; ++j) tma_load_2d(bs + j * S::BOX_BYTES, mapB, full, n0 + 64 * j, k0);
+                }
+            }
+        }
+    } else {  // consumers: warpgroup wg computes rows (wg - 1) * 64 .. + 63 of the block tile
+        if (S::CONSUMERS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        constexpr int R = BN / 2;  // accumulators a thread: 64 x BN over 128 threads
+        float d[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) d[i] = 0.0f;
+        const int c = wg - 1;
+        // this warpgroup's 64 rows of A: 64 rows of 128 bytes (k-major) or the c-th box
+        const unsigned a_part = TA ? c * S::BOX_BYTES : c * 64 * 128;
+        constexpr unsigned KSTEP_K = 32, KSTEP_MN = 16 * 128;  // bytes a k step of 16 moves
+        for (int kt = 0; kt < KT; ++kt) {
+            const int s = kt % STAGES;
+            mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+            fence_operands<R>(d);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            const unsigned as = a0 + s * S::A_BYTES + a_part, bs = b0 + s * S::B_BYTES;
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                const unsigned long long da = TA
+                    ? wgmma_desc(as + kk * KSTEP_MN, S::BOX_BYTES, 1024, 1)
+                    : wgmma_desc(as + kk * KSTEP_K, 16, 1024, 1);
+                const unsigned long long db = TB
+                    ? wgmma_desc(bs + kk * KSTEP_K, 16, 1024, 1)
+                    : wgmma_desc(bs + kk * KSTEP_MN, S::BOX_BYTES, 1024, 1);
+                Wgmma<BN>::template mma<wgmma_input<Tin>::bf16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // one group left running; the one before it has read its stage: hand that back
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            fence_operands<R>(d);
+            if (kt > 0 && tid % 128 == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands<R>(d);
+
+        // d[4j + 2h + e] = C[16 w + g + 8h][8j + 2t + e] of the warpgroup's 64 x BN tile
+        const int w = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+        const bool pairs = ((reinterpret_cast<unsigned long long>(C) & 7) == 0) && (ldc % 2 == 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = m0 + c * 64 + 16 * w + g + 8 * h;
+            if (row >= M) continue;
+            float* crow = C + (long long)row * ldc;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int col = n0 + 8 * j + 2 * t;
+                if (pairs && col + 1 < N) {
+                    float2 v;
+                    v.x = epilogue(d[4 * j + 2 * h], alpha, beta, crow + col);
+                    v.y = epilogue(d[4 * j + 2 * h + 1], alpha, beta, crow + col + 1);
+                    *reinterpret_cast<float2*>(crow + col) = v;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (col + e < N) crow[col + e] = epilogue(d[4 * j + 2 * h + e], alpha, beta, crow + col + e);
+                }
+            }
+        }
+    }
+}
+#endif  // DISTMM_WGMMA
+
+}  // namespace distmm
+
+// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. mapA / mapB describe A and
+// B as stored (TA: A stored K x M; TB: B stored N x K), with the boxes the loader sets
+// (distmm.executor.tma.box_for).
+template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
+__global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)
+distmm_gemm_wgmma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
+                      const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
+                      long long ldc) {
+    static_assert(distmm::wgmma_input<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    (void)distmm::TmaShape<BM, BN, BK, STAGES>::SMEM_BYTES;
+#if DISTMM_WGMMA
+    distmm::tma_body<Tin, BM, BN, BK, STAGES, TA, TB>(M, N, K, alpha, &mapA, &mapB, beta, C, ldc);
+#else
+    __trap();  // not built for sm_90a: the registry never launches this build
+#endif
+}
+
+#ifndef DISTMM_NVRTC
+// The registry's default configuration, for standalone compile checks.
+#define DISTMM_INST2(T, BM, BN, BK, ST, TA, TB)                                                 \
+    template __global__ void distmm_gemm_wgmma_tma<T, BM, BN, BK, ST, TA, TB>(                  \
+        int, int, int, float, const __grid_constant__ distmm_tmap,                              \
+        const __grid_constant__ distmm_tmap, float, float*, long long);
+#define DISTMM_INST(T, BM, BN, BK, ST)                 \
+    DISTMM_INST2(T, BM, BN, BK, ST, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, ST, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, ST, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, ST, true, true)
+DISTMM_INST(distmm_bf16, 128, 256, 64, 4)
+DISTMM_INST(distmm_fp16, 128, 256, 64, 4)
+#endif

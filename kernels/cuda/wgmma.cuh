@@ -1,0 +1,171 @@
+// Pieces shared by the Hopper steps (13: wgmma with cp.async copies, 14: wgmma with TMA
+// copies): the wgmma instruction for each tile width, the mbarrier operations that hand
+// shared-memory stages between a producer and consumers, and the fence that keeps the
+// accumulators in registers across asynchronous wgmma. Not a kernel by itself.
+//
+// wgmma, setmaxnreg and the rest are in sm_90a's architecture-specific feature set: the
+// bodies that use them are compiled only where DISTMM_WGMMA is 1 (nvcc -arch=sm_90a); other
+// targets (CI's sm_90 and sm_80 checks) see the declarations and compile a body that traps.
+#pragma once
+#include "tensorcore.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DISTMM_WGMMA 1
+#else
+#define DISTMM_WGMMA 0
+#endif
+
+namespace distmm {
+
+
+template <typename T> struct wgmma_input { static constexpr bool valid = false, bf16 = false; };
+template <> struct wgmma_input<distmm_bf16> { static constexpr bool valid = true, bf16 = true; };
+template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true, bf16 = false; };
+
+#if DISTMM_WGMMA
+// One wgmma per tile width N, for both input types: AB is ".bf16.bf16" or ".f16.f16"
+// (the asm strings differ only there).
+#define DISTMM_WGMMA_M64N64K16(AB) \
+        asm volatile( \
+            "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32" AB " {" \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+            "}, %32, %33, p, 1, 1, %35, %36; }\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+              "+f"(d[30]), "+f"(d[31]) \
+            : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B))
+
+#define DISTMM_WGMMA_M64N128K16(AB) \
+        asm volatile( \
+            "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32" AB " {" \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+            "}, %64, %65, p, 1, 1, %67, %68; }\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), \
+              "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
+              "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+            : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B))
+
+#define DISTMM_WGMMA_M64N256K16(AB) \
+        asm volatile( \
+            "{ .reg .pred p; setp.ne.b32 p, %130, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32" AB " {" \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+            "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+            "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+            "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
+            "}, %128, %129, p, 1, 1, %131, %132; }\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), \
+              "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
+              "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), \
+              "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), \
+              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+              "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), \
+              "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+              "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), \
+              "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), \
+              "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), \
+              "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+              "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), \
+              "+f"(d[126]), "+f"(d[127]) \
+            : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B))
+
+template <int N> struct Wgmma;
+template <> struct Wgmma<64> {
+    template <bool BF16, int TNSP_A, int TNSP_B>
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da,
+                                                  unsigned long long db, int scale_d) {
+        if (BF16)
+            DISTMM_WGMMA_M64N64K16(".bf16.bf16");
+        else
+            DISTMM_WGMMA_M64N64K16(".f16.f16");
+    }
+};
+template <> struct Wgmma<128> {
+    template <bool BF16, int TNSP_A, int TNSP_B>
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da,
+                                                  unsigned long long db, int scale_d) {
+        if (BF16)
+            DISTMM_WGMMA_M64N128K16(".bf16.bf16");
+        else
+            DISTMM_WGMMA_M64N128K16(".f16.f16");
+    }
+};
+template <> struct Wgmma<256> {
+    template <bool BF16, int TNSP_A, int TNSP_B>
+    static __device__ __forceinline__ void mma(float* d, unsigned long long da,
+                                                  unsigned long long db, int scale_d) {
+        if (BF16)
+            DISTMM_WGMMA_M64N256K16(".bf16.bf16");
+        else
+            DISTMM_WGMMA_M64N256K16(".f16.f16");
+    }
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }\n" :: "r"(bar) : "memory");
+}
+// Arrive once this thread's cp.async copies issued so far have completed (the barrier's
+// count includes this arrival: .noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{ .reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void fence_operands(float* d) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// Matrix descriptor of a shared-memory operand (wgmma's 64-bit "matrix descriptor"): start
+// address, leading and stride byte offsets (each in 16-byte units) and the layout type in
+// bits 62-63 (0: interleaved, no swizzle; 1: 128-byte swizzle). Base offset 0: the tiles
+// start on 1024-byte boundaries.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo, unsigned sbo,
+                                                         unsigned layout = 0) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | ((unsigned long long)layout << 62);
+}
+#endif  // DISTMM_WGMMA
+
+}  // namespace distmm
