@@ -680,7 +680,8 @@ def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb:
     args = (ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_float(alpha), map_a,
             map_b, ctypes.c_float(beta), ctypes.c_uint64(int(c.data.ptr)), ctypes.c_longlong(ldc))
     try:
-        tma.launch(kern.ptr, grid, (threads, 1, 1), smem, st.ptr, args)
+        fn = getattr(kern, "kernel", kern)  # a RawKernel's loaded Function
+        tma.launch(fn.ptr, grid, (threads, 1, 1), smem, st.ptr, args)
     except Exception as exc:
         raise KernelLaunchError(f"launch of {spec.name} ({fmt}, {p}, grid {grid}, {threads} "
                                 f"threads, {smem} B smem) failed: {exc}") from exc
