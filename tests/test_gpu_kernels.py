@@ -291,31 +291,34 @@ def test_tensor_core_k_zero_gives_beta_c(mode):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_tma_step_takes_odd_rows_and_hands_misaligned_operands_to_step_13(precision):
-    """Step 14's tensor maps need 16-byte aligned bases and rows: rows of an odd length are
-    copied padded (step 14 runs), operands whose base is off 16 bytes go to step 13; both
-    products are the rounded inputs' product within the accumulation's bound."""
+def test_tma_step_copies_operands_no_tensor_map_describes(precision):
+    """Step 14's tensor maps need 16-byte aligned bases and rows: operands in the input
+    format whose rows are of an odd length, or whose base is 2 bytes off, are copied (the
+    user's arrays untouched) and step 14 still runs; the product is the rounded inputs'
+    within the accumulation's bound."""
     spec = registry.get_tc("wgmma_tma")
     _skip_unless_runs(spec)
     fmt = spec.precisions[precision]
     rng = cupy.random.default_rng()
-    m, n, k = 300, 77, 129
-    a32 = rng.standard_normal((m, k), dtype=np.float32)
-    b32 = rng.standard_normal((k, n), dtype=np.float32)
-    a_in, b_in = cuda_loader.to_input_format(a32, fmt), cuda_loader.to_input_format(b32, fmt)
-    # the same values in a buffer that starts one element (2 bytes) past an allocation
-    flat = cupy.empty(m * k + 1, dtype=a_in.dtype)
-    a_off = flat[1:].reshape(m, k)
-    a_off[...] = a_in
-    ref = _rounded(a32, precision) @ _rounded(b32, precision)
-    bound = k * U_ACC * (_rounded(cupy.abs(a32), precision)
-                         @ _rounded(cupy.abs(b32), precision)) + 1e-30
-    for a, want in ((a_in, "wgmma_tma"), (a_off, "wgmma_bf16")):
-        c = cupy.full((m, n), np.nan, dtype=np.float32)
-        ran = cuda_loader.launch_tc(spec.name, a, False, k, b_in, False, n, c, n, m, n, k,
-                                    precision=precision, check=True)
-        assert ran == want
-        assert float((cupy.abs(c - ref) / bound).max()) <= 1.0
+    m, n = 300, 77
+    for k in (129, 128):  # rows of 258 bytes; rows of 256 bytes, only the base off
+        a32 = rng.standard_normal((m, k), dtype=np.float32)
+        b32 = rng.standard_normal((k, n), dtype=np.float32)
+        a_in, b_in = cuda_loader.to_input_format(a32, fmt), cuda_loader.to_input_format(b32, fmt)
+        flat = cupy.empty(m * k + 1, dtype=a_in.dtype)
+        a_off = flat[1:].reshape(m, k)  # starts one element (2 bytes) into an allocation
+        a_off[...] = a_in
+        before = a_off.copy()
+        ref = _rounded(a32, precision) @ _rounded(b32, precision)
+        bound = k * U_ACC * (_rounded(cupy.abs(a32), precision)
+                             @ _rounded(cupy.abs(b32), precision)) + 1e-30
+        for a in (a_in, a_off):
+            c = cupy.full((m, n), np.nan, dtype=np.float32)
+            ran = cuda_loader.launch_tc(spec.name, a, False, k, b_in, False, n, c, n, m, n, k,
+                                        precision=precision, check=True)
+            assert ran == "wgmma_tma"
+            assert float((cupy.abs(c - ref) / bound).max()) <= 1.0
+        assert bool((a_off == before).all())
 
 
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)

@@ -564,14 +564,13 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     uint16). float32 operands of ``"bf16"`` / ``"fp16"`` are first converted on the GPU to
     contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
     convert before ``cublasGemmEx``); ``"tf32"`` rounds inside the kernel (cvt.rna).
-    Step 14 (``spec.tma``) reads operands through tensor maps: rows that are not a multiple
-    of 16 bytes are copied padded; operands no map can describe (a base off 16 bytes, or
-    k = 0) go to step 13.
+    Step 14 (``spec.tma``) reads operands through tensor maps: an operand whose base or rows
+    are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to step 13.
 
     Returns
     -------
     str
-        The name of the kernel that ran (``name``, or step 13's in that last case).
+        The name of the kernel that ran (``name``, or step 13's for k = 0 on step 14).
 
     Raises
     ------
@@ -603,11 +602,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
             b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt)
             lda, ldb = max(cols_a, 1), max(cols_b, 1)
             if spec.tma:
-                # rows padded to a multiple of 16 bytes (a copy) where they are not one
-                (a, lda), (b, ldb) = _tma_rows(a), _tma_rows(b)
-                if k == 0 or not (tma.eligible(int(a.data.ptr), rows_a, cols_a, lda)
-                                  and tma.eligible(int(b.data.ptr), rows_b, cols_b, ldb)):
-                    # no tensor map describes these operands: step 13 copies any layout
+                (a, lda), (b, ldb) = _tma_ready(a), _tma_ready(b)
+                if k == 0:  # no tensor map has an empty dimension: step 13 writes beta C
                     return launch_tc("wgmma_bf16", a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
                                      precision=precision, alpha=alpha, beta=beta, stream=st,
                                      compiler=compiler, check=check)
@@ -646,14 +642,16 @@ def _checked(name: str, precision: str, p, st, check: bool | None) -> str:
     return name
 
 
-def _tma_rows(x):
-    """``(x, ld)`` for a contiguous 2-D array of 16-bit elements: itself when its rows are a
-    multiple of 16 bytes, else a copy whose rows are padded to one (the padding is never read:
-    the tensor map's width is the matrix's)."""
+def _tma_ready(x):
+    """``(x, ld)`` for a contiguous 2-D array of 16-bit elements: itself when a tensor map can
+    describe it (16-byte aligned base, rows a multiple of 16 bytes), else a copy in a fresh
+    allocation with rows padded to 16 bytes (the padding is never read: the map's width is
+    the matrix's). The copy costs one pass over the operand; step 13, which reads any
+    layout, runs several times slower."""
     import cupy
 
     rows, cols = x.shape
-    if (cols * x.itemsize) % 16 == 0 or rows == 0 or cols == 0:
+    if rows == 0 or cols == 0 or tma.eligible(int(x.data.ptr), rows, cols, cols, x.itemsize):
         return x, max(cols, 1)
     ld = -(-cols * x.itemsize // 16) * 16 // x.itemsize
     out = cupy.empty((rows, ld), dtype=x.dtype)[:, :cols]
