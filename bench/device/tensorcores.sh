@@ -15,8 +15,9 @@
 #    alternation (ROUNDS), records under $OUT (kernels-<device>-<date>.jsonl); each step
 #    also with each of TC_VARIANTS that names its parameters (space-separated
 #    KEY=INT[,KEY=INT]: other tiles, more or fewer stages);
-# 4. host-resident bfloat16 at 32768^3 (BF16_SIZES) through the stream pipeline against
-#    in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
+# 4. host-resident bfloat16 at 32768^3 (BF16_SIZES; none skips it) through the stream
+#    pipeline against in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
+# PRECISIONS (default "tf32 bf16 fp16") limits steps 2-3 to some of them.
 # Steps 13 and 14 are compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
 # /usr/local/cuda/bin) their tests and benchmark fail, and the log says so.
 set -u -o pipefail
@@ -53,7 +54,8 @@ echo "== compile what the tests and the benchmark use (parallel processes)"
 # applies to every step whose parameters it names)
 read -r -a variants <<< "${TC_VARIANTS:-BN=128 STAGES=3 STAGES=5 BM=64}"
 vargs=(); for v in "${variants[@]}"; do vargs+=(--tc-variant "$v"); done
-timeout ${T_WARM:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --warm-only "${vargs[@]}" 2>&1 | tail -12
+read -r -a precisions <<< "${PRECISIONS:-tf32 bf16 fp16}"
+timeout ${T_WARM:-200} $PY -m bench.kernels --precisions "${precisions[@]}" --warm-only "${vargs[@]}" 2>&1 | tail -12
 
 echo "== GPU tests (steps 11-14)"
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
@@ -63,10 +65,11 @@ tail -30 "$OUT/pytest-tensorcores.log"
 echo "pytest exit $rc"
 
 echo "== benchmark"
-timeout ${T_BENCH:-200} $PY -m bench.kernels --precisions tf32 bf16 fp16 --sizes ${SIZES:-8192} \
+timeout ${T_BENCH:-200} $PY -m bench.kernels --precisions "${precisions[@]}" --sizes ${SIZES:-8192} \
   --no-rect --rounds ${ROUNDS:-3} --out-dir "$OUT" "${vargs[@]}" || echo "BENCH FAILED rc=$?"
 
 echo "== host-resident bfloat16 through the stream pipeline (bench.pipeline --precision bf16)"
+[ "${BF16_SIZES:-32768}" = none ] && { echo "skipped (BF16_SIZES=none)"; ls -la "$OUT"; exit 0; }
 timeout ${T_BF16:-240} $PY -m bench.pipeline --precision bf16 --sizes ${BF16_SIZES:-32768} \
   --repeat 3 --out-dir "$OUT" --timeline "$OUT/timeline-bf16.png" \
   --timeline-json "$OUT/timeline-bf16.json" || echo "BF16 PIPELINE FAILED rc=$?"
