@@ -20,8 +20,8 @@ What is emulated, and what is not
 NCCL takes two ranks for one node when their host hashes agree; ``NCCL_HOSTID`` replaces
 the hash's input, so ranks of different emulated nodes connect through NCCL's network
 transport (``NCCL_NET=Socket``, ``NCCL_IB_DISABLE=1``, ``NCCL_SOCKET_IFNAME=lo``: TCP over
-loopback; ``NCCL_MNNVL_ENABLE=0``: no multi-node NVLink fabric; 4 threads of 4 sockets per
-peer, ``_SOCKETS``), while ranks of one node keep P2P (NVLink) and SHM. Open MPI cannot choose its
+loopback; ``NCCL_MNNVL_ENABLE=0``: no multi-node NVLink fabric), while ranks of one node keep
+P2P (NVLink) and SHM. Open MPI cannot choose its
 transport per pair of ranks: the job's host traffic goes over ``pml ob1`` and ``btl
 self,tcp`` on loopback for every pair, inside an emulated node too. A Dask cluster's
 comms are TCP between all workers; CUDA IPC (``dask-device-transfer``) is used only
@@ -51,11 +51,6 @@ _NETWORK = {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": 
             "NCCL_MNNVL_ENABLE": "0"}
 _OPEN_MPI = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp",
              "OMPI_MCA_btl_tcp_if_include": "lo"}
-# NCCL's socket transport opens one connection a peer, served by one thread, unless told
-# otherwise (its defaults outside cloud hosts); four threads of four sockets each is what
-# NCCL's documentation suggests for fast TCP networks (their product at most 64). A value
-# already in the launcher's environment wins.
-_SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 
 
 @dataclass(frozen=True)
@@ -97,10 +92,8 @@ class Layout:
             raise IndexError(f"node {node} is not one of the layout's {self.nodes}")
         return range(node * self.per_node, (node + 1) * self.per_node)
 
-    def environment(self, node: int, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    def environment(self, node: int) -> dict[str, str]:
         """The variables node ``node``'s members get (empty when nothing is emulated).
-        NCCL's socket threads and sockets a thread come from ``inherited`` (the launcher's
-        environment, ``os.environ`` by default) where it sets them, else ``_SOCKETS``.
 
         Examples
         --------
@@ -112,9 +105,7 @@ class Layout:
         self.members_of(node)
         if not self.active:
             return {}
-        inherited = os.environ if inherited is None else inherited
-        env = {ENV_NODE: str(node), ENV_NODES: str(self.record_value), **_NETWORK,
-               **{k: inherited.get(k, v) for k, v in _SOCKETS.items()}}
+        env = {ENV_NODE: str(node), ENV_NODES: str(self.record_value), **_NETWORK}
         if self.all_links:
             env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
         else:
