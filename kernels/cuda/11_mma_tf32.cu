@@ -30,7 +30,7 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
 }
 
 __device__ __forceinline__ void mma_tf32_16x8x8(float* c, const unsigned* a, const unsigned* b) {
-    asm(
+    asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -89,33 +89,27 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
         cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
         const float* as = As + read_stage * S::A_STAGE;
         const float* bs = Bs + read_stage * S::B_STAGE;
-        // fragments double-buffered in registers: k step kk + 8's are read and rounded
-        // before kk's mma are issued
-        unsigned af[2][MI][4], bf[2][NI][2];
-        auto load_frags = [&](int kk, unsigned (&a)[MI][4], unsigned (&b)[NI][2]) {
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 8) {
+            unsigned af[MI][4], bf[NI][2];
 #pragma unroll
             for (int i = 0; i < MI; ++i) {
                 const int r = wm * WM + i * 16 + g;
-                a[i][0] = to_tf32(a_at(as, r, kk + t));
-                a[i][1] = to_tf32(a_at(as, r + 8, kk + t));
-                a[i][2] = to_tf32(a_at(as, r, kk + t + 4));
-                a[i][3] = to_tf32(a_at(as, r + 8, kk + t + 4));
+                af[i][0] = to_tf32(a_at(as, r, kk + t));
+                af[i][1] = to_tf32(a_at(as, r + 8, kk + t));
+                af[i][2] = to_tf32(a_at(as, r, kk + t + 4));
+                af[i][3] = to_tf32(a_at(as, r + 8, kk + t + 4));
             }
 #pragma unroll
             for (int j = 0; j < NI; ++j) {
                 const int c = wn * WN + j * 8 + g;
-                b[j][0] = to_tf32(b_at(bs, kk + t, c));
-                b[j][1] = to_tf32(b_at(bs, kk + t + 4, c));
+                bf[j][0] = to_tf32(b_at(bs, kk + t, c));
+                bf[j][1] = to_tf32(b_at(bs, kk + t + 4, c));
             }
-        };
-        load_frags(0, af[0], bf[0]);
-#pragma unroll
-        for (int ks = 0; ks < BK / 8; ++ks) {
-            if (ks + 1 < BK / 8) load_frags(8 * (ks + 1), af[(ks + 1) & 1], bf[(ks + 1) & 1]);
 #pragma unroll
             for (int i = 0; i < MI; ++i)
 #pragma unroll
-                for (int j = 0; j < NI; ++j) mma_tf32_16x8x8(acc[i][j], af[ks & 1][i], bf[ks & 1][j]);
+                for (int j = 0; j < NI; ++j) mma_tf32_16x8x8(acc[i][j], af[i], bf[j]);
         }
         read_stage = next_stage<STAGES>(read_stage);
         write_stage = next_stage<STAGES>(write_stage);

@@ -30,7 +30,7 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
 
 template <>
 __device__ __forceinline__ void mma_16x8x16<distmm_bf16>(float* c, const unsigned* a, const unsigned* b) {
-    asm(
+    asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -39,7 +39,7 @@ __device__ __forceinline__ void mma_16x8x16<distmm_bf16>(float* c, const unsigne
 
 template <>
 __device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigned* a, const unsigned* b) {
-    asm(
+    asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -103,17 +103,16 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
         cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
         const unsigned as = as0 + read_stage * S::A_STAGE * 2;
         const unsigned bs = bs0 + read_stage * S::B_STAGE * 2;
-        // fragments double-buffered in registers: k step kk + 1's are loaded before kk's
-        // mma are issued, so the loads' latency hides behind the tensor cores' work
-        unsigned af[2][MI][4], bf[2][NI][2];
-        auto load_frags = [&](int kk, unsigned (&a)[MI][4], unsigned (&b)[NI][2]) {
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned af[MI][4], bf[NI][2];
 #pragma unroll
             for (int i = 0; i < MI; ++i) {
                 const int mb = wm * WM + i * 16;
                 // matrix lj: rows mb + 8 (lj % 2), k kk + 8 (lj / 2)
                 const int off = TA ? swz_offset<BM, 8, SWZ_ROW8>(kk + lr + 8 * (lj / 2), mb + 8 * (lj % 2))
                                    : swz_offset<BK, 8, SWZ_ROW8>(mb + lr + 8 * (lj % 2), kk + 8 * (lj / 2));
-                ldmatrix_x4<TA>(a[i], as + off * 2);
+                ldmatrix_x4<TA>(af[i], as + off * 2);
             }
 #pragma unroll
             for (int jp = 0; jp < NI / 2; ++jp) {
@@ -123,18 +122,13 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
                                    : swz_offset<BN, 8, SWZ_ROW8>(kk + lr + 8 * (lj % 2), nb + 8 * (lj / 2));
                 unsigned r[4];
                 ldmatrix_x4<!TB>(r, bs + off * 2);
-                b[2 * jp][0] = r[0]; b[2 * jp][1] = r[1];
-                b[2 * jp + 1][0] = r[2]; b[2 * jp + 1][1] = r[3];
+                bf[2 * jp][0] = r[0]; bf[2 * jp][1] = r[1];
+                bf[2 * jp + 1][0] = r[2]; bf[2 * jp + 1][1] = r[3];
             }
-        };
-        load_frags(0, af[0], bf[0]);
-#pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) {
-            if (ks + 1 < BK / 16) load_frags(16 * (ks + 1), af[(ks + 1) & 1], bf[(ks + 1) & 1]);
 #pragma unroll
             for (int i = 0; i < MI; ++i)
 #pragma unroll
-                for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[ks & 1][i], bf[ks & 1][j]);
+                for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
         }
         read_stage = next_stage<STAGES>(read_stage);
         write_stage = next_stage<STAGES>(write_stage);
