@@ -12,13 +12,9 @@
 // consumer thread arrives once its wgmma reading the stage has completed).
 //
 // Copies: cp.async (16 bytes a thread, zero-filled at the matrix edges, so any m, n, k),
-// not TMA. A TMA load (cp.async.bulk.tensor, which would also zero-fill out of bounds) needs
-// a CUtensorMap made on the host by cuTensorMapEncodeTiled and passed by value as a
-// __grid_constant__ parameter; cupy's driver module has no binding for that call (only
-// ctypes on libcuda or cuda-python's bindings reach it, neither a distmm dependency). The
-// bulk copy without a tensor map (cp.async.bulk) moves one contiguous range per instruction
-// and cannot zero-fill, so the ragged edges and transposes would need a second path.
-// Operands that are not 16-byte aligned are copied element by element.
+// not TMA: step 14 takes that step (tensor maps made by the driver through ctypes, the
+// copy engine's 128-byte swizzle). Operands that are not 16-byte aligned are copied element
+// by element.
 //
 // Shared-memory layout: wgmma's "interleaved" (no swizzle) canonical layout. The tile is cut
 // into core matrices of 8 rows x 16 bytes, 128 contiguous bytes each; a k-major operand
