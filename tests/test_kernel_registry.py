@@ -380,6 +380,11 @@ def test_tensor_map_eligibility_and_boxes():
     assert tma.box_for(True, 128) == (64, 128) and tma.box_for(False, 256) == (64, 64)
     with pytest.raises(ValueError, match="16-byte"):
         tma.encode_2d(3, 8, 8, 8, (64, 8))
+    if tma._lib() is None:  # no driver here (CI): one clear error, before any launch
+        with pytest.raises(RuntimeError, match="libcuda"):
+            tma.encode_2d(1 << 20, 8, 64, 64, (64, 8))
+        with pytest.raises(RuntimeError, match="libcuda"):
+            tma.launch(1, (1, 1, 1), (128, 1, 1), 0, 0, ())
 
 
 def test_tc_shared_memory_and_geometry():
