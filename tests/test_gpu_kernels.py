@@ -4,7 +4,7 @@ Fresh random inputs for every case, outputs poisoned before each launch (NaN for
 fixed pattern for integers) so an unwritten element fails; sizes 1, 7, 33, 127, 1000 and
 4097, rectangular and transposed cases, misaligned operands (element loads instead of
 16-byte vectors), alpha/beta. Integers are compared exactly, including wrap-around. The tensor-core steps
-(11-13, reduced precision) are checked against their error bounds (their own section).
+(11-14, reduced precision) are checked against their error bounds (their own section).
 """
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def test_simt_fp64_is_a_side_step():
         assert {c["TM"] * c["TN"] for c in cands} >= {32, 64}  # 4x8 / 8x4 and 8x8 thread tiles
 
 
-# -- tensor-core steps 11-13 (reduced precision) ----------------------------------------
+# -- tensor-core steps 11-14 (reduced precision) ----------------------------------------
 
 TC = registry.tc_steps()
 TC_INPUTS = [(spec, dt) for spec in TC for dt in spec.inputs]

@@ -3,7 +3,7 @@
 # the repository root after `. .whl/env.sh`:
 #   GPU 0     the one-GPU tests (kernels, API, pipeline, config, precision=)
 #   GPU 1, 2  the Dask and MPI tests (two GPUs where they use two)
-#   GPU 3     bench/device/tensorcores.sh (build, tests and benchmark of steps 11-13; timed
+#   GPU 3     bench/device/tensorcores.sh (build, tests and benchmark of steps 11-14; timed
 #             alone on its GPU)
 #   cores 48-63  the CPU study bench/studies/cpu-scaling.toml (16 cores set apart with taskset,
 #             mpiexec --bind-to none inside them; the tests run on cores 0-47 meanwhile)

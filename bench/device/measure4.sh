@@ -7,7 +7,7 @@
 #          GPU 0     the one-GPU tests (API, pipeline, config, precision=), then the first-call
 #                    benchmark at 32768 (fp64, fp32; bench/pipeline.py --first-call)
 #          GPUs 1,2  the MPI and Dask GPU tests (two GPUs where they use two)
-#          GPU 3     bench/device/tensorcores.sh (steps 11-13: build, tests, variants, bf16
+#          GPU 3     bench/device/tensorcores.sh (steps 11-14: build, tests, variants, bf16
 #                    through the stream pipeline)
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
 # trace  the Dask engine on all 4 GPUs at 32768 (TRACE_DTYPES, default fp32 then fp64), chunks

@@ -1,7 +1,7 @@
 """The one table of distmm's CUDA GEMM kernels.
 
 This module covers: every kernel in ``kernels/cuda/`` (one optimisation step per file;
-steps 1-10 in ``KERNELS``, the reduced-precision tensor-core steps 11-13 in ``TC_KERNELS``
+steps 1-10 in ``KERNELS``, the reduced-precision tensor-core steps 11-14 in ``TC_KERNELS``
 with ``kernel_for``, the lookup by precision and compute capability),
 its template parameters, their defaults per dtype, the autotuner's search space and the
 constraints a configuration must meet, and the launch geometry (threads, tile, grid,
@@ -351,7 +351,7 @@ PRECISION_INPUT = {"tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclass(frozen=True)
 class TensorCoreSpec:
-    """One tensor-core kernel (steps 11-13): a product in a reduced precision, fp32
+    """One tensor-core kernel (steps 11-14): a product in a reduced precision, fp32
     accumulation, float32 C.
 
     Unlike ``KernelSpec``'s kernels, which compute in the dtype of A, B and C alike, these
@@ -361,6 +361,11 @@ class TensorCoreSpec:
 
         (int M, int N, int K, float alpha, const Tin* A, long long lda,
          const Tin* B, long long ldb, float beta, float* C, long long ldc, int flags)
+
+    except step 14 (``tma``), which takes A and B as tensor maps by value::
+
+        (int M, int N, int K, float alpha, distmm_tmap A, distmm_tmap B, float beta,
+         float* C, long long ldc)
 
     Attributes
     ----------
@@ -421,8 +426,8 @@ class TensorCoreSpec:
 
     def smem_bytes(self, dtype: str, p: Mapping[str, int], ta: bool = False,
                    tb: bool = False) -> int:
-        """Dynamic shared memory per block (``Tf32Shape``, ``Mma16Shape``, ``WgmmaShape``);
-        the same in every layout (no padding: the tiles are swizzled)."""
+        """Dynamic shared memory per block (``Tf32Shape``, ``Mma16Shape``, ``WgmmaShape``,
+        ``TmaShape``); the same in every layout (no padding: the tiles are swizzled)."""
         size = np.dtype(_np_dtype(dtype)).itemsize
         data = p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * size
         if self.tma:  # + 1024 to align the stages to the 128-byte swizzle's 1024-byte pattern

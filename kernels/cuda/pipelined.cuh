@@ -1,7 +1,7 @@
 // The cp.async pipelined main loop shared by step 7 (double buffering, block-wide thread
 // grid) and step 8 (warp tiling, 2-4 stages), and the pipeline's pieces (accumulator
 // zeroing, prologue, stage rotation) that steps 9, 11 and 12 use around their own k loops.
-// Included by steps 7-10 and by tensorcore.cuh (steps 11-13); not a kernel by itself.
+// Included by steps 7-10 and by tensorcore.cuh (steps 11-14); not a kernel by itself.
 //
 // Shared memory keeps each operand in the layout it has in global memory, so every copy is
 // a 16-byte cp.async with no trip through registers (a transpose cannot be done by
