@@ -1,6 +1,7 @@
-"""Probe: NCCL broadcast bandwidth between two MPI ranks, one GPU each, as launched (run it
-under ``mpiexec -n 2``; give each rank its own ``NCCL_HOSTID`` to emulate two nodes, see
-``distmm.emulate``). Prints the median seconds and GB/s of ``--repeat`` broadcasts of each
+"""Probe: how fast does NCCL broadcast between two ranks, as launched (emulated nodes or not)?
+
+Two MPI ranks, one GPU each (run it under ``mpiexec -n 2``; give each rank its own
+``NCCL_HOSTID`` to emulate two nodes, see ``distmm.emulate``). Prints the median seconds and GB/s of ``--repeat`` broadcasts of each
 size from rank 0, and NCCL's chosen transport when ``NCCL_DEBUG=INFO`` is set.
 
     mpiexec -n 1 -x NCCL_HOSTID=a -x NCCL_NET=Socket ... python -m bench.research.nccl_link : \

@@ -9,8 +9,8 @@
 // cuTensorMapEncodeTiled, distmm.executor.tma), 2-D, 16-bit elements, box inner dimension
 // 64 elements = one 128-byte swizzle row, passed by value as a __grid_constant__ parameter
 // (the copy instruction takes its address in parameter space). The map needs a 16-byte
-// aligned base and a row stride that is a multiple of 16 bytes; the loader checks that and
-// takes step 13 otherwise.
+// aligned base and a row stride that is a multiple of 16 bytes; the loader copies an operand
+// without them into an aligned buffer with padded rows first.
 //
 // Shared memory, per stage, in 128-byte rows of 64 elements:
 //   a k-major operand (A stored M x K, or B stored N x K): one box of BM (BN) rows by 64 k;
@@ -21,9 +21,10 @@
 //     64 m or n), its stride byte offset 8 k rows (1024 bytes), a k step of 16 adds 2048
 //     bytes; wgmma reads it transposed (imm-trans-a / -b).
 //
-// Warp specialisation as in step 13: warpgroup 0 produces (one thread issues the copies; the
-// warpgroup gives registers back with setmaxnreg.dec), warpgroups 1 .. BM/64 consume (each
-// takes more registers with setmaxnreg.inc for its 64 x BN accumulators). "full" mbarriers
+// Warp specialisation as in step 13: warpgroup 0 produces (one thread issues the copies),
+// warpgroups 1 .. BM/64 consume; with two consumers the producer gives registers back
+// (setmaxnreg.dec) and the consumers take them (setmaxnreg.inc) for their 64 x BN
+// accumulators. "full" mbarriers
 // complete when a stage's bytes have landed (expect_tx), "empty" ones when every consumer
 // warpgroup's wgmma reading the stage has finished; a consumer leaves one wgmma group in
 // flight and hands back the stage of the group before it.
