@@ -113,8 +113,8 @@ class GPUExecutor(Executor):
         (float16 ones are computed in float32): with ``backend="raw"`` the registry's
         kernel for the mode (``registry.kernel_for``) where one exists for this GPU, else
         cuBLAS (``cublas.cublas_gemm_precision``). ``"auto"`` takes cuBLAS for the reduced
-        modes: distmm's tensor-core kernels become its choice once a device run has checked
-        and timed them (none has yet).
+        modes: it is as fast as distmm's fastest tensor-core kernel at large squares and
+        faster at small and thin shapes (``bench/NOTES.md``, tensor-core steps).
 
     Raises
     ------
