@@ -235,25 +235,17 @@ def _driver():
     (``cuIpcOpenMemHandle``/``cuIpcCloseMemHandle``), ``current``/``set_current``
     (``cuCtxGetCurrent``/``cuCtxSetCurrent``); None without a driver library."""
     import ctypes
-    import types
+
+    from distmm.executor import driver
 
     if not _DRIVER:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            u64, ptr = ctypes.c_uint64, ctypes.POINTER
-            fns = {"range": ("cuMemGetAddressRange_v2", [ptr(u64), ptr(ctypes.c_size_t), u64]),
-                   "open": ("cuIpcOpenMemHandle_v2", [ptr(u64), _handle_type(), ctypes.c_uint]),
-                   "close": ("cuIpcCloseMemHandle", [u64]),
-                   "current": ("cuCtxGetCurrent", [ptr(ctypes.c_void_p)]),
-                   "set_current": ("cuCtxSetCurrent", [ctypes.c_void_p])}
-            ns = types.SimpleNamespace()
-            for name, (symbol, args) in fns.items():
-                fn = getattr(lib, symbol)
-                fn.argtypes, fn.restype = args, ctypes.c_int
-                setattr(ns, name, fn)
-            _DRIVER.append(ns)
-        except (OSError, AttributeError):
-            _DRIVER.append(None)
+        u64, ptr = ctypes.c_uint64, ctypes.POINTER
+        fns = {"range": ("cuMemGetAddressRange_v2", [ptr(u64), ptr(ctypes.c_size_t), u64]),
+               "open": ("cuIpcOpenMemHandle_v2", [ptr(u64), _handle_type(), ctypes.c_uint]),
+               "close": ("cuIpcCloseMemHandle", [u64]),
+               "current": ("cuCtxGetCurrent", [ptr(ctypes.c_void_p)]),
+               "set_current": ("cuCtxSetCurrent", [ctypes.c_void_p])}
+        _DRIVER.append(driver.entries(fns))
     return _DRIVER[0]
 
 

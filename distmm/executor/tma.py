@@ -8,8 +8,8 @@ parameters include such maps by value (``launch``: ``cuLaunchKernel`` with a par
 array; cupy's kernel call passes arrays and scalars only).
 It does *not* cover: choosing or compiling kernels (``distmm.executor.cuda_loader``).
 
-The driver is reached through ``ctypes`` on ``libcuda.so.1``, as ``distmm.executor.ipc``
-does for its calls; cupy's driver module has no binding for the tensor-map call.
+The driver is reached through ``distmm.executor.driver`` (ctypes on ``libcuda.so.1``); cupy's
+driver module has no binding for the tensor-map call.
 """
 from __future__ import annotations
 
@@ -24,29 +24,25 @@ _L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _OOB_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros outside the matrix
 _BOX_INNER = 64  # elements: 128 bytes of 16-bit elements, the swizzle's row
 
-_LIB: list = []
+_ENTRIES: list = []  # [the two entry points, or None], typed once
 
 
 def _lib():
-    """``libcuda`` with the two entry points typed, or None where it does not load."""
-    if not _LIB:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
-            enc = lib.cuTensorMapEncodeTiled
-            enc.argtypes = [vp, ctypes.c_int, u32, vp, ctypes.POINTER(u64), ctypes.POINTER(u64),
-                            ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int,
-                            ctypes.c_int, ctypes.c_int]
-            enc.restype = ctypes.c_int
-            launch_fn = lib.cuLaunchKernel
-            launch_fn.argtypes = [vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                                  ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, vp,
-                                  ctypes.POINTER(vp), ctypes.POINTER(vp)]
-            launch_fn.restype = ctypes.c_int
-            _LIB.append(lib)
-        except (OSError, AttributeError):
-            _LIB.append(None)
-    return _LIB[0]
+    """The driver's ``encode`` (``cuTensorMapEncodeTiled``) and ``launch``
+    (``cuLaunchKernel``), or None where the driver library does not load."""
+    from distmm.executor import driver
+
+    if not _ENTRIES:
+        u32, u64, vp, i = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int
+        uint = ctypes.c_uint
+        _ENTRIES.append(driver.entries({
+            "encode": ("cuTensorMapEncodeTiled", [
+                vp, i, u32, vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u32),
+                ctypes.POINTER(u32), i, i, i, i]),
+            "launch": ("cuLaunchKernel", [
+                vp, uint, uint, uint, uint, uint, uint, uint, vp, ctypes.POINTER(vp),
+                ctypes.POINTER(vp)])}))
+    return _ENTRIES[0]
 
 
 def eligible(ptr: int, rows: int, cols: int, ld: int, itemsize: int = 2) -> bool:
@@ -93,7 +89,7 @@ def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int]) -> 
     strides = (ctypes.c_uint64 * 1)(ld * 2)
     boxes = (ctypes.c_uint32 * 2)(*box)
     steps = (ctypes.c_uint32 * 2)(1, 1)
-    err = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(aligned), _U16, 2, ctypes.c_void_p(ptr),
+    err = lib.encode(ctypes.c_void_p(aligned), _U16, 2, ctypes.c_void_p(ptr),
                                      dims, strides, boxes, steps, 0, _SWIZZLE_128B, _L2_256B,
                                      _OOB_ZERO)
     if err != 0:
@@ -116,7 +112,7 @@ def launch(function_ptr: int, grid: tuple[int, int, int], block: tuple[int, int,
         held.append(ctypes.create_string_buffer(a, len(a)) if isinstance(a, bytes) else a)
     params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                              for h in held])
-    err = lib.cuLaunchKernel(ctypes.c_void_p(function_ptr), *grid, *block, shared_mem,
+    err = lib.launch(ctypes.c_void_p(function_ptr), *grid, *block, shared_mem,
                              ctypes.c_void_p(stream_ptr), params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed (CUresult {err})")
