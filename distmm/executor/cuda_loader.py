@@ -607,9 +607,9 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
                     return launch_tc("wgmma_bf16", a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
                                      precision=precision, alpha=alpha, beta=beta, stream=st,
                                      compiler=compiler, check=check)
-                _launch_tma(spec, fmt, params, a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
-                            alpha, beta, st, compiler)
-                return _checked(name, precision, spec.params(fmt, params), st, check)
+                p = _launch_tma(spec, fmt, params, a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
+                                alpha, beta, st, compiler)
+                return _checked(name, precision, p, st, check)
         p = spec.params(fmt, params)
         kern = get_tc_kernel(name, fmt, p, ta, tb, compiler)
         threads = spec.threads(p)
@@ -660,9 +660,10 @@ def _tma_ready(x):
 
 
 def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb: int, c,
-                ldc: int, m: int, n: int, k: int, alpha, beta, st, compiler) -> None:
+                ldc: int, m: int, n: int, k: int, alpha, beta, st, compiler) -> dict:
     """Step 14's launch: tensor maps of A and B as stored (``tma.encode_2d``, boxes from
-    ``tma.box_for``) and the kernel's parameters passed to the driver by value."""
+    ``tma.box_for``) and the kernel's parameters passed to the driver by value. Returns the
+    parameters it ran with."""
     import ctypes
 
     p = spec.params(fmt, params)
@@ -683,6 +684,7 @@ def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb:
     except Exception as exc:
         raise KernelLaunchError(f"launch of {spec.name} ({fmt}, {p}, grid {grid}, {threads} "
                                 f"threads, {smem} B smem) failed: {exc}") from exc
+    return p
 
 
 def _precision_of(name: str, dtype) -> str:

@@ -100,13 +100,8 @@ __device__ __forceinline__ void wgmma_body(int M, int N, int K, float alpha, con
     grouped_tile_origin<BM, BN>(M, N, m0, n0);
     const int KT = (K + BK - 1) / BK;
 
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 128);                    // the producer's threads
-            mbar_init(empty0 + 8 * s, 128 * S::CONSUMERS);    // every consumer thread
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    // full: the producer's threads arrive; empty: every consumer thread
+    if (tid == 0) init_stage_barriers<STAGES>(full0, empty0, 128, 128 * S::CONSUMERS);
     __syncthreads();
 
     if (wg == 0) {  // producer

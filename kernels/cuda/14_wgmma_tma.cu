@@ -93,11 +93,8 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
     if (tid == 0) {
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapA)) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapB)) : "memory");
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);                 // the producer's expect_tx
-            mbar_init(empty0 + 8 * s, S::CONSUMERS);     // one thread per consumer warpgroup
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        // full: the producer's expect_tx; empty: one thread per consumer warpgroup
+        init_stage_barriers<STAGES>(full0, empty0, 1, S::CONSUMERS);
     }
     __syncthreads();
 

@@ -151,6 +151,18 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// One thread makes each stage's "full" and "empty" mbarriers (8 bytes each, consecutive from
+// full0 and from empty0) ready for the arrival counts given; the block's barrier follows.
+template <int STAGES>
+__device__ __forceinline__ void init_stage_barriers(unsigned full0, unsigned empty0,
+                                                    unsigned full_count, unsigned empty_count) {
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full0 + 8 * s, full_count);
+        mbar_init(empty0 + 8 * s, empty_count);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 template <int R>
 __device__ __forceinline__ void fence_operands(float* d) {
 #pragma unroll
