@@ -9,6 +9,10 @@
 #          GPUs 1,2  the MPI and Dask GPU tests (two GPUs where they use two)
 #          GPU 3     bench/device/tensorcores.sh (steps 11-14: build, tests, variants, bf16
 #                    through the stream pipeline)
+# quick  the GPU tests of the latest changes (streams, the driver under IPC, step 14), in
+#        parallel on GPU 0, GPUs 1-2 and GPU 3
+# emulated  4 GPUs as 2 emulated nodes (bench/studies/gpu-emulated-mpi.toml), then its
+#        emulated series with NCCL's streams at the default priority
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
 # trace  the Dask engine on all 4 GPUs at 32768 (TRACE_DTYPES, default fp32 then fp64), chunks
 #        8192, traced per block task (bench/research/dask_stream.py --trace; logs under $OUT)
@@ -41,6 +45,30 @@ for phase in "$@"; do
       wait $p1; tail -6 "$OUT/pytest-one.log"; grep -v DEBUG "$OUT/firstcall.log" | tail -8
       wait $p2; echo "MPI/Dask tests exit $?"; tail -12 "$OUT/pytest-two.log"
       wait $p3; grep -v "^ok " "$OUT/tensorcores.log" | tail -45 ;;
+    quick)
+      # the GPU tests of what changed since they last ran on a device: streams at the greatest
+      # priority, the driver's entry points under CUDA IPC and step 14's tensor maps
+      ( CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout ${T_Q0:-240} $PT tests/test_streams.py \
+          tests/test_driver.py tests/test_gpu_kernels.py -k "tma or stream or Stream or driver" \
+          > "$OUT/pytest-q0.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q0.log" ) & q0=$!
+      ( CUDA_VISIBLE_DEVICES=1,2 taskset -c 16-47 timeout ${T_Q1:-300} $PT tests/test_dask_ipc_gpu.py \
+          tests/test_mpi_gpu.py tests/test_mpi_batch.py > "$OUT/pytest-q1.log" 2>&1
+        echo "exit $?" >> "$OUT/pytest-q1.log" ) & q1=$!
+      ( CUDA_VISIBLE_DEVICES=3 taskset -c 48-63 timeout ${T_Q3:-300} $PT tests/test_dask_gpu_engine.py \
+          tests/test_dask_gpu.py > "$OUT/pytest-q3.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q3.log" ) & q3=$!
+      wait $q0 $q1 $q3
+      for f in q0 q1 q3; do echo "-- $f"; grep -v "^\s*$" "$OUT/pytest-$f.log" | tail -6; done ;;
+    emulated)
+      # 4 GPUs as 2 emulated nodes, MPI engine, fp32 65536: the study (NCCL's broadcasts on
+      # streams at the greatest priority, the default), then its emulated series again with
+      # the priority off (distmm.executor.streams), in the same call
+      timeout ${T_EMU:-330} python3 -m distmm bench bench/studies/gpu-emulated-mpi.toml \
+        -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -14
+      sed -e 's/^note = .*/note = "nodes emulated on one host: the links between emulated nodes are loopback TCP; NCCL streams at the default priority (distmm-debug.stream-priority off)"/' \
+        bench/studies/gpu-emulated-mpi.toml | awk 'BEGIN{n=0} /^\[\[series\]\]/{n++} n<=1' \
+        > /tmp/emulated-off.toml
+      DASK_DISTMM_DEBUG__STREAM_PRIORITY=false timeout ${T_EMU_OFF:-150} python3 -m distmm bench \
+        /tmp/emulated-off.toml -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -6 ;;
     dasktests)
       CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT ${DASK_TESTS:-tests/test_dask_gpu.py \
         tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py} > "$OUT/pytest-dask.log" 2>&1
@@ -51,7 +79,7 @@ for phase in "$@"; do
           --dtype $dt --calls 3 --trace > "$OUT/trace-4gpu-$dt.log" 2>&1
         echo "exit $?"
         grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-$dt.log" | cut -c1-330 \
-          | grep "^== \|trace.*start\|export\|release" | tail -22
+          | grep "^== \|client steps\|pieces\|trace.*start\|export\|release" | tail -${TRACE_LINES:-40}
       done ;;
     batch)
       timeout ${T_BATCH:-230} python3 -m bench.mpi_batch --sizes 32768 --ranks 2 4 --repeat 3 \

@@ -18,7 +18,10 @@ offers (``take``), mapping exports (``map``) and ending mappings inside the task
 those ended on ``ipc``'s closing thread print as ``close``, outside the tasks), copying
 pieces into panels (``take_into``) and making the panels (``_panel`` for host-side joins, ``_device_panels``
 for GPU panels, their copies and one synchronisation included), when its GEMM was queued,
-and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself.
+and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself,
+and, per k piece of an overlapped block, its panel copies and its GEMM (``piece_summary``).
+Every call also prints the seconds of the engine's client-side steps (``install_client_phases``:
+the cluster's state, the worker probe, the IPC probe, the plugin, the plan, the graph).
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
 """
 from __future__ import annotations
@@ -104,6 +107,38 @@ def _install_trace(dask_worker=None):
     blocks._gpu_block = gemm_of("_gpu_block")
     blocks._overlapped_block = gemm_of("_overlapped_block")
 
+    # per k piece inside _overlapped_block: CUDA events around each panel assembly (on the
+    # copy stream, current while it runs) and each GEMM (on the compute stream)
+    assemble = blocks._assemble
+
+    def assemble_evented(*args, **kwargs):
+        s = cupy.cuda.get_current_stream()
+        e0 = s.record()
+        out = assemble(*args, **kwargs)
+        if cur:
+            cur.setdefault("pieces", []).append(("copy", e0, s.record()))
+        return out
+
+    blocks._assemble = assemble_evented
+    executor_of = blocks._gpu_executor
+
+    class _Evented:
+        def __init__(self, ex):
+            self._ex = ex
+
+        def __getattr__(self, name):
+            return getattr(self._ex, name)
+
+        def device_gemm(self, *args, **kwargs):
+            s = cupy.cuda.get_current_stream()
+            e0 = s.record()
+            out = self._ex.device_gemm(*args, **kwargs)
+            if cur:
+                cur.setdefault("pieces", []).append(("gemm", e0, s.record()))
+            return out
+
+    blocks._gpu_executor = lambda *a, **k: _Evented(executor_of(*a, **k))
+
     from distmm.engine.dask import transfer
     from distmm.executor import ipc
 
@@ -169,6 +204,8 @@ def _collect_trace(dask_worker=None) -> list:
             row.update(t_gemm=r["t_gemm"], t_gemm_queued=r["t_gemm_queued"],
                        gpu_before_gemm=ms(r["e0"], r["e_g0"]) / 1e3,
                        gpu_gemm=ms(r["e_g0"], r["e_g1"]) / 1e3)
+        if r.get("pieces"):  # (kind, start, end) in ms from the block task's first event
+            row["pieces"] = [(kind, ms(r["e0"], a), ms(r["e0"], b)) for kind, a, b in r["pieces"]]
         out.append(row)
     if getattr(blocks, "_TRACE", None) is not None:
         blocks._TRACE.clear()
@@ -206,7 +243,55 @@ def trace_lines(traces: dict, t0: float) -> list[str]:
                          f"{r['t_gemm'] - t0:.3f}); GPU: before-gemm {r['gpu_before_gemm']:.3f}s "
                          f"gemm {r['gpu_gemm']:.3f}s, done ~{r['t_start'] - t0 + r['gpu_before_gemm'] + r['gpu_gemm']:.3f}")
             lines.append(line + f"; task returned {r['t_end'] - t0:.3f}")
+            if r.get("pieces"):
+                lines.append(f"   trace {port}: " + piece_summary(r["pieces"]))
     return lines
+
+
+def piece_summary(pieces) -> str:
+    """One line over a block's k pieces (GPU milliseconds from the task's first event):
+    when the first GEMM started, the GEMMs' summed time, the compute stream's idle gaps
+    between them, each piece's copy and GEMM spans."""
+    gemms = [(a, b) for kind, a, b in pieces if kind == "gemm"]
+    copies = [(a, b) for kind, a, b in pieces if kind == "copy"]
+    if not gemms:
+        return "pieces: no GEMM recorded"
+    busy = sum(b - a for a, b in gemms)
+    gaps = sum(max(0.0, a1 - b0) for (_, b0), (a1, _) in zip(gemms, gemms[1:]))
+    spans = " ".join(f"[{kind} {a:.1f}-{b:.1f}]" for kind, a, b in pieces)
+    return (f"pieces: first GEMM at {gemms[0][0]:.1f} ms, GEMMs {busy:.1f} ms, gaps "
+            f"{gaps:.1f} ms, last GEMM end {gemms[-1][1]:.1f} ms, copies "
+            f"{sum(b - a for a, b in copies):.1f} ms; {spans}")
+
+
+_CLIENT_PHASES = (("distmm.engine.dask.placement", "cluster_state"),
+                  ("distmm.engine.dask.workers", "_probes"),
+                  ("distmm.engine.dask.transfer", "probe"),
+                  ("distmm.engine.dask.transfer", "ensure_lifetime"),
+                  ("distmm.engine.dask", "plan_blocks"),
+                  ("distmm.engine.dask.lazy", "lazy_blocks"))
+
+
+def install_client_phases() -> dict:
+    """Wrap the engine's client-side steps (the cluster's state, the worker probe, the IPC
+    probe, the exports' plugin, the block plan, the graph) so that each call's seconds in
+    each add up in the returned dict (cleared by the caller between calls)."""
+    import importlib
+
+    spent: dict = {}
+    for mod_name, name in _CLIENT_PHASES:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name)
+
+        def run(*args, _fn=fn, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(mod, name, run)
+    return spent
 
 
 def phased_product(bench, a, b):
@@ -253,6 +338,7 @@ def main(argv=None) -> int:
     with cluster, distributed.Client(cluster) as client:
         print(what, client.scheduler.address, flush=True)
         bench = Bench(client, gpu=True, timeout=300)
+        spent = install_client_phases()
         if args.trace:
             client.run(_install_trace)
         for n in args.sizes:
@@ -261,6 +347,7 @@ def main(argv=None) -> int:
                 if args.trace:
                     client.run(_collect_trace)  # drop what the operands' making left
                 mark = transfer_mark(client)
+                spent.clear()
                 since = time.time()
                 with distributed.get_task_stream(client) as ts:
                     sec, c, phases = phased_product(bench, a, b)
@@ -273,6 +360,8 @@ def main(argv=None) -> int:
                                  for u in st.get("units", [])]
                 print(f"== {args.dtype} n={n} call {call}: {sec:.3f} s; client: " + ", ".join(
                     f"{k} {v:.4f}s" for k, v in phases.items()), flush=True)
+                print("   client steps: " + ", ".join(f"{k} {v:.4f}s" for k, v in spent.items()),
+                      flush=True)
                 print(json.dumps(keep, default=str))
                 print("routes", moved["device_routes"], "worker_to_worker",
                       moved["worker_to_worker"], "by_name",

@@ -257,6 +257,10 @@ class _Runner:
         nccl = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
         if nccl:  # the user's NCCL settings, which the ranks inherit
             extra["nccl_env"] = nccl
+        from distmm.executor.streams import priority_wanted
+
+        if not priority_wanted():  # streams for broadcasts and copies at the default priority
+            extra["stream_priority"] = "default"
         return extra
 
     def relerr_bounds(self) -> dict:

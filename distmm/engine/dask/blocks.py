@@ -272,11 +272,12 @@ _COPY_STREAMS = threading.local()  # each worker thread's stream for assembling 
 def _copy_stream():
     stream = getattr(_COPY_STREAMS, "stream", None)
     if stream is None:
-        import cupy
+        from distmm.executor.streams import urgent_stream
 
         # non-blocking: the worker's GEMMs run on the legacy default stream, which a
-        # blocking stream would wait for
-        stream = _COPY_STREAMS.stream = cupy.cuda.Stream(non_blocking=True)
+        # blocking stream would wait for; urgent: the copy kernels of the next piece's
+        # panels go ahead of the running GEMM's next blocks
+        stream = _COPY_STREAMS.stream = urgent_stream()
     return stream
 
 

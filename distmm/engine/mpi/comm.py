@@ -169,15 +169,18 @@ class NcclBroadcaster:
     """
 
     def __init__(self, comm):
-        import cupy
         from cupy.cuda import nccl
+
+        from distmm.executor.streams import urgent_stream
 
         self.comm = comm
         self.bytes_received = 0
         uid = nccl.get_unique_id() if comm.rank == 0 else None
         uid = comm.bcast(uid, root=0)
         self.nccl = nccl.NcclCommunicator(comm.size, uid, comm.rank)
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        # at the greatest priority: NCCL's kernel takes an SM as soon as one of a running
+        # GEMM's blocks ends (distmm.executor.streams)
+        self.stream = urgent_stream()
 
     def ibcast(self, buf, root: int):
         import cupy

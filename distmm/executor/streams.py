@@ -1,0 +1,46 @@
+"""Streams for work a GEMM waits on: at the device's greatest priority.
+
+This module covers: ``urgent_stream()``, a non-blocking cupy stream created at the
+current device's greatest stream priority, for the work that the next GEMM waits on
+while the current one runs (NCCL's panel broadcasts, the copies that assemble a block
+task's next panels). The block scheduler hands a freed SM to a waiting block of a
+higher-priority stream before the next block of a running GEMM, so a broadcast's
+kernel starts as soon as one of the GEMM's blocks ends, instead of after the GEMM's
+last block has been dispatched. Without it, each panel's broadcast between two GPUs
+runs only in the tail of a GEMM and the next GEMM waits for it; a transfer whose two
+ends must run at once (NCCL over sockets) then barely moves (NCCL's own tracker,
+issue 1431, describes the delay).
+
+``distmm-debug.stream-priority`` (dask configuration, outside the checked ``distmm``
+section; ``DASK_DISTMM_DEBUG__STREAM_PRIORITY=false``) turns the priority off, so a
+benchmark can compare both in one run.
+It does *not* cover: the compute streams (the executors') or what runs on these.
+"""
+from __future__ import annotations
+
+__all__ = ["urgent_stream", "PRIORITY_KEY", "priority_wanted"]
+
+#: debug configuration: False creates the streams at the default priority
+PRIORITY_KEY = "distmm-debug.stream-priority"
+
+
+def priority_wanted() -> bool:
+    """Whether streams are made at the greatest priority (``PRIORITY_KEY``, default True)."""
+    import dask.config
+
+    value = dask.config.get(PRIORITY_KEY, True)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
+
+
+def urgent_stream():
+    """A non-blocking stream of the current device at its greatest priority (the default
+    priority where the device has one level, or ``PRIORITY_KEY`` is off)."""
+    import cupy
+
+    if priority_wanted():
+        _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+        if greatest != 0:
+            return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+    return cupy.cuda.Stream(non_blocking=True)
