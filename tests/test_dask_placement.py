@@ -109,6 +109,37 @@ def test_shares_follow_throughput_and_drop_slow_workers():
     assert lay.area(0) / 4096**2 == pytest.approx(0.75, abs=0.02)
 
 
+def test_alike_workers_take_one_rate_and_their_blocks_are_even():
+    """Probes of alike workers (GPUs of one model; CPU workers of one host with as many
+    threads) measure a few percent apart: each group takes its median, so four GPUs of one
+    model get four equal blocks; other models, hosts and thread counts keep their own,
+    and a worker marked GPU whose probe found no device is not taken for a CPU worker."""
+    from distmm.engine.dask.workers import _alike_rates
+    from distmm.plan_blocks import block_layout
+
+    gpus = {f"tcp://10.0.0.1:{4000 + i}": r for i, r in enumerate((51200., 49800., 50500., 50100.))}
+    found = {a: {"cuda": True, "gpu_gflops": r, "name": "H100", "cpu_gflops": 9.0}
+             for a, r in gpus.items()}
+    found["tcp://10.0.0.1:5000"] = {"cuda": True, "gpu_gflops": 20000.0, "name": "A10"}
+    found["tcp://10.0.0.1:6000"] = {"cuda": False, "cpu_gflops": 10.0}
+    found["tcp://10.0.0.1:6001"] = {"cuda": False, "cpu_gflops": 12.0}
+    found["tcp://10.0.0.1:6002"] = {"cuda": False, "cpu_gflops": 11.0}  # 2 threads
+    found["tcp://10.0.0.2:6000"] = {"cuda": False, "cpu_gflops": 30.0}  # another host
+    found["tcp://10.0.0.1:7000"] = {"cuda": False, "cpu_gflops": 5.0}  # marked GPU
+    info = {a: {"nthreads": 1} for a in found}
+    info["tcp://10.0.0.1:6002"] = {"nthreads": 2}
+    info["tcp://10.0.0.1:7000"] = {"nthreads": 1, "resources": {"GPU": 1}}
+    rates = _alike_rates(info, found)
+    assert {rates[a] for a in gpus} == {(50100. + 50500.) / 2}
+    assert rates["tcp://10.0.0.1:5000"] == 20000.0
+    assert rates["tcp://10.0.0.1:6000"] == rates["tcp://10.0.0.1:6001"] == 11.0
+    assert rates["tcp://10.0.0.1:6002"] == 22.0 and rates["tcp://10.0.0.2:6000"] == 30.0
+    assert "tcp://10.0.0.1:7000" not in rates
+    even = block_layout(32768, 32768, 32768, shares([rates[a] for a in gpus], 32768, 32768,
+                                                     32768, 4))
+    assert {even.area(i) for i in range(4)} == {32768 * 32768 // 4}
+
+
 def test_chunked_panel_reads_slices_across_chunks():
     """What the GPU pipeline reads of a block: slices of its chunks, never the
     whole panel assembled first."""

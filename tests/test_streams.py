@@ -32,9 +32,12 @@ def test_urgent_streams_take_the_greatest_priority_unless_switched_off():
 
     from distmm.executor.streams import urgent_stream
 
-    least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
-    assert greatest < least  # every GPU distmm runs on has more than one level
-    assert _priority(urgent_stream()) == greatest
+    # the driver's range on every GPU distmm runs on has more than one level: the greatest
+    # is below 0, the default; asking for one past it gives it
+    greatest = _priority(urgent_stream())
+    assert greatest < 0
+    assert _priority(cupy.cuda.Stream(non_blocking=True, priority=greatest)) == greatest
+    assert _priority(cupy.cuda.Stream(non_blocking=True, priority=greatest - 1)) == greatest
     with dask.config.set({PRIORITY_KEY: False}):
         assert _priority(urgent_stream()) == 0
     s = urgent_stream()
@@ -47,11 +50,10 @@ def test_urgent_streams_take_the_greatest_priority_unless_switched_off():
 
 @pytest.mark.gpu
 def test_a_block_tasks_copy_stream_and_nccls_broadcasts_are_urgent():
-    import cupy
-
     from distmm.engine.dask import blocks
+    from distmm.executor.streams import urgent_stream
 
-    _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+    greatest = _priority(urgent_stream())
     assert _priority(blocks._copy_stream()) == greatest
     mpi = pytest.importorskip("mpi4py.MPI")
     from distmm.engine.mpi.comm import NcclBroadcaster

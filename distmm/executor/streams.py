@@ -22,6 +22,8 @@ __all__ = ["urgent_stream", "PRIORITY_KEY", "priority_wanted"]
 
 #: debug configuration: False creates the streams at the default priority
 PRIORITY_KEY = "distmm-debug.stream-priority"
+#: the priority asked for (lower is more urgent): far past any device's greatest, clamped to it
+PRIORITY_ASKED = -(1 << 20)
 
 
 def priority_wanted() -> bool:
@@ -36,11 +38,11 @@ def priority_wanted() -> bool:
 
 def urgent_stream():
     """A non-blocking stream of the current device at its greatest priority (the default
-    priority where the device has one level, or ``PRIORITY_KEY`` is off)."""
+    priority where ``PRIORITY_KEY`` is off). The driver clamps a priority beyond the
+    device's range to its end (``cudaStreamCreateWithPriority``), so ``PRIORITY_ASKED``
+    gives the greatest whatever the range."""
     import cupy
 
     if priority_wanted():
-        _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
-        if greatest != 0:
-            return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+        return cupy.cuda.Stream(non_blocking=True, priority=PRIORITY_ASKED)
     return cupy.cuda.Stream(non_blocking=True)

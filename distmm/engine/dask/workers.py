@@ -6,7 +6,9 @@ declare, or a probe run on the worker that finds a CUDA device: the driver
 shows one, cupy imports and ``getDeviceCount() > 0``), each worker's
 throughput in GFLOP/s (the ``distmm.dask-worker-gflops`` configuration by
 address, then by kind, else
-measured by the probe: a small float64 product timed on the worker's device),
+measured by the probe: a small float64 product timed on the worker's device; alike
+workers, GPUs of one model or CPU workers of one host with as many threads, take the
+median of their measurements),
 which workers share one physical GPU (the probe's PCI bus id, or
 ``DEVICES_KEY`` for tests), and the emulated node a worker was started in
 (``DISTMM_EMULATED_NODE``, ``distmm.emulate``), as one
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import sys
 import threading
 import time
@@ -99,11 +102,14 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
     try:
         import cupy
 
+        from distmm.executor.device import gpu_name
+
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return out
         dev = cupy.cuda.Device()
         out["cuda"] = True
         out["device"] = dev.pci_bus_id
+        out["name"] = gpu_name(dev.id)  # the model: alike devices get one rate (worker_info)
         out["device_memory"] = int(dev.mem_info[1])  # the device's total bytes
         x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
         x @ x  # cuBLAS's handle and the pool: not timed
@@ -155,6 +161,36 @@ def _configured(gflops_cfg, address: str, kind: str):
     return table.get(kind)
 
 
+def _alike_rates(info: dict, found: dict) -> dict:
+    """Each probed worker's measured GFLOP/s, one value for workers that are alike: the
+    median over the GPU workers whose devices are of one model, and over the CPU workers of
+    one host with as many threads. A probe times a few small products, so alike workers
+    measure a few percent apart; block shares that followed those differences would be
+    uneven for no reason, and unequal shares make the placement search weigh every order of
+    the workers (several times as long: the layouts no longer coincide)."""
+    from distmm.engine.dask.transfer import host_of
+
+    groups: dict = {}
+    for addr, res in found.items():
+        w = info.get(addr) or {}
+        marked = float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
+        if res.get("cuda") and res.get("gpu_gflops"):
+            key = ("gpu", res.get("name") or res.get("device"))
+            rate = float(res["gpu_gflops"])
+        elif not res.get("cuda") and not marked and res.get("cpu_gflops"):
+            threads = max(int(w.get("nthreads", 1)), 1)
+            key = ("cpu", host_of(addr), threads)
+            rate = float(res["cpu_gflops"]) * threads
+        else:
+            continue
+        groups.setdefault(key, []).append((addr, rate))
+    out = {}
+    for members in groups.values():
+        rate = statistics.median(r for _, r in members)
+        out.update((addr, rate) for addr, _ in members)
+    return out
+
+
 def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[WorkerInfo]:
     """Every worker of the cluster, sorted by address (probing those not seen before);
     ``info``: the scheduler's ``workers`` table when the caller has it already."""
@@ -165,6 +201,7 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
     import dask.config
 
     devices = dict(dask.config.get(DEVICES_KEY, None) or {})
+    alike = _alike_rates(info, found)
     out = []
     for addr in addresses:
         w = info[addr]
@@ -176,10 +213,9 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
         nthreads = max(int(w.get("nthreads", 1)), 1)
         rate = _configured(gflops_cfg, addr, kind)
         if rate is None:
-            if gpu:
-                rate = res.get("gpu_gflops") or ASSUMED_GPU_GFLOPS
-            else:
-                rate = (res.get("cpu_gflops") or 1.0) * nthreads
+            rate = alike.get(addr)
+        if rate is None:
+            rate = ASSUMED_GPU_GFLOPS if gpu else (res.get("cpu_gflops") or 1.0) * nthreads
         device = devices.get(addr, res.get("device"))
         mem = res.get("device_memory") if cuda else None
         out.append(WorkerInfo(addr, nthreads, gpu, None if device is None else str(device),
