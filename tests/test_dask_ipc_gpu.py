@@ -11,7 +11,8 @@ export; the probe finding both directions; a reader whose open fails (an offer a
 look exported on another host) fetching the bytes from the holder's live export instead; and
 ``distmm.matmul`` of cupy chunks persisted on both workers: the plan's IPC bytes are what
 the workers opened, no operand chunk crosses TCP, the product matches a float64 reference,
-and ``distmm.dask-device-transfer: tcp`` gives the same bits over TCP. The CPU side is
+and ``distmm.dask-device-transfer: tcp`` gives the same bits over TCP; a block whose k is cut
+into two pieces (``blocks.device_pieces``) against float64, both routes alike. The CPU side is
 ``tests/test_dask_ipc.py``.
 """
 from __future__ import annotations
@@ -401,3 +402,31 @@ def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
     assert measured_t["device_routes"]["ipc"] == 0
     assert measured_t["by_name"].get(B.name, 0) == half_b, measured_t["by_name"]
     assert np.array_equal(got_t, got)
+
+
+def test_a_block_over_two_k_pieces_sums_them_and_both_routes_agree(shared):
+    """k = 8195 in chunks of 4096 and 4099: each worker's block is cut into two k pieces
+    (``blocks.device_pieces``), the second copied while the first's GEMM runs, added in
+    the GEMM (beta = 1): the product matches a float64 reference, over IPC and over TCP
+    with the same bits."""
+    from distmm.cli.cluster import to_host
+    from distmm.engine.dask.blocks import device_pieces
+
+    client, w0, w1 = shared
+    ks = (4096, 4099)
+    assert len(device_pieces([(((0, 0, ks[0]), (1, 0, ks[1])),) * 2])) == 2
+    rng = np.random.default_rng()
+    a = cupy.asarray(rng.standard_normal((515, sum(ks))).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal((sum(ks), 263)).astype(np.float32))
+    A = placed(client, a, ((257, 258), ks), [[w0, w1], [w1, w0]])
+    B = placed(client, b, (ks, (263,)), [[w1], [w0]])
+    del a, b
+    got = {}
+    for mode in ("auto", "tcp"):
+        with dask.config.set({"distmm.dask-device-transfer": mode}):
+            C = distmm.matmul(A, B, client=client)
+        assert last_stats()["mode"] == "blocks"
+        got[mode] = client.compute(to_host(C), sync=True)
+    want = _reference(client, A, B)
+    np.testing.assert_allclose(got["auto"], want, rtol=3e-4, atol=3e-4 * np.abs(want).max())
+    assert np.array_equal(got["auto"], got["tcp"])

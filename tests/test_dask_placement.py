@@ -140,6 +140,34 @@ def test_alike_workers_take_one_rate_and_their_blocks_are_even():
     assert {even.area(i) for i in range(4)} == {32768 * 32768 // 4}
 
 
+def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
+    """A block's k range, one piece in the spec, is cut at A's and B's chunk edges into
+    pieces of at least ``least`` (a short tail joins the piece before), covering every k
+    once, in order, with each piece's A and B spans of equal length."""
+    from distmm.engine.dask.blocks import device_pieces
+
+    def spans(pieces):
+        return [(sum(k1 - k0 for _, k0, k1 in a), sum(k1 - k0 for _, k0, k1 in b))
+                for a, b in pieces]
+
+    four = tuple((i, 0, 8192) for i in range(4))
+    assert spans(device_pieces([(four, four)])) == [(8192, 8192)] * 4
+    # A's k from column 100 of a chunk of 8192, then 8292 of the next; B's k in 5000 and
+    # 11384: edges at 5000 (A inside its chunk) and 8092 (3092 after it: too short, joined)
+    a_k = ((3, 100, 8192), (4, 0, 8292))
+    b_k = ((0, 0, 5000), (1, 0, 11384))
+    got = device_pieces([(a_k, b_k)], least=4096)
+    assert got == [(((3, 100, 5100),), ((0, 0, 5000),)),
+                   (((3, 5100, 8192), (4, 0, 8292)), ((1, 0, 11384),))]
+    assert spans(got) == [(5000, 5000), (11384, 11384)]
+    assert spans(device_pieces([(a_k, b_k)], least=3000)) == [(5000, 5000), (3092, 3092),
+                                                              (8292, 8292)]
+    # short: one piece as it came; several spec pieces stay apart and in their order
+    short = (((0, 0, 3000),), ((0, 0, 3000),))
+    assert device_pieces([short]) == [short]
+    assert device_pieces([short, short]) == [short, short]
+
+
 def test_chunked_panel_reads_slices_across_chunks():
     """What the GPU pipeline reads of a block: slices of its chunks, never the
     whole panel assembled first."""

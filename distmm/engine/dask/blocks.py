@@ -27,7 +27,7 @@ from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chun
 from distmm.engine.dask.transfer import Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
-__all__ = ["block_product", "cut", "Chunked"]
+__all__ = ["block_product", "cut", "Chunked", "device_pieces"]
 
 
 class Chunked:
@@ -304,7 +304,7 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     mapped: dict = {}
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
-        for g, (a_k, b_k) in enumerate(spec.k_pieces):
+        for g, (a_k, b_k) in enumerate(device_pieces(spec.k_pieces)):
             with copy:
                 if len(held) == 2:  # piece g - 2's panels: reusable once its GEMM is done
                     done = held.pop(0)
@@ -321,6 +321,40 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
         ipc.unmap_later(mapped.values())  # once that work has run, on the closing thread
         copy.wait_event(compute.record())  # the panels' memory returns to the copy stream
         held.clear()
+    return out
+
+
+#: the shortest k piece a block's device panels are cut into (``device_pieces``)
+DEVICE_PIECE_K = 4096
+
+
+def device_pieces(k_pieces, least: int = DEVICE_PIECE_K):
+    """A block's k pieces (``BlockSpec.k_pieces``: block mode gives each k group as one
+    piece) cut again at A's and B's chunk edges along k, pieces shorter than ``least``
+    joined to the next (a short tail to the one before), as ``(A's pieces, B's pieces)``
+    along k in ``spec.k_pieces``' form. On a GPU the panels of piece g + 1 are copied
+    while piece g's GEMM runs: one piece for the whole k would copy both whole panels
+    before the only GEMM (``bench/NOTES.md``, the block's k pieces). Deterministic: the
+    cuts and the summation order follow the chunks alone.
+
+    Examples
+    --------
+    >>> device_pieces([(((0, 0, 8192), (1, 0, 8192)), ((0, 0, 6000), (1, 0, 10384)))])
+    [(((0, 0, 6000),), ((0, 0, 6000),)), (((0, 6000, 8192), (1, 0, 8192)), ((1, 0, 10384),))]
+    """
+    out = []
+    for a_k, b_k in k_pieces:
+        a_off = np.cumsum([0] + [k1 - k0 for _, k0, k1 in a_k]).tolist()
+        b_off = np.cumsum([0] + [k1 - k0 for _, k0, k1 in b_k]).tolist()
+        total = a_off[-1]
+        cuts = [0]
+        for e in sorted(set(a_off[1:-1]) | set(b_off[1:-1])):
+            if e - cuts[-1] >= least and total - e >= least:
+                cuts.append(e)
+        cuts.append(total)
+        out += [(tuple(Chunked._overlap(a_k, a_off, lo, hi)),
+                 tuple(Chunked._overlap(b_k, b_off, lo, hi)))
+                for lo, hi in zip(cuts[:-1], cuts[1:])]
     return out
 
 

@@ -134,7 +134,7 @@ def _probe_open(shareds, dask_worker=None):
 def probe(client, addresses) -> tuple[frozenset, dict]:
     """Between which of ``addresses`` (GPU workers) CUDA IPC works: each
     exports a small array of known values, every other worker of its host
-    opens and checks it, then the exports are freed (not waited for). Returns the working
+    opens and checks it, then the exports are freed. Returns the working
     ``(holder, reader)`` pairs and what was found (``cached``, ``pairs``,
     ``failures``: reader -> holder -> error, or why no probe could run).
     Cached per scheduler address and worker set."""
@@ -155,8 +155,8 @@ def probe(client, addresses) -> tuple[frozenset, dict]:
                              for a, e in made.items() if a not in good})
             opened = (client.run(_probe_open, good, workers=sorted(good), on_error="return")
                       if len(good) > 1 else {})
-        finally:  # not waited for: nothing depends on when the small probe arrays go
-            client.run(ipc.probe_release, workers=addresses, on_error="return", wait=False)
+        finally:
+            client.run(ipc.probe_release, workers=addresses, on_error="return")
     except Exception as exc:  # a worker leaving mid-probe: TCP this time, probe again next
         log.debug("distmm: IPC probe failed: %r", exc)
         return frozenset(), {"cached": False, "pairs": 0, "failures": {"probe": repr(exc)}}
