@@ -406,9 +406,10 @@ def test_matmul_moves_cupy_chunks_by_ipc_and_tcp_gives_the_same_bits(shared):
 
 def test_a_block_over_two_k_pieces_sums_them_and_both_routes_agree(shared):
     """k = 8195 in chunks of 4096 and 4099: each worker's block is cut into two k pieces
-    (``blocks.device_pieces``), the second copied while the first's GEMM runs, added in
-    the GEMM (beta = 1): the product matches a float64 reference, over IPC and over TCP
-    with the same bits."""
+    (``blocks.device_pieces``), the first run as one GEMM per chunk of C (into parts of C
+    that are not contiguous), the second copied while they run and added in the GEMM
+    (beta = 1): the product matches a float64 reference, over IPC and over TCP with the
+    same bits."""
     from distmm.cli.cluster import to_host
     from distmm.engine.dask.blocks import device_pieces
 
@@ -419,7 +420,7 @@ def test_a_block_over_two_k_pieces_sums_them_and_both_routes_agree(shared):
     a = cupy.asarray(rng.standard_normal((515, sum(ks))).astype(np.float32))
     b = cupy.asarray(rng.standard_normal((sum(ks), 263)).astype(np.float32))
     A = placed(client, a, ((257, 258), ks), [[w0, w1], [w1, w0]])
-    B = placed(client, b, (ks, (263,)), [[w1], [w0]])
+    B = placed(client, b, (ks, (131, 132)), [[w1, w0], [w0, w0]])
     del a, b
     got = {}
     for mode in ("auto", "tcp"):

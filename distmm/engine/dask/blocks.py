@@ -285,7 +285,8 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
                       b_blocks: dict):
     """The block (in the accumulation dtype) on this worker's GPU, its k pieces' panels
     assembled on a copy stream while the previous piece's GEMM runs on the current stream,
-    each GEMM adding into one C (``beta = 1`` after the first). Two pieces' panels are held
+    each GEMM adding into one C (``beta = 1`` after the first; the first piece one GEMM per
+    chunk of C, those at hand first: ``_first_piece``). Two pieces' panels are held
     at a time: a piece's memory is reused only after its GEMM has read it. Mappings of
     other workers' exports are ended on the closing thread once the copies and GEMMs queued
     here have run (``ipc.unmap_later``): the task returns with its last copies and GEMMs
@@ -305,6 +306,10 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
         for g, (a_k, b_k) in enumerate(device_pieces(spec.k_pieces)):
+            if g == 0 and (len(spec.a_rows) > 1 or len(spec.b_cols) > 1):
+                held.append(_first_piece(ex, spec, a_k, b_k, a_blocks, b_blocks, out, compute,
+                                         copy, mapped))
+                continue
             with copy:
                 if len(held) == 2:  # piece g - 2's panels: reusable once its GEMM is done
                     done = held.pop(0)
@@ -322,6 +327,43 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
         copy.wait_event(compute.record())  # the panels' memory returns to the copy stream
         held.clear()
     return out
+
+
+def _first_piece(ex, spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict, out, compute,
+                 copy, mapped: dict):
+    """The block's first k piece, one GEMM per (row chunk, column chunk) of C (``beta = 0``
+    into that part of ``out``), those whose operand chunks are at hand first: the first
+    GEMM starts before the other chunks' exports are mapped (4-5 ms each on the host), which
+    then happens while it runs. Every element of C still sums its k pieces in the same order,
+    and the parts are the same whatever the order they run in, so the bits do not depend on
+    where the chunks lie. Returns ``(event after the GEMMs, A's parts, B's parts)`` for the
+    caller to hold until the event."""
+    row_off = np.cumsum([0] + [r1 - r0 for _, r0, r1 in spec.a_rows]).tolist()
+    col_off = np.cumsum([0] + [c1 - c0 for _, c0, c1 in spec.b_cols]).tolist()
+    a_far = [sum(_far(a_blocks[(rb, kb)]) for kb, _, _ in a_k) for rb, _, _ in spec.a_rows]
+    b_far = [sum(_far(b_blocks[(kb, cb)]) for kb, _, _ in b_k) for cb, _, _ in spec.b_cols]
+    order = sorted(((i, j) for i in range(len(spec.a_rows)) for j in range(len(spec.b_cols))),
+                   key=lambda ij: (a_far[ij[0]] + b_far[ij[1]], ij))
+    a_parts: dict = {}
+    b_parts: dict = {}
+    for i, j in order:
+        with copy:
+            if i not in a_parts:
+                part = _assemble(a_blocks, spec.a_lead, (spec.a_rows[i],), a_k, mapped)
+                a_parts[i] = (part, copy.record())
+            if j not in b_parts:
+                part = _assemble(b_blocks, spec.b_lead, b_k, (spec.b_cols[j],), mapped)
+                b_parts[j] = (part, copy.record())
+        compute.wait_event(a_parts[i][1])
+        compute.wait_event(b_parts[j][1])
+        ex.device_gemm(a_parts[i][0], b_parts[j][0],
+                       out[row_off[i]:row_off[i + 1], col_off[j]:col_off[j + 1]], beta=0)
+    return compute.record(), a_parts, b_parts
+
+
+def _far(x) -> int:
+    """1 for an ``Offer`` of another process's export (mapped and copied before use), else 0."""
+    return int(isinstance(x, Offer) and x.shared is not None and not x.shared.local)
 
 
 #: the shortest k piece a block's device panels are cut into (``device_pieces``)
