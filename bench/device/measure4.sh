@@ -13,6 +13,8 @@
 #        parallel on GPU 0, GPUs 1-2 and GPU 3
 # emulated  4 GPUs as 2 emulated nodes (bench/studies/gpu-emulated-mpi.toml), then its
 #        emulated series with NCCL's streams at the default priority
+# summa  the MPI engine's broadcasts and GEMMs per panel (bench/research/summa_trace.py) on
+#        4 GPUs as one host and as 2 emulated nodes
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
 # trace  the Dask engine on all 4 GPUs at 32768 (TRACE_DTYPES, default fp32 then fp64), chunks
 #        8192, traced per block task (bench/research/dask_stream.py --trace; logs under $OUT)
@@ -78,6 +80,14 @@ PY
         -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -8
       DASK_DISTMM_DEBUG__STREAM_PRIORITY=false timeout ${T_EMU_OFF:-170} python3 -m distmm bench \
         /tmp/emulated-off.toml -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -6 ;;
+    summa)
+      # the MPI engine's panels from CUDA events (bench/research/summa_trace.py), fp32
+      # ${SUMMA_SIZE:-65536} on 4 GPUs: one host, then 2 emulated nodes
+      for nodes in 1 2; do
+        timeout ${T_SUMMA:-150} python3 -m bench.research.summa_trace --launch 4 --nodes $nodes \
+          --size ${SUMMA_SIZE:-65536} --calls 2 --out "$OUT/summa-$nodes.json" 2>&1 \
+          | grep -v "^\s*$" | cut -c1-400 | tail -12
+      done ;;
     dasktests)
       CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT ${DASK_TESTS:-tests/test_dask_gpu.py \
         tests/test_dask_gpu_engine.py tests/test_dask_ipc_gpu.py} > "$OUT/pytest-dask.log" 2>&1
