@@ -231,6 +231,28 @@ def test_the_probe_of_a_worker_without_a_device_never_imports_cupy():
     assert int(count) >= 1 and (cuda, device, imported) == ("True", "True", "True"), seen
 
 
+def test_the_probe_answers_first_and_measures_the_gpu_on_a_thread():
+    """A GPU worker's first probe returns without a GPU rate (``rate_pending``) and starts
+    the warm-up on a thread: later probes in the same process give the measured rate, and
+    by then the block tasks' modules are imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from distmm.engine.dask.workers import probe\n"
+            "first = got = probe()\n"
+            "t = time.time()\n"
+            "while got['gpu_gflops'] is None and got['rate_pending'] and time.time() - t < 90:\n"
+            "    time.sleep(0.05)\n"
+            "    got = probe()\n"
+            "print(first['cuda'], first['rate_pending'] or first['gpu_gflops'] is not None,\n"
+            "      (got['gpu_gflops'] or 0) > 100, got['rate_pending'],\n"
+            "      'distmm.engine.dask.blocks' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180)
+    assert done.stdout.split() == ["True", "True", "True", "False", "True"], done.stderr
+
+
 def _fill_device(client, address):
     """Take all but a few MiB of the worker's device (a real cudaMalloc, outside cupy's
     pool), as another process filling the GPU would. Returns the bytes taken."""

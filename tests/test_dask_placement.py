@@ -121,6 +121,10 @@ def test_alike_workers_take_one_rate_and_their_blocks_are_even():
     found = {a: {"cuda": True, "gpu_gflops": r, "name": "H100", "cpu_gflops": 9.0}
              for a, r in gpus.items()}
     found["tcp://10.0.0.1:5000"] = {"cuda": True, "gpu_gflops": 20000.0, "name": "A10"}
+    found["tcp://10.0.0.1:5001"] = {"cuda": True, "gpu_gflops": None, "name": "H100",
+                                    "rate_pending": True}  # still measuring: its model's
+    found["tcp://10.0.0.1:5002"] = {"cuda": True, "gpu_gflops": None, "name": "L4",
+                                    "rate_pending": True}  # no L4 measured yet: assumed
     found["tcp://10.0.0.1:6000"] = {"cuda": False, "cpu_gflops": 10.0}
     found["tcp://10.0.0.1:6001"] = {"cuda": False, "cpu_gflops": 12.0}
     found["tcp://10.0.0.1:6002"] = {"cuda": False, "cpu_gflops": 11.0}  # 2 threads
@@ -131,6 +135,8 @@ def test_alike_workers_take_one_rate_and_their_blocks_are_even():
     info["tcp://10.0.0.1:7000"] = {"nthreads": 1, "resources": {"GPU": 1}}
     rates = _alike_rates(info, found)
     assert {rates[a] for a in gpus} == {(50100. + 50500.) / 2}
+    assert rates["tcp://10.0.0.1:5001"] == rates[next(iter(gpus))]
+    assert "tcp://10.0.0.1:5002" not in rates
     assert rates["tcp://10.0.0.1:5000"] == 20000.0
     assert rates["tcp://10.0.0.1:6000"] == rates["tcp://10.0.0.1:6001"] == 11.0
     assert rates["tcp://10.0.0.1:6002"] == 22.0 and rates["tcp://10.0.0.2:6000"] == 30.0
@@ -138,6 +144,42 @@ def test_alike_workers_take_one_rate_and_their_blocks_are_even():
     even = block_layout(32768, 32768, 32768, shares([rates[a] for a in gpus], 32768, 32768,
                                                      32768, 4))
     assert {even.area(i) for i in range(4)} == {32768 * 32768 // 4}
+
+
+def test_workers_whose_gpu_rate_was_pending_are_probed_again_until_it_comes():
+    """The first probe of a GPU worker answers before its rate is measured (the worker
+    measures it on a thread): the next product probes that worker again, one that has
+    answered with its rate is not probed again, and until then it plans with the rate of
+    its model or the assumed one."""
+    from distmm.engine.dask import workers
+
+    answers = {"tcp://h:1": [{"cuda": True, "name": "H100", "gpu_gflops": None,
+                              "rate_pending": True},
+                             {"cuda": True, "name": "H100", "gpu_gflops": 51000.0,
+                              "rate_pending": False}],
+               "tcp://h:2": [{"cuda": False, "cpu_gflops": 20.0, "rate_pending": False}]}
+    asked = []
+
+    class Client:
+        def run(self, fn, workers=None, on_error=None):
+            asked.append(sorted(workers))
+            return {w: answers[w].pop(0) for w in workers}
+
+    info = {"tcp://h:1": {"nthreads": 1}, "tcp://h:2": {"nthreads": 2}}
+    for addr in info:
+        workers.forget(addr)
+    try:
+        first = {w.address: w for w in workers.worker_info(Client(), None, info)}
+        second = {w.address: w for w in workers.worker_info(Client(), None, info)}
+        third = workers.worker_info(Client(), None, info)
+    finally:
+        for addr in info:
+            workers.forget(addr)
+    assert asked == [["tcp://h:1", "tcp://h:2"], ["tcp://h:1"]]
+    assert first["tcp://h:1"].gflops == workers.ASSUMED_GPU_GFLOPS and first["tcp://h:1"].gpu
+    assert second["tcp://h:1"].gflops == 51000.0
+    assert first["tcp://h:2"].gflops == second["tcp://h:2"].gflops == 40.0
+    assert [w.gflops for w in third] == [51000.0, 40.0]
 
 
 def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():

@@ -4,12 +4,10 @@ This module covers: ``urgent_stream()``, a non-blocking cupy stream created at t
 current device's greatest stream priority, for the work that the next GEMM waits on
 while the current one runs (NCCL's panel broadcasts, the copies that assemble a block
 task's next panels). The block scheduler hands a freed SM to a waiting block of a
-higher-priority stream before the next block of a running GEMM, so a broadcast's
-kernel starts as soon as one of the GEMM's blocks ends, instead of after the GEMM's
-last block has been dispatched. Without it, each panel's broadcast between two GPUs
-runs only in the tail of a GEMM and the next GEMM waits for it; a transfer whose two
-ends must run at once (NCCL over sockets) then barely moves (NCCL's own tracker,
-issue 1431, describes the delay).
+higher-priority stream before the next block of a running GEMM, so a broadcast's or a
+copy's kernel starts as soon as one of the GEMM's blocks ends, instead of after the
+GEMM's last block has been dispatched (the delay NCCL's own tracker describes, issue
+1431). Whether it shortens a product is in ``bench/NOTES.md`` (priority streams).
 
 ``distmm-debug.stream-priority`` (dask configuration, outside the checked ``distmm``
 section; ``DASK_DISTMM_DEBUG__STREAM_PRIORITY=false``) turns the priority off, so a

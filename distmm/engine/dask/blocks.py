@@ -333,8 +333,8 @@ def _first_piece(ex, spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict, 
                  copy, mapped: dict):
     """The block's first k piece, one GEMM per (row chunk, column chunk) of C (``beta = 0``
     into that part of ``out``), those whose operand chunks are at hand first: the first
-    GEMM starts before the other chunks' exports are mapped (4-5 ms each on the host), which
-    then happens while it runs. Every element of C still sums its k pieces in the same order,
+    GEMM starts before the other chunks' exports are mapped on the host, which then
+    happens while it runs. Every element of C still sums its k pieces in the same order,
     and the parts are the same whatever the order they run in, so the bits do not depend on
     where the chunks lie. Returns ``(event after the GEMMs, A's parts, B's parts)`` for the
     caller to hold until the event."""

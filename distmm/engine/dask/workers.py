@@ -6,9 +6,10 @@ declare, or a probe run on the worker that finds a CUDA device: the driver
 shows one, cupy imports and ``getDeviceCount() > 0``), each worker's
 throughput in GFLOP/s (the ``distmm.dask-worker-gflops`` configuration by
 address, then by kind, else
-measured by the probe: a small float64 product timed on the worker's device; alike
-workers, GPUs of one model or CPU workers of one host with as many threads, take the
-median of their measurements),
+measured by the probe: a small float64 product timed on the worker's device, on a thread
+of the worker's own after the probe has answered, so that a product's first plan takes
+``ASSUMED_GPU_GFLOPS`` for GPUs not measured yet; alike workers, GPUs of one model or CPU
+workers of one host with as many threads, take the median of their measurements),
 which workers share one physical GPU (the probe's PCI bus id, or
 ``DEVICES_KEY`` for tests), and the emulated node a worker was started in
 (``DISTMM_EMULATED_NODE``, ``distmm.emulate``), as one
@@ -80,15 +81,20 @@ def _driver_devices() -> int | None:
 
 
 def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
-    """Run on a worker: whether it sees a CUDA device, which one (PCI bus id),
-    GFLOP/s of a small float64 product on the GPU (if any) and the CPU, and its
-    emulated node (None where none)."""
+    """Run on a worker: whether it sees a CUDA device, which one (PCI bus id, model),
+    GFLOP/s of a small float64 product on the CPU and, once measured, on the GPU, and its
+    emulated node (None where none).
+
+    On a GPU worker the first probe starts ``_gpu_warmup`` on a thread of its own and
+    returns without waiting for it: ``gpu_gflops`` is None and ``rate_pending`` True until
+    a later probe finds the measurement done (``worker_info`` probes such a worker again
+    on the next product)."""
     import numpy as np
 
     from distmm.emulate import this_node
 
     out: dict = {"cuda": False, "device": None, "gpu_gflops": None, "cpu_gflops": None,
-                 "device_memory": None, "node": this_node()}
+                 "device_memory": None, "node": this_node(), "rate_pending": False}
     rng = np.random.default_rng(0)
     a = rng.standard_normal((cpu_size, cpu_size))
     best = float("inf")
@@ -111,21 +117,64 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
         out["device"] = dev.pci_bus_id
         out["name"] = gpu_name(dev.id)  # the model: alike devices get one rate (worker_info)
         out["device_memory"] = int(dev.mem_info[1])  # the device's total bytes
-        x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
-        x @ x  # cuBLAS's handle and the pool: not timed
-        cupy.cuda.runtime.deviceSynchronize()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
+    except Exception:  # no cupy, no driver, a device in trouble: a CPU worker
+        return dict(out, cuda=False, device=None, name=None, device_memory=None)
+    warm = _start_warmup(dev.id, gpu_size)
+    out["gpu_gflops"] = warm.get("gflops")
+    out["rate_pending"] = out["gpu_gflops"] is None and warm.get("error") is None
+    return out
+
+
+_WARM: dict = {}  # this process's GPU warm-up: "thread", then "gflops" or "error"
+_WARM_LOCK = threading.Lock()
+
+
+def _start_warmup(device: int, gpu_size: int) -> dict:
+    """Start ``_gpu_warmup`` once per process; its state as it stands."""
+    with _WARM_LOCK:
+        if "thread" not in _WARM:
+            _WARM["thread"] = threading.Thread(target=_gpu_warmup, args=(device, gpu_size),
+                                               name="distmm-gpu-warmup", daemon=True)
+            _WARM["thread"].start()
+        return dict(_WARM)
+
+
+def _gpu_warmup(device: int, gpu_size: int) -> None:
+    """On a GPU worker, on a thread of its own: what the first block task would otherwise
+    start inside itself (the modules block tasks run, cuBLAS's library and first kernels
+    for float32 and float64, cupy's copy into strided panels), then the GPU's GFLOP/s: a
+    ``gpu_size`` float64 product, timed after one untimed. Runs while the client plans
+    and builds the graph, not while the worker's event loop waits (``probe`` returns
+    first); a failure leaves ``error`` and no rate."""
+    try:
+        import cupy
+        import numpy as np
+
+        import distmm.engine.dask.blocks  # noqa: F401  (and the modules it imports)
+        import distmm.engine.dask.pull  # noqa: F401
+        from distmm.executor.cublas import start_cublas
+
+        with cupy.cuda.Device(device):
+            for dt in (np.float32, np.float64):
+                start_cublas(dt).result()
+                src = cupy.empty((8, 8), dtype=dt)
+                dst = cupy.empty((8, 16), dtype=dt)
+                dst[:, 3:11] = src  # the copy kernel panels are assembled with
+            x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
             x @ x
             cupy.cuda.runtime.deviceSynchronize()
-            best = min(best, time.perf_counter() - t0)
-        out["gpu_gflops"] = 2 * gpu_size**3 / max(best, 1e-9) / 1e9
-        del x
-        cupy.get_default_memory_pool().free_all_blocks()
-    except Exception:  # no cupy, no driver, a device in trouble: a CPU worker
-        pass
-    return out
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                x @ x
+                cupy.cuda.runtime.deviceSynchronize()
+                best = min(best, time.perf_counter() - t0)
+            del x
+        with _WARM_LOCK:
+            _WARM["gflops"] = 2 * gpu_size**3 / max(best, 1e-9) / 1e9
+    except Exception as exc:  # noqa: BLE001 -- the worker keeps the assumed rate
+        with _WARM_LOCK:
+            _WARM["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def forget(address: str | None = None) -> None:
@@ -138,8 +187,10 @@ def forget(address: str | None = None) -> None:
 
 
 def _probes(client, addresses) -> dict:
+    """Each worker's probe: cached, asked again of workers whose GPU rate was still being
+    measured (``rate_pending``)."""
     with _LOCK:
-        missing = [a for a in addresses if a not in _CACHE]
+        missing = [a for a in addresses if a not in _CACHE or _CACHE[a].get("rate_pending")]
     if missing:
         try:
             got = client.run(probe, workers=missing, on_error="return")
@@ -167,16 +218,19 @@ def _alike_rates(info: dict, found: dict) -> dict:
     one host with as many threads. A probe times a few small products, so alike workers
     measure a few percent apart; block shares that followed those differences would be
     uneven for no reason, and unequal shares make the placement search weigh every order of
-    the workers (several times as long: the layouts no longer coincide)."""
+    the workers (several times as long: the layouts no longer coincide). A GPU whose rate is
+    still being measured (``probe``) takes its model's; a model none of whose GPUs has a
+    rate yet is left out (``ASSUMED_GPU_GFLOPS``)."""
     from distmm.engine.dask.transfer import host_of
 
     groups: dict = {}
     for addr, res in found.items():
         w = info.get(addr) or {}
         marked = float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
-        if res.get("cuda") and res.get("gpu_gflops"):
+        if res.get("cuda") and (res.get("gpu_gflops") or res.get("name")):
+            # a GPU whose rate is still being measured takes its model's
             key = ("gpu", res.get("name") or res.get("device"))
-            rate = float(res["gpu_gflops"])
+            rate = float(res["gpu_gflops"]) if res.get("gpu_gflops") else None
         elif not res.get("cuda") and not marked and res.get("cpu_gflops"):
             threads = max(int(w.get("nthreads", 1)), 1)
             key = ("cpu", host_of(addr), threads)
@@ -186,8 +240,10 @@ def _alike_rates(info: dict, found: dict) -> dict:
         groups.setdefault(key, []).append((addr, rate))
     out = {}
     for members in groups.values():
-        rate = statistics.median(r for _, r in members)
-        out.update((addr, rate) for addr, _ in members)
+        rates = [r for _, r in members if r is not None]
+        if rates:
+            rate = statistics.median(rates)
+            out.update((addr, rate) for addr, _ in members)
     return out
 
 
