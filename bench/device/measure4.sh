@@ -49,10 +49,13 @@ for phase in "$@"; do
       wait $p3; grep -v "^ok " "$OUT/tensorcores.log" | tail -45 ;;
     quick)
       # the GPU tests of what changed since they last ran on a device: streams at the greatest
-      # priority, the driver's entry points under CUDA IPC and step 14's tensor maps
+      # priority, the driver's entry points under CUDA IPC, step 14's tensor maps, the Dask
+      # worker probe's warm-up thread and the block k loop (the IPC tests on GPUs 1-2)
       ( CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout ${T_Q0:-240} $PT tests/test_streams.py \
           tests/test_driver.py tests/test_gpu_kernels.py -k "${Q0_K:-streams or driver or wgmma_tma or tma_step}" \
-          > "$OUT/pytest-q0.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q0.log" ) & q0=$!
+          > "$OUT/pytest-q0.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q0.log"
+        CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout 200 $PT tests/test_dask_gpu_engine.py -k probe \
+          >> "$OUT/pytest-q0.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q0.log" ) & q0=$!
       ( CUDA_VISIBLE_DEVICES=1,2 taskset -c 16-47 timeout ${T_Q1:-300} $PT tests/test_dask_ipc_gpu.py \
           tests/test_mpi_gpu.py tests/test_mpi_batch.py > "$OUT/pytest-q1.log" 2>&1
         echo "exit $?" >> "$OUT/pytest-q1.log" ) & q1=$!
