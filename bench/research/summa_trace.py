@@ -127,9 +127,10 @@ def _rank(args) -> int:
             for per_rank in every:
                 r = per_rank[call]
                 s = r["summary"]
+                first = s["first_gemm_ms"]
                 line = (f"call {call} rank {r['rank']} (node {r['node']}): {r['seconds']:.3f} s; "
                         f"{s['gemms']} GEMMs {s['gemm_ms']:.1f} ms, gaps {s['gap_ms']:.1f} ms, "
-                        f"first at {s['first_gemm_ms']:.1f} ms")
+                        f"first at {'-' if first is None else f'{first:.1f}'} ms")
                 for label in ("row", "col"):
                     d = s[label]
                     if d["count"]:
