@@ -4,7 +4,8 @@ another worker's export (``take_into``) by plain copies that note a mapping. Cov
 a GPU: the block's k cut into pieces at the chunk edges (``device_pieces``), the first
 piece run as one GEMM per chunk of C with the chunks at hand first, every later piece
 adding into all of C, the result against float64, and the bits the same wherever the
-chunks lie. The device itself runs it in ``tests/test_dask_ipc_gpu.py``."""
+chunks lie, and the limits on that split (``FIRST_PARTS``, ``FIRST_PART_SIDE``). The device
+itself runs it in ``tests/test_dask_ipc_gpu.py``."""
 from __future__ import annotations
 
 import sys
@@ -69,6 +70,7 @@ def device(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", dev)
     monkeypatch.setattr(blocks, "_COPY_STREAMS", threading.local())
     monkeypatch.setattr(blocks, "_gpu_executor", lambda tp, backend: _GEMMs(log))
+    monkeypatch.setattr(blocks, "FIRST_PART_SIDE", 1)  # small chunks split the first piece too
 
     def take_into(x, dst, lead, r0, c0, mapped):
         if isinstance(x, Offer):
@@ -141,3 +143,20 @@ def test_one_chunk_of_c_keeps_one_gemm_per_piece(device):
     c = _run(a, b, (6,), (4100, 4100), (5,), a_far={(0, 1)}, b_far=set())
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())
     assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == [((6, 5), 0), ((6, 5), 1)]
+
+
+def test_many_or_thin_chunks_of_c_keep_one_first_gemm(device, monkeypatch):
+    """The first piece is split only into at most ``FIRST_PARTS`` GEMMs of at least
+    ``FIRST_PART_SIDE`` rows and columns: a thinner part, or more parts, keep one GEMM."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((12, 4100))
+    b = rng.standard_normal((4100, 9))
+    monkeypatch.setattr(blocks, "FIRST_PART_SIDE", 6)  # the 5-row chunk is too thin
+    c = _run(a, b, (5, 7), (4100,), (6, 3), a_far=set(), b_far=set())
+    np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())
+    assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == [((12, 9), 0)]
+    device.clear()
+    monkeypatch.setattr(blocks, "FIRST_PART_SIDE", 1)
+    monkeypatch.setattr(blocks, "FIRST_PARTS", 3)  # 2 x 2 parts: too many
+    _run(a, b, (5, 7), (4100,), (6, 3), a_far=set(), b_far=set())
+    assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == [((12, 9), 0)]

@@ -417,10 +417,11 @@ def test_a_block_over_two_k_pieces_sums_them_and_both_routes_agree(shared):
     ks = (4096, 4099)
     assert len(device_pieces([(((0, 0, ks[0]), (1, 0, ks[1])),) * 2])) == 2
     rng = np.random.default_rng()
-    a = cupy.asarray(rng.standard_normal((515, sum(ks))).astype(np.float32))
-    b = cupy.asarray(rng.standard_normal((sum(ks), 263)).astype(np.float32))
-    A = placed(client, a, ((257, 258), ks), [[w0, w1], [w1, w0]])
-    B = placed(client, b, (ks, (131, 132)), [[w1, w0], [w0, w0]])
+    rows, cols = (1024, 1025), (1024, 1030)  # parts of C at least FIRST_PART_SIDE a side
+    a = cupy.asarray(rng.standard_normal((sum(rows), sum(ks))).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal((sum(ks), sum(cols))).astype(np.float32))
+    A = placed(client, a, (rows, ks), [[w0, w1], [w1, w0]])
+    B = placed(client, b, (ks, cols), [[w1, w0], [w0, w0]])
     del a, b
     got = {}
     for mode in ("auto", "tcp"):

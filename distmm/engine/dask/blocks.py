@@ -306,7 +306,7 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
         for g, (a_k, b_k) in enumerate(device_pieces(spec.k_pieces)):
-            if g == 0 and (len(spec.a_rows) > 1 or len(spec.b_cols) > 1):
+            if g == 0 and _split_first(spec):
                 held.append(_first_piece(ex, spec, a_k, b_k, a_blocks, b_blocks, out, compute,
                                          copy, mapped))
                 continue
@@ -359,6 +359,19 @@ def _first_piece(ex, spec: BlockSpec, a_k, b_k, a_blocks: dict, b_blocks: dict, 
         ex.device_gemm(a_parts[i][0], b_parts[j][0],
                        out[row_off[i]:row_off[i + 1], col_off[j]:col_off[j + 1]], beta=0)
     return compute.record(), a_parts, b_parts
+
+
+#: the first piece is split per chunk of C only into at most this many GEMMs, each at least
+#: ``FIRST_PART_SIDE`` rows and columns (smaller GEMMs would cost more than they hide)
+FIRST_PARTS, FIRST_PART_SIDE = 16, 1024
+
+
+def _split_first(spec: BlockSpec) -> bool:
+    """Whether the block's first k piece runs per chunk of C (``_first_piece``): more than
+    one chunk, at most ``FIRST_PARTS`` of them, none thinner than ``FIRST_PART_SIDE``."""
+    parts = len(spec.a_rows) * len(spec.b_cols)
+    sides = [r1 - r0 for _, r0, r1 in spec.a_rows] + [c1 - c0 for _, c0, c1 in spec.b_cols]
+    return 1 < parts <= FIRST_PARTS and min(sides) >= FIRST_PART_SIDE
 
 
 def _far(x) -> int:
