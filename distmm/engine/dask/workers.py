@@ -212,6 +212,11 @@ def _configured(gflops_cfg, address: str, kind: str):
     return table.get(kind)
 
 
+def _marked_gpu(w: dict) -> bool:
+    """Whether the scheduler's entry ``w`` for a worker declares a ``GPU`` resource."""
+    return float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
+
+
 def _alike_rates(info: dict, found: dict) -> dict:
     """Each probed worker's measured GFLOP/s, one value for workers that are alike: the
     median over the GPU workers whose devices are of one model, and over the CPU workers of
@@ -226,7 +231,7 @@ def _alike_rates(info: dict, found: dict) -> dict:
     groups: dict = {}
     for addr, res in found.items():
         w = info.get(addr) or {}
-        marked = float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
+        marked = _marked_gpu(w)
         if res.get("cuda") and (res.get("gpu_gflops") or res.get("name")):
             # a GPU whose rate is still being measured takes its model's
             key = ("gpu", res.get("name") or res.get("device"))
@@ -262,7 +267,7 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
     for addr in addresses:
         w = info[addr]
         res = found.get(addr, {})
-        marked = float((w.get("resources") or {}).get("GPU", 0) or 0) > 0
+        marked = _marked_gpu(w)
         cuda = bool(res.get("cuda"))
         gpu = marked or cuda
         kind = "gpu" if gpu else "cpu"
