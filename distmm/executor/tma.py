@@ -89,9 +89,8 @@ def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int]) -> 
     strides = (ctypes.c_uint64 * 1)(ld * 2)
     boxes = (ctypes.c_uint32 * 2)(*box)
     steps = (ctypes.c_uint32 * 2)(1, 1)
-    err = lib.encode(ctypes.c_void_p(aligned), _U16, 2, ctypes.c_void_p(ptr),
-                                     dims, strides, boxes, steps, 0, _SWIZZLE_128B, _L2_256B,
-                                     _OOB_ZERO)
+    err = lib.encode(ctypes.c_void_p(aligned), _U16, 2, ctypes.c_void_p(ptr), dims, strides,
+                     boxes, steps, 0, _SWIZZLE_128B, _L2_256B, _OOB_ZERO)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for {rows}x{cols}, "
                            f"row stride {ld}, box {box}")
@@ -113,6 +112,6 @@ def launch(function_ptr: int, grid: tuple[int, int, int], block: tuple[int, int,
     params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                              for h in held])
     err = lib.launch(ctypes.c_void_p(function_ptr), *grid, *block, shared_mem,
-                             ctypes.c_void_p(stream_ptr), params, None)
+                     ctypes.c_void_p(stream_ptr), params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel failed (CUresult {err})")
