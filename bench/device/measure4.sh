@@ -85,11 +85,17 @@ PY
         /tmp/emulated-off.toml -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -6 ;;
     summa)
       # the MPI engine's panels from CUDA events (bench/research/summa_trace.py), fp32
-      # ${SUMMA_SIZE:-65536} on 4 GPUs: one host, then 2 emulated nodes
-      for nodes in 1 2; do
-        timeout ${T_SUMMA:-150} python3 -m bench.research.summa_trace --launch 4 --nodes $nodes \
-          --size ${SUMMA_SIZE:-65536} --calls 2 --out "$OUT/summa-$nodes.json" 2>&1 \
-          | grep -v "^\s*$" | cut -c1-400 | tail -12
+      # ${SUMMA_SIZE:-65536} on 4 GPUs as ${SUMMA_NODES:-2 1} emulated nodes (1: one host);
+      # NCCL_DEBUG=INFO (init, graph, net) in each log under $OUT
+      for nodes in ${SUMMA_NODES:-2 1}; do
+        NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,NET timeout ${T_SUMMA:-150} \
+          python3 -m bench.research.summa_trace --launch 4 --nodes $nodes \
+          --size ${SUMMA_SIZE:-65536} --calls 2 --out "$OUT/summa-$nodes.json" \
+          > "$OUT/summa-$nodes.log" 2>&1
+        echo "exit $? (nodes $nodes)"
+        grep -v "NCCL INFO" "$OUT/summa-$nodes.log" | grep -v "^\s*$" | cut -c1-400 | tail -12
+        grep "NCCL INFO" "$OUT/summa-$nodes.log" | grep -i "via\|nchannels\|Using network\|NET/Socket" \
+          | sed 's/^[^ ]* //' | sort | uniq -c | sort -rn | head -${SUMMA_NCCL_LINES:-12} | cut -c1-250
       done ;;
     dasktests)
       CUDA_VISIBLE_DEVICES=0,1 timeout ${T_DT:-200} $PT ${DASK_TESTS:-tests/test_dask_gpu.py \
