@@ -21,7 +21,7 @@ import numpy as np
 
 from distmm.plan import Plan, accumulate_dtype, reduction_tree
 
-__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
+__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels", "gpu_panels",
            "GPU_MIN_PANEL",
            "DEFAULT_RANK_FLOPS", "DEFAULT_LINK_BYTES"]
 
@@ -347,6 +347,36 @@ def widen_panels(grid: GridPlan, min_width: int) -> GridPlan:
         width = max(int(min_width), MIN_PANEL, math.ceil((k1 - k0) / PANELS_PER_LAYER))
         cuts = grid.a_k_edges[layer] + grid.b_k_edges[layer]
         panels.append(_panels(k0, k1, cuts, width) if k1 > k0 else (k0,))
+    panels = tuple(panels)
+    if panels == grid.panel_edges:
+        return grid
+    return dataclasses.replace(grid, panel_edges=panels)
+
+
+def gpu_panels(grid: GridPlan, *, across_hosts: bool = False) -> GridPlan:
+    """The SUMMA panels of in-core GPU blocks.
+
+    Within one host: ``widen_panels(grid, GPU_MIN_PANEL)``, few wide panels, each
+    rank-k update near cuBLAS's rate. Across hosts (a network between some ranks):
+    panels ``GPU_MIN_PANEL`` wide (still cut at every owner's edge), because nothing
+    hides the first panel's broadcast and over a network that broadcast is long; the
+    later ones move while the earlier panels multiply. Layouts, grid and bytes moved
+    stay the same.
+
+    >>> g = make_grid(65536, 65536, 65536, ranks=4)
+    >>> [len(p) - 1 for p in gpu_panels(g).panel_edges]
+    [4]
+    >>> [len(p) - 1 for p in gpu_panels(g, across_hosts=True).panel_edges]
+    [16]
+    """
+    if not across_hosts:
+        return widen_panels(grid, GPU_MIN_PANEL)
+    panels = []
+    for layer in range(grid.layers):
+        k0, k1 = grid.layer_edges[layer], grid.layer_edges[layer + 1]
+        cuts = grid.a_k_edges[layer] + grid.b_k_edges[layer]
+        panels.append(_panels(k0, k1, cuts, max(GPU_MIN_PANEL, MIN_PANEL)) if k1 > k0
+                      else (k0,))
     panels = tuple(panels)
     if panels == grid.panel_edges:
         return grid

@@ -31,7 +31,7 @@ from typing import Mapping
 
 import numpy as np
 
-from distmm.grid import GPU_MIN_PANEL, GridPlan, _candidates, make_grid, widen_panels
+from distmm.grid import GridPlan, _candidates, gpu_panels, make_grid
 from distmm.plan import accumulate_dtype, make_plan
 from distmm.plan_batch import plan_batch
 from distmm.plan_blocks import shares, worker_grid
@@ -543,8 +543,8 @@ def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_d
     gemm, share = _rank_rate(cal, device, acc, ranks_per_device, threads_per_rank, devices)
     cal.link(link_name)
     g = grid if isinstance(grid, GridPlan) else make_grid(m, n, k, dt, ranks=devices, grid=grid)
-    if device == "gpu":
-        g = widen_panels(g, GPU_MIN_PANEL)
+    if device == "gpu":  # the engine's panels: narrow ones where ranks are across a network
+        g = gpu_panels(g, across_hosts=link_name == "nccl-socket")
     overlap = cal.overlap.get("mpi", 0.9)
     worst = (0.0, 0.0, 0.0)
     for r in _representatives(g):

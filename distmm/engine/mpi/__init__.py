@@ -28,7 +28,7 @@ from distmm.engine.mpi.distarray import DistArray, square_grid
 from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu
 from distmm.engine.mpi.summa import summa
 from distmm.engine.tiles import finish_tile
-from distmm.grid import GPU_MIN_PANEL, GridPlan, grid_for_plan, widen_panels
+from distmm.grid import GridPlan, gpu_panels, grid_for_plan
 
 __all__ = ["MPIEngine", "DistArray", "square_grid", "world", "cache_stats"]
 
@@ -158,12 +158,12 @@ class MPIEngine(Engine):
         start = time.perf_counter()
         if on_gpu:
             device = local_gpu(self.comm)
-            # In-core GPU blocks: wide panels keep each rank-k update near cuBLAS's rate.
-            grid = widen_panels(grid, GPU_MIN_PANEL)
         executor = get_executor(backend, acc, on_gpu=on_gpu, precision=precision)
         try:
             comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
                                device=device)
+            if on_gpu:  # wide panels on one host, narrow ones across hosts (grid.gpu_panels)
+                grid = gpu_panels(grid, across_hosts=comms.hosts > 1)
             before = comms.bytes_received
             phases.add("startup", start, time.perf_counter())
             with executor:

@@ -63,6 +63,9 @@ class GridComms:
         Bytes this rank received since the object was made (panels and layer partials).
     nccl_communicators : int
         NCCL communicators this object made (0 on one rank, 2 at most).
+    hosts : int
+        Hosts the communicator's ranks are on (``distmm.emulate.link_host``: an emulated
+        node counts as a host).
     """
 
     def __init__(self, comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "auto"):
@@ -77,6 +80,10 @@ class GridComms:
             self.col_comm = comm.Split(color=layer * grid.cols + j, key=i)
         self.row = make_broadcaster(self.row_comm, on_gpu=on_gpu, prefer=prefer)
         self.col = make_broadcaster(self.col_comm, on_gpu=on_gpu, prefer=prefer)
+        from distmm.emulate import link_host
+
+        # hosts the job spans (an emulated node counts as one): the panels' width follows it
+        self.hosts = len(set(comm.allgather(link_host())))
         self.nccl_communicators = sum(getattr(b, "nccl", None) is not None
                                       for b in (self.row, self.col))
         self.reduce_bytes = 0
