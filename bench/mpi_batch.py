@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="",
                    help="appended to every variant's name (a setting compared in the same run)")
     p.add_argument("--gemm-repeat", type=int, default=3, help="timed in-core cuBLAS products")
+    p.add_argument("--binding", choices=["none", "default"], default="none",
+                   help="mpirun's CPU binding: none (--oversubscribe --bind-to none) or "
+                        "default (mpirun's own: one core a rank for two ranks or fewer)")
     p.add_argument("--formats", nargs="*", default=[], choices=["zarr", "h5"],
                    help="also write C as these formats, at the largest rank count")
     args = p.parse_args(argv)
@@ -117,7 +120,9 @@ def main(argv=None) -> int:
                           gpus_visible=_gpus_visible() if gpu else 0,
                           # Open MPI's transports as the launcher passes them (the README's
                           # OMPI_MCA_btl=^ofi skips the libfabric probe in MPI_Init)
-                          ompi_mca_btl=os.environ.get("OMPI_MCA_btl", "default"))
+                          ompi_mca_btl=os.environ.get("OMPI_MCA_btl", "default"),
+                          mpirun_binding=args.binding,
+                          mpi_cpus=os.environ.get("DISTMM_MPI_CPUS", "auto"))
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
     profiles = {}
     dtype = np.dtype(args.dtype)
@@ -155,7 +160,9 @@ def main(argv=None) -> int:
             if variant.startswith("batch-1"):
                 base += ["--engine", "mpi"]
             if variant.startswith("mpirun"):
-                base = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + base
+                base = [mpiexec, "-n", str(ranks)] + (
+                    ["--oversubscribe", "--bind-to", "none"] if args.binding == "none" else []
+                ) + base
             runs = []
             for rep in range(args.repeat):
                 prof = work / f"profile-{variant}-{n}-{rep}.json"

@@ -107,6 +107,7 @@ class Config:
     dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
     batch_panels: str = "auto"  # auto | read | share | broadcast: how its ranks get their panels
+    mpi_cpus: str = "auto"  # auto | keep: a GPU rank bound to one CPU takes its share of the node's
     precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
     direct_writes: bool = True  # large spans of .npy/HDF5 outputs written with O_DIRECT
 
@@ -251,6 +252,7 @@ _PARSERS = {
                                              ("auto", "ipc", "tcp"))),
     "batch-stripes": ("batch_stripes", _positive_int),
     "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "share", "broadcast"))),
+    "mpi-cpus": ("mpi_cpus", lambda v: _name(v, ("auto", "keep"))),
     "direct-writes": ("direct_writes", _required_bool),
     "precision": ("precision", lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                                PRECISIONS)),

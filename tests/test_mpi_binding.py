@@ -253,6 +253,7 @@ def test_info_under_mpiexec_prints_every_rank_once(mpirun):
     assert [row.split()[1] for row in rows] == ["0", "1"], r.stdout  # rank order, once each
     for local, row in enumerate(rows):
         assert f"node-local rank {local} of 2 (OMPI_COMM_WORLD_LOCAL_RANK)" in row, row
+        assert " CPU" in row, row  # the CPUs the rank may run on
         from distmm.engine.mpi.binding import visible_device_count
 
         if visible_device_count() == 0:

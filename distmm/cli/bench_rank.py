@@ -16,6 +16,7 @@ It does *not* cover: which configurations run (``distmm.cli.study``), launching
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -80,6 +81,9 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
         del c
         times.append(seconds)
     received = comm.gather(stats.get("bytes_received"), root=0)
+    # the CPUs each rank ran on (after distmm.engine.mpi.cpus widened a one-CPU binding)
+    cpus = comm.gather(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else None, root=0)
     if comm.rank != 0:
         return None
     bound = spec["relerr_bound"][dtype]
@@ -89,6 +93,7 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
              "grid": list(stats["grid"]) if stats.get("grid") else None,
              "threads_per_rank": None if gpu else threads,
              "bytes_received_max": max((r for r in received if r is not None), default=None),
+             "cpus_per_rank": min((c for c in cpus if c is not None), default=None),
              "residency": "device" if gpu else "host"}
     return {"relerr": relerr, "seconds": float(np.median(times)), "ok": ok, "bound": bound,
             "extra": extra}

@@ -55,23 +55,42 @@ def rank_table(comm) -> list[str] | None:
     Under ``mpirun -n 2`` on a host without GPUs, rank 0 gets::
 
         rank 0      node1, no GPU; node-local rank 0 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
-                    shows this process no device
+                    shows this process no device; 1 CPU
         rank 1      node1, no GPU; node-local rank 1 of 2 (OMPI_COMM_WORLD_LOCAL_RANK); CUDA
-                    shows this process no device
+                    shows this process no device; 1 CPU
 
-    (one line per rank, wrapped here).
+    (one line per rank, wrapped here). A GPU rank whose launcher bound it to one CPU
+    adds what a product makes of it (``distmm.engine.mpi.cpus``): ``1 CPU (a product
+    runs on 16)``.
     """
+    import os
+
+    from distmm.config import get_config
     from distmm.engine.mpi.binding import bind_rank, sharing_warning
+    from distmm.engine.mpi.cpus import allowed_cpus, share
 
     binding = bind_rank(comm, warn=False)
     gpu = None
+    cpus = wider = None
+    if hasattr(os, "sched_getaffinity"):
+        mask = sorted(os.sched_getaffinity(0))
+        cpus = len(mask)
+        if binding.device is not None and get_config().mpi_cpus == "auto":
+            wider = share(mask, allowed_cpus(), binding.local_rank, binding.local_size)
     if binding.device is not None:
         from distmm.executor.device import device_properties
 
         gpu = f"GPU {binding.device} ({device_properties(binding.device)['name']})"
-    rows = comm.gather((binding, gpu), root=0)
+    rows = comm.gather((binding, gpu, cpus, None if wider is None else len(wider)), root=0)
     if comm.rank != 0:
         return None
-    lines = [f"rank {r:<7d}{b.describe(g)}" for r, (b, g) in enumerate(rows)]
-    warning = sharing_warning([b for b, _ in rows])
+
+    def cpu_text(n, w):
+        if n is None:
+            return ""
+        return f"; {n} CPU{'s' if n != 1 else ''}" + (f" (a product runs on {w})" if w else "")
+
+    lines = [f"rank {r:<7d}{b.describe(g)}{cpu_text(n, w)}"
+             for r, (b, g, n, w) in enumerate(rows)]
+    warning = sharing_warning([row[0] for row in rows])
     return lines + ([warning] if warning else [])

@@ -227,8 +227,28 @@ def select_local_gpu(comm) -> int:
         rank, host, visible = blind[0]
         raise RuntimeError(f"{len(blind)} of {comm.size} ranks see no GPU; rank {rank} on {host} "
                            f"(CUDA_VISIBLE_DEVICES={visible!r}) is one")
+    _widen_cpus(comm, binding)
     cupy.cuda.Device(binding.device).use()
     return binding.device
+
+
+def _widen_cpus(comm, binding) -> None:
+    """A GPU rank bound to one CPU by its launcher runs on its share of the node's CPUs
+    (``distmm.engine.mpi.cpus``, setting ``mpi-cpus``); rank 0 logs it once for the job."""
+    import logging
+
+    from distmm.config import get_config
+    from distmm.engine.mpi.cpus import widen
+
+    cpus = widen(binding.local_rank, binding.local_size, get_config().mpi_cpus)
+    widened = comm.gather(None if cpus is None else len(cpus), root=0)
+    if comm.rank == 0 and any(w is not None for w in widened):
+        n = sum(w is not None for w in widened)
+        logging.getLogger("distmm.engine.mpi.cpus").info(
+            "%d of %d GPU ranks were bound to one CPU by the launcher and now run on their "
+            "share of their node's CPUs (%d or more each); mpirun --bind-to none or --map-by "
+            "slot:PE=N chooses yourself, distmm.mpi-cpus: keep keeps the launcher's binding",
+            n, comm.size, min(w for w in widened if w is not None))
 
 
 def shares_gpu(comm) -> bool:
