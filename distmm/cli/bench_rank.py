@@ -41,6 +41,10 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
     m, n, k, dtype, seed = cfg["m"], cfg["n"], cfg["k"], cfg["dtype"], spec["seed"]
     gpu, threads = spec["gpu"], spec["threads"]
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
+    if gpu:  # first: the rank's GPU, and its CPUs (a one-CPU binding widened) for making blocks
+        from distmm.engine.mpi.gridcomms import local_gpu
+
+        local_gpu(comm)
     a_local = blocks.block(blocks.A, (m, k), grid.a_layout.local_bounds(comm.rank), dtype, seed,
                            threads=threads)
     b_local = blocks.block(blocks.B, (k, n), grid.b_layout.local_bounds(comm.rank), dtype, seed,
@@ -49,9 +53,6 @@ def _run_one(comm, spec: dict, cfg: dict) -> dict | None:
     if gpu:  # device-resident blocks, as cuBLAS in-core gets them; C stays on the GPU
         import cupy
 
-        from distmm.engine.mpi.gridcomms import local_gpu
-
-        local_gpu(comm)
         a_local, b_local = cupy.asarray(a_local), cupy.asarray(b_local)
         sync = cupy.cuda.Device().synchronize
     da = DistArray(a_local, grid.a_layout, comm)
