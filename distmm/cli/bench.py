@@ -261,6 +261,10 @@ class _Runner:
 
         if not priority_wanted():  # streams for broadcasts and copies at the default priority
             extra["stream_priority"] = "default"
+        from distmm.config import get_config
+
+        if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding
+            extra["mpi_cpus"] = get_config().mpi_cpus
         return extra
 
     def relerr_bounds(self) -> dict:

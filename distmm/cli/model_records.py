@@ -138,7 +138,8 @@ def _study_configuration(rec: dict, base: dict) -> dict:
     nodes = rec.get("emulated_nodes")
     where = f"{count} GPU(s)" if gpu else f"{count} core(s)"
     label = f"study {engine} {'gpu' if gpu else 'cpu'} on {where}" + (
-        f", emulated nodes {nodes}" if nodes else "")
+        f", emulated nodes {nodes}" if nodes else "") + (
+        ", one CPU a rank" if engine == "mpi" and gpu and _one_cpu_ranks(rec) else "")
     conf = {**base, "engine": engine, "device": "gpu" if gpu else "cpu", "devices": count,
             "label": label}
     if engine == "mpi" and rec.get("grid"):
@@ -148,6 +149,17 @@ def _study_configuration(rec: dict, base: dict) -> dict:
     if nodes:
         conf["link"] = "nccl-socket" if engine == "mpi" and gpu else "tcp"
     return conf
+
+
+def _one_cpu_ranks(rec: dict) -> bool:
+    """Whether a study's GPU ranks each ran on one CPU (their launcher's binding kept),
+    which the model does not describe: NCCL's socket threads then share the rank's core.
+    ``cpus_per_rank`` says so where recorded; before it was, every emulated launch
+    (``mpiexec``'s MPMD form, two ranks or fewer an app context) had mpiexec's default
+    binding, one core a rank, unless its note names ``--bind-to none``."""
+    if rec.get("cpus_per_rank") is not None:
+        return int(rec["cpus_per_rank"]) == 1
+    return bool(rec.get("emulated_nodes")) and "--bind-to none" not in str(rec.get("note", ""))
 
 
 #: the arguments of ``predict`` a configuration may carry
