@@ -139,20 +139,24 @@ def _start_warmup(device: int, gpu_size: int) -> dict:
         return dict(_WARM)
 
 
+#: the side of the warm-up's products in each float dtype (a few milliseconds on a GPU)
+WARM_GEMM = 4096
+
+
 def _gpu_warmup(device: int, gpu_size: int) -> None:
     """On a GPU worker, on a thread of its own: what the first block task would otherwise
-    start inside itself (the modules block tasks run, cuBLAS's library and first kernels
-    for float32 and float64, cupy's copy into strided panels), then the GPU's GFLOP/s: a
-    ``gpu_size`` float64 product, timed after one untimed. Runs while the client plans
-    and builds the graph, not while the worker's event loop waits (``probe`` returns
-    first); a failure leaves ``error`` and no rate."""
+    start inside itself (the modules block tasks run, cuBLAS's library and its small and
+    large kernels for float32 and float64, cupy's copy into strided panels), then the
+    GPU's GFLOP/s: a ``gpu_size`` float64 product, timed after one untimed. Runs while
+    the client plans and builds the graph, not while the worker's event loop waits
+    (``probe`` returns first); a failure leaves ``error`` and no rate."""
     try:
         import cupy
         import numpy as np
 
         import distmm.engine.dask.blocks  # noqa: F401  (and the modules it imports)
         import distmm.engine.dask.pull  # noqa: F401
-        from distmm.executor.cublas import start_cublas
+        from distmm.executor.cublas import cublas_gemm, start_cublas
 
         with cupy.cuda.Device(device):
             for dt in (np.float32, np.float64):
@@ -160,6 +164,15 @@ def _gpu_warmup(device: int, gpu_size: int) -> None:
                 src = cupy.empty((8, 8), dtype=dt)
                 dst = cupy.empty((8, 16), dtype=dt)
                 dst[:, 3:11] = src  # the copy kernel panels are assembled with
+                # the large-tile kernels a block's GEMMs launch (start_cublas's 256^2 products
+                # load only the small ones): beta 0 for a block's first k piece, 1 after it
+                with cupy.cuda.Stream(non_blocking=True) as stream:
+                    w = cupy.empty((WARM_GEMM, WARM_GEMM), dtype=dt)
+                    c = cupy.empty_like(w)
+                    cublas_gemm(w, w, c, 1, 0)
+                    cublas_gemm(w, w, c, 1, 1)
+                    stream.synchronize()
+                    del w, c
             x = cupy.ones((gpu_size, gpu_size), dtype=np.float64)
             x @ x
             cupy.cuda.runtime.deviceSynchronize()
