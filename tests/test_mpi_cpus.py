@@ -88,6 +88,21 @@ def test_widen_moves_every_thread_to_the_share():
 
 
 @affinity
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_taskset_around_the_launch_stays_in_force():
+    """The launching process bound to one CPU (``taskset`` around the launcher): that CPU
+    is all the job may use, so nothing is widened."""
+    cpu = min(os.sched_getaffinity(0))
+    r = subprocess.run(["sh", "-c", f'exec "$0" -c "$1" auto & wait', sys.executable, WIDEN],
+                       capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = _lines(r.stdout)
+    assert got["GOT"] == "None" and eval(got["ALLOWED"]) == [cpu]
+    assert eval(got["MAIN"]) == eval(got["THREAD"]) == [cpu]
+
+
+@affinity
 def test_keep_leaves_the_launchers_mask():
     r = subprocess.run([sys.executable, "-c", WIDEN, "keep"], capture_output=True, text=True,
                        timeout=60)
@@ -136,3 +151,62 @@ def test_ranks_under_mpiexec_take_disjoint_shares(tmp_path, mpiexec, mpi_env):
     widened = [set(row[4]) for row in rows if row[3] is not None]
     if len(widened) == 2:
         assert not widened[0] & widened[1]
+
+
+GPU_RANKS = r"""
+import os, sys
+from mpi4py import MPI
+import numpy as np
+import distmm
+from distmm.engine.mpi import DistArray
+from distmm.engine.mpi.binding import bind_rank
+from distmm.engine.mpi.cpus import allowed_cpus, share
+from distmm.grid import make_grid
+comm = MPI.COMM_WORLD
+before = sorted(os.sched_getaffinity(0))
+b = bind_rank(comm, warn=False)
+expect = share(before, allowed_cpus(), b.local_rank, b.local_size)
+import cupy
+grid = make_grid(300, 200, 250, np.float64, ranks=comm.size)
+rng = np.random.default_rng(3)
+A, B = rng.standard_normal((300, 250)), rng.standard_normal((250, 200))
+a = DistArray.from_array(cupy.asarray(A), comm, grid.a_layout)
+bb = DistArray.from_array(cupy.asarray(B), comm, grid.b_layout)
+c = distmm.matmul(a, bb)  # the MPI engine picks each rank's GPU, and its CPUs with it
+full = c.gather(root=0)
+after = sorted(os.sched_getaffinity(0))
+rows = comm.gather((comm.rank, before, expect, after), root=0)
+if comm.rank == 0:
+    err = float(np.abs(cupy.asnumpy(full) - A @ B).max())
+    print("ERR", err)
+    for row in rows:
+        print("RANK", repr(row), flush=True)
+"""
+
+
+@affinity
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("setting", ["auto", "keep"])
+def test_gpu_ranks_bound_to_one_core_take_their_share(tmp_path, mpiexec, mpi_env, setting):
+    """Two GPU ranks under Open MPI's own binding (one core each): a product widens each
+    to its share of the CPUs (``auto``), or leaves the core (``keep``); the result is right
+    either way."""
+    script = tmp_path / "gpu_ranks.py"
+    script.write_text(GPU_RANKS)
+    env = {k: v for k, v in mpi_env.items() if k != "OMPI_MCA_rmaps_base_oversubscribe"}
+    env["DISTMM_MPI_CPUS"] = setting
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert float(_lines(r.stdout)["ERR"]) < 1e-9, r.stdout
+    rows = [eval(line.split(" ", 1)[1]) for line in r.stdout.splitlines()
+            if line.startswith("RANK ")]
+    assert [row[0] for row in rows] == [0, 1], r.stdout
+    for rank, before, expect, after in rows:
+        if setting == "auto" and expect is not None:
+            assert after == sorted(expect) and len(after) > 1, (rank, before, after)
+        else:
+            assert after == before, (rank, before, after)
+    if setting == "auto" and all(row[2] is not None for row in rows):
+        assert not set(rows[0][3]) & set(rows[1][3])

@@ -11,8 +11,9 @@
 #                    through the stream pipeline)
 # quick  the GPU tests of the latest changes (streams, the driver under IPC, step 14), in
 #        parallel on GPU 0, GPUs 1-2 and GPU 3
-# emulated  4 GPUs as 2 emulated nodes (bench/studies/gpu-emulated-mpi.toml), then its
-#        emulated series with NCCL's streams at the default priority
+# emulated  4 GPUs as 2 emulated nodes, both engines (bench/studies/gpu-emulated.toml), with
+#        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
+# dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
 # summa  the MPI engine's broadcasts and GEMMs per panel (bench/research/summa_trace.py) on
 #        4 GPUs as one host and as 2 emulated nodes
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
@@ -57,7 +58,8 @@ for phase in "$@"; do
         CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout 200 $PT tests/test_dask_gpu_engine.py -k probe \
           >> "$OUT/pytest-q0.log" 2>&1; echo "exit $?" >> "$OUT/pytest-q0.log" ) & q0=$!
       ( CUDA_VISIBLE_DEVICES=1,2 taskset -c 16-47 timeout ${T_Q1:-300} $PT tests/test_dask_ipc_gpu.py \
-          tests/test_mpi_gpu.py tests/test_mpi_batch.py > "$OUT/pytest-q1.log" 2>&1
+          tests/test_mpi_gpu.py tests/test_mpi_batch.py tests/test_mpi_cpus.py \
+          > "$OUT/pytest-q1.log" 2>&1
         echo "exit $?" >> "$OUT/pytest-q1.log" ) & q1=$!
       if [ -n "${Q3-}" ]; then  # the Dask GPU engine's own tests (~5 minutes): Q3=1
         ( CUDA_VISIBLE_DEVICES=3 taskset -c 48-63 timeout ${T_Q3:-300} $PT tests/test_dask_gpu_engine.py \
@@ -66,23 +68,20 @@ for phase in "$@"; do
       wait $q0 $q1; [ -n "${q3-}" ] && wait $q3
       for f in q0 q1 ${q3:+q3}; do echo "-- $f"; grep -v "^\s*$" "$OUT/pytest-$f.log" | tail -6; done ;;
     emulated)
-      # 4 GPUs as 2 emulated nodes, MPI engine, fp32 65536 (bench/studies/gpu-emulated-mpi.toml
-      # without its all-links series): NCCL's broadcasts on streams at the greatest priority
-      # (the default), then the emulated series again with the priority off
-      # (distmm.executor.streams), cuBLAS in each run
-      python3 - <<'PY'
-import re
-text = open("bench/studies/gpu-emulated-mpi.toml").read()
-head, *series = re.split(r"(?m)^(?=\[\[series\]\])", text)
-keep = [s for s in series if "all-links" not in s]
-open("/tmp/emulated-on.toml", "w").write(head + "".join(keep))
-off = re.sub(r'(?m)^note = "(.*)"$', r'note = "\1; NCCL streams at the default priority"', head)
-open("/tmp/emulated-off.toml", "w").write(off + keep[0])
-PY
-      timeout ${T_EMU:-250} python3 -m distmm bench /tmp/emulated-on.toml \
-        -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -8
-      DASK_DISTMM_DEBUG__STREAM_PRIORITY=false timeout ${T_EMU_OFF:-170} python3 -m distmm bench \
-        /tmp/emulated-off.toml -o "$OUT/gpu-emulated-mpi.jsonl" 2>&1 | cut -c1-300 | tail -6 ;;
+      # 4 GPUs as 2 emulated nodes, fp32 65536, both engines and the all-links MPI series
+      # (bench/studies/gpu-emulated.toml), launched with mpiexec's own binding (one core a
+      # rank, which distmm widens for GPU ranks: mpi-cpus), cuBLAS in the same run
+      timeout ${T_EMU:-420} python3 -m distmm bench bench/studies/gpu-emulated.toml \
+        -o "$OUT/gpu-emulated.jsonl" 2>&1 | cut -c1-300 | grep -v "^\s*$" | tail -10 ;;
+    dask4)
+      # the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml), then the fp32 trace's
+      # first and warm calls (the first GEMM of each worker against the others)
+      timeout ${T_DASK4:-200} python3 -m distmm bench bench/studies/gpu-dask-4.toml \
+        -o "$OUT/gpu-dask-4.jsonl" 2>&1 | cut -c1-300 | grep "^\[" | tail -6
+      timeout ${T_TRACE:-110} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
+        --dtype float32 --calls 2 --trace > "$OUT/trace-4gpu-float32.log" 2>&1
+      grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32.log" \
+        | cut -c1-330 | grep "^== \|client steps\|pieces:" | head -12 ;;
     summa)
       # the MPI engine's panels from CUDA events (bench/research/summa_trace.py), fp32
       # ${SUMMA_SIZE:-65536} on 4 GPUs as ${SUMMA_NODES:-2 1} emulated nodes (1: one host);

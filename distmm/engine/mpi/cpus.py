@@ -11,9 +11,9 @@ rank").
 This module covers: the pure choice (``share``: the node-local rank's contiguous share
 of the CPUs the node allows, given that this rank's mask is a single CPU and the node
 has more CPUs than ranks), where the allowed CPUs come from (``allowed_cpus``: the
-cgroup's cpuset, else every CPU), and ``widen`` (applies the share to every thread of
-the process, under the ``mpi-cpus`` setting: ``auto`` widens, ``keep`` keeps the
-launcher's mask). A mask of several CPUs is a choice someone made and is never changed;
+cgroup's cpuset, else every CPU, within the launching process's mask), and ``widen``
+(applies the share to every thread of the process, under the ``mpi-cpus`` setting:
+``auto`` widens, ``keep`` keeps the launcher's mask). A mask of several CPUs is a choice someone made and is never changed;
 CPU ranks (no GPU) are never changed either: one core each is what a BLAS rank wants.
 It does *not* cover: choosing the GPU (``distmm.engine.mpi.binding``).
 """
@@ -47,8 +47,11 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def allowed_cpus() -> list[int]:
-    """The CPUs this node lets the job use: the cgroup's effective cpuset where one is
-    readable, else ``0 .. os.cpu_count() - 1``."""
+    """The CPUs the job may use on this node: the cgroup's effective cpuset where one is
+    readable (else ``0 .. os.cpu_count() - 1``), within the mask of the process that
+    started this one (the launcher's daemon: a ``taskset`` around ``mpirun`` stays in
+    force) where that can be read."""
+    cpus: list[int] = []
     for path in _CPUSETS:
         try:
             with open(path) as fh:
@@ -56,8 +59,13 @@ def allowed_cpus() -> list[int]:
         except (OSError, ValueError):
             continue
         if cpus:
-            return cpus
-    return list(range(os.cpu_count() or 1))
+            break
+    cpus = cpus or list(range(os.cpu_count() or 1))
+    try:
+        parent = os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # not Linux, or a parent already gone
+        return cpus
+    return [c for c in cpus if c in parent] or cpus
 
 
 def share(current: Sequence[int], allowed: Sequence[int], local_rank: int,
