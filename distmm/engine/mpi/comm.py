@@ -246,8 +246,8 @@ def _widen_cpus(comm, binding) -> None:
         n = sum(w is not None for w in widened)
         logging.getLogger("distmm.engine.mpi.cpus").info(
             "%d of %d GPU ranks were bound to one CPU by the launcher and now run on their "
-            "share of their node's CPUs (%d or more each); mpirun --bind-to none or --map-by "
-            "slot:PE=N chooses yourself, distmm.mpi-cpus: keep keeps the launcher's binding",
+            "share of their node's CPUs (%d or more each); choose it with mpirun's --bind-to "
+            "none or --map-by slot:PE=N, or keep the launcher's with distmm.mpi-cpus: keep",
             n, comm.size, min(w for w in widened if w is not None))
 
 

@@ -13,8 +13,9 @@ of the CPUs the node allows, given that this rank's mask is a single CPU and the
 has more CPUs than ranks), where the allowed CPUs come from (``allowed_cpus``: the
 cgroup's cpuset, else every CPU, within the launching process's mask), and ``widen``
 (applies the share to every thread of the process, under the ``mpi-cpus`` setting:
-``auto`` widens, ``keep`` keeps the launcher's mask). A mask of several CPUs is a choice someone made and is never changed;
-CPU ranks (no GPU) are never changed either: one core each is what a BLAS rank wants.
+``auto`` widens, ``keep`` keeps the launcher's mask). A mask of several CPUs is a choice
+someone made and is never changed; CPU ranks (no GPU) are never changed either: one core
+each is what a BLAS rank wants.
 It does *not* cover: choosing the GPU (``distmm.engine.mpi.binding``).
 """
 from __future__ import annotations
