@@ -21,8 +21,8 @@ import numpy as np
 
 from distmm.plan import Plan, accumulate_dtype, reduction_tree
 
-__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels", "gpu_panels",
-           "GPU_MIN_PANEL",
+__all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
+           "gpu_panels", "GPU_MIN_PANEL",
            "DEFAULT_RANK_FLOPS", "DEFAULT_LINK_BYTES"]
 
 #: flop rate of one rank the grid choice assumes (only the ratio to the link matters)
