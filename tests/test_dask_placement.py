@@ -182,6 +182,37 @@ def test_workers_whose_gpu_rate_was_pending_are_probed_again_until_it_comes():
     assert [w.gflops for w in third] == [51000.0, 40.0]
 
 
+def test_a_later_worker_at_a_known_address_is_probed_anew():
+    """A probe is kept for the worker it came from: a new worker at the same address (a new
+    cluster on a reused port, a worker restarted on a fixed one: another local directory)
+    is probed again, and its own answer is used (here: a GPU where a CPU worker was)."""
+    from distmm.engine.dask import workers
+
+    answers = [{"cuda": False, "cpu_gflops": 20.0, "rate_pending": False},
+               {"cuda": True, "name": "H100", "gpu_gflops": 51000.0, "rate_pending": False}]
+    asked = []
+
+    class Client:
+        def run(self, fn, workers=None, on_error=None):
+            asked.append(sorted(workers))
+            return {w: answers.pop(0) for w in workers}
+
+    addr = "tcp://h:9"
+    workers.forget(addr)
+    try:
+        first = workers.worker_info(Client(), None, {addr: {"nthreads": 1,
+                                                            "local_directory": "/s/worker-a"}})
+        again = workers.worker_info(Client(), None, {addr: {"nthreads": 1,
+                                                            "local_directory": "/s/worker-a"}})
+        later = workers.worker_info(Client(), None, {addr: {"nthreads": 1,
+                                                            "local_directory": "/s/worker-b"}})
+    finally:
+        workers.forget(addr)
+    assert asked == [[addr], [addr]]
+    assert not first[0].gpu and first == again
+    assert later[0].gpu and later[0].gflops == 51000.0
+
+
 def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
     """A block's k range, one piece in the spec, is cut at A's and B's chunk edges into
     pieces of at least ``least`` (a short tail joins the piece before), covering every k

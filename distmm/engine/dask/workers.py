@@ -42,8 +42,16 @@ ASSUMED_GPU_GFLOPS = 20000.0
 #: GPU can mark workers as sharing one device
 DEVICES_KEY = "distmm-debug.worker-devices"
 
-_CACHE: dict[str, dict] = {}
+#: each worker's probe, by address, with the worker it came from (``_instance``): an address
+#: a later worker takes again (a new cluster, a restarted worker on a fixed port) is probed anew
+_CACHE: dict[str, tuple] = {}
 _LOCK = threading.Lock()
+
+
+def _instance(w: dict):
+    """What tells one worker at an address from a later one there: its local directory
+    (``dask-scratch-space/worker-<random>``, made per worker process)."""
+    return w.get("local_directory")
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,11 +207,18 @@ def forget(address: str | None = None) -> None:
             _CACHE.pop(address, None)
 
 
-def _probes(client, addresses) -> dict:
+def _probes(client, addresses, info: dict | None = None) -> dict:
     """Each worker's probe: cached, asked again of workers whose GPU rate was still being
-    measured (``rate_pending``)."""
+    measured (``rate_pending``) and of a worker that is not the one the cached probe came
+    from (``info``: the scheduler's table, ``_instance``)."""
+    now = {a: _instance((info or {}).get(a) or {}) for a in addresses}
+
+    def stale(a):
+        hit = _CACHE.get(a)
+        return hit is None or hit[0] != now[a] or hit[1].get("rate_pending")
+
     with _LOCK:
-        missing = [a for a in addresses if a not in _CACHE or _CACHE[a].get("rate_pending")]
+        missing = [a for a in addresses if stale(a)]
     if missing:
         try:
             got = client.run(probe, workers=missing, on_error="return")
@@ -213,9 +228,10 @@ def _probes(client, addresses) -> dict:
         with _LOCK:
             for addr, res in got.items():
                 if isinstance(res, dict):
-                    _CACHE[addr] = res
+                    _CACHE[addr] = (now.get(addr), res)
     with _LOCK:
-        return {a: _CACHE.get(a, {}) for a in addresses}
+        return {a: _CACHE[a][1] if a in _CACHE and _CACHE[a][0] == now[a] else {}
+                for a in addresses}
 
 
 def _configured(gflops_cfg, address: str, kind: str):
@@ -271,7 +287,7 @@ def worker_info(client, gflops_cfg=None, info: dict | None = None) -> list[Worke
     if info is None:
         info = client.scheduler_info(n_workers=-1)["workers"]
     addresses = sorted(info)
-    found = _probes(client, addresses)
+    found = _probes(client, addresses, info)
     import dask.config
 
     devices = dict(dask.config.get(DEVICES_KEY, None) or {})
