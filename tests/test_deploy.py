@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,13 +109,15 @@ def test_slurm_dask_job_runs_a_program_and_returns_its_status(tmp_path, batch_en
     program.write_text(
         "import os, sys\nfrom distributed import Client\n"
         "with Client(scheduler_file=os.environ['DISTMM_SCHEDULER_FILE']) as c:\n"
+        "    c.wait_for_workers(2, timeout=60)\n"  # a worker reconnecting under load is back
         "    n = len(c.scheduler_info(n_workers=-1)['workers'])\n"
         "print('workers seen:', n, flush=True)\nsys.exit(3)\n")
     env = {**batch_env, "DISTMM_GPUS_PER_NODE": "0", "DISTMM_WORKERS_PER_NODE": "2"}
     status, job, log = _submit(env, tmp_path, "sbatch", "--wait", "--nodes=1",
                                str(DEPLOY / "slurm" / "dask.sbatch"), sys.executable, program)
     assert status == 3, log
-    assert "workers seen: 2" in log
+    seen = re.findall(r"workers seen: (\d+)", log)
+    assert seen == ["2"], (seen, [ln for ln in log.splitlines() if "dask.sbatch" in ln])
     assert _state(env, job)["left_running"] == []
 
 
