@@ -67,16 +67,14 @@ def rank_table(comm) -> list[str] | None:
 
     from distmm.config import get_config
     from distmm.engine.mpi.binding import bind_rank, sharing_warning
-    from distmm.engine.mpi.cpus import allowed_cpus, share
+    from distmm.engine.mpi.cpus import wanted
 
     binding = bind_rank(comm, warn=False)
     gpu = None
-    cpus = wider = None
-    if hasattr(os, "sched_getaffinity"):
-        mask = sorted(os.sched_getaffinity(0))
-        cpus = len(mask)
-        if binding.device is not None and get_config().mpi_cpus == "auto":
-            wider = share(mask, allowed_cpus(), binding.local_rank, binding.local_size)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    wider = None
+    if binding.device is not None:
+        wider = wanted(binding.local_rank, binding.local_size, get_config().mpi_cpus)
     if binding.device is not None:
         from distmm.executor.device import device_properties
 

@@ -295,9 +295,9 @@ def _reads_directly(comm, choice: str) -> bool:
     emulated node counts as a host of its own: ``distmm.emulate.link_host``)."""
     if choice != "auto":
         return choice in ("read", "share")
-    from distmm.emulate import link_host
+    from distmm.engine.mpi.gridcomms import host_count
 
-    return len(set(comm.allgather(link_host()))) == 1
+    return host_count(comm) == 1
 
 
 def _warm_links(comms, dtype) -> list:

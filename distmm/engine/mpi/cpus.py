@@ -11,9 +11,9 @@ rank").
 This module covers: the pure choice (``share``: the node-local rank's contiguous share
 of the CPUs the node allows, given that this rank's mask is a single CPU and the node
 has more CPUs than ranks), where the allowed CPUs come from (``allowed_cpus``: the
-cgroup's cpuset, else every CPU, within the launching process's mask), and ``widen``
-(applies the share to every thread of the process, under the ``mpi-cpus`` setting:
-``auto`` widens, ``keep`` keeps the launcher's mask). A mask of several CPUs is a choice
+cgroup's cpuset, else every CPU, within the launching process's mask), ``wanted`` (this
+process's share, or None) and ``widen`` (applies it to every thread of the process), under
+the ``mpi-cpus`` setting: ``auto`` widens, ``keep`` keeps the launcher's mask. A mask of several CPUs is a choice
 someone made and is never changed; CPU ranks (no GPU) are never changed either: one core
 each is what a BLAS rank wants.
 It does *not* cover: choosing the GPU (``distmm.engine.mpi.binding``).
@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Sequence
 
-__all__ = ["share", "allowed_cpus", "parse_cpu_list", "widen"]
+__all__ = ["share", "allowed_cpus", "parse_cpu_list", "wanted", "widen"]
 
 log = logging.getLogger("distmm.engine.mpi.cpus")
 
@@ -101,13 +101,19 @@ def _threads() -> list[int]:
         return [0]
 
 
-def widen(local_rank: int, local_size: int, setting: str = "auto") -> list[int] | None:
-    """Apply ``share`` to every thread of this process (``setting == "auto"``) and return
-    the new CPUs, or None where nothing changed (``keep``, a mask of several CPUs, no
-    spare CPUs, or a platform without affinity calls)."""
+def wanted(local_rank: int, local_size: int, setting: str = "auto") -> list[int] | None:
+    """The CPUs ``widen`` would give this process, or None where it would leave the mask
+    (``keep``, a mask of several CPUs, no spare CPUs, or a platform without affinity
+    calls)."""
     if setting != "auto" or not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = share(sorted(os.sched_getaffinity(0)), allowed_cpus(), local_rank, local_size)
+    return share(sorted(os.sched_getaffinity(0)), allowed_cpus(), local_rank, local_size)
+
+
+def widen(local_rank: int, local_size: int, setting: str = "auto") -> list[int] | None:
+    """Apply ``wanted`` to every thread of this process and return the new CPUs, or None
+    where nothing changed."""
+    cpus = wanted(local_rank, local_size, setting)
     if cpus is None:
         return None
     done = False

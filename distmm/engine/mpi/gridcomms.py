@@ -80,10 +80,7 @@ class GridComms:
             self.col_comm = comm.Split(color=layer * grid.cols + j, key=i)
         self.row = make_broadcaster(self.row_comm, on_gpu=on_gpu, prefer=prefer)
         self.col = make_broadcaster(self.col_comm, on_gpu=on_gpu, prefer=prefer)
-        from distmm.emulate import link_host
-
-        # hosts the job spans (an emulated node counts as one): the panels' width follows it
-        self.hosts = len(set(comm.allgather(link_host())))
+        self.hosts = host_count(comm)  # the panels' width follows it
         self.nccl_communicators = sum(getattr(b, "nccl", None) is not None
                                       for b in (self.row, self.col))
         self.reduce_bytes = 0
@@ -112,6 +109,14 @@ class GridComms:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def host_count(comm) -> int:
+    """Hosts ``comm``'s ranks are on (collective); an emulated node counts as a host of its
+    own (``distmm.emulate.link_host``)."""
+    from distmm.emulate import link_host
+
+    return len(set(comm.allgather(link_host())))
 
 
 def grid_comms(comm, grid: GridPlan, *, on_gpu: bool = False, prefer: str = "auto",
