@@ -323,12 +323,14 @@ sizes = [[97, 61, 203]]
     out = tmp_path / "records.jsonl"
     res = _distmm("bench", study, "-o", out, timeout=240,
                   env=dict(mpi_env, OMPI_MCA_btl="^ofi", NCCL_SOCKET_NTHREADS="2",
-                           DASK_DISTMM_DEBUG__STREAM_PRIORITY="false"))
+                           DASK_DISTMM_DEBUG__STREAM_PRIORITY="false",
+                           DASK_DISTMM_DEBUG__LATER_PIECE_K="8192"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = load([out])
     assert sorted(r["engine"] for r in records) == ["dask", "local", "mpi"]
     assert all(r["nccl_env"]["NCCL_SOCKET_NTHREADS"] == "2" for r in records)
-    assert all(r["stream_priority"] == "default" for r in records)  # the debug switch, kept
+    assert all(r["stream_priority"] == "default" for r in records)  # the debug switches, kept
+    assert all(r["later_piece_k"] == 8192 for r in records)
     for r in records:
         assert r["precision"] == "tf32" and r["relerr_ok"] is True, r
         assert 1e-5 < r["relerr"] < 5e-3, r  # float32 alone gives ~1e-7 here
@@ -358,7 +360,7 @@ def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):
         assert r["relerr"] < (1e-5 if r["dtype"] == "float32" else 1e-14), r
         assert r["relerr_rows"] == r["m"]  # check_rows = 0: every row
         assert r["study"] == "tiny-test" and r["benchmark"] == "scaling"
-        assert "stream_priority" not in r  # the greatest, the default: not noted
+        assert "stream_priority" not in r and "later_piece_k" not in r  # defaults: not noted
     by = {(r["variant"], r["dtype"]): r for r in records}
     assert by[("distmm-dask@2workers", "float32")]["workers"] == 2
     assert by[("dask.array@2workers", "float64")]["chunk"] == 32

@@ -12,6 +12,7 @@ import sys
 import threading
 import types
 
+import dask
 import numpy as np
 import pytest
 
@@ -111,8 +112,10 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     rows, ks, cols = (5, 7), (4096, 4096, 4100), (6, 3)
     a = rng.standard_normal((sum(rows), sum(ks)))
     b = rng.standard_normal((sum(ks), sum(cols)))
-    # row chunk 0's first k chunk and column chunk 0's are elsewhere: (1, 1) is at hand
-    c = _run(a, b, rows, ks, cols, a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
+    # row chunk 0's first k chunk and column chunk 0's are elsewhere: (1, 1) is at hand;
+    # later pieces of one chunk (the debug setting), so that two of them follow the first
+    with dask.config.set({blocks.LATER_PIECE_KEY: 4096}):
+        c = _run(a, b, rows, ks, cols, a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())
     gemms = [e for e in device if e[0] == "gemm"]
     # piece 0: four GEMMs of one chunk of C each (beta 0): (1, 1) with nothing to map, then

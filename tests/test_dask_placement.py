@@ -214,9 +214,10 @@ def test_a_later_worker_at_a_known_address_is_probed_anew():
 
 
 def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
-    """A block's k range, one piece in the spec, is cut at A's and B's chunk edges into
-    pieces of at least ``least`` (a short tail joins the piece before), covering every k
-    once, in order, with each piece's A and B spans of equal length."""
+    """A block's k range, one piece in the spec, is cut at A's and B's chunk edges into a
+    first piece of at least ``least`` and later ones of at least ``later`` (a short tail
+    joins the piece before), covering every k once, in order, with each piece's A and B
+    spans of equal length."""
     from distmm.engine.dask.blocks import device_pieces
 
     def spans(pieces):
@@ -224,21 +225,41 @@ def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
                 for a, b in pieces]
 
     four = tuple((i, 0, 8192) for i in range(4))
-    assert spans(device_pieces([(four, four)])) == [(8192, 8192)] * 4
+    # the default: one chunk first, the rest as one piece (a cut at 24576 would leave 8192)
+    assert spans(device_pieces([(four, four)])) == [(8192, 8192), (24576, 24576)]
+    assert spans(device_pieces([(four, four)], later=16384)) == [(8192, 8192), (24576, 24576)]
+    assert spans(device_pieces([(four, four)], later=8192)) == [(8192, 8192)] * 4
+    eight = tuple((i, 0, 8192) for i in range(8))
+    assert spans(device_pieces([(eight, eight)], later=16384)) == [
+        (8192, 8192), (16384, 16384), (16384, 16384), (24576, 24576)]  # the tail of 8192 joined
     # A's k from column 100 of a chunk of 8192, then 8292 of the next; B's k in 5000 and
     # 11384: edges at 5000 (A inside its chunk) and 8092 (3092 after it: too short, joined)
     a_k = ((3, 100, 8192), (4, 0, 8292))
     b_k = ((0, 0, 5000), (1, 0, 11384))
-    got = device_pieces([(a_k, b_k)], least=4096)
+    got = device_pieces([(a_k, b_k)], least=4096, later=4096)
     assert got == [(((3, 100, 5100),), ((0, 0, 5000),)),
                    (((3, 5100, 8192), (4, 0, 8292)), ((1, 0, 11384),))]
     assert spans(got) == [(5000, 5000), (11384, 11384)]
-    assert spans(device_pieces([(a_k, b_k)], least=3000)) == [(5000, 5000), (3092, 3092),
-                                                              (8292, 8292)]
+    assert spans(device_pieces([(a_k, b_k)], least=3000, later=3000)) == [
+        (5000, 5000), (3092, 3092), (8292, 8292)]
     # short: one piece as it came; several spec pieces stay apart and in their order
     short = (((0, 0, 3000),), ((0, 0, 3000),))
     assert device_pieces([short]) == [short]
     assert device_pieces([short, short]) == [short, short]
+
+
+def test_later_piece_k_reads_the_debug_setting_and_refuses_a_non_positive_one():
+    """The block tasks' later k pieces follow ``distmm-debug.later-piece-k`` where set (a
+    benchmark compares lengths in one run), ``LATER_PIECE_K`` otherwise."""
+    import dask.config
+
+    from distmm.engine.dask.blocks import LATER_PIECE_K, LATER_PIECE_KEY, later_piece_k
+
+    assert later_piece_k() == LATER_PIECE_K
+    with dask.config.set({LATER_PIECE_KEY: "8192"}):
+        assert later_piece_k() == 8192
+    with dask.config.set({LATER_PIECE_KEY: 0}), pytest.raises(ValueError, match="positive"):
+        later_piece_k()
 
 
 def test_chunked_panel_reads_slices_across_chunks():

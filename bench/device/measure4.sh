@@ -14,6 +14,7 @@
 # emulated  4 GPUs as 2 emulated nodes, both engines (bench/studies/gpu-emulated.toml), with
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
+# gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # summa  the MPI engine's broadcasts and GEMMs per panel (bench/research/summa_trace.py) on
 #        4 GPUs as one host and as 2 emulated nodes
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
@@ -75,13 +76,20 @@ for phase in "$@"; do
         -o "$OUT/gpu-emulated.jsonl" 2>&1 | cut -c1-300 | grep -v "^\s*$" | tail -10 ;;
     dask4)
       # the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml), then the fp32 trace's
-      # first and warm calls (the first GEMM of each worker against the others)
+      # first and warm calls (the first GEMM of each worker against the others); DASK4_TAG
+      # names the files (a run with DASK_DISTMM_DEBUG__LATER_PIECE_K set beside the default)
       timeout ${T_DASK4:-200} python3 -m distmm bench bench/studies/gpu-dask-4.toml \
-        -o "$OUT/gpu-dask-4.jsonl" 2>&1 | cut -c1-300 | grep "^\[" | tail -6
+        -o "$OUT/gpu-dask-4${DASK4_TAG-}.jsonl" 2>&1 | cut -c1-300 | grep "^\[" | tail -6
+      [ -n "${DASK4_NO_TRACE-}" ] && continue
       timeout ${T_TRACE:-110} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
-        --dtype float32 --calls 2 --trace > "$OUT/trace-4gpu-float32.log" 2>&1
-      grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32.log" \
+        --dtype float32 --calls 2 --trace > "$OUT/trace-4gpu-float32${DASK4_TAG-}.log" 2>&1
+      grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32${DASK4_TAG-}.log" \
         | cut -c1-330 | grep "^== \|client steps\|pieces:" | head -12 ;;
+    gemmk)
+      # one GPU: a block's GEMM as one k, as pieces, as the first piece's parts then pieces
+      # (bench/research/gemm_k.py; 16384^2 blocks of k = 32768, chunks 8192)
+      CUDA_VISIBLE_DEVICES=0 timeout ${T_GEMMK:-120} python3 -m bench.research.gemm_k \
+        > "$OUT/gemm-k.log" 2>&1; echo "exit $?"; cat "$OUT/gemm-k.log" | tail -16 ;;
     summa)
       # the MPI engine's panels from CUDA events (bench/research/summa_trace.py), fp32
       # ${SUMMA_SIZE:-65536} on 4 GPUs as ${SUMMA_NODES:-2 1} emulated nodes (1: one host);

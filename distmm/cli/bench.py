@@ -261,6 +261,12 @@ class _Runner:
 
         if not priority_wanted():  # streams for broadcasts and copies at the default priority
             extra["stream_priority"] = "default"
+        import dask.config
+
+        from distmm.engine.dask.blocks import LATER_PIECE_KEY, later_piece_k
+
+        if dask.config.get(LATER_PIECE_KEY, None) is not None:  # the Dask blocks' later k pieces
+            extra["later_piece_k"] = later_piece_k()
         from distmm.config import get_config
 
         if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding

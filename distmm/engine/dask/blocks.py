@@ -305,7 +305,8 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     mapped: dict = {}
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
-        for g, (a_k, b_k) in enumerate(device_pieces(spec.k_pieces)):
+        pieces = device_pieces(spec.k_pieces, later=later_piece_k())
+        for g, (a_k, b_k) in enumerate(pieces):
             if g == 0 and _split_first(spec):
                 held.append(_first_piece(ex, spec, a_k, b_k, a_blocks, b_blocks, out, compute,
                                          copy, mapped))
@@ -379,24 +380,45 @@ def _far(x) -> int:
     return int(isinstance(x, Offer) and x.shared is not None and not x.shared.local)
 
 
-#: the shortest k piece a block's device panels are cut into (``device_pieces``)
-DEVICE_PIECE_K = 4096
+#: the shortest first k piece a block's device panels are cut into (``device_pieces``), and
+#: the shortest later one (why these lengths: ``bench/NOTES.md``, the block's k pieces)
+DEVICE_PIECE_K, LATER_PIECE_K = 4096, 16384
+#: debug configuration (dask's, outside the checked ``distmm`` section): the shortest later
+#: piece, so a benchmark can compare lengths in one run
+LATER_PIECE_KEY = "distmm-debug.later-piece-k"
 
 
-def device_pieces(k_pieces, least: int = DEVICE_PIECE_K):
+def later_piece_k() -> int:
+    """``LATER_PIECE_KEY``'s value where set (a positive integer), else ``LATER_PIECE_K``."""
+    import dask.config
+
+    value = dask.config.get(LATER_PIECE_KEY, None)
+    if value is None:
+        return LATER_PIECE_K
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{LATER_PIECE_KEY} must be a positive integer, got {value}")
+    return value
+
+
+def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = None):
     """A block's k pieces (``BlockSpec.k_pieces``: block mode gives each k group as one
-    piece) cut again at A's and B's chunk edges along k, pieces shorter than ``least``
-    joined to the next (a short tail to the one before), as ``(A's pieces, B's pieces)``
-    along k in ``spec.k_pieces``' form. On a GPU the panels of piece g + 1 are copied
-    while piece g's GEMM runs: one piece for the whole k would copy both whole panels
-    before the only GEMM (``bench/NOTES.md``, the block's k pieces). Deterministic: the
-    cuts and the summation order follow the chunks alone.
+    piece) cut again at A's and B's chunk edges along k, as ``(A's pieces, B's pieces)``
+    along k in ``spec.k_pieces``' form: the first piece of each at least ``least`` long,
+    every later one at least ``later`` (default ``LATER_PIECE_K``), a short tail joined to
+    the piece before. On a GPU the panels of piece g + 1 are copied while piece g's GEMM
+    runs: one piece for the whole k would copy both whole panels before the only GEMM,
+    and a short first piece lets the first GEMM start early. Deterministic: the cuts and
+    the summation order follow the chunks alone.
 
     Examples
     --------
     >>> device_pieces([(((0, 0, 8192), (1, 0, 8192)), ((0, 0, 6000), (1, 0, 10384)))])
     [(((0, 0, 6000),), ((0, 0, 6000),)), (((0, 6000, 8192), (1, 0, 8192)), ((1, 0, 10384),))]
+    >>> [len(a) for a, b in device_pieces([(tuple((i, 0, 8192) for i in range(4)),) * 2])]
+    [1, 3]
     """
+    later = LATER_PIECE_K if later is None else later
     out = []
     for a_k, b_k in k_pieces:
         a_off = np.cumsum([0] + [k1 - k0 for _, k0, k1 in a_k]).tolist()
@@ -404,7 +426,11 @@ def device_pieces(k_pieces, least: int = DEVICE_PIECE_K):
         total = a_off[-1]
         cuts = [0]
         for e in sorted(set(a_off[1:-1]) | set(b_off[1:-1])):
-            if e - cuts[-1] >= least and total - e >= least:
+            if len(cuts) == 1:  # the first piece, and what is left at least as long
+                wanted, tail = least, least
+            else:
+                wanted, tail = later, later
+            if e - cuts[-1] >= wanted and total - e >= tail:
                 cuts.append(e)
         cuts.append(total)
         out += [(tuple(Chunked._overlap(a_k, a_off, lo, hi)),
