@@ -454,6 +454,13 @@ def _published_here():
     return pull.published()
 
 
+def _offered_here(key):
+    from distmm.engine.dask import pull
+
+    with pull._LOCK:
+        return pull.norm_key(key) in pull._OFFERS
+
+
 def test_a_late_release_leaves_a_later_export_of_the_same_key_published():
     """Two products of the same operands run export tasks of the same key: the release of
     the first (an orphan the sweep frees after the second has published) must not withdraw
@@ -564,6 +571,30 @@ def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
     other = client.submit(_await_then_look, Pull("distmm-export-none", _w1), workers=[w0],
                           **PINNED)
     assert other.result(timeout=30) is False
+
+
+def test_a_block_task_does_not_wait_for_its_own_export_released_before_it_started(pair):
+    """Across hosts (or emulated nodes) a block task may start only after its own
+    worker's export ran, was read and was released (its other inputs came over TCP
+    meanwhile): it asks the scheduler after ``pull.ASK_AFTER`` and goes on, where it
+    waited ``pull.LONG_WAIT`` (600 s) before (4 GPUs as 2 emulated nodes stood still)."""
+    from distmm.engine.dask import pull
+
+    client, w0, _w1 = pair
+    assert transfer.ensure_lifetime(client)
+    c = client.scatter(np.arange(12.0).reshape(3, 4), workers=[w0])
+    key = f"distmm-export-test-{uuid.uuid4().hex}"
+    e = client.submit(transfer.export_chunks, [c], ["x"], key=key, workers=[w0], **PINNED)
+    assert type(e.result(timeout=60)).__name__ == "Receipt"
+    del e  # the readers are done: the scheduler forgets the key, the holder withdraws it
+    deadline = time.time() + 30
+    while client.run(_offered_here, key)[w0] and time.time() < deadline:
+        time.sleep(0.05)
+    assert not client.run(_offered_here, key)[w0]
+    t0 = time.monotonic()
+    late = client.submit(_await_then_look, Pull(key, w0, "x"), workers=[w0], **PINNED)
+    assert late.result(timeout=60) is False
+    assert time.monotonic() - t0 < pull.ASK_AFTER + 10
 
 
 def test_pulling_outside_a_worker_says_where_the_product_must_run():

@@ -30,7 +30,10 @@ tasks made every reader of its exports wait for its whole GEMM, serialising the
 workers' GEMMs (``bench/NOTES.md``, a block task lets its own worker's exports run
 first). A block task therefore first lets the export tasks pinned to its own worker
 run (``await_own``: seceding while they have not published), then asks for its
-offers.
+offers. Its own exports may also have run, been read and been released before it
+starts (its other inputs came over TCP from another host or emulated node meanwhile):
+an export that this worker no longer knows and that the scheduler has let go of, or
+holds in memory, is not waited for (``ASK_AFTER``).
 
 Deadlock
 --------
@@ -61,6 +64,9 @@ FIRST_WAIT = 0.25
 LONG_WAIT = 600.0
 #: seconds between the warnings of a block task still waiting for offers
 PATIENCE = 30.0
+#: seconds a block task waits for its own worker's exports before it asks the scheduler
+#: about those this worker does not know (released before it started?), and between asks
+ASK_AFTER = 2.0
 
 _OFFERS: dict = {}  # export key (tuples, as the scheduler spells it) -> Offer, on the holder
 _LOCK = threading.Lock()
@@ -272,7 +278,9 @@ def await_own(exports) -> None:
     """In a block task: until each of ``exports`` (``Pull`` objects) held by this
     worker is published, secede so that those export tasks can run on this
     worker's thread, and wait for them (``LONG_WAIT`` at most, then go on: only
-    the readers' wait is at stake, not the result)."""
+    the readers' wait is at stake, not the result). Every ``ASK_AFTER`` seconds the
+    scheduler is asked about those this worker does not know: one it has let go of
+    (its readers done before this task started) or holds in memory is not waited for."""
     if not exports:
         return
     from distributed import get_worker, rejoin, secede
@@ -282,10 +290,11 @@ def await_own(exports) -> None:
     except ValueError:  # not on a worker
         return
     mine = [norm_key(p.key) for p in exports if p.holder == worker.address]
+    gone: set = set()  # released by the scheduler, or in memory there: will not publish here
 
     def pending():
         with _LOCK:
-            waiting = [k for k in mine if k not in _OFFERS]
+            waiting = [k for k in mine if k not in _OFFERS and k not in gone]
         failed = set(_failed(worker, waiting) + _withdrawn(worker, waiting)) if waiting else set()
         return [k for k in waiting if k not in failed]  # these will never publish
 
@@ -293,10 +302,39 @@ def await_own(exports) -> None:
         return
     secede()
     try:
-        deadline = time.monotonic() + LONG_WAIT
+        now = time.monotonic()
+        deadline, ask = now + LONG_WAIT, now + ASK_AFTER
         pause = 0.0002
-        while pending() and time.monotonic() < deadline:
+        while True:
+            waiting = pending()
+            now = time.monotonic()
+            if not waiting or now >= deadline:
+                break
+            if now >= ask:
+                tasks = getattr(getattr(worker, "state", None), "tasks", None) or {}
+                unknown = [k for k in waiting if k not in tasks]
+                if unknown:
+                    gone.update(_let_go(unknown))
+                ask = time.monotonic() + ASK_AFTER
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
     finally:
         rejoin()
+
+
+def _settled(keys, dask_scheduler=None) -> list:
+    """On the scheduler: those of ``keys`` that will not run again for the graph that holds
+    them: unknown to it (forgotten), released, erred, or in memory (done)."""
+    done = {None, "released", "forgotten", "erred", "memory"}
+    return [k for k in keys if getattr(dask_scheduler.tasks.get(k), "state", None) in done]
+
+
+def _let_go(keys) -> list:
+    """Those of ``keys`` (export keys this worker does not know) that the scheduler has
+    settled (``_settled``); none where it cannot be asked."""
+    from distributed import get_client
+
+    try:
+        return [norm_key(k) for k in get_client().run_on_scheduler(_settled, list(keys))]
+    except Exception:  # noqa: BLE001 - asking is an optimisation of the wait, not needed
+        return []
