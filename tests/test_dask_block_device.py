@@ -113,7 +113,7 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     a = rng.standard_normal((sum(rows), sum(ks)))
     b = rng.standard_normal((sum(ks), sum(cols)))
     # row chunk 0's first k chunk and column chunk 0's are elsewhere: (1, 1) is at hand;
-    # later pieces of one chunk (the debug setting), so that two of them follow the first
+    # later pieces of one chunk (the debug setting, as the default), two after the first
     with dask.config.set({blocks.LATER_PIECE_KEY: 4096}):
         c = _run(a, b, rows, ks, cols, a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())

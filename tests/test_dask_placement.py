@@ -225,8 +225,8 @@ def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
                 for a, b in pieces]
 
     four = tuple((i, 0, 8192) for i in range(4))
-    # the default: one chunk first, the rest as one piece (a cut at 24576 would leave 8192)
-    assert spans(device_pieces([(four, four)])) == [(8192, 8192), (24576, 24576)]
+    assert spans(device_pieces([(four, four)])) == [(8192, 8192)] * 4  # the default: chunks
+    # longer later pieces: one chunk first, the rest as one (a cut at 24576 would leave 8192)
     assert spans(device_pieces([(four, four)], later=16384)) == [(8192, 8192), (24576, 24576)]
     assert spans(device_pieces([(four, four)], later=8192)) == [(8192, 8192)] * 4
     eight = tuple((i, 0, 8192) for i in range(8))

@@ -382,7 +382,7 @@ def _far(x) -> int:
 
 #: the shortest first k piece a block's device panels are cut into (``device_pieces``), and
 #: the shortest later one (why these lengths: ``bench/NOTES.md``, the block's k pieces)
-DEVICE_PIECE_K, LATER_PIECE_K = 4096, 16384
+DEVICE_PIECE_K, LATER_PIECE_K = 4096, 4096
 #: debug configuration (dask's, outside the checked ``distmm`` section): the shortest later
 #: piece, so a benchmark can compare lengths in one run
 LATER_PIECE_KEY = "distmm-debug.later-piece-k"
@@ -415,7 +415,8 @@ def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = Non
     --------
     >>> device_pieces([(((0, 0, 8192), (1, 0, 8192)), ((0, 0, 6000), (1, 0, 10384)))])
     [(((0, 0, 6000),), ((0, 0, 6000),)), (((0, 6000, 8192), (1, 0, 8192)), ((1, 0, 10384),))]
-    >>> [len(a) for a, b in device_pieces([(tuple((i, 0, 8192) for i in range(4)),) * 2])]
+    >>> [len(a) for a, b in device_pieces([(tuple((i, 0, 8192) for i in range(4)),) * 2],
+    ...                                   later=16384)]
     [1, 3]
     """
     later = LATER_PIECE_K if later is None else later
