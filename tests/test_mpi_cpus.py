@@ -71,7 +71,7 @@ stop.set(); t.join()
 
 def _lines(out: str) -> dict:
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines()
-            if line.split(" ", 1)[0] in ("GOT", "MAIN", "THREAD", "ALLOWED", "RANK")}
+            if line.split(" ", 1)[0] in ("GOT", "MAIN", "THREAD", "ALLOWED", "RANK", "ERR")}
 
 
 @affinity
