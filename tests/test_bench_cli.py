@@ -39,7 +39,8 @@ def test_the_scripts_are_found():
 
 
 # ids: pytest 8.0 calls them with its NOTSET marker when SCRIPTS is empty (no bench/ in CI)
-@pytest.mark.parametrize("script", SCRIPTS,
+@pytest.mark.parametrize("script", [  # the research probes' with the slow cases
+    pytest.param(p, marks=[pytest.mark.slow] * (p.parent.name == "research")) for p in SCRIPTS],
                          ids=lambda p: p.relative_to(BENCH).as_posix() if isinstance(p, Path) else None)
 def test_help_without_cupy(script):
     res = subprocess.run([sys.executable, "-c", NO_CUPY, str(script), "--help"], cwd=ROOT,
@@ -102,6 +103,7 @@ def test_device_runner_rejects_unknown_workloads():
     assert "no-such-workload" in res.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_bench_runs_pylops_mpi_or_says_why(tmp_path):
     """bench/mpi.py at 4 ranks (square) and a ragged n: a checked pylops-mpi record where
@@ -207,6 +209,7 @@ def test_mpi_bench_heat_peer_checked_record(tmp_path):
     assert "not run" not in line and "splits=0,0->0" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_bench_heat_not_installed_says_why(tmp_path):
     """bench/mpi.py with the heat peer asked for where ``import heat`` fails (CI: no heat, no

@@ -260,6 +260,7 @@ def test_record_writer_appends_whole_lines(tmp_path, monkeypatch):
     assert third["ranks"] == 2 and third["relerr"] is None and third["run"] == first["run"]
 
 
+@pytest.mark.slow
 def test_killed_study_keeps_whole_records(tmp_path):
     """SIGKILL in the middle of a study: the records written before stay, every line is one
     whole record, and the file can be appended to by the next run."""

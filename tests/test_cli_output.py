@@ -58,6 +58,7 @@ def test_h5_output_keeps_the_other_datasets(tmp_path, operands):
         np.testing.assert_allclose(fh["X"][...], ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_h5_operands_and_output_in_one_file(tmp_path):
     rng = np.random.default_rng()
     a, b = rng.standard_normal((21, 33)), rng.standard_normal((33, 8))
@@ -87,6 +88,7 @@ def test_zarr_group_is_never_replaced(tmp_path, operands):
     np.testing.assert_allclose(g["C"][...], ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_zarr_array_replaced_only_with_overwrite(tmp_path, operands):
     pa, pb, ref = operands
     z = zarr.open_array(str(tmp_path / "c.zarr"), mode="w", shape=(2, 2), dtype="f8")
@@ -101,6 +103,7 @@ def test_zarr_array_replaced_only_with_overwrite(tmp_path, operands):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.zarr"]
 
 
+@pytest.mark.slow
 def test_directory_named_like_the_output_survives(tmp_path, operands):
     pa, pb, _ = operands
     d = tmp_path / "out.npy"
@@ -303,6 +306,7 @@ def partials(folder: Path):
     return sorted(p.name for p in folder.iterdir() if "partial" in p.name)
 
 
+@pytest.mark.slow
 def test_h5_add_and_overwrite_touch_only_c(tmp_path, operands, user_h5):
     pa, pb, ref = operands
     before = h5_storage(user_h5)

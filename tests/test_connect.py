@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-TIMEOUT = 1.5
+TIMEOUT = 0.5
 #: the interpreter's start and distmm's imports, on a busy 2-core machine, plus the probe's margin
 MARGIN = 4.0
 
@@ -81,7 +81,8 @@ def _garbage(conn):
     conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" + os.urandom(256))
 
 
-@pytest.fixture(params=["http", "garbage", "silent", "never-accepts", "closed"])
+@pytest.fixture(params=[pytest.param("http", marks=pytest.mark.slow), "garbage",
+                        pytest.param("silent", marks=pytest.mark.slow), "never-accepts", "closed"])
 def address(request, http_port):
     kind = request.param
     if kind == "http":

@@ -145,6 +145,7 @@ def test_no_worker_left_raises_workers_lost_after_the_timeout():
 
 
 
+@pytest.mark.slow
 def test_retry_timeout_comes_from_the_configuration():
     """``distmm.retry-timeout`` reaches the Dask engine that ``distmm.matmul`` builds,
     and that engine gives up after it."""

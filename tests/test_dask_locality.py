@@ -39,7 +39,7 @@ def _run_lazy(client, A, B):
     return C.compute(), stats, measured
 
 
-@pytest.mark.parametrize("dtype", ["int64", "float64"])
+@pytest.mark.parametrize("dtype", [pytest.param("int64", marks=pytest.mark.slow), "float64"])
 def test_blocks_go_where_their_operands_are(pair, dtype):
     """A's top rows on the second worker, its bottom rows on the first: the
     naive order (first worker, top block) moves all of A and half of B, the
@@ -126,6 +126,7 @@ def test_colocated_workers_run_as_one_unit_where_the_operands_are(pair):
     assert transfer_report(client, since=mark)["worker_to_worker"] == 0
 
 
+@pytest.mark.slow
 def test_colocated_workers_stay_apart_when_that_moves_less(pair):
     """Each worker holds half of A's rows: two units (each computing the rows
     it holds) move half of B; one unit would move half of A and half of B."""

@@ -460,6 +460,7 @@ def test_the_worker_table_and_where_the_chunks_are_come_in_one_round_trip(mixed,
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
 
 
+@pytest.mark.slow
 def test_the_worker_table_is_read_again_when_the_workers_change():
     """The full table is kept per client while the running workers stay the same, and
     read again when one joins or leaves."""

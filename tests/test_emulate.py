@@ -223,6 +223,7 @@ def test_ranks_get_their_node_and_products_are_right(emulated_run):
     assert r.returncode == 0 and "VERDICT ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_batch_path_broadcasts_across_emulated_nodes(tmp_path, emulated_run):
     rng = np.random.default_rng()

@@ -193,6 +193,7 @@ NVCC_CASES = [pytest.param(file, arch, marks=() if file == CU_FILES[0] else pyte
               for file in CU_FILES for arch in ("sm_90", "sm_80")]
 
 
+@pytest.mark.slow  # nvcc builds (CI compiles every .cu file in its own step as well)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("file,arch", NVCC_CASES)
 def test_source_compiles_with_nvcc(file, arch, tmp_path):
@@ -201,6 +202,7 @@ def test_source_compiles_with_nvcc(file, arch, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+@pytest.mark.slow  # nvcc builds (CI compiles every .cu file in its own step as well)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_split_tail_fixup_source_names_both_kernels(arch, tmp_path):
@@ -216,6 +218,7 @@ def test_split_tail_fixup_source_names_both_kernels(arch, tmp_path):
         assert f"distmm_split_tail_fixup_{ctype}".encode() in cubin.read_bytes()
 
 
+@pytest.mark.slow  # nvcc builds (CI compiles every .cu file in its own step as well)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec", registry.steps(), ids=lambda k: k.name)
 def test_loader_source_and_lowered_name(spec, tmp_path):
@@ -435,6 +438,7 @@ def test_tc_mangled_names():
         "viiifPKT_xS3_xfPfxi")
 
 
+@pytest.mark.slow  # nvcc builds (CI compiles every .cu file in its own step as well)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("case", TC_INPUTS, ids=_tc_id)
 def test_tc_loader_source_and_lowered_name(case, tmp_path):
@@ -459,6 +463,7 @@ def test_tc_loader_source_and_lowered_name(case, tmp_path):
         assert symbols == {cuda_loader.mangled_name(expr).encode()}
 
 
+@pytest.mark.slow  # nvcc builds (CI compiles every .cu file in its own step as well)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch,has_wgmma", [("sm_90a", True), ("sm_90", False), ("sm_80", False)])
 @pytest.mark.parametrize("file,n,copy", [("13_wgmma_bf16.cu", 128, "cp.async.mbarrier.arrive"),

@@ -52,6 +52,7 @@ def _outcomes(folder, *args) -> dict[str, str]:
     return dict(found)
 
 
+@pytest.mark.slow  # (which also shows that the slow run reaches it)
 def test_plain_pytest_leaves_out_slow_and_minus_m_slow_runs_only_them(sample):
     gpu = "PASSED" if gpu_available() else "SKIPPED"
     assert _outcomes(sample) == {"test_fast": "PASSED", "test_gpu": gpu}

@@ -453,6 +453,7 @@ def test_model_validate_writes_records_report_can_read(tmp_path):
     assert all(all(k in r for k in REQUIRED) for r in recs)
 
 
+@pytest.mark.slow
 def test_model_predictions_become_records_report_marks_predicted(tmp_path):
     from distmm.cli.calibrate import save
 

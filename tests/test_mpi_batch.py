@@ -62,8 +62,7 @@ def _operands(d: Path, m, k, n, dtype, seed):
     return a, b
 
 
-@pytest.mark.parametrize("panels", ["read", "broadcast"])
-@pytest.mark.parametrize("ranks,shape,dtype", [
+_PRODUCTS = [
     (1, (37, 23, 41), "float64"),
     (2, (53, 41, 29), "float32"),
     (3, (61, 17, 33), "int32"),
@@ -71,7 +70,15 @@ def _operands(d: Path, m, k, n, dtype, seed):
     (3, (2, 5, 7), "float64"),       # fewer rows than ranks: some ranks own nothing
     (4, (33, 19, 20), "bool"),
     (2, (40, 3000, 30), "float16"),
-])
+]
+
+
+@pytest.mark.parametrize("ranks,shape,dtype,panels", [
+    # the longest with the slow ones: bool, and the int32 and float16 cases' broadcast runs
+    pytest.param(*case, panels, marks=[pytest.mark.slow] * (
+        (panels == "broadcast" and case[2] in ("int32", "bool", "float16"))
+        or (case[2] == "bool")))
+    for panels in ("read", "broadcast") for case in _PRODUCTS])
 def test_products_match_numpy(tmp_path, run, ranks, shape, dtype, panels):
     m, k, n = shape
     a, b = _operands(tmp_path, m, k, n, dtype, seed=ranks * 100 + m)
@@ -113,7 +120,7 @@ def test_profile_file(tmp_path, run):
     assert sum(rec["bytes"]["write"] for rec in data["ranks"]) == 40 * 20 * 8
 
 
-@pytest.mark.parametrize("fmt", ["npy", "h5"])
+@pytest.mark.parametrize("fmt", ["npy", pytest.param("h5", marks=pytest.mark.slow)])
 def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
     """On one host each of 3 ranks takes whole rows of C (grid 3 x 1) and writes its stripes,
     4 MiB and more, past the page cache where the file system takes O_DIRECT; the file equals
@@ -249,7 +256,9 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch
     assert not list(tmp_path.glob(".c.npy.*"))
 
 
-@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143),
+                                           pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, status):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=13)
     # each rank's wrapper writes what its distmm process did into a file of its own: through
@@ -470,6 +479,7 @@ def _panels_run(tmp_path, run, ranks, panels, backend, tag):
     return out.read_bytes(), json.loads(prof.read_text())
 
 
+@pytest.mark.slow
 def test_share_on_cpu_ranks_reads_as_read_does(tmp_path, run):
     """``batch-panels: share`` is for GPU ranks: CPU ranks read their panels as with ``read``,
     the same bytes, and the profile says so."""

@@ -165,6 +165,7 @@ for i in range(3):
 """
 
 
+@pytest.mark.slow
 def test_ranks_lines_reach_mpirun_whole(mpirun):
     """Unbuffered, print() writes a line's text and its newline apart and mpirun interleaves
     the ranks' writes (one run in three at 4 ranks ran two lines into one); the command

@@ -453,6 +453,7 @@ def test_pinned_pool_pins_the_first_buffers_now_and_the_rest_behind():
     assert pool.held_bytes == 0
 
 
+@pytest.mark.slow
 def test_trace_records_every_lane():
     rng = np.random.default_rng(7)
     a, b = rand((400, 300), "float64", rng), rand((300, 200), "float64", rng)

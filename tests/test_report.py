@@ -160,6 +160,7 @@ def test_command_on_synthetic_records(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_command_on_committed_batch_records(tmp_path):
     out = tmp_path / "batch"
     assert main(["report", str(BATCH), str(PROFILES), "-o", str(out)]) == 0
@@ -303,6 +304,7 @@ def test_reduced_precisions_have_their_own_ceilings_and_points():
                                                    3100.0 * point.intensity / 1e3))
 
 
+@pytest.mark.slow
 def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
     recs = write_jsonl(tmp_path / "roof.jsonl", ROOF + STRONG + [record("numpy", 4.0, ranks=1)])
     out = tmp_path / "report"
