@@ -16,7 +16,7 @@
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # emudask  the Dask engine across 2 emulated nodes at 32768 (gpu-emulated-dask.toml), with
-#        the stacks of a stand-still (bench/research/dask_hang.py)
+#        the stacks of a stand-still (bench/research/dask_stall.py)
 # summa  the MPI engine's broadcasts and GEMMs per panel (bench/research/summa_trace.py) on
 #        4 GPUs as one host and as 2 emulated nodes
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
@@ -79,11 +79,12 @@ for phase in "$@"; do
     emudask)
       # the Dask engine alone across 2 emulated nodes at fp32 32768
       # (bench/studies/gpu-emulated-dask.toml); if it stands still, every thread's stack
-      # (bench/research/dask_hang.py, 16384^2)
+      # (bench/research/dask_stall.py, 16384^2)
       timeout ${T_EMUDASK:-240} python3 -m distmm bench bench/studies/gpu-emulated-dask.toml \
         -o "$OUT/gpu-emulated-dask.jsonl" 2>&1 | cut -c1-300 | grep "^\[\|error" | tail -4
       grep -q distmm-dask "$OUT/gpu-emulated-dask.jsonl" 2>/dev/null || timeout 120 python3 -m \
-        bench.research.dask_hang --size 16384 --chunk 4096 --wait 40 2>&1 | cut -c1-400 \
+        bench.research.dask_stall --gpus 4 --nodes 2 --size 16384 --chunk 4096 --deadline 40 \
+        --calls 1 2>&1 | cut -c1-400 \
         | grep -v "WARNING\|warn" | tail -60 ;;
     dask4)
       # the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml), then the fp32 trace's
