@@ -427,11 +427,8 @@ def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = Non
         total = a_off[-1]
         cuts = [0]
         for e in sorted(set(a_off[1:-1]) | set(b_off[1:-1])):
-            if len(cuts) == 1:  # the first piece, and what is left at least as long
-                wanted, tail = least, least
-            else:
-                wanted, tail = later, later
-            if e - cuts[-1] >= wanted and total - e >= tail:
+            shortest = least if len(cuts) == 1 else later  # this piece, and what is left
+            if e - cuts[-1] >= shortest and total - e >= shortest:
                 cuts.append(e)
         cuts.append(total)
         out += [(tuple(Chunked._overlap(a_k, a_off, lo, hi)),
