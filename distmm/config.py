@@ -104,7 +104,7 @@ class Config:
     memory_budget_from: str = "config"  # "config": bytes given; "auto": measured per call
     dask_layout: str = "auto"
     dask_worker_gflops: tuple | None = None  # ((gpu | cpu | address, GFLOP/s), ...)
-    dask_device_transfer: str = "auto"  # auto | ipc | tcp: device chunks between GPU workers
+    dask_device_transfer: str = "auto"  # auto (IPC, NCCL between hosts) | ipc | tcp
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
     batch_panels: str = "auto"  # auto | read | share | broadcast: how its ranks get their panels
     mpi_cpus: str = "auto"  # auto | keep: a GPU rank bound to one CPU takes its share of the node's

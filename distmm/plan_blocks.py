@@ -39,11 +39,14 @@ allows.
 
 Routes and their weights
 ------------------------
-A chunk reaches a worker lacking it by one of two routes (``by_route``): ``ipc``, when
+A chunk reaches a worker lacking it by one of three routes (``by_route``): ``ipc``, when
 one of its holders and the reader are a pair in ``ipc`` (GPU workers of one host whose
-CUDA IPC works, device chunks: ``distmm.engine.dask.transfer`` decides), else ``tcp``.
+CUDA IPC works, device chunks: ``distmm.engine.dask.transfer`` decides), ``nccl`` when
+they are a pair in ``nccl`` (GPU workers of different hosts joined by NCCL:
+``distmm.engine.dask.nccl_route``), else ``tcp``.
 The search minimises ``cost``: TCP bytes plus IPC bytes divided by ``IPC_COST_DIVISOR``
-(256), so layouts avoid TCP first and, among those, move fewer IPC bytes. Why 256: TCP
+(256) plus NCCL bytes divided by ``NCCL_COST_DIVISOR`` (8), so layouts avoid TCP first
+and, among those, move fewer bytes between hosts, then fewer IPC bytes. Why 256: TCP
 between workers moves device chunks through host copies; IPC is one device-to-device copy,
 over NVLink between two GPUs some hundreds of times faster than TCP's route (the TCP figure
 is in ``bench/NOTES.md``); 256, a round power of two below that ratio, keeps IPC bytes
@@ -509,6 +512,10 @@ EXACT_LIMIT = 1000
 
 #: an IPC byte costs 1 / IPC_COST_DIVISOR of a TCP byte (module docstring: why 256)
 IPC_COST_DIVISOR = 256
+#: NCCL bytes (device chunks between GPU workers of different hosts) at 1/8 of TCP's: on
+#: the same loopback NCCL's sockets moved 4.2-4.6 GB/s, distributed's TCP 0.45 GB/s a worker
+#: (``bench/NOTES.md``, the Dask engine across emulated nodes)
+NCCL_COST_DIVISOR = 8
 
 
 
@@ -567,15 +574,27 @@ def _ipc_holder(held, reader: str, ipc) -> str | None:
     return min((h for h in held if (h, reader) in ipc), default=None)
 
 
+def _pulled(held, reader: str, ipc, nccl) -> tuple:
+    """``(holder, route)``: the holder a reader pulls a chunk from and by which route,
+    ``"ipc"`` before ``"nccl"`` (each the first holder by address); ``(None, "tcp")``
+    where neither pairs them."""
+    holder = _ipc_holder(held, reader, ipc)
+    if holder is not None:
+        return holder, "ipc"
+    holder = _ipc_holder(held, reader, nccl)
+    return (holder, "nccl") if holder is not None else (None, "tcp")
+
+
 def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: bool = False,
-             memo: dict | None = None) -> dict:
-    """``moved``'s bytes split by route: ``{"tcp": ..., "ipc": ...}``; a
+             memo: dict | None = None, nccl=frozenset()) -> dict:
+    """``moved``'s bytes split by route: ``{"tcp": ..., "ipc": ..., "nccl": ...}``; a
     chunk goes by ``ipc`` to a reader that one of its holders is paired with
-    in ``ipc`` (``(holder, reader)`` address pairs), else by ``tcp``. Chunks
+    in ``ipc`` (``(holder, reader)`` address pairs), else by ``nccl`` where a holder is
+    paired with it in ``nccl``, else by ``tcp``. Chunks
     held nowhere (made on a reader, or scattered) count as ``tcp``. ``memo``: a
-    dict kept across calls with the same ``where`` and ``ipc`` (a layout search),
-    remembering each (chunk, reader)'s route."""
-    tcp = ipc_bytes = 0
+    dict kept across calls with the same ``where``, ``ipc`` and ``nccl`` (a layout
+    search), remembering each (chunk, reader)'s route."""
+    out = {"tcp": 0, "ipc": 0, "nccl": 0}
     for key, nbytes, units in reads:
         want = {addresses[u] for u in units}
         held = where.get(key)
@@ -583,35 +602,35 @@ def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: boo
             for w in want.difference(held):
                 via = None if memo is None else memo.get((key, w))
                 if via is None:
-                    via = _ipc_holder(held, w, ipc) is not None
+                    via = _pulled(held, w, ipc, nccl)[1]
                     if memo is not None:
                         memo[(key, w)] = via
-                if via:
-                    ipc_bytes += nbytes
-                else:
-                    tcp += nbytes
+                out[via] += nbytes
         else:
-            tcp += nbytes * (len(want) if from_client else len(want) - 1)
-    return {"tcp": tcp, "ipc": ipc_bytes}
+            out["tcp"] += nbytes * (len(want) if from_client else len(want) - 1)
+    return out
 
 
 def cost(routes: dict) -> int:
-    """TCP-equivalent bytes of ``by_route``'s split: IPC bytes at 1/``IPC_COST_DIVISOR``."""
-    return int(routes.get("tcp", 0)) + int(routes.get("ipc", 0)) // IPC_COST_DIVISOR
+    """TCP-equivalent bytes of ``by_route``'s split: IPC bytes at 1/``IPC_COST_DIVISOR``,
+    NCCL bytes at 1/``NCCL_COST_DIVISOR``."""
+    return (int(routes.get("tcp", 0)) + int(routes.get("ipc", 0)) // IPC_COST_DIVISOR
+            + int(routes.get("nccl", 0)) // NCCL_COST_DIVISOR)
 
 
-def ipc_sources(reads, addresses, where: dict, ipc) -> dict:
+def ipc_sources(reads, addresses, where: dict, ipc, nccl=frozenset()) -> dict:
     """``(chunk key, reader address) -> holder address`` for every chunk that
-    ``by_route`` sends by IPC: where the reader's export of it is opened from."""
+    ``by_route`` sends by IPC or NCCL: where the reader's export of it is pulled from
+    (``(holder, reader)`` in ``nccl`` says which go through NCCL)."""
     out = {}
-    if not ipc:
+    if not ipc and not nccl:
         return out
     for key, _nbytes, units in reads:
         held = where.get(key)
         if not held:
             continue
         for w in sorted({addresses[u] for u in units}.difference(held)):
-            h = _ipc_holder(held, w, ipc)
+            h = _pulled(held, w, ipc, nccl)[0]
             if h is not None:
                 out[(key, w)] = h
     return out
@@ -828,22 +847,25 @@ class ClusterFacts:
 
     ``workers``: every worker (``WorkerInfo``), sorted by address. ``where``: chunk key
     ``(name, r, c)`` -> the addresses holding it (persisted operands; empty: none).
-    ``ipc``: the ``(holder, reader)`` address pairs whose chunks go through CUDA IPC."""
+    ``ipc``: the ``(holder, reader)`` address pairs whose chunks go through CUDA IPC;
+    ``nccl``: those (GPU workers of different hosts) whose chunks go through NCCL."""
 
     workers: tuple
     where: Mapping = field(default_factory=lambda: MappingProxyType({}))
     ipc: frozenset = frozenset()
+    nccl: frozenset = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "workers", tuple(self.workers))
         object.__setattr__(self, "where", MappingProxyType(dict(self.where)))
         object.__setattr__(self, "ipc", frozenset(self.ipc))
+        object.__setattr__(self, "nccl", frozenset(self.nccl))
 
 
 @dataclass(frozen=True)
 class Move:
     """One chunk sent to one worker: its ``key``, ``nbytes``, the reader ``to``, the
-    ``route`` (``"tcp"``, ``"ipc"`` or ``"scatter"``, from the client) and the
+    ``route`` (``"tcp"``, ``"ipc"``, ``"nccl"`` or ``"scatter"``, from the client) and the
     ``holder`` it comes from (None: scattered, or made on another reader)."""
 
     key: tuple
@@ -930,14 +952,14 @@ class _Search:
     """The layouts one placement search makes and costs, each read once."""
 
     def __init__(self, plan, a: OperandFacts, b: OperandFacts, where, ipc, cuts: dict,
-                 configured_budget):
+                 configured_budget, nccl=frozenset()):
         self.plan, self.a, self.b = plan, a, b
-        self.where, self.ipc, self.cuts = where, ipc, cuts
+        self.where, self.ipc, self.nccl, self.cuts = where, ipc, nccl, cuts
         self.configured_budget = configured_budget
         self.acc = np.dtype(plan.acc_dtype).itemsize
         self.scattered = a.scattered
         self._reads: dict = {}
-        self._routes: dict = {}  # (chunk key, reader) -> by IPC: by_route's memo
+        self._routes: dict = {}  # (chunk key, reader) -> route: by_route's memo
 
     def make(self, units, grid, weights=None) -> BlockLayout:
         return layout_for(self.plan, units, grid=grid, weights=weights,
@@ -960,7 +982,7 @@ class _Search:
 
     def routes(self, lay, addresses) -> dict:
         return by_route(self.read(lay), addresses, self.where, ipc=self.ipc,
-                        from_client=self.scattered, memo=self._routes)
+                        from_client=self.scattered, memo=self._routes, nccl=self.nccl)
 
     def cost(self, lay, units) -> int:
         addresses = [u.address for u in units]
@@ -1005,7 +1027,7 @@ def _place(search: _Search, units: list, plan):
     return best.layout, best.units, info
 
 
-def _moves(reads, addresses, where, ipc, scattered: bool) -> tuple:
+def _moves(reads, addresses, where, ipc, scattered: bool, nccl=frozenset()) -> tuple:
     """Every chunk sent to a worker lacking it (``by_route``'s rule, one ``Move`` each);
     a chunk held nowhere and not scattered counts as made on its first reader by
     address."""
@@ -1017,9 +1039,8 @@ def _moves(reads, addresses, where, ipc, scattered: bool) -> tuple:
             for w in want:
                 if w in held:
                     continue
-                holder = _ipc_holder(held, w, ipc)
-                out.append(Move(key, nbytes, w, "tcp" if holder is None else "ipc",
-                                min(held) if holder is None else holder))
+                holder, route = _pulled(held, w, ipc, nccl)
+                out.append(Move(key, nbytes, w, route, min(held) if holder is None else holder))
         elif scattered:
             out += [Move(key, nbytes, w, "scatter") for w in want]
         else:
@@ -1039,7 +1060,8 @@ def _seconds(layout, units, moves) -> float:
             flops[layout.unit_of_partial(bi, bj, g)] += 2.0 * area * kg
     incoming: dict = {}
     for mv in moves:
-        weight = 1.0 / IPC_COST_DIVISOR if mv.route == "ipc" else 1.0
+        weight = {"ipc": 1.0 / IPC_COST_DIVISOR, "nccl": 1.0 / NCCL_COST_DIVISOR}.get(
+            mv.route, 1.0)
         incoming[mv.to] = incoming.get(mv.to, 0.0) + mv.nbytes * weight
     worst = 0.0
     for u, unit in enumerate(units):
@@ -1106,7 +1128,7 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         a, b = replace(a, name=names[a.name]), replace(b, name=names[b.name])
         cluster = replace(cluster, where={_rename(k, names): v for k, v in cluster.where.items()})
     try:
-        key = (plan, cluster.workers, cluster.ipc, a, b, configured_budget,
+        key = (plan, cluster.workers, cluster.ipc, cluster.nccl, a, b, configured_budget,
                tuple(sorted((k, tuple(sorted(v))) for k, v in cluster.where.items())),
                *(None if c is None else tuple(c) for c in (row_cuts, col_cuts, k_cuts)))
         hash(key)
@@ -1154,11 +1176,12 @@ def _plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, 
                  col_cuts, k_cuts, configured_budget) -> BlockPlan:
     cuts = {name: c for name, c in (("row_cuts", row_cuts), ("col_cuts", col_cuts),
                                     ("k_cuts", k_cuts)) if c is not None}
-    search = _Search(plan, a, b, cluster.where, cluster.ipc, cuts, configured_budget)
+    search = _Search(plan, a, b, cluster.where, cluster.ipc, cuts, configured_budget,
+                     cluster.nccl)
     layout, placed, info = _place(search, units(list(cluster.workers)), plan)
     addresses = [u.address for u in placed]
     reads = tuple(search.read(layout))
-    moves = _moves(reads, addresses, cluster.where, cluster.ipc, a.scattered)
+    moves = _moves(reads, addresses, cluster.where, cluster.ipc, a.scattered, cluster.nccl)
     partials = partial_bytes(layout, addresses, search.acc)
     c_bytes = plan.m * plan.n * np.dtype(plan.dtype).itemsize
     if a.scattered:
@@ -1166,10 +1189,12 @@ def _plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, 
                      "gather": c_bytes}
         sources: dict = {}
     else:
-        routes = by_route(reads, addresses, cluster.where, ipc=cluster.ipc)
+        routes = by_route(reads, addresses, cluster.where, ipc=cluster.ipc, nccl=cluster.nccl)
         estimated = {"worker_to_worker": routes["tcp"] + partials, "ipc": routes["ipc"],
                      "gather": c_bytes}
-        sources = ipc_sources(reads, addresses, cluster.where, cluster.ipc)
+        if routes["nccl"]:
+            estimated["nccl"] = routes["nccl"]
+        sources = ipc_sources(reads, addresses, cluster.where, cluster.ipc, cluster.nccl)
     return BlockPlan(layout, tuple(placed), MappingProxyType(info), reads, moves,
                      MappingProxyType(sources), MappingProxyType(estimated),
                      _seconds(layout, placed, moves))

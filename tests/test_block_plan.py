@@ -154,7 +154,8 @@ def test_moves_routes_and_estimates_agree_over_spread_holders():
     for mv in bp.moves:
         assert mv.holder in where[mv.key]
         assert (mv.route == "ipc") == ((mv.holder, mv.to) in ipc)
-    by_route = {r: sum(mv.nbytes for mv in bp.moves if mv.route == r) for r in ("tcp", "ipc")}
+    by_route = {r: sum(mv.nbytes for mv in bp.moves if mv.route == r)
+                for r in ("tcp", "ipc", "nccl")}
     assert bp.locality["routes"] == by_route
     partials = pb.partial_bytes(bp.layout, bp.addresses, 8)
     assert bp.estimated_bytes == {"worker_to_worker": by_route["tcp"] + partials,

@@ -69,11 +69,11 @@ def test_routes_follow_the_pairs():
     addresses = [H1A, H1B]
     where = {("a", 0, 0): {H1A}, ("b", 0, 0): {H1A}, ("a", 1, 0): {H1C, H1A}}
     everything = sizes[0] + sizes[1] + sizes[2] + sizes[3]
-    assert loc.by_route(reads, addresses, where) == {"tcp": everything, "ipc": 0}
+    assert loc.by_route(reads, addresses, where) == {"tcp": everything, "ipc": 0, "nccl": 0}
     assert loc.moved(reads, addresses, where) == everything
     forward = frozenset({(H1A, H1B)})
     routes = loc.by_route(reads, addresses, where, ipc=forward)
-    assert routes == {"tcp": sizes[2], "ipc": sizes[0] + sizes[1] + sizes[3]}
+    assert routes == {"tcp": sizes[2], "ipc": sizes[0] + sizes[1] + sizes[3], "nccl": 0}
     assert loc.cost(routes) == sizes[2] + (sizes[0] + sizes[1] + sizes[3]) // loc.IPC_COST_DIVISOR
     assert loc.ipc_sources(reads, addresses, where, forward) == {
         (("a", 0, 0), H1B): H1A, (("b", 0, 0), H1B): H1A, (("a", 1, 0), H1B): H1A}
@@ -83,7 +83,16 @@ def test_routes_follow_the_pairs():
     third = frozenset({(H1C, H1B)})
     assert loc.ipc_sources(reads, addresses, where, third) == {(("a", 1, 0), H1B): H1C}
     assert loc.by_route(reads, addresses, where, ipc=third) == {
-        "tcp": everything - sizes[3], "ipc": sizes[3]}
+        "tcp": everything - sizes[3], "ipc": sizes[3], "nccl": 0}
+    # NCCL pairs carry what no IPC pair does, at their own weight; IPC goes first
+    routes = loc.by_route(reads, addresses, where, ipc=third, nccl=forward)
+    assert routes == {"tcp": sizes[2], "ipc": sizes[3], "nccl": sizes[0] + sizes[1]}
+    assert loc.cost(routes) == (sizes[2] + sizes[3] // loc.IPC_COST_DIVISOR
+                                + (sizes[0] + sizes[1]) // loc.NCCL_COST_DIVISOR)
+    assert loc.ipc_sources(reads, addresses, where, third, forward) == {
+        (("a", 0, 0), H1B): H1A, (("b", 0, 0), H1B): H1A, (("a", 1, 0), H1B): H1C}
+    assert loc.ipc_sources(reads, addresses, where, frozenset(), forward) == \
+        loc.ipc_sources(reads, addresses, where, forward)
     # scattered from the client: never IPC
     assert loc.by_route(reads, addresses, {}, ipc=forward, from_client=True)["ipc"] == 0
 
@@ -209,7 +218,7 @@ def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     assert stats["transfer"]["exports"] == 2
     assert stats["estimated_bytes"]["ipc"] == 2 * half_b
     assert stats["estimated_bytes"]["worker_to_worker"] == 0
-    assert stats["locality"]["routes"] == {"tcp": 0, "ipc": 2 * half_b}
+    assert stats["locality"]["routes"] == {"tcp": 0, "ipc": 2 * half_b, "nccl": 0}
     assert stats["locality"]["assignment"] == [w1, w0]
     # the graph: one export per B half, pinned to the worker holding it
     exports = _layer(C, "distmm-export-")
@@ -284,7 +293,7 @@ def test_tcp_leaves_the_graph_as_it_was(pair):
     assert C.name == plain.name and set(C.dask.layers) == set(plain.dask.layers)
     assert _layer(C, "distmm-export-") is None
     assert stats["transfer"] == {"mode": "tcp", "device_chunks": True, "probe": None,
-                                 "pairs": [], "exports": 0}
+                                 "pairs": [], "exports": 0, "nccl": {"pairs": 0}}
     assert before["transfer"]["device_chunks"] is False
     half_b = 384 * 512 * 8
     assert stats["estimated_bytes"] == dict(before["estimated_bytes"], ipc=0)

@@ -92,3 +92,36 @@ def test_dask_ipc_only_inside_an_emulated_node():
         want = to_host(a).compute() @ to_host(b).compute()
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max())
         assert isinstance(c._meta, cupy.ndarray)
+
+
+def test_dask_device_chunks_cross_emulated_nodes_through_nccl():
+    """Two GPU workers as two emulated nodes: the chunks each lacks come from the other
+    through NCCL (``distmm.engine.dask.nccl_route``), with the bits of the TCP route."""
+    _need_gpus(2)
+    pytest.importorskip("dask_cuda")
+    import dask
+    import distributed
+
+    import distmm
+    from distmm.cli.cluster import gpu_cluster, random_array, to_host
+    from distmm.engine.dask import last_stats, transfer_mark, transfer_report
+
+    with gpu_cluster("0,1", nodes=2) as cl, distributed.Client(cl) as client:
+        a = random_array((3000, 2600), 700, "float32", seed=1, gpu=True).persist()
+        b = random_array((2600, 2100), 700, "float32", seed=2, gpu=True).persist()
+        distributed.wait([a, b])
+        mark = transfer_mark(client)
+        got = to_host(distmm.matmul(a, b, client=client)).compute()
+        stats = last_stats()
+        routes = transfer_report(client, since=mark)["device_routes"]
+        assert stats["transfer"]["nccl"]["pairs"] == 2, stats["transfer"]
+        assert stats["estimated_bytes"]["nccl"] > 0, stats["estimated_bytes"]
+        assert routes["nccl"] > 0 and routes["tcp"] == routes["fallback"] == 0, routes
+        with dask.config.set({"distmm.dask-device-transfer": "ipc"}):  # TCP between nodes
+            tcp = to_host(distmm.matmul(a, b, client=client)).compute()
+        assert last_stats()["transfer"]["nccl"] == {"pairs": 0}
+        assert last_stats()["locality"]["assignment"] == stats["locality"]["assignment"]
+        np.testing.assert_array_equal(got, tcp)
+        want = (to_host(a).compute().astype(np.float64)
+                @ to_host(b).compute().astype(np.float64))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -17,6 +17,8 @@
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # emudask  the Dask engine across 2 emulated nodes at 32768 (gpu-emulated-dask.toml), with
 #        the stacks of a stand-still (bench/research/dask_stall.py)
+# nccl   the Dask GPU tests of device chunks between emulated nodes through NCCL and of CUDA
+#        IPC (tests/test_emulate_gpu.py, tests/test_dask_ipc_gpu.py)
 # summa  the MPI engine's broadcasts and GEMMs per panel (bench/research/summa_trace.py) on
 #        4 GPUs as one host and as 2 emulated nodes
 # dasktests  the Dask GPU tests on GPUs 0,1 (two GPUs where they use two)
@@ -76,6 +78,10 @@ for phase in "$@"; do
       # rank, which distmm widens for GPU ranks: mpi-cpus), cuBLAS in the same run
       timeout ${T_EMU:-420} python3 -m distmm bench bench/studies/gpu-emulated.toml \
         -o "$OUT/gpu-emulated.jsonl" 2>&1 | cut -c1-300 | grep -v "^\s*$" | tail -10 ;;
+    nccl)
+      timeout ${T_NCCLTESTS:-240} $PT tests/test_emulate_gpu.py tests/test_dask_ipc_gpu.py \
+        -k "not nccl_carries" > "$OUT/pytest-nccl.log" 2>&1
+      echo "NCCL/IPC tests exit $?"; grep -v "^\s*$" "$OUT/pytest-nccl.log" | tail -30 ;;
     emudask)
       # the Dask engine alone across 2 emulated nodes at fp32 32768
       # (bench/studies/gpu-emulated-dask.toml); if it stands still, every thread's stack

@@ -173,7 +173,8 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
     is one), and falls back to TCP, with a warning, when a UCX cluster does not start.
     ``nodes``: the GPUs' workers as that many emulated nodes (``emulate_nodes``, one worker
     per GPU); the comms are then TCP whatever ``protocol`` says (``"ucx"`` is refused), so
-    that only distmm's CUDA IPC, inside a node, moves device buffers directly.
+    that only distmm's CUDA IPC inside a node, and its NCCL between nodes (on loopback
+    sockets), move device buffers directly.
     Raises ``ImportError`` when dask_cuda is not installed.
     """
     import logging

@@ -63,7 +63,10 @@ from another GPU worker of its host go device to device through CUDA IPC
 (``distmm.dask-device-transfer``, ``transfer``): an export task pinned to
 the holder publishes a small handle in place of the chunk, which the block
 task asks the holder for (``pull``), and the cost model counts those bytes
-at 1/256 of a TCP byte. ``run`` gathers the facts (the worker table and
+at 1/256 of a TCP byte; those of GPU workers on different hosts (or emulated nodes) go
+device to device through NCCL (``nccl_route``: the export task publishes the chunk, the
+block task asks the holder to send it and receives it while its first GEMMs run), counted
+at 1/8. ``run`` gathers the facts (the worker table and
 where the chunks are in one round trip, the workers' probes and the IPC
 pairs, both cached), plans (``distmm.plan_blocks.plan_blocks``), then runs. Dask operands keep their
 chunks: block edges lie on output chunk edges and each output chunk is a
@@ -294,10 +297,14 @@ class DaskEngine(Engine):
             return ClusterFacts(infos), None
         from distmm.engine.dask import transfer
 
+        from distmm.engine.dask import nccl_route
+
         where = self._where_of(ops)
-        pairs, info = transfer.ipc_pairs(self.client, infos, cfg.dask_device_transfer,
-                                         bool(where) and transfer.device_chunks(ops.a2, ops.b2))
-        return ClusterFacts(infos, where, pairs), info
+        device = bool(where) and transfer.device_chunks(ops.a2, ops.b2)
+        pairs, info = transfer.ipc_pairs(self.client, infos, cfg.dask_device_transfer, device)
+        nccl, info["nccl"] = nccl_route.pairs(self.client, infos, cfg.dask_device_transfer,
+                                              device)
+        return ClusterFacts(infos, where, pairs, nccl), info
 
     def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
         from distmm.engine.dask.lazy import lazy_product
@@ -343,7 +350,8 @@ class DaskEngine(Engine):
                           bp.homes() if sources else None)
         pull = bool(sources) and transfer.ensure_lifetime(self.client)
         result = lazy_blocks(ops, plan, a2, b2, geometry, bp.layout, bp.addresses, cells,
-                             request.backend, sources=sources, pull=pull)
+                             request.backend, sources=sources, pull=pull,
+                             nccl=facts.nccl if pull else frozenset())
         if sources:
             stats["transfer"]["pull"] = pull
         stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})

@@ -24,7 +24,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
                                       panel, worker_has_gpu)
-from distmm.engine.dask.transfer import Offer, dtype_of, take, take_into
+from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked", "device_pieces"]
@@ -179,6 +179,8 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
 
     await_own(own_exports)
     a_list, b_list = resolve(a_list, b_list)
+    if device == "gpu" and worker_has_gpu():
+        _receive(spec, a_list, b_list)
     host = isinstance(_held(a_list[0]), np.ndarray)
     device_panels = device == "gpu" and not host
     if not device_panels:  # device panels open offers as they copy them in (_device_panels)
@@ -231,6 +233,21 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def _receive(spec: BlockSpec, a_list, b_list) -> None:
+    """Post the NCCL receives of the inputs that are ``transfer.NcclOffer`` s (chunks of
+    workers on other hosts), in the order the k loop reads them: by chunk along k, A's
+    before B's, so the first piece's chunks arrive first and the later ones while its GEMMs
+    run."""
+    order = [((kb, 0, rb), x) for (rb, kb), x in zip(spec.a_keys, a_list)
+             if isinstance(x, NcclOffer)]
+    order += [((kb, 1, cb), x) for (kb, cb), x in zip(spec.b_keys, b_list)
+              if isinstance(x, NcclOffer)]
+    if order:
+        from distmm.engine.dask import nccl_route
+
+        nccl_route.receive([x for _, x in sorted(order, key=lambda t: t[0])])
 
 
 def _held(x):
@@ -376,7 +393,10 @@ def _split_first(spec: BlockSpec) -> bool:
 
 
 def _far(x) -> int:
-    """1 for an ``Offer`` of another process's export (mapped and copied before use), else 0."""
+    """2 for a ``NcclOffer`` (received from another host), 1 for an ``Offer`` of another
+    process's export (mapped and copied before use), else 0."""
+    if isinstance(x, NcclOffer):
+        return 2
     return int(isinstance(x, Offer) and x.shared is not None and not x.shared.local)
 
 
@@ -440,8 +460,11 @@ def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = Non
 def _assemble(blocks: dict, lead: tuple, row_pieces, col_pieces, mapped: dict):
     import cupy
 
-    first = blocks[(row_pieces[0][0], col_pieces[0][0])]
+    at = (row_pieces[0][0], col_pieces[0][0])
+    first = blocks[at]
     if len(row_pieces) == 1 and len(col_pieces) == 1 and not isinstance(first, Offer):
+        if isinstance(first, NcclOffer):  # its received copy, after the receive
+            return panel({at: take(first)}, lead, row_pieces, col_pieces)
         return panel(blocks, lead, row_pieces, col_pieces)
     rows = sum(r1 - r0 for _, r0, r1 in row_pieces)
     cols = sum(c1 - c0 for _, c0, c1 in col_pieces)

@@ -61,7 +61,7 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
 
 
 def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, cells,
-                backend: str, sources=None, pull: bool = False):
+                backend: str, sources=None, pull: bool = False, nccl=frozenset()):
     """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
     cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
     (one per unit), the output chunks sliced out of them. ``sources``
@@ -72,7 +72,8 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     a ``pull.Pull`` of each export and asks the holder for it, so it starts
     without waiting for the export tasks; the output chunks cut from a block
     depend on the exports its worker reads, which keeps them alive until the
-    block is made."""
+    block is made. ``nccl``: the ``(holder, reader)`` pairs whose exports are sent through
+    NCCL (pull mode only)."""
     import bisect
 
     import dask.array as da
@@ -90,12 +91,15 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     if 0 in ops.out_shape or plan.k == 0:
         return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
     extra = (sorted(sources.items()),) if sources else ()  # tcp: the names of before
+    if nccl:
+        extra += (sorted(nccl),)
     token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells, *extra)
     name = "distmm-matmul-" + token
     cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
                                  a2.chunks, b2.chunks)
     placement = BlockPlacement(layout, names_of(name), addresses)
-    exports, routes = export_layer("distmm-export-" + token, sources or {}, pull=pull)
+    exports, routes = export_layer("distmm-export-" + token, sources or {}, pull=pull,
+                                   nccl=nccl)
     if exports is not None and pull:  # block tasks let their worker's exports go first
         import dataclasses
 
@@ -163,7 +167,7 @@ class ExportLayer:
         self.name, self.layer, self.holders, self.key_of = name, layer, holders, key_of
 
 
-def export_layer(name: str, sources: dict, pull: bool = False):
+def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset()):
     """The export tasks for ``sources`` (``(chunk key, reader) -> holder``),
     ``(name, i)``, pinned to their holder with ``allow_other_workers=False``
     (an export elsewhere would first fetch the chunk over TCP, the very
@@ -174,7 +178,8 @@ def export_layer(name: str, sources: dict, pull: bool = False):
     ``pull``: one per holder and reader, running ``transfer.export_chunks`` on
     the chunks that reader needs from that holder (the offers are published,
     the task returns a receipt); the routes are ``{(chunk index, reader):
-    pull.Pull(key, holder, index)}``. Returns the layer (None when there is
+    pull.Pull(key, holder, index)}``; a group whose ``(holder, reader)`` is in ``nccl``
+    exports for NCCL (``export_chunks``' route). Returns the layer (None when there is
     nothing to export) and the routes."""
     from dask.highlevelgraph import MaterializedLayer
 
@@ -192,7 +197,9 @@ def export_layer(name: str, sources: dict, pull: bool = False):
         for i, ((holder, reader), chunks) in enumerate(sorted(groups.items())):
             ex = (name, i)
             labels = [repr(c) for c in chunks]
-            dsk[ex] = make_task(ex, export_chunks, task_list(task_ref(c) for c in chunks), labels)
+            route = "nccl" if (holder, reader) in nccl else "ipc"
+            dsk[ex] = make_task(ex, export_chunks, task_list(task_ref(c) for c in chunks), labels,
+                                route)
             holders[ex] = holder
             for j, chunk in enumerate(chunks):
                 key_of[(chunk, reader)] = ex

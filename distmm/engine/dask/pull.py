@@ -53,7 +53,7 @@ import pickle
 import threading
 import time
 
-__all__ = ["Pull", "Receipt", "HANDLER", "publish", "withdraw", "published", "serve",
+__all__ = ["Pull", "Receipt", "HANDLER", "publish", "withdraw", "offer", "published", "serve",
            "resolve", "await_own", "norm_key"]
 
 #: the worker handler's name (``worker.handlers``)
@@ -137,6 +137,13 @@ def withdraw(key, offers=None) -> None:
     with _LOCK:
         if offers is None or _OFFERS.get(key) is offers:
             _OFFERS.pop(key, None)
+
+
+def offer(key, index: int):
+    """On the holder: offer ``index`` of export ``key`` as published, or None."""
+    with _LOCK:
+        got = _OFFERS.get(norm_key(key))
+    return got[int(index)] if got is not None and 0 <= int(index) < len(got) else None
 
 
 def published() -> int:

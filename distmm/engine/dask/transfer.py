@@ -44,11 +44,11 @@ import numpy as np
 
 from distmm.engine.dask.pull import norm_key
 
-__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "export_chunk", "export_chunks", "take",
-           "take_into", "dtype_of", "host_of", "link_of", "device_chunks", "candidate_pairs",
-           "ipc_pairs", "probe",
-           "forget_probes", "routes_since", "ExportLifetime", "ensure_lifetime",
-           "keep_until_released", "held_keys", "orphans"]
+__all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "NcclOffer", "export_chunk", "export_chunks",
+           "take", "take_into", "dtype_of", "record_route", "host_copy", "host_of", "link_of",
+           "device_chunks", "candidate_pairs", "ipc_pairs", "probe", "forget_probes",
+           "routes_since", "ExportLifetime", "ensure_lifetime", "keep_until_released",
+           "held_keys", "orphans"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -207,7 +207,8 @@ def ipc_pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
 
 # -- on the workers ------------------------------------------------------------------------
 
-def _record(route: str, nbytes: int) -> None:
+def record_route(route: str, nbytes: int) -> None:
+    """Count ``nbytes`` received on this worker by ``route`` (``routes_since``)."""
     global _RECORDED
     with _ROUTES_LOCK:
         _ROUTES.append((time.time(), route, int(nbytes)))
@@ -223,7 +224,7 @@ def routes_since(since: float | None = None, after: int | None = None) -> dict:
     """Bytes this process received by each route (module docstring) since
     ``since`` (``time.time()``; None: all kept), or after the receipt count
     ``after`` (``routes_mark``)."""
-    out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0}
+    out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0, "nccl": 0}
     with _ROUTES_LOCK:
         kept, recorded = list(_ROUTES), _RECORDED
     if after is not None:
@@ -275,6 +276,48 @@ class Offer:
         return f"Offer({self.label}, {self.nbytes} bytes, {how}, from {self.address})"
 
 
+class NcclOffer:
+    """An export task's offer of a device chunk to a reader on another host, which receives
+    it through NCCL (``distmm.engine.dask.nccl_route``): ``address`` of the holder,
+    ``label``, ``nbytes``, ``shape`` and ``dtype``. On the holder it keeps the chunk (C
+    order) and an event after the work that made it (``array``, ``ready``); in the reader,
+    once received, the chunk's copy on this device and the event after its receive
+    (``_opened``, ``_event``). Pickled (the holder's reply to a reader) it carries neither."""
+
+    __slots__ = ("address", "label", "nbytes", "shape", "dtype", "ref", "array", "ready",
+                 "_opened", "_event")
+
+    def __init__(self, address, label, nbytes, shape, dtype, ref=None, array=None,
+                 ready=None):
+        self.address, self.label, self.nbytes = address, label, int(nbytes)
+        self.shape, self.dtype, self.ref = tuple(shape), np.dtype(dtype), ref
+        self.array, self.ready = array, ready
+        self._opened = self._event = None
+
+    @classmethod
+    def of(cls, chunk, label: str, address):
+        """On the holder: the offer of ``chunk`` (a C-order copy where it is not one)."""
+        import cupy
+
+        arr = cupy.ascontiguousarray(chunk)
+        return cls(address, label, arr.nbytes, arr.shape, arr.dtype, None, arr,
+                   cupy.cuda.get_current_stream().record())
+
+    def __reduce__(self):
+        return (NcclOffer, (self.address, self.label, self.nbytes, self.shape, self.dtype,
+                            self.ref))
+
+    def __sizeof__(self) -> int:
+        return 256
+
+    def received(self, arr, event) -> None:
+        """In the reader: ``arr`` will hold the chunk once ``event`` has passed."""
+        self._opened, self._event = arr, event
+
+    def __repr__(self):
+        return f"NcclOffer({self.label}, {self.nbytes} bytes, from {self.address})"
+
+
 def _offer_of(chunk, label: str, address):
     """``(offer, shared)``: the chunk's CUDA IPC export, or (shared None) the chunk itself."""
     from distmm.executor import ipc
@@ -305,7 +348,7 @@ def export_chunk(chunk, label: str = ""):
     return offer
 
 
-def export_chunks(chunks, labels):
+def export_chunks(chunks, labels, route: str = "ipc"):
     """Task body, on the worker holding ``chunks`` (the ones one reader needs from it),
     where readers pull their offers (``distmm.engine.dask.pull``): each chunk's
     ``Offer``, published together under this task's key for the plugin's handler
@@ -316,16 +359,24 @@ def export_chunks(chunks, labels):
     in sequence on the holder's thread, so one export task per chunk would delay the
     moment a reader has them all (``bench/NOTES.md``: one export task per holder and
     reader). Without the plugin (or outside a task) the offers themselves are
-    returned, as a tuple."""
+    returned, as a tuple. ``route`` ``"nccl"``: the reader is on another host and
+    receives the chunks through NCCL (``NcclOffer``; nothing is exported through IPC)."""
     from distmm.engine.dask import pull
     from distmm.executor import ipc
 
     address = _worker_address()
-    made = [_offer_of(chunk, label, address) for chunk, label in zip(chunks, labels)]
+    if route == "nccl":
+        made = [(NcclOffer.of(chunk, label, address), None)
+                for chunk, label in zip(chunks, labels)]
+    else:
+        made = [_offer_of(chunk, label, address) for chunk, label in zip(chunks, labels)]
     offers = tuple(offer for offer, _ in made)
     key = _current_key() if _LIFETIME else None
     if key is None:
         return offers
+    for j, offer in enumerate(offers):
+        if isinstance(offer, NcclOffer):
+            offer.ref = (norm_key(key), j)  # what the reader asks the holder to send
     shareds = [shared for _, shared in made if shared is not None]
 
     published = []
@@ -548,6 +599,8 @@ def dtype_of(x):
     """The dtype of a chunk or of the chunk an ``Offer`` stands for."""
     if isinstance(x, Offer):
         return x.shared.dtype if x.shared is not None else x.data.dtype
+    if isinstance(x, NcclOffer):
+        return x.dtype
     return x.dtype
 
 
@@ -569,7 +622,7 @@ def take_into(x, dst, lead: tuple, r0: int, c0: int, mapped: dict) -> None:
             ptr = mapped.get(x.shared.token)
             if ptr is None:
                 ptr = mapped[x.shared.token] = ipc.map_export(x.shared)
-            _record("ipc", ipc.copy_rect(ptr, x.shared, dst, r0, c0))
+            record_route("ipc", ipc.copy_rect(ptr, x.shared, dst, r0, c0))
             return
         except ipc.IPCError as exc:
             log.warning("distmm: %r: mapping its CUDA IPC export failed (%s); opening it whole",
@@ -580,6 +633,8 @@ def take_into(x, dst, lead: tuple, r0: int, c0: int, mapped: dict) -> None:
 def take(x):
     """In a block task: a chunk as it is, or an ``Offer`` opened (once per
     process) into a chunk on this worker's device."""
+    if isinstance(x, NcclOffer):
+        return _received(x)
     if not isinstance(x, Offer):
         return x
     with x._lock:  # one open per offer and process; other offers open meanwhile
@@ -599,6 +654,51 @@ def take(x):
                     log.warning("distmm: %r: CUDA IPC open failed (%s); fetching it from the "
                                 "holder through the scheduler", x, exc)
                     arr, route, moved = _fetch(x, exc), "fallback", x.nbytes
-        _record(route, moved)
+        record_route(route, moved)
         x._opened = arr
         return arr
+
+
+def host_copy(ref, dask_worker=None):
+    """On the holder: the published ``NcclOffer`` ``ref`` (``(export key, index)``) as host
+    bytes (the fallback of a reader that did not receive it)."""
+    from distmm.engine.dask import pull
+
+    offer = pull.offer(*ref) if ref is not None else None
+    if offer is None or getattr(offer, "array", None) is None:
+        raise KeyError(f"no NCCL offer {ref!r} is published on this worker")
+    return offer.array.get()
+
+
+def _received(x: NcclOffer):
+    """A received ``NcclOffer``'s chunk, the current stream ordered after its receive;
+    one never received (a task that did not receive its offers) fetched as host bytes from
+    the holder's registry through ``client.run`` (``host_copy``), as ``_fetch`` does."""
+    if x._opened is None:
+        from distmm.executor import ipc
+
+        try:
+            from distributed import worker_client
+
+            with worker_client() as client:
+                got = client.run(host_copy, x.ref, workers=[x.address],
+                                 on_error="return").get(x.address)
+            if not isinstance(got, np.ndarray):
+                raise ipc.IPCError(f"the holder answered {got!r}")
+        except Exception as exc:
+            raise ipc.IPCError(f"{x!r} was not received through NCCL and fetching it from "
+                               f"the holder failed ({type(exc).__name__}: {exc})") from exc
+        record_route("fallback", x.nbytes)
+        try:
+            import cupy
+
+            got = cupy.asarray(got)
+        except ImportError:  # a reader without cupy: the host copy (the CPU executor reads it)
+            pass
+        x.received(got, None)
+        return x._opened
+    if x._event is not None:
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(x._event)
+    return x._opened
