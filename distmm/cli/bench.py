@@ -483,7 +483,13 @@ class _Runner:
                     del out
                     _settle(client, keep)
                     times.append(seconds)
-                self.write(c, first, times, relerr, len(rows), residency="cluster")
+                extra = {}
+                if c.reference is None and self.gpu:  # how device chunks crossed between hosts
+                    from distmm.engine.dask import last_stats
+
+                    moved = (last_stats() or {}).get("transfer") or {}
+                    extra["nccl_pairs"] = int((moved.get("nccl") or {}).get("pairs", 0))
+                self.write(c, first, times, relerr, len(rows), residency="cluster", **extra)
             except Exception as exc:
                 self.fail(c, exc)
                 _settle(client, keep)

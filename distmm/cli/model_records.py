@@ -131,14 +131,18 @@ def _batch_panels(rec: dict, ranks: int, grid) -> str:
 def _study_configuration(rec: dict, base: dict) -> dict:
     """A ``distmm bench`` study's record (benchmark ``scaling``) of the MPI or Dask engine.
     Emulated nodes (``emulated_nodes``) are modelled with every link on NCCL's socket
-    transport (MPI) or TCP (Dask): the model has one link kind per configuration, and the
-    links between emulated nodes are the slower ones."""
+    transport (MPI, and Dask GPU workers whose device chunks crossed through NCCL:
+    ``nccl_pairs``, recorded since the route exists) or TCP (the other Dask records): the
+    model has one link kind per configuration, and the links between emulated nodes are
+    the slower ones."""
     engine, gpu = rec["engine"], "gpus" in rec
     count = int(rec.get("ranks") or rec.get("workers") or rec.get("gpus") or 1)
     nodes = rec.get("emulated_nodes")
     where = f"{count} GPU(s)" if gpu else f"{count} core(s)"
+    nccl = engine == "mpi" and gpu or bool(rec.get("nccl_pairs"))
     label = f"study {engine} {'gpu' if gpu else 'cpu'} on {where}" + (
         f", emulated nodes {nodes}" if nodes else "") + (
+        " through NCCL" if nodes and engine == "dask" and nccl else "") + (
         ", one CPU a rank" if engine == "mpi" and gpu and _one_cpu_ranks(rec) else "")
     conf = {**base, "engine": engine, "device": "gpu" if gpu else "cpu", "devices": count,
             "label": label}
@@ -147,7 +151,7 @@ def _study_configuration(rec: dict, base: dict) -> dict:
     if engine == "mpi" and not gpu:
         conf["threads_per_rank"] = int(rec.get("threads_per_rank") or 1)
     if nodes:
-        conf["link"] = "nccl-socket" if engine == "mpi" and gpu else "tcp"
+        conf["link"] = "nccl-socket" if nccl else "tcp"
     return conf
 
 
