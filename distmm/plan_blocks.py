@@ -586,21 +586,16 @@ def _pulled(held, reader: str, ipc, nccl) -> tuple:
     return (holder, "nccl") if holder is not None else (None, "tcp")
 
 
-def _carriers(routed: dict, relay, key=None) -> dict:
+def _carriers(routed: dict, relay) -> dict:
     """``{reader: carrier}`` for those of a chunk's readers that take it from a worker of
-    their host which receives it through NCCL: ``routed`` is ``{reader: route}`` of chunk
-    ``key``; in address order rotated by the chunk's indices (so the workers of a host
-    carry the chunks in turn), an NCCL reader that an earlier carrier is paired with in
+    their host which receives it through NCCL: ``routed`` is ``{reader: route}`` of one
+    chunk; in address order, an NCCL reader that an earlier carrier is paired with in
     ``relay`` is relayed by it, any other NCCL reader is a carrier itself."""
     out: dict = {}
     if not relay:
         return out
     carriers: list = []
-    order = sorted(r for r, via in routed.items() if via == "nccl")
-    turn = sum(k for k in key[1:] if isinstance(k, int)) if isinstance(key, tuple) else 0
-    if order:
-        order = order[turn % len(order):] + order[:turn % len(order)]
-    for w in order:
+    for w in sorted(r for r, via in routed.items() if via == "nccl"):
         c = next((c for c in carriers if (c, w) in relay), None)
         if c is None:
             carriers.append(w)
@@ -633,7 +628,7 @@ def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: boo
                     if memo is not None:
                         memo[(key, w)] = via
                 routed[w] = via
-            relayed = _carriers(routed, relay, key)
+            relayed = _carriers(routed, relay)
             for w, via in routed.items():
                 out["ipc" if w in relayed else via] += nbytes
         else:
@@ -678,7 +673,7 @@ def relay_sources(reads, addresses, where: dict, ipc, nccl, relay) -> dict:
             continue
         routed = {w: _pulled(held, w, ipc, nccl)[1]
                   for w in {addresses[u] for u in units}.difference(held)}
-        out.update({(key, w): c for w, c in _carriers(routed, relay, key).items()})
+        out.update({(key, w): c for w, c in _carriers(routed, relay).items()})
     return out
 
 
@@ -1095,7 +1090,7 @@ def _moves(reads, addresses, where, ipc, scattered: bool, nccl=frozenset(),
         held = where.get(key)
         if held:
             pulled = {w: _pulled(held, w, ipc, nccl) for w in want if w not in held}
-            relayed = _carriers({w: p[1] for w, p in pulled.items()}, relay, key)
+            relayed = _carriers({w: p[1] for w, p in pulled.items()}, relay)
             for w, (holder, route) in sorted(pulled.items()):
                 if w in relayed:
                     out.append(Move(key, nbytes, w, "relay", relayed[w]))

@@ -174,9 +174,6 @@ def test_a_chunk_crosses_to_a_host_once_and_is_relayed_there():
     assert any(mv.route == "relay" for mv in bp.moves)
     assert set(bp.relays) == {(mv.key, mv.to) for mv in bp.moves if mv.route == "relay"}
     assert bp.estimated_bytes["nccl"] < plain.estimated_bytes["nccl"]
-    # the workers of a host carry chunks in turn, not one of them all
-    carriers = {mv.holder for mv in bp.moves if mv.route == "relay"}
-    assert any({a, b} <= carriers for a, b in ((A0, A1), (B0, B1))), carriers
     # the graph: a relayed reader reads its carrier's export, naming the carrier
     sources = dict(bp.sources)
     layer, routes = export_layer("distmm-export-r", sources, pull=True, nccl=nccl,

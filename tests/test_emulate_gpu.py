@@ -129,11 +129,10 @@ def test_dask_device_chunks_cross_emulated_nodes_through_nccl():
 
 def test_dask_chunks_cross_to_an_emulated_node_once_and_are_relayed_inside_it():
     """Four GPU workers as two emulated nodes: a chunk both workers of a node read from the
-    other node crosses once (NCCL) and is forwarded inside the node. (The relays change the
-    layout the planner picks, and with it the GEMMs' shapes: the bits are compared between
-    routes on two workers, above.)"""
+    other node crosses once (NCCL) and is forwarded inside the node, with the bits of TCP."""
     _need_gpus(4)
     pytest.importorskip("dask_cuda")
+    import dask
     import distributed
 
     import distmm
@@ -152,6 +151,11 @@ def test_dask_chunks_cross_to_an_emulated_node_once_and_are_relayed_inside_it():
         assert stats["transfer"]["nccl"]["relay_pairs"] == 4, stats["transfer"]
         assert routes["nccl"] > 0 and routes["relay"] > 0, routes
         assert routes["tcp"] == routes["fallback"] == 0, routes
+        with dask.config.set({"distmm.dask-device-transfer": "ipc"}):  # TCP between nodes
+            tcp = to_host(distmm.matmul(a, b, client=client)).compute()
+        # the same blocks (the relays may give them to other workers): the same bits
+        assert last_stats()["locality"]["grid"] == stats["locality"]["grid"]
+        np.testing.assert_array_equal(got, tcp)
         want = (to_host(a).compute().astype(np.float64)
                 @ to_host(b).compute().astype(np.float64))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
