@@ -429,34 +429,28 @@ def receive(offers) -> int:
             seen.add(id(x))
             (relayed.setdefault(x.via, []) if x.via else direct.setdefault(x.address, [])
              ).append(x)
-    import cupy
-
-    # new buffers may reuse memory this worker's earlier copies and GEMMs still read: the
-    # receives wait for the work queued before this task (not for this task's own GEMMs)
-    guard = cupy.cuda.get_current_stream().record()
     posted = 0
     for holder, group in sorted(direct.items()):
-        posted += _receive_from(worker, holder, group, guard)
+        posted += _receive_from(worker, holder, group)
     for carrier, group in sorted(relayed.items()):
         for x in group:
             x.expect()
-        threading.Thread(target=_relayed, args=(worker, carrier, group, guard), daemon=True,
+        threading.Thread(target=_relayed, args=(worker, carrier, group), daemon=True,
                          name=f"distmm-nccl-relay-{carrier}").start()
     return posted
 
 
-def _relayed(worker, carrier: str, group, guard) -> None:
+def _relayed(worker, carrier: str, group) -> None:
     """On a thread of a reader: ``group`` received from ``carrier`` (or, where it cannot
     forward them, from their holders); every offer's ``_posted`` set at the end."""
     try:
-        if (_receive_from(worker, carrier, group, guard) == 0
-                and any(x._opened is None for x in group)):
+        if _receive_from(worker, carrier, group) == 0 and any(x._opened is None for x in group):
             by_holder: dict = {}
             for x in group:
                 if x._opened is None:
                     by_holder.setdefault(x.address, []).append(x)
             for holder, rest in sorted(by_holder.items()):
-                _receive_from(worker, holder, rest, guard)
+                _receive_from(worker, holder, rest)
     except Exception as exc:  # noqa: BLE001 -- take's fallback fetches what is missing
         log.warning("distmm: receiving %d chunk(s) relayed by %s failed: %r", len(group),
                     carrier, exc)
@@ -465,10 +459,9 @@ def _relayed(worker, carrier: str, group, guard) -> None:
             x._posted.set()
 
 
-def _receive_from(worker, source: str, group, guard) -> int:
+def _receive_from(worker, source: str, group) -> int:
     """Ask ``source`` to send ``group`` and post their receives, in order, on the pair's
-    stream (under its lock) after event ``guard``; 0 where there is no communicator or the
-    source declined."""
+    stream (under its lock); 0 where there is no communicator or the source declined."""
     from distributed.utils import sync
 
     import cupy
@@ -491,7 +484,8 @@ def _receive_from(worker, source: str, group, guard) -> int:
                         len(group), reply["error"])
             return 0
         stream = link.on_stream()
-        stream.wait_event(guard)
+        # new buffers may reuse memory this worker's earlier copies and GEMMs still read
+        stream.wait_event(cupy.cuda.get_current_stream().record())
         with stream:
             for x in group:
                 buf = cupy.empty(x.shape, x.dtype)
