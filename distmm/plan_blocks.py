@@ -85,7 +85,6 @@ __all__ = ["WorkerInfo", "Unit", "units", "OperandFacts", "ClusterFacts", "Block
            "edges", "locate", "nearest_cut",
            "worker_grid", "shares", "BlockLayout", "block_layout", "snap", "split_k",
            "layout_devices", "readers", "moved", "by_route", "cost", "ipc_sources",
-           "relay_sources",
            "partial_bytes", "merged", "grids", "choose", "Choice",
            "MIN_BLOCK_SIDE", "MIN_K_GROUP", "MIN_SHARE", "HOST_BANDWIDTH", "TASK_OVERHEAD",
            "EXACT_LIMIT", "IPC_COST_DIVISOR", "DEVICE_FRACTION"]
@@ -586,32 +585,12 @@ def _pulled(held, reader: str, ipc, nccl) -> tuple:
     return (holder, "nccl") if holder is not None else (None, "tcp")
 
 
-def _carriers(routed: dict, relay) -> dict:
-    """``{reader: carrier}`` for those of a chunk's readers that take it from a worker of
-    their host which receives it through NCCL: ``routed`` is ``{reader: route}`` of one
-    chunk; in address order, an NCCL reader that an earlier carrier is paired with in
-    ``relay`` is relayed by it, any other NCCL reader is a carrier itself."""
-    out: dict = {}
-    if not relay:
-        return out
-    carriers: list = []
-    for w in sorted(r for r, via in routed.items() if via == "nccl"):
-        c = next((c for c in carriers if (c, w) in relay), None)
-        if c is None:
-            carriers.append(w)
-        else:
-            out[w] = c
-    return out
-
-
 def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: bool = False,
-             memo: dict | None = None, nccl=frozenset(), relay=frozenset()) -> dict:
+             memo: dict | None = None, nccl=frozenset()) -> dict:
     """``moved``'s bytes split by route: ``{"tcp": ..., "ipc": ..., "nccl": ...}``; a
     chunk goes by ``ipc`` to a reader that one of its holders is paired with
     in ``ipc`` (``(holder, reader)`` address pairs), else by ``nccl`` where a holder is
-    paired with it in ``nccl``, else by ``tcp``; an NCCL chunk that a worker of the
-    reader's host receives too (its carrier, ``relay`` pairs, ``_carriers``) crosses once
-    and reaches the reader from the carrier, counted as ``ipc``. Chunks
+    paired with it in ``nccl``, else by ``tcp``. Chunks
     held nowhere (made on a reader, or scattered) count as ``tcp``. ``memo``: a
     dict kept across calls with the same ``where``, ``ipc`` and ``nccl`` (a layout
     search), remembering each (chunk, reader)'s route."""
@@ -620,17 +599,13 @@ def by_route(reads, addresses, where: dict, *, ipc=frozenset(), from_client: boo
         want = {addresses[u] for u in units}
         held = where.get(key)
         if held:
-            routed = {}
             for w in want.difference(held):
                 via = None if memo is None else memo.get((key, w))
                 if via is None:
                     via = _pulled(held, w, ipc, nccl)[1]
                     if memo is not None:
                         memo[(key, w)] = via
-                routed[w] = via
-            relayed = _carriers(routed, relay)
-            for w, via in routed.items():
-                out["ipc" if w in relayed else via] += nbytes
+                out[via] += nbytes
         else:
             out["tcp"] += nbytes * (len(want) if from_client else len(want) - 1)
     return out
@@ -658,22 +633,6 @@ def ipc_sources(reads, addresses, where: dict, ipc, nccl=frozenset()) -> dict:
             h = _pulled(held, w, ipc, nccl)[0]
             if h is not None:
                 out[(key, w)] = h
-    return out
-
-
-def relay_sources(reads, addresses, where: dict, ipc, nccl, relay) -> dict:
-    """``(chunk key, reader address) -> carrier address`` for every NCCL chunk a reader
-    takes from the worker of its host that receives it (``by_route``'s rule)."""
-    out = {}
-    if not nccl or not relay:
-        return out
-    for key, _nbytes, units in reads:
-        held = where.get(key)
-        if not held:
-            continue
-        routed = {w: _pulled(held, w, ipc, nccl)[1]
-                  for w in {addresses[u] for u in units}.difference(held)}
-        out.update({(key, w): c for w, c in _carriers(routed, relay).items()})
     return out
 
 
@@ -889,30 +848,25 @@ class ClusterFacts:
     ``workers``: every worker (``WorkerInfo``), sorted by address. ``where``: chunk key
     ``(name, r, c)`` -> the addresses holding it (persisted operands; empty: none).
     ``ipc``: the ``(holder, reader)`` address pairs whose chunks go through CUDA IPC;
-    ``nccl``: those (GPU workers of different hosts) whose chunks go through NCCL;
-    ``relay``: ``(carrier, reader)`` pairs of one host through which a reader takes a chunk
-    the carrier received through NCCL (a chunk crosses between hosts once a host)."""
+    ``nccl``: those (GPU workers of different hosts) whose chunks go through NCCL."""
 
     workers: tuple
     where: Mapping = field(default_factory=lambda: MappingProxyType({}))
     ipc: frozenset = frozenset()
     nccl: frozenset = frozenset()
-    relay: frozenset = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "workers", tuple(self.workers))
         object.__setattr__(self, "where", MappingProxyType(dict(self.where)))
         object.__setattr__(self, "ipc", frozenset(self.ipc))
         object.__setattr__(self, "nccl", frozenset(self.nccl))
-        object.__setattr__(self, "relay", frozenset(self.relay))
 
 
 @dataclass(frozen=True)
 class Move:
     """One chunk sent to one worker: its ``key``, ``nbytes``, the reader ``to``, the
-    ``route`` (``"tcp"``, ``"ipc"``, ``"nccl"``, ``"relay"`` or ``"scatter"``, from the
-    client) and the ``holder`` it comes from (None: scattered, or made on another reader;
-    ``relay``: the carrier)."""
+    ``route`` (``"tcp"``, ``"ipc"``, ``"nccl"`` or ``"scatter"``, from the client) and the
+    ``holder`` it comes from (None: scattered, or made on another reader)."""
 
     key: tuple
     nbytes: int
@@ -940,10 +894,7 @@ class BlockPlan:
         Every chunk sent to a worker lacking it, by route.
     sources : mapping
         ``(chunk key, reader address) -> holder address`` for the chunks sent through
-        CUDA IPC or NCCL (``ipc_sources``: the graph's export tasks).
-    relays : mapping
-        ``(chunk key, reader address) -> carrier address`` for the NCCL chunks a reader
-        takes from the worker of its host that receives them (``relay_sources``).
+        CUDA IPC (``ipc_sources``: the graph's export tasks).
     estimated_bytes : mapping
         By route: ``worker_to_worker`` (TCP chunks and partials), ``ipc`` (dask
         operands) or ``scatter`` (scattered operands), ``gather`` (C).
@@ -961,7 +912,6 @@ class BlockPlan:
     sources: Mapping
     estimated_bytes: Mapping
     estimated_seconds: float
-    relays: Mapping = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def addresses(self) -> list[str]:
@@ -1002,10 +952,9 @@ class _Search:
     """The layouts one placement search makes and costs, each read once."""
 
     def __init__(self, plan, a: OperandFacts, b: OperandFacts, where, ipc, cuts: dict,
-                 configured_budget, nccl=frozenset(), relay=frozenset()):
+                 configured_budget, nccl=frozenset()):
         self.plan, self.a, self.b = plan, a, b
         self.where, self.ipc, self.nccl, self.cuts = where, ipc, nccl, cuts
-        self.relay = relay
         self.configured_budget = configured_budget
         self.acc = np.dtype(plan.acc_dtype).itemsize
         self.scattered = a.scattered
@@ -1033,8 +982,7 @@ class _Search:
 
     def routes(self, lay, addresses) -> dict:
         return by_route(self.read(lay), addresses, self.where, ipc=self.ipc,
-                        from_client=self.scattered, memo=self._routes, nccl=self.nccl,
-                        relay=self.relay)
+                        from_client=self.scattered, memo=self._routes, nccl=self.nccl)
 
     def cost(self, lay, units) -> int:
         addresses = [u.address for u in units]
@@ -1079,8 +1027,7 @@ def _place(search: _Search, units: list, plan):
     return best.layout, best.units, info
 
 
-def _moves(reads, addresses, where, ipc, scattered: bool, nccl=frozenset(),
-           relay=frozenset()) -> tuple:
+def _moves(reads, addresses, where, ipc, scattered: bool, nccl=frozenset()) -> tuple:
     """Every chunk sent to a worker lacking it (``by_route``'s rule, one ``Move`` each);
     a chunk held nowhere and not scattered counts as made on its first reader by
     address."""
@@ -1089,14 +1036,11 @@ def _moves(reads, addresses, where, ipc, scattered: bool, nccl=frozenset(),
         want = sorted({addresses[u] for u in positions})
         held = where.get(key)
         if held:
-            pulled = {w: _pulled(held, w, ipc, nccl) for w in want if w not in held}
-            relayed = _carriers({w: p[1] for w, p in pulled.items()}, relay)
-            for w, (holder, route) in sorted(pulled.items()):
-                if w in relayed:
-                    out.append(Move(key, nbytes, w, "relay", relayed[w]))
-                else:
-                    out.append(Move(key, nbytes, w, route,
-                                    min(held) if holder is None else holder))
+            for w in want:
+                if w in held:
+                    continue
+                holder, route = _pulled(held, w, ipc, nccl)
+                out.append(Move(key, nbytes, w, route, min(held) if holder is None else holder))
         elif scattered:
             out += [Move(key, nbytes, w, "scatter") for w in want]
         else:
@@ -1116,8 +1060,8 @@ def _seconds(layout, units, moves) -> float:
             flops[layout.unit_of_partial(bi, bj, g)] += 2.0 * area * kg
     incoming: dict = {}
     for mv in moves:
-        weight = {"ipc": 1.0 / IPC_COST_DIVISOR, "relay": 1.0 / IPC_COST_DIVISOR,
-                  "nccl": 1.0 / NCCL_COST_DIVISOR}.get(mv.route, 1.0)
+        weight = {"ipc": 1.0 / IPC_COST_DIVISOR, "nccl": 1.0 / NCCL_COST_DIVISOR}.get(
+            mv.route, 1.0)
         incoming[mv.to] = incoming.get(mv.to, 0.0) + mv.nbytes * weight
     worst = 0.0
     for u, unit in enumerate(units):
@@ -1184,8 +1128,7 @@ def plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, *
         a, b = replace(a, name=names[a.name]), replace(b, name=names[b.name])
         cluster = replace(cluster, where={_rename(k, names): v for k, v in cluster.where.items()})
     try:
-        key = (plan, cluster.workers, cluster.ipc, cluster.nccl, cluster.relay, a, b,
-               configured_budget,
+        key = (plan, cluster.workers, cluster.ipc, cluster.nccl, a, b, configured_budget,
                tuple(sorted((k, tuple(sorted(v))) for k, v in cluster.where.items())),
                *(None if c is None else tuple(c) for c in (row_cuts, col_cuts, k_cuts)))
         hash(key)
@@ -1219,9 +1162,7 @@ def _with_names(bp: "BlockPlan", names: dict) -> "BlockPlan":
     return replace(bp, reads=tuple((_rename(k, names), nb, pos) for k, nb, pos in bp.reads),
                    moves=tuple(replace(mv, key=_rename(mv.key, names)) for mv in bp.moves),
                    sources=MappingProxyType({(_rename(k, names), r): h
-                                             for (k, r), h in bp.sources.items()}),
-                   relays=MappingProxyType({(_rename(k, names), r): c
-                                            for (k, r), c in bp.relays.items()}))
+                                             for (k, r), h in bp.sources.items()}))
 
 
 #: plans kept for facts seen again: a product repeated on operands whose chunks lie where an
@@ -1236,29 +1177,24 @@ def _plan_blocks(plan, cluster: ClusterFacts, a: OperandFacts, b: OperandFacts, 
     cuts = {name: c for name, c in (("row_cuts", row_cuts), ("col_cuts", col_cuts),
                                     ("k_cuts", k_cuts)) if c is not None}
     search = _Search(plan, a, b, cluster.where, cluster.ipc, cuts, configured_budget,
-                     cluster.nccl, cluster.relay)
+                     cluster.nccl)
     layout, placed, info = _place(search, units(list(cluster.workers)), plan)
     addresses = [u.address for u in placed]
     reads = tuple(search.read(layout))
-    moves = _moves(reads, addresses, cluster.where, cluster.ipc, a.scattered, cluster.nccl,
-                   cluster.relay)
+    moves = _moves(reads, addresses, cluster.where, cluster.ipc, a.scattered, cluster.nccl)
     partials = partial_bytes(layout, addresses, search.acc)
     c_bytes = plan.m * plan.n * np.dtype(plan.dtype).itemsize
     if a.scattered:
         estimated = {"scatter": sum(mv.nbytes for mv in moves), "worker_to_worker": partials,
                      "gather": c_bytes}
         sources: dict = {}
-        relays: dict = {}
     else:
-        routes = by_route(reads, addresses, cluster.where, ipc=cluster.ipc, nccl=cluster.nccl,
-                          relay=cluster.relay)
+        routes = by_route(reads, addresses, cluster.where, ipc=cluster.ipc, nccl=cluster.nccl)
         estimated = {"worker_to_worker": routes["tcp"] + partials, "ipc": routes["ipc"],
                      "gather": c_bytes}
         if routes["nccl"]:
             estimated["nccl"] = routes["nccl"]
         sources = ipc_sources(reads, addresses, cluster.where, cluster.ipc, cluster.nccl)
-        relays = relay_sources(reads, addresses, cluster.where, cluster.ipc, cluster.nccl,
-                               cluster.relay)
     return BlockPlan(layout, tuple(placed), MappingProxyType(info), reads, moves,
                      MappingProxyType(sources), MappingProxyType(estimated),
-                     _seconds(layout, placed, moves), MappingProxyType(relays))
+                     _seconds(layout, placed, moves))

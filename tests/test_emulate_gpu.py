@@ -125,36 +125,3 @@ def test_dask_device_chunks_cross_emulated_nodes_through_nccl():
         want = (to_host(a).compute().astype(np.float64)
                 @ to_host(b).compute().astype(np.float64))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-
-
-def test_dask_chunks_cross_to_an_emulated_node_once_and_are_relayed_inside_it():
-    """Four GPU workers as two emulated nodes: a chunk both workers of a node read from the
-    other node crosses once (NCCL) and is forwarded inside the node, with the bits of TCP."""
-    _need_gpus(4)
-    pytest.importorskip("dask_cuda")
-    import dask
-    import distributed
-
-    import distmm
-    from distmm.cli.cluster import gpu_cluster, random_array, to_host
-    from distmm.engine.dask import last_stats, transfer_mark, transfer_report
-
-    with gpu_cluster("0,1,2,3", nodes=2) as cl, distributed.Client(cl) as client:
-        a = random_array((4100, 3900), 1000, "float32", seed=3, gpu=True).persist()
-        b = random_array((3900, 4300), 1000, "float32", seed=4, gpu=True).persist()
-        distributed.wait([a, b])
-        mark = transfer_mark(client)
-        got = to_host(distmm.matmul(a, b, client=client)).compute()
-        stats = last_stats()
-        routes = transfer_report(client, since=mark)["device_routes"]
-        assert stats["transfer"]["nccl"]["pairs"] == 8, stats["transfer"]
-        assert stats["transfer"]["nccl"]["relay_pairs"] == 4, stats["transfer"]
-        assert routes["nccl"] > 0 and routes["relay"] > 0, routes
-        assert routes["tcp"] == routes["fallback"] == 0, routes
-        with dask.config.set({"distmm.dask-device-transfer": "ipc"}):  # TCP between nodes
-            tcp = to_host(distmm.matmul(a, b, client=client)).compute()
-        assert last_stats()["locality"]["assignment"] == stats["locality"]["assignment"]
-        np.testing.assert_array_equal(got, tcp)
-        want = (to_host(a).compute().astype(np.float64)
-                @ to_host(b).compute().astype(np.float64))
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -302,9 +302,9 @@ class DaskEngine(Engine):
         where = self._where_of(ops)
         device = bool(where) and transfer.device_chunks(ops.a2, ops.b2)
         pairs, info = transfer.ipc_pairs(self.client, infos, cfg.dask_device_transfer, device)
-        nccl, relay, info["nccl"] = nccl_route.pairs(self.client, infos,
-                                                     cfg.dask_device_transfer, device, pairs)
-        return ClusterFacts(infos, where, pairs, nccl, relay), info
+        nccl, info["nccl"] = nccl_route.pairs(self.client, infos, cfg.dask_device_transfer,
+                                              device)
+        return ClusterFacts(infos, where, pairs, nccl), info
 
     def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
         from distmm.engine.dask.lazy import lazy_product
@@ -351,7 +351,7 @@ class DaskEngine(Engine):
         pull = bool(sources) and transfer.ensure_lifetime(self.client)
         result = lazy_blocks(ops, plan, a2, b2, geometry, bp.layout, bp.addresses, cells,
                              request.backend, sources=sources, pull=pull,
-                             nccl=facts.nccl if pull else frozenset(), relays=dict(bp.relays))
+                             nccl=facts.nccl if pull else frozenset())
         if sources:
             stats["transfer"]["pull"] = pull
         stats["transfer"]["exports"] = len({(k, h) for (k, _), h in sources.items()})

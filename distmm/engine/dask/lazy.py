@@ -61,8 +61,7 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
 
 
 def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, cells,
-                backend: str, sources=None, pull: bool = False, nccl=frozenset(),
-                relays=None):
+                backend: str, sources=None, pull: bool = False, nccl=frozenset()):
     """The lazy ``A @ B`` of 2-D dask operands in block mode: ``layout``'s
     cells (on ``geometry``'s output chunk edges) as tasks on ``addresses``
     (one per unit), the output chunks sliced out of them. ``sources``
@@ -74,8 +73,7 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     without waiting for the export tasks; the output chunks cut from a block
     depend on the exports its worker reads, which keeps them alive until the
     block is made. ``nccl``: the ``(holder, reader)`` pairs whose exports are sent through
-    NCCL (pull mode only); ``relays``: ``(chunk key, reader) -> carrier`` for the NCCL
-    chunks a reader takes from the worker of its host that receives them."""
+    NCCL (pull mode only)."""
     import bisect
 
     import dask.array as da
@@ -94,14 +92,14 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
         return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
     extra = (sorted(sources.items()),) if sources else ()  # tcp: the names of before
     if nccl:
-        extra += (sorted(nccl), sorted((relays or {}).items()))
+        extra += (sorted(nccl),)
     token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells, *extra)
     name = "distmm-matmul-" + token
     cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
                                  a2.chunks, b2.chunks)
     placement = BlockPlacement(layout, names_of(name), addresses)
     exports, routes = export_layer("distmm-export-" + token, sources or {}, pull=pull,
-                                   nccl=nccl, relays=relays if pull else None)
+                                   nccl=nccl)
     if exports is not None and pull:  # block tasks let their worker's exports go first
         import dataclasses
 
@@ -169,8 +167,7 @@ class ExportLayer:
         self.name, self.layer, self.holders, self.key_of = name, layer, holders, key_of
 
 
-def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset(),
-                 relays=None):
+def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset()):
     """The export tasks for ``sources`` (``(chunk key, reader) -> holder``),
     ``(name, i)``, pinned to their holder with ``allow_other_workers=False``
     (an export elsewhere would first fetch the chunk over TCP, the very
@@ -182,10 +179,7 @@ def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset(),
     the chunks that reader needs from that holder (the offers are published,
     the task returns a receipt); the routes are ``{(chunk index, reader):
     pull.Pull(key, holder, index)}``; a group whose ``(holder, reader)`` is in ``nccl``
-    exports for NCCL (``export_chunks``' route); a reader in ``relays`` (pull mode:
-    ``(chunk key, reader) -> carrier``) reads the carrier's export of that chunk, its
-    ``Pull`` naming the carrier (``via``), whose ``Pull`` counts the readers it relays the
-    chunk to (``fanout``). Returns the layer (None when there is
+    exports for NCCL (``export_chunks``' route). Returns the layer (None when there is
     nothing to export) and the routes."""
     from dask.highlevelgraph import MaterializedLayer
 
@@ -197,14 +191,9 @@ def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset(),
         return None, {}
     dsk, holders, routes, key_of = {}, {}, {}, {}
     if pull:
-        relays = relays or {}
-        fanout: dict = {}  # (chunk, carrier) -> readers it relays the chunk to
-        for (chunk, _reader), carrier in relays.items():
-            fanout[(chunk, carrier)] = fanout.get((chunk, carrier), 0) + 1
         groups: dict = {}
         for (chunk, reader), holder in sorted(sources.items()):
-            if (chunk, reader) not in relays:  # a relayed reader reads its carrier's export
-                groups.setdefault((holder, reader), []).append(chunk)
+            groups.setdefault((holder, reader), []).append(chunk)
         for i, ((holder, reader), chunks) in enumerate(sorted(groups.items())):
             ex = (name, i)
             labels = [repr(c) for c in chunks]
@@ -215,12 +204,7 @@ def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset(),
             for j, chunk in enumerate(chunks):
                 key_of[(chunk, reader)] = ex
                 routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = Pull(
-                    ex, holder, labels[j], j, fanout=fanout.get((chunk, reader), 0))
-        for (chunk, reader), carrier in sorted(relays.items()):
-            carried = routes[chunk[0]][(tuple(chunk[1:]), carrier)]
-            key_of[(chunk, reader)] = carried.key
-            routes[chunk[0]][(tuple(chunk[1:]), reader)] = Pull(
-                carried.key, carried.holder, carried.label, carried.index, via=carrier)
+                    ex, holder, labels[j], j)
     else:
         keys: dict = {}
         for (chunk, reader), holder in sorted(sources.items()):

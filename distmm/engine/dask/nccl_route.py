@@ -42,11 +42,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
-__all__ = ["HANDLER", "CONNECT_TIMEOUT", "CARRY_WAIT", "CARRY_KEEP", "candidate_pairs", "pairs",
-           "connect", "serve_send", "receive", "carried", "ensure_handler", "SendHandler",
-           "links", "forget"]
+__all__ = ["HANDLER", "CONNECT_TIMEOUT", "candidate_pairs", "pairs", "connect", "serve_send",
+           "receive", "ensure_handler", "SendHandler", "links", "forget"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -120,10 +118,8 @@ def candidate_pairs(units) -> frozenset:
                      and (a.device, host_of(a.address)) != (b.device, host_of(b.address)))
 
 
-def pairs(client, units, mode: str, device: bool, ipc=frozenset()) -> tuple:
-    """``(nccl, relay, summary)``: the ``(holder, reader)`` pairs whose device chunks go
-    through NCCL, the ``(carrier, reader)`` pairs of one host (``ipc`` pairs of distinct
-    devices) through which a chunk received from another host is forwarded, and a summary
+def pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
+    """The ``(holder, reader)`` pairs whose device chunks go through NCCL, and a summary
     for ``last_stats()["transfer"]["nccl"]``: none unless ``mode`` is ``auto``, the chunks
     are device chunks and the export lifetime plugin runs (the readers pull their offers);
     else the candidates that ``connect`` set up."""
@@ -131,13 +127,8 @@ def pairs(client, units, mode: str, device: bool, ipc=frozenset()) -> tuple:
 
     cands = candidate_pairs(units) if device and mode == "auto" else frozenset()
     if not cands or not transfer.ensure_lifetime(client) or not ensure_handler(client):
-        return frozenset(), frozenset(), {"pairs": 0}
-    device_of = {u.address: u.device for u in units}
-    readers = {r for _, r in cands}
-    near = frozenset((a, b) for a, b in ipc if a in readers and b in readers
-                     and device_of.get(a) is not None and device_of.get(a) != device_of.get(b))
-    ok, info = connect(client, cands | near)
-    return ok & cands, ok & near, dict(info, pairs=len(ok & cands), relay_pairs=len(ok & near))
+        return frozenset(), {"pairs": 0}
+    return connect(client, cands)
 
 
 try:
@@ -290,67 +281,11 @@ async def _join(items, timeout: float, dask_worker=None) -> dict:
 
 # -- on the holder ----------------------------------------------------------------------------
 
-class _Item:
-    """One send: ``array`` after ``ready`` (an event, or None), ``nbytes`` of it."""
-
-    __slots__ = ("array", "ready", "nbytes")
-
-    def __init__(self, array, ready, nbytes: int):
-        self.array, self.ready, self.nbytes = array, ready, int(nbytes)
-
-
-class _Carried:
-    """A chunk this worker received and forwards to ``left`` more readers of its host."""
-
-    __slots__ = ("array", "event", "nbytes", "left", "since")
-
-    def __init__(self, array, event, nbytes: int, left: int):
-        self.array, self.event, self.nbytes, self.left = array, event, int(nbytes), int(left)
-        self.since = time.monotonic()
-
-
-_CARRIED: dict = {}  # (export key, index) -> _Carried, on a carrier
-_CARRIED_LOCK = threading.Lock()
-#: seconds a carrier waits for a chunk it is asked to forward to be received (its own block
-#: task posts the receive), and keeps one that not every reader asked for
-CARRY_WAIT, CARRY_KEEP = 30.0, 600.0
-
-
-def carried() -> int:
-    """Chunks this worker holds to forward (for tests and reports)."""
-    with _CARRIED_LOCK:
-        return len(_CARRIED)
-
-
-def _carry(ref, array, event, nbytes: int, left: int) -> None:
-    now = time.monotonic()
-    with _CARRIED_LOCK:
-        for k in [k for k, c in _CARRIED.items() if now - c.since > CARRY_KEEP]:
-            del _CARRIED[k]  # a reader that never asked: let the memory go
-        _CARRIED[ref] = _Carried(array, event, nbytes, left)
-
-
-def _take_carried(ref):
-    with _CARRIED_LOCK:
-        c = _CARRIED.get(ref)
-        if c is None:
-            return None
-        c.left -= 1
-        if c.left <= 0:
-            del _CARRIED[ref]
-    return _Item(c.array, c.event, c.nbytes)
-
-
-async def serve_send(refs=None, reader=None, worker=None) -> dict:
-    """The handler: queue the sends of ``refs`` (``(export key, index)`` each, in the order
-    the reader will receive them) to ``reader``: ``NcclOffer`` s published here (a holder),
-    or chunks this worker received and forwards (a carrier: waits up to ``CARRY_WAIT`` for
-    their receive to be posted). Returns ``{"queued": n}``, or ``{"error": why}`` with
-    nothing queued."""
-    import asyncio
-
+def serve_send(refs=None, reader=None, worker=None) -> dict:
+    """The holder's handler: queue the sends of the published ``NcclOffer`` s ``refs``
+    (``(export key, index)`` each, in the order the reader will receive them) to
+    ``reader``. Returns ``{"queued": n}``, or ``{"error": why}`` with nothing queued."""
     from distmm.engine.dask import pull
-    from distmm.engine.dask.pull import norm_key
     from distmm.engine.dask.transfer import NcclOffer
 
     me = getattr(worker, "address", None)
@@ -358,33 +293,20 @@ async def serve_send(refs=None, reader=None, worker=None) -> dict:
         link = _LINKS.get((me, reader))
     if link is None or link.rank != 0:
         return {"error": f"no NCCL communicator from {me} to {reader}"}
-    refs = [(norm_key(key), int(index)) for key, index in refs or ()]
-    items: list = [None] * len(refs)
-    deadline = time.monotonic() + CARRY_WAIT
-    while True:
-        for i, ref in enumerate(refs):
-            if items[i] is not None:
-                continue
-            offer = pull.offer(*ref)
-            if isinstance(offer, NcclOffer) and offer.array is not None:
-                items[i] = _Item(offer.array, offer.ready, offer.nbytes)
-            else:
-                items[i] = _take_carried(ref)
-        missing = [ref for ref, item in zip(refs, items) if item is None]
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            return {"error": f"{len(missing)} chunk(s) neither published nor received here, "
-                             f"e.g. {missing[0]!r}"}
-        await asyncio.sleep(0.001)
+    offers = []
+    for key, index in refs or ():
+        offer = pull.offer(key, index)
+        if not isinstance(offer, NcclOffer) or offer.array is None:
+            return {"error": f"export {key!r}[{index}] is not published here as an NCCL offer"}
+        offers.append(offer)
     with _LINKS_LOCK:
         if link.thread is None:
             link.queue = queue.SimpleQueue()
             link.thread = threading.Thread(target=_send_loop, args=(link,), daemon=True,
                                            name=f"distmm-nccl-send-{reader}")
             link.thread.start()
-    link.queue.put(items)
-    return {"queued": len(items)}
+    link.queue.put(offers)
+    return {"queued": len(offers)}
 
 
 def _send_loop(link: _Link) -> None:
@@ -412,92 +334,53 @@ def _send_loop(link: _Link) -> None:
 
 def receive(offers) -> int:
     """In a block task: post the receives of ``offers`` (``NcclOffer`` s not yet received,
-    in the order the task will read them): each holder's after asking it to send them;
-    those a worker of this host forwards (``via``) on a thread, which asks that carrier
-    (the k loop waits for such a receive only where it reads the chunk). A received chunk
-    this task forwards (``fanout``) is kept for its readers. Returns the bytes posted here;
-    an offer whose holder has no communicator to this worker, or could not be asked, is left
-    for ``transfer.take``'s fallback."""
+    in the order the task will read them), each holder's after asking it to send them.
+    Returns the bytes posted; offers of a holder without a communicator to this worker, or
+    that could not be asked, are left for ``transfer.take``'s fallback."""
     from distributed import get_worker
-
-    worker = get_worker()
-    direct: dict = {}
-    relayed: dict = {}
-    seen: set = set()
-    for x in offers:
-        if x._opened is None and id(x) not in seen and x.ref is not None:
-            seen.add(id(x))
-            (relayed.setdefault(x.via, []) if x.via else direct.setdefault(x.address, [])
-             ).append(x)
-    posted = 0
-    for holder, group in sorted(direct.items()):
-        posted += _receive_from(worker, holder, group)
-    for carrier, group in sorted(relayed.items()):
-        for x in group:
-            x.expect()
-        threading.Thread(target=_relayed, args=(worker, carrier, group), daemon=True,
-                         name=f"distmm-nccl-relay-{carrier}").start()
-    return posted
-
-
-def _relayed(worker, carrier: str, group) -> None:
-    """On a thread of a reader: ``group`` received from ``carrier`` (or, where it cannot
-    forward them, from their holders); every offer's ``_posted`` set at the end."""
-    try:
-        if _receive_from(worker, carrier, group) == 0 and any(x._opened is None for x in group):
-            by_holder: dict = {}
-            for x in group:
-                if x._opened is None:
-                    by_holder.setdefault(x.address, []).append(x)
-            for holder, rest in sorted(by_holder.items()):
-                _receive_from(worker, holder, rest)
-    except Exception as exc:  # noqa: BLE001 -- take's fallback fetches what is missing
-        log.warning("distmm: receiving %d chunk(s) relayed by %s failed: %r", len(group),
-                    carrier, exc)
-    finally:
-        for x in group:
-            x._posted.set()
-
-
-def _receive_from(worker, source: str, group) -> int:
-    """Ask ``source`` to send ``group`` and post their receives, in order, on the pair's
-    stream (under its lock); 0 where there is no communicator or the source declined."""
     from distributed.utils import sync
 
     import cupy
 
     from distmm.engine.dask.transfer import record_route
 
+    worker = get_worker()
     me = worker.address
-    with _LINKS_LOCK:
-        link = _LINKS.get((source, me))
-    if link is None or link.rank != 1:
-        return 0
-    with link.lock:
-        try:
-            reply = sync(worker.loop, _ask_send, worker, source, [list(x.ref) for x in group],
-                         me)
-        except Exception as exc:  # noqa: BLE001 -- the fallback fetches them
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        if "error" in reply:
-            log.warning("distmm: %s did not send %d chunk(s) through NCCL (%s)", source,
-                        len(group), reply["error"])
-            return 0
-        stream = link.on_stream()
-        # new buffers may reuse memory this worker's earlier copies and GEMMs still read
-        stream.wait_event(cupy.cuda.get_current_stream().record())
-        with stream:
-            for x in group:
-                buf = cupy.empty(x.shape, x.dtype)
-                if x.nbytes:
-                    link.comm.recv(buf.data.ptr, x.nbytes, _UINT8, 0, stream.ptr)
-                event = stream.record()
-                if x.fanout:
-                    _carry(x.ref, buf, event, x.nbytes, x.fanout)
-                x.received(buf, event)
-    total = sum(x.nbytes for x in group)
-    record_route("relay" if source != group[0].address else "nccl", total)
-    return total
+    by_holder: dict = {}
+    seen: set = set()
+    for x in offers:
+        if x._opened is None and id(x) not in seen and x.ref is not None:
+            seen.add(id(x))
+            by_holder.setdefault(x.address, []).append(x)
+    posted = 0
+    current = cupy.cuda.get_current_stream()
+    for holder, group in sorted(by_holder.items()):
+        with _LINKS_LOCK:
+            link = _LINKS.get((holder, me))
+        if link is None or link.rank != 1:
+            continue
+        with link.lock:
+            try:
+                reply = sync(worker.loop, _ask_send, worker, holder,
+                             [list(x.ref) for x in group], me)
+            except Exception as exc:  # noqa: BLE001 -- the fallback fetches them
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            if "error" in reply:
+                log.warning("distmm: holder %s did not send %d chunk(s) through NCCL (%s); "
+                            "fetching them as host bytes", holder, len(group), reply["error"])
+                continue
+            stream = link.on_stream()
+            # new buffers may reuse memory this worker's earlier copies and GEMMs still read
+            stream.wait_event(current.record())
+            with stream:
+                for x in group:
+                    buf = cupy.empty(x.shape, x.dtype)
+                    if x.nbytes:
+                        link.comm.recv(buf.data.ptr, x.nbytes, _UINT8, 0, stream.ptr)
+                    x.received(buf, stream.record())
+                    posted += x.nbytes
+        record_route("nccl", sum(x.nbytes for x in group))
+    return posted
 
 
 async def _ask_send(worker, holder: str, refs, me: str) -> dict:

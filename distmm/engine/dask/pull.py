@@ -79,20 +79,15 @@ def norm_key(key):
 
 class Pull:
     """A block task's argument in place of offer ``index`` of export task ``key``,
-    held by worker ``holder`` (its address); ``label`` names the chunk in messages.
-    For an offer sent through NCCL (``nccl_route``): ``via``, the worker of the reader's
-    host that receives it from the holder and forwards it to this reader (None: the
-    holder sends it itself); ``fanout``, the readers this one forwards it to."""
+    held by worker ``holder`` (its address); ``label`` names the chunk in messages."""
 
-    __slots__ = ("key", "holder", "label", "index", "via", "fanout")
+    __slots__ = ("key", "holder", "label", "index")
 
-    def __init__(self, key, holder: str, label: str = "", index: int = 0, via=None,
-                 fanout: int = 0):
+    def __init__(self, key, holder: str, label: str = "", index: int = 0):
         self.key, self.holder, self.label, self.index = norm_key(key), holder, label, int(index)
-        self.via, self.fanout = via, int(fanout)
 
     def __reduce__(self):
-        return (Pull, (self.key, self.holder, self.label, self.index, self.via, self.fanout))
+        return (Pull, (self.key, self.holder, self.label, self.index))
 
     def __eq__(self, other):
         return isinstance(other, Pull) and (self.key, self.holder, self.index) == (
@@ -282,16 +277,8 @@ def resolve(*lists):
     if missing:
         raise IPCError("no CUDA IPC offer published within "
                        f"{LONG_WAIT:.0f} s for " + ", ".join(repr(wanted[p]) for p in missing))
-    return tuple([_routed(got[(x.holder, x.key)][x.index], x) if isinstance(x, Pull) else x
-                  for x in lst] for lst in lists)
-
-
-def _routed(offer, x: Pull):
-    """``offer`` with the NCCL route its ``Pull`` names (``via``, ``fanout``): a copy, as
-    one offer object may stand for the same chunk read twice."""
-    if x.via is None and not x.fanout or not hasattr(offer, "routed"):
-        return offer
-    return offer.routed(x.via, x.fanout)
+    return tuple([got[(x.holder, x.key)][x.index] if isinstance(x, Pull) else x for x in lst]
+                 for lst in lists)
 
 
 def await_own(exports) -> None:

@@ -224,7 +224,7 @@ def routes_since(since: float | None = None, after: int | None = None) -> dict:
     """Bytes this process received by each route (module docstring) since
     ``since`` (``time.time()``; None: all kept), or after the receipt count
     ``after`` (``routes_mark``)."""
-    out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0, "nccl": 0, "relay": 0}
+    out = {"ipc": 0, "local": 0, "tcp": 0, "fallback": 0, "nccl": 0}
     with _ROUTES_LOCK:
         kept, recorded = list(_ROUTES), _RECORDED
     if after is not None:
@@ -285,24 +285,14 @@ class NcclOffer:
     (``_opened``, ``_event``). Pickled (the holder's reply to a reader) it carries neither."""
 
     __slots__ = ("address", "label", "nbytes", "shape", "dtype", "ref", "array", "ready",
-                 "via", "fanout", "_opened", "_event", "_posted")
+                 "_opened", "_event")
 
     def __init__(self, address, label, nbytes, shape, dtype, ref=None, array=None,
                  ready=None):
         self.address, self.label, self.nbytes = address, label, int(nbytes)
         self.shape, self.dtype, self.ref = tuple(shape), np.dtype(dtype), ref
         self.array, self.ready = array, ready
-        self.via, self.fanout = None, 0
-        self._opened = self._event = self._posted = None
-
-    def routed(self, via, fanout: int):
-        """In the reader: this offer received from ``via`` (a worker of this host that
-        receives it from the holder; None: from the holder), forwarded by this reader to
-        ``fanout`` others."""
-        out = NcclOffer(self.address, self.label, self.nbytes, self.shape, self.dtype,
-                        self.ref)
-        out.via, out.fanout = via, int(fanout)
-        return out
+        self._opened = self._event = None
 
     @classmethod
     def of(cls, chunk, label: str, address):
@@ -323,12 +313,6 @@ class NcclOffer:
     def received(self, arr, event) -> None:
         """In the reader: ``arr`` will hold the chunk once ``event`` has passed."""
         self._opened, self._event = arr, event
-
-    def expect(self):
-        """In the reader: its receive is posted by another thread (a relay); ``_received``
-        waits for it. Returns the ``threading.Event`` that thread sets."""
-        self._posted = threading.Event()
-        return self._posted
 
     def __repr__(self):
         return f"NcclOffer({self.label}, {self.nbytes} bytes, from {self.address})"
@@ -686,17 +670,10 @@ def host_copy(ref, dask_worker=None):
     return offer.array.get()
 
 
-#: seconds a block task waits for the receive of a relayed chunk to be posted before it
-#: fetches the chunk from its holder as host bytes
-RELAY_WAIT = 120.0
-
-
 def _received(x: NcclOffer):
     """A received ``NcclOffer``'s chunk, the current stream ordered after its receive;
     one never received (a task that did not receive its offers) fetched as host bytes from
     the holder's registry through ``client.run`` (``host_copy``), as ``_fetch`` does."""
-    if x._opened is None and x._posted is not None:
-        x._posted.wait(RELAY_WAIT)  # a relay posting its receive (nccl_route)
     if x._opened is None:
         from distmm.executor import ipc
 
