@@ -360,6 +360,14 @@ def receive(offers) -> int:
         if link is None or link.rank != 1:
             continue
         with link.lock:
+            stream = link.on_stream()
+            try:  # every buffer before the holder is asked: a send queued must be received
+                with stream:
+                    bufs = [cupy.empty(x.shape, x.dtype) for x in group]
+            except cupy.cuda.memory.OutOfMemoryError as exc:
+                log.warning("distmm: no device memory to receive %d chunk(s) from %s through "
+                            "NCCL (%s); fetching them as host bytes", len(group), holder, exc)
+                continue
             try:
                 reply = sync(worker.loop, _ask_send, worker, holder,
                              [list(x.ref) for x in group], me)
@@ -369,16 +377,13 @@ def receive(offers) -> int:
                 log.warning("distmm: holder %s did not send %d chunk(s) through NCCL (%s); "
                             "fetching them as host bytes", holder, len(group), reply["error"])
                 continue
-            stream = link.on_stream()
-            # new buffers may reuse memory this worker's earlier copies and GEMMs still read
+            # the buffers may reuse memory this worker's earlier copies and GEMMs still read
             stream.wait_event(current.record())
-            with stream:
-                for x in group:
-                    buf = cupy.empty(x.shape, x.dtype)
-                    if x.nbytes:
-                        link.comm.recv(buf.data.ptr, x.nbytes, _UINT8, 0, stream.ptr)
-                    x.received(buf, stream.record())
-                    posted += x.nbytes
+            for x, buf in zip(group, bufs):
+                if x.nbytes:
+                    link.comm.recv(buf.data.ptr, x.nbytes, _UINT8, 0, stream.ptr)
+                x.received(buf, stream.record())
+                posted += x.nbytes
         record_route("nccl", sum(x.nbytes for x in group))
     return posted
 
