@@ -103,9 +103,11 @@ def _args(argv):
 
 # -- clusters --------------------------------------------------------------------------------
 
-def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: str = "auto"):
+def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: str = "auto",
+                  nodes: int = 1):
     """(cluster, description, GPUs used, CPU workers) of one setting (``protocol``: the GPU
-    clusters' comms, ``bench.common.gpu_cluster``; a rehearsal is TCP)."""
+    clusters' comms, ``distmm.cli.cluster.gpu_cluster``; a rehearsal is TCP; ``nodes``: the
+    ``2gpu``/``4gpu`` workers as that many emulated nodes)."""
     if rehearse:
         gpu_like = {"1gpu": 1, "2gpu": 2, "4gpu": 4, "shared": 1, "mixed": 1}[setting]
         cluster = cpu_cluster(gpu_like, resources={GPU_RESOURCE: 1})
@@ -121,8 +123,9 @@ def start_cluster(setting: str, *, rehearse: bool, cpu_workers: int, protocol: s
     elif setting in ("2gpu", "4gpu"):
         gpus = int(setting[0])
         devices = ",".join(map(str, range(gpus)))
-        cluster = gpu_cluster(devices, protocol=protocol)
-        what = f"LocalCUDACluster(CUDA_VISIBLE_DEVICES='{devices}'), one worker per GPU"
+        cluster = gpu_cluster(devices, protocol=protocol, nodes=nodes)
+        what = f"LocalCUDACluster(CUDA_VISIBLE_DEVICES='{devices}'), one worker per GPU" + (
+            f", as {nodes} emulated nodes" if nodes > 1 else "")
     elif setting == "shared":
         cluster = gpu_cluster("0", per_device=2, protocol=protocol)
         what = ("LocalCUDACluster(CUDA_VISIBLE_DEVICES='0') and a copy of its worker spec: "

@@ -15,6 +15,7 @@
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
+# emutrace  the same, traced per block task (bench/research/dask_stream.py --nodes 2)
 # emudask  the Dask engine across 2 emulated nodes at 32768 (gpu-emulated-dask.toml), with
 #        the stacks of a stand-still (bench/research/dask_stall.py)
 # nccl   the Dask GPU tests of device chunks between emulated nodes through NCCL and of CUDA
@@ -82,6 +83,14 @@ for phase in "$@"; do
       timeout ${T_NCCLTESTS:-240} $PT tests/test_emulate_gpu.py tests/test_dask_ipc_gpu.py \
         -k "not nccl_carries" > "$OUT/pytest-nccl.log" 2>&1
       echo "NCCL/IPC tests exit $?"; grep -v "^\s*$" "$OUT/pytest-nccl.log" | tail -30 ;;
+    emutrace)
+      # the Dask engine across 2 emulated nodes at fp32 32768, traced per block task: when
+      # each k piece's copies ran (a copy of a chunk from the other node waits for its NCCL
+      # receive) beside the GEMMs (bench/research/dask_stream.py --nodes 2 --trace)
+      timeout ${T_EMUTRACE:-150} python3 -m bench.research.dask_stream --setting 4gpu --nodes 2 \
+        --sizes 32768 --dtype float32 --calls 2 --trace > "$OUT/trace-emulated.log" 2>&1
+      grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-emulated.log" \
+        | cut -c1-330 | grep "^== \|client steps\|pieces:" | head -12 ;;
     emudask)
       # the Dask engine alone across 2 emulated nodes at fp32 32768
       # (bench/studies/gpu-emulated-dask.toml); if it stands still, every thread's stack

@@ -325,6 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="the 2gpu/4gpu workers as that many emulated nodes (NCCL between them)")
     args = p.parse_args(argv)
 
     import distributed
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
 
     cluster, what, _gpus, _cpus = start_cluster(args.setting, rehearse=False,
                                                 cpu_workers=args.cpu_workers,
-                                                protocol=args.protocol)
+                                                protocol=args.protocol, nodes=args.nodes)
     with cluster, distributed.Client(cluster) as client:
         print(what, client.scheduler.address, flush=True)
         bench = Bench(client, gpu=True, timeout=300)
