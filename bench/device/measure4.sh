@@ -15,7 +15,8 @@
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
-# emutrace  the same, traced per block task (bench/research/dask_stream.py --nodes 2)
+# emutrace  the Dask engine across 2 emulated nodes at 32768, traced per block task
+#        (bench/research/dask_stream.py --nodes 2)
 # emudask  the Dask engine across 2 emulated nodes at 32768 (gpu-emulated-dask.toml), with
 #        the stacks of a stand-still (bench/research/dask_stall.py)
 # nccl   the Dask GPU tests of device chunks between emulated nodes through NCCL and of CUDA
