@@ -42,6 +42,9 @@ __all__ = ["GemmRate", "Link", "Calibration", "Prediction", "Bounds", "predict",
 ENGINES = ("mpi", "batch", "dask")
 #: k extent of the A and B panels a Dask GPU worker holds at once, for the memory check
 DASK_K_GROUP = 8192
+#: the first k piece of a Dask GPU block (one chunk of the studies' 8192): what a block task
+#: receiving the rest through NCCL waits for before its first GEMM
+DASK_FIRST_PIECE = 8192
 DEVICE_KINDS = ("gpu", "cpu")
 #: link kinds: pinned PCIe both ways, NCCL over NVLink, NCCL over sockets, host-staged MPI
 #: (shared memory on one host), TCP between Dask workers, CUDA IPC between GPU workers
@@ -631,6 +634,13 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
         working = [i for i, s in enumerate(sh) if s > 0]
         units = len(working)
         pr, pc = worker_grid(units, m, n) if units else (1, 1)
+        # workers on more than one host (or emulated node): the remote chunks of a worker's own
+        # host come through CUDA IPC, those of other hosts over ``link``, whose bandwidth the
+        # node's workers share; through NCCL they arrive while the block's k pieces multiply
+        # (only the first piece's wait is exposed), over TCP before the block task starts
+        per_node = max(1, min(devices, cal.gpus_per_node))
+        hosts = devices > per_node and link_name in ("nccl-socket", "tcp")
+        near_link = cal.links.get("ipc", link)
         # the slowest of the working units: its share of C, its A row and B column panels
         worst = (0.0, 0.0)
         for u in working:
@@ -639,9 +649,20 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
             nj = area / mi if mi else 0
             rate = rates[u] * 1e9 * (gemm.rate(int(mi), int(nj), k) / gemm.peak)
             comp = 2.0 * mi * nj * k / rate if rate else 0.0
-            remote = (1.0 - 1.0 / devices) * (mi * k + k * nj) * size if devices > 1 else 0.0
-            comm = link.seconds(remote) if remote else 0.0
-            exposed = max(0.0, comm - overlap * comp)
+            panels = (mi * k + k * nj) * size
+            if hosts:
+                near = near_link.seconds((per_node - 1) / devices * panels)
+                far = link.seconds((devices - per_node) / devices * panels * per_node)
+                exposed = max(0.0, near - overlap * comp)
+                if link_name == "nccl-socket":
+                    first = far * min(k, DASK_FIRST_PIECE) / k if k else 0.0
+                    exposed += first + max(0.0, far - first - comp)
+                else:
+                    exposed += far
+            else:
+                remote = (1.0 - 1.0 / devices) * panels if devices > 1 else 0.0
+                comm = link.seconds(remote) if remote else 0.0
+                exposed = max(0.0, comm - overlap * comp)
             if comp + exposed > sum(worst):
                 worst = (comp, exposed)
         comp, exposed = worst

@@ -134,7 +134,8 @@ def _study_configuration(rec: dict, base: dict) -> dict:
     transport (MPI, and Dask GPU workers whose device chunks crossed through NCCL:
     ``nccl_pairs``, recorded since the route exists) or TCP (the other Dask records): the
     model has one link kind per configuration, and the links between emulated nodes are
-    the slower ones."""
+    the slower ones. A GPU configuration's ``gpus_per_node`` is that of its emulated nodes
+    (the Dask model takes a worker's own node's chunks through CUDA IPC)."""
     engine, gpu = rec["engine"], "gpus" in rec
     count = int(rec.get("ranks") or rec.get("workers") or rec.get("gpus") or 1)
     nodes = rec.get("emulated_nodes")
@@ -152,6 +153,8 @@ def _study_configuration(rec: dict, base: dict) -> dict:
         conf["threads_per_rank"] = int(rec.get("threads_per_rank") or 1)
     if nodes:
         conf["link"] = "nccl-socket" if nccl else "tcp"
+        if gpu:  # the devices of one emulated node ("all-links": each its own)
+            conf["gpus_per_node"] = 1 if nodes == "all-links" else max(1, count // int(nodes))
     return conf
 
 
@@ -172,6 +175,11 @@ KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_
 
 
 def predict_record(conf: dict, cal: Calibration) -> Prediction:
-    """The model's prediction for a ``configuration``."""
+    """The model's prediction for a ``configuration`` (its ``gpus_per_node``, where it has
+    one, in place of the calibration's)."""
+    if conf.get("gpus_per_node"):
+        import dataclasses
+
+        cal = dataclasses.replace(cal, gpus_per_node=int(conf["gpus_per_node"]))
     kwargs = {k: conf[k] for k in KEYS if conf.get(k) is not None}
     return predict(conf["m"], conf["n"], conf["k"], conf["dtype"], calibration=cal, **kwargs)
