@@ -1,4 +1,5 @@
-"""Device chunks between GPU workers of one host: CUDA IPC in block mode, TCP otherwise.
+"""Device chunks between GPU workers of one host: CUDA IPC in block mode (between hosts:
+``nccl_route``, else TCP).
 
 Workers of one host started as different emulated nodes (``distmm.emulate``) count as
 workers of different hosts here (``link_of``): CUDA IPC only inside an emulated node.
@@ -10,7 +11,7 @@ that says between which workers IPC works (``probe``, cached per scheduler
 address and worker set), the export tasks' bodies (``export_chunk``: on the
 worker holding a chunk, an ``Offer`` wrapping ``distmm.executor.ipc.export``;
 ``export_chunks``: the offers one reader needs from that worker, published for
-``pull``),
+``pull``; for a reader on another host, ``NcclOffer`` s that ``nccl_route`` sends),
 opening an offer inside a block task (``take``) with its fallbacks, and the
 bytes each worker received by each route (``routes_since``, read by
 ``stats.transfer_report``), and the exports' lifetime (``ExportLifetime``, a
@@ -25,7 +26,8 @@ process through CUDA IPC: one device copy), ``local`` (the block task ran in
 the exporting process itself: no copy, no bytes moved), ``tcp`` (the export
 failed on the holder, e.g. a numpy chunk or a full device: the offer carried
 the chunk itself, through distributed's TCP transfer, which its
-``transfer_incoming_log`` also counts) and ``fallback`` (opening failed on the
+``transfer_incoming_log`` also counts), ``nccl`` (received from a holder on another
+host through NCCL) and ``fallback`` (opening or receiving failed on the
 reader, e.g. the task moved to another host: the chunk fetched from the
 holder's live export as host bytes through ``client.run``).
 
@@ -95,7 +97,8 @@ def device_chunks(*arrays) -> bool:
 def link_of(unit) -> tuple:
     """Where a worker's links reach: its host and its emulated node (``node``, None
     where none). Workers of one host but different emulated nodes are taken for
-    workers of different hosts: their device chunks go over TCP, never CUDA IPC."""
+    workers of different hosts: their device chunks go through NCCL (``nccl_route``) or
+    TCP, never CUDA IPC."""
     return host_of(unit.address), getattr(unit, "node", None)
 
 
