@@ -11,7 +11,9 @@ block to a CPU worker itself; on a CPU worker with the CPU executor; and
 workers may arrive as CUDA IPC offers: a GPU task copies the pieces it needs
 straight from the other process's memory into its panels
 (``transfer.take_into``), assembling each panel in one pass, each k piece's panels
-on a second stream while the previous piece's GEMM runs (``_overlapped_block``).
+on a second stream while the previous piece's GEMM runs (``_overlapped_block``); chunks of
+workers on other hosts arrive as NCCL offers, whose receives the task posts at its start
+in the order it reads them (``_receive``), each copy waiting on the device for its chunk.
 It does *not* cover: which blocks exist (``distmm.plan_blocks``), the
 graph (``graph``) or the per-tile tasks (``tasks``). Module-level functions,
 pickled by reference.
