@@ -295,9 +295,7 @@ class DaskEngine(Engine):
             return None, None
         if ops.family != "dask":
             return ClusterFacts(infos), None
-        from distmm.engine.dask import transfer
-
-        from distmm.engine.dask import nccl_route
+        from distmm.engine.dask import nccl_route, transfer
 
         where = self._where_of(ops)
         device = bool(where) and transfer.device_chunks(ops.a2, ops.b2)

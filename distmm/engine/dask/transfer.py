@@ -574,22 +574,24 @@ def _serve(token: str):
     return ipc.local_array(token).get()
 
 
-def _fetch(offer: Offer, first: BaseException):
-    """The offer's bytes from its holder's live export, through ``client.run``."""
+def _fetch(address: str, serve, arg, failed: str):
+    """The host bytes ``serve(arg)`` returns on the holder ``address``, through
+    ``client.run``, on this worker's device where cupy imports (the fallback of an IPC open
+    that failed, and of an NCCL offer never received). ``IPCError`` where that fails too,
+    beginning with ``failed`` (what failed first)."""
     from distmm.executor import ipc
 
     try:
         from distributed import worker_client
 
         with worker_client() as client:
-            got = client.run(_serve, offer.shared.token, workers=[offer.address],
-                             on_error="return")
-        host = got.get(offer.address)
+            got = client.run(serve, arg, workers=[address], on_error="return")
+        host = got.get(address)
         if not isinstance(host, np.ndarray):
             raise ipc.IPCError(f"the holder answered {host!r}")
     except Exception as exc:
-        raise ipc.IPCError(f"{offer!r}: opening failed ({first}) and fetching it from the "
-                           f"holder failed too ({type(exc).__name__}: {exc})") from exc
+        raise ipc.IPCError(f"{failed} and fetching it from the holder failed too "
+                           f"({type(exc).__name__}: {exc})") from exc
     try:
         import cupy
 
@@ -656,7 +658,9 @@ def take(x):
                 except ipc.IPCError as exc:
                     log.warning("distmm: %r: CUDA IPC open failed (%s); fetching it from the "
                                 "holder through the scheduler", x, exc)
-                    arr, route, moved = _fetch(x, exc), "fallback", x.nbytes
+                    arr = _fetch(x.address, _serve, x.shared.token,
+                                 f"{x!r}: opening failed ({exc})")
+                    route, moved = "fallback", x.nbytes
         record_route(route, moved)
         x._opened = arr
         return arr
@@ -676,28 +680,10 @@ def host_copy(ref, dask_worker=None):
 def _received(x: NcclOffer):
     """A received ``NcclOffer``'s chunk, the current stream ordered after its receive;
     one never received (a task that did not receive its offers) fetched as host bytes from
-    the holder's registry through ``client.run`` (``host_copy``), as ``_fetch`` does."""
+    the holder's registry (``host_copy``, ``_fetch``)."""
     if x._opened is None:
-        from distmm.executor import ipc
-
-        try:
-            from distributed import worker_client
-
-            with worker_client() as client:
-                got = client.run(host_copy, x.ref, workers=[x.address],
-                                 on_error="return").get(x.address)
-            if not isinstance(got, np.ndarray):
-                raise ipc.IPCError(f"the holder answered {got!r}")
-        except Exception as exc:
-            raise ipc.IPCError(f"{x!r} was not received through NCCL and fetching it from "
-                               f"the holder failed ({type(exc).__name__}: {exc})") from exc
+        got = _fetch(x.address, host_copy, x.ref, f"{x!r} was not received through NCCL")
         record_route("fallback", x.nbytes)
-        try:
-            import cupy
-
-            got = cupy.asarray(got)
-        except ImportError:  # a reader without cupy: the host copy (the CPU executor reads it)
-            pass
         x.received(got, None)
         return x._opened
     if x._event is not None:
