@@ -14,6 +14,7 @@
 # emulated  4 GPUs as 2 emulated nodes, both engines (bench/studies/gpu-emulated.toml), with
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
+# leads  gemm_k's schedules, the NCCL/IPC GPU tests, ipc_reopen, the fp32 trace (one call)
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # emutrace  the Dask engine across 2 emulated nodes at 32768, traced per block task
 #        (bench/research/dask_stream.py --nodes 2)
@@ -113,6 +114,24 @@ for phase in "$@"; do
         --dtype float32 --calls 2 --trace > "$OUT/trace-4gpu-float32${DASK4_TAG-}.log" 2>&1
       grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32${DASK4_TAG-}.log" \
         | cut -c1-330 | grep "^== \|client steps\|pieces:" | head -12 ;;
+    leads)
+      # the thirteenth session's leads, in one call: a block's GEMM schedules on GPU 0 (gemm_k,
+      # first pieces of one and two chunks) beside the NCCL/IPC GPU tests on GPUs 2-3; then
+      # mapping an IPC export again after it was ended (bench/research/ipc_reopen.py, GPUs
+      # 0-1); then the Dask engine's fp32 trace on 4 GPUs with the scheduler's dispatch times
+      CUDA_VISIBLE_DEVICES=0 timeout ${T_GEMMK:-150} python3 -m bench.research.gemm_k \
+        > "$OUT/gemm-k.log" 2>&1 & g=$!
+      CUDA_VISIBLE_DEVICES=2,3 timeout ${T_NCCLTESTS:-240} $PT tests/test_emulate_gpu.py \
+        tests/test_dask_ipc_gpu.py -k "not nccl_carries" > "$OUT/pytest-nccl.log" 2>&1 & t=$!
+      wait $g; echo "gemm_k exit $?"; tail -20 "$OUT/gemm-k.log"
+      timeout 120 python3 -m bench.research.ipc_reopen > "$OUT/ipc-reopen.log" 2>&1
+      echo "ipc_reopen exit $?"; tail -20 "$OUT/ipc-reopen.log"
+      wait $t; echo "NCCL/IPC tests exit $?"; grep -v "^\s*$" "$OUT/pytest-nccl.log" | tail -8
+      timeout ${T_TRACE:-150} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
+        --dtype float32 --calls 3 --trace > "$OUT/trace-4gpu-float32.log" 2>&1
+      echo "trace exit $?"
+      grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32.log" | cut -c1-330 \
+        | grep "^== \|client steps\|pieces:\|dispatch\|update-graph" | head -40 ;;
     gemmk)
       # one GPU: a block's GEMM as one k, as pieces, as the first piece's parts then pieces
       # (bench/research/gemm_k.py; 16384^2 blocks of k = 32768, chunks 8192)

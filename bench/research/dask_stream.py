@@ -20,7 +20,9 @@ pieces into panels (``take_into``) and making the panels (``_panel`` for host-si
 for GPU panels, their copies and one synchronisation included), when its GEMM was queued,
 and from CUDA events when the GPU finished the work before the GEMM and the GEMM itself,
 and, per k piece of an overlapped block, its panel copies and its GEMM (``piece_summary``).
-Every call also prints the seconds of the engine's client-side steps (``install_client_phases``:
+Every call also prints when the scheduler received the graph (its update-graph metrics) and,
+per task prefix, when the scheduler dispatched the first task and the workers received and
+began it (``dispatch_lines``). Every call also prints the seconds of the engine's client-side steps (``install_client_phases``:
 the cluster's state, the worker probe, the IPC probe, the plugin, the plan, the graph).
 ``python -m bench.research.dask_stream --setting 2gpu --sizes 16384 32768``
 """
@@ -169,6 +171,68 @@ def _install_trace(dask_worker=None):
 
     pull.resolve = timed_into(cur, "pull", pull.resolve)
     return True
+
+
+def _scheduler_times(since: float, dask_scheduler=None) -> dict:
+    """On the scheduler: per task prefix, when (seconds after ``since``) its first task
+    entered the scheduler and its first went to ``processing`` (sent to a worker), from the
+    transition log."""
+    out: dict = {}
+    for t in list(dask_scheduler.transition_log):
+        key, start, finish, stamp = t[0], t[1], t[2], t[-1]
+        if stamp < since:
+            continue
+        row = out.setdefault(_prefix(key), {})
+        row.setdefault("seen", stamp - since)
+        if finish == "processing":
+            row.setdefault("processing", stamp - since)
+    return out
+
+
+def _worker_times(since: float, dask_worker=None) -> dict:
+    """On a worker: per task prefix, when (seconds after ``since``) its first
+    ``compute-task`` arrived and when its first task began to run, from the worker's log."""
+    out: dict = {}
+    for t in list(dask_worker.state.log):
+        stamp = t[-1]
+        if not isinstance(stamp, float) or stamp < since or not isinstance(t[0], (str, tuple)):
+            continue
+        row = out.setdefault(_prefix(t[0]), {})
+        if t[1] == "compute-task":
+            row.setdefault("received", stamp - since)
+        elif len(t) > 3 and t[3] == "executing":
+            row.setdefault("executing", stamp - since)
+    return out
+
+
+def dispatch_lines(client, since: float) -> list[str]:
+    """The scheduler's update-graph metrics (materialisation, ordering, task states) and,
+    per task prefix, when the scheduler saw and dispatched its first task and when the
+    workers received and began it, in seconds after ``since``."""
+    lines = []
+    for stamp, ev in client.get_events("scheduler"):
+        if stamp >= since and isinstance(ev, dict) and ev.get("action") == "update-graph":
+            m = ev.get("metrics") or {}
+            lines.append("   update-graph: start {:.4f}s, materialise {:.4f}s, order {:.4f}s, "
+                         "states {:.4f}s, {} tasks".format(
+                             m.get("start_timestamp_seconds", since) - since,
+                             m.get("materialization_duration_seconds", float("nan")),
+                             -m.get("ordering_duration_seconds", float("nan")),
+                             -m.get("state_initialization_duration_seconds", float("nan")),
+                             m.get("tasks", m.get("new_tasks", "?"))))
+    sched = client.run_on_scheduler(_scheduler_times, since)
+    workers = client.run(_worker_times, since)
+    for prefix in sorted(sched, key=lambda p: sched[p].get("seen", 0)):
+        if not prefix.startswith("distmm"):
+            continue
+        got = [w[prefix] for w in workers.values() if prefix in w]
+        rec = [g["received"] for g in got if "received" in g]
+        run = [g["executing"] for g in got if "executing" in g]
+        lines.append(f"   dispatch {prefix}: scheduler saw {sched[prefix].get('seen', float('nan')):.4f}s"
+                     f" sent {sched[prefix].get('processing', float('nan')):.4f}s; workers received "
+                     f"{min(rec, default=float('nan')):.4f}-{max(rec, default=float('nan')):.4f}s"
+                     f" began {min(run, default=float('nan')):.4f}-{max(run, default=float('nan')):.4f}s")
+    return lines
 
 
 def timed_into(cur: dict, name: str, fn):
@@ -369,6 +433,10 @@ def main(argv=None) -> int:
                       moved["worker_to_worker"], "by_name",
                       {k[:40]: v for k, v in moved["by_name"].items()})
                 print("\n".join(stream_summary(ts.data, since)), flush=True)
+                try:
+                    print("\n".join(dispatch_lines(client, since)), flush=True)
+                except Exception as exc:  # noqa: BLE001 -- a probe's own failure, reported
+                    print(f"   dispatch: not read ({type(exc).__name__}: {exc})", flush=True)
                 if traces:
                     print("\n".join(trace_lines(traces, since)), flush=True)
                 del c, a, b

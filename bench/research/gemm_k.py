@@ -12,7 +12,9 @@ a warm-up:
 - ``pieces P``: the same product as K / P GEMMs of k = P into one C (beta 0, then 1);
 - ``parts P, then Q``: the first piece of k = P as one GEMM per (P x P) part of C (strided
   views of C, beta 0), then pieces of k = Q added into all of C (the current code is
-  ``parts 8192, then 8192``; a later piece of 24576 is ``parts 8192, then 24576``).
+  ``parts 8192, then 8192``; a later piece of 24576 is ``parts 8192, then 24576``); where k
+  is four chunks, also a first piece of two chunks in parts (``parts of k 16384, then
+  16384``) and one later piece of two chunks beside one of one chunk.
 
 Prints seconds and each against ``whole``.
 ``python -m bench.research.gemm_k --m 16384 --k 32768 --dtypes float32 float64``
@@ -35,6 +37,10 @@ def schedules(k: int, chunk: int) -> list[tuple[str, int | None, list[int]]]:
     if chunk < k:
         out.append((f"parts {chunk}, then {chunk}", chunk, [chunk] * (k // chunk)))
         out.append((f"parts {chunk}, then {k - chunk}", chunk, [chunk, k - chunk]))
+    if 4 * chunk == k:  # the first piece two chunks long, or a piece of two chunks between
+        out.append((f"parts of k {2 * chunk}, then {2 * chunk}", chunk, [2 * chunk] * 2))
+        out.append((f"parts {chunk}, then {2 * chunk}, {chunk}", chunk, [chunk, 2 * chunk, chunk]))
+        out.append((f"parts {chunk}, then {chunk}, {2 * chunk}", chunk, [chunk, chunk, 2 * chunk]))
     return out
 
 
