@@ -15,7 +15,9 @@ Two processes of one host: a holder on GPU 0 exports ``--chunks`` arrays of ``--
 - ``again-later``: the same, the previous mappings ended on the closing thread
   (``unmap_later``, as block tasks do);
 - ``kept``: the mappings of the first round kept open and mapped again (the driver counts
-  references: the same pointer comes back).
+  references: the same pointer comes back);
+- ``holder-busy``: as ``again``, while ``BUSY_GEMMS`` products run on the holder's GPU;
+- ``reader-busy``: as ``again``, while they run on the reader's GPU (another stream).
 
 Prints per round the median and largest host milliseconds of one map, and the copies' rate.
 ``python -m bench.research.ipc_reopen --chunks 8 --mib 256 --rounds 3``
@@ -26,6 +28,9 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+
+
+BUSY_GEMMS = 20  # 8192^2 float32 products, ~20 ms each on an H100
 
 
 def _holder(conn, chunks: int, mib: int) -> None:
@@ -49,6 +54,10 @@ def _holder(conn, chunks: int, mib: int) -> None:
                 x.fill(float(i + 1))
             cupy.cuda.runtime.deviceSynchronize()
         shared = [ipc.export(x) for x in arrays]
+        if cmd == "holder-busy":  # GEMMs queued on the holder's GPU while the reader maps
+            w = cupy.ones((8192, 8192), cupy.float32)
+            for _ in range(BUSY_GEMMS):
+                w @ w
         conn.send([s for s in shared])
         conn.recv()  # the reader is done with this round
         del shared
@@ -64,9 +73,19 @@ def _reader(conn, rounds: list[str], mib: int, out) -> None:
     buf = cupy.empty((n,), cupy.float32)
     kept: list = []
     rows = []
+    w = cupy.ones((8192, 8192), cupy.float32)
     for kind in rounds:
-        conn.send("fresh" if kind == "fresh" else "again")
+        if kind != "kept":  # kept mappings would make every later map a reference count
+            for ptrs in kept:
+                for ptr in ptrs:
+                    ipc.unmap(ptr)
+            kept.clear()
+        conn.send(kind if kind in ("fresh", "holder-busy") else "again")
         shared = conn.recv()
+        if kind == "reader-busy":  # GEMMs queued on the reader's own GPU, on another stream
+            with cupy.cuda.Stream(non_blocking=True):
+                for _ in range(BUSY_GEMMS):
+                    w @ w
         maps, t_copy, ptrs = [], 0.0, []
         for i, s in enumerate(shared):
             t0 = time.perf_counter()
@@ -74,11 +93,13 @@ def _reader(conn, rounds: list[str], mib: int, out) -> None:
             t1 = time.perf_counter()
             cupy.cuda.runtime.memcpy(buf.data.ptr, ptr + s.offset, n * 4,
                                      cupy.cuda.runtime.memcpyDefault)
+            cupy.cuda.Stream.null.synchronize()  # a device-to-device memcpy returns early
             t2 = time.perf_counter()
             assert float(buf[n // 2]) == float(i + 1), (kind, i)
             maps.append((t1 - t0) * 1e3)
             t_copy += t2 - t1
             ptrs.append(ptr)
+        cupy.cuda.runtime.deviceSynchronize()
         if kind == "again-later":
             ipc.unmap_later(ptrs)
             ipc.closing(wait=30)
@@ -105,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each kind")
     args = p.parse_args(argv)
     order = (["fresh"] + ["again"] * args.rounds + ["fresh"] + ["again-later"] * args.rounds
-             + ["fresh", "kept"] + ["kept"] * args.rounds)
+             + ["fresh", "kept"] + ["kept"] * args.rounds + ["holder-busy"] * args.rounds
+             + ["reader-busy"] * args.rounds)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
