@@ -263,10 +263,16 @@ class _Runner:
             extra["stream_priority"] = "default"
         import dask.config
 
-        from distmm.engine.dask.blocks import LATER_PIECE_KEY, later_piece_k
+        from distmm.engine.dask.blocks import (FIRST_PIECE_KEY, LATER_PIECE_KEY, PREMAP_KEY,
+                                               piece_lengths, premap)
 
-        if dask.config.get(LATER_PIECE_KEY, None) is not None:  # the Dask blocks' later k pieces
-            extra["later_piece_k"] = later_piece_k()
+        first, later = piece_lengths("float32")
+        if dask.config.get(FIRST_PIECE_KEY, None) is not None:  # the Dask blocks' k pieces
+            extra["first_piece_k"] = first
+        if dask.config.get(LATER_PIECE_KEY, None) is not None:
+            extra["later_piece_k"] = later
+        if not premap():  # block tasks map their CUDA IPC inputs as they assemble pieces
+            extra["premap"] = False
         from distmm.config import get_config
 
         if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding

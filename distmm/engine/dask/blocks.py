@@ -26,7 +26,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
                                       panel, worker_has_gpu)
-from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, take, take_into
+from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, map_offers, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked", "device_pieces"]
@@ -324,7 +324,10 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     mapped: dict = {}
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
-        pieces = device_pieces(spec.k_pieces, later=later_piece_k())
+        if premap():
+            map_offers(list(a_blocks.values()) + list(b_blocks.values()), spec.a_lead, mapped)
+        least, later = piece_lengths(tp.acc_dtype, tp.precision)
+        pieces = device_pieces(spec.k_pieces, least=least, later=later)
         for g, (a_k, b_k) in enumerate(pieces):
             if g == 0 and _split_first(spec):
                 held.append(_first_piece(ex, spec, a_k, b_k, a_blocks, b_blocks, out, compute,
@@ -403,24 +406,59 @@ def _far(x) -> int:
 
 
 #: the shortest first k piece a block's device panels are cut into (``device_pieces``), and
-#: the shortest later one (why these lengths: ``bench/NOTES.md``, the block's k pieces)
+#: the shortest later one, by the block's accumulation dtype at ``precision="highest"``
+#: (``piece_lengths``; why these lengths: ``bench/NOTES.md``, the block's k pieces): float32
+#: blocks in pieces of at least 16384 (cuBLAS's SGEMM ran a 16384^2 block's k = 32768 as
+#: two pieces of 16384 within 0.5% of one GEMM, as four of 8192 3-4% slower), others (and
+#: the reduced precisions) in pieces of one chunk
 DEVICE_PIECE_K, LATER_PIECE_K = 4096, 4096
-#: debug configuration (dask's, outside the checked ``distmm`` section): the shortest later
-#: piece, so a benchmark can compare lengths in one run
+PIECE_K = {"float32": (16384, 16384)}
+#: debug configuration (dask's, outside the checked ``distmm`` section): the shortest first
+#: and later pieces, so that a benchmark can compare lengths in one run, and whether a block
+#: task maps its CUDA IPC inputs before its first GEMM (``premap``)
+FIRST_PIECE_KEY = "distmm-debug.first-piece-k"
 LATER_PIECE_KEY = "distmm-debug.later-piece-k"
+PREMAP_KEY = "distmm-debug.premap"
+
+
+def _positive(key: str):
+    import dask.config
+
+    value = dask.config.get(key, None)
+    if value is None:
+        return None
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value}")
+    return value
+
+
+def piece_lengths(acc_dtype: str, precision: str = "highest") -> tuple[int, int]:
+    """``(least, later)`` for ``device_pieces``: ``PIECE_K``'s lengths for the accumulation
+    dtype (at ``precision="highest"``; else one chunk each), each replaced by
+    ``FIRST_PIECE_KEY`` / ``LATER_PIECE_KEY`` where set (a positive integer)."""
+    least, later = (PIECE_K.get(str(np.dtype(acc_dtype)), (DEVICE_PIECE_K, LATER_PIECE_K))
+                    if precision == "highest" else (DEVICE_PIECE_K, LATER_PIECE_K))
+    first, after = _positive(FIRST_PIECE_KEY), _positive(LATER_PIECE_KEY)
+    return (least if first is None else first), (later if after is None else after)
 
 
 def later_piece_k() -> int:
     """``LATER_PIECE_KEY``'s value where set (a positive integer), else ``LATER_PIECE_K``."""
+    value = _positive(LATER_PIECE_KEY)
+    return LATER_PIECE_K if value is None else value
+
+
+def premap() -> bool:
+    """``PREMAP_KEY``'s value (default True): a block task maps every CUDA IPC input before
+    it queues its first GEMM (``transfer.map_offers``) rather than each as its piece is
+    assembled."""
     import dask.config
 
-    value = dask.config.get(LATER_PIECE_KEY, None)
-    if value is None:
-        return LATER_PIECE_K
-    value = int(value)
-    if value < 1:
-        raise ValueError(f"{LATER_PIECE_KEY} must be a positive integer, got {value}")
-    return value
+    value = dask.config.get(PREMAP_KEY, True)
+    if isinstance(value, str):
+        value = value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
 
 
 def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = None):
