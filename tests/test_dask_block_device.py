@@ -119,8 +119,8 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     b = rng.standard_normal((sum(ks), sum(cols)))
     # row chunk 0's first k chunk and column chunk 0's are elsewhere: (1, 1) is at hand;
     # later pieces of one chunk (the debug setting, as the default), two after the first;
-    # each export mapped as its part is assembled (premap off)
-    with dask.config.set({blocks.LATER_PIECE_KEY: 4096, blocks.PREMAP_KEY: False}):
+    # each export mapped as its part is assembled (premap off, the default)
+    with dask.config.set({blocks.LATER_PIECE_KEY: 4096}):
         c = _run(a, b, rows, ks, cols, a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
     assert not any(e[0] == "premap" for e in device)
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())
@@ -135,19 +135,19 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
 
 
 def test_premap_maps_every_export_before_the_first_gemm(device):
-    """By default a block task maps all of its inputs' CUDA IPC exports in one pass before
-    it queues its first GEMM (``transfer.map_offers``), then runs the same GEMMs in the same
-    order to the same bits."""
+    """With ``distmm-debug.premap`` a block task maps all of its inputs' CUDA IPC exports in
+    one pass before it queues its first GEMM (``transfer.map_offers``), then runs the same
+    GEMMs in the same order to the same bits."""
     rng = np.random.default_rng()
     rows, ks, cols = (5, 7), (4096, 4096, 4100), (6, 3)
     a = rng.standard_normal((sum(rows), sum(ks)))
     b = rng.standard_normal((sum(ks), sum(cols)))
     far = dict(a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
-    with dask.config.set({blocks.PREMAP_KEY: False}):
-        lazy = _run(a, b, rows, ks, cols, **far)
+    lazy = _run(a, b, rows, ks, cols, **far)
     order = [(e[1], e[2]) for e in device if e[0] == "gemm"]
     device.clear()
-    c = _run(a, b, rows, ks, cols, **far)
+    with dask.config.set({blocks.PREMAP_KEY: True}):
+        c = _run(a, b, rows, ks, cols, **far)
     assert device[0] == ("premap", ["a00", "a02", "b00"])
     assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == order
     assert np.array_equal(c, lazy)

@@ -271,8 +271,8 @@ class _Runner:
             extra["first_piece_k"] = first
         if dask.config.get(LATER_PIECE_KEY, None) is not None:
             extra["later_piece_k"] = later
-        if not premap():  # block tasks map their CUDA IPC inputs as they assemble pieces
-            extra["premap"] = False
+        if premap():  # block tasks map all their CUDA IPC inputs before the first GEMM
+            extra["premap"] = True
         from distmm.config import get_config
 
         if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding

@@ -450,12 +450,12 @@ def later_piece_k() -> int:
 
 
 def premap() -> bool:
-    """``PREMAP_KEY``'s value (default True): a block task maps every CUDA IPC input before
+    """``PREMAP_KEY``'s value (default False): a block task maps every CUDA IPC input before
     it queues its first GEMM (``transfer.map_offers``) rather than each as its piece is
     assembled."""
     import dask.config
 
-    value = dask.config.get(PREMAP_KEY, True)
+    value = dask.config.get(PREMAP_KEY, False)
     if isinstance(value, str):
         value = value.strip().lower() not in ("0", "false", "no", "off")
     return bool(value)
