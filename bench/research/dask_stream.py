@@ -358,6 +358,39 @@ def install_client_phases() -> dict:
     return spent
 
 
+def profile_scheduler(top: int = 30) -> None:
+    """Profile (cProfile) the first graph the in-process scheduler deserialises and
+    materialises, and print its ``top`` functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    import distributed.scheduler as sched
+
+    done = []
+
+    def wrap(name):
+        fn = getattr(sched, name)
+
+        def run(*args, **kwargs):
+            if done.count(name):
+                return fn(*args, **kwargs)
+            done.append(name)
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            try:
+                return prof.runcall(fn, *args, **kwargs)
+            finally:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+                print(f"== scheduler {name}: {time.perf_counter() - t0:.4f} s\n"
+                      + "\n".join(out.getvalue().splitlines()[:top + 12]), flush=True)
+        setattr(sched, name, run)
+
+    for name in ("deserialize", "_materialize_graph"):
+        wrap(name)
+
+
 def phased_product(bench, a, b):
     """``bench.product("distmm-dask", a, b)`` with its client-side phases: building the
     lazy product (``distmm.matmul``), ``persist``, waiting for C, the device sync."""
@@ -389,6 +422,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--profile-scheduler", action="store_true",
+                   help="profile the scheduler's graph deserialisation and materialisation of "
+                        "the first call (the scheduler runs in this process)")
     p.add_argument("--nodes", type=int, default=1,
                    help="the 2gpu/4gpu workers as that many emulated nodes (NCCL between them)")
     args = p.parse_args(argv)
@@ -405,6 +441,8 @@ def main(argv=None) -> int:
         print(what, client.scheduler.address, flush=True)
         bench = Bench(client, gpu=True, timeout=300)
         spent = install_client_phases()
+        if args.profile_scheduler:
+            profile_scheduler()
         if args.trace:
             client.run(_install_trace)
         for n in args.sizes:
