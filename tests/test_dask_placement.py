@@ -13,6 +13,7 @@ estimated bytes against distributed's transfer log.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -148,9 +149,9 @@ def test_alike_workers_take_one_rate_and_their_blocks_are_even():
 
 def test_workers_whose_gpu_rate_was_pending_are_probed_again_until_it_comes():
     """The first probe of a GPU worker answers before its rate is measured (the worker
-    measures it on a thread): the next product probes that worker again, one that has
-    answered with its rate is not probed again, and until then it plans with the rate of
-    its model or the assumed one."""
+    measures it on a thread): the next product probes that worker again in the background
+    and plans with the rate of its model or the assumed one; a later product has the rate,
+    and a worker that has answered with its rate is not probed again."""
     from distmm.engine.dask import workers
 
     answers = {"tcp://h:1": [{"cuda": True, "name": "H100", "gpu_gflops": None,
@@ -159,10 +160,13 @@ def test_workers_whose_gpu_rate_was_pending_are_probed_again_until_it_comes():
                               "rate_pending": False}],
                "tcp://h:2": [{"cuda": False, "cpu_gflops": 20.0, "rate_pending": False}]}
     asked = []
+    gate = threading.Event()  # the background probe answers once the second product is planned
 
     class Client:
         def run(self, fn, workers=None, on_error=None):
             asked.append(sorted(workers))
+            if threading.current_thread().name == "distmm-probe-rates":
+                assert gate.wait(30)
             return {w: answers[w].pop(0) for w in workers}
 
     info = {"tcp://h:1": {"nthreads": 1}, "tcp://h:2": {"nthreads": 2}}
@@ -171,15 +175,20 @@ def test_workers_whose_gpu_rate_was_pending_are_probed_again_until_it_comes():
     try:
         first = {w.address: w for w in workers.worker_info(Client(), None, info)}
         second = {w.address: w for w in workers.worker_info(Client(), None, info)}
+        gate.set()
+        workers.settle(30)
         third = workers.worker_info(Client(), None, info)
+        fourth = workers.worker_info(Client(), None, info)
     finally:
+        gate.set()
+        workers.settle(30)
         for addr in info:
             workers.forget(addr)
     assert asked == [["tcp://h:1", "tcp://h:2"], ["tcp://h:1"]]
     assert first["tcp://h:1"].gflops == workers.ASSUMED_GPU_GFLOPS and first["tcp://h:1"].gpu
-    assert second["tcp://h:1"].gflops == 51000.0
+    assert second["tcp://h:1"].gflops == workers.ASSUMED_GPU_GFLOPS  # asked, not waited for
     assert first["tcp://h:2"].gflops == second["tcp://h:2"].gflops == 40.0
-    assert [w.gflops for w in third] == [51000.0, 40.0]
+    assert [w.gflops for w in third] == [w.gflops for w in fourth] == [51000.0, 40.0]
 
 
 def test_a_later_worker_at_a_known_address_is_probed_anew():

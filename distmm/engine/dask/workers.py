@@ -95,8 +95,8 @@ def probe(gpu_size: int = 2048, cpu_size: int = 256) -> dict:
 
     On a GPU worker the first probe starts ``_gpu_warmup`` on a thread of its own and
     returns without waiting for it: ``gpu_gflops`` is None and ``rate_pending`` True until
-    a later probe finds the measurement done (``worker_info`` probes such a worker again
-    on the next product)."""
+    a later probe finds the measurement done (``worker_info`` probes such a worker again,
+    in the background, during the next product)."""
     import numpy as np
 
     from distmm.emulate import this_node
@@ -208,30 +208,62 @@ def forget(address: str | None = None) -> None:
 
 
 def _probes(client, addresses, info: dict | None = None) -> dict:
-    """Each worker's probe: cached, asked again of workers whose GPU rate was still being
-    measured (``rate_pending``) and of a worker that is not the one the cached probe came
-    from (``info``: the scheduler's table, ``_instance``)."""
+    """Each worker's probe: cached; asked now of a worker without one, or that is not the
+    one the cached probe came from (``info``: the scheduler's table, ``_instance``); asked
+    again in the background of a worker whose GPU rate was still being measured
+    (``rate_pending``): this product plans with the cached answer (its model's rate or the
+    assumed one, ``_alike_rates``) and a later one finds the rate (``settle`` waits)."""
     now = {a: _instance((info or {}).get(a) or {}) for a in addresses}
 
-    def stale(a):
+    def known(a):
         hit = _CACHE.get(a)
-        return hit is None or hit[0] != now[a] or hit[1].get("rate_pending")
+        return hit is not None and hit[0] == now[a]
 
     with _LOCK:
-        missing = [a for a in addresses if stale(a)]
+        missing = [a for a in addresses if not known(a)]
+        pending = [a for a in addresses if known(a) and _CACHE[a][1].get("rate_pending")]
     if missing:
-        try:
-            got = client.run(probe, workers=missing, on_error="return")
-        except Exception as exc:  # a worker leaving mid-call: treat the rest as CPU workers
-            log.debug("distmm: worker probe failed: %r", exc)
-            got = {}
-        with _LOCK:
-            for addr, res in got.items():
-                if isinstance(res, dict):
-                    _CACHE[addr] = (now.get(addr), res)
+        _ask(client, missing, now)
+    if pending:
+        _ask_later(client, pending, now)
     with _LOCK:
-        return {a: _CACHE[a][1] if a in _CACHE and _CACHE[a][0] == now[a] else {}
-                for a in addresses}
+        return {a: _CACHE[a][1] if known(a) else {} for a in addresses}
+
+
+def _ask(client, addresses, now: dict) -> None:
+    """Probe ``addresses`` and cache each answer with its worker's instance (``now``)."""
+    try:
+        got = client.run(probe, workers=list(addresses), on_error="return")
+    except Exception as exc:  # a worker leaving mid-call, a closing client: CPU workers
+        log.debug("distmm: worker probe failed: %r", exc)
+        got = {}
+    with _LOCK:
+        for addr, res in got.items():
+            if isinstance(res, dict):
+                _CACHE[addr] = (now.get(addr), res)
+
+
+_LATER: dict = {}  # "thread": the background probe of workers whose GPU rate was pending
+
+
+def _ask_later(client, addresses, now: dict) -> None:
+    """``_ask`` on a thread of its own, one at a time: the product does not wait for it."""
+    with _LOCK:
+        running = _LATER.get("thread")
+        if running is not None and running.is_alive():
+            return
+        thread = _LATER["thread"] = threading.Thread(
+            target=_ask, args=(client, list(addresses), dict(now)),
+            name="distmm-probe-rates", daemon=True)
+    thread.start()
+
+
+def settle(timeout: float | None = None) -> None:
+    """Wait for a background probe of pending GPU rates (``_probes``) to end."""
+    with _LOCK:
+        running = _LATER.get("thread")
+    if running is not None:
+        running.join(timeout)
 
 
 def _configured(gflops_cfg, address: str, kind: str):
