@@ -81,10 +81,6 @@ def device(monkeypatch):
 
     monkeypatch.setattr(blocks, "take_into", take_into)
 
-    def map_offers(offers, lead, mapped):
-        log.append(("premap", sorted(x.label for x in offers if isinstance(x, Offer))))
-
-    monkeypatch.setattr(blocks, "map_offers", map_offers)
     return log
 
 
@@ -118,11 +114,9 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     a = rng.standard_normal((sum(rows), sum(ks)))
     b = rng.standard_normal((sum(ks), sum(cols)))
     # row chunk 0's first k chunk and column chunk 0's are elsewhere: (1, 1) is at hand;
-    # later pieces of one chunk (the debug setting, as the default), two after the first;
-    # each export mapped as its part is assembled (premap off, the default)
+    # later pieces of one chunk (the debug setting, as the default), two after the first
     with dask.config.set({blocks.LATER_PIECE_KEY: 4096}):
         c = _run(a, b, rows, ks, cols, a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
-    assert not any(e[0] == "premap" for e in device)
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12 * np.abs(a @ b).max())
     gemms = [e for e in device if e[0] == "gemm"]
     # piece 0: four GEMMs of one chunk of C each (beta 0): (1, 1) with nothing to map, then
@@ -132,25 +126,6 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     first_map = next(i for i, e in enumerate(device) if e[0] == "map")
     assert device[first_map - 1][0] == "gemm"  # a GEMM was queued before any mapping
     assert [e[1] for e in device if e[0] == "map"] == ["a00", "b00", "a02"]
-
-
-def test_premap_maps_every_export_before_the_first_gemm(device):
-    """With ``distmm-debug.premap`` a block task maps all of its inputs' CUDA IPC exports in
-    one pass before it queues its first GEMM (``transfer.map_offers``), then runs the same
-    GEMMs in the same order to the same bits."""
-    rng = np.random.default_rng()
-    rows, ks, cols = (5, 7), (4096, 4096, 4100), (6, 3)
-    a = rng.standard_normal((sum(rows), sum(ks)))
-    b = rng.standard_normal((sum(ks), sum(cols)))
-    far = dict(a_far={(0, 0), (0, 2)}, b_far={(0, 0)})
-    lazy = _run(a, b, rows, ks, cols, **far)
-    order = [(e[1], e[2]) for e in device if e[0] == "gemm"]
-    device.clear()
-    with dask.config.set({blocks.PREMAP_KEY: True}):
-        c = _run(a, b, rows, ks, cols, **far)
-    assert device[0] == ("premap", ["a00", "a02", "b00"])
-    assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == order
-    assert np.array_equal(c, lazy)
 
 
 def test_piece_lengths_by_dtype_and_the_debug_settings():

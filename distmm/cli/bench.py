@@ -263,16 +263,13 @@ class _Runner:
             extra["stream_priority"] = "default"
         import dask.config
 
-        from distmm.engine.dask.blocks import (FIRST_PIECE_KEY, LATER_PIECE_KEY, PREMAP_KEY,
-                                               piece_lengths, premap)
+        from distmm.engine.dask.blocks import FIRST_PIECE_KEY, LATER_PIECE_KEY, piece_lengths
 
         first, later = piece_lengths("float32")
         if dask.config.get(FIRST_PIECE_KEY, None) is not None:  # the Dask blocks' k pieces
             extra["first_piece_k"] = first
         if dask.config.get(LATER_PIECE_KEY, None) is not None:
             extra["later_piece_k"] = later
-        if premap():  # block tasks map all their CUDA IPC inputs before the first GEMM
-            extra["premap"] = True
         from distmm.config import get_config
 
         if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding

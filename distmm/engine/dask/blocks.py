@@ -26,7 +26,7 @@ import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
                                       panel, worker_has_gpu)
-from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, map_offers, take, take_into
+from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
 __all__ = ["block_product", "cut", "Chunked", "device_pieces"]
@@ -324,8 +324,6 @@ def _overlapped_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_blocks: dic
     mapped: dict = {}
     held: list = []  # (event after its GEMM, A panel, B panel) of the last two pieces
     try:
-        if premap():
-            map_offers(list(a_blocks.values()) + list(b_blocks.values()), spec.a_lead, mapped)
         least, later = piece_lengths(tp.acc_dtype, tp.precision)
         pieces = device_pieces(spec.k_pieces, least=least, later=later)
         for g, (a_k, b_k) in enumerate(pieces):
@@ -414,11 +412,9 @@ def _far(x) -> int:
 DEVICE_PIECE_K, LATER_PIECE_K = 4096, 4096
 PIECE_K = {"float32": (16384, 16384)}
 #: debug configuration (dask's, outside the checked ``distmm`` section): the shortest first
-#: and later pieces, so that a benchmark can compare lengths in one run, and whether a block
-#: task maps its CUDA IPC inputs before its first GEMM (``premap``)
+#: and later pieces, so that a benchmark can compare lengths in one run
 FIRST_PIECE_KEY = "distmm-debug.first-piece-k"
 LATER_PIECE_KEY = "distmm-debug.later-piece-k"
-PREMAP_KEY = "distmm-debug.premap"
 
 
 def _positive(key: str):
@@ -447,18 +443,6 @@ def later_piece_k() -> int:
     """``LATER_PIECE_KEY``'s value where set (a positive integer), else ``LATER_PIECE_K``."""
     value = _positive(LATER_PIECE_KEY)
     return LATER_PIECE_K if value is None else value
-
-
-def premap() -> bool:
-    """``PREMAP_KEY``'s value (default False): a block task maps every CUDA IPC input before
-    it queues its first GEMM (``transfer.map_offers``) rather than each as its piece is
-    assembled."""
-    import dask.config
-
-    value = dask.config.get(PREMAP_KEY, False)
-    if isinstance(value, str):
-        value = value.strip().lower() not in ("0", "false", "no", "off")
-    return bool(value)
 
 
 def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = None):

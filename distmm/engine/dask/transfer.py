@@ -618,7 +618,9 @@ def take_into(x, dst, lead: tuple, r0: int, c0: int, mapped: dict) -> None:
     after synchronising. Anything else, or a mapping that fails, goes through
     ``take`` (and its fallback) and one copy kernel."""
     rows, cols = dst.shape
-    if _mappable(x, lead):
+    if (isinstance(x, Offer) and x._opened is None and x.shared is not None
+            and not x.shared.local and x.shared.handle is not None and len(x.shared.shape) == 2
+            and not lead):
         from distmm.executor import ipc
 
         try:
@@ -631,29 +633,6 @@ def take_into(x, dst, lead: tuple, r0: int, c0: int, mapped: dict) -> None:
             log.warning("distmm: %r: mapping its CUDA IPC export failed (%s); opening it whole",
                         x, exc)
     dst[...] = take(x)[lead + (slice(r0, r0 + rows), slice(c0, c0 + cols))]
-
-
-def _mappable(x, lead: tuple = ()) -> bool:
-    """Whether ``take_into`` copies ``x`` straight from a mapping: an ``Offer`` of another
-    process's non-empty 2-D export, not yet opened whole, outside a batch."""
-    return (isinstance(x, Offer) and x._opened is None and x.shared is not None
-            and not x.shared.local and x.shared.handle is not None
-            and len(x.shared.shape) == 2 and not lead)
-
-
-def map_offers(offers, lead: tuple, mapped: dict) -> None:
-    """Map, into ``mapped`` (token -> pointer, as ``take_into`` keeps them), every offer
-    among ``offers`` that ``take_into`` would map, in one pass: a block task does this
-    before it queues its first GEMM, so no mapping is made while its GEMMs run. One that
-    fails is left to ``take_into``, which tries again and then opens it whole."""
-    from distmm.executor import ipc
-
-    for x in offers:
-        if _mappable(x, lead) and x.shared.token not in mapped:
-            try:
-                mapped[x.shared.token] = ipc.map_export(x.shared)
-            except ipc.IPCError:
-                pass
 
 
 def take(x):
