@@ -360,7 +360,7 @@ def test_command_on_committed_model_records(tmp_path):
     assert ("| batch mpirun-4 (batch) | NVIDIA H200 | float32 | 65536x65536x65536 | 19.04 | "
             "15.47 | -18.8% | held-out |") in text
     assert ("| mpi gpu 1 rank(s) on 1 GPU(s) (mpi) | NVIDIA H200 | float32 | 16384x16384x16384 | "
-            "0.547 | 0.1687 | -69.2% | fit |") in text
+            "0.547 | 0.1686 | -69.2% | fit |") in text
     for r in map(json.loads, MODEL.read_text().splitlines()):
         error = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
         cells = f'{r["seconds"]:.4g} | {r["predicted_seconds"]:.4g} | {error:+.1%} | {r["role"]}'
