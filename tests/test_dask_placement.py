@@ -257,20 +257,6 @@ def test_device_pieces_cut_a_blocks_k_at_chunk_edges_in_order():
     assert device_pieces([short, short]) == [short, short]
 
 
-def test_later_piece_k_reads_the_debug_setting_and_refuses_a_non_positive_one():
-    """The block tasks' later k pieces follow ``distmm-debug.later-piece-k`` where set (a
-    benchmark compares lengths in one run), ``LATER_PIECE_K`` otherwise."""
-    import dask.config
-
-    from distmm.engine.dask.blocks import LATER_PIECE_K, LATER_PIECE_KEY, later_piece_k
-
-    assert later_piece_k() == LATER_PIECE_K
-    with dask.config.set({LATER_PIECE_KEY: "8192"}):
-        assert later_piece_k() == 8192
-    with dask.config.set({LATER_PIECE_KEY: 0}), pytest.raises(ValueError, match="positive"):
-        later_piece_k()
-
-
 def test_chunked_panel_reads_slices_across_chunks():
     """What the GPU pipeline reads of a block: slices of its chunks, never the
     whole panel assembled first."""

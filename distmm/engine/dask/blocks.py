@@ -439,12 +439,6 @@ def piece_lengths(acc_dtype: str, precision: str = "highest") -> tuple[int, int]
     return (least if first is None else first), (later if after is None else after)
 
 
-def later_piece_k() -> int:
-    """``LATER_PIECE_KEY``'s value where set (a positive integer), else ``LATER_PIECE_K``."""
-    value = _positive(LATER_PIECE_KEY)
-    return LATER_PIECE_K if value is None else value
-
-
 def device_pieces(k_pieces, least: int = DEVICE_PIECE_K, later: int | None = None):
     """A block's k pieces (``BlockSpec.k_pieces``: block mode gives each k group as one
     piece) cut again at A's and B's chunk edges along k, as ``(A's pieces, B's pieces)``
