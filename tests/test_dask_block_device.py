@@ -128,6 +128,23 @@ def test_the_first_piece_runs_per_chunk_of_c_the_chunks_at_hand_first(device):
     assert [e[1] for e in device if e[0] == "map"] == ["a00", "b00", "a02"]
 
 
+def test_first_parts_debug_setting_keeps_the_first_piece_whole(device):
+    """``distmm-debug.first-parts`` 1: the first piece runs as one GEMM over all of C (as a
+    benchmark compares), with the same bits as the split."""
+    rng = np.random.default_rng()
+    rows, ks, cols = (5, 7), (4096, 4096, 4100), (6, 3)
+    a = rng.standard_normal((sum(rows), sum(ks)))
+    b = rng.standard_normal((sum(ks), sum(cols)))
+    with dask.config.set({blocks.LATER_PIECE_KEY: 4096}):
+        split = _run(a, b, rows, ks, cols, a_far={(0, 0)}, b_far=set())
+        device.clear()
+        with dask.config.set({blocks.FIRST_PARTS_KEY: 1}):
+            whole = _run(a, b, rows, ks, cols, a_far={(0, 0)}, b_far=set())
+    assert [(e[1], e[2]) for e in device if e[0] == "gemm"] == [((12, 9), 0), ((12, 9), 1),
+                                                                ((12, 9), 1)]
+    np.testing.assert_allclose(whole, split, rtol=1e-12, atol=1e-12 * np.abs(split).max())
+
+
 def test_piece_lengths_by_dtype_and_the_debug_settings():
     """float32 blocks (at the highest precision) in pieces of at least 16384, float64 and
     the reduced precisions in pieces of one chunk (4096 the least); the debug settings

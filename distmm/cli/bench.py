@@ -263,13 +263,16 @@ class _Runner:
             extra["stream_priority"] = "default"
         import dask.config
 
-        from distmm.engine.dask.blocks import FIRST_PIECE_KEY, LATER_PIECE_KEY, piece_lengths
+        from distmm.engine.dask.blocks import (FIRST_PARTS_KEY, FIRST_PIECE_KEY, LATER_PIECE_KEY,
+                                               piece_lengths)
 
         first, later = piece_lengths("float32")
         if dask.config.get(FIRST_PIECE_KEY, None) is not None:  # the Dask blocks' k pieces
             extra["first_piece_k"] = first
         if dask.config.get(LATER_PIECE_KEY, None) is not None:
             extra["later_piece_k"] = later
+        if dask.config.get(FIRST_PARTS_KEY, None) is not None:
+            extra["first_parts"] = int(dask.config.get(FIRST_PARTS_KEY))
         from distmm.config import get_config
 
         if get_config().mpi_cpus != "auto":  # GPU ranks keep a launcher's one-CPU binding

@@ -392,7 +392,8 @@ def _split_first(spec: BlockSpec) -> bool:
     one chunk, at most ``FIRST_PARTS`` of them, none thinner than ``FIRST_PART_SIDE``."""
     parts = len(spec.a_rows) * len(spec.b_cols)
     sides = [r1 - r0 for _, r0, r1 in spec.a_rows] + [c1 - c0 for _, c0, c1 in spec.b_cols]
-    return 1 < parts <= FIRST_PARTS and min(sides) >= FIRST_PART_SIDE
+    most = _positive(FIRST_PARTS_KEY)
+    return 1 < parts <= (FIRST_PARTS if most is None else most) and min(sides) >= FIRST_PART_SIDE
 
 
 def _far(x) -> int:
@@ -415,6 +416,9 @@ PIECE_K = {"float32": (16384, 16384)}
 #: and later pieces, so that a benchmark can compare lengths in one run
 FIRST_PIECE_KEY = "distmm-debug.first-piece-k"
 LATER_PIECE_KEY = "distmm-debug.later-piece-k"
+#: debug configuration: the most GEMMs the first piece is split into (``_split_first``;
+#: 1: never split)
+FIRST_PARTS_KEY = "distmm-debug.first-parts"
 
 
 def _positive(key: str):
