@@ -14,7 +14,7 @@
 # emulated  4 GPUs as 2 emulated nodes, both engines (bench/studies/gpu-emulated.toml), with
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
-# pieces the Dask rows two ways: float32 pieces of 16384 (the default), of one chunk
+# pieces the Dask rows three ways: float32 pieces of 16384 (the default), of one chunk, whole k
 # leads  gemm_k's schedules, the NCCL/IPC GPU tests, ipc_reopen, the fp32 trace (one call)
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # emutrace  the Dask engine across 2 emulated nodes at 32768, traced per block task
@@ -134,13 +134,16 @@ for phase in "$@"; do
       grep -v "CancelledError\|state_machine - WARNING" "$OUT/trace-4gpu-float32.log" | cut -c1-330 \
         | grep "^== \|client steps\|pieces:\|dispatch\|update-graph" | head -40 ;;
     pieces)
-      # the Dask engine's rows (gpu-dask-4.toml, or PIECES_STUDY) two ways in one call: the
-      # default (float32 pieces of 16384) and pieces of one chunk as before; records
-      # gpu-dask-N{,-chunk}.jsonl
+      # the Dask engine's rows (gpu-dask-4.toml, or PIECES_STUDY) in one call, each way of
+      # PIECES_WAYS (default: "- chunk whole"): "-" the default (float32 pieces of 16384),
+      # "chunk" pieces of one chunk as before, "whole" the whole k as one piece (still one
+      # GEMM per chunk of C); records gpu-dask-N{,-chunk,-whole}.jsonl
       st=${PIECES_STUDY:-bench/studies/gpu-dask-4.toml}; tag=$(basename "$st" .toml)
-      for v in "" -chunk; do
-        case $v in
-          -chunk) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=4096 DASK_DISTMM_DEBUG__LATER_PIECE_K=4096" ;;
+      for w in ${PIECES_WAYS:-- chunk whole}; do
+        v=-$w; [ "$w" = - ] && v=""
+        case $w in
+          chunk) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=4096 DASK_DISTMM_DEBUG__LATER_PIECE_K=4096" ;;
+          whole) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=1048576" ;;
           *) env="" ;;
         esac
         env $env timeout ${T_PIECES:-170} python3 -m distmm bench "$st" -o "$OUT/$tag$v.jsonl" \
