@@ -20,7 +20,9 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
+import types
 import uuid
 
 import numpy as np
@@ -321,9 +323,56 @@ def test_auto_probes_once_per_cluster_and_adds_nothing_without_ipc(pair):
     assert all("IPCError" in str(v) for v in first["probe"]["failures"].values())
     assert (client.scheduler.address, frozenset({w0, w1})) in transfer._PROBED
     assert _layer(C, "distmm-export-") is None
-    # the probes' exports are gone from the workers
+    # the probes' exports are gone from the workers (freed after the probe returned)
+    transfer.settle_probes(30)
     assert all(n == 0 for n in client.run(ipc.probe_release).values())
     assert_close(C.compute(), a @ b)
+
+
+def test_the_probe_frees_its_exports_after_it_returns_and_only_its_own(monkeypatch):
+    """The probe's exports are freed by a thread of their own once the opens are checked
+    (the product does not wait for that round trip), and only that probe's: an export of a
+    later probe on the same worker stays until its own release."""
+    client_calls = []
+    released = threading.Event()
+
+    class Shared(ipc.Shared):
+        def __init__(self, token):
+            self.token = token
+
+    made = {"tcp://h:1": Shared("t1"), "tcp://h:2": Shared("t2")}
+
+    class Client:
+        scheduler = types.SimpleNamespace(address="tcp://s:1")
+
+        def run(self, fn, *args, workers=None, on_error=None):
+            client_calls.append((getattr(fn, "__name__", fn), threading.current_thread().name,
+                                 args, sorted(workers)))
+            if fn is ipc.probe_export:
+                return made
+            if fn is transfer.ipc_probe_release:
+                released.wait(30)
+                return {w: 1 for w in workers}
+            return {w: {h: True for h in made if h != w} for w in workers}  # _probe_open
+
+    transfer.forget_probes()
+    try:
+        pairs, info = transfer.probe(Client(), list(made))
+        assert pairs == {("tcp://h:1", "tcp://h:2"), ("tcp://h:2", "tcp://h:1")}
+        # returned before the release answered
+        assert [c[0] for c in client_calls[:2]] == ["probe_export", "_probe_open"]
+        released.set()
+        transfer.settle_probes(30)
+    finally:
+        released.set()
+        transfer.forget_probes()
+    name, thread, args, workers = client_calls[-1]
+    assert name == "ipc_probe_release" and thread == "distmm-ipc-probe-release"
+    assert args == (["t1", "t2"],) and workers == ["tcp://h:1", "tcp://h:2"]
+    # on a worker: only the named exports go
+    monkeypatch.setattr(ipc, "_PROBES", {"t1": object(), "later": object()})
+    assert ipc.probe_release(["t1", "t2"]) == 1 and list(ipc._PROBES) == ["later"]
+    assert ipc.probe_release() == 1 and not ipc._PROBES
 
 
 # -- the exports' lifetime ---------------------------------------------------------------------

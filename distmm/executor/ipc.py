@@ -603,8 +603,11 @@ def probe_open(shareds) -> dict:
     return out
 
 
-def probe_release() -> int:
-    """Free this process's probe exports; returns how many there were."""
-    n = len(_PROBES)
-    _PROBES.clear()
-    return n
+def probe_release(tokens=None) -> int:
+    """Free this process's probe exports (``tokens``: only those among them); returns how
+    many were freed."""
+    if tokens is None:
+        n = len(_PROBES)
+        _PROBES.clear()
+        return n
+    return sum(_PROBES.pop(t, None) is not None for t in tokens)

@@ -134,13 +134,48 @@ def _probe_open(shareds, dask_worker=None):
                            if a != me and (me is None or host_of(a) == host_of(me))})
 
 
+_RELEASING: dict = {}  # "thread": the last probe's exports being freed on the workers
+
+
+def _release_later(client, addresses, tokens) -> None:
+    """Free a probe's exports (``tokens``) on ``addresses`` from a thread of its own: the
+    product that probed does not wait for that round trip (``settle_probes`` does)."""
+
+    def run():
+        try:
+            client.run(ipc_probe_release, list(tokens), workers=list(addresses),
+                       on_error="return")
+        except Exception as exc:  # a closing client or a worker gone: nothing left to free
+            log.debug("distmm: freeing the IPC probe's exports failed: %r", exc)
+
+    thread = threading.Thread(target=run, name="distmm-ipc-probe-release", daemon=True)
+    with _PROBE_LOCK:
+        _RELEASING["thread"] = thread
+    thread.start()
+
+
+def ipc_probe_release(tokens, dask_worker=None) -> int:
+    """On a worker: ``ipc.probe_release`` of ``tokens``."""
+    from distmm.executor import ipc
+
+    return ipc.probe_release(tokens)
+
+
+def settle_probes(timeout: float | None = None) -> None:
+    """Wait for the last probe's exports to be freed (``probe``)."""
+    with _PROBE_LOCK:
+        thread = _RELEASING.get("thread")
+    if thread is not None:
+        thread.join(timeout)
+
+
 def probe(client, addresses) -> tuple[frozenset, dict]:
     """Between which of ``addresses`` (GPU workers) CUDA IPC works: each
     exports a small array of known values, every other worker of its host
-    opens and checks it, then the exports are freed. Returns the working
-    ``(holder, reader)`` pairs and what was found (``cached``, ``pairs``,
-    ``failures``: reader -> holder -> error, or why no probe could run).
-    Cached per scheduler address and worker set."""
+    opens and checks it, then the exports are freed (in the background:
+    ``_release_later``). Returns the working ``(holder, reader)`` pairs and what
+    was found (``cached``, ``pairs``, ``failures``: reader -> holder -> error, or
+    why no probe could run). Cached per scheduler address and worker set."""
     from distmm.executor import ipc
 
     addresses = sorted(set(addresses))
@@ -149,7 +184,7 @@ def probe(client, addresses) -> tuple[frozenset, dict]:
         hit = _PROBED.get(key)
     if hit is not None:
         return hit[0], dict(hit[1], cached=True)
-    pairs, failures = set(), {}
+    pairs, failures, good = set(), {}, {}
     try:
         try:
             made = client.run(ipc.probe_export, workers=addresses, on_error="return")
@@ -159,7 +194,8 @@ def probe(client, addresses) -> tuple[frozenset, dict]:
             opened = (client.run(_probe_open, good, workers=sorted(good), on_error="return")
                       if len(good) > 1 else {})
         finally:
-            client.run(ipc.probe_release, workers=addresses, on_error="return")
+            if good:
+                _release_later(client, sorted(good), [s.token for s in good.values()])
     except Exception as exc:  # a worker leaving mid-probe: TCP this time, probe again next
         log.debug("distmm: IPC probe failed: %r", exc)
         return frozenset(), {"cached": False, "pairs": 0, "failures": {"probe": repr(exc)}}
