@@ -391,6 +391,64 @@ def profile_scheduler(top: int = 30) -> None:
         wrap(name)
 
 
+#: innermost frames of a thread that waits for work (a pool's queue, a lock, the loop's poll)
+_IDLE = frozenset({"wait", "_worker", "select", "poll", "get", "acquire", "sleep",
+                   "_wait_for_tstate_lock", "run_forever", "_run_once"})
+
+
+class ThreadSampler:
+    """Every ``interval`` seconds, the innermost frames of each thread of this process (the
+    client, and the scheduler of a local cluster), while in a ``with`` block; ``lines`` gives,
+    per thread, its most frequent stacks between two times (``time.time()``)."""
+
+    def __init__(self, interval: float = 0.002, depth: int = 4):
+        self.interval, self.depth, self.samples = interval, depth, []
+        self._stop = None
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dask-stream-sampler",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        import sys
+        import threading
+        import traceback
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.time()
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = traceback.extract_stack(frame)[-self.depth:]
+                where = " < ".join(f"{f.name}({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+                                   for f in reversed(stack))
+                self.samples.append((now, names.get(ident, str(ident)), where))
+
+    def lines(self, start: float, end: float, top: int = 4) -> list[str]:
+        counts: dict = collections.defaultdict(collections.Counter)
+        for t, name, where in self.samples:
+            if start <= t <= end:
+                counts[name][where] += 1
+        out = [f"   sampled {start:.3f}-{end:.3f} every {self.interval * 1e3:.0f} ms:"]
+        for name, c in sorted(counts.items()):
+            for where, n in c.most_common(top):
+                if where.split("(", 1)[0] in _IDLE:
+                    continue  # a thread waiting for work
+                out.append(f"     {name}: {n} x {where[:240]}")
+        return out
+
+
 def phased_product(bench, a, b):
     """``bench.product("distmm-dask", a, b)`` with its client-side phases: building the
     lazy product (``distmm.matmul``), ``persist``, waiting for C, the device sync."""
@@ -422,6 +480,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--sample", action="store_true",
+                   help="sample this process's threads (client, local scheduler) every 2 ms "
+                        "and print what they did until each call's first task began")
     p.add_argument("--profile-scheduler", action="store_true",
                    help="profile the scheduler's graph deserialisation and materialisation of "
                         "the first call (the scheduler runs in this process)")
@@ -453,7 +514,7 @@ def main(argv=None) -> int:
                 mark = transfer_mark(client)
                 spent.clear()
                 since = time.time()
-                with distributed.get_task_stream(client) as ts:
+                with distributed.get_task_stream(client) as ts, ThreadSampler() as sampler:
                     sec, c, phases = phased_product(bench, a, b)
                 traces = client.run(_collect_trace) if args.trace else {}
                 st = last_stats()
@@ -471,6 +532,10 @@ def main(argv=None) -> int:
                       moved["worker_to_worker"], "by_name",
                       {k[:40]: v for k, v in moved["by_name"].items()})
                 print("\n".join(stream_summary(ts.data, since)), flush=True)
+                if args.sample:  # what this process's threads did until the first task ran
+                    first = min((x["startstops"][0]["start"] for x in ts.data
+                                 if x["startstops"]), default=since + sec)
+                    print("\n".join(sampler.lines(since, first)), flush=True)
                 try:
                     print("\n".join(dispatch_lines(client, since)), flush=True)
                 except Exception as exc:  # noqa: BLE001 -- a probe's own failure, reported
