@@ -350,7 +350,7 @@ def test_the_probe_frees_its_exports_after_it_returns_and_only_its_own(monkeypat
                                  args, sorted(workers)))
             if fn is ipc.probe_export:
                 return made
-            if fn is transfer.ipc_probe_release:
+            if fn is ipc.probe_release:
                 released.wait(30)
                 return {w: 1 for w in workers}
             return {w: {h: True for h in made if h != w} for w in workers}  # _probe_open
@@ -367,7 +367,7 @@ def test_the_probe_frees_its_exports_after_it_returns_and_only_its_own(monkeypat
         released.set()
         transfer.forget_probes()
     name, thread, args, workers = client_calls[-1]
-    assert name == "ipc_probe_release" and thread == "distmm-ipc-probe-release"
+    assert name == "probe_release" and thread == "distmm-ipc-probe-release"
     assert args == (["t1", "t2"],) and workers == ["tcp://h:1", "tcp://h:2"]
     # on a worker: only the named exports go
     monkeypatch.setattr(ipc, "_PROBES", {"t1": object(), "later": object()})

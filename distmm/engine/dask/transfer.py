@@ -141,9 +141,11 @@ def _release_later(client, addresses, tokens) -> None:
     """Free a probe's exports (``tokens``) on ``addresses`` from a thread of its own: the
     product that probed does not wait for that round trip (``settle_probes`` does)."""
 
+    from distmm.executor import ipc
+
     def run():
         try:
-            client.run(ipc_probe_release, list(tokens), workers=list(addresses),
+            client.run(ipc.probe_release, list(tokens), workers=list(addresses),
                        on_error="return")
         except Exception as exc:  # a closing client or a worker gone: nothing left to free
             log.debug("distmm: freeing the IPC probe's exports failed: %r", exc)
@@ -152,13 +154,6 @@ def _release_later(client, addresses, tokens) -> None:
     with _PROBE_LOCK:
         _RELEASING["thread"] = thread
     thread.start()
-
-
-def ipc_probe_release(tokens, dask_worker=None) -> int:
-    """On a worker: ``ipc.probe_release`` of ``tokens``."""
-    from distmm.executor import ipc
-
-    return ipc.probe_release(tokens)
 
 
 def settle_probes(timeout: float | None = None) -> None:
