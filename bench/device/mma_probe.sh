@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What limits the mma.sync steps (11 TF32, 12 BF16) on one GPU, from the repository root:
+#
+#   bash bench/device/mma_probe.sh [ceiling] [ncu] [sass]
+#
+# ceiling  mma.sync's own rate on registers beside cuBLAS at 8192^3 (bench/research/mma_ceiling.py)
+# ncu      Nsight Compute (speed of light, warp states, scheduler, pipes, memory) of step 12 at
+#          8192^3 with its defaults and with NCU_PARAMS (128 x 256 tiles, 64 x 64 warps), and of
+#          step 11 with the same tile; logs ncu-*.txt under $OUT
+# sass     step 12's 128 x 256 / 64 x 64 instantiation (NN): ptxas's report and the SASS
+#          instruction mix of its k loop (bench/research/sass_hot_loop.py's counting)
+. bench/device/prelude.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+for phase in "${@:-ceiling ncu sass}"; do
+  for what in $phase; do
+  echo "== $what"
+  case $what in
+    ceiling)
+      timeout ${T_CEIL:-120} python3 -m bench.research.mma_ceiling ceiling --precisions bf16 tf32 ;;
+    ncu)
+      for spec in "bf16:" "bf16:${NCU_PARAMS:-BN=256,WN=64}" "tf32:${NCU_PARAMS:-BN=256,WN=64}"; do
+        prec=${spec%%:*}; params=${spec#*:}; log="$OUT/ncu-$prec-${params:-default}.txt"
+        timeout ${T_NCU:-120} ncu --clock-control none --kernel-name regex:distmm_gemm_mma \
+          --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+          --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
+          --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats \
+          python3 -m bench.research.mma_ceiling launch --precision "$prec" --params "$params" \
+          > "$log" 2>&1
+        echo "-- ncu $prec ${params:-default} (exit $?)"
+        grep -E "TFLOP|Duration|Throughput|Issue Slots|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Registers Per|Stall|Warp Cycles Per Issued|Executed Ipc|Achieved Occupancy|Bank|L2 Hit|Pipe" "$log" | head -40
+      done ;;
+    sass)
+      python3 -m bench.research.mma_ceiling sass > "$OUT/sass-mma-bf16.txt" 2>&1; echo "exit $?"
+      head -60 "$OUT/sass-mma-bf16.txt" ;;
+  esac
+  done
+done
