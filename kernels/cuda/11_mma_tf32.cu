@@ -43,17 +43,38 @@ struct Tf32Shape {
     static constexpr int MI = WM / 16, NI = WN / 8;  // mma tiles per warp tile
     static constexpr int A_STAGE = BM * BK, B_STAGE = BK * BN;
     static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * 4;
-    static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 8 == 0, "tile shapes");
+    static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shapes");
     static_assert(BK % 32 == 0 && BM % 32 == 0 && BN % 32 == 0, "shared rows of 128-byte multiples");
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
 };
+
+// The lane's 32-bit ld.shared offsets (bytes within a SWZ_ROW4 stage) in an m- or
+// n-contiguous tile (rows k, COLS floats): lane (g, t) reads column base + 8 q + g of row
+// kk + t (and kk + t + 4); that column's chunk c is stored at c ^ 2t (row & 3 = t), so each
+// column group q needs its own register and the k rows are immediates.
+template <int NQ, int COLS>
+__device__ __forceinline__ void lds_offsets(unsigned (&off)[NQ], int base, int g, int t) {
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        const int col = base + 8 * q + g;
+        off[q] = (unsigned)((t * COLS + (((col / 4) ^ (2 * t)) * 4 + col % 4)) * 4);
+    }
+}
+
+__device__ __forceinline__ unsigned lds32(unsigned addr) {
+    unsigned v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ unsigned tf32_bits(unsigned x) { return to_tf32(__uint_as_float(x)); }
 
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
 __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, const float* __restrict__ A,
                                           long long lda, const float* __restrict__ B, long long ldb,
                                           float beta, float* __restrict__ C, long long ldc, int flags) {
     typedef Tf32Shape<BM, BN, BK, WM, WN, STAGES> S;
-    constexpr int NT = S::NT, MI = S::MI, NI = S::NI;
+    constexpr int NT = S::NT, MI = S::MI, NI = S::NI, KS = BK / 8;
     extern __shared__ __align__(128) unsigned char distmm_smem[];
     float* As = reinterpret_cast<float*>(distmm_smem);
     float* Bs = As + STAGES * S::A_STAGE;
@@ -64,20 +85,36 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
     const int warp = tid / 32, lane = tid % 32;
     const int wm = warp / S::WGN, wn = warp % S::WGN;
-    const int g = lane / 4, t = lane % 4;
+    const int g = lane / 4, t = lane % 4, lj = lane / 8;
 
+    // global -> shared: k-contiguous tiles SWZ_ROW8, m/n-contiguous ones SWZ_ROW4
+    constexpr bool AK = !TA, BKC = TB;
+    constexpr int ASWZ = AK ? SWZ_ROW8 : SWZ_ROW4, BSWZ = BKC ? SWZ_ROW8 : SWZ_ROW4;
+    typedef SwzInterior<float, AK ? BM : BK, AK ? BK : BM, NT, ASWZ> AF;
+    typedef SwzInterior<float, BKC ? BN : BK, BKC ? BK : BN, NT, BSWZ> BF;
+    const bool a_fast = vec_a && m0 + BM <= M, b_fast = vec_b && n0 + BN <= N;
+    const float* a_src = swz_operand_src<float, BM, BK, NT, ASWZ, AK>(A, lda, m0, tid);
+    const float* b_src = swz_operand_src<float, BN, BK, NT, BSWZ, BKC>(B, ldb, n0, tid);
+    const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
+    const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     auto load_tile = [&](int kt, int stage) {
-        swz_ab_tile<float, BM, BN, BK, NT, TA, TB, SWZ_ROW8, SWZ_ROW4>(
-            As + stage * S::A_STAGE, Bs + stage * S::B_STAGE, A, lda, B, ldb, m0, n0, kt * BK,
-            M, N, K, vec_a, vec_b, tid);
+        swz_operand_tile<float, BM, BK, NT, ASWZ, AK>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 4,
+                                                       A, lda, m0, M, kt * BK, K, vec_a, a_fast,
+                                                       a_src, a_dst, tid);
+        swz_operand_tile<float, BN, BK, NT, BSWZ, BKC>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 4,
+                                                        B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
+                                                        b_src, b_dst, tid);
     };
-    // op(A)(m, k) and op(B)(k, n) of a stage, m and n within the block tile
-    auto a_at = [&](const float* as, int m, int k) -> float {
-        return TA ? as[swz_offset<BM, 4, SWZ_ROW4>(k, m)] : as[swz_offset<BK, 4, SWZ_ROW8>(m, k)];
-    };
-    auto b_at = [&](const float* bs, int k, int n) -> float {
-        return TB ? bs[swz_offset<BK, 4, SWZ_ROW8>(n, k)] : bs[swz_offset<BN, 4, SWZ_ROW4>(k, n)];
-    };
+
+    // shared -> registers. k-contiguous tiles: ldmatrix.x4 (non-transposed; a 16-byte row
+    // of 4 floats is 8 16-bit elements, and lane (g, t) receives word t of row g, the tf32
+    // fragment's element); m/n-contiguous tiles: one ld.shared.b32 per element.
+    constexpr int AN = AK ? KS : 2 * MI, BNO = BKC ? KS : NI;
+    unsigned a_off[AN], b_off[BNO];
+    if (AK) ldsm_offsets<true, AN, BK, BM, 4>(a_off, wm * WM, lane, lj % 2, lj / 2);
+    else    lds_offsets<AN, BM>(a_off, wm * WM, g, t);
+    if (BKC) ldsm_offsets<true, BNO, BK, BN, 4>(b_off, wn * WN, lane, lj / 2, lj % 2);
+    else     lds_offsets<BNO, BN>(b_off, wn * WN, g, t);
 
     float acc[MI][NI][4];
     zero_acc(acc);
@@ -87,24 +124,40 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     int read_stage = 0, write_stage = STAGES - 1;
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
-        const float* as = As + read_stage * S::A_STAGE;
-        const float* bs = Bs + read_stage * S::B_STAGE;
+        const unsigned sa = as0 + read_stage * S::A_STAGE * 4, sb = bs0 + read_stage * S::B_STAGE * 4;
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 8) {
+        for (int s = 0; s < KS; ++s) {
             unsigned af[MI][4], bf[NI][2];
 #pragma unroll
             for (int i = 0; i < MI; ++i) {
-                const int r = wm * WM + i * 16 + g;
-                af[i][0] = to_tf32(a_at(as, r, kk + t));
-                af[i][1] = to_tf32(a_at(as, r + 8, kk + t));
-                af[i][2] = to_tf32(a_at(as, r, kk + t + 4));
-                af[i][3] = to_tf32(a_at(as, r + 8, kk + t + 4));
+                if (AK) {
+                    ldmatrix_x4<false>(af[i], sa + a_off[s] + i * 16 * BK * 4);
+                } else {  // rows k = 8 s + t (+ 4), columns m = wm WM + 16 i + g (+ 8)
+                    af[i][0] = lds32(sa + a_off[2 * i] + s * 8 * BM * 4);
+                    af[i][1] = lds32(sa + a_off[2 * i + 1] + s * 8 * BM * 4);
+                    af[i][2] = lds32(sa + a_off[2 * i] + (s * 8 + 4) * BM * 4);
+                    af[i][3] = lds32(sa + a_off[2 * i + 1] + (s * 8 + 4) * BM * 4);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) af[i][e] = tf32_bits(af[i][e]);
             }
 #pragma unroll
             for (int j = 0; j < NI; ++j) {
-                const int c = wn * WN + j * 8 + g;
-                bf[j][0] = to_tf32(b_at(bs, kk + t, c));
-                bf[j][1] = to_tf32(b_at(bs, kk + t + 4, c));
+                if (BKC) {
+                    if (j % 2 == 0) {
+                        unsigned r[4];
+                        ldmatrix_x4<false>(r, sb + b_off[s] + (j / 2) * 16 * BK * 4);
+                        bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
+                    }
+                } else {  // rows k = 8 s + t (+ 4), column n = wn WN + 8 j + g
+                    bf[j][0] = lds32(sb + b_off[j] + s * 8 * BN * 4);
+                    bf[j][1] = lds32(sb + b_off[j] + (s * 8 + 4) * BN * 4);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NI; ++j) {
+                bf[j][0] = tf32_bits(bf[j][0]);
+                bf[j][1] = tf32_bits(bf[j][1]);
             }
 #pragma unroll
             for (int i = 0; i < MI; ++i)

@@ -46,16 +46,6 @@ __device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <bool TRANS>
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
-    if (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
 template <int BM, int BN, int BK, int WM, int WN, int STAGES>
 struct Mma16Shape {
     static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
@@ -67,12 +57,12 @@ struct Mma16Shape {
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
 };
 
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int DBUF, bool TA, bool TB>
 __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, const Tin* __restrict__ A,
                                            long long lda, const Tin* __restrict__ B, long long ldb,
                                            float beta, float* __restrict__ C, long long ldc, int flags) {
     typedef Mma16Shape<BM, BN, BK, WM, WN, STAGES> S;
-    constexpr int NT = S::NT, MI = S::MI, NI = S::NI;
+    constexpr int NT = S::NT, MI = S::MI, NI = S::NI, KS = BK / 16;
     extern __shared__ __align__(128) unsigned char distmm_smem[];
     Tin* As = reinterpret_cast<Tin*>(distmm_smem);
     Tin* Bs = As + STAGES * S::A_STAGE;
@@ -83,52 +73,66 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
     const int warp = tid / 32, lane = tid % 32;
     const int wm = warp / S::WGN, wn = warp % S::WGN;
-    const int g = lane / 4, t = lane % 4;
-    const int lr = lane % 8, lj = lane / 8;  // ldmatrix: the row this lane addresses, of matrix lj
+    const int g = lane / 4, t = lane % 4, lj = lane / 8;
 
+    // global -> shared: A is k-contiguous unless TA, B unless !TB (stored k x n)
+    constexpr bool AK = !TA, BKC = TB;
+    typedef SwzInterior<Tin, AK ? BM : BK, AK ? BK : BM, NT, SWZ_ROW8> AF;
+    typedef SwzInterior<Tin, BKC ? BN : BK, BKC ? BK : BN, NT, SWZ_ROW8> BF;
+    const bool a_fast = vec_a && m0 + BM <= M, b_fast = vec_b && n0 + BN <= N;
+    const Tin* a_src = swz_operand_src<Tin, BM, BK, NT, SWZ_ROW8, AK>(A, lda, m0, tid);
+    const Tin* b_src = swz_operand_src<Tin, BN, BK, NT, SWZ_ROW8, BKC>(B, ldb, n0, tid);
+    const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
+    const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     auto load_tile = [&](int kt, int stage) {
-        swz_ab_tile<Tin, BM, BN, BK, NT, TA, TB, SWZ_ROW8, SWZ_ROW8>(
-            As + stage * S::A_STAGE, Bs + stage * S::B_STAGE, A, lda, B, ldb, m0, n0, kt * BK,
-            M, N, K, vec_a, vec_b, tid);
+        swz_operand_tile<Tin, BM, BK, NT, SWZ_ROW8, AK>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 2,
+                                                         A, lda, m0, M, kt * BK, K, vec_a, a_fast,
+                                                         a_src, a_dst, tid);
+        swz_operand_tile<Tin, BN, BK, NT, SWZ_ROW8, BKC>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 2,
+                                                          B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
+                                                          b_src, b_dst, tid);
     };
+
+    // shared -> registers: A's fragment i of k step s, B's pair jp (two n tiles) of step s
+    constexpr int AN = AK ? KS : MI, BNO = BKC ? KS : NI / 2;
+    unsigned a_off[AN], b_off[BNO];
+    if (AK) ldsm_offsets<true, AN, BK, BM, 2>(a_off, wm * WM, lane, lj % 2, lj / 2);
+    else    ldsm_offsets<false, AN, BK, BM, 2>(a_off, wm * WM, lane, lj / 2, lj % 2);
+    if (BKC) ldsm_offsets<true, BNO, BK, BN, 2>(b_off, wn * WN, lane, lj / 2, lj % 2);
+    else     ldsm_offsets<false, BNO, BK, BN, 2>(b_off, wn * WN, lane, lj % 2, lj / 2);
 
     float acc[MI][NI][4];
     zero_acc(acc);
+    constexpr int NB = DBUF ? 2 : 1;  // fragment buffers: DBUF reads step s + 1's during step s's mma
+    unsigned af[NB][MI][4], bf[NB][NI][2];
+    auto load_frags = [&](unsigned sa, unsigned sb, int s, int buf) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+            ldmatrix_x4<TA>(af[buf][i], sa + (AK ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * 16 * BM * 2));
+#pragma unroll
+        for (int jp = 0; jp < NI / 2; ++jp) {
+            unsigned r[4];
+            ldmatrix_x4<!TB>(r, sb + (BKC ? b_off[s] + jp * 16 * BK * 2 : b_off[jp] + s * 16 * BN * 2));
+            bf[buf][2 * jp][0] = r[0]; bf[buf][2 * jp][1] = r[1];
+            bf[buf][2 * jp + 1][0] = r[2]; bf[buf][2 * jp + 1][1] = r[3];
+        }
+    };
 
-    const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     const int KT = (K + BK - 1) / BK;
     cp_async_prologue<STAGES>(KT, load_tile);
     int read_stage = 0, write_stage = STAGES - 1;
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
-        const unsigned as = as0 + read_stage * S::A_STAGE * 2;
-        const unsigned bs = bs0 + read_stage * S::B_STAGE * 2;
+        const unsigned sa = as0 + read_stage * S::A_STAGE * 2, sb = bs0 + read_stage * S::B_STAGE * 2;
+        if (DBUF) load_frags(sa, sb, 0, 0);
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned af[MI][4], bf[NI][2];
-#pragma unroll
-            for (int i = 0; i < MI; ++i) {
-                const int mb = wm * WM + i * 16;
-                // matrix lj: rows mb + 8 (lj % 2), k kk + 8 (lj / 2)
-                const int off = TA ? swz_offset<BM, 8, SWZ_ROW8>(kk + lr + 8 * (lj / 2), mb + 8 * (lj % 2))
-                                   : swz_offset<BK, 8, SWZ_ROW8>(mb + lr + 8 * (lj % 2), kk + 8 * (lj / 2));
-                ldmatrix_x4<TA>(af[i], as + off * 2);
-            }
-#pragma unroll
-            for (int jp = 0; jp < NI / 2; ++jp) {
-                const int nb = wn * WN + jp * 16;
-                // matrix lj: columns nb + 8 (lj / 2), k kk + 8 (lj % 2)
-                const int off = TB ? swz_offset<BK, 8, SWZ_ROW8>(nb + lr + 8 * (lj / 2), kk + 8 * (lj % 2))
-                                   : swz_offset<BN, 8, SWZ_ROW8>(kk + lr + 8 * (lj % 2), nb + 8 * (lj / 2));
-                unsigned r[4];
-                ldmatrix_x4<!TB>(r, bs + off * 2);
-                bf[2 * jp][0] = r[0]; bf[2 * jp][1] = r[1];
-                bf[2 * jp + 1][0] = r[2]; bf[2 * jp + 1][1] = r[3];
-            }
+        for (int s = 0; s < KS; ++s) {
+            if (!DBUF) load_frags(sa, sb, s, 0);
+            else if (s + 1 < KS) load_frags(sa, sb, s + 1, (s + 1) % NB);
 #pragma unroll
             for (int i = 0; i < MI; ++i)
 #pragma unroll
-                for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
+                for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[s % NB][i], bf[s % NB][j]);
         }
         read_stage = next_stage<STAGES>(read_stage);
         write_stage = next_stage<STAGES>(write_stage);
@@ -140,27 +144,27 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
 }  // namespace distmm
 
 // Tin: distmm_bf16 or distmm_fp16 (the input format); C, alpha and beta are float32.
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int DBUF, bool TA, bool TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A, long long lda,
                      const Tin* __restrict__ B, long long ldb, float beta, float* __restrict__ C,
                      long long ldc, int flags) {
     static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
-    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
-                                                               beta, C, ldc, flags);
+    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, DBUF, TA, TB>(M, N, K, alpha, A, lda, B,
+                                                                     ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                 \
-    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, TA, TB>(   \
-        int, int, int, float, const T*, long long, const T*, long long, float, float*,       \
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, TA, TB)                                 \
+    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, DBUF, TA, TB>(   \
+        int, int, int, float, const T*, long long, const T*, long long, float, float*,             \
         long long, int);
-#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB)                 \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, false)      \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 32, 3, 1)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 32, 3, 1)
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB, DBUF)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 32, 3, 1, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 32, 3, 1, 1)
 #endif

@@ -29,12 +29,6 @@ __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
     return SWZ == SWZ_ROW8 ? chunk ^ (row & 7) : chunk ^ ((row & 3) << 1);
 }
 
-// Element offset of (row, col) in a swizzled tile with COLS elements a row, V a chunk.
-template <int COLS, int V, int SWZ>
-__device__ __forceinline__ int swz_offset(int row, int col) {
-    return row * COLS + swizzle_chunk<SWZ>(row, col / V) * V + col % V;
-}
-
 // A ROWS x COLS tile (COLS contiguous in global memory, element (r, c) at
 // g[(row0 + r) * ld + col0 + c], present when row0 + r < row_lim and col0 + c < col_lim)
 // into a swizzled shared tile. With vec (16-byte aligned base and rows) each thread copies
@@ -51,7 +45,9 @@ __device__ __forceinline__ void swz_tile_copy(T* __restrict__ s, const T* __rest
     constexpr int CHUNKS = ROWS * CH;
     constexpr int ITERS = (CHUNKS + NT - 1) / NT;
     if (vec) {
-#pragma unroll
+        // not unrolled: this is the edge tiles' path beside SwzInterior's, and unrolled its
+        // per-chunk addresses were hoisted out of the k loop into registers the mma need
+#pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             const int ch = tid + it * NT;
             if (CHUNKS % NT == 0 || ch < CHUNKS) {
@@ -84,18 +80,91 @@ __device__ __forceinline__ void swz_tile_copy(T* __restrict__ s, const T* __rest
     }
 }
 
-// Both operands' k tile at k0 into one stage: op(A) is BM x BK (stored BK x BM when TA),
-// op(B) is BK x BN (stored BN x BK when TB). K_SWZ, MN_SWZ: the swizzles of the
-// k-contiguous and the m/n-contiguous layouts.
-template <typename T, int BM, int BN, int BK, int NT, bool TA, bool TB, int K_SWZ, int MN_SWZ>
-__device__ __forceinline__ void swz_ab_tile(T* as, T* bs, const T* A, long long lda, const T* B,
-                                            long long ldb, int m0, int n0, int k0, int M, int N,
-                                            int K, bool vec_a, bool vec_b, int tid) {
-    if (!TA) swz_tile_copy<T, BM, BK, NT, K_SWZ>(as, A, lda, m0, k0, M, K, vec_a, tid);
-    else     swz_tile_copy<T, BK, BM, NT, MN_SWZ>(as, A, lda, k0, m0, K, M, vec_a, tid);
-    if (!TB) swz_tile_copy<T, BK, BN, NT, MN_SWZ>(bs, B, ldb, k0, n0, K, N, vec_b, tid);
-    else     swz_tile_copy<T, BN, BK, NT, K_SWZ>(bs, B, ldb, n0, k0, N, K, vec_b, tid);
+// The interior copy of one operand's k tile (ROWS x COLS, COLS contiguous in global memory)
+// into a swizzled stage, for tiles wholly inside the matrix with 16-byte aligned rows: each
+// thread's source pointer and shared offset are computed once (row(), col(), dst()), and its
+// ITERS chunks lie RSTEP rows apart, a fixed pointer stride and an immediate shared offset,
+// with the same swizzle (RSTEP a multiple of the swizzle's period). OK is false for tiles
+// whose chunks do not split so (few threads, wide rows); those take swz_tile_copy.
+template <typename T, int ROWS, int COLS, int NT, int SWZ>
+struct SwzInterior {
+    static constexpr int V = 16 / (int)sizeof(T), CH = COLS / V, CHUNKS = ROWS * CH;
+    static constexpr int RSTEP = NT >= CH ? NT / CH : 1, ITERS = CHUNKS / NT;
+    static constexpr bool OK = CHUNKS % NT == 0 && NT % CH == 0 &&
+                               RSTEP % (SWZ == SWZ_ROW8 ? 8 : 4) == 0;
+    __device__ __forceinline__ static int row(int tid) { return tid / CH; }
+    __device__ __forceinline__ static int col(int tid) { return (tid % CH) * V; }
+    __device__ __forceinline__ static unsigned dst(int tid) {
+        return (unsigned)((row(tid) * COLS + swizzle_chunk<SWZ>(row(tid), tid % CH) * V) * (int)sizeof(T));
+    }
+    // stage: the stage's shared-space address; src: the thread's first chunk in this k tile
+    __device__ __forceinline__ static void copy(unsigned stage, unsigned dst, const T* src, long long ld) {
+        const long long step = (long long)RSTEP * ld;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it)
+            cp_async16_shared(stage + dst + it * RSTEP * COLS * (unsigned)sizeof(T), src + it * step);
+    }
+};
+
+// One operand's k tile at k0 into a stage: the interior copy when fast (the block's rows of
+// the operand inside the matrix, aligned) and the tile's k inside K, else swz_tile_copy.
+// KCONT: the operand is stored k-contiguous (tile MN x BK), else k rows (tile BK x MN).
+// src: the thread's first chunk at k = 0 (SwzInterior's row/col from the block's origin).
+template <typename T, int MN, int BK, int NT, int SWZ, bool KCONT>
+__device__ __forceinline__ void swz_operand_tile(T* s, unsigned s_addr, const T* g, long long ld,
+                                                 int mn0, int MNLIM, int k0, int K, bool vec,
+                                                 bool fast, const T* src, unsigned dst, int tid) {
+    typedef SwzInterior<T, KCONT ? MN : BK, KCONT ? BK : MN, NT, SWZ> F;
+    if (F::OK && fast && k0 + BK <= K)
+        F::copy(s_addr, dst, src + (KCONT ? (long long)k0 : (long long)k0 * ld), ld);
+    else if (KCONT)
+        swz_tile_copy<T, MN, BK, NT, SWZ>(s, g, ld, mn0, k0, MNLIM, K, vec, tid);
+    else
+        swz_tile_copy<T, BK, MN, NT, SWZ>(s, g, ld, k0, mn0, K, MNLIM, vec, tid);
 }
+
+// The thread's first chunk of an operand's interior copy at k = 0 (see swz_operand_tile).
+template <typename T, int MN, int BK, int NT, int SWZ, bool KCONT>
+__device__ __forceinline__ const T* swz_operand_src(const T* g, long long ld, int mn0, int tid) {
+    typedef SwzInterior<T, KCONT ? MN : BK, KCONT ? BK : MN, NT, SWZ> F;
+    return KCONT ? g + (long long)(mn0 + F::row(tid)) * ld + F::col(tid)
+                 : g + (long long)F::row(tid) * ld + mn0 + F::col(tid);
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// The lane's ldmatrix.x4 addresses (bytes within a SWZ_ROW8 stage of ES-byte elements),
+// computed once. Lane l gives the row address of row l % 8 of matrix l / 8; rsel and csel say
+// which of the fragment's two row halves and two chunk columns that matrix is. A k step (16
+// bf16/fp16 or 8 tf32 elements) is two 16-byte chunks. Both layouts reduce to a register per
+// k step or per tile and an immediate for the other index:
+//   k-contiguous tile (rows m or n, BK columns): lane row r = base + l % 8 + 8 rsel, chunk
+//     2 s + csel of k step s, stored at (2 s + csel) ^ (r & 7) = 2 s ^ x with x = csel ^ (l % 8):
+//     off[s] = r * BK * ES + ((2 s ^ x) << 4); a tile of 16 rows further adds 16 * BK * ES;
+//   m/n-contiguous tile (rows k, COLS 16-bit columns): lane row k = l % 8 + 8 rsel, chunk
+//     e + csel (e even: the 16-wide tile's first column / 8), stored at e ^ x: off[q] =
+//     k * COLS * 2 + ((e_q ^ x) << 4); k step s adds s * 16 * COLS * 2.
+template <bool KCONT, int N_OFF, int BK, int COLS, int ES>
+__device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, int lane, int rsel,
+                                             int csel) {
+    const int lr = lane % 8, x = csel ^ lr;
+#pragma unroll
+    for (int q = 0; q < N_OFF; ++q) {
+        if (KCONT)  // q = k step, base = the warp tile's first row
+            off[q] = (unsigned)((base + lr + 8 * rsel) * BK * ES + (((2 * q) ^ x) << 4));
+        else        // q = 16-wide tile, base = the warp tile's first column (16-bit elements)
+            off[q] = (unsigned)((lr + 8 * rsel) * COLS * 2 + ((((base + 16 * q) / 8) ^ x) << 4));
+    }
+}
+
 
 // A warp's m16n8 accumulator fragments into C: fragment (i, j) covers rows r0 + 16 i + g and
 // + 8, columns c0 + 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4); rows and columns outside
