@@ -479,9 +479,8 @@ class TensorCoreSpec:
                            f"registers {threads} threads may use")
         else:
             wm, wn = p["WM"], p["WN"]
-            wn_step = 16 if size == 2 else 8  # ldmatrix.x4 loads the B fragments of 2 n tiles
-            if wm % 16 or wn % wn_step:
-                out.append(f"warp tile {wm}x{wn}: WM a multiple of 16, WN of {wn_step}")
+            if wm % 16 or wn % 16:  # ldmatrix.x4 loads the B fragments of 2 n tiles
+                out.append(f"warp tile {wm}x{wn}: WM and WN multiples of 16")
             if bm % wm or bn % wn:
                 out.append(f"block tile {bm}x{bn} is not a multiple of warp tile {wm}x{wn}")
             row = 128 // size  # shared rows are multiples of 128 bytes (the swizzle's span)
@@ -513,9 +512,9 @@ class TensorCoreSpec:
         dtype = _tc_dtype(dtype)
         space = self.tune_space
         out = [self.params(dtype)]
-        for blk, bk, warp, stages, minb, inflight, dbuf in itertools.product(
+        for blk, bk, warp, stages, minb, inflight in itertools.product(
                 space["block"], space["BK"], space.get("warp", (None,)), space["STAGES"],
-                space.get("MINB", (1,)), space.get("INFLIGHT", (None,)), space.get("DBUF", (None,))):
+                space.get("MINB", (1,)), space.get("INFLIGHT", (None,))):
             p = {"BM": blk[0], "BN": blk[1], "BK": bk}
             if warp is not None:
                 p.update(WM=warp[0], WN=warp[1])
@@ -524,8 +523,6 @@ class TensorCoreSpec:
                 p["MINB"] = minb
             elif inflight is not None:
                 p["INFLIGHT"] = inflight
-            if dbuf is not None:
-                p["DBUF"] = dbuf
             if p not in out and not self.violations(dtype, p, cc):
                 out.append(p)
         return out
@@ -568,13 +565,12 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
     TensorCoreSpec(
         "mma_bf16", 12, "12_mma_bf16.cu",
         "BF16/FP16 tensor cores: mma.sync m16n8k16, ldmatrix(.trans), swizzled smem",
-        "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{DBUF},{TA},{TB}>",
+        "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1,
-                       "DBUF": 1}
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}
                   for dt in ("bfloat16", "float16")},
         tune_space={"block": _MMA_BLOCKS, "BK": (64, 128), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "DBUF": (0, 1)}),
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2)}),
     TensorCoreSpec(
         "wgmma_bf16", 13, "13_wgmma_bf16.cu",
         "Hopper wgmma m64nNk16: warp-specialised producer/consumers, mbarriers (sm_90a)",

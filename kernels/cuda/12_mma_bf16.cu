@@ -57,7 +57,7 @@ struct Mma16Shape {
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
 };
 
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int DBUF, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
 __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, const Tin* __restrict__ A,
                                            long long lda, const Tin* __restrict__ B, long long ldb,
                                            float beta, float* __restrict__ C, long long ldc, int flags) {
@@ -103,9 +103,9 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
 
     float acc[MI][NI][4];
     zero_acc(acc);
-    constexpr int NB = DBUF ? 2 : 1;  // fragment buffers: DBUF reads step s + 1's during step s's mma
-    unsigned af[NB][MI][4], bf[NB][NI][2];
-    auto load_frags = [&](unsigned sa, unsigned sb, int s, int buf) {
+    unsigned af[2][MI][4], bf[2][NI][2];
+    auto load_frags = [&](int stage, int s, int buf) {
+        const unsigned sa = as0 + stage * S::A_STAGE * 2, sb = bs0 + stage * S::B_STAGE * 2;
 #pragma unroll
         for (int i = 0; i < MI; ++i)
             ldmatrix_x4<TA>(af[buf][i], sa + (AK ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * 16 * BM * 2));
@@ -117,54 +117,40 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
             bf[buf][2 * jp + 1][0] = r[2]; bf[buf][2 * jp + 1][1] = r[3];
         }
     };
-
-    const int KT = (K + BK - 1) / BK;
-    cp_async_prologue<STAGES>(KT, load_tile);
-    int read_stage = 0, write_stage = STAGES - 1;
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
-        const unsigned sa = as0 + read_stage * S::A_STAGE * 2, sb = bs0 + read_stage * S::B_STAGE * 2;
-        if (DBUF) load_frags(sa, sb, 0, 0);
+    auto mma_step = [&](int buf) {
 #pragma unroll
-        for (int s = 0; s < KS; ++s) {
-            if (!DBUF) load_frags(sa, sb, s, 0);
-            else if (s + 1 < KS) load_frags(sa, sb, s + 1, (s + 1) % NB);
+        for (int i = 0; i < MI; ++i)
 #pragma unroll
-            for (int i = 0; i < MI; ++i)
-#pragma unroll
-                for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[s % NB][i], bf[s % NB][j]);
-        }
-        read_stage = next_stage<STAGES>(read_stage);
-        write_stage = next_stage<STAGES>(write_stage);
-    }
-    cp_async_wait<0>();
+            for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
+    };
+    mma_mainloop<STAGES, KS>((K + BK - 1) / BK, load_tile, load_frags, mma_step);
     store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
 }
 
 }  // namespace distmm
 
 // Tin: distmm_bf16 or distmm_fp16 (the input format); C, alpha and beta are float32.
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int DBUF, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A, long long lda,
                      const Tin* __restrict__ B, long long ldb, float beta, float* __restrict__ C,
                      long long ldc, int flags) {
     static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
-    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, DBUF, TA, TB>(M, N, K, alpha, A, lda, B,
-                                                                     ldb, beta, C, ldc, flags);
+    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
+                                                               beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, TA, TB)                                 \
-    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, DBUF, TA, TB>(   \
-        int, int, int, float, const T*, long long, const T*, long long, float, float*,             \
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                 \
+    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, TA, TB>(   \
+        int, int, int, float, const T*, long long, const T*, long long, float, float*,       \
         long long, int);
-#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB, DBUF)                 \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, false, false)      \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, false, true)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, true, false)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, DBUF, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 32, 3, 1, 1)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 32, 3, 1, 1)
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 32, 3, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 32, 3, 1)
 #endif

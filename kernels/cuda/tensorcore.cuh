@@ -166,6 +166,46 @@ __device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, i
 }
 
 
+// The mma.sync steps' main loop over KT k tiles of KS k steps. STAGES shared stages all hold
+// tiles in flight (cp.async groups, one a tile); fragments come in two register buffers, so
+// step s + 1's are read while step s's mma run. The tile boundary sits before the last
+// step's mma: wait for tile kt + 1, one barrier (every warp has then read all of tile kt, and
+// tile kt + 1 is visible), queue tile kt + STAGES into tile kt's stage, read tile kt + 1's
+// first fragments, then issue tile kt's last mma, which hide those reads.
+//   load_tile(kt, stage): queue tile kt's copies; load_frags(stage, s, buf): k step s of the
+//   tile in stage into buffer buf; mma_step(buf): the warp's mma on buffer buf.
+template <int STAGES, int KS, typename Load, typename Frags, typename Mma>
+__device__ __forceinline__ void mma_mainloop(int KT, Load& load_tile, Frags& load_frags, Mma& mma_step) {
+    static_assert(KS % 2 == 0, "an even number of k steps a tile (the buffers alternate)");
+    static_assert(STAGES >= 2, "at least 2 stages");
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) {
+        if (st < KT) load_tile(st, st);
+        cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    int stage = 0;
+    load_frags(stage, 0, 0);
+    for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            if (s == KS - 1) {
+                cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                if (kt + STAGES < KT) load_tile(kt + STAGES, stage);
+                cp_async_commit();
+                stage = next_stage<STAGES>(stage);
+                if (kt + 1 < KT) load_frags(stage, 0, 0);
+            } else {
+                load_frags(stage, s + 1, (s + 1) % 2);
+            }
+            mma_step(s % 2);
+        }
+    }
+    cp_async_wait<0>();
+}
+
 // A warp's m16n8 accumulator fragments into C: fragment (i, j) covers rows r0 + 16 i + g and
 // + 8, columns c0 + 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4); rows and columns outside
 // M x N are skipped. C = alpha acc + beta C (common.cuh's store_c).
