@@ -340,7 +340,9 @@ def test_tc_violations_catch_bad_configs():
     q = bf16.params("bfloat16")
     # 16-bit rows: BK = 32 is 64 bytes, below the swizzle's 128
     assert any("128-byte" in v for v in bf16.violations("bfloat16", dict(q, BK=32)))
-    assert any("WN of 16" in v for v in bf16.violations("float16", dict(q, WN=8, BN=64)))
+    assert any("multiples of 16" in v for v in bf16.violations("float16", dict(q, WN=8, BN=64)))
+    # ldmatrix.x4 reads two n tiles' B fragments in step 11 too
+    assert any("multiples of 16" in v for v in tf32.violations("float32", dict(p, WN=8)))
     assert any("no float32" in v for v in bf16.violations("float32", q))
     w = wg.params("bfloat16")
     for cc in (80, 89, 100):
