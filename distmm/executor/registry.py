@@ -558,7 +558,7 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "TF32 tensor cores: mma.sync m16n8k8, cvt.rna rounding, swizzled smem",
         "distmm_gemm_mma_tf32<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
         precisions={"tf32": "float32"},
-        defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "STAGES": 3,
+        defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
                               "MINB": 1}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4), "MINB": (1, 2)}),
@@ -567,7 +567,7 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "BF16/FP16 tensor cores: mma.sync m16n8k16, ldmatrix(.trans), swizzled smem",
         "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 32, "STAGES": 3, "MINB": 1}
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1}
                   for dt in ("bfloat16", "float16")},
         tune_space={"block": _MMA_BLOCKS, "BK": (64, 128), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4, 5), "MINB": (1, 2)}),

@@ -151,6 +151,6 @@ distmm_gemm_mma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A
     DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
     DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
     DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 32, 3, 1)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 32, 3, 1)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1)
 #endif
