@@ -486,6 +486,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-scheduler", action="store_true",
                    help="profile the scheduler's graph deserialisation and materialisation of "
                         "the first call (the scheduler runs in this process)")
+    p.add_argument("--warm-first", type=float, default=0.0, metavar="SECONDS",
+                   help="before the first call, start the workers' GPU warm-up (the engine's "
+                        "worker probe) and wait this long: is the first call slow because the "
+                        "warm-up runs beside it?")
     p.add_argument("--nodes", type=int, default=1,
                    help="the 2gpu/4gpu workers as that many emulated nodes (NCCL between them)")
     args = p.parse_args(argv)
@@ -506,6 +510,10 @@ def main(argv=None) -> int:
             profile_scheduler()
         if args.trace:
             client.run(_install_trace)
+        if args.warm_first:
+            from distmm.engine.dask import workers as _workers
+            client.run(_workers.probe)
+            time.sleep(args.warm_first)
         for n in args.sizes:
             for call in range(args.calls):
                 a, b = bench.operands(n, args.chunk, args.dtype)
