@@ -530,14 +530,20 @@ def get_tc_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta:
     return _tc_kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler)
 
 
-def to_input_format(x, fmt: str):
+def to_input_format(x, fmt: str, precision: str | None = None):
     """A C-contiguous copy of the 2-D cupy array ``x`` in input format ``fmt``: float32
-    unchanged (TF32 rounding happens in the kernel), float16 rounded to nearest even by
-    cupy, bfloat16 rounded to nearest even (NaN kept quiet) and returned as its uint16 bits.
-    Arrays already in the format (float16, or uint16 bfloat16 bits) are only made contiguous."""
+    unchanged, or rounded to TF32 when ``precision`` is ``"tf32"`` (step 11 reads rounded
+    operands: ``cublas.to_input_format``'s rounding, ties away from zero, NaN kept), float16
+    rounded to nearest even by cupy, bfloat16 rounded to nearest even (NaN kept quiet) and
+    returned as its uint16 bits. Arrays already in the format (float16, or uint16 bfloat16
+    bits) are only made contiguous."""
     import cupy
 
     if fmt == "float32":
+        if precision == "tf32":
+            from distmm.executor.cublas import to_input_format as rounded
+
+            return rounded(x, "tf32")[0]
         return cupy.ascontiguousarray(x, dtype=cupy.float32)
     if fmt == "float16":
         return cupy.ascontiguousarray(x, dtype=cupy.float16)
@@ -563,7 +569,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     either float32 or already in the precision's input format (float16, or bfloat16 bits as
     uint16). float32 operands of ``"bf16"`` / ``"fp16"`` are first converted on the GPU to
     contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
-    convert before ``cublasGemmEx``); ``"tf32"`` rounds inside the kernel (cvt.rna).
+    convert before ``cublasGemmEx``); under ``"tf32"`` they are rounded to TF32 copies the
+    same way (ties away from zero, cuBLAS's TF32 rounding), which step 11 reads as they are.
     Step 14 (``spec.tma``) reads operands through tensor maps: an operand whose base or rows
     are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to step 13.
 
@@ -595,11 +602,11 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     fmt = spec.precisions[precision]
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
-        if fmt != "float32" or a.dtype != np.float32:
+        if fmt != "float32" or a.dtype != np.float32 or precision == "tf32":
             rows_a, cols_a = (k, m) if ta else (m, k)
             rows_b, cols_b = (n, k) if tb else (k, n)
-            a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt)
-            b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt)
+            a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt, precision)
+            b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt, precision)
             lda, ldb = max(cols_a, 1), max(cols_b, 1)
             if spec.tma:
                 (a, lda), (b, ldb) = _tma_ready(a), _tma_ready(b)

@@ -523,6 +523,8 @@ class TensorCoreSpec:
                 p["MINB"] = minb
             elif inflight is not None:
                 p["INFLIGHT"] = inflight
+            for key, value in self.defaults[dtype].items():  # settings outside the space
+                p.setdefault(key, value)
             if p not in out and not self.violations(dtype, p, cc):
                 out.append(p)
         return out
@@ -555,11 +557,11 @@ _MMA_BLOCKS = ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128), (64, 64
 TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
     TensorCoreSpec(
         "mma_tf32", 11, "11_mma_tf32.cu",
-        "TF32 tensor cores: mma.sync m16n8k8, cvt.rna rounding, swizzled smem",
-        "distmm_gemm_mma_tf32<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
+        "TF32 tensor cores: mma.sync m16n8k8 on operands rounded before the launch, swizzled smem",
+        "distmm_gemm_mma_tf32<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{LOOP},{TA},{TB}>",
         precisions={"tf32": "float32"},
         defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
-                              "MINB": 1}},
+                              "MINB": 1, "LOOP": 1}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4), "MINB": (1, 2)}),
     TensorCoreSpec(

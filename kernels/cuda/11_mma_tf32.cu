@@ -1,10 +1,12 @@
 // Step 11: TF32 tensor cores for float32. Each warp computes its WM x WN warp tile as
 // (WM/16) x (WN/8) tiles of 16 x 8 with mma.sync.m16n8k8 (tf32 inputs, fp32 accumulate,
-// sm_80+) instead of step 8's SIMT FFMA. The operands stay fp32 in global and shared memory;
-// each fragment element is rounded to TF32 (10 explicit mantissa bits) with cvt.rna.tf32.f32
-// (round to nearest, ties away from zero, as cuBLAS rounds for CUBLAS_COMPUTE_32F_FAST_TF32)
-// as it leaves shared memory. This is a lower-precision kernel: precision "tf32" only, never
-// the float32 "highest" path (steps 8-9 keep that).
+// sm_80+) instead of step 8's SIMT FFMA. The operands stay fp32 in global and shared memory,
+// already rounded to TF32 (10 explicit mantissa bits; round to nearest, ties away from zero,
+// as cuBLAS rounds for CUBLAS_COMPUTE_32F_FAST_TF32): launch_tc rounds them in one
+// elementwise pass before the launch, as step 12's operands are converted, so the k loop has
+// no conversion (the tensor cores ignore the 13 low bits, which the rounding zeroed). This is
+// a lower-precision kernel: precision "tf32" only, never the float32 "highest" path (steps
+// 8-9 keep that).
 //
 // Fragments (PTX ISA, mma.m16n8k8 .tf32), g = lane / 4, t = lane % 4:
 //   a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]
@@ -23,11 +25,6 @@ namespace distmm {
 template <typename T> struct is_f32 { static constexpr bool value = false; };
 template <> struct is_f32<float> { static constexpr bool value = true; };
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
 
 __device__ __forceinline__ void mma_tf32_16x8x8(float* c, const unsigned* a, const unsigned* b) {
     asm volatile(
@@ -50,16 +47,24 @@ struct Tf32Shape {
 
 // The lane's 32-bit ld.shared offsets (bytes within a SWZ_ROW4 stage) in an m- or
 // n-contiguous tile (rows k, COLS floats): lane (g, t) reads column base + 8 q + g of row
-// kk + t (and kk + t + 4); that column's chunk c is stored at c ^ 2t (row & 3 = t), so each
-// column group q needs its own register and the k rows are immediates.
-template <int NQ, int COLS>
-__device__ __forceinline__ void lds_offsets(unsigned (&off)[NQ], int base, int g, int t) {
+// kk + t (and kk + t + 4); that column's chunk c is stored at c ^ 2t (row & 3 = t). Column
+// groups q and q + 4 are 8 chunks apart, which the swizzle (bits 1-2 of c) leaves alone when
+// base is a multiple of 32: then 4 registers serve every q (at() adds 128 bytes per 4), and
+// the k rows are immediates.
+template <int NQ, int WIDTH>
+struct LdsOffsets {
+    static constexpr int NR = (NQ > 4 && WIDTH % 32 == 0) ? 4 : NQ;
+    unsigned off[NR];
+    template <int COLS>
+    __device__ __forceinline__ void init(int base, int g, int t) {
 #pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int col = base + 8 * q + g;
-        off[q] = (unsigned)((t * COLS + (((col / 4) ^ (2 * t)) * 4 + col % 4)) * 4);
+        for (int q = 0; q < NR; ++q) {
+            const int col = base + 8 * q + g;
+            off[q] = (unsigned)((t * COLS + (((col / 4) ^ (2 * t)) * 4 + col % 4)) * 4);
+        }
     }
-}
+    __device__ __forceinline__ unsigned at(int q) const { return off[q % NR] + (q / NR) * 128; }
+};
 
 __device__ __forceinline__ unsigned lds32(unsigned addr) {
     unsigned v;
@@ -67,9 +72,7 @@ __device__ __forceinline__ unsigned lds32(unsigned addr) {
     return v;
 }
 
-__device__ __forceinline__ unsigned tf32_bits(unsigned x) { return to_tf32(__uint_as_float(x)); }
-
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int LOOP, bool TA, bool TB>
 __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, const float* __restrict__ A,
                                           long long lda, const float* __restrict__ B, long long ldb,
                                           float beta, float* __restrict__ C, long long ldc, int flags) {
@@ -109,65 +112,70 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     // shared -> registers. k-contiguous tiles: ldmatrix.x4 (non-transposed; a 16-byte row
     // of 4 floats is 8 16-bit elements, and lane (g, t) receives word t of row g, the tf32
     // fragment's element); m/n-contiguous tiles: one ld.shared.b32 per element.
-    constexpr int AN = AK ? KS : 2 * MI, BNO = BKC ? KS : NI;
-    unsigned a_off[AN], b_off[BNO];
-    if (AK) ldsm_offsets<true, AN, BK, BM, 4>(a_off, wm * WM, lane, lj % 2, lj / 2);
-    else    lds_offsets<AN, BM>(a_off, wm * WM, g, t);
-    if (BKC) ldsm_offsets<true, BNO, BK, BN, 4>(b_off, wn * WN, lane, lj / 2, lj % 2);
-    else     lds_offsets<BNO, BN>(b_off, wn * WN, g, t);
+    unsigned a_off[KS], b_off[KS];  // ldmatrix: a register per k step
+    LdsOffsets<2 * MI, WM> a_lds;      // ld.shared: column groups of 8
+    LdsOffsets<NI, WN> b_lds;
+    if (AK) ldsm_offsets<true, KS, BK, BM, 4>(a_off, wm * WM, lane, lj % 2, lj / 2);
+    else    a_lds.template init<BM>(wm * WM, g, t);
+    if (BKC) ldsm_offsets<true, KS, BK, BN, 4>(b_off, wn * WN, lane, lj / 2, lj % 2);
+    else     b_lds.template init<BN>(wn * WN, g, t);
 
     float acc[MI][NI][4];
     zero_acc(acc);
-
-    const int KT = (K + BK - 1) / BK;
-    cp_async_prologue<STAGES>(KT, load_tile);
-    int read_stage = 0, write_stage = STAGES - 1;
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
-        const unsigned sa = as0 + read_stage * S::A_STAGE * 4, sb = bs0 + read_stage * S::B_STAGE * 4;
+    constexpr int NB = LOOP ? 2 : 1;  // fragment buffers (mma_mainloop alternates two)
+    unsigned af[NB][MI][4], bf[NB][NI][2];
+    auto load_frags = [&](int stage, int s, int buf) {
+        const unsigned sa = as0 + stage * S::A_STAGE * 4, sb = bs0 + stage * S::B_STAGE * 4;
 #pragma unroll
-        for (int s = 0; s < KS; ++s) {
-            unsigned af[MI][4], bf[NI][2];
-#pragma unroll
-            for (int i = 0; i < MI; ++i) {
-                if (AK) {
-                    ldmatrix_x4<false>(af[i], sa + a_off[s] + i * 16 * BK * 4);
-                } else {  // rows k = 8 s + t (+ 4), columns m = wm WM + 16 i + g (+ 8)
-                    af[i][0] = lds32(sa + a_off[2 * i] + s * 8 * BM * 4);
-                    af[i][1] = lds32(sa + a_off[2 * i + 1] + s * 8 * BM * 4);
-                    af[i][2] = lds32(sa + a_off[2 * i] + (s * 8 + 4) * BM * 4);
-                    af[i][3] = lds32(sa + a_off[2 * i + 1] + (s * 8 + 4) * BM * 4);
-                }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) af[i][e] = tf32_bits(af[i][e]);
+        for (int i = 0; i < MI; ++i) {
+            if (AK) {
+                ldmatrix_x4<false>(af[buf][i], sa + a_off[s] + i * 16 * BK * 4);
+            } else {  // rows k = 8 s + t (+ 4), columns m = wm WM + 16 i + g (+ 8)
+                af[buf][i][0] = lds32(sa + a_lds.at(2 * i) + s * 8 * BM * 4);
+                af[buf][i][1] = lds32(sa + a_lds.at(2 * i + 1) + s * 8 * BM * 4);
+                af[buf][i][2] = lds32(sa + a_lds.at(2 * i) + (s * 8 + 4) * BM * 4);
+                af[buf][i][3] = lds32(sa + a_lds.at(2 * i + 1) + (s * 8 + 4) * BM * 4);
             }
-#pragma unroll
-            for (int j = 0; j < NI; ++j) {
-                if (BKC) {
-                    if (j % 2 == 0) {
-                        unsigned r[4];
-                        ldmatrix_x4<false>(r, sb + b_off[s] + (j / 2) * 16 * BK * 4);
-                        bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
-                    }
-                } else {  // rows k = 8 s + t (+ 4), column n = wn WN + 8 j + g
-                    bf[j][0] = lds32(sb + b_off[j] + s * 8 * BN * 4);
-                    bf[j][1] = lds32(sb + b_off[j] + (s * 8 + 4) * BN * 4);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NI; ++j) {
-                bf[j][0] = tf32_bits(bf[j][0]);
-                bf[j][1] = tf32_bits(bf[j][1]);
-            }
-#pragma unroll
-            for (int i = 0; i < MI; ++i)
-#pragma unroll
-                for (int j = 0; j < NI; ++j) mma_tf32_16x8x8(acc[i][j], af[i], bf[j]);
         }
-        read_stage = next_stage<STAGES>(read_stage);
-        write_stage = next_stage<STAGES>(write_stage);
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+            if (BKC) {
+                if (j % 2 == 0) {
+                    unsigned r[4];
+                    ldmatrix_x4<false>(r, sb + b_off[s] + (j / 2) * 16 * BK * 4);
+                    bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
+                    bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+                }
+            } else {  // rows k = 8 s + t (+ 4), column n = wn WN + 8 j + g
+                bf[buf][j][0] = lds32(sb + b_lds.at(j) + s * 8 * BN * 4);
+                bf[buf][j][1] = lds32(sb + b_lds.at(j) + (s * 8 + 4) * BN * 4);
+            }
+        }
+    };
+    auto mma_step = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j) mma_tf32_16x8x8(acc[i][j], af[buf][i], bf[buf][j]);
+    };
+    const int KT = (K + BK - 1) / BK;
+    if (LOOP) {
+        mma_mainloop<STAGES, KS>(KT, load_tile, load_frags, mma_step);
+    } else {
+        cp_async_prologue<STAGES>(KT, load_tile);
+        int read_stage = 0, write_stage = STAGES - 1;
+        for (int kt = 0; kt < KT; ++kt) {
+            cp_async_next_tile<STAGES>(kt, KT, write_stage, load_tile);
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                load_frags(read_stage, s, 0);
+                mma_step(0);
+            }
+            read_stage = next_stage<STAGES>(read_stage);
+            write_stage = next_stage<STAGES>(write_stage);
+        }
+        cp_async_wait<0>();
     }
-    cp_async_wait<0>();
     store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
 }
 
@@ -175,26 +183,27 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
 
 // T is float (the registry's only dtype for this step); the template keeps distmm's one
 // kernel signature and name mangling.
-template <typename T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
+template <typename T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int LOOP, bool TA,
+          bool TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_tf32(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                      const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                      long long ldc, int flags) {
     static_assert(distmm::is_f32<T>::value, "TF32 tensor cores take float32 operands");
-    distmm::tf32_body<BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb, beta,
-                                                          C, ldc, flags);
+    distmm::tf32_body<BM, BN, BK, WM, WN, STAGES, LOOP, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
+                                                                beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                    \
-    template __global__ void distmm_gemm_mma_tf32<float, BM, BN, BK, WM, WN, ST, MINB, TA, TB>( \
+#define DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, TA, TB)                                    \
+    template __global__ void distmm_gemm_mma_tf32<float, BM, BN, BK, WM, WN, ST, MINB, LOOP, TA, TB>( \
         int, int, int, float, const float*, long long, const float*, long long, float, float*, \
         long long, int);
-#define DISTMM_INST(BM, BN, BK, WM, WN, ST, MINB)                 \
-    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, false, false)      \
-    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, false, true)       \
-    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, true, false)       \
-    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, true, true)
-DISTMM_INST(128, 128, 32, 64, 64, 3, 1)
+#define DISTMM_INST(BM, BN, BK, WM, WN, ST, MINB, LOOP)                 \
+    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, false, false)      \
+    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, false, true)       \
+    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, true, false)       \
+    DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, true, true)
+DISTMM_INST(128, 128, 32, 64, 64, 3, 1, 1)
 #endif

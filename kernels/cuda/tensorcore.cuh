@@ -166,8 +166,7 @@ __device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, i
 }
 
 
-// Step 12's main loop over KT k tiles of KS k steps (step 11 keeps pipelined.cuh's loop: its
-// fragments are rounded to tf32 as read, and with two buffers of them it ran slower). STAGES shared stages all hold
+// The mma.sync steps' main loop over KT k tiles of KS k steps (step 11 with LOOP = 1). STAGES shared stages all hold
 // tiles in flight (cp.async groups, one a tile); fragments come in two register buffers, so
 // step s + 1's are read while step s's mma run. The tile boundary sits before the last
 // step's mma: wait for tile kt + 1, one barrier (every warp has then read all of tile kt, and
