@@ -343,6 +343,8 @@ def test_tc_violations_catch_bad_configs():
     assert any("multiples of 16" in v for v in bf16.violations("float16", dict(q, WN=8, BN=64)))
     # ldmatrix.x4 reads two n tiles' B fragments in step 11 too
     assert any("multiples of 16" in v for v in tf32.violations("float32", dict(p, WN=8)))
+    assert any("LOOP=2" in v for v in tf32.violations("float32", dict(p, LOOP=2)))
+    assert tf32.violations("float32", dict(p, LOOP=0)) == []
     assert any("no float32" in v for v in bf16.violations("float32", q))
     w = wg.params("bfloat16")
     for cc in (80, 89, 100):

@@ -497,6 +497,9 @@ class TensorCoreSpec:
             if minb not in (1, 2, 3, 4):
                 out.append("MINB (blocks per SM the register budget allows) must be 1..4, "
                            f"got {minb}")
+            if p.get("LOOP", 0) not in (0, 1):
+                out.append(f"LOOP={p['LOOP']}: 0 (one fragment buffer) or 1 (two, the tile "
+                           "boundary before the last k step)")
         if stages < 2:
             out.append("at least 2 pipeline stages")
         limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
@@ -512,9 +515,9 @@ class TensorCoreSpec:
         dtype = _tc_dtype(dtype)
         space = self.tune_space
         out = [self.params(dtype)]
-        for blk, bk, warp, stages, minb, inflight in itertools.product(
+        for blk, bk, warp, stages, minb, inflight, loop in itertools.product(
                 space["block"], space["BK"], space.get("warp", (None,)), space["STAGES"],
-                space.get("MINB", (1,)), space.get("INFLIGHT", (None,))):
+                space.get("MINB", (1,)), space.get("INFLIGHT", (None,)), space.get("LOOP", (None,))):
             p = {"BM": blk[0], "BN": blk[1], "BK": bk}
             if warp is not None:
                 p.update(WM=warp[0], WN=warp[1])
@@ -523,6 +526,8 @@ class TensorCoreSpec:
                 p["MINB"] = minb
             elif inflight is not None:
                 p["INFLIGHT"] = inflight
+            if loop is not None:
+                p["LOOP"] = loop
             for key, value in self.defaults[dtype].items():  # settings outside the space
                 p.setdefault(key, value)
             if p not in out and not self.violations(dtype, p, cc):
@@ -563,7 +568,7 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
                               "MINB": 1, "LOOP": 1}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4), "MINB": (1, 2)}),
+                    "STAGES": (2, 3, 4), "MINB": (1, 2), "LOOP": (0, 1)}),
     TensorCoreSpec(
         "mma_bf16", 12, "12_mma_bf16.cu",
         "BF16/FP16 tensor cores: mma.sync m16n8k16, ldmatrix(.trans), swizzled smem",
