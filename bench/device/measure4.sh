@@ -14,7 +14,8 @@
 # emulated  4 GPUs as 2 emulated nodes, both engines (bench/studies/gpu-emulated.toml), with
 #        mpiexec's own binding (distmm widens a GPU rank's one core: mpi-cpus)
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
-# firstcall  the Dask engine's first call on 4 GPUs: threads sampled, dispatch times, trace
+# firstcall  the Dask engine's first call on 4 GPUs: threads sampled, dispatch times, trace; the
+#        machine's first run (cold kernel caches), then a second process
 # pieces the Dask rows three ways: float32 pieces of 16384 (the default), of one chunk, whole k
 # leads  gemm_k's schedules, the NCCL/IPC GPU tests, ipc_reopen, the fp32 trace (one call)
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
@@ -136,12 +137,17 @@ for phase in "$@"; do
         | grep "^== \|client steps\|pieces:\|dispatch\|update-graph" | head -40 ;;
     firstcall)
       # where the Dask engine's first call on 4 GPUs goes: the client's threads (and the local
-      # scheduler's) sampled every 2 ms until the first task, the dispatch times, the trace
-      timeout ${T_FIRST:-150} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
-        --dtype float32 --calls 2 --trace --sample > "$OUT/firstcall-4gpu.log" 2>&1
-      echo "exit $?"
-      grep -v "CancelledError\|state_machine - WARNING" "$OUT/firstcall-4gpu.log" | cut -c1-300 \
-        | grep "^== \|client steps\|sampled\|^     \|dispatch\|update-graph" | head -60 ;;
+      # scheduler's) sampled every 2 ms until the first task, the dispatch times, the trace;
+      # twice, in two processes: the machine's first (cold on-disk kernel caches), then one
+      # as a user's later session meets it (on one H200 the first copy took 380 ms in the
+      # first and 23 ms in the second: bench/NOTES.md, fourteenth session)
+      for run in cold warm; do
+        timeout ${T_FIRST:-150} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
+          --dtype float32 --calls 2 --trace --sample > "$OUT/firstcall-4gpu-$run.log" 2>&1
+        echo "$run exit $?"
+        grep -v "CancelledError\|state_machine - WARNING" "$OUT/firstcall-4gpu-$run.log" | cut -c1-300 \
+          | grep "^== \|client steps\|sampled\|^     \|dispatch\|update-graph\|pieces:" | head -60
+      done ;;
     pieces)
       # the Dask engine's rows (gpu-dask-4.toml, or PIECES_STUDY) in one call, each way of
       # PIECES_WAYS (default: "- chunk whole"): "-" the default (float32 pieces of 16384),
