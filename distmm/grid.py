@@ -22,7 +22,7 @@ import numpy as np
 from distmm.plan import Plan, accumulate_dtype, reduction_tree
 
 __all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
-           "gpu_panels", "GPU_MIN_PANEL",
+           "gpu_panels", "grid_shapes", "GPU_MIN_PANEL",
            "DEFAULT_RANK_FLOPS", "DEFAULT_LINK_BYTES"]
 
 #: flop rate of one rank the grid choice assumes (only the ratio to the link matters)
@@ -254,7 +254,7 @@ def _build(m, n, k, res, acc, layers, rows, cols) -> GridPlan:
                     reduction=reduction_tree(layers))
 
 
-def _candidates(ranks: int):
+def grid_shapes(ranks: int):
     """Every ``(layers, rows, cols)`` with product ``ranks``: no k-split first,
     then square-ish grids before long ones (the order breaks ties)."""
     out = []
@@ -321,7 +321,7 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             raise ValueError(f"grid {tuple(grid)} must be 3 positive counts whose product is {ranks}")
         return _build(m, n, k, res, acc, *map(int, grid))
     best, best_time = None, math.inf
-    for layers, rows, cols in _candidates(ranks):
+    for layers, rows, cols in grid_shapes(ranks):
         if layers > 1 and not k_split:
             continue
         plan = _build(m, n, k, res, acc, layers, rows, cols)

@@ -31,7 +31,7 @@ from typing import Mapping
 
 import numpy as np
 
-from distmm.grid import GridPlan, _candidates, gpu_panels, make_grid
+from distmm.grid import GridPlan, grid_shapes, gpu_panels, make_grid
 from distmm.plan import accumulate_dtype, make_plan
 from distmm.plan_batch import plan_batch
 from distmm.plan_blocks import shares, worker_grid
@@ -806,7 +806,7 @@ def best_plan(m: int, n: int, k: int, dtype="float32", *, devices: int,
     first = predict(m, n, k, dtype, devices=devices, calibration=calibration, engine=engine,
                     device=device, link=link, memory=memory, ranks_per_device=ranks_per_device)
     best = first
-    for shape in _candidates(int(devices))[:limit]:
+    for shape in grid_shapes(int(devices))[:limit]:
         if shape == first.grid:
             continue
         p = predict(m, n, k, dtype, devices=devices, calibration=calibration, engine=engine,

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import distmm
 from distmm.engine.mpi import DistArray, MPIEngine
-from distmm.grid import BlockLayout, _candidates, make_grid
+from distmm.grid import BlockLayout, grid_shapes, make_grid
 from mpi_verdict import run_cases
 
 comm = MPI.COMM_WORLD
@@ -108,7 +108,7 @@ def case_api_semantics():
 
 def case_every_grid():
     engine = MPIEngine(comm)
-    for layers, rows, cols in _candidates(P):
+    for layers, rows, cols in grid_shapes(P):
         for dt in ("float64", "int64", "int8", "float32"):
             for m, n, k in ((22, 23, 24), (5, 3, 1000), (1, 1, 1)):
                 a, b = operands(dt, m, k, n)

@@ -17,7 +17,7 @@ from mpi4py import MPI
 import distmm
 from distmm.engine.mpi import DistArray, MPIEngine, cache_stats
 from distmm.engine.mpi.gridcomms import release
-from distmm.grid import _candidates, make_grid
+from distmm.grid import grid_shapes, make_grid
 from mpi_verdict import run_cases
 
 gpu = "gpu" in sys.argv[1:]
@@ -98,7 +98,7 @@ def case_every_grid_on_a_dup():
     are made once and reused; Free releases all of them; a new communicator makes its own."""
     sub = comm.Dup()
     engine = MPIEngine(sub)
-    grids = _candidates(P)
+    grids = grid_shapes(P)
     before = cache_stats()
     m, n, k = 22, 23, 24 + int(rng.integers(0, 9))
     a = rng.standard_normal((m, k))

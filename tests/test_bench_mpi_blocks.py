@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distmm.grid import _candidates, make_grid
+from distmm.grid import grid_shapes, make_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_blocks_of_every_grid_make_the_same_matrix(ranks, dtype):
     whole_b = mpi_blocks.full(B, (k, n), dtype, seed, threads=3)
     assert whole_a.dtype == dtype and np.isfinite(whole_a).all()
     assert -1 <= whole_a.min() and whole_a.max() < 1 and abs(whole_a.mean()) < 0.1
-    for shape in _candidates(ranks):
+    for shape in grid_shapes(ranks):
         g = make_grid(m, n, k, dtype, ranks=ranks, grid=shape)
         assert np.array_equal(assemble(A, g.a_layout, dtype, seed), whole_a), shape
         assert np.array_equal(assemble(B, g.b_layout, dtype, seed), whole_b), shape

@@ -36,10 +36,10 @@ def test_grid_plan(ranks, shape):
     g = make_grid(m, n, k, "float64", ranks=ranks)
     assert g.layers * g.rows * g.cols == ranks
     # the chosen grid is no worse, by the planner's own model, than every other
-    from distmm.grid import _candidates
+    from distmm.grid import grid_shapes
     cost = lambda p: max(p.flops(r) / 40e9 + p.bytes_received(r) / 4e9 for r in range(ranks))
     assert all(cost(g) <= cost(make_grid(m, n, k, ranks=ranks, grid=c)) * (1 + 1e-9)
-               for c in _candidates(ranks))
+               for c in grid_shapes(ranks))
     for layout in (g.a_layout, g.b_layout, g.c_layout):  # every block once, owners distinct
         area = sum((layout.bounds(i, j)[1] - layout.bounds(i, j)[0])
                    * (layout.bounds(i, j)[3] - layout.bounds(i, j)[2])
