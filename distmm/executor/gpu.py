@@ -290,7 +290,7 @@ class GPUExecutor(Executor):
 
         m, k = a.shape
         n = b.shape[1]
-        if self.precision == "tf32":  # float32 operands, rounded by the kernel as it loads them
+        if self.precision == "tf32":  # float32 operands; launch_tc rounds them to TF32 copies
             a, lda, ta = _operand(a.astype(np.float32, copy=False))
             b, ldb, tb = _operand(b.astype(np.float32, copy=False))
         else:  # 16-bit operands, rounded here (bfloat16 bits as uint16, or float16)

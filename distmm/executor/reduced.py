@@ -2,8 +2,8 @@
 
 This module covers: rounding float32 operands to the input format of a reduced
 precision mode as the tensor cores are fed them (``round_to``, by bit arithmetic:
-TF32 to nearest with ties away from zero, as PTX's ``cvt.rna.tf32.f32`` that
-distmm's TF32 kernel and its cuBLAS path use; bfloat16 to nearest with ties to
+TF32 to nearest with ties away from zero, as PTX's ``cvt.rna.tf32.f32``, the
+rounding distmm's TF32 paths apply before the tensor cores; bfloat16 to nearest with ties to
 even, as ``cvt.rn.bf16.f32`` and ``ml_dtypes``; float16 through numpy's own cast,
 which rounds to nearest even and overflows to infinity), and ``reduced_product``, a product of rounded panels
 summed in float32, which is what ``distmm.precision`` describes and bounds.
