@@ -15,8 +15,11 @@
 // Each 8 x 8 matrix is 8 consecutive rows of one 16-byte chunk column, which the SWZ_ROW8
 // swizzle of tensorcore.cuh spreads over all 32 banks, in all four layouts.
 //
-// Pipeline and edges as in step 11 (cp.async, zero fill; element copies when an operand is
-// not 16-byte aligned).
+// Addresses are computed once per thread: the copies of interior tiles are cp.async at fixed
+// strides (SwzInterior; edge tiles zero-fill, element copies when an operand is not 16-byte
+// aligned), and each ldmatrix address is a register plus an immediate (ldsm_offsets), so
+// the k loop is mostly mma and ldmatrix. The main loop (mma_mainloop) reads k step s + 1's
+// fragments while step s's mma issue.
 #include "tensorcore.cuh"
 
 namespace distmm {
