@@ -52,7 +52,7 @@ done
 echo "== compile what the tests and the benchmark use (parallel processes)"
 # variants timed beside each step's defaults (bench.kernels --tc-variant; a variant
 # applies to every step whose parameters it names)
-read -r -a variants <<< "${TC_VARIANTS:-BN=128 STAGES=3 STAGES=5 BM=64}"
+read -r -a variants <<< "${TC_VARIANTS:-BN=256 BM=256 LOOP=0 WN=32}"
 vargs=(); for v in "${variants[@]}"; do vargs+=(--tc-variant "$v"); done
 read -r -a precisions <<< "${PRECISIONS:-tf32 bf16 fp16}"
 timeout ${T_WARM:-200} $PY -m bench.kernels --precisions "${precisions[@]}" --warm-only "${vargs[@]}" 2>&1 | tail -12
