@@ -18,9 +18,10 @@ mma.sync GEMM can reach here. Beside it, cuBLAS (``cublasGemmEx`` at the same pr
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import numpy as np
+
+from bench.common.timing import event_seconds
 
 # One kernel per instruction: (PTX shape and types, A registers, B registers, FLOPs an mma).
 INSTRUCTIONS = {
@@ -58,22 +59,6 @@ def ceiling_kernel(precision: str, chains: int):
     return cupy.RawKernel(src, "mma_loop", options=("-std=c++17",))
 
 
-def time_kernel(fn, repeat: int = 5) -> float:
-    """Median seconds of ``fn`` (CUDA events), after one warm-up."""
-    import cupy
-    fn()
-    cupy.cuda.Device().synchronize()
-    out = []
-    for _ in range(repeat):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        out.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
-    return statistics.median(out)
-
-
 def ceiling(args) -> None:
     import cupy
 
@@ -93,8 +78,9 @@ def ceiling(args) -> None:
                 for per_sm in (1, 2, 4):
                     blocks = sms * per_sm
                     out = cupy.empty(blocks * warps * 32, dtype=np.float32)
-                    sec = time_kernel(lambda: kern((blocks,), (warps * 32,),
-                                                   (out, np.int32(args.iters), np.uint32(1))))
+                    sec = event_seconds(lambda: kern((blocks,), (warps * 32,),
+                                                   (out, np.int32(args.iters), np.uint32(1))),
+                                        repeat=5, warmup=1)
                     tf = blocks * warps * args.iters * chains * flops_mma / sec / 1e12
                     print(f"  {precision} mma.sync chains={chains} warps/block={warps} "
                           f"blocks/SM={per_sm}: {tf:7.1f} TFLOP/s ({sec * 1e3:.2f} ms)", flush=True)
@@ -108,7 +94,7 @@ def ceiling(args) -> None:
         a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
         c = cupy.empty((n, n), dtype=np.float32)
         run = cublas_precision_runner(a_in, b_in, c, n, n, n, precision)
-        blas = 2.0 * n ** 3 / time_kernel(run) / 1e12
+        blas = 2.0 * n ** 3 / event_seconds(run, repeat=5, warmup=1) / 1e12
         print(f"{precision}: mma.sync ceiling {best[0]:.1f} TFLOP/s {best[1]} against cuBLAS "
               f"{blas:.1f} at {n}^3: the ceiling is {best[0] / blas:.2f} of cuBLAS "
               f"(0.70 of cuBLAS = {0.7 * blas:.1f})", flush=True)
@@ -134,7 +120,7 @@ def launch(args) -> None:
     c = cupy.empty((n, n), dtype=np.float32)
     run = (lambda: cuda_loader.launch_tc(name, a_in, False, n, b_in, False, n, c, n, n, n, n,
                                          precision=args.precision, params=params))
-    sec = time_kernel(run)
+    sec = event_seconds(run, repeat=5, warmup=1)  # 6 launches: ncu --launch-skip 1
     print(f"{name} {args.precision} {n}^3 {params}: {2.0 * n ** 3 / sec / 1e12:.1f} TFLOP/s")
 
 
