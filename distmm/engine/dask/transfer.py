@@ -44,6 +44,7 @@ from collections import deque
 
 import numpy as np
 
+from distmm.engine.dask.background import BackgroundSlot
 from distmm.engine.dask.pull import norm_key
 
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "NcclOffer", "export_chunk", "export_chunks",
@@ -134,7 +135,7 @@ def _probe_open(shareds, dask_worker=None):
                            if a != me and (me is None or host_of(a) == host_of(me))})
 
 
-_RELEASING: dict = {}  # "thread": the last probe's exports being freed on the workers
+_RELEASING = BackgroundSlot()  # the last probe's exports being freed on the workers
 
 
 def _release_later(client, addresses, tokens) -> None:
@@ -150,18 +151,12 @@ def _release_later(client, addresses, tokens) -> None:
         except Exception as exc:  # a closing client or a worker gone: nothing left to free
             log.debug("distmm: freeing the IPC probe's exports failed: %r", exc)
 
-    thread = threading.Thread(target=run, name="distmm-ipc-probe-release", daemon=True)
-    with _PROBE_LOCK:
-        _RELEASING["thread"] = thread
-    thread.start()
+    _RELEASING.start(run, name="distmm-ipc-probe-release")
 
 
 def settle_probes(timeout: float | None = None) -> None:
     """Wait for the last probe's exports to be freed (``probe``)."""
-    with _PROBE_LOCK:
-        thread = _RELEASING.get("thread")
-    if thread is not None:
-        thread.join(timeout)
+    _RELEASING.settle(timeout)
 
 
 def probe(client, addresses) -> tuple[frozenset, dict]:

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from distmm.engine.dask.background import BackgroundSlot
 from distmm.plan_blocks import WorkerInfo
 
 __all__ = ["worker_info", "probe", "forget", "DEVICES_KEY"]
@@ -243,27 +244,18 @@ def _ask(client, addresses, now: dict) -> None:
                 _CACHE[addr] = (now.get(addr), res)
 
 
-_LATER: dict = {}  # "thread": the background probe of workers whose GPU rate was pending
+_LATER = BackgroundSlot()  # the background probe of workers whose GPU rate was pending
 
 
 def _ask_later(client, addresses, now: dict) -> None:
     """``_ask`` on a thread of its own, one at a time: the product does not wait for it."""
-    with _LOCK:
-        running = _LATER.get("thread")
-        if running is not None and running.is_alive():
-            return
-        thread = _LATER["thread"] = threading.Thread(
-            target=_ask, args=(client, list(addresses), dict(now)),
-            name="distmm-probe-rates", daemon=True)
-    thread.start()
+    _LATER.start(_ask, client, list(addresses), dict(now), name="distmm-probe-rates",
+                 skip_if_running=True)
 
 
 def settle(timeout: float | None = None) -> None:
     """Wait for a background probe of pending GPU rates (``_probes``) to end."""
-    with _LOCK:
-        running = _LATER.get("thread")
-    if running is not None:
-        running.join(timeout)
+    _LATER.settle(timeout)
 
 
 def _configured(gflops_cfg, address: str, kind: str):
