@@ -12,8 +12,7 @@
 . bench/device/prelude.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-for phase in "${@:-ceiling ncu sass}"; do
-  for what in $phase; do
+for what in ${*:-ceiling ncu sass}; do
   echo "== $what"
   case $what in
     ceiling)
@@ -34,5 +33,4 @@ for phase in "${@:-ceiling ncu sass}"; do
       python3 -m bench.research.mma_ceiling sass > "$OUT/sass-mma-bf16.txt" 2>&1; echo "exit $?"
       head -60 "$OUT/sass-mma-bf16.txt" ;;
   esac
-  done
 done
