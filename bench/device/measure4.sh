@@ -141,11 +141,13 @@ for phase in "$@"; do
       # twice, in two processes: the machine's first (cold on-disk kernel caches), then one
       # as a user's later session meets it (on one H200 the first copy took 380 ms in the
       # first and 23 ms in the second: bench/NOTES.md, fourteenth session)
+      # (FIRST_SETTING: another setting of dask_stream, e.g. 2gpu on a machine of two)
+      fs=${FIRST_SETTING:-4gpu}
       for run in cold warm; do
-        timeout ${T_FIRST:-150} python3 -m bench.research.dask_stream --setting 4gpu --sizes 32768 \
-          --dtype float32 --calls 2 --trace --sample > "$OUT/firstcall-4gpu-$run.log" 2>&1
+        timeout ${T_FIRST:-150} python3 -m bench.research.dask_stream --setting $fs --sizes 32768 \
+          --dtype float32 --calls 2 --trace --sample > "$OUT/firstcall-$fs-$run.log" 2>&1
         echo "$run exit $?"
-        grep -v "CancelledError\|state_machine - WARNING" "$OUT/firstcall-4gpu-$run.log" | cut -c1-300 \
+        grep -v "CancelledError\|state_machine - WARNING" "$OUT/firstcall-$fs-$run.log" | cut -c1-300 \
           | grep "^== \|client steps\|sampled\|^     \|dispatch\|update-graph\|pieces:" | head -60
       done ;;
     pieces)
