@@ -146,10 +146,10 @@ def test_first_parts_debug_setting_keeps_the_first_piece_whole(device):
 
 
 def test_piece_lengths_by_dtype_and_the_debug_settings():
-    """float32 blocks (at the highest precision) in pieces of at least 16384, float64 and
+    """float32 blocks (at the highest precision) as one piece of the whole k, float64 and
     the reduced precisions in pieces of one chunk (4096 the least); the debug settings
     replace either length, and a non-positive one is refused."""
-    assert blocks.piece_lengths("float32") == (16384, 16384)
+    assert blocks.piece_lengths("float32") == (blocks.WHOLE_K, 16384)
     assert blocks.piece_lengths("float64") == (4096, 4096)
     assert blocks.piece_lengths("float32", "tf32") == (4096, 4096)
     with dask.config.set({blocks.FIRST_PIECE_KEY: "8192"}):
@@ -158,10 +158,15 @@ def test_piece_lengths_by_dtype_and_the_debug_settings():
         assert blocks.piece_lengths("float32") == (4096, 4096)
     with dask.config.set({blocks.FIRST_PIECE_KEY: 0}), pytest.raises(ValueError, match="positive"):
         blocks.piece_lengths("float64")
-    # k = 32768 in chunks of 8192: float32 two pieces of 16384, float64 four of 8192
+    # k = 32768 in chunks of 8192: float32 one piece, float64 four of 8192; the old float32
+    # cut (first piece 16384) two pieces of 16384
     four = tuple((i, 0, 8192) for i in range(4))
     spans = [sum(k1 - k0 for _, k0, k1 in a) for a, _ in
              blocks.device_pieces([(four, four)], *blocks.piece_lengths("float32"))]
+    assert spans == [32768]
+    with dask.config.set({blocks.FIRST_PIECE_KEY: 16384}):
+        spans = [sum(k1 - k0 for _, k0, k1 in a) for a, _ in
+                 blocks.device_pieces([(four, four)], *blocks.piece_lengths("float32"))]
     assert spans == [16384, 16384]
     spans = [sum(k1 - k0 for _, k0, k1 in a) for a, _ in
              blocks.device_pieces([(four, four)], *blocks.piece_lengths("float64"))]

@@ -16,7 +16,7 @@
 # dask4  the Dask engine's 4-GPU rows (bench/studies/gpu-dask-4.toml) and the fp32 trace
 # firstcall  the Dask engine's first call on 4 GPUs: threads sampled, dispatch times, trace; the
 #        machine's first run (cold kernel caches), then a second process
-# pieces the Dask rows three ways: float32 pieces of 16384 (the default), of one chunk, whole k
+# pieces the Dask rows three ways: the default (float32: whole k), pieces of 16384, of one chunk
 # leads  gemm_k's schedules, the NCCL/IPC GPU tests, ipc_reopen, the fp32 trace (one call)
 # gemmk  one block's GEMM as one k and in k pieces on one GPU (bench/research/gemm_k.py)
 # emutrace  the Dask engine across 2 emulated nodes at 32768, traced per block task
@@ -152,14 +152,16 @@ for phase in "$@"; do
       done ;;
     pieces)
       # the Dask engine's rows (gpu-dask-4.toml, or PIECES_STUDY) in one call, each way of
-      # PIECES_WAYS (default: "- chunk whole"): "-" the default (float32 pieces of 16384),
-      # "chunk" pieces of one chunk as before, "whole" the whole k as one piece (still one
-      # GEMM per chunk of C); records gpu-dask-N{,-chunk,-whole}.jsonl
+      # PIECES_WAYS (default: "- p16 chunk"): "-" the default (a float32 block's whole k as
+      # one piece, one GEMM per chunk of C), "p16" pieces of 16384 (the default until the
+      # fifteenth session), "chunk" pieces of one chunk, "whole" the whole k as one piece
+      # whatever the dtype; records gpu-dask-N{,-p16,-chunk,-whole}.jsonl
       st=${PIECES_STUDY:-bench/studies/gpu-dask-4.toml}; tag=$(basename "$st" .toml)
-      for w in ${PIECES_WAYS:-- chunk whole}; do
+      for w in ${PIECES_WAYS:-- p16 chunk}; do
         v=-$w; [ "$w" = - ] && v=""
         case $w in
           chunk) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=4096 DASK_DISTMM_DEBUG__LATER_PIECE_K=4096" ;;
+          p16) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=16384 DASK_DISTMM_DEBUG__LATER_PIECE_K=16384" ;;
           whole) env="DASK_DISTMM_DEBUG__FIRST_PIECE_K=1048576" ;;
           *) env="" ;;
         esac

@@ -406,12 +406,14 @@ def _far(x) -> int:
 
 #: the shortest first k piece a block's device panels are cut into (``device_pieces``), and
 #: the shortest later one, by the block's accumulation dtype at ``precision="highest"``
-#: (``piece_lengths``; why these lengths: ``bench/NOTES.md``, the block's k pieces): float32
-#: blocks in pieces of at least 16384 (cuBLAS's SGEMM ran a 16384^2 block's k = 32768 as
-#: two pieces of 16384 within 0.5% of one GEMM, as four of 8192 3-4% slower), others (and
-#: the reduced precisions) in pieces of one chunk
+#: (``piece_lengths``; why these lengths: ``bench/NOTES.md``, the block's k pieces): a float32
+#: block's first piece is its whole k (``WHOLE_K``; still one GEMM per chunk of C, so the
+#: first GEMM waits only for one row chunk's and one column chunk's panels), since cuBLAS's
+#: SGEMM runs a k cut in pieces slower than the whole k; others (and the reduced
+#: precisions) in pieces of one chunk
 DEVICE_PIECE_K, LATER_PIECE_K = 4096, 4096
-PIECE_K = {"float32": (16384, 16384)}
+WHOLE_K = 1 << 62
+PIECE_K = {"float32": (WHOLE_K, 16384)}
 #: debug configuration (dask's, outside the checked ``distmm`` section): the shortest first
 #: and later pieces, so that a benchmark can compare lengths in one run
 FIRST_PIECE_KEY = "distmm-debug.first-piece-k"
