@@ -136,9 +136,15 @@ class Calibration:
     memory_bandwidth : mapping
         ``gpu`` / ``cpu`` -> bytes/s of the device's memory (a pass over C costs this).
     file_read, file_write : float
-        Bytes/s a node reads its files at (page cache or disk) and writes them with fsync.
+        Bytes/s one process reads its files at (``cat`` from the page cache: the batch path's
+        ranks each read at this rate, a memory copy in their own process) and a node writes
+        them with fsync (distmm's direct writes where measured).
     file_write_shared : float
         Bytes/s of the node when several ranks write disjoint ranges of one file.
+    file_write_buffered : float
+        Bytes/s of the node writing through the page cache and then syncing (``dd
+        conv=fsync``), as the batch path wrote before its direct writes and still writes
+        where it writes nothing past the page cache; 0: ``file_write``.
     device_memory, host_memory : int
         Bytes per GPU, and per node.
     cores, gpus_per_node : int
@@ -148,7 +154,10 @@ class Calibration:
         block's GEMM; ``batch``: 1, its stages are a pipeline).
     overheads : mapping
         Fixed seconds: ``mpi-call`` (one in-core product on the MPI engine), ``mpi-launch``
-        (``mpiexec`` and Python start and exit of a batch job), ``batch-startup`` (the
+        (``mpiexec`` and Python start and exit of a batch job of one rank; ``mpi-launch-ofi``
+        the same where ``MPI_Init`` probes Open MPI's libfabric BTL), ``mpi-exit`` (one
+        rank's exit alone: each further rank of a node adds it, as the driver releases the
+        ranks' processes one after another), ``batch-startup`` (the
         batch job's set-up: devices, files opened), ``dask-call`` (the client's planning and
         scheduling of one product), ``dask-worker`` (each worker taking part), ``dask-task``
         (each task, tile mode).
@@ -174,6 +183,7 @@ class Calibration:
          "dask-worker": 0.0, "dask-task": 0.002}))
     sources: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
     core_boost: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
+    file_write_buffered: float = 0.0
 
     def __post_init__(self):
         for name in ("gemm", "links", "memory_bandwidth", "overlap", "overheads", "sources",
@@ -189,6 +199,9 @@ class Calibration:
         for name in ("file_read", "file_write", "file_write_shared"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive bytes/s, got {getattr(self, name)!r}")
+        if not self.file_write_buffered >= 0:
+            raise ValueError(f"file_write_buffered must not be negative bytes/s, got "
+                             f"{self.file_write_buffered!r}")
         for eng, frac in self.overlap.items():
             if not 0.0 <= frac <= 1.0:
                 raise ValueError(f"overlap of {eng} must lie in [0, 1], got {frac!r}")
@@ -239,6 +252,7 @@ class Calibration:
                 "memory_bandwidth": dict(self.memory_bandwidth),
                 "file_read": self.file_read, "file_write": self.file_write,
                 "file_write_shared": self.file_write_shared,
+                "file_write_buffered": self.file_write_buffered,
                 "device_memory": self.device_memory, "host_memory": self.host_memory,
                 "cores": self.cores, "gpus_per_node": self.gpus_per_node,
                 "overlap": dict(self.overlap), "overheads": dict(self.overheads),
@@ -260,6 +274,7 @@ class Calibration:
                        memory_bandwidth={k: float(v) for k, v in d["memory_bandwidth"].items()},
                        file_read=float(d["file_read"]), file_write=float(d["file_write"]),
                        file_write_shared=float(d["file_write_shared"]),
+                       file_write_buffered=float(d.get("file_write_buffered", 0.0)),
                        device_memory=int(d["device_memory"]), host_memory=int(d["host_memory"]),
                        cores=int(d.get("cores", 1)), gpus_per_node=int(d.get("gpus_per_node", 8)),
                        overlap={k: float(v) for k, v in d.get("overlap", {}).items()} or
@@ -562,7 +577,7 @@ def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_d
 
 
 def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device,
-           panels="auto"):
+           panels="auto", direct_writes=True, mpi_ofi=False):
     acc = accumulate_dtype(np.dtype(dt))
     size = np.dtype(acc).itemsize
     gemm = cal.core_rate(acc, devices) if device == "cpu" else cal.rate(device, acc)
@@ -579,8 +594,14 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
         note = "the batch planner refuses this: B's column panel does not fit a rank"
     g = bp.grid
     per_node = max(1, min(devices, cal.gpus_per_node if device == "gpu" else cal.cores))
-    read_bw = cal.file_read / per_node
-    write_bw = (cal.file_write if per_node == 1 else cal.file_write_shared) / per_node
+    # the operands are read from the page cache, a memory copy in each rank's own process: a
+    # rank reads at cat's single-reader rate whatever the others do (4 ranks of one host read
+    # at 4.3-7.0 GB/s each against cat's 7-8 GB/s: bench/NOTES.md, batch jobs, fourth session)
+    read_bw = cal.file_read
+    if direct_writes:  # C's rows past the page cache (distmm.direct_io)
+        write_bw = (cal.file_write if per_node == 1 else cal.file_write_shared) / per_node
+    else:  # through the page cache, then synced: the disk's buffered rate
+        write_bw = (cal.file_write_buffered or cal.file_write) / per_node
     worst = None
     for r in _representatives(g):
         _, i, j = g.coords(r)
@@ -609,7 +630,12 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
         if worst is None or pipe > worst[0]:
             worst = (pipe, comp, io, mi, nj)
     pipe, comp, io, mi, nj = worst
-    overhead = cal.overhead("mpi-launch") + cal.overhead("batch-startup")
+    # one rank's launch, start-up and exit; the other ranks of a node end after it, one after
+    # another (the driver releases each process's memory in turn: bench/NOTES.md, exit probe)
+    launch = cal.overheads.get("mpi-launch-ofi") if mpi_ofi else None
+    overhead = ((cal.overhead("mpi-launch") if launch is None else float(launch))
+                + cal.overhead("batch-startup")
+                + cal.overhead("mpi-exit") * (per_node - 1))
     received = (mi * k + k * nj) * size  # read from the files (k never split)
     touched = float(mi * k + k * nj + mi * nj)
     held = max(bp.held_bytes)
@@ -704,7 +730,8 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
             engine: str = "mpi", device: str = "gpu", link: str | None = None,
             grid=None, memory: int | None = None, ranks_per_device: int = 1,
             threads_per_rank: int = 1, extra_cpu_workers: int = 0,
-            batch_panels: str = "auto") -> Prediction:
+            batch_panels: str = "auto", direct_writes: bool = True,
+            mpi_ofi: bool = False) -> Prediction:
     """The model's estimate of ``C[m, n] = A[m, k] @ B[k, n]`` on ``devices`` devices.
 
     Parameters
@@ -737,6 +764,15 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
         The batch path's ``batch-panels`` setting: ``auto`` and ``share`` have GPU ranks of
         one node read a share of B each and copy the rest from each other; ``read``: each
         reads all of its column panel.
+    direct_writes : bool
+        The batch path: whether C's rows are written past the page cache (``distmm.direct_io``,
+        the file rate ``file_write``) or through it and synced (``file_write_buffered``: an
+        output format without direct writes, the ``direct-writes`` setting off, and the code
+        before direct writes existed).
+    mpi_ofi : bool
+        The batch path: whether Open MPI's ``MPI_Init`` probed its libfabric BTL (``OMPI_MCA_btl``
+        not excluding ``ofi``); its launch then costs ``mpi-launch-ofi`` where the calibration
+        has it.
 
     Raises
     ------
@@ -762,7 +798,7 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
                    ranks_per_device, threads_per_rank)
     elif engine == "batch":
         out = _batch(m, n, k, dt, devices, calibration, device, link, grid, memory,
-                     ranks_per_device, batch_panels)
+                     ranks_per_device, batch_panels, direct_writes, mpi_ofi)
     else:
         out = _dask(m, n, k, dt, devices, calibration, device, link, grid, memory,
                     ranks_per_device, extra_cpu_workers)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
-                                machine_of, predict_record)
+                                machine_of, ofi_probed, predict_record)
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 
 __all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
@@ -195,6 +195,9 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     if dd:
         file_write = statistics.median(r["m"] * r["n"] * 4 / r["seconds"] for r in dd)
         sources["file_write"] = files(dd)
+        sources["file_write_buffered"] = files(dd)
+    # dd's buffered write and fsync: the rate of the batch path's writes through the page cache
+    file_write_buffered = file_write
     links = dict(base.links)
     overheads = dict(base.overheads)
     profiles = [p for p in records if "profile" in p and _profile_machine(p, records) == machine]
@@ -205,7 +208,8 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
         size = int(re.search(r"(\d+)$", name).group(1)) if re.search(r"(\d+)$", name) else 0
         if meta.get("ranks") == 1 and size <= 32768:
             fit_profiles.append(p)
-    h2d, d2h, launch, startup = [], [], [], []
+    h2d, d2h, launch, startup, exits = [], [], [], [], []
+    launch_ofi = []  # launches whose MPI_Init probed the libfabric BTL
     for p in fit_profiles:
         rank0 = p["ranks"][0]
         tot, nb = rank0.get("totals", {}), rank0.get("bytes", {})
@@ -215,7 +219,10 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             d2h.append(nb["d2h"] / tot["d2h"])
         meta = p["meta"]
         if meta.get("before") is not None and meta.get("after") is not None:
-            launch.append(meta["before"] + meta["after"])
+            run = re.search(r"(\d{8}T\d{6}Z)", p["_file"])
+            probed = ofi_probed([r for r in mine if run and r.get("run") == run.group(1)])
+            (launch_ofi if probed else launch).append(meta["before"] + meta["after"])
+            exits.append(meta["after"])
         startup.append(tot.get("startup", 0.0) + tot.get("open", 0.0))
     used = files(fit_profiles) if fit_profiles else ""
     # distmm writes C past the page cache (distmm.direct_io), faster than dd's buffered write and
@@ -234,9 +241,15 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     if d2h:
         links["pcie-d2h"] = Link(links["pcie-d2h"].latency, statistics.median(d2h))
         sources["pcie-d2h"] = used
-    if launch:
-        overheads["mpi-launch"] = statistics.median(launch)
+    if launch or launch_ofi:
+        overheads["mpi-launch"] = statistics.median(launch or launch_ofi)
         sources["mpi-launch"] = used
+    if launch_ofi:
+        overheads["mpi-launch-ofi"] = statistics.median(launch_ofi)
+        sources["mpi-launch-ofi"] = used + " (runs whose MPI_Init probed the ofi BTL)"
+    if exits:
+        overheads["mpi-exit"] = statistics.median(exits)
+        sources["mpi-exit"] = used
     if startup:
         overheads["batch-startup"] = statistics.median(startup)
         sources["batch-startup"] = used
@@ -244,7 +257,7 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
                  if r.get("variant") == "numpy"), default=base.cores)
     cal = Calibration(machine=machine, gemm=gemm, links=links, memory_bandwidth=mem_bw,
                       file_read=file_read, file_write=file_write,
-                      file_write_shared=file_write,
+                      file_write_shared=file_write, file_write_buffered=file_write_buffered,
                       device_memory=next((v for g, v in DEVICE_MEMORY.items() if g in machine),
                                          base.device_memory),
                       host_memory=base.host_memory, cores=cores if not gpu else base.cores,

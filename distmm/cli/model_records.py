@@ -20,6 +20,7 @@ from distmm.cli.records import json_lines
 from distmm.plan_model import Calibration, Prediction, predict
 
 __all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
+           "ofi_probed",
            "DEVICE_MEMORY", "KEYS"]
 
 #: bytes per GPU by device name (the records do not carry it)
@@ -100,7 +101,9 @@ def configuration(rec: dict) -> dict | None:
         ranks = int(rec.get("ranks") or 1)
         grid = tuple(rec["grid"])[-2:] if rec.get("grid") else None
         return {**base, "engine": "batch", "device": "gpu", "devices": ranks, "grid": grid,
-                "batch_panels": _batch_panels(rec, ranks, grid), "label": f"batch {variant}"}
+                "batch_panels": _batch_panels(rec, ranks, grid),
+                "direct_writes": _direct_writes(rec), "mpi_ofi": ofi_probed([rec]),
+                "label": f"batch {variant}"}
     if bench == "dask-gpu" and variant.startswith("distmm-dask"):
         setting = rec.get("setting")
         conf = {**base, "engine": "dask", "device": "gpu", "label": f"dask gpu {variant}"}
@@ -126,6 +129,28 @@ def _batch_panels(rec: dict, ranks: int, grid) -> str:
         return rec["batch_panels"]
     whole_rows = grid is not None and grid[-1] == 1 and ranks > 1
     return "share" if whole_rows and (rec.get("phases") or {}).get("comm") else "read"
+
+
+def _direct_writes(rec: dict) -> bool:
+    """Whether a batch record's ranks wrote C past the page cache: ``written_direct`` (bytes
+    its profile wrote directly, recorded since direct writes exist, commit 941389f) where
+    recorded, else ``direct_writes``; a record with neither predates direct writes (its C went
+    through the page cache and a sync)."""
+    if rec.get("written_direct") is not None:
+        return int(rec["written_direct"]) > 0
+    return str(rec.get("direct_writes", "false")).lower() == "true"
+
+
+def ofi_probed(run_records) -> bool:
+    """Whether Open MPI's ``MPI_Init`` probed its libfabric (ofi) BTL in a run, from the run's
+    records: ``ompi_mca_btl`` (recorded since it was set) excluding ``ofi`` (``^ofi``) or naming
+    other BTLs says no; a run whose records do not carry it ran with Open MPI's default, which
+    probes it (about 1 s of ``MPI_Init``: bench/NOTES.md, "Launch: Open MPI's libfabric
+    probe")."""
+    btls = {str(r["ompi_mca_btl"]) for r in run_records if r.get("ompi_mca_btl")}
+    if not btls:
+        return True
+    return any(("ofi" in b) != b.startswith("^") for b in btls)
 
 
 def _study_configuration(rec: dict, base: dict) -> dict:
@@ -171,7 +196,7 @@ def _one_cpu_ranks(rec: dict) -> bool:
 
 #: the arguments of ``predict`` a configuration may carry
 KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_rank",
-         "extra_cpu_workers", "link", "batch_panels")
+         "extra_cpu_workers", "link", "batch_panels", "direct_writes", "mpi_ofi")
 
 
 def predict_record(conf: dict, cal: Calibration) -> Prediction:
