@@ -283,10 +283,6 @@ KNOWN_MISSES = {
     ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float32", 16384),
     ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float32", 32768),
     ("NVIDIA H100", "dask gpu distmm-dask@2gpu", "float64", 32768),
-    # two GPU workers at 16384 in double precision: 0.117 s against 0.081 s of GEMM; the
-    # model's fixed cost per product is fitted on one worker (6 ms) and has no term per worker
-    # (IPC handles, panel assembly: the fit subset cannot tell one apart)
-    ("NVIDIA H200", "dask gpu distmm-dask@2gpu", "float64", 16384),
     # two ranks sharing one GPU broadcast through host memory: no record measures host MPI
     # on the GPU machines (the nominal 8 GB/s stands in), and the PCIe rate comes from the
     # batch job's profiles: -22% here (the H100's is within 15% again since its direct-write

@@ -76,9 +76,22 @@ def fit_subset(rec: dict) -> bool:
     return False
 
 
+#: a study's debug settings a record carries (``distmm bench``'s extras): a run with any of
+#: them is a configuration of its own, labelled with them, not the latest run of the default
+DEBUG_EXTRAS = ("first_piece_k", "later_piece_k", "first_parts", "stream_priority")
+
+
 def configuration(rec: dict) -> dict | None:
     """How the model describes a record, or None for a record that is no distmm measurement
     of an engine it models."""
+    conf = _configuration(rec)
+    debug = [f"{k}={rec[k]}" for k in DEBUG_EXTRAS if rec.get(k) is not None]
+    if conf is not None and debug:
+        conf["label"] += f" [{', '.join(debug)}]"
+    return conf
+
+
+def _configuration(rec: dict) -> dict | None:
     bench, variant = rec.get("benchmark"), str(rec.get("variant", ""))
     if "profile" in rec or not rec.get("seconds") or not rec.get("m"):
         return None
