@@ -9,6 +9,9 @@
 #          step 11 with the same tile; logs ncu-*.txt under $OUT
 # sass     step 12's 128 x 256 / 64 x 64 instantiation (NN): ptxas's report and the SASS
 #          instruction mix of its k loop (bench/research/sass_hot_loop.py's counting)
+# stalls   where step 12's warps wait, per SASS instruction: ncu's warp states and source
+#          counters of the defaults (STALL_PRECISION, default bf16; STALL_PARAMS) at 8192^3,
+#          the report and its sass page (csv) and raw metrics under $OUT
 . bench/device/prelude.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
@@ -29,6 +32,18 @@ for what in ${*:-ceiling ncu sass}; do
         echo "-- ncu $prec ${params:-default} (exit $?)"
         grep -E "TFLOP|Duration|Throughput|Issue Slots|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Registers Per|Stall|Warp Cycles Per Issued|Executed Ipc|Achieved Occupancy|Bank|L2 Hit|Pipe" "$log" | head -40
       done ;;
+    stalls)
+      prec=${STALL_PRECISION:-bf16}; rep="$OUT/stalls-$prec"
+      timeout ${T_NCU:-180} ncu --clock-control none --kernel-name regex:distmm_gemm_mma \
+        --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
+        --section SpeedOfLight --section SchedulerStats --import-source no -f -o "$rep" \
+        python3 -m bench.research.mma_ceiling launch --precision "$prec" --params "${STALL_PARAMS:-}" \
+        > "$rep.log" 2>&1; echo "-- ncu stalls $prec (exit $?)"; tail -3 "$rep.log"
+      ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2> "$rep-sass.err"
+      echo "sass page exit $? ($(wc -l < "$rep-sass.csv") lines)"; head -c 600 "$rep-sass.err"
+      ncu --import "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
+      ncu --import "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
+      grep -iE "stall|Issued|Eligible|Throughput|Warp Cycles" "$rep-details.txt" | head -40 ;;
     sass)
       python3 -m bench.research.mma_ceiling sass > "$OUT/sass-mma-bf16.txt" 2>&1; echo "exit $?"
       head -60 "$OUT/sass-mma-bf16.txt" ;;
