@@ -101,14 +101,18 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
     const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     // part: a KS-th of the tile's copies (LOOP 2: mma_mainloop's SPREAD), -1 all of them
-    auto load_part = [&](int kt, int stage, int part) {
-        constexpr int NP = LOOP == 2 ? KS : 1;
+    auto copy_tile = [&](auto parts, int kt, int stage, int part) {
+        constexpr int NP = decltype(parts)::value;
         swz_operand_tile<float, BM, BK, NT, ASWZ, AK, NP>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 4,
                                                            A, lda, m0, M, kt * BK, K, vec_a, a_fast,
-                                                           a_src, a_dst, tid, part < 0 ? 0 : part);
+                                                           a_src, a_dst, tid, part);
         swz_operand_tile<float, BN, BK, NT, BSWZ, BKC, NP>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 4,
                                                             B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
-                                                            b_src, b_dst, tid, part < 0 ? 0 : part);
+                                                            b_src, b_dst, tid, part);
+    };
+    auto load_part = [&](int kt, int stage, int part) {
+        if (part < 0) copy_tile(Int<1>(), kt, stage, 0);
+        else copy_tile(Int<LOOP == 2 ? KS : 1>(), kt, stage, part);
     };
     auto load_tile = [&](int kt, int stage) { load_part(kt, stage, -1); };
 

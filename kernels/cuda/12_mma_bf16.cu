@@ -88,14 +88,18 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
     const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
     const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
     // part: a KS-th of the tile's copies (LOOP 2: mma_mainloop's SPREAD), -1 all of them
-    auto load_tile = [&](int kt, int stage, int part) {
-        constexpr int NP = LOOP == 2 ? KS : 1;
+    auto copy_tile = [&](auto parts, int kt, int stage, int part) {
+        constexpr int NP = decltype(parts)::value;
         swz_operand_tile<Tin, BM, BK, NT, SWZ_ROW8, AK, NP>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 2,
                                                              A, lda, m0, M, kt * BK, K, vec_a, a_fast,
-                                                             a_src, a_dst, tid, part < 0 ? 0 : part);
+                                                             a_src, a_dst, tid, part);
         swz_operand_tile<Tin, BN, BK, NT, SWZ_ROW8, BKC, NP>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 2,
                                                               B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
-                                                              b_src, b_dst, tid, part < 0 ? 0 : part);
+                                                              b_src, b_dst, tid, part);
+    };
+    auto load_tile = [&](int kt, int stage, int part) {
+        if (part < 0) copy_tile(Int<1>(), kt, stage, 0);
+        else copy_tile(Int<LOOP == 2 ? KS : 1>(), kt, stage, part);
     };
 
     // shared -> registers: A's fragment i of k step s, B's pair jp (two n tiles) of step s

@@ -24,6 +24,10 @@ namespace distmm {
 
 enum { SWZ_ROW8 = 0, SWZ_ROW4 = 1 };
 
+// A compile-time int as a value (a generic lambda's template argument: C++17 has no
+// explicit template parameters on lambdas)
+template <int N> struct Int { static constexpr int value = N; };
+
 template <int SWZ>
 __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
     return SWZ == SWZ_ROW8 ? chunk ^ (row & 7) : chunk ^ ((row & 3) << 1);
