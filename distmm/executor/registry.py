@@ -497,11 +497,9 @@ class TensorCoreSpec:
             if minb not in (1, 2, 3, 4):
                 out.append("MINB (blocks per SM the register budget allows) must be 1..4, "
                            f"got {minb}")
-            loops = (1, 2) if self.name == "mma_bf16" else (0, 1, 2)
-            if p.get("LOOP", 1) not in loops:
-                out.append(f"LOOP={p['LOOP']}: " + ("0 (one fragment buffer), " if 0 in loops else "")
-                           + "1 (two, the tile boundary before the last k step) or 2 (as 1, a "
-                           "tile's copies spread over the next tile's k steps)")
+            if p.get("LOOP", 0) not in (0, 1):
+                out.append(f"LOOP={p['LOOP']}: 0 (one fragment buffer) or 1 (two, the tile "
+                           "boundary before the last k step)")
         if stages < 2:
             out.append("at least 2 pipeline stages")
         limit = MAX_SMEM_BYTES.get(cc, 99 * 1024)
@@ -570,17 +568,16 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         defaults={"float32": {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
                               "MINB": 1, "LOOP": 1}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4), "MINB": (1, 2), "LOOP": (0, 1, 2)}),
+                    "STAGES": (2, 3, 4), "MINB": (1, 2), "LOOP": (0, 1)}),
     TensorCoreSpec(
         "mma_bf16", 12, "12_mma_bf16.cu",
         "BF16/FP16 tensor cores: mma.sync m16n8k16, ldmatrix(.trans), swizzled smem",
-        "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{LOOP},{TA},{TB}>",
+        "distmm_gemm_mma_bf16<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1,
-                       "LOOP": 1}
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1}
                   for dt in ("bfloat16", "float16")},
         tune_space={"block": _MMA_BLOCKS, "BK": (64, 128), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "LOOP": (1, 2)}),
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2)}),
     TensorCoreSpec(
         "wgmma_bf16", 13, "13_wgmma_bf16.cu",
         "Hopper wgmma m64nNk16: warp-specialised producer/consumers, mbarriers (sm_90a)",

@@ -100,21 +100,14 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     const float* b_src = swz_operand_src<float, BN, BK, NT, BSWZ, BKC>(B, ldb, n0, tid);
     const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
     const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
-    // part: a KS-th of the tile's copies (LOOP 2: mma_mainloop's SPREAD), -1 all of them
-    auto copy_tile = [&](auto parts, int kt, int stage, int part) {
-        constexpr int NP = decltype(parts)::value;
-        swz_operand_tile<float, BM, BK, NT, ASWZ, AK, NP>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 4,
-                                                           A, lda, m0, M, kt * BK, K, vec_a, a_fast,
-                                                           a_src, a_dst, tid, part);
-        swz_operand_tile<float, BN, BK, NT, BSWZ, BKC, NP>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 4,
-                                                            B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
-                                                            b_src, b_dst, tid, part);
+    auto load_tile = [&](int kt, int stage) {
+        swz_operand_tile<float, BM, BK, NT, ASWZ, AK>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 4,
+                                                       A, lda, m0, M, kt * BK, K, vec_a, a_fast,
+                                                       a_src, a_dst, tid);
+        swz_operand_tile<float, BN, BK, NT, BSWZ, BKC>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 4,
+                                                        B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
+                                                        b_src, b_dst, tid);
     };
-    auto load_part = [&](int kt, int stage, int part) {
-        if (part < 0) copy_tile(Int<1>(), kt, stage, 0);
-        else copy_tile(Int<LOOP == 2 ? KS : 1>(), kt, stage, part);
-    };
-    auto load_tile = [&](int kt, int stage) { load_part(kt, stage, -1); };
 
     // shared -> registers. k-contiguous tiles: ldmatrix.x4 (non-transposed; a 16-byte row
     // of 4 floats is 8 16-bit elements, and lane (g, t) receives word t of row g, the tf32
@@ -167,7 +160,7 @@ __device__ __forceinline__ void tf32_body(int M, int N, int K, float alpha, cons
     };
     const int KT = (K + BK - 1) / BK;
     if (LOOP) {
-        mma_mainloop<STAGES, KS, LOOP == 2>(KT, load_part, load_frags, mma_step);
+        mma_mainloop<STAGES, KS>(KT, load_tile, load_frags, mma_step);
     } else {
         cp_async_prologue<STAGES>(KT, load_tile);
         int read_stage = 0, write_stage = STAGES - 1;
@@ -213,5 +206,4 @@ distmm_gemm_mma_tf32(int M, int N, int K, T alpha, const T* __restrict__ A, long
     DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, true, false)       \
     DISTMM_INST2(BM, BN, BK, WM, WN, ST, MINB, LOOP, true, true)
 DISTMM_INST(128, 128, 32, 64, 64, 3, 1, 1)
-DISTMM_INST(128, 128, 32, 64, 64, 3, 1, 2)
 #endif

@@ -60,7 +60,7 @@ struct Mma16Shape {
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
 };
 
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int LOOP, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
 __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, const Tin* __restrict__ A,
                                            long long lda, const Tin* __restrict__ B, long long ldb,
                                            float beta, float* __restrict__ C, long long ldc, int flags) {
@@ -87,19 +87,13 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
     const Tin* b_src = swz_operand_src<Tin, BN, BK, NT, SWZ_ROW8, BKC>(B, ldb, n0, tid);
     const unsigned a_dst = AF::dst(tid), b_dst = BF::dst(tid);
     const unsigned as0 = smem_addr(As), bs0 = smem_addr(Bs);
-    // part: a KS-th of the tile's copies (LOOP 2: mma_mainloop's SPREAD), -1 all of them
-    auto copy_tile = [&](auto parts, int kt, int stage, int part) {
-        constexpr int NP = decltype(parts)::value;
-        swz_operand_tile<Tin, BM, BK, NT, SWZ_ROW8, AK, NP>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 2,
-                                                             A, lda, m0, M, kt * BK, K, vec_a, a_fast,
-                                                             a_src, a_dst, tid, part);
-        swz_operand_tile<Tin, BN, BK, NT, SWZ_ROW8, BKC, NP>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 2,
-                                                              B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
-                                                              b_src, b_dst, tid, part);
-    };
-    auto load_tile = [&](int kt, int stage, int part) {
-        if (part < 0) copy_tile(Int<1>(), kt, stage, 0);
-        else copy_tile(Int<LOOP == 2 ? KS : 1>(), kt, stage, part);
+    auto load_tile = [&](int kt, int stage) {
+        swz_operand_tile<Tin, BM, BK, NT, SWZ_ROW8, AK>(As + stage * S::A_STAGE, as0 + stage * S::A_STAGE * 2,
+                                                         A, lda, m0, M, kt * BK, K, vec_a, a_fast,
+                                                         a_src, a_dst, tid);
+        swz_operand_tile<Tin, BN, BK, NT, SWZ_ROW8, BKC>(Bs + stage * S::B_STAGE, bs0 + stage * S::B_STAGE * 2,
+                                                          B, ldb, n0, N, kt * BK, K, vec_b, b_fast,
+                                                          b_src, b_dst, tid);
     };
 
     // shared -> registers: A's fragment i of k step s, B's pair jp (two n tiles) of step s
@@ -132,36 +126,34 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
 #pragma unroll
             for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
     };
-    mma_mainloop<STAGES, KS, LOOP == 2>((K + BK - 1) / BK, load_tile, load_frags, mma_step);
+    mma_mainloop<STAGES, KS>((K + BK - 1) / BK, load_tile, load_frags, mma_step);
     store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
 }
 
 }  // namespace distmm
 
 // Tin: distmm_bf16 or distmm_fp16 (the input format); C, alpha and beta are float32.
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int LOOP, bool TA,
-          bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A, long long lda,
                      const Tin* __restrict__ B, long long ldb, float beta, float* __restrict__ C,
                      long long ldc, int flags) {
     static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
-    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, LOOP, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
-                                                                     beta, C, ldc, flags);
+    distmm::mma16_body<Tin, BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
+                                                               beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, LOOP, TA, TB)                                 \
-    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, LOOP, TA, TB>(   \
-        int, int, int, float, const T*, long long, const T*, long long, float, float*,             \
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                 \
+    template __global__ void distmm_gemm_mma_bf16<T, BM, BN, BK, WM, WN, ST, MINB, TA, TB>(   \
+        int, int, int, float, const T*, long long, const T*, long long, float, float*,       \
         long long, int);
-#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB, LOOP)                 \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, LOOP, false, false)      \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, LOOP, false, true)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, LOOP, true, false)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, LOOP, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 1)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1, 1)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 2)
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1)
 #endif

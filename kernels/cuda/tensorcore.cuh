@@ -24,10 +24,6 @@ namespace distmm {
 
 enum { SWZ_ROW8 = 0, SWZ_ROW4 = 1 };
 
-// A compile-time int as a value (a generic lambda's template argument: C++17 has no
-// explicit template parameters on lambdas)
-template <int N> struct Int { static constexpr int value = N; };
-
 template <int SWZ>
 __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
     return SWZ == SWZ_ROW8 ? chunk ^ (row & 7) : chunk ^ ((row & 3) << 1);
@@ -101,19 +97,12 @@ struct SwzInterior {
     __device__ __forceinline__ static unsigned dst(int tid) {
         return (unsigned)((row(tid) * COLS + swizzle_chunk<SWZ>(row(tid), tid % CH) * V) * (int)sizeof(T));
     }
-    // stage: the stage's shared-space address; src: the thread's first chunk in this k tile;
-    // the tile's chunks in NP parts (NP dividing ITERS, else one), part `part` of them here
-    template <int NP = 1>
-    __device__ __forceinline__ static void copy(unsigned stage, unsigned dst, const T* src, long long ld,
-                                                int part = 0) {
-        constexpr int P = ITERS % NP == 0 ? NP : 1, PER = ITERS / P;
-        if (part >= P) return;
+    // stage: the stage's shared-space address; src: the thread's first chunk in this k tile
+    __device__ __forceinline__ static void copy(unsigned stage, unsigned dst, const T* src, long long ld) {
         const long long step = (long long)RSTEP * ld;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const int it = part * PER + j;
+        for (int it = 0; it < ITERS; ++it)
             cp_async16_shared(stage + dst + it * RSTEP * COLS * (unsigned)sizeof(T), src + it * step);
-        }
     }
 };
 
@@ -121,18 +110,13 @@ struct SwzInterior {
 // the operand inside the matrix, aligned) and the tile's k inside K, else swz_tile_copy.
 // KCONT: the operand is stored k-contiguous (tile MN x BK), else k rows (tile BK x MN).
 // src: the thread's first chunk at k = 0 (SwzInterior's row/col from the block's origin).
-// NP > 1: part `part` of NP of the interior copy (mma_mainloop's SPREAD); an edge tile is
-// copied whole by part 0.
-template <typename T, int MN, int BK, int NT, int SWZ, bool KCONT, int NP = 1>
+template <typename T, int MN, int BK, int NT, int SWZ, bool KCONT>
 __device__ __forceinline__ void swz_operand_tile(T* s, unsigned s_addr, const T* g, long long ld,
                                                  int mn0, int MNLIM, int k0, int K, bool vec,
-                                                 bool fast, const T* src, unsigned dst, int tid,
-                                                 int part = 0) {
+                                                 bool fast, const T* src, unsigned dst, int tid) {
     typedef SwzInterior<T, KCONT ? MN : BK, KCONT ? BK : MN, NT, SWZ> F;
     if (F::OK && fast && k0 + BK <= K)
-        F::template copy<NP>(s_addr, dst, src + (KCONT ? (long long)k0 : (long long)k0 * ld), ld, part);
-    else if (part != 0)
-        return;
+        F::copy(s_addr, dst, src + (KCONT ? (long long)k0 : (long long)k0 * ld), ld);
     else if (KCONT)
         swz_tile_copy<T, MN, BK, NT, SWZ>(s, g, ld, mn0, k0, MNLIM, K, vec, tid);
     else
@@ -182,28 +166,21 @@ __device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, i
 }
 
 
-// The mma.sync steps' main loop over KT k tiles of KS k steps (steps 11 and 12 with LOOP >=
-// 1). STAGES shared stages all hold tiles in flight (cp.async groups, one a tile); fragments
-// come in two register buffers, so step s + 1's are read while step s's mma run. The tile
-// boundary sits before the last step's mma: wait for tile kt + 1, one barrier (every warp
-// has then read all of tile kt, and tile kt + 1 is visible), read tile kt + 1's first
-// fragments, then issue tile kt's last mma, which hide those reads.
-//   SPREAD = 0 (LOOP 1): at the boundary, queue all of tile kt + STAGES into tile kt's stage.
-//   SPREAD = 1 (LOOP 2): tile kt's stage is refilled with tile kt + STAGES during tile
-//     kt + 1, a KS-th of its copies at each k step, committed at the next boundary: a
-//     thread's cp.async no longer come in one burst, in which each waited for the one
-//     before it to release the address registers they share (ncu: the copies' address
-//     arithmetic stalled on the long scoreboard).
-//   load_tile(kt, stage, part): queue part `part` of KS of tile kt's copies (-1: all of
-//   them); load_frags(stage, s, buf): k step s of the tile in stage into buffer buf;
-//   mma_step(buf): the warp's mma on buffer buf.
-template <int STAGES, int KS, int SPREAD, typename Load, typename Frags, typename Mma>
+// The mma.sync steps' main loop over KT k tiles of KS k steps (step 11 with LOOP = 1). STAGES shared stages all hold
+// tiles in flight (cp.async groups, one a tile); fragments come in two register buffers, so
+// step s + 1's are read while step s's mma run. The tile boundary sits before the last
+// step's mma: wait for tile kt + 1, one barrier (every warp has then read all of tile kt, and
+// tile kt + 1 is visible), queue tile kt + STAGES into tile kt's stage, read tile kt + 1's
+// first fragments, then issue tile kt's last mma, which hide those reads.
+//   load_tile(kt, stage): queue tile kt's copies; load_frags(stage, s, buf): k step s of the
+//   tile in stage into buffer buf; mma_step(buf): the warp's mma on buffer buf.
+template <int STAGES, int KS, typename Load, typename Frags, typename Mma>
 __device__ __forceinline__ void mma_mainloop(int KT, Load& load_tile, Frags& load_frags, Mma& mma_step) {
     static_assert(KS % 2 == 0, "an even number of k steps a tile (the buffers alternate)");
     static_assert(STAGES >= 2, "at least 2 stages");
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
-        if (st < KT) load_tile(st, st, -1);
+        if (st < KT) load_tile(st, st);
         cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();
@@ -211,27 +188,17 @@ __device__ __forceinline__ void mma_mainloop(int KT, Load& load_tile, Frags& loa
     int stage = 0;
     load_frags(stage, 0, 0);
     for (int kt = 0; kt < KT; ++kt) {
-        // SPREAD: the stage tile kt - 1 left, refilled with tile kt - 1 + STAGES
-        const int fill = stage == 0 ? STAGES - 1 : stage - 1;
-        const bool refill = SPREAD && kt >= 1 && kt - 1 + STAGES < KT;
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
             if (s == KS - 1) {
-                if (SPREAD) {
-                    if (refill) load_tile(kt - 1 + STAGES, fill, s);
-                    if (kt >= 1) cp_async_commit();
-                }
                 cp_async_wait<STAGES - 2>();
                 __syncthreads();
-                if (!SPREAD) {
-                    if (kt + STAGES < KT) load_tile(kt + STAGES, stage, -1);
-                    cp_async_commit();
-                }
+                if (kt + STAGES < KT) load_tile(kt + STAGES, stage);
+                cp_async_commit();
                 stage = next_stage<STAGES>(stage);
                 if (kt + 1 < KT) load_frags(stage, 0, 0);
             } else {
                 load_frags(stage, s + 1, (s + 1) % 2);
-                if (refill) load_tile(kt - 1 + STAGES, fill, s);
             }
             mma_step(s % 2);
         }
