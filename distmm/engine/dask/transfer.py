@@ -227,14 +227,10 @@ def ipc_pairs(client, units, mode: str, device: bool) -> tuple[frozenset, dict]:
     seen = sorted({u.address for u in units
                    if u.gpu and getattr(u, "device", None) is not None
                    and any(u.address in p for p in cands)})
-    if len(seen) < 2:
-        return frozenset(), dict(info, pairs=[], probe={"pairs": 0})
-    # the plugin first, while the workers are idle: registered after the probe, it waited
-    # for the probe's exports to be released on the workers (~0.1 s of a first call on 4
-    # GPUs, against ~8 ms here); a cluster whose probe then finds no pair keeps an idle plugin
-    ensure_lifetime(client)
-    found, summary = probe(client, seen)
+    found, summary = probe(client, seen) if len(seen) > 1 else (frozenset(), {"pairs": 0})
     pairs = found & cands
+    if pairs:
+        ensure_lifetime(client)
     return pairs, dict(info, pairs=sorted(pairs), probe=summary)
 
 
