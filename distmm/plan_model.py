@@ -463,14 +463,28 @@ def _mpi_rank(grid: GridPlan, rank: int, gemm: GemmRate, share: float, link_name
     widths = [b - a for a, b in zip(pe, pe[1:])]
     mem_bw = cal.memory_bandwidth.get(kind, 0.0)
     staged = kind == "gpu" and link_name not in ("nvlink", "nccl-socket")
+    # ranks on several hosts (or emulated nodes: ``gpus_per_node`` consecutive ranks a node)
+    # through NCCL: a process row's or column's broadcast whose ranks share one node stays on
+    # NVLink, one that spans nodes takes the socket link (the SUMMA traces: row broadcasts
+    # inside an emulated node at NVLink rates while the column broadcasts between nodes ran at
+    # 3-6 GB/s); on one host every broadcast takes the link named
+    per_node = max(1, cal.gpus_per_node)
+    hosts = (kind == "gpu" and link_name == "nccl-socket" and grid.ranks > per_node
+             and "nvlink" in cal.links)
+    row_link = col_link = link
+    if hosts:
+        row = {grid.rank_at(layer, i, jj) // per_node for jj in range(grid.cols)}
+        col = {grid.rank_at(layer, ii, j) // per_node for ii in range(grid.rows)}
+        row_link = link if len(row) > 1 else cal.link("nvlink")
+        col_link = link if len(col) > 1 else cal.link("nvlink")
     comp, comm = [], []
     for p, w in enumerate(widths):
         g = gemm.seconds(mi, nj, w) * share
         if p and kind == "gpu" and mem_bw > 0:  # beta = 1: the GEMM rereads and rewrites C
             g += 2.0 * mi * nj * size * share / mem_bw
         comp.append(g)
-        c = (_broadcast_seconds(link, mi * w * size, grid.cols)
-             + _broadcast_seconds(link, w * nj * size, grid.rows))
+        c = (_broadcast_seconds(row_link, mi * w * size, grid.cols)
+             + _broadcast_seconds(col_link, w * nj * size, grid.rows))
         if staged and c:  # host-staged: each panel leaves one device and enters another
             nbytes = (mi * w if grid.cols > 1 else 0) + (w * nj if grid.rows > 1 else 0)
             c += share * (cal.link("pcie-d2h").seconds(nbytes * size)
@@ -661,8 +675,9 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
         units = len(working)
         pr, pc = worker_grid(units, m, n) if units else (1, 1)
         # workers on more than one host (or emulated node): the remote chunks of a worker's own
-        # host come through CUDA IPC, those of other hosts over ``link``, whose bandwidth the
-        # node's workers share; through NCCL they arrive while the block's k pieces multiply
+        # host come through CUDA IPC, those of other hosts over ``link`` (TCP's bandwidth the
+        # node's workers share, NCCL's each pair's own); through NCCL they arrive while the
+        # block's k pieces multiply
         # (only the first piece's wait is exposed), over TCP before the block task starts
         per_node = max(1, min(devices, cal.gpus_per_node))
         hosts = devices > per_node and link_name in ("nccl-socket", "tcp")
@@ -678,7 +693,11 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
             panels = (mi * k + k * nj) * size
             if hosts:
                 near = near_link.seconds((per_node - 1) / devices * panels)
-                far = link.seconds((devices - per_node) / devices * panels * per_node)
+                # TCP: the node's workers share the link; NCCL's socket transport connects
+                # each pair of GPUs on its own (the SUMMA traces: two broadcasts between the
+                # same two emulated nodes at once, each at the link's rate)
+                sharing = 1 if link_name == "nccl-socket" else per_node
+                far = link.seconds((devices - per_node) / devices * panels * sharing)
                 exposed = max(0.0, near - overlap * comp)
                 if link_name == "nccl-socket":
                     first = far * min(k, DASK_FIRST_PIECE) / k if k else 0.0

@@ -32,7 +32,7 @@ CAL = default_calibration()
 
 def _records():
     return load_records(sorted(RESULTS.glob("*.jsonl")) + sorted(
-        RESULTS.glob("mpi-batch-profiles-*.json")))
+        RESULTS.glob("mpi-batch-profiles-*.json")) + sorted(RESULTS.glob("summa-trace-*.json")))
 
 
 def _distmm(*argv, env=None, timeout=120):
@@ -270,6 +270,98 @@ def test_calibration_from_committed_records():
         "core_boost:float64"]
     with pytest.raises(ValueError, match="no records of machine"):
         from_records(recs, "Cray-1")
+    # NCCL's socket link: the SUMMA traces' column broadcasts between 2 emulated nodes
+    # (3.1-5.6 GB/s each); no H100 trace, so the nominal value stays there
+    assert 3.7e9 < h200.links["nccl-socket"].bandwidth < 4.6e9
+    assert "summa-trace-nvidia-h200" in h200.sources["nccl-socket"]
+    assert "1host" not in h200.sources["nccl-socket"]  # one host: no broadcast crosses
+    assert h100.links["nccl-socket"] == CAL.links["nccl-socket"]
+    assert h100.sources["nccl-socket"] == "default"
+
+
+def _summa_trace(sizes_ms, node=("0", "0", "1", "1")):
+    """A ``bench/research/summa_trace.py`` trace of 4 ranks on a 1 x 2 x 2 grid, two calls:
+    every rank broadcasts along its row in 1 ms and along its column as ``sizes_ms`` says
+    (``(bytes, ms)`` pairs), and multiplies once."""
+    calls = []
+    for rank in range(4):
+        mine = []
+        for call in range(2):
+            events, t = [], 0.0
+            for nbytes, ms in sizes_ms:
+                events += [["bcast", "row", nbytes, t, t + 1.0],
+                           ["bcast", "col", nbytes, t, t + ms]]
+                t += ms
+            events.append(["gemm", "", 2 * 1024**3, t, t + 10.0])
+            mine.append({"rank": rank, "call": call, "seconds": t / 1e3, "grid": [1, 2, 2],
+                         "node": node[rank], "summary": {}, "events": events})
+        calls.append(mine)
+    return calls
+
+
+def test_calibration_takes_nccl_socket_from_summa_traces(tmp_path):
+    from distmm.cli.calibrate import cross_node_broadcasts, socket_link
+
+    ref = tmp_path / "r.jsonl"
+    ref.write_text(json.dumps({"benchmark": "gemm", "variant": "cublas", "device": "NVIDIA H200",
+                               "dtype": "float32", "m": 8192, "n": 8192, "k": 8192,
+                               "seconds": 0.022, "run": "x"}) + "\n")
+    # 2 emulated nodes (ranks 0, 1 and 2, 3): the column broadcasts cross, the row ones do
+    # not; 1 GB in 250 ms and 0.5 GB in 125 ms: 4 GB/s and no latency to see
+    trace = tmp_path / "summa-trace-nvidia-h200-2026-01-01-2nodes.json"
+    trace.write_text(json.dumps(_summa_trace([(10**9, 250.0), (5 * 10**8, 125.0)])))
+    recs = load_records([ref, trace])
+    (t,) = [r for r in recs if "summa_trace" in r]
+    assert t["machine"] == "NVIDIA H200" and t["_file"] == trace.name
+    got = cross_node_broadcasts(t)
+    assert len(got) == 4 * 2 * 2  # 4 ranks, 2 calls, 2 column broadcasts each
+    assert sorted(set(got)) == [(5 * 10**8, 0.125), (10**9, 0.25)]
+    cal = from_records(recs, "NVIDIA H200")
+    latency = CAL.links["nccl-socket"].latency  # a line through them has none: the default's
+    assert cal.links["nccl-socket"].latency == latency
+    assert cal.links["nccl-socket"].bandwidth == pytest.approx(
+        8 * 1.5e9 / (8 * 0.375 - 16 * latency))
+    assert trace.name in cal.sources["nccl-socket"]
+    assert "bytes over summed time of 16 broadcasts" in cal.sources["nccl-socket"]
+    # a latency the broadcasts show: the least-squares line
+    link, how = socket_link([(10**6, 0.001 + 10**6 / 5e9), (10**9, 0.001 + 10**9 / 5e9)],
+                            CAL.links["nccl-socket"])
+    assert link.latency == pytest.approx(0.001) and link.bandwidth == pytest.approx(5e9)
+    assert how == "least squares over 2 broadcasts"
+    # one host (no node differs), another machine's trace, no trace: the nominal link
+    for name, nodes in (("summa-trace-nvidia-h200-1host.json", (None,) * 4),
+                        ("summa-trace-nvidia-h100-2nodes.json", ("0", "0", "1", "1"))):
+        other = tmp_path / name
+        other.write_text(json.dumps(_summa_trace([(10**9, 250.0)], node=nodes)))
+        cal = from_records(load_records([ref, other]), "NVIDIA H200")
+        assert cal.links["nccl-socket"] == CAL.links["nccl-socket"]
+        assert cal.sources["nccl-socket"] == "default"
+    # distmm report takes the trace beside the records and draws nothing from it
+    from distmm.cli.report import read_inputs
+
+    records, profiles = read_inputs([str(ref), str(trace)])
+    assert len(records) == 1 and profiles == []
+
+
+def test_mpi_ranks_of_several_nodes_broadcast_inside_a_node_over_nvlink():
+    """Through NCCL's socket link on 4 GPUs as 2 nodes of 2 (grid 1 x 2 x 2, consecutive ranks
+    a node): a process row's broadcast stays inside its node (NVLink), a column's crosses."""
+    slow = dataclasses.replace(CAL, links={**CAL.links, "nccl-socket": Link(50e-6, 4e9)})
+    kw = dict(devices=4, calibration=slow, link="nccl-socket", grid=(1, 2, 2))
+    n = 65536
+    two = predict(n, n, n, "float32", **kw, ranks_per_device=1)
+    nodes = lambda per: predict(n, n, n, "float32", devices=4, link="nccl-socket",  # noqa: E731
+                                grid=(1, 2, 2), calibration=dataclasses.replace(
+                                    slow, gpus_per_node=per))
+    assert nodes(2).seconds < nodes(1).seconds  # every broadcast crosses with 1 GPU a node
+    # on one host (4 GPUs a node or more) every broadcast takes the link named, as before
+    assert nodes(4).seconds == nodes(8).seconds == nodes(1).seconds
+    # the row broadcasts' link does not matter across 2 nodes only if they are on NVLink
+    fast_nv = dataclasses.replace(slow, gpus_per_node=2,
+                                  links={**slow.links, "nvlink": Link(20e-6, 1e15)})
+    assert predict(n, n, n, "float32", devices=4, link="nccl-socket", grid=(1, 2, 2),
+                   calibration=fast_nv).seconds < nodes(2).seconds
+    assert two.seconds == nodes(8).seconds
 
 
 # -- the model against every committed measurement --------------------------------------------
@@ -331,16 +423,11 @@ KNOWN_MISSES = {
      65536),
     ("NVIDIA H200", "study mpi gpu on 2 GPU(s), emulated nodes 2, one CPU a rank", "float32",
      32768),
-    # one GPU a node, 2 emulated nodes at 32768 (CPUs widened): 1.11 s against 0.77 s. NCCL's
-    # socket link is uncalibrated (the nominal 10 GB/s stands in; the SUMMA traces measured
-    # 3.7-4.6 GB/s): at that rate each of the 8 panels' broadcasts (512 MiB, ~0.13 s) is longer
-    # than the GEMM it should hide behind (~0.08 s); on 4 GPUs (2 a node) the model is within 1%
-    ("NVIDIA H200", "study mpi gpu on 2 GPU(s), emulated nodes 2", "float32", 32768),
     # the Dask engine on 4 GPUs as 2 emulated nodes through NCCL at 32768 (cd74780): 0.849 s
-    # against 0.459 s. NCCL's socket link is uncalibrated (the nominal 10 GB/s, shared by a
-    # node's two readers); the 2.1 GiB a worker receives from the other node then hide behind
-    # its 0.34 s of GEMMs, where about 2.8 GB/s a worker was measured (at 65536 the same rate is
-    # hidden either way: within 10%)
+    # against 0.538 s. NCCL's socket link is the SUMMA traces' 4.1 GB/s a pair of GPUs; the
+    # 2.1 GiB a worker receives from the other node then take 0.52 s, 0.19 s of it not behind
+    # its 0.34 s of GEMMs, where about 2.8 GB/s a worker was measured (at 65536 the same rate
+    # is hidden either way: within 10%)
     ("NVIDIA H200", "study dask gpu on 4 GPU(s), emulated nodes 2 through NCCL", "float32",
      32768),
     # two ranks under mpirun at 32768 with today's code (193376b) on a 2 x H200 host, three
@@ -559,3 +646,10 @@ def test_dask_workers_of_several_hosts_receive_other_hosts_chunks_over_the_link(
         panels = remote / 0.75
         assert tcp.communication == pytest.approx(
             cal.link("ipc").seconds(panels / 4) + cal.link("tcp").seconds(panels / 2 * 2))
+        # NCCL connects each pair of GPUs on its own: a worker's bytes from the other host at
+        # the link's rate, not shared by its host's workers (the first k piece's wait exposed)
+        far = cal.link("nccl-socket").seconds(panels / 2)
+        first = far * 8192 / n
+        assert nccl.communication == pytest.approx(
+            cal.link("ipc").seconds(panels / 4) + first
+            + max(0.0, far - first - nccl.compute))

@@ -9,9 +9,10 @@ rates, pinned PCIe both ways, device memory bandwidth and, with several GPUs, NC
 over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It also derives a
 calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
 rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
-from ``--profile`` files, and fixed costs fitted on a subset of distmm's own measurements
-(``distmm.cli.model_records.fit_subset``); and where a calibration is stored (``default_path``: per
-host, under the user's cache folder).
+from ``--profile`` files, NCCL's socket link from SUMMA traces across emulated nodes
+(``bench/research/summa_trace.py``), and fixed costs fitted on a subset of distmm's own
+measurements (``distmm.cli.model_records.fit_subset``); and where a calibration is stored
+(``default_path``: per host, under the user's cache folder).
 
 It does *not* cover: the model itself (``distmm.plan_model``), or comparing it with records
 (``distmm.cli.validate``).
@@ -37,7 +38,7 @@ from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, 
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 
 __all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
-           "load_records", "machine_of"]
+           "load_records", "machine_of", "cross_node_broadcasts", "socket_link"]
 
 def default_path() -> Path:
     """``$XDG_CACHE_HOME/distmm/calibration-HOST.json`` (``~/.cache`` without it)."""
@@ -118,6 +119,56 @@ def _profile_machine(prof, records) -> str | None:
     return None
 
 
+def cross_node_broadcasts(trace: dict) -> list[tuple[int, float]]:
+    """``(bytes, seconds)`` of every panel broadcast of a SUMMA trace (``load_records``'s
+    ``summa_trace`` record) whose communicator spans emulated nodes, every rank and call.
+
+    A rank's ``row`` broadcasts go to the ranks of its process row (same layer and row ``i``),
+    its ``col`` broadcasts to those of its process column (same layer and column ``j``), with
+    ``(layer, i, j)`` from the rank as ``distmm.grid.GridPlan.coords`` numbers the grid; a
+    broadcast crosses nodes when those ranks' ``node`` (``DISTMM_EMULATED_NODE``) differ. Its
+    time runs from its stream reaching it to its end (CUDA events), in milliseconds there."""
+    out = []
+    calls: dict = {}
+    for per_rank in trace["ranks"]:
+        for c in per_rank:
+            calls.setdefault(c["call"] if "call" in c else 0, []).append(c)
+    for ranks in calls.values():
+        node = {c["rank"]: c.get("node") for c in ranks}
+        for c in ranks:
+            rows, cols = (int(x) for x in c["grid"][-2:])
+            layer, rest = divmod(c["rank"], rows * cols)
+            i, j = divmod(rest, cols)
+            members = {"row": [(layer * rows + i) * cols + jj for jj in range(cols)],
+                       "col": [(layer * rows + ii) * cols + j for ii in range(rows)]}
+            for kind, label, nbytes, start, end in c["events"]:
+                if kind != "bcast" or label not in members or end <= start:
+                    continue
+                if len({node.get(r) for r in members[label]}) > 1:
+                    out.append((int(nbytes), (float(end) - float(start)) / 1e3))
+    return out
+
+
+def socket_link(points, default: Link) -> tuple[Link, str]:
+    """NCCL's socket link from ``(bytes, seconds)`` broadcasts between emulated nodes, and how
+    it was derived: where the broadcasts have two sizes or more and a least-squares line
+    ``seconds = latency + bytes / bandwidth`` through them has a positive latency and slope,
+    that line; otherwise ``default``'s latency and the bandwidth of all of them together (their
+    bytes over their summed time less one latency each)."""
+    pts = [(float(n), float(t)) for n, t in points if n > 0 and t > 0]
+    if not pts:
+        raise ValueError("no broadcasts between emulated nodes to derive a link from")
+    if len({n for n, _ in pts}) >= 2:
+        slope, latency = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1)
+        if latency > 0 and slope > 0:
+            return Link(float(latency), float(1.0 / slope)), (
+                f"least squares over {len(pts)} broadcasts")
+    latency = default.latency
+    busy = sum(max(t - latency, 1e-12) for _, t in pts)
+    return Link(latency, sum(n for n, _ in pts) / busy), (
+        f"bytes over summed time of {len(pts)} broadcasts, latency default")
+
+
 def from_records(records, machine: str, *, fit=fit_subset, run: str | None = None) -> Calibration:
     """The calibration of ``machine`` (``machine_of`` a record's device) from records.
 
@@ -129,9 +180,12 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     and start-up from ``--profile`` files of runs ``fit`` admits. Fixed costs of the engines
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
     admits (the smallest difference between the measured and the modelled time without them).
-    Links the records do not measure keep ``default_calibration``'s values, and ``sources``
-    says so. ``run``: a CPU's GEMM rates (numpy's, and one core alone) come from that run's
-    references where it has numpy's, from every run's otherwise.
+    NCCL's socket link (``nccl-socket``) comes from SUMMA traces of the machine
+    (``summa_trace`` records): the broadcasts whose ranks were on different emulated nodes
+    (``cross_node_broadcasts``, ``socket_link``). Links the records do not measure keep
+    ``default_calibration``'s values, and ``sources`` says so. ``run``: a CPU's GEMM rates
+    (numpy's, and one core alone) come from that run's references where it has numpy's, from
+    every run's otherwise.
 
     Raises
     ------
@@ -199,6 +253,14 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     # dd's buffered write and fsync: the rate of the batch path's writes through the page cache
     file_write_buffered = file_write
     links = dict(base.links)
+    traces = [t for t in records if "summa_trace" in t and t.get("machine") == machine]
+    crossing = {t["_file"]: cross_node_broadcasts(t) for t in traces}
+    crossing = {f: pts for f, pts in crossing.items() if pts}
+    if crossing:
+        links["nccl-socket"], how = socket_link(
+            [p for pts in crossing.values() for p in pts], base.links["nccl-socket"])
+        sources["nccl-socket"] = ("records: " + ", ".join(sorted(crossing))
+                                  + f" (SUMMA broadcasts between emulated nodes; {how})")
     overheads = dict(base.overheads)
     profiles = [p for p in records if "profile" in p and _profile_machine(p, records) == machine]
     fit_profiles = []

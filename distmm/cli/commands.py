@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "into a new folder, from benchmark records (JSON lines) and "
                                    "distmm-profile-1 profiles (.json)")
     r.add_argument("records", nargs="+", metavar="RECORDS",
-                   help="record files (.jsonl) and profiles (.json, e.g. mpi-batch-profiles-*.json)")
+                   help="record files (.jsonl), profiles (.json, e.g. mpi-batch-profiles-*.json) "
+                        "and SUMMA traces (summa-trace-*.json, read by distmm model only)")
     r.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the folder to write (created; an existing non-empty one needs --overwrite)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")

@@ -65,8 +65,9 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
     c.add_argument("--quick", action="store_true",
                    help="small sizes and few repeats (seconds, for tests)")
     c.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
-                   help="derive the calibration from benchmark records (.jsonl) and --profile "
-                        "files (.json) instead of measuring")
+                   help="derive the calibration from benchmark records (.jsonl), --profile "
+                        "files (.json) and SUMMA traces (summa-trace-*.json) instead of "
+                        "measuring")
     c.add_argument("--machine", default=None,
                    help="with --from-records: which machine's records (a device name such as "
                         "'NVIDIA H200'; default: the only one, or the GPU one)")
@@ -100,7 +101,9 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                    help="devices per host, which share its disk and links (default: the "
                         "calibration's, i.e. the machine it was measured on)")
     m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS",
-                   help="compare the model with every configuration in these records")
+                   help="compare the model with every configuration in these records "
+                        "(.jsonl), the --profile files (.json) and SUMMA traces "
+                        "(summa-trace-*.json: NCCL's socket link) they are calibrated from")
     m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl",
                    help="with --validate: write the comparison as records (predicted_seconds); "
                         "else append one prediction record per device count (seconds null, "

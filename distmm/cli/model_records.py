@@ -1,6 +1,6 @@
 """Benchmark records as the performance model reads them.
 
-This module covers: loading record files (JSON lines) and ``--profile`` files
+This module covers: loading record files (JSON lines), ``--profile`` files and SUMMA traces
 (``load_records``), a record's machine (``machine_of``), which records are distmm measurements
 the model describes and how (``configuration``: the MPI engine in core on GPUs or CPU ranks,
 the batch path ``mpirun distmm matmul`` on files, the Dask engine on GPU workers (one, two,
@@ -20,7 +20,7 @@ from distmm.cli.records import json_lines
 from distmm.plan_model import Calibration, Prediction, predict
 
 __all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
-           "ofi_probed",
+           "ofi_probed", "is_summa_trace", "trace_machine",
            "DEVICE_MEMORY", "KEYS"]
 
 #: bytes per GPU by device name (the records do not carry it)
@@ -28,15 +28,22 @@ DEVICE_MEMORY = {"H100": 80 * 2**30, "H200": 141 * 10**9}
 
 
 def load_records(paths) -> list[dict]:
-    """Benchmark records (JSON lines) and ``--profile`` files (``distmm-profile-1``, one or a
-    mapping of several), each record tagged with its ``_file``; profiles come back as
-    ``{"profile": name, "_file": ..., **profile}``. Records of a reduced ``precision`` (tf32,
-    bf16, fp16) are left out: the model's rates are those of each dtype's own arithmetic."""
+    """Benchmark records (JSON lines), ``--profile`` files (``distmm-profile-1``, one or a
+    mapping of several) and SUMMA traces (``bench/research/summa_trace.py --out``: a list per
+    rank of its calls), each record tagged with its ``_file``; profiles come back as
+    ``{"profile": name, "_file": ..., **profile}``, traces as ``{"summa_trace": name,
+    "_file": ..., "machine": ..., "ranks": [...]}`` (``trace_machine``: the trace does not name
+    its device, its file does). Records of a reduced ``precision`` (tf32, bf16, fp16) are left
+    out: the model's rates are those of each dtype's own arithmetic."""
     out = []
     for path in paths:
         path = Path(path)
         if path.suffix == ".json":
             data = json.loads(path.read_text())
+            if is_summa_trace(data):
+                out.append({"summa_trace": path.stem, "_file": path.name,
+                            "machine": trace_machine(path.name), "ranks": data})
+                continue
             if isinstance(data, dict) and data.get("format") == "distmm-profile-1":
                 data = {path.stem: data}
             if not isinstance(data, dict):
@@ -51,6 +58,24 @@ def load_records(paths) -> list[dict]:
             rec["_file"] = path.name
             out.append(rec)
     return out
+
+
+def is_summa_trace(data) -> bool:
+    """Whether parsed JSON is ``bench/research/summa_trace.py``'s output: a list per rank of
+    that rank's calls, each a mapping with its ``rank``, ``grid``, ``node`` and ``events``."""
+    return (isinstance(data, list) and bool(data)
+            and all(isinstance(calls, list) and calls for calls in data)
+            and all(isinstance(c, dict) and {"rank", "grid", "events"} <= set(c)
+                    for calls in data for c in calls))
+
+
+def trace_machine(name: str) -> str | None:
+    """The machine of a SUMMA trace from its file name, which names the device as the record
+    files do (``summa-trace-nvidia-h200-DATE-....json``): the GPU model it names, or None."""
+    for gpu in DEVICE_MEMORY:
+        if gpu.lower() in name.lower():
+            return machine_of(gpu)
+    return None
 
 
 def machine_of(device: str) -> str:

@@ -416,7 +416,9 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
     """Read record files (JSON lines) and profiles (files ending ``.json``).
 
     A profile file is one ``distmm-profile-1`` object (named by the file's stem) or an
-    object of named ones (``bench/mpi_batch.py``'s ``mpi-batch-profiles-*.json``).
+    object of named ones (``bench/mpi_batch.py``'s ``mpi-batch-profiles-*.json``). A SUMMA
+    trace (``bench/research/summa_trace.py``'s ``summa-trace-*.json``, which the performance
+    model calibrates NCCL's socket link from) is accepted and draws nothing here.
 
     Returns
     -------
@@ -430,6 +432,8 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
         A line that is not a JSON object with the ``REQUIRED`` keys (named with its
         line number), a profile in another format, or no records and no profiles at all.
     """
+    from distmm.cli.model_records import is_summa_trace
+
     records, profiles = [], []
     for path in paths:
         if not os.path.isfile(path):
@@ -441,6 +445,8 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
                     data = json.load(fh)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+            if is_summa_trace(data):
+                continue
             named = [(Path(path).stem, data)] if isinstance(data, dict) and "format" in data else (
                 [(f"{Path(path).stem} {k}", v) for k, v in data.items()] if isinstance(data, dict) else [])
             for name, profile in named:
