@@ -281,8 +281,8 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             d2h.append(nb["d2h"] / tot["d2h"])
         meta = p["meta"]
         if meta.get("before") is not None and meta.get("after") is not None:
-            run = re.search(r"(\d{8}T\d{6}Z)", p["_file"])
-            probed = ofi_probed([r for r in mine if run and r.get("run") == run.group(1)])
+            stamp = re.search(r"(\d{8}T\d{6}Z)", p["_file"])  # not ``run``: the argument
+            probed = ofi_probed([r for r in mine if stamp and r.get("run") == stamp.group(1)])
             (launch_ofi if probed else launch).append(meta["before"] + meta["after"])
             exits.append(meta["after"])
         startup.append(tot.get("startup", 0.0) + tot.get("open", 0.0))
