@@ -137,7 +137,9 @@ for phase in "$@"; do
         | grep "^== \|client steps\|pieces:\|dispatch\|update-graph" | head -40 ;;
     firstcall)
       # where the Dask engine's first call on 4 GPUs goes: the client's threads (and the local
-      # scheduler's) sampled every 2 ms until the first task, the dispatch times, the trace;
+      # scheduler's) sampled every 2 ms until the first task, every worker's threads during the
+      # call (what holds a new cluster's workers ~0.1-0.2 s: bench/NOTES.md, fifteenth
+      # session), the dispatch times, the trace;
       # twice, in two processes: the machine's first (cold on-disk kernel caches), then one
       # as a user's later session meets it (on one H200 the first copy took 380 ms in the
       # first and 23 ms in the second: bench/NOTES.md, fourteenth session)
@@ -145,10 +147,10 @@ for phase in "$@"; do
       fs=${FIRST_SETTING:-4gpu}
       for run in cold warm; do
         timeout ${T_FIRST:-150} python3 -m bench.research.dask_stream --setting $fs --sizes 32768 \
-          --dtype float32 --calls 2 --trace --sample > "$OUT/firstcall-$fs-$run.log" 2>&1
+          --dtype float32 --calls 2 --trace --sample --sample-workers > "$OUT/firstcall-$fs-$run.log" 2>&1
         echo "$run exit $?"
         grep -v "CancelledError\|state_machine - WARNING" "$OUT/firstcall-$fs-$run.log" | cut -c1-300 \
-          | grep "^== \|client steps\|sampled\|^     \|dispatch\|update-graph\|pieces:" | head -60
+          | grep "^== \|client steps\|sampled\|^     \|worker tcp\|dispatch\|update-graph\|pieces:" | head -90
       done ;;
     pieces)
       # the Dask engine's rows (gpu-dask-4.toml, or PIECES_STUDY) in one call, each way of

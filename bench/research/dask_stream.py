@@ -393,7 +393,7 @@ def profile_scheduler(top: int = 30) -> None:
 
 #: innermost frames of a thread that waits for work (a pool's queue, a lock, the loop's poll)
 _IDLE = frozenset({"wait", "_worker", "select", "poll", "get", "acquire", "sleep",
-                   "_wait_for_tstate_lock", "run_forever", "_run_once"})
+                   "_wait_for_tstate_lock", "run_forever", "_run_once", "_recv"})
 
 
 class ThreadSampler:
@@ -449,6 +449,36 @@ class ThreadSampler:
         return out
 
 
+#: the sampler a worker runs during a call (``--sample-workers``), set by ``_start_sampler``
+_WORKER_SAMPLER: list = []
+
+
+def _start_sampler(dask_worker=None):
+    """On a worker: sample its threads (its event loop, the task threads, distmm's own) from
+    now until ``_stop_sampler``."""
+    sampler = ThreadSampler()
+    sampler.__enter__()
+    _WORKER_SAMPLER[:] = [sampler]
+
+
+def _stop_sampler(start: float, end: float, dask_worker=None) -> list:
+    """On a worker: stop its sampler and return what its threads did between two times."""
+    if not _WORKER_SAMPLER:
+        return []
+    sampler = _WORKER_SAMPLER.pop()
+    sampler.__exit__(None, None, None)
+    return sampler.lines(start, end, top=6)
+
+
+def worker_sample_lines(samples: dict) -> list:
+    """``client.run(_stop_sampler, ...)``'s answers as lines, one block per worker."""
+    out = []
+    for address, lines in sorted(samples.items()):
+        out.append(f"   worker {address}:")
+        out += [f"  {line}" for line in lines[1:]] or ["     (nothing but waiting)"]
+    return out
+
+
 def phased_product(bench, a, b):
     """``bench.product("distmm-dask", a, b)`` with its client-side phases: building the
     lazy product (``distmm.matmul``), ``persist``, waiting for C, the device sync."""
@@ -483,6 +513,10 @@ def main(argv=None) -> int:
     p.add_argument("--sample", action="store_true",
                    help="sample this process's threads (client, local scheduler) every 2 ms "
                         "and print what they did until each call's first task began")
+    p.add_argument("--sample-workers", action="store_true",
+                   help="sample every worker's threads every 2 ms during each call and print "
+                        "what they did (their event loops included: what holds a new "
+                        "cluster's workers in its first call?)")
     p.add_argument("--profile-scheduler", action="store_true",
                    help="profile the scheduler's graph deserialisation and materialisation of "
                         "the first call (the scheduler runs in this process)")
@@ -521,9 +555,13 @@ def main(argv=None) -> int:
                     client.run(_collect_trace)  # drop what the operands' making left
                 mark = transfer_mark(client)
                 spent.clear()
+                if args.sample_workers:
+                    client.run(_start_sampler)
                 since = time.time()
                 with distributed.get_task_stream(client) as ts, ThreadSampler() as sampler:
                     sec, c, phases = phased_product(bench, a, b)
+                worker_samples = (client.run(_stop_sampler, since, time.time())
+                                  if args.sample_workers else {})
                 traces = client.run(_collect_trace) if args.trace else {}
                 st = last_stats()
                 moved = transfer_report(client, since=mark)
@@ -544,6 +582,8 @@ def main(argv=None) -> int:
                     first = min((x["startstops"][0]["start"] for x in ts.data
                                  if x["startstops"]), default=since + sec)
                     print("\n".join(sampler.lines(since, first)), flush=True)
+                if worker_samples:
+                    print("\n".join(worker_sample_lines(worker_samples)), flush=True)
                 try:
                     print("\n".join(dispatch_lines(client, since)), flush=True)
                 except Exception as exc:  # noqa: BLE001 -- a probe's own failure, reported
