@@ -17,7 +17,7 @@ with the GPU tests' kernel cache)::
     python -m bench.kernels --precisions tf32 bf16 fp16 --sizes 8192   # tensor-core steps
     python -m bench.kernels --precisions tf32 bf16 fp16 --warm-only    # ... compiled first
 
-With ``--precisions``, the reduced-precision steps 11-14 (``registry.TC_KERNELS``: each
+With ``--precisions``, the reduced-precision steps 11-15 (``registry.TC_KERNELS``: each
 kernel that runs on this device for each mode) are measured instead, beside cuBLAS at the
 same precision (``cublasGemmEx``: float32 operands with ``CUBLAS_COMPUTE_32F_FAST_TF32`` for
 tf32; bfloat16 / float16 operands with ``CUBLAS_COMPUTE_32F`` for bf16 / fp16, C float32),
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
                     help="time cuBLAS and the kernels in alternation this many times; median")
     ap.add_argument("--processes", type=int, default=None)
     ap.add_argument("--precisions", nargs="+", choices=("tf32", "bf16", "fp16"), default=None,
-                    help="measure the tensor-core steps (11-14) at these precisions instead")
+                    help="measure the tensor-core steps (11-15) at these precisions instead")
     ap.add_argument("--tc-variant", action="append", default=[], metavar="KEY=INT[,KEY=INT]",
                     help="with --precisions: also time each tensor-core step whose parameters "
                          "these name, with them changed from its defaults (repeatable)")

@@ -4,7 +4,7 @@ Fresh random inputs for every case, outputs poisoned before each launch (NaN for
 fixed pattern for integers) so an unwritten element fails; sizes 1, 7, 33, 127, 1000 and
 4097, rectangular and transposed cases, misaligned operands (element loads instead of
 16-byte vectors), alpha/beta. Integers are compared exactly, including wrap-around. The tensor-core steps
-(11-14, reduced precision) are checked against their error bounds (their own section).
+(11-15, reduced precision) are checked against their error bounds (their own section).
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_name_expressions_path_agrees(monkeypatch):
     cuda_loader._kernel.cache_clear()
 
 
-# -- tensor-core steps 11-14 (reduced precision: registry.TC_KERNELS) ---------------------
+# -- tensor-core steps 11-15 (reduced precision: registry.TC_KERNELS) ---------------------
 #
 # Each kernel in each of its precisions against two float64 references: the product of the
 # inputs as given, within the mode's bound (2 u_in + u_in^2 + k u_acc) |A||B| elementwise,
@@ -286,8 +286,8 @@ def test_tensor_core_k_zero_gives_beta_c(mode):
                                 precision=precision, alpha=1.0, beta=2.0, check=True)
     want = 2 * np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(cupy.asnumpy(c), want)
-    # k = 0 has no tensor map: step 14 hands it to step 13
-    assert ran == ("wgmma_bf16" if spec.tma else spec.name)
+    # k = 0 has no tensor map: step 14 hands it to step 13, step 15 to step 12
+    assert ran == (cuda_loader.TMA_K_ZERO[spec.name] if spec.tma else spec.name)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -272,7 +272,7 @@ def test_simt_fp64_is_a_side_step():
         assert {c["TM"] * c["TN"] for c in cands} >= {32, 64}  # 4x8 / 8x4 and 8x8 thread tiles
 
 
-# -- tensor-core steps 11-14 (reduced precision) ----------------------------------------
+# -- tensor-core steps 11-15 (reduced precision) ----------------------------------------
 
 TC = registry.tc_steps()
 TC_INPUTS = [(spec, dt) for spec in TC for dt in spec.inputs]
@@ -284,9 +284,9 @@ def _tc_id(case):
 
 
 def test_tensor_core_steps_leave_the_existing_table_alone():
-    """Steps 11-14 live in their own table: steps(), best_kernel() and every dtype's
+    """Steps 11-15 live in their own table: steps(), best_kernel() and every dtype's
     "highest" kernel are what they were (dmma is still the raw backend's kernel)."""
-    assert [k.name for k in TC] == ["mma_tf32", "mma_bf16", "wgmma_bf16", "wgmma_tma"]
+    assert [k.name for k in TC] == ["mma_tf32", "mma_bf16", "wgmma_bf16", "wgmma_tma", "mma_tma"]
     assert not set(registry.TC_KERNELS) & set(registry.KERNELS)
     assert registry.best_kernel() is registry.get("dmma")
     assert [k.step for k in registry.steps()] == list(range(1, 11))
@@ -317,14 +317,14 @@ def test_tc_defaults_are_valid_and_candidates_too(case):
     p = spec.params(dt)
     assert spec.violations(dt, p, 90) == []
     for cc in (80, 86, 89):
-        assert (spec.violations(dt, p, cc) == []) == (not spec.wgmma)
+        assert (spec.violations(dt, p, cc) == []) == spec.runs_on(cc)
     assert spec.threads(p) <= 1024
     cands = spec.candidates(dt, 90)
     assert cands[0] == p and len(cands) > 10
     assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
     assert all(spec.violations(dt, c, 90) == [] for c in cands)
     # sm_80's smaller shared memory leaves fewer candidates, and only valid ones
-    if not spec.wgmma:
+    if spec.runs_on(80):
         c80 = spec.candidates(dt, 80)
         assert all(spec.violations(dt, c, 80) == [] for c in c80)
 
@@ -374,6 +374,22 @@ def test_tma_step_constraints():
     assert tma.smem_bytes("bfloat16", p) == 1024 + 4 * (128 + 256) * 64 * 2 + 4 * 16
     assert tma.threads(p) == 384 and tma.tma and not registry.get_tc("wgmma_bf16").tma
     assert "distmm_tmap" in cuda_loader.tc_instantiation("x<1>", "distmm_bf16", tma=True)
+
+
+def test_mma_tma_step_constraints():
+    """Step 15: step 12's warps and tiles, a k tile of one 128-byte swizzle row (BK 64 only),
+    1024 bytes of alignment and a full mbarrier a stage; k = 0 goes to step 12."""
+    spec = registry.get_tc("mma_tma")
+    p = spec.params("bfloat16")
+    assert p == registry.get_tc("mma_bf16").params("bfloat16")
+    assert spec.tma and not spec.wgmma and spec.step == 15 and not spec.arch_suffix
+    assert spec.threads(p) == 128  # four 64 x 64 warp tiles
+    assert any("swizzle row" in v for v in spec.violations("bfloat16", dict(p, BK=128)))
+    assert spec.violations("float16", p) == []
+    assert spec.smem_bytes("bfloat16", p) == 1024 + 3 * (128 + 128) * 64 * 2 + 3 * 8
+    assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
+    assert not spec.runs_on(80) and spec.runs_on(90)
+    assert cuda_loader.TMA_K_ZERO == {"wgmma_tma": "wgmma_bf16", "mma_tma": "mma_bf16"}
 
 
 def test_tensor_map_eligibility_and_boxes():
@@ -462,7 +478,8 @@ def test_tc_loader_source_and_lowered_name(case, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     symbols = set(re.findall(rb"_Z\d+distmm_gemm_[A-Za-z0-9_]+", cubin.read_bytes()))
     if spec.tma:  # tensor maps in the signature: the loader finds the cubin's one symbol
-        assert len(symbols) == 1 and next(iter(symbols)).startswith(b"_Z21distmm_gemm_wgmma_tma")
+        stem = f"_Z{len('distmm_gemm_' + spec.name)}distmm_gemm_{spec.name}I".encode()
+        assert len(symbols) == 1 and next(iter(symbols)).startswith(stem)
     else:
         assert symbols == {cuda_loader.mangled_name(expr).encode()}
 
@@ -485,6 +502,27 @@ def test_wgmma_body_only_for_sm90a(file, n, copy, arch, has_wgmma, tmp_path):
     assert (copy in text) == has_wgmma
     assert ("setmaxnreg.inc" in text) == (has_wgmma and file.startswith("14"))
     assert ("trap;" in text) == (not has_wgmma)
+
+
+@pytest.mark.slow  # nvcc builds
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch,has_tma", [("sm_90a", True), ("sm_90", True), ("sm_80", False)])
+def test_mma_tma_body_from_sm90(arch, has_tma, tmp_path):
+    """Step 15 needs the copy engine and mbarrier waits, which compute capability 9.0 has
+    without sm_90a: a body of mma.sync fed by cp.async.bulk.tensor on sm_90 and sm_90a, a
+    trapping stub on sm_80 (where the registry never launches it), and no cp.async of
+    16-byte chunks or wgmma anywhere."""
+    ptx = tmp_path / "k.ptx"
+    res = _nvcc(["-std=c++17", f"-arch={arch}", "-ptx", "-o", str(ptx),
+                 str(CUDA_DIR / "15_mma_tma.cu")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = ptx.read_text()
+    assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text) == has_tma
+    assert ("cp.async.bulk.tensor.2d" in text) == has_tma
+    assert ("mbarrier.try_wait.parity" in text) == has_tma
+    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in text) == has_tma
+    assert ("trap;" in text) == (not has_tma)
+    assert "cp.async.cg" not in text and "cp.async.ca" not in text and "wgmma" not in text
 
 
 def test_launch_reads_a_tensor_core_precision_off_the_operands():

@@ -11,7 +11,8 @@
 #          instruction mix of its k loop (bench/research/sass_hot_loop.py's counting)
 # stalls   where step 12's warps wait, per SASS instruction: ncu's warp states and source
 #          counters of the defaults (STALL_PRECISION, default bf16; STALL_PARAMS) at 8192^3,
-#          the report and its sass page (csv) and raw metrics under $OUT
+#          the report and its sass page (csv) and raw metrics under $OUT; STALL_KERNEL names
+#          another step (mma_tma: step 15)
 . bench/device/prelude.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
@@ -38,6 +39,7 @@ for what in ${*:-ceiling ncu sass}; do
         --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
         --section SpeedOfLight --section SchedulerStats --import-source no -f -o "$rep" \
         python3 -m bench.research.mma_ceiling launch --precision "$prec" --params "${STALL_PARAMS:-}" \
+        ${STALL_KERNEL:+--kernel "$STALL_KERNEL"} \
         > "$rep.log" 2>&1; echo "-- ncu stalls $prec (exit $?)"; tail -3 "$rep.log"
       ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2> "$rep-sass.err"
       echo "sass page exit $? ($(wc -l < "$rep-sass.csv") lines)"; head -c 600 "$rep-sass.err"

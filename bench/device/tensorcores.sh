@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The tensor-core steps (11 mma TF32, 12 mma BF16/FP16, 13 wgmma BF16/FP16 with cp.async,
-# 14 wgmma BF16/FP16 with TMA) on one GPU, in one
-# call, from the repository root:
+# 14 wgmma BF16/FP16 with TMA, 15 mma BF16/FP16 with TMA) on one GPU, in one call, from the
+# repository root:
 #
 #   bash bench/device/tensorcores.sh
 #
 # 1. build: every tensor-core source with CI's nvcc commands (-arch=sm_90, sm_80) and with
 #    -arch=sm_90a, ptxas's register and spill report kept ($OUT/ptxas-<file>-<arch>.txt);
 # 2. compile what the tests and the benchmark use, in parallel (bench.kernels --warm-only);
-#    the GPU tests of steps 11-14 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
+#    the GPU tests of steps 11-15 (tests/test_gpu_kernels.py -k "tensor_core or kernel_for"):
 #    bounds against float64, odd sizes, transposes, poisoned C, alpha/beta; and
 #    precision='s executor test that runs kernel_for's choice (tests/test_precision_gpu.py);
 # 3. the benchmark at 8192^3 (SIZES), each step beside cuBLAS at the same precision, in
@@ -19,7 +19,7 @@
 #    pipeline against in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
 # PRECISIONS (default "tf32 bf16 fp16") limits steps 2-3 to some of them; TC_TESTS=0 skips
 # the tests (a benchmark-only call).
-# Steps 13 and 14 are compiled by nvcc at run time (sm_90a): without nvcc on PATH (or
+# Steps 13, 14 (sm_90a) and 15 are compiled by nvcc at run time: without nvcc on PATH (or
 # /usr/local/cuda/bin) their tests and benchmark fail, and the log says so.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -34,11 +34,11 @@ date -u
 echo "commit ${DISTMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 command -v nvcc >/dev/null && nvcc --version | tail -1 \
-  || echo "nvcc: not found (steps 13 and 14 cannot be built)"
+  || echo "nvcc: not found (steps 13-15 cannot be built)"
 
 echo "== build"
 for cu in kernels/cuda/11_mma_tf32.cu kernels/cuda/12_mma_bf16.cu kernels/cuda/13_wgmma_bf16.cu \
-    kernels/cuda/14_wgmma_tma.cu; do
+    kernels/cuda/14_wgmma_tma.cu kernels/cuda/15_mma_tma.cu; do
   for arch in sm_90 sm_80 sm_90a; do
     log="$OUT/ptxas-$(basename "$cu" .cu)-$arch.txt"
     if nvcc -std=c++17 -arch=$arch -cubin -Xptxas -v -o /dev/null "$cu" > "$log" 2>&1; then
@@ -58,7 +58,7 @@ vargs=(); for v in "${variants[@]}"; do vargs+=(--tc-variant "$v"); done
 read -r -a precisions <<< "${PRECISIONS:-tf32 bf16 fp16}"
 timeout ${T_WARM:-200} $PY -m bench.kernels --precisions "${precisions[@]}" --warm-only "${vargs[@]}" 2>&1 | tail -12
 
-echo "== GPU tests (steps 11-14)"
+echo "== GPU tests (steps 11-15)"
 if [ "${TC_TESTS:-1}" = 0 ]; then echo "skipped (TC_TESTS=0)"; else
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
   tests/test_precision_gpu.py -k "tensor_core or kernel_for or in_flight or tma" > "$OUT/pytest-tensorcores.log" 2>&1

@@ -108,7 +108,7 @@ def launch(args) -> None:
     from bench.kernels import parse_variant
     from distmm.executor import cuda_loader, registry
 
-    name = "mma_tf32" if args.precision == "tf32" else "mma_bf16"
+    name = args.kernel or ("mma_tf32" if args.precision == "tf32" else "mma_bf16")
     spec = registry.get_tc(name)
     fmt = registry.PRECISION_INPUT[args.precision]
     params = dict(spec.params(fmt), **parse_variant(args.params)) if args.params else spec.params(fmt)
@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     la = sub.add_parser("launch")
     la.add_argument("--precision", default="bf16", choices=list(INSTRUCTIONS))
     la.add_argument("--params", default="")
+    la.add_argument("--kernel", default=None,
+                    help="tensor-core step to launch (default: mma_tf32 or mma_bf16, by precision)")
     la.add_argument("--size", type=int, default=8192)
     sa = sub.add_parser("sass")
     sa.add_argument("--precision", default="bf16", choices=list(INSTRUCTIONS))

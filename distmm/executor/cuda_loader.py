@@ -491,7 +491,7 @@ def warm(items: Iterable[tuple], processes: int | None = None) -> list[str]:
 
 def tc_instantiation(expr: str, in_ctype: str, tma: bool = False) -> str:
     """The explicit instantiation of a tensor-core kernel (inputs ``in_ctype``, C float;
-    ``tma``: step 14's signature, A and B as tensor maps)."""
+    ``tma``: steps 14 and 15's signature, A and B as tensor maps)."""
     if tma:
         return (f"template __global__ void {expr}(int, int, int, float, const __grid_constant__ "
                 f"distmm_tmap, const __grid_constant__ distmm_tmap, float, float*, long long);\n")
@@ -507,9 +507,10 @@ def _tc_kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, com
     expr = spec.name_expression(dtype, dict(params_key), ta, tb)
     ctype = registry.TC_INPUT_TYPES[dtype]
     inst = tc_instantiation(expr, ctype, spec.tma)
-    if compiler == "nvcc" or spec.arch_suffix:
+    if compiler == "nvcc" or spec.arch_suffix or spec.tma:
         # sm_90a (wgmma) is an nvcc target here: NVRTC through cupy compiles for the
-        # device's plain compute capability
+        # device's plain compute capability; a kernel taking tensor maps is found by the
+        # cubin's one symbol (mangled_name knows only the pointer signatures)
         return _compile_nvcc(spec, expr, ctype, inst=inst, arch_suffix=spec.arch_suffix)
     module = cupy.RawModule(code=source(spec.file) + "\n" + inst, options=OPTIONS)
     return module.get_function(mangled_name(expr))
@@ -518,7 +519,8 @@ def _tc_kernel(name: str, dtype: str, params_key: tuple, ta: bool, tb: bool, com
 def get_tc_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta: bool = False,
                   tb: bool = False, compiler: str | None = None):
     """The loaded tensor-core kernel ``name`` for input format ``dtype`` ("float32",
-    "bfloat16" or "float16"); compiled on first use (NVRTC, or nvcc for sm_90a)."""
+    "bfloat16" or "float16"); compiled on first use (NVRTC, or nvcc for sm_90a and for the
+    steps that take tensor maps)."""
     spec = registry.get_tc(name)
     dtype = registry._tc_dtype(dtype)
     if dtype not in spec.inputs:
@@ -558,6 +560,11 @@ def to_input_format(x, fmt: str, precision: str | None = None):
     return cupy.where(cupy.isnan(x32), quiet_nan, rounded).astype(cupy.uint16)
 
 
+#: the step that writes beta C for k = 0 in place of a step reading tensor maps (a map has no
+#: empty dimension): the one before it that reads pointers, for the same inputs
+TMA_K_ZERO = {"wgmma_tma": "wgmma_bf16", "mma_tma": "mma_bf16"}
+
+
 def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
               m: int, n: int, k: int, *, precision: str, alpha=1.0, beta=0.0,
               params: Mapping[str, int] | None = None, stream=None, compiler: str | None = None,
@@ -571,13 +578,14 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
     convert before ``cublasGemmEx``); under ``"tf32"`` they are rounded to TF32 copies the
     same way (ties away from zero, cuBLAS's TF32 rounding), which step 11 reads as they are.
-    Step 14 (``spec.tma``) reads operands through tensor maps: an operand whose base or rows
-    are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to step 13.
+    Steps 14 and 15 (``spec.tma``) read operands through tensor maps: an operand whose base or
+    rows are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to the step
+    before them that reads pointers (``TMA_K_ZERO``).
 
     Returns
     -------
     str
-        The name of the kernel that ran (``name``, or step 13's for k = 0 on step 14).
+        The name of the kernel that ran (``name``, or ``TMA_K_ZERO[name]`` for k = 0).
 
     Raises
     ------
@@ -610,8 +618,9 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
             lda, ldb = max(cols_a, 1), max(cols_b, 1)
             if spec.tma:
                 (a, lda), (b, ldb) = _tma_ready(a), _tma_ready(b)
-                if k == 0:  # no tensor map has an empty dimension: step 13 writes beta C
-                    return launch_tc("wgmma_bf16", a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
+                if k == 0:  # no tensor map has an empty dimension: step 13 (after step
+                    # 14) or 12 (after 15) writes beta C
+                    return launch_tc(TMA_K_ZERO[name], a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
                                      precision=precision, alpha=alpha, beta=beta, stream=st,
                                      compiler=compiler, check=check)
                 p = _launch_tma(spec, fmt, params, a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
@@ -668,7 +677,7 @@ def _tma_ready(x):
 
 def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb: int, c,
                 ldc: int, m: int, n: int, k: int, alpha, beta, st, compiler) -> dict:
-    """Step 14's launch: tensor maps of A and B as stored (``tma.encode_2d``, boxes from
+    """The launch of a step that reads tensor maps (14, 15): maps of A and B as stored (``tma.encode_2d``, boxes from
     ``tma.box_for``) and the kernel's parameters passed to the driver by value. Returns the
     parameters it ran with."""
     import ctypes

@@ -1,7 +1,7 @@
 """The one table of distmm's CUDA GEMM kernels.
 
 This module covers: every kernel in ``kernels/cuda/`` (one optimisation step per file;
-steps 1-10 in ``KERNELS``, the reduced-precision tensor-core steps 11-14 in ``TC_KERNELS``
+steps 1-10 in ``KERNELS``, the reduced-precision tensor-core steps 11-15 in ``TC_KERNELS``
 with ``kernel_for``, the lookup by precision and compute capability),
 its template parameters, their defaults per dtype, the autotuner's search space and the
 constraints a configuration must meet, and the launch geometry (threads, tile, grid,
@@ -351,7 +351,7 @@ PRECISION_INPUT = {"tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclass(frozen=True)
 class TensorCoreSpec:
-    """One tensor-core kernel (steps 11-14): a product in a reduced precision, fp32
+    """One tensor-core kernel (steps 11-15): a product in a reduced precision, fp32
     accumulation, float32 C.
 
     Unlike ``KernelSpec``'s kernels, which compute in the dtype of A, B and C alike, these
@@ -362,7 +362,7 @@ class TensorCoreSpec:
         (int M, int N, int K, float alpha, const Tin* A, long long lda,
          const Tin* B, long long ldb, float beta, float* C, long long ldc, int flags)
 
-    except step 14 (``tma``), which takes A and B as tensor maps by value::
+    except steps 14 and 15 (``tma``), which take A and B as tensor maps by value::
 
         (int M, int N, int K, float alpha, distmm_tmap A, distmm_tmap B, float beta,
          float* C, long long ldc)
@@ -396,7 +396,7 @@ class TensorCoreSpec:
     layout_template: bool = True
     grid: str = "linear"
     raw_choice: bool = False  # never best_kernel(): chosen by precision (kernel_for)
-    tma: bool = False  # takes tensor maps of A and B, not pointers (step 14; ``tma``)
+    tma: bool = False  # takes tensor maps of A and B, not pointers (steps 14, 15; ``tma``)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -432,7 +432,8 @@ class TensorCoreSpec:
         data = p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * size
         if self.tma:  # + 1024 to align the stages to the 128-byte swizzle's 1024-byte pattern
             data += 1024
-        return data + (16 * p["STAGES"] if self.wgmma else 0)  # wgmma: two mbarriers a stage
+        # mbarriers: wgmma's full and empty a stage; step 15's full one a stage
+        return data + (16 * p["STAGES"] if self.wgmma else 8 * p["STAGES"] if self.tma else 0)
 
     def name_expression(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> str:
         fmt = dict(p, T=TC_INPUT_TYPES[_tc_dtype(dtype)], TA=str(bool(ta)).lower(),
@@ -457,6 +458,9 @@ class TensorCoreSpec:
         bm, bn, bk, stages = p["BM"], p["BN"], p["BK"], p["STAGES"]
         threads = self.threads(p)
         minb = p.get("MINB", 1)
+        if self.tma and bk * size != 128:
+            out.append(f"BK={bk}: a k tile is one 128-byte swizzle row ({128 // size} "
+                       f"elements of {dtype})")
         if self.wgmma:
             if bm % 64 or not 64 <= bm <= 256:
                 out.append(f"BM={bm}: one consumer warpgroup per 64 rows, 1 to 4 of them")
@@ -466,9 +470,6 @@ class TensorCoreSpec:
                 out.append(f"BK={bk} is not a multiple of wgmma's k (16)")
             if p.get("INFLIGHT", 0) not in (0, 1):
                 out.append(f"INFLIGHT={p['INFLIGHT']}: 0 or 1 wgmma group left running")
-            if self.tma and bk * size != 128:
-                out.append(f"BK={bk}: a k tile is one 128-byte swizzle row ({128 // size} "
-                           f"elements of {dtype})")
             if self.tma and bm > 128:
                 out.append(f"BM={bm}: one or two consumer warpgroups (BM 64 or 128)")
             cap = min(255, 65536 // threads)
@@ -598,6 +599,16 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         tune_space={"block": ((128, 256), (128, 128), (64, 256), (64, 128)), "BK": (64,),
                     "STAGES": (3, 4, 5, 6)},
         min_cc=90, max_cc=90, arch_suffix="a", tma=True),
+    TensorCoreSpec(
+        "mma_tma", 15, "15_mma_tma.cu",
+        "BF16/FP16 mma.sync fed by TMA: step 12's warps, one thread queues the copies (sm_90)",
+        "distmm_gemm_mma_tma<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
+        precisions={"bf16": "bfloat16", "fp16": "float16"},
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1}
+                  for dt in ("bfloat16", "float16")},
+        tune_space={"block": _MMA_BLOCKS, "BK": (64,), "warp": _MMA_WARPS,
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2)},
+        min_cc=90, max_cc=90, tma=True),
 )}
 
 #: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the

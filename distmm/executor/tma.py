@@ -58,7 +58,7 @@ def eligible(ptr: int, rows: int, cols: int, ld: int, itemsize: int = 2) -> bool
 
 
 def box_for(kmajor: bool, tile_rows: int) -> tuple[int, int]:
-    """The box (inner elements, rows) an operand is copied in by step 14: a k-major operand
+    """The box (inner elements, rows) an operand is copied in by steps 14 and 15: a k-major operand
     (A stored M x K, B stored N x K) in one box of ``tile_rows`` rows (BM or BN) of 64 k; an
     mn-major one in boxes of 64 k rows of 64 m or n."""
     return (_BOX_INNER, tile_rows) if kmajor else (_BOX_INNER, _BOX_INNER)

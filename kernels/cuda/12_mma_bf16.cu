@@ -24,31 +24,6 @@
 
 namespace distmm {
 
-template <typename T> struct mma16 { static constexpr bool valid = false; };
-template <> struct mma16<distmm_bf16> { static constexpr bool valid = true; };
-template <> struct mma16<distmm_fp16> { static constexpr bool valid = true; };
-
-template <typename Tin>
-__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b);
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<distmm_bf16>(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 template <int BM, int BN, int BK, int WM, int WN, int STAGES>
 struct Mma16Shape {
     static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;

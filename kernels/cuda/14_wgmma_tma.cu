@@ -33,9 +33,6 @@
 // neighbouring columns per 8-byte store where C allows.
 #include "wgmma.cuh"
 
-// A CUtensorMap's 128 opaque bytes (cuda.h's type, without needing cuda.h)
-struct __align__(64) distmm_tmap { unsigned long long bits[16]; };
-
 namespace distmm {
 
 template <int BM, int BN, int BK, int STAGES>
@@ -53,22 +50,6 @@ struct TmaShape {
 };
 
 #if DISTMM_WGMMA
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-
-// The box of map at coordinates (c0 innermost, c1) into shared memory at dst; its bytes
-// complete the transaction count of mbarrier bar.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const distmm_tmap* map, unsigned bar,
-                                            int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4}], [%2];\n"
-        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
-        : "memory");
-}
-
 __device__ __forceinline__ float epilogue(float acc, float alpha, float beta, const float* c) {
     float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
     if (beta != 0.0f) r = madd(beta, *c, r);
@@ -91,8 +72,8 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
     const int KT = (K + BK - 1) / BK;
 
     if (tid == 0) {
-        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapA)) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(mapB)) : "memory");
+        prefetch_tensormap(mapA);
+        prefetch_tensormap(mapB);
         // full: the producer's expect_tx; empty: one thread per consumer warpgroup
         init_stage_barriers<STAGES>(full0, empty0, 1, S::CONSUMERS);
     }

@@ -166,6 +166,32 @@ __device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, i
 }
 
 
+// BF16 and FP16 inputs of mma.sync m16n8k16 (steps 12 and 15), fp32 accumulators.
+template <typename T> struct mma16 { static constexpr bool valid = false; };
+template <> struct mma16<distmm_bf16> { static constexpr bool valid = true; };
+template <> struct mma16<distmm_fp16> { static constexpr bool valid = true; };
+
+template <typename Tin>
+__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b);
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<distmm_bf16>(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // The mma.sync steps' main loop over KT k tiles of KS k steps (step 11 with LOOP = 1). STAGES shared stages all hold
 // tiles in flight (cp.async groups, one a tile); fragments come in two register buffers, so
 // step s + 1's are read while step s's mma run. The tile boundary sits before the last

@@ -1,13 +1,13 @@
 // Pieces shared by the Hopper steps (13: wgmma with cp.async copies, 14: wgmma with TMA
-// copies): the wgmma instruction for each tile width, the mbarrier operations that hand
-// shared-memory stages between a producer and consumers, and the fence that keeps the
-// accumulators in registers across asynchronous wgmma. Not a kernel by itself.
+// copies): the wgmma instruction for each tile width and the fence that keeps the
+// accumulators in registers across asynchronous wgmma (the mbarriers that hand stages
+// between a producer and consumers are in tma.cuh). Not a kernel by itself.
 //
 // wgmma, setmaxnreg and the rest are in sm_90a's architecture-specific feature set: the
 // bodies that use them are compiled only where DISTMM_WGMMA is 1 (nvcc -arch=sm_90a); other
 // targets (CI's sm_90 and sm_80 checks) see the declarations and compile a body that traps.
 #pragma once
-#include "tensorcore.cuh"
+#include "tma.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DISTMM_WGMMA 1
@@ -130,38 +130,6 @@ template <> struct Wgmma<256> {
             DISTMM_WGMMA_M64N256K16(".f16.f16");
     }
 };
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }\n" :: "r"(bar) : "memory");
-}
-// Arrive once this thread's cp.async copies issued so far have completed (the barrier's
-// count includes this arrival: .noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{ .reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-
-// One thread makes each stage's "full" and "empty" mbarriers (8 bytes each, consecutive from
-// full0 and from empty0) ready for the arrival counts given; the block's barrier follows.
-template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(unsigned full0, unsigned empty0,
-                                                    unsigned full_count, unsigned empty_count) {
-    for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full0 + 8 * s, full_count);
-        mbar_init(empty0 + 8 * s, empty_count);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
 
 template <int R>
 __device__ __forceinline__ void fence_operands(float* d) {

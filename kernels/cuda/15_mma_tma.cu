@@ -1,0 +1,202 @@
+// Step 15: step 12's mma.sync (m16n8k16, BF16/FP16 in, fp32 accumulate) fed by the tensor
+// memory accelerator (TMA), as step 14 feeds wgmma. In step 12 every thread computed the
+// shared and global address of each 16-byte chunk it copied with cp.async, and at the tile
+// boundary those address instructions waited on the copies before them (a tenth of the
+// warps' stall samples, bench/NOTES.md); here one thread asks the copy engine for whole boxes
+// (cp.async.bulk.tensor), which land already in the 128-byte swizzled layout, zero-filled
+// outside the matrix, and count their bytes on the stage's "full" mbarrier. The other
+// threads keep only mma and ldmatrix in the k loop.
+//
+// Shared memory per stage, in 128-byte rows of 64 elements, each 1024-byte group of 8 rows
+// swizzled by the copy engine (chunk c of row r stored at chunk c ^ (r & 7)):
+//   a k-major operand (A stored M x K, B stored N x K): one box of BM (BN) rows by 64 k,
+//     exactly step 12's SWZ_ROW8 tile with BK = 64, read with the same ldsm_offsets;
+//   an mn-major operand (A stored K x M, B stored K x N): BM / 64 (BN / 64) boxes of 64 k
+//     rows by 64 m (n), 8192 bytes each; ldmatrix.trans reads it, each lane's address a box,
+//     a row of 128 bytes and a swizzled chunk (ldsm_offsets_boxed).
+// The tensor maps are step 14's (distmm.executor.tma.box_for).
+//
+// The main loop is step 12's (mma_mainloop's order) with the copies handed to the copy
+// engine: at each tile boundary, after the block's barrier (every warp has read tile kt's
+// stage into registers), thread 0 queues tile kt + STAGES into that stage, and every warp
+// waits on the next stage's full mbarrier before reading its first fragments, which
+// tile kt's last mma hide. No warp is set apart as a producer: two blocks of four warps
+// share an SM as in step 12.
+#include "tma.cuh"
+
+namespace distmm {
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+struct MmaTmaShape {
+    static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
+    static constexpr int MI = WM / 16, NI = WN / 8, KS = BK / 16;
+    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static constexpr int BOX_BYTES = 64 * BK * 2;  // an mn-major box: 64 k rows of 64 m or n
+    // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + a full mbarrier each
+    static constexpr int SMEM_BYTES = 1024 + STAGES * (A_BYTES + B_BYTES) + STAGES * 8;
+    static_assert(BK == 64, "a k tile is one 128-byte swizzle row of 16-bit elements");
+    static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shapes");
+    static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "boxes of 64, at most 256 rows");
+    static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
+};
+
+// The lane's ldmatrix.x4 addresses in an mn-major stage of 64-column boxes (BOX bytes each,
+// rows of 128 bytes): as ldsm_offsets' m/n-contiguous case, whose 16-byte chunk e of k row
+// r sat at r * COLS * 2 + ((e ^ x) << 4), with chunk e now in box e / 8 at chunk (e ^ x) % 8.
+// A k step of 16 rows adds 16 * 128 bytes.
+template <int N_OFF, int BOX>
+__device__ __forceinline__ void ldsm_offsets_boxed(unsigned (&off)[N_OFF], int base, int lane,
+                                                   int rsel, int csel) {
+    const int lr = lane % 8, x = csel ^ lr;
+#pragma unroll
+    for (int q = 0; q < N_OFF; ++q) {
+        const int e = (base + 16 * q) / 8;
+        off[q] = (unsigned)((e / 8) * BOX + (lr + 8 * rsel) * 128 + (((e ^ x) & 7) << 4));
+    }
+}
+
+#if DISTMM_TMA
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+__device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
+                                             const distmm_tmap* mapA, const distmm_tmap* mapB,
+                                             float beta, float* __restrict__ C, long long ldc) {
+    typedef MmaTmaShape<BM, BN, BK, WM, WN, STAGES> S;
+    constexpr int MI = S::MI, NI = S::NI, KS = S::KS;
+    extern __shared__ unsigned char distmm_smem[];
+    const unsigned raw = smem_addr(distmm_smem);
+    const unsigned as0 = (raw + 1023u) & ~1023u, bs0 = as0 + STAGES * S::A_BYTES;
+    const unsigned full0 = bs0 + STAGES * S::B_BYTES;
+
+    const int tid = threadIdx.x;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm = warp / S::WGN, wn = warp % S::WGN;
+    const int g = lane / 4, t = lane % 4, lj = lane / 8;
+    const int KT = (K + BK - 1) / BK;
+
+    if (tid == 0) {
+        prefetch_tensormap(mapA);
+        prefetch_tensormap(mapB);
+        init_stage_barriers<STAGES, false>(full0, 0, 1, 0);
+    }
+    __syncthreads();
+
+    // thread 0 only: tile kt's boxes of A and B into stage `stage`
+    auto load_tile = [&](int kt, int stage) {
+        const unsigned full = full0 + 8 * stage;
+        mbar_expect_tx(full, S::A_BYTES + S::B_BYTES);
+        const int k0 = kt * BK;
+        const unsigned as = as0 + stage * S::A_BYTES, bs = bs0 + stage * S::B_BYTES;
+        if (!TA) {
+            tma_load_2d(as, mapA, full, k0, m0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < BM / 64; ++j) tma_load_2d(as + j * S::BOX_BYTES, mapA, full, m0 + 64 * j, k0);
+        }
+        if (TB) {
+            tma_load_2d(bs, mapB, full, k0, n0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < BN / 64; ++j) tma_load_2d(bs + j * S::BOX_BYTES, mapB, full, n0 + 64 * j, k0);
+        }
+    };
+
+    // shared -> registers: A's fragment i of k step s, B's pair jp (two n tiles) of step s
+    constexpr bool AK = !TA, BKC = TB;
+    constexpr int AN = AK ? KS : MI, BNO = BKC ? KS : NI / 2;
+    unsigned a_off[AN], b_off[BNO];
+    if (AK) ldsm_offsets<true, AN, BK, BM, 2>(a_off, wm * WM, lane, lj % 2, lj / 2);
+    else    ldsm_offsets_boxed<AN, S::BOX_BYTES>(a_off, wm * WM, lane, lj / 2, lj % 2);
+    if (BKC) ldsm_offsets<true, BNO, BK, BN, 2>(b_off, wn * WN, lane, lj / 2, lj % 2);
+    else     ldsm_offsets_boxed<BNO, S::BOX_BYTES>(b_off, wn * WN, lane, lj % 2, lj / 2);
+    constexpr unsigned KSTEP_MN = 16 * 128;  // bytes a k step of 16 moves in an mn-major box
+
+    float acc[MI][NI][4];
+    zero_acc(acc);
+    unsigned af[2][MI][4], bf[2][NI][2];
+    auto load_frags = [&](int stage, int s, int buf) {
+        const unsigned sa = as0 + stage * S::A_BYTES, sb = bs0 + stage * S::B_BYTES;
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+            ldmatrix_x4<TA>(af[buf][i], sa + (AK ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * KSTEP_MN));
+#pragma unroll
+        for (int jp = 0; jp < NI / 2; ++jp) {
+            unsigned r[4];
+            ldmatrix_x4<!TB>(r, sb + (BKC ? b_off[s] + jp * 16 * BK * 2 : b_off[jp] + s * KSTEP_MN));
+            bf[buf][2 * jp][0] = r[0]; bf[buf][2 * jp][1] = r[1];
+            bf[buf][2 * jp + 1][0] = r[2]; bf[buf][2 * jp + 1][1] = r[3];
+        }
+    };
+    auto mma_step = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
+    };
+
+    if (tid == 0) {
+#pragma unroll 1
+        for (int st = 0; st < STAGES && st < KT; ++st) load_tile(st, st);
+    }
+    int stage = 0;
+    if (KT > 0) {
+        mbar_wait(full0, 0);
+        load_frags(0, 0, 0);
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            if (s == KS - 1) {
+                __syncthreads();  // every warp has read tile kt's stage: it may be refilled
+                if (tid == 0 && kt + STAGES < KT) load_tile(kt + STAGES, stage);
+                stage = next_stage<STAGES>(stage);
+                if (kt + 1 < KT) {
+                    mbar_wait(full0 + 8 * stage, ((kt + 1) / STAGES) & 1);
+                    load_frags(stage, 0, 0);
+                }
+            } else {
+                load_frags(stage, s + 1, (s + 1) % 2);
+            }
+            mma_step(s % 2);
+        }
+    }
+    store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
+}
+#endif  // DISTMM_TMA
+
+}  // namespace distmm
+
+// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. mapA / mapB describe A and
+// B as stored (TA: A stored K x M; TB: B stored N x K), with step 14's boxes
+// (distmm.executor.tma.box_for).
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
+distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
+                    const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
+                    long long ldc) {
+    static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES;
+#if DISTMM_TMA
+    distmm::mma_tma_body<Tin, BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, &mapA, &mapB,
+                                                                 beta, C, ldc);
+#else
+    __trap();  // no TMA below compute capability 9.0: the registry never launches this build
+#endif
+}
+
+#ifndef DISTMM_NVRTC
+// The registry's default configuration, for standalone compile checks.
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                 \
+    template __global__ void distmm_gemm_mma_tma<T, BM, BN, BK, WM, WN, ST, MINB, TA, TB>(    \
+        int, int, int, float, const __grid_constant__ distmm_tmap,                            \
+        const __grid_constant__ distmm_tmap, float, float*, long long);
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1)
+#endif

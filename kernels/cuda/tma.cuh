@@ -1,0 +1,79 @@
+// Pieces shared by the steps whose shared-memory stages are handed over with mbarriers and
+// filled by the tensor memory accelerator (TMA): 13 and 14 (wgmma) and 15 (mma.sync fed by
+// TMA). The mbarrier operations, the copy of one box of a tensor map into shared memory, and
+// the tensor map's 128 opaque bytes. Not a kernel by itself.
+//
+// mbarrier.try_wait, expect_tx and cp.async.bulk.tensor are sm_90 instructions: their bodies
+// are compiled only where DISTMM_TMA is 1 (device code for compute capability 9.0 and later);
+// elsewhere (CI's sm_80 check, the host pass) the kernels that use them compile a body that
+// traps, which the registry never launches.
+#pragma once
+#include "tensorcore.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DISTMM_TMA 1
+#else
+#define DISTMM_TMA 0
+#endif
+
+// A CUtensorMap's 128 opaque bytes (cuda.h's type, without needing cuda.h)
+struct __align__(64) distmm_tmap { unsigned long long bits[16]; };
+
+namespace distmm {
+
+#if DISTMM_TMA
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }\n" :: "r"(bar) : "memory");
+}
+// Arrive once this thread's cp.async copies issued so far have completed (the barrier's
+// count includes this arrival: .noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{ .reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One thread makes each stage's "full" and "empty" mbarriers (8 bytes each, consecutive from
+// full0 and from empty0) ready for the arrival counts given; the block's barrier follows.
+// EMPTY false: full barriers only (step 15, whose block barrier hands stages back).
+template <int STAGES, bool EMPTY = true>
+__device__ __forceinline__ void init_stage_barriers(unsigned full0, unsigned empty0,
+                                                    unsigned full_count, unsigned empty_count) {
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full0 + 8 * s, full_count);
+        if (EMPTY) mbar_init(empty0 + 8 * s, empty_count);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensormap(const distmm_tmap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// The box of map at coordinates (c0 innermost, c1) into shared memory at dst; its bytes
+// complete the transaction count of mbarrier bar.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const distmm_tmap* map, unsigned bar,
+                                            int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];\n"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+#endif  // DISTMM_TMA
+
+}  // namespace distmm
