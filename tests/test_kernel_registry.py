@@ -378,15 +378,18 @@ def test_tma_step_constraints():
 
 def test_mma_tma_step_constraints():
     """Step 15: step 12's warps and tiles, a k tile of one 128-byte swizzle row (BK 64 only),
-    1024 bytes of alignment and a full mbarrier a stage; k = 0 goes to step 12."""
+    1024 bytes of alignment, a full and an empty mbarrier a stage, stages handed back by a
+    block barrier or by the empty mbarriers (SYNC); k = 0 goes to step 12."""
     spec = registry.get_tc("mma_tma")
     p = spec.params("bfloat16")
-    assert p == registry.get_tc("mma_bf16").params("bfloat16")
     assert spec.tma and not spec.wgmma and spec.step == 15 and not spec.arch_suffix
     assert spec.threads(p) == 128  # four 64 x 64 warp tiles
     assert any("swizzle row" in v for v in spec.violations("bfloat16", dict(p, BK=128)))
     assert spec.violations("float16", p) == []
-    assert spec.smem_bytes("bfloat16", p) == 1024 + 3 * (128 + 128) * 64 * 2 + 3 * 8
+    assert p == dict(registry.get_tc("mma_bf16").params("bfloat16"), SYNC=0)
+    assert spec.smem_bytes("bfloat16", p) == 1024 + 3 * (128 + 128) * 64 * 2 + 3 * 16
+    assert any("SYNC=2" in v for v in spec.violations("bfloat16", dict(p, SYNC=2)))
+    assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1}
     assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
     assert not spec.runs_on(80) and spec.runs_on(90)
     assert cuda_loader.TMA_K_ZERO == {"wgmma_tma": "wgmma_bf16", "mma_tma": "mma_bf16"}

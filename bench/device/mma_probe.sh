@@ -34,7 +34,7 @@ for what in ${*:-ceiling ncu sass}; do
         grep -E "TFLOP|Duration|Throughput|Issue Slots|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Registers Per|Stall|Warp Cycles Per Issued|Executed Ipc|Achieved Occupancy|Bank|L2 Hit|Pipe" "$log" | head -40
       done ;;
     stalls)
-      prec=${STALL_PRECISION:-bf16}; rep="$OUT/stalls-$prec"
+      prec=${STALL_PRECISION:-bf16}; rep="$OUT/stalls-$prec${STALL_KERNEL:+-$STALL_KERNEL}"
       timeout ${T_NCU:-180} ncu --clock-control none --kernel-name regex:distmm_gemm_mma \
         --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
         --section SpeedOfLight --section SchedulerStats --import-source no -f -o "$rep" \
@@ -45,7 +45,8 @@ for what in ${*:-ceiling ncu sass}; do
       echo "sass page exit $? ($(wc -l < "$rep-sass.csv") lines)"; head -c 600 "$rep-sass.err"
       ncu --import "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
       ncu --import "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
-      grep -iE "stall|Issued|Eligible|Throughput|Warp Cycles" "$rep-details.txt" | head -40 ;;
+      grep -iE "stall|Issued|Eligible|Throughput|Warp Cycles" "$rep-details.txt" | head -40
+      python3 -m bench.research.stall_table "$rep-sass.csv" --top 30 | tee "$rep-table.txt" ;;
     sass)
       python3 -m bench.research.mma_ceiling sass > "$OUT/sass-mma-bf16.txt" 2>&1; echo "exit $?"
       head -60 "$OUT/sass-mma-bf16.txt" ;;

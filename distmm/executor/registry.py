@@ -432,8 +432,8 @@ class TensorCoreSpec:
         data = p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * size
         if self.tma:  # + 1024 to align the stages to the 128-byte swizzle's 1024-byte pattern
             data += 1024
-        # mbarriers: wgmma's full and empty a stage; step 15's full one a stage
-        return data + (16 * p["STAGES"] if self.wgmma else 8 * p["STAGES"] if self.tma else 0)
+        # mbarriers: a full and an empty one a stage (wgmma, and the steps fed by TMA)
+        return data + (16 * p["STAGES"] if self.wgmma or self.tma else 0)
 
     def name_expression(self, dtype: str, p: Mapping[str, int], ta: bool, tb: bool) -> str:
         fmt = dict(p, T=TC_INPUT_TYPES[_tc_dtype(dtype)], TA=str(bool(ta)).lower(),
@@ -498,6 +498,9 @@ class TensorCoreSpec:
             if minb not in (1, 2, 3, 4):
                 out.append("MINB (blocks per SM the register budget allows) must be 1..4, "
                            f"got {minb}")
+            if p.get("SYNC", 0) not in (0, 1):
+                out.append(f"SYNC={p['SYNC']}: 0 (a block barrier hands stages back) or 1 "
+                           "(an empty mbarrier a stage)")
             if p.get("LOOP", 0) not in (0, 1):
                 out.append(f"LOOP={p['LOOP']}: 0 (one fragment buffer) or 1 (two, the tile "
                            "boundary before the last k step)")
@@ -516,9 +519,10 @@ class TensorCoreSpec:
         dtype = _tc_dtype(dtype)
         space = self.tune_space
         out = [self.params(dtype)]
-        for blk, bk, warp, stages, minb, inflight, loop in itertools.product(
+        for blk, bk, warp, stages, minb, inflight, loop, sync in itertools.product(
                 space["block"], space["BK"], space.get("warp", (None,)), space["STAGES"],
-                space.get("MINB", (1,)), space.get("INFLIGHT", (None,)), space.get("LOOP", (None,))):
+                space.get("MINB", (1,)), space.get("INFLIGHT", (None,)), space.get("LOOP", (None,)),
+                space.get("SYNC", (None,))):
             p = {"BM": blk[0], "BN": blk[1], "BK": bk}
             if warp is not None:
                 p.update(WM=warp[0], WN=warp[1])
@@ -529,6 +533,8 @@ class TensorCoreSpec:
                 p["INFLIGHT"] = inflight
             if loop is not None:
                 p["LOOP"] = loop
+            if sync is not None:
+                p["SYNC"] = sync
             for key, value in self.defaults[dtype].items():  # settings outside the space
                 p.setdefault(key, value)
             if p not in out and not self.violations(dtype, p, cc):
@@ -602,12 +608,12 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
     TensorCoreSpec(
         "mma_tma", 15, "15_mma_tma.cu",
         "BF16/FP16 mma.sync fed by TMA: step 12's warps, one thread queues the copies (sm_90)",
-        "distmm_gemm_mma_tma<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{TA},{TB}>",
+        "distmm_gemm_mma_tma<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{SYNC},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1}
-                  for dt in ("bfloat16", "float16")},
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1,
+                       "SYNC": 0} for dt in ("bfloat16", "float16")},
         tune_space={"block": _MMA_BLOCKS, "BK": (64,), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2)},
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "SYNC": (0, 1)},
         min_cc=90, max_cc=90, tma=True),
 )}
 

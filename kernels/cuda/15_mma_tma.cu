@@ -17,11 +17,13 @@
 // The tensor maps are step 14's (distmm.executor.tma.box_for).
 //
 // The main loop is step 12's (mma_mainloop's order) with the copies handed to the copy
-// engine: at each tile boundary, after the block's barrier (every warp has read tile kt's
-// stage into registers), thread 0 queues tile kt + STAGES into that stage, and every warp
-// waits on the next stage's full mbarrier before reading its first fragments, which
-// tile kt's last mma hide. No warp is set apart as a producer: two blocks of four warps
-// share an SM as in step 12.
+// engine: at each tile boundary, once every warp has read tile kt's stage into registers,
+// thread 0 queues tile kt + STAGES into that stage, and every warp waits on the next stage's
+// full mbarrier before reading its first fragments, which tile kt's last mma hide. How a
+// stage is handed back (SYNC): 0, the block's barrier; 1, an "empty" mbarrier each stage, on
+// which each warp arrives once it has read the stage, so that only thread 0's warp waits for
+// the slowest. No warp is set apart as a producer: two blocks of four warps share an SM as in
+// step 12.
 #include "tma.cuh"
 
 namespace distmm {
@@ -32,8 +34,9 @@ struct MmaTmaShape {
     static constexpr int MI = WM / 16, NI = WN / 8, KS = BK / 16;
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     static constexpr int BOX_BYTES = 64 * BK * 2;  // an mn-major box: 64 k rows of 64 m or n
-    // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + a full mbarrier each
-    static constexpr int SMEM_BYTES = 1024 + STAGES * (A_BYTES + B_BYTES) + STAGES * 8;
+    // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + a full and an empty
+    // mbarrier each
+    static constexpr int SMEM_BYTES = 1024 + STAGES * (A_BYTES + B_BYTES) + STAGES * 16;
     static_assert(BK == 64, "a k tile is one 128-byte swizzle row of 16-bit elements");
     static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shapes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "boxes of 64, at most 256 rows");
@@ -56,7 +59,7 @@ __device__ __forceinline__ void ldsm_offsets_boxed(unsigned (&off)[N_OFF], int b
 }
 
 #if DISTMM_TMA
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int SYNC, bool TA, bool TB>
 __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                                              const distmm_tmap* mapA, const distmm_tmap* mapB,
                                              float beta, float* __restrict__ C, long long ldc) {
@@ -65,7 +68,7 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     extern __shared__ unsigned char distmm_smem[];
     const unsigned raw = smem_addr(distmm_smem);
     const unsigned as0 = (raw + 1023u) & ~1023u, bs0 = as0 + STAGES * S::A_BYTES;
-    const unsigned full0 = bs0 + STAGES * S::B_BYTES;
+    const unsigned full0 = bs0 + STAGES * S::B_BYTES, empty0 = full0 + 8 * STAGES;
 
     const int tid = threadIdx.x;
     int m0, n0;
@@ -78,7 +81,7 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     if (tid == 0) {
         prefetch_tensormap(mapA);
         prefetch_tensormap(mapB);
-        init_stage_barriers<STAGES, false>(full0, 0, 1, 0);
+        init_stage_barriers<STAGES, SYNC == 1>(full0, empty0, 1, S::NT / 32);
     }
     __syncthreads();
 
@@ -148,8 +151,14 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     for (int kt = 0; kt < KT; ++kt) {
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
-            if (s == KS - 1) {
-                __syncthreads();  // every warp has read tile kt's stage: it may be refilled
+            if (s == KS - 1) {  // every warp has read tile kt's stage: it may be refilled
+                if (SYNC == 0) {
+                    __syncthreads();
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty0 + 8 * stage);
+                    if (tid == 0 && kt + STAGES < KT) mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
+                }
                 if (tid == 0 && kt + STAGES < KT) load_tile(kt + STAGES, stage);
                 stage = next_stage<STAGES>(stage);
                 if (kt + 1 < KT) {
@@ -171,15 +180,17 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
 // Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. mapA / mapB describe A and
 // B as stored (TA: A stored K x M; TB: B stored N x K), with step 14's boxes
 // (distmm.executor.tma.box_for).
-template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, bool TA, bool TB>
+template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int SYNC,
+          bool TA, bool TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
                     const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
                     long long ldc) {
     static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    static_assert(SYNC == 0 || SYNC == 1, "SYNC: 0 (block barrier) or 1 (empty mbarriers)");
     (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES;
 #if DISTMM_TMA
-    distmm::mma_tma_body<Tin, BM, BN, BK, WM, WN, STAGES, TA, TB>(M, N, K, alpha, &mapA, &mapB,
+    distmm::mma_tma_body<Tin, BM, BN, BK, WM, WN, STAGES, SYNC, TA, TB>(M, N, K, alpha, &mapA, &mapB,
                                                                  beta, C, ldc);
 #else
     __trap();  // no TMA below compute capability 9.0: the registry never launches this build
@@ -188,15 +199,16 @@ distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ di
 
 #ifndef DISTMM_NVRTC
 // The registry's default configuration, for standalone compile checks.
-#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, TA, TB)                                 \
-    template __global__ void distmm_gemm_mma_tma<T, BM, BN, BK, WM, WN, ST, MINB, TA, TB>(    \
+#define DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, SY, TA, TB)                             \
+    template __global__ void distmm_gemm_mma_tma<T, BM, BN, BK, WM, WN, ST, MINB, SY, TA, TB>(\
         int, int, int, float, const __grid_constant__ distmm_tmap,                            \
         const __grid_constant__ distmm_tmap, float, float*, long long);
-#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB)                 \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, false)      \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, false, true)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, false)       \
-    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, true, true)
-DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1)
-DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1)
+#define DISTMM_INST(T, BM, BN, BK, WM, WN, ST, MINB, SY)                 \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, SY, false, false)      \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, SY, false, true)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, SY, true, false)       \
+    DISTMM_INST2(T, BM, BN, BK, WM, WN, ST, MINB, SY, true, true)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 0)
+DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1, 0)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 1)
 #endif
