@@ -345,6 +345,21 @@ def test_wgmma_with_a_group_left_in_flight(precision, case):
     _tc_run(spec, precision, *case, params=dict(p, STAGES=3, BK=32))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: "x".join(map(str, c[:3])) + (
+    "-" + "t" * c[3] + "n" * (not c[3]) + "t" * c[4] + "n" * (not c[4])))
+def test_mma_tma_with_the_other_hand_back(precision, case):
+    """Step 15 with the stage hand-back its defaults do not use (SYNC: the block barrier or
+    the empty mbarriers), on the defaults' cases, and with two stages (every stage refilled
+    as soon as it is read)."""
+    spec = registry.get_tc("mma_tma")
+    _skip_unless_runs(spec)
+    p = spec.params(spec.precisions[precision])
+    p = dict(p, SYNC=1 - p["SYNC"])
+    _tc_run(spec, precision, *case, params=p)
+    _tc_run(spec, precision, *case, params=dict(p, STAGES=2))
+
+
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
 def test_launch_dispatches_tensor_core_steps(mode):
     """``cuda_loader.launch`` on operands already in the input format gives what
