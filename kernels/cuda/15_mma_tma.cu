@@ -18,10 +18,10 @@
 //
 // The main loop is step 12's (mma_mainloop's order) with the copies handed to the copy
 // engine: at each tile boundary, once every warp has read tile kt's stage into registers,
-// thread 0 queues tile kt + STAGES into that stage, and every warp waits on the next stage's
+// one lane of warp 0 queues tile kt + STAGES into that stage, and every warp waits on the next stage's
 // full mbarrier before reading its first fragments, which tile kt's last mma hide. How a
 // stage is handed back (SYNC): 0, the block's barrier; 1, an "empty" mbarrier each stage, on
-// which each warp arrives once it has read the stage, so that only thread 0's warp waits for
+// which each warp arrives once it has read the stage, so that only warp 0 waits for
 // the slowest. No warp is set apart as a producer: two blocks of four warps share an SM as in
 // step 12.
 #include "tma.cuh"
@@ -73,19 +73,20 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     const int tid = threadIdx.x;
     int m0, n0;
     grouped_tile_origin<BM, BN>(M, N, m0, n0);
-    const int warp = tid / 32, lane = tid % 32;
+    // the warp's index through a shuffle: the compiler then knows it is warp-uniform
+    const int warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
     const int wm = warp / S::WGN, wn = warp % S::WGN;
     const int g = lane / 4, t = lane % 4, lj = lane / 8;
     const int KT = (K + BK - 1) / BK;
 
-    if (tid == 0) {
+    if (warp == 0 && elect_one()) {
         prefetch_tensormap(mapA);
         prefetch_tensormap(mapB);
         init_stage_barriers<STAGES, SYNC == 1>(full0, empty0, 1, S::NT / 32);
     }
     __syncthreads();
 
-    // thread 0 only: tile kt's boxes of A and B into stage `stage`
+    // one elected lane of warp 0 only: tile kt's boxes of A and B into stage `stage`
     auto load_tile = [&](int kt, int stage) {
         const unsigned full = full0 + 8 * stage;
         mbar_expect_tx(full, S::A_BYTES + S::B_BYTES);
@@ -138,9 +139,12 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
             for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
     };
 
-    if (tid == 0) {
+    if (warp == 0) {
+        if (elect_one()) {
 #pragma unroll 1
-        for (int st = 0; st < STAGES && st < KT; ++st) load_tile(st, st);
+            for (int st = 0; st < STAGES && st < KT; ++st) load_tile(st, st);
+        }
+        __syncwarp();
     }
     int stage = 0;
     if (KT > 0) {
@@ -157,9 +161,12 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                 } else {
                     __syncwarp();
                     if (lane == 0) mbar_arrive(empty0 + 8 * stage);
-                    if (tid == 0 && kt + STAGES < KT) mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
+                    if (warp == 0 && kt + STAGES < KT) mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
                 }
-                if (tid == 0 && kt + STAGES < KT) load_tile(kt + STAGES, stage);
+                if (warp == 0 && kt + STAGES < KT) {
+                    if (elect_one()) load_tile(kt + STAGES, stage);
+                    __syncwarp();
+                }
                 stage = next_stage<STAGES>(stage);
                 if (kt + 1 < KT) {
                     mbar_wait(full0 + 8 * stage, ((kt + 1) / STAGES) & 1);

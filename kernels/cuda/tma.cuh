@@ -64,6 +64,16 @@ __device__ __forceinline__ void prefetch_tensormap(const distmm_tmap* map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
+// True in one lane of the converged warp (elect.sync), false in the others. A copy issued
+// under it (in a warp-uniform branch) needs no loop over the active lanes to move its
+// operands into uniform registers, as one under `threadIdx.x == 0` does.
+__device__ __forceinline__ bool elect_one() {
+    unsigned pred = 0;
+    asm volatile("{ .reg .b32 rx; .reg .pred px; elect.sync rx|px, %1; @px mov.s32 %0, 1; }\n"
+                 : "+r"(pred) : "r"(0xffffffffu));
+    return pred != 0;
+}
+
 // The box of map at coordinates (c0 innermost, c1) into shared memory at dst; its bytes
 // complete the transaction count of mbarrier bar.
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const distmm_tmap* map, unsigned bar,
