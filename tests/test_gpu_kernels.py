@@ -360,6 +360,35 @@ def test_mma_tma_with_the_other_hand_back(precision, case):
     _tc_run(spec, precision, *case, params=dict(p, STAGES=2))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mma_tma_equals_step_12_bit_for_bit(precision):
+    """Step 15 issues step 12's mma in step 12's order, so on the same operands the two agree
+    bit for bit. Large enough (thousands of blocks, two an SM, many k tiles) for a stage
+    refilled before every warp has read it to show: a single fragment from the wrong k tile
+    changes some element."""
+    spec, ref = registry.get_tc("mma_tma"), registry.get_tc("mma_bf16")
+    _skip_unless_runs(spec)
+    fmt = spec.precisions[precision]
+    rng = cupy.random.default_rng()
+    m, n, k = 4096, 2048, 8192
+    for ta, tb in ((False, False), (True, True), (False, True), (True, False)):
+        a = cuda_loader.to_input_format(
+            rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32), fmt)
+        b = cuda_loader.to_input_format(
+            rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32), fmt)
+        lda, ldb = a.shape[1], b.shape[1]
+        want = cupy.full((m, n), np.nan, dtype=np.float32)
+        cuda_loader.launch_tc(ref.name, a, ta, lda, b, tb, ldb, want, n, m, n, k,
+                              precision=precision, check=True)
+        for sync in (0, 1):
+            got = cupy.full((m, n), np.nan, dtype=np.float32)
+            cuda_loader.launch_tc(spec.name, a, ta, lda, b, tb, ldb, got, n, m, n, k,
+                                  precision=precision, check=True,
+                                  params=dict(spec.params(fmt), SYNC=sync))
+            diff = int((got != want).sum())
+            assert diff == 0, f"{ta=} {tb=} SYNC={sync}: {diff} elements differ from step 12"
+
+
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)
 def test_launch_dispatches_tensor_core_steps(mode):
     """``cuda_loader.launch`` on operands already in the input format gives what

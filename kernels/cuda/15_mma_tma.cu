@@ -164,7 +164,10 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                     if (warp == 0 && kt + STAGES < KT) mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
                 }
                 if (warp == 0 && kt + STAGES < KT) {
-                    if (elect_one()) load_tile(kt + STAGES, stage);
+                    if (elect_one()) {
+                        fence_proxy_async();  // the warps' reads of the stage before the copy
+                        load_tile(kt + STAGES, stage);
+                    }
                     __syncwarp();
                 }
                 stage = next_stage<STAGES>(stage);

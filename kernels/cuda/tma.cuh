@@ -64,6 +64,14 @@ __device__ __forceinline__ void prefetch_tensormap(const distmm_tmap* map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
+// Orders this thread's view of shared memory, as the block barrier or an mbarrier handed it
+// over, before what the async proxy (the copy engine) writes next: the fragments other warps
+// read with ldmatrix before handing a stage back must not be overwritten by the next copy
+// into it (a write-after-read across proxies, which neither barrier orders by itself).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // True in one lane of the converged warp (elect.sync), false in the others. A copy issued
 // under it (in a warp-uniform branch) needs no loop over the active lanes to move its
 // operands into uniform registers, as one under `threadIdx.x == 0` does.
