@@ -399,6 +399,18 @@ def test_no_ceilings_and_no_predictions_give_notes_not_figures(tmp_path):
     assert "Roofline ceilings" not in text and "Predicted against measured" not in text
 
 
+def test_invalid_records_are_left_out_and_counted(tmp_path):
+    """A record marked ``invalid`` (kept in its file for the history) is in no table: here
+    a distmm-mpi figure twice as fast as its own run's, which would change the strong row."""
+    bad = dict(record("distmm-mpi", 1.0, ranks=2), invalid="the kernel was wrong")
+    out = tmp_path / "report"
+    assert main(["report", str(write_jsonl(tmp_path / "r.jsonl", STRONG + [bad])), "-o",
+                 str(out)]) == 0
+    text = check_folder(out, {"tflops-scaling-test-cpu.png", "strong-scaling-test-cpu.png"})
+    assert "| ranks 2 | 5 | 1.60 | 80.0% |" in text
+    assert "- 1 records marked invalid were left out (each record's `invalid` says why)." in text
+
+
 def test_only_and_no_html_and_a_bad_section(tmp_path, capsys):
     recs = write_jsonl(tmp_path / "r.jsonl", ROOF + STRONG)
     out = tmp_path / "report"

@@ -32,6 +32,9 @@ The rules, in one place:
   (its ``source``), so it is kept out of the TFLOP/s, scaling and share figures. A prediction
   (``seconds`` null) joins the scaling series of its family at its count where that count was
   not measured, drawn hollow and labelled "predicted" in the figure and the table.
+- **invalid records**: a record whose ``invalid`` says why its figure is not to be used (a
+  kernel later found wrong, say) stays in its file for the history and is left out of every
+  section; the report's notes count them.
 - **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``);
   a device without them is named in the report's notes.
 """
@@ -512,6 +515,8 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     folder = Path(output)
     _check_output(folder, overwrite)
     records, profiles = read_inputs(paths)
+    invalid = [r for r in records if r.get("invalid")]
+    records = [r for r in records if not r.get("invalid")]
     try:
         import matplotlib
 
@@ -527,8 +532,12 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     weak = scaling(records, "weak") if "weak" in sections else []
     profiles = profiles if "timeline" in sections else []
     roofs, notes = {}, []
+    if invalid:
+        notes.append(f"{len(invalid)} records marked invalid were left out (each record's "
+                     "`invalid` says why).")
     if "roofline" in sections:
-        roofs, notes = _rooflines([r for r in records if "predicted_seconds" not in r])
+        roofs, roof_notes = _rooflines([r for r in records if "predicted_seconds" not in r])
+        notes += roof_notes
     model = model_rows(records) if "model" in sections else []
     if "model" in sections and not model:
         notes.append("No predicted against measured figure: no record has predicted_seconds.")
