@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--work", default="/tmp/distmm-resume")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--profile-dir", default=None,
+                   help="each run's distmm matmul --profile, as resume-<repeat>-<whole|stopped|"
+                        "resumed>.json here (a stopped run writes its profile too)")
     p.add_argument("extra", nargs="*", help="arguments for distmm matmul (after --)")
     args = p.parse_args(argv)
 
@@ -94,30 +97,38 @@ def main(argv=None) -> int:
     writer = RecordWriter("mpi-resume", gpu_name() if gpu else cpu_model(),
                           out_dir=args.out_dir, ranks=args.ranks,
                           ompi_mca_btl=os.environ.get("OMPI_MCA_btl", "default"))
+    def extra(rep: int, which: str) -> list[str]:
+        if args.profile_dir is None:
+            return list(args.extra)
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        return [*args.extra, "--profile", str(Path(args.profile_dir) / f"resume-{rep}-{which}.json")]
+
     for rep in range(args.repeat):
         for path in (whole, c):
             path.unlink(missing_ok=True)
-        full, rc, text = _run(_command(args.ranks, a, b, whole, args.extra))
+        full, rc, text = _run(_command(args.ranks, a, b, whole, extra(rep, "whole")))
         if rc:
             print(f"whole run failed (exit {rc}): {text[-800:]}", flush=True)
             return 1
-        stopped, stop_rc, text = _run(_command(args.ranks, a, b, c, args.extra),
+        stopped, stop_rc, text = _run(_command(args.ranks, a, b, c, extra(rep, "stopped")),
                                       stop_after=args.at * full)
         if stop_rc == 0 or c.exists():
             print(f"the stop at {args.at * full:.2f} s did not leave a resumable run (exit {stop_rc}, "
                   f"output {'present' if c.exists() else 'absent'}): {text[-400:]}", flush=True)
             return 1
-        resumed, rc, text = _run(_command(args.ranks, a, b, c, args.extra))
+        resumed, rc, text = _run(_command(args.ranks, a, b, c, extra(rep, "resumed")))
         if rc:
             print(f"resumed run failed (exit {rc}): {text[-800:]}", flush=True)
             return 1
         same = filecmp.cmp(whole, c, shallow=False)
         rec = writer.add(f"resumed-{args.ranks}", dtype, n, n, n, resumed, None,
                          full_seconds=full, stopped_after=stopped, stop_at=args.at,
+                         stop_to_exit=stopped - args.at * full,
                          share_of_full=resumed / full, bitwise_equal=same,
                          stopped_status=stop_rc,
                          note="a whole run, then one stopped by SIGTERM to its ranks and resumed")
-        print(f"n={n} ranks={args.ranks}: whole {full:.2f} s; stopped at {stopped:.2f} s; "
+        print(f"n={n} ranks={args.ranks}: whole {full:.2f} s; stopped at {stopped:.2f} s "
+              f"({stopped - args.at * full:.2f} s after the signal); "
               f"resumed {resumed:.2f} s = {rec['share_of_full']:.2f} of whole; bitwise "
               f"{'equal' if same else 'DIFFERENT'}", flush=True)
         if not same:

@@ -183,6 +183,11 @@ class RoofPoint:
     ceiling: Ceiling
 
 
+#: benchmarks whose seconds time part of a product (a resumed run finishes what a stopped one
+#: left), so their TFLOP/s is no throughput: never a roofline point
+PARTIAL_BENCHMARKS = ("mpi-resume",)
+
+
 def roofline_points(records: list[dict], device_ceilings: list[Ceiling]) -> list[RoofPoint]:
     """The one-device runs of ``device_ceilings``' device, each against its binding ceiling
     (see the module docstring), sorted by benchmark, variant and dtype."""
@@ -194,6 +199,7 @@ def roofline_points(records: list[dict], device_ceilings: list[Ceiling]) -> list
     for r in records:
         variant = r["variant"]
         if (r["device"] != device or "predicted_seconds" in r or is_reference(variant)
+                or r["benchmark"] in PARTIAL_BENCHMARKS
                 or variant.startswith("ceiling-")
                 or variant.startswith("tune-") or count_of(r)[1] != 1
                 or not _positive(r.get("tflops")) or not _positive(r.get("seconds"))
