@@ -14,6 +14,9 @@
 #                 made its operands with cupy first (bench/pipeline.py --first-call)
 # batch           mpirun -n P distmm matmul at fp32 32768, P = 1 (two ways), 2, 4 (bench/mpi_batch.py)
 # resume-big      the resume step at fp64 65536 (whole runs of ~25 s), twice
+# resume-one      one process on one GPU at fp32 57344 (fits a 64 GiB disk), twice, each run's
+#                 profile kept (resume-<repeat>-<whole|stopped|resumed>.json): where a stopped
+#                 GPU run spends the 3-6 s between its SIGTERM and its exit
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
 #                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
@@ -59,6 +62,10 @@ for step in "$@"; do
     resume-big)
       timeout 420 python3 -m bench.mpi_resume --n 65536 --dtype float64 --ranks 4 --repeat 2 \
         --out-dir "$OUT" 2>&1 | tail -5
+      rm -rf /tmp/distmm-resume ;;
+    resume-one)
+      timeout 300 python3 -m bench.mpi_resume --n 57344 --dtype float32 --ranks 1 --repeat 2 \
+        --out-dir "$OUT" --profile-dir "$OUT" 2>&1 | tail -5
       rm -rf /tmp/distmm-resume ;;
     cuinit)
       probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
