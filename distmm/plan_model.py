@@ -6,14 +6,16 @@ memory bandwidth, file read and write bandwidth, the overlap each engine achieve
 costs, memory per device), and an alpha-beta-gamma estimate of one product under one engine
 (``predict``): the MPI engine's SUMMA on a ``layers x rows x cols`` grid with its k panels
 broadcast while the previous panel multiplies (``distmm.grid``), the batch path's stripes read,
-multiplied and written as a three-stage pipeline (``distmm.plan_batch``), and the Dask engine's
-block layout, one block of C per GPU worker (``distmm.plan_blocks.worker_grid`` and ``shares``)
-or one task per C tile on CPU workers (``distmm.plan.make_plan``). Per plan it gives the time
-and its compute / communication / I/O / fixed parts, the efficiency against P times one device,
-the words each rank touches against the lower bounds of Kwasniewski et al. (SC19, COSMA):
-memory-dependent ``2mnk / (P sqrt(S))`` for 2D (``S`` one copy of the operands over P) and 2.5D
-(``c`` copies) and memory-independent ``3 (mnk/P)^(2/3)`` (3D), and a memory check per rank
-that says by how much a rank's memory will not suffice. ``best_plan`` tries every grid.
+multiplied and written as a three-stage pipeline (``distmm.plan_batch``) between a launch and
+start-up and an exit that grow with the ranks of a node (``batch_fixed_seconds``), and the
+Dask engine's block layout, one block of C per GPU worker (``distmm.plan_blocks.worker_grid``
+and ``shares``) or one task per C tile on CPU workers (``distmm.plan.make_plan``). Per plan it
+gives the time and its compute / communication / I/O / fixed parts, the efficiency against P
+times one device, the words each rank touches against the lower bounds of Kwasniewski et al.
+(SC19, COSMA): memory-dependent ``2mnk / (P sqrt(S))`` for 2D (``S`` one copy of the operands
+over P) and 2.5D (``c`` copies) and memory-independent ``3 (mnk/P)^(2/3)`` (3D), and a memory
+check per rank that says by how much a rank's memory will not suffice. ``best_plan`` tries
+every grid.
 
 It does *not* cover: measuring the parameters (``distmm.cli.calibrate``), reading records or
 comparing with them (``distmm.cli.model``), or running anything. Pure: numpy and the other
@@ -37,7 +39,8 @@ from distmm.plan_batch import plan_batch
 from distmm.plan_blocks import shares, worker_grid
 
 __all__ = ["GemmRate", "Link", "Calibration", "Prediction", "Bounds", "predict", "best_plan",
-           "lower_bounds", "ENGINES", "LINKS", "DEVICE_KINDS", "default_calibration"]
+           "lower_bounds", "batch_fixed_seconds", "ENGINES", "LINKS", "DEVICE_KINDS",
+           "default_calibration"]
 
 ENGINES = ("mpi", "batch", "dask")
 #: k extent of the A and B panels a Dask GPU worker holds at once, for the memory check
@@ -155,10 +158,12 @@ class Calibration:
     overheads : mapping
         Fixed seconds: ``mpi-call`` (one in-core product on the MPI engine), ``mpi-launch``
         (``mpiexec`` and Python start and exit of a batch job of one rank; ``mpi-launch-ofi``
-        the same where ``MPI_Init`` probes Open MPI's libfabric BTL), ``mpi-exit`` (one
-        rank's exit alone: each further rank of a node adds it, as the driver releases the
-        ranks' processes one after another), ``batch-startup`` (the
-        batch job's set-up: devices, files opened), ``dask-call`` (the client's planning and
+        the same where ``MPI_Init`` probes Open MPI's libfabric BTL), ``batch-startup`` (the
+        batch job's set-up: devices, files opened), and what each further rank of a node adds
+        to a batch job (``batch_fixed_seconds``): ``mpi-exit`` to its exit (the driver
+        releases the ranks' processes one after another), ``mpi-launch-rank`` to its launch,
+        ``batch-startup-rank`` to its slowest GPU rank's set-up (processes starting CUDA at
+        once contend for the driver); ``dask-call`` (the client's planning and
         scheduling of one product), ``dask-worker`` (each worker taking part), ``dask-task``
         (each task, tile mode).
     sources : mapping
@@ -590,6 +595,28 @@ def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_d
     return g.shape, worst[0], worst[1], 0.0, cal.overhead("mpi-call"), received, touched, held, ""
 
 
+def batch_fixed_seconds(cal: Calibration, ranks_per_node: int, *, device: str = "gpu",
+                        mpi_ofi: bool = False) -> float:
+    """The fixed seconds of a batch job (``mpirun -n P distmm matmul``) whose nodes run
+    ``ranks_per_node`` ranks each: one rank's launch, start-up and exit (``mpi-launch``, or
+    ``mpi-launch-ofi`` where ``mpi_ofi`` and the calibration has it; ``batch-startup``), and
+    for each further rank of a node ``mpi-exit`` + ``mpi-launch-rank``, plus
+    ``batch-startup-rank`` where the ranks are GPU ranks (their CUDA start-up contends).
+
+    >>> cal = default_calibration().with_overheads(mpi_launch=1.25, batch_startup=0.75,
+    ...     mpi_exit=0.125, mpi_launch_rank=0.0625, batch_startup_rank=0.0625)
+    >>> batch_fixed_seconds(cal, 1), batch_fixed_seconds(cal, 4)
+    (2.0, 2.75)
+    """
+    launch = cal.overheads.get("mpi-launch-ofi") if mpi_ofi else None
+    one = ((cal.overhead("mpi-launch") if launch is None else float(launch))
+           + cal.overhead("batch-startup"))
+    each = cal.overhead("mpi-exit") + cal.overhead("mpi-launch-rank")
+    if device == "gpu":
+        each += cal.overhead("batch-startup-rank")
+    return one + each * (max(1, int(ranks_per_node)) - 1)
+
+
 def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device,
            panels="auto", direct_writes=True, mpi_ofi=False):
     acc = accumulate_dtype(np.dtype(dt))
@@ -644,12 +671,7 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
         if worst is None or pipe > worst[0]:
             worst = (pipe, comp, io, mi, nj)
     pipe, comp, io, mi, nj = worst
-    # one rank's launch, start-up and exit; the other ranks of a node end after it, one after
-    # another (the driver releases each process's memory in turn: bench/NOTES.md, exit probe)
-    launch = cal.overheads.get("mpi-launch-ofi") if mpi_ofi else None
-    overhead = ((cal.overhead("mpi-launch") if launch is None else float(launch))
-                + cal.overhead("batch-startup")
-                + cal.overhead("mpi-exit") * (per_node - 1))
+    overhead = batch_fixed_seconds(cal, per_node, device=device, mpi_ofi=mpi_ofi)
     received = (mi * k + k * nj) * size  # read from the files (k never split)
     touched = float(mi * k + k * nj + mi * nj)
     held = max(bp.held_bytes)

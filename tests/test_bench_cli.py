@@ -310,3 +310,30 @@ def test_tensor_core_variants_name_only_valid_changes():
     assert [s for s, _ in got] == ["", "+INFLIGHT=1"]
     assert got[1][1] == dict(wg.params("bfloat16"), INFLIGHT=1)
     assert [s for s, _ in tc_variants(mma, "bfloat16", ["INFLIGHT=1"], 90)] == [""]
+
+
+def test_stall_table_reads_ncu_source_page(tmp_path):
+    """bench/research/stall_table.py on a source page as ncu writes it (the kernel's name on a
+    line of its own before the header): shares of all samples by instruction, opcode and
+    reason, with predicated and uniform instructions counted under their opcode."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.research.stall_table import table
+    finally:
+        sys.path.remove(str(ROOT))
+    page = tmp_path / "sass.csv"
+    page.write_text(
+        '"Kernel Name","void k<1>(int)",\n'
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_math","stall_wait",'
+        '"stall_math (Not Issued)"\n'
+        '"0x10","HMMA.16816.F32.BF16 R4, R8, R12, R4","60","45","15","40"\n'
+        '"0x20","@!P0  BRA 0x30","30","0","30","0"\n'
+        '"0x30","HMMA.16816.F32.BF16 R16, R8, R12, R16","10","2","8","1"\n')
+    text = table(str(page), top=2)
+    lines = text.splitlines()
+    assert lines[0].endswith("100 samples over 3 instructions")
+    assert "  HMMA        70.0%" in lines and "  BRA         30.0%" in lines
+    assert "by reason: wait 53.0%, math 47.0%" in text  # largest first
+    top = [ln for ln in lines if ln.startswith("   ") and "0x" in ln]
+    assert len(top) == 2 and "0x10" in top[0] and "math 45.0 wait 15.0" in top[0]
+    assert "0x20" in top[1] and "wait 30.0" in top[1]

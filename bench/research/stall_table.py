@@ -1,7 +1,8 @@
-"""The SASS instructions where a kernel's warps were sampled most, from Nsight Compute's
+"""Which SASS instructions do a kernel's warps wait on, and why? From Nsight Compute's
 source page (``ncu --import R.ncu-rep --page source --csv --print-source sass``), as
-``bench/device/mma_probe.sh stalls`` writes it: each instruction's share of all samples, and
-the opcode classes' shares (HMMA, LDSM, BAR, SYNCS, ...).
+``bench/device/mma_probe.sh stalls`` writes it: each instruction's share of all samples with
+its largest stall reasons, the opcode classes' shares (HMMA, LDSM, BAR, SYNCS, ...) and the
+reasons' shares.
 
     python -m bench.research.stall_table stalls-bf16-sass.csv [--top 25]
 """

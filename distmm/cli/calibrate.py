@@ -34,11 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
-                                machine_of, ofi_probed, predict_record)
+                                machine_of, ofi_probed, predict_record, profile_record)
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 
 __all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
-           "load_records", "machine_of", "cross_node_broadcasts", "socket_link"]
+           "load_records", "machine_of", "cross_node_broadcasts", "socket_link",
+           "batch_rank_costs"]
 
 def default_path() -> Path:
     """``$XDG_CACHE_HOME/distmm/calibration-HOST.json`` (``~/.cache`` without it)."""
@@ -169,6 +170,52 @@ def socket_link(points, default: Link) -> tuple[Link, str]:
         f"bytes over summed time of {len(pts)} broadcasts, latency default")
 
 
+def _run_probed_ofi(prof, mine) -> bool:
+    """Whether the run of a ``--profile`` file (its file name's stamp) probed Open MPI's
+    libfabric BTL, from the run's records (``ofi_probed``)."""
+    stamp = re.search(r"(\d{8}T\d{6}Z)", prof["_file"])  # not ``run``: from_records' argument
+    return ofi_probed([r for r in mine if stamp and r.get("run") == stamp.group(1)])
+
+
+def batch_rank_costs(profiles, *, before: dict, after: float,
+                     startup: float) -> tuple[dict, list]:
+    """What each further rank of a node adds to a batch job's fixed costs, from the
+    ``--profile`` files of jobs of several ranks of one node (``(profile, ofi_probed)`` pairs)
+    and one rank's medians: ``before`` (the launch up to the profile, by whether ``MPI_Init``
+    probed the ofi BTL), ``after`` (from the profile's end to the exit) and ``startup`` (the
+    ``startup`` and ``open`` phases).
+
+    Per profile of ``P`` ranks and per further rank: ``mpi-launch-rank`` ``(before_P -
+    before) / (P - 1)``, ``mpi-exit`` ``(after_P - after) / (P - 1)``, ``batch-startup-rank``
+    ``(startup_P - startup) / (P - 1)`` with ``startup_P`` its slowest rank's ``startup`` and
+    ``open``. Each is the median over the profiles, and not below 0 (a further rank does not
+    make a job start or end sooner). Profiles without ``before`` and ``after`` are skipped.
+
+    Returns
+    -------
+    (dict, list)
+        The three overheads by name (empty where no profile has ``before`` and ``after``), and
+        the profiles used.
+    """
+    launch, exits, starts, used = [], [], [], []
+    for prof, probed in profiles:
+        meta = prof.get("meta", {})
+        ranks = int(meta.get("ranks") or 1)
+        if ranks < 2 or meta.get("before") is None or meta.get("after") is None:
+            continue
+        slowest = max(r.get("totals", {}).get("startup", 0.0) + r.get("totals", {}).get(
+            "open", 0.0) for r in prof["ranks"])
+        launch.append((meta["before"] - before[bool(probed)]) / (ranks - 1))
+        exits.append((meta["after"] - after) / (ranks - 1))
+        starts.append((slowest - startup) / (ranks - 1))
+        used.append(prof)
+    if not used:
+        return {}, []
+    return ({"mpi-launch-rank": max(0.0, statistics.median(launch)),
+             "mpi-exit": max(0.0, statistics.median(exits)),
+             "batch-startup-rank": max(0.0, statistics.median(starts))}, used)
+
+
 def from_records(records, machine: str, *, fit=fit_subset, run: str | None = None) -> Calibration:
     """The calibration of ``machine`` (``machine_of`` a record's device) from records.
 
@@ -177,7 +224,9 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     one core's), the device copy ceiling (``ceiling-copy``), page-cache reads (``read-cat``)
     and writes with fsync (``write-dd-fsync``; the write rate of single-rank ``--profile``
     files that wrote C directly replaces it), PCIe rates and the batch job's launch, exit
-    and start-up from ``--profile`` files of runs ``fit`` admits. Fixed costs of the engines
+    and start-up from single-rank ``--profile`` files, and what each further rank of a node
+    adds to them (``batch_rank_costs``) from the multi-rank ``--profile`` files of runs
+    ``fit`` admits (``profile_record``). Fixed costs of the engines
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
     admits (the smallest difference between the measured and the modelled time without them).
     NCCL's socket link (``nccl-socket``) comes from SUMMA traces of the machine
@@ -272,6 +321,7 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             fit_profiles.append(p)
     h2d, d2h, launch, startup, exits = [], [], [], [], []
     launch_ofi = []  # launches whose MPI_Init probed the libfabric BTL
+    befores: dict = {False: [], True: []}  # one rank's launch up to its profile, by ofi probed
     for p in fit_profiles:
         rank0 = p["ranks"][0]
         tot, nb = rank0.get("totals", {}), rank0.get("bytes", {})
@@ -281,9 +331,9 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             d2h.append(nb["d2h"] / tot["d2h"])
         meta = p["meta"]
         if meta.get("before") is not None and meta.get("after") is not None:
-            stamp = re.search(r"(\d{8}T\d{6}Z)", p["_file"])  # not ``run``: the argument
-            probed = ofi_probed([r for r in mine if stamp and r.get("run") == stamp.group(1)])
+            probed = _run_probed_ofi(p, mine)
             (launch_ofi if probed else launch).append(meta["before"] + meta["after"])
+            befores[probed].append(meta["before"])
             exits.append(meta["after"])
         startup.append(tot.get("startup", 0.0) + tot.get("open", 0.0))
     used = files(fit_profiles) if fit_profiles else ""
@@ -309,12 +359,24 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     if launch_ofi:
         overheads["mpi-launch-ofi"] = statistics.median(launch_ofi)
         sources["mpi-launch-ofi"] = used + " (runs whose MPI_Init probed the ofi BTL)"
-    if exits:
+    if exits:  # each further rank adds one rank's exit, unless multi-rank profiles say more
         overheads["mpi-exit"] = statistics.median(exits)
         sources["mpi-exit"] = used
     if startup:
         overheads["batch-startup"] = statistics.median(startup)
         sources["batch-startup"] = used
+    multi = [p for p in profiles if (p.get("meta", {}).get("ranks") or 1) > 1
+             and fit(profile_record(p))]
+    if multi and befores[False] + befores[True] and exits and startup:
+        one = {probed: statistics.median(befores[probed] or befores[not probed])
+               for probed in (False, True)}
+        costs, used_multi = batch_rank_costs(
+            [(p, _run_probed_ofi(p, mine)) for p in multi], before=one,
+            after=statistics.median(exits), startup=statistics.median(startup))
+        for name, value in costs.items():
+            overheads[name] = value
+            sources[name] = (files(used_multi) + " (each further rank beyond one rank's "
+                             "profile: " + used + ")")
     cores = max((r.get("threads") or r.get("cores") or 1 for r in mine
                  if r.get("variant") == "numpy"), default=base.cores)
     cal = Calibration(machine=machine, gemm=gemm, links=links, memory_bandwidth=mem_bw,

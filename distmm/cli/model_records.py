@@ -5,7 +5,8 @@ This module covers: loading record files (JSON lines), ``--profile`` files and S
 the model describes and how (``configuration``: the MPI engine in core on GPUs or CPU ranks,
 the batch path ``mpirun distmm matmul`` on files, the Dask engine on GPU workers (one, two,
 two sharing a GPU, one beside CPU workers) and on CPU workers), the model's prediction for one
-(``predict_record``), and which measurements the fixed costs are fitted on (``fit_subset``).
+(``predict_record``), and which measurements the fixed costs are fitted on (``fit_subset``;
+a batch job's ``--profile`` as the record it judges: ``profile_record``).
 
 It does *not* cover: deriving a calibration (``distmm.cli.calibrate``) or the comparison
 (``distmm.cli.validate``). References (cuBLAS, numpy, dask.array, peers), the local engine and
@@ -20,7 +21,7 @@ from distmm.cli.records import json_lines
 from distmm.plan_model import Calibration, Prediction, predict
 
 __all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
-           "ofi_probed", "is_summa_trace", "trace_machine",
+           "profile_record", "ofi_probed", "is_summa_trace", "trace_machine",
            "DEVICE_MEMORY", "KEYS"]
 
 #: bytes per GPU by device name (the records do not carry it)
@@ -88,12 +89,16 @@ def machine_of(device: str) -> str:
 
 def fit_subset(rec: dict) -> bool:
     """Whether a distmm measurement is one the fixed costs are fitted on: one device (one GPU,
-    one rank or one worker) at the smaller size each benchmark ran. Everything else (every
-    configuration on several devices, every larger size) is held out."""
+    one rank or one worker) at the smaller size each benchmark ran, and for the batch path,
+    whose fixed costs grow with the ranks of a node, also two ranks under ``mpirun`` at that
+    size. Everything else (every other configuration on several devices, every larger size)
+    is held out."""
     size = min(rec.get("m", 0), rec.get("n", 0), rec.get("k", 0))
     bench = rec.get("benchmark")
     if bench == "mpi-batch":
-        return rec.get("variant") in ("batch-1", "mpirun-1") and size <= 32768
+        variant = str(rec.get("variant", ""))
+        two = variant.startswith("mpirun-") and int(rec.get("ranks") or 1) == 2
+        return (variant in ("batch-1", "mpirun-1") or two) and size <= 32768
     if bench == "dask-gpu":
         return rec.get("setting") == "1gpu" and size <= 16384 and rec.get("dtype") == "float32"
     if bench == "mpi":
@@ -177,6 +182,17 @@ def _direct_writes(rec: dict) -> bool:
     if rec.get("written_direct") is not None:
         return int(rec["written_direct"]) > 0
     return str(rec.get("direct_writes", "false")).lower() == "true"
+
+
+def profile_record(prof: dict) -> dict:
+    """A batch job's ``--profile`` (``load_records``' form, named ``VARIANT-SIZE`` as the
+    ``mpi-batch`` benchmark names them) as the record ``fit_subset`` judges: its benchmark,
+    variant, rank count and square size."""
+    name = str(prof.get("profile", ""))
+    variant, _, size = name.rpartition("-")
+    n = int(size) if size.isdigit() else 0
+    return {"benchmark": "mpi-batch", "variant": variant if n else name, "m": n, "n": n,
+            "k": n, "ranks": int(prof.get("meta", {}).get("ranks") or 1)}
 
 
 def ofi_probed(run_records) -> bool:
