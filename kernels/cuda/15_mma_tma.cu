@@ -1,8 +1,8 @@
 // Step 15: step 12's mma.sync (m16n8k16, BF16/FP16 in, fp32 accumulate) fed by the tensor
 // memory accelerator (TMA), as step 14 feeds wgmma. In step 12 every thread computed the
 // shared and global address of each 16-byte chunk it copied with cp.async, and at the tile
-// boundary those address instructions waited on the copies before them (a tenth of the
-// warps' stall samples, bench/NOTES.md); here one thread asks the copy engine for whole boxes
+// boundary those address instructions waited on the copies before them; here one thread
+// (an elected lane of warp 0) asks the copy engine for whole boxes
 // (cp.async.bulk.tensor), which land already in the 128-byte swizzled layout, zero-filled
 // outside the matrix, and count their bytes on the stage's "full" mbarrier. The other
 // threads keep only mma and ldmatrix in the k loop.
@@ -18,12 +18,13 @@
 //
 // The main loop is step 12's (mma_mainloop's order) with the copies handed to the copy
 // engine: at each tile boundary, once every warp has read tile kt's stage into registers,
-// one lane of warp 0 queues tile kt + STAGES into that stage, and every warp waits on the next stage's
-// full mbarrier before reading its first fragments, which tile kt's last mma hide. How a
-// stage is handed back (SYNC): 0, the block's barrier; 1, an "empty" mbarrier each stage, on
-// which each warp arrives once it has read the stage, so that only warp 0 waits for
-// the slowest. No warp is set apart as a producer: two blocks of four warps share an SM as in
-// step 12.
+// one lane of warp 0 queues tile kt + STAGES into that stage (after a proxy fence: the
+// warps' ldmatrix reads and the copy engine's writes are ordered by nothing else), and every
+// warp waits on the next stage's full mbarrier before reading its first fragments, which tile
+// kt's last mma hide. How a stage is handed back (SYNC): 0, the block's barrier; 1, an
+// "empty" mbarrier each stage, on which each warp arrives once it has read the stage, so
+// that only warp 0 waits for the slowest. No warp is set apart as a producer: two blocks of
+// four warps share an SM as in step 12.
 #include "tma.cuh"
 
 namespace distmm {
