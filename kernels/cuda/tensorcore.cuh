@@ -1,7 +1,8 @@
-// Pieces shared by the mma.sync tensor-core steps (11: TF32, 12: BF16/FP16) and the Hopper
-// step (13: wgmma): the 16-bit storage types, swizzled shared-memory tiles and the copy that
-// fills them with cp.async. Included by 11_mma_tf32.cu and 12_mma_bf16.cu; not a kernel by
-// itself. Step 13 keeps wgmma's own core-matrix layout and uses only the storage types.
+// Pieces shared by the mma.sync tensor-core steps (11: TF32, 12 and 15: BF16/FP16) and the
+// Hopper steps (13, 14: wgmma): the 16-bit storage types, the m16n8k16 instruction, swizzled
+// shared-memory tiles and the copy that fills them with cp.async. Included by 11_mma_tf32.cu,
+// 12_mma_bf16.cu and, through tma.cuh, steps 13-15; not a kernel by itself. Steps 13 and 14
+// keep wgmma's own layouts and use only the storage types.
 //
 // Shared memory keeps each operand in the layout it has in global memory (cp.async cannot
 // transpose), in rows of a multiple of 128 bytes (8 chunks of 16 bytes; the registry checks
