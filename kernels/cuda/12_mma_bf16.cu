@@ -83,24 +83,11 @@ __device__ __forceinline__ void mma16_body(int M, int N, int K, float alpha, con
     zero_acc(acc);
     unsigned af[2][MI][4], bf[2][NI][2];
     auto load_frags = [&](int stage, int s, int buf) {
-        const unsigned sa = as0 + stage * S::A_STAGE * 2, sb = bs0 + stage * S::B_STAGE * 2;
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-            ldmatrix_x4<TA>(af[buf][i], sa + (AK ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * 16 * BM * 2));
-#pragma unroll
-        for (int jp = 0; jp < NI / 2; ++jp) {
-            unsigned r[4];
-            ldmatrix_x4<!TB>(r, sb + (BKC ? b_off[s] + jp * 16 * BK * 2 : b_off[jp] + s * 16 * BN * 2));
-            bf[buf][2 * jp][0] = r[0]; bf[buf][2 * jp][1] = r[1];
-            bf[buf][2 * jp + 1][0] = r[2]; bf[buf][2 * jp + 1][1] = r[3];
-        }
+        mma16_load_frags<TA, TB, BK, 16 * BM * 2, 16 * BN * 2>(
+            af[buf], bf[buf], as0 + stage * S::A_STAGE * 2, bs0 + stage * S::B_STAGE * 2, a_off,
+            b_off, s);
     };
-    auto mma_step = [&](int buf) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-            for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
-    };
+    auto mma_step = [&](int buf) { mma16_step<Tin>(acc, af[buf], bf[buf]); };
     mma_mainloop<STAGES, KS>((K + BK - 1) / BK, load_tile, load_frags, mma_step);
     store_mma_fragments<MI, NI>(acc, C, ldc, M, N, m0 + wm * WM, n0 + wn * WN, g, t, alpha, beta);
 }

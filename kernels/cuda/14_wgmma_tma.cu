@@ -86,22 +86,9 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
             for (int kt = 0; kt < KT; ++kt) {
                 const int s = kt % STAGES;
                 if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) - 1) & 1);
-                const unsigned full = full0 + 8 * s;
-                mbar_expect_tx(full, S::STAGE_BYTES);
-                const int k0 = kt * BK;
-                const unsigned as = a0 + s * S::A_BYTES, bs = b0 + s * S::B_BYTES;
-                if (!TA) {
-                    tma_load_2d(as, mapA, full, k0, m0);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < BM / 64; ++j) tma_load_2d(as + j * S::BOX_BYTES, mapA, full, m0 + 64 * j, k0);
-                }
-                if (TB) {
-                    tma_load_2d(bs, mapB, full, k0, n0);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < BN / 64; ++j) tma_load_2d(bs + j * S::BOX_BYTES, mapB, full, n0 + 64 * j, k0);
-                }
+                tma_load_tile<BM, BN, S::BOX_BYTES, TA, TB>(
+                    a0 + s * S::A_BYTES, b0 + s * S::B_BYTES, mapA, mapB, full0 + 8 * s,
+                    S::STAGE_BYTES, kt * BK, m0, n0);
             }
         }
     } else {  // consumers: warpgroup wg computes rows (wg - 1) * 64 .. + 63 of the block tile

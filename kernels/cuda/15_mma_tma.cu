@@ -89,22 +89,9 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
 
     // one elected lane of warp 0 only: tile kt's boxes of A and B into stage `stage`
     auto load_tile = [&](int kt, int stage) {
-        const unsigned full = full0 + 8 * stage;
-        mbar_expect_tx(full, S::A_BYTES + S::B_BYTES);
-        const int k0 = kt * BK;
-        const unsigned as = as0 + stage * S::A_BYTES, bs = bs0 + stage * S::B_BYTES;
-        if (!TA) {
-            tma_load_2d(as, mapA, full, k0, m0);
-        } else {
-#pragma unroll
-            for (int j = 0; j < BM / 64; ++j) tma_load_2d(as + j * S::BOX_BYTES, mapA, full, m0 + 64 * j, k0);
-        }
-        if (TB) {
-            tma_load_2d(bs, mapB, full, k0, n0);
-        } else {
-#pragma unroll
-            for (int j = 0; j < BN / 64; ++j) tma_load_2d(bs + j * S::BOX_BYTES, mapB, full, n0 + 64 * j, k0);
-        }
+        tma_load_tile<BM, BN, S::BOX_BYTES, TA, TB>(
+            as0 + stage * S::A_BYTES, bs0 + stage * S::B_BYTES, mapA, mapB, full0 + 8 * stage,
+            S::A_BYTES + S::B_BYTES, kt * BK, m0, n0);
     };
 
     // shared -> registers: A's fragment i of k step s, B's pair jp (two n tiles) of step s
@@ -121,24 +108,10 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     zero_acc(acc);
     unsigned af[2][MI][4], bf[2][NI][2];
     auto load_frags = [&](int stage, int s, int buf) {
-        const unsigned sa = as0 + stage * S::A_BYTES, sb = bs0 + stage * S::B_BYTES;
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-            ldmatrix_x4<TA>(af[buf][i], sa + (AK ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * KSTEP_MN));
-#pragma unroll
-        for (int jp = 0; jp < NI / 2; ++jp) {
-            unsigned r[4];
-            ldmatrix_x4<!TB>(r, sb + (BKC ? b_off[s] + jp * 16 * BK * 2 : b_off[jp] + s * KSTEP_MN));
-            bf[buf][2 * jp][0] = r[0]; bf[buf][2 * jp][1] = r[1];
-            bf[buf][2 * jp + 1][0] = r[2]; bf[buf][2 * jp + 1][1] = r[3];
-        }
+        mma16_load_frags<TA, TB, BK, KSTEP_MN, KSTEP_MN>(af[buf], bf[buf], as0 + stage * S::A_BYTES,
+                                                         bs0 + stage * S::B_BYTES, a_off, b_off, s);
     };
-    auto mma_step = [&](int buf) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-            for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[buf][i], bf[buf][j]);
-    };
+    auto mma_step = [&](int buf) { mma16_step<Tin>(acc, af[buf], bf[buf]); };
 
     if (warp == 0) {
         if (elect_one()) {

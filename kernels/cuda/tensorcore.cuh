@@ -193,6 +193,39 @@ __device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Steps 12 and 15: one k step's fragments from a stage at sa (A) and sb (B) into af (the MI
+// A fragments) and bf (the NI B fragments, two n tiles an ldmatrix.x4), at the lane's
+// ldsm_offsets (or ldsm_offsets_boxed): a k-contiguous operand's offset is per k step s, a
+// tile of 16 rows further adding 16 * BK * 2 bytes; an m/n-contiguous one's is per 16-wide
+// tile, k step s adding s * A_KSTEP (B_KSTEP) bytes.
+template <bool TA, bool TB, int BK, unsigned A_KSTEP, unsigned B_KSTEP, int MI, int NI, int AN,
+          int BNO>
+__device__ __forceinline__ void mma16_load_frags(unsigned (&af)[MI][4], unsigned (&bf)[NI][2],
+                                                 unsigned sa, unsigned sb,
+                                                 const unsigned (&a_off)[AN],
+                                                 const unsigned (&b_off)[BNO], int s) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+        ldmatrix_x4<TA>(af[i], sa + (!TA ? a_off[s] + i * 16 * BK * 2 : a_off[i] + s * A_KSTEP));
+#pragma unroll
+    for (int jp = 0; jp < NI / 2; ++jp) {
+        unsigned r[4];
+        ldmatrix_x4<!TB>(r, sb + (TB ? b_off[s] + jp * 16 * BK * 2 : b_off[jp] + s * B_KSTEP));
+        bf[2 * jp][0] = r[0]; bf[2 * jp][1] = r[1];
+        bf[2 * jp + 1][0] = r[2]; bf[2 * jp + 1][1] = r[3];
+    }
+}
+
+// A warp's mma for one k step: every (A fragment, B fragment) pair into its accumulators.
+template <typename Tin, int MI, int NI>
+__device__ __forceinline__ void mma16_step(float (&acc)[MI][NI][4], const unsigned (&af)[MI][4],
+                                           const unsigned (&bf)[NI][2]) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
+}
+
 // The mma.sync steps' main loop over KT k tiles of KS k steps (step 11 with LOOP = 1). STAGES shared stages all hold
 // tiles in flight (cp.async groups, one a tile); fragments come in two register buffers, so
 // step s + 1's are read while step s's mma run. The tile boundary sits before the last

@@ -92,6 +92,28 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const distmm_tmap* map
         :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
         : "memory");
 }
+// One k tile of A and B as boxes of their tensor maps (steps 14 and 15), counted on mbarrier
+// full (expect_tx of the stage's bytes): a k-major operand (A stored M x K, B stored N x K) as
+// one box of BM (BN) rows by 64 k at as (bs), an mn-major one as BM / 64 (BN / 64) boxes of 64
+// k rows by 64 m (n), BOX bytes apart.
+template <int BM, int BN, int BOX, bool TA, bool TB>
+__device__ __forceinline__ void tma_load_tile(unsigned as, unsigned bs, const distmm_tmap* mapA,
+                                              const distmm_tmap* mapB, unsigned full,
+                                              unsigned bytes, int k0, int m0, int n0) {
+    mbar_expect_tx(full, bytes);
+    if (!TA) {
+        tma_load_2d(as, mapA, full, k0, m0);
+    } else {
+#pragma unroll
+        for (int j = 0; j < BM / 64; ++j) tma_load_2d(as + j * BOX, mapA, full, m0 + 64 * j, k0);
+    }
+    if (TB) {
+        tma_load_2d(bs, mapB, full, k0, n0);
+    } else {
+#pragma unroll
+        for (int j = 0; j < BN / 64; ++j) tma_load_2d(bs + j * BOX, mapB, full, n0 + 64 * j, k0);
+    }
+}
 #endif  // DISTMM_TMA
 
 }  // namespace distmm
