@@ -301,6 +301,49 @@ def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, 
     assert not (tmp_path / "c.npy").exists()
 
 
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_stop_is_acted_on_at_the_next_stripe(on_gpu):
+    """A stop the watch has seen (what the signal handlers record) ends a rank's stripe loop at
+    its next stripe, however the loop is paced: on a GPU, a loop whose waits were all over
+    by the time it reached them (its copy of C out waited for the GEMM) never looked and ran to
+    the end, 6 s after a SIGTERM at 57344^2 on one H200."""
+    from mpi4py import MPI
+
+    from distmm.engine.mpi.stop import StopWatch
+    from distmm.engine.mpi.stream import PanelSource, run_stripes
+    from distmm.errors import Signalled
+    from distmm.executor import get_executor
+    from distmm.phases import Phases
+    from distmm.plan_batch import plan_batch
+
+    rng = np.random.default_rng(21)
+    a, b = rng.standard_normal((3000, 300)), rng.standard_normal((300, 200))
+    plan = plan_batch(3000, 200, 300, "float64", ranks=1, stripes=24, whole_rows=True)
+    todo = list(range(plan.stripe_count(0)))
+    assert len(todo) >= 12
+    watch = StopWatch(MPI.COMM_SELF)
+    written = []
+
+    class Sink:
+        def write(self, r0, r1, c0, c1, data):
+            np.testing.assert_allclose(data, a[r0:r1] @ b[:, c0:c1], rtol=1e-10, atol=1e-10)
+            written.append(r0)
+            watch.fail(Signalled(signal.SIGTERM))  # the handler ran while stripes are queued
+
+        def finish(self):
+            pytest.fail("a stopped run finished its output")
+
+    executor = get_executor("cublas" if on_gpu else "blas", np.dtype("float64"), on_gpu=on_gpu)
+    try:
+        with pytest.raises(Signalled), executor:
+            run_stripes(plan, 0, PanelSource(a), PanelSource(b), Sink(), executor, None, watch,
+                        Phases(), on_gpu=on_gpu, todo=todo)
+    finally:
+        watch.close()
+    # the stripe being written when the stop came, and at most the two queued behind it
+    assert 1 <= len(written) <= 3, written
+
+
 def test_kill_9_leftovers_are_named_and_removed(tmp_path, batch_env):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=14)
     cmd = [sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",

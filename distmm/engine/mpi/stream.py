@@ -394,6 +394,7 @@ class _CPURun(_Run):
         try:
             ahead = self.prefetch(todo[0])
             for t, stripe in enumerate(todo):
+                self.watch.check()
                 pieces, futures = ahead
                 for future in futures:
                     self.result(future)
@@ -647,6 +648,7 @@ class _GPURun(_Run):
     def stripe_loop(self, todo, skip, writer):
         futures = {t: self.prefetch(t, s) for t, s in enumerate(todo[:2])}
         for t, stripe in enumerate(todo):
+            self.watch.check()  # a stop is acted on between stripes, however the loop is paced
             slot = t % 2
             r0, r1 = self.rows_of(stripe)
             h = r1 - r0
@@ -699,7 +701,11 @@ class _GPURun(_Run):
             with self.d2h:
                 self.d2h.wait_event(self.gemm_done[slot])
                 begin = self.d2h.record()
-                c.get(stream=self.d2h, out=out)
+                # queued, not waited for: cupy's ``get(stream=...)`` blocks until the copy ends
+                # (so until the GEMM does), and a loop paced by it never polls the stop watch
+                rt = self.cp.cuda.runtime
+                rt.memcpyAsync(out.ctypes.data, c.data.ptr, out.nbytes, rt.memcpyDeviceToHost,
+                               self.d2h.ptr)
                 self.d2h_done[slot] = self.d2h.record()
                 self.span("d2h", begin, self.d2h_done[slot], out.nbytes)
             writer.put((stripe, (r0, r1, self.c0, self.c1), out, self.d2h_done[slot], free))
@@ -718,14 +724,30 @@ class _GPURun(_Run):
         self.phases.add("release", start, time.perf_counter())
 
     def close(self):
-        """Turn the CUDA events into spans on the host clock (only those that completed)."""
+        """Turn the CUDA events into spans on the host clock (only those that completed). A
+        stopped run may leave copies queued from and into its pinned buffers: they stay
+        registered, with the device buffers, until those copies have ended (a thread waits
+        for them; the stop itself does not)."""
         self.pinning.shutdown(wait=False)
+        queued = [stream.record() for stream in (self.h2d, self.compute, self.d2h)]
+        held = (self.owners, self.a_dev, self.c_dev, getattr(self, "b_store", None))
+        self.owners, self.a_dev, self.c_dev, self.b_store = [], None, None, None
+        if not all(event.done for event in queued):
+            threading.Thread(target=_hold_until, args=(queued, held), daemon=True,
+                             name="distmm-queued-copies").start()
         get = self.cp.cuda.get_elapsed_time
         for phase, begin, end, nbytes in self.events:
             if begin.done and end.done:
                 start = self.ref_time + get(self.ref, begin) / 1e3
                 self.phases.add(phase, start, self.ref_time + get(self.ref, end) / 1e3, nbytes)
         self.events.clear()
+
+
+def _hold_until(events, held) -> None:
+    """Keep ``held`` (pinned owners, device buffers) alive until ``events`` have passed."""
+    for event in events:
+        _event_wait(event)
+    del held
 
 
 def _event_wait(event) -> None:
