@@ -236,6 +236,34 @@ def test_registered_pinned_buffers_are_page_locked_and_copy_both_ways():
     del keep
 
 
+@pytest.mark.parametrize("shape,limit", [((3001, 2500, 2049), 64 << 20), ((5000, 777, 1500), 8 << 20)])
+def test_direct_output_copies_into_the_result_and_unlocks_it(shape, limit):
+    """C copied straight into a plain numpy result and into ``empty_host``'s mapping, each
+    row block page-locked in place: the product is right, nothing passed through the ring,
+    and afterwards no byte of the result is still page-locked (a second product into it
+    page-locks it again without error)."""
+    import dask.config
+
+    from distmm.executor.hostmem import empty_host
+    from distmm.executor.pipeline.product import DIRECT_OUT_KEY
+
+    m, n, k = shape
+    a, b = rand((m, k), "float32", 20), rand((k, n), "float32", 21)
+    rt = cupy.cuda.runtime
+    for out in (np.full((m, n), np.nan, np.float32), empty_host((m, n), np.float32)):
+        for _ in range(2):
+            out[...] = np.nan
+            tl = Timeline()
+            with dask.config.set({DIRECT_OUT_KEY: True}):
+                c, info = run(CublasGemm(), a, b, out, trace=tl, device_memory_limit=limit)
+            check(c, a, b)
+            lanes = {o["lane"] for o in tl.ops}
+            assert "d2h" in lanes and "host-unstage" not in lanes, lanes
+            assert len(info["tiling"]["row_sizes"]) >= 2
+            for ptr in (out.ctypes.data, out.ctypes.data + out.nbytes - 1):
+                assert rt.pointerGetAttributes(ptr).type == getattr(rt, "memoryTypeUnregistered", 0)
+
+
 def test_cublas_start_up_runs_once_per_dtype_and_device():
     from distmm.executor.cublas import start_cublas
 

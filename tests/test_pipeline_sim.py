@@ -15,10 +15,12 @@ import random
 import threading
 import time
 
+import dask.config
 import numpy as np
 import pytest
 
 from distmm.executor.pinned import PinnedPool
+from distmm.executor.pipeline.product import DIRECT_OUT_KEY
 from distmm.executor.pipeline import Timeline, run_pipelined
 from distmm.plan_pipeline import PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads
 from distmm.plan import make_plan, result_dtype
@@ -73,6 +75,14 @@ class SimDevice:
         self.jitter = jitter
         self.streams: list[SimStream] = []
         self.allocs = 0
+        # page-locking in place: {ptr: nbytes} locked now; the result's byte range, into
+        # which every copy must find its bytes locked when it runs (``unlocked_copies`` else)
+        self.locked: dict[int, int] = {}
+        self.lock_calls = 0
+        self.fail_lock_after: int | None = None
+        self.watch: tuple[int, int] | None = None
+        self.unlocked_copies: list = []
+        self._lock_guard = threading.Lock()
 
     def bind_thread(self):
         pass
@@ -129,7 +139,35 @@ class SimDevice:
         stream.enqueue(lambda: np.copyto(dst, src))
 
     def d2h(self, dst, src, stream):
-        stream.enqueue(lambda: np.copyto(dst, src))
+        def run():
+            lo = dst.ctypes.data
+            hi = lo + dst.nbytes
+            if self.watch is not None and lo < self.watch[1] and hi > self.watch[0]:
+                if not self._covered(lo, hi):
+                    self.unlocked_copies.append((lo, hi))
+            np.copyto(dst, src)
+        stream.enqueue(run)
+
+    def host_register(self, ptr, nbytes):
+        with self._lock_guard:
+            if self.fail_lock_after is not None and self.lock_calls >= self.fail_lock_after:
+                raise RuntimeError("simulated device: cannot page-lock this memory")
+            assert all(ptr + nbytes <= p or p + n <= ptr for p, n in self.locked.items()), \
+                "page-locked twice"
+            self.locked[ptr] = nbytes
+            self.lock_calls += 1
+
+    def host_unregister(self, ptr):
+        with self._lock_guard:
+            del self.locked[ptr]
+
+    def _covered(self, lo, hi):
+        with self._lock_guard:
+            spans = sorted((p, p + n) for p, n in self.locked.items())
+        for p, q in spans:
+            if p <= lo < q:
+                lo = q
+        return lo >= hi
 
     def synchronize(self):
         for s in self.streams:
@@ -180,7 +218,7 @@ class SimBf16Gemm(SimGemm):
 
 
 def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None, trace=None,
-            jitter=0.0005, gemm=None):
+            jitter=0.0005, gemm=None, direct=None, fail_lock_after=None):
     m, k = a.shape
     n = b.shape[1]
     dtype = result_dtype(a.dtype, b.dtype)
@@ -188,13 +226,20 @@ def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None,
         out = np.full((m, n), np.nan, dtype=dtype)
     plan = make_plan(m, n, k, dtype)
     dev = SimDevice(device_limit, jitter)
+    dev.fail_lock_after = fail_lock_after
+    if isinstance(out, np.ndarray):
+        dev.watch = (out.ctypes.data, out.ctypes.data + out.nbytes)
     pool = numpy_pool(pinned)
     info: dict = {}
+    forced = {} if direct is None else {DIRECT_OUT_KEY: direct}
     try:
-        run_pipelined(gemm or SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
-                      pinned_pool=pool, tiles=tiles, trace=trace, info=info, _device=dev)
+        with dask.config.set(forced):
+            run_pipelined(gemm or SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
+                          pinned_pool=pool, tiles=tiles, trace=trace, info=info, _device=dev)
     finally:
         dev.close()
+    assert dev.unlocked_copies == [], "a copy into the result found its bytes not page-locked"
+    assert dev.locked == {}, "the result is still page-locked after the product"
     assert pool.peak_bytes <= pool.limit
     pool.close()
     assert pool.held_bytes == 0
@@ -348,6 +393,64 @@ def test_bfloat16_operands_cross_as_their_bits(device_limit):
     assert info16["tiling"] == info32["tiling"]
     assert info16["bytes_h2d"] * 2 == info32["bytes_h2d"] >= 2 * (a.nbytes + b.nbytes)
     assert info16["bytes_d2h"] == info32["bytes_d2h"] == c16.nbytes
+
+
+def _lanes(trace):
+    return {op["lane"] for op in trace.ops}
+
+
+@pytest.mark.parametrize("m,n,k,dtype,limit", [
+    (1500, 257, 300, "float32", 64 << 20), (999, 130, 77, "float64", 64 << 20),
+    (3000, 257, 200, "float32", 4 << 20),      # row blocks of ragged bytes
+    (3001, 130, 90, "float64", 2 << 20),       # tiles mode, one column block
+])
+def test_direct_output_lands_in_place_page_locked(m, n, k, dtype, limit):
+    """C's row blocks copied straight into the result: every copy finds its bytes page-locked
+    when it runs (row blocks whose ends are not page-aligned share a segment), nothing passes
+    through the ring, and nothing stays page-locked afterwards (``run_sim`` checks both)."""
+    rng = np.random.default_rng(m + n)
+    a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
+    trace = Timeline()
+    c, info, dev = run_sim(a, b, device_limit=limit, pinned=256 * 1024, trace=trace,
+                           direct=True)
+    check(c, a, b)
+    assert info["tiling"]["col_sizes"] == [n]
+    assert dev.lock_calls >= len(info["tiling"]["row_sizes"]) - 1
+    assert "d2h" in _lanes(trace) and "host-unstage" not in _lanes(trace)
+    assert info["bytes_d2h"] == c.nbytes
+
+
+def test_direct_output_is_the_default_on_the_tensor_cores_only():
+    rng = np.random.default_rng(8)
+    a, b = rand((600, 300), "float32", rng), rand((300, 250), "float32", rng)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a16, b16 = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    c, _, dev = run_sim(a16, b16, device_limit=64 << 20, gemm=SimBf16Gemm())
+    check(c, a16, b16)
+    assert dev.lock_calls >= 1
+    c, _, dev = run_sim(a, b, device_limit=64 << 20)
+    check(c, a, b)
+    assert dev.lock_calls == 0
+
+
+def test_direct_output_falls_back_to_the_ring_where_memory_cannot_be_locked():
+    rng = np.random.default_rng(9)
+    a, b = rand((3000, 200), "float32", rng), rand((200, 260), "float32", rng)
+    trace = Timeline()
+    c, info, dev = run_sim(a, b, device_limit=4 << 20, pinned=256 * 1024, trace=trace,
+                           direct=True, fail_lock_after=1)
+    check(c, a, b)
+    assert len(info["tiling"]["row_sizes"]) >= 3 and dev.lock_calls == 1
+    assert "host-unstage" in _lanes(trace)
+
+
+def test_direct_output_never_locks_a_files_pages(tmp_path):
+    rng = np.random.default_rng(10)
+    a, b = rand((500, 100), "float32", rng), rand((100, 120), "float32", rng)
+    out = np.lib.format.open_memmap(tmp_path / "c.npy", "w+", np.float32, (500, 120))
+    c, _, dev = run_sim(a, b, out, device_limit=64 << 20, direct=True)
+    check(np.asarray(c), a, b)
+    assert dev.lock_calls == 0
 
 
 def test_out_of_memory_shrinks_tiles_and_retries():

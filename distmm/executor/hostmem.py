@@ -148,11 +148,35 @@ def _take_spare(size: int):
     return None
 
 
+_ANONYMOUS: "weakref.WeakSet" = weakref.WeakSet()  # the mappings ``huge_mapping`` made
+
+
+def in_process_memory(array) -> bool:
+    """Whether ``array``'s memory is the process's own (numpy's allocation, or an anonymous
+    mapping of ``huge_mapping``), not a file's pages (``numpy.memmap`` or another mapping)
+    or a foreign buffer: only such memory is page-locked in place for copies into it."""
+    x = array
+    while True:
+        if isinstance(x, np.memmap):
+            return False
+        base = getattr(x, "base", None)
+        if base is None:
+            return isinstance(x, np.ndarray) and x.flags.owndata
+        if isinstance(base, memoryview):  # numpy.frombuffer's
+            base = base.obj
+        if isinstance(base, mmap.mmap):
+            return base in _ANONYMOUS
+        if not isinstance(base, np.ndarray):
+            return False
+        x = base
+
+
 def huge_mapping(size: int) -> mmap.mmap:
     """A private anonymous mapping of ``size`` bytes advised ``MADV_HUGEPAGE`` where the
     kernel knows the advice (its pages are not faulted in). Raises ``OSError`` where
     no anonymous mapping can be made."""
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _ANONYMOUS.add(mem)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:

@@ -69,6 +69,13 @@ class CupyDevice:
         self._rt.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                              self._rt.memcpyDeviceToHost, stream.ptr)
 
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock host memory in place (``cudaHostRegister``) for copies into it."""
+        self._rt.hostRegister(ptr, nbytes, 0)
+
+    def host_unregister(self, ptr: int) -> None:
+        self._rt.hostUnregister(ptr)
+
     def synchronize(self) -> None:
         self.cp.cuda.Device(self.device_id).synchronize()
 

@@ -89,6 +89,30 @@ def operand_transport(executor, a, b, dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+#: ``distmm-debug.pipeline-direct-out``: true or false forces the choice of ``direct_out``
+DIRECT_OUT_KEY = "distmm-debug.pipeline-direct-out"
+
+
+def direct_out(executor, out, dtype) -> bool:
+    """Whether C's row blocks are copied straight into ``out``, page-locked in place
+    (``distmm.executor.pipeline.direct``), instead of through the staging ring: for products
+    on the tensor cores (a reduced ``precision``), whose GEMMs are fast enough that copying C
+    out through the ring and a host copy bounds the call, into a C-contiguous result in the
+    process's own memory (never a file's pages). ``DIRECT_OUT_KEY`` forces it either way
+    for such a result."""
+    import dask.config
+
+    from distmm.executor.hostmem import in_process_memory
+
+    if not (isinstance(out, np.ndarray) and out.ndim == 2 and out.dtype == np.dtype(dtype)
+            and out.flags.c_contiguous and in_process_memory(out)):
+        return False
+    forced = dask.config.get(DIRECT_OUT_KEY, None)
+    if forced is not None:
+        return str(forced).lower() in ("1", "true", "yes", "on")
+    return getattr(executor, "precision", "highest") != "highest"
+
+
 def _check_shapes(a, b, out, m, n, k) -> None:
     for name, x, shape in (("a", a, (m, k)), ("b", b, (k, n)), ("out", out, (m, n))):
         if len(x.shape) != 2 or tuple(x.shape) != shape:
@@ -192,7 +216,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
-                           on_ready=ready_hold.release, in_dtype=in_dtype)
+                           on_ready=ready_hold.release, in_dtype=in_dtype,
+                           direct_out=direct_out(executor, out, dtype))
         failure = None
         try:
             run.execute()
@@ -231,7 +256,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     if info is not None:
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
                     bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
-                    operands_as=in_dtype.name,
+                    operands_as=in_dtype.name, direct_out=run.direct_out,
                     **getattr(run, "phases", {}))
     log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
               run.seconds, retries, tiling.mode, getattr(run, "phases", {}))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distmm.executor.pipeline.direct import DirectOut
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
@@ -104,7 +105,8 @@ class PipelineRun:
     out-of-memory errors unchanged so that the caller can retry smaller."""
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
-                 timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None):
+                 timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None,
+                 direct_out: bool = False):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
@@ -117,6 +119,8 @@ class PipelineRun:
         self.timeline = timeline
         self.host_threads = host_threads
         self.on_ready = on_ready  # called once the device buffers and the ring are held
+        # C's row blocks copied straight into ``out``, page-locked in place (``direct``)
+        self.direct_out = bool(direct_out) and len(tiling.col_edges) == 2
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
         self._host_lock = threading.Lock()
@@ -247,7 +251,8 @@ class PipelineRun:
                        "ring_bytes": (n_in + n_out) * chunk_bytes}
         stage_pool = _thread_pool("stage", self.host_threads)
         unstage_pool = _thread_pool("unstage", max(2, self.host_threads // 2))
-        writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool)
+        direct = DirectOut(dev, self.out, t.row_edges) if self.direct_out else None
+        writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
         t0_ev = dev.event(self.timeline is not None)
         dev.record(t0_ev, comp)
         if self.timeline is not None:
@@ -334,6 +339,8 @@ class PipelineRun:
             for buf in ring_in + ring_out:
                 self.pool.release(buf)
             writer.c_mem = None
+            if direct is not None:  # no copy into out is queued any more (synchronized)
+                direct.close()
         self.seconds = self._now() - wall0
         if self.timeline is not None:
             self._fill_timeline(t0_ev, host_t0)
@@ -352,8 +359,9 @@ class _OutputWriter(threading.Thread):
     (unstage threads). ``submit`` returns a future for the event after which the
     unit's C buffer may be overwritten."""
 
-    def __init__(self, run: PipelineRun, d2h, c_mem, ring_out, unstage_pool):
+    def __init__(self, run: PipelineRun, d2h, c_mem, ring_out, unstage_pool, direct=None):
         super().__init__(name="distmm-d2h", daemon=True)
+        self.direct = direct
         self.run_ = run
         self.d2h = d2h
         self.c_mem = c_mem
@@ -386,29 +394,43 @@ class _OutputWriter(threading.Thread):
                 q0, q1 = t.col_edges[j], t.col_edges[j + 1]
                 width = q1 - q0
                 c_dev = dev.array(self.c_mem[cb], (r1 - r0, width), dtype)
-                rows = max(1, self.ring[0].nbytes // (width * dtype.itemsize))
+                label = f"C[{i},{j}]"
                 dev.wait(self.d2h, done_ev)
-                for p0 in range(0, r1 - r0, rows):
-                    p1 = min(p0 + rows, r1 - r0)
-                    slot = self._next % len(self.ring)
-                    self._next += 1
-                    if self.ring_futs[slot] is not None:
-                        self.ring_futs[slot].result()   # the unstage that used it is done
-                    view = self.ring[slot].view((p1 - p0, width), dtype)
-                    src = c_dev[p0:p1]
-                    label = f"C[{i},{j}]"
-                    r._timed("d2h", label, self.d2h, lambda: dev.d2h(view, src, self.d2h))
-                    r.bytes_d2h += view.nbytes
-                    ev = dev.event()
-                    dev.record(ev, self.d2h)
-                    self.ring_futs[slot] = self.unstage_pool.submit(
-                        r._unstage, ev, view, r0 + p0, r0 + p1, q0, q1, label)
+                if self.direct is not None and self.direct.ready(i):
+                    dst = self.direct.rows(r0, r1)  # whole rows of out, page-locked
+                    r._timed("d2h", label, self.d2h, lambda: dev.d2h(dst, c_dev, self.d2h))
+                    r.bytes_d2h += dst.nbytes
+                else:
+                    self._through_ring(c_dev, r0, r1, q0, q1, label)
                 free_ev = dev.event()
                 dev.record(free_ev, self.d2h)
+                if self.direct is not None:
+                    self.direct.copied(i, free_ev, self.unstage_pool)
                 fut.set_result(free_ev)
             except BaseException as exc:  # handed to the main thread
                 self.error = exc
                 fut.set_exception(exc)
+
+    def _through_ring(self, c_dev, r0, r1, q0, q1, label) -> None:
+        """C unit rows ``r0:r1`` (columns ``q0:q1``) -> pinned ring (d2h stream) -> ``out``
+        (unstage threads), a ring buffer at a time."""
+        r, dev, dtype = self.run_, self.run_.dev, self.run_.dtype
+        width = q1 - q0
+        rows = max(1, self.ring[0].nbytes // (width * dtype.itemsize))
+        for p0 in range(0, r1 - r0, rows):
+            p1 = min(p0 + rows, r1 - r0)
+            slot = self._next % len(self.ring)
+            self._next += 1
+            if self.ring_futs[slot] is not None:
+                self.ring_futs[slot].result()   # the unstage that used it is done
+            view = self.ring[slot].view((p1 - p0, width), dtype)
+            src = c_dev[p0:p1]
+            r._timed("d2h", label, self.d2h, lambda: dev.d2h(view, src, self.d2h))
+            r.bytes_d2h += view.nbytes
+            ev = dev.event()
+            dev.record(ev, self.d2h)
+            self.ring_futs[slot] = self.unstage_pool.submit(
+                r._unstage, ev, view, r0 + p0, r0 + p1, q0, q1, label)
 
     def finish(self) -> None:
         self.jobs.put(None)
