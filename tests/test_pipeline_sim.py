@@ -76,7 +76,8 @@ class SimDevice:
         self.streams: list[SimStream] = []
         self.allocs = 0
         # page-locking in place: {ptr: nbytes} locked now; the result's byte range, into
-        # which every copy must find its bytes locked when it runs (``unlocked_copies`` else)
+        # which every copy must find its bytes inside one locked range when it runs
+        # (``unlocked_copies`` else)
         self.locked: dict[int, int] = {}
         self.lock_calls = 0
         self.fail_lock_after: int | None = None
@@ -162,12 +163,9 @@ class SimDevice:
             del self.locked[ptr]
 
     def _covered(self, lo, hi):
+        """Inside one page-locked range (CUDA rejects a copy across two)."""
         with self._lock_guard:
-            spans = sorted((p, p + n) for p, n in self.locked.items())
-        for p, q in spans:
-            if p <= lo < q:
-                lo = q
-        return lo >= hi
+            return any(p <= lo and hi <= p + n for p, n in self.locked.items())
 
     def synchronize(self):
         for s in self.streams:

@@ -6,7 +6,8 @@ row blocks finish, so that each block's copy out lands in the result itself inst
 passing through the staging ring and a host copy; and which unlocks each segment once the
 copies into it have ended, so that the result is page-locked only while it is being written
 and never after the product returns. Segments are cut at page boundaries: a row block whose
-end is not page-aligned also needs the next segment. A segment that cannot be page-locked
+end is not page-aligned also needs the next segment, and is copied in two pieces (one copy may
+not span two page-locked ranges). A segment that cannot be page-locked
 (a memory-lock limit, memory the driver refuses) turns the remaining row blocks back to the
 staging ring.
 
@@ -83,8 +84,20 @@ class DirectOut:
             self._locked[s].wait()
         return all(self._ok[s] for s in self.needs[block])
 
-    def rows(self, r0: int, r1: int) -> np.ndarray:
-        return self.out[r0:r1]
+    def pieces(self, block: int, r0: int, r1: int):
+        """``(start, stop)`` byte ranges of rows ``r0:r1`` of ``out`` (block ``block``), from
+        the block's first byte, one per segment: a copy may not span two page-locked ranges
+        (the driver rejects it), so a block that ends inside the next segment is copied in
+        two."""
+        row = int(self.out.strides[0])
+        lo = int(self.out.ctypes.data) + r0 * row
+        hi = lo + (r1 - r0) * row
+        out = []
+        for s in self.needs[block]:
+            a, b = max(lo, self.segments[s][0]), min(hi, self.segments[s][1])
+            if b > a:
+                out.append((a - lo, b - lo))
+        return out
 
     def copied(self, block: int, event, pool) -> None:
         """Block ``block``'s copy out is queued, ``event`` after it: segments no other block

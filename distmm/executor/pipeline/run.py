@@ -397,8 +397,12 @@ class _OutputWriter(threading.Thread):
                 label = f"C[{i},{j}]"
                 dev.wait(self.d2h, done_ev)
                 if self.direct is not None and self.direct.ready(i):
-                    dst = self.direct.rows(r0, r1)  # whole rows of out, page-locked
-                    r._timed("d2h", label, self.d2h, lambda: dev.d2h(dst, c_dev, self.d2h))
+                    # whole rows of out, page-locked: a copy per page-locked range they touch
+                    dst = r.out[r0:r1].reshape(-1).view(np.uint8)
+                    src = c_dev.reshape(-1).view(np.uint8)
+                    for p0, p1 in self.direct.pieces(i, r0, r1):
+                        r._timed("d2h", label, self.d2h,
+                                 lambda: dev.d2h(dst[p0:p1], src[p0:p1], self.d2h))
                     r.bytes_d2h += dst.nbytes
                 else:
                     self._through_ring(c_dev, r0, r1, q0, q1, label)
