@@ -418,17 +418,19 @@ def test_direct_output_lands_in_place_page_locked(m, n, k, dtype, limit):
     assert info["bytes_d2h"] == c.nbytes
 
 
-def test_direct_output_is_the_default_on_the_tensor_cores_only():
+def test_direct_output_only_where_asked():
     rng = np.random.default_rng(8)
     a, b = rand((600, 300), "float32", rng), rand((300, 250), "float32", rng)
     ml_dtypes = pytest.importorskip("ml_dtypes")
     a16, b16 = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
-    c, _, dev = run_sim(a16, b16, device_limit=64 << 20, gemm=SimBf16Gemm())
-    check(c, a16, b16)
-    assert dev.lock_calls >= 1
-    c, _, dev = run_sim(a, b, device_limit=64 << 20)
-    check(c, a, b)
-    assert dev.lock_calls == 0
+    for gemm in (SimBf16Gemm(), SimGemm()):
+        x, y = (a16, b16) if isinstance(gemm, SimBf16Gemm) else (a, b)
+        c, info, dev = run_sim(x, y, device_limit=64 << 20, gemm=gemm)
+        check(c, x, y)
+        assert dev.lock_calls == 0 and info["direct_out"] is False
+        c, info, dev = run_sim(x, y, device_limit=64 << 20, gemm=gemm, direct=True)
+        check(c, x, y)
+        assert dev.lock_calls >= 1 and info["direct_out"] is True
 
 
 def test_direct_output_falls_back_to_the_ring_where_memory_cannot_be_locked():

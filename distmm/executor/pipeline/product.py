@@ -89,17 +89,16 @@ def operand_transport(executor, a, b, dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
-#: ``distmm-debug.pipeline-direct-out``: true or false forces the choice of ``direct_out``
+#: ``distmm-debug.pipeline-direct-out``: true copies C straight into the result (``direct_out``)
 DIRECT_OUT_KEY = "distmm-debug.pipeline-direct-out"
 
 
-def direct_out(executor, out, dtype) -> bool:
+def direct_out(out, dtype) -> bool:
     """Whether C's row blocks are copied straight into ``out``, page-locked in place
-    (``distmm.executor.pipeline.direct``), instead of through the staging ring: for products
-    on the tensor cores (a reduced ``precision``), whose GEMMs are fast enough that copying C
-    out through the ring and a host copy bounds the call, into a C-contiguous result in the
-    process's own memory (never a file's pages). ``DIRECT_OUT_KEY`` forces it either way
-    for such a result."""
+    (``distmm.executor.pipeline.direct``), instead of through the staging ring and a host
+    copy: only where ``DIRECT_OUT_KEY`` asks for it (off by default: bench/NOTES.md, "C
+    straight into the result"), and only into a C-contiguous result of the result dtype in
+    the process's own memory (never a file's pages)."""
     import dask.config
 
     from distmm.executor.hostmem import in_process_memory
@@ -107,10 +106,7 @@ def direct_out(executor, out, dtype) -> bool:
     if not (isinstance(out, np.ndarray) and out.ndim == 2 and out.dtype == np.dtype(dtype)
             and out.flags.c_contiguous and in_process_memory(out)):
         return False
-    forced = dask.config.get(DIRECT_OUT_KEY, None)
-    if forced is not None:
-        return str(forced).lower() in ("1", "true", "yes", "on")
-    return getattr(executor, "precision", "highest") != "highest"
+    return str(dask.config.get(DIRECT_OUT_KEY, False)).lower() in ("1", "true", "yes", "on")
 
 
 def _check_shapes(a, b, out, m, n, k) -> None:
@@ -217,7 +213,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
                            on_ready=ready_hold.release, in_dtype=in_dtype,
-                           direct_out=direct_out(executor, out, dtype))
+                           direct_out=direct_out(out, dtype))
         failure = None
         try:
             run.execute()
