@@ -236,32 +236,44 @@ def test_registered_pinned_buffers_are_page_locked_and_copy_both_ways():
     del keep
 
 
-@pytest.mark.parametrize("shape,limit", [((3001, 2500, 2049), 64 << 20), ((5000, 777, 1500), 8 << 20)])
-def test_direct_output_copies_into_the_result_and_unlocks_it(shape, limit):
-    """C copied straight into a plain numpy result and into ``empty_host``'s mapping, each
-    row block page-locked in place: the product is right, nothing passed through the ring,
-    and afterwards no byte of the result is still page-locked (a second product into it
-    page-locks it again without error)."""
+@pytest.mark.parametrize("shape,limit,bf16", [((3001, 2500, 2049), 64 << 20, False),
+                                              ((5000, 777, 1500), 8 << 20, False),
+                                              ((4097, 3000, 2500), 64 << 20, True)])
+def test_direct_copies_between_the_device_and_the_callers_arrays(shape, limit, bf16):
+    """With ``distmm-debug.pipeline-direct``: A and B copied straight from the caller's arrays
+    (as their bits for bfloat16 under precision="bf16") and C straight into a plain numpy
+    result and into ``empty_host``'s mapping, each page-locked in place block by block. The
+    product is right, C passed through no ring, and afterwards no byte of A, B or C is still
+    page-locked (a second product page-locks them again without error)."""
     import dask.config
 
+    from distmm.executor.gpu import GPUExecutor
     from distmm.executor.hostmem import empty_host
-    from distmm.executor.pipeline.product import DIRECT_OUT_KEY
+    from distmm.executor.pipeline.product import DIRECT_KEY
 
     m, n, k = shape
     a, b = rand((m, k), "float32", 20), rand((k, n), "float32", 21)
+    executor = CublasGemm()
+    if bf16:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        a, b = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+        executor = GPUExecutor(backend="cublas", precision="bf16")
     rt = cupy.cuda.runtime
+    unregistered = getattr(rt, "memoryTypeUnregistered", 0)
     for out in (np.full((m, n), np.nan, np.float32), empty_host((m, n), np.float32)):
         for _ in range(2):
             out[...] = np.nan
             tl = Timeline()
-            with dask.config.set({DIRECT_OUT_KEY: True}):
-                c, info = run(CublasGemm(), a, b, out, trace=tl, device_memory_limit=limit)
+            with dask.config.set({DIRECT_KEY: True}):
+                c, info = run(executor, a, b, out, trace=tl, device_memory_limit=limit)
             check(c, a, b)
             lanes = {o["lane"] for o in tl.ops}
+            assert info["direct_in"] and info["direct_out"], info
             assert "d2h" in lanes and "host-unstage" not in lanes, lanes
             assert len(info["tiling"]["row_sizes"]) >= 2
-            for ptr in (out.ctypes.data, out.ctypes.data + out.nbytes - 1):
-                assert rt.pointerGetAttributes(ptr).type == getattr(rt, "memoryTypeUnregistered", 0)
+            for x in (a, b, out):
+                for ptr in (x.ctypes.data, x.ctypes.data + x.nbytes - 1):
+                    assert rt.pointerGetAttributes(ptr).type == unregistered
 
 
 def test_cublas_start_up_runs_once_per_dtype_and_device():

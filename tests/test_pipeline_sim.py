@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from distmm.executor.pinned import PinnedPool
-from distmm.executor.pipeline.product import DIRECT_OUT_KEY
+from distmm.executor.pipeline.product import DIRECT_KEY
 from distmm.executor.pipeline import Timeline, run_pipelined
 from distmm.plan_pipeline import PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads
 from distmm.plan import make_plan, result_dtype
@@ -80,8 +80,10 @@ class SimDevice:
         # (``unlocked_copies`` else)
         self.locked: dict[int, int] = {}
         self.lock_calls = 0
+        self.lock_log: list = []  # every (ptr, nbytes) page-locked
+        self.h2d_2d_calls = 0
         self.fail_lock_after: int | None = None
-        self.watch: tuple[int, int] | None = None
+        self.watch: list[tuple[int, int]] = []
         self.unlocked_copies: list = []
         self._lock_guard = threading.Lock()
 
@@ -141,13 +143,27 @@ class SimDevice:
 
     def d2h(self, dst, src, stream):
         def run():
-            lo = dst.ctypes.data
-            hi = lo + dst.nbytes
-            if self.watch is not None and lo < self.watch[1] and hi > self.watch[0]:
-                if not self._covered(lo, hi):
-                    self.unlocked_copies.append((lo, hi))
+            self._check_locked(dst)
             np.copyto(dst, src)
         stream.enqueue(run)
+
+    def h2d_2d(self, dst, src, stream):
+        assert src.strides[1] == src.itemsize and dst.strides[1] == dst.itemsize, "rows contiguous"
+        self.h2d_2d_calls += 1
+
+        def run():
+            self._check_locked(src)
+            np.copyto(dst, src)
+        stream.enqueue(run)
+
+    def _check_locked(self, host):
+        """A copy touching a watched array (the result, or an operand copied straight) must
+        find its bytes inside one page-locked range when it runs."""
+        lo = host.ctypes.data
+        hi = lo + (host.shape[0] - 1) * host.strides[0] + host.shape[1] * host.itemsize \
+            if host.ndim == 2 else lo + host.nbytes
+        if any(lo < b and hi > a for a, b in self.watch) and not self._covered(lo, hi):
+            self.unlocked_copies.append((lo, hi))
 
     def host_register(self, ptr, nbytes):
         with self._lock_guard:
@@ -157,6 +173,7 @@ class SimDevice:
                 "page-locked twice"
             self.locked[ptr] = nbytes
             self.lock_calls += 1
+            self.lock_log.append((ptr, nbytes))
 
     def host_unregister(self, ptr):
         with self._lock_guard:
@@ -225,11 +242,11 @@ def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None,
     plan = make_plan(m, n, k, dtype)
     dev = SimDevice(device_limit, jitter)
     dev.fail_lock_after = fail_lock_after
-    if isinstance(out, np.ndarray):
-        dev.watch = (out.ctypes.data, out.ctypes.data + out.nbytes)
+    dev.watch = [(x.ctypes.data, x.ctypes.data + x.nbytes) for x in (out, a, b)
+                 if isinstance(x, np.ndarray)]
     pool = numpy_pool(pinned)
     info: dict = {}
-    forced = {} if direct is None else {DIRECT_OUT_KEY: direct}
+    forced = {} if direct is None else {DIRECT_KEY: direct}
     try:
         with dask.config.set(forced):
             run_pipelined(gemm or SimGemm(), plan, a, b, out, device_memory_limit=device_limit,
@@ -397,28 +414,40 @@ def _lanes(trace):
     return {op["lane"] for op in trace.ops}
 
 
+def _locked_within(dev, x) -> bool:
+    lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
+    return any(p < hi and p + n > lo for p, n in dev.lock_log)
+
+
 @pytest.mark.parametrize("m,n,k,dtype,limit", [
     (1500, 257, 300, "float32", 64 << 20), (999, 130, 77, "float64", 64 << 20),
     (3000, 257, 200, "float32", 4 << 20),      # row blocks of ragged bytes
     (3001, 130, 90, "float64", 2 << 20),       # tiles mode, one column block
+    (400, 700, 600, "float32", 1 << 20),       # tiles mode, several column blocks
 ])
-def test_direct_output_lands_in_place_page_locked(m, n, k, dtype, limit):
-    """C's row blocks copied straight into the result: every copy finds its bytes page-locked
-    when it runs (row blocks whose ends are not page-aligned share a segment), nothing passes
-    through the ring, and nothing stays page-locked afterwards (``run_sim`` checks both)."""
+def test_direct_copies_page_locked_in_place(m, n, k, dtype, limit):
+    """Copies straight between the device and the caller's arrays: each finds its bytes
+    inside one page-locked range when it runs (blocks whose ends are not page-aligned share a
+    segment, a row crossing a segment boundary is cut there), chunks go through the ring
+    until their operand's block is locked, C never does where its blocks are whole rows, and
+    nothing stays page-locked afterwards (``run_sim`` checks both)."""
     rng = np.random.default_rng(m + n)
     a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
     trace = Timeline()
-    c, info, dev = run_sim(a, b, device_limit=limit, pinned=256 * 1024, trace=trace,
-                           direct=True)
+    # a small ring: chunks of a few rows, so that most are issued after the operands are locked
+    c, info, dev = run_sim(a, b, device_limit=limit, pinned=64 * 1024, trace=trace, direct=True)
     check(c, a, b)
-    assert info["tiling"]["col_sizes"] == [n]
-    assert dev.lock_calls >= len(info["tiling"]["row_sizes"]) - 1
-    assert "d2h" in _lanes(trace) and "host-unstage" not in _lanes(trace)
+    assert info["direct_in"] and dev.h2d_2d_calls > 0
+    assert _locked_within(dev, a) and _locked_within(dev, b)
+    if info["tiling"]["col_sizes"] == [n]:
+        assert info["direct_out"] and _locked_within(dev, c)
+        assert "host-unstage" not in _lanes(trace)
+    else:
+        assert not info["direct_out"] and "host-unstage" in _lanes(trace)
     assert info["bytes_d2h"] == c.nbytes
 
 
-def test_direct_output_only_where_asked():
+def test_direct_copies_only_where_asked():
     rng = np.random.default_rng(8)
     a, b = rand((600, 300), "float32", rng), rand((300, 250), "float32", rng)
     ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -427,13 +456,18 @@ def test_direct_output_only_where_asked():
         x, y = (a16, b16) if isinstance(gemm, SimBf16Gemm) else (a, b)
         c, info, dev = run_sim(x, y, device_limit=64 << 20, gemm=gemm)
         check(c, x, y)
-        assert dev.lock_calls == 0 and info["direct_out"] is False
-        c, info, dev = run_sim(x, y, device_limit=64 << 20, gemm=gemm, direct=True)
+        assert dev.lock_calls == 0 and not info["direct_out"] and not info["direct_in"]
+        c, info, dev = run_sim(x, y, device_limit=64 << 20, pinned=64 * 1024, gemm=gemm,
+                               direct=True)
         check(c, x, y)
-        assert dev.lock_calls >= 1 and info["direct_out"] is True
+        assert info["direct_out"] and info["direct_in"] and dev.h2d_2d_calls > 0
+    # operands cast while staging (float32 and int16 into float64) never go straight
+    c, info, dev = run_sim(a.astype(np.float64), b.astype(np.int16), device_limit=64 << 20,
+                           direct=True)
+    assert info["direct_out"] and not info["direct_in"]
 
 
-def test_direct_output_falls_back_to_the_ring_where_memory_cannot_be_locked():
+def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     rng = np.random.default_rng(9)
     a, b = rand((3000, 200), "float32", rng), rand((200, 260), "float32", rng)
     trace = Timeline()
@@ -441,16 +475,19 @@ def test_direct_output_falls_back_to_the_ring_where_memory_cannot_be_locked():
                            direct=True, fail_lock_after=1)
     check(c, a, b)
     assert len(info["tiling"]["row_sizes"]) >= 3 and dev.lock_calls == 1
-    assert "host-unstage" in _lanes(trace)
+    assert {"host-stage", "host-unstage"} <= _lanes(trace)
 
 
-def test_direct_output_never_locks_a_files_pages(tmp_path):
+def test_direct_copies_never_lock_a_files_pages(tmp_path):
     rng = np.random.default_rng(10)
-    a, b = rand((500, 100), "float32", rng), rand((100, 120), "float32", rng)
+    a = np.lib.format.open_memmap(tmp_path / "a.npy", "w+", np.float32, (500, 100))
+    a[...] = rand((500, 100), "float32", rng)
+    b = rand((100, 120), "float32", rng)
     out = np.lib.format.open_memmap(tmp_path / "c.npy", "w+", np.float32, (500, 120))
-    c, _, dev = run_sim(a, b, out, device_limit=64 << 20, direct=True)
+    c, info, dev = run_sim(a, b, out, device_limit=64 << 20, direct=True)
     check(np.asarray(c), a, b)
-    assert dev.lock_calls == 0
+    assert not info["direct_out"] and not info["direct_in"]
+    assert not _locked_within(dev, out) and not _locked_within(dev, a)
 
 
 def test_out_of_memory_shrinks_tiles_and_retries():

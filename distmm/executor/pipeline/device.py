@@ -65,6 +65,12 @@ class CupyDevice:
         self._rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
                              self._rt.memcpyHostToDevice, stream.ptr)
 
+    def h2d_2d(self, dst, src: np.ndarray, stream) -> None:
+        """A rectangle of rows: ``src`` and ``dst`` each with contiguous rows, any pitch."""
+        width = src.shape[1] * src.itemsize
+        self._rt.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.ctypes.data, src.strides[0],
+                               width, src.shape[0], self._rt.memcpyHostToDevice, stream.ptr)
+
     def d2h(self, dst: np.ndarray, src, stream) -> None:
         self._rt.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                              self._rt.memcpyDeviceToHost, stream.ptr)

@@ -89,24 +89,44 @@ def operand_transport(executor, a, b, dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
-#: ``distmm-debug.pipeline-direct-out``: true copies C straight into the result (``direct_out``)
-DIRECT_OUT_KEY = "distmm-debug.pipeline-direct-out"
+#: ``distmm-debug.pipeline-direct``: true copies A and B straight from the caller's arrays and C
+#: straight into the result, each page-locked in place (``direct_in``, ``direct_out``)
+DIRECT_KEY = "distmm-debug.pipeline-direct"
+
+
+def _lockable(x) -> bool:
+    """A C-contiguous, aligned 2-D numpy array in the process's own memory."""
+    from distmm.executor.hostmem import in_process_memory
+
+    return (isinstance(x, np.ndarray) and x.ndim == 2 and x.flags.c_contiguous
+            and x.flags.aligned and in_process_memory(x))
+
+
+def _asked() -> bool:
+    import dask.config
+
+    return str(dask.config.get(DIRECT_KEY, False)).lower() in ("1", "true", "yes", "on")
+
+
+def direct_in(a, b, in_dtype) -> bool:
+    """Whether A's and B's chunks are copied straight from the caller's arrays, page-locked
+    in place, as ``direct_out`` does for C: where asked, for operands whose bytes cross as
+    they are (``in_dtype``: no cast while staging)."""
+    in_dtype = np.dtype(in_dtype)
+
+    def as_is(x):
+        return x.dtype == in_dtype or (in_dtype == np.uint16 and is_bfloat16(x.dtype))
+
+    return _asked() and all(_lockable(x) and as_is(x) for x in (a, b))
 
 
 def direct_out(out, dtype) -> bool:
     """Whether C's row blocks are copied straight into ``out``, page-locked in place
     (``distmm.executor.pipeline.direct``), instead of through the staging ring and a host
-    copy: only where ``DIRECT_OUT_KEY`` asks for it (off by default: bench/NOTES.md, "C
-    straight into the result"), and only into a C-contiguous result of the result dtype in
-    the process's own memory (never a file's pages)."""
-    import dask.config
-
-    from distmm.executor.hostmem import in_process_memory
-
-    if not (isinstance(out, np.ndarray) and out.ndim == 2 and out.dtype == np.dtype(dtype)
-            and out.flags.c_contiguous and in_process_memory(out)):
-        return False
-    return str(dask.config.get(DIRECT_OUT_KEY, False)).lower() in ("1", "true", "yes", "on")
+    copy: only where ``DIRECT_KEY`` asks for it (off by default: bench/NOTES.md, "Copies
+    straight between the device and the caller's arrays"), and only into a C-contiguous
+    result of the result dtype in the process's own memory (never a file's pages)."""
+    return _asked() and _lockable(out) and out.dtype == np.dtype(dtype)
 
 
 def _check_shapes(a, b, out, m, n, k) -> None:
@@ -213,7 +233,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
                            on_ready=ready_hold.release, in_dtype=in_dtype,
-                           direct_out=direct_out(out, dtype))
+                           direct_out=direct_out(out, dtype),
+                           direct_in=direct_in(a, b, in_dtype))
         failure = None
         try:
             run.execute()
@@ -253,6 +274,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
                     bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
                     operands_as=in_dtype.name, direct_out=run.direct_out,
+                    direct_in=run.direct_in,
                     **getattr(run, "phases", {}))
     log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
               run.seconds, retries, tiling.mode, getattr(run, "phases", {}))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmm.executor.pipeline.direct import DirectOut
+from distmm.executor.pipeline.direct import PageLocked
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
@@ -106,7 +106,7 @@ class PipelineRun:
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
                  timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None,
-                 direct_out: bool = False):
+                 direct_out: bool = False, direct_in: bool = False):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
@@ -121,6 +121,10 @@ class PipelineRun:
         self.on_ready = on_ready  # called once the device buffers and the ring are held
         # C's row blocks copied straight into ``out``, page-locked in place (``direct``)
         self.direct_out = bool(direct_out) and len(tiling.col_edges) == 2
+        # A and B copied straight from the caller's arrays, as their bytes cross (``in_dtype``)
+        self.direct_in = bool(direct_in)
+        self.src = ({"A": np.asarray(a).view(self.in_dtype),
+                     "B": np.asarray(b).view(self.in_dtype)} if self.direct_in else {})
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
         self._host_lock = threading.Lock()
@@ -251,7 +255,15 @@ class PipelineRun:
                        "ring_bytes": (n_in + n_out) * chunk_bytes}
         stage_pool = _thread_pool("stage", self.host_threads)
         unstage_pool = _thread_pool("unstage", max(2, self.host_threads // 2))
-        direct = DirectOut(dev, self.out, t.row_edges) if self.direct_out else None
+        direct = PageLocked(dev, self.out, t.row_edges, "direct-out") if self.direct_out else None
+        # A's row blocks and B's k blocks page-locked in place: their chunks then go straight
+        # to the device (once locked; the first ones, and any whose memory cannot be locked,
+        # through the ring)
+        locked_in = ({"A": PageLocked(dev, self.src["A"], t.row_edges, "direct-a"),
+                      "B": PageLocked(dev, self.src["B"], t.k_edges, "direct-b")}
+                     if self.direct_in else {})
+        in_block = {"A": lambda ch: steps[ch.step].i, "B": lambda ch: steps[ch.step].kb}
+        last_use = {(ch.which, in_block[ch.which](ch)): n for n, ch in enumerate(chunks)}
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
         t0_ev = dev.event(self.timeline is not None)
         dev.record(t0_ev, comp)
@@ -263,8 +275,13 @@ class PipelineRun:
         ring_ev: list = [None] * n_in
         try:
             def submit(c):
+                ch = chunks[c]
+                locked = locked_in.get(ch.which)
+                if locked is not None and locked.ready(in_block[ch.which](ch), wait=False):
+                    futures[c] = None  # straight from the operand
+                    return
                 r = c % n_in
-                futures[c] = stage_pool.submit(self._stage, chunks[c], ring_in[r], ring_ev[r])
+                futures[c] = stage_pool.submit(self._stage, ch, ring_in[r], ring_ev[r])
 
             for c in range(min(n_in, len(chunks))):
                 submit(c)
@@ -279,7 +296,8 @@ class PipelineRun:
                 cb = st.unit % t.c_buffers
                 while c < len(chunks) and chunks[c].step == idx:
                     ch = chunks[c]
-                    view = futures.pop(c).result()
+                    staged = futures.pop(c)
+                    view = staged.result() if staged is not None else None
                     free_ev, loaded = (a_free, a_loaded) if ch.which == "A" else (b_free, b_loaded)
                     if ch.first and free_ev[ch.slot] is not None:
                         dev.wait(h2d, free_ev[ch.slot])
@@ -289,11 +307,22 @@ class PipelineRun:
                     else:
                         block = b_block(ch.slot, st.kb, ch.block_rows, width)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
-                    self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
-                    self.bytes_h2d += view.nbytes
+                    if view is not None:
+                        self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
+                    else:  # a rectangle per page-locked range, straight from the operand
+                        src, blk = self.src[ch.which], in_block[ch.which](ch)
+                        for ra, rb, qa, qb in locked_in[ch.which].rects(blk, ch.r0, ch.r1,
+                                                                         ch.c0, ch.c1):
+                            part = dst[ra - ch.r0:rb - ch.r0, qa - ch.c0:qb - ch.c0]
+                            self._timed("h2d", ch.label, h2d,
+                                        lambda: dev.h2d_2d(part, src[ra:rb, qa:qb], h2d))
+                    self.bytes_h2d += dst.nbytes
                     ev = dev.event()
                     dev.record(ev, h2d)
                     ring_ev[c % n_in] = ev
+                    key = (ch.which, in_block[ch.which](ch))
+                    if key[0] in locked_in and last_use[key] == c:
+                        locked_in[key[0]].copied(key[1], ev, unstage_pool)
                     if ch.last:
                         loaded[ch.slot] = ev
                     if c + n_in < len(chunks):
@@ -332,15 +361,18 @@ class PipelineRun:
                 pass
             raise
         finally:
-            for f in futures.values():
+            pending = [f for f in futures.values() if f is not None]
+            for f in pending:
                 f.cancel()
-            cf.wait(list(futures.values()))
+            cf.wait(pending)
             cf.wait([f for f in writer.ring_futs if f is not None])
             for buf in ring_in + ring_out:
                 self.pool.release(buf)
             writer.c_mem = None
-            if direct is not None:  # no copy into out is queued any more (synchronized)
-                direct.close()
+            # no copy touching them is queued any more (the device is synchronized)
+            for locked in [direct, *locked_in.values()]:
+                if locked is not None:
+                    locked.close()
         self.seconds = self._now() - wall0
         if self.timeline is not None:
             self._fill_timeline(t0_ev, host_t0)
