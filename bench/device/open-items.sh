@@ -17,6 +17,10 @@
 # resume-one      one process on one GPU at fp32 57344 (fits a 64 GiB disk), twice, each run's
 #                 profile kept (resume-<repeat>-<whole|stopped|resumed>.json): where a stopped
 #                 GPU run spends the 3-6 s between its SIGTERM and its exit
+# direct          the stream pipeline's copies straight between the device and the caller's
+#                 arrays (distmm-debug.pipeline-direct; one GPU): the pipeline's GPU tests, then
+#                 host-resident bf16 at 32768 (with timelines) and fp32 / fp64 at 32768, each
+#                 through the ring (0) and straight (1)
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
 #                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
@@ -67,6 +71,20 @@ for step in "$@"; do
       timeout 300 python3 -m bench.mpi_resume --n 57344 --dtype float32 --ranks 1 --repeat 2 \
         --out-dir "$OUT" --profile-dir "$OUT" 2>&1 | tail -5
       rm -rf /tmp/distmm-resume ;;
+    direct)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_pipeline.py \
+        2>&1 | tail -3
+      for d in 0 1; do
+        DASK_DISTMM_DEBUG__PIPELINE_DIRECT=$d timeout 100 python3 -m bench.pipeline \
+          --precision bf16 --sizes 32768 --repeat 3 --out-dir "$OUT" \
+          --timeline "$OUT/timeline-bf16-direct$d.png" \
+          --timeline-json "$OUT/timeline-bf16-direct$d.json" 2>&1 | grep "32768\|timeline" | tail -4
+      done
+      for d in 0 1; do
+        DASK_DISTMM_DEBUG__PIPELINE_DIRECT=$d timeout 120 python3 -m bench.pipeline --sizes 32768 \
+          --dtypes float32 float64 --variants cublas distmm-host --repeat 3 --out-dir "$OUT" \
+          2>&1 | grep "n= 32768" | tail -4
+      done ;;
     cuinit)
       probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
       echo "4 visible:"; python3 -c "$probe"; python3 -c "$probe"
