@@ -255,6 +255,14 @@ class PipelineRun:
                        "ring_bytes": (n_in + n_out) * chunk_bytes}
         stage_pool = _thread_pool("stage", self.host_threads)
         unstage_pool = _thread_pool("unstage", max(2, self.host_threads // 2))
+        t0_ev = dev.event(self.timeline is not None)
+        dev.record(t0_ev, comp)
+        if self.timeline is not None:
+            dev.sync_event(t0_ev)
+        host_t0 = self._now()
+        wall0 = host_t0
+        futures: dict[int, cf.Future] = {}
+        ring_ev: list = [None] * n_in
         direct = PageLocked(dev, self.out, t.row_edges, "direct-out") if self.direct_out else None
         # A's row blocks and B's k blocks page-locked in place: their chunks then go straight
         # to the device (once locked; the first ones, and any whose memory cannot be locked,
@@ -265,14 +273,6 @@ class PipelineRun:
         in_block = {"A": lambda ch: steps[ch.step].i, "B": lambda ch: steps[ch.step].kb}
         last_use = {(ch.which, in_block[ch.which](ch)): n for n, ch in enumerate(chunks)}
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
-        t0_ev = dev.event(self.timeline is not None)
-        dev.record(t0_ev, comp)
-        if self.timeline is not None:
-            dev.sync_event(t0_ev)
-        host_t0 = self._now()
-        wall0 = host_t0
-        futures: dict[int, cf.Future] = {}
-        ring_ev: list = [None] * n_in
         try:
             def submit(c):
                 ch = chunks[c]
