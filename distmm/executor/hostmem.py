@@ -154,7 +154,7 @@ _ANONYMOUS: "weakref.WeakSet" = weakref.WeakSet()  # the mappings ``huge_mapping
 def in_process_memory(array) -> bool:
     """Whether ``array``'s memory is the process's own (numpy's allocation, or an anonymous
     mapping of ``huge_mapping``), not a file's pages (``numpy.memmap`` or another mapping)
-    or a foreign buffer: only such memory is page-locked in place for copies into it."""
+    or a foreign buffer: only such memory is page-locked in place for copies to and from it."""
     x = array
     while True:
         if isinstance(x, np.memmap):

@@ -729,18 +729,24 @@ class _GPURun(_Run):
         registered, with the device buffers, until those copies have ended (a thread waits
         for them; the stop itself does not)."""
         self.pinning.shutdown(wait=False)
-        queued = [stream.record() for stream in (self.h2d, self.compute, self.d2h)]
         held = (self.owners, self.a_dev, self.c_dev, getattr(self, "b_store", None))
         self.owners, self.a_dev, self.c_dev, self.b_store = [], None, None, None
-        if not all(event.done for event in queued):
-            threading.Thread(target=_hold_until, args=(queued, held), daemon=True,
-                             name="distmm-queued-copies").start()
+        try:
+            queued = [stream.record() for stream in (self.h2d, self.compute, self.d2h)]
+            if not all(event.done for event in queued):
+                threading.Thread(target=_hold_until, args=(queued, held), daemon=True,
+                                 name="distmm-queued-copies").start()
+        except Exception:  # noqa: BLE001 - a broken context: hold them until the process ends
+            _HELD.append(held)
         get = self.cp.cuda.get_elapsed_time
         for phase, begin, end, nbytes in self.events:
             if begin.done and end.done:
                 start = self.ref_time + get(self.ref, begin) / 1e3
                 self.phases.add(phase, start, self.ref_time + get(self.ref, end) / 1e3, nbytes)
         self.events.clear()
+
+
+_HELD: list = []  # buffers of runs whose queued copies could not be waited for
 
 
 def _hold_until(events, held) -> None:

@@ -76,7 +76,7 @@ class CupyDevice:
                              self._rt.memcpyDeviceToHost, stream.ptr)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
-        """Page-lock host memory in place (``cudaHostRegister``) for copies into it."""
+        """Page-lock host memory in place (``cudaHostRegister``) for copies to and from it."""
         self._rt.hostRegister(ptr, nbytes, 0)
 
     def host_unregister(self, ptr: int) -> None:
