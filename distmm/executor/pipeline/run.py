@@ -94,6 +94,7 @@ class _Chunk:
     first: bool         # first chunk of its block
     last: bool          # last chunk of its block
     label: str
+    block: int          # the operand's block of rows: A's row block i, B's k block kb
 
 
 class _Cancelled(Exception):
@@ -156,17 +157,17 @@ class PipelineRun:
             loads = []
             if st.load_a:
                 loads.append(("A", st.a_slot, t.row_edges[st.i], t.row_edges[st.i + 1], k0, k1,
-                              f"A[{st.i},{st.kb}]"))
+                              f"A[{st.i},{st.kb}]", st.i))
             if st.load_b:
                 loads.append(("B", st.b_slot, k0, k1, t.col_edges[st.j], t.col_edges[st.j + 1],
-                              f"B[{st.kb},{st.j}]"))
-            for which, slot, r0, r1, c0, c1, label in loads:
+                              f"B[{st.kb},{st.j}]", st.kb))
+            for which, slot, r0, r1, c0, c1, label, block in loads:
                 rows = max(1, chunk_bytes // ((c1 - c0) * s))
                 starts = list(range(r0, r1, rows))
                 for n_, q0 in enumerate(starts):
                     q1 = min(q0 + rows, r1)
                     out.append(_Chunk(idx, which, slot, q0, q1, c0, c1, q0 - r0, r1 - r0,
-                                      n_ == 0, n_ == len(starts) - 1, label))
+                                      n_ == 0, n_ == len(starts) - 1, label, block))
         return out
 
     # -- host copies (pool threads) -------------------------------------------------
@@ -270,14 +271,13 @@ class PipelineRun:
         locked_in = ({"A": PageLocked(dev, self.src["A"], t.row_edges, "direct-a"),
                       "B": PageLocked(dev, self.src["B"], t.k_edges, "direct-b")}
                      if self.direct_in else {})
-        in_block = {"A": lambda ch: steps[ch.step].i, "B": lambda ch: steps[ch.step].kb}
-        last_use = {(ch.which, in_block[ch.which](ch)): n for n, ch in enumerate(chunks)}
+        last_use = {(ch.which, ch.block): n for n, ch in enumerate(chunks)}
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
         try:
             def submit(c):
                 ch = chunks[c]
                 locked = locked_in.get(ch.which)
-                if locked is not None and locked.ready(in_block[ch.which](ch), wait=False):
+                if locked is not None and locked.ready(ch.block, wait=False):
                     futures[c] = None  # straight from the operand
                     return
                 r = c % n_in
@@ -310,8 +310,8 @@ class PipelineRun:
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
                     else:  # a rectangle per page-locked range, straight from the operand
-                        src, blk = self.src[ch.which], in_block[ch.which](ch)
-                        for ra, rb, qa, qb in locked_in[ch.which].rects(blk, ch.r0, ch.r1,
+                        src = self.src[ch.which]
+                        for ra, rb, qa, qb in locked_in[ch.which].rects(ch.block, ch.r0, ch.r1,
                                                                          ch.c0, ch.c1):
                             part = dst[ra - ch.r0:rb - ch.r0, qa - ch.c0:qb - ch.c0]
                             self._timed("h2d", ch.label, h2d,
@@ -320,9 +320,8 @@ class PipelineRun:
                     ev = dev.event()
                     dev.record(ev, h2d)
                     ring_ev[c % n_in] = ev
-                    key = (ch.which, in_block[ch.which](ch))
-                    if key[0] in locked_in and last_use[key] == c:
-                        locked_in[key[0]].copied(key[1], ev, unstage_pool)
+                    if ch.which in locked_in and last_use[ch.which, ch.block] == c:
+                        locked_in[ch.which].copied(ch.block, ev, unstage_pool)
                     if ch.last:
                         loaded[ch.slot] = ev
                     if c + n_in < len(chunks):
