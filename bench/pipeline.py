@@ -8,11 +8,15 @@ Variants (records under ``bench/results/pipeline-<device>-<date>.jsonl``):
 - ``distmm-host``: numpy operands and result in host memory, the pipeline with
   the default device budget (90% of free memory); wall time of the whole call.
 - ``distmm-host-capped``: the same with ``device_memory_limit`` = 8 GB.
+- ``distmm-host-pinned``: the same values in arrays page-locked by their owner
+  (``cupyx.empty_pinned``, made before the timed calls; ``pinned_alloc_s`` records what
+  making and filling them took), which cross straight between the device and the arrays.
 - ``naive-host``: copy in (pageable), one ``cupy.matmul``, copy out (pageable)
   into a preallocated host array, one stream.
 - ``--precision bf16``: host-resident bfloat16 instead (``bench_bf16``): ``cublas-bf16``
   in core, ``distmm-host-bf16`` (``ml_dtypes.bfloat16`` host operands, which cross as their
-  bits) and ``distmm-host-bf16-from-f32`` (the same values as float32 host operands).
+  bits), ``distmm-host-bf16-from-f32`` (the same values as float32 host operands) and
+  ``distmm-host-bf16-pinned`` (the bfloat16 operands and the result in page-locked arrays).
 
 The pipeline's compute is cuBLAS (``CublasGemm``): the claim is about hiding
 the copies. Inputs are fresh random normal matrices made on the GPU and copied
@@ -86,6 +90,20 @@ def _traced(call, trace_to: tuple[str, str | None]) -> None:
           f"busy ms {busy}, span {max(o['end_ms'] for o in tl.ops):.1f} ms", flush=True)
 
 
+def pinned_copies(*arrays):
+    """Page-locked copies of ``arrays`` (``cupyx.empty_pinned``, as a user holding pinned data
+    would) and the seconds making and filling them took."""
+    import cupyx
+
+    t0 = time.perf_counter()
+    out = []
+    for x in arrays:
+        p = cupyx.empty_pinned(x.shape, x.dtype)
+        p[...] = x
+        out.append(p)
+    return out, time.perf_counter() - t0
+
+
 def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
               variants: set[str], log, trace_to: tuple[str, str | None] | None = None) -> dict:
     import cupy
@@ -121,7 +139,7 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     b_h = b_d.get()
     del a_d, b_d
     free_gpu()
-    c_h = np.empty((m, n), dtype=dt)
+    c_h = c_h_plain = np.empty((m, n), dtype=dt)
 
     # -- naive: copy in, one call, copy out ----------------------------------------------
     if "naive-host" in variants:
@@ -146,14 +164,20 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
     gemm = CublasGemm()
     pool = default_pinned_pool()
     plan = make_plan(m, n, k, dt)
-    for variant, limit in (("distmm-host", None), ("distmm-host-capped", CAP_BYTES)):
+    for variant, limit in (("distmm-host", None), ("distmm-host-capped", CAP_BYTES),
+                           ("distmm-host-pinned", None)):
         if variant not in variants:
             continue
         info: dict = {}
+        extra: dict = {}
+        x, y, c_h = a_h, b_h, c_h_plain
+        if variant.endswith("-pinned"):
+            (x, y, c_h), extra["pinned_alloc_s"] = pinned_copies(a_h, b_h, c_h_plain)
+            extra["residency"] = "host-pinned"
         c_h[...] = np.nan
 
-        def call(info=info, limit=limit, trace=None):
-            run_pipelined(gemm, plan, a_h, b_h, c_h, device_memory_limit=limit, info=info,
+        def call(info=info, limit=limit, trace=None, x=x, y=y, c_h=c_h):
+            run_pipelined(gemm, plan, x, y, c_h, device_memory_limit=limit, info=info,
                           trace=trace)
         call()  # warm-up and the checked run (output poisoned above)
         all_written = bool(np.isfinite(c_h).all())
@@ -161,7 +185,8 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         times = wall_times(call, repeat=repeat, warmup=0, sync=gpu_sync)
         sec = float(np.median(times))
         err_after = _rel_rows(c_h[rows], ref_rows)
-        rec = writer.add(variant, dt, m, n, k, sec, err, residency="host", times=times,
+        rec = writer.add(variant, dt, m, n, k, sec, err, times=times,
+                         **{"residency": "host", **extra},
                          device_memory_limit=limit, **_run_fields(info),
                          pinned_limit=pool.limit, pinned_peak=pool.peak_bytes,
                          all_written=all_written, relerr_after_timing=err_after,
@@ -173,8 +198,9 @@ def bench_one(writer: RecordWriter, n: int, dtype: str, repeat: int, seed: int,
         log(rec)
         if trace_to is not None and variant == "distmm-host":
             _traced(call, trace_to)
+        del x, y, c_h, call
         free_gpu()
-    del gemm, a_h, b_h, c_h
+    del gemm, a_h, b_h, c_h_plain
     gc.collect()
     return results
 
@@ -225,21 +251,28 @@ def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
     c_h = np.empty((m, n), dtype=np.float32)
     ex = GPUExecutor(backend="cublas", precision="bf16")
     plan = make_plan(m, n, k, np.float32)
+    c_plain = c_h
     for variant, (a_h, b_h) in (("distmm-host-bf16", (a16, b16)),
-                                ("distmm-host-bf16-from-f32", (None, None))):
-        if a_h is None:
+                                ("distmm-host-bf16-from-f32", (None, None)),
+                                ("distmm-host-bf16-pinned", (None, None))):
+        extra: dict = {"residency": "host"}
+        c_h = c_plain
+        if variant.endswith("-pinned"):
+            (a_h, b_h, c_h), extra["pinned_alloc_s"] = pinned_copies(a16, b16, c_plain)
+            extra["residency"] = "host-pinned"
+        elif a_h is None:
             a_h, b_h = a16.astype(np.float32), b16.astype(np.float32)
         info: dict = {}
         c_h[...] = np.nan
 
-        def call(info=info, a_h=a_h, b_h=b_h, trace=None):
+        def call(info=info, a_h=a_h, b_h=b_h, c_h=c_h, trace=None):
             run_pipelined(ex, plan, a_h, b_h, c_h, info=info, trace=trace)
         call()
         all_written = bool(np.isfinite(c_h).all())
         err = _rel_rows(c_h[rows], ref_rows) if all_written else float("nan")
         times = wall_times(call, repeat=repeat, warmup=0, sync=gpu_sync)
         sec = float(np.median(times))
-        rec = writer.add(variant, np.float32, m, n, k, sec, err, residency="host", times=times,
+        rec = writer.add(variant, np.float32, m, n, k, sec, err, times=times, **extra,
                          precision="bf16", input_format=np.dtype(a_h.dtype).name,
                          operands_as=info.get("operands_as"), **_run_fields(info),
                          all_written=all_written,
@@ -249,11 +282,14 @@ def bench_bf16(writer: RecordWriter, n: int, repeat: int, seed: int, log,
                               "output poisoned with NaN before the checked run")
         results[variant] = rec
         log(rec)
-        if trace_to is not None and variant == "distmm-host-bf16":
-            _traced(call, trace_to)
-        del a_h, b_h
+        if trace_to is not None and variant in ("distmm-host-bf16", "distmm-host-bf16-pinned"):
+            png, js = trace_to
+            tag = variant.removeprefix("distmm-host-bf16")
+            _traced(call, (png.replace(".png", f"{tag}.png"),
+                           js.replace(".json", f"{tag}.json") if js else None))
+        del a_h, b_h, c_h, call
         free_gpu()
-    del c_h, ex
+    del c_plain, ex
     gc.collect()
     return results
 

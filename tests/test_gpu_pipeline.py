@@ -276,6 +276,47 @@ def test_direct_copies_between_the_device_and_the_callers_arrays(shape, limit, b
                     assert rt.pointerGetAttributes(ptr).type == unregistered
 
 
+@pytest.mark.parametrize("shape,limit,bf16", [((3001, 2500, 2049), 64 << 20, False),
+                                              ((4097, 3000, 2500), 64 << 20, True)])
+def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
+    """A, B and C made by ``cupyx.empty_pinned`` cross straight between the device and the
+    arrays without being asked (no ring, no lock of distmm's own), the product is right, and
+    the arrays are still page-locked afterwards; plain numpy operands still go through the
+    ring beside a page-locked result."""
+    import cupyx
+
+    from distmm.executor.gpu import GPUExecutor
+
+    m, n, k = shape
+    executor = CublasGemm()
+    dt = np.float32
+    if bf16:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = ml_dtypes.bfloat16
+        executor = GPUExecutor(backend="cublas", precision="bf16")
+    a, b = cupyx.empty_pinned((m, k), dt), cupyx.empty_pinned((k, n), dt)
+    a[...] = rand((m, k), "float32", 30).astype(dt)
+    b[...] = rand((k, n), "float32", 31).astype(dt)
+    out = cupyx.empty_pinned((m, n), np.float32)
+    rt = cupy.cuda.runtime
+    host = getattr(rt, "memoryTypeHost", 1)
+    for x, y in ((a, b), (np.array(a), np.array(b))):
+        out[...] = np.nan
+        tl = Timeline()
+        c, info = run(executor, x, y, out, trace=tl, device_memory_limit=limit)
+        assert c is out
+        check(c, x, y)
+        lanes = {o["lane"] for o in tl.ops}
+        assert info["direct_out"] and "host-unstage" not in lanes, (info, lanes)
+        straight = x is a
+        assert info["direct_in"] == (["A", "B"] if straight else []), info
+        assert ("host-stage" in lanes) != straight, lanes
+        assert len(info["tiling"]["row_sizes"]) >= 2
+    for arr in (a, b, out):
+        for ptr in (arr.ctypes.data, arr.ctypes.data + arr.nbytes - 1):
+            assert rt.pointerGetAttributes(ptr).type == host
+
+
 def test_cublas_start_up_runs_once_per_dtype_and_device():
     from distmm.executor.cublas import start_cublas
 

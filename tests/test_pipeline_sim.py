@@ -179,6 +179,9 @@ class SimDevice:
         with self._lock_guard:
             del self.locked[ptr]
 
+    def host_is_locked(self, ptr, nbytes):
+        return self._covered(ptr, ptr + nbytes)
+
     def _covered(self, lo, hi):
         """Inside one page-locked range (CUDA rejects a copy across two)."""
         with self._lock_guard:
@@ -233,7 +236,9 @@ class SimBf16Gemm(SimGemm):
 
 
 def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None, trace=None,
-            jitter=0.0005, gemm=None, direct=None, fail_lock_after=None):
+            jitter=0.0005, gemm=None, direct=None, fail_lock_after=None, owner_locked=()):
+    """``owner_locked``: the names ("A", "B", "C") of arrays page-locked by their owner before
+    the product, each one range (as ``cupyx.empty_pinned``'s), which must stay locked."""
     m, k = a.shape
     n = b.shape[1]
     dtype = result_dtype(a.dtype, b.dtype)
@@ -244,6 +249,11 @@ def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None,
     dev.fail_lock_after = fail_lock_after
     dev.watch = [(x.ctypes.data, x.ctypes.data + x.nbytes) for x in (out, a, b)
                  if isinstance(x, np.ndarray)]
+    for name, x in (("A", a), ("B", b), ("C", out)):
+        if name in owner_locked:
+            dev.host_register(x.ctypes.data, x.nbytes)
+    owners = dict(dev.locked)
+    dev.lock_calls, dev.lock_log = 0, []
     pool = numpy_pool(pinned)
     info: dict = {}
     forced = {} if direct is None else {DIRECT_KEY: direct}
@@ -254,7 +264,7 @@ def run_sim(a, b, out=None, *, device_limit=1 << 30, pinned=1 << 20, tiles=None,
     finally:
         dev.close()
     assert dev.unlocked_copies == [], "a copy into the result found its bytes not page-locked"
-    assert dev.locked == {}, "the result is still page-locked after the product"
+    assert dev.locked == owners, "page-locked after the product, or the owner's lock undone"
     assert pool.peak_bytes <= pool.limit
     pool.close()
     assert pool.held_bytes == 0
@@ -461,10 +471,10 @@ def test_direct_copies_only_where_asked():
                                direct=True)
         check(c, x, y)
         assert info["direct_out"] and info["direct_in"] and dev.h2d_2d_calls > 0
-    # operands cast while staging (float32 and int16 into float64) never go straight
+    # an operand cast while staging (int16 into float64) never goes straight; the other does
     c, info, dev = run_sim(a.astype(np.float64), b.astype(np.int16), device_limit=64 << 20,
                            direct=True)
-    assert info["direct_out"] and not info["direct_in"]
+    assert info["direct_out"] and info["direct_in"] == ["A"]
 
 
 def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
@@ -478,6 +488,31 @@ def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     assert {"host-stage", "host-unstage"} <= _lanes(trace)
 
 
+@pytest.mark.parametrize("m,n,k,dtype,limit,owned", [
+    (1500, 257, 300, "float32", 64 << 20, "ABC"),
+    (3001, 130, 90, "float64", 2 << 20, "ABC"),    # tiles mode, one column block
+    (400, 700, 600, "float32", 1 << 20, "ABC"),    # several column blocks: C through the ring
+    (3000, 257, 200, "float32", 4 << 20, "B"),
+    (999, 130, 77, "float64", 64 << 20, "AC"),
+])
+def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned):
+    """Arrays already page-locked (``cupyx.empty_pinned``) cross straight without being asked
+    and without a lock or unlock of distmm's own; the others go through the ring; the owner's
+    locks stay (``run_sim`` checks every copy finds its bytes in one locked range)."""
+    rng = np.random.default_rng(m * 3 + k)
+    a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
+    trace = Timeline()
+    c, info, dev = run_sim(a, b, device_limit=limit, pinned=64 * 1024, trace=trace,
+                           owner_locked=owned)
+    check(c, a, b)
+    assert dev.lock_calls == 0
+    assert info["direct_in"] == [w for w in "AB" if w in owned]
+    whole_rows = info["tiling"]["col_sizes"] == [n]
+    assert info["direct_out"] == ("C" in owned and whole_rows)
+    assert ("host-unstage" in _lanes(trace)) == (not info["direct_out"])
+    assert ("host-stage" in _lanes(trace)) == (owned.count("A") + owned.count("B") < 2)
+
+
 def test_direct_copies_never_lock_a_files_pages(tmp_path):
     rng = np.random.default_rng(10)
     a = np.lib.format.open_memmap(tmp_path / "a.npy", "w+", np.float32, (500, 100))
@@ -486,7 +521,7 @@ def test_direct_copies_never_lock_a_files_pages(tmp_path):
     out = np.lib.format.open_memmap(tmp_path / "c.npy", "w+", np.float32, (500, 120))
     c, info, dev = run_sim(a, b, out, device_limit=64 << 20, direct=True)
     check(np.asarray(c), a, b)
-    assert not info["direct_out"] and not info["direct_in"]
+    assert not info["direct_out"] and info["direct_in"] == ["B"]  # B is the process's own
     assert not _locked_within(dev, out) and not _locked_within(dev, a)
 
 

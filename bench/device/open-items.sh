@@ -21,6 +21,9 @@
 #                 arrays (distmm-debug.pipeline-direct; one GPU): the pipeline's GPU tests, then
 #                 host-resident bf16 at 32768 (with timelines) and fp32 / fp64 at 32768, each
 #                 through the ring (0) and straight (1)
+# pinned          operands and result page-locked by their owner (cupyx.empty_pinned), which
+#                 cross straight: the pipeline's GPU tests, then host-resident bf16 at 32768 (with
+#                 timelines) and fp32 / fp64 at 32768, each beside the ring's numpy arrays
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
 #                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
@@ -85,6 +88,15 @@ for step in "$@"; do
           --dtypes float32 float64 --variants cublas distmm-host --repeat 3 --out-dir "$OUT" \
           2>&1 | grep "n= 32768" | tail -4
       done ;;
+    pinned)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_pipeline.py \
+        2>&1 | tail -3
+      timeout 150 python3 -m bench.pipeline --precision bf16 --sizes 32768 --repeat 5 \
+        --out-dir "$OUT" --timeline "$OUT/timeline-bf16.png" \
+        --timeline-json "$OUT/timeline-bf16.json" 2>&1 | grep "  bf16\|timeline" | tail -8
+      timeout 200 python3 -m bench.pipeline --sizes 32768 --dtypes float32 float64 \
+        --variants cublas distmm-host distmm-host-pinned --repeat 5 --out-dir "$OUT" \
+        2>&1 | grep "n= 32768" | tail -6 ;;
     cuinit)
       probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
       echo "4 visible:"; python3 -c "$probe"; python3 -c "$probe"

@@ -82,6 +82,16 @@ class CupyDevice:
     def host_unregister(self, ptr: int) -> None:
         self._rt.hostUnregister(ptr)
 
+    def host_is_locked(self, ptr: int, nbytes: int) -> bool:
+        """Whether host bytes ``[ptr, ptr + nbytes)`` are page-locked already (their first and
+        last byte known to CUDA as host memory: ``cudaHostAlloc``'s or registered)."""
+        host = getattr(self._rt, "memoryTypeHost", 1)
+        try:
+            return all(self._rt.pointerGetAttributes(p).type == host
+                       for p in (ptr, ptr + nbytes - 1))
+        except self._rt.CUDARuntimeError:
+            return False
+
     def synchronize(self) -> None:
         self.cp.cuda.Device(self.device_id).synchronize()
 

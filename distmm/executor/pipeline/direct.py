@@ -9,7 +9,11 @@ has ended, so that nothing stays page-locked after the product. Segments are cut
 boundaries, so neighbouring blocks may share one; since one copy may not span two page-locked
 ranges (the driver rejects it), ``pieces`` and ``rects`` cut a block's copy at the segment
 boundaries it crosses. A segment that cannot be page-locked (a memory-lock limit, memory the
-driver refuses) sends the blocks that need it, and all later ones, back to the ring.
+driver refuses) sends the blocks that need it, and all later ones, back to the ring. An
+array already page-locked by its owner (``cupyx.empty_pinned``, the owner's own
+``cudaHostRegister``; the device's ``host_is_locked``) is taken as one segment, ready at
+once, and left locked: no lock or unlock costs anything then. Its owner must have locked it
+as one range (a copy may not span two).
 
 It does *not* cover: which arrays take this path (``distmm.executor.pipeline.product``),
 issuing the copies (``distmm.executor.pipeline.run``), or the device calls (the device
@@ -21,9 +25,17 @@ import threading
 
 import numpy as np
 
-__all__ = ["PageLocked"]
+__all__ = ["PageLocked", "is_page_locked"]
 
 PAGE = 4096
+
+
+def is_page_locked(dev, array) -> bool:
+    """Whether ``array`` (C-contiguous, 2-D) lies in host memory page-locked by its owner, as
+    the device reports it (``host_is_locked``; a device without it reports nothing locked)."""
+    check = getattr(dev, "host_is_locked", None)
+    return (check is not None and isinstance(array, np.ndarray) and array.nbytes > 0
+            and bool(check(int(array.ctypes.data), int(array.nbytes))))
 
 
 class PageLocked:
@@ -46,8 +58,13 @@ class PageLocked:
         self.item = int(array.itemsize)
         starts = [self.base + int(r) * self.row for r in row_edges]
         end = starts[-1]
-        cuts = [starts[0] - starts[0] % PAGE] + [s - s % PAGE for s in starts[1:-1]]
-        cuts.append(-(-end // PAGE) * PAGE)
+        # locked by its owner: one segment, left locked (``_unlocked`` set from the start)
+        self.owned = is_page_locked(dev, array)
+        if self.owned:
+            cuts = [starts[0], max(end, starts[0])]
+        else:
+            cuts = [starts[0] - starts[0] % PAGE] + [s - s % PAGE for s in starts[1:-1]]
+            cuts.append(-(-end // PAGE) * PAGE)
         # segment s: [cuts[s], cuts[s + 1]); block i needs every segment its bytes touch
         self.segments = list(zip(cuts, cuts[1:]))
         self.needs = [[s for s, (lo, hi) in enumerate(self.segments)
@@ -55,15 +72,19 @@ class PageLocked:
                       for b, e in zip(starts, starts[1:])]
         self.users = [sum(s in need for need in self.needs) for s in range(len(self.segments))]
         self._locked = [threading.Event() for _ in self.segments]
-        self._ok = [False] * len(self.segments)
-        self._unlocked = [False] * len(self.segments)
+        self._ok = [self.owned] * len(self.segments)
+        self._unlocked = [self.owned] * len(self.segments)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.failure: BaseException | None = None
         self._releases: list = []
         self._thread = threading.Thread(target=self._lock_all, name=f"distmm-{name}",
                                         daemon=True)
-        self._thread.start()
+        if self.owned:
+            for ev in self._locked:
+                ev.set()
+        else:
+            self._thread.start()
 
     def _lock_all(self) -> None:
         self.dev.bind_thread()
@@ -161,7 +182,8 @@ class PageLocked:
         """Every segment unlocked; called once no copy touching ``array`` is queued any more
         (after the product, or after a failed one has synchronized the device)."""
         self._stop.set()
-        self._thread.join()
+        if not self.owned:
+            self._thread.join()
         for f in self._releases:
             try:
                 f.result()

@@ -26,7 +26,8 @@ import threading
 
 import numpy as np
 
-from distmm.executor.hostmem import TouchHold, hold_until
+from distmm.executor.hostmem import TouchHold, hold_until, in_process_memory
+from distmm.executor.pipeline.direct import is_page_locked
 from distmm.executor.pipeline.device import CupyDevice
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
@@ -89,17 +90,17 @@ def operand_transport(executor, a, b, dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
-#: ``distmm-debug.pipeline-direct``: true copies A and B straight from the caller's arrays and C
-#: straight into the result, each page-locked in place (``direct_in``, ``direct_out``)
+#: ``distmm-debug.pipeline-direct``: true page-locks the caller's arrays in place so that A, B
+#: and C cross straight (``direct_in``, ``direct_out``); off by default, since locking costs
+#: more than the ring's host copies (bench/NOTES.md, eighteenth session). Arrays already
+#: page-locked by their owner cross straight without it.
 DIRECT_KEY = "distmm-debug.pipeline-direct"
 
 
-def _lockable(x) -> bool:
-    """A C-contiguous, aligned 2-D numpy array in the process's own memory."""
-    from distmm.executor.hostmem import in_process_memory
-
+def _shaped(x) -> bool:
+    """A C-contiguous, aligned, non-empty 2-D numpy array."""
     return (isinstance(x, np.ndarray) and x.ndim == 2 and x.flags.c_contiguous
-            and x.flags.aligned and in_process_memory(x))
+            and x.flags.aligned and x.size > 0)
 
 
 def _asked() -> bool:
@@ -108,25 +109,30 @@ def _asked() -> bool:
     return str(dask.config.get(DIRECT_KEY, False)).lower() in ("1", "true", "yes", "on")
 
 
-def direct_in(a, b, in_dtype) -> bool:
-    """Whether A's and B's chunks are copied straight from the caller's arrays, page-locked
-    in place, as ``direct_out`` does for C: where asked, for operands whose bytes cross as
-    they are (``in_dtype``: no cast while staging)."""
+def _straight(x, device) -> bool:
+    """``x`` crosses straight: page-locked by its owner already, or, where ``DIRECT_KEY``
+    asks, the process's own memory (never a file's pages) to be locked in place."""
+    return _shaped(x) and (is_page_locked(device, x) or (_asked() and in_process_memory(x)))
+
+
+def direct_in(a, b, in_dtype, device=None) -> tuple:
+    """Which of ``"A"``, ``"B"`` are copied straight from the caller's array
+    (``distmm.executor.pipeline.direct``) instead of through the staging ring and a host
+    copy: operands whose bytes cross as they are (``in_dtype``: no cast while staging) and
+    that ``_straight`` takes."""
     in_dtype = np.dtype(in_dtype)
 
     def as_is(x):
         return x.dtype == in_dtype or (in_dtype == np.uint16 and is_bfloat16(x.dtype))
 
-    return _asked() and all(_lockable(x) and as_is(x) for x in (a, b))
+    return tuple(name for name, x in (("A", a), ("B", b))
+                 if isinstance(x, np.ndarray) and as_is(x) and _straight(x, device))
 
 
-def direct_out(out, dtype) -> bool:
-    """Whether C's row blocks are copied straight into ``out``, page-locked in place
-    (``distmm.executor.pipeline.direct``), instead of through the staging ring and a host
-    copy: only where ``DIRECT_KEY`` asks for it (off by default: bench/NOTES.md, "Copies
-    straight between the device and the caller's arrays"), and only into a C-contiguous
-    result of the result dtype in the process's own memory (never a file's pages)."""
-    return _asked() and _lockable(out) and out.dtype == np.dtype(dtype)
+def direct_out(out, dtype, device=None) -> bool:
+    """Whether C's row blocks are copied straight into ``out``: a result of the result dtype
+    that ``_straight`` takes."""
+    return isinstance(out, np.ndarray) and out.dtype == np.dtype(dtype) and _straight(out, device)
 
 
 def _check_shapes(a, b, out, m, n, k) -> None:
@@ -233,8 +239,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
                            on_ready=ready_hold.release, in_dtype=in_dtype,
-                           direct_out=direct_out(out, dtype),
-                           direct_in=direct_in(a, b, in_dtype))
+                           direct_out=direct_out(out, dtype, device),
+                           direct_in=direct_in(a, b, in_dtype, device))
         failure = None
         try:
             run.execute()
@@ -274,7 +280,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
                     bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
                     operands_as=in_dtype.name, direct_out=run.direct_out,
-                    direct_in=run.direct_in,
+                    direct_in=list(run.direct_in),
                     **getattr(run, "phases", {}))
     log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
               run.seconds, retries, tiling.mode, getattr(run, "phases", {}))

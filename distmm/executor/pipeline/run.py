@@ -107,7 +107,7 @@ class PipelineRun:
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
                  timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None,
-                 direct_out: bool = False, direct_in: bool = False):
+                 direct_out: bool = False, direct_in=()):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
@@ -122,10 +122,11 @@ class PipelineRun:
         self.on_ready = on_ready  # called once the device buffers and the ring are held
         # C's row blocks copied straight into ``out``, page-locked in place (``direct``)
         self.direct_out = bool(direct_out) and len(tiling.col_edges) == 2
-        # A and B copied straight from the caller's arrays, as their bytes cross (``in_dtype``)
-        self.direct_in = bool(direct_in)
-        self.src = ({"A": np.asarray(a).view(self.in_dtype),
-                     "B": np.asarray(b).view(self.in_dtype)} if self.direct_in else {})
+        # the operands ("A", "B") copied straight from the caller's arrays, as their bytes
+        # cross (``in_dtype``); True for both
+        self.direct_in = ("A", "B") if direct_in is True else tuple(direct_in or ())
+        self.src = {w: np.asarray(x).view(self.in_dtype)
+                    for w, x in (("A", a), ("B", b)) if w in self.direct_in}
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
         self._host_lock = threading.Lock()
@@ -268,9 +269,8 @@ class PipelineRun:
         # A's row blocks and B's k blocks page-locked in place: their chunks then go straight
         # to the device (once locked; the first ones, and any whose memory cannot be locked,
         # through the ring)
-        locked_in = ({"A": PageLocked(dev, self.src["A"], t.row_edges, "direct-a"),
-                      "B": PageLocked(dev, self.src["B"], t.k_edges, "direct-b")}
-                     if self.direct_in else {})
+        locked_in = {w: PageLocked(dev, src, t.row_edges if w == "A" else t.k_edges,
+                                   f"direct-{w.lower()}") for w, src in self.src.items()}
         last_use = {(ch.which, ch.block): n for n, ch in enumerate(chunks)}
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
         try:
