@@ -47,7 +47,11 @@ FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 MiB = 1 << 20
 _TILE_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
-_TK_CANDIDATES = (2048, 1024, 512, 256, 128, 64)
+_TK_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+#: the widest k-block a precision's GEMMs take: each k-block's GEMM reads and writes C's unit
+#: once more, which costs ~25% beside a tensor-core GEMM at 2048 (bench/NOTES.md, eighteenth
+#: session) and ~2% beside an SIMT one
+TK_MAX = {"highest": 2048, "tf32": 8192, "bf16": 8192, "fp16": 8192}
 _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for cuBLAS workspace
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
@@ -173,7 +177,8 @@ def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
 
 
 def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
-                  tiles: tuple[int, int, int] | None = None) -> PipelineTiling:
+                  tiles: tuple[int, int, int] | None = None,
+                  tk_max: int = 2048) -> PipelineTiling:
     """Choose the pipeline's units, k-blocks and slot counts for a device budget.
 
     Parameters
@@ -187,6 +192,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     tiles : (tm, tn, tk), optional
         Force square-tile mode with these sizes (slot counts still follow the
         budget, but at least two of each); used to test the out-of-memory retry.
+    tk_max : int
+        The widest k-block (``TK_MAX`` of the GEMMs' precision).
 
     Returns
     -------
@@ -211,8 +218,9 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         tm, tn, tk = (max(1, min(int(t), d)) for t, d in zip(tiles, (m, n, k)))
         return _fill_slots(m, n, k, s, usable, tm, tn, tk, minimum=2)
 
+    tks = [t for t in _TK_CANDIDATES if t <= max(int(tk_max), 64)]
     # Full-width units with all of B resident: B is read from the host once.
-    for tk in _TK_CANDIDATES:
+    for tk in tks:
         tk = min(tk, k)
         k_edges = _k_edges(k, tk)
         kb = len(k_edges) - 1
@@ -235,7 +243,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     # Square tiles; the cache keeps an A row panel and as many B blocks as fit.
     for tile in _TILE_CANDIDATES:
         tm, tn = min(tile, m), min(tile, n)
-        for tk in _TK_CANDIDATES:
+        for tk in tks:
             tk = min(tk, k)
             if 2 * tm * tn * s + 2 * tm * tk * s + 2 * tk * tn * s <= usable:
                 return _fill_slots(m, n, k, s, usable, tm, tn, tk, minimum=2)
@@ -353,9 +361,11 @@ def shrink_tiling(tiling: PipelineTiling, m, n, k, s, budget) -> PipelineTiling 
     return None
 
 
-def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None) -> PipelineTiling:
+def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None,
+                    precision: str = "highest") -> PipelineTiling:
     """The pipeline's tiling for ``plan`` (its ``m``, ``n``, ``k`` and ``dtype``)
-    under a device budget of ``budget`` bytes: the one schedule the pipeline runs.
+    under a device budget of ``budget`` bytes, for GEMMs of ``precision`` (its k-blocks
+    up to ``TK_MAX[precision]``): the one schedule the pipeline runs.
 
     The plan's own tile grid is for CPUs and clusters, whose memory budget is per
     worker; the GPU's budget is only known on the device, so the executor passes
@@ -373,4 +383,4 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
         raise TypeError(f"the stream pipeline computes float32 and float64 results, got {dtype}; "
                         f"use the GPU executor's tile path for this dtype")
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
-                         tiles=tiles)
+                         tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]))

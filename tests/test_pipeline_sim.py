@@ -316,6 +316,23 @@ def test_the_pipeline_runs_the_planners_tiling():
         pipeline_tiling(make_plan(4, 4, 4, np.int32), 1 << 20)
 
 
+@pytest.mark.parametrize("budget", [120 << 30, 24 << 30, 8 << 30, 1 << 30])
+def test_tensor_core_precisions_take_wider_k_blocks(budget):
+    """A tensor-core GEMM re-reads C's unit at every k-block at a cost that matters beside
+    it: reduced precisions take k-blocks up to 8192 where they fit, "highest" stays at 2048,
+    and every tiling fits the budget."""
+    plan = make_plan(32768, 32768, 32768, np.float32)
+    hi = pipeline_tiling(plan, budget)
+    assert hi.tk_max <= 2048
+    for precision in ("tf32", "bf16", "fp16"):
+        t = pipeline_tiling(plan, budget, precision=precision)
+        assert t.device_bytes <= budget * 0.92 and t.k_edges[-1] == 32768
+        assert t.tk_max >= hi.tk_max
+        if budget >= 24 << 30:
+            assert t.mode == "full-width" and t.tk_max == 8192
+    assert pipeline_tiling(plan, 120 << 30).tk_max == 2048
+
+
 def test_full_width_when_b_fits_and_tail_is_short():
     t = choose_tiling(32768, 32768, 32768, 4, 70 << 30)
     assert t.mode == "full-width" and t.b_slots == len(t.k_edges) - 1

@@ -89,6 +89,7 @@ for step in "$@"; do
           2>&1 | grep "n= 32768" | tail -4
       done ;;
     pinned)
+      timeout 60 python3 -m bench.research.copy2d 2>&1 | tail -7
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_pipeline.py \
         2>&1 | tail -3
       timeout 150 python3 -m bench.pipeline --precision bf16 --sizes 32768 --repeat 5 \

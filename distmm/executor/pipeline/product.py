@@ -233,7 +233,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         device.pool.set_limit(size=budget)
     gemm = executor.device_gemm
     in_dtype = operand_transport(executor, a, b, dtype)
-    tiling = pipeline_tiling(plan, budget, tiles=tiles)
+    tiling = pipeline_tiling(plan, budget, tiles=tiles,
+                             precision=getattr(executor, "precision", "highest"))
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
