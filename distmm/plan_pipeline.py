@@ -39,6 +39,7 @@ __all__ = [
     "unit_order",
     "plan_block_loads",
     "pipeline_tiling",
+    "spare_bytes",
     "FAST_DTYPES",
 ]
 
@@ -359,6 +360,11 @@ def shrink_tiling(tiling: PipelineTiling, m, n, k, s, budget) -> PipelineTiling 
         return PipelineTiling(tiling.row_edges, tiling.col_edges, tiling.k_edges,
                               1, 1, 1, s, "tiles")
     return None
+
+
+def spare_bytes(tiling: PipelineTiling, budget: int) -> int:
+    """Device bytes of ``budget`` left for buffers beyond ``tiling``'s own."""
+    return int(budget * _BUDGET_FRACTION) - tiling.device_bytes
 
 
 def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None,

@@ -277,12 +277,15 @@ def test_direct_copies_between_the_device_and_the_callers_arrays(shape, limit, b
 
 
 @pytest.mark.parametrize("shape,limit,bf16", [((3001, 2500, 2049), 64 << 20, False),
-                                              ((4097, 3000, 2500), 64 << 20, True)])
+                                              ((4097, 3000, 2500), 64 << 20, True),
+                                              ((20000, 3000, 2500), 1 << 30, True),
+                                              ((9001, 2000, 3001), 1 << 30, False)])
 def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
     """A, B and C made by ``cupyx.empty_pinned`` cross straight between the device and the
-    arrays without being asked (no ring, no lock of distmm's own), the product is right, and
-    the arrays are still page-locked afterwards; plain numpy operands still go through the
-    ring beside a page-locked result."""
+    arrays without being asked (no ring, no lock of distmm's own; A's whole rows through a
+    device panel where it fits), the product is right, and the arrays are still page-locked
+    afterwards; plain numpy operands still go through the ring beside a page-locked result."""
+    from distmm.plan_pipeline import pipeline_tiling, spare_bytes
     import cupyx
 
     from distmm.executor.gpu import GPUExecutor
@@ -312,6 +315,14 @@ def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
         assert info["direct_in"] == (["A", "B"] if straight else []), info
         assert ("host-stage" in lanes) != straight, lanes
         assert len(info["tiling"]["row_sizes"]) >= 2
+        t = pipeline_tiling(make_plan(m, n, k, np.float32), info["budget"],
+                            precision="bf16" if bf16 else "highest")
+        assert t.describe() == info["tiling"]
+        panel = (straight and len(t.col_edges) == 2 and len(t.k_edges) > 2
+                 and t.tm_max * k * np.dtype(dt).itemsize <= spare_bytes(t, info["budget"]))
+        assert info["a_panel"] == panel, info
+        if limit == 1 << 30:
+            assert panel or not straight
     for arr in (a, b, out):
         for ptr in (arr.ctypes.data, arr.ctypes.data + arr.nbytes - 1):
             assert rt.pointerGetAttributes(ptr).type == host

@@ -22,7 +22,8 @@ import pytest
 from distmm.executor.pinned import PinnedPool
 from distmm.executor.pipeline.product import DIRECT_KEY
 from distmm.executor.pipeline import Timeline, run_pipelined
-from distmm.plan_pipeline import PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads
+from distmm.plan_pipeline import (PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads,
+                                   spare_bytes)
 from distmm.plan import make_plan, result_dtype
 
 
@@ -82,6 +83,7 @@ class SimDevice:
         self.lock_calls = 0
         self.lock_log: list = []  # every (ptr, nbytes) page-locked
         self.h2d_2d_calls = 0
+        self.d2d_2d_calls = 0
         self.fail_lock_after: int | None = None
         self.watch: list[tuple[int, int]] = []
         self.unlocked_copies: list = []
@@ -139,6 +141,14 @@ class SimDevice:
         return (e1.when - e0.when) * 1e3
 
     def h2d(self, dst, src, stream):
+        def run():
+            self._check_locked(src)
+            np.copyto(dst, src)
+        stream.enqueue(run)
+
+    def d2d_2d(self, dst, src, stream):
+        assert src.strides[-1] == src.itemsize and dst.strides[-1] == dst.itemsize
+        self.d2d_2d_calls += 1
         stream.enqueue(lambda: np.copyto(dst, src))
 
     def d2h(self, dst, src, stream):
@@ -487,7 +497,8 @@ def test_direct_copies_only_where_asked():
         c, info, dev = run_sim(x, y, device_limit=64 << 20, pinned=64 * 1024, gemm=gemm,
                                direct=True)
         check(c, x, y)
-        assert info["direct_out"] and info["direct_in"] and dev.h2d_2d_calls > 0
+        assert info["direct_out"] and info["direct_in"]
+        assert dev.h2d_2d_calls + dev.d2d_2d_calls > 0
     # an operand cast while staging (int16 into float64) never goes straight; the other does
     c, info, dev = run_sim(a.astype(np.float64), b.astype(np.int16), device_limit=64 << 20,
                            direct=True)
@@ -511,6 +522,8 @@ def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     (400, 700, 600, "float32", 1 << 20, "ABC"),    # several column blocks: C through the ring
     (3000, 257, 200, "float32", 4 << 20, "B"),
     (999, 130, 77, "float64", 64 << 20, "AC"),
+    (3000, 257, 200, "float32", 4 << 20, "AB"),    # A's panel does not fit beside the tiling
+    (5000, 300, 600, "float32", 16 << 20, "A"),
 ])
 def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned):
     """Arrays already page-locked (``cupyx.empty_pinned``) cross straight without being asked
@@ -525,6 +538,14 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
     assert dev.lock_calls == 0
     assert info["direct_in"] == [w for w in "AB" if w in owned]
     whole_rows = info["tiling"]["col_sizes"] == [n]
+    # A's whole rows cross into a device panel where it fits, each chunk cut from it there
+    t = pipeline_tiling(make_plan(m, n, k, dtype), info["budget"])
+    assert t.describe() == info["tiling"]
+    fits = t.tm_max * k * np.dtype(dtype).itemsize <= spare_bytes(t, info["budget"])
+    panel = "A" in owned and whole_rows and len(t.k_edges) > 2 and fits
+    assert info["a_panel"] == panel and (dev.d2d_2d_calls > 0) == panel
+    if whole_rows:  # each block crosses once (tiles may cross again)
+        assert info["bytes_h2d"] == a.nbytes + b.nbytes
     assert info["direct_out"] == ("C" in owned and whole_rows)
     assert ("host-unstage" in _lanes(trace)) == (not info["direct_out"])
     assert ("host-stage" in _lanes(trace)) == (owned.count("A") + owned.count("B") < 2)

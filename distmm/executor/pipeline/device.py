@@ -71,6 +71,12 @@ class CupyDevice:
         self._rt.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.ctypes.data, src.strides[0],
                                width, src.shape[0], self._rt.memcpyHostToDevice, stream.ptr)
 
+    def d2d_2d(self, dst, src, stream) -> None:
+        """A rectangle of rows between device arrays, each with contiguous rows, any pitch."""
+        width = src.shape[1] * src.itemsize
+        self._rt.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.data.ptr, src.strides[0],
+                               width, src.shape[0], self._rt.memcpyDeviceToDevice, stream.ptr)
+
     def d2h(self, dst: np.ndarray, src, stream) -> None:
         self._rt.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                              self._rt.memcpyDeviceToHost, stream.ptr)

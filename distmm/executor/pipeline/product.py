@@ -33,7 +33,7 @@ from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan import is_bfloat16
-from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling
+from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling, spare_bytes
 
 __all__ = ["run_pipelined", "operand_transport"]
 
@@ -241,7 +241,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
                            Timeline() if trace is not None else None, host_threads(),
                            on_ready=ready_hold.release, in_dtype=in_dtype,
                            direct_out=direct_out(out, dtype, device),
-                           direct_in=direct_in(a, b, in_dtype, device))
+                           direct_in=direct_in(a, b, in_dtype, device),
+                           panel_bytes=spare_bytes(tiling, budget))
         failure = None
         try:
             run.execute()
@@ -281,7 +282,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         info.update(tiling=tiling.describe(), retries=retries, seconds=run.seconds,
                     bytes_h2d=run.bytes_h2d, bytes_d2h=run.bytes_d2h, budget=budget,
                     operands_as=in_dtype.name, direct_out=run.direct_out,
-                    direct_in=list(run.direct_in),
+                    direct_in=list(run.direct_in), a_panel=run.a_panel,
                     **getattr(run, "phases", {}))
     log.debug("pipelined %d x %d x %d %s: %.3f s, %d retries, %s mode, %s", m, n, k, dtype.name,
               run.seconds, retries, tiling.mode, getattr(run, "phases", {}))

@@ -107,7 +107,7 @@ class PipelineRun:
 
     def __init__(self, device, gemm, tiling: PipelineTiling, a, b, out, dtype, pool,
                  timeline: Timeline | None, host_threads: int, on_ready=None, in_dtype=None,
-                 direct_out: bool = False, direct_in=()):
+                 direct_out: bool = False, direct_in=(), panel_bytes: int = 0):
         self.dev = device
         self.gemm = gemm
         self.t = tiling
@@ -127,6 +127,15 @@ class PipelineRun:
         self.direct_in = ("A", "B") if direct_in is True else tuple(direct_in or ())
         self.src = {w: np.asarray(x).view(self.in_dtype)
                     for w, x in (("A", a), ("B", b)) if w in self.direct_in}
+        # A straight, whole rows: a row block's rows cross in one contiguous copy into a device
+        # panel (``tm_max x k``), and each k block's chunk is cut from it on the device; a
+        # column slice of host rows crosses at 10-33 GB/s against 55 (bench/NOTES.md,
+        # eighteenth session). Where the panel fits the ``panel_bytes`` spare and the units
+        # are full width (each row block crosses once)
+        k = tiling.k_edges[-1]
+        need = tiling.tm_max * k * self.in_dtype.itemsize
+        self.a_panel = ("A" in self.src and len(tiling.col_edges) == 2
+                        and len(tiling.k_edges) > 2 and 0 < need <= panel_bytes)
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
         self._host_lock = threading.Lock()
@@ -206,6 +215,17 @@ class PipelineRun:
             with self._host_lock:
                 self._host_ops.append(("host-unstage", label, t0, self._now()))
 
+    def _load_panel(self, panel, rows, block, locked, stream) -> None:
+        """A's rows ``rows[0]:rows[1]`` (row block ``block``), whole, into ``panel``: one
+        contiguous copy per page-locked range they touch."""
+        r0, r1 = rows
+        src = self.src["A"][r0:r1].reshape(-1).view(np.uint8)
+        dst = panel[:r1 - r0].reshape(-1).view(np.uint8)
+        for p0, p1 in locked.pieces(block, r0, r1):
+            self._timed("h2d", f"A[{block}] rows", stream,
+                        lambda: self.dev.h2d(dst[p0:p1], src[p0:p1], stream))
+        self.bytes_h2d += dst.nbytes
+
     # -- GPU ops with optional timing ------------------------------------------------
     def _timed(self, lane, name, stream, fn):
         if self.timeline is None:
@@ -234,6 +254,9 @@ class PipelineRun:
         else:
             b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
         c_mem = [dev.alloc(t.c_buffer_bytes) for _ in range(t.c_buffers)]
+        panel = (dev.array(dev.alloc(t.tm_max * t.k_edges[-1] * in_dtype.itemsize),
+                           (t.tm_max, t.k_edges[-1]), in_dtype) if self.a_panel else None)
+        panel_rows = None  # the A row block the panel holds, as (first, stop) rows
 
         def b_block(slot, kb, rows, width):
             if b_mem is None:
@@ -309,6 +332,13 @@ class PipelineRun:
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
+                    elif panel is not None and ch.which == "A":
+                        rows = t.row_edges[ch.block], t.row_edges[ch.block + 1]
+                        if panel_rows != rows:  # the row block's whole rows, in stream order
+                            self._load_panel(panel, rows, ch.block, locked_in["A"], h2d)
+                            panel_rows = rows
+                        part = panel[ch.r0 - rows[0]:ch.r1 - rows[0], ch.c0:ch.c1]
+                        self._timed("h2d", ch.label, h2d, lambda: dev.d2d_2d(dst, part, h2d))
                     else:  # a rectangle per page-locked range, straight from the operand
                         src = self.src[ch.which]
                         for ra, rb, qa, qb in locked_in[ch.which].rects(ch.block, ch.r0, ch.r1,
@@ -316,7 +346,8 @@ class PipelineRun:
                             part = dst[ra - ch.r0:rb - ch.r0, qa - ch.c0:qb - ch.c0]
                             self._timed("h2d", ch.label, h2d,
                                         lambda: dev.h2d_2d(part, src[ra:rb, qa:qb], h2d))
-                    self.bytes_h2d += dst.nbytes
+                    if panel is None or ch.which != "A" or view is not None:
+                        self.bytes_h2d += dst.nbytes  # (a panel's bytes are counted as loaded)
                     ev = dev.event()
                     dev.record(ev, h2d)
                     ring_ev[c % n_in] = ev
