@@ -285,6 +285,7 @@ def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
     arrays without being asked (no ring, no lock of distmm's own; A's whole rows through a
     device panel where it fits), the product is right, and the arrays are still page-locked
     afterwards; plain numpy operands still go through the ring beside a page-locked result."""
+    from distmm.executor.pipeline.panel import panel_bytes
     from distmm.plan_pipeline import pipeline_tiling, spare_bytes
     import cupyx
 
@@ -319,7 +320,7 @@ def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
                             precision="bf16" if bf16 else "highest")
         assert t.describe() == info["tiling"]
         panel = (straight and len(t.col_edges) == 2 and len(t.k_edges) > 2
-                 and t.tm_max * k * np.dtype(dt).itemsize <= spare_bytes(t, info["budget"]))
+                 and panel_bytes(t, np.dtype(dt).itemsize) <= spare_bytes(t, info["budget"]))
         assert info["a_panel"] == panel, info
         if limit == 1 << 30:
             assert panel or not straight

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from distmm.executor.pinned import PinnedPool
+from distmm.executor.pipeline.panel import panel_bytes
 from distmm.executor.pipeline.product import DIRECT_KEY
 from distmm.executor.pipeline import Timeline, run_pipelined
 from distmm.plan_pipeline import (PipelineTiling, choose_tiling, pipeline_tiling, plan_block_loads,
@@ -541,7 +542,7 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
     # A's whole rows cross into a device panel where it fits, each chunk cut from it there
     t = pipeline_tiling(make_plan(m, n, k, dtype), info["budget"])
     assert t.describe() == info["tiling"]
-    fits = t.tm_max * k * np.dtype(dtype).itemsize <= spare_bytes(t, info["budget"])
+    fits = panel_bytes(t, np.dtype(dtype).itemsize) <= spare_bytes(t, info["budget"])
     panel = "A" in owned and whole_rows and len(t.k_edges) > 2 and fits
     assert info["a_panel"] == panel and (dev.d2d_2d_calls > 0) == panel
     if whole_rows:  # each block crosses once (tiles may cross again)
@@ -549,6 +550,46 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
     assert info["direct_out"] == ("C" in owned and whole_rows)
     assert ("host-unstage" in _lanes(trace)) == (not info["direct_out"])
     assert ("host-stage" in _lanes(trace)) == (owned.count("A") + owned.count("B") < 2)
+
+
+def test_a_panel_is_reloaded_only_after_the_last_gemm_reading_it():
+    """``APanels``: a row block whose panel still holds a row block with GEMMs not yet issued
+    goes as 2-D copies instead (the pipeline's schedule issues every load at its GEMM's step,
+    so this guards a schedule that would load further ahead); once those GEMMs are issued the
+    panel is reloaded after the last one's event."""
+    from types import SimpleNamespace
+
+    from distmm.executor.pipeline.direct import PageLocked
+    from distmm.executor.pipeline.panel import APanels
+    from distmm.plan_pipeline import Step
+
+    dev = SimDevice()
+    a = np.arange(12 * 5, dtype=np.float32).reshape(12, 5)
+    dev.host_register(a.ctypes.data, a.nbytes)
+    t = PipelineTiling((0, 4, 8, 12), (0, 3), (0, 2, 5), 2, 2, 2, 4)
+    steps = [Step(i, i, 0, kb, kb == 0, kb == 1, 0, 0, True, True) for i in range(3)
+             for kb in range(2)]
+    run = SimpleNamespace(dev=dev, t=t, bytes_h2d=0, _timed=lambda lane, name, s, fn: fn())
+    stream = dev.stream()
+    try:
+        panels = APanels(run, a, PageLocked(dev, a, t.row_edges), steps)
+        assert panels.take(0, stream) and panels.take(1, stream)
+        assert not panels.take(2, stream)  # panel 0 still read by row block 0's GEMMs
+        assert not panels.take(2, stream) and panels.take(1, stream)  # decided once a block
+
+        panels = APanels(run, a, PageLocked(dev, a, t.row_edges), steps)
+        assert panels.take(0, stream) and panels.take(1, stream)
+        for _ in range(2):  # row block 0's two GEMMs issued
+            ev = dev.event()
+            dev.record(ev, stream)
+            panels.used(0, ev)
+        assert panels.take(2, stream)  # into panel 0, after the last GEMM's event
+        dev.synchronize()
+        np.testing.assert_array_equal(panels.bufs[0][:4], a[8:12])
+        np.testing.assert_array_equal(panels.bufs[1][:4], a[4:8])
+        assert run.bytes_h2d == (2 + 3) * a[:4].nbytes
+    finally:
+        dev.close()
 
 
 def test_direct_copies_never_lock_a_files_pages(tmp_path):

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from distmm.executor.pipeline.direct import PageLocked
+from distmm.executor.pipeline.panel import APanels
+from distmm.executor.pipeline.panel import panel_bytes as panel_bytes_of
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
@@ -127,13 +129,9 @@ class PipelineRun:
         self.direct_in = ("A", "B") if direct_in is True else tuple(direct_in or ())
         self.src = {w: np.asarray(x).view(self.in_dtype)
                     for w, x in (("A", a), ("B", b)) if w in self.direct_in}
-        # A straight, whole rows: a row block's rows cross in one contiguous copy into a device
-        # panel (``tm_max x k``), and each k block's chunk is cut from it on the device; a
-        # column slice of host rows crosses at 10-33 GB/s against 55 (bench/NOTES.md,
-        # eighteenth session). Where the panel fits the ``panel_bytes`` spare and the units
-        # are full width (each row block crosses once)
-        k = tiling.k_edges[-1]
-        need = tiling.tm_max * k * self.in_dtype.itemsize
+        # A straight, whole rows into device panels (``panel``) where they fit the
+        # ``panel_bytes`` spare and the units are full width (each row block crosses once)
+        need = panel_bytes_of(tiling, self.in_dtype.itemsize)
         self.a_panel = ("A" in self.src and len(tiling.col_edges) == 2
                         and len(tiling.k_edges) > 2 and 0 < need <= panel_bytes)
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
@@ -215,17 +213,6 @@ class PipelineRun:
             with self._host_lock:
                 self._host_ops.append(("host-unstage", label, t0, self._now()))
 
-    def _load_panel(self, panel, rows, block, locked, stream) -> None:
-        """A's rows ``rows[0]:rows[1]`` (row block ``block``), whole, into ``panel``: one
-        contiguous copy per page-locked range they touch."""
-        r0, r1 = rows
-        src = self.src["A"][r0:r1].reshape(-1).view(np.uint8)
-        dst = panel[:r1 - r0].reshape(-1).view(np.uint8)
-        for p0, p1 in locked.pieces(block, r0, r1):
-            self._timed("h2d", f"A[{block}] rows", stream,
-                        lambda: self.dev.h2d(dst[p0:p1], src[p0:p1], stream))
-        self.bytes_h2d += dst.nbytes
-
     # -- GPU ops with optional timing ------------------------------------------------
     def _timed(self, lane, name, stream, fn):
         if self.timeline is None:
@@ -254,9 +241,6 @@ class PipelineRun:
         else:
             b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
         c_mem = [dev.alloc(t.c_buffer_bytes) for _ in range(t.c_buffers)]
-        panel = (dev.array(dev.alloc(t.tm_max * t.k_edges[-1] * in_dtype.itemsize),
-                           (t.tm_max, t.k_edges[-1]), in_dtype) if self.a_panel else None)
-        panel_rows = None  # the A row block the panel holds, as (first, stop) rows
 
         def b_block(slot, kb, rows, width):
             if b_mem is None:
@@ -295,8 +279,11 @@ class PipelineRun:
         locked_in = {w: PageLocked(dev, src, t.row_edges if w == "A" else t.k_edges,
                                    f"direct-{w.lower()}") for w, src in self.src.items()}
         last_use = {(ch.which, ch.block): n for n, ch in enumerate(chunks)}
+        panels = None
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
         try:
+            if self.a_panel:
+                panels = APanels(self, self.src["A"], locked_in["A"], steps)
             def submit(c):
                 ch = chunks[c]
                 locked = locked_in.get(ch.which)
@@ -330,15 +317,13 @@ class PipelineRun:
                     else:
                         block = b_block(ch.slot, st.kb, ch.block_rows, width)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
+                    if panels is not None and ch.which == "A" and ch.first:
+                        panels.slot.pop(ch.slot, None)
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
-                    elif panel is not None and ch.which == "A":
-                        rows = t.row_edges[ch.block], t.row_edges[ch.block + 1]
-                        if panel_rows != rows:  # the row block's whole rows, in stream order
-                            self._load_panel(panel, rows, ch.block, locked_in["A"], h2d)
-                            panel_rows = rows
-                        part = panel[ch.r0 - rows[0]:ch.r1 - rows[0], ch.c0:ch.c1]
-                        self._timed("h2d", ch.label, h2d, lambda: dev.d2d_2d(dst, part, h2d))
+                        self.bytes_h2d += dst.nbytes
+                    elif panels is not None and ch.which == "A" and panels.take(ch.block, h2d):
+                        panels.slot[ch.slot] = ch.block  # cut from the panel before its GEMM
                     else:  # a rectangle per page-locked range, straight from the operand
                         src = self.src[ch.which]
                         for ra, rb, qa, qb in locked_in[ch.which].rects(ch.block, ch.r0, ch.r1,
@@ -346,8 +331,7 @@ class PipelineRun:
                             part = dst[ra - ch.r0:rb - ch.r0, qa - ch.c0:qb - ch.c0]
                             self._timed("h2d", ch.label, h2d,
                                         lambda: dev.h2d_2d(part, src[ra:rb, qa:qb], h2d))
-                    if panel is None or ch.which != "A" or view is not None:
-                        self.bytes_h2d += dst.nbytes  # (a panel's bytes are counted as loaded)
+                        self.bytes_h2d += dst.nbytes
                     ev = dev.event()
                     dev.record(ev, h2d)
                     ring_ev[c % n_in] = ev
@@ -368,6 +352,8 @@ class PipelineRun:
                 a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), in_dtype)
                 b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0)
                 c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
+                if panels is not None:
+                    panels.cut(st.a_slot, a_dev, st.i, k0, k1, comp, f"A[{st.i},{st.kb}] cut")
                 beta = 0.0 if st.first else 1.0
                 self._timed("compute", f"C[{st.i},{st.j}] k{st.kb}", comp,
                             lambda: self.gemm(a_dev, b_dev, c_dev, alpha=1.0, beta=beta,
@@ -376,6 +362,8 @@ class PipelineRun:
                 dev.record(ev, comp)
                 a_free[st.a_slot] = ev
                 b_free[st.b_slot] = ev
+                if panels is not None:
+                    panels.used(st.i, ev)
                 if st.last:
                     c_free[cb] = writer.submit(st.unit, st.i, st.j, cb, ev)
                 if writer.error is not None:
