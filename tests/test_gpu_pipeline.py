@@ -319,10 +319,10 @@ def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
         t = pipeline_tiling(make_plan(m, n, k, np.float32), info["budget"],
                             precision="bf16" if bf16 else "highest")
         assert t.describe() == info["tiling"]
-        panel = (straight and len(t.col_edges) == 2 and len(t.k_edges) > 2
+        panel = (bf16 and straight and len(t.col_edges) == 2 and len(t.k_edges) > 2
                  and panel_bytes(t, np.dtype(dt).itemsize) <= spare_bytes(t, info["budget"]))
-        assert info["a_panel"] == panel, info
-        if limit == 1 << 30:
+        assert info["a_panel"] == panel, info  # beside tensor-core GEMMs only
+        if limit == 1 << 30 and bf16:
             assert panel or not straight
     for arr in (a, b, out):
         for ptr in (arr.ctypes.data, arr.ctypes.data + arr.nbytes - 1):

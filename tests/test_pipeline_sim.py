@@ -210,6 +210,8 @@ class SimDevice:
 
 
 class SimGemm:
+    precision = "highest"
+
     def __init__(self):
         self.calls = 0
 
@@ -226,6 +228,12 @@ class SimGemm:
 
 def numpy_pool(limit):
     return PinnedPool(limit, allocator=lambda n: (np.empty(n, np.uint8), None))
+
+
+class SimTf32Gemm(SimGemm):
+    """An executor of ``precision="tf32"`` as the pipeline's schedule sees it (its k-blocks,
+    its units and A's panels); the simulated products stay exact float32 ones."""
+    precision = "tf32"
 
 
 class SimBf16Gemm(SimGemm):
@@ -341,6 +349,8 @@ def test_tensor_core_precisions_take_wider_k_blocks(budget):
         assert t.tk_max >= hi.tk_max
         if budget >= 24 << 30:
             assert t.mode == "full-width" and t.tk_max == 8192
+            sizes = list(np.diff(t.row_edges))  # units ramp up to the widest, then down
+            assert sizes[:3] == [t.tm_max // 4, t.tm_max // 2, t.tm_max]
     assert pipeline_tiling(plan, 120 << 30).tk_max == 2048
 
 
@@ -439,7 +449,9 @@ def test_bfloat16_operands_cross_as_their_bits(device_limit):
     b = rand((300, 250), "float32", rng).astype(ml_dtypes.bfloat16)
     c16, info16, _ = run_sim(a, b, device_limit=device_limit, pinned=256 * 1024,
                              gemm=SimBf16Gemm())
-    c32, info32, _ = run_sim(a, b, device_limit=device_limit, pinned=256 * 1024)
+    # the same schedule (a tensor-core precision's k-blocks and units), float32 operands
+    c32, info32, _ = run_sim(a, b, device_limit=device_limit, pinned=256 * 1024,
+                             gemm=SimTf32Gemm())
     check(c16, a, b)
     assert c16.dtype == np.float32 and c16.tobytes() == c32.tobytes()
     assert (info16["operands_as"], info32["operands_as"]) == ("uint16", "float32")
@@ -526,24 +538,28 @@ def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     (3000, 257, 200, "float32", 4 << 20, "AB"),    # A's panel does not fit beside the tiling
     (5000, 300, 600, "float32", 16 << 20, "A"),
 ])
-def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned):
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned,
+                                                          tensor_cores):
     """Arrays already page-locked (``cupyx.empty_pinned``) cross straight without being asked
     and without a lock or unlock of distmm's own; the others go through the ring; the owner's
     locks stay (``run_sim`` checks every copy finds its bytes in one locked range)."""
     rng = np.random.default_rng(m * 3 + k)
     a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
     trace = Timeline()
+    gemm = SimTf32Gemm() if tensor_cores else SimGemm()
     c, info, dev = run_sim(a, b, device_limit=limit, pinned=64 * 1024, trace=trace,
-                           owner_locked=owned)
+                           owner_locked=owned, gemm=gemm)
     check(c, a, b)
     assert dev.lock_calls == 0
     assert info["direct_in"] == [w for w in "AB" if w in owned]
     whole_rows = info["tiling"]["col_sizes"] == [n]
     # A's whole rows cross into a device panel where it fits, each chunk cut from it there
-    t = pipeline_tiling(make_plan(m, n, k, dtype), info["budget"])
+    # (beside tensor-core GEMMs only)
+    t = pipeline_tiling(make_plan(m, n, k, dtype), info["budget"], precision=gemm.precision)
     assert t.describe() == info["tiling"]
     fits = panel_bytes(t, np.dtype(dtype).itemsize) <= spare_bytes(t, info["budget"])
-    panel = "A" in owned and whole_rows and len(t.k_edges) > 2 and fits
+    panel = tensor_cores and "A" in owned and whole_rows and len(t.k_edges) > 2 and fits
     assert info["a_panel"] == panel and (dev.d2d_2d_calls > 0) == panel
     if whole_rows:  # each block crosses once (tiles may cross again)
         assert info["bytes_h2d"] == a.nbytes + b.nbytes

@@ -115,6 +115,14 @@ def _straight(x, device) -> bool:
     return _shaped(x) and (is_page_locked(device, x) or (_asked() and in_process_memory(x)))
 
 
+def panel_room(tiling, budget: int, precision: str) -> int:
+    """Device bytes A's whole-row panels (``distmm.executor.pipeline.panel``) may take: the
+    budget's spare beside tensor-core GEMMs, where the copies are the limit; none beside SIMT
+    ones, where the first panel's wait cost 4-6% against column slices straight from the
+    rows (bench/NOTES.md, eighteenth session)."""
+    return spare_bytes(tiling, budget) if precision != "highest" else 0
+
+
 def direct_in(a, b, in_dtype, device=None) -> tuple:
     """Which of ``"A"``, ``"B"`` are copied straight from the caller's array
     (``distmm.executor.pipeline.direct``) instead of through the staging ring and a host
@@ -233,8 +241,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
         device.pool.set_limit(size=budget)
     gemm = executor.device_gemm
     in_dtype = operand_transport(executor, a, b, dtype)
-    tiling = pipeline_tiling(plan, budget, tiles=tiles,
-                             precision=getattr(executor, "precision", "highest"))
+    precision = getattr(executor, "precision", "highest")
+    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision)
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
@@ -242,7 +250,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
                            on_ready=ready_hold.release, in_dtype=in_dtype,
                            direct_out=direct_out(out, dtype, device),
                            direct_in=direct_in(a, b, in_dtype, device),
-                           panel_bytes=spare_bytes(tiling, budget))
+                           panel_bytes=panel_room(tiling, budget, precision))
         failure = None
         try:
             run.execute()
