@@ -249,7 +249,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     tail = max(64, _TAIL_BYTES // max(n * s, 1) // 64 * 64)
                     spare = usable - need
                     a_slots += min(4, spare // max(tm * tk * s, 1))
-                    return PipelineTiling(_ramp_edges(m, tm, tail, tm // 4 if head else 0),
+                    return PipelineTiling(_ramp_edges(m, tm // 4 if head else tm, tail),
                                           (0, n), k_edges,
                                           int(a_slots), kb, c_buffers, s, "full-width")
             if tm == m and tm < 1024:
