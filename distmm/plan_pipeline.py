@@ -53,10 +53,11 @@ _TK_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 #: once more, which costs ~25% beside a tensor-core GEMM at 2048 (bench/NOTES.md, eighteenth
 #: session) and ~2% beside an SIMT one
 TK_MAX = {"highest": 2048, "tf32": 8192, "bf16": 8192, "fp16": 8192}
-#: precisions whose full-width units ramp up (``_ramp_edges``' head): beside tensor-core GEMMs
-#: the copies are the limit, and C's first unit could not start its copy out until all of B
-#: and a 16384-row unit's GEMMs were done (bench/NOTES.md, eighteenth session)
-HEAD = ("tf32", "bf16", "fp16")
+#: precisions whose full-width units are a quarter of the widest that fits: beside
+#: tensor-core GEMMs the copies are the limit, and a 16384-row unit's 2 GiB of float32 C
+#: could only start its copy out after the unit's GEMMs, the last one's after all of them
+#: (bench/NOTES.md, eighteenth session)
+NARROW = ("tf32", "bf16", "fp16")
 _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for cuBLAS workspace
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
@@ -159,17 +160,10 @@ def _k_edges(k: int, tk: int) -> tuple[int, ...]:
     return tuple(edges)
 
 
-def _ramp_edges(length: int, tile: int, tail: int, head: int = 0) -> tuple[int, ...]:
+def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
     """Units of ``tile`` rows, then halving ones down to at most ``tail`` rows,
-    so that the output left to copy after the last kernel is small; with ``head``,
-    doubling ones from ``head`` rows first, so that the first unit's output starts
-    its copy out early."""
+    so that the output left to copy after the last kernel is small."""
     sizes, rest = [], length
-    size = max(64, head) if head else tile
-    while size < tile and rest > size:
-        sizes.append(size)
-        rest -= size
-        size *= 2
     while rest > tile:
         sizes.append(tile)
         rest -= tile
@@ -190,7 +184,7 @@ def _ramp_edges(length: int, tile: int, tail: int, head: int = 0) -> tuple[int, 
 
 def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                   tiles: tuple[int, int, int] | None = None,
-                  tk_max: int = 2048, head: bool = False) -> PipelineTiling:
+                  tk_max: int = 2048, narrow: bool = False) -> PipelineTiling:
     """Choose the pipeline's units, k-blocks and slot counts for a device budget.
 
     Parameters
@@ -206,8 +200,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         budget, but at least two of each); used to test the out-of-memory retry.
     tk_max : int
         The widest k-block (``TK_MAX`` of the GEMMs' precision).
-    head : bool
-        Full-width units start at a quarter of the widest and double (``HEAD``).
+    narrow : bool
+        Full-width units of a quarter of the widest that fits (``NARROW``).
 
     Returns
     -------
@@ -249,7 +243,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     tail = max(64, _TAIL_BYTES // max(n * s, 1) // 64 * 64)
                     spare = usable - need
                     a_slots += min(4, spare // max(tm * tk * s, 1))
-                    return PipelineTiling(_ramp_edges(m, tm // 4 if head else tm, tail),
+                    unit = max(64, tm // 4) if narrow else tm
+                    return PipelineTiling(_ramp_edges(m, unit, tail),
                                           (0, n), k_edges,
                                           int(a_slots), kb, c_buffers, s, "full-width")
             if tm == m and tm < 1024:
@@ -404,4 +399,4 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
                         f"use the GPU executor's tile path for this dtype")
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
                          tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
-                         head=precision in HEAD)
+                         narrow=precision in NARROW)
