@@ -70,7 +70,7 @@ def _rel_rows(c_rows: np.ndarray, ref_rows: np.ndarray) -> float:
 def _run_fields(info: dict) -> dict:
     """The pipeline run's own facts a record keeps (``run_pipelined``'s ``info``)."""
     return {key: info.get(key) for key in ("budget", "tiling", "bytes_h2d", "bytes_d2h",
-                                           "retries", "direct_in", "direct_out")}
+                                           "retries", "direct_in", "direct_out", "a_panel")}
 
 
 def _traced(call, trace_to: tuple[str, str | None]) -> None:
