@@ -24,6 +24,8 @@
 # pinned          operands and result page-locked by their owner (cupyx.empty_pinned), which
 #                 cross straight: the pipeline's GPU tests, then host-resident bf16 at 32768 (with
 #                 timelines) and fp32 / fp64 at 32768, each beside the ring's numpy arrays
+# register        what page-locking costs numpy arrays and distmm's own huge-page results, and
+#                 what cupyx.empty_pinned costs (bench/research/host_register.py, 1 and 4 GiB)
 # cuinit          what the CUDA start-up costs a process: 4 GPUs visible or 1, alone or 4 at once
 # exitprobe       what ending costs mpiexec -n 1 and -n 4 of processes that started CUDA, with and
 #                 without 8 GiB of device memory and 2 GiB of pinned host memory (each ends as
@@ -98,6 +100,8 @@ for step in "$@"; do
       timeout 200 python3 -m bench.pipeline --sizes 32768 --dtypes float32 float64 \
         --variants cublas distmm-host distmm-host-pinned --repeat 5 --out-dir "$OUT" \
         2>&1 | grep "n= 32768" | tail -6 ;;
+    register)
+      timeout 150 python3 -m bench.research.host_register --sizes 1 4 2>&1 | tail -12 ;;
     cuinit)
       probe='import time; t=time.perf_counter(); import cupy; i=time.perf_counter(); cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(0).use(); cupy.zeros(1); cupy.cuda.Device().synchronize(); print(f"import {i - t:.2f} s, init {time.perf_counter() - i:.2f} s")'
       echo "4 visible:"; python3 -c "$probe"; python3 -c "$probe"

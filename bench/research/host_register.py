@@ -4,9 +4,12 @@ The stream pipeline stages host operands and results through a pinned ring (a ho
 each side of every transfer). Copying straight between the device and the caller's arrays
 needs them page-locked where they are (``cudaHostRegister``); whether that pays depends on
 what locking and unlocking cost against the copies they save. For 1, 2 and 4 GiB numpy
-arrays (random, and ``empty`` with one byte a page written): ``cudaHostRegister`` and
+arrays (random; ``empty`` with one byte a page written; ``huge``: distmm's result memory,
+``hostmem.empty_host``'s transparent-huge-page mapping, its pages faulted in first):
+``cudaHostRegister`` and
 ``cudaHostUnregister`` times, host-to-device and device-to-host rates from the locked array,
-and both directions at once on two streams. Prints one line a size and kind; no record.
+and both directions at once on two streams; then what ``cupyx.empty_pinned`` (``cudaHostAlloc``)
+takes to make such an array and to write it once. Prints one line a size and kind; no record.
 
 ``python -m bench.research.host_register``
 """
@@ -31,9 +34,14 @@ def main(argv=None) -> None:
     s, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     for gib in args.sizes:
         n = gib << 30
-        for kind in ("rng", "empty-touched"):
+        for kind in ("rng", "empty-touched", "huge"):
             if kind == "rng":
                 x = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+            elif kind == "huge":
+                from distmm.executor.hostmem import empty_host
+
+                x = empty_host((n,), np.uint8)
+                x[::4096] = 1  # every page in (the touch threads may still be running)
             else:
                 x = np.empty(n, np.uint8)
                 x[::4096] = 1
@@ -68,6 +76,17 @@ def main(argv=None) -> None:
                   f"both ways {both:.1f} GB/s together", flush=True)
             del x, d
             cp.get_default_memory_pool().free_all_blocks()
+        import cupyx
+
+        t = time.perf_counter()
+        x = cupyx.empty_pinned((n,), np.uint8)
+        made = time.perf_counter() - t
+        x[...] = 1
+        filled = time.perf_counter() - t - made
+        print(f"{gib} GiB cupyx.empty_pinned: made in {made * 1e3:.1f} ms, written once in "
+              f"{filled * 1e3:.1f} ms", flush=True)
+        del x
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":
