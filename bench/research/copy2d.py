@@ -1,7 +1,8 @@
-"""Probe: the rate of host-to-device ``cudaMemcpy2DAsync`` from page-locked memory by row
-width (a column slice of a C-contiguous host array, as the pipeline's straight copies of A's
-k blocks are), beside one contiguous copy of the same bytes. No record; it informs
-bench/NOTES.md.
+"""How fast does a column slice of page-locked host rows cross to the device?
+
+The rate of host-to-device ``cudaMemcpy2DAsync`` from page-locked memory by row width (a
+column slice of a C-contiguous host array, as the pipeline's straight copies of A's k blocks
+are), beside one contiguous copy of the same bytes. No record; it informs bench/NOTES.md.
 
     python -m bench.research.copy2d [--rows 16384] [--pitch 65536]
 """
@@ -13,14 +14,14 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    import cupy
-    import cupyx
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.research.copy2d",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--pitch", type=int, default=65536, help="bytes a host row")
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args(argv)
+    import cupy
+    import cupyx
     rt = cupy.cuda.runtime
     host = cupyx.empty_pinned((args.rows, args.pitch), np.uint8)
     host[...] = 1
