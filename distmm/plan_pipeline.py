@@ -49,15 +49,13 @@ FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 MiB = 1 << 20
 _TILE_CANDIDATES = (16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
 _TK_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+#: the precisions of tensor-core GEMMs (``distmm.precision.REDUCED``; a planner imports nothing
+#: of distmm's)
+_TENSOR_CORES = ("tf32", "bf16", "fp16")
 #: the widest k-block a precision's GEMMs take: each k-block's GEMM reads and writes C's unit
 #: once more, which costs ~25% beside a tensor-core GEMM at 2048 (bench/NOTES.md, eighteenth
 #: session) and ~2% beside an SIMT one
-TK_MAX = {"highest": 2048, "tf32": 8192, "bf16": 8192, "fp16": 8192}
-#: precisions whose full-width units are a quarter of the widest that fits: beside
-#: tensor-core GEMMs the copies are the limit, and a 16384-row unit's 2 GiB of float32 C
-#: could only start its copy out after the unit's GEMMs, the last one's after all of them
-#: (bench/NOTES.md, eighteenth session)
-NARROW = ("tf32", "bf16", "fp16")
+TK_MAX = {"highest": 2048, **{p: 8192 for p in _TENSOR_CORES}}
 _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for cuBLAS workspace
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
@@ -201,7 +199,10 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     tk_max : int
         The widest k-block (``TK_MAX`` of the GEMMs' precision).
     narrow : bool
-        Full-width units of a quarter of the widest that fits (``NARROW``).
+        Full-width units of a quarter of the widest that fits (the reduced precisions:
+        beside tensor-core GEMMs the copies are the limit, and a 16384-row unit's 2 GiB of
+        float32 C could only start its copy out after the unit's GEMMs; bench/NOTES.md,
+        eighteenth session).
 
     Returns
     -------
@@ -399,4 +400,4 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
                         f"use the GPU executor's tile path for this dtype")
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
                          tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
-                         narrow=precision in NARROW)
+                         narrow=precision in _TENSOR_CORES)

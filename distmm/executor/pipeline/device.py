@@ -65,17 +65,20 @@ class CupyDevice:
         self._rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
                              self._rt.memcpyHostToDevice, stream.ptr)
 
+    def _copy_2d(self, dst_ptr: int, dst, src_ptr: int, src, kind, stream) -> None:
+        """A rectangle of rows, ``src`` and ``dst`` each with contiguous rows, any pitch."""
+        self._rt.memcpy2DAsync(dst_ptr, dst.strides[0], src_ptr, src.strides[0],
+                               src.shape[1] * src.itemsize, src.shape[0], kind, stream.ptr)
+
     def h2d_2d(self, dst, src: np.ndarray, stream) -> None:
-        """A rectangle of rows: ``src`` and ``dst`` each with contiguous rows, any pitch."""
-        width = src.shape[1] * src.itemsize
-        self._rt.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.ctypes.data, src.strides[0],
-                               width, src.shape[0], self._rt.memcpyHostToDevice, stream.ptr)
+        """A rectangle of host rows to the device."""
+        self._copy_2d(dst.data.ptr, dst, src.ctypes.data, src, self._rt.memcpyHostToDevice,
+                      stream)
 
     def d2d_2d(self, dst, src, stream) -> None:
-        """A rectangle of rows between device arrays, each with contiguous rows, any pitch."""
-        width = src.shape[1] * src.itemsize
-        self._rt.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.data.ptr, src.strides[0],
-                               width, src.shape[0], self._rt.memcpyDeviceToDevice, stream.ptr)
+        """A rectangle of rows between device arrays."""
+        self._copy_2d(dst.data.ptr, dst, src.data.ptr, src, self._rt.memcpyDeviceToDevice,
+                      stream)
 
     def d2h(self, dst: np.ndarray, src, stream) -> None:
         self._rt.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,

@@ -33,6 +33,7 @@ from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan import is_bfloat16
+from distmm.precision import REDUCED
 from distmm.plan_pipeline import FAST_DTYPES, pipeline_tiling, shrink_tiling, spare_bytes
 
 __all__ = ["run_pipelined", "operand_transport"]
@@ -120,7 +121,7 @@ def panel_room(tiling, budget: int, precision: str) -> int:
     budget's spare beside tensor-core GEMMs, where the copies are the limit; none beside SIMT
     ones, where the first panel's wait cost 4-6% against column slices straight from the
     rows (bench/NOTES.md, eighteenth session)."""
-    return spare_bytes(tiling, budget) if precision != "highest" else 0
+    return spare_bytes(tiling, budget) if precision in REDUCED else 0
 
 
 def direct_in(a, b, in_dtype, device=None) -> tuple:

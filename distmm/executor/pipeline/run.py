@@ -125,8 +125,8 @@ class PipelineRun:
         # C's row blocks copied straight into ``out``, page-locked in place (``direct``)
         self.direct_out = bool(direct_out) and len(tiling.col_edges) == 2
         # the operands ("A", "B") copied straight from the caller's arrays, as their bytes
-        # cross (``in_dtype``); True for both
-        self.direct_in = ("A", "B") if direct_in is True else tuple(direct_in or ())
+        # cross (``in_dtype``)
+        self.direct_in = tuple(direct_in)
         self.src = {w: np.asarray(x).view(self.in_dtype)
                     for w, x in (("A", a), ("B", b)) if w in self.direct_in}
         # A straight, whole rows into device panels (``panel``) where they fit the
