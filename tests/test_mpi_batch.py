@@ -418,10 +418,13 @@ def test_progress_under_mpirun_is_rank_0s_bar(tmp_path, run):
                    "--progress", DISTMM_BATCH_STRIPES="4", DISTMM_BATCH_STRIPE_PAUSE="0.05")
 
     r = with_bar("c.npy")
-    if r.returncode == 0 and not r.stderr:
-        # once, on the 2-core CI machine, Open MPI's launcher forwarded nothing at all of the
-        # ranks' stderr of a run that succeeded; a second run tells that from a bar not drawn
-        r = with_bar("c2.npy")
+    for again in ("c2.npy", "c3.npy"):
+        if not (r.returncode == 0 and not r.stderr):
+            break
+        # on the 2-core CI machine Open MPI's launcher has forwarded nothing at all of the
+        # ranks' stderr of a run that succeeded (twice in a row under the floors run's load);
+        # another run tells that from a bar not drawn
+        r = with_bar(again)
     assert r.returncode == 0, r.stderr
     bars = [line for line in r.stderr.replace("\r", "\n").splitlines() if "C stripes (rank 0)" in line]
     assert bars and "4/4" in bars[-1], r.stderr
