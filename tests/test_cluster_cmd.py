@@ -170,3 +170,31 @@ def _is_spawned_worker(p: psutil.Process) -> bool:
         return "spawn_main" in " ".join(p.cmdline())
     except psutil.Error:
         return False
+
+
+def test_a_closing_workers_heartbeat_failure_is_left_out_of_its_log():
+    """The worker preload's filter, on a real in-process scheduler and worker: the
+    heartbeat failure is kept while the worker runs and dropped once it has closed; other
+    records of a closed worker are kept."""
+    import asyncio
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    from distmm.cli.worker_setup import HEARTBEAT_FAILED, ClosingHeartbeatFilter
+
+    def passes(filt, msg):
+        record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg,
+                                   None, None)
+        return filt.filter(record)
+
+    async def main():
+        async with Scheduler(dashboard_address=":0") as s:
+            worker = await Worker(s.address, nthreads=1)
+            filt = ClosingHeartbeatFilter(worker)
+            running = passes(filt, HEARTBEAT_FAILED + ".")
+            await worker.close()
+            return running, passes(filt, HEARTBEAT_FAILED + "."), passes(filt, "another error")
+
+    running, closed, other = asyncio.run(main())
+    assert running and not closed and other

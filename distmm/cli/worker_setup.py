@@ -1,22 +1,51 @@
 """What a worker process of ``distmm cluster`` does as it starts (a distributed preload).
 
-This module covers: ignoring SIGINT in the worker process. Ctrl-C at a terminal reaches
-every process of the foreground group; ``distmm cluster`` closes its workers in order when
-it gets SIGINT, and a worker that took the same SIGINT as ``KeyboardInterrupt`` would die
-mid-close with a traceback, and its nanny would start it again.
+This module covers:
+- ignoring SIGINT in the worker process. Ctrl-C at a terminal reaches every process of the
+  foreground group; ``distmm cluster`` closes its workers in order when it gets SIGINT, and
+  a worker that took the same SIGINT as ``KeyboardInterrupt`` would die mid-close with a
+  traceback, and its nanny would start it again;
+- leaving out the one traceback a worker's own close can log: a heartbeat still waiting for
+  the scheduler's answer when ``Worker.close`` closes the worker's connections logs
+  "Failed to communicate with scheduler during heartbeat" with the closed stream's
+  traceback. Once the worker is closing, that says nothing wrong; before, it is kept.
 
 It does *not* cover: anything else about workers (``distmm.cli.serve``, ``distmm.cli.cluster``).
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import weakref
 
-__all__ = ["dask_setup"]
+__all__ = ["dask_setup", "ClosingHeartbeatFilter"]
+
+#: the start of the message distributed's ``Worker.heartbeat`` logs when its request fails
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+
+
+class ClosingHeartbeatFilter(logging.Filter):
+    """Drops ``HEARTBEAT_FAILED`` records of ``worker`` once it is closing or closed."""
+
+    def __init__(self, worker):
+        super().__init__()
+        self._worker = weakref.ref(worker)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from distributed.core import Status
+
+        if not str(record.msg).startswith(HEARTBEAT_FAILED):
+            return True
+        worker = self._worker()
+        return worker is not None and worker.status not in (
+            Status.closing, Status.closing_gracefully, Status.closed)
 
 
 def dask_setup(worker) -> None:
     """distributed's preload hook: ignore SIGINT in this worker process (its main thread
-    runs the worker's event loop, so the disposition can be set here)."""
+    runs the worker's event loop, so the disposition can be set here), and filter the
+    closing worker's heartbeat failure out of ``distributed.worker``'s log."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("distributed.worker").addFilter(ClosingHeartbeatFilter(worker))
