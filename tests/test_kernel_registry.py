@@ -392,7 +392,9 @@ def test_mma_tma_step_constraints():
     assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1}
     assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
     assert not spec.runs_on(80) and spec.runs_on(90)
-    assert cuda_loader.TMA_K_ZERO == {"wgmma_tma": "wgmma_bf16", "mma_tma": "mma_bf16"}
+    assert cuda_loader.TMA_K_ZERO["mma_tma"] == {"bf16": "mma_bf16", "fp16": "mma_bf16"}
+    assert cuda_loader.TMA_K_ZERO["wgmma_tma"] == {"bf16": "wgmma_bf16", "fp16": "wgmma_bf16",
+                                                   "tf32": "mma_tf32"}
 
 
 def test_tensor_map_eligibility_and_boxes():
@@ -404,8 +406,12 @@ def test_tensor_map_eligibility_and_boxes():
     assert not tma.eligible((1 << 20) + 2, 1000, 64, 64)  # base off 16 bytes
     assert not tma.eligible(1 << 20, 0, 64, 64) and not tma.eligible(1 << 20, 8, 0, 8)
     assert tma.box_for(True, 128) == (64, 128) and tma.box_for(False, 256) == (64, 64)
+    assert tma.box_for(True, 256, 4) == (32, 256)  # TF32: a 128-byte row is 32 values
+    assert tma.eligible(1 << 20, 1000, 36, 36, 4) and not tma.eligible(1 << 20, 1000, 30, 30, 4)
     with pytest.raises(ValueError, match="16-byte"):
         tma.encode_2d(3, 8, 8, 8, (64, 8))
+    with pytest.raises(ValueError, match="2- or 4-byte"):
+        tma.encode_2d(1 << 20, 8, 8, 8, (16, 8), 8)
     if tma._lib() is None:  # no driver here (CI): one clear error, before any launch
         with pytest.raises(RuntimeError, match="libcuda"):
             tma.encode_2d(1 << 20, 8, 64, 64, (64, 8))
@@ -427,7 +433,7 @@ def test_tc_shared_memory_and_geometry():
 
 
 @pytest.mark.parametrize("dtype,precision,cc,expected", [
-    ("float32", "tf32", 90, "mma_tf32"), ("float32", "tf32", 80, "mma_tf32"),
+    ("float32", "tf32", 90, "wgmma_tma"), ("float32", "tf32", 80, "mma_tf32"),
     ("float32", "tf32", 75, None), ("float32", "bf16", 90, "wgmma_tma"),
     ("float32", "bf16", 89, "mma_bf16"), ("float32", "bf16", 80, "mma_bf16"),
     ("float32", "bf16", 100, "mma_bf16"), ("bfloat16", "bf16", 90, "wgmma_tma"),
@@ -447,8 +453,10 @@ def test_kernel_for(dtype, precision, cc, expected):
 @pytest.mark.parametrize("spec", TC, ids=lambda k: k.name)
 def test_tc_standalone_instantiations_are_the_registry_defaults(spec):
     text = (CUDA_DIR / spec.file).read_text()
+    # DISTMM_INST(every layout) or DISTMM_INST2(one layout: TF32 wgmma's k-major operands)
     inst = {(m.group(1) or "float", tuple(int(v) for v in m.group(2).split(",")))
-            for m in re.finditer(r"^DISTMM_INST\((?:(distmm_\w+), )?([0-9, ]+)\)$", text, re.M)}
+            for m in re.finditer(r"^DISTMM_INST2?\((?:(distmm_\w+|float), )?([0-9, ]+)"
+                                 r"(?:, (?:true|false), (?:true|false))?\)$", text, re.M)}
     for dt in spec.inputs:
         p = spec.params(dt)
         assert (registry.TC_INPUT_TYPES[dt], tuple(p.values())) in inst, f"no {dt} default {p}"

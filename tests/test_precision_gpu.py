@@ -74,6 +74,23 @@ def test_device_rounding_matches_the_emulation(mode):
     np.testing.assert_array_equal(got.astype(np.float32), round_to(x, mode))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 70), (33, 1), (100, 257), (2049, 33)], ids=str)
+def test_tf32_rounding_into_a_transposed_copy(shape):
+    """Step 14's TF32 operands: rounded and transposed in one pass, the bits of the
+    emulation's rounding of the transpose; a strided view (a column slice) read in place."""
+    from distmm.executor.cublas import to_input_format
+
+    rng = np.random.default_rng()
+    wide = (rng.standard_normal((shape[0], shape[1] + 3))
+            * 10.0 ** rng.integers(-5, 5, (shape[0], shape[1] + 3))).astype(np.float32)
+    wide[0, 0], wide[-1, -4] = np.nan, 1 + 2**-11  # NaN kept, a tie away from zero
+    x = wide[:, :shape[1]]
+    for given in (cupy.asarray(np.ascontiguousarray(x)), cupy.asarray(wide)[:, :shape[1]]):
+        got, _ = to_input_format(given, "tf32", transpose=True)
+        assert got.flags.c_contiguous and got.shape == shape[::-1]
+        np.testing.assert_array_equal(cupy.asnumpy(got), round_to(np.ascontiguousarray(x.T), "tf32"))
+
+
 @pytest.mark.parametrize("backend", ["cublas", "raw", "auto"])
 @pytest.mark.parametrize("mode", MODES)
 def test_cupy_operands(backend, mode):

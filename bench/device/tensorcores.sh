@@ -18,7 +18,7 @@
 # 4. host-resident bfloat16 at 32768^3 (BF16_SIZES; none skips it) through the stream
 #    pipeline against in-core cuBLAS bf16, with its timeline (bench/pipeline.py --precision bf16).
 # PRECISIONS (default "tf32 bf16 fp16") limits steps 2-3 to some of them; TC_TESTS=0 skips
-# the tests (a benchmark-only call).
+# the tests (a benchmark-only call), TC_FILTER replaces their -k expression.
 # Steps 13, 14 (sm_90a) and 15 are compiled by nvcc at run time: without nvcc on PATH (or
 # /usr/local/cuda/bin) their tests and benchmark fail, and the log says so.
 set -u -o pipefail
@@ -61,7 +61,8 @@ timeout ${T_WARM:-200} $PY -m bench.kernels --precisions "${precisions[@]}" --wa
 echo "== GPU tests (steps 11-15)"
 if [ "${TC_TESTS:-1}" = 0 ]; then echo "skipped (TC_TESTS=0)"; else
 timeout ${T_TESTS:-300} $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu_kernels.py \
-  tests/test_precision_gpu.py -k "tensor_core or kernel_for or in_flight or tma" > "$OUT/pytest-tensorcores.log" 2>&1
+  tests/test_precision_gpu.py -k "${TC_FILTER:-tensor_core or kernel_for or in_flight or tma}" \
+  > "$OUT/pytest-tensorcores.log" 2>&1
 rc=$?
 tail -30 "$OUT/pytest-tensorcores.log"
 echo "pytest exit $rc"

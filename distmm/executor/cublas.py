@@ -148,13 +148,67 @@ def _rounding_kernel(precision: str):
     return kernel
 
 
-def to_input_format(x, precision: str):
+_TRANSPOSE_TF32 = r"""
+extern "C" __global__ void distmm_round_tf32_transposed(const float* __restrict__ x, long long ldx,
+                                                        float* __restrict__ y, int rows, int cols) {
+    // y (cols x rows, C-contiguous) = x (rows x cols, row stride ldx) transposed, each value
+    // rounded as distmm_round_tf32; 32 x 32 tiles through shared memory, 32 x 8 threads
+    __shared__ float tile[32][33];
+    const int c0 = blockIdx.x * 32, tx = threadIdx.x, ty = threadIdx.y;
+    for (long long r0 = (long long)blockIdx.y * 32; r0 < rows; r0 += 32LL * gridDim.y) {
+        for (int j = ty; j < 32; j += 8) {
+            const long long r = r0 + j;
+            if (r < rows && c0 + tx < cols) tile[j][tx] = x[r * ldx + c0 + tx];
+        }
+        __syncthreads();
+        for (int j = ty; j < 32; j += 8) {
+            const long long r = r0 + tx;
+            if (r < rows && c0 + j < cols) {
+                const float v = tile[tx][j];
+                y[(long long)(c0 + j) * rows + r] =
+                    isnan(v) ? v : __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
+            }
+        }
+        __syncthreads();
+    }
+}
+"""
+
+
+def _round_tf32_transposed(x):
+    """``x.T`` rounded to TF32 (``_rounding_kernel("tf32")``'s rounding) into a new
+    C-contiguous float32 array, in one pass over ``x`` (a float32 matrix whose rows are
+    contiguous)."""
+    import cupy
+    import numpy as np
+
+    kernel = _ROUND_KERNELS.get("tf32-transposed")
+    if kernel is None:
+        kernel = cupy.RawKernel(_TRANSPOSE_TF32, "distmm_round_tf32_transposed")
+        _ROUND_KERNELS["tf32-transposed"] = kernel
+    rows, cols = x.shape
+    if x.dtype != cupy.float32 or (rows > 1 and cols > 1 and x.strides[1] != 4):
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    y = cupy.empty((cols, rows), dtype=cupy.float32)
+    if rows and cols:
+        ldx = x.strides[0] // 4 if rows > 1 else cols
+        grid = (-(-cols // 32), min(-(-rows // 32), 65535))
+        kernel(grid, (32, 8), (x, np.int64(ldx), y, np.int32(rows), np.int32(cols)))
+    return y
+
+
+def to_input_format(x, precision: str, *, transpose: bool = False):
     """A cupy float32 matrix as the tensor cores take it in ``precision``: ``(array,
     cudaDataType)``, a new C-contiguous array: float32 rounded to TF32, bfloat16 bits
-    (uint16) or float16. bfloat16 bits (uint16) under ``"bf16"`` are that format already:
-    they pass as they are (C-contiguous), as the stream pipeline hands bfloat16 operands."""
+    (uint16) or float16; of ``x.T`` with ``transpose`` (TF32: rounded and transposed in one
+    pass). bfloat16 bits (uint16) under ``"bf16"`` are that format already: they pass as
+    they are (C-contiguous), as the stream pipeline hands bfloat16 operands."""
     import cupy
 
+    if transpose and precision == "tf32" and x.dtype == cupy.float32:
+        return _round_tf32_transposed(x), CUDA_R_32F
+    if transpose:
+        x = x.T
     if x.dtype == cupy.uint16:
         if precision != "bf16":
             raise TypeError(f"to_input_format: uint16 operands are bfloat16 bits, for "

@@ -532,20 +532,23 @@ def get_tc_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta:
     return _tc_kernel(name, dtype, tuple(sorted(p.items())), bool(ta), bool(tb), compiler)
 
 
-def to_input_format(x, fmt: str, precision: str | None = None):
-    """A C-contiguous copy of the 2-D cupy array ``x`` in input format ``fmt``: float32
-    unchanged, or rounded to TF32 when ``precision`` is ``"tf32"`` (step 11 reads rounded
-    operands: ``cublas.to_input_format``'s rounding, ties away from zero, NaN kept), float16
-    rounded to nearest even by cupy, bfloat16 rounded to nearest even (NaN kept quiet) and
-    returned as its uint16 bits. Arrays already in the format (float16, or uint16 bfloat16
-    bits) are only made contiguous."""
+def to_input_format(x, fmt: str, precision: str | None = None, *, transpose: bool = False):
+    """A C-contiguous copy of the 2-D cupy array ``x`` (of ``x.T`` with ``transpose``) in
+    input format ``fmt``: float32 unchanged, or rounded to TF32 when ``precision`` is
+    ``"tf32"`` (steps 11 and 14 read rounded operands: ``cublas.to_input_format``'s rounding,
+    ties away from zero, NaN kept; transposed in the same pass), float16 rounded to nearest
+    even by cupy, bfloat16 rounded to nearest even (NaN kept quiet) and returned as its
+    uint16 bits. Arrays already in the format (float16, or uint16 bfloat16 bits) are only
+    made contiguous."""
     import cupy
 
-    if fmt == "float32":
-        if precision == "tf32":
-            from distmm.executor.cublas import to_input_format as rounded
+    if fmt == "float32" and precision == "tf32":
+        from distmm.executor.cublas import to_input_format as rounded
 
-            return rounded(x, "tf32")[0]
+        return rounded(x, "tf32", transpose=transpose)[0]
+    if transpose:
+        x = x.T
+    if fmt == "float32":
         return cupy.ascontiguousarray(x, dtype=cupy.float32)
     if fmt == "float16":
         return cupy.ascontiguousarray(x, dtype=cupy.float16)
@@ -561,8 +564,9 @@ def to_input_format(x, fmt: str, precision: str | None = None):
 
 
 #: the step that writes beta C for k = 0 in place of a step reading tensor maps (a map has no
-#: empty dimension): the one before it that reads pointers, for the same inputs
-TMA_K_ZERO = {"wgmma_tma": "wgmma_bf16", "mma_tma": "mma_bf16"}
+#: empty dimension), by precision: the one before it that reads pointers, for the same inputs
+TMA_K_ZERO = {"wgmma_tma": {"bf16": "wgmma_bf16", "fp16": "wgmma_bf16", "tf32": "mma_tf32"},
+              "mma_tma": {"bf16": "mma_bf16", "fp16": "mma_bf16"}}
 
 
 def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
@@ -580,12 +584,15 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     same way (ties away from zero, cuBLAS's TF32 rounding), which step 11 reads as they are.
     Steps 14 and 15 (``spec.tma``) read operands through tensor maps: an operand whose base or
     rows are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to the step
-    before them that reads pointers (``TMA_K_ZERO``).
+    before them that reads pointers (``TMA_K_ZERO``). Step 14 under ``"tf32"`` reads both
+    operands k-major (A stored M x K, B stored N x K): an operand stored otherwise is rounded
+    into a transposed copy, in the same pass as the rounding.
 
     Returns
     -------
     str
-        The name of the kernel that ran (``name``, or ``TMA_K_ZERO[name]`` for k = 0).
+        The name of the kernel that ran (``name``, or ``TMA_K_ZERO[name][precision]`` for
+        k = 0).
 
     Raises
     ------
@@ -613,16 +620,22 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         if fmt != "float32" or a.dtype != np.float32 or precision == "tf32":
             rows_a, cols_a = (k, m) if ta else (m, k)
             rows_b, cols_b = (n, k) if tb else (k, n)
-            a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt, precision)
-            b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt, precision)
-            lda, ldb = max(cols_a, 1), max(cols_b, 1)
+            # TF32 wgmma has no transposed form: both operands k-major
+            kmajor = spec.tma and fmt == "float32"
+            a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt, precision,
+                                transpose=kmajor and ta)
+            b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt, precision,
+                                transpose=kmajor and not tb)
+            if kmajor:
+                ta, tb = False, True
+            lda, ldb = max(a.shape[1], 1), max(b.shape[1], 1)
             if spec.tma:
                 (a, lda), (b, ldb) = _tma_ready(a), _tma_ready(b)
-                if k == 0:  # no tensor map has an empty dimension: step 13 (after step
-                    # 14) or 12 (after 15) writes beta C
-                    return launch_tc(TMA_K_ZERO[name], a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
-                                     precision=precision, alpha=alpha, beta=beta, stream=st,
-                                     compiler=compiler, check=check)
+                if k == 0:  # no tensor map has an empty dimension: a step that reads
+                    # pointers writes beta C
+                    return launch_tc(TMA_K_ZERO[name][precision], a, ta, lda, b, tb, ldb, c,
+                                     ldc, m, n, k, precision=precision, alpha=alpha, beta=beta,
+                                     stream=st, compiler=compiler, check=check)
                 p = _launch_tma(spec, fmt, params, a, ta, lda, b, tb, ldb, c, ldc, m, n, k,
                                 alpha, beta, st, compiler)
                 return _checked(name, precision, p, st, check)
@@ -659,7 +672,7 @@ def _checked(name: str, precision: str, p, st, check: bool | None) -> str:
 
 
 def _tma_ready(x):
-    """``(x, ld)`` for a contiguous 2-D array of 16-bit elements: itself when a tensor map can
+    """``(x, ld)`` for a contiguous 2-D array of 16- or 32-bit elements: itself when a tensor map can
     describe it (16-byte aligned base, rows a multiple of 16 bytes), else a copy in a fresh
     allocation with rows padded to 16 bytes (the padding is never read: the map's width is
     the matrix's). The copy costs one pass over the operand; step 13, which reads any
@@ -686,8 +699,10 @@ def _launch_tma(spec, fmt: str, params, a, ta: bool, lda: int, b, tb: bool, ldb:
     kern = get_tc_kernel(spec.name, fmt, p, ta, tb, compiler)
     rows_a, cols_a = (k, m) if ta else (m, k)
     rows_b, cols_b = (n, k) if tb else (k, n)
-    map_a = tma.encode_2d(int(a.data.ptr), rows_a, cols_a, lda, tma.box_for(not ta, p["BM"]))
-    map_b = tma.encode_2d(int(b.data.ptr), rows_b, cols_b, ldb, tma.box_for(tb, p["BN"]))
+    map_a = tma.encode_2d(int(a.data.ptr), rows_a, cols_a, lda,
+                          tma.box_for(not ta, p["BM"], a.itemsize), a.itemsize)
+    map_b = tma.encode_2d(int(b.data.ptr), rows_b, cols_b, ldb,
+                          tma.box_for(tb, p["BN"], b.itemsize), b.itemsize)
     threads = spec.threads(p)
     smem = spec.smem_bytes(fmt, p, ta, tb)
     _allow_smem(kern, smem)

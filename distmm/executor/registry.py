@@ -599,10 +599,12 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "wgmma_tma", 14, "14_wgmma_tma.cu",
         "Hopper wgmma fed by TMA: tensor maps, 128-byte swizzle, setmaxnreg (sm_90a)",
         "distmm_gemm_wgmma_tma<{T},{BM},{BN},{BK},{STAGES},{TA},{TB}>",
-        precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 256, "BK": 64, "STAGES": 4}
-                  for dt in ("bfloat16", "float16")},
-        tune_space={"block": ((128, 256), (128, 128), (64, 256), (64, 128)), "BK": (64,),
+        precisions={"bf16": "bfloat16", "fp16": "float16", "tf32": "float32"},
+        # a k tile is one 128-byte row: 64 16-bit elements, 32 TF32 values
+        defaults={**{dt: {"BM": 128, "BN": 256, "BK": 64, "STAGES": 4}
+                     for dt in ("bfloat16", "float16")},
+                  "float32": {"BM": 128, "BN": 256, "BK": 32, "STAGES": 4}},
+        tune_space={"block": ((128, 256), (128, 128), (64, 256), (64, 128)), "BK": (32, 64),
                     "STAGES": (3, 4, 5, 6)},
         min_cc=90, max_cc=90, arch_suffix="a", tma=True),
     TensorCoreSpec(
@@ -620,7 +622,7 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
 #: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the
 #: first that runs on the device)
 PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
-    "tf32": ("mma_tf32",),
+    "tf32": ("wgmma_tma", "mma_tf32"),
     "bf16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
     "fp16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
 }

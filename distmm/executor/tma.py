@@ -1,6 +1,6 @@
 """Tensor maps for the copy engine (TMA) and the launch of kernels that take them.
 
-This module covers: describing a 2-D matrix of 16-bit elements to the driver
+This module covers: describing a 2-D matrix of 16- or 32-bit elements to the driver
 (``cuTensorMapEncodeTiled``: the 128 opaque bytes of a ``CUtensorMap``, 128-byte swizzle,
 zero fill outside the matrix), whether an operand can be so described (``eligible``), the
 box each operand of step 14 is copied in (``box_for``), and launching a kernel whose
@@ -18,11 +18,12 @@ import ctypes
 __all__ = ["eligible", "box_for", "encode_2d", "launch", "TMAP_BYTES"]
 
 TMAP_BYTES = 128  # sizeof(CUtensorMap)
-_U16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: only the bits are copied
+#: CU_TENSOR_MAP_DATA_TYPE_UINT16 / _UINT32 by element size: only the bits are copied
+_DATA_TYPE = {2: 1, 4: 2}
 _SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
 _L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _OOB_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros outside the matrix
-_BOX_INNER = 64  # elements: 128 bytes of 16-bit elements, the swizzle's row
+_ROW_BYTES = 128  # a box's inner dimension: the swizzle's row
 
 _ENTRIES: list = []  # [the two entry points, or None], typed once
 
@@ -57,17 +58,24 @@ def eligible(ptr: int, rows: int, cols: int, ld: int, itemsize: int = 2) -> bool
             and ld >= cols and ld * itemsize < 2**40 and max(rows, cols) < 2**31)
 
 
-def box_for(kmajor: bool, tile_rows: int) -> tuple[int, int]:
-    """The box (inner elements, rows) an operand is copied in by steps 14 and 15: a k-major operand
-    (A stored M x K, B stored N x K) in one box of ``tile_rows`` rows (BM or BN) of 64 k; an
-    mn-major one in boxes of 64 k rows of 64 m or n."""
-    return (_BOX_INNER, tile_rows) if kmajor else (_BOX_INNER, _BOX_INNER)
+def box_for(kmajor: bool, tile_rows: int, itemsize: int = 2) -> tuple[int, int]:
+    """The box (inner elements, rows) an operand is copied in by steps 14 and 15: a k-major
+    operand (A stored M x K, B stored N x K) in one box of ``tile_rows`` rows (BM or BN) of
+    a 128-byte row of k (64 16-bit elements, 32 of 32 bits); an mn-major one in boxes of 64 k
+    rows of a 128-byte row of m or n.
+
+    >>> box_for(True, 256), box_for(False, 128), box_for(True, 256, 4)
+    ((64, 256), (64, 64), (32, 256))
+    """
+    inner = _ROW_BYTES // itemsize
+    return (inner, tile_rows) if kmajor else (inner, 64)
 
 
-def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int]) -> bytes:
-    """The ``CUtensorMap`` of a row-major ``rows x cols`` matrix of 16-bit elements at
-    device address ``ptr`` (row stride ``ld`` elements), copied in boxes of ``box`` =
-    (inner elements, rows), 128-byte swizzled, zeros outside the matrix.
+def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int],
+              itemsize: int = 2) -> bytes:
+    """The ``CUtensorMap`` of a row-major ``rows x cols`` matrix of ``itemsize``-byte
+    elements (2 or 4) at device address ``ptr`` (row stride ``ld`` elements), copied in
+    boxes of ``box`` = (inner elements, rows), 128-byte swizzled, zeros outside the matrix.
 
     Raises
     ------
@@ -76,7 +84,9 @@ def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int]) -> 
     RuntimeError
         No driver library, or the driver refused the description (its error code).
     """
-    if not eligible(ptr, rows, cols, ld):
+    if itemsize not in _DATA_TYPE:
+        raise ValueError(f"tensor maps here take 2- or 4-byte elements, not {itemsize}")
+    if not eligible(ptr, rows, cols, ld, itemsize):
         raise ValueError(f"a tensor map needs a 16-byte aligned base and row stride: got "
                          f"address {ptr:#x}, {rows}x{cols}, row stride {ld} elements")
     lib = _lib()
@@ -86,10 +96,10 @@ def encode_2d(ptr: int, rows: int, cols: int, ld: int, box: tuple[int, int]) -> 
     base = ctypes.addressof(out)
     aligned = (base + 63) & ~63
     dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(ld * 2)
+    strides = (ctypes.c_uint64 * 1)(ld * itemsize)
     boxes = (ctypes.c_uint32 * 2)(*box)
     steps = (ctypes.c_uint32 * 2)(1, 1)
-    err = lib.encode(ctypes.c_void_p(aligned), _U16, 2, ctypes.c_void_p(ptr), dims, strides,
+    err = lib.encode(ctypes.c_void_p(aligned), _DATA_TYPE[itemsize], 2, ctypes.c_void_p(ptr), dims, strides,
                      boxes, steps, 0, _SWIZZLE_128B, _L2_256B, _OOB_ZERO)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for {rows}x{cols}, "

@@ -147,7 +147,7 @@ __device__ __forceinline__ void wgmma_body(int M, int N, int K, float alpha, con
         for (int kk = 0; kk < BK / 16; ++kk) {  // a k step of 16 is 2 core matrices along k
             const unsigned long long da = wgmma_desc(as + kk * 2 * S::LBO, S::LBO, S::SBO);
             const unsigned long long db = wgmma_desc(bs + kk * 2 * S::LBO, S::LBO, S::SBO);
-            Wgmma<BN>::template mma<wgmma_input<Tin>::bf16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
+            Wgmma<BN>::template mma<Tin, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         if (INFLIGHT) {
@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)
 distmm_gemm_wgmma_bf16(int M, int N, int K, float alpha, const Tin* __restrict__ A, long long lda,
                        const Tin* __restrict__ B, long long ldb, float beta, float* __restrict__ C,
                        long long ldc, int flags) {
-    static_assert(distmm::wgmma_input<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    static_assert(distmm::wgmma_input<Tin>::valid && !distmm::wgmma_input<Tin>::kmajor_only,
+                  "inputs are distmm_bf16 or distmm_fp16");
     static_assert(INFLIGHT == 0 || INFLIGHT == 1, "INFLIGHT: 0 or 1 wgmma group left running");
     (void)distmm::WgmmaShape<BM, BN, BK, STAGES>::SMEM_BYTES;
 #if DISTMM_WGMMA

@@ -1,21 +1,27 @@
-// Step 14: Hopper (sm_90a) wgmma fed by the tensor memory accelerator (TMA), for BF16 and
-// FP16 with fp32 accumulation. Step 13 copied every 16 bytes of a k tile with a cp.async
+// Step 14: Hopper (sm_90a) wgmma fed by the tensor memory accelerator (TMA), for BF16, FP16
+// and TF32 with fp32 accumulation. Step 13 copied every 16 bytes of a k tile with a cp.async
 // issued by one of 128 producer threads, into the interleaved (unswizzled) layout; here one
 // producer thread asks the copy engine for whole boxes of a matrix (cp.async.bulk.tensor),
 // which lands them in shared memory already in the 128-byte swizzled layout wgmma reads,
 // zero-fills what lies outside the matrix, and counts the bytes on the stage's mbarrier.
 //
 // Tensor maps: each operand is described on the host by a CUtensorMap (the driver's
-// cuTensorMapEncodeTiled, distmm.executor.tma), 2-D, 16-bit elements, box inner dimension
-// 64 elements = one 128-byte swizzle row, passed by value as a __grid_constant__ parameter
+// cuTensorMapEncodeTiled, distmm.executor.tma), 2-D, box inner dimension one 128-byte
+// swizzle row (64 16-bit elements, or 32 TF32 values stored as float32), passed by value as a __grid_constant__ parameter
 // (the copy instruction takes its address in parameter space). The map needs a 16-byte
 // aligned base and a row stride that is a multiple of 16 bytes; the loader copies an operand
 // without them into an aligned buffer with padded rows first.
 //
-// Shared memory, per stage, in 128-byte rows of 64 elements:
+// TF32 (float32 operands the loader has rounded, ties away from zero, as step 11's): one
+// instruction takes k = 8, 32 bytes of a row as 16 16-bit elements are, so the descriptors and
+// their k steps below are the same bytes; PTX gives 32-bit inputs no transposed form, so both
+// operands are k-major (the loader rounds an mn-major one into a transposed copy).
+//
+// Shared memory, per stage, in 128-byte rows of BK elements:
 //   a k-major operand (A stored M x K, or B stored N x K): one box of BM (BN) rows by 64 k;
-//     the wgmma descriptor's stride byte offset is 8 rows = 1024 bytes, a k step of 16 adds
-//     32 bytes to the start address (the swizzle is applied to the address bits);
+//     the wgmma descriptor's stride byte offset is 8 rows = 1024 bytes, an instruction's k
+//     step (16, or 8 for TF32) adds 32 bytes to the start address (the swizzle is applied to
+//     the address bits);
 //   an mn-major operand (A stored K x M, B stored K x N): BM / 64 (BN / 64) boxes of 64 k
 //     rows by 64 m (n); the descriptor's leading byte offset is one box (8192 bytes: the next
 //     64 m or n), its stride byte offset 8 k rows (1024 bytes), a k step of 16 adds 2048
@@ -35,13 +41,13 @@
 
 namespace distmm {
 
-template <int BM, int BN, int BK, int STAGES>
+template <int BM, int BN, int BK, int STAGES, int EB>
 struct TmaShape {
-    static_assert(BK == 64, "a k tile is one 128-byte swizzle row of 16-bit elements");
+    static_assert(BK * EB == 128, "a k tile is one 128-byte swizzle row (EB bytes an element)");
     static constexpr int CONSUMERS = BM / 64, NT = 128 * (CONSUMERS + 1);
-    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static constexpr int A_BYTES = BM * BK * EB, B_BYTES = BN * BK * EB;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int BOX_BYTES = 64 * BK * 2;  // an mn-major box: 64 k rows of 64 m or n
+    static constexpr int BOX_BYTES = 64 * BK * EB;  // an mn-major box: 64 k rows of 64 m or n
     // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + the mbarriers
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGES * 16;
     static_assert(BM % 64 == 0 && BM >= 64 && BM <= 128, "one or two consumer warpgroups");
@@ -60,7 +66,9 @@ template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
 __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const distmm_tmap* mapA,
                                          const distmm_tmap* mapB, float beta,
                                          float* __restrict__ C, long long ldc) {
-    typedef TmaShape<BM, BN, BK, STAGES> S;
+    typedef TmaShape<BM, BN, BK, STAGES, sizeof(Tin)> S;
+    constexpr int KI = wgmma_input<Tin>::k;  // an instruction's k
+    static_assert(!wgmma_input<Tin>::kmajor_only || (!TA && TB), "TF32: both operands k-major");
     extern __shared__ unsigned char distmm_smem[];
     const unsigned raw = smem_addr(distmm_smem);
     const unsigned a0 = (raw + 1023u) & ~1023u, b0 = a0 + STAGES * S::A_BYTES;
@@ -100,7 +108,7 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
         const int c = wg - 1;
         // this warpgroup's 64 rows of A: 64 rows of 128 bytes (k-major) or the c-th box
         const unsigned a_part = TA ? c * S::BOX_BYTES : c * 64 * 128;
-        constexpr unsigned KSTEP_K = 32, KSTEP_MN = 16 * 128;  // bytes a k step of 16 moves
+        constexpr unsigned KSTEP_K = 32, KSTEP_MN = KI * 128;  // bytes an instruction's k moves
         for (int kt = 0; kt < KT; ++kt) {
             const int s = kt % STAGES;
             mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
@@ -108,14 +116,14 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
             const unsigned as = a0 + s * S::A_BYTES + a_part, bs = b0 + s * S::B_BYTES;
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
+            for (int kk = 0; kk < BK / KI; ++kk) {
                 const unsigned long long da = TA
                     ? wgmma_desc(as + kk * KSTEP_MN, S::BOX_BYTES, 1024, 1)
                     : wgmma_desc(as + kk * KSTEP_K, 16, 1024, 1);
                 const unsigned long long db = TB
                     ? wgmma_desc(bs + kk * KSTEP_K, 16, 1024, 1)
                     : wgmma_desc(bs + kk * KSTEP_MN, S::BOX_BYTES, 1024, 1);
-                Wgmma<BN>::template mma<wgmma_input<Tin>::bf16, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
+                Wgmma<BN>::template mma<Tin, TA ? 1 : 0, TB ? 0 : 1>(d, da, db, 1);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // one group left running; the one before it has read its stage: hand that back
@@ -155,7 +163,8 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
 
 }  // namespace distmm
 
-// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. mapA / mapB describe A and
+// Tin: distmm_bf16, distmm_fp16 or float (TF32 values, TA false and TB true only); C, alpha
+// and beta are float32. mapA / mapB describe A and
 // B as stored (TA: A stored K x M; TB: B stored N x K), with the boxes the loader sets
 // (distmm.executor.tma.box_for).
 template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
@@ -163,8 +172,8 @@ __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)
 distmm_gemm_wgmma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
                       const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
                       long long ldc) {
-    static_assert(distmm::wgmma_input<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
-    (void)distmm::TmaShape<BM, BN, BK, STAGES>::SMEM_BYTES;
+    static_assert(distmm::wgmma_input<Tin>::valid, "inputs are distmm_bf16, distmm_fp16 or float");
+    (void)distmm::TmaShape<BM, BN, BK, STAGES, sizeof(Tin)>::SMEM_BYTES;
 #if DISTMM_WGMMA
     distmm::tma_body<Tin, BM, BN, BK, STAGES, TA, TB>(M, N, K, alpha, &mapA, &mapB, beta, C, ldc);
 #else
@@ -185,4 +194,5 @@ distmm_gemm_wgmma_tma(int M, int N, int K, float alpha, const __grid_constant__ 
     DISTMM_INST2(T, BM, BN, BK, ST, true, true)
 DISTMM_INST(distmm_bf16, 128, 256, 64, 4)
 DISTMM_INST(distmm_fp16, 128, 256, 64, 4)
+DISTMM_INST2(float, 128, 256, 32, 4, false, true)
 #endif

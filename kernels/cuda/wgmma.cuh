@@ -18,20 +18,28 @@
 namespace distmm {
 
 
-template <typename T> struct wgmma_input { static constexpr bool valid = false, bf16 = false; };
-template <> struct wgmma_input<distmm_bf16> { static constexpr bool valid = true, bf16 = true; };
-template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true, bf16 = false; };
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// wgmma's inputs: BF16 and FP16 (k 16 an instruction, either operand k- or mn-major in shared
+// memory), and TF32 as float32 bits (k 8 an instruction, both operands k-major: PTX has no
+// transposed form for 32-bit inputs). Either way an instruction's k is 32 bytes of a row.
+template <typename T> struct wgmma_input { static constexpr bool valid = false; };
+template <> struct wgmma_input<distmm_bf16> { static constexpr bool valid = true, kmajor_only = false; static constexpr int k = 16; };
+template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true, kmajor_only = false; static constexpr int k = 16; };
+template <> struct wgmma_input<float> { static constexpr bool valid = true, kmajor_only = true; static constexpr int k = 8; };
 
 #if DISTMM_WGMMA
-// One wgmma per tile width N, for both input types: AB is ".bf16.bf16" or ".f16.f16"
-// (the asm strings differ only there).
-#define DISTMM_WGMMA_M64N64K16(AB) \
+// One wgmma per tile width N, for every input type: KAB is the instruction's k and types
+// ("k16.f32.bf16.bf16", "k16.f32.f16.f16", "k8.f32.tf32.tf32"), TR the transpose immediates
+// of the 16-bit forms (the TF32 form has none; its operands stay in the list, unused).
+#define DISTMM_WGMMA_M64N64(KAB, TR) \
         asm volatile( \
             "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32" AB " {" \
+            "wgmma.mma_async.sync.aligned.m64n64" KAB " {" \
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-            "}, %32, %33, p, 1, 1, %35, %36; }\n" \
+            "}, %32, %33, p, 1, 1" TR "; }\n" \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
@@ -40,15 +48,15 @@ template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true
               "+f"(d[30]), "+f"(d[31]) \
             : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B))
 
-#define DISTMM_WGMMA_M64N128K16(AB) \
+#define DISTMM_WGMMA_M64N128(KAB, TR) \
         asm volatile( \
             "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32" AB " {" \
+            "wgmma.mma_async.sync.aligned.m64n128" KAB " {" \
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-            "}, %64, %65, p, 1, 1, %67, %68; }\n" \
+            "}, %64, %65, p, 1, 1" TR "; }\n" \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
@@ -62,10 +70,10 @@ template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true
               "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
             : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B))
 
-#define DISTMM_WGMMA_M64N256K16(AB) \
+#define DISTMM_WGMMA_M64N256(KAB, TR) \
         asm volatile( \
             "{ .reg .pred p; setp.ne.b32 p, %130, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32" AB " {" \
+            "wgmma.mma_async.sync.aligned.m64n256" KAB " {" \
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
@@ -74,7 +82,7 @@ template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true
             "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
             "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
             "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
-            "}, %128, %129, p, 1, 1, %131, %132; }\n" \
+            "}, %128, %129, p, 1, 1" TR "; }\n" \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
@@ -101,33 +109,39 @@ template <> struct wgmma_input<distmm_fp16> { static constexpr bool valid = true
 
 template <int N> struct Wgmma;
 template <> struct Wgmma<64> {
-    template <bool BF16, int TNSP_A, int TNSP_B>
+    template <typename Tin, int TNSP_A, int TNSP_B>
     static __device__ __forceinline__ void mma(float* d, unsigned long long da,
                                                   unsigned long long db, int scale_d) {
-        if (BF16)
-            DISTMM_WGMMA_M64N64K16(".bf16.bf16");
+        if constexpr (same_type<Tin, distmm_bf16>::value)
+            DISTMM_WGMMA_M64N64("k16.f32.bf16.bf16", ", %35, %36");
+        else if constexpr (same_type<Tin, distmm_fp16>::value)
+            DISTMM_WGMMA_M64N64("k16.f32.f16.f16", ", %35, %36");
         else
-            DISTMM_WGMMA_M64N64K16(".f16.f16");
+            DISTMM_WGMMA_M64N64("k8.f32.tf32.tf32", "");
     }
 };
 template <> struct Wgmma<128> {
-    template <bool BF16, int TNSP_A, int TNSP_B>
+    template <typename Tin, int TNSP_A, int TNSP_B>
     static __device__ __forceinline__ void mma(float* d, unsigned long long da,
                                                   unsigned long long db, int scale_d) {
-        if (BF16)
-            DISTMM_WGMMA_M64N128K16(".bf16.bf16");
+        if constexpr (same_type<Tin, distmm_bf16>::value)
+            DISTMM_WGMMA_M64N128("k16.f32.bf16.bf16", ", %67, %68");
+        else if constexpr (same_type<Tin, distmm_fp16>::value)
+            DISTMM_WGMMA_M64N128("k16.f32.f16.f16", ", %67, %68");
         else
-            DISTMM_WGMMA_M64N128K16(".f16.f16");
+            DISTMM_WGMMA_M64N128("k8.f32.tf32.tf32", "");
     }
 };
 template <> struct Wgmma<256> {
-    template <bool BF16, int TNSP_A, int TNSP_B>
+    template <typename Tin, int TNSP_A, int TNSP_B>
     static __device__ __forceinline__ void mma(float* d, unsigned long long da,
                                                   unsigned long long db, int scale_d) {
-        if (BF16)
-            DISTMM_WGMMA_M64N256K16(".bf16.bf16");
+        if constexpr (same_type<Tin, distmm_bf16>::value)
+            DISTMM_WGMMA_M64N256("k16.f32.bf16.bf16", ", %131, %132");
+        else if constexpr (same_type<Tin, distmm_fp16>::value)
+            DISTMM_WGMMA_M64N256("k16.f32.f16.f16", ", %131, %132");
         else
-            DISTMM_WGMMA_M64N256K16(".f16.f16");
+            DISTMM_WGMMA_M64N256("k8.f32.tf32.tf32", "");
     }
 };
 
