@@ -297,8 +297,9 @@ class GPUExecutor(Executor):
             (a, _), (b, _) = to_input_format(a, self.precision), to_input_format(b, self.precision)
             lda, ta, ldb, tb = k, False, n, False
         target = c if c.flags.c_contiguous else cupy.ascontiguousarray(c)
+        params = registry.kernel_params(spec, spec.precisions[self.precision])
         cuda_loader.launch(spec.name, a, ta, lda, b, tb, ldb, target, n, m, n, k,
-                           alpha=alpha, beta=beta, params=registry.kernel_params(spec, "float32"),
+                           alpha=alpha, beta=beta, params=params,
                            stream=stream if stream is not None else cupy.cuda.get_current_stream())
         if target is not c:
             c[...] = target
