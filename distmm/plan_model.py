@@ -153,7 +153,9 @@ class Calibration:
     cores, gpus_per_node : int
     overlap : mapping
         Engine -> fraction of its communication that compute hides (``mpi``: the next
-        panel's broadcast behind this panel's GEMM; ``dask``: panel assembly behind the
+        panel's broadcast behind this panel's GEMM on GPU ranks; ``mpi-cpu``: the same on CPU
+        ranks, 0 where missing: host MPI's ``Ibcast`` progresses only inside MPI calls and a
+        CPU rank's cores are inside BLAS meanwhile; ``dask``: panel assembly behind the
         block's GEMM; ``batch``: 1, its stages are a pipeline).
     overheads : mapping
         Fixed seconds: ``mpi-call`` (one in-core product on the MPI engine), ``mpi-launch``
@@ -495,11 +497,13 @@ def _mpi_rank(grid: GridPlan, rank: int, gemm: GemmRate, share: float, link_name
             c += share * (cal.link("pcie-d2h").seconds(nbytes * size)
                           + cal.link("pcie-h2d").seconds(nbytes * size))
         comm.append(c)
-    # panel 0's broadcast is exposed; panel p+1's moves while panel p multiplies
+    # panel 0's broadcast is exposed; panel p+1's moves while panel p multiplies, but where
+    # nothing moves it then (``overlap`` 0: CPU ranks, whose host Ibcast progresses only
+    # inside MPI calls) every broadcast comes between two GEMMs
     exposed = comm[0] if comm else 0.0
     for p in range(len(widths) - 1):
-        exposed += max(0.0, comm[p + 1] - overlap * comp[p]) + (1 - overlap) * min(
-            comm[p + 1], comp[p])
+        # what outlasts the GEMM, and the share of the rest that ``overlap`` leaves exposed
+        exposed += max(0.0, comm[p + 1] - comp[p]) + (1 - overlap) * min(comm[p + 1], comp[p])
     red = sum(1 for dst, _ in grid.reduction if dst == layer)
     if red:
         nbytes = mi * nj * size
@@ -582,7 +586,11 @@ def _mpi(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_d
     g = grid if isinstance(grid, GridPlan) else make_grid(m, n, k, dt, ranks=devices, grid=grid)
     if device == "gpu":  # the engine's panels: narrow ones where ranks are across a network
         g = gpu_panels(g, across_hosts=link_name == "nccl-socket")
-    overlap = cal.overlap.get("mpi", 0.9)
+    # a CPU rank's panel broadcasts (host MPI's Ibcast) progress only inside MPI calls, and its
+    # cores are inside BLAS while a panel multiplies: nothing hides them unless a calibration
+    # says so (``mpi-cpu``); GPU ranks' broadcasts run on their own streams (``mpi``)
+    overlap = (cal.overlap.get("mpi", 0.9) if device == "gpu"
+               else cal.overlap.get("mpi-cpu", 0.0))
     worst = (0.0, 0.0, 0.0)
     for r in _representatives(g):
         c, x = _mpi_rank(g, r, gemm, share, link_name, cal, device, overlap)

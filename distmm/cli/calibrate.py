@@ -110,6 +110,18 @@ def _one_core_reference(r) -> bool:
             and r.get("workers") == 1 and (r.get("threads_per_worker") or 1) == 1)
 
 
+def _reference_block_side(r) -> float:
+    """The side of the cube of work of one GEMM a one-core reference ran: dask.array's
+    ``A @ B`` multiplies chunk by chunk (``blockwise`` products of ``chunk``-sided blocks, then
+    a sum over k), so with a recorded ``chunk`` its GEMMs are ``min(chunk, m) x min(chunk, n)
+    x min(chunk, k)``, not the whole product (at 4096 with chunks of 1024: 1024, not 4096)."""
+    m, n, k = r["m"], r["n"], r["k"]
+    c = int(r.get("chunk") or 0)
+    if c > 0:
+        m, n, k = min(c, m), min(c, n), min(c, k)
+    return float(m * n * k) ** (1.0 / 3.0)
+
+
 def _profile_machine(prof, records) -> str | None:
     run = re.search(r"(\d{8}T\d{6}Z)", prof["_file"])
     if not run:
@@ -271,8 +283,7 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             side = (r["m"] * r["n"] * r["k"] / threads) ** (1.0 / 3.0)
             by_key.setdefault(f"cpu:{r['dtype']}", []).append((side, flops / threads, r))
         elif (not gpu and _one_core_reference(r)):
-            alone.setdefault(r["dtype"], []).append(
-                ((r["m"] * r["n"] * r["k"]) ** (1.0 / 3.0), flops, r))
+            alone.setdefault(r["dtype"], []).append((_reference_block_side(r), flops, r))
     for key, pts in by_key.items():
         gemm[key] = fit_gemm([(s, f) for s, f, _ in pts],
                              size_rule="volume" if key.startswith("cpu") else "min")
