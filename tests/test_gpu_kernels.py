@@ -360,13 +360,15 @@ def test_mma_tma_with_the_other_hand_back(precision, case):
     _tc_run(spec, precision, *case, params=dict(p, STAGES=2))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
 def test_mma_tma_equals_step_12_bit_for_bit(precision):
-    """Step 15 issues step 12's mma in step 12's order, so on the same operands the two agree
-    bit for bit. Large enough (thousands of blocks, two an SM, many k tiles) for a stage
-    refilled before every warp has read it to show: a single fragment from the wrong k tile
-    changes some element."""
-    spec, ref = registry.get_tc("mma_tma"), registry.get_tc("mma_bf16")
+    """Step 15 issues step 12's mma in step 12's order (TF32: step 11's), so on the same
+    operands the two agree bit for bit, whatever layout the operands come in (TF32: step 15
+    gets k-major copies). Large enough (thousands of blocks, two an SM, many k tiles) for a
+    stage refilled before every warp has read it to show: a single fragment from the wrong k
+    tile changes some element."""
+    spec = registry.get_tc("mma_tma")
+    ref = registry.get_tc("mma_tf32" if precision == "tf32" else "mma_bf16")
     _skip_unless_runs(spec)
     fmt = spec.precisions[precision]
     rng = cupy.random.default_rng()
@@ -386,7 +388,7 @@ def test_mma_tma_equals_step_12_bit_for_bit(precision):
                                   precision=precision, check=True,
                                   params=dict(spec.params(fmt), SYNC=sync))
             diff = int((got != want).sum())
-            assert diff == 0, f"{ta=} {tb=} SYNC={sync}: {diff} elements differ from step 12"
+            assert diff == 0, f"{ta=} {tb=} SYNC={sync}: {diff} elements differ from {ref.name}"
 
 
 @pytest.mark.parametrize("mode", TC_MODES, ids=_tc_id)

@@ -391,8 +391,11 @@ def test_mma_tma_step_constraints():
     assert any("SYNC=2" in v for v in spec.violations("bfloat16", dict(p, SYNC=2)))
     assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1}
     assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
+    assert {c["BK"] for c in spec.candidates("float32")} == {32}  # TF32: 32 values a row
+    assert spec.violations("float32", spec.params("float32")) == []
     assert not spec.runs_on(80) and spec.runs_on(90)
-    assert cuda_loader.TMA_K_ZERO["mma_tma"] == {"bf16": "mma_bf16", "fp16": "mma_bf16"}
+    assert cuda_loader.TMA_K_ZERO["mma_tma"] == {"bf16": "mma_bf16", "fp16": "mma_bf16",
+                                                 "tf32": "mma_tf32"}
     assert cuda_loader.TMA_K_ZERO["wgmma_tma"] == {"bf16": "wgmma_bf16", "fp16": "wgmma_bf16",
                                                    "tf32": "mma_tf32"}
 

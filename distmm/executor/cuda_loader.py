@@ -566,7 +566,7 @@ def to_input_format(x, fmt: str, precision: str | None = None, *, transpose: boo
 #: the step that writes beta C for k = 0 in place of a step reading tensor maps (a map has no
 #: empty dimension), by precision: the one before it that reads pointers, for the same inputs
 TMA_K_ZERO = {"wgmma_tma": {"bf16": "wgmma_bf16", "fp16": "wgmma_bf16", "tf32": "mma_tf32"},
-              "mma_tma": {"bf16": "mma_bf16", "fp16": "mma_bf16"}}
+              "mma_tma": {"bf16": "mma_bf16", "fp16": "mma_bf16", "tf32": "mma_tf32"}}
 
 
 def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
@@ -584,7 +584,7 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     same way (ties away from zero, cuBLAS's TF32 rounding), which step 11 reads as they are.
     Steps 14 and 15 (``spec.tma``) read operands through tensor maps: an operand whose base or
     rows are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to the step
-    before them that reads pointers (``TMA_K_ZERO``). Step 14 under ``"tf32"`` reads both
+    before them that reads pointers (``TMA_K_ZERO``). Steps 14 and 15 under ``"tf32"`` read both
     operands k-major (A stored M x K, B stored N x K): an operand stored otherwise is rounded
     into a transposed copy, in the same pass as the rounding.
 

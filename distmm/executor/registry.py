@@ -609,12 +609,15 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         min_cc=90, max_cc=90, arch_suffix="a", tma=True),
     TensorCoreSpec(
         "mma_tma", 15, "15_mma_tma.cu",
-        "BF16/FP16 mma.sync fed by TMA: step 12's warps, one thread queues the copies (sm_90)",
+        "BF16/FP16 and TF32 mma.sync fed by TMA: step 12's warps, one thread queues the copies "
+        "(sm_90)",
         "distmm_gemm_mma_tma<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{SYNC},{TA},{TB}>",
-        precisions={"bf16": "bfloat16", "fp16": "float16"},
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3, "MINB": 1,
-                       "SYNC": 0} for dt in ("bfloat16", "float16")},
-        tune_space={"block": _MMA_BLOCKS, "BK": (64,), "warp": _MMA_WARPS,
+        precisions={"bf16": "bfloat16", "fp16": "float16", "tf32": "float32"},
+        # a k tile is one 128-byte row: 64 16-bit elements, 32 TF32 values
+        defaults={dt: {"BM": 128, "BN": 128, "BK": 64 if dt != "float32" else 32, "WM": 64,
+                       "WN": 64, "STAGES": 3, "MINB": 1, "SYNC": 0}
+                  for dt in ("bfloat16", "float16", "float32")},
+        tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "SYNC": (0, 1)},
         min_cc=90, max_cc=90, tma=True),
 )}
@@ -622,7 +625,7 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
 #: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the
 #: first that runs on the device)
 PRECISION_KERNELS: dict[str, tuple[str, ...]] = {
-    "tf32": ("wgmma_tma", "mma_tf32"),
+    "tf32": ("wgmma_tma", "mma_tma", "mma_tf32"),
     "bf16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
     "fp16": ("wgmma_tma", "wgmma_bf16", "mma_bf16"),
 }

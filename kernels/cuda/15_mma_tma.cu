@@ -1,5 +1,6 @@
 // Step 15: step 12's mma.sync (m16n8k16, BF16/FP16 in, fp32 accumulate) fed by the tensor
-// memory accelerator (TMA), as step 14 feeds wgmma. In step 12 every thread computed the
+// memory accelerator (TMA), as step 14 feeds wgmma; and step 11's TF32 mma.sync (m16n8k8) fed
+// the same way. In step 12 every thread computed the
 // shared and global address of each 16-byte chunk it copied with cp.async, and at the tile
 // boundary those address instructions waited on the copies before them; here one thread
 // (an elected lane of warp 0) asks the copy engine for whole boxes
@@ -7,7 +8,13 @@
 // outside the matrix, and count their bytes on the stage's "full" mbarrier. The other
 // threads keep only mma and ldmatrix in the k loop.
 //
-// Shared memory per stage, in 128-byte rows of 64 elements, each 1024-byte group of 8 rows
+// TF32 (float32 operands the loader has rounded, as step 11's): a 128-byte row holds 32 values
+// instead of 64, a k step is 8 of them instead of 16, the same 32 bytes; both operands are
+// k-major (the loader rounds an mn-major one into a transposed copy), so every fragment is
+// read with ldmatrix, as step 11 reads its k-contiguous tiles, from byte for byte the layout
+// of a k-major 16-bit stage.
+//
+// Shared memory per stage, in 128-byte rows of BK elements, each 1024-byte group of 8 rows
 // swizzled by the copy engine (chunk c of row r stored at chunk c ^ (r & 7)):
 //   a k-major operand (A stored M x K, B stored N x K): one box of BM (BN) rows by 64 k,
 //     exactly step 12's SWZ_ROW8 tile with BK = 64, read with the same ldsm_offsets;
@@ -29,16 +36,17 @@
 
 namespace distmm {
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int ES>
 struct MmaTmaShape {
     static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
-    static constexpr int MI = WM / 16, NI = WN / 8, KS = BK / 16;
-    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-    static constexpr int BOX_BYTES = 64 * BK * 2;  // an mn-major box: 64 k rows of 64 m or n
+    // k steps a tile: 32 bytes of k each (16 BF16/FP16 values, 8 TF32)
+    static constexpr int MI = WM / 16, NI = WN / 8, KS = BK * ES / 32;
+    static constexpr int A_BYTES = BM * BK * ES, B_BYTES = BN * BK * ES;
+    static constexpr int BOX_BYTES = 64 * BK * ES;  // an mn-major box: 64 k rows of 64 m or n
     // + 1024 to align the stages to the swizzle pattern's 1024 bytes, + a full and an empty
     // mbarrier each
     static constexpr int SMEM_BYTES = 1024 + STAGES * (A_BYTES + B_BYTES) + STAGES * 16;
-    static_assert(BK == 64, "a k tile is one 128-byte swizzle row of 16-bit elements");
+    static_assert(BK * ES == 128, "a k tile is one 128-byte swizzle row");
     static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shapes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "boxes of 64, at most 256 rows");
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
@@ -64,8 +72,11 @@ template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int 
 __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                                              const distmm_tmap* mapA, const distmm_tmap* mapB,
                                              float beta, float* __restrict__ C, long long ldc) {
-    typedef MmaTmaShape<BM, BN, BK, WM, WN, STAGES> S;
+    typedef MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin)> S;
     constexpr int MI = S::MI, NI = S::NI, KS = S::KS;
+    constexpr bool TF32 = same_type<Tin, float>::value;
+    static_assert(!TF32 || (!TA && TB), "TF32: both operands k-major");
+    constexpr int BK16 = BK * sizeof(Tin) / 2;  // a row's bytes in 16-bit elements
     extern __shared__ unsigned char distmm_smem[];
     const unsigned raw = smem_addr(distmm_smem);
     const unsigned as0 = (raw + 1023u) & ~1023u, bs0 = as0 + STAGES * S::A_BYTES;
@@ -98,9 +109,9 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     constexpr bool AK = !TA, BKC = TB;
     constexpr int AN = AK ? KS : MI, BNO = BKC ? KS : NI / 2;
     unsigned a_off[AN], b_off[BNO];
-    if (AK) ldsm_offsets<true, AN, BK, BM, 2>(a_off, wm * WM, lane, lj % 2, lj / 2);
+    if (AK) ldsm_offsets<true, AN, BK16, BM, 2>(a_off, wm * WM, lane, lj % 2, lj / 2);
     else    ldsm_offsets_boxed<AN, S::BOX_BYTES>(a_off, wm * WM, lane, lj / 2, lj % 2);
-    if (BKC) ldsm_offsets<true, BNO, BK, BN, 2>(b_off, wn * WN, lane, lj / 2, lj % 2);
+    if (BKC) ldsm_offsets<true, BNO, BK16, BN, 2>(b_off, wn * WN, lane, lj / 2, lj % 2);
     else     ldsm_offsets_boxed<BNO, S::BOX_BYTES>(b_off, wn * WN, lane, lj % 2, lj / 2);
     constexpr unsigned KSTEP_MN = 16 * 128;  // bytes a k step of 16 moves in an mn-major box
 
@@ -108,7 +119,7 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     zero_acc(acc);
     unsigned af[2][MI][4], bf[2][NI][2];
     auto load_frags = [&](int stage, int s, int buf) {
-        mma16_load_frags<TA, TB, BK, KSTEP_MN, KSTEP_MN>(af[buf], bf[buf], as0 + stage * S::A_BYTES,
+        mma16_load_frags<TA, TB, BK16, KSTEP_MN, KSTEP_MN>(af[buf], bf[buf], as0 + stage * S::A_BYTES,
                                                          bs0 + stage * S::B_BYTES, a_off, b_off, s);
     };
     auto mma_step = [&](int buf) { mma16_step<Tin>(acc, af[buf], bf[buf]); };
@@ -161,7 +172,8 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
 
 }  // namespace distmm
 
-// Tin: distmm_bf16 or distmm_fp16; C, alpha and beta are float32. mapA / mapB describe A and
+// Tin: distmm_bf16, distmm_fp16 or float (TF32 values; TA false and TB true only); C, alpha
+// and beta are float32. mapA / mapB describe A and
 // B as stored (TA: A stored K x M; TB: B stored N x K), with step 14's boxes
 // (distmm.executor.tma.box_for).
 template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int SYNC,
@@ -170,9 +182,10 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
                     const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
                     long long ldc) {
-    static_assert(distmm::mma16<Tin>::valid, "inputs are distmm_bf16 or distmm_fp16");
+    static_assert(distmm::mma16<Tin>::valid || distmm::same_type<Tin, float>::value,
+                  "inputs are distmm_bf16, distmm_fp16 or float");
     static_assert(SYNC == 0 || SYNC == 1, "SYNC: 0 (block barrier) or 1 (empty mbarriers)");
-    (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES;
+    (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin)>::SMEM_BYTES;
 #if DISTMM_TMA
     distmm::mma_tma_body<Tin, BM, BN, BK, WM, WN, STAGES, SYNC, TA, TB>(M, N, K, alpha, &mapA, &mapB,
                                                                  beta, C, ldc);
@@ -195,4 +208,5 @@ distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ di
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 1)
+DISTMM_INST2(float, 128, 128, 32, 64, 64, 3, 1, 0, false, true)
 #endif

@@ -167,6 +167,20 @@ __device__ __forceinline__ void ldsm_offsets(unsigned (&off)[N_OFF], int base, i
 }
 
 
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// TF32 inputs of mma.sync m16n8k8 (steps 11 and 15), fp32 accumulators. Fragments, g =
+// lane / 4, t = lane % 4: a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4];
+// b0 = B[t][g], b1 = B[t + 4][g].
+__device__ __forceinline__ void mma_tf32_16x8x8(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // BF16 and FP16 inputs of mma.sync m16n8k16 (steps 12 and 15), fp32 accumulators.
 template <typename T> struct mma16 { static constexpr bool valid = false; };
 template <> struct mma16<distmm_bf16> { static constexpr bool valid = true; };
@@ -196,7 +210,9 @@ __device__ __forceinline__ void mma_16x8x16<distmm_fp16>(float* c, const unsigne
 // Steps 12 and 15: one k step's fragments from a stage at sa (A) and sb (B) into af (the MI
 // A fragments) and bf (the NI B fragments, two n tiles an ldmatrix.x4), at the lane's
 // ldsm_offsets (or ldsm_offsets_boxed): a k-contiguous operand's offset is per k step s, a
-// tile of 16 rows further adding 16 * BK * 2 bytes; an m/n-contiguous one's is per 16-wide
+// tile of 16 rows further adding 16 * BK * 2 bytes (BK: a row's 16-bit elements; TF32
+// fragments of k-contiguous rows are read the same way, a 16-byte row of an 8 x 8 matrix
+// being 4 TF32 values, lane (g, t) receiving value t of row g); an m/n-contiguous one's is per 16-wide
 // tile, k step s adding s * A_KSTEP (B_KSTEP) bytes.
 template <bool TA, bool TB, int BK, unsigned A_KSTEP, unsigned B_KSTEP, int MI, int NI, int AN,
           int BNO>
@@ -216,14 +232,18 @@ __device__ __forceinline__ void mma16_load_frags(unsigned (&af)[MI][4], unsigned
     }
 }
 
-// A warp's mma for one k step: every (A fragment, B fragment) pair into its accumulators.
+// A warp's mma for one k step (32 bytes of k: 16 BF16/FP16 values, or 8 TF32 ones as float):
+// every (A fragment, B fragment) pair into its accumulators.
 template <typename Tin, int MI, int NI>
 __device__ __forceinline__ void mma16_step(float (&acc)[MI][NI][4], const unsigned (&af)[MI][4],
                                            const unsigned (&bf)[NI][2]) {
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < NI; ++j) mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
+        for (int j = 0; j < NI; ++j) {
+            if constexpr (same_type<Tin, float>::value) mma_tf32_16x8x8(acc[i][j], af[i], bf[j]);
+            else mma_16x8x16<Tin>(acc[i][j], af[i], bf[j]);
+        }
 }
 
 // The mma.sync steps' main loop over KT k tiles of KS k steps (step 11 with LOOP = 1). STAGES shared stages all hold

@@ -18,9 +18,6 @@
 namespace distmm {
 
 
-template <typename A, typename B> struct same_type { static constexpr bool value = false; };
-template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
-
 // wgmma's inputs: BF16 and FP16 (k 16 an instruction, either operand k- or mn-major in shared
 // memory), and TF32 as float32 bits (k 8 an instruction, both operands k-major: PTX has no
 // transposed form for 32-bit inputs). Either way an instruction's k is 32 bytes of a row.
