@@ -81,12 +81,15 @@ def tc_warm_items(cc: int, variants=()):
         if not spec.runs_on(cc):
             continue
         for fmt in spec.inputs:
-            items += [(spec.name, fmt, None, bool(a), bool(b)) for a in (0, 1) for b in (0, 1)]
+            # TF32 on the TMA steps: one instantiation, the k-major copies launch_tc makes
+            layouts = spec.layouts(fmt)
+            items += [(spec.name, fmt, None, a, b) for a, b in layouts]
             cands = spec.candidates(fmt, cc)
+            sampled = layouts if len(layouts) == 1 else [(False, False), (True, True)]
             for p in cands[1:len(cands):max(1, len(cands) // 4)]:
-                items += [(spec.name, fmt, p, False, False), (spec.name, fmt, p, True, True)]
+                items += [(spec.name, fmt, p, a, b) for a, b in sampled]
             for _, p in tc_variants(spec, fmt, variants, cc)[1:]:
-                items.append((spec.name, fmt, p, False, False))
+                items.append((spec.name, fmt, p, *layouts[0]))
     return items
 
 

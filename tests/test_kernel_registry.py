@@ -392,6 +392,8 @@ def test_mma_tma_step_constraints():
     assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1}
     assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
     assert {c["BK"] for c in spec.candidates("float32")} == {32}  # TF32: 32 values a row
+    assert spec.layouts("float32") == [(False, True)] and len(spec.layouts("bfloat16")) == 4
+    assert not registry.get_tc("mma_tf32").kmajor_only("float32")
     assert spec.violations("float32", spec.params("float32")) == []
     assert not spec.runs_on(80) and spec.runs_on(90)
     assert cuda_loader.TMA_K_ZERO["mma_tma"] == {"bf16": "mma_bf16", "fp16": "mma_bf16",

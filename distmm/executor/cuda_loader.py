@@ -621,7 +621,7 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
             rows_a, cols_a = (k, m) if ta else (m, k)
             rows_b, cols_b = (n, k) if tb else (k, n)
             # TF32 wgmma has no transposed form: both operands k-major
-            kmajor = spec.tma and fmt == "float32"
+            kmajor = spec.kmajor_only(fmt)
             a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt, precision,
                                 transpose=kmajor and ta)
             b = to_input_format(_stored(b, rows_b, cols_b, ldb), fmt, precision,

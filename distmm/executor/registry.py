@@ -443,6 +443,18 @@ class TensorCoreSpec:
     def runs_on(self, cc: int) -> bool:
         return self.min_cc <= cc <= self.max_cc
 
+    def kmajor_only(self, dtype: str) -> bool:
+        """Whether the kernel reads input ``dtype`` k-major only (A stored M x K, B stored
+        N x K): TF32 values (float32) on the steps fed by TMA, whose mma reads 32-bit inputs
+        untransposed; ``cuda_loader.launch_tc`` hands them k-major copies."""
+        return self.tma and _tc_dtype(dtype) == "float32"
+
+    def layouts(self, dtype: str) -> list[tuple[bool, bool]]:
+        """The (TA, TB) instantiations input ``dtype`` is launched with."""
+        if self.kmajor_only(dtype):
+            return [(False, True)]
+        return [(ta, tb) for ta in (False, True) for tb in (False, True)]
+
     def violations(self, dtype: str, p: Mapping[str, int], cc: int = 90) -> list[str]:
         """Constraints ``p`` breaks for input ``dtype`` on compute capability ``cc``."""
         dtype = _tc_dtype(dtype)
