@@ -625,10 +625,12 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
         "(sm_90)",
         "distmm_gemm_mma_tma<{T},{BM},{BN},{BK},{WM},{WN},{STAGES},{MINB},{SYNC},{TA},{TB}>",
         precisions={"bf16": "bfloat16", "fp16": "float16", "tf32": "float32"},
-        # a k tile is one 128-byte row: 64 16-bit elements, 32 TF32 values
-        defaults={dt: {"BM": 128, "BN": 128, "BK": 64 if dt != "float32" else 32, "WM": 64,
-                       "WN": 64, "STAGES": 3, "MINB": 1, "SYNC": 0}
-                  for dt in ("bfloat16", "float16", "float32")},
+        # a k tile is one 128-byte row: 64 16-bit elements, 32 TF32 values; TF32 in blocks
+        # of 256 x 128 (8 warps, one block an SM), bf16/fp16 in two blocks of 128 x 128
+        defaults={**{dt: {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "STAGES": 3,
+                          "MINB": 1, "SYNC": 0} for dt in ("bfloat16", "float16")},
+                  "float32": {"BM": 256, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
+                              "MINB": 1, "SYNC": 0}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
                     "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "SYNC": (0, 1)},
         min_cc=90, max_cc=90, tma=True),

@@ -208,5 +208,5 @@ distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ di
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 1)
-DISTMM_INST2(float, 128, 128, 32, 64, 64, 3, 1, 0, false, true)
+DISTMM_INST2(float, 256, 128, 32, 64, 64, 3, 1, 0, false, true)
 #endif
