@@ -581,7 +581,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     uint16). float32 operands of ``"bf16"`` / ``"fp16"`` are first converted on the GPU to
     contiguous copies (``to_input_format``: one rounding to nearest, as cuBLAS's callers
     convert before ``cublasGemmEx``); under ``"tf32"`` they are rounded to TF32 copies the
-    same way (ties away from zero, cuBLAS's TF32 rounding), which step 11 reads as they are.
+    same way (ties away from zero, cuBLAS's TF32 rounding), which steps 11, 14 and 15 read as
+    they are.
     Steps 14 and 15 (``spec.tma``) read operands through tensor maps: an operand whose base or
     rows are not a multiple of 16 bytes is first copied (rows padded); k = 0 goes to the step
     before them that reads pointers (``TMA_K_ZERO``). Steps 14 and 15 under ``"tf32"`` read both
