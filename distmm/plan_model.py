@@ -9,7 +9,10 @@ broadcast while the previous panel multiplies (``distmm.grid``), the batch path'
 multiplied and written as a three-stage pipeline (``distmm.plan_batch``) between a launch and
 start-up and an exit that grow with the ranks of a node (``batch_fixed_seconds``), and the
 Dask engine's block layout, one block of C per GPU worker (``distmm.plan_blocks.worker_grid``
-and ``shares``) or one task per C tile on CPU workers (``distmm.plan.make_plan``). Per plan it
+and ``shares``) or one task per C tile on CPU workers (``distmm.plan.make_plan``), and the
+single-GPU stream pipeline on host-resident operands (``distmm.plan_pipeline``: its k-blocks'
+copies in, GEMMs and units' copies out scheduled on their own lanes, ``pipeline_schedule``). Per
+plan it
 gives the time and its compute / communication / I/O / fixed parts, the efficiency against P
 times one device, the words each rank touches against the lower bounds of Kwasniewski et al.
 (SC19, COSMA): memory-dependent ``2mnk / (P sqrt(S))`` for 2D (``S`` one copy of the operands
@@ -37,12 +40,23 @@ from distmm.grid import GridPlan, grid_shapes, gpu_panels, make_grid
 from distmm.plan import accumulate_dtype, make_plan
 from distmm.plan_batch import plan_batch
 from distmm.plan_blocks import shares, worker_grid
+from distmm.plan_pipeline import TK_MAX, PipelineTiling, choose_tiling, plan_block_loads
 
 __all__ = ["GemmRate", "Link", "Calibration", "Prediction", "Bounds", "predict", "best_plan",
            "lower_bounds", "batch_fixed_seconds", "ENGINES", "LINKS", "DEVICE_KINDS",
-           "default_calibration"]
+           "default_calibration", "pipeline_schedule", "PipelineSchedule", "COPIES",
+           "PIPELINE_RING_BYTES"]
 
-ENGINES = ("mpi", "batch", "dask")
+ENGINES = ("mpi", "batch", "dask", "pipeline")
+#: how the stream pipeline's operands and result cross: ``ring`` (plain numpy arrays: host
+#: threads copy them into and out of page-locked ring buffers, then the copy engines move
+#: them), ``direct`` (arrays their owner page-locked: the copy engines read and write them
+#: straight), ``locked`` (plain arrays page-locked in place by each call, a debug setting:
+#: copied as ``direct``; the locking itself is not modelled, no record measures its rate)
+COPIES = ("ring", "direct", "locked")
+#: page-locked staging bytes the ring holds at most (``distmm.pinned-pool``'s default, the
+#: records' ``pinned_limit``): how far the host threads stage ahead of the copies to the device
+PIPELINE_RING_BYTES = 2 * 2**30
 #: k extent of the A and B panels a Dask GPU worker holds at once, for the memory check
 DASK_K_GROUP = 8192
 #: the first k piece of a Dask GPU block (one chunk of the studies' 8192): what a block task
@@ -148,6 +162,10 @@ class Calibration:
         Bytes/s of the node writing through the page cache and then syncing (``dd
         conv=fsync``), as the batch path wrote before its direct writes and still writes
         where it writes nothing past the page cache; 0: ``file_write``.
+    host_staging : float
+        Bytes/s the stream pipeline's host threads copy between the caller's pageable arrays
+        and its page-locked ring, operands in and C out together (they share the host's
+        memory); 0: half of ``memory_bandwidth["cpu"]`` (a copy reads and writes each byte).
     device_memory, host_memory : int
         Bytes per GPU, and per node.
     cores, gpus_per_node : int
@@ -165,7 +183,10 @@ class Calibration:
         to a batch job (``batch_fixed_seconds``): ``mpi-exit`` to its exit (the driver
         releases the ranks' processes one after another), ``mpi-launch-rank`` to its launch,
         ``batch-startup-rank`` to its slowest GPU rank's set-up (processes starting CUDA at
-        once contend for the driver); ``dask-call`` (the client's planning and
+        once contend for the driver); ``pipeline-call`` (a stream-pipeline product's set-up
+        before its first GEMM may start: threads, device buffers, ring), ``pipeline-first-call``
+        (what a process's first product through ``distmm.matmul`` adds: CUDA, cuBLAS, the
+        ring's and the result's first pages); ``dask-call`` (the client's planning and
         scheduling of one product), ``dask-worker`` (each worker taking part), ``dask-task``
         (each task, tile mode).
     sources : mapping
@@ -191,6 +212,7 @@ class Calibration:
     sources: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
     core_boost: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
     file_write_buffered: float = 0.0
+    host_staging: float = 0.0
 
     def __post_init__(self):
         for name in ("gemm", "links", "memory_bandwidth", "overlap", "overheads", "sources",
@@ -209,6 +231,9 @@ class Calibration:
         if not self.file_write_buffered >= 0:
             raise ValueError(f"file_write_buffered must not be negative bytes/s, got "
                              f"{self.file_write_buffered!r}")
+        if not (self.host_staging >= 0 and math.isfinite(self.host_staging)):
+            raise ValueError(f"host_staging must not be negative bytes/s, got "
+                             f"{self.host_staging!r}")
         for eng, frac in self.overlap.items():
             if not 0.0 <= frac <= 1.0:
                 raise ValueError(f"overlap of {eng} must lie in [0, 1], got {frac!r}")
@@ -260,6 +285,7 @@ class Calibration:
                 "file_read": self.file_read, "file_write": self.file_write,
                 "file_write_shared": self.file_write_shared,
                 "file_write_buffered": self.file_write_buffered,
+                "host_staging": self.host_staging,
                 "device_memory": self.device_memory, "host_memory": self.host_memory,
                 "cores": self.cores, "gpus_per_node": self.gpus_per_node,
                 "overlap": dict(self.overlap), "overheads": dict(self.overheads),
@@ -282,6 +308,7 @@ class Calibration:
                        file_read=float(d["file_read"]), file_write=float(d["file_write"]),
                        file_write_shared=float(d["file_write_shared"]),
                        file_write_buffered=float(d.get("file_write_buffered", 0.0)),
+                       host_staging=float(d.get("host_staging", 0.0)),
                        device_memory=int(d["device_memory"]), host_memory=int(d["host_memory"]),
                        cores=int(d.get("cores", 1)), gpus_per_node=int(d.get("gpus_per_node", 8)),
                        overlap={k: float(v) for k, v in d.get("overlap", {}).items()} or
@@ -298,6 +325,13 @@ class Calibration:
 
     def overhead(self, name: str) -> float:
         return float(self.overheads.get(name, 0.0))
+
+    def staging_rate(self) -> float:
+        """Bytes/s of the stream pipeline's host copies through its ring (``host_staging``,
+        or half of the host's memory bandwidth where that is not known)."""
+        if self.host_staging > 0:
+            return float(self.host_staging)
+        return float(self.memory_bandwidth.get("cpu", 20e9)) / 2.0
 
 
 def default_calibration() -> Calibration:
@@ -775,12 +809,266 @@ def _dask(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_
             int(plan.peak_memory_per_worker), "")
 
 
+# ------------------------------------------------------------------------- stream pipeline
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """The stream pipeline's schedule as the model runs it: ``seconds`` from the call's start
+    to the last byte of C back in host memory (the set-up ``latency`` before the first GEMM
+    included), each lane's busy seconds (``gemm``, ``h2d``, ``d2h``, ``host``: the host
+    threads' copies into and out of the ring), the bytes each way and the tiling."""
+
+    seconds: float
+    gemm: float
+    h2d: float
+    d2h: float
+    host: float
+    latency: float
+    bytes_in: int
+    bytes_out: int
+    tiling: PipelineTiling
+
+
+def tiling_from_sizes(d: Mapping) -> PipelineTiling:
+    """A ``PipelineTiling`` from its ``describe()`` form (what a pipeline record's ``tiling``
+    holds: ``row_sizes``, ``col_sizes``, ``k_sizes``, slot counts, ``itemsize``, ``mode``)."""
+    def edges(sizes):
+        out = [0]
+        for size in sizes:
+            out.append(out[-1] + int(size))
+        return tuple(out)
+
+    return PipelineTiling(edges(d["row_sizes"]), edges(d["col_sizes"]), edges(d["k_sizes"]),
+                          int(d["a_slots"]), int(d["b_slots"]), int(d["c_buffers"]),
+                          int(d["itemsize"]), str(d.get("mode", "tiles")))
+
+
+def _list_schedule(jobs) -> list[float]:
+    """End times of ``jobs`` (``(lane, seconds, deps)``, deps indices of other jobs), each lane
+    one job at a time: the job that can start earliest goes first (a lane's queue in the
+    order its jobs became ready; the streams' order is in the deps)."""
+    import heapq
+
+    n = len(jobs)
+    waiting = [0] * n
+    dependents: list = [[] for _ in range(n)]
+    ready = [0.0] * n
+    end = [0.0] * n
+    heaps: dict = {}
+    free: dict = {}
+    for j, (lane, _, deps) in enumerate(jobs):
+        heaps.setdefault(lane, [])
+        free.setdefault(lane, 0.0)
+        uniq = set(deps)
+        waiting[j] = len(uniq)
+        for d in uniq:
+            dependents[d].append(j)
+        if not uniq:
+            heapq.heappush(heaps[lane], (0.0, j))
+    for _ in range(n):
+        best = None
+        for lane, heap in heaps.items():
+            if heap:
+                at, j = heap[0]
+                start = max(at, free[lane])
+                if best is None or (start, j) < best[:2]:
+                    best = (start, j, lane)
+        if best is None:
+            raise ValueError("the pipeline's schedule has a cycle")
+        start, j, lane = best
+        heapq.heappop(heaps[lane])
+        end[j] = start + jobs[j][1]
+        free[lane] = end[j]
+        for d in dependents[j]:
+            ready[d] = max(ready[d], end[j])
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                heapq.heappush(heaps[jobs[d][0]], (ready[d], d))
+    return end
+
+
+#: through the ring, operand blocks and a unit's C cross in pieces of at most this many bytes
+#: (the ring's buffers), so that the host threads' copies and the copy engines' overlap
+_RING_PIECE = 32 * 2**20
+
+
+def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: Calibration,
+                      precision: str = "highest", copies: str = "ring",
+                      operand_itemsize: int | None = None, tiling=None,
+                      memory: int | None = None, latency: float | None = None
+                      ) -> PipelineSchedule:
+    """The stream pipeline's schedule for ``C[m, n] = A[m, k] @ B[k, n]`` on one GPU from
+    host-resident operands (``distmm.executor.pipeline``), per k-block of its tiling
+    (``distmm.plan_pipeline``: ``plan_block_loads``' kernels and loads, in order).
+
+    Four lanes, each one job at a time: the host threads' copies (``copies="ring"``: each
+    operand block from the caller's pageable array into the page-locked ring before it
+    crosses, each piece of C out of it after; operands and C share the host's
+    ``staging_rate``), the copy engine to the device (``pcie-h2d``), the GEMMs (the
+    precision's rate, ``gpu:float32`` / ``gpu:float64`` or ``gpu:bf16``-style keys; a k-block
+    after a unit's first reads and writes C's unit once more at the device's memory
+    bandwidth, and float32 operands under a reduced precision are converted there) and the
+    copy engine back (``pcie-d2h``, a unit once its last GEMM is done). A block's copy to the
+    device waits for its staging and for the GEMM that last used its device slot; the host
+    stages at most ``PIPELINE_RING_BYTES`` ahead of the copies; a unit's first GEMM waits
+    for a free C buffer (the copy out of the unit ``c_buffers`` before); the first GEMM
+    waits ``latency`` (the call's set-up, ``pipeline-call``, by default). So the time is
+    the start-up (the first blocks in), then whichever lane is busiest over the steady state
+    (copies in, GEMMs, copies out, host copies), then the last unit's drain.
+
+    Parameters
+    ----------
+    precision : str
+        ``highest`` (the dtype's own arithmetic) or a reduced precision (``bf16`` ...), whose
+        GEMM rate is ``gpu:PRECISION``.
+    copies : ``"ring"``, ``"direct"`` or ``"locked"`` (``COPIES``)
+    operand_itemsize : int, optional
+        Bytes per operand element crossing (2 for bfloat16 bits; default the dtype's).
+    tiling : PipelineTiling or its ``describe()`` mapping, optional
+        Default: ``choose_tiling`` for the device's memory (``memory`` or the calibration's).
+
+    >>> s = pipeline_schedule(16384, 16384, 16384, calibration=default_calibration())
+    >>> s.seconds >= max(s.gemm, s.h2d, s.d2h, s.host) * (1 - 1e-9)  # host-bound here
+    True
+    """
+    cal = calibration
+    if copies not in COPIES:
+        raise ValueError(f"copies must be one of {', '.join(COPIES)}, got {copies!r}")
+    dt = np.dtype(dtype)
+    acc = np.dtype(accumulate_dtype(dt))
+    out_size = acc.itemsize
+    in_size = int(operand_itemsize or out_size)
+    if precision in (None, "", "highest"):
+        precision = "highest"
+        gemm = cal.rate("gpu", acc)
+    else:
+        gemm = cal.gemm.get(f"gpu:{precision}")
+        if gemm is None:
+            have = ", ".join(sorted(cal.gemm)) or "none"
+            raise ValueError(f"the calibration of {cal.machine!r} has no gpu GEMM rate for "
+                             f"{precision} (it has: {have})")
+    if not (m and n and k):  # nothing to multiply, nothing to copy
+        empty = PipelineTiling((0, m), (0, n), (0, k), 1, 1, 1, out_size)
+        return PipelineSchedule(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, empty)
+    if tiling is None:
+        budget = int(memory) if memory is not None else int(cal.device_memory)
+        try:
+            tiling = choose_tiling(m, n, k, out_size, budget,
+                                   tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
+                                   narrow=precision != "highest" and precision in TK_MAX)
+        except MemoryError as exc:
+            raise ValueError(str(exc)) from None
+    elif not isinstance(tiling, PipelineTiling):
+        tiling = tiling_from_sizes(tiling)
+    h2d, d2h = cal.link("pcie-h2d"), cal.link("pcie-d2h")
+    ring = copies == "ring"
+    stage_rate = cal.staging_rate()
+    mem_bw = float(cal.memory_bandwidth.get("gpu", 0.0))
+    convert = precision != "highest" and in_size > 2 and mem_bw > 0  # float32 in, bf16 GEMMs
+    latency = cal.overhead("pipeline-call") if latency is None else float(latency)
+    re, ce, ke = tiling.row_edges, tiling.col_edges, tiling.k_edges
+    steps = plan_block_loads(tiling)
+    jobs: list = []
+    last = {"h2d": None, "gemm": None, "d2h": None}
+    slot_user: dict = {}      # device slot -> the GEMM job that last read it
+    loads: list = []          # the copy to the device of every piece loaded, in order
+    unit_out: dict = {}       # unit -> its last copy-out job that frees its C buffer
+    busy = {"gemm": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "start": 0.0}
+    depth = max(1, PIPELINE_RING_BYTES // _RING_PIECE)  # pieces staged ahead at most
+    bytes_in = bytes_out = 0
+
+    def add(lane, seconds, deps):
+        jobs.append((lane, seconds, tuple(d for d in deps if d is not None)))
+        busy[lane] += seconds
+        return len(jobs) - 1
+
+    for step in steps:
+        rows = re[step.i + 1] - re[step.i]
+        cols = ce[step.j + 1] - ce[step.j]
+        kb = ke[step.kb + 1] - ke[step.kb]
+        wait = []
+        converted = 0
+        for kind, needed, slot, nbytes in (
+                ("a", step.load_a, step.a_slot, rows * kb * in_size),
+                ("b", step.load_b, step.b_slot, kb * cols * in_size)):
+            if not needed or nbytes <= 0:
+                continue
+            bytes_in += nbytes
+            converted += nbytes // in_size
+            user = None if kind == "b" and tiling.b_resident else slot_user.get((kind, slot))
+            # through the ring a block crosses in pieces, each staged and then copied
+            pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+            for _ in range(pieces):
+                part = nbytes / pieces
+                deps = [last["h2d"], user]
+                if ring:
+                    behind = loads[-depth] if len(loads) >= depth else None
+                    deps.append(add("host", part / stage_rate, [behind]))
+                job = add("h2d", h2d.seconds(part), deps)
+                last["h2d"] = job
+                loads.append(job)
+            wait.append(job)
+        # cuBLAS tiles C: the unit's side, not the k-block's depth, decides how well the GPU
+        # is filled (a 256-deep block of a 16384 x 32768 unit still gives every SM its tiles;
+        # the depth only shortens each tile's loop, and C's extra pass is counted below)
+        seconds = 2.0 * rows * cols * kb / gemm.rate(rows, cols, min(rows, cols))
+        if not step.first and mem_bw > 0:  # beta = 1: C's unit read and written once more
+            seconds += 2.0 * rows * cols * out_size / mem_bw
+        if convert and converted:
+            seconds += converted * (in_size + 2) / mem_bw
+        deps = [last["gemm"]] + wait
+        if step.first and step.unit >= tiling.c_buffers:
+            deps.append(unit_out.get(step.unit - tiling.c_buffers))
+        if last["gemm"] is None and latency > 0:
+            deps.append(add("start", latency, []))
+        job = add("gemm", seconds, deps)
+        last["gemm"] = job
+        slot_user[("a", step.a_slot)] = job
+        slot_user[("b", step.b_slot)] = job
+        if step.last:
+            nbytes = rows * cols * out_size
+            bytes_out += nbytes
+            pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+            for _ in range(pieces):
+                part = nbytes / pieces
+                out = add("d2h", d2h.seconds(part), [job, last["d2h"]])
+                last["d2h"] = out
+                if ring:
+                    add("host", part / stage_rate, [out])
+            # the device buffer is free once its bytes left it (the ring's own copy follows)
+            unit_out[step.unit] = last["d2h"]
+    end = _list_schedule(jobs)
+    return PipelineSchedule(seconds=max(end), gemm=busy["gemm"], h2d=busy["h2d"],
+                            d2h=busy["d2h"], host=busy["host"], latency=latency,
+                            bytes_in=int(bytes_in), bytes_out=int(bytes_out), tiling=tiling)
+
+
+def _pipeline(m, n, k, dt, devices, cal, device, memory, precision, copies, operand_itemsize,
+              tiling, first_call):
+    if device != "gpu" or devices != 1:
+        raise ValueError(f"the stream pipeline runs on one GPU, not {devices} {device}(s)")
+    sched = pipeline_schedule(m, n, k, dt, calibration=cal, precision=precision,
+                              copies=copies, operand_itemsize=operand_itemsize, tiling=tiling,
+                              memory=memory)
+    comp = sched.gemm
+    # the set-up before the first GEMM is exposed only where the copies do not outlast it
+    fixed = min(sched.latency, max(0.0, sched.seconds - comp))
+    io = max(0.0, sched.seconds - comp - fixed)
+    overhead = fixed + (cal.overhead("pipeline-first-call") if first_call else 0.0)
+    t = sched.tiling
+    shape = (len(t.row_edges) - 1, len(t.col_edges) - 1)
+    touched = float(m * k + k * n + m * n)
+    return shape, comp, 0.0, io, overhead, sched.bytes_in, touched, t.device_bytes, ""
+
+
 def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibration: Calibration,
             engine: str = "mpi", device: str = "gpu", link: str | None = None,
             grid=None, memory: int | None = None, ranks_per_device: int = 1,
             threads_per_rank: int = 1, extra_cpu_workers: int = 0,
             batch_panels: str = "auto", direct_writes: bool = True,
-            mpi_ofi: bool = False) -> Prediction:
+            mpi_ofi: bool = False, precision: str = "highest", copies: str = "ring",
+            operand_itemsize: int | None = None, tiling=None,
+            first_call: bool = False) -> Prediction:
     """The model's estimate of ``C[m, n] = A[m, k] @ B[k, n]`` on ``devices`` devices.
 
     Parameters
@@ -792,7 +1080,8 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
         MPI ranks (``mpi``, ``batch``) or Dask workers (``dask``; GPU workers, or CPU
         workers of one thread).
     calibration : Calibration
-    engine : ``"mpi"``, ``"batch"`` or ``"dask"``
+    engine : ``"mpi"``, ``"batch"``, ``"dask"`` or ``"pipeline"``
+        (``pipeline``: one GPU streaming host-resident operands, ``pipeline_schedule``)
     device : ``"gpu"`` or ``"cpu"``
         What each rank or worker computes on (a ``cpu`` rank: ``threads_per_rank`` cores).
     link : str, optional
@@ -822,6 +1111,12 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
         The batch path: whether Open MPI's ``MPI_Init`` probed its libfabric BTL (``OMPI_MCA_btl``
         not excluding ``ofi``); its launch then costs ``mpi-launch-ofi`` where the calibration
         has it.
+    precision, copies, operand_itemsize, tiling : see ``pipeline_schedule``
+        The stream pipeline: its GEMMs' precision, how its operands cross (the ring, or
+        straight from page-locked arrays), the bytes of an operand element and its tiling.
+    first_call : bool
+        The stream pipeline: the process's first product through ``distmm.matmul``
+        (``pipeline-first-call`` added).
 
     Raises
     ------
@@ -835,7 +1130,8 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
     if link is None:
         link = {("mpi", "gpu"): "nvlink", ("batch", "gpu"): "nvlink", ("dask", "gpu"): "ipc",
                 ("mpi", "cpu"): "mpi-host", ("batch", "cpu"): "mpi-host",
-                ("dask", "cpu"): "tcp"}[(engine, device)]
+                ("dask", "cpu"): "tcp", ("pipeline", "gpu"): "pcie-h2d",
+                ("pipeline", "cpu"): "pcie-h2d"}[(engine, device)]
         if engine == "mpi" and device == "gpu" and ranks_per_device > 1:
             link = "mpi-host"  # NCCL refuses two ranks on one GPU: host-staged broadcasts
     if link not in LINKS:
@@ -848,6 +1144,9 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
     elif engine == "batch":
         out = _batch(m, n, k, dt, devices, calibration, device, link, grid, memory,
                      ranks_per_device, batch_panels, direct_writes, mpi_ofi)
+    elif engine == "pipeline":
+        out = _pipeline(m, n, k, dt, devices, calibration, device, memory, precision, copies,
+                        operand_itemsize, tiling, first_call)
     else:
         out = _dask(m, n, k, dt, devices, calibration, device, link, grid, memory,
                     ranks_per_device, extra_cpu_workers)
@@ -857,6 +1156,8 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
     size = np.dtype(acc).itemsize
     avail = _devices_info(calibration, device, devices, ranks_per_device, memory)
     one = calibration.rate(device, acc)
+    if engine == "pipeline" and precision not in (None, "", "highest"):
+        one = calibration.gemm[f"gpu:{precision}"]
     if device == "cpu":  # one device: one rank's cores
         one = replace(one, peak=one.peak * max(1, threads_per_rank))
     ideal = _one_device_seconds(m, n, k, one)

@@ -2,13 +2,15 @@
 
 This module covers: measuring on the machine at hand what ``distmm.plan_model.Calibration``
 holds (``measure``): numpy's BLAS GEMM rate per dtype and size on one core (a child process
-with one BLAS thread), host memory bandwidth, MPI latency and bandwidth by a ping-pong under a
+with one BLAS thread), host memory bandwidth, the stream pipeline's host copies (numpy copies on
+its thread count), MPI latency and bandwidth by a ping-pong under a
 real ``mpiexec -n 2``, TCP between two ``distributed`` worker processes, file write (with
 fsync) and read bandwidth in a temporary folder; where cupy and a GPU are present, cuBLAS
 rates, pinned PCIe both ways, device memory bandwidth and, with several GPUs, NCCL broadcasts
 over NVLink and over sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). It also derives a
 calibration from committed benchmark records (``from_records``): single-device cuBLAS and numpy
-rates, the copy ceiling, file read and write references, PCIe rates, launch and start-up times
+rates (and the stream pipeline's reduced-precision cuBLAS reference, ``gpu:bf16``), the copy
+ceiling, file read and write references, PCIe rates, launch and start-up times
 from ``--profile`` files, NCCL's socket link from SUMMA traces across emulated nodes
 (``bench/research/summa_trace.py``), and fixed costs fitted on a subset of distmm's own
 measurements (``distmm.cli.model_records.fit_subset``); and where a calibration is stored
@@ -19,6 +21,7 @@ It does *not* cover: the model itself (``distmm.plan_model``), or comparing it w
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +38,7 @@ import numpy as np
 
 from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, load_records,
                                 machine_of, ofi_probed, predict_record, profile_record)
+from distmm.plan import accumulate_dtype
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
 
 __all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
@@ -240,7 +244,12 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
     adds to them (``batch_rank_costs``) from the multi-rank ``--profile`` files of runs
     ``fit`` admits (``profile_record``). Fixed costs of the engines
     (``dask-call``, ``mpi-call``) are fitted on the latest run of each configuration ``fit``
-    admits (the smallest difference between the measured and the modelled time without them).
+    admits (the smallest difference between the measured and the modelled time without them);
+    the stream pipeline's as well (``pipeline-call``; ``pipeline-first-call`` after it, on its
+    first-call runs), after its host copies' rate (``host_staging``): the largest of the
+    ring's bytes in and out over the time of each fit run through the ring (a rate its copies
+    at least reached in that run). A reduced precision's GEMM rate (``gpu:bf16``) comes from
+    the pipeline's ``cublas-bf16`` references.
     NCCL's socket link (``nccl-socket``) comes from SUMMA traces of the machine
     (``summa_trace`` records): the broadcasts whose ranks were on different emulated nodes
     (``cross_node_broadcasts``, ``socket_link``). Links the records do not measure keep
@@ -275,7 +284,12 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
             continue
         flops = 2.0 * r["m"] * r["n"] * r["k"] / r["seconds"]
         size = min(r["m"], r["n"], r["k"])
-        if r.get("variant") in ("cublas", "cublas-incore"):
+        if r.get("precision") not in (None, "highest"):
+            # the stream pipeline's in-core reference of a reduced precision (cublasGemmEx,
+            # bf16 in, float32 out), measured in the same run as the pipeline's own
+            if r.get("variant") == f"cublas-{r['precision']}":
+                by_key.setdefault(f"gpu:{r['precision']}", []).append((size, flops, r))
+        elif r.get("variant") in ("cublas", "cublas-incore"):
             by_key.setdefault(f"gpu:{r['dtype']}", []).append((size, flops, r))
         elif r.get("variant") == "numpy" and not gpu:
             threads = r.get("threads") or r.get("cores") or r.get("workers") or 1
@@ -401,10 +415,11 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
                       overlap=base.overlap, overheads=overheads, sources=sources,
                       core_boost=core_boost)
     # fixed costs: measured minus modelled without them, on the fit subset only
-    for name in ("dask-call", "mpi-call"):
+    names = ("dask-call", "mpi-call", "pipeline-call", "pipeline-first-call")
+    for name in names:
         cal = cal.with_overheads(**{name.replace("-", "_"): 0.0})
-    fitted: dict = {"dask-call": [], "mpi-call": []}
-    used_recs: dict = {"dask-call": [], "mpi-call": []}
+    fitted: dict = {name: [] for name in names}
+    used_recs: dict = {name: [] for name in names}
     latest: dict = {}  # the latest run of each configuration: the code as it is
     for r in mine:
         conf = configuration(r)
@@ -413,21 +428,49 @@ def from_records(records, machine: str, *, fit=fit_subset, run: str | None = Non
         key = str(sorted((k, v) for k, v in conf.items()))
         if key not in latest or str(r.get("run")) > str(latest[key][0].get("run")):
             latest[key] = (r, conf)
-    for r, conf in latest.values():
-        name = {"dask": "dask-call", "mpi": "mpi-call"}.get(conf["engine"])
-        if name is None:
-            continue
-        pred = predict_record(conf, cal)
-        fitted[name].append(r["seconds"] - pred.seconds)
-        used_recs[name].append(r)
-    for name, values in fitted.items():
-        if values:
-            # a slower run only ever adds to a fixed cost (an older, slower build, a busy
-            # machine): the smallest difference is its estimate, as benchmarks take the best
-            overheads[name] = max(0.0, min(values))
-            sources[name] = "fit on " + files(used_recs[name])
-        else:
-            overheads[name] = base.overheads[name]
+    # the stream pipeline's host copies through its ring: every byte in and out crossed
+    # them within the run, so a fit run's bytes over its time are a rate they at least
+    # reached; the largest of these is the estimate (no record times those copies alone)
+    ring = [(r, conf) for r, conf in latest.values()
+            if conf["engine"] == "pipeline" and conf["copies"] == "ring"
+            and not conf.get("first_call")]
+    if ring:
+        bounds = []
+        for r, conf in ring:
+            pred = predict_record(conf, cal)
+            out = r["m"] * r["n"] * np.dtype(accumulate_dtype(np.dtype(r["dtype"]))).itemsize
+            bounds.append(((pred.bytes_received + out) / r["seconds"], r))
+        rate, best = max(bounds, key=lambda b: b[0])
+        cal = dataclasses.replace(cal, host_staging=rate)
+        sources["host_staging"] = (f"fit on records: {best['_file']} (the ring's bytes in and "
+                                   f"out over the time of the latest run, the fastest of "
+                                   f"{len(ring)} fit configurations through the ring: "
+                                   f"{best['variant']} {best['dtype']} at {best['m']})")
+    else:
+        sources["host_staging"] = "default (half the host's memory bandwidth)"
+    # a pipeline's first call is fitted after its per-call set-up, which it also pays
+    for stage in (("dask-call", "mpi-call", "pipeline-call"), ("pipeline-first-call",)):
+        for r, conf in latest.values():
+            name = {"dask": "dask-call", "mpi": "mpi-call", "pipeline": "pipeline-call"}.get(
+                conf["engine"])
+            if name == "pipeline-call" and conf.get("first_call"):
+                name = "pipeline-first-call"
+            if name not in stage:
+                continue
+            pred = predict_record(conf, cal)
+            fitted[name].append(r["seconds"] - pred.seconds)
+            used_recs[name].append(r)
+        for name in stage:
+            values = fitted[name]
+            if values:
+                # a slower run only ever adds to a fixed cost (an older, slower build, a busy
+                # machine): the smallest difference is its estimate, as benchmarks take the best
+                overheads[name] = max(0.0, min(values))
+                sources[name] = "fit on " + files(used_recs[name])
+            else:
+                overheads[name] = base.overheads.get(name, 0.0)
+                sources.setdefault(name, "default")
+            cal = cal.with_overheads(**{name.replace("-", "_"): overheads[name]})
     return Calibration(**{**cal.__dict__, "overheads": overheads, "sources": sources})
 
 
@@ -481,6 +524,31 @@ def _host_memory_bandwidth(nbytes: int, repeat: int) -> float:
     dst = np.empty_like(src)
     t = _best(lambda: np.copyto(dst, src), repeat)
     return 2.0 * src.nbytes / t
+
+
+def _host_staging(nbytes: int, repeat: int) -> tuple[float, int]:
+    """Bytes/s of copies between two host arrays on as many threads as the stream pipeline's
+    host copies use (``distmm.executor.pipeline.run.host_threads``: the CPUs less two, 2 to
+    12), each a band of rows, the destination touched first (as the ring's buffers are), and
+    the thread count."""
+    import concurrent.futures as cf
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cpus = os.cpu_count() or 2
+    threads = max(2, min(12, cpus - 2))
+    rows = max(threads, nbytes // 4096)
+    src = np.ones((rows, 512))
+    dst = np.zeros_like(src)
+    bands = np.linspace(0, rows, threads + 1).astype(int)
+
+    def band(i):
+        np.copyto(dst[bands[i]:bands[i + 1]], src[bands[i]:bands[i + 1]])
+
+    with cf.ThreadPoolExecutor(threads) as pool:
+        t = _best(lambda: list(pool.map(band, range(threads))), repeat)
+    return src.nbytes / t, threads
 
 
 def _files(folder, nbytes: int) -> tuple[float, float]:
@@ -718,6 +786,9 @@ def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
     say("host memory bandwidth")
     mem_bw = {"cpu": _host_memory_bandwidth(mem, repeat)}
     sources["memory_bandwidth"] = "measured: numpy copy"
+    say("host copies on the stream pipeline's threads")
+    host_staging, threads = _host_staging(mem, repeat)
+    sources["host_staging"] = f"measured: numpy copies on {threads} threads"
     say("MPI ping-pong, mpiexec -n 2")
     links = {"mpi-host": _mpi_pingpong(msg, 3 if quick else 10)}
     sources["mpi-host"] = "measured: mpiexec -n 2 ping-pong"
@@ -759,4 +830,5 @@ def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
                        device_memory=device_memory, host_memory=int(pages),
                        cores=cores, gpus_per_node=gpus, overlap=base.overlap,
                        overheads=base.overheads, core_boost=core_boost,
+                       host_staging=host_staging,
                        sources={**{k: "default" for k in ("overlap", "overheads")}, **sources})

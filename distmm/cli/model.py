@@ -87,7 +87,9 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                    help="result element type (default float32)")
     m.add_argument("--engine", choices=ENGINES, default="mpi",
                    help="mpi: in-core SUMMA; batch: mpirun distmm matmul on files; dask: block "
-                        "layout (GPU workers) or tiles (CPU workers) (default mpi)")
+                        "layout (GPU workers) or tiles (CPU workers); pipeline: one GPU "
+                        "streaming host-resident numpy operands through its ring (--gpus 1) "
+                        "(default mpi)")
     m.add_argument("--device", choices=DEVICE_KINDS, default="gpu",
                    help="what each rank or worker computes on (default gpu)")
     m.add_argument("--calibration", default=None, metavar="FILE",
@@ -165,6 +167,8 @@ def _print_calibration(cal) -> None:
           f"  [{cal.sources.get('file_write', '?')}]")
     mem = ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in sorted(cal.memory_bandwidth.items()))
     print(f"  memory bandwidth: {mem}")
+    print(f"  host staging (the stream pipeline's ring): {cal.staging_rate() / 1e9:.2f} GB/s"
+          f"  [{cal.sources.get('host_staging', 'default')}]")
 
 
 # ------------------------------------------------------------------------- model

@@ -4,9 +4,10 @@ This module covers: loading record files (JSON lines), ``--profile`` files and S
 (``load_records``), a record's machine (``machine_of``), which records are distmm measurements
 the model describes and how (``configuration``: the MPI engine in core on GPUs or CPU ranks,
 the batch path ``mpirun distmm matmul`` on files, the Dask engine on GPU workers (one, two,
-two sharing a GPU, one beside CPU workers) and on CPU workers), the model's prediction for one
-(``predict_record``), and which measurements the fixed costs are fitted on (``fit_subset``;
-a batch job's ``--profile`` as the record it judges: ``profile_record``).
+two sharing a GPU, one beside CPU workers) and on CPU workers, and the stream pipeline on one
+GPU from host-resident operands), the model's prediction for one (``predict_record``), and
+which measurements the fixed costs are fitted on (``fit_subset``; a batch job's ``--profile``
+as the record it judges: ``profile_record``).
 
 It does *not* cover: deriving a calibration (``distmm.cli.calibrate``) or the comparison
 (``distmm.cli.validate``). References (cuBLAS, numpy, dask.array, peers), the local engine and
@@ -35,7 +36,9 @@ def load_records(paths) -> list[dict]:
     ``{"profile": name, "_file": ..., **profile}``, traces as ``{"summa_trace": name,
     "_file": ..., "machine": ..., "ranks": [...]}`` (``trace_machine``: the trace does not name
     its device, its file does). Records of a reduced ``precision`` (tf32, bf16, fp16) are left
-    out: the model's rates are those of each dtype's own arithmetic."""
+    out, except the stream pipeline's (its ``cublas-bf16`` reference measures the precision's
+    own GEMM rate in the same run): the other engines' rates are those of each dtype's own
+    arithmetic."""
     out = []
     for path in paths:
         path = Path(path)
@@ -54,7 +57,8 @@ def load_records(paths) -> list[dict]:
                     out.append({"profile": name, "_file": path.name, **prof})
             continue
         for _, rec in json_lines(path):
-            if rec.get("precision", "highest") != "highest":
+            if (rec.get("precision", "highest") != "highest"
+                    and rec.get("benchmark") != "pipeline"):
                 continue
             rec["_file"] = path.name
             out.append(rec)
@@ -92,7 +96,7 @@ def fit_subset(rec: dict) -> bool:
     one rank or one worker) at the smaller size each benchmark ran, and for the batch path,
     whose fixed costs grow with the ranks of a node, also two ranks under ``mpirun`` at that
     size. Everything else (every other configuration on several devices, every larger size)
-    is held out."""
+    is held out. The stream pipeline (one GPU always): its runs at 16384."""
     size = min(rec.get("m", 0), rec.get("n", 0), rec.get("k", 0))
     bench = rec.get("benchmark")
     if bench == "mpi-batch":
@@ -103,6 +107,8 @@ def fit_subset(rec: dict) -> bool:
         return rec.get("setting") == "1gpu" and size <= 16384 and rec.get("dtype") == "float32"
     if bench == "mpi":
         return rec.get("ranks") == 1 and (rec.get("gpus") or 1) <= 1
+    if bench == "pipeline":  # one GPU always: the smaller size it ran (16384)
+        return size <= 16384
     return False
 
 
@@ -161,7 +167,36 @@ def _configuration(rec: dict) -> dict | None:
     if bench == "cpu" and variant == "distmm-dask":
         return {**base, "engine": "dask", "device": "cpu", "devices": int(rec.get("workers") or 1),
                 "label": "dask cpu"}
+    if (bench == "pipeline" and str(rec.get("residency", "")).startswith("host")
+            and variant != "naive-host"):
+        return _pipeline_configuration(rec, base, variant)
     return None
+
+
+def _pipeline_configuration(rec: dict, base: dict, variant: str) -> dict:
+    """A stream-pipeline record (``bench.pipeline``): one GPU, host-resident operands, through
+    the ring (plain numpy arrays), straight from arrays their owner page-locked (``-pinned``,
+    ``direct_in``/``direct_out`` naming operands) or page-locked in place by each call
+    (``-locked-in-place``, a debug setting); its precision and the bytes an operand element
+    crosses as (``operands_as`` ``uint16``: bfloat16's bits); ``first-call`` variants (a fresh
+    process's first ``distmm.matmul``) add the first call's set-up. The record's ``tiling``,
+    where it has one, is the schedule it ran (``tiling``, beside the configuration's keys)."""
+    precision = str(rec.get("precision") or "highest")
+    if "locked-in-place" in variant:
+        copies = "locked"
+    elif (variant.endswith("-pinned") or rec.get("residency") == "host-pinned"
+          or rec.get("direct_in") or rec.get("direct_out")):
+        copies = "direct"
+    else:
+        copies = "ring"
+    item = 2 if rec.get("operands_as") == "uint16" else None
+    conf = {**base, "engine": "pipeline", "device": "gpu", "devices": 1,
+            "precision": precision if precision != "highest" else None, "copies": copies,
+            "operand_itemsize": item, "first_call": variant.startswith("first-call"),
+            "label": f"pipeline {variant}"}
+    if isinstance(rec.get("tiling"), dict) and rec["tiling"].get("row_sizes"):
+        conf["tiling"] = rec["tiling"]
+    return conf
 
 
 def _batch_panels(rec: dict, ranks: int, grid) -> str:
@@ -250,15 +285,18 @@ def _one_cpu_ranks(rec: dict) -> bool:
 
 #: the arguments of ``predict`` a configuration may carry
 KEYS = ("engine", "device", "devices", "grid", "ranks_per_device", "threads_per_rank",
-         "extra_cpu_workers", "link", "batch_panels", "direct_writes", "mpi_ofi")
+         "extra_cpu_workers", "link", "batch_panels", "direct_writes", "mpi_ofi",
+         "precision", "copies", "operand_itemsize", "first_call")
 
 
 def predict_record(conf: dict, cal: Calibration) -> Prediction:
     """The model's prediction for a ``configuration`` (its ``gpus_per_node``, where it has
-    one, in place of the calibration's)."""
+    one, in place of the calibration's; a pipeline record's ``tiling``)."""
     if conf.get("gpus_per_node"):
         import dataclasses
 
         cal = dataclasses.replace(cal, gpus_per_node=int(conf["gpus_per_node"]))
     kwargs = {k: conf[k] for k in KEYS if conf.get(k) is not None}
+    if conf.get("tiling") is not None:
+        kwargs["tiling"] = conf["tiling"]
     return predict(conf["m"], conf["n"], conf["k"], conf["dtype"], calibration=cal, **kwargs)
