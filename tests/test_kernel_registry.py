@@ -483,7 +483,9 @@ def test_tc_loader_source_and_lowered_name(case, tmp_path):
     and its one symbol is ``mangled_name`` of the expression."""
     spec, dt = case
     p = spec.candidates(dt)[3]
-    expr = spec.name_expression(dt, p, True, False)
+    # A stored K x M, B K x N where the input takes it; TF32 on the TMA steps: k-major only
+    ta, tb = (True, False) if (True, False) in spec.layouts(dt) else spec.layouts(dt)[0]
+    expr = spec.name_expression(dt, p, ta, tb)
     src = cuda_loader.source(spec.file) + cuda_loader.tc_instantiation(
         expr, registry.TC_INPUT_TYPES[dt], spec.tma)
     cu = tmp_path / "k.cu"
