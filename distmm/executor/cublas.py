@@ -119,6 +119,10 @@ CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
 CUBLAS_GEMM_DEFAULT = -1
 
+#: cvt.rna.tf32.f32's rounding of float ``{v}`` in integer arithmetic (any architecture): half
+#: an ulp of TF32 added to the magnitude's bits, ties away from zero; NaN kept
+_TF32_RNA = "isnan({v}) ? {v} : __uint_as_float((__float_as_uint({v}) + 0x1000u) & 0xffffe000u)"
+
 _ROUND_KERNELS: dict = {}
 
 
@@ -133,9 +137,7 @@ def _rounding_kernel(precision: str):
         if precision == "tf32":
             kernel = cupy.ElementwiseKernel(
                 "float32 x", "float32 y",
-                # cvt.rna.tf32.f32's rounding in integer arithmetic (any architecture):
-                # half an ulp of TF32 added to the magnitude's bits, ties away from zero
-                "y = isnan(x) ? x : __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);",
+                f"y = {_TF32_RNA.format(v='x')};",
                 "distmm_round_tf32")
         else:
             kernel = cupy.ElementwiseKernel(
@@ -166,13 +168,13 @@ extern "C" __global__ void distmm_round_tf32_transposed(const float* __restrict_
             if (r < rows && c0 + j < cols) {
                 const float v = tile[tx][j];
                 y[(long long)(c0 + j) * rows + r] =
-                    isnan(v) ? v : __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
+                    @TF32_RNA@;
             }
         }
         __syncthreads();
     }
 }
-"""
+""".replace("@TF32_RNA@", _TF32_RNA.format(v="v"))
 
 
 def _round_tf32_transposed(x):
@@ -187,8 +189,8 @@ def _round_tf32_transposed(x):
         kernel = cupy.RawKernel(_TRANSPOSE_TF32, "distmm_round_tf32_transposed")
         _ROUND_KERNELS["tf32-transposed"] = kernel
     rows, cols = x.shape
-    if x.dtype != cupy.float32 or (rows > 1 and cols > 1 and x.strides[1] != 4):
-        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    if rows > 1 and cols > 1 and x.strides[1] != 4:  # float32 (the caller's): rows contiguous
+        x = cupy.ascontiguousarray(x)
     y = cupy.empty((cols, rows), dtype=cupy.float32)
     if rows and cols:
         ldx = x.strides[0] // 4 if rows > 1 else cols

@@ -535,7 +535,7 @@ def get_tc_kernel(name: str, dtype, params: Mapping[str, int] | None = None, ta:
 def to_input_format(x, fmt: str, precision: str | None = None, *, transpose: bool = False):
     """A C-contiguous copy of the 2-D cupy array ``x`` (of ``x.T`` with ``transpose``) in
     input format ``fmt``: float32 unchanged, or rounded to TF32 when ``precision`` is
-    ``"tf32"`` (steps 11 and 14 read rounded operands: ``cublas.to_input_format``'s rounding,
+    ``"tf32"`` (steps 11, 14 and 15 read rounded operands: ``cublas.to_input_format``'s rounding,
     ties away from zero, NaN kept; transposed in the same pass), float16 rounded to nearest
     even by cupy, bfloat16 rounded to nearest even (NaN kept quiet) and returned as its
     uint16 bits. Arrays already in the format (float16, or uint16 bfloat16 bits) are only
@@ -621,7 +621,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         if fmt != "float32" or a.dtype != np.float32 or precision == "tf32":
             rows_a, cols_a = (k, m) if ta else (m, k)
             rows_b, cols_b = (n, k) if tb else (k, n)
-            # TF32 wgmma has no transposed form: both operands k-major
+            # TF32 on the TMA steps: no transposed wgmma or ldmatrix of 32-bit inputs, so
+            # both operands k-major
             kmajor = spec.kmajor_only(fmt)
             a = to_input_format(_stored(a, rows_a, cols_a, lda), fmt, precision,
                                 transpose=kmajor and ta)

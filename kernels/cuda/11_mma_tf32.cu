@@ -22,10 +22,6 @@
 
 namespace distmm {
 
-template <typename T> struct is_f32 { static constexpr bool value = false; };
-template <> struct is_f32<float> { static constexpr bool value = true; };
-
-
 template <int BM, int BN, int BK, int WM, int WN, int STAGES>
 struct Tf32Shape {
     static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
@@ -181,7 +177,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
 distmm_gemm_mma_tf32(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                      const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                      long long ldc, int flags) {
-    static_assert(distmm::is_f32<T>::value, "TF32 tensor cores take float32 operands");
+    static_assert(distmm::same_type<T, float>::value, "TF32 tensor cores take float32 operands");
     distmm::tf32_body<BM, BN, BK, WM, WN, STAGES, LOOP, TA, TB>(M, N, K, alpha, A, lda, B, ldb,
                                                                 beta, C, ldc, flags);
 }
