@@ -110,6 +110,7 @@ class Config:
     mpi_cpus: str = "auto"  # auto | keep: a GPU rank bound to one CPU takes its share of the node's
     precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
     direct_writes: bool = True  # large spans of .npy/HDF5 outputs written with O_DIRECT
+    device_keep: float = 2.0  # seconds the pipeline keeps its device pool for the next product
 
 
 class _Bad(Exception):
@@ -196,15 +197,16 @@ def _optional_str(value):
     raise _Bad("a file name or null is needed")
 
 
-def _seconds(value) -> float:
+def _seconds(value, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or value is None:
         raise _Bad("a duration is needed (seconds or a string such as '60s')")
     try:
         out = float(parse_timedelta(value, default="seconds"))
     except (TypeError, ValueError, KeyError) as e:
         raise _Bad(f"not a duration ({e})") from None
-    if not (out > 0 and math.isfinite(out)):
-        raise _Bad("must be a positive, finite duration")
+    if not ((out >= 0 if allow_zero else out > 0) and math.isfinite(out)):
+        raise _Bad("must be a finite duration, at least 0" if allow_zero
+                   else "must be a positive, finite duration")
     return out
 
 
@@ -240,6 +242,7 @@ _PARSERS = {
     "tile": ("tile", _tile),
     "memory-budget": ("memory_budget", _budget),
     "device-memory-limit": ("device_memory_limit", lambda v: _bytes(v, allow_none=True)),
+    "device-keep": ("device_keep", lambda v: _seconds(v, allow_zero=True)),
     "pinned-pool": ("pinned_pool", lambda v: _bytes(v, allow_none=False, minimum=0)),
     "local-threads": ("local_threads", lambda v: None if v is None else _positive_int(v)),
     "progress": ("progress", _optional_bool),

@@ -52,8 +52,16 @@ ENGINES = ("mpi", "batch", "dask", "pipeline")
 #: threads copy them into and out of page-locked ring buffers, then the copy engines move
 #: them), ``direct`` (arrays their owner page-locked: the copy engines read and write them
 #: straight), ``locked`` (plain arrays page-locked in place by each call, a debug setting:
-#: copied as ``direct``; the locking itself is not modelled, no record measures its rate)
+#: copied as ``direct``, after and before the call's ``cudaHostRegister`` and
+#: ``cudaHostUnregister`` of every operand and the result, ``host_register`` /
+#: ``host_unregister``, which stall the product while they run)
 COPIES = ("ring", "direct", "locked")
+#: bytes/s of ``cudaHostRegister`` and ``cudaHostUnregister`` of a numpy array's memory, nominal:
+#: the middle of a probe's ranges (bench/NOTES.md, "Copies straight between the device and
+#: the caller's arrays": ``bench/research/host_register.py`` on an H200 host, registering at
+#: 24-34 ms a GiB and unregistering at 18-21 ms a GiB; no record measures them)
+HOST_REGISTER_NOMINAL = 2**30 / 0.029
+HOST_UNREGISTER_NOMINAL = 2**30 / 0.0195
 #: page-locked staging bytes the ring holds at most (``distmm.pinned-pool``'s default, the
 #: records' ``pinned_limit``): how far the host threads stage ahead of the copies to the device
 PIPELINE_RING_BYTES = 2 * 2**30
@@ -166,6 +174,11 @@ class Calibration:
         Bytes/s the stream pipeline's host threads copy between the caller's pageable arrays
         and its page-locked ring, operands in and C out together (they share the host's
         memory); 0: half of ``memory_bandwidth["cpu"]`` (a copy reads and writes each byte).
+    host_register, host_unregister : float
+        Bytes/s at which the host page-locks a pageable array in place (``cudaHostRegister``)
+        and unlocks it (``cudaHostUnregister``); the stream pipeline's ``locked`` copies pay
+        both for every operand and the result. Default: ``HOST_REGISTER_NOMINAL`` /
+        ``HOST_UNREGISTER_NOMINAL``.
     device_memory, host_memory : int
         Bytes per GPU, and per node.
     cores, gpus_per_node : int
@@ -213,6 +226,8 @@ class Calibration:
     core_boost: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
     file_write_buffered: float = 0.0
     host_staging: float = 0.0
+    host_register: float = HOST_REGISTER_NOMINAL
+    host_unregister: float = HOST_UNREGISTER_NOMINAL
 
     def __post_init__(self):
         for name in ("gemm", "links", "memory_bandwidth", "overlap", "overheads", "sources",
@@ -234,6 +249,10 @@ class Calibration:
         if not (self.host_staging >= 0 and math.isfinite(self.host_staging)):
             raise ValueError(f"host_staging must not be negative bytes/s, got "
                              f"{self.host_staging!r}")
+        for name in ("host_register", "host_unregister"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be positive bytes/s, got {value!r}")
         for eng, frac in self.overlap.items():
             if not 0.0 <= frac <= 1.0:
                 raise ValueError(f"overlap of {eng} must lie in [0, 1], got {frac!r}")
@@ -286,6 +305,7 @@ class Calibration:
                 "file_write_shared": self.file_write_shared,
                 "file_write_buffered": self.file_write_buffered,
                 "host_staging": self.host_staging,
+                "host_register": self.host_register, "host_unregister": self.host_unregister,
                 "device_memory": self.device_memory, "host_memory": self.host_memory,
                 "cores": self.cores, "gpus_per_node": self.gpus_per_node,
                 "overlap": dict(self.overlap), "overheads": dict(self.overheads),
@@ -309,6 +329,9 @@ class Calibration:
                        file_write_shared=float(d["file_write_shared"]),
                        file_write_buffered=float(d.get("file_write_buffered", 0.0)),
                        host_staging=float(d.get("host_staging", 0.0)),
+                       host_register=float(d.get("host_register", HOST_REGISTER_NOMINAL)),
+                       host_unregister=float(d.get("host_unregister",
+                                                   HOST_UNREGISTER_NOMINAL)),
                        device_memory=int(d["device_memory"]), host_memory=int(d["host_memory"]),
                        cores=int(d.get("cores", 1)), gpus_per_node=int(d.get("gpus_per_node", 8)),
                        overlap={k: float(v) for k, v in d.get("overlap", {}).items()} or
@@ -345,7 +368,8 @@ def default_calibration() -> Calibration:
             "gpu:float16": GemmRate(600e12, 2000.0),
             "cpu:float32": GemmRate(60e9, 64.0, "volume"),
             "cpu:float64": GemmRate(30e9, 64.0, "volume")}
-    params = list(gemm) + list(links) + ["files", "memory", "overlap", "overheads"]
+    params = list(gemm) + list(links) + ["files", "memory", "overlap", "overheads",
+                                         "host_register", "host_unregister"]
     return Calibration(machine="nominal H100 node", gemm=gemm, links=links,
                        memory_bandwidth={"gpu": 3.0e12, "cpu": 20e9},
                        file_read=5e9, file_write=1.5e9, file_write_shared=1.5e9,
@@ -518,7 +542,7 @@ def _mpi_rank(grid: GridPlan, rank: int, gemm: GemmRate, share: float, link_name
         col = {grid.rank_at(layer, ii, j) // per_node for ii in range(grid.rows)}
         row_link = link if len(row) > 1 else cal.link("nvlink")
         col_link = link if len(col) > 1 else cal.link("nvlink")
-    comp, comm = [], []
+    comp, comm, serial = [], [], []
     for p, w in enumerate(widths):
         g = gemm.seconds(mi, nj, w) * share
         if p and kind == "gpu" and mem_bw > 0:  # beta = 1: the GEMM rereads and rewrites C
@@ -526,18 +550,24 @@ def _mpi_rank(grid: GridPlan, rank: int, gemm: GemmRate, share: float, link_name
         comp.append(g)
         c = (_broadcast_seconds(row_link, mi * w * size, grid.cols)
              + _broadcast_seconds(col_link, w * nj * size, grid.rows))
+        s = 0.0
         if staged and c:  # host-staged: each panel leaves one device and enters another
             nbytes = (mi * w if grid.cols > 1 else 0) + (w * nj if grid.rows > 1 else 0)
-            c += share * (cal.link("pcie-d2h").seconds(nbytes * size)
-                          + cal.link("pcie-h2d").seconds(nbytes * size))
+            s = share * (cal.link("pcie-d2h").seconds(nbytes * size)
+                         + cal.link("pcie-h2d").seconds(nbytes * size))
         comm.append(c)
+        serial.append(s)
     # panel 0's broadcast is exposed; panel p+1's moves while panel p multiplies, but where
     # nothing moves it then (``overlap`` 0: CPU ranks, whose host Ibcast progresses only
-    # inside MPI calls) every broadcast comes between two GEMMs
-    exposed = comm[0] if comm else 0.0
+    # inside MPI calls) every broadcast comes between two GEMMs. A host-staged panel's copies
+    # off and onto the device run on the rank's compute stream (``HostStagedBroadcaster``:
+    # the root's synchronous copy out before the next GEMM is queued, the receivers' copy in
+    # queued behind the GEMM before): they come between two GEMMs, only the host MPI hides
+    exposed = comm[0] + serial[0] if comm else 0.0
     for p in range(len(widths) - 1):
         # what outlasts the GEMM, and the share of the rest that ``overlap`` leaves exposed
-        exposed += max(0.0, comm[p + 1] - comp[p]) + (1 - overlap) * min(comm[p + 1], comp[p])
+        exposed += (serial[p + 1] + max(0.0, comm[p + 1] - comp[p])
+                    + (1 - overlap) * min(comm[p + 1], comp[p]))
     red = sum(1 for dst, _ in grid.reduction if dst == layer)
     if red:
         nbytes = mi * nj * size
@@ -1054,6 +1084,14 @@ def _pipeline(m, n, k, dt, devices, cal, device, memory, precision, copies, oper
     # the set-up before the first GEMM is exposed only where the copies do not outlast it
     fixed = min(sched.latency, max(0.0, sched.seconds - comp))
     io = max(0.0, sched.seconds - comp - fixed)
+    if copies == "locked":
+        # the caller's arrays page-locked in place and unlocked again, A, B and C whole: the
+        # driver serialises cudaHostRegister / cudaHostUnregister with the other threads'
+        # CUDA calls (the "First call" section's driver lock), so the copies and the GEMMs
+        # wait for them rather than run beside them
+        out = np.dtype(accumulate_dtype(dt)).itemsize
+        locked = float(m * k + k * n) * int(operand_itemsize or out) + float(m * n) * out
+        io += locked / cal.host_register + locked / cal.host_unregister
     overhead = fixed + (cal.overhead("pipeline-first-call") if first_call else 0.0)
     t = sched.tiling
     shape = (len(t.row_edges) - 1, len(t.col_edges) - 1)

@@ -40,6 +40,10 @@ def test_defaults():
     assert cfg.engine == "auto" and cfg.backend == "auto" and cfg.tile is None
     assert cfg.memory_budget is None and cfg.memory_budget_from == "auto"
     assert cfg.pinned_pool == 2 * 1024**3 and cfg.retry_timeout == 60.0
+    assert cfg.device_keep == 2.0
+    with dask.config.set({"distmm.device-keep": 0}):
+        assert get_config().device_keep == 0.0  # 0: freed at once
+
 
 
 def test_dask_config_set_round_trips_and_nests():
@@ -99,6 +103,8 @@ def test_refresh_keeps_the_defaults():
     ("progress", "maybe", "distmm.progress"),
     ("local-threads", 0, "distmm.local-threads"),
     ("pinned-pool", "-1GB", "distmm.pinned-pool"),
+    ("device-keep", -1, "distmm.device-keep"),
+    ("device-keep", "a while", "distmm.device-keep"),
     ("memory-bugdet", "1GiB", "unknown key 'distmm.memory-bugdet'"),
 ])
 def test_a_bad_value_is_one_value_error_naming_the_key(key, value, words):

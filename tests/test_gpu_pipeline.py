@@ -165,16 +165,47 @@ def test_unsupported_dtype(executor):
         run(executor, a, a)
 
 
-def test_consecutive_products_reuse_nothing_stale():
-    """Products back to back (the previous one's device memory freed in the background)
-    and with different shapes are each right."""
+@pytest.mark.parametrize("keep_s", [0, 30])
+def test_consecutive_products_reuse_nothing_stale(keep_s):
+    """Products back to back (the previous one's device pool kept and reused, or freed in
+    the background) and with different shapes are each right."""
+    import dask.config
+
     rng = np.random.default_rng(8)
-    for m, n, k in ((3000, 2000, 2500), (2500, 3100, 1900), (3000, 2000, 2500)):
-        a = rng.standard_normal((m, k)).astype(np.float32)
-        b = rng.standard_normal((k, n)).astype(np.float32)
+    with dask.config.set({"distmm.device-keep": keep_s}):
+        for m, n, k in ((3000, 2000, 2500), (2500, 3100, 1900), (3000, 2000, 2500)):
+            a = rng.standard_normal((m, k)).astype(np.float32)
+            b = rng.standard_normal((k, n)).astype(np.float32)
+            c = matmul_to(a, b)
+            ref = a.astype(np.float64) @ b.astype(np.float64)
+            assert np.linalg.norm(c - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_the_next_product_reuses_the_kept_device_pool():
+    """With ``device-keep``, a product's pool is kept for the next one on the GPU, which
+    allocates nothing new for the same shape; with 0 it is freed at once."""
+    import dask.config
+
+    from distmm.executor.pipeline import keep
+
+    dev_id = cupy.cuda.Device().id
+    a, b = rand((3000, 2500), "float32", 21), rand((2500, 2700), "float32", 22)
+    with dask.config.set({"distmm.device-keep": 30}):
+        check(matmul_to(a, b), a, b)
+        kept = keep.take(dev_id)
+        assert kept is not None
+        held = kept.pool.total_bytes()
+        assert held > 0 and kept.pool.used_bytes() == 0  # every buffer back in the pool
+        keep.give(kept, 30)
         c = matmul_to(a, b)
-        ref = a.astype(np.float64) @ b.astype(np.float64)
-        assert np.linalg.norm(c - ref) / np.linalg.norm(ref) < 1e-5
+        check(c, a, b)
+        again = keep.take(dev_id)
+        assert again is kept and kept.pool.total_bytes() == held
+        keep.give(again, 30)
+    with dask.config.set({"distmm.device-keep": 0}):
+        check(matmul_to(a, b), a, b)  # takes the kept pool, then frees it
+        keep.drain()
+        assert keep.take(dev_id) is None and kept.pool.total_bytes() == 0
 
 
 def test_warmup_pins_the_ring_and_the_next_product_reuses_it():

@@ -12,7 +12,14 @@ import numpy as np
 
 from distmm.executor.device import gpu_name
 
-__all__ = ["CupyDevice"]
+__all__ = ["CupyDevice", "current_device_id"]
+
+
+def current_device_id() -> int:
+    """The calling thread's CUDA device (cupy's current device)."""
+    import cupy
+
+    return cupy.cuda.Device().id
 
 
 class CupyDevice:
@@ -36,7 +43,17 @@ class CupyDevice:
         self._rt.setDevice(self.device_id)
 
     def alloc(self, nbytes: int):
-        return self.pool.malloc(int(nbytes))
+        """Device bytes from the pool; where the device is full, cupy's default pool gives
+        back its idle blocks (counted as available by ``available_bytes``) and the allocation
+        is tried once more."""
+        try:
+            return self.pool.malloc(int(nbytes))
+        except self.oom_errors:
+            default = self.cp.get_default_memory_pool()
+            if default.free_bytes() == 0:
+                raise
+            default.free_all_blocks()
+            return self.pool.malloc(int(nbytes))
 
     def array(self, mem, shape, dtype):
         return self.cp.ndarray(shape, dtype, memptr=mem)
@@ -105,12 +122,13 @@ class CupyDevice:
         self.cp.cuda.Device(self.device_id).synchronize()
 
     def available_bytes(self) -> int:
-        """Free device bytes, after cupy's default pool gives back its idle blocks: counted
-        as free but still allocated, they made the budget too large, the first attempt ran
-        out of memory and the retry ran with small tiles (an fp64 run at 0.33 of in-core)."""
-        self.cp.get_default_memory_pool().free_all_blocks()
+        """Free device bytes, with the idle blocks of cupy's default pool and of this pool
+        (kept from an earlier product): ``alloc`` frees the former only if it must. Freeing
+        them up front made each product's first ~20 ms of copies run at half rate (the
+        driver's work on freed memory; bench/research/fresh_memory.py)."""
         free, _total = self._rt.memGetInfo()
-        return int(free)
+        return (int(free) + int(self.cp.get_default_memory_pool().free_bytes())
+                + int(self.pool.free_bytes()))
 
     def release(self) -> None:
         self.pool.free_all_blocks()

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 
 import numpy as np
 
 from distmm.executor.hostmem import TouchHold, hold_until, in_process_memory
 from distmm.executor.pipeline.direct import is_page_locked
-from distmm.executor.pipeline.device import CupyDevice
+from distmm.executor.pipeline import keep
+from distmm.executor.pipeline.device import CupyDevice, current_device_id
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
@@ -54,30 +54,6 @@ def _resolve_budget(device, device_memory_limit) -> int:
 
         device_memory_limit = parse_bytes(device_memory_limit)
     return min(int(device_memory_limit), available)
-
-
-_release_lock = threading.Lock()
-_releasing: list = []
-
-
-def _release_later(device) -> None:
-    """Free ``device``'s pool in a background thread (cudaFree of the run's buffers costs
-    tens of milliseconds per call); the next product waits for it (``_wait_for_release``)."""
-    def free():
-        device.bind_thread()
-        device.release()
-
-    th = threading.Thread(target=free, name="distmm-release", daemon=True)
-    with _release_lock:
-        _releasing.append(th)
-    th.start()
-
-
-def _wait_for_release() -> None:
-    with _release_lock:
-        pending, _releasing[:] = list(_releasing), []
-    for th in pending:
-        th.join()
 
 
 def operand_transport(executor, a, b, dtype) -> np.dtype:
@@ -235,8 +211,10 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
          _device, ready_hold):
     m, n, k = int(plan.m), int(plan.n), int(plan.k)
     dtype = np.dtype(plan.dtype)
-    device = _device if _device is not None else CupyDevice(1 << 62)
-    _wait_for_release()  # the previous product's device memory is free before the budget
+    # the previous product's pool where it is kept (its blocks reused, not freed and taken
+    # again); any pool being freed is free before the budget is read
+    device = _device if _device is not None else (keep.take(current_device_id())
+                                                   or CupyDevice(1 << 62))
     budget = _resolve_budget(device, device_memory_limit)
     if _device is None:
         device.pool.set_limit(size=budget)
@@ -262,7 +240,9 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
             raise
         if failure is None:
             if _device is None:
-                _release_later(device)  # cudaFree off the caller's path
+                from distmm.config import get_config
+
+                keep.give(device, get_config().device_keep)  # cudaFree off the caller's path
             else:
                 device.release()
             break
