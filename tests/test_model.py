@@ -353,6 +353,26 @@ def test_cpu_ranks_broadcasts_are_not_hidden_behind_their_gemms():
         cal, overlap={**cal.overlap, "mpi-cpu": 0.0})).communication
 
 
+def test_gpu_ranks_host_staged_copies_come_between_their_gemms():
+    # two ranks sharing a GPU broadcast through host memory: the host MPI part moves while a
+    # GEMM runs, but each panel's copy off the root's device and onto the others' runs on the
+    # rank's compute stream, between two GEMMs: counted whole, whatever the overlap
+    def shared(overlap):
+        cal = dataclasses.replace(CAL, overlap={**CAL.overlap, "mpi": overlap})
+        return predict(16384, 16384, 16384, devices=2, calibration=cal, ranks_per_device=2,
+                       grid=(1, 1, 2))
+    hidden, exposed = shared(1.0), shared(0.0)
+    assert hidden.link == "mpi-host" and hidden.compute == exposed.compute
+    # 4 panels of 16384 x 4096 float32, each broadcast to the other rank; the GEMMs (two
+    # ranks' on one GPU) outlast each host broadcast, so at overlap 1 what is left is the
+    # first panel's broadcast and every panel's copies off and onto the device
+    nbytes = 16384 * 4096 * 4
+    pcie = 2 * (CAL.link("pcie-d2h").seconds(nbytes) + CAL.link("pcie-h2d").seconds(nbytes))
+    first = CAL.link("mpi-host").seconds(nbytes)
+    assert math.isclose(hidden.communication, first + 4 * pcie, rel_tol=1e-9)
+    assert math.isclose(exposed.communication, 4 * (first + pcie), rel_tol=1e-9)
+
+
 def test_calibration_from_committed_records():
     recs = _records()
     h200 = from_records(recs, "NVIDIA H200")
@@ -691,6 +711,29 @@ def test_pipeline_copies_bind_beside_tensor_core_gemms_and_the_ring_costs_more()
         _pipe(PIPE_CAL, 1024, 1024, 1024, "float32", "fp16", "ring", 2)
     with pytest.raises(ValueError, match="copies must be one of"):
         _pipe(PIPE_CAL, 1024, 1024, 1024, "float32", "highest", "pigeon", None)
+
+
+def test_pipeline_arrays_locked_in_place_pay_their_locking_and_unlocking():
+    # the caller's arrays page-locked in place by the call and unlocked after it: A, B and C
+    # whole at ``host_register`` and ``host_unregister``, beside nothing (the driver
+    # serialises them with the other threads' CUDA calls); copied as page-locked arrays
+    for precision, item in (("highest", None), ("bf16", 2), ("bf16", 4)):
+        direct = _pipe(PIPE_CAL, 32768, 32768, 32768, "float32", precision, "direct", item)
+        locked = _pipe(PIPE_CAL, 32768, 32768, 32768, "float32", precision, "locked", item)
+        nbytes = 2 * 32768**2 * (item or 4) + 32768**2 * 4
+        lock = nbytes / PIPE_CAL.host_register + nbytes / PIPE_CAL.host_unregister
+        assert math.isclose(locked.seconds, direct.seconds + lock, rel_tol=1e-9)
+        assert locked.compute == direct.compute
+    # nominal: a probe's 24-34 ms a GiB to lock, 18-21 to unlock (bench/NOTES.md)
+    assert 0.024 < 2**30 / PIPE_CAL.host_register < 0.034
+    assert 0.018 < 2**30 / PIPE_CAL.host_unregister < 0.021
+    faster = dataclasses.replace(PIPE_CAL, host_register=PIPE_CAL.host_register * 2)
+    assert (_pipe(faster, 8192, 8192, 8192, "float32", "highest", "locked", None).seconds
+            < _pipe(PIPE_CAL, 8192, 8192, 8192, "float32", "highest", "locked", None).seconds)
+    back = Calibration.from_dict(faster.to_dict())
+    assert back.host_register == faster.host_register
+    with pytest.raises(ValueError, match="host_unregister must be positive"):
+        dataclasses.replace(PIPE_CAL, host_unregister=0.0)
 
 
 def test_pipeline_records_are_configurations():
