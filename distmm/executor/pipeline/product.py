@@ -217,6 +217,8 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
                                                    or CupyDevice(1 << 62))
     budget = _resolve_budget(device, device_memory_limit)
     if _device is None:
+        if device.pool.total_bytes() > budget:
+            device.release()  # a kept pool's blocks are reused without the limit's check
         device.pool.set_limit(size=budget)
     gemm = executor.device_gemm
     in_dtype = operand_transport(executor, a, b, dtype)
