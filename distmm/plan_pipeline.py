@@ -57,6 +57,10 @@ _TENSOR_CORES = ("tf32", "bf16", "fp16")
 #: session) and ~2% beside an SIMT one
 TK_MAX = {"highest": 2048, **{p: 8192 for p in _TENSOR_CORES}}
 _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for cuBLAS workspace
+#: narrow units run k outer at the start (``PipelineTiling.lead``): while B first crosses
+#: (39 ms at 32768^2 bf16), a k-block feeds this many units' GEMMs instead of one
+#: (bench/NOTES.md, nineteenth session)
+LEAD = 3
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class PipelineTiling:
     itemsize : int
     mode : str
         ``"full-width"`` (B resident, units span all columns) or ``"tiles"``.
+    lead : int
+        Units whose k-blocks run k outer at the start (``plan_block_loads``): while B
+        first crosses, each of its k-blocks feeds ``lead`` units' GEMMs instead of one.
     """
 
     row_edges: tuple[int, ...]
@@ -85,6 +92,7 @@ class PipelineTiling:
     c_buffers: int
     itemsize: int
     mode: str = "tiles"
+    lead: int = 1
 
     @staticmethod
     def _widest(edges) -> int:
@@ -182,7 +190,7 @@ def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
 
 def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                   tiles: tuple[int, int, int] | None = None,
-                  tk_max: int = 2048, narrow: bool = False) -> PipelineTiling:
+                  tk_max: int = 2048, narrow: bool = False, lead: int = LEAD) -> PipelineTiling:
     """Choose the pipeline's units, k-blocks and slot counts for a device budget.
 
     Parameters
@@ -202,7 +210,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         Full-width units of a quarter of the widest that fits (the reduced precisions:
         beside tensor-core GEMMs the copies are the limit, and a 16384-row unit's 2 GiB of
         float32 C could only start its copy out after the unit's GEMMs; bench/NOTES.md,
-        eighteenth session).
+        eighteenth session), the first ``lead`` of them k outer (``PipelineTiling.lead``),
+        with C buffers for them and two more in the memory the wider units were given.
 
     Returns
     -------
@@ -245,9 +254,13 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     spare = usable - need
                     a_slots += min(4, spare // max(tm * tk * s, 1))
                     unit = max(64, tm // 4) if narrow else tm
-                    return PipelineTiling(_ramp_edges(m, unit, tail),
-                                          (0, n), k_edges,
-                                          int(a_slots), kb, c_buffers, s, "full-width")
+                    rows = _ramp_edges(m, unit, tail)
+                    units_k_outer = 1
+                    if narrow:  # C buffers of the narrower units in the wider ones' bytes
+                        c_buffers = min(c_buffers * (tm // unit), max(1, lead) + 2)
+                        units_k_outer = max(1, min(lead, c_buffers - 2, len(rows) - 1))
+                    return PipelineTiling(rows, (0, n), k_edges, int(a_slots), kb, c_buffers,
+                                          s, "full-width", units_k_outer)
             if tm == m and tm < 1024:
                 break
 
@@ -306,13 +319,17 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
 
     Blocks are cached in ``a_slots`` / ``b_slots`` device slots; on a miss the
     resident block whose next use is furthest away is evicted (Belady's rule,
-    optimal because the schedule is known in advance). The k-blocks of
-    consecutive units run in alternating directions so that the blocks used
-    last are reused first.
+    optimal because the schedule is known in advance). The first ``tiling.lead``
+    units run k outer, each k-block of B feeding all of them as it arrives; the
+    k-blocks of later consecutive units run in alternating directions so that the
+    blocks used last are reused first.
     """
     gk = len(tiling.k_edges) - 1
-    keys = []
-    for u, (i, j) in enumerate(unit_order(tiling)):
+    order = unit_order(tiling)
+    lead = max(1, min(int(tiling.lead), tiling.c_buffers, len(order)))
+    keys = [(u, i, j, kb, kb == 0, kb == gk - 1)
+            for kb in range(gk) for u, (i, j) in enumerate(order[:lead])]
+    for u, (i, j) in enumerate(order[lead:], start=lead):
         kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
         for idx, kb in enumerate(kbs):
             keys.append((u, i, j, kb, idx == 0, idx == gk - 1))
@@ -378,7 +395,7 @@ def spare_bytes(tiling: PipelineTiling, budget: int) -> int:
 
 
 def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None,
-                    precision: str = "highest") -> PipelineTiling:
+                    precision: str = "highest", lead: int | None = None) -> PipelineTiling:
     """The pipeline's tiling for ``plan`` (its ``m``, ``n``, ``k`` and ``dtype``)
     under a device budget of ``budget`` bytes, for GEMMs of ``precision`` (its k-blocks
     up to ``TK_MAX[precision]``): the one schedule the pipeline runs.
@@ -400,4 +417,4 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
                         f"use the GPU executor's tile path for this dtype")
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
                          tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
-                         narrow=precision in _TENSOR_CORES)
+                         narrow=precision in _TENSOR_CORES, lead=LEAD if lead is None else lead)

@@ -388,6 +388,33 @@ def test_block_loads_keep_every_kernel_fed(a_slots, b_slots):
     assert sum(st.first for st in steps) == sum(st.last for st in steps) == 12
 
 
+def test_narrow_units_lead_k_outer_while_b_first_crosses():
+    """Beside tensor-core GEMMs the first ``LEAD`` units run k outer: each k-block of B, as
+    it first arrives, feeds all of them; C buffers hold them and two more within the budget;
+    every (unit, k-block) GEMM is issued once, each unit's first with beta = 0 and its last
+    ending it; later units keep alternating k directions."""
+    from distmm.plan_pipeline import LEAD
+
+    plan = make_plan(32768, 32768, 32768, np.float32)
+    budget = 130 << 30
+    t = pipeline_tiling(plan, budget, precision="bf16")
+    assert t.lead == LEAD == 3 and t.c_buffers == LEAD + 2
+    assert t.device_bytes <= budget * 0.92
+    assert pipeline_tiling(plan, budget).lead == 1  # "highest": unit by unit, as before
+    steps = plan_block_loads(t)
+    gk = len(t.k_edges) - 1
+    head = [(st.unit, st.kb) for st in steps[:LEAD * gk]]
+    assert head == [(u, kb) for kb in range(gk) for u in range(LEAD)]
+    assert sorted((st.unit, st.kb) for st in steps) == [
+        (u, kb) for u in range(len(t.row_edges) - 1) for kb in range(gk)]
+    for u in range(len(t.row_edges) - 1):
+        mine = [st for st in steps if st.unit == u]
+        assert mine[0].first and mine[-1].last and sum(st.first for st in mine) == 1
+        assert sum(st.last for st in mine) == 1
+    after = [st.kb for st in steps[LEAD * gk:]]
+    assert after[:gk] == list(range(gk))[::-1] and after[gk:2 * gk] == list(range(gk))
+
+
 def test_serpentine_reuses_b_panels_across_sweeps():
     t = PipelineTiling((0, 64, 128), (0, 64, 128, 192), (0, 64), 4, 2, 2, 4)
     steps = plan_block_loads(t)

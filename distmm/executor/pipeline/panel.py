@@ -4,9 +4,10 @@ This module covers: ``APanels``, for A copied straight from the caller's page-lo
 full-width units. A column slice of host rows (a k block of a row block) crosses as a 2-D copy
 at 10-48 GB/s, against 55 GB/s for contiguous bytes (bench/NOTES.md, eighteenth session), so a
 row block's whole rows cross instead, in one contiguous copy per page-locked range, into one of
-two device panels (``tm_max x k``) on the copy-in stream; each A slot a GEMM reads is then cut
-from the panel on the compute stream just before that GEMM (a device-to-device 2-D copy, a
-fraction of the GEMM's time; issued on the copy-in stream it waited behind the GEMMs). A panel
+the device panels (``tm_max x k``: two, or one for each leading unit) on the copy-in stream;
+each A slot a GEMM reads is then cut from the panel on the compute stream just before that
+GEMM (a device-to-device 2-D copy, a fraction of the GEMM's time; issued on the copy-in stream
+it waited behind the GEMMs). A panel
 is reloaded only after the last GEMM of the row block it holds; a row block whose panel is
 still in use goes as 2-D copies instead.
 
@@ -19,18 +20,24 @@ from collections import Counter
 
 import numpy as np
 
-__all__ = ["APanels", "panel_bytes"]
+__all__ = ["APanels", "panel_bytes", "panels_for"]
 
 PANELS = 2
 
 
+def panels_for(tiling) -> int:
+    """Device panels for ``tiling``: two, or one for each unit that runs k outer at the
+    start (``PipelineTiling.lead``), whose row blocks are all read at once."""
+    return max(PANELS, int(tiling.lead))
+
+
 def panel_bytes(tiling, itemsize: int) -> int:
     """Device bytes of ``APanels``' panels for ``tiling``."""
-    return PANELS * tiling.tm_max * tiling.k_edges[-1] * int(itemsize)
+    return panels_for(tiling) * tiling.tm_max * tiling.k_edges[-1] * int(itemsize)
 
 
 class APanels:
-    """Two device panels of A's whole rows.
+    """Device panels of A's whole rows (``panels_for``: two, or the leading units' count).
 
     Parameters
     ----------
@@ -48,10 +55,11 @@ class APanels:
         self.run, self.dev, self.t = run, run.dev, run.t
         self.src, self.locked = src, locked
         k = self.t.k_edges[-1]
+        self.count = panels_for(self.t)
         self.bufs = [self.dev.array(self.dev.alloc(self.t.tm_max * k * src.itemsize),
-                                    (self.t.tm_max, k), src.dtype) for _ in range(PANELS)]
-        self.holder: list = [None] * PANELS       # the row block each panel holds
-        self.free_ev: list = [None] * PANELS      # after the last GEMM reading it
+                                    (self.t.tm_max, k), src.dtype) for _ in range(self.count)]
+        self.holder: list = [None] * self.count   # the row block each panel holds
+        self.free_ev: list = [None] * self.count  # after the last GEMM reading it
         self.left = Counter(st.i for st in steps)  # GEMMs of each row block not yet issued
         self.of_block: dict = {}                  # row block -> panel index, or None
         self.ready_ev: dict = {}                  # row block -> its rows' copy event
@@ -62,7 +70,7 @@ class APanels:
         ``stream`` at the first call; False where the panel is still read by unissued GEMMs."""
         if block in self.of_block:
             return self.of_block[block] is not None
-        idx = block % PANELS
+        idx = block % self.count
         held = self.holder[idx]
         if held is not None and self.left[held] > 0:
             self.of_block[block] = None

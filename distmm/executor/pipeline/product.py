@@ -80,6 +80,18 @@ def _shaped(x) -> bool:
             and x.flags.aligned and x.size > 0)
 
 
+#: ``distmm-debug.pipeline-lead``: how many narrow units run k outer at the start beside
+#: tensor-core GEMMs (``PipelineTiling.lead``); unset: the planner's ``LEAD``
+LEAD_KEY = "distmm-debug.pipeline-lead"
+
+
+def _lead() -> int | None:
+    import dask.config
+
+    value = dask.config.get(LEAD_KEY, None)
+    return None if value in (None, "") else int(value)
+
+
 def _asked() -> bool:
     import dask.config
 
@@ -223,7 +235,7 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     gemm = executor.device_gemm
     in_dtype = operand_transport(executor, a, b, dtype)
     precision = getattr(executor, "precision", "highest")
-    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision)
+    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead())
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
