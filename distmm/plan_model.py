@@ -861,7 +861,8 @@ class PipelineSchedule:
 
 def tiling_from_sizes(d: Mapping) -> PipelineTiling:
     """A ``PipelineTiling`` from its ``describe()`` form (what a pipeline record's ``tiling``
-    holds: ``row_sizes``, ``col_sizes``, ``k_sizes``, slot counts, ``itemsize``, ``mode``)."""
+    holds: ``row_sizes``, ``col_sizes``, ``k_sizes``, slot counts, ``itemsize``, ``mode``, and
+    ``lead`` where the schedule had leading k-outer units: 1 in records without it)."""
     def edges(sizes):
         out = [0]
         for size in sizes:
@@ -870,7 +871,7 @@ def tiling_from_sizes(d: Mapping) -> PipelineTiling:
 
     return PipelineTiling(edges(d["row_sizes"]), edges(d["col_sizes"]), edges(d["k_sizes"]),
                           int(d["a_slots"]), int(d["b_slots"]), int(d["c_buffers"]),
-                          int(d["itemsize"]), str(d.get("mode", "tiles")))
+                          int(d["itemsize"]), str(d.get("mode", "tiles")), int(d.get("lead", 1)))
 
 
 def _list_schedule(jobs) -> list[float]:

@@ -60,7 +60,7 @@ _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for 
 #: narrow units run k outer at the start (``PipelineTiling.lead``): while B first crosses
 #: (39 ms at 32768^2 bf16), a k-block feeds this many units' GEMMs instead of one
 #: (bench/NOTES.md, nineteenth session)
-LEAD = 3
+LEAD = 2
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
 @dataclass(frozen=True)
@@ -320,15 +320,23 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
     Blocks are cached in ``a_slots`` / ``b_slots`` device slots; on a miss the
     resident block whose next use is furthest away is evicted (Belady's rule,
     optimal because the schedule is known in advance). The first ``tiling.lead``
-    units run k outer, each k-block of B feeding all of them as it arrives; the
+    units run k outer, each k-block of B feeding all of them as it arrives (each
+    unit's last two k-blocks together, so that the first unit ends first); the
     k-blocks of later consecutive units run in alternating directions so that the
     blocks used last are reused first.
     """
     gk = len(tiling.k_edges) - 1
     order = unit_order(tiling)
     lead = max(1, min(int(tiling.lead), tiling.c_buffers, len(order)))
+    # k outer, except that each leading unit takes its last two k-blocks together: B's last
+    # k-block then lands during the first unit's GEMM of the one before, and that unit's C
+    # starts leaving one short GEMM after all of B is in, not after every leading unit's
+    # GEMMs of the next-to-last k-block (bench/NOTES.md, twentieth session)
+    split = gk - 2 if lead > 1 and gk > 2 else gk
     keys = [(u, i, j, kb, kb == 0, kb == gk - 1)
-            for kb in range(gk) for u, (i, j) in enumerate(order[:lead])]
+            for kb in range(split) for u, (i, j) in enumerate(order[:lead])]
+    keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
+             for u, (i, j) in enumerate(order[:lead]) for kb in range(split, gk)]
     for u, (i, j) in enumerate(order[lead:], start=lead):
         kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
         for idx, kb in enumerate(kbs):

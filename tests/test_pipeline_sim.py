@@ -398,20 +398,26 @@ def test_narrow_units_lead_k_outer_while_b_first_crosses():
     plan = make_plan(32768, 32768, 32768, np.float32)
     budget = 130 << 30
     t = pipeline_tiling(plan, budget, precision="bf16")
-    assert t.lead == LEAD == 3 and t.c_buffers == LEAD + 2
+    assert t.lead == LEAD == 2 and t.c_buffers == LEAD + 2
     assert t.device_bytes <= budget * 0.92
     assert pipeline_tiling(plan, budget).lead == 1  # "highest": unit by unit, as before
+    for lead in (1, 2, 3, 4):
+        assert pipeline_tiling(plan, budget, precision="bf16", lead=lead).lead == lead
+    lead = 3
+    t = pipeline_tiling(plan, budget, precision="bf16", lead=lead)
     steps = plan_block_loads(t)
     gk = len(t.k_edges) - 1
-    head = [(st.unit, st.kb) for st in steps[:LEAD * gk]]
-    assert head == [(u, kb) for kb in range(gk) for u in range(LEAD)]
+    head = [(st.unit, st.kb) for st in steps[:lead * gk]]
+    # k outer, but each leading unit's last two k-blocks together, the first unit's first
+    assert head == ([(u, kb) for kb in range(gk - 2) for u in range(lead)]
+                    + [(u, kb) for u in range(lead) for kb in (gk - 2, gk - 1)])
     assert sorted((st.unit, st.kb) for st in steps) == [
         (u, kb) for u in range(len(t.row_edges) - 1) for kb in range(gk)]
     for u in range(len(t.row_edges) - 1):
         mine = [st for st in steps if st.unit == u]
         assert mine[0].first and mine[-1].last and sum(st.first for st in mine) == 1
         assert sum(st.last for st in mine) == 1
-    after = [st.kb for st in steps[LEAD * gk:]]
+    after = [st.kb for st in steps[lead * gk:]]
     assert after[:gk] == list(range(gk))[::-1] and after[gk:2 * gk] == list(range(gk))
 
 
