@@ -602,6 +602,14 @@ KNOWN_MISSES = {
     # and 0.63 s over their steady calls (-19%, -18%)
     ("NVIDIA H100", "pipeline first-call-warmup", "float64", 16384),
     ("NVIDIA H100", "pipeline first-call-warmup", "float64", 32768),
+    # float32 host operands rounded to bfloat16 on the GPU, through the staging ring, in the
+    # twentieth session's runs of leading k-outer units (one run each, 9a2021a): 0.318-0.344 s
+    # against the model's 0.399 (+16% to +25%); the ring's host copies bound these, and
+    # that machine copied faster than the ring rate fitted on the 16384 runs (the same
+    # variant without the debug setting, 14 runs at several commits: -0.3%)
+    ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead1", "float32", 32768),
+    ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead2", "float32", 32768),
+    ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead4", "float32", 32768),
 }
 
 

@@ -345,24 +345,24 @@ def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
 def test_model_errors_are_computed_from_the_committed_records():
     lines = [json.loads(line) for line in MODEL.read_text().splitlines() if line.strip()]
     rows = model_rows(lines)
-    assert len(rows) == len(lines) == 199
+    assert len(rows) == len(lines) == 216
     for row in rows:
         r = row.record
         assert row.error == (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
         assert row.error == pytest.approx(r["error"], rel=1e-12)
         assert row.role == r["role"]
-    assert sum(abs(r.error) <= 0.15 for r in rows if r.role == "held-out") == 142
+    assert sum(abs(r.error) <= 0.15 for r in rows if r.role == "held-out") == 156
 
 
 def test_command_on_committed_model_records(tmp_path):
     out = tmp_path / "model"
     assert main(["report", str(MODEL), "-o", str(out)]) == 0
     text = check_folder(out, {"predicted-vs-measured.png"})  # model records feed no other figure
-    # (17.66 - 19.04) / 19.04 = -7.3%; (0.1682 - 0.547) / 0.547 = -69.2%
+    # (17.66 - 19.04) / 19.04 = -7.3%; (0.1682 - 0.547) / 0.547 = -69.3%
     assert ("| batch mpirun-4 (batch) | NVIDIA H200 | float32 | 65536x65536x65536 | 19.04 | "
             "17.66 | -7.3% | held-out |") in text
     assert ("| mpi gpu 1 rank(s) on 1 GPU(s) (mpi) | NVIDIA H200 | float32 | 16384x16384x16384 | "
-            "0.547 | 0.1682 | -69.2% | fit |") in text
+            "0.547 | 0.1682 | -69.3% | fit |") in text
     for r in map(json.loads, MODEL.read_text().splitlines()):
         error = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
         cells = f'{r["seconds"]:.4g} | {r["predicted_seconds"]:.4g} | {error:+.1%} | {r["role"]}'
