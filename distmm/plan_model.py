@@ -997,6 +997,11 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
     mem_bw = float(cal.memory_bandwidth.get("gpu", 0.0))
     convert = precision != "highest" and in_size > 2 and mem_bw > 0  # float32 in, bf16 GEMMs
     latency = cal.overhead("pipeline-call") if latency is None else float(latency)
+    if tiling.b_resident and len(tiling.col_edges) > 2 and not ring:
+        # C's column halves: A's rows stay on the device for both (``APanels``), so each of
+        # A's blocks crosses once, as if every one had a slot
+        tiling = replace(
+            tiling, a_slots=(len(tiling.row_edges) - 1) * (len(tiling.k_edges) - 1))
     re, ce, ke = tiling.row_edges, tiling.col_edges, tiling.k_edges
     steps = plan_block_loads(tiling)
     jobs: list = []

@@ -61,6 +61,10 @@ _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for 
 #: (39 ms at 32768^2 bf16), a k-block feeds this many units' GEMMs instead of one
 #: (bench/NOTES.md, nineteenth session)
 LEAD = 2
+#: beside tensor-core GEMMs, resident B may be split into column halves (``choose_tiling``'s
+#: ``halves``) where each half's rows are at least this many columns: a column half of
+#: page-locked B crosses as a 2-D copy, at full rate from 32 KB rows (bench/NOTES.md)
+HALF_MIN_COLS = 8192
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class PipelineTiling:
     @property
     def b_bytes(self) -> int:
         if self.b_resident:
-            return self.k_edges[-1] * self.tn_max * self.itemsize
+            return self.k_edges[-1] * self.col_edges[-1] * self.itemsize
         return self.b_slots * self.b_slot_bytes
 
     @property
@@ -190,7 +194,8 @@ def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
 
 def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                   tiles: tuple[int, int, int] | None = None,
-                  tk_max: int = 2048, narrow: bool = False, lead: int = LEAD) -> PipelineTiling:
+                  tk_max: int = 2048, narrow: bool = False, lead: int = LEAD,
+                  halves: bool = False) -> PipelineTiling:
     """Choose the pipeline's units, k-blocks and slot counts for a device budget.
 
     Parameters
@@ -259,7 +264,10 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     if narrow:  # C buffers of the narrower units in the wider ones' bytes
                         c_buffers = min(c_buffers * (tm // unit), max(1, lead) + 2)
                         units_k_outer = max(1, min(lead, c_buffers - 2, len(rows) - 1))
-                    return PipelineTiling(rows, (0, n), k_edges, int(a_slots), kb, c_buffers,
+                    cols = (0, n)
+                    if narrow and halves and n >= 2 * HALF_MIN_COLS:
+                        cols = (0, (n // 2 + 32) // 64 * 64, n)
+                    return PipelineTiling(rows, cols, k_edges, int(a_slots), kb, c_buffers,
                                           s, "full-width", units_k_outer)
             if tm == m and tm < 1024:
                 break
@@ -289,8 +297,12 @@ def _fill_slots(m, n, k, s, usable, tm, tn, tk, *, minimum) -> PipelineTiling:
 
 def unit_order(tiling: PipelineTiling) -> list[tuple[int, int]]:
     """C units in the order they are computed: rows outer, columns serpentine
-    (a sweep ends on the B panel the next one starts with)."""
+    (a sweep ends on the B panel the next one starts with); with B resident (its
+    column halves), columns outer, so that the first half's units end before the
+    second half of B has crossed."""
     gm, gn = len(tiling.row_edges) - 1, len(tiling.col_edges) - 1
+    if tiling.b_resident:
+        return [(i, j) for j in range(gn) for i in range(gm)]
     order = []
     for i in range(gm):
         cols = range(gn) if i % 2 == 0 else range(gn - 1, -1, -1)
@@ -333,14 +345,22 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
     # starts leaving one short GEMM after all of B is in, not after every leading unit's
     # GEMMs of the next-to-last k-block (bench/NOTES.md, twentieth session)
     split = gk - 2 if lead > 1 and gk > 2 else gk
-    keys = [(u, i, j, kb, kb == 0, kb == gk - 1)
-            for kb in range(split) for u, (i, j) in enumerate(order[:lead])]
-    keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
-             for u, (i, j) in enumerate(order[:lead]) for kb in range(split, gk)]
-    for u, (i, j) in enumerate(order[lead:], start=lead):
-        kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
-        for idx, kb in enumerate(kbs):
-            keys.append((u, i, j, kb, idx == 0, idx == gk - 1))
+    keys = []
+    # each column of units in turn (one unless B is resident in column halves): its first
+    # ``lead`` units k outer, the rest alternating
+    columns = collections.defaultdict(list)
+    for u, (i, j) in enumerate(order):
+        columns[j if tiling.b_resident else 0].append((u, i, j))
+    for col in columns.values():
+        head, rest = col[:lead], col[lead:]
+        keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
+                 for kb in range(split) for u, i, j in head]
+        keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
+                 for u, i, j in head for kb in range(split, gk)]
+        for u, i, j in rest:
+            kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
+            for idx, kb in enumerate(kbs):
+                keys.append((u, i, j, kb, idx == 0, idx == gk - 1))
 
     def assign(block_keys, slots):
         nxt = [math.inf] * len(block_keys)
@@ -403,7 +423,8 @@ def spare_bytes(tiling: PipelineTiling, budget: int) -> int:
 
 
 def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None,
-                    precision: str = "highest", lead: int | None = None) -> PipelineTiling:
+                    precision: str = "highest", lead: int | None = None,
+                    halves: bool = False) -> PipelineTiling:
     """The pipeline's tiling for ``plan`` (its ``m``, ``n``, ``k`` and ``dtype``)
     under a device budget of ``budget`` bytes, for GEMMs of ``precision`` (its k-blocks
     up to ``TK_MAX[precision]``): the one schedule the pipeline runs.
@@ -425,4 +446,5 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
                         f"use the GPU executor's tile path for this dtype")
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
                          tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
-                         narrow=precision in _TENSOR_CORES, lead=LEAD if lead is None else lead)
+                         narrow=precision in _TENSOR_CORES, lead=LEAD if lead is None else lead,
+                         halves=halves)

@@ -97,6 +97,11 @@ class CupyDevice:
         self._copy_2d(dst.data.ptr, dst, src.data.ptr, src, self._rt.memcpyDeviceToDevice,
                       stream)
 
+    def d2h_2d(self, dst: np.ndarray, src, stream) -> None:
+        """A rectangle of device rows to host rows (a column range of ``out``)."""
+        self._copy_2d(dst.ctypes.data, dst, src.data.ptr, src, self._rt.memcpyDeviceToHost,
+                      stream)
+
     def d2h(self, dst: np.ndarray, src, stream) -> None:
         self._rt.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                              self._rt.memcpyDeviceToHost, stream.ptr)

@@ -29,6 +29,7 @@ from distmm.executor.hostmem import TouchHold, hold_until, in_process_memory
 from distmm.executor.pipeline.direct import is_page_locked
 from distmm.executor.pipeline import keep
 from distmm.executor.pipeline.device import CupyDevice, current_device_id
+from distmm.executor.pipeline.panel import panel_bytes
 from distmm.executor.pipeline.run import PipelineRun, host_threads
 from distmm.executor.pipeline.startup import note_product, wait_running
 from distmm.executor.pipeline.timeline import Timeline
@@ -90,6 +91,22 @@ def _lead() -> int | None:
 
     value = dask.config.get(LEAD_KEY, None)
     return None if value in (None, "") else int(value)
+
+
+#: ``distmm-debug.pipeline-halves``: false keeps C's units full width where A, B and C all
+#: cross straight beside tensor-core GEMMs (``_halves``)
+HALVES_KEY = "distmm-debug.pipeline-halves"
+
+
+def _halves(straight_in, straight_out: bool) -> bool:
+    """C's units in column halves (``choose_tiling``'s ``halves``): where A, B and C all cross
+    straight (page-locked), so that C starts leaving after half of B has crossed; A's rows
+    then stay on the device for both halves (``APanels``). Through the ring, A would cross
+    twice."""
+    import dask.config
+
+    asked = str(dask.config.get(HALVES_KEY, True)).lower() not in ("0", "false", "no", "off")
+    return asked and set(straight_in) == {"A", "B"} and bool(straight_out)
 
 
 def _asked() -> bool:
@@ -235,14 +252,18 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     gemm = executor.device_gemm
     in_dtype = operand_transport(executor, a, b, dtype)
     precision = getattr(executor, "precision", "highest")
-    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead())
+    straight_in, straight_out = direct_in(a, b, in_dtype, device), direct_out(out, dtype, device)
+    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead(),
+                             halves=_halves(straight_in, straight_out))
+    if len(tiling.col_edges) > 2 and tiling.b_resident and (
+            panel_bytes(tiling, in_dtype.itemsize) > panel_room(tiling, budget, precision)):
+        tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead())
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
                            Timeline() if trace is not None else None, host_threads(),
                            on_ready=ready_hold.release, in_dtype=in_dtype,
-                           direct_out=direct_out(out, dtype, device),
-                           direct_in=direct_in(a, b, in_dtype, device),
+                           direct_out=straight_out, direct_in=straight_in,
                            panel_bytes=panel_room(tiling, budget, precision))
         failure = None
         try:

@@ -123,7 +123,7 @@ class PipelineRun:
         self.host_threads = host_threads
         self.on_ready = on_ready  # called once the device buffers and the ring are held
         # C's row blocks copied straight into ``out``, page-locked in place (``direct``)
-        self.direct_out = bool(direct_out) and len(tiling.col_edges) == 2
+        self.direct_out = bool(direct_out) and (len(tiling.col_edges) == 2 or tiling.b_resident)
         # the operands ("A", "B") copied straight from the caller's arrays, as their bytes
         # cross (``in_dtype``)
         self.direct_in = tuple(direct_in)
@@ -132,7 +132,7 @@ class PipelineRun:
         # A straight, whole rows into device panels (``panel``) where they fit the
         # ``panel_bytes`` spare and the units are full width (each row block crosses once)
         need = panel_bytes_of(tiling, self.in_dtype.itemsize)
-        self.a_panel = ("A" in self.src and len(tiling.col_edges) == 2
+        self.a_panel = ("A" in self.src and (len(tiling.col_edges) == 2 or tiling.b_resident)
                         and len(tiling.k_edges) > 2 and 0 < need <= panel_bytes)
         self._gpu_ops: list = []        # (lane, name, ev_start, ev_end) when tracing
         self._host_ops: list = []       # (lane, name, t_start, t_end) when tracing
@@ -235,16 +235,18 @@ class PipelineRun:
         # Device buffers first: an out-of-memory error here costs nothing.
         p0 = self._now()
         a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
-        if t.b_resident:
-            b_whole = dev.array(dev.alloc(t.b_bytes), (t.k_edges[-1], t.tn_max), in_dtype)
+        if t.b_resident:  # all of B, each column range of units (one, or halves) contiguous
+            ce, kk = t.col_edges, t.k_edges[-1]
+            b_cols = [dev.array(dev.alloc(kk * (q1 - q0) * t.itemsize), (kk, q1 - q0), in_dtype)
+                      for q0, q1 in zip(ce, ce[1:])]
             b_mem = None
         else:
             b_mem = [dev.alloc(t.b_slot_bytes) for _ in range(t.b_slots)]
         c_mem = [dev.alloc(t.c_buffer_bytes) for _ in range(t.c_buffers)]
 
-        def b_block(slot, kb, rows, width):
+        def b_block(slot, kb, rows, width, j):
             if b_mem is None:
-                return b_whole[t.k_edges[kb]:t.k_edges[kb + 1]]
+                return b_cols[j][t.k_edges[kb]:t.k_edges[kb + 1]]
             return dev.array(b_mem[slot], (rows, width), in_dtype)
         h2d, comp, d2h = dev.stream(), dev.stream(), dev.stream()
         p1 = self._now()
@@ -315,7 +317,7 @@ class PipelineRun:
                     if ch.which == "A":
                         block = dev.array(a_mem[ch.slot], (ch.block_rows, width), in_dtype)
                     else:
-                        block = b_block(ch.slot, st.kb, ch.block_rows, width)
+                        block = b_block(ch.slot, st.kb, ch.block_rows, width, st.j)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
                     if panels is not None and ch.which == "A" and ch.first:
                         panels.slot.pop(ch.slot, None)
@@ -350,7 +352,7 @@ class PipelineRun:
                 q0, q1 = t.col_edges[st.j], t.col_edges[st.j + 1]
                 k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
                 a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), in_dtype)
-                b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0)
+                b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0, st.j)
                 c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
                 if panels is not None:
                     panels.cut(st.a_slot, a_dev, st.i, k0, k1, comp, f"A[{st.i},{st.kb}] cut")
@@ -447,18 +449,25 @@ class _OutputWriter(threading.Thread):
                 label = f"C[{i},{j}]"
                 dev.wait(self.d2h, done_ev)
                 if self.direct is not None and self.direct.ready(i):
-                    # whole rows of out, page-locked: a copy per page-locked range they touch
-                    dst = r.out[r0:r1].reshape(-1).view(np.uint8)
-                    src = c_dev.reshape(-1).view(np.uint8)
-                    for p0, p1 in self.direct.pieces(i, r0, r1):
-                        r._timed("d2h", label, self.d2h,
-                                 lambda: dev.d2h(dst[p0:p1], src[p0:p1], self.d2h))
-                    r.bytes_d2h += dst.nbytes
+                    if width == r.out.shape[1]:
+                        # whole rows of out, page-locked: a copy per page-locked range they touch
+                        dst = r.out[r0:r1].reshape(-1).view(np.uint8)
+                        src = c_dev.reshape(-1).view(np.uint8)
+                        for p0, p1 in self.direct.pieces(i, r0, r1):
+                            r._timed("d2h", label, self.d2h,
+                                     lambda: dev.d2h(dst[p0:p1], src[p0:p1], self.d2h))
+                    else:  # a column range of those rows: a 2-D copy per page-locked range
+                        for ra, rb, qa, qb in self.direct.rects(i, r0, r1, q0, q1):
+                            part = c_dev[ra - r0:rb - r0, qa - q0:qb - q0]
+                            r._timed("d2h", label, self.d2h,
+                                     lambda: dev.d2h_2d(r.out[ra:rb, qa:qb], part, self.d2h))
+                    r.bytes_d2h += c_dev.nbytes
                 else:
                     self._through_ring(c_dev, r0, r1, q0, q1, label)
                 free_ev = dev.event()
                 dev.record(free_ev, self.d2h)
-                if self.direct is not None:
+                if self.direct is not None and j == len(t.col_edges) - 2:
+                    # the row block's last unit (columns outer): its rows may be unlocked
                     self.direct.copied(i, free_ev, self.unstage_pool)
                 fut.set_result(free_ev)
             except BaseException as exc:  # handed to the main thread
