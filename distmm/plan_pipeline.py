@@ -18,7 +18,8 @@ C is cut into *units* (row ranges times column ranges). When all of B fits in
 the budget, units span the full width of C, B's k-blocks are loaded once
 (during the first unit) and stay resident, and the last rows are cut into
 units of halving height so that little output is left to copy out after the
-last kernel. Otherwise units are square tiles, swept row by row in serpentine
+last kernel (beside tensor-core GEMMs, with operands that cross straight, units
+of each column half in turn: ``choose_tiling``'s ``halves``). Otherwise units are square tiles, swept row by row in serpentine
 order, and a cache of A and B blocks with Belady's eviction (the schedule is
 known in advance, so the block used furthest in the future is evicted) keeps
 the A row panel resident across a sweep of B column panels.
@@ -217,6 +218,14 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         float32 C could only start its copy out after the unit's GEMMs; bench/NOTES.md,
         eighteenth session), the first ``lead`` of them k outer (``PipelineTiling.lead``),
         with C buffers for them and two more in the memory the wider units were given.
+    lead : int
+        With ``narrow``: how many of the first units run k outer (``PipelineTiling.lead``).
+    halves : bool
+        With ``narrow`` and B resident: C's units in two column halves (each at least
+        ``HALF_MIN_COLS`` wide, the first a multiple of 64), computed columns outer, so
+        that the first half's C can leave once half of B has crossed. For operands and a
+        result that cross straight (page-locked): B's halves cross as 2-D copies, and A's
+        rows must stay on the device for both halves.
 
     Returns
     -------

@@ -159,23 +159,21 @@ class SimDevice:
             np.copyto(dst, src)
         stream.enqueue(run)
 
-    def d2h_2d(self, dst, src, stream):
+    def _copy_2d(self, dst, src, stream, host):
         assert src.strides[1] == src.itemsize and dst.strides[1] == dst.itemsize, "rows contiguous"
-        self.d2h_2d_calls += 1
 
         def run():
-            self._check_locked(dst)
+            self._check_locked(host)
             np.copyto(dst, src)
         stream.enqueue(run)
+
+    def d2h_2d(self, dst, src, stream):
+        self.d2h_2d_calls += 1
+        self._copy_2d(dst, src, stream, dst)
 
     def h2d_2d(self, dst, src, stream):
-        assert src.strides[1] == src.itemsize and dst.strides[1] == dst.itemsize, "rows contiguous"
         self.h2d_2d_calls += 1
-
-        def run():
-            self._check_locked(src)
-            np.copyto(dst, src)
-        stream.enqueue(run)
+        self._copy_2d(dst, src, stream, src)
 
     def _check_locked(self, host):
         """A copy touching a watched array (the result, or an operand copied straight) must
