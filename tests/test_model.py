@@ -610,6 +610,12 @@ KNOWN_MISSES = {
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead1", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead2", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead4", "float32", 32768),
+    # C's units in column halves (a debug setting, off: the twentieth session), one run each:
+    # 0.185 s against the model's 0.135 (-27%). The trace shows each operand and C crossing at
+    # full rate but issued late: every 2-D copy (B's and C's halves) held up the host's issue
+    # of the next copies until it ran, which the model's lanes do not know
+    ("NVIDIA H200", "pipeline distmm-host-bf16-pinned-halves-lead2", "float32", 32768),
+    ("NVIDIA H200", "pipeline distmm-host-bf16-pinned-halves-lead3", "float32", 32768),
 }
 
 

@@ -93,19 +93,21 @@ def _lead() -> int | None:
     return None if value in (None, "") else int(value)
 
 
-#: ``distmm-debug.pipeline-halves``: false keeps C's units full width where A, B and C all
-#: cross straight beside tensor-core GEMMs (``_halves``)
+#: ``distmm-debug.pipeline-halves``: true puts C's units in column halves where A, B and C
+#: all cross straight beside tensor-core GEMMs (``_halves``); off by default: on one H200 it
+#: ran at 0.55-0.57 of in-core cuBLAS BF16 against 0.72 with whole rows (bench/NOTES.md,
+#: twentieth session)
 HALVES_KEY = "distmm-debug.pipeline-halves"
 
 
 def _halves(straight_in, straight_out: bool) -> bool:
-    """C's units in column halves (``choose_tiling``'s ``halves``): where A, B and C all cross
-    straight (page-locked), so that C starts leaving after half of B has crossed; A's rows
-    then stay on the device for both halves (``APanels``). Through the ring, A would cross
-    twice."""
+    """C's units in column halves (``choose_tiling``'s ``halves``), where asked and A, B and C
+    all cross straight (page-locked), so that C may start leaving after half of B has
+    crossed; A's rows then stay on the device for both halves (``APanels``). Through the
+    ring, A would cross twice."""
     import dask.config
 
-    asked = str(dask.config.get(HALVES_KEY, True)).lower() not in ("0", "false", "no", "off")
+    asked = str(dask.config.get(HALVES_KEY, False)).lower() in ("1", "true", "yes", "on")
     return asked and set(straight_in) == {"A", "B"} and bool(straight_out)
 
 
