@@ -90,7 +90,15 @@ def _lead() -> int | None:
     import dask.config
 
     value = dask.config.get(LEAD_KEY, None)
-    return None if value in (None, "") else int(value)
+    if value in (None, ""):
+        return None
+    try:
+        lead = int(value)
+    except (TypeError, ValueError):
+        lead = 0
+    if lead < 1:
+        raise ValueError(f"{LEAD_KEY} must be a positive integer, got {value!r}")
+    return lead
 
 
 #: ``distmm-debug.pipeline-halves``: true puts C's units in column halves where A, B and C
