@@ -18,9 +18,9 @@ C is cut into *units* (row ranges times column ranges). When all of B fits in
 the budget, units span the full width of C, B's k-blocks are loaded once
 (during the first unit) and stay resident, and the last rows are cut into
 units of halving height so that little output is left to copy out after the
-last kernel (beside tensor-core GEMMs, with operands that cross straight, units
-of each column half in turn: ``choose_tiling``'s ``halves``). Otherwise units are square tiles, swept row by row in serpentine
-order, and a cache of A and B blocks with Belady's eviction (the schedule is
+last kernel (where asked, beside tensor-core GEMMs with operands that cross
+straight, units of each column half in turn: ``choose_tiling``'s ``halves``).
+Otherwise units are square tiles, swept row by row in serpentine order, and a cache of A and B blocks with Belady's eviction (the schedule is
 known in advance, so the block used furthest in the future is evicted) keeps
 the A row panel resident across a sweep of B column panels.
 """

@@ -113,16 +113,14 @@ def _halves(straight_in, straight_out: bool) -> bool:
     all cross straight (page-locked), so that C may start leaving after half of B has
     crossed; A's rows then stay on the device for both halves (``APanels``). Through the
     ring, A would cross twice."""
+    return _asked(HALVES_KEY) and set(straight_in) == {"A", "B"} and bool(straight_out)
+
+
+def _asked(key: str = DIRECT_KEY) -> bool:
+    """Whether the debug setting ``key`` is on (off unless set true)."""
     import dask.config
 
-    asked = str(dask.config.get(HALVES_KEY, False)).lower() in ("1", "true", "yes", "on")
-    return asked and set(straight_in) == {"A", "B"} and bool(straight_out)
-
-
-def _asked() -> bool:
-    import dask.config
-
-    return str(dask.config.get(DIRECT_KEY, False)).lower() in ("1", "true", "yes", "on")
+    return str(dask.config.get(key, False)).lower() in ("1", "true", "yes", "on")
 
 
 def _straight(x, device) -> bool:
@@ -263,11 +261,13 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     in_dtype = operand_transport(executor, a, b, dtype)
     precision = getattr(executor, "precision", "highest")
     straight_in, straight_out = direct_in(a, b, in_dtype, device), direct_out(out, dtype, device)
-    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead(),
+    lead = _lead()
+    tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=lead,
                              halves=_halves(straight_in, straight_out))
     if len(tiling.col_edges) > 2 and tiling.b_resident and (
             panel_bytes(tiling, in_dtype.itemsize) > panel_room(tiling, budget, precision)):
-        tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=_lead())
+        # halves need A's rows held for both: where those panels do not fit, whole rows
+        tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=lead)
     retries = 0
     while True:
         run = PipelineRun(device, gemm, tiling, a, b, out, dtype, pinned_pool,
