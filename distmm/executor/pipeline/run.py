@@ -457,6 +457,10 @@ class _OutputWriter(threading.Thread):
                             r._timed("d2h", label, self.d2h,
                                      lambda: dev.d2h(dst[p0:p1], src[p0:p1], self.d2h))
                     else:  # a column range of those rows: a 2-D copy per page-locked range
+                        # issued once the unit's GEMMs are done: issued before, the halves
+                        # traced the next unit's A rows held up till this copy could start
+                        # (bench/NOTES.md; bench/research/copy2d_async.py asks why)
+                        dev.sync_event(done_ev)
                         for ra, rb, qa, qb in self.direct.rects(i, r0, r1, q0, q1):
                             part = c_dev[ra - r0:rb - r0, qa - q0:qb - q0]
                             r._timed("d2h", label, self.d2h,
