@@ -311,7 +311,15 @@ class PipelineRun:
                     staged = futures.pop(c)
                     view = staged.result() if staged is not None else None
                     free_ev, loaded = (a_free, a_loaded) if ch.which == "A" else (b_free, b_loaded)
-                    if ch.first and free_ev[ch.slot] is not None:
+                    if panels is not None and ch.which == "A" and ch.first:
+                        panels.slot.pop(ch.slot, None)
+                    # A's chunks from a panel: the rows cross into the panel (at the row
+                    # block's first chunk), and the slot is cut from it on the compute stream,
+                    # behind the GEMMs that read the slot before; only copies into the slot
+                    # itself wait for those GEMMs
+                    from_panel = (view is None and panels is not None and ch.which == "A"
+                                  and panels.take(ch.block, h2d))
+                    if not from_panel and ch.first and free_ev[ch.slot] is not None:
                         dev.wait(h2d, free_ev[ch.slot])
                     width = ch.c1 - ch.c0
                     if ch.which == "A":
@@ -319,12 +327,10 @@ class PipelineRun:
                     else:
                         block = b_block(ch.slot, st.kb, ch.block_rows, width, st.j)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
-                    if panels is not None and ch.which == "A" and ch.first:
-                        panels.slot.pop(ch.slot, None)
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
                         self.bytes_h2d += dst.nbytes
-                    elif panels is not None and ch.which == "A" and panels.take(ch.block, h2d):
+                    elif from_panel:
                         panels.slot[ch.slot] = ch.block  # cut from the panel before its GEMM
                     else:  # a rectangle per page-locked range, straight from the operand
                         src = self.src[ch.which]
@@ -457,10 +463,6 @@ class _OutputWriter(threading.Thread):
                             r._timed("d2h", label, self.d2h,
                                      lambda: dev.d2h(dst[p0:p1], src[p0:p1], self.d2h))
                     else:  # a column range of those rows: a 2-D copy per page-locked range
-                        # issued once the unit's GEMMs are done: issued before, the halves
-                        # traced the next unit's A rows held up till this copy could start
-                        # (bench/NOTES.md; bench/research/copy2d_async.py asks why)
-                        dev.sync_event(done_ev)
                         for ra, rb, qa, qb in self.direct.rects(i, r0, r1, q0, q1):
                             part = c_dev[ra - r0:rb - r0, qa - q0:qb - q0]
                             r._timed("d2h", label, self.d2h,
