@@ -25,6 +25,7 @@ LANES = (
     ("compute", "stream compute", "#1f77b4"),
     ("d2h", "stream d2h", "#ff7f0e"),
     ("host-unstage", "host: copy out of pinned", "#fdae6b"),
+    ("host-wait", "host: issuing thread waits", "#bdbdbd"),
 )
 
 

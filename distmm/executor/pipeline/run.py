@@ -41,7 +41,7 @@ from distmm.executor.pipeline.direct import PageLocked
 from distmm.executor.pipeline.panel import APanels
 from distmm.executor.pipeline.panel import panel_bytes as panel_bytes_of
 from distmm.executor.pipeline.timeline import Timeline
-from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
+from distmm.plan_pipeline import PipelineTiling, Step, issued_loads, plan_block_loads
 
 __all__ = ["PipelineRun", "host_threads"]
 
@@ -97,6 +97,11 @@ class _Chunk:
     last: bool          # last chunk of its block
     label: str
     block: int          # the operand's block of rows: A's row block i, B's k block kb
+    use: int            # the step whose GEMM needs it (``step``: the one it is issued at)
+
+
+#: traced, a copy or GEMM call longer than this on the host shows as a ``host-wait``
+_SLOW_CALL = 2e-4
 
 
 class _Cancelled(Exception):
@@ -160,22 +165,22 @@ class PipelineRun:
     def _chunks(self, steps: list[Step], chunk_bytes: int) -> list[_Chunk]:
         t, s = self.t, self.in_dtype.itemsize
         out = []
-        for idx, st in enumerate(steps):
-            k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
-            loads = []
-            if st.load_a:
-                loads.append(("A", st.a_slot, t.row_edges[st.i], t.row_edges[st.i + 1], k0, k1,
-                              f"A[{st.i},{st.kb}]", st.i))
-            if st.load_b:
-                loads.append(("B", st.b_slot, k0, k1, t.col_edges[st.j], t.col_edges[st.j + 1],
-                              f"B[{st.kb},{st.j}]", st.kb))
-            for which, slot, r0, r1, c0, c1, label, block in loads:
+        for idx, issued in enumerate(issued_loads(steps)):
+            for use, which in issued:
+                st = steps[use]
+                k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
+                if which == "A":
+                    slot, block, label = st.a_slot, st.i, f"A[{st.i},{st.kb}]"
+                    r0, r1, c0, c1 = t.row_edges[st.i], t.row_edges[st.i + 1], k0, k1
+                else:
+                    slot, block, label = st.b_slot, st.kb, f"B[{st.kb},{st.j}]"
+                    r0, r1, c0, c1 = k0, k1, t.col_edges[st.j], t.col_edges[st.j + 1]
                 rows = max(1, chunk_bytes // ((c1 - c0) * s))
                 starts = list(range(r0, r1, rows))
                 for n_, q0 in enumerate(starts):
                     q1 = min(q0 + rows, r1)
                     out.append(_Chunk(idx, which, slot, q0, q1, c0, c1, q0 - r0, r1 - r0,
-                                      n_ == 0, n_ == len(starts) - 1, label, block))
+                                      n_ == 0, n_ == len(starts) - 1, label, block, use))
         return out
 
     # -- host copies (pool threads) -------------------------------------------------
@@ -213,6 +218,17 @@ class PipelineRun:
             with self._host_lock:
                 self._host_ops.append(("host-unstage", label, t0, self._now()))
 
+    def _waited(self, fut: cf.Future, label: str):
+        """``fut.result()``; traced, the issuing thread's wait as a ``host-wait`` span."""
+        if self.timeline is None or fut.done():
+            return fut.result()
+        t0 = self._now()
+        try:
+            return fut.result()
+        finally:
+            with self._host_lock:
+                self._host_ops.append(("host-wait", label, t0, self._now()))
+
     # -- GPU ops with optional timing ------------------------------------------------
     def _timed(self, lane, name, stream, fn):
         if self.timeline is None:
@@ -220,9 +236,14 @@ class PipelineRun:
             return
         e0, e1 = self.dev.event(True), self.dev.event(True)
         self.dev.record(e0, stream)
+        h0 = self._now()
         fn()
+        h1 = self._now()
         self.dev.record(e1, stream)
         self._gpu_ops.append((lane, name, e0, e1))
+        if h1 - h0 > _SLOW_CALL:  # a call that held its thread (a driver lock, a full queue)
+            with self._host_lock:
+                self._host_ops.append(("host-wait", f"call: {name}", h0, h1))
 
     # -- the run --------------------------------------------------------------------
     def execute(self) -> None:
@@ -299,9 +320,10 @@ class PipelineRun:
                 submit(c)
             writer.start()
             a_free: list = [None] * t.a_slots
-            b_free: list = [None] * t.b_slots
+            b_places = max([t.b_slots] + [st.b_slot + 1 for st in steps])
+            b_free: list = [None] * b_places
             a_loaded: list = [None] * t.a_slots
-            b_loaded: list = [None] * t.b_slots
+            b_loaded: list = [None] * b_places
             c_free: list = [None] * t.c_buffers   # futures -> event of the copy-out
             c = 0
             for idx, st in enumerate(steps):
@@ -309,7 +331,7 @@ class PipelineRun:
                 while c < len(chunks) and chunks[c].step == idx:
                     ch = chunks[c]
                     staged = futures.pop(c)
-                    view = staged.result() if staged is not None else None
+                    view = self._waited(staged, ch.label) if staged is not None else None
                     free_ev, loaded = (a_free, a_loaded) if ch.which == "A" else (b_free, b_loaded)
                     if panels is not None and ch.which == "A" and ch.first:
                         panels.slot.pop(ch.slot, None)
@@ -325,7 +347,8 @@ class PipelineRun:
                     if ch.which == "A":
                         block = dev.array(a_mem[ch.slot], (ch.block_rows, width), in_dtype)
                     else:
-                        block = b_block(ch.slot, st.kb, ch.block_rows, width, st.j)
+                        block = b_block(ch.slot, steps[ch.use].kb, ch.block_rows, width,
+                                        steps[ch.use].j)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
@@ -351,7 +374,7 @@ class PipelineRun:
                         submit(c + n_in)
                     c += 1
                 if st.first and c_free[cb] is not None:
-                    dev.wait(comp, c_free[cb].result())
+                    dev.wait(comp, self._waited(c_free[cb], f"C buffer for C[{st.i},{st.j}]"))
                 dev.wait(comp, a_loaded[st.a_slot])
                 dev.wait(comp, b_loaded[st.b_slot])
                 r0, r1 = t.row_edges[st.i], t.row_edges[st.i + 1]

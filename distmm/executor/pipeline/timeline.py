@@ -19,7 +19,8 @@ class Timeline:
 
     ``ops`` holds dicts ``{"lane", "name", "start_ms", "end_ms"}``; GPU lanes
     (``h2d``, ``compute``, ``d2h``) come from CUDA events, host lanes
-    (``host-stage``, ``host-unstage``) from the host clock aligned to the
+    (``host-stage``, ``host-unstage``, ``host-wait``: the issuing thread waiting for a
+    staged chunk or a C buffer) from the host clock aligned to the
     first event. ``meta`` holds the problem, tiling, device and totals.
     """
 
