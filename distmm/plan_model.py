@@ -29,7 +29,6 @@ accumulation dtype) where they are compared with the bounds, as the bounds are.
 """
 from __future__ import annotations
 
-import collections
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -41,8 +40,7 @@ from distmm.grid import GridPlan, grid_shapes, gpu_panels, make_grid
 from distmm.plan import accumulate_dtype, make_plan
 from distmm.plan_batch import plan_batch
 from distmm.plan_blocks import shares, worker_grid
-from distmm.plan_pipeline import (TK_MAX, PipelineTiling, choose_tiling, issued_loads,
-                                  plan_block_loads)
+from distmm.plan_pipeline import TK_MAX, PipelineTiling, choose_tiling, plan_block_loads
 
 __all__ = ["GemmRate", "Link", "Calibration", "Prediction", "Bounds", "predict", "best_plan",
            "lower_bounds", "batch_fixed_seconds", "ENGINES", "LINKS", "DEVICE_KINDS",
@@ -1020,22 +1018,19 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
         busy[lane] += seconds
         return len(jobs) - 1
 
-    def sides(st):
-        return re[st.i + 1] - re[st.i], ce[st.j + 1] - ce[st.j], ke[st.kb + 1] - ke[st.kb]
-
-    ready: dict = collections.defaultdict(list)  # step -> its loads' last copy jobs
-    converts: collections.Counter = collections.Counter()
-    for idx, (step, issued) in enumerate(zip(steps, issued_loads(steps))):
-        rows, cols, kb = sides(step)
-        for use, which in issued:  # its own loads, then those issued ahead (``b_at``)
-            kind = which.lower()
-            u_rows, u_cols, u_kb = sides(steps[use])
-            slot = steps[use].a_slot if kind == "a" else steps[use].b_slot
-            nbytes = (u_rows if kind == "a" else u_cols) * u_kb * in_size
-            if nbytes <= 0:
+    for step in steps:
+        rows = re[step.i + 1] - re[step.i]
+        cols = ce[step.j + 1] - ce[step.j]
+        kb = ke[step.kb + 1] - ke[step.kb]
+        wait = []
+        converted = 0
+        for kind, needed, slot, nbytes in (
+                ("a", step.load_a, step.a_slot, rows * kb * in_size),
+                ("b", step.load_b, step.b_slot, kb * cols * in_size)):
+            if not needed or nbytes <= 0:
                 continue
             bytes_in += nbytes
-            converts[use] += nbytes // in_size
+            converted += nbytes // in_size
             user = None if kind == "b" and tiling.b_resident else slot_user.get((kind, slot))
             # through the ring a block crosses in pieces, each staged and then copied
             pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
@@ -1048,8 +1043,7 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
                 job = add("h2d", h2d.seconds(part), deps)
                 last["h2d"] = job
                 loads.append(job)
-            ready[use].append(job)
-        wait, converted = ready.pop(idx, []), converts.pop(idx, 0)
+            wait.append(job)
         # cuBLAS tiles C: the unit's side, not the k-block's depth, decides how well the GPU
         # is filled (a 256-deep block of a 16384 x 32768 unit still gives every SM its tiles;
         # the depth only shortens each tile's loop, and C's extra pass is counted below)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -36,7 +36,6 @@ __all__ = [
     "PipelineTiling",
     "Step",
     "choose_tiling",
-    "issued_loads",
     "shrink_tiling",
     "unit_order",
     "plan_block_loads",
@@ -277,10 +276,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     cols = (0, n)
                     if narrow and halves and n >= 2 * HALF_MIN_COLS:
                         cols = (0, (n // 2 + 32) // 64 * 64, n)
-                    # resident B: a slot per k block of each column range (nothing evicted)
-                    return PipelineTiling(rows, cols, k_edges, int(a_slots),
-                                          kb * (len(cols) - 1), c_buffers, s, "full-width",
-                                          units_k_outer)
+                    return PipelineTiling(rows, cols, k_edges, int(a_slots), kb, c_buffers,
+                                          s, "full-width", units_k_outer)
             if tm == m and tm < 1024:
                 break
 
@@ -336,7 +333,6 @@ class Step:
     b_slot: int
     load_a: bool
     load_b: bool
-    b_at: int = -1  # the step before whose GEMM its B load is issued (-1: its own)
 
 
 def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
@@ -407,51 +403,9 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
         return out
 
     a_plan = assign([(i, kb) for (_, i, _, kb, _, _) in keys], tiling.a_slots)
-    if tiling.b_resident:  # each k block of each column range its own place, loaded once
-        seen_b: set = set()
-        b_plan = []
-        for (_, _, j, kb, _, _) in keys:
-            b_plan.append((j * gk + kb, (kb, j) not in seen_b))
-            seen_b.add((kb, j))
-    else:
-        b_plan = assign([(kb, j) for (_, _, j, kb, _, _) in keys], tiling.b_slots)
-    steps = [Step(u, i, j, kb, first, last, a[0], b[0], a[1], b[1])
-             for (u, i, j, kb, first, last), a, b in zip(keys, a_plan, b_plan)]
-    return _b_ahead(steps, lead) if tiling.b_resident and len(tiling.col_edges) > 2 else steps
-
-
-def _b_ahead(steps: list[Step], lead: int) -> list[Step]:
-    """Resident B in column ranges: each later range's k blocks issued during the range
-    before, one at the first GEMM of each of its units after the leading ones, so that they
-    cross between that range's A rows and are in when its last unit ends (issued at their
-    own GEMMs they crossed only then, and the next range's units waited for them:
-    bench/NOTES.md, twenty-first session)."""
-    starts: dict = collections.defaultdict(list)  # column -> first steps of its later units
-    seen: dict = collections.defaultdict(list)
-    for idx, st in enumerate(steps):
-        if st.first:
-            seen[st.j].append(st.unit)
-            if len(seen[st.j]) > lead:
-                starts[st.j].append(idx)
-    out, taken = list(steps), collections.Counter()
-    for idx, st in enumerate(steps):
-        at = starts.get(st.j - 1)
-        if st.load_b and st.j > 0 and at:
-            out[idx] = replace(st, b_at=at[min(taken[st.j], len(at) - 1)])
-            taken[st.j] += 1
-    return out
-
-
-def issued_loads(steps: list[Step]) -> list[list[tuple[int, str]]]:
-    """For each step, the block loads issued before its GEMM, in order: ``(s, "A" | "B")``
-    for the load that step ``s`` needs (its own first, then those issued ahead, ``b_at``)."""
-    out: list = [[] for _ in steps]
-    for idx, st in enumerate(steps):
-        if st.load_a:
-            out[idx].append((idx, "A"))
-        if st.load_b:
-            out[idx if st.b_at < 0 else st.b_at].append((idx, "B"))
-    return out
+    b_plan = assign([(kb, j) for (_, _, j, kb, _, _) in keys], tiling.b_slots)
+    return [Step(u, i, j, kb, first, last, a[0], b[0], a[1], b[1])
+            for (u, i, j, kb, first, last), a, b in zip(keys, a_plan, b_plan)]
 
 
 def shrink_tiling(tiling: PipelineTiling, m, n, k, s, budget) -> PipelineTiling | None:

@@ -650,44 +650,6 @@ def test_column_halves_where_a_b_and_c_cross_straight(monkeypatch, how, m, n, k,
     assert info2["tiling"]["col_sizes"] == [n]
 
 
-@pytest.mark.parametrize("halves", [False, True])
-def test_each_load_is_issued_once_at_or_before_its_gemm(halves):
-    """``issued_loads``: every block load is issued once, never after the GEMM that needs it.
-    With resident B in column halves, the second half's k blocks are issued during the first
-    half, one at each of its units after the leading ones, so that they cross between its A
-    rows (issued at their own GEMMs, they crossed only once the first half had ended)."""
-    from distmm.plan_pipeline import choose_tiling, issued_loads
-
-    t = choose_tiling(32768, 32768, 32768, 4, 130 << 30, tk_max=8192, narrow=True,
-                      halves=halves)
-    assert len(t.col_edges) == (3 if halves else 2)
-    steps = plan_block_loads(t)
-    issued = issued_loads(steps)
-    at = {}
-    for idx, loads in enumerate(issued):
-        for use, which in loads:
-            assert (use, which) not in at and idx <= use
-            at[use, which] = idx
-    wanted = {(s, w) for s, st in enumerate(steps) for w, need in (("A", st.load_a),
-                                                                    ("B", st.load_b)) if need}
-    assert set(at) == wanted
-    gk = len(t.k_edges) - 1
-    b_second = [(use, idx) for (use, w), idx in at.items() if w == "B" and steps[use].j == 1]
-    early = [(use, idx) for (use, w), idx in at.items() if idx < use]
-    if not halves:
-        assert not early and not b_second
-        return
-    assert len(b_second) == gk and sorted(early) == sorted(b_second)
-    # each at the first GEMM of a distinct unit of the first half after its leading ones
-    units = {steps[idx].unit for _, idx in b_second}
-    assert len(units) == gk and all(steps[idx].first and steps[idx].j == 0 for _, idx in b_second)
-    lead_units = {st.unit for st in steps[:t.lead * gk] if st.j == 0}
-    assert not units & lead_units
-    # every k block of each column range in its own place on the device, loaded once
-    places = [st.b_slot for st in steps if st.load_b]
-    assert len(places) == len(set(places)) == 2 * gk and max(places) < t.b_slots
-
-
 def test_a_panel_is_reloaded_only_after_the_last_gemm_reading_it():
     """``APanels``: a row block whose panel still holds a row block with GEMMs not yet issued
     goes as 2-D copies instead (the pipeline's schedule issues every load at its GEMM's step,

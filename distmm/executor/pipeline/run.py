@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmm.executor.pipeline.direct import PageLocked
+from distmm.executor.pipeline.direct import PageLocked, is_page_locked
 from distmm.executor.pipeline.panel import APanels
 from distmm.executor.pipeline.panel import panel_bytes as panel_bytes_of
 from distmm.executor.pipeline.timeline import Timeline
-from distmm.plan_pipeline import PipelineTiling, Step, issued_loads, plan_block_loads
+from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
 
 __all__ = ["PipelineRun", "host_threads"]
 
@@ -97,7 +97,6 @@ class _Chunk:
     last: bool          # last chunk of its block
     label: str
     block: int          # the operand's block of rows: A's row block i, B's k block kb
-    use: int            # the step whose GEMM needs it (``step``: the one it is issued at)
 
 
 #: traced, a copy or GEMM call longer than this on the host shows as a ``host-wait``
@@ -162,25 +161,25 @@ class PipelineRun:
                              f"4 staging buffers of {chunk} bytes; raise it")
         return chunk, n_in, n_out
 
-    def _chunks(self, steps: list[Step], chunk_bytes: int) -> list[_Chunk]:
+    def _chunks(self, steps: list[Step], chunk_bytes: int, whole=frozenset()) -> list[_Chunk]:
         t, s = self.t, self.in_dtype.itemsize
         out = []
-        for idx, issued in enumerate(issued_loads(steps)):
-            for use, which in issued:
-                st = steps[use]
-                k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
-                if which == "A":
-                    slot, block, label = st.a_slot, st.i, f"A[{st.i},{st.kb}]"
-                    r0, r1, c0, c1 = t.row_edges[st.i], t.row_edges[st.i + 1], k0, k1
-                else:
-                    slot, block, label = st.b_slot, st.kb, f"B[{st.kb},{st.j}]"
-                    r0, r1, c0, c1 = k0, k1, t.col_edges[st.j], t.col_edges[st.j + 1]
-                rows = max(1, chunk_bytes // ((c1 - c0) * s))
+        for idx, st in enumerate(steps):
+            k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
+            loads = []
+            if st.load_a:
+                loads.append(("A", st.a_slot, t.row_edges[st.i], t.row_edges[st.i + 1], k0, k1,
+                              f"A[{st.i},{st.kb}]", st.i))
+            if st.load_b:
+                loads.append(("B", st.b_slot, k0, k1, t.col_edges[st.j], t.col_edges[st.j + 1],
+                              f"B[{st.kb},{st.j}]", st.kb))
+            for which, slot, r0, r1, c0, c1, label, block in loads:
+                rows = r1 - r0 if which in whole else max(1, chunk_bytes // ((c1 - c0) * s))
                 starts = list(range(r0, r1, rows))
                 for n_, q0 in enumerate(starts):
                     q1 = min(q0 + rows, r1)
                     out.append(_Chunk(idx, which, slot, q0, q1, c0, c1, q0 - r0, r1 - r0,
-                                      n_ == 0, n_ == len(starts) - 1, label, block, use))
+                                      n_ == 0, n_ == len(starts) - 1, label, block))
         return out
 
     # -- host copies (pool threads) -------------------------------------------------
@@ -251,7 +250,10 @@ class PipelineRun:
         dtype, in_dtype = self.dtype, self.in_dtype
         steps = plan_block_loads(t)
         chunk_bytes, n_in, n_out = self._chunk_bytes()
-        chunks = self._chunks(steps, chunk_bytes)
+        # operands page-locked by their owner cross a block a copy: in ring-sized chunks, the
+        # copy queue filled and held the issuing thread, GEMMs unissued (bench/NOTES.md)
+        whole = {w for w, src in self.src.items() if is_page_locked(dev, src)}
+        chunks = self._chunks(steps, chunk_bytes, whole)
 
         # Device buffers first: an out-of-memory error here costs nothing.
         p0 = self._now()
@@ -320,10 +322,9 @@ class PipelineRun:
                 submit(c)
             writer.start()
             a_free: list = [None] * t.a_slots
-            b_places = max([t.b_slots] + [st.b_slot + 1 for st in steps])
-            b_free: list = [None] * b_places
+            b_free: list = [None] * t.b_slots
             a_loaded: list = [None] * t.a_slots
-            b_loaded: list = [None] * b_places
+            b_loaded: list = [None] * t.b_slots
             c_free: list = [None] * t.c_buffers   # futures -> event of the copy-out
             c = 0
             for idx, st in enumerate(steps):
@@ -347,8 +348,7 @@ class PipelineRun:
                     if ch.which == "A":
                         block = dev.array(a_mem[ch.slot], (ch.block_rows, width), in_dtype)
                     else:
-                        block = b_block(ch.slot, steps[ch.use].kb, ch.block_rows, width,
-                                        steps[ch.use].j)
+                        block = b_block(ch.slot, st.kb, ch.block_rows, width, st.j)
                     dst = block[ch.d0:ch.d0 + (ch.r1 - ch.r0)]
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
