@@ -19,7 +19,8 @@ the budget, units span the full width of C, B's k-blocks are loaded once
 (during the first unit) and stay resident, and the last rows are cut into
 units of halving height so that little output is left to copy out after the
 last kernel (where asked, beside tensor-core GEMMs with operands that cross
-straight, units of each column half in turn: ``choose_tiling``'s ``halves``).
+straight, units of column blocks, A's rows and B's columns crossing in turn so that
+the units they complete grow in both directions: ``choose_tiling``'s ``columns``).
 Otherwise units are square tiles, swept row by row in serpentine order, and a cache of A and B blocks with Belady's eviction (the schedule is
 known in advance, so the block used furthest in the future is evicted) keeps
 the A row panel resident across a sweep of B column panels.
@@ -62,10 +63,10 @@ _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for 
 #: (39 ms at 32768^2 bf16), a k-block feeds this many units' GEMMs instead of one
 #: (bench/NOTES.md, nineteenth session)
 LEAD = 2
-#: beside tensor-core GEMMs, resident B may be split into column halves (``choose_tiling``'s
-#: ``halves``) where each half's rows are at least this many columns: a column half of
+#: beside tensor-core GEMMs, resident B may be split into column blocks (``choose_tiling``'s
+#: ``columns``) where each block's rows are at least this many columns: a column block of
 #: page-locked B crosses as a 2-D copy, at full rate from 32 KB rows (bench/NOTES.md)
-HALF_MIN_COLS = 8192
+COLUMN_MIN = 4096
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def _ramp_edges(length: int, tile: int, tail: int) -> tuple[int, ...]:
 def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                   tiles: tuple[int, int, int] | None = None,
                   tk_max: int = 2048, narrow: bool = False, lead: int = LEAD,
-                  halves: bool = False) -> PipelineTiling:
+                  columns: int = 1) -> PipelineTiling:
     """Choose the pipeline's units, k-blocks and slot counts for a device budget.
 
     Parameters
@@ -220,12 +221,13 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         with C buffers for them and two more in the memory the wider units were given.
     lead : int
         With ``narrow``: how many of the first units run k outer (``PipelineTiling.lead``).
-    halves : bool
-        With ``narrow`` and B resident: C's units in two column halves (each at least
-        ``HALF_MIN_COLS`` wide, the first a multiple of 64), computed columns outer, so
-        that the first half's C can leave once half of B has crossed. For operands and a
-        result that cross straight (page-locked): B's halves cross as 2-D copies, and A's
-        rows must stay on the device for both halves.
+    columns : int
+        With ``narrow`` and B resident: C's units in this many column blocks (each at least
+        ``COLUMN_MIN`` wide, a multiple of 64 but the last), in ``unit_order``'s growing
+        order, so that GEMMs start once one block of B and one of A's row blocks have
+        crossed, not all of B. For operands and a result that cross straight
+        (page-locked): B's blocks cross as 2-D copies, and A's rows stay on the device
+        for every block (``panels_for``).
 
     Returns
     -------
@@ -273,11 +275,16 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     if narrow:  # C buffers of the narrower units in the wider ones' bytes
                         c_buffers = min(c_buffers * (tm // unit), max(1, lead) + 2)
                         units_k_outer = max(1, min(lead, c_buffers - 2, len(rows) - 1))
+                    parts = min(int(columns), n // COLUMN_MIN) if narrow else 1
                     cols = (0, n)
-                    if narrow and halves and n >= 2 * HALF_MIN_COLS:
-                        cols = (0, (n // 2 + 32) // 64 * 64, n)
-                    return PipelineTiling(rows, cols, k_edges, int(a_slots), kb, c_buffers,
-                                          s, "full-width", units_k_outer)
+                    if parts > 1:  # smaller units: as many more C buffers in the same bytes
+                        inner = (round(n * p / parts / 64) * 64 for p in range(1, parts))
+                        cols = (0, *sorted(set(inner) - {0, n}), n)
+                        c_buffers *= len(cols) - 1
+                    # resident B: each k block of each column block its own place
+                    return PipelineTiling(rows, cols, k_edges, int(a_slots),
+                                          kb * (len(cols) - 1), c_buffers, s, "full-width",
+                                          units_k_outer)
             if tm == m and tm < 1024:
                 break
 
@@ -306,12 +313,24 @@ def _fill_slots(m, n, k, s, usable, tm, tn, tk, *, minimum) -> PipelineTiling:
 
 def unit_order(tiling: PipelineTiling) -> list[tuple[int, int]]:
     """C units in the order they are computed: rows outer, columns serpentine
-    (a sweep ends on the B panel the next one starts with); with B resident (its
-    column halves), columns outer, so that the first half's units end before the
-    second half of B has crossed."""
+    (a sweep ends on the B panel the next one starts with); with B resident in column
+    blocks, growing: each next A row block or B column block (whichever keeps the
+    rows and columns met so far closest to square) adds its units with those met, so
+    that the GEMMs have work once one of each has crossed, and more work per byte
+    crossed as the square grows."""
     gm, gn = len(tiling.row_edges) - 1, len(tiling.col_edges) - 1
     if tiling.b_resident:
-        return [(i, j) for j in range(gn) for i in range(gm)]
+        re, ce = tiling.row_edges, tiling.col_edges
+        order: list = []
+        a = b = rows = cols = 0
+        while a < gm or b < gn:
+            if b < gn and (a == gm or (a > 0 and cols < rows) or b == 0 and a > 0):
+                order += [(i, b) for i in range(a)]
+                cols, b = cols + ce[b + 1] - ce[b], b + 1
+            else:
+                order += [(a, j) for j in range(b)]
+                rows, a = rows + re[a + 1] - re[a], a + 1
+        return order
     order = []
     for i in range(gm):
         cols = range(gn) if i % 2 == 0 else range(gn - 1, -1, -1)
@@ -354,22 +373,14 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
     # starts leaving one short GEMM after all of B is in, not after every leading unit's
     # GEMMs of the next-to-last k-block (bench/NOTES.md, twentieth session)
     split = gk - 2 if lead > 1 and gk > 2 else gk
-    keys = []
-    # each column of units in turn (one unless B is resident in column halves): its first
-    # ``lead`` units k outer, the rest alternating
-    columns = collections.defaultdict(list)
-    for u, (i, j) in enumerate(order):
-        columns[j if tiling.b_resident else 0].append((u, i, j))
-    for col in columns.values():
-        head, rest = col[:lead], col[lead:]
-        keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
-                 for kb in range(split) for u, i, j in head]
-        keys += [(u, i, j, kb, kb == 0, kb == gk - 1)
-                 for u, i, j in head for kb in range(split, gk)]
-        for u, i, j in rest:
-            kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
-            for idx, kb in enumerate(kbs):
-                keys.append((u, i, j, kb, idx == 0, idx == gk - 1))
+    units = [(u, i, j) for u, (i, j) in enumerate(order)]
+    head, rest = units[:lead], units[lead:]
+    keys = [(u, i, j, kb, kb == 0, kb == gk - 1) for kb in range(split) for u, i, j in head]
+    keys += [(u, i, j, kb, kb == 0, kb == gk - 1) for u, i, j in head for kb in range(split, gk)]
+    for u, i, j in rest:
+        kbs = range(gk) if u % 2 == 0 else range(gk - 1, -1, -1)
+        for idx, kb in enumerate(kbs):
+            keys.append((u, i, j, kb, idx == 0, idx == gk - 1))
 
     def assign(block_keys, slots):
         nxt = [math.inf] * len(block_keys)
@@ -403,7 +414,14 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
         return out
 
     a_plan = assign([(i, kb) for (_, i, _, kb, _, _) in keys], tiling.a_slots)
-    b_plan = assign([(kb, j) for (_, _, j, kb, _, _) in keys], tiling.b_slots)
+    if tiling.b_resident:  # each k block of each column block its own place, loaded once
+        seen: set = set()
+        b_plan = []
+        for (_, _, j, kb, _, _) in keys:
+            b_plan.append((j * gk + kb, (kb, j) not in seen))
+            seen.add((kb, j))
+    else:
+        b_plan = assign([(kb, j) for (_, _, j, kb, _, _) in keys], tiling.b_slots)
     return [Step(u, i, j, kb, first, last, a[0], b[0], a[1], b[1])
             for (u, i, j, kb, first, last), a, b in zip(keys, a_plan, b_plan)]
 
@@ -433,7 +451,7 @@ def spare_bytes(tiling: PipelineTiling, budget: int) -> int:
 
 def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = None,
                     precision: str = "highest", lead: int | None = None,
-                    halves: bool = False) -> PipelineTiling:
+                    columns: int = 1) -> PipelineTiling:
     """The pipeline's tiling for ``plan`` (its ``m``, ``n``, ``k`` and ``dtype``)
     under a device budget of ``budget`` bytes, for GEMMs of ``precision`` (its k-blocks
     up to ``TK_MAX[precision]``): the one schedule the pipeline runs.
@@ -456,4 +474,4 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
     return choose_tiling(int(plan.m), int(plan.n), int(plan.k), dtype.itemsize, int(budget),
                          tiles=tiles, tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
                          narrow=precision in _TENSOR_CORES, lead=LEAD if lead is None else lead,
-                         halves=halves)
+                         columns=columns)

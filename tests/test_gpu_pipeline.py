@@ -360,11 +360,11 @@ def test_arrays_page_locked_by_their_owner_cross_straight(shape, limit, bf16):
             assert rt.pointerGetAttributes(ptr).type == host
 
 
-def test_column_halves_of_arrays_page_locked_by_their_owner():
+def test_column_blocks_of_arrays_page_locked_by_their_owner():
     """bfloat16 A, B and a float32 C made by ``cupyx.empty_pinned``, wide enough for C's
-    column halves: B's halves cross as 2-D copies, A's rows once into panels kept for both
-    halves, C's halves leave as 2-D copies into ``out``; the product is right, as with
-    full-width units (``distmm-debug.pipeline-halves`` false)."""
+    column blocks (``distmm-debug.pipeline-columns``): B's blocks cross as 2-D copies, A's
+    rows once into panels kept for every block, C's blocks leave as 2-D copies into
+    ``out``; the product is right, as with full-width units (unset)."""
     import cupyx
     import dask.config
 
@@ -377,14 +377,14 @@ def test_column_halves_of_arrays_page_locked_by_their_owner():
     b[...] = rand((k, n), "float32", 41).astype(ml_dtypes.bfloat16)
     out = cupyx.empty_pinned((m, n), np.float32)
     executor = GPUExecutor(backend="cublas", precision="bf16")
-    for halves in (True, False):
+    for columns, sizes in ((2, [8192, n - 8192]), (4, [4096, 4096, 4096, n - 12288]),
+                           (None, [n])):
         out[...] = np.nan
         tl = Timeline()
-        with dask.config.set({"distmm-debug.pipeline-halves": halves}):
+        with dask.config.set({"distmm-debug.pipeline-columns": columns}):
             c, info = run(executor, a, b, out, trace=tl, device_memory_limit=1 << 30)
         check(c, a, b)
-        cols = info["tiling"]["col_sizes"]
-        assert cols == ([8192, n - 8192] if halves else [n]), info["tiling"]
+        assert info["tiling"]["col_sizes"] == sizes, info["tiling"]
         assert info["a_panel"] and info["direct_out"] and info["direct_in"] == ["A", "B"]
         assert info["bytes_h2d"] == a.nbytes + b.nbytes and info["bytes_d2h"] == out.nbytes
         assert not {"host-stage", "host-unstage"} & {o["lane"] for o in tl.ops}

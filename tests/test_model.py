@@ -610,11 +610,10 @@ KNOWN_MISSES = {
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead1", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead2", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead4", "float32", 32768),
-    # C's units in column halves (a debug setting, off: the twentieth session), one run each:
-    # 0.185 s against the model's 0.135 (-27%). The trace shows each operand and C crossing at
-    # full rate but issued late: every 2-D copy (B's and C's halves) held up the host's issue
-    # of the next copies until it ran, which the model's lanes do not know
-    ("NVIDIA H200", "pipeline distmm-host-bf16-pinned-halves-lead2", "float32", 32768),
+    # C's units in column halves (a debug setting, off: the twentieth session), lead 3 run
+    # once, at 4077a15: 0.185 s against the model's 0.134 (-27%). Each unit's A rows waited on
+    # the copy-in stream for GEMMs that had read their slot (mended in 3dfe4e8: the lead-2 runs
+    # since, -9%, are within), which the model's lanes do not know
     ("NVIDIA H200", "pipeline distmm-host-bf16-pinned-halves-lead3", "float32", 32768),
 }
 

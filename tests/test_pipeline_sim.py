@@ -610,44 +610,75 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
 
 
 @pytest.mark.parametrize("how", ["ABC", "AB", "BC", "locked-in-place"])
-@pytest.mark.parametrize("m,n,k,dtype", [(1500, 300, 700, "float32"), (999, 257, 130, "float64")])
-def test_column_halves_where_a_b_and_c_cross_straight(monkeypatch, how, m, n, k, dtype):
-    """Asked (``distmm-debug.pipeline-halves``), beside tensor-core GEMMs, where A, B and C all
-    cross straight (page-locked by their owner, or in place by the debug setting), C's units
-    come in column halves, columns outer:
-    each operand crosses once (A's rows held in a panel each for both halves), C's halves
-    leave as 2-D copies into ``out``, and a row block's rows are unlocked only after its last
-    half (``run_sim`` checks every copy against the locked ranges). Elsewhere, and unasked,
-    whole rows."""
+@pytest.mark.parametrize("m,n,k,dtype,columns", [(1500, 300, 700, "float32", 2),
+                                                 (999, 257, 130, "float64", 3)])
+def test_column_blocks_where_a_b_and_c_cross_straight(monkeypatch, how, m, n, k, dtype, columns):
+    """Asked (``distmm-debug.pipeline-columns``), beside tensor-core GEMMs, where A, B and C
+    all cross straight (page-locked by their owner, or in place by the debug setting), C's
+    units come in column blocks, in ``unit_order``'s growing order: each operand crosses once
+    (A's rows held in a panel each for every block), C's blocks leave as 2-D copies into
+    ``out``, and a row block's rows are unlocked only after its last block (``run_sim``
+    checks every copy against the locked ranges). Elsewhere, and unasked, whole rows."""
     import distmm.plan_pipeline as plan_pipeline
 
-    monkeypatch.setattr(plan_pipeline, "HALF_MIN_COLS", 64)  # halves at these small sizes
+    monkeypatch.setattr(plan_pipeline, "COLUMN_MIN", 64)  # column blocks at these small sizes
     rng = np.random.default_rng(m + k)
     a, b = rand((m, k), dtype, rng), rand((k, n), dtype, rng)
     trace = Timeline()
     kw = ({"direct": True} if how == "locked-in-place" else {"owner_locked": how})
-    with dask.config.set({"distmm-debug.pipeline-halves": True}):
+    with dask.config.set({"distmm-debug.pipeline-columns": columns}):
         c, info, dev = run_sim(a, b, device_limit=64 << 20, pinned=64 * 1024, trace=trace,
                                gemm=SimTf32Gemm(), **kw)
     check(c, a, b)
-    halves = how in ("ABC", "locked-in-place")
+    blocks = how in ("ABC", "locked-in-place")
     cols = info["tiling"]["col_sizes"]
-    assert (len(cols) == 2) == halves and sum(cols) == n
-    if halves:
-        assert cols[0] % 64 == 0 and abs(cols[0] - cols[1]) <= 64
+    assert (len(cols) == columns) == blocks and sum(cols) == n
+    if blocks:
+        assert all(w % 64 == 0 for w in cols[:-1]) and max(cols) - min(cols) <= 64
         assert info["a_panel"] and info["direct_out"] and dev.d2h_2d_calls > 0
         assert info["bytes_d2h"] == c.nbytes and "host-unstage" not in _lanes(trace)
         if how == "ABC":  # locked by their owner from the start: each byte crosses once
             assert info["bytes_h2d"] == a.nbytes + b.nbytes and "host-stage" not in _lanes(trace)
-        # columns outer: every unit of the first half ends before the second half's first
-        units = [op for op in trace.ops if op["lane"] == "d2h"]
-        first = [op["start_ms"] for op in units if op["name"].endswith(",0]")]
-        second = [op["start_ms"] for op in units if op["name"].endswith(",1]")]
-        assert first and second and max(first) <= min(second)
+        # growing: the second unit to leave is not the first one's right-hand neighbour
+        # before a second row block has crossed, and every unit leaves once
+        out = sorted((op["start_ms"], op["name"]) for op in trace.ops if op["lane"] == "d2h")
+        names = [name for _, name in out]
+        assert len(set(names)) == len(info["tiling"]["row_sizes"]) * columns
     c2, info2, _ = run_sim(a, b, device_limit=64 << 20, pinned=64 * 1024,  # off by default
                            gemm=SimTf32Gemm(), **kw)
     check(c2, a, b)
     assert info2["tiling"]["col_sizes"] == [n]
+    with dask.config.set({"distmm-debug.pipeline-columns": "many"}):
+        with pytest.raises(ValueError, match="pipeline-columns must be a positive integer"):
+            run_sim(a, b, device_limit=64 << 20, pinned=64 * 1024, gemm=SimTf32Gemm(), **kw)
+
+
+def test_column_blocks_grow_in_both_directions():
+    """``unit_order`` with B resident in column blocks: A0 and B0 first, then whichever of the
+    next row block or column block keeps the rows and columns met closest to square, each
+    adding its units with those met; every unit once. ``plan_block_loads`` loads each block
+    once, each k block of each column block in its own place."""
+    from distmm.plan_pipeline import choose_tiling, unit_order
+
+    t = choose_tiling(32768, 32768, 32768, 4, 130 << 30, tk_max=8192, narrow=True, columns=4)
+    order = unit_order(t)
+    gm, gn = len(t.row_edges) - 1, len(t.col_edges) - 1
+    assert gn == 4 and sorted(order) == [(i, j) for i in range(gm) for j in range(gn)]
+    # 4096-row units, 8192-column blocks: two row blocks a column block
+    assert order[:10] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (3, 1), (4, 0),
+                          (4, 1)]
+    met_rows, met_cols = set(), set()
+    for i, j in order:  # a unit comes only with a new row or column block, or both met
+        assert (i in met_rows or j in met_cols) or not met_rows
+        met_rows.add(i)
+        met_cols.add(j)
+    steps = plan_block_loads(t)
+    places = [st.b_slot for st in steps if st.load_b]
+    gk = len(t.k_edges) - 1
+    assert len(places) == len(set(places)) == gn * gk and max(places) < t.b_slots
+    assert sum(st.load_a for st in steps) <= gm * gk * gn
+    assert unit_order(choose_tiling(32768, 32768, 32768, 4, 130 << 30, tk_max=8192,
+                                    narrow=True)) == [(i, 0) for i in range(gm)]
 
 
 def test_a_panel_is_reloaded_only_after_the_last_gemm_reading_it():

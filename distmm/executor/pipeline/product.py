@@ -101,19 +101,29 @@ def _lead() -> int | None:
     return lead
 
 
-#: ``distmm-debug.pipeline-halves``: true puts C's units in column halves where A, B and C
-#: all cross straight beside tensor-core GEMMs (``_halves``); off by default: on one H200 it
-#: ran at 0.55-0.57 of in-core cuBLAS BF16 against 0.72 with whole rows (bench/NOTES.md,
-#: twentieth session)
-HALVES_KEY = "distmm-debug.pipeline-halves"
+#: ``distmm-debug.pipeline-columns``: C's units in this many column blocks, in a growing
+#: order, where A, B and C all cross straight beside tensor-core GEMMs (``_columns``); unset
+#: or 1: whole rows (bench/NOTES.md, twenty-first session)
+COLUMNS_KEY = "distmm-debug.pipeline-columns"
 
 
-def _halves(straight_in, straight_out: bool) -> bool:
-    """C's units in column halves (``choose_tiling``'s ``halves``), where asked and A, B and C
-    all cross straight (page-locked), so that C may start leaving after half of B has
-    crossed; A's rows then stay on the device for both halves (``APanels``). Through the
-    ring, A would cross twice."""
-    return _asked(HALVES_KEY) and set(straight_in) == {"A", "B"} and bool(straight_out)
+def _columns(straight_in, straight_out: bool) -> int:
+    """C's column blocks (``choose_tiling``'s ``columns``), where asked and A, B and C all
+    cross straight (page-locked), so that GEMMs start once one block of B has crossed; A's
+    rows then stay on the device for every block (``APanels``). Through the ring, A would
+    cross once a block."""
+    import dask.config
+
+    value = dask.config.get(COLUMNS_KEY, None)
+    if value in (None, ""):
+        return 1
+    try:
+        columns = int(value)
+    except (TypeError, ValueError):
+        columns = 0
+    if columns < 1:
+        raise ValueError(f"{COLUMNS_KEY} must be a positive integer, got {value!r}")
+    return columns if set(straight_in) == {"A", "B"} and straight_out else 1
 
 
 def _asked(key: str = DIRECT_KEY) -> bool:
@@ -263,10 +273,10 @@ def _run(executor, plan, a, b, out, device_memory_limit, pinned_pool, trace, til
     straight_in, straight_out = direct_in(a, b, in_dtype, device), direct_out(out, dtype, device)
     lead = _lead()
     tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=lead,
-                             halves=_halves(straight_in, straight_out))
+                             columns=_columns(straight_in, straight_out))
     if len(tiling.col_edges) > 2 and tiling.b_resident and (
             panel_bytes(tiling, in_dtype.itemsize) > panel_room(tiling, budget, precision)):
-        # halves need A's rows held for both: where those panels do not fit, whole rows
+        # column blocks need all of A's rows held: where those panels do not fit, whole rows
         tiling = pipeline_tiling(plan, budget, tiles=tiles, precision=precision, lead=lead)
     retries = 0
     while True:
