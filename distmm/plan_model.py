@@ -62,6 +62,12 @@ COPIES = ("ring", "direct", "locked")
 #: 24-34 ms a GiB and unregistering at 18-21 ms a GiB; no record measures them)
 HOST_REGISTER_NOMINAL = 2**30 / 0.029
 HOST_UNREGISTER_NOMINAL = 2**30 / 0.0195
+#: a 2-D copy's rate between page-locked host rows and the device, as a share of a contiguous
+#: copy's, by the bytes of each row it copies (both directions alike; below the first row
+#: width its share, above the last 1): the stream pipeline's column blocks of B and C, traced
+#: on one H200 (bench/NOTES.md, twenty-first session: 8 and 16 KB rows 30-31 GB/s, 32 KB rows
+#: 41-47 GB/s, 64 KB rows 54 GB/s, against 54-55 GB/s contiguous)
+PINNED_2D_SHARE = ((8192, 0.57), (16384, 0.56), (32768, 0.80), (65536, 0.98), (131072, 1.0))
 #: page-locked staging bytes the ring holds at most (``distmm.pinned-pool``'s default, the
 #: records' ``pinned_limit``): how far the host threads stage ahead of the copies to the device
 PIPELINE_RING_BYTES = 2 * 2**30
@@ -923,6 +929,22 @@ def _list_schedule(jobs) -> list[float]:
 _RING_PIECE = 32 * 2**20
 
 
+def pinned_2d_share(row_bytes: float) -> float:
+    """``PINNED_2D_SHARE`` at ``row_bytes``, interpolated in the logarithm of the width.
+
+    >>> pinned_2d_share(4096), pinned_2d_share(1 << 20)
+    (0.57, 1.0)
+    """
+    pts = PINNED_2D_SHARE
+    if row_bytes <= pts[0][0]:
+        return pts[0][1]
+    for (w0, s0), (w1, s1) in zip(pts, pts[1:]):
+        if row_bytes <= w1:
+            f = math.log(row_bytes / w0) / math.log(w1 / w0)
+            return s0 + f * (s1 - s0)
+    return pts[-1][1]
+
+
 def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: Calibration,
                       precision: str = "highest", copies: str = "ring",
                       operand_itemsize: int | None = None, tiling=None,
@@ -997,9 +1019,11 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
     mem_bw = float(cal.memory_bandwidth.get("gpu", 0.0))
     convert = precision != "highest" and in_size > 2 and mem_bw > 0  # float32 in, bf16 GEMMs
     latency = cal.overhead("pipeline-call") if latency is None else float(latency)
-    if tiling.b_resident and len(tiling.col_edges) > 2 and not ring:
-        # C's column halves: A's rows stay on the device for both (``APanels``), so each of
-        # A's blocks crosses once, as if every one had a slot
+    blocks = tiling.b_resident and len(tiling.col_edges) > 2 and not ring
+    if blocks:
+        # C's column blocks: A's rows stay on the device for all (``APanels``), so each of
+        # A's blocks crosses once, as if every one had a slot; B's blocks cross and C's
+        # leave as 2-D copies of their rows (``pinned_2d_share``)
         tiling = replace(
             tiling, a_slots=(len(tiling.row_edges) - 1) * (len(tiling.k_edges) - 1))
     re, ce, ke = tiling.row_edges, tiling.col_edges, tiling.k_edges
@@ -1040,7 +1064,8 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
                 if ring:
                     behind = loads[-depth] if len(loads) >= depth else None
                     deps.append(add("host", part / stage_rate, [behind]))
-                job = add("h2d", h2d.seconds(part), deps)
+                share = pinned_2d_share(cols * in_size) if blocks and kind == "b" else 1.0
+                job = add("h2d", h2d.seconds(part / share), deps)
                 last["h2d"] = job
                 loads.append(job)
             wait.append(job)
@@ -1067,7 +1092,8 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
             pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
             for _ in range(pieces):
                 part = nbytes / pieces
-                out = add("d2h", d2h.seconds(part), [job, last["d2h"]])
+                share = pinned_2d_share(cols * out_size) if blocks else 1.0
+                out = add("d2h", d2h.seconds(part / share), [job, last["d2h"]])
                 last["d2h"] = out
                 if ring:
                     add("host", part / stage_rate, [out])
