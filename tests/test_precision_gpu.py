@@ -60,6 +60,29 @@ def test_cublas_path(mode, m, n, k):
     assert np.allclose(cupy.asnumpy(c2), cupy.asnumpy(c) + a @ b, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=str)
+def test_cublas_reads_bfloat16_bits_in_place(m, n, k):
+    """bfloat16 bits (uint16) whose rows lie apart (column ranges of wider matrices, as the
+    stream pipeline's GEMMs read A's panels) are read where they are, with their row pitch as
+    the leading dimension: within the bound of the rounded operands' product (cuBLAS may
+    choose another kernel for the pitch, so not bit for bit the contiguous copies' result),
+    and the wider matrices untouched."""
+    from distmm.executor.cublas import cublas_gemm_precision, to_input_format
+
+    rng = np.random.default_rng(m * n + k)
+    a, b = low_bits(rng, (m, k)), low_bits(rng, (k, n))
+    a16, _ = to_input_format(cupy.asarray(a), "bf16")
+    b16, _ = to_input_format(cupy.asarray(b), "bf16")
+    wide_a = cupy.asarray(rng.integers(0, 2**16, (m, k + 37)).astype(np.uint16))
+    wide_b = cupy.asarray(rng.integers(0, 2**16, (k, n + 70)).astype(np.uint16))
+    wide_a[:, 5:5 + k], wide_b[:, 64:64 + n] = a16, b16
+    before_a, before_b = wide_a.copy(), wide_b.copy()
+    c = cupy.full((m, n), np.nan, dtype=cupy.float32)
+    cublas_gemm_precision(wide_a[:, 5:5 + k], wide_b[:, 64:64 + n], c, "bf16")
+    assert cupy.array_equal(wide_a, before_a) and cupy.array_equal(wide_b, before_b)
+    check(c, a, b, "bf16")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_device_rounding_matches_the_emulation(mode):
     from distmm.executor.cublas import to_input_format

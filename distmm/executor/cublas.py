@@ -226,6 +226,18 @@ def to_input_format(x, precision: str, *, transpose: bool = False):
     raise ValueError(f"to_input_format: precision must be tf32, bf16 or fp16, got {precision!r}")
 
 
+def _in_place(x, precision: str):
+    """``(to_input_format(x, precision), leading dimension)``; bfloat16 bits (uint16) whose
+    rows are contiguous but apart (a column range of a wider matrix, as the stream pipeline's
+    panels of A) are read where they are, with their row pitch as the leading dimension."""
+    rows, cols = x.shape
+    item = x.itemsize
+    if (precision == "bf16" and x.dtype.name == "uint16" and rows > 1 and x.strides[1] == item
+            and x.strides[0] % item == 0 and x.strides[0] // item >= cols):
+        return (x, CUDA_R_16BF), x.strides[0] // item
+    return to_input_format(x, precision), cols
+
+
 def cublas_gemm_precision(a, b, c, precision: str, alpha=1, beta=0) -> None:
     """``c = alpha * a @ b + beta * c`` for float32 cupy matrices in a reduced precision
     mode, on cupy's current stream, through ``cublasGemmEx``: the operands are rounded
@@ -247,8 +259,8 @@ def cublas_gemm_precision(a, b, c, precision: str, alpha=1, beta=0) -> None:
         else:
             c *= np.float32(beta)
         return
-    a_in, a_type = to_input_format(a, precision)
-    b_in, b_type = to_input_format(b, precision)
+    (a_in, a_type), lda = _in_place(a, precision)
+    (b_in, b_type), ldb = _in_place(b, precision)
     direct = c.dtype == np.float32 and c.flags.c_contiguous
     target = c if direct else cupy.ascontiguousarray(c, dtype=cupy.float32)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "tf32" else CUBLAS_COMPUTE_32F
@@ -261,7 +273,7 @@ def cublas_gemm_precision(a, b, c, precision: str, alpha=1, beta=0) -> None:
     try:
         # row-major C = A @ B is column-major C^T = B^T @ A^T: no transposes, swapped operands
         cublas.gemmEx(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
-                      one.ctypes.data, b_in.data.ptr, b_type, n, a_in.data.ptr, a_type, k,
+                      one.ctypes.data, b_in.data.ptr, b_type, ldb, a_in.data.ptr, a_type, lda,
                       zero.ctypes.data, target.data.ptr, CUDA_R_32F, n, compute,
                       CUBLAS_GEMM_DEFAULT)
     finally:

@@ -92,11 +92,6 @@ class CupyDevice:
         self._copy_2d(dst.data.ptr, dst, src.ctypes.data, src, self._rt.memcpyHostToDevice,
                       stream)
 
-    def d2d_2d(self, dst, src, stream) -> None:
-        """A rectangle of rows between device arrays."""
-        self._copy_2d(dst.data.ptr, dst, src.data.ptr, src, self._rt.memcpyDeviceToDevice,
-                      stream)
-
     def d2h_2d(self, dst: np.ndarray, src, stream) -> None:
         """A rectangle of device rows to host rows (a column range of ``out``)."""
         self._copy_2d(dst.ctypes.data, dst, src.data.ptr, src, self._rt.memcpyDeviceToHost,

@@ -1,15 +1,15 @@
-"""A's row blocks crossing whole into device panels, each k block's slot cut from them there.
+"""A's row blocks crossing whole into device panels, which the GEMMs read in place.
 
 This module covers: ``APanels``, for A copied straight from the caller's page-locked rows in
 full-width units. A column slice of host rows (a k block of a row block) crosses as a 2-D copy
 at 10-48 GB/s, against 55 GB/s for contiguous bytes (bench/NOTES.md, eighteenth session), so a
 row block's whole rows cross instead, in one contiguous copy per page-locked range, into one of
 the device panels (``tm_max x k``: two, or one for each leading unit) on the copy-in stream;
-each A slot a GEMM reads is then cut from the panel on the compute stream just before that
-GEMM (a device-to-device 2-D copy, a fraction of the GEMM's time; issued on the copy-in stream
-it waited behind the GEMMs). A panel
-is reloaded only after the last GEMM of the row block it holds; a row block whose panel is
-still in use goes as 2-D copies instead.
+each GEMM reads its k block of the panel in place, a view whose rows are the panel's (a
+device-to-device 2-D copy of it into an A slot before each GEMM held the issuing thread for
+milliseconds once the compute stream's queue was deep: bench/NOTES.md, twenty-first session).
+A panel is reloaded only after the last GEMM of the row block it holds; a row block whose
+panel is still in use goes as 2-D copies into the A slots instead.
 
 It does *not* cover: whether A goes straight (``distmm.executor.pipeline.product``), the
 page-locking (``distmm.executor.pipeline.direct``) or the schedule (``distmm.plan_pipeline``).
@@ -67,7 +67,6 @@ class APanels:
         self.left = Counter(st.i for st in steps)  # GEMMs of each row block not yet issued
         self.of_block: dict = {}                  # row block -> panel index, or None
         self.ready_ev: dict = {}                  # row block -> its rows' copy event
-        self.slot: dict = {}                      # A slot -> row block its next GEMM cuts
 
     def take(self, block: int, stream) -> bool:
         """Whether row block ``block``'s chunks come from a panel, its rows copied into one on
@@ -95,15 +94,15 @@ class APanels:
         self.holder[idx], self.of_block[block] = block, idx
         return True
 
-    def cut(self, slot: int, a_dev, i: int, k0: int, k1: int, stream, label: str) -> None:
-        """Before a GEMM on ``stream`` reads A slot ``slot`` (row block ``i``, columns
-        ``k0:k1``): the slot cut from its panel, where its chunks came from one."""
-        if self.slot.pop(slot, None) is None:
-            return
-        idx = self.of_block[i]
+    def read(self, i: int, k0: int, k1: int, rows: int, stream):
+        """Row block ``i``'s columns ``k0:k1`` (its first ``rows`` rows) in its panel, for a
+        GEMM on ``stream`` (which then waits for the rows' copy); None where the row block
+        did not go to a panel (its A slots hold it)."""
+        idx = self.of_block.get(i)
+        if idx is None:
+            return None
         self.dev.wait(stream, self.ready_ev[i])
-        part = self.bufs[idx][:a_dev.shape[0], k0:k1]
-        self.run._timed("compute", label, stream, lambda: self.dev.d2d_2d(a_dev, part, stream))
+        return self.bufs[idx][:rows, k0:k1]
 
     def used(self, i: int, ev) -> None:
         """A GEMM reading row block ``i`` is issued, ``ev`` after it."""

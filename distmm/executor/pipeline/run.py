@@ -334,12 +334,9 @@ class PipelineRun:
                     staged = futures.pop(c)
                     view = self._waited(staged, ch.label) if staged is not None else None
                     free_ev, loaded = (a_free, a_loaded) if ch.which == "A" else (b_free, b_loaded)
-                    if panels is not None and ch.which == "A" and ch.first:
-                        panels.slot.pop(ch.slot, None)
                     # A's chunks from a panel: the rows cross into the panel (at the row
-                    # block's first chunk), and the slot is cut from it on the compute stream,
-                    # behind the GEMMs that read the slot before; only copies into the slot
-                    # itself wait for those GEMMs
+                    # block's first chunk), which the GEMMs read in place; only copies into
+                    # an A slot wait for the GEMMs that read the slot before
                     from_panel = (view is None and panels is not None and ch.which == "A"
                                   and panels.take(ch.block, h2d))
                     if not from_panel and ch.first and free_ev[ch.slot] is not None:
@@ -353,9 +350,7 @@ class PipelineRun:
                     if view is not None:
                         self._timed("h2d", ch.label, h2d, lambda: dev.h2d(dst, view, h2d))
                         self.bytes_h2d += dst.nbytes
-                    elif from_panel:
-                        panels.slot[ch.slot] = ch.block  # cut from the panel before its GEMM
-                    else:  # a rectangle per page-locked range, straight from the operand
+                    elif not from_panel:  # a rectangle per page-locked range, straight
                         src = self.src[ch.which]
                         for ra, rb, qa, qb in locked_in[ch.which].rects(ch.block, ch.r0, ch.r1,
                                                                          ch.c0, ch.c1):
@@ -380,11 +375,11 @@ class PipelineRun:
                 r0, r1 = t.row_edges[st.i], t.row_edges[st.i + 1]
                 q0, q1 = t.col_edges[st.j], t.col_edges[st.j + 1]
                 k0, k1 = t.k_edges[st.kb], t.k_edges[st.kb + 1]
-                a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), in_dtype)
+                a_dev = None if panels is None else panels.read(st.i, k0, k1, r1 - r0, comp)
+                if a_dev is None:
+                    a_dev = dev.array(a_mem[st.a_slot], (r1 - r0, k1 - k0), in_dtype)
                 b_dev = b_block(st.b_slot, st.kb, k1 - k0, q1 - q0, st.j)
                 c_dev = dev.array(c_mem[cb], (r1 - r0, q1 - q0), dtype)
-                if panels is not None:
-                    panels.cut(st.a_slot, a_dev, st.i, k0, k1, comp, f"A[{st.i},{st.kb}] cut")
                 beta = 0.0 if st.first else 1.0
                 self._timed("compute", f"C[{st.i},{st.j}] k{st.kb}", comp,
                             lambda: self.gemm(a_dev, b_dev, c_dev, alpha=1.0, beta=beta,
