@@ -607,10 +607,6 @@ KNOWN_MISSES = {
     # against the model's 0.399 (+16% to +25%); the ring's host copies bound these, and
     # that machine copied faster than the ring rate fitted on the 16384 runs (the same
     # variant without the debug setting, 14 runs at several commits: -0.3%)
-    # the same variant without the debug setting, now measured last at 1b797bd (the
-    # twenty-first session, six runs on one machine: 0.331-0.402 s, the latest 0.331) against
-    # the model's 0.399 (+20.5%); that session's runs of it spread 0.33-0.62 s across machines
-    ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead1", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead2", "float32", 32768),
     ("NVIDIA H200", "pipeline distmm-host-bf16-from-f32-lead4", "float32", 32768),

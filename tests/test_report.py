@@ -351,7 +351,7 @@ def test_model_errors_are_computed_from_the_committed_records():
         assert row.error == (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
         assert row.error == pytest.approx(r["error"], rel=1e-12)
         assert row.role == r["role"]
-    assert sum(abs(r.error) <= 0.15 for r in rows if r.role == "held-out") == 159
+    assert sum(abs(r.error) <= 0.15 for r in rows if r.role == "held-out") == 160
 
 
 def test_command_on_committed_model_records(tmp_path):
