@@ -87,18 +87,23 @@ LEAD_KEY = "distmm-debug.pipeline-lead"
 
 
 def _lead() -> int | None:
+    return _positive(LEAD_KEY)
+
+
+def _positive(key: str) -> int | None:
+    """The debug setting ``key`` as a positive integer; None where unset."""
     import dask.config
 
-    value = dask.config.get(LEAD_KEY, None)
+    value = dask.config.get(key, None)
     if value in (None, ""):
         return None
     try:
-        lead = int(value)
+        number = int(value)
     except (TypeError, ValueError):
-        lead = 0
-    if lead < 1:
-        raise ValueError(f"{LEAD_KEY} must be a positive integer, got {value!r}")
-    return lead
+        number = 0
+    if number < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return number
 
 
 #: ``distmm-debug.pipeline-columns``: C's units in this many column blocks, in a growing
@@ -112,17 +117,7 @@ def _columns(straight_in, straight_out: bool) -> int:
     cross straight (page-locked), so that GEMMs start once one block of B has crossed; A's
     rows then stay on the device for every block (``APanels``). Through the ring, A would
     cross once a block."""
-    import dask.config
-
-    value = dask.config.get(COLUMNS_KEY, None)
-    if value in (None, ""):
-        return 1
-    try:
-        columns = int(value)
-    except (TypeError, ValueError):
-        columns = 0
-    if columns < 1:
-        raise ValueError(f"{COLUMNS_KEY} must be a positive integer, got {value!r}")
+    columns = _positive(COLUMNS_KEY) or 1
     return columns if set(straight_in) == {"A", "B"} and straight_out else 1
 
 
