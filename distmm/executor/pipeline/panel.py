@@ -28,8 +28,8 @@ PANELS = 2
 def panels_for(tiling) -> int:
     """Device panels for ``tiling``: two, or one for each unit that runs k outer at the
     start (``PipelineTiling.lead``), whose row blocks are all read at once; one for every
-    row block where C's columns come in halves (each row block is read by a unit of each
-    half, and crosses once)."""
+    row block where C's columns come in blocks (each row block is read by a unit of each
+    column block, and crosses once)."""
     if tiling.b_resident and len(tiling.col_edges) > 2:
         return len(tiling.row_edges) - 1
     return max(PANELS, int(tiling.lead))

@@ -258,7 +258,7 @@ class PipelineRun:
         # Device buffers first: an out-of-memory error here costs nothing.
         p0 = self._now()
         a_mem = [dev.alloc(t.a_slot_bytes) for _ in range(t.a_slots)]
-        if t.b_resident:  # all of B, each column range of units (one, or halves) contiguous
+        if t.b_resident:  # all of B, each column block of units (one, or more) contiguous
             ce, kk = t.col_edges, t.k_edges[-1]
             b_cols = [dev.array(dev.alloc(kk * (q1 - q0) * t.itemsize), (kk, q1 - q0), in_dtype)
                       for q0, q1 in zip(ce, ce[1:])]
