@@ -1058,13 +1058,13 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
             user = None if kind == "b" and tiling.b_resident else slot_user.get((kind, slot))
             # through the ring a block crosses in pieces, each staged and then copied
             pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+            share = pinned_2d_share(cols * in_size) if blocks and kind == "b" else 1.0
             for _ in range(pieces):
                 part = nbytes / pieces
                 deps = [last["h2d"], user]
                 if ring:
                     behind = loads[-depth] if len(loads) >= depth else None
                     deps.append(add("host", part / stage_rate, [behind]))
-                share = pinned_2d_share(cols * in_size) if blocks and kind == "b" else 1.0
                 job = add("h2d", h2d.seconds(part / share), deps)
                 last["h2d"] = job
                 loads.append(job)
@@ -1090,9 +1090,9 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
             nbytes = rows * cols * out_size
             bytes_out += nbytes
             pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+            share = pinned_2d_share(cols * out_size) if blocks else 1.0
             for _ in range(pieces):
                 part = nbytes / pieces
-                share = pinned_2d_share(cols * out_size) if blocks else 1.0
                 out = add("d2h", d2h.seconds(part / share), [job, last["d2h"]])
                 last["d2h"] = out
                 if ring:

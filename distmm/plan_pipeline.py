@@ -324,7 +324,7 @@ def unit_order(tiling: PipelineTiling) -> list[tuple[int, int]]:
         order: list = []
         a = b = rows = cols = 0
         while a < gm or b < gn:
-            if b < gn and (a == gm or (a > 0 and cols < rows) or b == 0 and a > 0):
+            if a > 0 and b < gn and (a == gm or b == 0 or cols < rows):
                 order += [(i, b) for i in range(a)]
                 cols, b = cols + ce[b + 1] - ce[b], b + 1
             else:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmm.executor.pipeline.direct import PageLocked, is_page_locked
+from distmm.executor.pipeline.direct import PageLocked
 from distmm.executor.pipeline.panel import APanels
 from distmm.executor.pipeline.panel import panel_bytes as panel_bytes_of
 from distmm.executor.pipeline.timeline import Timeline
@@ -250,10 +250,6 @@ class PipelineRun:
         dtype, in_dtype = self.dtype, self.in_dtype
         steps = plan_block_loads(t)
         chunk_bytes, n_in, n_out = self._chunk_bytes()
-        # operands page-locked by their owner cross a block a copy: in ring-sized chunks, the
-        # copy queue filled and held the issuing thread, GEMMs unissued (bench/NOTES.md)
-        whole = {w for w, src in self.src.items() if is_page_locked(dev, src)}
-        chunks = self._chunks(steps, chunk_bytes, whole)
 
         # Device buffers first: an out-of-memory error here costs nothing.
         p0 = self._now()
@@ -303,6 +299,9 @@ class PipelineRun:
         # through the ring)
         locked_in = {w: PageLocked(dev, src, t.row_edges if w == "A" else t.k_edges,
                                    f"direct-{w.lower()}") for w, src in self.src.items()}
+        # operands page-locked by their owner cross a block a copy: in ring-sized chunks, the
+        # copy queue filled and held the issuing thread, GEMMs unissued (bench/NOTES.md)
+        chunks = self._chunks(steps, chunk_bytes, {w for w, lk in locked_in.items() if lk.owned})
         last_use = {(ch.which, ch.block): n for n, ch in enumerate(chunks)}
         panels = None
         writer = _OutputWriter(self, d2h, c_mem, ring_out, unstage_pool, direct)
