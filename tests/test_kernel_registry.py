@@ -379,17 +379,27 @@ def test_tma_step_constraints():
 def test_mma_tma_step_constraints():
     """Step 15: step 12's warps and tiles, a k tile of one 128-byte swizzle row (BK 64 only),
     1024 bytes of alignment, a full and an empty mbarrier a stage, stages handed back by a
-    block barrier or by the empty mbarriers (SYNC); k = 0 goes to step 12."""
+    block barrier, by the empty mbarriers, or to a producer warpgroup (SYNC 0, 1, 2; built
+    for sm_90a, whose setmaxnreg gives the producer's registers to the computing warps);
+    k = 0 goes to step 12."""
     spec = registry.get_tc("mma_tma")
     p = spec.params("bfloat16")
-    assert spec.tma and not spec.wgmma and spec.step == 15 and not spec.arch_suffix
+    assert spec.tma and not spec.wgmma and spec.step == 15 and spec.arch_suffix == "a"
     assert spec.threads(p) == 128  # four 64 x 64 warp tiles
     assert any("swizzle row" in v for v in spec.violations("bfloat16", dict(p, BK=128)))
     assert spec.violations("float16", p) == []
     assert p == dict(registry.get_tc("mma_bf16").params("bfloat16"), SYNC=0)
     assert spec.smem_bytes("bfloat16", p) == 1024 + 3 * (128 + 128) * 64 * 2 + 3 * 16
-    assert any("SYNC=2" in v for v in spec.violations("bfloat16", dict(p, SYNC=2)))
-    assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1}
+    assert any("SYNC=3" in v for v in spec.violations("bfloat16", dict(p, SYNC=3)))
+    # a producer warpgroup: 128 threads more; two blocks an SM leave each thread 128
+    # registers at launch, room for 40 (producer) and 216 (computing warps); one block 248
+    ws = dict(p, SYNC=2, MINB=2)
+    assert spec.threads(ws) == 256 and spec.violations("bfloat16", ws) == []
+    assert any("registers a thread" in v for v in spec.violations("bfloat16", dict(ws, MINB=1)))
+    assert any("warpgroups" in v for v in spec.violations("bfloat16", dict(ws, BN=64)))
+    assert spec.violations("bfloat16", dict(ws, BN=256, MINB=1, STAGES=4)) == []  # 384 threads
+    assert any("SYNC=2" in v for v in registry.get_tc("mma_bf16").violations("bfloat16", dict(ws)))
+    assert {c["SYNC"] for c in spec.candidates("bfloat16")} == {0, 1, 2}
     assert {c["BK"] for c in spec.candidates("bfloat16")} == {64}
     assert {c["BK"] for c in spec.candidates("float32")} == {32}  # TF32: 32 values a row
     assert spec.layouts("float32") == [(False, True)] and len(spec.layouts("bfloat16")) == 4

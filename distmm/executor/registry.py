@@ -419,7 +419,8 @@ class TensorCoreSpec:
     def threads(self, p: Mapping[str, int]) -> int:
         if self.wgmma:  # a producer warpgroup and one consumer warpgroup per 64 rows
             return 128 * (p["BM"] // 64 + 1)
-        return (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
+        # the computing warps, + a producer warpgroup with SYNC 2 (step 15)
+        return (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32 + (128 if p.get("SYNC") == 2 else 0)
 
     def tile(self, p: Mapping[str, int]) -> tuple[int, int]:
         return p["BM"], p["BN"]
@@ -504,15 +505,32 @@ class TensorCoreSpec:
                 out.append(f"{threads} threads per block (64..1024 allowed)")
             words = wm * wn // 32  # fp32 accumulators a thread
             cap = min(255, 65536 // (max(minb, 1) * max(threads, 1)))
-            if words > cap // 2 + 1:
+            if self.tma and p.get("SYNC", 0) == 2:
+                # setmaxnreg's 216 (below): ptxas fits a 64 x 64 warp tile's 128 in them
+                if words > 128:
+                    out.append(f"{words} accumulators a thread, more than the 128 of a 64 x 64 "
+                               "warp tile that the computing warps' 216 registers hold")
+            elif words > cap // 2 + 1:
                 out.append(f"{words} accumulators a thread, more than half of the {cap} "
                            "registers a thread may use")
             if minb not in (1, 2, 3, 4):
                 out.append("MINB (blocks per SM the register budget allows) must be 1..4, "
                            f"got {minb}")
-            if p.get("SYNC", 0) not in (0, 1):
-                out.append(f"SYNC={p['SYNC']}: 0 (a block barrier hands stages back) or 1 "
-                           "(an empty mbarrier a stage)")
+            sync = p.get("SYNC", 0)
+            if sync not in ((0, 1, 2) if self.tma else (0, 1)):
+                out.append(f"SYNC={sync}: 0 (a block barrier hands stages back), 1 (an empty "
+                           "mbarrier a stage)" + (" or 2 (a producer warpgroup)" if self.tma else ""))
+            elif sync == 2:
+                computing = threads - 128
+                launch = min(255, 65536 // (max(minb, 1) * threads)) // 8 * 8
+                if computing % 128:
+                    out.append(f"SYNC=2: {computing // 32} computing warps, not whole warpgroups")
+                # setmaxnreg (15_mma_tma.cu): the producer down to 40 registers, the
+                # computing warps up to 216, from what the launch gives every thread
+                elif not 40 <= launch <= 216 or 128 * 40 + computing * 216 > launch * threads:
+                    out.append(f"SYNC=2: {threads} threads x {max(minb, 1)} blocks leave "
+                               f"{launch} registers a thread, not room for 40 (producer) and "
+                               "216 (computing warps)")
             if p.get("LOOP", 0) not in (0, 1):
                 out.append(f"LOOP={p['LOOP']}: 0 (one fragment buffer) or 1 (two, the tile "
                            "boundary before the last k step)")
@@ -632,8 +650,9 @@ TC_KERNELS: dict[str, TensorCoreSpec] = {k.name: k for k in (
                   "float32": {"BM": 256, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "STAGES": 3,
                               "MINB": 1, "SYNC": 0}},
         tune_space={"block": _MMA_BLOCKS, "BK": (32, 64), "warp": _MMA_WARPS,
-                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "SYNC": (0, 1)},
-        min_cc=90, max_cc=90, tma=True),
+                    "STAGES": (2, 3, 4, 5), "MINB": (1, 2), "SYNC": (0, 1, 2)},
+        # sm_90a: SYNC 2's setmaxnreg
+        min_cc=90, max_cc=90, arch_suffix="a", tma=True),
 )}
 
 #: precision mode -> tensor-core kernels for it, preferred first (``kernel_for`` takes the

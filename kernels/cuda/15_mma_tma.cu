@@ -30,15 +30,25 @@
 // warp waits on the next stage's full mbarrier before reading its first fragments, which tile
 // kt's last mma hide. How a stage is handed back (SYNC): 0, the block's barrier; 1, an
 // "empty" mbarrier each stage, on which each warp arrives once it has read the stage, so
-// that only warp 0 waits for the slowest. No warp is set apart as a producer: two blocks of
-// four warps share an SM as in step 12.
+// that only warp 0 waits for the slowest. With 0 and 1 no warp is set apart as a producer:
+// two blocks of four warps share an SM as in step 12.
+//
+// SYNC 2 sets a producer warpgroup apart, as step 14 does: 128 threads more a block, one
+// lane of which issues every copy, waiting on a stage's empty mbarrier (one arrival a
+// computing warp) before it refills the stage; the computing warps wait only on the full
+// mbarriers, never on one another. The producer gives its registers to the computing warps
+// (setmaxnreg, sm_90a: 40 for the producer, 216 for the others, so that two blocks of 256
+// threads still fit an SM's 64K registers with 64 x 64 warp tiles).
 #include "tma.cuh"
+#include "wgmma.cuh"
 
 namespace distmm {
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, int ES>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int ES, int SYNC = 0>
 struct MmaTmaShape {
-    static constexpr int WGM = BM / WM, WGN = BN / WN, NT = WGM * WGN * 32;
+    // NC computing threads, + a producer warpgroup with SYNC 2
+    static constexpr int WGM = BM / WM, WGN = BN / WN, NC = WGM * WGN * 32;
+    static constexpr int NT = NC + (SYNC == 2 ? 128 : 0);
     // k steps a tile: 32 bytes of k each (16 BF16/FP16 values, 8 TF32)
     static constexpr int MI = WM / 16, NI = WN / 8, KS = BK * ES / 32;
     static constexpr int A_BYTES = BM * BK * ES, B_BYTES = BN * BK * ES;
@@ -50,6 +60,7 @@ struct MmaTmaShape {
     static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shapes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "boxes of 64, at most 256 rows");
     static_assert(NT <= 1024 && STAGES >= 2, "threads and stages");
+    static_assert(SYNC != 2 || NC % 128 == 0, "SYNC 2: whole warpgroups of computing warps");
 };
 
 // The lane's ldmatrix.x4 addresses in an mn-major stage of 64-column boxes (BOX bytes each,
@@ -72,7 +83,7 @@ template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int 
 __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                                              const distmm_tmap* mapA, const distmm_tmap* mapB,
                                              float beta, float* __restrict__ C, long long ldc) {
-    typedef MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin)> S;
+    typedef MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin), SYNC> S;
     constexpr int MI = S::MI, NI = S::NI, KS = S::KS;
     constexpr bool TF32 = same_type<Tin, float>::value;
     static_assert(!TF32 || (!TA && TB), "TF32: both operands k-major");
@@ -85,18 +96,41 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     const int tid = threadIdx.x;
     int m0, n0;
     grouped_tile_origin<BM, BN>(M, N, m0, n0);
-    // the warp's index through a shuffle: the compiler then knows it is warp-uniform
-    const int warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
-    const int wm = warp / S::WGN, wn = warp % S::WGN;
-    const int g = lane / 4, t = lane % 4, lj = lane / 8;
     const int KT = (K + BK - 1) / BK;
-
-    if (warp == 0 && elect_one()) {
+    // the warp's index through a shuffle: the compiler then knows it is warp-uniform
+    const int warp_in_block = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
+    if (warp_in_block == 0 && elect_one()) {
         prefetch_tensormap(mapA);
         prefetch_tensormap(mapB);
-        init_stage_barriers<STAGES, SYNC == 1>(full0, empty0, 1, S::NT / 32);
+        init_stage_barriers<STAGES, SYNC != 0>(full0, empty0, 1, S::NC / 32);
     }
     __syncthreads();
+
+    if (SYNC == 2 && warp_in_block >= S::NC / 32) {  // the producer warpgroup
+#if DISTMM_WGMMA
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+        if (warp_in_block == S::NC / 32 && elect_one()) {
+#pragma unroll 1
+            for (int kt = 0; kt < KT; ++kt) {
+                const int st = kt % STAGES;
+                if (kt >= STAGES) {
+                    mbar_wait(empty0 + 8 * st, ((kt / STAGES) - 1) & 1);
+                    fence_proxy_async();  // the warps' reads of the stage before the copy
+                }
+                tma_load_tile<BM, BN, S::BOX_BYTES, TA, TB>(
+                    as0 + st * S::A_BYTES, bs0 + st * S::B_BYTES, mapA, mapB, full0 + 8 * st,
+                    S::A_BYTES + S::B_BYTES, kt * BK, m0, n0);
+            }
+        }
+        return;
+    }
+#if DISTMM_WGMMA
+    if (SYNC == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+#endif
+    const int warp = warp_in_block;  // a computing warp
+    const int wm = warp / S::WGN, wn = warp % S::WGN;
+    const int g = lane / 4, t = lane % 4, lj = lane / 8;
 
     // one elected lane of warp 0 only: tile kt's boxes of A and B into stage `stage`
     auto load_tile = [&](int kt, int stage) {
@@ -124,7 +158,7 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     };
     auto mma_step = [&](int buf) { mma16_step<Tin>(acc, af[buf], bf[buf]); };
 
-    if (warp == 0) {
+    if (SYNC != 2 && warp == 0) {
         if (elect_one()) {
 #pragma unroll 1
             for (int st = 0; st < STAGES && st < KT; ++st) load_tile(st, st);
@@ -146,9 +180,10 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
                 } else {
                     __syncwarp();
                     if (lane == 0) mbar_arrive(empty0 + 8 * stage);
-                    if (warp == 0 && kt + STAGES < KT) mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
+                    if (SYNC == 1 && warp == 0 && kt + STAGES < KT)
+                        mbar_wait(empty0 + 8 * stage, (kt / STAGES) & 1);
                 }
-                if (warp == 0 && kt + STAGES < KT) {
+                if (SYNC != 2 && warp == 0 && kt + STAGES < KT) {
                     if (elect_one()) {
                         fence_proxy_async();  // the warps' reads of the stage before the copy
                         load_tile(kt + STAGES, stage);
@@ -178,14 +213,15 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
 // (distmm.executor.tma.box_for).
 template <typename Tin, int BM, int BN, int BK, int WM, int WN, int STAGES, int MINB, int SYNC,
           bool TA, bool TB>
-__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32 + (SYNC == 2 ? 128 : 0), MINB)
 distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ distmm_tmap mapA,
                     const __grid_constant__ distmm_tmap mapB, float beta, float* __restrict__ C,
                     long long ldc) {
     static_assert(distmm::mma16<Tin>::valid || distmm::same_type<Tin, float>::value,
                   "inputs are distmm_bf16, distmm_fp16 or float");
-    static_assert(SYNC == 0 || SYNC == 1, "SYNC: 0 (block barrier) or 1 (empty mbarriers)");
-    (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin)>::SMEM_BYTES;
+    static_assert(SYNC >= 0 && SYNC <= 2,
+                  "SYNC: 0 (block barrier), 1 (empty mbarriers) or 2 (a producer warpgroup)");
+    (void)distmm::MmaTmaShape<BM, BN, BK, WM, WN, STAGES, sizeof(Tin), SYNC>::SMEM_BYTES;
 #if DISTMM_TMA
     distmm::mma_tma_body<Tin, BM, BN, BK, WM, WN, STAGES, SYNC, TA, TB>(M, N, K, alpha, &mapA, &mapB,
                                                                  beta, C, ldc);
@@ -208,5 +244,7 @@ distmm_gemm_mma_tma(int M, int N, int K, float alpha, const __grid_constant__ di
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_fp16, 128, 128, 64, 64, 64, 3, 1, 0)
 DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 1, 1)
+DISTMM_INST(distmm_bf16, 128, 128, 64, 64, 64, 3, 2, 2)
 DISTMM_INST2(float, 256, 128, 32, 64, 64, 3, 1, 0, false, true)
+DISTMM_INST2(float, 256, 128, 32, 64, 64, 3, 1, 2, false, true)
 #endif
