@@ -89,28 +89,30 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     static_assert(!TF32 || (!TA && TB), "TF32: both operands k-major");
     constexpr int BK16 = BK * sizeof(Tin) / 2;  // a row's bytes in 16-bit elements
     extern __shared__ unsigned char distmm_smem[];
-    const unsigned raw = smem_addr(distmm_smem);
-    const unsigned as0 = (raw + 1023u) & ~1023u, bs0 = as0 + STAGES * S::A_BYTES;
-    const unsigned full0 = bs0 + STAGES * S::B_BYTES, empty0 = full0 + 8 * STAGES;
+    // Everything a branch below needs is computed inside it: a value held across setmaxnreg
+    // (SYNC 2) is spilled, and reloaded in the k loop.
+    auto smem0 = [&]() { return (smem_addr(distmm_smem) + 1023u) & ~1023u; };
+    constexpr unsigned B_OFF = STAGES * S::A_BYTES, FULL_OFF = B_OFF + STAGES * S::B_BYTES,
+                       EMPTY_OFF = FULL_OFF + 8 * STAGES;
 
-    const int tid = threadIdx.x;
-    int m0, n0;
-    grouped_tile_origin<BM, BN>(M, N, m0, n0);
-    const int KT = (K + BK - 1) / BK;
-    // the warp's index through a shuffle: the compiler then knows it is warp-uniform
-    const int warp_in_block = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
-    if (warp_in_block == 0 && elect_one()) {
+    if (threadIdx.x < 32 && elect_one()) {
+        const unsigned s0 = smem0();
         prefetch_tensormap(mapA);
         prefetch_tensormap(mapB);
-        init_stage_barriers<STAGES, SYNC != 0>(full0, empty0, 1, S::NC / 32);
+        init_stage_barriers<STAGES, SYNC != 0>(s0 + FULL_OFF, s0 + EMPTY_OFF, 1, S::NC / 32);
     }
     __syncthreads();
 
-    if (SYNC == 2 && warp_in_block >= S::NC / 32) {  // the producer warpgroup
+    if (SYNC == 2 && threadIdx.x >= S::NC) {  // the producer warpgroup
 #if DISTMM_WGMMA
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
 #endif
-        if (warp_in_block == S::NC / 32 && elect_one()) {
+        if (threadIdx.x / 32 == S::NC / 32 && elect_one()) {
+            const unsigned as0 = smem0(), bs0 = as0 + B_OFF, full0 = as0 + FULL_OFF,
+                           empty0 = as0 + EMPTY_OFF;
+            int m0, n0;
+            grouped_tile_origin<BM, BN>(M, N, m0, n0);
+            const int KT = (K + BK - 1) / BK;
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt) {
                 const int st = kt % STAGES;
@@ -128,6 +130,13 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
 #if DISTMM_WGMMA
     if (SYNC == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
 #endif
+    const unsigned as0 = smem0(), bs0 = as0 + B_OFF, full0 = as0 + FULL_OFF,
+                   empty0 = as0 + EMPTY_OFF;
+    int m0, n0;
+    grouped_tile_origin<BM, BN>(M, N, m0, n0);
+    const int KT = (K + BK - 1) / BK;
+    // the warp's index through a shuffle: the compiler then knows it is warp-uniform
+    const int warp_in_block = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32;
     const int warp = warp_in_block;  // a computing warp
     const int wm = warp / S::WGN, wn = warp % S::WGN;
     const int g = lane / 4, t = lane % 4, lj = lane / 8;

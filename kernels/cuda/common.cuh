@@ -75,6 +75,26 @@ __device__ __forceinline__ void store_c(float* __restrict__ c, long long idx, fl
     c[idx] = r;
 }
 
+// Two adjacent elements of a float32 C at idx (8-byte aligned), each as store_c computes it;
+// other types never take this path (store_mma_fragments' pairs).
+__device__ __forceinline__ void store_c_pair(float* __restrict__ c, long long idx, float acc0,
+                                             float acc1, float alpha, float beta) {
+    float2 r;
+    r.x = alpha == 1.0f ? acc0 : mul_keep_subnormal(alpha, acc0);
+    r.y = alpha == 1.0f ? acc1 : mul_keep_subnormal(alpha, acc1);
+    if (beta != 0.0f) {
+        const float2 old = *reinterpret_cast<const float2*>(c + idx);
+        r.x = madd(beta, old.x, r.x);
+        r.y = madd(beta, old.y, r.y);
+    }
+    *reinterpret_cast<float2*>(c + idx) = r;
+}
+template <typename T>
+__device__ __forceinline__ void store_c_pair(T* c, long long idx, float acc0, float acc1, T alpha, T beta) {
+    store_c(c, idx, acc0, alpha, beta);
+    store_c(c, idx + 1, acc1, alpha, beta);
+}
+
 // 16-byte vectors: VEC elements of T.
 template <typename T> struct vec16 { static constexpr int n = 16 / sizeof(T); };
 

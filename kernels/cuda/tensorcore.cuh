@@ -288,11 +288,14 @@ __device__ __forceinline__ void mma_mainloop(int KT, Load& load_tile, Frags& loa
 
 // A warp's m16n8 accumulator fragments into C: fragment (i, j) covers rows r0 + 16 i + g and
 // + 8, columns c0 + 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4); rows and columns outside
-// M x N are skipped. C = alpha acc + beta C (common.cuh's store_c).
+// M x N are skipped. C = alpha acc + beta C (common.cuh's store_c), a lane's two columns in
+// one 8-byte store where a float32 C's pointer and ldc allow it.
 template <int MI, int NI, typename T>
 __device__ __forceinline__ void store_mma_fragments(const float (&acc)[MI][NI][4], T* C,
                                                     long long ldc, int M, int N, int r0, int c0,
                                                     int g, int t, T alpha, T beta) {
+    const bool pairs = same_type<T, float>::value &&
+                       (reinterpret_cast<unsigned long long>(C) & 7) == 0 && ldc % 2 == 0;
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -301,11 +304,15 @@ __device__ __forceinline__ void store_mma_fragments(const float (&acc)[MI][NI][4
             if (row >= M) continue;
 #pragma unroll
             for (int j = 0; j < NI; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = c0 + j * 8 + 2 * t + e;
-                    if (col < N) store_c(C, (long long)row * ldc + col, acc[i][j][2 * h + e], alpha, beta);
+                const int col = c0 + j * 8 + 2 * t;
+                const long long idx = (long long)row * ldc + col;
+                if (pairs && col + 1 < N) {
+                    store_c_pair(C, idx, acc[i][j][2 * h], acc[i][j][2 * h + 1], alpha, beta);
+                    continue;
                 }
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (col + e < N) store_c(C, idx + e, acc[i][j][2 * h + e], alpha, beta);
             }
         }
     }

@@ -1,0 +1,177 @@
+"""At what SM clock and power does each tensor-core kernel run when it runs alone for a second, and what does mma.sync reach on registers at that clock?
+
+``mma_ceiling.py`` timed mma.sync on registers in bursts of 0.1-0.9 ms, on operands whose
+bits are mostly zero; a GEMM runs for milliseconds on random values. Hopper lowers its SM
+clock when the board reaches its power limit, and the power a tensor-core instruction draws
+grows with the bits it toggles. So the instruction ceiling the issue's 0.70 was weighed
+against may not hold for a whole GEMM. Here each workload runs back to back for
+``--seconds`` while ``nvidia-smi`` samples the SM clock, the board power and the active
+clock-event reasons every 50 ms:
+
+- cuBLAS (``cublasGemmEx``) at ``--size``^3, and distmm's steps 14 (wgmma) and 15 (mma.sync)
+  with their defaults, on standard-normal operands rounded to the input format;
+- step 15 with each ``--variant`` of its parameters;
+- the register-only mma.sync loop of ``mma_ceiling.py`` (16 chains, 4 warps a block, 2
+  blocks an SM, its best shape), on its near-zero operands and on random ones (random signs
+  and significands, exponents of 0.5-1).
+
+``python -m bench.research.sustained_clock [--precisions bf16 tf32] [--seconds 1.5]``
+(log only: the figures go to bench/NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+from bench.research.mma_ceiling import INSTRUCTIONS, ceiling_kernel
+
+_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+# the register-only loop with random operand bits: signs and significands random, the
+# exponent that of 0.5 .. 1 (bf16/fp16 halves: 0x3f00 / 0x3800; TF32 as float32: 0x3f000000)
+_RANDOM_BITS = {"bf16": (0x807F807F, 0x3F003F00), "fp16": (0x83FF83FF, 0x38003800),
+                "tf32": (0x807FE000, 0x3F000000)}
+
+
+# mma_ceiling.py's loop, with two sets of random operands (hashed from the thread and
+# register), the chains alternating between them, so that consecutive mma toggle their bits
+_RANDOM_SOURCE = r"""
+extern "C" __global__ void mma_loop(float* out, int iters, unsigned seed) {
+    unsigned a[2][4], b[2][2];
+    for (int r = 0; r < 12; ++r) {
+        unsigned x = (threadIdx.x + 131u * blockIdx.x) * 2654435761u + (r + 1u) * 40503u + seed;
+        x ^= x >> 15; x *= 2246822519u; x ^= x >> 13;
+        const unsigned v = (x & MASK) | EXPONENT;
+        if (r < 8) a[r / 4][r % 4] = v; else b[(r - 8) / 2][(r - 8) % 2] = v;
+    }
+    float c[CHAINS][4];
+    for (int j = 0; j < CHAINS; ++j) for (int e = 0; e < 4; ++e) c[j][e] = 0.f;
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int j = 0; j < CHAINS; ++j)
+            asm volatile("mma.sync.aligned.SHAPE {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                         "{%0, %1, %2, %3};\n"
+                         : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+                         : "r"(a[j & 1][0]), "r"(a[j & 1][1]), "r"(a[j & 1][2]), "r"(a[j & 1][3]),
+                           "r"(b[j & 1][0]), "r"(b[j & 1][1]));
+    }
+    float s = 0.f;
+    for (int j = 0; j < CHAINS; ++j) s += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
+
+def _sampled(run, seconds: float) -> dict:
+    """``run()`` back to back for about ``seconds`` while nvidia-smi samples the clock and
+    power; the rate over the whole window and the medians of the middle 60% of samples."""
+    import cupy
+
+    run()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    run()
+    cupy.cuda.Device().synchronize()
+    once = time.perf_counter() - t0
+    count = max(3, int(seconds / max(once, 1e-6)))
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.2)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(count):
+        run()
+    end.record()
+    end.synchronize()
+    time.sleep(0.1)
+    smi.terminate()
+    out = smi.communicate()[0].splitlines()
+    rows = []
+    for line in out:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append((float(parts[0]), float(parts[1]), parts[2]))
+        except (ValueError, IndexError):
+            continue
+    mid = rows[len(rows) // 5: max(len(rows) * 4 // 5, len(rows) // 5 + 1)] or rows
+    return {"seconds": cupy.cuda.get_elapsed_time(start, end) / 1e3 / count, "count": count,
+            "clock_mhz": statistics.median(r[0] for r in mid) if mid else float("nan"),
+            "power_w": statistics.median(r[1] for r in mid) if mid else float("nan"),
+            "reasons": sorted({r[2] for r in mid}), "samples": len(rows)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--precisions", nargs="+", default=["bf16", "tf32"], choices=list(INSTRUCTIONS))
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=INT[,KEY=INT]",
+                   help="step 15 also with these parameters (bench.kernels --tc-variant)")
+    args = p.parse_args(argv)
+
+    import cupy
+
+    from bench.kernels import cublas_precision_runner, parse_variant
+    from distmm.executor import cuda_loader, registry
+
+    dev = cupy.cuda.Device()
+    sms = dev.attributes["MultiProcessorCount"]
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    print(f"{name}: {sms} SMs, max clock {dev.attributes['ClockRate'] / 1e3:.0f} MHz; "
+          f"each workload alone for {args.seconds} s", flush=True)
+    n = args.size
+    for precision in args.precisions:
+        fmt = registry.PRECISION_INPUT[precision]
+        rng = cupy.random.default_rng()
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
+        c = cupy.empty((n, n), dtype=np.float32)
+        gemm = 2.0 * n ** 3
+        runs = {f"cublas-{precision}": (cublas_precision_runner(a_in, b_in, c, n, n, n, precision), gemm)}
+        for step in ("wgmma_tma", "mma_tma"):
+            spec = registry.get_tc(step)
+            if precision in spec.precisions and spec.runs_on(int(dev.compute_capability)):
+                runs[step] = ((lambda s=step: cuda_loader.launch_tc(
+                    s, a_in, False, n, b_in, False, n, c, n, n, n, n, precision=precision)), gemm)
+        spec = registry.get_tc("mma_tma")
+        for text in args.variant:
+            params = dict(spec.params(fmt), **parse_variant(text))
+            if spec.runs_on(int(dev.compute_capability)) and not spec.violations(fmt, params):
+                runs[f"mma_tma+{text}"] = ((lambda q=params: cuda_loader.launch_tc(
+                    "mma_tma", a_in, False, n, b_in, False, n, c, n, n, n, n,
+                    precision=precision, params=q)), gemm)
+        chains, warps, per_sm = 16, 4, 2
+        blocks = sms * per_sm
+        flops_mma = INSTRUCTIONS[precision][3]
+        iters = 16384
+        out = cupy.empty(blocks * warps * 32, dtype=np.float32)
+        for operands in ("near-zero", "random"):
+            if operands == "random":
+                mask, exp = _RANDOM_BITS[precision]
+                src = (_RANDOM_SOURCE.replace("SHAPE", INSTRUCTIONS[precision][0])
+                       .replace("CHAINS", str(chains)).replace("MASK", f"0x{mask:08x}u")
+                       .replace("EXPONENT", f"0x{exp:08x}u"))
+                kern = cupy.RawKernel(src, "mma_loop", options=("-std=c++17",))
+            else:
+                kern = ceiling_kernel(precision, chains)
+            flops = blocks * warps * iters * chains * flops_mma
+            runs[f"mma.sync-registers-{operands}"] = (
+                (lambda k=kern: k((blocks,), (warps * 32,), (out, np.int32(iters), np.uint32(1)))), flops)
+        for label, (run, flops) in runs.items():
+            r = _sampled(run, args.seconds)
+            print(f"{precision} {label:34s} {flops / r['seconds'] / 1e12:7.1f} TFLOP/s  "
+                  f"clock {r['clock_mhz']:6.0f} MHz  power {r['power_w']:5.0f} W  "
+                  f"reasons {','.join(r['reasons'])}  ({r['count']} launches, {r['samples']} samples)",
+                  flush=True)
+        del a, b, a_in, b_in, c
+        cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
