@@ -15,12 +15,16 @@ clock-event reasons every 50 ms:
   blocks an SM, its best shape), on its near-zero operands and on random ones (random signs
   and significands, exponents of 0.5-1).
 
-``python -m bench.research.sustained_clock [--precisions bf16 tf32] [--seconds 1.5]``
-(log only: the figures go to bench/NOTES.md).
+Every workload runs once per ``--repeat`` round, in the same order each round. Records
+(``kernels-sustained-<device>-<date>.jsonl``, benchmark ``kernels-sustained``): per workload
+the median over the rounds of its seconds a launch, clock and power, with
+``ratio_vs_cublas``, the same run's cuBLAS median over the workload's.
+
+``python -m bench.research.sustained_clock [--precisions bf16 tf32] [--seconds 1.5]
+[--repeat 3] [--variant BM=256,STAGES=4] [--out-dir DIR]``
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
@@ -105,7 +109,10 @@ def _sampled(run, seconds: float) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import RecordWriter, parser
+
+    p = parser(__doc__)
+    p.add_argument("--repeat", type=int, default=3, help="rounds over the workloads")
     p.add_argument("--precisions", nargs="+", default=["bf16", "tf32"], choices=list(INSTRUCTIONS))
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--seconds", type=float, default=1.5)
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
     print(f"{name}: {sms} SMs, max clock {dev.attributes['ClockRate'] / 1e3:.0f} MHz; "
           f"each workload alone for {args.seconds} s", flush=True)
     n = args.size
+    rec = RecordWriter("kernels-sustained", name, args.out_dir, gpus=1)
+    print(f"records -> {rec.path}", flush=True)
     for precision in args.precisions:
         fmt = registry.PRECISION_INPUT[precision]
         rng = cupy.random.default_rng()
@@ -132,19 +141,22 @@ def main(argv=None) -> int:
         a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
         c = cupy.empty((n, n), dtype=np.float32)
         gemm = 2.0 * n ** 3
-        runs = {f"cublas-{precision}": (cublas_precision_runner(a_in, b_in, c, n, n, n, precision), gemm)}
+        # label -> (run, flops a launch, record fields)
+        runs = {f"cublas-{precision}": (cublas_precision_runner(a_in, b_in, c, n, n, n, precision),
+                                        gemm, {"step": 0})}
+        cc = int(dev.compute_capability)
         for step in ("wgmma_tma", "mma_tma"):
             spec = registry.get_tc(step)
-            if precision in spec.precisions and spec.runs_on(int(dev.compute_capability)):
-                runs[step] = ((lambda s=step: cuda_loader.launch_tc(
-                    s, a_in, False, n, b_in, False, n, c, n, n, n, n, precision=precision)), gemm)
-        spec = registry.get_tc("mma_tma")
-        for text in args.variant:
-            params = dict(spec.params(fmt), **parse_variant(text))
-            if spec.runs_on(int(dev.compute_capability)) and not spec.violations(fmt, params):
-                runs[f"mma_tma+{text}"] = ((lambda q=params: cuda_loader.launch_tc(
-                    "mma_tma", a_in, False, n, b_in, False, n, c, n, n, n, n,
-                    precision=precision, params=q)), gemm)
+            if precision in spec.precisions and spec.runs_on(cc):
+                for text in [""] + (args.variant if step == "mma_tma" else []):
+                    params = dict(spec.params(fmt), **(parse_variant(text) if text else {}))
+                    if spec.violations(fmt, params, cc):
+                        continue
+                    runs[f"distmm-raw-{step}{'+' + text if text else ''}"] = (
+                        (lambda s=step, q=params: cuda_loader.launch_tc(
+                            s, a_in, False, n, b_in, False, n, c, n, n, n, n, precision=precision,
+                            params=q)), gemm,
+                        {"step": spec.step, "kernel": step, "params": params, "backend": "raw"})
         chains, warps, per_sm = 16, 4, 2
         blocks = sms * per_sm
         flops_mma = INSTRUCTIONS[precision][3]
@@ -160,14 +172,38 @@ def main(argv=None) -> int:
             else:
                 kern = ceiling_kernel(precision, chains)
             flops = blocks * warps * iters * chains * flops_mma
-            runs[f"mma.sync-registers-{operands}"] = (
-                (lambda k=kern: k((blocks,), (warps * 32,), (out, np.int32(iters), np.uint32(1)))), flops)
-        for label, (run, flops) in runs.items():
-            r = _sampled(run, args.seconds)
-            print(f"{precision} {label:34s} {flops / r['seconds'] / 1e12:7.1f} TFLOP/s  "
-                  f"clock {r['clock_mhz']:6.0f} MHz  power {r['power_w']:5.0f} W  "
-                  f"reasons {','.join(r['reasons'])}  ({r['count']} launches, {r['samples']} samples)",
-                  flush=True)
+            runs[f"ceiling-mma.sync-registers-{operands}"] = (
+                (lambda k=kern: k((blocks,), (warps * 32,), (out, np.int32(iters), np.uint32(1)))),
+                flops, {"chains": chains, "warps_per_block": warps, "blocks_per_sm": per_sm,
+                        "flops_per_launch": flops})
+        got = {label: [] for label in runs}
+        for round_ in range(args.repeat):
+            for label, (run, flops, _) in runs.items():
+                r = _sampled(run, args.seconds)
+                got[label].append(r)
+                print(f"{precision} round {round_} {label:44s} {flops / r['seconds'] / 1e12:7.1f} "
+                      f"TFLOP/s  clock {r['clock_mhz']:6.0f} MHz  power {r['power_w']:5.0f} W  "
+                      f"reasons {','.join(r['reasons'])}  ({r['count']} launches)", flush=True)
+        ref = statistics.median(r["seconds"] for r in got[f"cublas-{precision}"])
+        for label, (run, flops, fields) in runs.items():
+            rs = got[label]
+            sec = statistics.median(r["seconds"] for r in rs)
+            # a ceiling's "seconds" are its launch's; tflops from its own flops, not the GEMM's
+            rec.add(label, "float32", n, n, n, sec, None, precision=precision, input_format=fmt,
+                    times=[r["seconds"] for r in rs],
+                    clock_mhz=statistics.median(r["clock_mhz"] for r in rs),
+                    power_w=statistics.median(r["power_w"] for r in rs),
+                    clock_reasons=sorted({x for r in rs for x in r["reasons"]}),
+                    launches=[r["count"] for r in rs], seconds_alone=args.seconds,
+                    rounds=args.repeat, **fields,
+                    **({"ratio_vs_cublas": ref / sec} if flops == gemm else
+                       {"tflops_probe": flops / sec / 1e12}),
+                    note="each workload alone, back to back for seconds_alone, once a round; "
+                         "median over the rounds; clock and power: nvidia-smi every 50 ms, "
+                         "median of the middle 60% of samples; relerr not checked here "
+                         "(bench.kernels checks the same kernels)")
+            print(f"{precision} {label:44s} median {flops / sec / 1e12:7.1f} TFLOP/s"
+                  + (f" = {ref / sec:.3f} of cuBLAS" if flops == gemm else ""), flush=True)
         del a, b, a_in, b_in, c
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
