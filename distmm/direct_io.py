@@ -10,7 +10,7 @@ writes do not allocate as they go).
 
 Why: writes through the page cache reach the disk at the rate of the kernel's writeback (one
 flusher per device); direct writes were faster on the GPU hosts' disks (``bench/NOTES.md``,
-"Batch jobs: direct writes, whole rows, ``preadv``"). ``distmm.direct-writes: false`` turns
+"Batch jobs: ``mpirun distmm matmul`` on files"). ``distmm.direct-writes: false`` turns
 it off (a file system that refuses ``O_DIRECT`` is written the ordinary way without asking).
 
 It does *not* cover: which writes are whole rows (``distmm.staging.BlockWriter``), staging

@@ -57,16 +57,16 @@ ENGINES = ("mpi", "batch", "dask", "pipeline")
 #: ``host_unregister``, which stall the product while they run)
 COPIES = ("ring", "direct", "locked")
 #: bytes/s of ``cudaHostRegister`` and ``cudaHostUnregister`` of a numpy array's memory, nominal:
-#: the middle of a probe's ranges (bench/NOTES.md, "Copies straight between the device and
-#: the caller's arrays": ``bench/research/host_register.py`` on an H200 host, registering at
+#: the middle of a probe's ranges (bench/NOTES.md, "Host-resident bfloat16 in the stream
+#: pipeline", page-locking: ``bench/research/host_register.py`` on an H200 host, registering at
 #: 24-34 ms a GiB and unregistering at 18-21 ms a GiB; no record measures them)
 HOST_REGISTER_NOMINAL = 2**30 / 0.029
 HOST_UNREGISTER_NOMINAL = 2**30 / 0.0195
 #: a 2-D copy's rate between page-locked host rows and the device, as a share of a contiguous
 #: copy's, by the bytes of each row it copies (both directions alike; below the first row
 #: width its share, above the last 1): the stream pipeline's column blocks of B and C, traced
-#: on one H200 (bench/NOTES.md, twenty-first session: 8 and 16 KB rows 30-31 GB/s, 32 KB rows
-#: 41-47 GB/s, 64 KB rows 54 GB/s, against 54-55 GB/s contiguous)
+#: on one H200 (bench/NOTES.md, "Host-resident bfloat16 in the stream pipeline": 8 and 16 KB
+#: rows 30-31 GB/s, 32 KB rows 41-47 GB/s, 64 KB rows 54 GB/s, against 54-55 GB/s contiguous)
 PINNED_2D_SHARE = ((8192, 0.57), (16384, 0.56), (32768, 0.80), (65536, 0.98), (131072, 1.0))
 #: page-locked staging bytes the ring holds at most (``distmm.pinned-pool``'s default, the
 #: records' ``pinned_limit``): how far the host threads stage ahead of the copies to the device
@@ -715,7 +715,7 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
     per_node = max(1, min(devices, cal.gpus_per_node if device == "gpu" else cal.cores))
     # the operands are read from the page cache, a memory copy in each rank's own process: a
     # rank reads at cat's single-reader rate whatever the others do (4 ranks of one host read
-    # at 4.3-7.0 GB/s each against cat's 7-8 GB/s: bench/NOTES.md, batch jobs, fourth session)
+    # at 4.3-7.0 GB/s each against cat's 7-8 GB/s: bench/NOTES.md, "Batch jobs", `preadv`)
     read_bw = cal.file_read
     if direct_writes:  # C's rows past the page cache (distmm.direct_io)
         write_bw = (cal.file_write if per_node == 1 else cal.file_write_shared) / per_node

@@ -55,13 +55,13 @@ _TK_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 #: of distmm's)
 _TENSOR_CORES = ("tf32", "bf16", "fp16")
 #: the widest k-block a precision's GEMMs take: each k-block's GEMM reads and writes C's unit
-#: once more, which costs ~25% beside a tensor-core GEMM at 2048 (bench/NOTES.md, eighteenth
-#: session) and ~2% beside an SIMT one
+#: once more, which costs ~25% beside a tensor-core GEMM at 2048 (bench/NOTES.md, host-resident
+#: bfloat16) and ~2% beside an SIMT one
 TK_MAX = {"highest": 2048, **{p: 8192 for p in _TENSOR_CORES}}
 _BUDGET_FRACTION = 0.92    # of the device budget for our buffers; the rest for cuBLAS workspace
 #: narrow units run k outer at the start (``PipelineTiling.lead``): while B first crosses
 #: (39 ms at 32768^2 bf16), a k-block feeds this many units' GEMMs instead of one
-#: (bench/NOTES.md, nineteenth session)
+#: (bench/NOTES.md, host-resident bfloat16)
 LEAD = 2
 #: beside tensor-core GEMMs, resident B may be split into column blocks (``choose_tiling``'s
 #: ``columns``) where each block's rows are at least this many columns: a column block of
@@ -217,7 +217,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
         Full-width units of a quarter of the widest that fits (the reduced precisions:
         beside tensor-core GEMMs the copies are the limit, and a 16384-row unit's 2 GiB of
         float32 C could only start its copy out after the unit's GEMMs; bench/NOTES.md,
-        eighteenth session), the first ``lead`` of them k outer (``PipelineTiling.lead``),
+        host-resident bfloat16), the first ``lead`` of them k outer (``PipelineTiling.lead``),
         with C buffers for them and two more in the memory the wider units were given.
     lead : int
         With ``narrow``: how many of the first units run k outer (``PipelineTiling.lead``).
@@ -371,7 +371,7 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
     # k outer, except that each leading unit takes its last two k-blocks together: B's last
     # k-block then lands during the first unit's GEMM of the one before, and that unit's C
     # starts leaving one short GEMM after all of B is in, not after every leading unit's
-    # GEMMs of the next-to-last k-block (bench/NOTES.md, twentieth session)
+    # GEMMs of the next-to-last k-block (bench/NOTES.md, host-resident bfloat16)
     split = gk - 2 if lead > 1 and gk > 2 else gk
     units = [(u, i, j) for u, (i, j) in enumerate(order)]
     head, rest = units[:lead], units[lead:]

@@ -501,7 +501,7 @@ def test_mpi_ranks_of_several_nodes_broadcast_inside_a_node_over_nvlink():
 # -- the model against every committed measurement --------------------------------------------
 
 #: configurations whose latest measurement the model misses by more than TARGET, and why
-#: (the lead's table in bench/NOTES.md, "A calibrated performance model", has every error)
+#: (every error: docs/figures/report.md; why: bench/NOTES.md, "A calibrated performance model")
 KNOWN_MISSES = {
     # measured at commit 5cce11f, before block mode moved chunks between GPUs by CUDA IPC:
     # TCP through host copies then (4.4-10.5 s); the H200 records of the same settings at
@@ -574,8 +574,8 @@ KNOWN_MISSES = {
     # cpu-scaling on 16 cores of the 64-core H100 host (set apart with taskset while GPU tests
     # ran on the others), with the run's own numpy (16 threads) and one-core reference (a
     # single-thread worker's dask.array: 1.40x one core's share of numpy's 16 threads at its
-    # 1024-sided chunk GEMMs) as the core rates (bench/NOTES.md, "CPU model", and "CPU
-    # configurations in the model"). What it misses: runs faster than that one-core reference
+    # 1024-sided chunk GEMMs) as the core rates (bench/NOTES.md, "CPU configurations
+    # in the model"). What it misses: runs faster than that one-core reference
     # on one or two cores (the MPI engine's one GEMM at 4096: 78 GFLOP/s against the
     # reference's 59 in the same run: +43%; the Dask engine on 2 workers at 58-60 GFLOP/s a
     # core: +27%, +34%), and 8 and 16 single-thread ranks at 0.67-0.78 of numpy's 16

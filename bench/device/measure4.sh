@@ -138,11 +138,11 @@ for phase in "$@"; do
     firstcall)
       # where the Dask engine's first call on 4 GPUs goes: the client's threads (and the local
       # scheduler's) sampled every 2 ms until the first task, every worker's threads during the
-      # call (what holds a new cluster's workers ~0.1-0.2 s: bench/NOTES.md, fifteenth
-      # session), the dispatch times, the trace;
+      # call (what holds a new cluster's workers ~0.1-0.2 s: bench/NOTES.md, "The Dask
+      # engine's first call"), the dispatch times, the trace;
       # twice, in two processes: the machine's first (cold on-disk kernel caches), then one
       # as a user's later session meets it (on one H200 the first copy took 380 ms in the
-      # first and 23 ms in the second: bench/NOTES.md, fourteenth session)
+      # first and 23 ms in the second: bench/NOTES.md, "The Dask engine's first call")
       # (FIRST_SETTING: another setting of dask_stream, e.g. 2gpu on a machine of two)
       fs=${FIRST_SETTING:-4gpu}
       for run in cold warm; do

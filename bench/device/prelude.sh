@@ -9,5 +9,5 @@ unset CUPY_TF32
 date -u; echo "commit ${DISTMM_COMMIT:-?}"
 # A pip install byte-compiles the package; this copy of the checkout was never run: without
 # this, each fresh machine's first product also paid compiling distmm's modules (the Dask
-# engine's alone ~0.05-0.1 s; bench/NOTES.md, thirteenth session), as run.sh already avoids.
+# engine's alone ~0.05-0.1 s; bench/NOTES.md, "The Dask engine's first call"), as run.sh already avoids.
 python3 -m compileall -q distmm > /dev/null 2>&1

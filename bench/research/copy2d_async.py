@@ -1,14 +1,14 @@
 """Does a 2-D copy (cudaMemcpy2DAsync) return to the host before its stream reaches it?
 
-The stream pipeline's column halves (bench/NOTES.md, twentieth session) traced every unit's
-A rows issued only once the unit before's 2-D copy of C out had started, as if the host's
-call waited for the stream. This probe queues ~40-50 ms of GEMMs on a stream, then one copy
-on the same stream between page-locked host memory and the device, and times how long the
-copy's call takes to return on the host: a 1-D copy and a 2-D copy (rows of 64 KB out of
-128 KB), each way, from ``cupyx.empty_pinned`` memory and from numpy memory page-locked in
-place (``cudaHostRegister``, as the pipeline locks the caller's arrays). Then, while one
-thread's copy waits behind the GEMMs, a second thread issues a 1-D copy on another stream:
-does that call wait for the first? No record; it informs bench/NOTES.md.
+The stream pipeline's column halves (bench/NOTES.md, "Host-resident bfloat16 in the stream
+pipeline") traced every unit's A rows issued only once the unit before's 2-D copy of C out had
+started, as if the host's call waited for the stream. This probe queues ~40-50 ms of GEMMs on a
+stream, then one copy on the same stream between page-locked host memory and the device, and
+times how long the copy's call takes to return on the host: a 1-D copy and a 2-D copy (rows of
+64 KB out of 128 KB), each way, from ``cupyx.empty_pinned`` memory and from numpy memory
+page-locked in place (``cudaHostRegister``, as the pipeline locks the caller's arrays). Then,
+while one thread's copy waits behind the GEMMs, a second thread issues a 1-D copy on another
+stream: does that call wait for the first? No record; it informs bench/NOTES.md.
 
     python -m bench.research.copy2d_async
 """

@@ -5,7 +5,7 @@ offers its export tasks published, its task states) and the scheduler's view.
     python -m bench.research.dask_stall --gpus 4 --size 65536 --deadline 60
     python -m bench.research.dask_stall --gpus 4 --nodes 2 --size 3000 --chunk 700 --dtype float64
 
-Seen on 4 x H100 (bench/NOTES.md, Dask engine on four GPUs): fp32 65536 with chunks of 8192
+Seen on 4 x H100 (bench/NOTES.md, "Dask engine on 4 GPUs"): fp32 65536 with chunks of 8192
 stalled (no call finished in 5 minutes), as did tests/test_emulate_gpu.py's 3000 x 2500
 product with chunks of 700 on 2 emulated nodes; fp32 16384 with chunks of 8192 did not
 (1.18 s, then 0.16 s).

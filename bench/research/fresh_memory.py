@@ -1,13 +1,13 @@
 """Do copies into device memory just allocated run slower than into memory used before?
 
-The stream pipeline's traces (bench/NOTES.md, eighteenth and nineteenth sessions) show every
-copy of a call's first ~20 ms at 26-29 GB/s and later ones at 50-55, while trains of copies
-into buffers used before run at 54 GB/s from their start (``link_ramp``). Each pipeline call
-allocates its device buffers (~7 GiB at 32768 bf16) from a fresh pool and frees them at its
-end. This probe copies 16 MiB pieces from page-locked memory over the whole of a new
-allocation and times each with events: into memory just allocated, into the same memory
-again, after freeing and allocating again, after a device memset of the new memory, and after
-the GPU idles a while; device-to-host too. No record; it informs bench/NOTES.md.
+The stream pipeline's traces (bench/NOTES.md, "Host-resident bfloat16 in the stream pipeline")
+show every copy of a call's first ~20 ms at 26-29 GB/s and later ones at 50-55, while trains of
+copies into buffers used before run at 54 GB/s from their start (``link_ramp``). Each pipeline
+call allocates its device buffers (~7 GiB at 32768 bf16) from a fresh pool and frees them at
+its end. This probe copies 16 MiB pieces from page-locked memory over the whole of a new
+allocation and times each with events: into memory just allocated, into the same memory again,
+after freeing and allocating again, after a device memset of the new memory, and after the GPU
+idles a while; device-to-host too. No record; it informs bench/NOTES.md.
 
     python -m bench.research.fresh_memory [--gib 7] [--idle 0.05 0.2]
 """

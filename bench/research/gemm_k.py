@@ -1,12 +1,11 @@
 """Does a block's GEMM run slower when its k is cut into pieces? A probe for a lead.
 
-The lead (bench/NOTES.md, "One core per rank, narrow panels across hosts, the first k piece
-measured"): a Dask GPU worker's 16384^2 block at fp32 32768 on 4 GPUs runs as one k piece of
-8192 (four GEMMs, one per 8192^2 part of C) and three more pieces of 8192 added into C
-(beta = 1); the trace's GEMMs summed 349-352 ms a worker against 330 ms for a quarter of one
-cuBLAS product. This times, on one GPU with ``distmm.executor.cublas.cublas_gemm`` (the call
-the block tasks make), fresh random operands, median of ``--repeat`` CUDA-event timings after
-a warm-up:
+The lead (bench/NOTES.md, "Dask engine on 4 GPUs", "A block's k pieces"): a Dask GPU worker's
+16384^2 block at fp32 32768 on 4 GPUs runs as one k piece of 8192 (four GEMMs, one per 8192^2
+part of C) and three more pieces of 8192 added into C (beta = 1); the trace's GEMMs summed
+349-352 ms a worker against 330 ms for a quarter of one cuBLAS product. This times, on one GPU
+with ``distmm.executor.cublas.cublas_gemm`` (the call the block tasks make), fresh random
+operands, median of ``--repeat`` CUDA-event timings after a warm-up:
 
 - ``whole``: m x K x n in one GEMM (the reference);
 - ``pieces P``: the same product as K / P GEMMs of k = P into one C (beta 0, then 1);

@@ -1,8 +1,8 @@
 """Does mapping a CUDA IPC export cost more the second time? A probe for a lead.
 
-The lead (bench/NOTES.md, "Dask engine on 4 GPUs": the twelfth session's trace): in the
-first call of a Dask product on 4 GPUs each block task mapped its 10-14 exports in 0.2-0.7
-ms each, in the next call (fresh operands, so the holders' memory pool handed the same
+The lead (bench/NOTES.md, "Dask engine on 4 GPUs", "The client's plan and the IPC mappings"):
+in the first call of a Dask product on 4 GPUs each block task mapped its 10-14 exports in
+0.2-0.7 ms each, in the next call (fresh operands, so the holders' memory pool handed the same
 allocations out again) in 3-5 ms each, and one worker's first GEMM waited 14 ms for one map.
 
 Two processes of one host: a holder on GPU 0 exports ``--chunks`` arrays of ``--mib`` MiB

@@ -1,10 +1,10 @@
 """Do host-to-device copies run slower for their first milliseconds after the GPU idles?
 
-The stream pipeline's traces (bench/NOTES.md, nineteenth session) show every copy of a call's
-first ~20 ms at 26-29 GB/s and later ones at 50-55. This probe queues back-to-back copies of
-16 MiB from page-locked memory after the GPU has idled for a while, times each with events,
-and prints the rate in the first milliseconds and after; also with a short kernel, or a small
-copy, issued just before. No record; it informs bench/NOTES.md.
+The stream pipeline's traces (bench/NOTES.md, "Host-resident bfloat16 in the stream pipeline")
+show every copy of a call's first ~20 ms at 26-29 GB/s and later ones at 50-55. This probe
+queues back-to-back copies of 16 MiB from page-locked memory after the GPU has idled for a
+while, times each with events, and prints the rate in the first milliseconds and after; also
+with a short kernel, or a small copy, issued just before. No record; it informs bench/NOTES.md.
 
     python -m bench.research.link_ramp [--idle 0 0.02 0.2 1] [--chunks 96]
 """

@@ -2,12 +2,12 @@
 
 This module covers: ``APanels``, for A copied straight from the caller's page-locked rows in
 full-width units. A column slice of host rows (a k block of a row block) crosses as a 2-D copy
-at 10-48 GB/s, against 55 GB/s for contiguous bytes (bench/NOTES.md, eighteenth session), so a
+at 10-48 GB/s, against 55 GB/s for contiguous bytes (bench/NOTES.md, host-resident bfloat16), so a
 row block's whole rows cross instead, in one contiguous copy per page-locked range, into one of
 the device panels (``tm_max x k``: two, or one for each leading unit) on the copy-in stream;
 each GEMM reads its k block of the panel in place, a view whose rows are the panel's (a
 device-to-device 2-D copy of it into an A slot before each GEMM held the issuing thread for
-milliseconds once the compute stream's queue was deep: bench/NOTES.md, twenty-first session).
+milliseconds once the compute stream's queue was deep: bench/NOTES.md, host-resident bfloat16).
 A panel is reloaded only after the last GEMM of the row block it holds; a row block whose
 panel is still in use goes as 2-D copies into the A slots instead.
 

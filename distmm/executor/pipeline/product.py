@@ -70,7 +70,7 @@ def operand_transport(executor, a, b, dtype) -> np.dtype:
 
 #: ``distmm-debug.pipeline-direct``: true page-locks the caller's arrays in place so that A, B
 #: and C cross straight (``direct_in``, ``direct_out``); off by default, since locking costs
-#: more than the ring's host copies (bench/NOTES.md, eighteenth session). Arrays already
+#: more than the ring's host copies (bench/NOTES.md, host-resident bfloat16). Arrays already
 #: page-locked by their owner cross straight without it.
 DIRECT_KEY = "distmm-debug.pipeline-direct"
 
@@ -108,7 +108,7 @@ def _positive(key: str) -> int | None:
 
 #: ``distmm-debug.pipeline-columns``: C's units in this many column blocks, in a growing
 #: order, where A, B and C all cross straight beside tensor-core GEMMs (``_columns``); unset
-#: or 1: whole rows (bench/NOTES.md, twenty-first session)
+#: or 1: whole rows (bench/NOTES.md, host-resident bfloat16)
 COLUMNS_KEY = "distmm-debug.pipeline-columns"
 
 
@@ -138,7 +138,7 @@ def panel_room(tiling, budget: int, precision: str) -> int:
     """Device bytes A's whole-row panels (``distmm.executor.pipeline.panel``) may take: the
     budget's spare beside tensor-core GEMMs, where the copies are the limit; none beside SIMT
     ones, where the first panel's wait cost 4-6% against column slices straight from the
-    rows (bench/NOTES.md, eighteenth session)."""
+    rows (bench/NOTES.md, host-resident bfloat16)."""
     return spare_bytes(tiling, budget) if precision in REDUCED else 0
 
 
