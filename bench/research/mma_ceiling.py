@@ -32,9 +32,8 @@ INSTRUCTIONS = {
 
 _SOURCE = r"""
 extern "C" __global__ void mma_loop(float* out, int iters, unsigned seed) {
-    unsigned a[4], b[2];
-    for (int i = 0; i < 4; ++i) a[i] = (seed + threadIdx.x * 7 + i) & 0x3c003c00u;
-    for (int i = 0; i < 2; ++i) b[i] = (seed + threadIdx.x * 5 + i) & 0x3c003c00u;
+    unsigned a[SETS][4], b[SETS][2];
+    INIT
     float c[CHAINS][4];
     for (int j = 0; j < CHAINS; ++j) for (int e = 0; e < 4; ++e) c[j][e] = 0.f;
     for (int it = 0; it < iters; ++it) {
@@ -43,7 +42,8 @@ extern "C" __global__ void mma_loop(float* out, int iters, unsigned seed) {
             asm volatile("mma.sync.aligned.SHAPE {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                          "{%0, %1, %2, %3};\n"
                          : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+                         : "r"(a[j % SETS][0]), "r"(a[j % SETS][1]), "r"(a[j % SETS][2]),
+                           "r"(a[j % SETS][3]), "r"(b[j % SETS][0]), "r"(b[j % SETS][1]));
     }
     float s = 0.f;
     for (int j = 0; j < CHAINS; ++j) s += c[j][0] + c[j][1] + c[j][2] + c[j][3];
@@ -51,19 +51,57 @@ extern "C" __global__ void mma_loop(float* out, int iters, unsigned seed) {
 }
 """
 
+# One set of operands whose bits are mostly zero (the ceiling's own runs)
+_NEAR_ZERO = """
+    for (int i = 0; i < 4; ++i) a[0][i] = (seed + threadIdx.x * 7 + i) & 0x3c003c00u;
+    for (int i = 0; i < 2; ++i) b[0][i] = (seed + threadIdx.x * 5 + i) & 0x3c003c00u;"""
 
-def ceiling_kernel(precision: str, chains: int):
+# Two sets of random operands (hashed from the thread and register; bits = (x & MASK) |
+# EXPONENT), the chains alternating between them, so that consecutive mma toggle their bits
+_RANDOM = """
+    for (int r = 0; r < 12; ++r) {
+        unsigned x = (threadIdx.x + 131u * blockIdx.x) * 2654435761u + (r + 1u) * 40503u + seed;
+        x ^= x >> 15; x *= 2246822519u; x ^= x >> 13;
+        const unsigned v = (x & MASK) | EXPONENT;
+        if (r < 8) a[r / 4][r % 4] = v; else b[(r - 8) / 2][(r - 8) % 2] = v;
+    }"""
+
+
+def ceiling_kernel(precision: str, chains: int, random_bits: tuple[int, int] | None = None):
+    """The register-only loop for ``precision`` with ``chains`` accumulators a warp, on
+    near-zero operands, or with ``random_bits`` = (mask, exponent) on random ones."""
     import cupy
     shape = INSTRUCTIONS[precision][0]
-    src = _SOURCE.replace("SHAPE", shape).replace("CHAINS", str(chains))
+    if random_bits is None:
+        init, sets = _NEAR_ZERO, 1
+    else:
+        init = _RANDOM.replace("MASK", f"0x{random_bits[0]:08x}u").replace(
+            "EXPONENT", f"0x{random_bits[1]:08x}u")
+        sets = 2
+    src = (_SOURCE.replace("INIT", init).replace("SETS", str(sets)).replace("SHAPE", shape)
+           .replace("CHAINS", str(chains)))
     return cupy.RawKernel(src, "mma_loop", options=("-std=c++17",))
+
+
+def square_operands(n: int, precision: str):
+    """``(a_in, b_in, c)``: standard-normal n x n operands in ``precision``'s input format
+    (converted on the GPU) and an n x n float32 C."""
+    import cupy
+
+    from distmm.executor import cuda_loader, registry
+
+    fmt = registry.PRECISION_INPUT[precision]
+    rng = cupy.random.default_rng()
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
+    return a_in, b_in, cupy.empty((n, n), dtype=np.float32)
 
 
 def ceiling(args) -> None:
     import cupy
 
     from bench.kernels import cublas_precision_runner
-    from distmm.executor import cuda_loader, registry
 
     dev = cupy.cuda.Device()
     sms = dev.attributes["MultiProcessorCount"]
@@ -87,24 +125,17 @@ def ceiling(args) -> None:
                     if tf > best[0]:
                         best = (tf, (chains, warps, per_sm))
         n = args.size
-        fmt = registry.PRECISION_INPUT[precision]
-        rng = cupy.random.default_rng()
-        a = rng.standard_normal((n, n), dtype=np.float32)
-        b = rng.standard_normal((n, n), dtype=np.float32)
-        a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
-        c = cupy.empty((n, n), dtype=np.float32)
+        a_in, b_in, c = square_operands(n, precision)
         run = cublas_precision_runner(a_in, b_in, c, n, n, n, precision)
         blas = 2.0 * n ** 3 / event_seconds(run, repeat=5, warmup=1) / 1e12
         print(f"{precision}: mma.sync ceiling {best[0]:.1f} TFLOP/s {best[1]} against cuBLAS "
               f"{blas:.1f} at {n}^3: the ceiling is {best[0] / blas:.2f} of cuBLAS "
               f"(0.70 of cuBLAS = {0.7 * blas:.1f})", flush=True)
-        del a, b, a_in, b_in, c
+        del a_in, b_in, c
         cupy.get_default_memory_pool().free_all_blocks()
 
 
 def launch(args) -> None:
-    import cupy
-
     from bench.kernels import parse_variant
     from distmm.executor import cuda_loader, registry
 
@@ -113,11 +144,7 @@ def launch(args) -> None:
     fmt = registry.PRECISION_INPUT[args.precision]
     params = dict(spec.params(fmt), **parse_variant(args.params)) if args.params else spec.params(fmt)
     n = args.size
-    rng = cupy.random.default_rng()
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
-    c = cupy.empty((n, n), dtype=np.float32)
+    a_in, b_in, c = square_operands(n, args.precision)
     run = (lambda: cuda_loader.launch_tc(name, a_in, False, n, b_in, False, n, c, n, n, n, n,
                                          precision=args.precision, params=params))
     sec = event_seconds(run, repeat=5, warmup=1)  # 6 launches: ncu --launch-skip 1

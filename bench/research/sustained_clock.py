@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from bench.research.mma_ceiling import INSTRUCTIONS, ceiling_kernel
+from bench.research.mma_ceiling import INSTRUCTIONS, ceiling_kernel, square_operands
 
 _QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -39,35 +39,6 @@ _QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 # exponent that of 0.5 .. 1 (bf16/fp16 halves: 0x3f00 / 0x3800; TF32 as float32: 0x3f000000)
 _RANDOM_BITS = {"bf16": (0x807F807F, 0x3F003F00), "fp16": (0x83FF83FF, 0x38003800),
                 "tf32": (0x807FE000, 0x3F000000)}
-
-
-# mma_ceiling.py's loop, with two sets of random operands (hashed from the thread and
-# register), the chains alternating between them, so that consecutive mma toggle their bits
-_RANDOM_SOURCE = r"""
-extern "C" __global__ void mma_loop(float* out, int iters, unsigned seed) {
-    unsigned a[2][4], b[2][2];
-    for (int r = 0; r < 12; ++r) {
-        unsigned x = (threadIdx.x + 131u * blockIdx.x) * 2654435761u + (r + 1u) * 40503u + seed;
-        x ^= x >> 15; x *= 2246822519u; x ^= x >> 13;
-        const unsigned v = (x & MASK) | EXPONENT;
-        if (r < 8) a[r / 4][r % 4] = v; else b[(r - 8) / 2][(r - 8) % 2] = v;
-    }
-    float c[CHAINS][4];
-    for (int j = 0; j < CHAINS; ++j) for (int e = 0; e < 4; ++e) c[j][e] = 0.f;
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int j = 0; j < CHAINS; ++j)
-            asm volatile("mma.sync.aligned.SHAPE {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                         "{%0, %1, %2, %3};\n"
-                         : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
-                         : "r"(a[j & 1][0]), "r"(a[j & 1][1]), "r"(a[j & 1][2]), "r"(a[j & 1][3]),
-                           "r"(b[j & 1][0]), "r"(b[j & 1][1]));
-    }
-    float s = 0.f;
-    for (int j = 0; j < CHAINS; ++j) s += c[j][0] + c[j][1] + c[j][2] + c[j][3];
-    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-"""
 
 
 def _sampled(run, seconds: float) -> dict:
@@ -135,11 +106,7 @@ def main(argv=None) -> int:
     print(f"records -> {rec.path}", flush=True)
     for precision in args.precisions:
         fmt = registry.PRECISION_INPUT[precision]
-        rng = cupy.random.default_rng()
-        a = rng.standard_normal((n, n), dtype=np.float32)
-        b = rng.standard_normal((n, n), dtype=np.float32)
-        a_in, b_in = cuda_loader.to_input_format(a, fmt), cuda_loader.to_input_format(b, fmt)
-        c = cupy.empty((n, n), dtype=np.float32)
+        a_in, b_in, c = square_operands(n, precision)
         gemm = 2.0 * n ** 3
         # label -> (run, flops a launch, record fields)
         runs = {f"cublas-{precision}": (cublas_precision_runner(a_in, b_in, c, n, n, n, precision),
@@ -163,14 +130,8 @@ def main(argv=None) -> int:
         iters = 16384
         out = cupy.empty(blocks * warps * 32, dtype=np.float32)
         for operands in ("near-zero", "random"):
-            if operands == "random":
-                mask, exp = _RANDOM_BITS[precision]
-                src = (_RANDOM_SOURCE.replace("SHAPE", INSTRUCTIONS[precision][0])
-                       .replace("CHAINS", str(chains)).replace("MASK", f"0x{mask:08x}u")
-                       .replace("EXPONENT", f"0x{exp:08x}u"))
-                kern = cupy.RawKernel(src, "mma_loop", options=("-std=c++17",))
-            else:
-                kern = ceiling_kernel(precision, chains)
+            kern = ceiling_kernel(precision, chains,
+                                  _RANDOM_BITS[precision] if operands == "random" else None)
             flops = blocks * warps * iters * chains * flops_mma
             runs[f"ceiling-mma.sync-registers-{operands}"] = (
                 (lambda k=kern: k((blocks,), (warps * 32,), (out, np.int32(iters), np.uint32(1)))),
@@ -209,7 +170,7 @@ def main(argv=None) -> int:
                              "scaled to the m x n x k product's flops (seconds_launch: a launch)"))
             print(f"{precision} {label:44s} median {gemm / sec / 1e12:7.1f} TFLOP/s"
                   + (f" = {ref / sec:.3f} of cuBLAS" if flops == gemm else ""), flush=True)
-        del a, b, a_in, b_in, c
+        runs.clear()  # the operands go with the workloads that hold them
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
 
