@@ -38,9 +38,11 @@
 // computing warp) before it refills the stage; the computing warps wait only on the full
 // mbarriers, never on one another. The producer gives its registers to the computing warps
 // (setmaxnreg, sm_90a: 40 for the producer, 216 for the others, so that two blocks of 256
-// threads still fit an SM's 64K registers with 64 x 64 warp tiles).
+// threads still fit an SM's 64K registers with 64 x 64 warp tiles). A plain sm_90 build (CI's
+// compile check) has no setmaxnreg, and its SYNC 2 code spills; the registry builds step 15
+// for sm_90a only.
 #include "tma.cuh"
-#include "wgmma.cuh"
+#include "wgmma.cuh"  // DISTMM_WGMMA: built for sm_90a, where setmaxnreg exists
 
 namespace distmm {
 
@@ -136,8 +138,7 @@ __device__ __forceinline__ void mma_tma_body(int M, int N, int K, float alpha,
     grouped_tile_origin<BM, BN>(M, N, m0, n0);
     const int KT = (K + BK - 1) / BK;
     // the warp's index through a shuffle: the compiler then knows it is warp-uniform
-    const int warp_in_block = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32;
-    const int warp = warp_in_block;  // a computing warp
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32;
     const int wm = warp / S::WGN, wn = warp % S::WGN;
     const int g = lane / 4, t = lane % 4, lj = lane / 8;
 
