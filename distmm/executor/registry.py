@@ -376,8 +376,8 @@ class TensorCoreSpec:
     min_cc, max_cc : int
         Compute capabilities (10 * major + minor) the kernel runs on, both inclusive.
     arch_suffix : str
-        ``"a"`` for kernels built for the architecture-specific target (``sm_90a``: wgmma),
-        which only nvcc is asked to compile (``cuda_loader``).
+        ``"a"`` for kernels built for the architecture-specific target (``sm_90a``: wgmma,
+        setmaxnreg), which only nvcc is asked to compile (``cuda_loader``).
     defaults, tune_space
         Default parameters per input dtype and the tuner's space (see ``candidates``).
     """
@@ -420,7 +420,8 @@ class TensorCoreSpec:
         if self.wgmma:  # a producer warpgroup and one consumer warpgroup per 64 rows
             return 128 * (p["BM"] // 64 + 1)
         # the computing warps, + a producer warpgroup with SYNC 2 (step 15)
-        return (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32 + (128 if p.get("SYNC") == 2 else 0)
+        warps = (p["BM"] // p["WM"]) * (p["BN"] // p["WN"])
+        return 32 * warps + (128 if p.get("SYNC") == 2 else 0)
 
     def tile(self, p: Mapping[str, int]) -> tuple[int, int]:
         return p["BM"], p["BN"]
@@ -518,8 +519,9 @@ class TensorCoreSpec:
                            f"got {minb}")
             sync = p.get("SYNC", 0)
             if sync not in ((0, 1, 2) if self.tma else (0, 1)):
+                also = " or 2 (a producer warpgroup)" if self.tma else ""
                 out.append(f"SYNC={sync}: 0 (a block barrier hands stages back), 1 (an empty "
-                           "mbarrier a stage)" + (" or 2 (a producer warpgroup)" if self.tma else ""))
+                           f"mbarrier a stage){also}")
             elif sync == 2:
                 computing = threads - 128
                 launch = min(255, 65536 // (max(minb, 1) * threads)) // 8 * 8
