@@ -358,11 +358,11 @@ def test_command_on_committed_model_records(tmp_path):
     out = tmp_path / "model"
     assert main(["report", str(MODEL), "-o", str(out)]) == 0
     text = check_folder(out, {"predicted-vs-measured.png"})  # model records feed no other figure
-    # (17.66 - 19.04) / 19.04 = -7.3%; (0.1682 - 0.547) / 0.547 = -69.3%
+    # (17.66 - 19.04) / 19.04 = -7.3%; (0.1681 - 0.547) / 0.547 = -69.3%
     assert ("| batch mpirun-4 (batch) | NVIDIA H200 | float32 | 65536x65536x65536 | 19.04 | "
             "17.66 | -7.3% | held-out |") in text
     assert ("| mpi gpu 1 rank(s) on 1 GPU(s) (mpi) | NVIDIA H200 | float32 | 16384x16384x16384 | "
-            "0.547 | 0.1682 | -69.3% | fit |") in text
+            "0.547 | 0.1681 | -69.3% | fit |") in text
     for r in map(json.loads, MODEL.read_text().splitlines()):
         error = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
         cells = f'{r["seconds"]:.4g} | {r["predicted_seconds"]:.4g} | {error:+.1%} | {r["role"]}'
