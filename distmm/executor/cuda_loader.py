@@ -38,7 +38,8 @@ __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir"
 log = logging.getLogger("distmm.executor.cuda_loader")
 
 OPTIONS = ("-std=c++17", "-DDISTMM_NVRTC")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+# a local include, a comment allowed after it on the line
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(?://.*)?$', re.M)
 
 
 class KernelLaunchError(RuntimeError):

@@ -41,8 +41,9 @@
 // threads still fit an SM's 64K registers with 64 x 64 warp tiles). A plain sm_90 build (CI's
 // compile check) has no setmaxnreg, and its SYNC 2 code spills; the registry builds step 15
 // for sm_90a only.
+// wgmma.cuh for DISTMM_WGMMA: built for sm_90a, where setmaxnreg exists
 #include "tma.cuh"
-#include "wgmma.cuh"  // DISTMM_WGMMA: built for sm_90a, where setmaxnreg exists
+#include "wgmma.cuh"
 
 namespace distmm {
 
