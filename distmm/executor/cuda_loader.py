@@ -39,7 +39,7 @@ log = logging.getLogger("distmm.executor.cuda_loader")
 
 OPTIONS = ("-std=c++17", "-DDISTMM_NVRTC")
 # a local include, a comment allowed after it on the line
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(?://.*)?$', re.M)
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*(?://.*)?$', re.M)
 
 
 class KernelLaunchError(RuntimeError):
