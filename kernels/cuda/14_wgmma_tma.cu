@@ -35,8 +35,8 @@
 // warpgroup's wgmma reading the stage has finished; a consumer leaves one wgmma group in
 // flight and hands back the stage of the group before it.
 //
-// The epilogue writes C (float32) from the accumulators: C = alpha acc + beta C, two
-// neighbouring columns per 8-byte store where C allows.
+// The epilogue writes C (float32) from the accumulators: C = alpha acc + beta C (common.cuh's
+// store_c), two neighbouring columns per 8-byte store (store_c_pair) where C allows.
 #include "wgmma.cuh"
 
 namespace distmm {
@@ -56,12 +56,6 @@ struct TmaShape {
 };
 
 #if DISTMM_WGMMA
-__device__ __forceinline__ float epilogue(float acc, float alpha, float beta, const float* c) {
-    float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
-    if (beta != 0.0f) r = madd(beta, *c, r);
-    return r;
-}
-
 template <typename Tin, int BM, int BN, int BK, int STAGES, bool TA, bool TB>
 __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const distmm_tmap* mapA,
                                          const distmm_tmap* mapB, float beta,
@@ -146,14 +140,11 @@ __device__ __forceinline__ void tma_body(int M, int N, int K, float alpha, const
             for (int j = 0; j < BN / 8; ++j) {
                 const int col = n0 + 8 * j + 2 * t;
                 if (pairs && col + 1 < N) {
-                    float2 v;
-                    v.x = epilogue(d[4 * j + 2 * h], alpha, beta, crow + col);
-                    v.y = epilogue(d[4 * j + 2 * h + 1], alpha, beta, crow + col + 1);
-                    *reinterpret_cast<float2*>(crow + col) = v;
+                    store_c_pair(crow, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1], alpha, beta);
                 } else {
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        if (col + e < N) crow[col + e] = epilogue(d[4 * j + 2 * h + e], alpha, beta, crow + col + e);
+                        if (col + e < N) store_c(crow, col + e, d[4 * j + 2 * h + e], alpha, beta);
                 }
             }
         }

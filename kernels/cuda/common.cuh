@@ -66,27 +66,27 @@ __device__ __forceinline__ void store_c(T* __restrict__ c, long long idx,
     c[idx] = (T)r;
 }
 
-// float: the same arithmetic (alpha * acc, then one fused beta * C + that) with no flush
-// of subnormals (see madd).
-__device__ __forceinline__ void store_c(float* __restrict__ c, long long idx, float acc,
-                                        float alpha, float beta) {
-    float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
-    if (beta != 0.0f) r = madd(beta, c[idx], r);
-    c[idx] = r;
+// float: alpha * acc, then one fused beta * old + that, with no flush of subnormals (see
+// madd); old (C's element before the write) counts only when beta != 0. Every float32 C
+// that a kernel writes takes its value here.
+__device__ __forceinline__ float c_value(float acc, float alpha, float beta, float old) {
+    const float r = alpha == 1.0f ? acc : mul_keep_subnormal(alpha, acc);
+    return beta != 0.0f ? madd(beta, old, r) : r;
 }
 
-// Two adjacent elements of a float32 C at idx (8-byte aligned), each as store_c computes it;
-// other types never take this path (store_mma_fragments' pairs).
+__device__ __forceinline__ void store_c(float* __restrict__ c, long long idx, float acc,
+                                        float alpha, float beta) {
+    c[idx] = c_value(acc, alpha, beta, beta != 0.0f ? c[idx] : 0.0f);
+}
+
+// Two adjacent elements of a float32 C at idx (8-byte aligned) in one 8-byte store, each
+// as store_c computes it; other types never take this path (store_mma_fragments' pairs).
 __device__ __forceinline__ void store_c_pair(float* __restrict__ c, long long idx, float acc0,
                                              float acc1, float alpha, float beta) {
-    float2 r;
-    r.x = alpha == 1.0f ? acc0 : mul_keep_subnormal(alpha, acc0);
-    r.y = alpha == 1.0f ? acc1 : mul_keep_subnormal(alpha, acc1);
-    if (beta != 0.0f) {
-        const float2 old = *reinterpret_cast<const float2*>(c + idx);
-        r.x = madd(beta, old.x, r.x);
-        r.y = madd(beta, old.y, r.y);
-    }
+    float2 old = {0.0f, 0.0f}, r;
+    if (beta != 0.0f) old = *reinterpret_cast<const float2*>(c + idx);
+    r.x = c_value(acc0, alpha, beta, old.x);
+    r.y = c_value(acc1, alpha, beta, old.y);
     *reinterpret_cast<float2*>(c + idx) = r;
 }
 template <typename T>
