@@ -26,8 +26,9 @@ from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm import plan as planner
-from distmm.plan import Plan, result_dtype
+from distmm.plan import Plan, result_dtype, ufunc_dtype
 from distmm.precision import check_precision
+from distmm import ufunc_rules
 
 __all__ = ["matmul", "gemm", "make_plan", "plan_for", "resolve_precision", "CALLS", "CallCache"]
 
@@ -54,14 +55,24 @@ def _as_array(x, family: str):
     raise AssertionError(family)
 
 
-def _validate(a, b, what: str = "matmul") -> Operands:
+def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",
+              order="K") -> Operands:
     if type(a) is np.ndarray and type(b) is np.ndarray:
         fam = "numpy"  # the common case, without the dispatch
     else:
         fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
         a, b = _as_array(a, fam), _as_array(b, fam)
-    # numpy resolves the loop (dtypes) before it looks at dimensions.
-    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    # numpy resolves the loop (dtypes) and the casts into it and into out before it looks
+    # at dimensions.
+    if dtype is None and out is None and casting == "same_kind" and order == "K":
+        dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    else:
+        out_dtype = getattr(out, "dtype", None) if fam != "dask" else None
+        loop = ufunc_dtype(a.dtype, b.dtype, dtype=dtype, out_dtype=out_dtype,
+                           casting=casting, order=order)
+        if dtype is not None:  # numpy casts both operands into the loop it names
+            a, b = (x if np.dtype(x.dtype) == loop else _cast(x, loop) for x in (a, b))
+        dtype = loop
     for name, x in (("a", a), ("b", b)):
         if x.ndim == 0:
             raise ValueError(
@@ -91,6 +102,11 @@ def _validate(a, b, what: str = "matmul") -> Operands:
             )
     return Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
                      a_shape[-2], b_shape[-1], a_shape[-1])
+
+
+def _cast(x, dtype):
+    """An operand converted to numpy's loop dtype (``matmul(..., dtype=)``)."""
+    return x.astype(dtype) if hasattr(x, "astype") else np.asarray(x).astype(dtype)
 
 
 def resolve_precision(precision, dtype, *, what: str = "matmul", config=None) -> str:
@@ -405,13 +421,12 @@ def _writes_direct(out, ops: Operands, eng) -> bool:
 
 
 def _check_out(out, ops: Operands):
-    """numpy's rules for ``out``: the result broadcasts into it (core dimensions
-    equal, batch dimensions broadcast) and ``same_kind`` casting allows it."""
+    """numpy's rule for ``out``'s shape: the result broadcasts into it (core dimensions
+    equal, batch dimensions broadcast). Its dtype was checked with the operands'
+    (``_validate``: numpy's casting rule)."""
     shape = ops.batch + ((ops.m,) if not ops.a_vector else ()) + ((ops.n,) if not ops.b_vector else ())
     if ops.family == "dask":
         raise ValueError("matmul: out= is not supported for dask operands (the result is lazy)")
-    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
-        raise TypeError(f"matmul: out must be an array, got {type(out).__name__}")
     out_shape = tuple(out.shape)
     core = len(shape) - len(ops.batch)
     try:
@@ -424,12 +439,10 @@ def _check_out(out, ops: Operands):
         raise ValueError(f"matmul: non-broadcastable output operand with shape {out_shape} "
                          f"doesn't match the broadcast shape {shape} of a {tuple(ops.a.shape)} @ "
                          f"b {tuple(ops.b.shape)}")
-    if not np.can_cast(ops.dtype, np.dtype(out.dtype), casting="same_kind"):
-        raise TypeError(f"Cannot cast ufunc 'matmul' output from {ops.dtype!r} to "
-                        f"{np.dtype(out.dtype)!r} with casting rule 'same_kind'")
 
 
-def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, backend: str = "auto",
+def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=True,
+           engine: str = "auto", client=None, tile=None, backend: str = "auto",
            precision: str | None = None):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
@@ -444,13 +457,21 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     engine : {"auto", "local", "dask", "mpi"}
         ``"auto"`` uses a Dask cluster when ``client`` is given or a default
         client exists, otherwise the in-process engine.
-    out : ndarray, optional
+    out : ndarray or tuple of one ndarray, optional
         Where to put the result, as ``numpy.matmul``'s ``out`` (also
         positional): the result must broadcast into it and numpy's
-        ``same_kind`` casting must allow the result dtype. With 2-D operands of
+        ``casting`` rule must allow the result dtype. With 2-D operands of
         the result's dtype, the local and Dask engines write the tiles into it
         directly; on a Dask cluster the workers write a staged output file of
         ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
+    casting, order, dtype, subok
+        As ``numpy.matmul``'s: ``dtype`` names the loop both operands are cast
+        into under ``casting`` (default ``"same_kind"``, which also governs the
+        cast into ``out``); ``order`` the result's memory layout (numpy and cupy
+        results; a dask result is lazy); ``subok=False`` returns a plain ndarray
+        for ndarray subclasses. Subclasses (``np.matrix``, masked arrays, your
+        own) come back wrapped by the ``__array_wrap__`` numpy would pick, and
+        operands that override ``__array_ufunc__`` take the call, as in numpy.
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional
@@ -492,8 +513,11 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         does not broadcast into; the message names the shapes.
         An unknown ``precision``.
     TypeError
-        A dtype that is not boolean, numeric or object (``np.void`` among
-        them), an ``out`` dtype the result cannot be cast to, or a reduced
+        numpy's own (``UFuncTypeError`` and its subclasses) for a dtype matmul
+        has no loop for (strings, ``np.void``, datetimes) and for a cast that
+        ``casting`` does not allow (into ``dtype`` or into ``out``), raised
+        before any shape is looked at, as numpy does; an ``out`` that is not an
+        array; or a reduced
         ``precision`` for a result that is not float32, float16 or bfloat16
         (integers, float64, complex).
 
@@ -506,9 +530,22 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
     array([[-128]], dtype=int8)
     """
+    out = ufunc_rules.single_out(out)
+    keywords = dict(casting=casting, order=order, dtype=dtype, subok=subok)
+    plain = dtype is None and casting == "same_kind" and order == "K" and subok is True
+    if ufunc_rules.overrides(a, b, out):  # numpy hands the call to the operand's override
+        return np.matmul(a, b, **({} if out is None else {"out": out}), **keywords)
+    if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
+        wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
+        result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),
+                        casting=casting, order=order, dtype=dtype, engine=engine, client=client,
+                        tile=tile, backend=backend, precision=precision)
+        if out is not None:
+            return out
+        return result if wrap is None else ufunc_rules.apply_wrap(wrap, result, (a, b))
     cfg = get_config()
     key = eng = None
-    if out is None and client is None:
+    if out is None and client is None and plain:
         key, entry = _lookup(a, b, engine, tile, backend, precision)
         if entry is not None:
             # the same key, the same operand types: the engine this call would get
@@ -527,7 +564,7 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
     if _is_distributed(a) or _is_distributed(b):
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
                                    precision=precision)
-    ops = _validate(a, b)
+    ops = _validate(a, b, out=out, dtype=dtype, casting=casting, order=order)
     precision = resolve_precision(precision, ops.dtype, config=cfg)
     if out is not None:
         _check_out(out, ops)
@@ -543,9 +580,21 @@ def matmul(a, b, out=None, *, engine: str = "auto", client=None, tile=None, back
         return out
     result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
-        return result
+        return _ordered(result, order, ops)
     out[...] = result
     return out
+
+
+def _ordered(result, order: str, ops: Operands):
+    """The result in numpy's memory layout for ``order``: Fortran for ``"F"``, and for
+    ``"A"`` when every operand is Fortran-ordered (and not also C-ordered); else the
+    engines' C order, which is numpy's for ``"K"`` and ``"C"``."""
+    order = order.upper()  # numpy's probe (_validate) has checked it is one of K, A, C, F
+    if order in ("K", "C") or ops.family == "dask" or getattr(result, "ndim", 0) < 2:
+        return result
+    fortran = order == "F" or all(x.flags.f_contiguous and not x.flags.c_contiguous
+                                  for x in (ops.a, ops.b) if hasattr(x, "flags"))
+    return _namespace(ops.family).asfortranarray(result) if fortran else result
 
 
 def _is_distributed(x) -> bool:
@@ -580,18 +629,37 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
 
 
 def _scalar_for(value, dtype: np.dtype, name: str):
-    """Convert alpha or beta to the result dtype, refusing lossy conversions."""
-    if not isinstance(value, (numbers.Number, np.generic)):
+    """Convert alpha or beta to the result dtype, refusing lossy conversions: a complex
+    value for a real result, a fraction for an integer one, a value out of the dtype's
+    range (TypeError naming the value)."""
+    if not isinstance(value, (numbers.Number, np.generic)) or isinstance(value, (np.str_, np.bytes_)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if dtype.kind == "O":
+        return value  # Python objects multiply as they are
+    if isinstance(value, (complex, np.complexfloating)) and dtype.kind != "c":
+        if value.imag != 0:
+            raise TypeError(f"{name}={value!r} is complex but the result dtype is {dtype}")
+        value = value.real
     if dtype.kind in "biu":
         if not (isinstance(value, (numbers.Integral, np.integer, np.bool_))
                 or (isinstance(value, numbers.Real) and float(value).is_integer())):
             raise TypeError(f"{name}={value!r} cannot scale a {dtype} result without rounding")
-    elif dtype.kind == "f" and isinstance(value, (complex, np.complexfloating)) and value.imag != 0:
-        raise TypeError(f"{name}={value!r} is complex but the result dtype is {dtype}")
-    if dtype.kind == "b":
-        return np.bool_(value)
-    return dtype.type(int(value.real) if dtype.kind in "iu" and isinstance(value, complex) else value)
+        if dtype.kind == "b":
+            return np.bool_(value)
+        exact = int(value)
+        info = np.iinfo(dtype)
+        if not info.min <= exact <= info.max:
+            raise TypeError(f"{name}={value!r} is out of range for a {dtype} result "
+                            f"({info.min} to {info.max})")
+        return dtype.type(exact)
+    try:
+        with np.errstate(over="raise"):
+            scalar = dtype.type(value)
+    except (OverflowError, FloatingPointError):
+        scalar = None
+    if scalar is None or (np.isfinite(value) and not np.isfinite(scalar)):
+        raise TypeError(f"{name}={value!r} is out of range for a {dtype} result")
+    return scalar
 
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,

@@ -26,6 +26,7 @@ __all__ = [
     "split_edges",
     "reduction_tree",
     "result_dtype",
+    "ufunc_dtype",
     "accumulate_dtype",
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
@@ -124,20 +125,48 @@ def _result_dtype(a_dtype: np.dtype, a_char: str, b_dtype: np.dtype, b_char: str
     Raises
     ------
     TypeError
-        If either dtype is not boolean, numeric or object (strings, bytes,
-        datetimes, timedeltas, structured types). Object arrays are accepted
-        as numpy accepts them (Python ints, Fractions, Decimals multiply
-        exactly); they run on the CPU through numpy.
+        numpy's own (``UFuncTypeError``) for dtypes matmul has no loop for (strings,
+        bytes, datetimes, timedeltas, structured types); a plain TypeError for a
+        dtype numpy multiplies and distmm does not. Object arrays are accepted as
+        numpy accepts them (Python ints, Fractions, Decimals multiply exactly).
     """
-    for name, dt in (("a", np.dtype(a_dtype)), ("b", np.dtype(b_dtype))):
+    return ufunc_dtype(a_dtype, b_dtype)
+
+
+def ufunc_dtype(a_dtype, b_dtype, *, dtype=None, out_dtype=None, casting="same_kind",
+                order="K") -> np.dtype:
+    """The dtype numpy's ``matmul`` computes in for these operand dtypes and its ``dtype=``,
+    ``casting=`` and ``order=`` keywords, having checked that the result casts to
+    ``out_dtype``.
+
+    numpy's own type resolution, applied to empty operands: the only source of truth for
+    mixed signed/unsigned, float16 and complex cases, and the source of numpy's own
+    exceptions (``UFuncTypeError`` and its kin, a ValueError for an unknown ``casting``),
+    raised in numpy's order: the loop, then the inputs' and the output's casts.
+    """
+    a_dtype, b_dtype = np.dtype(a_dtype), np.dtype(b_dtype)
+    out_dtype = None if out_dtype is None else np.dtype(out_dtype)
+    try:
+        return _ufunc_dtype(a_dtype, a_dtype.char, b_dtype, b_dtype.char, dtype, out_dtype,
+                            None if out_dtype is None else out_dtype.char, casting, order)
+    except TypeError as exc:
+        if "unhashable" not in str(exc):
+            raise
+        return _ufunc_dtype.__wrapped__(a_dtype, a_dtype.char, b_dtype, b_dtype.char, dtype,
+                                        out_dtype, None, casting, order)
+
+
+@functools.lru_cache(maxsize=256)
+def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, casting, order):
+    kw = {"casting": casting, "order": order, **({} if dtype is None else {"dtype": dtype})}
+    empty_a, empty_b = np.empty((1, 0), a_dtype), np.empty((0, 1), b_dtype)
+    res = np.matmul(empty_a, empty_b, **kw).dtype
+    if out_dtype is not None:
+        np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
+    for name, dt in (("a", a_dtype), ("b", b_dtype)):
         if dt.kind not in "biufcO" and not is_bfloat16(dt):
-            raise TypeError(
-                f"matmul needs boolean or numeric operands; {name} has dtype {dt}"
-            )
-    # numpy's own type resolution, applied to two empty operands: it is the
-    # only source of truth for mixed signed/unsigned, float16 and complex cases.
-    probe = np.matmul(np.empty((1, 0), a_dtype), np.empty((0, 1), b_dtype))
-    return probe.dtype
+            raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")
+    return res
 
 
 def accumulate_dtype(dtype: np.dtype) -> np.dtype:
@@ -409,8 +438,8 @@ def make_plan(
         Force the number of k groups; ``None`` splits k only when there are
         fewer C tiles than workers and k is long (at least 4 k-blocks a group),
         or when one group's panels would not fit ``memory_budget``; never for
-        float16, whose elements numpy sums over k in one ascending float32 sum
-        (a k group's panels may then exceed the budget).
+        float16 or object results, whose elements numpy sums over k in one
+        ascending sum (a k group's panels may then exceed the budget).
     memory_budget : int
         Bytes one task may hold; it bounds the tile and the k group length.
         This pure planner reads no configuration: ``distmm.make_plan`` and
@@ -472,6 +501,8 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     elif isinstance(tile, (int, np.integer)):
         tm = tn = tk = int(tile)
     else:
+        if not isinstance(tile, tuple) or not all(isinstance(t, (int, np.integer)) for t in tile):
+            raise TypeError(f"tile must be an int or (tm, tn, tk) of ints, got {tile!r}")
         if len(tile) != 3:
             raise ValueError(f"tile must be an int or (tm, tn, tk), got {tile!r}")
         tm, tn, tk = (int(t) for t in tile)
@@ -481,9 +512,10 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     row_edges = split_edges(m, tm)
     col_edges = split_edges(n, tn)
     gm, gn = len(row_edges) - 1, len(col_edges) - 1
-    if k_splits is None and res == np.float16:
-        # numpy's half loop sums each element over k in one ascending float32 sum; partial
-        # sums of k groups added afterwards round differently (1 ulp in float16, measured).
+    if k_splits is None and (res == np.float16 or res.kind == "O"):
+        # numpy's half loop sums each element over k in one ascending float32 sum, and its
+        # object loop in one ascending sum of Python objects; partial sums of k groups added
+        # afterwards round differently (1 ulp in float16, measured; any float's last bits).
         k_splits = 1
     elif k_splits is None:
         k_splits = 1

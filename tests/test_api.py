@@ -351,3 +351,160 @@ def test_randomized_sweep(m, n, k, tm, tn, tk, dtype, backend, fortran):
 def test_warmup_without_cupy_says_what_is_missing():
     with pytest.raises(ImportError, match="cupy"):
         distmm.warmup()
+
+
+# -- numpy's ufunc protocol: keywords, out tuples, subclasses, overrides, error order --------
+
+def _numpy_and_distmm(call):
+    """``call(np)`` and ``call(distmm)``: each the result, or the exception's exact type."""
+    outcomes = []
+    for mod in (np, distmm):
+        try:
+            outcomes.append(call(mod))
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            outcomes.append(type(exc))
+    return outcomes
+
+
+def _same_outcome(want, got):
+    if isinstance(want, type):
+        assert got is want, f"numpy raised {want.__name__}, distmm gave {got!r}"
+        return
+    assert type(got) is type(want)
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if isinstance(want, np.ma.MaskedArray):
+        np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(want))
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+_A, _B = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+_M = np.matrix([[1.0, 2.0], [3.0, 4.0]])
+_MASKED = np.ma.array([[1.0, 2.0], [3.0, 4.0]], mask=[[0, 1], [0, 0]])
+PROTOCOL_CASES = {
+    # numpy checks the loop and the casts before any shape
+    "out-cast-before-shape": lambda m: m.matmul(_A, _B, out=np.empty((5, 5), np.int64)),
+    "out-cast-before-k": lambda m: m.matmul(_A, _A, out=np.empty((2, 4), np.int64)),
+    "no-loop-str": lambda m: m.matmul(np.array([["a"]]), np.array([["b"]])),
+    "no-loop-before-k": lambda m: m.matmul(np.zeros((2, 3), "m8[s]"), np.zeros((2, 3), "m8[s]")),
+    "out-tuple": lambda m: m.matmul(_A, _B, out=(np.zeros((2, 4)),)),
+    "out-tuple-none": lambda m: m.matmul(_A, _B, out=(None,)),
+    "out-tuple-two": lambda m: m.matmul(_A, _B, out=(np.zeros((2, 4)), np.zeros((2, 4)))),
+    "dtype-float32": lambda m: m.matmul(_A, _B, dtype=np.float32),
+    "dtype-from-ints": lambda m: m.matmul(np.arange(4).reshape(2, 2), np.eye(2, dtype=int),
+                                          dtype="float16"),
+    "dtype-refused": lambda m: m.matmul(_A, _B, dtype=np.int64),
+    "dtype-unknown": lambda m: m.matmul(_A, _B, dtype="bogus"),
+    "casting-no": lambda m: m.matmul(np.ones((2, 2), np.int8), np.ones((2, 2), np.float32),
+                                     casting="no"),
+    "casting-unsafe-out": lambda m: m.matmul(_A, _B, out=np.zeros((2, 4), np.int32),
+                                             casting="unsafe"),
+    "casting-unknown": lambda m: m.matmul(_A, _B, casting="bogus"),
+    "order-unknown": lambda m: m.matmul(_A, _B, order="X"),
+    "matrix": lambda m: m.matmul(_M, _M),
+    "matrix-vector": lambda m: m.matmul(_M, [1.0, 1.0]),
+    "vector-matrix": lambda m: m.matmul([1.0, 2.0], _M),
+    "masked-left": lambda m: m.matmul(_MASKED, np.ones((2, 2))),
+    "masked-right": lambda m: m.matmul(np.ones((2, 2)), _MASKED),
+    "subclass-right": lambda m: m.matmul(np.ones((2, 3)), np.ones((3, 2)).view(_Sub)),
+    "subclass-vectors": lambda m: m.matmul(np.ones(3).view(_Sub), np.ones(3)),
+    "subok-false": lambda m: m.matmul(np.ones((2, 3)).view(_Sub), np.ones((3, 2)), subok=False),
+    "subclass-out": lambda m: m.matmul(_A, _B, out=np.zeros((2, 4)).view(_Sub)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROTOCOL_CASES))
+def test_numpy_protocol_cases_match_numpy(case):
+    want, got = _numpy_and_distmm(PROTOCOL_CASES[case])
+    _same_outcome(want, got)
+
+
+@pytest.mark.parametrize("order", ["K", "A", "C", "F", "f"])
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_order_gives_numpys_memory_layout(order, layout):
+    rng = np.random.default_rng()
+    a = np.asarray(random_array(rng, (5, 7), np.float64), order=layout)
+    b = np.asarray(random_array(rng, (7, 6), np.float64), order=layout)
+    want, got = np.matmul(a, b, order=order), distmm.matmul(a, b, order=order, tile=3)
+    assert (got.flags.c_contiguous, got.flags.f_contiguous) == (want.flags.c_contiguous,
+                                                                 want.flags.f_contiguous)
+    assert_close(got, a @ b)
+
+
+def test_out_tuple_returns_the_array_itself():
+    out = np.full((2, 4), np.nan)
+    assert distmm.matmul(_A, _B, out=(out,)) is out
+    np.testing.assert_array_equal(out, _A @ _B)
+
+
+def test_memmap_operands_give_a_plain_array_as_numpy(tmp_path):
+    mm = np.memmap(tmp_path / "a.bin", dtype=np.float64, mode="w+", shape=(9, 9))
+    mm[:] = np.arange(81.0).reshape(9, 9)
+    for a, b in ((mm, mm), (mm, np.eye(9)), (np.eye(9), mm)):
+        want, got = np.matmul(a, b), distmm.matmul(a, b, tile=4)
+        assert type(got) is type(want)
+        np.testing.assert_array_equal(got, want)
+
+
+class _Overrides:
+    """An operand with its own ``__array_ufunc__``: numpy hands it the call."""
+
+    def __init__(self, data):
+        self.data = np.asarray(data)
+        self.shape, self.dtype, self.ndim = self.data.shape, self.data.dtype, self.data.ndim
+
+    def __array__(self, dtype=None, copy=None):
+        return self.data
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return ("handled", ufunc.__name__, kwargs.get("dtype"))
+
+
+def test_an_array_ufunc_override_takes_the_call_as_in_numpy():
+    x = _Overrides(np.ones((2, 2)))
+    assert np.matmul(x, np.ones((2, 2)), dtype=np.float32) == ("handled", "matmul", np.float32)
+    assert distmm.matmul(x, np.ones((2, 2)), dtype=np.float32) == ("handled", "matmul", np.float32)
+    assert distmm.matmul(np.ones((2, 2)), x) == ("handled", "matmul", None)
+
+
+def test_object_sums_are_numpys_when_k_could_be_split():
+    """numpy adds an object element's k products in one ascending sum; partial sums of k
+    groups round differently (here 1e16 + seven ones)."""
+    a = np.array([[1e16] + [1.0] * 7], dtype=object)
+    b = np.ones((8, 1), dtype=object)
+    want = np.matmul(a, b)
+    assert distmm.make_plan(1, 1, 8, "O", workers=4, tile=1).k_splits == 1
+    for tile in (None, 1, 3):
+        got = distmm.matmul(a, b, tile=tile)
+        assert got.dtype == object and got[0, 0] == want[0, 0]
+
+
+def test_a_tile_that_is_not_an_int_is_named():
+    with pytest.raises(TypeError, match=r"tile must be an int .*1\.5"):
+        distmm.matmul(_A, _B, tile=1.5)
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    (np.int8, dict(alpha=300)), (np.uint8, dict(beta=-1)), (np.int64, dict(alpha=2**70)),
+    (np.int64, dict(alpha=float(2**63))), (np.float16, dict(alpha=1e6)),
+    (np.float32, dict(beta=1e300)), (np.int64, dict(alpha=1 + 1j)),
+], ids=["int8-300", "uint8-minus1", "int64-2e70", "int64-2e63", "float16-1e6", "float32-1e300",
+        "int64-complex"])
+def test_gemm_scalars_out_of_the_results_range_are_type_errors(dtype, kw):
+    x = np.ones((2, 2), dtype)
+    with pytest.raises(TypeError, match="alpha|beta"):
+        distmm.gemm(x, x, x, **kw)
+
+
+def test_gemm_takes_complex_scalars_without_an_imaginary_part():
+    x = np.ones((2, 3), np.float32)
+    y = np.ones((3, 2), np.float32)
+    for alpha in (2 + 0j, np.complex64(2), np.complex128(2 + 0j)):
+        got = distmm.gemm(x, y, alpha=alpha)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.full((2, 2), 6.0, np.float32))
+    i = np.ones((2, 2), np.int64)
+    np.testing.assert_array_equal(distmm.gemm(i, i, alpha=3 + 0j), np.full((2, 2), 6))

@@ -40,6 +40,7 @@ LEVELS = {
     "distmm.engine": 2,
     "distmm.engine.mpi": 2,
     "distmm.api": 3,
+    "distmm.ufunc_rules": 3,
     "distmm.deploy": 3,
     "distmm": 3,
     "distmm.cli": 4,

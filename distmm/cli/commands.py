@@ -205,8 +205,7 @@ def _cmd_matmul(args) -> int:
 
     import distmm
     from distmm.api import resolve_precision
-    from distmm.cli.io import open_operand, parse_target, same_file, staged_output
-    from distmm.plan import result_dtype
+    from distmm.cli.io import open_operand, operands_dtype, parse_target, same_file, staged_output
 
     if _mpi_run(args):
         from distmm.cli.mpi_matmul import run_matmul
@@ -215,7 +214,7 @@ def _cmd_matmul(args) -> int:
     parse_target(args.output)  # an unsupported output suffix fails before anything is read
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
-    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+    dtype = operands_dtype(args.a, a, args.b, b)
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")

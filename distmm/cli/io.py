@@ -96,6 +96,18 @@ def _zarr_node(path: Path) -> str | None:
 # ---------------------------------------------------------------- reading
 
 
+def operands_dtype(a_spec: str, a, b_spec: str, b) -> np.dtype:
+    """numpy's result dtype of ``a @ b`` for two opened operands; a dtype matmul does not
+    take is a TypeError naming its file (the API raises numpy's own, which names none)."""
+    from distmm.plan import is_bfloat16, result_dtype
+
+    for spec, x in ((a_spec, a), (b_spec, b)):
+        dt = np.dtype(x.dtype)
+        if dt.kind not in "biufcO" and not is_bfloat16(dt):
+            raise TypeError(f"{spec} has dtype {dt}: matmul needs boolean or numeric operands")
+    return result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+
+
 def open_operand(spec: str, *, writable: bool = False):
     """Open an operand without reading it all: a memmap, a zarr array or an h5py dataset.
 

@@ -43,11 +43,10 @@ def _fail(comm, error):
 def run_matmul(args) -> int:
     from mpi4py import MPI
 
-    from distmm.cli.io import check_space, check_target, open_operand, parse_target
+    from distmm.cli.io import check_space, check_target, open_operand, operands_dtype, parse_target
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
-    from distmm.plan import result_dtype
 
     comm = MPI.COMM_WORLD
     from distmm.phases import Phases
@@ -67,7 +66,7 @@ def run_matmul(args) -> int:
         # read-only on every rank: HDF5 refuses a file open for writing in several processes
         a = open_operand(args.a)
         b = open_operand(args.b)
-        dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+        dtype = operands_dtype(args.a, a, args.b, b)
         precision = resolve_precision(getattr(args, "precision", None), dtype)
         if a.ndim == 0 or b.ndim == 0:
             raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "

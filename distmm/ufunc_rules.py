@@ -1,0 +1,91 @@
+"""numpy's ufunc protocol around ``matmul``, for operands that are not plain arrays.
+
+This module covers what ``numpy.matmul`` does before and after its loop: an ``out``
+given as a one-element tuple, operands that override ``__array_ufunc__`` (they decide
+the call: numpy hands it to them), and ndarray subclasses (``np.matrix``, masked arrays,
+a user's own), whose result is wrapped by the ``__array_wrap__`` numpy picks. It does *not* cover the product itself (``distmm.api``).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["single_out", "overrides", "find_wrap", "apply_wrap", "is_subclass", "base"]
+
+_NDARRAY_UFUNC = np.ndarray.__array_ufunc__
+_SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
+
+
+def single_out(out):
+    """``out`` as one array or None: numpy also takes a tuple of one (``(arr,)``,
+    ``(None,)``) and refuses any other length with this ValueError."""
+    if isinstance(out, tuple):
+        if len(out) != 1:
+            raise ValueError("The 'out' tuple must have exactly one entry per ufunc output")
+        out = out[0]
+    if out is not None and (not hasattr(out, "shape") or not hasattr(out, "dtype")):
+        raise TypeError(f"matmul: out must be an array, got {type(out).__name__}")
+    return out
+
+
+def _host(x) -> bool:
+    """An object numpy itself would take (not a cupy or dask array, which distmm runs in
+    their own families, nor distmm's DistArray)."""
+    from distmm._arrays import array_family
+
+    return array_family(x) == "numpy" and type(x).__name__ != "DistArray"
+
+
+def overrides(*objs) -> bool:
+    """Whether numpy would hand ``matmul`` over to an operand's own ``__array_ufunc__``
+    (or refuse it, for ``__array_ufunc__ = None``)."""
+    for x in objs:
+        if x is None or type(x) is np.ndarray or not _host(x):
+            continue
+        cls_ufunc = getattr(type(x), "__array_ufunc__", _NDARRAY_UFUNC)
+        if cls_ufunc is not _NDARRAY_UFUNC and not isinstance(x, (numbers.Number, np.generic)):
+            return True
+    return False
+
+
+def is_subclass(x) -> bool:
+    """An ndarray whose type is a subclass (``np.matrix``, masked, a user's own) other than
+    ``np.memmap``: the engines read a memmap's file themselves, and numpy's wrap of a
+    product of memmaps is a plain array, as the engines return."""
+    return isinstance(x, np.ndarray) and type(x) is not np.ndarray and not isinstance(x, np.memmap)
+
+
+def base(x):
+    """A subclass's data as a plain ndarray view (no copy); anything else as it is."""
+    return np.asarray(x) if is_subclass(x) else x
+
+
+def find_wrap(*inputs):
+    """The ``__array_wrap__`` numpy applies to the result of these inputs, or None for a
+    plain ndarray: the first input of the highest ``__array_priority__``, a subclass
+    preferred over a plain array at the same priority 0, scalars lowest (numpy's
+    ``npy_find_array_wrap``)."""
+    wrap, priority, seen = None, 0.0, False
+    for x in inputs:
+        if type(x) is np.ndarray:
+            if not seen or priority < 0.0:
+                wrap, priority, seen = None, 0.0, True
+        elif isinstance(x, (numbers.Number, np.generic, str, bytes)):
+            if not seen or priority < _SCALAR_PRIORITY:
+                wrap, priority, seen = None, _SCALAR_PRIORITY, True
+        else:
+            new = getattr(x, "__array_wrap__", None)
+            if new is None:
+                continue
+            current = float(getattr(x, "__array_priority__", 0.0))
+            if not seen or priority < current or (current == 0.0 and wrap is None):
+                wrap, priority, seen = new, current, True
+    return wrap
+
+
+def apply_wrap(wrap, result, inputs):
+    """``result`` (an array, or the scalar of a vector-vector product) wrapped as numpy
+    wraps a ufunc's result: ``wrap(array, (np.matmul, inputs, 0), return_scalar)``."""
+    arr = np.asarray(result)
+    return wrap(arr, (np.matmul, tuple(inputs), 0), arr.ndim == 0)
