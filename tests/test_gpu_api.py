@@ -247,3 +247,17 @@ def test_int_cupy_call_is_not_replayed():
     got = distmm.matmul(cupy.asarray(a), cupy.asarray(a.T))
     assert CALLS.hits == 1 and cupy.asnumpy(got).tolist() == (a @ a.T).tolist()
     CALLS.clear()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_numpys_keywords_on_cupy_operands(backend):
+    """dtype= casts both operands into the loop, order= lays the cupy result out, and a cast
+    into out that same_kind refuses is numpy's TypeError, before any shape is looked at."""
+    rng = np.random.default_rng()
+    a, b = random_array(rng, (33, 65), "float64"), random_array(rng, (65, 17), "float64")
+    got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), dtype=np.float32, order="F",
+                        backend=backend)
+    assert isinstance(got, cupy.ndarray) and got.dtype == np.float32 and got.flags.f_contiguous
+    assert_matches_numpy(cupy.asnumpy(got), a.astype(np.float32), b.astype(np.float32))
+    with pytest.raises(TypeError, match="Cannot cast ufunc 'matmul' output"):
+        distmm.matmul(cupy.asarray(a), cupy.asarray(a), out=cupy.empty((1, 1), np.int64))
