@@ -420,6 +420,19 @@ def _writes_direct(out, ops: Operands, eng) -> bool:
     return _on_disk(out)
 
 
+def _whole_k(ops: Operands) -> Operands:
+    """Dask operands of a float16 product with k in one chunk: numpy sums each element
+    over k in one ascending float32 sum, which the float32 partial sums of k chunks added
+    afterwards do not reproduce. Other products keep their chunks (an object product's
+    tasks already take a tile's k chunks together)."""
+    if ops.family != "dask" or ops.dtype != np.float16:
+        return ops
+    a = ops.a if len(ops.a.chunks[-1]) <= 1 else ops.a.rechunk({ops.a.ndim - 1: -1})
+    k_axis = 0 if ops.b_vector else ops.b.ndim - 2
+    b = ops.b if len(ops.b.chunks[k_axis]) <= 1 else ops.b.rechunk({k_axis: -1})
+    return ops if a is ops.a and b is ops.b else replace(ops, a=a, b=b)
+
+
 def _check_out(out, ops: Operands):
     """numpy's rule for ``out``'s shape: the result broadcasts into it (core dimensions
     equal, batch dimensions broadcast). Its dtype was checked with the operands'
@@ -564,7 +577,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if _is_distributed(a) or _is_distributed(b):
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
                                    precision=precision)
-    ops = _validate(a, b, out=out, dtype=dtype, casting=casting, order=order)
+    ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
     precision = resolve_precision(precision, ops.dtype, config=cfg)
     if out is not None:
         _check_out(out, ops)

@@ -215,12 +215,7 @@ def test_float16_never_splits_k_and_auto_is_numba():
     assert resolve_backend("auto", np.float16, family="cupy", flops=1) == ("auto", True)
 
 
-@pytest.mark.parametrize("k_chunk", [
-    4096,
-    pytest.param(1000, marks=pytest.mark.xfail(
-        strict=True, reason="the Dask engine sums each k chunk apart and adds the partials "
-                            "(distmm/engine/dask: float16 needs whole k per task)")),
-], ids=["k-whole", "k-chunked"])
+@pytest.mark.parametrize("k_chunk", [4096, 1000], ids=["k-whole", "k-chunked"])
 def test_float16_dask_arrays_are_numpys_bits(k_chunk):
     da = pytest.importorskip("dask.array")
     rng = np.random.default_rng()
@@ -230,3 +225,4 @@ def test_float16_dask_arrays_are_numpys_bits(k_chunk):
     got = lazy.compute(scheduler="threads")
     differ = int(np.count_nonzero(got.view(np.uint16) != np.matmul(a, b).view(np.uint16)))
     assert differ == 0, f"{differ} of {got.size} elements differ from numpy"
+
