@@ -455,8 +455,8 @@ def _check_out(out, ops: Operands):
 
 
 def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=True,
-           engine: str = "auto", client=None, tile=None, backend: str = "auto",
-           precision: str | None = None):
+           axes=None, axis=None, engine: str = "auto", client=None, tile=None,
+           backend: str = "auto", precision: str | None = None):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
     Parameters
@@ -477,8 +477,10 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         the result's dtype, the local and Dask engines write the tiles into it
         directly; on a Dask cluster the workers write a staged output file of
         ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
-    casting, order, dtype, subok
-        As ``numpy.matmul``'s: ``dtype`` names the loop both operands are cast
+    casting, order, dtype, subok, axes, axis
+        As ``numpy.matmul``'s: ``axes`` names each operand's and the result's
+        matrix axes (numpy checks them; ``axis`` numpy refuses for matmul);
+        ``dtype`` names the loop both operands are cast
         into under ``casting`` (default ``"same_kind"``, which also governs the
         cast into ``out``); ``order`` the result's memory layout (numpy and cupy
         results; a dask result is lazy); ``subok=False`` returns a plain ndarray
@@ -547,7 +549,13 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     keywords = dict(casting=casting, order=order, dtype=dtype, subok=subok)
     plain = dtype is None and casting == "same_kind" and order == "K" and subok is True
     if ufunc_rules.overrides(a, b, out):  # numpy hands the call to the operand's override
-        return np.matmul(a, b, **({} if out is None else {"out": out}), **keywords)
+        extra = {k: v for k, v in (("out", out), ("axes", axes), ("axis", axis)) if v is not None}
+        return np.matmul(a, b, **extra, **keywords)
+    if axes is not None or axis is not None:
+        a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
+        result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
+                        backend=backend, precision=precision)
+        return back(result)
     if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
         wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
         result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),

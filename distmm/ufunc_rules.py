@@ -1,7 +1,7 @@
 """numpy's ufunc protocol around ``matmul``, for operands that are not plain arrays.
 
 This module covers what ``numpy.matmul`` does before and after its loop: an ``out``
-given as a one-element tuple, operands that override ``__array_ufunc__`` (they decide
+given as a one-element tuple, ``axes`` naming where the matrices lie, operands that override ``__array_ufunc__`` (they decide
 the call: numpy hands it to them), and ndarray subclasses (``np.matrix``, masked arrays,
 a user's own), whose result is wrapped by the ``__array_wrap__`` numpy picks. It does *not* cover the product itself (``distmm.api``).
 """
@@ -11,7 +11,8 @@ import numbers
 
 import numpy as np
 
-__all__ = ["single_out", "overrides", "find_wrap", "apply_wrap", "is_subclass", "base"]
+__all__ = ["single_out", "overrides", "find_wrap", "apply_wrap", "is_subclass", "base",
+           "core_axes_last"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
@@ -89,3 +90,43 @@ def apply_wrap(wrap, result, inputs):
     wraps a ufunc's result: ``wrap(array, (np.matmul, inputs, 0), return_scalar)``."""
     arr = np.asarray(result)
     return wrap(arr, (np.matmul, tuple(inputs), 0), arr.ndim == 0)
+
+
+def core_axes_last(a, b, out, axes, axis):
+    """``matmul(..., axes=)`` as a product of operands whose matrix axes are their last:
+    ``(a, b, out, back)``, each operand (and ``out``) with its core axes moved to the end
+    (views), and ``back(result)`` moving the result's core axes to where ``axes`` puts
+    them (``out`` itself when one was given). numpy checks ``axes`` and ``axis`` first, on
+    one-element stand-ins of the operands' dimensions, and raises its own errors."""
+    nd_a, nd_b = np.ndim(a), np.ndim(b)
+    kw = {name: v for name, v in (("axes", axes), ("axis", axis)) if v is not None}
+    probe = np.matmul(np.zeros((1,) * nd_a), np.zeros((1,) * nd_b), **kw)
+    n_out = int(nd_a >= 2) + int(nd_b >= 2)
+    entries = list(axes)
+
+    def core(entry, ndim):
+        t = (entry,) if isinstance(entry, numbers.Integral) else tuple(entry)
+        return tuple(int(x) % ndim for x in t) if ndim else ()
+
+    def to_end(x, axes_):
+        return np.moveaxis(x, axes_, tuple(range(-len(axes_), 0))) if axes_ else x
+
+    a_core, b_core = core(entries[0], nd_a), core(entries[1], nd_b)
+    nd_out = np.ndim(probe)
+    o_core = (core(entries[2], nd_out) if len(entries) > 2
+              else tuple(range(nd_out - n_out, nd_out)))
+    a, b = to_end(a, a_core), to_end(b, b_core)
+    if out is not None:
+        original = out
+
+        def back(result):
+            return original
+
+        return a, b, to_end(out, o_core), back
+
+    def back(result):
+        if not o_core or np.ndim(result) == 0:
+            return result
+        return np.moveaxis(result, tuple(range(-len(o_core), 0)), o_core)
+
+    return a, b, None, back

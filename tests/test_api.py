@@ -382,6 +382,7 @@ class _Sub(np.ndarray):
 
 
 _A, _B = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+_STACK_A, _STACK_B = np.arange(60.0).reshape(3, 5, 4), np.arange(24.0).reshape(3, 4, 2)
 _M = np.matrix([[1.0, 2.0], [3.0, 4.0]])
 _MASKED = np.ma.array([[1.0, 2.0], [3.0, 4.0]], mask=[[0, 1], [0, 0]])
 PROTOCOL_CASES = {
@@ -413,6 +414,16 @@ PROTOCOL_CASES = {
     "subclass-vectors": lambda m: m.matmul(np.ones(3).view(_Sub), np.ones(3)),
     "subok-false": lambda m: m.matmul(np.ones((2, 3)).view(_Sub), np.ones((3, 2)), subok=False),
     "subclass-out": lambda m: m.matmul(_A, _B, out=np.zeros((2, 4)).view(_Sub)),
+    "axes-operands": lambda m: m.matmul(_STACK_A.transpose(1, 2, 0), _STACK_B,
+                                        axes=[(0, 1), (1, 2), (1, 2)]),
+    "axes-result": lambda m: m.matmul(_STACK_A, _STACK_B, axes=[(1, 2), (1, 2), (0, 1)]),
+    "axes-vector": lambda m: m.matmul(np.arange(4.0), _STACK_B, axes=[(0,), (1, 2), (1,)]),
+    "axes-vectors": lambda m: m.matmul(np.arange(4.0), np.arange(4.0), axes=[0, 0, ()]),
+    "axes-out": lambda m: m.matmul(_STACK_A, _STACK_B, out=np.zeros((5, 2, 3)),
+                                   axes=[(1, 2), (1, 2), (0, 1)]),
+    "axes-two-entries": lambda m: m.matmul(_STACK_A, _STACK_B, axes=[(0, 1), (0, 1)]),
+    "axes-out-of-bounds": lambda m: m.matmul(_STACK_A, _STACK_B, axes=[(0, 9), (0, 1), (0, 1)]),
+    "axis": lambda m: m.matmul(_STACK_A, _STACK_B, axis=0),
 }
 
 
