@@ -51,7 +51,12 @@ def _as_array(x, family: str):
     if family == "dask":
         import dask.array as da
 
-        return da.asarray(x)
+        if isinstance(x, da.Array):
+            return x
+        if not hasattr(x, "dtype"):
+            x = np.asarray(x)
+        # dask's automatic chunks refuse object arrays: one chunk (the array is in memory)
+        return da.asarray(x, chunks=-1) if x.dtype == object else da.asarray(x)
     raise AssertionError(family)
 
 
@@ -79,6 +84,12 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
                 f"{what}: operand {name} is 0-dimensional (a scalar); matmul needs at "
                 f"least 1 dimension: use * to multiply by a scalar"
             )
+    for name, x in (("a", a), ("b", b)) if fam == "dask" else ():
+        if any(s is None or (isinstance(s, float) and np.isnan(s)) for s in x.shape):
+            raise ValueError(
+                f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
+                f"call {name}.compute_chunk_sizes() first"
+            )
     a_vector, b_vector = a.ndim == 1, b.ndim == 1
     a_shape = (1,) + a.shape if a_vector else a.shape
     b_shape = b.shape + (1,) if b_vector else b.shape
@@ -94,12 +105,6 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
             f"{what}: batch dimensions do not broadcast: a has shape {a.shape}, "
             f"b has shape {b.shape}"
         ) from None
-    for name, x in (("a", a), ("b", b)) if fam == "dask" else ():
-        if any(s is None or (isinstance(s, float) and np.isnan(s)) for s in x.shape):
-            raise ValueError(
-                f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
-                f"call {name}.compute_chunk_sizes() first"
-            )
     return Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
                      a_shape[-2], b_shape[-1], a_shape[-1])
 

@@ -71,6 +71,21 @@ def test_unsupported_suffix_and_shape_mismatch(files):
     assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "s.npy"]
 
 
+def test_an_output_path_ending_in_a_separator_is_refused(files):
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", f"{files}/c.npy/")
+    assert r.returncode == 2 and "ends with a path separator" in one_line(r)
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+
+
+def test_batches_that_do_not_broadcast_say_so_once(files):
+    np.save(files / "x.npy", np.ones((2, 3, 4)))
+    np.save(files / "y.npy", np.ones((3, 4, 2)))
+    r = run_cli("matmul", files / "x.npy", files / "y.npy", "-o", files / "c.npy")
+    line = one_line(r)
+    assert r.returncode == 2 and "batch dimensions do not broadcast" in line
+    assert line.count("matmul") == 1, line
+
+
 def test_backend_raw_without_gpu(files):
     pytest.importorskip("numpy")
     try:

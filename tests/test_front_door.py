@@ -226,3 +226,28 @@ def test_float16_dask_arrays_are_numpys_bits(k_chunk):
     differ = int(np.count_nonzero(got.view(np.uint16) != np.matmul(a, b).view(np.uint16)))
     assert differ == 0, f"{differ} of {got.size} elements differ from numpy"
 
+
+
+@pytest.mark.parametrize("dask_side", ["a", "b"])
+def test_object_numpy_operand_beside_a_dask_operand(dask_side):
+    """A numpy object array beside a dask operand becomes one dask chunk (dask's automatic
+    chunks refuse object arrays) and the product is numpy's."""
+    da = pytest.importorskip("dask.array")
+    a = np.arange(6).reshape(2, 3).astype(object)
+    b = np.arange(12).reshape(3, 4).astype(object) * 10**20  # beyond int64: Python ints
+    args = (da.from_array(a, chunks=1), b) if dask_side == "a" else (a, da.from_array(b, chunks=2))
+    got = distmm.matmul(*args).compute(scheduler="threads")
+    assert got.dtype == object and got.tolist() == np.matmul(a, b).tolist()
+
+
+@pytest.mark.parametrize("case", ["k-a", "k-b", "batch"])
+def test_unknown_dask_sizes_name_the_operand_before_any_shape_check(case):
+    da = pytest.importorskip("dask.array")
+    v = da.from_array(np.arange(6.0), chunks=2)
+    v = v[v > -1]  # shape (nan,)
+    x = da.from_array(np.ones((4, 5, 6)), chunks=2)
+    args = {"k-a": (v, np.ones((6, 2))), "k-b": (np.ones((2, 6)), v),
+            "batch": (x[x[:, 0, 0] > 0], np.ones((6, 2)))}[case]
+    name = "b" if case == "k-b" else "a"
+    with pytest.raises(ValueError, match=f"operand {name} has unknown chunk sizes"):
+        distmm.matmul(*args)

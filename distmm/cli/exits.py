@@ -65,6 +65,7 @@ def message(exc: BaseException) -> str:
         text = exc.cli_message
     else:
         text = str(exc) or type(exc).__name__
+        text = text.removeprefix("matmul: ")  # the API's own prefix; the line names the command
     if not isinstance(exc, (ValueError, TypeError, OSError, KeyError, Signalled, KeyboardInterrupt,
                             BackendUnavailable)):
         text = f"{type(exc).__name__}: {text}"

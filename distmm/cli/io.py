@@ -69,6 +69,9 @@ def parse_target(spec: str) -> Target:
         A suffix distmm does not read or write, or a dataset path with a ``.`` or
         ``..`` part (HDF5 would make a link of that name); the message names the path.
     """
+    if spec.endswith(("/", os.sep)):
+        raise ValueError(f"{spec} ends with a path separator: name a file (a.npy, c.zarr, "
+                         f"file.h5:C), not a folder")
     f = parse_spec(spec)
     if f.kind == "h5" and any(part in (".", "..") for part in f.dataset.split("/")):
         raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
