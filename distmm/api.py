@@ -588,6 +588,9 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                     CALLS.last = entry
                     return result
     if _is_distributed(a) or _is_distributed(b):
+        if not plain:
+            raise TypeError("matmul: casting=, order=, dtype= and subok= are not supported for "
+                            "DistArray operands")
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
                                    precision=precision)
     ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
@@ -615,7 +618,7 @@ def _ordered(result, order: str, ops: Operands):
     """The result in numpy's memory layout for ``order``: Fortran for ``"F"``, and for
     ``"A"`` when every operand is Fortran-ordered (and not also C-ordered); else the
     engines' C order, which is numpy's for ``"K"`` and ``"C"``."""
-    order = order.upper()  # numpy's probe (_validate) has checked it is one of K, A, C, F
+    order = (order or "K").upper()  # numpy's probe (_validate) checked it: K, A, C, F or None
     if order in ("K", "C") or ops.family == "dask" or getattr(result, "ndim", 0) < 2:
         return result
     fortran = order == "F" or all(x.flags.f_contiguous and not x.flags.c_contiguous

@@ -405,6 +405,8 @@ PROTOCOL_CASES = {
                                              casting="unsafe"),
     "casting-unknown": lambda m: m.matmul(_A, _B, casting="bogus"),
     "order-unknown": lambda m: m.matmul(_A, _B, order="X"),
+    "order-none": lambda m: m.matmul(_A, _B, order=None),
+    "order-not-str": lambda m: m.matmul(_A, _B, order=1),
     "matrix": lambda m: m.matmul(_M, _M),
     "matrix-vector": lambda m: m.matmul(_M, [1.0, 1.0]),
     "vector-matrix": lambda m: m.matmul([1.0, 2.0], _M),
