@@ -459,6 +459,17 @@ def _check_out(out, ops: Operands):
                          f"b {tuple(ops.b.shape)}")
 
 
+#: numpy.matmul's defaults for the keywords distmm.matmul shares with it
+_NUMPY_DEFAULTS = {"casting": "same_kind", "order": "K", "dtype": None, "subok": True}
+
+
+def _is_default(name: str, value) -> bool:
+    """Whether a keyword is numpy's default: the same object, or the same string (not ``==``,
+    which a dtype answers True against None: ``np.dtype("float64") == None``)."""
+    default = _NUMPY_DEFAULTS[name]
+    return value is default or (isinstance(value, str) and value == default)
+
+
 def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=True,
            axes=None, axis=None, engine: str = "auto", client=None, tile=None,
            backend: str = "auto", precision: str | None = None):
@@ -552,10 +563,12 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     """
     out = ufunc_rules.single_out(out)
     keywords = dict(casting=casting, order=order, dtype=dtype, subok=subok)
-    plain = dtype is None and casting == "same_kind" and order == "K" and subok is True
+    plain = all(_is_default(k, v) for k, v in keywords.items())
     if ufunc_rules.overrides(a, b, out):  # numpy hands the call to the operand's override
-        extra = {k: v for k, v in (("out", out), ("axes", axes), ("axis", axis)) if v is not None}
-        return np.matmul(a, b, **extra, **keywords)
+        # only the keywords the caller gave, as numpy passes them on
+        given = {k: v for k, v in (("out", out), ("axes", axes), ("axis", axis)) if v is not None}
+        given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
+        return np.matmul(a, b, **given)
     if axes is not None or axis is not None:
         a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
         result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,

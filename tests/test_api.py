@@ -473,14 +473,16 @@ class _Overrides:
         return self.data
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        return ("handled", ufunc.__name__, kwargs.get("dtype"))
+        return ("handled", ufunc.__name__, tuple(sorted(kwargs)), kwargs.get("dtype"))
 
 
 def test_an_array_ufunc_override_takes_the_call_as_in_numpy():
     x = _Overrides(np.ones((2, 2)))
-    assert np.matmul(x, np.ones((2, 2)), dtype=np.float32) == ("handled", "matmul", np.float32)
-    assert distmm.matmul(x, np.ones((2, 2)), dtype=np.float32) == ("handled", "matmul", np.float32)
-    assert distmm.matmul(np.ones((2, 2)), x) == ("handled", "matmul", None)
+    for kw in ({"dtype": np.float32}, {}, {"order": "F", "casting": "unsafe"}):
+        want = np.matmul(x, np.ones((2, 2)), **kw)
+        assert want[:2] == ("handled", "matmul")
+        assert distmm.matmul(x, np.ones((2, 2)), **kw) == want, kw
+        assert distmm.matmul(np.ones((2, 2)), x, **kw) == np.matmul(np.ones((2, 2)), x, **kw)
 
 
 def test_object_sums_are_numpys_when_k_could_be_split():
@@ -521,3 +523,15 @@ def test_gemm_takes_complex_scalars_without_an_imaginary_part():
         np.testing.assert_array_equal(got, np.full((2, 2), 6.0, np.float32))
     i = np.ones((2, 2), np.int64)
     np.testing.assert_array_equal(distmm.gemm(i, i, alpha=3 + 0j), np.full((2, 2), 6))
+
+
+def test_a_dtype_keyword_is_never_mistaken_for_the_default():
+    """``np.dtype("float64") == None`` is True in numpy: a cached call without ``dtype=``
+    must not answer one with it."""
+    i = np.arange(4).reshape(2, 2)
+    distmm.matmul(i, i)
+    distmm.matmul(i, i)  # cached now
+    for dt in (np.dtype("float64"), np.float64, "float64"):
+        got = distmm.matmul(i, i, dtype=dt)
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, np.matmul(i, i, dtype=dt))
