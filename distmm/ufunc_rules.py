@@ -85,11 +85,17 @@ def find_wrap(*inputs):
     return wrap
 
 
+_NUMPY_1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+
+
 def apply_wrap(wrap, result, inputs):
     """``result`` (an array, or the scalar of a vector-vector product) wrapped as numpy
     wraps a ufunc's result: ``wrap(array, (np.matmul, inputs, 0), return_scalar)``."""
     arr = np.asarray(result)
-    return wrap(arr, (np.matmul, tuple(inputs), 0), arr.ndim == 0)
+    context = (np.matmul, tuple(inputs), 0)
+    if _NUMPY_1:  # numpy 1.x calls __array_wrap__(array, context): no return_scalar
+        return wrap(arr, context)
+    return wrap(arr, context, arr.ndim == 0)
 
 
 def core_axes_last(a, b, out, axes, axis):
