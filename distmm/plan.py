@@ -187,6 +187,11 @@ def accumulate_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+#: tiles a plan lists along one axis (its edges are tuples of Python ints, ~36 bytes each):
+#: more failed deep in the planner with a bare MemoryError
+MAX_EDGES = 2**24
+
+
 def split_edges(length: int, tile: int) -> tuple[int, ...]:
     """Return the edges ``0 = e0 < e1 < ... = length`` of tiles of at most ``tile``.
 
@@ -509,6 +514,10 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     if min(tm, tn, tk) < 1:
         raise ValueError(f"tile sizes must be positive, got {(tm, tn, tk)}")
 
+    edges = max(-(-m // tm), -(-n // tn), -(-k // tk))
+    if edges > MAX_EDGES:
+        raise MemoryError(f"a {m} x {n} x {k} product in tiles of {(tm, tn, tk)} has {edges:.3g} "
+                          f"tiles along one axis; a plan lists at most {MAX_EDGES:.3g}")
     row_edges = split_edges(m, tm)
     col_edges = split_edges(n, tn)
     gm, gn = len(row_edges) - 1, len(col_edges) - 1

@@ -37,6 +37,27 @@ def test_demo_local_engine():
     assert "OK" in r.stdout and "GFLOP/s" in r.stdout
 
 
+@pytest.mark.parametrize("dtype, check", [("complex64", "relative error vs complex128 numpy"),
+                                          ("int16", "equal to numpy's product")])
+def test_demo_checks_complex_and_integer_products(dtype, check):
+    """The check covers a complex product's imaginary parts (it dropped them and said
+    WRONG, with a ComplexWarning) and compares integers with numpy's wrapped product."""
+    r = run_cli("demo", "-n", 130, "--dtype", dtype, "--engine", "local")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{check}" in r.stdout and r.stdout.rstrip().endswith(": OK"), r.stdout
+    assert "Warning" not in r.stderr, r.stderr
+
+
+def test_demo_and_plan_too_large_say_so_in_one_line():
+    r = run_cli("demo", "-n", 99999999999, "--engine", "local")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert "-n 99999999999 float64" in r.stderr and "GiB" in r.stderr, r.stderr
+    r = run_cli("plan", 99999999999999, 8, 8)
+    assert r.returncode == 1
+    assert "tiles along one axis" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("fmt", ["npy", "zarr", "h5"])
 def test_matmul_on_files(tmp_path: Path, fmt):
     rng = np.random.default_rng()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 
 import numpy as np
@@ -45,12 +46,8 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         if gpus:
             return run_gpu_demo(n=n, dtype=dt.name, gpus=min(gpus, workers or gpus),
                                 backend=backend, distmm=distmm, report=report)
-    if dt.kind in "iu":
-        a = rng.integers(-100, 100, size=(n, n)).astype(dt)
-        b = rng.integers(-100, 100, size=(n, n)).astype(dt)
-    else:
-        a = rng.standard_normal((n, n)).astype(dt)
-        b = rng.standard_normal((n, n)).astype(dt)
+    _check_fits(n, dt)
+    a, b = _operand(rng, n, dt), _operand(rng, n, dt)
     workers = workers or default_workers()
     cluster = client = None
     try:
@@ -82,18 +79,50 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             seconds = time.perf_counter() - t0
         if report and use_cluster:
             print(f"performance report: {report}")
-        ref = a.astype(np.float64) @ b.astype(np.float64)
-        err = float(np.linalg.norm(np.asarray(c, dtype=np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
-        tol = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}.get(dt, 1e-12)
-        ok = err <= tol if dt.kind in "fc" else np.array_equal(c, a @ b)
-        print(f"time {seconds:.3f} s, {2 * n**3 / seconds / 1e9:.1f} GFLOP/s; "
-              f"relative error vs float64 numpy {err:.2e}: {'OK' if ok else 'WRONG'}")
+        wide = np.complex128 if dt.kind == "c" else np.float64
+        ref = a.astype(wide) @ b.astype(wide)
+        err = float(np.linalg.norm(np.asarray(c, dtype=wide) - ref) / max(np.linalg.norm(ref), 1e-300))
+        tol = {"float32": 1e-5, "complex64": 1e-5, "float16": 1e-2}.get(dt.name, 1e-12)
+        if dt.kind in "fc":
+            ok = err <= tol
+            check = f"relative error vs {np.dtype(wide).name} numpy {err:.2e}"
+        else:  # integers wrap around as numpy's do: the check is equality with numpy's product
+            ok = np.array_equal(c, a @ b)
+            check = "equal to numpy's product" if ok else "differs from numpy's product"
+        flops = (8 if dt.kind == "c" else 2) * n**3
+        print(f"time {seconds:.3f} s, {flops / seconds / 1e9:.1f} GFLOP/s; "
+              f"{check}: {'OK' if ok else 'WRONG'}")
         return 0 if ok else 1
     finally:
         if client is not None:
             client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _operand(rng, n: int, dt: np.dtype) -> np.ndarray:
+    """A random ``n`` x ``n`` operand: small integers, or normal values (complex for a
+    complex dtype, so the check covers the imaginary parts)."""
+    if dt.kind in "iub":
+        return rng.integers(-100, 100, size=(n, n)).astype(dt)
+    x = rng.standard_normal((n, n))
+    if dt.kind == "c":
+        x = x + 1j * rng.standard_normal((n, n))
+    return x.astype(dt)
+
+
+def _check_fits(n: int, dt: np.dtype) -> None:
+    """MemoryError, with the sizes, when the operands, result and the float64 check cannot
+    fit this machine's memory (numpy's own refusal names neither -n nor the demo)."""
+    wide = 16 if dt.kind == "c" else 8
+    need = 3 * n * n * dt.itemsize + 3 * n * n * wide
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise MemoryError(f"-n {n} {dt.name}: the operands, result and float64 check need "
+                          f"{need / 2**30:.3g} GiB; this machine has {have / 2**30:.3g} GiB")
 
 
 def _gpu_cluster_available() -> int:

@@ -64,7 +64,9 @@ def message(exc: BaseException) -> str:
     elif getattr(exc, "cli_message", None):  # ConfigError: the advice a command line can take
         text = exc.cli_message
     else:
-        text = str(exc) or type(exc).__name__
+        text = str(exc)
+        if not text:  # e.g. a bare MemoryError: its name is the whole message
+            return type(exc).__name__
         text = text.removeprefix("matmul: ")  # the API's own prefix; the line names the command
     if not isinstance(exc, (ValueError, TypeError, OSError, KeyError, Signalled, KeyboardInterrupt,
                             BackendUnavailable)):
