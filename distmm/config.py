@@ -234,11 +234,15 @@ def _budget(value):
     return _bytes(value, allow_none=False)
 
 
+#: distmm.executor.BACKENDS (a layer above), repeated so that a bad value fails here naming
+#: its key and where it was set, before any work (an MPI job ignored it; tests compare them)
+BACKEND_NAMES = ("auto", "numba", "blas", "raw", "cublas")
+
 # key -> (Config field, parser); the engine names live in distmm.engine (a
 # layer above), repeated here so a bad value fails naming its key.
 _PARSERS = {
     "engine": ("engine", lambda v: _name(v, ("auto", "local", "dask", "mpi"))),
-    "backend": ("backend", _name),  # distmm.executor.resolve_backend checks the name
+    "backend": ("backend", lambda v: _name(v, BACKEND_NAMES)),
     "tile": ("tile", _tile),
     "memory-budget": ("memory_budget", _budget),
     "device-memory-limit": ("device_memory_limit", lambda v: _bytes(v, allow_none=True)),

@@ -35,6 +35,11 @@ def test_yaml_keys_and_parsers_agree():
     assert set(KEYS) == set(config_mod._PARSERS)
 
 
+def test_backend_names_are_the_executors():
+    from distmm.executor import BACKENDS
+    assert config_mod.BACKEND_NAMES == BACKENDS
+
+
 def test_defaults():
     cfg = get_config()
     assert cfg.engine == "auto" and cfg.backend == "auto" and cfg.tile is None
@@ -98,6 +103,7 @@ def test_refresh_keeps_the_defaults():
     ("tile", [64, 64], "distmm.tile"),
     ("tile", -4, "distmm.tile"),
     ("engine", "spark", "distmm.engine"),
+    ("backend", "magic", "distmm.backend"),
     ("retry-timeout", -1, "distmm.retry-timeout"),
     ("retry-timeout", "soon", "distmm.retry-timeout"),
     ("progress", "maybe", "distmm.progress"),

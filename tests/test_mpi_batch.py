@@ -227,6 +227,29 @@ def test_resume_after_sigterm_is_bitwise_equal(tmp_path, run, cmd, batch_env, m,
     assert not list(part.glob(".c.npy.*"))
 
 
+def test_resume_compares_files_not_spellings(tmp_path, monkeypatch):
+    """``x/C.npy`` from ``/tmp`` and ``/tmp/x/C.npy`` name one file: a resumed run may spell
+    its paths either way (it was refused); another file is still refused."""
+    from distmm.engine.mpi import resume as rs
+
+    (tmp_path / "x").mkdir()
+    a = np.ones((3, 4))
+    for name in ("a.npy", "b.npy", "a2.npy"):
+        np.save(tmp_path / "x" / name, a)
+    monkeypatch.chdir(tmp_path)
+
+    def manifest(a_spec, out_spec):
+        return rs.Manifest.make(a=rs.input_facts(a_spec, a), b=rs.input_facts("x/b.npy", a),
+                                output=out_spec, dtype="float64", backend="blas", ranks=2,
+                                grid=(1, 2, 1), stripe_edges=[[0, 3]], panels=[1], pid=0,
+                                header=None)
+
+    first = manifest("x/a.npy", "x/c.npy")
+    assert rs.mismatch(first, manifest(f"{tmp_path}/x/a.npy", f"{tmp_path}/x/../x/c.npy")) is None
+    assert "input A was x/a.npy, now x/a2.npy" in rs.mismatch(first, manifest("x/a2.npy", "x/c.npy"))
+    assert "the output changed" in rs.mismatch(first, manifest("x/a.npy", "x/d.npy"))
+
+
 @pytest.mark.slow
 def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch_env):
     _operands(tmp_path, 600, 1500, 500, "float64", seed=12)

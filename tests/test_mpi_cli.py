@@ -33,9 +33,9 @@ def launch(mpirun):
     """``launch(ranks, *argv, wrap=False, timeout=120)``: ``distmm *argv`` on every rank;
     with ``wrap``, each rank's exit status and stderr on a line of stdout (``WRAPPER``)."""
 
-    def run(ranks, *argv, wrap=False, timeout=120):
+    def run(ranks, *argv, wrap=False, timeout=120, env=None):
         return mpirun(ranks, *(["-c", WRAPPER] if wrap else ["-m", "distmm"]), *argv,
-                      timeout=timeout)
+                      timeout=timeout, env=env)
 
     return run
 
@@ -85,19 +85,28 @@ def test_mpirun_matmul_formats(files, launch):
     assert_close(np.load(d / "bv.npy"), np.load(d / "b.npy") @ v)
 
 
-@pytest.mark.parametrize("bad", ["shape", "missing", "dtype", "exists"])
+@pytest.mark.parametrize("bad", ["shape", "vector", "stack", "missing", "dtype", "exists",
+                                 "backend"])
 def test_mpirun_bad_input_ends_every_rank(files, launch, bad):
     d, _ = files
-    b = {"shape": d / "a.npy", "missing": d / "none.npy", "dtype": d / "s.npy"}.get(bad, d / "b.npy")
+    np.save(d / "v.npy", np.ones(7))
+    np.save(d / "st.npy", np.ones((3, 53, 41)))
+    np.save(d / "su.npy", np.ones((2, 41, 29)))
+    a = d / ("st.npy" if bad == "stack" else "a.npy")
+    b = {"shape": d / "a.npy", "missing": d / "none.npy", "dtype": d / "s.npy",
+         "vector": d / "v.npy", "stack": d / "su.npy"}.get(bad, d / "b.npy")
     out = d / ("a.npy" if bad == "exists" else "c.npy")
-    r = launch(2, "matmul", d / "a.npy", b, "-o", out, wrap=True, timeout=60)
+    env = {"DISTMM_BACKEND": "magic"} if bad == "backend" else None
+    r = launch(2, "matmul", a, b, "-o", out, wrap=True, timeout=60, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("STATUS")]
     assert len(lines) == 2, r.stdout + r.stderr
     assert all(ln.startswith("STATUS 2") for ln in lines), lines
     messages = [ln for ln in lines if "error" in ln]
     assert len(messages) == 1 and " | " not in messages[0], lines  # one message, from rank 0
     assert {"shape": "inner dimensions differ", "missing": "no such file", "dtype": "numeric",
-            "exists": "--overwrite"}[bad] in messages[0]
+            "exists": "--overwrite", "vector": "v.npy has shape (7,) (41 != 7)",
+            "stack": "batch dimensions do not broadcast",
+            "backend": "distmm.backend = 'magic' is not valid"}[bad] in messages[0]
     assert not (d / "c.npy").exists()
     assert not [p for p in d.iterdir() if "partial" in p.name]
 

@@ -205,7 +205,8 @@ def _cmd_matmul(args) -> int:
 
     import distmm
     from distmm.api import resolve_precision
-    from distmm.cli.io import open_operand, operands_dtype, parse_target, same_file, staged_output
+    from distmm.cli.io import (open_operand, operands_dtype, operands_shape, parse_target,
+                               same_file, staged_output)
 
     if _mpi_run(args):
         from distmm.cli.mpi_matmul import run_matmul
@@ -215,9 +216,7 @@ def _cmd_matmul(args) -> int:
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
     dtype = operands_dtype(args.a, a, args.b, b)
-    if a.ndim == 0 or b.ndim == 0:
-        raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
-                         f"arrays of at least 1 dimension")
+    operands_shape(args.a, a, args.b, b)  # numpy's shape rules, naming the files
     precision = resolve_precision(args.precision, dtype)  # refused before any work
     _remove_leftovers(args.output)
     client = _connect(args)
@@ -231,9 +230,6 @@ def _cmd_matmul(args) -> int:
                 # Tiles go straight into the staged output (local engine; on a Dask
                 # cluster the workers write theirs when they all see the file); it
                 # appears at the target only when the product is complete.
-                if a.shape[1] != b.shape[0]:  # checked before anything is staged
-                    raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "
-                                     f"{args.b} has shape {b.shape}")
                 shape = (a.shape[0], b.shape[1])
                 with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
                     distmm.matmul(a, b, out=c, engine=engine, client=client, backend=args.backend,

@@ -43,7 +43,8 @@ def _fail(comm, error):
 def run_matmul(args) -> int:
     from mpi4py import MPI
 
-    from distmm.cli.io import check_space, check_target, open_operand, operands_dtype, parse_target
+    from distmm.cli.io import (check_space, check_target, open_operand, operands_dtype,
+                                operands_shape, parse_target)
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
@@ -68,16 +69,11 @@ def run_matmul(args) -> int:
         b = open_operand(args.b)
         dtype = operands_dtype(args.a, a, args.b, b)
         precision = resolve_precision(getattr(args, "precision", None), dtype)
-        if a.ndim == 0 or b.ndim == 0:
-            raise ValueError(f"{args.a if a.ndim == 0 else args.b} holds a scalar; matmul needs "
-                             f"arrays of at least 1 dimension")
+        operands_shape(args.a, a, args.b, b)  # numpy's shape rules, naming the files
         two_d = a.ndim == b.ndim == 2
         if not two_d and (args.resume or args.profile):
             raise ValueError("--resume and --profile take 2-D operands (matrices); "
                              f"{args.a} and {args.b} have {a.ndim} and {b.ndim} dimensions")
-        if two_d and a.shape[1] != b.shape[0]:
-            raise ValueError(f"inner dimensions differ: {args.a} has shape {a.shape}, "
-                             f"{args.b} has shape {b.shape}")
         if two_d:
             m, k, n = a.shape[0], a.shape[1], b.shape[1]
             backend, on_gpu = resolve_backend(args.backend, dtype, family="numpy", flops=2 * m * n * k)

@@ -34,6 +34,15 @@ def done_log_path(staged: Path, rank: int) -> Path:
     return Path(f"{staged}.done-{rank}")
 
 
+def canonical(spec: str) -> str:
+    """``spec`` with its file's path made absolute and resolved (``x/C.npy`` run from
+    ``/tmp`` and ``/tmp/x/C.npy`` are one file), and its dataset, if any, after a colon."""
+    from distmm.engine.mpi.io import parse_spec
+
+    f = parse_spec(str(spec))
+    return str(f.path.resolve()) + (f":{f.dataset}" if f.dataset else "")
+
+
 def input_facts(spec: str, array) -> dict:
     """What identifies an input: its spec, shape, dtype, and its file's size and
     modification time (the newest file inside a zarr folder)."""
@@ -47,8 +56,8 @@ def input_facts(spec: str, array) -> dict:
     else:
         st = path.stat()
         size, mtime = st.st_size, st.st_mtime_ns
-    return {"spec": str(spec), "shape": [int(s) for s in array.shape], "dtype": str(array.dtype),
-            "bytes": int(size), "mtime_ns": int(mtime)}
+    return {"spec": str(spec), "file": canonical(spec), "shape": [int(s) for s in array.shape],
+            "dtype": str(array.dtype), "bytes": int(size), "mtime_ns": int(mtime)}
 
 
 class Manifest(dict):
@@ -58,7 +67,8 @@ class Manifest(dict):
     def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
              grid: tuple, stripe_edges, panels, pid: int, header,
              precision: str = "highest") -> "Manifest":
-        return cls(format=FORMAT, a=a, b=b, output=str(output), dtype=str(dtype),
+        return cls(format=FORMAT, a=a, b=b, output=str(output), output_file=canonical(output),
+                   dtype=str(dtype),
                    precision=str(precision),
                    backend=str(backend), ranks=int(ranks), grid=[int(g) for g in grid],
                    stripe_edges=[list(map(int, e)) for e in stripe_edges],
@@ -88,13 +98,15 @@ def mismatch(old: dict, new: dict) -> str | None:
     """One phrase naming what differs between two manifests, or None."""
     for key, what in (("a", "input A"), ("b", "input B")):
         o, n = old.get(key, {}), new.get(key, {})
-        if o.get("spec") != n.get("spec"):
+        if o.get("file", o.get("spec")) != n.get("file", n.get("spec")):  # "file": resolved
             return f"{what} was {o.get('spec')}, now {n.get('spec')}"
         for field, label in (("shape", "shape"), ("dtype", "dtype"), ("bytes", "size"),
                              ("mtime_ns", "modification time")):
             if o.get(field) != n.get(field):
                 return f"{what} ({n.get('spec')}) changed: its {label} differs"
-    for key, label in (("output", "output"), ("dtype", "result dtype"), ("backend", "backend"),
+    if old.get("output_file", old.get("output")) != new.get("output_file", new.get("output")):
+        return f"the output changed ({old.get('output')} then, {new.get('output')} now)"
+    for key, label in (("dtype", "result dtype"), ("backend", "backend"),
                        ("ranks", "rank count"), ("grid", "process grid"),
                        ("stripe_edges", "stripes"), ("panels", "k panels of a stripe's sum")):
         if old.get(key) != new.get(key):
