@@ -60,12 +60,35 @@ def _as_array(x, family: str):
     raise AssertionError(family)
 
 
+def _python_scalar_keywords(a, b, out, **keywords) -> None:
+    """numpy's own exception for a Python scalar operand with numpy's keywords: the scalar is
+    weak under NEP 50 (numpy 2), so a strict ``casting`` can pass and the missing dimension
+    is the error (a ValueError), which an int64 stand-in would turn into a cast error. A
+    scalar operand always fails: numpy is asked, on empty stand-ins of the others."""
+    if not any(type(x) in (bool, int, float, complex) for x in (a, b)):
+        return
+
+    def stand_in(x):
+        if type(x) in (bool, int, float, complex):
+            return x
+        x = x if hasattr(x, "dtype") and hasattr(x, "ndim") else np.asarray(x)
+        return np.empty((0,) * max(x.ndim, 1), np.dtype(x.dtype))
+
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if out is not None:
+        given["out"] = np.empty(tuple(out.shape), np.dtype(out.dtype))
+    np.matmul(stand_in(a), stand_in(b), **given)  # raises numpy's exception
+    raise AssertionError("numpy accepted a scalar matmul operand")
+
+
 def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",
               order="K") -> Operands:
     if type(a) is np.ndarray and type(b) is np.ndarray:
         fam = "numpy"  # the common case, without the dispatch
     else:
         fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
+        if not (dtype is None and out is None and casting == "same_kind" and order == "K"):
+            _python_scalar_keywords(a, b, out, dtype=dtype, casting=casting, order=order)
         a, b = _as_array(a, fam), _as_array(b, fam)
     # numpy resolves the loop (dtypes) and the casts into it and into out before it looks
     # at dimensions.
@@ -629,13 +652,14 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
 
 def _ordered(result, order: str, ops: Operands):
     """The result in numpy's memory layout for ``order``: Fortran for ``"F"``, and for
-    ``"A"`` when every operand is Fortran-ordered (and not also C-ordered); else the
-    engines' C order, which is numpy's for ``"K"`` and ``"C"``."""
+    ``"A"`` when every operand is Fortran-contiguous (also when it is C-contiguous too, as
+    vectors and ``(n, 1)`` shapes are); else the engines' C order, which is numpy's for
+    ``"K"`` and ``"C"``."""
     order = (order or "K").upper()  # numpy's probe (_validate) checked it: K, A, C, F or None
     if order in ("K", "C") or ops.family == "dask" or getattr(result, "ndim", 0) < 2:
         return result
-    fortran = order == "F" or all(x.flags.f_contiguous and not x.flags.c_contiguous
-                                  for x in (ops.a, ops.b) if hasattr(x, "flags"))
+    fortran = order == "F" or all(x.flags.f_contiguous for x in (ops.a, ops.b)
+                                  if hasattr(x, "flags"))
     return _namespace(ops.family).asfortranarray(result) if fortran else result
 
 

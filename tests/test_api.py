@@ -426,6 +426,12 @@ PROTOCOL_CASES = {
     "axes-two-entries": lambda m: m.matmul(_STACK_A, _STACK_B, axes=[(0, 1), (0, 1)]),
     "axes-out-of-bounds": lambda m: m.matmul(_STACK_A, _STACK_B, axes=[(0, 9), (0, 1), (0, 1)]),
     "axis": lambda m: m.matmul(_STACK_A, _STACK_B, axis=0),
+    # a Python scalar is weak (NEP 50): under numpy 2 a strict cast passes and the missing
+    # dimension is the error; under numpy 1.26 the cast fails first
+    "scalar-casting-no": lambda m: m.matmul(0, np.ones(2), casting="no"),
+    "scalar-float-into-ints": lambda m: m.matmul(1.5, np.ones(2, int), casting="no"),
+    "scalar-object-equiv": lambda m: m.matmul(0, np.ones(2, object), casting="equiv"),
+    "scalar-dtype": lambda m: m.matmul(np.ones(2), 3, dtype="f4"),
 }
 
 
@@ -445,6 +451,31 @@ def test_order_gives_numpys_memory_layout(order, layout):
     assert (got.flags.c_contiguous, got.flags.f_contiguous) == (want.flags.c_contiguous,
                                                                  want.flags.f_contiguous)
     assert_close(got, a @ b)
+
+
+_LAYOUT_PAIRS = {
+    "column-row": (np.ones((3, 1)), np.ones((1, 5))),  # C- and F-contiguous at once
+    "fortran-stack-vector": (np.asfortranarray(np.ones((2, 3, 4))), np.ones(4)),
+    "empty-bool": (np.ones((2, 0), bool), np.ones((0, 3), bool)),
+    "int64": (np.ones((3, 4), np.int64), np.ones((4, 5), np.int64)),  # the numba kernel's C
+    "int64-matrix-vector": (np.ones((3, 4), np.int64), np.ones(4, np.int64)),
+    "fortran-float": (np.asfortranarray(np.ones((3, 4))), np.asfortranarray(np.ones((4, 5)))),
+}
+
+
+@pytest.mark.parametrize("order", ["K", "A", "C", "F"])
+@pytest.mark.parametrize("pair", sorted(_LAYOUT_PAIRS))
+@pytest.mark.parametrize("backend", ["numba", "blas"])
+def test_result_strides_are_numpys(pair, order, backend):
+    """numpy's ``order="A"`` is Fortran when every operand is F-contiguous, even when also
+    C-contiguous; and a result is always contiguous (the numba kernel's padded rows showed
+    through small int64 products as a non-contiguous view)."""
+    a, b = _LAYOUT_PAIRS[pair]
+    want = np.matmul(a, b, order=order)
+    got = distmm.matmul(a, b, order=order, backend=backend)
+    assert (got.strides, got.flags.c_contiguous, got.flags.f_contiguous) == (
+        want.strides, want.flags.c_contiguous, want.flags.f_contiguous)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_out_tuple_returns_the_array_itself():

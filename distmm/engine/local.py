@@ -89,7 +89,9 @@ def _one_tile(plan: Plan, a, b, executor, out):
     """A product of one tile and one k group (small products): no pool, no bar."""
     acc = finish_tile(plan, tile_partial(executor, plan, a, b))
     if out is None:
-        return executor.to_host(acc) if acc.dtype == np_dtype(plan.dtype) else acc
+        result = executor.to_host(acc) if acc.dtype == np_dtype(plan.dtype) else acc
+        # the numba kernel's C is a view of a buffer with padded rows; numpy's is contiguous
+        return np.ascontiguousarray(result) if isinstance(result, np.ndarray) else result
     out[...] = acc
     return out
 
