@@ -170,6 +170,25 @@ def test_empty_and_zero_k(client):
         _check(distmm.matmul(da.from_array(a), da.from_array(b), client=client).compute(), a @ b)
 
 
+def test_zero_size_chunks_along_m_and_n(client):
+    """Boolean indexing then ``compute_chunk_sizes()`` leaves chunks of no rows: their
+    output blocks are empty (the task indexed a list of no pieces)."""
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((6, 5)), rng.standard_normal((5, 8))
+    a = da.from_array(x, chunks=(3, 5))
+    a = a[da.from_array(np.array([False, False, False, True, True, True]), chunks=3)]
+    b = da.from_array(y, chunks=(5, 4))
+    b = b[:, da.from_array(np.array([False] * 4 + [True] * 4), chunks=4)]
+    for operand in (a, b):
+        operand.compute_chunk_sizes()
+    assert 0 in a.chunks[0] and 0 in b.chunks[1]
+    for left, right in ((a, y), (x, b), (a, b), (a.astype(np.int16), b.astype(np.int16))):
+        want = np.asarray(left) @ np.asarray(right)
+        got = distmm.matmul(left, right, client=client).compute()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow
 def test_k_split_is_reduced_along_the_fixed_tree(client):
     """(64, 200000) @ (200000, 64): one C tile, k split over the workers,

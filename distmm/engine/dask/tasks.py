@@ -136,6 +136,8 @@ def as_chunk(tile, batch_ndim: int):
 def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     """One output block over one k group: the k-loop over its pieces in
     ascending k, then (product not split) the cast to the result dtype."""
+    if not spec.a_rows or not spec.b_cols:  # a zero-size chunk of A along m or of B along n
+        return _empty_block(tp, spec, a_list or b_list)
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
     executor = executor_for(backend, tp.acc_dtype, a_list[0], tp.precision)
@@ -154,6 +156,17 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+def _empty_block(tp: TaskPlan, spec: BlockSpec, blocks):
+    """The output block of a zero-size row or column chunk (boolean indexing then
+    ``compute_chunk_sizes()`` makes them): no rows or no columns, on the operands' side."""
+    from distmm.plan import np_dtype
+
+    shape = (sum(r1 - r0 for _, r0, r1 in spec.a_rows), sum(c1 - c0 for _, c0, c1 in spec.b_cols))
+    xp = array_module(blocks[0]) if blocks else np
+    acc = xp.zeros(shape, np_dtype(tp.acc_dtype))
+    return as_chunk(finish_tile(tp, acc), spec.batch_ndim) if spec.finish else acc
 
 
 def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
