@@ -26,7 +26,7 @@ from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm import plan as planner
-from distmm.plan import Plan, result_dtype, ufunc_dtype
+from distmm.plan import Plan, matmul_shapes, result_dtype, ufunc_dtype
 from distmm.precision import check_precision
 from distmm import ufunc_rules
 
@@ -83,16 +83,17 @@ def _python_scalar_keywords(a, b, out, **keywords) -> None:
 
 def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",
               order="K") -> Operands:
+    defaults = dtype is None and out is None and casting == "same_kind" and order == "K"
     if type(a) is np.ndarray and type(b) is np.ndarray:
         fam = "numpy"  # the common case, without the dispatch
     else:
         fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
-        if not (dtype is None and out is None and casting == "same_kind" and order == "K"):
+        if not defaults:
             _python_scalar_keywords(a, b, out, dtype=dtype, casting=casting, order=order)
         a, b = _as_array(a, fam), _as_array(b, fam)
     # numpy resolves the loop (dtypes) and the casts into it and into out before it looks
     # at dimensions.
-    if dtype is None and out is None and casting == "same_kind" and order == "K":
+    if defaults:
         dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     else:
         out_dtype = getattr(out, "dtype", None) if fam != "dask" else None
@@ -113,23 +114,8 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
                 f"{what}: operand {name} has unknown chunk sizes (shape {x.shape}); "
                 f"call {name}.compute_chunk_sizes() first"
             )
-    a_vector, b_vector = a.ndim == 1, b.ndim == 1
-    a_shape = (1,) + a.shape if a_vector else a.shape
-    b_shape = b.shape + (1,) if b_vector else b.shape
-    if a_shape[-1] != b_shape[-2]:
-        raise ValueError(
-            f"{what}: inner dimensions differ: a has shape {a.shape}, b has shape {b.shape} "
-            f"({a_shape[-1]} != {b_shape[-2]})"
-        )
-    try:
-        batch = () if len(a_shape) == len(b_shape) == 2 else np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
-    except ValueError:
-        raise ValueError(
-            f"{what}: batch dimensions do not broadcast: a has shape {a.shape}, "
-            f"b has shape {b.shape}"
-        ) from None
-    return Operands(a, b, fam, dtype, a_vector, b_vector, tuple(batch),
-                     a_shape[-2], b_shape[-1], a_shape[-1])
+    batch, m, n, k = matmul_shapes(a.shape, b.shape, what=what)
+    return Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
 
 
 def _cast(x, dtype):

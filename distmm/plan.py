@@ -169,6 +169,26 @@ def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, c
     return res
 
 
+def matmul_shapes(a_shape: tuple, b_shape: tuple, *, a_name: str = "a", b_name: str = "b",
+                  what: str = "") -> tuple[tuple[int, ...], int, int, int]:
+    """numpy's shape rules for ``a @ b`` of operands of at least one dimension: a 1-D
+    operand is a vector, stacked axes broadcast. Returns ``(batch, m, n, k)``; a
+    ValueError naming both operands (``a_name``, ``b_name``) where numpy refuses, its
+    message after ``what: `` when ``what`` is given."""
+    prefix = f"{what}: " if what else ""
+    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
+    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
+    if a2[-1] != b2[-2]:
+        raise ValueError(f"{prefix}inner dimensions differ: {a_name} has shape {a_shape}, "
+                         f"{b_name} has shape {b_shape} ({a2[-1]} != {b2[-2]})")
+    try:
+        batch = () if len(a2) == len(b2) == 2 else np.broadcast_shapes(a2[:-2], b2[:-2])
+    except ValueError:
+        raise ValueError(f"{prefix}batch dimensions do not broadcast: {a_name} has shape "
+                         f"{a_shape}, {b_name} has shape {b_shape}") from None
+    return tuple(batch), a2[-2], b2[-1], a2[-1]
+
+
 def accumulate_dtype(dtype: np.dtype) -> np.dtype:
     """Return the dtype tiles are computed and reduced in, for a result dtype.
 

@@ -20,6 +20,7 @@ import time
 
 from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm, whole_line_writes
+from distmm.executor import BACKENDS
 
 __all__ = ["main", "build_parser"]
 
@@ -205,7 +206,7 @@ def _cmd_matmul(args) -> int:
 
     import distmm
     from distmm.api import resolve_precision
-    from distmm.cli.io import (open_operand, operands_dtype, operands_shape, parse_target,
+    from distmm.cli.io import (check_shapes, open_operand, operands_dtype, parse_target,
                                same_file, staged_output)
 
     if _mpi_run(args):
@@ -216,7 +217,7 @@ def _cmd_matmul(args) -> int:
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
     dtype = operands_dtype(args.a, a, args.b, b)
-    operands_shape(args.a, a, args.b, b)  # numpy's shape rules, naming the files
+    check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
     precision = resolve_precision(args.precision, dtype)  # refused before any work
     _remove_leftovers(args.output)
     client = _connect(args)
@@ -280,9 +281,6 @@ def _cmd_report(args) -> int:
 
 
 # ---------------------------------------------------------------- the parser
-
-
-BACKENDS = ("auto", "numba", "blas", "raw", "cublas")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,24 +111,15 @@ def operands_dtype(a_spec: str, a, b_spec: str, b) -> np.dtype:
     return result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
 
 
-def operands_shape(a_spec: str, a, b_spec: str, b) -> tuple[int, ...]:
-    """The shape of ``a @ b`` for two opened operands, by numpy's rules (a 1-D operand is a
-    vector, stacked axes broadcast); a ValueError naming the files where numpy refuses."""
+def check_shapes(a_spec: str, a, b_spec: str, b) -> None:
+    """numpy's shape rules for ``a @ b`` of two opened operands (``distmm.plan.matmul_shapes``);
+    a ValueError naming the files where numpy refuses."""
+    from distmm.plan import matmul_shapes
+
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{a_spec if a.ndim == 0 else b_spec} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")
-    a_shape = (1,) + tuple(a.shape) if a.ndim == 1 else tuple(a.shape)
-    b_shape = tuple(b.shape) + (1,) if b.ndim == 1 else tuple(b.shape)
-    if a_shape[-1] != b_shape[-2]:
-        raise ValueError(f"inner dimensions differ: {a_spec} has shape {tuple(a.shape)}, "
-                         f"{b_spec} has shape {tuple(b.shape)} ({a_shape[-1]} != {b_shape[-2]})")
-    try:
-        batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
-    except ValueError:
-        raise ValueError(f"batch dimensions do not broadcast: {a_spec} has shape "
-                         f"{tuple(a.shape)}, {b_spec} has shape {tuple(b.shape)}") from None
-    return (tuple(batch) + ((a_shape[-2],) if a.ndim > 1 else ())
-            + ((b_shape[-1],) if b.ndim > 1 else ()))
+    matmul_shapes(tuple(a.shape), tuple(b.shape), a_name=a_spec, b_name=b_spec)
 
 
 def open_operand(spec: str, *, writable: bool = False):

@@ -44,7 +44,7 @@ def run_matmul(args) -> int:
     from mpi4py import MPI
 
     from distmm.cli.io import (check_space, check_target, open_operand, operands_dtype,
-                                operands_shape, parse_target)
+                                check_shapes, parse_target)
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
@@ -69,7 +69,7 @@ def run_matmul(args) -> int:
         b = open_operand(args.b)
         dtype = operands_dtype(args.a, a, args.b, b)
         precision = resolve_precision(getattr(args, "precision", None), dtype)
-        operands_shape(args.a, a, args.b, b)  # numpy's shape rules, naming the files
+        check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
         two_d = a.ndim == b.ndim == 2
         if not two_d and (args.resume or args.profile):
             raise ValueError("--resume and --profile take 2-D operands (matrices); "
