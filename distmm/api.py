@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from distmm._arrays import FAMILY_ORDER, array_family
+from distmm._arrays import FAMILY_ORDER, array_family, unsupported
 from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
@@ -81,6 +81,15 @@ def _python_scalar_keywords(a, b, out, **keywords) -> None:
     raise AssertionError("numpy accepted a scalar matmul operand")
 
 
+def _refuse_unsupported(what: str, family: str, **operands) -> None:
+    """One line, before any work, for an operand distmm cannot multiply as it is
+    (``distmm._arrays.unsupported``)."""
+    for name, x in operands.items():
+        why = unsupported(x, family)
+        if why is not None:
+            raise why[0](f"{what}: operand {name} {why[1]}")
+
+
 def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",
               order="K") -> Operands:
     defaults = dtype is None and out is None and casting == "same_kind" and order == "K"
@@ -88,6 +97,7 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
         fam = "numpy"  # the common case, without the dispatch
     else:
         fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
+        _refuse_unsupported(what, fam, a=a, b=b)
         if not defaults:
             _python_scalar_keywords(a, b, out, dtype=dtype, casting=casting, order=order)
         a, b = _as_array(a, fam), _as_array(b, fam)
@@ -551,13 +561,15 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         A 0-d operand, inner dimensions that differ, batch dimensions that do
         not broadcast, dask chunks of unknown size, or an ``out`` the result
         does not broadcast into; the message names the shapes.
-        An unknown ``precision``.
+        An unknown ``precision``. A scipy.sparse operand (numpy reads it as a
+        0-d object).
     TypeError
         numpy's own (``UFuncTypeError`` and its subclasses) for a dtype matmul
         has no loop for (strings, ``np.void``, datetimes) and for a cast that
         ``casting`` does not allow (into ``dtype`` or into ``out``), raised
         before any shape is looked at, as numpy does; an ``out`` that is not an
-        array; or a reduced
+        array; a dask operand whose chunks are not numpy or cupy arrays (masked,
+        sparse, ``np.matrix``); or a reduced
         ``precision`` for a result that is not float32, float16 or bfloat16
         (integers, float64, complex).
 
@@ -776,6 +788,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ops = _validate(op_a, op_b, "gemm")
     dtype = ops.dtype
     if c is not None:
+        _refuse_unsupported("gemm", fam, c=c)
         c = _as_array(c, fam)
         if tuple(c.shape) != (ops.m, ops.n):
             raise ValueError(

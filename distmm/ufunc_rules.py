@@ -11,6 +11,8 @@ import numbers
 
 import numpy as np
 
+from distmm._arrays import array_family, is_sparse
+
 __all__ = ["single_out", "overrides", "find_wrap", "apply_wrap", "is_subclass", "base",
            "core_axes_last"]
 
@@ -25,16 +27,15 @@ def single_out(out):
         if len(out) != 1:
             raise ValueError("The 'out' tuple must have exactly one entry per ufunc output")
         out = out[0]
-    if out is not None and (not hasattr(out, "shape") or not hasattr(out, "dtype")):
-        raise TypeError(f"matmul: out must be an array, got {type(out).__name__}")
+    if out is not None and (not hasattr(out, "shape") or not hasattr(out, "dtype")
+                            or is_sparse(out)):  # numpy: "return arrays must be of ArrayType"
+        raise TypeError(f"matmul: out must be a dense array, got {type(out).__name__}")
     return out
 
 
 def _host(x) -> bool:
     """An object numpy itself would take (not a cupy or dask array, which distmm runs in
     their own families, nor distmm's DistArray)."""
-    from distmm._arrays import array_family
-
     return array_family(x) == "numpy" and type(x).__name__ != "DistArray"
 
 

@@ -251,3 +251,51 @@ def test_unknown_dask_sizes_name_the_operand_before_any_shape_check(case):
     name = "b" if case == "k-b" else "a"
     with pytest.raises(ValueError, match=f"operand {name} has unknown chunk sizes"):
         distmm.matmul(*args)
+
+
+# -- operands distmm cannot multiply as they are: one line before any work --------------------
+
+@pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.parametrize("kind", ["csr_array", "csr_matrix", "coo_array"])
+def test_sparse_operands_are_refused_as_numpy_refuses_them(kind, side):
+    """numpy reads a scipy.sparse matrix as a 0-d object (ValueError from np.matmul); distmm
+    says what it is, where before it was taken for an on-disk array and failed mid-product."""
+    sparse = pytest.importorskip("scipy.sparse")
+    dense = np.random.default_rng().standard_normal((5, 5))
+    s = getattr(sparse, kind)(dense)
+    args = (s, dense) if side == "a" else (dense, s)
+    with pytest.raises(ValueError):
+        np.matmul(*args)
+    with pytest.raises(ValueError, match=f"operand {side} is a scipy.sparse {kind}.*toarray"):
+        distmm.matmul(*args)
+    with pytest.raises(ValueError, match=f"gemm: operand {side} is a scipy.sparse {kind}"):
+        distmm.gemm(*args)
+    with pytest.raises(ValueError, match=f"gemm: operand c is a scipy.sparse {kind}"):
+        distmm.gemm(dense, dense, s, beta=1.0)
+    if side == "a":  # as out=: numpy's TypeError, where before the product was written into it
+        with pytest.raises(TypeError):
+            np.matmul(dense, dense, out=s)
+        with pytest.raises(TypeError, match=f"out must be a dense array, got {kind}"):
+            distmm.matmul(dense, dense, out=s)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.parametrize("chunks", ["masked", "sparse", "matrix"])
+def test_dask_chunks_other_than_numpy_or_cupy_are_refused(chunks, side):
+    """A masked chunk's mask would be dropped and a sparse chunk was taken for a device
+    array (``backend 'auto' needs cupy``): refused by the chunk type dask records (meta)."""
+    da = pytest.importorskip("dask.array")
+    dense = np.arange(16.0).reshape(4, 4)
+    if chunks == "sparse":
+        block = pytest.importorskip("scipy.sparse").csr_matrix(dense)
+    else:
+        block = np.ma.masked_equal(dense, 5.0) if chunks == "masked" else np.matrix(dense)
+    x = da.from_array(block, chunks=2)
+    args = (x, dense) if side == "a" else (dense, x)
+    hint = "masks would be lost" if chunks == "masked" else "numpy or cupy chunks"
+    with pytest.raises(TypeError, match=f"operand {side} is a dask array of .* chunks; .*{hint}"):
+        distmm.matmul(*args)
+    plain = da.from_array(dense, chunks=2)  # the same product of plain chunks runs
+    got = distmm.matmul(plain, dense).compute(scheduler="threads")
+    np.testing.assert_array_equal(got, dense @ dense)
