@@ -6,6 +6,8 @@ This module covers the parts of staging an output that the command line
 - the staged name beside a target, ``.NAME.distmm-partial-PID`` (same folder,
   so the final rename is atomic), and the staged outputs a killed run left there
   (``leftovers``; ``is_live`` tells a running one on this host; ``remove_leftover``);
+- ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
+  target, keeping a replaced target's permission bits;
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
   by tile with ``os.pwrite``, so a full disk or a file-size limit raises a
   clean ``OSError`` (no memory map to die of SIGBUS, no HDF5 call to crash);
@@ -36,6 +38,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +49,7 @@ from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
-           "create_h5_stage", "commit_h5", "HDF5_UNCLOSED", "H5_MARGIN", "leftovers", "is_live",
+           "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN", "leftovers", "is_live",
            "remove_leftover"]
 
 PARTIAL = "distmm-partial"
@@ -64,6 +67,30 @@ def staged_path(path, pid: int | None = None) -> Path:
     """``.NAME.distmm-partial-PID`` beside ``path`` (PID: this process by default)."""
     path = Path(path)
     return path.parent / f".{path.name}.{PARTIAL}-{os.getpid() if pid is None else pid}"
+
+
+def put_in_place(staged, target, pid: int | None = None) -> None:
+    """Rename a finished staged output (a file, or a zarr folder) onto ``target``.
+
+    A target that exists is replaced, and its permission bits pass to the new
+    output, as writing into it would have kept them (a new target keeps the
+    umask's). A folder cannot be renamed onto another: the old one is moved
+    aside (``.NAME.distmm-old-PID``) and removed after the new one is in place.
+    """
+    staged, target = Path(staged), Path(target)
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        os.chmod(staged, mode)
+    if mode is not None and staged.is_dir():
+        old = target.parent / f".{target.name}.distmm-old-{os.getpid() if pid is None else pid}"
+        os.replace(target, old)
+        os.replace(staged, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, target)
 
 
 def leftovers(target: Path) -> list[Path]:

@@ -130,6 +130,37 @@ def test_existing_output_refused_then_replaced(tmp_path, operands):
     np.testing.assert_allclose(np.load(c), ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["npy", "zarr", "h5"])
+def test_replaced_output_keeps_its_permissions(tmp_path, operands, kind):
+    """--overwrite renames a new file onto the old one; the old one's permission bits pass to
+    it (they were the umask's before), as writing into it would have kept them. A new output
+    keeps the umask's."""
+    pa, pb, ref = operands
+    c = tmp_path / f"c.{kind}"
+    if kind == "npy":
+        np.save(c, np.zeros(3))
+    elif kind == "zarr":
+        zarr.open_array(str(c), mode="w", shape=(2, 2), dtype="f8")[...] = 1.0
+    else:
+        with h5py.File(c, "w") as fh:
+            fh["data"] = np.zeros(3)
+    mode = 0o750 if kind == "zarr" else 0o604
+    c.chmod(mode)
+    r = run_cli("matmul", pa, pb, "-o", c, "--engine", "local", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert oct(c.stat().st_mode & 0o7777) == oct(mode)
+    got = (np.load(c) if kind == "npy" else zarr.open_array(str(c), mode="r")[...]
+           if kind == "zarr" else h5py.File(c, "r")["data"][...])
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", c.name]
+    new = tmp_path / f"new.{kind}"
+    r = run_cli("matmul", pa, pb, "-o", new, "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert new.stat().st_mode & 0o7777 == (0o777 if kind == "zarr" else 0o666) & ~umask
+
+
 def _limit(nbytes):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 

@@ -59,6 +59,27 @@ def files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["npy", "zarr"])
+def test_mpirun_overwrite_keeps_the_permissions(files, launch, kind):
+    """Rank 0 renames the staged output onto the old one and gives it the old one's
+    permission bits (``staging.put_in_place``, shared with the one-process command line)."""
+    import zarr
+
+    d, ref = files
+    c = d / f"c.{kind}"
+    r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", c)
+    assert r.returncode == 0, r.stderr
+    mode = 0o750 if kind == "zarr" else 0o640
+    c.chmod(mode)
+    r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", c, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert oct(c.stat().st_mode & 0o7777) == oct(mode)
+    got = np.load(c) if kind == "npy" else zarr.open_array(str(c), mode="r")[...]
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.slow
 def test_mpirun_matmul_formats(files, launch):
     import h5py
     import zarr

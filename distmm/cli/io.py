@@ -36,6 +36,7 @@ from distmm.direct_io import npy_header, preallocate
 from distmm.errors import OutputExists
 from distmm.stripe_writer import parse_spec
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
+                            put_in_place,
                             staged_path)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
@@ -315,9 +316,9 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
     """
     t = parse_target(spec)
     dtype = np.dtype(dtype)
-    exists = check_target(t, overwrite)
+    check_target(t, overwrite)
     try:
-        with _staged(t, shape, dtype, exists, overwrite) as out:
+        with _staged(t, shape, dtype, overwrite) as out:
             yield out
     except OSError as exc:
         if exc.filename is None and exc.errno is not None:
@@ -327,7 +328,7 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
 
 
 @contextmanager
-def _staged(t: Target, shape, dtype, exists: bool, overwrite: bool):
+def _staged(t: Target, shape, dtype, overwrite: bool):
     check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     tmp = staged_path(t.path)
     try:
@@ -342,20 +343,14 @@ def _staged(t: Target, shape, dtype, exists: bool, overwrite: bool):
             finally:
                 writer.close()
             if t.kind == "npy":
-                os.replace(tmp, t.path)
+                put_in_place(tmp, t.path)
             else:
                 commit_h5(tmp, t.path, t.dataset, overwrite=overwrite)
             return
         import zarr
 
         yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype, zarr_format=_zarr_format(t))
-        if exists:  # an existing zarr array (checked above): swap, then drop the old one
-            old = t.path.parent / f".{t.path.name}.distmm-old-{os.getpid()}"
-            os.replace(t.path, old)
-            os.replace(tmp, t.path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, t.path)
+        put_in_place(tmp, t.path)  # an existing zarr array (checked above) swapped out
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target

@@ -32,7 +32,7 @@ import numpy as np
 
 from distmm.config import get_config
 from distmm.direct_io import npy_header, preallocate
-from distmm.staging import BlockWriter, commit_h5, create_h5_stage, staged_path
+from distmm.staging import BlockWriter, commit_h5, create_h5_stage, put_in_place, staged_path
 from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec
 
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
@@ -141,13 +141,7 @@ def _finish(f: FileSpec, pid: int, ok: bool, overwrite: bool) -> None:
         else:
             staged.unlink(missing_ok=True)
         return
-    if f.kind == "zarr" and f.path.exists():
-        old = f.path.parent / f".{f.path.name}.distmm-old-{pid}"
-        os.replace(f.path, old)
-        os.replace(staged, f.path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staged, f.path)
+    put_in_place(staged, f.path, pid)
 
 
 def _agree(comm, ok: bool, error: BaseException | None):
