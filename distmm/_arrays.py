@@ -45,7 +45,7 @@ def _family_numpy(x) -> str:
 
 def is_sparse(x) -> bool:
     """A scipy.sparse matrix or array (told by its module: scipy is not imported)."""
-    return type(x).__module__.startswith("scipy.sparse")
+    return type(x).__module__.startswith("scipy.sparse") and hasattr(x, "toarray")
 
 
 def unsupported(x, family: str) -> tuple[type[Exception], str] | None:
