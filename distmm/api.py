@@ -804,7 +804,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     if fam == "cupy" and dtype in (np.float32, np.float64):
         return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend, precision)
     if alpha_t == 0 or ops.k == 0:
-        product = xp.zeros((ops.m, ops.n), dtype=dtype)
+        # one chunk for object zeros: dask's automatic chunks refuse object arrays
+        chunks = {"chunks": -1 if dtype == object else "auto"} if fam == "dask" else {}
+        product = xp.zeros((ops.m, ops.n), dtype=dtype, **chunks)
     else:
         if dtype != ops.dtype:
             # Compute in the promoted dtype (c's precision), as a typed BLAS call would;

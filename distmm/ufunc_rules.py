@@ -22,7 +22,8 @@ _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
 
 def single_out(out):
     """``out`` as one array or None: numpy also takes a tuple of one (``(arr,)``,
-    ``(None,)``) and refuses any other length with this ValueError."""
+    ``(None,)``) and refuses any other length with this ValueError, and a read-only
+    array before it looks at anything else."""
     if isinstance(out, tuple):
         if len(out) != 1:
             raise ValueError("The 'out' tuple must have exactly one entry per ufunc output")
@@ -30,6 +31,8 @@ def single_out(out):
     if out is not None and (not hasattr(out, "shape") or not hasattr(out, "dtype")
                             or is_sparse(out)):  # numpy: "return arrays must be of ArrayType"
         raise TypeError(f"matmul: out must be a dense array, got {type(out).__name__}")
+    if getattr(getattr(out, "flags", None), "writeable", True) is False:
+        raise ValueError("matmul: output array is read-only")  # numpy's first check of out
     return out
 
 

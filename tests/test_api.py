@@ -194,6 +194,21 @@ def test_out_that_cannot_hold_the_result_is_refused_like_numpy(a_shape, b_shape,
     assert not out.any()  # refused before any work
 
 
+@pytest.mark.parametrize("b_shape,out_dtype", [((3, 5), "f8"), ((4, 5), "f8"), ((3, 5), "i1")])
+def test_read_only_out_is_numpys_first_error(b_shape, out_dtype):
+    """numpy refuses a read-only out before shapes and casts; distmm ran the whole product
+    (on a cluster too) and failed writing it."""
+    out = np.zeros((2, 5), out_dtype)
+    out.flags.writeable = False
+    a, b = np.ones((2, 3)), np.ones(b_shape)
+    with pytest.raises(ValueError, match="output array is read-only"):
+        np.matmul(a, b, out=out)
+    with pytest.raises(ValueError, match="matmul: output array is read-only"):
+        distmm.matmul(a, b, out=out)
+    with pytest.raises(ValueError, match="matmul: output array is read-only"):
+        distmm.matmul(a, b, out=(out,))
+
+
 @pytest.mark.parametrize("t", [np.longlong, np.int64, np.intc, np.ulonglong, np.float32,
                                np.longdouble, np.bool_, np.complex128])
 def test_vector_dot_vector_is_numpy_scalar_type(t):
@@ -269,6 +284,18 @@ def test_gemm_beta_zero_ignores_nan_in_c_and_k_zero_gives_beta_c():
     np.testing.assert_array_equal(distmm.gemm(np.ones((3, 0)), np.ones((0, 4)), c2, beta=3.0), 3 * c2)
     # alpha == 0: A and B are not read (BLAS), so NaN there does not propagate
     np.testing.assert_array_equal(distmm.gemm(a * np.nan, b, c2, alpha=0.0, beta=1.0), c2)
+
+
+@pytest.mark.parametrize("case", ["alpha-0", "k-0"])
+def test_gemm_zero_product_of_dask_object_operands_is_beta_c(case):
+    """alpha == 0 or k == 0 makes a zero product; dask's automatic chunks refused it for
+    object dtype (NotImplementedError at the call)."""
+    da = pytest.importorskip("dask.array")
+    k = 0 if case == "k-0" else 2
+    a = da.from_array(np.arange(2 * k).reshape(2, k).astype(object), chunks=-1)
+    b, c = np.ones((k, 2), object), np.full((2, 2), 10**20, object)  # beyond int64
+    got = distmm.gemm(a, b, c, alpha=0 if case == "alpha-0" else 1, beta=1).compute()
+    assert got.dtype == object and got.tolist() == c.tolist()
 
 
 def test_gemm_integers_wrap_and_reject_fractional_scalars():

@@ -12,6 +12,7 @@ check refusing a file the workers see differently.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -143,8 +144,7 @@ def test_a_file_the_workers_see_differently_is_not_read_there(client, tmp_path):
     src = files.source_of(np.load(tmp_path / "a.npy", mmap_mode="r"))
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
     assert files.visible(client, [src], workers)
-    stale = files.FileSource(src.kind, src.path, src.node, src.shape, src.dtype, src.size,
-                             src.mtime_ns - 1)  # as if written again since
+    stale = replace(src, mtime_ns=src.mtime_ns - 1)  # as if written again since
     assert not files.visible(client, [stale], workers)
     os.remove(tmp_path / "a.npy")
     assert not files.visible(client, [src], workers)
@@ -171,3 +171,42 @@ def test_a_file_gone_after_the_check_raises_its_error_at_once(client, tmp_path, 
     with pytest.raises(FileNotFoundError, match="a.npy"):
         distmm.matmul(am, b, client=client, tile=100)
     assert time.monotonic() - t0 < 30
+
+
+def _replace_file(path, values, *, keep_times: bool = False) -> None:
+    """Write ``values`` to a new .npy file renamed onto ``path`` (a new inode), with the old
+    file's times when ``keep_times`` (as ``cp -p``, ``rsync -t`` or tar leave them)."""
+    st = os.stat(path)
+    new = path.with_name("new-" + path.name)
+    np.save(new, values)
+    os.replace(new, path)
+    if keep_times:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_memmap_is_the_workers_only_while_it_maps_the_file_they_see(client, tmp_path):
+    """Found by a differential fuzz against numpy: the workers read the file under the
+    memmap's name, which was not what the client multiplies when its map is copy-on-write
+    and changed, or when the file was replaced after it was mapped; and a worker kept its
+    map of a replaced file that has the old one's size and times."""
+    b = np.eye(4)
+    np.save(tmp_path / "c.npy", np.ones((4, 4)))
+    private = np.load(tmp_path / "c.npy", mmap_mode="c")
+    private[0, 0] = 100.0  # the client's own page, not the file's
+    np.testing.assert_array_equal(distmm.matmul(private, b, client=client), private @ b)
+    assert last_stats()["read_on_workers"] == [False, False]
+
+    np.save(tmp_path / "r.npy", np.ones((4, 4)))
+    mapped = np.load(tmp_path / "r.npy", mmap_mode="r")
+    _replace_file(tmp_path / "r.npy", np.full((4, 4), 2.0))  # mapped holds the old file
+    np.testing.assert_array_equal(distmm.matmul(mapped, b, client=client), np.ones((4, 4)))
+    assert last_stats()["read_on_workers"] == [False, False]
+
+    np.save(tmp_path / "s.npy", np.ones((4, 4)))
+    got = distmm.matmul(np.load(tmp_path / "s.npy", mmap_mode="r"), b, client=client)
+    assert last_stats()["read_on_workers"] == [True, False]
+    np.testing.assert_array_equal(got, np.ones((4, 4)))
+    _replace_file(tmp_path / "s.npy", np.full((4, 4), 3.0), keep_times=True)
+    got = distmm.matmul(np.load(tmp_path / "s.npy", mmap_mode="r"), b, client=client)
+    assert last_stats()["read_on_workers"] == [True, False]  # read there, from the new file
+    np.testing.assert_array_equal(got, np.full((4, 4), 3.0))

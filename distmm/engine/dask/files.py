@@ -34,8 +34,8 @@ class FileSource:
     """Where an operand lives: ``kind`` ``"npy"``, ``"zarr"`` or ``"h5"``, the file
     (``path``; a zarr store folder and the array's ``node`` inside it; an HDF5 file and
     the dataset's ``node``), what the client saw of it (``size``, ``mtime_ns``: the
-    ``.npy`` or HDF5 file, or the zarr array's metadata file), and its ``shape`` and
-    ``dtype``."""
+    ``.npy`` or HDF5 file, or the zarr array's metadata file, and its inode ``ino``: a
+    file replaced under the same name is another), and its ``shape`` and ``dtype``."""
 
     kind: str
     path: str
@@ -44,6 +44,7 @@ class FileSource:
     dtype: str
     size: int
     mtime_ns: int
+    ino: int = 0
 
     @property
     def stamp_path(self) -> str:
@@ -58,15 +59,32 @@ def _stamp(path: str):
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _mapped_inode(x) -> int | None:
+    """The inode of the file whose mapping holds ``x``'s data, from ``/proc/self/maps``
+    (Linux); None where that cannot be told."""
+    try:
+        address = x.ctypes.data
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                fields = line.split(None, 5)
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                if low <= address < high:
+                    return int(fields[4]) or None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _npy_source(x) -> FileSource | None:
     """A memmap of a whole ``.npy`` file, as ``numpy.load(mmap_mode=...)`` gives it: its
     shape, dtype and order those of the file's header (a slice, a transpose or a view of
-    it is not the file)."""
+    it is not the file). Not a copy-on-write map (``mmap_mode="c"``: what the client
+    changed is its own), nor one of a file since replaced under the same name."""
     path = getattr(x, "filename", None)
-    if not path or not str(path).endswith(".npy"):
+    if not path or not str(path).endswith(".npy") or getattr(x, "mode", None) == "c":
         return None
     try:  # the file as numpy maps it (its header), not read
         whole = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -78,7 +96,7 @@ def _npy_source(x) -> FileSource | None:
             or getattr(x, "offset", None) != whole.offset):
         return None
     stamp = _stamp(path)
-    if stamp is None:
+    if stamp is None or _mapped_inode(x) not in (None, stamp[2]):
         return None
     return FileSource("npy", os.path.abspath(path), "", tuple(x.shape), x.dtype.str, *stamp)
 
@@ -93,7 +111,8 @@ def _zarr_source(x) -> FileSource | None:
     src = FileSource("zarr", os.path.abspath(str(root)), str(getattr(x, "path", "") or ""),
                      tuple(x.shape), np.dtype(x.dtype).str, 0, 0)
     stamp = _stamp(src.stamp_path)  # where the metadata lies depends on path and node
-    return None if stamp is None else replace(src, size=stamp[0], mtime_ns=stamp[1])
+    return None if stamp is None else replace(src, size=stamp[0], mtime_ns=stamp[1],
+                                              ino=stamp[2])
 
 
 def _h5_source(x) -> FileSource | None:
@@ -134,8 +153,8 @@ def _stamps(paths):
 
 def visible(client, sources, workers) -> bool:
     """Whether every one of ``workers`` sees each of ``sources`` as the client does (same
-    size and modification time): a different machine's file of the same name, or one
-    written since, is not the operand."""
+    size, modification time and inode): a different machine's file of the same name, or
+    one written or replaced since, is not the operand."""
     sources = [s for s in sources if s is not None]
     if not sources or not workers:
         return False
@@ -144,18 +163,18 @@ def visible(client, sources, workers) -> bool:
         seen = client.run(_stamps, paths, workers=list(workers), on_error="return")
     except Exception:  # noqa: BLE001 -- a worker that cannot answer: read in the client
         return False
-    want = [(s.size, s.mtime_ns) for s in sources]
+    want = [(s.size, s.mtime_ns, s.ino) for s in sources]
     return all(isinstance(v, list) and [tuple(x) if x else None for x in v] == want
                for v in seen.values()) and len(seen) == len(set(workers))
 
 
-_OPEN: dict = {}  # (path, node, mtime_ns) -> (the opened array, its HDF5 file or None)
+_OPEN: dict = {}  # (path, node, size, mtime_ns, ino) -> (the array, its HDF5 file or None)
 _OPEN_LOCK = threading.Lock()
 _KEEP_OPEN = 16  # files kept open per process (the oldest closed first)
 
 
 def _opened(src: FileSource):
-    key = (src.path, src.node, src.mtime_ns)
+    key = (src.path, src.node, src.size, src.mtime_ns, src.ino)
     with _OPEN_LOCK:
         entry = _OPEN.get(key)
         if entry is None:

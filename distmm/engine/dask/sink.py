@@ -55,8 +55,8 @@ class FileSink:
     the ``target`` it will replace and the ``pid`` that staged it (the staged file is
     ``staging.staged_path(target, pid)``), ``shape`` and ``dtype`` of C, ``header``: the
     data's byte offset (``.npy``, HDF5), zarr's ``chunks``, what the client saw of the
-    staged file (``stamp_path``, ``size``, ``mtime_ns``: for ``files.visible``), this
-    product's ``token`` and, for zarr, whether every block covers whole chunks
+    staged file (``stamp_path``, ``size``, ``mtime_ns``, ``ino``: for ``files.visible``),
+    this product's ``token`` and, for zarr, whether every block covers whole chunks
     (``aligned``: written without the lock)."""
 
     kind: str
@@ -71,6 +71,7 @@ class FileSink:
     mtime_ns: int
     token: str
     aligned: bool = False
+    ino: int = 0
 
     @property
     def staged(self) -> Path:
@@ -144,7 +145,7 @@ def sink_of(out) -> FileSink | None:
         return None
     return FileSink(kind, str(target), pid, tuple(int(s) for s in out.shape),
                     np.dtype(out.dtype).str, header, chunks, str(stamp_path), st.st_size,
-                    st.st_mtime_ns, uuid.uuid4().hex)
+                    st.st_mtime_ns, uuid.uuid4().hex, ino=st.st_ino)
 
 
 # ---------------------------------------------------------------- on the workers
