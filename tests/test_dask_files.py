@@ -123,6 +123,13 @@ def test_an_h5_file_the_workers_see_differently_is_read_by_the_client(client, tm
     assert files.visible(client, [src], workers)
     os.utime(tmp_path / "x.h5", ns=(src.mtime_ns + 10**9, src.mtime_ns + 10**9))  # rewritten
     assert not files.visible(client, [src], workers)
+    with h5py.File(tmp_path / "x.h5", "r") as fh:  # replaced while open: the client's is old
+        os.replace(tmp_path / "x.h5", tmp_path / "old.h5")
+        with h5py.File(tmp_path / "x.h5", "w") as new:
+            new["A"] = np.full((4, 5), 2.0)
+        assert files.source_of(fh["A"]) is None
+        np.testing.assert_array_equal(distmm.matmul(fh["A"], np.ones((5, 2)), client=client),
+                                      np.full((4, 2), 5.0))
     with h5py.File(tmp_path / "m.h5", "w", driver="core", backing_store=False) as fh:
         fh["A"] = np.ones((4, 5))  # in memory only: no file for a worker to open
         assert files.source_of(fh["A"]) is None

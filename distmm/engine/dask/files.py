@@ -116,7 +116,8 @@ def _zarr_source(x) -> FileSource | None:
 
 
 def _h5_source(x) -> FileSource | None:
-    """A dataset of an HDF5 file on disk (not one held in memory by the ``core`` driver)."""
+    """A dataset of an HDF5 file on disk (not one held in memory by the ``core`` driver),
+    still under its name (not replaced since it was opened)."""
     import sys
 
     h5py = sys.modules.get("h5py")  # an h5py dataset means h5py is imported already
@@ -129,10 +130,11 @@ def _h5_source(x) -> FileSource | None:
         path, node = os.path.abspath(fh.filename), x.name
         if fh.mode == "r+":  # what this process wrote must be on disk for the workers
             fh.flush()
+        held = os.fstat(fh.id.get_vfd_handle()).st_ino  # the file this process has open
     except (ValueError, RuntimeError, OSError):  # a closed file
         return None
     stamp = _stamp(path)
-    if stamp is None or not node:
+    if stamp is None or not node or held != stamp[2]:  # replaced under its name since
         return None
     return FileSource("h5", path, node, tuple(x.shape), np.dtype(x.dtype).str, *stamp)
 
