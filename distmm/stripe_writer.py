@@ -1,7 +1,8 @@
 """Writing regions of one staged output from several processes at once.
 
 This module covers: naming an output (``parse_spec``: ``a.npy``, ``a.zarr``,
-``group.zarr/array``, ``file.h5:dataset``) and ``StripeWriter``, which one process (an MPI
+``group.zarr/array``, ``file.h5:dataset``; ``zarr_format_for``: a new zarr array takes its
+group's format) and ``StripeWriter``, which one process (an MPI
 rank of the batch path, a Dask worker of the Dask engine) uses to put blocks of C into the
 staged output that another process created (``distmm.staging``): ``.npy`` and HDF5 with
 ``os.pwrite`` at the data's offset (spans of whole rows past the page cache,
@@ -22,7 +23,7 @@ import numpy as np
 from distmm.direct_io import libc_function
 from distmm.staging import BlockWriter, staged_path
 
-__all__ = ["FileSpec", "parse_spec", "StripeWriter"]
+__all__ = ["FileSpec", "parse_spec", "zarr_format_for", "StripeWriter"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,20 @@ def parse_spec(spec: str) -> FileSpec:
         return FileSpec("zarr", p)
     raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
                      f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
+
+
+def zarr_format_for(path) -> int | None:
+    """The zarr format of a new array at ``path``: its group's, the nearest existing folder
+    above it that is a zarr group (2 or 3), so that the group lists it; None (zarr's
+    default) when that folder is no group."""
+    for parent in Path(path).parents:
+        if (parent / ".zgroup").exists():
+            return 2
+        if (parent / "zarr.json").exists():
+            return 3
+        if parent.exists():
+            return None
+    return None
 
 
 class StripeWriter:

@@ -46,6 +46,58 @@ def test_missing_h5_dataset(files):
     assert "no dataset 'missing'" in one_line(r) and "in.h5" in r.stderr and "A" in r.stderr
 
 
+def _damage(folder: Path, kind: str) -> str:
+    """An operand whose file or metadata its library cannot read; returns its spec."""
+    import json
+
+    import zarr
+
+    if kind == "empty-npy":
+        (folder / "e.npy").touch()
+        return str(folder / "e.npy")
+    if kind == "truncated-h5":
+        with h5py.File(folder / "t.h5", "w") as fh:
+            fh["A"] = np.ones((6, 4))
+        data = (folder / "t.h5").read_bytes()
+        (folder / "t.h5").write_bytes(data[:len(data) // 2])
+        return f"{folder / 't.h5'}:A"
+    fmt = 2 if kind == "zarr2-no-dtype" else 3
+    z = zarr.open_array(str(folder / "z.zarr"), mode="w", shape=(6, 4), dtype="f8", zarr_format=fmt)
+    z[...] = 1.0
+    meta = folder / "z.zarr" / (".zarray" if fmt == 2 else "zarr.json")
+    doc = json.loads(meta.read_text())
+    doc.pop("dtype" if fmt == 2 else "data_type")
+    meta.write_text(json.dumps(doc))
+    return str(folder / "z.zarr")
+
+
+@pytest.mark.parametrize("kind", ["empty-npy", "truncated-h5", "zarr2-no-dtype", "zarr3-no-dtype"])
+def test_an_unreadable_operand_is_bad_input_naming_its_file(files, kind):
+    """Found by a fuzz of the command line: these exited 1 with the library's words alone
+    ("No data left in file", "dtype", HDF5's "truncated file")."""
+    spec = _damage(files, kind)
+    r = run_cli("matmul", spec, files / "b.npy", "-o", files / "c.npy")
+    line = one_line(r)
+    assert r.returncode == 2 and "is not a readable" in line
+    assert spec.partition(":")[0].rsplit("/", 1)[-1] in line
+    assert not (files / "c.npy").exists()
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "directory", "operand", "output"])
+def test_profile_path_is_checked_before_any_work(files, where):
+    """--profile was written after C: a bad path failed a finished run (exit 2, C left in
+    place), and naming an input replaced it with JSON."""
+    (files / "d").mkdir()
+    prof = {"missing-folder": files / "none" / "p.json", "directory": files / "d",
+            "operand": files / "a.npy", "output": files / "c.npy"}[where]
+    before = (files / "a.npy").read_bytes()
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy",
+                "--profile", prof)
+    assert r.returncode == 2 and "--profile" in one_line(r)
+    assert not (files / "c.npy").exists() and (files / "a.npy").read_bytes() == before
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "d"]
+
+
 def test_dot_dot_in_an_h5_output_path_is_refused_before_any_write(files):
     with h5py.File(files / "out.h5", "w") as fh:
         fh["X"] = np.arange(3.0)

@@ -153,3 +153,23 @@ def test_commit_h5_refuses_before_touching_the_file(tmp_path):
         commit_h5(staged, f, "X/Z", overwrite=True)
     assert hashlib.sha256(f.read_bytes()).hexdigest() == before
     assert not staged.exists()
+
+
+def test_a_new_zarr_array_takes_its_nearest_groups_format(tmp_path):
+    """The group listing the array decides its format, however deep the group lies and
+    whatever its folder is called; outside any group zarr's default (None) holds."""
+    zarr = pytest.importorskip("zarr")
+    from distmm.stripe_writer import zarr_format_for
+
+    (tmp_path / "plain.zarr").mkdir()  # a folder named like a store, but no group
+    zarr.open_group(str(tmp_path / "plain.zarr" / "sub"), mode="w", zarr_format=2)
+    zarr.open_group(str(tmp_path / "g3"), mode="w", zarr_format=3)
+    assert zarr_format_for(tmp_path / "plain.zarr" / "sub" / "C") == 2
+    assert zarr_format_for(tmp_path / "plain.zarr" / "sub" / "new" / "C") == 2
+    assert zarr_format_for(tmp_path / "g3" / "C") == 3
+    assert zarr_format_for(tmp_path / "plain.zarr" / "C") is None
+    assert zarr_format_for(tmp_path / "c.zarr") is None
+    with staged_output(str(tmp_path / "plain.zarr" / "sub" / "C"), (2, 3), "f8") as out:
+        out[...] = 1.0
+    group = zarr.open_group(str(tmp_path / "plain.zarr" / "sub"), mode="r")
+    assert list(group.array_keys()) == ["C"] and group["C"].metadata.zarr_format == 2

@@ -80,6 +80,21 @@ def test_mpirun_overwrite_keeps_the_permissions(files, launch, kind):
 
 
 @pytest.mark.slow
+def test_mpirun_zarr_output_takes_its_groups_format(files, launch):
+    """A zarr format 2 group lists only format 2 arrays: the MPI engine made a format 3
+    array there (the one-process command line did not), which the group did not show."""
+    import zarr
+
+    d, ref = files
+    zarr.open_group(str(d / "g2.zarr"), mode="w", zarr_format=2)
+    r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", d / "g2.zarr" / "C")
+    assert r.returncode == 0, r.stderr
+    group = zarr.open_group(str(d / "g2.zarr"), mode="r")
+    assert list(group.array_keys()) == ["C"] and group["C"].metadata.zarr_format == 2
+    np.testing.assert_allclose(group["C"][...], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
 def test_mpirun_matmul_formats(files, launch):
     import h5py
     import zarr

@@ -34,13 +34,13 @@ import numpy as np
 
 from distmm.direct_io import npy_header, preallocate
 from distmm.errors import OutputExists
-from distmm.stripe_writer import parse_spec
+from distmm.stripe_writer import parse_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
                             put_in_place,
                             staged_path)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_space", "Target", "NpyWriter", "SUFFIXES"]
+           "check_report", "check_space", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -147,23 +147,31 @@ def open_operand(spec: str, *, writable: bool = False):
             raise IsADirectoryError(f"{t.path} is a directory, not a .npy file")
         try:
             return np.load(t.path, mmap_mode="r", allow_pickle=False)
-        except ValueError as exc:
-            raise ValueError(f"{t.path} is not a readable .npy file ({exc})") from None
+        except (ValueError, EOFError) as exc:  # EOFError: an empty file
+            raise ValueError(f"{t.path} is not a readable .npy file ({_why(exc)})") from None
     if t.kind == "zarr":
         import zarr
 
-        node = _zarr_node(t.path) if t.path.is_dir() else None
-        if node != "array":
-            what = "a zarr group" if node == "group" else "not a zarr array"
-            raise ValueError(f"{t.path} is {what}: name an array, e.g. {t.path}/NAME")
-        return zarr.open_array(str(t.path), mode="r")
+        try:
+            node = _zarr_node(t.path) if t.path.is_dir() else None
+            if node == "array":
+                return zarr.open_array(str(t.path), mode="r")
+        except (ValueError, TypeError, KeyError) as exc:  # metadata zarr cannot read
+            raise ValueError(f"{t.path} is not a readable zarr array ({_why(exc)})") from None
+        what = "a zarr group" if node == "group" else "not a zarr array"
+        raise ValueError(f"{t.path} is {what}: name an array, e.g. {t.path}/NAME")
     import h5py
 
     if t.path.is_dir():
         raise IsADirectoryError(f"{t.path} is a directory, not an HDF5 file")
     if not h5py.is_hdf5(t.path):
         raise ValueError(f"{t.path} is not an HDF5 file")
-    fh = h5py.File(t.path, "r+" if writable else "r")
+    try:
+        fh = h5py.File(t.path, "r+" if writable else "r")
+    except OSError as exc:  # HDF5's own messages: a truncated or damaged file
+        if isinstance(exc, PermissionError):
+            raise
+        raise ValueError(f"{t.path} is not a readable HDF5 file ({_why(exc)})") from None
     node = fh.get(t.dataset)
     if not isinstance(node, h5py.Dataset):
         names = []
@@ -173,6 +181,12 @@ def open_operand(spec: str, *, writable: bool = False):
         raise FileNotFoundError(f"{what} {t.dataset!r} in {t.path} "
                                 f"(datasets: {', '.join(names) or 'none'})")
     return node
+
+
+def _why(exc: BaseException) -> str:
+    """A library's exception in a few words on one line: its text, else its type."""
+    text = " ".join(str(exc).split()).strip("'\"")
+    return f"{type(exc).__name__}: {text}" if isinstance(exc, KeyError) or not text else text
 
 
 # ---------------------------------------------------------------- the .npy writer
@@ -246,6 +260,32 @@ def same_file(a: str, b: str) -> bool:
         return ta.path.resolve() == tb.path.resolve()
     except OSError:
         return False
+
+
+def check_report(flag: str, path, files) -> None:
+    """Refuse, before any work, a report file (``--profile``) that cannot be written or
+    would replace one of the product's ``files`` (its operands or output). An existing
+    report file is replaced, as a log is.
+
+    Raises
+    ------
+    FileNotFoundError
+        Its folder does not exist.
+    IsADirectoryError
+        It names a folder.
+    ValueError
+        It names an operand or the output.
+    """
+    p = Path(path)
+    folder = p.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no such folder for {flag} {p}: {folder}")
+    if p.is_dir():
+        raise IsADirectoryError(f"{flag} {p} is a directory; name a file, e.g. {p}/profile.json")
+    own = p.resolve()
+    for spec in files:
+        if parse_target(str(spec)).path.resolve() == own:
+            raise ValueError(f"{flag} {p} is also the product's {spec}: name another file")
 
 
 def check_target(t: Target, overwrite: bool) -> bool:
@@ -349,25 +389,13 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             return
         import zarr
 
-        yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype, zarr_format=_zarr_format(t))
+        yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype, zarr_format=zarr_format_for(t.path))
         put_in_place(tmp, t.path)  # an existing zarr array (checked above) swapped out
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target
         elif tmp.exists():
             tmp.unlink()
-
-
-def _zarr_format(t: Target) -> int | None:
-    """A zarr array inside a group takes the group's format."""
-    for parent in t.path.parents:
-        if parent.suffix == ".zarr":
-            if (parent / ".zgroup").exists():
-                return 2
-            if (parent / "zarr.json").exists():
-                return 3
-            break
-    return None
 
 
 def write_atomic(spec: str, array, *, overwrite: bool = False) -> None:

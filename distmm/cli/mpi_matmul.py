@@ -43,8 +43,8 @@ def _fail(comm, error):
 def run_matmul(args) -> int:
     from mpi4py import MPI
 
-    from distmm.cli.io import (check_space, check_target, open_operand, operands_dtype,
-                                check_shapes, parse_target)
+    from distmm.cli.io import (check_report, check_space, check_target, open_operand,
+                               operands_dtype, check_shapes, parse_target)
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
@@ -83,6 +83,8 @@ def run_matmul(args) -> int:
             if comm.rank == 0:
                 check_target(target, args.overwrite)
                 check_space(target, m * n * dtype.itemsize)
+                if args.profile:
+                    check_report("--profile", args.profile, (args.a, args.b, args.output))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     phases.add("open", t0, time.perf_counter())

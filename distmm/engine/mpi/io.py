@@ -33,7 +33,7 @@ import numpy as np
 from distmm.config import get_config
 from distmm.direct_io import npy_header, preallocate
 from distmm.staging import BlockWriter, commit_h5, create_h5_stage, put_in_place, staged_path
-from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec
+from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec, zarr_format_for
 
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
            "StripeWriter", "finish_staged", "staged_exists"]
@@ -100,12 +100,13 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
 
         staged = str(staged_path(f.path, pid))
         if chunks is None:
-            zarr.open_array(staged, mode="w-", shape=shape, dtype=dtype)
+            zarr.open_array(staged, mode="w-", shape=shape, dtype=dtype,
+                            zarr_format=zarr_format_for(f.path))
         else:
             # the batch path's chunks: every rank's stripes cover whole chunks; stored
             # uncompressed (dense floating-point products hardly compress, and compressing
             # would cost the writers more than the disk saves)
-            zarr.create_array(staged, shape=shape, dtype=dtype,
+            zarr.create_array(staged, shape=shape, dtype=dtype, zarr_format=zarr_format_for(f.path),
                               chunks=tuple(int(c) for c in chunks), compressors=None)
         return None
     return create_h5_stage(staged_path(f.path, pid), f.dataset, shape, dtype)
