@@ -855,9 +855,12 @@ def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str,
     m, n = op_a.shape[0], op_b.shape[1]
     read_c = c is not None and beta != 0
     out = c.astype(dtype, copy=True) if read_c else cupy.empty((m, n), dtype=dtype)
-    if alpha == 0:
+    if alpha == 0 or op_a.shape[1] == 0:
         # BLAS: A and B are not read; an empty k gives C = beta * C in the same epilogue.
-        op_a, op_b, alpha = op_a[:, :0], op_b[:0, :], dtype.type(1)
+        # Empty slices of fresh row-major arrays: an empty slice of a transposed view has
+        # leading dimensions cuBLAS refuses (CUBLAS_STATUS_INVALID_VALUE).
+        op_a, op_b = cupy.empty((m, 1), dtype)[:, :0], cupy.empty((1, n), dtype)[:0, :]
+        alpha = dtype.type(1)
     executor.device_gemm(op_a, op_b, out, alpha=alpha, beta=beta if read_c else dtype.type(0))
     return out
 

@@ -69,6 +69,25 @@ def test_numpy_in_gpu_backend_numpy_out(backend):
     assert_matches_numpy(got, a, b)
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("trans", ["NN", "NT", "TN", "TT", "CC", "CN"])
+@pytest.mark.parametrize("dtype,case", [("float64", "alpha-0"), ("float32", "alpha-0"),
+                                        ("float64", "k-0")])
+def test_gpu_gemm_without_a_product_is_beta_c_for_every_transpose(backend, trans, dtype, case):
+    """alpha == 0 (A and B not read) or k == 0: C = beta * C. Found by a GPU fuzz: the
+    empty slices of transposed views failed in cuBLAS with CUBLAS_STATUS_INVALID_VALUE."""
+    rng = np.random.default_rng()
+    m, k, n = 13, (0 if case == "k-0" else 7), 9
+    a = random_array(rng, (k, m) if trans[0] != "N" else (m, k), dtype)
+    b = random_array(rng, (n, k) if trans[1] != "N" else (k, n), dtype)
+    c = random_array(rng, (m, n), dtype)
+    a[...] = np.nan  # never read
+    got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), cupy.asarray(c),
+                      alpha=0.0 if case == "alpha-0" else 2.0, beta=0.5, trans_a=trans[0],
+                      trans_b=trans[1], backend=backend)
+    np.testing.assert_array_equal(cupy.asnumpy(got), (c * np.dtype(dtype).type(0.5)))
+
+
 def test_gpu_gemm_alpha_beta():
     rng = np.random.default_rng()
     a = cupy.asarray(random_array(rng, (23, 22), np.float64))
