@@ -856,11 +856,15 @@ def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str,
     read_c = c is not None and beta != 0
     out = c.astype(dtype, copy=True) if read_c else cupy.empty((m, n), dtype=dtype)
     if alpha == 0 or op_a.shape[1] == 0:
-        # BLAS: A and B are not read; an empty k gives C = beta * C in the same epilogue.
-        # Empty slices of fresh row-major arrays: an empty slice of a transposed view has
-        # leading dimensions cuBLAS refuses (CUBLAS_STATUS_INVALID_VALUE).
-        op_a, op_b = cupy.empty((m, 1), dtype)[:, :0], cupy.empty((1, n), dtype)[:0, :]
-        alpha = dtype.type(1)
+        # BLAS: A and B are not read; C = beta * C by cuBLAS's scal (no GEMM: cuBLAS refuses
+        # the leading dimensions of some empty operands, CUBLAS_STATUS_INVALID_VALUE)
+        if not read_c:
+            out.fill(0)
+        elif beta != 1 and out.size:
+            from cupy import cublas
+
+            cublas.scal(beta, out.ravel())
+        return out
     executor.device_gemm(op_a, op_b, out, alpha=alpha, beta=beta if read_c else dtype.type(0))
     return out
 

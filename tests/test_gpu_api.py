@@ -81,6 +81,7 @@ def test_gpu_gemm_without_a_product_is_beta_c_for_every_transpose(backend, trans
     a = random_array(rng, (k, m) if trans[0] != "N" else (m, k), dtype)
     b = random_array(rng, (n, k) if trans[1] != "N" else (k, n), dtype)
     c = random_array(rng, (m, n), dtype)
+    c[0, 0] = np.finfo(dtype).smallest_subnormal * 6  # halved exactly, not flushed
     a[...] = np.nan  # never read
     got = distmm.gemm(cupy.asarray(a), cupy.asarray(b), cupy.asarray(c),
                       alpha=0.0 if case == "alpha-0" else 2.0, beta=0.5, trans_a=trans[0],
