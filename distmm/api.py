@@ -780,6 +780,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     flag_a, flag_b = _trans_flag(trans_a, "trans_a"), _trans_flag(trans_b, "trans_b")
     fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
               key=FAMILY_ORDER.index)
+    _refuse_unsupported("gemm", fam, a=a, b=b, **({} if c is None else {"c": c}))
     a, b = _as_array(a, fam), _as_array(b, fam)
     for name, x in (("a", a), ("b", b)):
         if x.ndim != 2:
@@ -788,7 +789,6 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ops = _validate(op_a, op_b, "gemm")
     dtype = ops.dtype
     if c is not None:
-        _refuse_unsupported("gemm", fam, c=c)
         c = _as_array(c, fam)
         if tuple(c.shape) != (ops.m, ops.n):
             raise ValueError(
