@@ -49,8 +49,8 @@ from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
-           "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN", "leftovers", "is_live",
-           "remove_leftover"]
+           "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
+           "leftovers", "is_live", "remove_leftover"]
 
 PARTIAL = "distmm-partial"
 

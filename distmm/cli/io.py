@@ -36,8 +36,7 @@ from distmm.direct_io import npy_header, preallocate
 from distmm.errors import OutputExists
 from distmm.stripe_writer import parse_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
-                            put_in_place,
-                            staged_path)
+                            put_in_place, staged_path)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
            "check_report", "check_space", "Target", "NpyWriter", "SUFFIXES"]
@@ -389,7 +388,8 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             return
         import zarr
 
-        yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype, zarr_format=zarr_format_for(t.path))
+        yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype,
+                              zarr_format=zarr_format_for(t.path))
         put_in_place(tmp, t.path)  # an existing zarr array (checked above) swapped out
     finally:
         if tmp.is_dir() and not tmp.is_symlink():

@@ -106,8 +106,8 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
             # the batch path's chunks: every rank's stripes cover whole chunks; stored
             # uncompressed (dense floating-point products hardly compress, and compressing
             # would cost the writers more than the disk saves)
-            zarr.create_array(staged, shape=shape, dtype=dtype, zarr_format=zarr_format_for(f.path),
-                              chunks=tuple(int(c) for c in chunks), compressors=None)
+            zarr.create_array(staged, shape=shape, dtype=dtype, chunks=tuple(int(c) for c in chunks),
+                              compressors=None, zarr_format=zarr_format_for(f.path))
         return None
     return create_h5_stage(staged_path(f.path, pid), f.dataset, shape, dtype)
 
