@@ -32,31 +32,9 @@ def _alias_source_kernels() -> None:
 
 _alias_source_kernels()
 
-# The public names load on first use (PEP 562), so that ``import distmm`` is cheap and the
-# command line can take a Ctrl-C during its imports with its one line (``distmm.cli.main``).
-_PUBLIC = {"matmul": "distmm.api", "gemm": "distmm.api", "make_plan": "distmm.api",
-           "Plan": "distmm.plan", "DistArray": "distmm.engine.mpi.distarray",
-           "warmup": "distmm.executor.warmup"}
+from distmm.api import gemm, make_plan, matmul  # noqa: E402
+from distmm.engine.mpi.distarray import DistArray  # noqa: E402
+from distmm.executor.warmup import warmup  # noqa: E402
+from distmm.plan import Plan  # noqa: E402
 
 __all__ = ["matmul", "gemm", "make_plan", "Plan", "DistArray", "warmup", "__version__"]
-
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _PUBLIC:
-        for public, module in _PUBLIC.items():  # all at once, as an eager import did
-            globals()[public] = getattr(importlib.import_module(module), public)
-        return globals()[name]
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:  # a submodule not imported yet: ``import distmm; distmm.executor``
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))

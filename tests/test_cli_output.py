@@ -223,31 +223,6 @@ def test_signal_mid_run_leaves_nothing(tmp_path, signum, status):
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(5.0))
 
 
-_INTERRUPT_AT_IMPORT = """
-import os, signal, sys
-
-class Interrupt:  # a real SIGINT while the command's modules import
-    def find_spec(self, name, path=None, target=None):
-        if name == "distmm.cli.commands":
-            os.kill(os.getpid(), signal.SIGINT)
-        return None
-
-import distmm.cli
-assert "numpy" not in sys.modules and "distmm.api" not in sys.modules, "the entry imports late"
-sys.meta_path.insert(0, Interrupt())
-sys.argv = ["distmm", "plan", "64", "64", "64"]
-raise SystemExit(distmm.cli.main())
-"""
-
-
-def test_ctrl_c_while_the_command_line_imports_is_one_line_and_130():
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_IMPORT], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 130, proc.stderr
-    assert one_line(proc.stderr) == "distmm plan: error: interrupted (SIGINT)\n"
-    assert proc.stdout == ""
-
-
 def test_sigterm_is_acted_on_within_2_s_while_numba_compiles_and_runs(tmp_path):
     """The numba backend's first tiles compile and then run for seconds on a pool thread;
     the signal ends the process within 2 s anyway (running tiles are not waited for)."""

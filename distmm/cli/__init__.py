@@ -10,22 +10,6 @@ API. It does *not* cover: computing products (``distmm.api``).
 """
 from __future__ import annotations
 
-import sys
+from distmm.cli.commands import main
 
 __all__ = ["main"]
-
-
-def main(argv=None) -> int:
-    """Run ``distmm`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
-
-    The commands' modules (numpy, dask) load here, after the entry point has started, so that
-    a Ctrl-C during their import ends with the command's one line and 130, as later."""
-    try:
-        from distmm.cli.commands import main as run
-    except KeyboardInterrupt:
-        args = sys.argv[1:] if argv is None else list(argv)
-        command = next((a for a in args if not a.startswith("-")), "")
-        print(f"distmm{' ' + command if command else ''}: error: interrupted (SIGINT)",
-              file=sys.stderr, flush=True)
-        return 130
-    return run(argv)
