@@ -269,7 +269,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     tail = max(64, _TAIL_BYTES // max(n * s, 1) // 64 * 64)
                     spare = usable - need
                     a_slots += min(4, spare // max(tm * tk * s, 1))
-                    unit = max(64, tm // 4) if narrow else tm
+                    unit = min(tm, max(64, tm // 4)) if narrow else tm  # m < 64: one unit
                     rows = _ramp_edges(m, unit, tail)
                     units_k_outer = 1
                     if narrow:  # C buffers of the narrower units in the wider ones' bytes

@@ -443,6 +443,20 @@ def test_product_matches_numpy(m, n, k, dtype):
     assert info["retries"] == 0
 
 
+@pytest.mark.parametrize("m", [1, 5, 63, 64, 65])
+@pytest.mark.parametrize("gemm", [SimTf32Gemm, SimBf16Gemm], ids=["tf32", "bf16"])
+def test_reduced_precisions_with_fewer_rows_than_a_narrow_unit(m, gemm):
+    """The reduced precisions' narrow units are at least 64 rows; fewer rows than that (a
+    vector times a matrix, a short A) are one unit with its C buffers (there were none: the
+    GPU run divided by zero)."""
+    t = choose_tiling(m, 227, 276, 4, 1 << 30, narrow=True)
+    assert t.c_buffers >= 1 and t.row_edges[0] == 0 and t.row_edges[-1] == m
+    rng = np.random.default_rng(m)
+    a, b = rand((m, 276), "float32", rng), rand((276, 227), "float32", rng)
+    c, info, _ = run_sim(a, b, gemm=gemm())
+    check(c, a, b)
+
+
 @pytest.mark.slow
 def test_operands_several_times_the_device_budget():
     rng = np.random.default_rng(1)

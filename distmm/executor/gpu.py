@@ -293,6 +293,8 @@ class GPUExecutor(Executor):
         if self.precision == "tf32":  # float32 operands; launch_tc rounds them to TF32 copies
             a, lda, ta = _operand(a.astype(np.float32, copy=False))
             b, ldb, tb = _operand(b.astype(np.float32, copy=False))
+            # launch_tc checks the matrices as stored: a column-major operand is its .T
+            a, b = (a.T if ta else a), (b.T if tb else b)
         else:  # 16-bit operands, rounded here (bfloat16 bits as uint16, or float16)
             (a, _), (b, _) = to_input_format(a, self.precision), to_input_format(b, self.precision)
             lda, ta, ldb, tb = k, False, n, False
