@@ -32,9 +32,12 @@ def _alias_source_kernels() -> None:
 
 _alias_source_kernels()
 
-from distmm.api import gemm, make_plan, matmul  # noqa: E402
-from distmm.engine.mpi.distarray import DistArray  # noqa: E402
-from distmm.executor.warmup import warmup  # noqa: E402
-from distmm.plan import Plan  # noqa: E402
+from distmm.startup import guard as _guard  # noqa: E402
+
+with _guard():  # the distmm command ends a Ctrl-C or SIGTERM here with its one line
+    from distmm.api import gemm, make_plan, matmul  # noqa: E402
+    from distmm.engine.mpi.distarray import DistArray  # noqa: E402
+    from distmm.executor.warmup import warmup  # noqa: E402
+    from distmm.plan import Plan  # noqa: E402
 
 __all__ = ["matmul", "gemm", "make_plan", "Plan", "DistArray", "warmup", "__version__"]

@@ -263,3 +263,61 @@ def test_launcher_ranks_from_the_environment():
     assert launcher_ranks({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}) == (8, "SLURM_STEP_NUM_TASKS")
 
 
+
+
+# A real signal at a chosen point of the command's imports: a sitecustomize (found on
+# PYTHONPATH at start-up) sends it to its own process when that module is first imported.
+_SIGNAL_AT_IMPORT = """
+import os, signal, sys
+
+class SignalAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.{signame})
+        return None
+
+sys.meta_path.insert(0, SignalAt())
+"""
+
+
+def _signal_at_import(tmp_path: Path, module: str, signame: str, env=os.environ) -> dict:
+    (tmp_path / "sitecustomize.py").write_text(
+        _SIGNAL_AT_IMPORT.format(module=module, signame=signame))
+    return dict(env, PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("module, signame, status, line", [
+    ("distmm.api", "SIGINT", 130, "distmm plan: error: interrupted (SIGINT)"),
+    ("distmm.api", "SIGTERM", 143, "distmm plan: error: terminated by SIGTERM"),
+    ("distmm.cli.commands", "SIGINT", 130, "distmm plan: error: interrupted (SIGINT)"),
+])
+def test_signal_while_the_command_imports_is_its_one_line(tmp_path, module, signame, status,
+                                                          line):
+    r = run_cli("plan", 64, 64, 64, env=_signal_at_import(tmp_path, module, signame))
+    assert r.returncode == status, r.stderr
+    assert one_line(r) == line + "\n" and r.stdout == ""
+
+
+def test_a_program_importing_distmm_keeps_python_s_signal_handling(tmp_path):
+    """Outside the command, importing distmm installs no handler: SIGTERM keeps its default
+    action, and a Ctrl-C during the import is the caller's KeyboardInterrupt."""
+    env = _signal_at_import(tmp_path, "distmm.api", "SIGINT")
+    code = ("import signal\ntry:\n    import distmm\nexcept KeyboardInterrupt:\n"
+            "    print('caught')\nimport distmm, signal\n"
+            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["caught", "True"], r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_sigterm_while_the_ranks_import_is_one_line(tmp_path, mpirun, mpi_env):
+    """Every rank gets the signal (as from Slurm); rank 0 alone says so."""
+    env = _signal_at_import(tmp_path, "distmm.api", "SIGTERM", env=mpi_env)
+    r = mpirun(2, "-m", "distmm", "plan", 64, 64, 64, env=env)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("distmm")]
+    assert lines == ["distmm plan: error: terminated by SIGTERM"], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""

@@ -31,6 +31,7 @@ LEVELS = {
     "distmm.stripe_writer": 0,
     "distmm.emulate": 0,
     "distmm.precision": 0,
+    "distmm.startup": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

@@ -10,6 +10,9 @@ API. It does *not* cover: computing products (``distmm.api``).
 """
 from __future__ import annotations
 
-from distmm.cli.commands import main
+from distmm.startup import guard
+
+with guard():
+    from distmm.cli.commands import main
 
 __all__ = ["main"]
