@@ -5,7 +5,8 @@ This module covers the parts of staging an output that the command line
 
 - the staged name beside a target, ``.NAME.distmm-partial-PID`` (same folder,
   so the final rename is atomic), and the staged outputs a killed run left there
-  (``leftovers``; ``is_live`` tells a running one on this host; ``remove_leftover``);
+  (``leftovers``, for an HDF5 target those of its dataset only; ``is_live`` tells a running
+  one on this host; ``remove_leftover``);
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
   target, keeping a replaced target's permission bits;
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
@@ -93,8 +94,12 @@ def put_in_place(staged, target, pid: int | None = None) -> None:
         os.replace(staged, target)
 
 
-def leftovers(target: Path) -> list[Path]:
-    """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``)."""
+def leftovers(target: Path, dataset: str | None = None) -> list[Path]:
+    """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``).
+
+    With ``dataset`` (an HDF5 target), only the staged files holding that dataset, or none
+    that can be read (a run stopped while creating its file): those of another dataset of the
+    same file belong to another target."""
     target = Path(target)
     pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
     folder = target.parent if str(target.parent) else Path(".")
@@ -102,7 +107,19 @@ def leftovers(target: Path) -> list[Path]:
         names = os.listdir(folder)
     except OSError:
         return []
-    return sorted(folder / n for n in names if pattern.match(n))
+    found = sorted(folder / n for n in names if pattern.match(n))
+    return found if dataset is None else [p for p in found if _h5_holds(p, dataset)]
+
+
+def _h5_holds(staged: Path, dataset: str) -> bool:
+    """Whether the staged HDF5 file holds ``dataset``, or cannot be read as one."""
+    import h5py
+
+    try:
+        with h5py.File(staged, "r") as fh:
+            return isinstance(fh.get(dataset), h5py.Dataset)
+    except Exception:  # noqa: BLE001 - unreadable: no other target's to keep
+        return True
 
 
 def is_live(staged: Path) -> bool:

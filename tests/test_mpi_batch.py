@@ -3,7 +3,9 @@
 Covers: products at 1 to 4 ranks (3 included) in several dtypes and ragged shapes, against
 numpy; rows of ranks with nothing to do; the profile file's contents; ``--resume`` after a real
 SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
-bitwise equal to an uninterrupted run's); refusal after an input or the rank count changes;
+bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
+size and modification time kept) or the rank count changes; the resume state of one dataset
+of an HDF5 file kept through runs to other datasets of that file;
 SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s; staged files
 of a killed run (``kill -9``) named and removed by the next run.
 """
@@ -265,7 +267,9 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch
     assert "rank count changed" in r.stderr
     a = np.load(tmp_path / "a.npy")
     a[0, 0] += 1
-    np.save(tmp_path / "a.npy", a)
+    st = (tmp_path / "a.npy").stat()
+    np.save(tmp_path / "a.npy", a)  # same size, and the modification time set back
+    os.utime(tmp_path / "a.npy", ns=(st.st_atime_ns, st.st_mtime_ns))
     r = run(2, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy", *opts,
             DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
     assert r.returncode == 2
@@ -277,6 +281,51 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch
     assert r.returncode == 0, r.stderr
     assert "removed .c.npy.distmm-partial-" in r.stderr
     assert not list(tmp_path.glob(".c.npy.*"))
+
+
+@pytest.mark.slow
+def test_resume_state_of_another_h5_dataset_stays(tmp_path, batch_env):
+    """A run to ``f.h5:C2`` (plain or ``--resume``) leaves the resume state of a stopped run
+    to ``f.h5:C1`` alone; resuming C1 then adds it beside C2 and C3, its bits those of an
+    uninterrupted ``--resume`` run."""
+    _operands(tmp_path, 600, 1500, 500, "float64", seed=15)
+    f = tmp_path / "f.h5"
+
+    def line(dataset, *extra):
+        return [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+                str(tmp_path / "b.npy"), "-o", f"{f}:{dataset}", "--backend", "numba", *extra]
+
+    env = batch_env(DISTMM_BATCH_STRIPES="24")
+    proc = subprocess.Popen(line("C1", "--resume"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=batch_env(DISTMM_BATCH_STRIPES="24",
+                                                     DISTMM_BATCH_STRIPE_PAUSE="0.1"))
+    deadline = time.time() + 120
+    while sum(len(p.read_text().split())
+              for p in tmp_path.glob(".f.h5.distmm-partial-*.done-*")) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert len(err.splitlines()) == 1 and "C stripes kept in" in err, err
+    kept = sorted(p.name for p in tmp_path.glob(".f.h5.distmm-partial-*"))
+    assert any(n.endswith(".resume.json") for n in kept), kept
+    for dataset, extra in (("C2", ()), ("C3", ("--resume",))):
+        r = subprocess.run(line(dataset, *extra), capture_output=True, text=True, timeout=180,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        assert "removed" not in r.stderr, r.stderr
+        assert sorted(p.name for p in tmp_path.glob(".f.h5.distmm-partial-*")) == kept
+    r = subprocess.run(line("C1", "--resume"), capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not list(tmp_path.glob(".f.h5.*"))
+    import h5py
+
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["C1", "C2", "C3"]
+        c1, c2, c3 = fh["C1"][...], fh["C2"][...], fh["C3"][...]
+    assert c1.tobytes() == c3.tobytes()
+    np.testing.assert_allclose(c2, c1, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow
@@ -319,7 +368,8 @@ def test_signals_end_every_rank_with_one_line(tmp_path, cmd, batch_env, signum, 
     out = "\n".join(lines)
     assert sorted(int(x.split()[1]) for x in lines) == [status, status], out
     stderr_lines = [int(x.split()[3]) for x in lines]
-    assert sorted(stderr_lines) == [0, 2], out  # rank 0: the error and what was kept; others: nothing
+    assert sorted(stderr_lines) == [0, 1], out  # rank 0: one line; the others: nothing
+    assert "C stripes kept in .c.npy.distmm-partial-" in out and "--resume to finish" in out
     assert "terminated by SIGTERM" in out if signum == signal.SIGTERM else "interrupted" in out
     assert not (tmp_path / "c.npy").exists()
 

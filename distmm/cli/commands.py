@@ -253,11 +253,13 @@ def _cmd_matmul(args) -> int:
 
 def _remove_leftovers(output: str) -> None:
     """Name and remove the staged outputs that killed runs (``kill -9``) left beside the
-    target; those of a distmm process still running on this host stay."""
+    target; those of a distmm process still running on this host, or of another dataset of
+    the same HDF5 file, stay."""
     from distmm.cli.io import parse_target
     from distmm.staging import is_live, leftovers, remove_leftover
 
-    for staged in leftovers(parse_target(output).path):
+    target = parse_target(output)
+    for staged in leftovers(target.path, target.dataset):
         if not is_live(staged):
             remove_leftover(staged)
             print(f"distmm matmul: removed {staged.name}, left beside {output} by a run that was "

@@ -43,10 +43,10 @@ class BatchOutcome:
     """What the ranks agreed on (the same on every rank).
 
     ``status``: 0, or the exit status of the failure that stopped the ranks (128 + the signal
-    for a signal); ``message``: its one line; ``error``: this rank's exception (its own, or a
-    ``PeerStopped``); ``notes``: lines for the user (removed leftovers; on rank 0, what a
-    stopped run kept); ``panels``: ``"read"``, ``"share"`` or ``"broadcast"`` (``batch-panels``,
-    decided)."""
+    for a signal); ``message``: its one line (on rank 0 of a stopped ``resume`` run, with what
+    was kept); ``error``: this rank's exception (its own, or a ``PeerStopped``); ``notes``: lines
+    for the user (removed leftovers); ``panels``: ``"read"``, ``"share"`` or ``"broadcast"``
+    (``batch-panels``, decided)."""
 
     status: int = 0
     message: str = ""
@@ -88,9 +88,10 @@ def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header, preci
 def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest"):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
-    target = parse_spec(args.output).path
+    spec = parse_spec(args.output)
+    target = spec.path
     notes = []
-    found = [p for p in leftovers(target) if not is_live(p)]
+    found = [p for p in leftovers(target, spec.dataset) if not is_live(p)]
     reuse = None
     if args.resume:
         want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
@@ -257,9 +258,9 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             staged = staged_path(parse_spec(args.output).path, pid)
             if staged.exists():
                 kept = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
-                outcome.notes.append(
-                    f"{kept} of {_stripes(outcome.plan)} C stripes are written and kept in "
-                    f"{staged.name}: run the same command with --resume to finish")
+                outcome.message += (f"; {kept} of {_stripes(outcome.plan)} C stripes kept in "
+                                    f"{staged.name}: run the same command with --resume to "
+                                    f"finish")
     watch.close()
     return outcome
 

@@ -1,9 +1,9 @@
 """What a stopped batch product keeps so that a rerun computes only what is missing.
 
 This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
-output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size and
-modification time, the result dtype, the rank count, the grid, its stripes and the k panels each stripe is summed
-over (so a rerun that would add in another order is refused), the staged output's name and
+output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size,
+modification time, inode number and status-change time, the result dtype, the rank count, the
+grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in another order is refused), the staged output's name and
 data offset), the per-rank logs of finished stripes (``STAGED.done-RANK``:
 one stripe index per line, appended and flushed to disk only after the stripe's bytes were),
 comparing a manifest with a new run's (one line naming what changed), and finding the staged
@@ -44,8 +44,10 @@ def canonical(spec: str) -> str:
 
 
 def input_facts(spec: str, array) -> dict:
-    """What identifies an input: its spec, shape, dtype, and its file's size and
-    modification time (the newest file inside a zarr folder)."""
+    """What identifies an input: its spec, shape, dtype, and its file's size, modification
+    time, inode number and status-change time (which ``os.utime`` cannot set back); for a
+    zarr folder the size of its files together, the newest of their times, and the folder's
+    inode number."""
     from distmm.engine.mpi.io import parse_spec
 
     path = parse_spec(spec).path
@@ -53,11 +55,14 @@ def input_facts(spec: str, array) -> dict:
         stats = [p.stat() for p in path.rglob("*") if p.is_file()]
         size = sum(st.st_size for st in stats)
         mtime = max((st.st_mtime_ns for st in stats), default=0)
+        ctime = max((st.st_ctime_ns for st in stats), default=0)
+        inode = path.stat().st_ino
     else:
         st = path.stat()
-        size, mtime = st.st_size, st.st_mtime_ns
+        size, mtime, ctime, inode = st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
     return {"spec": str(spec), "file": canonical(spec), "shape": [int(s) for s in array.shape],
-            "dtype": str(array.dtype), "bytes": int(size), "mtime_ns": int(mtime)}
+            "dtype": str(array.dtype), "bytes": int(size), "mtime_ns": int(mtime),
+            "inode": int(inode), "ctime_ns": int(ctime)}
 
 
 class Manifest(dict):
@@ -101,7 +106,8 @@ def mismatch(old: dict, new: dict) -> str | None:
         if o.get("file", o.get("spec")) != n.get("file", n.get("spec")):  # "file": resolved
             return f"{what} was {o.get('spec')}, now {n.get('spec')}"
         for field, label in (("shape", "shape"), ("dtype", "dtype"), ("bytes", "size"),
-                             ("mtime_ns", "modification time")):
+                             ("mtime_ns", "modification time"), ("inode", "inode number"),
+                             ("ctime_ns", "status-change time")):
             if o.get(field) != n.get(field):
                 return f"{what} ({n.get('spec')}) changed: its {label} differs"
     if old.get("output_file", old.get("output")) != new.get("output_file", new.get("output")):
