@@ -3,8 +3,9 @@
 This module covers: telling whether this process is the ``distmm`` command (its console
 script, or ``python -m distmm``; under ``mpirun`` and ``srun`` too), and ``guard``, which ends
 such a process on SIGINT or SIGTERM during the imports of ``distmm`` and of its command line
-with the command line's one line and status (130, 143; printed by rank 0 under a
-launcher), as later in the run. A library import is left as it is: no handler is installed.
+with the command line's one line and status (130, 143), as later in the run; and
+``let_rank_zero_say``, which makes that line one for all the ranks of a launcher. A library
+import is left as it is: no handler is installed.
 It does *not* cover: signals once a command runs (``distmm.cli.exits``).
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 from distmm.errors import Signalled
 
-__all__ = ["guard", "is_command"]
+__all__ = ["guard", "is_command", "let_rank_zero_say"]
 
 # the rank variables of mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH), PMIx and srun
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
@@ -29,6 +31,19 @@ def is_command() -> bool:
         return True
     orig = list(getattr(sys, "orig_argv", ()))
     return "-mdistmm" in orig or any(a == "-m" and b == "distmm" for a, b in zip(orig, orig[1:]))
+
+
+#: how long a rank other than 0 waits before its own line for a signal
+PEER_GRACE_S = 1.0
+
+
+def let_rank_zero_say() -> None:
+    """Before a signal's line on a launcher's rank other than 0: wait ``PEER_GRACE_S``. A
+    signal from a scheduler reaches every rank; rank 0 prints its line and exits, and the
+    launcher then ends this rank, so one line is printed. A rank still running after the wait
+    was the only one signalled and prints its own."""
+    if not all(os.environ.get(v, "0") == "0" for v in _RANK_VARS):
+        time.sleep(PEER_GRACE_S)
 
 
 def _raise_signalled(signum, frame):
@@ -54,9 +69,9 @@ def guard():
         yield
     except (KeyboardInterrupt, Signalled) as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
-        if all(os.environ.get(v, "0") == "0" for v in _RANK_VARS):  # rank 0 speaks
-            command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
-            what = "interrupted (SIGINT)" if interrupted else str(exc)
-            print(f"distmm{' ' + command if command else ''}: error: {what}", file=sys.stderr,
-                  flush=True)
+        let_rank_zero_say()
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        what = "interrupted (SIGINT)" if interrupted else str(exc)
+        print(f"distmm{' ' + command if command else ''}: error: {what}", file=sys.stderr,
+              flush=True)
         os._exit(128 + (signal.SIGINT if interrupted else exc.signum))

@@ -272,7 +272,7 @@ import os, signal, sys
 
 class SignalAt:
     def find_spec(self, name, path=None, target=None):
-        if name == {module!r}:
+        if name == {module!r} and os.environ.get("OMPI_COMM_WORLD_RANK", "0") in {ranks!r}:
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.{signame})
         return None
@@ -281,9 +281,10 @@ sys.meta_path.insert(0, SignalAt())
 """
 
 
-def _signal_at_import(tmp_path: Path, module: str, signame: str, env=os.environ) -> dict:
+def _signal_at_import(tmp_path: Path, module: str, signame: str, env=os.environ,
+                      ranks=("0", "1")) -> dict:
     (tmp_path / "sitecustomize.py").write_text(
-        _SIGNAL_AT_IMPORT.format(module=module, signame=signame))
+        _SIGNAL_AT_IMPORT.format(module=module, signame=signame, ranks=ranks))
     return dict(env, PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]))
 
 
@@ -321,3 +322,22 @@ def test_sigterm_while_the_ranks_import_is_one_line(tmp_path, mpirun, mpi_env):
     lines = [x for x in r.stderr.splitlines() if x.startswith("distmm")]
     assert lines == ["distmm plan: error: terminated by SIGTERM"], r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [("0", "1"), ("1",)], ids=["every rank", "rank 1 alone"])
+def test_sigterm_before_the_product_is_one_line_for_all_ranks(tmp_path, mpirun, mpi_env,
+                                                              ranks):
+    """A SIGTERM after start-up, before the product's own handling (as the command imports
+    the MPI path): one line, whether every rank got it (rank 0 says it) or only rank 1."""
+    np.save(tmp_path / "a.npy", np.ones((50, 40)))
+    np.save(tmp_path / "b.npy", np.ones((40, 30)))
+    env = _signal_at_import(tmp_path, "distmm.cli.mpi_matmul", "SIGTERM", env=mpi_env,
+                            ranks=ranks)
+    r = mpirun(2, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+               tmp_path / "c.npy", env=env)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("distmm")]
+    assert lines == ["distmm matmul: error: terminated by SIGTERM"], r.stderr
+    assert not (tmp_path / "c.npy").exists()

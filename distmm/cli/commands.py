@@ -19,8 +19,10 @@ import sys
 import time
 
 from distmm.cli.argtypes import integer_at_least
-from distmm.cli.exits import BAD_INPUT, report, terminate_on_sigterm, whole_line_writes
+from distmm.cli.exits import (BAD_INPUT, Signalled, report, terminate_on_sigterm,
+                              whole_line_writes)
 from distmm.executor import BACKENDS
+from distmm.startup import let_rank_zero_say
 
 __all__ = ["main", "build_parser"]
 
@@ -482,6 +484,8 @@ def main(argv=None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
         if isinstance(exc, SystemExit):
             raise
+        if isinstance(exc, (KeyboardInterrupt, Signalled)):
+            let_rank_zero_say()  # one line for a signal every rank got
         status = report(args.command, exc, debug=debug)
         staging = sys.modules.get("distmm.staging")
         if status in (128 + 2, 128 + 15):
