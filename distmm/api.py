@@ -55,8 +55,10 @@ def _as_array(x, family: str):
             return x
         if not hasattr(x, "dtype"):
             x = np.asarray(x)
-        # dask's automatic chunks refuse object arrays: one chunk (the array is in memory)
-        return da.asarray(x, chunks=-1) if x.dtype == object else da.asarray(x)
+        # one chunk (the array is in memory) where dask's automatic chunks fail: object
+        # arrays, and empty ones (a division by zero for shapes such as (3, 0, 357))
+        one = x.dtype == object or math.prod(x.shape) == 0
+        return da.asarray(x, chunks=-1) if one else da.asarray(x)
     raise AssertionError(family)
 
 
@@ -591,6 +593,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     if axes is not None or axis is not None:
+        _loop_first(a, b, out, keywords)
         a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
         result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
                         backend=backend, precision=precision)
@@ -643,21 +646,47 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         return out
     result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
-        return _ordered(result, order, ops)
+        return _ordered(result, order, ops, (a, b))
     out[...] = result
     return out
 
 
-def _ordered(result, order: str, ops: Operands):
+def _loop_first(a, b, out, keywords) -> None:
+    """numpy resolves the loop and the casts into it and into ``out`` before it reads
+    ``axes`` or ``axis``: its type errors (and a ValueError for an unknown ``casting`` or
+    ``order``) come first, raised here from the operands' dtypes."""
+    if any(type(x) in (bool, int, float, complex) for x in (a, b)):
+        return  # a scalar operand: _validate asks numpy with the scalar itself
+
+    def dtype_of(x):
+        return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+    ufunc_dtype(dtype_of(a), dtype_of(b), dtype=keywords["dtype"],
+                out_dtype=None if out is None else dtype_of(out),
+                casting=keywords["casting"], order=keywords["order"])
+
+
+def _given_fortran(x) -> bool:
+    """Whether numpy takes operand ``x``, as given, for Fortran-contiguous: its own flags,
+    or for an array-like without them (numpy converts it to a C-ordered array) whether
+    it is empty or has at most one dimension longer than 1."""
+    flags = getattr(x, "flags", None)
+    if flags is not None:
+        return bool(flags.f_contiguous)
+    shape = tuple(getattr(x, "shape", None) or np.shape(x))
+    return math.prod(shape) == 0 or sum(s > 1 for s in shape) <= 1
+
+
+def _ordered(result, order: str, ops: Operands, given):
     """The result in numpy's memory layout for ``order``: Fortran for ``"F"``, and for
-    ``"A"`` when every operand is Fortran-contiguous (also when it is C-contiguous too, as
-    vectors and ``(n, 1)`` shapes are); else the engines' C order, which is numpy's for
-    ``"K"`` and ``"C"``."""
+    ``"A"`` when every operand in ``given`` (the operands as the caller passed them,
+    before any cast or conversion) is Fortran-contiguous (also when it is C-contiguous
+    too, as vectors and ``(n, 1)`` shapes are); else the engines' C order, which is
+    numpy's for ``"K"`` and ``"C"``."""
     order = (order or "K").upper()  # numpy's probe (_validate) checked it: K, A, C, F or None
     if order in ("K", "C") or ops.family == "dask" or getattr(result, "ndim", 0) < 2:
         return result
-    fortran = order == "F" or all(x.flags.f_contiguous for x in (ops.a, ops.b)
-                                  if hasattr(x, "flags"))
+    fortran = order == "F" or all(_given_fortran(x) for x in given)
     return _namespace(ops.family).asfortranarray(result) if fortran else result
 
 
@@ -708,13 +737,11 @@ def _scalar_for(value, dtype: np.dtype, name: str):
         if not (isinstance(value, (numbers.Integral, np.integer, np.bool_))
                 or (isinstance(value, numbers.Real) and float(value).is_integer())):
             raise TypeError(f"{name}={value!r} cannot scale a {dtype} result without rounding")
-        if dtype.kind == "b":
-            return np.bool_(value)
         exact = int(value)
-        info = np.iinfo(dtype)
-        if not info.min <= exact <= info.max:
+        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        if not low <= exact <= high:
             raise TypeError(f"{name}={value!r} is out of range for a {dtype} result "
-                            f"({info.min} to {info.max})")
+                            f"({low} to {high})")
         return dtype.type(exact)
     try:
         with np.errstate(over="raise"):
@@ -767,7 +794,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         or an unknown ``precision``.
     TypeError
         Non-numeric dtypes, an ``alpha``/``beta`` that the result dtype
-        cannot hold exactly (``alpha=0.5`` for integers), or a reduced
+        cannot hold exactly (``alpha=0.5`` for integers, ``alpha=2`` for
+        booleans, which take 0 and 1 only), or a reduced
         ``precision`` for a product that is not float32, float16 or bfloat16.
 
     Examples

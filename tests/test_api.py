@@ -593,3 +593,89 @@ def test_a_dtype_keyword_is_never_mistaken_for_the_default():
         got = distmm.matmul(i, i, dtype=dt)
         assert got.dtype == np.float64
         np.testing.assert_array_equal(got, np.matmul(i, i, dtype=dt))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dtype=np.complex128, casting="no", axis=0),
+    dict(dtype=np.int32, casting="same_kind", axes=[(-2, -1), (-2, -1)]),
+    dict(dtype=np.float16, casting="no", axes=[(-2, -1), (-2, -1)]),
+    dict(out=np.zeros((3, 3), np.int64), axes=[(-2, -1), (-2, -1)]),
+    dict(casting="bogus", axis=0),
+], ids=["complex-no-axis", "int32-same-kind-axes", "float16-no-axes", "out-cast-axes",
+        "bad-casting-axis"])
+def test_type_errors_come_before_axes_errors_as_in_numpy(kw):
+    """numpy resolves the loop and its casts before it reads ``axes``/``axis``."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((3, 3)), rng.standard_normal((3, 3))
+    with pytest.raises(Exception) as want:
+        np.matmul(a, b, **kw)
+    with pytest.raises(Exception) as got:
+        distmm.matmul(a, b, **kw)
+    assert type(got.value) is type(want.value), (got.value, want.value)
+
+
+def test_bfloat16_dtype_keyword_error_comes_before_axes_error():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.random.default_rng().standard_normal((3, 3)).astype(ml_dtypes.bfloat16)
+    kw = dict(dtype=ml_dtypes.bfloat16, axes=[(-2, -1), (-2, -1)])
+    with pytest.raises(TypeError, match="No loop matching") as want:
+        np.matmul(x, x, **kw)
+    with pytest.raises(TypeError, match="No loop matching") as got:
+        distmm.matmul(x, x, **kw)
+    assert type(got.value) is type(want.value)
+
+
+@pytest.mark.parametrize("case", ["reversed-column-row", "fortran-cast", "c-cast"])
+def test_order_a_decides_on_the_operands_as_given(case):
+    """``order="A"`` with ``dtype=``: numpy looks at the operands it was given, not at the
+    cast copies (a reversed (4, 1) column is neither C nor F; its copy is both)."""
+    rng = np.random.default_rng()
+    if case == "reversed-column-row":
+        a, b = rng.standard_normal((4, 1))[::-1], rng.standard_normal((1, 5))
+    else:
+        lay = "F" if case == "fortran-cast" else "C"
+        a = np.asarray(rng.standard_normal((4, 6)), order=lay)
+        b = np.asarray(rng.standard_normal((6, 5)), order=lay)
+    want = np.matmul(a, b, order="A", dtype=np.complex128)
+    got = distmm.matmul(a, b, order="A", dtype=np.complex128)
+    assert (got.flags.c_contiguous, got.flags.f_contiguous) == (want.flags.c_contiguous,
+                                                                 want.flags.f_contiguous)
+    assert got.dtype == want.dtype
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("kw", [dict(alpha=3), dict(alpha=-1), dict(beta=2), dict(alpha=0.5)],
+                         ids=["alpha-3", "alpha-minus1", "beta-2", "alpha-half"])
+def test_gemm_bool_result_refuses_scalars_other_than_0_and_1(kw):
+    x = np.random.default_rng().integers(0, 2, (3, 3)).astype(bool)
+    with pytest.raises(TypeError, match="alpha|beta"):
+        distmm.gemm(x, x, x, **kw)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1, 0), (True, False), (1.0, 1), (0, True)])
+def test_gemm_bool_result_takes_0_and_1(alpha, beta):
+    rng = np.random.default_rng()
+    a, b, c = (rng.integers(0, 2, (3, 3)).astype(bool) for _ in range(3))
+    want = (np.matmul(a, b) & bool(alpha)) | (c & bool(beta))
+    got = distmm.gemm(a, b, c, alpha=alpha, beta=beta)
+    assert got.dtype == np.bool_
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shapes", [((3, 0, 0), (3, 0, 357)), ((3, 0, 357), (357, 0)),
+                                    ((2, 0, 4), (4, 1000))], ids=str)
+@pytest.mark.parametrize("dask_side", ["a", "b"])
+def test_dask_operand_with_an_empty_numpy_partner(shapes, dask_side):
+    """The numpy partner of a dask operand is wrapped without dask's automatic chunks,
+    which divide by zero for some empty shapes."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    want = np.matmul(a, b)
+    if dask_side == "a":
+        got = distmm.matmul(da.from_array(a, chunks=-1), b)
+    else:
+        got = distmm.matmul(a, da.from_array(b, chunks=-1))
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    result = got.compute()
+    assert (type(result), result.shape, result.dtype) == (type(want), want.shape, want.dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -391,3 +392,39 @@ def test_cli_refuses_bad_precision(tmp_path):
     r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", out, "--precision", "fp8")
     assert r.returncode == 2 and "--precision" in r.stderr and "fp8" in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_and_inf_operands_give_no_warning(mode):
+    """numpy's matmul of float16 operands holding NaN, and an infinity that meets no
+    other (no inf - inf in any sum), warns of nothing; nor does the emulation (its
+    rounding, and its float32 product)."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((9, 31)).astype(np.float16)
+    b = rng.standard_normal((31, 7)).astype(np.float16)
+    a[rng.integers(9), rng.integers(31)] = np.nan
+    a[rng.integers(9), rng.integers(31)] = rng.choice([np.inf, -np.inf])
+    b[rng.integers(31), rng.integers(7)] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = np.matmul(a, b)
+        got = distmm.matmul(a, b, precision=mode, backend="blas")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+
+
+def test_float32_beyond_float16_range_gives_no_warning_under_fp16():
+    """A finite float32 operand that rounds past float16's range becomes infinity in the
+    emulation, without a warning (numpy's float32 product of it has none)."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((9, 31)).astype(np.float32)
+    b = rng.standard_normal((31, 7)).astype(np.float32)
+    a[rng.integers(9), rng.integers(31)] = 7e4
+    b[rng.integers(31), rng.integers(7)] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = np.matmul(a, b)
+        got = distmm.matmul(a, b, precision="fp16", backend="blas")
+    assert (got.dtype, got.shape) == (want.dtype, want.shape)

@@ -72,7 +72,7 @@ def round_to(x, precision: str) -> np.ndarray:
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     if precision == "fp16":
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             return x.astype(np.float16).astype(np.float32)
     try:
         dropped = DROPPED_BITS[precision]
@@ -85,7 +85,10 @@ def round_to(x, precision: str) -> np.ndarray:
 def reduced_product(a, b, precision: str, matmul=np.matmul) -> np.ndarray:
     """``a @ b`` as the tensor cores compute it in ``precision``: both operands rounded
     to the format (``round_to``), their products (exact in float32) summed in float32
-    by ``matmul`` (a float32 GEMM: numpy's BLAS or distmm's numba kernel).
+    by ``matmul`` (a float32 GEMM: numpy's BLAS or distmm's numba kernel). NaN and
+    infinity propagate without floating-point warnings (numpy's matmul of NaN operands
+    gives none, nor does a value that rounds past the format's range).
 
     Returns a new float32 array."""
-    return matmul(round_to(a, precision), round_to(b, precision))
+    with np.errstate(all="ignore"):
+        return matmul(round_to(a, precision), round_to(b, precision))
