@@ -492,7 +492,7 @@ def _is_default(name: str, value) -> bool:
 
 
 def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=True,
-           axes=None, axis=None, engine: str = "auto", client=None, tile=None,
+           signature=None, axes=None, axis=None, engine: str = "auto", client=None, tile=None,
            backend: str = "auto", precision: str | None = None):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
@@ -514,7 +514,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         the result's dtype, the local and Dask engines write the tiles into it
         directly; on a Dask cluster the workers write a staged output file of
         ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
-    casting, order, dtype, subok, axes, axis
+    casting, order, dtype, subok, signature, axes, axis
         As ``numpy.matmul``'s: ``axes`` names each operand's and the result's
         matrix axes (numpy checks them; ``axis`` numpy refuses for matmul);
         ``dtype`` names the loop both operands are cast
@@ -524,6 +524,11 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         for ndarray subclasses. Subclasses (``np.matrix``, masked arrays, your
         own) come back wrapped by the ``__array_wrap__`` numpy would pick, and
         operands that override ``__array_ufunc__`` take the call, as in numpy.
+        numpy itself computes (with the keywords given; ``engine``, ``tile``,
+        ``backend`` and ``precision`` do not apply) a call with ``signature``,
+        one whose ``out`` has its own ``__array_wrap__`` (a masked array: numpy
+        sets its mask) and one whose object loop takes a string, bytes or
+        structured operand (paired with an object operand, or ``dtype=object``).
     client : distributed.Client, optional
         The cluster for ``engine="dask"``; default: the current client.
     tile : int or (tm, tn, tk), optional
@@ -587,9 +592,12 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     out = ufunc_rules.single_out(out)
     keywords = dict(casting=casting, order=order, dtype=dtype, subok=subok)
     plain = all(_is_default(k, v) for k, v in keywords.items())
-    if ufunc_rules.overrides(a, b, out):  # numpy hands the call to the operand's override
-        # only the keywords the caller gave, as numpy passes them on
-        given = {k: v for k, v in (("out", out), ("axes", axes), ("axis", axis)) if v is not None}
+    if (ufunc_rules.overrides(a, b, out) or ufunc_rules.wraps_out(out)
+            or signature is not None or _object_loop(a, b, dtype)):
+        # numpy's own call (it hands an override the call); only the keywords the caller
+        # gave, as numpy passes them on
+        given = {k: v for k, v in (("out", out), ("signature", signature), ("axes", axes),
+                                   ("axis", axis)) if v is not None}
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     if axes is not None or axis is not None:
@@ -649,6 +657,24 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         return _ordered(result, order, ops, (a, b))
     out[...] = result
     return out
+
+
+def _object_loop(a, b, dtype) -> bool:
+    """Whether numpy's object loop would take an operand distmm does not multiply (strings,
+    bytes, structured): with an object operand or ``dtype=object``, numpy casts it to
+    object (``"ab" * 3`` repeats the string), or refuses the cast with its own error."""
+    if (dtype is None and type(a) is np.ndarray and type(b) is np.ndarray
+            and a.dtype.kind != "O" and b.dtype.kind != "O"):
+        return False  # the common case: no object loop
+    if not all(array_family(x) == "numpy" for x in (a, b)):
+        return False
+    dtypes = [np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype for x in (a, b)]
+    try:
+        loop_object = dtype is not None and np.dtype(dtype) == object
+    except (TypeError, ValueError):
+        return False  # numpy refuses the dtype: its error, raised in distmm's own path
+    return ((loop_object or any(dt == object for dt in dtypes))
+            and not all(planner.multiplies(dt) for dt in dtypes))
 
 
 def _loop_first(a, b, out, keywords) -> None:

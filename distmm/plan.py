@@ -27,6 +27,7 @@ __all__ = [
     "reduction_tree",
     "result_dtype",
     "ufunc_dtype",
+    "multiplies",
     "accumulate_dtype",
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
@@ -59,6 +60,13 @@ def is_bfloat16(dtype) -> bool:
     """Whether ``dtype`` is ``ml_dtypes.bfloat16`` (told by name: distmm does not
     import ml_dtypes; whoever holds a bfloat16 array has it)."""
     return np.dtype(dtype).name == "bfloat16"
+
+
+def multiplies(dtype) -> bool:
+    """Whether distmm multiplies operands of ``dtype``: boolean, numeric (bfloat16 too)
+    or object."""
+    dt = np.dtype(dtype)
+    return dt.kind in "biufcO" or is_bfloat16(dt)
 
 
 def reduced_applies(result_dtype) -> bool:
@@ -164,7 +172,7 @@ def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, c
     if out_dtype is not None:
         np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
-        if dt.kind not in "biufcO" and not is_bfloat16(dt):
+        if not multiplies(dt):
             raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")
     return res
 

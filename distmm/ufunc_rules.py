@@ -1,9 +1,11 @@
 """numpy's ufunc protocol around ``matmul``, for operands that are not plain arrays.
 
 This module covers what ``numpy.matmul`` does before and after its loop: an ``out``
-given as a one-element tuple, ``axes`` naming where the matrices lie, operands that override ``__array_ufunc__`` (they decide
-the call: numpy hands it to them), and ndarray subclasses (``np.matrix``, masked arrays,
-a user's own), whose result is wrapped by the ``__array_wrap__`` numpy picks. It does *not* cover the product itself (``distmm.api``).
+given as a one-element tuple, ``axes`` naming where the matrices lie, operands that
+override ``__array_ufunc__`` (they decide the call: numpy hands it to them), an ``out``
+with its own ``__array_wrap__`` (numpy passes the product through it), and ndarray
+subclasses (``np.matrix``, masked arrays, a user's own), whose result is wrapped by the
+``__array_wrap__`` numpy picks. It does *not* cover the product itself (``distmm.api``).
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import numpy as np
 
 from distmm._arrays import array_family, is_sparse
 
-__all__ = ["single_out", "overrides", "find_wrap", "apply_wrap", "is_subclass", "base",
-           "core_axes_last"]
+__all__ = ["single_out", "overrides", "wraps_out", "find_wrap", "apply_wrap", "is_subclass",
+           "base", "core_axes_last"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
@@ -52,6 +54,13 @@ def overrides(*objs) -> bool:
         if cls_ufunc is not _NDARRAY_UFUNC and not isinstance(x, (numbers.Number, np.generic)):
             return True
     return False
+
+
+def wraps_out(out) -> bool:
+    """Whether numpy hands the product to ``out``'s own ``__array_wrap__``: an ndarray
+    subclass that defines one (a masked array, which sets ``out.mask`` from the operands'
+    masks, or raises where they do not broadcast). ``np.memmap``'s returns ``out`` itself."""
+    return is_subclass(out) and type(out).__array_wrap__ is not np.ndarray.__array_wrap__
 
 
 def is_subclass(x) -> bool:

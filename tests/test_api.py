@@ -679,3 +679,90 @@ def test_dask_operand_with_an_empty_numpy_partner(shapes, dask_side):
     assert (got.shape, got.dtype) == (want.shape, want.dtype)
     result = got.compute()
     assert (type(result), result.shape, result.dtype) == (type(want), want.shape, want.dtype)
+
+
+def _masked(rng, shape, dtype):
+    """A masked array of random values with at least one masked element."""
+    mask = rng.random(shape) < 0.3
+    mask.flat[rng.integers(mask.size)] = True
+    return np.ma.masked_array(random_array(rng, shape, dtype), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int16, np.complex64])
+def test_a_masked_out_gets_numpys_mask_or_error(dtype):
+    """numpy passes the product through a masked ``out``'s ``__array_wrap__``: it sets
+    ``out.mask`` from the operands' masks, or raises where they do not broadcast (k > 1)."""
+    rng = np.random.default_rng()
+    for _ in range(6):
+        m, k, n = (int(x) for x in rng.integers(1, 5, 3))
+        a = _masked(rng, (m, k), dtype)
+        b = _masked(rng, (k, n), dtype) if rng.random() < 0.5 else random_array(rng, (k, n), dtype)
+        outs, outcomes = [], []
+        for mod in (np, distmm):
+            outs.append(np.ma.masked_array(np.zeros((m, n), np.result_type(a.dtype, b.dtype))))
+            try:
+                outcomes.append(mod.matmul(a, b, out=outs[-1]))
+            except Exception as exc:  # noqa: BLE001 - the type is what is compared
+                outcomes.append(type(exc))
+        _same_outcome(*outcomes)
+        _same_outcome(*outs)
+        if not isinstance(outcomes[0], type):
+            assert outcomes[1] is outs[1]
+
+
+def _swap(x):
+    """``x`` with its matrix axes swapped (a vector as it is)."""
+    return x if x.ndim < 2 else x.swapaxes(-1, -2)
+
+
+def _not_numeric(rng, shape, kind):
+    if kind == "structured":
+        return np.zeros(shape, [("x", "f8")])
+    words = rng.choice(["a", "bc", "xyz"], shape)
+    return words.astype("S3") if kind == "bytes" else words
+
+
+@pytest.mark.parametrize("partner", ["object", "dtype-object"])
+@pytest.mark.parametrize("kind", ["str", "bytes", "structured"])
+def test_strings_and_structs_in_numpys_object_loop(kind, partner):
+    """numpy's object loop takes a string, bytes or structured operand paired with an object
+    operand (or under ``dtype=object``): strings repeat, an empty product is empty. numpy
+    refuses the same operand with itself, with floats, and a cast into object under
+    ``casting="no"``."""
+    rng = np.random.default_rng()
+    for _ in range(6):
+        m, k, n = (int(x) for x in rng.integers(0, 4, 3))
+        batch = tuple(int(x) for x in rng.integers(1, 3, rng.integers(0, 2)))
+        shapes = [batch + (m, k), (k, n)]
+        if rng.random() < 0.3:
+            shapes[int(rng.integers(2))] = (k,)
+        odd, ints = _not_numeric(rng, shapes[0], kind), rng.integers(0, 4, shapes[1])
+        kw = {"dtype": object} if partner == "dtype-object" else {}
+        other = ints.astype(object) if partner == "object" else ints
+        flip = rng.random() < 0.5
+        for x, y, extra in ((odd, other, {}), (odd, _not_numeric(rng, shapes[1], kind), {}),
+                            (odd, ints.astype(float), {}),
+                            (odd, ints, {"dtype": object, "casting": "no"})):
+            pair = (_swap(y), _swap(x)) if flip else (x, y)
+            _same_outcome(*_numpy_and_distmm(lambda mod: mod.matmul(*pair, **{**kw, **extra})))
+
+
+@pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning")
+@pytest.mark.parametrize("signature", [
+    (None, None, np.float32), (np.float64, np.float64, np.float64), ("f4", None, None),
+    (None, None, None), "dd->d", "ff->f", "ii->i", "FF->F", (None, None), "bogus",
+    ("d", "d"), "dd->dd",
+], ids=repr)
+def test_signature_keyword_is_numpys(signature):
+    """``signature=`` selects numpy's loop as in ``numpy.matmul``, with numpy's errors."""
+    rng = np.random.default_rng()
+    for dtype in (np.float64, np.float32, np.int32, np.int64, np.complex64):
+        m, k, n = (int(x) for x in rng.integers(1, 6, 3))
+        a, b = random_array(rng, (m, k), dtype), random_array(rng, (k, n), dtype)
+        _same_outcome(*_numpy_and_distmm(lambda mod: mod.matmul(a, b, signature=signature)))
+        _same_outcome(*_numpy_and_distmm(
+            lambda mod: mod.matmul(a, b, out=np.zeros((m, n), np.complex128),
+                                   signature=signature, casting="unsafe")))
+        _same_outcome(*_numpy_and_distmm(
+            lambda mod: mod.matmul(a, b, signature=signature, dtype=np.float64)))
+        _same_outcome(*_numpy_and_distmm(lambda mod: mod.matmul(a, b, signature="dd->f")))
