@@ -659,6 +659,11 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     return out
 
 
+def _dtype_of(x) -> np.dtype:
+    """An operand's dtype, without converting an array that has one."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
 def _object_loop(a, b, dtype) -> bool:
     """Whether numpy's object loop would take an operand distmm does not multiply (strings,
     bytes, structured): with an object operand or ``dtype=object``, numpy casts it to
@@ -668,7 +673,7 @@ def _object_loop(a, b, dtype) -> bool:
         return False  # the common case: no object loop
     if not all(array_family(x) == "numpy" for x in (a, b)):
         return False
-    dtypes = [np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype for x in (a, b)]
+    dtypes = [_dtype_of(x) for x in (a, b)]
     try:
         loop_object = dtype is not None and np.dtype(dtype) == object
     except (TypeError, ValueError):
@@ -683,12 +688,8 @@ def _loop_first(a, b, out, keywords) -> None:
     ``order``) come first, raised here from the operands' dtypes."""
     if any(type(x) in (bool, int, float, complex) for x in (a, b)):
         return  # a scalar operand: _validate asks numpy with the scalar itself
-
-    def dtype_of(x):
-        return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-
-    ufunc_dtype(dtype_of(a), dtype_of(b), dtype=keywords["dtype"],
-                out_dtype=None if out is None else dtype_of(out),
+    ufunc_dtype(_dtype_of(a), _dtype_of(b), dtype=keywords["dtype"],
+                out_dtype=None if out is None else _dtype_of(out),
                 casting=keywords["casting"], order=keywords["order"])
 
 

@@ -3,9 +3,10 @@
 This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
 output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size,
 modification time, inode number and status-change time, the result dtype, the rank count, the
-grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in another order is refused), the staged output's name and
-data offset), the per-rank logs of finished stripes (``STAGED.done-RANK``:
-one stripe index per line, appended and flushed to disk only after the stripe's bytes were),
+grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
+another order is refused), the staged output's name and data offset), the per-rank logs of
+finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
+disk only after the stripe's bytes were),
 comparing a manifest with a new run's (one line naming what changed), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
