@@ -283,7 +283,8 @@ def _read(section) -> Config:
                              f"{', '.join(_PARSERS)}")
     values = {}
     for key, (field, parse) in _PARSERS.items():
-        raw = dask.config.get(f"distmm.{key}", None)  # '_' or '-': dask's canonical name
+        # either spelling, as dask.config.get finds it ('-' first, then '_')
+        raw = section.get(key, section.get(key.replace("-", "_")))
         try:
             values[field] = parse(raw)
         except _Bad as e:
@@ -321,8 +322,11 @@ def get_config() -> Config:
     hit = _cache
     if hit is not None and hit[0] == section:
         return hit[1]
-    cfg = _read(section if section is not None else {})
-    _cache = (copy.deepcopy(section), cfg)
+    # Parsed from a copy, which is also the cache key: a dask.config.set block that another
+    # thread leaves meanwhile changes the section, not the copy, so the next call re-reads.
+    snapshot = copy.deepcopy(dict(section)) if isinstance(section, dict) else section
+    cfg = _read(snapshot if snapshot is not None else {})
+    _cache = (snapshot, cfg)
     return cfg
 
 

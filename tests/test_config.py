@@ -84,6 +84,39 @@ def test_cache_returns_the_same_object_until_the_section_changes():
         assert get_config().tile == (32, 64, 64)
 
 
+def test_cache_is_not_left_stale_by_a_block_another_thread_leaves(monkeypatch):
+    """Another thread leaving its dask.config.set block while this one parses the section:
+    the next call sees the change (the cache once paired the new section with the old
+    parse, so every later call kept precision='tf32')."""
+    import threading
+
+    ctx = dask.config.set({"distmm.precision": "tf32"})
+    ctx.__enter__()
+    left = False
+    real = config_mod._read
+
+    def parse_then_other_thread_leaves(section):
+        nonlocal left
+        cfg = real(section)
+        if not left:
+            left = True
+            t = threading.Thread(target=ctx.__exit__, args=(None, None, None))
+            t.start()
+            t.join()
+        return cfg
+
+    try:
+        monkeypatch.setattr(config_mod, "_cache", None)
+        monkeypatch.setattr(config_mod, "_read", parse_then_other_thread_leaves)
+        assert get_config().precision == "tf32"  # what was in force when it was read
+    finally:
+        if not left:
+            ctx.__exit__(None, None, None)
+    monkeypatch.setattr(config_mod, "_read", real)
+    assert dask.config.get("distmm.precision") == "highest"
+    assert get_config().precision == "highest"
+
+
 def test_refresh_keeps_the_defaults():
     saved = copy.deepcopy(dask.config.config)
     try:
