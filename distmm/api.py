@@ -12,6 +12,7 @@ or kernels (``distmm.executor``).
 """
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 import threading
@@ -775,9 +776,19 @@ def _scalar_for(value, dtype: np.dtype, name: str):
             scalar = dtype.type(value)
     except (OverflowError, FloatingPointError):
         scalar = None
-    if scalar is None or (np.isfinite(value) and not np.isfinite(scalar)):
+    if scalar is None or (_finite(value) and not np.isfinite(scalar)):
         raise TypeError(f"{name}={value!r} is out of range for a {dtype} result")
     return scalar
+
+
+def _finite(value) -> bool:
+    """Whether a number is finite: numpy's test, or the number's own where numpy has no
+    loop for its type (a Fraction is always finite, a Decimal says)."""
+    if isinstance(value, numbers.Rational):
+        return True
+    if isinstance(value, decimal.Decimal):
+        return value.is_finite()
+    return bool(np.isfinite(value))
 
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,

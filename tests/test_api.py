@@ -583,6 +583,24 @@ def test_gemm_takes_complex_scalars_without_an_imaginary_part():
     np.testing.assert_array_equal(distmm.gemm(i, i, alpha=3 + 0j), np.full((2, 2), 6))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex128])
+def test_gemm_takes_fractions_and_decimals_as_scalars(dtype):
+    """numpy has no isfinite loop for Fraction or Decimal: their finiteness is their own."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    rng = np.random.default_rng()
+    x, y, c = (rng.standard_normal(s).astype(dtype) for s in ((3, 4), (4, 5), (3, 5)))
+    want = dtype(0.5) * np.matmul(x, y) + dtype(-1.25) * c
+    for alpha, beta in ((Fraction(1, 2), Fraction(-5, 4)), (Decimal("0.5"), Decimal("-1.25"))):
+        got = distmm.gemm(x, y, c, alpha=alpha, beta=beta)
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=2e-3 if dtype == np.float16 else 1e-5)
+    for big in (Decimal("1e400"), Fraction(10**400)):
+        with pytest.raises(TypeError, match="out of range"):
+            distmm.gemm(x.astype(np.float32), y.astype(np.float32), alpha=big)
+
+
 def test_a_dtype_keyword_is_never_mistaken_for_the_default():
     """``np.dtype("float64") == None`` is True in numpy: a cached call without ``dtype=``
     must not answer one with it."""
