@@ -18,6 +18,7 @@ from distmm.config import available_cpus
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
 from distmm.executor import get_executor
+from distmm.fpflags import as_matmul, collect
 from distmm.plan import Plan, np_dtype
 
 __all__ = ["LocalEngine", "run_local", "default_workers"]
@@ -178,15 +179,24 @@ def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
                 bar.update(plan.grid[0] * plan.grid[1])
         return out
 
+    with as_matmul() as flags:  # numpy's floating-point reports, once for the product
+        return _tiles(plan, a, b, executor, threads, out, batch_index, bar, flags)
+
+
+def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flags: set):
     # Index with one tuple (batch index + slices) so that on-disk arrays read
     # and write only the panel at hand.
     def task(idx, i, j, s):
         ks = plan.k_slice(s)
-        part = tile_partial(executor, plan, a[idx + (plan.row_slice(i), ks)],
-                            b[idx + (ks, plan.col_slice(j))])
-        return executor.to_host(part)
+        with collect() as seen:  # a pool thread: its flags go to the caller's report
+            part = tile_partial(executor, plan, a[idx + (plan.row_slice(i), ks)],
+                                b[idx + (ks, plan.col_slice(j))])
+        return executor.to_host(part), seen
 
-    def store(idx, i, j, parts):
+    def store(idx, i, j, done):
+        for _, seen in done:
+            flags.update(seen)
+        parts = [part for part, _ in done]
         out[idx + (plan.row_slice(i), plan.col_slice(j))] = finish_tile(plan, reduce_partials(plan, parts))
         if bar is not None:
             bar.update(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from distmm.fpflags import as_matmul
 from distmm.plan import Plan, np_dtype
 
 __all__ = ["tile_partial", "reduce_partials", "finish_tile"]
@@ -37,8 +38,9 @@ def reduce_partials(plan: Plan, partials: Sequence[Any]) -> Any:
     if len(partials) != plan.k_splits:
         raise ValueError(f"expected {plan.k_splits} partials, got {len(partials)}")
     work = list(partials)
-    for dst, src in plan.reduction:
-        work[dst] = work[dst] + work[src]
+    with as_matmul():  # inf - inf or an overflow here is the product's, as in numpy's loop
+        for dst, src in plan.reduction:
+            work[dst] = work[dst] + work[src]
     return work[0]
 
 
@@ -50,4 +52,7 @@ def finish_tile(plan: Plan, acc_tile: Any) -> Any:
         return acc_tile != 0
     if acc_tile.dtype == res:
         return acc_tile
-    return acc_tile.astype(res)
+    if res.kind != "f":
+        return acc_tile.astype(res)
+    with as_matmul():  # float16's rounding overflows or underflows in numpy's matmul too
+        return acc_tile.astype(res)

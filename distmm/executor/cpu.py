@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from distmm.executor.base import Executor
+from distmm.fpflags import product_flags, report
 
 __all__ = ["CPUExecutor", "NUMBA_DTYPES"]
 
@@ -72,7 +73,9 @@ class CPUExecutor(Executor):
         if self._uses_numba(a.dtype):
             from distmm.kernels import numba_gemm
 
-            return numba_gemm.panel_product(a, b, tk)
+            p = numba_gemm.panel_product(a, b, tk)
+            report(product_flags(a, b, p))  # numpy's loop would have raised these
+            return p
         return np.matmul(a, b)
 
     def _reduced(self, a, b, tk: int):

@@ -1,0 +1,139 @@
+"""numpy's floating-point reports (``np.errstate``) for products distmm computes itself:
+the numba kernels, float16's rounding, and tiles summed across threads and k groups."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import distmm
+from distmm.fpflags import as_matmul, collect, product_flags, report
+
+
+def outcome(f, a, b, mode):
+    """What a call reports under ``np.errstate(all=mode)``: raised or not, the warnings,
+    the callback's calls."""
+    calls = []
+    with warnings.catch_warnings(record=True) as seen, \
+            np.errstate(all=mode, call=lambda kind, flag: calls.append(kind)):
+        warnings.simplefilter("always")
+        try:
+            f(a, b)
+            raised = None
+        except FloatingPointError as e:
+            raised = str(e)
+    return raised, sorted({str(w.message) for w in seen}), sorted(set(calls))
+
+
+def specials(rng, dtype, m, k, n, case):
+    """Random operands with the values that raise one flag placed at random."""
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    i, j, p, q = rng.integers(m), rng.integers(n), rng.integers(k), rng.integers(k - 1)
+    if case == "inf*0":
+        a[i, p] = np.inf
+        b[p, j] = 0
+    elif case == "inf-inf":  # two terms of one sum, far apart in k
+        a[i, 0], a[i, k - 1] = np.inf, -np.inf
+        b[0, j], b[k - 1, j] = 1, 1
+    elif case == "overflow":  # every term of row i positive: +inf only, never inf - inf
+        a[i] = np.finfo(dtype).max / 4
+        b = np.abs(b)
+        b[:, j] = 3
+    elif case == "underflow":  # a float16 sum too small for float16
+        a[i] = 1e-4
+        b[:, j] = 0
+        b[q, j] = 1e-4
+    elif case == "nan-in":  # a NaN operand propagates without a flag
+        a[i, p] = np.nan
+    elif case == "inf-in":  # an infinity times a finite number: no flag
+        a[i, p] = np.inf
+        b[p] = 1.5
+    return a, b
+
+
+CASES = ["inf*0", "inf-inf", "overflow", "underflow", "nan-in", "inf-in", "none"]
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", "ignore", "call"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kw", [{}, {"tile": 64}, {"tile": (32, 32, 48)}],
+                         ids=["one-tile", "tiles", "split-k"])
+def test_float16_reports_as_numpys_matmul(kw, case, mode):
+    """float16: numpy's own loop, in the calling thread, is the reference."""
+    rng = np.random.default_rng()
+    a, b = specials(rng, np.float16, 150, 200, 130, case)
+    want = outcome(np.matmul, a, b, mode)
+    got = outcome(lambda x, y: distmm.matmul(x, y, engine="local", **kw), a, b, mode)
+    assert got == want
+    if mode != "ignore" and case in ("inf*0", "inf-inf", "overflow", "underflow"):
+        assert want != (None, [], [])  # the case raises its flag in numpy
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "underflow"])
+@pytest.mark.parametrize("dtype,kw", [(np.float32, {}), (np.float64, {"tile": (64, 64, 64)})],
+                         ids=["f32", "f64-split-k"])
+def test_numba_kernels_report_the_flags_of_their_operations(dtype, kw, case):
+    """float32 and float64 on distmm's numba kernels: the flags of the products and sums
+    themselves (numpy's matmul calls BLAS there and reports only the flags its calling
+    thread's part of the product raised)."""
+    rng = np.random.default_rng()
+    a, b = specials(rng, dtype, 150, 200, 130, case)
+    with collect() as want:
+        (a[:, :, None] * b[None, :, :]).sum(1)
+    kinds = {"invalid value": "invalid"}
+    _, _, calls = outcome(lambda x, y: distmm.matmul(x, y, engine="local", backend="numba",
+                                                     **kw), a, b, "call")
+    assert {kinds.get(c, c) for c in calls} == want
+    raised, _, _ = outcome(lambda x, y: distmm.matmul(x, y, backend="numba", **kw), a, b, "raise")
+    assert (raised is not None) == bool(want)
+    assert raised is None or raised.endswith("encountered in matmul")
+
+
+def test_one_report_per_product_across_threads():
+    """Tiles on the pool's threads: one warning for the call, as numpy gives, not one per tile."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((256, 96)).astype(np.float16)
+    b = rng.standard_normal((96, 256)).astype(np.float16)
+    a[:, 0] = np.inf
+    b[0, :] = 0  # every tile's sums meet inf * 0
+    with warnings.catch_warnings(record=True) as seen, np.errstate(all="warn"):
+        warnings.simplefilter("always")
+        distmm.matmul(a, b, engine="local", tile=32)
+    assert [str(w.message) for w in seen] == ["invalid value encountered in matmul"]
+
+
+def test_product_flags_reads_the_result_against_its_rows_and_columns():
+    a = np.array([[np.inf, 1.0], [np.nan, 1.0], [1.0, 1.0]])
+    b = np.array([[0.0, 2.0], [1.0, 1.0]])
+    with np.errstate(all="ignore"):
+        p = a @ b
+    assert product_flags(a, b, p) == {"invalid"}  # row 0: inf * 0; row 1's NaN is its own
+    assert product_flags(a[1:], b, p[1:]) == set()
+    big = np.full((1, 2), 1e308)
+    with np.errstate(all="ignore"):
+        assert product_flags(big, np.ones((2, 1)), big @ np.ones((2, 1))) == {"overflow"}
+    assert product_flags(np.ones((2, 2), np.int64), np.ones((2, 2), np.int64),
+                         np.ones((2, 2), np.int64)) == set()
+
+
+@pytest.mark.parametrize("flags", [{"invalid"}, {"overflow"}, {"underflow"},
+                                   {"overflow", "invalid"}, {"overflow", "underflow", "invalid"}])
+def test_report_raises_exactly_the_flags_asked(flags):
+    calls = []
+    with np.errstate(all="call", call=lambda kind, flag: calls.append(kind)):
+        report(flags)
+    names = {"invalid value": "invalid", "overflow": "overflow", "underflow": "underflow"}
+    assert {names[c] for c in calls} == flags
+
+
+def test_collect_holds_back_and_as_matmul_reports_once():
+    with np.errstate(all="raise"):
+        with collect() as seen:
+            np.array([np.inf]) - np.array([np.inf])
+        assert seen == {"invalid"}
+        with pytest.raises(FloatingPointError, match="overflow encountered in matmul"):
+            with as_matmul():
+                np.array([1e308]) * 10
+                np.array([np.inf]) * 0
