@@ -63,6 +63,24 @@ def _as_array(x, family: str):
     raise AssertionError(family)
 
 
+def _same_chunk_family(a, b):
+    """Dask operands whose chunks live in different places (cupy and numpy chunks): the
+    host one's chunks copied to the device as they are computed, so that every task
+    multiplies two cupy chunks (a mix of cupy and numpy operands gives cupy, as on one GPU)."""
+    from dask.array.utils import meta_from_array
+
+    device = [not isinstance(meta_from_array(x), np.ndarray) for x in (a, b)]
+    if device[0] == device[1]:
+        return a, b
+    import cupy
+
+    def to_device(x):
+        return x.map_blocks(cupy.asarray, dtype=x.dtype,
+                            meta=cupy.empty((0,) * x.ndim, dtype=x.dtype))
+
+    return (a if device[0] else to_device(a)), (b if device[1] else to_device(b))
+
+
 def _python_scalar_keywords(a, b, out, **keywords) -> None:
     """numpy's own exception for a Python scalar operand with numpy's keywords: the scalar is
     weak under NEP 50 (numpy 2), so a strict ``casting`` can pass and the missing dimension
@@ -104,6 +122,8 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
         if not defaults:
             _python_scalar_keywords(a, b, out, dtype=dtype, casting=casting, order=order)
         a, b = _as_array(a, fam), _as_array(b, fam)
+        if fam == "dask":
+            a, b = _same_chunk_family(a, b)
     # numpy resolves the loop (dtypes) and the casts into it and into out before it looks
     # at dimensions.
     if defaults:

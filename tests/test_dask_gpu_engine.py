@@ -98,6 +98,54 @@ def test_device_chunks_ragged_along_k_add_into_one_block(one_gpu, dtype):
     assert last_stats()["mode"] == "blocks"
 
 
+@pytest.mark.parametrize("kind", ["cupy", "cupy-numpy", "cupy-out"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_cupy_operands_with_a_client_give_cupy(one_gpu, kind, dtype):
+    """cupy arrays of this process's GPU with a client (the cluster's engine): their blocks
+    go to the workers, C comes back as a cupy array (or fills a cupy out=); a numpy partner
+    makes the product cupy, as on one GPU. Before: numpy's refusal of cupy's implicit
+    conversion (TypeError) from the engine."""
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 301, 257, 199, "float32" if dtype == "int32" else dtype)
+    if dtype == "int32":
+        a, b = (rng.integers(-100, 100, x.shape).astype(np.int32) for x in (a, b))
+        want = a @ b
+    A = cupy.asarray(a)
+    B = b if kind == "cupy-numpy" else cupy.asarray(b)
+    if kind == "cupy-out":
+        out = cupy.full(want.shape, -7, dtype=dtype)
+        got = distmm.matmul(A, B, out=out, client=one_gpu)
+        assert got is out
+    else:
+        got = distmm.matmul(A, B, client=one_gpu)
+    assert isinstance(got, cupy.ndarray)
+    if dtype == "int32":
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    else:
+        _close(cupy.asnumpy(got), want, dtype)
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_dask_operands_with_cupy_and_numpy_chunks_multiply_on_the_device(one_gpu, which):
+    """One dask operand of cupy chunks, the other of numpy chunks (or a numpy or cupy
+    array beside a dask one): the host chunks go to the device, the product's chunks are
+    cupy. Before: cupy's error filling a cupy panel from a numpy chunk, or numpy's refusal
+    of a cupy chunk."""
+    rng = np.random.default_rng()
+    a, b, want = _inputs(rng, 513, 700, 311, "float32")
+    A = da.from_array(a, chunks=((200, 313), (300, 400)))
+    B = da.from_array(b, chunks=((300, 400), (111, 200)))
+    if which == "a":
+        A = A.map_blocks(cupy.asarray)
+    else:
+        B = B.map_blocks(cupy.asarray)
+    for x, y in ((A, B), (A, cupy.asarray(b)) if which == "a" else (cupy.asarray(a), B),
+                 (a, B) if which == "b" else (A, b)):
+        got = distmm.matmul(x, y, client=one_gpu).compute()
+        assert isinstance(got, cupy.ndarray)
+        _close(cupy.asnumpy(got), want, "float32")
+
+
 def _sharing_cluster(form: str):
     """Two worker processes on the one GPU: dask-cuda's own form (a repeated
     device), or a LocalCluster whose workers declare GPU=1."""

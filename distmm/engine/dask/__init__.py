@@ -90,7 +90,7 @@ import logging
 import sys
 import time
 
-from distmm.engine.base import Engine, Operands, Request
+from distmm.engine.base import Engine, Operands, Request, replace_fast
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
 from distmm.engine.dask.stats import last_stats, record, transfer_mark, transfer_report
@@ -278,7 +278,25 @@ class DaskEngine(Engine):
             stats["transfer"] = transfer_info
         if ops.family == "dask":
             return self._run_lazy(request, facts, stats)
+        if ops.family == "cupy":
+            return self._run_from_device(request, facts, stats, t0)
         return self._run_eager(request, facts, stats, t0)
+
+    def _run_from_device(self, request: Request, facts: ClusterFacts | None, stats: dict,
+                         t0: float):
+        """cupy operands of this process's GPU: their blocks go to the workers from host
+        memory (as numpy operands' do), and C comes back to this GPU (a cupy array, or the
+        cupy ``out=`` filled)."""
+        import cupy
+
+        ops = request.operands
+        host = replace_fast(ops, a=cupy.asnumpy(ops.a), b=cupy.asnumpy(ops.b), family="numpy")
+        out = request.out
+        result = self._run_eager(replace_fast(request, operands=host, out=None), facts, stats, t0)
+        if out is None:
+            return cupy.asarray(result)
+        out[...] = cupy.asarray(result)
+        return out
 
     def _facts(self, ops: Operands):
         """Block mode's ``ClusterFacts`` (None: one task per plan tile) and, for dask
