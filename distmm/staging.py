@@ -30,8 +30,13 @@ HDF5 has no transactions: a copy that runs out of space half way can damage
 the file it writes into. That is why the room for the copy is checked first;
 what remains is a race with another process filling the disk during the copy.
 
-It does *not* cover: parsing targets, ``.npy`` headers, zarr, or the checks
-of a target before a run (``--overwrite``): ``distmm.cli.io``.
+- ``check_target``: the refusals of a target before anything is written (an
+  existing one without ``overwrite``; whatever ``overwrite``, a folder where a
+  file would go, a zarr group, a folder that is no zarr array, an HDF5 group),
+  for the command line and ``DistArray.to_file`` alike.
+
+It does *not* cover: parsing targets, ``.npy`` headers, or writing zarr:
+``distmm.cli.io``.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
-           "leftovers", "is_live", "remove_leftover"]
+           "leftovers", "is_live", "remove_leftover", "check_target", "zarr_node"]
 
 PARTIAL = "distmm-partial"
 
@@ -76,7 +81,8 @@ def put_in_place(staged, target, pid: int | None = None) -> None:
     A target that exists is replaced, and its permission bits pass to the new
     output, as writing into it would have kept them (a new target keeps the
     umask's). A folder cannot be renamed onto another: the old one is moved
-    aside (``.NAME.distmm-old-PID``) and removed after the new one is in place.
+    aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
+    if the new one cannot take its place, the old one is moved back.
     """
     staged, target = Path(staged), Path(target)
     try:
@@ -88,10 +94,97 @@ def put_in_place(staged, target, pid: int | None = None) -> None:
     if mode is not None and staged.is_dir():
         old = target.parent / f".{target.name}.distmm-old-{os.getpid() if pid is None else pid}"
         os.replace(target, old)
-        os.replace(staged, target)
+        try:
+            os.replace(staged, target)
+        except BaseException:
+            os.replace(old, target)  # the old target back under its name
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, target)
+
+
+# ---------------------------------------------------------------- the target
+
+
+def zarr_node(path: Path) -> str | None:
+    """"array", "group", or None for a folder that is no zarr node."""
+    path = Path(path)
+    if (path / ".zarray").exists():
+        return "array"
+    if (path / ".zgroup").exists():
+        return "group"
+    meta = path / "zarr.json"
+    if meta.exists():
+        import json
+
+        try:
+            return json.loads(meta.read_text()).get("node_type")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_target(t, overwrite: bool) -> bool:
+    """Refuse a target that must not be written; return whether it exists.
+
+    ``t`` has ``kind`` ("npy", "zarr" or "h5"), ``path`` and ``dataset`` (HDF5), as
+    ``distmm.stripe_writer.FileSpec`` and ``distmm.cli.io.Target`` do. The command line and
+    ``DistArray.to_file`` both refuse targets with it, before anything is written.
+
+    Raises
+    ------
+    FileNotFoundError, NotADirectoryError
+        The target's folder does not exist, or is not a folder.
+    OutputExists
+        It exists and ``overwrite`` is false.
+    IsADirectoryError
+        A folder sits where a ``.npy`` or HDF5 file would go, or a zarr group
+        or a folder that is no zarr array where an array would go (whatever
+        ``overwrite``).
+    ValueError
+        An HDF5 target that is not an HDF5 file.
+    PermissionError
+        An HDF5 file that is not writable.
+    """
+    p = Path(t.path)
+    label = f"{p}:{t.dataset}" if t.kind == "h5" else str(p)
+    parent = p.parent
+    if not parent.exists():
+        raise FileNotFoundError(f"no such folder for the output {label}: {parent}")
+    if not parent.is_dir():
+        raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
+    if t.kind in ("npy", "h5") and p.is_dir():
+        raise IsADirectoryError(f"{p} is a directory; distmm writes the {t.kind} output as a file "
+                                f"and never removes a directory")
+    if t.kind == "zarr" and p.exists():
+        node = zarr_node(p) if p.is_dir() else None
+        if node == "group":
+            raise IsADirectoryError(f"{p} is a zarr group, which distmm never replaces: "
+                                    f"write an array inside it, e.g. {p}/C")
+        if node != "array":
+            raise IsADirectoryError(f"{p} exists and is not a zarr array; distmm never removes it")
+    if t.kind == "h5":
+        if not p.exists():
+            return False
+        import h5py
+
+        if not h5py.is_hdf5(p):
+            raise ValueError(f"{p} exists and is not an HDF5 file; distmm adds datasets only to "
+                             f"HDF5 files")
+        if not os.access(p, os.W_OK):
+            raise PermissionError(f"cannot add {t.dataset!r} to {p}: the file is not writable")
+        with h5py.File(p, "r") as fh:
+            node = fh.get(t.dataset)
+        if node is None:
+            return False
+        if not isinstance(node, h5py.Dataset):
+            raise IsADirectoryError(f"{label} is an HDF5 group, which distmm never replaces")
+    elif not p.exists():
+        return False
+    if not overwrite:
+        raise OutputExists(f"{label} exists: pass --overwrite to replace it")
+    return True
 
 
 def leftovers(target: Path, dataset: str | None = None) -> list[Path]:

@@ -7,7 +7,10 @@ bitwise equal to an uninterrupted run's); refusal after an input (its contents t
 size and modification time kept) or the rank count changes; the resume state of one dataset
 of an HDF5 file kept through runs to other datasets of that file;
 SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s; staged files
-of a killed run (``kill -9``) named and removed by the next run.
+of a killed run (``kill -9``) named and removed by the next run; ``DistArray.to_file``
+refusing a folder, a zarr group or an HDF5 group target as the command line does, and removing
+its staged output when the move into place fails; a GPU backend without cupy under
+``engine="mpi"`` raising ``BackendUnavailable`` on every rank.
 """
 from __future__ import annotations
 
@@ -695,3 +698,141 @@ def test_gpu_first_stripe_multiplies_while_b_arrives(tmp_path, mpirun, mpiexec, 
     r = mpirun(3, script, *args, "-o", tmp_path / "c.npy", "--resume", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert np.load(tmp_path / "c.npy").tobytes() == full.tobytes()
+
+
+TO_FILE_SCRIPT = r"""
+import sys
+import numpy as np
+from mpi4py import MPI
+from distmm import DistArray
+import distmm.engine.mpi.io as mio
+
+comm = MPI.COMM_WORLD
+folder, case, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+c = DistArray.from_array(np.arange(15.0).reshape(5, 3), comm)
+if case == "move-fails":  # rank 0's move into place fails, after every rank wrote its block
+    def refuse(staged, target, pid=None):
+        raise PermissionError(13, "refused by the test", str(target))
+    mio.put_in_place = refuse
+for spec in specs:
+    try:
+        c.to_file(f"{folder}/{spec}", overwrite=True)
+        result = "returned"
+    except Exception as exc:
+        result = type(exc).__name__
+    print("RESULT", comm.rank, spec, result, flush=True)
+"""
+
+
+def _tree(folder: Path) -> dict:
+    """Every path under ``folder`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes())
+            for p in sorted(folder.rglob("*"))}
+
+
+def _to_file_results(tmp_path, mpirun, case, specs) -> dict:
+    script = tmp_path / "to_file.py"
+    script.write_text(TO_FILE_SCRIPT)
+    out = tmp_path / "out"
+    r = mpirun(2, script, out, case, *specs, timeout=120)
+    results = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT"):
+            _, rank, spec, result = line.split()
+            results.setdefault(spec, {})[int(rank)] = result
+    assert set(results) == set(specs), r.stdout[-3000:] + r.stderr[-3000:]
+    return results
+
+
+def test_to_file_never_replaces_a_folder_or_group(tmp_path, mpirun):
+    """``DistArray.to_file(..., overwrite=True)`` refuses, on every rank and before writing
+    anything, what the command line refuses: a zarr group, a folder that is no zarr array, a
+    folder where a ``.npy`` file would go, an HDF5 group; nothing in the folder changes."""
+    import h5py
+    import zarr
+
+    out = tmp_path / "out"
+    out.mkdir()
+    zarr.open_group(str(out / "grp.zarr"), mode="w").create_array("x", shape=(2, 2), dtype="f8")[...] = 1
+    for name in ("dir.npy", "dir.zarr", "dir.h5"):
+        (out / name).mkdir()
+        (out / name / "keep.txt").write_text("mine")
+    with h5py.File(out / "f.h5", "w") as fh:
+        fh["grp/x"] = np.ones(3)
+    before = _tree(out)
+    specs = ["grp.zarr", "dir.npy", "dir.zarr", "dir.h5:C", "f.h5:grp"]
+    results = _to_file_results(tmp_path, mpirun, "refused", specs)
+    for spec in specs:
+        assert results[spec][0] == results[spec][1] == "IsADirectoryError", results
+    assert _tree(out) == before
+
+
+def test_to_file_removes_its_staged_output_when_the_move_fails(tmp_path, mpirun):
+    """The move of the finished output into place fails on rank 0: ``OSError`` on every rank,
+    the staged ``.NAME.distmm-partial-PID`` removed, an old target left as it was."""
+    import zarr
+
+    out = tmp_path / "out"
+    out.mkdir()
+    np.save(out / "old.npy", np.zeros((5, 3)))
+    zarr.open_array(str(out / "old.zarr"), mode="w", shape=(5, 3), dtype="f8")[...] = 2
+    before = _tree(out)
+    specs = ["old.npy", "old.zarr", "new.npy", "new.zarr"]
+    results = _to_file_results(tmp_path, mpirun, "move-fails", specs)
+    for spec in specs:
+        assert results[spec][0] == results[spec][1] == "OSError", results
+    assert _tree(out) == before
+
+
+GPU_BACKEND_SCRIPT = r"""
+import numpy as np
+import distmm
+from mpi4py import MPI
+
+for backend in ("raw", "cublas"):
+    try:
+        distmm.matmul(np.ones((40, 30)), np.ones((30, 20)), engine="mpi", backend=backend)
+        result = "returned"
+    except Exception as exc:
+        result = f"{type(exc).__name__}|{exc}"
+    print("RESULT", MPI.COMM_WORLD.rank, backend, result, flush=True)
+"""
+
+
+def test_gpu_backend_without_cupy_is_backend_unavailable(tmp_path, mpirun):
+    """``engine="mpi", backend="raw"|"cublas"`` where cupy does not import: the local engine's
+    ``BackendUnavailable`` with its install hint, on every rank, no hang."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy imports here")
+    script = tmp_path / "gpu_backend.py"
+    script.write_text(GPU_BACKEND_SCRIPT)
+    r = mpirun(2, script, timeout=120)
+    lines = [line.split(" ", 3) for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(lines) == 4, r.stdout[-3000:] + r.stderr[-3000:]
+    for _, rank, backend, result in lines:
+        assert result.startswith("BackendUnavailable|") and "distmm[gpu]" in result, lines
+
+
+def test_a_replaced_folder_comes_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    """``put_in_place`` onto a zarr array: the old folder is moved aside; when the staged one
+    then cannot be renamed onto the target, the old one is moved back under its name."""
+    from distmm import staging
+
+    target, staged = tmp_path / "c.zarr", tmp_path / ".c.zarr.distmm-partial-1"
+    for folder, text in ((target, "old"), (staged, "new")):
+        folder.mkdir()
+        (folder / "zarr.json").write_text(text)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src) == staged:
+            raise PermissionError(13, "refused by the test", str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(staging.os, "replace", replace)
+    with pytest.raises(PermissionError):
+        staging.put_in_place(staged, target, 1)
+    assert (target / "zarr.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [staged.name, target.name]

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import npy_header, preallocate
-from distmm.errors import OutputExists
 from distmm.stripe_writer import parse_spec, zarr_format_for
-from distmm.staging import (H5_MARGIN, BlockWriter, check_room, commit_h5, create_h5_stage,
-                            put_in_place, staged_path)
+from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
+                            create_h5_stage, put_in_place, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
            "check_report", "check_space", "Target", "NpyWriter", "SUFFIXES"]
@@ -77,23 +76,6 @@ def parse_target(spec: str) -> Target:
         raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
                          f"names; give the path from the file's root, e.g. file.h5:group/C")
     return Target(f.kind, f.path, f.dataset)
-
-
-def _zarr_node(path: Path) -> str | None:
-    """"array", "group", or None for a folder that is no zarr node."""
-    if (path / ".zarray").exists():
-        return "array"
-    if (path / ".zgroup").exists():
-        return "group"
-    meta = path / "zarr.json"
-    if meta.exists():
-        import json
-
-        try:
-            return json.loads(meta.read_text()).get("node_type")
-        except (ValueError, OSError):
-            return None
-    return None
 
 
 # ---------------------------------------------------------------- reading
@@ -152,7 +134,7 @@ def open_operand(spec: str, *, writable: bool = False):
         import zarr
 
         try:
-            node = _zarr_node(t.path) if t.path.is_dir() else None
+            node = zarr_node(t.path) if t.path.is_dir() else None
             if node == "array":
                 return zarr.open_array(str(t.path), mode="r")
         except (ValueError, TypeError, KeyError) as exc:  # metadata zarr cannot read
@@ -229,14 +211,6 @@ class NpyWriter(BlockWriter):
 # ---------------------------------------------------------------- staging
 
 
-def _check_folder(t: Target) -> None:
-    parent = t.path.parent
-    if not parent.exists():
-        raise FileNotFoundError(f"no such folder for the output {t}: {parent}")
-    if not parent.is_dir():
-        raise NotADirectoryError(f"cannot write {t}: {parent} is not a folder")
-
-
 def check_space(t: Target, nbytes: int) -> None:
     """Refuse an output that cannot fit: the file system's free space, and the
     file-size limit (``ulimit -f``) for a single-file output, which HDF5 and a
@@ -285,54 +259,6 @@ def check_report(flag: str, path, files) -> None:
     for spec in files:
         if parse_target(str(spec)).path.resolve() == own:
             raise ValueError(f"{flag} {p} is also the product's {spec}: name another file")
-
-
-def check_target(t: Target, overwrite: bool) -> bool:
-    """Refuse a target that must not be written; return whether it exists.
-
-    Raises
-    ------
-    OutputExists
-        It exists and ``overwrite`` is false.
-    IsADirectoryError
-        A folder sits where a ``.npy`` or HDF5 file would go, or a zarr group
-        or a folder that is no zarr array where an array would go.
-    ValueError
-        An HDF5 target that is not an HDF5 file.
-    """
-    _check_folder(t)
-    p = t.path
-    if t.kind in ("npy", "h5") and p.is_dir():
-        raise IsADirectoryError(f"{p} is a directory; distmm writes the {t.kind} output as a file "
-                                f"and never removes a directory")
-    if t.kind == "zarr" and p.exists():
-        node = _zarr_node(p) if p.is_dir() else None
-        if node == "group":
-            raise IsADirectoryError(f"{p} is a zarr group, which distmm never replaces: "
-                                    f"write an array inside it, e.g. {p}/C")
-        if node != "array":
-            raise IsADirectoryError(f"{p} exists and is not a zarr array; distmm never removes it")
-    if t.kind == "h5":
-        if not p.exists():
-            return False
-        import h5py
-
-        if not h5py.is_hdf5(p):
-            raise ValueError(f"{p} exists and is not an HDF5 file; distmm adds datasets only to "
-                             f"HDF5 files")
-        if not os.access(p, os.W_OK):
-            raise PermissionError(f"cannot add {t.dataset!r} to {p}: the file is not writable")
-        with h5py.File(p, "r") as fh:
-            node = fh.get(t.dataset)
-        if node is None:
-            return False
-        if not isinstance(node, h5py.Dataset):
-            raise IsADirectoryError(f"{t} is an HDF5 group, which distmm never replaces")
-    elif not p.exists():
-        return False
-    if not overwrite:
-        raise OutputExists(f"{t} exists: pass --overwrite to replace it")
-    return True
 
 
 @contextmanager

@@ -268,11 +268,25 @@ class MPIEngine(Engine):
 
 def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) -> bool:
     """Whether any rank's host blocks of A and B, with its block of C, exceed the device
-    memory every rank has (the in-core product copies all three to the GPU)."""
+    memory every rank has (the in-core product copies all three to the GPU).
+
+    Collective. Where cupy does not import on some rank, every rank raises
+    ``BackendUnavailable`` with the install hint, as the local engine does for a GPU
+    backend, before any work on the device."""
     if hasattr(a.local, "__cuda_array_interface__") or hasattr(b.local, "__cuda_array_interface__"):
         return False
     from distmm.engine.mpi.stream import device_memory
+    from distmm.errors import BackendUnavailable
 
+    try:
+        import cupy  # noqa: F401
+        why = None
+    except ImportError as exc:
+        why = f"rank {comm.rank}: {exc}"
+    why = next((w for w in comm.allgather(why) if w), None)
+    if why is not None:
+        raise BackendUnavailable(f"a GPU backend needs cupy and a CUDA GPU on every rank: "
+                                 f"pip install \"distmm[gpu]\" ({why})")
     local_gpu(comm)
     item = np.dtype(grid.acc_dtype).itemsize
     need = max((grid.a_layout.local_shape(r)[0] * grid.a_layout.local_shape(r)[1]

@@ -19,9 +19,14 @@ reported success (an ``allreduce``):
 
 On failure on any rank the staged output is removed and the target is left as
 it was. ``parse_spec`` and ``StripeWriter`` live in ``distmm.stripe_writer`` (the Dask
-engine's workers use them too); they are re-exported here. It does *not* cover: the command line's checks of a target before a
-run (``--overwrite``, free space: ``distmm.cli.io``), which the command runs
-on rank 0 before computing.
+engine's workers use them too); they are re-exported here.
+
+A target is refused before anything is written, on every rank, as the command
+line refuses it (``distmm.staging.check_target``, run on rank 0): an existing
+target without ``overwrite``, and whatever ``overwrite``, a folder, a zarr
+group or an HDF5 group. It does *not* cover: the command line's other checks
+before a run (free space: ``distmm.cli.io``), which the command runs on rank 0
+before computing.
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ import numpy as np
 
 from distmm.config import get_config
 from distmm.direct_io import npy_header, preallocate
-from distmm.staging import BlockWriter, commit_h5, create_h5_stage, put_in_place, staged_path
+from distmm.staging import (BlockWriter, check_target, commit_h5, create_h5_stage, put_in_place,
+                            staged_path)
 from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec, zarr_format_for
 
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
@@ -160,13 +166,24 @@ def _agree(comm, ok: bool, error: BaseException | None):
 def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
     """Write a ``DistArray`` to ``spec``; every rank calls it.
 
+    The target is checked on rank 0 before anything is written, as the command
+    line checks it (``distmm.staging.check_target``): a folder, a zarr group or an
+    HDF5 group is never replaced, even with ``overwrite``. Every error below is
+    raised on every rank.
+
     Raises
     ------
     FileExistsError
-        The target exists and ``overwrite`` is false (on every rank).
+        The target exists and ``overwrite`` is false.
+    IsADirectoryError
+        The target is a folder where a ``.npy`` or HDF5 file would go, a zarr
+        group, a folder that is no zarr array, or an HDF5 group.
+    FileNotFoundError
+        The target's folder does not exist.
     OSError
-        Writing failed on some rank; nothing is left under the final name
-        (or the old target is left as it was).
+        Writing or moving the output into place failed on some rank; the
+        staged output is removed, nothing is left under the final name (or the
+        old target is left as it was).
     """
     comm = dist.comm
     f = parse_spec(spec)
@@ -177,7 +194,7 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
     header, error = None, None
     if comm.rank == 0:
         try:
-            if not overwrite and _exists(f):
+            if check_target(f, True) and not overwrite:  # the command line's refusals
                 raise FileExistsError(f"{spec} exists: pass overwrite=True to replace it")
             header = _create(f, dist.shape, dtype, pid)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -208,22 +225,16 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
             _finish(f, pid, ok, overwrite)
         except Exception as exc:  # noqa: BLE001
             rename_error = f"{type(exc).__name__}: {exc}"
+            try:
+                _finish(f, pid, False, overwrite)  # the staged output, if the move left it
+            except OSError:
+                pass  # the move's error is the one to report
     rename_error = comm.bcast(rename_error, root=0)
     if not ok:
         raise OSError(f"writing {spec} failed ({message}); the partial output was removed")
     if rename_error:
-        raise OSError(f"writing {spec} failed while moving it into place ({rename_error})")
-
-
-def _exists(f: FileSpec) -> bool:
-    if f.kind != "h5":
-        return f.path.exists()
-    if not f.path.exists():
-        return False
-    import h5py
-
-    with h5py.File(f.path, "r") as fh:
-        return f.dataset in fh
+        raise OSError(f"writing {spec} failed while moving it into place ({rename_error}); "
+                      f"the partial output was removed")
 
 
 # ---------------------------------------------------------------- stripes, for the batch path
