@@ -622,8 +622,13 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     if axes is not None or axis is not None:
-        _loop_first(a, b, out, keywords)
-        a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
+        try:
+            _loop_first(a, b, out, keywords)
+            a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
+        except Exception as exc:
+            if engine == "mpi":  # the other ranks agree in the call below (its validation)
+                _mpi_agree(exc)
+            raise
         result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
                         backend=backend, precision=precision)
         return back(result)
@@ -643,6 +648,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             # the same key, the same operand types: the engine this call would get
             eng = _engine_for(engine, entry.operands.family, None, cfg)
             hit = _reuse(entry, a, b, eng, cfg)
+            if hit is not None and engine == "mpi":
+                _mpi_agree(None)  # every rank agrees once per call, hit or miss
             if hit is not None:
                 if type(hit) is Request:
                     CALLS.hits += 1
@@ -659,10 +666,17 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                             "DistArray operands")
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
                                    precision=precision)
-    ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
-    precision = resolve_precision(precision, ops.dtype, config=cfg)
-    if out is not None:
-        _check_out(out, ops)
+    try:
+        ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
+        precision = resolve_precision(precision, ops.dtype, config=cfg)
+        if out is not None:
+            _check_out(out, ops)
+    except Exception as exc:
+        if engine == "mpi":
+            _mpi_agree(exc)
+        raise
+    if engine == "mpi":
+        _mpi_agree(None)
     if eng is None:
         eng = _engine_for(engine, ops.family, client, cfg, ops)
     if key is not None:
@@ -678,6 +692,32 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         return _ordered(result, order, ops, (a, b))
     out[...] = result
     return out
+
+
+def _mpi_agree(error: BaseException | None) -> None:
+    """For ``engine="mpi"``: every rank's validation outcome, agreed on with one small
+    allgather before the engine's first collective, so that operands one rank refuses
+    raise on every rank instead of leaving the others waiting in the engine. A rank whose
+    validation failed (``error``) returns and raises its own error; the others raise a
+    ``ValueError`` naming the first rank that failed and its error. Nothing on one rank."""
+    try:
+        from distmm.engine.mpi import world
+
+        comm = world()
+    except ImportError:
+        if error is not None:
+            return  # no mpi4py: this rank's own error (the engine would need it anyway)
+        raise
+    if comm.size == 1:
+        return
+    mine = None if error is None else " ".join(f"{type(error).__name__}: {error}".split())
+    outcomes = comm.allgather(mine)
+    if error is not None:
+        return
+    failed = next((r for r, why in enumerate(outcomes) if why is not None), None)
+    if failed is not None:
+        raise ValueError(f"matmul: engine='mpi' needs valid, identical operands on every rank; "
+                         f"rank {failed} of {comm.size} refused its operands ({outcomes[failed]})")
 
 
 def _dtype_of(x) -> np.dtype:

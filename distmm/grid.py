@@ -292,7 +292,9 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         Force a grid (its product must be ``ranks``).
     k_split : bool
         Whether grids with more than one layer are considered (a batch job that writes C
-        from every rank takes ``False``: each rank then owns a block of C).
+        from every rank takes ``False``: each rank then owns a block of C). A float16
+        result never splits k unless ``grid`` forces it: numpy sums each of its elements
+        over all of k at once, which layers' partial sums would not reproduce.
 
     Raises
     ------
@@ -320,6 +322,7 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if len(grid) != 3 or math.prod(grid) != ranks or min(grid) < 1:
             raise ValueError(f"grid {tuple(grid)} must be 3 positive counts whose product is {ranks}")
         return _build(m, n, k, res, acc, *map(int, grid))
+    k_split = k_split and res != np.float16
     best, best_time = None, math.inf
     for layers, rows, cols in grid_shapes(ranks):
         if layers > 1 and not k_split:

@@ -3,7 +3,7 @@
 Every rank runs every case; each records failures; at the end all ranks agree
 on the verdict with an allreduce, so a failing rank cannot leave the others
 waiting, and rank 0 prints ``VERDICT ok`` or ``VERDICT FAIL`` with the reasons.
-Usage: mpiexec -n P python tests/mpi_cases.py TMPDIR
+Usage: mpiexec -n P python tests/mpi_cases.py TMPDIR [CASE ...] (default: every case)
 """
 from __future__ import annotations
 
@@ -166,8 +166,85 @@ def case_distarray():
         pass
 
 
-ok, all_failures = run_cases(comm, (case_api_dtypes, case_api_semantics, case_every_grid,
-                                     case_distarray), failures)
+def exact(c, ref, what):
+    """Bitwise equal to numpy's result (float16: numpy's single float32 sum over k)."""
+    check(what + " dtype", c.dtype == ref.dtype, f"{c.dtype} != {ref.dtype}")
+    check(what + " shape", c.shape == ref.shape, f"{c.shape} != {ref.shape}")
+    if c.dtype == ref.dtype and c.shape == ref.shape:
+        differ = int(np.count_nonzero(c.view(np.uint8).reshape(-1, c.itemsize)
+                                      != ref.view(np.uint8).reshape(-1, ref.itemsize)))
+        check(what + " bits", differ == 0, f"{differ} of {ref.size} elements differ from numpy")
+
+
+def case_float16_bits():
+    """float16 results are numpy's bits on any number of ranks: one float32 sum over k,
+    not partial sums of panels or layers added afterwards (fresh operands each run, the
+    same on every rank; long odd k)."""
+    seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if rank == 0 else None)
+    r = np.random.default_rng(seed)
+
+    def f16(*shape):
+        return r.standard_normal(shape).astype(np.float16)
+
+    tag = f"(seed {seed})"
+    for m, k, n in ((63, 613, 65), (33, 1031, 17), (5, 257, 301), (1, 777, 1)):
+        a, b = f16(m, k), f16(k, n)
+        exact(distmm.matmul(a, b, engine="mpi"), np.matmul(a, b), f"float16 {m}x{k}x{n} {tag}")
+    s, b = f16(3, 21, 515), f16(515, 19)
+    exact(distmm.matmul(s, b, engine="mpi"), np.matmul(s, b), f"float16 stack 3x21x515 {tag}")
+    a, b = f16(61, 1001), f16(1001, 67)
+    ref = np.matmul(a, b)
+    da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+    exact(distmm.matmul(da, db).gather(root=None), ref, f"float16 DistArray {tag}")
+    engine = MPIEngine(comm)
+    for shape in grid_shapes(P):  # k split into layers too; in core and in broadcast stripes
+        grid = make_grid(61, 67, 1001, "float16", ranks=P, grid=shape)
+        for streamed in (False, True):
+            c = engine.run_distributed(da, db, grid, "numba", streamed=streamed)
+            exact(c.gather(root=None), ref, f"float16 grid {shape} streamed={streamed} {tag}")
+
+
+def case_one_rank_refuses():
+    """Operands that only the last rank's validation refuses: numpy's error there, a
+    ValueError naming that rank on the others, and no rank left waiting in the engine."""
+    if P == 1:
+        return
+    a, b = operands("float64", 7, 5, 3)
+    ok_axes = dict(axes=[(-2, -1), (-2, -1), (-2, -1)])
+    refused = {
+        "inner dimensions": (a, b[:-1], {}),
+        "0-d operand": (np.float64(2.0), b, {}),
+        "string operand": (a.astype(str), b, {}),
+        "out= numpy refuses to cast into": (a, b, dict(out=np.empty((7, 3), dtype=np.int64))),
+        "out= of the wrong shape": (a, b, dict(out=np.empty((7, 4)))),
+        "axes=": (a, b, dict(axes=[(0, 1), (0, 1), (0,)])),
+    }
+    for what, (x, y, kw) in refused.items():
+        if rank != P - 1:
+            x, y, kw = a, b, (ok_axes if "axes" in kw else {})
+        try:
+            np.matmul(x, y, **kw)
+            expect = None
+        except Exception as exc:  # noqa: BLE001 - numpy's error, compared below
+            expect = TypeError if isinstance(exc, TypeError) else ValueError
+        try:
+            distmm.matmul(x, y, engine="mpi", **kw)
+            failures.append(f"rank {rank}: {what} on rank {P - 1} only: no error here")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            if rank == P - 1:
+                check(f"{what}: numpy's error type", expect is not None and isinstance(exc, expect),
+                      f"{type(exc).__name__}: {exc}")
+            else:
+                check(f"{what}: ValueError naming rank {P - 1}",
+                      type(exc) is ValueError and f"rank {P - 1} of {P}" in str(exc)
+                      and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
+    same(distmm.matmul(a, b, engine="mpi"), a, b, "a product after the refusals")
+
+
+CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
+         case_float16_bits, case_one_rank_refuses)
+chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
+ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:
     if not ok:
         for f in all_failures[:30]:

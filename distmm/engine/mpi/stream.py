@@ -423,6 +423,12 @@ class _CPURun(_Run):
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
             c = self.executor.panel_product(whole, self.b_store, 256)
             return np.ascontiguousarray(c, dtype=self.acc)
+        if self.res == np.float16 and self.grid.k:
+            # numpy's single float32 sum over k: the broadcast pieces joined (a copy of the
+            # stripe) into one product, not partial products added
+            whole = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+            c = self.executor.panel_product(whole, self.b_store, 256)
+            return np.ascontiguousarray(c, dtype=self.acc)
         c = None
         for owner, k0, k1 in self.panel_pairs():
             off = self.a_cuts[owner]

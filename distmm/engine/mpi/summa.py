@@ -8,7 +8,12 @@ executor) to its C block. The broadcasts of panel p+1 are posted before the
 product of panel p starts, so they move while it computes. With several
 layers (k split), the layers' C blocks are summed onto layer 0 along the
 grid's fixed tree, so the result's bits never depend on timing; inside a rank
-panels are summed in k order.
+panels are summed in k order. A float16 result on host panels is numpy's bits:
+numpy sums each element over k in one ascending float32 sum, which partial sums
+added afterwards do not reproduce, so each rank keeps its panels whole (its row
+of A and column of B, ``(mi + nj) * k`` float32s; ``distmm.grid`` splits no such
+product's k, a forced grid's other layers send theirs to layer 0) and multiplies
+them in one product.
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -55,6 +60,12 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     a_edges, b_edges = grid.a_k_edges[layer], grid.b_k_edges[layer]
     pe = grid.panel_edges[layer]
     panels = list(zip(pe, pe[1:]))
+    # float16 on the host: one product over all of k (numpy's single float32 sum)
+    whole_k = not in_place and xp is np and np.dtype(grid.dtype) == np.float16
+    if whole_k:
+        k_lo = pe[0]
+        a_whole = np.empty((mi, pe[-1] - k_lo), dtype=acc)
+        b_whole = np.empty((pe[-1] - k_lo, nj), dtype=acc)
 
     def post(p):
         k0, k1 = panels[p]
@@ -80,7 +91,11 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
         a_req.wait()
         b_req.wait()
         pending = post(p + 1) if p + 1 < len(panels) else None  # moves while panel p multiplies
-        if mi and nj:
+        if whole_k:
+            k0, k1 = panels[p]
+            a_whole[:, k0 - k_lo:k1 - k_lo] = a_buf
+            b_whole[k0 - k_lo:k1 - k_lo] = b_buf
+        elif mi and nj:
             if in_place:
                 # GPU: C += A_panel @ B_panel inside the GEMM (beta = 1), no extra pass over C.
                 if c is None:
@@ -93,9 +108,43 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
                 else:
                     c += prod
         del a_buf, b_buf
+    if whole_k:
+        return _whole_k_product(grid, a_whole, b_whole, executor, comms, layer, i, j, tk)
     if c is None:
         c = xp.zeros((mi, nj), dtype=acc)
     return _reduce_layers(grid, c, comms, layer, i, j)
+
+
+def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
+                     layer: int, i: int, j: int, tk: int):
+    """A float16 result's C block on layer 0: the other layers (a grid forced to split k;
+    ``make_grid`` never does for float16) send their panels of A's rows and B's columns to
+    layer 0's rank of the same ``(i, j)``, which multiplies them in k order in one
+    product; ``None`` on the other layers."""
+    if grid.layers > 1:
+        comm = comms.comm
+        if layer:
+            for tag, x in ((78, a_whole), (79, b_whole)):
+                comm.Send(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
+                          dest=grid.rank_at(0, i, j), tag=tag)
+            return None
+        a_parts, b_parts = [a_whole], [b_whole]
+        for src in range(1, grid.layers):
+            width = grid.layer_edges[src + 1] - grid.layer_edges[src]
+            a_part = np.empty((a_whole.shape[0], width), dtype=a_whole.dtype)
+            b_part = np.empty((width, b_whole.shape[1]), dtype=b_whole.dtype)
+            for tag, x in ((78, a_part), (79, b_part)):
+                comm.Recv(x.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j), tag=tag)
+                comms.reduce_bytes += x.nbytes
+            a_parts.append(a_part)
+            b_parts.append(b_part)
+        a_whole = np.concatenate(a_parts, axis=1)  # layers' k ranges ascend with the layer
+        b_whole = np.concatenate(b_parts, axis=0)
+    m, k = a_whole.shape
+    n = b_whole.shape[1]
+    if not (m and n and k):
+        return np.zeros((m, n), dtype=a_whole.dtype)
+    return executor.panel_product(a_whole, b_whole, tk)
 
 
 def _local_product(a_local, b_local, executor, in_place: bool, xp, tk: int):
