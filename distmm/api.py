@@ -190,7 +190,10 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
 def _engine_for(engine: str, family: str, client, cfg, ops: Operands | None = None):
     """The engine of one call (``get_engine``, with the configured local thread
     count and retry timeout): resolved once per call and handed to everything
-    that needs it, so a Dask engine asks its scheduler for the cluster once."""
+    that needs it, so a Dask engine asks its scheduler for the cluster once. ``"auto"``
+    is the configured ``distmm.engine``."""
+    if engine == "auto":
+        engine = cfg.engine
     return get_engine(engine, family=family, client=client, threads=cfg.local_threads,
                       retry_timeout=cfg.retry_timeout, operands=ops)
 
@@ -621,6 +624,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                                    ("axis", axis)) if v is not None}
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
+    if engine == "auto":
+        engine = get_config().engine  # the configured engine; the argument wins
     if axes is not None or axis is not None:
         try:
             _loop_first(a, b, out, keywords)

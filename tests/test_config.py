@@ -117,6 +117,19 @@ def test_cache_is_not_left_stale_by_a_block_another_thread_leaves(monkeypatch):
     assert get_config().precision == "highest"
 
 
+def test_the_configured_engine_is_the_default_one():
+    """``distmm.engine`` decides where ``engine="auto"`` (the default) goes; an explicit
+    ``engine=`` wins (the key was parsed but never read before)."""
+    a = np.random.default_rng().standard_normal((40, 30))
+    with dask.config.set({"distmm.engine": "dask"}):
+        for call in (lambda: distmm.matmul(a, a.T), lambda: distmm.gemm(a, a.T)):
+            with pytest.raises(ValueError, match="engine='dask' needs a distributed.Client"):
+                call()
+        np.testing.assert_allclose(distmm.matmul(a, a.T, engine="local"), a @ a.T)
+    with dask.config.set({"distmm.engine": "local"}):
+        np.testing.assert_allclose(distmm.matmul(a, a.T), a @ a.T)
+
+
 def test_refresh_keeps_the_defaults():
     saved = copy.deepcopy(dask.config.config)
     try:
