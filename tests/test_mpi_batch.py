@@ -714,13 +714,18 @@ if case == "move-fails":  # rank 0's move into place fails, after every rank wro
     def refuse(staged, target, pid=None):
         raise PermissionError(13, "refused by the test", str(target))
     mio.put_in_place = refuse
+mine = []
 for spec in specs:
     try:
         c.to_file(f"{folder}/{spec}", overwrite=True)
         result = "returned"
     except Exception as exc:
         result = type(exc).__name__
-    print("RESULT", comm.rank, spec, result, flush=True)
+    mine.append((spec, result))
+every = comm.gather(mine)  # printed by rank 0 alone: the ranks' lines would interleave
+for rank, results in enumerate(every or []):
+    for spec, result in results:
+        print("RESULT", rank, spec, result, flush=True)
 """
 
 
