@@ -794,13 +794,18 @@ import numpy as np
 import distmm
 from mpi4py import MPI
 
+mine = []
 for backend in ("raw", "cublas"):
     try:
         distmm.matmul(np.ones((40, 30)), np.ones((30, 20)), engine="mpi", backend=backend)
         result = "returned"
     except Exception as exc:
         result = f"{type(exc).__name__}|{exc}"
-    print("RESULT", MPI.COMM_WORLD.rank, backend, result, flush=True)
+    mine.append((backend, result))
+every = MPI.COMM_WORLD.gather(mine)  # printed by rank 0 alone: the ranks' lines would interleave
+for rank, results in enumerate(every or []):
+    for backend, result in results:
+        print("RESULT", rank, backend, result, flush=True)
 """
 
 
