@@ -22,8 +22,8 @@ __all__ = ["product_flags", "collect", "as_matmul", "report"]
 #: for each flag, a float16 product that raises it alone: the rounding of 120000 to
 #: float16 overflows, of 1e-8 underflows, and inf * 0 is invalid
 _RAISES = {"overflow": (60000.0, 2.0), "underflow": (1e-4, 1e-4), "invalid": (np.inf, 0.0)}
-#: numpy's names for the flags, as its error callback receives them
-_NAMES = {"overflow": "overflow", "underflow": "underflow", "invalid value": "invalid"}
+#: numpy's error callback names "invalid" so; the other flags by their own names
+_NAMES = {"invalid value": "invalid"}
 
 
 def product_flags(a, b, p) -> set[str]:

@@ -419,14 +419,14 @@ class _CPURun(_Run):
         return pieces, futures
 
     def product(self, pieces, h):
+        whole = None
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
-            c = self.executor.panel_product(whole, self.b_store, 256)
-            return np.ascontiguousarray(c, dtype=self.acc)
-        if self.res == np.float16 and self.grid.k:
+        elif self.res == np.float16 and self.grid.k:
             # numpy's single float32 sum over k: the broadcast pieces joined (a copy of the
             # stripe) into one product, not partial products added
             whole = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+        if whole is not None:
             c = self.executor.panel_product(whole, self.b_store, 256)
             return np.ascontiguousarray(c, dtype=self.acc)
         c = None
