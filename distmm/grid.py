@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmm.plan import Plan, accumulate_dtype, reduction_tree
+from distmm.plan import Plan, accumulate_dtype, reduction_tree, sums_whole_k
 
 __all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
            "gpu_panels", "grid_shapes", "GPU_MIN_PANEL",
@@ -292,9 +292,10 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         Force a grid (its product must be ``ranks``).
     k_split : bool
         Whether grids with more than one layer are considered (a batch job that writes C
-        from every rank takes ``False``: each rank then owns a block of C). A float16
-        result never splits k unless ``grid`` forces it: numpy sums each of its elements
-        over all of k at once, which layers' partial sums would not reproduce.
+        from every rank takes ``False``: each rank then owns a block of C). A float16 or
+        object result never splits k unless ``grid`` forces it: numpy sums each of its
+        elements over all of k at once, which layers' partial sums would not reproduce
+        (``distmm.plan.sums_whole_k``).
 
     Raises
     ------
@@ -322,7 +323,7 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if len(grid) != 3 or math.prod(grid) != ranks or min(grid) < 1:
             raise ValueError(f"grid {tuple(grid)} must be 3 positive counts whose product is {ranks}")
         return _build(m, n, k, res, acc, *map(int, grid))
-    k_split = k_split and res != np.float16
+    k_split = k_split and not sums_whole_k(res)
     best, best_time = None, math.inf
     for layers, rows, cols in grid_shapes(ranks):
         if layers > 1 and not k_split:

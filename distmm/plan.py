@@ -29,6 +29,7 @@ __all__ = [
     "ufunc_dtype",
     "multiplies",
     "accumulate_dtype",
+    "sums_whole_k",
     "DEFAULT_MEMORY_BUDGET",
     "tile_for_chunks",
     "np_dtype",
@@ -213,6 +214,15 @@ def accumulate_dtype(dtype: np.dtype) -> np.dtype:
     if dtype == np.float16 or is_bfloat16(dtype):
         return np.dtype(np.float32)
     return dtype
+
+
+def sums_whole_k(dtype) -> bool:
+    """Whether numpy sums each element of a ``dtype`` result over all of k in one ascending
+    sum that partial sums over k groups, added afterwards, do not reproduce: its half loop's
+    float32 sum for float16 (1 ulp apart, measured) and its object loop's sum of Python
+    objects (any float's last bits). Such products keep k whole on every engine."""
+    dtype = np.dtype(dtype)
+    return dtype == np.float16 or dtype.kind == "O"
 
 
 #: tiles a plan lists along one axis (its edges are tuples of Python ints, ~36 bytes each):
@@ -549,10 +559,7 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     row_edges = split_edges(m, tm)
     col_edges = split_edges(n, tn)
     gm, gn = len(row_edges) - 1, len(col_edges) - 1
-    if k_splits is None and (res == np.float16 or res.kind == "O"):
-        # numpy's half loop sums each element over k in one ascending float32 sum, and its
-        # object loop in one ascending sum of Python objects; partial sums of k groups added
-        # afterwards round differently (1 ulp in float16, measured; any float's last bits).
+    if k_splits is None and sums_whole_k(res):
         k_splits = 1
     elif k_splits is None:
         k_splits = 1

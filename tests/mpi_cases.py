@@ -167,41 +167,45 @@ def case_distarray():
 
 
 def exact(c, ref, what):
-    """Bitwise equal to numpy's result (float16: numpy's single float32 sum over k)."""
+    """Bitwise equal to numpy's result (float16: numpy's single float32 sum over k; object
+    floats: Python's own sum in k order, compared as float64 bits)."""
     check(what + " dtype", c.dtype == ref.dtype, f"{c.dtype} != {ref.dtype}")
     check(what + " shape", c.shape == ref.shape, f"{c.shape} != {ref.shape}")
     if c.dtype == ref.dtype and c.shape == ref.shape:
-        differ = int(np.count_nonzero(c.view(np.uint8).reshape(-1, c.itemsize)
-                                      != ref.view(np.uint8).reshape(-1, ref.itemsize)))
+        if c.dtype.kind == "O":
+            c, ref = c.astype(np.float64), ref.astype(np.float64)
+        differ = int(np.count_nonzero((c.view(np.uint8).reshape(-1, c.itemsize)
+                                       != ref.view(np.uint8).reshape(-1, ref.itemsize)).any(1)))
         check(what + " bits", differ == 0, f"{differ} of {ref.size} elements differ from numpy")
 
 
-def case_float16_bits():
-    """float16 results are numpy's bits on any number of ranks: one float32 sum over k,
-    not partial sums of panels or layers added afterwards (fresh operands each run, the
-    same on every rank; long odd k)."""
+def case_one_sum_bits():
+    """float16 and object-float results are numpy's bits on any number of ranks: one sum
+    over k (float32 for float16, Python's additions in k order for objects), not partial
+    sums of panels or layers added afterwards (fresh operands each run, the same on every
+    rank; long odd k)."""
     seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if rank == 0 else None)
     r = np.random.default_rng(seed)
+    for dt in ("float16", "object"):
+        def rand(*shape):
+            return r.standard_normal(shape).astype(dt)
 
-    def f16(*shape):
-        return r.standard_normal(shape).astype(np.float16)
-
-    tag = f"(seed {seed})"
-    for m, k, n in ((63, 613, 65), (33, 1031, 17), (5, 257, 301), (1, 777, 1)):
-        a, b = f16(m, k), f16(k, n)
-        exact(distmm.matmul(a, b, engine="mpi"), np.matmul(a, b), f"float16 {m}x{k}x{n} {tag}")
-    s, b = f16(3, 21, 515), f16(515, 19)
-    exact(distmm.matmul(s, b, engine="mpi"), np.matmul(s, b), f"float16 stack 3x21x515 {tag}")
-    a, b = f16(61, 1001), f16(1001, 67)
-    ref = np.matmul(a, b)
-    da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
-    exact(distmm.matmul(da, db).gather(root=None), ref, f"float16 DistArray {tag}")
-    engine = MPIEngine(comm)
-    for shape in grid_shapes(P):  # k split into layers too; in core and in broadcast stripes
-        grid = make_grid(61, 67, 1001, "float16", ranks=P, grid=shape)
-        for streamed in (False, True):
-            c = engine.run_distributed(da, db, grid, "numba", streamed=streamed)
-            exact(c.gather(root=None), ref, f"float16 grid {shape} streamed={streamed} {tag}")
+        tag = f"{dt} (seed {seed})"
+        for m, k, n in ((63, 613, 65), (33, 1031, 17), (5, 257, 301), (1, 777, 1)):
+            a, b = rand(m, k), rand(k, n)
+            exact(distmm.matmul(a, b, engine="mpi"), np.matmul(a, b), f"{m}x{k}x{n} {tag}")
+        s, b = rand(3, 21, 515), rand(515, 19)
+        exact(distmm.matmul(s, b, engine="mpi"), np.matmul(s, b), f"stack 3x21x515 {tag}")
+        a, b = rand(61, 1001), rand(1001, 67)
+        ref = np.matmul(a, b)
+        da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+        exact(distmm.matmul(da, db).gather(root=None), ref, f"DistArray {tag}")
+        engine = MPIEngine(comm)
+        for shape in grid_shapes(P):  # k split into layers too; in core and in broadcast stripes
+            grid = make_grid(61, 67, 1001, dt, ranks=P, grid=shape)
+            for streamed in (False, True):
+                c = engine.run_distributed(da, db, grid, "numba", streamed=streamed)
+                exact(c.gather(root=None), ref, f"grid {shape} streamed={streamed} {tag}")
 
 
 def case_one_rank_refuses():
@@ -242,7 +246,7 @@ def case_one_rank_refuses():
 
 
 CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
-         case_float16_bits, case_one_rank_refuses)
+         case_one_sum_bits, case_one_rank_refuses)
 chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
 ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distmm.engine.mpi.stop import StopWatch, poll
+from distmm.plan import sums_whole_k
 from distmm.plan_batch import BatchPlan
 
 __all__ = ["PanelSource", "BlockSink", "run_stripes", "k_panels", "device_memory"]
@@ -422,9 +423,9 @@ class _CPURun(_Run):
         whole = None
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
-        elif self.res == np.float16 and self.grid.k:
-            # numpy's single float32 sum over k: the broadcast pieces joined (a copy of the
-            # stripe) into one product, not partial products added
+        elif sums_whole_k(self.res) and self.grid.k:
+            # numpy's single sum over k (float16, object): the broadcast pieces joined (a
+            # copy of the stripe) into one product, not partial products added
             whole = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
         if whole is not None:
             c = self.executor.panel_product(whole, self.b_store, 256)

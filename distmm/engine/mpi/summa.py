@@ -8,12 +8,13 @@ executor) to its C block. The broadcasts of panel p+1 are posted before the
 product of panel p starts, so they move while it computes. With several
 layers (k split), the layers' C blocks are summed onto layer 0 along the
 grid's fixed tree, so the result's bits never depend on timing; inside a rank
-panels are summed in k order. A float16 result on host panels is numpy's bits:
-numpy sums each element over k in one ascending float32 sum, which partial sums
-added afterwards do not reproduce, so each rank keeps its panels whole (its row
-of A and column of B, ``(mi + nj) * k`` float32s; ``distmm.grid`` splits no such
-product's k, a forced grid's other layers send theirs to layer 0) and multiplies
-them in one product.
+panels are summed in k order. A float16 or object result is numpy's bits: numpy
+sums each element over k in one ascending sum (float32 for float16, Python's own
+additions for objects), which partial sums added afterwards do not reproduce
+(``distmm.plan.sums_whole_k``), so each rank keeps its panels whole (its row of A
+and column of B, ``(mi + nj) * k`` values in the accumulation dtype; ``distmm.grid``
+splits no such product's k, a forced grid's other layers send theirs to layer 0)
+and multiplies them in one product.
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -26,6 +27,7 @@ import numpy as np
 
 from distmm.engine.mpi.gridcomms import GridComms
 from distmm.grid import GridPlan
+from distmm.plan import sums_whole_k
 
 __all__ = ["summa"]
 
@@ -60,8 +62,8 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     a_edges, b_edges = grid.a_k_edges[layer], grid.b_k_edges[layer]
     pe = grid.panel_edges[layer]
     panels = list(zip(pe, pe[1:]))
-    # float16 on the host: one product over all of k (numpy's single float32 sum)
-    whole_k = not in_place and xp is np and np.dtype(grid.dtype) == np.float16
+    # float16 or object on the host: one product over all of k (numpy's single sum)
+    whole_k = not in_place and xp is np and sums_whole_k(grid.dtype)
     if whole_k:
         k_lo = pe[0]
         a_whole = np.empty((mi, pe[-1] - k_lo), dtype=acc)
@@ -117,16 +119,20 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
 
 def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
                      layer: int, i: int, j: int, tk: int):
-    """A float16 result's C block on layer 0: the other layers (a grid forced to split k;
-    ``make_grid`` never does for float16) send their panels of A's rows and B's columns to
-    layer 0's rank of the same ``(i, j)``, which multiplies them in k order in one
-    product; ``None`` on the other layers."""
+    """A float16 or object result's C block on layer 0: the other layers (a grid forced to
+    split k; ``make_grid`` never does for these) send their panels of A's rows and B's
+    columns to layer 0's rank of the same ``(i, j)`` (objects pickled), which multiplies
+    them in k order in one product; ``None`` on the other layers."""
     if grid.layers > 1:
         comm = comms.comm
+        pickled = a_whole.dtype.kind == "O"
         if layer:
             for tag, x in ((78, a_whole), (79, b_whole)):
-                comm.Send(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
-                          dest=grid.rank_at(0, i, j), tag=tag)
+                if pickled:
+                    comm.send(x, dest=grid.rank_at(0, i, j), tag=tag)
+                else:
+                    comm.Send(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
+                              dest=grid.rank_at(0, i, j), tag=tag)
             return None
         a_parts, b_parts = [a_whole], [b_whole]
         for src in range(1, grid.layers):
@@ -134,7 +140,11 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
             a_part = np.empty((a_whole.shape[0], width), dtype=a_whole.dtype)
             b_part = np.empty((width, b_whole.shape[1]), dtype=b_whole.dtype)
             for tag, x in ((78, a_part), (79, b_part)):
-                comm.Recv(x.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j), tag=tag)
+                if pickled:
+                    x[...] = comm.recv(source=grid.rank_at(src, i, j), tag=tag)
+                else:
+                    comm.Recv(x.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j),
+                              tag=tag)
                 comms.reduce_bytes += x.nbytes
             a_parts.append(a_part)
             b_parts.append(b_part)
