@@ -27,7 +27,7 @@ from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
 from distmm import plan as planner
-from distmm.plan import Plan, matmul_shapes, result_dtype, ufunc_dtype
+from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
 from distmm.precision import check_precision
 from distmm import ufunc_rules
 
@@ -471,11 +471,11 @@ def _writes_direct(out, ops: Operands, eng) -> bool:
 
 
 def _whole_k(ops: Operands) -> Operands:
-    """Dask operands of a float16 product with k in one chunk: numpy sums each element
-    over k in one ascending float32 sum, which the float32 partial sums of k chunks added
-    afterwards do not reproduce. Other products keep their chunks (an object product's
-    tasks already take a tile's k chunks together)."""
-    if ops.family != "dask" or ops.dtype != np.float16:
+    """Dask operands of a float16 or object product with k in one chunk: numpy sums each
+    element over k in one ascending sum (float32 for float16, Python's additions for
+    objects), which partial sums of k chunks added afterwards do not reproduce
+    (``plan.sums_whole_k``). Other products keep their chunks."""
+    if ops.family != "dask" or not sums_whole_k(ops.dtype):
         return ops
     a = ops.a if len(ops.a.chunks[-1]) <= 1 else ops.a.rechunk({ops.a.ndim - 1: -1})
     k_axis = 0 if ops.b_vector else ops.b.ndim - 2
