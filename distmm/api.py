@@ -671,11 +671,15 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                             "DistArray operands")
         return _matmul_distributed(a, b, out=out, engine=engine, tile=tile, backend=backend,
                                    precision=precision)
+    request = None
     try:
         ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
         precision = resolve_precision(precision, ops.dtype, config=cfg)
         if out is not None:
             _check_out(out, ops)
+        if engine == "mpi":  # the request too, before the ranks agree: tile=, backend=
+            eng = eng or _engine_for(engine, ops.family, client, cfg, ops)
+            request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     except Exception as exc:
         if engine == "mpi":
             _mpi_agree(exc)
@@ -685,14 +689,18 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if eng is None:
         eng = _engine_for(engine, ops.family, client, cfg, ops)
     if key is not None:
-        request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
+        if request is None:
+            request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         _remember(key, ops, eng, request, a, b, cfg)
         return _squeeze(eng.run(request), ops)
     if out is not None and _writes_direct(out, ops, eng):
         # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
         _run(eng, ops, cfg, tile=tile, backend=backend, out=out, precision=precision)
         return out
-    result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
+    if request is not None:
+        result = _squeeze(eng.run(request), ops)
+    else:
+        result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
         return _ordered(result, order, ops, (a, b))
     out[...] = result
@@ -700,9 +708,10 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
 
 
 def _mpi_agree(error: BaseException | None) -> None:
-    """For ``engine="mpi"``: every rank's validation outcome, agreed on with one small
-    allgather before the engine's first collective, so that operands one rank refuses
-    raise on every rank instead of leaving the others waiting in the engine. A rank whose
+    """For ``engine="mpi"``: every rank's validation outcome (operands, ``out=``, and the
+    request: ``tile=``, ``backend=``, ``precision=``), agreed on with one small allgather
+    before the engine's first collective, so that a call one rank refuses raises on every
+    rank instead of leaving the others waiting in the engine. A rank whose
     validation failed (``error``) returns and raises its own error; the others raise a
     ``ValueError`` naming the first rank that failed and its error. Nothing on one rank."""
     try:
@@ -721,8 +730,8 @@ def _mpi_agree(error: BaseException | None) -> None:
         return
     failed = next((r for r, why in enumerate(outcomes) if why is not None), None)
     if failed is not None:
-        raise ValueError(f"matmul: engine='mpi' needs valid, identical operands on every rank; "
-                         f"rank {failed} of {comm.size} refused its operands ({outcomes[failed]})")
+        raise ValueError(f"matmul: engine='mpi' needs valid, identical arguments on every rank; "
+                         f"rank {failed} of {comm.size} refused its call ({outcomes[failed]})")
 
 
 def _dtype_of(x) -> np.dtype:

@@ -242,6 +242,20 @@ def case_one_rank_refuses():
                 check(f"{what}: ValueError naming rank {P - 1}",
                       type(exc) is ValueError and f"rank {P - 1} of {P}" in str(exc)
                       and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
+    # arguments only the last rank refuses (they hung the others in the engine), then
+    # valid settings that differ between ranks (the last rank alone on its own precision)
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    for what, kw, expect in (("tile=", dict(tile=(0, 5, 5)), ValueError),
+                             ("backend=", dict(backend="gpu"), ValueError),
+                             ("precision= that differs", dict(precision="bf16"), None)):
+        try:
+            distmm.matmul(a32, b32, engine="mpi", **(kw if rank == P - 1 else {}))
+            failures.append(f"rank {rank}: {what} on rank {P - 1} only: no error here")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            named = f"rank {P - 1} of {P}" if expect is not None else f"on rank {P - 1}"
+            check(f"{what} on rank {P - 1} only: a ValueError", type(exc) is ValueError
+                  and (rank == P - 1 and expect is not None or named in str(exc))
+                  and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
     same(distmm.matmul(a, b, engine="mpi"), a, b, "a product after the refusals")
 
 

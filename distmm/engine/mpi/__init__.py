@@ -81,9 +81,10 @@ class MPIEngine(Engine):
         ops, plan = request.operands, request.plan
         if ops.family == "dask":
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
-        _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str))
-        grid = grid_for_plan(plan, self.comm.size)
         on_gpu = request.on_gpu or ops.family == "cupy"
+        _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str,
+                                        "GPU" if on_gpu else "CPU", plan.precision))
+        grid = grid_for_plan(plan, self.comm.size)
         batch = tuple(ops.batch)
         a = ops.a2 if not batch else np.broadcast_to(ops.a2, batch + (ops.m, ops.k))
         b = ops.b2 if not batch else np.broadcast_to(ops.b2, batch + (ops.k, ops.n))
@@ -297,14 +298,16 @@ def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) ->
 
 
 def _same_on_every_rank(comm, key) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtypes."""
+    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtype
+    and chose the same device kind and precision (``key``: those five, in that order)."""
     if comm.size == 1:
         return
     keys = comm.allgather(key)
-    if any(k != keys[0] for k in keys):
-        raise ValueError(f"engine='mpi' needs the same operands on every rank; got (a shape, b "
-                         f"shape, dtype) {keys[0]} on rank 0 but "
-                         f"{next(k for k in keys if k != keys[0])} on another")
+    other = next((r for r, k in enumerate(keys) if k != keys[0]), None)
+    if other is not None:
+        raise ValueError(f"engine='mpi' needs the same operands and settings on every rank; got "
+                         f"(a shape, b shape, dtype, device, precision) {keys[0]} on rank 0 but "
+                         f"{keys[other]} on rank {other}")
 
 
 def _synchronizer(on_gpu: bool):
