@@ -161,3 +161,40 @@ def test_binding_shares_one_gpu_with_one_warning(run_script):
     assert shared
     warnings = [x for x in r.stderr.splitlines() if "ranks share GPUs round-robin" in x]
     assert len(warnings) == 1 and "2 ranks on 1 GPU" in warnings[0], r.stderr[-3000:]
+
+
+BLIND_SCRIPT = r"""
+import json, os
+if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before cupy: rank 1 sees no GPU
+import numpy as np
+from mpi4py import MPI
+import distmm
+from distmm.errors import BackendUnavailable
+comm = MPI.COMM_WORLD
+outcomes = []
+for backend in ("cublas", "raw"):
+    try:
+        distmm.matmul(np.ones((64, 48)), np.ones((48, 32)), engine="mpi", backend=backend)
+        outcomes.append([backend, "no error", ""])
+    except Exception as exc:
+        outcomes.append([backend, type(exc).__name__, str(exc)])
+outcomes = comm.gather(outcomes, root=0)
+if comm.rank == 0:
+    print("OUTCOMES", json.dumps(outcomes), flush=True)
+"""
+
+
+def test_a_rank_without_a_gpu_is_backend_unavailable_on_every_rank(run_script):
+    """cupy imports on both ranks but rank 1 sees no GPU: a GPU backend raises
+    ``BackendUnavailable`` there (it was a bare RuntimeError), and rank 0 a one-line error
+    that names rank 1; neither waits for the other."""
+    r = run_script(BLIND_SCRIPT, "blind.py")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("OUTCOMES "))
+    per_rank = json.loads(line.split(" ", 1)[1])
+    for backend, kind, why in per_rank[1]:
+        assert kind == "BackendUnavailable" and "\n" not in why, (backend, kind, why)
+    for backend, kind, why in per_rank[0]:
+        assert kind in ("BackendUnavailable", "ValueError") and "rank 1" in why, (backend, kind, why)
+        assert "\n" not in why, why

@@ -212,10 +212,12 @@ def select_local_gpu(comm) -> int:
 
     Raises
     ------
-    RuntimeError
+    BackendUnavailable
         A rank of ``comm`` sees no GPU (raised on every rank, so none waits for it).
     """
     import cupy
+
+    from distmm.errors import BackendUnavailable
 
     from distmm.engine.mpi.binding import bind_rank
 
@@ -225,8 +227,8 @@ def select_local_gpu(comm) -> int:
     blind = [b for b in blind if b is not None]
     if blind:
         rank, host, visible = blind[0]
-        raise RuntimeError(f"{len(blind)} of {comm.size} ranks see no GPU; rank {rank} on {host} "
-                           f"(CUDA_VISIBLE_DEVICES={visible!r}) is one")
+        raise BackendUnavailable(f"{len(blind)} of {comm.size} ranks see no GPU; rank {rank} on "
+                                 f"{host} (CUDA_VISIBLE_DEVICES={visible!r}) is one")
     _widen_cpus(comm, binding)
     cupy.cuda.Device(binding.device).use()
     return binding.device

@@ -162,7 +162,7 @@ def local_gpu(comm) -> int:
 
     Raises
     ------
-    RuntimeError
+    BackendUnavailable
         A rank of ``comm`` sees no GPU (``select_local_gpu`` raises it on every rank).
     """
     import cupy  # before the cache's exit hook is registered: that hook then runs first
