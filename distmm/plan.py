@@ -219,10 +219,11 @@ def accumulate_dtype(dtype: np.dtype) -> np.dtype:
 def sums_whole_k(dtype) -> bool:
     """Whether numpy sums each element of a ``dtype`` result over all of k in one ascending
     sum that partial sums over k groups, added afterwards, do not reproduce: its half loop's
-    float32 sum for float16 (1 ulp apart, measured) and its object loop's sum of Python
-    objects (any float's last bits). Such products keep k whole on every engine."""
+    float32 sum for float16 (1 ulp apart, measured), its loop without BLAS for long double
+    and complex long double (the last bits), and its object loop's sum of Python objects
+    (any float's last bits). Such products keep k whole on every engine."""
     dtype = np.dtype(dtype)
-    return dtype == np.float16 or dtype.kind == "O"
+    return dtype == np.float16 or dtype.kind == "O" or dtype.char in "gG"
 
 
 #: tiles a plan lists along one axis (its edges are tuples of Python ints, ~36 bytes each):

@@ -168,10 +168,14 @@ def case_distarray():
 
 def exact(c, ref, what):
     """Bitwise equal to numpy's result (float16: numpy's single float32 sum over k; object
-    floats: Python's own sum in k order, compared as float64 bits)."""
+    floats: Python's own sum in k order, compared as float64 bits; long doubles by value,
+    their padding bytes being undefined)."""
     check(what + " dtype", c.dtype == ref.dtype, f"{c.dtype} != {ref.dtype}")
     check(what + " shape", c.shape == ref.shape, f"{c.shape} != {ref.shape}")
-    if c.dtype == ref.dtype and c.shape == ref.shape:
+    if c.dtype == ref.dtype and c.shape == ref.shape and c.dtype.char in "gG":
+        differ = int(np.count_nonzero(c != ref))
+        check(what + " values", differ == 0, f"{differ} of {ref.size} elements differ from numpy")
+    elif c.dtype == ref.dtype and c.shape == ref.shape:
         if c.dtype.kind == "O":
             c, ref = c.astype(np.float64), ref.astype(np.float64)
         differ = int(np.count_nonzero((c.view(np.uint8).reshape(-1, c.itemsize)
@@ -180,15 +184,16 @@ def exact(c, ref, what):
 
 
 def case_one_sum_bits():
-    """float16 and object-float results are numpy's bits on any number of ranks: one sum
-    over k (float32 for float16, Python's additions in k order for objects), not partial
-    sums of panels or layers added afterwards (fresh operands each run, the same on every
-    rank; long odd k)."""
+    """float16, long double and object-float results are numpy's bits on any number of
+    ranks: one sum over k (float32 for float16, numpy's loop without BLAS for long doubles,
+    Python's additions in k order for objects), not partial sums of panels or layers added
+    afterwards (fresh operands each run, the same on every rank; long odd k)."""
     seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if rank == 0 else None)
     r = np.random.default_rng(seed)
-    for dt in ("float16", "object"):
+    for dt in ("float16", "object", "longdouble", "clongdouble"):
         def rand(*shape):
-            return r.standard_normal(shape).astype(dt)
+            x = r.standard_normal(shape)
+            return (x + 1j * r.standard_normal(shape) if dt == "clongdouble" else x).astype(dt)
 
         tag = f"{dt} (seed {seed})"
         for m, k, n in ((63, 613, 65), (33, 1031, 17), (5, 257, 301), (1, 777, 1)):

@@ -215,16 +215,36 @@ def test_float16_never_splits_k_and_auto_is_numba():
     assert resolve_backend("auto", np.float16, family="cupy", flops=1) == ("auto", True)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "object"])
+@pytest.mark.parametrize("dtype", ["longdouble", "clongdouble"])
+@pytest.mark.parametrize("m,k,n", [(20, 3000, 20), (5, 20000, 3)])
+def test_long_double_products_are_numpys_values(m, k, n, dtype):
+    """numpy multiplies long doubles without BLAS, one ascending sum over k: a planner that
+    split k (few tiles, long k) differed in most elements' last bits."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    if dtype == "clongdouble":
+        a, b = a + 1j * rng.standard_normal((m, k)), b - 1j * rng.standard_normal((k, n))
+    a, b = a.astype(dtype), b.astype(dtype)
+    want = np.matmul(a, b)
+    for kw in ({}, {"tile": (8, 8, 64)}, {"backend": "numba"}):
+        CALLS.clear()
+        got = distmm.matmul(a, b, **kw)
+        assert got.dtype == want.dtype and CALLS.last.plan.k_splits == 1, kw
+        differ = int(np.count_nonzero(got != want))
+        assert differ == 0, f"{kw}: {differ} of {want.size} elements differ from numpy"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "object", "longdouble"])
 @pytest.mark.parametrize("k_chunk", [4096, 1000], ids=["k-whole", "k-chunked"])
 def test_one_sum_dask_arrays_are_numpys_bits(k_chunk, dtype):
-    """float16 and object floats: numpy's one sum over k, whatever the k chunks (object
-    floats differed in most elements' last bits with k chunked)."""
+    """float16, long doubles and object floats: numpy's one sum over k, whatever the k
+    chunks (long doubles and object floats differed in most elements' last bits with k
+    chunked)."""
     da = pytest.importorskip("dask.array")
     rng = np.random.default_rng()
     a, b = _operands(rng, 64, 4096, 96, "float16")
-    if dtype == "object":
-        a, b = (rng.standard_normal(x.shape).astype(object) for x in (a, b))
+    if dtype != "float16":
+        a, b = (rng.standard_normal(x.shape).astype(dtype) for x in (a, b))
     lazy = distmm.matmul(da.from_array(a, chunks=(32, k_chunk)),
                          da.from_array(b, chunks=(k_chunk, 48)))
     got, want = lazy.compute(scheduler="threads"), np.matmul(a, b)

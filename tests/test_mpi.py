@@ -31,9 +31,9 @@ def test_mpi_engine_cases(ranks, tmp_path, mpirun):
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["case_one_sum_bits", "case_one_rank_refuses"])
 def test_mpi_two_ranks(case, tmp_path, mpirun):
-    """float16 and object-float products on 2 ranks are numpy's bits (in core, k split,
-    broadcast stripes); operands only rank 1 refuses raise on both ranks (they hung rank 0:
-    the timeout)."""
+    """float16, long double and object-float products on 2 ranks are numpy's bits (in core,
+    k split, broadcast stripes); operands only rank 1 refuses raise on both ranks (they hung
+    rank 0: the timeout)."""
     r = mpirun(2, HERE / "mpi_cases.py", tmp_path, case, timeout=120)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0
@@ -62,10 +62,11 @@ def test_grid_plan(ranks, shape):
 
 def test_grid_shapes_follow_the_problem():
     assert make_grid(100000, 50, 50, ranks=4).shape == (1, 4, 1)  # tall-skinny: nothing of A moves
-    # long k splits into layers, except for a float16 or object result (numpy's one sum over k)
+    # long k splits into layers, except where numpy sums over k in one pass (float16, ...)
     assert make_grid(64, 64, 10**6, "float32", ranks=4).layers == 4
     assert make_grid(64, 64, 10**6, "float16", ranks=4).layers == 1
     assert make_grid(64, 64, 10**6, "object", ranks=4).layers == 1
+    assert make_grid(64, 64, 10**6, "longdouble", ranks=4).layers == 1
     assert make_grid(50, 100000, 50, ranks=4).shape == (1, 1, 4)
     assert make_grid(64, 64, 10**6, ranks=4).shape == (4, 1, 1)  # long k: split k
     assert make_grid(4096, 4096, 4096, ranks=4).shape == (1, 2, 2)
