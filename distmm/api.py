@@ -703,7 +703,9 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
         return _ordered(result, order, ops, (a, b))
-    out[...] = result
+    # cast as numpy's loop output is cast into out (casting= was checked with the operands):
+    # an array, so a vector @ vector scalar is not converted through a Python number
+    np.copyto(out, np.asarray(result), casting="unsafe")
     return out
 
 

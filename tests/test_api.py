@@ -784,3 +784,20 @@ def test_signature_keyword_is_numpys(signature):
         _same_outcome(*_numpy_and_distmm(
             lambda mod: mod.matmul(a, b, signature=signature, dtype=np.float64)))
         _same_outcome(*_numpy_and_distmm(lambda mod: mod.matmul(a, b, signature="dd->f")))
+
+
+@pytest.mark.parametrize("out,casting", [
+    (np.zeros((), np.int8), "unsafe"), (np.zeros(2, np.int16), "same_kind"),
+    (np.zeros((), object), "same_kind"), (np.zeros((), np.uint8), "unsafe")])
+def test_vector_product_cast_into_out_as_numpy(out, casting):
+    """vector @ vector into a 0-d or broadcast ``out=`` of another dtype is cast as numpy
+    casts its loop's output (an int8 out wraps; an object out holds a Python int): the
+    scalar result was converted through a Python number (OverflowError)."""
+    x = np.array([300, 300], np.int64)
+    want, got = out.copy(), out.copy()
+    np.matmul(x, x, out=want, casting=casting)
+    assert distmm.matmul(x, x, out=got, casting=casting) is got
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert [type(v) for v in got.reshape(-1).tolist()] == [type(v) for v in want.reshape(-1).tolist()]
+    if out.dtype == object:
+        assert type(got[()]) is type(want[()]) is int
