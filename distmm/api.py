@@ -954,6 +954,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             # Compute in the promoted dtype (c's precision), as a typed BLAS call would;
             # the engines cast tile by tile, so no operand is copied whole.
             ops = replace(ops, dtype=dtype)
+        ops = _whole_k(ops)  # numpy's one sum over k for float16, long double, object
         cfg = get_config()
         product = _run(_engine_for(engine, ops.family, client, cfg, ops), ops, cfg, tile=tile,
                        backend=backend, precision=precision)

@@ -327,3 +327,21 @@ def test_dask_chunks_other_than_numpy_or_cupy_are_refused(chunks, side):
     plain = da.from_array(dense, chunks=2)  # the same product of plain chunks runs
     got = distmm.matmul(plain, dense).compute(scheduler="threads")
     np.testing.assert_array_equal(got, dense @ dense)
+
+
+@pytest.mark.parametrize("dtype", ["longdouble", "object", "float16"])
+def test_gemm_of_k_chunked_dask_operands_keeps_one_sum(dtype):
+    """gemm takes matmul's whole-k rule for dask operands chunked along k: long double and
+    object results differed from numpy's product in most elements' last bits."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a = rng.standard_normal((8, 1024)).astype(dtype)
+    b = rng.standard_normal((1024, 8)).astype(dtype)
+    got = distmm.gemm(da.from_array(a, chunks=(8, 256)),
+                      da.from_array(b, chunks=(256, 8))).compute(scheduler="threads")
+    want = np.matmul(a, b)
+    assert got.dtype == want.dtype
+    if dtype == "object":
+        got, want = got.astype(np.float64), want.astype(np.float64)
+    differ = int(np.count_nonzero(got != want))
+    assert differ == 0, f"{differ} of {want.size} elements differ from numpy"
