@@ -125,7 +125,8 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
         if fam == "dask":
             a, b = _same_chunk_family(a, b)
     # numpy resolves the loop (dtypes) and the casts into it and into out before it looks
-    # at dimensions.
+    # at dimensions; it casts the values only after.
+    cast_to = None
     if defaults:
         dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
     else:
@@ -133,7 +134,7 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
         loop = ufunc_dtype(a.dtype, b.dtype, dtype=dtype, out_dtype=out_dtype,
                            casting=casting, order=order)
         if dtype is not None:  # numpy casts both operands into the loop it names
-            a, b = (x if np.dtype(x.dtype) == loop else _cast(x, loop) for x in (a, b))
+            cast_to = loop
         dtype = loop
     for name, x in (("a", a), ("b", b)):
         if x.ndim == 0:
@@ -148,6 +149,8 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
                 f"call {name}.compute_chunk_sizes() first"
             )
     batch, m, n, k = matmul_shapes(a.shape, b.shape, what=what)
+    if cast_to is not None:
+        a, b = (x if np.dtype(x.dtype) == cast_to else _cast(x, cast_to) for x in (a, b))
     return Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
 
 

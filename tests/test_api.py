@@ -801,3 +801,21 @@ def test_vector_product_cast_into_out_as_numpy(out, casting):
     assert [type(v) for v in got.reshape(-1).tolist()] == [type(v) for v in want.reshape(-1).tolist()]
     if out.dtype == object:
         assert type(got[()]) is type(want[()]) is int
+
+
+def test_dtype_cast_comes_after_the_shape_check_as_numpy():
+    """With ``dtype=``, numpy checks the core dimensions before it casts the values: a
+    shape mismatch is its ValueError, with no cast warning first (distmm cast first, and
+    raised the cast's FloatingPointError or OverflowError)."""
+    import warnings
+
+    cases = [(np.array([[np.nan]]), np.ones((2, 2)), np.int64),
+             (np.array([[2**70]], dtype=object), np.ones((2, 2)), np.int16)]
+    for a, b, dt in cases:
+        with pytest.raises(ValueError) as want:
+            np.matmul(a, b, dtype=dt, casting="unsafe")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with np.errstate(all="raise"), pytest.raises(ValueError) as got:
+                distmm.matmul(a, b, dtype=dt, casting="unsafe")
+        assert type(got.value) is type(want.value)
