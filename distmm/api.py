@@ -474,10 +474,10 @@ def _writes_direct(out, ops: Operands, eng) -> bool:
 
 
 def _whole_k(ops: Operands) -> Operands:
-    """Dask operands of a float16 or object product with k in one chunk: numpy sums each
-    element over k in one ascending sum (float32 for float16, Python's additions for
-    objects), which partial sums of k chunks added afterwards do not reproduce
-    (``plan.sums_whole_k``). Other products keep their chunks."""
+    """Dask operands of a float16, long double or object product with k in one chunk:
+    numpy sums each element over k in one ascending sum, which partial sums of k chunks
+    added afterwards do not reproduce (``plan.sums_whole_k``). Other products keep their
+    chunks."""
     if ops.family != "dask" or not sums_whole_k(ops.dtype):
         return ops
     a = ops.a if len(ops.a.chunks[-1]) <= 1 else ops.a.rechunk({ops.a.ndim - 1: -1})

@@ -424,8 +424,8 @@ class _CPURun(_Run):
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
         elif sums_whole_k(self.res) and self.grid.k:
-            # numpy's single sum over k (float16, object): the broadcast pieces joined (a
-            # copy of the stripe) into one product, not partial products added
+            # numpy's single sum over k (float16, long double, object): the broadcast pieces
+            # joined (a copy of the stripe) into one product, not partial products added
             whole = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
         if whole is not None:
             c = self.executor.panel_product(whole, self.b_store, 256)

@@ -8,10 +8,10 @@ executor) to its C block. The broadcasts of panel p+1 are posted before the
 product of panel p starts, so they move while it computes. With several
 layers (k split), the layers' C blocks are summed onto layer 0 along the
 grid's fixed tree, so the result's bits never depend on timing; inside a rank
-panels are summed in k order. A float16 or object result is numpy's bits: numpy
-sums each element over k in one ascending sum (float32 for float16, Python's own
-additions for objects), which partial sums added afterwards do not reproduce
-(``distmm.plan.sums_whole_k``), so each rank keeps its panels whole (its row of A
+panels are summed in k order. A float16, long double or object result is numpy's
+bits: numpy sums each element over k in one ascending sum (float32 for float16, its
+loop without BLAS for long doubles, Python's additions for objects), which partial
+sums added afterwards do not reproduce (``distmm.plan.sums_whole_k``), so each rank keeps its panels whole (its row of A
 and column of B, ``(mi + nj) * k`` values in the accumulation dtype; ``distmm.grid``
 splits no such product's k, a forced grid's other layers send theirs to layer 0)
 and multiplies them in one product.
@@ -62,7 +62,7 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     a_edges, b_edges = grid.a_k_edges[layer], grid.b_k_edges[layer]
     pe = grid.panel_edges[layer]
     panels = list(zip(pe, pe[1:]))
-    # float16 or object on the host: one product over all of k (numpy's single sum)
+    # float16, long double or object on the host: one product over all of k (numpy's sum)
     whole_k = not in_place and xp is np and sums_whole_k(grid.dtype)
     if whole_k:
         k_lo = pe[0]
@@ -119,10 +119,10 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
 
 def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
                      layer: int, i: int, j: int, tk: int):
-    """A float16 or object result's C block on layer 0: the other layers (a grid forced to
-    split k; ``make_grid`` never does for these) send their panels of A's rows and B's
-    columns to layer 0's rank of the same ``(i, j)`` (objects pickled), which multiplies
-    them in k order in one product; ``None`` on the other layers."""
+    """A float16, long double or object result's C block on layer 0: the other layers (a
+    grid forced to split k; ``make_grid`` never does for these) send their panels of A's
+    rows and B's columns to layer 0's rank of the same ``(i, j)`` (objects pickled), which
+    multiplies them in k order in one product; ``None`` on the other layers."""
     if grid.layers > 1:
         comm = comms.comm
         pickled = a_whole.dtype.kind == "O"
