@@ -11,10 +11,10 @@ grid's fixed tree, so the result's bits never depend on timing; inside a rank
 panels are summed in k order. A float16, long double or object result is numpy's
 bits: numpy sums each element over k in one ascending sum (float32 for float16, its
 loop without BLAS for long doubles, Python's additions for objects), which partial
-sums added afterwards do not reproduce (``distmm.plan.sums_whole_k``), so each rank keeps its panels whole (its row of A
-and column of B, ``(mi + nj) * k`` values in the accumulation dtype; ``distmm.grid``
-splits no such product's k, a forced grid's other layers send theirs to layer 0)
-and multiplies them in one product.
+sums added afterwards do not reproduce (``distmm.plan.sums_whole_k``), so each
+rank keeps its panels whole (its row of A and column of B, ``(mi + nj) * k`` values
+in the accumulation dtype; ``distmm.grid`` splits no such product's k, a forced
+grid's other layers send theirs to layer 0) and multiplies them in one product.
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
