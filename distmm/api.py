@@ -149,9 +149,13 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
                 f"call {name}.compute_chunk_sizes() first"
             )
     batch, m, n, k = matmul_shapes(a.shape, b.shape, what=what)
+    ops = Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
+    if out is not None:  # out's shape too is checked before any value is cast
+        _check_out(out, ops)
     if cast_to is not None:
         a, b = (x if np.dtype(x.dtype) == cast_to else _cast(x, cast_to) for x in (a, b))
-    return Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
+        ops = replace(ops, a=a, b=b)
+    return ops
 
 
 def _cast(x, dtype):
@@ -678,8 +682,6 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     try:
         ops = _whole_k(_validate(a, b, out=out, dtype=dtype, casting=casting, order=order))
         precision = resolve_precision(precision, ops.dtype, config=cfg)
-        if out is not None:
-            _check_out(out, ops)
         if engine == "mpi":  # the request too, before the ranks agree: tile=, backend=
             eng = eng or _engine_for(engine, ops.family, client, cfg, ops)
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)

@@ -809,13 +809,16 @@ def test_dtype_cast_comes_after_the_shape_check_as_numpy():
     raised the cast's FloatingPointError or OverflowError)."""
     import warnings
 
-    cases = [(np.array([[np.nan]]), np.ones((2, 2)), np.int64),
-             (np.array([[2**70]], dtype=object), np.ones((2, 2)), np.int16)]
-    for a, b, dt in cases:
+    cases = [(np.array([[np.nan]]), np.ones((2, 2)), np.int64, None),
+             (np.array([[2**70]], dtype=object), np.ones((2, 2)), np.int16, None),
+             # shapes that multiply, an out they do not fit: also before the cast
+             (np.full((2, 3), 1e300), np.ones((3, 2)), np.float32, np.empty((3, 3), np.float32)),
+             (np.full((2, 3), np.nan), np.ones((3, 2)), np.int64, np.empty((2, 5), np.int64))]
+    for a, b, dt, out in cases:
         with pytest.raises(ValueError) as want:
-            np.matmul(a, b, dtype=dt, casting="unsafe")
+            np.matmul(a, b, out=out, dtype=dt, casting="unsafe")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with np.errstate(all="raise"), pytest.raises(ValueError) as got:
-                distmm.matmul(a, b, dtype=dt, casting="unsafe")
+                distmm.matmul(a, b, out=out, dtype=dt, casting="unsafe")
         assert type(got.value) is type(want.value)
