@@ -18,6 +18,7 @@ Ranks run BLAS with the threads the environment gives them (set
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -25,9 +26,11 @@ import numpy as np
 
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.mpi.distarray import DistArray, square_grid
-from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu
-from distmm.engine.mpi.summa import summa
+from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, release
+from distmm.engine.mpi.agree import agree
+from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
+from distmm.fpflags import collect, report
 from distmm.grid import GridPlan, gpu_panels, grid_for_plan
 
 __all__ = ["MPIEngine", "DistArray", "square_grid", "world", "cache_stats"]
@@ -56,7 +59,10 @@ class MPIEngine(Engine):
     abort_on_error : bool
         An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
         (the others would wait for it forever); errors found before any exchange
-        (operands that differ between ranks, a missing backend) are raised on every rank.
+        (operands that differ between ranks, a missing backend) are raised on every rank,
+        and so are those of a rank's own work after its last exchange (an object element
+        numpy cannot multiply: numpy's error on every rank) and numpy's floating-point
+        reports of the whole product under ``np.errstate`` (``distmm.engine.mpi.agree``).
 
     The row and column communicators of each grid shape (NCCL ones on GPUs) are made by
     the first product on ``comm`` and reused by every later one; they go when ``comm`` is
@@ -101,13 +107,14 @@ class MPIEngine(Engine):
             out_arr = xp.empty(batch + (ops.m, ops.n), dtype=np.dtype(plan.dtype))
         else:
             out_arr = out
+        flags: set[str] = set()  # reported once for the whole stack, as numpy's loop does
         for idx in np.ndindex(*batch):
             a2 = a[idx] if idx else a
             b2 = b[idx] if idx else b
             da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
             db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
             c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
-                                     precision=plan.precision)
+                                     precision=plan.precision, flags=flags)
             full = c.gather(root=None)
             if ops.family == "cupy":
                 import cupy
@@ -117,11 +124,13 @@ class MPIEngine(Engine):
                 out_arr[idx] = full
             else:
                 out_arr[...] = full
+        report(flags)  # after out is filled, as numpy reports after its loop
         return out_arr
 
     def run_distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
                         on_gpu: bool = False, phases=None,
-                        streamed: bool | None = None, precision: str = "highest") -> DistArray:
+                        streamed: bool | None = None, precision: str = "highest",
+                        flags: set | None = None) -> DistArray:
         """``a @ b`` for distributed operands on ``grid`` (made by the planner
         for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
         layout are redistributed first; the result is in ``grid.c_layout``.
@@ -134,7 +143,11 @@ class MPIEngine(Engine):
         device memory all ranks have.
 
         ``precision``: ``distmm.precision``'s mode, which every rank's executor applies
-        to the panels it multiplies (checked against the grid's dtype by the caller)."""
+        to the panels it multiplies (checked against the grid's dtype by the caller).
+
+        Host products report numpy's floating-point flags of the whole product on every
+        rank (``distmm.engine.mpi.agree``); with ``flags`` (a set) they are added to it
+        instead, for a caller that reports once for several products."""
         from distmm.executor import get_executor
 
         if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
@@ -146,7 +159,7 @@ class MPIEngine(Engine):
             streamed = on_gpu and _too_big_for_the_device(self.comm, a, b, grid)
         if streamed:
             return self._streamed(a, b, grid, backend, on_gpu=on_gpu, phases=phases,
-                                  precision=precision)
+                                  precision=precision, flags=flags)
         a = a.redistribute(grid.a_layout)
         b = b.redistribute(grid.b_layout)
         from distmm.phases import Phases
@@ -160,57 +173,57 @@ class MPIEngine(Engine):
         if on_gpu:
             device = local_gpu(self.comm)
         executor = get_executor(backend, acc, on_gpu=on_gpu, precision=precision)
-        try:
-            comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
-                               device=device)
-            if on_gpu:  # wide panels on one host, narrow ones across hosts (grid.gpu_panels)
-                grid = gpu_panels(grid, across_hosts=comms.hosts > 1)
-            before = comms.bytes_received
-            phases.add("startup", start, time.perf_counter())
-            with executor:
-                with phases.phase("h2d" if on_gpu else "read"):
-                    a_dev = executor.asarray(a.local, acc) if not on_gpu else _device(a.local, acc)
-                    b_dev = executor.asarray(b.local, acc) if not on_gpu else _device(b.local, acc)
-                    sync()
-                xp = np
+        # host products: numpy's floating-point reports are collected while the panels move
+        # and reported once every rank has agreed (distmm.engine.mpi.agree); so is what a
+        # rank's own work raised after its last exchange (an object element's TypeError)
+        error = None
+        with collect() if not on_gpu else contextlib.nullcontext(set()) as seen:
+            try:
+                comms = grid_comms(self.comm, grid, on_gpu=on_gpu, prefer=self.comm_backend,
+                                   device=device)
+                if on_gpu:  # wide panels on one host, narrow across hosts (grid.gpu_panels)
+                    grid = gpu_panels(grid, across_hosts=comms.hosts > 1)
+                before = comms.bytes_received
+                phases.add("startup", start, time.perf_counter())
+                with executor:
+                    with phases.phase("h2d" if on_gpu else "read"):
+                        put = _device if on_gpu else executor.asarray
+                        a_dev, b_dev = put(a.local, acc), put(b.local, acc)
+                        sync()
+                    xp = np
+                    if on_gpu:
+                        import cupy as xp
+                    with phases.phase("gemm"):  # panel broadcasts overlap it
+                        c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
+                        sync()
+                    received = comms.bytes_received - before
+            except LocalFailure as failed:
+                error, c, received = failed.error, None, 0
+            except BaseException as exc:
+                if not self.abort_on_error or self.comm.size == 1:
+                    raise
+                # The other ranks may be waiting in a broadcast for this one: end the job
+                # rather than leave it hanging.
+                log.critical("rank %d of %d failed during the product (%s: %s); aborting the "
+                             "job", self.comm.rank, self.comm.size, type(exc).__name__, exc)
+                import sys
+
+                print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the "
+                      f"product ({type(exc).__name__}: {exc}); calling MPI_Abort",
+                      file=sys.stderr, flush=True)
+                self.comm.Abort(1)
+            start = time.perf_counter()
+            on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays there
+            local = None
+            try:  # float16's rounding reports its flags too
+                local = _finish(grid, c, grid.c_layout.local_shape(self.comm.rank),
+                                on_device=on_device)
+            except Exception as exc:
                 if on_gpu:
-                    import cupy as xp
-                with phases.phase("gemm"):  # panel broadcasts overlap it
-                    c = summa(grid, a_dev, b_dev, executor, comms, xp=xp)
-                    sync()
-                received = comms.bytes_received - before
-        except BaseException as exc:
-            if not self.abort_on_error or self.comm.size == 1:
-                raise
-            # The other ranks may be waiting in a broadcast for this one: end the job
-            # rather than leave it hanging.
-            log.critical("rank %d of %d failed during the product (%s: %s); aborting the job",
-                         self.comm.rank, self.comm.size, type(exc).__name__, exc)
-            import sys
-
-            print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the product "
-                  f"({type(exc).__name__}: {exc}); calling MPI_Abort", file=sys.stderr, flush=True)
-            self.comm.Abort(1)
-        res = np.dtype(grid.dtype)
-        shape = grid.c_layout.local_shape(self.comm.rank)
-        start = time.perf_counter()
-        on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays on the GPU
-        if c is None:
-            local = np.empty(shape, dtype=res)
-            if on_device:
-                import cupy
-
-                local = cupy.asarray(local)
-        else:
-            local = finish_tile(grid, c)
-            if on_device:
-                import cupy
-
-                local = cupy.ascontiguousarray(local.astype(res, copy=False))
-            else:
-                if not isinstance(local, np.ndarray):
-                    local = local.get()
-                local = np.ascontiguousarray(local, dtype=res)
+                    raise
+                error = exc
+        if not on_gpu:
+            agree(self.comm, error, seen, into=flags)
         phases.add("d2h", start, time.perf_counter())
         result = DistArray(local, grid.c_layout, self.comm)
         result.stats = self.last_stats = {
@@ -222,9 +235,9 @@ class MPIEngine(Engine):
 
 
     def _streamed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
-                  on_gpu: bool, phases, precision: str = "highest") -> DistArray:
+                  on_gpu: bool, phases, precision: str = "highest", flags=None) -> DistArray:
         """The stripes of ``distmm.engine.mpi.stream`` from host blocks into a host block."""
-        from distmm.engine.mpi.stop import StopWatch
+        from distmm.engine.mpi.stop import PeerStopped, StopWatch
         from distmm.engine.mpi.stream import BlockSink, PanelSource, device_memory, run_stripes
         from distmm.executor import get_executor
         from distmm.phases import Phases
@@ -246,18 +259,29 @@ class MPIEngine(Engine):
         comms = grid_comms(comm, g, on_gpu=on_gpu, prefer=self.comm_backend, device=device)
         before = comms.bytes_received
         watch = StopWatch(comm)
+        error, seen = None, set()
         try:
             with get_executor(backend, np.dtype(g.acc_dtype), on_gpu=on_gpu,
                               precision=precision) as executor:
-                run_stripes(plan, rank, PanelSource(a._host_local(), (ar0, ac0)),
-                            PanelSource(b._host_local(), (br0, bc0)), BlockSink(c_local, (cr0, cc0)),
-                            executor, comms, watch, phases, on_gpu=on_gpu,
-                            todo=range(plan.stripe_count(g.coords(rank)[1])))
-        except BaseException as exc:
-            watch.tell(f"{type(exc).__name__}: {exc}", 1)
-            raise
+                seen = run_stripes(plan, rank, PanelSource(a._host_local(), (ar0, ac0)),
+                                    PanelSource(b._host_local(), (br0, bc0)),
+                                    BlockSink(c_local, (cr0, cc0)), executor, comms, watch,
+                                    phases, on_gpu=on_gpu,
+                                    todo=range(plan.stripe_count(g.coords(rank)[1])))
+        except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
+            error = exc
+            if not isinstance(exc, PeerStopped):  # the rank that stopped first told everyone
+                watch.tell(f"{type(exc).__name__}: {exc}", 1)
         finally:
             watch.close()
+        # A rank whose stripes needed nothing from a failed one may have finished: every rank
+        # learns the outcome, raises the error of the rank that stopped first and makes the
+        # grid's communicators again (a broadcast may be left half done).
+        own = None if isinstance(error, PeerStopped) else error
+        agree(comm, own, seen, before_raise=lambda: release(comm), into=flags)
+        if error is not None:  # stopped by a rank outside the agreement (cannot happen)
+            release(comm)
+            raise error
         result = DistArray(c_local, g.c_layout, comm)
         result.stats = self.last_stats = {
             "grid": g.shape, "bytes_received": int(comms.bytes_received - before),
@@ -308,6 +332,27 @@ def _same_on_every_rank(comm, key) -> None:
         raise ValueError(f"engine='mpi' needs the same operands and settings on every rank; got "
                          f"(a shape, b shape, dtype, device, precision) {keys[0]} on rank 0 but "
                          f"{keys[other]} on rank {other}")
+
+
+def _finish(grid: GridPlan, c, shape, *, on_device: bool):
+    """This rank's C block in the result dtype (``finish_tile``), from the accumulated block
+    ``c`` (``None``: a rank with no block of its own); on the device where ``on_device``."""
+    res = np.dtype(grid.dtype)
+    if c is None:
+        local = np.empty(shape, dtype=res)
+        if on_device:
+            import cupy
+
+            local = cupy.asarray(local)
+        return local
+    local = finish_tile(grid, c)
+    if on_device:
+        import cupy
+
+        return cupy.ascontiguousarray(local.astype(res, copy=False))
+    if not isinstance(local, np.ndarray):
+        local = local.get()
+    return np.ascontiguousarray(local, dtype=res)
 
 
 def _synchronizer(on_gpu: bool):

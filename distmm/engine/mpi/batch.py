@@ -32,6 +32,7 @@ from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, pa
 from distmm.engine.mpi.stop import PeerStopped, StopWatch
 from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
 from distmm.errors import Signalled
+from distmm.fpflags import report
 from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
 from distmm.staging import is_live, leftovers, remove_leftover
 
@@ -215,9 +216,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             sources = (PanelSource(a), PanelSource(b))
             try:
                 with executor:
-                    run_stripes(plan, comm.rank, *sources, writer, executor, comms, watch,
-                                phases, on_gpu=on_gpu, todo=todo, skip=mine, on_written=written,
-                                share_b=share)
+                    flags = run_stripes(plan, comm.rank, *sources, writer, executor, comms,
+                                        watch, phases, on_gpu=on_gpu, todo=todo, skip=mine,
+                                        on_written=written, share_b=share)
+                report(flags)  # numpy's warnings, once, from the main thread's errstate
             finally:
                 for source in sources:
                     source.close()

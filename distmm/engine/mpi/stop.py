@@ -34,12 +34,19 @@ class StopWatch:
     Parameters
     ----------
     comm : mpi4py communicator
-        Duplicated, so the stop messages never meet the job's own.
+        Duplicated, so the stop messages never meet the job's own. Each message carries
+        the watch's number (every rank makes its watches in the same order), so that a word
+        sent to an earlier watch and never received there, which MPI may deliver to a later
+        duplicate, is dropped rather than stopping a later product.
     """
+
+    _made = 0  # watches made by this process
 
     def __init__(self, comm):
         self.comm = comm.Dup()
         self.rank = self.comm.rank
+        StopWatch._made += 1
+        self.number = StopWatch._made
         self._request = self.comm.irecv(source=_any_source(), tag=_TAG) if self.comm.size > 1 else None
         self._told = False
         self._sent: list = []
@@ -53,11 +60,15 @@ class StopWatch:
     def check(self) -> None:
         if self.failed is not None:
             raise self.failed
-        if self._request is not None:
+        while self._request is not None:
             done, message = self._request.test()
-            if done:
-                self._request = None
-                raise PeerStopped(*message)
+            if not done:
+                return
+            self._request = None
+            number, *stop = message
+            if number == self.number:
+                raise PeerStopped(*stop)
+            self._request = self.comm.irecv(source=_any_source(), tag=_TAG)  # an earlier one's
 
     def tell(self, reason: str, status: int) -> None:
         """Tell every other rank that this one stops (once)."""
@@ -66,7 +77,8 @@ class StopWatch:
         self._told = True
         for peer in range(self.comm.size):
             if peer != self.rank:
-                self._sent.append(self.comm.isend((self.rank, reason, status), dest=peer, tag=_TAG))
+                self._sent.append(self.comm.isend((self.number, self.rank, reason, status),
+                                                  dest=peer, tag=_TAG))
 
     def close(self) -> None:
         if self._request is not None:

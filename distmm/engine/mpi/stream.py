@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distmm.engine.mpi.stop import StopWatch, poll
+from distmm.fpflags import collect
 from distmm.plan import sums_whole_k
 from distmm.plan_batch import BatchPlan
 
@@ -230,7 +231,7 @@ class _Writer(threading.Thread):
 
 def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink, executor,
                 comms, watch: StopWatch, phases, *, on_gpu: bool, todo, skip=frozenset(),
-                on_written=lambda stripe: None, share_b: bool = False) -> None:
+                on_written=lambda stripe: None, share_b: bool = False) -> set[str]:
     """Compute this rank's stripes ``todo`` (indices into its grid row's stripes) and write
     them through ``sink.write(r0, r1, c0, c1, block)``; the ranks of a grid row must pass the
     same ``todo``. Stripes in ``skip`` are already written by this rank: it still sends its
@@ -238,11 +239,13 @@ def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink
     ``sink.finish()`` flushes the output at the end. ``share_b`` (GPU ranks of one host that
     read their panels, ``comms`` None): the ranks holding the same column panel of B each read
     a share of its rows and copy the others' from their GPUs (CUDA IPC); every rank must pass
-    the same value."""
+    the same value. Returns the floating-point flags numpy's matmul would have reported
+    (host ranks; ``distmm.fpflags``)."""
     runner = (_GPURun if on_gpu else _CPURun)(plan, rank, a, b, sink, executor, comms, watch,
                                               phases, direct=comms is None,
                                               share_b=share_b and comms is None and on_gpu)
     runner.run(list(todo), set(skip), on_written)
+    return runner.flags
 
 
 #: the tag of the messages ranks sharing B's panel exchange (on the stop watch's communicator,
@@ -301,6 +304,9 @@ class _Run:
         self.b_range = (self.b_cuts[b_mine[0]], self.b_cuts[b_mine[-1] + 1])
         self.readers = ThreadPoolExecutor(4 if direct else 2, thread_name_prefix="distmm-reader")
         self.panels = k_panels(plan, on_gpu=isinstance(self, _GPURun), direct=direct)
+        #: numpy's floating-point flags of the host products and roundings (their threads'
+        #: errstate is not the caller's), for the caller to report once
+        self.flags: set[str] = set()
 
     def rows_of(self, stripe: int) -> tuple[int, int]:
         return self.stripes[stripe], self.stripes[stripe + 1]
@@ -326,7 +332,12 @@ class _Run:
         """A stripe of C in numpy's result dtype (booleans: ``count > 0``)."""
         if self.res.kind == "b":
             return block != 0
-        return block if block.dtype == self.res else block.astype(self.res)
+        if block.dtype == self.res:
+            return block
+        with collect() as seen:  # float16's rounding
+            block = block.astype(self.res)
+        self.flags |= seen
+        return block
 
     def panel_pairs(self, edges=None):
         """Per k panel (``edges``, default the stripes' panels): (owner column of A, k0, k1)."""
@@ -420,6 +431,12 @@ class _CPURun(_Run):
         return pieces, futures
 
     def product(self, pieces, h):
+        with collect() as seen:
+            c = self._product(pieces, h)
+        self.flags |= seen
+        return c
+
+    def _product(self, pieces, h):
         whole = None
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]

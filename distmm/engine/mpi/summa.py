@@ -29,7 +29,7 @@ from distmm.engine.mpi.gridcomms import GridComms
 from distmm.grid import GridPlan
 from distmm.plan import sums_whole_k
 
-__all__ = ["summa"]
+__all__ = ["summa", "LocalFailure"]
 
 
 def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np, tk: int = 256):
@@ -154,7 +154,20 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
     n = b_whole.shape[1]
     if not (m and n and k):
         return np.zeros((m, n), dtype=a_whole.dtype)
-    return executor.panel_product(a_whole, b_whole, tk)
+    try:
+        return executor.panel_product(a_whole, b_whole, tk)
+    except BaseException as exc:  # an object element's own error (even SystemExit, as in
+        raise LocalFailure(exc) from exc  # numpy): no rank waits for this one
+
+
+class LocalFailure(Exception):
+    """This rank's product failed after its last exchange (``error``: an object element's
+    ``TypeError``, ...): the other ranks wait for it in no broadcast, so the engine can
+    have every rank agree on the error instead of ending the job."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(error)
+        self.error = error
 
 
 def _local_product(a_local, b_local, executor, in_place: bool, xp, tk: int):
