@@ -620,19 +620,26 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     >>> distmm.matmul(np.array([[1, 2]], dtype=np.int8), np.array([[100], [14]], dtype=np.int8))
     array([[-128]], dtype=int8)
     """
-    out = ufunc_rules.single_out(out)
+    if engine == "auto":
+        engine = get_config().engine  # the configured engine; the argument wins
+    try:
+        out = ufunc_rules.single_out(out)
+    except Exception as exc:
+        if engine == "mpi":
+            _mpi_agree(exc)
+        raise
     keywords = dict(casting=casting, order=order, dtype=dtype, subok=subok)
     plain = all(_is_default(k, v) for k, v in keywords.items())
     if (ufunc_rules.overrides(a, b, out) or ufunc_rules.wraps_out(out)
             or signature is not None or _object_loop(a, b, dtype)):
         # numpy's own call (it hands an override the call); only the keywords the caller
         # gave, as numpy passes them on
+        if engine == "mpi":  # where every rank makes it: the others are in the engine
+            _mpi_agree(None, route="numpy")
         given = {k: v for k, v in (("out", out), ("signature", signature), ("axes", axes),
                                    ("axis", axis)) if v is not None}
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
-    if engine == "auto":
-        engine = get_config().engine  # the configured engine; the argument wins
     if axes is not None or axis is not None:
         try:
             _loop_first(a, b, out, keywords)
@@ -714,31 +721,49 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     return out
 
 
-def _mpi_agree(error: BaseException | None) -> None:
+def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = None,
+               key=None) -> None:
     """For ``engine="mpi"``: every rank's validation outcome (operands, ``out=``, and the
     request: ``tile=``, ``backend=``, ``precision=``), agreed on with one small allgather
     before the engine's first collective, so that a call one rank refuses raises on every
     rank instead of leaving the others waiting in the engine. A rank whose
     validation failed (``error``) returns and raises its own error; the others raise a
-    ``ValueError`` naming the first rank that failed and its error. Nothing on one rank."""
-    try:
-        from distmm.engine.mpi import world
+    ``ValueError`` naming the first rank that failed and its error. So too where ranks
+    differ in ``route`` (``"numpy"``: a call numpy computes itself, ``signature=``, an
+    object loop with strings, on that rank alone) or in ``key`` (what the engine needs the
+    same everywhere: shapes, dtype, settings). ``comm``: default ``MPI.COMM_WORLD``.
+    Nothing on one rank."""
+    if comm is None:
+        try:
+            from distmm.engine.mpi import world
 
-        comm = world()
-    except ImportError:
-        if error is not None:
-            return  # no mpi4py: this rank's own error (the engine would need it anyway)
-        raise
+            comm = world()
+        except ImportError:
+            if error is not None or route is not None:
+                return  # no mpi4py: this rank's own error or numpy's call, as on one rank
+            raise
     if comm.size == 1:
         return
     mine = None if error is None else " ".join(f"{type(error).__name__}: {error}".split())
-    outcomes = comm.allgather(mine)
+    outcomes = comm.allgather((mine, route, key))
     if error is not None:
         return
-    failed = next((r for r, why in enumerate(outcomes) if why is not None), None)
+    failed = next((r for r, (why, _, _) in enumerate(outcomes) if why is not None), None)
     if failed is not None:
         raise ValueError(f"matmul: engine='mpi' needs valid, identical arguments on every rank; "
-                         f"rank {failed} of {comm.size} refused its call ({outcomes[failed]})")
+                         f"rank {failed} of {comm.size} refused its call ({outcomes[failed][0]})")
+    other = next((r for r, (_, way, _) in enumerate(outcomes) if way != route), None)
+    if other is not None:
+        ways = {r: way or "the MPI engine" for r, (_, way, _) in enumerate(outcomes)}
+        raise ValueError(f"matmul: engine='mpi' needs identical arguments on every rank; rank "
+                         f"{comm.rank} of {comm.size} computes this call with {ways[comm.rank]}, "
+                         f"rank {other} with {ways[other]} (signature= or an object loop with "
+                         f"strings is numpy's own call)")
+    other = next((r for r, (_, _, k) in enumerate(outcomes) if k != key), None)
+    if other is not None:
+        raise ValueError(f"matmul: engine='mpi' needs the same operands and settings on every "
+                         f"rank; got {key} on rank {comm.rank} but {outcomes[other][2]} on "
+                         f"rank {other}")
 
 
 def _dtype_of(x) -> np.dtype:
@@ -809,23 +834,29 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
     from distmm.engine.mpi import DistArray, MPIEngine
     from distmm.grid import make_grid
 
-    if out is not None:
-        raise ValueError("matmul: out= is not supported for DistArray operands")
-    if engine not in ("auto", "mpi"):
-        raise ValueError(f"matmul: DistArray operands run on engine='mpi', got engine={engine!r}")
     comm = (a if _is_distributed(a) else b).comm
-    a = a if _is_distributed(a) else DistArray.from_array(a, comm)
-    b = b if _is_distributed(b) else DistArray.from_array(b, comm)
-    dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul: inner dimensions differ: a has shape {a.shape}, b has shape "
-                         f"{b.shape} ({a.shape[1]} != {b.shape[0]})")
-    precision = resolve_precision(precision, dtype)
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if backend == "auto":
-        backend = get_config().backend
-    family = "cupy" if "cupy" in (array_family(a.local), array_family(b.local)) else "numpy"
-    backend, on_gpu = resolve_backend(backend, dtype, family=family, flops=2 * m * n * k)
+    try:  # refused on one rank: every rank raises (the others would wait in the engine)
+        if out is not None:
+            raise ValueError("matmul: out= is not supported for DistArray operands")
+        if engine not in ("auto", "mpi"):
+            raise ValueError(f"matmul: DistArray operands run on engine='mpi', got "
+                             f"engine={engine!r}")
+        a = a if _is_distributed(a) else DistArray.from_array(a, comm)
+        b = b if _is_distributed(b) else DistArray.from_array(b, comm)
+        dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"matmul: inner dimensions differ: a has shape {a.shape}, b has "
+                             f"shape {b.shape} ({a.shape[1]} != {b.shape[0]})")
+        precision = resolve_precision(precision, dtype)
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        if backend == "auto":
+            backend = get_config().backend
+        family = "cupy" if "cupy" in (array_family(a.local), array_family(b.local)) else "numpy"
+        backend, on_gpu = resolve_backend(backend, dtype, family=family, flops=2 * m * n * k)
+    except Exception as exc:
+        _mpi_agree(exc, comm=comm)
+        raise
+    _mpi_agree(None, comm=comm, key=(a.shape, b.shape, dtype.str, on_gpu, precision))
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
     return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu, precision=precision)
 
@@ -833,7 +864,9 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
 def _scalar_for(value, dtype: np.dtype, name: str):
     """Convert alpha or beta to the result dtype, refusing lossy conversions: a complex
     value for a real result, a fraction for an integer one, a value out of the dtype's
-    range (TypeError naming the value)."""
+    range (TypeError naming the value). A 0-d array is its element, as in numpy."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
     if not isinstance(value, (numbers.Number, np.generic)) or isinstance(value, (np.str_, np.bytes_)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if dtype.kind == "O":
@@ -844,7 +877,9 @@ def _scalar_for(value, dtype: np.dtype, name: str):
         value = value.real
     if dtype.kind in "biu":
         if not (isinstance(value, (numbers.Integral, np.integer, np.bool_))
-                or (isinstance(value, numbers.Real) and float(value).is_integer())):
+                or (isinstance(value, numbers.Real) and float(value).is_integer())
+                or (isinstance(value, decimal.Decimal) and value.is_finite()
+                    and value == value.to_integral_value())):
             raise TypeError(f"{name}={value!r} cannot scale a {dtype} result without rounding")
         exact = int(value)
         low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
@@ -902,8 +937,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
 
     Returns
     -------
-    array of the caller's type and shape ``(m, n)``; its dtype is numpy's
-    matmul dtype of ``a`` and ``b``, promoted with ``c``'s.
+    array of the operands' family (numpy, cupy or dask; a subclass such as
+    ``np.matrix`` or a masked array comes back as a plain ndarray, with no
+    mask) and shape ``(m, n)``; its dtype is numpy's matmul dtype of ``a``
+    and ``b``, promoted with ``c``'s.
 
     Raises
     ------

@@ -227,7 +227,11 @@ def case_one_rank_refuses():
         "out= numpy refuses to cast into": (a, b, dict(out=np.empty((7, 3), dtype=np.int64))),
         "out= of the wrong shape": (a, b, dict(out=np.empty((7, 4)))),
         "axes=": (a, b, dict(axes=[(0, 1), (0, 1), (0,)])),
+        "out= a tuple of two": (a, b, dict(out=(np.empty((7, 3)), np.empty((7, 3))))),
+        "out= read-only": (a, b, dict(out=np.empty((7, 3)))),
+        "out= a list": (a, b, dict(out=[[0.0] * 3] * 7)),
     }
+    refused["out= read-only"][2]["out"].flags.writeable = False
     for what, (x, y, kw) in refused.items():
         if rank != P - 1:
             x, y, kw = a, b, (ok_axes if "axes" in kw else {})
@@ -261,11 +265,147 @@ def case_one_rank_refuses():
             check(f"{what} on rank {P - 1} only: a ValueError", type(exc) is ValueError
                   and (rank == P - 1 and expect is not None or named in str(exc))
                   and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
+    # calls numpy computes itself on the last rank alone: a ValueError on every rank
+    for what, (x, y, kw) in {"signature=": (a, b, dict(signature="dd->d")),
+                             "object @ str": (a.astype(object), b.astype(str), {})}.items():
+        if rank != P - 1:
+            x, y, kw = a, b, {}
+        try:
+            distmm.matmul(x, y, engine="mpi", **kw)
+            failures.append(f"rank {rank}: {what} on rank {P - 1} only: no error here")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            check(f"{what} on rank {P - 1} only: a ValueError on every rank",
+                  type(exc) is ValueError and "numpy" in str(exc) and "\n" not in str(exc),
+                  f"{type(exc).__name__}: {exc}")
+    # DistArray operands: what one rank refuses or sets differently raises on every rank
+    da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+    for what, kw, bb in (("out=", dict(out=np.empty((7, 3))), b),
+                         ("precision= a float64 refuses", dict(precision="tf32"), b),
+                         ("a replicated operand of another k", {}, b[:-1])):
+        mine = (kw, bb) if rank == P - 1 else ({}, b)
+        try:
+            distmm.matmul(da, mine[1], **mine[0]) if "replicated" in what else \
+                distmm.matmul(da, db, **mine[0])
+            failures.append(f"rank {rank}: DistArray {what} on rank {P - 1} only: no error")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            check(f"DistArray {what} on rank {P - 1} only: one line on every rank",
+                  isinstance(exc, (ValueError, TypeError)) and "\n" not in str(exc),
+                  f"{type(exc).__name__}: {exc}")
+    same(distmm.matmul(da, db).gather(root=None), a, b, "a DistArray product after them")
     same(distmm.matmul(a, b, engine="mpi"), a, b, "a product after the refusals")
 
 
+class Refused(Exception):
+    """An object element's own error (not a numpy type)."""
+
+
+class Refuses:
+    def __mul__(self, other):
+        raise Refused("this element refuses to multiply")
+
+    __rmul__ = __mul__
+
+
+def case_product_errors_agree():
+    """An error in one rank's own part of the product (an object element numpy cannot
+    multiply, a floating-point flag under ``np.errstate(...="raise")``) raises numpy's
+    error on every rank, as ``np.matmul`` of the whole operands does; under "warn" every
+    rank warns as numpy does, once. No rank aborts or waits; the next product works."""
+    import warnings
+
+    def outcome(call):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - compared below
+                return type(exc), sorted(str(w.message) for w in seen)
+        return None, sorted(str(w.message) for w in seen)
+
+    engine = MPIEngine(comm)
+    m, k, n = 4 * P + 3, 7, 3
+    for bad, what in ((None, "None"), ("x", "a str"), (Refuses(), "an element whose * raises")):
+        a, b = operands("object", m, k, n)
+        a[m - 1, 3] = bad  # in the last row block: on the last ranks' part of the product
+        want = outcome(lambda: np.matmul(a, b))
+        check(f"object with {what}: numpy raises", want[0] is not None, str(want))
+        check(f"object with {what}: every rank raises numpy's error",
+              outcome(lambda: distmm.matmul(a, b, engine="mpi")) == want)
+        da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+        for shape in grid_shapes(P):
+            grid = make_grid(m, n, k, "object", ranks=P, grid=shape)
+            got = outcome(lambda: engine.run_distributed(da, db, grid, "numba"))
+            check(f"object with {what}, grid {shape}: numpy's error", got == want, str(got))
+    class Exits:
+        def __mul__(self, other):
+            raise SystemExit(3)
+
+        __rmul__ = __mul__
+
+    a, b = operands("object", m, k, n)
+    a[m - 1, 3] = Exits()
+    for call in (lambda: np.matmul(a, b), lambda: distmm.matmul(a, b, engine="mpi")):
+        try:
+            call()
+            check("an element raising SystemExit: SystemExit", False, "no exception")
+        except SystemExit as exc:
+            check("an element raising SystemExit: its code on every rank", exc.code == 3)
+    # a stack reports its flags once, as numpy's loop does (errstate "call" counts them)
+    s, t = np.full((3, 2, 4), 1e200), np.full((4, 2), 1e200)
+    for run in (np.matmul, lambda x, y: distmm.matmul(x, y, engine="mpi")):
+        calls = []
+        with np.errstate(all="call", call=lambda kind, flag: calls.append(kind)):
+            run(s, t)
+        if run is np.matmul:
+            want_calls = calls
+        else:
+            check("a stack's flags reported once", calls == want_calls, f"{calls} {want_calls}")
+    a, b = operands("float64", m, k, n)
+    a[0, 1], b[1, 0] = np.inf, 0.0  # one element of C is invalid (inf * 0)
+    # one overflows: in the product, or (float16) only when its float32 sum is rounded
+    big = {"float64": 1e200, "float32": 1e30, "float16": 300.0}
+    for state in ("raise", "warn", "ignore"):
+        for dt, backend in (("float64", "auto"), ("float64", "numba"), ("float32", "auto"),
+                            ("float16", "auto")):
+            x, y = a.copy(), b.copy()
+            x[m - 1, 2] = y[2, n - 1] = big[dt]
+            x, y = x.astype(dt), y.astype(dt)
+            with np.errstate(all=state):
+                want = outcome(lambda: np.matmul(x, y))
+                got = outcome(lambda: distmm.matmul(x, y, engine="mpi", backend=backend))
+            check(f"{dt} {backend} under errstate {state}: numpy's flags on every rank",
+                  got == want, f"{got} != numpy's {want}")
+            if dt == "float64" and backend == "numba":  # in broadcast stripes (threads)
+                dx, dy = DistArray.from_array(x, comm), DistArray.from_array(y, comm)
+                grid = make_grid(m, n, k, dt, ranks=P)
+                with np.errstate(all=state):
+                    got = outcome(lambda: engine.run_distributed(dx, dy, grid, backend,
+                                                                 streamed=True))
+                check(f"stripes under errstate {state}: numpy's flags on every rank",
+                      got == want, f"{got} != numpy's {want}")
+    # in stripes an element's error stops every rank, even one that had finished its own
+    # stripes (it waited in the next collective), with numpy's error; the word sent to stop
+    # them does not stop a later product
+    a, b = operands("object", m, k, n)
+    a[m - 1, 3] = None
+    want = outcome(lambda: np.matmul(a, b))
+    da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+    for shape in grid_shapes(P):
+        grid = make_grid(m, n, k, "object", ranks=P, grid=shape)
+        got = outcome(lambda: engine.run_distributed(da, db, grid, "numba", streamed=True))
+        check(f"object in stripes, grid {shape}: numpy's error on every rank", got == want,
+              f"{got} != numpy's {want}")
+    a, b = operands("float64", m, k, n)
+    da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+    for _ in range(2):
+        c = engine.run_distributed(da, db, make_grid(m, n, k, "float64", ranks=P), "numba",
+                                   streamed=True)
+        same(c.gather(root=None), a, b, "stripes after a stopped product")
+    same(distmm.matmul(a, b, engine="mpi"), a, b, "a product after the errors")
+
+
 CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
-         case_one_sum_bits, case_one_rank_refuses)
+         case_one_sum_bits, case_one_rank_refuses, case_product_errors_agree)
 chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
 ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:

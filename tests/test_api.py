@@ -583,6 +583,24 @@ def test_gemm_takes_complex_scalars_without_an_imaginary_part():
     np.testing.assert_array_equal(distmm.gemm(i, i, alpha=3 + 0j), np.full((2, 2), 6))
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.float64])
+def test_gemm_takes_exact_decimals_and_0d_arrays_as_scalars(dtype):
+    """An integral Decimal scales an integer result exactly, and a 0-d array is its element,
+    as numpy takes one for a scalar (both were refused)."""
+    from decimal import Decimal
+
+    rng = np.random.default_rng()
+    x, y = rng.integers(-3, 4, (3, 4)).astype(dtype), rng.integers(-3, 4, (4, 5)).astype(dtype)
+    want = (2 * np.matmul(x.astype(np.int64), y.astype(np.int64))).astype(dtype)
+    for alpha in (Decimal(2), Decimal("2.000"), np.array(2), np.array(2.0)):
+        got = distmm.gemm(x, y, alpha=alpha)
+        assert got.dtype == want.dtype and np.array_equal(got, want), alpha
+    if np.dtype(dtype).kind == "i":
+        for alpha in (Decimal("2.5"), Decimal("NaN"), np.array(0.5)):
+            with pytest.raises(TypeError, match="without rounding"):
+                distmm.gemm(x, y, alpha=alpha)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex128])
 def test_gemm_takes_fractions_and_decimals_as_scalars(dtype):
     """numpy has no isfinite loop for Fraction or Decimal: their finiteness is their own."""
