@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["ALIGN", "CHUNK", "THREADS", "MIN_DIRECT", "aligned_split", "npy_header",
+__all__ = ["ALIGN", "CHUNK", "THREADS", "MIN_DIRECT", "aligned_split", "as_bytes", "npy_header",
            "libc_function", "preallocate", "SpanWriter"]
 
 #: the alignment of a direct write's file offset, length and memory (a page: enough for the
@@ -118,6 +118,15 @@ def preallocate(fd: int, offset: int, nbytes: int) -> bool:
     return False  # EOPNOTSUPP, ENOSYS, EINVAL: the file system does not preallocate
 
 
+def as_bytes(data) -> memoryview:
+    """``data`` (a C-contiguous buffer) as a flat memoryview of bytes: numpy arrays through
+    numpy, which also takes an empty block of a 3-D array and dtypes the buffer protocol
+    does not (datetime64), where ``memoryview(data).cast("B")`` refuses."""
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
+
+
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
 
@@ -153,7 +162,7 @@ class SpanWriter:
     def write(self, data, offset: int, pwrite_all) -> None:
         """Write all of ``data`` (a buffer) at ``offset``; ``pwrite_all(fd, data, offset)`` is
         the ordinary write."""
-        view = memoryview(data).cast("B")
+        view = as_bytes(data)
         head, body = aligned_split(offset, view.nbytes) if self._dfd is not None else (0, 0)
         if body < MIN_DIRECT:
             pwrite_all(self.fd, view, offset)

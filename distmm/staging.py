@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, preallocate
+from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, as_bytes, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
@@ -243,7 +243,7 @@ def remove_leftover(staged: Path) -> None:
 
 def pwrite_all(fd: int, data, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less)."""
-    view = memoryview(data).cast("B")
+    view = as_bytes(data)
     while view.nbytes:
         done = os.pwrite(fd, view, offset)
         view, offset = view[done:], offset + done

@@ -15,6 +15,7 @@ engines).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import numpy as np
 from distmm.direct_io import libc_function
 from distmm.staging import BlockWriter, staged_path
 
-__all__ = ["FileSpec", "parse_spec", "zarr_format_for", "StripeWriter"]
+__all__ = ["FileSpec", "parse_spec", "output_spec", "check_dtype", "zarr_format_for",
+           "StripeWriter"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,58 @@ def parse_spec(spec: str) -> FileSpec:
         return FileSpec("zarr", p)
     raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
                      f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
+
+
+def output_spec(spec) -> FileSpec:
+    """``parse_spec`` for an output, refusing the names an output must not have.
+
+    Raises
+    ------
+    ValueError
+        A suffix distmm does not write, a name ending with a path separator (a folder), or
+        a dataset path with a ``.`` or ``..`` part (HDF5 would make a link of that name);
+        the message names the path.
+    """
+    spec = str(spec)
+    if spec.endswith(("/", os.sep)):
+        raise ValueError(f"{spec} ends with a path separator: name a file (a.npy, c.zarr, "
+                         f"file.h5:C), not a folder")
+    f = parse_spec(spec)
+    if f.kind == "h5" and any(part in (".", "..") for part in f.dataset.split("/")):
+        raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
+                         f"names; give the path from the file's root, e.g. file.h5:group/C")
+    return f
+
+
+def check_dtype(f: FileSpec, dtype) -> None:
+    """Refuse, before any work, a result dtype the format of ``f`` cannot store.
+
+    Raises
+    ------
+    TypeError
+        Object arrays (a ``.npy`` file would need pickling; zarr and HDF5 have no such
+        type), or a dtype zarr (in the format the target gets) or h5py has no type for
+        (zarr: long double, complex long double); the message names the target.
+    """
+    dtype = np.dtype(dtype)
+    label = f"{f.path}:{f.dataset}" if f.kind == "h5" else str(f.path)
+    if dtype.hasobject:
+        raise TypeError(f"cannot write {label}: the result is an object array, which distmm "
+                        f"does not write to .npy (it would need pickling), zarr or HDF5")
+    try:
+        if f.kind == "zarr":
+            import zarr
+            from zarr.storage import MemoryStore
+
+            zarr.create_array(MemoryStore(), shape=(0,), dtype=dtype,
+                              zarr_format=zarr_format_for(f.path) or 3)
+        elif f.kind == "h5":
+            import h5py
+
+            h5py.h5t.py_create(dtype, logical=True)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cannot write {label}: {f.kind} has no type for the result's dtype "
+                        f"{dtype} ({exc})") from None
 
 
 def zarr_format_for(path) -> int | None:

@@ -107,6 +107,32 @@ def test_dot_dot_in_an_h5_output_path_is_refused_before_any_write(files):
     assert (files / "out.h5").read_bytes() == before
 
 
+def _refused_dtype(files, r):
+    out = files / "c.zarr"
+    assert r.returncode == 2, r.stderr
+    line = next(x for x in r.stderr.splitlines() if "distmm matmul" in x)
+    assert f"cannot write {out}" in line and "float128" in line, line
+    assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "l.npy"]
+
+
+def test_a_dtype_the_output_cannot_store_names_the_file(files):
+    """A long double result for a zarr output (zarr has no such type): exit 2, one line
+    naming the file, before the product, with nothing written (it named no file)."""
+    np.save(files / "l.npy", np.ones((6, 4), dtype=np.longdouble))
+    r = run_cli("matmul", files / "l.npy", files / "b.npy", "-o", files / "c.zarr")
+    one_line(r)
+    _refused_dtype(files, r)
+
+
+@pytest.mark.mpi
+def test_a_dtype_the_output_cannot_store_names_the_file_under_mpirun(files, mpirun):
+    np.save(files / "l.npy", np.ones((6, 4), dtype=np.longdouble))
+    r = mpirun(2, "-m", "distmm", "matmul", files / "l.npy", files / "b.npy", "-o",
+               files / "c.zarr")
+    _refused_dtype(files, r)
+
+
 def test_missing_input_names_the_file(files):
     r = run_cli("matmul", files / "missing.npy", files / "b.npy", "-o", files / "c.npy")
     assert r.returncode == 2 and f"no such file: {files / 'missing.npy'}" in one_line(r)

@@ -421,3 +421,28 @@ def test_file_size_limit_mid_run_leaves_the_h5_file_as_it_was(tmp_path, user_h5)
     assert "File too large" in line and f"{user_h5}:C" in line
     assert sha256(user_h5) == before
     assert partials(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["c.npy", "c.h5:C", "c.zarr"])
+def test_empty_results_of_stacks_and_vectors_are_written_as_numpy(tmp_path, name):
+    """Empty results numpy computes (a stack with an empty core dimension, an empty
+    matrix @ vector) are written in every format (.npy and HDF5 refused them with an
+    internal memoryview error and exit 2)."""
+    cases = [(np.ones((3, 4)), np.ones((2, 4, 0))), (np.ones((0, 2)), np.ones(2)),
+             (np.ones((2, 0, 3)), np.ones((3, 5)))]
+    for i, (a, b) in enumerate(cases):
+        np.save(tmp_path / f"a{i}.npy", a)
+        np.save(tmp_path / f"b{i}.npy", b)
+        out = tmp_path / f"{i}{name}"
+        r = run_cli("matmul", tmp_path / f"a{i}.npy", tmp_path / f"b{i}.npy", "-o", out)
+        assert r.returncode == 0, r.stderr
+        path, _, key = str(out).partition(":")
+        if path.endswith(".npy"):
+            got = np.load(path)
+        elif path.endswith(".zarr"):
+            got = zarr.open_array(path, mode="r")[...]
+        else:
+            with h5py.File(path, "r") as f:
+                got = f[key][...]
+        want = np.matmul(a, b)
+        assert got.shape == want.shape and got.dtype == want.dtype

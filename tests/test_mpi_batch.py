@@ -706,13 +706,15 @@ def test_gpu_first_stripe_multiplies_while_b_arrives(tmp_path, mpirun, mpiexec, 
 TO_FILE_SCRIPT = r"""
 import sys
 import numpy as np
+import zarr  # before distmm, as scripts do (an unpicklable zarr error then travelled badly)
 from mpi4py import MPI
 from distmm import DistArray
 import distmm.engine.mpi.io as mio
 
 comm = MPI.COMM_WORLD
 folder, case, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
-c = DistArray.from_array(np.arange(15.0).reshape(5, 3), comm)
+dtype = {"longdouble": np.longdouble, "datetime": "M8[s]"}.get(case, np.float64)
+c = DistArray.from_array(np.arange(15).reshape(5, 3).astype(dtype), comm)
 if case == "move-fails":  # rank 0's move into place fails, after every rank wrote its block
     def refuse(staged, target, pid=None):
         raise PermissionError(13, "refused by the test", str(target))
@@ -790,6 +792,34 @@ def test_to_file_removes_its_staged_output_when_the_move_fails(tmp_path, mpirun)
     for spec in specs:
         assert results[spec][0] == results[spec][1] == "OSError", results
     assert _tree(out) == before
+
+
+def test_to_file_refuses_names_and_dtypes_as_the_command_line(tmp_path, mpirun):
+    """``DistArray.to_file`` refuses on every rank, before writing anything, what the
+    command line refuses: a dataset path with ``.`` or ``..`` (HDF5 made a group named
+    ``..``), a name ending with a separator (a ``ValueError``), a long double for zarr (a
+    ``TypeError`` naming the file; with zarr imported first it arrived as an unpickling
+    ``TypeError`` of zarr's own error); datetimes go to ``.npy`` (a memoryview refused them)."""
+    import h5py
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with h5py.File(out / "f.h5", "w") as fh:
+        fh["g/keep"] = np.ones(2)
+    before = _tree(out)
+    specs = ["f.h5:../A", "f.h5:g/../C", "f.h5:g/./B", "new.h5:./A", "a.npy/"]
+    results = _to_file_results(tmp_path, mpirun, "names", specs)
+    for spec in specs:
+        assert results[spec][0] == results[spec][1] == "ValueError", results
+    results = _to_file_results(tmp_path, mpirun, "longdouble", ["c.zarr", "g.zarr/c"])
+    for spec in results:
+        assert results[spec][0] == results[spec][1] == "TypeError", results
+    assert _tree(out) == before
+    results = _to_file_results(tmp_path, mpirun, "datetime", ["t.npy"])
+    assert results["t.npy"][0] == results["t.npy"][1] == "returned", results
+    back = np.load(out / "t.npy")
+    assert back.dtype == np.dtype("M8[s]")
+    assert np.array_equal(back, np.arange(15).reshape(5, 3).astype("M8[s]"))
 
 
 GPU_BACKEND_SCRIPT = r"""

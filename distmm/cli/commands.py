@@ -210,16 +210,18 @@ def _cmd_matmul(args) -> int:
     from distmm.api import resolve_precision
     from distmm.cli.io import (check_shapes, open_operand, operands_dtype, parse_target,
                                same_file, staged_output)
+    from distmm.stripe_writer import check_dtype
 
     if _mpi_run(args):
         from distmm.cli.mpi_matmul import run_matmul
 
         return run_matmul(args)
-    parse_target(args.output)  # an unsupported output suffix fails before anything is read
+    target = parse_target(args.output)  # an unsupported suffix fails before anything is read
     a = open_operand(args.a, writable=same_file(args.a, args.output))
     b = open_operand(args.b, writable=same_file(args.b, args.output))
     dtype = operands_dtype(args.a, a, args.b, b)
     check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
+    check_dtype(target, dtype)  # one the output's format stores
     precision = resolve_precision(args.precision, dtype)  # refused before any work
     _remove_leftovers(args.output)
     client = _connect(args)

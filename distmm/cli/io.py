@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import npy_header, preallocate
-from distmm.stripe_writer import parse_spec, zarr_format_for
+from distmm.stripe_writer import output_spec, parse_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
                             create_h5_stage, put_in_place, staged_path, zarr_node)
 
@@ -65,16 +65,9 @@ def parse_target(spec: str) -> Target:
     Raises
     ------
     ValueError
-        A suffix distmm does not read or write, or a dataset path with a ``.`` or
-        ``..`` part (HDF5 would make a link of that name); the message names the path.
+        See ``distmm.stripe_writer.output_spec``.
     """
-    if spec.endswith(("/", os.sep)):
-        raise ValueError(f"{spec} ends with a path separator: name a file (a.npy, c.zarr, "
-                         f"file.h5:C), not a folder")
-    f = parse_spec(spec)
-    if f.kind == "h5" and any(part in (".", "..") for part in f.dataset.split("/")):
-        raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
-                         f"names; give the path from the file's root, e.g. file.h5:group/C")
+    f = output_spec(spec)
     return Target(f.kind, f.path, f.dataset)
 
 

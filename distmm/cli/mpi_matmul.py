@@ -48,6 +48,7 @@ def run_matmul(args) -> int:
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
+    from distmm.stripe_writer import check_dtype
 
     comm = MPI.COMM_WORLD
     from distmm.phases import Phases
@@ -70,6 +71,7 @@ def run_matmul(args) -> int:
         dtype = operands_dtype(args.a, a, args.b, b)
         precision = resolve_precision(getattr(args, "precision", None), dtype)
         check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
+        check_dtype(target, dtype)  # one the output's format stores
         two_d = a.ndim == b.ndim == 2
         if not two_d and (args.resume or args.profile):
             raise ValueError("--resume and --profile take 2-D operands (matrices); "

@@ -36,10 +36,12 @@ import shutil
 import numpy as np
 
 from distmm.config import get_config
+from distmm.engine.mpi.agree import shared_error
 from distmm.direct_io import npy_header, preallocate
 from distmm.staging import (BlockWriter, check_target, commit_h5, create_h5_stage, put_in_place,
                             staged_path)
-from distmm.stripe_writer import FileSpec, StripeWriter, parse_spec, zarr_format_for
+from distmm.stripe_writer import (FileSpec, StripeWriter, check_dtype, output_spec, parse_spec,
+                                  zarr_format_for)
 
 __all__ = ["open_block_source", "write_blocks", "FileSpec", "parse_spec", "create_staged",
            "StripeWriter", "finish_staged", "staged_exists"]
@@ -180,16 +182,18 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
         group, a folder that is no zarr array, or an HDF5 group.
     FileNotFoundError
         The target's folder does not exist.
+    ValueError, TypeError
+        A name or a dtype the command line refuses too (``output_spec``,
+        ``check_dtype`` of ``distmm.stripe_writer``).
     OSError
         Writing or moving the output into place failed on some rank; the
         staged output is removed, nothing is left under the final name (or the
         old target is left as it was).
     """
     comm = dist.comm
-    f = parse_spec(spec)
+    f = output_spec(spec)  # the command line's refusals of a name and a dtype
     dtype = np.dtype(dist.dtype)
-    if dtype.kind == "O":
-        raise TypeError("object arrays cannot be written to .npy, zarr or HDF5 blocks")
+    check_dtype(f, dtype)
     pid = comm.bcast(os.getpid() if comm.rank == 0 else None, root=0)
     header, error = None, None
     if comm.rank == 0:
@@ -200,7 +204,7 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
             _finish(f, pid, False, overwrite)  # a half-created staged output, if any
-    error = comm.bcast(error, root=0)  # the same exception on every rank
+    error = shared_error(comm, error)  # the same exception on every rank
     if error is not None:
         raise error
     header = comm.bcast(header, root=0)
