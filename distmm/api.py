@@ -717,7 +717,12 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         return _ordered(result, order, ops, (a, b))
     # cast as numpy's loop output is cast into out (casting= was checked with the operands):
     # an array, so a vector @ vector scalar is not converted through a Python number
-    np.copyto(out, np.asarray(result), casting="unsafe")
+    if array_family(out) == "cupy":
+        import cupy
+
+        cupy.copyto(out, cupy.asarray(result), casting="unsafe")
+    else:
+        np.copyto(out, np.asarray(result), casting="unsafe")
     return out
 
 

@@ -155,6 +155,22 @@ def test_cupy_out_and_errors():
         distmm.matmul(a, b, out=cupy.empty((7, 33)), backend="raw")
 
 
+def test_cupy_out_of_another_dtype_is_filled_as_numpy_fills_it():
+    """A cupy out= of another dtype (numpy's casting rule), for a stack and for a vector @
+    vector into a 0-d out: filled on the device (it went through numpy and raised cupy's
+    TypeError on implicit conversion)."""
+    rng = np.random.default_rng()
+    s, t = random_array(rng, (3, 5, 4), np.float32), random_array(rng, (4, 6), np.float32)
+    v, w = random_array(rng, (9,), np.float32), random_array(rng, (9,), np.float32)
+    for a, b, shape in ((s, t, (3, 5, 6)), (v, w, ())):
+        want = np.full(shape, np.nan)
+        np.matmul(a, b, out=want)
+        out = cupy.full(shape, cupy.nan)
+        got = distmm.matmul(cupy.asarray(a), cupy.asarray(b), out=out)
+        assert got is out and out.dtype == np.float64
+        np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [np.complex128, np.float64])
 def test_gpu_gemm_blas_letters(dtype):
     """gemm with BLAS's 'C' / 'T' letters on cupy operands (conjugate transpose for complex)."""
