@@ -39,7 +39,7 @@ def product_flags(a, b, p) -> set[str]:
     nan = np.isnan(p)
     if nan.any():
         clean = ~np.isnan(a).any(-1)[..., :, None] & ~np.isnan(b).any(-2)[..., None, :]
-        if (nan & clean).any():
+        if (nan & clean).any() or _inf_times_zero(a, b, nan & ~clean):
             flags.add("invalid")
     inf = np.isinf(p)
     if inf.any():
@@ -47,6 +47,18 @@ def product_flags(a, b, p) -> set[str]:
         if (inf & finite).any():
             flags.add("overflow")
     return flags
+
+
+def _inf_times_zero(a, b, where) -> bool:
+    """Whether a term ``a[i, k] * b[k, j]`` is inf * 0 at some ``(i, j)`` of ``where``
+    (elements NaN anyway, from a NaN operand: the invalid product is raised all the same;
+    an inf - inf there depends on the order of the sum and is not looked for)."""
+    if not where.any():
+        return False
+    f = np.float32  # counts of hits: a sum of ones and zeros is 0 only when none hit
+    hits = (np.matmul(np.isinf(a).astype(f), (b == 0).astype(f))
+            + np.matmul((a == 0).astype(f), np.isinf(b).astype(f)))
+    return bool(((hits > 0) & where).any())
 
 
 def report(flags) -> None:

@@ -47,13 +47,16 @@ def specials(rng, dtype, m, k, n, case):
         b[q, j] = 1e-4
     elif case == "nan-in":  # a NaN operand propagates without a flag
         a[i, p] = np.nan
+    elif case == "nan-and-inf*0":  # an invalid product where a NaN operand also reaches
+        a[i, q] = np.nan
+        a[i, k - 1], b[k - 1, j] = np.inf, 0
     elif case == "inf-in":  # an infinity times a finite number: no flag
         a[i, p] = np.inf
         b[p] = 1.5
     return a, b
 
 
-CASES = ["inf*0", "inf-inf", "overflow", "underflow", "nan-in", "inf-in", "none"]
+CASES = ["inf*0", "inf-inf", "overflow", "underflow", "nan-in", "nan-and-inf*0", "inf-in", "none"]
 
 
 @pytest.mark.parametrize("mode", ["raise", "warn", "ignore", "call"])
@@ -67,7 +70,8 @@ def test_float16_reports_as_numpys_matmul(kw, case, mode):
     want = outcome(np.matmul, a, b, mode)
     got = outcome(lambda x, y: distmm.matmul(x, y, engine="local", **kw), a, b, mode)
     assert got == want
-    if mode != "ignore" and case in ("inf*0", "inf-inf", "overflow", "underflow"):
+    if mode != "ignore" and case in ("inf*0", "inf-inf", "overflow", "underflow",
+                                     "nan-and-inf*0"):
         assert want != (None, [], [])  # the case raises its flag in numpy
 
 
