@@ -81,7 +81,7 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
         # numpy's half loop: each element one ascending float32 sum over k (products of
         # halves are exact in float32). distmm's numba kernels sum in that order with one
         # FMA per term, so they give numpy's bits; BLAS's blocked sums differ by 1 ulp in
-        # a few elements of a thousand.
+        # a few elements of a thousand, by more where a sum cancels.
         return "numba", False
     if backend in CPU_BACKENDS or workers_decide:
         return backend, False
