@@ -640,6 +640,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                                    ("axis", axis)) if v is not None}
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
+    a, b = _as_objects(a, b, dtype)
     if axes is not None or axis is not None:
         try:
             _loop_first(a, b, out, keywords)
@@ -776,14 +777,15 @@ def _dtype_of(x) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _object_loop(a, b, dtype) -> bool:
+def _object_loop(a, b, dtype, families=("numpy",)) -> bool:
     """Whether numpy's object loop would take an operand distmm does not multiply (strings,
     bytes, structured): with an object operand or ``dtype=object``, numpy casts it to
-    object (``"ab" * 3`` repeats the string), or refuses the cast with its own error."""
+    object (``"ab" * 3`` repeats the string), or refuses the cast with its own error.
+    Only for operands of ``families``."""
     if (dtype is None and type(a) is np.ndarray and type(b) is np.ndarray
             and a.dtype.kind != "O" and b.dtype.kind != "O"):
         return False  # the common case: no object loop
-    if not all(array_family(x) == "numpy" for x in (a, b)):
+    if not all(array_family(x) in families for x in (a, b)):
         return False
     dtypes = [_dtype_of(x) for x in (a, b)]
     try:
@@ -792,6 +794,18 @@ def _object_loop(a, b, dtype) -> bool:
         return False  # numpy refuses the dtype: its error, raised in distmm's own path
     return ((loop_object or any(dt == object for dt in dtypes))
             and not all(planner.multiplies(dt) for dt in dtypes))
+
+
+def _as_objects(a, b, dtype):
+    """Dask operands (with numpy ones) that numpy's object loop would take: the operands
+    that are not objects cast to object, lazily, as numpy casts them; the product then runs
+    on object blocks (a dask operand of strings was refused)."""
+    if not (any(array_family(x) == "dask" for x in (a, b))
+            and _object_loop(a, b, dtype, families=("numpy", "dask"))):
+        return a, b
+    return tuple(x if _dtype_of(x) == object else
+                 (x.astype(object) if array_family(x) == "dask" else np.asarray(x).astype(object))
+                 for x in (a, b))
 
 
 def _loop_first(a, b, out, keywords) -> None:

@@ -268,6 +268,22 @@ def test_object_numpy_operand_beside_a_dask_operand(dask_side):
     assert got.dtype == object and got.tolist() == np.matmul(a, b).tolist()
 
 
+@pytest.mark.parametrize("numpy_side", [None, "a", "b"])
+def test_dask_strings_in_numpys_object_loop(numpy_side):
+    """Strings beside object integers, or with dtype=object, in dask operands: numpy's object
+    loop casts them to objects and repeats them (distmm refused a string dask operand)."""
+    da = pytest.importorskip("dask.array")
+    words = np.array([["ab", "c", "d"], ["e", "fg", ""]])
+    counts = np.array([[1, 0], [2, 3], [0, 1]], dtype=object)
+    for a, b, kw in ((words, counts, {}), (counts.T, words.T, {}),
+                     (words, counts.astype(np.int64), {"dtype": object})):
+        want = np.matmul(a, b, **kw)
+        x = a if numpy_side == "a" else da.from_array(a, chunks=1)
+        y = b if numpy_side == "b" else da.from_array(b, chunks=(2, 1))
+        got = distmm.matmul(x, y, **kw).compute(scheduler="threads")
+        assert got.dtype == object and got.tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("case", ["k-a", "k-b", "batch"])
 def test_unknown_dask_sizes_name_the_operand_before_any_shape_check(case):
     da = pytest.importorskip("dask.array")
