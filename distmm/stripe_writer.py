@@ -16,6 +16,7 @@ engines).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,19 +94,26 @@ def check_dtype(f: FileSpec, dtype) -> None:
         raise TypeError(f"cannot write {label}: the result is an object array, which distmm "
                         f"does not write to .npy (it would need pickling), zarr or HDF5")
     try:
-        if f.kind == "zarr":
-            import zarr
-            from zarr.storage import MemoryStore
-
-            zarr.create_array(MemoryStore(), shape=(0,), dtype=dtype,
-                              zarr_format=zarr_format_for(f.path) or 3)
-        elif f.kind == "h5":
-            import h5py
-
-            h5py.h5t.py_create(dtype, logical=True)
+        with warnings.catch_warnings():  # zarr's warning on an unstable type comes on writing
+            warnings.simplefilter("ignore")
+            _make_type(f, dtype)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot write {label}: {f.kind} has no type for the result's dtype "
                         f"{dtype} ({exc})") from None
+
+
+def _make_type(f: FileSpec, dtype: np.dtype) -> None:
+    """The format's type for ``dtype``: an empty zarr array in memory, an HDF5 type."""
+    if f.kind == "zarr":
+        import zarr
+        from zarr.storage import MemoryStore
+
+        zarr.create_array(MemoryStore(), shape=(0,), dtype=dtype,
+                          zarr_format=zarr_format_for(f.path) or 3)
+    elif f.kind == "h5":
+        import h5py
+
+        h5py.h5t.py_create(dtype, logical=True)
 
 
 def zarr_format_for(path) -> int | None:
