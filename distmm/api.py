@@ -800,9 +800,9 @@ def _as_objects(a, b, dtype):
     """Dask operands (with numpy ones) that numpy's object loop would take: the operands
     that are not objects cast to object, lazily, as numpy casts them; the product then runs
     on object blocks (a dask operand of strings was refused)."""
-    if not (any(array_family(x) == "dask" for x in (a, b))
+    if not ((hasattr(a, "__dask_graph__") or hasattr(b, "__dask_graph__"))
             and _object_loop(a, b, dtype, families=("numpy", "dask"))):
-        return a, b
+        return a, b  # cheap where neither operand is dask: every call comes here
     return tuple(x if _dtype_of(x) == object else
                  (x.astype(object) if array_family(x) == "dask" else np.asarray(x).astype(object))
                  for x in (a, b))
