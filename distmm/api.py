@@ -875,7 +875,8 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
     except Exception as exc:
         _mpi_agree(exc, comm=comm)
         raise
-    _mpi_agree(None, comm=comm, key=(a.shape, b.shape, dtype.str, on_gpu, precision))
+    _mpi_agree(None, comm=comm, key=(a.shape, b.shape, np.dtype(a.dtype).str,
+                                     np.dtype(b.dtype).str, on_gpu, precision))
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
     return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu, precision=precision)
 

@@ -281,7 +281,9 @@ def case_one_rank_refuses():
     da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
     for what, kw, bb in (("out=", dict(out=np.empty((7, 3))), b),
                          ("precision= a float64 refuses", dict(precision="tf32"), b),
-                         ("a replicated operand of another k", {}, b[:-1])):
+                         ("a replicated operand of another k", {}, b[:-1]),
+                         # the same result dtype, blocks of another: MPI_ERR_TRUNCATE, a hang
+                         ("a replicated operand of another dtype", {}, b.astype(np.float32))):
         mine = (kw, bb) if rank == P - 1 else ({}, b)
         try:
             distmm.matmul(da, mine[1], **mine[0]) if "replicated" in what else \
