@@ -53,7 +53,7 @@ def shared_error(comm, error: Exception | None, root: int = 0) -> Exception | No
     payload = comm.bcast(_payload(error) if comm.rank == root else None, root=root)
     if comm.rank == root or payload is None:
         return error
-    return _restore(payload, root, comm.size, "before the product")
+    return _restore(payload, root, comm.size, "on its part of the call")
 
 
 def _payload(error: BaseException | None):
