@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -380,6 +381,24 @@ def test_dask_operands_keep_their_chunks_in_block_mode(mixed):
     got = C.compute()
     np.testing.assert_allclose(got, a @ b, rtol=1e-11, atol=1e-11 * np.abs(a @ b).max())
     np.testing.assert_array_equal(C[100:200, 150:300].compute(), got[100:200, 150:300])
+
+
+def test_block_mode_reports_the_workers_flags_as_numpys_matmul(mixed):
+    """Blocks on the GPU-marked worker (its CPU executor, no device visible) and the CPU
+    worker: an overflow in either reaches the caller as numpy's matmul reports it."""
+    client, gpu, cpu = mixed
+    rng = np.random.default_rng()
+    a, b = rng.random((600, 300), np.float32), rng.random((300, 500), np.float32)
+    a[rng.integers(600)] = 1e38  # one row of C overflows, in whichever block holds it
+    with _gflops(3000, 1000), np.errstate(over="raise"):
+        with pytest.raises(FloatingPointError, match="overflow encountered in matmul"):
+            distmm.matmul(a, b, client=client)
+    assert last_stats()["mode"] == "blocks"
+    with _gflops(3000, 1000), np.errstate(all="warn"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = distmm.matmul(a, b, client=client)
+    assert [str(w.message) for w in seen] == ["overflow encountered in matmul"]
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(a @ b))
 
 
 def test_shares_follow_configured_throughput_on_the_cluster(mixed):

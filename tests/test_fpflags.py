@@ -108,6 +108,29 @@ def test_one_report_per_product_across_threads():
     assert [str(w.message) for w in seen] == ["invalid value encountered in matmul"]
 
 
+def _flags_held(dask_worker=None):
+    from distmm.engine.dask import tasks
+
+    return {k: set(v) for k, v in tasks._FLAGS.items()}
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", "ignore", "call"])
+@pytest.mark.parametrize("case", ["inf*0", "inf-inf", "overflow", "underflow", "none"])
+def test_dask_cluster_reports_its_workers_flags_as_numpys_matmul(client, case, mode):
+    """float16 tiles split along k on two worker processes: the client reports what numpy's
+    loop raises, once, under the client's errstate (the workers' own would say nothing to the
+    caller), and no worker keeps the call's flags afterwards."""
+    rng = np.random.default_rng()
+    a, b = specials(rng, np.float16, 150, 200, 130, case)
+    want = outcome(np.matmul, a, b, mode)
+    got = outcome(lambda x, y: distmm.matmul(x, y, engine="dask", client=client,
+                                             tile=(32, 32, 48)), a, b, mode)
+    assert got == want
+    assert not any(client.run(_flags_held).values())
+    if mode != "ignore" and case != "none":
+        assert want != (None, [], [])  # the case raises its flag in numpy
+
+
 def test_product_flags_reads_the_result_against_its_rows_and_columns():
     a = np.array([[np.inf, 1.0], [np.nan, 1.0], [1.0, 1.0]])
     b = np.array([[0.0, 2.0], [1.0, 1.0]])

@@ -94,6 +94,7 @@ from distmm.engine.base import Engine, Operands, Request, replace_fast
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
 from distmm.engine.dask.stats import last_stats, record, transfer_mark, transfer_report
+from distmm.fpflags import report as report_flags
 from distmm.plan_blocks import ClusterFacts, OperandFacts, plan_blocks
 
 __all__ = ["DaskEngine", "worker_slots", "MEMORY_FRACTION", "last_stats", "transfer_mark",
@@ -292,7 +293,8 @@ class DaskEngine(Engine):
         ops = request.operands
         host = replace_fast(ops, a=cupy.asnumpy(ops.a), b=cupy.asnumpy(ops.b), family="numpy")
         out = request.out
-        result = self._run_eager(replace_fast(request, operands=host, out=None), facts, stats, t0)
+        result = self._run_eager(replace_fast(request, operands=host, out=None), facts, stats, t0,
+                                 report=False)  # cupy's matmul reports no flags
         if out is None:
             return cupy.asarray(result)
         out[...] = cupy.asarray(result)
@@ -375,7 +377,8 @@ class DaskEngine(Engine):
         stats["estimated_bytes"] = dict(bp.estimated_bytes)
         return result
 
-    def _run_eager(self, request: Request, facts: ClusterFacts | None, stats: dict, t0: float):
+    def _run_eager(self, request: Request, facts: ClusterFacts | None, stats: dict, t0: float,
+                   *, report: bool = True):
         import numpy as np
 
         from distmm.config import get_config
@@ -393,11 +396,14 @@ class DaskEngine(Engine):
         else:
             stats.update(cells=plan.grid[0] * plan.grid[1],
                          estimated_bytes={"plan": plan.bytes_moved})
+        flags: set[str] = set()
         out = run_eager(ops, plan, self.client, self.slots, request.backend,
                         progress=request.progress, report=request.report,
                         retry_timeout=self.retry_timeout, layout=layout, units=units,
                         fail=_fail_tiles() if layout is not None else (), stats=stats,
-                        out=request.out)
+                        out=request.out, flags=flags)
         stats["seconds"] = time.perf_counter() - t0
         record(stats)
+        if report:  # as numpy's matmul: after C is filled, under the caller's errstate
+            report_flags(flags)
         return out

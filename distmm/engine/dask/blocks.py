@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
-                                      panel, worker_has_gpu)
+                                      panel, recording_flags, worker_has_gpu)
 from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
@@ -128,6 +128,7 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
     return ex.to_host(part) if host else part
 
 
+@recording_flags
 def _cpu_block(tp: TaskPlan, backend: str, a, b):
     from distmm.executor import CPU_BACKENDS
 
@@ -157,6 +158,7 @@ def _cpu_elsewhere(tp: TaskPlan, backend: str, a, b, workers, cell):
         return fut.result()
 
 
+@recording_flags
 def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail: bool,
                   share: int, a_list, b_list, cell=None, fallback=(), own_exports=()):
     """One block of C (over one k group) in one task.

@@ -44,8 +44,9 @@ import numpy as np
 from distmm.engine.dask.chunks import Geometry
 from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
 from distmm.engine.dask.placement import BlockPlacement, Placement, worker_slots
-from distmm.engine.dask.tasks import TaskPlan
+from distmm.engine.dask.tasks import TaskPlan, pop_flags
 from distmm.errors import TileFailed, WorkersLost
+from distmm.fpflags import report as report_flags
 from distmm.plan import Plan
 
 __all__ = ["run_eager"]
@@ -444,7 +445,7 @@ class _StallWatch:
 
 def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
               report=None, retry_timeout: float = 60.0, layout=None, units=None, fail=(),
-              stats: dict | None = None, out=None):
+              stats: dict | None = None, out=None, flags: set | None = None):
     """Compute the product of host operands on the cluster; return numpy's array, or
     ``out`` filled.
 
@@ -454,6 +455,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     workers wrote C). ``out``: where C goes (the 2-D result's shape and dtype):
     a staged output every worker sees is written by the workers themselves
     (``distmm.engine.dask.sink``), anything else by the client as blocks arrive.
+    ``flags``: a set the floating-point flags the tasks raised are added to, for the caller
+    to report; without it they are reported here once C is filled, as numpy's matmul does.
     """
     dtype = np.dtype(ops.dtype)
     if out is None:
@@ -476,6 +479,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
         rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
+    # float results: the tasks keep their floating-point flags under the token, reported here
+    task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fc" else "")
     a_src, b_src = _file_sources(client, a2, b2)
     sink = _file_sink(client, out, rows, cols)
     a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None,
@@ -500,7 +505,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     transient = _transient_errors()
     ctx = performance_report(filename=report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
-    submitted, written, futures = 0, False, {}
+    submitted, written, futures, raised = 0, False, {}, set()
     t0 = time.perf_counter()
     try:
         with ctx:
@@ -521,7 +526,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                                               reduction, slots)
                         cells = None
                     layer = ProductLayer(
-                        name, geometry, a_sc.keys(), b_sc.keys(), TaskPlan.of(plan), backend,
+                        name, geometry, a_sc.keys(), b_sc.keys(), task_plan, backend,
                         batch, reduction, blocks=pending,
                         annotations={"workers": placement, "allow_other_workers": True},
                         cells=cells)
@@ -563,6 +568,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
             bar.close()
         _finish_files(client, sink, (a_src, b_src), written=written,
                       lost=bool(attempts), futures=futures)
+        if task_plan.flags:
+            raised = _raised_flags(client, task_plan.flags)
     log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),
              time.perf_counter() - t0)
     if stats is not None:
@@ -575,7 +582,22 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
         stats["tasks"] = submitted
         stats["moved"] = sorted(blocks.moved) if blocks is not None else []
         stats["resent"] = a_sc.resent + b_sc.resent
+    if flags is None:
+        report_flags(raised)  # under the caller's errstate
+    else:
+        flags |= raised
     return out
+
+
+def _raised_flags(client, token: str) -> set[str]:
+    """The floating-point flags the call's tasks raised, gathered from (and forgotten on)
+    every worker, also after a failed call. A worker lost after its blocks arrived takes its
+    flags with it; a scheduler gone gives none (the call's own outcome stands)."""
+    try:
+        got = client.run(pop_flags, token, on_error="return")
+    except Exception:  # noqa: BLE001 - the product is done or has failed on its own
+        return set()
+    return set().union(*(v for v in got.values() if isinstance(v, set)))
 
 
 def _fall_back(blocks: _Blocks, failed, placement) -> None:

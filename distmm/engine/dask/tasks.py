@@ -3,7 +3,9 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, and the final cast to numpy's result dtype. Block mode's
+reduction tree, the final cast to numpy's result dtype, and the floating-point
+flags those raise (kept on the worker under the call's token for the client to
+report as numpy's matmul would, ``recording_flags``/``pop_flags``). Block mode's
 task bodies are in ``distmm.engine.dask.blocks``.
 It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
 building the graph (``distmm.engine.dask.graph``) or kernels
@@ -15,18 +17,23 @@ failure, it gives the same bits.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from distmm.engine.tiles import finish_tile, tile_partial
+from distmm.fpflags import collect
 
 __all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "cached_executor",
-           "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk"]
+           "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk", "recording_flags",
+           "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
+#: the floating-point flags this process's tasks raised, by the token of the call
+_FLAGS: dict[str, set[str]] = {}
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,37 @@ class TaskPlan:
     acc_dtype: str
     tile: tuple[int, int, int]
     precision: str = "highest"  # the plan's mode: the task's executor applies it
+    #: where a task keeps the flags it raised (``recording_flags``); "" raises them on the
+    #: worker as numpy does (a lazy product, whose client never asks)
+    flags: str = ""
 
     @classmethod
-    def of(cls, plan) -> "TaskPlan":
-        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile), plan.precision)
+    def of(cls, plan, flags: str = "") -> "TaskPlan":
+        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile), plan.precision, flags)
+
+
+def recording_flags(body):
+    """A task body (its first argument a ``TaskPlan``) whose floating-point flags are kept
+    in this process under ``tp.flags`` instead of reported here, for ``pop_flags``. A task
+    run again after a failure raises the same flags again: the set is the same."""
+
+    @functools.wraps(body)
+    def run(tp, *args, **kwargs):
+        if not tp.flags:
+            return body(tp, *args, **kwargs)
+        with collect() as seen:
+            result = body(tp, *args, **kwargs)
+        if seen:
+            _FLAGS.setdefault(tp.flags, set()).update(seen)
+        return result
+
+    return run
+
+
+def pop_flags(token: str) -> set[str]:
+    """The flags this process's tasks of the call ``token`` raised, forgotten here (run on
+    every worker by the client at the end of the call)."""
+    return _FLAGS.pop(token, set())
 
 
 @dataclass(frozen=True)
@@ -133,6 +167,7 @@ def as_chunk(tile, batch_ndim: int):
     return tile.reshape((1,) * batch_ndim + tile.shape) if batch_ndim else tile
 
 
+@recording_flags
 def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     """One output block over one k group: the k-loop over its pieces in
     ascending k, then (product not split) the cast to the result dtype."""
@@ -169,6 +204,7 @@ def _empty_block(tp: TaskPlan, spec: BlockSpec, blocks):
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim) if spec.finish else acc
 
 
+@recording_flags
 def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
     """One step ``partial[dst] + partial[src]`` of the plan's reduction tree
     (``distmm.engine.tiles.reduce_partials`` runs the same additions in the
