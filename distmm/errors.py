@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
-           "Signalled", "ConfigError"]
+           "Signalled", "ConfigError", "NotPicklable"]
 
 
 class ConfigError(ValueError):
@@ -45,6 +45,12 @@ class OutputExists(FileExistsError):
 
 class InsufficientSpace(OSError):
     """The output does not fit the free space of its file system."""
+
+
+class NotPicklable(TypeError):
+    """Object elements that do not pickle (or unpickle) where the MPI engine moves them
+    between ranks. Raised on every rank; the engine then computes a product of operands
+    every rank holds on each rank."""
 
 
 class Signalled(BaseException):

@@ -406,8 +406,82 @@ def case_product_errors_agree():
     same(distmm.matmul(a, b, engine="mpi"), a, b, "a product after the errors")
 
 
+class Held:
+    """An object element that multiplies and adds as its value but does not pickle (one
+    holding a lock or an open file, say)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __mul__(self, other):
+        return Held(self.v * getattr(other, "v", other))
+
+    def __add__(self, other):
+        return Held(self.v + getattr(other, "v", other))
+
+    __rmul__, __radd__ = __mul__, __add__
+
+    def __eq__(self, other):
+        return self.v == getattr(other, "v", other)
+
+    def __reduce__(self):
+        raise TypeError("a Held element does not pickle")
+
+
+class Makes(Held):
+    """Pickles, but its products are ``Held``."""
+
+    def __reduce__(self):
+        return Makes, (self.v,)
+
+
+class Lost(Held):
+    """Pickles, but does not unpickle on the receiving rank."""
+
+    def __reduce__(self):
+        return _refuse, (self.v,)
+
+
+def _refuse(v):
+    raise ValueError("a Lost element does not unpickle")
+
+
+def case_objects_that_do_not_pickle():
+    """Object elements that cannot move between ranks (no pickle, products that do not
+    pickle, no unpickle): numpy's result on every rank for operands every rank holds
+    (computed by each), one NotPicklable on every rank for DistArrays, in blocks and in
+    stripes; no rank aborts or waits, and the next product works."""
+    from distmm.errors import NotPicklable
+
+    m, k, n = 4 * P + 3, 7, 3
+    engine = MPIEngine(comm)
+    for kind in (Held, Makes, Lost):
+        a, b = operands("object", m, k, n)
+        a[m - 1, 3] = kind(2)
+        want = np.matmul(a, b)
+        got = distmm.matmul(a, b, engine="mpi")
+        check(f"{kind.__name__} elements: numpy's result on every rank",
+              got.shape == want.shape and bool(np.all(got == want)))
+        if P == 1:
+            continue
+        da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+        for streamed in (False, True):
+            for shape in grid_shapes(P):
+                grid = make_grid(m, n, k, "object", ranks=P, grid=shape)
+                try:
+                    engine.run_distributed(da, db, grid, "numba",
+                                           streamed=streamed).gather(root=None)
+                    check(f"{kind.__name__} DistArray product, grid {shape}, streamed "
+                          f"{streamed}: NotPicklable", False, "no error")
+                except NotPicklable as exc:
+                    check(f"{kind.__name__} DistArray: one line", "\n" not in str(exc), str(exc))
+    a, b = operands("object", m, k, n)
+    same(distmm.matmul(a, b, engine="mpi"), a, b, "an object product after them")
+
+
 CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
-         case_one_sum_bits, case_one_rank_refuses, case_product_errors_agree)
+         case_one_sum_bits, case_one_rank_refuses, case_product_errors_agree,
+         case_objects_that_do_not_pickle)
 chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
 ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:

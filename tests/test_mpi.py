@@ -30,12 +30,14 @@ def test_mpi_engine_cases(ranks, tmp_path, mpirun):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["case_one_sum_bits", "case_one_rank_refuses",
-                                  "case_product_errors_agree"])
+                                  "case_product_errors_agree", "case_objects_that_do_not_pickle"])
 def test_mpi_two_ranks(case, tmp_path, mpirun):
     """float16, long double and object-float products on 2 ranks are numpy's bits (in core,
     k split, broadcast stripes); operands only rank 1 refuses raise on both ranks (they hung
     rank 0: the timeout); an error in one rank's part of the product (an object element, a
-    floating-point flag numpy raises) is numpy's on both (it called MPI_Abort)."""
+    floating-point flag numpy raises) is numpy's on both (it called MPI_Abort); object
+    elements that do not pickle give numpy's result, or one NotPicklable on both for
+    DistArrays (it called MPI_Abort, or hung in stripes)."""
     r = mpirun(2, HERE / "mpi_cases.py", tmp_path, case, timeout=120)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0

@@ -30,6 +30,7 @@ from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, rele
 from distmm.engine.mpi.agree import agree
 from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
+from distmm.errors import NotPicklable
 from distmm.fpflags import collect, report
 from distmm.grid import GridPlan, gpu_panels, grid_for_plan
 
@@ -63,6 +64,9 @@ class MPIEngine(Engine):
         and so are those of a rank's own work after its last exchange (an object element
         numpy cannot multiply: numpy's error on every rank) and numpy's floating-point
         reports of the whole product under ``np.errstate`` (``distmm.engine.mpi.agree``).
+        Object elements that do not pickle or unpickle where they would move raise
+        ``NotPicklable`` on every rank; ``run`` (operands every rank holds) then has each
+        rank compute the whole product with numpy's own loop.
 
     The row and column communicators of each grid shape (NCCL ones on GPUs) are made by
     the first product on ``comm`` and reused by every later one; they go when ``comm`` is
@@ -113,9 +117,14 @@ class MPIEngine(Engine):
             b2 = b[idx] if idx else b
             da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
             db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
-            c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
-                                     precision=plan.precision, flags=flags)
-            full = c.gather(root=None)
+            try:
+                c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
+                                         precision=plan.precision, flags=flags)
+                full = c.gather(root=None)
+            except NotPicklable:  # raised on every rank: each holds both operands whole
+                with collect() as seen:  # numpy's own object loop, on every rank
+                    full = np.matmul(_host(a2), _host(b2))
+                flags |= seen
             if ops.family == "cupy":
                 import cupy
 
@@ -270,7 +279,9 @@ class MPIEngine(Engine):
                                     todo=range(plan.stripe_count(g.coords(rank)[1])))
         except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
             error = exc
-            if not isinstance(exc, PeerStopped):  # the rank that stopped first told everyone
+            # the rank that stopped first told everyone; object pieces that did not travel
+            # are found after this rank's last broadcast: the others finish theirs and agree
+            if not isinstance(exc, (PeerStopped, NotPicklable)):
                 watch.tell(f"{type(exc).__name__}: {exc}", 1)
         finally:
             watch.close()

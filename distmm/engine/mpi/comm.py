@@ -2,7 +2,8 @@
 
 This module covers: ``NullBroadcaster`` (a communicator of one rank: nothing
 moves, nothing is made), ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers; a
-pickled ``bcast`` for object arrays), ``CudaAwareBroadcaster`` (mpi4py on cupy
+pickled ``bcast`` for object arrays, ``pickled``/``unpickled`` keeping a failure to pickle as
+a value so that no rank stops inside a collective), ``CudaAwareBroadcaster`` (mpi4py on cupy
 buffers, where the MPI library reports CUDA support through
 ``MPIX_Query_cuda_support``), ``StagedBroadcaster`` (cupy buffers through pinned
 host memory for MPIs without CUDA support) and ``NcclBroadcaster``
@@ -13,15 +14,43 @@ It does *not* cover: which panel goes where (``distmm.engine.mpi.summa``).
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 
+from distmm.errors import NotPicklable
+
 __all__ = ["NullBroadcaster", "HostBroadcaster", "CudaAwareBroadcaster", "StagedBroadcaster", "NcclBroadcaster",
-           "make_broadcaster", "mpi_cuda_aware"]
+           "make_broadcaster", "mpi_cuda_aware", "pickled", "unpickled"]
+
+
+def pickled(x) -> bytes | NotPicklable:
+    """``x`` pickled, or the ``NotPicklable`` saying why not (sent in its place: the
+    receivers learn of it in the same collective instead of waiting for ever)."""
+    try:
+        return pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        return NotPicklable(f"object elements that do not pickle cannot move between ranks "
+                            f"({type(exc).__name__}: {exc})")
+
+
+def unpickled(payload):
+    """What ``pickled`` made, back; a ``NotPicklable`` for one that failed there or here."""
+    if isinstance(payload, NotPicklable):
+        return payload
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        return NotPicklable(f"object elements from another rank do not unpickle here "
+                            f"({type(exc).__name__}: {exc})")
 
 
 class _Done:
-    """A finished request."""
+    """A finished request; ``unsent``: the ``NotPicklable`` of an object panel that did
+    not arrive (the caller decides what to do once every broadcast is done)."""
+
+    def __init__(self, unsent: NotPicklable | None = None):
+        self.unsent = unsent
 
     def wait(self):
         return None
@@ -73,8 +102,11 @@ class HostBroadcaster:
         if self.comm.rank != root:
             self.bytes_received += buf.nbytes
         if buf.dtype.kind == "O":
-            got = self.comm.bcast(buf if self.comm.rank == root else None, root=root)
-            if self.comm.rank != root:
+            got = self.comm.bcast(pickled(buf) if self.comm.rank == root else None, root=root)
+            if self.comm.rank != root or isinstance(got, NotPicklable):
+                got = unpickled(got)
+                if isinstance(got, NotPicklable):
+                    return _Done(got)
                 buf[...] = got
             return _Done()
         return _MPIRequest(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root))

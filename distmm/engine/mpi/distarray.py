@@ -217,9 +217,13 @@ class DistArray:
             pieces_in.append(_overlap(self.layout.local_bounds(peer), dst))
         out = np.empty((dst[1] - dst[0], dst[3] - dst[2]), dtype=self.dtype)
         if self.dtype.kind == "O":
-            send = [None if p is None else local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]]
+            from distmm.engine.mpi.comm import pickled, unpickled
+
+            send = [None if p is None else
+                    pickled(local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]])
                     for p in pieces_out]
-            got = comm.alltoall(send)
+            got = [None if x is None else unpickled(x) for x in comm.alltoall(send)]
+            _agree_sent(comm, got)
             for p, block in zip(pieces_in, got):
                 if p is not None:
                     out[p[0] - dst[0]:p[1] - dst[0], p[2] - dst[2]:p[3] - dst[2]] = block
@@ -257,7 +261,10 @@ class DistArray:
         comm = self.comm
         out = np.empty(self.shape, dtype=self.dtype)
         if self.dtype.kind == "O":
-            blocks = comm.allgather(self._host_local())
+            from distmm.engine.mpi.comm import pickled, unpickled
+
+            blocks = [unpickled(p) for p in comm.allgather(pickled(self._host_local()))]
+            _agree_sent(comm, blocks)
         else:
             counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
             flat = np.empty(sum(counts), dtype=np.uint8)
@@ -280,6 +287,15 @@ class DistArray:
         from distmm.engine.mpi.io import write_blocks
 
         write_blocks(spec, self, overwrite=overwrite)
+
+
+def _agree_sent(comm, got) -> None:
+    """Object pieces that did not travel (a ``NotPicklable`` among ``got``, on any rank):
+    the lowest such rank's ``NotPicklable`` raised on every rank."""
+    from distmm.engine.mpi.agree import agree
+    from distmm.errors import NotPicklable
+
+    agree(comm, next((x for x in got if isinstance(x, NotPicklable)), None), (), into=set())
 
 
 def _overlap(a, b):

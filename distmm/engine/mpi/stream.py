@@ -307,6 +307,8 @@ class _Run:
         #: numpy's floating-point flags of the host products and roundings (their threads'
         #: errstate is not the caller's), for the caller to report once
         self.flags: set[str] = set()
+        #: the ``NotPicklable`` of object pieces that did not reach this rank
+        self.unsent = None
 
     def rows_of(self, stripe: int) -> tuple[int, int]:
         return self.stripes[stripe], self.stripes[stripe + 1]
@@ -350,6 +352,8 @@ class _Run:
         try:
             self.load_b()
             self.stripe_loop(todo, skip, writer)
+            if self.unsent is not None:  # every broadcast done: no rank waits for this one
+                raise self.unsent
             self.release_device()
             writer.drain()
             start = time.perf_counter()
@@ -389,6 +393,9 @@ class _CPURun(_Run):
         if inner is not None:
             poll(lambda: inner.Test(), self.watch)
         request.wait()
+        # object pieces that did not travel: this rank takes part in every later broadcast,
+        # multiplies nothing more and raises after its last one (``run``)
+        self.unsent = self.unsent or getattr(request, "unsent", None)
         self.phases.add("comm", start, time.perf_counter(), buf.nbytes)
 
     def pieces(self, h):
@@ -414,7 +421,7 @@ class _CPURun(_Run):
                 r0, r1 = self.rows_of(stripe)
                 for root in range(self.grid.cols) if not self.direct else ():
                     self.bcast(self.comms.row, pieces[root], root)
-                if stripe in skip:
+                if stripe in skip or self.unsent is not None:
                     continue
                 start = time.perf_counter()
                 c = self.result(gemm.submit(self.product, pieces, r1 - r0))

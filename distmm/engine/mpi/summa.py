@@ -25,7 +25,10 @@ import bisect
 
 import numpy as np
 
+from distmm.engine.mpi.comm import pickled as to_bytes
+from distmm.engine.mpi.comm import unpickled
 from distmm.engine.mpi.gridcomms import GridComms
+from distmm.errors import NotPicklable
 from distmm.grid import GridPlan
 from distmm.plan import sums_whole_k
 
@@ -87,17 +90,19 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
 
     first = 0
     c = None
+    unsent = None  # an object panel that did not pickle: every broadcast still completes
     pending = post(0) if panels else None
     for p in range(len(panels)):
         a_buf, b_buf, a_req, b_req = pending
         a_req.wait()
         b_req.wait()
+        unsent = unsent or getattr(a_req, "unsent", None) or getattr(b_req, "unsent", None)
         pending = post(p + 1) if p + 1 < len(panels) else None  # moves while panel p multiplies
         if whole_k:
             k0, k1 = panels[p]
             a_whole[:, k0 - k_lo:k1 - k_lo] = a_buf
             b_whole[k0 - k_lo:k1 - k_lo] = b_buf
-        elif mi and nj:
+        elif mi and nj and unsent is None:
             if in_place:
                 # GPU: C += A_panel @ B_panel inside the GEMM (beta = 1), no extra pass over C.
                 if c is None:
@@ -110,6 +115,8 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
                 else:
                     c += prod
         del a_buf, b_buf
+    if unsent is not None:  # object panels are whole-k: no product has run yet
+        raise LocalFailure(unsent)
     if whole_k:
         return _whole_k_product(grid, a_whole, b_whole, executor, comms, layer, i, j, tk)
     if c is None:
@@ -129,25 +136,32 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
         if layer:
             for tag, x in ((78, a_whole), (79, b_whole)):
                 if pickled:
-                    comm.send(x, dest=grid.rank_at(0, i, j), tag=tag)
+                    comm.send(to_bytes(x), dest=grid.rank_at(0, i, j), tag=tag)
                 else:
                     comm.Send(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
                               dest=grid.rank_at(0, i, j), tag=tag)
             return None
         a_parts, b_parts = [a_whole], [b_whole]
+        unsent = None  # object panels that did not travel: every message is still received
         for src in range(1, grid.layers):
             width = grid.layer_edges[src + 1] - grid.layer_edges[src]
             a_part = np.empty((a_whole.shape[0], width), dtype=a_whole.dtype)
             b_part = np.empty((width, b_whole.shape[1]), dtype=b_whole.dtype)
             for tag, x in ((78, a_part), (79, b_part)):
                 if pickled:
-                    x[...] = comm.recv(source=grid.rank_at(src, i, j), tag=tag)
+                    got = unpickled(comm.recv(source=grid.rank_at(src, i, j), tag=tag))
+                    if isinstance(got, NotPicklable):
+                        unsent = unsent or got
+                    else:
+                        x[...] = got
                 else:
                     comm.Recv(x.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j),
                               tag=tag)
                 comms.reduce_bytes += x.nbytes
             a_parts.append(a_part)
             b_parts.append(b_part)
+        if unsent is not None:
+            raise LocalFailure(unsent)
         a_whole = np.concatenate(a_parts, axis=1)  # layers' k ranges ascend with the layer
         b_whole = np.concatenate(b_parts, axis=0)
     m, k = a_whole.shape
