@@ -277,6 +277,22 @@ def case_one_rank_refuses():
             check(f"{what} on rank {P - 1} only: a ValueError on every rank",
                   type(exc) is ValueError and "numpy" in str(exc) and "\n" not in str(exc),
                   f"{type(exc).__name__}: {exc}")
+    # the same shapes and dtype, other values on the last rank (an unseeded generator, say):
+    # a ValueError on every rank naming the operand, not a product mixing the ranks' blocks
+    stack = np.stack([a, a])
+    for what, (x, y) in (("a", (a + 1, b)), ("b", (a, b * 2)), ("a and b", (a + 1, b * 2)),
+                         ("a", (np.stack([a, a + 1]), b)),
+                         ("b", (a.astype(np.longdouble), b.astype(np.longdouble) * 2))):
+        if rank != P - 1:
+            x, y = (stack if x.ndim == 3 else a).astype(x.dtype), b.astype(y.dtype)
+        try:
+            distmm.matmul(x, y, engine="mpi")
+            failures.append(f"rank {rank}: other values of {what} on rank {P - 1}: no error")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            check(f"other values of {what} ({x.ndim}-d, {x.dtype}) on rank {P - 1}: a "
+                  f"ValueError naming them on every rank", type(exc) is ValueError
+                  and f"values of {what} differ" in str(exc) and "\n" not in str(exc),
+                  f"{type(exc).__name__}: {exc}")
     # DistArray operands: what one rank refuses or sets differently raises on every rank
     da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
     for what, kw, bb in (("out=", dict(out=np.empty((7, 3))), b),

@@ -93,7 +93,8 @@ class MPIEngine(Engine):
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
         on_gpu = request.on_gpu or ops.family == "cupy"
         _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str,
-                                        "GPU" if on_gpu else "CPU", plan.precision))
+                                        "GPU" if on_gpu else "CPU", plan.precision),
+                            (_sampled(ops.a2), _sampled(ops.b2)))
         grid = grid_for_plan(plan, self.comm.size)
         batch = tuple(ops.batch)
         a = ops.a2 if not batch else np.broadcast_to(ops.a2, batch + (ops.m, ops.k))
@@ -332,17 +333,46 @@ def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) ->
     return need > device_memory(True, comm)
 
 
-def _same_on_every_rank(comm, key) -> None:
+def _same_on_every_rank(comm, key, values=None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtype
-    and chose the same device kind and precision (``key``: those five, in that order)."""
+    and chose the same device kind and precision (``key``: those five, in that order), and
+    operands whose ``values`` (``_sampled`` of each) agree."""
     if comm.size == 1:
         return
-    keys = comm.allgather(key)
-    other = next((r for r, k in enumerate(keys) if k != keys[0]), None)
+    keys = comm.allgather((key, values))
+    other = next((r for r, (k, _) in enumerate(keys) if k != keys[0][0]), None)
     if other is not None:
         raise ValueError(f"engine='mpi' needs the same operands and settings on every rank; got "
-                         f"(a shape, b shape, dtype, device, precision) {keys[0]} on rank 0 but "
-                         f"{keys[other]} on rank {other}")
+                         f"(a shape, b shape, dtype, device, precision) {keys[0][0]} on rank 0 "
+                         f"but {keys[other][0]} on rank {other}")
+    other = next((r for r, (_, v) in enumerate(keys) if v != keys[0][1]), None)
+    if other is not None:
+        which = " and ".join(name for name, x, y in zip("ab", keys[0][1], keys[other][1]) if x != y)
+        raise ValueError(f"engine='mpi' needs the same operands on every rank: the values of "
+                         f"{which} differ between rank 0 and rank {other} (sampled elements); "
+                         f"a matrix whose blocks live on different ranks is a distmm.DistArray")
+
+
+def _sampled(x, count: int = 1024) -> bytes:
+    """A digest of up to ``count`` elements spread evenly over ``x`` (numpy or cupy), for
+    telling operands apart between ranks at the cost of a gather of ``count`` elements, not a
+    pass over the operand; nothing for object arrays (their elements' bytes are addresses).
+    Long doubles are read as float64 (their padding bytes are not the value's)."""
+    import hashlib
+
+    if x.dtype.kind == "O" or x.size == 0:
+        return b""
+    index = np.unravel_index(np.unique(np.linspace(0, x.size - 1, min(count, x.size))
+                                       .astype(np.int64)), x.shape)
+    if not isinstance(x, np.ndarray):  # a device array: its elements gathered there
+        import cupy
+
+        picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
+    else:
+        picked = x[index]
+    if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
+        picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
+    return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
 
 
 def _finish(grid: GridPlan, c, shape, *, on_device: bool):
