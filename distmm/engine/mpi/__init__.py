@@ -94,7 +94,7 @@ class MPIEngine(Engine):
         on_gpu = request.on_gpu or ops.family == "cupy"
         _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str,
                                         "GPU" if on_gpu else "CPU", plan.precision),
-                            (_sampled(ops.a2), _sampled(ops.b2)))
+                            (_sampled(ops.a2), _sampled(ops.b2)) if self.comm.size > 1 else None)
         grid = grid_for_plan(plan, self.comm.size)
         batch = tuple(ops.batch)
         a = ops.a2 if not batch else np.broadcast_to(ops.a2, batch + (ops.m, ops.k))
