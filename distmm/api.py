@@ -728,7 +728,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
 
 
 def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = None,
-               key=None) -> None:
+               key=None, values=None) -> None:
     """For ``engine="mpi"``: every rank's validation outcome (operands, ``out=``, and the
     request: ``tile=``, ``backend=``, ``precision=``), agreed on with one small allgather
     before the engine's first collective, so that a call one rank refuses raises on every
@@ -737,8 +737,9 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
     ``ValueError`` naming the first rank that failed and its error. So too where ranks
     differ in ``route`` (``"numpy"``: a call numpy computes itself, ``signature=``, an
     object loop with strings, on that rank alone) or in ``key`` (what the engine needs the
-    same everywhere: shapes, dtype, settings). ``comm``: default ``MPI.COMM_WORLD``.
-    Nothing on one rank."""
+    same everywhere: shapes, dtype, settings), or in ``values`` (``fingerprint``s of the
+    operands every rank holds whole). ``comm``: default ``MPI.COMM_WORLD``. Nothing on one
+    rank."""
     if comm is None:
         try:
             from distmm.engine.mpi import world
@@ -751,25 +752,31 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
     if comm.size == 1:
         return
     mine = None if error is None else " ".join(f"{type(error).__name__}: {error}".split())
-    outcomes = comm.allgather((mine, route, key))
+    outcomes = comm.allgather((mine, route, key, values))
     if error is not None:
         return
-    failed = next((r for r, (why, _, _) in enumerate(outcomes) if why is not None), None)
+    failed = next((r for r, (why, *_) in enumerate(outcomes) if why is not None), None)
     if failed is not None:
         raise ValueError(f"matmul: engine='mpi' needs valid, identical arguments on every rank; "
                          f"rank {failed} of {comm.size} refused its call ({outcomes[failed][0]})")
-    other = next((r for r, (_, way, _) in enumerate(outcomes) if way != route), None)
+    other = next((r for r, (_, way, *_) in enumerate(outcomes) if way != route), None)
     if other is not None:
-        ways = {r: way or "the MPI engine" for r, (_, way, _) in enumerate(outcomes)}
+        ways = {r: way or "the MPI engine" for r, (_, way, *_) in enumerate(outcomes)}
         raise ValueError(f"matmul: engine='mpi' needs identical arguments on every rank; rank "
                          f"{comm.rank} of {comm.size} computes this call with {ways[comm.rank]}, "
                          f"rank {other} with {ways[other]} (signature= or an object loop with "
                          f"strings is numpy's own call)")
-    other = next((r for r, (_, _, k) in enumerate(outcomes) if k != key), None)
+    other = next((r for r, (_, _, k, _) in enumerate(outcomes) if k != key), None)
     if other is not None:
         raise ValueError(f"matmul: engine='mpi' needs the same operands and settings on every "
                          f"rank; got {key} on rank {comm.rank} but {outcomes[other][2]} on "
                          f"rank {other}")
+    other = next((r for r, (*_, v) in enumerate(outcomes) if v != values), None)
+    if other is not None:
+        which = " and ".join(n for n, x, y in zip("ab", values, outcomes[other][3]) if x != y)
+        raise ValueError(f"matmul: engine='mpi' needs the same operands on every rank: the "
+                         f"values of the replicated {which} differ between rank {comm.rank} and "
+                         f"rank {other} (sampled elements)")
 
 
 def _dtype_of(x) -> np.dtype:
@@ -851,15 +858,21 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
     """``DistArray @ DistArray`` (a replicated ndarray on either side is cut into
     blocks): SUMMA on the process grid the planner picks, a ``DistArray`` out."""
     from distmm.engine.mpi import DistArray, MPIEngine
+    from distmm.engine.mpi.agree import fingerprint
     from distmm.grid import make_grid
 
     comm = (a if _is_distributed(a) else b).comm
+    values = None  # of an operand every rank holds whole (a DistArray's blocks differ)
     try:  # refused on one rank: every rank raises (the others would wait in the engine)
         if out is not None:
             raise ValueError("matmul: out= is not supported for DistArray operands")
         if engine not in ("auto", "mpi"):
             raise ValueError(f"matmul: DistArray operands run on engine='mpi', got "
                              f"engine={engine!r}")
+        if comm.size > 1:
+            values = tuple(b"" if _is_distributed(x) else
+                           fingerprint(x if array_family(x) == "cupy" else np.asarray(x))
+                           for x in (a, b))
         a = a if _is_distributed(a) else DistArray.from_array(a, comm)
         b = b if _is_distributed(b) else DistArray.from_array(b, comm)
         dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
@@ -876,7 +889,7 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
         _mpi_agree(exc, comm=comm)
         raise
     _mpi_agree(None, comm=comm, key=(a.shape, b.shape, np.dtype(a.dtype).str,
-                                     np.dtype(b.dtype).str, on_gpu, precision))
+                                     np.dtype(b.dtype).str, on_gpu, precision), values=values)
     grid = make_grid(m, n, k, dtype, ranks=comm.size)
     return MPIEngine(comm).run_distributed(a, b, grid, backend, on_gpu=on_gpu, precision=precision)
 

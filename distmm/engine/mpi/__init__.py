@@ -27,7 +27,7 @@ import numpy as np
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.mpi.distarray import DistArray, square_grid
 from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, release
-from distmm.engine.mpi.agree import agree
+from distmm.engine.mpi.agree import agree, fingerprint
 from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
 from distmm.errors import NotPicklable
@@ -92,9 +92,9 @@ class MPIEngine(Engine):
         if ops.family == "dask":
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
         on_gpu = request.on_gpu or ops.family == "cupy"
+        values = (fingerprint(ops.a2), fingerprint(ops.b2)) if self.comm.size > 1 else None
         _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str,
-                                        "GPU" if on_gpu else "CPU", plan.precision),
-                            (_sampled(ops.a2), _sampled(ops.b2)) if self.comm.size > 1 else None)
+                                        "GPU" if on_gpu else "CPU", plan.precision), values)
         grid = grid_for_plan(plan, self.comm.size)
         batch = tuple(ops.batch)
         a = ops.a2 if not batch else np.broadcast_to(ops.a2, batch + (ops.m, ops.k))
@@ -336,7 +336,7 @@ def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) ->
 def _same_on_every_rank(comm, key, values=None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtype
     and chose the same device kind and precision (``key``: those five, in that order), and
-    operands whose ``values`` (``_sampled`` of each) agree."""
+    operands whose ``values`` (``agree.fingerprint`` of each) agree."""
     if comm.size == 1:
         return
     keys = comm.allgather((key, values))
@@ -351,28 +351,6 @@ def _same_on_every_rank(comm, key, values=None) -> None:
         raise ValueError(f"engine='mpi' needs the same operands on every rank: the values of "
                          f"{which} differ between rank 0 and rank {other} (sampled elements); "
                          f"a matrix whose blocks live on different ranks is a distmm.DistArray")
-
-
-def _sampled(x, count: int = 1024) -> bytes:
-    """A digest of up to ``count`` elements spread evenly over ``x`` (numpy or cupy), for
-    telling operands apart between ranks at the cost of a gather of ``count`` elements, not a
-    pass over the operand; nothing for object arrays (their elements' bytes are addresses).
-    Long doubles are read as float64 (their padding bytes are not the value's)."""
-    import hashlib
-
-    if x.dtype.kind == "O" or x.size == 0:
-        return b""
-    index = np.unravel_index(np.unique(np.linspace(0, x.size - 1, min(count, x.size))
-                                       .astype(np.int64)), x.shape)
-    if not isinstance(x, np.ndarray):  # a device array: its elements gathered there
-        import cupy
-
-        picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
-    else:
-        picked = x[index]
-    if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
-        picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
-    return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
 
 
 def _finish(grid: GridPlan, c, shape, *, on_device: bool):

@@ -13,12 +13,15 @@ arguments refused before the product (``distmm.api``).
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 
+import numpy as np
+
 from distmm.fpflags import report
 
-__all__ = ["agree", "shared_error"]
+__all__ = ["agree", "shared_error", "fingerprint"]
 
 
 def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=None) -> None:
@@ -87,3 +90,23 @@ def _restore(payload: bytes, rank: int, size: int, when: str = "during the produ
         error.add_note(f"raised on rank {rank} of {size} {when}")
         return error
     return ValueError(f"rank {rank} of {size} failed {when}")
+
+
+def fingerprint(x, count: int = 1024) -> bytes:
+    """A digest of up to ``count`` elements spread evenly over ``x`` (numpy or cupy), for
+    telling operands apart between ranks at the cost of a gather of ``count`` elements, not a
+    pass over the operand; nothing for object arrays (their elements' bytes are addresses).
+    Long doubles are read as float64 (their padding bytes are not the value's)."""
+    if x.dtype.kind == "O" or x.size == 0:
+        return b""
+    index = np.unravel_index(np.unique(np.linspace(0, x.size - 1, min(count, x.size))
+                                       .astype(np.int64)), x.shape)
+    if not isinstance(x, np.ndarray):  # a device array: its elements gathered there
+        import cupy
+
+        picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
+    else:
+        picked = x[index]
+    if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
+        picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
+    return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
