@@ -120,3 +120,27 @@ def test_plan_command_prints_the_process_grid(capsys):
     assert "process grid 4 x 1 x 1 (layers x rows x cols) for 4 ranks" in out
     assert main(["plan", "100000", "50", "50", "--ranks", "4"]) == 0
     assert "process grid 1 x 4 x 1" in capsys.readouterr().out
+
+
+def test_fingerprint_tells_values_apart_not_layouts():
+    """What the ranks compare of the operands they were given (``agree.fingerprint``): equal
+    for the same values in any layout (a copy, Fortran order), different where values differ
+    (one sampled element, another generator's draw), long doubles read without their padding,
+    nothing for objects (their bytes are addresses)."""
+    from distmm.engine.mpi.agree import fingerprint
+
+    rng = np.random.default_rng()
+    for shape in [(300, 200), (3, 70, 50), (1, 1), (5000, 3)]:
+        x = rng.standard_normal(shape)
+        assert fingerprint(x) == fingerprint(x.copy()) == fingerprint(np.asfortranarray(x))
+        assert fingerprint(x) != fingerprint(rng.standard_normal(shape))
+        y = x.copy()
+        y.reshape(-1)[0] += 1  # the first element is always sampled
+        assert fingerprint(x) != fingerprint(y)
+    x = rng.standard_normal((40, 30)).astype(np.longdouble)
+    if np.finfo(np.longdouble).nmant == 63 and x.itemsize == 16:  # x87's 80 bits in 16 bytes
+        y = x.copy()
+        y.view(np.uint8).reshape(-1, 16)[:, 10:] = 0xAB  # padding that differs from x's
+        assert (y == x).all() and y.tobytes() != x.tobytes()
+        assert fingerprint(x) == fingerprint(y)
+    assert fingerprint(np.array([[object()]])) == fingerprint(np.array([[object()]])) == b""

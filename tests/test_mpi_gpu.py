@@ -80,3 +80,20 @@ def test_repeated_products_reuse_the_grid_communicators(ranks, mpirun):
     assert "VERDICT ok" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
     assert "EXITED live=0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_fingerprint_of_a_device_operand_is_its_host_copys():
+    """The ranks compare operands by a sample of their elements (``agree.fingerprint``): a
+    cupy operand's, gathered on its device, equals its numpy copy's, in any layout."""
+    import cupy
+    import numpy as np
+
+    from distmm.engine.mpi.agree import fingerprint
+
+    rng = np.random.default_rng()
+    for shape, dt in [((300, 200), np.float32), ((3, 70, 50), np.float64),
+                      ((5000, 3), np.complex64), ((7, 9), np.int8), ((40, 40), np.bool_)]:
+        x = (rng.standard_normal(shape) * 10).astype(dt)
+        g = cupy.asarray(x)
+        for view in (lambda v: v, lambda v: v[..., ::2], lambda v: v.T):
+            assert fingerprint(view(g)) == fingerprint(view(x))
