@@ -282,7 +282,8 @@ def case_one_rank_refuses():
     stack = np.stack([a, a])
     for what, (x, y) in (("a", (a + 1, b)), ("b", (a, b * 2)), ("a and b", (a + 1, b * 2)),
                          ("a", (np.stack([a, a + 1]), b)),
-                         ("b", (a.astype(np.longdouble), b.astype(np.longdouble) * 2))):
+                         ("b", (a.astype(np.longdouble), b.astype(np.longdouble) * 2)),
+                         ("a", ((a + 1).astype(object), b.astype(object)))):
         if rank != P - 1:
             x, y = (stack if x.ndim == 3 else a).astype(x.dtype), b.astype(y.dtype)
         try:

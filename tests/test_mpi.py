@@ -126,7 +126,7 @@ def test_fingerprint_tells_values_apart_not_layouts():
     """What the ranks compare of the operands they were given (``agree.fingerprint``): equal
     for the same values in any layout (a copy, Fortran order), different where values differ
     (one sampled element, another generator's draw), long doubles read without their padding,
-    nothing for objects (their bytes are addresses)."""
+    objects by value where they are numbers."""
     from distmm.engine.mpi.agree import fingerprint
 
     rng = np.random.default_rng()
@@ -143,4 +143,9 @@ def test_fingerprint_tells_values_apart_not_layouts():
         y.view(np.uint8).reshape(-1, 16)[:, 10:] = 0xAB  # padding that differs from x's
         assert (y == x).all() and y.tobytes() != x.tobytes()
         assert fingerprint(x) == fingerprint(y)
-    assert fingerprint(np.array([[object()]])) == fingerprint(np.array([[object()]])) == b""
+    # objects: numbers by value, other elements by type (two plain objects look the same)
+    f = rng.integers(-9, 9, (30, 20)).astype(object)
+    assert fingerprint(f) == fingerprint(f.copy()) != fingerprint(f + 1)
+    assert fingerprint(f / 3) != fingerprint(f / 4)
+    assert fingerprint(np.array([[object()]])) == fingerprint(np.array([[object()]]))
+    assert fingerprint(np.array([[object()]])) != fingerprint(np.array([[None]]))

@@ -13,6 +13,8 @@ arguments refused before the product (``distmm.api``).
 """
 from __future__ import annotations
 
+import decimal
+import fractions
 import hashlib
 import io
 import pickle
@@ -92,12 +94,17 @@ def _restore(payload: bytes, rank: int, size: int, when: str = "during the produ
     return ValueError(f"rank {rank} of {size} failed {when}")
 
 
+#: object elements read by value (``repr``, the same in every process); others by their type
+_PLAIN = (int, float, complex, bool, fractions.Fraction, decimal.Decimal)
+
+
 def fingerprint(x, count: int = 1024) -> bytes:
     """A digest of up to ``count`` elements spread evenly over ``x`` (numpy or cupy), for
     telling operands apart between ranks at the cost of a gather of ``count`` elements, not a
-    pass over the operand; nothing for object arrays (their elements' bytes are addresses).
-    Long doubles are read as float64 (their padding bytes are not the value's)."""
-    if x.dtype.kind == "O" or x.size == 0:
+    pass over the operand. Long doubles are read as float64 (their padding bytes are not the
+    value's); object elements by value where they are Python's or numpy's numbers, by type
+    otherwise (an object's bytes are its address, its pickle may hold a set's order)."""
+    if x.size == 0:
         return b""
     index = np.unravel_index(np.unique(np.linspace(0, x.size - 1, min(count, x.size))
                                        .astype(np.int64)), x.shape)
@@ -107,6 +114,10 @@ def fingerprint(x, count: int = 1024) -> bytes:
         picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
     else:
         picked = x[index]
+    if picked.dtype.kind == "O":
+        text = "\0".join(f"{type(v).__name__} {v!r}" if type(v) in _PLAIN or
+                          isinstance(v, np.generic) else type(v).__qualname__ for v in picked)
+        return hashlib.blake2b(text.encode(), digest_size=8).digest()
     if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
         picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
     return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
