@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import dask
 import numpy as np
 import pytest
 
@@ -54,8 +55,13 @@ def test_local_calls_resolve_the_engine_once(monkeypatch):
         assert calls == ["get_engine"], calls
         return result
 
-    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12, atol=1e-12)  # miss
-    np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12, atol=1e-12)  # hit
+    # a fixed budget: "auto" follows the machine's available memory, which another process
+    # can move past a 64 MiB step between the two calls (a miss, seen under a loaded CI run)
+    with dask.config.set({"distmm.memory-budget": "256MiB"}):
+        np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12,
+                                   atol=1e-12)  # miss
+        np.testing.assert_allclose(once(lambda: distmm.matmul(a, b)), ref, rtol=1e-12,
+                                   atol=1e-12)  # hit
     assert CALLS.hits == 1
     direct = np.empty((67, 23))  # tiles written into out
     assert once(lambda: distmm.matmul(a, b, out=direct)) is direct
