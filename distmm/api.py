@@ -773,9 +773,10 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
                          f"rank {other}")
     other = next((r for r, (*_, v) in enumerate(outcomes) if v != values), None)
     if other is not None:
-        which = " and ".join(n for n, x, y in zip("ab", values, outcomes[other][3]) if x != y)
+        from distmm.engine.mpi.agree import differing
+
         raise ValueError(f"matmul: engine='mpi' needs the same operands on every rank: the "
-                         f"values of the replicated {which} differ between rank {comm.rank} and "
+                         f"values of the replicated {differing(values, outcomes[other][3])} differ between rank {comm.rank} and "
                          f"rank {other} (sampled elements)")
 
 

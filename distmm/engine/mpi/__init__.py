@@ -27,7 +27,7 @@ import numpy as np
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.mpi.distarray import DistArray, square_grid
 from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, release
-from distmm.engine.mpi.agree import agree, fingerprint
+from distmm.engine.mpi.agree import agree, differing, fingerprint
 from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
 from distmm.errors import NotPicklable
@@ -347,9 +347,8 @@ def _same_on_every_rank(comm, key, values=None) -> None:
                          f"but {keys[other][0]} on rank {other}")
     other = next((r for r, (_, v) in enumerate(keys) if v != keys[0][1]), None)
     if other is not None:
-        which = " and ".join(name for name, x, y in zip("ab", keys[0][1], keys[other][1]) if x != y)
         raise ValueError(f"engine='mpi' needs the same operands on every rank: the values of "
-                         f"{which} differ between rank 0 and rank {other} (sampled elements); "
+                         f"{differing(keys[0][1], keys[other][1])} differ between rank 0 and rank {other} (sampled elements); "
                          f"a matrix whose blocks live on different ranks is a distmm.DistArray")
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from distmm.fpflags import report
 
-__all__ = ["agree", "shared_error", "fingerprint"]
+__all__ = ["agree", "shared_error", "fingerprint", "differing"]
 
 
 def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=None) -> None:
@@ -121,3 +121,9 @@ def fingerprint(x, count: int = 1024) -> bytes:
     if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
         picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
     return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
+
+
+def differing(mine, theirs) -> str:
+    """Which operands two ranks' ``fingerprint`` pairs ``(a, b)`` disagree on: "a", "b" or
+    "a and b"."""
+    return " and ".join(name for name, x, y in zip("ab", mine, theirs) if x != y)
