@@ -280,9 +280,9 @@ class MPIEngine(Engine):
                                     todo=range(plan.stripe_count(g.coords(rank)[1])))
         except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
             error = exc
-            # the rank that stopped first told everyone; object pieces that did not travel
-            # are found after this rank's last broadcast: the others finish theirs and agree
-            if not isinstance(exc, (PeerStopped, NotPicklable)):
+            # the rank that stopped first told everyone; an error held until this rank's
+            # last broadcast (``watch.held``) is not told: the others finish and agree
+            if not isinstance(exc, PeerStopped) and exc is not watch.held:
                 watch.tell(f"{type(exc).__name__}: {exc}", 1)
         finally:
             watch.close()

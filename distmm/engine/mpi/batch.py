@@ -228,7 +228,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             del warm
         except BaseException as exc:  # noqa: BLE001 - the ranks agree on it below
             error = exc
-            watch.tell(*reversed(_judged(exc, judge)))
+            if exc is not watch.held:  # a held error: every peer finishes its broadcasts
+                watch.tell(*reversed(_judged(exc, judge)))
         finally:
             if writer is not None:
                 writer.close()

@@ -51,6 +51,9 @@ class StopWatch:
         self._told = False
         self._sent: list = []
         self.failed: BaseException | None = None
+        #: an error this rank raised only after every broadcast its peers wait for (set by
+        #: ``distmm.engine.mpi.stream``): agreed on at the end, never told
+        self.held: BaseException | None = None
 
     def fail(self, exc: BaseException) -> None:
         """Record a failure seen on another thread; the next ``check`` raises it."""

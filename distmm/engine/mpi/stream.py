@@ -307,8 +307,10 @@ class _Run:
         #: numpy's floating-point flags of the host products and roundings (their threads'
         #: errstate is not the caller's), for the caller to report once
         self.flags: set[str] = set()
-        #: the ``NotPicklable`` of object pieces that did not reach this rank
-        self.unsent = None
+        #: the first error this rank keeps until its last broadcast (object pieces that did not
+        #: reach it, an element's error in its object product): it multiplies nothing more and
+        #: raises after the broadcasts every peer waits for (``run``)
+        self.held: BaseException | None = None
 
     def rows_of(self, stripe: int) -> tuple[int, int]:
         return self.stripes[stripe], self.stripes[stripe + 1]
@@ -352,8 +354,9 @@ class _Run:
         try:
             self.load_b()
             self.stripe_loop(todo, skip, writer)
-            if self.unsent is not None:  # every broadcast done: no rank waits for this one
-                raise self.unsent
+            if self.held is not None:  # every broadcast done: no rank waits for this one
+                self.watch.held = self.held
+                raise self.held
             self.release_device()
             writer.drain()
             start = time.perf_counter()
@@ -393,9 +396,8 @@ class _CPURun(_Run):
         if inner is not None:
             poll(lambda: inner.Test(), self.watch)
         request.wait()
-        # object pieces that did not travel: this rank takes part in every later broadcast,
-        # multiplies nothing more and raises after its last one (``run``)
-        self.unsent = self.unsent or getattr(request, "unsent", None)
+        # object pieces that did not travel: held (``self.held``)
+        self.held = self.held or getattr(request, "unsent", None)
         self.phases.add("comm", start, time.perf_counter(), buf.nbytes)
 
     def pieces(self, h):
@@ -421,10 +423,21 @@ class _CPURun(_Run):
                 r0, r1 = self.rows_of(stripe)
                 for root in range(self.grid.cols) if not self.direct else ():
                     self.bcast(self.comms.row, pieces[root], root)
-                if stripe in skip or self.unsent is not None:
+                if stripe in skip or self.held is not None:
                     continue
                 start = time.perf_counter()
-                c = self.result(gemm.submit(self.product, pieces, r1 - r0))
+                future = gemm.submit(self.product, pieces, r1 - r0)
+                poll(future.done, self.watch)
+                try:
+                    c = future.result()
+                except Exception as exc:  # noqa: BLE001 - an element's error: held
+                    # the data's own error (numpy's, e.g. None * 1), the same on every run:
+                    # telling the peers would stop the ranks of other grid rows between
+                    # two of their broadcasts, at different ones
+                    if self.acc.kind != "O":
+                        raise
+                    self.held = exc
+                    continue
                 self.phases.add("gemm", start, time.perf_counter())
                 writer.put((stripe, (r0, r1, self.c0, self.c1), c, None, None))
         finally:
