@@ -12,6 +12,7 @@ or kernels (``distmm.executor``).
 """
 from __future__ import annotations
 
+import contextlib
 import decimal
 import math
 import numbers
@@ -29,7 +30,7 @@ from distmm.executor import resolve_backend
 from distmm import plan as planner
 from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
 from distmm.precision import check_precision
-from distmm import ufunc_rules
+from distmm import fpflags, ufunc_rules
 
 __all__ = ["matmul", "gemm", "make_plan", "plan_for", "resolve_precision", "CALLS", "CallCache"]
 
@@ -462,6 +463,23 @@ def _squeeze(out, ops: Operands):
     return out
 
 
+def _loop_writes_out(out, ops: Operands, operands) -> bool:
+    """Whether numpy's loop writes ``out`` itself: a numpy array of the result's dtype that
+    shares no memory with a numpy operand (numpy's own check, which takes a case too hard to
+    decide for an overlap); otherwise it writes a buffer, copied into ``out`` only when the
+    loop ends without an error."""
+    if not isinstance(out, np.ndarray) or np.dtype(out.dtype) != ops.dtype:
+        return False
+    for x in operands:
+        if isinstance(x, np.ndarray):
+            try:
+                if np.shares_memory(out, x, max_work=1):
+                    return False
+            except np.exceptions.TooHardError:
+                return False
+    return True
+
+
 def _writes_direct(out, ops: Operands, eng) -> bool:
     """Whether engine ``eng`` can write tiles into ``out`` itself: the local or
     the Dask engine (whose workers write a staged output file themselves), same
@@ -706,24 +724,36 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         _remember(key, ops, eng, request, a, b, cfg)
         return _squeeze(eng.run(request), ops)
-    if out is not None and _writes_direct(out, ops, eng):
-        # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
-        _run(eng, ops, cfg, tile=tile, backend=backend, out=out, precision=precision)
-        return out
-    if request is not None:
-        result = _squeeze(eng.run(request), ops)
-    else:
-        result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     if out is None:
+        if request is not None:
+            result = _squeeze(eng.run(request), ops)
+        else:
+            result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         return _ordered(result, order, ops, (a, b))
+    # where numpy's loop writes into out itself it reports its floating-point flags after,
+    # so a FloatingPointError under errstate "raise" leaves out filled: the engine's reports
+    # are held until out is; through a buffer (a cast, an overlap) out stays as it was
+    fills = _loop_writes_out(out, ops, (a, b))
+    with fpflags.collect() if fills else contextlib.nullcontext(set()) as seen:
+        if _writes_direct(out, ops, eng):
+            # Tiles go straight into out (a memmap or zarr output is filled tile by tile).
+            _run(eng, ops, cfg, tile=tile, backend=backend, out=out, precision=precision)
+            result = None
+        elif request is not None:
+            result = _squeeze(eng.run(request), ops)
+        else:
+            result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     # cast as numpy's loop output is cast into out (casting= was checked with the operands):
     # an array, so a vector @ vector scalar is not converted through a Python number
-    if array_family(out) == "cupy":
+    if result is None:
+        pass
+    elif array_family(out) == "cupy":
         import cupy
 
         cupy.copyto(out, cupy.asarray(result), casting="unsafe")
     else:
         np.copyto(out, np.asarray(result), casting="unsafe")
+    fpflags.report(seen)
     return out
 
 

@@ -397,6 +397,14 @@ def case_product_errors_agree():
                 got = outcome(lambda: distmm.matmul(x, y, engine="mpi", backend=backend))
             check(f"{dt} {backend} under errstate {state}: numpy's flags on every rank",
                   got == want, f"{got} != numpy's {want}")
+            if dt == "float16":  # numpy fills out=, then reports
+                o_np, o_mpi = np.full((m, n), -7, dt), np.full((m, n), -7, dt)
+                with np.errstate(all=state):
+                    want_o = outcome(lambda: np.matmul(x, y, out=o_np))
+                    got_o = outcome(lambda: distmm.matmul(x, y, engine="mpi", out=o_mpi))
+                check(f"float16 out= under errstate {state}: filled, then numpy's flags",
+                      got_o == want_o and np.array_equal(o_mpi, o_np, equal_nan=True),
+                      f"{got_o} {want_o}")
             if dt == "float64" and backend == "numba":  # in broadcast stripes (threads)
                 dx, dy = DistArray.from_array(x, comm), DistArray.from_array(y, comm)
                 grid = make_grid(m, n, k, dt, ranks=P)

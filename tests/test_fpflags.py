@@ -108,6 +108,58 @@ def test_one_report_per_product_across_threads():
     assert [str(w.message) for w in seen] == ["invalid value encountered in matmul"]
 
 
+def _into(out_of, f):
+    """``f`` with ``out=`` a fresh ``out_of(a, b, shape)`` poisoned with -7 (an operand as
+    it is); the outs are kept, each with its contents before the call."""
+    made = []
+
+    def call(a, b):
+        out = out_of(a, b, a.shape[:-1] + b.shape[-1:])
+        if out is not a:
+            out[...] = -7
+        made.append((out, out.copy()))
+        return f(a, b, out=out)
+
+    return call, made
+
+
+_OUTS = {  # out= as numpy writes it itself (filled, then the report) or through a buffer
+    "c-order": lambda a, b, shape: np.empty(shape, a.dtype),
+    "transposed": lambda a, b, shape: np.empty(shape[::-1], a.dtype).T,
+    "strided": lambda a, b, shape: np.empty((shape[0] * 2,) + shape[1:], a.dtype)[::2],
+    "cast": lambda a, b, shape: np.empty(shape, np.float32),
+    "overlap": lambda a, b, shape: a,
+}
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", "call"])
+@pytest.mark.parametrize("case", ["inf*0", "overflow", "none"])
+@pytest.mark.parametrize("shape", [(2, 2, 2), (150, 130, 130), (3, 40, 50, 50)],
+                         ids=["one-tile", "tiles", "stack"])
+@pytest.mark.parametrize("kind", list(_OUTS))
+def test_out_is_filled_before_the_report_where_numpys_loop_writes_it(kind, shape, case, mode):
+    """numpy writes ``out`` and then reports its flags: a ``FloatingPointError`` leaves
+    ``out`` holding the result, unless numpy went through a buffer (a cast into ``out``, an
+    ``out`` that is an operand), where ``out`` is left as it was; distmm did neither (a one
+    tile product, a stack and a cast raised with ``out`` untouched). float16: numpy's own
+    loop, whose flags do not depend on BLAS's threads."""
+    rng = np.random.default_rng()
+    *batch, m, k, n = shape
+    a, b = specials(rng, np.float16, m, k, n, case if k > 2 else "none")
+    if k == 2 and case != "none":  # two elements: the flag in element (0, 0)
+        a[0], b[:, 0] = ((np.inf, 1), (0, 1)) if case == "inf*0" else ((60000, 60000), (2, 0))
+    a = np.broadcast_to(a, tuple(batch) + a.shape).copy()
+    ref, ref_outs = _into(_OUTS[kind], np.matmul)
+    got, got_outs = _into(_OUTS[kind], distmm.matmul)
+    want = outcome(ref, a.copy(), b, mode)
+    assert outcome(got, a.copy(), b, mode) == want
+    np.testing.assert_array_equal(got_outs[0][0], ref_outs[0][0])
+    if case != "none" and mode == "raise":
+        assert want[0] is not None
+        untouched = np.array_equal(*ref_outs[0], equal_nan=True)
+        assert untouched == (kind in ("cast", "overlap"))
+
+
 def _flags_held(dask_worker=None):
     from distmm.engine.dask import tasks
 
@@ -129,6 +181,24 @@ def test_dask_cluster_reports_its_workers_flags_as_numpys_matmul(client, case, m
     assert not any(client.run(_flags_held).values())
     if mode != "ignore" and case != "none":
         assert want != (None, [], [])  # the case raises its flag in numpy
+
+
+@pytest.mark.parametrize("kind", ["c-order", "stack", "cast"])
+def test_dask_cluster_fills_out_before_the_report(client, kind):
+    """The workers' flags are reported after ``out`` is filled, as numpy's loop does (through
+    a cast, ``out`` is left as it was)."""
+    rng = np.random.default_rng()
+    a, b = specials(rng, np.float16, 150, 200, 130, "inf*0")
+    if kind == "stack":
+        a = np.stack([a, a[::-1]])
+    make = _OUTS["cast" if kind == "cast" else "c-order"]
+    ref, ref_outs = _into(make, np.matmul)
+    got, got_outs = _into(make, lambda x, y, out: distmm.matmul(
+        x, y, out=out, engine="dask", client=client, tile=(32, 32, 48)))
+    want = outcome(ref, a, b, "raise")
+    assert want[0] is not None
+    assert outcome(got, a, b, "raise") == want
+    np.testing.assert_array_equal(got_outs[0][0], ref_outs[0][0])
 
 
 def test_product_flags_reads_the_result_against_its_rows_and_columns():
