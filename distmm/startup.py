@@ -18,7 +18,7 @@ import time
 
 from distmm.errors import Signalled
 
-__all__ = ["guard", "is_command", "let_rank_zero_say"]
+__all__ = ["guard", "is_command", "let_rank_zero_say", "rank_zero"]
 
 # the rank variables of mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH), PMIx and srun
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
@@ -37,12 +37,18 @@ def is_command() -> bool:
 PEER_GRACE_S = 1.0
 
 
+def rank_zero() -> bool:
+    """Whether this process is rank 0 of its launcher, or runs outside one (the launcher's
+    variables: nothing of MPI is started)."""
+    return all(os.environ.get(v, "0") == "0" for v in _RANK_VARS)
+
+
 def let_rank_zero_say() -> None:
     """Before a signal's line on a launcher's rank other than 0: wait ``PEER_GRACE_S``. A
     signal from a scheduler reaches every rank; rank 0 prints its line and exits, and the
     launcher then ends this rank, so one line is printed. A rank still running after the wait
     was the only one signalled and prints its own."""
-    if not all(os.environ.get(v, "0") == "0" for v in _RANK_VARS):
+    if not rank_zero():
         time.sleep(PEER_GRACE_S)
 
 

@@ -367,3 +367,79 @@ def test_sigterm_before_the_product_is_one_line_for_all_ranks(tmp_path, mpirun, 
     lines = [x for x in r.stderr.splitlines() if x.startswith("distmm")]
     assert lines == ["distmm matmul: error: terminated by SIGTERM"], r.stderr
     assert not (tmp_path / "c.npy").exists()
+
+
+def _gpu_here() -> bool:
+    from distmm.executor import gpu_available
+
+    return gpu_available()
+
+
+@pytest.mark.mpi
+def test_argument_errors_under_mpirun_are_said_once(files, mpirun):
+    """Every rank parses the same arguments: an argument error, or an --engine that would
+    run the product once per rank, is one line from rank 0 (it was one per rank), exit 2,
+    and no traceback from ranks the launcher stops meanwhile."""
+    for extra in ([], ["-o", files / "c.npy", "--tile", "0"],
+                  ["-o", files / "c.npy", "--engine", "local"],
+                  ["-o", files / "c.npy", "--engine", "dask"]):
+        r = mpirun(3, "-m", "distmm", "matmul", files / "a.npy", files / "b.npy", *extra)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert r.stderr.count("distmm matmul: error:") == 1, (extra, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+
+
+@pytest.mark.mpi
+def test_stacks_under_mpirun_are_checked_before_any_work(files, mpirun):
+    """Stacks and vectors take the checks matrices take, before the product: an existing
+    target (it was found only after the product), a GPU backend on ranks without a GPU (it
+    called MPI_Abort: a line per rank and the launcher's banner), and --tile, which the MPI
+    engine does not take (it was ignored)."""
+    np.save(files / "s.npy", np.ones((3, 6, 4)))
+    (files / "c.npy").write_bytes(b"keep")
+    cases = [(["-o", files / "c.npy"], "exists"),
+             (["-o", files / "d.npy", "--tile", "4"], "--tile")]
+    if not _gpu_here():
+        cases.append((["-o", files / "d.npy", "--backend", "raw"], "needs a CUDA GPU"))
+    for extra, said in cases:
+        r = mpirun(2, "-m", "distmm", "matmul", files / "s.npy", files / "b.npy", *extra)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert r.stderr.count("distmm matmul: error:") == 1 and said in r.stderr, r.stderr
+        assert "MPI_ABORT" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (files / "c.npy").read_bytes() == b"keep"
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "c.npy", "s.npy"]
+
+
+@pytest.mark.skipif(_gpu_here(), reason="on a GPU the product would run before the check")
+def test_a_stack_is_checked_against_its_target_before_the_product(files):
+    """An existing target is refused before a stack is multiplied (the product ran first: a
+    GPU backend's error here, on a machine without one, came before "exists")."""
+    np.save(files / "s.npy", np.ones((3, 6, 4)))
+    (files / "c.npy").write_bytes(b"keep")
+    r = run_cli("matmul", files / "s.npy", files / "b.npy", "-o", files / "c.npy",
+                "--backend", "raw")
+    assert r.returncode == 2 and "exists" in one_line(r)
+    assert (files / "c.npy").read_bytes() == b"keep"
+
+
+def test_a_signal_while_the_arguments_are_parsed_is_one_line(files):
+    """SIGTERM or SIGINT while the parser's modules import (a launcher stopping a rank
+    early sends one there): the one line and 143 / 130, not a traceback and 1."""
+    script = ("import os, signal, sys\n"
+              "sys.argv[0] = 'distmm'\n"
+              "from distmm.cli import commands\n"
+              "build = commands.build_parser\n"
+              "def signalled():\n"
+              "    os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n"
+              "    return build()\n"
+              "commands.build_parser = signalled\n"
+              "sys.exit(commands.main(sys.argv[2:]))\n")
+    for name, status, said in (("SIGTERM", 143, "terminated by SIGTERM"),
+                               ("SIGINT", 130, "interrupted (SIGINT)")):
+        r = subprocess.run([sys.executable, "-c", script, name, "matmul", files / "a.npy",
+                            files / "b.npy", "-o", files / "c.npy"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == status, r.stderr
+        assert said in one_line(r)
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]

@@ -178,7 +178,7 @@ def _interrupt_after(cmd, env, folder: Path, stripes: int, signum=signal.SIGTERM
             out, err = proc.communicate()
             pytest.fail(f"the run ended (rc {proc.returncode}) before {stripes} stripes: {err}")
         time.sleep(0.01)
-    ranks = _rank_pids(proc.pid)
+    ranks = _rank_pids(proc.pid) or [proc.pid]  # one process: itself
     sent = time.perf_counter()
     for pid in ranks:
         os.kill(pid, signum)
@@ -286,6 +286,41 @@ def test_resume_refuses_changed_inputs_and_rank_counts(tmp_path, run, cmd, batch
             "--backend", "numba")
     assert r.returncode == 0, r.stderr
     assert "removed .c.npy.distmm-partial-" in r.stderr
+    assert not list(tmp_path.glob(".c.npy.*"))
+
+
+@pytest.mark.slow
+def test_a_refused_command_leaves_a_stopped_runs_resume_state(tmp_path, batch_env):
+    """One process: a stopped ``--resume`` run's staged output, manifest and log stay through
+    commands refused as bad input (an existing target without --overwrite, --engine dask with
+    no cluster, --tile with --resume); those removed them as a killed run's leftovers. The
+    resumed run then finishes with numpy's result."""
+    a, b = _operands(tmp_path, 600, 1500, 500, "float64", seed=16)
+    one = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+           str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy")]
+    env = batch_env(DISTMM_BATCH_STRIPES="24", DISTMM_BATCH_STRIPE_PAUSE="0.1")
+    stopped, _ = _interrupt_after([*one, "--backend", "numba", "--resume"], env, tmp_path,
+                                  stripes=3)
+    assert stopped.returncode == 143, stopped.stderr
+    kept = sorted(p.name for p in tmp_path.glob(".c.npy.distmm-partial-*"))
+    assert any(name.endswith(".resume.json") for name in kept), kept
+
+    def refused(*extra, said):
+        r = subprocess.run([*one, *extra], capture_output=True, text=True, timeout=120,
+                           env=batch_env())
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "removed" not in r.stderr, r.stderr
+        assert sorted(p.name for p in tmp_path.glob(".c.npy.distmm-partial-*")) == kept
+
+    (tmp_path / "c.npy").write_bytes(b"keep")
+    refused(said="exists")
+    (tmp_path / "c.npy").unlink()
+    refused("--engine", "dask", said="--scheduler")
+    refused("--resume", "--tile", "64", said="--tile")
+    r = subprocess.run([*one, "--backend", "numba", "--resume"], capture_output=True, text=True,
+                       timeout=300, env=batch_env(DISTMM_BATCH_STRIPES="24"))
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert not list(tmp_path.glob(".c.npy.*"))
 
 

@@ -22,7 +22,7 @@ from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import (BAD_INPUT, Signalled, report, terminate_on_sigterm,
                               whole_line_writes)
 from distmm.executor import BACKENDS
-from distmm.startup import let_rank_zero_say
+from distmm.startup import guard, let_rank_zero_say
 
 __all__ = ["main", "build_parser"]
 
@@ -31,8 +31,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one line: ``distmm matmul: error: ... (see --help)``."""
 
     def error(self, message):
+        from distmm.startup import rank_zero
+
+        # under a launcher every rank parses the same arguments: rank 0 says it once
         self.exit(BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} "
-                             f"(see {self.prog} --help)\n")
+                             f"(see {self.prog} --help)\n" if rank_zero() else None)
 
 
 def _dtype(text: str):
@@ -163,6 +166,20 @@ def _mpi_run(args) -> bool:
     return ranks > 1 or bool(wants)
 
 
+def _every_rank_refuses(check, args):
+    """``check(args)``, whose ValueError every rank of a launcher raises alike (it reads
+    only the arguments and the launcher's variables): said once, by rank 0; the other
+    ranks exit with the same status, silently."""
+    from distmm.startup import rank_zero
+
+    try:
+        return check(args)
+    except ValueError:
+        if not rank_zero():
+            raise SystemExit(BAD_INPUT) from None
+        raise
+
+
 def _connect(args):
     """A client of the cluster named by --scheduler or --scheduler-file, or None
     (``distmm.cli.connect``: the whole connection bounded by --connect-timeout)."""
@@ -208,11 +225,11 @@ def _cmd_matmul(args) -> int:
 
     import distmm
     from distmm.api import resolve_precision
-    from distmm.cli.io import (check_shapes, open_operand, operands_dtype, parse_target,
-                               same_file, staged_output)
+    from distmm.cli.io import (check_shapes, check_target, open_operand, operands_dtype,
+                               parse_target, result_shape, same_file, staged_output)
     from distmm.stripe_writer import check_dtype
 
-    if _mpi_run(args):
+    if _every_rank_refuses(_mpi_run, args):
         from distmm.cli.mpi_matmul import run_matmul
 
         return run_matmul(args)
@@ -223,30 +240,30 @@ def _cmd_matmul(args) -> int:
     check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
     check_dtype(target, dtype)  # one the output's format stores
     precision = resolve_precision(args.precision, dtype)  # refused before any work
-    _remove_leftovers(args.output)
+    check_target(target, args.overwrite)  # (again when staged) before the leftovers go
     client = _connect(args)
     engine = "dask" if client is not None else args.engine
-    _maybe_warm_gpu(args, engine, a, b, dtype)
     options = {} if args.progress is None else {"distmm.progress": args.progress}
+    shape = result_shape(a, b)
     t0 = time.perf_counter()
     try:
+        # bad input was refused above: a killed run's staged files (those --resume would
+        # use too) go only now
+        _remove_leftovers(args.output)
+        _maybe_warm_gpu(args, engine, a, b, dtype)
         with dask.config.set(options):
-            if a.ndim == b.ndim == 2:
-                # Tiles go straight into the staged output (local engine; on a Dask
-                # cluster the workers write theirs when they all see the file); it
-                # appears at the target only when the product is complete.
-                shape = (a.shape[0], b.shape[1])
-                with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
-                    distmm.matmul(a, b, out=c, engine=engine, client=client, backend=args.backend,
-                                  tile=args.tile, precision=precision)
-            else:
-                # Stacks and vectors: computed in memory, then written the same way.
-                c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine=engine,
-                                             client=client, backend=args.backend, tile=args.tile,
-                                             precision=precision))
-                shape = c.shape
-                with staged_output(args.output, shape, c.dtype, overwrite=args.overwrite) as out:
-                    out[...] = c
+            # The staged output is made (the target and its free space checked) before any
+            # work; it appears at the target only when the product is complete.
+            with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
+                if a.ndim == b.ndim == 2:
+                    # Tiles go straight into it (local engine; on a Dask cluster the
+                    # workers write theirs when they all see the file).
+                    distmm.matmul(a, b, out=c, engine=engine, client=client,
+                                  backend=args.backend, tile=args.tile, precision=precision)
+                else:  # stacks and vectors: computed in memory, then written
+                    c[...] = np.asarray(distmm.matmul(
+                        np.asarray(a), np.asarray(b), engine=engine, client=client,
+                        backend=args.backend, tile=args.tile, precision=precision))
     finally:
         if client is not None:
             client.close()
@@ -381,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--scheduler-file, whatever listens there (default 30)")
     mm.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="tile executor (default auto); raw and cublas need a GPU")
-    mm.add_argument("--tile", type=_positive, default=None, help="C tile size (default: the planner chooses)")
+    mm.add_argument("--tile", type=_positive, default=None,
+                    help="C tile size of the local and Dask engines (default: the planner "
+                         "chooses; the MPI engine plans its own grid and stripes and refuses it)")
     from distmm.plan import PRECISIONS
 
     mm.add_argument("--precision", default=None, choices=PRECISIONS,
@@ -459,7 +478,8 @@ def _import_first(names):
 def _pass_through(command: str, argv: list[str]) -> int:
     debug = "--debug" in argv
     try:
-        module = _import_first(_PASS_THROUGH[command])
+        with guard():  # a signal while the command's modules import: the one line
+            module = _import_first(_PASS_THROUGH[command])
     except ImportError as exc:
         return report(command, exc, debug=debug,
                       note=' (this command needs the GPU extras: pip install "distmm[gpu]")')
@@ -478,7 +498,8 @@ def main(argv=None) -> int:
     if argv and argv[0] in _PASS_THROUGH:
         # These commands own their options: hand everything after the name over.
         return _pass_through(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+    with guard():  # a signal while the parser's modules import: the one line, 130 / 143
+        args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     previous = terminate_on_sigterm()
     try:

@@ -38,7 +38,7 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, put_in_place, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "Target", "NpyWriter", "SUFFIXES"]
+           "check_report", "check_space", "result_shape", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -95,6 +95,20 @@ def check_shapes(a_spec: str, a, b_spec: str, b) -> None:
         raise ValueError(f"{a_spec if a.ndim == 0 else b_spec} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")
     matmul_shapes(tuple(a.shape), tuple(b.shape), a_name=a_spec, b_name=b_spec)
+
+
+def result_shape(a, b) -> tuple[int, ...]:
+    """numpy's shape of ``a @ b`` for two opened operands that multiply (``check_shapes``):
+    the broadcast batch, then ``(m, n)``, less the axis of a vector operand."""
+    from distmm.plan import matmul_shapes
+
+    batch, m, n, _ = matmul_shapes(tuple(a.shape), tuple(b.shape))
+    shape = [*batch, m, n]
+    if b.ndim == 1:
+        shape.pop(-1)
+    if a.ndim == 1:
+        shape.pop(-1 if b.ndim == 1 else -2)
+    return tuple(shape)
 
 
 def open_operand(spec: str, *, writable: bool = False):

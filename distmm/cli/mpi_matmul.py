@@ -44,7 +44,7 @@ def run_matmul(args) -> int:
     from mpi4py import MPI
 
     from distmm.cli.io import (check_report, check_space, check_target, open_operand,
-                               operands_dtype, check_shapes, parse_target)
+                               operands_dtype, check_shapes, parse_target, result_shape)
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
     from distmm.api import resolve_precision
@@ -76,17 +76,21 @@ def run_matmul(args) -> int:
         if not two_d and (args.resume or args.profile):
             raise ValueError("--resume and --profile take 2-D operands (matrices); "
                              f"{args.a} and {args.b} have {a.ndim} and {b.ndim} dimensions")
-        if two_d:
-            m, k, n = a.shape[0], a.shape[1], b.shape[1]
-            backend, on_gpu = resolve_backend(args.backend, dtype, family="numpy", flops=2 * m * n * k)
-            if on_gpu and not gpu_available():
-                raise BackendUnavailable(f"backend {backend!r} needs a CUDA GPU and cupy on every "
-                                         f"rank; this rank has none (use --backend auto)")
-            if comm.rank == 0:
-                check_target(target, args.overwrite)
-                check_space(target, m * n * dtype.itemsize)
-                if args.profile:
-                    check_report("--profile", args.profile, (args.a, args.b, args.output))
+        if args.tile is not None:
+            raise ValueError("--tile sets the tiles of the local and Dask engines; the MPI "
+                             "engine plans its own grid and stripes: drop --tile")
+        shape = result_shape(a, b)
+        m, k, n = (a.shape[0], a.shape[1], b.shape[1]) if two_d else (0, 0, 0)
+        flops = 2 * int(np.prod(shape)) * a.shape[-1]
+        backend, on_gpu = resolve_backend(args.backend, dtype, family="numpy", flops=flops)
+        if on_gpu and not gpu_available():
+            raise BackendUnavailable(f"backend {backend!r} needs a CUDA GPU and cupy on every "
+                                     f"rank; this rank has none (use --backend auto)")
+        if comm.rank == 0:  # before any work, stacks and vectors too
+            check_target(target, args.overwrite)
+            check_space(target, int(np.prod(shape)) * dtype.itemsize)
+            if args.profile:
+                check_report("--profile", args.profile, (args.a, args.b, args.output))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     phases.add("open", t0, time.perf_counter())
@@ -194,13 +198,13 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     import distmm
     from distmm.cli.io import staged_output
 
-    try:
+    error = c = None
+    try:  # the engine raises an error of any rank's part on every rank
         c = np.asarray(distmm.matmul(np.asarray(a), np.asarray(b), engine="mpi", backend=args.backend,
                                      precision=precision))
-    except BaseException as exc:  # noqa: BLE001
-        _abort(comm, exc, args)
-    error = None
-    if comm.rank == 0:
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    if comm.rank == 0 and error is None:
         try:
             with staged_output(args.output, c.shape, c.dtype, overwrite=args.overwrite) as out:
                 out[...] = c
@@ -213,16 +217,3 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
         print(f"wrote {args.output}: shape {c.shape}, dtype {c.dtype}, {comm.size} ranks, "
               f"{time.perf_counter() - t0:.3f} s")
     return 0
-
-
-def _abort(comm, exc, args):
-    """One line from the failing rank, then MPI_Abort: no rank is left waiting."""
-    from distmm.cli.exits import exit_status, message
-
-    print(f"distmm matmul: error on rank {comm.rank} of {comm.size}: {message(exc)}; aborting "
-          f"the job", file=sys.stderr, flush=True)
-    if getattr(args, "debug", False):
-        import traceback
-
-        traceback.print_exception(exc, file=sys.stderr)
-    comm.Abort(exit_status(exc) or 1)
