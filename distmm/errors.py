@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
-           "Signalled", "ConfigError", "NotPicklable"]
+           "Signalled", "ConfigError", "NotPicklable", "UnreadableInput"]
 
 
 class ConfigError(ValueError):
@@ -45,6 +45,11 @@ class OutputExists(FileExistsError):
 
 class InsufficientSpace(OSError):
     """The output does not fit the free space of its file system."""
+
+
+class UnreadableInput(ValueError):
+    """An operand's file failed while it was read (a corrupt or truncated chunk, a filter
+    that failed): the message names the file, then what its library said."""
 
 
 class NotPicklable(TypeError):

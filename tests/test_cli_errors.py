@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -443,3 +444,45 @@ def test_a_signal_while_the_arguments_are_parsed_is_one_line(files):
         assert r.returncode == status, r.stderr
         assert said in one_line(r)
     assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+
+
+def _corrupt_chunk(folder: Path, kind: str) -> str:
+    """An operand (60 x 4, B of the ``files`` fixture fits it) whose header opens but one
+    chunk of which does not decode; returns its spec."""
+    rng = np.random.default_rng()
+    if kind == "zarr":
+        import zarr
+
+        z = zarr.create_array(str(folder / "z.zarr"), shape=(60, 4), chunks=(10, 4), dtype="f8")
+        z[...] = rng.random((60, 4))
+        chunk = folder / "z.zarr" / "c" / "3" / "0"
+        chunk.write_bytes(chunk.read_bytes()[:20])
+        return str(folder / "z.zarr")
+    with h5py.File(folder / "g.h5", "w") as fh:
+        d = fh.create_dataset("A", data=rng.random((60, 4)), chunks=(10, 4), compression="gzip")
+        offset = d.id.get_chunk_info(3).byte_offset
+    with open(folder / "g.h5", "r+b") as fh:
+        fh.seek(offset + 4)
+        fh.write(b"\0" * 40)
+    return f"{folder / 'g.h5'}:A"
+
+
+@pytest.mark.parametrize("kind", ["zarr", "h5"])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+def test_a_chunk_that_does_not_decode_names_its_file(files, kind, ranks, request):
+    """A corrupt chunk found while the product reads it: one line naming the operand, exit
+    2 (an unreadable input), nothing left behind; it named no file, exited 1 and zarr's
+    abandoned reads added asyncio's tracebacks at exit."""
+    spec = _corrupt_chunk(files, kind)
+    before = sorted(p.name for p in files.iterdir())
+    argv = ("matmul", spec, files / "b.npy", "-o", files / "c.npy")
+    if ranks == 1:
+        r = run_cli(*argv)
+    else:
+        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr if ranks == 1 else r.stderr.splitlines()[0] + "\n"
+    assert f"{spec} cannot be read" in one_line(SimpleNamespace(stderr=line)), r.stderr
+    if ranks == 1:
+        one_line(r)
+    assert sorted(p.name for p in files.iterdir()) == before

@@ -226,7 +226,8 @@ def _cmd_matmul(args) -> int:
     import distmm
     from distmm.api import resolve_precision
     from distmm.cli.io import (check_shapes, check_target, open_operand, operands_dtype,
-                               parse_target, result_shape, same_file, staged_output)
+                               parse_target, result_shape, same_file, staged_output,
+                               unreadable)
     from distmm.stripe_writer import check_dtype
 
     if _every_rank_refuses(_mpi_run, args):
@@ -264,6 +265,11 @@ def _cmd_matmul(args) -> int:
                     c[...] = np.asarray(distmm.matmul(
                         np.asarray(a), np.asarray(b), engine=engine, client=client,
                         backend=args.backend, tile=args.tile, precision=precision))
+    except Exception as exc:
+        named = unreadable(exc, {args.a: a, args.b: b})  # a read's error, with its file
+        if named is None:
+            raise
+        raise named from exc
     finally:
         if client is not None:
             client.close()
@@ -517,8 +523,10 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)
-        if staging is not None and staging.HDF5_UNCLOSED:
-            # HDF5 would retry the failed close at exit and crash: end here.
+        if (staging is not None and staging.HDF5_UNCLOSED) or "zarr" in sys.modules:
+            # HDF5 would retry the failed close at exit and crash; zarr's reads still queued
+            # beside a failed one would each print a traceback as its event loop closes: the
+            # staged output is gone already, so end here.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)

@@ -38,7 +38,7 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, put_in_place, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "result_shape", "Target", "NpyWriter", "SUFFIXES"]
+           "check_report", "check_space", "result_shape", "unreadable", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -109,6 +109,29 @@ def result_shape(a, b) -> tuple[int, ...]:
     if a.ndim == 1:
         shape.pop(-1 if b.ndim == 1 else -2)
     return tuple(shape)
+
+
+def unreadable(exc: BaseException, operands: dict):
+    """An ``UnreadableInput`` naming the operand (``{spec: opened array}``) whose read raised
+    ``exc``: a frame of the traceback, or of its causes, is a method of that very array (a
+    zarr chunk that does not decode, an HDF5 filter that fails); None for any other error,
+    which names its file already or is not a read's."""
+    from distmm.errors import UnreadableInput
+
+    if isinstance(exc, (MemoryError, UnreadableInput)):
+        return None
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            for spec, array in operands.items():
+                if owner is array and not isinstance(array, np.ndarray):
+                    return UnreadableInput(f"{spec} cannot be read: {type(exc).__name__}: {exc}")
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def open_operand(spec: str, *, writable: bool = False):

@@ -213,7 +213,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 if bar is not None:
                     bar.update(1)
 
-            sources = (PanelSource(a), PanelSource(b))
+            sources = (PanelSource(a, name=args.a), PanelSource(b, name=args.b))
             try:
                 with executor:
                     flags = run_stripes(plan, comm.rank, *sources, writer, executor, comms,

@@ -64,9 +64,10 @@ class PanelSource:
     #: row pieces shorter than this are copied through the mapping (a call per row would cost more)
     MIN_ROW_READ = 4096
 
-    def __init__(self, array, origin: tuple[int, int] = (0, 0)):
+    def __init__(self, array, origin: tuple[int, int] = (0, 0), name: str | None = None):
         self.array = array
         self.origin = origin
+        self.name = name  # the operand's file: a read that fails names it
         self._fd = None
         self._lock = threading.Lock()
 
@@ -84,6 +85,19 @@ class PanelSource:
         return self._fd, a.offset, a.shape[1] * a.itemsize
 
     def read_into(self, out: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
+        if self.name is None:
+            return self._read_into(out, r0, r1, c0, c1)
+        try:
+            return self._read_into(out, r0, r1, c0, c1)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named: the library's message names no file
+            from distmm.errors import UnreadableInput
+
+            raise UnreadableInput(f"{self.name} cannot be read: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+
+    def _read_into(self, out: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
         y, x = self.origin
         r0, r1, c0, c1 = r0 - y, r1 - y, c0 - x, c1 - x
         item = np.dtype(self.array.dtype).itemsize  # zarr arrays and h5py datasets too
