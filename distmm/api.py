@@ -517,16 +517,33 @@ def _check_out(out, ops: Operands):
         raise ValueError("matmul: out= is not supported for dask operands (the result is lazy)")
     out_shape = tuple(out.shape)
     core = len(shape) - len(ops.batch)
-    try:
-        fits = (len(out_shape) >= len(shape)
-                and out_shape[len(out_shape) - core:] == shape[len(shape) - core:]
-                and np.broadcast_shapes(out_shape, shape) == out_shape)
-    except ValueError:
-        fits = False
+    if len(out_shape) < len(shape):  # numpy's flexible core dimensions decide: ask it
+        fits = _numpy_takes_out(tuple(ops.a.shape), tuple(ops.b.shape), out_shape)
+    else:
+        try:
+            fits = (out_shape[len(out_shape) - core:] == shape[len(shape) - core:]
+                    and np.broadcast_shapes(out_shape, shape) == out_shape)
+        except ValueError:
+            fits = False
     if not fits:
         raise ValueError(f"matmul: non-broadcastable output operand with shape {out_shape} "
                          f"doesn't match the broadcast shape {shape} of a {tuple(ops.a.shape)} @ "
                          f"b {tuple(ops.b.shape)}")
+
+
+def _numpy_takes_out(a_shape: tuple, b_shape: tuple, out_shape: tuple) -> bool:
+    """Whether numpy's matmul takes an ``out`` of fewer dimensions than the result (leading
+    ones of size 1 left out: ``(3, 2)`` for a ``(1, 3, 2)`` result, ``(3,)`` for ``(1, 3)``),
+    asked of numpy itself on tiny operands: every size above 1 mapped to a small one, distinct
+    sizes kept distinct, so that its rules (equal, or 1) see what they would see."""
+    sizes = sorted({d for d in (*a_shape, *b_shape, *out_shape) if d > 1})
+    small = {d: i + 2 for i, d in enumerate(sizes)}
+    tiny = lambda shape: np.zeros(tuple(small.get(d, d) for d in shape))  # noqa: E731
+    try:
+        np.matmul(tiny(a_shape), tiny(b_shape), out=tiny(out_shape))
+    except ValueError:
+        return False
+    return True
 
 
 #: numpy.matmul's defaults for the keywords distmm.matmul shares with it
@@ -641,6 +658,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if engine == "auto":
         engine = get_config().engine  # the configured engine; the argument wins
     try:
+        if subok is not True and subok is not False:  # numpy's converter: True or False only
+            raise TypeError("'subok' must be a boolean")
         out = ufunc_rules.single_out(out)
     except Exception as exc:
         if engine == "mpi":

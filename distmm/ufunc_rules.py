@@ -31,6 +31,7 @@ def single_out(out):
             raise ValueError("The 'out' tuple must have exactly one entry per ufunc output")
         out = out[0]
     if out is not None and (not hasattr(out, "shape") or not hasattr(out, "dtype")
+                            or isinstance(out, np.generic)  # a numpy scalar: not an array
                             or is_sparse(out)):  # numpy: "return arrays must be of ArrayType"
         raise TypeError(f"matmul: out must be a dense array, got {type(out).__name__}")
     if getattr(getattr(out, "flags", None), "writeable", True) is False:

@@ -181,9 +181,30 @@ def test_result_broadcasts_into_a_larger_out_as_numpy_does(out_shape):
 
 
 @pytest.mark.parametrize("a_shape,b_shape,out_shape", [
+    ((1, 6, 3), (3, 5), (6, 5)),        # a batch of one left out of out
+    ((1, 1, 6, 3), (1, 3, 5), (6, 5)),
+    ((1, 3), (3, 5), (5,)),             # a row's one left out
+    ((1, 3), (3,), ()),
+    ((3,), (3,), (1, 1)),
+])
+def test_out_may_leave_out_leading_ones_as_numpys(a_shape, b_shape, out_shape):
+    """numpy fills an ``out`` that leaves out leading dimensions of size 1 (its flexible core
+    dimensions too); distmm refused it as non-broadcastable."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    want, got = np.full(out_shape, np.nan), np.full(out_shape, np.nan)
+    np.matmul(a, b, want)
+    assert distmm.matmul(a, b, got) is got
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,out_shape", [
     ((6, 3), (3, 5), (6, 4)),        # core dimension differs
     ((6, 3), (3, 5), (5,)),          # too few dimensions
     ((2, 6, 3), (3, 5), (3, 6, 5)),  # batch does not broadcast
+    ((2, 6, 3), (3, 5), (6, 5)),     # a batch of two left out of out
+    ((1, 3), (3, 1), ()),            # numpy's flexible dimensions refuse it
+    ((1, 6, 3), (3, 1), (6,)),
 ])
 def test_out_that_cannot_hold_the_result_is_refused_like_numpy(a_shape, b_shape, out_shape):
     a, b, out = np.ones(a_shape), np.ones(b_shape), np.zeros(out_shape)
@@ -192,6 +213,19 @@ def test_out_that_cannot_hold_the_result_is_refused_like_numpy(a_shape, b_shape,
     with pytest.raises(ValueError, match="non-broadcastable output operand"):
         distmm.matmul(a, b, out)
     assert not out.any()  # refused before any work
+
+
+def test_keywords_numpy_refuses_by_type():
+    """A numpy scalar as ``out`` and a ``subok`` that is not True or False are TypeErrors in
+    numpy (distmm: a ValueError "read-only", and a result)."""
+    x = np.ones((2, 2))
+    for f in (np.matmul, distmm.matmul):
+        with pytest.raises(TypeError):
+            f(np.ones(2), np.ones(2), out=np.float64(0))
+        for subok in (0, 1, None, np.True_):
+            with pytest.raises(TypeError, match="'subok' must be a boolean"):
+                f(x, x, subok=subok)
+    assert (distmm.matmul(x, x, subok=False) == 2).all()
 
 
 @pytest.mark.parametrize("b_shape,out_dtype", [((3, 5), "f8"), ((4, 5), "f8"), ((3, 5), "i1")])
