@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,9 +170,12 @@ def ufunc_dtype(a_dtype, b_dtype, *, dtype=None, out_dtype=None, casting="same_k
 def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, casting, order):
     kw = {"casting": casting, "order": order, **({} if dtype is None else {"dtype": dtype})}
     empty_a, empty_b = np.empty((1, 0), a_dtype), np.empty((0, 1), b_dtype)
-    res = np.matmul(empty_a, empty_b, **kw).dtype
-    if out_dtype is not None:
-        np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
+    with warnings.catch_warnings():
+        # the casts' own warnings (complex to real) come from the casts of the values
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        res = np.matmul(empty_a, empty_b, **kw).dtype
+        if out_dtype is not None:
+            np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
         if not multiplies(dt):
             raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 import importlib.util
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -213,6 +215,23 @@ def test_out_that_cannot_hold_the_result_is_refused_like_numpy(a_shape, b_shape,
     with pytest.raises(ValueError, match="non-broadcastable output operand"):
         distmm.matmul(a, b, out)
     assert not out.any()  # refused before any work
+
+
+def test_a_complex_to_real_loop_warns_as_often_as_numpys():
+    """``dtype=float, casting="unsafe"`` on complex operands: numpy's two ComplexWarnings
+    (one a cast), on the first call too (distmm's dtype probe on empty operands added two)."""
+    from distmm.plan import _ufunc_dtype
+
+    x = np.ones((2, 2), complex)
+    _ufunc_dtype.cache_clear()
+    for out in (None, np.zeros((2, 2))):
+        counts = []
+        for f in (np.matmul, distmm.matmul):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                f(x, x, out=out, dtype=float, casting="unsafe")
+            counts.append([w.category for w in seen])
+        assert counts[1] == counts[0] and counts[0], counts
 
 
 def test_keywords_numpy_refuses_by_type():
