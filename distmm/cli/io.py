@@ -38,7 +38,8 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, put_in_place, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "result_shape", "unreadable", "Target", "NpyWriter", "SUFFIXES"]
+           "check_report", "check_space", "result_shape", "unreadable", "Target", "NpyWriter",
+           "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
