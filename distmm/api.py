@@ -711,7 +711,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
                 if type(hit) is Request:
                     CALLS.hits += 1
                     CALLS.last = entry
-                    return _squeeze(eng.run(hit), hit.operands)
+                    return _k_ordered(_squeeze(eng.run(hit), hit.operands), hit.operands, a, b)
                 result = hit(a, b)  # a replayer: 2-D operands, so nothing to squeeze
                 if result is not None:
                     CALLS.hits += 1
@@ -742,7 +742,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         if request is None:
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         _remember(key, ops, eng, request, a, b, cfg)
-        return _squeeze(eng.run(request), ops)
+        return _k_ordered(_squeeze(eng.run(request), ops), ops, a, b)
     if out is None:
         if request is not None:
             result = _squeeze(eng.run(request), ops)
@@ -891,13 +891,22 @@ def _ordered(result, order: str, ops: Operands, given):
     """The result in numpy's memory layout for ``order``: Fortran for ``"F"``, and for
     ``"A"`` when every operand in ``given`` (the operands as the caller passed them,
     before any cast or conversion) is Fortran-contiguous (also when it is C-contiguous
-    too, as vectors and ``(n, 1)`` shapes are); else the engines' C order, which is
-    numpy's for ``"K"`` and ``"C"``."""
+    too, as vectors and ``(n, 1)`` shapes are); for ``"K"`` the order of the operands'
+    batch axes (``ufunc_rules.k_layout``); else the engines' C order."""
     order = (order or "K").upper()  # numpy's probe (_validate) checked it: K, A, C, F or None
+    if order == "K" and ops.family == "numpy":
+        return ufunc_rules.k_layout(result, *given)
     if order in ("K", "C") or ops.family == "dask" or getattr(result, "ndim", 0) < 2:
         return result
     fortran = order == "F" or all(_given_fortran(x) for x in given)
     return _namespace(ops.family).asfortranarray(result) if fortran else result
+
+
+def _k_ordered(result, ops: Operands, a, b):
+    """``order="K"``'s layout (the cached calls' order) for a numpy stack; else ``result``."""
+    if ops.family != "numpy" or len(ops.batch) < 2:
+        return result
+    return ufunc_rules.k_layout(result, a, b)
 
 
 def _is_distributed(x) -> bool:

@@ -3,9 +3,10 @@
 This module covers what ``numpy.matmul`` does before and after its loop: an ``out``
 given as a one-element tuple, ``axes`` naming where the matrices lie, operands that
 override ``__array_ufunc__`` (they decide the call: numpy hands it to them), an ``out``
-with its own ``__array_wrap__`` (numpy passes the product through it), and ndarray
+with its own ``__array_wrap__`` (numpy passes the product through it), ndarray
 subclasses (``np.matrix``, masked arrays, a user's own), whose result is wrapped by the
-``__array_wrap__`` numpy picks. It does *not* cover the product itself (``distmm.api``).
+``__array_wrap__`` numpy picks, and the memory layout ``order="K"`` gives a stack's result
+(``k_layout``). It does *not* cover the product itself (``distmm.api``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from distmm._arrays import array_family, is_sparse
 
 __all__ = ["single_out", "overrides", "wraps_out", "find_wrap", "apply_wrap", "is_subclass",
-           "base", "core_axes_last"]
+           "base", "core_axes_last", "k_layout"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
@@ -150,3 +151,50 @@ def core_axes_last(a, b, out, axes, axis):
         return np.moveaxis(result, tuple(range(-len(o_core), 0)), o_core)
 
     return a, b, None, back
+
+
+def k_layout(result, a, b):
+    """``result`` (C-ordered, numpy's values of ``a @ b``) in the memory layout numpy's
+    ``order="K"`` gives it: the batch axes in the order of the operands' strides (a stack
+    of transposed or permuted batches keeps that order), the matrices C-ordered innermost.
+    numpy's iterator decides, asked on tiny operands whose batch axes have the same shapes
+    and the same order of strides (broadcast and reversed axes too) as ``a`` and ``b``;
+    ``result`` itself where that is C order (one batch axis, C-ordered operands)."""
+    core = sum(np.ndim(x) >= 2 for x in (a, b))  # a vector operand's axis is not C's
+    if not isinstance(result, np.ndarray) or result.ndim - core < 2:
+        return result
+    operands = [x for x in (a, b) if isinstance(x, np.ndarray) and x.ndim >= 3]
+    if all(x.flags.c_contiguous for x in operands):
+        return result
+    probe = np.matmul(*(_batch_probe(x) for x in (a, b)))
+    batch = probe.ndim - core
+    if probe.ndim != result.ndim or probe.flags.c_contiguous:
+        return result
+    order = sorted(range(batch), key=lambda i: (-abs(probe.strides[i]), i))
+    order += list(range(batch, probe.ndim))
+    laid = np.empty([result.shape[i] for i in order], result.dtype).transpose(np.argsort(order))
+    laid[...] = result
+    return laid
+
+
+def _batch_probe(x):
+    """A ``batch + (1, 1)`` float array whose batch axes have ``x``'s shape, and strides in
+    the order of ``x``'s (zero where ``x`` broadcasts, negative where it runs backwards);
+    ``x``'s own number of axes, each of size one, for an operand without batch axes. An
+    operand that is not an ndarray (a list, an on-disk array) is numpy's C-ordered copy."""
+    shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+    if len(shape) < 3:
+        return np.zeros((1,) * len(shape))
+    if not isinstance(x, np.ndarray):
+        return np.zeros(shape[:-2] + (1, 1))
+    shape, strides = shape[:-2], x.strides[:-2]
+    real = [i for i in range(len(shape)) if shape[i] > 1 and strides[i] != 0]
+    outer = sorted(real, key=lambda i: (-abs(strides[i]), i))
+    probe = np.zeros([shape[i] for i in outer] + [1, 1])
+    probe = probe.transpose([outer.index(i) for i in real] + [len(real), len(real) + 1])
+    for i in range(len(shape)):  # the axes of size 1 and the broadcast ones, as size 1
+        if i not in real:
+            probe = np.expand_dims(probe, i)
+    probe = np.broadcast_to(probe, shape + (1, 1))
+    flips = tuple(i for i in real if strides[i] < 0)
+    return np.flip(probe, flips) if flips else probe

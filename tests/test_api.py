@@ -533,6 +533,37 @@ def test_order_gives_numpys_memory_layout(order, layout):
     assert_close(got, a @ b)
 
 
+def _stack(rng, shape, layout):
+    """A float stack of ``shape`` laid out as ``layout`` says (batch axes permuted, reversed,
+    broadcast, or Fortran)."""
+    if layout == "permuted":
+        return rng.standard_normal((shape[1], shape[0]) + shape[2:]).transpose(1, 0, 2, 3)
+    if layout == "reversed":
+        return rng.standard_normal(shape)[::-1]
+    if layout == "broadcast":
+        return np.broadcast_to(rng.standard_normal((1,) + shape[1:]), shape).transpose(1, 0, 2, 3)
+    if layout == "fortran":
+        return np.asfortranarray(rng.standard_normal(shape))
+    return rng.standard_normal(shape)
+
+
+@pytest.mark.parametrize("layout", ["permuted", "reversed", "broadcast", "fortran", "C"])
+@pytest.mark.parametrize("other", ["matrix", "vector", "C-stack", "same"])
+def test_order_k_keeps_a_stacks_batch_order_as_numpy(layout, other):
+    """numpy's default ``order="K"`` lays a stack's result out in the order of the operands'
+    batch axes (distmm gave C order); three calls, so the call cache's answers too."""
+    rng = np.random.default_rng()
+    a = _stack(rng, (3, 2, 5, 4), layout)
+    b = {"matrix": rng.standard_normal((4, 6)), "vector": rng.standard_normal(4),
+         "C-stack": rng.standard_normal(a.shape[:2] + (4, 6)),
+         "same": _stack(rng, (3, 2, 4, 6), layout)}[other]
+    want = np.matmul(a, b)
+    for _ in range(3):
+        got = distmm.matmul(a, b)
+        assert got.strides == want.strides
+        assert_close(got, want)
+
+
 _LAYOUT_PAIRS = {
     "column-row": (np.ones((3, 1)), np.ones((1, 5))),  # C- and F-contiguous at once
     "fortran-stack-vector": (np.asfortranarray(np.ones((2, 3, 4))), np.ones(4)),
