@@ -180,6 +180,21 @@ def test_a_file_gone_after_the_check_raises_its_error_at_once(client, tmp_path, 
     assert time.monotonic() - t0 < 30
 
 
+def test_a_chunk_the_workers_cannot_decode_names_its_file(client, tmp_path):
+    """A zarr chunk cut short: the workers' read raises an ``UnreadableInput`` (a
+    ValueError) naming the array, not zarr's "Zstd decompression error" alone."""
+    from distmm.errors import UnreadableInput
+
+    a, b = _operands(tmp_path, "float64", 60, 40, 30)
+    z = zarr.create_array(str(tmp_path / "a.zarr"), shape=a.shape, chunks=(10, 40), dtype="f8")
+    z[...] = a
+    chunk = tmp_path / "a.zarr" / "c" / "3" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:20])
+    with pytest.raises(UnreadableInput, match=f"{tmp_path / 'a.zarr'} cannot be read"):
+        distmm.matmul(zarr.open_array(str(tmp_path / "a.zarr"), mode="r"), b, client=client,
+                      tile=10)
+
+
 def _replace_file(path, values, *, keep_times: bool = False) -> None:
     """Write ``values`` to a new .npy file renamed onto ``path`` (a new inode), with the old
     file's times when ``keep_times`` (as ``cp -p``, ``rsync -t`` or tar leave them)."""

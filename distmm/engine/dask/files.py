@@ -47,6 +47,13 @@ class FileSource:
     ino: int = 0
 
     @property
+    def name(self) -> str:
+        """The operand as a command line names it: ``file.h5:dataset``, ``store.zarr/array``."""
+        if self.kind == "h5":
+            return f"{self.path}:{self.node}"
+        return os.path.join(self.path, self.node) if self.node else self.path
+
+    @property
     def stamp_path(self) -> str:
         if self.kind in ("npy", "h5"):
             return self.path
@@ -249,5 +256,15 @@ def release(client, sources) -> None:
 
 
 def read_block(src: FileSource, index: tuple) -> np.ndarray:
-    """Task body, on a worker: ``array[index]`` of the file, as an array of its own."""
-    return np.array(_opened(src)[index], copy=True)
+    """Task body, on a worker: ``array[index]`` of the file, as an array of its own; a read
+    that fails (a chunk that does not decode) is an ``UnreadableInput`` naming the file."""
+    arr = _opened(src)
+    try:
+        return np.array(arr[index], copy=True)
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - named: the library's message names no file
+        from distmm.errors import UnreadableInput
+
+        raise UnreadableInput(f"{src.name} cannot be read: {type(exc).__name__}: "
+                              f"{exc}") from exc
