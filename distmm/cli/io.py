@@ -115,15 +115,22 @@ def result_shape(a, b) -> tuple[int, ...]:
 def unreadable(exc: BaseException, operands: dict):
     """An ``UnreadableInput`` naming the operand (``{spec: opened array}``) whose read raised
     ``exc``: a frame of the traceback, or of its causes, is a method of that very array (a
-    zarr chunk that does not decode, an HDF5 filter that fails); None for any other error,
-    which names its file already or is not a read's."""
+    zarr chunk that does not decode, an HDF5 filter that fails), or a Dask worker's read noted
+    its file on it; None for any other error, which names its file already or is not a
+    read's."""
     from distmm.errors import UnreadableInput
 
     if isinstance(exc, (MemoryError, UnreadableInput)):
         return None
+    from distmm.engine.dask.files import READING
+
     seen, e = set(), exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        for note in getattr(e, "__notes__", ()):  # a Dask worker's read names its file so
+            if isinstance(note, str) and note.startswith(READING):
+                return UnreadableInput(f"{note[len(READING):]} cannot be read: "
+                                       f"{type(exc).__name__}: {exc}")
         tb = e.__traceback__
         while tb is not None:
             owner = tb.tb_frame.f_locals.get("self")

@@ -255,16 +255,17 @@ def release(client, sources) -> None:
         pass
 
 
+#: how a read's error names its file (a note: the error keeps its type, as numpy's own read
+#: of the array would raise it; the command line reads the note)
+READING = "distmm: while reading "
+
+
 def read_block(src: FileSource, index: tuple) -> np.ndarray:
-    """Task body, on a worker: ``array[index]`` of the file, as an array of its own; a read
-    that fails (a chunk that does not decode) is an ``UnreadableInput`` naming the file."""
+    """Task body, on a worker: ``array[index]`` of the file, as an array of its own; the
+    error of a read that fails (a chunk that does not decode) carries a note naming the file."""
     arr = _opened(src)
     try:
         return np.array(arr[index], copy=True)
-    except MemoryError:
+    except Exception as exc:
+        exc.add_note(READING + src.name)
         raise
-    except Exception as exc:  # noqa: BLE001 - named: the library's message names no file
-        from distmm.errors import UnreadableInput
-
-        raise UnreadableInput(f"{src.name} cannot be read: {type(exc).__name__}: "
-                              f"{exc}") from exc
