@@ -201,6 +201,22 @@ def test_dask_cluster_fills_out_before_the_report(client, kind):
     np.testing.assert_array_equal(got_outs[0][0], ref_outs[0][0])
 
 
+def test_dask_cluster_reports_the_flags_of_object_elements(client):
+    """Object elements that are numpy scalars raise flags in their own arithmetic (an int8
+    product that wraps): numpy warns or raises; on a cluster they reached only a worker's
+    log. (numpy names the operation "scalar multiply"; distmm's report says "matmul".)"""
+    a = np.array([[np.int8(100), np.int8(1)]], dtype=object)
+    b = np.array([[np.int8(100)], [np.int8(1)]], dtype=object)
+    run = lambda x, y: distmm.matmul(x, y, engine="dask", client=client)  # noqa: E731
+    raised, _, _ = outcome(run, a, b, "raise")
+    assert raised == "overflow encountered in matmul"
+    _, warned, _ = outcome(run, a, b, "warn")
+    assert warned == ["overflow encountered in matmul"]
+    assert outcome(run, a, b, "ignore") == (None, [], [])
+    assert outcome(np.matmul, a, b, "raise")[0] is not None
+    assert not any(client.run(_flags_held).values())
+
+
 def test_product_flags_reads_the_result_against_its_rows_and_columns():
     a = np.array([[np.inf, 1.0], [np.nan, 1.0], [1.0, 1.0]])
     b = np.array([[0.0, 2.0], [1.0, 1.0]])

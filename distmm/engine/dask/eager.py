@@ -479,8 +479,9 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         a_need, b_need = _needers(plan, batch, a2.shape[:-2], b2.shape[:-2])
         rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
-    # float results: the tasks keep their floating-point flags under the token, reported here
-    task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fc" else "")
+    # float results (and object ones, whose numpy scalars raise flags too): the tasks keep
+    # their floating-point flags under the token, reported here
+    task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fcO" else "")
     a_src, b_src = _file_sources(client, a2, b2)
     sink = _file_sink(client, out, rows, cols)
     a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None,
