@@ -22,7 +22,7 @@ from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import (BAD_INPUT, Signalled, report, terminate_on_sigterm,
                               whole_line_writes)
 from distmm.executor import BACKENDS
-from distmm.startup import guard, let_rank_zero_say
+from distmm.startup import guard, is_command, let_rank_zero_say
 
 __all__ = ["main", "build_parser"]
 
@@ -523,10 +523,12 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)
-        if (staging is not None and staging.HDF5_UNCLOSED) or "zarr" in sys.modules:
+        if (staging is not None and staging.HDF5_UNCLOSED) or ("zarr" in sys.modules
+                                                                 and is_command()):
             # HDF5 would retry the failed close at exit and crash; zarr's reads still queued
-            # beside a failed one would each print a traceback as its event loop closes: the
-            # staged output is gone already, so end here.
+            # beside a failed one would each print a traceback as its event loop closes (the
+            # command only: main() called in a process that goes on returns): the staged
+            # output is gone already, so end here.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)
