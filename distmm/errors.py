@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
-           "Signalled", "ConfigError", "NotPicklable", "UnreadableInput"]
+           "Signalled", "ConfigError", "NotPicklable", "UnreadableInput", "READING"]
 
 
 class ConfigError(ValueError):
@@ -50,6 +50,11 @@ class InsufficientSpace(OSError):
 class UnreadableInput(ValueError):
     """An operand's file failed while it was read (a corrupt or truncated chunk, a filter
     that failed): the message names the file, then what its library said."""
+
+
+#: the note a reader adds to the error of a read that failed, naming the file (the error keeps
+#: its type, as numpy's own read of the array would raise it; the command line reads the note)
+READING = "distmm: while reading "
 
 
 class NotPicklable(TypeError):

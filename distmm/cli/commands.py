@@ -22,7 +22,7 @@ from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import (BAD_INPUT, Signalled, report, terminate_on_sigterm,
                               whole_line_writes)
 from distmm.executor import BACKENDS
-from distmm.startup import guard, is_command, let_rank_zero_say
+from distmm.startup import guard, is_command, let_rank_zero_say, rank_zero
 
 __all__ = ["main", "build_parser"]
 
@@ -31,8 +31,6 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one line: ``distmm matmul: error: ... (see --help)``."""
 
     def error(self, message):
-        from distmm.startup import rank_zero
-
         # under a launcher every rank parses the same arguments: rank 0 says it once
         self.exit(BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} "
                              f"(see {self.prog} --help)\n" if rank_zero() else None)
@@ -170,8 +168,6 @@ def _every_rank_refuses(check, args):
     """``check(args)``, whose ValueError every rank of a launcher raises alike (it reads
     only the arguments and the launcher's variables): said once, by rank 0; the other
     ranks exit with the same status, silently."""
-    from distmm.startup import rank_zero
-
     try:
         return check(args)
     except ValueError:

@@ -118,12 +118,10 @@ def unreadable(exc: BaseException, operands: dict):
     zarr chunk that does not decode, an HDF5 filter that fails), or a Dask worker's read noted
     its file on it; None for any other error, which names its file already or is not a
     read's."""
-    from distmm.errors import UnreadableInput
+    from distmm.errors import READING, UnreadableInput
 
     if isinstance(exc, (MemoryError, UnreadableInput)):
         return None
-    from distmm.engine.dask.files import READING
-
     seen, e = set(), exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))

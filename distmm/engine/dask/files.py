@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from distmm.errors import READING
+
 __all__ = ["FileSource", "source_of", "visible", "read_block", "release"]
 
 
@@ -253,11 +255,6 @@ def release(client, sources) -> None:
         client.run(_release, paths, on_error="return")
     except Exception:  # noqa: BLE001 - a worker that cannot answer holds nothing of ours now
         pass
-
-
-#: how a read's error names its file (a note: the error keeps its type, as numpy's own read
-#: of the array would raise it; the command line reads the note)
-READING = "distmm: while reading "
 
 
 def read_block(src: FileSource, index: tuple) -> np.ndarray:
