@@ -7,6 +7,7 @@ in subprocesses with real environment variables. The counters below wrap the rea
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -172,9 +173,16 @@ def test_make_plan_reads_the_configuration():
 def test_make_plan_is_the_plan_of_the_call():
     rng = np.random.default_rng()
     a, b = _operands(rng, 301, 1203, 95)
+    with dask.config.set({"distmm.memory-budget": "48MiB"}):
+        CALLS.clear()
+        distmm.matmul(a, b)
+        assert CALLS.last.plan == distmm.make_plan(301, 95, 1203)
+    # The default budget ("auto") is a share of the memory available at the call, measured
+    # again after a second: the two calls may see different amounts, and nothing else differs.
     CALLS.clear()
     distmm.matmul(a, b)
-    assert CALLS.last.plan == distmm.make_plan(301, 95, 1203)
+    dry = distmm.make_plan(301, 95, 1203)
+    assert dataclasses.replace(CALLS.last.plan, memory_budget=dry.memory_budget) == dry
 
 
 # -- float16: numpy's bits --------------------------------------------------------------------
