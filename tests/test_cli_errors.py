@@ -84,7 +84,8 @@ def test_an_unreadable_operand_is_bad_input_naming_its_file(files, kind):
     assert not (files / "c.npy").exists()
 
 
-@pytest.mark.parametrize("where", ["missing-folder", "directory", "operand", "output"])
+@pytest.mark.parametrize("where", ["missing-folder", pytest.param("directory", marks=pytest.mark.slow),
+                                   pytest.param("operand", marks=pytest.mark.slow), "output"])
 def test_profile_path_is_checked_before_any_work(files, where):
     """--profile was written after C: a bad path failed a finished run (exit 2, C left in
     place), and naming an input replaced it with JSON."""
@@ -392,6 +393,7 @@ def test_argument_errors_under_mpirun_are_said_once(files, mpirun):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_stacks_under_mpirun_are_checked_before_any_work(files, mpirun):
     """Stacks and vectors take the checks matrices take, before the product: an existing
     target (it was found only after the product), a GPU backend on ranks without a GPU (it

@@ -818,7 +818,7 @@ def test_model_command_warns_before_the_table():
     assert sum(ln.startswith("warning:") for ln in done.stdout.splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv,needle", [
+_BAD_MODEL_ARGS = [
     (["--gpus", "8,x", "10", "10", "10"], "not a comma-separated list of device counts"),
     (["--gpus", "0", "10", "10", "10"], "device counts must be at least 1"),
     (["--gpus", "8", "10", "10"], "model needs three sizes M N K, got 2"),
@@ -833,8 +833,16 @@ def test_model_command_warns_before_the_table():
     (["--validate", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
     (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
     (["--gpus", "8", "10", "10", "10", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
-], ids=["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link", "memory",
-        "calibration", "int8", "records", "validate-gpus", "gpus-per-node"])
+]
+_BAD_MODEL_IDS = ["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link",
+                  "memory", "calibration", "int8", "records", "validate-gpus", "gpus-per-node"]
+# argparse's own refusals and the repeats of a kind run with the slow cases
+_SLOW_MODEL_IDS = {"gpus-zero", "negative", "engine", "link", "int8", "validate-gpus"}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    pytest.param(*case, id=i, marks=[pytest.mark.slow] * (i in _SLOW_MODEL_IDS))
+    for case, i in zip(_BAD_MODEL_ARGS, _BAD_MODEL_IDS, strict=True)])
 def test_model_bad_arguments_one_line_exit_2(argv, needle):
     done = _distmm("model", *argv)
     assert done.returncode == 2, (done.stdout, done.stderr)

@@ -522,7 +522,8 @@ def _locked_within(dev, x) -> bool:
     (1500, 257, 300, "float32", 64 << 20), (999, 130, 77, "float64", 64 << 20),
     (3000, 257, 200, "float32", 4 << 20),      # row blocks of ragged bytes
     (3001, 130, 90, "float64", 2 << 20),       # tiles mode, one column block
-    (400, 700, 600, "float32", 1 << 20),       # tiles mode, several column blocks
+    pytest.param(400, 700, 600, "float32", 1 << 20,  # tiles mode, several column blocks
+                 marks=pytest.mark.slow),
 ])
 def test_direct_copies_page_locked_in_place(m, n, k, dtype, limit):
     """Copies straight between the device and the caller's arrays: each finds its bytes
@@ -585,10 +586,11 @@ def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     (1500, 257, 300, "float32", 64 << 20, "ABC"),
     (3001, 130, 90, "float64", 2 << 20, "ABC"),    # tiles mode, one column block
     (400, 700, 600, "float32", 1 << 20, "ABC"),    # several column blocks: C through the ring
-    (3000, 257, 200, "float32", 4 << 20, "B"),
+    pytest.param(3000, 257, 200, "float32", 4 << 20, "B", marks=pytest.mark.slow),
     (999, 130, 77, "float64", 64 << 20, "AC"),
-    (3000, 257, 200, "float32", 4 << 20, "AB"),    # A's panel does not fit beside the tiling
-    (5000, 300, 600, "float32", 16 << 20, "A"),
+    pytest.param(3000, 257, 200, "float32", 4 << 20, "AB",  # A's panel does not fit beside
+                 marks=pytest.mark.slow),                     # the tiling
+    pytest.param(5000, 300, 600, "float32", 16 << 20, "A", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned,
@@ -621,8 +623,9 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
 
 
 @pytest.mark.parametrize("how", ["ABC", "AB", "BC", "locked-in-place"])
-@pytest.mark.parametrize("m,n,k,dtype,columns", [(1500, 300, 700, "float32", 2),
-                                                 (999, 257, 130, "float64", 3)])
+@pytest.mark.parametrize("m,n,k,dtype,columns", [
+    pytest.param(1500, 300, 700, "float32", 2, marks=pytest.mark.slow),
+    (999, 257, 130, "float64", 3)])
 def test_column_blocks_where_a_b_and_c_cross_straight(monkeypatch, how, m, n, k, dtype, columns):
     """Asked (``distmm-debug.pipeline-columns``), beside tensor-core GEMMs, where A, B and C
     all cross straight (page-locked by their owner, or in place by the debug setting), C's
