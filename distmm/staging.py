@@ -6,7 +6,8 @@ This module covers the parts of staging an output that the command line
 - the staged name beside a target, ``.NAME.distmm-partial-PID`` (same folder,
   so the final rename is atomic), and the staged outputs a killed run left there
   (``leftovers``, for an HDF5 target those of its dataset only; ``is_live`` tells a running
-  one on this host; ``remove_leftover``);
+  one on this host, ``claim`` takes one over for a ``--resume`` run or a removal;
+  ``reclaimable``: their space; ``remove_leftover``);
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
   target, keeping a replaced target's permission bits;
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
@@ -56,7 +57,9 @@ from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
-           "leftovers", "is_live", "remove_leftover", "check_target", "zarr_node"]
+           "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
+           "reclaimable", "remove_leftover",
+           "check_target", "zarr_node"]
 
 PARTIAL = "distmm-partial"
 
@@ -216,15 +219,86 @@ def _h5_holds(staged: Path, dataset: str) -> bool:
 
 
 def is_live(staged: Path) -> bool:
-    """Whether the process that made ``staged`` still runs on this host (a distmm run)."""
+    """Whether a process on this host works on ``staged``: the distmm run that made it, still
+    running, or one that took it over with ``claim`` (a ``--resume`` run) and still holds it."""
     pid = int(str(staged).rsplit("-", 1)[1])
     if pid == os.getpid():
         return True
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
+        return _claimed(staged)
+    return b"distmm" in cmdline or _claimed(staged)
+
+
+#: the manifest a resumable run keeps beside its staged output (``distmm.engine.mpi.resume``),
+#: which ``claim`` locks
+MANIFEST_SUFFIX = ".resume.json"
+
+
+def claim(staged: Path) -> int | None:
+    """Take ``staged`` over for this process: an exclusive advisory lock (``flock``) on its
+    manifest (``STAGED.resume.json``), held until the returned descriptor is closed or the
+    process ends (a kill releases it). None where another process holds it: that one resumes
+    or removes ``staged``, and this one leaves it alone. -1 (nothing held) where there is no
+    manifest: no run can resume such a staged output."""
+    import fcntl
+
+    try:
+        fd = os.open(f"{staged}{MANIFEST_SUFFIX}", os.O_RDONLY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def release(fd: int | None) -> None:
+    """Give up a ``claim``."""
+    if fd is not None and fd >= 0:
+        os.close(fd)
+
+
+def _claimed(staged: Path) -> bool:
+    """Whether another process holds ``staged``'s claim."""
+    fd = claim(staged)
+    release(fd)
+    return fd is None
+
+
+def remove_if_left(staged: Path) -> bool:
+    """Remove ``staged`` unless a process works on it (``is_live``), holding its claim
+    meanwhile so that no ``--resume`` run takes it up half removed. Whether it was removed."""
+    if is_live(staged):
         return False
-    return b"distmm" in cmdline
+    fd = claim(staged)
+    if fd is None:
+        return False
+    try:
+        remove_leftover(staged)
+    finally:
+        release(fd)
+    return True
+
+
+def reclaimable(target: Path, dataset: str | None = None) -> int:
+    """Bytes on disk of the staged outputs beside ``target`` that no running process works
+    on (``leftovers`` less ``is_live``): a run resumes or removes them before it writes, so
+    their space counts as free for its output."""
+    total = 0
+    for staged in leftovers(target, dataset):
+        if is_live(staged):
+            continue
+        files = [staged] if not staged.is_dir() else [p for p in staged.rglob("*") if p.is_file()]
+        for f in files:
+            try:
+                total += f.lstat().st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def remove_leftover(staged: Path) -> None:

@@ -279,12 +279,11 @@ def _remove_leftovers(output: str) -> None:
     target; those of a distmm process still running on this host, or of another dataset of
     the same HDF5 file, stay."""
     from distmm.cli.io import parse_target
-    from distmm.staging import is_live, leftovers, remove_leftover
+    from distmm.staging import leftovers, remove_if_left
 
     target = parse_target(output)
     for staged in leftovers(target.path, target.dataset):
-        if not is_live(staged):
-            remove_leftover(staged)
+        if remove_if_left(staged):
             print(f"distmm matmul: removed {staged.name}, left beside {output} by a run that was "
                   f"killed", file=sys.stderr, flush=True)
 

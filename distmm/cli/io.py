@@ -35,7 +35,7 @@ import numpy as np
 from distmm.direct_io import npy_header, preallocate
 from distmm.stripe_writer import output_spec, parse_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
-                            create_h5_stage, put_in_place, staged_path, zarr_node)
+                            create_h5_stage, put_in_place, reclaimable, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
            "check_report", "check_space", "result_shape", "unreadable", "Target", "NpyWriter",
@@ -251,13 +251,18 @@ def check_space(t: Target, nbytes: int) -> None:
     """Refuse an output that cannot fit: the file system's free space, and the
     file-size limit (``ulimit -f``) for a single-file output, which HDF5 and a
     ``.npy`` file are (zarr writes one file per chunk). An HDF5 result for an
-    existing file needs room twice, for its staged file and for its copy."""
+    existing file needs room twice, for its staged file and for its copy. The
+    space of staged outputs that stopped or killed runs left beside the target
+    counts as free: the run resumes (``--resume``) or removes them before it writes."""
+    freed = reclaimable(t.path, t.dataset)
     if t.kind != "h5":
-        check_room(t, t.path.parent, nbytes + (1 << 20), None if t.kind == "zarr" else nbytes + 4096)
+        check_room(t, t.path.parent, nbytes + (1 << 20) - freed,
+                   None if t.kind == "zarr" else nbytes + 4096)
     elif t.path.exists():
-        check_room(t, t.path.parent, 2 * (nbytes + H5_MARGIN), t.path.stat().st_size + nbytes + H5_MARGIN)
+        check_room(t, t.path.parent, 2 * (nbytes + H5_MARGIN) - freed,
+                   t.path.stat().st_size + nbytes + H5_MARGIN)
     else:
-        check_room(t, t.path.parent, nbytes + H5_MARGIN, nbytes + H5_MARGIN)
+        check_room(t, t.path.parent, nbytes + H5_MARGIN - freed, nbytes + H5_MARGIN)
 
 
 def same_file(a: str, b: str) -> bool:

@@ -34,9 +34,13 @@ from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_s
 from distmm.errors import Signalled
 from distmm.fpflags import report
 from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
-from distmm.staging import is_live, leftovers, remove_leftover
+from distmm.staging import claim, is_live, leftovers, release, remove_leftover
 
 __all__ = ["run_batch", "BatchOutcome"]
+
+#: rank 0's claims (``distmm.staging.claim``) on the staged outputs it resumes, by the PID in
+#: their names, held from ``_prepare`` to ``_finish``
+_HELD: dict[int, int | None] = {}
 
 
 @dataclass
@@ -92,27 +96,36 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     spec = parse_spec(args.output)
     target = spec.path
     notes = []
-    found = [p for p in leftovers(target, spec.dataset) if not is_live(p)]
+    # each one this process takes over (``claim``): a run started beside it leaves it alone
+    claims = {p: claim(p) for p in leftovers(target, spec.dataset) if not is_live(p)}
+    found = [p for p, fd in claims.items() if fd is not None]
     reuse = None
-    if args.resume:
-        want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
-        for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
-            old = rs.Manifest.load(staged)
-            if old is None:
-                continue
-            what = rs.mismatch(old, want)
-            if what is not None:
-                raise ValueError(f"cannot resume {args.output} from {staged.name}: {what}; run "
-                                 f"without --resume to start over (that removes it)")
-            reuse = staged
-            break
-    for staged in found:
-        if staged != reuse:
-            remove_leftover(staged)
-            notes.append(f"removed {staged.name}, left beside {args.output} by a run that was "
-                         f"killed")
+    try:
+        if args.resume:
+            want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
+            for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+                old = rs.Manifest.load(staged)
+                if old is None:
+                    continue
+                what = rs.mismatch(old, want) or rs.short(staged, old, (plan.grid.m, plan.grid.n),
+                                                          dtype)
+                if what is not None:
+                    raise ValueError(f"cannot resume {args.output} from {staged.name}: {what}; "
+                                     f"run without --resume to start over (that removes it)")
+                reuse = staged
+                break
+        for staged in found:
+            if staged != reuse:
+                remove_leftover(staged)
+                notes.append(f"removed {staged.name}, left beside {args.output} by a run that "
+                             f"was killed")
+    finally:
+        for staged, fd in claims.items():
+            if staged != reuse:
+                release(fd)
     if reuse is not None:
         old = rs.Manifest.load(reuse)
+        _HELD[old["pid"]] = claims[reuse]  # until _finish: this run works on it now
         return old["pid"], old["header"], True, notes
     pid = os.getpid()
     header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
@@ -321,17 +334,20 @@ def _warm_links(comms, dtype) -> list:
 def _finish(args, pid: int, *, ok: bool, keep: bool):
     """Rank 0: commit (and drop the manifest and logs), or remove, or keep for ``--resume``."""
     staged = staged_path(parse_spec(args.output).path, pid)
-    if ok:
-        finish_staged(args.output, pid, True, overwrite=args.overwrite)
-        for extra in staged.parent.glob(f"{staged.name}.*"):
-            extra.unlink(missing_ok=True)
+    try:
+        if ok:
+            finish_staged(args.output, pid, True, overwrite=args.overwrite)
+            for extra in staged.parent.glob(f"{staged.name}.*"):
+                extra.unlink(missing_ok=True)
+            return None
+        if keep and staged.exists():
+            lock = Path(f"{staged}.lock")
+            lock.unlink(missing_ok=True)
+            return None
+        remove_leftover(staged)
         return None
-    if keep and staged.exists():
-        lock = Path(f"{staged}.lock")
-        lock.unlink(missing_ok=True)
-        return None
-    remove_leftover(staged)
-    return None
+    finally:
+        release(_HELD.pop(pid, None))
 
 
 def _close_sources(*arrays) -> None:

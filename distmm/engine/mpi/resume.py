@@ -2,12 +2,14 @@
 
 This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
 output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size,
-modification time, inode number and status-change time, the result dtype, the rank count, the
+modification time, inode number and status-change time, and those of the other files an HDF5
+input's data lies in (external links, virtual datasets), the result dtype, the rank count, the
 grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
 another order is refused), the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were),
-comparing a manifest with a new run's (one line naming what changed), and finding the staged
+comparing a manifest with a new run's (one line naming what changed; ``short``: a kept staged
+file shorter than it was made), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
 matches; ``distmm.staging`` finds and removes them).
@@ -21,14 +23,16 @@ import json
 import os
 from pathlib import Path
 
+from distmm.staging import MANIFEST_SUFFIX
+
 __all__ = ["Manifest", "input_facts", "manifest_path", "done_log_path", "read_done",
-           "DoneLog", "mismatch"]
+           "DoneLog", "mismatch", "short"]
 
 FORMAT = "distmm-resume-1"
 
 
 def manifest_path(staged: Path) -> Path:
-    return Path(f"{staged}.resume.json")
+    return Path(f"{staged}{MANIFEST_SUFFIX}")
 
 
 def done_log_path(staged: Path, rank: int) -> Path:
@@ -63,7 +67,56 @@ def input_facts(spec: str, array) -> dict:
         size, mtime, ctime, inode = st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
     return {"spec": str(spec), "file": canonical(spec), "shape": [int(s) for s in array.shape],
             "dtype": str(array.dtype), "bytes": int(size), "mtime_ns": int(mtime),
-            "inode": int(inode), "ctime_ns": int(ctime)}
+            "inode": int(inode), "ctime_ns": int(ctime), "sources": _sources(path, array)}
+
+
+def _sources(path: Path, array) -> list:
+    """The files other than ``path`` that hold an HDF5 dataset's data, each as ``[file, size,
+    modification time, inode, status-change time]`` (a missing one as ``[file]``): the file an
+    external link leads to, a virtual dataset's sources and external raw storage. Empty for
+    every other input."""
+    fh = getattr(array, "file", None)
+    if fh is None or not hasattr(array, "is_virtual"):
+        return []
+    own = Path(fh.filename).resolve()
+    names = [own]
+    if array.is_virtual:
+        names += [_near(own, vs.file_name) for vs in array.virtual_sources()]
+    names += [_near(Path.cwd() / "x", name) for name, *_ in (array.external or ())]
+    found = []
+    for name in dict.fromkeys(names):  # in order, once each
+        if name == path.resolve():
+            continue
+        try:
+            st = name.stat()
+            found.append([str(name), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+        except OSError:
+            found.append([str(name)])
+    return found
+
+
+def _near(anchor: Path, name) -> Path:
+    """A file HDF5 names from inside ``anchor`` (``"."``: ``anchor`` itself), as HDF5 finds it
+    first: beside ``anchor``, else from the working folder."""
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    if name == ".":
+        return anchor
+    beside = anchor.parent / name
+    return (beside if beside.exists() else Path(name)).resolve()
+
+
+def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
+    """One phrase where the kept staged file is shorter than the run made it (its header and
+    the result's bytes), or None (zarr folders are not checked)."""
+    if staged.is_dir() or manifest.get("header") is None:
+        return None
+    import numpy as np
+
+    want = int(manifest["header"]) + int(np.prod(shape)) * np.dtype(dtype).itemsize
+    have = staged.stat().st_size
+    if have < want:
+        return f"its staged output holds {have} of the {want} bytes it was made with"
+    return None
 
 
 class Manifest(dict):
@@ -105,24 +158,51 @@ def mismatch(old: dict, new: dict) -> str | None:
     for key, what in (("a", "input A"), ("b", "input B")):
         o, n = old.get(key, {}), new.get(key, {})
         if o.get("file", o.get("spec")) != n.get("file", n.get("spec")):  # "file": resolved
-            return f"{what} was {o.get('spec')}, now {n.get('spec')}"
+            return f"{what} was {_named(o, n)}, now {_named(n, o)}"
         for field, label in (("shape", "shape"), ("dtype", "dtype"), ("bytes", "size"),
                              ("mtime_ns", "modification time"), ("inode", "inode number"),
                              ("ctime_ns", "status-change time")):
             if o.get(field) != n.get(field):
                 return f"{what} ({n.get('spec')}) changed: its {label} differs"
+        was, now = o.get("sources", []), n.get("sources", [])
+        if was != now:
+            changed = next((x[0] for x, y in zip(was, now) if x != y),
+                           (was + now)[min(len(was), len(now))][0])
+            return f"{what} ({n.get('spec')}) changed: {changed}, which holds its data, differs"
     if old.get("output_file", old.get("output")) != new.get("output_file", new.get("output")):
-        return f"the output changed ({old.get('output')} then, {new.get('output')} now)"
+        o = {"spec": old.get("output"), "file": old.get("output_file")}
+        n = {"spec": new.get("output"), "file": new.get("output_file")}
+        return f"the output changed ({_named(o, n)} then, {_named(n, o)} now)"
     for key, label in (("dtype", "result dtype"), ("backend", "backend"),
                        ("ranks", "rank count"), ("grid", "process grid"),
                        ("stripe_edges", "stripes"), ("panels", "k panels of a stripe's sum")):
         if old.get(key) != new.get(key):
+            if key in ("stripe_edges", "panels"):  # lists of edges: said as counts
+                was, now = _count(old.get(key)), _count(new.get(key))
+                if was == now:
+                    return f"the {label} changed (as many, at other edges)"
+                return f"the {label} changed ({was} then, {now} now)"
             return f"the {label} changed ({old.get(key)} then, {new.get(key)} now)"
     # a manifest written before precision= existed was a "highest" run
     if old.get("precision", "highest") != new.get("precision", "highest"):
         return (f"the precision changed ({old.get('precision', 'highest')} then, "
                 f"{new.get('precision', 'highest')} now)")
     return None
+
+
+def _named(facts: dict, other: dict) -> str:
+    """An input's or output's spec, or its resolved file where the specs read the same."""
+    spec = facts.get("spec")
+    return str(facts.get("file") or spec) if spec == other.get("spec") else str(spec)
+
+
+def _count(edges) -> str:
+    """Stripe edges per grid row (or k panel edges) as counts: ``3 + 3 stripes``."""
+    if not edges:
+        return "none"
+    if isinstance(edges[0], list):
+        return " + ".join(str(max(len(e) - 1, 0)) for e in edges)
+    return str(max(len(edges) - 1, 0))
 
 
 def read_done(staged: Path, rank: int) -> set[int]:

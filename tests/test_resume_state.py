@@ -1,0 +1,227 @@
+"""What a stopped ``--resume`` run keeps, and who may touch it (real files, real processes).
+
+Covers: HDF5 inputs known by every file that holds their data (an external link's file, a
+virtual dataset's sources), so a resume after such a file changed is refused; a kept staged
+file shorter than it was made, refused; refusals that name what differs where the spellings
+agree (a moved folder) and stripes said as counts; a resumed run's claim on the staged output
+it works on, which another run (a plain one, or a second ``--resume``) leaves alone, and which
+a kill releases; the space of leftovers counted as free by the space check (a resume, or a
+rerun after a full disk, needs only what is missing).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distmm.engine.mpi import resume as rs
+from distmm.staging import claim, is_live, reclaimable, release, remove_if_left, staged_path
+
+
+def _manifest(a_spec, a, out_spec="c.npy", **extra):
+    fields = dict(b=rs.input_facts(a_spec, a), output=out_spec, dtype="float64",
+                  backend="blas", ranks=2, grid=(1, 2, 1), stripe_edges=[[0, 2, 3]],
+                  panels=[0, 4], pid=0, header=128)
+    fields.update(extra)
+    return rs.Manifest.make(a=rs.input_facts(a_spec, a), **fields)
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has ended."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)
+
+
+def test_hdf5_inputs_are_known_by_the_files_that_hold_their_data(tmp_path, monkeypatch):
+    h5py = pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng()
+    with h5py.File("g.h5", "w") as g:
+        g["A"] = rng.standard_normal((5, 4))
+    with h5py.File("f.h5", "w") as f:
+        f["A"] = h5py.ExternalLink("g.h5", "/A")
+        layout = h5py.VirtualLayout(shape=(5, 4), dtype="float64")
+        layout[...] = h5py.VirtualSource("g.h5", "A", shape=(5, 4))
+        f.create_virtual_dataset("V", layout)
+
+    def facts(spec):
+        with h5py.File("f.h5", "r") as f:
+            return _manifest(spec, f[spec.split(":")[1]])
+
+    linked, virtual = facts("f.h5:A"), facts("f.h5:V")
+    assert [s[0] for s in linked["a"]["sources"]] == [str(tmp_path / "g.h5")]
+    assert [s[0] for s in virtual["a"]["sources"]] == [str(tmp_path / "g.h5")]
+    assert rs.mismatch(linked, facts("f.h5:A")) is None
+    time.sleep(0.01)
+    with h5py.File("g.h5", "r+") as g:  # the data doubled in place; f.h5 untouched
+        g["A"][...] = 2 * g["A"][...]
+    for spec, before in (("f.h5:A", linked), ("f.h5:V", virtual)):
+        why = rs.mismatch(before, facts(spec))
+        assert why is not None and f"{tmp_path / 'g.h5'}, which holds its data, differs" in why
+    # a plain dataset has no other file, and a .npy file none either
+    with h5py.File("p.h5", "w") as p:
+        p["A"] = np.ones((2, 2))
+    with h5py.File("p.h5", "r") as p:
+        assert rs.input_facts("p.h5:A", p["A"])["sources"] == []
+    np.save("a.npy", np.ones((2, 2)))
+    assert rs.input_facts("a.npy", np.load("a.npy"))["sources"] == []
+
+
+def test_refusals_name_what_differs_where_the_spellings_agree(tmp_path, monkeypatch):
+    for folder in ("one", "two"):
+        (tmp_path / folder).mkdir()
+        np.save(tmp_path / folder / "a.npy", np.ones((3, 4)))
+    a = np.ones((3, 4))
+    monkeypatch.chdir(tmp_path / "one")
+    old = _manifest("a.npy", a)
+    monkeypatch.chdir(tmp_path / "two")  # the same command from another folder
+    why = rs.mismatch(old, _manifest("a.npy", a))
+    assert why == f"input A was {tmp_path / 'one' / 'a.npy'}, now {tmp_path / 'two' / 'a.npy'}"
+    why = rs.mismatch(_manifest("a.npy", a, out_spec="c.npy"), _manifest("a.npy", a, out_spec="d.npy"))
+    assert why == "the output changed (c.npy then, d.npy now)"
+    edges = [[0, *range(100, 1000, 100), 1000]]
+    why = rs.mismatch(_manifest("a.npy", a, stripe_edges=edges),
+                      _manifest("a.npy", a, stripe_edges=[[0, 500, 1000]]))
+    assert why == "the stripes changed (10 then, 2 now)"
+    why = rs.mismatch(_manifest("a.npy", a, panels=[0, 2, 4]), _manifest("a.npy", a, panels=[0, 3, 4]))
+    assert why == "the k panels of a stripe's sum changed (as many, at other edges)"
+
+
+def test_a_staged_file_shorter_than_it_was_made_is_refused(tmp_path):
+    staged = tmp_path / ".c.npy.distmm-partial-1"
+    staged.write_bytes(b"\0" * (128 + 6 * 8))
+    made = {"header": 128}
+    assert rs.short(staged, made, (2, 3), "float64") is None
+    staged.write_bytes(b"\0" * 128)  # the data cut off
+    assert rs.short(staged, made, (2, 3), "float64") == (
+        "its staged output holds 128 of the 176 bytes it was made with")
+    assert rs.short(tmp_path, {"header": None}, (2, 3), "float64") is None  # zarr: not checked
+
+
+_HOLD = """
+import sys
+from pathlib import Path
+from distmm.staging import claim
+fd = claim(Path(sys.argv[1]))
+print("held" if fd not in (None, -1) else "not held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _leftover(folder: Path, manifest=True) -> Path:
+    """A staged output as a stopped run leaves it: made by a process that has ended."""
+    staged = staged_path(folder / "c.npy", _dead_pid())
+    staged.write_bytes(b"\0" * 4096)
+    if manifest:
+        Path(f"{staged}.resume.json").write_text("{}")
+        Path(f"{staged}.done-0").write_text("0\n")
+    return staged
+
+
+def test_a_claimed_staged_output_is_left_alone_until_its_claimant_ends(tmp_path):
+    staged = _leftover(tmp_path)
+    assert not is_live(staged)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(staged)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert is_live(staged)
+        assert claim(staged) is None  # a second claimant (a second --resume) gets nothing
+        assert not remove_if_left(staged)
+        assert reclaimable(tmp_path / "c.npy") == 0
+        assert staged.exists() and Path(f"{staged}.resume.json").exists()
+    finally:
+        holder.kill()  # a kill releases the claim
+        holder.wait()
+    assert not is_live(staged)
+    assert reclaimable(tmp_path / "c.npy") >= 4096
+    fd = claim(staged)
+    assert fd not in (None, -1)
+    release(fd)
+    assert remove_if_left(staged)
+    assert sorted(os.listdir(tmp_path)) == []
+    # one without a manifest can be resumed by no one: nothing to claim, removed as before
+    staged = _leftover(tmp_path, manifest=False)
+    assert claim(staged) == -1 and remove_if_left(staged) and not staged.exists()
+
+
+def test_the_space_of_leftovers_counts_as_free(tmp_path):
+    """A rerun after a full disk, or a resume, needs room for what is missing only: the
+    staged outputs it resumes or removes first count as free (real files, real free space)."""
+    import shutil
+
+    from distmm.cli.io import check_space, parse_target
+    from distmm.errors import InsufficientSpace
+
+    size = 64 << 20
+    staged = _leftover(tmp_path)
+    with open(staged, "wb") as fh:  # written, so its blocks are allocated
+        for _ in range(size >> 20):
+            fh.write(os.urandom(1 << 20))
+        fh.flush()
+        os.fsync(fh.fileno())
+    target = parse_target(str(tmp_path / "c.npy"))
+    assert reclaimable(target.path) >= size
+    # more than is free now, less than is free once the leftover goes
+    nbytes = shutil.disk_usage(tmp_path).free + size // 2
+    check_space(target, nbytes)
+    # the same leftover of a run still going (this process's PID) does not count
+    live = staged_path(tmp_path / "c.npy", os.getpid())
+    for path in tmp_path.iterdir():
+        path.rename(str(path).replace(staged.name, live.name))
+    assert reclaimable(target.path) == 0
+    with pytest.raises(InsufficientSpace, match="needs"):
+        check_space(target, nbytes)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi_env):
+    """A stopped ``--resume`` run, resumed; while it runs, a plain run and a second
+    ``--resume`` run to the same target finish on their own (neither removes nor takes the
+    resumed run's staged output), and the resumed run finishes with numpy's product."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+            str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy"), "--backend", "numba"]
+    env = {**mpi_env, "NUMBA_NUM_THREADS": "1", "DISTMM_BATCH_STRIPES": "24"}
+
+    def logged():
+        return sum(len(p.read_text().split()) for p in tmp_path.glob(".c.npy.*.done-*"))
+
+    def started(argv, until, pause):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": pause})
+        deadline = time.time() + 120
+        while not until():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
+        return proc
+
+    first = started([*line, "--resume"], lambda: logged() >= 3, "0.1")
+    first.terminate()
+    assert first.wait(60) == 143
+    [staged] = [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
+                if re.fullmatch(r".*-partial-\d+", p.name)]
+    done = logged()
+    # the resumed run's stripes pause long enough (21 x 0.6 s) for both other runs to end
+    resumed = started([*line, "--resume"], lambda: is_live(staged) and logged() > done, "0.6")
+    for extra in ([], ["--resume"]):
+        r = subprocess.run([*line, "--overwrite", *extra], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "removed" not in r.stderr, r.stderr
+        assert staged.exists()
+        np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
