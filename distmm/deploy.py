@@ -35,10 +35,27 @@ def _require_jobqueue():
     return dask_jobqueue
 
 
-def _count(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+def _count(value, what: str, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be a {'positive' if least else 'non-negative'} integer, "
+                         f"got {value!r}")
     return value
+
+
+def _memory(value) -> int:
+    """Bytes of ``memory`` as dask parses it (``"64GiB"``, or a number of bytes)."""
+    from dask.utils import parse_bytes
+
+    want = "a positive size such as '64GiB'"
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value in ("", 0):
+        raise ValueError(f"memory must be {want}, got {value!r}")
+    try:
+        size = parse_bytes(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"memory must be {want}, got {value!r}") from None
+    if size <= 0:
+        raise ValueError(f"memory must be {want}, got {value!r}")
+    return size
 
 
 def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
@@ -61,10 +78,11 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         Cores of one job. Default: ``gpus`` for a GPU job (one thread per GPU worker);
         required for a CPU job, which runs ``cores // threads_per_worker`` worker processes.
     memory
-        Host memory of one job, as dask-jobqueue takes it (``"64GiB"``); split evenly
-        between its workers. Required.
+        Host memory of one job, as dask-jobqueue takes it (``"64GiB"``, or a number of
+        bytes); split evenly between its workers. Required.
     threads_per_worker
-        Threads of each CPU worker (default 1).
+        Threads of each CPU worker (default 1), at most ``cores``: a CPU job runs
+        ``cores // threads_per_worker`` workers.
     walltime
         The jobs' time limit (``HH:MM:SS``).
     env_setup
@@ -85,8 +103,11 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     ImportError
         dask-jobqueue is not installed (``pip install "distmm[deploy]"``).
     ValueError
-        An unknown ``system``, no ``memory``, a CPU job without ``cores``, or counts that
-        are not positive integers; raised before anything is submitted.
+        An unknown ``system``; no ``memory``, or one that is not a positive size; a CPU job
+        without ``cores``; counts that are not integers (``True``, ``2.5`` and ``"2"`` are
+        not), ``jobs`` or ``gpus`` below 0, ``cores`` or ``threads_per_worker`` below 1;
+        ``threads_per_worker`` above ``cores`` in a CPU job, or ``cores`` fewer than
+        ``gpus``. Raised before dask-jobqueue is imported and anything is submitted.
 
     Examples
     --------
@@ -106,18 +127,20 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     _count(jobs, "jobs")
     _count(gpus, "gpus")
-    if threads_per_worker < 1:
-        raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker!r}")
+    _count(threads_per_worker, "threads_per_worker", least=1)
     if memory is None:
         raise ValueError("memory= (the host memory of one job, e.g. '64GiB') is required")
+    _memory(memory)
     if cores is None:
         if not gpus:
             raise ValueError("cores= (the cores of one job) is required for CPU workers")
         cores = gpus
-    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
-        raise ValueError(f"cores must be a positive integer, got {cores!r}")
+    _count(cores, "cores", least=1)
     if gpus and cores < gpus:
         raise ValueError(f"cores={cores} is fewer than gpus={gpus}: each GPU worker needs a core")
+    if not gpus and threads_per_worker > cores:
+        raise ValueError(f"threads_per_worker={threads_per_worker} is more than cores={cores}: "
+                         f"a CPU job runs cores // threads_per_worker workers")
     jq = _require_jobqueue()
 
     prologue = list(kwargs.pop("job_script_prologue", None) or [])

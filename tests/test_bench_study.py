@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distmm.cli.records import RecordWriter, append_record, load
+from distmm.cli.records import RecordWriter, append_record, json_lines, load
 from distmm.cli.study import load_study, parse_study, weak_shape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,7 +253,7 @@ def test_record_writer_appends_whole_lines(tmp_path, monkeypatch):
     w.add("numpy", "float64", 3, 5, 7, 0.5, 1e-16, series="strong")
     append_record(w.path, {"extra": 1})
     w.add("distmm-mpi@2ranks", "float32", 4, 4, 4, 0.25, None, ranks=2)
-    first, extra, third = load([w.path])
+    first, extra, third = [value for _, value in json_lines(w.path)]  # load() takes records only
     assert extra == {"extra": 1} and w.path.read_text().count("\n") == 3
     assert (first["commit"], first["study"], first["series"]) == ("abc1234", "s", "strong")
     assert first["tflops"] == pytest.approx(2 * 3 * 5 * 7 / 0.5 / 1e12)

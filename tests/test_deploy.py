@@ -425,6 +425,43 @@ def test_bad_arguments_fail_before_submitting(kwargs, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(threads_per_worker=2.5), "threads_per_worker must be a positive integer, got 2.5"),
+    (dict(threads_per_worker="2"), "threads_per_worker must be a positive integer, got '2'"),
+    (dict(threads_per_worker=True), "threads_per_worker must be a positive integer, got True"),
+    (dict(threads_per_worker=0), "threads_per_worker must be a positive integer, got 0"),
+    (dict(threads_per_worker=8), "threads_per_worker=8 is more than cores=4"),
+    (dict(cores="4"), "cores must be a positive integer, got '4'"),
+    (dict(memory="-5GiB"), "memory must be a positive size such as '64GiB', got '-5GiB'"),
+    (dict(memory="lots"), "memory must be a positive size such as '64GiB', got 'lots'"),
+    (dict(memory=""), "memory must be a positive size"),
+    (dict(memory=0), "memory must be a positive size"),
+    (dict(memory=[8]), "memory must be a positive size"),
+], ids=["threads-float", "threads-text", "threads-bool", "threads-zero", "threads-over-cores",
+        "cores-text", "memory-negative", "memory-word", "memory-empty", "memory-zero",
+        "memory-list"])
+def test_bad_counts_and_memory_fail_before_dask_jobqueue_is_imported(monkeypatch, kwargs,
+                                                                    message):
+    """The docstring's ValueError for counts that are not positive integers and a memory
+    that is no size, raised before dask-jobqueue is imported (here it cannot be)."""
+    from distmm.deploy import jobqueue_cluster
+
+    monkeypatch.setitem(sys.modules, "dask_jobqueue", None)  # importing it would fail
+    with pytest.raises(ValueError) as info:
+        jobqueue_cluster(**{"cores": 4, "memory": "8GiB", **kwargs})
+    assert message in str(info.value)
+
+
+def test_threads_per_worker_up_to_cores(tmp_path, quiet_scheduler):
+    pytest.importorskip("dask_jobqueue")
+    from distmm.deploy import jobqueue_cluster
+
+    with jobqueue_cluster("slurm", cores=4, memory="8GiB", threads_per_worker=4,
+                          **quiet_scheduler) as cl:
+        script = cl.job_script()
+    assert "--nthreads 4" in script and "--nworkers" not in script  # one worker of 4 threads
+
+
 def test_missing_dask_jobqueue_names_the_extra(monkeypatch):
     from distmm.deploy import jobqueue_cluster
 

@@ -223,6 +223,87 @@ def test_missing_file_and_bad_profile(tmp_path, capsys):
         read_inputs([str(write_jsonl(tmp_path / "e.jsonl", []))])
 
 
+@pytest.mark.parametrize("profile_data, expected", [
+    ({"format": "distmm-profile-1"}, "p.json: profile p has no 'ranks'"),
+    ({"format": "distmm-profile-1", "ranks": []}, "'ranks' must be a non-empty list"),
+    ({"format": "distmm-profile-1", "ranks": [{}]}, "ranks[0] must be an object with a 'rank'"),
+    ({"format": "distmm-profile-1", "ranks": [{"rank": 0}]}, "rank 0 has no 'spans' list"),
+    ({"format": "distmm-profile-1", "ranks": [{"rank": 0, "spans": [
+        {"phase": "read", "start": 2, "end": 1}]}]}, "rank 0 span 0 must have a string 'phase'"),
+    ({"run-4": {"format": "distmm-profile-1", "ranks": [{"rank": 1, "spans": [
+        {"phase": "read", "start": "0", "end": 1}]}]}}, "profile p run-4: rank 1 span 0"),
+], ids=["no-ranks", "empty-ranks", "rank-without-number", "no-spans", "end-before-start",
+        "named-start-text"])
+def test_malformed_profile_one_line_exit_2_and_no_folders(tmp_path, capsys, profile_data,
+                                                         expected):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(profile_data))
+    out = tmp_path / "parent" / "sub" / "out"
+    assert main(["report", str(prof), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"distmm report: error: {prof}") and expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def test_a_failed_report_removes_the_folders_it_made(tmp_path, monkeypatch):
+    """Drawing fails after the staging folder exists: the output's parents that the run
+    made go again, a parent that was there stays."""
+    import distmm.cli.report as report
+
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    (tmp_path / "kept").mkdir()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "_figures", broken)
+    assert main(["report", str(recs), "-o", str(tmp_path / "kept" / "a" / "b" / "out")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "r.jsonl"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"seconds": "abc"}, "field 'seconds' must be a positive finite number or null, got 'abc'"),
+    ({"seconds": -1.0}, "field 'seconds' must be a positive finite number or null, got -1.0"),
+    ({"seconds": 0}, "field 'seconds'"),
+    ({"m": "x"}, "field 'm' must be an integer, got 'x'"),
+    ({"n": -5}, "field 'n' must be an integer from 0 to 2**63 - 1, got -5"),
+    ({"k": 2048.5}, "field 'k' must be an integer"),
+    ({"m": True}, "field 'm' must be an integer"),
+    ({"variant": {}}, "field 'variant' must be a string, got {}"),
+    ({"device": None}, "field 'device' must be a string"),
+    ({"run": [1]}, "field 'run' must be a string or an integer"),
+    ({"dtype": "foo"}, "field 'dtype' must be a numeric dtype numpy knows"),
+    ({"dtype": "U8"}, "field 'dtype' must be a numeric dtype numpy knows"),
+    ({"tflops": "x"}, "field 'tflops' must be a finite number"),
+    ({"ranks": "2"}, "field 'ranks' must be an integer or null"),
+    ({"ranks": 0}, "field 'ranks' must be at least 1"),
+    ({"emulated_nodes": 0}, "field 'emulated_nodes'"),
+    ({"all_seconds": "x"}, "field 'all_seconds'"),
+], ids=["seconds-text", "seconds-negative", "seconds-zero", "m-text", "n-negative", "k-float",
+        "m-bool", "variant-object", "device-null", "run-list", "dtype-foo", "dtype-text",
+        "tflops-text", "ranks-text", "ranks-zero", "emulated-nodes-zero", "all-seconds-text"])
+def test_record_fields_of_the_wrong_type_or_range(tmp_path, capsys, change, expected):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(STRONG[0]) + "\n" + json.dumps({**STRONG[1], **change}) + "\n")
+    assert main(["report", str(bad), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"distmm report: error: {bad}:2: "), err
+    assert expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_not_utf8_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(json.dumps(STRONG[0]).encode() + b"\n\xff\xfe\x00abc\n")
+    prof = tmp_path / "bad.json"
+    prof.write_bytes(b'{"format": "\xff"}')
+    for path, where in ((bad, f"{bad}:2"), (prof, f"{prof}")):
+        assert main(["report", str(path), "-o", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"distmm report: error: {where}: not UTF-8 text\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_matplotlib_one_line_exit_2(tmp_path, capsys, monkeypatch):
     recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError

@@ -57,3 +57,42 @@ def test_timeline_round_trip_and_busy_time(tmp_path):
     assert back.busy_ms("compute") == pytest.approx(8 * 1.5)
     # overlapping host copies are counted once
     assert back.busy_ms("host-stage") == pytest.approx(8 * 1.3)
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("{}", "not a timeline: it has no 'ops'"),
+    ('{"format": "distmm-calibration-1", "gemm": {}}', "not a timeline: it has no 'ops'"),
+    ("[1, 2]", "not a timeline (a JSON object with 'ops' and 'meta'), got a JSON list"),
+    ('{"ops": [], "meta": {}}', "'ops' must be a non-empty list"),
+    ('{"ops": [{"lane": "gpu", "name": "x", "start_ms": 0, "end_ms": 1}]}', "op 0 must have a 'lane' of"),
+    ('{"ops": [{"lane": "h2d", "name": "x", "start_ms": 2, "end_ms": 1}]}', "op 0 must have"),
+    ('{"ops": [{"lane": "h2d", "name": "x", "start_ms": 0, "end_ms": 1}], "meta": []}',
+     "'meta' must be an object"),
+    ('{"ops": [{"lane": "h2d", "name": "x", "start_ms": 0, "end_ms": 1}], '
+     '"meta": {"tflops": "fast"}}', "meta 'tflops' must be a number"),
+    ('{"ops": [', "t.json:1: not JSON"),
+], ids=["empty-object", "calibration", "list", "no-ops", "unknown-lane", "end-before-start",
+        "meta-list", "tflops-text", "cut-short"])
+def test_a_file_that_is_no_timeline_is_refused(tmp_path, capfd, content, expected):
+    from distmm.cli import main
+
+    src = tmp_path / "t.json"
+    src.write_text(content)
+    png = tmp_path / "t.png"
+    assert main(["trace", "--", "--from-json", str(src), "-o", str(png)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"distmm trace: error: {src}") and err.count("\n") == 1, err
+    assert expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+def test_output_in_a_missing_folder_is_refused_before_reading(tmp_path, capfd):
+    from distmm.cli import main
+
+    src = tmp_path / "t.json"
+    _timeline().to_json(src)
+    png = tmp_path / "nowhere" / "t.png"
+    assert main(["trace", "--", "--from-json", str(src), "-o", str(png)]) == 2
+    assert capfd.readouterr().err == (f"distmm trace: error: No such folder for the output: "
+                                      f"{png}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]

@@ -15,10 +15,9 @@ the kernel benchmarks are no configurations of the model: ``configuration`` give
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from distmm.cli.records import json_lines
+from distmm.cli.records import json_file, read_records
 from distmm.plan_model import Calibration, Prediction, predict
 
 __all__ = ["load_records", "machine_of", "configuration", "predict_record", "fit_subset",
@@ -38,12 +37,14 @@ def load_records(paths) -> list[dict]:
     its device, its file does). Records of a reduced ``precision`` (tf32, bf16, fp16) are left
     out, except the stream pipeline's (its ``cublas-bf16`` reference measures the precision's
     own GEMM rate in the same run): the other engines' rates are those of each dtype's own
-    arithmetic."""
+    arithmetic. Each record is checked by ``distmm.cli.records.check_record``: a file that
+    is not UTF-8 JSON (lines), or a record lacking a key or with a field of the wrong type or
+    range, raises ``ValueError`` or ``TypeError`` naming the file, the line and the field."""
     out = []
     for path in paths:
         path = Path(path)
         if path.suffix == ".json":
-            data = json.loads(path.read_text())
+            data = json_file(path)
             if is_summa_trace(data):
                 out.append({"summa_trace": path.stem, "_file": path.name,
                             "machine": trace_machine(path.name), "ranks": data})
@@ -56,7 +57,7 @@ def load_records(paths) -> list[dict]:
                 if isinstance(prof, dict) and prof.get("format") == "distmm-profile-1":
                     out.append({"profile": name, "_file": path.name, **prof})
             continue
-        for _, rec in json_lines(path):
+        for _, rec in read_records(path):
             if (rec.get("precision", "highest") != "highest"
                     and rec.get("benchmark") != "pipeline"):
                 continue

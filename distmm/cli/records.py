@@ -5,9 +5,13 @@ This module covers: device naming (``gpu_name``, ``cpu_model``, ``slug``) and th
 measured (``git_commit``); appending records to a ``.jsonl`` file, each record one
 ``write`` of one whole line on a file opened for appending, flushed to disk before the next
 measurement starts, so that a killed run keeps every record it finished and never a partial
-line (``RecordWriter``, ``append_record``); reading them back (``json_lines``, ``load``: the
-values of a file with their line numbers, the records of several); one line saying
-what a record measured (``progress_line``).
+line (``RecordWriter``, ``append_record``; a file whose last line lacks its newline gets one
+first, so a record never joins the end of another line); reading them back (``json_lines``:
+the values of a file with their line numbers; ``read_records``, ``load``: the records of one
+file or several, each field a reader uses checked by ``check_record``, so that the report,
+``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
+line naming its file, line and field; ``json_file``: a whole JSON file, its errors naming
+it); one line saying what a record measured (``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
 (``distmm.cli.report``).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -24,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
-           "json_lines", "load", "make_record", "progress_line"]
+           "json_file", "json_lines", "read_records", "check_record", "load", "make_record",
+           "progress_line", "REQUIRED"]
 
 
 # -- the commit and the device ---------------------------------------------------------------
@@ -85,10 +91,16 @@ def make_record(*, run: str, benchmark: str, variant: str, device: str, dtype, m
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """Append ``record`` to ``path`` as one line in one ``write`` (``O_APPEND``), then
-    ``fsync``: a reader, or a run killed afterwards, sees the whole line or nothing of it."""
+    ``fsync``: a reader, or a run killed afterwards, sees the whole line or nothing of it.
+    A file that does not end with a newline (written by hand, or cut short) gets one before
+    the record, in the same ``write``: its last line stays as it was, the record a line of
+    its own."""
     line = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
         written = os.write(fd, line)
         if written != len(line):  # a full disk mid-line: take the fragment back out
             os.ftruncate(fd, os.fstat(fd).st_size - written)
@@ -148,11 +160,29 @@ class RecordWriter:
         return rec
 
 
+def json_file(path):
+    """The value of a whole JSON file (a profile, a timeline, a cache); a file that is not
+    UTF-8 JSON raises ``ValueError`` naming it (``path:line`` where the JSON breaks)."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return json.loads(data.decode())
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+
+
 def json_lines(path):
     """The values of a JSON-lines file with their line numbers, ``(number, value)``, blank
-    lines skipped; a line that does not parse raises ``ValueError`` naming ``path:number``."""
-    with open(path) as fh:
-        for number, line in enumerate(fh, 1):
+    lines skipped; a line that is not UTF-8 JSON raises ``ValueError`` naming
+    ``path:number``."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
@@ -162,9 +192,116 @@ def json_lines(path):
             yield number, value
 
 
+#: the keys every record has (BENCH_RECORDS.md; ``seconds`` null in a prediction)
+REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
+
+_TEXT = ("benchmark", "variant", "device", "role", "precision", "invalid", "engine", "setting",
+         "mode", "residency", "series", "source")
+_SIZES = ("m", "n", "k")
+_NUMBERS = ("tflops", "relerr", "predicted_seconds", "first_seconds", "seconds_min",
+            "seconds_max", "gbps")
+_COUNTS = {"gpus": 0, "workers": 0, "cpu_workers": 0, "gpu_workers": 0, "nccl_pairs": 0,
+           "written_direct": 0, "ranks": 1, "threads": 1, "threads_per_rank": 1, "cores": 1,
+           "cpus_per_rank": 1, "devices": 1, "gpus_visible": 1}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def check_record(record, where: str) -> dict:
+    """``record`` itself when it is a record the readers can use, else ``ValueError``
+    (``TypeError`` for a value of the wrong type) naming ``where`` (``FILE:LINE``) and the
+    field: a JSON object with the ``REQUIRED`` keys; ``run`` a string or an integer;
+    ``benchmark``, ``variant``, ``device`` and the other names (``role``, ``precision``,
+    ``invalid``, ...) strings (the optional ones may be null); ``dtype`` a numeric dtype
+    numpy knows; ``m``, ``n``, ``k`` integers from 0 to 2**63 - 1 (0: a ceiling probe);
+    ``seconds`` a positive finite number or null; ``tflops``, ``relerr``,
+    ``predicted_seconds`` and the other measured numbers finite, not negative, or null; the
+    counts (``gpus``, ``workers``, ``ranks``, ``threads``, ``cores``, ...) integers or
+    null (at least 0 for ``gpus``, ``workers``, ``cpu_workers``, ``gpu_workers``,
+    ``nccl_pairs`` and ``written_direct``, at least 1 for the others);
+    ``emulated_nodes`` a positive integer or ``"all-links"``; ``grid`` null or a list of
+    positive integers; ``all_seconds`` a list of finite numbers, not negative. Other keys
+    are not checked."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"{where}: the record lacks {', '.join(missing)}")
+
+    def bad(key, want, error=TypeError):
+        shown = repr(record[key])
+        shown = shown if len(shown) <= 60 else shown[:56] + " ..."
+        raise error(f"{where}: field {key!r} must be {want}, got {shown}")
+
+    if not (isinstance(record["run"], str) or _is_int(record["run"])):
+        bad("run", "a string or an integer")
+    for key in _TEXT:
+        value = record.get(key)
+        if not isinstance(value, str) and (value is not None or key in REQUIRED):
+            bad(key, "a string")
+    dtype = record["dtype"]
+    if not isinstance(dtype, str):
+        bad("dtype", "a dtype name such as 'float32'")
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        kind = None
+    if kind not in ("i", "u", "f", "c"):
+        bad("dtype", "a numeric dtype numpy knows, such as 'float32'", ValueError)
+    for key in _SIZES:
+        if not _is_int(record[key]):
+            bad(key, "an integer")
+        if not 0 <= record[key] < 2**63:
+            bad(key, "an integer from 0 to 2**63 - 1", ValueError)
+    seconds = record["seconds"]
+    if seconds is not None and not (_is_number(seconds) and seconds > 0):
+        bad("seconds", "a positive finite number or null",
+            TypeError if not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+            else ValueError)
+    for key in _NUMBERS:
+        value = record.get(key)
+        if value is not None and not (_is_number(value) and value >= 0):
+            bad(key, "a finite number, not negative, or null",
+                TypeError if not isinstance(value, (int, float)) or isinstance(value, bool)
+                else ValueError)
+    for key, least in _COUNTS.items():
+        value = record.get(key)
+        if value is not None and not _is_int(value):
+            bad(key, "an integer or null")
+        if value is not None and value < least:
+            bad(key, f"at least {least}", ValueError)
+    nodes = record.get("emulated_nodes")
+    if nodes is not None and nodes != "all-links" and not (_is_int(nodes) and nodes >= 1):
+        bad("emulated_nodes", "a positive integer or 'all-links'", ValueError)
+    grid = record.get("grid")
+    if grid is not None and not (isinstance(grid, list)
+                                 and all(_is_int(g) and g >= 1 for g in grid)):
+        bad("grid", "a list of positive integers or null", ValueError)
+    times = record.get("all_seconds")
+    if times is not None and not (isinstance(times, list)
+                                  and all(_is_number(t) and t >= 0 for t in times)):
+        bad("all_seconds", "a list of finite numbers, not negative", ValueError)
+    return record
+
+
+def read_records(path):
+    """The records of one JSON-lines file with their line numbers, ``(number, record)``,
+    each checked by ``check_record`` (the first bad one raises, naming ``path:number``)."""
+    for number, value in json_lines(path):
+        yield number, check_record(value, f"{path}:{number}")
+
+
 def load(paths) -> list[dict]:
-    """Read records from jsonl files (plots and tables use only this)."""
-    return [value for p in paths for _, value in json_lines(p)]
+    """Read records from jsonl files (plots and tables use only this), each checked by
+    ``check_record``."""
+    return [record for p in paths for _, record in read_records(p)]
 
 
 def progress_line(index: int, total: int, rec: dict) -> str:

@@ -41,7 +41,7 @@ The rules, in one place:
 from __future__ import annotations
 
 import html
-import json
+import math
 import os
 import re
 import shutil
@@ -52,7 +52,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmm.cli.records import json_lines
+from distmm.cli.records import REQUIRED, json_file, read_records
 from distmm.cli.report_rules import (REFERENCES, arithmetic, count_of, emulated_label, family,
                                      is_reference)
 from distmm.errors import OutputExists
@@ -61,7 +61,6 @@ __all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "emulated_label", "
            "is_reference", "scaling",
            "reference_shares", "timeline_rows", "read_inputs", "add_options", "run_report"]
 
-REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
 #: what ``--only`` may name: the report's figures and tables, by kind
 SECTIONS = ("tflops", "strong", "weak", "shares", "timeline", "roofline", "model")
 INSTALL = 'distmm report needs matplotlib: pip install "distmm[bench]"'
@@ -431,9 +430,14 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
     ------
     FileNotFoundError
         A path that does not exist.
-    ValueError
-        A line that is not a JSON object with the ``REQUIRED`` keys (named with its
-        line number), a profile in another format, or no records and no profiles at all.
+    ValueError, TypeError
+        A file that is not UTF-8 JSON; a record that ``distmm.cli.records.check_record``
+        refuses (a line that is not a JSON object with the ``REQUIRED`` keys, a field of the
+        wrong type or out of range: named with its line number and field); a profile in
+        another format or one whose ``ranks`` are not a non-empty list of objects, each
+        with an integer ``rank`` and a list of ``spans`` that each have a string
+        ``phase`` and finite ``start`` <= ``end`` (named with its file, profile and rank);
+        or no records and no profiles at all.
     """
     from distmm.cli.model_records import is_summa_trace
 
@@ -443,11 +447,7 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
             raise FileNotFoundError(2, "No such file or directory" if not os.path.exists(path)
                                     else "Not a file", path)
         if path.endswith(".json"):
-            try:
-                with open(path) as fh:
-                    data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+            data = json_file(path)
             if is_summa_trace(data):
                 continue
             named = [(Path(path).stem, data)] if isinstance(data, dict) and "format" in data else (
@@ -455,21 +455,67 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
             for name, profile in named:
                 if not isinstance(profile, dict) or profile.get("format") != "distmm-profile-1":
                     raise ValueError(f"{path}: {name} is not a distmm-profile-1 profile")
+                _check_profile(profile, f"{path}: profile {name}")
             if not named:
                 raise ValueError(f"{path}: not a distmm-profile-1 profile or an object of them")
             profiles += named
             continue
-        for number, record in json_lines(path):
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: a record is a JSON object, got "
-                                 f"{type(record).__name__}")
-            missing = [k for k in REQUIRED if k not in record]
-            if missing:
-                raise ValueError(f"{path}:{number}: the record lacks {', '.join(missing)}")
-            records.append(record)
+        records += [record for _, record in read_records(path)]
     if not records and not profiles:
         raise ValueError(f"no benchmark records in {', '.join(paths)}")
     return records, profiles
+
+
+def _check_profile(profile: dict, where: str) -> None:
+    """Refuse a profile ``timeline_rows`` cannot draw (``read_inputs``' rules), naming
+    ``where`` and what is wrong."""
+    ranks = profile.get("ranks")
+    if ranks is None:
+        raise ValueError(f"{where} has no 'ranks' (the list of the ranks' records)")
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError(f"{where}: 'ranks' must be a non-empty list of the ranks' records, "
+                         f"got {repr(ranks)[:40]}")
+    for i, entry in enumerate(ranks):
+        rank = entry.get("rank") if isinstance(entry, dict) else None
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"{where}: ranks[{i}] must be an object with a 'rank' number "
+                             f"(0, 1, ...)")
+        spans = entry.get("spans")
+        if not isinstance(spans, list):
+            raise ValueError(f"{where}: rank {rank} has no 'spans' list")
+        for j, span in enumerate(spans):
+            ok = (isinstance(span, dict) and isinstance(span.get("phase"), str)
+                  and all(isinstance(span.get(key), (int, float))
+                          and not isinstance(span.get(key), bool)
+                          and math.isfinite(span[key]) for key in ("start", "end"))
+                  and span["start"] <= span["end"])
+            if not ok:
+                raise ValueError(f"{where}: rank {rank} span {j} must have a string 'phase' "
+                                 f"and numbers 'start' <= 'end', got {repr(span)[:80]}")
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; return those made, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for i, path in enumerate(reversed(missing)):
+        try:
+            path.mkdir(exist_ok=True)
+        except BaseException:
+            _remove_folders(missing[len(missing) - i:])
+            raise
+    return missing
+
+
+def _remove_folders(folders: list[Path]) -> None:
+    """Remove the folders a failed run made (deepest first), unless something else is in them."""
+    for path in folders:
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 def _check_output(folder: Path, overwrite: bool) -> None:
@@ -509,8 +555,8 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
 
     Inputs and the output folder are checked before anything is drawn; everything is
     written to a temporary folder beside ``output`` that replaces it at the end, so a
-    failure leaves ``output`` as it was. Without matplotlib it prints one line and
-    returns 2.
+    failure leaves ``output`` as it was, and removes the folders above it that it made.
+    Without matplotlib it prints one line and returns 2.
     """
     folder = Path(output)
     _check_output(folder, overwrite)
@@ -545,9 +591,13 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
         notes.append("No predicted against measured figure: every record with "
                      "predicted_seconds is a prediction (seconds null).")
     shares = reference_shares(records) if "shares" in sections else []
-    folder.absolute().parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
-                                   dir=folder.absolute().parent))
+    made = _make_parents(folder.absolute().parent)
+    try:
+        staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
+                                       dir=folder.absolute().parent))
+    except BaseException:
+        _remove_folders(made)
+        raise
     staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
     try:
         images = _figures(plt, records, strong, weak, profiles, roofs, model, staged, sections)
@@ -564,6 +614,7 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
             shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
+        _remove_folders(made)
         raise
     print(f"wrote {folder}: report.md, {'index.html, ' if html else ''}{len(images)} figures from "
           f"{len(records)} records and {len(profiles)} profiles")

@@ -4,6 +4,9 @@ This module covers: running one pipelined product of random host-resident
 matrices with timing events on (needs a GPU), saving the timeline as JSON, and
 rendering a timeline (from that run or from a saved JSON file, no GPU needed)
 as a PNG with one lane per stream and per group of host threads.
+A saved timeline is checked before anything is drawn (``read_timeline``): a JSON file that
+is no timeline (another JSON file, a list, a timeline without ops) is refused in one line
+naming the file and what is wrong, and nothing is written.
 It does *not* cover: recording (``distmm.executor.pipeline.Timeline``).
 
 Examples
@@ -14,9 +17,11 @@ Examples
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
-__all__ = ["main", "render", "LANES"]
+__all__ = ["main", "render", "read_timeline", "LANES"]
 
 #: lanes from top to bottom, with their colours
 LANES = (
@@ -73,7 +78,8 @@ def render(timeline, path, *, title: str | None = None) -> None:
     if title is None:
         parts = []
         if meta.get("m"):
-            parts.append(f"C[{meta['m']},{meta['n']}] = A @ B, k={meta.get('k')}, {meta.get('dtype', '')}")
+            parts.append(f"C[{meta['m']},{meta.get('n')}] = A @ B, k={meta.get('k')}, "
+                         f"{meta.get('dtype', '')}")
         if meta.get("device"):
             parts.append(str(meta["device"]))
         if meta.get("tflops"):
@@ -87,6 +93,54 @@ def render(timeline, path, *, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def read_timeline(path):
+    """The ``Timeline`` saved at ``path`` (``Timeline.to_json``), checked: a JSON object whose
+    ``ops`` is a non-empty list of objects, each with a ``lane`` of ``LANES``, a ``name`` and
+    numbers ``start_ms`` <= ``end_ms``, and whose ``meta``, where present, is an object
+    (its ``tflops`` a number, its ``tiling`` an object). Anything else raises ``ValueError``
+    naming ``path`` and what is wrong (``OSError`` for a file that cannot be read)."""
+    from distmm.cli.records import json_file
+    from distmm.executor.pipeline import Timeline
+
+    data = json_file(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a timeline (a JSON object with 'ops' and 'meta'), "
+                         f"got a JSON {type(data).__name__}")
+    ops, meta = data.get("ops"), data.get("meta", {})
+    if ops is None:
+        raise ValueError(f"{path}: not a timeline: it has no 'ops' (the run's copies and "
+                         f"kernels)")
+    if not isinstance(ops, list) or not ops:
+        raise ValueError(f"{path}: not a timeline: 'ops' must be a non-empty list of the "
+                         f"run's copies and kernels, got {repr(ops)[:40]}")
+    lanes = [lane for lane, _, _ in LANES]
+    for i, op in enumerate(ops):
+        times = [op.get(key) for key in ("start_ms", "end_ms")] if isinstance(op, dict) else []
+        if not (isinstance(op, dict) and op.get("lane") in lanes and "name" in op
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                        and math.isfinite(t) for t in times) and times[0] <= times[1]):
+            raise ValueError(f"{path}: op {i} must have a 'lane' of {', '.join(lanes)}, a "
+                             f"'name' and numbers 'start_ms' <= 'end_ms', got {repr(op)[:80]}")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: the timeline's 'meta' must be an object, got {repr(meta)[:40]}")
+    tflops, tiling = meta.get("tflops"), meta.get("tiling")
+    if tflops is not None and (not isinstance(tflops, (int, float)) or isinstance(tflops, bool)):
+        raise ValueError(f"{path}: the timeline's meta 'tflops' must be a number, got {tflops!r}")
+    if tiling is not None and not isinstance(tiling, dict):
+        raise ValueError(f"{path}: the timeline's meta 'tiling' must be an object, got {tiling!r}")
+    return Timeline(ops=list(ops), meta=dict(meta))
+
+
+def _check_output(path) -> None:
+    """Refuse a PNG path that cannot be written, before any work: a folder, or a path whose
+    folder does not exist or is no folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, "a folder, not a file", str(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(2, "No such folder for the output", str(path))
 
 
 def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
@@ -128,10 +182,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--"]:  # ``distmm trace -- --from-json ...`` passes the separator on
         argv = argv[1:]
     args = build_parser().parse_args(argv)
-    from distmm.executor.pipeline import Timeline
-
+    _check_output(args.output)
     if args.from_json:
-        tl = Timeline.from_json(args.from_json)
+        tl = read_timeline(args.from_json)
     else:
         try:
             import cupy  # noqa: F401

@@ -4,7 +4,10 @@ This module covers: the tuning cache (a JSON file under the user's cache directo
 entry per GPU model and dtype: the winning configuration, its speed, cuBLAS's speed in the
 same run and which of the two ``backend="auto"`` should use per shape class), the search
 itself and its command line. ``distmm.executor.gpu`` reads the cache; without one it uses
-the registry's defaults.
+the registry's defaults. The command line reads the cache strictly (``read_cache``): ``--show``
+and a tuning run refuse a cache file that is not one (not JSON, another version, entries that
+are not objects) in one line naming it, before anything else; ``--show`` also refuses a
+``--cache`` file that does not exist (the default cache missing shows as empty).
 
 It does *not* cover: the kernels or their constraints (``distmm.executor.registry``), or compiling
 and launching (``distmm.executor.cuda_loader``). Importing it needs no GPU; tuning does.
@@ -33,7 +36,7 @@ from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_t
 
 __all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "time_alternating",
            "sustained_clock", "random_operands", "relerr_gpu", "tune_dtype", "main",
-           "CACHE_VERSION", "TuneRecords"]
+           "CACHE_VERSION", "TuneRecords", "read_cache"]
 
 
 class TuneRecords:
@@ -287,6 +290,34 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     return entry
 
 
+def read_cache(path: Path | None, *, must_exist: bool = False) -> dict:
+    """The cache at ``path`` (default ``cache_path()``), checked: ``{"version": CACHE_VERSION,
+    "gpus": {name: {dtype: entry}}}`` with objects for the GPUs and entries. A missing file
+    is an empty cache, or ``FileNotFoundError`` with ``must_exist``; anything else that is
+    not such a cache raises ``ValueError`` naming the file and what is wrong."""
+    from distmm.cli.records import json_file
+
+    path = Path(path) if path else cache_path()
+    if not path.exists() and not must_exist:
+        return {"version": CACHE_VERSION, "gpus": {}}
+    if path.is_dir():
+        raise IsADirectoryError(21, "a folder, not a tuning cache file", str(path))
+    data = json_file(path)
+    if not isinstance(data, dict) or "version" not in data:
+        raise ValueError(f"{path}: not a distmm tuning cache (a JSON object with 'version' "
+                         f"and 'gpus')")
+    if data["version"] != CACHE_VERSION:
+        raise ValueError(f"{path}: tuning cache version {data['version']!r}; this distmm "
+                         f"reads version {CACHE_VERSION}")
+    gpus = data.setdefault("gpus", {})
+    if not isinstance(gpus, dict) or not all(
+            isinstance(entries, dict) and all(isinstance(e, dict) for e in entries.values())
+            for entries in gpus.values()):
+        raise ValueError(f"{path}: the tuning cache's 'gpus' must map each GPU to an object "
+                         f"of entries by dtype")
+    return data
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distmm tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", nargs="+", default=["float32", "float64"],
@@ -307,8 +338,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--"]:  # `distmm tune -- --dtype ...` (the CLI passes the rest verbatim)
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    cache = read_cache(args.cache, must_exist=args.show and args.cache is not None)
     if args.show:
-        print(json.dumps(load(args.cache), indent=1, sort_keys=True))
+        print(json.dumps(cache, indent=1, sort_keys=True))
         return 0
     try:
         import cupy

@@ -1,0 +1,115 @@
+"""Record files and the tuning cache as the command line reads and appends them: a bad record
+refused in one line naming its file, line and field by every reader (``distmm report``,
+``distmm model --validate``, ``distmm calibrate --from-records``), a record appended to a
+file whose last line lacks its newline starting a line of its own, and ``distmm tune --show``
+on a cache that is no cache. Real files, written fresh by each test."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distmm.cli import main
+from distmm.cli.records import RecordWriter, append_record, load
+
+RECORD = {"run": "r1", "benchmark": "scaling", "variant": "numpy", "device": "AMD EPYC",
+          "dtype": "float64", "m": 512, "n": 512, "k": 512, "seconds": 0.01, "tflops": 0.0268,
+          "relerr": 0.0, "commit": "abc", "date": "2026-01-01"}
+
+
+def write_lines(path, *lines: bytes):
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+def good_line(**change) -> bytes:
+    return (json.dumps({**RECORD, **change}) + "\n").encode()
+
+
+@pytest.mark.parametrize("command", [
+    ["calibrate", "--from-records", "{}", "-o", "{out}"],
+    ["model", "--validate", "{}", "-o", "{out}"],
+    ["report", "{}", "-o", "{out}"],
+], ids=["calibrate", "model-validate", "report"])
+@pytest.mark.parametrize("lines, expected", [
+    ((b'{"foo": 1}\n',), "r.jsonl:1: the record lacks run, benchmark, variant, device, dtype"),
+    ((good_line(), b"\xff\xfe\x00abc\n"), "r.jsonl:2: not UTF-8 text"),
+    ((good_line(), good_line(seconds="abc")), "r.jsonl:2: field 'seconds' must be a positive "
+                                             "finite number or null, got 'abc'"),
+    ((good_line(m=-5),), "r.jsonl:1: field 'm' must be an integer from 0 to 2**63 - 1, got -5"),
+    ((good_line(seconds=-1.0),), "r.jsonl:1: field 'seconds'"),
+    ((good_line(dtype="foo"),), "r.jsonl:1: field 'dtype' must be a numeric dtype numpy knows"),
+    ((good_line(variant={}),), "r.jsonl:1: field 'variant' must be a string, got {}"),
+], ids=["not-a-record", "not-utf8", "seconds-text", "m-negative", "seconds-negative",
+        "dtype-foo", "variant-object"])
+def test_every_reader_refuses_a_bad_record_in_one_line(tmp_path, capsys, command, lines,
+                                                       expected):
+    path = write_lines(tmp_path / "r.jsonl", *lines)
+    out = tmp_path / "out"
+    argv = [a.format(path, out=out) for a in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"distmm {command[0]}: error: {path}"), err
+    assert expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+def test_committed_records_pass_the_checks():
+    from conftest import ROOT
+
+    files = sorted((ROOT / "bench" / "results").glob("*.jsonl"))
+    assert len(load(files)) > 4000
+
+
+def test_append_starts_a_line_when_the_last_lacks_its_newline(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(good_line().rstrip(b"\n"))
+    append_record(path, {**RECORD, "run": "r2"})
+    writer = RecordWriter("scaling", "AMD EPYC", path=path)
+    writer.add("numpy", "float64", 512, 512, 512, 0.02, None)
+    assert [r["run"] for r in load([path])] == ["r1", "r2", writer.run]
+    assert path.read_bytes().endswith(b"\n") and path.read_bytes().count(b"\n") == 3
+    empty = tmp_path / "new.jsonl"
+    append_record(empty, RECORD)
+    assert empty.read_bytes() == good_line()
+
+
+def test_model_output_onto_a_file_without_its_last_newline(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(good_line().rstrip(b"\n"))
+    assert main(["model", "--gpus", "1", "512", "512", "512", "-o", str(path)]) == 0
+    recs = load([path])
+    assert len(recs) == 2 and recs[0] == RECORD and recs[1]["predicted_seconds"] > 0
+    assert main(["report", str(path), "-o", str(tmp_path / "rep")]) == 0
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"gpus": ', "t.json:1: not JSON"),
+    (b"[1, 2]", "t.json: not a distmm tuning cache"),
+    (b'{"version": 2, "gpus": {}}', "t.json: tuning cache version 2; this distmm reads version 1"),
+    (b'{"version": 1, "gpus": []}', "t.json: the tuning cache's 'gpus' must map each GPU"),
+    (b'{"version": 1, "gpus": {"H200": {"float32": 5}}}', "'gpus' must map each GPU"),
+    (b'\xff{}', "t.json: not UTF-8 text"),
+], ids=["cut-short", "list", "version", "gpus-list", "entry-number", "not-utf8"])
+def test_tune_show_refuses_a_broken_cache(tmp_path, capsys, content, expected):
+    cache = write_lines(tmp_path / "t.json", content)
+    assert main(["tune", "--cache", str(cache), "--show"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"distmm tune: error: {tmp_path}") and expected in captured.err
+    assert cache.read_bytes() == content
+
+
+def test_tune_show_of_a_good_a_missing_and_the_default_cache(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "t.json"
+    entries = {"version": 1, "gpus": {"NVIDIA H200": {"float32": {"backend": "raw"}}}}
+    cache.write_text(json.dumps(entries))
+    assert main(["tune", "--cache", str(cache), "--show"]) == 0
+    assert json.loads(capsys.readouterr().out) == entries
+    assert main(["tune", "--cache", str(tmp_path / "none.json"), "--show"]) == 2
+    assert capsys.readouterr().err == (f"distmm tune: error: No such file or directory: "
+                                       f"{tmp_path / 'none.json'}\n")
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path / "cache"))  # none yet: empty
+    assert main(["tune", "--show"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"version": 1, "gpus": {}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
