@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distmm.plan import Plan, accumulate_dtype, reduction_tree, sums_whole_k
+from distmm.plan import MAX_WORKERS, Plan, accumulate_dtype, reduction_tree, sums_whole_k
 
 __all__ = ["BlockLayout", "GridPlan", "make_grid", "grid_for_plan", "even_edges", "widen_panels",
            "gpu_panels", "grid_shapes", "GPU_MIN_PANEL",
@@ -208,6 +208,33 @@ class GridPlan:
         total += sum(1 for dst, _ in self.reduction if dst == layer) * mi * nj * size
         return total
 
+    def slowest_seconds(self, rank_flops: float, link_bytes: float) -> float:
+        """The slowest rank's ``flops / rank_flops + bytes_received / link_bytes``, as the
+        maximum over every rank, found from the few distinct block sizes of the grid's even
+        splits (each rank's terms depend on its row's, column's and layer's sizes only)."""
+        size = self.itemsize
+        sums = {}
+        for dst, _ in self.reduction:
+            sums[dst] = sums.get(dst, 0) + 1
+        rows = [self.row_edges[i + 1] - self.row_edges[i] for i in range(self.rows)]
+        cols = [self.col_edges[j + 1] - self.col_edges[j] for j in range(self.cols)]
+        slowest, seen = 0.0, set()
+        for layer in range(self.layers):
+            kl = self.layer_edges[layer + 1] - self.layer_edges[layer]
+            a_k, b_k = self.a_k_edges[layer], self.b_k_edges[layer]
+            key = (kl, sums.get(layer, 0), a_k[-1] - a_k[0], b_k[-1] - b_k[0])
+            if key in seen:
+                continue
+            seen.add(key)
+            per_row = {(mi, b_k[i + 1] - b_k[i]) for i, mi in enumerate(rows)}
+            per_col = {(nj, a_k[j + 1] - a_k[j]) for j, nj in enumerate(cols)}
+            for mi, own_b in per_row:
+                for nj, own_a in per_col:
+                    moved = (mi * (kl - own_a) + (kl - own_b) * nj
+                             + sums.get(layer, 0) * mi * nj) * size
+                    slowest = max(slowest, 2 * mi * nj * kl / rank_flops + moved / link_bytes)
+        return slowest
+
     @property
     def bytes_per_rank(self) -> tuple[int, ...]:
         return tuple(self.bytes_received(r) for r in range(self.ranks))
@@ -257,15 +284,15 @@ def _build(m, n, k, res, acc, layers, rows, cols) -> GridPlan:
 def grid_shapes(ranks: int):
     """Every ``(layers, rows, cols)`` with product ``ranks``: no k-split first,
     then square-ish grids before long ones (the order breaks ties)."""
-    out = []
-    for layers in range(1, ranks + 1):
-        if ranks % layers:
-            continue
-        rest = ranks // layers
-        for rows in range(1, rest + 1):
-            if rest % rows == 0:
-                out.append((layers, rows, rest // rows))
+    out = [(layers, rows, ranks // layers // rows) for layers in _divisors(ranks)
+           for rows in _divisors(ranks // layers)]
     return sorted(out, key=lambda g: (g[0] > 1, abs(math.log(g[1] / g[2])), g[0], g[1]))
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
@@ -300,7 +327,8 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     Raises
     ------
     ValueError
-        Negative sizes, ``ranks < 1``, or a forced grid of the wrong size.
+        Negative sizes, ``ranks`` outside 1 to ``MAX_WORKERS``, or a forced grid of the wrong
+        size.
 
     Examples
     --------
@@ -316,6 +344,8 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     if int(ranks) != ranks or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+    if ranks > MAX_WORKERS:
+        raise ValueError(f"ranks must be at most {MAX_WORKERS}, got {ranks}")
     m, n, k, ranks = int(m), int(n), int(k), int(ranks)
     res = np.dtype(dtype)
     acc = accumulate_dtype(res)
@@ -329,8 +359,7 @@ def make_grid(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if layers > 1 and not k_split:
             continue
         plan = _build(m, n, k, res, acc, layers, rows, cols)
-        time = max(plan.flops(r) / rank_flops + plan.bytes_received(r) / link_bytes
-                   for r in range(ranks))
+        time = plan.slowest_seconds(rank_flops, link_bytes)
         if time < best_time * (1 - 1e-9):
             best, best_time = plan, time
     return best

@@ -234,6 +234,10 @@ def sums_whole_k(dtype) -> bool:
 #: more failed deep in the planner with a bare MemoryError
 MAX_EDGES = 2**24
 
+#: the most workers (or MPI ranks, or devices) a plan is made for: more than any machine runs
+#: processes of one product, and the planners' lists per worker and per grid shape stay small
+MAX_WORKERS = 2**17
+
 
 def split_edges(length: int, tile: int) -> tuple[int, ...]:
     """Return the edges ``0 = e0 < e1 < ... = length`` of tiles of at most ``tile``.
@@ -541,6 +545,8 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     m, n, k = int(m), int(n), int(k)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers > MAX_WORKERS:
+        raise ValueError(f"workers must be at most {MAX_WORKERS}, got {workers}")
     res = np.dtype(dtype)
     acc = accumulate_dtype(res)
     precision = check_precision(precision, res, what="make_plan")

@@ -172,3 +172,77 @@ def test_gpu_cluster_protocol_is_ucx_only_where_distributed_ucxx_imports(monkeyp
     monkeypatch.setitem(sys.modules, "distributed_ucxx", types.ModuleType("distributed_ucxx"))
     assert gpu_protocol("auto") == "ucx"
     assert gpu_protocol("tcp") == "tcp"  # asked for: kept
+
+
+_SWALLOWED = """
+import os, signal, sys, time
+from distmm.cli import commands
+
+plan = commands._cmd_plan
+
+
+class Finaliser:
+    def __del__(self):  # Python only prints what a finaliser raises ("Exception ignored in")
+        os.kill(os.getpid(), signal.SIG{name})
+        time.sleep(5)
+
+
+def swallowing_plan(args):
+    Finaliser()  # collected at once: the signal's exception is raised inside __del__
+    return plan(args)
+
+
+commands._cmd_plan = swallowing_plan
+sys.exit(commands.main(["plan", "10", "10", "10"]))
+"""
+
+
+@pytest.mark.parametrize("name,status,said", [("TERM", 143, "terminated by SIGTERM"),
+                                              ("INT", 130, "interrupted (SIGINT)")])
+def test_a_signal_whose_exception_python_swallowed_still_ends_the_command(name, status, said):
+    """A signal whose exception lands where Python only prints it (a garbage-collection
+    callback or finaliser, as while a Dask cluster starts or closes) ended nothing: bench and
+    calibrate went on, wrote their output and exited 0. Now the command ends with the
+    signal's status and one line, and nothing is printed from inside the finaliser."""
+    r = subprocess.run([sys.executable, "-c", _SWALLOWED.replace("{name}", name)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == status, (r.stdout, r.stderr)
+    assert r.stderr == f"distmm plan: error: {said}\n", r.stderr
+
+
+def test_calibrate_refuses_a_file_it_cannot_write_before_measuring(tmp_path):
+    (tmp_path / "plain").write_text("")
+    r = run_cli("calibrate", "--quick", "-o", tmp_path / "plain" / "cal.json")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("distmm calibrate: error:") and r.stderr.count("\n") == 1
+    assert "is not a folder" in r.stderr  # one line: no measuring step was shown
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
+def test_plan_refuses_too_many_ranks_before_printing_and_notes_a_missing_gpu():
+    r = run_cli("plan", 100, 100, 100, "--ranks", 10**9)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert "ranks must be at most" in r.stderr and r.stderr.count("\n") == 1
+    r = run_cli("plan", 100, 100, 100, "--backend", "raw")
+    if "no CUDA GPU here" not in r.stderr:
+        pytest.skip("this machine has a GPU")
+    assert r.returncode == 0 and "tiles" in r.stdout, r.stderr
+
+
+def test_demo_refuses_a_gpu_backend_without_a_gpu_before_its_cluster_starts():
+    from distmm.executor import gpu_available
+
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    r = run_cli("demo", "-n", 64, "--engine", "dask", "--backend", "raw")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == "" and r.stderr.count("\n") == 1 and "needs a CUDA GPU" in r.stderr
+
+
+def test_debug_before_a_command_that_parses_its_own_options(tmp_path):
+    missing = tmp_path / "missing.json"
+    r = run_cli("--debug", "trace", "--from-json", missing)
+    assert r.returncode == 2, r.stderr  # was argparse's "unrecognized arguments"
+    assert "Traceback" in r.stderr and r.stderr.rstrip().endswith(f"{missing}")
+    r = run_cli("trace", "--from-json", missing)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1

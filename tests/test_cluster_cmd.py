@@ -198,3 +198,30 @@ def test_a_closing_workers_heartbeat_failure_is_left_out_of_its_log():
 
     running, closed, other = asyncio.run(main())
     assert running and not closed and other
+
+
+@pytest.mark.slow
+def test_dashboard_none_serves_no_dashboard(tmp_path: Path):
+    """``--dashboard-address none``: the scheduler's HTTP server (health, metrics) has no
+    dashboard pages and does not take 8787 (distributed's None served the dashboard there)."""
+    import urllib.error
+    import urllib.request
+
+    from distributed import Client
+
+    sched = tmp_path / "sched.json"
+    proc = serve_cluster(sched, "--workers", 1, "--dashboard-address", "none")
+    try:
+        listening = {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        with Client(scheduler_file=str(sched), timeout=30) as client:
+            http = client.scheduler_info()["services"]["dashboard"]  # the HTTP server's port
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as page:
+            assert page.status == 200
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10)
+    finally:
+        status, out, err, _ = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    assert http != 8787 and 8787 not in listening, listening
+    assert "dashboard       none" in out, out
+    assert status == 143, err

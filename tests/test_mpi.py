@@ -64,6 +64,34 @@ def test_grid_plan(ranks, shape):
         assert list(pe) == sorted(pe)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "complex128", "int8"])
+def test_slowest_rank_is_found_from_the_block_sizes(dtype):
+    """``slowest_seconds`` (the grid search's score, from the few distinct block sizes) is
+    the maximum over every rank of its flops and bytes received, on random grids and sizes."""
+    from distmm.grid import grid_shapes
+
+    rng = np.random.default_rng()
+    for _ in range(40):
+        m, n, k = (int(x) for x in rng.integers(0, 400, 3))
+        ranks = int(rng.integers(1, 49))
+        rate, link = float(10 ** rng.uniform(9, 13)), float(10 ** rng.uniform(8, 12))
+        for shape in grid_shapes(ranks):
+            g = make_grid(m, n, k, dtype, ranks=ranks, grid=shape)
+            every = max(g.flops(r) / rate + g.bytes_received(r) / link for r in range(ranks))
+            assert g.slowest_seconds(rate, link) == pytest.approx(every, rel=1e-12, abs=0)
+
+
+def test_ranks_and_workers_beyond_the_most_are_refused():
+    """``distmm plan --ranks 10**9`` ran for minutes, ``--workers 10**9`` took 14 GB."""
+    import distmm
+    from distmm.plan import MAX_WORKERS
+
+    with pytest.raises(ValueError, match=f"ranks must be at most {MAX_WORKERS}"):
+        make_grid(100, 100, 100, ranks=MAX_WORKERS + 1)
+    with pytest.raises(ValueError, match=f"workers must be at most {MAX_WORKERS}"):
+        distmm.make_plan(100, 100, 100, workers=10**9)
+
+
 def test_grid_shapes_follow_the_problem():
     assert make_grid(100000, 50, 50, ranks=4).shape == (1, 4, 1)  # tall-skinny: nothing of A moves
     # long k splits into layers, except where numpy sums over k in one pass (float16, ...)

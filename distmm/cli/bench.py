@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.cli.exits import raise_if_signalled
 from distmm.cli.records import progress_line
 from distmm.cli.study import Config, Study, load_study
 
@@ -287,6 +288,7 @@ class _Runner:
 
     def write(self, c: Config, first: float, times: list[float], relerr: float | None,
               checked: int, **extra) -> None:
+        raise_if_signalled()  # a signal a library swallowed (a cluster starting): no record
         seconds = float(np.median(times))
         ok = relerr is not None and relerr <= self.relerr_bounds()[c.dtype]
         rec = self.writer.add(c.variant, c.dtype, c.m, c.n, c.k, seconds, relerr,

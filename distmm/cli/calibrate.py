@@ -55,8 +55,11 @@ def save(cal: Calibration, path) -> Path:
     """Write ``cal`` as JSON to ``path`` through a temporary file beside it (a failed write
     leaves no partial file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:  # named by the path asked for, not a hidden temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(cal.to_dict(), f, indent=1, sort_keys=True)

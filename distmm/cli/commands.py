@@ -19,7 +19,8 @@ import sys
 import time
 
 from distmm.cli.argtypes import integer_at_least
-from distmm.cli.exits import (BAD_INPUT, Signalled, report, terminate_on_sigterm,
+from distmm.cli.exits import (BAD_INPUT, Signalled, raise_if_signalled, report,
+                              restore_signals, terminate_on_sigterm,
                               whole_line_writes)
 from distmm.executor import BACKENDS
 from distmm.startup import guard, is_command, let_rank_zero_say, rank_zero
@@ -81,13 +82,29 @@ def _cmd_plan(args) -> int:
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
     # distmm.matmul's own planning: the configured tile, backend and memory budget
-    print(make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
-                    backend=args.backend).describe())
+    plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
+                     backend=args.backend)
+    grid = None
     if args.ranks:
         from distmm.grid import make_grid
 
-        print(make_grid(args.m, args.n, args.k, args.dtype, ranks=args.ranks).describe())
+        grid = make_grid(args.m, args.n, args.k, args.dtype, ranks=args.ranks)
+    _note_gpu_budget(args.backend)
+    print(plan.describe())
+    if grid is not None:
+        print(grid.describe())
     return 0
+
+
+def _note_gpu_budget(backend: str) -> None:
+    """A plan for a GPU backend made where there is no GPU (a login node) takes this host's
+    memory budget: say so on stderr (``distmm matmul`` with that backend would refuse here)."""
+    from distmm.executor import missing_gpu
+
+    name = missing_gpu(backend)
+    if name is not None:
+        print(f"distmm plan: note: no CUDA GPU here; the plan for backend {name!r} takes "
+              f"this host's memory budget, not a GPU's", file=sys.stderr)
 
 
 def _cmd_info(args) -> int:
@@ -476,35 +493,47 @@ def _import_first(names):
     raise ModuleNotFoundError(f"none of {', '.join(names)}", name=names[0])
 
 
-def _pass_through(command: str, argv: list[str]) -> int:
-    debug = "--debug" in argv
+def _pass_through(command: str, argv: list[str], *, debug: bool = False) -> int:
+    """Run a command that parses its own options; ``--debug`` (before the command's name, or
+    among its options before a ``--``) is distmm's and is not passed on."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = debug or "--debug" in argv[:end]
+    argv = [a for a in argv[:end] if a != "--debug"] + argv[end:]
     try:
         with guard():  # a signal while the command's modules import: the one line
             module = _import_first(_PASS_THROUGH[command])
     except ImportError as exc:
         return report(command, exc, debug=debug,
                       note=' (this command needs the GPU extras: pip install "distmm[gpu]")')
+    previous = terminate_on_sigterm()
     try:
-        return module.main(argv)
+        status = module.main(argv)
+        raise_if_signalled()
+        return status
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
         return report(command, exc, debug=debug)
+    finally:
+        restore_signals(previous)
 
 
 def main(argv=None) -> int:
     """Run ``distmm`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     whole_line_writes()
-    if argv and argv[0] in _PASS_THROUGH:
+    lead = 1 if argv[:1] == ["--debug"] else 0  # distmm's own option before the command
+    if len(argv) > lead and argv[lead] in _PASS_THROUGH:
         # These commands own their options: hand everything after the name over.
-        return _pass_through(argv[0], argv[1:])
+        return _pass_through(argv[lead], argv[lead + 1:], debug=bool(lead))
     with guard():  # a signal while the parser's modules import: the one line, 130 / 143
         args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     previous = terminate_on_sigterm()
     try:
-        return args.func(args)
+        status = args.func(args)
+        raise_if_signalled()  # a signal whose exception a library swallowed
+        return status
     except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
         if isinstance(exc, SystemExit):
             raise
@@ -529,6 +558,4 @@ def main(argv=None) -> int:
             os._exit(status)
         return status
     finally:
-        import signal
-
-        signal.signal(signal.SIGTERM, previous)
+        restore_signals(previous)

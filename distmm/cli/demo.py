@@ -32,6 +32,17 @@ def _dask_engine_ready() -> bool:
     return importlib.util.find_spec("distmm.engine.dask") is not None
 
 
+def _check_backend(backend: str) -> None:
+    """Refuse a GPU backend where this machine has no GPU, as ``distmm matmul`` does."""
+    from distmm.errors import BackendUnavailable
+    from distmm.executor import missing_gpu
+
+    name = missing_gpu(backend)
+    if name is not None:
+        raise BackendUnavailable(f"backend {name!r} needs a CUDA GPU and cupy; this machine "
+                                 f"has none (use --backend auto)")
+
+
 def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm,
              report: str | None = None, progress: bool | None = None) -> int:
     from distmm.engine.local import default_workers
@@ -47,6 +58,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             return run_gpu_demo(n=n, dtype=dt.name, gpus=min(gpus, workers or gpus),
                                 backend=backend, distmm=distmm, report=report)
     _check_fits(n, dt)
+    _check_backend(backend)  # before a cluster starts
     a, b = _operand(rng, n, dt), _operand(rng, n, dt)
     workers = workers or default_workers()
     cluster = client = None

@@ -29,7 +29,7 @@ import traceback
 from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists, Signalled
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
-           "whole_line_writes",
+           "restore_signals", "raise_if_signalled", "whole_line_writes",
            "OK", "FAILED", "BAD_INPUT"]
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -99,12 +99,49 @@ def whole_line_writes() -> None:
                 pass
 
 
+#: the signals the command got (SIGINT, SIGTERM), recorded by its handlers before they raise
+_received: list[int] = []
+
+
+def _signal_error(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Signalled(signum)
+
+
 def terminate_on_sigterm():
     """Raise ``Signalled`` in the main thread on SIGTERM (once: a second
-    signal during cleanup is ignored). Returns the previous handler."""
+    signal during cleanup is ignored), and ``KeyboardInterrupt`` on SIGINT, each
+    recorded first (``raise_if_signalled``). Where such an exception is raised
+    inside code whose errors Python only prints ("Exception ignored in": a
+    garbage-collection callback, a finaliser, as while a Dask cluster starts or
+    closes), it is not printed, and the command ends at its next
+    ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
-        raise Signalled(signum)
+        _received.append(signum)
+        raise _signal_error(signum)
 
-    return signal.signal(signal.SIGTERM, handler)
+    def unraisable(info):
+        if not isinstance(info.exc_value, (Signalled, KeyboardInterrupt)):
+            previous_hook(info)
+
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
+    return (previous_hook, {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)})
+
+
+def restore_signals(previous) -> None:
+    """Undo ``terminate_on_sigterm`` (``main()`` called in a process that goes on)."""
+    hook, handlers = previous
+    sys.unraisablehook = hook
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    _received.clear()
+
+
+def raise_if_signalled() -> None:
+    """Raise the first signal the command got, if any: before a command writes its output,
+    and when it returns, so that a signal whose exception was swallowed still ends the run
+    with 130 / 143 and nothing written."""
+    if _received:
+        raise _signal_error(_received[0])

@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from distmm.cli.exits import raise_if_signalled
+
 __all__ = ["add_parsers", "run_calibrate", "run_model"]
 
 
@@ -127,13 +129,15 @@ def run_calibrate(args) -> int:
     from distmm.cli import calibrate as cb
 
     path = Path(args.output) if args.output else cb.default_path()
-    if path.exists() and path.is_dir():
-        raise IsADirectoryError(21, "a folder, not a file", str(path))
+    _check_calibration_path(path)  # before measuring
     if args.from_records:
         if args.quick:
             raise ValueError("--quick measures; it does not go with --from-records")
         records = cb.load_records(args.from_records)
         machines = sorted({cb.machine_of(r["device"]) for r in records if "device" in r})
+        if not machines:
+            raise ValueError(f"no record in {' '.join(args.from_records)} names its device "
+                             f"(the 'device' field): nothing to calibrate from")
         machine = args.machine
         if machine is None:
             gpus = [mm for mm in machines if mm.startswith("NVIDIA")]
@@ -149,10 +153,26 @@ def run_calibrate(args) -> int:
         cal = cb.measure(quick=args.quick,
                          progress=lambda line: print(f"calibrate: {line}", file=sys.stderr,
                                                      flush=True))
+    raise_if_signalled()  # a signal a library swallowed while measuring: nothing stored
     cb.save(cal, path)
     _print_calibration(cal)
     print(f"stored in {path}")
     return 0
+
+
+def _check_calibration_path(path: Path) -> None:
+    """Refuse a calibration file that cannot be written, before measuring: a folder, or a
+    path through a file, or a folder this process may not write in (the missing folders of
+    the path are made when it is stored)."""
+    if path.is_dir():
+        raise IsADirectoryError(21, "a folder, not a file", str(path))
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise NotADirectoryError(20, f"{folder} is not a folder", str(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"cannot write in {folder}", str(path))
 
 
 def _print_calibration(cal) -> None:

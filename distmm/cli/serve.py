@@ -361,6 +361,10 @@ def _start(args, devices):
     common = dict(host=args.host, scheduler_port=args.port,
                   dashboard_address=args.dashboard_address,
                   memory_limit=args.memory_limit, preload=[WORKER_SETUP])
+    if args.dashboard_address is None:
+        # distributed's None still serves its HTTP routes (health, metrics) on :8787: those
+        # go to any free port, and the dashboard is off
+        common.update(dashboard_address=f"{args.host}:0", scheduler_kwargs={"dashboard": False})
     if devices is None:
         workers = args.workers or max(1, _usable_cores() // args.threads)
         cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
@@ -392,7 +396,7 @@ def _describe(cluster, devices, args, scheduler_file: Path | None) -> str:
                 f"{'s' if len(devices) > 1 else ''} {','.join(devices)}")
     lines = [f"distmm cluster: {kind}, {each} each",
              f"  scheduler       {cluster.scheduler_address}",
-             f"  dashboard       {cluster.dashboard_link or 'none'}",
+             f"  dashboard       {(args.dashboard_address and cluster.dashboard_link) or 'none'}",
              f"  workers         {', '.join(sorted(workers))}"]
     if scheduler_file is not None:
         lines.append(f"  scheduler file  {scheduler_file}")

@@ -13,7 +13,7 @@ import numpy as np
 from distmm.executor.base import BackendUnavailable, Executor
 
 __all__ = ["Executor", "BackendUnavailable", "get_executor", "resolve_backend", "CPU_BACKENDS",
-           "GPU_BACKENDS", "BACKENDS", "gpu_available", "AUTO_GPU_MIN_FLOPS"]
+           "GPU_BACKENDS", "BACKENDS", "gpu_available", "missing_gpu", "AUTO_GPU_MIN_FLOPS"]
 
 CPU_BACKENDS = ("numba", "blas")
 GPU_BACKENDS = ("raw", "cublas")
@@ -32,6 +32,16 @@ def gpu_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+def missing_gpu(backend: str) -> str | None:
+    """The GPU backend asked for (``"auto"``: the configured one) where this machine has no
+    GPU, else None: what a command refuses, or notes, before any work."""
+    if backend == "auto":
+        from distmm.config import get_config
+
+        backend = get_config().backend
+    return backend if backend in GPU_BACKENDS and not gpu_available() else None
 
 
 def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
