@@ -212,8 +212,9 @@ def test_dashboard_none_serves_no_dashboard(tmp_path: Path):
     sched = tmp_path / "sched.json"
     proc = serve_cluster(sched, "--workers", 1, "--dashboard-address", "none")
     try:
-        listening = {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN}
+        served = psutil.Process(proc.pid)
+        connections = getattr(served, "net_connections", None) or served.connections  # psutil<6
+        listening = {c.laddr.port for c in connections("tcp") if c.status == psutil.CONN_LISTEN}
         with Client(scheduler_file=str(sched), timeout=30) as client:
             http = client.scheduler_info()["services"]["dashboard"]  # the HTTP server's port
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as page:
