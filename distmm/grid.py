@@ -209,30 +209,30 @@ class GridPlan:
         return total
 
     def slowest_seconds(self, rank_flops: float, link_bytes: float) -> float:
-        """The slowest rank's ``flops / rank_flops + bytes_received / link_bytes``, as the
-        maximum over every rank, found from the few distinct block sizes of the grid's even
-        splits (each rank's terms depend on its row's, column's and layer's sizes only)."""
-        size = self.itemsize
-        sums = {}
+        """The slowest rank's ``flops / rank_flops + bytes_received / link_bytes``: the
+        maximum over every rank, taken over one rank of each kind. A rank's time depends on
+        its row's and column's sizes and the parts of its layer's k it owns, and on its
+        layer's length and partial sums; the even splits give few kinds of each, and layers
+        alike in length and sums alike in their rows and columns."""
+        sums: dict[int, int] = {}
         for dst, _ in self.reduction:
             sums[dst] = sums.get(dst, 0) + 1
-        rows = [self.row_edges[i + 1] - self.row_edges[i] for i in range(self.rows)]
-        cols = [self.col_edges[j + 1] - self.col_edges[j] for j in range(self.cols)]
         slowest, seen = 0.0, set()
         for layer in range(self.layers):
-            kl = self.layer_edges[layer + 1] - self.layer_edges[layer]
-            a_k, b_k = self.a_k_edges[layer], self.b_k_edges[layer]
-            key = (kl, sums.get(layer, 0), a_k[-1] - a_k[0], b_k[-1] - b_k[0])
-            if key in seen:
+            kind = (self.layer_edges[layer + 1] - self.layer_edges[layer], sums.get(layer, 0))
+            if kind in seen:
                 continue
-            seen.add(key)
-            per_row = {(mi, b_k[i + 1] - b_k[i]) for i, mi in enumerate(rows)}
-            per_col = {(nj, a_k[j + 1] - a_k[j]) for j, nj in enumerate(cols)}
-            for mi, own_b in per_row:
-                for nj, own_a in per_col:
-                    moved = (mi * (kl - own_a) + (kl - own_b) * nj
-                             + sums.get(layer, 0) * mi * nj) * size
-                    slowest = max(slowest, 2 * mi * nj * kl / rank_flops + moved / link_bytes)
+            seen.add(kind)
+            a_k, b_k = self.a_k_edges[layer], self.b_k_edges[layer]
+            rows = {(self.row_edges[i + 1] - self.row_edges[i], b_k[i + 1] - b_k[i]): i
+                    for i in range(self.rows)}
+            cols = {(self.col_edges[j + 1] - self.col_edges[j], a_k[j + 1] - a_k[j]): j
+                    for j in range(self.cols)}
+            for i in rows.values():
+                for j in cols.values():
+                    rank = self.rank_at(layer, i, j)
+                    slowest = max(slowest, self.flops(rank) / rank_flops
+                                  + self.bytes_received(rank) / link_bytes)
         return slowest
 
     @property

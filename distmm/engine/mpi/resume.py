@@ -82,7 +82,8 @@ def _sources(path: Path, array) -> list:
     names = [own]
     if array.is_virtual:
         names += [_near(own, vs.file_name) for vs in array.virtual_sources()]
-    names += [_near(Path.cwd() / "x", name) for name, *_ in (array.external or ())]
+    # external raw storage: HDF5 reads it from the working folder
+    names += [Path(os.fsdecode(name)).resolve() for name, *_ in (array.external or ())]
     found = []
     for name in dict.fromkeys(names):  # in order, once each
         if name == path.resolve():
@@ -98,7 +99,7 @@ def _sources(path: Path, array) -> list:
 def _near(anchor: Path, name) -> Path:
     """A file HDF5 names from inside ``anchor`` (``"."``: ``anchor`` itself), as HDF5 finds it
     first: beside ``anchor``, else from the working folder."""
-    name = name.decode() if isinstance(name, bytes) else str(name)
+    name = os.fsdecode(name)
     if name == ".":
         return anchor
     beside = anchor.parent / name
@@ -197,7 +198,7 @@ def _named(facts: dict, other: dict) -> str:
 
 
 def _count(edges) -> str:
-    """Stripe edges per grid row (or k panel edges) as counts: ``3 + 3 stripes``."""
+    """Stripe edges per grid row (or k panel edges) as counts: ``"3 + 3"`` (or ``"3"``)."""
     if not edges:
         return "none"
     if isinstance(edges[0], list):
