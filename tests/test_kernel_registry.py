@@ -161,6 +161,18 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
     assert tuning.tuning_for("GPU X")["float32"] == entry
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"version": 2, "gpus": {}}', '[1, 2]',
+                                  '{"version": 1, "gpus": {"GPU X": [1]}}'])
+def test_store_tuning_leaves_a_file_that_is_not_a_cache(tmp_path, text):
+    """A store refuses, as ``distmm tune`` does, to replace what it cannot read as a cache
+    of its version (another distmm's newer cache, a file the user pointed at by mistake)."""
+    path = tmp_path / "tune.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="tune.json"):
+        tuning.store_tuning("GPU X", np.float32, {"kernel": "warptile"}, path)
+    assert path.read_text() == text and sorted(tmp_path.iterdir()) == [path]
+
+
 def test_source_inlines_headers():
     """Every step's local headers are inlined, the tensor-core steps' too, whatever follows
     an include on its line."""

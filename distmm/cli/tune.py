@@ -32,7 +32,8 @@ import numpy as np
 
 import distmm.executor.registry as registry
 from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
-                                    load_tuning_for as load_for, store_tuning as store)
+                                    load_tuning_for as load_for, read_cache,
+                                    store_tuning as store)
 
 __all__ = ["cache_path", "load", "load_for", "store", "time_gpu", "time_alternating",
            "sustained_clock", "random_operands", "relerr_gpu", "tune_dtype", "main",
@@ -288,34 +289,6 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     log(f"{dtype}: best {p_best}: {tf_best:.2f} TFLOP/s at n={confirm_size}; cuBLAS "
         f"{entry['cublas_tflops']:.2f}; auto uses {prefer}")
     return entry
-
-
-def read_cache(path: Path | None, *, must_exist: bool = False) -> dict:
-    """The cache at ``path`` (default ``cache_path()``), checked: ``{"version": CACHE_VERSION,
-    "gpus": {name: {dtype: entry}}}`` with objects for the GPUs and entries. A missing file
-    is an empty cache, or ``FileNotFoundError`` with ``must_exist``; anything else that is
-    not such a cache raises ``ValueError`` naming the file and what is wrong."""
-    from distmm.cli.records import json_file
-
-    path = Path(path) if path else cache_path()
-    if not path.exists() and not must_exist:
-        return {"version": CACHE_VERSION, "gpus": {}}
-    if path.is_dir():
-        raise IsADirectoryError(21, "a folder, not a tuning cache file", str(path))
-    data = json_file(path)
-    if not isinstance(data, dict) or "version" not in data:
-        raise ValueError(f"{path}: not a distmm tuning cache (a JSON object with 'version' "
-                         f"and 'gpus')")
-    if data["version"] != CACHE_VERSION:
-        raise ValueError(f"{path}: tuning cache version {data['version']!r}; this distmm "
-                         f"reads version {CACHE_VERSION}")
-    gpus = data.setdefault("gpus", {})
-    if not isinstance(gpus, dict) or not all(
-            isinstance(entries, dict) and all(isinstance(e, dict) for e in entries.values())
-            for entries in gpus.values()):
-        raise ValueError(f"{path}: the tuning cache's 'gpus' must map each GPU to an object "
-                         f"of entries by dtype")
-    return data
 
 
 def build_parser() -> argparse.ArgumentParser:
