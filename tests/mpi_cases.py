@@ -510,9 +510,53 @@ def case_objects_that_do_not_pickle():
     same(distmm.matmul(a, b, engine="mpi"), a, b, "an object product after them")
 
 
+def case_distarray_refusals_agree():
+    """DistArray arguments that only one rank gets wrong (a 1-D block, another grid, another
+    file name for ``to_file``, a suffix only that rank refuses): one error on every rank and
+    nothing left in the folder, where the other ranks waited for it in a collective before
+    (the timeout)."""
+    if P == 1:
+        return
+    last = rank == P - 1
+    good = np.ones((2, 3))
+    attempts = {
+        "from_local 1-D block": lambda: DistArray.from_local(np.ones(3) if last else good,
+                                                             grid=(P, 1)),
+        "from_local another grid": lambda: DistArray.from_local(
+            good, grid=(1, P) if last else (P, 1)),
+        "from_local a grid of three": lambda: DistArray.from_local(
+            good, grid=(P, 1, 1) if last else (P, 1)),
+    }
+    d = DistArray.from_local(good, grid=(P, 1))
+    folder = f"{tmp}/refusals"
+    if rank == 0:
+        import os
+
+        os.makedirs(folder, exist_ok=True)
+    comm.Barrier()
+    attempts["to_file another name"] = lambda: d.to_file(f"{folder}/c{int(last)}.npy")
+    attempts["to_file a suffix one rank refuses"] = lambda: d.to_file(
+        f"{folder}/c.txt" if last else f"{folder}/c.npy")
+    attempts["to_file another overwrite"] = lambda: d.to_file(f"{folder}/c.npy", overwrite=last)
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+            check(what, False, "no error")
+        except (ValueError, TypeError) as exc:
+            message = comm.allgather(str(exc).splitlines()[0])
+            check(what + ": one message on every rank", len(set(message)) == 1, str(message))
+    import os
+
+    comm.Barrier()
+    left = sorted(os.listdir(folder))
+    check("refused writes leave nothing", left == [], str(left))
+    same(DistArray.from_local(good, grid=(P, 1)).gather(root=None), np.ones((2 * P, 3)),
+         np.eye(3), "from_local after the refusals")
+
+
 CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
          case_one_sum_bits, case_one_rank_refuses, case_product_errors_agree,
-         case_objects_that_do_not_pickle)
+         case_objects_that_do_not_pickle, case_distarray_refusals_agree)
 chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
 ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:

@@ -43,6 +43,16 @@ def test_mpi_two_ranks(case, tmp_path, mpirun):
     assert r.returncode == 0
 
 
+@pytest.mark.mpi
+def test_distarray_refusals_on_one_rank_reach_every_rank(tmp_path, mpirun):
+    """from_local and to_file arguments only the last of 3 ranks gets wrong (a 1-D block,
+    another grid, another file name or suffix): one error on every rank, nothing written
+    (the other ranks waited for it in a collective: the timeout, and a staged file left)."""
+    r = mpirun(3, HERE / "mpi_cases.py", tmp_path, "case_distarray_refusals_agree", timeout=90)
+    assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (100000, 50, 50), (50, 100000, 50),
                                    (64, 64, 10**6), (22, 23, 24), (3, 1, 0)])

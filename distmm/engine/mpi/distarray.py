@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from distmm._arrays import array_family
+from distmm.engine.mpi.agree import agree
 from distmm.grid import BlockLayout
 
 __all__ = ["DistArray", "square_grid"]
@@ -142,20 +143,38 @@ class DistArray:
         in a grid column equal widths (ragged edges anywhere). A cupy block stays
         on its device; anything else goes through ``numpy.asarray``.
 
+        Every refusal is raised on every rank, also one that only some ranks' blocks
+        or arguments cause.
+
         Raises
         ------
         ValueError
-            Blocks that do not tile a matrix, or a grid that is not the ranks'.
+            Blocks that do not tile a matrix, a block that is not 2-D, or a grid that is
+            not the ranks' or differs between ranks.
         TypeError
             Blocks of different dtypes, or cupy blocks on some ranks and numpy
             blocks on others.
         """
         comm = comm if comm is not None else _world()
-        if _xp(block) is np:
-            block = np.asarray(block)
-        if block.ndim != 2:
-            raise ValueError(f"rank {comm.rank}: a local block must be 2-D, got shape {block.shape}")
-        rows, cols = grid if grid is not None else square_grid(comm.size)
+        # what only some ranks refuse (a block that is not 2-D, another grid) is raised on
+        # every rank: the others would wait for it in the exchange of shapes below
+        error = None
+        try:
+            if _xp(block) is np:
+                block = np.asarray(block)
+            if block.ndim != 2:
+                raise ValueError(f"rank {comm.rank}: a local block must be 2-D, got shape "
+                                 f"{block.shape}")
+            rows, cols = grid if grid is not None else square_grid(comm.size)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+            error = exc
+        agree(comm, error, (), into=set())
+        grids = comm.allgather((rows, cols))
+        other = next((r for r, g in enumerate(grids) if g != grids[0]), None)
+        if other is not None:
+            raise ValueError(f"from_local needs the same grid on every rank: {grids[0][0]} x "
+                             f"{grids[0][1]} on rank 0, {grids[other][0]} x {grids[other][1]} "
+                             f"on rank {other}")
         if rows * cols != comm.size:
             raise ValueError(f"grid {rows} x {cols} does not match {comm.size} ranks")
         info = comm.allgather((tuple(block.shape), block.dtype.str, _xp(block) is not np))

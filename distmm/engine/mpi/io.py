@@ -36,7 +36,7 @@ import shutil
 import numpy as np
 
 from distmm.config import get_config
-from distmm.engine.mpi.agree import shared_error
+from distmm.engine.mpi.agree import agree, shared_error
 from distmm.direct_io import npy_header, preallocate
 from distmm.staging import (BlockWriter, check_target, commit_h5, create_h5_stage, put_in_place,
                             staged_path)
@@ -184,16 +184,31 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
         The target's folder does not exist.
     ValueError, TypeError
         A name or a dtype the command line refuses too (``output_spec``,
-        ``check_dtype`` of ``distmm.stripe_writer``).
+        ``check_dtype`` of ``distmm.stripe_writer``); ``ValueError``: ranks that passed
+        different names or ``overwrite``.
     OSError
         Writing or moving the output into place failed on some rank; the
         staged output is removed, nothing is left under the final name (or the
         old target is left as it was).
     """
     comm = dist.comm
-    f = output_spec(spec)  # the command line's refusals of a name and a dtype
     dtype = np.dtype(dist.dtype)
-    check_dtype(f, dtype)
+    error = None
+    try:
+        f = output_spec(spec)  # the command line's refusals of a name and a dtype
+        check_dtype(f, dtype)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    # a refusal on some ranks only (they were given other names) is raised on every rank:
+    # the others would wait for them in the broadcasts below
+    agree(comm, error, (), into=set())
+    if comm.size > 1:
+        asked = comm.allgather((os.fspath(spec), bool(overwrite)))
+        other = next((r for r, x in enumerate(asked) if x != asked[0]), None)
+        if other is not None:
+            raise ValueError(f"to_file needs the same file and overwrite on every rank: "
+                             f"{asked[0][0]!r} (overwrite={asked[0][1]}) on rank 0, "
+                             f"{asked[other][0]!r} (overwrite={asked[other][1]}) on rank {other}")
     pid = comm.bcast(os.getpid() if comm.rank == 0 else None, root=0)
     header, error = None, None
     if comm.rank == 0:
