@@ -233,15 +233,103 @@ def test_missing_launcher_refused_before_anything_runs(tmp_path):
     assert not out.exists()
 
 
+#: a launcher that starts anything but the ranks' program (it passes the check before the
+#: study, then fails the launch itself)
+FAILS_THE_RANKS = ('"sh", "-c", \'case "$*" in *bench_rank*) exit 3;; esac; shift 2; '
+                   'exec "$@"\', "launcher"')
+
+
 def test_failed_launch_is_reported_and_the_rest_recorded(tmp_path):
-    """A launcher that fails (``false``): the MPI configuration gets a FAILED line and no
-    record, the others their records, and the study exits 1."""
+    """A launch that fails: the MPI configuration gets a FAILED line and no record, the
+    others their records, and the study exits 1."""
     out = tmp_path / "out.jsonl"
-    res = _distmm("bench", _study(tmp_path, MPI_ONLY % '"false"'), "-o", out, timeout=60)
+    res = _distmm("bench", _study(tmp_path, MPI_ONLY % FAILS_THE_RANKS), "-o", out, timeout=60)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "[3/3] distmm-mpi@1ranks float64 33x33x33 (strong): FAILED" in res.stdout
     assert sorted(r["variant"] for r in load([out])) == ["distmm-local@1workers", "numpy"]
     assert "2 records" in res.stdout.splitlines()[-1] and "1 failed" in res.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("what", ["more ranks than slots", "a launcher that fails"])
+def test_a_launch_that_cannot_start_is_refused_before_anything_runs(tmp_path, mpiexec, mpi_env,
+                                                                    what):
+    """An MPI count beyond the machine's slots (Open MPI without --oversubscribe), or a
+    launcher that fails: exit 2 with one line before anything runs, no records file (the
+    configurations before the launch ran first, and the study failed at it)."""
+    out = tmp_path / "out.jsonl"
+    env = {k: v for k, v in mpi_env.items() if k != "OMPI_MCA_rmaps_base_oversubscribe"}
+    if what == "a launcher that fails":
+        text = MPI_ONLY % '"false"'
+    else:
+        text = (MPI_ONLY % f'"{mpiexec}"').replace("counts = [1]",
+                                                    f"counts = [1, {os.cpu_count() + 1}]")
+    res = _distmm("bench", _study(tmp_path, text), "-o", out, timeout=120, env=env)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "do not start on this machine" in lines[0], res.stderr
+    if what == "more ranks than slots":
+        assert f"mpiexec: {os.cpu_count() + 1} ranks" in lines[0]
+        assert 'add "--oversubscribe"' in lines[0], lines[0]
+    assert not res.stdout and not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_runner_stops_its_ranks_and_leaves_no_files(tmp_path, mpi_env, sig):
+    """The runner killed while mpiexec measures: with SIGTERM it stops the launch and exits
+    143; with SIGKILL (no handler) the ranks notice it has gone and stop before their next
+    configuration. Either way no record comes after, and no temporary file is left (the
+    ranks' status file stayed after a SIGTERM; after a SIGKILL the ranks measured the whole
+    launch and left the spec and status files)."""
+    study = _study(tmp_path, """
+name = "killed-mpi"
+device = "cpu"
+repeats = 60
+references = []
+[[series]]
+kind = "strong"
+engines = ["mpi"]
+counts = [2]
+sizes = [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211]
+""")
+    out, temp = tmp_path / "killed.jsonl", tmp_path / "temp"
+    temp.mkdir()
+    env = dict(mpi_env, OMPI_MCA_btl="^ofi", TMPDIR=str(temp))
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "bench", str(study), "-o", str(out)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    import psutil
+
+    family = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.stdout.readline().startswith("[1/12]"):
+                break
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == (143 if sig == signal.SIGTERM else -9)
+        deadline = time.monotonic() + 60  # the ranks' next configuration
+        while list(temp.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not list(temp.iterdir())
+        psutil.wait_procs(family, timeout=30)
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        records = load([out])
+        assert 1 <= len(records) < 12
+        time.sleep(2)
+        assert len(load([out])) == len(records)
+        assert out.read_text().endswith("\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.stdout.close()
 
 
 # ---------------------------------------------------------------- the records file

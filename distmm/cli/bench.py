@@ -1,7 +1,8 @@
 """``distmm bench STUDY.toml``: run a scaling study and write one record per configuration.
 
 This module covers: the command's options (``add_parser``); the checks of the machine
-before anything runs (the GPUs, ``mpiexec``, dask-cuda a study needs); ``--dry-run``; and
+before anything runs (the GPUs, ``mpiexec`` starting the most ranks, dask-cuda a
+study needs); ``--dry-run``; and
 measuring every configuration of a study (``distmm.cli.study``): the in-process references
 (numpy's BLAS on every core, in-core cuBLAS on one GPU) and the local engine on operands
 made once per problem, a real ``distributed`` cluster per Dask worker count (single-thread
@@ -161,6 +162,7 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
                              f"study has an mpi series)")
         if any(c.engine == "mpi" and c.nodes is not None for c in configs):
             _check_open_mpi(study)
+        _check_launches(study, configs)
     if study.device == "gpu":
         from distmm.cli.cluster import local_gpus
 
@@ -190,6 +192,58 @@ def _check_open_mpi(study: Study) -> None:
         raise ValueError(f"{study.path}: mpiexec: emulated nodes need Open MPI's mpiexec (its "
                          f"-x gives each node's ranks their environment); "
                          f"{study.mpiexec[0]} --version says {' '.join(text.split())[:80]!r}")
+
+
+#: tries of a launch before it is refused (Open MPI's PMIx sometimes fails to start once)
+LAUNCH_TRIES = 2
+
+
+def _check_launches(study: Study, configs: list[Config]) -> None:
+    """The study's launcher starts its largest MPI rank count here (one launch of an empty
+    Python program per emulated-node setting): more ranks than the launcher has slots (Open
+    MPI without ``--oversubscribe``), root without ``--allow-run-as-root``, a launcher that
+    fails, are refused before anything runs, not after the configurations before them."""
+    from distmm.cli.emulated import mpiexec_command
+
+    largest: dict = {}
+    for c in configs:
+        if c.engine == "mpi":
+            largest[c.nodes] = max(largest.get(c.nodes, 0), c.count)
+    for nodes, count in largest.items():
+        argv = mpiexec_command(study.mpiexec, count, 1 if nodes is None else nodes,
+                               [sys.executable, "-c", ""])
+        for _ in range(LAUNCH_TRIES):
+            try:
+                out = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                     stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                code, text = None, "did not end within 120 s"
+                continue
+            except OSError as exc:
+                code, text = None, f"{type(exc).__name__}: {exc}"
+                break
+            code, text = out.returncode, out.stdout + out.stderr
+            if code == 0:
+                break
+        if code == 0:
+            continue
+        paragraph = []  # the launcher's first paragraph, its banner lines of dashes left out
+        for line in text.splitlines():
+            line = line.strip()
+            if line and set(line) <= set("-="):
+                continue
+            if not line and paragraph:
+                break
+            if line:
+                paragraph.append(line)
+        why = " ".join(" ".join(paragraph).split())[:240].rstrip(":") or "no output"
+        hint = ("; add \"--oversubscribe\" to the study's mpiexec to run more ranks than "
+                "this machine's slots" if "not enough slots" in text else
+                "; add \"--allow-run-as-root\" to the study's mpiexec" if "as root" in text
+                else "")
+        status = "" if code is None else f" (status {code})"
+        raise ValueError(f"{study.path}: mpiexec: {count} ranks{_as_nodes(nodes)} do not "
+                         f"start on this machine{status}: {why}{hint}")
 
 
 # ---------------------------------------------------------------- measuring
@@ -516,6 +570,7 @@ class _Runner:
                 "total": self.total, "repeats": self.study.repeats,
                 "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,
                 "threads": threads, "output": str(self.writer.path),
+                "runner": _this_process(),
                 "relerr_bound": self.relerr_bounds(), "precision": self.study.precision,
                 "record": {"run": self.writer.run, "benchmark": self.writer.benchmark,
                            "device": self.writer.device, "commit": self.writer.commit,
@@ -542,6 +597,8 @@ class _Runner:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            if os.path.exists(status_path):  # the ranks' status lines: nobody reads them now
+                os.unlink(status_path)
             raise
         finally:
             os.unlink(spec_path)
@@ -561,6 +618,13 @@ class _Runner:
             self.written += 1
             if not entry["ok"]:
                 self.failures.append(f"{c.describe()}: {entry['why']}")
+
+
+def _this_process() -> list:
+    """This process's id and start time: the ranks stop when it is gone (killed)."""
+    import psutil
+
+    return [os.getpid(), psutil.Process().create_time()]
 
 
 def _settle(client, keep: int, timeout: float = 30, still: float = 2.0) -> None:

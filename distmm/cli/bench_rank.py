@@ -9,7 +9,8 @@ first one's sampled rows checked against float64 (``blocks.check_rows``); and ra
 appending each configuration's record (``distmm.cli.records``), a status line for the
 runner and a progress line, as soon as it is measured. Under ``python -m mpi4py`` an
 exception on any rank aborts every rank, and the runner reports the configurations that
-have no status line.
+have no status line. A runner that is gone (killed with SIGKILL) stops the ranks before
+their next configuration, and its temporary files are removed.
 It does *not* cover: which configurations run (``distmm.cli.study``), launching
 ``mpiexec`` (``distmm.cli.bench``) or the MPI engine itself (``distmm.engine.mpi``).
 """
@@ -112,8 +113,14 @@ def main(argv=None) -> int:
         spec = json.load(fh)
     comm = MPI.COMM_WORLD
     for cfg in spec["configs"]:
+        # a runner killed with SIGKILL cannot stop its launch: the ranks stop at the next
+        # configuration, and write no record of one that ended after it had gone
+        if comm.bcast(comm.rank != 0 or _runner_alive(spec), root=0) is False:
+            if comm.rank == 0:
+                _orphaned(argv[0], spec)
+            return 0  # no one reads the status (under mpi4py, any other would call MPI_Abort)
         result = _run_one(comm, spec, cfg)
-        if result is None:
+        if result is None or not _runner_alive(spec):
             continue
         rec = make_record(**spec["record"], variant=cfg["variant"], dtype=cfg["dtype"],
                           m=cfg["m"], n=cfg["n"], k=cfg["k"], seconds=result["seconds"],
@@ -123,6 +130,34 @@ def main(argv=None) -> int:
         append_record(spec["status"], {"index": cfg["index"], "ok": result["ok"], "why": why})
         print(progress_line(cfg["index"], spec["total"], rec), flush=True)
     return 0
+
+
+def _runner_alive(spec: dict) -> bool:
+    """Whether the ``distmm bench`` that launched the ranks still runs (its id and start
+    time in the spec; a spec without them: assumed alive)."""
+    runner = spec.get("runner")
+    if not runner:
+        return True
+    import psutil
+
+    try:
+        proc = psutil.Process(runner[0])
+        return (abs(proc.create_time() - runner[1]) < 0.01
+                and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _orphaned(spec_path: str, spec: dict) -> None:
+    """Rank 0, the runner gone: one line, and the runner's spec and status files removed."""
+    print(f"distmm bench: the runner (process {spec['runner'][0]}) has gone; the ranks stop "
+          f"without measuring the rest of this launch", file=sys.stderr, flush=True)
+    for path in (spec_path, spec.get("status")):
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
