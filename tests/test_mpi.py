@@ -150,6 +150,26 @@ def test_a_failure_on_one_rank_aborts_the_job(tmp_path, mpirun):
     assert "NOT ABORTED" not in r.stdout
 
 
+INTERRUPT_SCRIPT = ABORT_SCRIPT.replace('''    def boom(self, a, b, tk=256):
+        raise ArithmeticError("boom")''', '''    def boom(self, a, b, tk=256):
+        import os, signal, time
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C reaching this rank mid-product
+        time.sleep(30)''')
+
+
+@pytest.mark.mpi
+def test_a_ctrl_c_on_one_rank_ends_the_job_with_130(tmp_path, mpirun):
+    """A KeyboardInterrupt on a rank of a user's script mid-product ends every rank, with
+    the status a shell gives a Ctrl-C, and says so in one line (it aborted with 1)."""
+    assert "os.kill" in INTERRUPT_SCRIPT
+    script = tmp_path / "interrupt.py"
+    script.write_text(INTERRUPT_SCRIPT)
+    r = mpirun(2, script, timeout=60)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert "rank 1 of 2 interrupted during the product" in r.stderr, r.stderr[-3000:]
+    assert "NOT ABORTED" not in r.stdout
+
+
 def test_plan_command_prints_the_process_grid(capsys):
     from distmm.cli import main
 

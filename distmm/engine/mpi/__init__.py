@@ -213,11 +213,15 @@ class MPIEngine(Engine):
                 if not self.abort_on_error or self.comm.size == 1:
                     raise
                 # The other ranks may be waiting in a broadcast for this one: end the job
-                # rather than leave it hanging.
-                log.critical("rank %d of %d failed during the product (%s: %s); aborting the "
-                             "job", self.comm.rank, self.comm.size, type(exc).__name__, exc)
+                # rather than leave it hanging; a Ctrl-C with a shell's status (130).
                 import sys
 
+                if isinstance(exc, KeyboardInterrupt):
+                    print(f"distmm: rank {self.comm.rank} of {self.comm.size} interrupted "
+                          f"during the product; calling MPI_Abort", file=sys.stderr, flush=True)
+                    self.comm.Abort(130)
+                log.critical("rank %d of %d failed during the product (%s: %s); aborting the "
+                             "job", self.comm.rank, self.comm.size, type(exc).__name__, exc)
                 print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the "
                       f"product ({type(exc).__name__}: {exc}); calling MPI_Abort",
                       file=sys.stderr, flush=True)
