@@ -277,6 +277,15 @@ def case_one_rank_refuses():
             check(f"{what} on rank {P - 1} only: a ValueError on every rank",
                   type(exc) is ValueError and "numpy" in str(exc) and "\n" not in str(exc),
                   f"{type(exc).__name__}: {exc}")
+    # b of another dtype on the last rank alone (the same result dtype): the settings' line,
+    # naming the dtypes, not "the values of b differ"
+    try:
+        distmm.matmul(a, b.astype(np.float32) if rank == P - 1 else b, engine="mpi")
+        failures.append(f"rank {rank}: b float32 on rank {P - 1} only: no error here")
+    except Exception as exc:  # noqa: BLE001 - checked below
+        check(f"b float32 on rank {P - 1} only: a ValueError naming the dtypes",
+              type(exc) is ValueError and "b dtype" in str(exc) and "'<f4'" in str(exc)
+              and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
     # the same shapes and dtype, other values on the last rank (an unseeded generator, say):
     # a ValueError on every rank naming the operand, not a product mixing the ranks' blocks
     stack = np.stack([a, a])

@@ -93,7 +93,8 @@ class MPIEngine(Engine):
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
         on_gpu = request.on_gpu or ops.family == "cupy"
         values = (fingerprint(ops.a2), fingerprint(ops.b2)) if self.comm.size > 1 else None
-        _same_on_every_rank(self.comm, (tuple(ops.a.shape), tuple(ops.b.shape), ops.dtype.str,
+        _same_on_every_rank(self.comm, (tuple(ops.a.shape), ops.a.dtype.str, tuple(ops.b.shape),
+                                        ops.b.dtype.str, ops.dtype.str,
                                         "GPU" if on_gpu else "CPU", plan.precision), values)
         grid = grid_for_plan(plan, self.comm.size)
         batch = tuple(ops.batch)
@@ -338,8 +339,9 @@ def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) ->
 
 
 def _same_on_every_rank(comm, key, values=None) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtype
-    and chose the same device kind and precision (``key``: those five, in that order), and
+    """Raise ``ValueError`` on every rank unless all ranks passed the same shapes and dtypes
+    and chose the same device kind and precision (``key``: a's shape and dtype, b's, the
+    result dtype, the device kind and the precision, in that order), and
     operands whose ``values`` (``agree.fingerprint`` of each) agree."""
     if comm.size == 1:
         return
@@ -347,7 +349,8 @@ def _same_on_every_rank(comm, key, values=None) -> None:
     other = next((r for r, (k, _) in enumerate(keys) if k != keys[0][0]), None)
     if other is not None:
         raise ValueError(f"engine='mpi' needs the same operands and settings on every rank; got "
-                         f"(a shape, b shape, dtype, device, precision) {keys[0][0]} on rank 0 "
+                         f"(a shape, a dtype, b shape, b dtype, result dtype, device, precision) "
+                         f"{keys[0][0]} on rank 0 "
                          f"but {keys[other][0]} on rank {other}")
     other = next((r for r, (_, v) in enumerate(keys) if v != keys[0][1]), None)
     if other is not None:
