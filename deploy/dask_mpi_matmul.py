@@ -11,8 +11,10 @@ among its node's workers) where the node has GPUs, a single-thread ``distributed
 where it has none. The client opens the operands memory-mapped (the workers read the blocks
 they need from the files themselves when they see the same filesystem), runs
 ``distmm.matmul(..., engine="dask")`` into a staged ``.NAME.dask-mpi-partial-PID.npy``
-beside the target and moves it into place only when complete. When the client returns,
-dask-mpi closes the scheduler and the workers; the job's exit status is the client's.
+beside the target and moves it into place only when complete; SIGTERM or SIGINT (scancel,
+the time limit, Ctrl-C, a signal to the launcher) removes it at once and ends the client with
+one line and 143 / 130. When the client returns, dask-mpi closes the scheduler and the
+workers; the job's exit status is the client's.
 
 This is a program and not ``distmm matmul`` because dask-mpi runs the client code inside
 rank 1 of the MPI job, where ``distmm matmul`` takes itself for one of several MPI ranks and
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +65,13 @@ def worker_setup(comm) -> tuple[str, dict]:
     return "dask_cuda.CUDAWorker", {"resources": "GPU=1"}
 
 
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="dask_mpi_matmul.py", description=__doc__.splitlines()[0])
     p.add_argument("a", help="A: a .npy file")
@@ -93,8 +103,23 @@ def client_main(args, workers_expected: int = 1) -> int:
     except (OSError, ValueError) as exc:
         print(f"dask_mpi_matmul.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    from distmm.cli.exits import Signalled, raise_if_signalled, terminate_on_sigterm
+
     folder, name = os.path.split(os.path.abspath(args.output))
     staged = os.path.join(folder, f".{name}.dask-mpi-partial-{os.getpid()}.npy")
+    # SIGTERM (scancel, the time limit, mpiexec passing on a kill) and SIGINT unwind through
+    # the cleanup below, as exceptions (by default SIGTERM ended this rank and left the staged
+    # output behind); the staged output goes at once, in the handler: a launcher that was
+    # signalled itself kills its ranks a quarter of a second after passing the signal on
+    terminate_on_sigterm()
+    raise_signal = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        _remove(staged)
+        raise_signal(signum, frame)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
     try:
         with Client() as client:  # the scheduler dask_mpi.initialize() put in the config
             # the workers start beside this rank and join when they are ready: the product
@@ -107,10 +132,22 @@ def client_main(args, workers_expected: int = 1) -> int:
             distmm.matmul(a, b, out=out, engine="dask", client=client)
             out.flush()
             del out
+        raise_if_signalled()  # one that a library swallowed
+        for signum in (signal.SIGTERM, signal.SIGINT):  # C is whole: it takes its name
+            signal.signal(signum, signal.SIG_IGN)
         os.replace(staged, args.output)
     except BaseException as exc:
-        if os.path.exists(staged):
-            os.remove(staged)
+        _remove(staged)
+        if isinstance(exc, (KeyboardInterrupt, Signalled)):
+            import dask
+
+            # the scheduler (rank 0) took the same signal: dask-mpi's closing call at exit
+            # would wait dask's 30 s connect timeout for it
+            dask.config.set({"distributed.comm.timeouts.connect": "2s"})
+            sigint = isinstance(exc, KeyboardInterrupt)
+            print(f"dask_mpi_matmul.py: error: {'interrupted (SIGINT)' if sigint else exc}; "
+                  f"{args.output} not written", file=sys.stderr, flush=True)
+            return 130 if sigint else 128 + exc.signum
         print(f"dask_mpi_matmul.py: error: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
         return 1

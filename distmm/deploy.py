@@ -82,7 +82,9 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         bytes); split evenly between its workers. Required.
     threads_per_worker
         Threads of each CPU worker (default 1), at most ``cores``: a CPU job runs
-        ``cores // threads_per_worker`` workers.
+        ``cores // threads_per_worker`` workers, which share all of its cores evenly (as
+        dask-jobqueue splits them): ``cores=8, threads_per_worker=3`` gives 2 workers of 4
+        threads.
     walltime
         The jobs' time limit (``HH:MM:SS``).
     env_setup

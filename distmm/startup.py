@@ -26,7 +26,11 @@ _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_R
 
 
 def is_command() -> bool:
-    """Whether this process runs the ``distmm`` command (not a program importing distmm)."""
+    """Whether this process runs the ``distmm`` command (not a program importing distmm,
+    nor a process the command started through multiprocessing's spawn: a Dask worker of
+    ``distmm cluster`` inherits the command's ``sys.argv``)."""
+    if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
+        return False
     if os.path.basename(sys.argv[0] if sys.argv else "") == "distmm":  # the console script
         return True
     orig = list(getattr(sys, "orig_argv", ()))

@@ -226,3 +226,32 @@ def test_dashboard_none_serves_no_dashboard(tmp_path: Path):
     assert http != 8787 and 8787 not in listening, listening
     assert "dashboard       none" in out, out
     assert status == 143, err
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_console_scripts_group_closes_without_tracebacks(tmp_path: Path):
+    """``distmm cluster`` as users start it (the console script, whose worker processes
+    inherit its ``sys.argv``), stopped by a SIGTERM to its whole process group, as
+    ``kill -- -PGID``, ``timeout``, Slurm's ``scancel`` and systemd send it: the workers
+    end without a traceback (they raised the command's ``Signalled`` in their event loop)."""
+    script = Path(sys.executable).with_name("distmm")
+    if not script.is_file():
+        pytest.skip("no distmm console script beside this interpreter")
+    sched = tmp_path / "sched.json"
+    proc = subprocess.Popen([str(script), "cluster", "--workers", "2", "--port", "0",
+                             "--dashboard-address", ":0", "--scheduler-file", str(sched)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not sched.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    status, out, err, seconds = stop_cluster(proc, lambda p: os.killpg(p.pid, signal.SIGTERM))
+    assert status == 143, err
+    assert "Traceback" not in err and "Signalled" not in err, err
+    assert err.count("\n") == 1 and err.startswith("distmm cluster: stopped by SIGTERM: 2 "
+                                                   "workers and the scheduler closed"), err
+    assert not sched.exists() and list(tmp_path.iterdir()) == []
+    assert_all_gone(workers)
+    assert seconds < 30

@@ -149,19 +149,53 @@ def test_probe_ends_on_its_deadline_and_leaves_no_thread():
     (["--scheduler", "foo://127.0.0.1:8786"], "--scheduler: 'foo://127.0.0.1:8786' is not a "
                                               "scheduler address"),
     (["--scheduler", "tcp://127.0.0.1"], "missing port"),
+    (["--scheduler", "tcp://127.0.0.1:99999"], "port 99999 is not 1 to 65535"),
+    (["--scheduler-file", "{tmp}/port0.json"], "port0.json: 'tcp://127.0.0.1:0' is not a "
+                                               "scheduler address"),
     (["--scheduler", "127.0.0.1:1", "--connect-timeout", "0"], "--connect-timeout: '0' must be"),
     (["--scheduler", "127.0.0.1:1", "--connect-timeout", "nan"], "--connect-timeout: 'nan' must"),
     (["--scheduler-file", "{tmp}/bad.json"], "bad.json is not a scheduler file (not JSON"),
     (["--scheduler-file", "{tmp}/noaddr.json"], "noaddr.json is not a scheduler file (no \"address"),
-], ids=["scheme", "no-port", "timeout-0", "timeout-nan", "file-not-json", "file-no-address"])
+], ids=["scheme", "no-port", "port-range", "file-port-0", "timeout-0", "timeout-nan", "file-not-json", "file-no-address"])
 def test_bad_addresses_are_bad_input(files, args, says):
     (files / "bad.json").write_text("{")
     (files / "noaddr.json").write_text("{}")
+    (files / "port0.json").write_text('{"address": "tcp://127.0.0.1:0"}')
+    t0 = time.monotonic()
     r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy",
                 *[a.format(tmp=files) for a in args])
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and says in r.stderr, r.stderr
     assert not (files / "c.npy").exists()
+    assert time.monotonic() - t0 < MARGIN  # refused at once, not after a connect timeout
+
+
+def test_a_host_that_drops_the_connection_request_is_named_as_such():
+    """A listener whose backlog is full drops further connection requests, as a firewall
+    or an address of another network does: the attempt the deadline cuts short ends in
+    ``CancelledError``, which the message said ("(CancelledError:)") instead of what
+    happened."""
+    from distmm.cli.connect import probe_scheduler
+
+    listener = _Listener(accept=False)
+    queued = []
+    try:
+        for _ in range(4):  # fill the backlog (listen(0)): the kernel answers none after it
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", listener.port))
+            queued.append(s)
+        time.sleep(0.1)
+        with pytest.raises(ConnectionError) as info:
+            probe_scheduler(f"tcp://127.0.0.1:{listener.port}", TIMEOUT)
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+    message = str(info.value)
+    assert "CancelledError" not in message, message
+    assert (f"cannot connect to tcp://127.0.0.1:{listener.port} within {TIMEOUT:g} s (no reply "
+            f"to the connection request)") in message, message
 
 
 def test_engine_dask_without_a_scheduler_gives_command_line_advice(files):

@@ -7,7 +7,9 @@ leaves C equal to a float64 reference, nothing of the job still running, and the
 exit status; the Dask scripts shut the cluster down after a failing command; the MPI job stopped
 by its time limit (the ``--signal`` delivered mid-product) requeues itself and finishes with
 ``--resume``, bitwise equal to an uninterrupted run, and the PBS one resubmits itself the
-same way; the dask-mpi program under ``mpiexec -n 4`` and its bad input;
+same way; every script refuses a job without operands at once (status 2); the dask-mpi
+program under ``mpiexec -n 4``, its bad input, and a SIGTERM mid-product (to the launcher or
+to every process) that leaves no staged output;
 ``jobqueue_cluster``'s job scripts (``bash -n``, the directives of GPU and CPU jobs) and a
 cluster that scales to two jobs of the stand-ins whose workers run a product. Tests marked
 ``mpi`` start ``mpiexec`` (the ``srun`` stand-in starts its tasks through it).
@@ -145,6 +147,30 @@ def test_slurm_dask_job_cancelled_leaves_nothing_running(tmp_path, batch_env):
     assert not list(tmp_path.glob("distmm-scheduler-*"))
 
 
+@pytest.mark.parametrize("script", ["slurm/dask.sbatch", "slurm/mpi.sbatch",
+                                    "slurm/dask-mpi.sbatch", "pbs/dask.pbs", "pbs/mpi.pbs",
+                                    "pbs/dask-mpi.pbs"])
+def test_a_job_without_operands_is_refused_before_anything_starts(tmp_path, batch_env, script):
+    """No arguments and no DISTMM_A/B/C: one line and status 2 at once. The Dask scripts
+    started the scheduler and waited for every worker before bash found DISTMM_A unset
+    (status 1); dask-mpi.sbatch ran its program without arguments on every task."""
+    (tmp_path / "deploy").mkdir()  # the dask-mpi scripts' program, as in the checkout
+    (tmp_path / "deploy" / PROGRAM.name).symlink_to(PROGRAM)
+    env = {k: v for k, v in batch_env.items() if k not in ("DISTMM_A", "DISTMM_B", "DISTMM_C")}
+    t0 = time.monotonic()
+    if script.startswith("slurm/"):
+        status, job, log = _submit(env, tmp_path, "sbatch", "--wait", "--nodes=1", "--ntasks=3",
+                                   str(DEPLOY / script))
+    else:
+        status, job, log = _qsub(env, tmp_path, script.split("/")[1], "1:ncpus=2:mpiprocs=3",
+                                 DISTMM_ENV_SETUP=env["DISTMM_ENV_SETUP"])
+    assert status == 2, log
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "DISTMM_A, DISTMM_B and DISTMM_C" in lines[0], log
+    assert time.monotonic() - t0 < 30
+    assert not list(tmp_path.glob("distmm-scheduler-*"))
+
+
 @pytest.mark.mpi
 def test_slurm_mpi_job(tmp_path, batch_env):
     a, b = _operands(tmp_path, seed=1)
@@ -274,6 +300,44 @@ def test_dask_mpi_program_bad_input_is_one_line(tmp_path, mpirun):
     assert lines == ["dask_mpi_matmul.py: error: a.npy has shape (10, 11), b.npy has shape "
                      "(5, 3): not two matrices that multiply"], r.stderr[-3000:]
     assert not (tmp_path / "c.npy").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("whom", ["launcher", "every-process"])
+def test_dask_mpi_program_stopped_mid_product_leaves_no_staged_output(tmp_path, mpiexec,
+                                                                      mpi_env, whom):
+    """SIGTERM mid-product, to ``mpiexec`` alone (which passes it on, then kills its ranks a
+    quarter of a second later) or to every process of the job (Slurm's ``scancel`` and time
+    limit): the client's staged output is removed (the rank died by SIGTERM's default
+    action and left it), and C is not written."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((1600, 4000)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((4000, 1600)))
+    proc = subprocess.Popen([mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(PROGRAM),
+                             "a.npy", "b.npy", "-o", "c.npy"], cwd=tmp_path,
+                            env={**mpi_env, "DISTMM_GPUS_PER_NODE": "0", "DISTMM_DASHBOARD": ":0"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".c.npy.dask-mpi-partial-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        time.sleep(0.5)  # the product runs (seconds on one worker)
+        assert proc.poll() is None, proc.communicate()
+        if whom == "launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    time.sleep(1)  # a rank the launcher left behind would still be cleaning up
+    assert proc.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
 
 
 # -- PBS ------------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ def check_address(address: str, where: str) -> str:
         scheme, loc = parse_address(address)
         get_backend(scheme)
         if scheme in ("tcp", "tls"):
-            parse_host_port(loc)
+            port = parse_host_port(loc)[1]
+            if not 0 < port <= 65535:
+                raise ValueError(f"port {port} is not 1 to 65535")
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}: {address!r} is not a scheduler address such as "
                          f"tcp://host:8786 ({' '.join(str(exc).split())})") from None
@@ -81,12 +83,20 @@ async def _identity(address: str, timeout: float, connection_args: dict):
 
 def _root_cause(exc: BaseException) -> str:
     """The innermost error under distributed's wrappers (``Connection refused``, a name
-    that does not resolve), as one short phrase."""
-    while (exc.__cause__ or exc.__context__) is not None:
+    that does not resolve), as one short phrase. An attempt that the deadline cut short
+    (a host that drops the connection request: a firewall, an address of another network)
+    ends its chain in ``CancelledError``, which says nothing: that is "no reply"."""
+    chain = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
         exc = exc.__cause__ or exc.__context__
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
+    for inner in reversed(chain):
+        if isinstance(inner, OSError) and inner.strerror:
+            return inner.strerror.lower()
+    inner = chain[-1]
+    if isinstance(inner, (asyncio.CancelledError, asyncio.TimeoutError)):
+        return "no reply to the connection request"
+    return " ".join(f"{type(inner).__name__}: {inner}".split())
 
 
 def probe_scheduler(address: str, timeout: float, *, connection_args: dict | None = None,
