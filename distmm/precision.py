@@ -63,6 +63,8 @@ Tensor cores may add inside one MMA with truncation rather than rounding
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 # the dtype rules live with the planner's (distmm.plan imports nothing of distmm)
@@ -87,8 +89,9 @@ def error_bound(precision: str, k: int, *, out_dtype=None, u_acc: float = U_FP32
     Parameters
     ----------
     precision : {"tf32", "bf16", "fp16"}
+        Any case, as ``matmul``'s ``precision=`` takes it.
     k : int
-        The inner dimension.
+        The inner dimension (an integer, at least 0).
     out_dtype : dtype, optional
         The result dtype; float16 or bfloat16 adds its final rounding.
     u_acc : float
@@ -106,14 +109,23 @@ def error_bound(precision: str, k: int, *, out_dtype=None, u_acc: float = U_FP32
     Raises
     ------
     ValueError
-        ``"highest"`` (its bound is the dtype's own) or an unknown mode, or
-        ``k`` so large that ``(k - 1) u_acc >= 1``.
+        ``"highest"`` (its bound is the dtype's own) or an unknown mode, a
+        negative ``k``, or ``k`` so large that ``(k - 1) u_acc >= 1``.
+    TypeError
+        A ``k`` that is not an integer (a float is not truncated).
     """
-    if precision not in REDUCED:
+    mode = precision.lower() if isinstance(precision, str) else precision
+    if mode not in REDUCED:
         raise ValueError(f"error_bound: precision must be one of {', '.join(REDUCED)}, "
                          f"got {precision!r}")
-    u_in = UNIT_ROUNDOFF[precision]
-    n = max(int(k) - 1, 0)
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise TypeError(f"error_bound: k must be an integer, got {k!r}") from None
+    if k < 0:
+        raise ValueError(f"error_bound: k must be at least 0, got {k}")
+    u_in = UNIT_ROUNDOFF[mode]
+    n = max(k - 1, 0)
     if n * u_acc >= 1:
         raise ValueError(f"error_bound: k={k} is too large for a bound with u_acc={u_acc}")
     gamma = n * u_acc / (1 - n * u_acc)

@@ -78,7 +78,39 @@ def case_distarray():
         pass
 
 
-ok, all_failures = run_cases(comm, (case_engine, case_gemm_transposed, case_distarray), failures)
+def case_dtypes_and_specials():
+    """float16 operands keep float16 (within the bound with its last rounding) and bfloat16
+    ones give float32, as numpy; NaN, infinities, float16's range (65520 rounds to inf
+    under fp16) and signed zeros come out as on the local engine."""
+    import ml_dtypes
+
+    for dt in (np.float16, np.dtype(ml_dtypes.bfloat16)):
+        a = rng.standard_normal((2 * P + 5, 37)).astype(dt)
+        b = rng.standard_normal((37, P + 4)).astype(dt)
+        want = np.matmul(a, b).dtype
+        for mode in MODES:
+            c = distmm.matmul(a, b, engine="mpi", precision=mode)
+            what = f"{np.dtype(dt).name} {mode}"
+            check(what + " dtype", c.dtype == want, f"{c.dtype} != {want}")
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            out = np.float16 if dt == np.float16 else None
+            bound = error_bound(mode, 37, out_dtype=out) * (np.abs(a64) @ np.abs(b64))
+            check(what + " bound", bool(np.all(np.abs(c.astype(np.float64) - a64 @ b64) <= bound)))
+    a = np.array([[np.inf, 1, 0], [np.nan, 1, 1], [-0.0, -0.0, -0.0], [65504, 65520, 1e-8],
+                  [-1e-30, 2, 3]], np.float32)
+    b = np.array([[0, 1], [1, 1], [1, 7e4]], np.float32)
+    for mode in MODES:
+        with np.errstate(all="ignore"):
+            got = distmm.matmul(a, b, engine="mpi", precision=mode)
+            local = distmm.matmul(a, b, engine="local", precision=mode)
+        num = ~np.isnan(local)  # a NaN's sign bit means nothing
+        check(f"specials {mode}", np.array_equal(got, local, equal_nan=True)
+              and np.array_equal(np.signbit(got)[num], np.signbit(local)[num]),
+              f"{got} != {local}")
+
+
+ok, all_failures = run_cases(comm, (case_engine, case_gemm_transposed, case_distarray,
+                                    case_dtypes_and_specials), failures)
 if rank == 0:
     if not ok:
         for f in all_failures[:30]:

@@ -264,6 +264,24 @@ def test_error_bound_values():
         error_bound("highest", 3)
 
 
+def test_error_bound_takes_what_matmul_takes():
+    """The mode in any case, as ``matmul(precision=)`` takes it (a user's "TF32" got a
+    ValueError here while matmul accepted it); k an integer of at least 0: a negative k
+    was taken as 1 and a fractional one truncated, each a smaller bound than asked for."""
+    a = np.ones((3, 40), np.float32)
+    assert distmm.matmul(a, a.T, precision="TF32").dtype == np.float32
+    assert error_bound("TF32", 40) == error_bound("tf32", 40)
+    assert error_bound("Bf16", np.int64(40), out_dtype=np.float16) == \
+        error_bound("bf16", 40, out_dtype=np.float16)
+    assert error_bound("fp16", 0) == error_bound("fp16", 1)  # k = 0: an exact zero
+    with pytest.raises(ValueError, match="k must be at least 0, got -5"):
+        error_bound("tf32", -5)
+    with pytest.raises(TypeError, match="k must be an integer, got 10.7"):
+        error_bound("tf32", 10.7)
+    with pytest.raises(ValueError, match="got 'HIGHEST'"):
+        error_bound("HIGHEST", 3)
+
+
 def test_kernel_for_falls_back_to_cublas():
     """The registry hook: None (cuBLAS) for "highest", dtypes other than float32, and a
     device older than every tensor-core kernel; a listed name not in the registry is
