@@ -446,3 +446,28 @@ def test_float32_beyond_float16_range_gives_no_warning_under_fp16():
         want = np.matmul(a, b)
         got = distmm.matmul(a, b, precision="fp16", backend="blas")
     assert (got.dtype, got.shape) == (want.dtype, want.shape)
+
+
+@pytest.mark.parametrize("backend", ["blas", "numba"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+def test_reduced_products_report_numpys_flags(mode, backend):
+    """inf * 0 and a float32 sum past float32's range report numpy's "invalid" and
+    "overflow" under a reduced precision too, as under "highest" (they reported nothing);
+    a NaN operand reports nothing (a value the rounding takes past the format's range:
+    test_float32_beyond_float16_range_gives_no_warning_under_fp16)."""
+    inf0 = (np.array([[np.inf, 1]], np.float32), np.array([[0], [1]], np.float32))
+    over = (np.array([[3e38, 3e38]], np.float32), np.ones((2, 1), np.float32))
+    # (under fp16, 3e38 rounds to inf itself, and float16's products cannot overflow a sum)
+    cases = [(inf0, "invalid value")] + ([(over, "overflow")] if mode != "fp16" else [])
+    for (a, b), flag in cases:
+        with np.errstate(all="raise"), pytest.raises(FloatingPointError, match=flag):
+            np.matmul(a, b)
+        with np.errstate(all="raise"), pytest.raises(FloatingPointError, match=flag):
+            distmm.matmul(a, b, precision=mode, backend=backend)
+        with np.errstate(all="ignore"):
+            got = distmm.matmul(a, b, precision=mode, backend=backend)
+        assert np.isnan(got[0, 0]) if flag == "invalid value" else np.isposinf(got[0, 0])
+    quiet = (np.array([[np.nan, 1], [1, 2]], np.float32), np.array([[0, 1], [1, 1]], np.float32))
+    with np.errstate(all="raise"):
+        got = distmm.matmul(*quiet, precision=mode, backend=backend)
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from distmm.fpflags import product_flags, report
+
 __all__ = ["round_to", "reduced_product", "DROPPED_BITS"]
 
 #: low float32 significand bits each format drops (float32 keeps 23), and whether its
@@ -82,13 +84,20 @@ def round_to(x, precision: str) -> np.ndarray:
     return _round_bits(x, dropped, TIES_TO_EVEN[precision])
 
 
-def reduced_product(a, b, precision: str, matmul=np.matmul) -> np.ndarray:
+def reduced_product(a, b, precision: str, matmul=None) -> np.ndarray:
     """``a @ b`` as the tensor cores compute it in ``precision``: both operands rounded
     to the format (``round_to``), their products (exact in float32) summed in float32
-    by ``matmul`` (a float32 GEMM: numpy's BLAS or distmm's numba kernel). NaN and
-    infinity propagate without floating-point warnings (numpy's matmul of NaN operands
-    gives none, nor does a value that rounds past the format's range).
+    by ``matmul`` (default numpy's, whose BLAS loop reports its own flags; or a float32
+    GEMM such as distmm's numba kernel, whose flags ``product_flags`` finds). The rounding
+    reports nothing (a value that rounds past the format's range becomes an infinity, as on
+    the device); the product reports numpy's floating-point flags of the rounded operands'
+    product (inf * 0, an overflow of the float32 sum), under the errstate in force.
 
     Returns a new float32 array."""
     with np.errstate(all="ignore"):
-        return matmul(round_to(a, precision), round_to(b, precision))
+        ra, rb = round_to(a, precision), round_to(b, precision)
+    if matmul is None:
+        return np.matmul(ra, rb)
+    p = matmul(ra, rb)
+    report(product_flags(ra, rb, p))
+    return p
