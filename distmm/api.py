@@ -165,12 +165,18 @@ def _cast(x, dtype):
 
 
 def resolve_precision(precision, dtype, *, what: str = "matmul", config=None) -> str:
-    """The precision mode of a product of numpy result dtype ``dtype``: ``precision``,
-    or the configured ``distmm.precision`` when it is None, checked against ``dtype``
-    (``distmm.precision.check_precision``: ValueError for an unknown name, TypeError
-    for a reduced mode on a dtype it does not apply to)."""
+    """The precision mode of a product of numpy result dtype ``dtype``: ``precision``
+    checked against ``dtype`` (``distmm.precision.check_precision``: ValueError for an
+    unknown name, TypeError for a reduced mode on a dtype it does not apply to); when it is
+    None, the configured ``distmm.precision`` where it applies to ``dtype`` and "highest"
+    where it does not (a default set for float32 work leaves float64 products exact, as
+    cuBLAS's and PyTorch's TF32 settings do)."""
     if precision is None:
-        precision = (config if config is not None else get_config()).precision
+        configured = (config if config is not None else get_config()).precision
+        try:
+            return check_precision(configured, dtype, what=what)
+        except TypeError:
+            return "highest"
     return check_precision(precision, dtype, what=what)
 
 

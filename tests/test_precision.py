@@ -252,6 +252,41 @@ def test_config_key_sets_the_default():
             distmm.matmul(a, b)
 
 
+def test_configured_default_leaves_other_dtypes_exact(tmp_path, monkeypatch):
+    """A configured reduced default applies to float32, float16 and bfloat16 products and
+    leaves the others at "highest" (it refused every float64, integer and object product,
+    on the command line too); an explicit precision= still refuses them."""
+    import dask.config
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((9, 30)), rng.standard_normal((30, 7))
+    with dask.config.set({"distmm.precision": "bf16"}):
+        np.testing.assert_array_equal(distmm.matmul(a, b), np.matmul(a, b))
+        i = np.arange(12).reshape(3, 4)
+        np.testing.assert_array_equal(distmm.matmul(i, i.T), i @ i.T)
+        np.testing.assert_allclose(distmm.gemm(a, b), np.matmul(a, b), rtol=1e-13)
+        f = a.astype(np.float32), b.astype(np.float32)
+        np.testing.assert_array_equal(distmm.matmul(*f), distmm.matmul(*f, precision="bf16"))
+        with pytest.raises(TypeError, match="precision='bf16' needs a float32"):
+            distmm.matmul(a, b, precision="bf16")
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    monkeypatch.setenv("DISTMM_PRECISION", "tf32")
+    from distmm.cli import main
+
+    assert main(["matmul", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"),
+                 "-o", str(tmp_path / "c.npy"), "--no-progress"]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.matmul(a, b))
+    assert main(["matmul", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "-o",
+                 str(tmp_path / "d.npy"), "--no-progress", "--precision", "TF32"]) == 2
+    np.save(tmp_path / "a32.npy", a.astype(np.float32))
+    np.save(tmp_path / "b32.npy", b.astype(np.float32))
+    assert main(["matmul", str(tmp_path / "a32.npy"), str(tmp_path / "b32.npy"), "-o",
+                 str(tmp_path / "e.npy"), "--no-progress", "--precision", "BF16"]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "e.npy"), distmm.matmul(
+        a.astype(np.float32), b.astype(np.float32), precision="bf16"))
+
+
 def test_error_bound_values():
     u = 2.0**-24
     assert error_bound("tf32", 1) == pytest.approx(2 * 2.0**-11 + 2.0**-22)

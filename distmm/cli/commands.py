@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "chooses; the MPI engine plans its own grid and stripes and refuses it)")
     from distmm.plan import PRECISIONS
 
-    mm.add_argument("--precision", default=None, choices=PRECISIONS,
+    mm.add_argument("--precision", default=None, choices=PRECISIONS, type=str.lower,
                     help="highest: exact for the dtype; tf32, bf16, fp16: float32/float16/bfloat16 "
                          "operands rounded to that format, summed in float32 (tensor cores; "
                          "emulated on the CPU) (default: distmm.precision, else highest)")
