@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import libc_function
-from distmm.staging import BlockWriter, staged_path
+from distmm.staging import BlockWriter, staged_path, zarr_node
 
 __all__ = ["FileSpec", "parse_spec", "output_spec", "check_dtype", "zarr_format_for",
            "StripeWriter"]
@@ -117,10 +117,14 @@ def _make_type(f: FileSpec, dtype: np.dtype) -> None:
 
 
 def zarr_format_for(path) -> int | None:
-    """The zarr format of a new array at ``path``: its group's, the nearest existing folder
-    above it that is a zarr group (2 or 3), so that the group lists it; None (zarr's
+    """The zarr format of a new array at ``path``: an array it replaces keeps its format
+    (2 or 3), so that what read the old one reads the new; else its group's, the nearest
+    existing folder above it that is a zarr group, so that the group lists it; None (zarr's
     default) when that folder is no group."""
-    for parent in Path(path).parents:
+    path = Path(path)
+    if zarr_node(path) == "array":
+        return 2 if (path / ".zarray").exists() else 3
+    for parent in path.parents:
         if (parent / ".zgroup").exists():
             return 2
         if (parent / "zarr.json").exists():

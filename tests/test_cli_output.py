@@ -446,3 +446,63 @@ def test_empty_results_of_stacks_and_vectors_are_written_as_numpy(tmp_path, name
                 got = f[key][...]
         want = np.matmul(a, b)
         assert got.shape == want.shape and got.dtype == want.dtype
+
+
+def test_npz_archive_named_npy_is_bad_input_in_one_line(tmp_path, operands):
+    """np.savez to a file named .npy (a zip of arrays): the command ended with status 1 and
+    'AttributeError: 'NpzFile' object has no attribute 'dtype''; now status 2, one line naming
+    the file and its arrays, and nothing written."""
+    pa, pb, _ = operands
+    z = tmp_path / "z.npy"
+    with open(z, "wb") as f:
+        np.savez(f, A=np.ones((50, 29)))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = run_cli("matmul", pa, z, "-o", tmp_path / "c.npy", "--engine", "local")
+    assert r.returncode == 2
+    assert f"{z} is a .npz archive (arrays: A), not a .npy file" in one_line(r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder holding a.npy and b.npy where no file can be created: write permission taken
+    away, or (as root, who ignores it) a read-only bind mount; skipped where neither holds."""
+    rng = np.random.default_rng()
+    src = tmp_path / "src"
+    src.mkdir()
+    a, b = rng.standard_normal((9, 7)), rng.standard_normal((7, 5))
+    np.save(src / "a.npy", a)
+    np.save(src / "b.npy", b)
+    src.chmod(0o555)
+    mounted = None
+    if os.access(src, os.W_OK):
+        mounted = tmp_path / "ro"
+        mounted.mkdir()
+        ok = subprocess.run(["mount", "--bind", src, mounted], capture_output=True).returncode == 0
+        if ok and subprocess.run(["mount", "-o", "remount,ro,bind", mounted],
+                                 capture_output=True).returncode != 0:
+            subprocess.run(["umount", mounted], capture_output=True)
+            ok = False
+        if not ok or os.access(mounted, os.W_OK):
+            src.chmod(0o755)
+            pytest.skip("no read-only folder here (root, and no bind mount)")
+    try:
+        yield mounted or src
+    finally:
+        if mounted is not None:
+            subprocess.run(["umount", mounted], capture_output=True)
+        src.chmod(0o755)
+
+
+@pytest.mark.parametrize("name", ["c.npy", "c.zarr", "c.h5:C"])
+def test_read_only_folder_is_bad_input_naming_the_target(read_only_folder, name):
+    """The output's folder cannot be written: the run failed with status 1 and named the
+    staged file ('Read-only file system: .c.npy.distmm-partial-PID'); now status 2 and the
+    target and its folder, before any work."""
+    folder = read_only_folder
+    r = run_cli("matmul", folder / "a.npy", folder / "b.npy", "-o", folder / name,
+                "--engine", "local")
+    assert r.returncode == 2, r.stderr
+    line = one_line(r.stderr)
+    assert f"cannot write {folder / name}: its folder {folder}" in line and "partial" not in line
+    assert sorted(p.name for p in folder.iterdir()) == ["a.npy", "b.npy"]

@@ -173,3 +173,86 @@ def test_a_new_zarr_array_takes_its_nearest_groups_format(tmp_path):
         out[...] = 1.0
     group = zarr.open_group(str(tmp_path / "plain.zarr" / "sub"), mode="r")
     assert list(group.array_keys()) == ["C"] and group["C"].metadata.zarr_format == 2
+
+
+def _npy_header_only(path, descr, version):
+    """A .npy file of ``version`` whose header says ``descr`` (no valid data after it)."""
+    d = {"descr": descr, "fortran_order": False, "shape": (2, 2)}
+    with open(path, "wb") as f:
+        f.write(np.lib.format.magic(*version))
+        text = repr(d).encode("latin1")
+        text += b" " * (-(len(text) + 1 + 6 + 2 + (2 if version == (1, 0) else 4)) % 64) + b"\n"
+        f.write(len(text).to_bytes(2 if version == (1, 0) else 4, "little") + text)
+        f.write(b"\x80\x04junk")
+
+
+def test_npy_operands_np_load_would_not_open_as_one_array_are_named(tmp_path):
+    """A .npz archive under a .npy name (np.load gives a lazy dictionary: the command failed
+    with 'AttributeError: NpzFile ...', status 1), a file without numpy's magic (np.load takes
+    it for a pickle and advised allow_pickle), and pickled object arrays of every format
+    version: each a ValueError or TypeError naming the file, before anything is read."""
+    from distmm.cli.io import open_operand
+
+    z = tmp_path / "z.npy"
+    with open(z, "wb") as f:
+        np.savez(f, first=np.ones(3), second=np.zeros(2))
+    with pytest.raises(ValueError, match=r"z\.npy is a \.npz archive \(arrays: first, second\)"):
+        open_operand(str(z))
+    text = tmp_path / "t.npy"
+    text.write_text("1 2\n3 4\n" * 20)
+    with pytest.raises(ValueError, match=r"t\.npy is not a \.npy file: .*magic"):
+        open_operand(str(text))
+    for version in ((1, 0), (2, 0), (3, 0)):
+        o = tmp_path / f"o{version[0]}.npy"
+        _npy_header_only(o, "|O", version)
+        with pytest.raises(TypeError, match=rf"o{version[0]}\.npy holds Python objects"):
+            open_operand(str(o))
+        f = tmp_path / f"f{version[0]}.npy"
+        x = np.asfortranarray(np.arange(6.0).reshape(2, 3).astype(">f8"))
+        with open(f, "wb") as fh:  # numeric arrays of every version still open
+            np.lib.format.write_array(fh, x, version=version)
+        np.testing.assert_array_equal(open_operand(str(f)), x)
+
+
+def test_h5_links_that_do_not_resolve_are_named_as_links(tmp_path):
+    """A soft or external link whose target is missing was reported as 'no dataset NAME',
+    listing the file's datasets; it now says what the link points to."""
+    h5py = pytest.importorskip("h5py")
+    from distmm.cli.io import open_operand
+
+    f = tmp_path / "f.h5"
+    with h5py.File(tmp_path / "other.h5", "w") as fh:
+        fh["X"] = np.ones((2, 2))
+    with h5py.File(f, "w") as fh:
+        fh["A"] = np.ones((2, 2))
+        fh["soft"] = h5py.SoftLink("/gone")
+        fh["ext"] = h5py.ExternalLink("missing.h5", "/X")
+        fh["ext_obj"] = h5py.ExternalLink("other.h5", "/gone")
+        fh["ext_ok"] = h5py.ExternalLink("other.h5", "/X")
+    with pytest.raises(FileNotFoundError, match=r"'soft' in .*f\.h5 is a link to /gone, which"):
+        open_operand(f"{f}:soft")
+    with pytest.raises(FileNotFoundError, match=r"'ext' in .*f\.h5 is a link to missing\.h5:/X"):
+        open_operand(f"{f}:ext")
+    with pytest.raises(FileNotFoundError, match=r"is a link to other\.h5:/gone, which does not"):
+        open_operand(f"{f}:ext_obj")
+    with pytest.raises(FileNotFoundError, match=r"no dataset 'nope' in .*\(datasets: A\)"):
+        open_operand(f"{f}:nope")
+    np.testing.assert_array_equal(open_operand(f"{f}:ext_ok")[...], np.ones((2, 2)))
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_replaced_zarr_array_keeps_its_format(tmp_path, fmt):
+    """--overwrite of a zarr v2 array wrote a v3 array in its place (zarr's default), which
+    readers of the v2 store (zarr-python 2, other v2 readers) cannot open."""
+    zarr = pytest.importorskip("zarr")
+    from distmm.stripe_writer import zarr_format_for
+
+    c = tmp_path / "c.zarr"
+    zarr.open_array(str(c), mode="w", shape=(3, 3), chunks=(2, 2), dtype="f8",
+                    zarr_format=fmt)[...] = 1.0
+    assert zarr_format_for(c) == fmt
+    with staged_output(str(c), (2, 3), "f8", overwrite=True) as out:
+        out[...] = 2.0
+    z = zarr.open_array(str(c), mode="r")
+    assert z.metadata.zarr_format == fmt and z.shape == (2, 3) and (z[...] == 2.0).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zarr"]

@@ -38,8 +38,8 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, put_in_place, reclaimable, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "result_shape", "unreadable", "Target", "NpyWriter",
-           "SUFFIXES"]
+           "check_report", "check_space", "check_writable", "result_shape", "unreadable",
+           "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -162,6 +162,7 @@ def open_operand(spec: str, *, writable: bool = False):
     if t.kind == "npy":
         if t.path.is_dir():
             raise IsADirectoryError(f"{t.path} is a directory, not a .npy file")
+        _check_npy(t.path)
         try:
             return np.load(t.path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError) as exc:  # EOFError: an empty file
@@ -191,13 +192,55 @@ def open_operand(spec: str, *, writable: bool = False):
         raise ValueError(f"{t.path} is not a readable HDF5 file ({_why(exc)})") from None
     node = fh.get(t.dataset)
     if not isinstance(node, h5py.Dataset):
+        link = fh.get(t.dataset, getlink=True) if node is None else None
         names = []
         fh.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
         fh.close()
+        if isinstance(link, h5py.ExternalLink):  # its file or its object is missing
+            raise FileNotFoundError(f"{t.dataset!r} in {t.path} is a link to {link.filename}:"
+                                    f"{link.path}, which does not resolve")
+        if isinstance(link, h5py.SoftLink):
+            raise FileNotFoundError(f"{t.dataset!r} in {t.path} is a link to {link.path}, "
+                                    f"which does not exist")
         what = "no dataset" if node is None else "a group, not a dataset, at"
         raise FileNotFoundError(f"{what} {t.dataset!r} in {t.path} "
                                 f"(datasets: {', '.join(names) or 'none'})")
     return node
+
+
+def _check_npy(path: Path) -> None:
+    """Refuse, naming the file, a ``.npy`` file that ``np.load`` would not open as one
+    array: a ``.npz`` archive (``np.load`` gives a lazy dictionary), a file without numpy's
+    magic string (``np.load`` takes it for a pickle), an object array (pickled)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+        if head[:4] == b"PK\x03\x04":
+            import zipfile
+
+            try:
+                with zipfile.ZipFile(path) as z:
+                    names = [n.removesuffix(".npy") for n in z.namelist()]
+            except (zipfile.BadZipFile, OSError):
+                names = []
+            held = f" (arrays: {', '.join(names)})" if names else ""
+            raise ValueError(f"{path} is a .npz archive{held}, not a .npy file: save the array "
+                             f"with numpy.save")
+        if head and head != b"\x93NUMPY":
+            raise ValueError(f"{path} is not a .npy file: it does not start with numpy's "
+                             f"magic string")
+        if not head:
+            return  # empty: np.load's EOFError says so
+        try:
+            fmt = np.lib.format
+            f.seek(0)
+            version = fmt.read_magic(f)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            dtype = read(f)[2]
+        except (ValueError, EOFError, SyntaxError):
+            return  # np.load's own error says what is wrong
+    if dtype.hasobject:
+        raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
+                        f"not unpickle files; save a numeric array")
 
 
 def _why(exc: BaseException) -> str:
@@ -253,7 +296,9 @@ def check_space(t: Target, nbytes: int) -> None:
     ``.npy`` file are (zarr writes one file per chunk). An HDF5 result for an
     existing file needs room twice, for its staged file and for its copy. The
     space of staged outputs that stopped or killed runs left beside the target
-    counts as free: the run resumes (``--resume``) or removes them before it writes."""
+    counts as free: the run resumes (``--resume``) or removes them before it writes. A
+    folder where the staged output cannot be created is refused first (``check_writable``)."""
+    check_writable(t)
     freed = reclaimable(t.path, t.dataset)
     if t.kind != "h5":
         check_room(t, t.path.parent, nbytes + (1 << 20) - freed,
@@ -263,6 +308,27 @@ def check_space(t: Target, nbytes: int) -> None:
                    t.path.stat().st_size + nbytes + H5_MARGIN)
     else:
         check_room(t, t.path.parent, nbytes + H5_MARGIN - freed, nbytes + H5_MARGIN)
+
+
+def check_writable(t: Target) -> None:
+    """Refuse, naming the target, a folder in which its staged output cannot be created
+    (a read-only file system, no write permission): a ``PermissionError``, bad input,
+    instead of the staged file's hidden name in an error of the run.
+
+    Raises
+    ------
+    PermissionError
+    """
+    folder = t.path.parent
+    if os.access(folder, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = "is on a read-only file system" if read_only else "is not writable"
+    raise PermissionError(f"cannot write {t}: its folder {folder} {why} (distmm stages the "
+                          f"output beside its target)")
 
 
 def same_file(a: str, b: str) -> bool:
