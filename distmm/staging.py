@@ -138,9 +138,11 @@ def check_target(t, overwrite: bool) -> bool:
     Raises
     ------
     FileNotFoundError, NotADirectoryError
-        The target's folder does not exist, or is not a folder.
+        The target's folder does not exist, or is not a folder; a zarr or HDF5 target
+        that is a symbolic link to nothing.
     OutputExists
-        It exists and ``overwrite`` is false.
+        It exists and ``overwrite`` is false (a ``.npy`` target that is a symbolic link
+        to nothing too; with ``overwrite`` the link is replaced, as is a link to a file).
     IsADirectoryError
         A folder sits where a ``.npy`` or HDF5 file would go, or a zarr group
         or a folder that is no zarr array where an array would go (whatever
@@ -157,6 +159,14 @@ def check_target(t, overwrite: bool) -> bool:
         raise FileNotFoundError(f"no such folder for the output {label}: {parent}")
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
+    if p.is_symlink() and not p.exists():  # a link to nothing: exists() follows it
+        where = f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+        if t.kind != "npy":
+            raise FileNotFoundError(f"{where}; distmm writes {'a zarr' if t.kind == 'zarr' else 'an HDF5'} "
+                                    f"output only into an existing file or folder")
+        if not overwrite:
+            raise OutputExists(f"{where}: pass --overwrite to replace the link")
+        return True
     if t.kind in ("npy", "h5") and p.is_dir():
         raise IsADirectoryError(f"{p} is a directory; distmm writes the {t.kind} output as a file "
                                 f"and never removes a directory")
