@@ -355,6 +355,35 @@ def test_demo_starts_a_cluster_and_prints_the_dashboard(capsys, tmp_path):
     assert report.exists()
 
 
+def test_a_closed_client_is_refused_before_any_work(cluster):
+    """A client already closed: a ValueError naming it, for numpy and dask operands and
+    gemm (it was an AttributeError from inside distributed)."""
+    c = distributed.Client(cluster)
+    c.close()
+    a = np.ones((3, 3))
+    for call in (lambda: distmm.matmul(a, a, engine="dask", client=c),
+                 lambda: distmm.matmul(da.from_array(a), da.from_array(a), client=c),
+                 lambda: distmm.gemm(a, a, engine="dask", client=c)):
+        with pytest.raises(ValueError, match="distributed.Client that is closed"):
+            call()
+
+
+def test_a_client_that_is_not_the_default(cluster, tmp_path):
+    """``client=`` made with ``set_as_default=False``: the eager loop waits on that client's
+    futures (``as_completed`` took the default client's loop: "No clients found") and the
+    performance report is of its cluster."""
+    rng = np.random.default_rng(17)
+    a, b = rng.standard_normal((40, 30)), rng.standard_normal((30, 20))
+    report = tmp_path / "report.html"
+    with distributed.Client(cluster, set_as_default=False) as c:
+        c.wait_for_workers(2, timeout=120)
+        _check(distmm.matmul(a, b, engine="dask", client=c, tile=8), a @ b)
+        _check(distmm.gemm(a, b, client=c, tile=8), a @ b)
+        with dask.config.set({"distmm.performance-report": str(report)}):
+            _check(distmm.matmul(a, b, engine="dask", client=c, tile=8), a @ b)
+    assert "distmm-matmul" in report.read_text()
+
+
 def test_without_a_client():
     """Numpy operands need a cluster; dask operands give a lazy array that
     any scheduler can compute (here dask's threads), unpinned."""

@@ -26,7 +26,7 @@ distributed = pytest.importorskip("distributed")
 from distmm.engine import Operands, Request, get_engine  # noqa: E402
 from distmm.errors import WorkersLost  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
-from conftest import kill_workers, start_call  # noqa: E402
+from conftest import _product_running, kill_workers, start_call  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("tile_mode")
 
@@ -230,3 +230,35 @@ def test_tasks_placed_on_a_worker_that_left_are_cancelled_for_a_retry():
         assert stuck.status == "cancelled" and watch.gone == {gone}
         assert time.monotonic() - t0 < 10
         assert fine.result(timeout=30) is None and ok.gone == set()
+
+
+@pytest.mark.slow
+def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
+    """A client closed by its owner (another thread's ``with Client()`` ending) during an
+    eager product: no worker comes back through it, so the call raises at once, saying so,
+    instead of retrying for ``retry_timeout`` (it did, then raised ``WorkersLost`` with
+    ``KeyError('workers')``, warning on every one of ~1000 attempts)."""
+    rng = np.random.default_rng(41)
+    a = rng.standard_normal((2048, 4096))
+    b = rng.standard_normal((4096, 2048))
+    _full_cluster(client)
+    own = distributed.Client(client.cluster)
+    try:
+        engine = get_engine("dask", client=own, retry_timeout=60.0)
+        run, out = _start_product(engine, _request(engine, a, b, 128))
+        deadline = time.monotonic() + 60
+        while not _product_running(own) and run.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.is_alive(), f"the product ended before the client closed: {out!r}"
+        t0 = time.monotonic()
+        own.close()
+        run.join(60)
+        elapsed = time.monotonic() - t0
+    finally:
+        own.close()
+    assert not run.is_alive()
+    error = out.get("error")
+    assert isinstance(error, RuntimeError) and not isinstance(error, WorkersLost), repr(error)
+    assert "Client was closed during matmul" in str(error)
+    assert elapsed < 15, elapsed
+

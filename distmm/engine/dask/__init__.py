@@ -125,6 +125,11 @@ def _fail_tiles() -> frozenset:
 
 def _resolve_client(client, *, required: bool):
     if client is not None:
+        if getattr(client, "status", None) in ("closing", "closed"):
+            # a closed client has no scheduler left: refused here with its state, not an
+            # AttributeError from deep inside distributed
+            raise ValueError(f"engine='dask' got a distributed.Client that is {client.status}: "
+                             f"pass an open client (or none, for the default one)")
         return client
     if not required and "distributed" not in sys.modules:
         return None  # no client can exist without distributed imported: skip its import

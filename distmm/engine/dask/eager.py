@@ -35,7 +35,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import product as iproduct
 
@@ -366,7 +366,11 @@ def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall
     any other task error raised past the retry loop."""
     from distributed import as_completed
 
-    for fut in as_completed(futures):
+    if not futures:
+        return
+    # on the futures' own client's loop: as_completed otherwise takes the default client's,
+    # and fails without one (a client made with set_as_default=False)
+    for fut in as_completed(futures, loop=next(iter(futures)).client.loop):
         try:
             tile_out = fut.result()  # a block of C, or the bytes a worker wrote (out None)
         except TileFailed as exc:
@@ -466,8 +470,6 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     if plan.k == 0:
         out[...] = 0
         return out
-    from distributed import performance_report
-
     a2, b2 = ops.a2, ops.b2
     batch = tuple(ops.batch)
     token = uuid.uuid4().hex[:12]
@@ -504,7 +506,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
 
         bar = tqdm(total=len(pending), unit="tile", desc="distmm matmul", file=sys.stderr)
     transient = _transient_errors()
-    ctx = performance_report(filename=report) if report else nullcontext()
+    ctx = _performance_report(client, report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
     submitted, written, futures, raised = 0, False, {}, set()
     t0 = time.perf_counter()
@@ -550,6 +552,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     _fall_back(blocks, fell_back, placement)
                     if not troubled:
                         continue  # a fallback is not a worker failure
+                if client.status in ("closing", "closed"):
+                    # closed by its owner: no worker comes back through it, so no retry
+                    raise RuntimeError(f"distmm dask engine: the distributed.Client was "
+                                       f"{client.status} during matmul: {len(pending)} output "
+                                       f"block(s) never arrived")
                 attempts += 1
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -588,6 +595,16 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         flags |= raised
     return out
+
+
+@contextmanager
+def _performance_report(client, filename):
+    """distributed's ``performance_report`` of ``client``'s cluster: it reports on
+    ``get_client()``'s, which is the default client unless ``client`` is made current."""
+    from distributed import performance_report
+
+    with client.as_current(), performance_report(filename=filename):
+        yield
 
 
 def _raised_flags(client, token: str) -> set[str]:
