@@ -150,6 +150,10 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
                 f"call {name}.compute_chunk_sizes() first"
             )
     batch, m, n, k = matmul_shapes(a.shape, b.shape, what=what)
+    if (out is None and fam != "dask"
+            and math.prod(batch) * m * n * np.dtype(dtype).itemsize > np.iinfo(np.intp).max):
+        raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than "
+                         "the maximum possible size.")  # numpy's words, before any planning
     ops = Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
     if out is not None:  # out's shape too is checked before any value is cast
         _check_out(out, ops)

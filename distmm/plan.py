@@ -234,6 +234,11 @@ def sums_whole_k(dtype) -> bool:
 #: more failed deep in the planner with a bare MemoryError
 MAX_EDGES = 2**24
 
+#: C tiles a plan lists (its owners and tasks, one Python object or more each): a product
+#: of more, such as a broadcast 1-column by 1-row one of 10**8 each way, took minutes in
+#: the planner before its result could be refused
+MAX_TILES = 2**24
+
 #: the most workers (or MPI ranks, or devices) a plan is made for: more than any machine runs
 #: processes of one product, and the planners' lists per worker and per grid shape stay small
 MAX_WORKERS = 2**17
@@ -567,6 +572,10 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
     if edges > MAX_EDGES:
         raise MemoryError(f"a {m} x {n} x {k} product in tiles of {(tm, tn, tk)} has {edges:.3g} "
                           f"tiles along one axis; a plan lists at most {MAX_EDGES:.3g}")
+    tiles = -(-m // tm) * -(-n // tn)
+    if tiles > MAX_TILES:
+        raise MemoryError(f"a {m} x {n} result in tiles of {tm} x {tn} has {tiles:.3g} tiles; a "
+                          f"plan lists at most {MAX_TILES:.3g}")
     row_edges = split_edges(m, tm)
     col_edges = split_edges(n, tn)
     gm, gn = len(row_edges) - 1, len(col_edges) - 1

@@ -470,3 +470,19 @@ def assert_all_gone(procs: list) -> None:
     _, alive = psutil.wait_procs(procs, timeout=10)
     alive = [p for p in alive if status(p) not in (None, psutil.STATUS_ZOMBIE)]
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+def too_big_results():
+    """Broadcast 1-column by 1-row operands whose results numpy cannot hold, numpy's error
+    for each and the words distmm's has."""
+    import re
+
+    from distmm.plan import MAX_TILES
+
+    for n, error, words in ((2**31, ValueError, "array is too big"),
+                            (2 * 10**8, MemoryError, re.escape(f"at most {MAX_TILES:.3g}"))):
+        x = np.broadcast_to(np.ones((1, 1)), (n, 1))
+        y = np.broadcast_to(np.ones((1, 1)), (1, n))
+        with pytest.raises(error):
+            np.matmul(x, y)
+        yield x, y, error, words

@@ -26,7 +26,7 @@ from distmm.api import plan_for  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
 from distmm.engine.dask import placement as dask_placement  # noqa: E402
 from distmm.engine.tiles import reduce_partials  # noqa: E402
-from conftest import assert_close  # noqa: E402
+from conftest import assert_close, too_big_results  # noqa: E402
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128"]
@@ -416,3 +416,13 @@ def test_k_loop_runs_inside_one_task_per_output_block(client):
     got = C.compute()
     assert np.array_equal(got, C.compute())
     _check(got, a @ b)
+
+
+def test_results_too_big_are_refused_before_planning(client):
+    """numpy's ValueError past the largest array and the planner's MemoryError below it, at
+    once on a cluster too (the planner listed ~10**10 tiles for minutes)."""
+    for x, y, error, words in too_big_results():
+        t0 = time.perf_counter()
+        with pytest.raises(error, match=words):
+            distmm.matmul(x, y, engine="dask", client=client)
+        assert time.perf_counter() - t0 < 5

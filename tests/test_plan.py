@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distmm
+from conftest import too_big_results
 from distmm.plan import make_plan, reduction_tree, split_edges
 
 
@@ -144,3 +145,20 @@ def test_resumable_batch_stripes_hold_at_most_the_resume_bytes():
     small = plan_batch(1031, 523, 777, "float32", ranks=3, stripe_bytes=RESUME_STRIPE_BYTES)
     assert small.stripe_edges == plan_batch(1031, 523, 777, "float32", ranks=3).stripe_edges
     assert plan_batch(100, 10, 10, "float64", ranks=1, stripe_bytes=8 * 10 * 7).stripes == 15
+
+
+def test_results_too_big_are_refused_before_planning():
+    """A broadcast 1-column by 1-row product whose result numpy cannot hold: numpy's
+    ValueError past the largest array, a MemoryError from the planner's tile cap below it,
+    at once (the planner listed ~10**10 tiles for minutes, for every engine: the Dask
+    engine's case in test_dask_engine)."""
+    import time
+
+    for x, y, error, words in too_big_results():
+        t0 = time.perf_counter()
+        with pytest.raises(error, match=words):
+            distmm.matmul(x, y, engine="local")
+        assert time.perf_counter() - t0 < 5
+    with pytest.raises(MemoryError, match="tiles; a plan lists"):
+        make_plan(2**20, 2**20, 8, tile=(64, 64, 8))
+    assert make_plan(2**16, 2**16, 8, tile=(16, 16, 8)).grid == (4096, 4096)
