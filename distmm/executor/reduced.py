@@ -84,20 +84,19 @@ def round_to(x, precision: str) -> np.ndarray:
     return _round_bits(x, dropped, TIES_TO_EVEN[precision])
 
 
-def reduced_product(a, b, precision: str, matmul=None) -> np.ndarray:
+def reduced_product(a, b, precision: str, matmul=np.matmul) -> np.ndarray:
     """``a @ b`` as the tensor cores compute it in ``precision``: both operands rounded
     to the format (``round_to``), their products (exact in float32) summed in float32
-    by ``matmul`` (default numpy's, whose BLAS loop reports its own flags; or a float32
-    GEMM such as distmm's numba kernel, whose flags ``product_flags`` finds). The rounding
-    reports nothing (a value that rounds past the format's range becomes an infinity, as on
-    the device); the product reports numpy's floating-point flags of the rounded operands'
-    product (inf * 0, an overflow of the float32 sum), under the errstate in force.
+    by ``matmul`` (a float32 GEMM: numpy's BLAS or distmm's numba kernel). What it reports
+    is what a sequential loop over the rounded operands raises (``product_flags``: inf * 0,
+    an overflow of the float32 sum), under the errstate in force; not the GEMM's own flags
+    (a BLAS kernel raises "invalid" for some infinite operands that meet no zero), nor the
+    rounding's (a value that rounds past the format's range becomes an infinity, as on the
+    device).
 
     Returns a new float32 array."""
     with np.errstate(all="ignore"):
         ra, rb = round_to(a, precision), round_to(b, precision)
-    if matmul is None:
-        return np.matmul(ra, rb)
-    p = matmul(ra, rb)
+        p = matmul(ra, rb)
     report(product_flags(ra, rb, p))
     return p
