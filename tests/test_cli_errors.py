@@ -84,7 +84,8 @@ def test_an_unreadable_operand_is_bad_input_naming_its_file(files, kind):
     assert not (files / "c.npy").exists()
 
 
-@pytest.mark.parametrize("where", ["missing-folder", pytest.param("directory", marks=pytest.mark.slow),
+@pytest.mark.parametrize("where", [pytest.param("missing-folder", marks=pytest.mark.slow),
+                                   pytest.param("directory", marks=pytest.mark.slow),
                                    pytest.param("operand", marks=pytest.mark.slow), "output"])
 def test_profile_path_is_checked_before_any_work(files, where):
     """--profile was written after C: a bad path failed a finished run (exit 2, C left in

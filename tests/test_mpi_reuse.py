@@ -21,7 +21,8 @@ pytestmark = pytest.mark.mpi
 
 # 2 and 3 ranks (the smallest grid of several ranks, and an odd one) by default; 1 and 4
 # under ``pytest -m slow``
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 3,
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3,
                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_grid_communicators_are_reused_and_released_at_exit(ranks, mpirun):
     r = mpirun(ranks, CASES)

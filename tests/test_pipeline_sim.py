@@ -520,8 +520,10 @@ def _locked_within(dev, x) -> bool:
 
 @pytest.mark.parametrize("m,n,k,dtype,limit", [
     (1500, 257, 300, "float32", 64 << 20), (999, 130, 77, "float64", 64 << 20),
-    (3000, 257, 200, "float32", 4 << 20),      # row blocks of ragged bytes
-    (3001, 130, 90, "float64", 2 << 20),       # tiles mode, one column block
+    pytest.param(3000, 257, 200, "float32", 4 << 20,  # row blocks of ragged bytes
+                 marks=pytest.mark.slow),
+    pytest.param(3001, 130, 90, "float64", 2 << 20,   # tiles mode, one column block
+                 marks=pytest.mark.slow),
     pytest.param(400, 700, 600, "float32", 1 << 20,  # tiles mode, several column blocks
                  marks=pytest.mark.slow),
 ])
@@ -622,7 +624,8 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
     assert ("host-stage" in _lanes(trace)) == (owned.count("A") + owned.count("B") < 2)
 
 
-@pytest.mark.parametrize("how", ["ABC", "AB", "BC", "locked-in-place"])
+@pytest.mark.parametrize("how", ["ABC", pytest.param("AB", marks=pytest.mark.slow), "BC",
+                                 "locked-in-place"])
 @pytest.mark.parametrize("m,n,k,dtype,columns", [
     pytest.param(1500, 300, 700, "float32", 2, marks=pytest.mark.slow),
     (999, 257, 130, "float64", 3)])

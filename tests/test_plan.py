@@ -147,7 +147,7 @@ def test_resumable_batch_stripes_hold_at_most_the_resume_bytes():
     assert plan_batch(100, 10, 10, "float64", ranks=1, stripe_bytes=8 * 10 * 7).stripes == 15
 
 
-def test_results_too_big_are_refused_before_planning():
+def test_results_too_big_are_refused_before_planning(monkeypatch):
     """A broadcast 1-column by 1-row product whose result numpy cannot hold: numpy's
     ValueError past the largest array, a MemoryError from the planner's tile cap below it,
     at once (the planner listed ~10**10 tiles for minutes, for every engine: the Dask
@@ -161,4 +161,7 @@ def test_results_too_big_are_refused_before_planning():
         assert time.perf_counter() - t0 < 5
     with pytest.raises(MemoryError, match="tiles; a plan lists"):
         make_plan(2**20, 2**20, 8, tile=(64, 64, 8))
-    assert make_plan(2**16, 2**16, 8, tile=(16, 16, 8)).grid == (4096, 4096)
+    monkeypatch.setattr(distmm.plan, "MAX_TILES", 16)  # the cap itself is allowed
+    assert make_plan(64, 64, 8, tile=(16, 16, 8)).grid == (4, 4)
+    with pytest.raises(MemoryError, match="has 25 tiles; a plan lists at most 16"):
+        make_plan(64, 64, 8, tile=(15, 15, 8))
