@@ -33,6 +33,11 @@ class WorkersLost(RuntimeError):
     The message says what was lost and after how long."""
 
 
+class SchedulerLost(RuntimeError):
+    """A Dask engine call ended because its client's connection to the scheduler did: the
+    client was closed, or distributed gave up reconnecting to a scheduler that died."""
+
+
 class TileFailed(RuntimeError):
     """One tile (a block of C) could not be computed on its device: the GPU ran
     out of memory after the retries, or the device was lost. The Dask engine

@@ -255,3 +255,38 @@ def test_sigterm_to_the_console_scripts_group_closes_without_tracebacks(tmp_path
     assert not sched.exists() and list(tmp_path.iterdir()) == []
     assert_all_gone(workers)
     assert seconds < 30
+
+
+@pytest.mark.slow
+def test_a_cluster_killed_mid_product_fails_the_command_in_one_line(tmp_path: Path):
+    """The whole cluster killed (SIGKILL to its group) while ``distmm matmul --scheduler-file``
+    runs on it: the command ends with status 1 once distributed gives up reconnecting, its
+    line says the scheduler may be lost (it said 'workers', a KeyError, or 'AttributeError:
+    NoneType ... identity', or 'ConnectionPool is closed'), nothing is staged."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((4000, 4000)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((4000, 4000)))
+    sched = tmp_path / "sched.json"
+    proc = serve_cluster(sched, "--workers", 2, "--threads", 1)
+    run = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+                            str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy"),
+                            "--scheduler-file", str(sched), "--tile", "250", "--no-progress",
+                            "--connect-timeout", "5"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".c.npy.*")) and time.monotonic() < deadline:
+            assert run.poll() is None, run.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        out, err = run.communicate(timeout=90)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("distmm matmul: error:")]
+    assert len(lines) == 1 and "its scheduler at tcp://" in lines[0], err
+    assert "was lost" in lines[0], err
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "sched.json"]

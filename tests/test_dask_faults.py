@@ -259,6 +259,6 @@ def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
     assert not run.is_alive()
     error = out.get("error")
     assert isinstance(error, RuntimeError) and not isinstance(error, WorkersLost), repr(error)
-    assert "Client was closed during matmul" in str(error)
+    assert "Client closed during matmul" in str(error)
     assert elapsed < 15, elapsed
 

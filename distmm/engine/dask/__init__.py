@@ -94,6 +94,7 @@ from distmm.engine.base import Engine, Operands, Request, replace_fast
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
 from distmm.engine.dask.stats import last_stats, record, transfer_mark, transfer_report
+from distmm.errors import SchedulerLost
 from distmm.fpflags import report as report_flags
 from distmm.plan_blocks import ClusterFacts, OperandFacts, plan_blocks
 
@@ -275,6 +276,21 @@ class DaskEngine(Engine):
         output chunks, or the plan's tiles when a tile was asked for; one
         chunk per element along batch axes). Gathers the cluster's facts, plans
         block mode's placement (``distmm.plan_blocks``) where it applies, then runs."""
+        try:
+            return self._run(request)
+        except SchedulerLost:
+            raise
+        except Exception as exc:
+            # a scheduler that died fails whatever asks it next (a KeyError of its worker
+            # table, a closed connection pool): said as what happened
+            if getattr(self.client, "status", "running") in ("connecting", "closing", "closed"):
+                from distmm.engine.dask.eager import client_gone
+
+                raise SchedulerLost(f"{client_gone(self.client)}: {type(exc).__name__}: "
+                                    f"{' '.join(str(exc).split())}") from exc
+            raise
+
+    def _run(self, request: Request):
         t0, started = time.perf_counter(), time.time()
         ops = request.operands
         facts, transfer_info = self._facts(ops)

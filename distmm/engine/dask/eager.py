@@ -45,7 +45,7 @@ from distmm.engine.dask.chunks import Geometry
 from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
 from distmm.engine.dask.placement import BlockPlacement, Placement, worker_slots
 from distmm.engine.dask.tasks import TaskPlan, pop_flags
-from distmm.errors import TileFailed, WorkersLost
+from distmm.errors import SchedulerLost, TileFailed, WorkersLost
 from distmm.fpflags import report as report_flags
 from distmm.plan import Plan
 
@@ -553,10 +553,10 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     if not troubled:
                         continue  # a fallback is not a worker failure
                 if client.status in ("closing", "closed"):
-                    # closed by its owner: no worker comes back through it, so no retry
-                    raise RuntimeError(f"distmm dask engine: the distributed.Client was "
-                                       f"{client.status} during matmul: {len(pending)} output "
-                                       f"block(s) never arrived")
+                    # closed by its owner, or by distributed when the scheduler was lost and
+                    # did not come back: no worker returns through it, so no retry
+                    raise SchedulerLost(client_gone(client) + f": {len(pending)} output "
+                                        f"block(s) never arrived")
                 attempts += 1
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -595,6 +595,13 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     else:
         flags |= raised
     return out
+
+
+def client_gone(client) -> str:
+    """The words of a ``SchedulerLost``: the client, its scheduler and its state."""
+    address = getattr(getattr(client, "scheduler", None), "address", None) or "?"
+    return (f"distmm dask engine: the distributed.Client closed during matmul (closed by its "
+            f"caller, or its scheduler at {address} was lost; the client is {client.status})")
 
 
 @contextmanager
