@@ -42,7 +42,7 @@ import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
 from distmm.errors import ConfigError
-from distmm.plan import PRECISIONS
+from distmm.plan import MAX_WORKERS, PRECISIONS
 
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
@@ -138,11 +138,13 @@ def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
     return out
 
 
-def _positive_int(value, what: str = "a positive integer") -> int:
+def _positive_int(value, what: str = "a positive integer is", most: int | None = None) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _Bad(f"{what} is needed")
+        raise _Bad(f"{what} needed")
+    if most is not None and value > most:
+        raise _Bad(f"must be at most {most}")
     return value
 
 
@@ -153,7 +155,7 @@ def _tile(value):
         if len(value) != 3:
             raise _Bad("a tile is an int or three ints [tm, tn, tk]")
         return tuple(_positive_int(t, "three positive integers [tm, tn, tk] are") for t in value)
-    return _positive_int(value, "a positive integer or [tm, tn, tk]")
+    return _positive_int(value, "a positive integer or [tm, tn, tk] is")
 
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -161,7 +163,10 @@ _FALSE = {"false", "no", "off", "0"}
 
 
 def _required_bool(value) -> bool:
-    got = _optional_bool(value)
+    try:
+        got = _optional_bool(value)
+    except _Bad:
+        got = None
     if got is None:
         raise _Bad("true or false is needed")
     return got
@@ -200,6 +205,11 @@ def _optional_str(value):
 def _seconds(value, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or value is None:
         raise _Bad("a duration is needed (seconds or a string such as '60s')")
+    if (isinstance(value, (int, float)) and value < 0) or (isinstance(value, str)
+                                                         and value.strip().startswith("-")):
+        # dask's parse_timedelta reads '-2s' as '1-2' and fails saying so
+        raise _Bad("must be a duration of at least 0" if allow_zero
+                   else "must be a positive, finite duration")
     try:
         out = float(parse_timedelta(value, default="seconds"))
     except (TypeError, ValueError, KeyError) as e:
@@ -248,7 +258,8 @@ _PARSERS = {
     "device-memory-limit": ("device_memory_limit", lambda v: _bytes(v, allow_none=True)),
     "device-keep": ("device_keep", lambda v: _seconds(v, allow_zero=True)),
     "pinned-pool": ("pinned_pool", lambda v: _bytes(v, allow_none=False, minimum=0)),
-    "local-threads": ("local_threads", lambda v: None if v is None else _positive_int(v)),
+    "local-threads": ("local_threads",
+                      lambda v: None if v is None else _positive_int(v, most=MAX_WORKERS)),
     "progress": ("progress", _optional_bool),
     "performance-report": ("performance_report", _optional_str),
     "retry-timeout": ("retry_timeout", _seconds),

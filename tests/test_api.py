@@ -924,3 +924,30 @@ def test_dtype_cast_comes_after_the_shape_check_as_numpy():
             with np.errstate(all="raise"), pytest.raises(ValueError) as got:
                 distmm.matmul(a, b, out=out, dtype=dt, casting="unsafe")
         assert type(got.value) is type(want.value)
+
+
+@pytest.mark.slow  # the tiles already running finish in the background: about 7 s
+def test_ctrl_c_stops_a_long_double_product_at_once():
+    # numpy's long double loop runs on one thread and checks no signal: the tiles ran one by
+    # one in the caller's thread (as if BLAS threaded them), and a real SIGINT waited for the
+    # first of its two tiles (about 4 s here) instead of the pool's next wait
+    import os
+    import signal
+    import threading
+    import time
+
+    import dask
+
+    a = np.ones((1100, 1100), dtype=np.longdouble)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    with dask.config.set({"distmm.local-threads": 2}):
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            distmm.matmul(a, a, engine="local", backend="auto", tile=(1100, 550, 1100))
+        elapsed = time.monotonic() - start
+    timer.join()
+    for t in threading.enumerate():  # the tiles already running end on their own
+        if t.name.startswith("distmm-local"):
+            t.join(30)
+    assert elapsed < 2.5, f"KeyboardInterrupt came {elapsed:.1f} s after the product started"

@@ -168,6 +168,25 @@ def test_a_bad_value_is_one_value_error_naming_the_key(key, value, words):
     get_config()  # fine again once the context is gone
 
 
+@pytest.mark.parametrize("key, value, reason", [
+    # the planner's limit, met before: 'workers must be at most 131072', naming no key
+    ("local-threads", 10**6, "must be at most 131072"),
+    # dask's parse_timedelta read '-2s' as '1-2': 'could not convert string to float'
+    ("device-keep", "-2s", "must be a duration of at least 0"),
+    ("device-keep", -1, "must be a duration of at least 0"),
+    ("retry-timeout", "-5s", "must be a positive, finite duration"),
+    # null is no value for it ('true, false or null is needed' said it was)
+    ("direct-writes", "maybe", "true or false is needed"),
+    ("tile", [64, 64, -1], "three positive integers [tm, tn, tk] are needed"),
+])
+def test_a_bad_value_says_what_is_wrong_with_it(key, value, reason):
+    with dask.config.set({f"distmm.{key}": value}):
+        with pytest.raises(ValueError) as info:
+            distmm.matmul(np.ones((2, 2)), np.ones((2, 2)), engine="local")
+    message = str(info.value)
+    assert f"distmm.{key} = {value!r} is not valid: {reason} (" in message, message
+
+
 # ---------------------------------------------------------------- environment and YAML
 
 _PROBE = textwrap.dedent("""

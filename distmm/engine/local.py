@@ -18,6 +18,7 @@ from distmm.config import available_cpus
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
 from distmm.executor import get_executor
+from distmm.executor.cpu import CPUExecutor
 from distmm.fpflags import as_matmul, collect
 from distmm.plan import Plan, np_dtype
 
@@ -116,6 +117,20 @@ def _nothing(_plan) -> None:
     pass
 
 
+#: the dtypes numpy's matmul hands to its multi-threaded BLAS; its own loops (float16, long
+#: double, integers, object) run on one thread, so their tiles need the pool
+_BLAS_DTYPES = frozenset(map(np.dtype, ("float32", "float64", "complex64", "complex128")))
+
+
+def _threads_itself(executor, plan: Plan) -> bool:
+    """Whether one task at a time keeps every CPU busy: the GPU executor, or BLAS on a
+    dtype BLAS multiplies. A long double product on one thread also ran in the caller's
+    thread, where Ctrl-C waited for the whole product (numpy's loop holds no signal check)."""
+    if not getattr(executor, "threads_inside", False):
+        return False
+    return not isinstance(executor, CPUExecutor) or np_dtype(plan.acc_dtype) in _BLAS_DTYPES
+
+
 def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
               progress: bool | None = False):
     """Compute ``a @ b`` on this process following ``plan``.
@@ -132,7 +147,7 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     executor : Executor
     threads : int, optional
         Pool size; defaults to ``plan.workers`` (1 when the executor threads
-        itself, as BLAS does).
+        itself, as BLAS does for float32, float64 and complex).
     out : array, optional
         Where to write C (shape ``batch + (m, n)``, the plan's dtype): a numpy
         array, a memmap, a zarr array or an h5py dataset, written tile by tile.
@@ -157,7 +172,7 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
         out[...] = np.zeros(out.shape, dtype=out.dtype)
         return out
     if threads is None:
-        threads = 1 if getattr(executor, "threads_inside", False) else plan.workers
+        threads = 1 if _threads_itself(executor, plan) else plan.workers
     batch_index = list(np.ndindex(*batch))  # broadcast views are indexed, never reshaped (no copies)
     bar = _progress_bar(progress, plan, len(batch_index))
     try:
