@@ -306,6 +306,9 @@ def make_plan(m: int, n: int, k: int, dtype="float64", *, workers: int | None = 
     ((2, 2), 1)
     """
     dt = result_dtype(np.dtype(dtype), np.dtype(dtype))
+    if workers is not None and (isinstance(workers, bool)
+                                or not isinstance(workers, (int, np.integer))):
+        raise TypeError(f"make_plan: workers must be an integer, got {workers!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     cfg = get_config()

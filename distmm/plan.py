@@ -548,6 +548,9 @@ def _make_plan(m, n, k, dtype, workers, tile, k_splits, memory_budget, owner_ord
         if int(v) != v or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     m, n, k = int(m), int(n), int(k)
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
+        raise TypeError(f"workers must be an integer, got {workers!r}")
+    workers = int(workers)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if workers > MAX_WORKERS:

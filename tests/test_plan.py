@@ -71,6 +71,14 @@ def test_plan_errors():
         make_plan(-1, 1, 1)
     with pytest.raises(ValueError, match="tile"):
         make_plan(4, 4, 4, tile=(1, 2))
+    # a worker count that is not an integer (2.7 planned for 2 workers and a grid of 4 x 4,
+    # True for 1, '2' failed comparing a str), from the planner and from distmm.make_plan
+    for workers in (2.7, 2.0, True, "2"):
+        with pytest.raises(TypeError, match="workers must be an integer"):
+            make_plan(4000, 4000, 4000, workers=workers)
+        with pytest.raises(TypeError, match="workers must be an integer"):
+            distmm.make_plan(4000, 4000, 4000, "float64", workers=workers)
+    assert make_plan(4000, 4000, 4000, workers=np.int64(2)).workers == 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
