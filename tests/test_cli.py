@@ -239,6 +239,28 @@ def test_demo_refuses_a_gpu_backend_without_a_gpu_before_its_cluster_starts():
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "needs a CUDA GPU" in r.stderr
 
 
+def test_demo_report_refused_before_the_product_where_it_cannot_be_written(tmp_path):
+    # --report with the local engine was silently ignored; a folder failed after the product
+    r = run_cli("demo", "-n", 64, "--engine", "local", "--report", tmp_path / "r.html")
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and "--engine dask" in r.stderr
+    r = run_cli("demo", "-n", 64, "--engine", "dask", "--report", tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and "a folder" in r.stderr and str(tmp_path) in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_probe_failure_names_the_mpi_notice_not_its_rule():
+    from distmm.cli.calibrate import _stderr_line
+
+    notice = ("-" * 74 + "\nprterun has detected an attempt to run as root.\n\nRunning as root is "
+              "discouraged.\n" + "-" * 74 + "\n")
+    assert _stderr_line(notice) == "prterun has detected an attempt to run as root."
+    assert _stderr_line("Traceback (most recent call last):\n  x\nValueError: bad\n") == \
+        "ValueError: bad"
+    assert _stderr_line("\n---\n") == "no output"
+
+
 def test_debug_before_a_command_that_parses_its_own_options(tmp_path):
     missing = tmp_path / "missing.json"
     r = run_cli("--debug", "trace", "--from-json", missing)

@@ -833,9 +833,11 @@ _BAD_MODEL_ARGS = [
     (["--validate", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
     (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
     (["--gpus", "8", "10", "10", "10", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+    (["--gpus", "8", "10", "10", "10", "--memory", "1e400"], "'1e400' is not a size"),
 ]
 _BAD_MODEL_IDS = ["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link",
-                  "memory", "calibration", "int8", "records", "validate-gpus", "gpus-per-node"]
+                  "memory", "calibration", "int8", "records", "validate-gpus", "gpus-per-node",
+                  "memory-overflow"]
 # argparse's own refusals and the repeats of a kind run with the slow cases
 _SLOW_MODEL_IDS = {"gpus-zero", "negative", "engine", "link", "int8", "validate-gpus"}
 
@@ -862,6 +864,17 @@ def test_model_validate_writes_records_report_can_read(tmp_path):
     from distmm.cli.report import REQUIRED
 
     assert all(all(k in r for k in REQUIRED) for r in recs)
+
+
+def test_model_validate_refuses_an_output_it_cannot_write_before_the_table(tmp_path):
+    # was: the whole table, then an error naming the hidden staged file
+    files = [str(p) for p in sorted(RESULTS.glob("mpi-batch-*"))]
+    for out, needle in ((tmp_path, f"a folder, not a file: {tmp_path}"),
+                        (tmp_path / "no" / "v.jsonl", f"no such folder: {tmp_path / 'no'}")):
+        done = _distmm("model", "--validate", *files, "-o", str(out))
+        assert done.returncode == 2, done.stderr
+        assert done.stdout == "" and done.stderr.count("\n") == 1 and needle in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

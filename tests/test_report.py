@@ -3,6 +3,7 @@ synthetic and committed records (real files, real PNGs)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -192,6 +193,27 @@ def test_overwrite_replaces_and_refusal_keeps(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["report", str(recs), "-o", str(empty)]) == 0
+
+
+def test_overwrite_never_replaces_a_folder_holding_an_input_or_the_current_folder(tmp_path):
+    # the records kept in the report's folder were deleted by --overwrite
+    out = tmp_path / "out"
+    out.mkdir()
+    recs = write_jsonl(out / "r.jsonl", STRONG)
+    before = recs.read_bytes()
+    done = subprocess.run([sys.executable, "-m", "distmm", "report", str(recs), "-o", str(out),
+                           "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f"holds the input {recs}" in done.stderr
+    assert recs.read_bytes() == before and [p.name for p in out.iterdir()] == ["r.jsonl"]
+    for target in (".", "", str(tmp_path)):
+        done = subprocess.run([sys.executable, "-m", "distmm", "report", str(recs), "-o", target,
+                               "--overwrite"], capture_output=True, text=True, timeout=300,
+                              cwd=out)
+        assert done.returncode == 2, (target, done.stderr)
+        assert done.stderr.count("\n") == 1 and "current folder" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["r.jsonl"]
 
 
 @pytest.mark.parametrize("content, expected", [

@@ -605,6 +605,23 @@ if comm.rank == 0:
 """
 
 
+def _stderr_line(text: str) -> str:
+    """The line of a failed child's stderr that names the problem: the first line of an
+    Open MPI notice (a block between lines of dashes, which ends the output), else the last
+    line with words in it (a Python traceback's exception)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    words = [ln for ln in lines if any(ch.isalnum() for ch in ln)]
+    if not words:
+        return "no output"
+    rules = [i for i, ln in enumerate(lines) if ln and set(ln) == {"-"}]
+    if rules and rules[-1] == max(i for i, ln in enumerate(lines) if ln):
+        notice = [ln for ln in lines[rules[-2] + 1 if len(rules) > 1 else 0:rules[-1]]
+                  if any(ch.isalnum() for ch in ln)]
+        if notice:
+            return notice[0]
+    return words[-1]
+
+
 def _mpi_pingpong(sizes, repeat, timeout=120) -> Link:
     """Latency and bandwidth of host MPI between two ranks of ``mpiexec -n 2`` on this host."""
     import shutil
@@ -621,8 +638,8 @@ def _mpi_pingpong(sizes, repeat, timeout=120) -> Link:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("PINGPONG ")]
     if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the MPI ping-pong under mpiexec -n 2 failed: {tail}")
+        raise RuntimeError(f"the MPI ping-pong under mpiexec -n 2 failed: "
+                           f"{_stderr_line(done.stderr)}")
     return _fit_link(json.loads(lines[-1][len("PINGPONG "):]))
 
 
@@ -751,8 +768,7 @@ def _nccl_child(env, nbytes, repeat) -> Link:
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("NCCL ")]
     if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the NCCL broadcast probe failed: {tail}")
+        raise RuntimeError(f"the NCCL broadcast probe failed: {_stderr_line(done.stderr)}")
     return _fit_link(json.loads(lines[-1][len("NCCL "):]))
 
 

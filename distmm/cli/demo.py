@@ -52,6 +52,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
     dt = np.dtype(dtype)
     result_dtype(dt, dt)  # TypeError for non-numeric dtypes before any work
     use_cluster = engine == "dask" or (engine == "auto" and _dask_engine_ready())
+    _check_report(report, use_cluster)
     if use_cluster and dt.name in GPU_DEMO_DTYPES:
         gpus = _gpu_cluster_available()
         if gpus:
@@ -110,6 +111,18 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _check_report(report: str | None, use_cluster: bool) -> None:
+    """Refuse ``--report`` where it would be ignored (the local engine) or could not be
+    written (a folder), before the product rather than after it."""
+    if not report:
+        return
+    if not use_cluster:
+        raise ValueError("--report writes the Dask engine's performance report: add "
+                         "--engine dask")
+    if os.path.isdir(report):
+        raise IsADirectoryError(21, "a folder, not a file (--report)", report)
 
 
 def _operand(rng, n: int, dt: np.dtype) -> np.ndarray:

@@ -45,7 +45,7 @@ def _size(text: str) -> int:
 
     try:
         value = parse_bytes(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):  # OverflowError: '1e400', 'inf'
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
@@ -330,6 +330,12 @@ def _validate(args) -> int:
     for path in args.validate:
         if not Path(path).is_file():
             raise FileNotFoundError(2, "no such record file", path)
+    if args.output:  # before the table, named as given (not its staged file)
+        out = Path(args.output)
+        if out.is_dir():
+            raise IsADirectoryError(21, "a folder, not a file", str(out))
+        if not out.absolute().parent.is_dir():
+            raise FileNotFoundError(2, "no such folder", str(out))
     rows = validate(load_records(args.validate), calibration=calibration)
     if not rows:
         raise ValueError("no distmm measurement the model describes in these records")

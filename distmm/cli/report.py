@@ -518,9 +518,20 @@ def _remove_folders(folders: list[Path]) -> None:
             return
 
 
-def _check_output(folder: Path, overwrite: bool) -> None:
+def _check_output(folder: Path, overwrite: bool, inputs=()) -> None:
+    """Refuse an output folder that is a file, a non-empty folder without ``overwrite``, or
+    one whose replacement would take away the current folder or an input (``inputs``)."""
     if folder.exists() and not folder.is_dir():
         raise OutputExists(f"{folder} exists and is not a folder")
+    if folder.is_dir():
+        here = folder.resolve()
+        if here == Path.cwd().resolve() or here in Path.cwd().resolve().parents:
+            raise ValueError(f"-o {folder} is the current folder or holds it: the report "
+                             f"replaces its folder; name a folder of its own")
+        inside = [p for p in inputs if here in Path(p).resolve().parents]
+        if inside:
+            raise ValueError(f"-o {folder} holds the input {inside[0]}: the report replaces "
+                             f"its folder; name another folder")
     if folder.is_dir() and any(folder.iterdir()) and not overwrite:
         raise OutputExists(f"{folder} exists and is not empty: pass --overwrite to replace it")
 
@@ -559,7 +570,7 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     Without matplotlib it prints one line and returns 2.
     """
     folder = Path(output)
-    _check_output(folder, overwrite)
+    _check_output(folder, overwrite, paths)
     records, profiles = read_inputs(paths)
     invalid = [r for r in records if r.get("invalid")]
     records = [r for r in records if not r.get("invalid")]
