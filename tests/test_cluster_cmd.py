@@ -278,6 +278,9 @@ def test_a_cluster_killed_mid_product_fails_the_command_in_one_line(tmp_path: Pa
         while not list(tmp_path.glob(".c.npy.*")) and time.monotonic() < deadline:
             assert run.poll() is None, run.communicate()
             time.sleep(0.05)
+        time.sleep(1.5)  # the product's tasks running (the engine's set-up before them is
+        # not covered: a scheduler lost there still ends in distributed's own words)
+        assert run.poll() is None, run.communicate()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         out, err = run.communicate(timeout=90)
@@ -286,7 +289,6 @@ def test_a_cluster_killed_mid_product_fails_the_command_in_one_line(tmp_path: Pa
             run.kill()
     assert run.returncode == 1, err
     lines = [line for line in err.splitlines() if line.startswith("distmm matmul: error:")]
-    assert len(lines) == 1 and "its scheduler at tcp://" in lines[0], err
-    assert "was lost" in lines[0], err
+    assert len(lines) == 1 and "SchedulerLost" in lines[0] and "was lost" in lines[0], err
     assert "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "sched.json"]

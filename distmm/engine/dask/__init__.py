@@ -124,6 +124,16 @@ def _fail_tiles() -> frozenset:
         raise ValueError(f"{FAIL_TILES_KEY} must be a list of [i, j] cells, got {raw!r}") from None
 
 
+def _scheduler_gone(client, exc: BaseException) -> bool:
+    """Whether ``exc`` ended a call because the client's scheduler went away: the client is
+    no longer running (reconnecting, or closed), or the error is a failed connection to the
+    scheduler's own address (raised before the client notices)."""
+    if getattr(client, "status", "running") in ("connecting", "closing", "closed"):
+        return True
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    return bool(address) and isinstance(exc, OSError) and address in str(exc)
+
+
 def _resolve_client(client, *, required: bool):
     if client is not None:
         if getattr(client, "status", None) in ("closing", "closed"):
@@ -283,7 +293,7 @@ class DaskEngine(Engine):
         except Exception as exc:
             # a scheduler that died fails whatever asks it next (a KeyError of its worker
             # table, a closed connection pool): said as what happened
-            if getattr(self.client, "status", "running") in ("connecting", "closing", "closed"):
+            if _scheduler_gone(self.client, exc):
                 from distmm.engine.dask.eager import client_gone
 
                 raise SchedulerLost(f"{client_gone(self.client)}: {type(exc).__name__}: "

@@ -599,9 +599,10 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
 
 def client_gone(client) -> str:
     """The words of a ``SchedulerLost``: the client, its scheduler and its state."""
-    address = getattr(getattr(client, "scheduler", None), "address", None) or "?"
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    at = f" at {address}" if address else ""  # a closed client no longer knows it
     return (f"distmm dask engine: the distributed.Client closed during matmul (closed by its "
-            f"caller, or its scheduler at {address} was lost; the client is {client.status})")
+            f"caller, or its scheduler{at} was lost; the client is {client.status})")
 
 
 @contextmanager
