@@ -18,7 +18,6 @@ from distmm.config import available_cpus
 from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
 from distmm.executor import get_executor
-from distmm.executor.cpu import CPUExecutor
 from distmm.fpflags import as_matmul, collect
 from distmm.plan import Plan, np_dtype
 
@@ -117,20 +116,6 @@ def _nothing(_plan) -> None:
     pass
 
 
-#: the dtypes numpy's matmul hands to its multi-threaded BLAS; its own loops (float16, long
-#: double, integers, object) run on one thread, so their tiles need the pool
-_BLAS_DTYPES = frozenset(map(np.dtype, ("float32", "float64", "complex64", "complex128")))
-
-
-def _threads_itself(executor, plan: Plan) -> bool:
-    """Whether one task at a time keeps every CPU busy: the GPU executor, or BLAS on a
-    dtype BLAS multiplies. A long double product on one thread also ran in the caller's
-    thread, where Ctrl-C waited for the whole product (numpy's loop holds no signal check)."""
-    if not getattr(executor, "threads_inside", False):
-        return False
-    return not isinstance(executor, CPUExecutor) or np_dtype(plan.acc_dtype) in _BLAS_DTYPES
-
-
 def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
               progress: bool | None = False):
     """Compute ``a @ b`` on this process following ``plan``.
@@ -172,7 +157,7 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
         out[...] = np.zeros(out.shape, dtype=out.dtype)
         return out
     if threads is None:
-        threads = 1 if _threads_itself(executor, plan) else plan.workers
+        threads = 1 if executor.threads_inside(plan.acc_dtype) else plan.workers
     batch_index = list(np.ndindex(*batch))  # broadcast views are indexed, never reshaped (no copies)
     bar = _progress_bar(progress, plan, len(batch_index))
     try:

@@ -45,6 +45,11 @@ class Executor(ABC):
     def panel_product(self, a: Any, b: Any, tk: int = 256) -> Any:
         """Return ``a @ b`` (see the class docstring)."""
 
+    def threads_inside(self, dtype: np.dtype) -> bool:
+        """Whether one ``panel_product`` of this accumulation dtype keeps the device busy
+        by itself (multi-threaded BLAS, a GPU), so an engine runs one task at a time."""
+        return False
+
     def asarray(self, x: Any, dtype: np.dtype) -> Any:
         return np.ascontiguousarray(x, dtype=dtype)
 

@@ -17,6 +17,9 @@ import numpy as np
 from distmm.executor.base import Executor
 from distmm.fpflags import product_flags, report
 
+#: the dtypes numpy's matmul multiplies with its (multi-threaded) BLAS
+_BLAS_DTYPES = frozenset(map(np.dtype, ("float32", "float64", "complex64", "complex128")))
+
 __all__ = ["CPUExecutor", "NUMBA_DTYPES"]
 
 #: accumulation dtypes distmm's numba kernels cover (``distmm.kernels.numba_gemm.SUPPORTED``,
@@ -47,8 +50,12 @@ class CPUExecutor(Executor):
         self.backend = backend
         self.name = backend
         self.precision = check_precision(precision, what="CPUExecutor")
-        # BLAS threads itself; the engine should not run many BLAS tasks at once.
-        self.threads_inside = backend == "blas"
+
+    def threads_inside(self, dtype: np.dtype) -> bool:
+        # numpy's matmul hands only these to its multi-threaded BLAS; its own loops (float16,
+        # long double, integers, object) run on one thread, without a signal check, so their
+        # tiles need the engine's pool (a Ctrl-C waited for the whole product)
+        return self.backend == "blas" and np.dtype(dtype) in _BLAS_DTYPES
 
     def supports(self, dtype: np.dtype) -> bool:
         return np.dtype(dtype).kind in "iufcO"

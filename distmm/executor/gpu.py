@@ -139,8 +139,10 @@ class GPUExecutor(Executor):
         self.kernel = registry.get(kernel) if kernel else registry.best_kernel()
         self._params = params
         self._tuning: dict | None = None
-        self.threads_inside = True
         self._closed = False
+
+    def threads_inside(self, dtype) -> bool:
+        return True  # one device: the engine runs its tasks one at a time
 
     # -- choices --------------------------------------------------------------------
     def _tuned(self) -> dict:
