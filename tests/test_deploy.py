@@ -312,8 +312,8 @@ def test_dask_mpi_program_stopped_mid_product_leaves_no_staged_output(tmp_path, 
     limit): the client's staged output is removed (the rank died by SIGTERM's default
     action and left it), and C is not written."""
     rng = np.random.default_rng()
-    np.save(tmp_path / "a.npy", rng.standard_normal((1600, 4000)))
-    np.save(tmp_path / "b.npy", rng.standard_normal((4000, 1600)))
+    np.save(tmp_path / "a.npy", rng.standard_normal((2400, 6000)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((6000, 2400)))
     proc = subprocess.Popen([mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(PROGRAM),
                              "a.npy", "b.npy", "-o", "c.npy"], cwd=tmp_path,
                             env={**mpi_env, "DISTMM_GPUS_PER_NODE": "0", "DISTMM_DASHBOARD": ":0"},
@@ -324,7 +324,8 @@ def test_dask_mpi_program_stopped_mid_product_leaves_no_staged_output(tmp_path, 
         while not list(tmp_path.glob(".c.npy.dask-mpi-partial-*")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
-        time.sleep(0.5)  # the product runs (seconds on one worker)
+        time.sleep(0.25)  # the product runs (2.5 s on one worker here; 1600 x 4000 x 1600 once
+        # finished in CI before the signal came)
         assert proc.poll() is None, proc.communicate()
         if whom == "launcher":
             proc.send_signal(signal.SIGTERM)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import distmm
 from conftest import too_big_results
-from distmm.plan import make_plan, reduction_tree, split_edges
+from distmm.plan import MAX_TILES, make_plan, reduction_tree, split_edges
 
 
 def test_split_edges_are_ragged_not_padded():
@@ -32,8 +32,13 @@ def test_reduction_tree_sums_everything_once(count):
 @settings(max_examples=200, deadline=None)
 @given(m=st.integers(0, 5000), n=st.integers(0, 5000), k=st.integers(0, 300000),
        workers=st.integers(1, 16), tile=st.one_of(st.none(), st.integers(1, 3000)))
+@example(m=4106, n=4106, k=207884, workers=1, tile=1)  # past MAX_TILES: refused
 @pytest.mark.slow
 def test_plan_covers_the_problem(m, n, k, workers, tile):
+    if tile is not None and -(-m // tile) * -(-n // tile) > MAX_TILES:
+        with pytest.raises(MemoryError, match="a plan lists at most"):
+            make_plan(m, n, k, "float64", workers=workers, tile=tile)
+        return
     p = make_plan(m, n, k, "float64", workers=workers, tile=tile)
     assert p.row_edges[0] == 0 and p.row_edges[-1] == m
     assert p.col_edges[0] == 0 and p.col_edges[-1] == n
