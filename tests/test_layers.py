@@ -33,6 +33,7 @@ LEVELS = {
     "distmm.precision": 0,
     "distmm.startup": 0,
     "distmm.fpflags": 0,
+    "distmm.jsonfile": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

@@ -10,8 +10,8 @@ first, so a record never joins the end of another line); reading them back (``js
 the values of a file with their line numbers; ``read_records``, ``load``: the records of one
 file or several, each field a reader uses checked by ``check_record``, so that the report,
 ``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
-line naming its file, line and field; ``json_file``: a whole JSON file, its errors naming
-it); one line saying what a record measured (``progress_line``).
+line naming its file, line and field; ``json_file``, from ``distmm.jsonfile``: a whole JSON
+file, its errors naming it); one line saying what a record measured (``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
 (``distmm.cli.report``).
@@ -27,6 +27,8 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from distmm.jsonfile import json_file
 
 __all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
            "json_file", "json_lines", "read_records", "check_record", "load", "make_record",
@@ -158,19 +160,6 @@ class RecordWriter:
         self.records.append(rec)
         append_record(self.path, rec)
         return rec
-
-
-def json_file(path):
-    """The value of a whole JSON file (a profile, a timeline, a cache); a file that is not
-    UTF-8 JSON raises ``ValueError`` naming it (``path:line`` where the JSON breaks)."""
-    with open(path, "rb") as fh:
-        data = fh.read()
-    try:
-        return json.loads(data.decode())
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
 
 
 def json_lines(path):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.jsonfile import json_file
+
 __all__ = ["cache_dir", "cache_path", "load_tuning", "load_tuning_for", "read_cache",
            "store_tuning", "tuning_for", "CACHE_VERSION"]
 
@@ -69,12 +71,7 @@ def read_cache(path: Path | None = None, *, must_exist: bool = False) -> dict:
         return {"version": CACHE_VERSION, "gpus": {}}
     if path.is_dir():
         raise IsADirectoryError(21, "a folder, not a tuning cache file", str(path))
-    try:
-        data = json.loads(path.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+    data = json_file(path)
     if not isinstance(data, dict) or "version" not in data:
         raise ValueError(f"{path}: not a distmm tuning cache (a JSON object with 'version' "
                          f"and 'gpus')")
