@@ -489,3 +489,15 @@ def test_a_chunk_that_does_not_decode_names_its_file(files, kind, ranks, request
     if ranks == 1:
         one_line(r)
     assert sorted(p.name for p in files.iterdir()) == before
+
+
+@pytest.mark.parametrize("args", [["info", "extra"], ["demo", "--nope"],
+                                  ["plan", "10", "10", "10", "junk"]])
+def test_an_unknown_argument_is_named_by_its_command(args, capsys):
+    from distmm.cli.commands import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"distmm {args[0]}: error: unrecognized arguments: "
+                                       f"{args[-1]} (see distmm {args[0]} --help)\n")

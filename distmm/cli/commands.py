@@ -341,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the traceback of a failure, not only its one-line message")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=_Parser)
+    p.commands = sub.choices  # each command's parser, by name
 
     d = sub.add_parser("demo", parents=[common],
                        help="multiply random matrices, check against numpy, print plan and speed",
@@ -527,7 +528,11 @@ def main(argv=None) -> int:
         # These commands own their options: hand everything after the name over.
         return _pass_through(argv[lead], argv[lead + 1:], debug=bool(lead))
     with guard():  # a signal while the parser's modules import: the one line, 130 / 143
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command they were given to, as its own errors are
+        parser.commands.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     debug = bool(getattr(args, "debug", False))
     previous = terminate_on_sigterm()
     try:
