@@ -405,9 +405,11 @@ def test_h5_new_file_is_the_staged_file_renamed(tmp_path, operands):
 def _start_and_stop_mid_run(tmp_path, target):
     """Start a product into ``target`` (an HDF5 file) and stop it (SIGSTOP) once
     its staged file is complete and tiles are being computed."""
-    rng = np.random.default_rng()
-    np.save(tmp_path / "a.npy", rng.standard_normal((800, 3000)))
-    np.save(tmp_path / "b.npy", rng.standard_normal((3000, 800)))
+    # k of 12000 (sparse files of zeros, made at once: their values are not checked): the
+    # tiles outlast the poll below on a fast machine (800 x 3000 x 800 ran 0.2 s after the
+    # staged file was complete here, in a fraction of that on a CI machine with faster BLAS)
+    for name, shape in (("a.npy", (800, 12000)), ("b.npy", (12000, 800))):
+        np.lib.format.open_memmap(tmp_path / name, mode="w+", dtype="f8", shape=shape)
     proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy",
                              tmp_path / "b.npy", "-o", f"{target}:C", "--engine", "local",
                              "--tile", "200"],

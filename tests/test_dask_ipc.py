@@ -736,7 +736,12 @@ def test_a_reader_still_waiting_says_so_and_then_gets_its_offer(pair):
         c = client.scatter(x, workers=[w0])
         key = f"distmm-export-test-{uuid.uuid4().hex}"
         r = client.submit(_pull_and_sum, Pull(key, w0, "late-x"), workers=[w1], **PINNED)
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # the reader has said it waits (not a fixed sleep:
+        # its task's start plus one patience period, late on a loaded machine)
+        while not any("has waited" in msg and "late-x" in msg
+                      for msg in client.run(_kept_warnings, workers=[w1])[w1]):
+            assert time.monotonic() < deadline and not r.done(), r
+            time.sleep(0.1)
         e = client.submit(transfer.export_chunks, [c], ["late-x"], key=key, workers=[w0],
                           **PINNED)
         assert r.result(timeout=60) == pytest.approx(float(x.sum()))

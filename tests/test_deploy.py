@@ -311,9 +311,11 @@ def test_dask_mpi_program_stopped_mid_product_leaves_no_staged_output(tmp_path, 
     quarter of a second later) or to every process of the job (Slurm's ``scancel`` and time
     limit): the client's staged output is removed (the rank died by SIGTERM's default
     action and left it), and C is not written."""
-    rng = np.random.default_rng()
-    np.save(tmp_path / "a.npy", rng.standard_normal((2400, 6000)))
-    np.save(tmp_path / "b.npy", rng.standard_normal((6000, 2400)))
+    # a product that no machine finishes in the quarter second before the signal (15 s on
+    # one worker here; 1600 x 4000 x 1600 once finished in CI first, 2400 x 6000 x 2400 took
+    # 3.7 s here): sparse files of zeros, made at once (their values are not checked)
+    for name, shape in (("a.npy", (3200, 12000)), ("b.npy", (12000, 3200))):
+        np.lib.format.open_memmap(tmp_path / name, mode="w+", dtype="f8", shape=shape)
     proc = subprocess.Popen([mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(PROGRAM),
                              "a.npy", "b.npy", "-o", "c.npy"], cwd=tmp_path,
                             env={**mpi_env, "DISTMM_GPUS_PER_NODE": "0", "DISTMM_DASHBOARD": ":0"},
@@ -324,8 +326,7 @@ def test_dask_mpi_program_stopped_mid_product_leaves_no_staged_output(tmp_path, 
         while not list(tmp_path.glob(".c.npy.dask-mpi-partial-*")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
-        time.sleep(0.25)  # the product runs (2.5 s on one worker here; 1600 x 4000 x 1600 once
-        # finished in CI before the signal came)
+        time.sleep(0.25)  # the product runs
         assert proc.poll() is None, proc.communicate()
         if whom == "launcher":
             proc.send_signal(signal.SIGTERM)

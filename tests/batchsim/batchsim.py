@@ -315,7 +315,7 @@ def _left_running(leader: int) -> list[str]:
     (given a moment to finish exiting), for ``state.json``'s ``left_running``."""
     import psutil
 
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 10  # returns once none is left: a loaded machine's slack
     while True:
         left = []
         for pid in _session_pids(leader):
