@@ -6,7 +6,8 @@ SIGTERM at a controlled point (the rerun computes only the missing stripes and i
 bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
 size and modification time kept) or the rank count changes; the resume state of one dataset
 of an HDF5 file kept through runs to other datasets of that file;
-SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s; staged files
+SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s, and changing
+nothing once C is in place; staged files
 of a killed run (``kill -9``) named and removed by the next run; ``DistArray.to_file``
 refusing a folder, a zarr group or an HDF5 group target as the command line does, and removing
 its staged output when the move into place fails; a GPU backend without cupy under
@@ -920,3 +921,48 @@ def test_a_replaced_folder_comes_back_when_the_new_one_cannot_take_its_place(tmp
         staging.put_in_place(staged, target, 1)
     assert (target / "zarr.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == [staged.name, target.name]
+
+
+@pytest.mark.slow
+def test_a_signal_after_c_is_in_place_changes_nothing(tmp_path, batch_env):
+    """A SIGTERM that comes once C is in place (the ranks have agreed, the staged output is
+    moved) ends the run as it would have ended: status 0 and its 'wrote' line (it ended with
+    143, 'terminated by SIGTERM', no 'wrote' line, and C in place, which a requeued --resume
+    then refused as existing). The run's stdout is a full pipe, so that it cannot end before
+    the signal has come (it waits to print its summary line)."""
+    import fcntl
+
+    a, b = _operands(tmp_path, 300, 400, 200, "float64", seed=17)
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETFL, os.O_NONBLOCK)
+    filled = 0
+    try:
+        while True:
+            filled += os.write(write_end, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    fcntl.fcntl(write_end, fcntl.F_SETFL, 0)
+    line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+            str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy"), "--backend", "numba",
+            "--resume"]
+    proc = subprocess.Popen(line, stdout=write_end, stderr=subprocess.PIPE, env=batch_env())
+    os.close(write_end)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "c.npy").exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.005)
+        time.sleep(0.5)  # past the product's end: it waits to write its summary line
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # its handler runs meanwhile
+        out = b""
+        while chunk := os.read(read_end, 1 << 16):
+            out += chunk
+    finally:
+        os.close(read_end)
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0, err
+    said = out[filled:].decode()
+    assert err == "" and said.startswith(f"wrote {tmp_path / 'c.npy'}"), (said, err)
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]

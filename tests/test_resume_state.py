@@ -6,10 +6,12 @@ file shorter than it was made, refused; refusals that name what differs where th
 agree (a moved folder) and stripes said as counts; a resumed run's claim on the staged output
 it works on, which another run (a plain one, or a second ``--resume``) leaves alone, and which
 a kill releases; the space of leftovers counted as free by the space check (a resume, or a
-rerun after a full disk, needs only what is missing).
+rerun after a full disk, needs only what is missing); a damaged manifest named and refused, not
+removed; a dead run's files under the new run's PID (PIDs come round again) resumed or cleared.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -58,9 +60,10 @@ def test_hdf5_inputs_are_known_by_the_files_that_hold_their_data(tmp_path, monke
     assert [s[0] for s in linked["a"]["sources"]] == [str(tmp_path / "g.h5")]
     assert [s[0] for s in virtual["a"]["sources"]] == [str(tmp_path / "g.h5")]
     assert rs.mismatch(linked, facts("f.h5:A")) is None
-    time.sleep(0.01)
     with h5py.File("g.h5", "r+") as g:  # the data doubled in place; f.h5 untouched
         g["A"][...] = 2 * g["A"][...]
+    st = os.stat("g.h5")  # and its time moved on (a coarse file-system clock may not tick)
+    os.utime("g.h5", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     for spec, before in (("f.h5:A", linked), ("f.h5:V", virtual)):
         why = rs.mismatch(before, facts(spec))
         assert why is not None and f"{tmp_path / 'g.h5'}, which holds its data, differs" in why
@@ -225,3 +228,115 @@ def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi
     assert resumed.returncode == 0, err
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+def test_a_damaged_manifest_is_named_not_taken_for_none(tmp_path):
+    """A manifest that does not parse, or lacks a field the run needs, raises naming it (it
+    was taken for none: a truncated one was removed as a killed run's with all its stripes,
+    one without its header failed with 'error: header'); no manifest, or one of another
+    format, is still None."""
+    staged = tmp_path / ".c.npy.distmm-partial-1"
+    np.save(tmp_path / "a.npy", np.ones((2, 2)))
+    good = _manifest(str(tmp_path / "a.npy"), np.ones((2, 2)))
+    assert rs.Manifest.load(staged) is None
+    good.save(staged)
+    assert rs.Manifest.load(staged) == good
+    text = rs.manifest_path(staged).read_text()
+    for damaged, named in ((text[:len(text) // 2], "damaged ("), ("[1, 2]", "'format'"),
+                           ("null", "'format'"),
+                           (json.dumps({k: v for k, v in good.items() if k != "header"}),
+                            "'header'"),
+                           (json.dumps({**good, "a": None}), "'a'")):
+        rs.manifest_path(staged).write_text(damaged)
+        with pytest.raises(ValueError,
+                           match=re.escape(f"{staged.name}.resume.json is damaged")) as e:
+            rs.Manifest.load(staged)
+        assert named in str(e.value)
+    rs.manifest_path(staged).write_text(json.dumps({**good, "format": "distmm-resume-0"}))
+    assert rs.Manifest.load(staged) is None
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_resume_from_a_damaged_manifest_is_refused_in_one_line(tmp_path, mpi_env):
+    """``--resume`` beside a stopped run whose manifest is damaged: status 2, one line naming
+    the manifest, and the stopped run's files as they were (not removed as a killed run's)."""
+    a = np.random.default_rng().standard_normal((30, 30))
+    np.save(tmp_path / "a.npy", a)
+    staged = _leftover(tmp_path)
+    rs.manifest_path(staged).write_text('{"format": "distmm-resume-1", "a": {')
+    before = sorted(os.listdir(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+                        str(tmp_path / "a.npy"), "-o", str(tmp_path / "c.npy"), "--resume"],
+                       capture_output=True, text=True, timeout=120, env=mpi_env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert f"{staged.name}.resume.json is damaged" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+#: ``python -c _AS_PID STATE_GLOB [LOGS] -- ARGV``: gives a dead run's resume files (those
+#: matching STATE_GLOB, ``-`` for none) this process's PID, or writes logs of stripes 0..LOGS-1
+#: under it, then becomes ``distmm ARGV`` (``exec`` keeps the PID): a run whose first rank's
+#: PID is a dead run's, as in containers, where every job's first process has the same
+_AS_PID = r"""
+import glob, os, re, sys
+state, logs, argv = sys.argv[1], int(sys.argv[2]), sys.argv[4:]
+for p in (glob.glob(state) if state != "-" else []):
+    os.rename(p, re.sub(r"partial-\d+", f"partial-{os.getpid()}", p))
+if logs:
+    out = argv[argv.index("-o") + 1]
+    folder, name = os.path.split(out)
+    with open(os.path.join(folder, f".{name}.distmm-partial-{os.getpid()}.done-0"), "w") as fh:
+        fh.write("".join(f"{s}\n" for s in range(logs)))
+os.execv(sys.executable, [sys.executable, "-m", "distmm", *argv])
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_dead_runs_files_under_this_runs_pid(tmp_path, mpi_env):
+    """PIDs come round again: a ``--resume`` run whose PID is that of a dead stopped run
+    resumes that run's staged output (it failed with 'File exists' and removed it), and a
+    dead run's logs under its PID whose staged output is gone are not appended to (a later
+    resume skipped the stripes they listed, which this run never wrote: a wrong C, status 0)."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((600, 1500)), rng.standard_normal((1500, 500))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    argv = ["matmul", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "-o",
+            str(tmp_path / "c.npy"), "--backend", "numba", "--resume"]
+    env = {**mpi_env, "NUMBA_NUM_THREADS": "1", "DISTMM_BATCH_STRIPES": "24"}
+
+    def stopped(line, until):
+        """``line`` run with 24 stripes of at least 0.1 s each, SIGTERM once ``until()``."""
+        proc = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+        deadline = time.time() + 120
+        while not until():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.terminate()
+        assert proc.wait(60) == 143, proc.communicate()
+
+    def staged():
+        return [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
+                if re.fullmatch(r".*-partial-\d+", p.name)]
+
+    def logged():
+        return sum(len(p.read_text().split()) for p in tmp_path.glob(".c.npy.*.done-*"))
+
+    def finished(line):
+        r = subprocess.run(line, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+        (tmp_path / "c.npy").unlink()
+
+    # a stopped run's files, taken up by a run of the same PID
+    stopped([sys.executable, "-m", "distmm", *argv], lambda: logged() >= 3)
+    finished([sys.executable, "-c", _AS_PID, str(tmp_path / ".c.npy.distmm-partial-*"), "0",
+              "--", *argv])
+    # logs of every stripe under this run's PID, their staged output gone: stopped, resumed
+    stopped([sys.executable, "-c", _AS_PID, "-", "24", "--", *argv], lambda: bool(staged()))
+    finished([sys.executable, "-m", "distmm", *argv])

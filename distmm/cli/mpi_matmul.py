@@ -7,7 +7,8 @@ is computed; the ranks agree on the outcome (an ``allgather``), so bad input end
 within seconds with one message, printed by rank 0, and the same exit status. Matrices then
 go to the batch path (``distmm.engine.mpi.batch.run_batch``: binding, plan, streamed stripes,
 staged output, resume), whose outcome this module reports: notes, the summary line, the
-``--profile`` file and ``--progress`` bar of rank 0, the exit status. Vectors and stacks are
+``--profile`` file and ``--progress`` bar of rank 0, the exit status (SIGINT and SIGTERM, once
+the ranks agreed on it, ignored). Vectors and stacks are
 computed in memory by the MPI engine and written by rank 0 (``_stacked``).
 It does *not* cover: the single-process command (``distmm.cli.commands``) or the product
 itself (``distmm.engine.mpi``).
@@ -108,6 +109,7 @@ def run_matmul(args) -> int:
     outcome = run_batch(args, a, b, dtype=dtype, backend=backend, on_gpu=on_gpu, comm=comm,
                         phases=phases, judge=lambda exc: (exit_status(exc), message(exc)),
                         progress=_progress_bar(args, comm, 2 * m * n * k), precision=precision)
+    _ignore_signals()
     if comm.rank == 0:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
@@ -143,6 +145,16 @@ def _progress_bar(args, comm, flops: int):
         return tqdm(total=count, unit="stripe", desc="C stripes (rank 0)", file=sys.stderr)
 
     return bar
+
+
+def _ignore_signals() -> None:
+    """SIGINT and SIGTERM ignored from here to the end: the ranks have agreed on the outcome
+    (C moved into place, kept for ``--resume`` or removed), and a signal now would end a run
+    whose C is in place with 143 and no 'wrote' line, or add a second line to a failure's."""
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _end(status: int) -> None:

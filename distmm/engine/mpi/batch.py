@@ -96,23 +96,30 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     spec = parse_spec(args.output)
     target = spec.path
     notes = []
+    # one named with this process's PID is a dead run's (PIDs come round again; in containers
+    # every job's first rank may have the same), never a live one: ``is_live`` says it is
+    own = staged_path(target, os.getpid())
     # each one this process takes over (``claim``): a run started beside it leaves it alone
-    claims = {p: claim(p) for p in leftovers(target, spec.dataset) if not is_live(p)}
+    claims = {p: claim(p) for p in leftovers(target, spec.dataset) if p == own or not is_live(p)}
     found = [p for p, fd in claims.items() if fd is not None]
     reuse = None
     try:
         if args.resume:
             want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
             for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
-                old = rs.Manifest.load(staged)
-                if old is None:
-                    continue
-                what = rs.mismatch(old, want) or rs.short(staged, old, (plan.grid.m, plan.grid.n),
-                                                          dtype)
+                try:
+                    old = rs.Manifest.load(staged)
+                except ValueError as exc:  # damaged: kept, as a run that does not match is
+                    old, what = None, str(exc)
+                else:
+                    if old is None:
+                        continue
+                    what = rs.mismatch(old, want) or rs.short(staged, old,
+                                                              (plan.grid.m, plan.grid.n), dtype)
                 if what is not None:
                     raise ValueError(f"cannot resume {args.output} from {staged.name}: {what}; "
                                      f"run without --resume to start over (that removes it)")
-                reuse = staged
+                reuse, kept = staged, old
                 break
         for staged in found:
             if staged != reuse:
@@ -124,10 +131,16 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
             if staged != reuse:
                 release(fd)
     if reuse is not None:
-        old = rs.Manifest.load(reuse)
-        _HELD[old["pid"]] = claims[reuse]  # until _finish: this run works on it now
-        return old["pid"], old["header"], True, notes
+        pid = int(reuse.name.rsplit("-", 1)[1])  # the staged output's own name, not the manifest's
+        _HELD[pid] = claims[reuse]  # until _finish: this run works on it now
+        return pid, kept["header"], True, notes
     pid = os.getpid()
+    if own.exists():  # a stopped run's to another dataset of this HDF5 file, under this PID
+        raise FileExistsError(f"{own.name} beside {args.output} holds a stopped run to another "
+                              f"dataset of {target.name}: finish or remove that run first")
+    # a dead run's manifest or logs under this PID whose staged output is gone: a fresh run
+    # must not append to its logs (a resumed run would skip stripes never written)
+    remove_leftover(own)
     header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
     if args.resume:
         _manifest(args, a, b, dtype, backend, comm, plan, panels, pid,
@@ -207,7 +220,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 everyone = comm.allgather(mine)
             row = [everyone[plan.grid.rank_at(0, i, jj)] for jj in range(plan.grid.cols)]
             todo = [s for s in range(plan.stripe_count(i)) if not all(s in d for d in row)]
-            log = rs.DoneLog(staged, comm.rank) if args.resume else None
+            log = rs.DoneLog(staged, comm.rank, fresh=not resumed) if args.resume else None
             writer = StripeWriter(args.output, pid, (m, n), dtype, header,
                                   aligned=chunks is not None)
             executor = get_executor(backend, np.dtype(plan.grid.acc_dtype), on_gpu=on_gpu,
@@ -277,7 +290,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 outcome.message += (f"; {kept} of {_stripes(outcome.plan)} C stripes kept in "
                                     f"{staged.name}: run the same command with --resume to "
                                     f"finish")
-    watch.close()
+        watch.close()  # before the caller's handlers are back: a signal now changes nothing
     return outcome
 
 

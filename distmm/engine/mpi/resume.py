@@ -9,7 +9,7 @@ another order is refused), the staged output's name and data offset), the per-ra
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were),
 comparing a manifest with a new run's (one line naming what changed; ``short``: a kept staged
-file shorter than it was made), and finding the staged
+file shorter than it was made; ``Manifest.load``: a damaged manifest named), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
 matches; ``distmm.staging`` finds and removes them).
@@ -146,12 +146,31 @@ class Manifest(dict):
 
     @classmethod
     def load(cls, staged: Path) -> "Manifest | None":
+        """The manifest beside ``staged``, or None where it has none (or one of another
+        format). Raises ``ValueError`` naming it where it is damaged (it does not parse, or a
+        field the run needs is missing or of the wrong kind)."""
+        path = manifest_path(staged)
         try:
-            with open(manifest_path(staged)) as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
+            with open(path) as fh:
+                text = fh.read()
+        except OSError:
             return None
-        return cls(data) if data.get("format") == FORMAT else None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"its manifest {path.name} is damaged ({exc})") from None
+        if isinstance(data, dict) and data.get("format") not in (FORMAT, None):
+            return None
+        for key, kinds in _FIELDS:
+            if not isinstance(data, dict) or not isinstance(data.get(key, ...), kinds):
+                raise ValueError(f"its manifest {path.name} is damaged (no valid {key!r})")
+        return cls(data)
+
+
+#: what a manifest must hold, and of which kinds
+_FIELDS = (("format", str), ("a", dict), ("b", dict), ("output", str), ("dtype", str),
+           ("backend", str), ("ranks", int), ("grid", list), ("stripe_edges", list),
+           ("panels", list), ("pid", int), ("header", (int, type(None))))
 
 
 def mismatch(old: dict, new: dict) -> str | None:
@@ -219,17 +238,26 @@ def read_done(staged: Path, rank: int) -> set[int]:
 
 
 class DoneLog:
-    """This rank's log of finished stripes, appended and flushed to disk per stripe."""
+    """This rank's log of finished stripes, appended and flushed to disk per stripe, each
+    after the staged output's written bytes were (``fdatasync``; a zarr folder's chunk files
+    are not: a crash of the host may lose stripes its log names, a signal or kill does not)."""
 
-    def __init__(self, staged: Path, rank: int):
+    def __init__(self, staged: Path, rank: int, *, fresh: bool = False):
         self.path = done_log_path(staged, rank)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # a fresh run's log starts empty, whatever a dead run of the same PID left
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                           | (os.O_TRUNC if fresh else 0), 0o644)
+        self._data = None if Path(staged).is_dir() else os.open(staged, os.O_RDONLY)
 
     def add(self, stripe: int) -> None:
+        if self._data is not None:
+            os.fdatasync(self._data)  # the stripe's bytes on disk before the line saying so
         os.write(self._fd, f"{int(stripe)}\n".encode())
         os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for name in ("_fd", "_data"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
