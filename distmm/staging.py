@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, as_bytes, preallocate
+from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, as_bytes, libc_function, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
@@ -78,7 +78,7 @@ def staged_path(path, pid: int | None = None) -> Path:
     return path.parent / f".{path.name}.{PARTIAL}-{os.getpid() if pid is None else pid}"
 
 
-def put_in_place(staged, target, pid: int | None = None) -> None:
+def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = True) -> None:
     """Rename a finished staged output (a file, or a zarr folder) onto ``target``.
 
     A target that exists is replaced, and its permission bits pass to the new
@@ -86,8 +86,13 @@ def put_in_place(staged, target, pid: int | None = None) -> None:
     umask's). A folder cannot be renamed onto another: the old one is moved
     aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
     if the new one cannot take its place, the old one is moved back.
+    Without ``overwrite`` a target that appeared while the run computed (another
+    run's) is kept and ``OutputExists`` raised (``_rename_new``).
     """
     staged, target = Path(staged), Path(target)
+    if not overwrite:
+        _rename_new(staged, target)
+        return
     try:
         mode = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
@@ -105,6 +110,29 @@ def put_in_place(staged, target, pid: int | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, target)
+
+
+def _rename_new(staged: Path, target: Path) -> None:
+    """Rename ``staged`` onto a ``target`` that must not exist: in one step where the system
+    has ``renameat2``'s ``RENAME_NOREPLACE`` (Linux; two runs committing at once cannot both
+    win), else after a check. ``OutputExists`` where it exists."""
+    import ctypes
+    import errno
+
+    fn = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_char_p, ctypes.c_uint], ctypes.c_int)
+    err = errno.ENOSYS
+    if fn is not None:
+        at_cwd, noreplace = -100, 1
+        if fn(at_cwd, os.fsencode(staged), at_cwd, os.fsencode(target), noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+    if err not in (errno.EEXIST, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), str(target))
+    if err == errno.EEXIST or os.path.lexists(target):
+        raise OutputExists(f"{target} exists (written while this run computed): pass "
+                           f"--overwrite to replace it")
+    os.rename(staged, target)
 
 
 # ---------------------------------------------------------------- the target

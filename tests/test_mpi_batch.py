@@ -966,3 +966,34 @@ def test_a_signal_after_c_is_in_place_changes_nothing(tmp_path, batch_env):
     assert err == "" and said.startswith(f"wrote {tmp_path / 'c.npy'}"), (said, err)
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+@pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
+                         ids=["one process", "2 ranks"])
+def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, ranks):
+    """Another run (or the user) writes C while this one computes: without --overwrite it is
+    kept and this run fails in one line, its staged output removed (the commit replaced it)."""
+    _operands(tmp_path, 300, 700, 200, "float64", seed=12)
+    argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy"]
+    line = cmd(ranks, *argv) if ranks else [sys.executable, "-m", "distmm", *argv]
+    proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=batch_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".c.npy.distmm-partial-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGSTOP)  # held while the other C is written
+        np.save(tmp_path / "c.npy", np.arange(3.0))
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    first = err.splitlines()[0]
+    assert first.startswith("distmm matmul: error:") and "c.npy exists" in first, err
+    assert "--overwrite" in first
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]

@@ -415,7 +415,7 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             finally:
                 writer.close()
             if t.kind == "npy":
-                put_in_place(tmp, t.path)
+                put_in_place(tmp, t.path, overwrite=overwrite)
             else:
                 commit_h5(tmp, t.path, t.dataset, overwrite=overwrite)
             return
@@ -423,7 +423,8 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
 
         yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype,
                               zarr_format=zarr_format_for(t.path))
-        put_in_place(tmp, t.path)  # an existing zarr array (checked above) swapped out
+        put_in_place(tmp, t.path, overwrite=overwrite)  # an existing zarr array (checked
+        # above) swapped out
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target

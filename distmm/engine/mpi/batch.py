@@ -349,7 +349,12 @@ def _finish(args, pid: int, *, ok: bool, keep: bool):
     staged = staged_path(parse_spec(args.output).path, pid)
     try:
         if ok:
-            finish_staged(args.output, pid, True, overwrite=args.overwrite)
+            try:
+                finish_staged(args.output, pid, True, overwrite=args.overwrite)
+            except BaseException:
+                if not keep:  # (C written while this run computed, a failed copy): gone
+                    remove_leftover(staged)
+                raise
             for extra in staged.parent.glob(f"{staged.name}.*"):
                 extra.unlink(missing_ok=True)
             return None

@@ -150,7 +150,7 @@ def _finish(f: FileSpec, pid: int, ok: bool, overwrite: bool) -> None:
         else:
             staged.unlink(missing_ok=True)
         return
-    put_in_place(staged, f.path, pid)
+    put_in_place(staged, f.path, pid, overwrite=overwrite)
 
 
 def _agree(comm, ok: bool, error: BaseException | None):
