@@ -101,6 +101,8 @@ def _with(top=None, **series):
     (_with(engines=[]), "series[0].engines: a non-empty list"),
     (_with(counts=[0, 2]), "series[0].counts: a non-empty list of integers of at least 1"),
     (_with(counts=[2, 2]), "series[0].counts: [2, 2] repeats a count"),
+    (_with(kind="weak", sizes=None, sizes_per_device=[8], counts=[1, 10**18]),  # hung
+     "series[0].counts: 1000000000000000000 is more than a study runs (at most 1048576)"),
     (_with(sizes=[[1, 2]]), "series[0].sizes: [1, 2] is neither"),
     (_with(sizes=None), "series[0].sizes: missing"),
     (_with(backends=["cublas"]), "series[0].backends: 'cublas' is not one of auto, blas, numba"),
@@ -121,6 +123,11 @@ def _with(top=None, **series):
      "references: numpy has no bf16 mode"),
     (_with({"precision": "tf32", "dtypes": ["float32"]}, dtypes=["float64"]),
      "series: precision tf32 takes float32 operands"),
+    (_with(sizes=[100, 2**63 - 1]), "series[0].sizes: 9223372036854775807 x 9223372036854775807"
+                                    " x 9223372036854775807 overflows"),
+    (_with(sizes=[[2**31, 2**31, 1]]), "series[0].sizes: 2147483648 x 2147483648 x 1 overflows"),
+    (_with(kind="weak", sizes=None, sizes_per_device=[2**29], k=1, counts=[1, 4]),
+     "series[0].sizes_per_device: 1073741824 x 1073741824 x 1 at count 4 overflows"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_study_refused_naming_the_key(data, key):
     with pytest.raises(ValueError) as info:
@@ -199,6 +206,62 @@ def test_bad_file_is_one_line_and_exit_2(tmp_path):
         assert not out.exists()
     res = _distmm("bench", bad, "--dry-run", timeout=60)
     assert res.returncode == 2 and "series[2].kind" in res.stderr
+
+
+def test_study_at_numpys_largest_array_is_taken():
+    """float32 C of 2**31 x 2**30 is 2**63 bytes: one over numpy's largest array; one row
+    less fits (a study may name sizes this machine cannot hold: they fail when run)."""
+    with pytest.raises(ValueError, match="overflows"):
+        parse_study(_with({"dtypes": ["float32"]}, sizes=[[2**31, 2**30, 1]]))
+    parse_study(_with({"dtypes": ["float32"]}, sizes=[[2**31 - 1, 2**30, 1]]))
+
+
+def test_unwritable_records_file_refused_before_anything_runs(tmp_path, capsys):
+    """-o under a file, to a file that cannot be appended to, into a folder that cannot be
+    written, or naming the study file: refused (exit 2) before the first measurement, not
+    after every record of the study was lost (or appended to the study file)."""
+    from distmm.cli.bench import run_bench
+    from distmm.cli.exits import exit_status
+
+    study = _study(tmp_path, MPI_ONLY.replace('"mpi"]', ']') % '"mpiexec"')
+    (tmp_path / "file").write_text("")
+    cases = [(tmp_path / "file" / "sub" / "out.jsonl", NotADirectoryError, "file"),
+             (tmp_path / "out-folder/", IsADirectoryError, "out-folder"),
+             (study, ValueError, "the study file itself")]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "old.jsonl").write_text("")
+    (locked / "old.jsonl").chmod(0o444)
+    locked.chmod(0o555)
+    if not os.access(locked, os.W_OK):  # not as root, which writes anyway
+        cases += [(locked / "new.jsonl", PermissionError, "locked"),
+                  (locked / "old.jsonl", PermissionError, "old.jsonl")]
+    try:
+        for out, error, named in cases:
+            with pytest.raises(error) as info:
+                run_bench(str(study), str(out) + ("/" if str(out).endswith("folder") else ""))
+            assert exit_status(info.value) == 2 and named in str(info.value)
+            assert "[1/" not in capsys.readouterr().out
+        assert not (tmp_path / "out-folder").exists()
+        assert study.read_text() == MPI_ONLY.replace('"mpi"]', ']') % '"mpiexec"'
+    finally:
+        locked.chmod(0o755)
+
+
+def test_operands_this_machine_cannot_hold_fail_their_problem_only(tmp_path, capsys):
+    """A size whose A numpy cannot allocate (2 EiB, beyond any address space): that
+    problem's configurations fail in one line each, the others are measured and recorded,
+    and the study ends with status 1 (it stopped the whole study, exit 2, and left the
+    problems after it unmeasured)."""
+    from distmm.cli.bench import run_bench
+
+    out = tmp_path / "out.jsonl"
+    study = _study(tmp_path, MPI_ONLY.replace('"mpi"]', ']').replace(
+        "sizes = [33]", "sizes = [[536870912, 1, 536870912], 33]") % '"mpiexec"')
+    assert run_bench(str(study), str(out)) == 1
+    text = capsys.readouterr().out
+    assert text.count("FAILED (MemoryError") == 2, text
+    assert sorted(r["m"] for r in load([out])) == [33, 33]
 
 
 def test_dry_run_lists_configurations(tmp_path):
@@ -330,6 +393,61 @@ sizes = [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211]
             except psutil.Error:
                 pass
         proc.stdout.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_dask_series_is_one_line_and_130(tmp_path):
+    """Ctrl-C at a terminal (SIGINT to the whole foreground group) while a Dask cluster
+    measures: the study's workers ignore it (distmm.cli.worker_setup, as distmm cluster's
+    do) and the runner closes them, so the study ends with 130 and one line, no worker's
+    traceback, no process of it left, whole records only. (Before: the workers died with
+    KeyboardInterrupt tracebacks, and a runner whose signal a library swallowed went on to
+    its next configuration and hung on a cluster without workers.)"""
+    import psutil
+
+    study = _study(tmp_path, """
+name = "ctrl-c"
+device = "cpu"
+repeats = 40
+references = ["dask.array"]
+[[series]]
+kind = "strong"
+engines = ["dask"]
+counts = [2]
+sizes = [300, 301, 302, 303]
+chunk = 64
+""")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "bench", str(study), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    family = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.stdout.readline().startswith("[1/8]"):
+                break
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family  # the cluster's processes
+        time.sleep(0.3)  # into the next configuration's calls
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        err = proc.stderr.read()
+        assert err.strip().splitlines() == ["distmm bench: error: interrupted (SIGINT)"], err
+        psutil.wait_procs(family, timeout=30)
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert 1 <= len(load([out])) < 8 and out.read_text().endswith("\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 # ---------------------------------------------------------------- the records file

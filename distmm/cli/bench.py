@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.cli.exits import raise_if_signalled
+from distmm.cli.exits import Signalled, raise_if_signalled
 from distmm.cli.records import progress_line
 from distmm.cli.study import Config, Study, load_study
 
@@ -101,12 +102,13 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
         _list(study, configs)
         return 0
     _check_machine(study, configs)
-    if output is not None and Path(output).is_dir():
+    if output is not None and (Path(output).is_dir() or output.endswith(("/", os.sep))):
         raise IsADirectoryError(21, "Is a directory (-o takes a records file)", output)
     from distmm.cli.records import RecordWriter, cpu_model, gpu_name
 
     device = gpu_name() if study.device == "gpu" else cpu_model()
     path = output or default_output(study, device, datetime.date.today().isoformat())
+    _check_output(Path(path), study)
     writer = RecordWriter(study.benchmark, device, path=path, study=study.name)
     runner = _Runner(study, configs, writer)
     mode = "" if study.precision == "highest" else f" at precision {study.precision}"
@@ -117,6 +119,29 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
     print(f"distmm bench {study.name}: {runner.written} records in {writer.path}"
           + (f"; {len(failed)} failed: {'; '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
+
+
+def _check_output(path: Path, study: Study) -> None:
+    """The records file can be written (appended to, or created in its folder, or the folder
+    made), before anything runs: not after a study's measurements, which would all be lost.
+    ``NotADirectoryError`` where a file stands in the way, ``PermissionError`` (any other
+    refusal: read-only, immutable, a read-only file system) where it cannot be written,
+    ``ValueError`` for the study file itself (records appended to it would break it)."""
+    if path.exists() and os.path.samefile(path, study.path):
+        raise ValueError(f"{path}: -o names the study file itself: records go to a .jsonl "
+                         f"file of their own")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # RecordWriter makes the rest
+        folder = folder.parent
+    if not folder.is_dir():
+        raise NotADirectoryError(20, "Not a directory (the records file's folder)", str(folder))
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied (the records file cannot be "
+                                      "appended to)", str(path))
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied (the records file cannot be created "
+                                  "in this folder)", str(folder))
 
 
 def _as_nodes(nodes) -> str:
@@ -145,7 +170,9 @@ def _list(study: Study, configs: list[Config]) -> None:
                  "numpy": "this process", "cublas": "this process, one GPU"}[c.engine]
         print(f"[{i}/{len(configs)}] {c.describe()}: {where}"
               + (f", chunks {c.chunk}" if c.chunk else ""))
-    print(f"Dask clusters: {places('dask')} workers; mpiexec launches: {places('mpi')} ranks")
+    dask, mpi = places("dask"), places("mpi")
+    print(f"Dask clusters: {dask}{' workers' * (dask != 'none')}; mpiexec launches: {mpi}"
+          f"{' ranks' * (mpi != 'none')}")
     for c in {c.place: c for c in configs if c.engine == "mpi" and c.nodes is not None}.values():
         argv = mpiexec_command(study.mpiexec, c.count, c.nodes,
                                ["python", "-m", "mpi4py", "-m", "distmm.cli.bench_rank", "SPEC"])
@@ -193,6 +220,9 @@ def _check_open_mpi(study: Study) -> None:
                          f"-x gives each node's ranks their environment); "
                          f"{study.mpiexec[0]} --version says {' '.join(text.split())[:80]!r}")
 
+
+#: the preload of the study's Dask workers (``distmm.cli.worker_setup``: SIGINT ignored)
+WORKER_SETUP = "distmm.cli.worker_setup"
 
 #: tries of a launch before it is refused (Open MPI's PMIx sometimes fails to start once)
 LAUNCH_TRIES = 2
@@ -357,6 +387,7 @@ class _Runner:
     def fail(self, c: Config, exc: BaseException) -> None:
         if not isinstance(exc, Exception):
             raise exc
+        raise_if_signalled()  # a failure a swallowed signal caused (workers gone): no record
         line = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"[{self.index[id(c)]}/{self.total}] {c.describe()}: FAILED ({line})", flush=True)
         self.failures.append(f"{c.describe()}: {line}")
@@ -375,6 +406,7 @@ class _Runner:
                 key = c.place
             groups.setdefault(key, []).append(c)
         for key, group in groups.items():
+            raise_if_signalled()  # a signal a library swallowed: stop before the next one
             if key[0] == "process":
                 self.in_process(group)
             elif key[0] == "dask":
@@ -392,11 +424,17 @@ class _Runner:
         group = [c for c in group if c.engine != "cublas" or self.cublas_fits(c)]
         if not group:  # nothing left to measure: no operands made
             return
-        a = blocks.full(blocks.A, (m, k), dtype, seed)
-        b = blocks.full(blocks.B, (k, n), dtype, seed)
-        rows = self.rows(m)
-        ref = blocks.rows_product(a[rows], b)
+        try:
+            a = blocks.full(blocks.A, (m, k), dtype, seed)
+            b = blocks.full(blocks.B, (k, n), dtype, seed)
+            rows = self.rows(m)
+            ref = blocks.rows_product(a[rows], b)
+        except Exception as exc:  # operands too large for this machine: the problem fails
+            for c in group:
+                self.fail(c, exc)
+            return
         for c in group:
+            raise_if_signalled()
             try:
                 if c.engine == "numpy":
                     self.timed(c, lambda: a @ b, rows, ref)
@@ -484,24 +522,32 @@ class _Runner:
         from distmm.cli.cluster import cpu_cluster, gpu_cluster
 
         split = 1 if nodes is None else (count if nodes == "all-links" else nodes)
+        # workers ignore SIGINT (as distmm cluster's): Ctrl-C reaches the whole foreground
+        # group, and this process closes them
+        setup = {"preload": [WORKER_SETUP]}
         try:
-            cluster = (gpu_cluster(",".join(map(str, range(count))), nodes=split) if self.gpu
-                       else cpu_cluster(count, nodes=split))
+            cluster = (gpu_cluster(",".join(map(str, range(count))), nodes=split, **setup)
+                       if self.gpu else cpu_cluster(count, nodes=split, **setup))
         except Exception as exc:
             for c in group:
                 self.fail(c, exc)
             return
         with cluster, Client(cluster) as client:
-            client.wait_for_workers(count, timeout=120)
-            problems: dict[tuple, list[Config]] = {}
-            for c in group:
-                problems.setdefault((c.dtype, c.m, c.n, c.k, c.chunk), []).append(c)
-            for (dtype, m, n, k, chunk), configs in problems.items():
-                try:
-                    self.dask_problem(client, configs, dtype, m, n, k, chunk)
-                except Exception as exc:  # the operands or the check failed: all of them
-                    for c in configs:
-                        self.fail(c, exc)
+            try:
+                client.wait_for_workers(count, timeout=120)
+                problems: dict[tuple, list[Config]] = {}
+                for c in group:
+                    problems.setdefault((c.dtype, c.m, c.n, c.k, c.chunk), []).append(c)
+                for (dtype, m, n, k, chunk), configs in problems.items():
+                    raise_if_signalled()
+                    try:
+                        self.dask_problem(client, configs, dtype, m, n, k, chunk)
+                    except Exception as exc:  # the operands or the check failed: all of them
+                        for c in configs:
+                            self.fail(c, exc)
+            except (KeyboardInterrupt, Signalled):
+                _quiet_close(client)
+                raise
 
     def dask_problem(self, client, configs, dtype, m, n, k, chunk) -> None:
         import dask.array as da
@@ -519,6 +565,8 @@ class _Runner:
         ref = da.matmul(a64, to_host(b).astype(np.float64)).compute()
         keep = a.npartitions + b.npartitions
         for c in configs:
+            raise_if_signalled()
+
             def product(c=c):
                 if c.reference == "dask.array":
                     return (a @ b).persist()
@@ -625,6 +673,34 @@ def _this_process() -> list:
     import psutil
 
     return [os.getpid(), psutil.Process().create_time()]
+
+
+#: what logs the close of a cluster stopped mid-computation (comms cut, tasks cancelled)
+_CLOSE_LOGGERS = ("distributed", "distributed.client", "asyncio", "tornado")
+
+
+def _quiet_logs() -> None:
+    for name in _CLOSE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def _quiet_close(client, wait: float = 2.0) -> None:
+    """A signal stops the study mid-computation: the cluster's close then logs every
+    transfer it cuts and task it cancels, here and on the workers, which says nothing
+    wrong. Silence those loggers in this process, and on the workers as far as they
+    answer within ``wait`` seconds, so that the command's one line is all it prints."""
+    import threading
+
+    def workers():
+        try:
+            client.run(_quiet_logs, on_error="ignore")
+        except Exception:  # a client or cluster already closing: nothing to quiet there
+            pass
+
+    _quiet_logs()
+    done = threading.Thread(target=workers, daemon=True)
+    done.start()
+    done.join(wait)
 
 
 def _settle(client, keep: int, timeout: float = 30, still: float = 2.0) -> None:

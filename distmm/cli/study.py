@@ -65,6 +65,12 @@ BACKENDS = {"cpu": ("auto", "blas", "numba"), "gpu": ("auto", "raw", "cublas")}
 DTYPES = ("float32", "float64")
 KINDS = ("strong", "weak")
 PRECISIONS = ("highest", "tf32", "bf16", "fp16")  # distmm.precision.PRECISIONS (stdlib only here)
+ITEMSIZE = {"float32": 4, "float64": 8}
+#: numpy's largest array in bytes (``np.iinfo(np.intp).max`` on 64-bit hosts)
+MAX_BYTES = 2**63 - 1
+#: the most devices (threads, workers, ranks, GPUs) a series' count may name: far beyond any
+#: machine, and it keeps ``weak_shape``'s search for the grid short
+MAX_COUNT = 2**20
 
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
             "references", "mpiexec", "threads_per_rank", "series", "note", "precision"}
@@ -351,6 +357,8 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
         sbad("counts", f"a non-empty list of integers of at least 1, got {counts!r}")
     if len(set(counts)) != len(counts):
         sbad("counts", f"{counts!r} repeats a count")
+    if max(counts) > MAX_COUNT:
+        sbad("counts", f"{max(counts)} is more than a study runs (at most {MAX_COUNT})")
     if device == "gpu" and "local" in engines and counts != [1]:
         sbad("counts", "the local engine runs on one GPU: its series takes counts = [1]")
     backends = _choices(s, "backends", ["auto"], BACKENDS[device], sbad)
@@ -389,8 +397,24 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
         if len(counts) < 2:
             sbad("counts", "a weak series needs two counts or more")
         sizes = tuple((b, b, k or b) for b in sides)
+    _fits(kind, counts, sizes, series_dtypes, sbad)
     return Series(kind, tuple(engines), tuple(counts), sizes, tuple(backends),
                   tuple(series_dtypes), chunk, nodes, refs)
+
+
+def _fits(kind, counts, sizes, dtypes, sbad) -> None:
+    """Every problem's A, B and C at its largest dtype within numpy's largest array (a size
+    that overflows is refused here, not after the configurations before it ran)."""
+    itemsize = max(ITEMSIZE[d] for d in dtypes)
+    for size in sizes:
+        for count in counts if kind == "weak" else (1,):
+            m, n, k = weak_shape(count, size[0], size[2]) if kind == "weak" else size
+            biggest = max(m * k, k * n, m * n) * itemsize
+            if biggest > MAX_BYTES:
+                key = "sizes_per_device" if kind == "weak" else "sizes"
+                at = f" at count {count}" if kind == "weak" else ""
+                sbad(key, f"{m} x {n} x {k}{at} overflows: an operand or C of {biggest:.3g} "
+                          f"bytes, numpy's largest array is 2**63 - 1 bytes")
 
 
 def _positive_ints(value) -> bool:
