@@ -501,3 +501,34 @@ def test_an_unknown_argument_is_named_by_its_command(args, capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err == (f"distmm {args[0]}: error: unrecognized arguments: "
                                        f"{args[-1]} (see distmm {args[0]} --help)\n")
+
+
+def test_after_a_signal_no_ignored_exception_is_printed():
+    """A finaliser's or gc callback's error ("Exception ignored in") goes to Python's hook
+    as ever, until the command got a signal: then it ends with the signal's line alone."""
+    import gc
+    import signal
+
+    from distmm.cli.exits import restore_signals, terminate_on_sigterm
+
+    class Broken:
+        def __del__(self):
+            raise AssertionError("left broken")
+
+    seen = []
+    python_hook = sys.unraisablehook
+    sys.unraisablehook = lambda info: seen.append(str(info.exc_value))
+    previous = terminate_on_sigterm()
+    try:
+        Broken()
+        gc.collect()
+        assert seen == ["left broken"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the handler runs by here
+        Broken()
+        gc.collect()
+        assert seen == ["left broken"]
+    finally:
+        restore_signals(previous)
+        sys.unraisablehook = python_hook

@@ -113,8 +113,8 @@ def terminate_on_sigterm():
     recorded first (``raise_if_signalled``). Where such an exception is raised
     inside code whose errors Python only prints ("Exception ignored in": a
     garbage-collection callback, a finaliser, as while a Dask cluster starts or
-    closes), it is not printed, and the command ends at its next
-    ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
+    closes), it is not printed, nor is any such error after a signal, and the command
+    ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
@@ -122,7 +122,10 @@ def terminate_on_sigterm():
         raise _signal_error(signum)
 
     def unraisable(info):
-        if not isinstance(info.exc_value, (Signalled, KeyboardInterrupt)):
+        # after a signal, what it left broken is not printed either (distributed's gc
+        # callback, interrupted mid-way, asserts at the next collection): the command is
+        # ending with the signal's one line
+        if not _received and not isinstance(info.exc_value, (Signalled, KeyboardInterrupt)):
             previous_hook(info)
 
     previous_hook = sys.unraisablehook
