@@ -199,6 +199,33 @@ def _when_stripes_logged(folder: Path, stripes: int, then, timeout=120):
 
 @pytest.mark.slow
 @pytest.mark.mpi
+def test_slurm_mpi_job_that_finished_despite_the_time_limit_is_not_requeued(tmp_path, batch_env):
+    """The time-limit signal came, but the run finished (status 0: here its launcher ignores
+    SIGTERM, as a run past its commit does): C is in place, so the job ends with 0 and is not
+    requeued (a requeued --resume would fail on the C that exists)."""
+    a, b = _operands(tmp_path, 300, 700, 200, seed=13)
+    launcher = tmp_path / "ignores-term"
+    launcher.write_text("#!/bin/bash\ntrap '' TERM\n\"$@\" &\nwait $!\n")  # srun: TERM not passed
+    launcher.chmod(0o755)
+    trigger = tmp_path / "time-limit"
+    env = {**batch_env, "BATCHSIM_SIGNAL_ON": str(trigger), "DISTMM_BATCH_STRIPE_PAUSE": "0.2",
+           "DISTMM_LAUNCHER": f"{launcher} srun --kill-on-bad-exit=1"}
+    job = subprocess.Popen(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
+                            str(DEPLOY / "slurm" / "mpi.sbatch"), "a.npy", "b.npy", "-o",
+                            "c.npy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=tmp_path)
+    _when_stripes_logged(tmp_path, 1, trigger.touch)
+    out, err = job.communicate(timeout=180)
+    job_id = out.split()[-1]
+    log = (tmp_path / f"distmm-mpi-{job_id}.out").read_text()
+    assert job.returncode == 0, log + err
+    assert "finished before the time-limit signal stopped it; not requeued" in log, log
+    assert "requeueing" not in log and _state(env, job_id)["restarts"] == 0
+    assert_close(np.load(tmp_path / "c.npy"), a @ b)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_slurm_mpi_job_requeues_at_its_time_limit_and_resumes(tmp_path, batch_env):
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
