@@ -268,3 +268,176 @@ def test_debug_before_a_command_that_parses_its_own_options(tmp_path):
     assert "Traceback" in r.stderr and r.stderr.rstrip().endswith(f"{missing}")
     r = run_cli("trace", "--from-json", missing)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------- secondary commands without a GPU
+
+
+def _refused_in_one_line(capfd, argv, command):
+    """``distmm ARGV`` in this process ends with status 2 and one line ``distmm COMMAND:
+    error: ...`` on stderr, nothing on stdout."""
+    from distmm.cli import main
+
+    try:
+        status = main(list(argv))
+    except SystemExit as exc:  # argparse's refusals
+        status = exc.code
+    out, err = capfd.readouterr()
+    assert status == 2 and out == "", (argv, status, out, err)
+    assert err.startswith(f"distmm {command}: error: ") and err.count("\n") == 1, (argv, err)
+    return err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["tune", "--size", "-5"], "argument --size: '-5' must be at least 1"),
+    (["tune", "--confirm-size", "0"], "argument --confirm-size: '0' must be at least 1"),
+    (["tune", "--processes", "0"], "argument --processes: '0' must be at least 1"),
+    (["tune", "--max-configs", "nan"], "argument --max-configs: 'nan' is not an integer"),
+    (["tune", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["tune", "--cache", ""], "argument --cache: an empty path"),
+    (["tune", "--show", "--records", "r"], "--records writes a tuning run's measurements"),
+    (["trace", "--n", "0"], "argument --n: '0' must be at least 1"),
+    (["trace", "--device-memory-limit", "-1"], "'-1' is not a size such as 8GB"),
+    (["trace", "-o", "t.txt"], "'.txt' is no image format distmm trace writes"),
+    (["trace", "-o", ""], "-o: an empty path"),
+    (["trace", "--from-json", ""], "--from-json: an empty path"),
+    (["trace", "--from-json", "t.json", "--json", "u.json"], "--json saves a traced run's"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_secondary_commands_refuse_bad_options_in_one_line(tmp_path, monkeypatch, capfd, argv,
+                                                            said):
+    """tune and trace printed argparse's usage block over several lines and took a negative
+    or zero size (tune ran into the GPU work with it); trace wrote ``-o t`` as ``t.png`` and
+    failed on ``t.txt`` only after its run. Each is one line, status 2, and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused_in_one_line(capfd, argv, argv[0])
+    assert said in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--memory-limit", "inf"], "'inf' is neither a fraction"),
+    (["--memory-limit", "1e400"], "'1e400' is neither a fraction"),
+    (["--memory-limit", ""], "'' is not a memory limit"),
+    (["--memory-limit", "4096"], "'4096' is 4096 bytes: a worker needs more"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_cluster_refuses_memory_limits_no_worker_runs_under(capfd, argv, said):
+    """--memory-limit inf / 1e400 ended in an OverflowError traceback; '' (dask reads it as
+    1 byte) or 4096 (bytes, not MiB) started workers that their nannies restarted without end.
+    Parsed only: a cluster is never started here."""
+    from distmm.cli.commands import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["cluster", *argv])
+    err = capfd.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("distmm cluster: error: argument --memory-limit: ") and said in err
+
+
+def test_cluster_refuses_an_empty_scheduler_file(tmp_path, monkeypatch, capfd):
+    """--scheduler-file '' said the current folder 'is a directory'."""
+    from distmm.cli.serve import _check_scheduler_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="--scheduler-file: an empty path"):
+        _check_scheduler_file("", overwrite=False)
+
+
+def test_tune_and_trace_say_they_need_a_gpu_in_the_error_line(tmp_path, monkeypatch, capfd):
+    pytest.importorskip("matplotlib")
+    from distmm.executor import gpu_available
+
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.chdir(tmp_path)
+    err = _refused_in_one_line(capfd, ["tune", "--records", "r"], "tune")
+    assert "needs cupy and a GPU" in err
+    err = _refused_in_one_line(capfd, ["trace", "--json", "t.json"], "trace")
+    assert "a traced run needs cupy and a GPU" in err and "--from-json" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_checks_where_it_writes_before_tuning(tmp_path):
+    from distmm.cli.tune import _check_writable
+
+    (tmp_path / "f").write_text("")
+    _check_writable(tmp_path / "new" / "deeper" / "tune.json", "--cache", folder=False)
+    _check_writable(tmp_path / "records", "--records", folder=True)
+    with pytest.raises(IsADirectoryError, match="--cache"):
+        _check_writable(tmp_path, "--cache", folder=False)
+    with pytest.raises(NotADirectoryError, match="not a folder"):
+        _check_writable(tmp_path / "f", "--records", folder=True)
+    with pytest.raises(NotADirectoryError, match="is not a folder"):
+        _check_writable(tmp_path / "f" / "tune.json", "--cache", folder=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_calibration_file_is_readable_as_open_makes_files_and_replaces_a_link(tmp_path):
+    """save() left mkstemp's 0600 on a new calibration (unreadable to the group sharing it)."""
+    import stat
+
+    from distmm.cli.calibrate import save
+    from distmm.plan_model import default_calibration
+
+    umask = os.umask(0o022)
+    try:
+        save(default_calibration(), tmp_path / "new.json")
+        old = tmp_path / "old.json"
+        old.write_text("{}")
+        old.chmod(0o640)
+        save(default_calibration(), old)
+        (tmp_path / "elsewhere.json").write_text("keep")
+        (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+        save(default_calibration(), tmp_path / "link.json")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE(old.stat().st_mode) == 0o640
+    assert not (tmp_path / "link.json").is_symlink()
+    assert (tmp_path / "elsewhere.json").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.json", "link.json",
+                                                          "new.json", "old.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "SIGTERM"])
+def test_calibrate_stopped_during_its_tcp_probe_says_one_line_and_leaves_nothing(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole foreground group) while the TCP probe's LocalCluster ran
+    printed each worker's KeyboardInterrupt traceback, and SIGTERM multiprocessing's
+    'leaked semaphore objects' warning, after the command's line."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl="^ofi")
+    out = tmp_path / "cal.json"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "calibrate", "--quick", "-o",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "TCP between" in line:
+            break
+    assert lines and "TCP between" in lines[-1], "".join(lines)
+    time.sleep(1.0)  # the probe's cluster is starting or measuring
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    assert kids
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:  # left worker processes held stderr open: read it with a limit
+        _, rest = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for kid in kids:
+            kid.kill()
+        proc.kill()
+        raise
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), rest
+    said = "interrupted (SIGINT)" if how == "ctrl-c" else "terminated by SIGTERM"
+    assert rest == f"distmm calibrate: error: {said}\n", rest
+    gone, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive, alive
+    assert list(tmp_path.iterdir()) == []

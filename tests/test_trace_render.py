@@ -96,3 +96,67 @@ def test_output_in_a_missing_folder_is_refused_before_reading(tmp_path, capfd):
     assert capfd.readouterr().err == (f"distmm trace: error: No such folder for the output: "
                                       f"{png}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+def test_output_is_written_at_the_path_given_and_a_link_is_replaced(tmp_path, capfd):
+    """``-o t`` wrote ``t.png`` (matplotlib adds the suffix) while saying 'wrote t'; a symbolic
+    link at -o had its target overwritten with the PNG; ops all at 0 ms divided by zero."""
+    from distmm.cli import main
+
+    src = tmp_path / "t.json"
+    _timeline().to_json(src)
+    assert main(["trace", "--from-json", str(src), "-o", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "keep.txt").write_text("keep")
+    (tmp_path / "link.svg").symlink_to(tmp_path / "keep.txt")
+    assert main(["trace", "--from-json", str(src), "-o", str(tmp_path / "link.svg")]) == 0
+    assert (tmp_path / "keep.txt").read_text() == "keep"
+    assert b"<svg" in (tmp_path / "link.svg").read_bytes()
+    assert not (tmp_path / "link.svg").is_symlink()
+    zero = tmp_path / "zero.json"
+    zero.write_text('{"ops": [{"lane": "h2d", "name": "x", "start_ms": 0, "end_ms": 0}]}')
+    assert main(["trace", "--from-json", str(zero), "-o", str(tmp_path / "z.png")]) == 0
+    capfd.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "link.svg", "t", "t.json",
+                                                          "z.png", "zero.json"]
+
+
+def test_negative_times_are_refused(tmp_path, capfd):
+    from distmm.cli import main
+
+    src = tmp_path / "t.json"
+    src.write_text('{"ops": [{"lane": "h2d", "name": "x", "start_ms": -5, "end_ms": -1}]}')
+    assert main(["trace", "--from-json", str(src), "-o", str(tmp_path / "t.png")]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "0 <= 'start_ms' <= 'end_ms'" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+@pytest.mark.slow
+def test_sigterm_while_drawing_leaves_no_partial_image(tmp_path):
+    """The SVG backend writes while it draws: SIGTERM then left a partial ``-o`` file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ops = [{"lane": lane, "name": "x", "start_ms": float(i), "end_ms": i + 0.5}
+           for i in range(40000) for lane in ("h2d", "compute", "d2h")]
+    src = tmp_path / "big.json"
+    src.write_text(json.dumps({"ops": ops, "meta": {}}))
+    out = tmp_path / "big.svg"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "trace", "--from-json", str(src),
+                             "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.name != "big.json" for p in tmp_path.iterdir()):
+            break  # the image file (or its staged file) is being written
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err == "distmm trace: error: terminated by SIGTERM\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json"]
+    assert os.path.exists(src)

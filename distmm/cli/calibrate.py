@@ -40,6 +40,7 @@ from distmm.cli.model_records import (DEVICE_MEMORY, configuration, fit_subset, 
                                 machine_of, ofi_probed, predict_record, profile_record)
 from distmm.plan import accumulate_dtype
 from distmm.plan_model import Calibration, GemmRate, Link, default_calibration
+from distmm.staging import put_in_place
 
 __all__ = ["measure", "from_records", "default_path", "save", "load", "fit_gemm",
            "load_records", "machine_of", "cross_node_broadcasts", "socket_link",
@@ -53,7 +54,8 @@ def default_path() -> Path:
 
 def save(cal: Calibration, path) -> Path:
     """Write ``cal`` as JSON to ``path`` through a temporary file beside it (a failed write
-    leaves no partial file)."""
+    leaves no partial file); a new file gets the umask's permission bits, a replaced one keeps
+    its own, and a symbolic link at ``path`` is replaced, not followed."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +66,12 @@ def save(cal: Calibration, path) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(cal.to_dict(), f, indent=1, sort_keys=True)
             f.write("\n")
-        os.replace(tmp, path)
+        # mkstemp's 0600 made it unreadable to the group: the umask's bits, as open() gives,
+        # or a replaced file's (put_in_place)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        put_in_place(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -652,11 +659,12 @@ def _fit_link(points) -> Link:
     return Link(latency, n / max(t - latency, 1e-9))
 
 
-def _dask_tcp(sizes, repeat) -> Link:
-    """Latency and bandwidth of moving a numpy array between two ``distributed`` worker
-    processes over TCP (a task on worker B reading a result held on worker A)."""
-    from distributed import Client, LocalCluster
-
+_TCP_CHILD = r"""
+import json, math, sys, time
+import numpy as np
+from distributed import Client, LocalCluster
+if __name__ == "__main__":
+    sizes, repeat = json.loads(sys.argv[1]), int(sys.argv[2])
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tcp",
                       dashboard_address=None, silence_logs=40) as cluster, \
             Client(cluster) as client:
@@ -674,7 +682,51 @@ def _dask_tcp(sizes, repeat) -> Link:
                     best = min(best, time.perf_counter() - t0)
                 del fut
             points.append((n, best))
-    return _fit_link(points)
+    print("TCP " + json.dumps(points), flush=True)
+"""
+
+
+def _dask_tcp(sizes, repeat, timeout=300) -> Link:
+    """Latency and bandwidth of moving a numpy array between two ``distributed`` worker
+    processes over TCP (a task on worker B reading a result held on worker A).
+
+    The cluster runs in a child process of its own session: Ctrl-C at a terminal reaches
+    only this process, and on it or SIGTERM the child's whole process group is ended and
+    waited for (its workers and multiprocessing's resource tracker included, whose
+    tracebacks and leak warnings otherwise followed the command's one line)."""
+    proc = subprocess.Popen([sys.executable, "-c", _TCP_CHILD, json.dumps(sizes), str(repeat)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # a signal, a timeout: the probe's processes go first
+        _end_group(proc)
+        raise
+    lines = [ln for ln in out.splitlines() if ln.startswith("TCP ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the TCP probe between two distributed workers failed: "
+                           f"{_stderr_line(err)}")
+    return _fit_link(json.loads(lines[-1][len("TCP "):]))
+
+
+def _end_group(proc, grace: float = 5.0) -> None:
+    """End every process of ``proc``'s process group (its own session): SIGTERM, then after
+    ``grace`` seconds SIGKILL; each time wait until every one of them has closed the pipes
+    they share with ``proc`` (they exit)."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            break  # nothing left
+        try:
+            proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        except (ValueError, OSError):  # the pipes were read to their end before
+            proc.wait(timeout=grace)
+        break
 
 
 def _gpu(sizes, repeat, nbytes) -> dict:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -51,6 +52,8 @@ CLOSE_TIMEOUT = 30.0
 WORKER_SETUP = "distmm.cli.worker_setup"
 #: seconds the workers may take to start
 START_TIMEOUT = 120.0
+#: the smallest --memory-limit: a distributed worker process holds about 100 MB once started
+MIN_WORKER_MEMORY = 256 * 2**20
 
 
 # ---------------------------------------------------------------- option types
@@ -88,16 +91,26 @@ def _memory_limit(text: str) -> str:
     except ValueError:
         value = None
     if value is not None:
-        if not (0 < value <= 1 or (value > 1 and value == int(value))):
+        # inf and 1e400 are no whole number of bytes (int() of them raised OverflowError)
+        if not (0 < value <= 1 or (1 < value < math.inf and value == int(value))):
             raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction of the memory "
                                              f"(0 to 1) nor a whole number of bytes")
-        return text.strip()
-    try:
-        if parse_bytes(text) <= 0:
-            raise ValueError("not positive")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: auto, 0 (none), a "
-                                         f"fraction such as 0.5 or a size such as 4GiB") from None
+        nbytes = None if value <= 1 else int(value)
+    else:
+        try:
+            # dask reads an empty or blank text as 1 byte
+            nbytes = parse_bytes(low) if low else 0
+            if nbytes <= 0:
+                raise ValueError("not positive")
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: auto, 0 (none), "
+                                             f"a fraction such as 0.5 or a size such as "
+                                             f"4GiB") from None
+    if nbytes is not None and nbytes < MIN_WORKER_MEMORY:
+        # a worker starts above such a limit and is restarted by its nanny without end
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {nbytes} bytes: a worker needs more to start (at least "
+            f"{MIN_WORKER_MEMORY // 2**20} MiB; sizes take units, such as 4GiB)")
     return text.strip()
 
 
@@ -149,7 +162,7 @@ def add_parser(sub, common) -> None:
     c.add_argument("--memory-limit", type=_memory_limit, default="auto", metavar="LIMIT",
                    help="host memory per worker, in dask's terms: auto (default: the machine's "
                         "memory split between the workers), 0 (no limit), a fraction such as "
-                        "0.5, or a size such as 4GiB")
+                        "0.5, or a size such as 4GiB (at least 256 MiB)")
     c.add_argument("--scheduler-file", metavar="FILE", default=None,
                    help="write the scheduler's address here (distributed's JSON format) once "
                         "every worker is up; removed again at the stop")
@@ -242,6 +255,8 @@ def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
 
     if path is None:
         return None
+    if not path:
+        raise ValueError("--scheduler-file: an empty path")
     target = Path(path).absolute()
     if target.is_dir():
         raise IsADirectoryError(f"--scheduler-file {path} is a directory")

@@ -6,7 +6,9 @@ rendering a timeline (from that run or from a saved JSON file, no GPU needed)
 as a PNG with one lane per stream and per group of host threads.
 A saved timeline is checked before anything is drawn (``read_timeline``): a JSON file that
 is no timeline (another JSON file, a list, a timeline without ops) is refused in one line
-naming the file and what is wrong, and nothing is written.
+naming the file and what is wrong, and nothing is written. The image (PNG, or the format
+``-o``'s suffix names) is written whole, through a staged file renamed onto ``-o``; the
+options and outputs are checked before a traced run starts.
 It does *not* cover: recording (``distmm.executor.pipeline.Timeline``).
 
 Examples
@@ -20,6 +22,10 @@ import argparse
 import math
 import os
 import sys
+
+from distmm.cli.argtypes import integer_at_least
+from distmm.cli.exits import BAD_INPUT, raise_if_signalled
+from distmm.staging import put_in_place, staged_path
 
 __all__ = ["main", "render", "read_timeline", "LANES"]
 
@@ -45,7 +51,9 @@ def _merged(spans):
 
 
 def render(timeline, path, *, title: str | None = None) -> None:
-    """Draw ``timeline`` (a ``Timeline``) as a Gantt chart PNG at ``path``.
+    """Draw ``timeline`` (a ``Timeline``) as a Gantt chart at ``path`` (PNG, or the image
+    format its suffix names: ``image_format``), written whole or not at all: into a staged
+    file beside it, then renamed onto it (a symbolic link is replaced, not followed).
 
     Host lanes show when at least one host thread was copying (overlapping
     copies merged); GPU lanes show each copy or kernel, separated by thin gaps.
@@ -57,7 +65,7 @@ def render(timeline, path, *, title: str | None = None) -> None:
 
     ops = timeline.ops
     meta = timeline.meta
-    end = max((o["end_ms"] for o in ops), default=1.0)
+    end = max((o["end_ms"] for o in ops), default=1.0) or 1.0  # ops all at 0: no scale
     present = [lane for lane in LANES if any(o["lane"] == lane[0] for o in ops)]
     fig, ax = plt.subplots(figsize=(14, 1.0 + 0.7 * max(len(present), 1)), dpi=120)
     for row, (lane, label, colour) in enumerate(reversed(present)):
@@ -91,8 +99,15 @@ def render(timeline, path, *, title: str | None = None) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    fmt = image_format(path)
+    staged = staged_path(path)
+    try:
+        fig.savefig(staged, format=fmt)
+        raise_if_signalled()  # a signal matplotlib swallowed: nothing in place
+        put_in_place(staged, path)
+    finally:
+        plt.close(fig)
+        staged.unlink(missing_ok=True)
 
 
 def read_timeline(path):
@@ -120,9 +135,10 @@ def read_timeline(path):
         times = [op.get(key) for key in ("start_ms", "end_ms")] if isinstance(op, dict) else []
         if not (isinstance(op, dict) and op.get("lane") in lanes and "name" in op
                 and all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                        and math.isfinite(t) for t in times) and times[0] <= times[1]):
+                        and math.isfinite(t) for t in times) and 0 <= times[0] <= times[1]):
             raise ValueError(f"{path}: op {i} must have a 'lane' of {', '.join(lanes)}, a "
-                             f"'name' and numbers 'start_ms' <= 'end_ms', got {repr(op)[:80]}")
+                             f"'name' and numbers 0 <= 'start_ms' <= 'end_ms' (milliseconds "
+                             f"since the first event), got {repr(op)[:80]}")
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: the timeline's 'meta' must be an object, got {repr(meta)[:40]}")
     tflops, tiling = meta.get("tflops"), meta.get("tiling")
@@ -133,14 +149,34 @@ def read_timeline(path):
     return Timeline(ops=list(ops), meta=dict(meta))
 
 
-def _check_output(path) -> None:
-    """Refuse a PNG path that cannot be written, before any work: a folder, or a path whose
-    folder does not exist or is no folder."""
+def _check_output(path, flag: str = "-o") -> None:
+    """Refuse an output path that cannot be written, before any work: an empty one, a folder,
+    a path whose folder does not exist, is no folder or cannot be written in."""
+    if not path:
+        raise ValueError(f"{flag}: an empty path")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(21, "a folder, not a file", str(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(2, "No such folder for the output", str(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"cannot write in {folder}", str(path))
+
+
+def image_format(path) -> str:
+    """The image format ``path``'s suffix names (``png`` without a suffix), refused before any
+    work where matplotlib does not write it (it appended ``.png`` to a name without a suffix,
+    writing a file not asked for, and failed on others only after the traced run)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = os.path.splitext(str(path))[1].lower().lstrip(".")
+    if not suffix:
+        return "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(f"-o {path}: '.{suffix}' is no image format distmm trace writes "
+                         f"(use {', '.join(sorted(formats))})")
+    return suffix
 
 
 def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
@@ -163,16 +199,43 @@ def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
     return tl
 
 
+def _size(text: str) -> int:
+    """An argparse type: a positive number of bytes, such as ``8GB`` or ``8e9``."""
+    from dask.utils import parse_bytes
+
+    try:
+        value = parse_bytes(text) if text.strip() else 0
+    except (ValueError, OverflowError):
+        value = 0
+    if not (isinstance(value, int) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8GB")
+    return value
+
+
+def _save_json(tl, path) -> None:
+    """``tl.to_json(path)`` whole or not at all (a staged file, then renamed onto ``path``)."""
+    staged = staged_path(path)
+    try:
+        tl.to_json(staged)
+        put_in_place(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distmm trace",
-                                description="render the stream pipeline's copy/compute timeline")
-    p.add_argument("--n", type=int, default=8192, help="matrix size of the traced run")
+    from distmm.cli.commands import _Parser  # its errors as one line, status 2
+
+    p = _Parser(prog="distmm trace",
+                description="render the stream pipeline's copy/compute timeline")
+    p.add_argument("--n", type=integer_at_least(1), default=8192,
+                   help="matrix size of the traced run")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--device-memory-limit", default=None,
+    p.add_argument("--device-memory-limit", default=None, type=_size,
                    help="device budget, e.g. 8GB (default: distmm.device-memory-limit)")
     p.add_argument("--backend", default="cublas", choices=["cublas", "raw", "auto"])
-    p.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
-    p.add_argument("--json", default=None, help="also save the timeline as JSON here")
+    p.add_argument("-o", "--output", default="timeline.png",
+                   help="PNG to write (or the image format its suffix names: .svg, .pdf...)")
+    p.add_argument("--json", default=None, help="also save the traced run's timeline as JSON here")
     p.add_argument("--from-json", default=None, help="render a saved timeline (no GPU needed)")
     return p
 
@@ -181,20 +244,28 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # ``distmm trace -- --from-json ...`` passes the separator on
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.from_json is not None and args.json is not None:
+        parser.error("--json saves a traced run's timeline; --from-json renders a saved one")
     _check_output(args.output)
-    if args.from_json:
+    image_format(args.output)
+    if args.json is not None:
+        _check_output(args.json, "--json")
+    if args.from_json is not None:
+        if not args.from_json:
+            raise ValueError("--from-json: an empty path")
         tl = read_timeline(args.from_json)
     else:
         try:
             import cupy  # noqa: F401
         except ImportError as exc:
-            print(f"distmm trace: a traced run needs cupy and a GPU ({exc}); "
+            print(f"distmm trace: error: a traced run needs cupy and a GPU ({exc}); "
                   f"use --from-json to render a saved timeline", file=sys.stderr)
-            return 2
+            return BAD_INPUT
         tl = _run_traced(args.n, args.dtype, args.device_memory_limit, args.backend)
         if args.json:
-            tl.to_json(args.json)
+            _save_json(tl, args.json)
     render(tl, args.output)
     meta = tl.meta
     print(f"wrote {args.output}: {len(tl.ops)} ops"

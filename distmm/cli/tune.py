@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 import distmm.executor.registry as registry
+from distmm.cli.argtypes import integer_at_least
+from distmm.cli.exits import BAD_INPUT
 from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
                                     load_tuning_for as load_for, read_cache,
                                     store_tuning as store)
@@ -291,26 +294,58 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     return entry
 
 
+def _path(text: str) -> Path:
+    """An argparse type: a path, not an empty one (``Path("")`` is the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distmm tune", description=__doc__.split("\n\n")[0])
+    from distmm.cli.commands import _Parser  # its errors as one line, status 2
+
+    positive = integer_at_least(1)
+    p = _Parser(prog="distmm tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", nargs="+", default=["float32", "float64"],
                    choices=list(registry.DTYPES))
-    p.add_argument("--size", type=int, default=4096, help="search size n (n x n x n)")
-    p.add_argument("--confirm-size", type=int, default=8192, help="size of the final ranking")
-    p.add_argument("--max-configs", type=int, default=400)
-    p.add_argument("--processes", type=int, default=None, help="parallel compile processes")
-    p.add_argument("--cache", type=Path, default=None, help=f"cache file (default {cache_path()})")
-    p.add_argument("--records", type=Path, default=None,
+    p.add_argument("--size", type=positive, default=4096, help="search size n (n x n x n)")
+    p.add_argument("--confirm-size", type=positive, default=8192,
+                   help="size of the final ranking")
+    p.add_argument("--max-configs", type=positive, default=400)
+    p.add_argument("--processes", type=positive, default=None,
+                   help="parallel compile processes")
+    p.add_argument("--cache", type=_path, default=None, help=f"cache file (default {cache_path()})")
+    p.add_argument("--records", type=_path, default=None,
                    help="also write every measurement as bench records into this folder")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     return p
+
+
+def _check_writable(path: Path, flag: str, *, folder: bool) -> None:
+    """Refuse ``path`` (a file, or with ``folder`` a folder, made with its missing parents
+    when written) where it cannot be written: a folder where the file goes or a file where
+    the folder goes, a path through a file, or a folder this process may not write in."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise (NotADirectoryError if folder else IsADirectoryError)(
+            f"{flag} {path}: {'not a folder' if folder else 'a folder, not a file'}")
+    there = path if folder and path.is_dir() else path.parent
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        raise NotADirectoryError(f"{flag} {path}: {there} is not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag} {path}: cannot write in {there}")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `distmm tune -- --dtype ...` (the CLI passes the rest verbatim)
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.show and args.records is not None:
+        parser.error("--records writes a tuning run's measurements; --show only prints the cache")
     cache = read_cache(args.cache, must_exist=args.show and args.cache is not None)
     if args.show:
         print(json.dumps(cache, indent=1, sort_keys=True))
@@ -318,9 +353,13 @@ def main(argv=None) -> int:
     try:
         import cupy
     except ImportError as exc:
-        print(f"distmm tune: needs cupy and a GPU: pip install \"distmm[gpu]\" ({exc})",
+        print(f"distmm tune: error: needs cupy and a GPU: pip install \"distmm[gpu]\" ({exc})",
               file=sys.stderr)
-        return 2
+        return BAD_INPUT
+    # what the run writes, checked before hours of tuning: the cache and the records' folder
+    _check_writable(args.cache or cache_path(), "--cache", folder=False)
+    if args.records is not None:
+        _check_writable(args.records, "--records", folder=True)
     from distmm.executor.device import gpu_name
 
     gpu = gpu_name()
