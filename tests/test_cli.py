@@ -356,18 +356,24 @@ def test_tune_and_trace_say_they_need_a_gpu_in_the_error_line(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_tune_checks_where_it_writes_before_tuning(tmp_path):
-    from distmm.cli.tune import _check_writable
+def test_outputs_are_checked_where_they_would_be_written(tmp_path):
+    """What tune (its cache, its records folder), calibrate, bench and trace write, checked
+    before their work: nothing is made by the check."""
+    from distmm.cli.outputs import check_writable
 
     (tmp_path / "f").write_text("")
-    _check_writable(tmp_path / "new" / "deeper" / "tune.json", "--cache", folder=False)
-    _check_writable(tmp_path / "records", "--records", folder=True)
-    with pytest.raises(IsADirectoryError, match="--cache"):
-        _check_writable(tmp_path, "--cache", folder=False)
+    check_writable(tmp_path / "new" / "deeper" / "tune.json")
+    check_writable(tmp_path / "records", folder=True)
+    with pytest.raises(IsADirectoryError, match="a folder, not a file"):
+        check_writable(tmp_path)
     with pytest.raises(NotADirectoryError, match="not a folder"):
-        _check_writable(tmp_path / "f", "--records", folder=True)
+        check_writable(tmp_path / "f", folder=True)
     with pytest.raises(NotADirectoryError, match="is not a folder"):
-        _check_writable(tmp_path / "f" / "tune.json", "--cache", folder=False)
+        check_writable(tmp_path / "f" / "tune.json")
+    with pytest.raises(FileNotFoundError, match="No such folder"):
+        check_writable(tmp_path / "new" / "t.png", makes_folders=False)
+    with pytest.raises(ValueError, match="an empty output path"):
+        check_writable("")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 

@@ -532,3 +532,25 @@ def test_after_a_signal_no_ignored_exception_is_printed():
     finally:
         restore_signals(previous)
         sys.unraisablehook = python_hook
+
+
+def test_stdout_whose_reader_went_away_ends_quietly():
+    """``distmm plan ... | head -0``: the pipe's reader is gone before the command writes;
+    it ends as a tool that SIGPIPE ends (141), without an error line."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "distmm", "plan", "100", "100", "100"],
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
+def test_calibrate_to_an_empty_path_is_refused_not_the_default(tmp_path):
+    """``distmm calibrate -o ''`` wrote the default calibration file (~/.cache/distmm/...)."""
+    home = tmp_path / "home"
+    r = run_cli("calibrate", "-o", "", "--quick",
+                env={**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")})
+    assert r.returncode == 2 and "an empty output path" in one_line(r)
+    assert not home.exists()

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.cli.exits import Signalled, raise_if_signalled
+from distmm.cli.outputs import check_writable
 from distmm.cli.records import progress_line
 from distmm.cli.study import Config, Study, load_study
 
@@ -123,25 +124,13 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
 
 def _check_output(path: Path, study: Study) -> None:
     """The records file can be written (appended to, or created in its folder, or the folder
-    made), before anything runs: not after a study's measurements, which would all be lost.
-    ``NotADirectoryError`` where a file stands in the way, ``PermissionError`` (any other
-    refusal: read-only, immutable, a read-only file system) where it cannot be written,
-    ``ValueError`` for the study file itself (records appended to it would break it)."""
+    made), before anything runs: not after a study's measurements, which would all be lost
+    (``check_writable``); ``ValueError`` for the study file itself (records appended to it
+    would break it)."""
     if path.exists() and os.path.samefile(path, study.path):
         raise ValueError(f"{path}: -o names the study file itself: records go to a .jsonl "
                          f"file of their own")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:  # RecordWriter makes the rest
-        folder = folder.parent
-    if not folder.is_dir():
-        raise NotADirectoryError(20, "Not a directory (the records file's folder)", str(folder))
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise PermissionError(13, "Permission denied (the records file cannot be "
-                                      "appended to)", str(path))
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(13, "Permission denied (the records file cannot be created "
-                                  "in this folder)", str(folder))
+    check_writable(path)
 
 
 def _as_nodes(nodes) -> str:

@@ -16,13 +16,17 @@ Exit statuses:
   existing output without ``--overwrite``, an output folder that cannot be
   written, a backend this machine lacks, several MPI ranks), and argument
   errors;
-- 130: interrupted by SIGINT; 143: terminated by SIGTERM (128 + the signal).
+- 130: interrupted by SIGINT; 143: terminated by SIGTERM (128 + the signal);
+- 141: stdout's reader went away (``distmm info | head -1``), silently, as a tool that
+  SIGPIPE ends.
 
 It does *not* cover: the commands themselves (``distmm.cli.commands``).
 """
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import sys
 import traceback
 
@@ -74,8 +78,23 @@ def message(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _stdout_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write to stdout whose pipe's reader went away."""
+    if not isinstance(exc, BrokenPipeError) or exc.filename is not None:
+        return False
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def report(command: str, exc: BaseException, *, debug: bool = False, note: str = "") -> int:
-    """Print the one line (and with ``debug`` the traceback) and return the exit status."""
+    """Print the one line (and with ``debug`` the traceback) and return the exit status;
+    nothing where stdout's reader went away (141, and stdout points at /dev/null from here,
+    so that the interpreter's last flush does not fail again)."""
+    if _stdout_gone(exc) and not debug:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     print(f"distmm {command}: error: {message(exc)}{note}", file=sys.stderr, flush=True)

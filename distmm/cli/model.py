@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from distmm.cli.exits import raise_if_signalled
+from distmm.cli.outputs import check_writable
 
 __all__ = ["add_parsers", "run_calibrate", "run_model"]
 
@@ -128,8 +129,9 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
 def run_calibrate(args) -> int:
     from distmm.cli import calibrate as cb
 
-    path = Path(args.output) if args.output else cb.default_path()
-    _check_calibration_path(path)  # before measuring
+    path = cb.default_path() if args.output is None else args.output
+    check_writable(path)  # before measuring ('-o ""' is refused, not the default)
+    path = Path(path)
     if args.from_records:
         if args.quick:
             raise ValueError("--quick measures; it does not go with --from-records")
@@ -158,21 +160,6 @@ def run_calibrate(args) -> int:
     _print_calibration(cal)
     print(f"stored in {path}")
     return 0
-
-
-def _check_calibration_path(path: Path) -> None:
-    """Refuse a calibration file that cannot be written, before measuring: a folder, or a
-    path through a file, or a folder this process may not write in (the missing folders of
-    the path are made when it is stored)."""
-    if path.is_dir():
-        raise IsADirectoryError(21, "a folder, not a file", str(path))
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise NotADirectoryError(20, f"{folder} is not a folder", str(path))
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(13, f"cannot write in {folder}", str(path))
 
 
 def _print_calibration(cal) -> None:

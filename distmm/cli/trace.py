@@ -25,6 +25,7 @@ import sys
 
 from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import BAD_INPUT, raise_if_signalled
+from distmm.cli.outputs import check_writable
 from distmm.staging import put_in_place, staged_path
 
 __all__ = ["main", "render", "read_timeline", "LANES"]
@@ -150,17 +151,11 @@ def read_timeline(path):
 
 
 def _check_output(path, flag: str = "-o") -> None:
-    """Refuse an output path that cannot be written, before any work: an empty one, a folder,
-    a path whose folder does not exist, is no folder or cannot be written in."""
+    """Refuse an output path that cannot be written, before any work (its folder is not
+    made: ``check_writable``)."""
     if not path:
         raise ValueError(f"{flag}: an empty path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise IsADirectoryError(21, "a folder, not a file", str(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(2, "No such folder for the output", str(path))
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(13, f"cannot write in {folder}", str(path))
+    check_writable(path, makes_folders=False)
 
 
 def image_format(path) -> str:

@@ -34,6 +34,7 @@ import numpy as np
 import distmm.executor.registry as registry
 from distmm.cli.argtypes import integer_at_least
 from distmm.cli.exits import BAD_INPUT
+from distmm.cli.outputs import check_writable
 from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
                                     load_tuning_for as load_for, read_cache,
                                     store_tuning as store)
@@ -321,23 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable(path: Path, flag: str, *, folder: bool) -> None:
-    """Refuse ``path`` (a file, or with ``folder`` a folder, made with its missing parents
-    when written) where it cannot be written: a folder where the file goes or a file where
-    the folder goes, a path through a file, or a folder this process may not write in."""
-    path = Path(path)
-    if path.exists() and path.is_dir() != folder:
-        raise (NotADirectoryError if folder else IsADirectoryError)(
-            f"{flag} {path}: {'not a folder' if folder else 'a folder, not a file'}")
-    there = path if folder and path.is_dir() else path.parent
-    while not there.exists() and there != there.parent:
-        there = there.parent
-    if not there.is_dir():
-        raise NotADirectoryError(f"{flag} {path}: {there} is not a folder")
-    if not os.access(there, os.W_OK | os.X_OK):
-        raise PermissionError(f"{flag} {path}: cannot write in {there}")
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `distmm tune -- --dtype ...` (the CLI passes the rest verbatim)
@@ -357,9 +341,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return BAD_INPUT
     # what the run writes, checked before hours of tuning: the cache and the records' folder
-    _check_writable(args.cache or cache_path(), "--cache", folder=False)
+    check_writable(args.cache or cache_path())
     if args.records is not None:
-        _check_writable(args.records, "--records", folder=True)
+        check_writable(args.records, folder=True)
     from distmm.executor.device import gpu_name
 
     gpu = gpu_name()
