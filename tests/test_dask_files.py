@@ -233,3 +233,61 @@ def test_a_memmap_is_the_workers_only_while_it_maps_the_file_they_see(client, tm
     got = distmm.matmul(np.load(tmp_path / "s.npy", mmap_mode="r"), b, client=client)
     assert last_stats()["read_on_workers"] == [True, False]  # read there, from the new file
     np.testing.assert_array_equal(got, np.full((4, 4), 3.0))
+
+
+def _distmm_keys(dask_scheduler=None) -> list:
+    return [str(k) for k in dask_scheduler.tasks if str(k).startswith("('distmm-")
+            or str(k).startswith("distmm-")]
+
+
+def test_a_failed_product_leaves_nothing_on_the_cluster(client, tmp_path):
+    """Found trying it as a user: after a failed eager product (here a chunk that does not
+    decode; a Ctrl-C alike) whose error is still held, as an interactive session holds the
+    last one, the cluster kept the scattered and read blocks and the blocks not yet
+    gathered, and went on computing them. dask's own compute lets go of its tasks."""
+    import time
+
+    a, b = _operands(tmp_path, "float64", 60, 40, 30)
+    z = zarr.create_array(str(tmp_path / "a.zarr"), shape=a.shape, chunks=(10, 40), dtype="f8")
+    z[...] = a
+    chunk = tmp_path / "a.zarr" / "c" / "3" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:20])
+    before = set(client.run_on_scheduler(_distmm_keys))
+    with pytest.raises(Exception) as held:  # held: the traceback and its frames
+        distmm.matmul(zarr.open_array(str(tmp_path / "a.zarr"), mode="r"), b, client=client,
+                      tile=10)
+    deadline = time.monotonic() + 10
+    while (left := set(client.run_on_scheduler(_distmm_keys)) - before) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, sorted(left)[:5]
+    assert held.value is not None
+
+
+def _rss_file_mib(dask_worker=None) -> float:
+    """This process's resident file-backed pages (Linux), in MiB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
+def test_a_npy_operand_read_by_the_workers_leaves_their_memory(client, tmp_path):
+    """Found trying it as a user: the workers kept their map of a ``.npy`` operand open, so
+    every page they read stayed in their RSS, which dask's memory monitor counts: workers
+    whose share of the file neared 80% of their ``memory_limit`` paused, and the product
+    (320 MB over two 600 MiB workers) waited for ever."""
+    b = np.random.default_rng(3).standard_normal((2048, 4))
+    np.save(tmp_path / "w.npy", np.ones((64, 2048)))
+    distmm.matmul(np.load(tmp_path / "w.npy", mmap_mode="r"), b, client=client)  # warm up
+    a = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", dtype="f8", shape=(4096, 2048))
+    a[...] = 1.0  # 64 MiB, half of it read by each worker
+    a.flush()
+    before = client.run(_rss_file_mib)
+    got = distmm.matmul(np.load(tmp_path / "a.npy", mmap_mode="r"), b, client=client, tile=512)
+    assert last_stats()["read_on_workers"] == [True, False]
+    np.testing.assert_allclose(got[:3], np.ones((3, 2048)) @ b)
+    grew = {w: mib - before[w] for w, mib in client.run(_rss_file_mib).items()}
+    assert all(g < 8 for g in grew.values()), grew

@@ -6,7 +6,7 @@ Covers: the memory budget the engine gives the planner from the workers'
 workers (importing numba and compiling one kernel took a process from 58 to
 170 MiB peak RSS); 1 GiB workers with dask operands; 256 MiB workers with two
 162 MiB zarr operands, read eagerly and as a lazy product written to zarr, as
-dask.array's ``(A @ B).to_zarr`` is.
+dask.array's ``(A @ B).to_zarr`` is; 600 MiB workers reading a 320 MB ``.npy`` operand.
 """
 from __future__ import annotations
 
@@ -76,6 +76,29 @@ def test_256_mib_workers_with_zarr_operands(tmp_path):
         np.testing.assert_allclose(distmm.matmul(za, zb, client=client), want, rtol=1e-10, atol=1e-9)
         assert not _numba_on_workers(client)
 
+
+@pytest.mark.slow
+def test_600_mib_workers_reading_a_320_mb_npy_operand(tmp_path):
+    """The workers read a .npy operand of more than half their memory each: its pages must
+    not stay in their RSS (they did, through a map kept open: both workers paused at 80% of
+    their memory_limit and the product waited for ever)."""
+    import threading
+
+    m, k = 4000, 10000  # 320 MB
+    a = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", dtype="f8", shape=(m, k))
+    for r in range(0, m, 500):
+        a[r:r + 500] = np.random.default_rng(r).standard_normal((500, k))
+    a.flush()
+    b = np.random.default_rng(1).standard_normal((k, 8))
+    got = []
+    with _cluster("600MiB") as cl, distributed.Client(cl) as client:
+        am = np.load(tmp_path / "a.npy", mmap_mode="r")
+        run = threading.Thread(target=lambda: got.append(distmm.matmul(am, b, client=client)),
+                               daemon=True)
+        run.start()
+        run.join(120)
+        assert got, "the product did not finish in 120 s"
+        np.testing.assert_allclose(got[0], np.asarray(am) @ b, rtol=1e-10, atol=1e-9)
 
 def test_float64_products_leave_numba_unimported():
     """BLAS products never import numba: in a fresh process, only the

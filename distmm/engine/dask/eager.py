@@ -214,22 +214,33 @@ def _file_sink(client, out, rows, cols):
     return found.for_blocks(rows, cols)
 
 
-def _finish_files(client, sink, sources, *, written: bool, lost: bool, futures) -> None:
+def _let_go(client, futures, scattered) -> None:
+    """After a failed product (a task's error, lost workers, a Ctrl-C): cancel the round's
+    tasks still queued or held and the operands' blocks sent or read, as dask's own compute
+    lets go of its futures. Otherwise the futures, held by the error's traceback (an
+    interactive session keeps the last one), keep the cluster computing blocks nobody
+    gathers and holding them and the operands in the workers' memory."""
+    held = list(futures) + [f for sc in scattered for by in sc.futures.values()
+                            for f in by.values()]
+    if not held or getattr(client, "status", "running") != "running":
+        return  # a closed client's futures went with it
+    try:
+        client.cancel(held)
+    except Exception:  # noqa: BLE001 - the cluster in trouble: the call's own error stands
+        pass
+
+
+def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> None:
     """After the product, in success and in failure: the workers' writes of C end
     (``sink.close``: nothing writes into the staged output once the engine returns or
-    raises; its tasks still queued are cancelled first), and their HDF5 operand files
-    close (``files.release``)."""
+    raises; after a failure its tasks still queued were cancelled first: ``_let_go``), and
+    their HDF5 operand files close (``files.release``)."""
     from distmm.engine.dask import files
 
     try:
         if sink is not None:
             from distmm.engine.dask.sink import close
 
-            if not written and futures:
-                try:
-                    client.cancel(list(futures))
-                except Exception:  # noqa: BLE001 - the cluster in trouble: the fence still runs
-                    pass
             close(client, sink, ok=written, lost=lost)
     finally:
         files.release(client, sources)
@@ -574,8 +585,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     finally:
         if bar is not None:
             bar.close()
-        _finish_files(client, sink, (a_src, b_src), written=written,
-                      lost=bool(attempts), futures=futures)
+        try:
+            if not written:
+                _let_go(client, futures, (a_sc, b_sc))
+        finally:
+            _finish_files(client, sink, (a_src, b_src), written=written, lost=bool(attempts))
         if task_plan.flags:
             raised = _raised_flags(client, task_plan.flags)
     log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),

@@ -4,8 +4,9 @@ This module covers: recognising a host operand that is a whole ``.npy`` file ope
 ``numpy.load(path, mmap_mode="r")``, a zarr array in a local folder, or a dataset of an
 HDF5 file opened with h5py (``FileSource``, ``source_of``), checking that every worker sees
 the same file (same size and modification time, ``visible``), and the task that reads one
-block of it on a worker (``read_block``: the ``.npy`` memory-mapped once per process, zarr
-by slices, the HDF5 file opened read-only once per process and closed when the product ends,
+block of it on a worker (``read_block``: the ``.npy`` memory-mapped for that read only, so
+that the pages read do not stay in the worker's memory as dask counts it, zarr by slices,
+the HDF5 file opened read-only once per process and closed when the product ends,
 ``release``). With these the eager loop (``distmm.engine.dask.eager``) sends a worker the
 name of the file and the slices it needs instead of reading the block in the client and
 shipping its bytes: the client never holds the operand, and a block whose worker is lost is
@@ -184,15 +185,30 @@ _OPEN_LOCK = threading.Lock()
 _KEEP_OPEN = 16  # files kept open per process (the oldest closed first)
 
 
+def _checked(src: FileSource, arr, handle=None):
+    if tuple(arr.shape) != src.shape or np.dtype(arr.dtype).str != src.dtype:
+        if handle is not None:
+            handle.close()
+        raise ValueError(f"{src.path}: the file changed since the product began "
+                         f"({arr.shape} {arr.dtype}, expected {src.shape} "
+                         f"{np.dtype(src.dtype)})")
+    return arr
+
+
 def _opened(src: FileSource):
+    """The array of ``src`` on this worker: a ``.npy`` file mapped for this read only (its
+    pages leave the process's RSS when the read's copy is made: a map kept open holds every
+    page read, which dask's memory monitor counts as the worker's memory, pausing workers
+    whose share of a large operand nears their ``memory_limit``); zarr arrays and HDF5
+    files opened once per process."""
+    if src.kind == "npy":
+        return _checked(src, np.load(src.path, mmap_mode="r", allow_pickle=False))
     key = (src.path, src.node, src.size, src.mtime_ns, src.ino)
     with _OPEN_LOCK:
         entry = _OPEN.get(key)
         if entry is None:
             handle = None
-            if src.kind == "npy":
-                arr = np.load(src.path, mmap_mode="r", allow_pickle=False)
-            elif src.kind == "h5":
+            if src.kind == "h5":
                 handle = _open_h5(src.path)
                 arr = handle.get(src.node)
                 if arr is None:
@@ -202,12 +218,7 @@ def _opened(src: FileSource):
                 import zarr
 
                 arr = zarr.open_array(src.path, path=src.node, mode="r")
-            if tuple(arr.shape) != src.shape or np.dtype(arr.dtype).str != src.dtype:
-                if handle is not None:
-                    handle.close()
-                raise ValueError(f"{src.path}: the file changed since the product began "
-                                 f"({arr.shape} {arr.dtype}, expected {src.shape} "
-                                 f"{np.dtype(src.dtype)})")
+            _checked(src, arr, handle)
             while len(_OPEN) >= _KEEP_OPEN:
                 _close(_OPEN.pop(next(iter(_OPEN))))
             entry = _OPEN[key] = (arr, handle)
@@ -246,8 +257,8 @@ def _release(paths) -> int:
 
 def release(client, sources) -> None:
     """Close the HDF5 files of ``sources`` on every worker (the product is over: the client
-    may now write into such a file, or the user replace it). ``.npy`` maps and zarr arrays
-    stay open: they hold no lock and see no stale metadata."""
+    may now write into such a file, or the user replace it). Zarr arrays stay open: they
+    hold no lock and see no stale metadata (``.npy`` maps last one read: ``_opened``)."""
     paths = sorted({s.path for s in sources if s is not None and s.kind == "h5"})
     if not paths:
         return
