@@ -527,7 +527,8 @@ def _check_out(out, ops: Operands):
     (``_validate``: numpy's casting rule)."""
     shape = ops.batch + ((ops.m,) if not ops.a_vector else ()) + ((ops.n,) if not ops.b_vector else ())
     if ops.family == "dask":
-        raise ValueError("matmul: out= is not supported for dask operands (the result is lazy)")
+        # numpy hands such a call to dask, whose matmul takes no out= (TypeError)
+        raise TypeError("matmul: out= is not supported for dask operands (the result is lazy)")
     out_shape = tuple(out.shape)
     core = len(shape) - len(ops.batch)
     if len(out_shape) < len(shape):  # numpy's flexible core dimensions decide: ask it

@@ -35,6 +35,9 @@ def single_out(out):
                             or isinstance(out, np.generic)  # a numpy scalar: not an array
                             or is_sparse(out)):  # numpy: "return arrays must be of ArrayType"
         raise TypeError(f"matmul: out must be a dense array, got {type(out).__name__}")
+    if out is not None and array_family(out) == "dask":  # numpy hands it to dask: no out=
+        raise TypeError("matmul: out cannot be a dask array (dask arrays are immutable; "
+                        "the result of dask operands is a lazy dask array)")
     if getattr(getattr(out, "flags", None), "writeable", True) is False:
         raise ValueError("matmul: output array is read-only")  # numpy's first check of out
     return out

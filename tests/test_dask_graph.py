@@ -105,3 +105,18 @@ def test_k_groups_sit_on_chunk_edges():
     # crowded edges never merge two groups
     geo = Geometry.of(plan, ((64,), (1, 1, 998)), ((1000,), (64,)), follow_chunks=True)
     assert geo.k_groups == (0, 1, 2, 1000)
+
+
+def test_a_dask_out_or_out_with_dask_operands_is_numpys_type_error():
+    """numpy hands both calls to dask, whose matmul takes no ``out=``: TypeError. A dask
+    ``out`` with numpy operands was ignored (the result went to ``np.copyto``, which dask
+    does not implement: ``out`` stayed zeros)."""
+    import dask.array as da
+
+    a, b = np.ones((5, 4)), np.ones((4, 3))
+    for x, y, out in ((a, b, da.zeros((5, 3))), (da.from_array(a), da.from_array(b),
+                                                  np.zeros((5, 3)))):
+        with pytest.raises(TypeError):
+            np.matmul(x, y, out=out)
+        with pytest.raises(TypeError, match="out"):
+            distmm.matmul(x, y, out=out)
