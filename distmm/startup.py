@@ -78,6 +78,8 @@ def guard():
     try:
         yield
     except (KeyboardInterrupt, Signalled) as exc:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second one (a launcher ending the
+            signal.signal(signum, signal.SIG_IGN)  # rank) raised in here: a traceback
         interrupted = isinstance(exc, KeyboardInterrupt)
         let_rank_zero_say()
         command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")

@@ -329,6 +329,23 @@ def test_signal_while_the_command_imports_is_its_one_line(tmp_path, module, sign
     assert one_line(r) == line + "\n" and r.stdout == ""
 
 
+def test_a_second_signal_while_the_first_is_said_changes_nothing(tmp_path):
+    """A rank other than 0 (it waits for rank 0's line first) gets SIGINT while it imports,
+    then SIGTERM as its launcher ends it: still the first signal's one line and status (the
+    second raised inside the guard: a traceback, seen once under a loaded mpirun)."""
+    env = _signal_at_import(tmp_path, "distmm.api", "SIGINT", ranks=("1",))
+    (tmp_path / "sitecustomize.py").write_text(
+        (tmp_path / "sitecustomize.py").read_text().replace(
+            "            os.kill(os.getpid(), signal.SIGINT)",
+            "            import threading, time\n"
+            "            threading.Thread(target=lambda: (time.sleep(0.3), os.kill(os.getpid(), "
+            "signal.SIGTERM))).start()\n"
+            "            os.kill(os.getpid(), signal.SIGINT)"))
+    r = run_cli("plan", 64, 64, 64, env={**env, "OMPI_COMM_WORLD_RANK": "1"})
+    assert r.returncode == 130, r.stderr
+    assert one_line(r) == "distmm plan: error: interrupted (SIGINT)\n"
+
+
 def test_a_program_importing_distmm_keeps_python_s_signal_handling(tmp_path):
     """Outside the command, importing distmm installs no handler: SIGTERM keeps its default
     action, and a Ctrl-C during the import is the caller's KeyboardInterrupt."""

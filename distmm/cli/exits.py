@@ -128,7 +128,7 @@ def _signal_error(signum: int) -> BaseException:
 
 def terminate_on_sigterm():
     """Raise ``Signalled`` in the main thread on SIGTERM (once: a second
-    signal during cleanup is ignored), and ``KeyboardInterrupt`` on SIGINT, each
+    signal, either, during cleanup is ignored), and ``KeyboardInterrupt`` on SIGINT, each
     recorded first (``raise_if_signalled``). Where such an exception is raised
     inside code whose errors Python only prints ("Exception ignored in": a
     garbage-collection callback, a finaliser, as while a Dask cluster starts or
@@ -136,7 +136,8 @@ def terminate_on_sigterm():
     ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
-        signal.signal(signum, signal.SIG_IGN)
+        for each in (signal.SIGTERM, signal.SIGINT):  # once, either: the other arriving
+            signal.signal(each, signal.SIG_IGN)  # during the cleanup would escape it
         _received.append(signum)
         raise _signal_error(signum)
 
