@@ -385,14 +385,7 @@ sizes = [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211]
         assert len(load([out])) == len(records)
         assert out.read_text().endswith("\n")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in family:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        proc.stdout.close()
+        _kill_all(proc, family)
 
 
 @pytest.mark.slow
@@ -439,15 +432,23 @@ chunk = 64
         assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert 1 <= len(load([out])) < 8 and out.read_text().endswith("\n")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in family:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        proc.stdout.close()
-        proc.stderr.close()
+        _kill_all(proc, family)
+
+
+def _kill_all(proc, family) -> None:
+    """The study's runner and the processes it started, whatever the test left running."""
+    import psutil
+
+    if proc.poll() is None:
+        proc.kill()
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 # ---------------------------------------------------------------- the records file
