@@ -1,6 +1,7 @@
 """distmm.cli.io on real files: the pwrite .npy writer and staged output."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -256,3 +257,63 @@ def test_a_replaced_zarr_array_keeps_its_format(tmp_path, fmt):
     z = zarr.open_array(str(c), mode="r")
     assert z.metadata.zarr_format == fmt and z.shape == (2, 3) and (z[...] == 2.0).all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zarr"]
+
+
+def _held_elsewhere(path, mode):
+    """A forked process holding the HDF5 file ``path`` open in ``mode`` (HDF5's file lock)
+    until the returned pipe is closed; returns (pid, the pipe's write end)."""
+    import h5py
+
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: open, say so, wait for the parent to close its end
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            fh = h5py.File(path, mode)
+            os.write(ready_w, b"1")
+            os.read(hold_r, 1)
+            fh.close()
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(hold_r)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    return pid, hold_w
+
+
+def test_an_h5_file_another_process_holds_is_refused_before_any_work(tmp_path):
+    """Another process reading f.h5 (HDF5 locks it) made 'a.npy b.npy -o f.h5:C' fail after
+    the whole product, when copying C into the file; now the free-space check, before any
+    work, refuses it naming the file. An operand of the same file, open in this very process,
+    does not count; a file held for writing is named as such when read."""
+    h5py = pytest.importorskip("h5py")
+    from distmm.cli.io import check_space, open_operand
+
+    f = tmp_path / "f.h5"
+    with h5py.File(f, "w") as fh:
+        fh["A"] = np.ones((3, 2))
+    before = f.read_bytes()
+    pid, hold = _held_elsewhere(f, "r")
+    try:
+        with pytest.raises(ValueError, match=r"cannot add 'C' to .*f\.h5: the file is open in "
+                                             r"another process"):
+            check_space(parse_target(f"{f}:C"), 48)
+        with pytest.raises(ValueError, match=r"f\.h5 is open in another process"):
+            open_operand(f"{f}:A", writable=True)  # -o f.h5:C from f.h5:A
+    finally:
+        os.close(hold)
+        os.waitpid(pid, 0)
+    a = open_operand(f"{f}:A", writable=True)  # this process's own hold
+    check_space(parse_target(f"{f}:C"), 48)
+    a.file.close()
+    pid, hold = _held_elsewhere(f, "r+")
+    try:
+        with pytest.raises(ValueError, match=r"f\.h5 is open in another process"):
+            open_operand(f"{f}:A")
+    finally:
+        os.close(hold)
+        os.waitpid(pid, 0)
+    assert f.read_bytes() == before

@@ -38,8 +38,8 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, put_in_place, reclaimable, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "check_writable", "result_shape", "unreadable",
-           "Target", "NpyWriter", "SUFFIXES"]
+           "check_report", "check_space", "check_writable", "check_unlocked", "result_shape",
+           "unreadable", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
 
@@ -189,6 +189,9 @@ def open_operand(spec: str, *, writable: bool = False):
     except OSError as exc:  # HDF5's own messages: a truncated or damaged file
         if isinstance(exc, PermissionError):
             raise
+        held = _h5_held(exc, t.path)
+        if held:
+            raise ValueError(held) from None
         raise ValueError(f"{t.path} is not a readable HDF5 file ({_why(exc)})") from None
     node = fh.get(t.dataset)
     if not isinstance(node, h5py.Dataset):
@@ -241,6 +244,19 @@ def _check_npy(path: Path) -> None:
     if dtype.hasobject:
         raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
                         f"not unpickle files; save a numeric array")
+
+
+def _h5_held(exc: BaseException, path: Path) -> str | None:
+    """The refusal of an HDF5 file that HDF5 would not open because another process holds it
+    (its file lock), or a writer left it marked open; None for any other error."""
+    text = " ".join(str(exc).split())
+    if "unable to lock file" in text:
+        return (f"{path} is open in another process (HDF5's file lock); close it there, or "
+                f"set HDF5_USE_FILE_LOCKING=FALSE at your own risk")
+    if "already open for write" in text:
+        return (f"{path} is open for writing in another process, or a writer that stopped "
+                f"left it marked open (h5clear -s {path} clears that mark)")
+    return None
 
 
 def _why(exc: BaseException) -> str:
@@ -297,8 +313,11 @@ def check_space(t: Target, nbytes: int) -> None:
     existing file needs room twice, for its staged file and for its copy. The
     space of staged outputs that stopped or killed runs left beside the target
     counts as free: the run resumes (``--resume``) or removes them before it writes. A
-    folder where the staged output cannot be created is refused first (``check_writable``)."""
+    folder where the staged output cannot be created is refused first (``check_writable``),
+    and an existing HDF5 file that another process holds open (``check_unlocked``), into which
+    C could not be copied at the end."""
     check_writable(t)
+    check_unlocked(t)
     freed = reclaimable(t.path, t.dataset)
     if t.kind != "h5":
         check_room(t, t.path.parent, nbytes + (1 << 20) - freed,
@@ -329,6 +348,46 @@ def check_writable(t: Target) -> None:
     why = "is on a read-only file system" if read_only else "is not writable"
     raise PermissionError(f"cannot write {t}: its folder {folder} {why} (distmm stages the "
                           f"output beside its target)")
+
+
+def check_unlocked(t: Target) -> None:
+    """Refuse, naming the target, an existing HDF5 file that another process holds open: HDF5
+    locks a file it opens (shared for reading, exclusive for writing), so the copy of C into it
+    would fail once the whole product is computed. Nothing is checked where this process
+    itself has the file open (an operand of the product: its own lock), or where HDF5's
+    locking is off (``HDF5_USE_FILE_LOCKING=FALSE``).
+
+    Raises
+    ------
+    ValueError
+    """
+    if t.kind != "h5" or not t.path.is_file():
+        return
+    if os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper() == "FALSE":
+        return
+    import fcntl
+
+    import h5py
+
+    own = t.path.resolve()
+    for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):  # an operand's dataset, say
+        try:
+            if Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
+                return
+        except (OSError, ValueError):
+            continue
+    fd = os.open(t.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # HDF5's own lock (flock); closing
+        # the descriptor below releases it
+    except BlockingIOError:
+        raise ValueError(f"cannot add {t.dataset!r} to {t.path}: the file is open in another "
+                         f"process (HDF5's file lock), which would refuse the finished C; "
+                         f"close it there first") from None
+    except OSError:
+        pass  # a file system without flock: HDF5 does not lock there either
+    finally:
+        os.close(fd)
 
 
 def same_file(a: str, b: str) -> bool:
