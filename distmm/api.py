@@ -766,7 +766,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     # where numpy's loop writes into out itself it reports its floating-point flags after,
     # so a FloatingPointError under errstate "raise" leaves out filled: the engine's reports
     # are held until out is; through a buffer (a cast, an overlap) out stays as it was
-    fills = _loop_writes_out(out, ops, (a, b))
+    # (an object product's elements report their own flags as numpy's, as they go)
+    fills = _loop_writes_out(out, ops, (a, b)) and ops.dtype != object
     with fpflags.collect() if fills else contextlib.nullcontext(set()) as seen:
         if _writes_direct(out, ops, eng):
             # Tiles go straight into out (a memmap or zarr output is filled tile by tile).

@@ -951,3 +951,41 @@ def test_ctrl_c_stops_a_long_double_product_at_once():
         if t.name.startswith("distmm-local"):
             t.join(30)
     assert elapsed < 2.5, f"KeyboardInterrupt came {elapsed:.1f} s after the product started"
+
+
+@pytest.mark.parametrize("kw", [{}, {"tile": 2}, {"backend": "numba", "engine": "local"}])
+def test_float16_nans_are_numpys_bits(kw):
+    """float16 results are numpy's bits, NaNs too: numpy's half loop's NaN (its sign and
+    payload) follows its order of operations (inf * 0 gives the negative default NaN, a
+    NaN term keeps the first NaN); the numba kernel's sums kept another one."""
+    neg = np.float16(-np.nan)
+    pay = np.array([0x7E05], np.uint16).view(np.float16)[0]
+    a = np.array([[np.inf, 0, np.nan], [np.nan, 1, 1], [neg, 1, 1], [pay, 1, 2], [1, 2, 3]],
+                 np.float16)
+    b = np.array([[0, 1, 1, 1], [np.inf, neg, np.nan, 1], [1, 1, 1, pay]], np.float16)
+    with np.errstate(all="ignore"):
+        want = np.matmul(a, b)
+        got = distmm.matmul(a, b, **kw)
+    assert np.isnan(want).sum() > 10
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("tile", [None, 1, 2])
+def test_object_out_keeps_the_elements_before_a_failing_one_as_numpy(tile):
+    """numpy's object loop writes out element by element: when an element's arithmetic
+    raises, the elements before it stay written; one tile left out untouched."""
+    class Bad:
+        def __mul__(self, other):
+            raise ValueError("no product")
+
+        __rmul__ = __mul__
+
+    a = np.arange(16.0).reshape(4, 4).astype(object)
+    a[2, 1] = Bad()
+    b = np.ones((4, 3)).astype(object)
+    want, got = np.zeros((4, 3), object), np.zeros((4, 3), object)
+    with pytest.raises(ValueError, match="no product"):
+        np.matmul(a, b, out=want)
+    with pytest.raises(ValueError, match="no product"):
+        distmm.matmul(a, b, out=got, tile=tile)
+    assert got.tolist() == want.tolist()

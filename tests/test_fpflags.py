@@ -250,3 +250,38 @@ def test_collect_holds_back_and_as_matmul_reports_once():
             with as_matmul():
                 np.array([1e308]) * 10
                 np.array([np.inf]) * 0
+
+
+def _int8_objects(rng, shape):
+    x = np.empty(shape, dtype=object)
+    x.ravel()[:] = [np.int8(v) for v in rng.integers(-100, 100, x.size)]
+    return x
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", "call"])
+@pytest.mark.parametrize("kw", [{}, {"tile": 2}, {"tile": (2, 2, 2)}],
+                         ids=["one-tile", "tiles", "tk-2"])
+def test_object_elements_report_as_numpys_scalars(kw, mode):
+    """Object elements that are numpy scalars report their own flags, in the calling thread,
+    as numpy's object loop does: "overflow encountered in scalar multiply" (and "... scalar
+    add"), the first one raised under "raise". Tiles and stacks said "... in matmul"."""
+    rng = np.random.default_rng()
+    a, b = _int8_objects(rng, (2, 5, 6)), _int8_objects(rng, (6, 4))
+    want = outcome(np.matmul, a, b, mode)
+    got = outcome(lambda x, y: distmm.matmul(x, y, engine="local", **kw), a, b, mode)
+    assert got == want
+    assert want[2] == ["overflow"] if mode == "call" else "in scalar multiply" in str(want)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(distmm.matmul(a, b, engine="local", **kw),
+                                      np.matmul(a, b))
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", "call"])
+@pytest.mark.parametrize("kw", [{}, {"tile": 1}], ids=["one-tile", "tiles"])
+def test_float16_reports_several_flags_in_numpys_order(kw, mode):
+    """An overflow (the float16 rounding) and an invalid (inf * 0) in one product: numpy
+    reports them together, overflow first; one tile raised the kernel's invalid first."""
+    a = np.array([[60000, 1], [np.inf, 1]], np.float16)
+    b = np.array([[4, 0], [0, 1]], np.float16)
+    want = outcome(np.matmul, a, b, mode)
+    assert outcome(lambda x, y: distmm.matmul(x, y, engine="local", **kw), a, b, mode) == want

@@ -10,6 +10,7 @@ It does *not* cover: clusters (``distmm.engine.dask``), MPI
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 
 import numpy as np
@@ -88,7 +89,18 @@ class LocalEngine(Engine):
 
 def _one_tile(plan: Plan, a, b, executor, out):
     """A product of one tile and one k group (small products): no pool, no bar."""
-    acc = finish_tile(plan, tile_partial(executor, plan, a, b))
+    if out is not None and plan.dtype == "object" and isinstance(out, np.ndarray):
+        # numpy's object loop writes out element by element: an element whose arithmetic
+        # raises leaves the elements before it written, as numpy's own call does
+        return np.matmul(executor.asarray(a, np.dtype(object)),
+                         executor.asarray(b, np.dtype(object)), out=out)
+    if plan.acc_dtype != plan.dtype and np_dtype(plan.dtype).kind == "f":
+        # the kernel's flags and its sum's rounding (float16) are reported once, in numpy's
+        # order (overflow before invalid under errstate "raise"), as for a tiled product
+        with as_matmul():
+            acc = finish_tile(plan, tile_partial(executor, plan, a, b))
+    else:
+        acc = finish_tile(plan, tile_partial(executor, plan, a, b))
     if out is None:
         result = executor.to_host(acc) if acc.dtype == np_dtype(plan.dtype) else acc
         # the numba kernel's C is a view of a buffer with padded rows; numpy's is contiguous
@@ -158,6 +170,11 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
         return out
     if threads is None:
         threads = 1 if executor.threads_inside(plan.acc_dtype) else plan.workers
+    if np_dtype(plan.acc_dtype) == object:
+        # numpy's object loop holds the GIL (threads would add nothing) and its elements'
+        # arithmetic (numpy scalars) reports its own flags, "in scalar multiply" or "in
+        # scalar add", under the caller's errstate: its tiles run in the caller's thread
+        threads = 1
     batch_index = list(np.ndindex(*batch))  # broadcast views are indexed, never reshaped (no copies)
     bar = _progress_bar(progress, plan, len(batch_index))
     try:
@@ -179,16 +196,21 @@ def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
                 bar.update(plan.grid[0] * plan.grid[1])
         return out
 
-    with as_matmul() as flags:  # numpy's floating-point reports, once for the product
-        return _tiles(plan, a, b, executor, threads, out, batch_index, bar, flags)
+    # numpy's floating-point reports, once for the product; an object product's elements
+    # report their own as they go (in this thread, as numpy's object loop)
+    own = np_dtype(plan.acc_dtype) == object
+    with contextlib.nullcontext(set()) if own else as_matmul() as flags:
+        return _tiles(plan, a, b, executor, threads, out, batch_index, bar, flags, own)
 
 
-def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flags: set):
+def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flags: set,
+           own: bool = False):
     # Index with one tuple (batch index + slices) so that on-disk arrays read
     # and write only the panel at hand.
     def task(idx, i, j, s):
         ks = plan.k_slice(s)
-        with collect() as seen:  # a pool thread: its flags go to the caller's report
+        # a pool thread: its flags go to the caller's report (own: the tile reports them)
+        with contextlib.nullcontext(set()) if own else collect() as seen:
             part = tile_partial(executor, plan, a[idx + (plan.row_slice(i), ks)],
                                 b[idx + (ks, plan.col_slice(j))])
         return executor.to_host(part), seen

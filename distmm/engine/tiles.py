@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from distmm.fpflags import as_matmul
 from distmm.plan import Plan, np_dtype
 
@@ -26,7 +28,37 @@ def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any) -> Any:
     acc = np_dtype(plan.acc_dtype)
     a_dev = executor.asarray(a_panel, acc)
     b_dev = executor.asarray(b_panel, acc)
-    return executor.panel_product(a_dev, b_dev, plan.tile[2])
+    part = executor.panel_product(a_dev, b_dev, plan.tile[2])
+    if (plan.dtype == "float16" and plan.precision == "highest" and isinstance(part, np.ndarray)
+            and part.dtype != np.float16):
+        _half_nans(part, a_dev, b_dev)
+    return part
+
+
+def _half_nans(part, a, b) -> None:
+    """The NaNs of a float16 product's float32 sums (distmm's kernels: the panels hold
+    all of k) given numpy's half loop's bits: which NaN an element ends with (its sign and
+    payload) follows the order of that loop's operations, which the kernels do not keep.
+    Only the NaN elements are computed again by numpy's own loop, at its speed: one by one
+    (a stack of row @ column products), or where they are dense, the block of their rows
+    and columns (a product that is NaN throughout takes numpy's time)."""
+    nan = np.isnan(part)
+    i, j = np.nonzero(nan)
+    if not i.size:
+        return
+    rows, cols = np.flatnonzero(nan.any(1)), np.flatnonzero(nan.any(0))
+    with np.errstate(all="ignore"):  # the flags were reported with the product
+        if i.size * 8 > rows.size * cols.size:
+            sub = np.ix_(rows, cols)
+            again = np.matmul(a[rows].astype(np.float16), b[:, cols].astype(np.float16))
+            part[sub] = np.where(nan[sub], again.astype(part.dtype), part[sub])
+            return
+        step = max(1, (32 << 20) // max(4 * a.shape[1], 1))  # 32 MiB of rows and columns
+        for s in range(0, i.size, step):
+            r, c = i[s:s + step], j[s:s + step]
+            again = np.matmul(a[r].astype(np.float16)[:, None, :],
+                              b[:, c].T.astype(np.float16)[:, :, None])
+            part[r, c] = again[:, 0, 0]
 
 
 def reduce_partials(plan: Plan, partials: Sequence[Any]) -> Any:

@@ -54,7 +54,8 @@ class CPUExecutor(Executor):
     def threads_inside(self, dtype: np.dtype) -> bool:
         # numpy's matmul hands only these to its multi-threaded BLAS; its own loops (float16,
         # long double, integers, object) run on one thread, without a signal check, so their
-        # tiles need the engine's pool (a Ctrl-C waited for the whole product)
+        # tiles need the engine's pool (a Ctrl-C waited for the whole product); the local
+        # engine runs object tiles in the caller's thread (the loop holds the GIL)
         return self.backend == "blas" and np.dtype(dtype) in _BLAS_DTYPES
 
     def supports(self, dtype: np.dtype) -> bool:
