@@ -968,12 +968,9 @@ def test_a_signal_after_c_is_in_place_changes_nothing(tmp_path, batch_env):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
-@pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
-                         ids=["one process", "2 ranks"])
-def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, ranks):
-    """Another run (or the user) writes C while this one computes: without --overwrite it is
-    kept and this run fails in one line, its staged output removed (the commit replaced it)."""
-    _operands(tmp_path, 300, 700, 200, "float64", seed=12)
+def _meanwhile(tmp_path, cmd, batch_env, ranks, action):
+    """``distmm matmul a.npy b.npy -o c.npy`` (one process, or under ``ranks`` ranks), held
+    with SIGSTOP once its staged output exists while ``action()`` runs; (status, stderr)."""
     argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy"]
     line = cmd(ranks, *argv) if ranks else [sys.executable, "-m", "distmm", *argv]
     proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -983,17 +980,53 @@ def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, rank
         while not list(tmp_path.glob(".c.npy.distmm-partial-*")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.002)
-        os.killpg(proc.pid, signal.SIGSTOP)  # held while the other C is written
-        np.save(tmp_path / "c.npy", np.arange(3.0))
-        os.killpg(proc.pid, signal.SIGCONT)
+        held = [proc.pid, *_rank_pids(proc.pid)]  # Open MPI's ranks: groups of their own
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        action()
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert proc.returncode != 0
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
+                         ids=["one process", "2 ranks"])
+def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, ranks):
+    """Another run (or the user) writes C while this one computes: without --overwrite it is
+    kept and this run fails in one line, its staged output removed (the commit replaced it)."""
+    _operands(tmp_path, 300, 700, 200, "float64", seed=12)
+    status, err = _meanwhile(tmp_path, cmd, batch_env, ranks,
+                             lambda: np.save(tmp_path / "c.npy", np.arange(3.0)))
+    assert status != 0
     first = err.splitlines()[0]
     assert first.startswith("distmm matmul: error:") and "c.npy exists" in first, err
     assert "--overwrite" in first
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+@pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
+                         ids=["one process", "2 ranks"])
+def test_an_input_rewritten_while_the_run_computes_is_not_multiplied(tmp_path, cmd, batch_env,
+                                                                    ranks):
+    """B edited in place (same size) while the product runs: C would mix old and new data,
+    so it is not written; one line naming B, status 2, no staged output left."""
+    _operands(tmp_path, 300, 700, 200, "float64", seed=14)
+
+    def edit():
+        time.sleep(0.05)  # past the file system's clock tick (a jiffy) after the run's look
+        b = np.load(tmp_path / "b.npy", mmap_mode="r+")
+        b[0, 0] += 1
+        b.flush()
+
+    status, err = _meanwhile(tmp_path, cmd, batch_env, ranks, edit)
+    assert status == 2, err
+    assert err.splitlines()[0] == ("distmm matmul: error: input B (b.npy) changed: its "
+                                   "modification time differs while the product ran; c.npy "
+                                   "was not written"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]

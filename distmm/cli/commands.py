@@ -241,6 +241,7 @@ def _cmd_matmul(args) -> int:
     from distmm.cli.io import (check_shapes, check_target, open_operand, operands_dtype,
                                parse_target, result_shape, same_file, staged_output,
                                unreadable)
+    from distmm.engine.mpi.resume import inputs_now
     from distmm.stripe_writer import check_dtype
 
     if _every_rank_refuses(_mpi_run, args):
@@ -259,6 +260,10 @@ def _cmd_matmul(args) -> int:
     engine = "dask" if client is not None else args.engine
     options = {} if args.progress is None else {"distmm.progress": args.progress}
     shape = result_shape(a, b)
+    # what identifies the inputs, compared again before C is moved into place (not where C
+    # goes into an input's own HDF5 file: that file is open for writing)
+    inputs = None if same_file(args.a, args.output) or same_file(args.b, args.output) else \
+        inputs_now(args.a, a, args.b, b)
     t0 = time.perf_counter()
     try:
         # bad input was refused above: a killed run's staged files (those --resume would
@@ -278,6 +283,7 @@ def _cmd_matmul(args) -> int:
                     c[...] = np.asarray(distmm.matmul(
                         np.asarray(a), np.asarray(b), engine=engine, client=client,
                         backend=args.backend, tile=args.tile, precision=precision))
+                _check_unchanged(inputs, args, a, b)
     except Exception as exc:
         named = unreadable(exc, {args.a: a, args.b: b})  # a read's error, with its file
         if named is None:
@@ -289,6 +295,15 @@ def _cmd_matmul(args) -> int:
     seconds = time.perf_counter() - t0
     print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
     return 0
+
+
+def _check_unchanged(before, args, a, b) -> None:
+    """Refuse to move C into place where an input was rewritten while the product ran."""
+    from distmm.engine.mpi.resume import inputs_now, mismatch
+
+    why = None if before is None else mismatch(before, inputs_now(args.a, a, args.b, b))
+    if why:
+        raise ValueError(f"{why} while the product ran; {args.output} was not written")
 
 
 def _remove_leftovers(output: str) -> None:

@@ -179,6 +179,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
     error: BaseException | None = None
     pid = None
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    # rank 0: what identifies the inputs, compared again before C is moved into place
+    inputs = rs.inputs_now(args.a, a, args.b, b) if comm.rank == 0 else None
     with _signals_to(watch):
         try:
             start = time.perf_counter()
@@ -273,14 +275,23 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             outcome.status, outcome.message = origin[0], origin[1]
             outcome.error = error
         with phases.phase("commit"):
-            commit_error = None
+            commit_error = changed = None
             if comm.rank == 0 and pid is not None:
                 try:
-                    commit_error = _finish(args, pid, ok=not failures, keep=bool(args.resume))
+                    changed = None if failures else rs.mismatch(inputs, rs.inputs_now(
+                        args.a, a, args.b, b))
+                    if changed:  # C would mix old and new data: not moved into place
+                        _finish(args, pid, ok=False, keep=False)
+                    else:
+                        commit_error = _finish(args, pid, ok=not failures,
+                                               keep=bool(args.resume))
                 except Exception as exc:  # noqa: BLE001
                     commit_error = f"{type(exc).__name__}: {exc}"
-            commit_error = comm.bcast(commit_error, root=0)
-        if commit_error and not failures:
+            commit_error, changed = comm.bcast((commit_error, changed), root=0)
+        if changed:  # bad input, found while reading it: as the single-process command's
+            outcome.status = 2
+            outcome.message = f"{changed} while the product ran; {args.output} was not written"
+        elif commit_error and not failures:
             outcome.status = 1
             outcome.message = f"writing {args.output} failed while moving it into place ({commit_error})"
         if failures and args.resume and pid is not None and comm.rank == 0:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from distmm.staging import MANIFEST_SUFFIX
 
-__all__ = ["Manifest", "input_facts", "manifest_path", "done_log_path", "read_done",
+__all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
            "DoneLog", "mismatch", "short"]
 
 FORMAT = "distmm-resume-1"
@@ -171,6 +171,13 @@ class Manifest(dict):
 _FIELDS = (("format", str), ("a", dict), ("b", dict), ("output", str), ("dtype", str),
            ("backend", str), ("ranks", int), ("grid", list), ("stripe_edges", list),
            ("panels", list), ("pid", int), ("header", (int, type(None))))
+
+
+def inputs_now(a_spec: str, a, b_spec: str, b) -> dict:
+    """The inputs' facts as ``mismatch`` compares them: taken when a product starts and again
+    before its C is moved into place, an input rewritten meanwhile is found (its C would mix
+    old and new data)."""
+    return {"a": input_facts(a_spec, a), "b": input_facts(b_spec, b)}
 
 
 def mismatch(old: dict, new: dict) -> str | None:
