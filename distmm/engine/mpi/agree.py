@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import decimal
 import fractions
+import functools
 import hashlib
 import io
+import math
 import pickle
 
 import numpy as np
@@ -106,14 +108,16 @@ def fingerprint(x, count: int = 1024) -> bytes:
     otherwise (an object's bytes are its address, its pickle may hold a set's order)."""
     if x.size == 0:
         return b""
-    index = np.unravel_index(np.unique(np.linspace(0, x.size - 1, min(count, x.size))
-                                       .astype(np.int64)), x.shape)
-    if not isinstance(x, np.ndarray):  # a device array: its elements gathered there
-        import cupy
-
-        picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
+    if x.size <= count and isinstance(x, np.ndarray):
+        picked = x.reshape(-1)  # every element, in the order of the sample below
     else:
-        picked = x[index]
+        index = _sample_index(tuple(x.shape), count)
+        if not isinstance(x, np.ndarray):  # a device array: its elements gathered there
+            import cupy
+
+            picked = cupy.asnumpy(x[tuple(cupy.asarray(i) for i in index)])
+        else:
+            picked = x[index]
     if picked.dtype.kind == "O":
         text = "\0".join(f"{type(v).__name__} {v!r}" if type(v) in _PLAIN or
                           isinstance(v, np.generic) else type(v).__qualname__ for v in picked)
@@ -121,6 +125,18 @@ def fingerprint(x, count: int = 1024) -> bytes:
     if picked.dtype.itemsize > 8 and picked.dtype.kind in "fc":
         picked = picked.astype(np.complex128 if picked.dtype.kind == "c" else np.float64)
     return hashlib.blake2b(np.ascontiguousarray(picked).tobytes(), digest_size=8).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_index(shape: tuple, count: int) -> tuple:
+    """The indices of ``fingerprint``'s sample of an array of ``shape`` (made once per shape:
+    they cost more than the gather itself, on every call of ``engine="mpi"``)."""
+    size = math.prod(shape)
+    index = np.unravel_index(np.unique(np.linspace(0, size - 1, min(count, size))
+                                       .astype(np.int64)), shape)
+    for i in index:
+        i.flags.writeable = False
+    return index
 
 
 def differing(mine, theirs) -> str:
