@@ -209,14 +209,17 @@ def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi
             time.sleep(0.01)
         return proc
 
-    first = started([*line, "--resume"], lambda: logged() >= 3, "0.1")
+    # --overwrite: the resumed run commits after the other two wrote C (without it, a C
+    # written while a run computes is kept and that run fails)
+    first = started([*line, "--resume", "--overwrite"], lambda: logged() >= 3, "0.1")
     first.terminate()
     assert first.wait(60) == 143
     [staged] = [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
                 if re.fullmatch(r".*-partial-\d+", p.name)]
     done = logged()
     # the resumed run's stripes pause long enough (21 x 0.6 s) for both other runs to end
-    resumed = started([*line, "--resume"], lambda: is_live(staged) and logged() > done, "0.6")
+    resumed = started([*line, "--resume", "--overwrite"],
+                      lambda: is_live(staged) and logged() > done, "0.6")
     for extra in ([], ["--resume"]):
         r = subprocess.run([*line, "--overwrite", *extra], capture_output=True, text=True,
                            timeout=300, env=env)

@@ -180,7 +180,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
     pid = None
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     # rank 0: what identifies the inputs, compared again before C is moved into place
-    inputs = rs.inputs_now(args.a, a, args.b, b) if comm.rank == 0 else None
+    try:
+        inputs = rs.inputs_now(args.a, a, args.b, b) if comm.rank == 0 else None
+    except OSError:  # not looked at again, then (the ranks' own reads will say what is wrong)
+        inputs = None
     with _signals_to(watch):
         try:
             start = time.perf_counter()
@@ -264,22 +267,26 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 outcome.written_direct = writer.written_direct
             if log is not None:
                 log.close()
-        _close_sources(a, b)
         with phases.phase("wait"):
             mine_report = None if error is None else (*_judged(error, judge),
                                                       isinstance(error, PeerStopped))
             reports = comm.allgather(mine_report)
         failures = [rep for rep in reports if rep is not None]
+        changed = None
+        if inputs and not failures:  # rank 0, once every rank has read all it reads: the
+            try:  # inputs looked at again, while they are open
+                changed = rs.mismatch(inputs, rs.inputs_now(args.a, a, args.b, b))
+            except OSError as exc:  # deleted, say
+                changed = f"an input can no longer be looked at ({exc})"
+        _close_sources(a, b)
         if failures:
             origin = next((rep for rep in failures if not rep[2]), failures[0])
             outcome.status, outcome.message = origin[0], origin[1]
             outcome.error = error
         with phases.phase("commit"):
-            commit_error = changed = None
+            commit_error = None
             if comm.rank == 0 and pid is not None:
                 try:
-                    changed = None if failures else rs.mismatch(inputs, rs.inputs_now(
-                        args.a, a, args.b, b))
                     if changed:  # C would mix old and new data: not moved into place
                         _finish(args, pid, ok=False, keep=False)
                     else:
