@@ -216,16 +216,22 @@ def _file_sink(client, out, rows, cols):
 
 def _let_go(client, futures, scattered) -> None:
     """After a failed product (a task's error, lost workers, a Ctrl-C): cancel the round's
-    tasks still queued or held and the operands' blocks sent or read, as dask's own compute
-    lets go of its futures. Otherwise the futures, held by the error's traceback (an
+    tasks still queued or held, and release the operands' blocks sent or read, as dask's own
+    compute lets go of its futures. Otherwise the futures, held by the error's traceback (an
     interactive session keeps the last one), keep the cluster computing blocks nobody
-    gathers and holding them and the operands in the workers' memory."""
-    held = list(futures) + [f for sc in scattered for by in sc.futures.values()
-                            for f in by.values()]
-    if not held or getattr(client, "status", "running") != "running":
+    gathers and holding them and the operands in the workers' memory. The blocks are
+    released (``Future.release``), not cancelled: cancelling a block goes on to its
+    dependents, and distributed's scheduler asserts on one that no future holds (the
+    client's stream then broke, and the run's line said the scheduler was lost)."""
+    for sc in scattered:
+        for by in sc.futures.values():
+            for f in by.values():
+                f.release()  # this client's hold on the block, whatever else refers to it
+        sc.futures.clear()
+    if not futures or getattr(client, "status", "running") != "running":
         return  # a closed client's futures went with it
     try:
-        client.cancel(held)
+        client.cancel(list(futures))
     except Exception:  # noqa: BLE001 - the cluster in trouble: the call's own error stands
         pass
 
