@@ -277,6 +277,7 @@ def random_array(shape, chunks, dtype, *, seed: int, gpu: bool):
     ``gpu``, numpy otherwise); the same ``(seed, chunks)`` gives the same values and keys."""
     import dask.array as da
     from dask.array.core import normalize_chunks
+    from dask.base import tokenize
 
     dt = np.dtype(dtype)
     chunks = normalize_chunks(chunks, tuple(shape), dtype=dt)
@@ -286,8 +287,11 @@ def random_array(shape, chunks, dtype, *, seed: int, gpu: bool):
         meta = cupy.empty((0,) * len(shape), dtype=dt)
     else:
         meta = np.empty((0,) * len(shape), dtype=dt)
+    # the whole key, made here: dask 2024.12 takes name= as a prefix (and deprecates token=,
+    # with a FutureWarning on stderr), later versions as the key itself
+    name = f"distmm-random-{tokenize(int(seed), dt.str, bool(gpu), chunks)}"
     return da.map_blocks(_random_chunk, int(seed), dt.str, bool(gpu), chunks=chunks, dtype=dt,
-                         meta=meta, token="distmm-random")
+                         meta=meta, name=name)
 
 
 def _host_chunk(block):
