@@ -532,11 +532,18 @@ def test_after_a_signal_no_ignored_exception_is_printed():
         def __del__(self):
             raise AssertionError("left broken")
 
+    import logging
+
+    records = []
+    logger = logging.getLogger("distmm-test-after-a-signal")
+    logger.addHandler(logging.Handler())
+    logger.handlers[-1].emit = lambda record: records.append(record.getMessage())
     seen = []
     python_hook = sys.unraisablehook
     sys.unraisablehook = lambda info: seen.append(str(info.exc_value))
     previous = terminate_on_sigterm()
     try:
+        logger.warning("before the signal")
         Broken()
         gc.collect()
         assert seen == ["left broken"]
@@ -546,9 +553,14 @@ def test_after_a_signal_no_ignored_exception_is_printed():
         Broken()
         gc.collect()
         assert seen == ["left broken"]
+        # nor a library's log record about the work the signal stops (distributed's
+        # "Couldn't gather 1 keys, rescheduling" came before a SIGTERM's line)
+        logger.warning("after the signal")
     finally:
         restore_signals(previous)
         sys.unraisablehook = python_hook
+    logger.warning("after restore_signals")
+    assert records == ["before the signal", "after restore_signals"]
 
 
 def test_stdout_whose_reader_went_away_ends_quietly():

@@ -24,6 +24,7 @@ It does *not* cover: the commands themselves (``distmm.cli.commands``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -132,13 +133,16 @@ def terminate_on_sigterm():
     recorded first (``raise_if_signalled``). Where such an exception is raised
     inside code whose errors Python only prints ("Exception ignored in": a
     garbage-collection callback, a finaliser, as while a Dask cluster starts or
-    closes), it is not printed, nor is any such error after a signal, and the command
-    ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
+    closes), it is not printed, nor is any such error or log record after a signal, and the
+    command ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
         for each in (signal.SIGTERM, signal.SIGINT):  # once, either: the other arriving
             signal.signal(each, signal.SIG_IGN)  # during the cleanup would escape it
         _received.append(signum)
+        # the command ends with the signal's one line: what libraries log about the work it
+        # stops (distributed: "Couldn't gather 1 keys, rescheduling") is not printed
+        logging.disable(logging.CRITICAL)
         raise _signal_error(signum)
 
     def unraisable(info):
@@ -159,6 +163,8 @@ def restore_signals(previous) -> None:
     sys.unraisablehook = hook
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    if _received:
+        logging.disable(logging.NOTSET)
     _received.clear()
 
 
