@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from distmm.cli.argtypes import positive_size
 from distmm.cli.exits import raise_if_signalled
 from distmm.cli.outputs import check_writable
 
@@ -39,18 +40,6 @@ def _counts(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"device counts must be at least 1, got {value}")
         out.append(value)
     return out
-
-
-def _size(text: str) -> int:
-    from dask.utils import parse_bytes
-
-    try:
-        value = parse_bytes(text)
-    except (ValueError, TypeError, OverflowError):  # OverflowError: '1e400', 'inf'
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
-    return int(value)
 
 
 def add_parsers(sub, common, dtype_type, count_type) -> None:
@@ -100,7 +89,7 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
     m.add_argument("--link", choices=LINKS, default=None,
                    help="the link between ranks (default: nvlink for GPU ranks, ipc for GPU "
                         "workers, mpi-host for CPU ranks, tcp for CPU workers)")
-    m.add_argument("--memory", type=_size, default=None, metavar="SIZE",
+    m.add_argument("--memory", type=positive_size("80GiB"), default=None, metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (default: the calibration's)")
     m.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="devices per host, which share its disk and links (default: the "

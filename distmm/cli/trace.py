@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-from distmm.cli.argtypes import integer_at_least
+from distmm.cli.argtypes import integer_at_least, positive_size
 from distmm.cli.exits import BAD_INPUT, raise_if_signalled
 from distmm.cli.outputs import check_writable
 from distmm.staging import put_in_place, staged_path
@@ -194,19 +194,6 @@ def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
     return tl
 
 
-def _size(text: str) -> int:
-    """An argparse type: a positive number of bytes, such as ``8GB`` or ``8e9``."""
-    from dask.utils import parse_bytes
-
-    try:
-        value = parse_bytes(text) if text.strip() else 0
-    except (ValueError, OverflowError):
-        value = 0
-    if not (isinstance(value, int) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8GB")
-    return value
-
-
 def _save_json(tl, path) -> None:
     """``tl.to_json(path)`` whole or not at all (a staged file, then renamed onto ``path``)."""
     staged = staged_path(path)
@@ -225,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=integer_at_least(1), default=8192,
                    help="matrix size of the traced run")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--device-memory-limit", default=None, type=_size,
+    p.add_argument("--device-memory-limit", default=None, type=positive_size("8GB"),
                    help="device budget, e.g. 8GB (default: distmm.device-memory-limit)")
     p.add_argument("--backend", default="cublas", choices=["cublas", "raw", "auto"])
     p.add_argument("-o", "--output", default="timeline.png",
