@@ -815,6 +815,9 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
             raise
     if comm.size == 1:
         return
+    from distmm.engine.mpi.join import join
+
+    join(comm, "distmm.matmul or distmm.gemm with engine='mpi'")
     mine = None if error is None else " ".join(f"{type(error).__name__}: {error}".split())
     outcomes = comm.allgather((mine, route, key, values))
     if error is not None:

@@ -108,6 +108,8 @@ class Config:
     batch_stripes: int = 8  # stripes per rank of a file-to-file MPI product
     batch_panels: str = "auto"  # auto | read | share | broadcast: how its ranks get their panels
     mpi_cpus: str = "auto"  # auto | keep: a GPU rank bound to one CPU takes its share of the node's
+    mpi_join_warning: float = 60.0  # seconds a rank waits for the others to join a call, then warns
+    mpi_join_timeout: float | None = None  # seconds after which that rank ends the job; None: never
     precision: str = "highest"  # highest | tf32 | bf16 | fp16 (distmm.precision)
     direct_writes: bool = True  # large spans of .npy/HDF5 outputs written with O_DIRECT
     device_keep: float = 2.0  # seconds the pipeline keeps its device pool for the next product
@@ -271,6 +273,8 @@ _PARSERS = {
     "batch-stripes": ("batch_stripes", _positive_int),
     "batch-panels": ("batch_panels", lambda v: _name(v, ("auto", "read", "share", "broadcast"))),
     "mpi-cpus": ("mpi_cpus", lambda v: _name(v, ("auto", "keep"))),
+    "mpi-join-warning": ("mpi_join_warning", _seconds),
+    "mpi-join-timeout": ("mpi_join_timeout", lambda v: None if v is None else _seconds(v)),
     "direct-writes": ("direct_writes", _required_bool),
     "precision": ("precision", lambda v: _name(v.strip().lower() if isinstance(v, str) else v,
                                                PRECISIONS)),

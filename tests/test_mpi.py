@@ -157,6 +157,65 @@ INTERRUPT_SCRIPT = ABORT_SCRIPT.replace('''    def boom(self, a, b, tk=256):
         time.sleep(30)''')
 
 
+JOIN_SCRIPT = """
+import logging, os, sys, time
+import numpy as np
+from mpi4py import MPI
+import distmm
+
+comm = MPI.COMM_WORLD
+flag = sys.argv[1]
+a = np.arange(64.0).reshape(8, 8)
+
+
+class Flag(logging.StreamHandler):  # rank 0's warning on stderr, and seen by rank 1 as a file
+    def emit(self, record):
+        super().emit(record)
+        open(flag, "w").close()
+
+
+logging.getLogger("distmm.engine.mpi").addHandler(Flag())
+if comm.rank == 1:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if sys.argv[2] == "never":
+        distmm.matmul(a, a, engine="local")
+        time.sleep(120)  # never joins: only rank 0's deadline ends the job
+c = distmm.matmul(a, a, engine="mpi")
+print(f"rank {comm.rank} ok {np.array_equal(c, a @ a)}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("rank1", ["late", "never"])
+def test_a_rank_that_is_late_to_an_mpi_call_is_warned_about(rank1, tmp_path, mpirun):
+    """Rank 0 waits in matmul(engine='mpi') for rank 1: after mpi-join-warning it logs one
+    warning naming the call; a late rank then joins and both compute the product, while a
+    rank that never joins (it took engine='local') makes rank 0 end the job at
+    mpi-join-timeout with one line, instead of waiting for ever."""
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_SCRIPT)
+    flag = tmp_path / "warned"
+    env = {"DISTMM_MPI_JOIN_WARNING": "0.5s", "DISTMM_MPI_JOIN_TIMEOUT": "100s"}
+    if rank1 == "never":
+        env["DISTMM_MPI_JOIN_TIMEOUT"] = "4s"
+    r = mpirun(2, script, flag, rank1, timeout=90, env=env)
+    waited = ("rank 0 of 2 has waited 0.5 s for every rank to call distmm.matmul or distmm.gemm "
+              "with engine='mpi'")
+    assert r.stderr.count(waited) == 1, r.stderr[-3000:]
+    assert "rank 1 of 2 has waited" not in r.stderr
+    if rank1 == "late":
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sorted(r.stdout.split("\n")[:2]) == ["rank 0 ok True", "rank 1 ok True"]
+    else:
+        assert r.returncode != 0
+        assert ("distmm: rank 0 of 2 waited 4 s for every rank to call distmm.matmul or "
+                "distmm.gemm with engine='mpi' (mpi-join-timeout): ending the job"
+                in r.stderr), r.stderr[-3000:]
+        assert "ok" not in r.stdout
+
+
 @pytest.mark.mpi
 def test_a_ctrl_c_on_one_rank_ends_the_job_with_130(tmp_path, mpirun):
     """A KeyboardInterrupt on a rank of a user's script mid-product ends every rank, with

@@ -17,6 +17,7 @@ import numpy as np
 
 from distmm._arrays import array_family
 from distmm.engine.mpi.agree import agree
+from distmm.engine.mpi.join import join
 from distmm.grid import BlockLayout
 
 __all__ = ["DistArray", "square_grid"]
@@ -168,6 +169,7 @@ class DistArray:
             rows, cols = grid if grid is not None else square_grid(comm.size)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
+        join(comm, "DistArray.from_local")
         agree(comm, error, (), into=set())
         grids = comm.allgather((rows, cols))
         other = next((r for r, g in enumerate(grids) if g != grids[0]), None)
