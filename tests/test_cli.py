@@ -49,13 +49,22 @@ def test_demo_checks_complex_and_integer_products(dtype, check):
 
 
 def test_demo_and_plan_too_large_say_so_in_one_line():
+    """Sizes too large to plan, or for this machine to hold, are told from the arguments
+    before any work: bad arguments, status 2 (they were a MemoryError's 1, "the run
+    started and failed")."""
     r = run_cli("demo", "-n", 99999999999, "--engine", "local")
-    assert r.returncode == 1
+    assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
     assert "-n 99999999999 float64" in r.stderr and "GiB" in r.stderr, r.stderr
+    assert "MemoryError" not in r.stderr, r.stderr
     r = run_cli("plan", 99999999999999, 8, 8)
-    assert r.returncode == 1
+    assert r.returncode == 2, r.stderr
     assert "tiles along one axis" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = run_cli("plan", 10**7, 10**7, 10**7, "--ranks", 8)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("distmm plan: error: a 10000000 x 10000000 result in tiles "
+                               "of "), r.stderr
+    assert "tiles; a plan lists at most" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 @pytest.mark.parametrize("fmt", ["npy", "zarr", "h5"])

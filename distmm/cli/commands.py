@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from distmm.cli.argtypes import integer_at_least
+from distmm.cli.argtypes import integer_at_least, matmul_dtype
 from distmm.cli.exits import (BAD_INPUT, Signalled, raise_if_signalled, report,
                               restore_signals, terminate_on_sigterm,
                               whole_line_writes)
@@ -35,20 +35,6 @@ class _Parser(argparse.ArgumentParser):
         # under a launcher every rank parses the same arguments: rank 0 says it once
         self.exit(BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} "
                              f"(see {self.prog} --help)\n" if rank_zero() else None)
-
-
-def _dtype(text: str):
-    """An argparse type: a dtype numpy's matmul takes, as the API checks it."""
-    import numpy as np
-
-    from distmm.plan import result_dtype
-
-    try:
-        dt = np.dtype(text)
-        result_dtype(dt, dt)
-    except TypeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype matmul takes ({exc})") from None
-    return dt
 
 
 _positive = integer_at_least(1)
@@ -75,21 +61,32 @@ _count = integer_at_least(0, "must not be negative")
 
 def _cmd_plan(args) -> int:
     from distmm.api import make_plan
+    from distmm.plan import result_dtype
 
     tile = None
     if args.tile:
         if len(args.tile) not in (1, 3):
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
-    # distmm.matmul's own planning: the configured tile, backend and memory budget
-    plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
-                     backend=args.backend)
-    grid = None
-    if args.ranks:
-        from distmm.grid import make_grid
+    result = result_dtype(args.dtype, args.dtype)  # float32 for bfloat16, as numpy's matmul
+    try:
+        # distmm.matmul's own planning: the configured tile, backend and memory budget
+        plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
+                         backend=args.backend)
+        grid = None
+        if args.ranks:
+            from distmm.grid import make_grid
 
-        grid = make_grid(args.m, args.n, args.k, args.dtype, ranks=args.ranks)
+            grid = make_grid(args.m, args.n, args.k, result, ranks=args.ranks)
+    except MemoryError as exc:
+        # more tiles than a plan lists: told from the sizes alone, before any work (bad
+        # arguments, status 2), as numpy's "array is too big" is a ValueError
+        raise ValueError(str(exc) or f"a {args.m} x {args.n} x {args.k} product is too large "
+                                     f"to plan") from None
     _note_gpu_budget(args.backend)
+    if result != args.dtype:
+        print(f"distmm plan: note: numpy's matmul of {args.dtype} operands gives {result}; "
+              f"the plan is for a {result} result", file=sys.stderr)
     print(plan.describe())
     if grid is not None:
         print(grid.describe())
@@ -363,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="multiply random n x n matrices, check against numpy, "
                                    "print the plan and the speed")
     d.add_argument("-n", type=_positive, default=2048, help="matrix size (default 2048)")
-    d.add_argument("--dtype", type=_dtype, default="float64",
+    d.add_argument("--dtype", type=matmul_dtype, default="float64",
                    help="element type, as numpy names it (default float64)")
     d.add_argument("--engine", default="auto", choices=["auto", "local", "dask"],
                    help="auto: an embedded cluster, the dask engine (a LocalCUDACluster of the GPUs "
@@ -395,8 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="tile executor, as for distmm matmul (default auto); it decides "
                          "whether the product runs on a GPU and so its memory budget")
-    pl.add_argument("--dtype", type=_dtype, default="float64",
-                    help="result element type, checked as distmm.matmul does (default float64)")
+    pl.add_argument("--dtype", type=matmul_dtype, default="float64",
+                    help="element type of A and B, checked as distmm.matmul does; the plan is for "
+                         "numpy's result of their product (float32 for bfloat16, which needs "
+                         "ml_dtypes) (default float64)")
     pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",
                     help="C tile size, or three sizes tm tn tk (default: the planner chooses)")
     pl.add_argument("--ranks", type=_positive, default=None,
@@ -480,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from distmm.cli.model import add_parsers as add_model_parsers
 
-    add_model_parsers(sub, common, _dtype, _count)  # distmm calibrate, distmm model
+    add_model_parsers(sub, common, matmul_dtype, _count)  # distmm calibrate, distmm model
 
     from distmm.cli.bench import add_parser as add_bench  # distmm bench STUDY.toml
 

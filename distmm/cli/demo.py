@@ -50,7 +50,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
 
     rng = np.random.default_rng()
     dt = np.dtype(dtype)
-    result_dtype(dt, dt)  # TypeError for non-numeric dtypes before any work
+    res = result_dtype(dt, dt)  # TypeError for non-numeric dtypes before any work
     use_cluster = engine == "dask" or (engine == "auto" and _dask_engine_ready())
     _check_report(report, use_cluster)
     if use_cluster and dt.name in GPU_DEMO_DTYPES:
@@ -58,7 +58,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         if gpus:
             return run_gpu_demo(n=n, dtype=dt.name, gpus=min(gpus, workers or gpus),
                                 backend=backend, distmm=distmm, report=report)
-    _check_fits(n, dt)
+    _check_fits(n, dt, res)
     _check_backend(backend)  # before a cluster starts
     a, b = _operand(rng, n, dt), _operand(rng, n, dt)
     workers = workers or default_workers()
@@ -75,7 +75,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         else:
             print(f"in-process engine: {workers} thread(s)")
         eng = "dask" if use_cluster else "local"
-        plan = distmm.api.plan_for(n, n, n, result_dtype(dt, dt), workers=workers)
+        plan = distmm.api.plan_for(n, n, n, res, workers=workers)
         print(plan.describe())
         # Warm-up at full size on other data (kernel compilation, GPU context, pinned
         # buffers, numba's cache), so the timed run measures the product alone.
@@ -92,11 +92,13 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             seconds = time.perf_counter() - t0
         if report and use_cluster:
             print(f"performance report: {report}")
-        wide = np.complex128 if dt.kind == "c" else np.float64
+        # against a float64 (complex128) product of the same operands, within the result
+        # dtype's tolerance: float32's for bfloat16 operands, whose product numpy gives in float32
+        wide = np.complex128 if res.kind == "c" else np.float64
         ref = a.astype(wide) @ b.astype(wide)
         err = float(np.linalg.norm(np.asarray(c, dtype=wide) - ref) / max(np.linalg.norm(ref), 1e-300))
-        tol = {"float32": 1e-5, "complex64": 1e-5, "float16": 1e-2}.get(dt.name, 1e-12)
-        if dt.kind in "fc":
+        tol = {"float32": 1e-5, "complex64": 1e-5, "float16": 1e-2}.get(res.name, 1e-12)
+        if res.kind in "fc":
             ok = err <= tol
             check = f"relative error vs {np.dtype(wide).name} numpy {err:.2e}"
         else:  # integers wrap around as numpy's do: the check is equality with numpy's product
@@ -136,18 +138,19 @@ def _operand(rng, n: int, dt: np.dtype) -> np.ndarray:
     return x.astype(dt)
 
 
-def _check_fits(n: int, dt: np.dtype) -> None:
-    """MemoryError, with the sizes, when the operands, result and the float64 check cannot
-    fit this machine's memory (numpy's own refusal names neither -n nor the demo)."""
-    wide = 16 if dt.kind == "c" else 8
-    need = 3 * n * n * dt.itemsize + 3 * n * n * wide
+def _check_fits(n: int, dt: np.dtype, res: np.dtype) -> None:
+    """ValueError, with the sizes, when the operands (``dt``), the result (``res``) and the
+    float64 check cannot fit this machine's memory (numpy's own refusal names neither -n nor
+    the demo): told from -n before any work, a bad argument, as numpy's "array is too big"."""
+    wide = 16 if res.kind == "c" else 8
+    need = n * n * (2 * dt.itemsize + res.itemsize) + 3 * n * n * wide
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return
     if need > have:
-        raise MemoryError(f"-n {n} {dt.name}: the operands, result and float64 check need "
-                          f"{need / 2**30:.3g} GiB; this machine has {have / 2**30:.3g} GiB")
+        raise ValueError(f"-n {n} {dt.name}: the operands, result and float64 check need "
+                         f"{need / 2**30:.3g} GiB; this machine has {have / 2**30:.3g} GiB")
 
 
 def _gpu_cluster_available() -> int:

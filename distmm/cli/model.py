@@ -76,7 +76,8 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
     m.add_argument("--gpus", "--devices", dest="devices", type=_counts, default=None,
                    metavar="P1,P2,...", help="device counts (ranks or workers), e.g. 8,64,512")
     m.add_argument("--dtype", type=dtype_type, default="float32",
-                   help="result element type (default float32)")
+                   help="element type of A and B; the model is of numpy's result of their "
+                        "product (float32 for bfloat16, which needs ml_dtypes) (default float32)")
     m.add_argument("--engine", choices=ENGINES, default="mpi",
                    help="mpi: in-core SUMMA; batch: mpirun distmm matmul on files; dask: block "
                         "layout (GPU workers) or tiles (CPU workers); pipeline: one GPU "
@@ -200,9 +201,13 @@ def run_model(args) -> int:
         raise ValueError(f"model needs three sizes M N K, got {len(args.sizes)}")
     if not args.devices:
         raise ValueError("model needs --gpus P1,P2,... (device counts)")
+    from distmm.plan import result_dtype
     from distmm.plan_model import best_plan, predict
 
     m, n, k = args.sizes
+    # the model, its records and the benchmarks' are of numpy's result dtype, which the
+    # engines compute in: float32 for bfloat16 operands
+    operands, args.dtype = args.dtype, result_dtype(args.dtype, args.dtype)
     cal, where = _calibration(args.calibration)
     if args.gpus_per_node is not None:
         if args.gpus_per_node < 1:
@@ -233,7 +238,8 @@ def run_model(args) -> int:
         if best.memory_warning():
             print(best.memory_warning())
     link = rows[0][1].link
-    print(f"C[{m},{n}] = A[{m},{k}] @ B[{k},{n}] {args.dtype.name}; engine {args.engine} on "
+    of = "" if operands == args.dtype else f" (of {operands.name} operands)"
+    print(f"C[{m},{n}] = A[{m},{k}] @ B[{k},{n}] {args.dtype.name}{of}; engine {args.engine} on "
           f"{args.device}s, link {link}; calibration: {cal.machine} ({where})")
     head = (f"{'devices':>8} {'time s':>10} {'eff':>6} {'best grid':>12} {'c':>3} "
             f"{'compute':>9} {'comm':>9} {'io':>8} {'fixed':>7} {'recv/rank':>10} "
