@@ -104,6 +104,13 @@ def _with(top=None, **series):
     (_with(kind="weak", sizes=None, sizes_per_device=[8], counts=[1, 10**18]),  # hung
      "series[0].counts: 1000000000000000000 is more than a study runs (at most 1048576)"),
     (_with(sizes=[[1, 2]]), "series[0].sizes: [1, 2] is neither"),
+    (_with(sizes=[4096, 4096, 8192]),
+     "series[0].sizes: [4096, 4096, 8192] repeats a size (4096, entries 0 and 1)"),
+    (_with(sizes=[64, [30, 40, 50], [64, 64, 64]]),
+     "series[0].sizes: [64, [30, 40, 50], [64, 64, 64]] repeats a size (64 and [64, 64, 64], "
+     "entries 0 and 2)"),
+    (_with(kind="weak", sizes=None, sizes_per_device=[64, 32, 64]),
+     "series[0].sizes_per_device: [64, 32, 64] repeats a size (64, entries 0 and 2)"),
     (_with(sizes=None), "series[0].sizes: missing"),
     (_with(backends=["cublas"]), "series[0].backends: 'cublas' is not one of auto, blas, numba"),
     (_with(sizes_per_device=[64]), "series[0].sizes_per_device: belongs to a weak series"),
@@ -196,7 +203,10 @@ def test_bad_file_is_one_line_and_exit_2(tmp_path):
     out = tmp_path / "out.jsonl"
     bad = _study(tmp_path, TINY.replace('kind = "weak"', 'kind = "weakest"'))
     broken = _study(tmp_path, "name = \n", "broken.toml")
+    twice = _study(tmp_path, TINY.replace("sizes = [[67, 45, 51]]",
+                                          "sizes = [[67, 45, 51], [67, 45, 51]]", 1), "twice.toml")
     for path, what in ((bad, "series[2].kind: 'weakest'"), (broken, "not a TOML file"),
+                       (twice, "series[0].sizes: [[67, 45, 51], [67, 45, 51]] repeats a size"),
                        (tmp_path / "none.toml", "none.toml")):
         res = _distmm("bench", path, "-o", out, timeout=60)
         assert res.returncode == 2, res.stderr

@@ -136,6 +136,67 @@ def test_a_dtype_the_output_cannot_store_names_the_file_under_mpirun(files, mpir
     _refused_dtype(files, r)
 
 
+#: a real SWMR writer: makes the file, turns SWMR on, says "ready", then appends a row every
+#: 20 ms until its stdin closes, and closes the file
+SWMR_WRITER = """
+import select, sys, h5py, numpy as np
+f = h5py.File(sys.argv[1], "w", libver="latest")
+d = f.create_dataset("A", data=np.ones((6, 4)), maxshape=(None, 4), chunks=(1, 4))
+f.swmr_mode = True
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0.02)[0]:
+    d.resize((d.shape[0] + 1, 4)); d[-1] = 1.0; d.flush()
+f.close()
+"""
+
+
+def _swmr_writer(path: Path) -> subprocess.Popen:
+    writer = subprocess.Popen([sys.executable, "-c", SWMR_WRITER, str(path)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert writer.stdout.readline() == "ready\n"
+    return writer
+
+
+def _refused_swmr(files, r) -> None:
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("distmm matmul: error:") == 1 and "Traceback" not in r.stderr, r.stderr
+    line = next(x for x in r.stderr.splitlines() if "error:" in x)
+    assert f"{files / 'w.h5'} is held by an SWMR writer in another process" in line, line
+    assert "run once the writer has closed the file" in line
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "w.h5"]
+
+
+def test_an_h5_input_an_swmr_writer_holds_is_refused_naming_swmr(files):
+    """A file another process appends to in SWMR mode was refused as "open for writing ... or
+    a writer that stopped left it marked open (h5clear -s ...)": advice that, run on a live
+    writer's file, damages it. Now one line names the SWMR writer and what to do, exit 2,
+    nothing written; once the writer has closed the file the same command runs."""
+    writer = _swmr_writer(files / "w.h5")
+    try:
+        r = run_cli("matmul", f"{files}/w.h5:A", files / "b.npy", "-o", files / "c.npy")
+    finally:
+        writer.stdin.close()
+        assert writer.wait(timeout=60) == 0
+    _refused_swmr(files, r)
+    r = run_cli("matmul", f"{files}/w.h5:A", files / "b.npy", "-o", files / "c.npy")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(files / "w.h5", "r") as fh:
+        rows = fh["A"].shape[0]
+    assert rows > 6 and np.load(files / "c.npy").shape == (rows, 3)
+
+
+@pytest.mark.mpi
+def test_an_h5_input_an_swmr_writer_holds_is_refused_under_mpirun(files, mpirun):
+    writer = _swmr_writer(files / "w.h5")
+    try:
+        r = mpirun(2, "-m", "distmm", "matmul", f"{files}/w.h5:A", files / "b.npy", "-o",
+                   files / "c.npy")
+    finally:
+        writer.stdin.close()
+        assert writer.wait(timeout=60) == 0
+    _refused_swmr(files, r)
+
+
 def test_missing_input_names_the_file(files):
     r = run_cli("matmul", files / "missing.npy", files / "b.npy", "-o", files / "c.npy")
     assert r.returncode == 2 and f"no such file: {files / 'missing.npy'}" in one_line(r)

@@ -153,8 +153,10 @@ def open_operand(spec: str, *, writable: bool = False):
     IsADirectoryError
         A folder where a ``.npy`` or HDF5 file was expected.
     ValueError
-        Unsupported suffix, a file that is not of its suffix's format, or a
-        zarr group where an array was expected.
+        Unsupported suffix, a file that is not of its suffix's format, a
+        zarr group where an array was expected, or an HDF5 file that another
+        process holds: its file lock, or an SWMR writer (HDF5 files are read
+        only when no process writes them).
     """
     t = parse_target(spec)
     if not t.path.exists():
@@ -254,9 +256,28 @@ def _h5_held(exc: BaseException, path: Path) -> str | None:
         return (f"{path} is open in another process (HDF5's file lock); close it there, or "
                 f"set HDF5_USE_FILE_LOCKING=FALSE at your own risk")
     if "already open for write" in text:
+        if _swmr_marked(path):
+            return (f"{path} is held by an SWMR writer in another process (HDF5's single-"
+                    f"writer/multiple-reader mode), which may change its data while distmm "
+                    f"reads it: run once the writer has closed the file, or on a copy of the "
+                    f"dataset (a writer that stopped without closing it left that mark: "
+                    f"h5clear -s {path} clears it)")
         return (f"{path} is open for writing in another process, or a writer that stopped "
                 f"left it marked open (h5clear -s {path} clears that mark)")
     return None
+
+
+def _swmr_marked(path: Path) -> bool:
+    """Whether an SWMR writer holds ``path`` (or one that stopped left it marked so): HDF5
+    opens it only as an SWMR reader (``swmr=True``), which distmm does not, as a writer may
+    append to or rewrite the operand while its tiles are read."""
+    import h5py
+
+    try:
+        h5py.File(path, "r", swmr=True).close()
+    except OSError:
+        return False
+    return True
 
 
 def _why(exc: BaseException) -> str:

@@ -391,6 +391,7 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
         sides = s["sizes_per_device"]
         if not _positive_ints(sides):
             sbad("sizes_per_device", f"a non-empty list of positive integers, got {sides!r}")
+        _once(sides, [(b, b, b) for b in sides], "sizes_per_device", sbad)
         k = s.get("k")
         if k is not None and (type(k) is not int or k < 1):
             sbad("k", f"a positive integer, got {k!r}")
@@ -464,7 +465,20 @@ def _sizes(raw, sbad) -> tuple[tuple[int, int, int], ...]:
             out.append(tuple(x))
         else:
             sbad("sizes", f"{x!r} is neither a positive n nor [m, n, k] of positive integers")
+    _once(raw, out, "sizes", sbad)
     return tuple(out)
+
+
+def _once(raw: list, shapes: list, key: str, sbad) -> None:
+    """Refuse a size that a series lists twice (``n`` and ``[n, n, n]`` are one size): a
+    typo, most likely, that would otherwise be measured once."""
+    seen: dict[tuple, int] = {}
+    for i, shape in enumerate(shapes):
+        if shape in seen:
+            first = raw[seen[shape]]
+            also = "" if raw[i] == first else f" and {raw[i]!r}"
+            sbad(key, f"{raw!r} repeats a size ({first!r}{also}, entries {seen[shape]} and {i})")
+        seen[shape] = i
 
 
 def _string(d, key, default, bad) -> str:
