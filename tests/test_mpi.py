@@ -199,7 +199,7 @@ def test_a_rank_that_is_late_to_an_mpi_call_is_warned_about(rank1, tmp_path, mpi
     flag = tmp_path / "warned"
     env = {"DISTMM_MPI_JOIN_WARNING": "0.5s", "DISTMM_MPI_JOIN_TIMEOUT": "100s"}
     if rank1 == "never":
-        env["DISTMM_MPI_JOIN_TIMEOUT"] = "4s"
+        env["DISTMM_MPI_JOIN_TIMEOUT"] = "2s"
     r = mpirun(2, script, flag, rank1, timeout=90, env=env)
     waited = ("rank 0 of 2 has waited 0.5 s for every rank to call distmm.matmul or distmm.gemm "
               "with engine='mpi'")
@@ -210,7 +210,7 @@ def test_a_rank_that_is_late_to_an_mpi_call_is_warned_about(rank1, tmp_path, mpi
         assert sorted(r.stdout.split("\n")[:2]) == ["rank 0 ok True", "rank 1 ok True"]
     else:
         assert r.returncode != 0
-        assert ("distmm: rank 0 of 2 waited 4 s for every rank to call distmm.matmul or "
+        assert ("distmm: rank 0 of 2 waited 2 s for every rank to call distmm.matmul or "
                 "distmm.gemm with engine='mpi' (mpi-join-timeout): ending the job"
                 in r.stderr), r.stderr[-3000:]
         assert "ok" not in r.stdout
