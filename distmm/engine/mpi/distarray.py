@@ -171,7 +171,9 @@ class DistArray:
             error = exc
         join(comm, "DistArray.from_local")
         agree(comm, error, (), into=set())
-        grids = comm.allgather((rows, cols))
+        everyone = comm.allgather(((rows, cols), tuple(block.shape), block.dtype.str,
+                                   _xp(block) is not np))
+        grids = [g for g, *_ in everyone]
         other = next((r for r, g in enumerate(grids) if g != grids[0]), None)
         if other is not None:
             raise ValueError(f"from_local needs the same grid on every rank: {grids[0][0]} x "
@@ -179,7 +181,7 @@ class DistArray:
                              f"on rank {other}")
         if rows * cols != comm.size:
             raise ValueError(f"grid {rows} x {cols} does not match {comm.size} ranks")
-        info = comm.allgather((tuple(block.shape), block.dtype.str, _xp(block) is not np))
+        info = [rest for _, *rest in everyone]
         dtypes = {d for _, d, _ in info}
         if len(dtypes) > 1:
             raise TypeError(f"local blocks have different dtypes: {sorted(dtypes)}")
