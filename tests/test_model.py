@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from distmm.cli.calibrate import fit_gemm, from_records, load
+from distmm.cli.calibrate import _fit_link, fit_gemm, from_records, load
 from distmm.cli.model_records import load_records
 from distmm.cli.validate import TARGET, validate
 from distmm.plan_model import (Calibration, GemmRate, Link, best_plan, default_calibration,
@@ -902,6 +902,18 @@ def test_model_predictions_become_records_report_marks_predicted(tmp_path):
     assert rows and all(f"{recs[0]['predicted_seconds']:.4g} (predicted)" in ln for ln in rows)
     bad = _distmm("model", "--gpus", "8", "10", "10", "10", "--variant", "x")
     assert bad.returncode == 2 and "add -o" in bad.stderr
+
+
+@pytest.mark.parametrize("points, latency, bandwidth", [
+    ([(8, 1e-4), (2**20, 1.1e-4 + 2**20 / 5e9)], 1e-4, 2**20 / (1e-5 + 2**20 / 5e9)),
+    # a 1 MiB message no slower than 8 bytes (seen on a loaded VM): at least its bytes over
+    # its time, not 2**20 / 1e-9 (10^15 bytes/s: communication free in every prediction)
+    ([(2**20, 9e-4), (8, 1e-3)], 1e-3, 2**20 / 9e-4),
+    ([(8, 1e-3), (2**20, 1.05e-3)], 1e-3, 2**20 / 1.05e-3),
+])
+def test_a_link_fit_never_divides_by_the_timer_s_noise(points, latency, bandwidth):
+    link = _fit_link(points)
+    assert link.latency == latency and link.bandwidth == pytest.approx(bandwidth, rel=1e-12)
 
 
 def test_calibrate_from_records_needs_a_machine_when_several(tmp_path):

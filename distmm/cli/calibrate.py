@@ -650,13 +650,20 @@ def _mpi_pingpong(sizes, repeat, timeout=120) -> Link:
     return _fit_link(json.loads(lines[-1][len("PINGPONG "):]))
 
 
+RESOLVED = 0.1  # the share of the largest message's time its size must add to be measured
+
+
 def _fit_link(points) -> Link:
     """A ``Link`` from ``(bytes, seconds)`` points: latency from the smallest message,
-    bandwidth from the largest minus that latency."""
+    bandwidth from the largest minus that latency. Where the largest message took less than
+    ``RESOLVED`` of its time longer than the smallest (its size hidden in the timer's
+    noise), the bandwidth is its bytes over its whole time: what the link moves at least,
+    not a quotient of noise (a 1 MiB message as fast as 8 bytes had given 10^15 bytes/s)."""
     pts = sorted((int(n), float(t)) for n, t in points)
     latency = pts[0][1]
     n, t = pts[-1]
-    return Link(latency, n / max(t - latency, 1e-9))
+    extra = t - latency
+    return Link(latency, n / (extra if extra >= RESOLVED * t else t))
 
 
 _TCP_CHILD = r"""
