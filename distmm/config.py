@@ -191,10 +191,10 @@ def _optional_bool(value):
 
 
 def _name(value, choices: tuple[str, ...] | None = None) -> str:
+    if choices and value not in choices:  # null (YAML's, and so 'none' in the environment) too
+        raise _Bad(f"one of {', '.join(choices)} is needed")
     if not isinstance(value, str) or not value:
         raise _Bad("a name is needed")
-    if choices and value not in choices:
-        raise _Bad(f"one of {', '.join(choices)} is needed")
     return value
 
 
@@ -303,7 +303,8 @@ def _read(section) -> Config:
         try:
             values[field] = parse(raw)
         except _Bad as e:
-            what = f"distmm configuration: distmm.{key} = {raw!r} is not valid: {e}"
+            shown = "null" if raw is None else repr(raw)  # as YAML and dask's parser read it
+            what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
             suffix = _env_suffix(key)
             raise ConfigError(f"{what} ({_where(key)})",
                               cli_message=f"{what} (set DISTMM_{suffix} or DASK_DISTMM__{suffix} "

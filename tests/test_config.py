@@ -265,6 +265,15 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
     assert "DASK_DISTMM__MEMORY_BUDGET" in last and "KeyError" not in res.stderr
 
 
+def test_none_in_the_environment_is_null_and_the_choices_are_named(tmp_path):
+    """dask reads 'none' in the environment as YAML's null; a key of named choices said
+    "= None is not valid: a name is needed", neither the user's spelling nor the choices."""
+    res = _probe(tmp_path, {"DISTMM_BATCH_PANELS": "none"})
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode != 0 and ("distmm.batch-panels = null is not valid: one of auto, "
+                                    "read, share, broadcast is needed (") in last, last
+
+
 # ---------------------------------------------------------------- memory budget
 
 def test_explicit_budget_is_used_as_given():
