@@ -34,7 +34,8 @@ what remains is a race with another process filling the disk during the copy.
 - ``check_target``: the refusals of a target before anything is written (an
   existing one without ``overwrite``; whatever ``overwrite``, a folder where a
   file would go, a zarr group, a folder that is no zarr array, an HDF5 group),
-  for the command line and ``DistArray.to_file`` alike.
+  for the command line and ``DistArray.to_file`` alike; ``h5_held``: the one line for an
+  HDF5 file, operand or target, that HDF5 would not open because another process writes it.
 
 It does *not* cover: parsing targets, ``.npy`` headers, or writing zarr:
 ``distmm.cli.io``.
@@ -59,7 +60,7 @@ __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "reclaimable", "remove_leftover",
-           "check_target", "zarr_node"]
+           "check_target", "h5_held", "zarr_node"]
 
 PARTIAL = "distmm-partial"
 
@@ -176,7 +177,8 @@ def check_target(t, overwrite: bool) -> bool:
         or a folder that is no zarr array where an array would go (whatever
         ``overwrite``).
     ValueError
-        An HDF5 target that is not an HDF5 file.
+        An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
+        an SWMR writer, one that stopped and left it marked open, a writer's file lock).
     PermissionError
         An HDF5 file that is not writable.
     """
@@ -215,7 +217,14 @@ def check_target(t, overwrite: bool) -> bool:
                              f"HDF5 files")
         if not os.access(p, os.W_OK):
             raise PermissionError(f"cannot add {t.dataset!r} to {p}: the file is not writable")
-        with h5py.File(p, "r") as fh:
+        try:
+            fh = h5py.File(p, "r")
+        except OSError as exc:
+            held = h5_held(exc, p, t.dataset)
+            if held:
+                raise ValueError(held) from None
+            raise
+        with fh:
             node = fh.get(t.dataset)
         if node is None:
             return False
@@ -225,6 +234,50 @@ def check_target(t, overwrite: bool) -> bool:
         return False
     if not overwrite:
         raise OutputExists(f"{label} exists: pass --overwrite to replace it")
+    return True
+
+
+def h5_held(exc: BaseException, path, dataset: str | None = None) -> str | None:
+    """The refusal of an HDF5 file that HDF5 would not open (``exc``) because another process
+    holds it (its file lock), or a writer left it marked open; None for any other error.
+    ``dataset``: the file is a target's, into which it would go, opened for reading (so its
+    lock is a writer's); else an operand's."""
+    text = " ".join(str(exc).split())
+    output = dataset is not None
+    lead = f"cannot add {dataset!r} to {path}: it" if output else str(path)
+    if "unable to lock file" in text:
+        if output:  # a read refused: another process holds the file for writing
+            return (f"{lead} is open for writing in another process (HDF5's file lock), which "
+                    f"would refuse the finished {dataset}; close it there first")
+        return (f"{path} is open in another process (HDF5's file lock); close it there, or "
+                f"set HDF5_USE_FILE_LOCKING=FALSE at your own risk")
+    if "already open for write" not in text:
+        return None
+    if not _swmr_marked(path):
+        return (f"{lead} is open for writing in another process, or a writer that stopped "
+                f"left it marked open (h5clear -s {path} clears that mark)")
+    if output:
+        why = (f"which no other process may write into: run once the writer has closed the "
+               f"file, or write {dataset} to another file")
+    else:
+        why = ("which may change its data while distmm reads it: run once the writer has "
+               "closed the file, or on a copy of the dataset")
+    return (f"{lead} is held by an SWMR writer in another process (HDF5's single-writer/"
+            f"multiple-reader mode), {why} (a writer that stopped without closing it left "
+            f"that mark: h5clear -s {path} clears it)")
+
+
+def _swmr_marked(path) -> bool:
+    """Whether an SWMR writer holds ``path`` (or one that stopped left it marked so): HDF5
+    opens it only as an SWMR reader (``swmr=True``), which distmm does not, as a writer may
+    append to or rewrite an operand while its tiles are read, and no other process may write
+    into it. HDF5 drops its file lock once a writer turns SWMR on, so no lock tells it."""
+    import h5py
+
+    try:
+        h5py.File(path, "r", swmr=True).close()
+    except OSError:
+        return False
     return True
 
 

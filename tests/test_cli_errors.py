@@ -197,6 +197,81 @@ def test_an_h5_input_an_swmr_writer_holds_is_refused_under_mpirun(files, mpirun)
     _refused_swmr(files, r)
 
 
+#: another process holding an output file (dataset X) until its stdin closes, then closing it:
+#: "swmr" an SWMR writer, "stopped" one that ended without closing the file (its mark stays),
+#: "writer" a plain writer (HDF5's exclusive file lock); it says "ready" once it holds it
+OUTPUT_HOLDER = """
+import os, sys, h5py, numpy as np
+how = sys.argv[2]
+f = h5py.File(sys.argv[1], "w", libver="earliest" if how == "writer" else "latest")
+f.create_dataset("X", data=np.ones((3, 4)), maxshape=(None, 4), chunks=(1, 4))
+if how != "writer":
+    f.swmr_mode = True
+f.flush()
+print("ready", flush=True)
+if how == "stopped":
+    os._exit(0)
+sys.stdin.read()
+f.close()
+"""
+
+_OUTPUT_HELD = {"swmr": ("is held by an SWMR writer in another process",
+                         "run once the writer has closed the file"),
+                "stopped": ("is held by an SWMR writer in another process",
+                            "h5clear -s "),
+                "writer": ("is open for writing in another process (HDF5's file lock)",
+                           "close it there first")}
+
+
+def _output_held(files, how, command):
+    """Run ``command`` (the product into out.h5:C) while a holder ``how`` has out.h5, and check
+    the refusal: status 2, one line naming the file, the writer and what to do, before any
+    work; out.h5 (bytes and mtime) and its folder as they were. Once a live holder has closed
+    the file, the same command adds C."""
+    out = files / "out.h5"
+    holder = subprocess.Popen([sys.executable, "-c", OUTPUT_HOLDER, str(out), how], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        if how == "stopped":
+            assert holder.wait(timeout=60) == 0
+        before, mtime = out.read_bytes(), out.stat().st_mtime_ns
+        r = command()
+        # compared while the holder has it: its close rewrites the superblock
+        assert out.read_bytes() == before and out.stat().st_mtime_ns == mtime
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("distmm matmul: error:") == 1 and "Traceback" not in r.stderr, r.stderr
+    line = next(x for x in r.stderr.splitlines() if "error:" in x)
+    assert f"cannot add 'C' to {out}: " in line and all(s in line for s in _OUTPUT_HELD[how]), line
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "out.h5"]
+    if how == "stopped":
+        return
+    r = command()
+    assert r.returncode == 0, r.stderr
+    with h5py.File(out, "r") as fh:
+        assert np.array_equal(fh["C"][...], np.full((6, 3), 4.0)) and fh["X"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("how", ["swmr", "stopped", "writer"])
+def test_an_h5_output_another_process_writes_is_refused_naming_the_writer(files, how):
+    """``-o out.h5:C`` where an SWMR writer holds out.h5 (or one that stopped left it marked
+    open) ended with status 1 and HDF5's raw 'Unable to synchronously open file (file is
+    already open for write ...)', naming no file; a plain writer's lock with 'unable to lock
+    file, errno = 11'. Now one line names out.h5, the writer and what to do, status 2."""
+    _output_held(files, how, lambda: run_cli("matmul", files / "a.npy", files / "b.npy",
+                                             "-o", f"{files}/out.h5:C"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["swmr", "stopped", "writer"])
+def test_an_h5_output_another_process_writes_is_refused_under_mpirun(files, mpirun, how):
+    _output_held(files, how, lambda: mpirun(2, "-m", "distmm", "matmul", files / "a.npy",
+                                            files / "b.npy", "-o", f"{files}/out.h5:C"))
+
+
 def test_missing_input_names_the_file(files):
     r = run_cli("matmul", files / "missing.npy", files / "b.npy", "-o", files / "c.npy")
     assert r.returncode == 2 and f"no such file: {files / 'missing.npy'}" in one_line(r)

@@ -35,7 +35,8 @@ import numpy as np
 from distmm.direct_io import npy_header, preallocate
 from distmm.stripe_writer import output_spec, parse_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
-                            create_h5_stage, put_in_place, reclaimable, staged_path, zarr_node)
+                            create_h5_stage, h5_held, put_in_place, reclaimable, staged_path,
+                            zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
            "check_report", "check_space", "check_writable", "check_unlocked", "result_shape",
@@ -191,7 +192,7 @@ def open_operand(spec: str, *, writable: bool = False):
     except OSError as exc:  # HDF5's own messages: a truncated or damaged file
         if isinstance(exc, PermissionError):
             raise
-        held = _h5_held(exc, t.path)
+        held = h5_held(exc, t.path)
         if held:
             raise ValueError(held) from None
         raise ValueError(f"{t.path} is not a readable HDF5 file ({_why(exc)})") from None
@@ -246,38 +247,6 @@ def _check_npy(path: Path) -> None:
     if dtype.hasobject:
         raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
                         f"not unpickle files; save a numeric array")
-
-
-def _h5_held(exc: BaseException, path: Path) -> str | None:
-    """The refusal of an HDF5 file that HDF5 would not open because another process holds it
-    (its file lock), or a writer left it marked open; None for any other error."""
-    text = " ".join(str(exc).split())
-    if "unable to lock file" in text:
-        return (f"{path} is open in another process (HDF5's file lock); close it there, or "
-                f"set HDF5_USE_FILE_LOCKING=FALSE at your own risk")
-    if "already open for write" in text:
-        if _swmr_marked(path):
-            return (f"{path} is held by an SWMR writer in another process (HDF5's single-"
-                    f"writer/multiple-reader mode), which may change its data while distmm "
-                    f"reads it: run once the writer has closed the file, or on a copy of the "
-                    f"dataset (a writer that stopped without closing it left that mark: "
-                    f"h5clear -s {path} clears it)")
-        return (f"{path} is open for writing in another process, or a writer that stopped "
-                f"left it marked open (h5clear -s {path} clears that mark)")
-    return None
-
-
-def _swmr_marked(path: Path) -> bool:
-    """Whether an SWMR writer holds ``path`` (or one that stopped left it marked so): HDF5
-    opens it only as an SWMR reader (``swmr=True``), which distmm does not, as a writer may
-    append to or rewrite the operand while its tiles are read."""
-    import h5py
-
-    try:
-        h5py.File(path, "r", swmr=True).close()
-    except OSError:
-        return False
-    return True
 
 
 def _why(exc: BaseException) -> str:
