@@ -414,6 +414,45 @@ def test_calibration_file_is_readable_as_open_makes_files_and_replaces_a_link(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["workers-starting", "mid-product"])
+def test_ctrl_c_during_the_demo_s_cluster_is_one_line_and_130(when):
+    """Ctrl-C (SIGINT to the whole foreground group) while the demo's embedded cluster
+    started printed the KeyboardInterrupt traceback of each worker process still importing,
+    and mid-product each worker's warning of its cancelled task: now only the command's line
+    (the workers start with SIGINT blocked; their preload drops a closing worker's cancelled
+    tasks), and no process is left."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "demo", "--engine", "dask", "-n",
+                             "3000", "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        if when == "workers-starting":  # a worker process has been spawned: it imports
+            deadline = time.monotonic() + 60
+            while not any("spawn_main" in " ".join(p.cmdline())
+                          for p in psutil.Process(proc.pid).children(recursive=True)):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+        else:  # the plan is printed before the full-size warm-up product
+            for line in proc.stdout:
+                if line.startswith("memory"):
+                    break
+            time.sleep(0.3)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and err == "distmm demo: error: interrupted (SIGINT)\n", err
+    _, alive = psutil.wait_procs(kids, timeout=30)
+    assert not alive, alive
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "SIGTERM"])
 def test_calibrate_stopped_during_its_tcp_probe_says_one_line_and_leaves_nothing(tmp_path, how):
     """Ctrl-C (SIGINT to the whole foreground group) while the TCP probe's LocalCluster ran

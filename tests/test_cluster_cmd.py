@@ -181,23 +181,27 @@ def test_a_closing_workers_heartbeat_failure_is_left_out_of_its_log():
 
     from distributed import Scheduler, Worker
 
-    from distmm.cli.worker_setup import HEARTBEAT_FAILED, ClosingHeartbeatFilter
+    from distmm.cli.worker_setup import CANCELLED, HEARTBEAT_FAILED, ClosingWorkerFilter
 
     def passes(filt, msg):
         record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg,
                                    None, None)
         return filt.filter(record)
 
+    cancelled = CANCELLED[0] + "<Task cancelled name='execute(x)'>" + CANCELLED[1]
+
     async def main():
         async with Scheduler(dashboard_address=":0") as s:
             worker = await Worker(s.address, nthreads=1)
-            filt = ClosingHeartbeatFilter(worker)
-            running = passes(filt, HEARTBEAT_FAILED + ".")
+            beat, task = ClosingWorkerFilter(worker, HEARTBEAT_FAILED), ClosingWorkerFilter(
+                worker, *CANCELLED)
+            running = passes(beat, HEARTBEAT_FAILED + "."), passes(task, cancelled)
             await worker.close()
-            return running, passes(filt, HEARTBEAT_FAILED + "."), passes(filt, "another error")
+            return (running, (passes(beat, HEARTBEAT_FAILED + "."), passes(task, cancelled)),
+                    (passes(beat, "another error"), passes(task, CANCELLED[0] + "x ended")))
 
     running, closed, other = asyncio.run(main())
-    assert running and not closed and other
+    assert running == (True, True) and closed == (False, False) and other == (True, True)
 
 
 @pytest.mark.slow

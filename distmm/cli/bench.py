@@ -210,9 +210,6 @@ def _check_open_mpi(study: Study) -> None:
                          f"{study.mpiexec[0]} --version says {' '.join(text.split())[:80]!r}")
 
 
-#: the preload of the study's Dask workers (``distmm.cli.worker_setup``: SIGINT ignored)
-WORKER_SETUP = "distmm.cli.worker_setup"
-
 #: tries of a launch before it is refused (Open MPI's PMIx sometimes fails to start once)
 LAUNCH_TRIES = 2
 
@@ -511,12 +508,10 @@ class _Runner:
         from distmm.cli.cluster import cpu_cluster, gpu_cluster
 
         split = 1 if nodes is None else (count if nodes == "all-links" else nodes)
-        # workers ignore SIGINT (as distmm cluster's): Ctrl-C reaches the whole foreground
-        # group, and this process closes them
-        setup = {"preload": [WORKER_SETUP]}
+        # the workers leave Ctrl-C to this process, which closes them (cli.cluster)
         try:
-            cluster = (gpu_cluster(",".join(map(str, range(count))), nodes=split, **setup)
-                       if self.gpu else cpu_cluster(count, nodes=split, **setup))
+            cluster = (gpu_cluster(",".join(map(str, range(count))), nodes=split)
+                       if self.gpu else cpu_cluster(count, nodes=split))
         except Exception as exc:
             for c in group:
                 self.fail(c, exc)

@@ -8,6 +8,9 @@ This module covers:
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
   resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
   otherwise (``gpu_protocol``: ``protocol="auto"``);
+- Ctrl-C left to this process: the worker processes start with SIGINT blocked and then
+  ignore it (``WORKER_SETUP``, a preload), since Ctrl-C at a terminal reaches every process
+  of the foreground group and this process closes the cluster;
 - emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
   started with its group's environment (``distmm.emulate``: ``DISTMM_EMULATED_NODE``, which
   the Dask engine's worker probe reads) and named ``node<i>-<name>``; a GPU cluster's comms
@@ -30,12 +33,18 @@ scale beyond visible devices"), so a shared GPU gets copies of that device's wor
 from __future__ import annotations
 
 import copy
+import signal
+import threading
 
 import numpy as np
 
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
            "PROTOCOLS", "share_workers", "emulate_nodes", "random_array", "to_host",
-           "sync_workers", "GPU_RESOURCE"]
+           "sync_workers", "GPU_RESOURCE", "WORKER_SETUP"]
+
+#: the preload every worker of these clusters runs as it starts (``distmm.cli.worker_setup``:
+#: it ignores SIGINT, and leaves out a closing worker's heartbeat traceback)
+WORKER_SETUP = "distmm.cli.worker_setup"
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
@@ -89,15 +98,17 @@ def cpu_cluster(workers: int, *, threads_per_worker: int = 1, nodes: int = 1,
 
     lay = layout(workers, nodes)
     kwargs.setdefault("dashboard_address", ":0")
+    _with_worker_setup(kwargs)
     if not lay.active:
-        return LocalCluster(n_workers=workers, threads_per_worker=threads_per_worker,
-                            processes=True, **kwargs)
+        return _started(lambda: LocalCluster(n_workers=workers,
+                                             threads_per_worker=threads_per_worker,
+                                             processes=True, **kwargs))
     if "memory_limit" not in kwargs:  # LocalCluster's "auto" share, which n_workers=0 loses
         from distributed.system import MEMORY_LIMIT
 
         kwargs["memory_limit"] = int(MEMORY_LIMIT / workers)
-    cluster = LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
-                           **kwargs)
+    cluster = _started(lambda: LocalCluster(n_workers=0, threads_per_worker=threads_per_worker,
+                                            processes=True, **kwargs))
     try:
         specs = {f"w{i}": copy.deepcopy(cluster.new_spec) for i in range(workers)}
         _start_as_nodes(cluster, specs, lay, timeout)
@@ -198,11 +209,12 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
     chosen = gpu_protocol(protocol)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("resources", {GPU_RESOURCE: 1})
+    _with_worker_setup(kwargs)
 
     def start(proto):
-        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=threads_per_worker,
-                                device_memory_limit=device_memory_limit / per_device,
-                                protocol=proto, **kwargs)
+        return _started(lambda: LocalCUDACluster(
+            CUDA_VISIBLE_DEVICES=devices, threads_per_worker=threads_per_worker,
+            device_memory_limit=device_memory_limit / per_device, protocol=proto, **kwargs))
 
     try:
         cluster = start(chosen)
@@ -218,6 +230,53 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
         _wait_for(cluster, len(cluster.worker_spec), timeout)
         if nodes != 1:
             emulate_nodes(cluster, nodes, timeout=timeout)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _with_worker_setup(kwargs: dict) -> None:
+    """``WORKER_SETUP`` added to the cluster's ``preload`` (kept where the caller named it)."""
+    preload = kwargs.get("preload") or []
+    preload = [preload] if isinstance(preload, str) else list(preload)
+    kwargs["preload"] = preload if WORKER_SETUP in preload else [*preload, WORKER_SETUP]
+
+
+def _started(make):
+    """``make()``, a cluster's start, leaving Ctrl-C to this process.
+
+    Ctrl-C at a terminal reaches every process of the foreground group, and a worker process
+    still importing took it as a ``KeyboardInterrupt`` traceback (its preload, which ignores
+    SIGINT, runs only once it has started). While the cluster starts, this thread blocks
+    SIGINT: the event-loop and executor threads distributed starts now, and the worker
+    processes they start, inherit the mask (through fork and exec). A SIGINT or SIGTERM that
+    comes meanwhile is noted, not raised inside the start (which would lose the cluster and
+    leave its workers' semaphores to multiprocessing's warning at exit): once the start
+    returns, each is raised again for the handlers in force, and where one raises, the
+    cluster is closed first. multiprocessing's resource tracker is started first, since
+    starting it unblocks SIGINT in the thread that does. Outside the main thread, only
+    ``make()``."""
+    if threading.current_thread() is not threading.main_thread():
+        return make()
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    got = []
+    before = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+              for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            cluster = make()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is noted here
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    try:
+        for signum in got:  # as the handlers in force would have taken them
+            signal.raise_signal(signum)
     except BaseException:
         cluster.close()
         raise

@@ -22,7 +22,8 @@ Exit status: 130 after SIGINT, 143 after SIGTERM (128 + the signal, as the rest 
 command line and the shell report a process a signal ended), once the cluster is closed;
 2 for bad options; 1 when the cluster fails to start or to close.
 
-Worker processes ignore SIGINT (``distmm.cli.worker_setup``, a preload), so that Ctrl-C at
+Worker processes leave SIGINT alone (``distmm.cli.cluster``: blocked from their start, then
+ignored by the ``distmm.cli.worker_setup`` preload), so that Ctrl-C at
 a terminal, which reaches every process of the foreground group, stops them through this
 command's orderly close rather than by ``KeyboardInterrupt`` inside each of them.
 
@@ -48,8 +49,6 @@ __all__ = ["add_parser", "run_cluster"]
 
 #: seconds ``cluster.close`` may take before the worker processes left are killed
 CLOSE_TIMEOUT = 30.0
-#: the preload every worker runs as it starts (it ignores SIGINT)
-WORKER_SETUP = "distmm.cli.worker_setup"
 #: seconds the workers may take to start
 START_TIMEOUT = 120.0
 #: the smallest --memory-limit: a distributed worker process holds about 100 MB once started
@@ -375,7 +374,7 @@ def _start(args, devices):
 
     common = dict(host=args.host, scheduler_port=args.port,
                   dashboard_address=args.dashboard_address,
-                  memory_limit=args.memory_limit, preload=[WORKER_SETUP])
+                  memory_limit=args.memory_limit)  # workers leave Ctrl-C to this process
     if args.dashboard_address is None:
         # distributed's None still serves its HTTP routes (health, metrics) on :8787: those
         # go to any free port, and the dashboard is off

@@ -5,10 +5,12 @@ This module covers:
   foreground group; ``distmm cluster`` closes its workers in order when it gets SIGINT, and
   a worker that took the same SIGINT as ``KeyboardInterrupt`` would die mid-close with a
   traceback, and its nanny would start it again;
-- leaving out the one traceback a worker's own close can log: a heartbeat still waiting for
-  the scheduler's answer when ``Worker.close`` closes the worker's connections logs
-  "Failed to communicate with scheduler during heartbeat" with the closed stream's
-  traceback. Once the worker is closing, that says nothing wrong; before, it is kept.
+- leaving out what a worker's own close can log: a heartbeat still waiting for the
+  scheduler's answer when ``Worker.close`` closes the worker's connections logs "Failed to
+  communicate with scheduler during heartbeat" with the closed stream's traceback, and a
+  task still running is cancelled with a warning "Async instruction for <Task ...> ended
+  with CancelledError" (a Ctrl-C mid-product closes the cluster so). Once the worker is
+  closing, those say nothing wrong; before, they are kept.
 
 It does *not* cover: anything else about workers (``distmm.cli.serve``, ``distmm.cli.cluster``).
 """
@@ -19,23 +21,28 @@ import signal
 import threading
 import weakref
 
-__all__ = ["dask_setup", "ClosingHeartbeatFilter"]
+__all__ = ["dask_setup", "ClosingWorkerFilter"]
 
 #: the start of the message distributed's ``Worker.heartbeat`` logs when its request fails
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+#: the start and end of the warning of a task ``Worker.close`` cancelled
+CANCELLED = ("Async instruction for ", " ended with CancelledError")
 
 
-class ClosingHeartbeatFilter(logging.Filter):
-    """Drops ``HEARTBEAT_FAILED`` records of ``worker`` once it is closing or closed."""
+class ClosingWorkerFilter(logging.Filter):
+    """Drops the records of ``worker`` whose message starts with ``start`` and ends with
+    ``end`` once it is closing or closed."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, start: str, end: str = ""):
         super().__init__()
         self._worker = weakref.ref(worker)
+        self._start, self._end = start, end
 
     def filter(self, record: logging.LogRecord) -> bool:
         from distributed.core import Status
 
-        if not str(record.msg).startswith(HEARTBEAT_FAILED):
+        msg = str(record.msg)
+        if not (msg.startswith(self._start) and msg.endswith(self._end)):
             return True
         worker = self._worker()
         return worker is not None and worker.status not in (
@@ -45,7 +52,10 @@ class ClosingHeartbeatFilter(logging.Filter):
 def dask_setup(worker) -> None:
     """distributed's preload hook: ignore SIGINT in this worker process (its main thread
     runs the worker's event loop, so the disposition can be set here), and filter the
-    closing worker's heartbeat failure out of ``distributed.worker``'s log."""
+    closing worker's heartbeat failure and cancelled tasks out of its log."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.getLogger("distributed.worker").addFilter(ClosingHeartbeatFilter(worker))
+    logging.getLogger("distributed.worker").addFilter(
+        ClosingWorkerFilter(worker, HEARTBEAT_FAILED))
+    logging.getLogger("distributed.worker.state_machine").addFilter(
+        ClosingWorkerFilter(worker, *CANCELLED))
