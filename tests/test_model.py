@@ -615,6 +615,14 @@ KNOWN_MISSES = {
     # the copy-in stream for GEMMs that had read their slot (mended in 3dfe4e8: the lead-2 runs
     # since, -9%, are within), which the model's lanes do not know
     ("NVIDIA H200", "pipeline distmm-host-bf16-pinned-halves-lead3", "float32", 32768),
+    # the H100's first bfloat16 runs through the staging ring (one run each, c2032c6,
+    # 2026-12-05): 0.2115 s against the model's 0.280 (+32%), and from float32 operands
+    # 0.266 s against 0.420 (+58%). The ring's host copies bound both, and the model's rate
+    # for them is fitted on that H100's float64 ring runs at 16384 of 2026-11-25 (30.7 GB/s);
+    # this machine's copies ran faster (traced: 4 GiB staged in 119 ms of thread time). The
+    # same run's page-locked variant, which skips the ring, is within (+4.5%)
+    ("NVIDIA H100", "pipeline distmm-host-bf16", "float32", 32768),
+    ("NVIDIA H100", "pipeline distmm-host-bf16-from-f32", "float32", 32768),
 }
 
 
@@ -784,7 +792,9 @@ def test_pipeline_calibration_from_committed_records():
     assert "2026-11-22" in h200.sources["host_staging"]
     assert h200.sources["pipeline-first-call"] == "default"  # no H200 first call at 16384
     h100 = from_records(recs, "NVIDIA H100")
-    assert "gpu:bf16" not in h100.gemm
+    # its one bf16 pipeline run (2026-12-05): in-core cuBLAS BF16 0.0946 s at 32768
+    assert 700e12 < h100.gemm["gpu:bf16"].peak < 780e12
+    assert "pipeline-nvidia-h100-80gb-hbm3-2026-12-05.jsonl" in h100.sources["gpu:bf16"]
     assert 0.0 < h100.overhead("pipeline-first-call") < 0.3
     assert "fit on" in h100.sources["pipeline-first-call"]
 
