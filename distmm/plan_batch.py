@@ -24,7 +24,7 @@ import numpy as np
 from distmm.grid import GridPlan, even_edges, make_grid
 
 __all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS", "B_CHUNK_BYTES",
-           "FIRST_STEP_CHUNKS", "RESUME_STRIPE_BYTES"]
+           "FIRST_STEP_CHUNKS", "RESUME_STRIPE_BYTES", "MAX_BATCH_EDGES"]
 
 #: stripes each rank's C block is cut into, when memory allows (more: finer resume points and
 #: an earlier first write; fewer: larger GEMMs)
@@ -40,6 +40,11 @@ B_CHUNK_BYTES = 256 << 20
 #: chunks of B per k step of the first stripe's product (each step starts once its rows of B
 #: are on the device; larger steps: fewer passes over C, a later start)
 FIRST_STEP_CHUNKS = 4
+#: edges a batch plan lists along one axis (Python ints in its tuples): its stripes, of all
+#: grid rows together, and its first stripe's k steps. A plan whose column panel of B fits a
+#: rank lists a few thousand at most; more (a product of 10**8 each way planned without a
+#: memory limit) took gigabytes before the plan could be refused
+MAX_BATCH_EDGES = 2**20
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,10 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     Raises
     ------
     ValueError
-        Negative sizes, a forced grid that is not ``ranks``, or a column panel of B
+        Negative sizes, a forced grid that is not ``ranks``, a column panel of B
         (``k x n / cols``) that does not fit ``memory`` with two stripes of the narrowest
-        width (the message says how much one rank needs).
+        width (the message says how much one rank needs), or more stripes or first-stripe
+        k steps than ``MAX_BATCH_EDGES`` (told from the sizes, before any is listed).
 
     Examples
     --------
@@ -155,11 +161,10 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             pass
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
     g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
-    edges, held = [], [0] * g.ranks
+    counts, held = [], [0] * g.ranks
     widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))  # of C's columns
     for i in range(g.rows):
-        r0, r1 = g.row_edges[i], g.row_edges[i + 1]
-        mi = r1 - r0
+        mi = g.row_edges[i + 1] - g.row_edges[i]
         count = stripes
         if stripe_bytes:
             count = max(count, -(-mi * widest * np.dtype(g.dtype).itemsize // int(stripe_bytes)))
@@ -171,8 +176,8 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
                 if need <= memory or width <= MIN_STRIPE_ROWS or width <= 1:
                     break
                 count *= 2
-        edges.append(tuple(r0 + e for e in even_edges(mi, count)))
-        width = max((b - a for a, b in zip(edges[-1], edges[-1][1:])), default=0)
+        counts.append(count)
+        width = -(-mi // count)  # the widest of even_edges(mi, count), before it is listed
         for j in range(g.cols):
             held[g.rank_at(0, i, j)] = _held(g, i, j, width)
     if memory is not None and max(held) > memory:
@@ -181,9 +186,17 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             f"a {m} x {n} x {k} {np.dtype(dtype).name} product on {g.rows} x {g.cols} ranks needs "
             f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
             f"stripes), more than the {memory / 2**30:.1f} GiB it has: use more ranks")
-    panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
     chunk_rows = max(1, B_CHUNK_BYTES // max(1, widest * g.itemsize))
     step = chunk_rows * FIRST_STEP_CHUNKS
+    for what, listed in (("stripes", sum(counts)),
+                         (f"first-stripe k steps of {step} rows", -(-k // step))):
+        if listed > MAX_BATCH_EDGES:
+            raise ValueError(
+                f"a {m} x {n} x {k} {np.dtype(dtype).name} batch product on {g.rows} x {g.cols} "
+                f"ranks has {listed:.3g} {what}; a batch plan lists at most {MAX_BATCH_EDGES}")
+    edges = tuple(tuple(r0 + e for e in even_edges(r1 - r0, count))
+                  for r0, r1, count in zip(g.row_edges, g.row_edges[1:], counts))
+    panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
     first = tuple(sorted(set(panels) | set(range(0, k, step))))
-    return BatchPlan(grid=g, stripe_edges=tuple(edges), panels=panels, held_bytes=tuple(held),
+    return BatchPlan(grid=g, stripe_edges=edges, panels=panels, held_bytes=tuple(held),
                      chunk_rows=chunk_rows, first_panels=first)

@@ -1009,8 +1009,9 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
             tiling = choose_tiling(m, n, k, out_size, budget,
                                    tk_max=TK_MAX.get(precision, TK_MAX["highest"]),
                                    narrow=precision != "highest" and precision in TK_MAX)
-        except MemoryError as exc:
-            raise ValueError(str(exc)) from None
+        except MemoryError as exc:  # a bare one (the host's own memory) has no message
+            raise ValueError(str(exc) or f"a {m} x {n} x {k} product is too large to plan for "
+                                         f"the stream pipeline") from None
     elif not isinstance(tiling, PipelineTiling):
         tiling = tiling_from_sizes(tiling)
     h2d, d2h = cal.link("pcie-h2d"), cal.link("pcie-d2h")
@@ -1191,8 +1192,10 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
     Raises
     ------
     ValueError
-        Negative sizes, no devices, an unknown engine, device or link, or a calibration
-        without the rate or link the product needs.
+        Negative sizes, no devices, an unknown engine, device or link, a calibration
+        without the rate or link the product needs, or a product too large for its engine's
+        planner to list (``distmm.plan_batch.MAX_BATCH_EDGES``,
+        ``distmm.plan_pipeline.MAX_STEPS``).
     """
     _check(m, n, k, devices, engine, device)
     m, n, k, devices = int(m), int(n), int(k), int(devices)

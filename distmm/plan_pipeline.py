@@ -43,6 +43,7 @@ __all__ = [
     "pipeline_tiling",
     "spare_bytes",
     "FAST_DTYPES",
+    "MAX_STEPS",
 ]
 
 #: result dtypes the stream pipeline computes
@@ -68,6 +69,10 @@ LEAD = 2
 #: page-locked B crosses as a 2-D copy, at full rate from 32 KB rows (bench/NOTES.md)
 COLUMN_MIN = 4096
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
+#: kernels (``Step``) a schedule lists, ~0.5 KB each (the model's schedule, ~3.5 KB): a product
+#: whose operands fit one host's memory takes a few hundred thousand at most at its own
+#: tiling; more (10**7 each way: 2e9) took gigabytes before anything could be refused
+MAX_STEPS = 2**20
 
 @dataclass(frozen=True)
 class PipelineTiling:
@@ -155,6 +160,16 @@ class PipelineTiling:
         return d
 
 
+def _check_steps(m: int, n: int, k: int, units: int, blocks: int, shape) -> None:
+    """Refuse a tiling of ``units`` C units of ``blocks`` k-blocks each (or at least that
+    many, counted before any edge is listed) beyond ``MAX_STEPS`` kernels."""
+    if units * blocks > MAX_STEPS:
+        tm, tn, tk = shape
+        raise ValueError(f"a {m} x {n} x {k} product in {tm} x {tn} x {tk} units and k-blocks "
+                         f"takes {units * blocks:.3g} GEMMs; the stream pipeline's schedule "
+                         f"lists at most {MAX_STEPS}")
+
+
 def _edges(length: int, tile: int) -> tuple[int, ...]:
     return tuple(range(0, length, tile)) + (length,) if length else (0,)
 
@@ -237,6 +252,8 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     ------
     MemoryError
         Not even 64 x 64 tiles fit the budget.
+    ValueError
+        A schedule of more than ``MAX_STEPS`` kernels (told before any edge is listed).
 
     Examples
     --------
@@ -256,8 +273,6 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
     # Full-width units with all of B resident: B is read from the host once.
     for tk in tks:
         tk = min(tk, k)
-        k_edges = _k_edges(k, tk)
-        kb = len(k_edges) - 1
         b_bytes = k * n * s
         if b_bytes > 0.75 * usable:
             continue
@@ -270,17 +285,22 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
                     spare = usable - need
                     a_slots += min(4, spare // max(tm * tk * s, 1))
                     unit = min(tm, max(64, tm // 4)) if narrow else tm  # m < 64: one unit
+                    parts = min(int(columns), n // COLUMN_MIN) if narrow else 1
+                    # at least as many units and k-blocks as these, before they are listed
+                    _check_steps(m, n, k, -(-m // unit), -(-k // tk), (unit, n, tk))
+                    k_edges = _k_edges(k, tk)
+                    kb = len(k_edges) - 1
                     rows = _ramp_edges(m, unit, tail)
                     units_k_outer = 1
                     if narrow:  # C buffers of the narrower units in the wider ones' bytes
                         c_buffers = min(c_buffers * (tm // unit), max(1, lead) + 2)
                         units_k_outer = max(1, min(lead, c_buffers - 2, len(rows) - 1))
-                    parts = min(int(columns), n // COLUMN_MIN) if narrow else 1
                     cols = (0, n)
                     if parts > 1:  # smaller units: as many more C buffers in the same bytes
                         inner = (round(n * p / parts / 64) * 64 for p in range(1, parts))
                         cols = (0, *sorted(set(inner) - {0, n}), n)
                         c_buffers *= len(cols) - 1
+                    _check_steps(m, n, k, (len(rows) - 1) * (len(cols) - 1), kb, (unit, n, tk))
                     # resident B: each k block of each column block its own place
                     return PipelineTiling(rows, cols, k_edges, int(a_slots),
                                           kb * (len(cols) - 1), c_buffers, s, "full-width",
@@ -302,6 +322,7 @@ def choose_tiling(m: int, n: int, k: int, itemsize: int, budget: int, *,
 def _fill_slots(m, n, k, s, usable, tm, tn, tk, *, minimum) -> PipelineTiling:
     kb = math.ceil(k / tk)
     gn = math.ceil(n / tn)
+    _check_steps(m, n, k, -(-m // tm) * gn, kb, (tm, tn, tk))
     c_bytes, a_bytes, b_bytes = tm * tn * s, tm * tk * s, tk * tn * s
     spare = usable - 2 * c_bytes - minimum * (a_bytes + b_bytes)
     a_slots = minimum + max(0, min(kb, spare // a_bytes if spare > 0 else 0))
@@ -364,8 +385,17 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
     unit's last two k-blocks together, so that the first unit ends first); the
     k-blocks of later consecutive units run in alternating directions so that the
     blocks used last are reused first.
+
+    Raises
+    ------
+    ValueError
+        More than ``MAX_STEPS`` kernels (told before any is listed).
     """
-    gk = len(tiling.k_edges) - 1
+    t = tiling
+    gk = len(t.k_edges) - 1
+    _check_steps(t.row_edges[-1], t.col_edges[-1], t.k_edges[-1],
+                 (len(t.row_edges) - 1) * (len(t.col_edges) - 1), gk,
+                 (t.tm_max, t.tn_max, t.tk_max))
     order = unit_order(tiling)
     lead = max(1, min(int(tiling.lead), tiling.c_buffers, len(order)))
     # k outer, except that each leading unit takes its last two k-blocks together: B's last
@@ -429,15 +459,20 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
 def shrink_tiling(tiling: PipelineTiling, m, n, k, s, budget) -> PipelineTiling | None:
     """The next smaller tiling after an out-of-memory error: square tiles of half
     the size (then half the k-block, then single slots), given at most half the
-    device memory the failed tiling asked for; None at the floor."""
+    device memory the failed tiling asked for; None at the floor, or where the smaller
+    tiles' schedule would list more than ``MAX_STEPS`` kernels."""
     tm, tn, tk = tiling.tm_max, tiling.tn_max, tiling.tk_max
     base = min(tm, tn) if tiling.mode == "full-width" else max(tm, tn)
     usable = min(int(budget * _BUDGET_FRACTION), tiling.device_bytes // 2)
-    if base > 64:
-        nt = max(64, base // 2)
-        return _fill_slots(m, n, k, s, usable, min(nt, m), min(nt, n), min(tk, nt, k), minimum=2)
-    if tk > 64:
-        return _fill_slots(m, n, k, s, usable, tm, tn, max(64, tk // 2), minimum=2)
+    try:
+        if base > 64:
+            nt = max(64, base // 2)
+            return _fill_slots(m, n, k, s, usable, min(nt, m), min(nt, n), min(tk, nt, k),
+                               minimum=2)
+        if tk > 64:
+            return _fill_slots(m, n, k, s, usable, tm, tn, max(64, tk // 2), minimum=2)
+    except ValueError:  # more kernels than a schedule lists: no smaller tiling to retry with
+        return None
     if tiling.a_slots > 1 or tiling.b_slots > 1 or tiling.c_buffers > 1:
         return PipelineTiling(tiling.row_edges, tiling.col_edges, tiling.k_edges,
                               1, 1, 1, s, "tiles")
@@ -466,6 +501,8 @@ def pipeline_tiling(plan, budget: int, *, tiles: tuple[int, int, int] | None = N
         A result dtype other than float32 / float64.
     MemoryError
         Not even 64 x 64 tiles fit the budget.
+    ValueError
+        A schedule of more than ``MAX_STEPS`` kernels.
     """
     dtype = np.dtype(plan.dtype)
     if dtype not in FAST_DTYPES:
