@@ -3,6 +3,7 @@ run as real subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,23 +12,27 @@ import pytest
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
-def run_cli(*args):
+def run_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=None if env is None else {**os.environ, **env})
 
 
 def test_plan_of_bfloat16_operands_is_the_plan_matmul_makes():
     """--dtype bfloat16 was refused ("data type 'bfloat16' not understood", status 2); it is
     the plan distmm.matmul makes for bfloat16 operands: of numpy's float32 result, said on
     stderr, and the process grid of that result."""
+    import dask
+
     import distmm
 
     args = (300, 200, 100, "--workers", 2, "--ranks", 4)
-    r = run_cli("plan", *args, "--dtype", "bfloat16")
+    budget = {"DISTMM_MEMORY_BUDGET": "1GiB"}  # an auto budget follows the free memory
+    r = run_cli("plan", *args, "--dtype", "bfloat16", env=budget)
     assert r.returncode == 0, r.stderr
-    want = distmm.make_plan(300, 200, 100, ml_dtypes.bfloat16, workers=2).describe()
+    with dask.config.set({"distmm.memory-budget": "1GiB"}):
+        want = distmm.make_plan(300, 200, 100, ml_dtypes.bfloat16, workers=2).describe()
     assert r.stdout.startswith(want + "\n") and "dtype float32" in r.stdout, r.stdout
-    assert r.stdout == run_cli("plan", *args, "--dtype", "float32").stdout
+    assert r.stdout == run_cli("plan", *args, "--dtype", "float32", env=budget).stdout
     assert r.stderr == ("distmm plan: note: numpy's matmul of bfloat16 operands gives float32; "
                         "the plan is for a float32 result\n"), r.stderr
 
@@ -42,6 +47,7 @@ def test_demo_multiplies_bfloat16_operands_and_checks_their_float32_product():
     assert r.stdout.rstrip().endswith(": OK"), r.stdout
 
 
+@pytest.mark.slow
 def test_model_of_bfloat16_operands_is_that_of_their_float32_result(tmp_path):
     """The engines multiply bfloat16 operands as numpy's float32 result (and the benchmarks
     record them so): the model's predictions and records are float32's; its header names
@@ -63,8 +69,10 @@ _WITHOUT_ML_DTYPES = ("import sys; sys.modules['ml_dtypes'] = None; "
                       "from distmm.cli.commands import main; sys.exit(main(sys.argv[1:]))")
 
 
-@pytest.mark.parametrize("argv", [["plan", "10", "10", "10"], ["demo", "-n", "8"],
-                                  ["model", "10", "10", "10", "--gpus", "2"]])
+@pytest.mark.parametrize("argv", [["plan", "10", "10", "10"],
+                                  pytest.param(["demo", "-n", "8"], marks=pytest.mark.slow),
+                                  pytest.param(["model", "10", "10", "10", "--gpus", "2"],
+                                               marks=pytest.mark.slow)])
 def test_bfloat16_without_ml_dtypes_says_what_to_install(argv):
     """Only the name bfloat16 imports ml_dtypes; without it, one line saying what to install,
     status 2, and the other dtypes still work."""

@@ -185,6 +185,7 @@ def test_an_h5_input_an_swmr_writer_holds_is_refused_naming_swmr(files):
     assert rows > 6 and np.load(files / "c.npy").shape == (rows, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_an_h5_input_an_swmr_writer_holds_is_refused_under_mpirun(files, mpirun):
     writer = _swmr_writer(files / "w.h5")
@@ -255,7 +256,8 @@ def _output_held(files, how, command):
         assert np.array_equal(fh["C"][...], np.full((6, 3), 4.0)) and fh["X"].shape == (3, 4)
 
 
-@pytest.mark.parametrize("how", ["swmr", "stopped", "writer"])
+@pytest.mark.parametrize("how", ["swmr", pytest.param("stopped", marks=pytest.mark.slow),
+                                 pytest.param("writer", marks=pytest.mark.slow)])
 def test_an_h5_output_another_process_writes_is_refused_naming_the_writer(files, how):
     """``-o out.h5:C`` where an SWMR writer holds out.h5 (or one that stopped left it marked
     open) ended with status 1 and HDF5's raw 'Unable to synchronously open file (file is
@@ -265,6 +267,7 @@ def test_an_h5_output_another_process_writes_is_refused_naming_the_writer(files,
                                              "-o", f"{files}/out.h5:C"))
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("how", ["swmr", "stopped", "writer"])
 def test_an_h5_output_another_process_writes_is_refused_under_mpirun(files, mpirun, how):

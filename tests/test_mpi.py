@@ -188,7 +188,7 @@ print(f"rank {comm.rank} ok {np.array_equal(c, a @ a)}", flush=True)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("rank1", ["late", "never"])
+@pytest.mark.parametrize("rank1", ["late", pytest.param("never", marks=pytest.mark.slow)])
 def test_a_rank_that_is_late_to_an_mpi_call_is_warned_about(rank1, tmp_path, mpirun):
     """Rank 0 waits in matmul(engine='mpi') for rank 1: after mpi-join-warning it logs one
     warning naming the call; a late rank then joins and both compute the product, while a

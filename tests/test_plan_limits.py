@@ -57,6 +57,7 @@ def test_model_refuses_a_product_too_large_to_plan(tmp_path, engine, gpus, size,
     assert lines[0].endswith(f"lists at most {limit}"), lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, gpus", [("batch", "1,2,4,8"), ("pipeline", "1"),
                                           ("mpi", "1,2,4,8"), ("dask", "1,2,4,8")])
 def test_model_of_a_large_product_fits_the_same_cap(tmp_path, engine, gpus):
