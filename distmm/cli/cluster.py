@@ -273,7 +273,8 @@ def _started(make):
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is noted here
     finally:
         for signum, handler in before.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: a handler not set from Python, left as it is
+                signal.signal(signum, handler)
     try:
         for signum in got:  # as the handlers in force would have taken them
             signal.raise_signal(signum)
