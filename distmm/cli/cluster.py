@@ -264,7 +264,8 @@ def _started(make):
     resource_tracker.ensure_running()
     got = []
     before = {s: signal.signal(s, lambda signum, frame: got.append(signum))
-              for s in (signal.SIGINT, signal.SIGTERM)}
+              for s in (signal.SIGINT, signal.SIGTERM)
+              if signal.getsignal(s) is not None}  # None: not set from Python, left alone
     try:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
@@ -273,8 +274,7 @@ def _started(make):
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is noted here
     finally:
         for signum, handler in before.items():
-            if handler is not None:  # None: a handler not set from Python, left as it is
-                signal.signal(signum, handler)
+            signal.signal(signum, handler)
     try:
         for signum in got:  # as the handlers in force would have taken them
             signal.raise_signal(signum)
