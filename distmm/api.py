@@ -796,7 +796,8 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
     """For ``engine="mpi"``: every rank's validation outcome (operands, ``out=``, and the
     request: ``tile=``, ``backend=``, ``precision=``), agreed on with one small allgather
     before the engine's first collective, so that a call one rank refuses raises on every
-    rank instead of leaving the others waiting in the engine. A rank whose
+    rank instead of leaving the others waiting in the engine; the ranks first meet in a
+    watched barrier (``distmm.engine.mpi.join``: a warning, an opt-in deadline). A rank whose
     validation failed (``error``) returns and raises its own error; the others raise a
     ``ValueError`` naming the first rank that failed and its error. So too where ranks
     differ in ``route`` (``"numpy"``: a call numpy computes itself, ``signature=``, an
