@@ -18,8 +18,9 @@ This module covers:
   (``random_array``, ``assert_matches_numpy``), dask operands persisted on chosen workers
   (``placed``), worker loss during a product (``start_call``, ``kill_workers``), and the
   bytes the workers have sent to clients (``served_to_clients``); whether a folder takes
-  ``O_DIRECT`` writes (``takes_direct``); ``distmm cluster`` as a
-  subprocess (``serve_cluster``, ``stop_cluster``, ``assert_all_gone``). Test
+  ``O_DIRECT`` writes (``takes_direct``); the ``distmm`` command as a child process
+  (``run_cli``) and ``distmm cluster`` served by one (``serve_cluster``, ``stop_cluster``,
+  ``assert_all_gone``). Test
   modules import them with ``from conftest import ...``; no test module imports another.
 
 It does *not* cover what the scripts under ``mpiexec`` need (``mpi_cases.py``,
@@ -46,6 +47,19 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def run_cli(*args, timeout: float = 600, env: dict | None = None,
+            **kw) -> subprocess.CompletedProcess:
+    """``python -m distmm ARGS`` in a child process, its output captured as text. ``env``
+    adds to this process's environment (a value of None removes that variable)."""
+    if env is not None:
+        env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
 
 # -- skipping by marker ---------------------------------------------------------------------
 

@@ -11,11 +11,7 @@ import numpy as np
 import pytest
 import zarr
 
-
-def run_cli(*args, cwd=None):
-    env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=600)
+from conftest import run_cli
 
 
 def test_plan_command():

@@ -3,18 +3,14 @@ run as real subprocesses."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from conftest import run_cli
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
-
-
-def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=None if env is None else {**os.environ, **env})
 
 
 def test_plan_of_bfloat16_operands_is_the_plan_matmul_makes():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-
-def run_cli(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=env, **kw)
+from conftest import run_cli
 
 
 def one_line(r) -> str:
@@ -429,8 +425,6 @@ def test_launcher_ranks_from_the_environment():
     # a batch script has SLURM_NTASKS but is no step of many ranks
     assert launcher_ranks({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) == (1, None)
     assert launcher_ranks({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}) == (8, "SLURM_STEP_NUM_TASKS")
-
-
 
 
 # A real signal at a chosen point of the command's imports: a sitecustomize (found on

@@ -15,10 +15,7 @@ import numpy as np
 import pytest
 import zarr
 
-
-def run_cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, **kw)
+from conftest import run_cli
 
 
 def one_line(stderr: str) -> str:

@@ -17,12 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import _product_running, assert_all_gone, serve_cluster, stop_cluster
-
-
-def run_cli(*args, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, **kw)
+from conftest import _product_running, assert_all_gone, run_cli, serve_cluster, stop_cluster
 
 
 @pytest.mark.slow

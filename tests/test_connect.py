@@ -19,17 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_cli
+
 TIMEOUT = 0.5
 #: the interpreter's start and distmm's imports, on a busy 2-core machine, plus the probe's
 #: margin (4.7 s was seen once in CI's floors run, 3.2 s here under load: a CI machine 3 times
 #: slower takes ~10 s); still half of dask's own 30 s connect timeout (and --connect-timeout's
 #: default), the hang these tests guard against
 MARGIN = 15.0
-
-
-def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=env)
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ results that differ from float32's, by more than float32's own bound allows.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +17,8 @@ import pytest
 import distmm
 from distmm.executor.reduced import round_to
 from distmm.precision import UNIT_ROUNDOFF, error_bound
+
+from conftest import run_cli
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -408,10 +408,6 @@ def test_resume_refuses_another_precision():
 
 
 # -- the command line ---------------------------------------------------------------------
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "distmm", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_cli_precision(tmp_path):
