@@ -792,7 +792,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
 
 
 def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = None,
-               key=None, values=None) -> None:
+               key=None, values=None, what: str = "matmul") -> None:
     """For ``engine="mpi"``: every rank's validation outcome (operands, ``out=``, and the
     request: ``tile=``, ``backend=``, ``precision=``), agreed on with one small allgather
     before the engine's first collective, so that a call one rank refuses raises on every
@@ -803,8 +803,8 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
     differ in ``route`` (``"numpy"``: a call numpy computes itself, ``signature=``, an
     object loop with strings, on that rank alone) or in ``key`` (what the engine needs the
     same everywhere: shapes, dtype, settings), or in ``values`` (``fingerprint``s of the
-    operands every rank holds whole). ``comm``: default ``MPI.COMM_WORLD``. Nothing on one
-    rank."""
+    operands every rank holds whole). ``comm``: default ``MPI.COMM_WORLD``; ``what``: the
+    call the messages name. Nothing on one rank."""
     if comm is None:
         try:
             from distmm.engine.mpi import world
@@ -825,25 +825,25 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
         return
     failed = next((r for r, (why, *_) in enumerate(outcomes) if why is not None), None)
     if failed is not None:
-        raise ValueError(f"matmul: engine='mpi' needs valid, identical arguments on every rank; "
+        raise ValueError(f"{what}: engine='mpi' needs valid, identical arguments on every rank; "
                          f"rank {failed} of {comm.size} refused its call ({outcomes[failed][0]})")
     other = next((r for r, (_, way, *_) in enumerate(outcomes) if way != route), None)
     if other is not None:
         ways = {r: way or "the MPI engine" for r, (_, way, *_) in enumerate(outcomes)}
-        raise ValueError(f"matmul: engine='mpi' needs identical arguments on every rank; rank "
+        raise ValueError(f"{what}: engine='mpi' needs identical arguments on every rank; rank "
                          f"{comm.rank} of {comm.size} computes this call with {ways[comm.rank]}, "
                          f"rank {other} with {ways[other]} (signature= or an object loop with "
                          f"strings is numpy's own call)")
     other = next((r for r, (_, _, k, _) in enumerate(outcomes) if k != key), None)
     if other is not None:
-        raise ValueError(f"matmul: engine='mpi' needs the same operands and settings on every "
+        raise ValueError(f"{what}: engine='mpi' needs the same operands and settings on every "
                          f"rank; got {key} on rank {comm.rank} but {outcomes[other][2]} on "
                          f"rank {other}")
     other = next((r for r, (*_, v) in enumerate(outcomes) if v != values), None)
     if other is not None:
         from distmm.engine.mpi.agree import differing
 
-        raise ValueError(f"matmul: engine='mpi' needs the same operands on every rank: the "
+        raise ValueError(f"{what}: engine='mpi' needs the same operands on every rank: the "
                          f"values of the replicated {differing(values, outcomes[other][3])} differ between rank {comm.rank} and "
                          f"rank {other} (sampled elements)")
 
@@ -973,13 +973,17 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
 
 
 def _scalar_for(value, dtype: np.dtype, name: str):
-    """Convert alpha or beta to the result dtype, refusing lossy conversions: a complex
-    value for a real result, a fraction for an integer one, a value out of the dtype's
-    range (TypeError naming the value). A 0-d array is its element, as in numpy."""
+    """Convert alpha or beta to the result dtype, refusing what is not a number (a date, a
+    string, a signalling NaN) and lossy conversions: a complex value for a real result, a
+    fraction for an integer one, a value out of the dtype's range (TypeError naming the
+    value). A 0-d array is its element, as in numpy."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
-    if not isinstance(value, (numbers.Number, np.generic)) or isinstance(value, (np.str_, np.bytes_)):
+    if (not isinstance(value, (numbers.Number, np.number, np.bool_))
+            or isinstance(value, np.timedelta64)):  # numpy's integer subclass of durations
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if isinstance(value, decimal.Decimal) and value.is_snan():
+        raise TypeError(f"{name}={value!r} is a signalling NaN, which no product takes")
     if dtype.kind == "O":
         return value  # Python objects multiply as they are
     if isinstance(value, (complex, np.complexfloating)) and dtype.kind != "c":
@@ -1027,9 +1031,11 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ----------
     a, b : 2-D array_like
         The operands; ``op(X)`` is ``X``, ``X.T`` (a view, never a copy) or
-        ``X.conj().T`` as ``trans_x`` says.
+        ``X.conj().T`` as ``trans_x`` says. An h5py dataset or zarr array is
+        read by slices as it is, and read whole where it is transposed.
     c : 2-D array_like, optional
-        Of shape ``(m, n)``; never modified.
+        Of shape ``(m, n)``; never modified. A subclass counts as its data
+        (no mask); an h5py dataset or zarr array is read whole where it is read.
     alpha, beta : number
         Scalars, converted to the result dtype. As in BLAS, ``beta == 0``
         means ``c`` is not read (NaN in ``c`` does not propagate) and
@@ -1037,10 +1043,12 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         ``beta * c``.
     trans_a, trans_b : bool or {'N', 'T', 'C'}
         BLAS's TRANSA / TRANSB: ``False`` or ``'N'`` (as is), ``True`` or
-        ``'T'`` (transposed), ``'C'`` (conjugate transposed; the same as
-        ``'T'`` for real dtypes). Lower case is accepted.
+        ``'T'`` (transposed), ``'C'`` (conjugate transposed, object elements by
+        their ``conjugate()``; the same as ``'T'`` for real dtypes). Lower case
+        is accepted.
     engine, client, tile, backend, precision
-        As for ``matmul``; ``precision`` applies to ``op(A) @ op(B)`` (its error
+        As for ``matmul``, and checked where no product is made (``alpha == 0``,
+        ``k == 0``) too; ``precision`` applies to ``op(A) @ op(B)`` (its error
         bound is ``matmul``'s, for ``alpha * op(A) @ op(B)`` times ``|alpha|``),
         and is checked against the dtype the product is computed in (promoted
         with ``c``'s: a float64 ``c`` makes a float64 product, which takes
@@ -1058,9 +1066,13 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ValueError
         Operands that are not 2-D, inner dimensions that differ, ``c`` of
         the wrong shape, a ``trans_a``/``trans_b`` that is none of the above,
-        or an unknown ``precision``.
+        or an unknown ``precision``, ``engine``, ``backend`` or ``tile``. With
+        ``engine="mpi"``, on every rank: a call another rank refuses, or
+        shapes, letters, ``alpha``, ``beta`` or a read ``c`` (its sampled
+        values) that differ between ranks.
     TypeError
-        Non-numeric dtypes, an ``alpha``/``beta`` that the result dtype
+        Non-numeric dtypes (``c``'s named), an ``alpha``/``beta`` that is not
+        a number (a date, a string) or that the result dtype
         cannot hold exactly (``alpha=0.5`` for integers, ``alpha=2`` for
         booleans, which take 0 and 1 only), or a reduced
         ``precision`` for a product that is not float32, float16 or bfloat16.
@@ -1072,51 +1084,95 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     array([[1., 1.],
            [1., 1.]])
     """
-    flag_a, flag_b = _trans_flag(trans_a, "trans_a"), _trans_flag(trans_b, "trans_b")
-    fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
-              key=FAMILY_ORDER.index)
-    _refuse_unsupported("gemm", fam, a=a, b=b, **({} if c is None else {"c": c}))
-    a, b = _as_array(a, fam), _as_array(b, fam)
-    for name, x in (("a", a), ("b", b)):
-        if x.ndim != 2:
-            raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
-    op_a, op_b = _op(a, flag_a), _op(b, flag_b)
-    ops = _validate(op_a, op_b, "gemm")
-    dtype = ops.dtype
-    if c is not None:
-        c = _as_array(c, fam)
-        if tuple(c.shape) != (ops.m, ops.n):
-            raise ValueError(
-                f"gemm: c has shape {tuple(c.shape)} but op(a) @ op(b) has shape {(ops.m, ops.n)} "
-                f"(a {tuple(a.shape)}, b {tuple(b.shape)})"
-            )
-        dtype = np.result_type(dtype, result_dtype(c.dtype, c.dtype))
-    alpha_t = _scalar_for(alpha, dtype, "alpha")
-    beta_t = _scalar_for(beta, dtype, "beta")
-    precision = resolve_precision(precision, dtype, what="gemm")
+    if engine == "auto":
+        engine = get_config().engine  # the configured engine; the argument wins
+    try:  # refused on one rank under engine="mpi": every rank raises (see _mpi_agree)
+        flag_a, flag_b = _trans_flag(trans_a, "trans_a"), _trans_flag(trans_b, "trans_b")
+        fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
+                  key=FAMILY_ORDER.index)
+        _refuse_unsupported("gemm", fam, a=a, b=b, **({} if c is None else {"c": c}))
+        a, b = _as_array(a, fam), _as_array(b, fam)
+        for name, x in (("a", a), ("b", b)):
+            if x.ndim != 2:
+                raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
+        op_a, op_b = _op(a, flag_a), _op(b, flag_b)
+        ops = _validate(op_a, op_b, "gemm")
+        dtype = ops.dtype
+        if c is not None:
+            c = _as_array(ufunc_rules.base(c), fam)  # a subclass's data: a plain result
+            if tuple(c.shape) != (ops.m, ops.n):
+                raise ValueError(
+                    f"gemm: c has shape {tuple(c.shape)} but op(a) @ op(b) has shape "
+                    f"{(ops.m, ops.n)} (a {tuple(a.shape)}, b {tuple(b.shape)})"
+                )
+            dtype = np.result_type(dtype, _c_dtype(c))
+        alpha_t = _scalar_for(alpha, dtype, "alpha")
+        beta_t = _scalar_for(beta, dtype, "beta")
+        precision = resolve_precision(precision, dtype, what="gemm")
+        if c is not None and beta_t != 0 and _on_disk(c):
+            c = np.asarray(c)  # an h5py dataset or zarr array: read (it has no astype)
+        on_device = fam == "cupy" and dtype in (np.float32, np.float64)
+        if not on_device:
+            if dtype != ops.dtype:
+                # Compute in the promoted dtype (c's precision), as a typed BLAS call would;
+                # the engines cast tile by tile, so no operand is copied whole.
+                ops = replace(ops, dtype=dtype)
+            ops = _whole_k(ops)  # numpy's one sum over k for float16, long double, object
+            # the engine and the request (engine=, client=, backend=, tile=) are checked
+            # even where no product is made (alpha == 0, k == 0)
+            cfg = get_config()
+            eng = _engine_for(engine, ops.family, client, cfg, ops)
+            request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
+        if engine == "mpi":
+            key = _gemm_key(ops, flag_a, flag_b, alpha_t, beta_t, c)
+    except Exception as exc:
+        if engine == "mpi":
+            _mpi_agree(exc, what="gemm")
+        raise
+    if engine == "mpi":
+        _mpi_agree(None, key=key, what="gemm")
 
     xp = _namespace(fam)
-    if fam == "cupy" and dtype in (np.float32, np.float64):
+    if on_device:
         return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend, precision)
     if alpha_t == 0 or ops.k == 0:
         # one chunk for object zeros: dask's automatic chunks refuse object arrays
         chunks = {"chunks": -1 if dtype == object else "auto"} if fam == "dask" else {}
         product = xp.zeros((ops.m, ops.n), dtype=dtype, **chunks)
     else:
-        if dtype != ops.dtype:
-            # Compute in the promoted dtype (c's precision), as a typed BLAS call would;
-            # the engines cast tile by tile, so no operand is copied whole.
-            ops = replace(ops, dtype=dtype)
-        ops = _whole_k(ops)  # numpy's one sum over k for float16, long double, object
-        cfg = get_config()
-        product = _run(_engine_for(engine, ops.family, client, cfg, ops), ops, cfg, tile=tile,
-                       backend=backend, precision=precision)
+        product = _squeeze(eng.run(request), ops)
         if alpha_t != 1:
             product = product * alpha_t
     if c is None or beta_t == 0:
         return product.astype(dtype, copy=False)
     scaled = c.astype(dtype, copy=False) * beta_t if beta_t != 1 else c.astype(dtype, copy=True)
     return (product + scaled).astype(dtype, copy=False)
+
+
+def _c_dtype(c) -> np.dtype:
+    """gemm's ``c``'s dtype as a product of its kind (booleans stay boolean), or a
+    TypeError naming ``c`` for one no product has (strings, dates, structured types)."""
+    try:
+        return result_dtype(c.dtype, c.dtype)
+    except TypeError:
+        raise TypeError(f"gemm: c must be boolean or numeric, got dtype {np.dtype(c.dtype)}") \
+            from None
+
+
+def _gemm_key(ops: Operands, flag_a: str, flag_b: str, alpha, beta, c) -> str:
+    """What every rank of a gemm with ``engine="mpi"`` must have alike beyond the operands
+    the engine compares itself: the shapes, the dtype, the letters, alpha, beta, and c's
+    shape, dtype and sampled values where it is read."""
+    from distmm.engine.mpi.agree import fingerprint
+
+    if c is None or beta == 0:
+        seen = "not read"
+    else:
+        host = c if array_family(c) != "dask" else None  # dask: the engine refuses it
+        sample = "" if host is None else " sampled " + fingerprint(host).hex()
+        seen = f"{tuple(c.shape)} {np.dtype(c.dtype)}{sample}"
+    return (f"op(a) @ op(b) of {ops.m}x{ops.k} @ {ops.k}x{ops.n} in {ops.dtype}, "
+            f"trans_a={flag_a!r}, trans_b={flag_b!r}, alpha={alpha!r}, beta={beta!r}, c {seen}")
 
 
 def _trans_flag(value, name: str) -> str:
@@ -1129,10 +1185,14 @@ def _trans_flag(value, name: str) -> str:
 
 
 def _op(x, flag: str):
-    """op(X) for a BLAS transpose flag: X, X.T (a view), or X.conj().T for complex X."""
+    """op(X) for a BLAS transpose flag: X, X.T (a view), or X.conj().T for complex X and
+    for object X (each element's ``conjugate()``, as numpy's ``conj``). An on-disk X (h5py,
+    zarr), which has no ``.T``, is read whole first, as ``numpy.asarray`` reads it."""
     if flag == "N":
         return x
-    if flag == "C" and np.dtype(x.dtype).kind == "c":
+    if _on_disk(x):
+        x = np.asarray(x)
+    if flag == "C" and np.dtype(x.dtype).kind in "cO":
         return x.conj().T
     return x.T
 

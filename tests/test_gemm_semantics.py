@@ -1,0 +1,216 @@
+"""distmm.gemm against BLAS's semantics and numpy's ``alpha * op(a) @ op(b) + beta * c``.
+
+This module covers what gemm adds to matmul, on every engine: ``op()`` of every kind
+(conjugate transposes of object operands too), ``c`` as numpy's subclasses and on-disk
+arrays, transposed on-disk operands, alpha and beta that are not numbers, a ``c`` of a
+dtype gemm cannot add, the engine's arguments checked when the product is all zeros
+(``alpha == 0``, ``k == 0``), and, under ``mpiexec``, a call one rank refuses or makes
+differently raising on every rank instead of leaving the others waiting.
+It does *not* cover: matmul's own semantics (tests/test_api.py), gemm's scalar ranges and
+BLAS letters on the local engine (tests/test_api.py), GPU gemm (tests/test_gpu_api.py).
+"""
+from __future__ import annotations
+
+import decimal
+import warnings
+
+import numpy as np
+import pytest
+
+import distmm
+from conftest import random_array
+
+OPS = {"N": lambda x: x, "T": lambda x: x.T, "C": lambda x: x.conj().T}
+
+
+def _operands(rng, dtype, ta, tb, m=5, n=7, k=9):
+    """a, b, c for op(a) @ op(b) of shape (m, n) with inner size k."""
+    if np.dtype(dtype) == object:
+        def make(shape):
+            x = rng.integers(-3, 4, shape) + 1j * rng.integers(-3, 4, shape)
+            return x.astype(object)
+    else:
+        def make(shape):
+            return random_array(rng, shape, dtype)
+    a = make((m, k) if ta == "N" else (k, m))
+    b = make((k, n) if tb == "N" else (n, k))
+    return a, b, make((m, n))
+
+
+def _want(a, b, c, alpha, beta, ta, tb):
+    """numpy's alpha * op(a) @ op(b) + beta * c, scalars in the operands' dtype."""
+    dtype = a.dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # integers wrap as numpy's do
+        prod = OPS[ta](a) @ OPS[tb](b)
+        if dtype == object:
+            return alpha * prod + beta * c
+        return dtype.type(alpha) * prod + dtype.type(beta) * c
+
+
+SWEEP = [(np.int16, 2, -1), (np.float16, 0.5, -2.0), (np.longdouble, 0.75, -1.5),
+         (np.complex128, 0.5 - 1j, 2.0), (object, 2, -1)]
+
+
+def _sweep(**engine):
+    """gemm of every transpose letter pair for the dtypes of SWEEP, against numpy (exact:
+    small integers, or a dtype whose product is numpy's bits on every engine)."""
+    rng = np.random.default_rng(3)
+    for dtype, alpha, beta in SWEEP:
+        for ta in "NTC":
+            for tb in "NTC":
+                a, b, c = _operands(rng, dtype, ta, tb)
+                if np.dtype(dtype).kind in "fc":
+                    a, b, c = (np.round(x * 4) / 4 for x in (a, b, c))  # exact sums
+                got = distmm.gemm(a, b, c, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb,
+                                  tile=3, **engine)
+                want = _want(a, b, c, alpha, beta, ta, tb)
+                assert type(got) is np.ndarray and got.dtype == want.dtype, (dtype, ta, tb)
+                assert np.array_equal(got, want), (dtype, ta, tb)
+
+
+def test_every_transpose_letter_on_the_local_engine():
+    """'C' conjugates object operands of complex numbers too (it was a plain transpose)."""
+    _sweep(engine="local")
+
+
+def test_every_transpose_letter_on_the_dask_engine(client):
+    _sweep(engine="dask", client=client)
+
+
+def test_conjugate_transpose_of_a_dask_object_operand():
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng(4)
+    a, b, c = _operands(rng, object, "C", "N")
+    got = distmm.gemm(da.from_array(a, chunks=-1), b, c, beta=1, trans_a="C").compute()
+    assert got.tolist() == (a.conj().T @ b + c).tolist()
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("kind", ["matrix", "masked"])
+def test_a_subclass_c_gives_a_plain_ndarray(kind):
+    """As the docstring says of subclasses: a plain ndarray, no mask (c's subclass leaked
+    into the result through beta * c)."""
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.standard_normal(s) for s in ((4, 3), (3, 5), (4, 5)))
+    if kind == "matrix":
+        sub = np.matrix(c)
+    else:
+        sub = np.ma.masked_array(c, mask=np.zeros(c.shape, bool))
+        sub[0, 0] = np.ma.masked
+    for beta in (1.0, 2.0):
+        got = distmm.gemm(a, b, sub, beta=beta)
+        assert type(got) is np.ndarray
+        np.testing.assert_allclose(got, a @ b + beta * c, rtol=1e-13)
+
+
+def test_on_disk_c_and_transposed_on_disk_operands(tmp_path):
+    """An h5py dataset as c (it failed after the product: Dataset.astype takes no copy=),
+    and as an operand with trans 'T' or 'C' (AttributeError: no .T)."""
+    h5py = pytest.importorskip("h5py")
+    rng = np.random.default_rng(6)
+    a = random_array(rng, (6, 4), np.complex128)
+    b = random_array(rng, (6, 5), np.complex128)
+    c = random_array(rng, (4, 5), np.complex128)
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f["a"], f["c"] = a, c
+    with h5py.File(tmp_path / "x.h5", "r") as f:
+        for beta in (1.0, -0.5):
+            got = distmm.gemm(a.T, b, f["c"], beta=beta)
+            np.testing.assert_allclose(got, a.T @ b + beta * c, rtol=1e-12)
+        for ta in "TC":
+            got = distmm.gemm(f["a"], b, f["c"], alpha=2.0, beta=1.0, trans_a=ta)
+            np.testing.assert_allclose(got, 2.0 * OPS[ta](a) @ b + c, rtol=1e-12)
+        # beta == 0: c is not read, whatever it is
+        np.testing.assert_allclose(distmm.gemm(f["a"], b, f["c"], trans_a="C"),
+                                   a.conj().T @ b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.full((4, 5), "x"), np.zeros((4, 5), "M8[s]"),
+                                 np.zeros((4, 5), "m8[s]"), np.zeros((4, 5), "i4,i4")],
+                         ids=["str", "datetime", "timedelta", "structured"])
+def test_a_c_gemm_cannot_add_is_a_type_error_naming_c(bad):
+    """It was numpy's matmul error for (c's dtype, c's dtype), which named neither c nor
+    the call."""
+    for beta in (1.0, 0.0):
+        with pytest.raises(TypeError, match=r"^gemm: c must be boolean or numeric, got dtype"):
+            distmm.gemm(np.ones((4, 3)), np.ones((3, 5)), bad, beta=beta)
+
+
+@pytest.mark.parametrize("value", [np.datetime64("2020"), np.timedelta64(2, "s"),
+                                   np.void(b"\x01"), decimal.Decimal("sNaN")],
+                         ids=["datetime64", "timedelta64", "void", "decimal-snan"])
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, object])
+@pytest.mark.parametrize("name", ["alpha", "beta"])
+def test_scalars_that_are_not_numbers_are_refused_before_the_product(value, dtype, name):
+    """datetime64('2020') scaled a float product by 50 (years since 1970), a timedelta by its
+    count; a void or a signalling NaN failed in numpy or after the product, unnamed."""
+    x = np.ones((2, 2), dtype)
+    with pytest.raises(TypeError, match=f"^{name}"):
+        distmm.gemm(x, x, x, **{name: value})
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("kw,match", [(dict(engine="spark"), "engine"),
+                                      (dict(backend="magic"), "backend"),
+                                      (dict(tile=0), "tile")], ids=["engine", "backend", "tile"])
+def test_a_zero_product_still_checks_the_engine_arguments(kw, match, k):
+    """alpha == 0 or k == 0 makes no product, but the call's arguments are the call's:
+    they were ignored there (a zero matrix instead of the ValueError of alpha == 1)."""
+    a, b, c = np.ones((2, k)), np.ones((k, 2)), np.ones((2, 2))
+    with pytest.raises(ValueError, match=match):
+        distmm.gemm(a, b, c, alpha=1.0, beta=1.0, **kw)
+    with pytest.raises(ValueError, match=match):
+        distmm.gemm(a, b, c, alpha=0.0, beta=1.0, **kw)
+
+
+MPI_SCRIPT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import distmm
+
+rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+a, b, c = np.ones((4, 3)), np.ones((3, 5)), np.arange(20.0).reshape(4, 5)
+last = rank == size - 1
+refused = {  # valid on every rank but the last
+    "c of the wrong shape": dict(c=np.ones((5, 4)) if last else c),
+    "alpha not a number": dict(alpha="2" if last else 2.0),
+    "a bad trans_a": dict(trans_a="X" if last else "N"),
+    "tile=0": dict(tile=0 if last else None),
+    "alpha == 0 on one rank": dict(alpha=0.0 if last else 1.0),
+    "beta differs": dict(beta=2.0 if last else 1.0),
+    "c's values differ": dict(c=c + 1 if last else c),
+}
+for what, kw in refused.items():
+    kw = {"c": c, "beta": 1.0, **kw}
+    try:
+        distmm.gemm(a, b, kw.pop("c"), engine="mpi", **kw)
+        print(f"rank {rank}: {what}: no error", flush=True)
+    except (TypeError, ValueError) as exc:
+        one_line = "\\n" not in str(exc)
+        named = last or (str(exc).startswith("gemm: engine='mpi' needs")
+                         and f"rank {size - 1}" in str(exc))
+        print(f"rank {rank}: {what}: {'ok' if one_line and named else 'BAD'} "
+              f"{type(exc).__name__}: {exc}", flush=True)
+# the ranks are in step after the refusals: a product of object operands, conjugated
+z = (np.arange(12).reshape(3, 4) + 1j * np.arange(12).reshape(3, 4)[::-1]).astype(object)
+got = distmm.gemm(z, z, c[:4, :4].astype(object), alpha=2, beta=-1, trans_a="C", engine="mpi")
+want = 2 * (z.conj().T @ z) - c[:4, :4]
+print(f"rank {rank}: product: {'ok' if got.tolist() == want.tolist() else 'BAD'}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_an_mpi_call_one_rank_refuses_or_makes_differently_raises_on_every_rank(tmp_path,
+                                                                                mpirun):
+    """gemm(engine="mpi") agrees on every rank's arguments before the engine, as matmul
+    does: a call the last rank refuses left rank 0 waiting in the engine for ever (the
+    timeout), alpha == 0 on one rank too, and a beta or c that differ gave each rank its
+    own result."""
+    script = tmp_path / "gemm_ranks.py"
+    script.write_text(MPI_SCRIPT)
+    r = mpirun(2, script, timeout=90)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 16 and all(": ok" in line for line in lines), r.stdout + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
