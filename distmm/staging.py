@@ -7,7 +7,8 @@ This module covers the parts of staging an output that the command line
   so the final rename is atomic), and the staged outputs a killed run left there
   (``leftovers``, for an HDF5 target those of its dataset only; ``is_live`` tells a running
   one on this host, ``claim`` takes one over for a ``--resume`` run or a removal;
-  ``reclaimable``: their space; ``remove_leftover``);
+  ``reclaimable``: their space; ``remove_leftover``, with its manifest and logs), and the
+  manifests and logs of a dead run whose staged output was deleted (``leftovers`` removes them);
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
   target, keeping a replaced target's permission bits;
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
@@ -22,8 +23,9 @@ This module covers the parts of staging an output that the command line
   ``commit_h5`` moves it into place: a rename when the target file does not
   exist, else (after ``check_room`` for the copy) the dataset is copied into
   the user's file (opened for writing, never created or truncated) under a
-  temporary name, and only then is an old dataset of that name deleted and the
-  copy renamed onto it (signals held off for those two metadata steps). The
+  temporary name, in blocks that SIGINT and SIGTERM stop between, and only then
+  is an old dataset of that name deleted and the copy renamed onto it (signals
+  held off for those two metadata steps). The
   file's other datasets are never touched; on a failure the temporary dataset
   is removed, and the staged file is removed in every case.
 
@@ -286,8 +288,18 @@ def leftovers(target: Path, dataset: str | None = None) -> list[Path]:
 
     With ``dataset`` (an HDF5 target), only the staged files holding that dataset, or none
     that can be read (a run stopped while creating its file): those of another dataset of the
-    same file belong to another target."""
+    same file belong to another target.
+
+    A run calls this before it writes, to resume or remove them; so the files a dead run kept
+    beside a staged output that is gone (deleted by hand) are removed here first
+    (``_remove_orphans``): no run can resume from them, and no staged output leads to them."""
     target = Path(target)
+    _remove_orphans(target)
+    return _staged_beside(target, dataset)
+
+
+def _staged_beside(target: Path, dataset: str | None) -> list[Path]:
+    """``leftovers``, removing nothing."""
     pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
     folder = target.parent if str(target.parent) else Path(".")
     try:
@@ -325,6 +337,54 @@ def is_live(staged: Path) -> bool:
 #: the manifest a resumable run keeps beside its staged output (``distmm.engine.mpi.resume``),
 #: which ``claim`` locks
 MANIFEST_SUFFIX = ".resume.json"
+
+#: what a run keeps beside its staged output ``STAGED``, as ``STAGED`` + one of these: the
+#: manifest (and the file it is saved through), each rank's log of finished stripes
+#: (``distmm.engine.mpi.resume``), the zarr writers' lock (``distmm.stripe_writer``). Exactly
+#: these: ``STAGED.x.distmm-partial-PID`` is another target's staged output.
+_EXTRAS = re.escape(MANIFEST_SUFFIX) + r"(?:\.tmp)?|\.done-\d+|\.lock"
+
+
+def _extras(staged: Path) -> list[Path]:
+    """The files a run keeps beside ``staged`` (``_EXTRAS``) that exist."""
+    pattern = re.compile(re.escape(staged.name) + f"(?:{_EXTRAS})")
+    try:
+        names = os.listdir(staged.parent)
+    except OSError:
+        return []
+    return [staged.parent / n for n in sorted(names)
+            if pattern.fullmatch(n) and not (staged.parent / n).is_dir()]
+
+
+def _remove_orphans(target: Path) -> None:
+    """Remove the manifests, logs and locks of staged outputs beside ``target`` that are gone
+    (a user deleted a stopped run's staged output), each only under its claim and only where
+    no process works on it: not ``is_live`` (this process's PID counts as a dead run's, as
+    PIDs come round again: a run calls this before it stages anything), and its staged output
+    still gone once claimed. Those of every dataset of an HDF5 file: no run can use them."""
+    folder = target.parent if str(target.parent) else Path(".")
+    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + f"(\\d+)(?:{_EXTRAS})")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    gone = set()
+    for name in names:
+        found = pattern.fullmatch(name)
+        if found and not os.path.lexists(folder / name[:found.end(1)]):
+            gone.add((folder / name[:found.end(1)], int(found.group(1))))
+    for staged, pid in sorted(gone):
+        if pid != os.getpid() and is_live(staged):
+            continue
+        fd = claim(staged)
+        if fd is None:  # a run holds it
+            continue
+        try:
+            if not os.path.lexists(staged):
+                for extra in _extras(staged):
+                    extra.unlink(missing_ok=True)
+        finally:
+            release(fd)
 
 
 def claim(staged: Path) -> int | None:
@@ -380,7 +440,7 @@ def reclaimable(target: Path, dataset: str | None = None) -> int:
     on (``leftovers`` less ``is_live``): a run resumes or removes them before it writes, so
     their space counts as free for its output."""
     total = 0
-    for staged in leftovers(target, dataset):
+    for staged in _staged_beside(Path(target), dataset):  # (the space check removes nothing)
         if is_live(staged):
             continue
         files = [staged] if not staged.is_dir() else [p for p in staged.rglob("*") if p.is_file()]
@@ -393,13 +453,10 @@ def reclaimable(target: Path, dataset: str | None = None) -> int:
 
 
 def remove_leftover(staged: Path) -> None:
-    """Remove a staged output and its manifest, logs and lock."""
+    """Remove a staged output and its manifest, logs and lock (``_EXTRAS``)."""
     staged = Path(staged)
-    for extra in staged.parent.glob(f"{staged.name}.*"):
-        if extra.is_dir():
-            shutil.rmtree(extra, ignore_errors=True)
-        else:
-            extra.unlink(missing_ok=True)
+    for extra in _extras(staged):
+        extra.unlink(missing_ok=True)
     if staged.is_dir():
         shutil.rmtree(staged, ignore_errors=True)
     else:
@@ -681,6 +738,63 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
         staged.unlink(missing_ok=True)
 
 
+#: bytes copied into an existing HDF5 file at a time (``_copy_dataset``): a signal waits for
+#: one block at most, and blocks of 1 MiB copy about as fast as one ``H5Ocopy`` call
+COPY_BLOCK = 1 << 20
+
+
+def _copy_dataset(src, dst, name: str) -> None:
+    """Copy the dataset ``src`` to ``name`` in the open file ``dst`` (its type, shape and
+    creation properties; missing groups created), ``COPY_BLOCK`` bytes of rows at a time, on
+    a thread of its own while this one waits.
+
+    One call (``H5Ocopy``) would keep SIGINT and SIGTERM waiting for the whole copy (seconds
+    for GiBs), then removed. Python runs a signal's handler only in the main thread, between
+    calls into C, and the exception of one that runs in a finaliser (h5py frees objects after
+    each call) is swallowed: so the main thread only waits, in short steps, where a handler
+    that raises stops the copy; the thread stops after its current block, and the caller
+    removes what it wrote. A handler that only records the signal (the MPI engine's, which
+    commits what it finished) lets the copy end."""
+    import h5py
+
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    new = h5py.Dataset(h5py.h5d.create(dst.id, name.encode(), src.id.get_type(),
+                                       src.id.get_space(), dcpl=src.id.get_create_plist(),
+                                       lcpl=lcpl))
+    if src.ndim == 0 or src.size == 0:
+        if src.size:
+            new[()] = src[()]
+        return
+    rows = src.shape[0]
+    step = max(1, COPY_BLOCK // max(1, src.size // rows * src.dtype.itemsize))
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        block = np.empty((min(step, rows),) + src.shape[1:], dtype=src.dtype)
+        try:
+            for r0 in range(0, rows, step):
+                if stop.is_set():
+                    return
+                part = block[:min(step, rows - r0)]
+                src.read_direct(part, np.s_[r0:r0 + len(part)])
+                new.write_direct(part, dest_sel=np.s_[r0:r0 + len(part)])
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=copy, name="distmm-h5-copy", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    finally:
+        stop.set()
+        worker.join()  # at most one block more
+    if failed:
+        raise failed[0]
+
+
 def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
     import h5py
 
@@ -705,8 +819,8 @@ def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
         try:
             try:
                 with h5py.File(staged, "r") as src:
-                    dst.copy(src[dataset], temp)
-            except (RuntimeError, OSError) as exc:  # HDF5's own errors: several lines each
+                    _copy_dataset(src[dataset], dst, temp)
+            except (RuntimeError, OSError, ValueError) as exc:  # HDF5's own: several lines each
                 raise OSError(f"copying {dataset!r} into {path} failed "
                               f"({' '.join(str(exc).split())})") from exc
             with _signals_held():

@@ -317,3 +317,44 @@ def test_an_h5_file_another_process_holds_is_refused_before_any_work(tmp_path):
         os.close(hold)
         os.waitpid(pid, 0)
     assert f.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_sigterm_while_c_is_copied_into_an_existing_h5_file_stops_the_copy(tmp_path):
+    """``-o f.h5:C`` into a file holding another dataset, SIGTERM once the copy of C (2 GiB)
+    into it has begun: the copy, one ``H5Ocopy`` call, ran to its end (seconds) before the
+    signal was acted on, and the whole copy was then removed; now the run stops within a few
+    blocks, and f.h5 holds what it held, in as many bytes, with nothing left beside it."""
+    import signal
+    import time
+
+    h5py = pytest.importorskip("h5py")
+    n = 16000  # an outer product: C of 2 GiB for almost no computing
+    np.save(tmp_path / "a.npy", np.ones((n, 1)))
+    np.save(tmp_path / "b.npy", np.ones((1, n)))
+    f = tmp_path / "f.h5"
+    with h5py.File(f, "w") as fh:
+        fh["other"] = np.arange(10.0)
+    start = f.stat().st_size
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+                             str(tmp_path / "b.npy"), "-o", f"{f}:C", "--engine", "local"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while f.stat().st_size < start + (64 << 20):  # the copy into f.h5 has begun
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    signalled, largest = time.perf_counter(), 0
+    while proc.poll() is None:
+        largest = max(largest, f.stat().st_size)
+        time.sleep(0.002)
+    stopped = time.perf_counter() - signalled
+    out, err = proc.communicate()
+    assert proc.returncode == 143, err
+    assert err == "distmm matmul: error: terminated by SIGTERM\n"
+    assert largest < n * n * 8 // 2, f"the copy went on to {largest} bytes after the signal"
+    assert stopped < 2.0, f"stopped {stopped:.2f} s after SIGTERM"
+    with h5py.File(f, "r") as fh:  # (HDF5 rewrites the root group's metadata: not its bytes)
+        assert list(fh) == ["other"] and fh["other"][...].tolist() == list(range(10))
+    assert f.stat().st_size == start  # the copy's space given back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "f.h5"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -152,6 +153,20 @@ def test_a_claimed_staged_output_is_left_alone_until_its_claimant_ends(tmp_path)
     # one without a manifest can be resumed by no one: nothing to claim, removed as before
     staged = _leftover(tmp_path, manifest=False)
     assert claim(staged) == -1 and remove_if_left(staged) and not staged.exists()
+
+
+def test_removing_a_leftover_leaves_another_targets_files_alone(tmp_path):
+    """A dead run's staged output ``.c.npy.distmm-partial-D`` went with every file named
+    ``.c.npy.distmm-partial-D.*``: the staged output of the target ``c.npy.distmm-partial-D.npy``
+    too, and a user's copy of the manifest; now only its manifest and logs go with it."""
+    staged = _leftover(tmp_path)
+    dead = staged.name.rsplit("-", 1)[1]
+    other = staged_path(tmp_path / f"c.npy.distmm-partial-{dead}.npy", int(dead))
+    other.write_bytes(b"\0" * 4096)
+    user = tmp_path / f"{staged.name}.resume.json.bak"
+    user.write_text("{}")
+    assert remove_if_left(staged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, user.name])
 
 
 def test_the_space_of_leftovers_counts_as_free(tmp_path):
@@ -343,3 +358,96 @@ def test_a_dead_runs_files_under_this_runs_pid(tmp_path, mpi_env):
     # logs of every stripe under this run's PID, their staged output gone: stopped, resumed
     stopped([sys.executable, "-c", _AS_PID, "-", "24", "--", *argv], lambda: bool(staged()))
     finished([sys.executable, "-m", "distmm", *argv])
+
+
+def _kept_beside(staged: Path) -> list[str]:
+    """The names of the files a run keeps beside ``staged`` (its manifest, logs)."""
+    return sorted(p.name for p in staged.parent.iterdir()
+                  if p.name.startswith(f"{staged.name}.") and re.fullmatch(
+                      r"\.resume\.json|\.done-\d+", p.name[len(staged.name):]))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_files_of_a_deleted_staged_output_are_removed_by_a_later_run(tmp_path, mpiexec,
+                                                                        mpi_env):
+    """A ``--resume`` run stopped by SIGTERM (2 ranks, then 1), its hidden staged output then
+    deleted by hand: its manifest and logs stayed for ever (``leftovers`` looked for staged
+    outputs only); now the next run removes them, a plain one and a ``--resume`` one under
+    mpiexec alike. Such files of a live distmm process, or of a dead one's whose claim a
+    process holds, stay until that process ends, as do another target's whose name starts
+    the same way and a user's file beside them."""
+    import psutil
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    target = tmp_path / "c.npy"
+    line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+            str(tmp_path / "b.npy"), "-o", str(target)]
+    under_mpi = [mpiexec, "-n", "2", "--oversubscribe"]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "24"}
+
+    def stopped(argv) -> list[str]:
+        """``argv`` (a ``--resume`` run) stopped by SIGTERM to its ranks once a stripe is
+        logged, then its staged output deleted; the names of the files kept beside it."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+        deadline = time.time() + 120
+        while not any(p.stat().st_size for p in tmp_path.glob(".c.npy.*.done-*")
+                      if p.name not in stay):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "distmm" in " ".join(p.cmdline())] or [proc]
+        for rank in ranks:
+            rank.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        [staged] = [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
+                    if re.fullmatch(r".c.npy.distmm-partial-\d+", p.name)]
+        kept = _kept_beside(staged)
+        assert f"{staged.name}.resume.json" in kept and f"{staged.name}.done-0" in kept, kept
+        staged.unlink()  # by hand
+        return kept
+
+    def finished(argv) -> str:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        np.testing.assert_allclose(np.load(target), a @ b, rtol=1e-12, atol=1e-12)
+        target.unlink()
+        return r.stderr
+
+    # files that must stay: a live distmm process's (the claimant's own PID), a dead run's
+    # that the claimant holds, another target's (c.npy.distmm-partial-D.npy) and a user's
+    claimed = staged_path(target, _dead_pid())
+    rs.manifest_path(claimed).write_text("{}")
+    rs.done_log_path(claimed, 0).write_text("0\n")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(claimed)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        live = staged_path(target, holder.pid)
+        rs.manifest_path(live).write_text("{}")
+        rs.done_log_path(live, 0).write_text("0\n")
+        dead = _dead_pid()
+        other = staged_path(tmp_path / f"c.npy.distmm-partial-{dead}.npy", dead)
+        rs.manifest_path(other).write_text("{}")
+        user = tmp_path / f".c.npy.distmm-partial-{dead}.resume.json.bak"
+        user.write_text("{}")
+        stay = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".c.npy."))
+        assert len(stay) == 6
+
+        for stop, run in (([*under_mpi, *line, "--resume"], line),
+                          ([*line, "--resume"], [*under_mpi, *line, "--resume"])):
+            kept = stopped(stop)
+            finished(run)
+            names = sorted(p.name for p in tmp_path.iterdir())
+            assert not set(kept) & set(names), names
+            assert names == sorted(["a.npy", "b.npy", *stay]), names
+    finally:
+        holder.kill()  # its claim and its process gone: its files and the claimed run's go
+        holder.wait()
+    finished(line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["a.npy", "b.npy", rs.manifest_path(other).name, user.name])
