@@ -9,21 +9,45 @@ loop would have raised from its operands and result; ``collect`` gathers what nu
 operations inside it raise (in a worker thread); ``report`` has numpy's own matmul report a
 set of flags, so that the errstate in force (ignore, warn, raise, call, print, log) decides
 as for numpy; ``as_matmul`` is the two together, once per product.
+Object products whose elements are numpy scalars report in the elements' own arithmetic
+("overflow encountered in scalar multiply", "... in scalar add"), once per operation, in
+numpy's row-major loop order: computed in another process (a Dask worker, an MPI rank)
+inside ``collect``, ``object_rows`` keeps what each row of C reported as a ``Row`` (where
+it is in C, in order), and ``report`` gives the rows of the whole product in numpy's order,
+each report by a numpy scalar operation that makes it, then numpy's "in matmul" for the
+flags numpy's loop would have found left set at its end.
 It does *not* cover: devices (cupy raises no flags) or the inputs of a reduced precision.
 """
 from __future__ import annotations
 
+import contextvars
+import operator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["product_flags", "collect", "as_matmul", "report"]
+__all__ = ["product_flags", "collect", "as_matmul", "report", "Row", "object_rows", "placed"]
 
 #: for each flag, a float16 product that raises it alone: the rounding of 120000 to
 #: float16 overflows, of 1e-8 underflows, and inf * 0 is invalid
 _RAISES = {"overflow": (60000.0, 2.0), "underflow": (1e-4, 1e-4), "invalid": (np.inf, 0.0)}
 #: numpy's error callback names "invalid" so; the other flags by their own names
 _NAMES = {"invalid value": "invalid"}
+#: for each report of a numpy scalar's arithmetic (numpy's kind and operation), float16
+#: scalars whose operation makes it alone (an addition never underflows)
+_SCALAR = {("overflow", "scalar multiply"): (60000.0, 2.0),
+           ("underflow", "scalar multiply"): (1e-4, 1e-4),
+           ("invalid value", "scalar multiply"): (np.inf, 0.0),
+           ("overflow", "scalar add"): (60000.0, 60000.0),
+           ("invalid value", "scalar add"): (np.inf, -np.inf)}
+_OPERATIONS = {"scalar multiply": operator.mul, "scalar add": operator.add}
+#: the reports one ``object_rows`` call keeps in order; after them each row keeps its
+#: distinct ones once (numpy reports every operation: a product of int8 scalars that wrap
+#: reports most of its m * n * k multiplications)
+KEPT_REPORTS = 4096
+#: the set of the innermost ``collect`` of this thread, where ``object_rows`` keeps its rows
+_SEEN: contextvars.ContextVar = contextvars.ContextVar("distmm_fpflags_seen", default=None)
 
 
 def product_flags(a, b, p) -> set[str]:
@@ -64,7 +88,11 @@ def _inf_times_zero(a, b, where) -> bool:
 def report(flags) -> None:
     """Have numpy's matmul report ``flags`` (of "invalid", "overflow", "underflow") as it
     reports its own, under the errstate in force: a warning, a ``FloatingPointError``,
-    the error callback, or nothing."""
+    the error callback, or nothing. ``Row`` s among them (an object product's elements,
+    ``object_rows``) report first, in numpy's order, as numpy scalars' arithmetic."""
+    rows = [f for f in flags if isinstance(f, Row)]
+    if rows:
+        flags = {f for f in flags if not isinstance(f, Row)} | _give(rows)
     pairs = [_RAISES[f] for f in ("overflow", "underflow", "invalid") if f in flags]
     if pairs:
         a = np.diag([x for x, _ in pairs]).astype(np.float16)
@@ -81,8 +109,12 @@ def collect():
     def note(kind, _flag):
         seen.add(_NAMES.get(kind, kind))
 
-    with np.errstate(all="call", call=note):
-        yield seen
+    token = _SEEN.set(seen)
+    try:
+        with np.errstate(all="call", call=note):
+            yield seen
+    finally:
+        _SEEN.reset(token)
 
 
 @contextmanager
@@ -92,3 +124,107 @@ def as_matmul():
     with collect() as seen:
         yield seen
     report(seen & set(_RAISES))
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one row of an object product's block of C reported, kept in ``collect``'s set.
+
+    ``at``: where the row's first element is in C, ``(*batch, row, column)``, which orders
+    the rows as numpy's loop takes them; ``reports``: ``(kind, operation)`` as numpy names
+    them ("overflow", "scalar multiply"), in order; ``left``: the flags left set at the row's
+    end (a float32 scalar's overflow stays set; Python floats' flags are set and never
+    reported), which numpy's loop reports "in matmul" where no later operation clears them;
+    ``clears``: whether the row did numpy scalar arithmetic, which clears the flags before
+    each operation."""
+
+    at: tuple
+    reports: tuple = ()
+    left: frozenset = frozenset()
+    clears: bool = False
+
+
+class _Log:
+    """numpy's "log" error handler: the reports of an object product's rows, in order."""
+
+    def __init__(self):
+        self.kept, self.reports, self.more = 0, [], {}
+
+    def write(self, message: str) -> None:  # "Warning: overflow encountered in matmul\n"
+        if self.kept < KEPT_REPORTS:
+            self.kept += 1
+            self.reports.append(message)
+        else:
+            self.more[message] = None
+
+    def take(self):
+        """The row's reports since the last ``take``, ``(kind, operation)``: numpy scalars'
+        and, apart, the flags its loop left set (its own "in matmul" report)."""
+        got = [tuple(m.strip().removeprefix("Warning: ").split(" encountered in ", 1))
+               for m in self.reports + [m for m in self.more if m not in self.reports]]
+        self.reports, self.more = [], {}
+        left = frozenset(_NAMES.get(k, k) for k, op in got if op == "matmul")
+        return tuple(r for r in got if r[1] != "matmul"), left
+
+
+def _numpy_scalars(x) -> bool:
+    """Whether an object array holds numpy scalars (whose arithmetic clears the flags)."""
+    return any(isinstance(v, np.generic) for v in x.flat)
+
+
+def object_rows(product, a, b, at: tuple):
+    """``product(a, b)`` (numpy's matmul) of 2-D object panels whose block of C starts at
+    ``at`` (``(*batch, row, column)``). Inside ``collect`` the rows are multiplied one by
+    one and what each reported is kept in collect's set as a ``Row`` (rows that reported
+    nothing are left out, but for the last one that clears the flags); outside, one call."""
+    seen = _SEEN.get()
+    m, k = a.shape
+    if seen is None or not m:
+        return product(a, b)
+    c = np.empty((m, b.shape[1]), dtype=object)
+    log = _Log()
+    rows = []
+    with np.errstate(all="log", call=log):
+        for i in range(m):
+            c[i:i + 1] = product(a[i:i + 1], b)
+            reports, left = log.take()
+            if reports or left:
+                rows.append([i, reports, left])
+    # the last row that does numpy scalar arithmetic clears what the rows before it left
+    works = bool(k and b.shape[1])
+    b_scalars = works and _numpy_scalars(b)
+
+    def clears(i: int) -> bool:
+        return works and (b_scalars or _numpy_scalars(a[i]))
+
+    last = m - 1 if b_scalars else next((i for i in range(m - 1, -1, -1) if clears(i)), None)
+    if last is not None and not any(i == last for i, _, _ in rows):
+        rows.append([last, (), frozenset()])
+    *lead, r0, c0 = at
+    seen.update(Row((*lead, r0 + i, c0), reports, left, clears(i)) for i, reports, left in rows)
+    return c
+
+
+def placed(flags, lead: tuple) -> set:
+    """``flags`` with their rows placed in the stack's element ``lead`` (a product of a
+    stack computed one 2-D product at a time)."""
+    return {replace(f, at=tuple(lead) + f.at) if isinstance(f, Row) else f for f in flags}
+
+
+def _give(rows) -> set[str]:
+    """Report the rows' numpy scalar arithmetic in numpy's order; return the flags its loop
+    would find left set at its end (those of the rows after the last that clears them).
+    A report no numpy scalar operation here makes is given with those flags."""
+    rows = sorted(rows, key=lambda r: r.at)
+    last = max((r.at for r in rows if r.clears), default=None)
+    left: set[str] = set()
+    for r in rows:
+        for kind, operation in r.reports:
+            pair = _SCALAR.get((kind, operation))
+            if pair is None:
+                left.add(_NAMES.get(kind, kind))
+                continue
+            _OPERATIONS[operation](np.float16(pair[0]), np.float16(pair[1]))
+        if last is None or r.at >= last:
+            left |= r.left
+    return left

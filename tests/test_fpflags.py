@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import distmm
-from distmm.fpflags import as_matmul, collect, product_flags, report
+from distmm.fpflags import (KEPT_REPORTS, as_matmul, collect, object_rows, product_flags,
+                            report)
 
 
 def outcome(f, a, b, mode):
@@ -201,20 +202,234 @@ def test_dask_cluster_fills_out_before_the_report(client, kind):
     np.testing.assert_array_equal(got_outs[0][0], ref_outs[0][0])
 
 
-def test_dask_cluster_reports_the_flags_of_object_elements(client):
-    """Object elements that are numpy scalars raise flags in their own arithmetic (an int8
-    product that wraps): numpy warns or raises; on a cluster they reached only a worker's
-    log. (numpy names the operation "scalar multiply"; distmm's report says "matmul".)"""
-    a = np.array([[np.int8(100), np.int8(1)]], dtype=object)
-    b = np.array([[np.int8(100)], [np.int8(1)]], dtype=object)
-    run = lambda x, y: distmm.matmul(x, y, engine="dask", client=client)  # noqa: E731
-    raised, _, _ = outcome(run, a, b, "raise")
-    assert raised == "overflow encountered in matmul"
-    _, warned, _ = outcome(run, a, b, "warn")
-    assert warned == ["overflow encountered in matmul"]
-    assert outcome(run, a, b, "ignore") == (None, [], [])
-    assert outcome(np.matmul, a, b, "raise")[0] is not None
+def in_order(f, a, b, warnings_as="always", **state):
+    """What a call reports under ``np.errstate(**state)``, in order: the error raised (its
+    type and message), the warnings, the callback's calls (kind and flag)."""
+    calls = []
+    with warnings.catch_warnings(record=True) as seen, \
+            np.errstate(**state, call=lambda kind, flag: calls.append((kind, flag))):
+        warnings.simplefilter(warnings_as)
+        try:
+            f(a, b)
+            raised = None
+        except (FloatingPointError, RuntimeWarning) as e:
+            raised = (type(e).__name__, str(e))
+    return raised, [str(w.message) for w in seen], calls
+
+
+#: errstates and warning filters an object product's reports are compared under
+STATES = [({"all": "warn"}, "always"), ({"all": "warn"}, "error"), ({"all": "raise"}, "always"),
+          ({"all": "ignore"}, "always"), ({"all": "call"}, "always"),
+          ({"over": "ignore", "invalid": "raise"}, "always"),
+          ({"over": "raise", "invalid": "ignore"}, "always"),
+          ({"over": "warn", "invalid": "call"}, "always")]
+
+
+def object_cases():
+    """Object operands whose elements report in numpy's loop, by name: numpy scalars of
+    several types (reports in four elements, of two kinds and two operations, whose order
+    only numpy's row-major loop gives), a float32 sum left overflowing in the first row
+    (numpy's loop reports "in matmul" only for the last one) or the last, Python floats
+    (their flags stay set: "in matmul"), Fractions, Decimals and Python ints beside numpy
+    integers, a stack, and int8 products that wrap in most elements."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    h, i8, f32 = np.float16, np.int8, np.float32
+    o = lambda rows: np.array(rows, dtype=object)  # noqa: E731
+    rng = np.random.default_rng(7)
+    wraps = o([[i8(v) for v in r] for r in rng.integers(-100, 100, (5, 4))])
+    wraps_b = o([[i8(v) for v in r] for r in rng.integers(-100, 100, (4, 6))])
+    order_a = o([[h(60000), h(60000), 0], [h(np.inf), h(-np.inf), i8(100)]])
+    order_b = o([[h(1), i8(1)], [h(1), 0], [0, i8(100)]])
+    return {
+        "order": (order_a, order_b),
+        "sum-left-first": (o([[f32(3e38), f32(3e38)], [f32(1), f32(1)]]), o([[f32(1)], [f32(1)]])),
+        "sum-left-last": (o([[f32(1), f32(1)], [f32(3e38), f32(3e38)]]), o([[f32(1)], [f32(1)]])),
+        "python-floats": (o([[1e308, 1.0], [1.0, 1.0]]), o([[10.0], [1.0]])),
+        "mixed": (o([[Fraction(1, 3), 2, i8(100)], [Decimal("1.5"), 3, 1], [1e308, 2**70, 1.0]]),
+                  o([[3, 1], [2, 2], [100, 0]])),
+        "stack": (np.stack([order_a, order_a[::-1]]), order_b),
+        "wraps": (wraps, wraps_b),
+    }
+
+
+def _numpys_loop(case):
+    """numpy's matmul; for a stack, its 2-D products one after the other: numpy's loop over
+    a stack goes on to the next product after an element's error, raising the last
+    product's first error (or, a warning being an error, a SystemError), where the local
+    engine and this one stop at the first."""
+    if case != "stack":
+        return np.matmul
+    return lambda a, b: [np.matmul(x, b) for x in a]
+
+
+@pytest.mark.parametrize("case", list(object_cases()))
+@pytest.mark.parametrize("state,warnings_as", [  # the last states with the slow cases
+    pytest.param(s, w, id=f"{s}-{w}", marks=[pytest.mark.slow] if n > 4 else [])
+    for n, (s, w) in enumerate(STATES)])
+def test_dask_cluster_reports_object_elements_as_numpy(client, case, state, warnings_as):
+    """Object elements that are numpy scalars report in their own arithmetic ("overflow
+    encountered in scalar multiply", "... scalar add"), once per operation, in numpy's
+    row-major order, the first error numpy raises; a flag left set at the loop's end is
+    numpy's "in matmul". Each element a task of its own, on two worker processes: the
+    client said "overflow encountered in matmul" once for everything."""
+    a, b = object_cases()[case]
+    want = in_order(_numpys_loop(case), a, b, warnings_as, **state)
+    for tile in (1, None):
+        got = in_order(lambda x, y: distmm.matmul(x, y, engine="dask", client=client,
+                                                  tile=tile), a, b, warnings_as, **state)
+        assert got == want, tile
     assert not any(client.run(_flags_held).values())
+    if case != "mixed" and state == {"all": "warn"}:
+        assert want[1] or want[0]  # the case reports in numpy
+    if want[0] is None:
+        assert in_order(np.matmul, a, b, warnings_as, **state) == want
+    with np.errstate(all="ignore"):
+        got = distmm.matmul(a, b, engine="dask", client=client, tile=1)
+        assert repr(got.tolist()) == repr(np.matmul(a, b).tolist())  # NaNs, types
+
+
+def test_dask_cluster_reports_object_elements_with_np_seterrcall(client):
+    """np.seterrcall and np.seterr (not an errstate): the callback gets numpy's calls."""
+    a, b = object_cases()["order"]
+    old, old_call = np.geterr(), np.geterrcall()
+    for f in (np.matmul, lambda x, y: distmm.matmul(x, y, engine="dask", client=client,
+                                                   tile=1)):
+        calls = []
+        np.seterrcall(lambda kind, flag: calls.append((kind, flag)))
+        np.seterr(all="call")
+        try:
+            f(a, b)
+        finally:
+            np.seterr(**old)
+            np.seterrcall(old_call)
+        if f is np.matmul:
+            want = calls
+    assert calls == want and len(want) == 4
+
+
+@pytest.mark.parametrize("case", ["order", "sum-left-first", "python-floats", "wraps"])
+def test_object_rows_report_in_numpys_order_whatever_order_the_blocks_ran(case):
+    """The elements of an object product computed last to first, inside ``collect`` (as
+    on workers): ``report`` gives numpy's reports, in numpy's order."""
+    a, b = object_cases()[case]
+
+    def blocks(x, y):
+        with collect() as seen:
+            for r in reversed(range(x.shape[0])):
+                for c in reversed(range(y.shape[1])):
+                    object_rows(np.matmul, x[r:r + 1], y[:, c:c + 1], (r, c))
+        report(seen)
+
+    for state, warnings_as in STATES:
+        assert in_order(blocks, a, b, warnings_as, **state) == \
+            in_order(np.matmul, a, b, warnings_as, **state), state
+
+
+def test_object_rows_keep_a_bounded_number_of_reports():
+    """int8 products that wrap in most of 64000 multiplications: the first KEPT_REPORTS
+    reports are numpy's, in order, then each row's distinct ones once (not all of them)."""
+    rng = np.random.default_rng(3)
+    a = np.array([[np.int8(v) for v in r] for r in rng.integers(-100, 100, (40, 40))], object)
+    b = np.array([[np.int8(v) for v in r] for r in rng.integers(-100, 100, (40, 40))], object)
+
+    def kept(x, y):
+        with collect() as seen:
+            object_rows(np.matmul, x, y, (0, 0))
+        report(seen)
+
+    raised, want, _ = in_order(np.matmul, a, b)
+    _, got, _ = in_order(kept, a, b)
+    assert len(want) > 2 * KEPT_REPORTS
+    assert got[:KEPT_REPORTS] == want[:KEPT_REPORTS] and set(got) == set(want)
+    assert len(got) < KEPT_REPORTS + 3 * a.shape[0]
+    assert in_order(kept, a, b, all="raise") == in_order(np.matmul, a, b, all="raise")
+
+
+MPI_OBJECTS = """
+import pickle, sys, threading, warnings
+import numpy as np
+from mpi4py import MPI
+import distmm
+from distmm.engine.mpi import DistArray, MPIEngine
+from distmm.grid import grid_shapes, make_grid
+
+comm = MPI.COMM_WORLD
+with open(sys.argv[1], "rb") as f:
+    cases, states = pickle.load(f)
+engine, got = MPIEngine(comm), {}
+for name, (a, b) in cases.items():
+    for s, (state, warnings_as) in enumerate(states):
+        got[name, s, "matmul"] = in_order(lambda x, y: distmm.matmul(x, y, engine="mpi"), a, b,
+                                          warnings_as, **state)
+        if a.ndim > 2:
+            continue
+        da, db = DistArray.from_array(a, comm), DistArray.from_array(b, comm)
+        for shape in grid_shapes(comm.size):
+            grid = make_grid(a.shape[0], b.shape[1], a.shape[1], "object", ranks=comm.size,
+                             grid=shape)
+            for streamed in (False, True):
+                got[name, s, shape, streamed] = in_order(
+                    lambda x, y: engine.run_distributed(x, y, grid, "auto", streamed=streamed),
+                    da, db, warnings_as, **state)
+
+
+class Held:  # an element that does not pickle (it holds a lock): every rank runs numpy's loop
+    def __init__(self, v):
+        self.v, self.lock = v, threading.Lock()
+
+    def __mul__(self, other):
+        return Held(self.v * getattr(other, "v", other))
+
+    def __add__(self, other):
+        return Held(self.v + getattr(other, "v", other))
+
+    __rmul__, __radd__ = __mul__, __add__
+
+
+a, b = cases["order"]
+a = np.concatenate([a, np.array([[Held(1), 1, 1]], dtype=object)])
+for s, (state, warnings_as) in enumerate(states):
+    got["held", s, "numpy"] = in_order(np.matmul, a, b, warnings_as, **state)
+    got["held", s, "matmul"] = in_order(lambda x, y: distmm.matmul(x, y, engine="mpi"), a, b,
+                                        warnings_as, **state)
+with open(f"{sys.argv[2]}-{comm.rank}", "wb") as f:
+    pickle.dump(got, f)
+"""
+
+
+@pytest.mark.slow  # 15 s: the fast suite keeps the Dask cases of the same reports
+@pytest.mark.mpi
+def test_mpi_ranks_report_object_elements_as_numpy(tmp_path, mpirun):
+    """Object elements that are numpy scalars on two ranks (each its block of C, by rows,
+    by columns or by layers, in core or in stripes; or, an element that does not pickle,
+    every rank the whole product): every rank reports what numpy's loop reports, in its
+    order, the first error numpy raises; they said "overflow encountered in matmul" once
+    for everything."""
+    import inspect
+    import pickle
+
+    cases = object_cases()
+    with open(tmp_path / "cases.pkl", "wb") as f:
+        pickle.dump((cases, STATES), f)
+    script = tmp_path / "objects.py"
+    script.write_text(MPI_OBJECTS.replace("comm = MPI.COMM_WORLD", inspect.getsource(in_order)
+                                          + "\n\ncomm = MPI.COMM_WORLD"))
+    r = mpirun(2, script, tmp_path / "cases.pkl", tmp_path / "got", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        with open(tmp_path / f"got-{rank}", "rb") as f:
+            got = pickle.load(f)
+        assert len(got) > len(cases) * len(STATES)
+        for (name, s, *how), outcome in got.items():
+            state, warnings_as = STATES[s]
+            if name == "held":  # numpy's own outcome on that rank
+                assert outcome == got["held", s, "numpy"], (rank, state, warnings_as)
+                continue
+            a, b = cases[name]
+            assert outcome == in_order(_numpys_loop(name), a, b, warnings_as, **state), \
+                (rank, name, state, warnings_as, how)
 
 
 def test_product_flags_reads_the_result_against_its_rows_and_columns():

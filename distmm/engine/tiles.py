@@ -12,22 +12,28 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distmm.fpflags import as_matmul
+from distmm.fpflags import as_matmul, object_rows
 from distmm.plan import Plan, np_dtype
 
 __all__ = ["tile_partial", "reduce_partials", "finish_tile"]
 
 
-def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any) -> Any:
+def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any,
+                 at: tuple | None = None) -> Any:
     """Return ``a_panel @ b_panel`` in the plan's accumulation dtype.
 
     ``a_panel`` is the A row panel of one C tile over one k group and
     ``b_panel`` the matching B column panel; both may be views of any dtype
-    and layout.
+    and layout. ``at``: where the tile starts in C (``(*batch, row, column)``) when the
+    panels hold all of k: an object tile's elements then keep their reports for the
+    caller, in numpy's order (``distmm.fpflags.object_rows``, inside ``collect``).
     """
     acc = np_dtype(plan.acc_dtype)
     a_dev = executor.asarray(a_panel, acc)
     b_dev = executor.asarray(b_panel, acc)
+    if at is not None and acc == object and a_dev.ndim == 2:
+        return object_rows(lambda x, y: executor.panel_product(x, y, plan.tile[2]), a_dev,
+                           b_dev, at)
     part = executor.panel_product(a_dev, b_dev, plan.tile[2])
     if (plan.dtype == "float16" and plan.precision == "highest" and isinstance(part, np.ndarray)
             and part.dtype != np.float16):

@@ -129,7 +129,7 @@ def _gpu_block(tp: TaskPlan, backend: str, a, b, share: int):
 
 
 @recording_flags
-def _cpu_block(tp: TaskPlan, backend: str, a, b):
+def _cpu_block(tp: TaskPlan, backend: str, a, b, at=None):
     from distmm.executor import CPU_BACKENDS
 
     a, b = _whole(a), _whole(b)
@@ -137,7 +137,7 @@ def _cpu_block(tp: TaskPlan, backend: str, a, b):
         a, b = array_module(a).asnumpy(a), array_module(b).asnumpy(b)
     ex = cached_executor(backend if backend in CPU_BACKENDS else "auto", tp.acc_dtype, False,
                          tp.precision)
-    return tile_partial(ex, tp, a, b)
+    return tile_partial(ex, tp, a, b, at)
 
 
 def _cpu_elsewhere(tp: TaskPlan, backend: str, a, b, workers, cell):
@@ -232,7 +232,7 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
                 if not host:
                     part = array_module(a_sub).asarray(part)
         else:
-            part = _cpu_block(tp, backend, a_sub, b_sub)
+            part = _cpu_block(tp, backend, a_sub, b_sub, spec.whole_at)
         acc = part if acc is None else acc + part
     if not spec.finish:
         return acc

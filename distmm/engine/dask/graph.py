@@ -273,7 +273,8 @@ class ProductLayer(Layer):
         a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for a_k, _ in pieces for kb, _, _ in a_k}))
         b_keys = tuple(sorted({(kb, cb) for _, b_k in pieces for kb, _, _ in b_k for cb, _, _ in b_cols}))
         spec = BlockSpec(a_lead, b_lead, a_rows, b_cols, pieces, a_keys, b_keys,
-                         finish=not self.split, batch_ndim=len(self.batch))
+                         finish=not self.split, batch_ndim=len(self.batch),
+                         at=tuple(ob) + (geo.row_edges[bi], geo.col_edges[bj]))
         home = None if self.cells is None else self.cells.home(bi, bj, g)
         return spec, [self.a.key(a_bb + ab, home) for ab in a_keys], [
             self.b.key(b_bb + bb, home) for bb in b_keys]

@@ -5,7 +5,8 @@ where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
 reduction tree, the final cast to numpy's result dtype, and the floating-point
 flags those raise (kept on the worker under the call's token for the client to
-report as numpy's matmul would, ``recording_flags``/``pop_flags``). Block mode's
+report as numpy's matmul would, ``recording_flags``/``pop_flags``; an object block's
+elements keep theirs by row, ``distmm.fpflags.Row``). Block mode's
 task bodies are in ``distmm.engine.dask.blocks``.
 It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
 building the graph (``distmm.engine.dask.graph``) or kernels
@@ -98,6 +99,14 @@ class BlockSpec:
     b_keys: tuple
     finish: bool  # the product is not split along k: cast to the result dtype here
     batch_ndim: int = 0  # leading length-1 axes of the output chunk
+    #: where the block starts in C, ``(*batch, row, column)``: an object block's elements
+    #: report in numpy's order from there (``distmm.fpflags.object_rows``)
+    at: tuple | None = None
+
+    @property
+    def whole_at(self) -> tuple | None:
+        """``at`` where the task's k-loop is one piece (its panels hold the group's k)."""
+        return self.at if len(self.k_pieces) == 1 else None
 
 
 def worker_has_gpu() -> bool:
@@ -180,7 +189,7 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     for a_k, b_k in spec.k_pieces:
         a_sub = panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
         b_sub = panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
-        part = tile_partial(executor, tp, a_sub, b_sub)
+        part = tile_partial(executor, tp, a_sub, b_sub, spec.whole_at)
         # the executor's result is a new array: adding into it is safe
         if acc is None:
             acc = part

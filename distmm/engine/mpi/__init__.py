@@ -31,7 +31,7 @@ from distmm.engine.mpi.agree import agree, differing, fingerprint
 from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
 from distmm.errors import NotPicklable
-from distmm.fpflags import collect, report
+from distmm.fpflags import collect, object_rows, placed, report
 from distmm.grid import GridPlan, gpu_panels, grid_for_plan
 
 __all__ = ["MPIEngine", "DistArray", "square_grid", "world", "cache_stats"]
@@ -113,20 +113,21 @@ class MPIEngine(Engine):
             out_arr = xp.empty(batch + (ops.m, ops.n), dtype=np.dtype(plan.dtype))
         else:
             out_arr = out
-        flags: set[str] = set()  # reported once for the whole stack, as numpy's loop does
+        flags: set = set()  # reported once for the whole stack, as numpy's loop does
         for idx in np.ndindex(*batch):
             a2 = a[idx] if idx else a
             b2 = b[idx] if idx else b
             da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
             db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
+            seen: set = set()  # an object product's rows, placed in the stack below
             try:
                 c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
-                                         precision=plan.precision, flags=flags)
+                                         precision=plan.precision, flags=seen)
                 full = c.gather(root=None)
             except NotPicklable:  # raised on every rank: each holds both operands whole
                 with collect() as seen:  # numpy's own object loop, on every rank
-                    full = np.matmul(_host(a2), _host(b2))
-                flags |= seen
+                    full = object_rows(np.matmul, _host(a2), _host(b2), (0, 0))
+            flags |= placed(seen, idx)
             if ops.family == "cupy":
                 import cupy
 

@@ -2,7 +2,8 @@
 
 This module covers: after the last panel exchange, what a rank's local work raised (an
 object element's ``TypeError``) and the floating-point flags numpy's matmul would have
-reported (overflow, invalid, underflow: collected, not raised, while the panels moved)
+reported (overflow, invalid, underflow: collected, not raised, while the panels moved; an
+object product's rows of reports, ``distmm.fpflags.Row``)
 are gathered from every rank; then every rank raises the same error (the lowest failing
 rank's), or every rank reports the flags of the whole product once, as ``np.matmul`` on
 the full operands does under the ``np.errstate`` in force. One rank raising while the
@@ -36,7 +37,7 @@ def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=N
     if comm.size == 1:  # nothing to send: the error itself is raised below
         outcomes = [(None if error is None else b"", tuple(flags))]
     else:
-        outcomes = comm.allgather((_payload(error), tuple(sorted(flags))))
+        outcomes = comm.allgather((_payload(error), tuple(flags)))
     failed = next((r for r, (why, _) in enumerate(outcomes) if why is not None), None)
     if failed is not None:
         if before_raise is not None:

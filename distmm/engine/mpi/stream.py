@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distmm.engine.mpi.stop import StopWatch, poll
-from distmm.fpflags import collect
+from distmm.fpflags import collect, object_rows
 from distmm.plan import sums_whole_k
 from distmm.plan_batch import BatchPlan
 
@@ -440,7 +440,7 @@ class _CPURun(_Run):
                 if stripe in skip or self.held is not None:
                     continue
                 start = time.perf_counter()
-                future = gemm.submit(self.product, pieces, r1 - r0)
+                future = gemm.submit(self.product, pieces, r1 - r0, r0)
                 poll(future.done, self.watch)
                 try:
                     c = future.result()
@@ -464,13 +464,13 @@ class _CPURun(_Run):
                    for jj in self.a_mine if pieces[jj].size]
         return pieces, futures
 
-    def product(self, pieces, h):
+    def product(self, pieces, h, r0=0):
         with collect() as seen:
-            c = self._product(pieces, h)
+            c = self._product(pieces, h, r0)
         self.flags |= seen
         return c
 
-    def _product(self, pieces, h):
+    def _product(self, pieces, h, r0):
         whole = None
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
@@ -479,7 +479,11 @@ class _CPURun(_Run):
             # joined (a copy of the stripe) into one product, not partial products added
             whole = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
         if whole is not None:
-            c = self.executor.panel_product(whole, self.b_store, 256)
+            if self.acc.kind == "O":  # its elements' reports in numpy's order, from (r0, c0)
+                c = object_rows(lambda x, y: self.executor.panel_product(x, y, 256), whole,
+                                self.b_store, (r0, self.c0))
+            else:
+                c = self.executor.panel_product(whole, self.b_store, 256)
             return np.ascontiguousarray(c, dtype=self.acc)
         c = None
         for owner, k0, k1 in self.panel_pairs():

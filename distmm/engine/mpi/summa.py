@@ -14,7 +14,9 @@ loop without BLAS for long doubles, Python's additions for objects), which parti
 sums added afterwards do not reproduce (``distmm.plan.sums_whole_k``), so each
 rank keeps its panels whole (its row of A and column of B, ``(mi + nj) * k`` values
 in the accumulation dtype; ``distmm.grid`` splits no such product's k, a forced
-grid's other layers send theirs to layer 0) and multiplies them in one product.
+grid's other layers send theirs to layer 0) and multiplies them in one product; an
+object block's elements keep their reports from their place in C, for numpy's order
+(``distmm.fpflags.object_rows``).
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -29,6 +31,7 @@ from distmm.engine.mpi.comm import pickled as to_bytes
 from distmm.engine.mpi.comm import unpickled
 from distmm.engine.mpi.gridcomms import GridComms
 from distmm.errors import NotPicklable
+from distmm.fpflags import object_rows
 from distmm.grid import GridPlan
 from distmm.plan import sums_whole_k
 
@@ -169,7 +172,7 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
     if not (m and n and k):
         return np.zeros((m, n), dtype=a_whole.dtype)
     try:
-        return executor.panel_product(a_whole, b_whole, tk)
+        return _product(executor, a_whole, b_whole, tk, (grid.row_edges[i], grid.col_edges[j]))
     except BaseException as exc:  # an object element's own error (even SystemExit, as in
         raise LocalFailure(exc) from exc  # numpy): no rank waits for this one
 
@@ -197,7 +200,15 @@ def _local_product(a_local, b_local, executor, in_place: bool, xp, tk: int):
         return c
     if a_local.shape[1] == 0 or not (m and n):
         return xp.zeros((m, n), dtype=a_local.dtype)
-    return executor.panel_product(a_local, b_local, tk)
+    return _product(executor, a_local, b_local, tk, (0, 0))
+
+
+def _product(executor, a, b, tk: int, at: tuple):
+    """``a @ b`` through the executor; object panels (all of k) keep their elements'
+    reports from ``at`` in C, in numpy's order (``distmm.fpflags.object_rows``)."""
+    if a.dtype == object:
+        return object_rows(lambda x, y: executor.panel_product(x, y, tk), a, b, at)
+    return executor.panel_product(a, b, tk)
 
 
 def _reduce_layers(grid: GridPlan, c, comms: GridComms, layer: int, i: int, j: int):
