@@ -373,8 +373,7 @@ def _finish(args, pid: int, *, ok: bool, keep: bool):
                 if not keep:  # (C written while this run computed, a failed copy): gone
                     remove_leftover(staged)
                 raise
-            for extra in staged.parent.glob(f"{staged.name}.*"):
-                extra.unlink(missing_ok=True)
+            remove_leftover(staged)  # its manifest, logs and lock (C is in place)
             return None
         if keep and staged.exists():
             lock = Path(f"{staged}.lock")
