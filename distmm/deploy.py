@@ -3,7 +3,8 @@
 This module covers: building a ``dask_jobqueue.SLURMCluster`` or ``PBSCluster`` whose jobs
 are distmm workers, with resources that follow from what one job holds: on GPU nodes one
 ``dask cuda worker`` process per job starting one Dask worker per GPU (each with the
-``GPU=1`` resource the Dask engine recognises GPU workers by), the GPUs asked for with
+``GPU=1`` resource the Dask engine recognises GPU workers by, and the preload that imports
+the engine's task modules), the GPUs asked for with
 ``--gres=gpu:N`` (Slurm) or ``ngpus=N`` (PBS); on CPU nodes single-thread worker processes,
 one per core (numba and BLAS tiles of different workers then do not compete for cores); and
 scaling it to a number of jobs.
@@ -24,6 +25,10 @@ SYSTEMS = ("slurm", "pbs")
 #: dask-cuda's worker command through dask's own command line (one worker per GPU, named
 #: ``NAME-0``, ``NAME-1``, ... as dask-jobqueue expects of a job of several processes)
 GPU_WORKER_COMMAND = "dask cuda worker"
+
+#: the preload every worker job runs (``distmm.engine.dask.preload``): the Dask engine's task
+#: modules imported as the worker starts, not at the first product
+TASKS_PRELOAD = "distmm.engine.dask.preload"
 
 
 def _require_jobqueue():
@@ -151,6 +156,8 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
 
         prologue.insert(0, f"source {shlex.quote(str(env_setup))}")
     extra_args = list(kwargs.pop("worker_extra_args", None) or [])
+    if TASKS_PRELOAD not in extra_args:  # the task modules imported as a worker starts
+        extra_args += ["--preload", TASKS_PRELOAD]
     directives = list(kwargs.pop("job_extra_directives", None) or [])
     options = dict(cores=cores, memory=memory, walltime=walltime, job_script_prologue=prologue)
     if gpus:

@@ -31,13 +31,20 @@ def test_products_through_the_cluster_then_sigterm(tmp_path: Path):
     try:
         workers = psutil.Process(proc.pid).children(recursive=True)
         address = json.loads(sched.read_text())["address"]
+        from distributed import Client
+
+        with Client(scheduler_file=str(sched), timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            # the task modules were imported as the cluster started (distmm.engine.dask.
+            # preload), not left to the first product on the scheduler and each worker
+            loaded = lambda: "distmm.engine.dask.tasks" in sys.modules  # noqa: E731
+            assert client.run_on_scheduler(loaded)
+            assert list(client.run(loaded).values()) == [True, True]
         # from another process: the command line
         r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
                     "--scheduler-file", sched)
         assert r.returncode == 0, r.stderr
         # and Python: a Client of the scheduler file
-        from distributed import Client
-
         import distmm
 
         with Client(scheduler_file=str(sched), timeout=30) as client:

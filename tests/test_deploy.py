@@ -494,7 +494,9 @@ def test_job_scripts(tmp_path, quiet_scheduler, system, gpus, cores, want):
     path.write_text(script)
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    for piece in want + ["source '/opt/site/env with space.sh'"]:
+    # every worker imports the Dask engine's task modules as it starts
+    for piece in want + ["source '/opt/site/env with space.sh'",
+                         "--preload distmm.engine.dask.preload"]:
         assert piece in script, (piece, script)
     assert ("gpu" in script.lower()) == bool(gpus)
     assert ("cuda" in script) == bool(gpus)

@@ -1,16 +1,18 @@
 """Does a cluster's first distmm call wait for its scheduler and workers to import distmm's
 Dask-engine modules?
 
-A ``distmm cluster`` (or any scheduler in a process of its own) imports the modules that hold
-the task bodies only when the first graph naming them arrives: the scheduler while it reads
-the graph, each worker at its first task. This probe starts ``distmm cluster`` afresh for each
-run, and from a new client process (distmm and its Dask engine already imported there, so the
-client's own imports are not counted) times four products of ``--n`` float64, after importing
-those modules beforehand on nothing (``none``), the scheduler (``scheduler``), the workers
-(``workers``) or both (``both``). No record; it informs bench/NOTES.md ("The Dask engine's
-first call").
+A scheduler in a process of its own imports the modules that hold the task bodies only when
+the first graph naming them arrives, and each worker at its first task, unless a preload
+imported them as they started (``distmm.engine.dask.preload``, which ``distmm cluster``
+loads). This probe starts a plain ``LocalCluster`` (scheduler in a process of its own, no
+preload) afresh for each run and, from a new client process (distmm and its Dask engine
+already imported there, so the client's own imports are not counted), times four products
+of ``--n`` float64 after importing those modules beforehand on nothing (``none``), the
+scheduler (``scheduler``), the workers (``workers``) or both (``both``); and the same on a
+``distmm cluster`` (``distmm-cluster``). No record; it informs bench/NOTES.md ("The Dask
+engine's first call").
 
-    python -m bench.research.scheduler_imports [--runs 3] [--n 1000] [--workers 2] [--gpus 0]
+    python -m bench.research.scheduler_imports [--runs 3] [--n 1000] [--workers 2]
 """
 from __future__ import annotations
 
@@ -24,7 +26,21 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("none", "scheduler", "workers", "both")
+VARIANTS = ("none", "scheduler", "workers", "both", "distmm-cluster")
+
+SERVE = r"""
+import json, signal, sys
+from distributed import LocalCluster
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda *_: None)
+    with LocalCluster(n_workers=int(sys.argv[2]), threads_per_worker=int(sys.argv[3]),
+                      processes=True, dashboard_address=":0", scheduler_port=0) as cl:
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            json.dump({"address": cl.scheduler_address}, f)
+        import os
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+        signal.sigwait({signal.SIGTERM})
+"""
 
 CLIENT = r"""
 import importlib, json, sys, time
@@ -57,9 +73,12 @@ cl.close()
 def one(variant: str, args) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         sched = Path(tmp) / "s.json"
-        cmd = [sys.executable, "-m", "distmm", "cluster", "--scheduler-file", str(sched),
-               "--workers", str(args.workers), "--threads", str(args.threads),
-               "--gpus", args.gpus, "--dashboard-address", ":0", "--port", "0"]
+        if variant == "distmm-cluster":
+            cmd = [sys.executable, "-m", "distmm", "cluster", "--scheduler-file", str(sched),
+                   "--workers", str(args.workers), "--threads", str(args.threads),
+                   "--gpus", "0", "--dashboard-address", ":0", "--port", "0"]
+        else:  # the scheduler in a process of its own, nothing preloaded
+            cmd = [sys.executable, "-c", SERVE, str(sched), str(args.workers), str(args.threads)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
@@ -76,7 +95,7 @@ def one(variant: str, args) -> list[float]:
 
             return json.loads(out.stdout.strip().splitlines()[-1])
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGINT if variant == "distmm-cluster" else signal.SIGTERM)
             proc.wait(timeout=60)
 
 
@@ -87,14 +106,13 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=1000, help="square float64 operands")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--gpus", default="0", help="distmm cluster --gpus (0: CPU workers)")
     args = p.parse_args(argv)
     rows: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     for _ in range(args.runs):  # variants interleaved: the machine's drift spreads over all
         for v in VARIANTS:
             rows[v].append(one(v, args))
-    print(f"n={args.n} float64, {args.workers} workers x {args.threads} threads, "
-          f"gpus {args.gpus}, {args.runs} fresh clusters a variant")
+    print(f"n={args.n} float64, {args.workers} CPU workers x {args.threads} threads, "
+          f"{args.runs} fresh clusters a variant")
     print(f"{'imported first on':<18} {'first call (median)':>20} {'warm (median)':>14}  runs")
     for v, runs in rows.items():
         first = statistics.median(r[0] for r in runs)

@@ -11,6 +11,8 @@ This module covers:
 - Ctrl-C left to this process: the worker processes start with SIGINT blocked and then
   ignore it (``WORKER_SETUP``, a preload), since Ctrl-C at a terminal reaches every process
   of the foreground group and this process closes the cluster;
+- the Dask engine's task modules imported before the first product, by the workers
+  (``TASKS_PRELOAD``) and by this process, which holds the scheduler;
 - emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
   started with its group's environment (``distmm.emulate``: ``DISTMM_EMULATED_NODE``, which
   the Dask engine's worker probe reads) and named ``node<i>-<name>``; a GPU cluster's comms
@@ -40,11 +42,15 @@ import numpy as np
 
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
            "PROTOCOLS", "share_workers", "emulate_nodes", "random_array", "to_host",
-           "sync_workers", "GPU_RESOURCE", "WORKER_SETUP"]
+           "sync_workers", "GPU_RESOURCE", "WORKER_SETUP", "TASKS_PRELOAD"]
 
 #: the preload every worker of these clusters runs as it starts (``distmm.cli.worker_setup``:
 #: it ignores SIGINT, and leaves out a closing worker's heartbeat traceback)
 WORKER_SETUP = "distmm.cli.worker_setup"
+#: the preload that imports the Dask engine's task modules (``distmm.engine.dask.preload``),
+#: run by every worker of these clusters and imported by the process that holds their
+#: scheduler, so that a cluster's first product does not wait for those imports
+TASKS_PRELOAD = "distmm.engine.dask.preload"
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
@@ -237,10 +243,15 @@ def gpu_cluster(devices: str | None = None, *, per_device: int = 1,
 
 
 def _with_worker_setup(kwargs: dict) -> None:
-    """``WORKER_SETUP`` added to the cluster's ``preload`` (kept where the caller named it)."""
+    """``WORKER_SETUP`` and ``TASKS_PRELOAD`` added to the cluster's ``preload`` (kept where
+    the caller named them), and ``TASKS_PRELOAD`` imported here, where the scheduler runs."""
+    import importlib
+
+    importlib.import_module(TASKS_PRELOAD)
     preload = kwargs.get("preload") or []
     preload = [preload] if isinstance(preload, str) else list(preload)
-    kwargs["preload"] = preload if WORKER_SETUP in preload else [*preload, WORKER_SETUP]
+    kwargs["preload"] = [*preload, *(p for p in (WORKER_SETUP, TASKS_PRELOAD)
+                                     if p not in preload)]
 
 
 def _started(make):
