@@ -170,6 +170,9 @@ def main(argv=None) -> int:
     # the workers' scratch space: dask's temporary-directory, else the node's temporary
     # folder (older dask-mpi would put it in the working directory, beside the output)
     scratch = dask.config.get("temporary-directory", None) or tempfile.gettempdir()
+    # the scheduler's and the workers' ranks import the Dask engine's task modules before they
+    # serve, not at the first product (distmm.engine.dask.preload)
+    import distmm.engine.dask.preload  # noqa: F401
     # every rank but the client stays inside initialize() until the client ends, then exits
     dask_mpi.initialize(interface=interface, worker_class=worker_class, worker_options=options,
                         nthreads=int(os.environ.get("DISTMM_THREADS_PER_WORKER", "1")),
