@@ -152,7 +152,7 @@ def _resolve_client(client, *, required: bool):
         if required:
             raise ValueError(
                 "engine='dask' needs a distributed.Client: pass client= or create one "
-                "(distributed.Client(...)) before calling matmul"
+                "(distributed.Client(...)) first"
             ) from None
         return None
 
