@@ -11,8 +11,8 @@ start-up and an exit that grow with the ranks of a node (``batch_fixed_seconds``
 Dask engine's block layout, one block of C per GPU worker (``distmm.plan_blocks.worker_grid``
 and ``shares``) or one task per C tile on CPU workers (``distmm.plan.make_plan``), and the
 single-GPU stream pipeline on host-resident operands (``distmm.plan_pipeline``: its k-blocks'
-copies in, GEMMs and units' copies out scheduled on their own lanes, ``pipeline_schedule``). Per
-plan it
+copies in, GEMMs and units' copies out scheduled on their own lanes, ``pipeline_schedule``; a
+long schedule summarised from shorter ones that repeat as it does). Per plan it
 gives the time and its compute / communication / I/O / fixed parts, the efficiency against P
 times one device, the words each rank touches against the lower bounds of Kwasniewski et al.
 (SC19, COSMA): memory-dependent ``2mnk / (P sqrt(S))`` for 2D (``S`` one copy of the operands
@@ -29,6 +29,7 @@ accumulation dtype) where they are compared with the bounds, as the bounds are.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -869,15 +870,17 @@ def tiling_from_sizes(d: Mapping) -> PipelineTiling:
     """A ``PipelineTiling`` from its ``describe()`` form (what a pipeline record's ``tiling``
     holds: ``row_sizes``, ``col_sizes``, ``k_sizes``, slot counts, ``itemsize``, ``mode``, and
     ``lead`` where the schedule had leading k-outer units: 1 in records without it)."""
-    def edges(sizes):
-        out = [0]
-        for size in sizes:
-            out.append(out[-1] + int(size))
-        return tuple(out)
+    return PipelineTiling(_edges_of(d["row_sizes"]), _edges_of(d["col_sizes"]),
+                          _edges_of(d["k_sizes"]), int(d["a_slots"]), int(d["b_slots"]),
+                          int(d["c_buffers"]), int(d["itemsize"]), str(d.get("mode", "tiles")),
+                          int(d.get("lead", 1)))
 
-    return PipelineTiling(edges(d["row_sizes"]), edges(d["col_sizes"]), edges(d["k_sizes"]),
-                          int(d["a_slots"]), int(d["b_slots"]), int(d["c_buffers"]),
-                          int(d["itemsize"]), str(d.get("mode", "tiles")), int(d.get("lead", 1)))
+
+def _edges_of(sizes) -> tuple[int, ...]:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + int(size))
+    return tuple(out)
 
 
 def _list_schedule(jobs) -> list[float]:
@@ -888,39 +891,47 @@ def _list_schedule(jobs) -> list[float]:
 
     n = len(jobs)
     waiting = [0] * n
-    dependents: list = [[] for _ in range(n)]
+    dependents: dict = {}
     ready = [0.0] * n
     end = [0.0] * n
-    heaps: dict = {}
-    free: dict = {}
+    lanes: dict = {}          # lane -> its index, in the order lanes first appear
+    heaps: list = []
+    free: list = []
+    lane_of = [0] * n
     for j, (lane, _, deps) in enumerate(jobs):
-        heaps.setdefault(lane, [])
-        free.setdefault(lane, 0.0)
+        at = lanes.get(lane)
+        if at is None:
+            at = lanes[lane] = len(heaps)
+            heaps.append([])
+            free.append(0.0)
+        lane_of[j] = at
         uniq = set(deps)
         waiting[j] = len(uniq)
         for d in uniq:
-            dependents[d].append(j)
+            dependents.setdefault(d, []).append(j)
         if not uniq:
-            heapq.heappush(heaps[lane], (0.0, j))
+            heapq.heappush(heaps[at], (0.0, j))
+    order = range(len(heaps))
     for _ in range(n):
-        best = None
-        for lane, heap in heaps.items():
+        best_j = -1
+        best_start = best_lane = 0
+        for lane in order:
+            heap = heaps[lane]
             if heap:
                 at, j = heap[0]
-                start = max(at, free[lane])
-                if best is None or (start, j) < best[:2]:
-                    best = (start, j, lane)
-        if best is None:
+                start = at if at > free[lane] else free[lane]
+                if best_j < 0 or start < best_start or (start == best_start and j < best_j):
+                    best_start, best_j, best_lane = start, j, lane
+        if best_j < 0:
             raise ValueError("the pipeline's schedule has a cycle")
-        start, j, lane = best
-        heapq.heappop(heaps[lane])
-        end[j] = start + jobs[j][1]
-        free[lane] = end[j]
-        for d in dependents[j]:
-            ready[d] = max(ready[d], end[j])
+        heapq.heappop(heaps[best_lane])
+        done = end[best_j] = free[best_lane] = best_start + jobs[best_j][1]
+        for d in dependents.pop(best_j, ()):
+            if done > ready[d]:
+                ready[d] = done
             waiting[d] -= 1
             if waiting[d] == 0:
-                heapq.heappush(heaps[jobs[d][0]], (ready[d], d))
+                heapq.heappush(heaps[lane_of[d]], (ready[d], d))
     return end
 
 
@@ -945,6 +956,173 @@ def pinned_2d_share(row_bytes: float) -> float:
     return pts[-1][1]
 
 
+#: the stream pipeline's schedules the model simulates kernel by kernel whole (a record's lists
+#: a few hundred kernels); a longer one is summarised from shorter ones (``_summarised``)
+SIMULATED_STEPS = 2**14
+#: kernels the shorter schedules of a summary may list in all (a second or two of simulation):
+#: a schedule whose rows of units are too long for that (very many k-blocks) is refused
+SUMMARY_STEPS = 2**16
+#: the lanes a schedule's jobs run on, one job at a time each (besides the call's set-up)
+_LANES = ("gemm", "h2d", "d2h", "host")
+
+
+def _widest_run(edges):
+    """An axis's sizes as ``(head, width, count, tail)``: its widest entries, which must run
+    together, the first of them ending ``head`` and ``count`` more after it; None otherwise."""
+    sizes = [b - a for a, b in zip(edges, edges[1:])]
+    width = max(sizes)
+    first, last = sizes.index(width), len(sizes) - 1 - sizes[::-1].index(width)
+    if any(size != width for size in sizes[first:last + 1]):
+        return None
+    return sizes[:first + 1], width, last - first, sizes[last + 1:]
+
+
+def _fewest_units(t: PipelineTiling) -> tuple:
+    """The fewest rows and columns of units a shorter schedule keeps so that its blocks are
+    cached as in ``t``'s (None: all of them)."""
+    gm, gn, gk = (len(e) - 1 for e in (t.row_edges, t.col_edges, t.k_edges))
+    if t.b_resident:  # units of whole columns (the leading ones k outer, C's buffers filling)
+        # or, in column blocks, in the growing order, which interleaves new rows and columns
+        run = _widest_run(t.row_edges)
+        return (None if gn > 1 or run is None else t.lead + t.c_buffers + len(run[3])), None
+    if gm > 1 and t.b_slots < gk * gn:  # B partly cached from one sweep to the next: two
+        # columns more than its slots hold
+        return 2, -(-t.b_slots // gk) + 2
+    return 2, 2
+
+
+def _summarised(tiling: PipelineTiling, simulate, mnk) -> tuple:
+    """The time, each lane's busy seconds (``_LANES``) and the bytes in and out of
+    ``tiling``'s schedule: ``simulate(tiling)``, or where that lists more than
+    ``SIMULATED_STEPS`` kernels, extrapolated from shorter schedules.
+
+    Rows of units alike and the units of a row alike repeat: units sweep rows in serpentine
+    order and k-blocks alternate direction from unit to unit, so once its caches and buffers
+    have filled the schedule repeats every two rows, and every two units of a row. The shorter
+    schedules keep all k-blocks, each axis's first widest row (column) of units and the
+    narrower ones after it, and ``x`` or ``x + 2`` more of the widest (``x`` of the parity of
+    the whole count); the time, each lane's busy seconds and the bytes then grow by a fixed
+    amount per two more along each axis, and are extrapolated from the shorter schedules'
+    (bilinearly, from the corners ``x`` and ``x + 2`` of both axes). ``x`` doubles, while the
+    shorter schedules list at most ``SUMMARY_STEPS`` kernels in all, where that does not yet
+    hold: where the time grows less than some lane's busy seconds (a lane that got ahead, the
+    host threads staging into the ring, has not yet used up its lead); where one row of units
+    is busiest on another lane than the rows together and the time grows only as fast as they
+    (the last row, of fewer rows of C, bound by its copies, its stalls not yet begun); and
+    where the busiest lane per two more units of a row changes as the rows grow to their whole
+    length (a row's own costs, A's panel, outweigh its units' only in short rows). Where it
+    stops short of that, or the lanes settle into a pattern longer than two rows, the time is
+    off by up to a stalled row's or a lane's lead's worth: a fraction of a percent of a
+    schedule this long.
+
+    Raises
+    ------
+    ValueError
+        The fewest shorter schedules would list more than ``SUMMARY_STEPS`` kernels in all
+        (or no fewer than the whole schedule, itself longer).
+    """
+    t = tiling
+    names = ("row_edges", "col_edges")
+    counts = [len(t.row_edges) - 1, len(t.col_edges) - 1]
+    gk = len(t.k_edges) - 1
+    steps = counts[0] * counts[1] * gk
+    if steps <= SIMULATED_STEPS:
+        return simulate(t)[0]
+    runs = [_widest_run(getattr(t, name)) for name in names]
+
+    def least(axis, fewest):  # the x of at least ``fewest`` units, or None: the axis whole
+        if fewest is None or runs[axis] is None:
+            return None
+        head, _, count, tail = runs[axis]
+        x = max(1, fewest - len(head) - len(tail))
+        x += (count - x) % 2
+        return x if x + 2 < count else None
+
+    def corners(xs):  # the corners' x per axis: x or x + 2 where shortened
+        return list(itertools.product(*((x,) if x is None else (x, x + 2) for x in xs)))
+
+    def units(corner):
+        total = 1
+        for axis, x in enumerate(corner):
+            total *= counts[axis] if x is None else len(runs[axis][0]) + x + len(runs[axis][3])
+        return total
+
+    done: dict = {}
+
+    def run(corner):
+        if corner not in done:
+            shorter = {}
+            for name, run_, x in zip(names, runs, corner):
+                if x is not None:
+                    head, width, _, tail = run_
+                    shorter[name] = _edges_of(head + [width] * x + tail)
+            done[corner] = simulate(replace(t, **shorter))
+        return done[corner]
+
+    def spent(xs):  # kernels simulated, with the corners of ``xs``
+        return sum(units(c) * gk for c in set(done) | set(corners(xs)))
+
+    def along(corner, axis):  # per two more along the axis: the time's growth, each lane's,
+        # and the least the time's may be once every lane has used up its lead (along a row:
+        # each row of units as long as its busiest lane; C's last row, of fewer rows, may be
+        # bound by its copies where the others are bound by their GEMMs)
+        (lo, lo_rows), (hi, hi_rows) = run(corner), run(
+            corner[:axis] + (corner[axis] + 2,) + corner[axis + 1:])
+        grew = [b - a for a, b in zip(lo[1:5], hi[1:5])]
+        least_time = max(grew) if axis == 0 else sum(
+            max(b - a for a, b in zip(r0, r1)) for r0, r1 in zip(lo_rows, hi_rows))
+        return hi[0] - lo[0], grew, least_time
+
+    def unsettled(xs):  # the axes to keep longer
+        slow = set()
+        for corner in corners(xs):
+            for axis in (0, 1):
+                if xs[axis] is None or corner[axis] != xs[axis]:
+                    continue
+                time, grew, least_time = along(corner, axis)
+                if time < least_time * (1 - 1e-9):
+                    slow.add(axis)
+                other = 1 - axis
+                if xs[other] is not None and corner[other] == xs[other]:
+                    # the busiest lane per two more along the axis with the other axis whole
+                    far = corner[:other] + (corner[other] + 2,) + corner[other + 1:]
+                    grew_far = along(far, axis)[1]
+                    share = (runs[other][2] - xs[other]) / 2
+                    whole = [g + share * (f - g) for g, f in zip(grew, grew_far)]
+                    if len({max(range(4), key=v.__getitem__) for v in (grew, grew_far, whole)}) > 1:
+                        slow.add(other)
+        return slow
+
+    xs = [least(axis, fewest) for axis, fewest in enumerate(_fewest_units(t))]
+    if spent(xs) >= steps:  # nothing saved: the whole schedule, if short enough
+        if steps <= SUMMARY_STEPS:
+            return simulate(t)[0]
+        xs = [None, None]
+    if spent(xs) > SUMMARY_STEPS:
+        m, n, k = mnk
+        raise ValueError(f"a {m} x {n} x {k} product's stream-pipeline schedule of {steps} GEMMs "
+                         f"({counts[0]} x {counts[1]} units of {gk} k-blocks) is too long to "
+                         f"model: the rows of units it repeats take more than the "
+                         f"{SUMMARY_STEPS} GEMMs the model simulates")
+    while True:
+        slow = unsettled(xs)
+        grown = [least(axis, len(runs[axis][0]) + 2 * x + 1 + len(runs[axis][3]))
+                 if axis in slow else x for axis, x in enumerate(xs)]
+        if not slow or spent(grown) > SUMMARY_STEPS:
+            break
+        xs = grown
+
+    out = [0.0] * 7
+    for corner in corners(xs):
+        weight = 1.0
+        for axis, x in enumerate(xs):
+            if x is not None:
+                share = (runs[axis][2] - x) / 2
+                weight *= share if corner[axis] > x else 1.0 - share
+        out = [o + weight * v for o, v in zip(out, run(corner)[0])]
+    return tuple(out)
+
+
 def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: Calibration,
                       precision: str = "highest", copies: str = "ring",
                       operand_itemsize: int | None = None, tiling=None,
@@ -967,7 +1145,8 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
     for a free C buffer (the copy out of the unit ``c_buffers`` before); the first GEMM
     waits ``latency`` (the call's set-up, ``pipeline-call``, by default). So the time is
     the start-up (the first blocks in), then whichever lane is busiest over the steady state
-    (copies in, GEMMs, copies out, host copies), then the last unit's drain.
+    (copies in, GEMMs, copies out, host copies), then the last unit's drain. A schedule of
+    more than ``SIMULATED_STEPS`` kernels is summarised from shorter ones (``_summarised``).
 
     Parameters
     ----------
@@ -979,6 +1158,12 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
         Bytes per operand element crossing (2 for bfloat16 bits; default the dtype's).
     tiling : PipelineTiling or its ``describe()`` mapping, optional
         Default: ``choose_tiling`` for the device's memory (``memory`` or the calibration's).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``copies`` or precision, more kernels than ``MAX_STEPS``, or rows of
+        units too long to summarise (``SUMMARY_STEPS``).
 
     >>> s = pipeline_schedule(16384, 16384, 16384, calibration=default_calibration())
     >>> s.seconds >= max(s.gemm, s.h2d, s.d2h, s.host) * (1 - 1e-9)  # host-bound here
@@ -1027,83 +1212,100 @@ def pipeline_schedule(m: int, n: int, k: int, dtype="float32", *, calibration: C
         # leave as 2-D copies of their rows (``pinned_2d_share``)
         tiling = replace(
             tiling, a_slots=(len(tiling.row_edges) - 1) * (len(tiling.k_edges) - 1))
-    re, ce, ke = tiling.row_edges, tiling.col_edges, tiling.k_edges
-    steps = plan_block_loads(tiling)
-    jobs: list = []
-    last = {"h2d": None, "gemm": None, "d2h": None}
-    slot_user: dict = {}      # device slot -> the GEMM job that last read it
-    loads: list = []          # the copy to the device of every piece loaded, in order
-    unit_out: dict = {}       # unit -> its last copy-out job that frees its C buffer
-    busy = {"gemm": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "start": 0.0}
-    depth = max(1, PIPELINE_RING_BYTES // _RING_PIECE)  # pieces staged ahead at most
-    bytes_in = bytes_out = 0
 
-    def add(lane, seconds, deps):
-        jobs.append((lane, seconds, tuple(d for d in deps if d is not None)))
-        busy[lane] += seconds
-        return len(jobs) - 1
+    def simulate(tiling):
+        """(seconds, each lane's busy seconds (``_LANES``), bytes in, bytes out, and per row of
+        units each lane's busy seconds for its units) of ``tiling``'s schedule, kernel by
+        kernel."""
+        re, ce, ke = tiling.row_edges, tiling.col_edges, tiling.k_edges
+        steps = plan_block_loads(tiling)
+        jobs: list = []
+        last = {"h2d": None, "gemm": None, "d2h": None}
+        slot_user: dict = {}      # device slot -> the GEMM job that last read it
+        loads: list = []          # the copy to the device of every piece loaded, in order
+        unit_out: dict = {}       # unit -> its last copy-out job that frees its C buffer
+        busy = {"gemm": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "start": 0.0}
+        depth = max(1, PIPELINE_RING_BYTES // _RING_PIECE)  # pieces staged ahead at most
+        bytes_in = bytes_out = 0
+        per_row = [dict.fromkeys(_LANES, 0.0) for _ in range(len(re) - 1)]
+        row = per_row[0]
 
-    for step in steps:
-        rows = re[step.i + 1] - re[step.i]
-        cols = ce[step.j + 1] - ce[step.j]
-        kb = ke[step.kb + 1] - ke[step.kb]
-        wait = []
-        converted = 0
-        for kind, needed, slot, nbytes in (
-                ("a", step.load_a, step.a_slot, rows * kb * in_size),
-                ("b", step.load_b, step.b_slot, kb * cols * in_size)):
-            if not needed or nbytes <= 0:
-                continue
-            bytes_in += nbytes
-            converted += nbytes // in_size
-            user = None if kind == "b" and tiling.b_resident else slot_user.get((kind, slot))
-            # through the ring a block crosses in pieces, each staged and then copied
-            pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
-            share = pinned_2d_share(cols * in_size) if blocks and kind == "b" else 1.0
-            for _ in range(pieces):
+        def add(lane, seconds, deps):
+            jobs.append((lane, seconds, tuple([d for d in deps if d is not None])))
+            busy[lane] += seconds
+            if lane in row:
+                row[lane] += seconds
+            return len(jobs) - 1
+
+        for step in steps:
+            row = per_row[step.i]
+            rows = re[step.i + 1] - re[step.i]
+            cols = ce[step.j + 1] - ce[step.j]
+            kb = ke[step.kb + 1] - ke[step.kb]
+            wait = []
+            converted = 0
+            for kind, needed, slot, nbytes in (
+                    ("a", step.load_a, step.a_slot, rows * kb * in_size),
+                    ("b", step.load_b, step.b_slot, kb * cols * in_size)):
+                if not needed or nbytes <= 0:
+                    continue
+                bytes_in += nbytes
+                converted += nbytes // in_size
+                user = None if kind == "b" and tiling.b_resident else slot_user.get((kind, slot))
+                # through the ring a block crosses in pieces, each staged and then copied
+                pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+                share = pinned_2d_share(cols * in_size) if blocks and kind == "b" else 1.0
                 part = nbytes / pieces
-                deps = [last["h2d"], user]
-                if ring:
-                    behind = loads[-depth] if len(loads) >= depth else None
-                    deps.append(add("host", part / stage_rate, [behind]))
-                job = add("h2d", h2d.seconds(part / share), deps)
-                last["h2d"] = job
-                loads.append(job)
-            wait.append(job)
-        # cuBLAS tiles C: the unit's side, not the k-block's depth, decides how well the GPU
-        # is filled (a 256-deep block of a 16384 x 32768 unit still gives every SM its tiles;
-        # the depth only shortens each tile's loop, and C's extra pass is counted below)
-        seconds = 2.0 * rows * cols * kb / gemm.rate(rows, cols, min(rows, cols))
-        if not step.first and mem_bw > 0:  # beta = 1: C's unit read and written once more
-            seconds += 2.0 * rows * cols * out_size / mem_bw
-        if convert and converted:
-            seconds += converted * (in_size + 2) / mem_bw
-        deps = [last["gemm"]] + wait
-        if step.first and step.unit >= tiling.c_buffers:
-            deps.append(unit_out.get(step.unit - tiling.c_buffers))
-        if last["gemm"] is None and latency > 0:
-            deps.append(add("start", latency, []))
-        job = add("gemm", seconds, deps)
-        last["gemm"] = job
-        slot_user[("a", step.a_slot)] = job
-        slot_user[("b", step.b_slot)] = job
-        if step.last:
-            nbytes = rows * cols * out_size
-            bytes_out += nbytes
-            pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
-            share = pinned_2d_share(cols * out_size) if blocks else 1.0
-            for _ in range(pieces):
+                staged, copied = part / stage_rate, h2d.seconds(part / share)
+                for _ in range(pieces):
+                    deps = [last["h2d"], user]
+                    if ring:
+                        behind = loads[-depth] if len(loads) >= depth else None
+                        deps.append(add("host", staged, [behind]))
+                    job = add("h2d", copied, deps)
+                    last["h2d"] = job
+                    loads.append(job)
+                wait.append(job)
+            # cuBLAS tiles C: the unit's side, not the k-block's depth, decides how well the GPU
+            # is filled (a 256-deep block of a 16384 x 32768 unit still gives every SM its tiles;
+            # the depth only shortens each tile's loop, and C's extra pass is counted below)
+            seconds = 2.0 * rows * cols * kb / gemm.rate(rows, cols, min(rows, cols))
+            if not step.first and mem_bw > 0:  # beta = 1: C's unit read and written once more
+                seconds += 2.0 * rows * cols * out_size / mem_bw
+            if convert and converted:
+                seconds += converted * (in_size + 2) / mem_bw
+            deps = [last["gemm"]] + wait
+            if step.first and step.unit >= tiling.c_buffers:
+                deps.append(unit_out.get(step.unit - tiling.c_buffers))
+            if last["gemm"] is None and latency > 0:
+                deps.append(add("start", latency, []))
+            job = add("gemm", seconds, deps)
+            last["gemm"] = job
+            slot_user[("a", step.a_slot)] = job
+            slot_user[("b", step.b_slot)] = job
+            if step.last:
+                nbytes = rows * cols * out_size
+                bytes_out += nbytes
+                pieces = max(1, math.ceil(nbytes / _RING_PIECE)) if ring else 1
+                share = pinned_2d_share(cols * out_size) if blocks else 1.0
                 part = nbytes / pieces
-                out = add("d2h", d2h.seconds(part / share), [job, last["d2h"]])
-                last["d2h"] = out
-                if ring:
-                    add("host", part / stage_rate, [out])
-            # the device buffer is free once its bytes left it (the ring's own copy follows)
-            unit_out[step.unit] = last["d2h"]
-    end = _list_schedule(jobs)
-    return PipelineSchedule(seconds=max(end), gemm=busy["gemm"], h2d=busy["h2d"],
-                            d2h=busy["d2h"], host=busy["host"], latency=latency,
-                            bytes_in=int(bytes_in), bytes_out=int(bytes_out), tiling=tiling)
+                copied, staged = d2h.seconds(part / share), part / stage_rate
+                for _ in range(pieces):
+                    out = add("d2h", copied, [job, last["d2h"]])
+                    last["d2h"] = out
+                    if ring:
+                        add("host", staged, [out])
+                # the device buffer is free once its bytes left it (the ring's own copy follows)
+                unit_out[step.unit] = last["d2h"]
+        end = _list_schedule(jobs)
+        return ((max(end), *(busy[lane] for lane in _LANES), bytes_in, bytes_out),
+                [[r[lane] for lane in _LANES] for r in per_row])
+
+    seconds, gemm_s, h2d_s, d2h_s, host_s, bytes_in, bytes_out = _summarised(
+        tiling, simulate, (m, n, k))
+    return PipelineSchedule(seconds=seconds, gemm=gemm_s, h2d=h2d_s, d2h=d2h_s, host=host_s,
+                            latency=latency, bytes_in=int(round(bytes_in)),
+                            bytes_out=int(round(bytes_out)), tiling=tiling)
 
 
 def _pipeline(m, n, k, dt, devices, cal, device, memory, precision, copies, operand_itemsize,
@@ -1195,7 +1397,7 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
         Negative sizes, no devices, an unknown engine, device or link, a calibration
         without the rate or link the product needs, or a product too large for its engine's
         planner to list (``distmm.plan_batch.MAX_BATCH_EDGES``,
-        ``distmm.plan_pipeline.MAX_STEPS``).
+        ``distmm.plan_pipeline.MAX_STEPS``) or the model to summarise (``SUMMARY_STEPS``).
     """
     _check(m, n, k, devices, engine, device)
     m, n, k, devices = int(m), int(n), int(k), int(devices)

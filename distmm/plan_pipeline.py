@@ -28,6 +28,7 @@ the A row panel resident across a sweep of B column panels.
 from __future__ import annotations
 
 import collections
+import heapq
 import math
 from dataclasses import asdict, dataclass
 
@@ -69,9 +70,10 @@ LEAD = 2
 #: page-locked B crosses as a 2-D copy, at full rate from 32 KB rows (bench/NOTES.md)
 COLUMN_MIN = 4096
 _TAIL_BYTES = 64 * MiB     # full-width mode: last unit's output at most this (short tail)
-#: kernels (``Step``) a schedule lists, ~0.5 KB each (the model's schedule, ~3.5 KB): a product
-#: whose operands fit one host's memory takes a few hundred thousand at most at its own
-#: tiling; more (10**7 each way: 2e9) took gigabytes before anything could be refused
+#: kernels (``Step``) a schedule lists, ~0.5 KB each: a product whose operands fit one host's
+#: memory takes a few hundred thousand at most at its own tiling; more (10**7 each way: 2e9)
+#: took gigabytes before anything could be refused. The model simulates at most a few tens of
+#: thousands of them, and summarises a longer schedule (``distmm.plan_model.SIMULATED_STEPS``)
 MAX_STEPS = 2**20
 
 @dataclass(frozen=True)
@@ -420,6 +422,10 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
             seen[block_keys[s]] = s
         resident: dict = {}     # block -> slot
         next_use: dict = {}     # block -> next step using it
+        # the resident blocks by next use, latest first: a step uses one block, so no two
+        # resident blocks share a next use, and an entry whose block has since been used
+        # again (its next use passed) is dropped when it comes to the top
+        furthest: list = []
         # Free slots are reused oldest-freed first: a load then waits for a kernel
         # long finished, not the one just issued (LIFO reuse made each load wait for
         # the kernel just issued, serialising copies and kernels: bench/NOTES.md).
@@ -432,15 +438,19 @@ def plan_block_loads(tiling: PipelineTiling) -> list[Step]:
                 if free:
                     slot = free.popleft()
                 else:
-                    victim = max(resident, key=lambda b: next_use[b])
+                    while next_use.get(furthest[0][1]) != -furthest[0][0]:
+                        heapq.heappop(furthest)
+                    victim = heapq.heappop(furthest)[1]
                     slot = resident.pop(victim)
                     del next_use[victim]
                 resident[key] = slot
                 out.append((slot, True))
-            next_use[key] = nxt[s]
             if nxt[s] == math.inf:  # never used again: free its slot now
                 free.append(resident.pop(key))
-                del next_use[key]
+                next_use.pop(key, None)
+            else:
+                next_use[key] = nxt[s]
+                heapq.heappush(furthest, (-nxt[s], key))
         return out
 
     a_plan = assign([(i, kb) for (_, i, _, kb, _, _) in keys], tiling.a_slots)

@@ -1,5 +1,7 @@
 """The planners' limits on what they list: a product too large to plan is refused from its
-sizes, before any list is built, with one line that names the sizes and the limit.
+sizes, before any list is built, with one line that names the sizes and the limit; one just
+under the limit is modelled in seconds, its stream-pipeline schedule summarised from shorter
+ones that repeat as it does (``distmm.plan_model.SIMULATED_STEPS``).
 
 Every case runs in a child process whose address space is capped (``RLIMIT_AS``), so that a
 planner that lists what it should refuse fails within seconds instead of taking the machine's
@@ -7,15 +9,19 @@ memory: ``distmm model`` itself (status 2 and one line), and the planners' funct
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from distmm.plan_batch import MAX_BATCH_EDGES
+from distmm.plan_model import GemmRate, default_calibration
 from distmm.plan_pipeline import MAX_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +71,66 @@ def test_model_of_a_large_product_fits_the_same_cap(tmp_path, engine, gpus):
                   "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stdout.splitlines()) == len(gpus.split(","))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_model_just_under_the_pipeline_cap_answers_in_seconds(tmp_path, dtype):
+    """47 x 47 units of 372 k-blocks (822k GEMMs, MAX_STEPS 1.05M): each kernel simulated, a
+    minute and gigabytes (past the child's 2 GiB); summarised, a second or two."""
+    begun = time.monotonic()
+    done = _model(tmp_path, "760000", "760000", "760000", "--gpus", "1", "--engine", "pipeline",
+                  "--dtype", dtype, "--json")
+    took = time.monotonic() - begun
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = done.stdout.splitlines()
+    got = json.loads(line)
+    assert got["grid"] == [47, 47] and got["dtype"] == dtype
+    assert got["predicted_seconds"] >= got["compute_seconds"] > 0
+    assert took < 60, took  # a 2-core machine beside other work: seconds, not a minute
+
+
+CALIBRATION = dataclasses.replace(default_calibration(), gemm={
+    **default_calibration().gemm, "gpu:bf16": GemmRate(700e12, 2000.0)})
+
+
+@pytest.mark.parametrize("m, n, k, dtype, options", [
+    # square tiles, B partly cached from one sweep to the next; C's last row and column of
+    # units narrower (3392), the last row bound by its copies where the others are not
+    (200000, 200000, 200000, "float32", {}),
+    (13 * 16384 + 2000, 13 * 16384 + 3000, 200000, "float32", {"copies": "direct"}),
+    (300000, 300000, 100000, "float64", {"memory": 16 << 30}),
+    # B resident: units of whole columns, the first two k outer, and the last ones halving
+    (2**24, 32768, 32768, "float32", {"precision": "bf16"}),
+])
+def test_a_summarised_pipeline_schedule_is_the_whole_one(monkeypatch, m, n, k, dtype, options):
+    """A schedule of more than SIMULATED_STEPS kernels, extrapolated from shorter ones, has
+    the time, each lane's busy seconds and the bytes of the whole one simulated kernel by
+    kernel."""
+    from distmm import plan_model
+
+    summary = plan_model.pipeline_schedule(m, n, k, dtype, calibration=CALIBRATION, **options)
+    t = summary.tiling
+    assert (len(t.row_edges) - 1) * (len(t.col_edges) - 1) * (len(t.k_edges) - 1) > (
+        plan_model.SIMULATED_STEPS)
+    monkeypatch.setattr(plan_model, "SIMULATED_STEPS", MAX_STEPS)
+    whole = plan_model.pipeline_schedule(m, n, k, dtype, calibration=CALIBRATION, **options)
+    for lane in ("seconds", "gemm", "h2d", "d2h", "host"):
+        assert getattr(summary, lane) == pytest.approx(getattr(whole, lane), rel=1e-9), lane
+    assert (summary.bytes_in, summary.bytes_out) == (whole.bytes_in, whole.bytes_out)
+    assert summary.tiling == whole.tiling
+
+
+def test_model_refuses_a_pipeline_schedule_too_long_to_summarise(tmp_path):
+    """One unit of 2**20 k-blocks (MAX_STEPS itself): nothing repeats in fewer kernels than
+    the model simulates, so it says so in one line rather than simulate them all."""
+    done = _model(tmp_path, "64", "64", str(2**31), "--gpus", "1", "--engine", "pipeline")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"distmm model: error: a 64 x 64 x {2**31} product's "
+                               f"stream-pipeline schedule of {2**20} GEMMs "), lines
+    assert "the model simulates" in lines[0], lines
 
 
 REFUSED = [  # (call, words of the message)
