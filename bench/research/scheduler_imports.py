@@ -1,5 +1,4 @@
-"""Does a cluster's first distmm call wait for its scheduler and workers to import distmm's
-Dask-engine modules?
+"""Does a new cluster's first distmm call wait for its processes to import the task modules?
 
 A scheduler in a process of its own imports the modules that hold the task bodies only when
 the first graph naming them arrives, and each worker at its first task, unless a preload
