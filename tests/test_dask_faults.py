@@ -8,6 +8,12 @@ finishes, bitwise equal, once a worker joins again; and every worker gone for
 good, where the engine, after its retry timeout, raises ``WorkersLost`` (a
 ``RuntimeError``) that says what was lost.
 
+A scheduler lost while a call sets itself up (gathering the cluster's facts, planning):
+``distmm cluster`` in a process group of its own, a client process paused at one step of
+the set-up (a ``sitecustomize`` wraps that function to wait for a file), the cluster killed
+(SIGKILL), the client let go: ``SchedulerLost`` within the client's timeouts from Python,
+and from ``distmm matmul --scheduler-file`` one line, status 1, nothing written.
+
 One worker survives the kills: a nanny whose replacement worker fails to start
 under load (seen on CI's two cores: ``Failed to restart worker after its
 process exited``) would otherwise leave no worker at all, and the test would
@@ -16,7 +22,13 @@ in which the test itself brings a worker back.
 """
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +38,8 @@ distributed = pytest.importorskip("distributed")
 from distmm.engine import Operands, Request, get_engine  # noqa: E402
 from distmm.errors import WorkersLost  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
-from conftest import _product_running, kill_workers, start_call  # noqa: E402
+from conftest import (_product_running, kill_workers, serve_cluster, start_call,  # noqa: E402
+                      stop_cluster)
 
 pytestmark = pytest.mark.usefixtures("tile_mode")
 
@@ -263,3 +276,183 @@ def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
     assert "Client closed during matmul" in str(error)
     assert elapsed < 15, elapsed
 
+
+# -- a scheduler lost during the set-up ------------------------------------------------------
+
+#: the client process's ``sitecustomize``: once MODULE is imported, its NAME waits for the
+#: file ``go`` in FOLDER (after making ``paused`` there) before it runs
+_PAUSE_AT = """
+import functools, importlib.machinery, os, sys, time
+
+MODULE, NAME, FOLDER = {module!r}, {name!r}, {folder!r}
+
+
+def _paused(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        open(os.path.join(FOLDER, "paused"), "w").close()
+        while not os.path.exists(os.path.join(FOLDER, "go")):
+            time.sleep(0.01)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class PauseAt:
+    def find_spec(self, name, path=None, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            setattr(module, NAME, _paused(getattr(module, NAME)))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PauseAt())
+"""
+
+#: the client process of the Python cases: ``distmm.matmul`` on the cluster of the scheduler
+#: file argv[1], numpy operands or (argv[2] "dask") dask arrays persisted there; prints what
+#: the call gave and when it ended, as JSON
+_CALL = """
+import json, os, sys, time
+import numpy as np
+import distributed, distmm
+
+client = distributed.Client(scheduler_file=sys.argv[1], timeout={timeout})
+a, b = np.arange(12.0).reshape(3, 4), np.ones((4, 2))
+if sys.argv[2] == "dask":
+    import dask.array as da
+    a, b = client.persist([da.from_array(a, chunks=2), da.from_array(b, chunks=2)])
+    distributed.wait([a, b])
+try:
+    c = distmm.matmul(a, b, client=client)
+    got = {{"returned": type(c).__name__}}
+except Exception as exc:
+    got = {{"raised": type(exc).__name__, "message": str(exc)}}
+print(json.dumps(dict(got, ended=time.time())), flush=True)
+os._exit(0)  # the lost client's own teardown is distributed's, not the call's
+"""
+
+#: the client's timeout (distributed's reconnection and connections): the bound of a call
+#: whose scheduler is lost
+_TIMEOUT = 2
+#: where the client's arguments take the cluster's scheduler file (``_lost_during``)
+SCHEDULER_FILE = object()
+
+
+def _lost_during(tmp_path: Path, module: str, name: str, argv, *, env=None, wait=0.0):
+    """Serve ``distmm cluster`` (one worker), start ``argv`` (``SCHEDULER_FILE`` in it:
+    the cluster's) with ``module.name`` paused, SIGKILL the cluster's whole group once the
+    client waits there, ``wait`` seconds later let the client go on; ``(the client's exit
+    status, stdout, stderr, kill time)``."""
+    (tmp_path / "cluster").mkdir()
+    sched = tmp_path / "cluster" / "sched.json"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_PAUSE_AT.format(module=module, name=name,
+                                                            folder=str(site)))
+    env = dict(os.environ, **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    cluster = serve_cluster(sched, "--workers", 1, "--threads", 1, "--gpus", 0)
+    argv = [str(sched) if x is SCHEDULER_FILE else str(x) for x in argv]
+    client = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (site / "paused").exists():
+            assert client.poll() is None, client.communicate()
+            assert time.monotonic() < deadline, f"the client never reached {module}.{name}"
+            time.sleep(0.01)
+        os.killpg(cluster.pid, signal.SIGKILL)
+        cluster.communicate()
+        killed = time.time()
+        time.sleep(wait)
+        (site / "go").touch()
+        out, err = client.communicate(timeout=60)  # a hang fails here
+    finally:
+        if client.poll() is None:
+            client.kill()
+        if cluster.poll() is None:
+            stop_cluster(cluster, None)
+    return client.returncode, out, err, killed
+
+
+def _call(tmp_path: Path, module: str, name: str, family: str, env=None) -> dict:
+    """What ``distmm.matmul`` gave (``_CALL``) in a client whose scheduler was lost while
+    it waited at ``module.name``, and how long after the kill it ended (``after``)."""
+    script = tmp_path / "call.py"
+    script.write_text(_CALL.format(timeout=_TIMEOUT))
+    status, out, err, killed = _lost_during(tmp_path, module, name,
+                                            [sys.executable, script, SCHEDULER_FILE, family],
+                                            env=env)
+    assert status == 0 and out, err
+    got = json.loads(out.splitlines()[-1])
+    got["after"] = got.pop("ended") - killed
+    return got
+
+
+def _assert_lost(got: dict) -> None:
+    assert got.get("raised") == "SchedulerLost", got
+    assert "was lost" in got["message"] and "while matmul set up its run" in got["message"], got
+    assert "\n" not in got["message"] and "KeyError" not in got["message"], got
+    assert got["after"] < 10 * _TIMEOUT, got  # the client's timeouts bound it, not a hang
+
+
+def test_a_scheduler_lost_before_the_worker_table_is_scheduler_lost(tmp_path):
+    """Killed while the engine is about to ask for the worker table (``cluster_state``):
+    ``SchedulerLost`` naming the scheduler, within the client's timeout (it was the raw
+    ``OSError: Timed out trying to connect``, ``CommClosedError: ConnectionPool closing`` or
+    ``AttributeError: 'NoneType' object has no attribute 'identity'``, by the timing)."""
+    got = _call(tmp_path, "distmm.engine.dask.placement", "cluster_state", "numpy")
+    _assert_lost(got)
+    assert "tcp://127.0.0.1:" in got["message"], got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, name, family, layout", [
+    ("distmm.engine.dask.placement", "cluster_state", "dask", "auto"),
+    # the workers' probe takes a failed request for a worker leaving and goes on: numpy
+    # operands then failed in the scatter (SchedulerLost, "output block(s) never arrived"),
+    # dask operands returned a lazy result over chunks gone with the scheduler
+    ("distmm.engine.dask.workers", "_ask", "numpy", "auto"),
+    ("distmm.engine.dask.workers", "_ask", "dask", "auto"),
+    # the last fact of block mode, and the plans after the facts: a lazy result before
+    ("distmm.engine.dask.nccl_route", "pairs", "dask", "blocks"),
+    ("distmm.engine.dask", "slots_by_locality", "dask", "tiles"),
+    ("distmm.engine.dask", "plan_blocks", "dask", "blocks"),
+])
+def test_a_scheduler_lost_during_the_set_up_is_scheduler_lost(tmp_path, module, name, family,
+                                                              layout):
+    got = _call(tmp_path, module, name, family, env={"DASK_DISTMM__DASK_LAYOUT": layout})
+    _assert_lost(got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, name, wait", [
+    ("distmm.engine.dask.placement", "cluster_state", 0.0),
+    ("distmm.engine.dask.workers", "_ask", 0.0),
+    # the client closed by distributed (its reconnection given up) before the engine starts:
+    # it was "got a distributed.Client that is closed: pass an open client", status 2
+    ("distmm.engine.dask", "_resolve_client", 2 * _TIMEOUT + 1.0),
+])
+def test_a_scheduler_lost_during_the_set_up_fails_the_command_in_one_line(tmp_path, module,
+                                                                          name, wait):
+    np.save(tmp_path / "a.npy", np.ones((30, 20)))
+    np.save(tmp_path / "b.npy", np.ones((20, 10)))
+    argv = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--no-progress", "--connect-timeout", _TIMEOUT, "--scheduler-file", SCHEDULER_FILE]
+    status, out, err, killed = _lost_during(tmp_path, module, name, argv, wait=wait)
+    assert status == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("distmm matmul: error:")]
+    assert len(lines) == 1 and lines[0].startswith("distmm matmul: error: SchedulerLost: "), err
+    assert "was lost" in lines[0] or "lost its scheduler" in lines[0], err
+    assert "KeyError" not in lines[0], err  # a closed client's empty worker table: it said so
+    assert "Traceback" not in err and out == "", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "cluster", "site"]
+    assert time.time() - killed < 10 * _TIMEOUT + wait

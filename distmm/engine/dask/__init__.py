@@ -124,19 +124,42 @@ def _fail_tiles() -> frozenset:
         raise ValueError(f"{FAIL_TILES_KEY} must be a list of [i, j] cells, got {raw!r}") from None
 
 
-def _scheduler_gone(client, exc: BaseException) -> bool:
-    """Whether ``exc`` ended a call because the client's scheduler went away: the client is
-    no longer running (reconnecting, or closed), or the error is a failed connection to the
-    scheduler's own address (raised before the client notices)."""
+def _scheduler_gone(client, exc: BaseException | None = None) -> bool:
+    """Whether ``exc`` ended a call because the client's scheduler went away (None: whether
+    it has, as the client sees it): the client is no longer running (reconnecting, or
+    closed), or the error is a failed connection to the scheduler's own address (raised
+    before the client notices)."""
     if getattr(client, "status", "running") in ("connecting", "closing", "closed"):
         return True
     address = getattr(getattr(client, "scheduler", None), "address", None)
     return bool(address) and isinstance(exc, OSError) and address in str(exc)
 
 
+def _scheduler_lost(client, exc: BaseException | None, address: str | None = None,
+                    during: str = "during matmul") -> SchedulerLost:
+    """The ``SchedulerLost`` of a call whose scheduler went away ``during`` (the set-up,
+    the run): ``client_gone``'s words, then what failed where that says more (a connection
+    to the scheduler that failed, not the ``KeyError`` of a worker table a closed client
+    returns empty). ``address``: the scheduler's, which a closed client no longer knows."""
+    from distmm.engine.dask.eager import client_gone
+
+    text = client_gone(client, address=address, during=during)
+    if isinstance(exc, OSError):
+        text += f": {type(exc).__name__}: {' '.join(str(exc).split())}"
+    return SchedulerLost(text)
+
+
 def _resolve_client(client, *, required: bool):
     if client is not None:
         if getattr(client, "status", None) in ("closing", "closed"):
+            if getattr(client, "scheduler_comm", True) is None:
+                # closed by distributed itself, which drops the scheduler's comm when it
+                # tries to reconnect (a client its caller closed keeps its closed comm): the
+                # scheduler was lost, which the caller did not do (status 1, not 2)
+                raise SchedulerLost(f"distmm dask engine: the distributed.Client lost its "
+                                    f"scheduler before matmul began (distributed closed it "
+                                    f"after failing to reconnect; the client is "
+                                    f"{client.status})")
             # a closed client has no scheduler left: refused here with its state, not an
             # AttributeError from deep inside distributed
             raise ValueError(f"engine='dask' got a distributed.Client that is {client.status}: "
@@ -213,6 +236,9 @@ class DaskEngine(Engine):
     ------
     ValueError
         No client when one is required; a cluster with no workers.
+    distmm.errors.SchedulerLost
+        The client's scheduler was lost while the cluster's facts were gathered (here, or in
+        ``run`` before any task is sent), or before: a client distributed closed itself.
     """
 
     name = "dask"
@@ -227,18 +253,42 @@ class DaskEngine(Engine):
         # budget and the units) and, for the call's dask ``operands``, where their
         # persisted chunks are
         self._info, self.slots, self._where = None, [], None
+        # the scheduler's address, for the words of a SchedulerLost after the client closed
+        self._address = getattr(getattr(self.client, "scheduler", None), "address", None)
         if self.client is not None:
             from distmm.engine.dask.placement import cluster_state
 
             dask_ops = operands is not None and operands.family == "dask"
-            info, where = cluster_state(self.client, *((operands.a2, operands.b2) if dask_ops
-                                                       else ()))
-            self._info = info or None
-            if dask_ops:
-                self._where = (operands.a, operands.b, where)
-            self.slots = worker_slots(self.client, info=self._info)
+            try:
+                info, where = cluster_state(self.client, *((operands.a2, operands.b2)
+                                                           if dask_ops else ()))
+                self._info = info or None
+                if dask_ops:
+                    self._where = (operands.a, operands.b, where)
+                self.slots = worker_slots(self.client, info=self._info)
+            except Exception as exc:
+                # a scheduler lost here fails the request as it would any other: the
+                # connection's error, a closed pool, a closed client's missing scheduler
+                if _scheduler_gone(self.client, exc):
+                    raise self._lost(exc) from exc
+                raise
             if not self.slots:
+                if _scheduler_gone(self.client):  # the wait for a worker ended with it
+                    raise self._lost(None)
                 raise ValueError("matmul: the Dask cluster has no workers")
+
+    def _lost(self, exc: BaseException | None) -> SchedulerLost:
+        """The ``SchedulerLost`` of a scheduler lost while the call was set up."""
+        return _scheduler_lost(self.client, exc, self._address,
+                               during="while matmul set up its run")
+
+    def _check_scheduler(self) -> None:
+        """``SchedulerLost`` where the client's scheduler went away during the set-up: the
+        probes take a failed request for a worker leaving and go on without its answer, so
+        a scheduler lost meanwhile ends the call here, not in a lazy result over chunks that
+        went with it or in a scatter to no cluster."""
+        if self.client is not None and _scheduler_gone(self.client):
+            raise self._lost(None)
 
     def _where_of(self, ops: Operands) -> dict:
         """Where the persisted chunks of ``ops`` are: as asked with the worker table when
@@ -294,22 +344,22 @@ class DaskEngine(Engine):
             # a scheduler that died fails whatever asks it next (a KeyError of its worker
             # table, a closed connection pool): said as what happened
             if _scheduler_gone(self.client, exc):
-                from distmm.engine.dask.eager import client_gone
-
-                raise SchedulerLost(f"{client_gone(self.client)}: {type(exc).__name__}: "
-                                    f"{' '.join(str(exc).split())}") from exc
+                raise _scheduler_lost(self.client, exc, self._address) from exc
             raise
 
     def _run(self, request: Request):
         t0, started = time.perf_counter(), time.time()
         ops = request.operands
         facts, transfer_info = self._facts(ops)
+        self._check_scheduler()
         stats: dict = {"mode": "blocks" if facts else "tiles", "started": started,
                        "shape": (ops.m, ops.n, ops.k), "moved": []}
         if transfer_info is not None:
             stats["transfer"] = transfer_info
         if ops.family == "dask":
-            return self._run_lazy(request, facts, stats)
+            result = self._run_lazy(request, facts, stats)
+            self._check_scheduler()  # the set-up's end: no lazy result of a cluster gone
+            return result
         if ops.family == "cupy":
             return self._run_from_device(request, facts, stats, t0)
         return self._run_eager(request, facts, stats, t0)

@@ -523,6 +523,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
 
         bar = tqdm(total=len(pending), unit="tile", desc="distmm matmul", file=sys.stderr)
     transient = _transient_errors()
+    address = getattr(getattr(client, "scheduler", None), "address", None)  # for a SchedulerLost
     ctx = _performance_report(client, report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
     submitted, written, futures, raised = 0, False, {}, set()
@@ -572,7 +573,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 if client.status in ("closing", "closed"):
                     # closed by its owner, or by distributed when the scheduler was lost and
                     # did not come back: no worker returns through it, so no retry
-                    raise SchedulerLost(client_gone(client) + f": {len(pending)} output "
+                    raise SchedulerLost(client_gone(client, address) + f": {len(pending)} output "
                                         f"block(s) never arrived")
                 attempts += 1
                 now = time.monotonic()
@@ -617,11 +618,15 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     return out
 
 
-def client_gone(client) -> str:
-    """The words of a ``SchedulerLost``: the client, its scheduler and its state."""
-    address = getattr(getattr(client, "scheduler", None), "address", None)
-    at = f" at {address}" if address else ""  # a closed client no longer knows it
-    return (f"distmm dask engine: the distributed.Client closed during matmul (closed by its "
+def client_gone(client, address: str | None = None, during: str = "during matmul") -> str:
+    """The words of a ``SchedulerLost``: the client, its scheduler (``address`` where the
+    client no longer knows it: a closed one) and its state."""
+    address = getattr(getattr(client, "scheduler", None), "address", None) or address
+    at = f" at {address}" if address else ""
+    if client.status == "connecting":  # not closed (yet): distributed tries to reconnect
+        return (f"distmm dask engine: the scheduler{at} of the distributed.Client was lost "
+                f"{during} (the client is connecting)")
+    return (f"distmm dask engine: the distributed.Client closed {during} (closed by its "
             f"caller, or its scheduler{at} was lost; the client is {client.status})")
 
 
