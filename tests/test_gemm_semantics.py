@@ -169,6 +169,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 import distmm
+from distmm.cli.exits import whole_line_writes
+
+whole_line_writes()  # each line in one write: mpiexec interleaves the ranks' writes
 
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 a, b, c = np.ones((4, 3)), np.ones((3, 5)), np.arange(20.0).reshape(4, 5)

@@ -16,6 +16,11 @@ socket that accepts and never writes) holds the client for ever. Whatever answer
 the probe ends by its deadline, with a ``ConnectionError`` that names the address, what
 was seen, and what to check.
 
+Once the client's scheduler is lost, distributed's client logs its failed reconnect and,
+in some versions, its own close's traceback; the command says what happened in its one
+line (the Dask engine's ``SchedulerLost``), so those records are left out
+(``_LostSchedulerFilter``).
+
 It does *not* cover: starting a cluster (``distmm.cli.serve``), or anything after the
 connection (the Dask engine's retries: ``distmm.engine.dask``).
 """
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import weakref
 from pathlib import Path
 
 __all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address"]
@@ -184,8 +191,23 @@ def connect_client(*, scheduler: str | None = None, scheduler_file: str | None =
     try:
         # A scheduler answered: registering is what is left, which it answers at once. The
         # client keeps ``timeout`` for its later calls too, as it did before the probe.
-        return Client(address, timeout=timeout, security=security)
+        client = Client(address, timeout=timeout, security=security)
     except (OSError, TimeoutError) as exc:
         raise ConnectionError(f"the Dask scheduler at {where} answered, then the client could "
                               f"not register within {timeout:g} s "
                               f"({' '.join(str(exc).split())})") from None
+    logging.getLogger("distributed.client").addFilter(_LostSchedulerFilter(client))
+    return client
+
+
+class _LostSchedulerFilter(logging.Filter):
+    """Drops the records of distributed's client module once ``client`` no longer runs
+    (reconnecting to a lost scheduler, or closing): the command's own line says so."""
+
+    def __init__(self, client):
+        super().__init__()
+        self._client = weakref.ref(client)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        client = self._client()
+        return client is None or client.status not in ("connecting", "closing", "closed")
