@@ -282,10 +282,10 @@ def test_a_cluster_killed_mid_product_fails_the_command_in_one_line(tmp_path: Pa
     try:
         from distributed import Client
 
-        # the product's tasks running, as the scheduler says (the engine's set-up before them
-        # is not covered: a scheduler lost there still ends in distributed's own words); a
-        # fixed 1.5 s after the staged file was that on this machine (0.2 s of set-up, then
-        # 14 s of tasks), not on every one
+        # the product's tasks running, as the scheduler says (a scheduler lost during the
+        # engine's set-up before them: tests/test_dask_faults.py); a fixed 1.5 s after the
+        # staged file was that on this machine (0.2 s of set-up, then 14 s of tasks), not on
+        # every one
         deadline = time.monotonic() + 60
         with Client(scheduler_file=str(sched), timeout=30) as watcher:
             while not _product_running(watcher):
