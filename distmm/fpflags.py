@@ -16,6 +16,8 @@ inside ``collect``, ``object_rows`` keeps what each row of C reported as a ``Row
 it is in C, in order), and ``report`` gives the rows of the whole product in numpy's order,
 each report by a numpy scalar operation that makes it, then numpy's "in matmul" for the
 flags numpy's loop would have found left set at its end.
+The replay follows numpy 2's scalar loops; with numpy 1.x, float16 scalars' reports can
+come in another order than that numpy's.
 It does *not* cover: devices (cupy raises no flags) or the inputs of a reduced precision.
 """
 from __future__ import annotations

@@ -254,6 +254,17 @@ def object_cases():
     }
 
 
+#: numpy 1.x's float16 scalars report their arithmetic in another order than numpy 2's (the
+#: "order" and "stack" cases), which the engines' replay (``fpflags.object_rows``) follows
+NUMPY1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+
+
+def _numpy2_order(case: str) -> None:
+    if NUMPY1 and case in ("order", "stack"):
+        pytest.skip("numpy 1.x's float16 scalars report in another order than numpy 2's, "
+                    "which the replay follows")
+
+
 def _numpys_loop(case):
     """numpy's matmul; for a stack, its 2-D products one after the other: numpy's loop over
     a stack goes on to the next product after an element's error, raising the last
@@ -274,6 +285,7 @@ def test_dask_cluster_reports_object_elements_as_numpy(client, case, state, warn
     row-major order, the first error numpy raises; a flag left set at the loop's end is
     numpy's "in matmul". Each element a task of its own, on two worker processes: the
     client said "overflow encountered in matmul" once for everything."""
+    _numpy2_order(case)
     a, b = object_cases()[case]
     want = in_order(_numpys_loop(case), a, b, warnings_as, **state)
     for tile in (1, None):
@@ -292,6 +304,7 @@ def test_dask_cluster_reports_object_elements_as_numpy(client, case, state, warn
 
 def test_dask_cluster_reports_object_elements_with_np_seterrcall(client):
     """np.seterrcall and np.seterr (not an errstate): the callback gets numpy's calls."""
+    _numpy2_order("order")
     a, b = object_cases()["order"]
     old, old_call = np.geterr(), np.geterrcall()
     for f in (np.matmul, lambda x, y: distmm.matmul(x, y, engine="dask", client=client,
@@ -313,6 +326,7 @@ def test_dask_cluster_reports_object_elements_with_np_seterrcall(client):
 def test_object_rows_report_in_numpys_order_whatever_order_the_blocks_ran(case):
     """The elements of an object product computed last to first, inside ``collect`` (as
     on workers): ``report`` gives numpy's reports, in numpy's order."""
+    _numpy2_order(case)
     a, b = object_cases()[case]
 
     def blocks(x, y):
@@ -388,7 +402,7 @@ class Held:  # an element that does not pickle (it holds a lock): every rank run
     __rmul__, __radd__ = __mul__, __add__
 
 
-a, b = cases["order"]
+a, b = cases["order"] if "order" in cases else cases["mixed"]  # (numpy 1.x: no "order")
 a = np.concatenate([a, np.array([[Held(1), 1, 1]], dtype=object)])
 for s, (state, warnings_as) in enumerate(states):
     got["held", s, "numpy"] = in_order(np.matmul, a, b, warnings_as, **state)
@@ -410,7 +424,8 @@ def test_mpi_ranks_report_object_elements_as_numpy(tmp_path, mpirun):
     import inspect
     import pickle
 
-    cases = object_cases()
+    cases = {name: ops for name, ops in object_cases().items()  # (see _numpy2_order)
+             if not (NUMPY1 and name in ("order", "stack"))}
     with open(tmp_path / "cases.pkl", "wb") as f:
         pickle.dump((cases, STATES), f)
     script = tmp_path / "objects.py"
