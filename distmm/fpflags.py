@@ -38,9 +38,8 @@ _RAISES = {"overflow": (60000.0, 2.0), "underflow": (1e-4, 1e-4), "invalid": (np
 _NAMES = {"invalid value": "invalid"}
 #: for each report of a numpy scalar's arithmetic (numpy's kind and operation), float16
 #: scalars whose operation makes it alone (an addition never underflows)
-_SCALAR = {("overflow", "scalar multiply"): (60000.0, 2.0),
-           ("underflow", "scalar multiply"): (1e-4, 1e-4),
-           ("invalid value", "scalar multiply"): (np.inf, 0.0),
+_SCALAR = {**{(kind, "scalar multiply"): _RAISES[_NAMES.get(kind, kind)]
+              for kind in ("overflow", "underflow", "invalid value")},
            ("overflow", "scalar add"): (60000.0, 60000.0),
            ("invalid value", "scalar add"): (np.inf, -np.inf)}
 _OPERATIONS = {"scalar multiply": operator.mul, "scalar add": operator.add}

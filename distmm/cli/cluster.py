@@ -40,6 +40,11 @@ import threading
 
 import numpy as np
 
+# the preload that imports the Dask engine's task modules (``distmm.engine.dask.preload``),
+# run by every worker of these clusters (as by distmm.deploy's jobs) and imported by the
+# process that holds their scheduler, so that a cluster's first product does not wait for them
+from distmm.deploy import TASKS_PRELOAD
+
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
            "PROTOCOLS", "share_workers", "emulate_nodes", "random_array", "to_host",
            "sync_workers", "GPU_RESOURCE", "WORKER_SETUP", "TASKS_PRELOAD"]
@@ -47,10 +52,6 @@ __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_avai
 #: the preload every worker of these clusters runs as it starts (``distmm.cli.worker_setup``:
 #: it ignores SIGINT, and leaves out a closing worker's heartbeat traceback)
 WORKER_SETUP = "distmm.cli.worker_setup"
-#: the preload that imports the Dask engine's task modules (``distmm.engine.dask.preload``),
-#: run by every worker of these clusters and imported by the process that holds their
-#: scheduler, so that a cluster's first product does not wait for those imports
-TASKS_PRELOAD = "distmm.engine.dask.preload"
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
 GPU_RESOURCE = "GPU"
