@@ -48,6 +48,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A suite started as a background job of a non-interactive shell (`pytest ... &`, nohup in a
+# script) has SIGINT ignored, and every child it starts inherits that: the tests that send a
+# child SIGINT would see it ignored, as the shell asked. Python's own handler here instead,
+# which a child's exec resets to the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # -- the command line ------------------------------------------------------------------------
 
 
