@@ -120,8 +120,13 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
     else:
         fam = max((array_family(a), array_family(b)), key=FAMILY_ORDER.index)
         _refuse_unsupported(what, fam, a=a, b=b)
-        if not defaults:
+        try:
             _python_scalar_keywords(a, b, out, dtype=dtype, casting=casting, order=order)
+        except ValueError:
+            if not defaults:
+                raise
+            # numpy converted the scalar and found its missing dimension: distmm's own
+            # line below names the operand
         a, b = _as_array(a, fam), _as_array(b, fam)
         if fam == "dask":
             a, b = _same_chunk_family(a, b)
@@ -672,9 +677,12 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if engine == "auto":
         engine = get_config().engine  # the configured engine; the argument wins
     try:
-        if subok is not True and subok is not False:  # numpy's converter: True or False only
-            raise TypeError("'subok' must be a boolean")
+        ufunc_rules.keyword_errors(out, dtype, signature, axes, axis)  # numpy's first checks
         out = ufunc_rules.single_out(out)
+        if subok is not True and subok is not False:  # numpy's converter: True or False only
+            # numpy reads order and casting (their ValueErrors) first: asked on empty arrays
+            np.matmul(np.empty((0, 0)), np.empty((0, 0)), order=order, casting=casting)
+            raise TypeError("'subok' must be a boolean")
     except Exception as exc:
         if engine == "mpi":
             _mpi_agree(exc)
@@ -692,9 +700,27 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     a, b = _as_objects(a, b, dtype)
+    if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
+        # numpy wraps the whole result (its axes placed as ``axes`` says) with the operands
+        # as given in the wrap's context
+        wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
+        result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),
+                        casting=casting, order=order, dtype=dtype, axes=axes, axis=axis,
+                        engine=engine, client=client, tile=tile, backend=backend,
+                        precision=precision)
+        if out is not None:
+            return out
+        if wrap is None:
+            return result
+        # one element of a vector product: the dtype it is an element of (object's too)
+        loop = None if isinstance(result, np.ndarray) else ufunc_dtype(
+            _dtype_of(a), _dtype_of(b), dtype=dtype, casting=casting, order=order)
+        return ufunc_rules.apply_wrap(wrap, result, (a, b), dtype=loop)
     if axes is not None or axis is not None:
         try:
-            _loop_first(a, b, out, keywords)
+            _loop_first(a, b, out, keywords, axes=axes, axis=axis)
+            if isinstance(order, str) and order.upper() == "A":  # on the operands as given
+                keywords["order"] = "F" if all(_given_fortran(x) for x in (a, b)) else "C"
             a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
         except Exception as exc:
             if engine == "mpi":  # the other ranks agree in the call below (its validation)
@@ -703,14 +729,6 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
                         backend=backend, precision=precision)
         return back(result)
-    if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
-        wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
-        result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),
-                        casting=casting, order=order, dtype=dtype, engine=engine, client=client,
-                        tile=tile, backend=backend, precision=precision)
-        if out is not None:
-            return out
-        return result if wrap is None else ufunc_rules.apply_wrap(wrap, result, (a, b))
     cfg = get_config()
     key = eng = None
     if out is None and client is None and plain:
@@ -884,12 +902,14 @@ def _as_objects(a, b, dtype):
                  for x in (a, b))
 
 
-def _loop_first(a, b, out, keywords) -> None:
+def _loop_first(a, b, out, keywords, *, axes=None, axis=None) -> None:
     """numpy resolves the loop and the casts into it and into ``out`` before it reads
     ``axes`` or ``axis``: its type errors (and a ValueError for an unknown ``casting`` or
-    ``order``) come first, raised here from the operands' dtypes."""
+    ``order``) come first, raised here from the operands' dtypes. A Python scalar operand
+    always fails: numpy is asked with the scalar itself and ``axes``/``axis`` (its weak
+    scalar's cast errors come before the missing dimension)."""
     if any(type(x) in (bool, int, float, complex) for x in (a, b)):
-        return  # a scalar operand: _validate asks numpy with the scalar itself
+        _python_scalar_keywords(a, b, out, **keywords, axes=axes, axis=axis)
     ufunc_dtype(_dtype_of(a), _dtype_of(b), dtype=keywords["dtype"],
                 out_dtype=None if out is None else _dtype_of(out),
                 casting=keywords["casting"], order=keywords["order"])

@@ -1,6 +1,7 @@
 """numpy's ufunc protocol around ``matmul``, for operands that are not plain arrays.
 
-This module covers what ``numpy.matmul`` does before and after its loop: an ``out``
+This module covers what ``numpy.matmul`` does before and after its loop: the errors of
+its keywords alone, raised before it reads an operand (``keyword_errors``), an ``out``
 given as a one-element tuple, ``axes`` naming where the matrices lie, operands that
 override ``__array_ufunc__`` (they decide the call: numpy hands it to them), an ``out``
 with its own ``__array_wrap__`` (numpy passes the product through it), ndarray
@@ -16,11 +17,43 @@ import numpy as np
 
 from distmm._arrays import array_family, is_sparse
 
-__all__ = ["single_out", "overrides", "wraps_out", "find_wrap", "apply_wrap", "is_subclass",
-           "base", "core_axes_last", "k_layout"]
+__all__ = ["keyword_errors", "single_out", "overrides", "wraps_out", "find_wrap", "apply_wrap",
+           "is_subclass", "base", "core_axes_last", "k_layout"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
+
+
+class _Unconverted(Exception):
+    """Raised by ``_Unconvertible.__array__``: numpy has parsed its keywords."""
+
+
+class _Unconvertible:
+    """An operand that stops numpy where it first converts its operands."""
+
+    def __array__(self, *args, **kwargs):
+        raise _Unconverted
+
+
+def keyword_errors(out, dtype, signature, axes, axis) -> None:
+    """numpy's errors from its keywords alone, raised before it reads any operand or
+    ``out``'s array (a read-only ``out``, a cast, a shape): ``axis`` with ``axes``, an ``out``
+    tuple of another length, ``dtype`` with ``signature``, a ``dtype`` or ``signature`` it
+    does not parse. numpy itself is asked, in its own order, with operands that stop it at
+    their conversion (and ``out`` as a tuple of as many Nones)."""
+    if (dtype is None and signature is None and axes is None and axis is None
+            and type(out) is not tuple):
+        return  # numpy's defaults: nothing to parse (every call comes here)
+    given = {k: v for k, v in (("dtype", dtype), ("signature", signature), ("axes", axes),
+                               ("axis", axis)) if v is not None}
+    if isinstance(out, tuple) and len(out) != 1:
+        given["out"] = (None,) * len(out)
+    if not given:
+        return
+    try:
+        np.matmul(_Unconvertible(), _Unconvertible(), **given)
+    except _Unconverted:
+        pass
 
 
 def single_out(out):
@@ -106,10 +139,16 @@ def find_wrap(*inputs):
 _NUMPY_1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
 
 
-def apply_wrap(wrap, result, inputs):
+def apply_wrap(wrap, result, inputs, dtype=None):
     """``result`` (an array, or the scalar of a vector-vector product) wrapped as numpy
-    wraps a ufunc's result: ``wrap(array, (np.matmul, inputs, 0), return_scalar)``."""
-    arr = np.asarray(result)
+    wraps a ufunc's result: ``wrap(array, (np.matmul, inputs, 0), return_scalar)``.
+    ``dtype``: the product's, for a scalar ``result``: an object product's element (a
+    Python float, a Fraction) is wrapped as the 0-d object array numpy's loop made."""
+    if dtype is not None and np.dtype(dtype) == object and not isinstance(result, np.ndarray):
+        arr = np.empty((), object)
+        arr[()] = result
+    else:
+        arr = np.asarray(result)
     context = (np.matmul, tuple(inputs), 0)
     if _NUMPY_1:  # numpy 1.x calls __array_wrap__(array, context): no return_scalar
         return wrap(arr, context)
@@ -120,10 +159,14 @@ def core_axes_last(a, b, out, axes, axis):
     """``matmul(..., axes=)`` as a product of operands whose matrix axes are their last:
     ``(a, b, out, back)``, each operand (and ``out``) with its core axes moved to the end
     (views), and ``back(result)`` moving the result's core axes to where ``axes`` puts
-    them (``out`` itself when one was given). numpy checks ``axes`` and ``axis`` first, on
-    one-element stand-ins of the operands' dimensions, and raises its own errors."""
+    them (``out`` itself when one was given). The result's entry of ``axes`` counts in
+    ``out``'s own dimensions where there is one (numpy broadcasts a result into an ``out``
+    of more). numpy checks ``axes`` and ``axis`` first, on one-element stand-ins of the
+    operands' (and ``out``'s) dimensions, and raises its own errors."""
     nd_a, nd_b = np.ndim(a), np.ndim(b)
     kw = {name: v for name, v in (("axes", axes), ("axis", axis)) if v is not None}
+    if out is not None:
+        kw["out"] = np.zeros((1,) * np.ndim(out))
     probe = np.matmul(np.zeros((1,) * nd_a), np.zeros((1,) * nd_b), **kw)
     n_out = int(nd_a >= 2) + int(nd_b >= 2)
     entries = list(axes)
@@ -136,7 +179,7 @@ def core_axes_last(a, b, out, axes, axis):
         return np.moveaxis(x, axes_, tuple(range(-len(axes_), 0))) if axes_ else x
 
     a_core, b_core = core(entries[0], nd_a), core(entries[1], nd_b)
-    nd_out = np.ndim(probe)
+    nd_out = np.ndim(probe)  # out's own when given: the probe wrote into its stand-in
     o_core = (core(entries[2], nd_out) if len(entries) > 2
               else tuple(range(nd_out - n_out, nd_out)))
     a, b = to_end(a, a_core), to_end(b, b_core)
