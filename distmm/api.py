@@ -210,15 +210,16 @@ def plan_for(m: int, n: int, k: int, dtype, *, workers: int, tile=None,
                              precision=precision, **hints)
 
 
-def _engine_for(engine: str, family: str, client, cfg, ops: Operands | None = None):
+def _engine_for(engine: str, family: str, client, cfg, ops: Operands | None = None,
+                what: str = "matmul"):
     """The engine of one call (``get_engine``, with the configured local thread
     count and retry timeout): resolved once per call and handed to everything
     that needs it, so a Dask engine asks its scheduler for the cluster once. ``"auto"``
-    is the configured ``distmm.engine``."""
+    is the configured ``distmm.engine``; ``what``: the function called, for its errors."""
     if engine == "auto":
         engine = cfg.engine
     return get_engine(engine, family=family, client=client, threads=cfg.local_threads,
-                      retry_timeout=cfg.retry_timeout, operands=ops)
+                      retry_timeout=cfg.retry_timeout, operands=ops, what=what)
 
 
 def _backend_family(ops: Operands) -> str:
@@ -1141,7 +1142,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             # the engine and the request (engine=, client=, backend=, tile=) are checked
             # even where no product is made (alpha == 0, k == 0)
             cfg = get_config()
-            eng = _engine_for(engine, ops.family, client, cfg, ops)
+            eng = _engine_for(engine, ops.family, client, cfg, ops, what="gemm")
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         if engine == "mpi":
             key = _gemm_key(ops, flag_a, flag_b, alpha_t, beta_t, c)

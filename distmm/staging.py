@@ -298,9 +298,15 @@ def leftovers(target: Path, dataset: str | None = None) -> list[Path]:
     return _staged_beside(target, dataset)
 
 
+def _staged_name(target: Path, tail: str) -> re.Pattern:
+    """The names of ``target``'s staged outputs (``staged_path``'s ``.NAME.distmm-partial-PID``,
+    the PID the first group), followed by ``tail`` (a regular expression)."""
+    return re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)" + tail)
+
+
 def _staged_beside(target: Path, dataset: str | None) -> list[Path]:
     """``leftovers``, removing nothing."""
-    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)$")
+    pattern = _staged_name(target, "$")
     folder = target.parent if str(target.parent) else Path(".")
     try:
         names = os.listdir(folder)
@@ -363,7 +369,7 @@ def _remove_orphans(target: Path) -> None:
     PIDs come round again: a run calls this before it stages anything), and its staged output
     still gone once claimed. Those of every dataset of an HDF5 file: no run can use them."""
     folder = target.parent if str(target.parent) else Path(".")
-    pattern = re.compile(re.escape(f".{target.name}.{PARTIAL}-") + f"(\\d+)(?:{_EXTRAS})")
+    pattern = _staged_name(target, f"(?:{_EXTRAS})")
     try:
         names = os.listdir(folder)
     except OSError:

@@ -251,14 +251,17 @@ def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
     """A client closed by its owner (another thread's ``with Client()`` ending) during an
     eager product: no worker comes back through it, so the call raises at once, saying so,
     instead of retrying for ``retry_timeout`` (it did, then raised ``WorkersLost`` with
-    ``KeyError('workers')``, warning on every one of ~1000 attempts)."""
+    ``KeyError('workers')``, warning on every one of ~1000 attempts). Its words name the
+    function the engine runs for, here ``gemm`` (they said matmul whatever was called)."""
+    from distmm.engine.dask import DaskEngine
+
     rng = np.random.default_rng(41)
     a = rng.standard_normal((2048, 4096))
     b = rng.standard_normal((4096, 2048))
     _full_cluster(client)
     own = distributed.Client(client.cluster)
     try:
-        engine = get_engine("dask", client=own, retry_timeout=60.0)
+        engine = DaskEngine(own, retry_timeout=60.0, what="gemm")
         run, out = _start_product(engine, _request(engine, a, b, 128))
         deadline = time.monotonic() + 60
         while not _product_running(own) and run.is_alive() and time.monotonic() < deadline:
@@ -273,7 +276,7 @@ def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
     assert not run.is_alive()
     error = out.get("error")
     assert isinstance(error, RuntimeError) and not isinstance(error, WorkersLost), repr(error)
-    assert "Client closed during matmul" in str(error)
+    assert "Client closed during gemm" in str(error) and "matmul" not in str(error)
     assert elapsed < 15, elapsed
 
 
@@ -316,9 +319,9 @@ class PauseAt:
 sys.meta_path.insert(0, PauseAt())
 """
 
-#: the client process of the Python cases: ``distmm.matmul`` on the cluster of the scheduler
-#: file argv[1], numpy operands or (argv[2] "dask") dask arrays persisted there; prints what
-#: the call gave and when it ended, as JSON
+#: the client process of the Python cases: ``distmm.matmul`` (or CALL: ``gemm``) on the
+#: cluster of the scheduler file argv[1], numpy operands or (argv[2] "dask") dask arrays
+#: persisted there; prints what the call gave and when it ended, as JSON
 _CALL = """
 import json, os, sys, time
 import numpy as np
@@ -331,7 +334,7 @@ if sys.argv[2] == "dask":
     a, b = client.persist([da.from_array(a, chunks=2), da.from_array(b, chunks=2)])
     distributed.wait([a, b])
 try:
-    c = distmm.matmul(a, b, client=client)
+    c = distmm.{call}(a, b, client=client)
     got = {{"returned": type(c).__name__}}
 except Exception as exc:
     got = {{"raised": type(exc).__name__, "message": str(exc)}}
@@ -383,14 +386,16 @@ def _lost_during(tmp_path: Path, module: str, name: str, argv, *, env=None, wait
     return client.returncode, out, err, killed
 
 
-def _call(tmp_path: Path, module: str, name: str, family: str, env=None) -> dict:
-    """What ``distmm.matmul`` gave (``_CALL``) in a client whose scheduler was lost while
-    it waited at ``module.name``, and how long after the kill it ended (``after``)."""
+def _call(tmp_path: Path, module: str, name: str, family: str, env=None, *,
+          call: str = "matmul", wait: float = 0.0) -> dict:
+    """What ``distmm.matmul`` (or ``call``) gave (``_CALL``) in a client whose scheduler was
+    lost while it waited at ``module.name`` (``wait`` seconds more), and how long after the
+    kill it ended (``after``)."""
     script = tmp_path / "call.py"
-    script.write_text(_CALL.format(timeout=_TIMEOUT))
+    script.write_text(_CALL.format(timeout=_TIMEOUT, call=call))
     status, out, err, killed = _lost_during(tmp_path, module, name,
                                             [sys.executable, script, SCHEDULER_FILE, family],
-                                            env=env)
+                                            env=env, wait=wait)
     assert status == 0 and out, err
     got = json.loads(out.splitlines()[-1])
     got["after"] = got.pop("ended") - killed
@@ -431,6 +436,19 @@ def test_a_scheduler_lost_during_the_set_up_is_scheduler_lost(tmp_path, module, 
                                                               layout):
     got = _call(tmp_path, module, name, family, env={"DASK_DISTMM__DASK_LAYOUT": layout})
     _assert_lost(got)
+
+
+@pytest.mark.parametrize("module, name, wait, words", [
+    ("distmm.engine.dask.placement", "cluster_state", 0.0, "while gemm set up its run"),
+    pytest.param("distmm.engine.dask", "_resolve_client", 2 * _TIMEOUT + 1.0,
+                 "lost its scheduler before gemm began", marks=pytest.mark.slow),
+])
+def test_a_scheduler_lost_while_gemm_sets_up_names_gemm(tmp_path, module, name, wait, words):
+    """``distmm.gemm`` on the Dask engine, its scheduler lost in the set-up: the
+    ``SchedulerLost`` names gemm (it said "while matmul set up its run")."""
+    got = _call(tmp_path, module, name, "numpy", call="gemm", wait=wait)
+    assert got.get("raised") == "SchedulerLost", got
+    assert words in got["message"] and "matmul" not in got["message"], got
 
 
 @pytest.mark.slow

@@ -42,14 +42,15 @@ def _local_engine(threads: int | None) -> Engine:
 
 def get_engine(name: str, *, family: str = "numpy", client=None,
                threads: int | None = None, retry_timeout: float = 60.0,
-               operands=None) -> Engine:
+               operands=None, what: str = "matmul") -> Engine:
     """The engine for ``engine=name``.
 
     ``"auto"``: the Dask engine for dask operands, or when ``client`` is given
     or a default ``distributed`` client exists; the local engine otherwise.
     ``retry_timeout``: seconds the Dask engine retries after losing workers.
     ``operands``: the call's ``Operands`` (the Dask engine asks where dask operands'
-    chunks are in the same round trip as its worker table).
+    chunks are in the same round trip as its worker table). ``what``: the function the user
+    called (``"matmul"``, ``"gemm"``), which the Dask engine's ``SchedulerLost`` names.
 
     Raises
     ------
@@ -73,4 +74,4 @@ def get_engine(name: str, *, family: str = "numpy", client=None,
     from distmm.engine.dask import DaskEngine
 
     return DaskEngine(client=client, required=family != "dask", retry_timeout=retry_timeout,
-                      operands=operands)
+                      operands=operands, what=what)

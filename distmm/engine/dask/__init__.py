@@ -25,6 +25,7 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``files``      operands in files every worker sees (``.npy``, zarr, HDF5): the
                workers read their own blocks
 ``sink``       C written by the workers into a staged output file (``out=``)
+``scheduler``  the address of a client's scheduler
 
 It does *not* cover: tile arithmetic (``distmm.plan``), block mode's placement
 (``distmm.plan_blocks``: the layout, which unit computes which block, what moves
@@ -93,6 +94,7 @@ import time
 from distmm.engine.base import Engine, Operands, Request, replace_fast
 from distmm.engine.dask.chunks import Geometry, check_chunks, chunk_tile
 from distmm.engine.dask.placement import slots_by_locality, worker_slots
+from distmm.engine.dask.scheduler import scheduler_address
 from distmm.engine.dask.stats import last_stats, record, transfer_mark, transfer_report
 from distmm.errors import SchedulerLost
 from distmm.fpflags import report as report_flags
@@ -131,16 +133,17 @@ def _scheduler_gone(client, exc: BaseException | None = None) -> bool:
     before the client notices)."""
     if getattr(client, "status", "running") in ("connecting", "closing", "closed"):
         return True
-    address = getattr(getattr(client, "scheduler", None), "address", None)
+    address = scheduler_address(client)
     return bool(address) and isinstance(exc, OSError) and address in str(exc)
 
 
-def _scheduler_lost(client, exc: BaseException | None, address: str | None = None,
-                    during: str = "during matmul") -> SchedulerLost:
+def _scheduler_lost(client, exc: BaseException | None, address: str | None,
+                    during: str) -> SchedulerLost:
     """The ``SchedulerLost`` of a call whose scheduler went away ``during`` (the set-up,
-    the run): ``client_gone``'s words, then what failed where that says more (a connection
-    to the scheduler that failed, not the ``KeyError`` of a worker table a closed client
-    returns empty). ``address``: the scheduler's, which a closed client no longer knows."""
+    the run, with the function the user called): ``client_gone``'s words, then what failed
+    where that says more (a connection to the scheduler that failed, not the ``KeyError`` of
+    a worker table a closed client returns empty). ``address``: the scheduler's, which a
+    closed client no longer knows."""
     from distmm.engine.dask.eager import client_gone
 
     text = client_gone(client, address=address, during=during)
@@ -149,7 +152,7 @@ def _scheduler_lost(client, exc: BaseException | None, address: str | None = Non
     return SchedulerLost(text)
 
 
-def _resolve_client(client, *, required: bool):
+def _resolve_client(client, *, required: bool, what: str = "matmul"):
     if client is not None:
         if getattr(client, "status", None) in ("closing", "closed"):
             if getattr(client, "scheduler_comm", True) is None:
@@ -157,7 +160,7 @@ def _resolve_client(client, *, required: bool):
                 # tries to reconnect (a client its caller closed keeps its closed comm): the
                 # scheduler was lost, which the caller did not do (status 1, not 2)
                 raise SchedulerLost(f"distmm dask engine: the distributed.Client lost its "
-                                    f"scheduler before matmul began (distributed closed it "
+                                    f"scheduler before {what} began (distributed closed it "
                                     f"after failing to reconnect; the client is "
                                     f"{client.status})")
             # a closed client has no scheduler left: refused here with its state, not an
@@ -231,6 +234,9 @@ class DaskEngine(Engine):
     operands : Operands, optional
         The call's operands: for dask operands, where their persisted chunks are
         is asked together with the worker table.
+    what : str
+        The function the user called (``"matmul"``, ``"gemm"``), which a
+        ``SchedulerLost`` names.
 
     Raises
     ------
@@ -244,17 +250,18 @@ class DaskEngine(Engine):
     name = "dask"
 
     def __init__(self, client=None, *, required: bool = True, retry_timeout: float = 60.0,
-                 operands: Operands | None = None):
+                 operands: Operands | None = None, what: str = "matmul"):
         if not retry_timeout > 0:
             raise ValueError(f"retry_timeout must be positive, got {retry_timeout!r}")
-        self.client = _resolve_client(client, required=required)
+        self.what = what
+        self.client = _resolve_client(client, required=required, what=what)
         self.retry_timeout = float(retry_timeout)
         # one round trip per call: the scheduler's worker table (read by the slots, the
         # budget and the units) and, for the call's dask ``operands``, where their
         # persisted chunks are
         self._info, self.slots, self._where = None, [], None
         # the scheduler's address, for the words of a SchedulerLost after the client closed
-        self._address = getattr(getattr(self.client, "scheduler", None), "address", None)
+        self._address = scheduler_address(self.client)
         if self.client is not None:
             from distmm.engine.dask.placement import cluster_state
 
@@ -280,7 +287,7 @@ class DaskEngine(Engine):
     def _lost(self, exc: BaseException | None) -> SchedulerLost:
         """The ``SchedulerLost`` of a scheduler lost while the call was set up."""
         return _scheduler_lost(self.client, exc, self._address,
-                               during="while matmul set up its run")
+                               f"while {self.what} set up its run")
 
     def _check_scheduler(self) -> None:
         """``SchedulerLost`` where the client's scheduler went away during the set-up: the
@@ -344,7 +351,8 @@ class DaskEngine(Engine):
             # a scheduler that died fails whatever asks it next (a KeyError of its worker
             # table, a closed connection pool): said as what happened
             if _scheduler_gone(self.client, exc):
-                raise _scheduler_lost(self.client, exc, self._address) from exc
+                raise _scheduler_lost(self.client, exc, self._address,
+                                      f"during {self.what}") from exc
             raise
 
     def _run(self, request: Request):
@@ -482,7 +490,7 @@ class DaskEngine(Engine):
                         progress=request.progress, report=request.report,
                         retry_timeout=self.retry_timeout, layout=layout, units=units,
                         fail=_fail_tiles() if layout is not None else (), stats=stats,
-                        out=request.out, flags=flags)
+                        out=request.out, flags=flags, what=self.what)
         stats["seconds"] = time.perf_counter() - t0
         record(stats)
         if report:  # as numpy's matmul: after C is filled, under the caller's errstate

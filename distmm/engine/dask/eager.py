@@ -43,7 +43,8 @@ import numpy as np
 
 from distmm.engine.dask.chunks import Geometry
 from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
-from distmm.engine.dask.placement import BlockPlacement, Placement, worker_slots
+from distmm.engine.dask.placement import BlockPlacement, Placement
+from distmm.engine.dask.scheduler import scheduler_address
 from distmm.engine.dask.tasks import TaskPlan, pop_flags
 from distmm.errors import SchedulerLost, TileFailed, WorkersLost
 from distmm.fpflags import report as report_flags
@@ -466,7 +467,8 @@ class _StallWatch:
 
 def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progress=None,
               report=None, retry_timeout: float = 60.0, layout=None, units=None, fail=(),
-              stats: dict | None = None, out=None, flags: set | None = None):
+              stats: dict | None = None, out=None, flags: set | None = None,
+              what: str = "matmul"):
     """Compute the product of host operands on the cluster; return numpy's array, or
     ``out`` filled.
 
@@ -478,6 +480,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     (``distmm.engine.dask.sink``), anything else by the client as blocks arrive.
     ``flags``: a set the floating-point flags the tasks raised are added to, for the caller
     to report; without it they are reported here once C is filled, as numpy's matmul does.
+    ``what``: the function the user called (``"matmul"``, ``"gemm"``), which a
+    ``SchedulerLost`` names.
     """
     dtype = np.dtype(ops.dtype)
     if out is None:
@@ -523,7 +527,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
 
         bar = tqdm(total=len(pending), unit="tile", desc="distmm matmul", file=sys.stderr)
     transient = _transient_errors()
-    address = getattr(getattr(client, "scheduler", None), "address", None)  # for a SchedulerLost
+    address = scheduler_address(client)  # for a SchedulerLost
     ctx = _performance_report(client, report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
     submitted, written, futures, raised = 0, False, {}, set()
@@ -573,8 +577,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 if client.status in ("closing", "closed"):
                     # closed by its owner, or by distributed when the scheduler was lost and
                     # did not come back: no worker returns through it, so no retry
-                    raise SchedulerLost(client_gone(client, address) + f": {len(pending)} output "
-                                        f"block(s) never arrived")
+                    raise SchedulerLost(client_gone(client, address, f"during {what}")
+                                        + f": {len(pending)} output block(s) never arrived")
                 attempts += 1
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -618,10 +622,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     return out
 
 
-def client_gone(client, address: str | None = None, during: str = "during matmul") -> str:
+def client_gone(client, address: str | None, during: str) -> str:
     """The words of a ``SchedulerLost``: the client, its scheduler (``address`` where the
-    client no longer knows it: a closed one) and its state."""
-    address = getattr(getattr(client, "scheduler", None), "address", None) or address
+    client no longer knows it: a closed one), ``during`` what it was lost (``"during
+    matmul"``) and its state."""
+    address = scheduler_address(client) or address
     at = f" at {address}" if address else ""
     if client.status == "connecting":  # not closed (yet): distributed tries to reconnect
         return (f"distmm dask engine: the scheduler{at} of the distributed.Client was lost "

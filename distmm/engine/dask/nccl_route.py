@@ -43,6 +43,8 @@ import logging
 import queue
 import threading
 
+from distmm.engine.dask.scheduler import scheduler_address
+
 __all__ = ["HANDLER", "CONNECT_TIMEOUT", "candidate_pairs", "pairs", "connect", "serve_send",
            "receive", "ensure_handler", "SendHandler", "links", "forget"]
 
@@ -156,7 +158,7 @@ _PLUGGED: set = set()  # scheduler addresses the plugin was registered with
 def ensure_handler(client) -> bool:
     """Register ``SendHandler`` on the cluster once; False (with a log line) where that
     fails: the pairs then go over TCP."""
-    address = getattr(client.scheduler, "address", None)
+    address = scheduler_address(client)
     if address in _PLUGGED:
         return True
     try:
@@ -174,7 +176,7 @@ def connect(client, wanted) -> tuple[frozenset, dict]:
     ``{"pairs", "cached", "failures"}``; a failure leaves its pair to TCP. Cached per
     scheduler address and pair set."""
     wanted = frozenset(wanted)
-    key = (getattr(client.scheduler, "address", None), wanted)
+    key = (scheduler_address(client), wanted)
     with _CONNECTED_LOCK:
         hit = _CONNECTED.get(key)
     if hit is not None:

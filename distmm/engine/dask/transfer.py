@@ -46,6 +46,7 @@ import numpy as np
 
 from distmm.engine.dask.background import BackgroundSlot
 from distmm.engine.dask.pull import norm_key
+from distmm.engine.dask.scheduler import scheduler_address
 
 __all__ = ["MODES", "DEVICE_CHUNKS_KEY", "Offer", "NcclOffer", "export_chunk", "export_chunks",
            "take", "take_into", "dtype_of", "record_route", "host_copy", "host_of", "link_of",
@@ -169,7 +170,7 @@ def probe(client, addresses) -> tuple[frozenset, dict]:
     from distmm.executor import ipc
 
     addresses = sorted(set(addresses))
-    key = (getattr(client.scheduler, "address", None), frozenset(addresses))
+    key = (scheduler_address(client), frozenset(addresses))
     with _PROBE_LOCK:
         hit = _PROBED.get(key)
     if hit is not None:
@@ -581,7 +582,7 @@ def ensure_lifetime(client) -> bool:
     then live only as long as their results stay in memory."""
     if client is None:
         return False
-    address = getattr(client.scheduler, "address", None)
+    address = scheduler_address(client)
     if address in _PLUGGED:
         return True
     try:
