@@ -968,10 +968,10 @@ def test_a_signal_after_c_is_in_place_changes_nothing(tmp_path, batch_env):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
-def _meanwhile(tmp_path, cmd, batch_env, ranks, action):
-    """``distmm matmul a.npy b.npy -o c.npy`` (one process, or under ``ranks`` ranks), held
-    with SIGSTOP once its staged output exists while ``action()`` runs; (status, stderr)."""
-    argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy"]
+def _meanwhile(tmp_path, cmd, batch_env, ranks, action, *extra):
+    """``distmm matmul a.npy b.npy -o c.npy *extra`` (one process, or under ``ranks`` ranks),
+    held with SIGSTOP once its staged output exists while ``action()`` runs; (status, stderr)."""
+    argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy", *extra]
     line = cmd(ranks, *argv) if ranks else [sys.executable, "-m", "distmm", *argv]
     proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=batch_env(), start_new_session=True)
@@ -1007,6 +1007,27 @@ def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, rank
     assert first.startswith("distmm matmul: error:") and "c.npy exists" in first, err
     assert "--overwrite" in first
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+def test_a_resume_runs_stripes_kept_when_c_was_written_meanwhile_are_named(tmp_path, cmd,
+                                                                           batch_env):
+    """The same with ``--resume``: its C stripes are kept, and its one line says so (it named
+    none, and they stayed beside C unsaid); ``--resume --overwrite`` then moves them into place."""
+    a, b = _operands(tmp_path, 300, 700, 200, "float64", seed=18)
+    status, err = _meanwhile(tmp_path, cmd, batch_env, None,
+                             lambda: np.save(tmp_path / "c.npy", np.arange(3.0)), "--resume")
+    assert status == 1, err
+    assert len(err.splitlines()) == 1 and "c.npy exists" in err, err
+    [staged] = [p.name for p in tmp_path.glob(".c.npy.distmm-partial-*.resume.json")]
+    staged = staged[:-len(".resume.json")]
+    assert f"C stripes kept in {staged}: run the same command with --resume" in err, err
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
+    r = subprocess.run([sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+                        "--resume", "--overwrite"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env=batch_env())
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 

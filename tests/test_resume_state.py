@@ -3,11 +3,13 @@
 Covers: HDF5 inputs known by every file that holds their data (an external link's file, a
 virtual dataset's sources), so a resume after such a file changed is refused; a kept staged
 file shorter than it was made, refused; refusals that name what differs where the spellings
-agree (a moved folder) and stripes said as counts; a resumed run's claim on the staged output
-it works on, which another run (a plain one, or a second ``--resume``) leaves alone, and which
-a kill releases; the space of leftovers counted as free by the space check (a resume, or a
-rerun after a full disk, needs only what is missing); a damaged manifest named and refused, not
-removed; a dead run's files under the new run's PID (PIDs come round again) resumed or cleared.
+agree (a moved folder) and stripes said as counts; a ``--resume`` run's claim on the staged
+output it works on (from its manifest's saving, or its taking over), which another run leaves
+alone (a plain one) or refuses in one line (a second ``--resume``), and which a kill releases;
+the space of leftovers counted as free by the space check (a resume, or a rerun after a full
+disk, needs only what is missing); a damaged manifest named and refused, not removed; a dead
+run's files under the new run's PID, or under the PID one of the new job's other ranks has
+(PIDs come round again), resumed or cleared.
 """
 from __future__ import annotations
 
@@ -201,9 +203,10 @@ def test_the_space_of_leftovers_counts_as_free(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi_env):
-    """A stopped ``--resume`` run, resumed; while it runs, a plain run and a second
-    ``--resume`` run to the same target finish on their own (neither removes nor takes the
-    resumed run's staged output), and the resumed run finishes with numpy's product."""
+    """A stopped ``--resume`` run, resumed; while it runs, a plain run to the same target
+    finishes on its own (neither removing nor taking the resumed run's staged output), a second
+    ``--resume`` run refuses in one line (status 2; it computed all of C again beside it and
+    raced it to the commit), and the resumed run finishes with numpy's product."""
     rng = np.random.default_rng()
     a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
     np.save(tmp_path / "a.npy", a)
@@ -235,17 +238,140 @@ def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi
     # the resumed run's stripes pause long enough (21 x 0.6 s) for both other runs to end
     resumed = started([*line, "--resume", "--overwrite"],
                       lambda: is_live(staged) and logged() > done, "0.6")
-    for extra in ([], ["--resume"]):
-        r = subprocess.run([*line, "--overwrite", *extra], capture_output=True, text=True,
-                           timeout=300, env=env)
-        assert r.returncode == 0, r.stderr
-        assert "removed" not in r.stderr, r.stderr
-        assert staged.exists()
-        np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    r = subprocess.run([*line, "--overwrite"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert "removed" not in r.stderr, r.stderr
+    assert staged.exists()
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    names = sorted(os.listdir(tmp_path))
+    r = subprocess.run([*line, "--overwrite", "--resume"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot resume {tmp_path / 'c.npy'}: another run works on {staged.name}" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == names
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+@pytest.mark.mpi
+def test_a_second_resume_run_beside_a_running_one_refuses(tmp_path, mpi_env):
+    """Two ``--resume`` runs to one target at once: the second refuses in one line (status 2),
+    touching nothing, and the first finishes with numpy's product. The second computed all of
+    C again beside the first and won the race to the commit; the first then failed (status 1)
+    after all its work, its stripes left beside C."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((300, 400)), rng.standard_normal((400, 200))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--resume"]
+    env = {**mpi_env, "DISTMM_BATCH_STRIPES": "8"}
+    first = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob(".c.npy.distmm-partial-*.resume.json")):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.005)
+        first.send_signal(signal.SIGSTOP)  # held while the second runs, however long it takes
+        [manifest] = tmp_path.glob(".c.npy.distmm-partial-*.resume.json")
+        staged = manifest.name[:-len(".resume.json")]
+        names = sorted(os.listdir(tmp_path))
+        r = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env=env)
+        first.send_signal(signal.SIGCONT)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == (f"distmm matmul: error: cannot resume c.npy: another run works on "
+                            f"{staged}; run this command again once that run has ended\n")
+        assert sorted(os.listdir(tmp_path)) == names
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert first.returncode == 0, err
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+
+
+#: ``python -c _AS_RANK_1 STATE_GLOB -- ARGV`` on every rank of a job: rank 1 gives the files
+#: matching STATE_GLOB its own PID (``-``: makes an empty staged output of ARGV's ``-o`` under
+#: it, as a killed run leaves one), then every rank becomes ``distmm ARGV`` (``exec`` keeps the
+#: PID): a job one of whose ranks has the PID of the run that left them, as PIDs come round
+#: again (rank 0 looks only after every rank has started MPI, so after the renaming)
+_AS_RANK_1 = r"""
+import glob, os, re, sys
+state, argv = sys.argv[1], sys.argv[3:]
+if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+    for p in (glob.glob(state) if state != "-" else []):
+        os.rename(p, re.sub(r"partial-\d+", f"partial-{os.getpid()}", p))
+    if state == "-":
+        folder, name = os.path.split(argv[argv.index("-o") + 1])
+        with open(os.path.join(folder, f".{name}.distmm-partial-{os.getpid()}"), "wb") as fh:
+            fh.write(bytes(4096))
+os.execv(sys.executable, [sys.executable, "-m", "distmm", *argv])
+"""
+
+
+@pytest.mark.mpi
+def test_a_leftover_under_a_pid_of_this_jobs_ranks_is_a_dead_runs(tmp_path, mpiexec, mpi_env):
+    """A killed run's staged output named with the PID that rank 1 of the next job has: that
+    job names and removes it (rank 0 took it for a live run's, as the PID runs distmm, and
+    left it beside C for good)."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((200, 300)), rng.standard_normal((300, 100))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-c", _AS_RANK_1,
+                        "-", "--", "matmul", "a.npy", "b.npy", "-o", "c.npy"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**mpi_env, "OMPI_MCA_btl": "^ofi"})
+    assert r.returncode == 0, r.stderr
+    assert "distmm matmul: removed .c.npy.distmm-partial-" in r.stderr, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_stopped_run_under_a_pid_of_this_jobs_ranks_is_resumed(tmp_path, mpiexec, mpi_env):
+    """A stopped ``--resume`` run's state named with the PID that rank 1 of the resuming job
+    has: the job resumes it (rank 0 took it for a live run's, computed all of C again and
+    left the stopped run's files beside C)."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    import psutil
+
+    argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy", "--resume"]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "24"}
+    proc = subprocess.Popen([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-m",
+                             "distmm", *argv], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+    deadline = time.time() + 120
+    while sum(len(p.read_text().split()) for p in tmp_path.glob(".c.npy.*.done-*")) < 12:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    for rank in psutil.Process(proc.pid).children(recursive=True):
+        if "distmm" in " ".join(rank.cmdline()):
+            rank.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert "C stripes kept in" in err, err
+    r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-c", _AS_RANK_1,
+                        str(tmp_path / ".c.npy.distmm-partial-*"), "--", *argv,
+                        "--profile", "p.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    # the missing stripes written, not all of C again
+    ranks = json.loads((tmp_path / "p.json").read_text())["ranks"]
+    assert sum(rec["bytes"].get("write", 0) for rec in ranks) < 600 * 500 * 8
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy", "p.json"]
 
 
 def test_a_damaged_manifest_is_named_not_taken_for_none(tmp_path):

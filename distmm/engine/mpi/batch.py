@@ -5,12 +5,12 @@ zarr arrays, h5py datasets) and the output checked: it binds the rank's GPU, pla
 product (``distmm.plan_batch``, with the smallest device memory of any rank), prepares the
 staged output (rank 0: removes what killed runs left beside the target, or with ``resume``
 takes the staged output whose manifest matches and refuses one that does not, naming what
-changed), works out the stripes still missing, runs ``distmm.engine.mpi.stream.run_stripes``
-and then lets the ranks agree on the outcome: on success rank 0 moves the staged output into
-place; on a failure or a signal on any rank every rank stops within milliseconds, and the
-staged output is removed, or kept with its manifest and the ranks' logs when ``resume``.
-SIGINT and SIGTERM are turned into a flag the ranks' waits poll (``StopWatch``), so they act
-on it wherever they are, whatever the backend.
+changed, or one that another run works on), works out the stripes still missing, runs
+``distmm.engine.mpi.stream.run_stripes`` and then lets the ranks agree on the outcome: on
+success rank 0 moves the staged output into place; on a failure or a signal on any rank every
+rank stops within milliseconds, and the staged output is removed, or kept with its manifest
+and the ranks' logs when ``resume``. SIGINT and SIGTERM are turned into a flag the ranks' waits
+poll (``StopWatch``), so they act on it wherever they are, whatever the backend.
 
 It does *not* cover: opening operands and checking the target (the command line,
 ``distmm.cli``), the product itself (``stream``), the manifest's format (``resume``).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,20 +91,34 @@ def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header, preci
                             pid=pid, header=header, precision=precision)
 
 
-def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest"):
+def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest",
+             job=frozenset()):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
-    ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match."""
+    ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match,
+    or, with ``resume``, for a stopped run's staged output that another run works on. ``job``:
+    the PIDs of this job's ranks on this host."""
     spec = parse_spec(args.output)
     target = spec.path
     notes = []
-    # one named with this process's PID is a dead run's (PIDs come round again; in containers
-    # every job's first rank may have the same), never a live one: ``is_live`` says it is
     own = staged_path(target, os.getpid())
-    # each one this process takes over (``claim``): a run started beside it leaves it alone
-    claims = {p: claim(p) for p in leftovers(target, spec.dataset) if p == own or not is_live(p)}
-    found = [p for p, fd in claims.items() if fd is not None]
+    job = {*job, os.getpid()}
+    # each one this process takes over (``claim``); a run started beside it leaves it alone
+    claims, busy = {}, []
+    for p in leftovers(target, spec.dataset):
+        fd = claim(p)
+        if fd is None:  # held: a --resume run works on it (from its manifest's saving or its
+            busy.append(p)  # taking over to its end), or another run removes it
+        # a manifest no one holds: free to take. Without one only the PID in its name tells,
+        # and one of this job's ranks' PIDs is a dead run's (PIDs come round again; in
+        # containers every job's ranks may have the same ones), though ``is_live`` says not
+        elif fd >= 0 or int(p.name.rsplit("-", 1)[1]) in job or not is_live(p):
+            claims[p] = fd
+    found = list(claims)
     reuse = None
     try:
+        if args.resume and busy:  # both would compute its missing stripes and race to commit
+            raise ValueError(f"cannot resume {args.output}: another run works on "
+                             f"{busy[0].name}; run this command again once that run has ended")
         if args.resume:
             want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
             for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
@@ -142,9 +157,13 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     # must not append to its logs (a resumed run would skip stripes never written)
     remove_leftover(own)
     header = create_staged(args.output, (plan.grid.m, plan.grid.n), dtype, pid, chunks=chunks)
-    if args.resume:
-        _manifest(args, a, b, dtype, backend, comm, plan, panels, pid,
-                  header, precision).save(staged_path(target, pid))
+    if args.resume:  # claimed from the moment it exists: a --resume run beside it refuses
+        try:
+            _HELD[pid] = _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header,
+                                   precision).save(staged_path(target, pid), hold=True)
+        except BaseException:
+            remove_leftover(staged_path(target, pid))
+            raise
     return pid, header, False, notes
 
 
@@ -208,10 +227,14 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             panels = k_panels(plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None
+                # the PIDs of this job's ranks on rank 0's host: no staged output named with
+                # one of them belongs to a live run
+                ranks = comm.gather((socket.gethostname(), os.getpid()), root=0)
                 if comm.rank == 0:
                     try:
+                        job = frozenset(p for host, p in ranks if host == ranks[0][0])
                         setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks,
-                                         precision)
+                                         precision, job)
                     except Exception as exc:  # noqa: BLE001 - every rank raises it below
                         setup_error = exc
                 setup, setup_error = comm.bcast((setup, setup_error), root=0)
@@ -301,7 +324,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         elif commit_error and not failures:
             outcome.status = 1
             outcome.message = f"writing {args.output} failed while moving it into place ({commit_error})"
-        if failures and args.resume and pid is not None and comm.rank == 0:
+        if outcome.status and args.resume and pid is not None and comm.rank == 0:
             staged = staged_path(parse_spec(args.output).path, pid)
             if staged.exists():
                 kept = sum(len(rs.read_done(staged, r)) for r in range(comm.size))

@@ -12,7 +12,8 @@ comparing a manifest with a new run's (one line naming what changed; ``short``: 
 file shorter than it was made; ``Manifest.load``: a damaged manifest named), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
-matches; ``distmm.staging`` finds and removes them).
+matches, and refuses while another run holds one: a ``--resume`` run holds its manifest's claim
+from the moment it is saved; ``distmm.staging`` finds, claims and removes them).
 
 It does *not* cover: computing or writing stripes (``distmm.engine.mpi.stream``) or the
 command line's messages (``distmm.cli.mpi_matmul``).
@@ -135,14 +136,30 @@ class Manifest(dict):
                    panels=[int(p) for p in panels], pid=int(pid),
                    header=None if header is None else int(header))
 
-    def save(self, staged: Path) -> None:
+    def save(self, staged: Path, *, hold: bool = False) -> int | None:
+        """Write the manifest beside ``staged`` (whole, or not at all). ``hold``: return a
+        descriptor holding its claim (``distmm.staging.claim``'s lock, taken before the
+        manifest appears under its name, so no other run ever sees it unclaimed)."""
+        import fcntl
+
         path = manifest_path(staged)
         tmp = Path(f"{path}.tmp")
-        with open(tmp, "w") as fh:
-            json.dump(self, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if hold:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # named after this run: no one else holds it
+            with os.fdopen(os.dup(fd), "w") as fh:
+                json.dump(self, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if hold:
+            return fd
+        os.close(fd)
+        return None
 
     @classmethod
     def load(cls, staged: Path) -> "Manifest | None":
