@@ -282,7 +282,7 @@ class DaskEngine(Engine):
             if not self.slots:
                 if _scheduler_gone(self.client):  # the wait for a worker ended with it
                     raise self._lost(None)
-                raise ValueError("matmul: the Dask cluster has no workers")
+                raise ValueError(f"{self.what}: the Dask cluster has no workers")
 
     def _lost(self, exc: BaseException | None) -> SchedulerLost:
         """The ``SchedulerLost`` of a scheduler lost while the call was set up."""
