@@ -45,9 +45,10 @@ def parse_spec(spec: str) -> FileSpec:
         Any other suffix.
     """
     spec = str(spec)
-    head, sep, dataset = spec.partition(":")
-    if Path(head).suffix in (".h5", ".hdf5"):
-        return FileSpec("h5", Path(head), (dataset.strip("/") if sep else "") or "data")
+    h5 = _h5_split(spec)
+    if h5 is not None:
+        head, dataset = h5
+        return FileSpec("h5", Path(head), dataset.strip("/") or "data")
     p = Path(spec)
     if p.suffix == ".npy":
         return FileSpec("npy", p)
@@ -55,6 +56,19 @@ def parse_spec(spec: str) -> FileSpec:
         return FileSpec("zarr", p)
     raise ValueError(f"unsupported file type {p.suffix or '(no suffix)'!r} for {spec}: "
                      f"use .npy, .zarr, group.zarr/array or file.h5:dataset")
+
+
+def _h5_split(spec: str) -> tuple[str, str] | None:
+    """``(file, dataset)`` of an HDF5 spec, cut at a colon that follows ``.h5`` or ``.hdf5``
+    (a folder or a file name may hold colons: ``run:1/a:b.h5:C``): the first such file that
+    exists, else the first whose folder exists, else the first; None for no HDF5 file."""
+    cuts = [i for i, ch in enumerate(spec) if ch == ":"] + [len(spec)]
+    heads = [(spec[:i], spec[i + 1:]) for i in cuts if Path(spec[:i]).suffix in (".h5", ".hdf5")]
+    for found in (lambda h: Path(h).is_file(), lambda h: Path(h).parent.is_dir(), bool):
+        for head, dataset in heads:
+            if found(head):
+                return head, dataset
+    return None
 
 
 def output_spec(spec) -> FileSpec:

@@ -533,3 +533,65 @@ def test_read_only_folder_is_bad_input_naming_the_target(read_only_folder, name)
     line = one_line(r.stderr)
     assert f"cannot write {folder / name}: its folder {folder}" in line and "partial" not in line
     assert sorted(p.name for p in folder.iterdir()) == ["a.npy", "b.npy"]
+
+
+def test_h5_file_in_a_folder_with_a_colon(tmp_path, operands):
+    """A folder or an HDF5 file whose name holds a colon ('run:1/x.h5:A', 'a:b.h5:C'): the
+    spec was cut at its first colon and refused ('unsupported file type '.h5:A''); now the
+    file is the part up to the '.h5:' (or '.hdf5:') that names one."""
+    pa, pb, ref = operands
+    folder = tmp_path / "run:1"
+    folder.mkdir()
+    with h5py.File(folder / "x.h5", "w") as fh:
+        fh["A"] = np.load(pa)
+    r = run_cli("matmul", f"{folder / 'x.h5'}:A", pb, "-o", f"{folder / 'a:b.h5'}:g/C",
+                "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(folder / "a:b.h5", "r") as fh:
+        np.testing.assert_allclose(fh["g/C"][...], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dataset", ["X/C", "grp/Y/C", "ext/C", "soft/C", "gone/C"])
+def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, operands, dataset):
+    """-o f.h5:X/C where X is a dataset (or a link to one, or a link to nothing): C was
+    computed and the copy into the file failed at the end (status 1, 'message type not
+    found'); now status 2 before any work, naming the dataset on the way, the file as it
+    was."""
+    pa, pb, _ = operands
+    f = tmp_path / "results.h5"
+    with h5py.File(tmp_path / "other.h5", "w") as fh:
+        fh["D"] = np.arange(3.0)
+    with h5py.File(f, "w") as fh:
+        fh["X"] = np.arange(7.0)
+        fh["grp/Y"] = np.ones((3, 3))
+        fh["ext"] = h5py.ExternalLink("other.h5", "/D")
+        fh["soft"] = h5py.SoftLink("/X")
+        fh["gone"] = h5py.SoftLink("/nothing")
+    before = sha256(f)
+    r = run_cli("matmul", pa, pb, "-o", f"{f}:{dataset}", "--engine", "local", "--overwrite")
+    assert r.returncode == 2, r.stderr
+    prefix = dataset.rpartition("/")[0]
+    assert f"cannot write {f}:{dataset}: {prefix!r} in {f} is" in one_line(r.stderr)
+    assert sha256(f) == before and not partials(tmp_path)
+
+
+@pytest.mark.mpi
+def test_mpirun_h5_dataset_path_through_a_dataset_and_a_colon(tmp_path, operands, mpirun):
+    """The batch path (2 ranks): -o f.h5:X/C through a dataset failed with status 1 after all
+    its work; a folder with a colon was an unsupported file type. Now status 2 before any
+    work, and the product written."""
+    pa, pb, ref = operands
+    folder = tmp_path / "run:1"
+    folder.mkdir()
+    f = folder / "results.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = np.arange(7.0)
+    before = sha256(f)
+    r = mpirun(2, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:X/C", "--overwrite")
+    assert r.returncode == 2, r.stderr
+    assert f"cannot write {f}:X/C: 'X' in {f} is a dataset, not a group" in r.stderr
+    assert sha256(f) == before and not partials(folder)
+    r = mpirun(2, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:g/C")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(f, "r") as fh:
+        np.testing.assert_allclose(fh["g/C"][...], ref, rtol=1e-12, atol=1e-12)
