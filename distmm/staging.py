@@ -7,6 +7,7 @@ This module covers the parts of staging an output that the command line
   so the final rename is atomic), and the staged outputs a killed run left there
   (``leftovers``, for an HDF5 target those of its dataset only; ``is_live`` tells a running
   one on this host, ``claim`` takes one over for a ``--resume`` run or a removal;
+  ``preparing``: ``--resume`` runs to one folder look and make theirs one at a time;
   ``reclaimable``: their space; ``remove_leftover``, with its manifest and logs), and the
   manifests and logs of a dead run whose staged output was deleted (``leftovers`` removes them);
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
@@ -61,6 +62,7 @@ from distmm.errors import InsufficientSpace, OutputExists
 __all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
+           "preparing",
            "reclaimable", "remove_leftover",
            "check_target", "h5_held", "zarr_node"]
 
@@ -411,6 +413,32 @@ def claim(staged: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+@contextmanager
+def preparing(target: Path):
+    """Hold an exclusive advisory lock (``flock``) on the folder holding ``target`` while a
+    ``--resume`` run looks at the staged outputs beside it and makes its own with its claimed
+    manifest: a second such run waits, then finds that one claimed (between the staged
+    output's making and its manifest's saving, it took it for a dead run's, or started beside
+    it). Where the folder takes no lock (some network file systems), nothing is held."""
+    import fcntl
+
+    folder = Path(target).parent if str(Path(target).parent) else Path(".")
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def release(fd: int | None) -> None:

@@ -9,7 +9,8 @@ alone (a plain one) or refuses in one line (a second ``--resume``), and which a 
 the space of leftovers counted as free by the space check (a resume, or a rerun after a full
 disk, needs only what is missing); a damaged manifest named and refused, not removed; a dead
 run's files under the new run's PID, or under the PID one of the new job's other ranks has
-(PIDs come round again), resumed or cleared.
+(PIDs come round again), resumed or cleared; chunk files lost from a kept zarr folder computed
+again; a second ``--resume`` run in the gap between a run's staging and its manifest refused.
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def _manifest(a_spec, a, out_spec="c.npy", **extra):
                   panels=[0, 4], pid=0, header=128)
     fields.update(extra)
     return rs.Manifest.make(a=rs.input_facts(a_spec, a), **fields)
+
+
+def _saved_operands(tmp_path: Path, m: int, k: int, n: int):
+    """Fresh random float64 operands ``(m, k)`` and ``(k, n)``, saved as a.npy and b.npy."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    return a, b
 
 
 def _dead_pid() -> int:
@@ -207,10 +217,7 @@ def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi
     finishes on its own (neither removing nor taking the resumed run's staged output), a second
     ``--resume`` run refuses in one line (status 2; it computed all of C again beside it and
     raced it to the commit), and the resumed run finishes with numpy's product."""
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 600, 700, 500)
     line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
             str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy"), "--backend", "numba"]
     env = {**mpi_env, "NUMBA_NUM_THREADS": "1", "DISTMM_BATCH_STRIPES": "24"}
@@ -263,10 +270,7 @@ def test_a_second_resume_run_beside_a_running_one_refuses(tmp_path, mpi_env):
     touching nothing, and the first finishes with numpy's product. The second computed all of
     C again beside the first and won the race to the commit; the first then failed (status 1)
     after all its work, its stripes left beside C."""
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((300, 400)), rng.standard_normal((400, 200))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 300, 400, 200)
     line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
             "--resume"]
     env = {**mpi_env, "DISTMM_BATCH_STRIPES": "8"}
@@ -322,10 +326,7 @@ def test_a_leftover_under_a_pid_of_this_jobs_ranks_is_a_dead_runs(tmp_path, mpie
     """A killed run's staged output named with the PID that rank 1 of the next job has: that
     job names and removes it (rank 0 took it for a live run's, as the PID runs distmm, and
     left it beside C for good)."""
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((200, 300)), rng.standard_normal((300, 100))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 200, 300, 100)
     r = subprocess.run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-c", _AS_RANK_1,
                         "-", "--", "matmul", "a.npy", "b.npy", "-o", "c.npy"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120,
@@ -342,10 +343,7 @@ def test_a_stopped_run_under_a_pid_of_this_jobs_ranks_is_resumed(tmp_path, mpiex
     """A stopped ``--resume`` run's state named with the PID that rank 1 of the resuming job
     has: the job resumes it (rank 0 took it for a live run's, computed all of C again and
     left the stopped run's files beside C)."""
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 600, 700, 500)
     import psutil
 
     argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy", "--resume"]
@@ -444,10 +442,7 @@ def test_a_dead_runs_files_under_this_runs_pid(tmp_path, mpi_env):
     resumes that run's staged output (it failed with 'File exists' and removed it), and a
     dead run's logs under its PID whose staged output is gone are not appended to (a later
     resume skipped the stripes they listed, which this run never wrote: a wrong C, status 0)."""
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((600, 1500)), rng.standard_normal((1500, 500))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 600, 1500, 500)
     argv = ["matmul", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "-o",
             str(tmp_path / "c.npy"), "--backend", "numba", "--resume"]
     env = {**mpi_env, "NUMBA_NUM_THREADS": "1", "DISTMM_BATCH_STRIPES": "24"}
@@ -505,10 +500,7 @@ def test_the_files_of_a_deleted_staged_output_are_removed_by_a_later_run(tmp_pat
     the same way and a user's file beside them."""
     import psutil
 
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((600, 700)), rng.standard_normal((700, 500))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
+    a, b = _saved_operands(tmp_path, 600, 700, 500)
     target = tmp_path / "c.npy"
     line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
             str(tmp_path / "b.npy"), "-o", str(target)]
@@ -577,3 +569,137 @@ def test_the_files_of_a_deleted_staged_output_are_removed_by_a_later_run(tmp_pat
     finished(line)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["a.npy", "b.npy", rs.manifest_path(other).name, user.name])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, mpiexec,
+                                                                    mpi_env, ranks):
+    """A stopped ``--resume`` run to a zarr array, chunk files of stripes its logs call done
+    then deleted from its kept folder (a cleaner, a ``find -delete``): the resumed run computes
+    those stripes again and C is numpy's product (it committed zeros, zarr's fill value, where
+    the chunks were, with status 0)."""
+    a, b = _saved_operands(tmp_path, 600, 700, 500)
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.zarr",
+            "--resume"]
+    if ranks > 1:
+        line = [mpiexec, "-n", str(ranks), "--oversubscribe", *line]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "24"}
+    proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+    deadline = time.time() + 120
+    while sum(len(p.read_text().split()) for p in tmp_path.glob(".c.zarr.*.done-*")) < 8:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    import psutil
+
+    for rank in [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "distmm" in " ".join(p.cmdline())] or [psutil.Process(proc.pid)]:
+        rank.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert "C stripes kept in" in err, err
+    [staged] = [p for p in tmp_path.glob(".c.zarr.distmm-partial-*") if p.is_dir()]
+    chunks = sorted(p for p in staged.rglob("*") if p.is_file() and "zarr" not in p.name)
+    assert len(chunks) >= 2, chunks
+    for chunk in (chunks[0], chunks[-1]):
+        chunk.unlink()
+    r = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    import zarr
+
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "c.zarr"), mode="r")[...], a @ b,
+                               rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.zarr"]
+
+
+#: the first run's ``sitecustomize``: once ``distmm.engine.mpi.batch`` is imported, the staged
+#: output its ``create_staged`` made is followed by a pause (``paused`` made in FOLDER) until
+#: the file ``go`` appears there: the gap before the run's manifest is saved and claimed
+_PAUSE_AFTER_STAGING = """
+import functools, importlib.machinery, os, sys, time
+
+FOLDER = {folder!r}
+
+
+def _paused(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        made = fn(*args, **kwargs)
+        open(os.path.join(FOLDER, "paused"), "w").close()
+        while not os.path.exists(os.path.join(FOLDER, "go")):
+            time.sleep(0.01)
+        return made
+    return wrapper
+
+
+class PauseAt:
+    def find_spec(self, name, path=None, target=None):
+        if name != "distmm.engine.mpi.batch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.create_staged = _paused(module.create_staged)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PauseAt())
+"""
+
+
+@pytest.mark.mpi
+def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_env):
+    """A ``--resume`` run paused after making its staged output, before its manifest is saved
+    and claimed; a second ``--resume`` run started then waits for it and refuses in one line
+    (status 2), and the first finishes with numpy's product. The second took the staged
+    output, which had no manifest, for a live run's, computed C beside it and committed it;
+    the first then failed (status 1) after all its work."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((300, 400)), rng.standard_normal((400, 200))
+    work, site = tmp_path / "work", tmp_path / "site"
+    work.mkdir()
+    site.mkdir()
+    np.save(work / "a.npy", a)
+    np.save(work / "b.npy", b)
+    (site / "sitecustomize.py").write_text(_PAUSE_AFTER_STAGING.format(folder=str(site)))
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--resume"]
+    env = {**mpi_env, "DISTMM_BATCH_STRIPES": "8"}
+    first = subprocess.Popen(line, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**env, "PYTHONPATH": os.pathsep.join(
+                                 [str(site), env["PYTHONPATH"]])})
+    second = None
+    try:
+        deadline = time.time() + 120
+        while not (site / "paused").exists():
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.01)
+        assert not list(work.glob(".c.npy.distmm-partial-*.resume.json"))  # in the gap
+        second = subprocess.Popen(line, cwd=work, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        try:  # it waits for the first (it ran to its end beside it)
+            second.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        (site / "go").touch()
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        [manifest] = work.glob(".c.npy.distmm-partial-*.resume.json")
+        staged = manifest.name[:-len(".resume.json")]
+        assert err == (f"distmm matmul: error: cannot resume c.npy: another run works on "
+                       f"{staged}; run this command again once that run has ended\n")
+        out, err = first.communicate(timeout=120)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert first.returncode == 0, err
+    np.testing.assert_allclose(np.load(work / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(work)) == ["a.npy", "b.npy", "c.npy"]

@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_s
 from distmm.errors import Signalled
 from distmm.fpflags import report
 from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
-from distmm.staging import claim, is_live, leftovers, release, remove_leftover
+from distmm.staging import claim, is_live, leftovers, preparing, release, remove_leftover
 
 __all__ = ["run_batch", "BatchOutcome"]
 
@@ -96,7 +96,15 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match,
     or, with ``resume``, for a stopped run's staged output that another run works on. ``job``:
-    the PIDs of this job's ranks on this host."""
+    the PIDs of this job's ranks on this host. A ``resume`` run does all this under
+    ``preparing``'s lock: a second one waits until this one's manifest is saved and claimed."""
+    with preparing(parse_spec(args.output).path) if args.resume else nullcontext():
+        return _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision,
+                            job)
+
+
+def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision, job):
+    """``_prepare``, its lock held."""
     spec = parse_spec(args.output)
     target = spec.path
     notes = []
@@ -244,6 +252,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             staged = staged_path(parse_spec(args.output).path, pid)
             _, i, j = plan.grid.coords(comm.rank)
             mine = rs.read_done(staged, comm.rank) if resumed else set()
+            # a kept zarr folder's chunk files deleted since: their stripes computed again
+            # (every rank looks before any writes: the allgather below waits for all)
+            c0, c1 = plan.grid.col_edges[j], plan.grid.col_edges[j + 1]
+            mine -= rs.unwritten(staged, {s: (*plan.stripe_rows(i, s), c0, c1) for s in mine})
             with phases.phase("wait"):
                 everyone = comm.allgather(mine)
             row = [everyone[plan.grid.rank_at(0, i, jj)] for jj in range(plan.grid.cols)]

@@ -9,7 +9,8 @@ another order is refused), the staged output's name and data offset), the per-ra
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were),
 comparing a manifest with a new run's (one line naming what changed; ``short``: a kept staged
-file shorter than it was made; ``Manifest.load``: a damaged manifest named), and finding the staged
+file shorter than it was made; ``unwritten``: logged stripes whose chunk files a kept zarr folder
+lost, computed again; ``Manifest.load``: a damaged manifest named), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
 matches, and refuses while another run holds one: a ``--resume`` run holds its manifest's claim
@@ -27,7 +28,7 @@ from pathlib import Path
 from distmm.staging import MANIFEST_SUFFIX
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
-           "DoneLog", "mismatch", "short"]
+           "DoneLog", "mismatch", "short", "unwritten"]
 
 FORMAT = "distmm-resume-1"
 
@@ -109,7 +110,7 @@ def _near(anchor: Path, name) -> Path:
 
 def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
     """One phrase where the kept staged file is shorter than the run made it (its header and
-    the result's bytes), or None (zarr folders are not checked)."""
+    the result's bytes), or None (zarr folders: ``unwritten``)."""
     if staged.is_dir() or manifest.get("header") is None:
         return None
     import numpy as np
@@ -119,6 +120,28 @@ def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
     if have < want:
         return f"its staged output holds {have} of the {want} bytes it was made with"
     return None
+
+
+def unwritten(staged: Path, regions: dict) -> set[int]:
+    """The stripes of ``regions`` (stripe: ``(r0, r1, c0, c1)`` of C) that a kept zarr folder
+    no longer holds whole: a chunk file they wrote into is gone (a cleaner, a ``find -delete``),
+    which zarr would read as its fill value. Empty for a staged file (``short`` checks those).
+    A chunk that held only fill values is never stored: its stripes are computed again too."""
+    if not staged.is_dir():
+        return set()
+    import zarr
+
+    array = zarr.open_array(str(staged), mode="r")
+    rows, cols = array.chunks
+    lost = set()
+    for stripe, (r0, r1, c0, c1) in regions.items():
+        if r1 <= r0 or c1 <= c0:
+            continue
+        keys = (array.metadata.encode_chunk_key((i, j)) for i in range(r0 // rows, -(-r1 // rows))
+                for j in range(c0 // cols, -(-c1 // cols)))
+        if not all((staged / key).is_file() for key in keys):
+            lost.add(stripe)
+    return lost
 
 
 class Manifest(dict):
