@@ -68,6 +68,60 @@ def run_cli(*args, timeout: float = 600, env: dict | None = None,
                           text=True, timeout=timeout, env=env, **kw)
 
 
+#: a child's ``sitecustomize``: once MODULE is imported, its NAME waits for the file ``go`` in
+#: FOLDER (after making ``paused`` there), before it runs or (AFTER) once it has returned
+_PAUSE_AT = """
+import functools, importlib.machinery, os, sys, time
+
+MODULE, NAME, FOLDER, AFTER = {module!r}, {name!r}, {folder!r}, {after!r}
+
+
+def _wait():
+    open(os.path.join(FOLDER, "paused"), "w").close()
+    while not os.path.exists(os.path.join(FOLDER, "go")):
+        time.sleep(0.01)
+
+
+def _paused(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not AFTER:
+            _wait()
+        made = fn(*args, **kwargs)
+        if AFTER:
+            _wait()
+        return made
+    return wrapper
+
+
+class PauseAt:
+    def find_spec(self, name, path=None, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            setattr(module, NAME, _paused(getattr(module, NAME)))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PauseAt())
+"""
+
+
+def pause_at(folder: Path, module: str, name: str, *, after: bool = False) -> None:
+    """Make ``folder`` a ``sitecustomize`` (a child with it first on PYTHONPATH): the child's
+    ``module.name`` waits for ``folder/go`` before it runs (``after``: once it has returned),
+    making ``folder/paused`` when it starts waiting."""
+    (folder / "sitecustomize.py").write_text(
+        _PAUSE_AT.format(module=module, name=name, folder=str(folder), after=after))
+
+
 # -- skipping by marker ---------------------------------------------------------------------
 
 

@@ -38,8 +38,8 @@ distributed = pytest.importorskip("distributed")
 from distmm.engine import Operands, Request, get_engine  # noqa: E402
 from distmm.errors import WorkersLost  # noqa: E402
 from distmm.plan import make_plan  # noqa: E402
-from conftest import (_product_running, kill_workers, serve_cluster, start_call,  # noqa: E402
-                      stop_cluster)
+from conftest import (_product_running, kill_workers, pause_at, serve_cluster,  # noqa: E402
+                      start_call, stop_cluster)
 
 pytestmark = pytest.mark.usefixtures("tile_mode")
 
@@ -282,43 +282,6 @@ def test_a_client_closed_during_the_product_fails_the_call_at_once(client):
 
 # -- a scheduler lost during the set-up ------------------------------------------------------
 
-#: the client process's ``sitecustomize``: once MODULE is imported, its NAME waits for the
-#: file ``go`` in FOLDER (after making ``paused`` there) before it runs
-_PAUSE_AT = """
-import functools, importlib.machinery, os, sys, time
-
-MODULE, NAME, FOLDER = {module!r}, {name!r}, {folder!r}
-
-
-def _paused(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        open(os.path.join(FOLDER, "paused"), "w").close()
-        while not os.path.exists(os.path.join(FOLDER, "go")):
-            time.sleep(0.01)
-        return fn(*args, **kwargs)
-    return wrapper
-
-
-class PauseAt:
-    def find_spec(self, name, path=None, target=None):
-        if name != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            setattr(module, NAME, _paused(getattr(module, NAME)))
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, PauseAt())
-"""
-
 #: the client process of the Python cases: ``distmm.matmul`` (or CALL: ``gemm``) on the
 #: cluster of the scheduler file argv[1], numpy operands or (argv[2] "dask") dask arrays
 #: persisted there; prints what the call gave and when it ended, as JSON
@@ -358,8 +321,7 @@ def _lost_during(tmp_path: Path, module: str, name: str, argv, *, env=None, wait
     sched = tmp_path / "cluster" / "sched.json"
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(_PAUSE_AT.format(module=module, name=name,
-                                                            folder=str(site)))
+    pause_at(site, module, name)
     env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     cluster = serve_cluster(sched, "--workers", 1, "--threads", 1, "--gpus", 0)

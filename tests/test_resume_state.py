@@ -28,6 +28,7 @@ import pytest
 
 from distmm.engine.mpi import resume as rs
 from distmm.staging import claim, is_live, reclaimable, release, remove_if_left, staged_path
+from conftest import pause_at
 
 
 def _manifest(a_spec, a, out_spec="c.npy", **extra):
@@ -613,46 +614,6 @@ def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, m
     assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.zarr"]
 
 
-#: the first run's ``sitecustomize``: once ``distmm.engine.mpi.batch`` is imported, the staged
-#: output its ``create_staged`` made is followed by a pause (``paused`` made in FOLDER) until
-#: the file ``go`` appears there: the gap before the run's manifest is saved and claimed
-_PAUSE_AFTER_STAGING = """
-import functools, importlib.machinery, os, sys, time
-
-FOLDER = {folder!r}
-
-
-def _paused(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        made = fn(*args, **kwargs)
-        open(os.path.join(FOLDER, "paused"), "w").close()
-        while not os.path.exists(os.path.join(FOLDER, "go")):
-            time.sleep(0.01)
-        return made
-    return wrapper
-
-
-class PauseAt:
-    def find_spec(self, name, path=None, target=None):
-        if name != "distmm.engine.mpi.batch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.create_staged = _paused(module.create_staged)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, PauseAt())
-"""
-
-
 @pytest.mark.mpi
 def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_env):
     """A ``--resume`` run paused after making its staged output, before its manifest is saved
@@ -667,7 +628,7 @@ def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_
     site.mkdir()
     np.save(work / "a.npy", a)
     np.save(work / "b.npy", b)
-    (site / "sitecustomize.py").write_text(_PAUSE_AFTER_STAGING.format(folder=str(site)))
+    pause_at(site, "distmm.engine.mpi.batch", "create_staged", after=True)
     line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
             "--resume"]
     env = {**mpi_env, "DISTMM_BATCH_STRIPES": "8"}
