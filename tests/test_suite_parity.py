@@ -12,6 +12,8 @@ import pytest
 
 import distmm
 
+_NUMPY_2 = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+
 
 def _outcome(f, *args, **kw):
     """``("ok", result)`` or ``("error", exception type)`` of ``f(*args, **kw)``."""
@@ -192,7 +194,8 @@ def test_python_scalar_operand_raises_numpys_conversion_error(case):
             "past-int64": (rng.integers(-9, 9, 4), 2**70),
             "past-uint8-left": (300, rng.integers(0, 9, (4, 4)).astype(np.uint8))}[case]
     want, got = _outcome(np.matmul, *args), _outcome(distmm.matmul, *args)
-    assert want == ("error", OverflowError)
+    # numpy 1.x (the floor) has no weak scalars: its error there is the missing dimension
+    assert want == ("error", OverflowError if _NUMPY_2 else ValueError)
     assert got == want
 
 
