@@ -36,7 +36,8 @@ what remains is a race with another process filling the disk during the copy.
 
 - ``check_target``: the refusals of a target before anything is written (an
   existing one without ``overwrite``; whatever ``overwrite``, a folder where a
-  file would go, a zarr group, a folder that is no zarr array, an HDF5 group),
+  file would go, a zarr group, a folder that is no zarr array, an HDF5 group, an HDF5
+  dataset path through a dataset or into another file),
   for the command line and ``DistArray.to_file`` alike; ``h5_held``: the one line for an
   HDF5 file, operand or target, that HDF5 would not open because another process writes it.
 
@@ -182,7 +183,9 @@ def check_target(t, overwrite: bool) -> bool:
         ``overwrite``).
     ValueError
         An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
-        an SWMR writer, one that stopped and left it marked open, a writer's file lock).
+        an SWMR writer, one that stopped and left it marked open, a writer's file lock); or
+        whose dataset path goes through something other than a group of that very file
+        (``_check_h5_path``).
     PermissionError
         An HDF5 file that is not writable.
     """
@@ -229,6 +232,7 @@ def check_target(t, overwrite: bool) -> bool:
                 raise ValueError(held) from None
             raise
         with fh:
+            _check_h5_path(fh, p, t.dataset, label)
             node = fh.get(t.dataset)
         if node is None:
             return False
@@ -239,6 +243,48 @@ def check_target(t, overwrite: bool) -> bool:
     if not overwrite:
         raise OutputExists(f"{label} exists: pass --overwrite to replace it")
     return True
+
+
+def _check_h5_path(fh, path: Path, dataset: str, label: str) -> None:
+    """Refuse a dataset path of the open HDF5 file ``fh`` (``path``) that goes through
+    something other than a group of that file: a dataset, a link to one or to nothing (HDF5
+    would refuse to create the dataset there once the whole product is computed), or an
+    external link, or a soft link through one, to a group of another file (HDF5 would create
+    the dataset in that file, which distmm was not asked to write, and its staged copy there).
+    Soft links to groups of the file itself are followed. Groups missing from some point on
+    are created when the dataset is.
+
+    Raises
+    ------
+    ValueError
+    """
+    import h5py
+
+    parts = dataset.split("/")
+    own = Path(fh.filename).resolve()
+    for i in range(1, len(parts)):
+        prefix = "/".join(parts[:i])
+        link = fh.get(prefix, getlink=True)
+        if link is None:
+            return  # HDF5 creates the groups from here on
+        try:
+            node = fh.get(prefix)
+        except (KeyError, OSError):
+            node = None
+        if isinstance(link, h5py.ExternalLink):
+            where = node.file.filename if node is not None else link.filename
+            raise ValueError(f"cannot write {label}: {prefix!r} in {path} is an external link to "
+                             f"{link.path!r} in {where}, another file, which distmm does not "
+                             f"write into; name a group of {path}, or {where} itself")
+        if not isinstance(node, h5py.Group):
+            what = "a link to nothing" if node is None else f"a {type(node).__name__.lower()}"
+            raise ValueError(f"cannot write {label}: {prefix!r} in {path} is {what}, not a "
+                             f"group; name a dataset in a group, e.g. {path}:C")
+        other = node.file.filename
+        if Path(other).resolve() != own:  # a soft link through an external link
+            raise ValueError(f"cannot write {label}: {prefix!r} in {path} leads to "
+                             f"a group of {other}, another file, which distmm does not "
+                             f"write into; name a group of {path}")
 
 
 def h5_held(exc: BaseException, path, dataset: str | None = None) -> str | None:

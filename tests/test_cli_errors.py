@@ -716,3 +716,22 @@ def test_calibrate_to_an_empty_path_is_refused_not_the_default(tmp_path):
                 env={**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")})
     assert r.returncode == 2 and "an empty output path" in one_line(r)
     assert not home.exists()
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+def test_an_h5_operand_with_an_empty_dataspace_holds_no_data(files, ranks, request):
+    """An HDF5 dataset with a null dataspace (h5py.Empty) was said to 'hold a scalar'; it
+    holds no data at all. Status 2, before any work, one process and 2 ranks."""
+    with h5py.File(files / "in.h5", "w") as fh:
+        fh.create_dataset("E", data=h5py.Empty("f8"))
+    argv = ("matmul", f"{files / 'in.h5'}:E", files / "b.npy", "-o", files / "c.npy")
+    if ranks == 1:
+        r = run_cli(*argv)
+        line = one_line(r)
+    else:
+        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+        line = r.stderr
+    assert r.returncode == 2, r.stderr
+    assert (f"{files / 'in.h5'}:E holds no data (an empty HDF5 dataspace); matmul needs arrays "
+            f"of at least 1 dimension") in line and "scalar" not in line
+    assert not (files / "c.npy").exists()

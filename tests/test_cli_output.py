@@ -595,3 +595,65 @@ def test_mpirun_h5_dataset_path_through_a_dataset_and_a_colon(tmp_path, operands
     assert r.returncode == 0, r.stderr
     with h5py.File(f, "r") as fh:
         np.testing.assert_allclose(fh["g/C"][...], ref, rtol=1e-12, atol=1e-12)
+
+
+def _linked_h5(folder: Path) -> tuple[Path, Path]:
+    """results.h5 with links to a group of other.h5 ('ext' to /G, 'root' to its /, 'through'
+    a soft link to /ext/G2 that goes through 'ext') and a soft link to a group of its own
+    ('soft' to /G)."""
+    other, f = folder / "other.h5", folder / "results.h5"
+    with h5py.File(other, "w") as fh:
+        fh["G/G2/D"] = np.arange(3.0)
+    with h5py.File(f, "w") as fh:
+        fh.create_group("G")
+        fh["ext"] = h5py.ExternalLink("other.h5", "/G")
+        fh["root"] = h5py.ExternalLink("other.h5", "/")
+        fh["through"] = h5py.SoftLink("/ext/G2")
+        fh["soft"] = h5py.SoftLink("/G")
+    return f, other
+
+
+@pytest.mark.parametrize("dataset, link, says", [
+    ("ext/C", "ext", "is an external link to '/G' in {other}"),
+    ("ext/new/C", "ext", "is an external link to '/G' in {other}"),
+    ("root/C", "root", "is an external link to '/' in {other}"),
+    ("through/C", "through", "leads to a group of {other}"),
+])
+def test_h5_dataset_path_into_another_file_is_bad_input(tmp_path, operands, dataset, link, says):
+    """-o f.h5:ext/C where ext is an external link to a group of another file: C was written
+    into that other file (status 0), which distmm was not asked to write. Now status 2 before
+    any work, naming the link and the file it points to; both files as they were."""
+    pa, pb, _ = operands
+    f, other = _linked_h5(tmp_path)
+    before = sha256(f), sha256(other)
+    r = run_cli("matmul", pa, pb, "-o", f"{f}:{dataset}", "--engine", "local", "--overwrite")
+    assert r.returncode == 2, r.stderr
+    assert (f"cannot write {f}:{dataset}: {link!r} in {f} " + says.format(other=other)
+            + ", another file, which distmm does not write into") in one_line(r.stderr)
+    assert (sha256(f), sha256(other)) == before and not partials(tmp_path)
+
+
+def test_h5_soft_link_to_a_group_of_the_file_is_followed(tmp_path, operands):
+    """A soft link to a group of the file itself stays a way into that group."""
+    pa, pb, ref = operands
+    f, other = _linked_h5(tmp_path)
+    before = sha256(other)
+    r = run_cli("matmul", pa, pb, "-o", f"{f}:soft/C", "--engine", "local")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(f, "r") as fh:
+        np.testing.assert_allclose(fh["G/C"][...], ref, rtol=1e-12, atol=1e-12)
+    assert sha256(other) == before and not partials(tmp_path)
+
+
+@pytest.mark.mpi
+def test_mpirun_h5_dataset_path_into_another_file(tmp_path, operands, mpirun):
+    """The batch path (2 ranks): C went into the external link's file; now status 2 before
+    any work, naming the link and that file."""
+    pa, pb, _ = operands
+    f, other = _linked_h5(tmp_path)
+    before = sha256(f), sha256(other)
+    r = mpirun(2, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:ext/C")
+    assert r.returncode == 2, r.stderr
+    assert f"cannot write {f}:ext/C: 'ext' in {f} is an external link to '/G' in {other}" \
+        in r.stderr
+    assert (sha256(f), sha256(other)) == before and not partials(tmp_path)

@@ -358,3 +358,65 @@ def test_sigterm_while_c_is_copied_into_an_existing_h5_file_stops_the_copy(tmp_p
         assert list(fh) == ["other"] and fh["other"][...].tolist() == list(range(10))
     assert f.stat().st_size == start  # the copy's space given back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "f.h5"]
+
+
+def _h5_with_links(folder):
+    """f.h5 with a dataset 'X' and 'ext', an external link to the group /G of other.h5."""
+    import h5py
+
+    with h5py.File(folder / "other.h5", "w") as fh:
+        fh.create_group("G")
+    with h5py.File(folder / "f.h5", "w") as fh:
+        fh["X"] = np.arange(7.0)
+        fh["ext"] = h5py.ExternalLink("other.h5", "/G")
+    return folder / "f.h5", folder / "other.h5"
+
+
+def test_write_atomic_refuses_an_h5_path_into_another_file(tmp_path):
+    """write_atomic to f.h5:ext/C, ext an external link to a group of other.h5: C went into
+    other.h5; now a ValueError naming the link and that file, both files as they were."""
+    f, other = _h5_with_links(tmp_path)
+    before = f.read_bytes(), other.read_bytes()
+    with pytest.raises(ValueError, match=rf"'ext' in {f} is an external link to '/G' in "
+                                         rf"{other}, another file"):
+        from distmm.cli.io import write_atomic
+
+        write_atomic(f"{f}:ext/C", np.ones((3, 2)))
+    assert (f.read_bytes(), other.read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5", "other.h5"]
+
+
+@pytest.mark.mpi
+def test_to_file_refuses_an_h5_path_through_a_dataset_or_into_another_file(tmp_path, mpirun):
+    """DistArray.to_file (2 ranks) to f.h5:X/C, X a dataset: every block was written and the
+    copy into f.h5 failed at the end (OSError); to f.h5:ext/C, ext an external link to a
+    group of other.h5: C went into other.h5. Now a ValueError on every rank before anything
+    is written, naming X or the link and its file, as the command line's; both files as they
+    were, nothing left beside them."""
+    f, other = _h5_with_links(tmp_path)
+    before = f.read_bytes(), other.read_bytes()
+    script = tmp_path / "to_file.py"
+    script.write_text(textwrap.dedent(f"""
+        import numpy as np
+        from mpi4py import MPI
+        from distmm import DistArray
+
+        c = DistArray.from_array(np.ones((6, 4)), MPI.COMM_WORLD)
+        for dataset in ("X/C", "ext/C"):
+            try:
+                c.to_file({str(f)!r} + ":" + dataset, overwrite=True)
+                print("wrote", dataset, flush=True)
+            except Exception as exc:
+                print(f"rank {{MPI.COMM_WORLD.rank}} {{type(exc).__name__}}: {{exc}}", flush=True)
+    """))
+    r = mpirun(2, script)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4 and "wrote" not in r.stdout, r.stdout
+    for rank in (0, 1):
+        assert (f"rank {rank} ValueError: cannot write {f}:X/C: 'X' in {f} is a dataset, not a "
+                f"group") in r.stdout, r.stdout
+        assert (f"rank {rank} ValueError: cannot write {f}:ext/C: 'ext' in {f} is an external "
+                f"link to '/G' in {other}, another file") in r.stdout, r.stdout
+    assert (f.read_bytes(), other.read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5", "other.h5", "to_file.py"]

@@ -39,7 +39,7 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "check_writable", "check_unlocked", "check_h5_path",
+           "check_report", "check_space", "check_writable", "check_unlocked",
            "result_shape", "unreadable", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
@@ -93,6 +93,10 @@ def check_shapes(a_spec: str, a, b_spec: str, b) -> None:
     a ValueError naming the files where numpy refuses."""
     from distmm.plan import matmul_shapes
 
+    for spec, x in ((a_spec, a), (b_spec, b)):
+        if x.shape is None:  # h5py's shape of a null dataspace (h5py.Empty)
+            raise ValueError(f"{spec} holds no data (an empty HDF5 dataspace); matmul needs "
+                             f"arrays of at least 1 dimension")
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"{a_spec if a.ndim == 0 else b_spec} holds a scalar; matmul needs "
                          f"arrays of at least 1 dimension")
@@ -304,12 +308,11 @@ def check_space(t: Target, nbytes: int) -> None:
     space of staged outputs that stopped or killed runs left beside the target
     counts as free: the run resumes (``--resume``) or removes them before it writes. A
     folder where the staged output cannot be created is refused first (``check_writable``),
-    and an existing HDF5 file that another process holds open (``check_unlocked``) or whose
-    dataset path goes through a dataset (``check_h5_path``), into which C could not be copied
-    at the end."""
+    and an existing HDF5 file that another process holds open (``check_unlocked``), into which
+    C could not be copied at the end. (A dataset path through a dataset, or into another file,
+    is ``check_target``'s, which every caller runs first.)"""
     check_writable(t)
     check_unlocked(t)
-    check_h5_path(t)
     freed = reclaimable(t.path, t.dataset)
     if t.kind != "h5":
         check_room(t, t.path.parent, nbytes + (1 << 20) - freed,
@@ -380,35 +383,6 @@ def check_unlocked(t: Target) -> None:
         pass  # a file system without flock: HDF5 does not lock there either
     finally:
         os.close(fd)
-
-
-def check_h5_path(t: Target) -> None:
-    """Refuse, naming the target, an HDF5 dataset path into an existing file that goes through
-    something other than a group (``f.h5:X/C`` where ``X`` is a dataset, or a link to one or to
-    nothing): HDF5 would refuse to create C there once the whole product is computed.
-
-    Raises
-    ------
-    ValueError
-    """
-    if t.kind != "h5" or not t.path.is_file() or "/" not in t.dataset:
-        return
-    import h5py
-
-    parts = t.dataset.split("/")
-    with h5py.File(t.path, "r") as fh:
-        for i in range(1, len(parts)):
-            prefix = "/".join(parts[:i])
-            if fh.get(prefix, getlink=True) is None:
-                return  # HDF5 creates the groups from here on
-            try:
-                node = fh.get(prefix)
-            except (KeyError, OSError):
-                node = None
-            if not isinstance(node, h5py.Group):
-                what = "a link to nothing" if node is None else f"a {type(node).__name__.lower()}"
-                raise ValueError(f"cannot write {t}: {prefix!r} in {t.path} is {what}, not a "
-                                 f"group; name a dataset in a group, e.g. {t.path}:C")
 
 
 def same_file(a: str, b: str) -> bool:
