@@ -18,7 +18,8 @@ Where a value comes from, lowest precedence first:
 3. ``DISTMM_<KEY>`` environment variables (``DISTMM_MEMORY_BUDGET=4GiB``): when
    distmm is imported each one is copied to ``DASK_DISTMM__<KEY>`` unless that
    is set, so it then behaves as dask's own form (``dask.config.refresh()`` and
-   worker processes see it);
+   worker processes see it); one spelt almost as a key (``DISTMM_PRECISON``) is
+   copied too, and fails as an unknown key naming the variable;
 4. ``DASK_DISTMM__<KEY>`` environment variables, dask's convention (``_`` and
    ``-`` in a key are the same key);
 5. ``dask.config.set({"distmm.<key>": value})``.
@@ -29,6 +30,7 @@ once per call.
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import os
 import sys
@@ -69,10 +71,18 @@ def _feed_distmm_env(environ=os.environ) -> dict:
     """Copy each ``DISTMM_<KEY>`` to ``DASK_DISTMM__<KEY>`` (unless that is set)
     and into the live configuration, as dask does with its own variables when
     it is imported. Other ``DISTMM_*`` variables (``DISTMM_CACHE_DIR``...) are
-    not configuration keys and are left alone. Returns what was fed."""
+    not configuration keys and are left alone, except one spelt almost as a key
+    (``DISTMM_MEMORY_BUDGTE``), fed as well so that it fails as an unknown key
+    rather than being ignored. Returns what was fed."""
     fed = {}
-    for key in KEYS:
-        suffix = _env_suffix(key)
+    keys = {_env_suffix(key) for key in KEYS}
+    for name in list(environ):
+        suffix = name[len("DISTMM_"):]
+        if (not name.startswith("DISTMM_") or suffix in keys or "__" in suffix
+                or not difflib.get_close_matches(suffix, keys, n=1, cutoff=0.85)):
+            continue
+        keys.add(suffix)
+    for suffix in sorted(keys):
         short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
         if short in environ and full not in environ:
             environ[full] = environ[short]
@@ -135,6 +145,8 @@ def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
         out = int(out)
     except (TypeError, ValueError) as e:
         raise _Bad(f"not a size ({e})") from None
+    except OverflowError:  # parse_bytes('1e400'): int(inf)
+        raise _Bad("not a finite size") from None
     if out < minimum:
         raise _Bad(f"must be at least {minimum} bytes")
     return out
@@ -205,7 +217,9 @@ def _optional_str(value):
 
 
 def _seconds(value, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or value is None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float, str))
+            or (isinstance(value, str) and not value.strip())):
+        # parse_timedelta failed on these with IndexError or AttributeError
         raise _Bad("a duration is needed (seconds or a string such as '60s')")
     if (isinstance(value, (int, float)) and value < 0) or (isinstance(value, str)
                                                          and value.strip().startswith("-")):
@@ -216,9 +230,13 @@ def _seconds(value, *, allow_zero: bool = False) -> float:
         out = float(parse_timedelta(value, default="seconds"))
     except (TypeError, ValueError, KeyError) as e:
         raise _Bad(f"not a duration ({e})") from None
+    except OverflowError:  # parse_timedelta('1e400'): int(inf)
+        out = math.inf
     if not ((out >= 0 if allow_zero else out > 0) and math.isfinite(out)):
         raise _Bad("must be a finite duration, at least 0" if allow_zero
                    else "must be a positive, finite duration")
+    if out > threading.TIMEOUT_MAX:  # a threading.Timer or wait longer than this raises
+        raise _Bad(f"must be at most {threading.TIMEOUT_MAX:g} s")
     return out
 
 
@@ -294,8 +312,14 @@ def _read(section) -> Config:
                          f"{section!r}")
     for k in section:
         if str(k).replace("_", "-") not in _PARSERS:
-            raise ValueError(f"distmm configuration: unknown key 'distmm.{k}'; the keys are "
-                             f"{', '.join(_PARSERS)}")
+            suffix = _env_suffix(str(k))
+            named = [v for v in ("DISTMM_" + suffix, "DASK_DISTMM__" + suffix) if v in os.environ]
+            near = difflib.get_close_matches(str(k).replace("_", "-"), _PARSERS, n=1)
+            notes = ([f"the environment variable {named[0]}"] if named else []) + \
+                ([f"did you mean distmm.{near[0]}?"] if near else [])
+            raise ValueError(f"distmm configuration: unknown key 'distmm.{k}'"
+                             + (f" ({'; '.join(notes)})" if notes else "")
+                             + f"; the keys are {', '.join(_PARSERS)}")
     values = {}
     for key, (field, parse) in _PARSERS.items():
         # either spelling, as dask.config.get finds it ('-' first, then '_')

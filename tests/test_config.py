@@ -24,6 +24,7 @@ import pytest
 import dask.config
 
 import distmm
+from conftest import run_cli
 from distmm import config as config_mod
 from distmm.api import plan_for
 from distmm.config import KEYS, get_config, memory_budget
@@ -178,6 +179,15 @@ def test_a_bad_value_is_one_value_error_naming_the_key(key, value, words):
     # null is no value for it ('true, false or null is needed' said it was)
     ("direct-writes", "maybe", "true or false is needed"),
     ("tile", [64, 64, -1], "three positive integers [tm, tn, tk] are needed"),
+    # dask's parsers raised these bare: IndexError, AttributeError, OverflowError
+    ("retry-timeout", "", "a duration is needed (seconds or a string such as '60s')"),
+    ("device-keep", [1, 2], "a duration is needed (seconds or a string such as '60s')"),
+    ("mpi-join-timeout", {"a": 1}, "a duration is needed (seconds or a string such as '60s')"),
+    ("mpi-join-warning", "1e400", "must be a positive, finite duration"),
+    ("memory-budget", "1e400", "not a finite size"),
+    ("pinned-pool", "1e400 GiB", "not a finite size"),
+    # a threading.Timer that long (device-keep) failed in its thread: 'timestamp out of range'
+    ("device-keep", 10**21, "must be at most 9.22337e+09 s"),
 ])
 def test_a_bad_value_says_what_is_wrong_with_it(key, value, reason):
     with dask.config.set({f"distmm.{key}": value}):
@@ -263,6 +273,27 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
     # distmm.errors.ConfigError, a ValueError
     assert last.startswith("distmm.errors.ConfigError") and "distmm.memory-budget" in last, last
     assert "DASK_DISTMM__MEMORY_BUDGET" in last and "KeyError" not in res.stderr
+
+
+@pytest.mark.parametrize("env, words", [
+    # a misspelt DISTMM_ shorthand was ignored: the run went on with the default, status 0
+    ({"DISTMM_MEMORY_BUDGTE": "1GiB"}, ["unknown key 'distmm.memory_budgte'",
+                                        "DISTMM_MEMORY_BUDGTE", "did you mean distmm.memory-budget?"]),
+    # an empty duration ended in 'error: IndexError: string index out of range', status 1
+    ({"DISTMM_RETRY_TIMEOUT": ""}, ["distmm.retry-timeout = '' is not valid: a duration is needed"]),
+], ids=["misspelt-shorthand", "empty-duration"])
+def test_a_bad_environment_setting_is_one_line_and_status_2(tmp_path, env, words):
+    clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM__", "DISTMM_"))}
+    res = run_cli("plan", 64, 64, 64, env={**clean, "DASK_CONFIG": None, **env}, timeout=120,
+                  cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "Traceback" not in res.stderr and not res.stdout
+    for w in words:
+        assert w in res.stderr, res.stderr
+    # a near name of another of distmm's variables, not a key, is left alone
+    ok = run_cli("plan", 64, 64, 64, timeout=120, cwd=tmp_path,
+                 env={**clean, "DASK_CONFIG": None, "DISTMM_BATCH_STRIPE_PAUSE": "x"})
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_none_in_the_environment_is_null_and_the_choices_are_named(tmp_path):
