@@ -277,10 +277,12 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
 
 @pytest.mark.parametrize("env, words", [
     # a misspelt DISTMM_ shorthand was ignored: the run went on with the default, status 0
-    ({"DISTMM_MEMORY_BUDGTE": "1GiB"}, ["unknown key 'distmm.memory_budgte'",
-                                        "DISTMM_MEMORY_BUDGTE", "did you mean distmm.memory-budget?"]),
+    ({"DISTMM_MEMORY_BUDGTE": "1GiB"},
+     ["unknown key 'distmm.memory_budgte'", "DISTMM_MEMORY_BUDGTE",
+      "did you mean distmm.memory-budget?"]),
     # an empty duration ended in 'error: IndexError: string index out of range', status 1
-    ({"DISTMM_RETRY_TIMEOUT": ""}, ["distmm.retry-timeout = '' is not valid: a duration is needed"]),
+    ({"DISTMM_RETRY_TIMEOUT": ""},
+     ["distmm.retry-timeout = '' is not valid: a duration is needed"]),
 ], ids=["misspelt-shorthand", "empty-duration"])
 def test_a_bad_environment_setting_is_one_line_and_status_2(tmp_path, env, words):
     clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM__", "DISTMM_"))}
