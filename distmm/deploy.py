@@ -63,6 +63,16 @@ def _memory(value) -> int:
     return size
 
 
+def _walltime(value) -> str:
+    """``value`` if it is a positive ``HH:MM:SS``, the one form Slurm and PBS both read alike."""
+    import re
+
+    match = isinstance(value, str) and re.fullmatch(r"(\d+):([0-5]\d):([0-5]\d)", value)
+    if not match or not any(int(part) for part in match.groups()):
+        raise ValueError(f"walltime must be a positive HH:MM:SS such as '02:00:00', got {value!r}")
+    return value
+
+
 def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
                      cores: int | None = None, memory: str | None = None,
                      threads_per_worker: int = 1, walltime: str = "01:00:00",
@@ -91,7 +101,8 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         dask-jobqueue splits them): ``cores=8, threads_per_worker=3`` gives 2 workers of 4
         threads.
     walltime
-        The jobs' time limit (``HH:MM:SS``).
+        The jobs' time limit, a positive ``HH:MM:SS`` string (Slurm reads a bare number as
+        minutes, PBS as seconds).
     env_setup
         A file every job sources before starting its workers (modules, a venv), the
         ``DISTMM_ENV_SETUP`` of the batch scripts.
@@ -114,7 +125,8 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         without ``cores``; counts that are not integers (``True``, ``2.5`` and ``"2"`` are
         not), ``jobs`` or ``gpus`` below 0, ``cores`` or ``threads_per_worker`` below 1;
         ``threads_per_worker`` above ``cores`` in a CPU job, or ``cores`` fewer than
-        ``gpus``. Raised before dask-jobqueue is imported and anything is submitted.
+        ``gpus``; a ``walltime`` that is not a positive ``HH:MM:SS``. Raised before
+        dask-jobqueue is imported and anything is submitted.
 
     Examples
     --------
@@ -138,6 +150,7 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     if memory is None:
         raise ValueError("memory= (the host memory of one job, e.g. '64GiB') is required")
     _memory(memory)
+    _walltime(walltime)
     if cores is None:
         if not gpus:
             raise ValueError("cores= (the cores of one job) is required for CPU workers")

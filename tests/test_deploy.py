@@ -183,6 +183,20 @@ def test_slurm_mpi_job(tmp_path, batch_env):
     assert _state(batch_env, job)["left_running"] == []
 
 
+@pytest.mark.mpi
+def test_slurm_mpi_job_takes_matmul_args_with_its_operands(tmp_path, batch_env):
+    """DISTMM_A/B/C with DISTMM_MATMUL_ARGS (deploy/README.md's knobs: dask and mpi): the
+    options reach distmm matmul (mpi.sbatch dropped them, and --profile wrote nothing)."""
+    a, b = _operands(tmp_path, seed=15)
+    env = {**batch_env, "DISTMM_A": "a.npy", "DISTMM_B": "b.npy", "DISTMM_C": "c.npy",
+           "DISTMM_MATMUL_ARGS": "--profile p.json"}
+    status, job, log = _submit(env, tmp_path, "sbatch", "--wait", "--nodes=1",
+                               "--ntasks-per-node=1", str(DEPLOY / "slurm" / "mpi.sbatch"))
+    assert status == 0, log
+    assert_close(np.load(tmp_path / "c.npy"), a @ b)
+    assert len(json.loads((tmp_path / "p.json").read_text())["ranks"]) == 1, log
+
+
 def _logged(folder: Path) -> int:
     return sum(len(p.read_text().split()) for p in folder.glob(".c.npy.distmm-partial-*.done-*"))
 
@@ -400,6 +414,28 @@ def test_pbs_mpi_job(tmp_path, batch_env):
     assert _state(batch_env, job)["left_running"] == []
 
 
+def test_pbs_mpi_job_that_finished_despite_its_walltime_timer_is_not_resubmitted(tmp_path,
+                                                                               batch_env):
+    """The script's walltime timer fired (SIGUSR1), but the run finished (status 0: here the
+    launcher ignores the SIGTERM passed on, as a run past its commit does): C is in place, so
+    the job ends with 0 and resubmits nothing (a resubmitted --resume would fail on the C
+    that exists), as mpi.sbatch does not requeue."""
+    a, b = _operands(tmp_path, seed=14)
+    launcher = tmp_path / "timer-fires"  # the timer's SIGUSR1 to the batch shell, TERM ignored
+    launcher.write_text("#!/bin/bash\ntrap '' TERM\nkill -USR1 $PPID\nsleep 0.5\n"
+                        "exec \"$@\"\n")
+    launcher.chmod(0o755)
+    status, job, log = _qsub(batch_env, tmp_path, "mpi.pbs", "1:ncpus=1:mpiprocs=1",
+                             DISTMM_ENV_SETUP=batch_env["DISTMM_ENV_SETUP"],
+                             DISTMM_LAUNCHER=launcher, DISTMM_A=tmp_path / "a.npy",
+                             DISTMM_B=tmp_path / "b.npy", DISTMM_C=tmp_path / "c.npy")
+    assert status == 0, log
+    assert "finished before the walltime timer stopped it; not resubmitted" in log, log
+    assert "resubmitting" not in log
+    assert len(list(Path(batch_env["BATCHSIM_SPOOL"]).iterdir())) == 1  # no second job
+    assert_close(np.load(tmp_path / "c.npy"), a @ b)
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_pbs_mpi_job_resubmits_before_its_walltime_and_resumes(tmp_path, batch_env, mpirun):
@@ -532,13 +568,23 @@ def test_bad_arguments_fail_before_submitting(kwargs, message):
     (dict(memory=""), "memory must be a positive size"),
     (dict(memory=0), "memory must be a positive size"),
     (dict(memory=[8]), "memory must be a positive size"),
+    # not HH:MM:SS: `#SBATCH -t 2 hours` failed only as the jobs were submitted (dask-jobqueue
+    # logs that, and the workers never come); 3600 was minutes to Slurm and seconds to PBS
+    (dict(walltime="2 hours"), "walltime must be a positive HH:MM:SS such as '02:00:00', "
+                               "got '2 hours'"),
+    (dict(walltime=3600), "walltime must be a positive HH:MM:SS such as '02:00:00', got 3600"),
+    (dict(walltime=None), "walltime must be a positive HH:MM:SS"),
+    (dict(walltime="00:00:00"), "walltime must be a positive HH:MM:SS"),
+    (dict(walltime="1:75:00"), "walltime must be a positive HH:MM:SS"),
 ], ids=["threads-float", "threads-text", "threads-bool", "threads-zero", "threads-over-cores",
         "cores-text", "memory-negative", "memory-word", "memory-empty", "memory-zero",
-        "memory-list"])
+        "memory-list", "walltime-words", "walltime-int", "walltime-none", "walltime-zero",
+        "walltime-minutes-75"])
 def test_bad_counts_and_memory_fail_before_dask_jobqueue_is_imported(monkeypatch, kwargs,
                                                                     message):
-    """The docstring's ValueError for counts that are not positive integers and a memory
-    that is no size, raised before dask-jobqueue is imported (here it cannot be)."""
+    """The docstring's ValueError for counts that are not positive integers, a memory that
+    is no size and a walltime that is not HH:MM:SS, raised before dask-jobqueue is imported
+    (here it cannot be)."""
     from distmm.deploy import jobqueue_cluster
 
     monkeypatch.setitem(sys.modules, "dask_jobqueue", None)  # importing it would fail
