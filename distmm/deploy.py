@@ -109,7 +109,9 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     **kwargs
         Passed to the dask-jobqueue cluster: ``queue``, ``account``, ``interface``,
         ``job_extra_directives``, ``job_script_prologue`` (after ``env_setup``),
-        ``worker_extra_args``, ``log_directory``, ``python``, ...
+        ``worker_extra_args``, ``log_directory``, ``python``, ... (not ``processes`` or
+        ``worker_command``: the workers are made from ``gpus``, ``cores`` and
+        ``threads_per_worker``).
 
     Returns
     -------
@@ -125,7 +127,8 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         without ``cores``; counts that are not integers (``True``, ``2.5`` and ``"2"`` are
         not), ``jobs`` or ``gpus`` below 0, ``cores`` or ``threads_per_worker`` below 1;
         ``threads_per_worker`` above ``cores`` in a CPU job, or ``cores`` fewer than
-        ``gpus``; a ``walltime`` that is not a positive ``HH:MM:SS``. Raised before
+        ``gpus``; a ``walltime`` that is not a positive ``HH:MM:SS``; ``processes`` or
+        ``worker_command`` among ``kwargs``. Raised before
         dask-jobqueue is imported and anything is submitted.
 
     Examples
@@ -161,6 +164,10 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     if not gpus and threads_per_worker > cores:
         raise ValueError(f"threads_per_worker={threads_per_worker} is more than cores={cores}: "
                          f"a CPU job runs cores // threads_per_worker workers")
+    taken = sorted({"processes", "worker_command"} & set(kwargs))
+    if taken:  # they would replace the workers made from gpus, cores and threads_per_worker
+        raise ValueError(f"{', '.join(taken)} cannot be given: jobqueue_cluster sets them from "
+                         f"gpus, cores and threads_per_worker")
     jq = _require_jobqueue()
 
     prologue = list(kwargs.pop("job_script_prologue", None) or [])

@@ -576,10 +576,13 @@ def test_bad_arguments_fail_before_submitting(kwargs, message):
     (dict(walltime=None), "walltime must be a positive HH:MM:SS"),
     (dict(walltime="00:00:00"), "walltime must be a positive HH:MM:SS"),
     (dict(walltime="1:75:00"), "walltime must be a positive HH:MM:SS"),
+    # dask-jobqueue's own keywords that replaced the workers made from gpus and cores
+    (dict(gpus=2, processes=1), "processes cannot be given: jobqueue_cluster sets them"),
+    (dict(worker_command="dask worker"), "worker_command cannot be given"),
 ], ids=["threads-float", "threads-text", "threads-bool", "threads-zero", "threads-over-cores",
         "cores-text", "memory-negative", "memory-word", "memory-empty", "memory-zero",
         "memory-list", "walltime-words", "walltime-int", "walltime-none", "walltime-zero",
-        "walltime-minutes-75"])
+        "walltime-minutes-75", "processes", "worker-command"])
 def test_bad_counts_and_memory_fail_before_dask_jobqueue_is_imported(monkeypatch, kwargs,
                                                                     message):
     """The docstring's ValueError for counts that are not positive integers, a memory that
