@@ -156,10 +156,12 @@ class StripeWriter:
     to disk (``sync_file_range``, Linux; elsewhere the final ``finish`` flushes all), so the
     disk works while the ranks compute; zarr through zarr, under an advisory lock beside the
     array unless ``aligned`` (every write covers whole chunks, so writers never share one).
-    ``finish()`` flushes to disk and closes.
+    ``finish()`` flushes to disk and closes. ``direct``: whether large spans go past the page
+    cache (``BlockWriter``'s; None: ``distmm.direct-writes`` of the configuration in force).
     """
 
-    def __init__(self, spec: str, pid: int, shape, dtype, header, *, aligned: bool = False):
+    def __init__(self, spec: str, pid: int, shape, dtype, header, *, aligned: bool = False,
+                 direct: bool | None = None):
         self.spec = parse_spec(spec)
         self.path = staged_path(self.spec.path, pid)
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -172,7 +174,7 @@ class StripeWriter:
 
             self._zarr = zarr.open_array(str(self.path), mode="r+")
         else:
-            self._blocks = BlockWriter(self.path, self.shape, self.dtype, header)
+            self._blocks = BlockWriter(self.path, self.shape, self.dtype, header, direct=direct)
             self._header = int(header)
 
     def write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:

@@ -440,3 +440,64 @@ def test_a_cluster_without_workers_is_named_by_the_function_called():
             distributed.Client(cl) as empty:
         with pytest.raises(ValueError, match="^gemm: the Dask cluster has no workers$"):
             distmm.gemm(a, b, engine="dask", client=empty)
+
+
+# -- settings made in the client after the cluster started ----------------------------------
+# distributed does not send a client's later dask.config changes to running workers (their
+# get_config() keeps the defaults): a call's settings travel with its tasks.
+
+
+def _workers_see(client, key: str) -> set:
+    return set(client.run(lambda: dask.config.get(f"distmm.{key}")).values())
+
+
+def test_direct_writes_set_in_the_client_reach_the_workers_writes(client, tmp_path):
+    """``distmm.direct-writes`` set in the client: the workers writing C into a staged
+    output write it through the page cache, though their own setting stays ``true``."""
+    from conftest import takes_direct
+    from distmm.cli.io import staged_output
+    from distmm.engine.dask import last_stats
+
+    rng = np.random.default_rng(11)
+    a, b = _operands(rng, (512, 64), (64, 2048), "float32")  # C's blocks: 2 MiB of whole rows
+    want = distmm.matmul(a, b, client=client, tile=(256, 2048, 64))
+    written = {}
+    for direct in (True, False):
+        with dask.config.set({"distmm.direct-writes": direct}):
+            assert _workers_see(client, "direct-writes") == {True}
+            path = tmp_path / f"c-{direct}.npy"
+            with staged_output(str(path), want.shape, want.dtype) as out:
+                distmm.matmul(a, b, client=client, tile=(256, 2048, 64), out=out)
+        stats = last_stats()
+        assert stats["written_on_workers"]
+        written[direct] = stats["written_direct"]
+        np.testing.assert_array_equal(np.load(path), want)
+    assert written[False] == 0
+    assert written[True] > 0 if takes_direct(tmp_path) else written[True] == 0
+
+
+def test_per_call_settings_set_in_the_client_reach_the_tasks(client):
+    """``distmm.precision``, ``distmm.tile`` and ``distmm.memory-budget`` set in the client
+    (the workers' own stay the defaults) decide the tasks: resolved on the client, they go
+    with the plan (a guard: these already travel in the tasks' ``TaskPlan``)."""
+    from distmm.engine.dask import last_stats
+
+    rng = np.random.default_rng(12)
+    a, b = _operands(rng, (128, 96), (96, 64), "float32")
+    with dask.config.set({"distmm.precision": "bf16", "distmm.tile": 32}):
+        assert _workers_see(client, "precision") == {"highest"}
+        assert _workers_see(client, "tile") == {None}
+        got = distmm.matmul(a, b, client=client)
+        cells = last_stats()["cells"]
+    np.testing.assert_array_equal(got, distmm.matmul(a, b, client=client, tile=32,
+                                                     precision="bf16"))
+    assert not np.array_equal(got, distmm.matmul(a, b, client=client, tile=32))
+    assert cells == (128 // 32) * (64 // 32)
+    a, b = _operands(rng, (64, 2048), (2048, 64), "float32")
+    distmm.matmul(a, b, client=client, tile=64)
+    tasks = last_stats()["tasks"]
+    with dask.config.set({"distmm.memory-budget": "64KiB"}):  # k split further to fit
+        assert _workers_see(client, "memory-budget") == {"auto"}
+        got = distmm.matmul(a, b, client=client, tile=64)
+        assert last_stats()["tasks"] > tasks
+    _check(got, a @ b)

@@ -237,18 +237,20 @@ def _let_go(client, futures, scattered) -> None:
         pass
 
 
-def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> None:
+def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> int:
     """After the product, in success and in failure: the workers' writes of C end
     (``sink.close``: nothing writes into the staged output once the engine returns or
     raises; after a failure its tasks still queued were cancelled first: ``_let_go``), and
-    their HDF5 operand files close (``files.release``)."""
+    their HDF5 operand files close (``files.release``). Returns the bytes of C the workers
+    wrote past the page cache."""
     from distmm.engine.dask import files
 
     try:
         if sink is not None:
             from distmm.engine.dask.sink import close
 
-            close(client, sink, ok=written, lost=lost)
+            return close(client, sink, ok=written, lost=lost)
+        return 0
     finally:
         files.release(client, sources)
 
@@ -600,7 +602,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
             if not written:
                 _let_go(client, futures, (a_sc, b_sc))
         finally:
-            _finish_files(client, sink, (a_src, b_src), written=written, lost=bool(attempts))
+            direct = _finish_files(client, sink, (a_src, b_src), written=written,
+                                   lost=bool(attempts))
         if task_plan.flags:
             raised = _raised_flags(client, task_plan.flags)
     log.info("matmul %s on %d worker slot(s): %.3f s", ops.out_shape, len(slots),
@@ -613,6 +616,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 a_sc, b_sc, a_need, b_need, blocks.addresses(alive), layout, out.nbytes,
                 np.dtype(plan.acc_dtype).itemsize)
         stats["tasks"] = submitted
+        stats["written_direct"] = direct  # bytes of C the workers wrote past the page cache
         stats["moved"] = sorted(blocks.moved) if blocks is not None else []
         stats["resent"] = a_sc.resent + b_sc.resent
     if flags is None:

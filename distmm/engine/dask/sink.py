@@ -56,8 +56,10 @@ class FileSink:
     ``staging.staged_path(target, pid)``), ``shape`` and ``dtype`` of C, ``header``: the
     data's byte offset (``.npy``, HDF5), zarr's ``chunks``, what the client saw of the
     staged file (``stamp_path``, ``size``, ``mtime_ns``, ``ino``: for ``files.visible``),
-    this product's ``token`` and, for zarr, whether every block covers whole chunks
-    (``aligned``: written without the lock)."""
+    this product's ``token``, for zarr, whether every block covers whole chunks
+    (``aligned``: written without the lock) and, for ``.npy`` and HDF5, whether large spans
+    go past the page cache (``direct``: the client's ``distmm.direct-writes``, as running
+    workers do not see the client's later ``dask.config`` changes)."""
 
     kind: str
     target: str
@@ -72,6 +74,7 @@ class FileSink:
     token: str
     aligned: bool = False
     ino: int = 0
+    direct: bool = True
 
     @property
     def staged(self) -> Path:
@@ -143,9 +146,12 @@ def sink_of(out) -> FileSink | None:
         st = os.stat(stamp_path)
     except OSError:
         return None
+    from distmm.config import get_config
+
     return FileSink(kind, str(target), pid, tuple(int(s) for s in out.shape),
                     np.dtype(out.dtype).str, header, chunks, str(stamp_path), st.st_size,
-                    st.st_mtime_ns, uuid.uuid4().hex, ino=st.st_ino)
+                    st.st_mtime_ns, uuid.uuid4().hex, ino=st.st_ino,
+                    direct=get_config().direct_writes)
 
 
 # ---------------------------------------------------------------- on the workers
@@ -172,7 +178,8 @@ def _begin(sink: FileSink) -> _Writer:
             from distmm.stripe_writer import StripeWriter
 
             entry = _WRITERS[sink.token] = _Writer(StripeWriter(
-                sink.target, sink.pid, sink.shape, sink.dtype, sink.header, aligned=sink.aligned))
+                sink.target, sink.pid, sink.shape, sink.dtype, sink.header,
+                aligned=sink.aligned, direct=sink.direct))
         entry.busy += 1
         return entry
 
@@ -194,16 +201,17 @@ def write_block(sink: FileSink, region: tuple, block) -> int:
     return int(block.nbytes)
 
 
-def _end_here(token: str, flush: bool, wait: float = 60.0) -> str | None:
+def _end_here(token: str, flush: bool, wait: float = 60.0) -> str | int:
     """On a worker: end the writes of ``token``; flush and close its file. Returns what
-    went wrong (a flush that failed, a write still running after ``wait`` seconds) or None."""
+    went wrong (a flush that failed, a write still running after ``wait`` seconds), else
+    the bytes this worker wrote past the page cache."""
     with _LOCK:
         _CLOSED[token] = None
         while len(_CLOSED) > _KEEP_CLOSED:
             _CLOSED.pop(next(iter(_CLOSED)))
         entry = _WRITERS.get(token)
         if entry is None:
-            return None
+            return 0
         if not entry.idle.wait_for(lambda: not entry.busy, timeout=wait):
             return f"a write was still running after {wait:g} s"
         del _WRITERS[token]
@@ -215,14 +223,15 @@ def _end_here(token: str, flush: bool, wait: float = 60.0) -> str | None:
     except OSError as exc:
         entry.writer.close()
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return entry.writer.written_direct
 
 
-def close(client, sink: FileSink, *, ok: bool, lost: bool = False) -> None:
+def close(client, sink: FileSink, *, ok: bool, lost: bool = False) -> int:
     """End ``sink``'s writes on every worker (see the module docstring), then remove what the
     writers left beside and inside the staged output: ``StripeWriter``'s zarr lock and, after
     a worker was ``lost``, zarr's temporary chunk files. With ``ok`` (every block written),
-    a worker's failed flush raises ``OSError``.
+    a worker's failed flush raises ``OSError``. Returns the bytes the workers that answered
+    wrote past the page cache (``direct``).
 
     Raises
     ------
@@ -245,3 +254,4 @@ def close(client, sink: FileSink, *, ok: bool, lost: bool = False) -> None:
                     Path(folder, name).unlink(missing_ok=True)
     if ok and problems:
         raise OSError(f"writing {sink.target} on the workers failed ({problems[0]})")
+    return sum(v for v in answers.values() if isinstance(v, int))
