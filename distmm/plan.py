@@ -395,8 +395,8 @@ class Plan:
     @property
     def peak_memory_per_worker(self) -> int:
         """Largest bytes one task holds: its A and B panels, its C tile, and the
-        partials its owner keeps for the reduction."""
-        tm, tn, _ = self.tile
+        partials its owner keeps for the reduction (a tile larger than C holds C's size)."""
+        tm, tn = min(self.tile[0], self.m), min(self.tile[1], self.n)
         kg = max((self.k_edges[s + 1] - self.k_edges[s] for s in range(self.k_splits)),
                  default=0) if len(self.k_edges) > 1 else 0
         size = self.itemsize

@@ -178,3 +178,13 @@ def test_results_too_big_are_refused_before_planning(monkeypatch):
     assert make_plan(64, 64, 8, tile=(16, 16, 8)).grid == (4, 4)
     with pytest.raises(MemoryError, match="has 25 tiles; a plan lists at most 16"):
         make_plan(64, 64, 8, tile=(15, 15, 8))
+
+
+@pytest.mark.parametrize("tile", [1000, 2**70, (1000, 70, 64)])
+def test_a_tile_larger_than_c_holds_c_s_size(tile):
+    """A tile larger than C (a user's upper bound) holds C's rows and columns: the peak a task
+    holds is that of a tile of C's size (distmm plan showed 8.6 MiB for tile 1000 at 64^3,
+    and 1e37 MiB for 2**70)."""
+    whole = make_plan(64, 70, 64, "float64", workers=1, tile=(64, 70, 64))
+    assert make_plan(64, 70, 64, "float64", workers=1, tile=tile).peak_memory_per_worker \
+        == whole.peak_memory_per_worker == (64 * 64 + 64 * 70 + 64 * 70) * 8
