@@ -735,3 +735,21 @@ def test_an_h5_operand_with_an_empty_dataspace_holds_no_data(files, ranks, reque
     assert (f"{files / 'in.h5'}:E holds no data (an empty HDF5 dataspace); matmul needs arrays "
             f"of at least 1 dimension") in line and "scalar" not in line
     assert not (files / "c.npy").exists()
+
+
+def test_an_npy_header_numpy_will_not_read_says_so_without_numpys_advice(tmp_path):
+    """A .npy file whose header is longer than numpy reads without trusting the file: one
+    line that says so, without numpy's advice to code (it said 'adjust `max_header_size` or
+    fully trust the `.npy` file using `allow_pickle=True`')."""
+    a = np.random.default_rng().standard_normal((5, 4))
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (5, 4), }" + " " * 20000
+    with open(tmp_path / "a.npy", "wb") as f:
+        raw = header.encode("latin1")
+        raw += b" " * (-(12 + len(raw) + 1) % 16) + b"\n"
+        f.write(b"\x93NUMPY\x02\x00" + len(raw).to_bytes(4, "little") + raw + a.tobytes())
+    np.save(tmp_path / "b.npy", np.ones((4, 3)))
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy")
+    assert r.returncode == 2, r.stderr
+    line = one_line(r)
+    assert "a.npy is not a readable .npy file: its header is longer than numpy reads" in line
+    assert "allow_pickle" not in line and not (tmp_path / "c.npy").exists()

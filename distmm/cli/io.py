@@ -173,6 +173,10 @@ def open_operand(spec: str, *, writable: bool = False):
         try:
             return np.load(t.path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError) as exc:  # EOFError: an empty file
+            if "max_header_size" in str(exc):  # numpy's advice (allow_pickle=True) is for code
+                raise ValueError(f"{t.path} is not a readable .npy file: its header is longer "
+                                 f"than numpy reads from a file it does not trust; save the "
+                                 f"array again with numpy.save") from None
             raise ValueError(f"{t.path} is not a readable .npy file ({_why(exc)})") from None
     if t.kind == "zarr":
         import zarr
