@@ -528,6 +528,7 @@ def _gpu_here() -> bool:
     return gpu_available()
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 @pytest.mark.mpi
 def test_argument_errors_under_mpirun_are_said_once(files, mpirun):
     """Every rank parses the same arguments: an argument error, or an --engine that would

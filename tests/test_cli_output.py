@@ -127,6 +127,7 @@ def test_existing_output_refused_then_replaced(tmp_path, operands):
     np.testing.assert_allclose(np.load(c), ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 def test_symbolic_links_at_the_target_are_replaced_not_followed(tmp_path, operands):
     """A link to nothing is an existing target (it was replaced without --overwrite: the
     check followed it); --overwrite replaces a .npy link, to nothing or to a file, and

@@ -371,6 +371,7 @@ def _assert_lost(got: dict) -> None:
     assert got["after"] < 10 * _TIMEOUT, got  # the client's timeouts bound it, not a hang
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 def test_a_scheduler_lost_before_the_worker_table_is_scheduler_lost(tmp_path):
     """Killed while the engine is about to ask for the worker table (``cluster_state``):
     ``SchedulerLost`` naming the scheduler, within the client's timeout (it was the raw

@@ -618,6 +618,7 @@ def test_estimated_bytes_match_the_transfer_log(mixed):
     np.testing.assert_allclose(C.compute(), a @ b, rtol=1e-11, atol=1e-9)
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 def test_cpu_only_clusters_keep_one_task_per_tile():
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
                                   dashboard_address=":0", memory_limit="2GiB",

@@ -74,6 +74,7 @@ def test_every_transpose_letter_on_the_local_engine():
     _sweep(engine="local")
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 def test_every_transpose_letter_on_the_dask_engine(client):
     _sweep(engine="dask", client=client)
 

@@ -1010,6 +1010,7 @@ def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 def test_a_resume_runs_stripes_kept_when_c_was_written_meanwhile_are_named(tmp_path, cmd,
                                                                            batch_env):
     """The same with ``--resume``: its C stripes are kept, and its one line says so (it named

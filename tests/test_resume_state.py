@@ -265,6 +265,7 @@ def test_a_run_beside_a_resumed_one_leaves_its_staged_output_alone(tmp_path, mpi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
+@pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
 @pytest.mark.mpi
 def test_a_second_resume_run_beside_a_running_one_refuses(tmp_path, mpi_env):
     """Two ``--resume`` runs to one target at once: the second refuses in one line (status 2),
