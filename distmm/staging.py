@@ -60,7 +60,7 @@ import numpy as np
 from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, as_bytes, libc_function, preallocate
 from distmm.errors import InsufficientSpace, OutputExists
 
-__all__ = ["PARTIAL", "staged_path", "pwrite_all", "BlockWriter", "check_room",
+__all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
@@ -82,6 +82,11 @@ def staged_path(path, pid: int | None = None) -> Path:
     """``.NAME.distmm-partial-PID`` beside ``path`` (PID: this process by default)."""
     path = Path(path)
     return path.parent / f".{path.name}.{PARTIAL}-{os.getpid() if pid is None else pid}"
+
+
+def staged_pid(staged) -> int:
+    """The PID in a staged output's name (``staged_path``'s ``.NAME.distmm-partial-PID``)."""
+    return int(Path(staged).name.rsplit("-", 1)[1])
 
 
 def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = True) -> None:
@@ -378,7 +383,7 @@ def _h5_holds(staged: Path, dataset: str) -> bool:
 def is_live(staged: Path) -> bool:
     """Whether a process on this host works on ``staged``: the distmm run that made it, still
     running, or one that took it over with ``claim`` (a ``--resume`` run) and still holds it."""
-    pid = int(str(staged).rsplit("-", 1)[1])
+    pid = staged_pid(staged)
     if pid == os.getpid():
         return True
     try:

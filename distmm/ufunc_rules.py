@@ -41,15 +41,12 @@ def keyword_errors(out, dtype, signature, axes, axis) -> None:
     tuple of another length, ``dtype`` with ``signature``, a ``dtype`` or ``signature`` it
     does not parse. numpy itself is asked, in its own order, with operands that stop it at
     their conversion (and ``out`` as a tuple of as many Nones)."""
-    if (dtype is None and signature is None and axes is None and axis is None
-            and type(out) is not tuple):
-        return  # numpy's defaults: nothing to parse (every call comes here)
     given = {k: v for k, v in (("dtype", dtype), ("signature", signature), ("axes", axes),
                                ("axis", axis)) if v is not None}
     if isinstance(out, tuple) and len(out) != 1:
         given["out"] = (None,) * len(out)
     if not given:
-        return
+        return  # numpy's defaults: nothing to parse
     try:
         np.matmul(_Unconvertible(), _Unconvertible(), **given)
     except _Unconverted:

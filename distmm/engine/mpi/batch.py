@@ -35,7 +35,8 @@ from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_s
 from distmm.errors import Signalled
 from distmm.fpflags import report
 from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
-from distmm.staging import claim, is_live, leftovers, preparing, release, remove_leftover
+from distmm.staging import (claim, is_live, leftovers, preparing, release, remove_leftover,
+                            staged_pid)
 
 __all__ = ["run_batch", "BatchOutcome"]
 
@@ -119,7 +120,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
         # a manifest no one holds: free to take. Without one only the PID in its name tells,
         # and one of this job's ranks' PIDs is a dead run's (PIDs come round again; in
         # containers every job's ranks may have the same ones), though ``is_live`` says not
-        elif fd >= 0 or int(p.name.rsplit("-", 1)[1]) in job or not is_live(p):
+        elif fd >= 0 or staged_pid(p) in job or not is_live(p):
             claims[p] = fd
     found = list(claims)
     reuse = None
@@ -154,7 +155,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
             if staged != reuse:
                 release(fd)
     if reuse is not None:
-        pid = int(reuse.name.rsplit("-", 1)[1])  # the staged output's own name, not the manifest's
+        pid = staged_pid(reuse)  # the staged output's own name, not the manifest's
         _HELD[pid] = claims[reuse]  # until _finish: this run works on it now
         return pid, kept["header"], True, notes
     pid = os.getpid()
