@@ -111,6 +111,15 @@ def _read_only(shape):
     return x
 
 
+def _keyword_making(error: str) -> dict:
+    """The keyword (fresh arrays) that makes numpy's ``error`` for a 3 x 3 product."""
+    return {"read-only-out": lambda: {"out": _read_only((3, 3))},
+            "out-tuple-of-two": lambda: {"out": (np.zeros((3, 3)), None)},
+            "bad-casting": lambda: {"casting": "bogus"},
+            "bad-order": lambda: {"order": "X"},
+            "refused-cast": lambda: {"dtype": np.int32}}[error]()
+
+
 @pytest.mark.parametrize("other", ["read-only-out", "out-tuple-of-two", "bad-casting",
                                    "bad-order", "refused-cast"])
 def test_axis_and_axes_together_is_numpys_first_error(other):
@@ -118,12 +127,7 @@ def test_axis_and_axes_together_is_numpys_first_error(other):
     ``casting``, ``order`` or the loop."""
     rng = np.random.default_rng()
     a, b = rng.standard_normal((3, 3)), rng.standard_normal((3, 3))
-    kw = {"axis": -1, "axes": [(0, 1), (1, 0), (0, 1)],
-          **{"read-only-out": {"out": _read_only((3, 3))},
-             "out-tuple-of-two": {"out": (np.zeros((3, 3)), None)},
-             "bad-casting": {"casting": "bogus"},
-             "bad-order": {"order": "X"},
-             "refused-cast": {"dtype": np.int32}}[other]}
+    kw = {"axis": -1, "axes": [(0, 1), (1, 0), (0, 1)], **_keyword_making(other)}
     want, got = _outcome(np.matmul, a, b, **kw), _outcome(distmm.matmul, a, b, **kw)
     assert want == ("error", TypeError)
     assert got == want
@@ -158,10 +162,7 @@ def test_errors_that_come_before_a_non_boolean_subok_as_in_numpy(other):
     ValueError) before ``subok``."""
     rng = np.random.default_rng()
     a, b = rng.standard_normal((3, 3)), rng.standard_normal((3, 3))
-    kw = {"subok": 2, **{"read-only-out": {"out": _read_only((3, 3))},
-                         "out-tuple-of-two": {"out": (np.zeros((3, 3)), None)},
-                         "bad-order": {"order": "X"},
-                         "bad-casting": {"casting": "bogus"}}[other]}
+    kw = {"subok": 2, **_keyword_making(other)}
     want, got = _outcome(np.matmul, a, b, **kw), _outcome(distmm.matmul, a, b, **kw)
     assert want == ("error", ValueError)
     assert got == want
