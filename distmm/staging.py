@@ -475,9 +475,8 @@ def preparing(target: Path):
     it). Where the folder takes no lock (some network file systems), nothing is held."""
     import fcntl
 
-    folder = Path(target).parent if str(Path(target).parent) else Path(".")
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(Path(target).parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         fd = None
     try:
