@@ -85,6 +85,11 @@ def _with(top=None, **series):
 
 @pytest.mark.parametrize("data, key", [
     (_with({"colour": "red"}), "colour: unknown key"),
+    (_with({"repeat": 3}), "repeat: unknown key; did you mean 'repeats'? (known: benchmark,"),
+    (_with(count=[1]), "series[0].count: unknown key; did you mean 'counts'? (known: backends,"),
+    (_with({"kind": "weak"}), "kind: unknown key; 'kind' belongs to the [[series]] tables"),
+    (_with(repeats=3), "series[0].repeats: unknown key; 'repeats' belongs to the study's top"),
+    (_with(emulated=1, nodes=2), 'series[0].emulated: true, false or "all-links", got 1'),
     (_with({"device": "tpu"}), "device: 'tpu' is not one of cpu, gpu"),
     (_with({"dtypes": ["int8"]}), "dtypes: 'int8' is not one of"),
     (_with({"repeats": 0}), "repeats: an integer of at least 1"),
@@ -237,6 +242,7 @@ def test_unwritable_records_file_refused_before_anything_runs(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cases = [(tmp_path / "file" / "sub" / "out.jsonl", NotADirectoryError, "file"),
              (tmp_path / "out-folder/", IsADirectoryError, "out-folder"),
+             ("", ValueError, "-o '' names no file"),
              (study, ValueError, "the study file itself")]
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -100,6 +100,35 @@ def test_reference_shares_pair_same_run_and_problem():
                    (7, "r1", "cublas", 1.0, pytest.approx(2.0))]
 
 
+def test_shares_stay_within_a_device_of_a_shared_run():
+    """Two machines that started a study in the same second share its run id: each
+    record's share is of its own device's reference (before, the references of both
+    devices were pooled, their median taken)."""
+    recs = [record("numpy", 1.0), record("distmm-mpi-2", 2.0, ranks=2),
+            dict(record("numpy", 10.0), device="other-cpu"),
+            dict(record("distmm-mpi-2", 5.0, ranks=2), device="other-cpu")]
+    got = [(s.record["device"], s.reference_seconds, s.share) for s in reference_shares(recs)]
+    assert got == [("test-cpu", 1.0, 0.5), ("other-cpu", 10.0, 2.0)]
+
+
+def test_records_off_their_check_and_without_a_reference_are_noted(tmp_path):
+    """distmm bench writes the record of a product off its float64 check with relerr_ok
+    false: it is no point of the strong series (before, its 1 s made ranks 2 a speedup of
+    8), and the notes say so; records that no same-run reference pairs with are counted."""
+    wrong = dict(record("distmm-mpi-2", 1.0, ranks=2), relerr=0.5, relerr_ok=False)
+    good = [dict(r, relerr_ok=True) for r in STRONG]
+    out = tmp_path / "report"
+    assert main(["report", str(write_jsonl(tmp_path / "r.jsonl", good + [wrong])), "-o",
+                 str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| ranks 2 | 5 | 1.60 | 80.0% |" in text and "| ranks 2 | 3 |" not in text
+    assert ("- 1 records whose product failed its float64 check (`relerr_ok` false) were "
+            "left out: distmm-mpi-2.") in text
+    assert ("- No share of a reference for 3 records: no reference (cublas, numpy, dask.array, "
+            "read-cat, write-dd) was measured in the same run on the same device for their "
+            "dtype and size.") in text
+
+
 def test_a_reduced_precision_is_its_own_series_and_reference():
     """TF32 records of the same variants and size (one run) beside float32 ones (another run,
     and in the same run): each series and each share stays within its arithmetic."""
@@ -178,6 +207,16 @@ def test_command_on_committed_batch_records(tmp_path):
             "cublas-incore | 1.326 | 0.24 |") in text
 
 
+def test_an_output_under_a_file_is_one_line_naming_that_file(tmp_path, capsys):
+    """-o r.jsonl/out (and deeper): the file in the way is named, before anything is drawn
+    (before, the line named the report's hidden staging folder)."""
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    for out in (recs / "out", recs / "a" / "b" / "out"):
+        assert main(["report", str(recs), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == f"distmm report: error: Not a directory: {recs}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
 def test_overwrite_replaces_and_refusal_keeps(tmp_path, capsys):
     recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
     out = tmp_path / "out"
@@ -221,7 +260,10 @@ def test_overwrite_never_replaces_a_folder_holding_an_input_or_the_current_folde
     (json.dumps(STRONG[0]) + "\n\n{oops\n", "bad.jsonl:3: not a JSON line"),
     (json.dumps(STRONG[0]) + "\n[1, 2]\n", "bad.jsonl:2: a record is a JSON object, got list"),
     ("\n\n", "no benchmark records in"),
-], ids=["missing-keys", "bad-json-line-3", "not-an-object", "empty"])
+    (json.dumps(STRONG[0]) + "\n" + json.dumps(STRONG[1])[:40],
+     "bad.jsonl:2: not a JSON line (Unterminated string starting at); the file's last line, "
+     "cut short (no newline at its end)"),
+], ids=["missing-keys", "bad-json-line-3", "not-an-object", "empty", "last-line-cut"])
 def test_bad_records_fail_in_one_line_before_output(tmp_path, capsys, content, expected):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)

@@ -103,6 +103,8 @@ def run_bench(study_path: str, output: str | None = None, *, dry_run: bool = Fal
         _list(study, configs)
         return 0
     _check_machine(study, configs)
+    if output == "":
+        raise ValueError("-o '' names no file: -o takes a records file (FILE.jsonl)")
     if output is not None and (Path(output).is_dir() or output.endswith(("/", os.sep))):
         raise IsADirectoryError(21, "Is a directory (-o takes a records file)", output)
     from distmm.cli.records import RecordWriter, cpu_model, gpu_name

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import stat
 import subprocess
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
     ``fsync``: a reader, or a run killed afterwards, sees the whole line or nothing of it.
     A file that does not end with a newline (written by hand, or cut short) gets one before
     the record, in the same ``write``: its last line stays as it was, the record a line of
-    its own."""
+    its own. A path that is no regular file (``/dev/null``, a pipe) takes the line unsynced."""
     line = (json.dumps(record) + "\n").encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -107,7 +108,8 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         if written != len(line):  # a full disk mid-line: take the fragment back out
             os.ftruncate(fd, os.fstat(fd).st_size - written)
             raise OSError(28, "No space left on device", str(path))
-        os.fsync(fd)
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/null, a pipe: nothing to flush (EINVAL)
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -165,7 +167,8 @@ class RecordWriter:
 def json_lines(path):
     """The values of a JSON-lines file with their line numbers, ``(number, value)``, blank
     lines skipped; a line that is not UTF-8 JSON raises ``ValueError`` naming
-    ``path:number``."""
+    ``path:number`` (and saying so where it is a last line without its newline: a copy or
+    a disk cut short)."""
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, 1):
             try:
@@ -177,7 +180,9 @@ def json_lines(path):
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+                cut = "" if raw.endswith(b"\n") else (
+                    "; the file's last line, cut short (no newline at its end)")
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg}){cut}") from None
             yield number, value
 
 

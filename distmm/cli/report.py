@@ -26,7 +26,9 @@ The rules, in one place:
   ``write-dd`` (the storage ceilings of ``mpi-batch``), alone or followed by ``-``, ``@`` or ``.`` (``cublas-incore``,
   ``dask.array-chunk8192@2gpu``). A record's share of a reference is reference seconds /
   its seconds (its TFLOP/s over the reference's; above 1 it was faster), for every
-  reference of the same ``run``, ``benchmark``, ``dtype``, ``m``, ``n``, ``k``.
+  reference of the same ``run``, ``benchmark``, ``device``, ``dtype``, ``m``, ``n``, ``k``
+  (two machines that started a study in the same second share a ``run``); the report's
+  notes count the records that have none.
 - **model records**: a record with ``predicted_seconds`` feeds only the model section
   (``distmm.cli.report_model``); its measured ``seconds`` restate a record of another file
   (its ``source``), so it is kept out of the TFLOP/s, scaling and share figures. A prediction
@@ -34,7 +36,9 @@ The rules, in one place:
   not measured, drawn hollow and labelled "predicted" in the figure and the table.
 - **invalid records**: a record whose ``invalid`` says why its figure is not to be used (a
   kernel later found wrong, say) stays in its file for the history and is left out of every
-  section; the report's notes count them.
+  section; the report's notes count them. So is a record whose product failed its float64
+  check (``relerr_ok`` false, as ``distmm bench`` writes it): its time is that of a wrong
+  result.
 - **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``);
   a device without them is named in the report's notes.
 """
@@ -183,7 +187,7 @@ class Share:
 
 
 def reference_shares(records: list[dict]) -> list[Share]:
-    """Every non-reference record against every reference of its run and problem.
+    """Every non-reference record against every reference of its run, device and problem.
 
     A reference measured several times in one run counts with its median seconds.
     Returns the shares in the order of ``records``, then by reference name.
@@ -196,8 +200,8 @@ def reference_shares(records: list[dict]) -> list[Share]:
     [('cublas', 0.5)]
     """
     def problem(r):
-        return (str(r["run"]), r["benchmark"], arithmetic(r), int(r["m"]), int(r["n"]),
-                int(r["k"]))
+        return (str(r["run"]), r["benchmark"], r.get("device"), arithmetic(r), int(r["m"]),
+                int(r["n"]), int(r["k"]))
 
     records = [r for r in records if "predicted_seconds" not in r]  # model records restate
     refs: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -242,14 +246,16 @@ def _tables(records, strong, weak, shares, roofs,
         if rows:
             tables.append((title, ["benchmark", "device", "run", "family", "dtype", "m x n x k",
                                    "count", "seconds", "speedup", "efficiency"], rows))
-    rows = [[s.record["benchmark"], str(s.record["run"]), arithmetic(s.record),
+    rows = [[s.record["benchmark"], s.record["device"], str(s.record["run"]),
+             arithmetic(s.record),
              f'{s.record["m"]}x{s.record["n"]}x{s.record["k"]}',
              s.record["variant"] + emulated_label(s.record),
              "{} {}".format(*count_of(s.record)), f'{s.record["seconds"]:.4g}', s.reference,
              f"{s.reference_seconds:.4g}", f"{s.share:.2f}"] for s in shares]
     if rows:
         tables.append(("Share of the same-run reference (reference seconds / seconds)",
-                       ["benchmark", "run", "dtype", "m x n x k", "variant", "count", "seconds",
+                       ["benchmark", "device", "run", "dtype", "m x n x k", "variant",
+                        "count", "seconds",
                         "reference", "reference seconds", "share"], rows))
     rows = [row for device in sorted(roofs) for row in ceiling_rows(roofs[device])]
     if rows:
@@ -519,10 +525,16 @@ def _remove_folders(folders: list[Path]) -> None:
 
 
 def _check_output(folder: Path, overwrite: bool, inputs=()) -> None:
-    """Refuse an output folder that is a file, a non-empty folder without ``overwrite``, or
-    one whose replacement would take away the current folder or an input (``inputs``)."""
+    """Refuse an output folder that is a file or under one, a non-empty folder without
+    ``overwrite``, or one whose replacement would take away the current folder or an input
+    (``inputs``)."""
     if folder.exists() and not folder.is_dir():
         raise OutputExists(f"{folder} exists and is not a folder")
+    above = folder.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():  # the folder would go under a file
+        raise NotADirectoryError(20, "Not a directory", str(above))
     if folder.is_dir():
         here = folder.resolve()
         if here == Path.cwd().resolve() or here in Path.cwd().resolve().parents:
@@ -573,7 +585,9 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     _check_output(folder, overwrite, paths)
     records, profiles = read_inputs(paths)
     invalid = [r for r in records if r.get("invalid")]
-    records = [r for r in records if not r.get("invalid")]
+    # a product off its float64 check (distmm bench's relerr_ok): its time is no result's
+    wrong = [r for r in records if not r.get("invalid") and r.get("relerr_ok") is False]
+    records = [r for r in records if not r.get("invalid") and r.get("relerr_ok") is not False]
     try:
         import matplotlib
 
@@ -592,6 +606,10 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     if invalid:
         notes.append(f"{len(invalid)} records marked invalid were left out (each record's "
                      "`invalid` says why).")
+    if wrong:
+        notes.append(f"{len(wrong)} records whose product failed its float64 check "
+                     "(`relerr_ok` false) were left out: "
+                     + ", ".join(sorted({r["variant"] for r in wrong})) + ".")
     if "roofline" in sections:
         roofs, roof_notes = _rooflines([r for r in records if "predicted_seconds" not in r])
         notes += roof_notes
@@ -602,12 +620,22 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
         notes.append("No predicted against measured figure: every record with "
                      "predicted_seconds is a prediction (seconds null).")
     shares = reference_shares(records) if "shares" in sections else []
+    if "shares" in sections:
+        paired = {id(s.record) for s in shares}
+        alone = [r for r in records if "predicted_seconds" not in r and r["seconds"]
+                 and not is_reference(r["variant"]) and id(r) not in paired]
+        if alone:
+            notes.append(f"No share of a reference for {len(alone)} records: no reference "
+                         f"({', '.join(REFERENCES)}) was measured in the same run on the "
+                         "same device for their dtype and size.")
     made = _make_parents(folder.absolute().parent)
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{folder.name}.distmm-partial-",
                                        dir=folder.absolute().parent))
-    except BaseException:
+    except BaseException as exc:
         _remove_folders(made)
+        if isinstance(exc, OSError) and exc.errno:  # named as -o, not the staging folder
+            raise OSError(exc.errno, exc.strerror, str(folder.absolute().parent)) from None
         raise
     staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
     try:

@@ -50,6 +50,7 @@ default)::
 """
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -289,7 +290,7 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
 
     unknown = sorted(set(data) - TOP_KEYS)
     if unknown:
-        bad(unknown[0], f"unknown key (known: {', '.join(sorted(TOP_KEYS))})")
+        bad(unknown[0], _unknown(unknown[0], TOP_KEYS | SERIES_KEYS, TOP_KEYS))
     name = _string(data, "name", default_name, bad)
     if not name or any(ch in name for ch in "/\\") or name.startswith("."):
         bad("name", f"{name!r} is not a file-name stem")
@@ -343,7 +344,7 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
 
     unknown = sorted(set(s) - SERIES_KEYS)
     if unknown:
-        sbad(unknown[0], f"unknown key (known: {', '.join(sorted(SERIES_KEYS))})")
+        sbad(unknown[0], _unknown(unknown[0], SERIES_KEYS | TOP_KEYS, SERIES_KEYS))
     if "kind" not in s:
         sbad("kind", "missing (\"strong\" or \"weak\")")
     kind = _choice(s, "kind", None, KINDS, sbad)
@@ -418,6 +419,20 @@ def _fits(kind, counts, sizes, dtypes, sbad) -> None:
                           f"bytes, numpy's largest array is 2**63 - 1 bytes")
 
 
+def _unknown(key: str, near: set, known: set) -> str:
+    """What is wrong with the unknown key ``key`` of a table whose keys are ``known``: the
+    closest key of ``near`` (this table's or the other table's, where the key belongs there)
+    as a "did you mean", then the known keys."""
+    close = difflib.get_close_matches(key, sorted(near), n=1, cutoff=0.75)
+    hint = ""
+    if close and close[0] in known:
+        hint = f"; did you mean {close[0]!r}?"
+    elif close:
+        hint = (f"; {close[0]!r} belongs to the " + ("[[series]] tables" if close[0] in SERIES_KEYS
+                                                      else "study's top level"))
+    return f"unknown key{hint} (known: {', '.join(sorted(known))})"
+
+
 def _positive_ints(value) -> bool:
     """Whether ``value`` is a non-empty list of integers of at least 1 (not bools)."""
     return (isinstance(value, list) and bool(value)
@@ -427,7 +442,7 @@ def _positive_ints(value) -> bool:
 def _nodes(s: dict, engines, counts, sbad) -> int | str | None:
     """A series' emulated nodes (``nodes`` and ``emulated``), or None for one host."""
     emulated = s.get("emulated", False)
-    if emulated not in (True, False, ALL_LINKS):
+    if not (isinstance(emulated, bool) or emulated == ALL_LINKS):  # 1 == True: not a bool
         sbad("emulated", f"true, false or \"{ALL_LINKS}\", got {emulated!r}")
     nodes = s.get("nodes")
     if nodes is not None and (type(nodes) is not int or nodes < 1):
