@@ -21,10 +21,40 @@ def test_plan_command():
     assert "C tiles per worker [4, 4, 4, 3]" in r.stdout
 
 
-def test_info_command():
-    r = run_cli("info")
+def _no_settings(home: Path) -> dict:
+    """An environment without distmm settings: no DISTMM_/DASK_DISTMM__ variable, no
+    DASK_CONFIG, and a HOME without ~/.config/dask."""
+    unset = {k: None for k in os.environ if k.startswith(("DISTMM_", "DASK_DISTMM__"))}
+    return {**unset, "DASK_CONFIG": None, "HOME": str(home)}
+
+
+def test_info_command(tmp_path):
+    r = run_cli("info", env=_no_settings(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "numpy" in r.stdout and "mpi4py" in r.stdout
+    assert r.stdout.splitlines()[-1] == "config      defaults"
+
+
+def test_info_shows_the_settings_in_force_and_where_each_was_set(tmp_path):
+    """distmm info printed versions and devices only: a DISTMM_ variable or a YAML file in
+    dask's config paths changed plans with nothing to show it before a job."""
+    folder = tmp_path / "dask"
+    folder.mkdir()
+    (folder / "site.yaml").write_text("distmm:\n  batch_stripes: 3\n  precision: tf32\n"
+                                      "  engine: auto\n")
+    env = {**_no_settings(tmp_path), "DASK_CONFIG": str(folder),
+           "DISTMM_MEMORY_BUDGET": "4GiB", "DASK_DISTMM__PRECISION": "bf16"}
+    r = run_cli("info", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("config"))
+    assert lines[at:] == ["config      memory-budget = 4GiB (DISTMM_MEMORY_BUDGET)",
+                          f"            batch-stripes = 3 ({folder / 'site.yaml'})",
+                          "            precision = bf16 (DASK_DISTMM__PRECISION)"]
+    # a value that does not parse: the command's one line, naming the key, and status 2
+    r = run_cli("info", env={**env, "DISTMM_BATCH_STRIPES": "0"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "distmm.batch-stripes = 0 is not valid" in r.stderr
 
 
 def test_demo_local_engine():

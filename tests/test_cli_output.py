@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import run_cli
+from conftest import pause_at, run_cli
 
 
 def one_line(stderr: str) -> str:
@@ -67,6 +67,92 @@ def test_h5_operands_and_output_in_one_file(tmp_path):
     with h5py.File(f, "r") as fh:
         assert sorted(fh) == ["A", "B", "C"]
         np.testing.assert_allclose(fh["C"][...], a @ b, rtol=1e-12, atol=1e-12)
+
+
+def _shared_h5(folder: Path, a, b) -> Path:
+    """An HDF5 file in HDF5's newest format (superblock 3, which marks a file open for
+    writing) holding A, B and a dataset X of the user's."""
+    f = folder / "all.h5"
+    with h5py.File(f, "w", libver="latest") as fh:
+        fh["A"], fh["B"], fh["X"] = a, b, np.arange(7.0)
+    return f
+
+
+def test_runs_into_an_operand_s_h5_file_leave_it_as_it_was_when_refused_or_stopped(tmp_path):
+    """``distmm matmul f.h5:A f.h5:B -o f.h5:C`` opened f.h5 for writing from the start: a
+    refused run changed its modification time, and one that SIGTERM stopped mid-product left
+    it marked open for writing, which h5py refused to open ('file is already open for write
+    ... h5clear')."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((60, 40)), rng.standard_normal((40, 30))
+    f = _shared_h5(tmp_path, a, b)
+    before = f.stat().st_mtime_ns, sha256(f)
+    time.sleep(0.01)
+    r = run_cli("matmul", f"{f}:A", f"{f}:B", "-o", f"{f}:X")  # exists: no --overwrite
+    assert r.returncode == 2 and f"{f}:X exists" in one_line(r.stderr)
+    assert (f.stat().st_mtime_ns, sha256(f)) == before
+    site = tmp_path / "site"
+    site.mkdir()
+    pause_at(site, "distmm.api", "matmul")
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", f"{f}:A", f"{f}:B",
+                             "-o", f"{f}:C", "--engine", "local"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(site), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 60
+    while not (site / "paused").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "SIGTERM" in one_line(err)
+    assert sha256(f) == before[1]
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["A", "B", "X"]
+        np.testing.assert_array_equal(fh["A"][...], a)
+    assert partials(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("a_spec, b_spec, out", [
+    ("a.npy", "b.npy", "a.npy"), ("a.npy", "b.npy", "s.npy"), ("a.npy", "b.npy", "h.npy"),
+    ("a.zarr", "b.zarr", "a.zarr"), ("all.h5:A", "all.h5:B", "all.h5:A")])
+def test_output_replacing_its_own_operand_gives_numpy_s_bits(tmp_path, mpirun, ranks, a_spec,
+                                                            b_spec, out):
+    """C written over an operand (the same .npy, a symbolic or a hard link to it, the same
+    zarr array, an HDF5 dataset of the file read), in several stripes: numpy's product of the
+    inputs as they were (small integers: every summation order gives the same bits)."""
+    rng = np.random.default_rng()
+    a = rng.integers(-8, 8, (300, 257)).astype(np.float64)
+    b = rng.integers(-8, 8, (257, 300)).astype(np.float64)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    os.symlink("a.npy", tmp_path / "s.npy")
+    os.link(tmp_path / "a.npy", tmp_path / "h.npy")
+    for name, x in (("a.zarr", a), ("b.zarr", b)):
+        zarr.open_array(str(tmp_path / name), mode="w", shape=x.shape, dtype=x.dtype,
+                        chunks=(64, 64))[...] = x
+    f = _shared_h5(tmp_path, a, b)
+    argv = ["-m", "distmm", "matmul", a_spec, b_spec, "-o", out, "--overwrite"]
+    env = {"DISTMM_BATCH_STRIPES": "5", "DISTMM_MEMORY_BUDGET": "256KiB"}
+    r = run_cli(*argv[2:], env=env, cwd=tmp_path) if ranks == 1 else \
+        mpirun(2, *argv, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    if out.endswith(".zarr"):
+        got = zarr.open_array(str(tmp_path / out), mode="r")[...]
+    elif ":" in out:
+        with h5py.File(f, "r") as fh:
+            got = fh["A"][...]
+            np.testing.assert_array_equal(fh["B"][...], b)
+            np.testing.assert_array_equal(fh["X"][...], np.arange(7.0))
+    else:
+        got = np.load(tmp_path / out)
+        assert not (tmp_path / out).is_symlink()  # replaced, not followed
+        if out != "a.npy":
+            np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), a)
+    np.testing.assert_array_equal(got, a @ b)
+    assert partials(tmp_path) == []
 
 
 def test_zarr_group_is_never_replaced(tmp_path, operands):
@@ -488,6 +574,34 @@ def test_npz_archive_named_npy_is_bad_input_in_one_line(tmp_path, operands):
     r = run_cli("matmul", pa, z, "-o", tmp_path / "c.npy", "--engine", "local")
     assert r.returncode == 2
     assert f"{z} is a .npz archive (arrays: A), not a .npy file" in one_line(r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("kind", ["bfloat16.npy", "V4.h5"])
+def test_raw_bytes_operand_says_what_was_saved_and_what_to_do(tmp_path, operands, kind):
+    """numpy.save (and h5py) store ml_dtypes' bfloat16 as raw 2-byte values, '|V2': the line
+    said only 'has dtype |V2: matmul needs boolean or numeric operands'; now it names the
+    likely bfloat16 and what distmm takes instead (float32 and --precision bf16), and for
+    other raw bytes ('|V4') what they are."""
+    pa, pb, _ = operands
+    if kind == "bfloat16.npy":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        spec = tmp_path / "a16.npy"
+        np.save(spec, np.load(pa).astype(ml_dtypes.bfloat16))
+        says = (f"{spec} has dtype |V2: 2-byte values of a type the file does not name, as "
+                f"numpy.save and h5py store ml_dtypes' bfloat16; save the array as float32 "
+                f"(x.astype(numpy.float32), exact) and pass --precision bf16")
+    else:
+        with h5py.File(tmp_path / "v.h5", "w") as fh:
+            fh["A"] = np.zeros((37, 50), dtype="V4")
+        spec = f"{tmp_path / 'v.h5'}:A"
+        says = (f"{spec} has dtype |V4: 4-byte values of a type the file does not name, as "
+                f"numpy.save and h5py store a dtype numpy has no name for; matmul needs "
+                f"boolean or numeric operands")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = run_cli("matmul", spec, pb, "-o", tmp_path / "c.npy", "--engine", "local")
+    assert r.returncode == 2
+    assert says in one_line(r.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

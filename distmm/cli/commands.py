@@ -124,6 +124,7 @@ def _cmd_info(args) -> int:
         table = rank_table(MPI.COMM_WORLD)
         if MPI.COMM_WORLD.rank != 0:
             return 0
+    config = _config_lines()  # before the first line: a bad setting is the command's one line
     print(f"distmm      {distmm.__version__}")
     print(f"python      {platform.python_version()} on {platform.machine()}")
     print(f"numpy       {np.__version__}")
@@ -153,7 +154,47 @@ def _cmd_info(args) -> int:
     if table is not None:
         print(f"ranks       {ranks} ({var}); the GPU each uses:")
         print("\n".join(table))
+    print("\n".join(config))
     return 0
+
+
+def _config_lines() -> list[str]:
+    """``distmm info``'s lines of the configuration in force: each key whose value differs
+    from ``distmm.yaml``'s, as set, with where it was set where that can be told (a
+    ``DISTMM_``/``DASK_DISTMM__`` variable, which wins, else the last YAML file of dask's
+    config paths that sets it); ``config      defaults`` where none differs."""
+    import json
+    from pathlib import Path
+
+    import dask.config
+    import yaml
+
+    import distmm.config
+    from distmm.config import KEYS, get_config
+
+    now = get_config()  # a bad value or an unknown key: its one line
+    shipped = Path(distmm.config.__file__).with_name("distmm.yaml")
+    with dask.config.set({"distmm": yaml.safe_load(shipped.read_text())["distmm"]}):
+        default = get_config()
+    section = dask.config.global_config.get("distmm", {})
+    files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
+    lines = []
+    for key in KEYS:
+        spellings = (key, key.replace("-", "_"))
+        if getattr(now, spellings[1]) == getattr(default, spellings[1]):
+            continue
+        value = next((section[k] for k in spellings if k in section), None)
+        suffix = spellings[1].upper()
+        short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
+        if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
+            where = short if os.environ.get(short) == os.environ[full] else full
+        else:
+            where = next((str(path) for path, conf in reversed(files)
+                          if isinstance(conf.get("distmm"), dict)
+                          and any(k in conf["distmm"] for k in spellings)), None)
+        lines.append(f"{key} = {value if isinstance(value, str) else json.dumps(value)}"
+                     + (f" ({where})" if where else ""))
+    return [f"{'' if i else 'config':12}{line}" for i, line in enumerate(lines or ["defaults"])]
 
 
 def _mpi_run(args) -> bool:
@@ -456,8 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parser(sub, common)  # distmm cluster: distmm.cli.serve
 
-    i = sub.add_parser("info", parents=[common], help="devices, backends and versions",
-                       description="print devices, backends and versions")
+    i = sub.add_parser("info", parents=[common], help="devices, backends, versions, settings",
+                       description="print devices, backends and versions, and the distmm "
+                                   "settings that differ from the defaults, with where each "
+                                   "was set")
     i.set_defaults(func=_cmd_info)
 
     r = sub.add_parser("report", parents=[common],

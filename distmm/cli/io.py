@@ -83,9 +83,24 @@ def operands_dtype(a_spec: str, a, b_spec: str, b) -> np.dtype:
 
     for spec, x in ((a_spec, a), (b_spec, b)):
         dt = np.dtype(x.dtype)
+        if dt.kind == "V" and dt.names is None:  # raw bytes: a dtype the file could not name
+            raise TypeError(f"{spec} has dtype {dt}: {_unnamed(dt)}")
         if dt.kind not in "biufcO" and not is_bfloat16(dt):
             raise TypeError(f"{spec} has dtype {dt}: matmul needs boolean or numeric operands")
     return result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
+
+
+def _unnamed(dt: np.dtype) -> str:
+    """What to do with an operand of raw bytes (``|V2``...): what numpy.save and h5py store
+    for a dtype numpy has no name for, such as ml_dtypes' bfloat16, which no format distmm
+    reads keeps."""
+    if dt.itemsize == 2:
+        return ("2-byte values of a type the file does not name, as numpy.save and h5py store "
+                "ml_dtypes' bfloat16; save the array as float32 (x.astype(numpy.float32), "
+                "exact) and pass --precision bf16 for bfloat16 arithmetic")
+    return (f"{dt.itemsize}-byte values of a type the file does not name, as numpy.save and "
+            f"h5py store a dtype numpy has no name for; matmul needs boolean or numeric "
+            f"operands: save the array as one, e.g. x.astype(numpy.float32)")
 
 
 def check_shapes(a_spec: str, a, b_spec: str, b) -> None:
@@ -148,8 +163,11 @@ def unreadable(exc: BaseException, operands: dict):
 def open_operand(spec: str, *, writable: bool = False):
     """Open an operand without reading it all: a memmap, a zarr array or an h5py dataset.
 
-    ``writable`` opens an HDF5 file in ``r+`` mode, for a file that also
-    receives the output (HDF5 opens one file twice only with the same mode).
+    An HDF5 file is opened read-only, also one that receives the output (``writable``: refused
+    where another process holds it, which would refuse C): a file opened for writing had its
+    modification time changed by a refused run, and one in HDF5's newer format
+    (``libver="latest"``) left marked open for writing, unreadable until ``h5clear``, by a
+    run a signal ended. ``staged_output`` closes it before C is copied in.
 
     Raises
     ------
@@ -195,8 +213,11 @@ def open_operand(spec: str, *, writable: bool = False):
         raise IsADirectoryError(f"{t.path} is a directory, not an HDF5 file")
     if not h5py.is_hdf5(t.path):
         raise ValueError(f"{t.path} is not an HDF5 file")
+    if writable and _held_elsewhere(t.path):  # C could not be copied into it at the end
+        raise ValueError(f"{t.path} is open in another process (HDF5's file lock), which would "
+                         f"refuse the finished C; close it there first")
     try:
-        fh = h5py.File(t.path, "r+" if writable else "r")
+        fh = h5py.File(t.path, "r")
     except OSError as exc:  # HDF5's own messages: a truncated or damaged file
         if isinstance(exc, PermissionError):
             raise
@@ -360,33 +381,40 @@ def check_unlocked(t: Target) -> None:
     ------
     ValueError
     """
-    if t.kind != "h5" or not t.path.is_file():
-        return
+    if t.kind == "h5" and t.path.is_file() and _held_elsewhere(t.path):
+        raise ValueError(f"cannot add {t.dataset!r} to {t.path}: the file is open in another "
+                         f"process (HDF5's file lock), which would refuse the finished C; "
+                         f"close it there first")
+
+
+def _held_elsewhere(path: Path) -> bool:
+    """Whether another process holds the HDF5 file ``path`` open (HDF5's lock, ``flock``);
+    False where this process has it open itself, where HDF5's locking is off, or on a file
+    system without ``flock``."""
     if os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper() == "FALSE":
-        return
+        return False
     import fcntl
 
     import h5py
 
-    own = t.path.resolve()
+    own = path.resolve()
     for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):  # an operand's dataset, say
         try:
             if Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
-                return
+                return False
         except (OSError, ValueError):
             continue
-    fd = os.open(t.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # HDF5's own lock (flock); closing
         # the descriptor below releases it
     except BlockingIOError:
-        raise ValueError(f"cannot add {t.dataset!r} to {t.path}: the file is open in another "
-                         f"process (HDF5's file lock), which would refuse the finished C; "
-                         f"close it there first") from None
+        return True
     except OSError:
         pass  # a file system without flock: HDF5 does not lock there either
     finally:
         os.close(fd)
+    return False
 
 
 def same_file(a: str, b: str) -> bool:
@@ -475,6 +503,7 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             if t.kind == "npy":
                 put_in_place(tmp, t.path, overwrite=overwrite)
             else:
+                _close_own(t.path)  # an operand's file, read-only: HDF5 opens it once here
                 commit_h5(tmp, t.path, t.dataset, overwrite=overwrite)
             return
         import zarr
@@ -488,6 +517,20 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target
         elif tmp.exists():
             tmp.unlink()
+
+
+def _close_own(path: Path) -> None:
+    """Close this process's handles on the HDF5 file ``path`` (its operands, read): HDF5 opens
+    a file a second time only in the same mode, and C is copied into it for writing."""
+    import h5py
+
+    own = path.resolve()
+    for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):  # an operand's dataset, say
+        try:
+            if oid.valid and Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
+                h5py.File(h5py.h5i.get_file_id(oid)).close()  # with every object in it
+        except (OSError, ValueError):
+            continue
 
 
 def write_atomic(spec: str, array, *, overwrite: bool = False) -> None:
