@@ -471,6 +471,9 @@ def _run(eng, ops: Operands, cfg, *, tile, backend: str, out=None, precision: st
 
 
 def _squeeze(out, ops: Operands):
+    if ops.family == "dask" and (ops.a_vector or ops.b_vector):
+        # as dask's own matmul: squeezed, so a vector @ vector computes to a 0-d array
+        return out.squeeze(axis=((-2,) if ops.a_vector else ()) + ((-1,) if ops.b_vector else ()))
     if ops.b_vector:
         out = out[..., 0]
     if ops.a_vector:
@@ -532,9 +535,6 @@ def _check_out(out, ops: Operands):
     equal, batch dimensions broadcast). Its dtype was checked with the operands'
     (``_validate``: numpy's casting rule)."""
     shape = ops.batch + ((ops.m,) if not ops.a_vector else ()) + ((ops.n,) if not ops.b_vector else ())
-    if ops.family == "dask":
-        # numpy hands such a call to dask, whose matmul takes no out= (TypeError)
-        raise TypeError("matmul: out= is not supported for dask operands (the result is lazy)")
     out_shape = tuple(out.shape)
     core = len(shape) - len(ops.batch)
     if len(out_shape) < len(shape):  # numpy's flexible core dimensions decide: ask it
@@ -717,6 +717,13 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         loop = None if isinstance(result, np.ndarray) else ufunc_dtype(
             _dtype_of(a), _dtype_of(b), dtype=dtype, casting=casting, order=order)
         return ufunc_rules.apply_wrap(wrap, result, (a, b), dtype=loop)
+    if out is not None and "dask" in (array_family(a), array_family(b)):
+        # numpy hands such a call to dask, whose matmul takes no out=: its TypeError, before
+        # any axes or shape is looked at
+        exc = TypeError("matmul: out= is not supported for dask operands (the result is lazy)")
+        if engine == "mpi":
+            _mpi_agree(exc)
+        raise exc
     if axes is not None or axis is not None:
         try:
             _loop_first(a, b, out, keywords, axes=axes, axis=axis)

@@ -163,6 +163,22 @@ def test_batches_and_vectors(client, family):
         assert np.shape(got) == want.shape
 
 
+def test_vector_by_vector_of_dask_operands_computes_as_dasks():
+    """dask's matmul squeezes a 1-D operand's axis away: 1-D @ 1-D computes to a 0-d array,
+    as ``x @ y`` does, not to the scalar that indexing left (a ``Fraction`` for objects)."""
+    from fractions import Fraction
+
+    objects = np.array([Fraction(1, 2), 3], dtype=object)
+    for x, y in ((da.arange(3.0, chunks=2), da.ones(3, chunks=1)),
+                 (da.from_array(objects, chunks=-1), objects[::-1].copy())):
+        want = (x @ y).compute()
+        got = distmm.matmul(x, y)
+        assert got.chunks == (x @ y).chunks == ()
+        got = got.compute()
+        assert type(got) is type(want) is np.ndarray, type(got)
+        assert got.dtype == want.dtype and got.shape == () and got[()] == want[()]
+
+
 def test_empty_and_zero_k(client):
     for sa, sb in (((0, 5), (5, 3)), ((4, 0), (0, 3)), ((4, 5), (5, 0))):
         a, b = np.ones(sa), np.ones(sb)
@@ -217,6 +233,21 @@ def test_shape_mismatch_fails_at_call_time(client):
     B = da.ones((41, 20), chunks=10)
     with pytest.raises(ValueError, match=r"inner dimensions differ.*\(30, 40\).*\(41, 20\)"):
         distmm.matmul(A, B)  # dask's own matmul raises only at compute (dask#8948)
+
+
+def test_out_with_dask_operands_is_refused_before_shapes_or_axes():
+    """numpy hands a call with a dask operand to dask, whose matmul refuses ``out=`` (a
+    TypeError) before it looks at shapes or ``axes``: so does distmm (it raised its
+    ValueError for the shapes first)."""
+    out = np.empty((2, 2))
+    cases = [((da.ones(5), da.ones((6, 9))), {}), ((da.ones((2, 3)), np.ones((4, 2))), {}),
+             ((np.ones(()), da.ones(3)), {}),
+             ((da.ones((2, 3)), da.ones((3, 2))), {"axes": [(0, 5), (0, 1), (0, 1)]})]
+    for (a, b), kw in cases:
+        with pytest.raises(TypeError):
+            np.matmul(a, b, out=out, **kw)
+        with pytest.raises(TypeError, match="out= is not supported for dask operands"):
+            distmm.matmul(a, b, out=out, **kw)
 
 
 def test_unknown_chunk_sizes_fail_clearly(client):
