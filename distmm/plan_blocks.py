@@ -175,7 +175,7 @@ MIN_BLOCK_SIDE = 256
 MIN_K_GROUP = 2048
 #: bytes per second assumed for moving a block's panels to its worker (shares model)
 HOST_BANDWIDTH = 5e9
-#: smallest share of C a worker is given (below it: nothing)
+#: a worker slower than this share of the fastest worker is given no part of C
 MIN_SHARE = 0.05
 #: seconds of fixed cost per worker taking part (scheduling, a task, a gather)
 TASK_OVERHEAD = 0.02
@@ -197,19 +197,17 @@ def worker_grid(p: int, m: int, n: int) -> tuple[int, int]:
     return best[1]
 
 
-def _makespan(rates, m: int, n: int, k: int, itemsize: int, bandwidth: float,
-              overhead: float) -> float:
-    """Modelled seconds of a product shared in proportion to ``rates`` (flop/s):
-    each worker computes its share and receives the panels of a square block
-    of its share's area. Every worker computes for the same time (shares follow the rates),
-    so the slowest is the one with the largest share, and so the most panels: only the
-    fastest worker's time is computed."""
-    total = sum(rates)
-    r = max(rates)
-    share = r / total
+def _makespan(total: float, fastest: float, m: int, n: int, k: int, itemsize: int,
+              bandwidth: float, overhead: float) -> float:
+    """Modelled seconds of a product shared in proportion to the rates (flop/s) of workers
+    whose rates sum to ``total``, the fastest ``fastest``: each worker computes its share and
+    receives the panels of a square block of its share's area. Every worker computes for the
+    same time (shares follow the rates), so the slowest is the one with the largest share,
+    and so the most panels: only the fastest worker's time is computed."""
+    share = fastest / total
     side = math.sqrt(share * m * n)
     panels = min(side, m) + min(side, n)
-    return share * 2.0 * m * n * k / r + panels * k * itemsize / bandwidth + overhead
+    return share * 2.0 * m * n * k / fastest + panels * k * itemsize / bandwidth + overhead
 
 
 def shares(gflops, m: int, n: int, k: int, itemsize: int = 8, *,
@@ -220,11 +218,12 @@ def shares(gflops, m: int, n: int, k: int, itemsize: int = 8, *,
     Workers join fastest first, and only while the modelled run time
     (``_makespan``: compute of the share, panels moved at ``bandwidth``, a
     fixed ``overhead``) gets shorter: a CPU worker beside a GPU gets 0 when its
-    share would make the run slower than the GPU alone. A share under
-    ``min_share`` is dropped too: a few percent gained on paper are lost to
-    a straggler or an error of the model. Ties keep the
-    workers' order. (A product too small to give every worker a block is
-    cut into fewer blocks by ``block_layout``.)
+    share would make the run slower than the GPU alone. A worker slower than
+    ``min_share`` of the fastest is dropped too: the few percent it would add on
+    paper are lost to a straggler or an error of the model (many equal workers
+    all take part, however small each one's share). Ties keep the workers'
+    order. (A product too small to give every worker a block is cut into fewer
+    blocks by ``block_layout``.)
     """
     rates = [max(float(g), 0.0) * 1e9 for g in gflops]
     if not rates:
@@ -232,20 +231,20 @@ def shares(gflops, m: int, n: int, k: int, itemsize: int = 8, *,
     order = sorted(range(len(rates)), key=lambda i: (-rates[i], i))
     if rates[order[0]] <= 0:
         rates = [1.0] * len(rates)
-    chosen = [order[0]]
-    best = _makespan([rates[order[0]]], m, n, k, itemsize, bandwidth, overhead)
+    fastest = rates[order[0]]
+    chosen, total = [order[0]], fastest
+    best = _makespan(total, fastest, m, n, k, itemsize, bandwidth, overhead)
     for i in order[1:]:
-        if rates[i] <= 0:
+        if rates[i] <= 0 or rates[i] < min_share * fastest:
             break
-        t = _makespan([rates[j] for j in chosen + [i]], m, n, k, itemsize, bandwidth, overhead)
+        t = _makespan(total + rates[i], fastest, m, n, k, itemsize, bandwidth, overhead)
         if t >= best:
             break
         chosen.append(i)
+        total += rates[i]
         best = t
-    total = sum(rates[i] for i in chosen)
-    chosen = [i for i in chosen if rates[i] / total >= min_share] or [order[0]]
-    total = sum(rates[i] for i in chosen)
-    return tuple(rates[i] / total if i in chosen else 0.0 for i in range(len(rates)))
+    kept = set(chosen)
+    return tuple(rates[i] / total if i in kept else 0.0 for i in range(len(rates)))
 
 
 def snap(ideal, cuts) -> tuple[int, ...]:

@@ -111,6 +111,21 @@ def test_shares_follow_throughput_and_drop_slow_workers():
     assert lay.area(0) / 4096**2 == pytest.approx(0.75, abs=0.02)
 
 
+def test_many_equal_workers_all_take_part():
+    """21 or more equal GPU workers each have a share under 5% of C: the share floor once
+    dropped every one of them and gave all of C to one worker (so did the model's dask
+    predictions at 64 to 4096 GPUs). The floor is now against the fastest worker's rate; a
+    slow worker beside fast ones still gets nothing."""
+    for p in (20, 21, 64, 4096):
+        s = shares([50000.0] * p, 32768, 32768, 32768, 4)
+        assert s == pytest.approx((1 / p,) * p), p
+    s = shares([50000.0] * 32 + [2000.0], 32768, 32768, 32768, 4)
+    assert s[-1] == 0.0 and s[:-1] == pytest.approx((1 / 32,) * 32)
+    start = time.perf_counter()  # linear in the worker count: a model at 131072 GPUs asks it
+    assert sum(shares([50000.0] * 131072, 131072, 131072, 131072, 4)) == pytest.approx(1.0)
+    assert time.perf_counter() - start < 5
+
+
 def test_alike_workers_take_one_rate_and_their_blocks_are_even():
     """Probes of alike workers (GPUs of one model; CPU workers of one host with as many
     threads) measure a few percent apart: each group takes its median, so four GPUs of one
