@@ -110,8 +110,8 @@ class GemmRate:
     def __post_init__(self):
         if not (self.peak > 0 and math.isfinite(self.peak)):
             raise ValueError(f"a GEMM rate must be a positive flop/s, got {self.peak!r}")
-        if not self.half_size >= 0:
-            raise ValueError(f"half_size must not be negative, got {self.half_size!r}")
+        if not (self.half_size >= 0 and math.isfinite(self.half_size)):
+            raise ValueError(f"half_size must be finite and not negative, got {self.half_size!r}")
         if self.size_rule not in ("min", "volume"):
             raise ValueError(f"size_rule must be 'min' or 'volume', got {self.size_rule!r}")
 
@@ -141,8 +141,9 @@ class Link:
     def __post_init__(self):
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
             raise ValueError(f"a link's bandwidth must be positive bytes/s, got {self.bandwidth!r}")
-        if not self.latency >= 0:
-            raise ValueError(f"a link's latency must not be negative, got {self.latency!r}")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"a link's latency must be finite, not negative, seconds, got "
+                             f"{self.latency!r}")
 
     def seconds(self, nbytes: float, hops: int = 1) -> float:
         return hops * self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
@@ -247,10 +248,23 @@ class Calibration:
             kind, _, dt = key.partition(":")
             if kind not in DEVICE_KINDS or not dt:
                 raise ValueError(f"GEMM rate key {key!r} must be 'gpu:DTYPE' or 'cpu:DTYPE'")
+        if not isinstance(self.machine, str) or not self.machine:
+            raise ValueError(f"machine must name the machine, got {self.machine!r}")
         for name in ("file_read", "file_write", "file_write_shared"):
-            if not getattr(self, name) > 0:
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be positive bytes/s, got {getattr(self, name)!r}")
-        if not self.file_write_buffered >= 0:
+        for kind, value in self.memory_bandwidth.items():
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"memory_bandwidth of {kind} must be positive bytes/s, got "
+                                 f"{value!r}")
+        for name, value in self.overheads.items():
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"overhead {name} must be seconds, not negative, got {value!r}")
+        for name in ("cores", "gpus_per_node", "device_memory", "host_memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (self.file_write_buffered >= 0 and math.isfinite(self.file_write_buffered)):
             raise ValueError(f"file_write_buffered must not be negative bytes/s, got "
                              f"{self.file_write_buffered!r}")
         if not (self.host_staging >= 0 and math.isfinite(self.host_staging)):
@@ -321,10 +335,21 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Calibration":
         """The inverse of ``to_dict``; a wrong format or field is a ``ValueError`` naming it."""
-        if not isinstance(d, Mapping) or d.get("format") != "distmm-calibration-1":
+        if not isinstance(d, Mapping) or "format" not in d:
             raise ValueError("not a distmm calibration (no 'format': 'distmm-calibration-1')")
+        if d["format"] != "distmm-calibration-1":
+            raise ValueError(f"not a distmm calibration this version reads: format "
+                             f"{d['format']!r}, not 'distmm-calibration-1' (run distmm calibrate)")
+
+        def whole(key, default=None):  # an integer field: 2.5 cores is no count
+            value = d[key] if default is None else d.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not float(value).is_integer():
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+            return int(value)
+
         try:
-            return cls(machine=str(d["machine"]),
+            return cls(machine=d["machine"],
                        gemm={k: GemmRate(float(v["peak"]), float(v.get("half_size", 0.0)),
                                          str(v.get("size_rule", "min")))
                              for k, v in d["gemm"].items()},
@@ -339,8 +364,8 @@ class Calibration:
                        host_register=float(d.get("host_register", HOST_REGISTER_NOMINAL)),
                        host_unregister=float(d.get("host_unregister",
                                                    HOST_UNREGISTER_NOMINAL)),
-                       device_memory=int(d["device_memory"]), host_memory=int(d["host_memory"]),
-                       cores=int(d.get("cores", 1)), gpus_per_node=int(d.get("gpus_per_node", 8)),
+                       device_memory=whole("device_memory"), host_memory=whole("host_memory"),
+                       cores=whole("cores", 1), gpus_per_node=whole("gpus_per_node", 8),
                        overlap={k: float(v) for k, v in d.get("overlap", {}).items()} or
                        {"mpi": 0.9, "dask": 0.0, "batch": 1.0},
                        overheads={k: float(v) for k, v in d.get("overheads", {}).items()},

@@ -844,10 +844,14 @@ _BAD_MODEL_ARGS = [
     (["--validate", "x.jsonl", "--gpus", "4"], "--validate takes records only"),
     (["--gpus", "8", "10", "10", "10", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
     (["--gpus", "8", "10", "10", "10", "--memory", "1e400"], "'1e400' is not a size"),
+    # was: a second, identical row (and a second record under -o)
+    (["--gpus", "8,64,8", "10", "10", "10"], "device count 8 is given twice in '8,64,8'"),
+    # was: a time for an A of 2**63 x 10 elements, which no array can hold
+    (["--gpus", "8", str(2**63), "10", "10"], "more than an array can hold"),
 ]
 _BAD_MODEL_IDS = ["gpus-word", "gpus-zero", "two-sizes", "no-gpus", "negative", "engine", "link",
                   "memory", "calibration", "int8", "records", "validate-gpus", "gpus-per-node",
-                  "memory-overflow"]
+                  "memory-overflow", "gpus-twice", "size-2**63"]
 # argparse's own refusals and the repeats of a kind run with the slow cases
 _SLOW_MODEL_IDS = {"gpus-zero", "negative", "engine", "link", "int8", "validate-gpus"}
 
@@ -948,6 +952,8 @@ def test_calibrate_quick_end_to_end(tmp_path, mpi_env):
     assert done.returncode == 0, done.stderr
     cal = load(out)
     assert isinstance(cal, Calibration)
+    if not any(key.startswith("gpu:") for key in cal.gemm):  # said, not left to be inferred
+        assert "calibrate: not measured: no GPU" in done.stderr, done.stderr
     assert cal.sources["mpi-host"].startswith("measured: mpiexec -n 2")
     assert cal.sources["tcp"].startswith("measured: LocalCluster")
     assert cal.rate("cpu", "float64").peak > 1e8
@@ -1010,3 +1016,89 @@ def test_dask_workers_of_several_hosts_receive_other_hosts_chunks_over_the_link(
         assert nccl.communication == pytest.approx(
             cal.link("ipc").seconds(panels / 4) + first
             + max(0.0, far - first - nccl.compute))
+
+
+# -- calibrations and arguments that would have given a wrong figure --------------------------
+
+_MISLEADING = [  # (a change to a stored calibration, what the refusal names)
+    (lambda d: d["memory_bandwidth"].update(cpu=-5e9), "memory_bandwidth of cpu must be positive"),
+    (lambda d: d["memory_bandwidth"].update(gpu=0.0), "memory_bandwidth of gpu must be positive"),
+    (lambda d: d["overheads"].update({"mpi-call": -10.0}), "overhead mpi-call must be seconds"),
+    (lambda d: d["overheads"].update({"dask-call": math.nan}), "overhead dask-call must be"),
+    (lambda d: d["links"]["mpi-host"].update(latency=math.inf), "latency must be finite"),
+    (lambda d: d["gemm"]["cpu:float64"].update(half_size=math.inf), "half_size must be finite"),
+    (lambda d: d.update(file_read=math.inf), "file_read must be positive bytes/s, got inf"),
+    (lambda d: d.update(cores=0), "cores must be a positive integer, got 0"),
+    (lambda d: d.update(cores=2.5), "cores must be a positive integer, got 2.5"),
+    (lambda d: d.update(host_memory=0), "host_memory must be a positive integer"),
+    (lambda d: d.update(gpus_per_node=0), "gpus_per_node must be a positive integer"),
+    (lambda d: d.update(machine=None), "machine must name the machine"),
+    (lambda d: d.update(format="distmm-calibration-2"), "format 'distmm-calibration-2', not"),
+]
+
+
+def test_a_calibration_that_would_mislead_is_refused_naming_its_file(tmp_path):
+    # was: a negative overhead printed a negative time, a NaN one 'nan', an infinite latency
+    # 'inf', an infinite half_size or no host memory a ZeroDivisionError (status 1), and
+    # zero cores, 2.5 cores or a negative memory bandwidth were taken as they were
+    from distmm.cli.calibrate import save
+
+    good = save(CAL, tmp_path / "good.json").read_text()
+    for i, (change, needle) in enumerate(_MISLEADING):
+        data = json.loads(good)
+        change(data)
+        path = tmp_path / f"bad{i}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError) as err:
+            load(path)
+        assert str(err.value).startswith(f"{path}: ") and needle in str(err.value), needle
+    # records where a calibration belongs: said so, not 'not JSON (Extra data ...)'
+    records = RESULTS / "mpi-amd-epyc-2026-11-25.jsonl"
+    with pytest.raises(ValueError, match="benchmark records \\(JSON lines\\), not a calibration"):
+        load(records)
+
+
+def test_model_refuses_a_calibration_it_cannot_use_naming_the_file(tmp_path):
+    from distmm.cli.calibrate import save
+
+    cpu = save(from_records(_records(), "AMD EPYC"), tmp_path / "cpu.json")
+    # a CPU machine's calibration asked for GPUs: the file named, and the way out
+    done = _distmm("model", "--gpus", "8", "100", "100", "100", "--calibration", str(cpu))
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert f"{cpu}: the calibration of 'AMD EPYC' has no gpu GEMM rate" in done.stderr
+    assert "(or --device cpu)" in done.stderr
+    # a valid rate so small its times overflow: refused, not 'inf' printed as a figure
+    data = json.loads(cpu.read_text())
+    data["gemm"]["cpu:float64"]["peak"] = 1e-300
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps(data))
+    done = _distmm("model", "--gpus", "8", "--device", "cpu", "--dtype", "float64",
+                   "--calibration", str(tiny), "2000", "2000", "2000")
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert f"{tiny}: its rates give inf s on 8 cpu(s)" in done.stderr
+    done = _distmm("model", "--validate", str(RESULTS / "cpu-scaling-2-amd-epyc-2026-11-27.jsonl"),
+                   "--calibration", str(tiny))
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert f"{tiny}: its rates give inf s for " in done.stderr
+    # a calibration where records belong: was 'no distmm measurement ... in these records'
+    done = _distmm("model", "--validate", str(cpu),
+                   str(RESULTS / "mpi-amd-epyc-2026-11-25.jsonl"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert f"{cpu}: a calibration, not records" in done.stderr
+    # records of kernels only: the files named (was 'in these records')
+    kernels = RESULTS / "kernels-nvidia-h200-2026-11-22.jsonl"
+    done = _distmm("model", "--validate", str(kernels))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert f"no distmm measurement the model describes in {kernels}" in done.stderr
+
+
+def test_calibrate_refuses_to_store_over_its_own_records(tmp_path):
+    # was: -o naming one of --from-records replaced the records with the calibration
+    records = tmp_path / "r.jsonl"
+    records.write_bytes((RESULTS / "mpi-amd-epyc-2026-11-25.jsonl").read_bytes())
+    before = records.read_bytes()
+    done = _distmm("calibrate", "--from-records", str(records), "-o",
+                   str(tmp_path / "." / "r.jsonl"))
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert "is one of the records it would be derived from" in done.stderr
+    assert records.read_bytes() == before and sorted(tmp_path.iterdir()) == [records]

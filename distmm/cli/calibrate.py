@@ -86,12 +86,26 @@ def load(path) -> Calibration:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"no calibration at {path} (run distmm calibrate)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and _json_lines(exc.doc):
+            raise ValueError(f"{path}: benchmark records (JSON lines), not a calibration "
+                             f"(distmm calibrate --from-records derives one)") from None
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     try:
         return Calibration.from_dict(data)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def _json_lines(text: str) -> bool:
+    """Whether ``text`` opens with JSON lines: two lines that are each a JSON object."""
+    lines = [ln for ln in text.splitlines() if ln.strip()][:2]
+    try:
+        return len(lines) == 2 and all(isinstance(json.loads(ln), dict) for ln in lines)
+    except json.JSONDecodeError:
+        return False
 
 
 # ----------------------------------------------------------------------- GEMM rate fit
@@ -894,6 +908,9 @@ def measure(*, quick: bool = False, folder=None, progress=None) -> Calibration:
         machine = f"{machine} ({gpu['name']})"
         for err in gpu.get("errors", []):
             say(f"not measured: {err}")
+    else:
+        say("not measured: no GPU (cupy or a CUDA device missing): no GPU rates stored, "
+            "its links keep nominal values")
     for name, link in base.links.items():
         if name not in links:
             links[name] = link

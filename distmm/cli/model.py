@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def _counts(text: str) -> list[int]:
                 f"{text!r} is not a comma-separated list of device counts") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"device counts must be at least 1, got {value}")
+        if value in out:  # a second row (and -o record) of the same count
+            raise argparse.ArgumentTypeError(f"device count {value} is given twice in {text!r}")
         out.append(value)
     return out
 
@@ -122,6 +125,9 @@ def run_calibrate(args) -> int:
     path = cb.default_path() if args.output is None else args.output
     check_writable(path)  # before measuring ('-o ""' is refused, not the default)
     path = Path(path)
+    for given in args.from_records or ():
+        if path.exists() and Path(given).exists() and path.samefile(given):
+            raise ValueError(f"-o {path} is one of the records it would be derived from")
     if args.from_records:
         if args.quick:
             raise ValueError("--quick measures; it does not go with --from-records")
@@ -183,6 +189,11 @@ def _calibration(path_text):
     return default_calibration(), f"none stored at {path}: nominal values (run distmm calibrate)"
 
 
+def _stored(where: str) -> str:
+    """``where`` (``_calibration``'s) as the start of an error: the file, if one was read."""
+    return "" if where.startswith("none stored at ") else f"{where}: "
+
+
 def _words(x: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
@@ -201,6 +212,8 @@ def run_model(args) -> int:
         raise ValueError(f"model needs three sizes M N K, got {len(args.sizes)}")
     if not args.devices:
         raise ValueError("model needs --gpus P1,P2,... (device counts)")
+    import numpy as np
+
     from distmm.plan import result_dtype
     from distmm.plan_model import best_plan, predict
 
@@ -215,7 +228,12 @@ def run_model(args) -> int:
         import dataclasses
 
         cal = dataclasses.replace(cal, gpus_per_node=args.gpus_per_node)
-    cal.rate(args.device, _acc(args.dtype))  # a missing rate fails before anything prints
+    try:  # a missing rate fails before anything prints, naming the file
+        cal.rate(args.device, _acc(args.dtype))
+    except ValueError as exc:
+        cpu = f"cpu:{_acc(args.dtype).name}" in cal.gemm
+        hint = " (or --device cpu)" if args.device == "gpu" and cpu else ""
+        raise ValueError(f"{_stored(where)}{exc}{hint}") from None
     rows = []
     for p in args.devices:
         best = best_plan(m, n, k, args.dtype, devices=p, calibration=cal, engine=args.engine,
@@ -223,7 +241,17 @@ def run_model(args) -> int:
         own = best if args.engine != "mpi" else predict(
             m, n, k, args.dtype, devices=p, calibration=cal, engine=args.engine,
             device=args.device, link=args.link, memory=args.memory)
+        for pred in (best, own):  # an extreme calibration: inf or nan, not a figure
+            if not all(map(math.isfinite, (pred.seconds, pred.efficiency))):
+                raise ValueError(f"{_stored(where)}its rates give {pred.seconds} s on {p} "
+                                 f"{args.device}(s) (grid {'x'.join(map(str, pred.grid))}): "
+                                 f"not a prediction")
         rows.append((p, best, own))
+    # after the planners, whose limits speak first; before anything is printed or written
+    for name, v in (("A", m * k), ("B", k * n), ("C", m * n)):
+        if v > np.iinfo(np.intp).max:  # no array holds it: a figure for it would be fiction
+            raise ValueError(f"{name} of a {m} x {n} x {k} product would have {v} elements, "
+                             f"more than an array can hold ({np.iinfo(np.intp).max})")
     if args.output:
         _write_predictions(args, cal, rows)
     if args.json:
@@ -304,6 +332,18 @@ def _acc(dtype):
     return accumulate_dtype(dtype)
 
 
+def _is_calibration(path) -> bool:
+    """Whether ``path`` is a JSON object that says it is a distmm calibration."""
+    if Path(path).suffix != ".json":
+        return False
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("format", "")).startswith(
+        "distmm-calibration")
+
+
 def _validate(args) -> int:
     from distmm.cli.model_records import load_records
     from distmm.cli.validate import TARGET, validate, validation_records
@@ -312,6 +352,8 @@ def _validate(args) -> int:
     for path in args.validate:
         if not Path(path).is_file():
             raise FileNotFoundError(2, "no such record file", path)
+        if _is_calibration(path):
+            raise ValueError(f"{path}: a calibration, not records (give it as --calibration)")
     if args.output:  # before the table, named as given (not its staged file)
         out = Path(args.output)
         if out.is_dir():
@@ -320,7 +362,13 @@ def _validate(args) -> int:
             raise FileNotFoundError(2, "no such folder", str(out))
     rows = validate(load_records(args.validate), calibration=calibration)
     if not rows:
-        raise ValueError("no distmm measurement the model describes in these records")
+        raise ValueError(f"no distmm measurement the model describes in "
+                         f"{', '.join(map(str, args.validate))}")
+    for r in rows:  # an extreme calibration: inf or nan, not a figure to compare
+        if not math.isfinite(r["predicted_seconds"]):
+            source = args.calibration or "the calibration from these records"
+            raise ValueError(f"{source}: its rates give {r['predicted_seconds']} s for "
+                             f"{r['label']} {r['dtype']} at {r['m']}: not a prediction")
     print(f"{'machine':18} {'configuration':40} {'dtype':7} {'size':>6} {'grid':>8} "
           f"{'measured':>9} {'predicted':>9} {'error':>7} {'role':9} runs")
     for r in rows:
