@@ -51,7 +51,9 @@ import re
 import shutil
 import signal
 import stat
+import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -382,7 +384,11 @@ def _h5_holds(staged: Path, dataset: str) -> bool:
 
 def is_live(staged: Path) -> bool:
     """Whether a process on this host works on ``staged``: the distmm run that made it, still
-    running, or one that took it over with ``claim`` (a ``--resume`` run) and still holds it."""
+    running, or one that took it over with ``claim`` (a ``--resume`` run) and still holds it.
+
+    The maker is the distmm process with the PID in its name that started before ``staged``
+    (or a file kept beside it) last changed (``_may_have_made``): PIDs come round again, and
+    a distmm process that has the PID of a dead run now, started later, is not that run."""
     pid = staged_pid(staged)
     if pid == os.getpid():
         return True
@@ -390,7 +396,45 @@ def is_live(staged: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return _claimed(staged)
-    return b"distmm" in cmdline or _claimed(staged)
+    return (b"distmm" in cmdline and _may_have_made(pid, staged)) or _claimed(staged)
+
+
+#: seconds a process may seem to have started after its staged output last changed and still
+#: be taken for its maker: local file systems stamp file times from the clock the start time
+#: is counted against, to a clock tick, but some stamp whole seconds, FAT 2 s rounded down, and
+#: a network file system's server its own clock. (The maker started before that too: a distmm
+#: run imports numpy and checks its inputs first.) The price: a dead run whose PID a distmm
+#: process took over less than this after the run's last write is taken for live until that
+#: process ends.
+START_SLACK = 2.0
+
+
+def _may_have_made(pid: int, staged: Path) -> bool:
+    """Whether process ``pid`` started before ``staged`` or a file kept beside it (``_extras``)
+    last changed (``START_SLACK`` later counts as before), so that it may have made it. True
+    where either time is unknown. A zarr folder's own time changes only with its top-level
+    entries, but its maker started before it made the folder."""
+    started = _started(pid)
+    changed = []
+    for path in (staged, *_extras(staged)):
+        try:
+            changed.append(path.stat().st_mtime)
+        except OSError:
+            pass
+    return started is None or not changed or started <= max(changed) + START_SLACK
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (``time.time``'s clock), from
+    its start in clock ticks after boot (/proc/PID/stat's 22nd field, after the command name,
+    which may hold spaces and parentheses) and /proc/uptime; None where /proc does not say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes()
+        ticks = int(fields[fields.rindex(b")") + 1:].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 #: the manifest a resumable run keeps beside its staged output (``distmm.engine.mpi.resume``),
@@ -466,29 +510,67 @@ def claim(staged: Path) -> int | None:
     return fd
 
 
+#: seconds between a waiting ``--resume`` run's calls of ``preparing``'s ``stop``
+WAIT_STEP = 0.05
+
+
 @contextmanager
-def preparing(target: Path):
+def preparing(target: Path, stop=None):
     """Hold an exclusive advisory lock (``flock``) on the folder holding ``target`` while a
     ``--resume`` run looks at the staged outputs beside it and makes its own with its claimed
     manifest: a second such run waits, then finds that one claimed (between the staged
     output's making and its manifest's saving, it took it for a dead run's, or started beside
-    it). Where the folder takes no lock (some network file systems), nothing is held."""
+    it). Where the folder takes no lock (some network file systems), nothing is held.
+
+    A run that finds the lock taken says so in one line on stderr and waits (``_wait_lock``),
+    calling ``stop`` (when given) every ``WAIT_STEP`` seconds: a ``stop`` that raises ends the
+    wait (a signal that arrived, where the handlers only record it, as the MPI engine's do)."""
     import fcntl
 
+    folder = Path(target).parent
     try:
-        fd = os.open(Path(target).parent, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         fd = None
     try:
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"distmm: waiting for another --resume run preparing in "
+                      f"{os.path.abspath(folder)}", file=sys.stderr, flush=True)
+                _wait_lock(fd, stop)
             except OSError:
                 pass
         yield
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _wait_lock(fd: int, stop) -> None:
+    """Wait for the ``flock`` on ``fd``, taken on a thread of its own, so that the main
+    thread runs signal handlers and calls ``stop`` meanwhile, and goes on the moment the lock
+    is free. The thread locks a duplicate of ``fd`` (the same lock), which it closes: when
+    ``stop`` raised and ``fd`` was closed, the lock it takes later goes with that."""
+    import fcntl
+
+    own = os.dup(fd)
+    taken = threading.Event()
+
+    def take() -> None:
+        try:
+            fcntl.flock(own, fcntl.LOCK_EX)
+        except OSError:  # no lock to wait for
+            pass
+        finally:
+            os.close(own)
+            taken.set()
+
+    threading.Thread(target=take, name="distmm-preparing", daemon=True).start()
+    while not taken.wait(WAIT_STEP):
+        if stop is not None:
+            stop()
 
 
 def release(fd: int | None) -> None:

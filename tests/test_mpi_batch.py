@@ -4,7 +4,9 @@ Covers: products at 1 to 4 ranks (3 included) in several dtypes and ragged shape
 numpy; rows of ranks with nothing to do; the profile file's contents; ``--resume`` after a real
 SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
 bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
-size and modification time kept) or the rank count changes; the resume state of one dataset
+size and modification time kept), the rank count or the BLAS threads change; each stripe's
+log line after its bytes were flushed to disk (.npy, HDF5, zarr chunks and their folders); a
+zarr chunk killed mid-write computed again; the resume state of one dataset
 of an HDF5 file kept through runs to other datasets of that file;
 SIGINT and SIGTERM ending every rank with one line and 130 / 143 well within 2 s, and changing
 nothing once C is in place; staged files
@@ -261,6 +263,181 @@ def test_resume_compares_files_not_spellings(tmp_path, monkeypatch):
     assert rs.mismatch(first, manifest(f"{tmp_path}/x/a.npy", f"{tmp_path}/x/../x/c.npy")) is None
     assert "input A was x/a.npy, now x/a2.npy" in rs.mismatch(first, manifest("x/a2.npy", "x/c.npy"))
     assert "the output changed" in rs.mismatch(first, manifest("x/a.npy", "x/d.npy"))
+
+
+#: a child's ``sitecustomize``: every ``os.fsync`` and ``os.fdatasync``, and every ``os.write``
+#: to a stripe log, appended to the file LOG as ``PID CALL PATH [WRITTEN]``, in call order
+_SYNC_LOG = """
+import os
+
+LOG = {log!r}
+
+
+def _logged(name, real):
+    def call(fd, *args):
+        try:
+            path = os.readlink(f"/proc/self/fd/{{fd}}")
+        except OSError:
+            path = "?"
+        if name != "write" or ".done-" in path:
+            said = bytes(args[0]).decode().strip() if args else ""
+            with open(LOG, "a") as fh:
+                fh.write(f"{{os.getpid()}} {{name}} {{path}} {{said}}".rstrip() + "\\n")
+        return real(fd, *args)
+    return call
+
+
+for _name in ("fsync", "fdatasync", "write"):
+    setattr(os, _name, _logged(_name, getattr(os, _name)))
+"""
+
+
+@pytest.mark.parametrize("ranks,m,fmt", [(1, 96, "npy"), (1, 96, "h5"), (1, 96, "zarr"),
+                                         (2, 97, "zarr")])
+def test_a_stripes_log_line_follows_its_bytes_on_disk(tmp_path, cmd, batch_env, ranks, m, fmt):
+    """A ``--resume`` run's log names a stripe only once its bytes are on disk, so a host that
+    crashes (a power loss keeps no page cache) never leaves a logged stripe unwritten: the
+    staged file's ``fdatasync`` (``.npy``, HDF5), or ``fsync`` of the stripe's zarr chunk
+    files and of the folders naming them (none were flushed), before each line, and the
+    line's own ``fsync`` after it. Calls logged by a ``sitecustomize`` in the ranks."""
+    _operands(tmp_path, m, 50, 40, "float64", seed=21)
+    site, log = tmp_path / "site", tmp_path / "calls.log"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SYNC_LOG.format(log=str(log)))
+    out = {"npy": "c.npy", "h5": "c.h5:C", "zarr": "c.zarr"}[fmt]
+    env = batch_env(DISTMM_BATCH_STRIPES="12")
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    r = subprocess.run(cmd(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+                           tmp_path / out, "--backend", "numba", "--resume"),
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr
+    calls: dict[str, list] = {}
+    for line in log.read_text().splitlines():
+        pid, name, path, *said = line.split(" ")
+        calls.setdefault(pid, []).append((name, path, said))
+    lines = 0
+    for seq in calls.values():
+        synced = []  # paths flushed since the last line
+        for at, (name, path, said) in enumerate(seq):
+            if name != "write":
+                synced.append((name, path))
+                continue
+            lines += 1
+            stripe = int(said[0])
+            staged = path[:path.rindex(".done-")]
+            if fmt == "zarr":
+                depth = staged.count("/") + 3  # STAGED/c/I/J
+                chunks = [p for n, p in synced if n == "fsync"
+                          and p.startswith(f"{staged}/c/") and p.count("/") == depth]
+                assert chunks, (stripe, synced)
+                if ranks == 1:  # one chunk per stripe of 8 rows (chunk row = stripe), then
+                    chunk = f"{staged}/c/{stripe}/0"  # the folders that name it
+                    inside = [x for x in synced if x[1] == staged or x[1].startswith(staged + "/")]
+                    assert inside == [("fsync", p) for p in (chunk, chunk[:-2], f"{staged}/c",
+                                                             staged)], synced
+                assert ("fsync", staged) in synced and ("fsync", f"{staged}/c") in synced
+            else:
+                assert ("fdatasync", staged) in synced, (stripe, synced)
+            assert seq[at + 1] == ("fsync", path, []), seq[at:at + 2]  # the line itself
+            synced = []
+    assert lines == 12 * ranks
+    want = np.load(tmp_path / "a.npy") @ np.load(tmp_path / "b.npy")
+    got = {"npy": lambda: np.load(tmp_path / "c.npy"),
+           "h5": lambda: __import__("h5py").File(tmp_path / "c.h5", "r")["C"][()],
+           "zarr": lambda: __import__("zarr").open_array(str(tmp_path / "c.zarr"), mode="r")[:]}
+    np.testing.assert_allclose(got[fmt](), want, rtol=1e-12, atol=1e-12)
+
+
+#: a child's ``sitecustomize``: the process kills itself (SIGKILL) as zarr is about to rename
+#: its fourth chunk file into place, the chunk's bytes written under a temporary name
+_KILL_IN_CHUNK = """
+import os, signal
+
+_replace, _seen = os.replace, []
+
+
+def replace(src, dst, *args, **kwargs):
+    if str(src).endswith(".partial") and "/c/" in str(dst):
+        _seen.append(dst)
+        if len(_seen) == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _replace(src, dst, *args, **kwargs)
+
+
+os.replace = replace
+"""
+
+
+def test_a_zarr_chunk_killed_mid_write_is_computed_again_and_not_kept(tmp_path, batch_env):
+    """zarr writes a chunk under a temporary name and renames it: a run killed (``kill -9``)
+    in the middle of a chunk leaves no torn chunk, only that stripe unlogged and the temporary
+    file. The resumed run computes the stripe again and removes the file (it went into place
+    inside C.zarr)."""
+    import zarr
+
+    a, b = _operands(tmp_path, 96, 50, 40, "float64", seed=23)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_KILL_IN_CHUNK)
+    line = [sys.executable, "-m", "distmm", "matmul", str(tmp_path / "a.npy"),
+            str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.zarr"), "--backend", "numba",
+            "--resume"]
+    env = batch_env(DISTMM_BATCH_STRIPES="12")
+    killed = subprocess.run(line, capture_output=True, text=True, timeout=180,
+                            env={**env, "PYTHONPATH": os.pathsep.join([str(site),
+                                                                       env["PYTHONPATH"]])})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    [staged] = [p for p in tmp_path.glob(".c.zarr.distmm-partial-*") if p.is_dir()]
+    assert [p.name[:2] for p in staged.rglob("*.partial")] == ["0."]  # chunk (3, 0)'s
+    logged = next(tmp_path.glob(".c.zarr.*.done-0")).read_text().split()
+    assert sorted(map(int, logged)) == [0, 1, 2]
+    r = subprocess.run(line, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not list((tmp_path / "c.zarr").rglob("*.partial"))
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "c.zarr"), mode="r")[:], a @ b,
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="OpenBLAS runs one thread on one CPU")
+@pytest.mark.parametrize("dtype,first,then", [("float32", 1, 2), ("float64", 2, 1)])
+def test_resume_refuses_another_blas_thread_count(tmp_path, batch_env, dtype, first, then):
+    """OpenBLAS sums a product over k in another order on one thread than on several: a
+    stopped ``--backend blas`` run resumed with another thread count wrote C mixing the two
+    (status 0; neither uninterrupted run's bits). The manifest keeps each rank's BLAS (library,
+    kernel, threads); a resume under other threads is refused in one line naming them, its
+    state kept, and resumed under the first run's threads C equals an uninterrupted run's."""
+    m, k, n = 97, 5003, 33  # stripes of 8 or 9 rows: OpenBLAS threads them
+    full, part = tmp_path / "full", tmp_path / "part"
+    for d in (full, part):
+        d.mkdir()
+        _operands(d, m, k, n, dtype, seed=22)
+
+    def line(d):
+        return [sys.executable, "-m", "distmm", "matmul", str(d / "a.npy"), str(d / "b.npy"),
+                "-o", str(d / "c.npy"), "--backend", "blas", "--resume"]
+
+    def threads(count, **extra):
+        return batch_env(OPENBLAS_NUM_THREADS=str(count), OMP_NUM_THREADS=str(count),
+                         DISTMM_BATCH_STRIPES="12", **extra)
+
+    r = subprocess.run(line(full), capture_output=True, text=True, timeout=180,
+                       env=threads(first))
+    assert r.returncode == 0, r.stderr
+    stopped, _ = _interrupt_after(line(part), threads(first, DISTMM_BATCH_STRIPE_PAUSE="0.2"),
+                                  part, stripes=5)
+    assert stopped.returncode == 143, stopped.stderr
+    kept = sorted(p.name for p in part.glob(".c.npy.distmm-partial-*"))
+    r = subprocess.run(line(part), capture_output=True, text=True, timeout=180,
+                       env=threads(then))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "cannot resume" in r.stderr, r.stderr
+    assert f"the BLAS threads changed ({first} then, {then} now)" in r.stderr, r.stderr
+    assert not (part / "c.npy").exists()
+    assert sorted(p.name for p in part.glob(".c.npy.distmm-partial-*")) == kept
+    r = subprocess.run(line(part), capture_output=True, text=True, timeout=180,
+                       env=threads(first))
+    assert r.returncode == 0, r.stderr
+    assert np.load(part / "c.npy").tobytes() == np.load(full / "c.npy").tobytes()
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ the space of leftovers counted as free by the space check (a resume, or a rerun 
 disk, needs only what is missing); a damaged manifest named and refused, not removed; a dead
 run's files under the new run's PID, or under the PID one of the new job's other ranks has
 (PIDs come round again), resumed or cleared; chunk files lost from a kept zarr folder computed
-again; a second ``--resume`` run in the gap between a run's staging and its manifest refused.
+again; a second ``--resume`` run in the gap between a run's staging and its manifest refused;
+a dead run's staged output under the PID of a distmm process started after it last changed,
+removed; a ``--resume`` run waiting for another one's preparing, saying so, and ended by a signal.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import pytest
 
 from distmm.engine.mpi import resume as rs
 from distmm.staging import claim, is_live, reclaimable, release, remove_if_left, staged_path
-from conftest import pause_at
+from conftest import pause_at, run_cli
 
 
 def _manifest(a_spec, a, out_spec="c.npy", **extra):
@@ -167,6 +169,82 @@ def test_a_claimed_staged_output_is_left_alone_until_its_claimant_ends(tmp_path)
     staged = _leftover(tmp_path, manifest=False)
     assert claim(staged) == -1 and remove_if_left(staged) and not staged.exists()
 
+
+
+def _past(*paths, ago: float = 60) -> None:
+    """Set the modification time of ``paths`` ``ago`` seconds back."""
+    when = time.time() - ago
+    for path in paths:
+        os.utime(path, (when, when))
+
+
+@pytest.mark.mpi
+def test_a_dead_runs_staged_output_under_a_later_distmm_processs_pid(tmp_path, mpi_env):
+    """PIDs come round again: a killed run's staged output named with the PID of a distmm
+    process started after it last changed is a dead run's. A plain run and a ``--resume`` run
+    name and remove it (both took it for a live run's and left it beside C for as long as
+    that process ran). Changed after that process started (it, or a file kept beside it), it
+    may be that process's and stays live; claimed, it stays live whatever its time; a zarr
+    folder goes by its own time."""
+    a, b = _saved_operands(tmp_path, 30, 20, 10)
+    # a process whose command line holds "distmm", as a distmm run's does
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "distmm"],
+                             stdin=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while b"distmm" not in Path(f"/proc/{other.pid}/cmdline").read_bytes():
+            assert time.time() < deadline
+            time.sleep(0.01)
+        staged = staged_path(tmp_path / "c.npy", other.pid)
+        kept = [staged, Path(f"{staged}.resume.json"), Path(f"{staged}.done-0")]
+        staged.write_bytes(bytes(4096))
+        kept[1].write_text("{}")
+        kept[2].write_text("0\n")
+        _past(*kept)
+        removed = (f"distmm matmul: removed {staged.name}, left beside c.npy by a run that was "
+                   f"killed\n")
+        r = run_cli("matmul", "a.npy", "b.npy", "-o", "c.npy", cwd=tmp_path, env=mpi_env)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == removed
+        np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+        assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+        staged.write_bytes(bytes(4096))  # no manifest: a --resume run resumes none, removes it
+        _past(staged)
+        r = run_cli("matmul", "a.npy", "b.npy", "-o", "c.npy", "--overwrite", "--resume",
+                    cwd=tmp_path, env=mpi_env)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == removed
+        assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+
+        staged.write_bytes(bytes(4096))
+        assert is_live(staged)  # made after the process started: it may be its maker
+        kept[1].write_text("{}")
+        kept[2].write_text("0\n")
+        _past(*kept[:2])
+        assert is_live(staged)  # a log beside it written since
+        _past(kept[2])
+        assert not is_live(staged) and reclaimable(tmp_path / "c.npy") >= 4096
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(staged)], text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            assert is_live(staged) and not remove_if_left(staged)
+        finally:
+            holder.kill()
+            holder.wait()
+        assert remove_if_left(staged)
+        folder = staged_path(tmp_path / "c.zarr", other.pid)
+        folder.mkdir()
+        (folder / "zarr.json").write_text("{}")
+        assert is_live(folder)
+        _past(folder)
+        (folder / "c").mkdir()  # chunks in a subfolder leave the folder's own time
+        _past(folder)
+        (folder / "c" / "0").write_bytes(bytes(64))
+        assert not is_live(folder) and remove_if_left(folder) and not folder.exists()
+    finally:
+        other.kill()
+        other.wait()
 
 def test_removing_a_leftover_leaves_another_targets_files_alone(tmp_path):
     """A dead run's staged output ``.c.npy.distmm-partial-D`` went with every file named
@@ -619,7 +697,8 @@ def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, m
 def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_env):
     """A ``--resume`` run paused after making its staged output, before its manifest is saved
     and claimed; a second ``--resume`` run started then waits for it and refuses in one line
-    (status 2), and the first finishes with numpy's product. The second took the staged
+    (status 2), and the first finishes with numpy's product; the second says why it waits, in
+    one line (it said nothing). The second took the staged
     output, which had no manifest, for a live run's, computed C beside it and committed it;
     the first then failed (status 1) after all its work."""
     rng = np.random.default_rng()
@@ -643,19 +722,21 @@ def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.01)
         assert not list(work.glob(".c.npy.distmm-partial-*.resume.json"))  # in the gap
-        second = subprocess.Popen(line, cwd=work, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env)
-        try:  # it waits for the first (it ran to its end beside it)
-            second.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        (site / "go").touch()
-        out, err = second.communicate(timeout=120)
+        [staged] = [p.name for p in work.glob(".c.npy.distmm-partial-*")]
+        with open(tmp_path / "second.err", "w+") as log:
+            second = subprocess.Popen(line, cwd=work, stdout=subprocess.DEVNULL, stderr=log,
+                                      text=True, env=env)
+            waiting = f"distmm: waiting for another --resume run preparing in {work}\n"
+            while log.seek(0) == 0 and log.read() != waiting:  # it waits for the first (it
+                assert second.poll() is None and time.time() < deadline  # ran beside it)
+                time.sleep(0.01)
+            (site / "go").touch()
+            second.wait(120)
+            log.seek(0)
+            err = log.read()
         assert second.returncode == 2, err
-        [manifest] = work.glob(".c.npy.distmm-partial-*.resume.json")
-        staged = manifest.name[:-len(".resume.json")]
-        assert err == (f"distmm matmul: error: cannot resume c.npy: another run works on "
-                       f"{staged}; run this command again once that run has ended\n")
+        assert err == (f"{waiting}distmm matmul: error: cannot resume c.npy: another run works "
+                       f"on {staged}; run this command again once that run has ended\n")
         out, err = first.communicate(timeout=120)
     finally:
         for proc in (first, second):
@@ -665,3 +746,76 @@ def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_
     assert first.returncode == 0, err
     np.testing.assert_allclose(np.load(work / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
     assert sorted(os.listdir(work)) == ["a.npy", "b.npy", "c.npy"]
+
+
+#: ``python -c _HOLD_FOLDER FOLDER``: holds FOLDER's lock, as a ``--resume`` run preparing there
+#: (``distmm.staging.preparing``) does, until a line comes on stdin
+_HOLD_FOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "released", "SIGTERM, mpiexec -n 2"])
+def test_a_resume_run_waiting_for_another_ones_preparing(tmp_path, mpiexec, mpi_env, how):
+    """A ``--resume`` run while another prepares in the same folder (holds its lock) says so in
+    one line and waits (it said nothing); SIGTERM or SIGINT to it (under mpiexec, to its
+    ranks) ends it at once with 143 / 130 and one line more, leaving nothing (it waited on,
+    the signal recorded, until the other run was done); once the lock is free it runs to its
+    end. Under mpiexec only rank 0, which prepares, says it waits."""
+    import psutil
+
+    work = tmp_path / "work"
+    work.mkdir()
+    a, b = _saved_operands(work, 30, 20, 10)
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--resume"]
+    if "mpiexec" in how:
+        line = [mpiexec, "-n", "2", "--oversubscribe", *line]
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_FOLDER, str(work)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    run = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiting = f"distmm: waiting for another --resume run preparing in {work}\n"
+        with open(tmp_path / "err", "w+") as log:
+            run = subprocess.Popen(line, cwd=work, stdout=subprocess.DEVNULL, stderr=log,
+                                   env={**mpi_env, "OMPI_MCA_btl": "^ofi"})
+            deadline = time.time() + 120
+            while log.seek(0) == 0 and log.read() != waiting:
+                assert run.poll() is None and time.time() < deadline
+                time.sleep(0.01)
+            time.sleep(0.2)  # waiting still
+            assert run.poll() is None
+            if how == "released":
+                holder.communicate("\n", timeout=60)
+            else:
+                ranks = [p for p in psutil.Process(run.pid).children(recursive=True)
+                         if "distmm" in " ".join(p.cmdline())] or [psutil.Process(run.pid)]
+                for rank in ranks:
+                    rank.send_signal(getattr(signal, how.split(",")[0]))
+            run.wait(30 if how == "released" else 10)
+            log.seek(0)
+            err = log.read()
+    finally:
+        for proc in (holder, run):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if how == "released":
+        assert run.returncode == 0, err
+        assert err == waiting
+        np.testing.assert_allclose(np.load(work / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+        assert sorted(os.listdir(work)) == ["a.npy", "b.npy", "c.npy"]
+        return
+    status, said = {"SIGTERM": (143, "terminated by SIGTERM"),
+                    "SIGINT": (130, "interrupted (SIGINT)")}[how.split(",")[0]]
+    assert run.returncode == status, err
+    assert err.startswith(f"{waiting}distmm matmul: error: {said}\n"), err
+    if "mpiexec" not in how:  # (Open MPI's mpirun adds its note of a rank's non-zero exit)
+        assert err.count("\n") == 2, err
+    assert sorted(os.listdir(work)) == ["a.npy", "b.npy"]

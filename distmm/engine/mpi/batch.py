@@ -85,26 +85,42 @@ def _judged(exc: BaseException, judge) -> tuple[int, str]:
     return judge(exc)
 
 
-def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header, precision="highest"):
+def _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header, precision="highest",
+              blas=None):
     return rs.Manifest.make(a=rs.input_facts(args.a, a), b=rs.input_facts(args.b, b),
                             output=args.output, dtype=dtype, backend=backend, ranks=comm.size,
                             grid=plan.grid.shape, stripe_edges=plan.stripe_edges, panels=panels,
-                            pid=pid, header=header, precision=precision)
+                            pid=pid, header=header, precision=precision, blas=blas)
+
+
+def _uses_blas(backend: str, on_gpu: bool, acc) -> bool:
+    """Whether a rank's products go through numpy's BLAS (whose kernel and threads decide
+    their bits: ``resume.blas_facts``): CPU ranks multiplying floating or complex panels
+    other than on distmm's numba kernels."""
+    from distmm.executor.cpu import NUMBA_DTYPES
+
+    acc = np.dtype(acc)
+    if on_gpu or acc.name not in ("float32", "float64", "complex64", "complex128"):
+        return False
+    return not (backend == "numba" and acc.name in NUMBA_DTYPES)
 
 
 def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest",
-             job=frozenset()):
+             job=frozenset(), stop=None, blas=None):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
     ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match,
     or, with ``resume``, for a stopped run's staged output that another run works on. ``job``:
     the PIDs of this job's ranks on this host. A ``resume`` run does all this under
-    ``preparing``'s lock: a second one waits until this one's manifest is saved and claimed."""
-    with preparing(parse_spec(args.output).path) if args.resume else nullcontext():
+    ``preparing``'s lock: a second one waits until this one's manifest is saved and claimed,
+    or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each rank's BLAS facts
+    (``resume.blas_facts``, None where a rank does not use it), kept in the manifest."""
+    with preparing(parse_spec(args.output).path, stop) if args.resume else nullcontext():
         return _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision,
-                            job)
+                            job, blas)
 
 
-def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision, job):
+def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision, job,
+                 blas=None):
     """``_prepare``, its lock held."""
     spec = parse_spec(args.output)
     target = spec.path
@@ -129,7 +145,8 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
             raise ValueError(f"cannot resume {args.output}: another run works on "
                              f"{busy[0].name}; run this command again once that run has ended")
         if args.resume:
-            want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision)
+            want = _manifest(args, a, b, dtype, backend, comm, plan, panels, 0, None, precision,
+                             blas)
             for staged in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
                 try:
                     old = rs.Manifest.load(staged)
@@ -155,6 +172,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
             if staged != reuse:
                 release(fd)
     if reuse is not None:
+        rs.drop_temporaries(reuse)  # a zarr chunk a killed run was writing
         pid = staged_pid(reuse)  # the staged output's own name, not the manifest's
         _HELD[pid] = claims[reuse]  # until _finish: this run works on it now
         return pid, kept["header"], True, notes
@@ -169,7 +187,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
     if args.resume:  # claimed from the moment it exists: a --resume run beside it refuses
         try:
             _HELD[pid] = _manifest(args, a, b, dtype, backend, comm, plan, panels, pid, header,
-                                   precision).save(staged_path(target, pid), hold=True)
+                                   precision, blas).save(staged_path(target, pid), hold=True)
         except BaseException:
             remove_leftover(staged_path(target, pid))
             raise
@@ -239,14 +257,25 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 # the PIDs of this job's ranks on rank 0's host: no staged output named with
                 # one of them belongs to a live run
                 ranks = comm.gather((socket.gethostname(), os.getpid()), root=0)
+                # each rank's BLAS, where its products go through it: a resumed run's kept
+                # stripes were summed in its order
+                blas = comm.gather(rs.blas_facts() if args.resume and _uses_blas(
+                    backend, on_gpu, plan.grid.acc_dtype) else None, root=0)
+                stopped = None
                 if comm.rank == 0:
                     try:
                         job = frozenset(p for host, p in ranks if host == ranks[0][0])
                         setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks,
-                                         precision, job)
-                    except Exception as exc:  # noqa: BLE001 - every rank raises it below
-                        setup_error = exc
-                setup, setup_error = comm.bcast((setup, setup_error), root=0)
+                                         precision, job, watch.check, blas)
+                    except BaseException as exc:  # noqa: BLE001 - every rank raises it below
+                        if isinstance(exc, Exception) and not isinstance(exc, PeerStopped):
+                            setup_error = exc
+                        else:  # a signal ended its wait for another run (``preparing``): the
+                            stopped = exc  # other ranks, waiting here, stop with its status
+                why = _judged(stopped, judge) if stopped is not None else None
+                setup, setup_error, why = comm.bcast((setup, setup_error, why), root=0)
+            if why is not None:
+                raise stopped if comm.rank == 0 else PeerStopped(0, why[1], why[0])
             if setup_error is not None:
                 raise setup_error
             pid, header, resumed, outcome.notes = setup
@@ -275,8 +304,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             bar = progress(len(todo)) if progress is not None else None
 
             def written(stripe):
-                if log is not None:
-                    log.add(stripe)
+                if log is not None:  # a zarr folder's chunk files of the stripe flushed first
+                    log.add(stripe, (*plan.stripe_rows(i, stripe), c0, c1))
                 if bar is not None:
                     bar.update(1)
 

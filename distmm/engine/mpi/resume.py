@@ -5,12 +5,16 @@ output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, s
 modification time, inode number and status-change time, and those of the other files an HDF5
 input's data lies in (external links, virtual datasets), the result dtype, the rank count, the
 grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
-another order is refused), the staged output's name and data offset), the per-rank logs of
+another order is refused), each rank's BLAS where its products go through numpy's (``blas_facts``:
+the library, the kernel it chose for the CPU and its threads, which decide the order of a
+product's sums), the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
-disk only after the stripe's bytes were),
+disk only after the stripe's bytes were: the staged file's, or a zarr folder's chunk files and
+the folders that name them),
 comparing a manifest with a new run's (one line naming what changed; ``short``: a kept staged
 file shorter than it was made; ``unwritten``: logged stripes whose chunk files a kept zarr folder
-lost, computed again; ``Manifest.load``: a damaged manifest named), and finding the staged
+lost, computed again; ``drop_temporaries``: the chunks a killed run was writing, which zarr
+writes under a temporary name; ``Manifest.load``: a damaged manifest named), and finding the staged
 outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
 without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
 matches, and refuses while another run holds one: a ``--resume`` run holds its manifest's claim
@@ -28,7 +32,7 @@ from pathlib import Path
 from distmm.staging import MANIFEST_SUFFIX
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
-           "DoneLog", "mismatch", "short", "unwritten"]
+           "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "drop_temporaries"]
 
 FORMAT = "distmm-resume-1"
 
@@ -108,6 +112,48 @@ def _near(anchor: Path, name) -> Path:
     return (beside if beside.exists() else Path(name)).resolve()
 
 
+#: the names numpy's OpenBLAS builds give their functions (prefix, suffix): numpy 2's
+#: scipy-openblas wheels, numpy 1's wheels, a system OpenBLAS
+_OPENBLAS = (("scipy_openblas_", "64_"), ("openblas_", "64_"), ("openblas_", ""))
+#: the variables a BLAS takes its thread count from when it loads
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS",
+                "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def blas_facts() -> dict:
+    """What of numpy's BLAS decides a product's bits besides its operands: for OpenBLAS its
+    configuration (version, build), the kernel it chose for this CPU and its thread count
+    (another kernel, or one thread instead of several, sums over k in another order); for
+    another BLAS numpy's build of it, the CPUs this process may use and the thread variables
+    (which fix its threads when it loads)."""
+    import ctypes
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    try:
+        lib = ctypes.CDLL(core._multiarray_umath.__file__)  # its symbols and its BLAS's
+    except OSError:
+        lib = None
+    for prefix, suffix in _OPENBLAS:
+        try:
+            threads, config, kernel = (getattr(lib, f"{prefix}get_{name}{suffix}")
+                                       for name in ("num_threads", "config", "corename"))
+        except AttributeError:
+            continue
+        config.restype = kernel.restype = ctypes.c_char_p
+        return {"blas": config().decode(errors="replace").strip(),
+                "kernel": kernel().decode(errors="replace"), "threads": int(threads())}
+    try:
+        build = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        name = f"{build.get('name')} {build.get('version')}"
+    except Exception:  # noqa: BLE001 - an older numpy
+        name = "unknown"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"blas": name, "cpus": cpus,
+            "env": {v: os.environ[v] for v in _THREAD_VARS if v in os.environ}}
+
+
 def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
     """One phrase where the kept staged file is shorter than the run made it (its header and
     the result's bytes), or None (zarr folders: ``unwritten``)."""
@@ -132,16 +178,48 @@ def unwritten(staged: Path, regions: dict) -> set[int]:
     import zarr
 
     array = zarr.open_array(str(staged), mode="r")
+    return {stripe for stripe, region in regions.items()
+            if not all(f.is_file() for f in _chunk_files(staged, array, region))}
+
+
+def drop_temporaries(staged: Path) -> int:
+    """Remove from a kept zarr folder the files zarr's local store writes a chunk into before
+    renaming it to the chunk's key (``KEY.HEX.partial``), which a run killed in the middle of
+    a write leaves (they would go into place with C; the chunk itself is whole or absent).
+    Returns how many."""
+    if not staged.is_dir():
+        return 0
+    import re
+
+    found = [p for p in staged.rglob("*.partial")
+             if re.fullmatch(r".+\.[0-9a-f]{32}\.partial", p.name) and p.is_file()]
+    for p in found:
+        p.unlink(missing_ok=True)
+    return len(found)
+
+
+def _chunk_files(staged: Path, array, region) -> list[Path]:
+    """The chunk files of the zarr folder ``staged`` (its ``array``) that the region
+    ``(r0, r1, c0, c1)`` of C lies in."""
+    r0, r1, c0, c1 = region
+    if r1 <= r0 or c1 <= c0:
+        return []
     rows, cols = array.chunks
-    lost = set()
-    for stripe, (r0, r1, c0, c1) in regions.items():
-        if r1 <= r0 or c1 <= c0:
+    return [staged / array.metadata.encode_chunk_key((i, j))
+            for i in range(r0 // rows, -(-r1 // rows)) for j in range(c0 // cols, -(-c1 // cols))]
+
+
+def _sync(paths) -> None:
+    """Flush each file or folder of ``paths`` that exists to disk (``fsync``)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # a chunk of fill values only: never stored
             continue
-        keys = (array.metadata.encode_chunk_key((i, j)) for i in range(r0 // rows, -(-r1 // rows))
-                for j in range(c0 // cols, -(-c1 // cols)))
-        if not all((staged / key).is_file() for key in keys):
-            lost.add(stripe)
-    return lost
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class Manifest(dict):
@@ -150,14 +228,17 @@ class Manifest(dict):
     @classmethod
     def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
              grid: tuple, stripe_edges, panels, pid: int, header,
-             precision: str = "highest") -> "Manifest":
+             precision: str = "highest", blas=None) -> "Manifest":
+        """``blas``: each rank's ``blas_facts()``, None for a rank whose products do not go
+        through numpy's BLAS."""
         return cls(format=FORMAT, a=a, b=b, output=str(output), output_file=canonical(output),
                    dtype=str(dtype),
                    precision=str(precision),
                    backend=str(backend), ranks=int(ranks), grid=[int(g) for g in grid],
                    stripe_edges=[list(map(int, e)) for e in stripe_edges],
                    panels=[int(p) for p in panels], pid=int(pid),
-                   header=None if header is None else int(header))
+                   header=None if header is None else int(header),
+                   blas=list(blas) if blas is not None else [None] * int(ranks))
 
     def save(self, staged: Path, *, hold: bool = False) -> int | None:
         """Write the manifest beside ``staged`` (whole, or not at all). ``hold``: return a
@@ -254,6 +335,31 @@ def mismatch(old: dict, new: dict) -> str | None:
     if old.get("precision", "highest") != new.get("precision", "highest"):
         return (f"the precision changed ({old.get('precision', 'highest')} then, "
                 f"{new.get('precision', 'highest')} now)")
+    if "blas" in old:  # (a manifest written before blas= existed: not compared)
+        return _blas_mismatch(old["blas"], new.get("blas"))
+    return None
+
+
+def _blas_mismatch(old, new) -> str | None:
+    """One phrase naming the first rank whose BLAS facts (``blas_facts``) differ, or None."""
+    old, new = old or [], new or []
+    for rank in range(max(len(old), len(new))):
+        o = old[rank] if rank < len(old) else None
+        n = new[rank] if rank < len(new) else None
+        if o == n:
+            continue
+        who = "the" if len(new) == 1 else f"rank {rank}'s"
+        o, n = o or {}, n or {}
+        for field, label in (("blas", "BLAS"), ("kernel", "BLAS kernel"),
+                             ("threads", "BLAS threads"), ("cpus", "CPUs"),
+                             ("env", "BLAS thread variables")):
+            if o.get(field) != n.get(field):
+                hint = (" (OPENBLAS_NUM_THREADS or the CPUs a rank may use set them)"
+                        if field == "threads" else "")
+                return (f"{who} {label} changed ({o.get(field, 'none')} then, "
+                        f"{n.get(field, 'none')} now), which changes the order of its "
+                        f"sums{hint}")
+        return f"{who} BLAS changed"
     return None
 
 
@@ -286,19 +392,35 @@ def read_done(staged: Path, rank: int) -> set[int]:
 
 class DoneLog:
     """This rank's log of finished stripes, appended and flushed to disk per stripe, each
-    after the staged output's written bytes were (``fdatasync``; a zarr folder's chunk files
-    are not: a crash of the host may lose stripes its log names, a signal or kill does not)."""
+    after the stripe's bytes were, so that a crash of the host never leaves a logged stripe
+    unwritten: a staged file's written bytes (one ``fdatasync``), or a zarr folder's chunk
+    files of the stripe (zarr writes each under a temporary name and renames it) and the
+    folders that name them (``fsync``)."""
 
     def __init__(self, staged: Path, rank: int, *, fresh: bool = False):
         self.path = done_log_path(staged, rank)
         # a fresh run's log starts empty, whatever a dead run of the same PID left
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
                            | (os.O_TRUNC if fresh else 0), 0o644)
-        self._data = None if Path(staged).is_dir() else os.open(staged, os.O_RDONLY)
+        self._staged = Path(staged)
+        self._data = self._zarr = None
+        if self._staged.is_dir():
+            import zarr
 
-    def add(self, stripe: int) -> None:
+            self._zarr = zarr.open_array(str(staged), mode="r")
+        else:
+            self._data = os.open(staged, os.O_RDONLY)
+
+    def add(self, stripe: int, region=None) -> None:
+        """Log ``stripe``, written into ``region`` ``(r0, r1, c0, c1)`` of C (a zarr
+        folder's: its chunk files are flushed first)."""
         if self._data is not None:
             os.fdatasync(self._data)  # the stripe's bytes on disk before the line saying so
+        elif region is not None:
+            files = _chunk_files(self._staged, self._zarr, region)
+            folders = {d for f in files for d in (f.parent, *f.parent.parents)
+                       if d.is_relative_to(self._staged)}  # c/0 made for it names 0 in c/...
+            _sync([*files, *sorted(folders, reverse=True)])
         os.write(self._fd, f"{int(stripe)}\n".encode())
         os.fsync(self._fd)
 
