@@ -852,11 +852,12 @@ def _close(fh, path, *, quiet: bool) -> None:
 
 @contextmanager
 def _signals_held():
-    """SIGINT and SIGTERM wait until the block ends (main thread only)."""
+    """SIGINT, SIGTERM and SIGXCPU wait until the block ends (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK,
+                                 {signal.SIGINT, signal.SIGTERM, signal.SIGXCPU})
     try:
         yield
     finally:

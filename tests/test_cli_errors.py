@@ -754,3 +754,63 @@ def test_an_npy_header_numpy_will_not_read_says_so_without_numpys_advice(tmp_pat
     line = one_line(r)
     assert "a.npy is not a readable .npy file: its header is longer than numpy reads" in line
     assert "allow_pickle" not in line and not (tmp_path / "c.npy").exists()
+
+
+def _nofile(n: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
+@pytest.mark.parametrize("name", ["c.npy", "c.h5:C"])
+def test_too_many_open_files_is_a_failed_run_naming_the_limit(tmp_path, name):
+    """A zarr operand of many chunks under a small open-file limit (``ulimit -n 12``): the
+    read's EMFILE was taken for an unreadable file (status 2, 'Az.zarr cannot be read');
+    now one line that names the limit, status 1, and nothing written."""
+    import zarr
+
+    z = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=(400, 300), chunks=(20, 20),
+                        dtype="f8")
+    z[...] = 1.0
+    np.save(tmp_path / "b.npy", np.ones((300, 50)))
+    r = run_cli("matmul", tmp_path / "a.zarr", tmp_path / "b.npy", "-o", tmp_path / name,
+                preexec_fn=_nofile(12), timeout=60)
+    assert r.returncode == 1, r.stderr
+    line = one_line(r)
+    assert "Too many open files" in line and "(the open-file limit, ulimit -n, is 12)" in line
+    assert "cannot be read" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "b.npy"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigxcpu_at_the_cpu_time_limit_is_handled_as_sigterm(tmp_path):
+    """The kernel sends SIGXCPU at a soft CPU-time limit (``prlimit --cpu=SOFT:HARD``): its
+    default action killed the command with a core and its staged output left behind; now
+    the cleanup runs as for SIGTERM: one line, status 152 (128 + 24), nothing left."""
+    import resource
+    import time
+
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "a.npy", rng.standard_normal((3000, 2000)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((2000, 3000)))
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", tmp_path / "a.npy",
+                             tmp_path / "b.npy", "-o", tmp_path / "c.npy", "--tile", "250"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    staged = tmp_path / f".c.npy.distmm-partial-{proc.pid}"
+    deadline = time.monotonic() + 60
+    while not staged.exists():  # the product under way: the limit is reached within it
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    soft = int(_cpu_seconds(proc.pid)) + 1
+    resource.prlimit(proc.pid, resource.RLIMIT_CPU, (soft, soft + 60))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 152, (proc.returncode, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "terminated by SIGXCPU (the CPU-time limit, ulimit -t, was reached)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]

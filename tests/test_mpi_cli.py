@@ -232,3 +232,24 @@ def test_the_command_line_writes_whole_lines(mpi_env):
                           env={**mpi_env, "PYTHONUNBUFFERED": "1"}, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "True False True False"
+
+
+@pytest.mark.parametrize("operands", ["A V", pytest.param("S A", marks=pytest.mark.slow)],
+                         ids=["vector", "stack"])
+def test_mpirun_vector_or_stack_into_the_operands_own_h5_file(files, launch, operands):
+    """Vectors and stacks (``_stacked``): every rank held the operands' file open read-only
+    while rank 0 copied C into it, which HDF5's lock refused (exit 1 after the product)."""
+    import h5py
+
+    d, _ = files
+    f = d / "x.h5"
+    with h5py.File(f, "a") as fh:
+        fh["V"], fh["S"] = np.arange(41.0), np.ones((3, 29, 53))
+        want = {"A V": fh["A"][...] @ fh["V"][...], "S A": fh["S"][...] @ fh["A"][...]}[operands]
+    a, b = operands.split()
+    r = launch(2, "matmul", f"{f}:{a}", f"{f}:{b}", "-o", f"{f}:C", timeout=60)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["A", "B", "C", "S", "V"]
+        assert_close(fh["C"][...], want)
+    assert not [p for p in d.iterdir() if "partial" in p.name]

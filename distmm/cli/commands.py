@@ -323,7 +323,9 @@ def _cmd_matmul(args) -> int:
                         backend=args.backend, tile=args.tile, precision=precision))
                 _check_unchanged(inputs, args, a, b)
     except Exception as exc:
-        named = unreadable(exc, {args.a: a, args.b: b})  # a read's error, with its file
+        # a read's error, with its file; not one of a process limit (too many open files, no
+        # memory left), which is no fault of the file
+        named = None if _limited(exc) else unreadable(exc, {args.a: a, args.b: b})
         if named is None:
             raise
         raise named from exc
@@ -333,6 +335,14 @@ def _cmd_matmul(args) -> int:
     seconds = time.perf_counter() - t0
     print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
     return 0
+
+
+def _limited(exc: BaseException) -> bool:
+    """Whether ``exc`` is an ``OSError`` of a process limit: too many open files (``ulimit
+    -n``), memory the address-space limit (``ulimit -v``) refuses."""
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 def _check_unchanged(before, args, a, b) -> None:
@@ -387,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="distmm", description="distributed matrix multiplication",
                 epilog="exit status: 0 success, 1 a failed run, 2 bad input or arguments, "
-                       "130 SIGINT, 143 SIGTERM")
+                       "130 SIGINT, 143 SIGTERM, 152 SIGXCPU")
     p.add_argument("--version", action="version", version=f"distmm {__version__}",
                    help="print distmm's version and exit")
     p.add_argument("--debug", action="store_true", default=False,
@@ -603,7 +613,7 @@ def main(argv=None) -> int:
             let_rank_zero_say()  # one line for a signal every rank got
         status = report(args.command, exc, debug=debug)
         staging = sys.modules.get("distmm.staging")
-        if status in (128 + 2, 128 + 15):
+        if isinstance(exc, (KeyboardInterrupt, Signalled)):
             # a signal: the staged output is gone already; tiles still running on pool threads
             # are not waited for (the interpreter would join them at exit)
             sys.stdout.flush()

@@ -3,7 +3,8 @@
 This module covers: the mapping from an exception to an exit status and a
 one-line message on stderr, and turning SIGTERM (what Slurm and most batch
 systems send at the time limit) into an exception so that the same cleanup
-runs as for Ctrl-C or any error.
+runs as for Ctrl-C or any error; SIGXCPU (the kernel's at a soft CPU-time limit,
+``ulimit -t``, as some batch systems end a job) is treated as SIGTERM is.
 
 Exit statuses:
 
@@ -16,7 +17,8 @@ Exit statuses:
   existing output without ``--overwrite``, an output folder that cannot be
   written, a backend this machine lacks, several MPI ranks), and argument
   errors;
-- 130: interrupted by SIGINT; 143: terminated by SIGTERM (128 + the signal);
+- 130: interrupted by SIGINT; 143: terminated by SIGTERM; 152: by SIGXCPU (128 + the
+  signal);
 - 141: stdout's reader went away (``distmm info | head -1``), silently, as a tool that
   SIGPIPE ends.
 
@@ -24,6 +26,7 @@ It does *not* cover: the commands themselves (``distmm.cli.commands``).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -35,7 +38,7 @@ from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists, S
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
            "restore_signals", "raise_if_signalled", "whole_line_writes",
-           "OK", "FAILED", "BAD_INPUT"]
+           "STOPPING", "OK", "FAILED", "BAD_INPUT"]
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
 
@@ -71,12 +74,48 @@ def message(exc: BaseException) -> str:
     else:
         text = str(exc)
         if not text:  # e.g. a bare MemoryError: its name is the whole message
-            return type(exc).__name__
+            return type(exc).__name__ + _limit(exc)
         text = text.removeprefix("matmul: ")  # the API's own prefix; the line names the command
     if not isinstance(exc, (ValueError, TypeError, OSError, KeyError, Signalled, KeyboardInterrupt,
                             BackendUnavailable)):
         text = f"{type(exc).__name__}: {text}"
-    return " ".join(text.split())
+    return " ".join(text.split()) + _limit(exc)
+
+
+#: the process limit behind an error: (errno or exception type, resource name, ulimit option,
+#: what it limits); the limit in force is named where it is set
+_LIMITS = ((errno.EFBIG, "RLIMIT_FSIZE", "-f", "file-size"),
+           (errno.EMFILE, "RLIMIT_NOFILE", "-n", "open-file"),
+           (errno.ENOMEM, "RLIMIT_AS", "-v", "address-space"),
+           (MemoryError, "RLIMIT_AS", "-v", "address-space"))
+
+
+def _limit(exc: BaseException) -> str:
+    """``" (the file-size limit, ulimit -f, is 64.0 KiB)"`` where ``exc`` is what a process
+    limit in force causes (a write past the file-size limit, too many open files, memory the
+    address-space limit refuses; SIGXCPU); else ``""``."""
+    import resource
+
+    if isinstance(exc, Signalled) and exc.signum == signal.SIGXCPU:
+        return " (the CPU-time limit, ulimit -t, was reached)"
+    for cause, name, option, what in _LIMITS:
+        if not (isinstance(exc, OSError) and exc.errno == cause if isinstance(cause, int)
+                else isinstance(exc, cause)):
+            continue
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft == resource.RLIM_INFINITY:
+            return ""
+        size = str(soft) if name == "RLIMIT_NOFILE" else _size(soft)
+        return f" (the {what} limit, ulimit {option}, is {size})"
+    return ""
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, MiB or KiB (one decimal), or bytes."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _stdout_gone(exc: BaseException) -> bool:
@@ -119,8 +158,12 @@ def whole_line_writes() -> None:
                 pass
 
 
-#: the signals the command got (SIGINT, SIGTERM), recorded by its handlers before they raise
+#: the signals the command got (SIGINT, SIGTERM, SIGXCPU), recorded by its handlers before
+#: they raise
 _received: list[int] = []
+
+#: the signals that end the command with its cleanup (``terminate_on_sigterm``)
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGXCPU)
 
 
 def _signal_error(signum: int) -> BaseException:
@@ -128,8 +171,8 @@ def _signal_error(signum: int) -> BaseException:
 
 
 def terminate_on_sigterm():
-    """Raise ``Signalled`` in the main thread on SIGTERM (once: a second
-    signal, either, during cleanup is ignored), and ``KeyboardInterrupt`` on SIGINT, each
+    """Raise ``Signalled`` in the main thread on SIGTERM and SIGXCPU (once: a second
+    signal, any, during cleanup is ignored), and ``KeyboardInterrupt`` on SIGINT, each
     recorded first (``raise_if_signalled``). Where such an exception is raised
     inside code whose errors Python only prints ("Exception ignored in": a
     garbage-collection callback, a finaliser, as while a Dask cluster starts or
@@ -137,8 +180,8 @@ def terminate_on_sigterm():
     command ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
-        for each in (signal.SIGTERM, signal.SIGINT):  # once, either: the other arriving
-            signal.signal(each, signal.SIG_IGN)  # during the cleanup would escape it
+        for each in STOPPING:  # once, any: another arriving during the cleanup would
+            signal.signal(each, signal.SIG_IGN)  # escape it (SIGXCPU comes every second)
         _received.append(signum)
         # the command ends with the signal's one line: what libraries log about the work it
         # stops (distributed: "Couldn't gather 1 keys, rescheduling") is not printed
@@ -154,7 +197,7 @@ def terminate_on_sigterm():
 
     previous_hook = sys.unraisablehook
     sys.unraisablehook = unraisable
-    return (previous_hook, {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)})
+    return (previous_hook, {s: signal.signal(s, handler) for s in STOPPING})
 
 
 def restore_signals(previous) -> None:
@@ -171,6 +214,6 @@ def restore_signals(previous) -> None:
 def raise_if_signalled() -> None:
     """Raise the first signal the command got, if any: before a command writes its output,
     and when it returns, so that a signal whose exception was swallowed still ends the run
-    with 130 / 143 and nothing written."""
+    with 130 / 143 / 152 and nothing written."""
     if _received:
         raise _signal_error(_received[0])

@@ -508,8 +508,12 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             return
         import zarr
 
-        yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype,
-                              zarr_format=zarr_format_for(t.path))
+        try:
+            yield zarr.open_array(str(tmp), mode="w-", shape=shape, dtype=dtype,
+                                  zarr_format=zarr_format_for(t.path))
+        except BaseException:
+            _settle_zarr()  # its other chunks' writes would make the folder again
+            raise
         put_in_place(tmp, t.path, overwrite=overwrite)  # an existing zarr array (checked
         # above) swapped out
     finally:
@@ -517,6 +521,31 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
             shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target
         elif tmp.exists():
             tmp.unlink()
+
+
+#: seconds a failed run waits for zarr's chunk writes still in flight
+ZARR_SETTLE = 10.0
+
+
+def _settle_zarr() -> None:
+    """Wait (up to ``ZARR_SETTLE`` seconds) for the writes zarr still runs on its event loop:
+    an assignment whose chunk write failed (a full disk, the file-size limit) ends at once
+    while its other chunks' writes go on, and one finishing after the staged folder was
+    removed makes it again (``c/0/1.HEX.partial``)."""
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    async def others() -> None:
+        me = asyncio.current_task()
+        rest = [task for task in asyncio.all_tasks() if task is not me]
+        if rest:
+            await asyncio.wait(rest, timeout=ZARR_SETTLE)
+
+    try:
+        sync(others())
+    except Exception:  # noqa: BLE001 - zarr's loop gone: nothing of it runs
+        pass
 
 
 def _close_own(path: Path) -> None:

@@ -8,7 +8,7 @@ within seconds with one message, printed by rank 0, and the same exit status. Ma
 go to the batch path (``distmm.engine.mpi.batch.run_batch``: binding, plan, streamed stripes,
 staged output, resume), whose outcome this module reports: notes, the summary line, the
 ``--profile`` file and ``--progress`` bar of rank 0, the exit status (SIGINT and SIGTERM, once
-the ranks agreed on it, ignored). Vectors and stacks are
+the ranks agreed on it, ignored, and SIGXCPU). Vectors and stacks are
 computed in memory by the MPI engine and written by rank 0 (``_stacked``).
 It does *not* cover: the single-process command (``distmm.cli.commands``) or the product
 itself (``distmm.engine.mpi``).
@@ -148,12 +148,12 @@ def _progress_bar(args, comm, flops: int):
 
 
 def _ignore_signals() -> None:
-    """SIGINT and SIGTERM ignored from here to the end: the ranks have agreed on the outcome
+    """SIGINT, SIGTERM and SIGXCPU ignored from here to the end: the ranks have agreed on the outcome
     (C moved into place, kept for ``--resume`` or removed), and a signal now would end a run
     whose C is in place with 143 and no 'wrote' line, or add a second line to a failure's."""
     import signal
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGXCPU):
         signal.signal(signum, signal.SIG_IGN)
 
 
@@ -216,6 +216,10 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
                                      precision=precision))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
+    # every rank lets go of its HDF5 operands before rank 0 writes: C may go into their own
+    # file, which HDF5 opens for writing only where no other process holds it
+    _close_h5(a, b)
+    comm.Barrier()
     if comm.rank == 0 and error is None:
         try:
             with staged_output(args.output, c.shape, c.dtype, overwrite=args.overwrite) as out:
@@ -229,3 +233,13 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
         print(f"wrote {args.output}: shape {c.shape}, dtype {c.dtype}, {comm.size} ranks, "
               f"{time.perf_counter() - t0:.3f} s")
     return 0
+
+
+def _close_h5(*operands) -> None:
+    """Close the files of the operands that are HDF5 datasets (with every object in them)."""
+    h5py = sys.modules.get("h5py")
+    if h5py is None:
+        return
+    for x in operands:
+        if isinstance(x, h5py.Dataset) and x.id.valid:
+            x.file.close()

@@ -66,11 +66,13 @@ class BatchOutcome:
 
 @contextmanager
 def _signals_to(watch: StopWatch):
-    """SIGINT and SIGTERM set the watch's failure instead of unwinding the interpreter."""
+    """SIGINT, SIGTERM and SIGXCPU (a soft CPU-time limit) set the watch's failure instead of
+    unwinding the interpreter."""
     def handler(signum, frame):
         watch.fail(KeyboardInterrupt() if signum == signal.SIGINT else Signalled(signum))
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXCPU)}
     try:
         yield
     finally:
