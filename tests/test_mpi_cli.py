@@ -8,6 +8,7 @@ nothing under the final name after a failure. Every launch has a timeout.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -253,3 +254,57 @@ def test_mpirun_vector_or_stack_into_the_operands_own_h5_file(files, launch, ope
         assert sorted(fh) == ["A", "B", "C", "S", "V"]
         assert_close(fh["C"][...], want)
     assert not [p for p in d.iterdir() if "partial" in p.name]
+
+
+_LATE_CLOSE = """
+import importlib.machinery, os, sys, time
+
+
+class Late:
+    # rank 1 lets go of its HDF5 inputs a second late
+    def find_spec(self, name, path=None, target=None):
+        if name != "distmm.engine.mpi.batch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            close = module._close_sources
+
+            def late(*arrays):
+                if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+                    time.sleep(1)
+                return close(*arrays)
+
+            module._close_sources = late
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Late())
+"""
+
+
+def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it(files,
+                                                                                 launch):
+    """The batch path: rank 0 opened the operands' own file for writing C as soon as it had
+    closed its own handles, while a slower rank still held the file, which HDF5's lock
+    refused ('unable to lock file', exit 1 after the product; one run in ~14, every run with
+    rank 1 a second late). Every rank closes its inputs before rank 0 commits."""
+    import h5py
+
+    d, _ = files
+    site = d / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_LATE_CLOSE)
+    f = d / "x.h5"
+    with h5py.File(f, "r") as fh:
+        want = fh["A"][...] @ fh["B"][...]
+    r = launch(2, "matmul", f"{f}:A", f"{f}:B", "-o", f"{f}:C", timeout=60,
+               env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["A", "B", "C"]
+        assert_close(fh["C"][...], want)

@@ -346,6 +346,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             except OSError as exc:  # deleted, say
                 changed = f"an input can no longer be looked at ({exc})"
         _close_sources(a, b)
+        comm.Barrier()  # every rank's HDF5 inputs closed before rank 0 opens C's file, which
+        # may be theirs, for writing (HDF5's lock refuses a file another process holds)
         if failures:
             origin = next((rep for rep in failures if not rep[2]), failures[0])
             outcome.status, outcome.message = origin[0], origin[1]
