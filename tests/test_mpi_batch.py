@@ -701,6 +701,22 @@ def test_gpu_resume_is_bitwise_equal(tmp_path, run, cmd, batch_env):
                                   batch_env(DISTMM_BATCH_STRIPES="16", DISTMM_BATCH_STRIPE_PAUSE="0.1"),
                                   tmp_path, stripes=5)
     assert stopped.returncode != 0
+    # each rank's GPU and cuBLAS are kept: a resume on another GPU model (a requeued job on
+    # another node) would sum in another order, and is refused naming it
+    import cupy
+
+    (manifest,) = tmp_path.glob(".c.npy.distmm-partial-*.resume.json")
+    kept = json.loads(manifest.read_text())
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    assert [f["gpu"] for f in kept["blas"]] == [name, name], kept["blas"]
+    other = json.loads(manifest.read_text())
+    other["blas"][0]["gpu"] = "another GPU"
+    manifest.write_text(json.dumps(other))
+    r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", DISTMM_BATCH_STRIPES="16")
+    assert r.returncode == 2, r.stderr
+    assert f"rank 0's GPU changed (another GPU then, {name} now)" in r.stderr, r.stderr
+    manifest.write_text(json.dumps(kept))
     r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", DISTMM_BATCH_STRIPES="16")
     assert r.returncode == 0, r.stderr
     assert np.load(tmp_path / "c.npy").tobytes() == np.load(tmp_path / "full.npy").tobytes()

@@ -107,6 +107,17 @@ def _uses_blas(backend: str, on_gpu: bool, acc) -> bool:
     return not (backend == "numba" and acc.name in NUMBA_DTYPES)
 
 
+def _product_facts(args, backend: str, on_gpu: bool, acc) -> dict | None:
+    """With ``--resume``, what of this rank decides its products' bits besides the operands,
+    kept in the manifest: its GPU and cuBLAS (``resume.gpu_facts``), or numpy's BLAS where
+    its products go through it (``resume.blas_facts``); None otherwise."""
+    if not args.resume:
+        return None
+    if on_gpu:
+        return rs.gpu_facts()
+    return rs.blas_facts() if _uses_blas(backend, on_gpu, acc) else None
+
+
 def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest",
              job=frozenset(), stop=None, blas=None):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
@@ -114,8 +125,8 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     or, with ``resume``, for a stopped run's staged output that another run works on. ``job``:
     the PIDs of this job's ranks on this host. A ``resume`` run does all this under
     ``preparing``'s lock: a second one waits until this one's manifest is saved and claimed,
-    or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each rank's BLAS facts
-    (``resume.blas_facts``, None where a rank does not use it), kept in the manifest."""
+    or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each rank's
+    ``_product_facts`` (its GPU's, or its BLAS's), kept in the manifest."""
     with preparing(parse_spec(args.output).path, stop) if args.resume else nullcontext():
         return _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision,
                             job, blas)
@@ -259,10 +270,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 # the PIDs of this job's ranks on rank 0's host: no staged output named with
                 # one of them belongs to a live run
                 ranks = comm.gather((socket.gethostname(), os.getpid()), root=0)
-                # each rank's BLAS, where its products go through it: a resumed run's kept
-                # stripes were summed in its order
-                blas = comm.gather(rs.blas_facts() if args.resume and _uses_blas(
-                    backend, on_gpu, plan.grid.acc_dtype) else None, root=0)
+                # each rank's GPU and cuBLAS, or BLAS where its products go through it: a
+                # resumed run's kept stripes were summed in their order
+                blas = comm.gather(_product_facts(args, backend, on_gpu, plan.grid.acc_dtype),
+                                   root=0)
                 stopped = None
                 if comm.rank == 0:
                     try:

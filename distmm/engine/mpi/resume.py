@@ -5,9 +5,9 @@ output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, s
 modification time, inode number and status-change time, and those of the other files an HDF5
 input's data lies in (external links, virtual datasets), the result dtype, the rank count, the
 grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
-another order is refused), each rank's BLAS where its products go through numpy's (``blas_facts``:
-the library, the kernel it chose for the CPU and its threads, which decide the order of a
-product's sums), the staged output's name and data offset), the per-rank logs of
+another order is refused), each rank's GPU (``gpu_facts``: its model and cuBLAS) or BLAS
+where its products go through numpy's (``blas_facts``: the library, the kernel it chose for the
+CPU and its threads), which decide the order of a product's sums, the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were: the staged file's, or a zarr folder's chunk files and
 the folders that name them),
@@ -32,7 +32,8 @@ from pathlib import Path
 from distmm.staging import MANIFEST_SUFFIX
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
-           "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "drop_temporaries"]
+           "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "gpu_facts",
+           "drop_temporaries"]
 
 FORMAT = "distmm-resume-1"
 
@@ -154,6 +155,19 @@ def blas_facts() -> dict:
             "env": {v: os.environ[v] for v in _THREAD_VARS if v in os.environ}}
 
 
+def gpu_facts() -> dict:
+    """What of this rank's GPU decides a product's bits besides its operands: the model and
+    compute capability of its current device and the cuBLAS version (another GPU or another
+    cuBLAS picks other kernels, which sum over k in another order)."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+    return {"gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+            "cc": str(device.compute_capability),
+            "cublas": int(cupy.cuda.cublas.getVersion(device.cublas_handle))}
+
+
 def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
     """One phrase where the kept staged file is shorter than the run made it (its header and
     the result's bytes), or None (zarr folders: ``unwritten``)."""
@@ -229,8 +243,8 @@ class Manifest(dict):
     def make(cls, *, a: dict, b: dict, output: str, dtype: str, backend: str, ranks: int,
              grid: tuple, stripe_edges, panels, pid: int, header,
              precision: str = "highest", blas=None) -> "Manifest":
-        """``blas``: each rank's ``blas_facts()``, None for a rank whose products do not go
-        through numpy's BLAS."""
+        """``blas``: each rank's ``gpu_facts()`` (a GPU rank) or ``blas_facts()`` (a CPU rank
+        whose products go through numpy's BLAS), else None."""
         return cls(format=FORMAT, a=a, b=b, output=str(output), output_file=canonical(output),
                    dtype=str(dtype),
                    precision=str(precision),
@@ -352,7 +366,8 @@ def _blas_mismatch(old, new) -> str | None:
         o, n = o or {}, n or {}
         for field, label in (("blas", "BLAS"), ("kernel", "BLAS kernel"),
                              ("threads", "BLAS threads"), ("cpus", "CPUs"),
-                             ("env", "BLAS thread variables")):
+                             ("env", "BLAS thread variables"), ("gpu", "GPU"),
+                             ("cc", "GPU's compute capability"), ("cublas", "cuBLAS version")):
             if o.get(field) != n.get(field):
                 hint = (" (OPENBLAS_NUM_THREADS or the CPUs a rank may use set them)"
                         if field == "threads" else "")
