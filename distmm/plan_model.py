@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
@@ -87,6 +88,14 @@ def _frozen(mapping) -> Mapping:
     return MappingProxyType(dict(mapping))
 
 
+def _check_number(**fields) -> None:
+    """Refuse a field that is no real number (a string; a bool, which Python counts as 1 or
+    0): ``TypeError`` naming it."""
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GemmRate:
     """One device's GEMM rate: ``peak`` flop/s, reached as the GEMM's size ``s`` grows, as
@@ -108,6 +117,7 @@ class GemmRate:
     size_rule: str = "min"
 
     def __post_init__(self):
+        _check_number(peak=self.peak, half_size=self.half_size)
         if not (self.peak > 0 and math.isfinite(self.peak)):
             raise ValueError(f"a GEMM rate must be a positive flop/s, got {self.peak!r}")
         if not (self.half_size >= 0 and math.isfinite(self.half_size)):
@@ -139,6 +149,7 @@ class Link:
     bandwidth: float
 
     def __post_init__(self):
+        _check_number(latency=self.latency, bandwidth=self.bandwidth)
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
             raise ValueError(f"a link's bandwidth must be positive bytes/s, got {self.bandwidth!r}")
         if not (self.latency >= 0 and math.isfinite(self.latency)):
@@ -348,27 +359,51 @@ class Calibration:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
             return int(value)
 
+        def number(value, where):  # a float field: a string or true is no rate
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where} must be a number, got {value!r}")
+            return float(value)
+
+        def scalar(key, default=None):
+            return number(d[key] if default is None else d.get(key, default), key)
+
+        def table(key, required=False):  # a mapping of names to float fields
+            return {k: number(v, f"{key}[{k!r}]")
+                    for k, v in (d[key] if required else d.get(key, {})).items()}
+
+        def named(where, kind, *args):  # a GemmRate or Link, its errors naming it
+            try:
+                return kind(*args)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+
+        def rate(k, v):
+            where = f"gemm[{k!r}]"
+            return named(where, GemmRate, number(v["peak"], f"{where}.peak"),
+                         number(v.get("half_size", 0.0), f"{where}.half_size"),
+                         str(v.get("size_rule", "min")))
+
+        def link(k, v):
+            where = f"links[{k!r}]"
+            return named(where, Link, number(v["latency"], f"{where}.latency"),
+                         number(v["bandwidth"], f"{where}.bandwidth"))
+
         try:
             return cls(machine=d["machine"],
-                       gemm={k: GemmRate(float(v["peak"]), float(v.get("half_size", 0.0)),
-                                         str(v.get("size_rule", "min")))
-                             for k, v in d["gemm"].items()},
-                       core_boost={k: float(v) for k, v in d.get("core_boost", {}).items()},
-                       links={k: Link(float(v["latency"]), float(v["bandwidth"]))
-                              for k, v in d["links"].items()},
-                       memory_bandwidth={k: float(v) for k, v in d["memory_bandwidth"].items()},
-                       file_read=float(d["file_read"]), file_write=float(d["file_write"]),
-                       file_write_shared=float(d["file_write_shared"]),
-                       file_write_buffered=float(d.get("file_write_buffered", 0.0)),
-                       host_staging=float(d.get("host_staging", 0.0)),
-                       host_register=float(d.get("host_register", HOST_REGISTER_NOMINAL)),
-                       host_unregister=float(d.get("host_unregister",
-                                                   HOST_UNREGISTER_NOMINAL)),
+                       gemm={k: rate(k, v) for k, v in d["gemm"].items()},
+                       core_boost=table("core_boost"),
+                       links={k: link(k, v) for k, v in d["links"].items()},
+                       memory_bandwidth=table("memory_bandwidth", required=True),
+                       file_read=scalar("file_read"), file_write=scalar("file_write"),
+                       file_write_shared=scalar("file_write_shared"),
+                       file_write_buffered=scalar("file_write_buffered", 0.0),
+                       host_staging=scalar("host_staging", 0.0),
+                       host_register=scalar("host_register", HOST_REGISTER_NOMINAL),
+                       host_unregister=scalar("host_unregister", HOST_UNREGISTER_NOMINAL),
                        device_memory=whole("device_memory"), host_memory=whole("host_memory"),
                        cores=whole("cores", 1), gpus_per_node=whole("gpus_per_node", 8),
-                       overlap={k: float(v) for k, v in d.get("overlap", {}).items()} or
-                       {"mpi": 0.9, "dask": 0.0, "batch": 1.0},
-                       overheads={k: float(v) for k, v in d.get("overheads", {}).items()},
+                       overlap=table("overlap") or {"mpi": 0.9, "dask": 0.0, "batch": 1.0},
+                       overheads=table("overheads"),
                        sources={k: str(v) for k, v in d.get("sources", {}).items()})
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"calibration field missing or malformed: {exc}") from None

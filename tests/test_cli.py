@@ -350,6 +350,40 @@ def test_secondary_commands_refuse_bad_options_in_one_line(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["bench", "nope.toml"], "No such file or directory: nope.toml"),
+    (["bench", "adir"], "Not a file: adir"),
+    (["report", "nope.jsonl", "-o", "out"], "No such file or directory: nope.jsonl"),
+    (["report", "adir", "-o", "out"], "Not a file: adir"),
+    (["cluster", "--scheduler-file", "nofolder/s.json"], "nofolder/s.json: no such directory"),
+    (["cluster", "--scheduler-file", "adir"], "--scheduler-file adir is a directory"),
+    (["trace", "--n", "-5"], "argument --n: '-5' must be at least 1"),
+    (["trace", "--dtype", "int7"], "argument --dtype: invalid choice: 'int7'"),
+    (["trace", "-o", "nofolder/t.png"], "No such folder for the output: nofolder/t.png"),
+    (["trace", "-o", "adir"], "a folder, not a file: adir"),
+    (["trace", "--from-json", "adir"], "Is a directory: adir"),
+    (["demo", "-n", "0"], "argument -n: '0' must be at least 1"),
+    (["demo", "-n", "-5"], "argument -n: '-5' must be at least 1"),
+    (["demo", "--dtype", "int7"], "argument --dtype: 'int7' is not a dtype matmul takes"),
+    # was: the product ran and the report was written into a folder made for it
+    (["demo", "-n", "64", "--engine", "dask", "--report", "nofolder/r.html"],
+     "No such folder for the output: nofolder/r.html"),
+    (["demo", "-n", "64", "--engine", "dask", "--report", "adir"],
+     "a folder, not a file (--report): adir"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_missing_or_folder_path_and_bad_sizes_are_one_line_before_any_work(
+        tmp_path, monkeypatch, capfd, argv, said):
+    """bench's study, report's records, cluster's scheduler file, trace's and demo's outputs:
+    a path that is missing or a folder, and trace's and demo's bad sizes and dtypes, are one
+    line naming what was wrong, status 2, and nothing is made."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    err = _refused_in_one_line(capfd, argv, argv[0])
+    assert said in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["adir"]
+    assert list((tmp_path / "adir").iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, said", [
     (["--memory-limit", "inf"], "'inf' is neither a fraction"),
     (["--memory-limit", "1e400"], "'1e400' is neither a fraction"),
     (["--memory-limit", ""], "'' is not a memory limit"),

@@ -55,6 +55,28 @@ def test_every_reader_refuses_a_bad_record_in_one_line(tmp_path, capsys, command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 
 
+@pytest.mark.parametrize("command", [
+    ["calibrate", "--from-records", "{}", "-o", "{out}"],
+    ["model", "--validate", "{}", "-o", "{out}"],
+    ["report", "{}", "-o", "{out}"],
+], ids=["calibrate", "model-validate", "report"])
+@pytest.mark.parametrize("content", [
+    good_line() + good_line(), good_line(), json.dumps([RECORD, RECORD]).encode(),
+], ids=["json-lines", "one-record", "list-of-records"])
+def test_every_reader_says_records_in_a_json_file_belong_in_a_jsonl(tmp_path, capsys, command,
+                                                                    content):
+    """A ``.json`` name means a profile or a trace to every reader: records in one are
+    refused in one line that says records files are ``.jsonl``."""
+    path = write_lines(tmp_path / "recs.json", content)
+    argv = [a.format(path, out=tmp_path / "out") for a in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"distmm {command[0]}: error: {path}: looks like benchmark records, and "
+                   f"records files are JSON lines named .jsonl (one record per line); a .json "
+                   f"file is read as a profile or a trace\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recs.json"]
+
+
 def test_committed_records_pass_the_checks():
     from conftest import ROOT
 

@@ -272,6 +272,33 @@ def test_calibration_json_round_trip(tmp_path):
         load(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d["gemm"]["gpu:float32"].update(peak="fast"),
+     "gemm['gpu:float32'].peak must be a number, got 'fast'"),
+    (lambda d: d["gemm"]["gpu:float32"].update(peak=True),  # was: 1 flop/s
+     "gemm['gpu:float32'].peak must be a number, got True"),
+    (lambda d: d["links"]["nvlink"].update(bandwidth=True),
+     "links['nvlink'].bandwidth must be a number, got True"),
+    (lambda d: d["gemm"]["gpu:float32"].update(peak=-1.0),
+     "gemm['gpu:float32']: a GEMM rate must be a positive flop/s, got -1.0"),
+    (lambda d: d.update(file_read="x"), "file_read must be a number, got 'x'"),
+    (lambda d: d["memory_bandwidth"].update(gpu=False),
+     "memory_bandwidth['gpu'] must be a number, got False"),
+], ids=["peak-text", "peak-true", "bandwidth-true", "peak-negative", "file-read-text",
+        "memory-false"])
+def test_a_calibration_field_of_the_wrong_type_is_named(tmp_path, change, expected):
+    data = CAL.to_dict()
+    change(data)
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        load(tmp_path / "c.json")
+    assert str(info.value) == f"{tmp_path / 'c.json'}: {expected}"
+    with pytest.raises(TypeError, match="peak must be a number, got True"):
+        GemmRate(True)
+    with pytest.raises(TypeError, match="latency must be a number, got '0'"):
+        Link("0", 1e9)
+
+
 def test_gemm_fit_recovers_its_parameters():
     truth = GemmRate(50e12, 900.0)
     pts = [(s, truth.rate(s, s, s)) for s in (1024, 2048, 4096, 8192, 16384)]
@@ -864,6 +891,24 @@ def test_model_bad_arguments_one_line_exit_2(argv, needle):
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert needle in done.stderr and done.stderr.startswith("distmm model: error:")
+
+
+@pytest.mark.parametrize("engine, gpus", [("mpi", "1,2"), ("dask", "1,2"), ("batch", "1,2"),
+                                          ("pipeline", "1")])
+def test_a_size_of_0_is_refused_in_one_line_for_every_engine(tmp_path, capsys, engine, gpus):
+    """An empty product has no multiply-adds: no engine's time to model (was: 0 s at
+    efficiency 1.00 for mpi, its fixed costs for dask and batch)."""
+    from distmm.cli import main
+
+    for sizes in (["0", "100", "100"], ["100", "100", "0"]):
+        argv = ["model", "--engine", engine, "--gpus", gpus, *sizes, "--json",
+                "-o", str(tmp_path / "p.jsonl")]
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"distmm model: error: M N K must each be at least 1, got "
+                                     f"{' '.join(sizes)}: a product with a size of 0 has no "
+                                     f"multiply-adds, nothing to model\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_model_validate_writes_records_report_can_read(tmp_path):

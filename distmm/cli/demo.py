@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from distmm.cli.outputs import check_writable
+
 #: dtypes the GPU demo runs (the ones cuBLAS is compared on); others use CPU workers
 GPU_DEMO_DTYPES = ("float32", "float64")
 
@@ -117,7 +119,8 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
 
 def _check_report(report: str | None, use_cluster: bool) -> None:
     """Refuse ``--report`` where it would be ignored (the local engine) or could not be
-    written (a folder), before the product rather than after it."""
+    written (a folder, a missing folder: ``check_writable``), before the product rather
+    than after it."""
     if not report:
         return
     if not use_cluster:
@@ -125,6 +128,7 @@ def _check_report(report: str | None, use_cluster: bool) -> None:
                          "--engine dask")
     if os.path.isdir(report):
         raise IsADirectoryError(21, "a folder, not a file (--report)", report)
+    check_writable(report, makes_folders=False)
 
 
 def _operand(rng, n: int, dt: np.dtype) -> np.ndarray:

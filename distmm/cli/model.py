@@ -218,6 +218,9 @@ def run_model(args) -> int:
     from distmm.plan_model import best_plan, predict
 
     m, n, k = args.sizes
+    if 0 in (m, n, k):  # no multiply-adds: every engine's figures would be only its overheads
+        raise ValueError(f"M N K must each be at least 1, got {m} {n} {k}: a product with a "
+                         f"size of 0 has no multiply-adds, nothing to model")
     # the model, its records and the benchmarks' are of numpy's result dtype, which the
     # engines compute in: float32 for bfloat16 operands
     operands, args.dtype = args.dtype, result_dtype(args.dtype, args.dtype)

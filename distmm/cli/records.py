@@ -10,8 +10,9 @@ first, so a record never joins the end of another line); reading them back (``js
 the values of a file with their line numbers; ``read_records``, ``load``: the records of one
 file or several, each field a reader uses checked by ``check_record``, so that the report,
 ``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
-line naming its file, line and field; ``json_file``, from ``distmm.jsonfile``: a whole JSON
-file, its errors naming it); one line saying what a record measured (``progress_line``).
+line naming its file, line and field; ``json_file``: a whole JSON file (a profile, a trace,
+a timeline), its errors naming it, one that holds benchmark records refused with a line saying
+records files are ``.jsonl``); one line saying what a record measured (``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
 (``distmm.cli.report``).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distmm.jsonfile import json_file
+from distmm import jsonfile
 
 __all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
            "json_file", "json_lines", "read_records", "check_record", "load", "make_record",
@@ -188,6 +189,47 @@ def json_lines(path):
 
 #: the keys every record has (BENCH_RECORDS.md; ``seconds`` null in a prediction)
 REQUIRED = ("run", "benchmark", "variant", "device", "dtype", "m", "n", "k", "seconds")
+
+
+def _is_record_like(value) -> bool:
+    """Whether a JSON value looks like a benchmark record (an object with the ``REQUIRED``
+    keys and no ``format``) or a list of them."""
+    if isinstance(value, list):
+        return bool(value) and all(map(_is_record_like, value))
+    return isinstance(value, dict) and "format" not in value and set(REQUIRED) <= set(value)
+
+
+def json_file(path):
+    """The value of a whole JSON file (a profile, a trace, a timeline: the readers choose it
+    by its ``.json`` name), as ``distmm.jsonfile.json_file`` reads it; a file that holds
+    benchmark records instead (JSON lines, one record, or a list of them) raises
+    ``ValueError`` naming it and saying that records files are ``.jsonl``: a ``.json`` name
+    keeps meaning a profile, so a file of records is never half read as one."""
+    try:
+        data = jsonfile.json_file(path)
+        records = _is_record_like(data)
+    except ValueError:
+        if not _is_record_like(_first_line(path)):
+            raise
+        records = True  # JSON lines, the first a record
+    if records:
+        raise ValueError(f"{path}: looks like benchmark records, and records files are JSON "
+                         f"lines named .jsonl (one record per line); a .json file is read as "
+                         f"a profile or a trace")
+    return data
+
+
+def _first_line(path):
+    """The JSON value of the first line of ``path`` that is not blank, or None."""
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if raw.strip():
+                try:
+                    return json.loads(raw)
+                except ValueError:
+                    return None
+    return None
+
 
 _TEXT = ("benchmark", "variant", "device", "role", "precision", "invalid", "engine", "setting",
          "mode", "residency", "series", "source")
