@@ -563,9 +563,93 @@ def case_distarray_refusals_agree():
          np.eye(3), "from_local after the refusals")
 
 
+def case_distarray_arguments_agree():
+    """DistArray calls whose arguments are wrong on every rank or only on the last one (a
+    grid of negative sizes or floats, blocks of another dtype, a gather root that is no rank
+    or another rank's, from_array or from_file given another array, a file missing on one
+    rank, a layout for ranks that do not exist or another layout on one rank): one error
+    of the expected type on every rank, the same line everywhere, naming what was wrong.
+    Before: an IndexError or a bare TypeError, None from gather on every rank, a matrix
+    mixing the ranks' arrays or holding uninitialised memory, MPI_ERR_TRUNCATE on one rank,
+    a block lost, or a hang (the timeout)."""
+    if P == 1:
+        return
+    last = rank == P - 1
+    good = np.arange(6.0).reshape(2, 3) + rank
+    full = np.concatenate([np.arange(6.0).reshape(2, 3) + r for r in range(P)])
+    d = DistArray.from_local(good, grid=(P, 1))
+    x = np.arange(20.0).reshape(4, 5)
+    if rank == 0:
+        np.save(f"{tmp}/agree_x.npy", x)
+        np.save(f"{tmp}/agree_y.npy", x[:3])
+    comm.Barrier()
+    tall, wide = BlockLayout.grid(d.shape, P, 1), BlockLayout.grid(d.shape, 1, P)
+    attempts = {
+        "from_local float32 blocks on the last rank": (
+            lambda: DistArray.from_local(good.astype(np.float32) if last else good, grid=(P, 1)),
+            TypeError, f"float64 on rank 0, float32 on rank {P - 1}"),
+        "from_local structured blocks of another dtype of the same size on the last rank": (
+            lambda: DistArray.from_local(np.zeros((2, 3), [("b", "<i8")] if last else
+                                                  [("a", "<f8")]), grid=(P, 1)),
+            TypeError, f"on rank {P - 1}"),
+        "from_local a grid of negative sizes": (
+            lambda: DistArray.from_local(good, grid=(-1, -P)), ValueError, f"grid -1 x -{P}"),
+        "from_local a grid of floats": (
+            lambda: DistArray.from_local(good, grid=(float(P), 1.0)), TypeError,
+            "grid must be two ints"),
+        "gather to a root past the last rank": (
+            lambda: d.gather(P), ValueError, f"root {P} is not one of the {P} ranks"),
+        "gather to root -1": (lambda: d.gather(-1), ValueError, "root -1 is not one of"),
+        "gather to a float root": (lambda: d.gather(1.0), TypeError, "root must be a rank"),
+        "gather to another root on the last rank": (
+            lambda: d.gather(P - 1 if last else 0), ValueError,
+            f"root=0 on rank 0, root={P - 1} on rank {P - 1}"),
+        "from_array another shape on the last rank": (
+            lambda: DistArray.from_array(x[:3] if last else x).gather(0), ValueError,
+            f"(3, 5) float64 on rank {P - 1}"),
+        "from_array another dtype on the last rank": (
+            lambda: DistArray.from_array(x.astype(np.float32) if last else x).gather(None),
+            ValueError, f"(4, 5) float32 on rank {P - 1}"),
+        "from_array other values on the last rank, written": (
+            lambda: DistArray.from_array(x + last).to_file(f"{tmp}/agree_never.npy"),
+            ValueError, f"values differ between rank 0 and rank {P - 1}"),
+        "from_array other values on the last rank, multiplied": (
+            lambda: distmm.matmul(DistArray.from_array(x + last), DistArray.from_array(x.T)),
+            ValueError, f"values differ between rank 0 and rank {P - 1}"),
+        "from_file a file missing on the last rank": (
+            lambda: DistArray.from_file(f"{tmp}/agree_{'none' if last else 'x'}.npy"),
+            FileNotFoundError, "agree_none.npy"),
+        "from_file another shape on the last rank": (
+            lambda: DistArray.from_file(f"{tmp}/agree_{'y' if last else 'x'}.npy"), ValueError,
+            f"(3, 5) float64 in {tmp}/agree_y.npy on rank {P - 1}"),
+        "redistribute to owners past the last rank": (
+            lambda: d.redistribute(BlockLayout.grid(d.shape, 1, P + 1)), ValueError,
+            f"are not a 1 x {P + 1} grid of the ranks 0 to {P - 1}"),
+        "redistribute to another layout on the last rank": (
+            lambda: d.redistribute(wide if last else tall), ValueError,
+            f"rank 0's and rank {P - 1}'s differ"),
+    }
+    for what, (attempt, expect, words) in attempts.items():
+        try:
+            attempt()
+            check(what, False, "no error")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            message = comm.allgather(str(exc))
+            check(what + f": {expect.__name__} naming it", type(exc) is expect and
+                  words in str(exc) and "\n" not in str(exc), f"{type(exc).__name__}: {exc}")
+            check(what + ": one message on every rank", len(set(message)) == 1, str(message))
+    import os
+
+    check("a refused to_file writes nothing", not os.path.exists(f"{tmp}/agree_never.npy"))
+    check("gather after the refusals", np.array_equal(d.gather(None), full))
+    check("redistribute after the refusals",
+          np.array_equal(d.redistribute(wide).gather(P - 1), full if last else None))
+
+
 CASES = (case_api_dtypes, case_api_semantics, case_every_grid, case_distarray,
          case_one_sum_bits, case_one_rank_refuses, case_product_errors_agree,
-         case_objects_that_do_not_pickle, case_distarray_refusals_agree)
+         case_objects_that_do_not_pickle, case_distarray_refusals_agree,
+         case_distarray_arguments_agree)
 chosen = [c for c in CASES if c.__name__ in sys.argv[2:]] if sys.argv[2:] else CASES
 ok, all_failures = run_cases(comm, chosen, failures)
 if rank == 0:

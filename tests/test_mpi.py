@@ -53,6 +53,19 @@ def test_distarray_refusals_on_one_rank_reach_every_rank(tmp_path, mpirun):
     assert r.returncode == 0
 
 
+@pytest.mark.mpi
+def test_distarray_arguments_are_refused_on_every_rank(tmp_path, mpirun):
+    """Wrong DistArray arguments, on every rank or on the last of 3 only (a grid of negative
+    sizes or floats, blocks of another dtype, a gather root that is no rank or differs,
+    from_array or from_file given other arrays, a file missing on one rank, a layout for
+    ranks that do not exist or differing): the same one-line error on every rank. They gave
+    an IndexError, None from gather, mixed or uninitialised matrices, a lost block,
+    MPI_ERR_TRUNCATE on one rank, or hung (the timeout)."""
+    r = mpirun(3, HERE / "mpi_cases.py", tmp_path, "case_distarray_arguments_agree", timeout=60)
+    assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (100000, 50, 50), (50, 100000, 50),
                                    (64, 64, 10**6), (22, 23, 24), (3, 1, 0)])

@@ -117,8 +117,9 @@ class MPIEngine(Engine):
         for idx in np.ndindex(*batch):
             a2 = a[idx] if idx else a
             b2 = b[idx] if idx else b
-            da = DistArray.from_array(_host(a2), self.comm, grid.a_layout)
-            db = DistArray.from_array(_host(b2), self.comm, grid.b_layout)
+            # compared above: each rank cuts its blocks without comparing them again
+            da = DistArray.from_agreed(_host(a2), self.comm, grid.a_layout)
+            db = DistArray.from_agreed(_host(b2), self.comm, grid.b_layout)
             seen: set = set()  # an object product's rows, placed in the stack below
             try:
                 c = self.run_distributed(da, db, grid, request.backend, on_gpu=on_gpu,
@@ -164,6 +165,8 @@ class MPIEngine(Engine):
 
         if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
             raise ValueError("both operands must live on the engine's communicator")
+        a.settle()  # from_array's operands: the same array on every rank (collective)
+        b.settle()
         acc = np.dtype(grid.acc_dtype)
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"inner dimensions differ: a has shape {a.shape}, b has shape {b.shape}")
@@ -172,8 +175,8 @@ class MPIEngine(Engine):
         if streamed:
             return self._streamed(a, b, grid, backend, on_gpu=on_gpu, phases=phases,
                                   precision=precision, flags=flags)
-        a = a.redistribute(grid.a_layout)
-        b = b.redistribute(grid.b_layout)
+        a = a.moved(grid.a_layout)
+        b = b.moved(grid.b_layout)
         from distmm.phases import Phases
 
         # device synchronizations only where the caller asked for the phases: otherwise the
@@ -266,8 +269,8 @@ class MPIEngine(Engine):
         plan = plan_batch(grid.m, grid.n, grid.k, grid.dtype, ranks=comm.size,
                           memory=device_memory(on_gpu, comm), grid=forced)
         g = plan.grid
-        a = a.redistribute(g.a_layout)
-        b = b.redistribute(g.b_layout)
+        a = a.moved(g.a_layout)
+        b = b.moved(g.b_layout)
         ar0, _, ac0, _ = g.a_layout.local_bounds(rank)
         br0, _, bc0, _ = g.b_layout.local_bounds(rank)
         cr0, _, cc0, _ = g.c_layout.local_bounds(rank)

@@ -11,7 +11,10 @@ It does *not* cover: the product (``distmm.engine.mpi.summa``), choosing grids
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import operator
+import pickle
 
 import numpy as np
 
@@ -85,6 +88,9 @@ class DistArray:
                              f"the layout gives it {expected}")
         self.local = local
         self.stats: dict = {}
+        #: from_array's (shape, dtype, sample digest) of the array this rank was given, which
+        #: every rank's must equal: compared by the first collective call that takes it
+        self._given = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,11 +122,30 @@ class DistArray:
         a cupy block for a cupy array (on the array's device).
         The default layout is the most square grid of the ranks.
 
+        Every rank must pass the same array. Nothing is exchanged here; the first
+        collective call that takes the result (``distmm.matmul``, ``redistribute``,
+        ``gather``, ``to_file``) compares the ranks' shapes, dtypes and layouts, and a
+        sample of the values of numpy and cupy arrays (``agree.fingerprint``), and
+        raises ``ValueError`` on every rank where they differ.
+
         Raises
         ------
         ValueError
             An array that is not 2-D, or a layout for another shape.
         """
+        dist = cls.from_agreed(x, comm, layout)
+        values = b""
+        if array_family(x) == "cupy" or isinstance(x, np.ndarray):
+            from distmm.engine.mpi.agree import fingerprint
+
+            values = fingerprint(x)
+        dist._given = (tuple(dist.shape), dist.dtype, _digest(dist.layout), values)
+        return dist
+
+    @classmethod
+    def from_agreed(cls, x, comm=None, layout: BlockLayout | None = None) -> "DistArray":
+        """``from_array`` without recording what this rank was given, for callers that
+        compared the ranks' arrays already (the engine)."""
         comm = comm if comm is not None else _world()
         xp = _xp(x)
         if getattr(x, "ndim", None) != 2:
@@ -142,7 +167,9 @@ class DistArray:
         numbered row-major (default: the most square grid). Block shapes are
         exchanged once; blocks in a grid row must have equal heights and blocks
         in a grid column equal widths (ragged edges anywhere). A cupy block stays
-        on its device; anything else goes through ``numpy.asarray``.
+        on its device; anything else goes through ``numpy.asarray`` (a subclass such as
+        ``np.matrix`` becomes a plain block, and a masked array's mask is dropped, as
+        ``distmm.gemm`` drops it).
 
         Every refusal is raised on every rank, also one that only some ranks' blocks
         or arguments cause.
@@ -151,10 +178,10 @@ class DistArray:
         ------
         ValueError
             Blocks that do not tile a matrix, a block that is not 2-D, or a grid that is
-            not the ranks' or differs between ranks.
+            not the ranks' (sizes below 1, another product) or differs between ranks.
         TypeError
-            Blocks of different dtypes, or cupy blocks on some ranks and numpy
-            blocks on others.
+            A grid that is not two ints, blocks of different dtypes (naming a rank of
+            each), or cupy blocks on some ranks and numpy blocks on others.
         """
         comm = comm if comm is not None else _world()
         # what only some ranks refuse (a block that is not 2-D, another grid) is raised on
@@ -166,12 +193,12 @@ class DistArray:
             if block.ndim != 2:
                 raise ValueError(f"rank {comm.rank}: a local block must be 2-D, got shape "
                                  f"{block.shape}")
-            rows, cols = grid if grid is not None else square_grid(comm.size)
+            rows, cols = _grid(grid) if grid is not None else square_grid(comm.size)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         join(comm, "DistArray.from_local")
         agree(comm, error, (), into=set())
-        everyone = comm.allgather(((rows, cols), tuple(block.shape), block.dtype.str,
+        everyone = comm.allgather(((rows, cols), tuple(block.shape), block.dtype,
                                    _xp(block) is not np))
         grids = [g for g, *_ in everyone]
         other = next((r for r, g in enumerate(grids) if g != grids[0]), None)
@@ -182,9 +209,10 @@ class DistArray:
         if rows * cols != comm.size:
             raise ValueError(f"grid {rows} x {cols} does not match {comm.size} ranks")
         info = [rest for _, *rest in everyone]
-        dtypes = {d for _, d, _ in info}
-        if len(dtypes) > 1:
-            raise TypeError(f"local blocks have different dtypes: {sorted(dtypes)}")
+        other = next((r for r, (_, d, _) in enumerate(info) if d != info[0][1]), None)
+        if other is not None:
+            raise TypeError(f"local blocks have different dtypes: {np.dtype(info[0][1])} on "
+                            f"rank 0, {np.dtype(info[other][1])} on rank {other}")
         on_device = [r for r, (_, _, dev) in enumerate(info) if dev]
         if 0 < len(on_device) < comm.size:
             raise TypeError(f"local blocks are cupy arrays on ranks {on_device} and numpy "
@@ -207,25 +235,85 @@ class DistArray:
     @classmethod
     def from_file(cls, spec: str, comm=None, layout: BlockLayout | None = None) -> "DistArray":
         """From ``.npy`` (a memmap), a zarr array or ``file.h5:dataset``: each
-        rank reads only its own block.
+        rank reads only its own block. Collective: what one rank cannot open is raised
+        on every rank, and so is a file whose shape or dtype differs between ranks (the
+        values are not compared).
 
         Raises
         ------
         FileNotFoundError, ValueError
-            A missing file or dataset, an unsupported suffix, an array that is not 2-D.
+            A missing file or dataset, an unsupported suffix, an array that is not 2-D;
+            ``ValueError``: arrays of other shapes or dtypes on different ranks.
         """
         from distmm.engine.mpi.io import open_block_source
 
-        source = open_block_source(spec)
+        comm = comm if comm is not None else _world()
+        source, error = None, None
+        try:  # a file only some ranks cannot open is refused on every rank
+            source = open_block_source(spec)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+            error = exc
+        agree(comm, error, (), before_raise=lambda: source is not None and source.close(),
+              into=set())
         try:
-            return cls.from_array(source.array, comm, layout)
+            mine = (tuple(source.array.shape), np.dtype(source.array.dtype), str(spec))
+            everyone = comm.allgather(mine) if comm.size > 1 else [mine]
+            other = next((r for r, x in enumerate(everyone) if x[:2] != everyone[0][:2]), None)
+            if other is not None:
+                (s0, d0, f0), (s1, d1, f1) = everyone[0], everyone[other]
+                raise ValueError(f"from_file needs the same array on every rank: {s0} "
+                                 f"{np.dtype(d0)} in {f0} on rank 0, {s1} {np.dtype(d1)} in "
+                                 f"{f1} on rank {other}")
+            return cls.from_agreed(source.array, comm, layout)
         finally:
             source.close()
+
+    # -- agreeing ---------------------------------------------------------------
+    def settle(self) -> None:
+        """Collective: raise ``ValueError`` on every rank where ``from_array`` was given
+        arrays of other shapes, dtypes or sampled values on different ranks (once)."""
+        given, self._given = self._given, None
+        if given is None or self.comm.size == 1:
+            return
+        everyone = self.comm.allgather(given)
+        other = next((r for r, g in enumerate(everyone) if g != everyone[0]), None)
+        if other is None:
+            return
+        mine, theirs = everyone[0], everyone[other]
+        if mine[:2] != theirs[:2]:
+            what = (f"{mine[0]} {np.dtype(mine[1])} on rank 0, {theirs[0]} "
+                    f"{np.dtype(theirs[1])} on rank {other}")
+        elif mine[2] != theirs[2]:
+            what = f"layout= differs between rank 0 and rank {other}"
+        else:
+            what = f"the values differ between rank 0 and rank {other} (sampled elements)"
+        raise ValueError(f"DistArray.from_array needs the same array on every rank: {what}")
+
+    def _check_layout(self, layout: BlockLayout, what: str) -> None:
+        """Collective: ``layout`` (the same on every rank) is for this matrix and the ranks of
+        its communicator; ValueError on every rank otherwise."""
+        self.settle()
+        _same_everywhere(self.comm, what, _digest(layout))
+        if tuple(layout.shape) != tuple(self.shape):
+            raise ValueError(f"layout is for shape {layout.shape}, the array has {self.shape}")
+        rows, cols = layout.blocks
+        owners = [r for row in layout.owners for r in row]
+        if len(layout.owners) != rows or any(len(row) != cols for row in layout.owners) or \
+                any(not 0 <= r < self.comm.size for r in owners):
+            raise ValueError(f"{what}: the layout's owners {layout.owners} are not a "
+                             f"{rows} x {cols} grid of the ranks 0 to {self.comm.size - 1}")
 
     # -- moving -----------------------------------------------------------------
     def redistribute(self, layout: BlockLayout) -> "DistArray":
         """The same matrix in another layout (one ``Alltoallv`` of raw bytes through
-        host memory; object arrays go pickled); cupy blocks come back as cupy blocks."""
+        host memory; object arrays go pickled); cupy blocks come back as cupy blocks.
+        Collective; a layout for another shape, for ranks the communicator does not
+        have, or different on different ranks is a ``ValueError`` on every rank."""
+        self._check_layout(layout, "redistribute")
+        return self.moved(layout)
+
+    def moved(self, layout: BlockLayout) -> "DistArray":
+        """``redistribute`` to a layout the caller made the same on every rank."""
         if tuple(layout.shape) != tuple(self.shape):
             raise ValueError(f"layout is for shape {layout.shape}, the array has {self.shape}")
         if layout == self.layout:
@@ -274,11 +362,27 @@ class DistArray:
 
     def gather(self, root: int | None = 0):
         """The whole matrix as an ndarray on ``root`` (``None`` on the other
-        ranks), or on every rank with ``root=None``."""
+        ranks), or on every rank with ``root=None``. Collective; a root that is not a
+        rank of the communicator, or differs between ranks, is refused on every rank."""
+        comm, error = self.comm, None
+        try:
+            if root is not None:
+                if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+                    raise TypeError(f"gather: root must be a rank (an int) or None, got "
+                                    f"{type(root).__name__} {root!r}")
+                root = operator.index(root)
+                if not 0 <= root < comm.size:
+                    raise ValueError(f"gather: root {root} is not one of the {comm.size} ranks "
+                                     f"(0 to {comm.size - 1}); root=None gathers onto every rank")
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+            error = exc
+        agree(comm, error, (), into=set())
+        self.settle()
+        _same_everywhere(comm, "gather", root, lambda r: f"root={r}")
         if root is None:
             return self._allgather()
-        full = self.redistribute(BlockLayout.single(self.shape, root))
-        return full._host_local() if self.comm.rank == root else None
+        full = self.moved(BlockLayout.single(self.shape, root))
+        return full._host_local() if comm.rank == root else None
 
     def _allgather(self) -> np.ndarray:
         comm = self.comm
@@ -309,7 +413,45 @@ class DistArray:
         only after every rank succeeded (see ``distmm.engine.mpi.io``)."""
         from distmm.engine.mpi.io import write_blocks
 
+        self.settle()
         write_blocks(spec, self, overwrite=overwrite)
+
+
+def _grid(grid) -> tuple[int, int]:
+    """``from_local``'s ``grid=``: two positive ints (TypeError, ValueError naming it)."""
+    try:
+        rows, cols = grid
+        if any(isinstance(g, (bool, np.bool_)) for g in (rows, cols)):
+            raise TypeError
+        rows, cols = operator.index(rows), operator.index(cols)
+    except (TypeError, ValueError):
+        raise TypeError(f"from_local: grid must be two ints (rows, cols), got {grid!r}") from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"from_local: grid {rows} x {cols} needs at least one row and one "
+                         f"column of ranks")
+    return rows, cols
+
+
+def _digest(value) -> bytes:
+    """Eight bytes that tell picklable values apart (what ranks compare cheaply)."""
+    return hashlib.blake2b(pickle.dumps(value), digest_size=8).digest()
+
+
+def _same_everywhere(comm, what: str, value, show=None) -> None:
+    """Collective: ``ValueError`` on every rank unless ``value`` is the same on every rank
+    (its digest compared; ``show(value)`` of rank 0 and the first other in the message)."""
+    if comm.size == 1:
+        return
+    digests = comm.allgather(_digest(value))
+    other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if other is None:
+        return
+    if show is None:
+        raise ValueError(f"{what} needs the same arguments on every rank: rank 0's and rank "
+                         f"{other}'s differ")
+    values = comm.allgather(value)
+    raise ValueError(f"{what} needs the same arguments on every rank: {show(values[0])} on "
+                     f"rank 0, {show(values[other])} on rank {other}")
 
 
 def _agree_sent(comm, got) -> None:
