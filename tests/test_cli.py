@@ -35,6 +35,7 @@ def test_info_command(tmp_path):
     assert r.stdout.splitlines()[-1] == "config      defaults"
 
 
+@pytest.mark.slow
 def test_info_shows_the_settings_in_force_and_where_each_was_set(tmp_path):
     """distmm info printed versions and devices only: a DISTMM_ variable or a YAML file in
     dask's config paths changed plans with nothing to show it before a job."""

@@ -298,7 +298,7 @@ def test_file_size_limit_on_a_zarr_output_leaves_no_chunk_behind(tmp_path):
     rng = np.random.default_rng()
     np.save(tmp_path / "a.npy", rng.standard_normal((600, 300)))
     np.save(tmp_path / "b.npy", rng.standard_normal((300, 600)))
-    for _ in range(6):
+    for _ in range(4):
         r = run_cli("matmul", "a.npy", "b.npy", "-o", "c.zarr", cwd=tmp_path,
                     preexec_fn=_limit(200_000))
         assert r.returncode == 1 and "c.zarr" in one_line(r.stderr), r.stderr
@@ -706,6 +706,7 @@ def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, operands, data
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_mpirun_h5_dataset_path_through_a_dataset_and_a_colon(tmp_path, operands, mpirun):
     """The batch path (2 ranks): -o f.h5:X/C through a dataset failed with status 1 after all
     its work; a folder with a colon was an unsupported file type. Now status 2 before any
@@ -776,6 +777,7 @@ def test_h5_soft_link_to_a_group_of_the_file_is_followed(tmp_path, operands):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_mpirun_h5_dataset_path_into_another_file(tmp_path, operands, mpirun):
     """The batch path (2 ranks): C went into the external link's file; now status 2 before
     any work, naming the link and that file."""

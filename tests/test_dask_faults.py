@@ -401,6 +401,7 @@ def test_a_scheduler_lost_during_the_set_up_is_scheduler_lost(tmp_path, module, 
     _assert_lost(got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, name, wait, words", [
     ("distmm.engine.dask.placement", "cluster_state", 0.0, "while gemm set up its run"),
     pytest.param("distmm.engine.dask", "_resolve_client", 2 * _TIMEOUT + 1.0,

@@ -292,8 +292,10 @@ for _name in ("fsync", "fdatasync", "write"):
 """
 
 
-@pytest.mark.parametrize("ranks,m,fmt", [(1, 96, "npy"), (1, 96, "h5"), (1, 96, "zarr"),
-                                         (2, 97, "zarr")])
+@pytest.mark.parametrize("ranks,m,fmt", [
+    pytest.param(1, 96, "npy", marks=pytest.mark.slow),
+    pytest.param(1, 96, "h5", marks=pytest.mark.slow), (1, 96, "zarr"),
+    pytest.param(2, 97, "zarr", marks=pytest.mark.slow)])
 def test_a_stripes_log_line_follows_its_bytes_on_disk(tmp_path, cmd, batch_env, ranks, m, fmt):
     """A ``--resume`` run's log names a stripe only once its bytes are on disk, so a host that
     crashes (a power loss keeps no page cache) never leaves a logged stripe unwritten: the
@@ -368,6 +370,7 @@ os.replace = replace
 """
 
 
+@pytest.mark.slow
 def test_a_zarr_chunk_killed_mid_write_is_computed_again_and_not_kept(tmp_path, batch_env):
     """zarr writes a chunk under a temporary name and renames it: a run killed (``kill -9``)
     in the middle of a chunk leaves no torn chunk, only that stripe unlogged and the temporary
@@ -398,6 +401,7 @@ def test_a_zarr_chunk_killed_mid_write_is_computed_again_and_not_kept(tmp_path, 
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="OpenBLAS runs one thread on one CPU")
 @pytest.mark.parametrize("dtype,first,then", [("float32", 1, 2), ("float64", 2, 1)])
 def test_resume_refuses_another_blas_thread_count(tmp_path, batch_env, dtype, first, then):

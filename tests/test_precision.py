@@ -359,6 +359,7 @@ def test_dask_within_bound(client, layout):
 # -- MPI engine (real mpiexec, 2 ranks) ---------------------------------------------------
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_mpi_within_bound(mpirun, tmp_path):
     r = mpirun(2, HERE / "mpi_precision_cases.py", tmp_path, timeout=240)
     assert "VERDICT ok" in r.stdout, r.stdout + r.stderr

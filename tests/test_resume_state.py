@@ -694,6 +694,7 @@ def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, m
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_a_second_resume_run_between_staging_and_manifest_refuses(tmp_path, mpi_env):
     """A ``--resume`` run paused after making its staged output, before its manifest is saved
     and claimed; a second ``--resume`` run started then waits for it and refuses in one line
