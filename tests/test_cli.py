@@ -362,8 +362,9 @@ def test_secondary_commands_refuse_bad_options_in_one_line(tmp_path, monkeypatch
     (["trace", "-o", "nofolder/t.png"], "No such folder for the output: nofolder/t.png"),
     (["trace", "-o", "adir"], "a folder, not a file: adir"),
     (["trace", "--from-json", "adir"], "Is a directory: adir"),
-    (["demo", "-n", "0"], "argument -n: '0' must be at least 1"),
-    (["demo", "-n", "-5"], "argument -n: '-5' must be at least 1"),
+    (["demo", "-n", "0"], "argument -n/--n: '0' must be at least 1"),
+    (["demo", "--n", "0"], "argument -n/--n: '0' must be at least 1"),  # as trace spells it
+    (["demo", "-n", "-5"], "argument -n/--n: '-5' must be at least 1"),
     (["demo", "--dtype", "int7"], "argument --dtype: 'int7' is not a dtype matmul takes"),
     # was: the product ran and the report was written into a folder made for it
     (["demo", "-n", "64", "--engine", "dask", "--report", "nofolder/r.html"],

@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multiply random matrices, check against numpy, print plan and speed",
                        description="multiply random n x n matrices, check against numpy, "
                                    "print the plan and the speed")
-    d.add_argument("-n", type=_positive, default=2048, help="matrix size (default 2048)")
+    d.add_argument("-n", "--n", dest="n", type=_positive, default=2048,
+                   help="matrix size (default 2048; --n as distmm trace spells it)")
     d.add_argument("--dtype", type=matmul_dtype, default="float64",
                    help="element type, as numpy names it (default float64)")
     d.add_argument("--engine", default="auto", choices=["auto", "local", "dask"],
