@@ -29,11 +29,13 @@ from distmm.fpflags import report
 __all__ = ["agree", "shared_error", "fingerprint", "differing"]
 
 
-def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=None) -> None:
+def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=None,
+          when: str = "during the product") -> None:
     """Raise on every rank the error of the lowest rank that had one (on that rank, its
-    own exception object), after calling ``before_raise()`` where given; with no error
-    anywhere, report the union of ``flags``, or add it to the set ``into`` (for a caller
-    that reports once for several products)."""
+    own exception object; on the others a copy noting ``when`` it was raised there), after
+    calling ``before_raise()`` where given; with no error anywhere, report the union of
+    ``flags``, or add it to the set ``into`` (for a caller that reports once for several
+    products)."""
     if comm.size == 1:  # nothing to send: the error itself is raised below
         outcomes = [(None if error is None else b"", tuple(flags))]
     else:
@@ -44,7 +46,7 @@ def agree(comm, error: BaseException | None, flags, *, before_raise=None, into=N
             before_raise()
         if failed == comm.rank:
             raise error
-        raise _restore(outcomes[failed][0], failed, comm.size)
+        raise _restore(outcomes[failed][0], failed, comm.size, when)
     union = {f for _, seen in outcomes for f in seen}
     if into is not None:
         into |= union

@@ -197,7 +197,7 @@ class DistArray:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         join(comm, "DistArray.from_local")
-        agree(comm, error, (), into=set())
+        agree(comm, error, (), into=set(), when="in DistArray.from_local")
         everyone = comm.allgather(((rows, cols), tuple(block.shape), block.dtype,
                                    _xp(block) is not np))
         grids = [g for g, *_ in everyone]
@@ -254,7 +254,7 @@ class DistArray:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         agree(comm, error, (), before_raise=lambda: source is not None and source.close(),
-              into=set())
+              into=set(), when="in DistArray.from_file")
         try:
             mine = (tuple(source.array.shape), np.dtype(source.array.dtype), str(spec))
             everyone = comm.allgather(mine) if comm.size > 1 else [mine]
@@ -376,7 +376,7 @@ class DistArray:
                                      f"(0 to {comm.size - 1}); root=None gathers onto every rank")
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
-        agree(comm, error, (), into=set())
+        agree(comm, error, (), into=set(), when="in DistArray.gather")
         self.settle()
         _same_everywhere(comm, "gather", root, lambda r: f"root={r}")
         if root is None:

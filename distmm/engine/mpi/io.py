@@ -201,7 +201,7 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
         error = exc
     # a refusal on some ranks only (they were given other names) is raised on every rank:
     # the others would wait for them in the broadcasts below
-    agree(comm, error, (), into=set())
+    agree(comm, error, (), into=set(), when="in DistArray.to_file")
     if comm.size > 1:
         asked = comm.allgather((os.fspath(spec), bool(overwrite)))
         other = next((r for r, x in enumerate(asked) if x != asked[0]), None)
