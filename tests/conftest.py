@@ -69,14 +69,21 @@ def run_cli(*args, timeout: float = 600, env: dict | None = None,
 
 
 #: a child's ``sitecustomize``: once MODULE is imported, its NAME waits for the file ``go`` in
-#: FOLDER (after making ``paused`` there), before it runs or (AFTER) once it has returned
+#: FOLDER (after making ``paused`` there), or SECONDS where given, before it runs or (AFTER)
+#: once it has returned; only on MPI rank RANK where given
 _PAUSE_AT = """
 import functools, importlib.machinery, os, sys, time
 
 MODULE, NAME, FOLDER, AFTER = {module!r}, {name!r}, {folder!r}, {after!r}
+SECONDS, RANK = {seconds!r}, {rank!r}
 
 
 def _wait():
+    if RANK is not None and os.environ.get("OMPI_COMM_WORLD_RANK") != str(RANK):
+        return
+    if SECONDS is not None:
+        time.sleep(SECONDS)
+        return
     open(os.path.join(FOLDER, "paused"), "w").close()
     while not os.path.exists(os.path.join(FOLDER, "go")):
         time.sleep(0.01)
@@ -114,12 +121,15 @@ sys.meta_path.insert(0, PauseAt())
 """
 
 
-def pause_at(folder: Path, module: str, name: str, *, after: bool = False) -> None:
+def pause_at(folder: Path, module: str, name: str, *, after: bool = False,
+             seconds: float | None = None, rank: int | None = None) -> None:
     """Make ``folder`` a ``sitecustomize`` (a child with it first on PYTHONPATH): the child's
     ``module.name`` waits for ``folder/go`` before it runs (``after``: once it has returned),
-    making ``folder/paused`` when it starts waiting."""
+    making ``folder/paused`` when it starts waiting; with ``seconds``, it sleeps that long
+    instead; with ``rank``, only MPI rank ``rank`` waits."""
     (folder / "sitecustomize.py").write_text(
-        _PAUSE_AT.format(module=module, name=name, folder=str(folder), after=after))
+        _PAUSE_AT.format(module=module, name=name, folder=str(folder), after=after,
+                         seconds=seconds, rank=rank))
 
 
 # -- skipping by marker ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import assert_close
+from conftest import assert_close, pause_at
 
 pytestmark = pytest.mark.mpi
 
@@ -256,37 +256,6 @@ def test_mpirun_vector_or_stack_into_the_operands_own_h5_file(files, launch, ope
     assert not [p for p in d.iterdir() if "partial" in p.name]
 
 
-_LATE_CLOSE = """
-import importlib.machinery, os, sys, time
-
-
-class Late:
-    # rank 1 lets go of its HDF5 inputs a second late
-    def find_spec(self, name, path=None, target=None):
-        if name != "distmm.engine.mpi.batch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            close = module._close_sources
-
-            def late(*arrays):
-                if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
-                    time.sleep(1)
-                return close(*arrays)
-
-            module._close_sources = late
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, Late())
-"""
-
-
 def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it(files,
                                                                                  launch):
     """The batch path: rank 0 opened the operands' own file for writing C as soon as it had
@@ -298,7 +267,7 @@ def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it
     d, _ = files
     site = d / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(_LATE_CLOSE)
+    pause_at(site, "distmm.engine.mpi.batch", "_close_sources", seconds=1.0, rank=1)
     f = d / "x.h5"
     with h5py.File(f, "r") as fh:
         want = fh["A"][...] @ fh["B"][...]
