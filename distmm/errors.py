@@ -11,7 +11,8 @@ from __future__ import annotations
 import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
-           "Signalled", "ConfigError", "NotPicklable", "UnreadableInput", "READING"]
+           "Signalled", "ConfigError", "NotPicklable", "UnreadableInput", "READING",
+           "STOP_SIGNALS"]
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,11 @@ class NotPicklable(TypeError):
     """Object elements that do not pickle (or unpickle) where the MPI engine moves them
     between ranks. Raised on every rank; the engine then computes a product of operands
     every rank holds on each rank."""
+
+
+#: the signals that stop a run with its cleanup (a ``--resume`` run keeps its state):
+#: SIGTERM (a batch system's time limit), SIGINT, SIGXCPU (a soft CPU-time limit)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGXCPU)
 
 
 class Signalled(BaseException):

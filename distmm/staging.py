@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import ALIGN, MIN_DIRECT, SpanWriter, as_bytes, libc_function, preallocate
-from distmm.errors import InsufficientSpace, OutputExists
+from distmm.errors import STOP_SIGNALS, InsufficientSpace, OutputExists
 
 __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", "check_room",
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
@@ -856,8 +856,7 @@ def _signals_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK,
-                                 {signal.SIGINT, signal.SIGTERM, signal.SIGXCPU})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
     finally:

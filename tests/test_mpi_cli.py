@@ -267,7 +267,7 @@ def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it
     d, _ = files
     site = d / "site"
     site.mkdir()
-    pause_at(site, "distmm.engine.mpi.batch", "_close_sources", seconds=1.0, rank=1)
+    pause_at(site, "distmm.engine.mpi.batch", "close_sources", seconds=1.0, rank=1)
     f = d / "x.h5"
     with h5py.File(f, "r") as fh:
         want = fh["A"][...] @ fh["B"][...]

@@ -34,11 +34,12 @@ import stat
 import sys
 import traceback
 
-from distmm.errors import BackendUnavailable, InsufficientSpace, OutputExists, Signalled
+from distmm.errors import (STOP_SIGNALS, BackendUnavailable, InsufficientSpace, OutputExists,
+                           Signalled)
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
            "restore_signals", "raise_if_signalled", "whole_line_writes",
-           "STOPPING", "OK", "FAILED", "BAD_INPUT"]
+           "OK", "FAILED", "BAD_INPUT"]
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
 
@@ -162,8 +163,6 @@ def whole_line_writes() -> None:
 #: they raise
 _received: list[int] = []
 
-#: the signals that end the command with its cleanup (``terminate_on_sigterm``)
-STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGXCPU)
 
 
 def _signal_error(signum: int) -> BaseException:
@@ -180,7 +179,7 @@ def terminate_on_sigterm():
     command ends at its next ``raise_if_signalled``. Returns what ``restore_signals`` takes."""
 
     def handler(signum, frame):
-        for each in STOPPING:  # once, any: another arriving during the cleanup would
+        for each in STOP_SIGNALS:  # once, any: another arriving during the cleanup would
             signal.signal(each, signal.SIG_IGN)  # escape it (SIGXCPU comes every second)
         _received.append(signum)
         # the command ends with the signal's one line: what libraries log about the work it
@@ -197,7 +196,7 @@ def terminate_on_sigterm():
 
     previous_hook = sys.unraisablehook
     sys.unraisablehook = unraisable
-    return (previous_hook, {s: signal.signal(s, handler) for s in STOPPING})
+    return (previous_hook, {s: signal.signal(s, handler) for s in STOP_SIGNALS})
 
 
 def restore_signals(previous) -> None:

@@ -395,15 +395,8 @@ def _held_elsewhere(path: Path) -> bool:
         return False
     import fcntl
 
-    import h5py
-
-    own = path.resolve()
-    for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):  # an operand's dataset, say
-        try:
-            if Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
-                return False
-        except (OSError, ValueError):
-            continue
+    if _own_ids(path):  # an operand's dataset, say
+        return False
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # HDF5's own lock (flock); closing
@@ -548,15 +541,29 @@ def _settle_zarr() -> None:
         pass
 
 
+def _own_ids(path: Path) -> list:
+    """The HDF5 objects this process holds open in the file ``path`` (an operand's dataset,
+    say)."""
+    import h5py
+
+    own, ids = path.resolve(), []
+    for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):
+        try:
+            if oid.valid and Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
+                ids.append(oid)
+        except (OSError, ValueError):
+            continue
+    return ids
+
+
 def _close_own(path: Path) -> None:
     """Close this process's handles on the HDF5 file ``path`` (its operands, read): HDF5 opens
     a file a second time only in the same mode, and C is copied into it for writing."""
     import h5py
 
-    own = path.resolve()
-    for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):  # an operand's dataset, say
+    for oid in _own_ids(path):
         try:
-            if oid.valid and Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
+            if oid.valid:  # not closed with an earlier one's file
                 h5py.File(h5py.h5i.get_file_id(oid)).close()  # with every object in it
         except (OSError, ValueError):
             continue

@@ -153,7 +153,9 @@ def _ignore_signals() -> None:
     whose C is in place with 143 and no 'wrote' line, or add a second line to a failure's."""
     import signal
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGXCPU):
+    from distmm.errors import STOP_SIGNALS
+
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
@@ -209,6 +211,7 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     rank 0 writes it (staged), and all agree on the outcome."""
     import distmm
     from distmm.cli.io import staged_output
+    from distmm.engine.mpi.batch import close_sources
 
     error = c = None
     try:  # the engine raises an error of any rank's part on every rank
@@ -218,7 +221,7 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
         error = exc
     # every rank lets go of its HDF5 operands before rank 0 writes: C may go into their own
     # file, which HDF5 opens for writing only where no other process holds it
-    _close_h5(a, b)
+    close_sources(a, b)
     comm.Barrier()
     if comm.rank == 0 and error is None:
         try:
@@ -234,12 +237,3 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
               f"{time.perf_counter() - t0:.3f} s")
     return 0
 
-
-def _close_h5(*operands) -> None:
-    """Close the files of the operands that are HDF5 datasets (with every object in them)."""
-    h5py = sys.modules.get("h5py")
-    if h5py is None:
-        return
-    for x in operands:
-        if isinstance(x, h5py.Dataset) and x.id.valid:
-            x.file.close()

@@ -32,13 +32,13 @@ from distmm.engine.mpi.io import (StripeWriter, create_staged, finish_staged, pa
                                   staged_path)
 from distmm.engine.mpi.stop import PeerStopped, StopWatch
 from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
-from distmm.errors import Signalled
+from distmm.errors import STOP_SIGNALS, Signalled
 from distmm.fpflags import report
 from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
 from distmm.staging import (claim, is_live, leftovers, preparing, release, remove_leftover,
                             staged_pid)
 
-__all__ = ["run_batch", "BatchOutcome"]
+__all__ = ["run_batch", "BatchOutcome", "close_sources"]
 
 #: rank 0's claims (``distmm.staging.claim``) on the staged outputs it resumes, by the PID in
 #: their names, held from ``_prepare`` to ``_finish``
@@ -71,8 +71,7 @@ def _signals_to(watch: StopWatch):
     def handler(signum, frame):
         watch.fail(KeyboardInterrupt() if signum == signal.SIGINT else Signalled(signum))
 
-    previous = {s: signal.signal(s, handler)
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXCPU)}
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -356,7 +355,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 changed = rs.mismatch(inputs, rs.inputs_now(args.a, a, args.b, b))
             except OSError as exc:  # deleted, say
                 changed = f"an input can no longer be looked at ({exc})"
-        _close_sources(a, b)
+        close_sources(a, b)
         comm.Barrier()  # every rank's HDF5 inputs closed before rank 0 opens C's file, which
         # may be theirs, for writing (HDF5's lock refuses a file another process holds)
         if failures:
@@ -465,7 +464,7 @@ def _finish(args, pid: int, *, ok: bool, keep: bool):
         release(_HELD.pop(pid, None))
 
 
-def _close_sources(*arrays) -> None:
+def close_sources(*arrays) -> None:
     """Close HDF5 inputs (rank 0 may open the target file for writing next)."""
     for x in arrays:
         handle = getattr(x, "file", None)
