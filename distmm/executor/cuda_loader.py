@@ -23,7 +23,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from distmm.executor import tma, tuning
 __all__ = ["source", "get_kernel", "mangled_name", "launch", "warm", "cache_dir", "compute_capability",
            "KernelLaunchError", "OPTIONS", "FIXUP_FILE", "split_tail_plan", "grouped_tile_origins",
            "explicit_instantiation", "tc_instantiation", "get_tc_kernel", "launch_tc",
-           "to_input_format"]
+           "to_input_format", "MAX_DIM"]
 
 log = logging.getLogger("distmm.executor.cuda_loader")
 
@@ -337,6 +337,29 @@ def _allow_smem(kern, smem: int) -> None:
             _smem_set[key] = kern
 
 
+#: the largest m, n or k a kernel takes: tile origins, tile counts and loop bounds are 32-bit
+#: ints in the kernels (element offsets are 64-bit), and a dimension plus a tile (at most 256)
+#: must stay below 2^31
+MAX_DIM = 2**31 - 2**16
+
+#: the grid's y (and z) limit: steps 1-6 take their row tiles past it in turn (grid "xy")
+_GRID_Y = 65535
+
+
+def _check_sizes(m: int, n: int, k: int) -> None:
+    if max(m, n, k) > MAX_DIM:
+        raise ValueError(f"m, n, k must be at most 2^31 - 2^16 = {MAX_DIM} for distmm's "
+                         f"kernels, got {(m, n, k)}")
+
+
+def _grid(spec, m: int, n: int, p) -> tuple[int, int, int]:
+    """``spec.grid_dims``, with a grid of row tiles in y (steps 1-6) capped at 65535: those
+    kernels loop over the row tiles beyond it."""
+    if spec.grid == "xy":
+        m = min(m, _GRID_Y * spec.tile(p)[0])
+    return spec.grid_dims(m, n, p)
+
+
 def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
            m: int, n: int, k: int, *, alpha=1, beta=0, params: Mapping[str, int] | None = None,
            stream=None, compiler: str | None = None, check: bool | None = None,
@@ -360,7 +383,8 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     Raises
     ------
     ValueError
-        Sizes beyond 32-bit indexing or the grid's limits.
+        m, n or k above ``MAX_DIM`` (the kernels' tile indices are 32-bit), or more tiles
+        than a grid holds.
     KernelLaunchError
         The launch failed, or (with ``check``, or ``DISTMM_CHECK_LAUNCHES=1``) the kernel
         failed while running.
@@ -374,8 +398,7 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
         return
     if m == 0 or n == 0:
         return
-    if max(m, n, k) >= 2**31:
-        raise ValueError(f"m, n, k must be below 2^31, got {(m, n, k)}")
+    _check_sizes(m, n, k)
     spec = registry.get(name)
     dtype = np.dtype(c.dtype).name
     for nm, x in (("a", a), ("b", b)):
@@ -386,7 +409,7 @@ def launch(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: int,
     threads = spec.threads(p)
     smem = spec.smem_bytes(dtype, p, ta, tb)
     _allow_smem(kern, smem)
-    grid = spec.grid_dims(m, n, p)
+    grid = _grid(spec, m, n, p)
     flags = (int(bool(ta)) | int(bool(tb)) << 1 | int(k > 0 and _operand_flags(a, lda)) << 2
              | int(k > 0 and _operand_flags(b, ldb)) << 3)
     scalar = np.dtype(dtype).type
@@ -557,11 +580,11 @@ def to_input_format(x, fmt: str, precision: str | None = None, *, transpose: boo
         raise ValueError(f"no tensor-core input format {fmt!r}")
     if x.dtype == cupy.uint16:  # already bfloat16 bits
         return cupy.ascontiguousarray(x)
-    x32 = cupy.ascontiguousarray(x, dtype=cupy.float32)
-    u = x32.view(cupy.uint32)
-    rounded = (u + (cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1)))) >> 16
-    quiet_nan = (u >> 16) | cupy.uint32(0x40)
-    return cupy.where(cupy.isnan(x32), quiet_nan, rounded).astype(cupy.uint16)
+    # one elementwise pass into the uint16 copy: no 32-bit temporaries the size of x, as
+    # cupy's array operators would make (several, for a 10 GB operand)
+    from distmm.executor.cublas import to_input_format as rounded
+
+    return rounded(x, "bf16")[0]
 
 
 #: the step that writes beta C for k = 0 in place of a step reading tensor maps (a map has no
@@ -599,7 +622,8 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
     Raises
     ------
     ValueError
-        An unknown precision, or one the kernel does not compute; sizes beyond the grid.
+        An unknown precision, or one the kernel does not compute; m, n or k above
+        ``MAX_DIM``, or more tiles than a grid holds.
     TypeError
         C is not float32.
     KernelLaunchError
@@ -614,8 +638,7 @@ def launch_tc(name: str, a, ta: bool, lda: int, b, tb: bool, ldb: int, c, ldc: i
         raise TypeError(f"C must be float32 for tensor-core kernels, got {c.dtype}")
     if m == 0 or n == 0:
         return name
-    if max(m, n, k) >= 2**31:
-        raise ValueError(f"m, n, k must be below 2^31, got {(m, n, k)}")
+    _check_sizes(m, n, k)
     fmt = spec.precisions[precision]
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:

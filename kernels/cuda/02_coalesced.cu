@@ -5,10 +5,11 @@
 
 namespace distmm {
 template <typename T>
-__device__ __forceinline__ void coalesced_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+__device__ __forceinline__ void coalesced_body(int by, int M, int N, int K, T alpha,
+                                               const T* __restrict__ A,
                                                long long lda, const T* __restrict__ B, long long ldb,
                                                T beta, T* __restrict__ C, long long ldc, int flags) {
-    const int row = blockIdx.y * 8 + threadIdx.x / 32;
+    const int row = by * 8 + threadIdx.x / 32;
     const int col = blockIdx.x * 32 + threadIdx.x % 32;
     if (row >= M || col >= N) return;
     const bool ta = flags & DISTMM_TRANS_A, tb = flags & DISTMM_TRANS_B;
@@ -24,7 +25,9 @@ __global__ void __launch_bounds__(256)
 distmm_gemm_coalesced(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                       const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                       long long ldc, int flags) {
-    distmm::coalesced_body<T>(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    // row tiles past the grid's 65535 (cuda_loader caps gridDim.y) in turn
+    for (int by = blockIdx.y; by < (M + 7) / 8; by += (int)gridDim.y)
+        distmm::coalesced_body<T>(by, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC

@@ -7,7 +7,8 @@
 
 namespace distmm {
 template <typename T>
-__device__ __forceinline__ void smem_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+__device__ __forceinline__ void smem_body(int by, int M, int N, int K, T alpha,
+                                          const T* __restrict__ A,
                                           long long lda, const T* __restrict__ B, long long ldb,
                                           T beta, T* __restrict__ C, long long ldc, int flags) {
     constexpr int BS = 32;
@@ -15,7 +16,7 @@ __device__ __forceinline__ void smem_body(int M, int N, int K, T alpha, const T*
     __shared__ T Bs[BS][BS + 1];  // Bs[k][n]
     const bool ta = flags & DISTMM_TRANS_A, tb = flags & DISTMM_TRANS_B;
     const int tx = threadIdx.x % BS, ty = threadIdx.x / BS;
-    const int m0 = blockIdx.y * BS, n0 = blockIdx.x * BS;
+    const int m0 = by * BS, n0 = blockIdx.x * BS;
     typename acc_type<T>::type acc = 0;
     for (int k0 = 0; k0 < K; k0 += BS) {
         // op(A) tile: lanes run along A's contiguous dimension.
@@ -44,7 +45,9 @@ __global__ void __launch_bounds__(1024)
 distmm_gemm_smem(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                  const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                  long long ldc, int flags) {
-    distmm::smem_body<T>(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    // row tiles past the grid's 65535 (cuda_loader caps gridDim.y) in turn
+    for (int by = blockIdx.y; by < (M + 31) / 32; by += (int)gridDim.y)
+        distmm::smem_body<T>(by, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC

@@ -6,7 +6,8 @@
 
 namespace distmm {
 template <typename T>
-__device__ __forceinline__ void blocktile1d_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+__device__ __forceinline__ void blocktile1d_body(int by, int M, int N, int K, T alpha,
+                                                 const T* __restrict__ A,
                                                  long long lda, const T* __restrict__ B, long long ldb,
                                                  T beta, T* __restrict__ C, long long ldc, int flags) {
     constexpr int BM = 64, BN = 64, BK = 8, TM = 8, NT = 512, PAD = 4;
@@ -15,7 +16,7 @@ __device__ __forceinline__ void blocktile1d_body(int M, int N, int K, T alpha, c
     const bool ta = flags & DISTMM_TRANS_A, tb = flags & DISTMM_TRANS_B;
     const int tid = threadIdx.x;
     const int tx = tid % BN, ty = tid / BN;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int m0 = by * BM, n0 = blockIdx.x * BN;
     typedef typename acc_type<T>::type Acc;
     Acc acc[TM];
 #pragma unroll
@@ -57,7 +58,9 @@ __global__ void __launch_bounds__(512)
 distmm_gemm_blocktile1d(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                         const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                         long long ldc, int flags) {
-    distmm::blocktile1d_body<T>(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    // row tiles past the grid's 65535 (cuda_loader caps gridDim.y) in turn
+    for (int by = blockIdx.y; by < (M + 63) / 64; by += (int)gridDim.y)
+        distmm::blocktile1d_body<T>(by, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC

@@ -5,7 +5,8 @@
 
 namespace distmm {
 template <typename T>
-__device__ __forceinline__ void blocktile2d_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+__device__ __forceinline__ void blocktile2d_body(int by, int M, int N, int K, T alpha,
+                                                 const T* __restrict__ A,
                                                  long long lda, const T* __restrict__ B, long long ldb,
                                                  T beta, T* __restrict__ C, long long ldc, int flags) {
     constexpr int BM = 128, BN = 128, BK = 8, TM = 8, TN = 8, NT = 256, PAD = 4;
@@ -14,7 +15,7 @@ __device__ __forceinline__ void blocktile2d_body(int M, int N, int K, T alpha, c
     const bool ta = flags & DISTMM_TRANS_A, tb = flags & DISTMM_TRANS_B;
     const int tid = threadIdx.x;
     const int tx = tid % (BN / TN), ty = tid / (BN / TN);
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int m0 = by * BM, n0 = blockIdx.x * BN;
     typedef typename acc_type<T>::type Acc;
     Acc acc[TM][TN];
 #pragma unroll
@@ -69,7 +70,9 @@ __global__ void __launch_bounds__(256)
 distmm_gemm_blocktile2d(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                         const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                         long long ldc, int flags) {
-    distmm::blocktile2d_body<T>(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    // row tiles past the grid's 65535 (cuda_loader caps gridDim.y) in turn
+    for (int by = blockIdx.y; by < (M + 127) / 128; by += (int)gridDim.y)
+        distmm::blocktile2d_body<T>(by, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC

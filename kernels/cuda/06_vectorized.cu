@@ -25,7 +25,8 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ g, long long ld
 }
 
 template <typename T, bool TA, bool TB>
-__device__ __forceinline__ void vectorized_body(int M, int N, int K, T alpha, const T* __restrict__ A,
+__device__ __forceinline__ void vectorized_body(int by, int M, int N, int K, T alpha,
+                                                const T* __restrict__ A,
                                                 long long lda, const T* __restrict__ B, long long ldb,
                                                 T beta, T* __restrict__ C, long long ldc, int flags) {
     constexpr int BM = 128, BN = 128, BK = 8, TM = 8, TN = 8, NT = 256;
@@ -35,7 +36,7 @@ __device__ __forceinline__ void vectorized_body(int M, int N, int K, T alpha, co
     const bool vec_a = flags & DISTMM_VEC_A, vec_b = flags & DISTMM_VEC_B;
     const int tid = threadIdx.x;
     const int tx = tid % (BN / TN), ty = tid / (BN / TN);
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int m0 = by * BM, n0 = blockIdx.x * BN;
     typedef typename acc_type<T>::type Acc;
     Acc acc[TM][TN];
 #pragma unroll
@@ -102,7 +103,9 @@ __global__ void __launch_bounds__(256)
 distmm_gemm_vectorized(int M, int N, int K, T alpha, const T* __restrict__ A, long long lda,
                        const T* __restrict__ B, long long ldb, T beta, T* __restrict__ C,
                        long long ldc, int flags) {
-    distmm::vectorized_body<T, TA, TB>(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
+    // row tiles past the grid's 65535 (cuda_loader caps gridDim.y) in turn
+    for (int by = blockIdx.y; by < (M + 127) / 128; by += (int)gridDim.y)
+        distmm::vectorized_body<T, TA, TB>(by, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, flags);
 }
 
 #ifndef DISTMM_NVRTC
