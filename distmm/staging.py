@@ -11,7 +11,9 @@ This module covers the parts of staging an output that the command line
   ``reclaimable``: their space; ``remove_leftover``, with its manifest and logs), and the
   manifests and logs of a dead run whose staged output was deleted (``leftovers`` removes them);
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
-  target, keeping a replaced target's permission bits;
+  target, keeping a replaced target's permission bits, and on disk before it returns (the
+  file, or the folder and its metadata files, then the folder that names the target:
+  ``fsync_paths``), so that a crash after the run said it was done keeps the output;
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
   by tile with ``os.pwrite``, so a full disk or a file-size limit raises a
   clean ``OSError`` (no memory map to die of SIGBUS, no HDF5 call to crash);
@@ -28,7 +30,8 @@ This module covers the parts of staging an output that the command line
   is an old dataset of that name deleted and the copy renamed onto it (signals
   held off for those two metadata steps). The
   file's other datasets are never touched; on a failure the temporary dataset
-  is removed, and the staged file is removed in every case.
+  is removed, and the staged file is removed in every case. The file, and after a
+  rename the folder that names it, are flushed to disk before it returns.
 
 HDF5 has no transactions: a copy that runs out of space half way can damage
 the file it writes into. That is why the room for the copy is checked first;
@@ -67,7 +70,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
            "reclaimable", "remove_leftover",
-           "check_target", "h5_held", "zarr_node"]
+           "check_target", "h5_held", "zarr_node", "fsync_paths"]
 
 PARTIAL = "distmm-partial"
 
@@ -91,6 +94,35 @@ def staged_pid(staged) -> int:
     return int(Path(staged).name.rsplit("-", 1)[1])
 
 
+#: the files of a zarr folder that describe its array (v3, v2 and their attributes and
+#: consolidated metadata); its chunks are the other files
+_ZARR_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+
+def fsync_paths(paths) -> None:
+    """Flush each file or folder of ``paths`` that exists to disk (``fsync``): a file's data,
+    a folder's entries (the names renamed or made in it)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:  # (a zarr chunk of fill values only: never stored)
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _synced_before(staged: Path) -> None:
+    """A staged output's own bytes on disk before its rename: the file, or a zarr folder's
+    metadata files and the folder's entries (one ``fsync`` each; the chunk files are the
+    writers', flushed per stripe by a ``--resume`` run's log)."""
+    if staged.is_dir():
+        fsync_paths([*(staged / name for name in _ZARR_METADATA), staged])
+    else:
+        fsync_paths([staged])
+
+
 def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = True) -> None:
     """Rename a finished staged output (a file, or a zarr folder) onto ``target``.
 
@@ -100,11 +132,15 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
     aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
     if the new one cannot take its place, the old one is moved back.
     Without ``overwrite`` a target that appeared while the run computed (another
-    run's) is kept and ``OutputExists`` raised (``_rename_new``).
+    run's) is kept and ``OutputExists`` raised (``_rename_new``). The staged output is
+    flushed to disk before the rename and the folder that names ``target`` after it
+    (``_synced_before``, ``fsync_paths``).
     """
     staged, target = Path(staged), Path(target)
     if not overwrite:
+        _synced_before(staged)
         _rename_new(staged, target)
+        fsync_paths([target.parent])
         return
     try:
         mode = stat.S_IMODE(target.stat().st_mode)
@@ -112,6 +148,7 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
         mode = None
     if mode is not None:
         os.chmod(staged, mode)
+    _synced_before(staged)
     if mode is not None and staged.is_dir():
         old = target.parent / f".{target.name}.distmm-old-{os.getpid() if pid is None else pid}"
         os.replace(target, old)
@@ -120,9 +157,11 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
         except BaseException:
             os.replace(old, target)  # the old target back under its name
             raise
+        fsync_paths([target.parent])
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, target)
+        fsync_paths([target.parent])
 
 
 def _rename_new(staged: Path, target: Path) -> None:
@@ -881,7 +920,9 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     existing file the dataset is copied under a temporary name, after checking
     that the file system and the file-size limit have room for it; then an old
     ``dataset`` (only with ``overwrite``) is deleted and the copy renamed onto
-    it. Nothing else in the file changes; on a failure the copy is removed.
+    it. Nothing else in the file changes; on a failure the copy is removed. After the
+    rename or the copy the file is flushed to disk (``fsync``), and after a rename the
+    folder that names it too.
 
     Raises
     ------
@@ -897,9 +938,12 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     staged, path = Path(staged), Path(path)
     try:
         if not path.exists():
+            fsync_paths([staged])
             os.replace(staged, path)
+            fsync_paths([path.parent])
             return
         _copy_into(staged, path, dataset, overwrite)
+        fsync_paths([path])  # closed: HDF5's flush leaves the bytes in the page cache
     finally:
         staged.unlink(missing_ok=True)
 

@@ -1,6 +1,8 @@
-"""distmm.cli.io on real files: the pwrite .npy writer and staged output."""
+"""distmm.cli.io on real files: the pwrite .npy writer and staged output, on disk (its
+rename, a zarr folder's metadata, a dataset copied into an HDF5 file flushed) once a run ends."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 
 import distmm
 from distmm.cli.io import NpyWriter, parse_target, staged_output
+from conftest import run_cli
 
 
 def test_npy_writer_tiles_and_read_back(tmp_path):
@@ -420,3 +423,65 @@ def test_to_file_refuses_an_h5_path_through_a_dataset_or_into_another_file(tmp_p
                 f"link to '/G' in {other}, another file") in r.stdout, r.stdout
     assert (f.read_bytes(), other.read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5", "other.h5", "to_file.py"]
+
+
+#: a child's ``sitecustomize``: every ``os.fsync`` appended to the file LOG as a JSON line
+#: ``[path, names]``, ``names`` a folder's entries at that moment (empty for a file)
+_FSYNC_LOG = """
+import json, os
+
+LOG, _fsync = {log!r}, os.fsync
+
+
+def fsync(fd):
+    path = os.readlink(f"/proc/self/fd/{{fd if isinstance(fd, int) else fd.fileno()}}")
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    with open(LOG, "a") as fh:
+        fh.write(json.dumps([path, names]) + "\\n")
+    return _fsync(fd)
+
+
+os.fsync = fsync
+"""
+
+
+@pytest.mark.parametrize("out", ["c.npy", "c.zarr", "c.h5:C", "f.h5:C"])
+def test_an_output_and_its_name_are_on_disk_when_the_run_ends(tmp_path, out):
+    """After ``distmm matmul`` says it is done, a crash of the host (a power loss keeps no page
+    cache) keeps C: the rename that puts it in place is flushed (``fsync`` of the folder, seen
+    holding C's name and no staged one), and so are a zarr folder's metadata file and entries
+    before its rename, and C's dataset copied into an existing HDF5 file (f.h5). Every
+    ``fsync`` of the run is logged by a ``sitecustomize`` in the child."""
+    if out.endswith(":C"):
+        h5py = pytest.importorskip("h5py")
+        if out.startswith("f.h5"):
+            with h5py.File(tmp_path / "f.h5", "w") as fh:
+                fh["X"] = np.ones(3)
+    elif out == "c.zarr":
+        pytest.importorskip("zarr")
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((40, 30)), rng.standard_normal((30, 20))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    site, log = tmp_path / "site", tmp_path / "fsyncs.log"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FSYNC_LOG.format(log=str(log)))
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / out,
+                env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    synced = [tuple(x) for x in map(json.loads, log.read_text().splitlines())]
+    name = out.split(":")[0]
+    folder = [names for p, names in synced if p == str(tmp_path)]
+    if out == "f.h5:C":  # C copied into it: the file itself (its name was there before)
+        assert (str(tmp_path / "f.h5"), []) in synced, synced
+        with h5py.File(tmp_path / "f.h5", "r") as fh:
+            np.testing.assert_allclose(fh["C"][()], a @ b, rtol=1e-12)
+        return
+    assert any(name in names and not any(".distmm-partial" in n for n in names)
+               for names in folder), synced
+    if out == "c.zarr":
+        staged = [p for p, _ in synced if f".{name}.distmm-partial-" in p]
+        assert any(p.endswith(("/zarr.json", "/.zarray")) for p in staged), synced
+        assert any(p.rsplit("/", 1)[1].startswith(f".{name}.distmm-partial-")
+                   for p in staged), synced

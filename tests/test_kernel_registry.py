@@ -1,5 +1,7 @@
 """The kernel registry agrees with the CUDA sources, and every source compiles with nvcc
-for sm_90 and sm_80 (skipped without nvcc). No GPU needed."""
+for sm_90 and sm_80 (skipped without nvcc); a tuning cache's entries are used only where they
+are configurations ``distmm tune`` could have stored for this distmm's kernel, else ignored
+with one warning. No GPU needed, but for the GPU executor's use of the cache (``gpu``)."""
 from __future__ import annotations
 
 import re
@@ -579,3 +581,133 @@ def test_launch_reads_a_tensor_core_precision_off_the_operands():
         pick("mma_bf16", np.float32)
     with pytest.raises(TypeError, match="not float16"):
         pick("mma_tf32", np.float16)
+
+
+_BEST = registry.best_kernel()
+
+
+def _changed(dtype, **change):
+    """The registry's defaults of the raw backend's kernel with ``change`` (None: dropped)."""
+    p = dict(_BEST.params(dtype), **change)
+    return {k: v for k, v in p.items() if v is not None}
+
+
+@pytest.mark.parametrize("params, why", [
+    (_changed("float32", TM=0), "TM=0, TN=8: outside"),      # was a ZeroDivisionError
+    (_changed("float32", BK=-16), "BK=-16: outside"),        # was compiled with BK=-16
+    (_changed("float32", BK=24), "BK=24: outside"),          # static_asserts the space keeps
+    (_changed("float32", BK=16.0), "BK=16.0 is not an integer"),  # was truncated silently
+    (_changed("float32", BK="16"), "BK='16' is not an integer"),
+    (_changed("float32", STAGES=True), "STAGES=True is not an integer"),
+    (_changed("float32", MINB=None), "no MINB"),              # a parameter added since
+    (_changed("float32", SPLIT=1), "SPLIT: not a parameter"),  # one removed since
+    (_changed("float32", BM=64, BN=64, WM=32, WN=128, TM=8, TN=16), "not a multiple"),
+    ([128, 128], "a list, not an object of parameters"),
+])
+def test_a_tuned_configuration_that_does_not_fit_gives_the_defaults(params, why):
+    """``kernel_params`` takes tuned parameters only where ``config_problem`` finds nothing
+    wrong: a hand-edited or older cache never reaches the compiler or a launch."""
+    assert registry.kernel_params(_BEST, "float32", params) == _BEST.params("float32")
+    assert why in registry.config_problem(_BEST, "float32", params, 90)
+
+
+def test_every_candidate_is_a_configuration_a_cache_may_hold():
+    for spec in (_BEST, registry.get_tc("mma_tma")):
+        for dt in spec.defaults:
+            cands = spec.candidates(dt, 90)
+            assert all(registry.config_problem(spec, dt, c, 90) is None for c in cands)
+            assert registry.kernel_params(spec, dt, cands[-1], 90) == cands[-1]
+    # one of sm_90's that needs more shared memory than sm_80 has: the defaults there
+    sm80 = _BEST.candidates("float64", 80)
+    big = next(c for c in _BEST.candidates("float64", 90) if c not in sm80)
+    assert "shared memory" in registry.config_problem(_BEST, "float64", big, 80)
+    assert registry.kernel_params(_BEST, "float64", big, 80) == _BEST.params("float64")
+    tma = registry.get_tc("mma_tma")  # a k tile of TF32 is one 128-byte row: BK=32 only
+    assert "BK=64" in registry.config_problem(tma, "float32", dict(tma.params("float32"), BK=64))
+
+
+def test_a_cache_entry_that_does_not_fit_is_ignored_with_one_warning(tmp_path, monkeypatch,
+                                                                       caplog):
+    """What the GPU executor takes from the cache (``usable_entry``): an entry of this
+    distmm's kernel that ``distmm tune`` could have stored, else nothing (the defaults, and
+    cuBLAS where ``auto`` would have followed its ``prefer``) with one warning naming the
+    file, the entry and what is wrong."""
+    import json
+    import logging
+
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
+    good = {"kernel": _BEST.name, "params": _BEST.candidates("float32")[-1],
+            "prefer": {"large": "raw", "small": "cublas"}, "tflops": 40.0}
+    entries = {
+        "float32": good,
+        "float64": dict(good, kernel="warptile2"),  # a kernel renamed since
+        "int32": dict(good, params=_changed("int32", WM="32")),
+        "int64": dict(good, params=_BEST.params("int64"), prefer={"large": "fast"}),
+    }
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({"version": 1, "gpus": {"GPU Y": entries}}))
+    read = tuning.tuning_for("GPU Y")
+    with caplog.at_level(logging.WARNING, logger="distmm.executor.tuning"):
+        assert tuning.usable_entry(read, "float32", _BEST, 90, gpu="GPU Y") == good
+        for dt, why in (("float64", "kernel 'warptile2', not this distmm's 'dmma'"),
+                        ("int32", "params: WM='32' is not an integer"),
+                        ("int64", "prefer: 'large': 'fast'")):
+            assert tuning.usable_entry(read, dt, _BEST, 90, gpu="GPU Y") == {}
+            (said,) = [r.getMessage() for r in caplog.records if f" {dt} entry" in r.getMessage()]
+            assert said.startswith(f"{path}: ignoring the {dt} entry of GPU Y ({why}")
+            defaults = ", ".join(f"{k}={v}" for k, v in _BEST.params(dt).items())
+            assert f"using dmma's defaults ({defaults})" in said
+        assert tuning.usable_entry(read, "float64", _BEST, 90, gpu="GPU Y") == {}
+        assert tuning.usable_entry({"float64": [1]}, "float64", _BEST, 90, gpu="GPU Z") == {}
+    said = [r.getMessage() for r in caplog.records if r.name == "distmm.executor.tuning"]
+    assert len(said) == 4  # once each: the second look at float64 says nothing
+    assert "a list, not an object" in said[-1]
+    assert tuning.usable_entry(read, "float16", _BEST, 90, gpu="GPU Y") == {}  # none: no word
+    assert len([r for r in caplog.records if r.name == "distmm.executor.tuning"]) == 4
+
+
+@pytest.mark.gpu
+def test_the_gpu_executor_takes_only_a_cache_entry_that_fits(tmp_path, monkeypatch, caplog):
+    """On a GPU: a valid entry's parameters and ``prefer`` are used (and are the kernel facts
+    a ``--resume`` manifest keeps); an entry that does not fit gives the defaults and cuBLAS
+    for ``auto``, with one warning, and its products run."""
+    import json
+    import logging
+
+    import cupy
+
+    from distmm.executor.device import gpu_name
+    from distmm.executor.gpu import GPUExecutor
+
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
+    cc = int(cupy.cuda.Device().compute_capability)
+    tuned = _BEST.candidates("float32", cc)[-1]
+    raw_everywhere = {c: "raw" for c in ("small", "medium", "large", "skinny")}
+    entries = {"float32": {"kernel": _BEST.name, "params": tuned, "prefer": raw_everywhere},
+               "float64": {"kernel": _BEST.name, "params": _changed("float64", TM=0),
+                           "prefer": raw_everywhere}}
+    (tmp_path / "tune.json").write_text(json.dumps({"version": 1, "gpus": {gpu_name(): entries}}))
+    with caplog.at_level(logging.WARNING, logger="distmm.executor.tuning"):
+        auto, raw = GPUExecutor(backend="auto"), GPUExecutor(backend="raw")
+        assert raw.kernel_params("float64") == _BEST.params("float64")  # TM=0: the defaults
+        assert auto.choose("float64", 4096, 4096, 4096) == "cublas"
+        assert auto.kernel_params("float32") == tuned == raw.kernel_params("float32")
+        assert auto.choose("float32", 4096, 4096, 4096) == "raw"
+        assert auto.kernel_facts("float32") == {"prefer": raw_everywhere,
+                                                "raw": {"kernel": _BEST.name, "params": tuned}}
+        assert raw.kernel_facts("float32") == {"raw": {"kernel": _BEST.name, "params": tuned}}
+        assert GPUExecutor(backend="cublas").kernel_facts("float32") == {}
+        assert raw.kernel_facts("int64") == {}  # exact sums: any kernel gives the same bits
+        assert auto.kernel_facts("float64") == {}
+        rng = np.random.default_rng(5)
+        a, b = (cupy.asarray(rng.standard_normal(s)) for s in ((300, 200), (200, 100)))
+        c = cupy.empty((300, 100))
+        raw.device_gemm(a, b, c)
+        np.testing.assert_allclose(cupy.asnumpy(c), cupy.asnumpy(a) @ cupy.asnumpy(b),
+                                   rtol=1e-12, atol=1e-12)
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "distmm.executor.tuning"]
+    assert f"ignoring the float64 entry of {gpu_name()}" in said and "TM=0" in said, said
+    tf32 = GPUExecutor(backend="raw", precision="tf32")
+    spec = registry.kernel_for("float32", "tf32", cc)
+    assert tf32.kernel_facts("float32") == {"raw": {"kernel": spec.name,
+                                                    "params": spec.params("float32")}}

@@ -4,7 +4,8 @@ Covers: products at 1 to 4 ranks (3 included) in several dtypes and ragged shape
 numpy; rows of ranks with nothing to do; the profile file's contents; ``--resume`` after a real
 SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
 bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
-size and modification time kept), the rank count or the BLAS threads change; each stripe's
+size and modification time kept), the rank count, the BLAS threads or a GPU rank's kernel
+parameters (a ``distmm tune`` since the stop) change; each stripe's
 log line after its bytes were flushed to disk (.npy, HDF5, zarr chunks and their folders); a
 zarr chunk killed mid-write computed again; the resume state of one dataset
 of an HDF5 file kept through runs to other datasets of that file;
@@ -722,6 +723,48 @@ def test_gpu_resume_is_bitwise_equal(tmp_path, run, cmd, batch_env):
     assert f"rank 0's GPU changed (another GPU then, {name} now)" in r.stderr, r.stderr
     manifest.write_text(json.dumps(kept))
     r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", DISTMM_BATCH_STRIPES="16")
+    assert r.returncode == 0, r.stderr
+    assert np.load(tmp_path / "c.npy").tobytes() == np.load(tmp_path / "full.npy").tobytes()
+
+
+@pytest.mark.gpu
+def test_gpu_resume_refuses_a_kernel_tuned_since_the_stop(tmp_path, run, cmd, batch_env):
+    """``--backend raw`` ranks keep the kernel and parameters they run with (the registry's
+    defaults: an empty tuning cache); a ``distmm tune`` between the stop and the resume, which
+    stores another configuration, is refused naming both; with the cache as it was, the
+    resume is bitwise equal to an uninterrupted run."""
+    import cupy
+
+    import distmm.executor.registry as registry
+    from distmm.executor import tuning
+    from distmm.executor.device import gpu_name
+
+    _operands(tmp_path, 2048, 1024, 1536, "float32", seed=4)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {"DISTMM_BATCH_STRIPES": "16", "DISTMM_CACHE_DIR": str(cache)}
+    args = ["matmul", tmp_path / "a.npy", tmp_path / "b.npy", "--backend", "raw"]
+    r = run(2, *args, "-o", tmp_path / "full.npy", **env)
+    assert r.returncode == 0, r.stderr
+    stopped, _ = _interrupt_after(cmd(2, *args, "-o", tmp_path / "c.npy", "--resume"),
+                                  batch_env(**env, DISTMM_BATCH_STRIPE_PAUSE="0.1"), tmp_path,
+                                  stripes=5)
+    assert stopped.returncode != 0
+    spec = registry.best_kernel()
+    ran = {"kernel": spec.name, "params": spec.params("float32")}
+    (manifest,) = tmp_path.glob(".c.npy.distmm-partial-*.resume.json")
+    assert [f.get("raw") for f in json.loads(manifest.read_text())["blas"]] == [ran, ran]
+    cc = int(cupy.cuda.Device().compute_capability)
+    other = next(p for p in spec.candidates("float32", cc) if p != ran["params"])
+    tuning.store_tuning(gpu_name(), "float32", {"kernel": spec.name, "params": other,
+                                                 "prefer": {}}, cache / "tune.json")
+    r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", **env)
+    assert r.returncode == 2, r.stderr
+    said = ", ".join(f"{k}={v}" for k, v in other.items())
+    assert f"rank 0's GPU kernel changed ({spec.name} (" in r.stderr, r.stderr
+    assert f"then, {spec.name} ({said}) now)" in r.stderr, r.stderr
+    (cache / "tune.json").unlink()
+    r = run(2, *args, "-o", tmp_path / "c.npy", "--resume", **env)
     assert r.returncode == 0, r.stderr
     assert np.load(tmp_path / "c.npy").tobytes() == np.load(tmp_path / "full.npy").tobytes()
 

@@ -820,3 +820,37 @@ def test_a_resume_run_waiting_for_another_ones_preparing(tmp_path, mpiexec, mpi_
     if "mpiexec" not in how:  # (Open MPI's mpirun adds its note of a rank's non-zero exit)
         assert err.count("\n") == 2, err
     assert sorted(os.listdir(work)) == ["a.npy", "b.npy"]
+
+
+def test_a_gpu_kernel_chosen_otherwise_since_the_stop_is_refused(tmp_path, monkeypatch):
+    """A GPU rank's facts keep what selects distmm's own kernels (``GPUExecutor.kernel_facts``:
+    the kernel and parameters, the shape classes ``auto`` runs them for), which ``distmm tune``
+    between the stop and the resume changes; the refusal names the rank and both configurations."""
+    monkeypatch.chdir(tmp_path)
+    np.save("a.npy", np.ones((3, 4)))
+    a = np.ones((3, 4))
+    gpu = {"gpu": "NVIDIA H100 80GB HBM3", "cc": "90", "cublas": 120804}
+    raw = {"kernel": "dmma", "params": {"BM": 128, "BN": 256, "BK": 32, "STAGES": 2}}
+    retuned = {"kernel": "dmma", "params": dict(raw["params"], BK=16)}
+
+    def kept(*ranks):  # through the manifest's file, as a resume reads it
+        _manifest("a.npy", a, backend="raw", blas=list(ranks)).save(tmp_path / "s")
+        return rs.Manifest.load(tmp_path / "s")
+
+    before = kept(dict(gpu, raw=raw), dict(gpu, raw=raw))
+    assert rs.mismatch(before, _manifest("a.npy", a, backend="raw",
+                                         blas=[dict(gpu, raw=raw), dict(gpu, raw=raw)])) is None
+    why = rs.mismatch(before, _manifest("a.npy", a, backend="raw",
+                                        blas=[dict(gpu, raw=raw), dict(gpu, raw=retuned)]))
+    assert why == ("rank 1's GPU kernel changed (dmma (BM=128, BN=256, BK=32, STAGES=2) then, "
+                   "dmma (BM=128, BN=256, BK=16, STAGES=2) now), which changes the order of its "
+                   "sums (`distmm tune` rewrote the tuning cache, or this node's differs)")
+    # backend auto: cuBLAS everywhere then; a cache written since sends the large products to
+    # distmm's kernel
+    auto = dict(gpu, prefer={"large": "raw", "small": "cublas"}, raw=raw)
+    why = rs.mismatch(kept(gpu), _manifest("a.npy", a, backend="raw", blas=[auto]))
+    assert why.startswith("the GPU kernel changed (none then, dmma (BM=128, "), why
+    why = rs.mismatch(kept(auto), _manifest("a.npy", a, backend="raw",
+                                            blas=[dict(auto, prefer={"large": "raw"})]))
+    assert why.startswith("the GPU kernel's shape classes changed (large=raw, small=cublas then, "
+                          "large=raw now)"), why

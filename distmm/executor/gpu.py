@@ -64,9 +64,15 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def _compute_capability() -> int:
+    """10 * major + minor of the current device (90 for H100 / H200)."""
+    return int(cupy.cuda.Device().compute_capability)
+
+
 def shape_class(m: int, n: int, k: int) -> str:
-    """The size class ``auto`` decides by: ``small`` (under 1024^3 work), ``medium`` (under
-    4096^3) or ``large``; ``skinny`` when one of m, n is under 128."""
+    """The size class ``auto`` decides by (``tuning.SHAPE_CLASSES``): ``small`` (under
+    1024^3 work), ``medium`` (under 4096^3) or ``large``; ``skinny`` when one of m, n is
+    under 128."""
     if min(m, n) < 128:
         return "skinny"
     work = m * n * k
@@ -139,6 +145,8 @@ class GPUExecutor(Executor):
         self.kernel = registry.get(kernel) if kernel else registry.best_kernel()
         self._params = params
         self._tuning: dict | None = None
+        self._entries: dict = {}  # dtype name -> its checked tuning entry (usable_entry)
+        self._kparams: dict = {}  # dtype name -> the raw kernel's parameters
         self._closed = False
 
     def threads_inside(self, dtype) -> bool:
@@ -156,15 +164,34 @@ class GPUExecutor(Executor):
                 self._tuning = {}
         return self._tuning
 
+    def _entry(self, dtype: str) -> dict:
+        """This GPU's tuning entry for ``dtype`` as ``tuning.usable_entry`` checks it against
+        ``registry.best_kernel()`` (what ``distmm tune`` tunes) and this device's compute
+        capability: ``{}`` where there is none, or one that does not fit (warned about once)."""
+        entry = self._entries.get(dtype)
+        if entry is None:
+            entry = self._entries[dtype] = tuning.usable_entry(
+                self._tuned(), dtype, registry.best_kernel(), _compute_capability(),
+                gpu=gpu_name(), path=tuning.cache_path())
+        return entry
+
     def kernel_params(self, dtype) -> dict:
         """Template parameters the raw backend uses for ``dtype`` on this GPU."""
         dtype = _dtype_name(dtype)
+        p = self._kparams.get(dtype)
+        if p is not None:
+            return p
         if self._params is not None:
-            return self.kernel.params(dtype, self._params)
-        entry = self._tuned().get(dtype, {})
-        if entry.get("kernel") == self.kernel.name:
-            return registry.kernel_params(self.kernel, dtype, entry.get("params"))
-        return self.kernel.params(dtype)
+            p = self.kernel.params(dtype, self._params)
+        else:
+            entry = self._entry(dtype)
+            if entry.get("kernel") == self.kernel.name:
+                p = registry.kernel_params(self.kernel, dtype, entry["params"],
+                                           _compute_capability())
+            else:
+                p = self.kernel.params(dtype)
+        self._kparams[dtype] = p
+        return p
 
     def choose(self, dtype, m: int, n: int, k: int) -> str:
         """``"raw"`` or ``"cublas"`` for this product."""
@@ -175,8 +202,32 @@ class GPUExecutor(Executor):
             return self.backend
         if dtype in ("int32", "int64"):
             return "raw"
-        prefer = self._tuned().get(dtype, {}).get("prefer", {})
+        prefer = self._entry(dtype).get("prefer", {})
         return prefer.get(shape_class(m, n, k), "cublas")
+
+    def kernel_facts(self, dtype) -> dict:
+        """What selects the kernels of this executor's ``dtype`` products besides the GPU and
+        cuBLAS, which may change their bits (a ``--resume`` manifest keeps it): ``"raw"``,
+        the kernel and parameters distmm's kernels run with, and for ``backend="auto"``
+        ``"prefer"``, the shape classes that run them; ``{}`` where only cuBLAS runs, and
+        for integers (whose sums are exact in any order)."""
+        dtype = _dtype_name(dtype)
+        if dtype not in _FLOATS:
+            return {}
+        if self.precision != "highest":
+            spec = self.precision_kernel()
+            if spec is None or dtype != "float32":
+                return {}
+            params = registry.kernel_params(spec, spec.precisions[self.precision])
+            return {"raw": {"kernel": spec.name, "params": params}}
+        raw = {"raw": {"kernel": self.kernel.name, "params": dict(self.kernel_params(dtype))}}
+        if self.backend == "raw":
+            return raw
+        if self.backend == "auto":
+            prefer = dict(self._entry(dtype).get("prefer", {}))
+            if "raw" in prefer.values():
+                return {"prefer": prefer, **raw}
+        return {}
 
     # -- Executor interface ------------------------------------------------------------
     def supports(self, dtype) -> bool:
@@ -272,8 +323,7 @@ class GPUExecutor(Executor):
         if not self._precision_kernel:
             spec = None
             if self.backend == "raw":
-                major_minor = int(cupy.cuda.Device().compute_capability)
-                spec = registry.kernel_for("float32", self.precision, major_minor)
+                spec = registry.kernel_for("float32", self.precision, _compute_capability())
             self._precision_kernel.append(spec)
         return self._precision_kernel[0]
 

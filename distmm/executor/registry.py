@@ -17,15 +17,15 @@ without cupy or a GPU.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "C_TYPES", "get", "steps", "best_kernel",
-           "kernel_params", "MAX_SMEM_BYTES", "TensorCoreSpec", "TC_KERNELS", "TC_INPUT_TYPES",
-           "PRECISION_KERNELS", "PRECISION_INPUT", "get_tc", "tc_steps", "kernel_for"]
+           "kernel_params", "config_problem", "MAX_SMEM_BYTES", "TensorCoreSpec", "TC_KERNELS",
+           "TC_INPUT_TYPES", "PRECISION_KERNELS", "PRECISION_INPUT", "get_tc", "tc_steps",
+           "kernel_for"]
 
 #: numpy dtype name -> C++ element type of the kernels
 C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
@@ -326,17 +326,66 @@ def best_kernel() -> KernelSpec:
     return [k for k in steps() if k.raw_choice][-1]
 
 
-def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None = None) -> dict:
-    """Parameters for ``spec`` and ``dtype``: a tuned configuration when it is valid, else
-    the defaults."""
-    if tuned and spec.tunable:
-        try:
-            p = spec.params(dtype, tuned)
-        except (KeyError, TypeError, ValueError):
-            return spec.params(dtype)
-        if not spec.violations(dtype, p):
-            return p
+def kernel_params(spec: KernelSpec, dtype: str, tuned: Mapping[str, Any] | None = None,
+                  cc: int = 90) -> dict:
+    """Parameters for ``spec`` and ``dtype``: a tuned configuration when ``config_problem``
+    finds none in it on compute capability ``cc``, else the defaults."""
+    if tuned and spec.tunable and config_problem(spec, dtype, tuned, cc) is None:
+        return {k: tuned[k] for k in spec.params(dtype)}  # in the kernel's order
     return spec.params(dtype)
+
+
+#: tuning-space keys that set several template parameters at once (``candidates``)
+_GROUPS = {"block": ("BM", "BN"), "warp": ("WM", "WN", "TM", "TN")}
+
+
+def config_problem(spec, dtype, params: Any, cc: int = 90) -> str | None:
+    """One phrase naming why ``params`` is not a configuration of ``spec`` for ``dtype`` on
+    compute capability ``cc`` that ``distmm tune`` could have stored (``candidates``: the
+    defaults, or the tuning space's values meeting the constraints), or None.
+
+    What a tuning cache holds is checked with it before a kernel is compiled with it: a
+    parameter missing or unknown (the kernel's parameters changed since), a value that is
+    not an integer, one outside the tuning space (the constraints mirror the sources'
+    ``static_assert`` only there), or a combination that breaks a constraint.
+    """
+    if params is None:
+        return "none given"
+    if not isinstance(params, Mapping):
+        return f"a {type(params).__name__}, not an object of parameters"
+    try:
+        defaults = spec.params(dtype)
+    except (TypeError, ValueError):
+        defaults = {}
+    if not defaults:
+        return f"{spec.name} has no tuned parameters for {dtype}"
+    missing = [k for k in defaults if k not in params]
+    extra = [str(k) for k in params if k not in defaults]
+    if missing or extra:
+        return "; ".join(filter(None, (
+            missing and f"no {', '.join(missing)} (parameters of {spec.name} now)",
+            extra and f"{', '.join(extra)}: not a parameter of {spec.name}")))
+    for key in defaults:
+        value = params[key]
+        if type(value) is not int:  # JSON's integers; not a bool, a float or a string
+            return f"{key}={value!r} is not an integer"
+    if all(params[k] == v for k, v in defaults.items()):
+        return None
+    spaced = set()
+    for name, values in spec.tune_space.items():
+        keys = _GROUPS.get(name, (name,))[:len(values[0]) if isinstance(values[0], tuple) else 1]
+        spaced.update(keys)
+        have = tuple(params[k] for k in keys)
+        allowed = {v if isinstance(v, tuple) else (v,) for v in values}
+        allowed.add(tuple(defaults[k] for k in keys))
+        if have not in allowed:
+            said = ", ".join(f"{k}={v}" for k, v in zip(keys, have))
+            return f"{said}: outside {spec.name}'s tuning space"
+    for key in defaults:  # settings outside the space: the defaults' (``candidates``)
+        if key not in spaced and params[key] != defaults[key]:
+            return f"{key}={params[key]}: {spec.name} is tuned with {key}={defaults[key]} only"
+    broken = spec.violations(dtype, params, cc)
+    return broken[0] if broken else None
 
 
 # -- tensor-core steps (reduced precision) ---------------------------------------------

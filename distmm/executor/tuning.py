@@ -4,9 +4,11 @@ This module covers: where the cache lives (``cache_dir``, ``cache_path``), readi
 (``load_tuning``, ``load_tuning_for``: a missing, unreadable or other-version file reads as
 empty; ``read_cache``: strictly, refusing a file that is not such a cache), writing one entry
 atomically (``store_tuning``, which refuses, as ``read_cache`` does, to replace a file that is
-not a cache of this version), and ``tuning_for(gpu)``, the entries of one GPU model read once
+not a cache of this version), ``tuning_for(gpu)``, the entries of one GPU model read once
 per process (the GPU executor's hot path never reads the file; ``store_tuning`` in this
-process refreshes it).
+process refreshes it), and ``usable_entry``: one entry checked against this distmm's kernel
+before anything is compiled or chosen with it (an entry that does not fit, hand-edited or
+written by a distmm whose kernels have changed since, is ignored with one warning).
 
 It does *not* cover: the kernels and their parameter constraints
 (``distmm.executor.registry``), measuring (``distmm.cli.tune``), or choosing a backend
@@ -15,6 +17,7 @@ It does *not* cover: the kernels and their parameter constraints
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -24,10 +27,15 @@ import numpy as np
 from distmm.jsonfile import json_file
 
 __all__ = ["cache_dir", "cache_path", "load_tuning", "load_tuning_for", "read_cache",
-           "store_tuning", "tuning_for", "CACHE_VERSION"]
+           "store_tuning", "tuning_for", "usable_entry", "entry_problem", "CACHE_VERSION",
+           "SHAPE_CLASSES"]
 
+log = logging.getLogger("distmm.executor.tuning")
 
 CACHE_VERSION = 1
+
+#: the size classes of an entry's ``prefer`` (``distmm.executor.gpu.shape_class``)
+SHAPE_CLASSES = ("small", "medium", "large", "skinny")
 
 
 def cache_dir() -> Path:
@@ -116,3 +124,56 @@ def tuning_for(gpu: str) -> dict:
         if entry is None:
             entry = _cached[key] = load_tuning_for(gpu)
     return dict(entry)
+
+
+def entry_problem(entry, spec, dtype, cc: int = 90) -> str | None:
+    """One phrase naming why ``entry`` (a cache entry: ``kernel``, ``params``, ``prefer``) is
+    not one that ``distmm tune`` of this distmm stores for kernel ``spec`` (the registry's
+    ``best_kernel()``), ``dtype`` and compute capability ``cc``, or None."""
+    import distmm.executor.registry as registry
+
+    if not isinstance(entry, dict):
+        return f"a {type(entry).__name__}, not an object"
+    if entry.get("kernel") != spec.name:
+        return f"kernel {entry.get('kernel')!r}, not this distmm's {spec.name!r}"
+    problem = registry.config_problem(spec, dtype, entry.get("params"), cc)
+    if problem is not None:
+        return f"params: {problem}"
+    prefer = entry.get("prefer", {})
+    if not isinstance(prefer, dict):
+        return f"prefer: a {type(prefer).__name__}, not an object"
+    for cls, choice in prefer.items():
+        if cls not in SHAPE_CLASSES or choice not in ("raw", "cublas"):
+            return (f"prefer: {cls!r}: {choice!r} is not one of {', '.join(SHAPE_CLASSES)} "
+                    f"mapped to 'raw' or 'cublas'")
+    return None
+
+
+_warned: set = set()
+
+
+def usable_entry(entries, dtype, spec, cc: int = 90, *, gpu: str = "",
+                 path: Path | None = None) -> dict:
+    """The entry of ``entries`` (one GPU's, ``tuning_for``) for ``dtype``, when
+    ``entry_problem`` finds none in it for ``spec`` on compute capability ``cc``; else
+    ``{}``: the registry's defaults and, for ``backend="auto"``, the choice made before any
+    tuning. An entry that is there but does not fit is named in one warning per process
+    (the cache file, GPU and dtype, what is wrong, and what is used instead)."""
+    dtype = np.dtype(dtype).name
+    entry = entries.get(dtype) if isinstance(entries, dict) else None
+    if entry is None:
+        return {}
+    problem = entry_problem(entry, spec, dtype, cc)
+    if problem is None:
+        return entry
+    path = Path(path) if path else cache_path()
+    key = (str(path), gpu, dtype, problem)
+    with _lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        said = ", ".join(f"{k}={v}" for k, v in spec.params(dtype).items()) or "none"
+        log.warning("%s: ignoring the %s entry of %s (%s); using %s's defaults (%s) and, for "
+                    "backend 'auto', the choice made before tuning; run `distmm tune` again",
+                    path, dtype, gpu or "this GPU", problem, spec.name, said)
+    return {}

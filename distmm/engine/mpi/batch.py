@@ -106,14 +106,20 @@ def _uses_blas(backend: str, on_gpu: bool, acc) -> bool:
     return not (backend == "numba" and acc.name in NUMBA_DTYPES)
 
 
-def _product_facts(args, backend: str, on_gpu: bool, acc) -> dict | None:
+def _product_facts(args, backend: str, on_gpu: bool, acc,
+                   precision: str = "highest") -> dict | None:
     """With ``--resume``, what of this rank decides its products' bits besides the operands,
-    kept in the manifest: its GPU and cuBLAS (``resume.gpu_facts``), or numpy's BLAS where
-    its products go through it (``resume.blas_facts``); None otherwise."""
+    kept in the manifest: its GPU and cuBLAS (``resume.gpu_facts``) with the kernel and
+    parameters distmm's own kernels run with, which the tuning cache may choose
+    (``GPUExecutor.kernel_facts``), or numpy's BLAS where its products go through it
+    (``resume.blas_facts``); None otherwise."""
     if not args.resume:
         return None
     if on_gpu:
-        return rs.gpu_facts()
+        from distmm.executor import get_executor
+
+        executor = get_executor(backend, np.dtype(acc), on_gpu=True, precision=precision)
+        return rs.gpu_facts(executor.kernel_facts(acc))
     return rs.blas_facts() if _uses_blas(backend, on_gpu, acc) else None
 
 
@@ -271,8 +277,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 ranks = comm.gather((socket.gethostname(), os.getpid()), root=0)
                 # each rank's GPU and cuBLAS, or BLAS where its products go through it: a
                 # resumed run's kept stripes were summed in their order
-                blas = comm.gather(_product_facts(args, backend, on_gpu, plan.grid.acc_dtype),
-                                   root=0)
+                blas = comm.gather(_product_facts(args, backend, on_gpu, plan.grid.acc_dtype,
+                                                  precision), root=0)
                 stopped = None
                 if comm.rank == 0:
                     try:

@@ -5,8 +5,9 @@ output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, s
 modification time, inode number and status-change time, and those of the other files an HDF5
 input's data lies in (external links, virtual datasets), the result dtype, the rank count, the
 grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
-another order is refused), each rank's GPU (``gpu_facts``: its model and cuBLAS) or BLAS
-where its products go through numpy's (``blas_facts``: the library, the kernel it chose for the
+another order is refused), each rank's GPU (``gpu_facts``: its model and cuBLAS, and the kernel
+and parameters distmm's own kernels run with, which ``distmm tune`` may change) or BLAS where
+its products go through numpy's (``blas_facts``: the library, the kernel it chose for the
 CPU and its threads), which decide the order of a product's sums, the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were: the staged file's, or a zarr folder's chunk files and
@@ -29,7 +30,7 @@ import json
 import os
 from pathlib import Path
 
-from distmm.staging import MANIFEST_SUFFIX
+from distmm.staging import MANIFEST_SUFFIX, fsync_paths
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
            "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "gpu_facts",
@@ -155,17 +156,19 @@ def blas_facts() -> dict:
             "env": {v: os.environ[v] for v in _THREAD_VARS if v in os.environ}}
 
 
-def gpu_facts() -> dict:
+def gpu_facts(kernels: dict | None = None) -> dict:
     """What of this rank's GPU decides a product's bits besides its operands: the model and
     compute capability of its current device and the cuBLAS version (another GPU or another
-    cuBLAS picks other kernels, which sum over k in another order)."""
+    cuBLAS picks other kernels, which sum over k in another order), and ``kernels``: what
+    selects distmm's own kernels (``GPUExecutor.kernel_facts``: the kernel and its parameters,
+    which ``distmm tune`` may change, and the shape classes ``auto`` runs them for)."""
     import cupy
 
     device = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
     return {"gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
             "cc": str(device.compute_capability),
-            "cublas": int(cupy.cuda.cublas.getVersion(device.cublas_handle))}
+            "cublas": int(cupy.cuda.cublas.getVersion(device.cublas_handle)), **(kernels or {})}
 
 
 def short(staged: Path, manifest: dict, shape, dtype) -> str | None:
@@ -221,19 +224,6 @@ def _chunk_files(staged: Path, array, region) -> list[Path]:
     rows, cols = array.chunks
     return [staged / array.metadata.encode_chunk_key((i, j))
             for i in range(r0 // rows, -(-r1 // rows)) for j in range(c0 // cols, -(-c1 // cols))]
-
-
-def _sync(paths) -> None:
-    """Flush each file or folder of ``paths`` that exists to disk (``fsync``)."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # a chunk of fill values only: never stored
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class Manifest(dict):
@@ -367,15 +357,30 @@ def _blas_mismatch(old, new) -> str | None:
         for field, label in (("blas", "BLAS"), ("kernel", "BLAS kernel"),
                              ("threads", "BLAS threads"), ("cpus", "CPUs"),
                              ("env", "BLAS thread variables"), ("gpu", "GPU"),
-                             ("cc", "GPU's compute capability"), ("cublas", "cuBLAS version")):
+                             ("cc", "GPU's compute capability"), ("cublas", "cuBLAS version"),
+                             ("raw", "GPU kernel"), ("prefer", "GPU kernel's shape classes")):
             if o.get(field) != n.get(field):
                 hint = (" (OPENBLAS_NUM_THREADS or the CPUs a rank may use set them)"
-                        if field == "threads" else "")
-                return (f"{who} {label} changed ({o.get(field, 'none')} then, "
-                        f"{n.get(field, 'none')} now), which changes the order of its "
+                        if field == "threads" else
+                        " (`distmm tune` rewrote the tuning cache, or this node's differs)"
+                        if field in ("raw", "prefer") else "")
+                return (f"{who} {label} changed ({_said(o.get(field))} then, "
+                        f"{_said(n.get(field))} now), which changes the order of its "
                         f"sums{hint}")
         return f"{who} BLAS changed"
     return None
+
+
+def _said(value) -> str:
+    """A fact as a refusal says it: ``none`` for a missing one, a GPU kernel as ``dmma (BM=128,
+    BN=256, ...)`` and a mapping as ``key=value`` pairs."""
+    if value is None:
+        return "none"
+    if isinstance(value, dict) and set(value) == {"kernel", "params"}:
+        return f"{value['kernel']} ({_said(value['params'])})"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
 
 
 def _named(facts: dict, other: dict) -> str:
@@ -435,7 +440,7 @@ class DoneLog:
             files = _chunk_files(self._staged, self._zarr, region)
             folders = {d for f in files for d in (f.parent, *f.parent.parents)
                        if d.is_relative_to(self._staged)}  # c/0 made for it names 0 in c/...
-            _sync([*files, *sorted(folders, reverse=True)])
+            fsync_paths([*files, *sorted(folders, reverse=True)])
         os.write(self._fd, f"{int(stripe)}\n".encode())
         os.fsync(self._fd)
 
