@@ -118,13 +118,18 @@ def summary_line(records: list[dict]) -> str:
 
 def write_profile(path, records: list[dict], meta: dict) -> None:
     """Write the profile file (JSON: ``meta``, ``ranks``: one record per rank in rank
-    order) through a temporary name, so a reader never sees half a file."""
+    order) through a temporary name, so a reader never sees half a file. An ``OSError``
+    names ``path``, the file asked for, not the temporary one."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as fh:
             json.dump({"format": "distmm-profile-1", "meta": meta, "ranks": records}, fh)
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno is None or exc.filename not in (None, tmp):
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -286,6 +286,51 @@ def test_demo_report_refused_before_the_product_where_it_cannot_be_written(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("engine", ["local", "dask"])
+def test_demo_prints_the_plan_it_runs_and_allows_for_the_configured_precision(engine):
+    """The demo printed a plan of its own: not the configured precision (distmm.precision
+    tf32, with which it then judged the float32 product WRONG against float32's tolerance,
+    status 1), nor the Dask workers' lower memory budget, nor distmm.local-threads (which
+    the local engine ran while the demo said one thread per core)."""
+    env = {"DISTMM_PRECISION": "tf32", "DISTMM_MEMORY_BUDGET": "1TiB", "DISTMM_LOCAL_THREADS": "3"}
+    workers = ["--workers", 1] if engine == "dask" else []
+    r = run_cli("demo", "-n", 64, "--dtype", "float32", "--engine", engine, *workers, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].endswith("dtype float32 (accumulate in float32), precision tf32"), lines
+    assert lines[-1].endswith("within the tf32 error bound: OK"), lines
+    if engine == "local":
+        assert lines[0] == "in-process engine: 3 thread(s)", lines
+        assert "workers    3; C tiles per worker [1, 0, 0]" in lines, lines
+        assert "(budget 1048576 MiB)" in r.stdout, r.stdout  # this process's: the configured
+    else:  # each worker's share of its memory_limit, below the configured 1 TiB
+        assert "(budget " in r.stdout and "(budget 1048576 MiB)" not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["demo", "-n", "64", "--engine", "local", "--report", ""], "argument --report: an empty path"),
+    # was: "in-process engine: 200000 thread(s)" printed first; on a cluster, a start of as
+    # many worker processes before the planner refused them
+    (["demo", "-n", "8", "--engine", "local", "--workers", "200000"],
+     "argument --workers: '200000' must be at most 131072"),
+    (["matmul", "a.npy", "b.npy", "-o", "c.npy", "--profile", ""],
+     "argument --profile: an empty path"),
+    (["matmul", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file", ""],
+     "argument --scheduler-file: an empty path"),
+    (["matmul", "a.npy", "b.npy", "-o", "c.npy", "--scheduler", ""],
+     "argument --scheduler: an empty address"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_an_empty_path_or_too_many_workers_is_a_bad_argument(tmp_path, monkeypatch, capfd,
+                                                              argv, said):
+    """An empty --report, --profile, --scheduler-file or --scheduler was read as not given:
+    the demo ran without its report, and matmul without a profile or locally instead of on
+    a cluster, with status 0. Each is one line, status 2, before anything is read."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused_in_one_line(capfd, argv, argv[0])
+    assert said in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_calibrate_probe_failure_names_the_mpi_notice_not_its_rule():
     from distmm.cli.calibrate import _stderr_line
 

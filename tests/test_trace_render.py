@@ -71,8 +71,10 @@ def test_timeline_round_trip_and_busy_time(tmp_path):
     ('{"ops": [{"lane": "h2d", "name": "x", "start_ms": 0, "end_ms": 1}], '
      '"meta": {"tflops": "fast"}}', "meta 'tflops' must be a number"),
     ('{"ops": [', "t.json:1: not JSON"),
+    ('{"format": "distmm-profile-1", "meta": {"ranks": 1}, "ranks": []}',
+     "a distmm matmul --profile file, not a timeline of distmm trace (distmm report draws"),
 ], ids=["empty-object", "calibration", "list", "no-ops", "unknown-lane", "end-before-start",
-        "meta-list", "tflops-text", "cut-short"])
+        "meta-list", "tflops-text", "cut-short", "profile"])
 def test_a_file_that_is_no_timeline_is_refused(tmp_path, capfd, content, expected):
     from distmm.cli import main
 
@@ -119,6 +121,25 @@ def test_output_is_written_at_the_path_given_and_a_link_is_replaced(tmp_path, ca
     capfd.readouterr()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "link.svg", "t", "t.json",
                                                           "z.png", "zero.json"]
+
+
+def test_an_image_that_cannot_be_written_names_the_output(tmp_path):
+    """A write of the image that failed (here past the file-size limit, ``ulimit -f``)
+    named no file, or the staged file beside -o (``.t.png.distmm-partial-PID``): now -o."""
+    import resource
+    import subprocess
+    import sys
+
+    src = tmp_path / "t.json"
+    _timeline().to_json(src)
+    png = tmp_path / "t.png"
+    r = subprocess.run([sys.executable, "-m", "distmm", "trace", "--from-json", str(src), "-o",
+                        str(png)], capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"distmm trace: error: File too large: {png} (the file-size "
+                               f"limit, ulimit -f, is 4.0 KiB)"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
 
 
 def test_negative_times_are_refused(tmp_path, capfd):

@@ -1,21 +1,23 @@
 """Option types shared by the ``distmm`` commands' parsers.
 
 This module covers: ``integer_at_least``, an ``argparse`` type for an integer option with a
-lower bound, whose message names the text given and what was wrong; ``positive_size``, a
-positive number of bytes in dask's notation; ``matmul_dtype``, a dtype numpy's matmul takes
-(``bfloat16`` through ``ml_dtypes``, imported for that name only). It does *not* cover the
+lower bound (and an upper one where given), whose message names the text given and what was
+wrong; ``positive_size``, a positive number of bytes in dask's notation; ``nonempty``, a path or
+address that is not empty text (an empty one would read as "not given"); ``matmul_dtype``, a
+dtype numpy's matmul takes (``bfloat16`` through ``ml_dtypes``, imported for that name only). It does *not* cover the
 parsers themselves (``distmm.cli.commands``, ``distmm.cli.serve``, ...).
 """
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["integer_at_least", "matmul_dtype", "positive_size"]
+__all__ = ["integer_at_least", "matmul_dtype", "nonempty", "positive_size"]
 
 
-def integer_at_least(low: int, what: str | None = None):
+def integer_at_least(low: int, what: str | None = None, *, most: int | None = None):
     """An ``argparse`` type: an integer of at least ``low``; below it the message is
-    ``"'TEXT' WHAT"`` (default ``"must be at least LOW"``)."""
+    ``"'TEXT' WHAT"`` (default ``"must be at least LOW"``), and above ``most``, where given,
+    ``"'TEXT' must be at most MOST"``."""
     what = what or f"must be at least {low}"
 
     def parse(text: str) -> int:
@@ -25,7 +27,21 @@ def integer_at_least(low: int, what: str | None = None):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{text!r} {what}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {most}")
         return value
+    return parse
+
+
+def nonempty(what: str = "path"):
+    """An ``argparse`` type: text that is not empty, as given; empty text is refused as
+    ``"an empty WHAT"`` (an option's empty value read as false: ``--profile ''`` ran without
+    a profile, ``--scheduler ''`` on no cluster)."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"an empty {what}")
+        return text
     return parse
 
 

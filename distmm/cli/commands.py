@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from distmm.cli.argtypes import integer_at_least, matmul_dtype
+from distmm.cli.argtypes import integer_at_least, matmul_dtype, nonempty
 from distmm.cli.exits import (BAD_INPUT, Signalled, raise_if_signalled, report,
                               restore_signals, terminate_on_sigterm,
                               whole_line_writes)
@@ -418,12 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: an embedded cluster, the dask engine (a LocalCUDACluster of the GPUs "
                         "for float32/float64 where cupy, a GPU and dask_cuda are present, else a "
                         "LocalCluster); local: threads in this process")
-    d.add_argument("--workers", type=_positive, default=None,
-                   help="cluster workers or local threads (default: one per core; on GPUs, "
-                        "how many GPUs, default all)")
+    from distmm.plan import MAX_WORKERS
+
+    # bounded here, before a cluster of that many worker processes is started
+    d.add_argument("--workers", type=integer_at_least(1, most=MAX_WORKERS), default=None,
+                   help="cluster workers or local threads (default: one per core, or "
+                        "distmm.local-threads for local threads; on GPUs, how many GPUs, "
+                        "default all)")
     d.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="tile executor (default auto: BLAS/numba on the CPU, cuBLAS/raw on a GPU)")
-    d.add_argument("--report", default=None, metavar="FILE.html",
+    d.add_argument("--report", default=None, metavar="FILE.html", type=nonempty(),
                    help="write a distributed performance_report of the product (dask engine)")
     d.add_argument("--progress", default=None, action=argparse.BooleanOptionalAction,
                    help="progress bar as C tiles arrive (default: on a terminal, for long runs)")
@@ -473,9 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--scheduler/--scheduler-file, else local threads; mpi: SUMMA over the "
                          "MPI ranks")
     conn = mm.add_mutually_exclusive_group()
-    conn.add_argument("--scheduler", metavar="ADDRESS", default=None,
+    conn.add_argument("--scheduler", metavar="ADDRESS", default=None, type=nonempty("address"),
                       help="run on an existing Dask cluster, e.g. tcp://host:8786")
-    conn.add_argument("--scheduler-file", metavar="FILE", default=None,
+    conn.add_argument("--scheduler-file", metavar="FILE", default=None, type=nonempty(),
                       help="run on the Dask cluster described by this scheduler file "
                            "(dask scheduler --scheduler-file)")
     mm.add_argument("--connect-timeout", type=_seconds, default=30.0, metavar="SECONDS",
@@ -499,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep a stopped run's staged output and finished stripes (SIGTERM, "
                          "SIGINT, a failure), and finish such a run instead of starting over; "
                          "the inputs, arguments and rank count must be the same")
-    mm.add_argument("--profile", metavar="FILE.json", default=None,
+    mm.add_argument("--profile", metavar="FILE.json", default=None, type=nonempty(),
                     help="write where the time went, per rank (open, read, h2d, gemm, comm, d2h, "
                          "write, sync, wait, commit), as JSON; the summary line shows the totals")
     mm.set_defaults(func=_cmd_matmul)

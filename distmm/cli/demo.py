@@ -47,6 +47,7 @@ def _check_backend(backend: str) -> None:
 
 def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm,
              report: str | None = None, progress: bool | None = None) -> int:
+    from distmm.config import get_config
     from distmm.engine.local import default_workers
     from distmm.plan import result_dtype
 
@@ -55,15 +56,19 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
     res = result_dtype(dt, dt)  # TypeError for non-numeric dtypes before any work
     use_cluster = engine == "dask" or (engine == "auto" and _dask_engine_ready())
     _check_report(report, use_cluster)
+    precision = distmm.api.resolve_precision(None, res)  # distmm.precision, as matmul reads it
     if use_cluster and dt.name in GPU_DEMO_DTYPES:
         gpus = _gpu_cluster_available()
         if gpus:
             return run_gpu_demo(n=n, dtype=dt.name, gpus=min(gpus, workers or gpus),
-                                backend=backend, distmm=distmm, report=report)
+                                backend=backend, distmm=distmm, report=report,
+                                precision=precision)
     _check_fits(n, dt, res)
     _check_backend(backend)  # before a cluster starts
-    a, b = _operand(rng, n, dt), _operand(rng, n, dt)
+    if not use_cluster:  # the local engine runs distmm.local-threads threads: --workers sets it
+        workers = workers or get_config().local_threads
     workers = workers or default_workers()
+    a, b = _operand(rng, n, dt), _operand(rng, n, dt)
     cluster = client = None
     try:
         if use_cluster:
@@ -77,15 +82,16 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
         else:
             print(f"in-process engine: {workers} thread(s)")
         eng = "dask" if use_cluster else "local"
-        plan = distmm.api.plan_for(n, n, n, res, workers=workers)
-        print(plan.describe())
-        # Warm-up at full size on other data (kernel compilation, GPU context, pinned
-        # buffers, numba's cache), so the timed run measures the product alone.
-        distmm.matmul(a[::-1], b, engine=eng, client=client, backend=backend)
         import dask
 
-        # the Dask engine reads these: a tqdm bar as C tiles arrive, an HTML performance report
-        options = {"distmm.progress": progress}
+        threads = {} if use_cluster else {"distmm.local-threads": workers}
+        with dask.config.set(threads):
+            print(_run_plan(distmm, n, res, workers, backend, client).describe())
+            # Warm-up at full size on other data (kernel compilation, GPU context, pinned
+            # buffers, numba's cache), so the timed run measures the product alone.
+            distmm.matmul(a[::-1], b, engine=eng, client=client, backend=backend)
+        # the engines read these: a tqdm bar as C tiles arrive, an HTML performance report
+        options = {**threads, "distmm.progress": progress}
         if report and use_cluster:
             options["distmm.performance-report"] = report
         with dask.config.set(options):
@@ -94,18 +100,7 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             seconds = time.perf_counter() - t0
         if report and use_cluster:
             print(f"performance report: {report}")
-        # against a float64 (complex128) product of the same operands, within the result
-        # dtype's tolerance: float32's for bfloat16 operands, whose product numpy gives in float32
-        wide = np.complex128 if res.kind == "c" else np.float64
-        ref = a.astype(wide) @ b.astype(wide)
-        err = float(np.linalg.norm(np.asarray(c, dtype=wide) - ref) / max(np.linalg.norm(ref), 1e-300))
-        tol = {"float32": 1e-5, "complex64": 1e-5, "float16": 1e-2}.get(res.name, 1e-12)
-        if res.kind in "fc":
-            ok = err <= tol
-            check = f"relative error vs {np.dtype(wide).name} numpy {err:.2e}"
-        else:  # integers wrap around as numpy's do: the check is equality with numpy's product
-            ok = np.array_equal(c, a @ b)
-            check = "equal to numpy's product" if ok else "differs from numpy's product"
+        ok, check = _check(c, a, b, res, precision)
         flops = (8 if dt.kind == "c" else 2) * n**3
         print(f"time {seconds:.3f} s, {flops / seconds / 1e9:.1f} GFLOP/s; "
               f"{check}: {'OK' if ok else 'WRONG'}")
@@ -115,6 +110,49 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
             client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _run_plan(distmm, n: int, res: np.dtype, workers: int, backend: str, client):
+    """The plan the demo's product runs, as ``distmm.matmul`` makes it: in this process
+    ``distmm.make_plan``'s (the configured tile, backend, precision, threads and memory
+    budget); on a cluster, for its ``workers``, with the budget its workers' ``memory_limit``
+    allows where that is lower (the Dask engine's plan hint)."""
+    if client is None:
+        return distmm.make_plan(n, n, n, res, backend=backend)
+    from distmm.engine.dask import memory_budget
+
+    budget = memory_budget(client)
+    return distmm.api.plan_for(n, n, n, res, workers=workers,
+                               hints={"memory_budget": budget} if budget else None,
+                               precision=distmm.api.resolve_precision(None, res))
+
+
+def _check(c, a, b, res: np.dtype, precision: str = "highest") -> tuple[bool, str]:
+    """Whether ``c`` is right for ``a @ b``, and the words that say how it was judged.
+
+    Against a float64 (complex128) product of the same operands: within the result dtype's
+    tolerance of it (float32's for bfloat16 operands, whose product numpy gives in float32),
+    or, for a reduced ``precision`` (``distmm.precision``: tf32, bf16, fp16), within that
+    mode's elementwise bound ``error_bound(mode, k) * |A| @ |B|`` (``distmm.precision``).
+    Integers wrap around as numpy's do: they are compared with numpy's product."""
+    if res.kind not in "fc":
+        ok = bool(np.array_equal(c, a @ b))
+        return ok, "equal to numpy's product" if ok else "differs from numpy's product"
+    wide = np.dtype(np.complex128 if res.kind == "c" else np.float64)
+    a64, b64 = a.astype(wide), b.astype(wide)
+    ref = a64 @ b64
+    diff = np.asarray(c, dtype=wide) - ref
+    err = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
+    check = f"relative error vs {wide.name} numpy {err:.2e}"
+    if precision == "highest":
+        tol = {"float32": 1e-5, "complex64": 1e-5, "float16": 1e-2}.get(res.name, 1e-12)
+        return err <= tol, check
+    from distmm.precision import error_bound
+
+    del ref
+    scale = np.abs(a64, out=a64) @ np.abs(b64, out=b64)  # reduced modes: real dtypes only
+    ok = bool(np.all(np.abs(diff) <= error_bound(precision, a.shape[1], out_dtype=res) * scale))
+    return ok, f"{check}, {'within' if ok else 'beyond'} the {precision} error bound"
 
 
 def _check_report(report: str | None, use_cluster: bool) -> None:
@@ -188,8 +226,9 @@ def _cublas_seconds(a, b, repeat: int = 3) -> float:
 
 
 def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
-                 report: str | None = None) -> int:
-    """The demo on a LocalCUDACluster of ``gpus`` workers: distmm's GPU figure beside cuBLAS."""
+                 report: str | None = None, precision: str = "highest") -> int:
+    """The demo on a LocalCUDACluster of ``gpus`` workers: distmm's GPU figure beside cuBLAS.
+    ``precision``: ``distmm.precision``'s mode for the product, which the check allows for."""
     from contextlib import nullcontext
 
     from distributed import Client, performance_report, wait
@@ -206,7 +245,7 @@ def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
               f"comms; dashboard {client.dashboard_link}")
         tk = distmm.api.plan_for(n, n, n, dt, workers=1, on_gpu=True).tile[2]
         print(distmm.api.plan_for(n, n, n, dt, workers=gpus, tile=(chunk, chunk, tk),
-                                  on_gpu=True).describe())
+                                  on_gpu=True, precision=precision).describe())
 
         def operands(seed):
             a = random_array((n, n), chunk, dt, seed=seed, gpu=True)
@@ -239,9 +278,6 @@ def run_gpu_demo(*, n: int, dtype: str, gpus: int, backend: str, distmm,
     ref_seconds = _cublas_seconds(a_h, b_h)
     print(f"cuBLAS in-core (cupy.matmul, 1 GPU): time {ref_seconds:.4g} s, "
           f"{flops / ref_seconds / 1e12:.2f} TFLOP/s; distmm / cuBLAS {ref_seconds / seconds:.2f}")
-    ref = a_h.astype(np.float64) @ b_h.astype(np.float64)
-    err = float(np.linalg.norm(c_h.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
-    tol = {np.dtype(np.float32): 1e-5}.get(dt, 1e-12)
-    ok = err <= tol
-    print(f"relative error vs float64 numpy {err:.2e}: {'OK' if ok else 'WRONG'}")
+    ok, check = _check(c_h, a_h, b_h, dt, precision)
+    print(f"{check}: {'OK' if ok else 'WRONG'}")
     return 0 if ok else 1

@@ -6,9 +6,11 @@ rendering a timeline (from that run or from a saved JSON file, no GPU needed)
 as a PNG with one lane per stream and per group of host threads.
 A saved timeline is checked before anything is drawn (``read_timeline``): a JSON file that
 is no timeline (another JSON file, a list, a timeline without ops) is refused in one line
-naming the file and what is wrong, and nothing is written. The image (PNG, or the format
-``-o``'s suffix names) is written whole, through a staged file renamed onto ``-o``; the
-options and outputs are checked before a traced run starts.
+naming the file and what is wrong (a ``distmm matmul --profile`` file is named as one: ``distmm
+report`` draws those), and nothing is written. The image (PNG, or the format
+``-o``'s suffix names) is written whole, through a staged file renamed onto ``-o`` (a write
+that fails names ``-o``, not the staged file); the options and outputs are checked before a
+traced run starts.
 It does *not* cover: recording (``distmm.executor.pipeline.Timeline``).
 
 Examples
@@ -106,9 +108,19 @@ def render(timeline, path, *, title: str | None = None) -> None:
         fig.savefig(staged, format=fmt)
         raise_if_signalled()  # a signal matplotlib swallowed: nothing in place
         put_in_place(staged, path)
+    except OSError as exc:
+        raise _named(exc, staged, path) from exc
     finally:
         plt.close(fig)
         staged.unlink(missing_ok=True)
+
+
+def _named(exc: OSError, staged, path) -> OSError:
+    """``exc``, a failure to write the staged file (or one naming no file: a full disk, the
+    file-size limit), as one naming ``path``, the file asked for; any other as it is."""
+    if exc.errno is None or exc.filename not in (None, str(staged)):
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))
 
 
 def read_timeline(path):
@@ -125,6 +137,9 @@ def read_timeline(path):
         raise ValueError(f"{path}: not a timeline (a JSON object with 'ops' and 'meta'), "
                          f"got a JSON {type(data).__name__}")
     ops, meta = data.get("ops"), data.get("meta", {})
+    if ops is None and data.get("format") == "distmm-profile-1":
+        raise ValueError(f"{path}: a distmm matmul --profile file, not a timeline of distmm "
+                         f"trace (distmm report draws a profile's timeline)")
     if ops is None:
         raise ValueError(f"{path}: not a timeline: it has no 'ops' (the run's copies and "
                          f"kernels)")
@@ -200,6 +215,8 @@ def _save_json(tl, path) -> None:
     try:
         tl.to_json(staged)
         put_in_place(staged, path)
+    except OSError as exc:
+        raise _named(exc, staged, path) from exc
     finally:
         staged.unlink(missing_ok=True)
 
