@@ -3,8 +3,9 @@
 Covers: numpy and dask operands against numpy (odd shapes, uneven chunks,
 broadcast batches, vectors, every dtype the core supports), exact integer and
 boolean results, the k-split reduction and its bitwise reproducibility,
-call-time errors, pinning to the plan's owners, progress and performance
-reports, a worker killed in the middle of a product, and the k-loop inside a task.
+call-time errors, pinning to the plan's owners, ``dask.annotate`` on the product's
+tasks, block mode's name, progress and performance reports, a worker killed in the middle
+of a product, and the k-loop inside a task.
 """
 from __future__ import annotations
 
@@ -311,6 +312,59 @@ def _prefix_count(client) -> int:
         return 0 if tp is None else sum(tp.state_counts.values())
 
     return client.run_on_scheduler(count)
+
+
+def _task_states(client, prefix: str) -> dict:
+    """``(retries, annotations, worker restrictions, loose)`` of each task of the keys named
+    ``prefix...`` on the scheduler."""
+    def get(dask_scheduler):
+        return {ts.key: (ts.retries, dict(ts.annotations or {}), set(ts.worker_restrictions or ()),
+                         ts.loose_restrictions) for ts in dask_scheduler.tasks.values()
+                if isinstance(ts.key, tuple) and str(ts.key[0]).startswith(prefix)}
+
+    return client.run_on_scheduler(get)
+
+
+@pytest.mark.parametrize("layout", ["tiles", "blocks"])
+def test_dask_annotate_reaches_the_products_tasks(client, layout):
+    """``dask.annotate`` around the call annotates the product's tasks as it does those of
+    dask's own ``x @ y`` (and of distmm's without a cluster), with distmm's placement kept;
+    the user's ``workers=`` replaces that placement. On a cluster they were dropped: the
+    placement was the only annotation of distmm's layers."""
+    rng = np.random.default_rng(23)
+    a, b = _operands(rng, (40, 30), (30, 20), "float64")
+    x = da.from_array(a, chunks=10)
+    w0 = dask_placement.worker_slots(client)[0]
+    with dask.config.set({"distmm.dask-layout": layout}):
+        with dask.annotate(retries=3, priority=7):
+            C = distmm.matmul(x, da.from_array(b, chunks=10), client=client)
+        layers = [lay for name, lay in C.dask.layers.items() if name.startswith("distmm-")]
+        assert layers and all(lay.annotations["retries"] == 3 for lay in layers)
+        C = C.persist()
+        with dask.annotate(workers=[w0]):
+            D = distmm.matmul(x, da.from_array(b, chunks=5), client=client).persist()
+        distributed.wait([C, D])
+        states = _task_states(client, "distmm-")
+    ours = {k: v for k, v in states.items() if k in set(C.dask)}
+    assert ours and all(retries == 3 and notes["priority"] == 7 and loose
+                        for retries, notes, _, loose in ours.values())
+    assert all(pins for _, _, pins, _ in ours.values())  # distmm's placement still
+    theirs = {k: v for k, v in states.items() if k in set(D.dask)}
+    assert theirs and all(pins == {w0} and not loose for _, _, pins, loose in theirs.values())
+    assert set(client.who_has(D).values()) == {(w0,)}
+    _check(C.compute(), a @ b)
+    _check(D.compute(), a @ b)
+
+
+def test_a_block_mode_name_is_its_products_own(client):
+    """Block mode names the product by its tasks, not by the plan's measured memory budget:
+    the same product under budgets that change no task keeps its name."""
+    x, y = da.ones((40, 600), chunks=(10, 100)), da.ones((600, 20), chunks=(100, 10))
+    names = set()
+    for budget in ("512MiB", "1GiB", "2GiB"):
+        with dask.config.set({"distmm.dask-layout": "blocks", "distmm.memory-budget": budget}):
+            names.add(distmm.matmul(x, y, client=client).name)
+    assert len(names) == 1
 
 
 def test_progress_bar_and_performance_report(client, tmp_path, capsys):

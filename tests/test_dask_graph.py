@@ -4,8 +4,9 @@ Covers: building the graph of a 10^6 x 10^6 product of lazy operands without
 materialising tasks (bounded time and client memory, a length computed
 without listing keys, culling to one output block), dask.array's output
 chunks by default, and results equal to numpy's bit for bit (integers) on
-ragged, misaligned chunks with and without a k split. No cluster: dask's
-threaded scheduler runs the tasks.
+ragged, misaligned chunks with and without a k split, and a name that is the
+product's own (the same product's whatever memory the call found, never another's). No
+cluster: dask's threaded scheduler runs the tasks.
 """
 from __future__ import annotations
 
@@ -120,3 +121,38 @@ def test_a_dask_out_or_out_with_dask_operands_is_numpys_type_error():
             np.matmul(x, y, out=out)
         with pytest.raises(TypeError, match="out"):
             distmm.matmul(x, y, out=out)
+
+
+def test_the_name_is_the_products_own():
+    """The name is dask's for one computation: the same product gets the same name (dask
+    merges and reuses it, as it does ``x @ y``'s), whatever the memory the call found
+    (the default budget is measured), and a different one never shares it (dask would hand
+    one product's blocks for the other's). The name was the plan's token: a budget that
+    changed no task still changed it."""
+    rng = np.random.default_rng(7)
+    a, a2 = rng.integers(-9, 9, (40, 600)), rng.integers(-9, 9, (40, 600))
+    b = rng.integers(-9, 9, (600, 20))
+    x, y = da.from_array(a, chunks=(10, 100)), da.from_array(b, chunks=(100, 10))
+    same = []
+    for budget in ("1GiB", "2GiB", "512MiB"):
+        with dask.config.set({"distmm.memory-budget": budget}):
+            same.append(distmm.matmul(x, y))
+    assert len({c.name for c in same}) == 1
+    with dask.config.set({"distmm.memory-budget": "16KiB"}):
+        split = distmm.matmul(x, y)
+    assert split.dask.layers[split.name].geometry.groups > 1
+    others = {
+        "other a": (distmm.matmul(da.from_array(a2, chunks=(10, 100)), y), a2 @ b),
+        "other chunks": (distmm.matmul(x.rechunk(8), y), a @ b),
+        "tile": (distmm.matmul(x, y, tile=8), a @ b),
+        "backend": (distmm.matmul(x, y, backend="numba"), a @ b),
+        "dtype": (distmm.matmul(x, y, dtype="float64"), (a @ b).astype("float64")),
+        "k split": (split, a @ b),
+        "transposed": (distmm.matmul(y.T, x.T), (a @ b).T),
+    }
+    names = [same[0].name] + [c.name for c, _ in others.values()]
+    assert len(set(names)) == len(names)
+    got = dask.compute(same[0], *(c for c, _ in others.values()), scheduler="threads")
+    for (label, (_, want)), value in zip([("same", (None, a @ b))] + list(others.items()), got):
+        assert value.dtype == want.dtype, label
+        np.testing.assert_array_equal(value, want, err_msg=label)

@@ -6,7 +6,8 @@ are), in block mode (``lazy_blocks``) the layout's block tasks with one small
 task per output chunk slicing it out of its block (on the block's worker,
 where the block lies) and, where device chunks go through CUDA IPC, one
 export task per chunk and holder, pinned to the holder (``export_layer``),
-and the array class whose optimisation keeps the placement annotations.
+that placement joined with an enclosing ``dask.annotate``'s annotations, and the
+array class whose optimisation keeps the placement annotations.
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), or
 numpy operands (``distmm.engine.dask.eager``).
 """
@@ -29,6 +30,23 @@ def output_chunks(geometry_chunks, batch) -> tuple:
     return tuple((1,) * b if b else (0,) for b in batch) + tuple(geometry_chunks)
 
 
+def _with_user_annotations(own: dict, keep: tuple = ()) -> dict:
+    """``own`` (distmm's placement of a layer's tasks) with the annotations of an enclosing
+    ``dask.annotate`` (retries, priority, resources, ...), which dask's ``Layer`` takes only
+    for a layer given none: the user's win, and the user's ``workers`` replaces distmm's
+    placement (its ``allow_other_workers`` too). ``keep``: keys of ``own`` that stay (an
+    export task runs on its chunk's holder)."""
+    import dask
+
+    user = dask.get_annotations()
+    if not user:
+        return own
+    if "workers" in user:
+        own = {k: v for k, v in own.items() if k in keep or k not in ("workers",
+                                                                      "allow_other_workers")}
+    return {**own, **{k: v for k, v in user.items() if k not in keep}}
+
+
 def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: str):
     """The lazy ``A @ B`` of dask operands ``a2``, ``b2`` (1-D already
     promoted), with ``ops.out_shape`` and numpy's result dtype."""
@@ -43,15 +61,20 @@ def lazy_product(ops, plan: Plan, a2, b2, geometry: Geometry, slots, backend: st
     chunks = output_chunks(geometry.chunks, batch)
     if 0 in out_shape or plan.k == 0:
         return da.zeros(out_shape, dtype=dtype, chunks=chunks)
-    name = "distmm-matmul-" + tokenize(a2.name, b2.name, plan, geometry, backend, batch, slots)
+    tp = TaskPlan.of(plan)
+    # the token of what the tasks and their placement read, not of the whole plan: its
+    # measured memory budget would give the same product another name
+    owners = (plan.workers, plan.owners) if slots else ()
+    name = "distmm-matmul-" + tokenize(a2.name, b2.name, tp, geometry, plan.reduction, backend,
+                                       batch, slots, owners)
     annotations = None
     if slots:
         placement = Placement(plan, geometry, names_of(name), len(batch), plan.reduction, slots)
-        annotations = {"workers": placement, "allow_other_workers": True}
+        annotations = _with_user_annotations({"workers": placement, "allow_other_workers": True})
     layer = ProductLayer(name, geometry,
                          OperandKeys(tuple(a2.shape), a2.chunks, a2.name),
                          OperandKeys(tuple(b2.shape), b2.chunks, b2.name),
-                         TaskPlan.of(plan), backend, batch, plan.reduction,
+                         tp, backend, batch, plan.reduction,
                          annotations=annotations)
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     meta = getattr(a2, "_meta", np.empty((0, 0)))
@@ -90,10 +113,12 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     chunks = tuple(geometry.chunks)
     if 0 in ops.out_shape or plan.k == 0:
         return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
-    extra = (sorted(sources.items()),) if sources else ()  # tcp: the names of before
+    # tcp: the names of before; pull or not changes what the export keys hold
+    extra = (sorted(sources.items()), bool(pull)) if sources else ()
     if nccl:
         extra += (sorted(nccl),)
-    token = tokenize(a2.name, b2.name, plan, layout, backend, addresses, cells, *extra)
+    tp = TaskPlan.of(plan)  # as lazy_product: not the plan's measured budget
+    token = tokenize(a2.name, b2.name, tp, geometry, layout, backend, addresses, cells, *extra)
     name = "distmm-matmul-" + token
     cell_geo = Geometry.of_cells(layout.row_edges, layout.col_edges, layout.k_edges,
                                  a2.chunks, b2.chunks)
@@ -111,9 +136,10 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
                          OperandKeys(tuple(a2.shape), a2.chunks, a2.name,
                                      routes=routes.get(a2.name)),
                          OperandKeys(tuple(b2.shape), b2.chunks, b2.name,
-                                     routes=routes.get(b2.name)), TaskPlan.of(plan),
+                                     routes=routes.get(b2.name)), tp,
                          backend, (), layout.reduction,
-                         annotations={"workers": placement, "allow_other_workers": True},
+                         annotations=_with_user_annotations({"workers": placement,
+                                                            "allow_other_workers": True}),
                          cells=cells)
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     out_name = "distmm-chunks-" + token
@@ -149,8 +175,8 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
             deps[name] = set(deps[name]) | {exports.name}
     # pinned to their block's worker: many small tasks over few blocks are
     # "root-ish" to the scheduler, which would place them ignoring where the block is
-    layers[out_name] = MaterializedLayer(dsk, annotations={
-        "workers": ChunkHomes(out_name, homes), "allow_other_workers": True})
+    layers[out_name] = MaterializedLayer(dsk, annotations=_with_user_annotations({
+        "workers": ChunkHomes(out_name, homes), "allow_other_workers": True}))
     deps.setdefault(out_name, {name})
     graph = HighLevelGraph(layers, deps)
     meta = getattr(a2, "_meta", np.empty((0, 0)))
@@ -215,8 +241,8 @@ def export_layer(name: str, sources: dict, pull: bool = False, nccl=frozenset())
                 holders[ex] = holder
             key_of[(chunk, reader)] = ex
             routes.setdefault(chunk[0], {})[(tuple(chunk[1:]), reader)] = ex
-    layer = MaterializedLayer(dsk, annotations={"workers": ExportHomes(name, holders),
-                                                "allow_other_workers": False, "priority": 1})
+    own = {"workers": ExportHomes(name, holders), "allow_other_workers": False, "priority": 1}
+    layer = MaterializedLayer(dsk, annotations=_with_user_annotations(own, keep=tuple(own)))
     return ExportLayer(name, layer, holders, key_of), routes
 
 
