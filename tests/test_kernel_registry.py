@@ -163,6 +163,25 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
     assert tuning.tuning_for("GPU X")["float32"] == entry
 
 
+@pytest.mark.parametrize("text, why", [("{not json", "tune.json:1: not JSON"),
+                                       ('{"version": 2, "gpus": {}}', "cache version 2"),
+                                       ('{"version": 1, "gpus": {"GPU X": [1]}}', "'gpus'")])
+def test_a_cache_file_the_executor_cannot_use_is_named_once(tmp_path, monkeypatch, caplog,
+                                                            text, why):
+    """The executor's read of the cache (``tuning_for``): a file there that is no cache of
+    this version reads as empty, as before, but is named in one warning (it read as empty
+    without a word: a hand-edited cache that broke left every kernel untuned silently)."""
+    import logging
+
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tune.json").write_text(text)
+    with caplog.at_level(logging.WARNING, logger="distmm.executor.tuning"):
+        assert tuning.tuning_for("GPU X") == {} and tuning.tuning_for("GPU X") == {}
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "the tuning cache is not used" in said and why in said, said
+    assert str(tmp_path / "tune.json") in said and "defaults" in said
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"version": 2, "gpus": {}}', '[1, 2]',
                                   '{"version": 1, "gpus": {"GPU X": [1]}}'])
 def test_store_tuning_leaves_a_file_that_is_not_a_cache(tmp_path, text):

@@ -122,8 +122,21 @@ def tuning_for(gpu: str) -> dict:
     with _lock:
         entry = _cached.get(key)
         if entry is None:
-            entry = _cached[key] = load_tuning_for(gpu)
+            entry = _cached[key] = _entries_of(gpu, cache_path())
     return dict(entry)
+
+
+def _entries_of(gpu: str, path: Path) -> dict:
+    """``gpu``'s entries in the cache at ``path`` as ``read_cache`` checks it; a file there
+    that is no cache of this version (broken JSON, another version, a folder) is named in one
+    warning and read as empty: the kernels' defaults."""
+    try:
+        data = read_cache(path)
+    except (OSError, ValueError) as exc:
+        log.warning("distmm: the tuning cache is not used (%s); distmm's kernels run with "
+                    "their defaults (`distmm tune` rewrites it)", exc)
+        return {}
+    return dict(data["gpus"].get(gpu, {}))
 
 
 def entry_problem(entry, spec, dtype, cc: int = 90) -> str | None:
