@@ -248,7 +248,7 @@ class GridPlan:
     def describe(self) -> str:
         per = self.bytes_per_rank
         return (f"process grid {self.layers} x {self.rows} x {self.cols} (layers x rows x cols) "
-                f"for {self.ranks} ranks; panels per layer "
+                f"for {self.ranks} rank{'s' if self.ranks != 1 else ''}; panels per layer "
                 f"{[len(p) - 1 for p in self.panel_edges]}; bytes received per rank "
                 f"max {max(per):.3e}, total {sum(per):.3e}")
 

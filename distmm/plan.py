@@ -14,8 +14,10 @@ See also: ``distmm.engine`` (runs a plan), ``distmm.api`` (makes one).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -170,9 +172,7 @@ def ufunc_dtype(a_dtype, b_dtype, *, dtype=None, out_dtype=None, casting="same_k
 def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, casting, order):
     kw = {"casting": casting, "order": order, **({} if dtype is None else {"dtype": dtype})}
     empty_a, empty_b = np.empty((1, 0), a_dtype), np.empty((0, 1), b_dtype)
-    with warnings.catch_warnings():
-        # the casts' own warnings (complex to real) come from the casts of the values
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+    with _quiet_complex_casts(casting):
         res = np.matmul(empty_a, empty_b, **kw).dtype
         if out_dtype is not None:
             np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
@@ -180,6 +180,24 @@ def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, c
         if not multiplies(dt):
             raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")
     return res
+
+
+_WARNINGS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet_complex_casts(casting):
+    """Around ``_ufunc_dtype``'s probes: numpy's ComplexWarning for a complex to real cast
+    comes from the casts of the values, not from the probe's. Only ``casting="unsafe"``
+    allows such a cast, so only then are the process-wide warning filters swapped
+    (``warnings.catch_warnings``, which is not thread-safe: two swaps that overlap lose
+    another thread's recorded warnings or leave an "ignore" in force), one probe at a time."""
+    if casting != "unsafe":
+        yield
+        return
+    with _WARNINGS_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        yield
 
 
 def matmul_shapes(a_shape: tuple, b_shape: tuple, *, a_name: str = "a", b_name: str = "b",
@@ -413,11 +431,12 @@ class Plan:
             f"C[{self.m}, {self.n}] = A[{self.m}, {self.k}] @ B[{self.k}, {self.n}]"
             f"  dtype {self.dtype} (accumulate in {self.acc_dtype})"
             + ("" if self.precision == "highest" else f", precision {self.precision}"),
-            f"tiles      {tm} x {tn} (k-block {tk}); grid {gm} x {gn} = {gm * gn} C tiles"
+            f"tiles      {tm} x {tn} (k-block {tk}); grid {gm} x {gn} = {gm * gn} C "
+            f"tile{'s' if gm * gn != 1 else ''}"
             f"; ragged edges m:{self.m % tm if gm else 0} n:{self.n % tn if gn else 0}",
             f"k-split    {self.k_splits} group(s); reduction tree depth "
             f"{math.ceil(math.log2(self.k_splits)) if self.k_splits > 1 else 0}"
-            f" ({len(self.reduction)} additions per tile)",
+            f" ({len(self.reduction)} addition{'s' if len(self.reduction) != 1 else ''} per tile)",
             f"workers    {self.workers}; C tiles per worker {per_worker}",
             f"flops      {self.flops:.3e}",
             f"bytes      {self.bytes_moved:.3e} moved to and from tasks",

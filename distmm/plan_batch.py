@@ -9,7 +9,9 @@ product (every owner's edge of A and B; finer for the first stripe, whose produc
 panel is still arriving), and what one rank holds at once: B's column panel
 (``k x n_j``, kept for every stripe), two A stripes and two C stripes, all in the accumulation
 dtype. ``plan_batch`` refuses a product whose column panel of B does not fit the memory it is
-given, before anything is read.
+given, before anything is read. ``decide_batch`` is what ``mpirun -n P distmm matmul`` decides
+from the job's facts (ranks, hosts, GPU or CPU ranks, their memory, ``distmm.batch-panels``):
+how the ranks get their panels and the plan; ``distmm plan --ranks P`` prints the same.
 
 It does *not* cover: reading, moving or writing bytes (``distmm.engine.mpi.stream``), or the
 in-memory SUMMA of ``distmm.grid``, whose grids it reuses.
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from distmm.grid import GridPlan, even_edges, make_grid
+from distmm.plan import accumulate_dtype
 
-__all__ = ["BatchPlan", "plan_batch", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS", "B_CHUNK_BYTES",
-           "FIRST_STEP_CHUNKS", "RESUME_STRIPE_BYTES", "MAX_BATCH_EDGES"]
+__all__ = ["BatchPlan", "BatchSetup", "plan_batch", "decide_batch", "batch_panels",
+           "b_fits_host", "PANEL_CHOICES", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS",
+           "B_CHUNK_BYTES", "FIRST_STEP_CHUNKS", "RESUME_STRIPE_BYTES", "MAX_BATCH_EDGES"]
 
 #: stripes each rank's C block is cut into, when memory allows (more: finer resume points and
 #: an earlier first write; fewer: larger GEMMs)
@@ -45,6 +49,8 @@ FIRST_STEP_CHUNKS = 4
 #: rank lists a few thousand at most; more (a product of 10**8 each way planned without a
 #: memory limit) took gigabytes before the plan could be refused
 MAX_BATCH_EDGES = 2**20
+#: ``distmm.batch-panels``: how the ranks of a batch job get their panels (``batch_panels``)
+PANEL_CHOICES = ("auto", "read", "share", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -200,3 +206,148 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     first = tuple(sorted(set(panels) | set(range(0, k, step))))
     return BatchPlan(grid=g, stripe_edges=edges, panels=panels, held_bytes=tuple(held),
                      chunk_rows=chunk_rows, first_panels=first)
+
+
+def batch_panels(choice: str = "auto", *, hosts: int = 1, on_gpu: bool = False) -> str:
+    """How the ranks of a batch job get their panels, from ``distmm.batch-panels``'s
+    ``choice``: ``"read"`` (each rank reads every piece of A's stripes and B's column panel
+    it needs), ``"share"`` (GPU ranks that read: B's column panel read in shares and copied
+    between the GPUs) or ``"broadcast"`` (each rank reads its own block; the rest comes by
+    broadcast). ``auto`` reads where all ``hosts`` are one (an emulated node counts as a host
+    of its own), sharing on GPUs, and broadcasts across hosts; ``share`` reads on CPU ranks.
+
+    >>> batch_panels(hosts=1), batch_panels(hosts=1, on_gpu=True), batch_panels(hosts=2)
+    ('read', 'share', 'broadcast')
+    """
+    if choice not in PANEL_CHOICES:
+        raise ValueError(f"batch-panels must be one of {', '.join(PANEL_CHOICES)}, "
+                         f"got {choice!r}")
+    if int(hosts) != hosts or hosts < 1:
+        raise ValueError(f"hosts must be a positive integer, got {hosts!r}")
+    direct = hosts == 1 if choice == "auto" else choice in ("read", "share")
+    if not direct:
+        return "broadcast"
+    return "share" if on_gpu and choice in ("share", "auto") else "read"
+
+
+def b_fits_host(k: int, n: int, dtype, *, ranks: int, available: int | None) -> bool:
+    """Whether every CPU rank may hold all of B (whole rows of C): ``ranks`` copies of it in
+    the accumulation dtype take at most half of ``available``, the host memory the rank
+    with the least has (``None``: no limit)."""
+    need = k * n * np.dtype(accumulate_dtype(np.dtype(dtype))).itemsize * ranks
+    return available is None or need <= int(available) // 2
+
+
+@dataclass(frozen=True)
+class BatchSetup:
+    """What a batch job runs (``decide_batch``): ``plan``, and ``panels``, how its ranks get
+    their panels (``"read"``, ``"share"`` or ``"broadcast"``: ``batch_panels``)."""
+
+    plan: BatchPlan
+    panels: str
+
+    @property
+    def direct(self) -> bool:
+        """Whether each rank reads every panel it needs itself (``read`` or ``share``)."""
+        return self.panels != "broadcast"
+
+    def reads(self, rank: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """``((r0, r1, k0, k1), (k0, k1, c0, c1))``: the rectangles of A and of B ``rank``
+        reads from the files itself (A stripe by stripe; the rest of each stripe and of B's
+        column panel comes from the other ranks, by broadcast or by a copy between GPUs)."""
+        g = self.plan.grid
+        _, i, j = g.coords(rank)
+        r0, r1, c0, c1 = g.row_edges[i], g.row_edges[i + 1], g.col_edges[j], g.col_edges[j + 1]
+        if not self.direct:
+            a_k, b_k = g.a_k_edges[0], g.b_k_edges[0]
+            return (r0, r1, a_k[j], a_k[j + 1]), (b_k[i], b_k[i + 1], c0, c1)
+        k0, k1 = 0, g.k
+        if self.panels == "share" and g.rows > 1 and g.k and c1 > c0:  # a share of the panel
+            edges = even_edges(g.k, g.rows)
+            k0, k1 = edges[i], edges[i + 1]
+        return (r0, r1, 0, g.k), (k0, k1, c0, c1)
+
+    def describe(self, most: int = 16) -> list[str]:
+        """Lines for ``distmm plan --ranks``: the grid, the stripes and what each rank reads
+        (the first ``most`` ranks and the last)."""
+        p, g = self.plan, self.plan.grid
+        how = {"read": "each rank reads all it needs",
+               "share": "B's column panels read in shares and copied between the GPUs",
+               "broadcast": "each rank reads its own block, the rest comes by broadcast"}
+        lines = [f"grid       {g.rows} x {g.cols} ranks (rows x cols)"
+                 + (", whole rows of C each" if g.cols == 1 and g.ranks > 1 else "")
+                 + f"; panels {self.panels}: {how[self.panels]}",
+                 f"stripes    {p.stripes} per rank at most; held per rank at most "
+                 f"{max(p.held_bytes) / 2**30:.2f} GiB"]
+        shown = list(range(min(g.ranks, most)))
+        if g.ranks > most:
+            shown.append(g.ranks - 1)
+        for rank in shown:
+            if rank == g.ranks - 1 and rank > most:
+                lines.append(f"           ranks {most} to {g.ranks - 2} not listed")
+            _, i, j = g.coords(rank)
+            (ar0, ar1, ak0, ak1), (bk0, bk1, bc0, bc1) = self.reads(rank)
+            rows = [b - a for a, b in zip(p.stripe_edges[i], p.stripe_edges[i][1:])]
+            count = len(rows)
+            c = (f"C[{g.row_edges[i]}:{g.row_edges[i + 1]}, {g.col_edges[j]}:"
+                 f"{g.col_edges[j + 1]}]")
+            if not max(rows) or bc1 == bc0:
+                lines.append(f"rank {rank:<6}{c}: nothing to compute")
+                continue
+            height = f"{max(rows)}" if min(rows) == max(rows) else f"{min(rows)}-{max(rows)}"
+            lines.append(f"rank {rank:<6}{c} in {count} stripe{'s' if count != 1 else ''} of "
+                         f"{height} row{'s' if max(rows) != 1 else ''}; reads A[{ar0}:{ar1}, "
+                         f"{ak0}:{ak1}], B[{bk0}:{bk1}, {bc0}:{bc1}]")
+        return lines
+
+
+def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: int = 1,
+                 on_gpu: bool = False, panels: str = "auto", memory: int | None = None,
+                 host_memory: int | None = None, stripes: int = STRIPES_PER_RANK,
+                 resume: bool = False) -> BatchSetup:
+    """What ``mpirun -n ranks distmm matmul`` runs for ``C[m, n] = A[m, k] @ B[k, n]``: how
+    the ranks get their panels (``batch_panels``) and the plan, whole rows of C per rank
+    where they read their panels and B fits (GPU ranks: ``memory``; CPU ranks: half of
+    ``host_memory`` for all ranks' copies of B, ``b_fits_host``), else the grid
+    ``plan_batch`` picks.
+
+    Parameters
+    ----------
+    m, n, k : int
+    dtype : dtype
+        numpy's result dtype.
+    ranks, hosts : int
+        The job's ranks and the hosts they run on (an emulated node counts as a host).
+    on_gpu : bool
+        GPU ranks (else CPU ranks).
+    panels : str
+        ``distmm.batch-panels`` (``PANEL_CHOICES``).
+    memory : int, optional
+        Bytes a GPU rank may hold (the least of any rank); ``None``: no limit, as for CPU
+        ranks.
+    host_memory : int, optional
+        The available host memory of the rank with the least (CPU ranks); ``None``: no limit.
+    stripes : int
+        ``distmm.batch-stripes``.
+    resume : bool
+        A ``--resume`` run: stripes of at most ``RESUME_STRIPE_BYTES`` of C.
+
+    Raises
+    ------
+    ValueError
+        As ``plan_batch`` and ``batch_panels``.
+
+    Examples
+    --------
+    >>> decide_batch(400, 400, 400, ranks=4).plan.grid.shape
+    (1, 4, 1)
+    >>> s = decide_batch(400, 400, 400, ranks=4, hosts=2)
+    >>> s.panels, s.plan.grid.shape
+    ('broadcast', (1, 2, 2))
+    """
+    mode = batch_panels(panels, hosts=hosts, on_gpu=on_gpu)
+    rows = mode != "broadcast" and (on_gpu or b_fits_host(k, n, dtype, ranks=ranks,
+                                                          available=host_memory))
+    plan = plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
+                      whole_rows=rows, stripe_bytes=RESUME_STRIPE_BYTES if resume else None)
+    return BatchSetup(plan=plan, panels=mode)

@@ -21,6 +21,32 @@ def test_plan_command():
     assert "C tiles per worker [4, 4, 4, 3]" in r.stdout
 
 
+def test_counts_of_one_take_the_singular(tmp_path):
+    """distmm plan said "= 1 C tiles", "(1 additions per tile)", "for 1 ranks", and the batch
+    summary line "1 ranks": a count of 1 takes the singular, others the plural."""
+    r = run_cli("plan", 64, 64, 10000, "--workers", 2, "--ranks", 1)
+    assert r.returncode == 0, r.stderr
+    assert "grid 1 x 1 = 1 C tile;" in r.stdout and "(1 addition per tile)" in r.stdout
+    assert " for 1 rank;" in r.stdout and "in 1 stripe of " not in r.stdout, r.stdout
+    r = run_cli("plan", 64, 64, 10000, "--workers", 4, "--ranks", 2)
+    assert "= 1 C tile;" in r.stdout and "(3 additions per tile)" in r.stdout
+    assert " for 2 ranks;" in r.stdout and "on 1 host," in r.stdout, r.stdout
+    np.save(tmp_path / "a.npy", np.ones((3, 2)))
+    np.save(tmp_path / "b.npy", np.ones((2, 4)))
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+                "--profile", tmp_path / "p.json")  # the MPI engine's batch path, one rank
+    assert r.returncode == 0 and ", 1 rank, grid 1x1," in r.stdout, (r.stdout, r.stderr)
+
+
+def test_hosts_goes_with_ranks_and_is_at_most_their_count():
+    for argv, said in ((["--hosts", 2], "--hosts goes with --ranks"),
+                       (["--ranks", 2, "--hosts", 3], "--hosts 3 is more hosts than --ranks 2"),
+                       (["--ranks", 2, "--hosts", 0], "argument --hosts:")):
+        r = run_cli("plan", 10, 10, 10, *argv)
+        assert r.returncode == 2 and r.stdout == "" and said in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
 def _no_settings(home: Path) -> dict:
     """An environment without distmm settings: no DISTMM_/DASK_DISTMM__ variable, no
     DASK_CONFIG, and a HOME without ~/.config/dask."""

@@ -1,7 +1,8 @@
 """``mpirun -n P distmm matmul`` on files: the striped batch path (real mpiexec, real signals).
 
 Covers: products at 1 to 4 ranks (3 included) in several dtypes and ragged shapes, against
-numpy; rows of ranks with nothing to do; the profile file's contents; ``--resume`` after a real
+numpy; rows of ranks with nothing to do; the profile file's contents; ``distmm plan --ranks``
+printing the grid and stripes the run records; ``--resume`` after a real
 SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
 bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
 size and modification time kept), the rank count, the BLAS threads or a GPU rank's kernel
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import takes_direct
+from conftest import run_cli, takes_direct
 
 pytestmark = pytest.mark.mpi
 
@@ -100,7 +101,7 @@ def test_products_match_numpy(tmp_path, run, ranks, shape, dtype, panels):
     r = run(ranks, "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", poison,
             "--engine", "mpi", DISTMM_BATCH_STRIPES="3", DISTMM_BATCH_PANELS=panels)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("wrote") == 1 and f"{ranks} ranks" in r.stdout
+    assert r.stdout.count("wrote") == 1 and f"{ranks} rank{'s' if ranks != 1 else ''}," in r.stdout
     got = np.load(poison)
     ref = np.matmul(a, b)
     assert got.dtype == ref.dtype and got.shape == ref.shape
@@ -169,6 +170,57 @@ def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
         assert all(d >= 2 * aligned_split(ALIGN, 256 * n * 8)[1] - 2 * ALIGN for d in direct), direct
     else:
         assert direct == [0, 0, 0]
+
+
+def _planned(out: str) -> tuple[list[int], list[int]]:
+    """``distmm plan --ranks``'s batch grid ``[1, rows, cols]`` and each rank's stripes."""
+    import re
+
+    grid = re.search(r"^  grid +(\d+) x (\d+) ranks", out, re.M)
+    assert grid is not None, out
+    stripes = [0 if "nothing to compute" in line else int(re.search(r" in (\d+) stripe", line)[1])
+               for line in out.splitlines() if re.match(r"  rank \d", line)]
+    return [1, int(grid[1]), int(grid[2])], stripes
+
+
+@pytest.mark.parametrize("ranks,shape,panels,nodes", [
+    (2, (61, 37, 29), "auto", 1),        # whole rows, 3 stripes each
+    (3, (5, 37, 29), "auto", 1),         # whole rows of 2, 2, 1 rows: fewer stripes
+    (4, (3, 37, 29), "auto", 1),         # fewer rows than ranks: 1 x 4
+    (4, (64, 64, 64), "broadcast", 1),   # the 2-D grid
+    pytest.param(4, (64, 64, 64), "auto", 2, marks=pytest.mark.slow),  # two emulated hosts
+])
+def test_plan_ranks_is_the_dry_run_of_the_batch_command(tmp_path, run, mpiexec, batch_env,
+                                                        ranks, shape, panels, nodes):
+    """``distmm plan M N K --ranks P`` printed the in-memory engine's grid (1 x 2 x 2 for 400
+    each way on 4 ranks) where ``mpirun -n P distmm matmul`` ran whole rows (4 x 1): it prints
+    the batch path's own plan now, decided from the same facts, and the grid and each rank's
+    stripes are those the run's profile records."""
+    from distmm.cli.emulated import mpiexec_command
+
+    m, k, n = shape
+    _operands(tmp_path, m, k, n, "float64", seed=m)
+    env = {"DISTMM_BATCH_STRIPES": "3", "DISTMM_BATCH_PANELS": panels}
+    hosts = ["--hosts", nodes] if nodes > 1 else []
+    plan = run_cli("plan", m, n, k, "--ranks", ranks, *hosts, env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert f"mpirun -n {ranks} distmm matmul" in plan.stdout, plan.stdout
+    grid, stripes = _planned(plan.stdout)
+    prof = tmp_path / "p.json"
+    argv = ["-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+            tmp_path / "c.npy", "--profile", prof]
+    if nodes > 1:
+        r = subprocess.run(mpiexec_command([mpiexec, "--oversubscribe"], ranks, nodes,
+                                           [sys.executable, *map(str, argv)]),
+                           capture_output=True, text=True, timeout=180, env=batch_env(**env))
+    else:
+        r = run(ranks, *argv[2:], **env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(prof.read_text())
+    assert data["meta"]["grid"] == grid, (data["meta"], plan.stdout)
+    assert f"panels {data['meta']['batch_panels']}:" in plan.stdout, plan.stdout
+    written = [sum(s["phase"] == "write" for s in rec["spans"]) for rec in data["ranks"]]
+    assert written == stripes, (written, plan.stdout)
 
 
 def _logged(folder: Path) -> int:
@@ -858,11 +910,13 @@ def test_distarrays_multiply_in_stripes_on_gpus(tmp_path, mpirun):
 
 HOST_FIT_SCRIPT = r"""
 from mpi4py import MPI
-from distmm.engine.mpi.batch import _b_fits_host
+from distmm.engine.mpi.batch import _host_available
+from distmm.plan_batch import b_fits_host
 comm = MPI.COMM_WORLD
-small = _b_fits_host(comm, 512, 512, "float32")
-huge = _b_fits_host(comm, 10**7, 10**7, "float64")  # 800 TB of B per rank
-if comm.rank == 0:
+available = _host_available(comm)
+small = b_fits_host(512, 512, "float32", ranks=comm.size, available=available)
+huge = b_fits_host(10**7, 10**7, "float64", ranks=comm.size, available=available)  # 800 TB
+if len(set(comm.allgather(available))) == 1 and comm.rank == 0:  # alike on every rank
     print("FITS", small, huge, flush=True)
 """
 

@@ -4,7 +4,8 @@ Covers: .npy, zarr and HDF5 (same file in and out) inputs and outputs with
 the result checked against numpy; bad input (shape mismatch, a missing file, a
 non-numeric dtype) ending every rank with status 2 and one message; a failure
 during the product (a GPU backend on a machine without one) aborting the job;
-nothing under the final name after a failure. Every launch has a timeout.
+nothing under the final name after a failure; a --profile that cannot be created refused
+before any work, and one lost after C is in place said as such. Every launch has a timeout.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -201,6 +203,7 @@ def test_mpirun_h5_output_into_an_existing_file(files, launch):
 
 LINES_SCRIPT = r"""
 import sys
+import time
 from mpi4py import MPI
 from distmm.cli.exits import whole_line_writes
 
@@ -277,3 +280,62 @@ def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it
     with h5py.File(f, "r") as fh:
         assert sorted(fh) == ["A", "B", "C"]
         assert_close(fh["C"][...], want)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="creates a file under /proc")
+@pytest.mark.parametrize("ranks,where", [(1, "proc"), (2, "proc"), (1, "long-name")])
+def test_a_profile_that_cannot_be_created_is_refused_before_any_work(files, launch, mpi_env,
+                                                                     ranks, where):
+    """A --profile in a folder where no file can be made (/proc; as root, permissions do not
+    stop a write), or whose temporary name is too long for the file system, was found only
+    once C was in place (status 2 or 1 after the whole product): it is bad input now, one
+    line from rank 0, every rank ending with status 2 and nothing written."""
+    d, _ = files
+    prof = "/proc/p.json" if where == "proc" else str(d / ("p" * 245 + ".json"))
+    argv = ["matmul", d / "a.npy", d / "b.npy", "-o", d / "c.npy", "--profile", prof]
+    if ranks == 1:
+        r = subprocess.run([sys.executable, "-m", "distmm", *map(str, argv)], text=True,
+                           capture_output=True, timeout=60, env=mpi_env)
+        lines = [f"STATUS {r.returncode} {r.stderr.strip()}"]
+    else:
+        r = launch(ranks, *argv, wrap=True, timeout=60)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("STATUS")]
+    assert sorted(p.name for p in d.iterdir()) == sorted(  # no C, nothing staged
+        ["a.npy", "b.npy", "s.npy", "x.h5", "a.zarr", "b.zarr"]), lines
+    assert len(lines) == ranks and all(ln.startswith("STATUS 2") for ln in lines), lines
+    said = [ln for ln in lines if "error" in ln]
+    assert len(said) == 1 and " | " not in said[0], lines
+    why = "No such file or directory" if where == "proc" else "File name too long"
+    assert said[0].endswith(f"cannot create the --profile file ({why}): {prof}"), said
+
+
+def test_a_profile_lost_after_c_is_in_place_says_so(files, mpi_env):
+    """A profile that cannot be written once C is in place (its folder gone, a full disk)
+    said only the write's error with status 2, the line of bad input, though C was written:
+    it says C was written and the profile not, with status 1."""
+    d, ref = files
+    site, folder = d / "site", d / "profiles"
+    site.mkdir()
+    folder.mkdir()
+    pause_at(site, "distmm.engine.mpi.batch", "run_batch", after=True)
+    env = {**mpi_env, "PYTHONPATH": os.pathsep.join([str(site), mpi_env["PYTHONPATH"]])}
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", d / "a.npy", d / "b.npy",
+                             "-o", d / "c.npy", "--profile", folder / "p.json"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.time() + 60
+        while not (site / "paused").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
+        assert (d / "c.npy").exists()  # committed before the profile is written
+        folder.rmdir()
+        (site / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert err == (f"distmm matmul: error: wrote {d / 'c.npy'}, but the profile "
+                   f"{folder / 'p.json'} could not be written: No such file or directory: "
+                   f"{folder / 'p.json'}\n"), err
+    assert out == ""
+    assert_close(np.load(d / "c.npy"), ref)

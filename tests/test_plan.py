@@ -188,3 +188,42 @@ def test_a_tile_larger_than_c_holds_c_s_size(tile):
     whole = make_plan(64, 70, 64, "float64", workers=1, tile=(64, 70, 64))
     assert make_plan(64, 70, 64, "float64", workers=1, tile=tile).peak_memory_per_worker \
         == whole.peak_memory_per_worker == (64 * 64 + 64 * 70 + 64 * 70) * 8
+
+
+def test_batch_decision_is_the_batch_paths():
+    """``decide_batch``: what ``mpirun -n P distmm matmul`` runs, and ``distmm plan --ranks P``
+    prints. On one host the ranks read their panels and take whole rows where B fits (CPU
+    ranks: all ranks' copies of B in half the host's available memory); across hosts they
+    broadcast on make_grid's grid; GPU ranks of one host share B; a --resume run cuts its
+    stripes at RESUME_STRIPE_BYTES."""
+    from distmm.plan_batch import (RESUME_STRIPE_BYTES, b_fits_host, batch_panels,
+                                   decide_batch, plan_batch)
+
+    assert [batch_panels(c, hosts=h, on_gpu=g) for c in ("auto", "read", "share", "broadcast")
+            for h in (1, 2) for g in (False, True)] == [
+        "read", "share", "broadcast", "broadcast", "read", "read", "read", "read",
+        "read", "share", "read", "share", "broadcast", "broadcast", "broadcast", "broadcast"]
+    with pytest.raises(ValueError, match="batch-panels must be one of"):
+        batch_panels("nearest")
+    assert b_fits_host(100, 100, "float32", ranks=4, available=2 * 4 * 100 * 100 * 4)
+    assert not b_fits_host(100, 100, "float32", ranks=4, available=2 * 4 * 100 * 100 * 4 - 2)
+    one = decide_batch(400, 400, 400, ranks=4)
+    assert (one.panels, one.plan.grid.shape, one.plan.stripes) == ("read", (1, 4, 1), 8)
+    assert one.reads(1) == ((100, 200, 0, 400), (0, 400, 0, 400))
+    two = decide_batch(400, 400, 400, ranks=4, hosts=2)
+    assert (two.panels, two.plan.grid.shape) == ("broadcast", (1, 2, 2))
+    assert two.reads(1) == ((0, 200, 200, 400), (0, 200, 200, 400))
+    tight = decide_batch(400, 400, 400, ranks=4, host_memory=4 * 400 * 400 * 8 * 2 - 1)
+    assert tight.panels == "read" and tight.plan.grid.shape == (1, 2, 2)
+    gpus = decide_batch(400, 400, 400, ranks=2, on_gpu=True)
+    assert gpus.panels == "share" and gpus.reads(1) == ((200, 400, 0, 400), (200, 400, 0, 400))
+    resumed = decide_batch(65536, 65536, 65536, ranks=4, resume=True)
+    assert resumed.plan == plan_batch(65536, 65536, 65536, ranks=4, whole_rows=True,
+                                      stripe_bytes=RESUME_STRIPE_BYTES)
+    lines = decide_batch(5, 400, 400, ranks=8, stripes=3).describe()
+    assert lines[0].startswith("grid       1 x 8 ranks (rows x cols); panels read")
+    assert "rank 7     C[0:5, 350:400] in 3 stripes of 1-2 rows" in lines[-1], lines
+    many = decide_batch(4000, 40, 40, ranks=40).describe(most=4)
+    assert [x.split()[1] for x in many[2:6]] == ["0", "1", "2", "3"], many
+    assert many[6].strip() == "ranks 4 to 38 not listed" and many[7].startswith("rank 39 ")
+    assert len(many) == 8

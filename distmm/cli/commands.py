@@ -64,6 +64,8 @@ def _cmd_plan(args) -> int:
     from distmm.plan import result_dtype
 
     tile = None
+    if args.hosts is not None and not args.ranks:
+        raise ValueError("--hosts goes with --ranks: the hosts of an mpirun -n P job")
     if args.tile:
         if len(args.tile) not in (1, 3):
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
@@ -73,10 +75,11 @@ def _cmd_plan(args) -> int:
         # distmm.matmul's own planning: the configured tile, backend and memory budget
         plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
                          backend=args.backend)
-        grid = None
+        grid = batch = None
         if args.ranks:
             from distmm.grid import make_grid
 
+            batch = _batch_setup(args, result)
             grid = make_grid(args.m, args.n, args.k, result, ranks=args.ranks)
     except MemoryError as exc:
         # more tiles than a plan lists: told from the sizes alone, before any work (bad
@@ -88,9 +91,48 @@ def _cmd_plan(args) -> int:
         print(f"distmm plan: note: numpy's matmul of {args.dtype} operands gives {result}; "
               f"the plan is for a {result} result", file=sys.stderr)
     print(plan.describe())
-    if grid is not None:
-        print(grid.describe())
+    if batch is not None:
+        print("\n".join(batch))
+        print(f"in memory  distmm.matmul(engine=\"mpi\") of arrays: {grid.describe()}")
     return 0
+
+
+def _batch_setup(args, result) -> list[str]:
+    """``distmm plan --ranks P``'s lines of what ``mpirun -n P distmm matmul`` runs
+    (``distmm.plan_batch.decide_batch``, as the batch path decides it): from the arguments,
+    the configuration, and for what only the job knows, this machine's: the backend's choice
+    of GPU or CPU ranks, its GPU's free memory (without a GPU, ``distmm.device-memory-limit``,
+    else no limit) and its available memory, taken for every host's; ``--hosts`` hosts
+    (default one)."""
+    import psutil
+
+    from distmm.config import get_config
+    from distmm.executor import gpu_available, resolve_backend
+    from distmm.plan_batch import decide_batch
+
+    hosts = 1 if args.hosts is None else args.hosts
+    if hosts > args.ranks:
+        raise ValueError(f"--hosts {hosts} is more hosts than --ranks {args.ranks}")
+    config = get_config()
+    _, on_gpu = resolve_backend(args.backend, result, family="numpy",
+                                flops=2 * args.m * args.n * args.k)
+    memory = config.device_memory_limit if on_gpu else None
+    if on_gpu and gpu_available():  # the batch path's own measure, of this GPU
+        from mpi4py import MPI
+
+        from distmm.engine.mpi.stream import device_memory
+
+        memory = device_memory(True, MPI.COMM_SELF)
+    setup = decide_batch(args.m, args.n, args.k, result, ranks=args.ranks, hosts=hosts,
+                         on_gpu=on_gpu, panels=config.batch_panels, memory=memory,
+                         host_memory=psutil.virtual_memory().available,
+                         stripes=config.batch_stripes)
+    ranks = f"{'GPU' if on_gpu else 'CPU'} ranks"
+    if on_gpu and memory is None:
+        ranks += " (no GPU here: no limit on their memory assumed)"
+    return [f"mpirun -n {args.ranks} distmm matmul (without --resume) on {hosts} "
+            f"host{'s' if hosts != 1 else ''}, {ranks}, batch-panels {config.batch_panels}:",
+            *(f"  {line}" for line in setup.describe())]
 
 
 def _note_gpu_budget(backend: str) -> None:
@@ -455,8 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tile", type=_positive, nargs="+", metavar="SIZE",
                     help="C tile size, or three sizes tm tn tk (default: the planner chooses)")
     pl.add_argument("--ranks", type=_positive, default=None,
-                    help="also print the MPI process grid for this many ranks, with the bytes "
-                         "each rank receives")
+                    help="also print what mpirun -n RANKS distmm matmul runs (its grid, the "
+                         "stripes and what each rank reads, as the batch path decides them "
+                         "from the configuration and this machine's backend and memory), and "
+                         "the MPI engine's process grid for arrays in memory")
+    pl.add_argument("--hosts", type=_positive, default=None,
+                    help="with --ranks: the hosts the ranks run on (an emulated node counts as "
+                         "one; default 1): across hosts the ranks broadcast their panels "
+                         "(batch-panels auto)")
     pl.set_defaults(func=_cmd_plan)
 
     mm = sub.add_parser("matmul", parents=[common],

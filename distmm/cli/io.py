@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import npy_header, preallocate
-from distmm.stripe_writer import output_spec, parse_spec, zarr_format_for
+from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
                             create_h5_stage, h5_held, put_in_place, reclaimable, staged_path,
                             zarr_node)
@@ -424,19 +424,29 @@ def same_file(a: str, b: str) -> bool:
 def check_report(flag: str, path, files) -> None:
     """Refuse, before any work, a report file (``--profile``) that cannot be written or
     would replace one of the product's ``files`` (its operands or output). An existing
-    report file is replaced, as a log is.
+    report file is replaced, as a log is: its temporary (``PATH.tmp-PID``, then renamed, as
+    ``distmm.phases.write_profile`` writes it) is created and removed here, so that a folder
+    where no file can be made (no write permission, a read-only file system, ``/proc``) is
+    refused now, not once C is in place.
 
     Raises
     ------
     FileNotFoundError
         Its folder does not exist.
+    NotADirectoryError
+        Its folder is a file.
     IsADirectoryError
         It names a folder.
+    PermissionError
+        No file can be created in its folder (``FileNotFoundError`` where the file system says
+        so), named as given.
     ValueError
         It names an operand or the output.
     """
     p = Path(path)
     folder = p.parent
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{flag} {p}: {folder} is a file, not a folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder for {flag} {p}: {folder}")
     if p.is_dir():
@@ -445,6 +455,18 @@ def check_report(flag: str, path, files) -> None:
     for spec in files:
         if parse_target(str(spec)).path.resolve() == own:
             raise ValueError(f"{flag} {p} is also the product's {spec}: name another file")
+    tmp = f"{p}.tmp-{os.getpid()}"
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o644))
+    except FileExistsError:  # a dead run's under this PID: replaced as the report is written
+        return
+    except OSError as exc:
+        made = OSError(exc.errno, "")  # the subclass of its errno; an input's error, status 2
+        kind = type(made) if isinstance(made, (FileNotFoundError, PermissionError)) \
+            else PermissionError
+        raise kind(exc.errno, f"cannot create the {flag} file ({exc.strerror})", str(p)) from None
+    os.unlink(tmp)
 
 
 @contextmanager

@@ -103,7 +103,7 @@ def run_matmul(args) -> int:
     if not two_d:
         return _stacked(comm, args, a, b, t0, precision)
 
-    from distmm.cli.exits import exit_status, message
+    from distmm.cli.exits import FAILED, exit_status, message
     from distmm.engine.mpi.batch import run_batch
 
     outcome = run_batch(args, a, b, dtype=dtype, backend=backend, on_gpu=on_gpu, comm=comm,
@@ -114,19 +114,37 @@ def run_matmul(args) -> int:
         for note in outcome.notes:
             print(f"distmm matmul: {note}", file=sys.stderr, flush=True)
     grid = outcome.plan.grid if outcome.plan is not None else None
-    totals = _report_profile(comm, args, phases, t0, grid, epoch, panels=outcome.panels,
-                             written_direct=outcome.written_direct)
+    # the profile, once C's fate is decided: rank 0 failing to write it now (a full disk) is
+    # no bad input of the command (checked before any work), and is said with what became of C
+    lost = None
+    try:
+        totals = _report_profile(comm, args, phases, t0, grid, epoch, panels=outcome.panels,
+                                 written_direct=outcome.written_direct)
+    except Exception as exc:  # noqa: BLE001 - said below, with what became of C
+        totals, lost = "", exc
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+    why = None if lost is None else f"the profile {args.profile} could not be written: " \
+                                    f"{message(lost)}"
     if outcome.status:
         if comm.rank == 0:
             if getattr(args, "debug", False) and outcome.error is not None:
                 import traceback
 
                 traceback.print_exception(outcome.error, file=sys.stderr)
-            print(f"distmm matmul: error: {outcome.message}", file=sys.stderr, flush=True)
+            print(f"distmm matmul: error: {outcome.message}" + (f"; {why}" if why else ""),
+                  file=sys.stderr, flush=True)
         _end(outcome.status)
+    if why is not None:
+        print(f"distmm matmul: error: wrote {args.output}, but {why}", file=sys.stderr,
+              flush=True)
+        _end(FAILED)
     if comm.rank == 0:
-        print(f"wrote {args.output}: shape {(m, n)}, dtype {dtype}, {comm.size} ranks, grid "
-              f"{grid.rows}x{grid.cols}, {time.perf_counter() - t0:.3f} s{totals}")
+        print(f"wrote {args.output}: shape {(m, n)}, dtype {dtype}, {comm.size} "
+              f"rank{'s' if comm.size != 1 else ''}, grid {grid.rows}x{grid.cols}, "
+              f"{time.perf_counter() - t0:.3f} s{totals}")
     _end(0)  # the output is on disk: tearing down CUDA, NCCL and pinned memory is not waited for
 
 
@@ -233,7 +251,7 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     if error is not None:
         return _fail(comm, error)
     if comm.rank == 0:
-        print(f"wrote {args.output}: shape {c.shape}, dtype {c.dtype}, {comm.size} ranks, "
-              f"{time.perf_counter() - t0:.3f} s")
+        print(f"wrote {args.output}: shape {c.shape}, dtype {c.dtype}, {comm.size} "
+              f"rank{'s' if comm.size != 1 else ''}, {time.perf_counter() - t0:.3f} s")
     return 0
 

@@ -34,7 +34,7 @@ from distmm.engine.mpi.stop import PeerStopped, StopWatch
 from distmm.engine.mpi.stream import PanelSource, device_memory, k_panels, run_stripes
 from distmm.errors import STOP_SIGNALS, Signalled
 from distmm.fpflags import report
-from distmm.plan_batch import RESUME_STRIPE_BYTES, BatchPlan, plan_batch
+from distmm.plan_batch import BatchPlan, decide_batch
 from distmm.staging import (claim, is_live, leftovers, preparing, release, remove_leftover,
                             staged_pid)
 
@@ -234,7 +234,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
     ``dtype`` by the caller), applied by every rank's executor.
     """
     from distmm.config import get_config
-    from distmm.engine.mpi.gridcomms import grid_comms, local_gpu
+    from distmm.engine.mpi.gridcomms import grid_comms, host_count, local_gpu
     from distmm.executor import get_executor
 
     outcome = BatchOutcome()
@@ -256,16 +256,16 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 from distmm.executor.cublas import start_cublas
 
                 start_cublas(dtype)
-            choice = get_config().batch_panels
-            direct = _reads_directly(comm, choice)
-            share = direct and on_gpu and choice in ("share", "auto")  # one host: auto shares
-            outcome.panels = "share" if share else "read" if direct else "broadcast"
-            # ranks that read their panels take whole rows of C when B fits: each writes one
-            # contiguous range of the output, directly (broadcasting all of B would not pay)
-            rows = direct and (on_gpu or _b_fits_host(comm, k, n, dtype))
-            plan = plan_batch(m, n, k, dtype, ranks=comm.size, memory=device_memory(on_gpu, comm),
-                              stripes=get_config().batch_stripes, whole_rows=rows,
-                              stripe_bytes=RESUME_STRIPE_BYTES if args.resume else None)
+            # how the ranks get their panels and the plan: what distmm plan --ranks prints
+            # from the same facts (ranks that read their panels take whole rows of C when B
+            # fits: each writes one contiguous range of the output, directly)
+            setup = decide_batch(m, n, k, dtype, ranks=comm.size, hosts=host_count(comm),
+                                 on_gpu=on_gpu, panels=get_config().batch_panels,
+                                 memory=device_memory(on_gpu, comm),
+                                 host_memory=_host_available(comm),
+                                 stripes=get_config().batch_stripes, resume=bool(args.resume))
+            plan, outcome.panels = setup.plan, setup.panels
+            direct, share = setup.direct, setup.panels == "share"
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
             chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
@@ -405,32 +405,18 @@ def _stripes(plan: BatchPlan | None) -> int:
     return sum(plan.stripe_count(g.coords(r)[1]) for r in range(g.ranks))
 
 
-def _b_fits_host(comm, k: int, n: int, dtype) -> bool:
-    """CPU ranks of one host: whether every rank may hold all of B (whole rows of C) in at
-    most half of the host's available memory; the same answer on every rank."""
+def _host_available(comm) -> int:
+    """The available host memory of the rank with the least (``plan_batch.b_fits_host``:
+    whether CPU ranks may each hold all of B); the same on every rank."""
     import psutil
 
-    from distmm.plan import accumulate_dtype
-
-    need = k * n * np.dtype(accumulate_dtype(np.dtype(dtype))).itemsize * comm.size
-    return bool(comm.allreduce(int(need <= psutil.virtual_memory().available // 2), op=_min()))
+    return int(comm.allreduce(int(psutil.virtual_memory().available), op=_min()))
 
 
 def _min():
     from mpi4py import MPI
 
     return MPI.MIN
-
-
-def _reads_directly(comm, choice: str) -> bool:
-    """Whether each rank reads every panel it needs (``read``) rather than only its own
-    block, the rest coming by broadcast: ``auto`` reads when all ranks share one host (an
-    emulated node counts as a host of its own: ``distmm.emulate.link_host``)."""
-    if choice != "auto":
-        return choice in ("read", "share")
-    from distmm.engine.mpi.gridcomms import host_count
-
-    return host_count(comm) == 1
 
 
 def _warm_links(comms, dtype) -> list:
