@@ -229,7 +229,14 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
             store(*key, [task(*key, s) for s in range(plan.k_splits)])
         return out
     pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local")
-    futures = {key: [pool.submit(task, *key, s) for s in range(plan.k_splits)] for key in keys}
+    try:
+        futures = {key: [pool.submit(task, *key, s) for s in range(plan.k_splits)] for key in keys}
+    except RuntimeError:
+        # concurrent.futures takes no new work once the interpreter shuts down (the main thread
+        # has returned while this one still runs), nor where no thread can start: the tiles
+        # run in this thread
+        pool.shutdown(wait=True, cancel_futures=True)
+        return _tiles(plan, a, b, executor, 1, out, batch_index, bar, flags, own)
     try:
         for key, futs in futures.items():
             store(*key, [f.result() for f in futs])
