@@ -214,7 +214,8 @@ def batch_panels(choice: str = "auto", *, hosts: int = 1, on_gpu: bool = False) 
     it needs), ``"share"`` (GPU ranks that read: B's column panel read in shares and copied
     between the GPUs) or ``"broadcast"`` (each rank reads its own block; the rest comes by
     broadcast). ``auto`` reads where all ``hosts`` are one (an emulated node counts as a host
-    of its own), sharing on GPUs, and broadcasts across hosts; ``share`` reads on CPU ranks.
+    of its own), sharing on GPUs, and broadcasts across hosts; ``share`` reads on CPU ranks
+    and across hosts (the shares are copied between the GPUs of one host).
 
     >>> batch_panels(hosts=1), batch_panels(hosts=1, on_gpu=True), batch_panels(hosts=2)
     ('read', 'share', 'broadcast')
@@ -227,7 +228,8 @@ def batch_panels(choice: str = "auto", *, hosts: int = 1, on_gpu: bool = False) 
     direct = hosts == 1 if choice == "auto" else choice in ("read", "share")
     if not direct:
         return "broadcast"
-    return "share" if on_gpu and choice in ("share", "auto") else "read"
+    # B's shares are copied between the GPUs of one host (CUDA IPC): across hosts, read
+    return "share" if on_gpu and choice in ("share", "auto") and hosts == 1 else "read"
 
 
 def b_fits_host(k: int, n: int, dtype, *, ranks: int, available: int | None) -> bool:

@@ -6,8 +6,9 @@ memory bandwidth, file read and write bandwidth, the overlap each engine achieve
 costs, memory per device), and an alpha-beta-gamma estimate of one product under one engine
 (``predict``): the MPI engine's SUMMA on a ``layers x rows x cols`` grid with its k panels
 broadcast while the previous panel multiplies (``distmm.grid``), the batch path's stripes read,
-multiplied and written as a three-stage pipeline (``distmm.plan_batch``) between a launch and
-start-up and an exit that grow with the ranks of a node (``batch_fixed_seconds``), and the
+multiplied and written as a three-stage pipeline on the plan its ranks decide
+(``distmm.plan_batch.decide_batch``) between a launch and start-up and an exit that grow with
+the ranks of a node (``batch_fixed_seconds``), and the
 Dask engine's block layout, one block of C per GPU worker (``distmm.plan_blocks.worker_grid``
 and ``shares``) or one task per C tile on CPU workers (``distmm.plan.make_plan``), and the
 single-GPU stream pipeline on host-resident operands (``distmm.plan_pipeline``: its k-blocks'
@@ -40,7 +41,7 @@ import numpy as np
 
 from distmm.grid import GridPlan, grid_shapes, gpu_panels, make_grid
 from distmm.plan import accumulate_dtype, make_plan
-from distmm.plan_batch import plan_batch
+from distmm.plan_batch import batch_panels as panels_mode, decide_batch, plan_batch
 from distmm.plan_blocks import shares, worker_grid
 from distmm.plan_pipeline import TK_MAX, PipelineTiling, choose_tiling, plan_block_loads
 
@@ -756,6 +757,37 @@ def batch_fixed_seconds(cal: Calibration, ranks_per_node: int, *, device: str = 
     return one + each * (max(1, int(ranks_per_node)) - 1)
 
 
+def _batch_setup(m, n, k, dt, devices, cal, device, grid, memory, avail, per_node, panels):
+    """What ``mpirun -n devices distmm matmul`` runs, as ``distmm.plan_batch.decide_batch``
+    decides it, on the hosts the model assumes (``per_node`` ranks a node, each node a host):
+    ``(plan, panels mode, note)``. A GPU rank may hold ``avail``; CPU ranks share the node's
+    memory (``host_memory``, or ``memory`` a rank), without a limit on one rank's, as the batch
+    path plans them. A forced ``grid`` (a record's) keeps decide_batch's panels mode. Where B's
+    column panel does not fit a GPU rank, planned without the limit and said in the note."""
+    on_gpu = device == "gpu"
+    hosts = -(-devices // per_node)
+    host = None if on_gpu else (int(cal.host_memory) if memory is None
+                                else int(memory) * per_node)
+    forced = None if grid is None else tuple(grid)[-2:]
+
+    def decide(limit):
+        if forced is None:
+            setup = decide_batch(m, n, k, dt, ranks=devices, hosts=hosts, on_gpu=on_gpu,
+                                 panels=panels, memory=limit, host_memory=host)
+            return setup.plan, setup.panels
+        return (plan_batch(m, n, k, dt, ranks=devices, memory=limit, grid=forced),
+                panels_mode(panels, hosts=hosts, on_gpu=on_gpu))
+
+    limit = avail if on_gpu else None
+    try:
+        return (*decide(limit), "")
+    except ValueError:
+        if limit is None:
+            raise
+        return (*decide(None),
+                "the batch planner refuses this: B's column panel does not fit a rank")
+
+
 def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per_device,
            panels="auto", direct_writes=True, mpi_ofi=False):
     acc = accumulate_dtype(np.dtype(dt))
@@ -763,17 +795,10 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
     gemm = cal.core_rate(acc, devices) if device == "cpu" else cal.rate(device, acc)
     share = max(1, ranks_per_device)
     avail = _devices_info(cal, device, devices, ranks_per_device, memory)
-    forced = None if grid is None else tuple(grid)[-2:]
-    # ranks of one node read their panels, and then take whole rows of C (distmm.engine.mpi.batch)
-    rows = devices <= (cal.gpus_per_node if device == "gpu" else cal.cores)
-    try:
-        bp = plan_batch(m, n, k, dt, ranks=devices, memory=avail, grid=forced, whole_rows=rows)
-        note = ""
-    except ValueError:
-        bp = plan_batch(m, n, k, dt, ranks=devices, grid=forced, whole_rows=rows)
-        note = "the batch planner refuses this: B's column panel does not fit a rank"
-    g = bp.grid
     per_node = max(1, min(devices, cal.gpus_per_node if device == "gpu" else cal.cores))
+    bp, mode, note = _batch_setup(m, n, k, dt, devices, cal, device, grid, memory, avail,
+                                  per_node, panels)
+    g = bp.grid
     # the operands are read from the page cache, a memory copy in each rank's own process: a
     # rank reads at cat's single-reader rate whatever the others do (4 ranks of one host read
     # at 4.3-7.0 GB/s each against cat's 7-8 GB/s: bench/NOTES.md, "Batch jobs", `preadv`)
@@ -789,10 +814,9 @@ def _batch(m, n, k, dt, devices, cal, device, link_name, grid, memory, ranks_per
         nj = g.col_edges[j + 1] - g.col_edges[j]
         stripes = max(1, bp.stripe_count(i))
         h = math.ceil(mi / stripes) if mi else 0
-        # GPU ranks of one node sharing B (batch-panels share, auto's choice there) read a
-        # share of its rows each and copy the others' from their GPUs
-        split = g.rows if (device == "gpu" and rows and g.rows > 1
-                           and panels in ("auto", "share")) else 1
+        # GPU ranks sharing B (batch-panels share, auto's choice on one host) read a share
+        # of its rows each and copy the others' from their GPUs
+        split = g.rows if mode == "share" and g.rows > 1 else 1
         panel_read = k * nj * size / split / read_bw
         if device == "gpu":
             panel_read += cal.link("pcie-h2d").seconds(k * nj * size / split)
@@ -1432,9 +1456,13 @@ def predict(m: int, n: int, k: int, dtype="float32", *, devices: int, calibratio
         Dask: CPU workers of one thread beside the GPU workers (they get a share only where
         it shortens the run, as ``distmm.plan_blocks.shares`` decides).
     batch_panels : str
-        The batch path's ``batch-panels`` setting: ``auto`` and ``share`` have GPU ranks of
-        one node read a share of B each and copy the rest from each other; ``read``: each
-        reads all of its column panel.
+        The batch path's ``batch-panels`` setting, which with the nodes the ranks fill
+        (``gpus_per_node`` GPU ranks or ``cores`` CPU ranks a node, each node a host) and
+        their memory decides its plan and how its ranks get their panels as
+        ``distmm.plan_batch.decide_batch`` does: ``share`` (``auto``'s choice for GPU ranks
+        of one host) has GPU ranks read a share of B each and copy the rest from each other;
+        ``read`` and ``broadcast`` are modelled alike, each rank reading all of its column
+        panel.
     direct_writes : bool
         The batch path: whether C's rows are written past the page cache (``distmm.direct_io``,
         the file rate ``file_write``) or through it and synced (``file_write_buffered``: an

@@ -117,6 +117,48 @@ def test_gpu_ranks_of_one_node_sharing_b_read_less():
     assert io("share", device="cpu") == io("read", device="cpu")
 
 
+def test_batch_prediction_takes_the_plan_the_batch_path_decides():
+    """The batch path's grid and panels are ``distmm.plan_batch.decide_batch``'s, from the
+    hosts the model assumes (``gpus_per_node`` GPU ranks or ``cores`` CPU ranks a node) and
+    the calibration's memory. The model took whole rows of C for the ranks of any one node and
+    a 2-D grid across nodes: wrong where CPU ranks' copies of B do not fit half the host's
+    memory (the batch path shares B on a 2-D grid) and where GPU ranks of several nodes read
+    or share their panels (``batch-panels`` read, share: whole rows)."""
+    from distmm.plan_batch import decide_batch
+
+    def grid(device, cal, panels="auto", devices=4, n=8192):
+        return predict(n, n, n, "float64", devices=devices, calibration=cal, engine="batch",
+                       device=device, batch_panels=panels).grid
+
+    def decided(device, cal, panels="auto", devices=4, n=8192):
+        per_node = min(devices, cal.gpus_per_node if device == "gpu" else cal.cores)
+        return decide_batch(n, n, n, "float64", ranks=devices, hosts=-(-devices // per_node),
+                            on_gpu=device == "gpu", panels=panels,
+                            memory=cal.device_memory if device == "gpu" else None,
+                            host_memory=cal.host_memory).plan.grid.shape
+
+    # 8192^3 float64 on 4 CPU ranks of one host: 4 copies of B take 2 GiB
+    cpu = dataclasses.replace(CAL, cores=4, host_memory=3 * 2**30)
+    assert grid("cpu", cpu) == decided("cpu", cpu) == (1, 2, 2)  # more than half of 3 GiB
+    roomy = dataclasses.replace(cpu, host_memory=4 * 2**30)
+    assert grid("cpu", roomy) == decided("cpu", roomy) == (1, 4, 1)  # half of 4 GiB: fits
+    # 4 CPU ranks on 2 hosts of 2 cores: auto broadcasts (2-D), read takes whole rows
+    two = dataclasses.replace(roomy, cores=2)
+    assert grid("cpu", two) == decided("cpu", two) == (1, 2, 2)
+    assert grid("cpu", two, "read") == decided("cpu", two, "read") == (1, 4, 1)
+    # 4 GPU ranks on 2 nodes of 2: auto broadcasts, read and share take whole rows
+    gpus = dataclasses.replace(CAL, gpus_per_node=2)
+    assert grid("gpu", gpus) == decided("gpu", gpus) == (1, 2, 2)
+    for panels in ("read", "share"):
+        assert grid("gpu", gpus, panels) == decided("gpu", gpus, panels) == (1, 4, 1)
+    # ... where share reads as read does (B's shares are copied between the GPUs of one
+    # host); on one node of 4 sharing B, each rank reads a quarter of it
+    io = {(panels, node): predict(65536, 65536, 65536, "float32", devices=4, calibration=c,
+                                  engine="batch", batch_panels=panels).io
+          for panels in ("read", "share") for node, c in ((2, gpus), (4, CAL))}
+    assert io["share", 2] == io["read", 2] and io["share", 4] < io["read", 4]
+
+
 def test_batch_fixed_seconds_grow_with_the_ranks_of_a_node():
     """A batch job's fixed part: one rank's launch and start-up, and per further rank of a node
     its exit, its launch and (GPU ranks) its start-up's contention."""

@@ -202,7 +202,7 @@ def test_batch_decision_is_the_batch_paths():
     assert [batch_panels(c, hosts=h, on_gpu=g) for c in ("auto", "read", "share", "broadcast")
             for h in (1, 2) for g in (False, True)] == [
         "read", "share", "broadcast", "broadcast", "read", "read", "read", "read",
-        "read", "share", "read", "share", "broadcast", "broadcast", "broadcast", "broadcast"]
+        "read", "share", "read", "read", "broadcast", "broadcast", "broadcast", "broadcast"]
     with pytest.raises(ValueError, match="batch-panels must be one of"):
         batch_panels("nearest")
     assert b_fits_host(100, 100, "float32", ranks=4, available=2 * 4 * 100 * 100 * 4)
