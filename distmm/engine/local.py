@@ -9,6 +9,7 @@ It does *not* cover: clusters (``distmm.engine.dask``), MPI
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import logging
@@ -17,7 +18,7 @@ import numpy as np
 
 from distmm.config import available_cpus
 from distmm.engine.base import Engine, Operands, Request
-from distmm.engine.tiles import finish_tile, reduce_partials, tile_partial
+from distmm.engine.tiles import PartialSum, finish_tile, tile_partial
 from distmm.executor import get_executor
 from distmm.fpflags import as_matmul, collect
 from distmm.plan import Plan, np_dtype
@@ -215,31 +216,66 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
                                 b[idx + (ks, plan.col_slice(j))])
         return executor.to_host(part), seen
 
-    def store(idx, i, j, done):
-        for _, seen in done:
-            flags.update(seen)
-        parts = [part for part, _ in done]
-        out[idx + (plan.row_slice(i), plan.col_slice(j))] = finish_tile(plan, reduce_partials(plan, parts))
-        if bar is not None:
-            bar.update(1)
+    def keys():
+        for idx in batch_index:
+            for i, j in plan.tiles():
+                for s in range(plan.k_splits):
+                    yield idx, i, j, s
 
-    keys = [(idx, i, j) for idx in batch_index for i, j in plan.tiles()]
-    if threads <= 1 or len(keys) * plan.k_splits == 1:
-        for key in keys:
-            store(*key, [task(*key, s) for s in range(plan.k_splits)])
+    total = PartialSum(plan)
+
+    def take(key, done):
+        """A task's partial, in k order: added to its tile's sum (``PartialSum``, which
+        keeps a few); with the tile's last, the tile is stored."""
+        nonlocal total
+        part, seen = done
+        flags.update(seen)
+        total.add(part)
+        idx, i, j, s = key
+        if s + 1 == plan.k_splits:
+            out[idx + (plan.row_slice(i), plan.col_slice(j))] = finish_tile(plan, total.result())
+            total = PartialSum(plan)
+            if bar is not None:
+                bar.update(1)
+
+    count = len(batch_index) * plan.grid[0] * plan.grid[1] * plan.k_splits
+    if threads <= 1 or count == 1:
+        for key in keys():
+            take(key, task(*key))
         return out
+
+    def result(key, future):
+        """``(key, its task's result)``: the pool's, or computed here where it has none."""
+        if future is not None:
+            try:
+                return key, future.result()
+            except cf.CancelledError:  # dropped by a pool that took no more work
+                pass
+        return key, task(*key)
+
+    # Tasks are handed to the pool at most 2 x threads ahead of the one whose partial is
+    # taken next: the threads always have the next ones, and the partials finished but not
+    # yet taken (a slow write of C, a tile's k groups) are a few, not the whole product's.
     pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local")
+    window: collections.deque = collections.deque()
+    refused = False
     try:
-        futures = {key: [pool.submit(task, *key, s) for s in range(plan.k_splits)] for key in keys}
-    except RuntimeError:
-        # concurrent.futures takes no new work once the interpreter shuts down (the main thread
-        # has returned while this one still runs), nor where no thread can start: the tiles
-        # run in this thread
-        pool.shutdown(wait=True, cancel_futures=True)
-        return _tiles(plan, a, b, executor, 1, out, batch_index, bar, flags, own)
-    try:
-        for key, futs in futures.items():
-            store(*key, [f.result() for f in futs])
+        for key in keys():
+            future = None
+            if not refused:
+                try:
+                    future = pool.submit(task, *key)
+                except RuntimeError:
+                    # concurrent.futures takes no new work once the interpreter shuts down
+                    # (the main thread has returned while this one still runs), nor where no
+                    # thread can start: what it has not started and the rest run here
+                    refused = True
+                    pool.shutdown(wait=False, cancel_futures=True)
+            window.append((key, future))
+            if len(window) > 2 * threads:
+                take(*result(*window.popleft()))
+        while window:
+            take(*result(*window.popleft()))
     except BaseException:
         # a signal or a failure: the tiles not started are dropped and the running ones are
         # not waited for (a numba tile can take seconds), so the caller cleans up at once

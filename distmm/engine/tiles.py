@@ -1,8 +1,9 @@
 """Tile work every engine shares: the per-tile task body and the reduction.
 
 This module covers: computing one (k group of one) C tile through an executor,
-summing a tile's partials along the plan's fixed tree, and the final cast to
-numpy's result dtype. Engines decide only *where* these run.
+summing a tile's partials along the plan's fixed tree (all at once, or as they
+arrive in k order: ``PartialSum``), and the final cast to numpy's result dtype.
+Engines decide only *where* these run.
 It does *not* cover: choosing tiles (``distmm.plan``) or device kernels
 (``distmm.executor``).
 """
@@ -15,7 +16,7 @@ import numpy as np
 from distmm.fpflags import as_matmul, object_rows
 from distmm.plan import Plan, np_dtype
 
-__all__ = ["tile_partial", "reduce_partials", "finish_tile"]
+__all__ = ["tile_partial", "reduce_partials", "PartialSum", "finish_tile"]
 
 
 def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any,
@@ -80,6 +81,49 @@ def reduce_partials(plan: Plan, partials: Sequence[Any]) -> Any:
         for dst, src in plan.reduction:
             work[dst] = work[dst] + work[src]
     return work[0]
+
+
+class PartialSum:
+    """A tile's partials summed along the plan's fixed tree as they arrive, in k order:
+    ``reduce_partials``'s additions in its order (the same bits), holding at most
+    ``log2(k_splits) + 1`` partials instead of all ``k_splits``.
+
+    The tree adds aligned blocks of equal size (stride 1, 2, 4, ...); a block is summed as
+    soon as its last partial arrives, so what is held is one sum per set bit of the count
+    so far. The blocks left at the end (a count that is not a power of two) are added from
+    the last one back, as the tree adds a ragged tail to the block before it.
+    """
+
+    def __init__(self, plan: Plan):
+        self.count = plan.k_splits
+        self.seen = 0
+        self._blocks: list[list] = []  # [partials summed, sum], sizes decreasing
+
+    @property
+    def held(self) -> int:
+        """Partials (or sums of them) held now."""
+        return len(self._blocks)
+
+    def add(self, part: Any) -> None:
+        """The next partial (k group ``seen``); not modified."""
+        self.seen += 1
+        blocks = self._blocks
+        blocks.append([1, part])
+        with as_matmul():  # as in reduce_partials: the product's own flags
+            while len(blocks) > 1 and blocks[-2][0] == blocks[-1][0]:
+                size, upper = blocks.pop()
+                blocks[-1] = [2 * size, blocks[-1][1] + upper]
+
+    def result(self) -> Any:
+        """The tile's sum, once every partial has been added."""
+        if self.seen != self.count:
+            raise ValueError(f"expected {self.count} partials, got {self.seen}")
+        blocks = self._blocks
+        with as_matmul():
+            while len(blocks) > 1:
+                _, upper = blocks.pop()
+                blocks[-1][1] = blocks[-1][1] + upper
+        return blocks[0][1]
 
 
 def finish_tile(plan: Plan, acc_tile: Any) -> Any:
