@@ -17,7 +17,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import _product_running, assert_all_gone, run_cli, serve_cluster, stop_cluster
+from conftest import (_product_running, assert_all_gone, pause_at, run_cli, serve_cluster,
+                      stop_cluster)
 
 
 @pytest.mark.slow
@@ -124,11 +125,34 @@ def busy_port():
     (["--scheduler-file", "{tmp}/exists.json"], "exists.json exists"),
     (["--scheduler-file", "{tmp}/no/such/dir/s.json"], "no such directory"),
     (["--port", "{busy}"], "in use"),
+    # no upper bound: 200000 workers grew the command to gigabytes before the first started,
+    # 10**23 to the whole memory; --threads 10**23 failed in msgpack with tracebacks; --gpus
+    # 10**20 in an OverflowError (the busy port: unbounded, these stop there instead)
+    (["--workers", "200000", "--port", "{busy}"], "argument --workers: '200000' must be at most"),
+    (["--threads", str(10**23), "--port", "{busy}"], "argument --threads: '1000"),
+    (["--gpus", str(10**20), "--port", "{busy}"], "argument --gpus: '1000"),
+    # more workers than the memory holds at 256 MiB each
+    (["--workers", "{over}", "--port", "{busy}"], "worker processes need at least"),
+    # above the machine's memory every worker warned it was ignored; a fraction too small
+    # for a worker to start had its nanny restart it without end
+    (["--memory-limit", "1PB", "--port", "{busy}"], "'1PB' is more than this machine's memory"),
+    (["--memory-limit", "1e-9", "--port", "{busy}"], "a worker needs more to start"),
+    # os.access lets root write in /proc: the file failed once the workers were up, naming
+    # its staged name
+    (["--scheduler-file", "/proc/distmm-sched.json"],
+     "--scheduler-file /proc/distmm-sched.json: cannot write in /proc"),
 ], ids=["workers-0", "threads-x", "memory-word", "memory-negative", "gpus-repeated",
-        "gpus-too-many", "port-range", "dashboard", "file-exists", "file-dir", "port-busy"])
+        "gpus-too-many", "port-range", "dashboard", "file-exists", "file-dir", "port-busy",
+        "workers-most", "threads-most", "gpus-most", "workers-memory", "memory-above",
+        "memory-fraction-small", "file-unwritable"])
 def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, busy_port, args, says):
+    from distributed.system import MEMORY_LIMIT
+
+    from distmm.cli.serve import MIN_WORKER_MEMORY
+
     (tmp_path / "exists.json").write_text("{}")
-    args = [a.format(tmp=tmp_path, busy=busy_port) for a in args]
+    over = MEMORY_LIMIT // MIN_WORKER_MEMORY + 1
+    args = [a.format(tmp=tmp_path, busy=busy_port, over=over) for a in args]
     t0 = time.monotonic()
     r = run_cli("cluster", "--dashboard-address", ":0", *args, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -174,6 +198,114 @@ def _is_spawned_worker(p: psutil.Process) -> bool:
         return False
 
 
+def _cluster_pausing_at(tmp_path: Path, module: str, name: str):
+    """``distmm cluster --workers 2 --scheduler-file F`` in a session of its own, with
+    ``module.name`` waiting (``pause_at``) in each of its processes; ``(process, F, site)``."""
+    site, sched = tmp_path / "site", tmp_path / "sched.json"
+    site.mkdir()
+    pause_at(site, module, name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",
+                             "--port", "0", "--dashboard-address", ":0", "--scheduler-file",
+                             str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    return proc, sched, site
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_cluster(proc, None)
+            pytest.fail(f"distmm cluster never {what}")
+        time.sleep(0.01)
+
+
+def _left_in_session(sid: int) -> list:
+    """The processes of session ``sid`` still running (not zombies) 10 s at most after it
+    was stopped: a worker or nanny the command left behind."""
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append((p.pid, " ".join(p.cmdline())))
+            except (OSError, psutil.Error):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_while_workers_start_is_the_signal_s_one_line(tmp_path: Path):
+    """A SIGTERM to the whole process group (``kill -- -PGID``, ``timeout``) while the workers
+    are starting ends them there, and their nannies fail the start: the command ended with
+    status 1 and "RuntimeError: Nanny failed to start.", dropping the signal it had noted.
+    The signal comes in the failure's place: 143, its one line, no process of the session
+    left, no scheduler file."""
+    # each worker waits in its preload, inside the start: started, not yet up
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
+    _wait_for(site / "paused", proc, "started a worker")
+    status, out, err, seconds = stop_cluster(proc, lambda p: os.killpg(p.pid, signal.SIGTERM))
+    assert status == 143, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM while the workers started"), err
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
+    assert _left_in_session(proc.pid) == []
+    assert seconds < 30
+
+
+@pytest.mark.slow
+def test_a_second_signal_before_the_close_is_one_line(tmp_path: Path):
+    """A SIGTERM starts the close; a second one (here before it has begun: ``_close``
+    waits) stops at once, killing the worker processes and removing the file, in one
+    line. distributed's warning about processes killed under its nannies ("exit status
+    was already read") came before it."""
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.serve", "_close")
+    _wait_for(sched, proc, "wrote its scheduler file", timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(site / "paused", proc, "began its close")
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    assert status == 143, err
+    assert err.count("\n") == 1, err
+    assert err.startswith("distmm cluster: stopped at once by a second SIGTERM: 2 worker "
+                          f"process(es) killed, {sched} removed"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+    assert _left_in_session(proc.pid) == []
+
+
+@pytest.mark.slow
+def test_results_a_client_holds_when_the_cluster_stops_are_not_logged(tmp_path: Path):
+    """A client holds results on the workers (a product still running, or persisted data)
+    when SIGTERM stops the cluster: the scheduler logged "Removing worker ... caused the
+    cluster to lose already computed task(s)" for each worker closed, before the stop's line.
+    That line says what closed: it is the only one."""
+    from distributed import Client
+
+    sched = tmp_path / "sched.json"
+    proc = serve_cluster(sched, "--workers", 2)
+    try:
+        client = Client(scheduler_file=str(sched), timeout=30)
+        futures = client.map(bytes, range(1000, 1008))
+        client.wait_for_workers(2, timeout=60)
+        client.gather(futures)
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    try:
+        status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    finally:
+        client.close(timeout=5)
+    assert status == 143, err
+    assert err.count("\n") == 1, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
+                          f"closed, {sched} removed"), err
+
+
 def test_a_closing_workers_heartbeat_failure_is_left_out_of_its_log():
     """The worker preload's filter, on a real in-process scheduler and worker: the
     heartbeat failure is kept while the worker runs and dropped once it has closed; other
@@ -204,6 +336,74 @@ def test_a_closing_workers_heartbeat_failure_is_left_out_of_its_log():
 
     running, closed, other = asyncio.run(main())
     assert running == (True, True) and closed == (False, False) and other == (True, True)
+
+
+def test_a_transfer_cut_while_the_worker_closes_is_left_out_of_its_log():
+    """A worker sending data when its close cuts the connection (the scheduler gathering a
+    product's results as ``distmm cluster`` closes on SIGTERM) logged "failed during get data
+    with ..." and the closed stream's traceback. With the preload (``dask_setup``) on a real
+    in-process worker: a transfer cut while the worker runs is logged, one cut while it
+    closes (held there by a plugin's teardown) is not."""
+    import asyncio
+    import logging
+
+    from distributed import Scheduler, Worker, WorkerPlugin
+    from distributed.comm import connect
+
+    from distmm.cli.worker_setup import dask_setup
+
+    class Kept(logging.Handler):  # on the logger: sees the records its filters let through
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    class HoldClose(WorkerPlugin):
+        def __init__(self):
+            self.closing, self.go = asyncio.Event(), asyncio.Event()
+
+        async def teardown(self, worker):
+            self.closing.set()
+            await self.go.wait()
+
+    async def cut_transfer(worker):
+        comm = await connect(worker.address)
+        await comm.write({"op": "get_data", "keys": ["x"], "who": None})
+        assert (await comm.read())["status"] == "OK"  # the data; the worker waits for "OK"
+        comm.abort()
+        while worker.transfer_outgoing_count:  # the worker's failure handled, and logged
+            await asyncio.sleep(0.01)
+
+    async def main(kept):
+        async with Scheduler(dashboard_address=":0") as s:
+            worker = await Worker(s.address, nthreads=1)
+            dask_setup(worker)
+            worker.update_data({"x": b"0" * 1000})
+            hold = HoldClose()
+            await worker.plugin_add(hold, name="hold-close")
+            await cut_transfer(worker)
+            running = [m for m in kept.messages if "failed during get data" in m]
+            closing = asyncio.create_task(worker.close())
+            await hold.closing.wait()
+            await cut_transfer(worker)
+            hold.go.set()
+            await closing
+            return running, [m for m in kept.messages if "failed during get data" in m]
+
+    log = logging.getLogger("distributed.worker")
+    kept, filters = Kept(), list(log.filters)
+    sigint = signal.getsignal(signal.SIGINT)  # dask_setup ignores SIGINT in this process
+    log.addHandler(kept)
+    try:
+        running, after = asyncio.run(main(kept))
+    finally:
+        log.removeHandler(kept)
+        log.filters[:] = filters
+        signal.signal(signal.SIGINT, sigint)
+    assert len(running) == 1 and running[0].startswith("failed during get data with "), running
+    assert after == running  # nothing added while closing
 
 
 @pytest.mark.slow

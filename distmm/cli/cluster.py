@@ -50,7 +50,7 @@ __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_avai
            "sync_workers", "GPU_RESOURCE", "WORKER_SETUP", "TASKS_PRELOAD"]
 
 #: the preload every worker of these clusters runs as it starts (``distmm.cli.worker_setup``:
-#: it ignores SIGINT, and leaves out a closing worker's heartbeat traceback)
+#: it ignores SIGINT, and leaves out what a closing worker logs about its own close)
 WORKER_SETUP = "distmm.cli.worker_setup"
 
 #: the worker resource a GPU worker carries here (``{"GPU": 1}``)
@@ -266,7 +266,9 @@ def _started(make):
     comes meanwhile is noted, not raised inside the start (which would lose the cluster and
     leave its workers' semaphores to multiprocessing's warning at exit): once the start
     returns, each is raised again for the handlers in force, and where one raises, the
-    cluster is closed first. multiprocessing's resource tracker is started first, since
+    cluster is closed first. Where the start fails instead (a SIGTERM to the process group
+    ends the workers starting), each is raised again before the failure, which a handler
+    that raises replaces. multiprocessing's resource tracker is started first, since
     starting it unblocks SIGINT in the thread that does. Outside the main thread, only
     ``make()``."""
     if threading.current_thread() is not threading.main_thread():
@@ -284,9 +286,15 @@ def _started(make):
             cluster = make()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is noted here
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+    except BaseException:
+        # the start failed with a signal noted: a SIGTERM to the process group ends the
+        # workers starting ("Nanny failed to start"), so the signal comes in the failure's
+        # place, for the handlers in force (one that raises replaces the failure)
+        _restore_handlers(before)
+        for signum in got:
+            signal.raise_signal(signum)
+        raise
+    _restore_handlers(before)
     try:
         for signum in got:  # as the handlers in force would have taken them
             signal.raise_signal(signum)
@@ -294,6 +302,11 @@ def _started(make):
         cluster.close()
         raise
     return cluster
+
+
+def _restore_handlers(before: dict) -> None:
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 def share_workers(cluster, per_worker: int, *, timeout: float = 120) -> list[str]:

@@ -3,8 +3,10 @@
 This module covers:
 
 - the command's options (``add_parser``) and their checks, all made before anything starts:
-  GPUs (``--gpus``: how many or which; 0 for CPU workers), workers, threads and memory per
-  worker, the scheduler's host, port and dashboard, the scheduler file;
+  GPUs (``--gpus``: how many or which; 0 for CPU workers), workers (at most
+  ``distmm.plan.MAX_WORKERS``, and no more than the machine's memory holds at
+  ``MIN_WORKER_MEMORY`` each), threads and memory per worker (within the machine's memory),
+  the scheduler's host, port and dashboard, the scheduler file;
 - starting the workers: dask-cuda workers, one per GPU (``distmm.cli.cluster.gpu_cluster``;
   ``--workers W`` puts W workers on each GPU) where GPUs and dask-cuda are present, else
   CPU worker processes (``cpu_cluster``);
@@ -16,7 +18,10 @@ This module covers:
 - serving until SIGINT or SIGTERM, then closing the workers and the scheduler, making sure
   no worker process outlives the command, and removing the scheduler file when it is still
   the one this command wrote. A second signal during that stops at once (worker processes
-  are killed, the file still removed).
+  are killed, the file still removed). A signal while the workers start is acted on once
+  they are up, or in the failure's place where the start fails (a SIGTERM to the process
+  group ends the workers starting); what distributed logs about the work a stop cuts short
+  is not printed: the stop's one line says what was closed.
 
 Exit status: 130 after SIGINT, 143 after SIGTERM (128 + the signal, as the rest of the
 command line and the shell report a process a signal ended), once the cluster is closed;
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import math
 import os
 import signal
@@ -44,6 +50,7 @@ import threading
 from pathlib import Path
 
 from distmm.cli.argtypes import integer_at_least
+from distmm.plan import MAX_WORKERS
 
 __all__ = ["add_parser", "run_cluster"]
 
@@ -51,6 +58,8 @@ __all__ = ["add_parser", "run_cluster"]
 CLOSE_TIMEOUT = 30.0
 #: seconds the workers may take to start
 START_TIMEOUT = 120.0
+#: seconds without a new worker process before a stop at once ends (``_kill_workers``)
+QUIET = 0.3
 #: the smallest --memory-limit: a distributed worker process holds about 100 MB once started
 MIN_WORKER_MEMORY = 256 * 2**20
 
@@ -65,7 +74,7 @@ def _gpus(text: str):
     if text == "all":
         return "all"
     if "," not in text:
-        return integer_at_least(0)(text)
+        return integer_at_least(0, most=MAX_WORKERS)(text)
     try:
         picked = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -79,8 +88,12 @@ def _gpus(text: str):
 
 def _memory_limit(text: str) -> str:
     """dask's per-worker ``memory_limit``: ``auto``, ``0``/``none`` (no limit), a fraction
-    of the machine's memory (``0.5``) or a size (``4GiB``, ``4e9``)."""
-    from dask.utils import parse_bytes
+    of the machine's memory (``0.5``) or a size (``4GiB``, ``4e9``), at least
+    ``MIN_WORKER_MEMORY`` and at most the machine's memory (distributed's
+    ``system.MEMORY_LIMIT``, which it takes in place of a larger one, with a warning from
+    every worker)."""
+    from dask.utils import format_bytes, parse_bytes
+    from distributed.system import MEMORY_LIMIT
 
     low = text.strip().lower()
     if low in ("auto", "none", "0"):
@@ -94,7 +107,7 @@ def _memory_limit(text: str) -> str:
         if not (0 < value <= 1 or (1 < value < math.inf and value == int(value))):
             raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction of the memory "
                                              f"(0 to 1) nor a whole number of bytes")
-        nbytes = None if value <= 1 else int(value)
+        nbytes = int(value * MEMORY_LIMIT) if value <= 1 else int(value)
     else:
         try:
             # dask reads an empty or blank text as 1 byte
@@ -105,11 +118,16 @@ def _memory_limit(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: auto, 0 (none), "
                                              f"a fraction such as 0.5 or a size such as "
                                              f"4GiB") from None
-    if nbytes is not None and nbytes < MIN_WORKER_MEMORY:
+    if nbytes < MIN_WORKER_MEMORY:
         # a worker starts above such a limit and is restarted by its nanny without end
+        what = (f"{format_bytes(nbytes)} of this machine's {format_bytes(MEMORY_LIMIT)}"
+                if value is not None and value <= 1 else f"{nbytes} bytes")
         raise argparse.ArgumentTypeError(
-            f"{text!r} is {nbytes} bytes: a worker needs more to start (at least "
+            f"{text!r} is {what}: a worker needs more to start (at least "
             f"{MIN_WORKER_MEMORY // 2**20} MiB; sizes take units, such as 4GiB)")
+    if nbytes > MEMORY_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than this machine's memory "
+                                         f"({format_bytes(MEMORY_LIMIT)})")
     return text.strip()
 
 
@@ -153,10 +171,11 @@ def add_parser(sub, common) -> None:
                    help="GPUs to start workers on: all (default: every GPU this process sees, "
                         "CPU workers if none or without dask-cuda), a count N (the first N), a "
                         "list of indices such as 0,2 (3, for GPU 3 alone), or 0 for CPU workers")
-    c.add_argument("--workers", type=integer_at_least(1), default=None,
+    c.add_argument("--workers", type=integer_at_least(1, most=MAX_WORKERS), default=None,
                    help="CPU worker processes (default: the usable cores divided by --threads); "
-                        "on GPUs, workers per GPU (default 1)")
-    c.add_argument("--threads", type=integer_at_least(1), default=1,
+                        "on GPUs, workers per GPU (default 1); at most as many as the memory "
+                        "holds at 256 MiB each")
+    c.add_argument("--threads", type=integer_at_least(1, most=MAX_WORKERS), default=1,
                    help="threads per worker (default 1)")
     c.add_argument("--memory-limit", type=_memory_limit, default="auto", metavar="LIMIT",
                    help="host memory per worker, in dask's terms: auto (default: the machine's "
@@ -226,6 +245,29 @@ def _choose_gpus(wanted) -> list[str] | None:
     return [names[i] for i in picked]
 
 
+def _worker_count(args, devices) -> int:
+    """The worker processes ``args`` ask for: ``--workers`` (default: the usable cores
+    divided by ``--threads``) CPU workers, or ``--workers`` (default 1) on each GPU."""
+    if devices is None:
+        return args.workers or max(1, _usable_cores() // args.threads)
+    return (args.workers or 1) * len(devices)
+
+
+def _check_worker_count(count: int, args) -> None:
+    """``ValueError`` when ``--workers`` asks for more worker processes (``count`` in all)
+    than this machine's memory holds at ``MIN_WORKER_MEMORY`` each, before the cluster
+    process spends its memory on their specs and nannies. The default, one per core, is
+    left to distributed."""
+    from dask.utils import format_bytes
+    from distributed.system import MEMORY_LIMIT
+
+    if args.workers and count * MIN_WORKER_MEMORY > MEMORY_LIMIT:
+        raise ValueError(f"--workers {args.workers}: {count} worker processes need at least "
+                         f"{format_bytes(count * MIN_WORKER_MEMORY)} of memory "
+                         f"({MIN_WORKER_MEMORY // 2**20} MiB each), and this machine has "
+                         f"{format_bytes(MEMORY_LIMIT)}")
+
+
 def _show(wanted) -> str:
     return ",".join(map(str, wanted)) if isinstance(wanted, tuple) else str(wanted)
 
@@ -264,9 +306,20 @@ def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
                            f"a killed one): pass --overwrite to replace it, or choose another file")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"--scheduler-file {path}: no such directory: {target.parent}")
-    if not os.access(target.parent, os.W_OK):
-        raise PermissionError(f"--scheduler-file {path}: cannot write in {target.parent}")
+    staged = _staged(target)
+    try:  # as the file is written once the workers are up (os.access: root may write in /proc)
+        with open(staged, "wb"):
+            pass
+        staged.unlink()
+    except OSError as exc:
+        raise PermissionError(f"--scheduler-file {path}: cannot write in {target.parent}"
+                              f"{f' ({exc.strerror.lower()})' if exc.strerror else ''}") from None
     return target
+
+
+def _staged(target: Path) -> Path:
+    """Where the scheduler file is written before it is linked into place."""
+    return target.with_name(f".{target.name}.distmm-partial-{os.getpid()}")
 
 
 # ---------------------------------------------------------------- the scheduler file
@@ -277,7 +330,7 @@ def _write_scheduler_file(target: Path, identity: dict, overwrite: bool) -> byte
     from distmm.errors import OutputExists
 
     data = json.dumps(identity, indent=2, default=str).encode()
-    staged = target.with_name(f".{target.name}.distmm-partial-{os.getpid()}")
+    staged = _staged(target)
     try:
         with open(staged, "wb") as fh:
             fh.write(data)
@@ -350,6 +403,34 @@ def _reap(grace: float) -> int:
     return len(alive)
 
 
+def _kill_workers(most: float = 5.0) -> int:
+    """Kill every worker process, and again until none has appeared for ``QUIET`` seconds,
+    ``most`` seconds at most; returns how many. A nanny still running starts a new worker in
+    place of one killed under it, again and again, and the command's exit would leave the
+    last one starting (its traceback: "EOFError: Ran out of input"); so every nanny of this
+    process is first set to the state its close sets first (``Status.closing``), in which it
+    starts none, from outside its event loop, which a stop at once does not wait for."""
+    import time
+
+    if "distributed.nanny" in sys.modules:
+        from distributed.core import Status
+        from distributed.nanny import Nanny
+
+        for nanny in list(Nanny._instances):
+            nanny.status = Status.closing
+    killed, deadline = 0, time.monotonic() + most
+    quiet_from = time.monotonic()
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        n = _reap(0)
+        if n:
+            killed, quiet_from = killed + n, now
+        elif now - quiet_from >= QUIET:
+            break
+        time.sleep(0.02)
+    return killed
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -379,8 +460,8 @@ def _start(args, devices):
         # distributed's None still serves its HTTP routes (health, metrics) on :8787: those
         # go to any free port, and the dashboard is off
         common.update(dashboard_address=f"{args.host}:0", scheduler_kwargs={"dashboard": False})
+    workers = _worker_count(args, devices)
     if devices is None:
-        workers = args.workers or max(1, _usable_cores() // args.threads)
         cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
         try:
             cluster.wait_for_workers(workers, timeout=START_TIMEOUT)
@@ -388,10 +469,10 @@ def _start(args, devices):
             cluster.close()
             raise
         return cluster, workers
-    per_gpu = args.workers or 1
-    cluster = gpu_cluster(",".join(devices), per_device=per_gpu, protocol=args.protocol,
-                          threads_per_worker=args.threads, timeout=START_TIMEOUT, **common)
-    return cluster, per_gpu * len(devices)
+    cluster = gpu_cluster(",".join(devices), per_device=args.workers or 1,
+                          protocol=args.protocol, threads_per_worker=args.threads,
+                          timeout=START_TIMEOUT, **common)
+    return cluster, workers
 
 
 def _describe(cluster, devices, args, scheduler_file: Path | None) -> str:
@@ -431,6 +512,7 @@ def _identity(cluster) -> dict:
 def run_cluster(args) -> int:
     """Start the cluster ``args`` describe, serve until SIGINT/SIGTERM, close it; the exit status."""
     devices = _choose_gpus(args.gpus)
+    _check_worker_count(_worker_count(args, devices), args)
     if devices is not None and args.protocol != "tcp":
         from distmm.cli.cluster import gpu_protocol
 
@@ -443,20 +525,32 @@ def run_cluster(args) -> int:
     written_box: list[bytes] = []  # the scheduler file's bytes, once written
 
     def force(signum):
-        # a second signal: no more waiting for an orderly close
-        killed = _reap(0)
+        # a second signal: no more waiting for an orderly close. What distributed logs about
+        # the processes killed under its nannies ("Restarting worker", "exit status was
+        # already read") is not printed: the line below says what was done
+        logging.disable(logging.CRITICAL)
+        killed = _kill_workers()
         note = _remove_scheduler_file(target, written_box[0] if written_box else None)
         print(f"distmm cluster: stopped at once by a second {signal.Signals(signum).name}: "
               f"{killed} worker process(es) killed{note}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        # the nannies' semaphores, which the interpreter's exit would have removed: left,
+        # the resource tracker removes them and warns of "leaked semaphore objects"
+        import multiprocessing.util
+
+        multiprocessing.util._run_finalizers(0)
         os._exit(128 + stop.signum)
 
     stop.force = force
+    disabled = logging.root.manager.disable  # what the stop's close changes
     try:
         return _serve(args, devices, target, stop, lambda data: written_box.append(data))
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # once stopped by one, a later signal has nothing left to stop (the command's
+            # own handler would add its line to the stop's); main() restores its own
+            signal.signal(s, handler if stop.signum is None else signal.SIG_IGN)
+        logging.disable(disabled)
 
 
 def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
@@ -464,7 +558,12 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
     try:
         # a first signal while the workers start is acted on once they are up: then they
         # close in order (a second one stops at once)
-        cluster, _ = _start(args, devices)
+        try:
+            cluster, _ = _start(args, devices)
+        except Exception:
+            if stop.signum is None:
+                raise
+            return _stopped_starting(stop.signum)
         if stop.signum is None and target is not None:
             written = _write_scheduler_file(target, _identity(cluster), args.overwrite)
             keep(written)
@@ -472,9 +571,15 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
             print(_describe(cluster, devices, args, target), flush=True)
         while not stop.event.wait(1.0):
             pass
+        # what this process's scheduler logs about the work the stop cuts short ("Removing
+        # worker ... caused the cluster to lose already computed task(s)", "Couldn't gather
+        # keys" of a product still running) is not printed: the line below says what closed
+        logging.disable(logging.CRITICAL)
         name = signal.Signals(stop.signum).name
         n = len(cluster.scheduler_info.get("workers", {}))
         killed = _close(cluster)
+        for s in (signal.SIGINT, signal.SIGTERM):  # closed: nothing left to stop at once
+            signal.signal(s, signal.SIG_IGN)
     except BaseException:
         try:
             _close(cluster)
@@ -487,6 +592,18 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
     print(f"distmm cluster: stopped by {name}: {n} worker{'s' if n != 1 else ''} and the "
           f"scheduler closed{note}", file=sys.stderr, flush=True)
     return 128 + stop.signum
+
+
+def _stopped_starting(signum: int) -> int:
+    """The start failed with a stop's signal noted (a SIGTERM to the process group ends the
+    workers starting, and their nannies report "Nanny failed to start"): the signal is acted
+    on in the failure's place. The cluster closed itself; no worker process is left, and no
+    scheduler file was written. Returns the exit status."""
+    killed = _reap(5.0)
+    note = f", {killed} worker process(es) killed after the close" if killed else ""
+    print(f"distmm cluster: stopped by {signal.Signals(signum).name} while the workers "
+          f"started: the cluster closed{note}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _close(cluster) -> int:

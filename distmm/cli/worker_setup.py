@@ -9,8 +9,11 @@ This module covers:
   scheduler's answer when ``Worker.close`` closes the worker's connections logs "Failed to
   communicate with scheduler during heartbeat" with the closed stream's traceback, and a
   task still running is cancelled with a warning "Async instruction for <Task ...> ended
-  with CancelledError" (a Ctrl-C mid-product closes the cluster so). Once the worker is
-  closing, those say nothing wrong; before, they are kept.
+  with CancelledError" (a Ctrl-C mid-product closes the cluster so), and data the worker
+  was still sending (to a peer, or to the scheduler gathering for a client) when the close
+  cut the connection logs "failed during get data with ..." with the closed stream's
+  traceback (a SIGTERM mid-product closes the cluster so). Once the worker is closing,
+  those say nothing wrong; before, they are kept (a peer lost while this worker runs).
 
 It does *not* cover: anything else about workers (``distmm.cli.serve``, ``distmm.cli.cluster``).
 """
@@ -27,6 +30,8 @@ __all__ = ["dask_setup", "ClosingWorkerFilter"]
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
 #: the start and end of the warning of a task ``Worker.close`` cancelled
 CANCELLED = ("Async instruction for ", " ended with CancelledError")
+#: the start of the message distributed's ``Worker.get_data`` logs when sending data fails
+GET_DATA_FAILED = "failed during get data with "
 
 
 class ClosingWorkerFilter(logging.Filter):
@@ -52,10 +57,11 @@ class ClosingWorkerFilter(logging.Filter):
 def dask_setup(worker) -> None:
     """distributed's preload hook: ignore SIGINT in this worker process (its main thread
     runs the worker's event loop, so the disposition can be set here), and filter the
-    closing worker's heartbeat failure and cancelled tasks out of its log."""
+    closing worker's heartbeat failure, failed data transfers and cancelled tasks out of
+    its log."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.getLogger("distributed.worker").addFilter(
-        ClosingWorkerFilter(worker, HEARTBEAT_FAILED))
+    for start in (HEARTBEAT_FAILED, GET_DATA_FAILED):
+        logging.getLogger("distributed.worker").addFilter(ClosingWorkerFilter(worker, start))
     logging.getLogger("distributed.worker.state_machine").addFilter(
         ClosingWorkerFilter(worker, *CANCELLED))
