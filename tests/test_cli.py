@@ -21,6 +21,7 @@ def test_plan_command():
     assert "C tiles per worker [4, 4, 4, 3]" in r.stdout
 
 
+@pytest.mark.slow  # ~2 s: a plan and a one-rank batch run
 def test_counts_of_one_take_the_singular(tmp_path):
     """distmm plan said "= 1 C tiles", "(1 additions per tile)", "for 1 ranks", and the batch
     summary line "1 ranks": a count of 1 takes the singular, others the plural."""
@@ -312,7 +313,7 @@ def test_demo_report_refused_before_the_product_where_it_cannot_be_written(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("engine", ["local", "dask"])
+@pytest.mark.parametrize("engine", ["local", pytest.param("dask", marks=pytest.mark.slow)])
 def test_demo_prints_the_plan_it_runs_and_allows_for_the_configured_precision(engine):
     """The demo printed a plan of its own: not the configured precision (distmm.precision
     tf32, with which it then judged the float32 product WRONG against float32's tolerance,
