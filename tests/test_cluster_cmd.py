@@ -239,7 +239,18 @@ def _left_in_session(sid: int) -> list:
         time.sleep(0.1)
 
 
+def _distributed_before(version: str) -> bool:
+    import distributed
+    from packaging.version import Version
+
+    return Version(distributed.__version__) < Version(version)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(_distributed_before("2026.8.0"),
+                    reason="distributed 2024.12 (the floor) restarts a worker killed while it "
+                           "starts instead of failing the start; the restarted worker waits in "
+                           "this test's paused preload (seen with 2024.12, passes with 2026.8)")
 def test_sigterm_to_the_group_while_workers_start_is_the_signal_s_one_line(tmp_path: Path):
     """A SIGTERM to the whole process group (``kill -- -PGID``, ``timeout``) while the workers
     are starting ends them there, and their nannies fail the start: the command ended with
