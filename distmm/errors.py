@@ -4,6 +4,7 @@ This module covers: the few error types distmm adds to numpy's and Python's
 (``ValueError`` for bad shapes, ``TypeError`` for bad dtypes, ``OSError``
 subclasses for files). Each subclasses the built-in a caller would already
 catch, so ``except ValueError`` keeps working.
+``naming_target`` gives a failure to write a temporary file the name of the file asked for.
 It does *not* cover: formatting errors for the command line (``distmm.cli``).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 
 __all__ = ["BackendUnavailable", "WorkersLost", "TileFailed", "OutputExists", "InsufficientSpace",
            "Signalled", "ConfigError", "NotPicklable", "UnreadableInput", "READING",
-           "STOP_SIGNALS"]
+           "STOP_SIGNALS", "naming_target"]
 
 
 class ConfigError(ValueError):
@@ -84,3 +85,12 @@ class Signalled(BaseException):
     def __init__(self, signum: int):
         self.signum = signum
         super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+def naming_target(exc: OSError, temporary, path) -> OSError:
+    """``exc``, a failure to write ``temporary`` (or one naming no file: a full disk, the
+    file-size limit), as the same error naming ``path``, the file asked for; any other as it
+    is."""
+    if exc.errno is None or exc.filename not in (None, str(temporary)):
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))

@@ -25,6 +25,8 @@ import os
 import time
 from contextlib import contextmanager
 
+from distmm.errors import naming_target
+
 __all__ = ["PHASES", "Phases", "merged_seconds", "summary_line", "write_profile"]
 
 PHASES = ("startup", "open", "read", "h2d", "gemm", "comm", "d2h", "release", "write", "sync",
@@ -127,9 +129,10 @@ def write_profile(path, records: list[dict], meta: dict) -> None:
             json.dump({"format": "distmm-profile-1", "meta": meta, "ranks": records}, fh)
         os.replace(tmp, path)
     except OSError as exc:
-        if exc.errno is None or exc.filename not in (None, tmp):
+        named = naming_target(exc, tmp, path)
+        if named is exc:
             raise
-        raise OSError(exc.errno, exc.strerror, path) from exc
+        raise named from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -28,6 +28,7 @@ import sys
 from distmm.cli.argtypes import integer_at_least, positive_size
 from distmm.cli.exits import BAD_INPUT, raise_if_signalled
 from distmm.cli.outputs import check_writable
+from distmm.errors import naming_target
 from distmm.staging import put_in_place, staged_path
 
 __all__ = ["main", "render", "read_timeline", "LANES"]
@@ -109,18 +110,13 @@ def render(timeline, path, *, title: str | None = None) -> None:
         raise_if_signalled()  # a signal matplotlib swallowed: nothing in place
         put_in_place(staged, path)
     except OSError as exc:
-        raise _named(exc, staged, path) from exc
+        named = naming_target(exc, staged, path)
+        if named is exc:
+            raise
+        raise named from exc
     finally:
         plt.close(fig)
         staged.unlink(missing_ok=True)
-
-
-def _named(exc: OSError, staged, path) -> OSError:
-    """``exc``, a failure to write the staged file (or one naming no file: a full disk, the
-    file-size limit), as one naming ``path``, the file asked for; any other as it is."""
-    if exc.errno is None or exc.filename not in (None, str(staged)):
-        return exc
-    return OSError(exc.errno, exc.strerror, str(path))
 
 
 def read_timeline(path):
@@ -216,7 +212,10 @@ def _save_json(tl, path) -> None:
         tl.to_json(staged)
         put_in_place(staged, path)
     except OSError as exc:
-        raise _named(exc, staged, path) from exc
+        named = naming_target(exc, staged, path)
+        if named is exc:
+            raise
+        raise named from exc
     finally:
         staged.unlink(missing_ok=True)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 import distmm.executor.registry as registry
-from distmm.cli.argtypes import integer_at_least
+from distmm.cli.argtypes import integer_at_least, nonempty
 from distmm.cli.exits import BAD_INPUT
 from distmm.cli.outputs import check_writable
 from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
@@ -295,13 +295,6 @@ def tune_dtype(dtype: str, *, size: int = 4096, confirm_size: int = 8192, max_co
     return entry
 
 
-def _path(text: str) -> Path:
-    """An argparse type: a path, not an empty one (``Path("")`` is the current folder)."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path")
-    return Path(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from distmm.cli.commands import _Parser  # its errors as one line, status 2
 
@@ -315,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-configs", type=positive, default=400)
     p.add_argument("--processes", type=positive, default=None,
                    help="parallel compile processes")
-    p.add_argument("--cache", type=_path, default=None, help=f"cache file (default {cache_path()})")
-    p.add_argument("--records", type=_path, default=None,
+    p.add_argument("--cache", type=nonempty(), default=None, help=f"cache file (default {cache_path()})")
+    p.add_argument("--records", type=nonempty(), default=None,
                    help="also write every measurement as bench records into this folder")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     return p
