@@ -25,6 +25,7 @@ import distmm.executor.registry as registry
 from distmm.executor import tuning
 from distmm.executor.base import BackendUnavailable, Executor
 from distmm.executor.cublas import CublasGemm, cublas_gemm, start_cublas
+from distmm.executor.cuda_loader import compute_capability
 from distmm.executor.device import device_count, gpu_name
 from distmm.plan import np_dtype
 
@@ -62,11 +63,6 @@ def _dtype_name(dtype) -> str:
     if name is None:
         name = _NAMES[dtype] = np.dtype(dtype).name
     return name
-
-
-def _compute_capability() -> int:
-    """10 * major + minor of the current device (90 for H100 / H200)."""
-    return int(cupy.cuda.Device().compute_capability)
 
 
 def shape_class(m: int, n: int, k: int) -> str:
@@ -171,7 +167,7 @@ class GPUExecutor(Executor):
         entry = self._entries.get(dtype)
         if entry is None:
             entry = self._entries[dtype] = tuning.usable_entry(
-                self._tuned(), dtype, registry.best_kernel(), _compute_capability(),
+                self._tuned(), dtype, registry.best_kernel(), compute_capability(),
                 gpu=gpu_name(), path=tuning.cache_path())
         return entry
 
@@ -187,7 +183,7 @@ class GPUExecutor(Executor):
             entry = self._entry(dtype)
             if entry.get("kernel") == self.kernel.name:
                 p = registry.kernel_params(self.kernel, dtype, entry["params"],
-                                           _compute_capability())
+                                           compute_capability())
             else:
                 p = self.kernel.params(dtype)
         self._kparams[dtype] = p
@@ -323,7 +319,7 @@ class GPUExecutor(Executor):
         if not self._precision_kernel:
             spec = None
             if self.backend == "raw":
-                spec = registry.kernel_for("float32", self.precision, _compute_capability())
+                spec = registry.kernel_for("float32", self.precision, compute_capability())
             self._precision_kernel.append(spec)
         return self._precision_kernel[0]
 
