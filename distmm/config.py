@@ -46,7 +46,7 @@ from dask.utils import parse_bytes, parse_timedelta
 from distmm.errors import ConfigError
 from distmm.plan import MAX_WORKERS, PRECISIONS
 
-__all__ = ["Config", "get_config", "memory_budget", "available_cpus", "KEYS",
+__all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_available", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
@@ -394,7 +394,8 @@ def _worker_limit(worker) -> tuple[int | None, int]:
     return (int(limit) if limit else None), int(threads)
 
 
-def _host_available() -> int:
+def host_available() -> int:
+    """This host's available memory in bytes (psutil's ``available``)."""
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -453,7 +454,7 @@ def _measured(on_gpu: bool, local_threads: int | None) -> int:
             if free is not None:
                 value = _quantised(free * GPU_FRACTION)
             else:
-                share = _host_available() * HOST_FRACTION
+                share = host_available() * HOST_FRACTION
                 value = _quantised(share / (local_threads or available_cpus()))
             hit = (now, value)
             _probes[key] = hit

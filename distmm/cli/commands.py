@@ -104,9 +104,7 @@ def _batch_setup(args, result) -> list[str]:
     of GPU or CPU ranks, its GPU's free memory (without a GPU, ``distmm.device-memory-limit``,
     else no limit) and its available memory, taken for every host's; ``--hosts`` hosts
     (default one)."""
-    import psutil
-
-    from distmm.config import get_config
+    from distmm.config import get_config, host_available
     from distmm.executor import gpu_available, resolve_backend
     from distmm.plan_batch import decide_batch
 
@@ -125,7 +123,7 @@ def _batch_setup(args, result) -> list[str]:
         memory = device_memory(True, MPI.COMM_SELF)
     setup = decide_batch(args.m, args.n, args.k, result, ranks=args.ranks, hosts=hosts,
                          on_gpu=on_gpu, panels=config.batch_panels, memory=memory,
-                         host_memory=psutil.virtual_memory().available,
+                         host_memory=host_available(),
                          stripes=config.batch_stripes)
     ranks = f"{'GPU' if on_gpu else 'CPU'} ranks"
     if on_gpu and memory is None:

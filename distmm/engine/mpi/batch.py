@@ -408,9 +408,9 @@ def _stripes(plan: BatchPlan | None) -> int:
 def _host_available(comm) -> int:
     """The available host memory of the rank with the least (``plan_batch.b_fits_host``:
     whether CPU ranks may each hold all of B); the same on every rank."""
-    import psutil
+    from distmm.config import host_available
 
-    return int(comm.allreduce(int(psutil.virtual_memory().available), op=_min()))
+    return int(comm.allreduce(host_available(), op=_min()))
 
 
 def _min():
