@@ -170,10 +170,6 @@ import sys
 import numpy as np
 from mpi4py import MPI
 import distmm
-from distmm.cli.exits import whole_line_writes
-
-whole_line_writes()  # each line in one write: mpiexec interleaves the ranks' writes
-
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 a, b, c = np.ones((4, 3)), np.ones((3, 5)), np.arange(20.0).reshape(4, 5)
 last = rank == size - 1
@@ -186,22 +182,25 @@ refused = {  # valid on every rank but the last
     "beta differs": dict(beta=2.0 if last else 1.0),
     "c's values differ": dict(c=c + 1 if last else c),
 }
+lines = []  # printed by rank 0 alone at the end: mpiexec may interleave the ranks' writes
 for what, kw in refused.items():
     kw = {"c": c, "beta": 1.0, **kw}
     try:
         distmm.gemm(a, b, kw.pop("c"), engine="mpi", **kw)
-        print(f"rank {rank}: {what}: no error", flush=True)
+        lines.append(f"rank {rank}: {what}: no error")
     except (TypeError, ValueError) as exc:
         one_line = "\\n" not in str(exc)
         named = last or (str(exc).startswith("gemm: engine='mpi' needs")
                          and f"rank {size - 1}" in str(exc))
-        print(f"rank {rank}: {what}: {'ok' if one_line and named else 'BAD'} "
-              f"{type(exc).__name__}: {exc}", flush=True)
+        lines.append(f"rank {rank}: {what}: {'ok' if one_line and named else 'BAD'} "
+                     f"{type(exc).__name__}: {exc}")
 # the ranks are in step after the refusals: a product of object operands, conjugated
 z = (np.arange(12).reshape(3, 4) + 1j * np.arange(12).reshape(3, 4)[::-1]).astype(object)
 got = distmm.gemm(z, z, c[:4, :4].astype(object), alpha=2, beta=-1, trans_a="C", engine="mpi")
 want = 2 * (z.conj().T @ z) - c[:4, :4]
-print(f"rank {rank}: product: {'ok' if got.tolist() == want.tolist() else 'BAD'}", flush=True)
+lines.append(f"rank {rank}: product: {'ok' if got.tolist() == want.tolist() else 'BAD'}")
+for mine in MPI.COMM_WORLD.gather(lines) or []:
+    print("\\n".join(mine), flush=True)
 """
 
 

@@ -405,12 +405,15 @@ def test_to_file_refuses_an_h5_path_through_a_dataset_or_into_another_file(tmp_p
         from distmm import DistArray
 
         c = DistArray.from_array(np.ones((6, 4)), MPI.COMM_WORLD)
+        lines = []  # printed by rank 0 alone: mpiexec may interleave the ranks' writes
         for dataset in ("X/C", "ext/C"):
             try:
                 c.to_file({str(f)!r} + ":" + dataset, overwrite=True)
-                print("wrote", dataset, flush=True)
+                lines.append(f"wrote {{dataset}}")
             except Exception as exc:
-                print(f"rank {{MPI.COMM_WORLD.rank}} {{type(exc).__name__}}: {{exc}}", flush=True)
+                lines.append(f"rank {{MPI.COMM_WORLD.rank}} {{type(exc).__name__}}: {{exc}}")
+        for mine in MPI.COMM_WORLD.gather(lines) or []:
+            print("\\n".join(mine), flush=True)
     """))
     r = mpirun(2, script)
     assert r.returncode == 0, r.stdout + r.stderr
