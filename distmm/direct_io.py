@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from distmm.threads import submit
+
 __all__ = ["ALIGN", "CHUNK", "THREADS", "MIN_DIRECT", "aligned_split", "as_bytes", "npy_header",
            "libc_function", "preallocate", "SpanWriter"]
 
@@ -179,7 +181,9 @@ class SpanWriter:
                 self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="distmm-direct")
             pool = self._pool
         aligned = _address(view) % ALIGN == 0
-        futures = [pool.submit(self._chunk, view[s:s + CHUNK], offset + s, aligned, pwrite_all)
+        # a pool that takes no new work (the interpreter shutting down while the caller's
+        # thread still runs) leaves the chunks to the caller's thread
+        futures = [submit(pool, self._chunk, view[s:s + CHUNK], offset + s, aligned, pwrite_all)
                    for s in range(0, view.nbytes, CHUNK)]
         error, done = None, 0
         for f in futures:  # every chunk ends before the caller may reuse its memory

@@ -29,6 +29,7 @@ LEVELS = {
     "distmm.staging": 0,
     "distmm.direct_io": 0,
     "distmm.stripe_writer": 0,
+    "distmm.threads": 0,
     "distmm.emulate": 0,
     "distmm.precision": 0,
     "distmm.startup": 0,

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import distmm
-from conftest import assert_matches_numpy, random_array
+from conftest import assert_matches_numpy, random_array, takes_direct
 from distmm import api, plan
+from distmm.threads import submit
 
 #: (dtype, backend) of the mixed calls: every CPU backend, numpy's exact loops too
 _MIX = [("float64", "blas"), ("int64", "numba"), ("float32", "numba"), ("float16", "auto"),
@@ -144,6 +145,118 @@ def test_a_thread_still_multiplies_after_the_main_thread_is_interrupted():
     calls = int(out.split("after the main thread ended:")[1])
     assert calls >= 2, out  # every call gave numpy's product, the last after the main thread
     assert proc.returncode == -signal.SIGINT, (proc.returncode, err)
+
+
+#: a child whose main thread starts a (non-daemon) worker and returns once the worker has run
+#: AHEAD; the worker then waits until the interpreter shuts down (Python waits for it:
+#: concurrent.futures' pools take no new work from then on) and calls distmm: BODY, which
+#: prints "after the main thread ended:" and what it found
+_AFTER_RETURN = """
+import sys, threading, time
+import numpy as np
+import distmm
+
+ready = threading.Event()
+
+def work():
+AHEAD    ready.set()
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    time.sleep(0.2)  # concurrent.futures' exit hook, run just after, has refused new work
+BODY
+
+threading.Thread(target=work).start()
+ready.wait(60)
+"""
+
+
+def _after_main_returned(body: str, *args, ahead: str = "", timeout: float = 120) -> list[str]:
+    """What the child's worker printed after "after the main thread ended:", once the child
+    ended well (status 0, no traceback: a thread's uncaught error leaves the status 0)."""
+    script = _AFTER_RETURN.replace("AHEAD", ahead).replace("BODY", body)
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "after the main thread ended:" in proc.stdout, (proc.stdout, proc.stderr)
+    return proc.stdout.split("after the main thread ended:")[1].split()
+
+
+#: the command line's staged .npy output (``distmm.cli.io.staged_output``), C written tile by
+#: tile, whole rows of 2 MiB a tile: past the page cache on the writer's threads
+#: (``distmm.direct_io.SpanWriter``)
+_STAGED_DIRECT = """
+    from distmm.cli.io import staged_output
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((600, 200)), rng.standard_normal((200, 1024))
+    with staged_output(sys.argv[1], (600, 1024), "float64") as out:
+        distmm.matmul(a, b, out=out, tile=(256, 1024, 200), engine="local")
+        direct = out.written_direct
+    got = np.load(sys.argv[1])
+    print("after the main thread ended:", np.allclose(got, a @ b, rtol=1e-12, atol=1e-12),
+          direct, flush=True)
+"""
+
+
+def test_a_thread_writes_a_staged_output_directly_after_the_main_thread_returned(tmp_path):
+    """Direct writes of a staged output go through a pool of the writer's, which took no
+    work once the interpreter shut down: the product raised RuntimeError ("cannot schedule
+    new futures after interpreter shutdown") and its output was not written."""
+    if not takes_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT: the writes take no pool")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    ok, direct = _after_main_returned(_STAGED_DIRECT, str(folder / "c.npy"))
+    assert ok == "True" and int(direct) >= 2 * 256 * 1024 * 8  # two whole tiles went direct
+    assert sorted(p.name for p in folder.iterdir()) == ["c.npy"]  # no staged file left
+
+
+#: the GPU stream pipeline (host operands, cuBLAS): its copy threads are pools kept for the
+#: process, made by its first product (``_WARM``: one before the main thread returns)
+_WARM = ("    distmm.matmul(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32), "
+         "backend='cublas', engine='local')\n")
+_PIPELINE = """
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((1500, 1200)).astype(np.float32)
+    b = rng.standard_normal((1200, 1300)).astype(np.float32)
+    want = a.astype(np.float64) @ b
+    got = distmm.matmul(a, b, backend="cublas", engine="local")
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print("after the main thread ended:", bool(err < 1e-5), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("ahead", [True, False], ids=["pools-made-ahead", "pools-made-after"])
+def test_a_thread_multiplies_on_the_gpu_after_the_main_thread_returned(ahead):
+    """The GPU pipeline's copy threads (pools) took no work once the interpreter shut
+    down: RuntimeError, whether the pools were made before or after."""
+    assert _after_main_returned(_PIPELINE, ahead=_WARM if ahead else "") == ["True"]
+
+
+def test_submit_runs_here_where_the_pool_takes_no_work():
+    """``distmm.threads.submit``: a pool that refuses the task leaves it to this thread, its
+    result or error in the Future; a task the pool drops has its Future cancelled, which
+    ``concurrent.futures.wait`` sees."""
+    pool = cf.ThreadPoolExecutor(1)
+    pool.shutdown()
+    here = submit(pool, threading.get_ident)
+    assert here.done() and here.result() == threading.get_ident()
+    failed = submit(pool, int, "x")
+    assert isinstance(failed.exception(), ValueError)
+
+    pool = cf.ThreadPoolExecutor(1)
+    release = threading.Event()
+    try:
+        running = submit(pool, release.wait, 10)
+        queued = submit(pool, threading.get_ident)
+        pool.shutdown(wait=False, cancel_futures=True)
+        done, _ = cf.wait([queued], timeout=10)
+        assert queued in done and queued.cancelled()
+    finally:
+        release.set()
+    assert running.result(timeout=10) is True
 
 
 def test_a_first_call_leaves_the_warning_filters_alone():

@@ -22,6 +22,7 @@ from distmm.engine.tiles import PartialSum, finish_tile, tile_partial
 from distmm.executor import get_executor
 from distmm.fpflags import as_matmul, collect
 from distmm.plan import Plan, np_dtype
+from distmm.threads import submit
 
 __all__ = ["LocalEngine", "run_local", "default_workers"]
 
@@ -244,38 +245,22 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
             take(key, task(*key))
         return out
 
-    def result(key, future):
-        """``(key, its task's result)``: the pool's, or computed here where it has none."""
-        if future is not None:
-            try:
-                return key, future.result()
-            except cf.CancelledError:  # dropped by a pool that took no more work
-                pass
-        return key, task(*key)
-
     # Tasks are handed to the pool at most 2 x threads ahead of the one whose partial is
     # taken next: the threads always have the next ones, and the partials finished but not
     # yet taken (a slow write of C, a tile's k groups) are a few, not the whole product's.
+    # A pool that takes no new work (the interpreter shutting down while this thread still
+    # runs, no thread to start) leaves them to this thread (``distmm.threads.submit``).
     pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local")
     window: collections.deque = collections.deque()
-    refused = False
     try:
         for key in keys():
-            future = None
-            if not refused:
-                try:
-                    future = pool.submit(task, *key)
-                except RuntimeError:
-                    # concurrent.futures takes no new work once the interpreter shuts down
-                    # (the main thread has returned while this one still runs), nor where no
-                    # thread can start: what it has not started and the rest run here
-                    refused = True
-                    pool.shutdown(wait=False, cancel_futures=True)
-            window.append((key, future))
+            window.append((key, submit(pool, task, *key)))
             if len(window) > 2 * threads:
-                take(*result(*window.popleft()))
+                first, future = window.popleft()
+                take(first, future.result())
         while window:
-            take(*result(*window.popleft()))
+            first, future = window.popleft()
+            take(first, future.result())
     except BaseException:
         # a signal or a failure: the tiles not started are dropped and the running ones are
         # not waited for (a numba tile can take seconds), so the caller cleans up at once

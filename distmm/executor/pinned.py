@@ -25,6 +25,8 @@ from typing import Callable
 
 import numpy as np
 
+from distmm.threads import submit
+
 __all__ = ["PinnedPool", "PinnedBuffer", "default_pinned_pool", "cupy_pinned_allocator",
            "registered_allocator"]
 
@@ -350,7 +352,7 @@ class PinnedPool:
         import concurrent.futures as cf
 
         with cf.ThreadPoolExecutor(min(8, count), thread_name_prefix="distmm-pin") as pool:
-            return [pool.submit(self._allocator, nbytes) for _ in range(count)]
+            return [submit(pool, self._allocator, nbytes) for _ in range(count)]
 
     def _pin_later(self, bufs: list[PinnedBuffer]) -> None:
         """Pin ``bufs`` (handed out already, their bytes counted) on this thread."""

@@ -25,6 +25,8 @@ import threading
 
 import numpy as np
 
+from distmm.threads import submit
+
 __all__ = ["PageLocked", "is_page_locked"]
 
 PAGE = 4096
@@ -162,7 +164,7 @@ class PageLocked:
                 if self.users[s] == 0:
                     done.append(s)
         if done:
-            self._releases.append(pool.submit(self._unlock, done, event))
+            self._releases.append(submit(pool, self._unlock, done, event))
 
     def _unlock(self, segments, event) -> None:
         self.dev.bind_thread()

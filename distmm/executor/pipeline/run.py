@@ -42,6 +42,7 @@ from distmm.executor.pipeline.panel import APanels
 from distmm.executor.pipeline.panel import panel_bytes as panel_bytes_of
 from distmm.executor.pipeline.timeline import Timeline
 from distmm.plan_pipeline import PipelineTiling, Step, plan_block_loads
+from distmm.threads import submit
 
 __all__ = ["PipelineRun", "host_threads"]
 
@@ -64,7 +65,10 @@ def _thread_pool(role: str, threads: int) -> cf.ThreadPoolExecutor:
         if pool is None or pool._max_workers < threads:
             pool = cf.ThreadPoolExecutor(threads, f"distmm-{role}")
             barrier = threading.Barrier(threads)
-            list(pool.map(lambda _: barrier.wait(timeout=10), range(threads)))  # start them all
+            try:  # start them all
+                list(pool.map(lambda _: barrier.wait(timeout=10), range(threads)))
+            except RuntimeError:  # no new work (the interpreter shutting down while the
+                pass  # caller's thread still runs): its tasks run there (distmm.threads.submit)
             old = _pools.get(role)
             _pools[role] = pool
             if old is not None:
@@ -308,17 +312,17 @@ class PipelineRun:
         try:
             if self.a_panel:
                 panels = APanels(self, self.src["A"], locked_in["A"], steps)
-            def submit(c):
+            def stage(c):
                 ch = chunks[c]
                 locked = locked_in.get(ch.which)
                 if locked is not None and locked.ready(ch.block, wait=False):
                     futures[c] = None  # straight from the operand
                     return
                 r = c % n_in
-                futures[c] = stage_pool.submit(self._stage, ch, ring_in[r], ring_ev[r])
+                futures[c] = submit(stage_pool, self._stage, ch, ring_in[r], ring_ev[r])
 
             for c in range(min(n_in, len(chunks))):
-                submit(c)
+                stage(c)
             writer.start()
             a_free: list = [None] * t.a_slots
             b_free: list = [None] * t.b_slots
@@ -365,7 +369,7 @@ class PipelineRun:
                     if ch.last:
                         loaded[ch.slot] = ev
                     if c + n_in < len(chunks):
-                        submit(c + n_in)
+                        stage(c + n_in)
                     c += 1
                 if st.first and c_free[cb] is not None:
                     dev.wait(comp, self._waited(c_free[cb], f"C buffer for C[{st.i},{st.j}]"))
@@ -515,8 +519,8 @@ class _OutputWriter(threading.Thread):
             r.bytes_d2h += view.nbytes
             ev = dev.event()
             dev.record(ev, self.d2h)
-            self.ring_futs[slot] = self.unstage_pool.submit(
-                r._unstage, ev, view, r0 + p0, r0 + p1, q0, q1, label)
+            self.ring_futs[slot] = submit(self.unstage_pool, r._unstage, ev, view, r0 + p0,
+                                          r0 + p1, q0, q1, label)
 
     def finish(self) -> None:
         self.jobs.put(None)
