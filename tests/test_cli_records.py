@@ -151,3 +151,27 @@ def test_tune_show_of_a_good_a_missing_and_the_default_cache(tmp_path, capsys, m
     assert main(["tune", "--show"]) == 0
     assert json.loads(capsys.readouterr().out) == {"version": 1, "gpus": {}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"my notes\nline two", "notes.txt:1: not a JSON line (Expecting value)"),
+    (good_line() + good_line(m=-5), "notes.txt:2: field 'm' must be an integer from 0 to "
+                                    "2**63 - 1, got -5"),
+], ids=["text", "a-bad-record"])
+def test_a_study_never_appends_to_a_file_that_is_not_records(tmp_path, capsys, content,
+                                                              expected):
+    """distmm bench -o a file that holds no records (or a record no reader takes): refused in
+    one line before anything is measured, the file unchanged (before, the study appended its
+    records to it, into a file that distmm report then refused)."""
+    study = tmp_path / "one.toml"
+    study.write_text('[[series]]\nkind = "strong"\nengines = ["local"]\ncounts = [1]\n'
+                     'sizes = [32]\n')
+    notes = write_lines(tmp_path / "notes.txt", content)
+    assert main(["bench", str(study), "-o", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"distmm bench: error: {notes.parent}/{expected}; records are appended to "
+                   f"a file of records only\n")
+    assert notes.read_bytes() == content
+    with pytest.raises(ValueError, match="records are appended to a file of records only"):
+        RecordWriter("scaling", "AMD EPYC", path=notes)
+    assert notes.read_bytes() == content

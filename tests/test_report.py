@@ -87,6 +87,29 @@ def test_weak_scaling_exact():
         scaling(WEAK, "medium")
 
 
+def test_weak_series_of_several_sides_per_device_are_one_series_each():
+    """distmm bench's weak series with sizes_per_device = [40, 64]: each side is a series
+    of its own (before, the two sizes at each count made the whole series no weak
+    scaling at all, and the report had no weak section); a prediction joins the series
+    whose side and k its size fits."""
+    recs = [record(f"distmm-mpi-weak@{p}ranks", t, m=p * b, n=b, k=b, ranks=p, per_device=b)
+            for b, times in ((40, (1.0, 2.5)), (64, (2.0, 2.5))) for p, t in zip((1, 2), times)]
+    forecast = dict(record("distmm-mpi-weak@4ranks", 1.0, m=128, n=128, k=64, ranks=4,
+                           run="model"), seconds=None, tflops=None, predicted_seconds=4.0)
+    small, large = scaling(recs + [forecast], "weak")
+    assert [(p.size, p.count, p.predicted) for p in small.points] == [
+        ((40, 40, 40), 1, False), ((80, 40, 40), 2, False)]
+    assert [(p.size, p.count, p.predicted) for p in large.points] == [
+        ((64, 64, 64), 1, False), ((128, 64, 64), 2, False), ((128, 128, 64), 4, True)]
+    assert [p.speedup for p in small.points] == pytest.approx([1.0, 0.8], rel=1e-12)
+    assert [p.efficiency for p in small.points] == pytest.approx([1.0, 0.4], rel=1e-12)
+    assert [p.speedup for p in large.points] == pytest.approx([1.0, 1.6, 2.0], rel=1e-12)
+    assert [p.efficiency for p in large.points] == pytest.approx([1.0, 0.8, 0.5], rel=1e-12)
+    assert [s.label for s in scaling(recs, "weak")] == [
+        "distmm-mpi-weak float64 weak from 40x40x40 run r1",
+        "distmm-mpi-weak float64 weak from 64x64x64 run r1"]
+
+
 def test_reference_shares_pair_same_run_and_problem():
     recs = [record("cublas", 2.0), record("cublas", 4.0), record("cublas", 6.0),
             record("numpy", 10.0), record("distmm-raw", 5.0),
@@ -226,12 +249,45 @@ def test_overwrite_replaces_and_refusal_keeps(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == f"distmm report: error: {out} exists and is not empty: pass --overwrite to replace it"
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces a report's folder only, as the CLI never removes another folder
+    # (before, it took keep.txt away with the folder)
+    (out / "report.md").write_text("an old report")
+    assert main(["report", str(recs), "-o", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"distmm report: error: {out} holds keep.txt, which no report writes: "
+                   f"--overwrite replaces only a report's folder (report.md, index.html, "
+                   f"PNGs); name another folder")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "report.md"]
+    (out / "keep.txt").unlink()
+    (out / "old.png").write_bytes(PNG)
     assert main(["report", str(recs), "-o", str(out), "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "report.md").is_file()
+    assert not (out / "old.png").exists() and "an old" not in (out / "report.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.jsonl"]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["report", str(recs), "-o", str(empty)]) == 0
+
+
+def test_a_symbolic_link_as_the_folder_is_replaced_not_followed(tmp_path, capsys):
+    """-o a link to a report's folder: with --overwrite the link is replaced by the new
+    folder, its target untouched (before: status 1, "Cannot call rmtree on a symbolic
+    link", the link left beside as a hidden .out.distmm-partial-*-old); without, refused."""
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    fast = ["--only", "shares", "--no-html"]  # no figure to draw
+    target = tmp_path / "target"
+    assert main(["report", str(recs), "-o", str(target), *fast]) == 0
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    for link, to in ((tmp_path / "out", target), (tmp_path / "gone", tmp_path / "nowhere")):
+        link.symlink_to(to)
+        assert main(["report", str(recs), "-o", str(link), *fast]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"distmm report: error: {link} exists (a symbolic link): pass --overwrite to "
+            f"replace it")
+        assert link.is_symlink()
+        assert main(["report", str(recs), "-o", str(link), "--overwrite", *fast]) == 0
+        assert not link.is_symlink() and (link / "report.md").is_file()
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "out", "r.jsonl", "target"]
 
 
 def test_overwrite_never_replaces_a_folder_holding_an_input_or_the_current_folder(tmp_path):
@@ -271,6 +327,18 @@ def test_bad_records_fail_in_one_line_before_output(tmp_path, capsys, content, e
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("distmm report: error: ") and expected in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_file_given_twice_is_refused_before_output(tmp_path, capsys):
+    """A glob that names a file twice, or a link beside it: before, its records counted
+    twice (every share row twice, the notes' counts doubled)."""
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    (tmp_path / "link.jsonl").symlink_to(recs)
+    for again in (recs, tmp_path / "link.jsonl"):
+        assert main(["report", str(recs), str(again), "-o", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == (f"distmm report: error: {again}: given twice (also "
+                                           f"as {recs}): its records would count twice\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "r.jsonl"]
 
 
 def test_missing_file_and_bad_profile(tmp_path, capsys):

@@ -6,7 +6,8 @@ measured (``git_commit``); appending records to a ``.jsonl`` file, each record o
 ``write`` of one whole line on a file opened for appending, flushed to disk before the next
 measurement starts, so that a killed run keeps every record it finished and never a partial
 line (``RecordWriter``, ``append_record``; a file whose last line lacks its newline gets one
-first, so a record never joins the end of another line); reading them back (``json_lines``:
+first, so a record never joins the end of another line; ``RecordWriter`` refuses, before the
+run, a file that holds anything but records); reading them back (``json_lines``:
 the values of a file with their line numbers; ``read_records``, ``load``: the records of one
 file or several, each field a reader uses checked by ``check_record``, so that the report,
 ``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
@@ -134,6 +135,13 @@ class RecordWriter:
         The file itself, instead of ``out_dir`` and the name made from the others.
     **common
         Keys added to every record.
+
+    Raises
+    ------
+    ValueError, TypeError
+        The file exists and holds something ``read_records`` refuses (it is no records
+        file, or a record in it is bad): named with its line, before anything is measured,
+        not after a run whose records would join a file no reader takes.
     """
 
     def __init__(self, benchmark: str, device: str, out_dir: str | os.PathLike | None = None,
@@ -150,6 +158,13 @@ class RecordWriter:
         else:
             out = Path(out_dir) if out_dir else Path.cwd()
             self.path = out / f"{file_stem or benchmark}-{slug(device)}-{self.date}.jsonl"
+        if self.path.is_file():
+            try:
+                for _ in read_records(self.path):
+                    pass
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"{exc}; records are appended to a file of records only") \
+                    from None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
 
@@ -238,7 +253,7 @@ _NUMBERS = ("tflops", "relerr", "predicted_seconds", "first_seconds", "seconds_m
             "seconds_max", "gbps")
 _COUNTS = {"gpus": 0, "workers": 0, "cpu_workers": 0, "gpu_workers": 0, "nccl_pairs": 0,
            "written_direct": 0, "ranks": 1, "threads": 1, "threads_per_rank": 1, "cores": 1,
-           "cpus_per_rank": 1, "devices": 1, "gpus_visible": 1}
+           "cpus_per_rank": 1, "devices": 1, "gpus_visible": 1, "per_device": 1}
 
 
 def _is_int(value) -> bool:
@@ -259,8 +274,8 @@ def check_record(record, where: str) -> dict:
     numpy knows; ``m``, ``n``, ``k`` integers from 0 to 2**63 - 1 (0: a ceiling probe);
     ``seconds`` a positive finite number or null; ``tflops``, ``relerr``,
     ``predicted_seconds`` and the other measured numbers finite, not negative, or null; the
-    counts (``gpus``, ``workers``, ``ranks``, ``threads``, ``cores``, ...) integers or
-    null (at least 0 for ``gpus``, ``workers``, ``cpu_workers``, ``gpu_workers``,
+    counts (``gpus``, ``workers``, ``ranks``, ``threads``, ``cores``, ``per_device``, ...)
+    integers or null (at least 0 for ``gpus``, ``workers``, ``cpu_workers``, ``gpu_workers``,
     ``nccl_pairs`` and ``written_direct``, at least 1 for the others);
     ``emulated_nodes`` a positive integer or ``"all-links"``; ``grid`` null or a list of
     positive integers; ``all_seconds`` a list of finite numbers, not negative. Other keys

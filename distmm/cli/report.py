@@ -16,9 +16,12 @@ The rules, in one place:
   configuration measured at several counts forms one series.
 - **strong scaling**: records of one ``run``, ``benchmark``, ``device``, ``dtype``, size
   and family at two or more counts. **Weak scaling**: the same without the size, where
-  each count has one size and the size grows with the count. In both, a count's seconds
-  are the median of its records; speedup is TFLOP/s over the smallest count's TFLOP/s
-  (for strong scaling the time ratio) and efficiency is speedup * smallest count / count.
+  each count has one size and the size grows with the count; records with a ``per_device``
+  (``distmm bench``'s weak series: C's side per device, ``k`` fixed) form one series per
+  side and ``k``, and a prediction joins the series whose side and ``k`` its size fits.
+  In both, a count's seconds are the median of its records; speedup is TFLOP/s over the
+  smallest count's TFLOP/s (for strong scaling the time ratio) and efficiency is speedup *
+  smallest count / count.
 - **emulated nodes**: a record with ``emulated_nodes`` (a count, or ``"all-links"``) was
   measured on nodes emulated on one host (``distmm.emulate``); its family, its rows and
   its lines say so (``emulated_label``: ``[emulated nodes: 2]``).
@@ -102,8 +105,9 @@ class Series:
 
     @property
     def label(self) -> str:
-        size = "x".join(map(str, self.points[0].size)) if self.kind == "strong" else "weak"
-        return f"{self.family} {self.dtype} {size} run {self.run}"
+        size = "x".join(map(str, self.points[0].size))
+        return f"{self.family} {self.dtype} {'' if self.kind == 'strong' else 'weak from '}" \
+               f"{size} run {self.run}"
 
 
 def scaling(records: list[dict], kind: str) -> list[Series]:
@@ -145,15 +149,23 @@ def scaling(records: list[dict], kind: str) -> list[Series]:
                  str(r["run"]), key)
         if predicted:  # a prediction joins the series of every run of its family
             group = group[:4] + (None, key)
-        target = forecasts if predicted else groups
-        target[group + ((size,) if kind == "strong" else ())][count].append(r)
+        if kind == "strong":
+            group += (size,)
+        elif not predicted:  # a weak series of distmm bench: one per side and k
+            side = r.get("per_device")
+            group += (None if side is None else (int(side), size[2]),)
+        (forecasts if predicted else groups)[group][count].append(r)
     out = []
     for group, measured in groups.items():
-        loose = group[:4] + (None,) + group[5:]
+        loose = group[:4] + (None,) + group[5:(7 if kind == "strong" else 6)]
         by_count = {c: (rs, False) for c, rs in measured.items()}
         base = min(by_count)
         for c, rs in forecasts.get(loose, {}).items():
-            if c > base and c not in by_count:
+            if kind == "weak" and group[6] is not None:  # the predictions of its side and k
+                side, k = group[6]
+                rs = [r for r in rs if int(r["m"]) * int(r["n"]) == c * side * side
+                      and int(r["k"]) == k]
+            if rs and c > base and c not in by_count:
                 by_count[c] = (rs, True)
         if len(by_count) < 2:
             continue
@@ -437,9 +449,10 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
     FileNotFoundError
         A path that does not exist.
     ValueError, TypeError
-        A file that is not UTF-8 JSON; a record that ``distmm.cli.records.check_record``
-        refuses (a line that is not a JSON object with the ``REQUIRED`` keys, a field of the
-        wrong type or out of range: named with its line number and field); a profile in
+        A file given twice (under one name or two); a file that is not UTF-8 JSON; a
+        record that ``distmm.cli.records.check_record`` refuses (a line that is not a JSON
+        object with the ``REQUIRED`` keys, a field of the wrong type or out of range: named
+        with its line number and field); a profile in
         another format or one whose ``ranks`` are not a non-empty list of objects, each
         with an integer ``rank`` and a list of ``spans`` that each have a string
         ``phase`` and finite ``start`` <= ``end`` (named with its file, profile and rank);
@@ -448,10 +461,16 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
     from distmm.cli.model_records import is_summa_trace
 
     records, profiles = [], []
-    for path in paths:
+    seen: dict[tuple[int, int], int] = {}
+    for i, path in enumerate(paths):
         if not os.path.isfile(path):
             raise FileNotFoundError(2, "No such file or directory" if not os.path.exists(path)
                                     else "Not a file", path)
+        st = os.stat(path)
+        first = seen.setdefault((st.st_dev, st.st_ino), i)
+        if first != i:
+            raise ValueError(f"{path}: given twice (also as {paths[first]}): its records would "
+                             f"count twice")
         if path.endswith(".json"):
             data = json_file(path)
             if is_summa_trace(data):
@@ -524,17 +543,30 @@ def _remove_folders(folders: list[Path]) -> None:
             return
 
 
+def _is_report_file(path: Path) -> bool:
+    """Whether ``path`` is a file a report writes into its folder."""
+    return (path.is_file() and not path.is_symlink()
+            and (path.name in ("report.md", "index.html") or path.suffix == ".png"))
+
+
 def _check_output(folder: Path, overwrite: bool, inputs=()) -> None:
     """Refuse an output folder that is a file or under one, a non-empty folder without
-    ``overwrite``, or one whose replacement would take away the current folder or an input
-    (``inputs``)."""
-    if folder.exists() and not folder.is_dir():
-        raise OutputExists(f"{folder} exists and is not a folder")
+    ``overwrite``, one that holds anything but a report's files (``report.md``,
+    ``index.html``, PNGs) even with it, or one whose replacement would take away the
+    current folder or an input (``inputs``). A symbolic link is replaced, not followed, and
+    only with ``overwrite``."""
     above = folder.absolute().parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():  # the folder would go under a file
         raise NotADirectoryError(20, "Not a directory", str(above))
+    if folder.is_symlink():
+        if not overwrite:
+            raise OutputExists(f"{folder} exists (a symbolic link): pass --overwrite to "
+                               f"replace it")
+        return
+    if folder.exists() and not folder.is_dir():
+        raise OutputExists(f"{folder} exists and is not a folder")
     if folder.is_dir():
         here = folder.resolve()
         if here == Path.cwd().resolve() or here in Path.cwd().resolve().parents:
@@ -546,6 +578,12 @@ def _check_output(folder: Path, overwrite: bool, inputs=()) -> None:
                              f"its folder; name another folder")
     if folder.is_dir() and any(folder.iterdir()) and not overwrite:
         raise OutputExists(f"{folder} exists and is not empty: pass --overwrite to replace it")
+    others = sorted(p.name for p in folder.iterdir() if not _is_report_file(p)) \
+        if folder.is_dir() else []
+    if others:
+        raise OutputExists(f"{folder} holds {others[0]}, which no report writes: --overwrite "
+                           f"replaces only a report's folder (report.md, index.html, PNGs); "
+                           f"name another folder")
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -645,11 +683,13 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
         if html:
             (staged / "index.html").write_text(_html(tables, images, paths, notes))
         old = None
-        if folder.exists():
+        if folder.exists() or folder.is_symlink():
             old = staged.with_name(staged.name + "-old")
             folder.rename(old)
         staged.rename(folder)
-        if old is not None:
+        if old is not None and old.is_symlink():  # a link is replaced, not followed
+            old.unlink()
+        elif old is not None:
             shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)

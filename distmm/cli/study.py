@@ -331,6 +331,7 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if precision != "highest" and any(s.dtypes != ("float32",) for s in series):
         bad("series", f"precision {precision} takes float32 operands: a series lists "
                       f"other dtypes")
+    _one_chunk(series, device, references, bad)
     study = Study(name, benchmark, device, repeats, check_rows, seed, tuple(references),
                   tuple(mpiexec), series, None if threads == "share" else threads, note, where,
                   precision=precision)
@@ -402,6 +403,36 @@ def _series(s: dict, where: str, device: str, dtypes, references, bad) -> Series
     _fits(kind, counts, sizes, series_dtypes, sbad)
     return Series(kind, tuple(engines), tuple(counts), sizes, tuple(backends),
                   tuple(series_dtypes), chunk, nodes, refs)
+
+
+def _one_chunk(series, device: str, references, bad) -> None:
+    """Refuse two series that ask for one Dask configuration (engine or dask.array, backend,
+    dtype, size, count, kind, emulated nodes) at different chunks: it is measured once
+    (``Study.configurations``), at the first series' chunk, and a record does not say which
+    series' chunk it ran (a variant names no chunk)."""
+    seen: dict[tuple, tuple[int, int]] = {}
+    for i, s in enumerate(series):
+        if "dask" not in s.engines:
+            continue
+        refs = references if s.references is None else s.references
+        names = s.backends + (("dask.array",) if "dask.array" in refs else ())
+        for count in s.counts:
+            for size in s.sizes:
+                m, n, k = weak_shape(count, size[0], size[2]) if s.kind == "weak" else size
+                chunk = _chunk(s, device, m, n, k)
+                for key in ((name, dtype, m, n, k, count, s.kind, s.nodes)
+                            for name in names for dtype in s.dtypes):
+                    first, other = seen.setdefault(key, (i, chunk))
+                    if other != chunk:
+                        what = (variant_name("dask", key[0], s.kind, count, device, s.nodes)
+                                if key[0] != "dask.array" else "dask.array"
+                                + ("-weak" if s.kind == "weak" else "") + _nodes_token(s.nodes)
+                                + "@" + _count_token("dask", count, device))
+                        bad(f"series[{i}].chunk", f"{chunk}, but series[{first}] measures {what} "
+                                                  f"{key[1]} {m}x{n}x{k} at chunk {other} (a "
+                                                  f"configuration is measured once, and its "
+                                                  f"variant names no chunk): give chunk {chunk} "
+                                                  f"a study of its own")
 
 
 def _fits(kind, counts, sizes, dtypes, sbad) -> None:
