@@ -7,11 +7,15 @@ that cut each rank's C block into row ranges computed and written one after anot
 overlaps computing it, and a stopped job can resume at a stripe), the k panels of a stripe's
 product (every owner's edge of A and B; finer for the first stripe, whose product starts while B's
 panel is still arriving), and what one rank holds at once: B's column panel
-(``k x n_j``, kept for every stripe), two A stripes and two C stripes, all in the accumulation
-dtype. ``plan_batch`` refuses a product whose column panel of B does not fit the memory it is
-given, before anything is read. ``decide_batch`` is what ``mpirun -n P distmm matmul`` decides
-from the job's facts (ranks, hosts, GPU or CPU ranks, their memory, ``distmm.batch-panels``):
-how the ranks get their panels and the plan; ``distmm plan --ranks P`` prints the same.
+(``k x n_j``, kept for every stripe), two A stripes (one multiplied, the next read) and two C
+stripes (one computed, the last written), all in the accumulation dtype; CPU ranks also hold
+what their host products add (``_host_extra``). ``plan_batch`` refuses a product whose column
+panel of B does not fit the memory it is given with stripes of the narrowest width, before
+anything is read: a ``ValueError`` for a GPU's memory, a ``MemoryError`` for a
+``distmm.memory-budget`` (``budget``). ``decide_batch`` is what ``mpirun -n P distmm matmul``
+decides from the job's facts (ranks, hosts, GPU or CPU ranks, their memory,
+``distmm.batch-panels``, the memory-budget of a CPU rank): how the ranks get their panels and
+the plan; ``distmm plan --ranks P`` prints the same.
 
 It does *not* cover: reading, moving or writing bytes (``distmm.engine.mpi.stream``), or the
 in-memory SUMMA of ``distmm.grid``, whose grids it reuses.
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distmm.grid import GridPlan, even_edges, make_grid
-from distmm.plan import accumulate_dtype
+from distmm.plan import accumulate_dtype, sums_whole_k
 
 __all__ = ["BatchPlan", "BatchSetup", "plan_batch", "decide_batch", "batch_panels",
            "b_fits_host", "PANEL_CHOICES", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS",
@@ -72,7 +76,8 @@ class BatchPlan:
     panels : tuple of int
         k edges of the stripe product's panels (every owner's edge of A and B).
     held_bytes : tuple of int
-        Per rank: bytes held at once on the device (or in host memory for CPU ranks).
+        Per rank: bytes held at once on the device (or in host memory for CPU ranks, with
+        what their host products add where ``plan_batch`` was told their ``host_panels``).
     chunk_rows : int
         Rows of B's column panel read and copied per chunk (``B_CHUNK_BYTES`` of the widest).
     first_panels : tuple of int
@@ -104,18 +109,49 @@ class BatchPlan:
         g = self.grid
         return (f"batch grid {g.rows} x {g.cols} ranks, {self.stripes} stripe(s) per rank, "
                 f"{len(self.panels) - 1} k panel(s); held per rank at most "
-                f"{max(self.held_bytes) / 2**30:.2f} GiB")
+                f"{_size(max(self.held_bytes))}")
 
 
-def _held(grid: GridPlan, i: int, j: int, stripe: int) -> int:
+def _held(grid: GridPlan, i: int, j: int, stripe: int, host_panels: str | None = None) -> int:
+    """Bytes rank ``(i, j)`` holds at once with stripes of ``stripe`` rows: B's column panel,
+    two A stripes and two C stripes (a C stripe is computed while the last one is written:
+    ``distmm.engine.mpi.stream`` hands the writer the next only once it has written the
+    last), and on CPU ranks (``host_panels``) what ``_host_extra`` adds."""
     nj = grid.col_edges[j + 1] - grid.col_edges[j]
-    return (grid.k * nj + 2 * stripe * grid.k + 2 * stripe * nj) * grid.itemsize
+    extra = _host_extra(grid, nj, stripe, host_panels) if host_panels is not None else 0
+    return (grid.k * nj + 2 * stripe * grid.k + 2 * stripe * nj) * grid.itemsize + extra
+
+
+def _host_extra(grid: GridPlan, nj: int, stripe: int, host_panels: str) -> int:
+    """Bytes a CPU rank holds beyond ``_held``'s count: the stripe being written in the result
+    dtype where that is not the accumulation dtype (float16, bool, small integers), and,
+    where its ranks get A's pieces by broadcast (``host_panels``) and the stripe's product
+    spans several k panels, the product of the panel being added to the stripe's sum, or
+    for dtypes numpy sums over all of k at once (``sums_whole_k``) A's pieces joined."""
+    res, acc = np.dtype(grid.dtype), np.dtype(grid.acc_dtype)
+    extra = stripe * nj * res.itemsize if res != acc else 0
+    if host_panels == "broadcast":
+        panels = set(grid.a_k_edges[0]) | set(grid.b_k_edges[0])
+        if sums_whole_k(res):
+            extra += stripe * grid.k * acc.itemsize if grid.cols > 1 else 0
+        elif len(panels) > 2:
+            extra += stripe * nj * acc.itemsize
+    return extra
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, MiB or KiB (two decimals), for a refusal's line."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
                memory: int | None = None, stripes: int = STRIPES_PER_RANK,
                grid: tuple[int, int] | None = None, whole_rows: bool = False,
-               stripe_bytes: int | None = None) -> BatchPlan:
+               stripe_bytes: int | None = None, budget: int | None = None,
+               host_panels: str | None = None) -> BatchPlan:
     """Plan a batch product on ``ranks`` ranks.
 
     Parameters
@@ -138,6 +174,13 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     stripe_bytes : int, optional
         More stripes where one would hold more than this many bytes of C (a resumable run
         passes ``RESUME_STRIPE_BYTES``).
+    budget : int, optional
+        Bytes one rank may hold by ``distmm.memory-budget`` (CPU ranks), as ``memory`` (the
+        lower of the two where both are given) but refused with a ``MemoryError``.
+    host_panels : str, optional
+        CPU ranks: how they get their panels (``"read"``, ``"share"`` or ``"broadcast"``,
+        ``batch_panels``), so that ``held_bytes`` counts what their host products add
+        (``_host_extra``); None: GPU ranks (the device's memory).
 
     Raises
     ------
@@ -146,6 +189,9 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         (``k x n / cols``) that does not fit ``memory`` with two stripes of the narrowest
         width (the message says how much one rank needs), or more stripes or first-stripe
         k steps than ``MAX_BATCH_EDGES`` (told from the sizes, before any is listed).
+    MemoryError
+        What one rank holds with stripes of the narrowest width is more than ``budget`` (the
+        message names the budget and that least).
 
     Examples
     --------
@@ -162,9 +208,11 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     if whole_rows and grid is None and ranks > 1 and m >= ranks:
         try:
             return plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
-                              grid=(ranks, 1), stripe_bytes=stripe_bytes)
-        except ValueError:  # B does not fit one rank: the grid below shares it
+                              grid=(ranks, 1), stripe_bytes=stripe_bytes, budget=budget,
+                              host_panels=host_panels)
+        except (ValueError, MemoryError):  # B does not fit one rank: the grid below shares it
             pass
+    limit = memory if budget is None else budget if memory is None else min(memory, budget)
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
     g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
     counts, held = [], [0] * g.ranks
@@ -175,19 +223,27 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if stripe_bytes:
             count = max(count, -(-mi * widest * np.dtype(g.dtype).itemsize // int(stripe_bytes)))
         count = max(1, min(count, mi))
-        if memory is not None:
+        if limit is not None:
             while True:
                 width = math.ceil(mi / count) if mi else 0
-                need = max(_held(g, i, j, width) for j in range(g.cols))
-                if need <= memory or width <= MIN_STRIPE_ROWS or width <= 1:
+                need = max(_held(g, i, j, width, host_panels) for j in range(g.cols))
+                if need <= limit or width <= MIN_STRIPE_ROWS or width <= 1:
                     break
                 count *= 2
         counts.append(count)
         width = -(-mi // count)  # the widest of even_edges(mi, count), before it is listed
         for j in range(g.cols):
-            held[g.rank_at(0, i, j)] = _held(g, i, j, width)
+            held[g.rank_at(0, i, j)] = _held(g, i, j, width, host_panels)
+    worst = max(range(g.ranks), key=held.__getitem__)
+    if budget is not None and held[worst] > budget:
+        _, i, _ = g.coords(worst)
+        width = -(-(g.row_edges[i + 1] - g.row_edges[i]) // counts[i])
+        raise MemoryError(
+            f"a {m} x {n} x {k} {np.dtype(dtype).name} batch product on {g.rows} x {g.cols} "
+            f"ranks holds at least {_size(held[worst])} on rank {worst} (B's column panel "
+            f"k x n/{g.cols} and stripes of A and C of {width} rows), more than its "
+            f"distmm.memory-budget of {_size(budget)}: set a larger budget or use more ranks")
     if memory is not None and max(held) > memory:
-        worst = max(range(g.ranks), key=held.__getitem__)
         raise ValueError(
             f"a {m} x {n} x {k} {np.dtype(dtype).name} product on {g.rows} x {g.cols} ranks needs "
             f"{max(held) / 2**30:.1f} GiB on rank {worst} (B's column panel k x n/{g.cols} and two "
@@ -280,7 +336,7 @@ class BatchSetup:
                  + (", whole rows of C each" if g.cols == 1 and g.ranks > 1 else "")
                  + f"; panels {self.panels}: {how[self.panels]}",
                  f"stripes    {p.stripes} per rank at most; held per rank at most "
-                 f"{max(p.held_bytes) / 2**30:.2f} GiB"]
+                 f"{_size(max(p.held_bytes))}"]
         shown = list(range(min(g.ranks, most)))
         if g.ranks > most:
             shown.append(g.ranks - 1)
@@ -306,12 +362,13 @@ class BatchSetup:
 def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: int = 1,
                  on_gpu: bool = False, panels: str = "auto", memory: int | None = None,
                  host_memory: int | None = None, stripes: int = STRIPES_PER_RANK,
-                 resume: bool = False) -> BatchSetup:
+                 resume: bool = False, budget: int | None = None) -> BatchSetup:
     """What ``mpirun -n ranks distmm matmul`` runs for ``C[m, n] = A[m, k] @ B[k, n]``: how
     the ranks get their panels (``batch_panels``) and the plan, whole rows of C per rank
     where they read their panels and B fits (GPU ranks: ``memory``; CPU ranks: half of
-    ``host_memory`` for all ranks' copies of B, ``b_fits_host``), else the grid
-    ``plan_batch`` picks.
+    ``host_memory`` for all ranks' copies of B, ``b_fits_host``, and ``budget``), else the
+    grid ``plan_batch`` picks. CPU ranks hold at most ``budget`` each (what ``held_bytes``
+    counts, with their host products' share): more stripes where it needs them.
 
     Parameters
     ----------
@@ -333,11 +390,18 @@ def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: 
         ``distmm.batch-stripes``.
     resume : bool
         A ``--resume`` run: stripes of at most ``RESUME_STRIPE_BYTES`` of C.
+    budget : int, optional
+        ``distmm.memory-budget`` given as a size: the bytes one CPU rank may hold (per rank,
+        whatever threads its BLAS runs); ``None`` (``auto``): no limit but ``host_memory``'s
+        on whole rows. GPU ranks plan with ``memory`` alone.
 
     Raises
     ------
     ValueError
         As ``plan_batch`` and ``batch_panels``.
+    MemoryError
+        CPU ranks would hold more than ``budget`` with stripes of the narrowest width
+        (``plan_batch``).
 
     Examples
     --------
@@ -351,5 +415,6 @@ def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: 
     rows = mode != "broadcast" and (on_gpu or b_fits_host(k, n, dtype, ranks=ranks,
                                                           available=host_memory))
     plan = plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
-                      whole_rows=rows, stripe_bytes=RESUME_STRIPE_BYTES if resume else None)
+                      whole_rows=rows, stripe_bytes=RESUME_STRIPE_BYTES if resume else None,
+                      budget=None if on_gpu else budget, host_panels=None if on_gpu else mode)
     return BatchSetup(plan=plan, panels=mode)

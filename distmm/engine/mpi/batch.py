@@ -2,10 +2,11 @@
 
 This module covers: ``run_batch``, called by every rank with the operands opened (memmaps,
 zarr arrays, h5py datasets) and the output checked: it binds the rank's GPU, plans the
-product (``distmm.plan_batch``, with the smallest device memory of any rank), prepares the
-staged output (rank 0: removes what killed runs left beside the target, or with ``resume``
-takes the staged output whose manifest matches and refuses one that does not, naming what
-changed, or one that another run works on), works out the stripes still missing, runs
+product (``distmm.plan_batch``, with the smallest device memory of any rank, or a CPU rank's
+``distmm.memory-budget`` given as a size), prepares the staged output (rank 0: removes what
+killed runs left beside the target, or with ``resume`` takes the staged output whose manifest
+matches and refuses one that does not, naming what changed, or one that another run works
+on), works out the stripes still missing, runs
 ``distmm.engine.mpi.stream.run_stripes`` and then lets the ranks agree on the outcome: on
 success rank 0 moves the staged output into place; on a failure or a signal on any rank every
 rank stops within milliseconds, and the staged output is removed, or kept with its manifest
@@ -259,11 +260,18 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             # how the ranks get their panels and the plan: what distmm plan --ranks prints
             # from the same facts (ranks that read their panels take whole rows of C when B
             # fits: each writes one contiguous range of the output, directly)
-            setup = decide_batch(m, n, k, dtype, ranks=comm.size, hosts=host_count(comm),
-                                 on_gpu=on_gpu, panels=get_config().batch_panels,
-                                 memory=device_memory(on_gpu, comm),
-                                 host_memory=_host_available(comm),
-                                 stripes=get_config().batch_stripes, resume=bool(args.resume))
+            # (CPU ranks: each holds at most a memory-budget given as a size)
+            try:
+                setup = decide_batch(m, n, k, dtype, ranks=comm.size, hosts=host_count(comm),
+                                     on_gpu=on_gpu, panels=get_config().batch_panels,
+                                     memory=device_memory(on_gpu, comm),
+                                     host_memory=_host_available(comm),
+                                     stripes=get_config().batch_stripes,
+                                     resume=bool(args.resume),
+                                     budget=get_config().memory_budget)
+            except MemoryError as exc:  # a budget too small for the product, told from the
+                # sizes before any work: the command's bad configuration, as distmm plan's
+                raise ValueError(str(exc)) from None
             plan, outcome.panels = setup.plan, setup.panels
             direct, share = setup.direct, setup.panels == "share"
             outcome.plan = plan
@@ -304,6 +312,13 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             # (every rank looks before any writes: the allgather below waits for all)
             c0, c1 = plan.grid.col_edges[j], plan.grid.col_edges[j + 1]
             mine -= rs.unwritten(staged, {s: (*plan.stripe_rows(i, s), c0, c1) for s in mine})
+            if resumed:  # and those whose bytes differ from their logged checksum, said once
+                with phases.phase("open"):
+                    bad = rs.damaged(staged, comm.rank, {s: (*plan.stripe_rows(i, s), c0, c1)
+                                                         for s in mine}, (m, n), dtype, header)
+                    mine -= set(bad)
+                    said = comm.gather(list(bad.values()), root=0)
+                outcome.notes += [line for lines in said or () for line in lines]
             with phases.phase("wait"):
                 everyone = comm.allgather(mine)
             row = [everyone[plan.grid.rank_at(0, i, jj)] for jj in range(plan.grid.cols)]
@@ -330,9 +345,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             sources = (PanelSource(a, name=args.a), PanelSource(b, name=args.b))
             try:
                 with executor:
-                    flags = run_stripes(plan, comm.rank, *sources, writer, executor, comms,
-                                        watch, phases, on_gpu=on_gpu, todo=todo, skip=mine,
-                                        on_written=written, share_b=share)
+                    flags = run_stripes(plan, comm.rank, *sources,
+                                        writer if log is None else log.summed(writer), executor,
+                                        comms, watch, phases, on_gpu=on_gpu, todo=todo,
+                                        skip=mine, on_written=written, share_b=share)
                 report(flags)  # numpy's warnings, once, from the main thread's errstate
             finally:
                 for source in sources:

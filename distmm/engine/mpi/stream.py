@@ -13,8 +13,9 @@ from two readable operands to a writer:
    stripe (a reader thread, two stripes ahead), broadcast them along the row, and every rank
    multiplies the stripe by the column panel, panel by panel in k order (so the bits never
    depend on timing, and a resumed run equals an uninterrupted one); the stripe's C goes to a
-   writer thread, which writes it into the staged output while the next stripes compute, and
-   then calls ``on_written(stripe)``.
+   writer thread, which writes it into the staged output while the next stripe computes (the
+   one after waits until it is written: a rank holds the two C stripes ``plan_batch`` counts),
+   and then calls ``on_written(stripe)``.
 
 On a GPU the copies in, the broadcasts (NCCL), the GEMMs and the copies out each run on a
 stream of their own through pinned host buffers, ordered by events, two stripes in flight; on
@@ -186,23 +187,25 @@ def _owner(cuts, k0: int) -> int:
 
 
 class _Writer(threading.Thread):
-    """Writes finished stripes in order; ``put`` hands one over (waits while two are queued)."""
+    """Writes finished stripes in order; ``put`` hands one over, waiting while ``most``
+    stripes handed over are not written yet (and let go: a stripe's memory is the writer's
+    until then). CPU ranks hand over one: the rank holds the stripe being written and the one
+    being computed, the two C stripes ``distmm.plan_batch`` counts; GPU ranks two, their two
+    pinned slots of C."""
 
-    def __init__(self, sink, watch: StopWatch, phases, on_written, to_result):
+    def __init__(self, sink, watch: StopWatch, phases, on_written, to_result, most: int = 2):
         super().__init__(name="distmm-stripe-writer", daemon=True)
         self.sink, self.watch, self.phases = sink, watch, phases
         self.on_written, self.to_result = on_written, to_result
-        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.queue: queue.Queue = queue.Queue()
+        self.slots = threading.Semaphore(most)  # one taken by each stripe not yet written
         self.stopped = False
         self.error: BaseException | None = None
 
     def put(self, item) -> None:
-        while True:
-            try:
-                self.queue.put(item, timeout=0.002)
-                return
-            except queue.Full:
-                self.watch.check()
+        while not self.slots.acquire(timeout=0.002):
+            self.watch.check()
+        self.queue.put(item)
 
     def run(self) -> None:
         try:
@@ -221,6 +224,8 @@ class _Writer(threading.Thread):
                 self.phases.add("write", start, time.perf_counter(), data.nbytes)
                 if release is not None:
                     release.set()
+                del item, block, data  # freed before the next stripe is handed over
+                self.slots.release()
                 self.on_written(stripe)
                 if PAUSE:
                     time.sleep(PAUSE)
@@ -230,17 +235,14 @@ class _Writer(threading.Thread):
 
     def drain(self) -> None:
         """Wait until every stripe handed over is written (the watch checked meanwhile)."""
-        self.put(None)
+        self.queue.put(None)
         poll(lambda: not self.is_alive(), self.watch)
         if self.error is not None:
             raise self.error
 
     def abandon(self) -> None:
         self.stopped = True
-        try:
-            self.queue.put_nowait(None)
-        except queue.Full:
-            pass
+        self.queue.put_nowait(None)
 
 
 def run_stripes(plan: BatchPlan, rank: int, a: PanelSource, b: PanelSource, sink, executor,
@@ -362,8 +364,12 @@ class _Run:
         p = self.panels if edges is None else edges
         return [(_owner(self.a_cuts, k0), k0, k1) for k0, k1 in zip(p, p[1:]) if k1 > k0]
 
+    #: stripes of C handed to the writer and not yet written (``_Writer``)
+    handed = 2
+
     def run(self, todo, skip, on_written):
-        writer = _Writer(self.sink, self.watch, self.phases, on_written, self.to_result)
+        writer = _Writer(self.sink, self.watch, self.phases, on_written, self.to_result,
+                         most=self.handed)
         writer.start()
         try:
             self.load_b()
@@ -391,6 +397,8 @@ class _Run:
 
 
 class _CPURun(_Run):
+    handed = 1  # one C stripe written while the next is computed: the two plan_batch counts
+
     def load_b(self):
         g = self.grid
         self.b_store = np.empty((g.k, self.nj), dtype=self.acc)
@@ -490,7 +498,12 @@ class _CPURun(_Run):
             off = self.a_cuts[owner]
             part = self.executor.panel_product(pieces[owner][:, k0 - off:k1 - off],
                                                self.b_store[k0:k1], 256)
-            c = part if c is None else c + part  # k order: the bits do not depend on timing
+            if c is None:
+                c = part
+            else:  # in k order: the bits do not depend on timing
+                c += part
+            # in place, and let go before the next panel's: the stripe's sum and one panel's
+            del part  # product held at once (plan_batch._host_extra)
         if c is None:
             c = np.zeros((h, self.nj), dtype=self.acc)
         return np.ascontiguousarray(c, dtype=self.acc)
