@@ -481,10 +481,11 @@ def _started(pid: int) -> float | None:
 MANIFEST_SUFFIX = ".resume.json"
 
 #: what a run keeps beside its staged output ``STAGED``, as ``STAGED`` + one of these: the
-#: manifest (and the file it is saved through), each rank's log of finished stripes
-#: (``distmm.engine.mpi.resume``), the zarr writers' lock (``distmm.stripe_writer``). Exactly
-#: these: ``STAGED.x.distmm-partial-PID`` is another target's staged output.
-_EXTRAS = re.escape(MANIFEST_SUFFIX) + r"(?:\.tmp)?|\.done-\d+|\.lock"
+#: manifest (and the file it is saved through), each rank's logs of finished stripes and of
+#: their checksums (``distmm.engine.mpi.resume``), the zarr writers' lock
+#: (``distmm.stripe_writer``). Exactly these: ``STAGED.x.distmm-partial-PID`` is another
+#: target's staged output.
+_EXTRAS = re.escape(MANIFEST_SUFFIX) + r"(?:\.tmp)?|\.(?:done|sums)-\d+|\.lock"
 
 
 def _extras(staged: Path) -> list[Path]:

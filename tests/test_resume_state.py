@@ -565,7 +565,7 @@ def _kept_beside(staged: Path) -> list[str]:
     """The names of the files a run keeps beside ``staged`` (its manifest, logs)."""
     return sorted(p.name for p in staged.parent.iterdir()
                   if p.name.startswith(f"{staged.name}.") and re.fullmatch(
-                      r"\.resume\.json|\.done-\d+", p.name[len(staged.name):]))
+                      r"\.resume\.json|\.(?:done|sums)-\d+", p.name[len(staged.name):]))
 
 
 @pytest.mark.mpi
@@ -606,6 +606,7 @@ def test_the_files_of_a_deleted_staged_output_are_removed_by_a_later_run(tmp_pat
                     if re.fullmatch(r".c.npy.distmm-partial-\d+", p.name)]
         kept = _kept_beside(staged)
         assert f"{staged.name}.resume.json" in kept and f"{staged.name}.done-0" in kept, kept
+        assert f"{staged.name}.sums-0" in kept, kept  # removed with them
         staged.unlink()  # by hand
         return kept
 

@@ -11,15 +11,19 @@ its products go through numpy's (``blas_facts``: the library, the kernel it chos
 CPU and its threads), which decide the order of a product's sums, the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
 disk only after the stripe's bytes were: the staged file's, or a zarr folder's chunk files and
-the folders that name them),
+the folders that name them) and of their checksums (``STAGED.sums-RANK``: ``STRIPE CRC32``
+per line, the CRC-32 of the stripe's bytes as C's dtype in C order, taken from the stripe in
+memory as it is written, flushed before the stripe's index is logged),
 comparing a manifest with a new run's (one line naming what changed; ``short``: a kept staged
 file shorter than it was made; ``unwritten``: logged stripes whose chunk files a kept zarr folder
-lost, computed again; ``drop_temporaries``: the chunks a killed run was writing, which zarr
-writes under a temporary name; ``Manifest.load``: a damaged manifest named), and finding the staged
-outputs that earlier runs left beside a target (a ``kill -9`` leaves them; a run started
-without ``--resume`` names and removes them, one with ``--resume`` takes the one whose manifest
-matches, and refuses while another run holds one: a ``--resume`` run holds its manifest's claim
-from the moment it is saved; ``distmm.staging`` finds, claims and removes them).
+lost, computed again; ``damaged``: logged stripes read back whose bytes no longer match their
+checksum, computed again, each said in one line; ``drop_temporaries``: the chunks a killed run
+was writing, which zarr writes under a temporary name; ``Manifest.load``: a damaged manifest
+named), and finding the staged outputs that earlier runs left beside a target (a ``kill -9``
+leaves them; a run started without ``--resume`` names and removes them, one with ``--resume``
+takes the one whose manifest matches, and refuses while another run holds one: a ``--resume``
+run holds its manifest's claim from the moment it is saved; ``distmm.staging`` finds, claims
+and removes them).
 
 It does *not* cover: computing or writing stripes (``distmm.engine.mpi.stream``) or the
 command line's messages (``distmm.cli.mpi_matmul``).
@@ -28,15 +32,21 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 from distmm.staging import MANIFEST_SUFFIX, fsync_paths
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
            "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "gpu_facts",
-           "drop_temporaries"]
+           "drop_temporaries", "sums_path", "read_sums", "checksum", "damaged"]
 
 FORMAT = "distmm-resume-1"
+#: what a manifest's ``checksums`` names: its ranks log each stripe's CRC-32 (``sums_path``);
+#: a manifest without it (written before checksums were) has its stripes trusted unread
+CHECKSUM = "crc32"
+#: bytes of a kept staged file read back at a time (``damaged``)
+READ_BYTES = 16 << 20
 
 
 def manifest_path(staged: Path) -> Path:
@@ -45,6 +55,10 @@ def manifest_path(staged: Path) -> Path:
 
 def done_log_path(staged: Path, rank: int) -> Path:
     return Path(f"{staged}.done-{rank}")
+
+
+def sums_path(staged: Path, rank: int) -> Path:
+    return Path(f"{staged}.sums-{rank}")
 
 
 def canonical(spec: str) -> str:
@@ -218,12 +232,180 @@ def drop_temporaries(staged: Path) -> int:
 def _chunk_files(staged: Path, array, region) -> list[Path]:
     """The chunk files of the zarr folder ``staged`` (its ``array``) that the region
     ``(r0, r1, c0, c1)`` of C lies in."""
+    return [staged / array.metadata.encode_chunk_key(key) for key in _chunks(array, region)]
+
+
+def _chunks(array, region) -> list[tuple[int, int]]:
+    """The indices of the chunks of the zarr ``array`` that the region ``(r0, r1, c0, c1)``
+    lies in."""
     r0, r1, c0, c1 = region
     if r1 <= r0 or c1 <= c0:
         return []
     rows, cols = array.chunks
-    return [staged / array.metadata.encode_chunk_key((i, j))
-            for i in range(r0 // rows, -(-r1 // rows)) for j in range(c0 // cols, -(-c1 // cols))]
+    return [(i, j) for i in range(r0 // rows, -(-r1 // rows))
+            for j in range(c0 // cols, -(-c1 // cols))]
+
+
+def checksum(block, dtype) -> int:
+    """The CRC-32 of ``block``'s bytes as ``dtype`` (C's) in C order: what its region of a
+    staged output holds once written."""
+    import numpy as np
+
+    return zlib.crc32(np.ascontiguousarray(np.asarray(block).astype(dtype, copy=False)))
+
+
+def read_sums(staged: Path, rank: int) -> dict[int, int]:
+    """The checksums ``rank`` logged, by stripe (a stripe written again: its last; a torn
+    last line or a damaged one is ignored)."""
+    try:
+        text = sums_path(staged, rank).read_text()
+    except OSError:
+        return {}
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]
+    sums = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                sums[int(parts[0])] = int(parts[1], 16)
+            except ValueError:
+                continue
+    return sums
+
+
+def damaged(staged: Path, rank: int, regions: dict, shape, dtype, header) -> dict[int, str]:
+    """The stripes of ``regions`` (stripe: ``(r0, r1, c0, c1)`` of C, logged by ``rank``)
+    whose bytes in the kept staged output (``shape`` and ``dtype`` C's; ``header``: a staged
+    file's data offset) no longer match the checksum logged with them (a bad disk, a partial
+    copy, an edit since), each with the one line that says so: they are computed again, never
+    trusted. Every stripe is read back. One logged without a checksum is trusted where the
+    manifest predates checksums (``CHECKSUM``), and computed again otherwise. A zarr chunk
+    file that no longer decodes is removed (a stripe written into part of it reads it first):
+    no stripe in it can be read back."""
+    if not regions:
+        return {}
+    sums = read_sums(staged, rank)
+    try:
+        required = (Manifest.load(staged) or {}).get("checksums") is not None
+    except ValueError:
+        required = True
+    found = {}
+    read = _ZarrSums(staged, dtype) if staged.is_dir() else _FileSums(staged, shape, dtype, header)
+    try:
+        for stripe in sorted(regions):
+            region = _region(regions[stripe])
+            what = _rows(region, shape[1])
+            if stripe not in sums:
+                if required:
+                    found[stripe] = (f"warning: {what} of C kept in {staged.name} have no "
+                                     f"checksum logged: computed again")
+                continue
+            try:
+                got = read(region)
+            except Exception as exc:  # noqa: BLE001 - whatever stops them reading back
+                found[stripe] = (f"warning: {what} of C kept in {staged.name} cannot be read "
+                                 f"back ({_reason(exc)}): computed again")
+                continue
+            if got != sums[stripe]:
+                found[stripe] = (f"warning: {what} of C kept in {staged.name} changed since "
+                                 f"they were written (their checksum differs from the one "
+                                 f"logged): computed again")
+    finally:
+        read.close()
+    return found
+
+
+class _Unreadable(Exception):
+    """Why kept stripes cannot be read back, said as it is."""
+
+
+def _reason(exc: BaseException) -> str:
+    """An error reading a stripe back, in one line."""
+    said = (str(exc).splitlines() or [""])[0]
+    return said if isinstance(exc, _Unreadable) else f"{type(exc).__name__}: {said}"
+
+
+def _rows(region, width: int) -> str:
+    """A stripe's place in C as a warning says it: ``rows 0:25``, or with its columns where
+    it has not all of them."""
+    r0, r1, c0, c1 = region
+    return f"rows {r0}:{r1}" + ("" if (c0, c1) == (0, width) else f", columns {c0}:{c1}")
+
+
+class _FileSums:
+    """Checksums of regions of a staged ``.npy`` or HDF5 file, read back at its data offset."""
+
+    def __init__(self, staged: Path, shape, dtype, header):
+        import numpy as np
+
+        self.item = np.dtype(dtype).itemsize
+        self.width = int(shape[1]) * self.item
+        self.header = int(header)
+        self.fd = os.open(staged, os.O_RDONLY)
+        self.buffer = memoryview(bytearray(READ_BYTES))
+
+    def __call__(self, region) -> int:
+        r0, r1, c0, c1 = region
+        if r1 <= r0 or c1 <= c0:
+            return zlib.crc32(b"")
+        span = (c1 - c0) * self.item
+        if span == self.width:  # whole rows: one span
+            spans = [(self.header + r0 * self.width, (r1 - r0) * self.width)]
+        else:
+            spans = ((self.header + r * self.width + c0 * self.item, span) for r in range(r0, r1))
+        crc = 0
+        for offset, nbytes in spans:
+            while nbytes > 0:
+                got = os.preadv(self.fd, [self.buffer[:min(nbytes, len(self.buffer))]], offset)
+                if got <= 0:
+                    raise _Unreadable("the file ends before them")
+                crc = zlib.crc32(self.buffer[:got], crc)
+                offset, nbytes = offset + got, nbytes - got
+        return crc
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _ZarrSums:
+    """Checksums of regions of a kept zarr folder, read through zarr. A chunk file that does
+    not decode is removed (a stripe written into part of it reads it first), and every region
+    in it cannot be read back."""
+
+    def __init__(self, staged: Path, dtype):
+        import zarr
+
+        self.staged, self.dtype = staged, dtype
+        self.array = zarr.open_array(str(staged), mode="r")
+        self.removed: dict[tuple[int, int], str] = {}  # chunk: why
+
+    def __call__(self, region) -> int:
+        r0, r1, c0, c1 = region
+        keys = _chunks(self.array, region)
+        try:
+            if not any(key in self.removed for key in keys):
+                return checksum(self.array[r0:r1, c0:c1], self.dtype)
+        except Exception:
+            self._remove_undecodable(keys)
+            if not any(key in self.removed for key in keys):
+                raise
+        raise _Unreadable(next(self.removed[key] for key in keys if key in self.removed))
+
+    def _remove_undecodable(self, keys) -> None:
+        rows, cols = self.array.chunks
+        for i, j in keys:
+            try:
+                self.array[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            except Exception as exc:  # noqa: BLE001 - it does not decode
+                name = self.array.metadata.encode_chunk_key((i, j))
+                (self.staged / name).unlink(missing_ok=True)
+                self.removed[(i, j)] = (f"chunk file {name} does not decode, removed: "
+                                        f"{_reason(exc)}")
+
+    def close(self) -> None:
+        pass
 
 
 class Manifest(dict):
@@ -242,7 +424,8 @@ class Manifest(dict):
                    stripe_edges=[list(map(int, e)) for e in stripe_edges],
                    panels=[int(p) for p in panels], pid=int(pid),
                    header=None if header is None else int(header),
-                   blas=list(blas) if blas is not None else [None] * int(ranks))
+                   blas=list(blas) if blas is not None else [None] * int(ranks),
+                   checksums=CHECKSUM)
 
     def save(self, staged: Path, *, hold: bool = False) -> int | None:
         """Write the manifest beside ``staged`` (whole, or not at all). ``hold``: return a
@@ -415,13 +598,16 @@ class DoneLog:
     after the stripe's bytes were, so that a crash of the host never leaves a logged stripe
     unwritten: a staged file's written bytes (one ``fdatasync``), or a zarr folder's chunk
     files of the stripe (zarr writes each under a temporary name and renames it) and the
-    folders that name them (``fsync``)."""
+    folders that name them (``fsync``); and before each line, the stripe's checksum in its
+    log of checksums (``sums_path``), taken as it was written through ``summed``'s writer."""
 
     def __init__(self, staged: Path, rank: int, *, fresh: bool = False):
         self.path = done_log_path(staged, rank)
-        # a fresh run's log starts empty, whatever a dead run of the same PID left
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                           | (os.O_TRUNC if fresh else 0), 0o644)
+        # a fresh run's logs start empty, whatever a dead run of the same PID left
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+        self._fd = os.open(self.path, flags, 0o644)
+        self._sums = os.open(sums_path(staged, rank), flags, 0o644)
+        self._written = None  # (region, checksum) of the last stripe written through summed
         self._staged = Path(staged)
         self._data = self._zarr = None
         if self._staged.is_dir():
@@ -431,9 +617,15 @@ class DoneLog:
         else:
             self._data = os.open(staged, os.O_RDONLY)
 
+    def summed(self, sink) -> "_Summed":
+        """``sink`` (a ``StripeWriter``), taking each block's checksum as it writes it, for
+        ``add`` to log with the block's stripe."""
+        return _Summed(sink, self)
+
     def add(self, stripe: int, region=None) -> None:
         """Log ``stripe``, written into ``region`` ``(r0, r1, c0, c1)`` of C (a zarr
-        folder's: its chunk files are flushed first)."""
+        folder's: its chunk files are flushed first), with its checksum where it was written
+        through ``summed``'s writer."""
         if self._data is not None:
             os.fdatasync(self._data)  # the stripe's bytes on disk before the line saying so
         elif region is not None:
@@ -441,12 +633,35 @@ class DoneLog:
             folders = {d for f in files for d in (f.parent, *f.parent.parents)
                        if d.is_relative_to(self._staged)}  # c/0 made for it names 0 in c/...
             fsync_paths([*files, *sorted(folders, reverse=True)])
+        written, self._written = self._written, None
+        if written is not None and region is not None and written[0] == _region(region):
+            os.write(self._sums, f"{int(stripe)} {written[1]:08x}\n".encode())
+            os.fdatasync(self._sums)
         os.write(self._fd, f"{int(stripe)}\n".encode())
         os.fsync(self._fd)
 
     def close(self) -> None:
-        for name in ("_fd", "_data"):
+        for name in ("_fd", "_sums", "_data"):
             fd = getattr(self, name)
             if fd is not None:
                 os.close(fd)
                 setattr(self, name, None)
+
+
+def _region(region) -> tuple[int, int, int, int]:
+    return tuple(int(x) for x in region)
+
+
+class _Summed:
+    """A writer of C's blocks that notes each block's checksum (``checksum``, as its
+    writer's dtype) in a ``DoneLog`` once written; the rest is its writer's."""
+
+    def __init__(self, sink, log: DoneLog):
+        self._sink, self._log = sink, log
+
+    def write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:
+        self._sink.write(r0, r1, c0, c1, block)
+        self._log._written = (_region((r0, r1, c0, c1)), checksum(block, self._sink.dtype))
+
+    def __getattr__(self, name):
+        return getattr(self._sink, name)
