@@ -552,6 +552,76 @@ def test_command_draws_the_roofline_with_the_records_ceilings(tmp_path):
             "or write-dd) ceiling.") in text
 
 
+def host_numpy(seconds, **extra):
+    """A GPU study's numpy reference as ``distmm bench`` writes it: run on the host's CPU
+    (threads, no ``gpus``) yet named after the study's device, the GPU."""
+    r = gpu_record("numpy", seconds, benchmark="study", engine="reference", threads=16, **extra)
+    del r["gpus"]
+    return r
+
+
+# a GPU study (distmm bench, device "gpu") with numpy among its references and no cuBLAS, on a
+# GPU whose device copy bench/kernels.py measured: numpy at 10.74 TFLOP/s is the host CPU's
+# rate, distmm's local engine on the GPU runs 42.95 TFLOP/s
+COPY = dict(gpu_record("ceiling-copy", 0.001, m=2**28, n=1, k=1), tflops=None, gbps=3100.0)
+GPU_STUDY = [COPY, host_numpy(0.0002), host_numpy(0.0004, dtype="float64"),
+             gpu_record("distmm-local", 0.00005, benchmark="study", engine="local"),
+             gpu_record("distmm-local", 0.0001, benchmark="study", engine="local",
+                        dtype="float64")]
+
+
+def test_numpy_is_a_ceiling_of_a_cpu_never_of_a_gpu():
+    from distmm.cli.report_roofline import roof
+
+    gemm = 2 * 1024**3
+    # no cuBLAS: the GPU has no compute ceiling at all (was numpy's, the roof of its runs)
+    assert [c.name for c in ceilings(GPU_STUDY)["test-gpu"]] == ["device memory (copy)"]
+    # with cuBLAS float32: the float32 roof is cuBLAS's; float64 has none (was numpy's 5.4)
+    cublas = gpu_record("cublas", 0.00004, benchmark="study", engine="reference")
+    found = ceilings(GPU_STUDY + [cublas])["test-gpu"]
+    assert [c.name for c in found] == ["cuBLAS float32", "device memory (copy)"]
+    roofs = {p.dtype: roof(p, found) for p in roofline_points(GPU_STUDY, found)}
+    assert roofs == {"float32": pytest.approx(gemm / 0.00004 / 1e12), "float64": None}
+    # a CPU study's records (no gpus): numpy's rate is the CPU's ceiling and its runs' roof
+    cpu = [{**{k: v for k, v in r.items() if k != "gpus"}, "device": "test-cpu"}
+           for r in GPU_STUDY[:3] + [
+               gpu_record("distmm-local", 0.0004, benchmark="study", engine="local"),
+               gpu_record("distmm-local", 0.0016, benchmark="study", engine="local",
+                          dtype="float64")]]
+    found = ceilings(cpu)["test-cpu"]
+    assert [(c.name, c.value) for c in found] == [
+        ("numpy float32", pytest.approx(gemm / 0.0002 / 1e12)),
+        ("numpy float64", pytest.approx(gemm / 0.0004 / 1e12)), ("device memory (copy)", 3100.0)]
+    assert [(p.dtype, p.tflops / roof(p, found)) for p in roofline_points(cpu, found)] == [
+        ("float32", pytest.approx(0.5)), ("float64", pytest.approx(0.25))]
+
+
+def test_report_gives_no_gpu_a_roof_from_numpy(tmp_path):
+    """No "of roof" above 100%: a GPU without cuBLAS gets no roofline, one with cuBLAS float32
+    only no float64 roof, each with a note saying why."""
+    cublas = dict(gpu_record("cublas", 0.00004, benchmark="study", engine="reference"),
+                  device="other-gpu")
+    records = GPU_STUDY + [dict(r, device="other-gpu") for r in GPU_STUDY] + [cublas]
+    out = tmp_path / "report"
+    assert main(["report", str(write_jsonl(tmp_path / "r.jsonl", records)), "-o", str(out),
+                 "--only", "roofline", "--no-html"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "roofline-other-gpu.png"]
+    text = (out / "report.md").read_text()
+    assert ("- No roofline for test-gpu: its records have no compute (a cublas reference or an "
+            "FMA probe; its numpy reference ran on the host's CPU, not on this GPU) ceiling."
+            ) in text
+    assert ("- No roof for the float64 runs of other-gpu: its records have no compute ceiling "
+            "of float64 (a cublas reference or an FMA probe; its numpy reference ran on the "
+            "host's CPU, not on this GPU).") in text
+    assert "| numpy" not in text  # no numpy ceiling in the table
+    rows = {tuple(line.split(" | ")[:4]): line.split(" | ")[-2:] for line in text.splitlines()
+            if "| study | distmm-local |" in line}
+    # distmm-local float32 on other-gpu: 42.95 of cuBLAS's 53.69 TFLOP/s (was numpy's 10.74:
+    # 400%); float64: no roof (was numpy's 5.369: 400%)
+    assert rows == {("| other-gpu", "study", "distmm-local", "float32"): ["53.69", "80% |"],
+                    ("| other-gpu", "study", "distmm-local", "float64"): ["-", "- |"]}
+
+
 # ---------------------------------------------------------------- predicted against measured
 
 

@@ -42,8 +42,10 @@ The rules, in one place:
   section; the report's notes count them. So is a record whose product failed its float64
   check (``relerr_ok`` false, as ``distmm bench`` writes it): its time is that of a wrong
   result.
-- **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``);
-  a device without them is named in the report's notes.
+- **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``;
+  numpy's rate is a CPU's ceiling, never a GPU's); a device without them, and the runs of
+  an arithmetic without a compute ceiling on their device (no roof), are named in the
+  report's notes.
 """
 from __future__ import annotations
 
@@ -412,18 +414,38 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
 
 
 def _rooflines(records) -> tuple[dict, list[str]]:
-    """The devices with a roofline and their ceilings, and a note for every other device."""
-    from distmm.cli.report_roofline import ceilings
+    """The devices with a roofline and their ceilings, and a note for every other device and
+    for the runs of a roofline that have no roof (no compute ceiling of their arithmetic)."""
+    from distmm.cli.report_roofline import (ceilings, gpu_devices, host_references, roof,
+                                            roofline_points)
 
-    found = ceilings(records)
+    found, gpus, host = ceilings(records), gpu_devices(records), host_references(records)
+
+    def compute(device, dtypes=None):
+        """What a compute ceiling of ``device`` (of ``dtypes``, default any) comes from, and
+        why a numpy reference recorded under a GPU's name is none."""
+        if device not in gpus:
+            return "a cublas/numpy reference or an FMA probe"
+        aside = host.get(device, set())
+        if dtypes is not None:
+            aside = aside & set(dtypes)
+        return "a cublas reference or an FMA probe" + (
+            "; its numpy reference ran on the host's CPU, not on this GPU" if aside else "")
+
     roofs, notes = {}, []
     for device in sorted({r["device"] for r in records}):
         kinds = {c.kind == "compute" for c in found.get(device, [])}
         if kinds == {True, False}:
             roofs[device] = found[device]
+            bare = sorted({p.dtype for p in roofline_points(records, found[device])
+                           if roof(p, found[device]) is None})
+            if bare:
+                notes.append(f"No roof for the {', '.join(bare)} runs of {device}: its records "
+                             f"have no compute ceiling of {' or '.join(bare)} "
+                             f"({compute(device, bare)}).")
             continue
         missing = " and ".join(what for what, there in (
-            ("compute (a cublas/numpy reference or an FMA probe)", True in kinds),
+            (f"compute ({compute(device)})", True in kinds),
             ("bandwidth (ceiling-copy, read-cat or write-dd)", False in kinds)) if not there)
         notes.append(f"No roofline for {device}: its records have no {missing} ceiling.")
     return roofs, notes

@@ -10,9 +10,14 @@ or ceilings no record measures (nominal PCIe, NVLink or network rates are never 
 The rules, in one place:
 
 - **compute ceilings**, per device and arithmetic (the dtype, or the reduced ``precision``
-  tf32/bf16/fp16 a record carries): the best TFLOP/s of a ``cublas*`` or ``numpy*``
-  reference record (the same-run reference of the benchmarks), and the best of a
+  tf32/bf16/fp16 a record carries): the best TFLOP/s of a ``cublas*`` reference record, or of
+  a ``numpy*`` one on a CPU (the same-run references of the benchmarks), and the best of a
   ``ceiling-ffma`` / ``ceiling-dfma`` record (a register-only FMA probe of ``bench/kernels.py``).
+  A device is a GPU when its records show one (``gpu_devices``: a ``cublas*`` reference or a
+  record with ``gpus`` >= 1). numpy runs on the host's CPU, yet a GPU study's numpy reference
+  names the GPU (``distmm bench`` names every record after the study's device): on a GPU it
+  is no ceiling (``host_references``), and a run whose arithmetic has no cuBLAS or probe
+  ceiling there has no roof (no nominal peak stands in for it).
 - **bandwidth ceilings**, per device, the best of each kind, with the bytes a GEMM moves across
   it (``itemsize`` of the record's dtype; ``.npy`` headers are not counted):
 
@@ -31,7 +36,8 @@ The rules, in one place:
   reference, a probe or a model record (``predicted_seconds``); per benchmark, variant and
   dtype the largest problem, its median TFLOP/s. Each sits at its intensity against the applicable bandwidth ceiling whose roof
   (GB/s x intensity) is lowest: the link that binds it.
-- A device gets a roofline when it has at least one compute and one bandwidth ceiling.
+- A device gets a roofline when it has at least one compute and one bandwidth ceiling; a point
+  whose arithmetic has no compute ceiling there has no roof (``roof`` None).
 """
 from __future__ import annotations
 
@@ -43,8 +49,8 @@ from dataclasses import dataclass
 
 from distmm.cli.report_rules import arithmetic, count_of, is_reference
 
-__all__ = ["Ceiling", "RoofPoint", "ceilings", "intensity", "roofline_points", "roof",
-           "ceiling_rows", "point_rows", "draw_roofline"]
+__all__ = ["Ceiling", "RoofPoint", "ceilings", "gpu_devices", "host_references", "intensity",
+           "roofline_points", "roof", "ceiling_rows", "point_rows", "draw_roofline"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8,
             "complex128": 16, "int32": 4, "int64": 8,
@@ -61,13 +67,40 @@ def _itemsize(dtype: str) -> int:
         raise ValueError(f"no element size known for dtype {dtype!r}") from None
 
 
-def _is_compute_reference(variant: str) -> bool:
-    return any(variant == r or re.match(re.escape(r) + r"[-@.]", variant)
-               for r in COMPUTE_REFERENCES)
+def _compute_reference(variant: str) -> str | None:
+    """``"cublas"`` or ``"numpy"`` for a compute reference variant, else None."""
+    return next((r for r in COMPUTE_REFERENCES
+                 if variant == r or re.match(re.escape(r) + r"[-@.]", variant)), None)
 
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def gpu_devices(records: list[dict]) -> set[str]:
+    """The devices whose records show a GPU: a ``cublas*`` reference, or a record of one or
+    more GPUs (``gpus`` >= 1: ``distmm bench``'s GPU runs, ``bench/kernels.py``'s probes).
+
+    Examples
+    --------
+    >>> sorted(gpu_devices([dict(variant="numpy", device="c", gpus=0),
+    ...                     dict(variant="numpy", device="g"),
+    ...                     dict(variant="distmm-local", device="g", gpus=1)]))
+    ['g']
+    """
+    return {r["device"] for r in records
+            if _compute_reference(r["variant"]) == "cublas" or _positive(r.get("gpus"))}
+
+
+def host_references(records: list[dict]) -> dict[str, set[str]]:
+    """The arithmetics of the numpy references recorded under a GPU's name, by device: numpy
+    ran on the host's CPU, so they are no ceiling of that GPU (see the module docstring)."""
+    gpus = gpu_devices(records)
+    out: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if r["device"] in gpus and _compute_reference(r["variant"]) == "numpy":
+            out[r["device"]].add(arithmetic(r))
+    return dict(out)
 
 
 @dataclass(frozen=True)
@@ -120,6 +153,7 @@ def ceilings(records: list[dict]) -> dict[str, list[Ceiling]]:
     ['cuBLAS float32 50 TFLOP/s', 'device memory (copy) 3000 GB/s']
     """
     best: dict[tuple, tuple[float, dict, str]] = {}
+    gpus = gpu_devices(records)
 
     def offer(key, value, record, name):
         if key not in best or value > best[key][0]:
@@ -127,8 +161,11 @@ def ceilings(records: list[dict]) -> dict[str, list[Ceiling]]:
 
     for r in records:
         variant, device = r["variant"], r["device"]
-        if _is_compute_reference(variant) and _positive(r.get("tflops")):
-            name = "cuBLAS" if variant.startswith("cublas") else "numpy"
+        reference = _compute_reference(variant)
+        if reference == "numpy" and device in gpus:
+            continue  # the host CPU's rate under the GPU's name: no ceiling of the GPU
+        if reference is not None and _positive(r.get("tflops")):
+            name = "cuBLAS" if reference == "cublas" else "numpy"
             offer((device, "compute", arithmetic(r), name), float(r["tflops"]), r,
                   f"{name} {arithmetic(r)}")
         elif variant in PROBES and _positive(r.get("tflops")):
