@@ -520,6 +520,50 @@ def test_outputs_are_checked_where_they_would_be_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="writes under /proc")
+def test_outputs_where_no_file_can_be_made_are_refused_before_any_work(tmp_path):
+    """os.access lets root write in /proc, where no file can be made: the demo started its
+    cluster and ran the product before its --report failed ('No such file or directory'), and
+    calibrate, bench, tune and trace (their check_writable) measured before theirs did. A
+    file is made and removed in the folder now: one line, status 2, before any work."""
+    from distmm.cli.outputs import check_writable
+
+    for path, folder in (("/proc/tune.json", False), ("/proc/new/deeper/cal.json", False),
+                         ("/proc/records", True)):
+        with pytest.raises(PermissionError, match="cannot write in /proc"):
+            check_writable(path, folder=folder)
+    r = run_cli("demo", "-n", 64, "--engine", "dask", "--workers", 1, "--report",
+                "/proc/r.html")
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr == ("distmm demo: error: cannot write in /proc (No such file or "
+                        "directory): /proc/r.html\n"), r.stderr
+
+
+@pytest.mark.parametrize("what", ["scheduler-file", "matmul output", "profile"])
+def test_the_checks_before_work_follow_no_link_where_they_try_a_file(tmp_path, what):
+    """Each check makes and removes a file where the command will write first (the
+    scheduler file's and the output's staged names, the profile's temporary): distmm
+    cluster's opened a link there, emptied the file it pointed to and removed the link.
+    Whatever is at that name is left as it was."""
+    from distmm.cli.io import check_report, check_writable, parse_target
+    from distmm.cli.serve import _check_scheduler_file
+
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    pid = os.getpid()
+    check, name = {
+        "scheduler-file": (lambda: _check_scheduler_file(str(tmp_path / "s.json"), False),
+                           f".s.json.distmm-partial-{pid}"),
+        "matmul output": (lambda: check_writable(parse_target(str(tmp_path / "c.npy"))),
+                          f".c.npy.distmm-partial-{pid}"),
+        "profile": (lambda: check_report("--profile", tmp_path / "p.json", ()),
+                    f"p.json.tmp-{pid}")}[what]
+    (tmp_path / name).symlink_to(victim)
+    check()
+    assert victim.read_text() == "kept" and (tmp_path / name).is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "victim"])
+
+
 def test_calibration_file_is_readable_as_open_makes_files_and_replaces_a_link(tmp_path):
     """save() left mkstemp's 0600 on a new calibration (unreadable to the group sharing it)."""
     import stat

@@ -346,6 +346,50 @@ def test_unwritable_output_folder(files):
         ro.chmod(0o755)
 
 
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="writes under /proc")
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+@pytest.mark.parametrize("name", ["c.npy", "c.h5:C"])
+def test_an_output_folder_no_file_can_be_made_in_is_refused_naming_it(files, name, ranks,
+                                                                      request):
+    """os.access lets root write in /proc, where no file can be made: the output was refused
+    by the free-space check instead ('/proc/c.npy needs 2.4 MiB but its file system has 0.0
+    MiB free', status 1, a failed run). The staged output's creation is tried now: bad input,
+    status 2, one line from rank 0, on one process and under mpirun."""
+    argv = ("matmul", files / "a.npy", files / "b.npy", "-o", f"/proc/{name}")
+    if ranks == 1:
+        r = run_cli(*argv)
+        line = one_line(r)
+    else:
+        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+        line = r.stderr
+    assert r.returncode == 2, r.stderr
+    assert (f"cannot write /proc/{name}: its folder /proc is not writable (distmm stages the "
+            f"output beside its target)") in line and "free" not in line, line
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a tmpfs mounted read-only (root and a mount namespace that allows it)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {made.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_an_output_folder_on_a_read_only_file_system_says_so(files, read_only_folder):
+    r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", read_only_folder / "c.npy")
+    assert r.returncode == 2
+    assert (f"cannot write {read_only_folder / 'c.npy'}: its folder {read_only_folder} is on a "
+            f"read-only file system") in one_line(r)
+
+
 def test_version_and_plan_dtype():
     import distmm
 
@@ -806,6 +850,49 @@ def test_too_many_open_files_is_a_failed_run_naming_the_limit(tmp_path, name):
     assert "Too many open files" in line and f"(the open-file limit, ulimit -n, is {limit})" in line
     assert "cannot be read" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "b.npy"]
+
+
+#: a child's ``distmm matmul`` that prints its peak address space (VmPeak, bytes) as it ends
+_PEAK = ("import re, sys\nfrom distmm.cli import main\nstatus = main(sys.argv[1:])\n"
+         "print(int(re.search(r'VmPeak:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) << 10)\n"
+         "sys.exit(status)\n")
+
+
+def _address_space(limit: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_openblas_out_of_address_space_leaves_no_staged_output(tmp_path):
+    """OpenBLAS maps a calling thread's buffer (32 MiB or more) at its first product above its
+    small-matrix size, and where the address-space limit (``ulimit -v``) refuses it, it calls
+    exit(1) from C: Python's cleanup never ran and the staged output was left ('OpenBLAS
+    error: Memory allocation still failed after 10 retries'; the next run removed it). The
+    buffer is mapped before the output is staged now. The buffer is the last mapping of this
+    small product, so a limit a little under the peak of a run without one meets it: the
+    limit comes down in 4 MiB steps until a run does; none leaves anything."""
+    from distmm.engine.mpi.resume import blas_facts
+
+    if not blas_facts()["blas"].startswith("OpenBLAS"):
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    np.save(tmp_path / "a.npy", np.ones((300, 300)))
+    np.save(tmp_path / "b.npy", np.ones((300, 300)))
+    argv = ("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy")
+    env = {"OPENBLAS_NUM_THREADS": "1"}  # its own threads' buffers at import: one, anywhere
+    r = subprocess.run([sys.executable, "-c", _PEAK, *map(str, argv)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    peak = int(r.stdout.split()[-1])
+    for step in range(1, 9):
+        (tmp_path / "c.npy").unlink(missing_ok=True)
+        r = run_cli(*argv, env=env, preexec_fn=_address_space(peak - (step << 22)), timeout=120)
+        assert sorted(p.name for p in tmp_path.iterdir()) == \
+            ["a.npy", "b.npy"] + (["c.npy"] if r.returncode == 0 else []), (step, r.stderr)
+        if "OpenBLAS" in r.stderr:
+            break
+    assert r.returncode == 1 and "OpenBLAS error" in r.stderr, r.stderr
 
 
 def _cpu_seconds(pid: int) -> float:

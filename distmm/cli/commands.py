@@ -124,7 +124,7 @@ def _batch_setup(args, result) -> list[str]:
     setup = decide_batch(args.m, args.n, args.k, result, ranks=args.ranks, hosts=hosts,
                          on_gpu=on_gpu, panels=config.batch_panels, memory=memory,
                          host_memory=host_available(),
-                         stripes=config.batch_stripes)
+                         stripes=config.batch_stripes, budget=config.memory_budget)
     ranks = f"{'GPU' if on_gpu else 'CPU'} ranks"
     if on_gpu and memory is None:
         ranks += " (no GPU here: no limit on their memory assumed)"
@@ -310,6 +310,34 @@ def _maybe_warm_gpu(args, engine, a, b, dtype) -> None:
         warmup()
 
 
+#: numpy's dtypes that its matmul hands to BLAS
+_BLAS_DTYPES = ("float32", "float64", "complex64", "complex128")
+
+
+def _map_blas_buffer(args, engine, dtype) -> None:
+    """Have numpy's BLAS map this thread's buffer now, before the output is staged, when this
+    process multiplies the product on its CPU through it. OpenBLAS maps a buffer (32 MiB or
+    more) for a calling thread at its first product above its small-matrix size (its own
+    threads' at import) and keeps it; where the address-space limit (``ulimit -v``) refuses
+    that, OpenBLAS ends the process from C (``exit(1)``: "OpenBLAS error: Memory allocation
+    still failed after 10 retries"), without the cleanup that removes the staged output.
+    Here that ends the run before anything is written; what the product allocates later is
+    Python's, refused as a ``MemoryError`` and cleaned up. The tiles of the ``blas``
+    backend run in this thread; those of ``--backend numba`` on complex operands, on the
+    local engine's threads, map theirs as they start."""
+    import numpy as np
+
+    from distmm.executor import GPU_BACKENDS
+
+    if engine not in (None, "auto", "local") or args.backend in GPU_BACKENDS:
+        return
+    if np.dtype(dtype).name not in _BLAS_DTYPES or (args.backend == "numba" and
+                                                    np.dtype(dtype).kind == "f"):
+        return  # numpy's own loops, or distmm's numba kernels: no BLAS
+    x = np.ones((256, 256))  # above every OpenBLAS small-matrix size (no buffer below it)
+    x @ x
+
+
 def _cmd_matmul(args) -> int:
     import dask
     import numpy as np
@@ -348,6 +376,7 @@ def _cmd_matmul(args) -> int:
         # use too) go only now
         _remove_leftovers(args.output)
         _maybe_warm_gpu(args, engine, a, b, dtype)
+        _map_blas_buffer(args, engine, dtype)
         with dask.config.set(options):
             # The staged output is made (the target and its free space checked) before any
             # work; it appears at the target only when the product is complete.

@@ -24,6 +24,7 @@ It does *not* cover: computing anything, or signal handling (``distmm.cli``).
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.cli.outputs import REFUSED, check_creatable
 from distmm.direct_io import npy_header, preallocate
 from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
@@ -351,23 +353,24 @@ def check_space(t: Target, nbytes: int) -> None:
 
 def check_writable(t: Target) -> None:
     """Refuse, naming the target, a folder in which its staged output cannot be created
-    (a read-only file system, no write permission): a ``PermissionError``, bad input,
-    instead of the staged file's hidden name in an error of the run.
+    (a read-only file system, no write permission, ``/proc``): a ``PermissionError``, bad
+    input, instead of the staged file's hidden name in an error of the run. The staged name
+    itself is created and removed (``distmm.cli.outputs.check_creatable``); an error that is
+    not the folder's (a name too long, too many open files) is raised as the staging would
+    meet it.
 
     Raises
     ------
     PermissionError
     """
-    folder = t.path.parent
-    if os.access(folder, os.W_OK | os.X_OK):
-        return
     try:
-        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    why = "is on a read-only file system" if read_only else "is not writable"
-    raise PermissionError(f"cannot write {t}: its folder {folder} {why} (distmm stages the "
-                          f"output beside its target)")
+        check_creatable(staged_path(t.path))
+    except OSError as exc:
+        if exc.errno not in REFUSED:
+            raise
+        why = "is on a read-only file system" if exc.errno == errno.EROFS else "is not writable"
+        raise PermissionError(f"cannot write {t}: its folder {t.path.parent} {why} (distmm "
+                              f"stages the output beside its target)") from None
 
 
 def check_unlocked(t: Target) -> None:
@@ -455,18 +458,13 @@ def check_report(flag: str, path, files) -> None:
     for spec in files:
         if parse_target(str(spec)).path.resolve() == own:
             raise ValueError(f"{flag} {p} is also the product's {spec}: name another file")
-    tmp = f"{p}.tmp-{os.getpid()}"
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                         0o644))
-    except FileExistsError:  # a dead run's under this PID: replaced as the report is written
-        return
+    try:  # a dead run's temporary under this PID is left: replaced as the report is written
+        check_creatable(f"{p}.tmp-{os.getpid()}")
     except OSError as exc:
         made = OSError(exc.errno, "")  # the subclass of its errno; an input's error, status 2
         kind = type(made) if isinstance(made, (FileNotFoundError, PermissionError)) \
             else PermissionError
         raise kind(exc.errno, f"cannot create the {flag} file ({exc.strerror})", str(p)) from None
-    os.unlink(tmp)
 
 
 @contextmanager

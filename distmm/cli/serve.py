@@ -50,6 +50,7 @@ import threading
 from pathlib import Path
 
 from distmm.cli.argtypes import integer_at_least
+from distmm.cli.outputs import check_creatable
 from distmm.plan import MAX_WORKERS
 
 __all__ = ["add_parser", "run_cluster"]
@@ -306,11 +307,8 @@ def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
                            f"a killed one): pass --overwrite to replace it, or choose another file")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"--scheduler-file {path}: no such directory: {target.parent}")
-    staged = _staged(target)
-    try:  # as the file is written once the workers are up (os.access: root may write in /proc)
-        with open(staged, "wb"):
-            pass
-        staged.unlink()
+    try:  # its staged name, as the file is written once the workers are up
+        check_creatable(_staged(target))
     except OSError as exc:
         raise PermissionError(f"--scheduler-file {path}: cannot write in {target.parent}"
                               f"{f' ({exc.strerror.lower()})' if exc.strerror else ''}") from None
