@@ -604,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and SUMMA traces (summa-trace-*.json, read by distmm model only)")
     r.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the folder to write (created; an existing non-empty one needs --overwrite)")
-    r.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace an existing report's DIR (report.md, index.html, PNGs only)")
     from distmm.cli.report import add_options as add_report_options
 
     add_report_options(r)  # --only, --no-html
