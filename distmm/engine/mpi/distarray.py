@@ -125,14 +125,19 @@ class DistArray:
         Every rank must pass the same array. Nothing is exchanged here; the first
         collective call that takes the result (``distmm.matmul``, ``redistribute``,
         ``gather``, ``to_file``) compares the ranks' shapes, dtypes and layouts, and a
-        sample of the values of numpy and cupy arrays (``agree.fingerprint``), and
-        raises ``ValueError`` on every rank where they differ.
+        sample of the values of numpy and cupy arrays and of nested lists
+        (``agree.fingerprint``), and raises ``ValueError`` on every rank where they differ.
 
         Raises
         ------
         ValueError
-            An array that is not 2-D, or a layout for another shape.
+            An array that is not 2-D, a layout for another shape or whose owners are not
+            ranks of ``comm``.
+        TypeError
+            A ``layout`` that is not a ``BlockLayout``.
         """
+        if array_family(x) != "cupy" and getattr(x, "ndim", None) is None:
+            x = np.asarray(x)  # a list or a tuple: its values are compared too
         dist = cls.from_agreed(x, comm, layout)
         values = b""
         if array_family(x) == "cupy" or isinstance(x, np.ndarray):
@@ -154,8 +159,11 @@ class DistArray:
                 raise ValueError(f"DistArray needs a 2-D array, got shape {x.shape}")
         if layout is None:
             layout = BlockLayout.grid(tuple(x.shape), *square_grid(comm.size))
+        _layout_type(layout)
         if tuple(layout.shape) != tuple(x.shape):
             raise ValueError(f"layout is for shape {layout.shape}, the array has {tuple(x.shape)}")
+        # an owner that is no rank of comm would hold a block no rank keeps
+        _check_owners(layout, comm.size, "DistArray")
         r0, r1, c0, c1 = layout.local_bounds(comm.rank)
         block = xp.ascontiguousarray(x[r0:r1, c0:c1]) if r1 > r0 and c1 > c0 else \
             xp.empty((r1 - r0, c1 - c0), dtype=x.dtype)
@@ -235,36 +243,54 @@ class DistArray:
     @classmethod
     def from_file(cls, spec: str, comm=None, layout: BlockLayout | None = None) -> "DistArray":
         """From ``.npy`` (a memmap), a zarr array or ``file.h5:dataset``: each
-        rank reads only its own block. Collective: what one rank cannot open is raised
-        on every rank, and so is a file whose shape or dtype differs between ranks (the
-        values are not compared).
+        rank reads only its own block. Collective: what one rank cannot open or read (a
+        corrupt zarr chunk in its block) is raised on every rank, and so is a file whose
+        shape or dtype differs between ranks (the values are not compared), and a
+        ``layout`` that differs between ranks or does not fit the file or the ranks.
 
         Raises
         ------
         FileNotFoundError, ValueError
             A missing file or dataset, an unsupported suffix, an array that is not 2-D;
-            ``ValueError``: arrays of other shapes or dtypes on different ranks.
+            ``ValueError``: arrays of other shapes or dtypes on different ranks, a layout
+            that differs between ranks, is for another shape or has owners that are not
+            ranks of ``comm``.
+        TypeError
+            A ``layout`` that is not a ``BlockLayout``.
         """
         from distmm.engine.mpi.io import open_block_source
 
         comm = comm if comm is not None else _world()
         source, error = None, None
         try:  # a file only some ranks cannot open is refused on every rank
+            if layout is not None:
+                _layout_type(layout)
             source = open_block_source(spec)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         agree(comm, error, (), before_raise=lambda: source is not None and source.close(),
               into=set(), when="in DistArray.from_file")
         try:
-            mine = (tuple(source.array.shape), np.dtype(source.array.dtype), str(spec))
+            mine = (tuple(source.array.shape), np.dtype(source.array.dtype), str(spec),
+                    _digest(layout))
             everyone = comm.allgather(mine) if comm.size > 1 else [mine]
             other = next((r for r, x in enumerate(everyone) if x[:2] != everyone[0][:2]), None)
             if other is not None:
-                (s0, d0, f0), (s1, d1, f1) = everyone[0], everyone[other]
+                (s0, d0, f0, _), (s1, d1, f1, _) = everyone[0], everyone[other]
                 raise ValueError(f"from_file needs the same array on every rank: {s0} "
                                  f"{np.dtype(d0)} in {f0} on rank 0, {s1} {np.dtype(d1)} in "
                                  f"{f1} on rank {other}")
-            return cls.from_agreed(source.array, comm, layout)
+            other = next((r for r, x in enumerate(everyone) if x[3] != everyone[0][3]), None)
+            if other is not None:
+                raise ValueError(f"from_file needs the same layout= on every rank: rank 0's "
+                                 f"and rank {other}'s differ")
+            dist, error = None, None
+            try:  # a layout or a block only some ranks refuse is refused on every rank
+                dist = cls.from_agreed(source.array, comm, layout)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+                error = exc
+            agree(comm, error, (), into=set(), when="in DistArray.from_file")
+            return dist
         finally:
             source.close()
 
@@ -296,12 +322,7 @@ class DistArray:
         _same_everywhere(self.comm, what, _digest(layout))
         if tuple(layout.shape) != tuple(self.shape):
             raise ValueError(f"layout is for shape {layout.shape}, the array has {self.shape}")
-        rows, cols = layout.blocks
-        owners = [r for row in layout.owners for r in row]
-        if len(layout.owners) != rows or any(len(row) != cols for row in layout.owners) or \
-                any(not 0 <= r < self.comm.size for r in owners):
-            raise ValueError(f"{what}: the layout's owners {layout.owners} are not a "
-                             f"{rows} x {cols} grid of the ranks 0 to {self.comm.size - 1}")
+        _check_owners(layout, self.comm.size, what)
 
     # -- moving -----------------------------------------------------------------
     def redistribute(self, layout: BlockLayout) -> "DistArray":
@@ -430,6 +451,24 @@ def _grid(grid) -> tuple[int, int]:
         raise ValueError(f"from_local: grid {rows} x {cols} needs at least one row and one "
                          f"column of ranks")
     return rows, cols
+
+
+def _layout_type(layout) -> None:
+    """A ``layout=`` that is no ``BlockLayout``: TypeError naming it."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a distmm.grid.BlockLayout, got "
+                        f"{type(layout).__name__} {layout!r}")
+
+
+def _check_owners(layout: BlockLayout, ranks: int, what: str) -> None:
+    """ValueError unless ``layout``'s owners are a grid of its blocks, each a rank below
+    ``ranks``."""
+    rows, cols = layout.blocks
+    owners = [r for row in layout.owners for r in row]
+    if len(layout.owners) != rows or any(len(row) != cols for row in layout.owners) or \
+            any(not 0 <= r < ranks for r in owners):
+        raise ValueError(f"{what}: the layout's owners {layout.owners} are not a "
+                         f"{rows} x {cols} grid of the ranks 0 to {ranks - 1}")
 
 
 def _digest(value) -> bytes:

@@ -63,21 +63,30 @@ def open_block_source(spec: str) -> _Source:
     FileNotFoundError
         No such file, or no such HDF5 dataset.
     ValueError
-        An unsupported suffix, or an array that is not 2-D.
+        An unsupported suffix, an array that is not 2-D, or a file that is not of its
+        suffix's format (not numpy's, an object array, a zarr group, not HDF5), named.
     """
     f = parse_spec(spec)
     if not f.path.exists():
         raise FileNotFoundError(f"no such file: {f.path}")
     if f.kind == "npy":
-        src = _Source(np.load(f.path, mmap_mode="r", allow_pickle=False))
+        src = _Source(_load_npy(f.path))
     elif f.kind == "zarr":
         import zarr
 
-        src = _Source(zarr.open_array(str(f.path), mode="r"))
+        try:
+            src = _Source(zarr.open_array(str(f.path), mode="r"))
+        except (ValueError, TypeError, KeyError) as exc:  # a group, a folder of no array
+            raise ValueError(f"{f.path} is not a readable zarr array ({_why(exc)})") from None
     else:
         import h5py
 
-        fh = h5py.File(f.path, "r")
+        try:
+            fh = h5py.File(f.path, "r")
+        except OSError as exc:  # HDF5's messages do not name the file
+            if isinstance(exc, PermissionError):
+                raise
+            raise ValueError(f"{f.path} is not a readable HDF5 file ({_why(exc)})") from None
         node = fh.get(f.dataset)
         if not isinstance(node, h5py.Dataset):
             fh.close()
@@ -87,6 +96,26 @@ def open_block_source(spec: str) -> _Source:
         src.close()
         raise ValueError(f"{spec} has shape {tuple(src.array.shape)}; a DistArray is 2-D")
     return src
+
+
+def _load_npy(path):
+    """A read-only memmap of the ``.npy`` file ``path``; ValueError naming it where it is
+    not one numpy reads without unpickling (np.load takes a file without numpy's magic
+    string for a pickle, and its messages do not name the file)."""
+    with open(path, "rb") as fh:
+        if fh.read(6) != b"\x93NUMPY":
+            raise ValueError(f"{path} is not a .npy file: it does not start with numpy's "
+                             f"magic string")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError) as exc:  # an object array, a cut header
+        raise ValueError(f"{path} is not a readable .npy file ({_why(exc)})") from None
+
+
+def _why(exc: BaseException) -> str:
+    """A library's exception on one line: its text, else its type."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):

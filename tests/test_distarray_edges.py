@@ -1,0 +1,229 @@
+"""DistArray at its edges under real ``mpiexec``: layouts that do not fit the ranks, files
+that fail on one rank only, lists that differ between ranks, files of the wrong format;
+then shapes smaller than the grid, empty dimensions, numpy's dtypes and bits, unusual
+blocks (Fortran-ordered, strided, read-only, big-endian, a memmap) and every file format.
+
+Each test writes SCRIPT and runs it on every rank; the ranks gather their lines to rank 0,
+which prints them (mpiexec may interleave the ranks' own writes), and the test asserts that
+each rank printed every line it should and each says ``ok``. The fixture's timeout bounds a
+hang: a rank left waiting for another fails the test.
+"""
+from __future__ import annotations
+
+import pytest
+
+SCRIPT = r'''
+import os, sys
+import numpy as np
+from mpi4py import MPI
+import distmm
+from distmm import DistArray
+from distmm.grid import BlockLayout
+
+comm = MPI.COMM_WORLD
+P, rank = comm.size, comm.rank
+last = rank == P - 1
+tmp = sys.argv[1]
+lines = []
+
+
+def refused(what, call, expect, words):
+    """call() raises ``expect`` (None: any type) on every rank: one line naming ``words``,
+    the same on every rank."""
+    try:
+        call()
+        got = "no error"
+    except Exception as exc:  # noqa: BLE001 - checked below
+        got = f"{type(exc).__name__}: {exc}"
+    seen = comm.allgather(got)
+    good = (got != "no error" and (expect is None or got.startswith(expect.__name__ + ": "))
+            and words in got and "\n" not in got and len(set(seen)) == 1)
+    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD ' + repr(seen)}")
+
+
+def same(what, got, want):
+    """``got`` is ``want``: dtype, shape and bytes (object arrays: elements and types)."""
+    if got is None or want is None:
+        good = got is None and want is None
+    elif want.dtype.kind == "O":
+        good = (got.dtype == want.dtype and got.shape == want.shape
+                and [(type(v), v) for v in got.ravel()] == [(type(v), v) for v in want.ravel()])
+    else:
+        good = (got.dtype == want.dtype and got.shape == want.shape
+                and np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes())
+    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD %r vs %r' % (got, want)}")
+
+
+def fixes():
+    x = np.arange(12.0 * P).reshape(4, 3 * P)
+    columns = BlockLayout.grid(x.shape, 1, P)  # rank r reads columns 3r to 3r + 3
+    if rank == 0:
+        import h5py, zarr
+
+        np.save(f"{tmp}/x.npy", x)
+        z = zarr.create_array(f"{tmp}/x.zarr", shape=x.shape, dtype=x.dtype, chunks=(4, 3),
+                              zarr_format=3)
+        z[:] = x
+        chunk = f"{tmp}/x.zarr/c/0/{P - 1}"  # the last rank's block, and only its
+        assert os.path.isfile(chunk), chunk
+        with open(chunk, "wb") as fh:
+            fh.write(b"not zstd")
+        with open(f"{tmp}/pickle.npy", "wb") as fh:
+            fh.write(b"not numpy's format")
+        np.save(f"{tmp}/objects.npy", np.arange(4).reshape(2, 2).astype(object))
+        zarr.open_group(f"{tmp}/group.zarr", mode="w")
+        with open(f"{tmp}/not.h5", "wb") as fh:
+            fh.write(b"not HDF5")
+    comm.Barrier()
+    # a block only the last rank cannot read: the others waited for it in the next collective
+    refused("a corrupt chunk in the last rank's block",
+            lambda: DistArray.from_file(f"{tmp}/x.zarr", layout=columns).gather(None), None, "")
+    # a layout only the last rank gives: it raised alone, or read another block
+    other = BlockLayout.grid(x.shape, P, 1)
+    refused("from_file another layout on the last rank",
+            lambda: DistArray.from_file(f"{tmp}/x.npy", layout=other if last else columns),
+            ValueError, f"same layout= on every rank: rank 0's and rank {P - 1}'s differ")
+    wrong = BlockLayout.grid((5, 3 * P), 1, P)
+    refused("from_file a layout for another shape on the last rank",
+            lambda: DistArray.from_file(f"{tmp}/x.npy", layout=wrong if last else columns),
+            ValueError, f"rank {P - 1}'s differ")
+    # owners that are no ranks: their blocks were kept by no rank, gather gave garbage
+    beyond = BlockLayout.grid(x.shape, 1, P + 1)
+    owners = f"are not a 1 x {P + 1} grid of the ranks 0 to {P - 1}"
+    refused("from_array owners past the last rank",
+            lambda: DistArray.from_array(x, layout=beyond).gather(None), ValueError, owners)
+    refused("from_file owners past the last rank",
+            lambda: DistArray.from_file(f"{tmp}/x.npy", layout=beyond).gather(None),
+            ValueError, owners)
+    refused("from_array a layout that is no BlockLayout",
+            lambda: DistArray.from_array(x, layout=(1, P)), TypeError, "BlockLayout")
+    refused("from_file a layout that is no BlockLayout",
+            lambda: DistArray.from_file(f"{tmp}/x.npy", layout=(1, P)), TypeError, "BlockLayout")
+    # nested lists were never compared: a matrix mixing the ranks' lists
+    refused("from_array lists that differ on the last rank",
+            lambda: DistArray.from_array((x + last).tolist()).gather(None), ValueError,
+            f"values differ between rank 0 and rank {P - 1}")
+    # files not of their suffix's format: the error names the file
+    for name in ("pickle.npy", "objects.npy", "group.zarr", "not.h5:A"):
+        refused(f"from_file {name}", lambda: DistArray.from_file(f"{tmp}/{name}"), ValueError,
+                f"{tmp}/{name.split(':')[0]} is not ")
+    same("the ranks in step after the refusals",
+         DistArray.from_file(f"{tmp}/x.npy", layout=columns).gather(P - 1), x if last else None)
+
+
+def product(what, a, b, **layouts):
+    got = distmm.matmul(DistArray.from_array(a, layout=layouts.get("la")),
+                        DistArray.from_array(b, layout=layouts.get("lb"))).gather(None)
+    same(what, got, np.matmul(a, b))
+
+
+def battery():
+    rng = np.random.default_rng(7)  # the same operands on every rank
+    small = lambda shape, dt: rng.integers(-3, 4, shape).astype(dt)
+    # shapes smaller than the grid and empty dimensions: numpy's bits (integer values)
+    for m, k, n in [(1, 7, 5), (7, 1, 5), (7, 5, 1), (1, 1, 1), (2, 0, 3), (0, 3, 2), (3, 2, 0),
+                    (0, 0, 0), (P + 1, 2 * P + 1, P)]:
+        for dt in ("float64", "int64", "object"):
+            product(f"{dt} {m}x{k}x{n}", small((m, k), dt), small((k, n), dt))
+    # numpy's result dtype and bits
+    for da, db in [("int8", "uint8"), ("bool", "bool"), ("float16", "float16"),
+                   ("complex64", "complex64"), ("int8", "float16"), ("bool", "int16"),
+                   ("uint8", "uint8"), ("object", "float64"), ("float32", "int64")]:
+        product(f"{da} @ {db}", small((5, 7), da), small((7, 4), db))
+    wrap = rng.integers(0, 256, (6, 9), dtype=np.uint8)  # sums that wrap, as numpy's do
+    product("uint8 wrapping", wrap, wrap.T.copy())
+    a, b = small((7, 5), "float64"), small((5, 6), "float64")
+    product("layouts: the last rank, rank 0", a, b, la=BlockLayout.single(a.shape, P - 1),
+            lb=BlockLayout.single(b.shape, 0))
+    product("layouts: rows, columns", a, b, la=BlockLayout.grid(a.shape, P, 1),
+            lb=BlockLayout.grid(b.shape, 1, P))
+    same("DistArray @ ndarray", distmm.matmul(DistArray.from_array(a), b).gather(None), a @ b)
+    same("ndarray @ DistArray", distmm.matmul(a, DistArray.from_array(b)).gather(None), a @ b)
+    # blocks as users hold them: Fortran-ordered, strided, read-only, big-endian
+    whole = np.arange(30.0 * P).reshape(3 * P, 10)
+    mine = whole[3 * rank:3 * rank + 3]
+    read_only = mine.copy()
+    read_only.flags.writeable = False
+    for what, block in [("Fortran", np.asfortranarray(mine)), ("strided", mine[:, ::2]),
+                        ("read-only", read_only), ("big-endian", mine.astype(">f8"))]:
+        d = DistArray.from_local(block, grid=(P, 1))
+        want = np.concatenate([whole[3 * r:3 * r + 3] for r in range(P)])
+        want = want[:, ::2] if what == "strided" else want
+        same(f"from_local {what} gathered", d.gather(0), want.astype(block.dtype)
+             if rank == 0 else None)
+        same(f"from_local {what} multiplied", distmm.matmul(d, np.eye(want.shape[1])).gather(None),
+             want @ np.eye(want.shape[1]))
+    if rank == 0:
+        np.save(f"{tmp}/whole.npy", whole)
+    comm.Barrier()
+    mapped = np.load(f"{tmp}/whole.npy", mmap_mode="r")
+    same("from_array of a memmap", DistArray.from_array(mapped).gather(None), whole)
+    # every format, odd and empty sizes, read back bitwise
+    for shape in [(1, 1), (P + 2, 2 * P + 1), (0, 3)]:
+        for dt in ("float64", "int8", "bool", "complex64", "float16", ">f8"):
+            x = small(shape, dt)
+            for spec in (f"{tmp}/c.npy", f"{tmp}/c.zarr", f"{tmp}/c.h5:C"):
+                DistArray.from_array(x).to_file(spec, overwrite=True)
+                back = DistArray.from_file(spec).gather(None)
+                zarr = spec.endswith(".zarr")  # zarr 3 stores little-endian
+                same(f"{spec.rsplit('/', 1)[1]} {shape} {dt}", back,
+                     x.astype(x.dtype.newbyteorder("<")) if zarr else x)
+    # arguments every rank refuses, or the last only: one line on every rank
+    d = DistArray.from_array(a)
+    refused("gather to a root past the last rank", lambda: d.gather(P), ValueError,
+            f"root {P} is not one of the {P} ranks")
+    if P > 1:
+        refused("gather to another root on the last rank", lambda: d.gather(P - 1 if last else 0),
+                ValueError, f"root={P - 1} on rank {P - 1}")
+        refused("from_local another dtype on the last rank",
+                lambda: DistArray.from_local(np.ones((2, 3), np.float32 if last else np.float64),
+                                             grid=(P, 1)), TypeError, f"float32 on rank {P - 1}")
+        refused("from_local another width on the last rank",
+                lambda: DistArray.from_local(np.ones((2, 4 if last else 3)), grid=(P, 1)),
+                ValueError, f"block of rank {P - 1} has shape (2, 4)")
+    refused("from_array of a vector", lambda: DistArray.from_array(np.ones(3)), ValueError,
+            "2-D")
+    refused("from_local of a 3-D block", lambda: DistArray.from_local(np.ones((1, 2, 3))),
+            ValueError, "must be 2-D")
+
+
+{"fixes": fixes, "battery": battery}[sys.argv[2]]()
+for mine in comm.gather(lines) or []:
+    print("\n".join(mine), flush=True)
+'''
+
+
+def _run(mpirun, tmp_path, ranks: int, case: str, timeout: float):
+    script = tmp_path / "distarray_edges.py"
+    script.write_text(SCRIPT)
+    r = mpirun(ranks, script, tmp_path, case, timeout=timeout)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    bad = [line for line in lines if not line.endswith(": ok")]
+    return r, lines, bad
+
+
+@pytest.mark.mpi
+def test_layouts_and_files_one_rank_gets_wrong_are_refused_on_every_rank(tmp_path, mpirun):
+    """On 3 ranks: a corrupt zarr chunk that only the last rank reads, and a from_file
+    layout= that only the last rank gives, raise on every rank (the others waited for ever:
+    the timeout); layouts whose owners are no ranks are refused (a block was kept by no
+    rank: gather gave uninitialised memory), as is a layout that is no BlockLayout (an
+    AttributeError); nested lists that differ between ranks are compared as arrays are (a
+    mixed matrix); a file that is not of its suffix's format is named (numpy's advice to
+    unpickle, zarr's and HDF5's errors without the path)."""
+    r, lines, bad = _run(mpirun, tmp_path, 3, "fixes", timeout=90)
+    assert len(lines) == 3 * 13 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_products_blocks_and_files_are_numpys(ranks, tmp_path, mpirun):
+    """Products of DistArrays smaller than the grid or empty, of every dtype pair, in any
+    layout, with blocks as users hold them, and every file format read back: numpy's dtype
+    and bits; refusals on every rank, one line each."""
+    r, lines, bad = _run(mpirun, tmp_path, ranks, "battery", timeout=240)
+    per_rank = 107 + (3 if ranks > 1 else 0)  # three refusals need a second rank
+    assert len(lines) == per_rank * ranks and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
