@@ -1,16 +1,20 @@
-"""How the ``distmm`` command starts: a signal that arrives while its modules import.
+"""How the ``distmm`` command starts: a signal or an error while its modules import.
 
 This module covers: telling whether this process is the ``distmm`` command (its console
 script, or ``python -m distmm``; under ``mpirun`` and ``srun`` too), and ``guard``, which ends
 such a process on SIGINT or SIGTERM during the imports of ``distmm`` and of its command line
-with the command line's one line and status (130, 143), as later in the run; and
-``let_rank_zero_say``, which makes that line one for all the ranks of a launcher. A library
-import is left as it is: no handler is installed.
-It does *not* cover: signals once a command runs (``distmm.cli.exits``).
+with the command line's one line and status (130, 143), as later in the run, and on an error
+there (memory the address-space limit refuses, a shared library that cannot be mapped) with
+one line and status 1, instead of a traceback; ``limit_note``, the process limit behind an
+error, named in that line and in every later one (``distmm.cli.exits``); and
+``let_rank_zero_say``, which makes a signal's line one for all the ranks of a launcher. A
+library import is left as it is: no handler is installed.
+It does *not* cover: signals and errors once a command runs (``distmm.cli.exits``).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -18,7 +22,12 @@ import time
 
 from distmm.errors import Signalled
 
-__all__ = ["guard", "is_command", "let_rank_zero_say", "rank_zero"]
+try:  # imported here, before memory can run out (``limit_note``)
+    import resource
+except ImportError:  # not a POSIX system: no process limits to name
+    resource = None
+
+__all__ = ["guard", "is_command", "let_rank_zero_say", "limit_note", "rank_zero"]
 
 # the rank variables of mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH), PMIx and srun
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
@@ -61,11 +70,66 @@ def _raise_signalled(signum, frame):
     raise Signalled(signum)
 
 
+#: the process limit behind an error: (errno or exception type, resource name, ulimit option,
+#: what it limits); the limit in force is named where it is set
+_LIMITS = ((errno.EFBIG, "RLIMIT_FSIZE", "-f", "file-size"),
+           (errno.EMFILE, "RLIMIT_NOFILE", "-n", "open-file"),
+           (errno.ENOMEM, "RLIMIT_AS", "-v", "address-space"),
+           (MemoryError, "RLIMIT_AS", "-v", "address-space"))
+
+
+def limit_note(exc: BaseException) -> str:
+    """``" (the file-size limit, ulimit -f, is 64.0 KiB)"`` where ``exc`` is what a process
+    limit in force causes (a write past the file-size limit, too many open files, memory the
+    address-space limit refuses; SIGXCPU); else ``""``."""
+    if isinstance(exc, Signalled) and exc.signum == signal.SIGXCPU:
+        return " (the CPU-time limit, ulimit -t, was reached)"
+    for cause, name, option, what in _LIMITS if resource is not None else ():
+        if not (isinstance(exc, OSError) and exc.errno == cause if isinstance(cause, int)
+                else isinstance(exc, cause)):
+            continue
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft == resource.RLIM_INFINITY:
+            return ""
+        size = str(soft) if name == "RLIMIT_NOFILE" else _size(soft)
+        return f" (the {what} limit, ulimit {option}, is {size})"
+    return ""
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, MiB or KiB (one decimal), or bytes."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _import_error_line(exc: BaseException) -> str:
+    """The one line of an error raised while the command's modules import: its type and
+    text (an ``ImportError``'s first cause's: numpy wraps the loader's in pages of advice),
+    with the process limit behind it. The loader's "failed to map segment from shared
+    object" is a mapping the address-space limit refused, named as a ``MemoryError`` is."""
+    root = exc
+    while isinstance(root, ImportError) and isinstance(root.__cause__ or root.__context__,
+                                                       ImportError):
+        root = root.__cause__ or root.__context__
+    text = " ".join(str(root).split())
+    if isinstance(root, OSError) and root.strerror:  # as distmm.cli.exits says an OSError
+        line = root.strerror + (f": {root.filename}" if root.filename else "")
+    else:
+        line = f"{type(root).__name__}: {text}" if text else type(root).__name__
+    mapped = isinstance(root, ImportError) and "failed to map segment" in text
+    return line + limit_note(MemoryError() if mapped else root)
+
+
 @contextlib.contextmanager
 def guard():
     """Around the command's imports: SIGINT or SIGTERM ends the process with the command
-    line's one line and 130 / 143 (nothing else has started, so nothing is left behind).
-    Outside the command, or off the main thread, it does nothing."""
+    line's one line and 130 / 143, an error (a ``MemoryError`` under ``ulimit -v``) with one
+    line and 1, the status of a run that failed (nothing else has started, so nothing is left
+    behind). A module that is missing (``ModuleNotFoundError``: the install's) is left to the
+    caller, which may name what to install. Outside the command, or off the main thread, it
+    does nothing."""
     if not is_command():
         yield
         return
@@ -87,3 +151,17 @@ def guard():
         print(f"distmm{' ' + command if command else ''}: error: {what}", file=sys.stderr,
               flush=True)
         os._exit(128 + (signal.SIGINT if interrupted else exc.signum))
+    except ModuleNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the command prints no traceback
+        try:
+            command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+            line = f"distmm{' ' + command if command else ''}: error: {_import_error_line(exc)}"
+        except BaseException:  # noqa: BLE001 - no memory left even for the line's text
+            line = f"distmm: error: {type(exc).__name__}"
+        try:
+            sys.stdout.flush()
+        except BaseException:  # noqa: BLE001 - stdout's error is not the one to say
+            pass
+        os.write(2, (line + "\n").encode(errors="replace"))
+        os._exit(1)

@@ -390,6 +390,25 @@ def test_an_output_folder_on_a_read_only_file_system_says_so(files, read_only_fo
             f"read-only file system") in one_line(r)
 
 
+def test_a_report_folder_on_a_read_only_file_system_is_refused_before_any_work(
+        tmp_path, read_only_folder, capsys):
+    """distmm report -o a read-only file system's child read the records and drew before
+    making its staging folder failed: 'Read-only file system', status 1, a failed run. The
+    folder is tried before any input is read now: bad input, status 2, one line naming -o."""
+    recs = tmp_path / "r.jsonl"
+    recs.write_text('{"run": "r", "benchmark": "scaling", "variant": "numpy", "device": '
+                    '"cpu", "dtype": "float64", "m": 64, "n": 64, "k": 64, "seconds": 1.0, '
+                    '"tflops": 5.24288e-07}\n')
+    from distmm.cli import main
+
+    for out in (read_only_folder / "report", read_only_folder / "new" / "report"):
+        assert main(["report", str(recs), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == (f"distmm report: error: cannot write in "
+                                           f"{read_only_folder} (Read-only file system): "
+                                           f"{out}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "ro"]
+
+
 def test_version_and_plan_dtype():
     import distmm
 
@@ -893,6 +912,45 @@ def test_openblas_out_of_address_space_leaves_no_staged_output(tmp_path):
         if "OpenBLAS" in r.stderr:
             break
     assert r.returncode == 1 and "OpenBLAS error" in r.stderr, r.stderr
+
+
+#: a bare interpreter's peak address space (VmPeak, bytes)
+_BARE_PEAK = ("import re\nprint(int(re.search(r'VmPeak:\\s+(\\d+) kB', "
+              "open('/proc/self/status').read())[1]) << 10)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_an_error_while_the_command_imports_is_one_line_naming_the_limit(tmp_path):
+    """Under a tight address-space limit (``ulimit -v``) importing distmm's modules fails
+    (numpy's libraries cannot be mapped, Python's objects cannot be made): the command
+    printed the import's traceback (MemoryError, ImportError, status 1). It ends with one
+    line naming the limit now, status 1, as a run that failed. The limit goes up in 8 MiB
+    steps from the peak of a bare interpreter until a run succeeds; on the way OpenBLAS's
+    own exit(1) while numpy imports (its buffer) is one line too."""
+    np.save(tmp_path / "a.npy", np.ones((8, 8)))
+    np.save(tmp_path / "b.npy", np.ones((8, 8)))
+    bare = subprocess.run([sys.executable, "-c", _BARE_PEAK], capture_output=True, text=True,
+                          timeout=60, check=True)
+    start = int(bare.stdout)
+    argv = ("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy")
+    said = []
+    for step in range(1, 41):
+        limit = start + (step << 23)
+        r = run_cli(*argv, env={"OPENBLAS_NUM_THREADS": "1"}, timeout=60,
+                    preexec_fn=_address_space(limit))
+        if r.returncode == 0:
+            break
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, (limit, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+        said.append(r.stderr)
+    assert r.returncode == 0, r.stderr
+    # numpy's libraries refused, then Python's objects: both name the limit in force
+    assert any(line.startswith("distmm matmul: error: ImportError: ") and
+               "failed to map segment from shared object (the address-space limit, ulimit "
+               "-v, is " in line for line in said), said
+    assert any(line.startswith("distmm matmul: error: MemoryError (the address-space "
+                               "limit, ulimit -v, is ") for line in said), said
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -290,6 +290,35 @@ def test_a_second_signal_before_the_close_is_one_line(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_the_scheduler_file_is_written_through_no_link_at_its_staged_name(tmp_path: Path):
+    """The check before work makes and removes the staged name; a link planted there before
+    the file is written (after the workers are up) was followed: the file it pointed to got
+    the scheduler's JSON and became the scheduler file. The staged file is created
+    exclusively now, the link removed first (not what it points to): that file is left as it
+    was, and the scheduler file is the command's own, removed at the stop."""
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.serve",
+                                            "_write_scheduler_file")
+    try:
+        _wait_for(site / "paused", proc, "came to write its scheduler file", timeout=120)
+        (tmp_path / f".sched.json.distmm-partial-{proc.pid}").symlink_to(victim)
+        (site / "go").touch()
+        _wait_for(sched, proc, "wrote its scheduler file")
+        assert victim.read_text() == "kept"
+        assert not sched.is_symlink() and not sched.samefile(victim)
+        assert json.loads(sched.read_text())["address"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sched.json", "site", "victim"]
+    except BaseException:
+        stop_cluster(proc, None)
+        raise
+    status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
+    assert status == 143, err
+    assert victim.read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site", "victim"]
+
+
+@pytest.mark.slow
 def test_results_a_client_holds_when_the_cluster_stops_are_not_logged(tmp_path: Path):
     """A client holds results on the workers (a product still running, or persisted data)
     when SIGTERM stops the cluster: the scheduler logged "Removing worker ... caused the

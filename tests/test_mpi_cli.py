@@ -339,3 +339,51 @@ def test_a_profile_lost_after_c_is_in_place_says_so(files, mpi_env):
                    f"{folder / 'p.json'}\n"), err
     assert out == ""
     assert_close(np.load(d / "c.npy"), ref)
+
+
+#: a rank's ``distmm`` whose address space is limited (RLIMIT_AS) to its size once MPI has
+#: started and the command's modules are imported, plus HEADROOM_MIB
+_LIMITED = """
+import importlib, os, re, resource, sys
+from mpi4py import MPI  # its start (shared memory, threads) before the limit
+for name in ("dask", "distmm.cli.commands", "distmm.cli.mpi_matmul", "distmm.cli.io",
+             "distmm.engine.mpi.batch", "distmm.engine.mpi.stream", "distmm.executor.cpu"):
+    importlib.import_module(name)
+from distmm.cli import main
+size = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) << 10
+limit = size + (int(os.environ["HEADROOM_MIB"]) << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_openblas_out_of_address_space_leaves_no_staged_output_under_mpirun(tmp_path,
+                                                                             mpirun):
+    """OpenBLAS maps its buffer (32 MiB or more) at the first product above its small-matrix
+    size and, where the address-space limit refuses it, calls exit(1) from C: the batch
+    path's first stripe did that after rank 0 had staged the output, which was left ('OpenBLAS
+    error: Memory allocation still failed after 10 retries'; the next run removed it). Every
+    CPU rank has it mapped before the ranks agree to start now, and the GEMM thread takes it.
+    The headroom above each rank's size once started grows in 8 MiB steps until a run
+    succeeds; none before leaves anything (they fail for the memory their threads need)."""
+    from distmm.engine.mpi.resume import blas_facts
+
+    if not blas_facts()["blas"].startswith("OpenBLAS"):
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    np.save(tmp_path / "a.npy", np.ones((300, 300)))
+    np.save(tmp_path / "b.npy", np.ones((300, 300)))
+    (tmp_path / "limited.py").write_text(_LIMITED)
+    argv = ("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy")
+    failed = []
+    for headroom in range(0, 129, 8):
+        r = mpirun(2, tmp_path / "limited.py", *argv, env={"HEADROOM_MIB": str(headroom)},
+                   timeout=60)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"] + \
+            (["c.npy"] if r.returncode == 0 else []) + ["limited.py"], (headroom, r.stderr)
+        if r.returncode == 0:
+            break
+        failed.append(headroom)
+    assert r.returncode == 0 and failed, r.stderr  # the limit mattered, and was left behind
+    assert (np.load(tmp_path / "c.npy") == 300).all()

@@ -240,6 +240,22 @@ def test_an_output_under_a_file_is_one_line_naming_that_file(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 
 
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="writes under /proc")
+@pytest.mark.parametrize("out", ["/proc/report", "/proc/new/deeper/report"])
+def test_an_output_where_no_folder_can_be_made_is_refused_before_any_work(tmp_path, capsys,
+                                                                          out):
+    """-o under /proc, where root's permissions let a process write but nothing can be
+    made: the records were read and the tables computed before making the staging folder
+    failed ('No such file or directory: /proc'). A file is made and removed where the first
+    folder goes now: one line naming -o, status 2."""
+    recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
+    assert main(["report", str(recs), "-o", out]) == 2
+    err = capsys.readouterr().err  # root: nothing made in /proc; others: no permission
+    assert err in (f"distmm report: error: cannot write in /proc ({why}): {out}\n"
+                   for why in ("No such file or directory", "Permission denied")), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
 def test_overwrite_replaces_and_refusal_keeps(tmp_path, capsys):
     recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
     out = tmp_path / "out"

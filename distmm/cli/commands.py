@@ -310,32 +310,17 @@ def _maybe_warm_gpu(args, engine, a, b, dtype) -> None:
         warmup()
 
 
-#: numpy's dtypes that its matmul hands to BLAS
-_BLAS_DTYPES = ("float32", "float64", "complex64", "complex128")
-
-
 def _map_blas_buffer(args, engine, dtype) -> None:
-    """Have numpy's BLAS map this thread's buffer now, before the output is staged, when this
-    process multiplies the product on its CPU through it. OpenBLAS maps a buffer (32 MiB or
-    more) for a calling thread at its first product above its small-matrix size (its own
-    threads' at import) and keeps it; where the address-space limit (``ulimit -v``) refuses
-    that, OpenBLAS ends the process from C (``exit(1)``: "OpenBLAS error: Memory allocation
-    still failed after 10 retries"), without the cleanup that removes the staged output.
-    Here that ends the run before anything is written; what the product allocates later is
-    Python's, refused as a ``MemoryError`` and cleaned up. The tiles of the ``blas``
-    backend run in this thread; those of ``--backend numba`` on complex operands, on the
-    local engine's threads, map theirs as they start."""
-    import numpy as np
+    """Have numpy's BLAS map its buffer before the output is staged
+    (``distmm.executor.warmup.map_blas_buffer``: OpenBLAS's ``exit(1)`` under ``ulimit -v``
+    then leaves nothing), when this process multiplies the product on its CPU: the tiles of
+    the ``blas`` backend run in this thread; those of ``--backend numba`` on complex
+    operands run on the local engine's threads, which take this buffer and map more where
+    several multiply at once."""
+    from distmm.executor.warmup import map_blas_buffer
 
-    from distmm.executor import GPU_BACKENDS
-
-    if engine not in (None, "auto", "local") or args.backend in GPU_BACKENDS:
-        return
-    if np.dtype(dtype).name not in _BLAS_DTYPES or (args.backend == "numba" and
-                                                    np.dtype(dtype).kind == "f"):
-        return  # numpy's own loops, or distmm's numba kernels: no BLAS
-    x = np.ones((256, 256))  # above every OpenBLAS small-matrix size (no buffer below it)
-    x @ x
+    if engine in (None, "auto", "local"):
+        map_blas_buffer(args.backend, dtype)
 
 
 def _cmd_matmul(args) -> int:

@@ -26,7 +26,6 @@ It does *not* cover: the commands themselves (``distmm.cli.commands``).
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ import traceback
 
 from distmm.errors import (STOP_SIGNALS, BackendUnavailable, InsufficientSpace, OutputExists,
                            Signalled)
+from distmm.startup import limit_note as _limit
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
            "restore_signals", "raise_if_signalled", "whole_line_writes",
@@ -81,42 +81,6 @@ def message(exc: BaseException) -> str:
                             BackendUnavailable)):
         text = f"{type(exc).__name__}: {text}"
     return " ".join(text.split()) + _limit(exc)
-
-
-#: the process limit behind an error: (errno or exception type, resource name, ulimit option,
-#: what it limits); the limit in force is named where it is set
-_LIMITS = ((errno.EFBIG, "RLIMIT_FSIZE", "-f", "file-size"),
-           (errno.EMFILE, "RLIMIT_NOFILE", "-n", "open-file"),
-           (errno.ENOMEM, "RLIMIT_AS", "-v", "address-space"),
-           (MemoryError, "RLIMIT_AS", "-v", "address-space"))
-
-
-def _limit(exc: BaseException) -> str:
-    """``" (the file-size limit, ulimit -f, is 64.0 KiB)"`` where ``exc`` is what a process
-    limit in force causes (a write past the file-size limit, too many open files, memory the
-    address-space limit refuses; SIGXCPU); else ``""``."""
-    import resource
-
-    if isinstance(exc, Signalled) and exc.signum == signal.SIGXCPU:
-        return " (the CPU-time limit, ulimit -t, was reached)"
-    for cause, name, option, what in _LIMITS:
-        if not (isinstance(exc, OSError) and exc.errno == cause if isinstance(cause, int)
-                else isinstance(exc, cause)):
-            continue
-        soft = resource.getrlimit(getattr(resource, name))[0]
-        if soft == resource.RLIM_INFINITY:
-            return ""
-        size = str(soft) if name == "RLIMIT_NOFILE" else _size(soft)
-        return f" (the {what} limit, ulimit {option}, is {size})"
-    return ""
-
-
-def _size(nbytes: int) -> str:
-    """``nbytes`` in GiB, MiB or KiB (one decimal), or bytes."""
-    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _stdout_gone(exc: BaseException) -> bool:

@@ -3,8 +3,10 @@ product over all ranks.
 
 This module covers: the command's side of a multi-rank run. Every rank opens the operands
 lazily and checks them (and rank 0 the target: ``--overwrite``, free space) before anything
-is computed; the ranks agree on the outcome (an ``allgather``), so bad input ends every rank
-within seconds with one message, printed by rank 0, and the same exit status. Matrices then
+is computed, and a CPU rank has numpy's BLAS map its buffer (``ulimit -v`` refusing it ends
+the job before any output is staged); the ranks agree on the outcome (an ``allgather``), so
+bad input ends every rank within seconds with one message, printed by rank 0, and the same
+exit status. Matrices then
 go to the batch path (``distmm.engine.mpi.batch.run_batch``: binding, plan, streamed stripes,
 staged output, resume), whose outcome this module reports: notes, the summary line, the
 ``--profile`` file and ``--progress`` bar of rank 0, the exit status (SIGINT and SIGTERM, once
@@ -48,6 +50,7 @@ def run_matmul(args) -> int:
                                operands_dtype, check_shapes, parse_target, result_shape)
     from distmm.errors import BackendUnavailable
     from distmm.executor import gpu_available, resolve_backend
+    from distmm.executor.warmup import map_blas_buffer
     from distmm.api import resolve_precision
     from distmm.stripe_writer import check_dtype
 
@@ -92,6 +95,10 @@ def run_matmul(args) -> int:
             check_space(target, int(np.prod(shape)) * dtype.itemsize)
             if args.profile:
                 check_report("--profile", args.profile, (args.a, args.b, args.output))
+        if not on_gpu:  # before the staged output, and before the ranks agree to start:
+            # OpenBLAS's exit(1) under ulimit -v then leaves nothing, and mpirun ends the
+            # others, waiting below (the batch path's GEMM thread takes this buffer)
+            map_blas_buffer(backend, dtype)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     phases.add("open", t0, time.perf_counter())

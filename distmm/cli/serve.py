@@ -324,27 +324,49 @@ def _staged(target: Path) -> Path:
 
 
 def _write_scheduler_file(target: Path, identity: dict, overwrite: bool) -> bytes:
-    """Write ``identity`` as JSON to ``target``, whole or not at all; returns the bytes."""
+    """Write ``identity`` as JSON to ``target``, whole or not at all; returns the bytes. The
+    staged file is created exclusively, following no link there (``_make_staged``), and
+    moved into place as it is (a link at its name is never followed)."""
     from distmm.errors import OutputExists
 
     data = json.dumps(identity, indent=2, default=str).encode()
     staged = _staged(target)
+    fd = _make_staged(staged)
     try:
-        with open(staged, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         if overwrite:
             os.replace(staged, target)
         else:
-            try:
-                os.link(staged, target)  # fails, rather than replaces, if one appeared meanwhile
+            try:  # fails, rather than replaces, if one appeared meanwhile
+                os.link(staged, target, follow_symlinks=False)
             except FileExistsError:
                 raise OutputExists(f"--scheduler-file {target} appeared while the cluster "
                                    f"started: pass --overwrite to replace it") from None
     finally:
         staged.unlink(missing_ok=True)
     return data
+
+
+def _make_staged(staged: Path) -> int:
+    """Create ``staged`` for writing (``O_CREAT | O_EXCL | O_NOFOLLOW``) and return its
+    descriptor. What is at its name (this PID's: a dead run's) is removed first where it is a
+    file or a link, the link itself and never what it points to; anything else there, or a
+    link planted since, fails the creation (``FileExistsError``) instead of being written
+    through."""
+    import stat
+
+    try:
+        mode = os.lstat(staged).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+            staged.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.open(staged, flags, 0o666)
 
 
 def _remove_scheduler_file(target: Path | None, data: bytes | None) -> str:

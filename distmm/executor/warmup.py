@@ -1,4 +1,5 @@
-"""GPU start-up work done ahead of the first product, on a background thread.
+"""Start-up work done ahead of the first product: the GPU's, on a background thread, and
+numpy's BLAS buffer, in the calling thread.
 
 This module covers: ``warmup()``, which pays once, off the caller's path, what a
 fresh process otherwise pays inside its first GPU product: CUDA's context on the
@@ -8,7 +9,10 @@ pinned into the process-wide pool that the pipeline takes its ring from. The
 product that starts while a warm-up still runs waits for its ring (pinned first,
 ``wait_running``), so the two never pin twice, and shares its cuBLAS start-up
 (``distmm.executor.cublas.start_cublas`` runs once per dtype and device); the rest
-of the warm-up goes on beside the product (``distmm.executor.pipeline.startup``).
+of the warm-up goes on beside the product (``distmm.executor.pipeline.startup``); and
+``map_blas_buffer()``, which has numpy's BLAS map its buffer before a command stages its
+output, so that an address-space limit that refuses it ends the command before anything
+is written.
 It does *not* cover: the pipeline itself (``distmm.executor.pipeline``), the pool
 (``distmm.executor.pinned``), or choosing a backend.
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["warmup", "WarmUp", "RING_BUFFERS", "RING_BUFFER_BYTES"]
+__all__ = ["warmup", "WarmUp", "map_blas_buffer", "RING_BUFFERS", "RING_BUFFER_BYTES"]
 
 #: staging buffers the warm-up pins: the pipeline's ring (16 in, 6 out) ...
 RING_BUFFERS = 22
@@ -180,3 +184,36 @@ def warmup(*, device: int | None = None, background: bool = True, pinned: bool =
     else:
         _run(handle, device, pinned, device_bytes)
     return handle
+
+
+#: the accumulation dtypes numpy's matmul hands to its BLAS
+_BLAS_DTYPES = ("float32", "float64", "complex64", "complex128")
+
+
+def map_blas_buffer(backend: str | None, dtype) -> bool:
+    """Have numpy's BLAS map its buffer now, from the calling thread, where a CPU product of
+    ``dtype`` with ``backend`` (``"blas"``, ``"numba"``, ``"auto"`` or None: the CPU's
+    choice) goes through it; call it before the output is staged. Returns whether it did.
+
+    OpenBLAS maps a buffer (32 MiB or more) at the first product above its small-matrix
+    size (its own threads' at import) and keeps it for the process: a later caller, on any
+    thread, takes a free one (the batch path's GEMM thread, one product at a time, takes
+    this one). Where the address-space limit (``ulimit -v``) refuses that mapping, OpenBLAS
+    ends the process from C (``exit(1)``: "OpenBLAS error: Memory allocation still failed
+    after 10 retries"), without the cleanup that removes a staged output; called first, it
+    ends the command before anything is written, and what the product allocates later is
+    Python's, refused as a ``MemoryError`` and cleaned up. A GPU backend, dtypes numpy
+    multiplies in its own loops (integers, float16 on ``auto``'s numba kernels, long double,
+    object) and distmm's numba kernels multiply nothing through BLAS: nothing is mapped."""
+    import numpy as np
+
+    from distmm.executor import GPU_BACKENDS
+    from distmm.plan import accumulate_dtype
+
+    acc = accumulate_dtype(dtype)
+    numba = backend == "numba" or (backend in (None, "auto") and np.dtype(dtype) == np.float16)
+    if backend in GPU_BACKENDS or acc.name not in _BLAS_DTYPES or (numba and acc.kind == "f"):
+        return False
+    x = np.ones((256, 256))  # above every OpenBLAS small-matrix size (no buffer below it)
+    x @ x
+    return True
