@@ -34,6 +34,7 @@ LEVELS = {
     "distmm.precision": 0,
     "distmm.startup": 0,
     "distmm.fpflags": 0,
+    "distmm.nonfinite": 0,
     "distmm.jsonfile": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,

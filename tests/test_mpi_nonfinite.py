@@ -5,8 +5,8 @@ Inf or NaN meets an element, both parts of numpy's element are NaN; its dot (a 1
 product) makes only the real part NaN, and its own loop (k == 1) neither. SUMMA's panel
 products summed on a rank, or over layers, reproduce that except where a panel is one
 wide (numpy's own loop) or a rank's block of C is 1 x 1 (BLAS's dot), whose sums keep an
-Inf where numpy's element is NaN unless ``distmm.engine.mpi.summa.numpys_nonfinite``
-gives them numpy's form.
+Inf where numpy's element is NaN unless ``distmm.nonfinite.numpys_nonfinite`` (through
+``distmm.engine.tiles.finish_tile``) gives them numpy's form.
 It does *not* cover: overflows of finite operands, whose Inf or NaN numpy's own BLAS
 blocking decides (real dtypes too), or GPU ranks.
 """

@@ -2,7 +2,9 @@
 
 This module covers: computing one (k group of one) C tile through an executor,
 summing a tile's partials along the plan's fixed tree (all at once, or as they
-arrive in k order: ``PartialSum``), and the final cast to numpy's result dtype.
+arrive in k order: ``PartialSum``), and the final cast to numpy's result dtype (with a
+complex tile's Inf and NaN in the form numpy's matmul of the whole product gives them:
+``distmm.nonfinite``).
 Engines decide only *where* these run.
 It does *not* cover: choosing tiles (``distmm.plan``) or device kernels
 (``distmm.executor``).
@@ -14,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distmm.fpflags import as_matmul, object_rows
+from distmm.nonfinite import numpys_nonfinite
 from distmm.plan import Plan, np_dtype
 
 __all__ = ["tile_partial", "reduce_partials", "PartialSum", "finish_tile"]
@@ -128,13 +131,15 @@ class PartialSum:
 
 def finish_tile(plan: Plan, acc_tile: Any) -> Any:
     """Cast an accumulated tile to numpy's result dtype: booleans become
-    ``count > 0``, integers wrap, float32 sums round to float16."""
+    ``count > 0``, integers wrap, float32 sums round to float16; a complex host tile's
+    elements that are not finite take the form numpy's matmul of the whole ``plan.m x
+    plan.n x plan.k`` product gives them (``distmm.nonfinite.numpys_nonfinite``, in place)."""
     res = np_dtype(plan.dtype)
     if res.kind == "b":
         return acc_tile != 0
     if acc_tile.dtype == res:
-        return acc_tile
+        return numpys_nonfinite(plan, acc_tile)
     if res.kind != "f":
-        return acc_tile.astype(res)
+        return numpys_nonfinite(plan, acc_tile.astype(res))
     with as_matmul():  # float16's rounding overflows or underflows in numpy's matmul too
         return acc_tile.astype(res)

@@ -49,10 +49,16 @@ class TaskPlan:
     #: where a task keeps the flags it raised (``recording_flags``); "" raises them on the
     #: worker as numpy does (a lazy product, whose client never asks)
     flags: str = ""
+    #: the whole product's ``m x n x k``: ``finish_tile`` gives a complex block numpy's Inf
+    #: and NaN for it (``distmm.nonfinite``; ``k`` 0 leaves them as summed)
+    m: int = 0
+    n: int = 0
+    k: int = 0
 
     @classmethod
     def of(cls, plan, flags: str = "") -> "TaskPlan":
-        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile), plan.precision, flags)
+        return cls(plan.dtype, plan.acc_dtype, tuple(plan.tile), plan.precision, flags,
+                   plan.m, plan.n, plan.k)
 
 
 def recording_flags(body):

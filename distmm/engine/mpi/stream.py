@@ -45,6 +45,7 @@ import numpy as np
 
 from distmm.engine.mpi.stop import StopWatch, poll
 from distmm.fpflags import collect, object_rows
+from distmm.nonfinite import numpys_nonfinite
 from distmm.plan import sums_whole_k
 from distmm.plan_batch import BatchPlan
 
@@ -473,8 +474,8 @@ class _CPURun(_Run):
         return pieces, futures
 
     def product(self, pieces, h, r0=0):
-        with collect() as seen:
-            c = self._product(pieces, h, r0)
+        with collect() as seen:  # a complex stripe's Inf and NaN as numpy's whole product's
+            c = numpys_nonfinite(self.grid, self._product(pieces, h, r0))
         self.flags |= seen
         return c
 

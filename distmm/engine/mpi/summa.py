@@ -17,11 +17,9 @@ in the accumulation dtype; ``distmm.grid`` splits no such product's k, a forced
 grid's other layers send theirs to layer 0) and multiplies them in one product; an
 object block's elements keep their reports from their place in C, for numpy's order
 (``distmm.fpflags.object_rows``).
-A complex64 or complex128 element that is not finite takes the form numpy's matmul of the
-whole product gives it (``numpys_nonfinite``): numpy's BLAS multiplies each element's sum
-by ``alpha = 1 + 0j`` (OpenBLAS's gemm and gemv), so an Inf in one part makes the other
-NaN; a panel one wide (numpy's own loop) or a 1 x 1 block (BLAS's dot, which makes only
-the real part NaN) does not, and a sum over such panels would keep an Inf numpy has not.
+A complex64 or complex128 element that is not finite is left as the panels' sum gives it
+(a panel one wide or a 1 x 1 block keeps an Inf numpy's BLAS turns NaN): the engine's
+``finish_tile`` gives it numpy's form for the whole product (``distmm.nonfinite``).
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -29,7 +27,6 @@ the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
 from __future__ import annotations
 
 import bisect
-import functools
 
 import numpy as np
 
@@ -41,7 +38,7 @@ from distmm.fpflags import object_rows
 from distmm.grid import GridPlan
 from distmm.plan import sums_whole_k
 
-__all__ = ["summa", "LocalFailure", "numpys_nonfinite"]
+__all__ = ["summa", "LocalFailure"]
 
 
 def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np, tk: int = 256):
@@ -130,8 +127,7 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
         return _whole_k_product(grid, a_whole, b_whole, executor, comms, layer, i, j, tk)
     if c is None:
         c = xp.zeros((mi, nj), dtype=acc)
-    c = _reduce_layers(grid, c, comms, layer, i, j)
-    return numpys_nonfinite(grid, c) if xp is np else c
+    return _reduce_layers(grid, c, comms, layer, i, j)
 
 
 def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
@@ -182,48 +178,6 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
         return _product(executor, a_whole, b_whole, tk, (grid.row_edges[i], grid.col_edges[j]))
     except BaseException as exc:  # an object element's own error (even SystemExit, as in
         raise LocalFailure(exc) from exc  # numpy): no rank waits for this one
-
-
-def numpys_nonfinite(grid: GridPlan, c):
-    """The C block ``c`` (numpy, on layer 0; ``None`` elsewhere) with its complex64 or
-    complex128 elements that are not finite as numpy's matmul of the whole ``m x n x k``
-    product gives them: a part NaN where the other part is not finite, where numpy's call
-    for a product of that shape does so (``_spreads``). An element whose row of A or column
-    of B holds an Inf or NaN has both parts non-finite in any sum of panel products, so it
-    comes out as numpy's whatever the panels were. A block whose sum is finite is left as
-    it is (one pass over it); otherwise only the non-finite elements change, inside the
-    caller's ``collect`` (an Inf times 0 here is numpy's "invalid value" report too). An
-    overflow of finite values is left as summed: numpy's own BLAS blocking decides it."""
-    if c is None or c.dtype not in (np.complex64, np.complex128) or not c.size or not grid.k:
-        return c
-    to_real, to_imag = _spreads(c.dtype.char, grid.m == 1, grid.n == 1, grid.k == 1)
-    with np.errstate(all="ignore"):  # one pass, no report: a finite sum, a finite block
-        if not (to_real or to_imag) or np.isfinite(c.sum()):
-            return c
-    bad = ~np.isfinite(c)
-    z = c[bad]
-    x, y = z.real.copy(), z.imag.copy()
-    if to_real:  # numpy's 1 * x - 0 * y
-        z.real = np.where(np.isfinite(y), x, x - 0 * y)
-    if to_imag:  # numpy's 1 * y + 0 * x
-        z.imag = np.where(np.isfinite(x), y, y + 0 * x)
-    c[bad] = z
-    return c
-
-
-@functools.lru_cache(maxsize=None)
-def _spreads(char: str, one_row: bool, one_col: bool, one_k: bool) -> tuple[bool, bool]:
-    """Whether numpy's matmul of a complex product of this kind (``m == 1``, ``n == 1``,
-    ``k == 1``) makes an element's real part NaN where its imaginary part is not finite, and
-    its imaginary part NaN where its real part is not: asked of numpy once, with an element
-    whose sum is ``inf + infj`` (numpy's own loop, for k == 1, does neither; OpenBLAS's gemm
-    and gemv do both, its dot the real part only)."""
-    m, n, k = (1 if one else 2 for one in (one_row, one_col, one_k))
-    a, b = np.ones((m, k), dtype=char), np.ones((k, n), dtype=char)
-    a[0, 0], b[0, 0] = np.inf, 1 + 1j  # (inf + 0j) * (1 + 1j): inf + infj, no NaN on its way
-    with np.errstate(all="ignore"):
-        z = np.matmul(a, b)[0, 0]
-    return bool(np.isnan(z.real)), bool(np.isnan(z.imag))
 
 
 class LocalFailure(Exception):
