@@ -975,12 +975,16 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
         if engine not in ("auto", "mpi"):
             raise ValueError(f"matmul: DistArray operands run on engine='mpi', got "
                              f"engine={engine!r}")
+        if tile is not None:  # make_plan's checks of it; SUMMA's panels come from the grid
+            planner.make_plan(0, 0, 0, workers=1, tile=tile)
         if comm.size > 1:
             values = tuple(b"" if _is_distributed(x) else
                            fingerprint(x if array_family(x) == "cupy" else np.asarray(x))
                            for x in (a, b))
-        a = a if _is_distributed(a) else DistArray.from_array(a, comm)
-        b = b if _is_distributed(b) else DistArray.from_array(b, comm)
+        # cut without from_array's exchange: a rank that refused above is already in
+        # _mpi_agree below, which compares these operands' shapes, dtypes and values
+        a = a if _is_distributed(a) else DistArray.from_agreed(a, comm)
+        b = b if _is_distributed(b) else DistArray.from_agreed(b, comm)
         dtype = result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"matmul: inner dimensions differ: a has shape {a.shape}, b has "
@@ -1104,6 +1108,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         cannot hold exactly (``alpha=0.5`` for integers, ``alpha=2`` for
         booleans, which take 0 and 1 only), or a reduced
         ``precision`` for a product that is not float32, float16 or bfloat16.
+        A ``DistArray`` as ``a``, ``b`` or ``c``, at once (``matmul`` multiplies them).
 
     Examples
     --------
@@ -1112,6 +1117,12 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     array([[1., 1.],
            [1., 1.]])
     """
+    given = [name for name, x in (("a", a), ("b", b), ("c", c)) if _is_distributed(x)]
+    if given:  # on every rank of its communicator alike: nothing to agree on
+        raise TypeError(f"gemm takes arrays, not DistArrays ({' and '.join(given)}): for "
+                        f"DistArrays, r = distmm.matmul(a, b), then each rank's alpha * "
+                        f"r.local + beta * c.redistribute(r.layout).local; or gemm the arrays "
+                        f"their gather(None) gives")
     if engine == "auto":
         engine = get_config().engine  # the configured engine; the argument wins
     try:  # refused on one rank under engine="mpi": every rank raises (see _mpi_agree)

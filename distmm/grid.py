@@ -71,6 +71,12 @@ class BlockLayout:
             raise ValueError(f"row edges {self.row_edges} do not cover {self.shape[0]} rows")
         if self.col_edges[0] != 0 or self.col_edges[-1] != self.shape[1]:
             raise ValueError(f"column edges {self.col_edges} do not cover {self.shape[1]} columns")
+        # a block whose end comes before its start has a negative size: the rank owning it
+        # would fail alone, the others waiting for it in their next collective
+        for what, edges in (("row", self.row_edges), ("column", self.col_edges)):
+            if any(e1 < e0 for e0, e1 in zip(edges, edges[1:])):
+                raise ValueError(f"{what} edges {edges} decrease: each must be at least the "
+                                 f"one before it")
         flat = [r for row in self.owners for r in row]
         if len(flat) != len(set(flat)):
             raise ValueError("a rank may own at most one block")

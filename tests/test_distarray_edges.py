@@ -27,9 +27,10 @@ tmp = sys.argv[1]
 lines = []
 
 
-def refused(what, call, expect, words):
+def refused(what, call, expect, words, alike=True):
     """call() raises ``expect`` (None: any type) on every rank: one line naming ``words``,
-    the same on every rank."""
+    the same on every rank (``alike=False``: the rank that refused names its own error,
+    the others that rank and the error)."""
     try:
         call()
         got = "no error"
@@ -37,7 +38,7 @@ def refused(what, call, expect, words):
         got = f"{type(exc).__name__}: {exc}"
     seen = comm.allgather(got)
     good = (got != "no error" and (expect is None or got.startswith(expect.__name__ + ": "))
-            and words in got and "\n" not in got and len(set(seen)) == 1)
+            and words in got and "\n" not in got and (len(set(seen)) == 1 or not alike))
     lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD ' + repr(seen)}")
 
 
@@ -109,6 +110,71 @@ def fixes():
                 f"{tmp}/{name.split(':')[0]} is not ")
     same("the ranks in step after the refusals",
          DistArray.from_file(f"{tmp}/x.npy", layout=columns).gather(P - 1), x if last else None)
+
+
+def follow_ups():
+    """Refusals one rank alone made, or that came after the work began, on 3 ranks."""
+    a, b = np.arange(12.0).reshape(3, 4), np.arange(8.0).reshape(4, 2)
+    # b's blocks on the ranks in reverse order: SUMMA paired the wrong panels (MPI_Abort)
+    one = "both DistArrays must live on one communicator"
+    refused("operands on the ranks in another order",
+            lambda: distmm.matmul(DistArray.from_array(a, comm),
+                                  DistArray.from_array(b, comm.Split(0, P - 1 - rank))),
+            ValueError, one)
+    refused("an operand on COMM_SELF, the other on every rank",
+            lambda: distmm.matmul(DistArray.from_array(a), DistArray.from_array(b, MPI.COMM_SELF)),
+            ValueError, one)
+    same("an operand on a Dup", distmm.matmul(DistArray.from_array(a),
+                                              DistArray.from_array(b, comm.Dup())).gather(None),
+         a @ b)
+    same("both on COMM_SELF", distmm.matmul(DistArray.from_array(a, MPI.COMM_SELF),
+                                            DistArray.from_array(b, MPI.COMM_SELF)).gather(None),
+         a @ b)
+    # edges that decrease: only the rank owning the negative block raised, the others hung
+    x = np.arange(12.0 * P).reshape(4, 3 * P)
+    refused("row edges that decrease",
+            lambda: DistArray.from_array(x, layout=BlockLayout(
+                x.shape, (0, 3, 1, 4), (0, 3 * P), ((0,), (1,), (2,)))).gather(None),
+            ValueError, "row edges (0, 3, 1, 4) decrease")
+    refused("column edges that decrease",
+            lambda: DistArray.from_array(x).redistribute(BlockLayout(
+                x.shape, (0, 4), (0, 6, 2, 3 * P), ((0, 1, 2),))).gather(None),
+            ValueError, f"column edges (0, 6, 2, {3 * P}) decrease")
+    # from_array refused by the last rank alone: the others went on into a collective
+    refused("from_array a vector on the last rank",
+            lambda: DistArray.from_array(np.ones(3) if last else x), ValueError,
+            "DistArray needs a 2-D array, got shape (3,)")
+    refused("from_array a ragged list on the last rank",
+            lambda: DistArray.from_array([[1.0, 2.0], [3.0]] if last else [[1.0, 2.0], [3.0, 4.0]]),
+            ValueError, "inhomogeneous")
+    refused("from_array a layout for another shape on the last rank",
+            lambda: DistArray.from_array(x, layout=BlockLayout.grid((5, 3 * P), 1, P) if last
+                                         else None), ValueError, "layout is for shape (5, ")
+    # matmul cuts a replicated operand after the ranks agreed: a refusal on one rank first
+    refused("matmul out= on the last rank only",
+            lambda: distmm.matmul(DistArray.from_array(a), b, out=np.empty((3, 2)) if last
+                                  else None), ValueError, "out= is not supported", alike=False)
+    refused("matmul a replicated vector on the last rank",
+            lambda: distmm.matmul(DistArray.from_array(a), np.ones(3) if last else b),
+            ValueError, "DistArray needs a 2-D array, got shape (3,)", alike=False)
+    # gemm read a DistArray as a 0-d array; tile= was not looked at
+    refused("gemm of DistArrays", lambda: distmm.gemm(DistArray.from_array(a),
+                                                      DistArray.from_array(b), engine="mpi"),
+            TypeError, "gemm takes arrays, not DistArrays (a and b)")
+    refused("gemm with c a DistArray",
+            lambda: distmm.gemm(a, b, DistArray.from_array(a @ b), beta=1.0, engine="mpi"),
+            TypeError, "gemm takes arrays, not DistArrays (c)")
+    refused("matmul of DistArrays with tile=0",
+            lambda: distmm.matmul(DistArray.from_array(a), b, tile=0), ValueError,
+            "tile sizes must be positive, got (0, 0, 0)")
+    refused("matmul of DistArrays with tile='big'",
+            lambda: distmm.matmul(DistArray.from_array(a), DistArray.from_array(b), tile="big"),
+            TypeError, "tile must be an int or (tm, tn, tk) of ints, got 'big'")
+    refused("matmul of DistArrays with tile=0 on the last rank",
+            lambda: distmm.matmul(DistArray.from_array(a), b, tile=0 if last else None),
+            ValueError, "tile sizes must be positive", alike=False)
+    same("matmul of DistArrays with tile=(2, 2, 2)",
+         distmm.matmul(DistArray.from_array(a), b, tile=(2, 2, 2)).gather(None), a @ b)
 
 
 def product(what, a, b, **layouts):
@@ -187,7 +253,8 @@ def battery():
             ValueError, "must be 2-D")
 
 
-{"fixes": fixes, "battery": battery}[sys.argv[2]]()
+{"fixes": lambda: (fixes(), follow_ups()), "battery": battery,
+ "follow_ups": follow_ups}[sys.argv[2]]()
 for mine in comm.gather(lines) or []:
     print("\n".join(mine), flush=True)
 '''
@@ -210,9 +277,15 @@ def test_layouts_and_files_one_rank_gets_wrong_are_refused_on_every_rank(tmp_pat
     rank: gather gave uninitialised memory), as is a layout that is no BlockLayout (an
     AttributeError); nested lists that differ between ranks are compared as arrays are (a
     mixed matrix); a file that is not of its suffix's format is named (numpy's advice to
-    unpickle, zarr's and HDF5's errors without the path)."""
+    unpickle, zarr's and HDF5's errors without the path). Then (``follow_ups``): operands
+    on the ranks in another order, or on COMM_SELF beside COMM_WORLD, are refused (SUMMA
+    paired the wrong blocks: MPI_Abort), a Dup multiplies; edges that decrease are refused
+    on every rank (the rank owning the negative block raised alone); what from_array
+    refuses on the last rank alone is raised on every rank (the others went on into a
+    collective); gemm refuses DistArrays by name (it read them as 0-d arrays), and matmul of
+    DistArrays checks tile= (tile=0 was taken)."""
     r, lines, bad = _run(mpirun, tmp_path, 3, "fixes", timeout=90)
-    assert len(lines) == 3 * 13 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert len(lines) == 3 * (13 + 17) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -227,3 +300,29 @@ def test_products_blocks_and_files_are_numpys(ranks, tmp_path, mpirun):
     per_rank = 107 + (3 if ranks > 1 else 0)  # three refusals need a second rank
     assert len(lines) == per_rank * ranks and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+UNCAUGHT = r'''
+import numpy as np
+from mpi4py import MPI
+from distmm import DistArray
+
+comm = MPI.COMM_WORLD
+x = np.ones((4, 6))
+d = DistArray.from_array(np.ones(3) if comm.rank == comm.size - 1 else x)  # not caught
+print(f"rank {comm.rank} WENT ON", flush=True)
+d.gather(None)
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_from_array_refused_by_one_rank_uncaught_ends_the_job(tmp_path, mpirun):
+    """A vector on the last rank only, the error not caught: every rank raises the same
+    line and the job ends (the other ranks went on into gather and waited for ever)."""
+    script = tmp_path / "uncaught.py"
+    script.write_text(UNCAUGHT)
+    r = mpirun(3, script, timeout=60)
+    assert r.returncode != 0 and "WENT ON" not in r.stdout, r.stdout + r.stderr[-3000:]
+    line = "ValueError: DistArray needs a 2-D array, got shape (3,)"
+    assert r.stderr.count(line) == 3, r.stderr[-3000:]

@@ -146,7 +146,9 @@ class MPIEngine(Engine):
                         flags: set | None = None) -> DistArray:
         """``a @ b`` for distributed operands on ``grid`` (made by the planner
         for ``a.shape[0], b.shape[1], a.shape[1]``): operands not in the grid's
-        layout are redistributed first; the result is in ``grid.c_layout``.
+        layout are redistributed first; the result is in ``grid.c_layout``. Operands that
+        do not live on the engine's communicator or a ``Dup`` of it (``MPI.Comm.Compare``
+        neither IDENT nor CONGRUENT) are a ``ValueError`` on every rank, before any work.
 
         ``streamed``: the product runs in stripes (``distmm.engine.mpi.stream``: each
         rank's host blocks stay in host memory, pieces of A's stripes and B's column panel
@@ -163,8 +165,7 @@ class MPIEngine(Engine):
         instead, for a caller that reports once for several products."""
         from distmm.executor import get_executor
 
-        if a.comm.size != self.comm.size or b.comm.size != self.comm.size:
-            raise ValueError("both operands must live on the engine's communicator")
+        _one_communicator(self.comm, a, b)
         a.settle()  # from_array's operands: the same array on every rank (collective)
         b.settle()
         acc = np.dtype(grid.acc_dtype)
@@ -310,6 +311,18 @@ class MPIEngine(Engine):
             "streamed": True, "phases": phases.totals(),
         }
         return result
+
+
+def _one_communicator(comm, a: DistArray, b: DistArray) -> None:
+    """``ValueError`` unless ``a`` and ``b`` live on ``comm`` or a ``Dup`` of it (the same
+    ranks in the same order): checked locally, so every rank refuses alike, before any
+    collective (blocks placed by another communicator's ranks would meet the wrong panels
+    in SUMMA, and a rank failing mid-exchange ends the job)."""
+    from mpi4py import MPI
+
+    if any(MPI.Comm.Compare(x.comm, comm) not in (MPI.IDENT, MPI.CONGRUENT) for x in (a, b)):
+        raise ValueError("matmul: both DistArrays must live on one communicator (the same "
+                         "ranks in the same order; a Dup of it will do)")
 
 
 def _too_big_for_the_device(comm, a: DistArray, b: DistArray, grid: GridPlan) -> bool:

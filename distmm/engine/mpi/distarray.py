@@ -122,35 +122,45 @@ class DistArray:
         a cupy block for a cupy array (on the array's device).
         The default layout is the most square grid of the ranks.
 
-        Every rank must pass the same array. Nothing is exchanged here; the first
-        collective call that takes the result (``distmm.matmul``, ``redistribute``,
-        ``gather``, ``to_file``) compares the ranks' shapes, dtypes and layouts, and a
-        sample of the values of numpy and cupy arrays and of nested lists
-        (``agree.fingerprint``), and raises ``ValueError`` on every rank where they differ.
+        Every rank must pass the same array, and every rank of ``comm`` must call this:
+        what one rank refuses (an array that is not 2-D, a ragged list, a layout that does
+        not fit) is raised on every rank, after one small exchange. The first collective
+        call that takes the result (``distmm.matmul``, ``redistribute``, ``gather``,
+        ``to_file``) compares the ranks' shapes, dtypes and layouts, and a sample of the
+        values of numpy and cupy arrays and of nested lists (``agree.fingerprint``), and
+        raises ``ValueError`` on every rank where they differ.
 
         Raises
         ------
         ValueError
-            An array that is not 2-D, a layout for another shape or whose owners are not
-            ranks of ``comm``.
+            An array that is not 2-D (a ragged list: numpy's error), a layout for another
+            shape or whose owners are not ranks of ``comm``.
         TypeError
             A ``layout`` that is not a ``BlockLayout``.
         """
-        if array_family(x) != "cupy" and getattr(x, "ndim", None) is None:
-            x = np.asarray(x)  # a list or a tuple: its values are compared too
-        dist = cls.from_agreed(x, comm, layout)
-        values = b""
-        if array_family(x) == "cupy" or isinstance(x, np.ndarray):
-            from distmm.engine.mpi.agree import fingerprint
+        comm = comm if comm is not None else _world()
+        dist, error = None, None
+        try:  # refused on one rank: the others would wait for it in their next collective
+            if array_family(x) != "cupy" and getattr(x, "ndim", None) is None:
+                x = np.asarray(x)  # a list or a tuple: its values are compared too
+            dist = cls.from_agreed(x, comm, layout)
+            values = b""
+            if array_family(x) == "cupy" or isinstance(x, np.ndarray):
+                from distmm.engine.mpi.agree import fingerprint
 
-            values = fingerprint(x)
-        dist._given = (tuple(dist.shape), dist.dtype, _digest(dist.layout), values)
+                values = fingerprint(x)
+            dist._given = (tuple(dist.shape), dist.dtype, _digest(dist.layout), values)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+            error = exc
+        join(comm, "DistArray.from_array")
+        agree(comm, error, (), into=set(), when="in DistArray.from_array")
         return dist
 
     @classmethod
     def from_agreed(cls, x, comm=None, layout: BlockLayout | None = None) -> "DistArray":
-        """``from_array`` without recording what this rank was given, for callers that
-        compared the ranks' arrays already (the engine)."""
+        """``from_array`` without its exchange and without recording what this rank was
+        given, for callers that compare the ranks' arrays and agree on what one rank
+        refuses themselves (the engine, ``distmm.matmul``)."""
         comm = comm if comm is not None else _world()
         xp = _xp(x)
         if getattr(x, "ndim", None) != 2:
