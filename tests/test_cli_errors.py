@@ -346,6 +346,16 @@ def test_unwritable_output_folder(files):
         ro.chmod(0o755)
 
 
+def _distmm(request, ranks: int, *argv):
+    """``distmm *argv`` in one process (``run_cli``; its stderr must be one line) or under
+    ``ranks`` ranks (the ``mpirun`` fixture): the result and its stderr."""
+    if ranks == 1:
+        r = run_cli(*argv)
+        return r, one_line(r)
+    r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+    return r, r.stderr
+
+
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="writes under /proc")
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
 @pytest.mark.parametrize("name", ["c.npy", "c.h5:C"])
@@ -356,12 +366,7 @@ def test_an_output_folder_no_file_can_be_made_in_is_refused_naming_it(files, nam
     MiB free', status 1, a failed run). The staged output's creation is tried now: bad input,
     status 2, one line from rank 0, on one process and under mpirun."""
     argv = ("matmul", files / "a.npy", files / "b.npy", "-o", f"/proc/{name}")
-    if ranks == 1:
-        r = run_cli(*argv)
-        line = one_line(r)
-    else:
-        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
-        line = r.stderr
+    r, line = _distmm(request, ranks, *argv)
     assert r.returncode == 2, r.stderr
     assert (f"cannot write /proc/{name}: its folder /proc is not writable (distmm stages the "
             f"output beside its target)") in line and "free" not in line, line
@@ -703,10 +708,7 @@ def test_a_chunk_that_does_not_decode_names_its_file(files, kind, ranks, request
     spec = _corrupt_chunk(files, kind)
     before = sorted(p.name for p in files.iterdir())
     argv = ("matmul", spec, files / "b.npy", "-o", files / "c.npy")
-    if ranks == 1:
-        r = run_cli(*argv)
-    else:
-        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+    r, _ = _distmm(request, ranks, *argv)
     assert r.returncode == 2, r.stderr
     line = r.stderr if ranks == 1 else r.stderr.splitlines()[0] + "\n"
     assert f"{spec} cannot be read" in one_line(SimpleNamespace(stderr=line)), r.stderr
@@ -799,12 +801,7 @@ def test_an_h5_operand_with_an_empty_dataspace_holds_no_data(files, ranks, reque
     with h5py.File(files / "in.h5", "w") as fh:
         fh.create_dataset("E", data=h5py.Empty("f8"))
     argv = ("matmul", f"{files / 'in.h5'}:E", files / "b.npy", "-o", files / "c.npy")
-    if ranks == 1:
-        r = run_cli(*argv)
-        line = one_line(r)
-    else:
-        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
-        line = r.stderr
+    r, line = _distmm(request, ranks, *argv)
     assert r.returncode == 2, r.stderr
     assert (f"{files / 'in.h5'}:E holds no data (an empty HDF5 dataspace); matmul needs arrays "
             f"of at least 1 dimension") in line and "scalar" not in line

@@ -5,8 +5,9 @@ calibration, a tuning cache, a records file, an image) refused at the start, in 
 naming it, where it could not be written: an empty path, a folder where the file goes (or a
 file where the folder goes), a path through a file, a folder that is missing (where the
 command does not make it) or in which no file can be made, an existing file it may not
-write; and ``check_creatable``, the test of a folder that every command's check before work
-makes (``distmm.cli.io``'s for ``distmm matmul``, ``distmm cluster``'s scheduler file). It
+write; and ``check_creatable`` (``check_folder``: refused in one line), the test of a folder
+that every command's check before work makes (``distmm.cli.io``'s for ``distmm matmul``,
+``distmm cluster``'s scheduler file, ``distmm report``'s folder). It
 does *not* cover ``distmm matmul``'s targets (``distmm.cli.io``: staged outputs, HDF5
 datasets, zarr arrays) or writing itself (``distmm.staging``).
 """
@@ -16,7 +17,7 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["check_writable", "check_creatable"]
+__all__ = ["check_writable", "check_creatable", "check_folder"]
 
 
 def check_writable(path, *, folder: bool = False, makes_folders: bool = True) -> None:
@@ -41,13 +42,21 @@ def check_writable(path, *, folder: bool = False, makes_folders: bool = True) ->
         raise NotADirectoryError(20, f"{there} is not a folder", str(path))
     if path.is_file() and not os.access(path, os.W_OK):
         raise PermissionError(13, "cannot be written", str(path))
+    check_folder(there / f".distmm-check-{os.getpid()}", path)
+
+
+def check_folder(probe, path) -> None:
+    """``check_creatable(probe)``, where the command will write ``path``: a folder in which
+    no file can be made (``REFUSED``) is a ``PermissionError`` naming the folder and
+    ``path``; another error (too many open files, a name too long) is raised as the write
+    would meet it."""
     try:
-        check_creatable(there / f".distmm-check-{os.getpid()}")
+        check_creatable(probe)
     except OSError as exc:
         if exc.errno not in REFUSED:
-            raise  # not the folder's (too many open files): as the write would meet it
-        raise PermissionError(exc.errno, f"cannot write in {there} ({exc.strerror})",
-                              str(path)) from None
+            raise
+        raise PermissionError(exc.errno, f"cannot write in {Path(probe).parent} "
+                                         f"({exc.strerror})", str(path)) from None
 
 
 #: the errors of ``check_creatable`` that say no file can be made in the folder: no write

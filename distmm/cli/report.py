@@ -579,20 +579,15 @@ def _check_output(folder: Path, overwrite: bool, inputs=()) -> None:
     only with ``overwrite``. A folder in which nothing can be made where the report's first
     folder goes (the nearest that exists above it: read-only, or ``/proc``, where root's
     permissions do not stop a write) is refused as not writable (``PermissionError``)."""
-    from distmm.cli.outputs import REFUSED, check_creatable
+    from distmm.cli.outputs import check_folder
 
     above = folder.absolute().parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():  # the folder would go under a file
         raise NotADirectoryError(20, "Not a directory", str(above))
-    try:  # as the staging folder (or the first folder made above it) is made
-        check_creatable(above / f".{folder.name}.distmm-partial-{os.getpid()}")
-    except OSError as exc:
-        if exc.errno not in REFUSED:
-            raise  # not the folder's (a name too long): as the staging would meet it
-        raise PermissionError(exc.errno, f"cannot write in {above} ({exc.strerror})",
-                              str(folder)) from None
+    # as the staging folder (or the first folder made above it) is made
+    check_folder(above / f".{folder.name}.distmm-partial-{os.getpid()}", folder)
     if folder.is_symlink():
         if not overwrite:
             raise OutputExists(f"{folder} exists (a symbolic link): pass --overwrite to "
