@@ -466,6 +466,27 @@ def kill_workers(client, run: threading.Thread, kills: int, gap: float) -> int:
     return killed
 
 
+def stop_after_logged(line, folder: Path, env: dict, logged: int,
+                      pattern: str = ".c.*.done-*") -> str:
+    """Run ``line`` (a ``--resume`` run in ``folder``, one stripe a 0.1 s), SIGTERM its
+    ranks once their done-logs (``pattern``) list ``logged`` stripes, and return its stderr,
+    which must say that C stripes were kept."""
+    import psutil
+
+    proc = subprocess.Popen(line, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
+    deadline = time.time() + 120
+    while sum(len(p.read_text().split()) for p in Path(folder).glob(pattern)) < logged:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    for rank in [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "distmm" in " ".join(p.cmdline())] or [psutil.Process(proc.pid)]:
+        rank.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "C stripes kept in" in err, err
+    return err
+
+
 def takes_direct(folder) -> bool:
     """Whether ``folder``'s file system takes an aligned ``O_DIRECT`` write (tmpfs and some
     overlay or network file systems do not; distmm then writes through the page cache)."""

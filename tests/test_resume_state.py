@@ -30,7 +30,7 @@ import pytest
 
 from distmm.engine.mpi import resume as rs
 from distmm.staging import claim, is_live, reclaimable, release, remove_if_left, staged_path
-from conftest import pause_at, run_cli
+from conftest import pause_at, run_cli, stop_after_logged
 
 
 def _manifest(a_spec, a, out_spec="c.npy", **extra):
@@ -666,19 +666,7 @@ def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, m
     if ranks > 1:
         line = [mpiexec, "-n", str(ranks), "--oversubscribe", *line]
     env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "24"}
-    proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
-    deadline = time.time() + 120
-    while sum(len(p.read_text().split()) for p in tmp_path.glob(".c.zarr.*.done-*")) < 8:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.01)
-    import psutil
-
-    for rank in [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "distmm" in " ".join(p.cmdline())] or [psutil.Process(proc.pid)]:
-        rank.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert "C stripes kept in" in err, err
+    stop_after_logged(line, tmp_path, env, 8, ".c.zarr.*.done-*")
     [staged] = [p for p in tmp_path.glob(".c.zarr.distmm-partial-*") if p.is_dir()]
     chunks = sorted(p for p in staged.rglob("*") if p.is_file() and "zarr" not in p.name)
     assert len(chunks) >= 2, chunks

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import pytest
 
 from distmm.engine.mpi import resume as rs
 from distmm.engine.mpi.io import StripeWriter, create_staged, parse_spec, staged_path
+from conftest import stop_after_logged
 
 SPECS = {"npy": "c.npy", "zarr": "c.zarr", "h5": "c.h5:C"}
 
@@ -166,19 +165,7 @@ def _read(folder: Path, spec: str) -> np.ndarray:
 def _stopped(line, folder: Path, env: dict, logged: int = 8) -> tuple[Path, dict]:
     """``line`` (a ``--resume`` run) stopped by SIGTERM to its ranks once ``logged`` stripes
     are logged; its staged output and manifest."""
-    import psutil
-
-    proc = subprocess.Popen(line, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, "DISTMM_BATCH_STRIPE_PAUSE": "0.1"})
-    deadline = time.time() + 120
-    while sum(len(p.read_text().split()) for p in folder.glob(".c.*.done-*")) < logged:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.01)
-    for rank in [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "distmm" in " ".join(p.cmdline())] or [psutil.Process(proc.pid)]:
-        rank.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert "C stripes kept in" in err, err
+    stop_after_logged(line, folder, env, logged)
     [manifest] = folder.glob(".c.*.resume.json")
     return Path(str(manifest)[:-len(".resume.json")]), json.loads(manifest.read_text())
 
