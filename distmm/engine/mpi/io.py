@@ -30,6 +30,7 @@ before computing.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -109,7 +110,28 @@ def _load_npy(path):
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError) as exc:  # an object array, a cut header
+        empty = _empty_npy(path)  # numpy 1.x maps no array of no elements
+        if empty is not None:
+            return empty
         raise ValueError(f"{path} is not a readable .npy file ({_why(exc)})") from None
+
+
+def _empty_npy(path):
+    """The array of no elements the ``.npy`` file ``path`` holds, read-only; None for
+    another file or a header that does not read."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as fh:
+            version = fmt.read_magic(fh)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, dtype = read(fh)
+    except (ValueError, EOFError, OSError):
+        return None
+    if dtype.hasobject or math.prod(shape) != 0:  # an array with elements: its own error
+        return None
+    x = np.empty(shape, dtype=dtype, order="F" if fortran else "C")
+    x.flags.writeable = False
+    return x
 
 
 def _why(exc: BaseException) -> str:
