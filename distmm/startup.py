@@ -122,6 +122,18 @@ def _import_error_line(exc: BaseException) -> str:
     return line + limit_note(MemoryError() if mapped else root)
 
 
+def _command() -> str:
+    """The command's name (its first argument that is no option), or ""."""
+    for arg in sys.argv[1:]:  # a loop, not a generator: nothing left to finalise
+        if not arg.startswith("-"):
+            return arg
+    return ""
+
+
+def _ignore(unraisable) -> None:
+    """An unraisable error's hook that says nothing (the command's own line follows)."""
+
+
 @contextlib.contextmanager
 def guard():
     """Around the command's imports: SIGINT or SIGTERM ends the process with the command
@@ -146,7 +158,7 @@ def guard():
             signal.signal(signum, signal.SIG_IGN)  # rank) raised in here: a traceback
         interrupted = isinstance(exc, KeyboardInterrupt)
         let_rank_zero_say()
-        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        command = _command()
         what = "interrupted (SIGINT)" if interrupted else str(exc)
         print(f"distmm{' ' + command if command else ''}: error: {what}", file=sys.stderr,
               flush=True)
@@ -155,7 +167,10 @@ def guard():
         raise
     except Exception as exc:  # noqa: BLE001 - the command prints no traceback
         try:
-            command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+            # nothing but this line: an object freed meanwhile whose finaliser fails for want
+            # of memory (a generator's) would print "Exception ignored in" and its traceback
+            sys.unraisablehook = _ignore
+            command = _command()
             line = f"distmm{' ' + command if command else ''}: error: {_import_error_line(exc)}"
         except BaseException:  # noqa: BLE001 - no memory left even for the line's text
             line = f"distmm: error: {type(exc).__name__}"
