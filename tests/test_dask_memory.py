@@ -102,13 +102,13 @@ def test_600_mib_workers_reading_a_320_mb_npy_operand(tmp_path):
 
 def test_float64_products_leave_numba_unimported():
     """BLAS products never import numba: in a fresh process, only the
-    integer product (numba's kernels) does."""
+    integer product (numba's kernels: 700^3 is past AUTO_LOOP_FLOPS) does."""
     import subprocess
 
     code = ("import sys, numpy as np, distmm\n"
             "distmm.matmul(np.ones((300, 300)), np.ones((300, 300)), engine='local', tile=100)\n"
             "print('numba' in sys.modules)\n"
-            "distmm.matmul(np.ones((300, 300), np.int64), np.ones((300, 300), np.int64), engine='local')\n"
+            "distmm.matmul(np.ones((700, 700), np.int64), np.ones((700, 700), np.int64), engine='local')\n"
             "print('numba' in sys.modules)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(distmm.__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -75,8 +75,9 @@ class Request:
     backend : str
         The resolved executor backend (``distmm.executor.resolve_backend``):
         ``"numba"``, ``"blas"``, ``"raw"``, ``"cublas"``; ``"gpu"`` for the
-        GPU executor's own per-shape choice; ``"auto"`` only for engines whose
-        workers pick their device themselves (a Dask cluster).
+        GPU executor's own per-shape choice; ``"auto"`` for engines whose
+        workers pick their device themselves (a Dask cluster) and for small integer
+        products (the CPU executor's choice of numpy's loop or the numba kernels).
     on_gpu : bool
         Whether an in-process executor runs on the GPU.
     out : array, optional

@@ -11,9 +11,11 @@ import functools
 import numpy as np
 
 from distmm.executor.base import BackendUnavailable, Executor
+from distmm.executor.cpu import AUTO_LOOP_FLOPS
 
 __all__ = ["Executor", "BackendUnavailable", "get_executor", "resolve_backend", "CPU_BACKENDS",
-           "GPU_BACKENDS", "BACKENDS", "gpu_available", "missing_gpu", "AUTO_GPU_MIN_FLOPS"]
+           "GPU_BACKENDS", "BACKENDS", "gpu_available", "missing_gpu", "AUTO_GPU_MIN_FLOPS",
+           "AUTO_LOOP_FLOPS"]
 
 CPU_BACKENDS = ("numba", "blas")
 GPU_BACKENDS = ("raw", "cublas")
@@ -67,7 +69,10 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
     (backend, on_gpu)
         ``backend`` is ``"numba"``, ``"blas"``, ``"raw"``, ``"cublas"`` or, with
         ``on_gpu``, ``"auto"`` (the GPU executor's per-shape choice); ``"auto"``
-        without ``on_gpu`` only when ``workers_decide``. Host operands go to
+        without ``on_gpu`` when ``workers_decide``, and for an integer (or boolean)
+        product of at most ``AUTO_LOOP_FLOPS``: the CPU executor's choice between
+        numpy's loop and the numba kernels, whose bits are the same
+        (``distmm.executor.cpu``); larger ones are ``"numba"``. Host operands go to
         the GPU for large float32/float64 products when a GPU is present.
         ``"auto"`` for a float16 product of host operands is ``"numba"``, also
         where workers decide: its sums give numpy's bits, BLAS's do not.
@@ -97,7 +102,11 @@ def resolve_backend(backend: str, dtype: np.dtype, *, family: str, flops: int,
         return backend, False
     if dtype in (np.float32, np.float64) and flops >= AUTO_GPU_MIN_FLOPS and gpu_available():
         return "auto", True
-    return ("numba" if dtype.kind in "biu" else "blas"), False
+    if dtype.kind in "biu":
+        # resolved once per call signature (the call cache keeps it), so a small product is
+        # left to the executor, which moves to the kernels once they are loaded
+        return ("auto" if flops <= AUTO_LOOP_FLOPS else "numba"), False
+    return "blas", False
 
 
 def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False,
@@ -110,8 +119,10 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False,
 
     ``backend="auto"`` picks the GPU executor (its own auto choice between
     ``raw`` and ``cublas``) when ``on_gpu``; on the CPU it picks BLAS for
-    floating and complex dtypes, where OpenBLAS is fastest, and the numba
-    kernels for integers, where numpy has no BLAS and its loop is slow.
+    floating and complex dtypes, where OpenBLAS is fastest, and for integers,
+    where numpy has no BLAS and its loop is slow, the CPU executor ``"auto"``:
+    the numba kernels, or numpy's loop while loading them would cost more
+    (``distmm.executor.cpu.AUTO_LOOP_FLOPS``).
 
     Raises
     ------
@@ -125,7 +136,7 @@ def get_executor(backend: str, acc_dtype: np.dtype, *, on_gpu: bool = False,
     if backend in GPU_BACKENDS or (backend == "auto" and on_gpu):
         return _gpu_executor(backend, precision)
     if backend == "auto":
-        backend = "numba" if np.dtype(acc_dtype).kind in "iu" else "blas"
+        backend = "auto" if np.dtype(acc_dtype).kind in "iu" else "blas"
     return _cpu_executor(backend, precision)
 
 
