@@ -1072,7 +1072,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         Scalars, converted to the result dtype. As in BLAS, ``beta == 0``
         means ``c`` is not read (NaN in ``c`` does not propagate) and
         ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
-        ``beta * c``.
+        ``beta * c``. Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c``,
+        its Inf, NaN and floating-point reports too: a complex result is
+        multiplied by an alpha or beta of 1 as well (numpy's ``1 * (inf + 0j)``
+        is ``inf + nanj``, an "invalid value").
     trans_a, trans_b : bool or {'N', 'T', 'C'}
         BLAS's TRANSA / TRANSB: ``False`` or ``'N'`` (as is), ``True`` or
         ``'T'`` (transposed), ``'C'`` (conjugate transposed, object elements by
@@ -1180,12 +1183,22 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         product = xp.zeros((ops.m, ops.n), dtype=dtype, **chunks)
     else:
         product = _squeeze(eng.run(request), ops)
-        if alpha_t != 1:
-            product = product * alpha_t
+        if _scales(alpha_t, dtype):
+            product = alpha_t * product
     if c is None or beta_t == 0:
         return product.astype(dtype, copy=False)
-    scaled = c.astype(dtype, copy=False) * beta_t if beta_t != 1 else c.astype(dtype, copy=True)
+    c = c.astype(dtype, copy=not _scales(beta_t, dtype))
+    scaled = beta_t * c if _scales(beta_t, dtype) else c
     return (product + scaled).astype(dtype, copy=False)
+
+
+def _scales(scalar, dtype: np.dtype) -> bool:
+    """Whether gemm multiplies by ``alpha`` or ``beta`` as numpy's ``alpha * (a @ b) + beta
+    * c`` does, scalar on the left (numpy's complex loops report an Inf times 0 in one order
+    and not the other): always for complex results, where ``1 * (inf + 0j)`` is
+    ``inf + nanj`` with numpy's "invalid value" (BLAS's zgemm multiplies by ``alpha = 1``
+    too), else where the scalar is not 1."""
+    return scalar != 1 or dtype.kind == "c"
 
 
 def _c_dtype(c) -> np.dtype:

@@ -1,17 +1,20 @@
 """distmm.gemm against BLAS's semantics and numpy's ``alpha * op(a) @ op(b) + beta * c``.
 
 This module covers what gemm adds to matmul, on every engine: ``op()`` of every kind
-(conjugate transposes of object operands too), ``c`` as numpy's subclasses and on-disk
-arrays, transposed on-disk operands, alpha and beta that are not numbers, a ``c`` of a
-dtype gemm cannot add, the engine's arguments checked when the product is all zeros
-(``alpha == 0``, ``k == 0``), and, under ``mpiexec``, a call one rank refuses or makes
-differently raising on every rank instead of leaving the others waiting.
+(conjugate transposes of object operands too), complex Inf and NaN and numpy's
+floating-point reports as numpy's ``alpha * (a @ b) + beta * c`` gives them, ``c`` as
+numpy's subclasses and on-disk arrays, transposed on-disk operands, alpha and beta that
+are not numbers, a ``c`` of a dtype gemm cannot add, the engine's arguments checked when
+the product is all zeros (``alpha == 0``, ``k == 0``), and, under ``mpiexec``, a call one
+rank refuses or makes differently raising on every rank instead of leaving the others
+waiting.
 It does *not* cover: matmul's own semantics (tests/test_api.py), gemm's scalar ranges and
 BLAS letters on the local engine (tests/test_api.py), GPU gemm (tests/test_gpu_api.py).
 """
 from __future__ import annotations
 
 import decimal
+import itertools
 import warnings
 
 import numpy as np
@@ -163,6 +166,92 @@ def test_a_zero_product_still_checks_the_engine_arguments(kw, match, k):
         distmm.gemm(a, b, c, alpha=1.0, beta=1.0, **kw)
     with pytest.raises(ValueError, match=match):
         distmm.gemm(a, b, c, alpha=0.0, beta=1.0, **kw)
+
+
+inf, nan = np.inf, np.nan
+#: complex values numpy's multiply by a scalar changes (1 * (inf + 0j) is inf + nanj)
+NONFINITE = [inf, complex(inf, nan), complex(nan, inf), complex(0, -inf), complex(inf, inf), nan]
+
+
+def _numpys_gemm(a, b, c, alpha, beta):
+    """numpy's ``alpha * (a @ b) + beta * c``, scalars in the result dtype, with BLAS's
+    rules: ``beta == 0`` reads no c, ``alpha == 0`` (or k == 0) no a and b."""
+    dtype = np.result_type(a, b, c)
+    al, be = dtype.type(alpha), dtype.type(beta)
+    prod = np.zeros(c.shape, dtype) if al == 0 or a.shape[1] == 0 else al * (a @ b)
+    return prod if be == 0 else prod + be * c
+
+
+def _reported(f):
+    """A call's result and numpy's reports: the warnings under errstate 'warn', in order,
+    and the error under 'raise'."""
+    with warnings.catch_warnings(record=True) as seen, np.errstate(all="warn"):
+        warnings.simplefilter("always")
+        result = f()
+    try:
+        with np.errstate(all="raise"):
+            f()
+        raised = None
+    except FloatingPointError as exc:
+        raised = str(exc)
+    return result, [str(w.message) for w in seen], raised
+
+
+def _form(z):
+    """Each part of each element: NaN, or its value and sign (-0.0 is not 0.0)."""
+    parts = np.stack([z.real, z.imag])
+    return np.isnan(parts), np.where(np.isnan(parts), 0, parts), np.signbit(parts)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_non_finite_values_and_reports_are_numpys_alpha_a_b_plus_beta_c(dtype):
+    """An Inf or NaN in a, b or c, alpha and beta among 0, 1, -1, 1j and 2, m x n x k of
+    1 x 1 x 1, 1 x 1 x 4, 3 x 4 x 1, 3 x 4 x 0 and 3 x 5 x 7: every element's parts (NaN,
+    Inf, sign) and numpy's reports (warnings in order, the error under 'raise') are those
+    of numpy's ``alpha * (a @ b) + beta * c``. alpha == 1 and beta == 1 were skipped
+    (inf + 0j stayed, where numpy's 1 * (inf + 0j) is inf + nanj with "invalid value
+    encountered in multiply"), and the scalars multiplied from the right, where numpy's
+    complex loop reports an Inf times 0 in the other order or not at all (c = inf + nanj,
+    beta = -1: numpy reports, gemm did not)."""
+    rng = np.random.default_rng(11)
+    bad = []
+    for m, n, k in [(1, 1, 1), (1, 1, 4), (3, 4, 1), (3, 4, 0), (3, 5, 7)]:
+        def ints(shape):
+            return (rng.integers(-3, 4, shape) + 1j * rng.integers(-3, 4, shape)).astype(dtype)
+
+        for where, value in [(w, v) for w in "abc" for v in NONFINITE]:
+            a, b, c = ints((m, k)), ints((k, n)), ints((m, n))
+            x = {"a": a, "b": b, "c": c}[where]
+            if not x.size:
+                continue
+            x[0, 0] = value
+            for alpha, beta in itertools.product([0, 1, -1, 1j, 2], repeat=2):
+                want = _reported(lambda: _numpys_gemm(a, b, c, alpha, beta))
+                got = _reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta,
+                                                    engine="local"))
+                nan_w, val_w, sign_w = _form(want[0])
+                nan_g, val_g, sign_g = _form(got[0])
+                same = (got[0].dtype == want[0].dtype and (nan_g == nan_w).all()
+                        and (val_g == val_w).all() and (sign_g == sign_w).all())
+                if not same or got[1:] != want[1:]:
+                    bad.append(f"{m}x{n}x{k} {where}[0, 0]={value} alpha={alpha} "
+                               f"beta={beta}: numpy {want[0].ravel()[0]} {want[1:]}, "
+                               f"got {got[0].ravel()[0]} {got[1:]}")
+    assert not bad, f"{len(bad)} differ, first: " + "\n".join(bad[:5])
+
+
+def test_default_alpha_multiplies_a_complex_product_as_numpy_does():
+    """gemm(a, b) is numpy's ``1 * (a @ b)`` (and BLAS's zgemm's, which multiplies by
+    alpha = 1 too): an element inf + infj is nan + nanj, with numpy's "invalid value"; gemm
+    gave matmul's inf + infj, silently."""
+    a, b = np.array([[inf + 0j]]), np.array([[1 + 1j]])
+    with np.errstate(all="ignore"):
+        assert np.isinf((a @ b)[0, 0].real)
+        got = distmm.gemm(a, b)
+    assert np.isnan(got[0, 0].real) and np.isnan(got[0, 0].imag)
+    with pytest.raises(FloatingPointError, match="invalid value encountered in multiply"):
+        with np.errstate(all="raise"):
+            distmm.gemm(a, b)
 
 
 MPI_SCRIPT = """
