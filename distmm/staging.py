@@ -40,7 +40,9 @@ what remains is a race with another process filling the disk during the copy.
 - ``check_target``: the refusals of a target before anything is written (an
   existing one without ``overwrite``; whatever ``overwrite``, a folder where a
   file would go, a zarr group, a folder that is no zarr array, an HDF5 group, an HDF5
-  dataset path through a dataset or into another file),
+  dataset path through a dataset or into another file, an existing HDF5 file that cannot be
+  opened for writing; with ``overwrite``, a ``.npy`` file or zarr folder that is immutable or
+  append-only: ``fixed_attribute``),
   for the command line and ``DistArray.to_file`` alike; ``h5_held``: the one line for an
   HDF5 file, operand or target, that HDF5 would not open because another process writes it.
 
@@ -49,6 +51,7 @@ It does *not* cover: parsing targets, ``.npy`` headers, or writing zarr:
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -70,7 +73,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
            "reclaimable", "remove_leftover",
-           "check_target", "h5_held", "zarr_node", "fsync_paths"]
+           "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute"]
 
 PARTIAL = "distmm-partial"
 
@@ -233,7 +236,9 @@ def check_target(t, overwrite: bool) -> bool:
         whose dataset path goes through something other than a group of that very file
         (``_check_h5_path``).
     PermissionError
-        An HDF5 file that is not writable.
+        An existing HDF5 file that cannot be opened for writing, as the copy of the dataset
+        into it will open it (``_check_opens``); an existing ``.npy`` file or zarr folder that
+        is immutable or append-only (``fixed_attribute``), with ``overwrite``.
     """
     p = Path(t.path)
     label = f"{p}:{t.dataset}" if t.kind == "h5" else str(p)
@@ -268,8 +273,7 @@ def check_target(t, overwrite: bool) -> bool:
         if not h5py.is_hdf5(p):
             raise ValueError(f"{p} exists and is not an HDF5 file; distmm adds datasets only to "
                              f"HDF5 files")
-        if not os.access(p, os.W_OK):
-            raise PermissionError(f"cannot add {t.dataset!r} to {p}: the file is not writable")
+        _check_opens(p, t.dataset)
         try:
             fh = h5py.File(p, "r")
         except OSError as exc:
@@ -288,7 +292,56 @@ def check_target(t, overwrite: bool) -> bool:
         return False
     if not overwrite:
         raise OutputExists(f"{label} exists: pass --overwrite to replace it")
+    fixed = fixed_attribute(p) if t.kind != "h5" else None
+    if fixed:
+        raise PermissionError(f"cannot replace {label}: it is {fixed} (chattr), which keeps "
+                              f"every process, root's too, from replacing it")
     return True
+
+
+#: the errors of opening a file that say it may not be written (no permission, an immutable or
+#: append-only file, a read-only file system)
+_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _check_opens(path: Path, dataset: str) -> None:
+    """Open the existing HDF5 file ``path`` for reading and writing and close it unwritten,
+    as HDF5 will open it to copy ``dataset`` into it (``O_RDWR``), so that the kernel's own
+    answer refuses it now: ``os.access`` tells what the real user id may do, and gives root a
+    file that is append-only (``chattr +a``). ``PermissionError`` naming both where it is
+    refused; another error is raised as HDF5 would meet it."""
+    try:
+        os.close(os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as exc:
+        if exc.errno not in _REFUSED:
+            raise
+        raise PermissionError(f"cannot add {dataset!r} to {path}: the file cannot be opened "
+                              f"for writing ({exc.strerror})") from None
+
+
+#: statx's attributes that keep a file or folder from being renamed onto or removed (and
+#: every name in such a folder), whoever asks: STATX_ATTR_IMMUTABLE, STATX_ATTR_APPEND
+_FIXED = ((0x10, "immutable"), (0x20, "append-only"))
+
+
+def fixed_attribute(path) -> str | None:
+    """"immutable" or "append-only" where the file or folder ``path`` (a link itself, not
+    followed) carries that attribute (``chattr +i``, ``+a``): no process, root's included,
+    renames another onto it or removes it, or a name in it where it is a folder. None where it
+    carries neither, does not exist, or the system does not say (no ``statx``). The kernel's
+    record of the file, not a guess from permission bits."""
+    import ctypes
+
+    fn = libc_function("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                                 ctypes.c_void_p], ctypes.c_int)
+    if fn is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    at_cwd, nofollow = -100, 0x100
+    if fn(at_cwd, os.fsencode(path), nofollow, 0, buf) != 0:
+        return None
+    attributes = int.from_bytes(buf.raw[8:16], sys.byteorder)  # stx_attributes
+    return next((name for bit, name in _FIXED if attributes & bit), None)
 
 
 def _check_h5_path(fh, path: Path, dataset: str, label: str) -> None:

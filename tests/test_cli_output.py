@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -790,3 +791,195 @@ def test_mpirun_h5_dataset_path_into_another_file(tmp_path, operands, mpirun):
     assert f"cannot write {f}:ext/C: 'ext' in {f} is an external link to '/G' in {other}" \
         in r.stderr
     assert (sha256(f), sha256(other)) == before and not partials(tmp_path)
+
+
+# ---------------------------------------------------------------- checks that ask the kernel
+
+
+@pytest.fixture
+def chattr():
+    """``chattr(path, "i")``: a file or folder made immutable (or "a", append-only), which no
+    process, root's included, may write, replace or remove (root ignores permission bits);
+    the attribute is taken off again at the end. Skipped where chattr or the file system
+    does not take it (not root, a file system without attributes)."""
+    made = []
+
+    def set_attribute(path, flag):
+        try:
+            r = subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip("no chattr here")
+        if r.returncode != 0:
+            pytest.skip(f"chattr +{flag} refused here: {r.stderr.strip()}")
+        made.append((path, flag))
+
+    yield set_attribute
+    for path, flag in reversed(made):
+        subprocess.run(["chattr", f"-{flag}", str(path)], capture_output=True)
+
+
+def contents(path: Path) -> dict:
+    """Every file at or under ``path``, by name, with its bytes' digest."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path.parent)): sha256(p) for p in files}
+
+
+@pytest.mark.parametrize("flag", ["a", "i"])
+def test_an_h5_file_that_cannot_be_opened_for_writing_is_refused_before_any_work(
+        tmp_path, operands, chattr, flag):
+    """An append-only HDF5 file (chattr +a): os.access told root it was writable, C was
+    computed and the copy into the file failed at the end (status 1, 'cannot open ... to add
+    'C''); now the file is opened for writing as HDF5 will open it (and closed unwritten):
+    status 2 before any work, one line naming the file and the dataset, the file as it was."""
+    pa, pb, _ = operands
+    f = tmp_path / "results.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = np.arange(7.0)
+    before = sha256(f)
+    chattr(f, flag)
+    r = run_cli("matmul", pa, pb, "-o", f"{f}:C", "--engine", "local")
+    assert r.returncode == 2, r.stderr
+    assert (f"cannot add 'C' to {f}: the file cannot be opened for writing (Operation not "
+            f"permitted)") in one_line(r.stderr)
+    assert sha256(f) == before and not partials(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["c.npy", "c.zarr"])
+@pytest.mark.parametrize("flag, fixed", [("i", "immutable"), ("a", "append-only")])
+def test_a_target_no_one_may_replace_is_refused_before_any_work(tmp_path, operands, chattr,
+                                                                name, flag, fixed):
+    """--overwrite of an immutable or append-only .npy file or zarr folder: C was computed and
+    its rename failed at the end, naming the staged file ('Operation not permitted:
+    .c.npy.distmm-partial-PID') or the folder; now refused before any work, in one line
+    naming the target and its attribute, the target as it was."""
+    pa, pb, _ = operands
+    target = tmp_path / name
+    (np.save if name.endswith(".npy") else zarr.save_array)(str(target), np.arange(6.0))
+    before = contents(target)
+    chattr(target, flag)
+    r = run_cli("matmul", pa, pb, "-o", target, "--engine", "local", "--overwrite")
+    assert r.returncode == 2, r.stderr
+    assert f"cannot replace {target}: it is {fixed} (chattr)" in one_line(r.stderr)
+    assert contents(target) == before and not partials(tmp_path)
+    assert not [p for p in tmp_path.iterdir() if "distmm-old" in p.name]
+
+
+def test_an_append_only_folder_is_refused_without_leaving_the_test_file(tmp_path, operands,
+                                                                        chattr):
+    """An append-only folder (chattr +a): a file can be made there but never removed, so the
+    test of the folder left its file behind ('.c.npy.distmm-partial-PID', which a later run
+    takes for a stopped run's). Now refused before the file is made."""
+    pa, pb, _ = operands
+    folder = tmp_path / "log"
+    folder.mkdir()
+    chattr(folder, "a")
+    r = run_cli("matmul", pa, pb, "-o", folder / "c.npy", "--engine", "local")
+    assert r.returncode == 2, r.stderr
+    assert f"cannot write {folder / 'c.npy'}: its folder {folder}" in one_line(r.stderr)
+    assert list(folder.iterdir()) == []
+
+
+def test_check_writable_asks_the_kernel_as_the_command_will_write(tmp_path, chattr):
+    """os.access told root an append-only file was writable: a calibration or a tuning cache
+    that replaces it, a report that rewrites it, failed only at the end. Now the file is
+    opened as the command will open it (closed unwritten), or for one it replaces, its
+    attributes read; records appended to it are let through."""
+    from distmm.cli.outputs import check_writable
+
+    f = tmp_path / "cal.json"
+    f.write_text("{}\n")
+    chattr(f, "a")
+    with pytest.raises(PermissionError, match=r"cannot be written \(Operation not permitted\)"):
+        check_writable(f)
+    with pytest.raises(PermissionError, match=r"cannot be replaced \(it is append-only\)"):
+        check_writable(f, writes="replace")
+    check_writable(f, writes="append")
+    assert f.read_text() == "{}\n" and list(tmp_path.iterdir()) == [f]
+
+
+@pytest.fixture
+def as_nobody():
+    """(a folder the user nobody (65534) owns, ``run(ids, *args)``: python ARGS as nobody,
+    its output captured): ``ids`` "both" switches the real and the effective user (``setpriv
+    --reuid``), "effective" only the effective one (the real one stays root's, as in a
+    set-user-ID program). The folder is outside pytest's, which only root may enter. Skipped
+    where setpriv cannot switch (not root, no setpriv)."""
+    switch = {"both": ["--reuid=65534", "--regid=65534"],
+              "effective": ["--euid=65534", "--egid=65534"]}
+    try:
+        ok = os.geteuid() == 0 and subprocess.run(
+            ["setpriv", *switch["both"], "--clear-groups", "true"]).returncode == 0
+    except FileNotFoundError:
+        ok = False
+    if not ok:
+        pytest.skip("cannot run a process as the user nobody here (needs root and setpriv)")
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="distmm-nobody-"))
+    top.chmod(0o755)
+    folder = top / "own"
+    folder.mkdir()
+    os.chown(folder, 65534, 65534)
+
+    def run(ids, *args):
+        return subprocess.run(["setpriv", *switch[ids], "--clear-groups", sys.executable, *args],
+                              capture_output=True, text=True, timeout=300, cwd=folder)
+
+    try:
+        yield folder, run
+    finally:
+        shutil.rmtree(top)
+
+
+def test_checks_answer_for_the_effective_user(as_nobody):
+    """A process whose effective user is nobody and real user root: os.access answered for
+    root, so an HDF5 file of root's (0644) passed, C was computed, and the copy into the file
+    failed at the end (status 1); a file of root's passed check_writable. Now both are opened
+    as the effective user will open them: status 2 before any work, the file as it was."""
+    folder, run = as_nobody
+    rng = np.random.default_rng()
+    np.save(folder / "a.npy", rng.standard_normal((6, 4)))
+    np.save(folder / "b.npy", rng.standard_normal((4, 3)))
+    f = folder / "root.h5"
+    with h5py.File(f, "w") as fh:
+        fh["X"] = np.arange(7.0)
+    f.chmod(0o644)
+    before = sha256(f)
+    r = run("effective", "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "root.h5:C",
+            "--engine", "local")
+    assert r.returncode == 2, r.stderr
+    assert ("cannot add 'C' to root.h5: the file cannot be opened for writing (Permission "
+            "denied)") in one_line(r.stderr)
+    assert sha256(f) == before and not partials(folder)
+    r = run("effective", "-c", f"from distmm.cli.outputs import check_writable; "
+                               f"check_writable({str(f)!r})")
+    assert r.returncode == 1 and f"cannot be written (Permission denied): '{f}'" in r.stderr
+
+
+def test_a_read_only_file_in_a_writable_folder_may_be_replaced(as_nobody):
+    """A file its user may not write (0444) in a folder they may: os.access refused it, yet a
+    calibration or a tuning cache replaces it (a rename, which its folder allows). Now
+    check_writable(writes="replace") lets it through, and the replacement it promises is
+    made; to be opened for writing (the default) it is still refused."""
+    folder, run = as_nobody
+    f = folder / "cal.json"
+    f.write_text("{}\n")
+    os.chown(f, 65534, 65534)
+    f.chmod(0o444)
+    code = textwrap.dedent(f"""
+        import os
+        from distmm.cli.outputs import check_writable
+        try:
+            check_writable({str(f)!r})
+        except PermissionError as exc:
+            print(exc)
+        check_writable({str(f)!r}, writes="replace")
+        with open("new.json", "w") as fh:
+            fh.write("[1]")
+        os.replace("new.json", {str(f)!r})
+        """)
+    r = run("both", "-c", code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"[Errno 13] cannot be written (Permission denied): '{f}'\n"
+    assert f.read_text() == "[1]"

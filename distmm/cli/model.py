@@ -123,7 +123,8 @@ def run_calibrate(args) -> int:
     from distmm.cli import calibrate as cb
 
     path = cb.default_path() if args.output is None else args.output
-    check_writable(path)  # before measuring ('-o ""' is refused, not the default)
+    # before measuring ('-o ""' is refused, not the default); the file is replaced
+    check_writable(path, writes="replace")
     path = Path(path)
     for given in args.from_records or ():
         if path.exists() and Path(given).exists() and path.samefile(given):

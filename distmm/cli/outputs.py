@@ -5,8 +5,9 @@ calibration, a tuning cache, a records file, an image) refused at the start, in 
 naming it, where it could not be written: an empty path, a folder where the file goes (or a
 file where the folder goes), a path through a file, a folder that is missing (where the
 command does not make it) or in which no file can be made, an existing file it may not
-write; and ``check_creatable`` (``check_folder``: refused in one line), the test of a folder
-that every command's check before work makes (``distmm.cli.io``'s for ``distmm matmul``,
+write as it will (``check_file``: opened, appended to or replaced); and ``check_creatable``
+(``check_folder``: refused in one line), the test of a folder that every command's check
+before work makes (``distmm.cli.io``'s for ``distmm matmul``,
 ``distmm cluster``'s scheduler file, ``distmm report``'s folder). It
 does *not* cover ``distmm matmul``'s targets (``distmm.cli.io``: staged outputs, HDF5
 datasets, zarr arrays) or writing itself (``distmm.staging``).
@@ -17,15 +18,19 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["check_writable", "check_creatable", "check_folder"]
+__all__ = ["check_writable", "check_file", "check_creatable", "check_folder", "WRITES"]
 
 
-def check_writable(path, *, folder: bool = False, makes_folders: bool = True) -> None:
+def check_writable(path, *, folder: bool = False, makes_folders: bool = True,
+                   writes: str | None = None) -> None:
     """Refuse ``path`` where it cannot be written: ``ValueError`` (empty), ``IsADirectoryError``
     / ``NotADirectoryError`` (a folder where the file goes, a file where the folder or a
     folder on the way goes), ``FileNotFoundError`` (its folder missing, without
-    ``makes_folders``), ``PermissionError`` (no write permission, or no file can be made in
-    the folder: ``check_creatable``); each names the path."""
+    ``makes_folders``), ``PermissionError`` (an existing file the command could not write as
+    it will, ``writes``: ``check_file``; or no file can be made in the folder:
+    ``check_creatable``); each names the path."""
+    if writes not in WRITES:
+        raise ValueError(f"writes={writes!r}: one of {', '.join(map(repr, WRITES))}")
     if not str(path) or (isinstance(path, str) and not path.strip()):
         raise ValueError("an empty output path")
     path = Path(path)
@@ -40,9 +45,41 @@ def check_writable(path, *, folder: bool = False, makes_folders: bool = True) ->
         there = there.parent
     if not there.is_dir():
         raise NotADirectoryError(20, f"{there} is not a folder", str(path))
-    if path.is_file() and not os.access(path, os.W_OK):
-        raise PermissionError(13, "cannot be written", str(path))
+    if path.is_file():
+        check_file(path, writes)
     check_folder(there / f".distmm-check-{os.getpid()}", path)
+
+
+#: how a command writes an existing file (``check_file``): None, opened for writing where it
+#: is (and truncated); "append", opened to append to; "replace", a file made beside it renamed
+#: onto it
+WRITES = (None, "append", "replace")
+
+
+def check_file(path, writes: str | None = None) -> None:
+    """Refuse (``PermissionError`` naming ``path``) the existing file ``path`` where the
+    command could not write it as it will (``writes``), in the kernel's own answer:
+    ``os.access`` tells what the real user id may do, and gives root an append-only file
+    (``chattr +a``). A file to be opened is opened for writing (without truncating it; with
+    ``O_APPEND`` for one appended to) and closed unwritten; a file to be replaced is refused
+    where it is immutable or append-only (``distmm.staging.fixed_attribute``), as its
+    permission bits do not stop a rename (its folder's are ``check_folder``'s). An error of
+    the opening that is not a refusal (``REFUSED``) is raised as the write would meet it."""
+    if writes == "replace":
+        from distmm.staging import fixed_attribute
+
+        fixed = fixed_attribute(path)
+        if fixed:
+            raise PermissionError(errno.EPERM, f"cannot be replaced (it is {fixed})", str(path))
+        return
+    flags = os.O_WRONLY | (os.O_APPEND if writes == "append" else 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        os.close(os.open(path, flags))
+    except OSError as exc:
+        if exc.errno not in REFUSED:
+            raise
+        raise PermissionError(exc.errno, f"cannot be written ({exc.strerror})",
+                              str(path)) from None
 
 
 def check_folder(probe, path) -> None:
@@ -70,7 +107,9 @@ def check_creatable(path) -> None:
     folder, tested as the command's own write will be. ``os.access`` does not tell: it lets
     root write in ``/proc`` and ``/sys``, where no file can be made. ``path`` is created
     exclusively (``O_EXCL``), so a link there is never followed; whatever is there already is
-    left as it was (nothing is learnt then, and nothing raised).
+    left as it was (nothing is learnt then, and nothing raised). An append-only folder
+    (``chattr +a``), where the file could be made but never removed, nor a staged output
+    renamed, is refused (``EPERM``) without making it.
 
     Raises
     ------
@@ -78,6 +117,11 @@ def check_creatable(path) -> None:
         The creation's (``REFUSED`` where no file can be made there; ``ENAMETOOLONG``,
         ``EMFILE``...), with ``path`` as its file name.
     """
+    from distmm.staging import fixed_attribute
+
+    if fixed_attribute(Path(path).parent) == "append-only":  # made there, never removed
+        raise OSError(errno.EPERM, f"{os.strerror(errno.EPERM)} (an append-only folder)",
+                      str(path))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o600)

@@ -166,7 +166,7 @@ def _check_output(path, flag: str = "-o") -> None:
     made: ``check_writable``)."""
     if not path:
         raise ValueError(f"{flag}: an empty path")
-    check_writable(path, makes_folders=False)
+    check_writable(path, makes_folders=False, writes="replace")
 
 
 def image_format(path) -> str:

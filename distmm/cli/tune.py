@@ -334,7 +334,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return BAD_INPUT
     # what the run writes, checked before hours of tuning: the cache and the records' folder
-    check_writable(args.cache or cache_path())
+    check_writable(args.cache or cache_path(), writes="replace")
     if args.records is not None:
         check_writable(args.records, folder=True)
     from distmm.executor.device import gpu_name
