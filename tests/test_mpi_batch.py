@@ -6,7 +6,8 @@ printing the grid and stripes the run records; ``--resume`` after a real
 SIGTERM at a controlled point (the rerun computes only the missing stripes and its result is
 bitwise equal to an uninterrupted run's); refusal after an input (its contents too, with its
 size and modification time kept), the rank count, the BLAS threads or a GPU rank's kernel
-parameters (a ``distmm tune`` since the stop) change; each stripe's
+parameters (a ``distmm tune`` since the stop) change; an input truncated while the stripes
+are read ending the run in one line, nothing left; each stripe's
 log line after its bytes were flushed to disk (.npy, HDF5, zarr chunks and their folders); a
 zarr chunk killed mid-write computed again; the resume state of one dataset
 of an HDF5 file kept through runs to other datasets of that file;
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli, takes_direct
+from conftest import pause_at, run_cli, takes_direct
 
 pytestmark = pytest.mark.mpi
 
@@ -1262,24 +1263,32 @@ def test_a_signal_after_c_is_in_place_changes_nothing(tmp_path, batch_env):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
-def _meanwhile(tmp_path, cmd, batch_env, ranks, action, *extra):
-    """``distmm matmul a.npy b.npy -o c.npy *extra`` (one process, or under ``ranks`` ranks),
-    held with SIGSTOP once its staged output exists while ``action()`` runs; (status, stderr)."""
+#: where ``_held`` holds a run: once rank 0 has looked at the inputs (its second look, before
+#: the commit, finds ``go`` and goes on), or just before C is moved into place
+LOOKED = ("distmm.engine.mpi.resume", "inputs_now", True)
+COMMIT = ("distmm.staging", "put_in_place", False)
+
+
+def _held(tmp_path, cmd, batch_env, ranks, where, action, *extra):
+    """``distmm matmul a.npy b.npy -o c.npy *extra`` in ``tmp_path/work`` (one process, or
+    under ``ranks`` ranks), held at ``where`` (``pause_at``'s module, name and ``after``) while
+    ``action(work)`` runs; (status, stderr)."""
+    work, site = tmp_path / "work", tmp_path / "site"
+    site.mkdir()
+    pause_at(site, where[0], where[1], after=where[2])
+    env = batch_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     argv = ["matmul", "a.npy", "b.npy", "-o", "c.npy", *extra]
     line = cmd(ranks, *argv) if ranks else [sys.executable, "-m", "distmm", *argv]
-    proc = subprocess.Popen(line, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=batch_env(), start_new_session=True)
+    proc = subprocess.Popen(line, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(tmp_path.glob(".c.npy.distmm-partial-*")):
+        while not (site / "paused").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.002)
-        held = [proc.pid, *_rank_pids(proc.pid)]  # Open MPI's ranks: groups of their own
-        for pid in held:
-            os.kill(pid, signal.SIGSTOP)
-        action()
-        for pid in held:
-            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        action(work)
+        (site / "go").touch()
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -1288,20 +1297,27 @@ def _meanwhile(tmp_path, cmd, batch_env, ranks, action, *extra):
     return proc.returncode, err
 
 
+def _operands_in_work(tmp_path, seed):
+    (tmp_path / "work").mkdir()
+    return _operands(tmp_path / "work", 300, 700, 200, "float64", seed=seed)
+
+
 @pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
                          ids=["one process", "2 ranks"])
 def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, ranks):
     """Another run (or the user) writes C while this one computes: without --overwrite it is
-    kept and this run fails in one line, its staged output removed (the commit replaced it)."""
-    _operands(tmp_path, 300, 700, 200, "float64", seed=12)
-    status, err = _meanwhile(tmp_path, cmd, batch_env, ranks,
-                             lambda: np.save(tmp_path / "c.npy", np.arange(3.0)))
+    kept and this run fails in one line, its staged output removed (the commit replaced it).
+    The run waits for the write just before its commit."""
+    _operands_in_work(tmp_path, seed=12)
+    status, err = _held(tmp_path, cmd, batch_env, ranks, COMMIT,
+                        lambda work: np.save(work / "c.npy", np.arange(3.0)))
     assert status != 0
     first = err.splitlines()[0]
     assert first.startswith("distmm matmul: error:") and "c.npy exists" in first, err
     assert "--overwrite" in first
-    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+    work = tmp_path / "work"
+    np.testing.assert_array_equal(np.load(work / "c.npy"), np.arange(3.0))
+    assert sorted(p.name for p in work.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
 @pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
@@ -1309,40 +1325,69 @@ def test_a_resume_runs_stripes_kept_when_c_was_written_meanwhile_are_named(tmp_p
                                                                            batch_env):
     """The same with ``--resume``: its C stripes are kept, and its one line says so (it named
     none, and they stayed beside C unsaid); ``--resume --overwrite`` then moves them into place."""
-    a, b = _operands(tmp_path, 300, 700, 200, "float64", seed=18)
-    status, err = _meanwhile(tmp_path, cmd, batch_env, None,
-                             lambda: np.save(tmp_path / "c.npy", np.arange(3.0)), "--resume")
+    a, b = _operands_in_work(tmp_path, seed=18)
+    status, err = _held(tmp_path, cmd, batch_env, None, COMMIT,
+                        lambda work: np.save(work / "c.npy", np.arange(3.0)), "--resume")
     assert status == 1, err
     assert len(err.splitlines()) == 1 and "c.npy exists" in err, err
-    [staged] = [p.name for p in tmp_path.glob(".c.npy.distmm-partial-*.resume.json")]
+    work = tmp_path / "work"
+    [staged] = [p.name for p in work.glob(".c.npy.distmm-partial-*.resume.json")]
     staged = staged[:-len(".resume.json")]
     assert f"C stripes kept in {staged}: run the same command with --resume" in err, err
-    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(3.0))
+    np.testing.assert_array_equal(np.load(work / "c.npy"), np.arange(3.0))
     r = subprocess.run([sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
-                        "--resume", "--overwrite"], cwd=tmp_path, capture_output=True, text=True,
+                        "--resume", "--overwrite"], cwd=work, capture_output=True, text=True,
                        timeout=120, env=batch_env())
     assert r.returncode == 0, r.stderr
-    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+    np.testing.assert_allclose(np.load(work / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in work.iterdir()) == ["a.npy", "b.npy", "c.npy"]
 
 
 @pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
                          ids=["one process", "2 ranks"])
 def test_an_input_rewritten_while_the_run_computes_is_not_multiplied(tmp_path, cmd, batch_env,
                                                                     ranks):
-    """B edited in place (same size) while the product runs: C would mix old and new data,
-    so it is not written; one line naming B, status 2, no staged output left."""
-    _operands(tmp_path, 300, 700, 200, "float64", seed=14)
+    """B edited in place (same size) after the run looked at it, before C is moved into place:
+    C could mix old and new data, so it is not written; one line naming B, status 2, no staged
+    output left. The run waits for the edit once it has looked at B."""
+    _operands_in_work(tmp_path, seed=14)
 
-    def edit():
+    def edit(work):
+        looked = (work / "b.npy").stat().st_mtime_ns
         time.sleep(0.05)  # past the file system's clock tick (a jiffy) after the run's look
-        b = np.load(tmp_path / "b.npy", mmap_mode="r+")
+        b = np.load(work / "b.npy", mmap_mode="r+")
         b[0, 0] += 1
         b.flush()
+        del b
+        assert (work / "b.npy").stat().st_mtime_ns != looked  # the run can tell
 
-    status, err = _meanwhile(tmp_path, cmd, batch_env, ranks, edit)
+    status, err = _held(tmp_path, cmd, batch_env, ranks, LOOKED, edit)
     assert status == 2, err
     assert err.splitlines()[0] == ("distmm matmul: error: input B (b.npy) changed: its "
                                    "modification time differs while the product ran; c.npy "
                                    "was not written"), err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["a.npy", "b.npy"]
+
+
+@pytest.mark.parametrize("ranks,extra", [(None, ("--engine", "mpi")),
+                                         pytest.param(2, (), marks=pytest.mark.slow)],
+                         ids=["one process", "2 ranks"])
+def test_an_input_truncated_while_the_stripes_are_read_is_one_line(tmp_path, cmd, batch_env,
+                                                                  ranks, extra):
+    """A.npy cut to half its size once the run has opened it: the batch path reads the
+    stripes of a C-ordered .npy of the product's dtype with ``os.preadv``, not through the
+    mapping (whose pages past the new end would end the run with SIGBUS, its staged output
+    left), so the short read is bad input in one line naming A, status 2, nothing left
+    beside the inputs."""
+    _operands_in_work(tmp_path, seed=15)
+
+    def cut(work):
+        os.truncate(work / "a.npy", (work / "a.npy").stat().st_size // 2)
+
+    status, err = _held(tmp_path, cmd, batch_env, ranks, LOOKED, cut, *extra)
+    assert status == 2, err
+    first = err.splitlines()[0]
+    assert first.startswith("distmm matmul: error: a.npy cannot be read: OSError: the file "
+                            "ended "), err
+    assert first.endswith(" bytes early while reading an operand"), err
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["a.npy", "b.npy"]
