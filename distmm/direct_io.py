@@ -29,7 +29,7 @@ import numpy as np
 from distmm.threads import submit
 
 __all__ = ["ALIGN", "CHUNK", "THREADS", "MIN_DIRECT", "aligned_split", "as_bytes", "npy_header",
-           "libc_function", "preallocate", "SpanWriter"]
+           "libc_function", "preallocate", "bounce_bytes", "SpanWriter"]
 
 #: the alignment of a direct write's file offset, length and memory (a page: enough for the
 #: logical blocks of every disk distmm meets, 512 B or 4 KiB)
@@ -53,6 +53,20 @@ def aligned_split(offset: int, nbytes: int, align: int = ALIGN) -> tuple[int, in
     if end <= start:
         return 0, 0
     return start - offset, end - start
+
+
+def bounce_bytes(span: int) -> int:
+    """The most bytes of aligned buffers a ``SpanWriter`` holds when it writes spans of at
+    most ``span`` bytes from unaligned memory (numpy's arrays, as a rule): a buffer per thread
+    that writes a chunk, kept until ``close``, filled up to the largest chunk it copied (at
+    most ``THREADS`` of ``CHUNK`` bytes); none for spans under ``MIN_DIRECT``.
+
+    >>> bounce_bytes(8 << 20) >> 20, bounce_bytes(40 << 20) >> 20, bounce_bytes(1 << 30) >> 20
+    (8, 48, 64)
+    """
+    if span < MIN_DIRECT:
+        return 0
+    return min(THREADS, -(-span // CHUNK)) * min(CHUNK, span)
 
 
 def npy_header(shape, dtype) -> bytes:

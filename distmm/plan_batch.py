@@ -9,13 +9,13 @@ product (every owner's edge of A and B; finer for the first stripe, whose produc
 panel is still arriving), and what one rank holds at once: B's column panel
 (``k x n_j``, kept for every stripe), two A stripes (one multiplied, the next read) and two C
 stripes (one computed, the last written), all in the accumulation dtype; CPU ranks also hold
-what their host products add (``_host_extra``). ``plan_batch`` refuses a product whose column
-panel of B does not fit the memory it is given with stripes of the narrowest width, before
-anything is read: a ``ValueError`` for a GPU's memory, a ``MemoryError`` for a
-``distmm.memory-budget`` (``budget``). ``decide_batch`` is what ``mpirun -n P distmm matmul``
-decides from the job's facts (ranks, hosts, GPU or CPU ranks, their memory,
-``distmm.batch-panels``, the memory-budget of a CPU rank): how the ranks get their panels and
-the plan; ``distmm plan --ranks P`` prints the same.
+what their host products and their writers' aligned buffers add (``_host_extra``).
+``plan_batch`` refuses a product whose column panel of B does not fit the memory it is given
+with stripes of the narrowest width, before anything is read: a ``ValueError`` for a GPU's
+memory, a ``MemoryError`` for a ``distmm.memory-budget`` (``budget``). ``decide_batch`` is
+what ``mpirun -n P distmm matmul`` decides from the job's facts (ranks, hosts, GPU or CPU
+ranks, their memory, ``distmm.batch-panels``, the memory-budget of a CPU rank, direct writes):
+how the ranks get their panels and the plan; ``distmm plan --ranks P`` prints the same.
 
 It does *not* cover: reading, moving or writing bytes (``distmm.engine.mpi.stream``), or the
 in-memory SUMMA of ``distmm.grid``, whose grids it reuses.
@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distmm.direct_io import bounce_bytes
 from distmm.grid import GridPlan, even_edges, make_grid
 from distmm.plan import accumulate_dtype, sums_whole_k
+from distmm.startup import size_text
 
 __all__ = ["BatchPlan", "BatchSetup", "plan_batch", "decide_batch", "batch_panels",
            "b_fits_host", "PANEL_CHOICES", "STRIPES_PER_RANK", "MIN_STRIPE_ROWS",
@@ -109,27 +111,34 @@ class BatchPlan:
         g = self.grid
         return (f"batch grid {g.rows} x {g.cols} ranks, {self.stripes} stripe(s) per rank, "
                 f"{len(self.panels) - 1} k panel(s); held per rank at most "
-                f"{_size(max(self.held_bytes))}")
+                f"{size_text(max(self.held_bytes), 2)}")
 
 
-def _held(grid: GridPlan, i: int, j: int, stripe: int, host_panels: str | None = None) -> int:
+def _held(grid: GridPlan, i: int, j: int, stripe: int, host_panels: str | None = None,
+          direct_writes: bool = False) -> int:
     """Bytes rank ``(i, j)`` holds at once with stripes of ``stripe`` rows: B's column panel,
     two A stripes and two C stripes (a C stripe is computed while the last one is written:
     ``distmm.engine.mpi.stream`` hands the writer the next only once it has written the
     last), and on CPU ranks (``host_panels``) what ``_host_extra`` adds."""
     nj = grid.col_edges[j + 1] - grid.col_edges[j]
-    extra = _host_extra(grid, nj, stripe, host_panels) if host_panels is not None else 0
+    extra = (_host_extra(grid, nj, stripe, host_panels, direct_writes)
+             if host_panels is not None else 0)
     return (grid.k * nj + 2 * stripe * grid.k + 2 * stripe * nj) * grid.itemsize + extra
 
 
-def _host_extra(grid: GridPlan, nj: int, stripe: int, host_panels: str) -> int:
+def _host_extra(grid: GridPlan, nj: int, stripe: int, host_panels: str,
+                direct_writes: bool = False) -> int:
     """Bytes a CPU rank holds beyond ``_held``'s count: the stripe being written in the result
-    dtype where that is not the accumulation dtype (float16, bool, small integers), and,
-    where its ranks get A's pieces by broadcast (``host_panels``) and the stripe's product
-    spans several k panels, the product of the panel being added to the stripe's sum, or
-    for dtypes numpy sums over all of k at once (``sums_whole_k``) A's pieces joined."""
+    dtype where that is not the accumulation dtype (float16, bool, small integers); with
+    ``direct_writes``, its writer's aligned buffers (``distmm.direct_io.bounce_bytes``: a
+    stripe of whole rows is one span, else each of its rows); and, where its ranks get A's
+    pieces by broadcast (``host_panels``) and the stripe's product spans several k panels,
+    the product of the panel being added to the stripe's sum, or for dtypes numpy sums over
+    all of k at once (``sums_whole_k``) A's pieces joined."""
     res, acc = np.dtype(grid.dtype), np.dtype(grid.acc_dtype)
     extra = stripe * nj * res.itemsize if res != acc else 0
+    if direct_writes:
+        extra += bounce_bytes((stripe if grid.cols == 1 else 1) * nj * res.itemsize)
     if host_panels == "broadcast":
         panels = set(grid.a_k_edges[0]) | set(grid.b_k_edges[0])
         if sums_whole_k(res):
@@ -139,19 +148,25 @@ def _host_extra(grid: GridPlan, nj: int, stripe: int, host_panels: str) -> int:
     return extra
 
 
-def _size(nbytes: int) -> str:
-    """``nbytes`` in GiB, MiB or KiB (two decimals), for a refusal's line."""
-    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.2f} {unit}"
-    return f"{nbytes} bytes"
+def _kept_edges(g: GridPlan, stripe_edges, forced) -> tuple[tuple[int, ...], ...]:
+    """``stripe_edges`` as a plan lists them, refused (``ValueError``) unless a forced grid's
+    rows of C are cut by them, in order."""
+    kept = tuple(tuple(int(e) for e in row) for row in stripe_edges)
+    if forced is None or len(kept) != g.rows or any(
+            len(row) < 2 or (row[0], row[-1]) != (r0, r1) or
+            any(b < a for a, b in zip(row, row[1:]))
+            for row, r0, r1 in zip(kept, g.row_edges, g.row_edges[1:])):
+        raise ValueError(f"stripe edges that do not cut the {g.rows} x {g.cols} grid's rows "
+                         f"of C ({list(g.row_edges)})")
+    return kept
 
 
 def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
                memory: int | None = None, stripes: int = STRIPES_PER_RANK,
                grid: tuple[int, int] | None = None, whole_rows: bool = False,
                stripe_bytes: int | None = None, budget: int | None = None,
-               host_panels: str | None = None) -> BatchPlan:
+               host_panels: str | None = None, direct_writes: bool = False,
+               stripe_edges=None) -> BatchPlan:
     """Plan a batch product on ``ranks`` ranks.
 
     Parameters
@@ -170,7 +185,8 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     whole_rows : bool
         Prefer ``ranks x 1`` (each rank's C block whole rows: one contiguous range of a
         C-ordered file, written directly; every rank holds all of B) when B and two stripes
-        fit ``memory`` and ``m >= ranks``; otherwise the grid ``distmm.grid.make_grid`` picks.
+        fit ``memory`` and ``m >= ranks``; otherwise the grid ``distmm.grid.make_grid`` picks
+        (where ``budget`` refuses both, its refusal names the smaller least of the two).
     stripe_bytes : int, optional
         More stripes where one would hold more than this many bytes of C (a resumable run
         passes ``RESUME_STRIPE_BYTES``).
@@ -181,17 +197,26 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         CPU ranks: how they get their panels (``"read"``, ``"share"`` or ``"broadcast"``,
         ``batch_panels``), so that ``held_bytes`` counts what their host products add
         (``_host_extra``); None: GPU ranks (the device's memory).
+    direct_writes : bool
+        CPU ranks: their writers write C past the page cache (``distmm.direct-writes`` and a
+        ``.npy`` or HDF5 output), so that ``held_bytes`` counts their aligned buffers.
+    stripe_edges : sequence of sequences of int, optional
+        With ``grid``: the stripes a stopped run kept (``--resume``), planned as they are
+        (``stripes``, ``stripe_bytes`` and the narrowing that ``memory`` or ``budget`` would
+        make are not applied; what they hold is refused as below).
 
     Raises
     ------
     ValueError
         Negative sizes, a forced grid that is not ``ranks``, a column panel of B
         (``k x n / cols``) that does not fit ``memory`` with two stripes of the narrowest
-        width (the message says how much one rank needs), or more stripes or first-stripe
-        k steps than ``MAX_BATCH_EDGES`` (told from the sizes, before any is listed).
+        width (the message says how much one rank needs), more stripes or first-stripe
+        k steps than ``MAX_BATCH_EDGES`` (told from the sizes, before any is listed), or
+        ``stripe_edges`` that do not cut the grid's rows of C.
     MemoryError
-        What one rank holds with stripes of the narrowest width is more than ``budget`` (the
-        message names the budget and that least).
+        What one rank holds with stripes of the narrowest width (or with ``stripe_edges``)
+        is more than ``budget`` (the message names the budget and that least; the error's
+        ``least`` is it in bytes, but for ``stripe_edges``).
 
     Examples
     --------
@@ -205,20 +230,30 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
     """
     if stripes < 1:
         raise ValueError(f"stripes must be at least 1, got {stripes}")
+    rows_refused = None  # the budget's refusal of whole rows, where they were tried
     if whole_rows and grid is None and ranks > 1 and m >= ranks:
         try:
             return plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
                               grid=(ranks, 1), stripe_bytes=stripe_bytes, budget=budget,
-                              host_panels=host_panels)
-        except (ValueError, MemoryError):  # B does not fit one rank: the grid below shares it
+                              host_panels=host_panels, direct_writes=direct_writes)
+        except ValueError:  # B does not fit one rank: the grid below shares it
             pass
+        except MemoryError as exc:
+            rows_refused = exc
     limit = memory if budget is None else budget if memory is None else min(memory, budget)
     forced = None if grid is None else (1, int(grid[0]), int(grid[1]))
     g = make_grid(m, n, k, dtype, ranks=ranks, grid=forced, k_split=False)
-    counts, held = [], [0] * g.ranks
+    kept = None if stripe_edges is None else _kept_edges(g, stripe_edges, forced)
+    counts, widths, held = [], [], [0] * g.ranks
     widest = max(g.col_edges[j + 1] - g.col_edges[j] for j in range(g.cols))  # of C's columns
     for i in range(g.rows):
         mi = g.row_edges[i + 1] - g.row_edges[i]
+        if kept is not None:
+            counts.append(len(kept[i]) - 1)
+            widths.append(max(b - a for a, b in zip(kept[i], kept[i][1:])))
+            for j in range(g.cols):
+                held[g.rank_at(0, i, j)] = _held(g, i, j, widths[i], host_panels, direct_writes)
+            continue
         count = stripes
         if stripe_bytes:
             count = max(count, -(-mi * widest * np.dtype(g.dtype).itemsize // int(stripe_bytes)))
@@ -226,23 +261,35 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
         if limit is not None:
             while True:
                 width = math.ceil(mi / count) if mi else 0
-                need = max(_held(g, i, j, width, host_panels) for j in range(g.cols))
+                need = max(_held(g, i, j, width, host_panels, direct_writes)
+                           for j in range(g.cols))
                 if need <= limit or width <= MIN_STRIPE_ROWS or width <= 1:
                     break
                 count *= 2
         counts.append(count)
-        width = -(-mi // count)  # the widest of even_edges(mi, count), before it is listed
+        widths.append(-(-mi // count))  # the widest of even_edges(mi, count), before listed
         for j in range(g.cols):
-            held[g.rank_at(0, i, j)] = _held(g, i, j, width, host_panels)
+            held[g.rank_at(0, i, j)] = _held(g, i, j, widths[i], host_panels, direct_writes)
     worst = max(range(g.ranks), key=held.__getitem__)
     if budget is not None and held[worst] > budget:
         _, i, _ = g.coords(worst)
-        width = -(-(g.row_edges[i + 1] - g.row_edges[i]) // counts[i])
-        raise MemoryError(
+        width = widths[i]
+        if rows_refused is not None and rows_refused.least < held[worst]:
+            raise rows_refused  # the least of the grids tried: a budget that holds it runs
+        if kept is not None:
+            raise MemoryError(
+                f"its kept stripes (of up to {width} rows, on {g.rows} x {g.cols} ranks) hold "
+                f"{size_text(held[worst], 2)} on rank {worst}, more than the "
+                f"distmm.memory-budget of {size_text(budget, 2)}: resume with a budget of at least "
+                f"{size_text(held[worst], 2, up=True)}")
+        refused = MemoryError(
             f"a {m} x {n} x {k} {np.dtype(dtype).name} batch product on {g.rows} x {g.cols} "
-            f"ranks holds at least {_size(held[worst])} on rank {worst} (B's column panel "
-            f"k x n/{g.cols} and stripes of A and C of {width} rows), more than its "
-            f"distmm.memory-budget of {_size(budget)}: set a larger budget or use more ranks")
+            f"ranks holds at least {size_text(held[worst], 2)} on rank {worst} (B's column "
+            f"panel k x n/{g.cols} and stripes of A and C of {width} rows), more than its "
+            f"distmm.memory-budget of {size_text(budget, 2)}: set a larger budget or use more "
+            f"ranks")
+        refused.least = held[worst]
+        raise refused
     if memory is not None and max(held) > memory:
         raise ValueError(
             f"a {m} x {n} x {k} {np.dtype(dtype).name} product on {g.rows} x {g.cols} ranks needs "
@@ -256,8 +303,8 @@ def plan_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int,
             raise ValueError(
                 f"a {m} x {n} x {k} {np.dtype(dtype).name} batch product on {g.rows} x {g.cols} "
                 f"ranks has {listed:.3g} {what}; a batch plan lists at most {MAX_BATCH_EDGES}")
-    edges = tuple(tuple(r0 + e for e in even_edges(r1 - r0, count))
-                  for r0, r1, count in zip(g.row_edges, g.row_edges[1:], counts))
+    edges = kept or tuple(tuple(r0 + e for e in even_edges(r1 - r0, count))
+                          for r0, r1, count in zip(g.row_edges, g.row_edges[1:], counts))
     panels = tuple(sorted(set(g.a_k_edges[0]) | set(g.b_k_edges[0])))
     first = tuple(sorted(set(panels) | set(range(0, k, step))))
     return BatchPlan(grid=g, stripe_edges=edges, panels=panels, held_bytes=tuple(held),
@@ -336,7 +383,7 @@ class BatchSetup:
                  + (", whole rows of C each" if g.cols == 1 and g.ranks > 1 else "")
                  + f"; panels {self.panels}: {how[self.panels]}",
                  f"stripes    {p.stripes} per rank at most; held per rank at most "
-                 f"{_size(max(p.held_bytes))}"]
+                 f"{size_text(max(p.held_bytes), 2)}"]
         shown = list(range(min(g.ranks, most)))
         if g.ranks > most:
             shown.append(g.ranks - 1)
@@ -362,7 +409,9 @@ class BatchSetup:
 def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: int = 1,
                  on_gpu: bool = False, panels: str = "auto", memory: int | None = None,
                  host_memory: int | None = None, stripes: int = STRIPES_PER_RANK,
-                 resume: bool = False, budget: int | None = None) -> BatchSetup:
+                 resume: bool = False, budget: int | None = None,
+                 direct_writes: bool = False, grid: tuple[int, int] | None = None,
+                 stripe_edges=None) -> BatchSetup:
     """What ``mpirun -n ranks distmm matmul`` runs for ``C[m, n] = A[m, k] @ B[k, n]``: how
     the ranks get their panels (``batch_panels``) and the plan, whole rows of C per rank
     where they read their panels and B fits (GPU ranks: ``memory``; CPU ranks: half of
@@ -394,6 +443,11 @@ def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: 
         ``distmm.memory-budget`` given as a size: the bytes one CPU rank may hold (per rank,
         whatever threads its BLAS runs); ``None`` (``auto``): no limit but ``host_memory``'s
         on whole rows. GPU ranks plan with ``memory`` alone.
+    direct_writes : bool
+        CPU ranks write C past the page cache (``plan_batch``'s).
+    grid, stripe_edges : optional
+        A stopped run's grid ``(rows, cols)`` and the stripes it kept, which a ``--resume``
+        run takes on (``plan_batch``'s).
 
     Raises
     ------
@@ -414,7 +468,8 @@ def decide_batch(m: int, n: int, k: int, dtype="float64", *, ranks: int, hosts: 
     mode = batch_panels(panels, hosts=hosts, on_gpu=on_gpu)
     rows = mode != "broadcast" and (on_gpu or b_fits_host(k, n, dtype, ranks=ranks,
                                                           available=host_memory))
-    plan = plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes,
+    plan = plan_batch(m, n, k, dtype, ranks=ranks, memory=memory, stripes=stripes, grid=grid,
                       whole_rows=rows, stripe_bytes=RESUME_STRIPE_BYTES if resume else None,
-                      budget=None if on_gpu else budget, host_panels=None if on_gpu else mode)
+                      budget=None if on_gpu else budget, host_panels=None if on_gpu else mode,
+                      direct_writes=direct_writes and not on_gpu, stripe_edges=stripe_edges)
     return BatchSetup(plan=plan, panels=mode)

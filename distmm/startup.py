@@ -27,7 +27,7 @@ try:  # imported here, before memory can run out (``limit_note``)
 except ImportError:  # not a POSIX system: no process limits to name
     resource = None
 
-__all__ = ["guard", "is_command", "let_rank_zero_say", "limit_note", "rank_zero"]
+__all__ = ["guard", "is_command", "let_rank_zero_say", "limit_note", "rank_zero", "size_text"]
 
 # the rank variables of mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH), PMIx and srun
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
@@ -91,16 +91,22 @@ def limit_note(exc: BaseException) -> str:
         soft = resource.getrlimit(getattr(resource, name))[0]
         if soft == resource.RLIM_INFINITY:
             return ""
-        size = str(soft) if name == "RLIMIT_NOFILE" else _size(soft)
+        size = str(soft) if name == "RLIMIT_NOFILE" else size_text(soft)
         return f" (the {what} limit, ulimit {option}, is {size})"
     return ""
 
 
-def _size(nbytes: int) -> str:
-    """``nbytes`` in GiB, MiB or KiB (one decimal), or bytes."""
+def size_text(nbytes: int, decimals: int = 1, up: bool = False) -> str:
+    """``nbytes`` in GiB, MiB or KiB (``decimals`` decimals; ``up``: rounded up, so that a
+    limit of that size holds ``nbytes``), or bytes: for the lines that name a size, this
+    module's limits and ``distmm.plan_batch``'s refusals (two decimals). Here, not beside
+    ``distmm.config``'s parsing of sizes: this module imports nothing that may fail."""
     for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
         if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
+            scale = 10 ** decimals
+            value = (-(-nbytes * scale // (1 << shift)) / scale if up
+                     else nbytes / (1 << shift))
+            return f"{value:.{decimals}f} {unit}"
     return f"{nbytes} bytes"
 
 

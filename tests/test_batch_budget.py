@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, takes_direct
 
 pytestmark = pytest.mark.mpi
 
@@ -44,6 +44,19 @@ def _written(profile: Path) -> list[int]:
     """Each rank's C stripes, as its profile's write spans."""
     data = json.loads(profile.read_text())
     return [sum(s["phase"] == "write" for s in rec["spans"]) for rec in data["ranks"]]
+
+
+def _peaks(mpirun, tmp_path: Path, tag: str, a: Path, env: dict) -> list[int]:
+    """Each of two ranks' peak resident bytes running ``matmul a b.npy`` in ``tmp_path/tag``
+    (with its profile, ``p.json``)."""
+    script = tmp_path / "rss.py"
+    script.write_text(RSS_SCRIPT)
+    folder = tmp_path / tag
+    folder.mkdir()
+    r = mpirun(2, script, folder, "matmul", a, tmp_path / "b.npy", "-o", folder / "c.npy",
+               "--profile", folder / "p.json", env=env)
+    assert r.returncode == 0, r.stderr
+    return [int((folder / f"rss-{rank}").read_text()) << 10 for rank in (0, 1)]
 
 
 @pytest.mark.slow
@@ -92,22 +105,15 @@ def test_a_budget_bounds_each_ranks_peak_memory(tmp_path, mpirun):
     """Each rank's peak resident memory (``ru_maxrss``) with one stripe of 64 MiB of C, with a
     budget of 24 MiB (8 stripes of 8 MiB, 16.8 MiB held), and for a product of almost nothing
     (the interpreter, numpy, MPI): with the budget a rank holds at most the budget above the
-    last, and far less than without it. Direct writes off: their aligned copies of a stripe
-    (``distmm.direct_io``) are no part of the plan's count."""
-    script = tmp_path / "rss.py"
-    script.write_text(RSS_SCRIPT)
+    last, and far less than without it. Direct writes off (their aligned buffers: the next
+    test)."""
     _operands(tmp_path, 8192, 32, 2048)
     np.save(tmp_path / "a0.npy", np.ones((2, 32)))  # a row a rank
     env = {"DISTMM_BATCH_STRIPES": "1", "DISTMM_DIRECT_WRITES": "false"}
 
     def peaks(tag, a, **extra):
-        folder = tmp_path / tag
-        folder.mkdir()
-        r = mpirun(2, script, folder, "matmul", a, tmp_path / "b.npy", "-o", folder / "c.npy",
-                   "--profile", folder / "p.json", env={**env, **extra})
-        assert r.returncode == 0, r.stderr
-        return [int((folder / f"rss-{rank}").read_text()) << 10 for rank in (0, 1)], \
-            _written(folder / "p.json")
+        return (_peaks(mpirun, tmp_path, tag, a, {**env, **extra}),
+                _written(tmp_path / tag / "p.json"))
 
     base, _ = peaks("base", tmp_path / "a0.npy")
     free, stripes = peaks("free", tmp_path / "a.npy")
@@ -118,6 +124,34 @@ def test_a_budget_bounds_each_ranks_peak_memory(tmp_path, mpirun):
     for rank in (0, 1):
         assert tight[rank] - base[rank] <= budget, (base, tight)
         assert free[rank] - tight[rank] >= 32 << 20, (free, tight)  # a 64 MiB stripe vs 8
+
+
+@pytest.mark.slow
+def test_a_budget_counts_the_direct_writers_aligned_buffers(tmp_path, mpirun):
+    """Direct writes copy each stripe of C into the writer's aligned buffers
+    (``distmm.direct_io``, 16 MiB a thread, four threads), kept for the run: the plan counts
+    them. 64 MiB of C a rank and a budget of 160 MiB: stripes of 32 MiB (65.5 MiB and 32 MiB
+    of buffers held), and each rank's peak (``ru_maxrss``) stays within the budget above that
+    of a product of almost nothing. Counted without them, stripes of 64 MiB were planned
+    (130.5 MiB) and a rank held 64 MiB of buffers more (193.5 MiB above the base)."""
+    if not takes_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT: no aligned buffers")
+    from distmm.plan_batch import decide_batch
+
+    _operands(tmp_path, 16384, 32, 2048)
+    np.save(tmp_path / "a0.npy", np.ones((2, 32)))  # a row a rank
+    budget, env = 160 << 20, {"DISTMM_BATCH_STRIPES": "1", "DISTMM_DIRECT_WRITES": "true"}
+    base = _peaks(mpirun, tmp_path, "base", tmp_path / "a0.npy", env)
+    tight = _peaks(mpirun, tmp_path, "tight", tmp_path / "a.npy",
+                   {**env, "DISTMM_MEMORY_BUDGET": "160MiB"})
+    profile = json.loads((tmp_path / "tight" / "p.json").read_text())
+    assert [rec["written_direct"] > 0 for rec in profile["ranks"]] == [True, True], profile
+    for rank in (0, 1):
+        assert tight[rank] - base[rank] <= budget, (base, tight)
+    assert _written(tmp_path / "tight" / "p.json") == [4, 4]
+    plan = decide_batch(16384, 2048, 32, ranks=2, stripes=1, budget=budget,
+                        direct_writes=True).plan
+    assert plan.stripes == 4 and max(plan.held_bytes) == (65.5 + 32) * 2**20
 
 
 def _planned(out: str) -> list[int]:

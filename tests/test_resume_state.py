@@ -12,7 +12,9 @@ run's files under the new run's PID, or under the PID one of the new job's other
 (PIDs come round again), resumed or cleared; chunk files lost from a kept zarr folder computed
 again; a second ``--resume`` run in the gap between a run's staging and its manifest refused;
 a dead run's staged output under the PID of a distmm process started after it last changed,
-removed; a ``--resume`` run waiting for another one's preparing, saying so, and ended by a signal.
+removed; a ``--resume`` run waiting for another one's preparing, saying so, and ended by a signal;
+a resume under another memory-budget or batch-stripes, which takes the kept stripes on where they
+fit the budget and refuses in one line naming the budget they need where they do not.
 """
 from __future__ import annotations
 
@@ -843,3 +845,78 @@ def test_a_gpu_kernel_chosen_otherwise_since_the_stop_is_refused(tmp_path, monke
                                             blas=[dict(auto, prefer={"large": "raw"})]))
     assert why.startswith("the GPU kernel's shape classes changed (large=raw, small=cublas then, "
                           "large=raw now)"), why
+
+
+def _stopped_budget_run(tmp_path: Path, mpiexec, mpi_env, stripes: int, **env):
+    """Integer-valued operands (C exact) of 2048 x 128 x 128, a ``--resume`` run of two ranks
+    under ``env`` stopped once two stripes are logged, and ``(a, b, line, staged, done)``:
+    the command, the kept staged output and each rank's logged stripes (``stripes`` each)."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(-50, 50, size=(2048, 128)).astype(np.float64)
+    b = rng.integers(-50, 50, size=(128, 128)).astype(np.float64)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    line = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, "-m", "distmm", "matmul",
+            "a.npy", "b.npy", "-o", "c.npy", "--resume"]
+    stop_after_logged(line, tmp_path, {**mpi_env, "OMPI_MCA_btl": "^ofi", **env}, 2)
+    [staged] = [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
+                if re.fullmatch(r".*-partial-\d+", p.name)]
+    assert json.loads(rs.manifest_path(staged).read_text())["stripe_edges"] == [
+        list(range(0, 1025, 1024 // stripes)), list(range(1024, 2049, 1024 // stripes))]
+    return a, b, line, staged, [rs.read_done(staged, rank) for rank in (0, 1)]
+
+
+def _resumed_kept_stripes(tmp_path: Path, r, a, b, stripes: int, done) -> None:
+    """The resume ``r`` (with ``--profile p.json``) wrote only the stripes missing of the
+    kept ``stripes`` a rank, and C is numpy's, bit for bit."""
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads((tmp_path / "p.json").read_text())["ranks"]
+    assert [sum(s["phase"] == "write" for s in rec["spans"]) for rec in ranks] == [
+        stripes - len(d) for d in done]
+    assert np.load(tmp_path / "c.npy").tobytes() == (a @ b).tobytes()
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy", "p.json"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_resume_under_another_budget_takes_the_kept_stripes_where_they_fit(tmp_path, mpiexec,
+                                                                             mpi_env):
+    """A run stopped under a memory-budget of 1.5 MiB (four stripes of 256 rows a rank,
+    1.12 MiB held), resumed under another budget: one the kept stripes do not fit (1 MiB) is
+    refused in one line naming the budget they need, its state kept; under none (which plans
+    two stripes a rank) the run takes the kept stripes on, computes only the missing ones, and
+    C is numpy's, bit for bit. Both were refused before, as 'the stripes changed'."""
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "2"}
+    a, b, line, staged, done = _stopped_budget_run(tmp_path, mpiexec, mpi_env, 4,
+                                                   DISTMM_BATCH_STRIPES="2",
+                                                   DISTMM_MEMORY_BUDGET="1.5MiB")
+    kept = sorted(os.listdir(tmp_path))
+    r = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**env, "DISTMM_MEMORY_BUDGET": "1MiB"})
+    assert r.returncode == 2, r.stderr
+    assert [x for x in r.stderr.splitlines() if x.startswith("distmm")] == [
+        f"distmm matmul: error: cannot resume c.npy from {staged.name}: its kept stripes (of "
+        f"up to 256 rows, on 2 x 1 ranks) hold 1.12 MiB on rank 0, more than the "
+        f"distmm.memory-budget of 1.00 MiB: resume with a budget of at least 1.13 MiB, or run "
+        f"without --resume to start over (that removes it)"], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == kept
+    r = subprocess.run([*line, "--profile", "p.json"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=env)
+    _resumed_kept_stripes(tmp_path, r, a, b, 4, done)  # stripes of 256 rows, not 1024
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_resume_whose_own_plan_the_budget_refuses_takes_kept_stripes_that_fit(
+        tmp_path, mpiexec, mpi_env):
+    """A run stopped with 16 stripes of 64 rows a rank (384 KiB held), resumed with 2 asked
+    for and a budget of 512 KiB, below what its own plan's narrowest stripes hold (256 rows,
+    1.12 MiB): the kept stripes fit, and are taken on (the budget's refusal before)."""
+    a, b, line, staged, done = _stopped_budget_run(tmp_path, mpiexec, mpi_env, 16,
+                                                   DISTMM_BATCH_STRIPES="16")
+    r = subprocess.run([*line, "--profile", "p.json"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300,
+                       env={**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "2",
+                            "DISTMM_MEMORY_BUDGET": "512KiB"})
+    _resumed_kept_stripes(tmp_path, r, a, b, 16, done)

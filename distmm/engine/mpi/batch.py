@@ -125,21 +125,27 @@ def _product_facts(args, backend: str, on_gpu: bool, acc,
 
 
 def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="highest",
-             job=frozenset(), stop=None, blas=None):
+             job=frozenset(), stop=None, blas=None, replan=None, refused=None):
     """Rank 0: leftovers, then the staged output (new, or the one to resume). Returns
-    ``(pid, header, resumed, notes)``; raises ``ValueError`` for a manifest that does not match,
-    or, with ``resume``, for a stopped run's staged output that another run works on. ``job``:
-    the PIDs of this job's ranks on this host. A ``resume`` run does all this under
-    ``preparing``'s lock: a second one waits until this one's manifest is saved and claimed,
-    or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each rank's
-    ``_product_facts`` (its GPU's, or its BLAS's), kept in the manifest."""
+    ``(pid, header, resumed, notes, kept)``, ``kept`` the plan with the resumed run's grid and
+    stripes where they are not ``plan``'s, else None; raises ``ValueError`` for a manifest
+    that does not match, or, with ``resume``, for a stopped run's staged output that another
+    run works on. ``job``: the PIDs of this job's ranks on this host. A ``resume`` run does
+    all this under ``preparing``'s lock: a second one waits until this one's manifest is saved
+    and claimed, or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each
+    rank's ``_product_facts`` (its GPU's, or its BLAS's), kept in the manifest.
+    ``replan(grid, stripe_edges, budget)``: the plan and k panels with a stopped run's grid
+    and stripes (``budget``: refused with a ``MemoryError`` where they hold more than the
+    memory-budget), which a resume takes on where they fit and nothing else changed (the
+    budget or batch-stripes did); ``refused``: the budget's refusal of this run's own plan
+    (then planned without it), said unless the kept stripes fit."""
     with preparing(parse_spec(args.output).path, stop) if args.resume else nullcontext():
         return _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision,
-                            job, blas)
+                            job, blas, replan, refused)
 
 
 def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precision, job,
-                 blas=None):
+                 blas=None, replan=None, refused=None):
     """``_prepare``, its lock held."""
     spec = parse_spec(args.output)
     target = spec.path
@@ -158,7 +164,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
         elif fd >= 0 or staged_pid(p) in job or not is_live(p):
             claims[p] = fd
     found = list(claims)
-    reuse = None
+    reuse = kept = None
     try:
         if args.resume and busy:  # both would compute its missing stripes and race to commit
             raise ValueError(f"cannot resume {args.output}: another run works on "
@@ -174,13 +180,20 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
                 else:
                     if old is None:
                         continue
-                    what = rs.mismatch(old, want) or rs.short(staged, old,
-                                                              (plan.grid.m, plan.grid.n), dtype)
+                    what = rs.mismatch(old, want)
+                    if replan is not None and (what is not None or refused is not None):
+                        what, kept = _kept_stripes(args, staged, old, what, replan,
+                                                   lambda p, ks: _manifest(
+                                                       args, a, b, dtype, backend, comm, p, ks,
+                                                       0, None, precision, blas))
+                    what = what or rs.short(staged, old, (plan.grid.m, plan.grid.n), dtype)
                 if what is not None:
                     raise ValueError(f"cannot resume {args.output} from {staged.name}: {what}; "
                                      f"run without --resume to start over (that removes it)")
-                reuse, kept = staged, old
+                reuse, old_manifest = staged, old
                 break
+        if refused is not None and reuse is None:  # no kept stripes to take: the budget's
+            raise ValueError(refused)
         for staged in found:
             if staged != reuse:
                 remove_leftover(staged)
@@ -194,7 +207,7 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
         rs.drop_temporaries(reuse)  # a zarr chunk a killed run was writing
         pid = staged_pid(reuse)  # the staged output's own name, not the manifest's
         _HELD[pid] = claims[reuse]  # until _finish: this run works on it now
-        return pid, kept["header"], True, notes
+        return pid, old_manifest["header"], True, notes, kept if kept != plan else None
     pid = os.getpid()
     if own.exists():  # a stopped run's to another dataset of this HDF5 file, under this PID
         raise FileExistsError(f"{own.name} beside {args.output} holds a stopped run to another "
@@ -210,7 +223,30 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
         except BaseException:
             remove_leftover(staged_path(target, pid))
             raise
-    return pid, header, False, notes
+    return pid, header, False, notes, None
+
+
+def _kept_stripes(args, staged, old: dict, what: str | None, replan, manifest):
+    """``(what, kept)`` for a stopped run's manifest ``old`` that differs from this run's in
+    ``what`` (or whose stripes this run's budget may not hold): a stopped run's grid and
+    stripes, which another memory-budget or batch-stripes changes, are taken on
+    (``replan``) where nothing else changed: ``what`` None and ``kept`` that plan; else
+    ``what`` names what differs with them (``kept`` None). Raises ``ValueError`` in one line
+    naming the budget they need where they hold more than a CPU rank's memory-budget."""
+    grid, edges = old.get("grid"), old.get("stripe_edges")
+    try:
+        kept, panels = replan(tuple(grid[-2:]), edges, False)
+    except (ValueError, TypeError, IndexError):  # not this run's rows, or a GPU's memory
+        return what, None
+    again = rs.mismatch(old, manifest(kept, panels))
+    if again is not None:
+        return again, None
+    try:
+        replan(tuple(grid[-2:]), edges, True)
+    except MemoryError as exc:
+        raise ValueError(f"cannot resume {args.output} from {staged.name}: {exc}, or run "
+                         f"without --resume to start over (that removes it)") from None
+    return None, kept
 
 
 def _zarr_chunks(plan: BatchPlan):
@@ -260,24 +296,41 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
             # how the ranks get their panels and the plan: what distmm plan --ranks prints
             # from the same facts (ranks that read their panels take whole rows of C when B
             # fits: each writes one contiguous range of the output, directly)
-            # (CPU ranks: each holds at most a memory-budget given as a size)
+            # (CPU ranks: each holds at most a memory-budget given as a size, their writers'
+            # aligned buffers counted where C goes past the page cache: StripeWriter's
+            # BlockWriter, for .npy and HDF5 outputs)
+            kind = parse_spec(args.output).kind
+            facts = dict(ranks=comm.size, hosts=host_count(comm), on_gpu=on_gpu,
+                         panels=get_config().batch_panels, memory=device_memory(on_gpu, comm),
+                         host_memory=_host_available(comm), stripes=get_config().batch_stripes,
+                         resume=bool(args.resume), budget=get_config().memory_budget,
+                         direct_writes=get_config().direct_writes and kind != "zarr")
+            refused = None
             try:
-                setup = decide_batch(m, n, k, dtype, ranks=comm.size, hosts=host_count(comm),
-                                     on_gpu=on_gpu, panels=get_config().batch_panels,
-                                     memory=device_memory(on_gpu, comm),
-                                     host_memory=_host_available(comm),
-                                     stripes=get_config().batch_stripes,
-                                     resume=bool(args.resume),
-                                     budget=get_config().memory_budget)
+                setup = decide_batch(m, n, k, dtype, **facts)
             except MemoryError as exc:  # a budget too small for the product, told from the
                 # sizes before any work: the command's bad configuration, as distmm plan's
-                raise ValueError(str(exc)) from None
+                if not args.resume:
+                    raise ValueError(str(exc)) from None
+                # unless a stopped run's kept stripes fit it (``_prepare``): planned without
+                # it until its manifest is read
+                refused, setup = str(exc), decide_batch(m, n, k, dtype,
+                                                        **{**facts, "budget": None})
             plan, outcome.panels = setup.plan, setup.panels
             direct, share = setup.direct, setup.panels == "share"
             outcome.plan = plan
             phases.add("startup", start, time.perf_counter())
-            chunks = _zarr_chunks(plan) if parse_spec(args.output).kind == "zarr" else None
+            chunks = _zarr_chunks(plan) if kind == "zarr" else None
             panels = k_panels(plan, on_gpu=on_gpu, direct=direct)
+
+            def replan(grid, edges, budget: bool):
+                """The plan with a stopped run's grid and kept stripes, and its k panels;
+                ``budget``: refused (``MemoryError``) where they hold more than the budget."""
+                kept = decide_batch(m, n, k, dtype, **{**facts, "budget": None}, grid=grid,
+                                    stripe_edges=edges)
+                if budget:
+                    decide_batch(m, n, k, dtype, **facts, grid=grid, stripe_edges=edges)
+                return kept.plan, k_panels(kept.plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None
                 # the PIDs of this job's ranks on rank 0's host: no staged output named with
@@ -292,7 +345,8 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                     try:
                         job = frozenset(p for host, p in ranks if host == ranks[0][0])
                         setup = _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks,
-                                         precision, job, watch.check, blas)
+                                         precision, job, watch.check, blas,
+                                         replan if args.resume else None, refused)
                     except BaseException as exc:  # noqa: BLE001 - every rank raises it below
                         if isinstance(exc, Exception) and not isinstance(exc, PeerStopped):
                             setup_error = exc
@@ -304,7 +358,10 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                 raise stopped if comm.rank == 0 else PeerStopped(0, why[1], why[0])
             if setup_error is not None:
                 raise setup_error
-            pid, header, resumed, outcome.notes = setup
+            pid, header, resumed, outcome.notes, kept = setup
+            if kept is not None:  # a stopped run's grid and stripes, which fit this run
+                plan = outcome.plan = kept
+                chunks = _zarr_chunks(plan) if kind == "zarr" else None
             staged = staged_path(parse_spec(args.output).path, pid)
             _, i, j = plan.grid.coords(comm.rank)
             mine = rs.read_done(staged, comm.rank) if resumed else set()
