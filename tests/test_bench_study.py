@@ -522,6 +522,45 @@ sizes = [700, 701, 702, 703, 704, 705]
     assert all(r["seconds"] > 0 and len(r["all_seconds"]) == 30 for r in records)
 
 
+@pytest.mark.slow
+def test_two_studies_at_once_into_one_file_are_two_runs_in_the_report(tmp_path):
+    """Two quick distmm bench runs started together, appending to one records file: each
+    run's records have their own run id, and distmm report draws two strong series and
+    pairs each with its own run's numpy (before, both runs started in the same second got
+    one id, and the report took the median of the two runs' records as one series and
+    shared one numpy time between them)."""
+    study = _study(tmp_path, """
+name = "twice"
+device = "cpu"
+repeats = 1
+references = ["numpy"]
+[[series]]
+kind = "strong"
+engines = ["local"]
+counts = [1, 2]
+sizes = [48]
+""")
+    out = tmp_path / "r.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-m", "distmm", "bench", str(study), "-o",
+                               str(out)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    for proc in procs:
+        assert proc.communicate(timeout=180)[0].count("\n[") == 3 and proc.returncode == 0
+    records = load([out])
+    runs = sorted({r["run"] for r in records})
+    assert len(runs) == 2 and [sum(r["run"] == run for r in records) for run in runs] == [3, 3]
+    res = _distmm("report", out, "-o", tmp_path / "report", timeout=120)
+    assert res.returncode == 0, res.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    for run in runs:
+        numpy = next(r["seconds"] for r in records if r["run"] == run and r["variant"] == "numpy")
+        rows = [row for row in md.splitlines() if f"| {run} |" in row]
+        assert sum("| distmm-local |" in row for row in rows) == 2, md  # its strong series
+        shares = [row for row in rows if "| numpy |" in row]
+        assert len(shares) == 2 and all(f"| {numpy:.4g} |" in row for row in shares), md
+
+
 # ---------------------------------------------------------------- end to end
 
 

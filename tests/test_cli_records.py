@@ -5,8 +5,13 @@ file whose last line lacks its newline starting a line of its own, and ``distmm 
 on a cache that is no cache. Real files, written fresh by each test."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -112,6 +117,66 @@ def test_append_to_a_file_that_is_not_a_regular_one(tmp_path):
         os.close(reader)
 
 
+def _at_a_second_start() -> None:
+    """Sleep until 0.05 s into the next second, so that what follows starts in one second."""
+    time.sleep(1.05 - time.time() % 1.0)
+
+
+def test_run_ids_of_one_process_are_unique_and_sortable_by_time(tmp_path, monkeypatch):
+    """Two runs started in the same second (here two writers of one process) get two ids of
+    the shape the records have always had, the later one after the first (before, both got
+    the second they started in, and distmm report merged their records into one run)."""
+    monkeypatch.setenv("DISTMM_COMMIT", "abc")
+    _at_a_second_start()
+    first = RecordWriter("scaling", "AMD EPYC", path=tmp_path / "r.jsonl")
+    second = RecordWriter("scaling", "AMD EPYC", path=tmp_path / "r.jsonl")
+    assert first.run < second.run and re.fullmatch(r"\d{8}T\d{6}Z", second.run), (first.run,
+                                                                                   second.run)
+    assert second.run <= time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+@pytest.mark.slow
+def test_run_ids_of_processes_started_at_once_are_unique(tmp_path):
+    """Three processes that each start a run in the same second (the same instant as far as
+    they can): three ids, one per second (before, one id for the three)."""
+    code = ("import sys, time; from distmm.cli.records import RecordWriter; "
+            "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); "
+            "print(RecordWriter('scaling', 'AMD EPYC', path=sys.argv[2]).run)")
+    start = str(int(time.time()) + 3 + 0.05)
+    procs = [subprocess.Popen([sys.executable, "-c", code, start, str(tmp_path / "r.jsonl")],
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, DISTMM_COMMIT="abc")) for _ in range(3)]
+    ids = [proc.communicate(timeout=60)[0].strip() for proc in procs]
+    assert len(set(ids)) == 3 and all(re.fullmatch(r"\d{8}T\d{6}Z", i) for i in ids), ids
+    assert min(ids) == time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(float(start)))
+
+
+def test_appenders_take_turns_under_the_files_lock(tmp_path):
+    """A writer appending while another's line is still being written waits for it (the
+    file's flock) and appends its record after that whole line. Before, it took the unfinished
+    line for one cut short and wrote a newline and its record into the middle of it."""
+    path = tmp_path / "r.jsonl"
+    line = good_line()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, line[:40])  # a writer mid-line, as a write of several pages is seen
+        code = ("import json, sys; from distmm.cli.records import append_record; "
+                "print('appending', flush=True); "
+                "append_record(sys.argv[1], {**json.loads(sys.argv[2]), 'run': 'r2'})")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path), json.dumps(RECORD)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "appending\n"
+        time.sleep(1.0)  # long enough for the other append, were it not waiting
+        os.write(fd, line[40:])
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
+    assert path.read_bytes() == line + good_line(run="r2")
+
+
 def test_model_output_onto_a_file_without_its_last_newline(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
     path.write_bytes(good_line().rstrip(b"\n"))
@@ -157,12 +222,17 @@ def test_tune_show_of_a_good_a_missing_and_the_default_cache(tmp_path, capsys, m
     (b"my notes\nline two", "notes.txt:1: not a JSON line (Expecting value)"),
     (good_line() + good_line(m=-5), "notes.txt:2: field 'm' must be an integer from 0 to "
                                     "2**63 - 1, got -5"),
-], ids=["text", "a-bad-record"])
+    (good_line() + good_line()[:40], "notes.txt:2: not a JSON line (Unterminated string "
+                                     "starting at); the file's last line, cut short (no "
+                                     "newline at its end)"),
+], ids=["text", "a-bad-record", "a-cut-last-line"])
 def test_a_study_never_appends_to_a_file_that_is_not_records(tmp_path, capsys, content,
                                                               expected):
-    """distmm bench -o a file that holds no records (or a record no reader takes): refused in
-    one line before anything is measured, the file unchanged (before, the study appended its
-    records to it, into a file that distmm report then refused)."""
+    """distmm bench -o a file that holds no records (or a record no reader takes, or a last
+    line cut short, which the report leaves out but which the records appended after it would
+    bury inside the file): refused in one line before anything is measured, the file
+    unchanged (before, the study appended its records to it, into a file that distmm report
+    then refused)."""
     study = tmp_path / "one.toml"
     study.write_text('[[series]]\nkind = "strong"\nengines = ["local"]\ncounts = [1]\n'
                      'sizes = [32]\n')

@@ -332,10 +332,9 @@ def test_overwrite_never_replaces_a_folder_holding_an_input_or_the_current_folde
     (json.dumps(STRONG[0]) + "\n\n{oops\n", "bad.jsonl:3: not a JSON line"),
     (json.dumps(STRONG[0]) + "\n[1, 2]\n", "bad.jsonl:2: a record is a JSON object, got list"),
     ("\n\n", "no benchmark records in"),
-    (json.dumps(STRONG[0]) + "\n" + json.dumps(STRONG[1])[:40],
-     "bad.jsonl:2: not a JSON line (Unterminated string starting at); the file's last line, "
-     "cut short (no newline at its end)"),
-], ids=["missing-keys", "bad-json-line-3", "not-an-object", "empty", "last-line-cut"])
+    (json.dumps(STRONG[0]) + "\n" + json.dumps(STRONG[1])[:40] + "\n" + json.dumps(STRONG[2])
+     + "\n", "bad.jsonl:2: not a JSON line (Invalid control character at)\n"),
+], ids=["missing-keys", "bad-json-line-3", "not-an-object", "empty", "cut-line-inside"])
 def test_bad_records_fail_in_one_line_before_output(tmp_path, capsys, content, expected):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
@@ -343,6 +342,33 @@ def test_bad_records_fail_in_one_line_before_output(tmp_path, capsys, content, e
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("distmm report: error: ") and expected in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_cut_last_line_is_left_out_with_a_warning_naming_it(tmp_path, capsys):
+    """A run killed mid-record (SIGKILL during a write of several pages) leaves its last
+    line cut short, without its newline: the report reads every whole record before it and
+    names the line in a warning and a note (before, it refused the whole file). A file cut
+    short in the middle of a UTF-8 character is read the same way."""
+    whole = "".join(json.dumps(r) + "\n" for r in STRONG)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(whole.encode() + json.dumps(record("numpy", 1.0, note="é"))
+                    .encode()[:-10])
+    utf8 = tmp_path / "utf8.jsonl"
+    utf8.write_bytes(whole.encode() + '{"run": "r1", "variant": "é'.encode()[:-1])
+    out = tmp_path / "out"
+    assert main(["report", str(cut), str(utf8), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "".join(
+        f"distmm report: warning: {f}:4: the file's last line, cut short (no newline at its "
+        f"end, not JSON), is left out\n" for f in (cut, utf8))
+    assert "from 6 records" in captured.out
+    md = (out / "report.md").read_text()
+    assert (f"- 2 last lines cut short (no newline at the end, not JSON: a run killed "
+            f"mid-record) left out: `{cut}:4`, `{utf8}:4`.") in md
+    assert md.count("| distmm-mpi |") == 3  # one strong series of 3 counts (one run, 2 files)
+    with pytest.raises(ValueError, match="cut.jsonl:4: not a JSON line .*; the file's last "
+                                         "line, cut short"):
+        read_inputs([str(cut)])  # a reader that asks for no cut line refuses it
 
 
 def test_a_file_given_twice_is_refused_before_output(tmp_path, capsys):

@@ -132,7 +132,7 @@ def _check_output(path: Path, study: Study) -> None:
     if path.exists() and os.path.samefile(path, study.path):
         raise ValueError(f"{path}: -o names the study file itself: records go to a .jsonl "
                          f"file of their own")
-    check_writable(path)
+    check_writable(path, writes="append")
 
 
 def _as_nodes(nodes) -> str:

@@ -2,13 +2,15 @@
 ``BENCH_RECORDS.md`` defines them (one JSON object per line).
 
 This module covers: device naming (``gpu_name``, ``cpu_model``, ``slug``) and the commit
-measured (``git_commit``); appending records to a ``.jsonl`` file, each record one
-``write`` of one whole line on a file opened for appending, flushed to disk before the next
-measurement starts, so that a killed run keeps every record it finished and never a partial
-line (``RecordWriter``, ``append_record``; a file whose last line lacks its newline gets one
-first, so a record never joins the end of another line; ``RecordWriter`` refuses, before the
-run, a file that holds anything but records); reading them back (``json_lines``:
-the values of a file with their line numbers; ``read_records``, ``load``: the records of one
+measured (``git_commit``); a run's id, unique on its host (``run_id``); appending records to
+a ``.jsonl`` file, each record one ``write`` of one whole line on a file opened for
+appending, under an exclusive lock of the file so that writers beside each other take turns,
+flushed to disk before the next measurement starts, so that a killed run keeps every record
+it finished (``RecordWriter``, ``append_record``; a file whose last line lacks its newline
+gets one first, so a record never joins the end of another line; ``RecordWriter`` refuses,
+before the run, a file that holds anything but records); reading them back (``json_lines``:
+the values of a file with their line numbers, a last line cut short left out where the
+reader asks; ``read_records``, ``load``: the records of one
 file or several, each field a reader uses checked by ``check_record``, so that the report,
 ``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
 line naming its file, line and field; ``json_file``: a whole JSON file (a profile, a trace,
@@ -21,21 +23,23 @@ benchmarks' shared command line and results folder (``bench.common.records``), o
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import math
 import os
 import platform
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 
 from distmm import jsonfile
 
-__all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "RecordWriter", "append_record",
-           "json_file", "json_lines", "read_records", "check_record", "load", "make_record",
-           "progress_line", "REQUIRED"]
+__all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "run_id", "RecordWriter",
+           "append_record", "json_file", "json_lines", "read_records", "check_record", "load",
+           "make_record", "progress_line", "REQUIRED"]
 
 
 # -- the commit and the device ---------------------------------------------------------------
@@ -76,6 +80,58 @@ def slug(text: str) -> str:
     return "-".join(part for part in keep.split("-") if part)[:40]
 
 
+# -- the run ---------------------------------------------------------------------------------
+
+#: the ids this process made (``run_id``)
+_MADE: set[str] = set()
+#: how long a claimed id stays claimed (seconds): past it, the next claim removes it
+_CLAIM_KEPT = 120
+
+
+def run_id() -> str:
+    """A new run's id: the UTC second it starts, ``20261206T163257Z`` (the shape the records
+    have always had, and which ``distmm calibrate`` finds in a profile's file name), no other
+    run's on this host. Each id is claimed by creating a file of its name (``O_EXCL``) in
+    ``run-ids`` of distmm's cache folder (``distmm.executor.tuning.cache_dir``); a second
+    that another run, here or in another process, has claimed is waited out, and the next
+    one taken. Where that folder cannot be written, the ids are unique within this process
+    only."""
+    from distmm.executor.tuning import cache_dir
+
+    folder = cache_dir() / "run-ids"
+    while True:
+        now = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        if stamp not in _MADE and _claim(folder, stamp, now):
+            _MADE.add(stamp)
+            return stamp
+        time.sleep(1.0 - now % 1.0 + 0.01)  # into the next second
+
+
+def _claim(folder: Path, stamp: str, now: float) -> bool:
+    """Claim the id ``stamp`` in ``folder``: False where it is claimed already; True where
+    this call claimed it, or where ``folder`` cannot take claims (no one can be asked). Ids
+    claimed more than ``_CLAIM_KEPT`` seconds before ``now`` are removed."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a file in its place, a cache folder that cannot be written
+        return True
+    try:
+        os.close(os.open(folder / stamp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    old = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now - _CLAIM_KEPT))
+    for claim in os.listdir(folder):
+        if claim < old:
+            try:
+                os.unlink(folder / claim)
+            except OSError:
+                pass
+    return True
+
+
 # -- records ---------------------------------------------------------------------------------
 
 def make_record(*, run: str, benchmark: str, variant: str, device: str, dtype, m: int, n: int,
@@ -96,13 +152,23 @@ def make_record(*, run: str, benchmark: str, variant: str, device: str, dtype, m
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """Append ``record`` to ``path`` as one line in one ``write`` (``O_APPEND``), then
-    ``fsync``: a reader, or a run killed afterwards, sees the whole line or nothing of it.
-    A file that does not end with a newline (written by hand, or cut short) gets one before
-    the record, in the same ``write``: its last line stays as it was, the record a line of
-    its own. A path that is no regular file (``/dev/null``, a pipe) takes the line unsynced."""
+    ``fsync``: a run killed afterwards keeps the whole line. A file that does not end with
+    a newline (written by hand, or cut short) gets one before the record, in the same
+    ``write``: its last line stays as it was, the record a line of its own. The check and
+    the write hold an exclusive ``flock`` of the file, so that writers appending to one file
+    at once take turns: none takes another's line, still being written, for a line cut
+    short (a blank line between theirs), and a line a full disk cut is taken back out from
+    the file's end, where it is. A path that is no regular file (``/dev/null``, a pipe)
+    takes the line unsynced."""
     line = (json.dumps(record) + "\n").encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks (ENOLCK): the write alone
+                pass
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
@@ -110,15 +176,16 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         if written != len(line):  # a full disk mid-line: take the fragment back out
             os.ftruncate(fd, os.fstat(fd).st_size - written)
             raise OSError(28, "No space left on device", str(path))
-        if stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/null, a pipe: nothing to flush (EINVAL)
+        if regular:  # /dev/null, a pipe: nothing to flush (EINVAL)
             os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # and the lock with it
 
 
 class RecordWriter:
     """Append records of one run to ``<out_dir>/<benchmark>-<device-slug>-<date>.jsonl``
-    (or to ``path``).
+    (or to ``path``), each with the writer's ``run``: ``run_id()``, no other writer's on
+    this host.
 
     Parameters
     ----------
@@ -150,7 +217,6 @@ class RecordWriter:
         self.benchmark = benchmark
         self.device = device
         self.date = _dt.date.today().isoformat()
-        self.run = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.commit = git_commit()
         self.common = common
         if path is not None:
@@ -166,6 +232,7 @@ class RecordWriter:
                 raise type(exc)(f"{exc}; records are appended to a file of records only") \
                     from None
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run = run_id()  # after the checks: a refused file waits for no free second
         self.records: list[dict] = []
 
     def add(self, variant: str, dtype: str, m: int, n: int, k: int, seconds: float,
@@ -180,26 +247,30 @@ class RecordWriter:
         return rec
 
 
-def json_lines(path):
+def json_lines(path, cut: list | None = None):
     """The values of a JSON-lines file with their line numbers, ``(number, value)``, blank
     lines skipped; a line that is not UTF-8 JSON raises ``ValueError`` naming
-    ``path:number`` (and saying so where it is a last line without its newline: a copy or
-    a disk cut short)."""
+    ``path:number`` (and saying so where it is a last line without its newline: a writer
+    killed mid-line, a copy or a disk cut short, or a line still being written). With a
+    list ``cut``, such a last line is left out instead and its ``path:number`` appended to
+    ``cut`` (the report's readers: every whole line before it is a record a run finished);
+    a bad line that ends with its newline raises all the same."""
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, 1):
             try:
                 line = raw.decode()
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{number}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                cut = "" if raw.endswith(b"\n") else (
-                    "; the file's last line, cut short (no newline at its end)")
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg}){cut}") from None
-            yield number, value
+                value = json.loads(line) if line.strip() else None
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                ended = raw.endswith(b"\n")
+                if cut is not None and not ended:
+                    cut.append(f"{path}:{number}")
+                    return
+                if isinstance(exc, UnicodeDecodeError):
+                    raise ValueError(f"{path}:{number}: not UTF-8 text") from None
+                why = "" if ended else "; the file's last line, cut short (no newline at its end)"
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg}){why}") from None
+            if line.strip():
+                yield number, value
 
 
 #: the keys every record has (BENCH_RECORDS.md; ``seconds`` null in a prediction)
@@ -342,10 +413,11 @@ def check_record(record, where: str) -> dict:
     return record
 
 
-def read_records(path):
+def read_records(path, cut: list | None = None):
     """The records of one JSON-lines file with their line numbers, ``(number, record)``,
-    each checked by ``check_record`` (the first bad one raises, naming ``path:number``)."""
-    for number, value in json_lines(path):
+    each checked by ``check_record`` (the first bad one raises, naming ``path:number``);
+    ``cut`` as ``json_lines`` takes it."""
+    for number, value in json_lines(path, cut):
         yield number, check_record(value, f"{path}:{number}")
 
 

@@ -42,6 +42,8 @@ The rules, in one place:
   section; the report's notes count them. So is a record whose product failed its float64
   check (``relerr_ok`` false, as ``distmm bench`` writes it): its time is that of a wrong
   result.
+- **a cut last line**: a records file whose last line has no newline and is not JSON (a
+  run killed mid-record) is read without it, with a warning and a note naming its line.
 - **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``;
   numpy's rate is a CPU's ceiling, never a GPU's); a device without them, and the runs of
   an arithmetic without a compute ceiling on their device (no roof), are named in the
@@ -454,8 +456,13 @@ def _rooflines(records) -> tuple[dict, list[str]]:
 # ---------------------------------------------------------------- files
 
 
-def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
+def read_inputs(paths: list[str], cut: list | None = None
+                ) -> tuple[list[dict], list[tuple[str, dict]]]:
     """Read record files (JSON lines) and profiles (files ending ``.json``).
+
+    With a list ``cut``, a record file whose last line is cut short (no newline at its end,
+    not JSON: a writer killed mid-line, or still writing it) is read without that line,
+    and its ``FILE:LINE`` is appended to ``cut`` (``distmm.cli.records.json_lines``).
 
     A profile file is one ``distmm-profile-1`` object (named by the file's stem) or an
     object of named ones (``bench/mpi_batch.py``'s ``mpi-batch-profiles-*.json``). A SUMMA
@@ -507,7 +514,7 @@ def read_inputs(paths: list[str]) -> tuple[list[dict], list[tuple[str, dict]]]:
                 raise ValueError(f"{path}: not a distmm-profile-1 profile or an object of them")
             profiles += named
             continue
-        records += [record for _, record in read_records(path)]
+        records += [record for _, record in read_records(path, cut)]
     if not records and not profiles:
         raise ValueError(f"no benchmark records in {', '.join(paths)}")
     return records, profiles
@@ -649,7 +656,8 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     """
     folder = Path(output)
     _check_output(folder, overwrite, paths)
-    records, profiles = read_inputs(paths)
+    cut: list[str] = []
+    records, profiles = read_inputs(paths, cut)
     invalid = [r for r in records if r.get("invalid")]
     # a product off its float64 check (distmm bench's relerr_ok): its time is no result's
     wrong = [r for r in records if not r.get("invalid") and r.get("relerr_ok") is False]
@@ -669,6 +677,13 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     weak = scaling(records, "weak") if "weak" in sections else []
     profiles = profiles if "timeline" in sections else []
     roofs, notes = {}, []
+    for where in cut:  # what a run killed mid-record left: its whole records are read
+        print(f"distmm report: warning: {where}: the file's last line, cut short (no newline "
+              f"at its end, not JSON), is left out", file=sys.stderr, flush=True)
+    if cut:
+        notes.append(f"{len(cut)} last line{'s' * (len(cut) > 1)} cut short (no newline at "
+                     f"the end, not JSON: a run killed mid-record) left out: "
+                     + ", ".join(f"`{where}`" for where in cut) + ".")
     if invalid:
         notes.append(f"{len(invalid)} records marked invalid were left out (each record's "
                      "`invalid` says why).")
