@@ -234,7 +234,7 @@ def check_target(t, overwrite: bool) -> bool:
         An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
         an SWMR writer, one that stopped and left it marked open, a writer's file lock); or
         whose dataset path goes through something other than a group of that very file
-        (``_check_h5_path``).
+        (``_check_h5_path``); a zarr target inside a zarr array (``_check_zarr_path``).
     PermissionError
         An existing HDF5 file that cannot be opened for writing, as the copy of the dataset
         into it will open it (``_check_opens``); an existing ``.npy`` file or zarr folder that
@@ -247,6 +247,8 @@ def check_target(t, overwrite: bool) -> bool:
         raise FileNotFoundError(f"no such folder for the output {label}: {parent}")
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
+    if t.kind == "zarr":
+        _check_zarr_path(p, label)
     if p.is_symlink() and not p.exists():  # a link to nothing: exists() follows it
         where = f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
         if t.kind != "npy":
@@ -297,6 +299,38 @@ def check_target(t, overwrite: bool) -> bool:
         raise PermissionError(f"cannot replace {label}: it is {fixed} (chattr), which keeps "
                               f"every process, root's too, from replacing it")
     return True
+
+
+def _check_zarr_path(path: Path, label: str) -> None:
+    """Refuse a zarr target ``path`` (its folder exists) that lies inside a zarr array: a
+    folder above it, symbolic links followed, holds an array's metadata (``.zarray``, or
+    ``zarr.json`` of node_type array). The new array would be written into the array's folder,
+    where zarr finds it through no group (an array holds no nodes), as ``_check_h5_path``
+    refuses a dataset path through a dataset.
+
+    Raises
+    ------
+    ValueError
+    """
+    given = {}
+    for q in path.parents:  # the folders as named, for the message
+        if ".." in q.parts:
+            continue
+        try:
+            given.setdefault(q.resolve(), q)
+        except OSError:
+            continue
+    folder = path.parent.resolve()
+    for above in (folder, *folder.parents):
+        try:
+            node = zarr_node(above)
+        except OSError:  # a folder that cannot be looked into holds no array this one is in
+            continue
+        if node == "array":
+            name = given.get(above, above)
+            raise ValueError(f"cannot write {label}: {name} is a zarr array, not a group; "
+                             f"name an array in a zarr group or a folder, e.g. "
+                             f"{name.parent / 'C.zarr'}")
 
 
 #: the errors of opening a file that say it may not be written (no permission, an immutable or

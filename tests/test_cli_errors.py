@@ -991,3 +991,70 @@ def test_sigxcpu_at_the_cpu_time_limit_is_handled_as_sigterm(tmp_path):
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "terminated by SIGXCPU (the CPU-time limit, ulimit -t, was reached)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
+
+
+def _zarr_array(path: Path, fmt: int) -> None:
+    import zarr
+
+    zarr.create_array(str(path), shape=(2, 2), dtype="f8", zarr_format=fmt)[:] = 1.0
+
+
+@pytest.mark.parametrize("fmt, out, ranks", [
+    (2, "za.zarr/y", 1), (3, "za.zarr/y", 1), (3, "za.zarr/sub/C.zarr", 1),
+    pytest.param(3, "za.zarr/y", 2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+def test_a_zarr_output_inside_a_zarr_array_is_refused_naming_the_array(files, fmt, out, ranks,
+                                                                       request):
+    """``-o za.zarr/y`` with za.zarr a zarr array (v2 ``.zarray``, v3 ``zarr.json``), or a
+    folder in one: it succeeded (status 0, one process and under mpirun) and wrote an array
+    inside the array, which zarr then found through no group (za.zarr no longer opened as a
+    group); as ``f.h5:A/x`` through a dataset is, it is refused before any work, one line
+    naming the array, nothing written."""
+    import zarr
+
+    za = files / "za.zarr"
+    _zarr_array(za, fmt)
+    if "/sub/" in out:
+        (za / "sub").mkdir()
+    before = sorted(str(p.relative_to(files)) for p in files.rglob("*"))
+    r, line = _distmm(request, ranks, "matmul", files / "a.npy", files / "b.npy", "-o",
+                      files / out)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot write {files / out}: {za} is a zarr array, not a group" in line, r.stderr
+    assert sorted(str(p.relative_to(files)) for p in files.rglob("*")) == before
+    np.testing.assert_array_equal(zarr.open_array(str(za), mode="r")[:], np.ones((2, 2)))
+
+
+def _object_input(folder: Path, kind: str) -> tuple[str, str]:
+    """An operand (4, 3) of object dtype and what the refusal says it holds."""
+    import zarr
+
+    if kind == "zarr-bytes":
+        z = zarr.create_array(str(folder / "o.zarr"), shape=(4, 3), zarr_format=2,
+                              dtype=zarr.dtype.VariableLengthBytes())
+        z[:] = np.full((4, 3), b"x", dtype=object)
+        return str(folder / "o.zarr"), "zarr's variable_length_bytes values"
+    with h5py.File(folder / "g.h5", "w") as fh:
+        if kind == "h5-vlen-str":
+            fh.create_dataset("vlen", data=np.full((4, 3), "ab", dtype=object),
+                              dtype=h5py.string_dtype())
+            return f"{folder / 'g.h5'}:vlen", "variable-length strings"
+        fh.create_dataset("ref", shape=(4, 3), dtype=h5py.ref_dtype)
+        return f"{folder / 'g.h5'}:ref", "object references"
+
+
+@pytest.mark.parametrize("kind, ranks", [
+    ("h5-vlen-str", 1), ("h5-ref", 1), ("zarr-bytes", 1),
+    pytest.param("h5-vlen-str", 2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+def test_an_object_input_is_named_not_the_output(files, kind, ranks, request):
+    """An HDF5 dataset of variable-length strings or object references, or a zarr array of
+    variable-length bytes, comes as numpy's object dtype: it passed as an operand and the
+    output took the blame ('cannot write c.npy: the result is an object array'). The input
+    is named now, with what it holds and its dtype, as a .npy file of objects is."""
+    spec, what = _object_input(files, kind)
+    before = sorted(p.name for p in files.iterdir())
+    r, line = _distmm(request, ranks, "matmul", files / "a.npy", spec, "-o", files / "c.npy")
+    assert r.returncode == 2, r.stderr
+    assert (f"{spec} holds {what} (dtype object): matmul needs boolean or numeric operands"
+            in line), r.stderr
+    assert "cannot write" not in r.stderr, r.stderr
+    assert sorted(p.name for p in files.iterdir()) == before

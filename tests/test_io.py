@@ -488,3 +488,23 @@ def test_an_output_and_its_name_are_on_disk_when_the_run_ends(tmp_path, out):
         assert any(p.endswith(("/zarr.json", "/.zarray")) for p in staged), synced
         assert any(p.rsplit("/", 1)[1].startswith(f".{name}.distmm-partial-")
                    for p in staged), synced
+
+
+def test_check_target_refuses_a_zarr_target_inside_a_zarr_array(tmp_path):
+    """``check_target`` (the command line's and ``DistArray.to_file``'s) refuses a zarr target
+    in a zarr array's folder, v2 or v3, directly, deeper, or through a link to a folder in
+    it, naming the array as given; one in a group or a plain folder is written."""
+    zarr = pytest.importorskip("zarr")
+    from distmm.staging import check_target
+
+    for fmt in (2, 3):
+        zarr.create_array(str(tmp_path / f"a{fmt}.zarr"), shape=(2,), dtype="f8", zarr_format=fmt)
+        zarr.open_group(str(tmp_path / f"g{fmt}.zarr"), mode="w", zarr_format=fmt)
+        (tmp_path / f"a{fmt}.zarr" / "sub").mkdir()
+        (tmp_path / f"link{fmt}").symlink_to(tmp_path / f"a{fmt}.zarr" / "sub")
+        for out in (f"a{fmt}.zarr/y", f"a{fmt}.zarr/sub/C.zarr", f"link{fmt}/C.zarr"):
+            with pytest.raises(ValueError, match=rf"cannot write {tmp_path / out}: "
+                                                 rf".*a{fmt}\.zarr is a zarr array, not a group"):
+                check_target(parse_target(str(tmp_path / out)), True)
+        for out in (f"g{fmt}.zarr/y", f"a{fmt}.zarr", f"plain{fmt}.zarr"):
+            assert check_target(parse_target(str(tmp_path / out)), True) is (out == f"a{fmt}.zarr")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,10 @@ def operands_dtype(a_spec: str, a, b_spec: str, b) -> np.dtype:
         dt = np.dtype(x.dtype)
         if dt.kind == "V" and dt.names is None:  # raw bytes: a dtype the file could not name
             raise TypeError(f"{spec} has dtype {dt}: {_unnamed(dt)}")
-        if dt.kind not in "biufcO" and not is_bfloat16(dt):
+        if dt.kind == "O":  # no format distmm writes stores an object result
+            raise TypeError(f"{spec} holds {_objects(x)} (dtype {dt}): matmul needs boolean "
+                            f"or numeric operands")
+        if dt.kind not in "biufc" and not is_bfloat16(dt):
             raise TypeError(f"{spec} has dtype {dt}: matmul needs boolean or numeric operands")
     return result_dtype(np.dtype(a.dtype), np.dtype(b.dtype))
 
@@ -103,6 +107,37 @@ def _unnamed(dt: np.dtype) -> str:
     return (f"{dt.itemsize}-byte values of a type the file does not name, as numpy.save and "
             f"h5py store a dtype numpy has no name for; matmul needs boolean or numeric "
             f"operands: save the array as one, e.g. x.astype(numpy.float32)")
+
+
+def _objects(x) -> str:
+    """What the elements of an opened operand of object dtype are: as h5py marks its dtype
+    (variable-length strings, object or region references, variable-length sequences), or
+    as a zarr array's data type names them (``variable_length_bytes``); else Python objects."""
+    import h5py
+
+    dt = np.dtype(x.dtype)
+    meta = getattr(x, "metadata", None)  # a zarr array's: data_type (v3), dtype (v2)
+    zdt = getattr(meta, "data_type", None) or getattr(meta, "dtype", None)
+    if hasattr(zdt, "to_json"):
+        try:
+            with warnings.catch_warnings():  # zarr's on a type without a v3 specification
+                warnings.simplefilter("ignore")
+                name = zdt.to_json(zarr_format=3)
+        except (TypeError, ValueError):
+            name = None
+        if isinstance(name, str):
+            return f"zarr's {name} values"
+    string = h5py.check_string_dtype(dt)
+    if string is not None:
+        return "variable-length strings" if string.encoding == "utf-8" else \
+            "variable-length byte strings"
+    ref = h5py.check_ref_dtype(dt)
+    if ref is not None:
+        return "region references" if ref is h5py.RegionReference else "object references"
+    base = h5py.check_vlen_dtype(dt)
+    if base is not None:
+        return f"variable-length sequences of {np.dtype(base)}"
+    return "Python objects"
 
 
 def check_shapes(a_spec: str, a, b_spec: str, b) -> None:
