@@ -30,7 +30,7 @@ from distmm.executor import resolve_backend
 from distmm import plan as planner
 from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
 from distmm.precision import check_precision
-from distmm import fpflags, ufunc_rules
+from distmm import fpflags, out_arrays, ufunc_rules
 
 __all__ = ["matmul", "gemm", "make_plan", "plan_for", "resolve_precision", "CALLS", "CallCache"]
 
@@ -512,9 +512,17 @@ def _writes_direct(out, ops: Operands, eng) -> bool:
         return False
     if np.dtype(out.dtype) != ops.dtype or tuple(out.shape) != (ops.m, ops.n):
         return False
+    if any(out_arrays.aliases(out, x) for x in (ops.a, ops.b)):
+        return False  # the same file or store: numpy's temporary
     if isinstance(out, np.ndarray):
         return not any(isinstance(x, np.ndarray) and np.may_share_memory(out, x) for x in (ops.a, ops.b))
     return _on_disk(out)
+
+
+def _check_disk_out(out, ops: Operands, eng) -> None:
+    """An on-disk ``out`` checked before any work (``distmm.out_arrays.check``)."""
+    if out_arrays.on_disk(out):
+        out_arrays.check(out, ops, eng.name, _writes_direct(out, ops, eng))
 
 
 def _whole_k(ops: Operands) -> Operands:
@@ -725,8 +733,13 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             _mpi_agree(exc)
         raise exc
     if axes is not None or axis is not None:
+        target = None
         try:
             _loop_first(a, b, out, keywords, axes=axes, axis=axis)
+            if out_arrays.on_disk(out):  # numpy's axes: a temporary of out's shape, copied after
+                size = math.prod(tuple(out.shape)) * np.dtype(out.dtype).itemsize
+                out_arrays.refusals(out, engine, size)
+                target, out = out, np.empty(tuple(out.shape), np.dtype(out.dtype))
             if isinstance(order, str) and order.upper() == "A":  # on the operands as given
                 keywords["order"] = "F" if all(_given_fortran(x) for x in (a, b)) else "C"
             a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
@@ -734,9 +747,12 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             if engine == "mpi":  # the other ranks agree in the call below (its validation)
                 _mpi_agree(exc)
             raise
-        result = matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
-                        backend=backend, precision=precision)
-        return back(result)
+        result = back(matmul(a, b, out, **keywords, engine=engine, client=client, tile=tile,
+                             backend=backend, precision=precision))
+        if target is not None:
+            out_arrays.fill(target, result)
+            return target
+        return result
     cfg = get_config()
     key = eng = None
     if out is None and client is None and plain:
@@ -769,6 +785,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         precision = resolve_precision(precision, ops.dtype, config=cfg)
         if engine == "mpi":  # the request too, before the ranks agree: tile=, backend=
             eng = eng or _engine_for(engine, ops.family, client, cfg, ops)
+            _check_disk_out(out, ops, eng)
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     except Exception as exc:
         if engine == "mpi":
@@ -778,6 +795,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         _mpi_agree(None)
     if eng is None:
         eng = _engine_for(engine, ops.family, client, cfg, ops)
+        _check_disk_out(out, ops, eng)
     if key is not None:
         if request is None:
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
@@ -805,14 +823,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             result = _run(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
     # cast as numpy's loop output is cast into out (casting= was checked with the operands):
     # an array, so a vector @ vector scalar is not converted through a Python number
-    if result is None:
-        pass
-    elif array_family(out) == "cupy":
-        import cupy
-
-        cupy.copyto(out, cupy.asarray(result), casting="unsafe")
-    else:
-        np.copyto(out, np.asarray(result), casting="unsafe")
+    if result is not None:
+        out_arrays.fill(out, result)
     fpflags.report(seen)
     return out
 

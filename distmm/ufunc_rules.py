@@ -68,9 +68,20 @@ def single_out(out):
     if out is not None and array_family(out) == "dask":  # numpy hands it to dask: no out=
         raise TypeError("matmul: out cannot be a dask array (dask arrays are immutable; "
                         "the result of dask operands is a lazy dask array)")
-    if getattr(getattr(out, "flags", None), "writeable", True) is False:
+    if getattr(getattr(out, "flags", None), "writeable", True) is False or _read_only_file(out):
         raise ValueError("matmul: output array is read-only")  # numpy's first check of out
     return out
+
+
+def _read_only_file(out) -> bool:
+    """A zarr array opened read-only, or an h5py dataset of a file opened read-only:
+    refused as numpy refuses a read-only array, before any work."""
+    module = type(out).__module__ or ""
+    if module.startswith("zarr"):
+        return getattr(out, "read_only", False) is True
+    if module.startswith("h5py") and hasattr(out, "file"):
+        return out.file.mode == "r"
+    return False
 
 
 def _host(x) -> bool:

@@ -46,6 +46,7 @@ LEVELS = {
     "distmm.engine.mpi": 2,
     "distmm.api": 3,
     "distmm.ufunc_rules": 3,
+    "distmm.out_arrays": 3,
     "distmm.deploy": 3,
     "distmm": 3,
     "distmm.cli": 4,
