@@ -66,11 +66,31 @@ def is_bfloat16(dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
 
 
-def multiplies(dtype) -> bool:
-    """Whether distmm multiplies operands of ``dtype``: boolean, numeric (bfloat16 too)
-    or object."""
+#: ml_dtypes' integers narrower than a byte: numpy's matmul casts them to int8 (the first of
+#: its integer loops they cast to safely) and sums with wrap-around, as distmm sums integers
+_NARROW_INTS = frozenset(("int1", "uint1", "int2", "uint2", "int4", "uint4"))
+
+
+def is_narrow_int(dtype) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' integers narrower than a byte (``int4``,
+    ``uint4``, ``int2``...; told by name, as ``is_bfloat16``)."""
     dt = np.dtype(dtype)
-    return dt.kind in "biufcO" or is_bfloat16(dt)
+    return dt.kind not in "iu" and dt.name in _NARROW_INTS
+
+
+def is_minifloat(dtype) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' floats narrower than bfloat16 (``float8_*``,
+    ``float6_*``, ``float4_*``; ``float8_e5m2``'s kind is ``'f'``)."""
+    return np.dtype(dtype).name.startswith(("float8_", "float6_", "float4_"))
+
+
+def multiplies(dtype) -> bool:
+    """Whether distmm multiplies operands of ``dtype``: boolean, numeric (bfloat16 and
+    ml_dtypes' narrow integers too, not its narrow floats: ``_ufunc_dtype``) or object."""
+    dt = np.dtype(dtype)
+    if is_minifloat(dt):
+        return False
+    return dt.kind in "biufcO" or is_bfloat16(dt) or is_narrow_int(dt)
 
 
 def reduced_applies(result_dtype) -> bool:
@@ -139,9 +159,9 @@ def _result_dtype(a_dtype: np.dtype, a_char: str, b_dtype: np.dtype, b_char: str
     TypeError
         numpy's own (``UFuncTypeError``) for dtypes matmul has no loop for (strings,
         bytes, datetimes, timedeltas, structured types); a plain TypeError for a
-        dtype numpy multiplies and distmm does not. Object arrays are accepted as
-        numpy accepts them (Python ints, Fractions, Decimals multiply exactly).
-    """
+        dtype numpy multiplies and distmm does not (ml_dtypes' float8, float6 and float4
+        types: its message leaves them to numpy.matmul). Object arrays are accepted as
+        numpy accepts them (Python ints, Fractions, Decimals multiply exactly)."""
     return ufunc_dtype(a_dtype, b_dtype)
 
 
@@ -177,6 +197,12 @@ def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, c
         if out_dtype is not None:
             np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
+        if is_minifloat(dt):
+            # numpy casts them to float32 and sums in its BLAS's order, which depends on the
+            # whole operands' shapes: no tiling of the product gives its bits
+            raise TypeError(f"distmm leaves a product of {dt} operands to numpy.matmul ({name} "
+                            f"has dtype {dt}): numpy sums it in float32 in its BLAS's order, "
+                            f"which distmm's tiles do not reproduce")
         if not multiplies(dt):
             raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")
     return res
