@@ -61,6 +61,9 @@ def test_info_command(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "numpy" in r.stdout and "mpi4py" in r.stdout
     assert r.stdout.splitlines()[-1] == "config      defaults"
+    # the MPI library's version came with its C string's NUL: grep called the output binary
+    assert "\x00" not in r.stdout and all(line == line.rstrip() for line in
+                                          r.stdout.splitlines()), repr(r.stdout)
 
 
 @pytest.mark.slow
@@ -674,3 +677,32 @@ def test_calibrate_stopped_during_its_tcp_probe_says_one_line_and_leaves_nothing
     gone, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, alive
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_configured_dask_engine_names_the_commands_scheduler_options(tmp_path):
+    """``DISTMM_ENGINE=dask distmm matmul`` without a scheduler gave the Python API's hint
+    ("pass client= or create one (distributed.Client(...))"): it names the configuration and
+    the command's --scheduler/--scheduler-file, in one line, and writes nothing."""
+    np.save(tmp_path / "a.npy", np.ones((3, 2)))
+    np.save(tmp_path / "b.npy", np.ones((2, 4)))
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+                env={"DISTMM_ENGINE": "dask", "DASK_DISTMM__ENGINE": None})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("distmm matmul: error: distmm.engine dask (DISTMM_ENGINE) runs "
+                               "on a Dask cluster: pass --scheduler ADDRESS or "
+                               "--scheduler-file FILE"), r.stderr
+    assert "client=" not in r.stderr and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["a.npy", "b.npy"]
+
+
+def test_resume_or_profile_beside_another_engine_reads_as_a_sentence(tmp_path):
+    """The refusal of --profile (or --resume) beside --engine said "--profile run the MPI
+    engine's ...": one flag takes "runs", two "run"."""
+    argv = ["matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+            "--engine", "local"]
+    for flags, said in ((["--profile", tmp_path / "p.json"], "--profile runs the MPI engine's"),
+                        (["--resume", "--profile", tmp_path / "p.json"],
+                         "--resume and --profile run the MPI engine's")):
+        r = run_cli(*argv, *flags)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"distmm matmul: error: {said} file-to-file product" in r.stderr, r.stderr

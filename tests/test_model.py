@@ -1189,3 +1189,61 @@ def test_calibrate_refuses_to_store_over_its_own_records(tmp_path):
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
     assert "is one of the records it would be derived from" in done.stderr
     assert records.read_bytes() == before and sorted(tmp_path.iterdir()) == [records]
+
+
+@pytest.mark.slow  # ~4 s: two commands, held and let go at a second's start
+
+def test_model_predictions_of_two_runs_at_once_are_two_runs(tmp_path):
+    """distmm model -o named its run by the current second: two runs into one records file in
+    the same second were one run (distmm report paired each with the other's). Both held just
+    before they write, then let go together just after a second begins: each run's records
+    carry an id of their own (``distmm.cli.records.run_id``)."""
+    import re
+    import time
+
+    from conftest import pause_at
+
+    out, procs, sites = tmp_path / "pred.jsonl", [], []
+    for size in ("1000", "2000"):
+        site = tmp_path / f"site-{size}"
+        site.mkdir()
+        pause_at(site, "distmm.cli.model", "_write_predictions")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+               "DISTMM_CACHE_DIR": str(tmp_path / "cache")}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "distmm", "model", "--gpus", "2", size, size, size, "-o",
+             str(out)], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+        sites.append(site)
+    try:
+        deadline = time.time() + 60
+        while not all((site / "paused").exists() for site in sites):
+            assert all(p.poll() is None for p in procs) and time.time() < deadline
+            time.sleep(0.01)
+        time.sleep(1.0 - time.time() % 1.0 + 0.02)  # just after a second begins
+        for site in sites:
+            (site / "go").touch()
+        done = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], done
+    runs = {r["m"]: r["run"] for r in map(json.loads, out.read_text().splitlines())}
+    assert len(set(runs.values())) == 2, runs
+    assert all(re.fullmatch(r"model-\d{8}T\d{6}Z", run) for run in runs.values()), runs
+
+
+@pytest.mark.slow  # ~2 s: a second's start, then the next second
+def test_two_tune_runs_in_one_second_are_two_runs(tmp_path, monkeypatch):
+    """distmm tune's records named their run by the current second, as distmm model's did:
+    two runs begun in the same second were one run. Each takes ``run_id``'s, its own."""
+    import time
+
+    from distmm.cli.tune import TuneRecords
+
+    monkeypatch.setenv("DISTMM_CACHE_DIR", str(tmp_path / "cache"))
+    time.sleep(1.0 - time.time() % 1.0 + 0.02)  # just after a second begins
+    first, second = (TuneRecords("NVIDIA H100", tmp_path) for _ in range(2))
+    assert first.run != second.run and first.path == second.path, (first.run, second.run)

@@ -387,3 +387,57 @@ def test_openblas_out_of_address_space_leaves_no_staged_output_under_mpirun(tmp_
         failed.append(headroom)
     assert r.returncode == 0 and failed, r.stderr  # the limit mattered, and was left behind
     assert (np.load(tmp_path / "c.npy") == 300).all()
+
+
+@pytest.mark.parametrize("output", ["c.npy", pytest.param("c.zarr", marks=pytest.mark.slow),
+                                    pytest.param("c.h5:C", marks=pytest.mark.slow)])
+def test_a_configured_mpi_engine_runs_the_batch_path_in_one_process(files, mpi_env, output):
+    """``DISTMM_ENGINE=mpi distmm matmul`` computed the whole product, then failed with
+    status 2 ("copyto() argument 1 must be a numpy.ndarray, not NpyWriter"): the command read
+    only --engine, and the configured engine reached distmm.matmul with the staged writer as
+    out=. It takes the MPI engine's batch path, as --engine mpi does."""
+    import h5py
+    import zarr
+
+    d, ref = files
+    env = {**mpi_env, "DISTMM_ENGINE": "mpi"}
+    env.pop("DASK_DISTMM__ENGINE", None)
+    r = subprocess.run([sys.executable, "-m", "distmm", "matmul", d / "a.npy", d / "b.npy", "-o",
+                        d / output], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ", 1 rank, grid 1x1," in r.stdout, r.stdout  # the batch path's summary line
+    if output.endswith(".npy"):
+        c = np.load(d / output)
+    elif output.endswith(".zarr"):
+        c = zarr.open_array(str(d / output), mode="r")[...]
+    else:
+        with h5py.File(d / "c.h5", "r") as fh:
+            c = fh["C"][...]
+    np.testing.assert_allclose(c, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_plan_ranks_counts_the_direct_writers_buffers_as_the_run_does(tmp_path, mpirun):
+    """``distmm plan --ranks P`` planned without the direct writer's aligned buffers, which
+    the run counts against distmm.memory-budget for a .npy or HDF5 C: under a 3 MiB budget a
+    rank's 1 MiB of C was one stripe in the plan and two in the run."""
+    import json
+    import re
+
+    from conftest import run_cli
+
+    rng = np.random.default_rng(5)
+    np.save(tmp_path / "a.npy", rng.integers(-9, 9, size=(2048, 32)).astype(np.float64))
+    np.save(tmp_path / "b.npy", rng.integers(-9, 9, size=(32, 128)).astype(np.float64))
+    env = {"DISTMM_BATCH_STRIPES": "1", "DISTMM_MEMORY_BUDGET": "3MiB",
+           "DISTMM_DIRECT_WRITES": "true"}
+    plan = run_cli("plan", 2048, 128, 32, "--ranks", 2, env=env)
+    assert plan.returncode == 0, plan.stderr
+    planned = [int(re.search(r" in (\d+) stripe", line)[1])
+               for line in plan.stdout.splitlines() if re.match(r"  rank \d", line)]
+    r = mpirun(2, "-m", "distmm", "matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o",
+               tmp_path / "c.npy", "--profile", tmp_path / "p.json", env=env)
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads((tmp_path / "p.json").read_text())["ranks"]
+    written = [sum(s["phase"] == "write" for s in rec["spans"]) for rec in ranks]
+    assert planned == written == [2, 2], (plan.stdout, written)

@@ -103,7 +103,8 @@ def _batch_setup(args, result) -> list[str]:
     the configuration, and for what only the job knows, this machine's: the backend's choice
     of GPU or CPU ranks, its GPU's free memory (without a GPU, ``distmm.device-memory-limit``,
     else no limit) and its available memory, taken for every host's; ``--hosts`` hosts
-    (default one)."""
+    (default one); C a ``.npy`` or HDF5 file (with ``distmm.direct-writes``, its writer's
+    aligned buffers counted)."""
     from distmm.config import get_config, host_available
     from distmm.executor import gpu_available, resolve_backend
     from distmm.plan_batch import decide_batch
@@ -124,7 +125,10 @@ def _batch_setup(args, result) -> list[str]:
     setup = decide_batch(args.m, args.n, args.k, result, ranks=args.ranks, hosts=hosts,
                          on_gpu=on_gpu, panels=config.batch_panels, memory=memory,
                          host_memory=host_available(),
-                         stripes=config.batch_stripes, budget=config.memory_budget)
+                         stripes=config.batch_stripes, budget=config.memory_budget,
+                         # the run counts its direct writer's buffers for a .npy or HDF5 C
+                         # (not zarr); distmm plan names no output: planned as for those
+                         direct_writes=config.direct_writes)
     ranks = f"{'GPU' if on_gpu else 'CPU'} ranks"
     if on_gpu and memory is None:
         ranks += " (no GPU here: no limit on their memory assumed)"
@@ -174,7 +178,9 @@ def _cmd_info(args) -> int:
         import mpi4py
         from mpi4py import MPI
 
-        print(f"mpi4py      {mpi4py.__version__}; {MPI.Get_library_version().splitlines()[0]}")
+        # the C string's terminating NUL comes with it (grep then calls the output binary)
+        library = MPI.Get_library_version().rstrip("\x00").strip().splitlines()[0].strip()
+        print(f"mpi4py      {mpi4py.__version__}; {library}")
     except Exception as exc:  # pragma: no cover - depends on the machine
         print(f"mpi4py      unavailable ({exc})")
     from distmm.engine.local import default_workers
@@ -224,24 +230,48 @@ def _config_lines() -> list[str]:
         if getattr(now, spellings[1]) == getattr(default, spellings[1]):
             continue
         value = next((section[k] for k in spellings if k in section), None)
-        suffix = spellings[1].upper()
-        short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
-        if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
-            where = short if os.environ.get(short) == os.environ[full] else full
-        else:
-            where = next((str(path) for path, conf in reversed(files)
-                          if isinstance(conf.get("distmm"), dict)
-                          and any(k in conf["distmm"] for k in spellings)), None)
+        where = _where_set(key, files)
         lines.append(f"{key} = {value if isinstance(value, str) else json.dumps(value)}"
                      + (f" ({where})" if where else ""))
     return [f"{'' if i else 'config':12}{line}" for i, line in enumerate(lines or ["defaults"])]
 
 
+def _where_set(key: str, files=None) -> str | None:
+    """Where the configuration key ``key`` in force was set, where that can be told: a
+    ``DISTMM_``/``DASK_DISTMM__`` variable, which wins, else the last YAML file of dask's
+    config paths that sets it (``files``: ``dask.config.collect_yaml``'s, with their
+    paths); None otherwise (the defaults, ``dask.config.set``)."""
+    import dask.config
+
+    spellings = (key, key.replace("-", "_"))
+    suffix = spellings[1].upper()
+    short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
+    if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
+        return short if os.environ.get(short) == os.environ[full] else full
+    if files is None:
+        files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
+    return next((str(path) for path, conf in reversed(files)
+                 if isinstance(conf.get("distmm"), dict)
+                 and any(k in conf["distmm"] for k in spellings)), None)
+
+
+def _matmul_engine(args) -> str:
+    """The engine ``distmm matmul`` runs when no launcher's ranks, ``--resume`` or
+    ``--profile`` decide it: ``--engine``; with ``--engine auto`` and neither
+    ``--scheduler`` nor ``--scheduler-file`` (which take the Dask engine), the configured
+    ``distmm.engine`` (``DISTMM_ENGINE``, a dask YAML file), as ``distmm.matmul`` takes it."""
+    if args.engine != "auto" or args.scheduler or args.scheduler_file:
+        return args.engine
+    from distmm.config import get_config
+
+    return get_config().engine
+
+
 def _mpi_run(args) -> bool:
     """Whether this command runs on the MPI engine: ``--engine mpi``, several ranks started
-    by a launcher with ``--engine auto``, or ``--resume``/``--profile`` (the MPI engine's
+    by a launcher with ``--engine auto``, ``--resume``/``--profile`` (the MPI engine's
     striped product keeps what ``--resume`` needs and records the phases, in one process
-    too)."""
+    too), or a configured ``distmm.engine`` of ``mpi`` (``_matmul_engine``)."""
     from distmm.cli.launch import launcher_ranks
 
     if args.engine == "mpi":
@@ -253,10 +283,10 @@ def _mpi_run(args) -> bool:
                          f"(the MPI engine runs under mpirun) or run distmm matmul once")
     wants = [flag for flag, on in (("--resume", args.resume), ("--profile", args.profile)) if on]
     if wants and ranks == 1 and (args.engine != "auto" or args.scheduler or args.scheduler_file):
-        raise ValueError(f"{' and '.join(wants)} run the MPI engine's file-to-file product (in "
-                         f"one process or under mpirun): drop --engine, --scheduler and "
-                         f"--scheduler-file")
-    return ranks > 1 or bool(wants)
+        raise ValueError(f"{' and '.join(wants)} {'runs' if len(wants) == 1 else 'run'} the "
+                         f"MPI engine's file-to-file product (in one process or under mpirun): "
+                         f"drop --engine, --scheduler and --scheduler-file")
+    return ranks > 1 or bool(wants) or _matmul_engine(args) == "mpi"
 
 
 def _every_rank_refuses(check, args):
@@ -271,14 +301,19 @@ def _every_rank_refuses(check, args):
         raise
 
 
-def _connect(args):
+def _connect(args, engine: str):
     """A client of the cluster named by --scheduler or --scheduler-file, or None
-    (``distmm.cli.connect``: the whole connection bounded by --connect-timeout)."""
+    (``distmm.cli.connect``: the whole connection bounded by --connect-timeout); ``engine``:
+    ``_matmul_engine``'s."""
     if not (args.scheduler or args.scheduler_file):
-        if args.engine == "dask":
-            raise ValueError("--engine dask runs on a Dask cluster: pass --scheduler ADDRESS or "
-                             "--scheduler-file FILE (start one with distmm cluster "
-                             "--scheduler-file FILE)")
+        if engine == "dask":
+            where = _where_set("engine") if args.engine == "auto" else None
+            told = "--engine dask" if args.engine == "dask" else \
+                f"distmm.engine dask ({where or 'the configuration'})"
+            raise ValueError(f"{told} runs on a Dask cluster: pass --scheduler ADDRESS or "
+                             f"--scheduler-file FILE (start one with distmm cluster "
+                             f"--scheduler-file FILE)"
+                             + ("" if args.engine == "dask" else ", or --engine local"))
         return None
     if args.engine == "local":
         raise ValueError("--engine local runs in this process: drop --scheduler/--scheduler-file "
@@ -347,8 +382,9 @@ def _cmd_matmul(args) -> int:
     check_dtype(target, dtype)  # one the output's format stores
     precision = resolve_precision(args.precision, dtype)  # refused before any work
     check_target(target, args.overwrite)  # (again when staged) before the leftovers go
-    client = _connect(args)
-    engine = "dask" if client is not None else args.engine
+    engine = _matmul_engine(args)
+    client = _connect(args, engine)
+    engine = "dask" if client is not None else engine
     options = {} if args.progress is None else {"distmm.progress": args.progress}
     shape = result_shape(a, b)
     # what identifies the inputs, compared again before C is moved into place (not where C
@@ -534,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace an existing output (never a folder, a zarr group or an HDF5 group)")
     mm.add_argument("--engine", default="auto", choices=["auto", "local", "dask", "mpi"],
                     help="auto: mpi under mpirun/srun with several ranks, dask with "
-                         "--scheduler/--scheduler-file, else local threads; mpi: SUMMA over the "
+                         "--scheduler/--scheduler-file, else the configured distmm.engine "
+                         "(DISTMM_ENGINE; by default local threads); mpi: SUMMA over the "
                          "MPI ranks")
     conn = mm.add_mutually_exclusive_group()
     conn.add_argument("--scheduler", metavar="ADDRESS", default=None, type=nonempty("address"),

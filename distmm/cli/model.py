@@ -306,9 +306,10 @@ def _write_predictions(args, cal, rows) -> None:
     ``"predicted"``, so that ``distmm report`` shows it in place of a measurement, marked."""
     import datetime as dt
 
-    from distmm.cli.records import append_record, git_commit
+    from distmm.cli.records import append_record, git_commit, run_id
 
     m, n, k = args.sizes
+    run = "model-" + run_id()  # no other run's on this host
     now = dt.datetime.now(dt.timezone.utc)
     benchmark = args.benchmark or _BENCHMARKS.get((args.engine, args.device), args.engine)
     family = args.variant or f"distmm-{args.engine}"
@@ -317,7 +318,7 @@ def _write_predictions(args, cal, rows) -> None:
     for p, best, own in rows:
         count = {"gpus": p, "ranks": p} if unit != "workers" else {"workers": p}
         append_record(args.output, {
-            "run": "model-" + now.strftime("%Y%m%dT%H%M%SZ"), "benchmark": benchmark,
+            "run": run, "benchmark": benchmark,
             "variant": f"{family}@{p}{unit}", "device": cal.machine,
             "dtype": args.dtype.name, "m": int(m), "n": int(n), "k": int(k),
             "seconds": None, "tflops": None, "relerr": None,
@@ -386,8 +387,11 @@ def _validate(args) -> int:
     print(f"{inside} of {len(rows)} configurations within {TARGET:.0%} "
           f"({sum(r['within'] for r in held)} of {len(held)} held out)")
     if args.output:
+        from distmm.cli.records import run_id
+
+        run = run_id()  # no other run's on this host
         now = datetime.datetime.now(datetime.timezone.utc)
-        recs = validation_records(rows, run=now.strftime("%Y%m%dT%H%M%SZ"),
+        recs = validation_records(rows, run=run,
                                   commit=os.environ.get("DISTMM_COMMIT", "unknown"),
                                   date=now.strftime("%Y-%m-%d"))
         out = Path(args.output)

@@ -35,7 +35,7 @@ import distmm.executor.registry as registry
 from distmm.cli.argtypes import integer_at_least, nonempty
 from distmm.cli.exits import BAD_INPUT
 from distmm.cli.outputs import check_writable
-from distmm.executor.tuning import (CACHE_VERSION, cache_dir, cache_path, load_tuning as load,
+from distmm.executor.tuning import (CACHE_VERSION, cache_path, load_tuning as load,
                                     load_tuning_for as load_for, read_cache,
                                     store_tuning as store)
 
@@ -50,11 +50,12 @@ class TuneRecords:
     commit measured ("unknown" without it: the installed package has no checkout)."""
 
     def __init__(self, device: str, folder, **common):
-        import os
+        from distmm.cli.records import run_id
 
+        self.run = run_id()  # no other run's on this host
         now = _dt.datetime.now(_dt.timezone.utc)
         self.device, self.common = device, common
-        self.run, self.date = now.strftime("%Y%m%dT%H%M%SZ"), now.date().isoformat()
+        self.date = now.date().isoformat()
         self.commit = os.environ.get("DISTMM_COMMIT", "unknown")
         keep = "".join(ch.lower() if ch.isalnum() else "-" for ch in device)
         slug = "-".join(part for part in keep.split("-") if part)[:40]
