@@ -198,15 +198,15 @@ def _is_spawned_worker(p: psutil.Process) -> bool:
         return False
 
 
-def _cluster_pausing_at(tmp_path: Path, module: str, name: str):
-    """``distmm cluster --workers 2 --scheduler-file F`` in a session of its own, with
+def _cluster_pausing_at(tmp_path: Path, module: str, name: str, workers: int = 2):
+    """``distmm cluster --workers W --scheduler-file F`` in a session of its own, with
     ``module.name`` waiting (``pause_at``) in each of its processes; ``(process, F, site)``."""
     site, sched = tmp_path / "site", tmp_path / "sched.json"
     site.mkdir()
     pause_at(site, module, name)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site),
                                                          os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", str(workers),
                              "--port", "0", "--dashboard-address", ":0", "--scheduler-file",
                              str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
@@ -246,26 +246,92 @@ def _distributed_before(version: str) -> bool:
     return Version(distributed.__version__) < Version(version)
 
 
+def _spawned_workers(proc: subprocess.Popen) -> list:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_spawned_worker(p)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_while_workers_start_closes_them_once_up(tmp_path: Path):
+    """A SIGTERM to the whole process group (``kill -- -PGID``, ``timeout``, a batch
+    system's time limit) while the workers are starting reaches this command alone: the
+    worker processes start with it blocked. It ended them there: under distributed 2024.12
+    their nannies restarted them and the start never ended (the command hung, printing
+    "Restarting worker", its restarted workers alive), under 2026.8 the start failed. The
+    workers come up and close in order: 143, the stop's one line, no scheduler file, no
+    process of the session left."""
+    # each worker waits in its preload, inside the start: started, not yet up
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
+    _wait_for(site / "paused", proc, "started a worker")
+
+    def group_sigterm_then_go(p):
+        os.killpg(p.pid, signal.SIGTERM)
+        time.sleep(0.5)  # a worker the signal ended would be gone by now
+        (site / "go").touch()
+
+    status, out, err, seconds = stop_cluster(proc, group_sigterm_then_go)
+    assert status == 143, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
+                          "closed\n"), err
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
+    assert _left_in_session(proc.pid) == []
+    assert seconds < 30
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_distributed_before("2026.8.0"),
                     reason="distributed 2024.12 (the floor) restarts a worker killed while it "
                            "starts instead of failing the start; the restarted worker waits in "
                            "this test's paused preload (seen with 2024.12, passes with 2026.8)")
-def test_sigterm_to_the_group_while_workers_start_is_the_signal_s_one_line(tmp_path: Path):
-    """A SIGTERM to the whole process group (``kill -- -PGID``, ``timeout``) while the workers
-    are starting ends them there, and their nannies fail the start: the command ended with
-    status 1 and "RuntimeError: Nanny failed to start.", dropping the signal it had noted.
-    The signal comes in the failure's place: 143, its one line, no process of the session
-    left, no scheduler file."""
-    # each worker waits in its preload, inside the start: started, not yet up
-    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
+def test_a_start_failing_after_a_signal_is_the_signal_s_one_line(tmp_path: Path):
+    """The start fails with a SIGTERM noted (the worker, waiting in its preload, killed by
+    SIGKILL): the command ended with status 1 and "RuntimeError: Nanny failed to start.",
+    dropping the signal. The signal comes in the failure's place: 143, its one line, no
+    process of the session left, no scheduler file."""
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup",
+                                            workers=1)
     _wait_for(site / "paused", proc, "started a worker")
-    status, out, err, seconds = stop_cluster(proc, lambda p: os.killpg(p.pid, signal.SIGTERM))
+
+    def group_sigterm_then_kill_the_worker(p):
+        os.killpg(p.pid, signal.SIGTERM)
+        for worker in _spawned_workers(p):
+            worker.kill()
+
+    status, out, err, seconds = stop_cluster(proc, group_sigterm_then_kill_the_worker)
     assert status == 143, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("distmm cluster: stopped by SIGTERM while the workers started"), err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
+    assert _left_in_session(proc.pid) == []
+    assert seconds < 30
+
+
+@pytest.mark.slow
+def test_a_second_signal_while_the_workers_start_stops_at_once_once_they_are_up(tmp_path: Path):
+    """SIGTERM and SIGINT to the group while the workers start: both are noted, and the
+    second stops at once as soon as the start has returned the cluster, whose nannies then
+    restart no worker killed under them: both worker processes killed, one line, no
+    scheduler file, no process of the session left."""
+    import re
+
+    proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
+    _wait_for(site / "paused", proc, "started a worker")
+
+    def two_signals_then_go(p):
+        os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.5)
+        (site / "go").touch()
+
+    status, out, err, seconds = stop_cluster(proc, two_signals_then_go)
+    said = re.fullmatch(r"distmm cluster: stopped at once by a second (SIGINT|SIGTERM): 2 "
+                        r"worker process\(es\) killed\n", err)
+    assert said, err
+    assert status == (130 if said[1] == "SIGTERM" else 143), err  # 128 + the first
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
     assert _left_in_session(proc.pid) == []
     assert seconds < 30
 

@@ -8,9 +8,11 @@ This module covers:
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
   resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
   otherwise (``gpu_protocol``: ``protocol="auto"``);
-- Ctrl-C left to this process: the worker processes start with SIGINT blocked and then
-  ignore it (``WORKER_SETUP``, a preload), since Ctrl-C at a terminal reaches every process
-  of the foreground group and this process closes the cluster;
+- Ctrl-C and a SIGTERM to the process group left to this process: the worker processes
+  start with SIGINT and SIGTERM blocked (and then ignore SIGINT: ``WORKER_SETUP``, a
+  preload), since Ctrl-C at a terminal reaches every process of the foreground group, as a
+  SIGTERM to the group (``kill -- -PGID``, ``timeout``, a batch system's time limit) does,
+  and this process closes the cluster;
 - the Dask engine's task modules imported before the first product, by the workers
   (``TASKS_PRELOAD``) and by this process, which holds the scheduler;
 - emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
@@ -256,21 +258,25 @@ def _with_worker_setup(kwargs: dict) -> None:
 
 
 def _started(make):
-    """``make()``, a cluster's start, leaving Ctrl-C to this process.
+    """``make()``, a cluster's start, leaving Ctrl-C and a SIGTERM to the process group to
+    this process.
 
     Ctrl-C at a terminal reaches every process of the foreground group, and a worker process
     still importing took it as a ``KeyboardInterrupt`` traceback (its preload, which ignores
-    SIGINT, runs only once it has started). While the cluster starts, this thread blocks
-    SIGINT: the event-loop and executor threads distributed starts now, and the worker
-    processes they start, inherit the mask (through fork and exec). A SIGINT or SIGTERM that
-    comes meanwhile is noted, not raised inside the start (which would lose the cluster and
-    leave its workers' semaphores to multiprocessing's warning at exit): once the start
+    SIGINT, runs only once it has started). A SIGTERM to the group (``kill -- -PGID``, a
+    batch system's time limit) ended the worker processes, and distributed 2024.12's nanny
+    restarts a worker ended while it starts, a start that then never ends. While the cluster
+    starts, this thread blocks SIGINT and SIGTERM: the event-loop and executor threads
+    distributed starts now, and the worker processes they start, inherit the mask (through
+    fork and exec), so that this process alone acts on them and closes the workers
+    (distributed's nanny kills a worker that its close does not end). A SIGINT or SIGTERM
+    that comes meanwhile is noted, not raised inside the start (which would lose the cluster
+    and leave its workers' semaphores to multiprocessing's warning at exit): once the start
     returns, each is raised again for the handlers in force, and where one raises, the
-    cluster is closed first. Where the start fails instead (a SIGTERM to the process group
-    ends the workers starting), each is raised again before the failure, which a handler
-    that raises replaces. multiprocessing's resource tracker is started first, since
-    starting it unblocks SIGINT in the thread that does. Outside the main thread, only
-    ``make()``."""
+    cluster is closed first. Where the start fails instead, each is raised again before the
+    failure, which a handler that raises replaces. multiprocessing's resource tracker is
+    started first, since starting it unblocks SIGINT and SIGTERM in the thread that does.
+    Outside the main thread, only ``make()``."""
     if threading.current_thread() is not threading.main_thread():
         return make()
     from multiprocessing import resource_tracker
@@ -281,15 +287,14 @@ def _started(make):
               for s in (signal.SIGINT, signal.SIGTERM)
               if signal.getsignal(s) is not None}  # None: not set from Python, left alone
     try:
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             cluster = make()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is noted here
     except BaseException:
-        # the start failed with a signal noted: a SIGTERM to the process group ends the
-        # workers starting ("Nanny failed to start"), so the signal comes in the failure's
-        # place, for the handlers in force (one that raises replaces the failure)
+        # the start failed with a signal noted: the signal comes in the failure's place, for
+        # the handlers in force (one that raises replaces the failure)
         _restore_handlers(before)
         for signum in got:
             signal.raise_signal(signum)

@@ -19,18 +19,21 @@ This module covers:
   no worker process outlives the command, and removing the scheduler file when it is still
   the one this command wrote. A second signal during that stops at once (worker processes
   are killed, the file still removed). A signal while the workers start is acted on once
-  they are up, or in the failure's place where the start fails (a SIGTERM to the process
-  group ends the workers starting); what distributed logs about the work a stop cuts short
-  is not printed: the stop's one line says what was closed.
+  they are up (a second one once the cluster is in hand), or in the failure's place where
+  the start fails; what distributed logs about the work a stop cuts short is not printed:
+  the stop's one line says what was closed.
 
 Exit status: 130 after SIGINT, 143 after SIGTERM (128 + the signal, as the rest of the
 command line and the shell report a process a signal ended), once the cluster is closed;
 2 for bad options; 1 when the cluster fails to start or to close.
 
-Worker processes leave SIGINT alone (``distmm.cli.cluster``: blocked from their start, then
-ignored by the ``distmm.cli.worker_setup`` preload), so that Ctrl-C at
-a terminal, which reaches every process of the foreground group, stops them through this
-command's orderly close rather than by ``KeyboardInterrupt`` inside each of them.
+Worker processes leave SIGINT and SIGTERM alone (``distmm.cli.cluster``: blocked from their
+start; SIGINT then ignored by the ``distmm.cli.worker_setup`` preload), so that Ctrl-C at
+a terminal, which reaches every process of the foreground group, and a SIGTERM to the
+process group (``kill -- -PGID``, ``timeout``, a batch system's time limit) stop them through
+this command's orderly close rather than by ``KeyboardInterrupt`` inside each of them or
+by ending each where it is (a worker ended while it started was restarted by its nanny,
+whose start then never ended, under distributed 2024.12).
 
 It does *not* cover: connecting to a cluster (``distmm.cli.connect``), clusters of
 several machines or batch jobs (``deploy/``), or running products.
@@ -423,20 +426,21 @@ def _reap(grace: float) -> int:
     return len(alive)
 
 
-def _kill_workers(most: float = 5.0) -> int:
+def _kill_workers(cluster, most: float = 5.0) -> int:
     """Kill every worker process, and again until none has appeared for ``QUIET`` seconds,
     ``most`` seconds at most; returns how many. A nanny still running starts a new worker in
     place of one killed under it, again and again, and the command's exit would leave the
-    last one starting (its traceback: "EOFError: Ran out of input"); so every nanny of this
-    process is first set to the state its close sets first (``Status.closing``), in which it
-    starts none, from outside its event loop, which a stop at once does not wait for."""
+    last one starting (its traceback: "EOFError: Ran out of input"); so every nanny of
+    ``cluster`` (``SpecCluster.workers``; None: no cluster) is first set to the state its
+    close sets first (``Status.closing``), in which it starts none, from outside its event
+    loop, which a stop at once does not wait for."""
     import time
 
-    if "distributed.nanny" in sys.modules:
+    nannies = list(cluster.workers.values()) if cluster is not None else []
+    if nannies:
         from distributed.core import Status
-        from distributed.nanny import Nanny
 
-        for nanny in list(Nanny._instances):
+        for nanny in nannies:
             nanny.status = Status.closing
     killed, deadline = 0, time.monotonic() + most
     quiet_from = time.monotonic()
@@ -455,22 +459,37 @@ def _kill_workers(most: float = 5.0) -> int:
 
 
 class _Stop:
-    """The signal that asked for the stop, set from the handler (main thread)."""
+    """The signal that asked for the stop, set from the handler (main thread), and the
+    cluster it stops once the start has returned it (``hold``)."""
 
     def __init__(self):
         self.signum: int | None = None
         self.event = threading.Event()
-        self.force = None  # called on a second signal
+        self.force = None  # called on a second signal, with the cluster in hand
+        self.cluster = None
+        self.second: int | None = None  # a second signal that came before the cluster
 
     def handler(self, signum, frame):
         if self.signum is None:
             self.signum = signum
             self.event.set()
+        elif self.cluster is None:
+            # the start has not returned the cluster yet (its nannies would restart the
+            # workers killed under them): the stop at once comes as soon as it has
+            self.second = self.second or signum
         elif self.force is not None:
             self.force(signum)
 
+    def hold(self, cluster) -> None:
+        """The start has returned ``cluster``: a second signal noted meanwhile acts now."""
+        self.cluster = cluster
+        if self.second is not None and self.force is not None:
+            self.force(self.second)
 
-def _start(args, devices):
+
+def _start(args, devices, hold):
+    """Start the cluster ``args`` describe, handing it to ``hold`` as soon as it is made;
+    ``(cluster, workers)``."""
     from distmm.cli.cluster import cpu_cluster, gpu_cluster
 
     common = dict(host=args.host, scheduler_port=args.port,
@@ -484,6 +503,7 @@ def _start(args, devices):
     if devices is None:
         cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
         try:
+            hold(cluster)
             cluster.wait_for_workers(workers, timeout=START_TIMEOUT)
         except BaseException:
             cluster.close()
@@ -492,6 +512,7 @@ def _start(args, devices):
     cluster = gpu_cluster(",".join(devices), per_device=args.workers or 1,
                           protocol=args.protocol, threads_per_worker=args.threads,
                           timeout=START_TIMEOUT, **common)
+    hold(cluster)
     return cluster, workers
 
 
@@ -549,7 +570,7 @@ def run_cluster(args) -> int:
         # the processes killed under its nannies ("Restarting worker", "exit status was
         # already read") is not printed: the line below says what was done
         logging.disable(logging.CRITICAL)
-        killed = _kill_workers()
+        killed = _kill_workers(stop.cluster)
         note = _remove_scheduler_file(target, written_box[0] if written_box else None)
         print(f"distmm cluster: stopped at once by a second {signal.Signals(signum).name}: "
               f"{killed} worker process(es) killed{note}", file=sys.stderr, flush=True)
@@ -579,7 +600,7 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
         # a first signal while the workers start is acted on once they are up: then they
         # close in order (a second one stops at once)
         try:
-            cluster, _ = _start(args, devices)
+            cluster, _ = _start(args, devices, stop.hold)
         except Exception:
             if stop.signum is None:
                 raise
