@@ -50,7 +50,12 @@ __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_avai
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
+_given = dask.config.config.get("distmm")  # a YAML file's or DASK_DISTMM's, before the defaults
 dask.config.update_defaults(_defaults)
+if _given is not None and not isinstance(_given, dict):
+    # update_defaults put the defaults in its place (a `distmm: [...]` file was ignored, where
+    # after dask.config.refresh() it fails): kept, so that it fails from the first call
+    dask.config.config["distmm"] = _given
 
 #: every configuration key, as distmm.yaml spells it
 KEYS: tuple[str, ...] = tuple(_defaults["distmm"])
@@ -139,7 +144,14 @@ def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
     if isinstance(value, bool):
         raise _Bad("a size is needed, not a bool")
     try:
-        out = parse_bytes(value) if isinstance(value, str) else value
+        out = value
+        if isinstance(value, str):
+            try:  # a bare number, as the environment gives it ('1.5' is no whole number of bytes:
+                out = float(value)  # parse_bytes made it 1)
+            except ValueError:
+                out = parse_bytes(value)
+        if isinstance(out, float) and not math.isfinite(out):
+            raise OverflowError
         if isinstance(out, float) and not out.is_integer():
             raise _Bad("a whole number of bytes is needed")
         out = int(out)
@@ -153,7 +165,7 @@ def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
 
 
 def _positive_int(value, what: str = "a positive integer is", most: int | None = None) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isdecimal():  # isdigit() took '²', int() did not
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _Bad(f"{what} needed")
@@ -305,17 +317,44 @@ def _where(key: str) -> str:
             f"DASK_DISTMM__{suffix} or DISTMM_{suffix}")
 
 
+def _yaml_file(key: str | None, value) -> str | None:
+    """The last of dask's YAML files that sets ``distmm.<key>`` (the ``distmm`` section itself
+    for None) to ``value``, or None: where a bad value came from, when a file gave it."""
+    try:
+        files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
+    except Exception:  # noqa: BLE001 - only a better message was at stake; dask read them
+        return None
+    for path, conf in reversed(files):
+        section = conf.get("distmm") if isinstance(conf, dict) else None
+        if key is None:
+            if section is not None and section == value:
+                return str(path)
+        elif isinstance(section, dict):
+            for k in (key, key.replace("-", "_"), key.replace("_", "-")):
+                if k in section:
+                    if section[k] == value:
+                        return str(path)
+                    break
+    return None
+
+
 def _read(section) -> Config:
     """Parse the ``distmm`` section of dask's configuration into a ``Config``."""
     if not isinstance(section, dict):
-        raise ValueError(f"distmm configuration: 'distmm' must be a mapping of keys, got "
-                         f"{section!r}")
+        path = None if "DASK_DISTMM" in os.environ else _yaml_file(None, section)
+        where = ("the environment variable DASK_DISTMM" if "DASK_DISTMM" in os.environ
+                 else path and f"the dask YAML file {path}")
+        raise ValueError(f"distmm configuration: 'distmm' must be a mapping of keys "
+                         f"(distmm: {{memory-budget: 4GiB}}), got {section!r}"
+                         + (f" (from {where})" if where else ""))
     for k in section:
         if str(k).replace("_", "-") not in _PARSERS:
             suffix = _env_suffix(str(k))
             named = [v for v in ("DISTMM_" + suffix, "DASK_DISTMM__" + suffix) if v in os.environ]
             near = difflib.get_close_matches(str(k).replace("_", "-"), _PARSERS, n=1)
+            path = None if named else _yaml_file(str(k), section[k])
             notes = ([f"the environment variable {named[0]}"] if named else []) + \
+                ([f"the dask YAML file {path}"] if path else []) + \
                 ([f"did you mean distmm.{near[0]}?"] if near else [])
             raise ValueError(f"distmm configuration: unknown key 'distmm.{k}'"
                              + (f" ({'; '.join(notes)})" if notes else "")
@@ -328,10 +367,14 @@ def _read(section) -> Config:
             values[field] = parse(raw)
         except _Bad as e:
             shown = "null" if raw is None else repr(raw)  # as YAML and dask's parser read it
-            what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
             suffix = _env_suffix(key)
-            raise ConfigError(f"{what} ({_where(key)})",
-                              cli_message=f"{what} (set DISTMM_{suffix} or DASK_DISTMM__{suffix} "
+            path = (None if {"DISTMM_" + suffix, "DASK_DISTMM__" + suffix} & set(os.environ)
+                    else _yaml_file(key, raw))
+            what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
+            came = f"from the dask YAML file {path}; " if path else ""
+            raise ConfigError(f"{what} ({came}{_where(key)})",
+                              cli_message=f"{what} ({came}set DISTMM_{suffix} or "
+                                          f"DASK_DISTMM__{suffix} "
                                           f"in the environment, or distmm.{key} in a dask YAML "
                                           f"file)") from None
     values["memory_budget_from"] = "config" if values["memory_budget"] is not None else "auto"
@@ -365,7 +408,9 @@ def get_config() -> Config:
     # Parsed from a copy, which is also the cache key: a dask.config.set block that another
     # thread leaves meanwhile changes the section, not the copy, so the next call re-reads.
     snapshot = copy.deepcopy(dict(section)) if isinstance(section, dict) else section
-    cfg = _read(snapshot if snapshot is not None else {})
+    # None: an empty section (`distmm:` with every key commented out) after a refresh: the
+    # defaults, as when distmm is imported (it read as {}: "distmm.engine = null is not valid")
+    cfg = _read(snapshot if snapshot is not None else _defaults["distmm"])
     _cache = (snapshot, cfg)
     return cfg
 

@@ -382,3 +382,83 @@ def test_an_empty_size_setting_is_no_setting():
     with dask.config.set({"distmm.pinned-pool": ""}):
         with pytest.raises(ValueError, match="pinned-pool"):
             get_config()
+
+
+# ---------------------------------------------------------------- bad values, three ways
+
+@pytest.mark.parametrize("key", ["local-threads", "batch-stripes", "tile"])
+def test_a_number_in_other_digits_names_the_key(key):
+    """'²' passed str.isdigit() and then failed int(): 'invalid literal for int() with base
+    10', naming no key (at the command line too, from DISTMM_LOCAL_THREADS=²)."""
+    with dask.config.set({f"distmm.{key}": "²"}):
+        with pytest.raises(ValueError, match=f"distmm\\.{key} = '²' is not valid: "):
+            distmm.matmul(np.ones((3, 3)), np.ones((3, 3)))
+
+
+def test_a_fraction_of_a_byte_is_refused_however_it_is_spelt():
+    """A YAML file's or dask.config.set's '1.5' was taken as 1 byte (parse_bytes truncates),
+    where the environment's 1.5 (a float to dask) was refused."""
+    for value in ("1.5", 1.5, " 0.5 "):
+        with dask.config.set({"distmm.memory-budget": value}):
+            with pytest.raises(ValueError, match="a whole number of bytes is needed"):
+                distmm.matmul(np.ones((3, 3)), np.ones((3, 3)))
+    for value, nbytes in (("1e9", 10**9), ("1.5GiB", 3 * 2**29), ("10 MB", 10**7), (" 64 ", 64)):
+        with dask.config.set({"distmm.memory-budget": value}):
+            assert get_config().memory_budget == nbytes
+    with dask.config.set({"distmm.pinned-pool": "inf"}):
+        with pytest.raises(ValueError, match="distmm.pinned-pool = 'inf' is not valid: not a "
+                                             "finite size"):
+            get_config()
+
+
+def test_an_empty_distmm_section_is_the_defaults():
+    """`distmm:` with every key commented out is null; after dask.config.refresh() (and in a
+    dask.config.set of the section) it failed naming a key never set: 'distmm.engine = null
+    is not valid'."""
+    with dask.config.set({"distmm": None}):
+        assert get_config() == config_mod._read(config_mod._defaults["distmm"])
+        np.testing.assert_array_equal(distmm.matmul(np.ones((3, 3)), np.ones((3, 3))), 3.0)
+
+
+def _cli_with(tmp_path, yaml_text: str | None = None, **env):
+    """``distmm matmul a.npy b.npy -o c.npy`` with a dask YAML file and variables."""
+    np.save(tmp_path / "a.npy", np.ones((3, 3)))
+    np.save(tmp_path / "b.npy", np.ones((3, 3)))
+    clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM", "DISTMM_"))}
+    folder = tmp_path / "dask-config"
+    folder.mkdir()
+    if yaml_text is not None:
+        (folder / "distmm.yaml").write_text(yaml_text)
+    return run_cli("matmul", "a.npy", "b.npy", "-o", "c.npy", cwd=tmp_path, timeout=120,
+                   env={**clean, "DASK_CONFIG": str(folder), **env})
+
+
+@pytest.mark.parametrize("yaml_text, env", [
+    ("distmm:\n  - memory-budget: 4GiB\n", {}),  # a list of one mapping
+    (None, {"DASK_DISTMM": "5"}),
+], ids=["yaml-list", "dask-distmm-variable"])
+def test_a_distmm_section_that_is_no_mapping_fails_before_any_work(tmp_path, yaml_text, env):
+    """Dropped for the defaults when distmm was imported (update_defaults), so the setting
+    was silently ignored and the product ran, status 0; after dask.config.refresh() it
+    failed. Now one line from the first call, naming where it came from."""
+    res = _cli_with(tmp_path, yaml_text, **env)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "'distmm' must be a mapping of keys" in res.stderr and "Traceback" not in res.stderr
+    where = (f"the dask YAML file {tmp_path / 'dask-config' / 'distmm.yaml'}" if yaml_text
+             else "the environment variable DASK_DISTMM")
+    assert where in res.stderr, res.stderr
+    assert not (tmp_path / "c.npy").exists()
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("distmm:\n  tile: [64, 64]\n", "distmm.tile = [64, 64] is not valid: "),
+    ("distmm:\n  memory_budjet: 1GiB\n", "unknown key 'distmm.memory_budjet' ("),
+], ids=["bad-value", "unknown-key"])
+def test_a_bad_setting_in_a_yaml_file_names_the_file(tmp_path, yaml_text, words):
+    """The message named the key and the ways to set it, never which of the YAML files in
+    dask's config paths (/etc/dask, ~/.config/dask, $DASK_CONFIG) held it."""
+    res = _cli_with(tmp_path, yaml_text)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert words in res.stderr, res.stderr
+    assert f"the dask YAML file {tmp_path / 'dask-config' / 'distmm.yaml'}" in res.stderr
+    assert not (tmp_path / "c.npy").exists()
