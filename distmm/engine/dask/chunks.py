@@ -63,6 +63,14 @@ def _group_edges(plan: Plan, cuts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(cuts[c] for c in idx)
 
 
+def _tiles_of(tile_edges, block_edges) -> tuple[int, ...]:
+    """For each output block (edges ``block_edges``), the plan tile (edges ``tile_edges``)
+    holding its first element; an empty block at the end, which starts at m or n, gets
+    the last tile."""
+    last = max(len(tile_edges) - 2, 0)
+    return tuple(min(bisect.bisect_right(tile_edges, e) - 1, last) for e in block_edges[:-1])
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Output blocks and k groups of one product, and the operands' chunk edges.
@@ -96,8 +104,8 @@ class Geometry:
         else:
             rows, cols = tuple(plan.row_edges), tuple(plan.col_edges)
         cuts = tuple(sorted(set(a_k) | set(b_k)))
-        tile_rows = tuple(bisect.bisect_right(plan.row_edges, r) - 1 for r in rows[:-1])
-        tile_cols = tuple(bisect.bisect_right(plan.col_edges, c) - 1 for c in cols[:-1])
+        tile_rows = _tiles_of(plan.row_edges, rows)
+        tile_cols = _tiles_of(plan.col_edges, cols)
         return cls(rows, cols, _group_edges(plan, cuts), a_rows, a_k, b_k, b_cols,
                    tile_rows, tile_cols)
 

@@ -153,11 +153,14 @@ def lazy_blocks(ops, plan: Plan, a2, b2, geometry: Geometry, layout, addresses, 
     if anchors and cells.homes:
         for (bi, bj, _g), home in cells.homes.items():
             readers_of.setdefault((bi, bj), set()).add(home)
+    # the block holding a chunk's first element; an empty chunk at the end (which starts at
+    # m or n) is an empty slice of the last block
+    last_row, last_col = len(layout.row_edges) - 2, len(layout.col_edges) - 2
     for ci in range(len(rows) - 1):
-        bi = bisect.bisect_right(layout.row_edges, rows[ci]) - 1
+        bi = min(bisect.bisect_right(layout.row_edges, rows[ci]) - 1, last_row)
         r0 = layout.row_edges[bi]
         for cj in range(len(cols) - 1):
-            bj = bisect.bisect_right(layout.col_edges, cols[cj]) - 1
+            bj = min(bisect.bisect_right(layout.col_edges, cols[cj]) - 1, last_col)
             c0 = layout.col_edges[bj]
             key = (out_name, ci, cj)
             held = sorted({ex for r in readers_of.get((bi, bj), ()) for ex in anchors.get(r, ())})
