@@ -271,6 +271,7 @@ class DistArray:
         from distmm.engine.mpi.io import open_block_source
 
         comm = comm if comm is not None else _world()
+        join(comm, "DistArray.from_file")
         source, error = None, None
         try:  # a file only some ranks cannot open is refused on every rank
             if layout is not None:
@@ -297,6 +298,11 @@ class DistArray:
             dist, error = None, None
             try:  # a layout or a block only some ranks refuse is refused on every rank
                 dist = cls.from_agreed(source.array, comm, layout)
+                if isinstance(source.array, np.ndarray) and \
+                        np.may_share_memory(dist.local, source.array):
+                    # whole rows of a .npy file are a view of its read-only memmap: read
+                    # them now (a file written again later would end the rank with SIGBUS)
+                    dist.local = np.array(dist.local)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
                 error = exc
             agree(comm, error, (), into=set(), when="in DistArray.from_file")
@@ -340,6 +346,7 @@ class DistArray:
         host memory; object arrays go pickled); cupy blocks come back as cupy blocks.
         Collective; a layout for another shape, for ranks the communicator does not
         have, or different on different ranks is a ``ValueError`` on every rank."""
+        join(self.comm, "DistArray.redistribute")
         self._check_layout(layout, "redistribute")
         return self.moved(layout)
 
@@ -396,6 +403,7 @@ class DistArray:
         ranks), or on every rank with ``root=None``. Collective; a root that is not a
         rank of the communicator, or differs between ranks, is refused on every rank."""
         comm, error = self.comm, None
+        join(comm, "DistArray.gather")
         try:
             if root is not None:
                 if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
@@ -444,6 +452,7 @@ class DistArray:
         only after every rank succeeded (see ``distmm.engine.mpi.io``)."""
         from distmm.engine.mpi.io import write_blocks
 
+        join(self.comm, "DistArray.to_file")
         self.settle()
         write_blocks(spec, self, overwrite=overwrite)
 
