@@ -151,6 +151,7 @@ def test_run_ids_of_processes_started_at_once_are_unique(tmp_path):
     assert min(ids) == time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(float(start)))
 
 
+@pytest.mark.slow  # ~2-5 s: a child process, and 1 s held
 def test_appenders_take_turns_under_the_files_lock(tmp_path):
     """A writer appending while another's line is still being written waits for it (the
     file's flock) and appends its record after that whole line. Before, it took the unfinished
