@@ -80,16 +80,19 @@ def is_narrow_int(dtype) -> bool:
 
 def is_minifloat(dtype) -> bool:
     """Whether ``dtype`` is one of ml_dtypes' floats narrower than bfloat16 (``float8_*``,
-    ``float6_*``, ``float4_*``; ``float8_e5m2``'s kind is ``'f'``)."""
+    ``float6_*``, ``float4_*``; ``float8_e5m2``'s kind is ``'f'``). numpy's matmul casts
+    them to float32 (its result dtype with them), and so do distmm's panels: a float32
+    product, as for bfloat16 operands, without numpy's bits (its BLAS's summation order)."""
     return np.dtype(dtype).name.startswith(("float8_", "float6_", "float4_"))
 
 
 def multiplies(dtype) -> bool:
     """Whether distmm multiplies operands of ``dtype``: boolean, numeric (bfloat16 and
-    ml_dtypes' narrow integers too, not its narrow floats: ``_ufunc_dtype``) or object."""
+    ml_dtypes' narrow integers and narrow floats too, but ``float8_e5m2``:
+    ``_ufunc_dtype``) or object."""
     dt = np.dtype(dtype)
     if is_minifloat(dt):
-        return False
+        return dt.kind != "f"
     return dt.kind in "biufcO" or is_bfloat16(dt) or is_narrow_int(dt)
 
 
@@ -159,9 +162,8 @@ def _result_dtype(a_dtype: np.dtype, a_char: str, b_dtype: np.dtype, b_char: str
     TypeError
         numpy's own (``UFuncTypeError``) for dtypes matmul has no loop for (strings,
         bytes, datetimes, timedeltas, structured types); a plain TypeError for a
-        dtype numpy multiplies and distmm does not (ml_dtypes' float8, float6 and float4
-        types: its message leaves them to numpy.matmul). Object arrays are accepted as
-        numpy accepts them (Python ints, Fractions, Decimals multiply exactly)."""
+        dtype numpy multiplies and distmm does not (``float8_e5m2``). Object arrays are
+        accepted as numpy accepts them (Python ints, Fractions, Decimals multiply exactly)."""
     return ufunc_dtype(a_dtype, b_dtype)
 
 
@@ -197,12 +199,11 @@ def _ufunc_dtype(a_dtype, a_char, b_dtype, b_char, dtype, out_dtype, out_char, c
         if out_dtype is not None:
             np.matmul(empty_a, empty_b, out=np.empty((1, 1), out_dtype), **kw)
     for name, dt in (("a", a_dtype), ("b", b_dtype)):
-        if is_minifloat(dt):
-            # numpy casts them to float32 and sums in its BLAS's order, which depends on the
-            # whole operands' shapes: no tiling of the product gives its bits
-            raise TypeError(f"distmm leaves a product of {dt} operands to numpy.matmul ({name} "
-                            f"has dtype {dt}): numpy sums it in float32 in its BLAS's order, "
-                            f"which distmm's tiles do not reproduce")
+        if dt.kind == "f" and is_minifloat(dt):
+            # distributed sends a kind 'f' array's dtype as its str, '<f1', which numpy does
+            # not read back: a Dask product of float8_e5m2 blocks hung
+            raise TypeError(f"distmm does not multiply {dt} operands ({name} has dtype {dt}): "
+                            f"Dask cannot send them; cast them to float32 (exact) first")
         if not multiplies(dt):
             raise TypeError(f"matmul needs boolean or numeric operands; {name} has dtype {dt}")
     return res
