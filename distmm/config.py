@@ -47,7 +47,7 @@ from distmm.errors import ConfigError
 from distmm.plan import MAX_WORKERS, PRECISIONS
 
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_available", "KEYS",
-           "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION"]
+           "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION", "where_set", "yaml_file"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
 _given = dask.config.config.get("distmm")  # a YAML file's or DASK_DISTMM's, before the defaults
@@ -317,31 +317,50 @@ def _where(key: str) -> str:
             f"DASK_DISTMM__{suffix} or DISTMM_{suffix}")
 
 
-def _yaml_file(key: str | None, value) -> str | None:
-    """The last of dask's YAML files that sets ``distmm.<key>`` (the ``distmm`` section itself
-    for None) to ``value``, or None: where a bad value came from, when a file gave it."""
-    try:
-        files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
-    except Exception:  # noqa: BLE001 - only a better message was at stake; dask read them
-        return None
+#: ``yaml_file``'s value for "whatever the file sets"
+_ANY = object()
+
+
+def yaml_file(key: str | None, value=_ANY, files=None) -> str | None:
+    """The last of dask's YAML files (``files``: ``dask.config.collect_yaml``'s, with their
+    paths; None: read now) that sets ``distmm.<key>`` (the ``distmm`` section itself for
+    None) to ``value`` (by default to anything), or None: where a setting came from, when a
+    file gave it."""
+    if files is None:
+        try:
+            files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
+        except Exception:  # noqa: BLE001 - only a better message was at stake; dask read them
+            return None
     for path, conf in reversed(files):
         section = conf.get("distmm") if isinstance(conf, dict) else None
         if key is None:
-            if section is not None and section == value:
+            if section is not None and (value is _ANY or section == value):
                 return str(path)
         elif isinstance(section, dict):
             for k in (key, key.replace("-", "_"), key.replace("_", "-")):
                 if k in section:
-                    if section[k] == value:
+                    if value is _ANY or section[k] == value:
                         return str(path)
                     break
     return None
 
 
+def where_set(key: str, files=None) -> str | None:
+    """Where the configuration key ``key`` in force was set, where that can be told: a
+    ``DISTMM_``/``DASK_DISTMM__`` variable, which wins, else the last YAML file of dask's
+    config paths that sets it (``yaml_file``); None otherwise (the defaults,
+    ``dask.config.set``)."""
+    suffix = _env_suffix(key)
+    short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
+    if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
+        return short if os.environ.get(short) == os.environ[full] else full
+    return yaml_file(key, files=files)
+
+
 def _read(section) -> Config:
     """Parse the ``distmm`` section of dask's configuration into a ``Config``."""
     if not isinstance(section, dict):
-        path = None if "DASK_DISTMM" in os.environ else _yaml_file(None, section)
+        path = None if "DASK_DISTMM" in os.environ else yaml_file(None, section)
         where = ("the environment variable DASK_DISTMM" if "DASK_DISTMM" in os.environ
                  else path and f"the dask YAML file {path}")
         raise ValueError(f"distmm configuration: 'distmm' must be a mapping of keys "
@@ -352,7 +371,7 @@ def _read(section) -> Config:
             suffix = _env_suffix(str(k))
             named = [v for v in ("DISTMM_" + suffix, "DASK_DISTMM__" + suffix) if v in os.environ]
             near = difflib.get_close_matches(str(k).replace("_", "-"), _PARSERS, n=1)
-            path = None if named else _yaml_file(str(k), section[k])
+            path = None if named else yaml_file(str(k), section[k])
             notes = ([f"the environment variable {named[0]}"] if named else []) + \
                 ([f"the dask YAML file {path}"] if path else []) + \
                 ([f"did you mean distmm.{near[0]}?"] if near else [])
@@ -369,7 +388,7 @@ def _read(section) -> Config:
             shown = "null" if raw is None else repr(raw)  # as YAML and dask's parser read it
             suffix = _env_suffix(key)
             path = (None if {"DISTMM_" + suffix, "DASK_DISTMM__" + suffix} & set(os.environ)
-                    else _yaml_file(key, raw))
+                    else yaml_file(key, raw))
             what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
             came = f"from the dask YAML file {path}; " if path else ""
             raise ConfigError(f"{what} ({came}{_where(key)})",

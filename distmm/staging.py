@@ -73,7 +73,8 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
            "reclaimable", "remove_leftover",
-           "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute"]
+           "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
+           "open_refusal"]
 
 PARTIAL = "distmm-partial"
 
@@ -338,19 +339,29 @@ def _check_zarr_path(path: Path, label: str) -> None:
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def _check_opens(path: Path, dataset: str) -> None:
-    """Open the existing HDF5 file ``path`` for reading and writing and close it unwritten,
-    as HDF5 will open it to copy ``dataset`` into it (``O_RDWR``), so that the kernel's own
-    answer refuses it now: ``os.access`` tells what the real user id may do, and gives root a
-    file that is append-only (``chattr +a``). ``PermissionError`` naming both where it is
-    refused; another error is raised as HDF5 would meet it."""
+def open_refusal(path, flags: int, refused=_REFUSED) -> OSError | None:
+    """Open the existing file ``path`` with ``flags`` (for writing) and close it unwritten:
+    the kernel's own answer to whether the command may write it so (``os.access`` tells what
+    the real user id may do, and gives root a file that is append-only, ``chattr +a``). The
+    error where it refuses (its errno in ``refused``), None where it opens; another error is
+    raised as the write would meet it."""
     try:
-        os.close(os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0)))
+        os.close(os.open(path, flags | getattr(os, "O_CLOEXEC", 0)))
     except OSError as exc:
-        if exc.errno not in _REFUSED:
+        if exc.errno not in refused:
             raise
+        return exc
+    return None
+
+
+def _check_opens(path: Path, dataset: str) -> None:
+    """Refuse the existing HDF5 file ``path`` where it cannot be opened for reading and
+    writing, as HDF5 will open it to copy ``dataset`` into it (``O_RDWR``: ``open_refusal``):
+    a ``PermissionError`` naming both."""
+    exc = open_refusal(path, os.O_RDWR)
+    if exc is not None:
         raise PermissionError(f"cannot add {dataset!r} to {path}: the file cannot be opened "
-                              f"for writing ({exc.strerror})") from None
+                              f"for writing ({exc.strerror})")
 
 
 #: statx's attributes that keep a file or folder from being renamed onto or removed (and

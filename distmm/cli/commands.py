@@ -216,7 +216,7 @@ def _config_lines() -> list[str]:
     import yaml
 
     import distmm.config
-    from distmm.config import KEYS, get_config
+    from distmm.config import KEYS, get_config, where_set
 
     now = get_config()  # a bad value or an unknown key: its one line
     shipped = Path(distmm.config.__file__).with_name("distmm.yaml")
@@ -230,29 +230,10 @@ def _config_lines() -> list[str]:
         if getattr(now, spellings[1]) == getattr(default, spellings[1]):
             continue
         value = next((section[k] for k in spellings if k in section), None)
-        where = _where_set(key, files)
+        where = where_set(key, files)
         lines.append(f"{key} = {value if isinstance(value, str) else json.dumps(value)}"
                      + (f" ({where})" if where else ""))
     return [f"{'' if i else 'config':12}{line}" for i, line in enumerate(lines or ["defaults"])]
-
-
-def _where_set(key: str, files=None) -> str | None:
-    """Where the configuration key ``key`` in force was set, where that can be told: a
-    ``DISTMM_``/``DASK_DISTMM__`` variable, which wins, else the last YAML file of dask's
-    config paths that sets it (``files``: ``dask.config.collect_yaml``'s, with their
-    paths); None otherwise (the defaults, ``dask.config.set``)."""
-    import dask.config
-
-    spellings = (key, key.replace("-", "_"))
-    suffix = spellings[1].upper()
-    short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
-    if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
-        return short if os.environ.get(short) == os.environ[full] else full
-    if files is None:
-        files = list(dask.config.collect_yaml(dask.config.paths, return_paths=True))
-    return next((str(path) for path, conf in reversed(files)
-                 if isinstance(conf.get("distmm"), dict)
-                 and any(k in conf["distmm"] for k in spellings)), None)
 
 
 def _matmul_engine(args) -> str:
@@ -307,7 +288,9 @@ def _connect(args, engine: str):
     ``_matmul_engine``'s."""
     if not (args.scheduler or args.scheduler_file):
         if engine == "dask":
-            where = _where_set("engine") if args.engine == "auto" else None
+            from distmm.config import where_set
+
+            where = where_set("engine") if args.engine == "auto" else None
             told = "--engine dask" if args.engine == "dask" else \
                 f"distmm.engine dask ({where or 'the configuration'})"
             raise ValueError(f"{told} runs on a Dask cluster: pass --scheduler ADDRESS or "

@@ -72,14 +72,11 @@ def check_file(path, writes: str | None = None) -> None:
         if fixed:
             raise PermissionError(errno.EPERM, f"cannot be replaced (it is {fixed})", str(path))
         return
-    flags = os.O_WRONLY | (os.O_APPEND if writes == "append" else 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        os.close(os.open(path, flags))
-    except OSError as exc:
-        if exc.errno not in REFUSED:
-            raise
-        raise PermissionError(exc.errno, f"cannot be written ({exc.strerror})",
-                              str(path)) from None
+    from distmm.staging import open_refusal
+
+    exc = open_refusal(path, os.O_WRONLY | (os.O_APPEND if writes == "append" else 0), REFUSED)
+    if exc is not None:
+        raise PermissionError(exc.errno, f"cannot be written ({exc.strerror})", str(path))
 
 
 def check_folder(probe, path) -> None:
