@@ -226,13 +226,19 @@ MPI_SCRIPT = textwrap.dedent("""
     from mpi4py import MPI
     import distmm
 
-    rank = MPI.COMM_WORLD.rank
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
     out = zarr.create_array(f"{sys.argv[1]}/o{rank}.zarr", shape=(64, 64), dtype="f8")
+    lines = []
     try:
         distmm.matmul(np.ones((64, 64)), np.ones((64, 64)), out=out, engine="mpi")
     except TypeError as exc:
-        print("REFUSED", rank, exc, flush=True)
-    print("UNTOUCHED" if out.nchunks_initialized == 0 else "WRITTEN", rank, flush=True)
+        lines.append(f"REFUSED {rank} {exc}")
+    lines.append(f"{'UNTOUCHED' if out.nchunks_initialized == 0 else 'WRITTEN'} {rank}")
+    gathered = comm.gather(lines, root=0)  # one writer: the ranks' lines never interleave
+    if rank == 0:
+        for line in (line for rank_lines in gathered for line in rank_lines):
+            print(line, flush=True)
 """)
 
 
