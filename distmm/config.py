@@ -24,6 +24,10 @@ Where a value comes from, lowest precedence first:
    ``-`` in a key are the same key);
 5. ``dask.config.set({"distmm.<key>": value})``.
 
+An empty value (``DISTMM_MEMORY_BUDGET=`` in a job script, ``""`` or blanks from any of these)
+is no setting, for every key: the key takes what the sources before it give (dask reads
+``DASK_X=`` as the string ``""``, which no key takes as a value).
+
 ``get_config`` reads the keys once per change of the ``distmm`` section, not
 once per call.
 """
@@ -47,7 +51,8 @@ from distmm.errors import ConfigError
 from distmm.plan import MAX_WORKERS, PRECISIONS
 
 __all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_available", "KEYS",
-           "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION", "where_set", "yaml_file"]
+           "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION", "where_set", "yaml_file",
+           "fallback"]
 
 _defaults = yaml.safe_load((Path(__file__).parent / "distmm.yaml").read_text())
 _given = dask.config.config.get("distmm")  # a YAML file's or DASK_DISTMM's, before the defaults
@@ -72,13 +77,19 @@ def _env_suffix(key: str) -> str:
     return key.upper().replace("-", "_")
 
 
+def _blank(value) -> bool:
+    """Whether a setting is empty (``DISTMM_X=``, ``""``): no setting."""
+    return isinstance(value, str) and not value.strip()
+
+
 def _feed_distmm_env(environ=os.environ) -> dict:
     """Copy each ``DISTMM_<KEY>`` to ``DASK_DISTMM__<KEY>`` (unless that is set)
     and into the live configuration, as dask does with its own variables when
     it is imported. Other ``DISTMM_*`` variables (``DISTMM_CACHE_DIR``...) are
     not configuration keys and are left alone, except one spelt almost as a key
     (``DISTMM_MEMORY_BUDGTE``), fed as well so that it fails as an unknown key
-    rather than being ignored. Returns what was fed."""
+    rather than being ignored. An empty one is no setting: not fed. Returns what was
+    fed."""
     fed = {}
     keys = {_env_suffix(key) for key in KEYS}
     for name in list(environ):
@@ -89,7 +100,7 @@ def _feed_distmm_env(environ=os.environ) -> dict:
         keys.add(suffix)
     for suffix in sorted(keys):
         short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
-        if short in environ and full not in environ:
+        if short in environ and full not in environ and not _blank(environ[short]):
             environ[full] = environ[short]
             fed[full] = environ[short]
     if fed:
@@ -135,8 +146,6 @@ class _Bad(Exception):
 
 
 def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
-    if isinstance(value, str) and not value.strip():
-        value = None  # an empty setting (`DISTMM_DEVICE_MEMORY_LIMIT=`) is no setting, not 1 byte
     if value is None:
         if allow_none:
             return None
@@ -352,9 +361,33 @@ def where_set(key: str, files=None) -> str | None:
     ``dask.config.set``)."""
     suffix = _env_suffix(key)
     short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
-    if full in os.environ:  # distmm copies DISTMM_X to DASK_DISTMM__X unless that is set
-        return short if os.environ.get(short) == os.environ[full] else full
+    if not _blank(os.environ.get(full, "")):  # distmm copies DISTMM_X to DASK_DISTMM__X
+        return short if os.environ.get(short) == os.environ[full] else full  # unless set
+    if not _blank(os.environ.get(short, "")):  # beneath an empty DASK_DISTMM__X
+        return short
     return yaml_file(key, files=files)
+
+
+def fallback(key: str):
+    """The value of ``key`` where the one in force is empty (no setting): the first of a
+    ``DASK_DISTMM__``/``DISTMM_`` variable, the last of dask's YAML files and distmm.yaml's
+    default that sets it to something."""
+    suffix = _env_suffix(key)
+    for name in ("DASK_DISTMM__" + suffix, "DISTMM_" + suffix):
+        if not _blank(os.environ.get(name, "")):  # as dask reads it
+            section = dask.config.collect_env({"DASK_DISTMM__" + suffix: os.environ[name]})
+            return next(iter(section["distmm"].values()))
+    try:
+        files = list(dask.config.collect_yaml(dask.config.paths))
+    except Exception:  # noqa: BLE001 - dask read them when it loaded the configuration
+        files = []
+    for conf in reversed(files):
+        section = conf.get("distmm") if isinstance(conf, dict) else None
+        if isinstance(section, dict):
+            for k in (key, key.replace("-", "_")):
+                if k in section and not _blank(section[k]):
+                    return section[k]
+    return _defaults["distmm"][key]
 
 
 def _read(section) -> Config:
@@ -382,12 +415,15 @@ def _read(section) -> Config:
     for key, (field, parse) in _PARSERS.items():
         # either spelling, as dask.config.get finds it ('-' first, then '_')
         raw = section.get(key, section.get(key.replace("-", "_")))
+        if _blank(raw):  # no setting: what the sources before it give
+            raw = fallback(key)
         try:
             values[field] = parse(raw)
         except _Bad as e:
             shown = "null" if raw is None else repr(raw)  # as YAML and dask's parser read it
             suffix = _env_suffix(key)
-            path = (None if {"DISTMM_" + suffix, "DASK_DISTMM__" + suffix} & set(os.environ)
+            path = (None if any(not _blank(os.environ.get(v, ""))
+                                for v in ("DISTMM_" + suffix, "DASK_DISTMM__" + suffix))
                     else yaml_file(key, raw))
             what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
             came = f"from the dask YAML file {path}; " if path else ""

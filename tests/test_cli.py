@@ -49,6 +49,15 @@ def test_hosts_goes_with_ranks_and_is_at_most_their_count():
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+def test_plan_ranks_takes_the_configured_backend_as_the_job_does(tmp_path):
+    """``distmm plan --ranks`` planned CPU ranks under ``DISTMM_BACKEND=raw``, where
+    ``mpirun distmm matmul`` takes the configured backend (GPU ranks); ``--backend`` wins."""
+    env = {**_no_settings(tmp_path), "DISTMM_BACKEND": "raw"}
+    for argv, ranks in (([], "GPU ranks"), (["--backend", "numba"], "CPU ranks")):
+        r = run_cli("plan", 512, 512, 512, "--ranks", 2, *argv, env=env)
+        assert r.returncode == 0 and f"on 1 host, {ranks}" in r.stdout, (r.stdout, r.stderr)
+
+
 def _no_settings(home: Path) -> dict:
     """An environment without distmm settings: no DISTMM_/DASK_DISTMM__ variable, no
     DASK_CONFIG, and a HOME without ~/.config/dask."""

@@ -180,7 +180,6 @@ def test_a_bad_value_is_one_value_error_naming_the_key(key, value, words):
     ("direct-writes", "maybe", "true or false is needed"),
     ("tile", [64, 64, -1], "three positive integers [tm, tn, tk] are needed"),
     # dask's parsers raised these bare: IndexError, AttributeError, OverflowError
-    ("retry-timeout", "", "a duration is needed (seconds or a string such as '60s')"),
     ("device-keep", [1, 2], "a duration is needed (seconds or a string such as '60s')"),
     ("mpi-join-timeout", {"a": 1}, "a duration is needed (seconds or a string such as '60s')"),
     ("mpi-join-warning", "1e400", "must be a positive, finite duration"),
@@ -250,7 +249,12 @@ def _probe_ok(tmp_path, env_extra: dict, yaml_text: str | None = None) -> dict:
     ({"DISTMM_MEMORY_BUDGET": "5MiB"}, "distmm:\n  memory-budget: 7MiB\n", 5 * MiB),
     ({"DISTMM_MEMORY_BUDGET": "5MiB", "DASK_DISTMM__MEMORY_BUDGET": "3MiB"},
      "distmm:\n  memory-budget: 7MiB\n", 3 * MiB),
-], ids=["dask-env", "distmm-env", "yaml", "distmm-env-over-yaml", "dask-env-over-distmm-env"])
+    # an empty variable is no setting (it was refused: 'a size is needed'), whichever form
+    ({"DISTMM_MEMORY_BUDGET": ""}, "distmm:\n  memory-budget: 7MiB\n", 7 * MiB),
+    ({"DASK_DISTMM__MEMORY_BUDGET": " "}, "distmm:\n  memory-budget: 7MiB\n", 7 * MiB),
+    ({"DISTMM_MEMORY_BUDGET": "5MiB", "DASK_DISTMM__MEMORY_BUDGET": ""}, None, 5 * MiB),
+], ids=["dask-env", "distmm-env", "yaml", "distmm-env-over-yaml", "dask-env-over-distmm-env",
+        "empty-distmm-env", "empty-dask-env", "empty-dask-env-over-distmm-env"])
 def test_environment_and_yaml(tmp_path, env, yaml_text, budget):
     out = _probe_ok(tmp_path, env, yaml_text)
     assert out["budget"] == budget and out["from"] == "config"
@@ -258,6 +262,28 @@ def test_environment_and_yaml(tmp_path, env, yaml_text, budget):
     assert out["after_refresh"] == budget
     if yaml_text and "tile" in yaml_text:
         assert out["tile"] == [64, 64, 32] and out["retry"] == 90.0
+
+
+@pytest.mark.slow  # two commands, ~4 s
+def test_empty_variables_are_no_settings_at_the_command_line(tmp_path):
+    """``DISTMM_<KEY>=`` for every key (an exported, empty variable in a job script) is as
+    if none were set: the product runs with the defaults (``DISTMM_MEMORY_BUDGET=`` was
+    refused, status 2), and a YAML file's setting stays in force (an empty
+    ``DISTMM_DEVICE_MEMORY_LIMIT`` had replaced it with null)."""
+    res = _cli_with(tmp_path, **{f"DISTMM_{k.upper().replace('-', '_')}": "" for k in KEYS})
+    assert res.returncode == 0, res.stderr
+    assert np.array_equal(np.load(tmp_path / "c.npy"), np.full((3, 3), 3.0))
+    yaml_file = tmp_path / "dask-config" / "distmm.yaml"
+    yaml_file.write_text("distmm:\n  device-memory-limit: 1GiB\n")
+    clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM", "DISTMM_"))}
+    info = run_cli("info", cwd=tmp_path, timeout=120,
+                   env={**clean, "DASK_CONFIG": str(yaml_file.parent),
+                        "DISTMM_DEVICE_MEMORY_LIMIT": "", "DISTMM_MEMORY_BUDGET": "",
+                        "DASK_DISTMM__DEVICE_MEMORY_LIMIT": "",  # info showed it empty
+                        "DISTMM_BATCH_STRIPES": " "})
+    assert info.returncode == 0, info.stderr
+    assert [x for x in info.stdout.splitlines() if x.startswith("config")] == [
+        f"config      device-memory-limit = 1GiB ({yaml_file})"], info.stdout
 
 
 def test_other_distmm_variables_are_not_keys(tmp_path):
@@ -280,10 +306,10 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
     ({"DISTMM_MEMORY_BUDGTE": "1GiB"},
      ["unknown key 'distmm.memory_budgte'", "DISTMM_MEMORY_BUDGTE",
       "did you mean distmm.memory-budget?"]),
-    # an empty duration ended in 'error: IndexError: string index out of range', status 1
-    ({"DISTMM_RETRY_TIMEOUT": ""},
-     ["distmm.retry-timeout = '' is not valid: a duration is needed"]),
-], ids=["misspelt-shorthand", "empty-duration"])
+    # a blank duration ended in 'error: IndexError: string index out of range', status 1
+    ({"DISTMM_RETRY_TIMEOUT": "x"},
+     ["distmm.retry-timeout = 'x' is not valid: not a duration"]),
+], ids=["misspelt-shorthand", "bad-duration"])
 def test_a_bad_environment_setting_is_one_line_and_status_2(tmp_path, env, words):
     clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM__", "DISTMM_"))}
     res = run_cli("plan", 64, 64, 64, env={**clean, "DASK_CONFIG": None, **env}, timeout=120,
@@ -358,8 +384,8 @@ def test_gpu_budget_without_a_gpu_falls_back_to_the_host():
     # a GPU backend asked for on a machine without cupy fails in the executor, with its
     # install hint, not in the memory budget; with cupy and a device this is the GPU's share
     try:
-        import cupy  # noqa: F401
-        pytest.skip("cupy is installed: the GPU's own budget applies")
+        import cupy
+        pytest.skip(f"cupy {cupy.__version__} is installed: the GPU's own budget applies")
     except ImportError:
         pass
     # the host's available memory moves between two reads (other processes), so allow a
@@ -372,16 +398,17 @@ def test_gpu_budget_without_a_gpu_falls_back_to_the_host():
         distmm.matmul(np.ones((4, 4)), np.ones((4, 4)), backend="raw")
 
 
-def test_an_empty_size_setting_is_no_setting():
-    """``DISTMM_DEVICE_MEMORY_LIMIT=`` in a script means unset, not a limit of one byte (which
-    made every streamed product refuse to plan); a size that must be given still fails."""
-    with dask.config.set({"distmm.device-memory-limit": ""}):
-        assert get_config().device_memory_limit is None
-    with dask.config.set({"distmm.device-memory-limit": "  "}):
-        assert get_config().device_memory_limit is None
-    with dask.config.set({"distmm.pinned-pool": ""}):
-        with pytest.raises(ValueError, match="pinned-pool"):
-            get_config()
+@pytest.mark.parametrize("key", KEYS)
+def test_an_empty_setting_is_no_setting(key):
+    """An empty value of any key is no setting: the key keeps what it had without it
+    (``DISTMM_DEVICE_MEMORY_LIMIT=`` had been a limit of one byte; ``memory-budget``,
+    ``pinned-pool``, durations, names, numbers and ``direct-writes`` refused it, while
+    ``device-memory-limit`` and ``progress`` took it as null over a YAML file's value)."""
+    field = key.replace("-", "_")
+    unset = getattr(config_mod._read(config_mod._defaults["distmm"]), field)
+    for blank in ("", "  "):
+        with dask.config.set({f"distmm.{key}": blank}):
+            assert getattr(get_config(), field) == unset
 
 
 # ---------------------------------------------------------------- bad values, three ways

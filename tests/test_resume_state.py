@@ -920,3 +920,146 @@ def test_a_resume_whose_own_plan_the_budget_refuses_takes_kept_stripes_that_fit(
                        env={**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "2",
                             "DISTMM_MEMORY_BUDGET": "512KiB"})
     _resumed_kept_stripes(tmp_path, r, a, b, 16, done)
+
+
+def test_an_integer_products_cpu_backend_is_compared_by_its_bits(tmp_path):
+    """An integer product's CPU backends give C the same bits (wrapping sums, in any order):
+    a stopped run's resolved backend (``numba``, or ``auto``: numpy's loop, then the kernels)
+    and another now are no change; a floating product's, or a GPU's, still are."""
+    np.save(tmp_path / "a.npy", np.ones((3, 4)))
+    a = np.load(tmp_path / "a.npy")
+    spec = str(tmp_path / "a.npy")
+    for dtype in ("int64", "int32", "uint8", "bool"):
+        for was, now in (("numba", "auto"), ("auto", "numba"), ("blas", "auto"),
+                         ("numba", "blas")):
+            assert rs.mismatch(_manifest(spec, a, dtype=dtype, backend=was),
+                               _manifest(spec, a, dtype=dtype, backend=now)) is None
+    for dtype, was, now in (("float64", "numba", "blas"), ("float32", "auto", "numba"),
+                            ("complex128", "numba", "blas"), ("int64", "raw", "auto"),
+                            ("int64", "numba", "cublas")):
+        why = rs.mismatch(_manifest(spec, a, dtype=dtype, backend=was),
+                          _manifest(spec, a, dtype=dtype, backend=now))
+        assert why == f"the backend changed ({was} then, {now} now)", why
+    # another result dtype is said as such, whatever the backends
+    why = rs.mismatch(_manifest(spec, a, dtype="int64", backend="numba"),
+                      _manifest(spec, a, dtype="int32", backend="auto"))
+    assert why == "the result dtype changed (int64 then, int32 now)", why
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~6 s (one rank), ~8 s (two)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_integer_run_stopped_under_numba_resumes_under_auto(tmp_path, mpiexec, mpi_env,
+                                                              ranks):
+    """A small int64 product (``auto`` resolves to numpy's loop, then the kernels), stopped
+    under ``--backend numba`` and resumed without it: refused before ('the backend changed
+    (numba then, auto now)'); now it computes the missing stripes and C is numpy's, bit for
+    bit. The same float64 run resumed so is refused (BLAS sums in another order)."""
+    rng = np.random.default_rng()
+    a = rng.integers(-2**40, 2**40, size=(301, 67))
+    b = rng.integers(-2**40, 2**40, size=(67, 53))  # products wrap: every bit counts
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--resume"]
+    if ranks > 1:
+        line = [mpiexec, "-n", str(ranks), "--oversubscribe", *line]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "6"}
+    stop_after_logged([*line, "--backend", "numba"], tmp_path, env, 2 * ranks)
+    [manifest] = tmp_path.glob(".c.npy.distmm-partial-*.resume.json")
+    assert json.loads(manifest.read_text())["backend"] == "numba"
+    r = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert np.load(tmp_path / "c.npy").tobytes() == (a @ b).tobytes()
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+    if ranks > 1:
+        return
+    np.save(tmp_path / "a.npy", a.astype(np.float64))
+    np.save(tmp_path / "b.npy", b.astype(np.float64))
+    stop_after_logged([*line, "--backend", "numba", "--overwrite"], tmp_path, env, 2)
+    [staged] = [p for p in tmp_path.glob(".c.npy.distmm-partial-*")
+                if re.fullmatch(r".*-partial-\d+", p.name)]
+    r = subprocess.run([*line, "--overwrite"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"distmm matmul: error: cannot resume c.npy from {staged.name}: the backend changed "
+        f"(numba then, blas now); run without --resume to start over (that removes it)"]
+
+
+_COUNT_PLANS = """
+import sys
+import distmm.plan_batch as pb
+plan = pb.plan_batch
+def counted(*args, **kwargs):  # each plan of a stopped run's grid, one line
+    if kwargs.get("grid") is not None:
+        with open(sys.argv[1], "a") as fh:
+            fh.write(f"{kwargs['grid']} {kwargs.get('budget')}\\n")
+    return plan(*args, **kwargs)
+pb.plan_batch = counted
+from distmm.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~3 s
+def test_a_resume_plans_the_kept_stripes_once(tmp_path, mpi_env):
+    """A resume whose kept stripes are another plan's (batch-stripes changed) plans them once
+    (three times before: to compare them, and twice more to check them against the budget),
+    and one refused for another backend, whose kept stripes are this run's own, not at all
+    (once before)."""
+    a, b = _saved_operands(tmp_path, 301, 67, 53)
+    line = ["matmul", "a.npy", "b.npy", "-o", "c.npy", "--resume"]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "8"}
+    stop_after_logged([sys.executable, "-m", "distmm", *line, "--backend", "numba"], tmp_path,
+                      env, 2)
+    counts = tmp_path.parent / f"{tmp_path.name}-plans"
+
+    def resumed(*extra, **more):
+        counts.write_text("")
+        r = subprocess.run([sys.executable, "-c", _COUNT_PLANS, str(counts), *line, *extra],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**env, **more})
+        return r, counts.read_text().splitlines()
+
+    r, plans = resumed()
+    assert r.returncode == 2 and "the backend changed (numba then, blas now)" in r.stderr, \
+        r.stderr
+    assert plans == []
+    r, plans = resumed("--backend", "numba", DISTMM_BATCH_STRIPES="4")
+    assert r.returncode == 0, r.stderr
+    assert plans == ["(1, 1) None"]
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~7 s: numba's kernels load
+def test_the_configured_backend_is_the_batch_runs(tmp_path, mpi_env):
+    """``distmm.backend`` (``DISTMM_BACKEND``) decides the batch product's backend, as it
+    does ``distmm.matmul``'s: it was ignored (a run under ``DISTMM_BACKEND=numba`` kept a
+    manifest of ``blas``, and ``DISTMM_BACKEND=raw`` ran on the CPU where there is no GPU)."""
+    from conftest import gpu_available
+
+    a, b = _saved_operands(tmp_path, 301, 67, 53)
+    line = [sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy",
+            "--resume"]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "8",
+           "DISTMM_BACKEND": "numba"}
+    stop_after_logged(line, tmp_path, env, 2)
+    [manifest] = tmp_path.glob(".c.npy.distmm-partial-*.resume.json")
+    assert json.loads(manifest.read_text())["backend"] == "numba"
+    r = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    if gpu_available():
+        return
+    r = subprocess.run([*line, "--overwrite"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={**env, "DISTMM_BACKEND": "raw"})
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "distmm matmul: error: distmm.backend raw (DISTMM_BACKEND) needs a CUDA GPU and cupy "
+        "on every rank; this rank has none (use --backend numba or blas)"], r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]

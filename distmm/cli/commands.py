@@ -113,7 +113,8 @@ def _batch_setup(args, result) -> list[str]:
     if hosts > args.ranks:
         raise ValueError(f"--hosts {hosts} is more hosts than --ranks {args.ranks}")
     config = get_config()
-    _, on_gpu = resolve_backend(args.backend, result, family="numpy",
+    backend = config.backend if args.backend == "auto" else args.backend  # as the job takes it
+    _, on_gpu = resolve_backend(backend, result, family="numpy",
                                 flops=2 * args.m * args.n * args.k)
     memory = config.device_memory_limit if on_gpu else None
     if on_gpu and gpu_available():  # the batch path's own measure, of this GPU
@@ -216,7 +217,7 @@ def _config_lines() -> list[str]:
     import yaml
 
     import distmm.config
-    from distmm.config import KEYS, get_config, where_set
+    from distmm.config import KEYS, fallback, get_config, where_set
 
     now = get_config()  # a bad value or an unknown key: its one line
     shipped = Path(distmm.config.__file__).with_name("distmm.yaml")
@@ -230,6 +231,8 @@ def _config_lines() -> list[str]:
         if getattr(now, spellings[1]) == getattr(default, spellings[1]):
             continue
         value = next((section[k] for k in spellings if k in section), None)
+        if isinstance(value, str) and not value.strip():  # an empty setting is none
+            value = fallback(key)
         where = where_set(key, files)
         lines.append(f"{key} = {value if isinstance(value, str) else json.dumps(value)}"
                      + (f" ({where})" if where else ""))

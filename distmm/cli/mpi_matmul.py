@@ -52,6 +52,7 @@ def run_matmul(args) -> int:
     from distmm.executor import gpu_available, resolve_backend
     from distmm.executor.warmup import map_blas_buffer
     from distmm.api import resolve_precision
+    from distmm.config import get_config, where_set
     from distmm.stripe_writer import check_dtype
 
     comm = MPI.COMM_WORLD
@@ -86,10 +87,16 @@ def run_matmul(args) -> int:
         shape = result_shape(a, b)
         m, k, n = (a.shape[0], a.shape[1], b.shape[1]) if two_d else (0, 0, 0)
         flops = 2 * int(np.prod(shape)) * a.shape[-1]
-        backend, on_gpu = resolve_backend(args.backend, dtype, family="numpy", flops=flops)
+        requested = args.backend
+        if requested == "auto":  # the configured distmm.backend, as distmm.matmul takes it
+            requested = get_config().backend
+        backend, on_gpu = resolve_backend(requested, dtype, family="numpy", flops=flops)
         if on_gpu and not gpu_available():
-            raise BackendUnavailable(f"backend {backend!r} needs a CUDA GPU and cupy on every "
-                                     f"rank; this rank has none (use --backend auto)")
+            where = where_set("backend") or "the configuration"
+            told, hint = ((f"backend {backend!r}", "--backend auto") if args.backend != "auto"
+                          else (f"distmm.backend {backend} ({where})", "--backend numba or blas"))
+            raise BackendUnavailable(f"{told} needs a CUDA GPU and cupy on every rank; this "
+                                     f"rank has none (use {hint})")
         if comm.rank == 0:  # before any work, stacks and vectors too
             check_target(target, args.overwrite)
             check_space(target, int(np.prod(shape)) * dtype.itemsize)

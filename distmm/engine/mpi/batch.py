@@ -135,7 +135,7 @@ def _prepare(args, a, b, dtype, backend, comm, plan, panels, chunks, precision="
     and claimed, or until ``stop`` raises (``StopWatch.check``: a signal). ``blas``: each
     rank's ``_product_facts`` (its GPU's, or its BLAS's), kept in the manifest.
     ``replan(grid, stripe_edges, budget)``: the plan and k panels with a stopped run's grid
-    and stripes (``budget``: refused with a ``MemoryError`` where they hold more than the
+    and stripes (``budget``: instead, a ``MemoryError`` where they hold more than the
     memory-budget), which a resume takes on where they fit and nothing else changed (the
     budget or batch-stripes did); ``refused``: the budget's refusal of this run's own plan
     (then planned without it), said unless the kept stripes fit."""
@@ -181,7 +181,12 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
                     if old is None:
                         continue
                     what = rs.mismatch(old, want)
-                    if replan is not None and (what is not None or refused is not None):
+                    # kept stripes of another plan: taken on where only they differ (the
+                    # same grid and stripes as this run's plan: nothing to plan again)
+                    other = [old.get("grid"), old.get("stripe_edges")] != [
+                        want["grid"], want["stripe_edges"]]
+                    if replan is not None and ((other and what is not None)
+                                               or refused is not None):
                         what, kept = _kept_stripes(args, staged, old, what, replan,
                                                    lambda p, ks: _manifest(
                                                        args, a, b, dtype, backend, comm, p, ks,
@@ -325,11 +330,14 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
 
             def replan(grid, edges, budget: bool):
                 """The plan with a stopped run's grid and kept stripes, and its k panels;
-                ``budget``: refused (``MemoryError``) where they hold more than the budget."""
+                ``budget``: only whether they fit the budget (``MemoryError`` where they hold
+                more), planned once more where one is given."""
+                if budget:
+                    if facts["budget"] is not None:
+                        decide_batch(m, n, k, dtype, **facts, grid=grid, stripe_edges=edges)
+                    return None
                 kept = decide_batch(m, n, k, dtype, **{**facts, "budget": None}, grid=grid,
                                     stripe_edges=edges)
-                if budget:
-                    decide_batch(m, n, k, dtype, **facts, grid=grid, stripe_edges=edges)
                 return kept.plan, k_panels(kept.plan, on_gpu=on_gpu, direct=direct)
             with phases.phase("open"):
                 setup, setup_error = None, None

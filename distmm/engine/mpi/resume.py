@@ -3,10 +3,12 @@
 This module covers: the manifest of a resumable run (``STAGED.resume.json`` beside the staged
 output ``.NAME.distmm-partial-PID``: the arguments, each input's shape, dtype, size,
 modification time, inode number and status-change time, and those of the other files an HDF5
-input's data lies in (external links, virtual datasets), the result dtype, the rank count, the
-grid, its stripes and the k panels each stripe is summed over (so a rerun that would add in
-another order is refused), each rank's GPU (``gpu_facts``: its model and cuBLAS, and the kernel
-and parameters distmm's own kernels run with, which ``distmm tune`` may change) or BLAS where
+input's data lies in (external links, virtual datasets), the result dtype, the backend as
+resolved (compared except between the CPU backends of an integer product, whose bits they do
+not change), the rank count, the grid, its stripes and the k panels each stripe is summed
+over (so a rerun that would add in another order is refused), each rank's GPU (``gpu_facts``:
+its model and cuBLAS, and the kernel and parameters distmm's own kernels run with, which
+``distmm tune`` may change) or BLAS where
 its products go through numpy's (``blas_facts``: the library, the kernel it chose for the
 CPU and its threads), which decide the order of a product's sums, the staged output's name and data offset), the per-rank logs of
 finished stripes (``STAGED.done-RANK``: one stripe index per line, appended and flushed to
@@ -511,6 +513,8 @@ def mismatch(old: dict, new: dict) -> str | None:
     for key, label in (("dtype", "result dtype"), ("backend", "backend"),
                        ("ranks", "rank count"), ("grid", "process grid"),
                        ("stripe_edges", "stripes"), ("panels", "k panels of a stripe's sum")):
+        if key == "backend" and _same_bits(old, new):
+            continue
         if old.get(key) != new.get(key):
             if key in ("stripe_edges", "panels"):  # lists of edges: said as counts
                 was, now = _count(old.get(key)), _count(new.get(key))
@@ -525,6 +529,25 @@ def mismatch(old: dict, new: dict) -> str | None:
     if "blas" in old:  # (a manifest written before blas= existed: not compared)
         return _blas_mismatch(old["blas"], new.get("blas"))
     return None
+
+
+#: the CPU backends a manifest records (``resolve_backend``'s: ``"auto"`` is the CPU executor's
+#: choice for an integer product, never a GPU's)
+_CPU_BACKENDS = ("auto", "numba", "blas")
+
+
+def _same_bits(old: dict, new: dict) -> bool:
+    """Whether two runs' backends give C the same bits though they differ: an integer (or
+    boolean) product on the CPU, whose wrapping sums are the same in any order, on numpy's loop
+    or distmm's kernels (``"auto"`` takes either as the process goes)."""
+    import numpy as np
+
+    try:
+        exact = np.dtype(new.get("dtype")).kind in "biu"
+    except TypeError:
+        return False
+    return (exact and old.get("dtype") == new.get("dtype")
+            and old.get("backend") in _CPU_BACKENDS and new.get("backend") in _CPU_BACKENDS)
 
 
 def _blas_mismatch(old, new) -> str | None:
