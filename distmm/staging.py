@@ -42,7 +42,8 @@ what remains is a race with another process filling the disk during the copy.
   file would go, a zarr group, a folder that is no zarr array, an HDF5 group, an HDF5
   dataset path through a dataset or into another file, an existing HDF5 file that cannot be
   opened for writing; with ``overwrite``, a ``.npy`` file or zarr folder that is immutable or
-  append-only: ``fixed_attribute``),
+  append-only: ``fixed_attribute``, or a zarr folder holding what cannot be removed:
+  ``unremovable``),
   for the command line and ``DistArray.to_file`` alike; ``h5_held``: the one line for an
   HDF5 file, operand or target, that HDF5 would not open because another process writes it.
 
@@ -74,7 +75,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "preparing",
            "reclaimable", "remove_leftover",
            "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
-           "open_refusal"]
+           "unremovable", "open_refusal"]
 
 PARTIAL = "distmm-partial"
 
@@ -134,7 +135,9 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
     output, as writing into it would have kept them (a new target keeps the
     umask's). A folder cannot be renamed onto another: the old one is moved
     aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
-    if the new one cannot take its place, the old one is moved back.
+    if the new one cannot take its place, the old one is moved back. An old folder that
+    could not be removed (``unremovable``) is refused before it is moved: ``PermissionError``,
+    the target untouched.
     Without ``overwrite`` a target that appeared while the run computed (another
     run's) is kept and ``OutputExists`` raised (``_rename_new``). The staged output is
     flushed to disk before the rename and the folder that names ``target`` after it
@@ -154,6 +157,9 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
         os.chmod(staged, mode)
     _synced_before(staged)
     if mode is not None and staged.is_dir():
+        kept = unremovable(target)  # (checked before the run too: check_target)
+        if kept:
+            raise PermissionError(f"cannot replace {target}: {kept}")
         old = target.parent / f".{target.name}.distmm-old-{os.getpid() if pid is None else pid}"
         os.replace(target, old)
         try:
@@ -162,7 +168,10 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
             os.replace(old, target)  # the old target back under its name
             raise
         fsync_paths([target.parent])
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():  # a link to a folder is replaced, as a .npy file's link is
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, target)
         fsync_paths([target.parent])
@@ -299,7 +308,36 @@ def check_target(t, overwrite: bool) -> bool:
     if fixed:
         raise PermissionError(f"cannot replace {label}: it is {fixed} (chattr), which keeps "
                               f"every process, root's too, from replacing it")
+    kept = unremovable(p) if t.kind == "zarr" else None
+    if kept:
+        raise PermissionError(f"cannot replace {label}: {kept}")
     return True
+
+
+def unremovable(folder) -> str | None:
+    """Why the folder ``folder`` (a zarr array to be replaced) could not be removed once the
+    new one is in its place, or None where all of it can be: a file or folder in it, links not
+    followed, that is immutable or append-only (``fixed_attribute``), or a folder of it this
+    process may not list or remove names from (None for a link: only the link is removed).
+    ``put_in_place`` moves the old folder aside and removes it after the rename; one it could
+    not remove would be left beside the target."""
+    folder = Path(folder)
+    if folder.is_symlink():  # the link is removed, not what it names
+        return None
+    failed: list[OSError] = []
+    for root, dirs, files in os.walk(folder, onerror=failed.append):
+        here = Path(root)
+        if not os.access(here, os.W_OK | os.X_OK):
+            return f"{here} may not be written (permission), so the files in it cannot be removed"
+        for name in (*dirs, *files):
+            fixed = fixed_attribute(here / name)
+            if fixed:
+                return (f"{here / name} in it is {fixed} (chattr), which keeps every process, "
+                        f"root's too, from removing it")
+    if failed:
+        exc = failed[0]
+        return f"{exc.filename} cannot be listed ({exc.strerror}), so it cannot be removed"
+    return None
 
 
 def _check_zarr_path(path: Path, label: str) -> None:

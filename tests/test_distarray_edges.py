@@ -326,3 +326,85 @@ def test_from_array_refused_by_one_rank_uncaught_ends_the_job(tmp_path, mpirun):
     assert r.returncode != 0 and "WENT ON" not in r.stdout, r.stdout + r.stderr[-3000:]
     line = "ValueError: DistArray needs a 2-D array, got shape (3,)"
     assert r.stderr.count(line) == 3, r.stderr[-3000:]
+
+
+MAPPED = r'''
+import os, sys
+import numpy as np
+from mpi4py import MPI
+from distmm import DistArray
+from distmm.grid import BlockLayout
+
+comm = MPI.COMM_WORLD
+P, rank = comm.size, comm.rank
+tmp = sys.argv[1]
+x = comm.bcast(np.random.default_rng().random((2 * P + 3, 5)) if rank == 0 else None)
+plain = x.copy()
+lines = []
+
+
+def same(what, d, want):
+    got = d.gather(None)
+    good = got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD %r vs %r' % (got, want)}")
+
+
+kept = []
+for how in ("open_memmap", "np.load", "asarray"):
+    for grid in ("rows", "default"):
+        path = f"{tmp}/x-{how}-{grid}.npy"
+        if rank == 0:
+            m = np.lib.format.open_memmap(path, mode="w+", dtype=x.dtype, shape=x.shape)
+            m[...] = x
+            m.flush()
+            del m
+        comm.Barrier()
+        mapped = (np.lib.format.open_memmap(path, mode="r") if how == "open_memmap" else
+                  np.load(path, mmap_mode="r") if how == "np.load" else
+                  np.asarray(np.load(path, mmap_mode="r")))  # a plain view of a memmap
+        layout = BlockLayout.grid(x.shape, P, 1) if grid == "rows" else None  # whole rows
+        kept.append((f"{how} {grid}", path, DistArray.from_array(mapped, layout=layout), mapped))
+# the files rewritten: the DistArrays keep the values they were given
+comm.Barrier()
+if rank == 0:
+    for _, path, _, _ in kept:
+        m = np.lib.format.open_memmap(path, mode="r+")
+        m[...] = -1.0
+        m.flush()
+        del m
+comm.Barrier()
+for what, _, d, _ in kept:
+    same(f"{what}: file rewritten", d, x)
+for mine in comm.gather(lines) or []:  # before a rank that dies below takes them with it
+    print("\n".join(mine), flush=True)
+lines = []
+# then truncated: a block still mapped would end the rank with SIGBUS
+comm.Barrier()
+if rank == 0:
+    for _, path, _, _ in kept:
+        os.truncate(path, 0)
+comm.Barrier()
+for what, _, d, _ in kept:
+    same(f"{what}: file truncated", d, x)
+# a block of an array in memory may share its memory, as np.asarray's result does
+d = DistArray.from_array(plain, layout=BlockLayout.grid(x.shape, P, 1))
+same("in memory", d, x)
+for mine in comm.gather(lines) or []:
+    print("\n".join(mine), flush=True)
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_from_array_of_a_memmap_reads_its_blocks(ranks, tmp_path, mpirun):
+    """``from_array`` of a memmap of a ``.npy`` file (``open_memmap``, ``np.load(mmap_mode=)``,
+    a plain ndarray view of one) whose blocks are whole rows kept views into the mapped file:
+    the file written again changed the DistArray, and truncated ended the rank with SIGBUS.
+    Now its blocks are read into memory, as ``from_file`` reads them: both leave it as given."""
+    script = tmp_path / "mapped.py"
+    script.write_text(MAPPED)
+    r = mpirun(ranks, script, tmp_path, timeout=90)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    bad = [line for line in lines if not line.endswith(": ok")]
+    assert len(lines) == 13 * ranks and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -508,3 +508,97 @@ def test_check_target_refuses_a_zarr_target_inside_a_zarr_array(tmp_path):
                 check_target(parse_target(str(tmp_path / out)), True)
         for out in (f"g{fmt}.zarr/y", f"a{fmt}.zarr", f"plain{fmt}.zarr"):
             assert check_target(parse_target(str(tmp_path / out)), True) is (out == f"a{fmt}.zarr")
+
+
+@pytest.fixture
+def chattr(tmp_path):
+    """``chattr(path, "i")``: a file or folder made immutable (or "a", append-only), both
+    attributes taken off everything under ``tmp_path`` at the end (a marked file a run moved
+    included). Skipped where chattr or the file system does not take it (not root, a file
+    system without attributes)."""
+    made = []
+
+    def set_attribute(path, flag):
+        try:
+            r = subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip("no chattr here")
+        if r.returncode != 0:
+            pytest.skip(f"chattr +{flag} refused here: {r.stderr.strip()}")
+        made.append((path, flag))
+
+    yield set_attribute
+    if made:
+        subprocess.run(["chattr", "-R", "-i", "-a", str(tmp_path)], capture_output=True)
+
+
+def _tree(path):
+    """Every file under ``path`` by its name there, with its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("inside, flag, fixed", [("c/0/0", "i", "immutable"),
+                                                 ("c/0", "a", "append-only")])
+def test_a_zarr_target_holding_what_cannot_be_removed_is_refused_before_any_work(
+        tmp_path, chattr, inside, flag, fixed):
+    """--overwrite of a zarr array with an immutable chunk file (or an append-only chunk
+    folder) in it: the new array took its place, the old one's removal failed and
+    ``.c.zarr.distmm-old-PID`` was left beside it. Now refused before any work, in one line
+    naming the target and what in it is fixed; the target as it was, nothing beside it."""
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.random((7, 5)))
+    np.save(tmp_path / "b.npy", rng.random((5, 9)))
+    c = tmp_path / "c.zarr"
+    zarr.open_array(str(c), mode="w", shape=(3, 3), chunks=(3, 3), dtype="f8",
+                    zarr_format=3)[...] = rng.random((3, 3))
+    before = _tree(c)
+    chattr(c / inside, flag)
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", c, "--engine", "local",
+                "--overwrite")
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (f"cannot replace {c}: {c / inside} in it is {fixed} (chattr), which keeps every "
+            f"process, root's too, from removing it") in r.stderr
+    assert _tree(c) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.zarr"]
+
+
+def test_put_in_place_keeps_a_zarr_target_it_could_not_remove(tmp_path, chattr):
+    """A chunk file made immutable while the run computed (after ``check_target``): the old
+    folder was moved aside, the new one renamed in, and the old one left half removed as
+    ``.c.zarr.distmm-old-PID``. Now ``put_in_place`` refuses before moving it
+    (PermissionError), the target as it was, the staged folder left to its caller."""
+    zarr = pytest.importorskip("zarr")
+    from distmm.staging import put_in_place, staged_path
+
+    c, staged = tmp_path / "c.zarr", staged_path(tmp_path / "c.zarr")
+    x = np.random.default_rng().random((5, 3))
+    zarr.save_array(str(c), x)
+    zarr.save_array(str(staged), x[:2])
+    before = _tree(c)
+    chattr(next(p for p in c.rglob("*") if p.is_file() and p.name != "zarr.json"), "i")
+    with pytest.raises(PermissionError, match=rf"cannot replace {c}: .* is immutable"):
+        put_in_place(staged, c)
+    assert _tree(c) == before and staged.is_dir()
+    assert not [p for p in tmp_path.iterdir() if "distmm-old" in p.name]
+
+
+def test_a_zarr_target_that_is_a_link_is_replaced_as_a_npy_files_link_is(tmp_path):
+    """--overwrite of a zarr target that is a symbolic link to a zarr folder: the new array
+    took the link's place and the link was left as ``.c.zarr.distmm-old-PID`` (``rmtree``
+    refuses a link). Now the link is removed, as a ``.npy`` target's link is replaced; the
+    folder it named is untouched, nothing is left beside the target."""
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng()
+    real, c = tmp_path / "real.zarr", tmp_path / "c.zarr"
+    zarr.save_array(str(real), rng.random((3, 4)))
+    before = _tree(real)
+    c.symlink_to(real)
+    x = rng.random((5, 7))
+    with staged_output(str(c), x.shape, x.dtype, overwrite=True) as out:
+        out[...] = x
+    assert not c.is_symlink() and (zarr.open_array(str(c), mode="r")[...] == x).all()
+    assert _tree(real) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zarr", "real.zarr"]

@@ -43,6 +43,18 @@ def _xp(x):
     return np
 
 
+def _file_mapped(x) -> bool:
+    """Whether ``x`` is a numpy array whose memory is a mapped file (an ``np.memmap``, or a
+    view of one or of an ``mmap.mmap``)."""
+    import mmap
+
+    while isinstance(x, (np.ndarray, memoryview)):
+        if isinstance(x, np.memmap):
+            return True
+        x = x.obj if isinstance(x, memoryview) else x.base
+    return isinstance(x, mmap.mmap)
+
+
 def _world():
     from mpi4py import MPI
 
@@ -121,6 +133,10 @@ class DistArray:
         an h5py dataset, a cupy array): each rank keeps (reads) only its own block,
         a cupy block for a cupy array (on the array's device).
         The default layout is the most square grid of the ranks.
+        A block of a memory-mapped file (``np.memmap``, ``np.load(mmap_mode=...)``, a view
+        of one) is read into memory, so the file written again or truncated later leaves the
+        DistArray as it was; a block of whole rows of a numpy array in memory may share its
+        memory, as ``np.asarray`` shares it (copy the array first where it will change).
 
         Every rank must pass the same array, and every rank of ``comm`` must call this:
         what one rank refuses (an array that is not 2-D, a ragged list, a layout that does
@@ -144,6 +160,10 @@ class DistArray:
             if array_family(x) != "cupy" and getattr(x, "ndim", None) is None:
                 x = np.asarray(x)  # a list or a tuple: its values are compared too
             dist = cls.from_agreed(x, comm, layout)
+            if _file_mapped(x) and np.may_share_memory(dist.local, x):
+                # whole rows of a memory-mapped file: read them now, as from_file does (the
+                # file written again would change the block, truncated end the rank: SIGBUS)
+                dist.local = np.array(dist.local)
             values = b""
             if array_family(x) == "cupy" or isinstance(x, np.ndarray):
                 from distmm.engine.mpi.agree import fingerprint
