@@ -11,6 +11,7 @@ This module covers:
   single-thread workers), ``scheduler_file`` (the ``cluster``'s, for ``distmm matmul
   --scheduler-file``), ``pair`` (two workers marked GPU by their resource only),
   ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
+- files no process may change (``chattr``: immutable or append-only, taken off at the end);
 - batch jobs on localhost (``batch_env``): Slurm's and PBS's commands replaced by the
   stand-ins of ``tests/batchsim/`` on ``PATH``, a spool folder per test, and the file the
   jobs source to find this Python (``DISTMM_ENV_SETUP``);
@@ -300,6 +301,34 @@ def shared_client():
     with gpu_cluster("0", per_device=2) as cl, Client(cl) as c:
         c.wait_for_workers(2, timeout=120)
         yield c
+
+
+# -- file attributes ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def chattr(tmp_path):
+    """``chattr(path, "i")``: a file or folder made immutable (or "a", append-only), which no
+    process, root's included, may write, replace or remove (root ignores permission bits);
+    both attributes are taken off everything under ``tmp_path`` at the end (a marked file a
+    run moved there included). Skipped where chattr or the file system does not take it (not
+    root, a file system without attributes)."""
+    made = []
+
+    def set_attribute(path, flag):
+        try:
+            r = subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip("no chattr here")
+        if r.returncode != 0:
+            pytest.skip(f"chattr +{flag} refused here: {r.stderr.strip()}")
+        made.append(path)
+
+    yield set_attribute
+    if made:
+        subprocess.run(["chattr", "-R", "-i", "-a", str(tmp_path)], capture_output=True)
+        for path in made:  # one outside tmp_path
+            subprocess.run(["chattr", "-i", "-a", str(path)], capture_output=True)
 
 
 # -- batch jobs (tests/batchsim stand-ins for sbatch, srun, qsub, ...) -----------------------

@@ -796,28 +796,6 @@ def test_mpirun_h5_dataset_path_into_another_file(tmp_path, operands, mpirun):
 # ---------------------------------------------------------------- checks that ask the kernel
 
 
-@pytest.fixture
-def chattr():
-    """``chattr(path, "i")``: a file or folder made immutable (or "a", append-only), which no
-    process, root's included, may write, replace or remove (root ignores permission bits);
-    the attribute is taken off again at the end. Skipped where chattr or the file system
-    does not take it (not root, a file system without attributes)."""
-    made = []
-
-    def set_attribute(path, flag):
-        try:
-            r = subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True, text=True)
-        except FileNotFoundError:
-            pytest.skip("no chattr here")
-        if r.returncode != 0:
-            pytest.skip(f"chattr +{flag} refused here: {r.stderr.strip()}")
-        made.append((path, flag))
-
-    yield set_attribute
-    for path, flag in reversed(made):
-        subprocess.run(["chattr", f"-{flag}", str(path)], capture_output=True)
-
-
 def contents(path: Path) -> dict:
     """Every file at or under ``path``, by name, with its bytes' digest."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())

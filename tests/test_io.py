@@ -510,28 +510,6 @@ def test_check_target_refuses_a_zarr_target_inside_a_zarr_array(tmp_path):
             assert check_target(parse_target(str(tmp_path / out)), True) is (out == f"a{fmt}.zarr")
 
 
-@pytest.fixture
-def chattr(tmp_path):
-    """``chattr(path, "i")``: a file or folder made immutable (or "a", append-only), both
-    attributes taken off everything under ``tmp_path`` at the end (a marked file a run moved
-    included). Skipped where chattr or the file system does not take it (not root, a file
-    system without attributes)."""
-    made = []
-
-    def set_attribute(path, flag):
-        try:
-            r = subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True, text=True)
-        except FileNotFoundError:
-            pytest.skip("no chattr here")
-        if r.returncode != 0:
-            pytest.skip(f"chattr +{flag} refused here: {r.stderr.strip()}")
-        made.append((path, flag))
-
-    yield set_attribute
-    if made:
-        subprocess.run(["chattr", "-R", "-i", "-a", str(tmp_path)], capture_output=True)
-
-
 def _tree(path):
     """Every file under ``path`` by its name there, with its bytes."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
