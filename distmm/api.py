@@ -96,7 +96,9 @@ def _python_scalar_keywords(a, b, out, **keywords) -> None:
         x = x if hasattr(x, "dtype") and hasattr(x, "ndim") else np.asarray(x)
         return np.empty((0,) * max(x.ndim, 1), np.dtype(x.dtype))
 
-    given = {k: v for k, v in keywords.items() if v is not None}
+    # axes, axis and keepdims come only where given, None too (numpy refuses None for them)
+    given = {k: v for k, v in keywords.items()
+             if v is not None or k in ("axes", "axis", "keepdims")}
     if out is not None:
         given["out"] = np.empty(tuple(out.shape), np.dtype(out.dtype))
     np.matmul(stand_in(a), stand_in(b), **given)  # raises numpy's exception
@@ -586,7 +588,8 @@ def _is_default(name: str, value) -> bool:
 
 
 def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=True,
-           signature=None, axes=None, axis=None, engine: str = "auto", client=None, tile=None,
+           signature=None, axes=ufunc_rules.NO_VALUE, axis=ufunc_rules.NO_VALUE,
+           keepdims=ufunc_rules.NO_VALUE, engine: str = "auto", client=None, tile=None,
            backend: str = "auto", precision: str | None = None):
     """Matrix product with ``numpy.matmul`` semantics, tiled and distributed.
 
@@ -608,9 +611,10 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         the result's dtype, the local and Dask engines write the tiles into it
         directly; on a Dask cluster the workers write a staged output file of
         ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
-    casting, order, dtype, subok, signature, axes, axis
+    casting, order, dtype, subok, signature, axes, axis, keepdims
         As ``numpy.matmul``'s: ``axes`` names each operand's and the result's
-        matrix axes (numpy checks them; ``axis`` numpy refuses for matmul);
+        matrix axes (numpy checks them, and refuses ``axes=None``; ``axis`` and
+        ``keepdims`` numpy refuses for matmul, given at all);
         ``dtype`` names the loop both operands are cast
         into under ``casting`` (default ``"same_kind"``, which also governs the
         cast into ``out``); ``order`` the result's memory layout (numpy and cupy
@@ -688,6 +692,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     try:
         ufunc_rules.keyword_errors(out, dtype, signature, axes, axis)  # numpy's first checks
         out = ufunc_rules.single_out(out)
+        if keepdims is not ufunc_rules.NO_VALUE and keepdims is not True and keepdims is not False:
+            raise TypeError("'keepdims' must be a boolean")  # numpy's, before casting and order
         if subok is not True and subok is not False:  # numpy's converter: True or False only
             # numpy reads order and casting (their ValueErrors) first: asked on empty arrays
             np.matmul(np.empty((0, 0)), np.empty((0, 0)), order=order, casting=casting)
@@ -704,8 +710,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         # gave, as numpy passes them on
         if engine == "mpi":  # where every rank makes it: the others are in the engine
             _mpi_agree(None, route="numpy")
-        given = {k: v for k, v in (("out", out), ("signature", signature), ("axes", axes),
-                                   ("axis", axis)) if v is not None}
+        given = {k: v for k, v in (("out", out), ("signature", signature)) if v is not None}
+        given.update(ufunc_rules.given_keywords(axes=axes, axis=axis, keepdims=keepdims))
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     a, b = _as_objects(a, b, dtype)
@@ -715,6 +721,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
         result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),
                         casting=casting, order=order, dtype=dtype, axes=axes, axis=axis,
+                        keepdims=keepdims,
                         engine=engine, client=client, tile=tile, backend=backend,
                         precision=precision)
         if out is not None:
@@ -732,17 +739,17 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         if engine == "mpi":
             _mpi_agree(exc)
         raise exc
-    if axes is not None or axis is not None:
+    if ufunc_rules.given_keywords(axes=axes, axis=axis, keepdims=keepdims):
         target = None
         try:
-            _loop_first(a, b, out, keywords, axes=axes, axis=axis)
+            _loop_first(a, b, out, keywords, axes=axes, axis=axis, keepdims=keepdims)
             if out_arrays.on_disk(out):  # numpy's axes: a temporary of out's shape, copied after
                 size = math.prod(tuple(out.shape)) * np.dtype(out.dtype).itemsize
                 out_arrays.refusals(out, engine, size)
                 target, out = out, np.empty(tuple(out.shape), np.dtype(out.dtype))
             if isinstance(order, str) and order.upper() == "A":  # on the operands as given
                 keywords["order"] = "F" if all(_given_fortran(x) for x in (a, b)) else "C"
-            a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis)
+            a, b, out, back = ufunc_rules.core_axes_last(a, b, out, axes, axis, keepdims)
         except Exception as exc:
             if engine == "mpi":  # the other ranks agree in the call below (its validation)
                 _mpi_agree(exc)
@@ -922,14 +929,17 @@ def _as_objects(a, b, dtype):
                  for x in (a, b))
 
 
-def _loop_first(a, b, out, keywords, *, axes=None, axis=None) -> None:
+def _loop_first(a, b, out, keywords, *, axes=ufunc_rules.NO_VALUE, axis=ufunc_rules.NO_VALUE,
+                keepdims=ufunc_rules.NO_VALUE) -> None:
     """numpy resolves the loop and the casts into it and into ``out`` before it reads
-    ``axes`` or ``axis``: its type errors (and a ValueError for an unknown ``casting`` or
-    ``order``) come first, raised here from the operands' dtypes. A Python scalar operand
-    always fails: numpy is asked with the scalar itself and ``axes``/``axis`` (its weak
-    scalar's cast errors come before the missing dimension)."""
+    ``axes``, ``axis`` or ``keepdims``: its type errors (and a ValueError for an unknown
+    ``casting`` or ``order``) come first, raised here from the operands' dtypes. A Python
+    scalar operand always fails: numpy is asked with the scalar itself and those of
+    ``axes``/``axis``/``keepdims`` given (its weak scalar's cast errors come before the
+    missing dimension)."""
     if any(type(x) in (bool, int, float, complex) for x in (a, b)):
-        _python_scalar_keywords(a, b, out, **keywords, axes=axes, axis=axis)
+        _python_scalar_keywords(a, b, out, **keywords, **ufunc_rules.given_keywords(
+            axes=axes, axis=axis, keepdims=keepdims))
     ufunc_dtype(_dtype_of(a), _dtype_of(b), dtype=keywords["dtype"],
                 out_dtype=None if out is None else _dtype_of(out),
                 casting=keywords["casting"], order=keywords["order"])

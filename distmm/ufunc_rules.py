@@ -1,7 +1,8 @@
 """numpy's ufunc protocol around ``matmul``, for operands that are not plain arrays.
 
 This module covers what ``numpy.matmul`` does before and after its loop: the errors of
-its keywords alone, raised before it reads an operand (``keyword_errors``), an ``out``
+its keywords alone, raised before it reads an operand (``keyword_errors``), keywords whose
+default is no value (``NO_VALUE``: numpy refuses ``axes=None``), an ``out``
 given as a one-element tuple, ``axes`` naming where the matrices lie, operands that
 override ``__array_ufunc__`` (they decide the call: numpy hands it to them), an ``out``
 with its own ``__array_wrap__`` (numpy passes the product through it), ndarray
@@ -17,11 +18,27 @@ import numpy as np
 
 from distmm._arrays import array_family, is_sparse
 
-__all__ = ["keyword_errors", "single_out", "overrides", "wraps_out", "find_wrap", "apply_wrap",
-           "is_subclass", "base", "core_axes_last", "k_layout"]
+__all__ = ["NO_VALUE", "given_keywords", "keyword_errors", "single_out", "overrides", "wraps_out",
+           "find_wrap", "apply_wrap", "is_subclass", "base", "core_axes_last", "k_layout"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
+
+
+class _NoValue:
+    """The default of ``axes``, ``axis`` and ``keepdims`` (numpy's ``<no value>``): a keyword
+    not given, told from one given as None, which numpy refuses for them (TypeError)."""
+
+    def __repr__(self) -> str:
+        return "<no value>"
+
+
+NO_VALUE = _NoValue()
+
+
+def given_keywords(**keywords) -> dict:
+    """The keywords among ``axes``, ``axis`` and ``keepdims`` that were given (None too)."""
+    return {k: v for k, v in keywords.items() if v is not NO_VALUE}
 
 
 class _Unconverted(Exception):
@@ -40,15 +57,16 @@ def keyword_errors(out, dtype, signature, axes, axis) -> None:
     ``out``'s array (a read-only ``out``, a cast, a shape): ``axis`` with ``axes``, an ``out``
     tuple of another length, ``dtype`` with ``signature``, a ``dtype`` or ``signature`` it
     does not parse. numpy itself is asked, in its own order, with operands that stop it at
-    their conversion (and ``out`` as a tuple of as many Nones)."""
-    given = {k: v for k, v in (("dtype", dtype), ("signature", signature), ("axes", axes),
-                               ("axis", axis)) if v is not None}
+    their conversion (and ``out`` as a tuple of as many Nones); ``axes`` and ``axis`` are
+    passed on where given (``NO_VALUE``: not given), None too."""
+    named = {k: v for k, v in (("dtype", dtype), ("signature", signature)) if v is not None}
+    named.update(given_keywords(axes=axes, axis=axis))
     if isinstance(out, tuple) and len(out) != 1:
-        given["out"] = (None,) * len(out)
-    if not given:
+        named["out"] = (None,) * len(out)
+    if not named:
         return  # numpy's defaults: nothing to parse
     try:
-        np.matmul(_Unconvertible(), _Unconvertible(), **given)
+        np.matmul(_Unconvertible(), _Unconvertible(), **named)
     except _Unconverted:
         pass
 
@@ -163,16 +181,17 @@ def apply_wrap(wrap, result, inputs, dtype=None):
     return wrap(arr, context, arr.ndim == 0)
 
 
-def core_axes_last(a, b, out, axes, axis):
+def core_axes_last(a, b, out, axes, axis, keepdims=NO_VALUE):
     """``matmul(..., axes=)`` as a product of operands whose matrix axes are their last:
     ``(a, b, out, back)``, each operand (and ``out``) with its core axes moved to the end
     (views), and ``back(result)`` moving the result's core axes to where ``axes`` puts
     them (``out`` itself when one was given). The result's entry of ``axes`` counts in
     ``out``'s own dimensions where there is one (numpy broadcasts a result into an ``out``
-    of more). numpy checks ``axes`` and ``axis`` first, on one-element stand-ins of the
-    operands' (and ``out``'s) dimensions, and raises its own errors."""
+    of more). numpy checks ``axes``, ``axis`` and ``keepdims`` first (``NO_VALUE``: not
+    given), on one-element stand-ins of the operands' (and ``out``'s) dimensions, and raises
+    its own errors: always for ``axis`` and ``keepdims``, and for ``axes=None``."""
     nd_a, nd_b = np.ndim(a), np.ndim(b)
-    kw = {name: v for name, v in (("axes", axes), ("axis", axis)) if v is not None}
+    kw = given_keywords(axes=axes, axis=axis, keepdims=keepdims)
     if out is not None:
         kw["out"] = np.zeros((1,) * np.ndim(out))
     probe = np.matmul(np.zeros((1,) * nd_a), np.zeros((1,) * nd_b), **kw)

@@ -224,3 +224,54 @@ def test_order_a_with_axes_decides_on_the_operands_as_given(case):
     assert got.shape == want.shape
     assert got.strides == want.strides
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# -- axes, axis and keepdims given as None, and keepdims ----------------------------------
+
+
+def _numpy_keyword_case(case: str) -> dict:
+    """Keywords numpy refuses for matmul (with what comes before or after them)."""
+    return {"axes-none": {"axes": None},
+            "axis-none": {"axis": None},
+            "axes-and-axis-none": {"axes": None, "axis": None},
+            "axes-none-and-wrong-out": {"axes": None, "out": np.zeros((4, 4))},
+            "keepdims-false": {"keepdims": False},
+            "keepdims-true": {"keepdims": True},
+            "keepdims-none": {"keepdims": None},
+            "keepdims-not-boolean-and-bad-casting": {"keepdims": 1, "casting": "bogus"},
+            "keepdims-and-bad-casting": {"keepdims": False, "casting": "bogus"},
+            "keepdims-and-refused-out": {"keepdims": False, "out": np.zeros((3, 5), np.int32)},
+            "keepdims-and-signature": {"keepdims": False, "signature": "dd->d"}}[case]
+
+
+@pytest.mark.parametrize("operands", ["arrays", "python-scalar", "masked", "object"])
+@pytest.mark.parametrize("case", ["axes-none", "axis-none", "axes-and-axis-none",
+                                  "axes-none-and-wrong-out", "keepdims-false", "keepdims-true",
+                                  "keepdims-none", "keepdims-not-boolean-and-bad-casting",
+                                  "keepdims-and-bad-casting", "keepdims-and-refused-out",
+                                  "keepdims-and-signature"])
+def test_axes_axis_keepdims_given_are_numpys_errors(case, operands):
+    """numpy's defaults for ``axes``, ``axis`` and ``keepdims`` are "no value": given as
+    None (or ``keepdims`` given at all) numpy refuses the call, each error in its turn."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((3, 7)), rng.standard_normal((7, 5))
+    if operands == "python-scalar":
+        b = 3
+    elif operands == "masked":
+        a = np.ma.array(a, mask=rng.random(a.shape) < 0.3)
+    elif operands == "object":
+        a = a.astype(object)
+    want = _outcome(np.matmul, a, b, **_numpy_keyword_case(case))
+    got = _outcome(distmm.matmul, a, b, **_numpy_keyword_case(case))
+    assert want[0] == "error"
+    assert got == want
+
+
+def test_matmul_takes_numpys_keywords():
+    """Every keyword of ``numpy.matmul`` is one of ``distmm.matmul``'s (``keepdims`` too,
+    which numpy refuses for matmul: its TypeError, not Python's for an unknown keyword)."""
+    import inspect
+
+    params = inspect.signature(distmm.matmul).parameters
+    for name in ("casting", "order", "dtype", "subok", "signature", "axes", "axis", "keepdims"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
