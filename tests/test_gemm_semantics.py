@@ -7,7 +7,8 @@ numpy's subclasses and on-disk arrays, transposed on-disk operands, alpha and be
 are not numbers, a ``c`` of a dtype gemm cannot add, the engine's arguments checked when
 the product is all zeros (``alpha == 0``, ``k == 0``), and, under ``mpiexec``, a call one
 rank refuses or makes differently raising on every rank instead of leaving the others
-waiting.
+waiting; and scipy.linalg.blas's ?gemm: the cases of scipy's own tests, a sweep of
+letters, scalars and shapes against it, and where gemm differs from its wrappers on purpose.
 It does *not* cover: matmul's own semantics (tests/test_api.py), gemm's scalar ranges and
 BLAS letters on the local engine (tests/test_api.py), GPU gemm (tests/test_gpu_api.py).
 """
@@ -252,6 +253,126 @@ def test_default_alpha_multiplies_a_complex_product_as_numpy_does():
     with pytest.raises(FloatingPointError, match="invalid value encountered in multiply"):
         with np.errstate(all="raise"):
             distmm.gemm(a, b)
+
+
+
+# -- scipy.linalg.blas ?gemm: the cases of scipy's own tests, and a sweep against them --------
+
+#: BLAS's TRANSA as scipy's wrappers take it (0, 1, 2) for each of gemm's letters
+SCIPY_TRANS = {"N": 0, "T": 1, "C": 2}
+
+
+def _blas(dtype):
+    blas = pytest.importorskip("scipy.linalg.blas")
+    return {np.float32: blas.sgemm, np.float64: blas.dgemm, np.complex64: blas.cgemm,
+            np.complex128: blas.zgemm}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_scipys_test_gemm_cases(dtype):
+    """scipy's test_blas.py::TestFBLAS3Simple::test_gemm, its 1-element operands as the 1x1
+    matrices scipy's wrapper makes of them (gemm takes 2-D operands only)."""
+    f = _blas(dtype)
+    one = lambda v: np.array([[v]], dtype)  # noqa: E731
+    cases = [((3, one(3), one(-4)), {}), ((3, one(3), one(-4)), dict(beta=3, c=one(5)))]
+    if np.dtype(dtype).kind == "c":
+        cases += [((3j, one(3 - 4j), one(-4)), {}),
+                  ((3j, one(3 - 4j), one(-4)), dict(beta=3, c=one(5j)))]
+    for (alpha, a, b), kw in cases:
+        got = distmm.gemm(a, b, kw.get("c"), alpha=alpha, beta=kw.get("beta", 0.0))
+        want = f(alpha, a, b, **kw)
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_scipys_cython_dgemm_transposes_and_shapes():
+    """scipy's test_cython_blas.py::TestDGEMM: strided views and their transposes."""
+    dgemm = _blas(np.float64)
+    a = np.arange(12, dtype="d").reshape((3, 4))[:2, :2]
+    b = np.arange(1, 13, dtype="d").reshape((4, 3))[:2, :2]
+    for x, y in itertools.product((a, a.T), (b, b.T)):
+        for ta, tb in itertools.product("NT", repeat=2):
+            got = distmm.gemm(x, y, trans_a=ta, trans_b=tb)
+            want = dgemm(1.0, x, y, trans_a=SCIPY_TRANS[ta], trans_b=SCIPY_TRANS[tb])
+            np.testing.assert_array_equal(got, want)
+    a = np.arange(6, dtype="d").reshape((3, 2))
+    b = np.arange(-6, 2, dtype="d").reshape((2, 4))
+    np.testing.assert_array_equal(distmm.gemm(a, b), a.dot(b))
+    np.testing.assert_array_equal(distmm.gemm(b.T, a.T), b.T.dot(a.T))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+@pytest.mark.parametrize("family", ["numpy", "dask"])
+def test_against_scipys_gemm(dtype, family):
+    """Every letter pair, alpha and beta (zero, one, others; complex ones for complex
+    results), with and without c, on odd shapes: scipy's ?gemm's dtype and values, within
+    the dtype's rounding (distmm rounds as numpy's matmul, not as this BLAS)."""
+    f = _blas(dtype)
+    rng = np.random.default_rng()
+    tol = 1e-5 if dtype in (np.float32, np.complex64) else 1e-13
+    scalars = [(1.0, 0.0), (2.5, 0.0), (1.0, 1.0), (-0.5, 2.0), (0.0, 1.5)]
+    if np.dtype(dtype).kind == "c":
+        scalars.append((1 - 2j, 0.5j))
+    shapes = [(7, 5, 3), (1, 9, 13), (13, 1, 2)][:1 if family == "dask" else None]
+    for (m, n, k), ta, tb in itertools.product(shapes, "NTC", "NTC"):
+        a, b, c = _operands(rng, dtype, ta, tb, m=m, n=n, k=k)
+        for alpha, beta in scalars:
+            want = f(alpha, a, b, beta=beta, c=c, trans_a=SCIPY_TRANS[ta],
+                     trans_b=SCIPY_TRANS[tb])
+            x, y, z = (a, b, c)
+            if family == "dask":
+                da = pytest.importorskip("dask.array")
+                x, y, z = da.from_array(a, chunks=4), da.from_array(b, chunks=3), c
+            got = distmm.gemm(x, y, z, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb)
+            if family == "dask":
+                got = got.compute(scheduler="sync")
+            assert got.dtype == want.dtype, (m, n, k, ta, tb, alpha, beta)
+            scale = abs(alpha) * (np.abs(OPS[ta](a)) @ np.abs(OPS[tb](b))) + abs(beta) * abs(c)
+            assert np.all(np.abs(got - want) <= tol * (scale + 1)), (m, n, k, ta, tb, alpha,
+                                                                     beta)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_blas_zero_scalars_against_scipys_gemm(dtype):
+    """beta == 0: c is not read (its NaN does not propagate), as in scipy's ?gemm; alpha ==
+    0: A and B are not read, as the reference BLAS says (scipy's OpenBLAS dgemm reads them
+    and gives NaN for a NaN in A: distmm follows the reference); k == 0: beta * c (scipy's
+    wrapper refuses empty operands)."""
+    f = _blas(dtype)
+    rng = np.random.default_rng()
+    a, b, c = _operands(rng, dtype, "N", "N", m=4, n=5, k=3)
+    nan_c = np.full_like(c, np.nan)
+    np.testing.assert_allclose(distmm.gemm(a, b, nan_c, beta=0.0), f(1.0, a, b, beta=0.0,
+                                                                      c=nan_c), rtol=1e-13)
+    nan_a = a.copy()
+    nan_a[0, 0] = np.nan
+    got = distmm.gemm(nan_a, b, c, alpha=0.0, beta=2.0)
+    np.testing.assert_array_equal(got, 2.0 * c)
+    got = distmm.gemm(np.ones((4, 0), dtype), np.ones((0, 5), dtype), c, alpha=3.0, beta=2.0)
+    np.testing.assert_array_equal(got, 2.0 * c)
+
+
+def test_where_gemm_differs_from_scipys_wrappers_on_purpose():
+    """scipy's f2py wrappers reshape a 1-D or (1, m, k) operand to a matrix, drop a
+    complex alpha's imaginary part for a real routine and cast every operand to the
+    routine's dtype; gemm takes 2-D operands only, refuses a lossy scalar, and computes in
+    numpy's promoted dtype (float32 operands with a float64 c give float64)."""
+    dgemm, sgemm = _blas(np.float64), _blas(np.float32)
+    rng = np.random.default_rng()
+    a, b, c = (rng.standard_normal(s) for s in ((4, 3), (3, 5), (4, 5)))
+    assert dgemm(3.0, np.array([3.0]), np.array([-4.0])).shape == (1, 1)
+    with pytest.raises(ValueError, match="2-D"):
+        distmm.gemm(np.array([3.0]), np.array([-4.0]))
+    with pytest.raises(ValueError, match="2-D"):
+        distmm.gemm(a[None], b)
+    assert dgemm(1j, a, b).dtype == np.float64
+    with pytest.raises(TypeError, match="complex"):
+        distmm.gemm(a, b, alpha=1j)
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    assert sgemm(1.0, a32, b32, beta=1.0, c=c).dtype == np.float32
+    got = distmm.gemm(a32, b32, c, beta=1.0)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, a32.astype(np.float64) @ b32 + c, rtol=1e-13)
 
 
 MPI_SCRIPT = """
