@@ -1094,15 +1094,16 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         Scalars, converted to the result dtype. As in BLAS, ``beta == 0``
         means ``c`` is not read (NaN in ``c`` does not propagate) and
         ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
-        ``beta * c``. Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c``,
-        its Inf, NaN and floating-point reports too: a complex result is
+        ``beta * c``. Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c``
+        in the dtype promoted with ``c``'s (int8 operands with a float64 ``c``
+        multiply in float64, without int8's wrap), its Inf, NaN and floating-point reports too: a complex result is
         multiplied by an alpha or beta of 1 as well (numpy's ``1 * (inf + 0j)``
         is ``inf + nanj``, an "invalid value").
-    trans_a, trans_b : bool or {'N', 'T', 'C'}
-        BLAS's TRANSA / TRANSB: ``False`` or ``'N'`` (as is), ``True`` or
-        ``'T'`` (transposed), ``'C'`` (conjugate transposed, object elements by
+    trans_a, trans_b : bool, {'N', 'T', 'C'} or {0, 1, 2}
+        BLAS's TRANSA / TRANSB: ``False``, ``'N'`` or 0 (as is), ``True``, ``'T'``
+        or 1 (transposed), ``'C'`` or 2 (conjugate transposed, object elements by
         their ``conjugate()``; the same as ``'T'`` for real dtypes). Lower case
-        is accepted.
+        is accepted; the numbers are scipy's ``?gemm`` codes.
     engine, client, tile, backend, precision
         As for ``matmul``, and checked where no product is made (``alpha == 0``,
         ``k == 0``) too; ``precision`` applies to ``op(A) @ op(B)`` (its error
@@ -1200,8 +1201,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     if on_device:
         return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend, precision)
     if alpha_t == 0 or ops.k == 0:
-        # one chunk for object zeros: dask's automatic chunks refuse object arrays
-        chunks = {"chunks": -1 if dtype == object else "auto"} if fam == "dask" else {}
+        # the product's chunks (op(a)'s rows, op(b)'s columns), as the engine's would be
+        chunks = {"chunks": (op_a.chunks[0], op_b.chunks[1])} if fam == "dask" else {}
         product = xp.zeros((ops.m, ops.n), dtype=dtype, **chunks)
     else:
         product = _squeeze(eng.run(request), ops)
@@ -1250,12 +1251,16 @@ def _gemm_key(ops: Operands, flag_a: str, flag_b: str, alpha, beta, c) -> str:
 
 
 def _trans_flag(value, name: str) -> str:
-    """BLAS's transpose argument: a bool or one of 'N', 'T', 'C' (any case) -> 'N'/'T'/'C'."""
+    """BLAS's transpose argument: a bool, one of 'N', 'T', 'C' (any case) or scipy's ``?gemm``
+    codes 0, 1, 2 -> 'N'/'T'/'C'."""
     if isinstance(value, (bool, np.bool_)):
         return "T" if value else "N"
     if isinstance(value, str) and value.upper() in ("N", "T", "C"):
         return value.upper()
-    raise ValueError(f"gemm: {name} must be a bool or one of 'N', 'T', 'C', got {value!r}")
+    if isinstance(value, (int, np.integer)) and value in (0, 1, 2):
+        return "NTC"[value]
+    raise ValueError(f"gemm: {name} must be a bool, one of 'N', 'T', 'C' or 0, 1, 2, "
+                     f"got {value!r}")
 
 
 def _op(x, flag: str):

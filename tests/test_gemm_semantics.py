@@ -352,6 +352,38 @@ def test_blas_zero_scalars_against_scipys_gemm(dtype):
     np.testing.assert_array_equal(got, 2.0 * c)
 
 
+def test_scipys_transpose_codes_are_the_letters():
+    """scipy's ?gemm codes 0, 1, 2 ('N', 'T', 'C') give what the letters give (they were
+    refused as ValueError); other numbers still are."""
+    rng = np.random.default_rng()
+    for ta, tb in itertools.product("NTC", "NTC"):
+        a, b, c = _operands(rng, np.complex128, ta, tb, m=5, n=3, k=4)
+        codes = distmm.gemm(a, b, c, alpha=2.0, beta=-1.0, trans_a=SCIPY_TRANS[ta],
+                            trans_b=np.int64(SCIPY_TRANS[tb]))
+        letters = distmm.gemm(a, b, c, alpha=2.0, beta=-1.0, trans_a=ta, trans_b=tb)
+        np.testing.assert_array_equal(codes, letters)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="trans_a must be a bool, one of 'N', 'T', 'C'"):
+            distmm.gemm(np.eye(2), np.eye(2), trans_a=bad)
+
+
+@pytest.mark.parametrize("alpha, k", [(0.0, 5), (1.0, 0)])
+def test_a_zero_products_dask_chunks_are_the_products(alpha, k):
+    """alpha == 0 or k == 0 on dask operands: zeros (plus beta * c) in the chunks the
+    product would have, op(a)'s rows by op(b)'s columns (dask's automatic chunks were
+    one 9 x 5 chunk where the product has (3, 3, 3) x (3, 2))."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a = da.from_array(rng.standard_normal((9, k)), chunks=(3, 2))
+    b = da.from_array(rng.standard_normal((k, 5)), chunks=(2, 3))
+    got = distmm.gemm(a, b, alpha=alpha)
+    assert got.chunks == ((3, 3, 3), (3, 2)), got.chunks
+    np.testing.assert_array_equal(got.compute(scheduler="sync"), np.zeros((9, 5)))
+    objects = distmm.gemm(a.astype(object), b.astype(object), alpha=alpha)
+    assert objects.chunks == ((3, 3, 3), (3, 2)) and objects.dtype == object
+    assert (objects.compute(scheduler="sync") == 0).all()
+
+
 def test_where_gemm_differs_from_scipys_wrappers_on_purpose():
     """scipy's f2py wrappers reshape a 1-D or (1, m, k) operand to a matrix, drop a
     complex alpha's imaginary part for a real routine and cast every operand to the
