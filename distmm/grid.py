@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,18 @@ def even_edges(length: int, parts: int) -> tuple[int, ...]:
     return tuple(edges)
 
 
+def _ints(values, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints; TypeError naming ``what`` for anything that is
+    not a sequence of integers (a float, a bool)."""
+    try:
+        items = tuple(values)
+        if any(isinstance(v, (bool, np.bool_)) for v in items):
+            raise TypeError
+        return tuple(operator.index(v) for v in items)
+    except TypeError:
+        raise TypeError(f"a BlockLayout's {what} must be integers, got {values!r}") from None
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """Where the blocks of a 2-D matrix live: one block per owning rank.
@@ -67,9 +80,26 @@ class BlockLayout:
     owners: tuple[tuple[int, ...], ...]
 
     def __post_init__(self):
-        if self.row_edges[0] != 0 or self.row_edges[-1] != self.shape[0]:
+        # whole numbers, kept as Python ints: a float edge failed on the ranks whose blocks
+        # it bounds, the others waiting for them in the exchange; numpy ints or arrays
+        # compared and hashed unlike the same layout of ints
+        shape = _ints(self.shape, "shape")
+        if len(shape) != 2:
+            raise ValueError(f"a BlockLayout's shape has two sizes, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "row_edges", _ints(self.row_edges, "row edges"))
+        object.__setattr__(self, "col_edges", _ints(self.col_edges, "column edges"))
+        try:
+            owners = tuple(tuple(row) for row in self.owners)
+        except TypeError:
+            raise TypeError(f"a BlockLayout's owners are rows of ranks, got "
+                            f"{self.owners!r}") from None
+        object.__setattr__(self, "owners", tuple(_ints(row, "owners") for row in owners))
+        if len(self.row_edges) < 2 or self.row_edges[0] != 0 or \
+                self.row_edges[-1] != self.shape[0]:
             raise ValueError(f"row edges {self.row_edges} do not cover {self.shape[0]} rows")
-        if self.col_edges[0] != 0 or self.col_edges[-1] != self.shape[1]:
+        if len(self.col_edges) < 2 or self.col_edges[0] != 0 or \
+                self.col_edges[-1] != self.shape[1]:
             raise ValueError(f"column edges {self.col_edges} do not cover {self.shape[1]} columns")
         # a block whose end comes before its start has a negative size: the rank owning it
         # would fail alone, the others waiting for it in their next collective

@@ -408,3 +408,175 @@ def test_from_array_of_a_memmap_reads_its_blocks(ranks, tmp_path, mpirun):
     bad = [line for line in lines if not line.endswith(": ok")]
     assert len(lines) == 13 * ranks and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+LAYOUT_ARGS = r'''
+import numpy as np
+from mpi4py import MPI
+from distmm import DistArray
+from distmm.grid import BlockLayout
+
+comm = MPI.COMM_WORLD
+P, rank = comm.size, comm.rank
+x = comm.bcast(np.random.default_rng().random((7, 5)) if rank == 0 else None)
+d = DistArray.from_array(x, layout=BlockLayout.grid(x.shape, 1, P))  # columns 0:2, 2:4, 4:5
+lines = []
+
+
+def refused(what, call, expect, words):
+    try:
+        call()
+        got = "no error"
+    except Exception as exc:  # noqa: BLE001 - checked below
+        got = f"{type(exc).__name__}: {exc}"
+    seen = comm.allgather(got)
+    good = got.startswith(expect.__name__ + ": ") and words in got and len(set(seen)) == 1
+    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD ' + repr(seen)}")
+
+
+# a float edge bounding ranks 0's and 1's new blocks, not the last rank's: the first two
+# raised alone, the last went on (to wait for them in its next collective)
+refused("a float column edge",
+        lambda: d.redistribute(BlockLayout(x.shape, (0, 7), (0, 3.0, 4, 5), ((0, 1, 2),))),
+        TypeError, "column edges must be integers, got (0, 3.0, 4, 5)")
+refused("a layout that is no BlockLayout", lambda: d.redistribute((1, P)), TypeError,
+        "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
+refused("a layout that is no BlockLayout on the last rank",
+        lambda: d.redistribute((1, P) if rank == P - 1 else d.layout), TypeError,
+        "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
+# numpy integers and arrays as edges: the layout of the same ints
+rows = BlockLayout(x.shape, np.array([0, 4, 4, 7]), [0, np.int64(5)], [[P - 1], [1], [0]])
+e = d.redistribute(rows)
+back = e.redistribute(d.layout)
+good = (e.layout == BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
+        and all(got.dtype == x.dtype and got.tobytes() == x.tobytes()
+                for got in (e.gather(None), back.gather(None))))
+lines.append(f"rank {rank}: numpy edges: {'ok' if good else 'BAD'}")
+# the same layout of numpy ints on the last rank only: refused as another layout
+ints = BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
+try:
+    got = d.redistribute(rows if rank == P - 1 else ints).gather(None)
+    good = got.tobytes() == x.tobytes()
+except ValueError as exc:
+    good = False
+    lines.append(f"rank {rank}: {exc}")
+lines.append(f"rank {rank}: numpy edges on the last rank only: {'ok' if good else 'BAD'}")
+for mine in comm.gather(lines) or []:
+    print("\n".join(mine), flush=True)
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_layout_arguments_of_redistribute_are_refused_on_every_rank(tmp_path, mpirun):
+    """On 3 ranks: a ``BlockLayout`` with a float edge bounding only some ranks' blocks made
+    those ranks raise alone in ``redistribute`` while the last went on (and hung in its next
+    collective); now ``BlockLayout`` refuses it (``TypeError``) where it is made. A ``redistribute`` layout that is no ``BlockLayout`` gave an ``AttributeError``
+    (or, on one rank only, the comparison's ``ValueError``): now ``TypeError`` on every rank,
+    as ``from_array`` and ``from_file`` refuse it. Edges of numpy ints or arrays are taken as
+    the same layout of ints (they failed in the comparison of layouts, and on one rank only
+    were refused as another layout)."""
+    script = tmp_path / "layout_args.py"
+    script.write_text(LAYOUT_ARGS)
+    r = mpirun(3, script, timeout=60)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    bad = [line for line in lines if not line.endswith(": ok")]
+    assert len(lines) == 3 * 5 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+PAIRWISE = r'''
+import sys
+import numpy as np
+from mpi4py import MPI
+import distmm
+import distmm.engine.mpi.distarray as distarray
+from distmm import DistArray
+from distmm.grid import BlockLayout
+
+comm = MPI.COMM_WORLD
+P, rank = comm.size, comm.rank
+if sys.argv[1] == "small":  # the point-to-point exchange for blocks past a few bytes
+    distarray.MAX_COUNT, distarray.PIECE_BYTES = 40, 24
+rng = np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy if rank == 0 else None))
+lines = []
+
+
+def same(what, got, want):
+    if got is None or want is None:
+        good = got is None and want is None
+    else:
+        good = (got.dtype == want.dtype and got.shape == want.shape
+                and np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes())
+    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD %r vs %r' % (got, want)}")
+
+
+if sys.argv[1] == "big":  # a block past 2**31 - 1 bytes on the last rank, gathered to rank 0
+    n = 1 << 16
+    big = 2**31 // n + 1
+    d = DistArray.from_local(np.full((big if rank == P - 1 else 1, n), rank + 1, np.uint8),
+                             grid=(P, 1))
+    try:
+        full = d.gather(0)
+        got = "ok" if rank else ("ok" if full.shape == (big + P - 1, n) and full[0, 0] == 1
+                                 and full[-1, -1] == P and full[P - 1:].min() == P else "BAD")
+    except Exception as exc:  # noqa: BLE001 - reported
+        got = f"BAD {type(exc).__name__}: {exc}"
+    lines.append(f"rank {rank}: gathered: {got}")
+else:
+    for shape in [(7, 5), (1, 9), (9, 1), (0, 4), (P + 1, 2)]:
+        for dt in ("float64", "complex128", "int8", "bool", "float16"):
+            x = rng.integers(-3, 4, shape).astype(dt)
+            layouts = [BlockLayout.grid(shape, P, 1), BlockLayout.grid(shape, 1, P),
+                       BlockLayout.single(shape, P - 1), None]
+            d = DistArray.from_array(x)
+            for layout in layouts[:3]:
+                d = d.redistribute(layout)
+                same(f"{shape} {dt} moved", d.gather(None), x)
+            same(f"{shape} {dt} to rank 0", d.gather(0), x if rank == 0 else None)
+    a, b = rng.random((7, 5)), rng.random((5, 4))
+    got = distmm.matmul(DistArray.from_array(a), DistArray.from_array(b)).gather(None)
+    lines.append(f"rank {rank}: product: {'ok' if np.allclose(got, a @ b) else 'BAD'}")
+for mine in comm.gather(lines) or []:
+    print("\n".join(mine), flush=True)
+'''
+
+
+def _pairwise(mpirun, tmp_path, ranks: int, case: str, timeout: float):
+    script = tmp_path / "pairwise.py"
+    script.write_text(PAIRWISE)
+    r = mpirun(ranks, script, case, timeout=timeout)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    bad = [line for line in lines if not line.endswith(": ok")]
+    return r, lines, bad
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_blocks_past_one_mpi_count_move_in_pieces(tmp_path, mpirun):
+    """``redistribute`` and ``gather`` of blocks past what one MPI count holds (here made
+    40 bytes, in messages of 24) go point to point: numpy's bytes for odd shapes, empty
+    blocks and every layout, on 3 ranks."""
+    r, lines, bad = _pairwise(mpirun, tmp_path, 3, "small", timeout=120)
+    assert len(lines) == 3 * (5 * 5 * 4 + 1) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            info = dict(line.split(":", 1) for line in fh)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(_available_bytes() < 12 * 2**30, reason="needs 12 GiB of free memory")
+def test_a_block_past_two_gib_is_gathered(tmp_path, mpirun):
+    """A block of more than 2**31 - 1 bytes gathered to rank 0 on 2 ranks: the exchange's
+    counts passed a C int and Open MPI refused it (``MPI_ERR_ARG`` on every rank)."""
+    r, lines, bad = _pairwise(mpirun, tmp_path, 2, "big", timeout=400)
+    assert len(lines) == 2 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]

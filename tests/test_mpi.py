@@ -281,3 +281,27 @@ def test_fingerprint_tells_values_apart_not_layouts():
     assert fingerprint(f / 3) != fingerprint(f / 4)
     assert fingerprint(np.array([[object()]])) == fingerprint(np.array([[object()]]))
     assert fingerprint(np.array([[object()]])) != fingerprint(np.array([[None]]))
+
+
+def test_block_layout_takes_whole_numbers_only():
+    """A float edge or owner is refused where the layout is made (it failed in
+    ``redistribute`` on the ranks whose blocks it bounds only); numpy ints, arrays and lists
+    make the same layout as Python ints (they compared unequal, or raised in ``==``)."""
+    with pytest.raises(TypeError, match=r"row edges must be integers, got \(0, 3.0, 7\)"):
+        BlockLayout((7, 5), (0, 3.0, 7), (0, 5), ((0,), (1,)))
+    with pytest.raises(TypeError, match="owners must be integers"):
+        BlockLayout((7, 5), (0, 7), (0, 5), ((True,),))
+    with pytest.raises(TypeError, match="owners must be integers"):
+        BlockLayout((7, 5), (0, 7), (0, 5), ((0.0,),))
+    with pytest.raises(TypeError, match="shape must be integers"):
+        BlockLayout((7.0, 5), (0, 7), (0, 5), ((0,),))
+    with pytest.raises(ValueError, match="shape has two sizes"):
+        BlockLayout((7, 5, 1), (0, 7), (0, 5), ((0,),))
+    with pytest.raises(ValueError, match=r"row edges \(\) do not cover 7 rows"):
+        BlockLayout((7, 5), (), (0, 5), ((0,),))  # was an IndexError
+    plain = BlockLayout((7, 5), (0, 4, 7), (0, 5), ((1,), (0,)))
+    given = BlockLayout(np.array([7, 5]), np.array([0, 4, 7]), [np.int64(0), 5],
+                        [[np.int32(1)], [0]])
+    assert given == plain and hash(given) == hash(plain)
+    assert all(type(v) is int for v in given.shape + given.row_edges + given.col_edges)
+    assert given.local_shape(1) == (4, 5)

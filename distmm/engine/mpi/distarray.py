@@ -4,7 +4,8 @@ This module covers: ``DistArray`` (a 2-D matrix split over the ranks of an
 mpi4py communicator as a ``distmm.grid.BlockLayout`` says), its constructors
 (from local blocks, from a replicated array, from a file each rank reads its
 own part of), moving it to another layout (``redistribute``, one
-``Alltoallv``), ``gather`` onto one rank or all, and ``to_file``.
+``Alltoallv``; point-to-point pieces where a block passes what one MPI count holds),
+``gather`` onto one rank or all, and ``to_file``.
 It does *not* cover: the product (``distmm.engine.mpi.summa``), choosing grids
 (``distmm.grid``), or file formats beyond reading and writing blocks
 (``distmm.engine.mpi.io``).
@@ -363,10 +364,18 @@ class DistArray:
     # -- moving -----------------------------------------------------------------
     def redistribute(self, layout: BlockLayout) -> "DistArray":
         """The same matrix in another layout (one ``Alltoallv`` of raw bytes through
-        host memory; object arrays go pickled); cupy blocks come back as cupy blocks.
+        host memory, or messages of ``PIECE_BYTES`` where a block has more than
+        ``MAX_COUNT`` bytes; object arrays go pickled); cupy blocks come back as cupy blocks.
         Collective; a layout for another shape, for ranks the communicator does not
-        have, or different on different ranks is a ``ValueError`` on every rank."""
+        have, or different on different ranks is a ``ValueError`` on every rank, and one
+        that is not a ``BlockLayout`` (on any rank) a ``TypeError``."""
         join(self.comm, "DistArray.redistribute")
+        error = None
+        try:  # refused on one rank: the others would wait for it in the comparison below
+            _layout_type(layout)
+        except TypeError as exc:
+            error = exc
+        agree(self.comm, error, (), into=set(), when="in DistArray.redistribute")
         self._check_layout(layout, "redistribute")
         return self.moved(layout)
 
@@ -408,7 +417,11 @@ class DistArray:
                 send[pos:pos + count] = piece.reshape(-1).view(np.uint8)
                 pos += count
         recv = np.empty(sum(recv_counts), dtype=np.uint8)
-        comm.Alltoallv([send, send_counts], [recv, recv_counts])
+        if _over_one_count((self.layout, layout), item):
+            ends = np.cumsum([0] + send_counts).tolist()
+            _pairwise(comm, [send[ends[p]:ends[p + 1]] for p in range(size)], recv, recv_counts)
+        else:
+            comm.Alltoallv([send, send_counts], [recv, recv_counts])
         pos = 0
         for p, count in zip(pieces_in, recv_counts):
             if count:
@@ -455,7 +468,10 @@ class DistArray:
             counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
             flat = np.empty(sum(counts), dtype=np.uint8)
             mine = np.ascontiguousarray(self._host_local()).reshape(-1).view(np.uint8)
-            comm.Allgatherv(mine, [flat, counts])
+            if _over_one_count((BlockLayout.single(self.shape),), self.dtype.itemsize):
+                _pairwise(comm, [mine] * comm.size, flat, counts)
+            else:
+                comm.Allgatherv(mine, [flat, counts])
             blocks, pos = [], 0
             for r, count in enumerate(counts):
                 blocks.append(flat[pos:pos + count].view(self.dtype).reshape(self.layout.local_shape(r)))
@@ -539,6 +555,46 @@ def _agree_sent(comm, got) -> None:
     from distmm.errors import NotPicklable
 
     agree(comm, next((x for x in got if isinstance(x, NotPicklable)), None), (), into=set())
+
+
+#: the most bytes one exchange of ``redistribute`` or ``gather`` moves in one MPI call: its
+#: counts and displacements are C ints, which an MPI without large counts (Open MPI 5) refuses
+#: past 2**31 - 1 (``MPI_ERR_ARG`` on every rank)
+MAX_COUNT = 2**31 - 1
+#: the bytes of one message where the exchange goes point to point instead
+PIECE_BYTES = 2**30
+
+
+def _over_one_count(layouts, itemsize: int) -> bool:
+    """Whether a block of any of ``layouts`` (the same on every rank) holds more than
+    ``MAX_COUNT`` bytes: a rank's buffer, its counts or displacements could pass a C int."""
+    return any((r1 - r0) * (c1 - c0) * itemsize > MAX_COUNT
+               for layout in layouts for bi in range(layout.blocks[0])
+               for bj in range(layout.blocks[1])
+               for r0, r1, c0, c1 in [layout.bounds(bi, bj)])
+
+
+def _pairwise(comm, pieces, recv, recv_counts) -> None:
+    """``Alltoallv`` of bytes as point-to-point messages of at most ``PIECE_BYTES`` each, so
+    no count or displacement passes a C int: ``pieces[p]`` (a uint8 array) goes to rank p,
+    and rank p's piece for this rank lands in ``recv``, ``recv_counts[p]`` bytes packed in
+    rank order."""
+    from mpi4py import MPI
+
+    step = max(1, int(PIECE_BYTES))
+    requests, pos = [], 0
+    for peer, count in enumerate(recv_counts):
+        for lo in range(0, count, step):
+            requests.append(comm.Irecv(recv[pos + lo:pos + min(count, lo + step)],
+                                       source=peer, tag=_PAIRWISE_TAG))
+        pos += count
+    for peer, piece in enumerate(pieces):
+        for lo in range(0, piece.size, step):
+            requests.append(comm.Isend(piece[lo:lo + step], dest=peer, tag=_PAIRWISE_TAG))
+    MPI.Request.Waitall(requests)
+
+
+_PAIRWISE_TAG = 0x6d76  # the pieces of _pairwise (a pair's messages arrive in order)
 
 
 def _overlap(a, b):
