@@ -156,7 +156,12 @@ def follow_ups():
                                   else None), ValueError, "out= is not supported", alike=False)
     refused("matmul a replicated vector on the last rank",
             lambda: distmm.matmul(DistArray.from_array(a), np.ones(3) if last else b),
-            ValueError, "DistArray needs a 2-D array, got shape (3,)", alike=False)
+            ValueError, "b is 1-D beside a DistArray", alike=False)
+    # a vector beside a DistArray was "DistArray needs a 2-D array": numpy's result is 1-D
+    refused("matmul a replicated vector on every rank",
+            lambda: distmm.matmul(np.ones(a.shape[0]), DistArray.from_array(a)), ValueError,
+            "matmul: a is 1-D beside a DistArray, whose product numpy makes 1-D and a "
+            "DistArray cannot hold: pass a.reshape(1, -1)")
     # gemm read a DistArray as a 0-d array; tile= was not looked at
     refused("gemm of DistArrays", lambda: distmm.gemm(DistArray.from_array(a),
                                                       DistArray.from_array(b), engine="mpi"),
@@ -285,7 +290,7 @@ def test_layouts_and_files_one_rank_gets_wrong_are_refused_on_every_rank(tmp_pat
     collective); gemm refuses DistArrays by name (it read them as 0-d arrays), and matmul of
     DistArrays checks tile= (tile=0 was taken)."""
     r, lines, bad = _run(mpirun, tmp_path, 3, "fixes", timeout=90)
-    assert len(lines) == 3 * (13 + 17) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert len(lines) == 3 * (13 + 18) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
 
