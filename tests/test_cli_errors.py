@@ -303,6 +303,42 @@ def test_an_output_path_ending_in_a_separator_is_refused(files):
     assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy"]
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+def test_a_zarr_operand_named_with_a_trailing_separator_is_read(tmp_path, ranks, request):
+    """A shell completes a zarr array's folder as ``a.zarr/``: such an operand was refused
+    ("ends with a path separator: name a file"), a zarr array being a folder; it is read as
+    ``a.zarr``, a zarr array in a group (``g.zarr/A/``) too, on one process and 2 ranks."""
+    import zarr
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((13, 7)), rng.standard_normal((7, 5))
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=a.shape, chunks=(4, 3), dtype="f8")[...] = a
+    group = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
+    group.create_array("B", shape=b.shape, chunks=(3, 2), dtype="f8")[...] = b
+    argv = ("matmul", f"{tmp_path}/a.zarr/", f"{tmp_path}/g.zarr/B//", "-o", tmp_path / "c.npy")
+    if ranks == 1:
+        r = run_cli(*argv)
+    else:
+        r = request.getfixturevalue("mpirun")(ranks, "-m", "distmm", *argv)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "c.npy", "g.zarr"]
+
+
+def test_a_zarr_operand_whose_metadata_is_not_json_says_so(files):
+    """A zarr array whose zarr.json does not parse was said to be "not a zarr array: name an
+    array, e.g. z.zarr/NAME", advice for a group that it is not; it is named as unreadable."""
+    import zarr
+
+    zarr.create_array(str(files / "z.zarr"), shape=(6, 4), dtype="f8")[...] = 1.0
+    (files / "z.zarr" / "zarr.json").write_text("{not json")
+    r = run_cli("matmul", files / "z.zarr", files / "b.npy", "-o", files / "c.npy")
+    line = one_line(r)
+    assert r.returncode == 2 and "z.zarr is not a readable zarr array" in line, line
+    assert "zarr.json" in line and "NAME" not in line
+    assert not (files / "c.npy").exists()
+
+
 def test_batches_that_do_not_broadcast_say_so_once(files):
     np.save(files / "x.npy", np.ones((2, 3, 4)))
     np.save(files / "y.npy", np.ones((3, 4, 2)))
@@ -806,6 +842,23 @@ def test_an_h5_operand_with_an_empty_dataspace_holds_no_data(files, ranks, reque
     assert (f"{files / 'in.h5'}:E holds no data (an empty HDF5 dataspace); matmul needs arrays "
             f"of at least 1 dimension") in line and "scalar" not in line
     assert not (files / "c.npy").exists()
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+def test_a_truncated_npy_operand_says_how_much_it_holds(files, ranks, request):
+    """A .npy file cut short (a copy or a download that stopped) said numpy's memory map's
+    words ("mmap length is greater than file size"); it says the file is truncated, with the
+    bytes it holds and those its header describes: status 2, nothing written."""
+    x = np.random.default_rng().standard_normal((13, 4))
+    np.save(files / "t.npy", x)
+    data = (files / "t.npy").read_bytes()
+    (files / "t.npy").write_bytes(data[:-9])
+    r, line = _distmm(request, ranks, "matmul", files / "t.npy", files / "b.npy", "-o",
+                      files / "c.npy")
+    assert r.returncode == 2, r.stderr
+    assert (f"{files / 't.npy'} is truncated: it holds {x.nbytes - 9} of the {x.nbytes} bytes "
+            f"of data its header describes (shape (13, 4), dtype float64)") in line, line
+    assert sorted(p.name for p in files.iterdir()) == ["a.npy", "b.npy", "t.npy"]
 
 
 def test_an_npy_header_numpy_will_not_read_says_so_without_numpys_advice(tmp_path):

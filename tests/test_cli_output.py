@@ -157,6 +157,32 @@ def test_output_replacing_its_own_operand_gives_numpy_s_bits(tmp_path, mpirun, r
     assert partials(tmp_path) == []
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+@pytest.mark.parametrize("locking", ["TRUE", "FALSE"])
+def test_h5_output_into_a_hard_link_of_an_operand_s_file(tmp_path, request, ranks, locking):
+    """C added to an HDF5 file under a second name (a hard link) of the file its operands are
+    read from: the process's own read-only handles, found by path only, were taken for
+    another process's lock ("the file is open in another process", status 2), and without
+    HDF5's locking C was computed and its copy refused at the end ("file is already open for
+    read-only", status 1). One file by its inode: C is added, the operands kept."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((19, 11)), rng.standard_normal((11, 7))
+    with h5py.File(tmp_path / "in.h5", "w") as fh:
+        fh["A"], fh["B"] = a, b
+    os.link(tmp_path / "in.h5", tmp_path / "twin.h5")
+    argv = ["-m", "distmm", "matmul", "in.h5:A", "in.h5:B", "-o", "twin.h5:C"]
+    env = {"HDF5_USE_FILE_LOCKING": locking}
+    r = run_cli(*argv[2:], env=env, cwd=tmp_path) if ranks == 1 else \
+        request.getfixturevalue("mpirun")(2, *argv, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "in.h5", "r") as fh:
+        assert sorted(fh) == ["A", "B", "C"]
+        np.testing.assert_array_equal(fh["A"][...], a)
+        np.testing.assert_array_equal(fh["B"][...], b)
+        np.testing.assert_allclose(fh["C"][...], a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "twin.h5"]
+
+
 def test_zarr_group_is_never_replaced(tmp_path, operands):
     pa, pb, ref = operands
     g = zarr.open_group(str(tmp_path / "proj.zarr"), mode="w")
@@ -964,3 +990,30 @@ def test_a_read_only_file_in_a_writable_folder_may_be_replaced(as_nobody):
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"[Errno 13] cannot be written (Permission denied): '{f}'\n"
     assert f.read_text() == "[1]"
+
+
+@pytest.mark.parametrize("kind", ["h5", "zarr"])
+def test_an_operand_its_user_may_not_read_is_named_in_one_line(as_nobody, kind):
+    """An HDF5 file or a zarr folder the user may not read: the HDF5 one said h5py's words on
+    HDF5's call ("Unable to determine if file is accessible as hdf5 (unable to open file:
+    name = ..., errno = 13, ...)"), the zarr one named a file it does not hold
+    ("Permission denied: a.zarr/.zarray" for a zarr v3 array). Both now say "Permission
+    denied" naming the operand, as a .npy file's refusal does: status 2, nothing written."""
+    folder, run = as_nobody
+    rng = np.random.default_rng()
+    a = rng.standard_normal((7, 5))
+    np.save(folder / "b.npy", rng.standard_normal((5, 3)))
+    if kind == "h5":
+        with h5py.File(folder / "a.h5", "w") as fh:
+            fh["A"] = a
+        (folder / "a.h5").chmod(0o600)
+        spec, name = "a.h5:A", "a.h5"
+    else:
+        zarr.create_array(str(folder / "a.zarr"), shape=a.shape, chunks=(3, 2),
+                          dtype="f8", zarr_format=3)[...] = a
+        (folder / "a.zarr").chmod(0o700)
+        spec, name = "a.zarr", "a.zarr"
+    r = run("both", "-m", "distmm", "matmul", spec, "b.npy", "-o", "c.npy", "--engine", "local")
+    assert r.returncode == 2, r.stderr
+    assert one_line(r.stderr) == f"distmm matmul: error: Permission denied: {name}\n"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([name, "b.npy"])

@@ -41,8 +41,8 @@ from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, co
                             create_h5_stage, h5_held, put_in_place, reclaimable, staged_path,
                             zarr_node)
 
-__all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "check_target",
-           "check_report", "check_space", "check_writable", "check_unlocked",
+__all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "operand_target",
+           "check_target", "check_report", "check_space", "check_writable", "check_unlocked",
            "result_shape", "unreadable", "Target", "NpyWriter", "SUFFIXES"]
 
 SUFFIXES = (".npy", ".zarr", ".h5", ".hdf5")
@@ -74,6 +74,27 @@ def parse_target(spec: str) -> Target:
     """
     f = output_spec(spec)
     return Target(f.kind, f.path, f.dataset)
+
+
+def operand_target(spec: str) -> Target:
+    """``parse_target`` for an operand: a zarr array's folder may end with a path separator,
+    as a shell's completion writes it (``a.zarr/``, ``group.zarr/A/``).
+
+    Raises
+    ------
+    ValueError
+        See ``parse_target``.
+    """
+    spec = str(spec)
+    bare = spec.rstrip("/" + os.sep)
+    if bare != spec and bare:
+        try:
+            t = parse_target(bare)
+        except ValueError:
+            t = None
+        if t is not None and t.kind == "zarr":
+            return t
+    return parse_target(spec)
 
 
 # ---------------------------------------------------------------- reading
@@ -212,13 +233,15 @@ def open_operand(spec: str, *, writable: bool = False):
         The file (or the HDF5 dataset) does not exist; the message says "no such file".
     IsADirectoryError
         A folder where a ``.npy`` or HDF5 file was expected.
+    PermissionError
+        A file, or a zarr array's folder, this user may not read; the message names it.
     ValueError
-        Unsupported suffix, a file that is not of its suffix's format, a
-        zarr group where an array was expected, or an HDF5 file that another
-        process holds: its file lock, or an SWMR writer (HDF5 files are read
-        only when no process writes them).
+        Unsupported suffix, a file that is not of its suffix's format (a ``.npy`` file
+        shorter than its header says: truncated), a zarr group where an array was expected,
+        or an HDF5 file that another process holds: its file lock, or an SWMR writer (HDF5
+        files are read only when no process writes them).
     """
-    t = parse_target(spec)
+    t = operand_target(spec)
     if not t.path.exists():
         raise FileNotFoundError(f"no such file: {t.path}")
     if t.kind == "npy":
@@ -237,17 +260,27 @@ def open_operand(spec: str, *, writable: bool = False):
         import zarr
 
         try:
-            node = zarr_node(t.path) if t.path.is_dir() else None
+            try:
+                node = zarr_node(t.path) if t.path.is_dir() else None
+            except PermissionError as exc:  # a folder this user may not enter: named itself,
+                # not the first metadata file looked for in it
+                raise PermissionError(exc.errno, exc.strerror, str(t.path)) from None
             if node == "array":
                 return zarr.open_array(str(t.path), mode="r")
         except (ValueError, TypeError, KeyError) as exc:  # metadata zarr cannot read
             raise ValueError(f"{t.path} is not a readable zarr array ({_why(exc)})") from None
+        meta = [m for m in (".zarray", ".zgroup", "zarr.json") if (t.path / m).is_file()]
+        if node is None and meta:  # zarr_node reads no node type from it
+            raise ValueError(f"{t.path} is not a readable zarr array (its metadata file "
+                             f"{t.path / meta[0]} is not zarr metadata)")
         what = "a zarr group" if node == "group" else "not a zarr array"
         raise ValueError(f"{t.path} is {what}: name an array, e.g. {t.path}/NAME")
     import h5py
 
     if t.path.is_dir():
         raise IsADirectoryError(f"{t.path} is a directory, not an HDF5 file")
+    with open(t.path, "rb"):  # a file this user may not read: PermissionError naming it,
+        pass  # not h5py's words on HDF5's call
     if not h5py.is_hdf5(t.path):
         raise ValueError(f"{t.path} is not an HDF5 file")
     if writable and _held_elsewhere(t.path):  # C could not be copied into it at the end
@@ -307,12 +340,17 @@ def _check_npy(path: Path) -> None:
             f.seek(0)
             version = fmt.read_magic(f)
             read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            dtype = read(f)[2]
+            shape, _, dtype = read(f)
+            have = os.fstat(f.fileno()).st_size - f.tell()
         except (ValueError, EOFError, SyntaxError):
             return  # np.load's own error says what is wrong
     if dtype.hasobject:
         raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
                         f"not unpickle files; save a numeric array")
+    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if have < need:  # a copy or a download cut short; numpy's memory map says "mmap length"
+        raise ValueError(f"{path} is truncated: it holds {have} of the {need} bytes of data "
+                         f"its header describes (shape {shape}, dtype {dtype})")
 
 
 def _why(exc: BaseException) -> str:
@@ -450,13 +488,22 @@ def _held_elsewhere(path: Path) -> bool:
 
 def same_file(a: str, b: str) -> bool:
     """Whether two specs name the same HDF5 file (``x.h5:A`` and ``x.h5:C``)."""
-    ta, tb = parse_target(a), parse_target(b)
+    ta, tb = operand_target(a), operand_target(b)
     if ta.kind != "h5" or tb.kind != "h5":
         return False
+    return _one_file(ta.path, tb.path)
+
+
+def _one_file(p: Path, q: Path) -> bool:
+    """Whether two paths name one file: one inode (a hard link, a bind mount, a link), else,
+    where either does not exist, one resolved path."""
     try:
-        return ta.path.resolve() == tb.path.resolve()
+        return os.path.samefile(p, q)
     except OSError:
-        return False
+        try:
+            return p.resolve() == q.resolve()
+        except OSError:
+            return False
 
 
 def check_report(flag: str, path, files) -> None:
@@ -491,7 +538,7 @@ def check_report(flag: str, path, files) -> None:
         raise IsADirectoryError(f"{flag} {p} is a directory; name a file, e.g. {p}/profile.json")
     own = p.resolve()
     for spec in files:
-        if parse_target(str(spec)).path.resolve() == own:
+        if operand_target(str(spec)).path.resolve() == own:
             raise ValueError(f"{flag} {p} is also the product's {spec}: name another file")
     try:  # a dead run's temporary under this PID is left: replaced as the report is written
         check_creatable(f"{p}.tmp-{os.getpid()}")
@@ -598,13 +645,13 @@ def _settle_zarr() -> None:
 
 def _own_ids(path: Path) -> list:
     """The HDF5 objects this process holds open in the file ``path`` (an operand's dataset,
-    say)."""
+    say), under any of its names (``_one_file``)."""
     import h5py
 
-    own, ids = path.resolve(), []
+    ids = []
     for oid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_ALL):
         try:
-            if oid.valid and Path(os.fsdecode(h5py.h5f.get_name(oid))).resolve() == own:
+            if oid.valid and _one_file(Path(os.fsdecode(h5py.h5f.get_name(oid))), path):
                 ids.append(oid)
         except (OSError, ValueError):
             continue
