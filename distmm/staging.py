@@ -244,7 +244,7 @@ def check_target(t, overwrite: bool) -> bool:
         An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
         an SWMR writer, one that stopped and left it marked open, a writer's file lock); or
         whose dataset path goes through something other than a group of that very file
-        (``_check_h5_path``); a zarr target inside a zarr array (``_check_zarr_path``).
+        (``_check_h5_path``); a target inside a zarr array (``_check_zarr_path``).
     PermissionError
         An existing HDF5 file that cannot be opened for writing, as the copy of the dataset
         into it will open it (``_check_opens``); an existing ``.npy`` file or zarr folder that
@@ -257,8 +257,7 @@ def check_target(t, overwrite: bool) -> bool:
         raise FileNotFoundError(f"no such folder for the output {label}: {parent}")
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
-    if t.kind == "zarr":
-        _check_zarr_path(p, label)
+    _check_zarr_path(p, label, t.kind)
     if p.is_symlink() and not p.exists():  # a link to nothing: exists() follows it
         where = f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
         if t.kind != "npy":
@@ -340,12 +339,14 @@ def unremovable(folder) -> str | None:
     return None
 
 
-def _check_zarr_path(path: Path, label: str) -> None:
-    """Refuse a zarr target ``path`` (its folder exists) that lies inside a zarr array: a
+def _check_zarr_path(path: Path, label: str, kind: str = "zarr") -> None:
+    """Refuse a target ``path`` (its folder exists) that lies inside a zarr array: a
     folder above it, symbolic links followed, holds an array's metadata (``.zarray``, or
-    ``zarr.json`` of node_type array). The new array would be written into the array's folder,
-    where zarr finds it through no group (an array holds no nodes), as ``_check_h5_path``
-    refuses a dataset path through a dataset.
+    ``zarr.json`` of node_type array). A new zarr array would be written into the array's
+    folder, where zarr finds it through no group (an array holds no nodes), as
+    ``_check_h5_path`` refuses a dataset path through a dataset; a ``.npy`` or HDF5 file
+    (``kind``) would sit among its chunks, and change an operand read from it while the run
+    reads it.
 
     Raises
     ------
@@ -367,6 +368,10 @@ def _check_zarr_path(path: Path, label: str) -> None:
             continue
         if node == "array":
             name = given.get(above, above)
+            if kind != "zarr":
+                raise ValueError(f"cannot write {label}: it lies inside the zarr array {name}, "
+                                 f"among its chunks; name a file outside it, e.g. "
+                                 f"{name.parent / path.name}")
             raise ValueError(f"cannot write {label}: {name} is a zarr array, not a group; "
                              f"name an array in a zarr group or a folder, e.g. "
                              f"{name.parent / 'C.zarr'}")

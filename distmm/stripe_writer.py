@@ -77,12 +77,13 @@ def output_spec(spec) -> FileSpec:
     Raises
     ------
     ValueError
-        A suffix distmm does not write, a name ending with a path separator (a folder), or
+        A suffix distmm does not write, a name ending with a path separator (a folder; a
+        zarr array's may), or
         a dataset path with a ``.`` or ``..`` part (HDF5 would make a link of that name);
         the message names the path.
     """
     spec = str(spec)
-    if spec.endswith(("/", os.sep)):
+    if spec.endswith(("/", os.sep)) and not _zarr_folder(spec):
         raise ValueError(f"{spec} ends with a path separator: name a file (a.npy, c.zarr, "
                          f"file.h5:C), not a folder")
     f = parse_spec(spec)
@@ -90,6 +91,16 @@ def output_spec(spec) -> FileSpec:
         raise ValueError(f"dataset path {f.dataset!r} in {spec}: '.' and '..' are not dataset "
                          f"names; give the path from the file's root, e.g. file.h5:group/C")
     return f
+
+
+def _zarr_folder(spec: str) -> bool:
+    """Whether ``spec`` less its trailing separators names a zarr array (``c.zarr/``, as a
+    shell's completion writes the folder): a folder, which may end with one."""
+    bare = spec.rstrip("/" + os.sep)
+    try:
+        return bool(bare) and _h5_split(bare) is None and parse_spec(bare).kind == "zarr"
+    except ValueError:
+        return False
 
 
 def check_dtype(f: FileSpec, dtype) -> None:

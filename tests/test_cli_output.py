@@ -1017,3 +1017,56 @@ def test_an_operand_its_user_may_not_read_is_named_in_one_line(as_nobody, kind):
     assert r.returncode == 2, r.stderr
     assert one_line(r.stderr) == f"distmm matmul: error: Permission denied: {name}\n"
     assert sorted(p.name for p in folder.iterdir()) == sorted([name, "b.npy"])
+
+
+# ---------------------------------------------------------------- names of the output
+
+
+@pytest.mark.slow  # three commands, ~5 s (8 s on two ranks)
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+def test_a_zarr_output_named_as_a_folder_and_the_line_naming_what_was_written(
+        tmp_path, operands, mpirun, ranks):
+    """``-o c.zarr/`` (a shell's completion of the folder) was refused as "ends with a path
+    separator"; ``-o x.h5:`` wrote the dataset ``data`` but said "wrote x.h5:". The line
+    names the target written; a .npy or HDF5 name ending with a separator is still refused."""
+    import zarr
+
+    pa, pb, ref = operands
+
+    def cli(*argv):
+        argv = ("matmul", pa, pb, "-o", *map(str, argv))
+        return run_cli(*argv) if ranks == 1 else mpirun(2, "-m", "distmm", *argv)
+
+    r = cli(f"{tmp_path / 'c.zarr'}/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {tmp_path / 'c.zarr'}: shape (37, 29)"), r.stdout
+    np.testing.assert_allclose(zarr.open_array(str(tmp_path / "c.zarr"), mode="r")[...], ref,
+                               rtol=1e-12)
+    r = cli(f"{tmp_path / 'x.h5'}:")
+    assert r.returncode == 0 and r.stdout.startswith(f"wrote {tmp_path / 'x.h5'}:data: "), r
+    with h5py.File(tmp_path / "x.h5", "r") as f:
+        np.testing.assert_allclose(f["data"][...], ref, rtol=1e-12)
+    r = cli(f"{tmp_path / 'c.npy'}/")
+    assert r.returncode == 2 and "ends with a path separator" in r.stderr, r.stderr
+    if ranks == 1:
+        one_line(r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.zarr", "x.h5"]
+
+
+@pytest.mark.parametrize("out", ["x.npy", "x.h5:C", "sub.zarr"])
+def test_an_output_inside_a_zarr_array_is_refused_before_any_work(tmp_path, out):
+    """``-o sq.zarr/x.npy`` with ``sq.zarr`` an operand: C was computed, then the run failed
+    with "input A (sq.zarr) changed" (its staged file counted in the folder's size), and any
+    .npy or HDF5 file there sits among an array's chunks. Refused in one line before any work,
+    as a zarr array inside a zarr array already was; the array untouched."""
+    import zarr
+
+    sq = tmp_path / "sq.zarr"
+    zarr.save_array(str(sq), np.random.default_rng().standard_normal((6, 6)))
+    before = sorted(p.relative_to(sq) for p in sq.rglob("*"))
+    r = run_cli("matmul", sq, sq, "-o", f"{sq}/{out}")
+    assert r.returncode == 2, r.stderr
+    assert f"cannot write {sq}/{out}" in one_line(r.stderr)
+    assert ("it lies inside the zarr array" if not out.endswith(".zarr") else
+            "is a zarr array, not a group") in r.stderr
+    assert sorted(p.relative_to(sq) for p in sq.rglob("*")) == before

@@ -409,7 +409,7 @@ def _cmd_matmul(args) -> int:
         if client is not None:
             client.close()
     seconds = time.perf_counter() - t0
-    print(f"wrote {args.output}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
+    print(f"wrote {target}: shape {shape}, dtype {dtype}, {seconds:.3f} s")
     return 0
 
 

@@ -152,11 +152,11 @@ def run_matmul(args) -> int:
                   file=sys.stderr, flush=True)
         _end(outcome.status)
     if why is not None:
-        print(f"distmm matmul: error: wrote {args.output}, but {why}", file=sys.stderr,
+        print(f"distmm matmul: error: wrote {target}, but {why}", file=sys.stderr,
               flush=True)
         _end(FAILED)
     if comm.rank == 0:
-        print(f"wrote {args.output}: shape {(m, n)}, dtype {dtype}, {comm.size} "
+        print(f"wrote {target}: shape {(m, n)}, dtype {dtype}, {comm.size} "
               f"rank{'s' if comm.size != 1 else ''}, grid {grid.rows}x{grid.cols}, "
               f"{time.perf_counter() - t0:.3f} s{totals}")
     _end(0)  # the output is on disk: tearing down CUDA, NCCL and pinned memory is not waited for
@@ -242,7 +242,7 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     """Vectors and stacks: every rank computes the product with the MPI engine,
     rank 0 writes it (staged), and all agree on the outcome."""
     import distmm
-    from distmm.cli.io import staged_output
+    from distmm.cli.io import parse_target, staged_output
     from distmm.engine.mpi.batch import close_sources
 
     error = c = None
@@ -265,7 +265,7 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     if error is not None:
         return _fail(comm, error)
     if comm.rank == 0:
-        print(f"wrote {args.output}: shape {c.shape}, dtype {c.dtype}, {comm.size} "
+        print(f"wrote {parse_target(args.output)}: shape {c.shape}, dtype {c.dtype}, {comm.size} "
               f"rank{'s' if comm.size != 1 else ''}, {time.perf_counter() - t0:.3f} s")
     return 0
 
