@@ -14,6 +14,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``eager``      the scatter/gather loop for in-memory operands, with retries
                and, in block mode, the fallback of failed GPU cells to CPU workers
 ``lazy``       dask-array operands: the lazy result array
+``stacks``     dask-array stacks of small matrices each whole in a chunk: one task per
+               batch chunk of the result
 ``workers``    GPU workers (a "GPU" resource or a probe) and each worker's GFLOP/s
 ``transfer``   device (cupy) chunks between GPU workers of one host through
                CUDA IPC: the mode, the probe per cluster, the export tasks'
@@ -341,8 +343,10 @@ class DaskEngine(Engine):
         themselves when it is a staged output file they all see:
         ``distmm.engine.dask.sink``), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
-        chunk per element along batch axes). Gathers the cluster's facts, plans
-        block mode's placement (``distmm.plan_blocks``) where it applies, then runs."""
+        chunk per element along batch axes, except for a stack of small matrices each
+        whole in a chunk: the operands' batch chunks, ``stacks``). Gathers the cluster's
+        facts, plans block mode's placement (``distmm.plan_blocks``) where it applies, then
+        runs."""
         try:
             return self._run(request)
         except SchedulerLost:
@@ -414,6 +418,7 @@ class DaskEngine(Engine):
         return ClusterFacts(infos, where, pairs, nccl), info
 
     def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
+        from distmm.engine.dask import stacks
         from distmm.engine.dask.lazy import lazy_product
 
         ops, plan = request.operands, request.plan
@@ -422,6 +427,10 @@ class DaskEngine(Engine):
                                follow_chunks=tuple(plan.tile) == _chunk_tile_of(ops))
         if facts is not None:
             result = self._lazy_blocks(request, facts, geometry, stats)
+        elif stacks.applies(ops, plan, geometry):
+            result = stacks.lazy_stack(ops, plan, a2, b2, request.backend)
+            stats.update(tasks=len(result.dask.layers[result.name]), cells=1,
+                         estimated_bytes={"plan": plan.bytes_moved})
         else:
             slots = self.slots
             if slots and not ops.batch:

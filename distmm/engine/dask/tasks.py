@@ -3,11 +3,11 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, the final cast to numpy's result dtype, and the floating-point
-flags those raise (kept on the worker under the call's token for the client to
-report as numpy's matmul would, ``recording_flags``/``pop_flags``; an object block's
-elements keep theirs by row, ``distmm.fpflags.Row``). Block mode's
-task bodies are in ``distmm.engine.dask.blocks``.
+reduction tree, a batch chunk of a stack of whole matrices (``stack_block``), the
+final cast to numpy's result dtype, and the floating-point flags those raise (kept on
+the worker under the call's token for the client to report as numpy's matmul would,
+``recording_flags``/``pop_flags``; an object block's elements keep theirs by row,
+``distmm.fpflags.Row``). Block mode's task bodies are in ``distmm.engine.dask.blocks``.
 It does *not* cover: which chunks a task gets (``distmm.engine.dask.chunks``),
 building the graph (``distmm.engine.dask.graph``) or kernels
 (``distmm.executor``). The functions here are module-level, pickled by
@@ -27,9 +27,9 @@ import numpy as np
 from distmm.engine.tiles import finish_tile, tile_partial
 from distmm.fpflags import collect
 
-__all__ = ["TaskPlan", "BlockSpec", "partial_block", "sum_step", "executor_for", "cached_executor",
-           "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk", "recording_flags",
-           "pop_flags"]
+__all__ = ["TaskPlan", "BlockSpec", "partial_block", "stack_block", "sum_step", "executor_for",
+           "cached_executor", "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk",
+           "recording_flags", "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -206,6 +206,47 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     if not spec.finish:
         return acc
     return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+
+
+@recording_flags
+def stack_block(tp: TaskPlan, backend: str, a, a_index: tuple, b, b_index: tuple,
+                batch: tuple, offset: tuple):
+    """One batch chunk of a stack of whole matrices (``distmm.engine.dask.stacks``): the
+    chunks ``a`` and ``b`` indexed by ``a_index``/``b_index`` along their batch axes,
+    broadcast to ``batch``, and each element's product as ``partial_block`` computes the
+    block of one element whose matrices are one chunk each (one k piece, then the cast).
+    ``offset``: where the chunk starts in C's batch axes."""
+    from distmm.plan import np_dtype
+
+    a = a[a_index]
+    b = b[b_index]
+    executor = executor_for(backend, tp.acc_dtype, a, tp.precision)
+    if _whole_stack(executor, tp):
+        # numpy's matmul of a stack runs its loop of one matrix on each element, as it does
+        # for one matrix of the same strides: the same bits as element by element (and it
+        # broadcasts the batch axes itself: no copy per element of a broadcast matrix)
+        acc = np_dtype(tp.acc_dtype)
+        return finish_tile(tp, executor.panel_product(executor.asarray(a, acc),
+                                                      executor.asarray(b, acc), tp.tile[2]))
+    a = np.broadcast_to(a, batch + a.shape[-2:])
+    b = np.broadcast_to(b, batch + b.shape[-2:])
+    out = np.empty(batch + (a.shape[-2], b.shape[-1]), np_dtype(tp.dtype))
+    for idx in np.ndindex(*batch):
+        at = tuple(o + i for o, i in zip(offset, idx)) + (0, 0)
+        part = executor.to_host(tile_partial(executor, tp, a[idx], b[idx], at))
+        out[idx] = finish_tile(tp, part)
+    return out
+
+
+def _whole_stack(executor, tp: TaskPlan) -> bool:
+    """Whether ``executor``'s product of a tile is ``numpy.matmul`` of its panels in the
+    result's dtype: the CPU executor's BLAS dtypes at the highest precision."""
+    from distmm.executor.cpu import CPUExecutor
+    from distmm.plan import np_dtype
+
+    acc = np_dtype(tp.acc_dtype)
+    return (isinstance(executor, CPUExecutor) and tp.precision == "highest"
+            and acc == np_dtype(tp.dtype) and executor.threads_inside(acc))
 
 
 def _empty_block(tp: TaskPlan, spec: BlockSpec, blocks):

@@ -1,0 +1,125 @@
+"""Stacks of whole matrices: one task per batch chunk of the result.
+
+This module covers: whether a product of dask operands is a stack whose every element's
+matrices lie whole in one chunk (``applies``), the result's batch chunks (the operands'
+batch chunk edges joined, broadcast as numpy broadcasts: an operand of batch extent 1 is
+read by every chunk), and the lazy result over them, one ``tasks.stack_block`` per
+output batch chunk, with no rechunk of the operands.
+It does *not* cover: the per-element arithmetic (``tasks.stack_block``, which is
+``partial_block``'s), products whose matrices span chunks (``lazy.lazy_product``: one
+task per element and output block).
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from distmm.engine.dask.chunks import Geometry, edges
+
+__all__ = ["SMALL_FLOPS", "applies", "batch_chunks", "lazy_stack"]
+
+#: largest ``2 m n k`` of one element that the stack path takes (one 400^3 product): above
+#: it an element is enough work for a task of its own, which keeps every worker busy on a
+#: short stack of large matrices (``bench/NOTES.md``, "Stacks of small matrices")
+SMALL_FLOPS = 2 ** 27
+
+
+def applies(ops, plan, geometry: Geometry) -> bool:
+    """Whether the product of dask operands ``ops`` runs one task per batch chunk: a
+    stack (batch axes) of small elements (``SMALL_FLOPS``) whose matrices are one chunk
+    each in both operands, the plan's one output block and one k group per element,
+    and numpy chunks (device chunks keep one task per element)."""
+    if not ops.batch or 2 * ops.m * ops.n * ops.k > SMALL_FLOPS:
+        return False
+    a2, b2 = ops.a2, ops.b2
+    if any(len(c) != 1 for c in a2.chunks[-2:] + b2.chunks[-2:]):
+        return False
+    if geometry.grid != (1, 1) or geometry.groups != 1:
+        return False
+    return all(isinstance(getattr(x, "_meta", None), np.ndarray) for x in (a2, b2))
+
+
+def _axes(x, batch: tuple) -> list:
+    """For each output batch axis, the axis of ``x`` aligned with it (from the right) and
+    whether ``x`` spans it (its extent is the output's, not a broadcast 1), or None."""
+    nb = x.ndim - 2
+    out = []
+    for j, size in enumerate(batch):
+        axis = j - (len(batch) - nb)
+        if axis < 0:
+            out.append(None)
+        else:
+            out.append((axis, x.shape[axis] == size and size != 1))
+    return out
+
+
+def batch_chunks(a2, b2, batch: tuple) -> tuple:
+    """The result's chunks along its batch axes: every chunk edge of an operand spanning
+    that axis (one chunk where the axis is broadcast from extent 1)."""
+    chunks = []
+    for j, size in enumerate(batch):
+        cuts = {0, size}
+        for x in (a2, b2):
+            spec = _axes(x, batch)[j]
+            if spec is not None and spec[1]:
+                cuts |= set(edges(x.chunks[spec[0]]))
+        cuts = sorted(cuts)
+        chunks.append(tuple(hi - lo for lo, hi in zip(cuts[:-1], cuts[1:])) or (0,))
+    return tuple(chunks)
+
+
+def _reads(x, batch: tuple, lo: tuple, hi: tuple) -> tuple[tuple, tuple]:
+    """The key index of the chunk of ``x`` that an output batch block ``[lo, hi)`` reads
+    and the index into it (its batch axes, then its whole matrix)."""
+    block, index = [], []
+    for j, spec in enumerate(_axes(x, batch)):
+        if spec is None:
+            continue
+        axis, spans = spec
+        if not spans:
+            block.append(0)
+            index.append(slice(None))
+            continue
+        offsets = edges(x.chunks[axis])
+        c = bisect.bisect_right(offsets, lo[j]) - 1
+        block.append(c)
+        index.append(slice(lo[j] - offsets[c], hi[j] - offsets[c]))
+    return tuple(block) + (0, 0), tuple(index)
+
+
+def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
+    """The lazy ``A @ B`` of dask operands ``a2``, ``b2`` (1-D already promoted) for which
+    ``applies``: ``ops.out_shape``, numpy's result dtype, one task per output batch chunk
+    (``annotations``: the layer's, an enclosing ``dask.annotate``'s where None)."""
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    from distmm.engine.dask.graph import make_task, task_ref
+    from distmm.engine.dask.tasks import TaskPlan, stack_block
+
+    dtype = np.dtype(ops.dtype)
+    batch = tuple(ops.batch)
+    bchunks = batch_chunks(a2, b2, batch)
+    chunks = bchunks + ((ops.m,), (ops.n,))
+    if 0 in ops.out_shape or plan.k == 0:
+        return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
+    tp = TaskPlan.of(plan)
+    name = "distmm-matmul-" + tokenize("stack", a2.name, b2.name, tp, backend, batch, bchunks)
+    offsets = [edges(c) for c in bchunks]
+    dsk = {}
+    for blk in np.ndindex(*(len(c) for c in bchunks)):
+        lo = tuple(offsets[j][i] for j, i in enumerate(blk))
+        hi = tuple(offsets[j][i + 1] for j, i in enumerate(blk))
+        a_key, a_index = _reads(a2, batch, lo, hi)
+        b_key, b_index = _reads(b2, batch, lo, hi)
+        key = (name,) + blk + (0, 0)
+        shape = tuple(h - l for l, h in zip(lo, hi))
+        dsk[key] = make_task(key, stack_block, tp, backend, task_ref((a2.name,) + a_key),
+                             a_index, task_ref((b2.name,) + b_key), b_index, shape, lo)
+    layer = MaterializedLayer(dsk, annotations=annotations)
+    hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
+    meta = meta_from_array(a2._meta, ndim=len(ops.out_shape), dtype=dtype)
+    return da.Array(hlg, name, chunks, dtype=dtype, meta=meta)

@@ -1,0 +1,197 @@
+"""Stacks of whole matrices in dask operands: one task per batch chunk of the result
+(``distmm.engine.dask.stacks``), with numpy's values and dtype, the per-element path's bits,
+dask's output chunks, broadcasting, empty stacks and 1-d operands, on the local scheduler and
+on a distributed client."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from conftest import random_array
+
+import distmm
+
+EXACT = ("f2", "i1", "i4", "i8", "u1", "?", "c8", "c16", "O")
+
+
+def _own_tasks(c) -> int:
+    """The tasks of distmm's own layer of the lazy result ``c``."""
+    return len(c.dask.layers[c.name])
+
+
+def _ref(x, y):
+    with np.errstate(all="ignore"):
+        return np.matmul(x, y)
+
+
+def _check(got, x, y, dtype_exact: bool = False):
+    want = _ref(x, y)
+    assert isinstance(got, da.Array)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    with np.errstate(all="ignore"):
+        value = got.compute(scheduler="sync")
+    assert value.dtype == want.dtype and value.shape == want.shape
+    if dtype_exact:
+        np.testing.assert_array_equal(value, want, strict=True)
+    else:
+        wide = np.promote_types(want.dtype, np.float64)  # float64 or complex128
+        ref = np.matmul(x.astype(wide), y.astype(wide))
+        tol = 1e-5 if want.dtype in (np.float32, np.complex64) else 1e-12
+        np.testing.assert_allclose(value, ref, rtol=tol, atol=tol)
+    return value
+
+
+def test_a_stack_is_one_task_per_batch_chunk():
+    # 2000 products of 4x5 @ 5x3 in two batch chunks: two tasks, not one per element
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((2000, 4, 5)), rng.standard_normal((2000, 5, 3))
+    a, b = da.from_array(x, chunks=(1000, 4, 5)), da.from_array(y, chunks=(1000, 5, 3))
+    c = distmm.matmul(a, b)
+    assert _own_tasks(c) == 2
+    assert len(c.__dask_graph__()) <= 10
+    assert c.chunks == da.matmul(a, b).chunks == ((1000, 1000), (4,), (3,))
+    _check(c, x, y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape", [((37, 3, 7), (37, 7, 5)), ((1, 3, 7), (37, 7, 5)),
+                                             ((3, 7), (2, 37, 7, 5)), ((37, 1, 7), (37, 7, 5)),
+                                             ((37, 3, 7), (1, 7, 1))])
+def test_stack_bits_are_the_per_element_paths(monkeypatch, x_shape, y_shape):
+    from distmm.engine.dask import stacks
+
+    rng = np.random.default_rng()
+    elements = int(np.prod(np.broadcast_shapes(x_shape[:-2], y_shape[:-2])))
+    for dt in ("f8", "f4", "c16", "i8", "f2", "O"):
+        if dt == "O":
+            x = rng.integers(-9, 9, x_shape).astype(object)
+            y = rng.integers(-9, 9, y_shape).astype(object)
+        else:
+            x, y = random_array(rng, x_shape, dt), random_array(rng, y_shape, dt)
+        a = da.from_array(x, chunks=(10,) * (x.ndim - 2) + x_shape[-2:])
+        b = da.from_array(y, chunks=(16,) * (y.ndim - 2) + y_shape[-2:])
+        with np.errstate(all="ignore"):
+            new = distmm.matmul(a, b)
+            with monkeypatch.context() as m:
+                m.setattr(stacks, "SMALL_FLOPS", -1)
+                old = distmm.matmul(a, b)
+            assert _own_tasks(old) == elements > _own_tasks(new)
+            assert _own_tasks(new) == np.prod([len(c) for c in new.chunks])
+            np.testing.assert_array_equal(new.compute(), old.compute(), strict=True)
+            np.testing.assert_array_equal(new.compute(), _ref(x, y), strict=True)
+
+
+@pytest.mark.parametrize("dta,dtb", [("f8", "f8"), ("f4", "f4"), ("f4", "f8"), ("f2", "f2"),
+                                     ("i4", "i4"), ("u1", "i1"), ("i8", "i8"), ("?", "?"),
+                                     ("c8", "f4"), ("c16", "c16"), ("?", "f4")])
+def test_dtypes_and_values_are_numpys(dta, dtb):
+    rng = np.random.default_rng()
+    x, y = random_array(rng, (23, 3, 6), dta), random_array(rng, (23, 6, 4), dtb)
+    a, b = da.from_array(x, chunks=(7, 3, 6)), da.from_array(y, chunks=(7, 6, 4))
+    c = distmm.matmul(a, b)
+    assert _own_tasks(c) == 4
+    exact = dta in EXACT and dtb in EXACT or dta == dtb == "f2"
+    _check(c, x, y, dtype_exact=exact)
+
+
+def test_object_stacks():
+    rng = np.random.default_rng()
+    x = rng.integers(-10**18, 10**18, (9, 2, 3)).astype(object) * 10**9  # beyond int64
+    y = rng.integers(-100, 100, (9, 3, 2)).astype(object)
+    c = distmm.matmul(da.from_array(x, chunks=(4, 2, 3)), da.from_array(y, chunks=(5, 3, 2)))
+    assert _own_tasks(c) == 4  # batch edges 0, 4, 5, 8, 9
+    _check(c, x, y, dtype_exact=True)
+
+
+@pytest.mark.parametrize("x_shape,y_shape,x_chunks,y_chunks,tasks", [
+    ((1, 4, 5), (31, 5, 2), (1, 4, 5), (10, 5, 2), 4),       # a broadcast over b's chunks
+    ((31, 4, 5), (5, 2), (8, 4, 5), (5, 2), 4),              # a 2-d b
+    ((6, 1, 4, 5), (7, 5, 2), (4, 1, 4, 5), (3, 5, 2), 6),   # both broadcast, more batch axes
+    ((19, 4, 5), (19, 5, 3), (5, 4, 5), (7, 5, 3), 6),       # unequal batch chunks: joined
+    ((3, 1, 4, 5), (1, 11, 5, 3), (2, 1, 4, 5), (1, 4, 5, 3), 6),
+])
+def test_broadcast_batch_axes(x_shape, y_shape, x_chunks, y_chunks, tasks):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    a, b = da.from_array(x, chunks=x_chunks), da.from_array(y, chunks=y_chunks)
+    for d1, d2 in [(a, b), (x, b), (a, y)]:
+        c = distmm.matmul(d1, d2)
+        if d1 is a and d2 is b:
+            assert _own_tasks(c) == tasks
+            ours = da.matmul(a, b).chunks
+            assert c.chunks == ours  # dask's own batch chunks
+        _check(c, x, y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape", [((0, 4, 5), (0, 5, 3)), ((3, 0, 5), (3, 5, 2)),
+                                             ((3, 4, 0), (3, 0, 2)), ((0, 4, 5), (5, 3)),
+                                             ((2, 0, 4, 5), (1, 5, 3))])
+def test_empty_stacks(x_shape, y_shape):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    c = distmm.matmul(da.from_array(x, chunks=2), da.from_array(y, chunks=3))
+    _check(c, x, y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape", [((5,), (33, 5, 4)), ((33, 4, 5), (5,)),
+                                             ((2, 17, 1, 5), (5,))])
+def test_vectors_with_stacks(x_shape, y_shape):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    a = da.from_array(x, chunks=tuple(10 if s > 10 else s for s in x_shape))
+    b = da.from_array(y, chunks=tuple(10 if s > 10 else s for s in y_shape))
+    c = distmm.matmul(a, b)
+    assert c.chunks == da.matmul(a, b).chunks
+    _check(c, x, y)
+
+
+def test_large_elements_keep_a_task_each():
+    rng = np.random.default_rng()
+    # 2 m n k above stacks.SMALL_FLOPS (2**27)
+    x, y = rng.standard_normal((2, 411, 409)), rng.standard_normal((2, 409, 413))
+    c = distmm.matmul(da.from_array(x, chunks=(2, 411, 409)),
+                      da.from_array(y, chunks=(2, 409, 413)))
+    assert _own_tasks(c) == 2
+    _check(c, x, y)
+
+
+def test_the_stack_product_is_lazy(tmp_path):
+    marks = tmp_path / "computed"
+
+    def mark(z):
+        with open(marks, "a") as f:
+            f.write("x")
+        return z
+
+    rng = np.random.default_rng()
+    x, y = rng.random((40, 3, 4)), rng.random((40, 4, 2))
+    meta = np.empty((0, 0, 0))
+    a = da.from_array(x, chunks=(20, 3, 4)).map_blocks(mark, dtype=float, meta=meta)
+    b = da.from_array(y, chunks=(20, 4, 2)).map_blocks(mark, dtype=float, meta=meta)
+    c = distmm.matmul(a, b)
+    assert not Path(marks).exists()
+    assert _own_tasks(c) == 2
+    np.testing.assert_allclose(c.compute(scheduler="sync"), x @ y)
+    assert Path(marks).exists()
+
+
+@pytest.mark.slow
+def test_on_a_client_with_annotations(client):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((501, 3, 5)), rng.standard_normal((501, 5, 4))
+    a, b = da.from_array(x, chunks=(100, 3, 5)), da.from_array(y, chunks=(251, 5, 4))
+    a, b = client.persist(a), client.persist(b)
+    with dask.annotate(retries=3, priority=7):
+        c = distmm.matmul(a, b)
+    assert _own_tasks(c) == 7
+    annotations = c.dask.layers[c.name].annotations
+    assert annotations["retries"] == 3 and annotations["priority"] == 7
+    got = c.compute()
+    np.testing.assert_allclose(got, np.matmul(x, y), rtol=1e-12, atol=1e-12)
+    xi, yi = random_array(rng, (77, 3, 5), "i4"), random_array(rng, (77, 5, 4), "i4")
+    ci = distmm.matmul(da.from_array(xi, chunks=(40, 3, 5)), da.from_array(yi, chunks=(40, 5, 4)),
+                       client=client)
+    assert _own_tasks(ci) == 2
+    np.testing.assert_array_equal(client.compute(ci).result(), np.matmul(xi, yi), strict=True)
