@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -225,7 +226,8 @@ def test_bad_file_is_one_line_and_exit_2(tmp_path):
 
 def test_study_at_numpys_largest_array_is_taken():
     """float32 C of 2**31 x 2**30 is 2**63 bytes: one over numpy's largest array; one row
-    less fits (a study may name sizes this machine cannot hold: they fail when run)."""
+    less fits (a study file may name sizes this machine cannot hold: distmm bench refuses
+    them before it runs, test_sizes_beyond_this_machines_memory_refused_before_anything_runs)."""
     with pytest.raises(ValueError, match="overflows"):
         parse_study(_with({"dtypes": ["float32"]}, sizes=[[2**31, 2**30, 1]]))
     parse_study(_with({"dtypes": ["float32"]}, sizes=[[2**31 - 1, 2**30, 1]]))
@@ -264,13 +266,43 @@ def test_unwritable_records_file_refused_before_anything_runs(tmp_path, capsys):
         locked.chmod(0o755)
 
 
-def test_operands_this_machine_cannot_hold_fail_their_problem_only(tmp_path, capsys):
-    """A size whose A numpy cannot allocate (2 EiB, beyond any address space): that
-    problem's configurations fail in one line each, the others are measured and recorded,
-    and the study ends with status 1 (it stopped the whole study, exit 2, and left the
-    problems after it unmeasured)."""
+@pytest.mark.parametrize("kind", ["strong", "weak"])
+def test_sizes_beyond_this_machines_memory_refused_before_anything_runs(tmp_path, kind):
+    """A size whose A, B and C are many times this machine's memory: exit 2 with one line
+    naming the key and the configuration before anything runs, no records file (before,
+    the configurations ahead of it were measured, then each of its own failed in turn and
+    the study ended with status 1)."""
+    import psutil
+
+    side = 4 * int((psutil.virtual_memory().total / 8) ** 0.5)  # C alone: 16 times memory
+    text = MPI_ONLY.replace('"mpi"]', ']') % '"mpiexec"'  # numpy and the local engine
+    if kind == "strong":
+        text = text.replace("sizes = [33]", f"sizes = [33, {side}]")
+    else:
+        text = text.replace('kind = "strong"', 'kind = "weak"').replace(
+            "sizes = [33]", f"sizes_per_device = [33, {side}]").replace(
+            "counts = [1]", "counts = [1, 2]")
+    key = "sizes" if kind == "strong" else "sizes_per_device"
+    out = tmp_path / "out.jsonl"
+    res = _distmm("bench", _study(tmp_path, text), "-o", out, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert (f"study.toml: {key}: numpy float64 {side}x{side}x{side} ({kind}) needs"
+            in lines[0] and "GiB of memory" in lines[0]), lines[0]
+    assert not res.stdout and not out.exists()
+
+
+def test_operands_this_machine_cannot_hold_fail_their_problem_only(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A size whose A numpy cannot allocate (2 EiB, beyond any address space), past the
+    check of the machine's memory: that problem's configurations fail in one line each,
+    the others are measured and recorded, and the study ends with status 1 (it stopped the
+    whole study, exit 2, and left the problems after it unmeasured)."""
+    from distmm.cli import bench
     from distmm.cli.bench import run_bench
 
+    monkeypatch.setattr(bench, "_host_memory", lambda: 2**64)
     out = tmp_path / "out.jsonl"
     study = _study(tmp_path, MPI_ONLY.replace('"mpi"]', ']').replace(
         "sizes = [33]", "sizes = [[536870912, 1, 536870912], 33]") % '"mpiexec"')
@@ -278,6 +310,7 @@ def test_operands_this_machine_cannot_hold_fail_their_problem_only(tmp_path, cap
     text = capsys.readouterr().out
     assert text.count("FAILED (MemoryError") == 2, text
     assert sorted(r["m"] for r in load([out])) == [33, 33]
+    assert {r["host"] for r in load([out])} == {platform.node()}  # report keeps hosts apart
 
 
 def test_dry_run_lists_configurations(tmp_path):
@@ -451,6 +484,49 @@ chunk = 64
         _kill_all(proc, family)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_ctrl_c_during_an_mpi_launch_is_one_line_and_130(tmp_path, mpi_env):
+    """Ctrl-C at a terminal (SIGINT to the whole foreground group) while mpiexec measures:
+    the runner stops the launch, so the study ends with 130 and its one line, whole records
+    only and no rank left (before, the launcher got the SIGINT too and printed its own
+    "Abort is in progress...hit ctrl-c again" beside the runner's line)."""
+    import psutil
+
+    study = _study(tmp_path, """
+name = "ctrl-c-mpi"
+device = "cpu"
+repeats = 40
+references = []
+[[series]]
+kind = "strong"
+engines = ["mpi"]
+counts = [2]
+sizes = [300, 301, 302, 303, 304, 305]
+""")
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "bench", str(study), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(mpi_env, OMPI_MCA_btl="^ofi"), start_new_session=True)
+    family = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.stdout.readline().startswith("[1/6]"):
+                break
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family  # the launcher and its ranks
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        err = proc.stderr.read()
+        assert err.strip().splitlines() == ["distmm bench: error: interrupted (SIGINT)"], err
+        psutil.wait_procs(family, timeout=30)
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert 1 <= len(load([out])) < 6 and out.read_text().endswith("\n")
+    finally:
+        _kill_all(proc, family)
+
+
 def _kill_all(proc, family) -> None:
     """The study's runner and the processes it started, whatever the test left running."""
     import psutil
@@ -481,6 +557,37 @@ def test_record_writer_appends_whole_lines(tmp_path, monkeypatch):
     assert (first["commit"], first["study"], first["series"]) == ("abc1234", "s", "strong")
     assert first["tflops"] == pytest.approx(2 * 3 * 5 * 7 / 0.5 / 1e12)
     assert third["ranks"] == 2 and third["relerr"] is None and third["run"] == first["run"]
+
+
+def test_records_of_a_tree_with_uncommitted_changes_say_so(tmp_path, monkeypatch):
+    """A tracked file changed since the commit: the records carry ``commit_dirty: true``
+    beside the commit (they named a commit whose code was not what ran); a clean tree, or
+    a file git does not track, adds nothing."""
+    from distmm.cli import records
+    from distmm.cli.records import git_dirty
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*argv):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=repo,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (repo / "kernel.py").write_text("x = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-q", "-m", "one")
+    (repo / "notes.txt").write_text("untracked\n")
+    assert git_dirty(repo) is False
+    (repo / "kernel.py").write_text("x = 2\n")
+    assert git_dirty(repo) is True
+    assert git_dirty(tmp_path / "no-such-folder") is None
+    for dirty in (True, False):
+        monkeypatch.setattr(records, "git_dirty", lambda: dirty)
+        w = RecordWriter("scaling", "Test CPU", path=tmp_path / f"{dirty}.jsonl", study="s")
+        w.add("numpy", "float64", 3, 5, 7, 0.5, 1e-16, series="strong")
+        (rec,) = load([w.path])
+        assert rec.get("commit_dirty") is (True if dirty else None) and rec["study"] == "s"
 
 
 @pytest.mark.slow
@@ -623,6 +730,7 @@ def test_tiny_study_end_to_end_then_report(tmp_path, mpi_env):
         assert r["relerr"] < (1e-5 if r["dtype"] == "float32" else 1e-14), r
         assert r["relerr_rows"] == r["m"]  # check_rows = 0: every row
         assert r["study"] == "tiny-test" and r["benchmark"] == "scaling"
+        assert r["host"] == platform.node()  # the ranks' records too
         assert "stream_priority" not in r and "later_piece_k" not in r  # defaults: not noted
     by = {(r["variant"], r["dtype"]): r for r in records}
     assert by[("distmm-dask@2workers", "float32")]["workers"] == 2

@@ -383,6 +383,87 @@ def test_a_file_given_twice_is_refused_before_output(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "r.jsonl"]
 
 
+def study_record(variant, seconds, **extra):
+    """A record as ``distmm bench`` writes it (its ``study``, ``host`` and count keys)."""
+    return record(variant, seconds, run="20261206T195446Z", study="s", host="node-a", **extra)
+
+
+#: a strong MPI series of one study run: 1 and 2 ranks, 301x257x283
+STUDY = [study_record(f"distmm-mpi@{p}ranks", t, ranks=p, m=301, n=257, k=283)
+         for p, t in ((1, 0.08), (2, 0.05))]
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda recs: recs[1].pop("ranks"),
+     "s.jsonl:2: the record of distmm-mpi@2ranks lacks its count (ranks, gpus or workers)"),
+    (lambda recs: recs[1].update(ranks=1),
+     "s.jsonl:2: the record of distmm-mpi@2ranks counts ranks 1, its variant names 2"),
+    (lambda recs: recs.append(dict(recs[1], seconds=0.15)),
+     "s.jsonl:3: distmm-mpi@2ranks float64 301x257x283 of run 20261206T195446Z again (first at "
+     "{d}/s.jsonl:2): a study measures a configuration once"),
+    (lambda recs: recs[1].update(host="node-b"),
+     "s.jsonl:2: run 20261206T195446Z was measured on 'node-b', and on 'node-a' ({d}/s.jsonl:1): "
+     "two machines"),
+], ids=["count-missing", "count-edited", "twice-in-a-run", "two-hosts"])
+def test_study_records_a_table_would_show_wrong_are_refused(tmp_path, capsys, change, expected):
+    """A study's record without its count was tabulated at 1 (``ranks 1`` beside
+    ``distmm-mpi@2ranks``, its series gone); a configuration twice in one run (two
+    machines that started a study in the same second, the same CPU model, or a file copied
+    twice) had its times averaged with the other's: each is refused in one line naming
+    its line, before any output."""
+    recs = [dict(r) for r in STUDY]
+    write_jsonl(tmp_path / "ok.jsonl", recs)
+    assert main(["report", str(tmp_path / "ok.jsonl"), "-o", str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+    change(recs)
+    bad = write_jsonl(tmp_path / "s.jsonl", recs)
+    assert main(["report", str(bad), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distmm report: error: ")
+    assert expected.format(d=tmp_path) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_study_records_of_two_runs_or_two_devices_are_apart(tmp_path, capsys):
+    """The same configuration in two runs (a study re-run into its file), or in one run
+    on two devices: separate series and no refusal; a record without a study (another
+    benchmark's) may repeat a configuration in its run. A record of a tree with uncommitted
+    changes is noted."""
+    again = [dict(r, run="20261206T200000Z", host="node-b", seconds=r["seconds"] * 2)
+             for r in STUDY]
+    other = [dict(r, device="other-cpu") for r in STUDY]
+    plain = [record("distmm-x@2ranks", s, ranks=2) for s in (1.0, 3.0)]
+    again[0]["commit_dirty"] = True
+    recs = write_jsonl(tmp_path / "r.jsonl", STUDY + again + other + plain)
+    assert main(["report", str(recs), "-o", str(tmp_path / "out")]) == 0
+    assert ("- 1 records were measured on a tree with uncommitted changes (`commit_dirty`)"
+            in (tmp_path / "out" / "report.md").read_text())
+    (series,) = [s for s in scaling(read_inputs([str(recs)])[0], "strong")
+                 if s.run == "20261206T200000Z"]
+    assert [p.seconds for p in series.points] == [0.16, 0.1]
+    assert len(scaling(read_inputs([str(recs)])[0], "strong")) == 3
+
+
+def test_a_figure_of_ranks_and_workers_series_names_both(tmp_path, monkeypatch):
+    """An MPI series over ranks and a Dask one over workers in one figure: its x axis says
+    "ranks or workers" (it said the first series' unit alone: "workers" under the ranks)."""
+    import matplotlib.axes
+
+    labels = []
+    original = matplotlib.axes.Axes.set
+
+    def spy(self, **kwargs):
+        labels.append(kwargs.get("xlabel"))
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set", spy)
+    dask = [study_record(f"distmm-dask@{w}workers", t, workers=w, m=301, n=257, k=283)
+            for w, t in ((1, 0.09), (2, 0.06))]
+    recs = write_jsonl(tmp_path / "r.jsonl", STUDY + dask)
+    assert main(["report", str(recs), "-o", str(tmp_path / "out"), "--only", "strong"]) == 0
+    assert labels.count("ranks or workers") == 2, labels  # speedup and efficiency
+
+
 def test_missing_file_and_bad_profile(tmp_path, capsys):
     recs = write_jsonl(tmp_path / "r.jsonl", STRONG)
     assert main(["report", str(recs), str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o")]) == 2

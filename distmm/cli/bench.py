@@ -1,8 +1,8 @@
 """``distmm bench STUDY.toml``: run a scaling study and write one record per configuration.
 
 This module covers: the command's options (``add_parser``); the checks of the machine
-before anything runs (the GPUs, ``mpiexec`` starting the most ranks, dask-cuda a
-study needs); ``--dry-run``; and
+before anything runs (the memory every problem's operands take, the GPUs, ``mpiexec``
+starting the most ranks, dask-cuda a study needs); ``--dry-run``; and
 measuring every configuration of a study (``distmm.cli.study``): the in-process references
 (numpy's BLAS on every core, in-core cuBLAS on one GPU) and the local engine on operands
 made once per problem, a real ``distributed`` cluster per Dask worker count (single-thread
@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -174,6 +176,7 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
     """What the study needs of this machine, before anything runs (``ValueError``)."""
     where = study.path
     engines = {c.engine for c in configs}
+    _check_memory(study, configs)
     if "mpi" in engines:
         if shutil.which(study.mpiexec[0]) is None:
             raise ValueError(f"{where}: mpiexec: {study.mpiexec[0]!r} is not on PATH (the "
@@ -191,10 +194,34 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
                              f"has {have} (cupy and a CUDA driver)")
         if "dask" in engines:
             try:
-                import dask_cuda  # noqa: F401
+                importlib.import_module("dask_cuda")
             except ImportError:
                 raise ValueError(f"{where}: the study's dask series on GPUs need dask-cuda: "
                                  f"pip install \"distmm[gpu]\"") from None
+
+
+def _host_memory() -> int:
+    """This machine's memory in bytes (psutil's ``total``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def _check_memory(study: Study, configs: list[Config]) -> None:
+    """Every configuration whose operands this machine holds (all of a CPU study's, the
+    in-process ones of a GPU study's) has A, B and C within its memory: a size that cannot
+    fit is refused before anything runs, not after the configurations before it."""
+    total = None
+    for c in configs:
+        if study.device == "gpu" and c.engine in ("dask", "mpi"):
+            continue  # on the GPUs: the engines check their memory
+        need = (c.m * c.k + c.k * c.n + c.m * c.n) * np.dtype(c.dtype).itemsize
+        total = _host_memory() if total is None else total
+        if need > total:
+            key = "sizes_per_device" if c.series == "weak" else "sizes"
+            raise ValueError(f"{study.path}: {key}: {c.describe()} needs {need / 2**30:.4g} GiB "
+                             f"for A, B and C, more than this machine's {total / 2**30:.4g} GiB "
+                             f"of memory")
 
 
 def _check_open_mpi(study: Study) -> None:
@@ -289,6 +316,7 @@ class _Runner:
         self.written = 0
         self.failures: list[str] = []
         self.cores = len(os.sched_getaffinity(0))
+        self.host = platform.node()  # keeps apart two machines' runs that share an id
         self.gpu = study.device == "gpu"
 
     # -- bookkeeping
@@ -315,7 +343,7 @@ class _Runner:
     def common(self, c: Config) -> dict:
         extra = {"engine": c.engine if c.reference is None else "reference",
                  "backend": c.backend, "series": c.series, "repeats": self.study.repeats,
-                 "check_rows": self.study.check_rows, "cores": self.cores}
+                 "check_rows": self.study.check_rows, "cores": self.cores, "host": self.host}
         extra.update(self.counts(c))
         if c.per_device is not None:
             extra["per_device"] = c.per_device
@@ -432,7 +460,7 @@ class _Runner:
                     self.local(c, a, b, rows, ref)
             except Exception as exc:
                 self.fail(c, exc)
-        del a, b
+        a = b = None  # the operands go before the next problem's are made
         gc.collect()
 
     def timed(self, c: Config, fn, rows, ref, *, sync=None, get=np.asarray, index=None,
@@ -499,7 +527,7 @@ class _Runner:
             self.timed(c, product, rows, ref, sync=_gpu_sync,
                        get=lambda x: x.get(), index=cupy.asarray(rows), residency="device")
         finally:
-            del a_d, b_d, out
+            a_d = b_d = out = None
             cupy.get_default_memory_pool().free_all_blocks()
 
     # -- a Dask cluster per count
@@ -589,7 +617,7 @@ class _Runner:
             except Exception as exc:
                 self.fail(c, exc)
                 _settle(client, keep)
-        del a, b, a64
+        a = b = a64 = None
         _settle(client, 0)
 
     # -- one mpiexec per count
@@ -622,7 +650,9 @@ class _Runner:
         argv = mpiexec_command(self.study.mpiexec, count, 1 if nodes is None else nodes,
                                [sys.executable, "-m", "mpi4py", "-m", "distmm.cli.bench_rank",
                                 spec_path])
-        proc = subprocess.Popen(argv, env=env)
+        # a session of its own: a terminal's Ctrl-C reaches this process alone, which stops
+        # the launch (a launcher that got it too printed its own abort lines)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
         try:
             code = proc.wait()
         except BaseException:

@@ -2,20 +2,21 @@
 ``BENCH_RECORDS.md`` defines them (one JSON object per line).
 
 This module covers: device naming (``gpu_name``, ``cpu_model``, ``slug``) and the commit
-measured (``git_commit``); a run's id, unique on its host (``run_id``); appending records to
-a ``.jsonl`` file, each record one ``write`` of one whole line on a file opened for
-appending, under an exclusive lock of the file so that writers beside each other take turns,
-flushed to disk before the next measurement starts, so that a killed run keeps every record
-it finished (``RecordWriter``, ``append_record``; a file whose last line lacks its newline
-gets one first, so a record never joins the end of another line; ``RecordWriter`` refuses,
-before the run, a file that holds anything but records); reading them back (``json_lines``:
-the values of a file with their line numbers, a last line cut short left out where the
-reader asks; ``read_records``, ``load``: the records of one
-file or several, each field a reader uses checked by ``check_record``, so that the report,
-``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad record in one
-line naming its file, line and field; ``json_file``: a whole JSON file (a profile, a trace,
-a timeline), its errors naming it, one that holds benchmark records refused with a line saying
-records files are ``.jsonl``); one line saying what a record measured (``progress_line``).
+measured (``git_commit``; ``git_dirty``: whether the tree had uncommitted changes); a run's id,
+unique on its host (``run_id``); appending records to a ``.jsonl`` file, each record one
+``write`` of one whole line on a file opened for appending, under an exclusive lock of the file
+so that writers beside each other take turns, flushed to disk before the next measurement
+starts, so that a killed run keeps every record it finished (``RecordWriter``,
+``append_record``; a file whose last line lacks its newline gets one first, so a record never
+joins the end of another line; ``RecordWriter`` refuses, before the run, a file that holds
+anything but records); reading them back (``json_lines``: the values of a file with their line
+numbers, a last line cut short left out where the reader asks; ``read_records``, ``load``: the
+records of one file or several, each field a reader uses checked by ``check_record``, so that
+the report, ``distmm model --validate`` and ``distmm calibrate --from-records`` refuse a bad
+record in one line naming its file, line and field; ``json_file``: a whole JSON file (a
+profile, a trace, a timeline), its errors naming it, one that holds benchmark records refused
+with a line saying records files are ``.jsonl``); one line saying what a record measured
+(``progress_line``).
 It does *not* cover timing or operands (``distmm.cli.bench``, ``bench.common``), the
 benchmarks' shared command line and results folder (``bench.common.records``), or plots
 (``distmm.cli.report``).
@@ -37,7 +38,7 @@ import numpy as np
 
 from distmm import jsonfile
 
-__all__ = ["git_commit", "cpu_model", "gpu_name", "slug", "run_id", "RecordWriter",
+__all__ = ["git_commit", "git_dirty", "cpu_model", "gpu_name", "slug", "run_id", "RecordWriter",
            "append_record", "json_file", "json_lines", "read_records", "check_record", "load",
            "make_record", "progress_line", "REQUIRED"]
 
@@ -54,6 +55,23 @@ def git_commit() -> str:
                               text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def git_dirty(where: str | os.PathLike | None = None) -> bool | None:
+    """Whether the checkout this module lies in (or the one at ``where``) has uncommitted
+    changes to its tracked files: then a record's ``commit`` names code other than what
+    ran, and ``RecordWriter`` adds ``commit_dirty: true``. None where it cannot be told
+    (``DISTMM_COMMIT`` set, an installed wheel, no git)."""
+    if where is None and os.environ.get("DISTMM_COMMIT"):
+        return None
+    try:
+        # --no-optional-locks: a look that never writes the index beside another git
+        return bool(subprocess.run(["git", "--no-optional-locks", "status", "--porcelain",
+                                    "--untracked-files=no"], capture_output=True, text=True,
+                                   check=True, timeout=60,
+                                   cwd=where or Path(__file__).parent).stdout.strip())
+    except Exception:
+        return None
 
 
 def cpu_model() -> str:
@@ -218,7 +236,8 @@ class RecordWriter:
         self.device = device
         self.date = _dt.date.today().isoformat()
         self.commit = git_commit()
-        self.common = common
+        # a tree with uncommitted changes ran: the commit alone does not name it
+        self.common = {"commit_dirty": True, **common} if git_dirty() else common
         if path is not None:
             self.path = Path(path)
         else:

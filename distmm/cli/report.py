@@ -42,6 +42,10 @@ The rules, in one place:
   section; the report's notes count them. So is a record whose product failed its float64
   check (``relerr_ok`` false, as ``distmm bench`` writes it): its time is that of a wrong
   result.
+- **a study's records** (``distmm bench``'s, with a ``study``): one whose count is not the
+  one its variant names (``@2ranks`` without ``ranks: 2``), a configuration twice in one
+  run, or one run on two ``host`` names is refused, naming its line: its times would be
+  tabulated at another count or taken together with another machine's.
 - **a cut last line**: a records file whose last line has no newline and is not JSON (a
   run killed mid-record) is read without it, with a warning and a note naming its line.
 - **roofline**: one PNG per device with measured ceilings (``distmm.cli.report_roofline``;
@@ -383,7 +387,7 @@ def _figures(plt, records, strong, weak, profiles, roofs, model, folder: Path,
             if kind == "strong":
                 left.plot(counts, [c / base for c in counts], "k--", label="ideal")
             right.axhline(1.0, color="k", ls="--")
-            what = group[0].count_key
+            what = " or ".join(sorted({s.count_key for s in group}))  # ranks or workers
             left.set(xlabel=what, ylabel="speedup" if kind == "strong" else "TFLOP/s over the smallest count",
                      title=f"{kind} scaling: {bench} on {device}")
             right.set(xlabel=what, ylabel="parallel efficiency", ylim=(0, None))
@@ -485,12 +489,14 @@ def read_inputs(paths: list[str], cut: list | None = None
         another format or one whose ``ranks`` are not a non-empty list of objects, each
         with an integer ``rank`` and a list of ``spans`` that each have a string
         ``phase`` and finite ``start`` <= ``end`` (named with its file, profile and rank);
+        a study's record the tables would show wrong (``_check_study_record``);
         or no records and no profiles at all.
     """
     from distmm.cli.model_records import is_summa_trace
 
     records, profiles = [], []
     seen: dict[tuple[int, int], int] = {}
+    measured: dict[tuple, str] = {}
     for i, path in enumerate(paths):
         if not os.path.isfile(path):
             raise FileNotFoundError(2, "No such file or directory" if not os.path.exists(path)
@@ -514,10 +520,55 @@ def read_inputs(paths: list[str], cut: list | None = None
                 raise ValueError(f"{path}: not a distmm-profile-1 profile or an object of them")
             profiles += named
             continue
-        records += [record for _, record in read_records(path, cut)]
+        for number, record in read_records(path, cut):
+            _check_study_record(record, f"{path}:{number}", measured)
+            records.append(record)
     if not records and not profiles:
         raise ValueError(f"no benchmark records in {', '.join(paths)}")
     return records, profiles
+
+
+#: the count token that ends a ``distmm bench`` variant (``distmm.cli.study.variant_name``)
+_STUDY_COUNT = re.compile(r"@(\d+)(ranks|workers|gpu)$")
+
+
+def _check_study_record(record: dict, where: str, measured: dict) -> None:
+    """Refuse a ``distmm bench`` record (one with a ``study``) that the tables would show
+    wrong, naming ``where`` (``FILE:LINE``): one whose count (``count_of``) is not the one
+    its variant names (a count key missing or edited: it would be tabulated at another
+    count), and a second record of one configuration (run, benchmark, device, variant,
+    dtype, size) of one run, which a study measures once, or a run's records of two
+    ``host`` names: the records of two machines that started a study in the same second,
+    or of one file copied into another, whose times would be taken together (``measured``
+    holds where each was first seen)."""
+    if "study" not in record or "predicted_seconds" in record:
+        return
+    variant = record["variant"]
+    token = _STUDY_COUNT.search(variant)
+    key, count = count_of(record)
+    if token and not any(record.get(k) is not None for k in ("ranks", "gpus", "workers")):
+        raise ValueError(f"{where}: the record of {variant} lacks its count (ranks, gpus or "
+                         f"workers)")
+    if token and count != int(token.group(1)):
+        raise ValueError(f"{where}: the record of {variant} counts {key} {count}, its variant "
+                         f"names {token.group(1)}")
+    run = str(record["run"])
+    host = record.get("host")
+    other, there = measured.setdefault(("host", run), (host, where))
+    if host != other:
+        raise ValueError(f"{where}: run {run} was measured on {host!r}, and on {other!r} "
+                         f"({there}): two machines that started a study in the same second "
+                         f"share a run id; report them apart")
+    config = (run, record["benchmark"], record["device"], variant,
+              arithmetic(record), record["dtype"], record["m"], record["n"], record["k"],
+              str(record.get("emulated_nodes")))
+    first = measured.setdefault(config, where)
+    if first != where:
+        raise ValueError(f"{where}: {variant} {record['dtype']} "
+                         f"{record['m']}x{record['n']}x{record['k']} of run {record['run']} "
+                         f"again (first at {first}): a study measures a configuration once, "
+                         f"so these are two machines' records that share a run id (started "
+                         f"in the same second) or records copied twice; report them apart")
 
 
 def _check_profile(profile: dict, where: str) -> None:
@@ -684,6 +735,10 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
         notes.append(f"{len(cut)} last line{'s' * (len(cut) > 1)} cut short (no newline at "
                      f"the end, not JSON: a run killed mid-record) left out: "
                      + ", ".join(f"`{where}`" for where in cut) + ".")
+    dirty = sum(bool(r.get("commit_dirty")) for r in records)
+    if dirty:
+        notes.append(f"{dirty} records were measured on a tree with uncommitted changes "
+                     "(`commit_dirty`): their commit does not name all the code that ran.")
     if invalid:
         notes.append(f"{len(invalid)} records marked invalid were left out (each record's "
                      "`invalid` says why).")
