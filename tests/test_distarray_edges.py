@@ -258,8 +258,40 @@ def battery():
             ValueError, "must be 2-D")
 
 
+def layout_args():
+    x = comm.bcast(np.random.default_rng().random((7, 5)) if rank == 0 else None)
+    d = DistArray.from_array(x, layout=BlockLayout.grid(x.shape, 1, P))  # 0:2, 2:4, 4:5
+    # a float edge bounding ranks 0's and 1's new blocks, not the last rank's: the first two
+    # raised alone, the last went on (to wait for them in its next collective)
+    refused("a float column edge",
+            lambda: d.redistribute(BlockLayout(x.shape, (0, 7), (0, 3.0, 4, 5), ((0, 1, 2),))),
+            TypeError, "column edges must be integers, got (0, 3.0, 4, 5)")
+    refused("a layout that is no BlockLayout", lambda: d.redistribute((1, P)), TypeError,
+            "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
+    refused("a layout that is no BlockLayout on the last rank",
+            lambda: d.redistribute((1, P) if rank == P - 1 else d.layout), TypeError,
+            "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
+    # numpy integers and arrays as edges: the layout of the same ints
+    rows = BlockLayout(x.shape, np.array([0, 4, 4, 7]), [0, np.int64(5)], [[P - 1], [1], [0]])
+    e = d.redistribute(rows)
+    back = e.redistribute(d.layout)
+    good = (e.layout == BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
+            and all(got.dtype == x.dtype and got.tobytes() == x.tobytes()
+                    for got in (e.gather(None), back.gather(None))))
+    lines.append(f"rank {rank}: numpy edges: {'ok' if good else 'BAD'}")
+    # the same layout of numpy ints on the last rank only: refused as another layout
+    ints = BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
+    try:
+        got = d.redistribute(rows if rank == P - 1 else ints).gather(None)
+        good = got.tobytes() == x.tobytes()
+    except ValueError as exc:
+        good = False
+        lines.append(f"rank {rank}: {exc}")
+    lines.append(f"rank {rank}: numpy edges on the last rank only: {'ok' if good else 'BAD'}")
+
+
 {"fixes": lambda: (fixes(), follow_ups()), "battery": battery,
- "follow_ups": follow_ups}[sys.argv[2]]()
+ "follow_ups": follow_ups, "layout_args": layout_args}[sys.argv[2]]()
 for mine in comm.gather(lines) or []:
     print("\n".join(mine), flush=True)
 '''
@@ -415,60 +447,6 @@ def test_from_array_of_a_memmap_reads_its_blocks(ranks, tmp_path, mpirun):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-LAYOUT_ARGS = r'''
-import numpy as np
-from mpi4py import MPI
-from distmm import DistArray
-from distmm.grid import BlockLayout
-
-comm = MPI.COMM_WORLD
-P, rank = comm.size, comm.rank
-x = comm.bcast(np.random.default_rng().random((7, 5)) if rank == 0 else None)
-d = DistArray.from_array(x, layout=BlockLayout.grid(x.shape, 1, P))  # columns 0:2, 2:4, 4:5
-lines = []
-
-
-def refused(what, call, expect, words):
-    try:
-        call()
-        got = "no error"
-    except Exception as exc:  # noqa: BLE001 - checked below
-        got = f"{type(exc).__name__}: {exc}"
-    seen = comm.allgather(got)
-    good = got.startswith(expect.__name__ + ": ") and words in got and len(set(seen)) == 1
-    lines.append(f"rank {rank}: {what}: {'ok' if good else 'BAD ' + repr(seen)}")
-
-
-# a float edge bounding ranks 0's and 1's new blocks, not the last rank's: the first two
-# raised alone, the last went on (to wait for them in its next collective)
-refused("a float column edge",
-        lambda: d.redistribute(BlockLayout(x.shape, (0, 7), (0, 3.0, 4, 5), ((0, 1, 2),))),
-        TypeError, "column edges must be integers, got (0, 3.0, 4, 5)")
-refused("a layout that is no BlockLayout", lambda: d.redistribute((1, P)), TypeError,
-        "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
-refused("a layout that is no BlockLayout on the last rank",
-        lambda: d.redistribute((1, P) if rank == P - 1 else d.layout), TypeError,
-        "layout must be a distmm.grid.BlockLayout, got tuple (1, 3)")
-# numpy integers and arrays as edges: the layout of the same ints
-rows = BlockLayout(x.shape, np.array([0, 4, 4, 7]), [0, np.int64(5)], [[P - 1], [1], [0]])
-e = d.redistribute(rows)
-back = e.redistribute(d.layout)
-good = (e.layout == BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
-        and all(got.dtype == x.dtype and got.tobytes() == x.tobytes()
-                for got in (e.gather(None), back.gather(None))))
-lines.append(f"rank {rank}: numpy edges: {'ok' if good else 'BAD'}")
-# the same layout of numpy ints on the last rank only: refused as another layout
-ints = BlockLayout(x.shape, (0, 4, 4, 7), (0, 5), ((P - 1,), (1,), (0,)))
-try:
-    got = d.redistribute(rows if rank == P - 1 else ints).gather(None)
-    good = got.tobytes() == x.tobytes()
-except ValueError as exc:
-    good = False
-    lines.append(f"rank {rank}: {exc}")
-lines.append(f"rank {rank}: numpy edges on the last rank only: {'ok' if good else 'BAD'}")
-for mine in comm.gather(lines) or []:
-    print("\n".join(mine), flush=True)
-'''
 
 
 @pytest.mark.mpi
@@ -481,11 +459,7 @@ def test_layout_arguments_of_redistribute_are_refused_on_every_rank(tmp_path, mp
     as ``from_array`` and ``from_file`` refuse it. Edges of numpy ints or arrays are taken as
     the same layout of ints (they failed in the comparison of layouts, and on one rank only
     were refused as another layout)."""
-    script = tmp_path / "layout_args.py"
-    script.write_text(LAYOUT_ARGS)
-    r = mpirun(3, script, timeout=60)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
+    r, lines, bad = _run(mpirun, tmp_path, 3, "layout_args", timeout=60)
     assert len(lines) == 3 * 5 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
