@@ -1,7 +1,9 @@
 """Stacks of whole matrices in dask operands: one task per batch chunk of the result
 (``distmm.engine.dask.stacks``), with numpy's values and dtype, the per-element path's bits,
 dask's output chunks, broadcasting, empty stacks and 1-d operands, on the local scheduler and
-on a distributed client."""
+on a distributed client; and numpy operands on a client (``eager``): one task per batch block
+of about a worker slot each, the per-element path's bits, ``out=``, floating-point flags and a
+worker killed mid-run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -195,3 +197,110 @@ def test_on_a_client_with_annotations(client):
                        client=client)
     assert _own_tasks(ci) == 2
     np.testing.assert_array_equal(client.compute(ci).result(), np.matmul(xi, yi), strict=True)
+
+
+# numpy operands on a client (the eager path): a stack of small matrices is sent and computed
+# in about one batch block per worker slot (``stacks.batch_blocks``), not one per element
+
+
+def _eager(x, y, client, out=None):
+    from distmm.engine.dask.stats import last_stats
+
+    got = distmm.matmul(x, y, engine="dask", client=client, out=out)
+    return got, last_stats()["tasks"]
+
+
+@pytest.mark.parametrize("batch,count,blocks", [((10000,), 2, 2), ((3, 10000), 2, 2),
+                                                ((2, 3, 1001), 2, 2), ((10001, 2), 3, 3),
+                                                ((7,), 10, 7), ((5, 1, 3), 4, 4),
+                                                ((1,), 2, 1), ((6,), 4, 3)])
+def test_batch_blocks_cover_the_stack_once(batch, count, blocks):
+    from distmm.engine.dask.stacks import batch_blocks
+
+    got = batch_blocks(batch, count)
+    assert len(got) == blocks
+    seen = np.zeros(batch, dtype=int)
+    for lo, hi in got:
+        seen[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
+    assert (seen == 1).all()
+
+
+@pytest.mark.slow
+def test_a_numpy_stack_on_a_client_is_a_task_per_worker(client):
+    # 2001 products of 4x5 @ 5x3: one task per worker slot (2), not one per element
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((2001, 4, 5)), rng.standard_normal((2001, 5, 3))
+    got, tasks = _eager(x, y, client)
+    assert tasks == 2
+    np.testing.assert_array_equal(got, np.matmul(x, y), strict=True)
+    xi, yi = random_array(rng, (3, 677, 4, 5), "i4"), random_array(rng, (677, 5, 3), "i4")
+    got, tasks = _eager(xi, yi, client)
+    assert tasks == 2
+    np.testing.assert_array_equal(got, np.matmul(xi, yi), strict=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("x_shape,y_shape", [((37, 3, 7), (37, 7, 5)), ((1, 3, 7), (37, 7, 5)),
+                                             ((3, 7), (2, 37, 7, 5)), ((6, 1, 4, 5), (7, 5, 2)),
+                                             ((37, 3, 7), (7,)), ((5,), (3, 1, 11, 5, 4))])
+def test_numpy_stack_bits_and_out_are_the_per_element_paths(client, monkeypatch, x_shape, y_shape):
+    from distmm.engine.dask import stacks
+
+    rng = np.random.default_rng()
+    elements = int(np.prod(np.broadcast_shapes(x_shape[:-2] if len(x_shape) > 1 else (),
+                                               y_shape[:-2] if len(y_shape) > 1 else ())))
+    for dt in ("f8", "f4", "c16", "i8", "f2", "O"):
+        if dt == "O":
+            x = rng.integers(-9, 9, x_shape).astype(object)
+            y = rng.integers(-9, 9, y_shape).astype(object)
+        else:
+            x, y = random_array(rng, x_shape, dt), random_array(rng, y_shape, dt)
+        want = _ref(x, y)
+        with np.errstate(all="ignore"):
+            new, tasks = _eager(x, y, client)
+            out = np.full_like(want, 7)
+            into, _ = _eager(x, y, client, out=out)
+            with monkeypatch.context() as m:
+                m.setattr(stacks, "SMALL_FLOPS", -1)
+                old, old_tasks = _eager(x, y, client)
+        assert old_tasks == elements > tasks == 2
+        assert into is out
+        np.testing.assert_array_equal(new, old, strict=True)
+        np.testing.assert_array_equal(out, old, strict=True)
+        if dt != "f4":  # float32: numpy's own bits only where the BLAS is the same
+            np.testing.assert_array_equal(new, want, strict=True)
+
+
+@pytest.mark.slow
+def test_numpy_stack_reports_numpys_floating_point_flags(client):
+    x = np.full((41, 2, 3), 1e300)
+    y = np.full((41, 3, 2), 1e300)
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        want = np.matmul(x, y)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        np.matmul(x, y)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        _eager(x, y, client)
+    with np.errstate(over="ignore"):
+        got, tasks = _eager(x, y, client)
+    assert tasks == 2
+    np.testing.assert_array_equal(got, want, strict=True)
+
+
+@pytest.mark.slow
+def test_a_numpy_stack_survives_a_worker_killed_mid_run(client):
+    # object elements: seconds of work per batch block, long enough to kill a worker in
+    from conftest import kill_workers, start_call
+
+    rng = np.random.default_rng()
+    x = rng.integers(-9, 9, (801, 40, 40)).astype(object)
+    y = rng.integers(-9, 9, (801, 40, 40)).astype(object)
+    run, out = start_call(distmm.matmul, x, y, engine="dask", client=client)
+    try:
+        killed = kill_workers(client, run, kills=1, gap=0.05)
+    finally:
+        run.join(240)
+    assert not run.is_alive()
+    assert killed == 1
+    assert "c" in out, f"raised instead of retrying: {out.get('error')!r}"
+    np.testing.assert_array_equal(out["c"], np.matmul(x, y), strict=True)

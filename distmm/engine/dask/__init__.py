@@ -344,7 +344,8 @@ class DaskEngine(Engine):
         ``distmm.engine.dask.sink``), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
         chunk per element along batch axes, except for a stack of small matrices each
-        whole in a chunk: the operands' batch chunks, ``stacks``). Gathers the cluster's
+        whole in a chunk: the operands' batch chunks, ``stacks``; in-memory stacks of such
+        matrices go as about one batch block per worker slot). Gathers the cluster's
         facts, plans block mode's placement (``distmm.plan_blocks``) where it applies, then
         runs."""
         try:

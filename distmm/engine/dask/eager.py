@@ -13,6 +13,9 @@ those whose tasks wait for a worker that has left while nothing arrives:
 ``_StallWatch``), and when no worker is alive the loop waits for one. It gives up only after
 ``retry_timeout`` seconds of failures without one output block arriving, with
 ``distmm.errors.WorkersLost`` saying what was lost.
+A stack of small matrices that the plan keeps whole (``stacks.eager_applies``) is sent
+and computed in about one batch block per worker slot (``tasks.stack_block``), not one
+block and task per element.
 In block mode (``layout`` given: one contiguous block of C per worker unit,
 ``distmm.plan_blocks``) the same loop runs over the layout's cells,
 and a cell whose GPU task raises ``distmm.errors.TileFailed`` is run again
@@ -37,15 +40,17 @@ import uuid
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import product as iproduct
 
 import numpy as np
 
+from distmm.engine.dask import stacks
 from distmm.engine.dask.chunks import Geometry
 from distmm.engine.dask.graph import CellTasks, OperandKeys, ProductLayer, names_of
 from distmm.engine.dask.placement import BlockPlacement, Placement
 from distmm.engine.dask.scheduler import scheduler_address
-from distmm.engine.dask.tasks import TaskPlan, pop_flags
+from distmm.engine.dask.tasks import TaskPlan, pop_flags, stack_block
 from distmm.errors import SchedulerLost, TileFailed, WorkersLost
 from distmm.fpflags import report as report_flags
 from distmm.plan import Plan
@@ -195,6 +200,90 @@ class _Scattered:
                 if not self.copies:
                     by.clear()
                 by[worker] = futs[key]
+
+
+class _StackScattered(_Scattered):
+    """The batch blocks of one host operand of a stack (``stacks.batch_blocks``): block
+    ``(b,)`` is what output batch block ``b`` reads (``stacks.operand_index``)."""
+
+    def __init__(self, client, array, regions, batch, tag: str, source=None):
+        needers = {(b,): {b} for b in range(len(regions))}
+        super().__init__(client, array, None, None, needers, tag, source=source)
+        self.indexes = [stacks.operand_index(array.shape, batch, lo, hi) for lo, hi in regions]
+
+    def index(self, idx) -> tuple:
+        return self.indexes[idx[0]]
+
+    def held(self) -> dict:
+        """Each block's future (one copy each)."""
+        return {idx: next(iter(by.values())) for idx, by in self.futures.items() if by}
+
+    def nbytes(self, idx) -> int:
+        shape = np.broadcast_to(np.empty((), np.uint8), self.array.shape)[self.index(idx)].shape
+        return int(np.prod(shape, dtype=np.int64)) * self.array.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _StackPlacement:
+    """The ``workers=`` annotation of a stack's tasks: batch block ``b`` on slot ``b``."""
+
+    name: str
+    slots: tuple
+
+    def __call__(self, key):
+        if not (isinstance(key, tuple) and key and key[0] == self.name and self.slots):
+            return None
+        return [self.slots[key[1] % len(self.slots)]]
+
+
+class _StackLayer(dict):
+    """One round's tasks of a stack: ``stack_block`` of each pending batch block, as
+    ``_submit`` takes a ``ProductLayer`` (``annotations``: the layer's)."""
+
+    def __init__(self, name, regions, a_sc, b_sc, tp, backend, pending, annotations):
+        from distmm.engine.dask.graph import make_task
+
+        super().__init__()
+        self.name, self.annotations, self.blocks = name, annotations, sorted(pending)
+        a_keys, b_keys = a_sc.held(), b_sc.held()
+        for ob, _, _ in self.blocks:
+            lo, hi = regions[ob[0]]
+            key = self.output_key(ob, 0, 0)
+            shape = tuple(h - l for l, h in zip(lo, hi))
+            self[key] = make_task(key, stack_block, tp, backend, a_keys[ob], (), b_keys[ob], (),
+                                  shape, lo)
+
+    def iter_blocks(self):
+        return iter(self.blocks)
+
+    def output_key(self, ob, bi, bj):
+        return (self.name,) + tuple(ob) + (bi, bj)
+
+    def as_layer(self):
+        from dask.highlevelgraph import MaterializedLayer
+
+        return MaterializedLayer(dict(self), annotations=self.annotations)
+
+
+def _stack_regions(ops, plan, slots, layout, out) -> list | None:
+    """The batch blocks ``(lo, hi)`` of a stack of small matrices computed a block per
+    task (``stacks.eager_applies``), or None: one task per element (block mode, a staged
+    output the workers write)."""
+    from distmm.engine.dask.sink import sink_of
+
+    if layout is not None or not stacks.eager_applies(ops, plan) or sink_of(out) is not None:
+        return None
+    batch = tuple(ops.batch)
+    itemsize = max(ops.a2.dtype.itemsize, ops.b2.dtype.itemsize, np.dtype(ops.dtype).itemsize)
+    per_element = (ops.m * ops.k + ops.k * ops.n + ops.m * ops.n) * itemsize
+    need = -(-int(np.prod(batch, dtype=np.int64)) * per_element // stacks.BLOCK_BYTES)
+    return stacks.batch_blocks(batch, max(len(slots), need, 1))
+
+
+def _stack_region(regions, block) -> tuple:
+    """Where in C the output block ``((b,), 0, 0)`` of a stack goes: its batch axes."""
+    lo, hi = regions[block[0][0]]
+    return tuple(slice(l, h) for l, h in zip(lo, hi))
 
 
 def _file_sink(client, out, rows, cols):
@@ -379,11 +468,12 @@ class _Round:
 
 
 def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall_back: bool,
-             transient) -> None:
+             transient, region=None) -> None:
     """Take the round's tasks as they finish, into ``got``: each tile written into
-    ``out`` and struck from ``pending``; a ``TileFailed`` kept for the CPU fallback (block
-    mode; raised otherwise); a task lost with its worker counted (the round is retried);
-    any other task error raised past the retry loop."""
+    ``out`` (a stack's batch block at ``region(block)``) and struck from ``pending``; a
+    ``TileFailed`` kept for the CPU fallback (block mode; raised otherwise); a task lost
+    with its worker counted (the round is retried); any other task error raised past the
+    retry loop."""
     from distributed import as_completed
 
     if not futures:
@@ -405,7 +495,10 @@ def _collect(got: _Round, futures, watch, out, rows, cols, pending, bar, *, fall
             continue
         watch.arrived()
         ob, i, j = futures[fut]
-        if out is not None:
+        if out is not None and region is not None:
+            at = region(futures[fut])
+            out[at] = tile_out.reshape(out[at].shape)
+        elif out is not None:
             out[ob + (slice(rows[i], rows[i + 1]), slice(cols[j], cols[j + 1]))] = \
                 tile_out.reshape(tile_out.shape[-2:])
         pending.discard((ob, i, j))
@@ -497,7 +590,11 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     batch = tuple(ops.batch)
     token = uuid.uuid4().hex[:12]
     blocks = None
-    if layout is not None:
+    regions = _stack_regions(ops, plan, slots, layout, out)
+    if regions is not None:
+        a_need = b_need = None
+        rows, cols, ks, reduction = plan.row_edges, plan.col_edges, plan.k_edges, plan.reduction
+    elif layout is not None:
         blocks = _Blocks(layout, units, fail)
         a_need, b_need = _cell_needers(layout)
         rows, cols, ks, reduction = layout.row_edges, layout.col_edges, layout.k_edges, layout.reduction
@@ -509,20 +606,29 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fcO" else "")
     a_src, b_src = _file_sources(client, a2, b2)
     sink = _file_sink(client, out, rows, cols)
-    a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}", copies=blocks is not None,
-                      source=a_src)
-    b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}", copies=blocks is not None,
-                      source=b_src)
+    if regions is not None:
+        a_sc = _StackScattered(client, a2, regions, batch, f"a-{token}", source=a_src)
+        b_sc = _StackScattered(client, b2, regions, batch, f"b-{token}", source=b_src)
+    else:
+        a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}",
+                          copies=blocks is not None, source=a_src)
+        b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}",
+                          copies=blocks is not None, source=b_src)
     if stats is not None:
         stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
         stats["written_on_workers"] = sink is not None
         stats["token"] = token  # in the keys of this product's tasks: distmm-*-TOKEN-...
-    if blocks is not None:
+    region = None
+    if regions is not None:
+        pending = {((b,), 0, 0) for b in range(len(regions))}
+        region = partial(_stack_region, regions)
+    elif blocks is not None:
         geometry = Geometry.of_cells(rows, cols, ks, a_sc.chunks(), b_sc.chunks())
     else:
         geometry = Geometry.of(plan, a_sc.chunks(), b_sc.chunks(), follow_chunks=False)
-    gm, gn = geometry.grid
-    pending = {(ob, i, j) for ob in np.ndindex(*batch) for i in range(gm) for j in range(gn)}
+    if regions is None:
+        gm, gn = geometry.grid
+        pending = {(ob, i, j) for ob in np.ndindex(*batch) for i in range(gm) for j in range(gn)}
     bar = None
     if _show_progress(progress, plan, batch, slots):
         from tqdm.auto import tqdm
@@ -546,23 +652,28 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     a_sc.scatter(a_sc.missing(targets, alive), targets, alive, load)
                     b_sc.scatter(b_sc.missing(targets, alive), targets, alive, load)
                     name = f"distmm-matmul-{token}-{attempts}-{submitted}"
-                    if blocks is not None:
+                    if regions is not None:
+                        placement = _StackPlacement(name, tuple(slots))
+                    elif blocks is not None:
                         placement, cells = blocks.placement(name, alive), blocks.devices(alive)
                     else:
                         placement = Placement(plan, geometry, names_of(name), len(batch),
                                               reduction, slots)
                         cells = None
-                    layer = ProductLayer(
-                        name, geometry, a_sc.keys(), b_sc.keys(), task_plan, backend,
-                        batch, reduction, blocks=pending,
-                        annotations={"workers": placement, "allow_other_workers": True},
-                        cells=cells)
+                    where = {"workers": placement, "allow_other_workers": True}
+                    if regions is not None:
+                        layer = _StackLayer(name, regions, a_sc, b_sc, task_plan, backend,
+                                            pending, where)
+                    else:
+                        layer = ProductLayer(
+                            name, geometry, a_sc.keys(), b_sc.keys(), task_plan, backend,
+                            batch, reduction, blocks=pending, annotations=where, cells=cells)
                     submitted += len(layer)
                     futures = _submit(client, layer, sink, rows, cols)
                     with _StallWatch(client, futures, targets) as watch:
                         _collect(got, futures, watch, None if sink else out, rows, cols,
                                  pending, bar, fall_back=blocks is not None,
-                                 transient=transient)
+                                 transient=transient, region=region)
                 except transient as exc:
                     outer = exc
                 # what the round gave, kept also when it ended in a lost worker's error
@@ -706,7 +817,8 @@ def _submit(client, layer: ProductLayer, sink=None, rows=None, cols=None) -> dic
     ``distmm-write-...``) whose future, the bytes it wrote, stands for the block."""
     from dask.highlevelgraph import HighLevelGraph
 
-    layers, deps = {layer.name: layer}, {layer.name: set()}
+    as_layer = getattr(layer, "as_layer", None)
+    layers, deps = {layer.name: as_layer() if as_layer else layer}, {layer.name: set()}
     blocks = list(layer.iter_blocks())
     keys = [layer.output_key(*blk) for blk in blocks]
     if sink is not None:

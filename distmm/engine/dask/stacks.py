@@ -4,7 +4,9 @@ This module covers: whether a product of dask operands is a stack whose every el
 matrices lie whole in one chunk (``applies``), the result's batch chunks (the operands'
 batch chunk edges joined, broadcast as numpy broadcasts: an operand of batch extent 1 is
 read by every chunk), and the lazy result over them, one ``tasks.stack_block`` per
-output batch chunk, with no rechunk of the operands.
+output batch chunk, with no rechunk of the operands; for in-memory operands on a cluster
+(``eager``), whether the product is such a stack (``eager_applies``) and its split into
+about one rectangular batch block per worker slot (``batch_blocks``, ``operand_index``).
 It does *not* cover: the per-element arithmetic (``tasks.stack_block``, which is
 ``partial_block``'s), products whose matrices span chunks (``lazy.lazy_product``: one
 task per element and output block).
@@ -12,17 +14,23 @@ task per element and output block).
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 
 from distmm.engine.dask.chunks import Geometry, edges
 
-__all__ = ["SMALL_FLOPS", "applies", "batch_chunks", "lazy_stack"]
+__all__ = ["SMALL_FLOPS", "BLOCK_BYTES", "applies", "batch_chunks", "lazy_stack", "eager_applies",
+           "batch_blocks", "operand_index"]
 
 #: largest ``2 m n k`` of one element that the stack path takes (one 400^3 product): above
 #: it an element is enough work for a task of its own, which keeps every worker busy on a
 #: short stack of large matrices (``bench/NOTES.md``, "Stacks of small matrices")
 SMALL_FLOPS = 2 ** 27
+
+#: most bytes (both operands' elements and C's) an eager stack block holds, about: a larger
+#: stack is split into more blocks than worker slots
+BLOCK_BYTES = 64 * 2 ** 20
 
 
 def applies(ops, plan, geometry: Geometry) -> bool:
@@ -123,3 +131,45 @@ def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     meta = meta_from_array(a2._meta, ndim=len(ops.out_shape), dtype=dtype)
     return da.Array(hlg, name, chunks, dtype=dtype, meta=meta)
+
+
+def eager_applies(ops, plan) -> bool:
+    """Whether the product of in-memory operands ``ops`` runs one task per batch block: a
+    stack of small elements (``SMALL_FLOPS``) that the plan keeps whole (one output tile
+    and one k group)."""
+    if not ops.batch or 2 * ops.m * ops.n * ops.k > SMALL_FLOPS:
+        return False
+    return (len(plan.row_edges) == 2 and len(plan.col_edges) == 2 and len(plan.k_edges) == 2
+            and plan.k_splits == 1)
+
+
+def batch_blocks(batch: tuple, count: int) -> list[tuple[tuple, tuple]]:
+    """About ``count`` (at least one) rectangular blocks ``(lo, hi)`` covering the batch
+    axes ``batch`` in C order: the trailing axes whole where a block holds them all, the
+    first axis not held whole split evenly, the axes before it one index at a time."""
+    total = math.prod(batch)
+    target = max(-(-total // max(count, 1)), 1)
+    axis, inner = len(batch) - 1, 1
+    while axis > 0 and inner * batch[axis] <= target:
+        inner *= batch[axis]
+        axis -= 1
+    size = batch[axis]
+    pieces = min(max(-(-size * inner // target), 1), size)
+    cuts = [size * i // pieces for i in range(pieces + 1)]
+    out = []
+    for head in np.ndindex(*batch[:axis]):
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            out.append((head + (lo,) + (0,) * (len(batch) - axis - 1),
+                        tuple(h + 1 for h in head) + (hi,) + tuple(batch[axis + 1:])))
+    return out
+
+
+def operand_index(shape: tuple, batch: tuple, lo: tuple, hi: tuple) -> tuple:
+    """The index into an operand of ``shape`` of what the output batch block ``[lo, hi)``
+    reads: its batch axes aligned with the output's from the right (an axis of extent 1
+    whole: broadcast), then its whole matrix."""
+    nb = len(shape) - 2
+    lead = len(batch) - nb
+    index = tuple(slice(None) if shape[ax] == 1 else slice(lo[lead + ax], hi[lead + ax])
+                  for ax in range(nb))
+    return index + (slice(None), slice(None))
