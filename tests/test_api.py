@@ -392,7 +392,7 @@ def test_gemm_blas_transpose_letters(dtype):
     a0 = a.copy()
     distmm.gemm(a, np.ones((k, 2), dtype), trans_a="C")
     np.testing.assert_array_equal(a, a0)  # the conjugate is a copy; the input is untouched
-    for bad in ("X", "transpose", 1, None):
+    for bad in ("X", "transpose", 3, None):  # 0, 1, 2: scipy's codes
         with pytest.raises(ValueError, match="trans_a"):
             distmm.gemm(a, b.T, trans_a=bad)
 
