@@ -1101,9 +1101,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
         ``beta * c``. Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c``
         in the dtype promoted with ``c``'s (int8 operands with a float64 ``c``
-        multiply in float64, without int8's wrap), its Inf, NaN and floating-point reports too: a complex result is
-        multiplied by an alpha or beta of 1 as well (numpy's ``1 * (inf + 0j)``
-        is ``inf + nanj``, an "invalid value").
+        multiply in float64, without int8's wrap), its Inf, NaN and
+        floating-point reports too: a complex result is multiplied by an alpha
+        or beta of 1 as well (numpy's ``1 * (inf + 0j)`` is ``inf + nanj``, an
+        "invalid value").
     trans_a, trans_b : bool, {'N', 'T', 'C'} or {0, 1, 2}
         BLAS's TRANSA / TRANSB: ``False``, ``'N'`` or 0 (as is), ``True``, ``'T'``
         or 1 (transposed), ``'C'`` or 2 (conjugate transposed, object elements by

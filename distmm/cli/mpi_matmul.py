@@ -265,7 +265,8 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     if error is not None:
         return _fail(comm, error)
     if comm.rank == 0:
-        print(f"wrote {parse_target(args.output)}: shape {c.shape}, dtype {c.dtype}, {comm.size} "
-              f"rank{'s' if comm.size != 1 else ''}, {time.perf_counter() - t0:.3f} s")
+        print(f"wrote {parse_target(args.output)}: shape {c.shape}, dtype {c.dtype}, "
+              f"{comm.size} rank{'s' if comm.size != 1 else ''}, "
+              f"{time.perf_counter() - t0:.3f} s")
     return 0
 

@@ -28,8 +28,8 @@ from distmm.engine.tiles import finish_tile, tile_partial
 from distmm.fpflags import collect
 
 __all__ = ["TaskPlan", "BlockSpec", "partial_block", "stack_block", "sum_step", "executor_for",
-           "cached_executor", "executors_made", "worker_has_gpu", "array_module", "panel", "as_chunk",
-           "recording_flags", "pop_flags"]
+           "cached_executor", "executors_made", "worker_has_gpu", "array_module", "panel",
+           "as_chunk", "recording_flags", "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
