@@ -58,6 +58,14 @@ def test_a_stack_is_one_task_per_batch_chunk():
     _check(c, x, y)
 
 
+def _operands(rng, dt, x_shape, y_shape):
+    """Fresh operands of dtype ``dt`` (small integers as Python ints for object)."""
+    if dt == "O":
+        return (rng.integers(-9, 9, x_shape).astype(object),
+                rng.integers(-9, 9, y_shape).astype(object))
+    return random_array(rng, x_shape, dt), random_array(rng, y_shape, dt)
+
+
 @pytest.mark.parametrize("x_shape,y_shape", [((37, 3, 7), (37, 7, 5)), ((1, 3, 7), (37, 7, 5)),
                                              ((3, 7), (2, 37, 7, 5)), ((37, 1, 7), (37, 7, 5)),
                                              ((37, 3, 7), (1, 7, 1))])
@@ -67,11 +75,7 @@ def test_stack_bits_are_the_per_element_paths(monkeypatch, x_shape, y_shape):
     rng = np.random.default_rng()
     elements = int(np.prod(np.broadcast_shapes(x_shape[:-2], y_shape[:-2])))
     for dt in ("f8", "f4", "c16", "i8", "f2", "O"):
-        if dt == "O":
-            x = rng.integers(-9, 9, x_shape).astype(object)
-            y = rng.integers(-9, 9, y_shape).astype(object)
-        else:
-            x, y = random_array(rng, x_shape, dt), random_array(rng, y_shape, dt)
+        x, y = _operands(rng, dt, x_shape, y_shape)
         a = da.from_array(x, chunks=(10,) * (x.ndim - 2) + x_shape[-2:])
         b = da.from_array(y, chunks=(16,) * (y.ndim - 2) + y_shape[-2:])
         with np.errstate(all="ignore"):
@@ -250,11 +254,7 @@ def test_numpy_stack_bits_and_out_are_the_per_element_paths(client, monkeypatch,
     elements = int(np.prod(np.broadcast_shapes(x_shape[:-2] if len(x_shape) > 1 else (),
                                                y_shape[:-2] if len(y_shape) > 1 else ())))
     for dt in ("f8", "f4", "c16", "i8", "f2", "O"):
-        if dt == "O":
-            x = rng.integers(-9, 9, x_shape).astype(object)
-            y = rng.integers(-9, 9, y_shape).astype(object)
-        else:
-            x, y = random_array(rng, x_shape, dt), random_array(rng, y_shape, dt)
+        x, y = _operands(rng, dt, x_shape, y_shape)
         want = _ref(x, y)
         with np.errstate(all="ignore"):
             new, tasks = _eager(x, y, client)
