@@ -53,8 +53,11 @@ def _peaks(mpirun, tmp_path: Path, tag: str, a: Path, env: dict) -> list[int]:
     script.write_text(RSS_SCRIPT)
     folder = tmp_path / tag
     folder.mkdir()
+    # a fixed malloc mmap threshold: freed stripes go back to the system at once (glibc raises
+    # its threshold as blocks are freed, and may keep them in a thread's heap), so the peak
+    # is what distmm held; one rank's came out a stripe over the budget once without it
     r = mpirun(2, script, folder, "matmul", a, tmp_path / "b.npy", "-o", folder / "c.npy",
-               "--profile", folder / "p.json", env=env)
+               "--profile", folder / "p.json", env={"MALLOC_MMAP_THRESHOLD_": "131072", **env})
     assert r.returncode == 0, r.stderr
     return [int((folder / f"rss-{rank}").read_text()) << 10 for rank in (0, 1)]
 
