@@ -1,5 +1,6 @@
-"""Stacks of whole matrices in dask operands: one task per batch chunk of the result
-(``distmm.engine.dask.stacks``), with numpy's values and dtype, the per-element path's bits,
+"""Stacks of small matrices in dask operands: one task per batch chunk of the result (and
+output block where the matrices span chunks or the plan splits k;
+``distmm.engine.dask.stacks``), with numpy's values and dtype, the per-element path's bits,
 dask's output chunks, broadcasting, empty stacks and 1-d operands, on the local scheduler and
 on a distributed client; and numpy operands on a client (``eager``): one task per batch block
 of about a worker slot each, the per-element path's bits, ``out=``, floating-point flags and a
@@ -161,6 +162,113 @@ def test_large_elements_keep_a_task_each():
                       da.from_array(y, chunks=(2, 409, 413)))
     assert _own_tasks(c) == 2
     _check(c, x, y)
+    c = distmm.matmul(da.from_array(x, chunks=(2, 206, 205)),
+                      da.from_array(y, chunks=(2, 205, 207)))
+    assert _own_tasks(c) == 8  # 2 x 2 output blocks per element
+    _check(c, x, y)
+
+
+# stacks whose matrices span chunks, or that the plan splits along k: one task per batch chunk
+# and output block, handed that batch chunk's k chunks
+
+
+def _per_element(monkeypatch, a, b):
+    """distmm's lazy product of ``a`` and ``b`` with one task per element and output block
+    (the stack path off)."""
+    from distmm.engine.dask import stacks
+
+    with monkeypatch.context() as m:
+        m.setattr(stacks, "SMALL_FLOPS", -1)
+        return distmm.matmul(a, b)
+
+
+def _close_or_exact(got, x, y):
+    """``got`` is numpy's product: exactly for integers and objects, within the dtype's
+    rounding for floats (the k pieces sum in another order than numpy's call)."""
+    want = _ref(x, y)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype.kind in "iuO":
+        np.testing.assert_array_equal(got, want, strict=True)
+        return
+    wide = np.promote_types(want.dtype, np.float64)
+    tol = {"e": 1e-2, "f": 1e-4, "F": 1e-4}.get(want.dtype.char, 1e-12)
+    np.testing.assert_allclose(got, np.matmul(x.astype(wide), y.astype(wide)), rtol=tol,
+                               atol=tol * max(x.shape[-1], 1))
+
+
+def test_a_spanning_stack_is_one_task_per_batch_chunk_and_block():
+    # 61 products of 9x7 @ 7x5 in chunks of 20 x 4x3 and 20 x 3x2: 4 batch chunks by 3 x 3
+    # output blocks, not a task per element and output block (549)
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((61, 9, 7)), rng.standard_normal((61, 7, 5))
+    a, b = da.from_array(x, chunks=(20, 4, 3)), da.from_array(y, chunks=(20, 3, 2))
+    c = distmm.matmul(a, b)
+    assert _own_tasks(c) == 36
+    assert c.chunks == da.matmul(a, b).chunks == ((20, 20, 20, 1), (4, 4, 1), (2, 2, 1))
+    _check(c, x, y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape,x_chunks,y_chunks", [
+    ((37, 9, 7), (37, 7, 5), (10, 4, 3), (16, 3, 2)),     # ragged last chunks, batch joined
+    ((1, 9, 7), (37, 7, 5), (1, 5, 4), (10, 4, 5)),       # A broadcast; B's columns whole
+    ((9, 7), (2, 37, 7, 5), (4, 3), (1, 10, 3, 5)),       # a 2-d A
+    ((6, 1, 4, 7), (7, 7, 3), (4, 1, 3, 2), (3, 2, 2)),   # both broadcast, two batch axes
+    ((7,), (23, 7, 5), (3,), (10, 3, 2)),                 # a vector A, promoted
+    ((23, 9, 7), (7,), (10, 4, 3), (3,)),                 # a vector B, promoted
+    ((21, 9, 7), (21, 7, 5), ((10, 11), (4, 0, 5), (3, 4)), (10, 3, 2)),  # an empty row chunk
+])
+def test_spanning_stack_bits_are_the_per_element_paths(monkeypatch, x_shape, y_shape, x_chunks,
+                                                       y_chunks):
+    rng = np.random.default_rng()
+    for dt in ("f8", "f4", "c16", "i8", "f2", "O"):
+        x, y = _operands(rng, dt, x_shape, y_shape)
+        a, b = da.from_array(x, chunks=x_chunks), da.from_array(y, chunks=y_chunks)
+        with np.errstate(all="ignore"):
+            new, old = distmm.matmul(a, b), _per_element(monkeypatch, a, b)
+            assert _own_tasks(new) == np.prod([len(c) for c in new.chunks]) < _own_tasks(old)
+            assert new.chunks == da.matmul(a, b).chunks
+            got = new.compute()
+            np.testing.assert_array_equal(got, old.compute(), strict=True)
+            _close_or_exact(got, x, y)
+
+
+@pytest.mark.parametrize("k_chunk", [500, 3000])
+def test_a_stack_the_plan_splits_along_k(monkeypatch, k_chunk):
+    # k = 3000 in two k groups and a sum per element on the per-element path (also where
+    # k is one chunk): here one task per batch chunk, the same sums in the same order
+    rng = np.random.default_rng()
+    for dt in ("f8", "f4", "c16", "i8"):
+        x, y = random_array(rng, (41, 3, 3000), dt), random_array(rng, (41, 3000, 2), dt)
+        a = da.from_array(x, chunks=(20, 3, k_chunk))
+        b = da.from_array(y, chunks=(20, k_chunk, 2))
+        new, old = distmm.matmul(a, b), _per_element(monkeypatch, a, b)
+        assert _own_tasks(old) > 41 * 2  # partials and their sums
+        assert _own_tasks(new) == 3
+        got = new.compute()
+        np.testing.assert_array_equal(got, old.compute(), strict=True)
+        _close_or_exact(got, x, y)
+
+
+def test_a_tile_asked_for_keeps_a_task_per_element():
+    # output blocks on the tile, not on the operands' chunks: one task per element and block
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((21, 9, 7)), rng.standard_normal((21, 7, 5))
+    a, b = da.from_array(x, chunks=(10, 4, 3)), da.from_array(y, chunks=(10, 3, 2))
+    c = distmm.matmul(a, b, tile=(3, 3, 256))
+    assert c.chunks == ((1,) * 21, (3, 3, 3), (3, 2))
+    assert _own_tasks(c) == 21 * 6
+    _check(c, x, y)
+
+
+@pytest.mark.parametrize("x_shape,y_shape", [((0, 9, 7), (0, 7, 5)), ((5, 9, 0), (5, 0, 5)),
+                                             ((5, 0, 7), (5, 7, 5)), ((5, 9, 7), (1, 7, 0))])
+def test_empty_spanning_stacks(x_shape, y_shape):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    a, b = da.from_array(x, chunks=(2, 4, 3)), da.from_array(y, chunks=(3, 3, 2))
+    c = distmm.matmul(a, b)
+    assert c.chunks == da.matmul(a, b).chunks
+    _check(c, x, y)
 
 
 def test_the_stack_product_is_lazy(tmp_path):
@@ -201,6 +309,23 @@ def test_on_a_client_with_annotations(client):
                        client=client)
     assert _own_tasks(ci) == 2
     np.testing.assert_array_equal(client.compute(ci).result(), np.matmul(xi, yi), strict=True)
+
+
+@pytest.mark.slow
+def test_a_spanning_stack_on_a_client(client, monkeypatch):
+    rng = np.random.default_rng()
+    for dt in ("f8", "i4"):
+        x, y = random_array(rng, (41, 9, 7), dt), random_array(rng, (41, 7, 5), dt)
+        a, b = da.from_array(x, chunks=(20, 4, 3)), da.from_array(y, chunks=(15, 3, 2))
+        a, b = client.persist(a), client.persist(b)
+        with dask.annotate(retries=2):
+            c = distmm.matmul(a, b)
+        assert _own_tasks(c) == 5 * 3 * 3  # batch edges 0, 15, 20, 30, 40, 41
+        assert c.dask.layers[c.name].annotations["retries"] == 2
+        got = client.compute(c).result()
+        old = client.compute(_per_element(monkeypatch, a, b)).result()
+        np.testing.assert_array_equal(got, old, strict=True)
+        _close_or_exact(got, x, y)
 
 
 # numpy operands on a client (the eager path): a stack of small matrices is sent and computed

@@ -343,9 +343,9 @@ class DaskEngine(Engine):
         themselves when it is a staged output file they all see:
         ``distmm.engine.dask.sink``), a lazy ``dask.array.Array`` for dask operands (dask.array's
         output chunks, or the plan's tiles when a tile was asked for; one
-        chunk per element along batch axes, except for a stack of small matrices each
-        whole in a chunk: the operands' batch chunks, ``stacks``; in-memory stacks of such
-        matrices go as about one batch block per worker slot). Gathers the cluster's
+        chunk per element along batch axes, except for a stack of small matrices in numpy
+        chunks, whole or spanning chunks: the operands' batch chunks, ``stacks``; in-memory
+        stacks of whole matrices go as about one batch block per worker slot). Gathers the cluster's
         facts, plans block mode's placement (``distmm.plan_blocks``) where it applies, then
         runs."""
         try:

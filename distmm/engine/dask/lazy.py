@@ -9,7 +9,7 @@ export task per chunk and holder, pinned to the holder (``export_layer``),
 that placement joined with an enclosing ``dask.annotate``'s annotations, and the
 array class whose optimisation keeps the placement annotations.
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), stacks of
-small matrices each whole in a chunk (``stacks``), or numpy operands
+small matrices in numpy chunks (``stacks``), or numpy operands
 (``distmm.engine.dask.eager``).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ __all__ = ["lazy_product", "lazy_blocks", "export_layer", "PinnedArray", "ChunkH
 
 
 def output_chunks(geometry_chunks, batch) -> tuple:
-    """Chunks of the result: one per element along batch axes (a stack of small whole
-    matrices takes its operands' batch chunks instead: ``stacks.batch_chunks``)."""
+    """Chunks of the result: one per element along batch axes (a stack of small matrices
+    takes its operands' batch chunks instead: ``stacks.batch_chunks``)."""
     return tuple((1,) * b if b else (0,) for b in batch) + tuple(geometry_chunks)
 
 

@@ -1,15 +1,20 @@
-"""Stacks of whole matrices: one task per batch chunk of the result.
+"""Stacks of small matrices: one task per batch chunk (and output block) of the result.
 
-This module covers: whether a product of dask operands is a stack whose every element's
-matrices lie whole in one chunk (``applies``), the result's batch chunks (the operands'
-batch chunk edges joined, broadcast as numpy broadcasts: an operand of batch extent 1 is
-read by every chunk), and the lazy result over them, one ``tasks.stack_block`` per
-output batch chunk, with no rechunk of the operands; for in-memory operands on a cluster
+This module covers: whether a product of dask operands is a stack of small elements
+(``SMALL_FLOPS``) that runs a task per batch chunk (``applies``), the result's batch chunks
+(the operands' batch chunk edges joined, broadcast as numpy broadcasts: an operand of batch
+extent 1 is read by every chunk), and the lazy result over them, with no rechunk of the
+operands: where every element's matrices lie whole in one chunk, one ``tasks.stack_block``
+per output batch chunk; where they span chunks (or the plan splits k), one
+``tasks.stack_panels`` per output batch chunk and output block (A's row chunks by B's
+column chunks, as dask.array's), which is handed that batch chunk's k chunks and sums over
+k as the per-element tasks do; for in-memory operands on a cluster
 (``eager``), whether the product is such a stack (``eager_applies``) and its split into
 about one rectangular batch block per worker slot (``batch_blocks``, ``operand_index``).
-It does *not* cover: the per-element arithmetic (``tasks.stack_block``, which is
-``partial_block``'s), products whose matrices span chunks (``lazy.lazy_product``: one
-task per element and output block).
+It does *not* cover: the per-element arithmetic (``tasks.stack_block`` and
+``tasks.stack_panels``, which are ``partial_block``'s), device (cupy) chunks, elements above
+``SMALL_FLOPS`` and output blocks other than the operands' chunks (a tile asked for): those
+keep one task per element and output block (``lazy.lazy_product``).
 """
 from __future__ import annotations
 
@@ -34,18 +39,30 @@ BLOCK_BYTES = 64 * 2 ** 20
 
 
 def applies(ops, plan, geometry: Geometry) -> bool:
-    """Whether the product of dask operands ``ops`` runs one task per batch chunk: a
-    stack (batch axes) of small elements (``SMALL_FLOPS``) whose matrices are one chunk
-    each in both operands, the plan's one output block and one k group per element,
-    and numpy chunks (device chunks keep one task per element)."""
+    """Whether the product of dask operands ``ops`` runs one task per batch chunk (and
+    output block): a stack (batch axes) of small elements (``SMALL_FLOPS``) in numpy chunks
+    (device chunks keep one task per element) whose matrices are one chunk each in both
+    operands with the plan's one output block and one k group per element, or whose output
+    blocks ``geometry`` are the operands' chunks (``_spanning``)."""
     if not ops.batch or 2 * ops.m * ops.n * ops.k > SMALL_FLOPS:
         return False
     a2, b2 = ops.a2, ops.b2
-    if any(len(c) != 1 for c in a2.chunks[-2:] + b2.chunks[-2:]):
+    if not all(isinstance(getattr(x, "_meta", None), np.ndarray) for x in (a2, b2)):
         return False
-    if geometry.grid != (1, 1) or geometry.groups != 1:
-        return False
-    return all(isinstance(getattr(x, "_meta", None), np.ndarray) for x in (a2, b2))
+    return _whole(a2, b2, geometry) or geometry == _spanning(plan, a2, b2)
+
+
+def _whole(a2, b2, geometry: Geometry) -> bool:
+    """Whether every element's matrices are one chunk each, one output block and one k
+    group (``tasks.stack_block``)."""
+    return (all(len(c) == 1 for c in a2.chunks[-2:] + b2.chunks[-2:])
+            and geometry.grid == (1, 1) and geometry.groups == 1)
+
+
+def _spanning(plan, a2, b2) -> Geometry:
+    """The geometry of a stack whose matrices span chunks: output blocks on A's row chunks
+    and B's column chunks, the plan's k groups on the chunk edges."""
+    return Geometry.of(plan, a2.chunks, b2.chunks, follow_chunks=True)
 
 
 def _axes(x, batch: tuple) -> list:
@@ -98,24 +115,28 @@ def _reads(x, batch: tuple, lo: tuple, hi: tuple) -> tuple[tuple, tuple]:
 
 def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
     """The lazy ``A @ B`` of dask operands ``a2``, ``b2`` (1-D already promoted) for which
-    ``applies``: ``ops.out_shape``, numpy's result dtype, one task per output batch chunk
-    (``annotations``: the layer's, an enclosing ``dask.annotate``'s where None)."""
+    ``applies``: ``ops.out_shape``, numpy's result dtype, one task per output batch chunk and
+    output block (``annotations``: the layer's, an enclosing ``dask.annotate``'s where
+    None)."""
     import dask.array as da
     from dask.array.utils import meta_from_array
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-    from distmm.engine.dask.graph import make_task, task_ref
-    from distmm.engine.dask.tasks import TaskPlan, stack_block
+    from distmm.engine.dask.graph import make_task, task_list, task_ref
+    from distmm.engine.dask.tasks import TaskPlan, stack_block, stack_panels
 
     dtype = np.dtype(ops.dtype)
     batch = tuple(ops.batch)
     bchunks = batch_chunks(a2, b2, batch)
-    chunks = bchunks + ((ops.m,), (ops.n,))
+    geometry = _spanning(plan, a2, b2)
+    whole = _whole(a2, b2, geometry)
+    chunks = bchunks + (((ops.m,), (ops.n,)) if whole else geometry.chunks)
     if 0 in ops.out_shape or plan.k == 0:
         return da.zeros(ops.out_shape, dtype=dtype, chunks=chunks)
     tp = TaskPlan.of(plan)
-    name = "distmm-matmul-" + tokenize("stack", a2.name, b2.name, tp, backend, batch, bchunks)
+    name = "distmm-matmul-" + tokenize("stack", a2.name, b2.name, tp, backend, batch, bchunks,
+                                       geometry, () if whole else tuple(plan.reduction))
     offsets = [edges(c) for c in bchunks]
     dsk = {}
     for blk in np.ndindex(*(len(c) for c in bchunks)):
@@ -123,14 +144,43 @@ def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
         hi = tuple(offsets[j][i + 1] for j, i in enumerate(blk))
         a_key, a_index = _reads(a2, batch, lo, hi)
         b_key, b_index = _reads(b2, batch, lo, hi)
-        key = (name,) + blk + (0, 0)
         shape = tuple(h - l for l, h in zip(lo, hi))
-        dsk[key] = make_task(key, stack_block, tp, backend, task_ref((a2.name,) + a_key),
-                             a_index, task_ref((b2.name,) + b_key), b_index, shape, lo)
+        if whole:
+            key = (name,) + blk + (0, 0)
+            dsk[key] = make_task(key, stack_block, tp, backend, task_ref((a2.name,) + a_key),
+                                 a_index, task_ref((b2.name,) + b_key), b_index, shape, lo)
+            continue
+        gm, gn = geometry.grid
+        for bi in range(gm):
+            for bj in range(gn):
+                key = (name,) + blk + (bi, bj)
+                spec = _panels_spec(plan, tp, geometry, bi, bj, a_index, b_index, shape, lo)
+                dsk[key] = make_task(
+                    key, stack_panels, tp, backend, spec,
+                    task_list(task_ref((a2.name,) + a_key[:-2] + ab) for ab in spec.a_keys),
+                    task_list(task_ref((b2.name,) + b_key[:-2] + bb) for bb in spec.b_keys))
     layer = MaterializedLayer(dsk, annotations=annotations)
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     meta = meta_from_array(a2._meta, ndim=len(ops.out_shape), dtype=dtype)
     return da.Array(hlg, name, chunks, dtype=dtype, meta=meta)
+
+
+def _panels_spec(plan, tp, geometry: Geometry, bi: int, bj: int, a_index: tuple,
+                 b_index: tuple, shape: tuple, lo: tuple):
+    """The ``tasks.StackSpec`` of output block ``(bi, bj)`` of the batch chunk of ``shape``
+    at ``lo``: the k pieces of every k group (the per-element tasks' k-loops) and the
+    chunks they read."""
+    from distmm.engine.dask.tasks import StackSpec
+
+    groups = tuple(geometry.pieces(g, tp.tile[2]) for g in range(geometry.groups))
+    a_rows, b_cols = geometry.a_row_pieces(bi), geometry.b_col_pieces(bj)
+    a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for pieces in groups
+                           for a_k, _ in pieces for kb, _, _ in a_k}))
+    b_keys = tuple(sorted({(kb, cb) for pieces in groups for _, b_k in pieces
+                           for kb, _, _ in b_k for cb, _, _ in b_cols}))
+    reduction = tuple(plan.reduction) if len(groups) > 1 else ()
+    return StackSpec(a_index, b_index, a_keys, b_keys, a_rows, b_cols, groups, reduction,
+                     shape, lo + (geometry.row_edges[bi], geometry.col_edges[bj]))
 
 
 def eager_applies(ops, plan) -> bool:

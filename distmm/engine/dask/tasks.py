@@ -3,7 +3,8 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, a batch chunk of a stack of whole matrices (``stack_block``), the
+reduction tree, a batch chunk of a stack of whole matrices (``stack_block``), an output
+block of a batch chunk of a stack whose matrices span chunks (``stack_panels``), the
 final cast to numpy's result dtype, and the floating-point flags those raise (kept on
 the worker under the call's token for the client to report as numpy's matmul would,
 ``recording_flags``/``pop_flags``; an object block's elements keep theirs by row,
@@ -27,9 +28,9 @@ import numpy as np
 from distmm.engine.tiles import finish_tile, tile_partial
 from distmm.fpflags import collect
 
-__all__ = ["TaskPlan", "BlockSpec", "partial_block", "stack_block", "sum_step", "executor_for",
-           "cached_executor", "executors_made", "worker_has_gpu", "array_module", "panel",
-           "as_chunk", "recording_flags", "pop_flags"]
+__all__ = ["TaskPlan", "BlockSpec", "StackSpec", "partial_block", "stack_block", "stack_panels",
+           "sum_step", "executor_for", "cached_executor", "executors_made", "worker_has_gpu",
+           "array_module", "panel", "as_chunk", "recording_flags", "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -115,6 +116,31 @@ class BlockSpec:
         return self.at if len(self.k_pieces) == 1 else None
 
 
+@dataclass(frozen=True)
+class StackSpec:
+    """What one task of a stack whose matrices span chunks needs (``stack_panels``): plain
+    data, no references.
+
+    ``a_index``/``b_index``: the index into every chunk's batch axes; ``a_keys``/``b_keys``
+    the block index ``(row, col)`` of each chunk the task is handed, in order; ``a_rows`` and
+    ``b_cols`` the pieces along m and n; ``groups`` the k pieces of each k group (one task's
+    k-loop each: ``chunks.k_pieces``); ``reduction`` the plan's reduction tree over the groups
+    (``()`` for one group); ``batch`` the shape of the output batch chunk; ``at`` where the
+    block starts in C, ``(*batch, row, column)``.
+    """
+
+    a_index: tuple
+    b_index: tuple
+    a_keys: tuple
+    b_keys: tuple
+    a_rows: tuple
+    b_cols: tuple
+    groups: tuple
+    reduction: tuple
+    batch: tuple
+    at: tuple
+
+
 def worker_has_gpu() -> bool:
     """Whether this worker process sees a GPU (asked once per process)."""
     if not _GPU:
@@ -167,14 +193,16 @@ def array_module(x):
 def panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
     """The sub-panel of one operand over the given row and column pieces.
 
-    ``blocks[(rb, cb)]`` is a chunk; ``lead`` indexes its batch axes; each piece
-    is ``(block, start, stop)`` local to that block. One piece each: a view.
+    ``blocks[(rb, cb)]`` is a chunk; ``lead`` indexes its batch axes (``(...,)``: all of
+    them, a stack of panels); each piece is ``(block, start, stop)`` local to that block.
+    One piece each: a view.
     """
     rows = []
     for rb, r0, r1 in row_pieces:
         cols = [blocks[(rb, cb)][lead + (slice(r0, r1), slice(c0, c1))] for cb, c0, c1 in col_pieces]
-        rows.append(cols[0] if len(cols) == 1 else array_module(cols[0]).concatenate(cols, axis=1))
-    return rows[0] if len(rows) == 1 else array_module(rows[0]).concatenate(rows, axis=0)
+        rows.append(cols[0] if len(cols) == 1
+                    else array_module(cols[0]).concatenate(cols, axis=-1))
+    return rows[0] if len(rows) == 1 else array_module(rows[0]).concatenate(rows, axis=-2)
 
 
 def as_chunk(tile, batch_ndim: int):
@@ -191,16 +219,8 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
     executor = executor_for(backend, tp.acc_dtype, a_list[0], tp.precision)
-    acc = None
-    for a_k, b_k in spec.k_pieces:
-        a_sub = panel(a_blocks, spec.a_lead, spec.a_rows, a_k)
-        b_sub = panel(b_blocks, spec.b_lead, b_k, spec.b_cols)
-        part = tile_partial(executor, tp, a_sub, b_sub, spec.whole_at)
-        # the executor's result is a new array: adding into it is safe
-        if acc is None:
-            acc = part
-        else:
-            acc += part
+    acc = _k_loop(executor, tp, a_blocks, spec.a_lead, spec.a_rows, b_blocks, spec.b_lead,
+                  spec.b_cols, spec.k_pieces, spec.whole_at)
     if isinstance(a_list[0], np.ndarray):
         acc = executor.to_host(acc)
     if not spec.finish:
@@ -235,6 +255,72 @@ def stack_block(tp: TaskPlan, backend: str, a, a_index: tuple, b, b_index: tuple
         at = tuple(o + i for o, i in zip(offset, idx)) + (0, 0)
         part = executor.to_host(tile_partial(executor, tp, a[idx], b[idx], at))
         out[idx] = finish_tile(tp, part)
+    return out
+
+
+def _k_loop(executor, tp: TaskPlan, a_blocks: dict, a_lead: tuple, a_rows, b_blocks: dict,
+            b_lead: tuple, b_cols, pieces, at):
+    """The sum over ``pieces`` (one k group), in ascending k, of the panels' products in the
+    accumulation dtype (``at``: ``tile_partial``'s)."""
+    acc = None
+    for a_k, b_k in pieces:
+        a_sub = panel(a_blocks, a_lead, a_rows, a_k)
+        b_sub = panel(b_blocks, b_lead, b_k, b_cols)
+        part = tile_partial(executor, tp, a_sub, b_sub, at)
+        # the executor's result is a new array: adding into it is safe
+        if acc is None:
+            acc = part
+        else:
+            acc += part
+    return acc
+
+
+def _reduce(partials: list, reduction: tuple):
+    """The partials of the k groups summed as ``sum_step`` does along the plan's reduction
+    tree: ``partial[dst] + partial[src]`` per step, in order; the sum ends in partial 0."""
+    latest = list(partials)
+    for dst, src in reduction:
+        latest[dst] = latest[dst] + latest[src]
+    return latest[0]
+
+
+@recording_flags
+def stack_panels(tp: TaskPlan, backend: str, spec: StackSpec, a_list, b_list):
+    """One output block of a batch chunk of a stack whose matrices span chunks
+    (``distmm.engine.dask.stacks``): for each element, what the per-element tasks compute
+    (``partial_block``'s k-loop per k group, the reduction tree's steps in order, the cast),
+    with the same bits; the chunks ``a_list``/``b_list`` (``spec.a_keys``/``b_keys``) indexed
+    by ``spec.a_index``/``b_index`` along their batch axes, broadcast to ``spec.batch``. Where
+    the executor's product is ``numpy.matmul`` (``_whole_stack``) each k piece is one call on
+    the whole batch chunk (numpy runs its one-matrix loop on each element)."""
+    from distmm.plan import np_dtype
+
+    rows = sum(r1 - r0 for _, r0, r1 in spec.a_rows)
+    cols = sum(c1 - c0 for _, c0, c1 in spec.b_cols)
+    if not rows or not cols:  # a zero-size chunk of A along m or of B along n
+        return finish_tile(tp, np.zeros(spec.batch + (rows, cols), np_dtype(tp.acc_dtype)))
+    a_list = [x[spec.a_index] for x in a_list]
+    b_list = [x[spec.b_index] for x in b_list]
+    executor = executor_for(backend, tp.acc_dtype, a_list[0], tp.precision)
+    if _whole_stack(executor, tp):
+        a_blocks = dict(zip(spec.a_keys, a_list))
+        b_blocks = dict(zip(spec.b_keys, b_list))
+        partials = [_k_loop(executor, tp, a_blocks, (...,), spec.a_rows, b_blocks, (...,),
+                            spec.b_cols, pieces, None) for pieces in spec.groups]
+        return finish_tile(tp, _reduce(partials, spec.reduction))
+    a_blocks = {key: np.broadcast_to(x, spec.batch + x.shape[-2:])
+                for key, x in zip(spec.a_keys, a_list)}
+    b_blocks = {key: np.broadcast_to(x, spec.batch + x.shape[-2:])
+                for key, x in zip(spec.b_keys, b_list)}
+    out = np.empty(spec.batch + (rows, cols), np_dtype(tp.dtype))
+    nb = len(spec.batch)
+    for idx in np.ndindex(*spec.batch):
+        at = tuple(o + i for o, i in zip(spec.at, idx)) + spec.at[nb:]
+        partials = [executor.to_host(_k_loop(executor, tp, a_blocks, idx, spec.a_rows, b_blocks,
+                                             idx, spec.b_cols, pieces,
+                                             at if len(pieces) == 1 else None))
+                    for pieces in spec.groups]
+        out[idx] = finish_tile(tp, _reduce(partials, spec.reduction))
     return out
 
 
