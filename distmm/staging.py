@@ -328,11 +328,10 @@ def unremovable(folder) -> str | None:
         here = Path(root)
         if not os.access(here, os.W_OK | os.X_OK):
             return f"{here} may not be written (permission), so the files in it cannot be removed"
-        for name in (*dirs, *files):
-            fixed = fixed_attribute(here / name)
-            if fixed:
-                return (f"{here / name} in it is {fixed} (chattr), which keeps every process, "
-                        f"root's too, from removing it")
+        name, fixed = _fixed_in(here, (*dirs, *files))
+        if fixed:
+            return (f"{here / name} in it is {fixed} (chattr), which keeps every process, "
+                    f"root's too, from removing it")
     if failed:
         exc = failed[0]
         return f"{exc.filename} cannot be listed ({exc.strerror}), so it cannot be removed"
@@ -418,18 +417,39 @@ def fixed_attribute(path) -> str | None:
     renames another onto it or removes it, or a name in it where it is a folder. None where it
     carries neither, does not exist, or the system does not say (no ``statx``). The kernel's
     record of the file, not a guess from permission bits."""
+    return _fixed_in(None, (path,))[1]
+
+
+def _fixed_in(folder, names) -> tuple:
+    """The first of ``names`` (in the folder ``folder``; None: paths as they are) that is
+    immutable or append-only and which (``fixed_attribute``), else ``(None, None)``: one
+    ``statx`` a name, relative to the folder's descriptor, into one buffer."""
     import ctypes
 
     fn = libc_function("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
                                  ctypes.c_void_p], ctypes.c_int)
-    if fn is None:
-        return None
+    if fn is None or not names:
+        return None, None
     buf = ctypes.create_string_buffer(256)  # struct statx
+    attributes = ctypes.c_uint64.from_buffer(buf, 8)  # stx_attributes
     at_cwd, nofollow = -100, 0x100
-    if fn(at_cwd, os.fsencode(path), nofollow, 0, buf) != 0:
-        return None
-    attributes = int.from_bytes(buf.raw[8:16], sys.byteorder)  # stx_attributes
-    return next((name for bit, name in _FIXED if attributes & bit), None)
+    fd, prefix = at_cwd, None
+    if folder is not None:
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # each name by its path then
+            prefix = folder
+    try:
+        for name in names:
+            path = os.path.join(prefix, name) if prefix else name
+            if fn(fd, os.fsencode(path), nofollow, 0, buf) == 0 and attributes.value:
+                fixed = next((what for bit, what in _FIXED if attributes.value & bit), None)
+                if fixed:
+                    return name, fixed
+    finally:
+        if fd != at_cwd:
+            os.close(fd)
+    return None, None
 
 
 def _check_h5_path(fh, path: Path, dataset: str, label: str) -> None:

@@ -367,7 +367,7 @@ def _cmd_matmul(args) -> int:
     check_shapes(args.a, a, args.b, b)  # numpy's shape rules, naming the files
     check_dtype(target, dtype)  # one the output's format stores
     precision = resolve_precision(args.precision, dtype)  # refused before any work
-    check_target(target, args.overwrite)  # (again when staged) before the leftovers go
+    check_target(target, args.overwrite)  # before the leftovers go
     engine = _matmul_engine(args)
     client = _connect(args, engine)
     engine = "dask" if client is not None else engine
@@ -387,7 +387,8 @@ def _cmd_matmul(args) -> int:
         with dask.config.set(options):
             # The staged output is made (the target and its free space checked) before any
             # work; it appears at the target only when the product is complete.
-            with staged_output(args.output, shape, dtype, overwrite=args.overwrite) as c:
+            with staged_output(args.output, shape, dtype, overwrite=args.overwrite,
+                               checked=True) as c:
                 if a.ndim == b.ndim == 2:
                     # Tiles go straight into it (local engine; on a Dask cluster the
                     # workers write theirs when they all see the file).

@@ -239,7 +239,8 @@ def open_operand(spec: str, *, writable: bool = False):
         Unsupported suffix, a file that is not of its suffix's format (a ``.npy`` file
         shorter than its header says: truncated), a zarr group where an array was expected,
         or an HDF5 file that another process holds: its file lock, or an SWMR writer (HDF5
-        files are read only when no process writes them).
+        files are read only when no process writes them); an HDF5 dataset stored through a
+        filter this HDF5 lacks (a plugin not installed: ``_missing_filter``).
     """
     t = operand_target(spec)
     if not t.path.exists():
@@ -310,7 +311,57 @@ def open_operand(spec: str, *, writable: bool = False):
         what = "no dataset" if node is None else "a group, not a dataset, at"
         raise FileNotFoundError(f"{what} {t.dataset!r} in {t.path} "
                                 f"(datasets: {', '.join(names) or 'none'})")
+    missing = _missing_filter(node)
+    if missing:
+        fh.close()
+        raise ValueError(f"{t.path}:{t.dataset} needs HDF5 filter {missing}, which is not "
+                         f"available here (not built into this HDF5, no plugin for it in "
+                         f"HDF5_PLUGIN_PATH or HDF5's default plugin folder)")
     return node
+
+
+#: names of filters registered with The HDF Group that HDF5 itself lacks (their plugins are
+#: separate), for a file whose pipeline names none
+_FILTER_NAMES = {307: "bzip2", 32001: "blosc", 32004: "lz4", 32008: "bitshuffle",
+                 32013: "zfp", 32015: "zstd", 32017: "sz", 32026: "blosc2"}
+
+
+def _missing_filter(node) -> str | None:
+    """The first filter of the HDF5 dataset ``node``'s pipeline that this HDF5 cannot apply
+    (not built in, registered, or found as a plugin: ``H5Zfilter_avail``) and that its data
+    needs, as ``ID (name)``; None where it reads. An optional filter is needed only where a
+    stored chunk went through it (writers skip one they lack, and record that per chunk)."""
+    import h5py
+
+    plist = node.id.get_create_plist()
+    for i in range(plist.get_nfilters()):
+        code, flags, _, name = plist.get_filter(i)
+        if h5py.h5z.filter_avail(code):
+            continue
+        if flags & h5py.h5z.FLAG_OPTIONAL and not _filtered_chunks(node, i):
+            continue
+        name = name.decode(errors="replace").strip() or _FILTER_NAMES.get(code)
+        return f"{code} ({name})" if name else str(code)
+    return None
+
+
+def _filtered_chunks(node, i: int) -> bool:
+    """Whether a stored chunk of the dataset ``node`` went through filter ``i`` of its
+    pipeline (bit ``i`` of the chunk's filter mask clear)."""
+    bit = 1 << i
+    if hasattr(node.id, "chunk_iter"):  # one pass in HDF5, stopped at the first found
+        found = []
+
+        def through(info):
+            if not info.filter_mask & bit:
+                found.append(info)
+                return True  # (stops the pass)
+            return None
+
+        node.id.chunk_iter(through)
+        return bool(found)
+    return any(not node.id.get_chunk_info(j).filter_mask & bit
+               for j in range(node.id.get_num_chunks()))
 
 
 def _check_npy(path: Path) -> None:
@@ -550,10 +601,13 @@ def check_report(flag: str, path, files) -> None:
 
 
 @contextmanager
-def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool = False):
+def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool = False,
+                  checked: bool = False):
     """Yield an empty array to fill (an ``NpyWriter``, a zarr array, or for HDF5
     a ``BlockWriter`` on the staged file's dataset) that replaces ``spec`` only
-    when the block exits without an error.
+    when the block exits without an error. ``checked``: the caller ran ``check_target``
+    on ``spec`` itself before its work began (a zarr target's check walks the whole old
+    array; ``put_in_place`` looks at it again before it replaces it).
 
     Raises
     ------
@@ -569,7 +623,8 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
     """
     t = parse_target(spec)
     dtype = np.dtype(dtype)
-    check_target(t, overwrite)
+    if not checked:
+        check_target(t, overwrite)
     try:
         with _staged(t, shape, dtype, overwrite) as out:
             yield out
