@@ -884,6 +884,14 @@ def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = No
         raise ValueError(f"{what}: engine='mpi' needs the same operands and settings on every "
                          f"rank; got {key} on rank {comm.rank} but {outcomes[other][2]} on "
                          f"rank {other}")
+    for r, (*_, theirs) in enumerate(outcomes):  # None: a DistArray on that rank
+        for name, x, y in zip("ab", values or (), theirs or ()):
+            if (x is None) != (y is None):
+                kinds = {rank: "a DistArray" if v is None else "an array every rank holds "
+                         "whole" for rank, v in ((comm.rank, x), (r, y))}
+                raise ValueError(f"{what}: engine='mpi' needs the same kind of operands on "
+                                 f"every rank: {name} is {kinds[comm.rank]} on rank "
+                                 f"{comm.rank} but {kinds[r]} on rank {r}")
     other = next((r for r, (*_, v) in enumerate(outcomes) if v != values), None)
     if other is not None:
         from distmm.engine.mpi.agree import differing
@@ -1005,7 +1013,7 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
                                  f"numpy makes 1-D and a DistArray cannot hold: pass "
                                  f"{name}.reshape{shape}")
         if comm.size > 1:
-            values = tuple(b"" if _is_distributed(x) else
+            values = tuple(None if _is_distributed(x) else
                            fingerprint(x if array_family(x) == "cupy" else np.asarray(x))
                            for x in (a, b))
         # cut without from_array's exchange: a rank that refused above is already in

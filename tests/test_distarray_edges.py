@@ -157,6 +157,12 @@ def follow_ups():
     refused("matmul a replicated vector on the last rank",
             lambda: distmm.matmul(DistArray.from_array(a), np.ones(3) if last else b),
             ValueError, "b is 1-D beside a DistArray", alike=False)
+    # a DistArray on one rank, an array every rank holds on the others: "the values of the
+    # replicated b differ" on every rank
+    b_dist = DistArray.from_array(b)
+    refused("matmul b a DistArray on the last rank only",
+            lambda: distmm.matmul(DistArray.from_array(a), b_dist if last else b), ValueError,
+            "needs the same kind of operands on every rank: b is ", alike=False)
     # a vector beside a DistArray was "DistArray needs a 2-D array": numpy's result is 1-D
     refused("matmul a replicated vector on every rank",
             lambda: distmm.matmul(np.ones(a.shape[0]), DistArray.from_array(a)), ValueError,
@@ -320,9 +326,10 @@ def test_layouts_and_files_one_rank_gets_wrong_are_refused_on_every_rank(tmp_pat
     on every rank (the rank owning the negative block raised alone); what from_array
     refuses on the last rank alone is raised on every rank (the others went on into a
     collective); gemm refuses DistArrays by name (it read them as 0-d arrays), and matmul of
-    DistArrays checks tile= (tile=0 was taken)."""
+    DistArrays checks tile= (tile=0 was taken); a DistArray on one rank beside an array
+    the others hold whole is named so (it read as the replicated values differing)."""
     r, lines, bad = _run(mpirun, tmp_path, 3, "fixes", timeout=90)
-    assert len(lines) == 3 * (13 + 18) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert len(lines) == 3 * (13 + 19) and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -469,14 +476,14 @@ import sys
 import numpy as np
 from mpi4py import MPI
 import distmm
-import distmm.engine.mpi.distarray as distarray
+from distmm.engine.mpi import pieces
 from distmm import DistArray
 from distmm.grid import BlockLayout
 
 comm = MPI.COMM_WORLD
 P, rank = comm.size, comm.rank
 if sys.argv[1] == "small":  # the point-to-point exchange for blocks past a few bytes
-    distarray.MAX_COUNT, distarray.PIECE_BYTES = 40, 24
+    pieces.MAX_COUNT, pieces.PIECE_BYTES = 40, 24
 rng = np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy if rank == 0 else None))
 lines = []
 

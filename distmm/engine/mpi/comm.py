@@ -1,9 +1,10 @@
 """Panel broadcasts for SUMMA: one ``ibcast(panel, root)`` whatever moves the bytes.
 
 This module covers: ``NullBroadcaster`` (a communicator of one rank: nothing
-moves, nothing is made), ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers; a
-pickled ``bcast`` for object arrays, ``pickled``/``unpickled`` keeping a failure to pickle as
-a value so that no rank stops inside a collective), ``CudaAwareBroadcaster`` (mpi4py on cupy
+moves, nothing is made), ``HostBroadcaster`` (mpi4py ``Ibcast`` of host buffers, in
+``distmm.engine.mpi.pieces`` past one MPI count; a pickled ``bcast`` for object arrays,
+``pickled``/``unpickled`` keeping a failure to pickle as a value so that no rank stops
+inside a collective), ``CudaAwareBroadcaster`` (mpi4py on cupy
 buffers, where the MPI library reports CUDA support through
 ``MPIX_Query_cuda_support``), ``StagedBroadcaster`` (cupy buffers through pinned
 host memory for MPIs without CUDA support) and ``NcclBroadcaster``
@@ -18,6 +19,7 @@ import pickle
 
 import numpy as np
 
+from distmm.engine.mpi import pieces
 from distmm.errors import NotPicklable
 
 __all__ = ["NullBroadcaster", "HostBroadcaster", "CudaAwareBroadcaster", "StagedBroadcaster", "NcclBroadcaster",
@@ -57,11 +59,13 @@ class _Done:
 
 
 class _MPIRequest:
+    """A broadcast in flight (``pieces.Requests``); ``after`` runs once it is done."""
+
     def __init__(self, request, after=None):
         self.request, self.after = request, after
 
     def wait(self):
-        self.request.Wait()
+        self.request.wait()
         if self.after is not None:
             self.after()
             self.after = None
@@ -102,14 +106,15 @@ class HostBroadcaster:
         if self.comm.rank != root:
             self.bytes_received += buf.nbytes
         if buf.dtype.kind == "O":
-            got = self.comm.bcast(pickled(buf) if self.comm.rank == root else None, root=root)
+            got = pieces.bcast_object(self.comm, pickled(buf) if self.comm.rank == root else None,
+                                      root)
             if self.comm.rank != root or isinstance(got, NotPicklable):
                 got = unpickled(got)
                 if isinstance(got, NotPicklable):
                     return _Done(got)
                 buf[...] = got
             return _Done()
-        return _MPIRequest(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root))
+        return _MPIRequest(pieces.ibcast(self.comm, buf, root))
 
     def close(self):
         pass
@@ -137,7 +142,7 @@ class CudaAwareBroadcaster(HostBroadcaster):
         cupy.cuda.get_current_stream().synchronize()  # the root's panel is written
         if self.comm.rank != root:
             self.bytes_received += buf.nbytes
-        return _MPIRequest(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root))
+        return _MPIRequest(pieces.ibcast(self.comm, buf, root))
 
 
 class StagedBroadcaster(HostBroadcaster):
@@ -172,7 +177,7 @@ class StagedBroadcaster(HostBroadcaster):
             if self.comm.rank != root:
                 flat.set(host)
 
-        return _MPIRequest(self.comm.Ibcast(host, root=root), after=upload)
+        return _MPIRequest(pieces.ibcast(self.comm, host, root), after=upload)
 
     def close(self):
         self._pinned.clear()

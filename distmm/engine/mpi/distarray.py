@@ -20,6 +20,7 @@ import pickle
 import numpy as np
 
 from distmm._arrays import array_family
+from distmm.engine.mpi import pieces
 from distmm.engine.mpi.agree import agree
 from distmm.engine.mpi.join import join
 from distmm.grid import BlockLayout
@@ -364,8 +365,9 @@ class DistArray:
     # -- moving -----------------------------------------------------------------
     def redistribute(self, layout: BlockLayout) -> "DistArray":
         """The same matrix in another layout (one ``Alltoallv`` of raw bytes through
-        host memory, or messages of ``PIECE_BYTES`` where a block has more than
-        ``MAX_COUNT`` bytes; object arrays go pickled); cupy blocks come back as cupy blocks.
+        host memory, or point-to-point ``distmm.engine.mpi.pieces`` where a block has more
+        bytes than one MPI call moves; object arrays go pickled, point to point); cupy
+        blocks come back as cupy blocks.
         Collective; a layout for another shape, for ranks the communicator does not
         have, or different on different ranks is a ``ValueError`` on every rank, and one
         that is not a ``BlockLayout`` (on any rank) a ``TypeError``."""
@@ -400,7 +402,8 @@ class DistArray:
             send = [None if p is None else
                     pickled(local[p[0] - src[0]:p[1] - src[0], p[2] - src[2]:p[3] - src[2]])
                     for p in pieces_out]
-            got = [None if x is None else unpickled(x) for x in comm.alltoall(send)]
+            got = [None if x is None else unpickled(x)
+                   for x in pieces.alltoall_objects(comm, send)]
             _agree_sent(comm, got)
             for p, block in zip(pieces_in, got):
                 if p is not None:
@@ -419,7 +422,8 @@ class DistArray:
         recv = np.empty(sum(recv_counts), dtype=np.uint8)
         if _over_one_count((self.layout, layout), item):
             ends = np.cumsum([0] + send_counts).tolist()
-            _pairwise(comm, [send[ends[p]:ends[p + 1]] for p in range(size)], recv, recv_counts)
+            pieces.pairwise(comm, [send[ends[p]:ends[p + 1]] for p in range(size)], recv,
+                            recv_counts)
         else:
             comm.Alltoallv([send, send_counts], [recv, recv_counts])
         pos = 0
@@ -462,14 +466,15 @@ class DistArray:
         if self.dtype.kind == "O":
             from distmm.engine.mpi.comm import pickled, unpickled
 
-            blocks = [unpickled(p) for p in comm.allgather(pickled(self._host_local()))]
+            mine = pickled(self._host_local())
+            blocks = [unpickled(p) for p in pieces.alltoall_objects(comm, [mine] * comm.size)]
             _agree_sent(comm, blocks)
         else:
             counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
             flat = np.empty(sum(counts), dtype=np.uint8)
             mine = np.ascontiguousarray(self._host_local()).reshape(-1).view(np.uint8)
             if _over_one_count((BlockLayout.single(self.shape),), self.dtype.itemsize):
-                _pairwise(comm, [mine] * comm.size, flat, counts)
+                pieces.pairwise(comm, [mine] * comm.size, flat, counts)
             else:
                 comm.Allgatherv(mine, [flat, counts])
             blocks, pos = [], 0
@@ -557,44 +562,14 @@ def _agree_sent(comm, got) -> None:
     agree(comm, next((x for x in got if isinstance(x, NotPicklable)), None), (), into=set())
 
 
-#: the most bytes one exchange of ``redistribute`` or ``gather`` moves in one MPI call: its
-#: counts and displacements are C ints, which an MPI without large counts (Open MPI 5) refuses
-#: past 2**31 - 1 (``MPI_ERR_ARG`` on every rank)
-MAX_COUNT = 2**31 - 1
-#: the bytes of one message where the exchange goes point to point instead
-PIECE_BYTES = 2**30
-
-
 def _over_one_count(layouts, itemsize: int) -> bool:
-    """Whether a block of any of ``layouts`` (the same on every rank) holds more than
-    ``MAX_COUNT`` bytes: a rank's buffer, its counts or displacements could pass a C int."""
-    return any((r1 - r0) * (c1 - c0) * itemsize > MAX_COUNT
+    """Whether a block of any of ``layouts`` (the same on every rank) holds more bytes than
+    one MPI call moves (``pieces.fits``): a rank's buffer, its counts or displacements could
+    pass a C int."""
+    return any(not pieces.fits((r1 - r0) * (c1 - c0) * itemsize)
                for layout in layouts for bi in range(layout.blocks[0])
                for bj in range(layout.blocks[1])
                for r0, r1, c0, c1 in [layout.bounds(bi, bj)])
-
-
-def _pairwise(comm, pieces, recv, recv_counts) -> None:
-    """``Alltoallv`` of bytes as point-to-point messages of at most ``PIECE_BYTES`` each, so
-    no count or displacement passes a C int: ``pieces[p]`` (a uint8 array) goes to rank p,
-    and rank p's piece for this rank lands in ``recv``, ``recv_counts[p]`` bytes packed in
-    rank order."""
-    from mpi4py import MPI
-
-    step = max(1, int(PIECE_BYTES))
-    requests, pos = [], 0
-    for peer, count in enumerate(recv_counts):
-        for lo in range(0, count, step):
-            requests.append(comm.Irecv(recv[pos + lo:pos + min(count, lo + step)],
-                                       source=peer, tag=_PAIRWISE_TAG))
-        pos += count
-    for peer, piece in enumerate(pieces):
-        for lo in range(0, piece.size, step):
-            requests.append(comm.Isend(piece[lo:lo + step], dest=peer, tag=_PAIRWISE_TAG))
-    MPI.Request.Waitall(requests)
-
-
-_PAIRWISE_TAG = 0x6d76  # the pieces of _pairwise (a pair's messages arrive in order)
 
 
 def _overlap(a, b):

@@ -30,6 +30,7 @@ import bisect
 
 import numpy as np
 
+from distmm.engine.mpi import pieces
 from distmm.engine.mpi.comm import pickled as to_bytes
 from distmm.engine.mpi.comm import unpickled
 from distmm.engine.mpi.gridcomms import GridComms
@@ -142,10 +143,9 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
         if layer:
             for tag, x in ((78, a_whole), (79, b_whole)):
                 if pickled:
-                    comm.send(to_bytes(x), dest=grid.rank_at(0, i, j), tag=tag)
+                    pieces.send_object(comm, to_bytes(x), grid.rank_at(0, i, j), tag)
                 else:
-                    comm.Send(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
-                              dest=grid.rank_at(0, i, j), tag=tag)
+                    pieces.send(comm, np.ascontiguousarray(x), grid.rank_at(0, i, j), tag)
             return None
         a_parts, b_parts = [a_whole], [b_whole]
         unsent = None  # object panels that did not travel: every message is still received
@@ -155,14 +155,13 @@ def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComm
             b_part = np.empty((width, b_whole.shape[1]), dtype=b_whole.dtype)
             for tag, x in ((78, a_part), (79, b_part)):
                 if pickled:
-                    got = unpickled(comm.recv(source=grid.rank_at(src, i, j), tag=tag))
+                    got = unpickled(pieces.recv_object(comm, grid.rank_at(src, i, j), tag))
                     if isinstance(got, NotPicklable):
                         unsent = unsent or got
                     else:
                         x[...] = got
                 else:
-                    comm.Recv(x.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j),
-                              tag=tag)
+                    pieces.recv(comm, x, grid.rank_at(src, i, j), tag)
                 comms.reduce_bytes += x.nbytes
             a_parts.append(a_part)
             b_parts.append(b_part)
@@ -224,17 +223,16 @@ def _reduce_layers(grid: GridPlan, c, comms: GridComms, layer: int, i: int, j: i
     for dst, src in grid.reduction:
         if layer == src:
             if host.dtype.kind == "O":
-                comm.send(host, dest=grid.rank_at(dst, i, j), tag=77)
+                pieces.send_object(comm, host, grid.rank_at(dst, i, j), 77)
             else:
-                comm.Send(np.ascontiguousarray(host).reshape(-1).view(np.uint8),
-                          dest=grid.rank_at(dst, i, j), tag=77)
+                pieces.send(comm, np.ascontiguousarray(host), grid.rank_at(dst, i, j), 77)
             return None
         if layer == dst:
             if host.dtype.kind == "O":
-                other = comm.recv(source=grid.rank_at(src, i, j), tag=77)
+                other = pieces.recv_object(comm, grid.rank_at(src, i, j), 77)
             else:
-                other = np.empty_like(host)
-                comm.Recv(other.reshape(-1).view(np.uint8), source=grid.rank_at(src, i, j), tag=77)
+                other = np.empty(host.shape, dtype=host.dtype)  # C order, as sent
+                pieces.recv(comm, other, grid.rank_at(src, i, j), 77)
             comms.reduce_bytes += other.nbytes
             host = host + other
     if on_host:
