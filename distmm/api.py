@@ -549,12 +549,11 @@ def _check_out(out, ops: Operands):
     core = len(shape) - len(ops.batch)
     if len(out_shape) < len(shape):  # numpy's flexible core dimensions decide: ask it
         fits = _numpy_takes_out(tuple(ops.a.shape), tuple(ops.b.shape), out_shape)
-    else:
-        try:
-            fits = (out_shape[len(out_shape) - core:] == shape[len(shape) - core:]
-                    and np.broadcast_shapes(out_shape, shape) == out_shape)
-        except ValueError:
-            fits = False
+    else:  # the result broadcasts to out's shape: each of its sizes equal, or 1 (exact
+        # ints: np.broadcast_shapes refuses shapes past the largest array)
+        padded = (1,) * (len(out_shape) - len(shape)) + shape
+        fits = (out_shape[len(out_shape) - core:] == shape[len(shape) - core:]
+                and all(s in (o, 1) for o, s in zip(out_shape, padded)))
     if not fits:
         raise ValueError(f"matmul: non-broadcastable output operand with shape {out_shape} "
                          f"doesn't match the broadcast shape {shape} of a {tuple(ops.a.shape)} @ "

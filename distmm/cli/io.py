@@ -25,6 +25,7 @@ It does *not* cover: computing anything, or signal handling (``distmm.cli``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import warnings
@@ -398,7 +399,7 @@ def _check_npy(path: Path) -> None:
     if dtype.hasobject:
         raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
                         f"not unpickle files; save a numeric array")
-    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    need = math.prod(shape) * dtype.itemsize
     if have < need:  # a copy or a download cut short; numpy's memory map says "mmap length"
         raise ValueError(f"{path} is truncated: it holds {have} of the {need} bytes of data "
                          f"its header describes (shape {shape}, dtype {dtype})")
@@ -637,7 +638,7 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
 
 @contextmanager
 def _staged(t: Target, shape, dtype, overwrite: bool):
-    check_space(t, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    check_space(t, math.prod(shape) * dtype.itemsize)  # exact: np.prod wraps at 2**63
     tmp = staged_path(t.path)
     try:
         if t.kind in ("npy", "h5"):

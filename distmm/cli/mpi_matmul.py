@@ -17,6 +17,7 @@ itself (``distmm.engine.mpi``).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -86,7 +87,7 @@ def run_matmul(args) -> int:
                              "engine plans its own grid and stripes: drop --tile")
         shape = result_shape(a, b)
         m, k, n = (a.shape[0], a.shape[1], b.shape[1]) if two_d else (0, 0, 0)
-        flops = 2 * int(np.prod(shape)) * a.shape[-1]
+        flops = 2 * math.prod(shape) * a.shape[-1]  # Python ints: np.prod wraps at 2**63
         requested = args.backend
         if requested == "auto":  # the configured distmm.backend, as distmm.matmul takes it
             requested = get_config().backend
@@ -99,7 +100,7 @@ def run_matmul(args) -> int:
                                      f"rank has none (use {hint})")
         if comm.rank == 0:  # before any work, stacks and vectors too
             check_target(target, args.overwrite)
-            check_space(target, int(np.prod(shape)) * dtype.itemsize)
+            check_space(target, math.prod(shape) * dtype.itemsize)
             if args.profile:
                 check_report("--profile", args.profile, (args.a, args.b, args.output))
         if not on_gpu:  # before the staged output, and before the ranks agree to start:
@@ -257,7 +258,8 @@ def _stacked(comm, args, a, b, t0, precision: str = "highest") -> int:
     comm.Barrier()
     if comm.rank == 0 and error is None:
         try:
-            with staged_output(args.output, c.shape, c.dtype, overwrite=args.overwrite) as out:
+            with staged_output(args.output, c.shape, c.dtype, overwrite=args.overwrite,
+                               checked=True) as out:
                 out[...] = c
         except Exception as exc:  # noqa: BLE001
             error = exc

@@ -146,7 +146,7 @@ def _create(f: FileSpec, shape, dtype, pid: int, chunks=None):
     if f.kind == "npy":
         path = staged_path(f.path, pid)
         head = npy_header(shape, dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         with open(path, "xb") as fh:
             fh.write(head)
             fh.truncate(len(head) + nbytes)
