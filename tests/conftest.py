@@ -69,6 +69,17 @@ def run_cli(*args, timeout: float = 600, env: dict | None = None,
                           text=True, timeout=timeout, env=env, **kw)
 
 
+def run_rank_script(mpirun, path, text: str, ranks: int, *args, timeout: float = 120):
+    """Writes ``text`` (an MPI script whose rank 0 prints every rank's ``rank R: what: ok``
+    or ``...: BAD ...`` lines) to ``path``, runs it on ``ranks`` ranks with ``args`` through
+    the ``mpirun`` fixture, and returns ``(result, lines, bad)``: the ``rank`` lines and
+    those not ending in ``: ok``."""
+    path.write_text(text)
+    r = mpirun(ranks, path, *args, timeout=timeout)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+    return r, lines, [line for line in lines if not line.endswith(": ok")]
+
+
 #: a child's ``sitecustomize``: once MODULE is imported, its NAME waits for the file ``go`` in
 #: FOLDER (after making ``paused`` there), or SECONDS where given, before it runs or (AFTER)
 #: once it has returned; only on MPI rank RANK where given

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_rank_script
+
 SCRIPT = r'''
 import os, sys
 import numpy as np
@@ -304,12 +306,8 @@ for mine in comm.gather(lines) or []:
 
 
 def _run(mpirun, tmp_path, ranks: int, case: str, timeout: float):
-    script = tmp_path / "distarray_edges.py"
-    script.write_text(SCRIPT)
-    r = mpirun(ranks, script, tmp_path, case, timeout=timeout)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
-    return r, lines, bad
+    return run_rank_script(mpirun, tmp_path / "distarray_edges.py", SCRIPT, ranks, tmp_path,
+                           case, timeout=timeout)
 
 
 @pytest.mark.mpi
@@ -445,11 +443,8 @@ def test_from_array_of_a_memmap_reads_its_blocks(ranks, tmp_path, mpirun):
     a plain ndarray view of one) whose blocks are whole rows kept views into the mapped file:
     the file written again changed the DistArray, and truncated ended the rank with SIGBUS.
     Now its blocks are read into memory, as ``from_file`` reads them: both leave it as given."""
-    script = tmp_path / "mapped.py"
-    script.write_text(MAPPED)
-    r = mpirun(ranks, script, tmp_path, timeout=90)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
+    r, lines, bad = run_rank_script(mpirun, tmp_path / "mapped.py", MAPPED, ranks, tmp_path,
+                                    timeout=90)
     assert len(lines) == 13 * ranks and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -529,12 +524,8 @@ for mine in comm.gather(lines) or []:
 
 
 def _pairwise(mpirun, tmp_path, ranks: int, case: str, timeout: float):
-    script = tmp_path / "pairwise.py"
-    script.write_text(PAIRWISE)
-    r = mpirun(ranks, script, case, timeout=timeout)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
-    return r, lines, bad
+    return run_rank_script(mpirun, tmp_path / "pairwise.py", PAIRWISE, ranks, case,
+                           timeout=timeout)
 
 
 @pytest.mark.mpi

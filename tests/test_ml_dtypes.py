@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import distmm
+from conftest import run_rank_script
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -239,10 +240,6 @@ for rank, mine in enumerate(MPI.COMM_WORLD.gather(lines) or []):
 @pytest.mark.slow
 def test_narrow_operands_on_the_mpi_engine(tmp_path, mpirun):
     """SUMMA over two ranks (a k-split for the 1 x 1), integers and float8, on every rank."""
-    script = tmp_path / "narrow.py"
-    script.write_text(MPI_SCRIPT)
-    r = mpirun(2, script, timeout=120)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
+    r, lines, bad = run_rank_script(mpirun, tmp_path / "narrow.py", MPI_SCRIPT, 2)
     assert len(lines) == 2 * 11 and not bad, "\n".join(bad) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_rank_script
+
 
 def _available_bytes() -> int:
     """MemAvailable of /proc/meminfo (0 where it cannot be read)."""
@@ -200,12 +202,7 @@ for mine in comm.gather(lines) or []:
 
 
 def _run(mpirun, tmp_path, script: str, timeout: float):
-    path = tmp_path / "rank.py"
-    path.write_text(script)
-    r = mpirun(2, path, timeout=timeout)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
-    return r, lines, bad
+    return run_rank_script(mpirun, tmp_path / "rank.py", script, 2, timeout=timeout)
 
 
 @pytest.mark.mpi

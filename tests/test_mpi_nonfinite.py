@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_rank_script
+
 SCRIPT = r"""
 import numpy as np
 from mpi4py import MPI
@@ -100,10 +102,6 @@ def test_complex_nan_and_inf_are_numpys(ranks, tmp_path, mpirun):
     with k of 2 to 4 (panels one wide), a 1 x 1 product, a row, k == 1, and a long k split
     over the ranks' layers. Before, the short-k products held Inf where numpy's were NaN
     (``inf+infj`` for ``nan+nanj``), some without numpy's "invalid value" report."""
-    script = tmp_path / "nonfinite.py"
-    script.write_text(SCRIPT)
-    r = mpirun(ranks, script, timeout=120)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
-    bad = [line for line in lines if not line.endswith(": ok")]
+    r, lines, bad = run_rank_script(mpirun, tmp_path / "nonfinite.py", SCRIPT, ranks)
     assert len(lines) == ranks * 2 * 7 * 4 and not bad, "\n".join(bad) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
