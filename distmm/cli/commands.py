@@ -547,10 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="C = A @ B on files. The output is staged beside its target "
                                     "(.NAME.distmm-partial-PID) and moved into place only when "
                                     "complete; a failure or a signal leaves the target as it was.")
-    mm.add_argument("a", help="A: a .npy file, a zarr array (x.zarr, group.zarr/array) or "
-                              "file.h5:dataset (file.h5 alone: dataset 'data')")
-    mm.add_argument("b", help="B: as A")
-    mm.add_argument("-o", "--output", required=True,
+    mm.add_argument("a", type=nonempty(),
+                    help="A: a .npy file, a zarr array (x.zarr, group.zarr/array) or "
+                         "file.h5:dataset (file.h5 alone: dataset 'data')")
+    mm.add_argument("b", type=nonempty(), help="B: as A")
+    mm.add_argument("-o", "--output", required=True, type=nonempty(),
                     help="where C goes: out.npy, out.zarr, group.zarr/C or file.h5:C (other "
                          "datasets of the file are kept; file.h5 alone is file.h5:data)")
     mm.add_argument("--overwrite", action="store_true",
