@@ -94,22 +94,30 @@ def batch_chunks(a2, b2, batch: tuple) -> tuple:
     return tuple(chunks)
 
 
-def _reads(x, batch: tuple, lo: tuple, hi: tuple) -> tuple[tuple, tuple]:
-    """The key index of the chunk of ``x`` that an output batch block ``[lo, hi)`` reads
-    and the index into it (its batch axes, then its whole matrix)."""
+def _offsets(x, batch: tuple) -> list:
+    """For each output batch axis: None where ``x`` lacks it, else the chunk offsets of
+    ``x`` along it where it spans it (None where it is broadcast from extent 1), found once
+    for every batch block's ``_reads``."""
+    return [None if spec is None else (edges(x.chunks[spec[0]]) if spec[1] else None,)
+            for spec in _axes(x, batch)]
+
+
+def _reads(offsets: list, lo: tuple, hi: tuple) -> tuple[tuple, tuple]:
+    """The key index of the chunk of an operand (its ``_offsets``) that an output batch
+    block ``[lo, hi)`` reads and the index into it (its batch axes, then its whole
+    matrix)."""
     block, index = [], []
-    for j, spec in enumerate(_axes(x, batch)):
+    for j, spec in enumerate(offsets):
         if spec is None:
             continue
-        axis, spans = spec
-        if not spans:
+        cuts = spec[0]
+        if cuts is None:
             block.append(0)
             index.append(slice(None))
             continue
-        offsets = edges(x.chunks[axis])
-        c = bisect.bisect_right(offsets, lo[j]) - 1
+        c = bisect.bisect_right(cuts, lo[j]) - 1
         block.append(c)
-        index.append(slice(lo[j] - offsets[c], hi[j] - offsets[c]))
+        index.append(slice(lo[j] - cuts[c], hi[j] - cuts[c]))
     return tuple(block) + (0, 0), tuple(index)
 
 
@@ -124,7 +132,7 @@ def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
     from distmm.engine.dask.graph import make_task, task_list, task_ref
-    from distmm.engine.dask.tasks import TaskPlan, stack_block, stack_panels
+    from distmm.engine.dask.tasks import StackSpec, TaskPlan, stack_block, stack_panels
 
     dtype = np.dtype(ops.dtype)
     batch = tuple(ops.batch)
@@ -138,40 +146,40 @@ def lazy_stack(ops, plan, a2, b2, backend: str, annotations=None):
     name = "distmm-matmul-" + tokenize("stack", a2.name, b2.name, tp, backend, batch, bchunks,
                                        geometry, () if whole else tuple(plan.reduction))
     offsets = [edges(c) for c in bchunks]
+    a_offsets, b_offsets = _offsets(a2, batch), _offsets(b2, batch)
+    gm, gn = geometry.grid
+    blocks = {} if whole else {(bi, bj): _block_parts(plan, tp, geometry, bi, bj)
+                               for bi in range(gm) for bj in range(gn)}
     dsk = {}
     for blk in np.ndindex(*(len(c) for c in bchunks)):
         lo = tuple(offsets[j][i] for j, i in enumerate(blk))
         hi = tuple(offsets[j][i + 1] for j, i in enumerate(blk))
-        a_key, a_index = _reads(a2, batch, lo, hi)
-        b_key, b_index = _reads(b2, batch, lo, hi)
+        a_key, a_index = _reads(a_offsets, lo, hi)
+        b_key, b_index = _reads(b_offsets, lo, hi)
         shape = tuple(h - l for l, h in zip(lo, hi))
         if whole:
             key = (name,) + blk + (0, 0)
             dsk[key] = make_task(key, stack_block, tp, backend, task_ref((a2.name,) + a_key),
                                  a_index, task_ref((b2.name,) + b_key), b_index, shape, lo)
             continue
-        gm, gn = geometry.grid
-        for bi in range(gm):
-            for bj in range(gn):
-                key = (name,) + blk + (bi, bj)
-                spec = _panels_spec(plan, tp, geometry, bi, bj, a_index, b_index, shape, lo)
-                dsk[key] = make_task(
-                    key, stack_panels, tp, backend, spec,
-                    task_list(task_ref((a2.name,) + a_key[:-2] + ab) for ab in spec.a_keys),
-                    task_list(task_ref((b2.name,) + b_key[:-2] + bb) for bb in spec.b_keys))
+        for (bi, bj), parts in blocks.items():
+            key = (name,) + blk + (bi, bj)
+            spec = StackSpec(a_index, b_index, *parts, shape,
+                             lo + (geometry.row_edges[bi], geometry.col_edges[bj]))
+            dsk[key] = make_task(
+                key, stack_panels, tp, backend, spec,
+                task_list(task_ref((a2.name,) + a_key[:-2] + ab) for ab in spec.a_keys),
+                task_list(task_ref((b2.name,) + b_key[:-2] + bb) for bb in spec.b_keys))
     layer = MaterializedLayer(dsk, annotations=annotations)
     hlg = HighLevelGraph.from_collections(name, layer, dependencies=[a2, b2])
     meta = meta_from_array(a2._meta, ndim=len(ops.out_shape), dtype=dtype)
     return da.Array(hlg, name, chunks, dtype=dtype, meta=meta)
 
 
-def _panels_spec(plan, tp, geometry: Geometry, bi: int, bj: int, a_index: tuple,
-                 b_index: tuple, shape: tuple, lo: tuple):
-    """The ``tasks.StackSpec`` of output block ``(bi, bj)`` of the batch chunk of ``shape``
-    at ``lo``: the k pieces of every k group (the per-element tasks' k-loops) and the
-    chunks they read."""
-    from distmm.engine.dask.tasks import StackSpec
-
+def _block_parts(plan, tp, geometry: Geometry, bi: int, bj: int) -> tuple:
+    """What the ``tasks.StackSpec`` of output block ``(bi, bj)`` holds in every batch chunk:
+    the chunks read (``a_keys``, ``b_keys``), the pieces along m and n, the k pieces of every
+    k group (the per-element tasks' k-loops) and the reduction tree over the groups."""
     groups = tuple(geometry.pieces(g, tp.tile[2]) for g in range(geometry.groups))
     a_rows, b_cols = geometry.a_row_pieces(bi), geometry.b_col_pieces(bj)
     a_keys = tuple(sorted({(rb, kb) for rb, _, _ in a_rows for pieces in groups
@@ -179,8 +187,7 @@ def _panels_spec(plan, tp, geometry: Geometry, bi: int, bj: int, a_index: tuple,
     b_keys = tuple(sorted({(kb, cb) for pieces in groups for _, b_k in pieces
                            for kb, _, _ in b_k for cb, _, _ in b_cols}))
     reduction = tuple(plan.reduction) if len(groups) > 1 else ()
-    return StackSpec(a_index, b_index, a_keys, b_keys, a_rows, b_cols, groups, reduction,
-                     shape, lo + (geometry.row_edges[bi], geometry.col_edges[bj]))
+    return a_keys, b_keys, a_rows, b_cols, groups, reduction
 
 
 def eager_applies(ops, plan) -> bool:
