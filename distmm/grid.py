@@ -229,10 +229,12 @@ class GridPlan:
                                  for i in range(self.rows)))
 
     # -- estimates ------------------------------------------------------------
-    def bytes_received(self, rank: int) -> int:
+    def bytes_received(self, rank: int, *, whole_k: bool = False) -> int:
         """Bytes ``rank`` receives (panels it does not own, and layer partials
         it sums), in the accumulation dtype: the estimate the benchmark checks
-        against what the engine counts."""
+        against what the engine counts. ``whole_k``: a product that keeps k whole
+        (``distmm.plan.sums_whole_k`` on the host), whose other layers send layer 0
+        their panels of A's rows and B's columns instead of C partials."""
         layer, i, j = self.coords(rank)
         size = self.itemsize
         mi = self.row_edges[i + 1] - self.row_edges[i]
@@ -241,7 +243,11 @@ class GridPlan:
         own_a = self.a_k_edges[layer][j + 1] - self.a_k_edges[layer][j]
         own_b = self.b_k_edges[layer][i + 1] - self.b_k_edges[layer][i]
         total = (mi * (kl - own_a) + (kl - own_b) * nj) * size
-        total += sum(1 for dst, _ in self.reduction if dst == layer) * mi * nj * size
+        if whole_k:
+            if layer == 0:
+                total += (mi + nj) * (self.k - kl) * size
+        else:
+            total += sum(1 for dst, _ in self.reduction if dst == layer) * mi * nj * size
         return total
 
     def slowest_seconds(self, rank_flops: float, link_bytes: float) -> float:

@@ -112,7 +112,6 @@ import distmm
 from distmm.engine.mpi import DistArray, MPIEngine, pieces
 from distmm.executor import resolve_backend
 from distmm.grid import make_grid
-from distmm.plan import sums_whole_k
 
 comm = MPI.COMM_WORLD
 rank = comm.rank
@@ -146,9 +145,7 @@ def on_grid(a, b, shape):
     backend, _ = resolve_backend("auto", dtype, family="numpy", flops=2 * m * n * k)  # matmul's
     c = engine.run_distributed(DistArray.from_array(a, comm), DistArray.from_array(b, comm),
                                grid, backend)
-    if not (shape[0] > 1 and sums_whole_k(dtype)):
-        # (the estimate of a forced grid's whole-k panels sent to layer 0 is a C block's)
-        check(f"{shape} {a.dtype} bytes", c.stats["bytes_received"] == c.stats["bytes_estimated"])
+    check(f"{shape} {a.dtype} bytes", c.stats["bytes_received"] == c.stats["bytes_estimated"])
     return c.gather(root=None), c.stats["bytes_received"]
 
 
@@ -213,9 +210,8 @@ def test_the_engine_moves_operands_in_pieces(tmp_path, mpirun):
     are broadcast (host buffers, pickled objects) give the bits they give in whole
     messages, numpy's where distmm promises them, and the bytes the plan expects."""
     r, lines, bad = _run(mpirun, tmp_path, SMALL, timeout=120)
-    # per rank: 5 dtypes x 2 runs x (matmul, 3 grids x (bytes, bits)) less the 3 forced
-    # layers of whole-k dtypes x 2 runs, then 37 lines
-    assert len(lines) == 2 * (5 * 2 * 7 - 6 + 37) and not bad, \
+    # per rank: 5 dtypes x 2 runs x (matmul, 3 grids x (bytes, bits)), then 37 lines
+    assert len(lines) == 2 * (5 * 2 * 7 + 37) and not bad, \
         "\n".join(bad or lines) + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
 

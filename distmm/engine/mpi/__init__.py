@@ -30,6 +30,7 @@ from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, rele
 from distmm.engine.mpi.agree import agree, differing, fingerprint
 from distmm.engine.mpi.summa import LocalFailure, summa
 from distmm.engine.tiles import finish_tile
+from distmm.plan import sums_whole_k
 from distmm.errors import NotPicklable
 from distmm.fpflags import collect, object_rows, placed, report
 from distmm.grid import GridPlan, gpu_panels, grid_for_plan
@@ -248,7 +249,8 @@ class MPIEngine(Engine):
         result = DistArray(local, grid.c_layout, self.comm)
         result.stats = self.last_stats = {
             "grid": grid.shape, "bytes_received": int(received),
-            "bytes_estimated": int(grid.bytes_received(self.comm.rank)),
+            "bytes_estimated": int(grid.bytes_received(
+                self.comm.rank, whole_k=not on_gpu and sums_whole_k(grid.dtype))),
             "panels_per_layer": [len(p) - 1 for p in grid.panel_edges] if grid.ranks > 1 else [1],
         }
         return result
