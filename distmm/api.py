@@ -27,6 +27,7 @@ from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
+from distmm.hdf5_filters import check_filters, dataset_name, is_dataset
 from distmm import plan as planner
 from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
 from distmm.precision import check_precision
@@ -107,11 +108,22 @@ def _python_scalar_keywords(a, b, out, **keywords) -> None:
 
 def _refuse_unsupported(what: str, family: str, **operands) -> None:
     """One line, before any work, for an operand distmm cannot multiply as it is
-    (``distmm._arrays.unsupported``)."""
+    (``distmm._arrays.unsupported``), or an h5py dataset that needs an HDF5 filter this
+    process lacks (``_refuse_missing_filter``)."""
     for name, x in operands.items():
         why = unsupported(x, family)
         if why is not None:
             raise why[0](f"{what}: operand {name} {why[1]}")
+        _refuse_missing_filter(x, f"{what}: operand {name}")
+
+
+def _refuse_missing_filter(x, what: str) -> None:
+    """A ValueError, before any read or write, for an h5py dataset (an operand, ``out=``)
+    stored through a filter this HDF5 cannot apply (a plugin not installed:
+    ``distmm.hdf5_filters``), naming it and the filter: HDF5 itself fails only where a block
+    is read or written, once the work began (on a Dask worker for a cluster's product)."""
+    if is_dataset(x) and x.id.valid:
+        check_filters(x, f"{what} (HDF5 dataset {dataset_name(x)})")
 
 
 def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",
@@ -164,6 +176,7 @@ def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same
     ops = Operands(a, b, fam, dtype, a.ndim == 1, b.ndim == 1, batch, m, n, k)
     if out is not None:  # out's shape too is checked before any value is cast
         _check_out(out, ops)
+        _refuse_missing_filter(out, f"{what}: out")
     if cast_to is not None:
         a, b = (x if np.dtype(x.dtype) == cast_to else _cast(x, cast_to) for x in (a, b))
         ops = replace(ops, a=a, b=b)
@@ -745,6 +758,7 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             if out_arrays.on_disk(out):  # numpy's axes: a temporary of out's shape, copied after
                 size = math.prod(tuple(out.shape)) * np.dtype(out.dtype).itemsize
                 out_arrays.refusals(out, engine, size)
+                _refuse_missing_filter(out, "matmul: out")
                 target, out = out, np.empty(tuple(out.shape), np.dtype(out.dtype))
             if isinstance(order, str) and order.upper() == "A":  # on the operands as given
                 keywords["order"] = "F" if all(_given_fortran(x) for x in (a, b)) else "C"

@@ -36,6 +36,7 @@ LEVELS = {
     "distmm.fpflags": 0,
     "distmm.nonfinite": 0,
     "distmm.jsonfile": 0,
+    "distmm.hdf5_filters": 0,
     "distmm.executor": 1,
     "distmm.executor.registry": 1,
     "distmm.executor.tuning": 1,

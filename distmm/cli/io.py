@@ -37,6 +37,7 @@ import numpy as np
 
 from distmm.cli.outputs import REFUSED, check_creatable
 from distmm.direct_io import npy_header, preallocate
+from distmm.hdf5_filters import check_filters
 from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
                             create_h5_stage, h5_held, put_in_place, reclaimable, staged_path,
@@ -241,7 +242,7 @@ def open_operand(spec: str, *, writable: bool = False):
         shorter than its header says: truncated), a zarr group where an array was expected,
         or an HDF5 file that another process holds: its file lock, or an SWMR writer (HDF5
         files are read only when no process writes them); an HDF5 dataset stored through a
-        filter this HDF5 lacks (a plugin not installed: ``_missing_filter``).
+        filter this HDF5 lacks (a plugin not installed: ``distmm.hdf5_filters``).
     """
     t = operand_target(spec)
     if not t.path.exists():
@@ -312,57 +313,12 @@ def open_operand(spec: str, *, writable: bool = False):
         what = "no dataset" if node is None else "a group, not a dataset, at"
         raise FileNotFoundError(f"{what} {t.dataset!r} in {t.path} "
                                 f"(datasets: {', '.join(names) or 'none'})")
-    missing = _missing_filter(node)
-    if missing:
+    try:
+        check_filters(node, f"{t.path}:{t.dataset}")
+    except ValueError:
         fh.close()
-        raise ValueError(f"{t.path}:{t.dataset} needs HDF5 filter {missing}, which is not "
-                         f"available here (not built into this HDF5, no plugin for it in "
-                         f"HDF5_PLUGIN_PATH or HDF5's default plugin folder)")
+        raise
     return node
-
-
-#: names of filters registered with The HDF Group that HDF5 itself lacks (their plugins are
-#: separate), for a file whose pipeline names none
-_FILTER_NAMES = {307: "bzip2", 32001: "blosc", 32004: "lz4", 32008: "bitshuffle",
-                 32013: "zfp", 32015: "zstd", 32017: "sz", 32026: "blosc2"}
-
-
-def _missing_filter(node) -> str | None:
-    """The first filter of the HDF5 dataset ``node``'s pipeline that this HDF5 cannot apply
-    (not built in, registered, or found as a plugin: ``H5Zfilter_avail``) and that its data
-    needs, as ``ID (name)``; None where it reads. An optional filter is needed only where a
-    stored chunk went through it (writers skip one they lack, and record that per chunk)."""
-    import h5py
-
-    plist = node.id.get_create_plist()
-    for i in range(plist.get_nfilters()):
-        code, flags, _, name = plist.get_filter(i)
-        if h5py.h5z.filter_avail(code):
-            continue
-        if flags & h5py.h5z.FLAG_OPTIONAL and not _filtered_chunks(node, i):
-            continue
-        name = name.decode(errors="replace").strip() or _FILTER_NAMES.get(code)
-        return f"{code} ({name})" if name else str(code)
-    return None
-
-
-def _filtered_chunks(node, i: int) -> bool:
-    """Whether a stored chunk of the dataset ``node`` went through filter ``i`` of its
-    pipeline (bit ``i`` of the chunk's filter mask clear)."""
-    bit = 1 << i
-    if hasattr(node.id, "chunk_iter"):  # one pass in HDF5, stopped at the first found
-        found = []
-
-        def through(info):
-            if not info.filter_mask & bit:
-                found.append(info)
-                return True  # (stops the pass)
-            return None
-
-        node.id.chunk_iter(through)
-        return bool(found)
-    return any(not node.id.get_chunk_info(j).filter_mask & bit
-               for j in range(node.id.get_num_chunks()))
 
 
 def _check_npy(path: Path) -> None:

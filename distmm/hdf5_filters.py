@@ -1,0 +1,87 @@
+"""HDF5 datasets whose data goes through a filter this process's HDF5 lacks.
+
+This module covers: telling whether an h5py dataset needs a filter of its pipeline that
+this HDF5 cannot apply (not built in, not registered, no plugin found: a compression
+plugin not installed), and refusing such a dataset, before anything reads or writes it, in
+one line naming it and the filter (``check_filters``). The command line's operands
+(``distmm.cli.io``) and the API's operands and ``out=`` (``distmm.api``) are checked here.
+It does *not* cover: opening files, or a filter that fails on a chunk it has
+(``distmm.errors.UnreadableInput``).
+"""
+from __future__ import annotations
+
+import sys
+
+__all__ = ["is_dataset", "dataset_name", "missing_filter", "check_filters", "FILTER_NAMES"]
+
+#: names of filters registered with The HDF Group that HDF5 itself lacks (their plugins are
+#: separate), for a file whose pipeline names none
+FILTER_NAMES = {307: "bzip2", 32001: "blosc", 32004: "lz4", 32008: "bitshuffle",
+                32013: "zfp", 32015: "zstd", 32017: "sz", 32026: "blosc2"}
+
+
+def is_dataset(x) -> bool:
+    """Whether ``x`` is an h5py dataset (h5py is not imported: a dataset means it is)."""
+    h5py = sys.modules.get("h5py")
+    return h5py is not None and isinstance(x, h5py.Dataset)
+
+
+def dataset_name(x) -> str:
+    """An open h5py dataset as ``FILE:/PATH``."""
+    return f"{x.file.filename}:{x.name}"
+
+
+def missing_filter(dataset) -> str | None:
+    """The first filter of the h5py dataset's pipeline that this HDF5 cannot apply (not built
+    in, registered, or found as a plugin: ``H5Zfilter_avail``) and that its data needs, as
+    ``ID (name)``; None where it reads and writes. An optional filter is needed only where a
+    stored chunk went through it (writers skip one they lack, and record that per chunk); a
+    mandatory one always (HDF5 writes no chunk without it)."""
+    import h5py
+
+    plist = dataset.id.get_create_plist()
+    for i in range(plist.get_nfilters()):
+        code, flags, _, name = plist.get_filter(i)
+        if h5py.h5z.filter_avail(code):
+            continue
+        if flags & h5py.h5z.FLAG_OPTIONAL and not _filtered_chunks(dataset, i):
+            continue
+        name = name.decode(errors="replace").strip() or FILTER_NAMES.get(code)
+        return f"{code} ({name})" if name else str(code)
+    return None
+
+
+def _filtered_chunks(dataset, i: int) -> bool:
+    """Whether a stored chunk of the dataset went through filter ``i`` of its pipeline (bit
+    ``i`` of the chunk's filter mask clear)."""
+    bit = 1 << i
+    if hasattr(dataset.id, "chunk_iter"):  # one pass in HDF5, stopped at the first found
+        found = []
+
+        def through(info):
+            if not info.filter_mask & bit:
+                found.append(info)
+                return True  # (stops the pass)
+            return None
+
+        dataset.id.chunk_iter(through)
+        return bool(found)
+    return any(not dataset.id.get_chunk_info(j).filter_mask & bit
+               for j in range(dataset.id.get_num_chunks()))
+
+
+def check_filters(x, name: str) -> None:
+    """Refuse an h5py dataset ``x`` that needs a filter this HDF5 lacks (``missing_filter``),
+    named ``name`` in the message; anything else (not a dataset, a closed one) passes.
+
+    Raises
+    ------
+    ValueError
+    """
+    if not is_dataset(x) or not x.id.valid:
+        return
+    missing = missing_filter(x)
+    if missing:
+        raise ValueError(f"{name} needs HDF5 filter {missing}, which is not available here "
+                         f"(not built into this HDF5, no plugin for it in HDF5_PLUGIN_PATH "
+                         f"or HDF5's default plugin folder)")
