@@ -1021,6 +1021,7 @@ def _matmul_distributed(a, b, *, out, engine: str, tile, backend: str, precision
         if tile is not None:  # make_plan's checks of it; SUMMA's panels come from the grid
             planner.make_plan(0, 0, 0, workers=1, tile=tile)
         for name, x, shape in (("a", a, "(1, -1)"), ("b", b, "(-1, 1)")):
+            _refuse_missing_filter(x, f"matmul: operand {name}")
             if not _is_distributed(x) and np.ndim(x) == 1:  # numpy's result: 1-D
                 raise ValueError(f"matmul: {name} is 1-D beside a DistArray, whose product "
                                  f"numpy makes 1-D and a DistArray cannot hold: pass "

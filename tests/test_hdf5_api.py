@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import distmm
+from conftest import run_rank_script
 
 h5py = pytest.importorskip("h5py")
 
@@ -221,3 +222,50 @@ def test_available_filters_multiply_as_numpy_does(tmp_path, no_plugins):
 @pytest.mark.slow
 def test_available_filters_multiply_as_numpy_does_on_dask(tmp_path, no_plugins, client):
     _multiplies_as_numpy(tmp_path, client=client, tile=16)
+
+
+_BESIDE_DISTARRAY = r'''
+import sys
+import h5py
+import numpy as np
+from mpi4py import MPI
+import distmm
+from distmm.engine.mpi import DistArray
+
+comm = MPI.COMM_WORLD
+rank = comm.rank
+path, code = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(7)  # the same b on every rank
+b = rng.standard_normal((6, 5))
+if rank == 0:
+    with h5py.File(path, "w") as fh:
+        ds = fh.create_dataset("A", shape=(8, 6), dtype="f8", chunks=(4, 6), compression=code,
+                               allow_unknown_filter=True)
+        for r0 in (0, 4):
+            ds.id.write_direct_chunk((r0, 0), rng.standard_normal((4, 6)).tobytes())
+comm.Barrier()
+lines = []
+with h5py.File(path, "r") as fh:
+    try:
+        distmm.matmul(fh["A"], DistArray.from_array(b, comm))
+        lines.append(f"rank {rank}: refused: BAD (no error)")
+    except ValueError as exc:
+        good = str(exc).startswith("matmul: operand a (HDF5 dataset ") and \
+            f"needs HDF5 filter {code}" in str(exc)
+        lines.append(f"rank {rank}: refused: {'ok' if good else 'BAD ' + str(exc)}")
+    except Exception as exc:
+        lines.append(f"rank {rank}: refused: BAD {type(exc).__name__}: {exc}")
+for mine in comm.gather(lines) or []:
+    print("\n".join(mine), flush=True)
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_beside_a_distarray_it_is_refused_on_every_rank(tmp_path, mpirun):
+    """An h5py operand beside a DistArray (2 ranks): every rank refuses it in the filter's
+    words (h5py's OSError came from reading it for the ranks' agreement on its values)."""
+    r, lines, bad = run_rank_script(mpirun, tmp_path / "rank.py", _BESIDE_DISTARRAY, 2,
+                                    tmp_path / "ops.h5", UNKNOWN)
+    assert len(lines) == 2 and not bad, "\n".join(bad or lines) + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
