@@ -78,7 +78,10 @@ after the pipeline's retries, a lost device) is run again on a CPU worker,
 and the log names the moved cells. CPU-only clusters keep one task per plan
 tile (``tiles``) unless ``blocks`` is configured: on two CPU cores the two
 shapes ran equally fast (``bench/NOTES.md``), and tiles keep the pinned,
-stealable small tasks the fault and memory tests rely on.
+stealable small tasks the fault and memory tests rely on. A GPU backend (``raw``,
+``cublas``) is refused before any work where none of the workers' probes found a CUDA
+device, and in tile mode (stacks, or ``tiles`` configured) where some have none: tiles go
+to every worker; in block mode a mixed cluster's CPU workers run CPU blocks.
 
 Memory
 ------
@@ -347,7 +350,13 @@ class DaskEngine(Engine):
         chunks, whole or spanning chunks: the operands' batch chunks, ``stacks``; in-memory
         stacks of whole matrices go as about one batch block per worker slot). Gathers the cluster's
         facts, plans block mode's placement (``distmm.plan_blocks``) where it applies, then
-        runs."""
+        runs.
+
+        Raises
+        ------
+        distmm.errors.BackendUnavailable
+            A GPU backend whose tasks would reach workers without a CUDA device
+            (``_check_devices``), before any work is sent."""
         try:
             return self._run(request)
         except SchedulerLost:
@@ -363,7 +372,7 @@ class DaskEngine(Engine):
     def _run(self, request: Request):
         t0, started = time.perf_counter(), time.time()
         ops = request.operands
-        facts, transfer_info = self._facts(ops)
+        facts, transfer_info = self._facts(ops, request.backend)
         self._check_scheduler()
         stats: dict = {"mode": "blocks" if facts else "tiles", "started": started,
                        "shape": (ops.m, ops.n, ops.k), "moved": []}
@@ -394,18 +403,29 @@ class DaskEngine(Engine):
         out[...] = cupy.asarray(result)
         return out
 
-    def _facts(self, ops: Operands):
+    def _facts(self, ops: Operands, backend: str):
         """Block mode's ``ClusterFacts`` (None: one task per plan tile) and, for dask
-        operands, the CUDA IPC summary for ``last_stats()["transfer"]``."""
+        operands, the CUDA IPC summary for ``last_stats()["transfer"]``. A GPU ``backend``
+        whose tasks would reach workers without a CUDA device is refused here, before any
+        work (``_check_devices``)."""
         from distmm.config import get_config
+        from distmm.executor import GPU_BACKENDS
 
         cfg = get_config()
-        if cfg.dask_layout == "tiles" or self.client is None or ops.batch:
+        tiles = cfg.dask_layout == "tiles" or self.client is None or ops.batch
+        gpu_backend = backend in GPU_BACKENDS and self.client is not None
+        if tiles and not gpu_backend:
             return None, None
-        from distmm.engine.dask.workers import worker_info
+        from distmm.engine.dask.workers import found_devices, worker_info
 
-        infos = worker_info(self.client, cfg.dask_worker_gflops, self._info)
-        if not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos)):
+        table = self._info
+        if table is None:
+            table = self.client.scheduler_info(n_workers=-1)["workers"]
+        infos = worker_info(self.client, cfg.dask_worker_gflops, table)
+        tiles = tiles or not infos or (cfg.dask_layout == "auto" and not any(w.gpu for w in infos))
+        if gpu_backend:
+            self._check_devices(backend, found_devices(sorted(table), table), len(table), tiles)
+        if tiles:
             return None, None
         if ops.family != "dask":
             return ClusterFacts(infos), None
@@ -417,6 +437,29 @@ class DaskEngine(Engine):
         nccl, info["nccl"] = nccl_route.pairs(self.client, infos, cfg.dask_device_transfer,
                                               device)
         return ClusterFacts(infos, where, pairs, nccl), info
+
+    def _check_devices(self, backend: str, found: dict, workers: int, tiles: bool) -> None:
+        """``BackendUnavailable`` where the GPU ``backend``'s tasks would reach a worker
+        without a CUDA device: none of the ``workers`` has one, or, in tile mode (``tiles``:
+        each worker takes tiles), some have none. In block mode a mixed cluster runs: GPU
+        blocks go to the GPU workers, CPU workers' blocks run the CPU executor. ``found``:
+        each answered worker's probe (``workers.found_devices``); a worker that did not
+        answer is not counted as one without."""
+        blind = sorted(a for a, cuda in found.items() if not cuda)
+        if not blind or (len(blind) < workers and not tiles):
+            return
+        from distmm.errors import BackendUnavailable
+
+        if len(blind) == workers:
+            raise BackendUnavailable(
+                f"{self.what}: backend {backend!r} needs cupy and a CUDA GPU, and none of the "
+                f"Dask cluster's {workers} worker{'s' if workers != 1 else ''} has one "
+                f"(backend 'auto' runs on the workers' CPUs)")
+        raise BackendUnavailable(
+            f"{self.what}: backend {backend!r} needs cupy and a CUDA GPU on every Dask worker "
+            f"that takes tiles (stacks, distmm.dask-layout 'tiles'), and {len(blind)} of the "
+            f"cluster's {workers} workers have none ({', '.join(blind[:3])}"
+            f"{', ...' if len(blind) > 3 else ''})")
 
     def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
         from distmm.engine.dask import stacks

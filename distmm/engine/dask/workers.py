@@ -30,7 +30,7 @@ import time
 from distmm.engine.dask.background import BackgroundSlot
 from distmm.plan_blocks import WorkerInfo
 
-__all__ = ["worker_info", "probe", "forget", "DEVICES_KEY"]
+__all__ = ["worker_info", "probe", "forget", "found_devices", "DEVICES_KEY"]
 
 log = logging.getLogger("distmm.engine.dask")
 
@@ -256,6 +256,17 @@ def _ask_later(client, addresses, now: dict) -> None:
 def settle(timeout: float | None = None) -> None:
     """Wait for a background probe of pending GPU rates (``_probes``) to end."""
     _LATER.settle(timeout)
+
+
+def found_devices(addresses, info: dict) -> dict[str, bool]:
+    """Whether the probe of each of ``addresses`` found a CUDA device (cupy imports and
+    shows one), read from the probes ``worker_info`` cached, asking nothing; a worker
+    without an answer from its current instance (its probe failed: a worker leaving, a
+    closing client) is left out. ``info``: the scheduler's ``workers`` table."""
+    with _LOCK:
+        hits = {a: _CACHE.get(a) for a in addresses}
+    return {a: bool(hit[1].get("cuda")) for a, hit in hits.items()
+            if hit is not None and hit[0] == _instance(info.get(a) or {})}
 
 
 def _configured(gflops_cfg, address: str, kind: str):
