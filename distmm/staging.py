@@ -38,7 +38,8 @@ the file it writes into. That is why the room for the copy is checked first;
 what remains is a race with another process filling the disk during the copy.
 
 - ``check_target``: the refusals of a target before anything is written (an
-  existing one without ``overwrite``; whatever ``overwrite``, a folder where a
+  existing one without ``overwrite``, a symbolic link too, which ``overwrite`` replaces
+  and never follows; whatever ``overwrite``, an HDF5 file's link to what exists, a folder where a
   file would go, a zarr group, a folder that is no zarr array, an HDF5 group, an HDF5
   dataset path through a dataset or into another file, an existing HDF5 file that cannot be
   opened for writing; with ``overwrite``, a ``.npy`` file or zarr folder that is immutable or
@@ -133,7 +134,9 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
 
     A target that exists is replaced, and its permission bits pass to the new
     output, as writing into it would have kept them (a new target keeps the
-    umask's). A folder cannot be renamed onto another: the old one is moved
+    umask's). A symbolic link is replaced itself, never followed (it keeps the bits of what
+    it names where that is a file for a file or a folder for a folder). A folder cannot be
+    renamed onto another, or onto a link: the old one is moved
     aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
     if the new one cannot take its place, the old one is moved back. An old folder that
     could not be removed (``unremovable``) is refused before it is moved: ``PermissionError``,
@@ -149,14 +152,18 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
         _rename_new(staged, target)
         fsync_paths([target.parent])
         return
+    link = target.is_symlink()  # replaced itself; what it names is left as it is
     try:
-        mode = stat.S_IMODE(target.stat().st_mode)
+        st = target.stat()
     except FileNotFoundError:
-        mode = None
+        st = None
+    if st is not None and link and stat.S_ISDIR(st.st_mode) != staged.is_dir():
+        st = None  # a link to a folder replaced by a file, or the reverse: the umask's bits
+    mode = None if st is None else stat.S_IMODE(st.st_mode)
     if mode is not None:
         os.chmod(staged, mode)
     _synced_before(staged)
-    if mode is not None and staged.is_dir():
+    if staged.is_dir() and (mode is not None or link):  # (a folder is not renamed onto a link)
         kept = unremovable(target)  # (checked before the run too: check_target)
         if kept:
             raise PermissionError(f"cannot replace {target}: {kept}")
@@ -231,11 +238,12 @@ def check_target(t, overwrite: bool) -> bool:
     Raises
     ------
     FileNotFoundError, NotADirectoryError
-        The target's folder does not exist, or is not a folder; a zarr or HDF5 target
-        that is a symbolic link to nothing.
+        The target's folder does not exist, or is not a folder.
     OutputExists
-        It exists and ``overwrite`` is false (a ``.npy`` target that is a symbolic link
-        to nothing too; with ``overwrite`` the link is replaced, as is a link to a file).
+        It exists and ``overwrite`` is false; a target that is a symbolic link, of every
+        kind, is an existing name, whatever it names (nothing, a file, a folder); with
+        ``overwrite`` the link itself is replaced and what it names left as it is
+        (``_check_link``).
     IsADirectoryError
         A folder sits where a ``.npy`` or HDF5 file would go, or a zarr group
         or a folder that is no zarr array where an array would go (whatever
@@ -244,7 +252,9 @@ def check_target(t, overwrite: bool) -> bool:
         An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
         an SWMR writer, one that stopped and left it marked open, a writer's file lock); or
         whose dataset path goes through something other than a group of that very file
-        (``_check_h5_path``); a target inside a zarr array (``_check_zarr_path``).
+        (``_check_h5_path``); a target inside a zarr array (``_check_zarr_path``); an HDF5
+        target whose file is a symbolic link to something that exists (whatever
+        ``overwrite``: ``_check_link``).
     PermissionError
         An existing HDF5 file that cannot be opened for writing, as the copy of the dataset
         into it will open it (``_check_opens``); an existing ``.npy`` file or zarr folder that
@@ -258,13 +268,8 @@ def check_target(t, overwrite: bool) -> bool:
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
     _check_zarr_path(p, label, t.kind)
-    if p.is_symlink() and not p.exists():  # a link to nothing: exists() follows it
-        where = f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
-        if t.kind != "npy":
-            raise FileNotFoundError(f"{where}; distmm writes {'a zarr' if t.kind == 'zarr' else 'an HDF5'} "
-                                    f"output only into an existing file or folder")
-        if not overwrite:
-            raise OutputExists(f"{where}: pass --overwrite to replace the link")
+    if p.is_symlink():  # the link itself is the target: never followed to write
+        _check_link(p, t, overwrite)
         return True
     if t.kind in ("npy", "h5") and p.is_dir():
         raise IsADirectoryError(f"{p} is a directory; distmm writes the {t.kind} output as a file "
@@ -311,6 +316,36 @@ def check_target(t, overwrite: bool) -> bool:
     if kept:
         raise PermissionError(f"cannot replace {label}: {kept}")
     return True
+
+
+def _check_link(p: Path, t, overwrite: bool) -> None:
+    """Refuse a target ``p`` that is a symbolic link (``check_target``'s rule for every kind):
+    without ``overwrite`` it is an existing name (``OutputExists``), whatever it names; with
+    ``overwrite`` the new output replaces the link (``put_in_place``, ``commit_h5``) and what
+    it names is never opened, written or removed. An HDF5 target's link to anything that
+    exists is refused whatever ``overwrite`` (``ValueError``): the dataset would go into the
+    file the link names, which the user did not name, and replacing the link with a file
+    holding only the new dataset would drop that file's other datasets from the name."""
+    dest = os.readlink(p)
+    if t.kind == "h5" and p.exists():
+        raise ValueError(_h5_link_refusal(p, t.dataset))
+    if not overwrite:
+        gone = "" if p.exists() else ", which does not exist"
+        raise OutputExists(f"{p} is a symbolic link to {dest}{gone}: pass --overwrite to replace "
+                           f"the link (what it names is left as it is)")
+
+
+def _h5_link_refusal(p: Path, dataset: str) -> str:
+    """The one line refusing the HDF5 target ``p:dataset`` where ``p`` is a symbolic link to
+    something that exists (``_check_link``, ``commit_h5``)."""
+    import h5py
+
+    real = p.resolve()
+    fix = (f"name {real}:{dataset}, or remove the link" if real.is_file() and h5py.is_hdf5(real)
+           else "remove the link, or name another file")
+    return (f"cannot write {p}:{dataset}: {p} is a symbolic link to {os.readlink(p)}; distmm "
+            f"neither adds a dataset through a link nor replaces a link to an existing file: "
+            f"{fix}")
 
 
 def unremovable(folder) -> str | None:
@@ -1078,7 +1113,8 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     """Move ``dataset`` of the staged file into the HDF5 file ``path``; the
     staged file is removed in every case.
 
-    A ``path`` that does not exist becomes the staged file (a rename). Into an
+    A ``path`` that does not exist (or is a symbolic link to nothing) becomes the staged file
+    (a rename, which replaces the link). Into an
     existing file the dataset is copied under a temporary name, after checking
     that the file system and the file-size limit have room for it; then an old
     ``dataset`` (only with ``overwrite``) is deleted and the copy renamed onto
@@ -1094,16 +1130,20 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
         ``dataset`` exists and ``overwrite`` is false.
     IsADirectoryError
         ``dataset`` names an HDF5 group.
+    ValueError
+        ``path`` is a symbolic link to a file (never written through, nor replaced).
     OSError
         The file cannot be opened for writing, or the copy failed.
     """
     staged, path = Path(staged), Path(path)
     try:
-        if not path.exists():
+        if not path.exists():  # (a link to nothing is replaced itself)
             fsync_paths([staged])
             os.replace(staged, path)
             fsync_paths([path.parent])
             return
+        if path.is_symlink():  # made while the run computed: check_target refuses it
+            raise ValueError(_h5_link_refusal(path, dataset))
         _copy_into(staged, path, dataset, overwrite)
         fsync_paths([path])  # closed: HDF5's flush leaves the bytes in the page cache
     finally:
