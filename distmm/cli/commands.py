@@ -19,8 +19,8 @@ import sys
 import time
 
 from distmm.cli.argtypes import integer_at_least, matmul_dtype, nonempty
-from distmm.cli.exits import (BAD_INPUT, Signalled, raise_if_signalled, report,
-                              restore_signals, terminate_on_sigterm,
+from distmm.cli.exits import (BAD_INPUT, Signalled, one_line_warnings, raise_if_signalled,
+                              report, restore_signals, terminate_on_sigterm,
                               whole_line_writes)
 from distmm.executor import BACKENDS
 from distmm.startup import guard, is_command, let_rank_zero_say, rank_zero
@@ -255,12 +255,21 @@ def _mpi_run(args) -> bool:
     """Whether this command runs on the MPI engine: ``--engine mpi``, several ranks started
     by a launcher with ``--engine auto``, ``--resume``/``--profile`` (the MPI engine's
     striped product keeps what ``--resume`` needs and records the phases, in one process
-    too), or a configured ``distmm.engine`` of ``mpi`` (``_matmul_engine``)."""
+    too), or a configured ``distmm.engine`` of ``mpi`` (``_matmul_engine``). ``--engine mpi``
+    with ``--scheduler``/``--scheduler-file`` is refused (they name a Dask cluster)."""
     from distmm.cli.launch import launcher_ranks
 
-    if args.engine == "mpi":
-        return True
     ranks, var = launcher_ranks()
+    if args.engine == "mpi":
+        if args.scheduler or args.scheduler_file:
+            given = "--scheduler" if args.scheduler else "--scheduler-file"
+            where = f"on this job's {ranks} MPI ranks" if ranks > 1 else \
+                "in this one process (under mpirun, on its ranks)"
+            raise ValueError(f"--engine mpi runs the product {where}, not on the Dask cluster "
+                             f"that {given} names: drop {given}" + ("" if ranks > 1 else
+                                                                   ", or use --engine dask "
+                                                                   "to run on that cluster"))
+        return True
     if ranks > 1 and args.engine != "auto":
         raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): --engine "
                          f"{args.engine} would run the same product on every rank; drop --engine "
@@ -666,8 +675,9 @@ def _pass_through(command: str, argv: list[str], *, debug: bool = False) -> int:
                       note=' (this command needs the GPU extras: pip install "distmm[gpu]")')
     previous = terminate_on_sigterm()
     try:
-        status = module.main(argv)
-        raise_if_signalled()
+        with one_line_warnings(command, debug=debug):
+            status = module.main(argv)
+            raise_if_signalled()
         return status
     except SystemExit:
         raise
@@ -694,8 +704,9 @@ def main(argv=None) -> int:
     debug = bool(getattr(args, "debug", False))
     previous = terminate_on_sigterm()
     try:
-        status = args.func(args)
-        raise_if_signalled()  # a signal whose exception a library swallowed
+        with one_line_warnings(args.command, debug=debug):  # numpy's: one line each
+            status = args.func(args)
+            raise_if_signalled()  # a signal whose exception a library swallowed
         return status
     except BaseException as exc:  # noqa: BLE001 - every failure ends as one line
         if isinstance(exc, SystemExit):

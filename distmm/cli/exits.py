@@ -1,10 +1,11 @@
-"""How the command line ends: exit statuses, one-line messages, and signals.
+"""How the command line ends: exit statuses, one-line messages (warnings too), and signals.
 
 This module covers: the mapping from an exception to an exit status and a
 one-line message on stderr, and turning SIGTERM (what Slurm and most batch
 systems send at the time limit) into an exception so that the same cleanup
 runs as for Ctrl-C or any error; SIGXCPU (the kernel's at a soft CPU-time limit,
-``ulimit -t``, as some batch systems end a job) is treated as SIGTERM is.
+``ulimit -t``, as some batch systems end a job) is treated as SIGTERM is; and each
+warning the command shows as one line too (numpy's "invalid value encountered in matmul").
 
 Exit statuses:
 
@@ -32,13 +33,16 @@ import signal
 import stat
 import sys
 import traceback
+import warnings
+from contextlib import contextmanager
 
 from distmm.errors import (STOP_SIGNALS, BackendUnavailable, InsufficientSpace, OutputExists,
                            Signalled)
 from distmm.startup import limit_note as _limit
+from distmm.startup import rank_zero
 
 __all__ = ["Signalled", "exit_status", "message", "report", "terminate_on_sigterm",
-           "restore_signals", "raise_if_signalled", "whole_line_writes",
+           "restore_signals", "raise_if_signalled", "whole_line_writes", "one_line_warnings",
            "OK", "FAILED", "BAD_INPUT"]
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -121,6 +125,39 @@ def whole_line_writes() -> None:
                 reconfigure(line_buffering=True, write_through=False)
             except (ValueError, OSError):  # a closed or detached stream: nothing to keep whole
                 pass
+
+
+@contextmanager
+def one_line_warnings(command: str, *, debug: bool = False):
+    """Inside, each warning that the filters in force show (Python's defaults, ``-W``,
+    ``PYTHONWARNINGS``; numpy's under its errstate) is one line on stderr, ``distmm COMMAND:
+    warning: TEXT`` (a ``RuntimeWarning``'s text as numpy gives it, ``invalid value
+    encountered in matmul``; another category's name before its text), each once, as numpy
+    reports a flag once per product; under a launcher, by rank 0 only. With ``debug``,
+    Python's own format (the place that warned). A filter's ``error`` still makes the
+    warning the command's error."""
+    if debug:
+        yield
+        return
+    previous = warnings.showwarning
+    shown: set[tuple[type, str]] = set()
+
+    def show(text, category, filename, lineno, file=None, line=None):
+        if file is not None:  # written to a file of the caller's: as it asked
+            previous(text, category, filename, lineno, file, line)
+            return
+        text = " ".join(str(text).split())
+        if (category, text) in shown or not rank_zero():
+            return
+        shown.add((category, text))
+        said = text if issubclass(category, RuntimeWarning) else f"{category.__name__}: {text}"
+        print(f"distmm {command}: warning: {said}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 #: the signals the command got (SIGINT, SIGTERM, SIGXCPU), recorded by its handlers before

@@ -283,6 +283,7 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
     watch = StopWatch(comm)
     writer = log = None
     error: BaseException | None = None
+    flags: set = set()  # numpy's flags this rank's stripes raised
     pid = None
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     # rank 0: what identifies the inputs, compared again before C is moved into place
@@ -414,7 +415,6 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
                                         writer if log is None else log.summed(writer), executor,
                                         comms, watch, phases, on_gpu=on_gpu, todo=todo,
                                         skip=mine, on_written=written, share_b=share)
-                report(flags)  # numpy's warnings, once, from the main thread's errstate
             finally:
                 for source in sources:
                     source.close()
@@ -434,8 +434,14 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         with phases.phase("wait"):
             mine_report = None if error is None else (*_judged(error, judge),
                                                       isinstance(error, PeerStopped))
-            reports = comm.allgather(mine_report)
+            reports, raised = zip(*comm.allgather((mine_report, flags)))
         failures = [rep for rep in reports if rep is not None]
+        if not failures:  # every rank's flags, reported alike on each, as numpy's product would
+            try:  # (under the errstate and warning filters in force: raised on every rank)
+                report(set().union(*raised))
+            except Exception as exc:  # noqa: BLE001 - the same on every rank
+                error = exc
+                failures = [(*_judged(exc, judge), False)]
         changed = None
         if inputs and not failures:  # rank 0, once every rank has read all it reads: the
             try:  # inputs looked at again, while they are open
