@@ -1114,7 +1114,8 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     staged file is removed in every case.
 
     A ``path`` that does not exist (or is a symbolic link to nothing) becomes the staged file
-    (a rename, which replaces the link). Into an
+    (a rename, which replaces the link; a file made at ``path`` while the run computed is
+    never replaced: the dataset is copied into it, as into one that was there). Into an
     existing file the dataset is copied under a temporary name, after checking
     that the file system and the file-size limit have room for it; then an old
     ``dataset`` (only with ``overwrite``) is deleted and the copy renamed onto
@@ -1137,11 +1138,18 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     """
     staged, path = Path(staged), Path(path)
     try:
-        if not path.exists():  # (a link to nothing is replaced itself)
+        if not path.exists():
             fsync_paths([staged])
-            os.replace(staged, path)
-            fsync_paths([path.parent])
-            return
+            try:
+                if path.is_symlink():  # a link to nothing, replaced itself (check_target)
+                    os.replace(staged, path)
+                else:
+                    _rename_new(staged, path)
+            except OutputExists:  # made while the run computed: copied into, as if it was there
+                pass
+            else:
+                fsync_paths([path.parent])
+                return
         if path.is_symlink():  # made while the run computed: check_target refuses it
             raise ValueError(_h5_link_refusal(path, dataset))
         _copy_into(staged, path, dataset, overwrite)

@@ -487,6 +487,38 @@ def partials(folder: Path):
 
 
 @pytest.mark.slow
+def test_an_h5_file_made_while_the_run_computes_is_added_to_not_replaced(tmp_path, operands):
+    """``-o new.h5:C`` where new.h5 did not exist when the run began, and another process
+    made it (dataset D) before C was moved into place: C is added beside D, as into a file
+    that was there (the staged file was renamed over it, and D was lost)."""
+    pa, pb, ref = operands
+    site = tmp_path / "site"
+    site.mkdir()
+    pause_at(site, "distmm.staging", "commit_h5")
+    f = tmp_path / "new.h5"
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:C",
+                             "--engine", "local"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(site), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 60
+    while not (site / "paused").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    other = np.random.default_rng().standard_normal((7, 3))
+    with h5py.File(f, "w") as fh:
+        fh["D"] = other
+    (site / "go").touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    with h5py.File(f, "r") as fh:
+        assert sorted(fh) == ["C", "D"]
+        np.testing.assert_array_equal(fh["D"][...], other)
+        np.testing.assert_allclose(fh["C"][...], ref, rtol=1e-12, atol=1e-12)
+    assert partials(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_h5_add_and_overwrite_touch_only_c(tmp_path, operands, user_h5):
     pa, pb, ref = operands
     before = h5_storage(user_h5)
