@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distmm.cli.argtypes import nonempty
 from distmm.cli.exits import Signalled, raise_if_signalled
 from distmm.cli.outputs import check_writable
 from distmm.cli.records import progress_line
@@ -68,8 +69,9 @@ def add_parser(sub, common) -> None:
                                    "references measured in the same run) and append one "
                                    "record per configuration to a JSON-lines file, which "
                                    "distmm report reads")
-    b.add_argument("study", metavar="STUDY.toml", help="the study file (bench/studies/*.toml)")
-    b.add_argument("-o", "--output", metavar="FILE.jsonl", default=None,
+    b.add_argument("study", metavar="STUDY.toml", type=nonempty(),
+                   help="the study file (bench/studies/*.toml)")
+    b.add_argument("-o", "--output", metavar="FILE.jsonl", default=None, type=nonempty(),
                    help="the records file, appended to (default: <study>-<device>-<date>.jsonl "
                         "in the results/ folder beside a studies/ folder holding the study, "
                         "else in the current folder)")

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from distmm.cli.argtypes import positive_size
+from distmm.cli.argtypes import nonempty, positive_size
 from distmm.cli.exits import raise_if_signalled
 from distmm.cli.outputs import check_writable
 
@@ -55,15 +55,16 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                                    "(and on GPUs cuBLAS, PCIe and NCCL) and store them as JSON; "
                                    "or derive them from benchmark records")
     c.add_argument("-o", "--output", default=None, metavar="FILE",
+                   type=nonempty("output path"),
                    help="where to store it (default: a per-host file under the user's cache "
                         "folder, ~/.cache/distmm/calibration-HOST.json)")
     c.add_argument("--quick", action="store_true",
                    help="small sizes and few repeats (seconds, for tests)")
-    c.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
+    c.add_argument("--from-records", nargs="+", default=None, metavar="FILE", type=nonempty(),
                    help="derive the calibration from benchmark records (.jsonl), --profile "
                         "files (.json) and SUMMA traces (summa-trace-*.json) instead of "
                         "measuring")
-    c.add_argument("--machine", default=None,
+    c.add_argument("--machine", default=None, type=nonempty("machine name"),
                    help="with --from-records: which machine's records (a device name such as "
                         "'NVIDIA H200'; default: the only one, or the GPU one)")
     c.set_defaults(func=run_calibrate)
@@ -88,7 +89,7 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
                         "(default mpi)")
     m.add_argument("--device", choices=DEVICE_KINDS, default="gpu",
                    help="what each rank or worker computes on (default gpu)")
-    m.add_argument("--calibration", default=None, metavar="FILE",
+    m.add_argument("--calibration", default=None, metavar="FILE", type=nonempty(),
                    help="a stored calibration (default: this host's, else nominal H100 values)")
     m.add_argument("--link", choices=LINKS, default=None,
                    help="the link between ranks (default: nvlink for GPU ranks, ipc for GPU "
@@ -98,18 +99,18 @@ def add_parsers(sub, common, dtype_type, count_type) -> None:
     m.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="devices per host, which share its disk and links (default: the "
                         "calibration's, i.e. the machine it was measured on)")
-    m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS",
+    m.add_argument("--validate", nargs="+", default=None, metavar="RECORDS", type=nonempty(),
                    help="compare the model with every configuration in these records "
                         "(.jsonl), the --profile files (.json) and SUMMA traces "
                         "(summa-trace-*.json: NCCL's socket link) they are calibrated from")
-    m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl",
+    m.add_argument("-o", "--output", default=None, metavar="FILE.jsonl", type=nonempty(),
                    help="with --validate: write the comparison as records (predicted_seconds); "
                         "else append one prediction record per device count (seconds null, "
                         "role predicted), which distmm report draws as predicted")
-    m.add_argument("--benchmark", default=None, metavar="NAME",
+    m.add_argument("--benchmark", default=None, metavar="NAME", type=nonempty("name"),
                    help="with -o: the benchmark the predictions join (default: the engine's, "
                         "mpi, mpi-batch or dask-gpu / cpu-dask)")
-    m.add_argument("--variant", default=None, metavar="NAME",
+    m.add_argument("--variant", default=None, metavar="NAME", type=nonempty("name"),
                    help="with -o: the variant family (default distmm-ENGINE); the count is "
                         "added as @Pgpus / @Pranks / @Pworkers")
     m.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
@@ -365,6 +366,10 @@ def _validate(args) -> int:
             raise IsADirectoryError(21, "a folder, not a file", str(out))
         if not out.absolute().parent.is_dir():
             raise FileNotFoundError(2, "no such folder", str(out))
+        for given in args.validate:  # the comparison replaces -o: never the measurements
+            if out.exists() and out.samefile(given):
+                raise ValueError(f"-o {out} is one of the records it compares (the comparison "
+                                 f"would replace them): name another file")
     rows = validate(load_records(args.validate), calibration=calibration)
     if not rows:
         raise ValueError(f"no distmm measurement the model describes in "

@@ -37,9 +37,12 @@ def load_records(paths) -> list[dict]:
     its device, its file does). Records of a reduced ``precision`` (tf32, bf16, fp16) are left
     out, except the stream pipeline's (its ``cublas-bf16`` reference measures the precision's
     own GEMM rate in the same run): the other engines' rates are those of each dtype's own
-    arithmetic. Each record is checked by ``distmm.cli.records.check_record``: a file that
-    is not UTF-8 JSON (lines), or a record lacking a key or with a field of the wrong type or
-    range, raises ``ValueError`` or ``TypeError`` naming the file, the line and the field."""
+    arithmetic. So are records whose ``invalid`` says why their figure is not to be used and
+    those whose product failed its float64 check (``relerr_ok`` false, as ``distmm bench``
+    writes it), as ``distmm report`` leaves them out. Each record is checked by
+    ``distmm.cli.records.check_record``: a file that is not UTF-8 JSON (lines), or a record
+    lacking a key or with a field of the wrong type or range, raises ``ValueError`` or
+    ``TypeError`` naming the file, the line and the field."""
     out = []
     for path in paths:
         path = Path(path)
@@ -61,6 +64,8 @@ def load_records(paths) -> list[dict]:
             if (rec.get("precision", "highest") != "highest"
                     and rec.get("benchmark") != "pipeline"):
                 continue
+            if rec.get("invalid") or rec.get("relerr_ok") is False:
+                continue  # a time that is no result's (as distmm report leaves it out)
             rec["_file"] = path.name
             out.append(rec)
     return out

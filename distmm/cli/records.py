@@ -156,7 +156,12 @@ def make_record(*, run: str, benchmark: str, variant: str, device: str, dtype, m
                 k: int, seconds: float, relerr: float | None, commit: str, date: str,
                 **extra) -> dict:
     """One record: BENCH_RECORDS.md's keys in their order (``tflops`` from the others),
-    then ``extra``."""
+    then ``extra``. A ``relerr`` that is NaN or infinite (a product with NaN or Inf in its
+    checked rows) is written null, with ``relerr_nonfinite`` (``"nan"``, ``"inf"``) saying
+    what it was: JSON has no such number, and ``check_record`` refuses it."""
+    if relerr is not None and not math.isfinite(relerr):
+        extra = {"relerr_nonfinite": str(float(relerr)), **extra}
+        relerr = None
     rec = {
         "run": run, "benchmark": benchmark, "variant": variant, "device": device,
         "dtype": str(np.dtype(dtype)), "m": int(m), "n": int(n), "k": int(k),
@@ -362,10 +367,10 @@ def check_record(record, where: str) -> dict:
     ``benchmark``, ``variant``, ``device`` and the other names (``role``, ``precision``,
     ``invalid``, ...) strings (the optional ones may be null); ``dtype`` a numeric dtype
     numpy knows; ``m``, ``n``, ``k`` integers from 0 to 2**63 - 1 (0: a ceiling probe);
-    ``seconds`` a positive finite number or null; ``tflops``, ``relerr``,
-    ``predicted_seconds`` and the other measured numbers finite, not negative, or null; the
-    counts (``gpus``, ``workers``, ``ranks``, ``threads``, ``cores``, ``per_device``, ...)
-    integers or null (at least 0 for ``gpus``, ``workers``, ``cpu_workers``, ``gpu_workers``,
+    ``seconds`` a positive finite number or null, at which ``2*m*n*k / seconds`` is finite;
+    ``tflops``, ``relerr``, ``predicted_seconds`` and the other measured numbers finite, not
+    negative, or null; the counts (``gpus``, ``workers``, ``ranks``, ``threads``, ``cores``,
+    ``per_device``, ...) integers or null (at least 0 for ``gpus``, ``workers``, ``cpu_workers``, ``gpu_workers``,
     ``nccl_pairs`` and ``written_direct``, at least 1 for the others);
     ``emulated_nodes`` a positive integer or ``"all-links"``; ``grid`` null or a list of
     positive integers; ``all_seconds`` a list of finite numbers, not negative. Other keys
@@ -406,6 +411,10 @@ def check_record(record, where: str) -> dict:
         bad("seconds", "a positive finite number or null",
             TypeError if not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
             else ValueError)
+    if seconds is not None and not math.isfinite(
+            2.0 * record["m"] * record["n"] * record["k"] / seconds):
+        bad("seconds", "a time its size's flop rate is finite at (2*m*n*k / seconds overflows)",
+            ValueError)
     for key in _NUMBERS:
         value = record.get(key)
         if value is not None and not (_is_number(value) and value >= 0):
@@ -451,4 +460,11 @@ def progress_line(index: int, total: int, rec: dict) -> str:
     return (f"[{index}/{total}] {rec['variant']} {rec['dtype']} {rec['m']}x{rec['n']}x{rec['k']}"
             f" ({rec['series']}): first {rec['first_seconds']:.4g} s, median "
             f"{rec['seconds']:.4g} s of {len(rec['all_seconds'])}, {rec['tflops']:.4g} TFLOP/s, "
-            f"relerr {rec['relerr']:.2e}" + ("" if rec["relerr_ok"] else " ABOVE BOUND"))
+            f"relerr {_shown(rec)}" + ("" if rec["relerr_ok"] else " ABOVE BOUND"))
+
+
+def _shown(rec: dict) -> str:
+    """A record's relerr for its progress line (``relerr_nonfinite``'s where null)."""
+    if rec["relerr"] is None:
+        return rec.get("relerr_nonfinite", "not checked")
+    return f"{rec['relerr']:.2e}"

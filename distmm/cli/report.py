@@ -705,6 +705,11 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     failure leaves ``output`` as it was, and removes the folders above it that it made.
     Without matplotlib it prints one line and returns 2.
     """
+    if not output:  # Path("") is the current folder
+        raise ValueError("-o '' names no folder (it would be the current folder, which the "
+                         "report replaces): name a folder of its own")
+    if not all(paths):
+        raise ValueError("an empty path among the records files")
     folder = Path(output)
     _check_output(folder, overwrite, paths)
     cut: list[str] = []
@@ -774,13 +779,13 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
             raise OSError(exc.errno, exc.strerror, str(folder.absolute().parent)) from None
         raise
     staged.chmod(0o755)  # mkdtemp's 0700 would make the renamed folder private
+    old = None
     try:
         images = _figures(plt, records, strong, weak, profiles, roofs, model, staged, sections)
         tables = _tables(records, strong, weak, shares, roofs, model)
         (staged / "report.md").write_text(_markdown(tables, images, paths, notes))
         if html:
             (staged / "index.html").write_text(_html(tables, images, paths, notes))
-        old = None
         if folder.exists() or folder.is_symlink():
             old = staged.with_name(staged.name + "-old")
             folder.rename(old)
@@ -790,6 +795,11 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
         elif old is not None:
             shutil.rmtree(old)
     except BaseException:
+        if old is not None and (old.is_symlink() or old.exists()):
+            if not staged.exists():  # the new report is in place: the old one goes
+                old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+            elif not (folder.exists() or folder.is_symlink()):
+                old.rename(folder)  # the report it was to replace goes back in place
         shutil.rmtree(staged, ignore_errors=True)
         _remove_folders(made)
         raise

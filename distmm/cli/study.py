@@ -292,9 +292,12 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if unknown:
         bad(unknown[0], _unknown(unknown[0], TOP_KEYS | SERIES_KEYS, TOP_KEYS))
     name = _string(data, "name", default_name, bad)
-    if not name or any(ch in name for ch in "/\\") or name.startswith("."):
+    if (not name or any(ch in name for ch in "/\\") or name.startswith(".")
+            or not name.isprintable()):  # a control character: no file name takes a NUL
         bad("name", f"{name!r} is not a file-name stem")
     benchmark = _string(data, "benchmark", "scaling", bad)
+    if not benchmark or not benchmark.isprintable():
+        bad("benchmark", f"{benchmark!r} is not a name (the records' benchmark)")
     device = _choice(data, "device", "cpu", DEVICES, bad)
     dtypes = _choices(data, "dtypes", ["float64"], DTYPES, bad)
     repeats = _integer(data, "repeats", 3, 1, bad)
