@@ -129,29 +129,29 @@ def whole_line_writes() -> None:
 
 @contextmanager
 def one_line_warnings(command: str, *, debug: bool = False):
-    """Inside, each warning that the filters in force show (Python's defaults, ``-W``,
-    ``PYTHONWARNINGS``; numpy's under its errstate) is one line on stderr, ``distmm COMMAND:
-    warning: TEXT`` (a ``RuntimeWarning``'s text as numpy gives it, ``invalid value
-    encountered in matmul``; another category's name before its text), each once, as numpy
-    reports a flag once per product; under a launcher, by rank 0 only. With ``debug``,
-    Python's own format (the place that warned). A filter's ``error`` still makes the
-    warning the command's error."""
+    """Inside, each ``RuntimeWarning`` that the filters in force show (Python's defaults,
+    ``-W``, ``PYTHONWARNINGS``; numpy's under its errstate) is one line on stderr, ``distmm
+    COMMAND: warning: TEXT`` (its text as numpy gives it, ``invalid value encountered in
+    matmul``), each once, as numpy reports a flag once per product; under a launcher, by
+    rank 0 only. Other categories (a library's deprecation) are shown as before. With
+    ``debug``, Python's own format (the place that warned). A filter's ``error`` still makes
+    the warning the command's error."""
     if debug:
         yield
         return
     previous = warnings.showwarning
-    shown: set[tuple[type, str]] = set()
+    shown: set[str] = set()
 
     def show(text, category, filename, lineno, file=None, line=None):
-        if file is not None:  # written to a file of the caller's: as it asked
+        if file is not None or not issubclass(category, RuntimeWarning):
+            # written to a file of the caller's, or a library's warning: as it asked
             previous(text, category, filename, lineno, file, line)
             return
         text = " ".join(str(text).split())
-        if (category, text) in shown or not rank_zero():
+        if text in shown or not rank_zero():
             return
-        shown.add((category, text))
-        said = text if issubclass(category, RuntimeWarning) else f"{category.__name__}: {text}"
-        print(f"distmm {command}: warning: {said}", file=sys.stderr, flush=True)
+        shown.add(text)
+        print(f"distmm {command}: warning: {text}", file=sys.stderr, flush=True)
 
     warnings.showwarning = show
     try:
