@@ -4,7 +4,9 @@ This module covers: telling whether an h5py dataset needs a filter of its pipeli
 this HDF5 cannot apply (not built in, not registered, no plugin found: a compression
 plugin not installed), and refusing such a dataset, before anything reads or writes it, in
 one line naming it and the filter (``check_filters``). The command line's operands
-(``distmm.cli.io``) and the API's operands and ``out=`` (``distmm.api``) are checked here.
+(``distmm.cli.io``) and the API's operands and ``out=`` (``distmm.api``) are checked here;
+the HDF5 of Dask workers that read an operand's file runs ``missing_filter`` there
+(``distmm.engine.dask.files.visible``).
 It does *not* cover: opening files, or a filter that fails on a chunk it has
 (``distmm.errors.UnreadableInput``).
 """

@@ -344,16 +344,18 @@ def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> int:
         files.release(client, sources)
 
 
-def _file_sources(client, a2, b2):
+def _file_sources(client, a2, b2, what: str = "matmul"):
     """``files.FileSource`` of each operand whose file every worker sees (None: the client
-    reads its blocks and sends them)."""
+    reads its blocks and sends them). An HDF5 dataset that some worker's HDF5 lacks a
+    filter for is refused (ValueError, ``files.visible``), named as ``what``'s operand."""
     from distmm.engine.dask import files
 
     found = [files.source_of(x) for x in (a2, b2)]
     if not any(found):
         return None, None
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
-    if not files.visible(client, found, workers):
+    if not files.visible(client, found, workers,
+                         names=[f"{what}: operand {name}" for name in ("a", "b")]):
         log.info("distmm: an operand's file is not the same on every worker; the client "
                  "reads it and sends the blocks")
         return None, None
@@ -604,7 +606,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     # float results (and object ones, whose numpy scalars raise flags too): the tasks keep
     # their floating-point flags under the token, reported here
     task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fcO" else "")
-    a_src, b_src = _file_sources(client, a2, b2)
+    a_src, b_src = _file_sources(client, a2, b2, what)
     sink = _file_sink(client, out, rows, cols)
     if regions is not None:
         a_sc = _StackScattered(client, a2, regions, batch, f"a-{token}", source=a_src)

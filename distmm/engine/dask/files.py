@@ -3,7 +3,9 @@
 This module covers: recognising a host operand that is a whole ``.npy`` file opened with
 ``numpy.load(path, mmap_mode="r")``, a zarr array in a local folder, or a dataset of an
 HDF5 file opened with h5py (``FileSource``, ``source_of``), checking that every worker sees
-the same file (same size and modification time, ``visible``), and the task that reads one
+the same file (same size and modification time, ``visible``; in the same round trip, that
+every worker's HDF5 has each filter an HDF5 dataset's data needs, refusing one some worker
+lacks before any task), and the task that reads one
 block of it on a worker (``read_block``: the ``.npy`` memory-mapped for that read only, so
 that the pages read do not stay in the worker's memory as dask counts it, zarr by slices,
 the HDF5 file opened read-only once per process and closed when the product ends,
@@ -163,21 +165,95 @@ def _stamps(paths):
     return [_stamp(p) for p in paths]
 
 
-def visible(client, sources, workers) -> bool:
+def _seen(paths, datasets):
+    """On a worker: the stamps of ``paths`` (``_stamps``) and, for each HDF5 dataset of
+    ``datasets`` (``_OPEN``'s keys: path, node, size, mtime_ns, ino), the filter its data
+    needs that this process's HDF5 lacks (``hdf5_filters.missing_filter``; None where it
+    reads, or where the dataset cannot be opened here: the stamps tell whether this is the
+    operand's file)."""
+    return {"stamps": _stamps(paths),
+            "missing": [_missing_here(tuple(key)) for key in datasets]}
+
+
+def _missing_here(key: tuple) -> str | None:
+    from distmm.hdf5_filters import missing_filter
+
+    with _OPEN_LOCK:  # the dataset this process holds open already, else a handle of its own
+        held = _OPEN.get(key)
+        try:
+            if held is not None:
+                return missing_filter(held[0])
+            handle = _open_h5(key[0])
+            try:
+                ds = handle.get(key[1])
+                return None if ds is None else missing_filter(ds)
+            finally:
+                handle.close()
+        except Exception:  # noqa: BLE001 - not readable here at all: the stamps decide
+            return None
+
+
+def visible(client, sources, workers, names=None) -> bool:
     """Whether every one of ``workers`` sees each of ``sources`` as the client does (same
     size, modification time and inode): a different machine's file of the same name, or
-    one written or replaced since, is not the operand."""
-    sources = [s for s in sources if s is not None]
-    if not sources or not workers:
+    one written or replaced since, is not the operand.
+
+    In the same round trip, the workers open each HDF5 dataset among ``sources`` (a
+    ``FileSource`` of kind ``"h5"``) and tell whether their HDF5 lacks a filter its data
+    needs (another machine's HDF5, an ``HDF5_PLUGIN_PATH`` the client alone has): where
+    every worker sees the files, such a worker would fail on its first block, so the
+    dataset is refused here, named ``names[i]`` (what the caller calls source ``i``) with
+    the dataset, the filter and the workers that lack it.
+
+    Raises
+    ------
+    ValueError
+        Every worker sees the files, and some lack a filter an HDF5 dataset needs.
+    """
+    if names is None:
+        names = [None] * len(sources)
+    pairs = [(s, n) for s, n in zip(sources, names) if s is not None]
+    if not pairs or not workers:
         return False
+    sources = [s for s, _ in pairs]
     paths = [s.stamp_path for s in sources]
+    h5 = [(s, n) for s, n in pairs if isinstance(s, FileSource) and s.kind == "h5"]
     try:
-        seen = client.run(_stamps, paths, workers=list(workers), on_error="return")
+        if h5:
+            seen = client.run(_seen, paths,
+                              [(s.path, s.node, s.size, s.mtime_ns, s.ino) for s, _ in h5],
+                              workers=list(workers), on_error="return")
+        else:
+            seen = client.run(_stamps, paths, workers=list(workers), on_error="return")
     except Exception:  # noqa: BLE001 -- a worker that cannot answer: read in the client
         return False
     want = [(s.size, s.mtime_ns, s.ino) for s in sources]
-    return all(isinstance(v, list) and [tuple(x) if x else None for x in v] == want
-               for v in seen.values()) and len(seen) == len(set(workers))
+    missing = {}
+    if h5:  # each answer as ``_seen`` gives it, or the worker's error
+        missing = {w: v["missing"] for w, v in seen.items() if isinstance(v, dict)}
+        seen = {w: v["stamps"] if isinstance(v, dict) else v for w, v in seen.items()}
+    ok = all(isinstance(v, list) and [tuple(x) if x else None for x in v] == want
+             for v in seen.values()) and len(seen) == len(set(workers))
+    if ok:
+        _refuse_missing(h5, missing)
+    return ok
+
+
+def _refuse_missing(h5, missing: dict) -> None:
+    """The ValueError for the first HDF5 dataset of ``h5`` (``(source, name)``) needing a
+    filter that some workers lack (``missing``: each worker's filters, as ``_seen``)."""
+    for i, (src, name) in enumerate(h5):
+        lacking: dict = {}
+        for worker, filters in sorted(missing.items()):
+            if filters[i]:
+                lacking.setdefault(filters[i], []).append(worker)
+        if lacking:
+            code, who = next(iter(lacking.items()))
+            what = f"{name} (HDF5 dataset {src.name})" if name else f"HDF5 dataset {src.name}"
+            raise ValueError(f"{what} needs HDF5 filter {code}, which is not available on "
+                             f"Dask worker{'s' if len(who) > 1 else ''} {', '.join(who)} "
+                             f"(not built into their HDF5, no plugin for it in their "
+                             f"HDF5_PLUGIN_PATH or HDF5's default plugin folder)")
 
 
 _OPEN: dict = {}  # (path, node, size, mtime_ns, ino) -> (the array, its HDF5 file or None)
