@@ -6,11 +6,16 @@ finite. numpy's BLAS multiplies each element's sum by ``alpha = 1 + 0j`` (OpenBL
 and gemv), so an Inf in one part makes the other NaN; numpy's own loop (k == 1) does not,
 and BLAS's dot (a 1 x 1 product) makes only the real part NaN. A block summed from tiles or
 panels of other shapes (a 1 x 1 tile, a tile or panel one wide in k) keeps an Inf numpy's
-element does not have. Every engine's host result goes through it (``distmm.engine.tiles
-.finish_tile``, the batch stripes of ``distmm.engine.mpi.stream``).
-It does *not* cover: overflows of finite operands (numpy's own BLAS blocking decides
-those), real dtypes (no alpha), complex long double (numpy's own loop) or device arrays
-(cuBLAS's results are left as cuBLAS gives them).
+element does not have. A block whose parts were all multiplied by calls that spread as the
+whole product's does (``parts``: one tile of the whole product, numpy's own result) has its
+NaN parts in numpy's form already: only its sums of parts (an Inf from adding them) are
+spread. Every engine's host result goes through it (``distmm.engine.tiles.finish_tile``, the
+batch stripes of ``distmm.engine.mpi.stream``).
+It does *not* cover: overflows of finite operands in a block summed from parts that spread
+otherwise (a 1 x 1 tile, a k group one wide) or without ``parts``, nor sums that overflow
+only in some orders (numpy's own BLAS blocking decides those), real dtypes (no alpha),
+complex long double (numpy's own loop) or device arrays (cuBLAS's results are left as
+cuBLAS gives them).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from distmm.fpflags import as_matmul
 __all__ = ["numpys_nonfinite"]
 
 
-def numpys_nonfinite(product, c):
+def numpys_nonfinite(product, c, parts=()):
     """The block ``c`` of ``product``'s C (anything with the whole product's ``m``, ``n``
     and ``k``: a ``Plan``, a ``GridPlan``) with its complex64 or complex128 elements that
     are not finite as numpy's matmul of the whole product gives them: a part NaN where the
@@ -31,24 +36,35 @@ def numpys_nonfinite(product, c):
     (``_spreads``). Changed in place and returned; anything else (``None``, another dtype,
     a cupy array) is returned as it is. An element whose row of A or column of B holds an
     Inf or NaN has a non-finite part in any sum of panel products, so it comes out as
-    numpy's whatever the panels were. A block whose sum is finite is left as it is (one
-    pass over it); otherwise only the elements whose form differs from numpy's are
-    computed again, as numpy's ``1 * x - 0 * y`` and ``1 * y + 0 * x``: an Inf times 0
-    there reports numpy's "invalid value encountered in matmul" (``distmm.fpflags
-    .as_matmul``: into the caller's ``collect`` where there is one)."""
+    numpy's whatever the panels were. ``parts``: the ``(rows, columns, k)`` of the numpy
+    matmul calls whose results ``c`` sums, where the caller knows them; when every one
+    spreads as the whole product's call does, a NaN part is numpy's own (``inf+nanj`` from
+    a sum that overflowed in one part) and is kept: only a part beside an Inf is spread.
+    A block whose sum is finite is left as it is (one pass over it); otherwise only the
+    elements whose form differs from numpy's are computed again, as numpy's ``1 * x - 0 *
+    y`` and ``1 * y + 0 * x``: an Inf times 0 there reports numpy's "invalid value
+    encountered in matmul" (``distmm.fpflags.as_matmul``: into the caller's ``collect``
+    where there is one)."""
     if (not isinstance(c, np.ndarray) or c.dtype not in (np.complex64, np.complex128)
             or not c.size or not product.k):
         return c
-    to_real, to_imag = _spreads(c.dtype.char, product.m == 1, product.n == 1, product.k == 1)
+    char = c.dtype.char
+    spreads = _spreads(char, product.m == 1, product.n == 1, product.k == 1)
+    to_real, to_imag = spreads
     with np.errstate(all="ignore"):  # one pass, no report: a finite sum, a finite block
         if not (to_real or to_imag) or np.isfinite(c.sum()):
             return c
+    # parts spread as numpy's call: their NaN parts are numpy's; otherwise a NaN beside an
+    # Inf may be a k == 1 product's inf * 0, which numpy's alpha spreads to both parts
+    spread = bool(parts) and all(_spreads(char, r == 1, s == 1, w == 1) == spreads
+                                 for r, s, w in parts)
+    beside = np.isinf if spread else lambda z: ~np.isfinite(z)
     x, y = c.real, c.imag
     differs = np.zeros(c.shape, dtype=bool)
     if to_real:
-        differs |= ~np.isnan(x) & ~np.isfinite(y)
+        differs |= ~np.isnan(x) & beside(y)
     if to_imag:
-        differs |= ~np.isnan(y) & ~np.isfinite(x)
+        differs |= ~np.isnan(y) & beside(x)
     if not differs.any():
         return c
     z = c[differs]

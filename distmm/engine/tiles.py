@@ -129,17 +129,32 @@ class PartialSum:
         return blocks[0][1]
 
 
-def finish_tile(plan: Plan, acc_tile: Any) -> Any:
+def finish_tile(plan: Plan, acc_tile: Any, parts: tuple | None = None) -> Any:
     """Cast an accumulated tile to numpy's result dtype: booleans become
     ``count > 0``, integers wrap, float32 sums round to float16; a complex host tile's
     elements that are not finite take the form numpy's matmul of the whole ``plan.m x
-    plan.n x plan.k`` product gives them (``distmm.nonfinite.numpys_nonfinite``, in place)."""
+    plan.n x plan.k`` product gives them (``distmm.nonfinite.numpys_nonfinite``, in place).
+    ``parts``: the ``(rows, columns, k)`` of the products the tile sums; by default, with
+    a ``Plan``, one per k group of a 2-D tile (``tile_partial``), otherwise unknown."""
     res = np_dtype(plan.dtype)
     if res.kind == "b":
         return acc_tile != 0
+    if parts is None:
+        parts = _parts(plan, acc_tile)
     if acc_tile.dtype == res:
-        return numpys_nonfinite(plan, acc_tile)
+        return numpys_nonfinite(plan, acc_tile, parts)
     if res.kind != "f":
-        return numpys_nonfinite(plan, acc_tile.astype(res))
+        return numpys_nonfinite(plan, acc_tile.astype(res), parts)
     with as_matmul():  # float16's rounding overflows or underflows in numpy's matmul too
         return acc_tile.astype(res)
+
+
+def _parts(plan, acc_tile) -> tuple:
+    """The ``(rows, columns, k)`` of the products a ``Plan``'s 2-D tile sums: one per k
+    group (``tile_partial``); none known for other plans (a Dask task's blocks follow the
+    operands' chunks, an MPI rank's block its panels)."""
+    if not isinstance(plan, Plan) or getattr(acc_tile, "ndim", 0) != 2:
+        return ()
+    rows, cols = acc_tile.shape
+    return tuple((rows, cols, plan.k_edges[s + 1] - plan.k_edges[s])
+                 for s in range(len(plan.k_edges) - 1))
