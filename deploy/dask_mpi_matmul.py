@@ -1,6 +1,6 @@
 """C = A @ B of ``.npy`` files on a Dask cluster that dask-mpi starts inside one MPI job.
 
-Run it under the MPI launcher with at least 3 ranks::
+Run it under the MPI launcher with at least 3 ranks (fewer are refused in one line, 2)::
 
     srun python deploy/dask_mpi_matmul.py A.npy B.npy -o C.npy            # Slurm
     mpiexec -n 4 python deploy/dask_mpi_matmul.py A.npy B.npy -o C.npy    # anywhere
@@ -165,6 +165,12 @@ def main(argv=None) -> int:
     import dask_mpi
     from mpi4py import MPI
 
+    if MPI.COMM_WORLD.size < 3:  # dask-mpi's refusal is a traceback on every rank
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"dask_mpi_matmul.py: error: {MPI.COMM_WORLD.size} MPI process(es): it needs "
+                  f"at least 3, the scheduler, the client and a worker", file=sys.stderr,
+                  flush=True)
+        return 2
     worker_class, options = worker_setup(MPI.COMM_WORLD)
     interface = os.environ.get("DISTMM_INTERFACE") or None
     # the workers' scratch space: dask's temporary-directory, else the node's temporary

@@ -16,7 +16,7 @@ runs: it comes with ``pip install "distmm[deploy]"``.
 """
 from __future__ import annotations
 
-__all__ = ["jobqueue_cluster", "SYSTEMS"]
+__all__ = ["jobqueue_cluster", "SYSTEMS", "MIN_WORKER_MEMORY"]
 
 #: batch systems ``jobqueue_cluster`` knows, by the name it takes
 SYSTEMS = ("slurm", "pbs")
@@ -25,6 +25,10 @@ SYSTEMS = ("slurm", "pbs")
 #: dask-cuda's worker command through dask's own command line (one worker per GPU, named
 #: ``NAME-0``, ``NAME-1``, ... as dask-jobqueue expects of a job of several processes)
 GPU_WORKER_COMMAND = "dask cuda worker"
+
+#: the least host memory a Dask worker process is given: one holds about 100 MB once started,
+#: and a nanny restarts a worker above its limit without end
+MIN_WORKER_MEMORY = 256 * 2**20
 
 #: the preload every worker job runs (``distmm.engine.dask.preload``): the Dask engine's task
 #: modules imported as the worker starts, not at the first product
@@ -94,7 +98,8 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
         required for a CPU job, which runs ``cores // threads_per_worker`` worker processes.
     memory
         Host memory of one job, as dask-jobqueue takes it (``"64GiB"``, or a number of
-        bytes); split evenly between its workers. Required.
+        bytes); split evenly between its workers, at least ``MIN_WORKER_MEMORY`` (256 MiB)
+        each. Required.
     threads_per_worker
         Threads of each CPU worker (default 1), at most ``cores``: a CPU job runs
         ``cores // threads_per_worker`` workers, which share all of its cores evenly (as
@@ -123,10 +128,11 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     ImportError
         dask-jobqueue is not installed (``pip install "distmm[deploy]"``).
     ValueError
-        An unknown ``system``; no ``memory``, or one that is not a positive size; a CPU job
-        without ``cores``; counts that are not integers (``True``, ``2.5`` and ``"2"`` are
-        not), ``jobs`` or ``gpus`` below 0, ``cores`` or ``threads_per_worker`` below 1;
-        ``threads_per_worker`` above ``cores`` in a CPU job, or ``cores`` fewer than
+        An unknown ``system``; no ``memory``, or one that is not a positive size or gives a
+        worker less than ``MIN_WORKER_MEMORY``; a CPU job without ``cores``; counts that are
+        not integers (``True``, ``2.5`` and ``"2"`` are not), ``jobs`` or ``gpus`` below 0,
+        ``cores`` or ``threads_per_worker`` below 1; ``threads_per_worker`` above ``cores``
+        in a CPU job, or ``cores`` fewer than
         ``gpus``; a ``walltime`` that is not a positive ``HH:MM:SS``; ``processes`` or
         ``worker_command`` among ``kwargs``. Raised before
         dask-jobqueue is imported and anything is submitted.
@@ -152,7 +158,7 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     _count(threads_per_worker, "threads_per_worker", least=1)
     if memory is None:
         raise ValueError("memory= (the host memory of one job, e.g. '64GiB') is required")
-    _memory(memory)
+    size = _memory(memory)
     _walltime(walltime)
     if cores is None:
         if not gpus:
@@ -164,6 +170,13 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
     if not gpus and threads_per_worker > cores:
         raise ValueError(f"threads_per_worker={threads_per_worker} is more than cores={cores}: "
                          f"a CPU job runs cores // threads_per_worker workers")
+    workers = gpus or max(1, cores // threads_per_worker)
+    if size // workers < MIN_WORKER_MEMORY:
+        from dask.utils import format_bytes
+
+        whom = "a job's one worker" if workers == 1 else f"each of a job's {workers} workers"
+        raise ValueError(f"memory={memory!r} gives {whom} {format_bytes(size // workers)}: "
+                         f"a worker needs at least {MIN_WORKER_MEMORY // 2**20} MiB to start")
     taken = sorted({"processes", "worker_command"} & set(kwargs))
     if taken:  # they would replace the workers made from gpus, cores and threads_per_worker
         raise ValueError(f"{', '.join(taken)} cannot be given: jobqueue_cluster sets them from "
@@ -192,7 +205,7 @@ def jobqueue_cluster(system: str = "slurm", *, jobs: int = 0, gpus: int = 0,
             kwargs["resource_spec"] = (f"select=1:ncpus={cores}:ngpus={gpus}:"
                                        f"mem={pbs_format_bytes_ceil(parse_bytes(memory))}")
     else:
-        options.update(processes=max(1, cores // threads_per_worker))
+        options.update(processes=workers)
     options.update(worker_extra_args=extra_args, job_extra_directives=directives)
     options.update(kwargs)
     cls = jq.SLURMCluster if system == "slurm" else jq.PBSCluster

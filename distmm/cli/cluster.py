@@ -8,11 +8,11 @@ This module covers:
   ``per_device`` workers sharing each GPU: ``share_workers``), every GPU worker carrying the
   resource ``GPU: 1``, its comms over UCX where ``distributed-ucxx`` is installed and TCP
   otherwise (``gpu_protocol``: ``protocol="auto"``);
-- Ctrl-C and a SIGTERM to the process group left to this process: the worker processes
-  start with SIGINT and SIGTERM blocked (and then ignore SIGINT: ``WORKER_SETUP``, a
-  preload), since Ctrl-C at a terminal reaches every process of the foreground group, as a
-  SIGTERM to the group (``kill -- -PGID``, ``timeout``, a batch system's time limit) does,
-  and this process closes the cluster;
+- Ctrl-C and a SIGTERM or SIGHUP to the process group left to this process: the worker
+  processes start with SIGINT, SIGTERM and SIGHUP blocked (and then ignore SIGINT:
+  ``WORKER_SETUP``, a preload), since Ctrl-C at a terminal reaches every process of the
+  foreground group, as a SIGTERM to the group (``kill -- -PGID``, ``timeout``, a batch
+  system's time limit) and a terminal's hangup do, and this process closes the cluster;
 - the Dask engine's task modules imported before the first product, by the workers
   (``TASKS_PRELOAD``) and by this process, which holds the scheduler;
 - emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
@@ -257,37 +257,48 @@ def _with_worker_setup(kwargs: dict) -> None:
                                      if p not in preload)]
 
 
+#: the signals a cluster's start holds back, and its worker processes keep blocked
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _started(make):
-    """``make()``, a cluster's start, leaving Ctrl-C and a SIGTERM to the process group to
-    this process.
+    """``make()``, a cluster's start, leaving Ctrl-C and a SIGTERM or SIGHUP to the process
+    group to this process.
 
     Ctrl-C at a terminal reaches every process of the foreground group, and a worker process
     still importing took it as a ``KeyboardInterrupt`` traceback (its preload, which ignores
     SIGINT, runs only once it has started). A SIGTERM to the group (``kill -- -PGID``, a
     batch system's time limit) ended the worker processes, and distributed 2024.12's nanny
     restarts a worker ended while it starts, a start that then never ends. While the cluster
-    starts, this thread blocks SIGINT and SIGTERM: the event-loop and executor threads
-    distributed starts now, and the worker processes they start, inherit the mask (through
-    fork and exec), so that this process alone acts on them and closes the workers
-    (distributed's nanny kills a worker that its close does not end). A SIGINT or SIGTERM
-    that comes meanwhile is noted, not raised inside the start (which would lose the cluster
-    and leave its workers' semaphores to multiprocessing's warning at exit): once the start
-    returns, each is raised again for the handlers in force, and where one raises, the
-    cluster is closed first. Where the start fails instead, each is raised again before the
-    failure, which a handler that raises replaces. multiprocessing's resource tracker is
-    started first, since starting it unblocks SIGINT and SIGTERM in the thread that does.
+    starts, this thread blocks SIGINT, SIGTERM and SIGHUP (a terminal's hangup reaches the
+    foreground group too): the event-loop and executor threads distributed starts now, and
+    the worker processes they start, inherit the mask (through fork and exec), so that this
+    process alone acts on them and closes the workers (distributed's nanny kills a worker
+    that its close does not end). One of them that comes meanwhile is noted, not raised
+    inside the start (which would lose the cluster and leave its workers' semaphores to
+    multiprocessing's warning at exit): once the start returns, each is raised again for
+    the handlers in force, and where one raises, the cluster is closed first. Where the
+    start fails instead, each is raised again before the failure, which a handler that
+    raises replaces. multiprocessing's resource tracker is started first, since starting it
+    unblocks SIGINT and SIGTERM in the thread that does (and with SIGHUP blocked, which it
+    would die of: it ignores only SIGINT and SIGTERM).
     Outside the main thread, only ``make()``."""
     if threading.current_thread() is not threading.main_thread():
         return make()
     from multiprocessing import resource_tracker
 
-    resource_tracker.ensure_running()
+    # the tracker ignores SIGINT and SIGTERM itself; a SIGHUP it inherits blocked
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     got = []
     before = {s: signal.signal(s, lambda signum, frame: got.append(signum))
-              for s in (signal.SIGINT, signal.SIGTERM)
+              for s in _HELD
               if signal.getsignal(s) is not None}  # None: not set from Python, left alone
     try:
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_HELD))
         try:
             cluster = make()
         finally:

@@ -4,7 +4,10 @@ This module covers: ``connect_client``, the ``distributed.Client`` of ``distmm m
 --scheduler ADDRESS`` or ``--scheduler-file FILE``, and the checks before it:
 
 - the address is one distributed can dial (a known protocol, a port), else ``ValueError``;
-- a scheduler file is JSON with an ``address``, else ``ValueError`` naming the file;
+- a scheduler file is JSON with an ``address``, else ``ValueError`` naming the file; a file
+  whose TCP address refuses the connection is stale (a scheduler writes its file once it
+  listens: this one has stopped, killed before it could remove the file), ``ConnectionError``
+  at once rather than after distributed's retries until the timeout (``check_listening``);
 - ``probe_scheduler``: one connection, distributed's handshake and an ``identity`` request,
   all inside one deadline, on an event loop of its own that is gone when it returns. Only
   when a Dask scheduler has answered is the ``Client`` made.
@@ -32,7 +35,8 @@ import logging
 import weakref
 from pathlib import Path
 
-__all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address"]
+__all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address",
+           "check_listening"]
 
 #: what to check when nothing answered as a scheduler at an address
 _CHECK = ("check the address and port (a scheduler listens on 8786 unless told otherwise; "
@@ -64,8 +68,11 @@ def check_address(address: str, where: str) -> str:
 
 def scheduler_address(path: str) -> str:
     """The ``address`` a scheduler file holds (distributed's format: the scheduler's
-    identity as JSON); ``FileNotFoundError`` or ``ValueError`` naming the file."""
+    identity as JSON); ``FileNotFoundError``, ``IsADirectoryError`` or ``ValueError``
+    naming the file."""
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"--scheduler-file {path} is a directory, not a scheduler file")
     if not p.is_file():
         raise FileNotFoundError(f"no such file: {path} (--scheduler-file)")
     try:
@@ -75,6 +82,31 @@ def scheduler_address(path: str) -> str:
     if not isinstance(info, dict) or not isinstance(info.get("address"), str):
         raise ValueError(f"--scheduler-file {path} is not a scheduler file (no \"address\")")
     return check_address(info["address"], f"--scheduler-file {path}")
+
+
+def check_listening(address: str, timeout: float, where: str) -> None:
+    """``ConnectionError`` when nothing listens at the TCP ``address`` (the connection is
+    refused) or no reply to the connection request came within ``timeout``; anything else
+    (another protocol, a name that does not resolve) is left to ``probe_scheduler``."""
+    import socket
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    scheme, loc = parse_address(address)
+    if scheme != "tcp":
+        return
+    host, port = parse_host_port(loc)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        raise ConnectionError(f"nothing listens at {where}: the connection was refused, so "
+                              f"the file is stale (its scheduler has stopped); start the "
+                              f"cluster again, or name a running one") from None
+    except socket.timeout:
+        raise ConnectionError(f"cannot connect to {where} within {timeout:g} s (no reply to the "
+                              f"connection request); {_CHECK}") from None
+    except OSError:
+        pass
 
 
 async def _identity(address: str, timeout: float, connection_args: dict):
@@ -174,7 +206,8 @@ def connect_client(*, scheduler: str | None = None, scheduler_file: str | None =
 
     Raises ``ValueError`` for an address or scheduler file that cannot name a scheduler,
     ``FileNotFoundError`` for a missing file, ``ConnectionError`` (one line: the address,
-    what answered, what to check) when no scheduler answered in time.
+    what answered, what to check) when no scheduler answered in time, or at once when
+    nothing listens at a scheduler file's address (``check_listening``).
     """
     from distributed import Client
     from distributed.security import Security
@@ -182,6 +215,9 @@ def connect_client(*, scheduler: str | None = None, scheduler_file: str | None =
     if scheduler_file is not None:
         address = scheduler_address(scheduler_file)
         where = f"{address} (--scheduler-file {scheduler_file})"
+        # written once its scheduler listened: a refusal now is a stopped scheduler's, which
+        # distributed's connect would retry until the timeout
+        check_listening(address, timeout, where)
     else:
         address = check_address(scheduler, "--scheduler")
         where = f"{address} (--scheduler)"

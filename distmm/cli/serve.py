@@ -15,22 +15,24 @@ This module covers:
   It appears whole (written beside its target, then linked into place) once every worker
   is up, so a file that exists names a cluster ready to run products; an existing file is
   refused unless ``--overwrite``;
-- serving until SIGINT or SIGTERM, then closing the workers and the scheduler, making sure
-  no worker process outlives the command, and removing the scheduler file when it is still
+- serving until SIGINT, SIGTERM or SIGHUP (a terminal's hangup; left ignored under
+  ``nohup``), then closing the workers and the scheduler, making sure no worker process
+  outlives the command, and removing the scheduler file when it is still
   the one this command wrote. A second signal during that stops at once (worker processes
   are killed, the file still removed). A signal while the workers start is acted on once
   they are up (a second one once the cluster is in hand), or in the failure's place where
   the start fails; what distributed logs about the work a stop cuts short is not printed:
   the stop's one line says what was closed.
 
-Exit status: 130 after SIGINT, 143 after SIGTERM (128 + the signal, as the rest of the
-command line and the shell report a process a signal ended), once the cluster is closed;
-2 for bad options; 1 when the cluster fails to start or to close.
+Exit status: 130 after SIGINT, 143 after SIGTERM, 129 after SIGHUP (128 + the signal, as
+the rest of the command line and the shell report a process a signal ended), once the
+cluster is closed; 2 for bad options; 1 when the cluster fails to start or to close.
 
-Worker processes leave SIGINT and SIGTERM alone (``distmm.cli.cluster``: blocked from their
-start; SIGINT then ignored by the ``distmm.cli.worker_setup`` preload), so that Ctrl-C at
-a terminal, which reaches every process of the foreground group, and a SIGTERM to the
-process group (``kill -- -PGID``, ``timeout``, a batch system's time limit) stop them through
+Worker processes leave SIGINT, SIGTERM and SIGHUP alone (``distmm.cli.cluster``: blocked
+from their start; SIGINT then ignored by the ``distmm.cli.worker_setup`` preload), so that
+Ctrl-C at a terminal, which reaches every process of the foreground group, a terminal's
+hangup, and a SIGTERM to the process group (``kill -- -PGID``, ``timeout``, a batch
+system's time limit) stop them through
 this command's orderly close rather than by ``KeyboardInterrupt`` inside each of them or
 by ending each where it is (a worker ended while it started was restarted by its nanny,
 whose start then never ended, under distributed 2024.12).
@@ -54,9 +56,10 @@ from pathlib import Path
 
 from distmm.cli.argtypes import integer_at_least
 from distmm.cli.outputs import check_creatable
+from distmm.deploy import MIN_WORKER_MEMORY  # the smallest --memory-limit
 from distmm.plan import MAX_WORKERS
 
-__all__ = ["add_parser", "run_cluster"]
+__all__ = ["add_parser", "run_cluster", "MIN_WORKER_MEMORY"]
 
 #: seconds ``cluster.close`` may take before the worker processes left are killed
 CLOSE_TIMEOUT = 30.0
@@ -64,8 +67,6 @@ CLOSE_TIMEOUT = 30.0
 START_TIMEOUT = 120.0
 #: seconds without a new worker process before a stop at once ends (``_kill_workers``)
 QUIET = 0.3
-#: the smallest --memory-limit: a distributed worker process holds about 100 MB once started
-MIN_WORKER_MEMORY = 256 * 2**20
 
 
 # ---------------------------------------------------------------- option types
@@ -168,9 +169,9 @@ def add_parser(sub, common) -> None:
                                    "remove the scheduler file written. Use it with distmm matmul "
                                    "--scheduler ADDRESS or --scheduler-file FILE, or "
                                    "distributed.Client(scheduler_file=FILE).",
-                       epilog="exit status: 130 after SIGINT, 143 after SIGTERM once the "
-                              "cluster is closed; 2 bad arguments; 1 a cluster that failed "
-                              "to start or to close")
+                       epilog="exit status: 130 after SIGINT, 143 after SIGTERM, 129 after "
+                              "SIGHUP once the cluster is closed; 2 bad arguments; 1 a cluster "
+                              "that failed to start or to close")
     c.add_argument("--gpus", type=_gpus, default="all", metavar="N|LIST",
                    help="GPUs to start workers on: all (default: every GPU this process sees, "
                         "CPU workers if none or without dask-cuda), a count N (the first N), a "
@@ -305,6 +306,11 @@ def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
     target = Path(path).absolute()
     if target.is_dir():
         raise IsADirectoryError(f"--scheduler-file {path} is a directory")
+    if target.is_symlink() and not target.exists() and not overwrite:
+        # a link to nothing: linking the file into place would fail once the workers are up
+        raise OutputExists(f"--scheduler-file {path} is a link to {os.readlink(target)}, which "
+                           f"does not exist: pass --overwrite to replace the link, or choose "
+                           f"another file")
     if target.exists() and not overwrite:
         raise OutputExists(f"--scheduler-file {path} exists (a running cluster's, or one left by "
                            f"a killed one): pass --overwrite to replace it, or choose another file")
@@ -551,7 +557,8 @@ def _identity(cluster) -> dict:
 
 
 def run_cluster(args) -> int:
-    """Start the cluster ``args`` describe, serve until SIGINT/SIGTERM, close it; the exit status."""
+    """Start the cluster ``args`` describe, serve until SIGINT/SIGTERM/SIGHUP, close it; the
+    exit status."""
     devices = _choose_gpus(args.gpus)
     _check_worker_count(_worker_count(args, devices), args)
     if devices is not None and args.protocol != "tcp":
@@ -562,7 +569,10 @@ def run_cluster(args) -> int:
     target = _check_scheduler_file(args.scheduler_file, args.overwrite)
 
     stop = _Stop()
-    previous = {s: signal.signal(s, stop.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a hangup (the terminal closed) stops it too, unless it is ignored (nohup)
+    stops = [signal.SIGINT, signal.SIGTERM] + (
+        [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else [])
+    previous = {s: signal.signal(s, stop.handler) for s in stops}
     written_box: list[bytes] = []  # the scheduler file's bytes, once written
 
     def force(signum):
@@ -619,8 +629,9 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
         name = signal.Signals(stop.signum).name
         n = len(cluster.scheduler_info.get("workers", {}))
         killed = _close(cluster)
-        for s in (signal.SIGINT, signal.SIGTERM):  # closed: nothing left to stop at once
-            signal.signal(s, signal.SIG_IGN)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # closed: nothing left to
+            if signal.getsignal(s) == stop.handler:  # stop at once
+                signal.signal(s, signal.SIG_IGN)
     except BaseException:
         try:
             _close(cluster)
