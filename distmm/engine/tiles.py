@@ -151,8 +151,8 @@ def finish_tile(plan: Plan, acc_tile: Any, parts: tuple | None = None) -> Any:
 
 def _parts(plan, acc_tile) -> tuple:
     """The ``(rows, columns, k)`` of the products a ``Plan``'s 2-D tile sums: one per k
-    group (``tile_partial``); none known for other plans (a Dask task's blocks follow the
-    operands' chunks, an MPI rank's block its panels)."""
+    group (``tile_partial``); none by default for other plans (the Dask and MPI engines pass
+    their blocks' own: pieces of the operands' chunks, SUMMA's panels)."""
     if not isinstance(plan, Plan) or getattr(acc_tile, "ndim", 0) != 2:
         return ()
     rows, cols = acc_tile.shape

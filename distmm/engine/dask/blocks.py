@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from distmm.engine.dask.tasks import (BlockSpec, TaskPlan, array_module, as_chunk, cached_executor,
-                                      panel, recording_flags, worker_has_gpu)
+                                      block_parts, panel, recording_flags, worker_has_gpu)
 from distmm.engine.dask.transfer import NcclOffer, Offer, dtype_of, take, take_into
 from distmm.engine.tiles import finish_tile, tile_partial
 
@@ -193,9 +193,11 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
     a_blocks = dict(zip(spec.a_keys, a_list))
     b_blocks = dict(zip(spec.b_keys, b_list))
     acc = None
+    on_host = True  # every piece multiplied by numpy's matmul on a CPU (finish_tile's parts)
     if device_panels and not fail and worker_has_gpu() and np.dtype(tp.acc_dtype).kind == "f":
         try:
             acc = _overlapped_block(tp, backend, spec, a_blocks, b_blocks)
+            on_host = False
         except Exception as exc:
             if not _device_error(exc):
                 raise
@@ -220,6 +222,7 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
                     raise TileFailed("block failed on purpose (distmm-debug.fail-tiles)")
                 try:
                     part = _gpu_block(tp, backend, a_sub, b_sub, share)
+                    on_host = False
                 except Exception as exc:
                     if not _device_error(exc):
                         raise
@@ -236,7 +239,9 @@ def block_product(tp: TaskPlan, backend: str, spec: BlockSpec, device: str, fail
         acc = part if acc is None else acc + part
     if not spec.finish:
         return acc
-    return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+    # the CPU executor's products are numpy's matmul (its numba kernels take no complex)
+    parts = block_parts(spec.a_rows, spec.b_cols, spec.k_pieces) if on_host else None
+    return as_chunk(finish_tile(tp, acc, parts), spec.batch_ndim)
 
 
 def _receive(spec: BlockSpec, a_list, b_list) -> None:

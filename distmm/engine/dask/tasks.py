@@ -29,8 +29,8 @@ from distmm.engine.tiles import finish_tile, tile_partial
 from distmm.fpflags import collect
 
 __all__ = ["TaskPlan", "BlockSpec", "StackSpec", "partial_block", "stack_block", "stack_panels",
-           "sum_step", "executor_for", "cached_executor", "executors_made", "worker_has_gpu",
-           "array_module", "panel", "as_chunk", "recording_flags", "pop_flags"]
+           "sum_step", "block_parts", "executor_for", "cached_executor", "executors_made",
+           "worker_has_gpu", "array_module", "panel", "as_chunk", "recording_flags", "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -225,7 +225,8 @@ def partial_block(tp: TaskPlan, backend: str, spec: BlockSpec, a_list, b_list):
         acc = executor.to_host(acc)
     if not spec.finish:
         return acc
-    return as_chunk(finish_tile(tp, acc), spec.batch_ndim)
+    parts = _host_parts(executor, spec.a_rows, spec.b_cols, spec.k_pieces)
+    return as_chunk(finish_tile(tp, acc, parts), spec.batch_ndim)
 
 
 @recording_flags
@@ -247,14 +248,15 @@ def stack_block(tp: TaskPlan, backend: str, a, a_index: tuple, b, b_index: tuple
         # broadcasts the batch axes itself: no copy per element of a broadcast matrix)
         acc = np_dtype(tp.acc_dtype)
         return finish_tile(tp, executor.panel_product(executor.asarray(a, acc),
-                                                      executor.asarray(b, acc), tp.tile[2]))
+                                                      executor.asarray(b, acc), tp.tile[2]),
+                           _whole_parts(executor, a, b))
     a = np.broadcast_to(a, batch + a.shape[-2:])
     b = np.broadcast_to(b, batch + b.shape[-2:])
     out = np.empty(batch + (a.shape[-2], b.shape[-1]), np_dtype(tp.dtype))
     for idx in np.ndindex(*batch):
         at = tuple(o + i for o, i in zip(offset, idx)) + (0, 0)
         part = executor.to_host(tile_partial(executor, tp, a[idx], b[idx], at))
-        out[idx] = finish_tile(tp, part)
+        out[idx] = finish_tile(tp, part, _whole_parts(executor, a, b))
     return out
 
 
@@ -302,12 +304,14 @@ def stack_panels(tp: TaskPlan, backend: str, spec: StackSpec, a_list, b_list):
     a_list = [x[spec.a_index] for x in a_list]
     b_list = [x[spec.b_index] for x in b_list]
     executor = executor_for(backend, tp.acc_dtype, a_list[0], tp.precision)
+    parts = _host_parts(executor, spec.a_rows, spec.b_cols,
+                       [piece for pieces in spec.groups for piece in pieces])
     if _whole_stack(executor, tp):
         a_blocks = dict(zip(spec.a_keys, a_list))
         b_blocks = dict(zip(spec.b_keys, b_list))
         partials = [_k_loop(executor, tp, a_blocks, (...,), spec.a_rows, b_blocks, (...,),
                             spec.b_cols, pieces, None) for pieces in spec.groups]
-        return finish_tile(tp, _reduce(partials, spec.reduction))
+        return finish_tile(tp, _reduce(partials, spec.reduction), parts)
     a_blocks = {key: np.broadcast_to(x, spec.batch + x.shape[-2:])
                 for key, x in zip(spec.a_keys, a_list)}
     b_blocks = {key: np.broadcast_to(x, spec.batch + x.shape[-2:])
@@ -320,8 +324,33 @@ def stack_panels(tp: TaskPlan, backend: str, spec: StackSpec, a_list, b_list):
                                              idx, spec.b_cols, pieces,
                                              at if len(pieces) == 1 else None))
                     for pieces in spec.groups]
-        out[idx] = finish_tile(tp, _reduce(partials, spec.reduction))
+        out[idx] = finish_tile(tp, _reduce(partials, spec.reduction), parts)
     return out
+
+
+def block_parts(a_rows, b_cols, pieces) -> tuple:
+    """The ``(rows, columns, k)`` of the products a block sums, one per k piece
+    (``BlockSpec.k_pieces``' form; ``a_rows``/``b_cols`` the block's pieces along m and n):
+    ``finish_tile``'s ``parts`` where each is ``numpy.matmul``'s on the host."""
+    rows = sum(r1 - r0 for _, r0, r1 in a_rows)
+    cols = sum(c1 - c0 for _, c0, c1 in b_cols)
+    return tuple((rows, cols, sum(k1 - k0 for _, k0, k1 in a_k)) for a_k, _ in pieces)
+
+
+def _host_parts(executor, a_rows, b_cols, pieces) -> tuple:
+    """``block_parts`` where ``executor`` multiplies with ``numpy.matmul`` on the host (the
+    CPU executor: its numba kernels take no complex dtype); ``()`` otherwise."""
+    from distmm.executor.cpu import CPUExecutor
+
+    if not isinstance(executor, CPUExecutor):
+        return ()
+    return block_parts(a_rows, b_cols, pieces)
+
+
+def _whole_parts(executor, a, b) -> tuple:
+    """``_host_parts`` of one product of whole matrices (a stack's elements)."""
+    return _host_parts(executor, ((0, 0, a.shape[-2]),), ((0, 0, b.shape[-1]),),
+                       [(((0, 0, a.shape[-1]),), ())])
 
 
 def _whole_stack(executor, tp: TaskPlan) -> bool:
@@ -347,12 +376,14 @@ def _empty_block(tp: TaskPlan, spec: BlockSpec, blocks):
 
 
 @recording_flags
-def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0):
+def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0, parts=None):
     """One step ``partial[dst] + partial[src]`` of the plan's reduction tree
     (``distmm.engine.tiles.reduce_partials`` runs the same additions in the
-    same order); the last step casts. The inputs are not modified."""
+    same order); the last step casts. The inputs are not modified. ``parts``: the
+    products every k group's task summed (``block_parts`` of all of them), ``finish_tile``'s;
+    ``None``: not known."""
     acc = dst + src
     if not finish:
         return acc
-    return as_chunk(finish_tile(tp, acc), batch_ndim)
+    return as_chunk(finish_tile(tp, acc, parts), batch_ndim)
 

@@ -28,7 +28,7 @@ from distmm.engine.base import Engine, Operands, Request
 from distmm.engine.mpi.distarray import DistArray, square_grid
 from distmm.engine.mpi.gridcomms import cache_stats, grid_comms, local_gpu, release
 from distmm.engine.mpi.agree import agree, differing, fingerprint
-from distmm.engine.mpi.summa import LocalFailure, summa
+from distmm.engine.mpi.summa import LocalFailure, block_parts, summa
 from distmm.engine.tiles import finish_tile
 from distmm.plan import sums_whole_k
 from distmm.errors import NotPicklable
@@ -238,7 +238,8 @@ class MPIEngine(Engine):
             local = None
             try:  # float16's rounding reports its flags too
                 local = _finish(grid, c, grid.c_layout.local_shape(self.comm.rank),
-                                on_device=on_device)
+                                on_device=on_device, parts=_host_parts(grid, self.comm.rank,
+                                                                       executor, on_gpu))
             except Exception as exc:
                 if on_gpu:
                     raise
@@ -378,9 +379,10 @@ def _same_on_every_rank(comm, key, values=None) -> None:
                          f"a matrix whose blocks live on different ranks is a distmm.DistArray")
 
 
-def _finish(grid: GridPlan, c, shape, *, on_device: bool):
-    """This rank's C block in the result dtype (``finish_tile``), from the accumulated block
-    ``c`` (``None``: a rank with no block of its own); on the device where ``on_device``."""
+def _finish(grid: GridPlan, c, shape, *, on_device: bool, parts=None):
+    """This rank's C block in the result dtype (``finish_tile``, given ``parts``), from the
+    accumulated block ``c`` (``None``: a rank with no block of its own); on the device where
+    ``on_device``."""
     res = np.dtype(grid.dtype)
     if c is None:
         local = np.empty(shape, dtype=res)
@@ -389,7 +391,7 @@ def _finish(grid: GridPlan, c, shape, *, on_device: bool):
 
             local = cupy.asarray(local)
         return local
-    local = finish_tile(grid, c)
+    local = finish_tile(grid, c, parts)
     if on_device:
         import cupy
 
@@ -397,6 +399,16 @@ def _finish(grid: GridPlan, c, shape, *, on_device: bool):
     if not isinstance(local, np.ndarray):
         local = local.get()
     return np.ascontiguousarray(local, dtype=res)
+
+
+def _host_parts(grid: GridPlan, rank: int, executor, on_gpu: bool):
+    """``summa.block_parts`` where the rank's products are numpy's matmul on the host (the
+    CPU executor's: its numba kernels take no complex dtype); ``None`` otherwise."""
+    from distmm.executor.cpu import CPUExecutor
+
+    if on_gpu or not isinstance(executor, CPUExecutor):
+        return None
+    return block_parts(grid, rank)
 
 
 def _synchronizer(on_gpu: bool):

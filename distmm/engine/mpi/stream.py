@@ -400,6 +400,14 @@ class _Run:
 class _CPURun(_Run):
     handed = 1  # one C stripe written while the next is computed: the two plan_batch counts
 
+    @property
+    def on_host(self) -> bool:
+        """Whether the products are numpy's matmul (the CPU executor's: its numba kernels
+        take no complex dtype), whose shapes ``numpys_nonfinite`` is told."""
+        from distmm.executor.cpu import CPUExecutor
+
+        return isinstance(self.executor, CPUExecutor)
+
     def load_b(self):
         g = self.grid
         self.b_store = np.empty((g.k, self.nj), dtype=self.acc)
@@ -475,11 +483,14 @@ class _CPURun(_Run):
 
     def product(self, pieces, h, r0=0):
         with collect() as seen:  # a complex stripe's Inf and NaN as numpy's whole product's
-            c = numpys_nonfinite(self.grid, self._product(pieces, h, r0))
+            c, parts = self._product(pieces, h, r0)
+            c = numpys_nonfinite(self.grid, c, parts if self.on_host else ())
         self.flags |= seen
         return c
 
     def _product(self, pieces, h, r0):
+        """The stripe's block in the accumulation dtype and the ``(rows, columns, k)`` of
+        the products summed into it."""
         whole = None
         if len(self.panels) == 2 and self.panels[1] > 0:  # the whole stripe, one operand
             whole = pieces[0].base if pieces[0].base is not None else pieces[0]
@@ -493,12 +504,13 @@ class _CPURun(_Run):
                                 self.b_store, (r0, self.c0))
             else:
                 c = self.executor.panel_product(whole, self.b_store, 256)
-            return np.ascontiguousarray(c, dtype=self.acc)
-        c = None
+            return np.ascontiguousarray(c, dtype=self.acc), ((h, self.nj, whole.shape[1]),)
+        c, parts = None, []
         for owner, k0, k1 in self.panel_pairs():
             off = self.a_cuts[owner]
             part = self.executor.panel_product(pieces[owner][:, k0 - off:k1 - off],
                                                self.b_store[k0:k1], 256)
+            parts.append((h, self.nj, k1 - k0))
             if c is None:
                 c = part
             else:  # in k order: the bits do not depend on timing
@@ -507,7 +519,7 @@ class _CPURun(_Run):
             del part  # product held at once (plan_batch._host_extra)
         if c is None:
             c = np.zeros((h, self.nj), dtype=self.acc)
-        return np.ascontiguousarray(c, dtype=self.acc)
+        return np.ascontiguousarray(c, dtype=self.acc), tuple(parts)
 
 
 class _GPURun(_Run):

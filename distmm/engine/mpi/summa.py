@@ -19,7 +19,8 @@ object block's elements keep their reports from their place in C, for numpy's or
 (``distmm.fpflags.object_rows``).
 A complex64 or complex128 element that is not finite is left as the panels' sum gives it
 (a panel one wide or a 1 x 1 block keeps an Inf numpy's BLAS turns NaN): the engine's
-``finish_tile`` gives it numpy's form for the whole product (``distmm.nonfinite``).
+``finish_tile`` gives it numpy's form for the whole product (``distmm.nonfinite``), told
+the shapes of the host products summed (``block_parts``).
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -39,7 +40,7 @@ from distmm.fpflags import object_rows
 from distmm.grid import GridPlan
 from distmm.plan import sums_whole_k
 
-__all__ = ["summa", "LocalFailure"]
+__all__ = ["summa", "block_parts", "LocalFailure"]
 
 
 def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np, tk: int = 256):
@@ -129,6 +130,19 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
     if c is None:
         c = xp.zeros((mi, nj), dtype=acc)
     return _reduce_layers(grid, c, comms, layer, i, j)
+
+
+def block_parts(grid: GridPlan, rank: int) -> tuple:
+    """The ``(rows, columns, k)`` of the panel products ``summa`` sums into ``rank``'s C
+    block on the host: every layer's panels (the layers' blocks are summed onto layer 0), or
+    the one product of a grid of one rank (``finish_tile``'s ``parts``)."""
+    _, i, j = grid.coords(rank)
+    mi = grid.row_edges[i + 1] - grid.row_edges[i]
+    nj = grid.col_edges[j + 1] - grid.col_edges[j]
+    if grid.ranks == 1:
+        return ((mi, nj, grid.k),)
+    return tuple((mi, nj, k1 - k0) for pe in grid.panel_edges for k0, k1 in zip(pe, pe[1:])
+                 if k1 > k0)
 
 
 def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
