@@ -60,6 +60,8 @@ _count = integer_at_least(0, "must not be negative")
 
 
 def _cmd_plan(args) -> int:
+    import dask
+
     from distmm.api import make_plan
     from distmm.plan import result_dtype
 
@@ -71,10 +73,13 @@ def _cmd_plan(args) -> int:
             raise ValueError(f"--tile takes one size or three (tm tn tk), got {len(args.tile)}")
         tile = tuple(args.tile) if len(args.tile) == 3 else args.tile[0]
     result = result_dtype(args.dtype, args.dtype)  # float32 for bfloat16, as numpy's matmul
+    # --workers W: the local engine running W threads, whose memory budget is split between them
+    threads = {} if args.workers is None else {"distmm.local-threads": args.workers}
     try:
         # distmm.matmul's own planning: the configured tile, backend and memory budget
-        plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers, tile=tile,
-                         backend=args.backend)
+        with dask.config.set(threads):
+            plan = make_plan(args.m, args.n, args.k, args.dtype, workers=args.workers,
+                             tile=tile, backend=args.backend)
         grid = batch = None
         if args.ranks:
             from distmm.grid import make_grid
@@ -285,11 +290,13 @@ def _mpi_run(args) -> bool:
 def _every_rank_refuses(check, args):
     """``check(args)``, whose ValueError every rank of a launcher raises alike (it reads
     only the arguments and the launcher's variables): said once, by rank 0; the other
-    ranks exit with the same status, silently."""
+    ranks exit with the same status, silently, after rank 0's grace (exiting first, they
+    made the launcher end rank 0 before its line)."""
     try:
         return check(args)
     except ValueError:
         if not rank_zero():
+            let_rank_zero_say()
             raise SystemExit(BAD_INPUT) from None
         raise
 
@@ -454,10 +461,22 @@ def _remove_leftovers(output: str) -> None:
                   f"killed", file=sys.stderr, flush=True)
 
 
+def _demo_in_one_process(args) -> None:
+    """ValueError under a launcher's ranks: each would run the whole demo, clusters and all."""
+    from distmm.cli.launch import launcher_ranks
+
+    ranks, var = launcher_ranks()
+    if ranks > 1:
+        raise ValueError(f"running as one of {ranks} MPI ranks ({var}={ranks}): distmm demo "
+                         f"would run the same demo on every rank; run it once, without mpirun "
+                         f"(mpirun -n P distmm matmul runs the MPI engine)")
+
+
 def _cmd_demo(args) -> int:
     import distmm
     from distmm.cli.demo import run_demo
 
+    _every_rank_refuses(_demo_in_one_process, args)
     return run_demo(n=args.n, dtype=str(args.dtype), engine=args.engine, workers=args.workers,
                     backend=args.backend, distmm=distmm, report=args.report,
                     progress=args.progress)
@@ -508,9 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # bounded here, before a cluster of that many worker processes is started
     d.add_argument("--workers", type=integer_at_least(1, most=MAX_WORKERS), default=None,
-                   help="cluster workers or local threads (default: one per core, or "
-                        "distmm.local-threads for local threads; on GPUs, how many GPUs, "
-                        "default all)")
+                   help="cluster workers (at most 4 per usable core) or local threads "
+                        "(default: one per core, or distmm.local-threads for local threads; "
+                        "on GPUs, how many GPUs, default all)")
     d.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="tile executor (default auto: BLAS/numba on the CPU, cuBLAS/raw on a GPU)")
     d.add_argument("--report", default=None, metavar="FILE.html", type=nonempty(),
@@ -528,9 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("m", type=_count, help="rows of A and C")
     pl.add_argument("n", type=_count, help="columns of B and C")
     pl.add_argument("k", type=_count, help="columns of A, rows of B")
-    pl.add_argument("--workers", type=_positive, default=None,
-                    help="workers to plan for (default: the threads the local engine runs, "
-                         "distmm.local-threads or the usable cores; 1 on a GPU)")
+    pl.add_argument("--workers", type=integer_at_least(1, most=MAX_WORKERS), default=None,
+                    help="workers to plan for: the local engine's threads, each with its "
+                         "share of the memory budget (default: the threads the local engine "
+                         "runs, distmm.local-threads or the usable cores; 1 on a GPU)")
     pl.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="tile executor, as for distmm matmul (default auto); it decides "
                          "whether the product runs on a GPU and so its memory budget")

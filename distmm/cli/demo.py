@@ -40,9 +40,17 @@ def _check_backend(backend: str) -> None:
     from distmm.executor import missing_gpu
 
     name = missing_gpu(backend)
-    if name is not None:
-        raise BackendUnavailable(f"backend {name!r} needs a CUDA GPU and cupy; this machine "
-                                 f"has none (use --backend auto)")
+    if name is None:
+        return
+    if backend == "auto":  # the configured distmm.backend: --backend auto is what gave it
+        from distmm.config import where_set
+
+        where = where_set("backend")
+        raise BackendUnavailable(f"backend {name!r}, the configured distmm.backend"
+                                 f"{f' ({where})' if where else ''}, needs a CUDA GPU and "
+                                 f"cupy; this machine has none (use --backend blas or numba)")
+    raise BackendUnavailable(f"backend {name!r} needs a CUDA GPU and cupy; this machine "
+                             f"has none (use --backend auto)")
 
 
 def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: str, distmm,
@@ -67,6 +75,8 @@ def run_demo(*, n: int, dtype: str, engine: str, workers: int | None, backend: s
     _check_backend(backend)  # before a cluster starts
     if not use_cluster:  # the local engine runs distmm.local-threads threads: --workers sets it
         workers = workers or get_config().local_threads
+    else:
+        _check_cluster_workers(workers, default_workers())
     workers = workers or default_workers()
     a, b = _operand(rng, n, dt), _operand(rng, n, dt)
     cluster = client = None
@@ -182,17 +192,32 @@ def _operand(rng, n: int, dt: np.dtype) -> np.ndarray:
 
 def _check_fits(n: int, dt: np.dtype, res: np.dtype) -> None:
     """ValueError, with the sizes, when the operands (``dt``), the result (``res``) and the
-    float64 check cannot fit this machine's memory (numpy's own refusal names neither -n nor
-    the demo): told from -n before any work, a bad argument, as numpy's "array is too big"."""
+    float64 check cannot fit this machine's available memory (numpy's own refusal names
+    neither -n nor the demo; beyond what is available the machine swaps or kills): told from
+    -n before any work, a bad argument, as numpy's "array is too big"."""
+    from distmm.config import host_available
+
     wide = 16 if res.kind == "c" else 8
     need = n * n * (2 * dt.itemsize + res.itemsize) + 3 * n * n * wide
-    try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return
+    have = host_available()
     if need > have:
         raise ValueError(f"-n {n} {dt.name}: the operands, result and float64 check need "
-                         f"{need / 2**30:.3g} GiB; this machine has {have / 2**30:.3g} GiB")
+                         f"{need / 2**30:.3g} GiB; this machine has {have / 2**30:.3g} GiB "
+                         f"available")
+
+
+#: worker processes per usable core the embedded CPU cluster may start
+WORKERS_PER_CORE = 4
+
+
+def _check_cluster_workers(workers: int | None, cores: int) -> None:
+    """ValueError for more ``--workers`` than ``WORKERS_PER_CORE`` per usable core: the
+    embedded cluster starts a worker process each, on this machine, before any product."""
+    most = WORKERS_PER_CORE * cores
+    if workers is not None and workers > most:
+        raise ValueError(f"--workers {workers}: the embedded LocalCluster starts a worker "
+                         f"process each on this machine, at most {most} here ({WORKERS_PER_CORE} "
+                         f"per usable core; --engine local runs threads)")
 
 
 def _gpu_cluster_available() -> int:

@@ -185,6 +185,19 @@ def image_format(path) -> str:
     return suffix
 
 
+def _missing_gpu() -> str | None:
+    """What a traced run lacks here (cupy, or a device cupy sees), or None."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f'{exc} (pip install "distmm[gpu]")'
+    from distmm.executor import gpu_available
+
+    if not gpu_available():
+        return f"cupy {cupy.__version__} sees no CUDA device"
+    return None
+
+
 def _run_traced(n: int, dtype: str, device_memory_limit, backend: str):
     import numpy as np
 
@@ -255,10 +268,9 @@ def main(argv=None) -> int:
             raise ValueError("--from-json: an empty path")
         tl = read_timeline(args.from_json)
     else:
-        try:
-            import cupy  # noqa: F401
-        except ImportError as exc:
-            print(f"distmm trace: error: a traced run needs cupy and a GPU ({exc}); "
+        missing = _missing_gpu()
+        if missing is not None:
+            print(f"distmm trace: error: a traced run needs cupy and a GPU: {missing}; "
                   f"use --from-json to render a saved timeline", file=sys.stderr)
             return BAD_INPUT
         tl = _run_traced(args.n, args.dtype, args.device_memory_limit, args.backend)

@@ -334,6 +334,12 @@ def main(argv=None) -> int:
         print(f"distmm tune: error: needs cupy and a GPU: pip install \"distmm[gpu]\" ({exc})",
               file=sys.stderr)
         return BAD_INPUT
+    from distmm.executor import gpu_available
+
+    if not gpu_available():
+        print(f"distmm tune: error: needs a CUDA GPU: cupy {cupy.__version__} sees no CUDA "
+              f"device", file=sys.stderr)
+        return BAD_INPUT
     # what the run writes, checked before hours of tuning: the cache and the records' folder
     check_writable(args.cache or cache_path(), writes="replace")
     if args.records is not None:
