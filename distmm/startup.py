@@ -110,6 +110,13 @@ def size_text(nbytes: int, decimals: int = 1, up: bool = False) -> str:
     return f"{nbytes} bytes"
 
 
+def _malformed_config(exc: BaseException) -> bool:
+    """Whether ``exc`` is dask's refusal, as it imports, of a configuration file it cannot
+    read (a YAML syntax error, not UTF-8, not a mapping: "A dask config file at PATH is
+    malformed"): the user's file, which the command's status 2 names, not the install."""
+    return isinstance(exc, ValueError) and str(exc).startswith("A dask config file at")
+
+
 def _import_error_line(exc: BaseException) -> str:
     """The one line of an error raised while the command's modules import: its type and
     text (an ``ImportError``'s first cause's: numpy wraps the loader's in pages of advice),
@@ -145,7 +152,8 @@ def guard():
     """Around the command's imports: SIGINT or SIGTERM ends the process with the command
     line's one line and 130 / 143, an error (a ``MemoryError`` under ``ulimit -v``) with one
     line and 1, the status of a run that failed (nothing else has started, so nothing is left
-    behind). A module that is missing (``ModuleNotFoundError``: the install's) is left to the
+    behind); a dask configuration file dask cannot read, one line and 2 (bad input). A
+    module that is missing (``ModuleNotFoundError``: the install's) is left to the
     caller, which may name what to install. Outside the command, or off the main thread, it
     does nothing."""
     if not is_command():
@@ -172,12 +180,16 @@ def guard():
     except ModuleNotFoundError:
         raise
     except Exception as exc:  # noqa: BLE001 - the command prints no traceback
+        status = 1
         try:
             # nothing but this line: an object freed meanwhile whose finaliser fails for want
             # of memory (a generator's) would print "Exception ignored in" and its traceback
             sys.unraisablehook = _ignore
             command = _command()
-            line = f"distmm{' ' + command if command else ''}: error: {_import_error_line(exc)}"
+            said = _import_error_line(exc)
+            if _malformed_config(exc):  # the user's file, not the install: bad input
+                said, status = " ".join(str(exc).split()), 2
+            line = f"distmm{' ' + command if command else ''}: error: {said}"
         except BaseException:  # noqa: BLE001 - no memory left even for the line's text
             line = f"distmm: error: {type(exc).__name__}"
         try:
@@ -185,4 +197,4 @@ def guard():
         except BaseException:  # noqa: BLE001 - stdout's error is not the one to say
             pass
         os.write(2, (line + "\n").encode(errors="replace"))
-        os._exit(1)
+        os._exit(status)

@@ -123,3 +123,17 @@ def test_demo_names_a_configured_gpu_backend_it_cannot_run(engine):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout == "" and r.stderr.count("\n") == 1, r.stdout + r.stderr
     assert "distmm.backend (DISTMM_BACKEND)" in r.stderr and "--backend blas" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text", [b"distmm:\n  tile: [1, 2\n", b"- a list\n- at the top\n"])
+def test_a_malformed_dask_config_file_is_bad_input(tmp_path, text):
+    """A YAML file dask cannot read in DASK_CONFIG fails ``import dask`` itself: one line
+    naming the file, status 2 (the user's file), no traceback; it was status 1 with
+    'ValueError:' first, as a broken install. (A file that is not UTF-8: dask 2024.12 raises
+    the decoder's error naming no file, newer dask this same refusal.)"""
+    (tmp_path / "bad.yaml").write_bytes(text)
+    r = run_cli("info", env={"DASK_CONFIG": str(tmp_path)}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"distmm info: error: A dask config file at "
+                               f"'{tmp_path / 'bad.yaml'}' is malformed"), r.stderr
