@@ -59,6 +59,23 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # -- the command line ------------------------------------------------------------------------
 
 
+def one_line(stderr: str) -> str:
+    """``stderr`` after checking it is one line, without a traceback (a command's refusal)."""
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    return stderr
+
+
+@pytest.fixture
+def npy_operands(tmp_path: Path):
+    """Fresh float64 A (37 x 50) and B (50 x 29) saved as ``a.npy`` and ``b.npy`` in
+    ``tmp_path``: ``(path of A, path of B, A @ B)``."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((37, 50)), rng.standard_normal((50, 29))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    return tmp_path / "a.npy", tmp_path / "b.npy", a @ b
+
+
 def run_cli(*args, timeout: float = 600, env: dict | None = None,
             **kw) -> subprocess.CompletedProcess:
     """``python -m distmm ARGS`` in a child process, its output captured as text. ``env``

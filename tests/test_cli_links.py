@@ -19,23 +19,11 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import run_cli
+from conftest import one_line, run_cli
 
 KINDS = {"npy": "c.npy", "zarr": "c.zarr", "h5": "c.h5:C"}
 
 
-def one_line(stderr: str) -> str:
-    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    return stderr
-
-
-@pytest.fixture
-def operands(tmp_path: Path):
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((19, 13)), rng.standard_normal((13, 11))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
-    return tmp_path / "a.npy", tmp_path / "b.npy", a @ b
 
 
 def snapshot(folder: Path) -> dict:
@@ -70,13 +58,13 @@ def run(pa, pb, target, *flags):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_link_to_nothing_is_refused_then_replaced_for_every_kind(tmp_path, operands, kind):
+def test_a_link_to_nothing_is_refused_then_replaced_for_every_kind(tmp_path, npy_operands, kind):
     """A link to nothing at the target: a ``.npy`` target's was refused without --overwrite
     and replaced with it, but a zarr or HDF5 target's was refused either way ('distmm writes
     a zarr output only into an existing file or folder'). Now every kind: refused without
     --overwrite in one line naming the link, nothing written; replaced with it, nothing
     created where the link pointed, no staged output left."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     spec = KINDS[kind]
     link = tmp_path / spec.split(":")[0]
     link.symlink_to("nowhere")
@@ -100,13 +88,13 @@ SLOW = pytest.mark.slow  # ~2 s a case on 2 cores; the fast run keeps the cases 
     ("npy", "folder"), ("zarr", "file"), pytest.param("zarr", "folder", marks=SLOW),
     pytest.param("npy", "file", marks=SLOW), pytest.param("npy", "zarr array", marks=SLOW),
     pytest.param("zarr", "zarr array", marks=SLOW)])
-def test_a_link_to_something_is_replaced_never_followed(tmp_path, operands, kind, dest):
+def test_a_link_to_something_is_replaced_never_followed(tmp_path, npy_operands, kind, dest):
     """A ``.npy`` or zarr target that is a link to a file, a folder or a zarr array: some
     were replaced with --overwrite (.npy to a file, zarr to a zarr array), the others
     refused as what the link named ('is a directory', 'is not a zarr array'). Now all are
     refused without --overwrite as a link, and replaced with it; what the link named is left
     byte for byte, and a file taking a folder's link gets no folder's permission bits."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     real = tmp_path / "real"
     if dest == "file":
         real.write_bytes(b"kept")
@@ -138,13 +126,13 @@ def test_a_link_to_something_is_replaced_never_followed(tmp_path, operands, kind
 @pytest.mark.parametrize("dataset, overwrite", [
     ("N", False), ("C", True), pytest.param("C", False, marks=SLOW),
     pytest.param("N", True, marks=SLOW)])
-def test_an_hdf5_link_to_an_hdf5_file_is_refused_not_written_through(tmp_path, operands,
+def test_an_hdf5_link_to_an_hdf5_file_is_refused_not_written_through(tmp_path, npy_operands,
                                                                       overwrite, dataset):
     """``-o link.h5:N`` where link.h5 is a link to real.h5: N was added to real.h5 through
     the link (and with --overwrite an existing C of real.h5 replaced), a file the user did not
     name. Now refused in one line naming the link and the file to name instead, with or
     without --overwrite; real.h5 is left byte for byte, and naming it itself adds N."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     real = tmp_path / "real.h5"
     with h5py.File(real, "w") as fh:
         fh["X"] = np.arange(3.0)
@@ -167,11 +155,11 @@ def test_an_hdf5_link_to_an_hdf5_file_is_refused_not_written_through(tmp_path, o
 
 @pytest.mark.slow  # four runs of the command
 @pytest.mark.parametrize("dest", ["file", "folder"])
-def test_an_hdf5_link_to_another_thing_is_refused_as_a_link(tmp_path, operands, dest):
+def test_an_hdf5_link_to_another_thing_is_refused_as_a_link(tmp_path, npy_operands, dest):
     """An HDF5 target's link to a file that is no HDF5 file, or to a folder: refused as
     what it named ('is not an HDF5 file', 'is a directory'); now as a link, with or without
     --overwrite, in one line, nothing touched."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     real = tmp_path / "real"
     if dest == "file":
         real.write_bytes(b"kept")

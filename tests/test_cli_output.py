@@ -16,25 +16,13 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import pause_at, run_cli
+from conftest import one_line, pause_at, run_cli
 
 
-def one_line(stderr: str) -> str:
-    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    return stderr
 
 
-@pytest.fixture
-def operands(tmp_path: Path):
-    rng = np.random.default_rng()
-    a, b = rng.standard_normal((37, 50)), rng.standard_normal((50, 29))
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
-    return tmp_path / "a.npy", tmp_path / "b.npy", a @ b
-
-
-def test_h5_output_keeps_the_other_datasets(tmp_path, operands):
-    pa, pb, ref = operands
+def test_h5_output_keeps_the_other_datasets(tmp_path, npy_operands):
+    pa, pb, ref = npy_operands
     f = tmp_path / "results.h5"
     with h5py.File(f, "w") as fh:
         fh["X"] = np.arange(7.0)
@@ -183,8 +171,8 @@ def test_h5_output_into_a_hard_link_of_an_operand_s_file(tmp_path, request, rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "twin.h5"]
 
 
-def test_zarr_group_is_never_replaced(tmp_path, operands):
-    pa, pb, ref = operands
+def test_zarr_group_is_never_replaced(tmp_path, npy_operands):
+    pa, pb, ref = npy_operands
     g = zarr.open_group(str(tmp_path / "proj.zarr"), mode="w")
     g.create_array("keep", shape=(4,), dtype="f8")[...] = 5.0
     for extra in ((), ("--overwrite",)):
@@ -200,8 +188,8 @@ def test_zarr_group_is_never_replaced(tmp_path, operands):
 
 
 @pytest.mark.slow
-def test_zarr_array_replaced_only_with_overwrite(tmp_path, operands):
-    pa, pb, ref = operands
+def test_zarr_array_replaced_only_with_overwrite(tmp_path, npy_operands):
+    pa, pb, ref = npy_operands
     z = zarr.open_array(str(tmp_path / "c.zarr"), mode="w", shape=(2, 2), dtype="f8")
     z[...] = 1.0
     r = run_cli("matmul", pa, pb, "-o", tmp_path / "c.zarr", "--engine", "local")
@@ -215,8 +203,8 @@ def test_zarr_array_replaced_only_with_overwrite(tmp_path, operands):
 
 
 @pytest.mark.slow
-def test_directory_named_like_the_output_survives(tmp_path, operands):
-    pa, pb, _ = operands
+def test_directory_named_like_the_output_survives(tmp_path, npy_operands):
+    pa, pb, _ = npy_operands
     d = tmp_path / "out.npy"
     d.mkdir()
     (d / "precious.txt").write_text("keep me")
@@ -227,8 +215,8 @@ def test_directory_named_like_the_output_survives(tmp_path, operands):
     assert (d / "precious.txt").read_text() == "keep me"
 
 
-def test_existing_output_refused_then_replaced(tmp_path, operands):
-    pa, pb, ref = operands
+def test_existing_output_refused_then_replaced(tmp_path, npy_operands):
+    pa, pb, ref = npy_operands
     c = tmp_path / "c.npy"
     np.save(c, np.zeros(3))
     r = run_cli("matmul", pa, pb, "-o", c, "--engine", "local")
@@ -242,11 +230,11 @@ def test_existing_output_refused_then_replaced(tmp_path, operands):
 
 
 @pytest.mark.slow  # ~2-3.5 s: the fast run keeps under 5 minutes on 2 cores
-def test_symbolic_links_at_the_target_are_replaced_not_followed(tmp_path, operands):
+def test_symbolic_links_at_the_target_are_replaced_not_followed(tmp_path, npy_operands):
     """A link to nothing is an existing target (it was replaced without --overwrite: the
     check followed it); --overwrite replaces a .npy link, to nothing or to a file, and
     leaves the file it pointed at as it was (zarr and HDF5 links: tests/test_cli_links.py)."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     real = tmp_path / "real.npy"
     np.save(real, np.zeros(3))
     (tmp_path / "dangling.npy").symlink_to("nowhere.npy")
@@ -265,11 +253,11 @@ def test_symbolic_links_at_the_target_are_replaced_not_followed(tmp_path, operan
 
 
 @pytest.mark.parametrize("kind", ["npy", "zarr", "h5"])
-def test_replaced_output_keeps_its_permissions(tmp_path, operands, kind):
+def test_replaced_output_keeps_its_permissions(tmp_path, npy_operands, kind):
     """--overwrite renames a new file onto the old one; the old one's permission bits pass to
     it (they were the umask's before), as writing into it would have kept them. A new output
     keeps the umask's."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     c = tmp_path / f"c.{kind}"
     if kind == "npy":
         np.save(c, np.zeros(3))
@@ -327,8 +315,8 @@ def test_file_size_limit_on_a_zarr_output_leaves_no_chunk_behind(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
 
 
-def test_file_size_limit_keeps_an_existing_h5_file(tmp_path, operands):
-    pa, pb, _ = operands
+def test_file_size_limit_keeps_an_existing_h5_file(tmp_path, npy_operands):
+    pa, pb, _ = npy_operands
     f = tmp_path / "keep.h5"
     with h5py.File(f, "w") as fh:
         fh["X"] = np.arange(100_000.0)
@@ -424,7 +412,7 @@ def test_kill_9_leftovers_of_one_process_are_named_and_removed(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
 
 
-def test_no_space_is_checked_before_computing(tmp_path, operands):
+def test_no_space_is_checked_before_computing(tmp_path, npy_operands):
     """A result larger than the file system's free space fails before any
     tile: made with a huge shape from two small broadcast-free operands."""
     import shutil
@@ -487,11 +475,11 @@ def partials(folder: Path):
 
 
 @pytest.mark.slow
-def test_an_h5_file_made_while_the_run_computes_is_added_to_not_replaced(tmp_path, operands):
+def test_an_h5_file_made_while_the_run_computes_is_added_to_not_replaced(tmp_path, npy_operands):
     """``-o new.h5:C`` where new.h5 did not exist when the run began, and another process
     made it (dataset D) before C was moved into place: C is added beside D, as into a file
     that was there (the staged file was renamed over it, and D was lost)."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     site = tmp_path / "site"
     site.mkdir()
     pause_at(site, "distmm.staging", "commit_h5")
@@ -519,8 +507,8 @@ def test_an_h5_file_made_while_the_run_computes_is_added_to_not_replaced(tmp_pat
 
 
 @pytest.mark.slow
-def test_h5_add_and_overwrite_touch_only_c(tmp_path, operands, user_h5):
-    pa, pb, ref = operands
+def test_h5_add_and_overwrite_touch_only_c(tmp_path, npy_operands, user_h5):
+    pa, pb, ref = npy_operands
     before = h5_storage(user_h5)
     r = run_cli("matmul", pa, pb, "-o", f"{user_h5}:C", "--engine", "local")
     assert r.returncode == 0, r.stderr
@@ -543,8 +531,8 @@ def test_h5_add_and_overwrite_touch_only_c(tmp_path, operands, user_h5):
     assert partials(tmp_path) == []
 
 
-def test_h5_new_file_is_the_staged_file_renamed(tmp_path, operands):
-    pa, pb, ref = operands
+def test_h5_new_file_is_the_staged_file_renamed(tmp_path, npy_operands):
+    pa, pb, ref = npy_operands
     r = run_cli("matmul", pa, pb, "-o", f"{tmp_path}/new.h5:grp/C", "--engine", "local")
     assert r.returncode == 0, r.stderr
     with h5py.File(tmp_path / "new.h5", "r") as fh:
@@ -631,11 +619,11 @@ def test_empty_results_of_stacks_and_vectors_are_written_as_numpy(tmp_path, name
         assert got.shape == want.shape and got.dtype == want.dtype
 
 
-def test_npz_archive_named_npy_is_bad_input_in_one_line(tmp_path, operands):
+def test_npz_archive_named_npy_is_bad_input_in_one_line(tmp_path, npy_operands):
     """np.savez to a file named .npy (a zip of arrays): the command ended with status 1 and
     'AttributeError: 'NpzFile' object has no attribute 'dtype''; now status 2, one line naming
     the file and its arrays, and nothing written."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     z = tmp_path / "z.npy"
     with open(z, "wb") as f:
         np.savez(f, A=np.ones((50, 29)))
@@ -647,12 +635,12 @@ def test_npz_archive_named_npy_is_bad_input_in_one_line(tmp_path, operands):
 
 
 @pytest.mark.parametrize("kind", ["bfloat16.npy", "V4.h5"])
-def test_raw_bytes_operand_says_what_was_saved_and_what_to_do(tmp_path, operands, kind):
+def test_raw_bytes_operand_says_what_was_saved_and_what_to_do(tmp_path, npy_operands, kind):
     """numpy.save (and h5py) store ml_dtypes' bfloat16 as raw 2-byte values, '|V2': the line
     said only 'has dtype |V2: matmul needs boolean or numeric operands'; now it names the
     likely bfloat16 and what distmm takes instead (float32 and --precision bf16), and for
     other raw bytes ('|V4') what they are."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     if kind == "bfloat16.npy":
         ml_dtypes = pytest.importorskip("ml_dtypes")
         spec = tmp_path / "a16.npy"
@@ -719,11 +707,11 @@ def test_read_only_folder_is_bad_input_naming_the_target(read_only_folder, name)
     assert sorted(p.name for p in folder.iterdir()) == ["a.npy", "b.npy"]
 
 
-def test_h5_file_in_a_folder_with_a_colon(tmp_path, operands):
+def test_h5_file_in_a_folder_with_a_colon(tmp_path, npy_operands):
     """A folder or an HDF5 file whose name holds a colon ('run:1/x.h5:A', 'a:b.h5:C'): the
     spec was cut at its first colon and refused ('unsupported file type '.h5:A''); now the
     file is the part up to the '.h5:' (or '.hdf5:') that names one."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     folder = tmp_path / "run:1"
     folder.mkdir()
     with h5py.File(folder / "x.h5", "w") as fh:
@@ -736,12 +724,12 @@ def test_h5_file_in_a_folder_with_a_colon(tmp_path, operands):
 
 
 @pytest.mark.parametrize("dataset", ["X/C", "grp/Y/C", "ext/C", "soft/C", "gone/C"])
-def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, operands, dataset):
+def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, npy_operands, dataset):
     """-o f.h5:X/C where X is a dataset (or a link to one, or a link to nothing): C was
     computed and the copy into the file failed at the end (status 1, 'message type not
     found'); now status 2 before any work, naming the dataset on the way, the file as it
     was."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     f = tmp_path / "results.h5"
     with h5py.File(tmp_path / "other.h5", "w") as fh:
         fh["D"] = np.arange(3.0)
@@ -761,11 +749,11 @@ def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, operands, data
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_mpirun_h5_dataset_path_through_a_dataset_and_a_colon(tmp_path, operands, mpirun):
+def test_mpirun_h5_dataset_path_through_a_dataset_and_a_colon(tmp_path, npy_operands, mpirun):
     """The batch path (2 ranks): -o f.h5:X/C through a dataset failed with status 1 after all
     its work; a folder with a colon was an unsupported file type. Now status 2 before any
     work, and the product written."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     folder = tmp_path / "run:1"
     folder.mkdir()
     f = folder / "results.h5"
@@ -804,11 +792,11 @@ def _linked_h5(folder: Path) -> tuple[Path, Path]:
     ("root/C", "root", "is an external link to '/' in {other}"),
     ("through/C", "through", "leads to a group of {other}"),
 ])
-def test_h5_dataset_path_into_another_file_is_bad_input(tmp_path, operands, dataset, link, says):
+def test_h5_dataset_path_into_another_file_is_bad_input(tmp_path, npy_operands, dataset, link, says):
     """-o f.h5:ext/C where ext is an external link to a group of another file: C was written
     into that other file (status 0), which distmm was not asked to write. Now status 2 before
     any work, naming the link and the file it points to; both files as they were."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     f, other = _linked_h5(tmp_path)
     before = sha256(f), sha256(other)
     r = run_cli("matmul", pa, pb, "-o", f"{f}:{dataset}", "--engine", "local", "--overwrite")
@@ -818,9 +806,9 @@ def test_h5_dataset_path_into_another_file_is_bad_input(tmp_path, operands, data
     assert (sha256(f), sha256(other)) == before and not partials(tmp_path)
 
 
-def test_h5_soft_link_to_a_group_of_the_file_is_followed(tmp_path, operands):
+def test_h5_soft_link_to_a_group_of_the_file_is_followed(tmp_path, npy_operands):
     """A soft link to a group of the file itself stays a way into that group."""
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
     f, other = _linked_h5(tmp_path)
     before = sha256(other)
     r = run_cli("matmul", pa, pb, "-o", f"{f}:soft/C", "--engine", "local")
@@ -832,10 +820,10 @@ def test_h5_soft_link_to_a_group_of_the_file_is_followed(tmp_path, operands):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_mpirun_h5_dataset_path_into_another_file(tmp_path, operands, mpirun):
+def test_mpirun_h5_dataset_path_into_another_file(tmp_path, npy_operands, mpirun):
     """The batch path (2 ranks): C went into the external link's file; now status 2 before
     any work, naming the link and that file."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     f, other = _linked_h5(tmp_path)
     before = sha256(f), sha256(other)
     r = mpirun(2, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:ext/C")
@@ -856,12 +844,12 @@ def contents(path: Path) -> dict:
 
 @pytest.mark.parametrize("flag", ["a", "i"])
 def test_an_h5_file_that_cannot_be_opened_for_writing_is_refused_before_any_work(
-        tmp_path, operands, chattr, flag):
+        tmp_path, npy_operands, chattr, flag):
     """An append-only HDF5 file (chattr +a): os.access told root it was writable, C was
     computed and the copy into the file failed at the end (status 1, 'cannot open ... to add
     'C''); now the file is opened for writing as HDF5 will open it (and closed unwritten):
     status 2 before any work, one line naming the file and the dataset, the file as it was."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     f = tmp_path / "results.h5"
     with h5py.File(f, "w") as fh:
         fh["X"] = np.arange(7.0)
@@ -876,13 +864,13 @@ def test_an_h5_file_that_cannot_be_opened_for_writing_is_refused_before_any_work
 
 @pytest.mark.parametrize("name", ["c.npy", "c.zarr"])
 @pytest.mark.parametrize("flag, fixed", [("i", "immutable"), ("a", "append-only")])
-def test_a_target_no_one_may_replace_is_refused_before_any_work(tmp_path, operands, chattr,
+def test_a_target_no_one_may_replace_is_refused_before_any_work(tmp_path, npy_operands, chattr,
                                                                 name, flag, fixed):
     """--overwrite of an immutable or append-only .npy file or zarr folder: C was computed and
     its rename failed at the end, naming the staged file ('Operation not permitted:
     .c.npy.distmm-partial-PID') or the folder; now refused before any work, in one line
     naming the target and its attribute, the target as it was."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     target = tmp_path / name
     (np.save if name.endswith(".npy") else zarr.save_array)(str(target), np.arange(6.0))
     before = contents(target)
@@ -894,12 +882,12 @@ def test_a_target_no_one_may_replace_is_refused_before_any_work(tmp_path, operan
     assert not [p for p in tmp_path.iterdir() if "distmm-old" in p.name]
 
 
-def test_an_append_only_folder_is_refused_without_leaving_the_test_file(tmp_path, operands,
+def test_an_append_only_folder_is_refused_without_leaving_the_test_file(tmp_path, npy_operands,
                                                                         chattr):
     """An append-only folder (chattr +a): a file can be made there but never removed, so the
     test of the folder left its file behind ('.c.npy.distmm-partial-PID', which a later run
     takes for a stopped run's). Now refused before the file is made."""
-    pa, pb, _ = operands
+    pa, pb, _ = npy_operands
     folder = tmp_path / "log"
     folder.mkdir()
     chattr(folder, "a")
@@ -1051,13 +1039,13 @@ def test_an_operand_its_user_may_not_read_is_named_in_one_line(as_nobody, kind):
 @pytest.mark.slow  # three commands, ~5 s (8 s on two ranks)
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
 def test_a_zarr_output_named_as_a_folder_and_the_line_naming_what_was_written(
-        tmp_path, operands, mpirun, ranks):
+        tmp_path, npy_operands, mpirun, ranks):
     """``-o c.zarr/`` (a shell's completion of the folder) was refused as "ends with a path
     separator"; ``-o x.h5:`` wrote the dataset ``data`` but said "wrote x.h5:". The line
     names the target written; a .npy or HDF5 name ending with a separator is still refused."""
     import zarr
 
-    pa, pb, ref = operands
+    pa, pb, ref = npy_operands
 
     def cli(*argv):
         argv = ("matmul", pa, pb, "-o", *map(str, argv))
