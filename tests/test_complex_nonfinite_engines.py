@@ -12,9 +12,11 @@ Covers: the Dask engine on two worker processes (tiles, blocks, k pieces summed 
 task, stacks of numpy and of dask operands), ``engine="mpi"`` on 2 ranks (SUMMA's panels
 on a 1 x 2 grid, layers summed on a k-split grid, a stack) and ``mpirun distmm matmul`` on
 2 ranks (the striped batch path, both panel paths), complex64 and complex128, both parts.
-It does *not* cover: a product split along k into k groups on the Dask engine (the
-reduction's last task is not told the groups' products), GPU results (cuBLAS's, left as
-they are), sums that overflow only in some orders.
+A product split along k into k groups on the Dask engine (tiles and blocks, a CPU backend
+and ``"auto"`` on CPU workers): the reduction's last task is told the groups' products; a
+real product's graph is as before (no parts).
+It does *not* cover: GPU results (cuBLAS's, left as they are), sums that overflow only in
+some orders.
 """
 from __future__ import annotations
 
@@ -145,6 +147,84 @@ def test_dask_engine_lazy_stack_keeps_numpys_inf_nan(client, chunks):
                             engine="dask", client=client).compute()
     the_case(want)
     assert_numpys(want, got)
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
+@pytest.mark.parametrize("backend", ["auto", "blas"])
+@pytest.mark.parametrize("layout", ["tiles", "blocks"])
+def test_dask_engine_k_groups_keep_numpys_inf_nan(client, tmp_path, dtype, backend, layout):
+    """A small memory budget splits k into groups, summed by the reduction's tasks
+    (``nan+nanj`` before): numpy's values and warnings."""
+    rng = np.random.default_rng()
+    a, b = overflowing(rng, (7, 41), (41, 9), dtype)
+    with np.errstate(all="ignore"):
+        want = a @ b
+    the_case(want)
+    cfg = {"distmm.memory-budget": 2000, "distmm.dask-layout": layout}
+    with dask.config.set(cfg):
+        plan = distmm.make_plan(7, 9, 41, np.dtype(dtype).name, tile=(4, 4, 4), workers=2)
+        assert len(plan.k_edges) > 2  # k split into groups
+        got, got_warned = recorded(lambda x, y: distmm.matmul(
+            x, y, engine="dask", client=client, tile=(4, 4, 4), backend=backend), a, b)
+    assert_numpys(want, got)
+    assert got_warned == numpys_warnings(tmp_path, a, b)
+
+
+def _final_sum_args(dtype, backend):
+    """The arguments of the last reduction task of block (0, 0) of a lazy product split
+    into k groups, and the ``(rows, columns, k)`` of the products its groups' tasks sum."""
+    import dask.array as da
+
+    from distmm.engine.dask.graph import ProductLayer
+    from distmm.engine.dask.tasks import block_parts
+
+    x = da.ones((7, 41), dtype=dtype, chunks=(4, 4))
+    y = da.ones((41, 9), dtype=dtype, chunks=(4, 4))
+    with dask.config.set({"distmm.memory-budget": 2000}):
+        c = distmm.matmul(x, y, engine="dask", tile=(4, 4, 4), backend=backend)
+    layer, = (v for v in c.dask.layers.values() if isinstance(v, ProductLayer))
+    assert layer.split
+    task = layer[layer.output_key((), 0, 0)]
+    summed = []
+    for g in range(layer.geometry.groups):
+        partial = layer[(layer.partial_name, 0, 0, g)]
+        spec = (partial.args if hasattr(partial, "args") else partial[1:])[2]
+        summed += block_parts(spec.a_rows, spec.b_cols, spec.k_pieces)
+    return (task.args if hasattr(task, "args") else task[1:]), summed
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex64])
+def test_k_groups_parts_only_for_complex(dtype):
+    """A complex product's last reduction task is told the groups' product shapes (each
+    once, not one per k piece); a real product's task is as before (no parts)."""
+    args, summed = _final_sum_args(dtype, "blas")
+    assert len(summed) > 2
+    if np.dtype(dtype).kind != "c":
+        assert len(args) == 5
+        return
+    parts, if_cpu = args[5:]
+    assert if_cpu is False
+    assert sorted(parts) == sorted(set(summed))
+    assert _final_sum_args(dtype, "auto")[0][6] is True  # 'auto': held where no GPU runs it
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-worker", "gpu-worker"])
+def test_auto_sum_step_parts_held_where_no_gpu(monkeypatch, gpu):
+    """Backend ``"auto"``'s last reduction task keeps the groups' ``inf+nanj`` on a worker
+    without a GPU; on one with a GPU (whose tasks may have run on it) the parts are not
+    known, and the block is spread as before."""
+    from distmm.engine.dask import tasks
+
+    monkeypatch.setattr(tasks, "worker_has_gpu", lambda: gpu)
+    rng = np.random.default_rng()
+    tp = tasks.TaskPlan("complex128", "complex128", (5, 3, 4), m=5, n=3, k=8)
+    dst = rng.standard_normal((5, 3)) + 1j * rng.standard_normal((5, 3))
+    src = rng.standard_normal((5, 3)) + 1j * rng.standard_normal((5, 3))
+    dst[1, :] = complex(np.inf, np.nan)  # a group's numpy matmul overflowed in the real part
+    with np.errstate(all="ignore"):
+        got = tasks.sum_step(tp, dst, src, True, 0, ((5, 3, 4),), True)
+    assert np.isinf(got[1].real).all() != gpu and np.isnan(got[1].imag).all()
+    np.testing.assert_array_equal(np.delete(got, 1, 0), np.delete(dst + src, 1, 0))
 
 
 SCRIPT = r"""

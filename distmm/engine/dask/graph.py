@@ -310,8 +310,39 @@ class ProductLayer(Layer):
         t = self._step(kind, block, extra)
         src_dst, src_src = self.steps[t]
         final = t == len(self.reduction) - 1
+        parts = self._host_parts(bi, bj) if final else None
         return make_task(key, sum_step, self.tp, task_ref(self._source_key(block, src_dst)),
-                     task_ref(self._source_key(block, src_src)), final, len(self.batch) if final else 0)
+                     task_ref(self._source_key(block, src_src)), final, len(self.batch) if final else 0,
+                     *(parts or ()))
+
+    def _host_parts(self, bi, bj):
+        """``sum_step``'s ``parts`` and ``if_cpu`` for block ``(bi, bj)`` of a complex product
+        whose every k group's task multiplies with numpy's matmul on a CPU: a CPU backend's
+        tiles (``"auto"``'s where the worker sees no GPU), block mode's CPU cells; the
+        distinct ``(rows, columns, k)`` of its products (``tasks.block_parts``). ``None``
+        otherwise: real dtypes (no parts to tell), a GPU backend, a GPU cell."""
+        from distmm.executor import CPU_BACKENDS
+
+        if np.dtype(self.tp.dtype) not in (np.complex64, np.complex128):
+            return None
+        if self.cells is not None:
+            if any(self.cells.device(bi, bj, g)[0] != "cpu" for g in range(self.geometry.groups)):
+                return None
+            if_cpu = False
+        elif self.backend in CPU_BACKENDS or self.backend == "auto":
+            if_cpu = self.backend == "auto"
+        else:
+            return None
+        widths = self._cache.get("k_widths")
+        if widths is None:  # once per layer: the k of every group's pieces, each width once
+            tk = self.tp.tile[2] if self.cells is None else self.geometry.k_groups[-1] + 1
+            widths = self._cache["k_widths"] = tuple(sorted({
+                sum(k1 - k0 for _, k0, k1 in a_k)
+                for g in range(self.geometry.groups) for a_k, _ in self.geometry.pieces(g, tk)}))
+        geo = self.geometry
+        rows = geo.row_edges[bi + 1] - geo.row_edges[bi]
+        cols = geo.col_edges[bj + 1] - geo.col_edges[bj]
+        return tuple((rows, cols, w) for w in widths), if_cpu
 
     def get_dependencies(self, key, all_hlg_keys=None) -> set:
         parsed = self._parse(key)

@@ -376,14 +376,18 @@ def _empty_block(tp: TaskPlan, spec: BlockSpec, blocks):
 
 
 @recording_flags
-def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0, parts=None):
+def sum_step(tp: TaskPlan, dst, src, finish: bool, batch_ndim: int = 0, parts=None,
+             if_cpu: bool = False):
     """One step ``partial[dst] + partial[src]`` of the plan's reduction tree
     (``distmm.engine.tiles.reduce_partials`` runs the same additions in the
     same order); the last step casts. The inputs are not modified. ``parts``: the
     products every k group's task summed (``block_parts`` of all of them), ``finish_tile``'s;
-    ``None``: not known."""
+    ``None``: not known. ``if_cpu``: ``parts`` hold only where this worker sees no GPU
+    (backend ``"auto"``, whose tasks take a worker's GPU where it has one)."""
     acc = dst + src
     if not finish:
         return acc
+    if if_cpu and worker_has_gpu():
+        parts = None
     return as_chunk(finish_tile(tp, acc, parts), batch_ndim)
 
