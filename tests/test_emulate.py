@@ -328,6 +328,7 @@ check_rows = 0
 references = ["numpy"]
 mpiexec = ["mpiexec", "--oversubscribe"]
 threads_per_rank = 1
+oversubscribe = true
 
 [[series]]
 kind = "strong"

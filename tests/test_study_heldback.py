@@ -262,3 +262,115 @@ def test_model_validate_never_replaces_its_own_records(tmp_path, capsys):
         assert "is one of the records it compares" in err, err
     assert (tmp_path / "r.jsonl").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "r.jsonl"]
+
+
+def _cores() -> int:
+    from distmm.config import available_cpus
+
+    return available_cpus()
+
+
+def _refused(tmp_path, capsys, monkeypatch, study, key):
+    """``distmm bench study``: one line naming ``key``, status 2, nothing measured or
+    written (a study the check lets through fails here at once, never runs)."""
+    import distmm.cli.bench as bench
+
+    def ran(self):
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(bench._Runner, "run", ran)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        code = main(["bench", str(study)])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and err.startswith(f"distmm bench: error: {study}: {key}: "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    return err
+
+
+@pytest.mark.parametrize("engine, unit", [("local", "threads"), ("dask", "workers")])
+def test_cpu_counts_beyond_this_machines_cores_are_refused_before_anything_runs(
+        tmp_path, capsys, monkeypatch, engine, unit):
+    """Local threads or Dask workers beyond the usable cores of a CPU study: refused naming
+    the series' counts, the count and the cores (before, 64 Dask workers on 2 cores were
+    still starting after a minute, and 64 local threads ran)."""
+    cores = _cores()
+    count = cores + int(np.random.default_rng().integers(1, 64))
+    study = tmp_path / "s.toml"
+    study.write_text(f'repeats = 1\n[[series]]\nkind = "strong"\nengines = ["local"]\n'
+                     f'counts = [1]\nsizes = [9]\n[[series]]\nkind = "strong"\n'
+                     f'engines = ["{engine}"]\ncounts = [1, {count}]\nsizes = [9]\n')
+    err = _refused(tmp_path, capsys, monkeypatch, study, "series[1].counts")
+    assert f"{count} {engine} {unit}, more than this machine's {cores} usable cores" in err, err
+    assert "oversubscribe = true" in err, err
+
+
+def test_oversubscribe_runs_local_threads_beyond_the_cores(tmp_path, capsys, monkeypatch):
+    """``oversubscribe = true``: the study opts in, and its threads beyond the cores run;
+    a value that is not a bool is refused naming the key."""
+    rng = np.random.default_rng()
+    m, n, k = (int(x) for x in rng.integers(9, 40, 3) | 1)
+    count = _cores() + 1
+    study = tmp_path / "s.toml"
+    body = (f'repeats = 1\ncheck_rows = 0\nreferences = []\n[[series]]\nkind = "strong"\n'
+            f'engines = ["local"]\ncounts = [{count}]\nsizes = [[{m}, {n}, {k}]]\n')
+    study.write_text("oversubscribe = 1\n" + body)
+    _refused(tmp_path, capsys, monkeypatch, study, "oversubscribe")
+    study.write_text('oversubscribe = true\ndevice = "gpu"\n' + body.replace("local", "mpi"))
+    _refused(tmp_path, capsys, monkeypatch, study, "oversubscribe")
+    monkeypatch.undo()
+    study.write_text("oversubscribe = true\n" + body)
+    out = tmp_path / "r.jsonl"
+    assert main(["bench", str(study), "-o", str(out)]) == 0
+    capsys.readouterr()
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["threads"], r["relerr_ok"]) for r in recs] == [
+        (f"distmm-local@{count}workers", count, True)]
+
+
+@pytest.mark.parametrize("top, key, says", [
+    ("repeats = 99999999999999999999", "repeats", "99999999999999999999 warm calls of every "
+                                                  "configuration is more than a study runs "
+                                                  "(at most 1000)"),
+    ("repeats = 1001", "repeats", "(at most 1000)"),
+    ('name = "{long}"', "name", "bytes is longer than a study name takes (at most 197"),
+    ('name = "{wide}"', "name", "198 bytes is longer than a study name takes"),
+], ids=["repeats-huge", "repeats-1001", "name-long", "name-multibyte"])
+def test_a_study_that_would_not_end_or_not_be_written_is_refused(tmp_path, capsys, monkeypatch,
+                                                                 top, key, says):
+    """``repeats`` beyond 1000 (before, 99999999999999999999 ran without end) and a name
+    over 197 bytes, too long for the records' file name on some device (before, 240
+    characters measured the study, then failed with "File name too long", status 1): one
+    line naming the key, status 2, before anything runs."""
+    rng = np.random.default_rng()
+    long = "s" * int(rng.integers(198, 300))
+    top = top.format(long=long, wide="\u00e9" * 99)  # 2 bytes each in UTF-8
+    study = tmp_path / "s.toml"
+    study.write_text(f'{top}\n[[series]]\nkind = "strong"\nengines = ["local"]\ncounts = [1]\n'
+                     f'sizes = [9]\n')
+    err = _refused(tmp_path, capsys, monkeypatch, study, key)
+    assert says in err, err
+
+
+def test_a_file_stem_too_long_for_a_name_is_refused_naming_the_key(tmp_path, capsys,
+                                                                  monkeypatch):
+    """The default name is the file's stem: one that long is refused the same way, saying
+    so (the study file's own name is shorter than the records' would be)."""
+    study = tmp_path / ("t" * 200 + ".toml")
+    study.write_text('[[series]]\nkind = "strong"\nengines = ["local"]\ncounts = [1]\n'
+                     'sizes = [9]\n')
+    err = _refused(tmp_path, capsys, monkeypatch, study, "name")
+    assert "200 bytes" in err and "the file's stem" in err, err
+
+
+def test_the_largest_repeats_and_name_are_taken():
+    from distmm.cli.study import parse_study
+
+    series = [{"kind": "strong", "engines": ["local"], "counts": [1], "sizes": [9]}]
+    for name in ("n" * 197, "\u00e9" * 98):
+        study = parse_study({"repeats": 1000, "name": name, "series": series})
+        assert (study.repeats, study.name) == (1000, name)

@@ -1,21 +1,21 @@
 """``distmm bench STUDY.toml``: run a scaling study and write one record per configuration.
 
 This module covers: the command's options (``add_parser``); the checks of the machine
-before anything runs (the memory every problem's operands take, the GPUs, ``mpiexec``
-starting the most ranks, dask-cuda a study needs); ``--dry-run``; and
-measuring every configuration of a study (``distmm.cli.study``): the in-process references
-(numpy's BLAS on every core, in-core cuBLAS on one GPU) and the local engine on operands
-made once per problem, a real ``distributed`` cluster per Dask worker count (single-thread
-CPU worker processes, or one dask-cuda worker per GPU) with dask.array measured on the same
-cluster, and one ``mpiexec -n P`` per rank count (``distmm.cli.bench_rank``); a series on
-emulated nodes (``nodes``, ``emulated`` in the study) gets its own cluster, started as those
-nodes (``distmm.cli.cluster``), or its own launch, Open MPI's MPMD form with each node's
-environment (``distmm.cli.emulated``), and its records carry ``emulated_nodes``. Every
-configuration's first call and ``repeats`` warm calls are timed (the record's ``seconds``
-is the warm calls' median), its result is checked against float64 (``check_rows``
-sampled rows of C, or all of them), and its record is appended to the output in one write
-as soon as it is measured, so a killed study keeps what it finished; one progress line per
-configuration.
+before anything runs (the memory every problem's operands take, the cores a CPU study's
+threads and workers take, the GPUs, ``mpiexec`` starting the most ranks, dask-cuda a study
+needs); ``--dry-run``; and measuring every configuration of a study (``distmm.cli.study``):
+the in-process references (numpy's BLAS on every core, in-core cuBLAS on one GPU) and the
+local engine on operands made once per problem, a real ``distributed`` cluster per Dask
+worker count (single-thread CPU worker processes, or one dask-cuda worker per GPU) with
+dask.array measured on the same cluster, and one ``mpiexec -n P`` per rank count
+(``distmm.cli.bench_rank``); a series on emulated nodes (``nodes``, ``emulated`` in the
+study) gets its own cluster, started as those nodes (``distmm.cli.cluster``), or its own
+launch, Open MPI's MPMD form with each node's environment (``distmm.cli.emulated``), and
+its records carry ``emulated_nodes``. Every configuration's first call and ``repeats`` warm
+calls are timed (the record's ``seconds`` is the warm calls' median), its result is checked
+against float64 (``check_rows`` sampled rows of C, or all of them), and its record is
+appended to the output in one write as soon as it is measured, so a killed study keeps what
+it finished; one progress line per configuration.
 It does *not* cover: the study file's schema (``distmm.cli.study``), the ranks' own program
 (``distmm.cli.bench_rank``), the records' format (``distmm.cli.records``) or the plots
 (``distmm report``). dask, distributed, dask_cuda, cupy and mpi4py are imported where used.
@@ -200,6 +200,24 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
             except ImportError:
                 raise ValueError(f"{where}: the study's dask series on GPUs need dask-cuda: "
                                  f"pip install \"distmm[gpu]\"") from None
+    elif not study.oversubscribe:
+        _check_cores(study)
+
+
+def _check_cores(study: Study) -> None:
+    """A CPU study's local threads and Dask workers (one single-thread process each) within
+    this machine's usable cores (``distmm.config.available_cpus``): more is refused before
+    anything runs unless the study sets ``oversubscribe = true`` (MPI ranks: the launcher's
+    slots, ``_check_launches``)."""
+    from distmm.config import available_cpus
+
+    cores = available_cpus()
+    for i, s in enumerate(study.series):
+        for engine, unit in (("local", "threads"), ("dask", "workers")):
+            if engine in s.engines and max(s.counts) > cores:
+                raise ValueError(f"{study.path}: series[{i}].counts: {max(s.counts)} {engine} "
+                                 f"{unit}, more than this machine's {cores} usable cores: set "
+                                 f"oversubscribe = true in the study to run them anyway")
 
 
 def _host_memory() -> int:

@@ -14,7 +14,8 @@ or the ``mpiexec`` a study asks for: checked by the runner before it starts), or
 The file (every key but ``[[series]]``'s ``kind``, ``engines``, ``counts`` and sizes has a
 default)::
 
-    name = "cpu-scaling"        # the records' file name and "study" key (default: file stem)
+    name = "cpu-scaling"        # the records' file name and "study" key (default: file stem;
+                                #   at most 197 bytes)
     benchmark = "scaling"       # the records' "benchmark"
     device = "cpu"              # "cpu" or "gpu": what the engines run on
     dtypes = ["float64"]        # float32, float64
@@ -22,11 +23,16 @@ default)::
                                 #   every engine and cuBLAS compute in it (emulated on a CPU);
                                 #   the records carry it
     repeats = 3                 # warm calls timed after the first; the record holds their median
+                                #   (at most 1000)
     check_rows = 64             # rows of C checked against float64 (0: every row)
     seed = 0
     references = ["numpy"]      # numpy, dask.array, cublas: measured in the same run
     mpiexec = ["mpiexec"]       # the launcher, "-n P" and the rank program appended
     threads_per_rank = "share"  # BLAS threads of a CPU rank: "share" (cores // ranks) or a number
+    oversubscribe = false       # true: a cpu study's local threads and Dask workers may
+                                #   outnumber this machine's usable cores (refused otherwise,
+                                #   before anything runs); MPI ranks: the launcher's own
+                                #   --oversubscribe in mpiexec
 
     [[series]]
     kind = "strong"             # "strong": the same sizes at every count
@@ -72,9 +78,16 @@ MAX_BYTES = 2**63 - 1
 #: the most devices (threads, workers, ranks, GPUs) a series' count may name: far beyond any
 #: machine, and it keeps ``weak_shape``'s search for the grid short
 MAX_COUNT = 2**20
+#: the most warm calls a configuration takes: a median of more is no steadier than the
+#: machine's own noise, and a larger number (a typo, most likely) makes a study that never ends
+MAX_REPEATS = 1000
+#: the longest study name in UTF-8 bytes: it keeps the records' default file name,
+#: ``<name>-<device, at most 40>-<YYYY-MM-DD>.jsonl``, within a file name's 255 bytes
+MAX_NAME_BYTES = 255 - 40 - len("--YYYY-MM-DD.jsonl")
 
 TOP_KEYS = {"name", "benchmark", "device", "dtypes", "repeats", "check_rows", "seed",
-            "references", "mpiexec", "threads_per_rank", "series", "note", "precision"}
+            "references", "mpiexec", "threads_per_rank", "series", "note", "precision",
+            "oversubscribe"}
 SERIES_KEYS = {"kind", "engines", "counts", "sizes", "sizes_per_device", "k", "backends",
                "dtypes", "chunk", "nodes", "emulated", "references"}
 #: ``emulated``'s crude mode (``distmm.emulate.ALL_LINKS``, repeated: this module imports
@@ -140,6 +153,7 @@ class Study:
     note: str = ""
     path: str = ""
     precision: str = "highest"
+    oversubscribe: bool = False  # local threads and Dask workers may outnumber the cores
     _configs: list = field(default_factory=list, compare=False, repr=False)
 
     def configurations(self) -> list[Config]:
@@ -295,12 +309,20 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if (not name or any(ch in name for ch in "/\\") or name.startswith(".")
             or not name.isprintable()):  # a control character: no file name takes a NUL
         bad("name", f"{name!r} is not a file-name stem")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        bad("name", f"{len(name.encode())} bytes is longer than a study name takes (at most "
+                    f"{MAX_NAME_BYTES}: the records' file name adds the device and the date)"
+                    + ("" if "name" in data else "; it is the file's stem unless name = "
+                                                 "\"...\" is given"))
     benchmark = _string(data, "benchmark", "scaling", bad)
     if not benchmark or not benchmark.isprintable():
         bad("benchmark", f"{benchmark!r} is not a name (the records' benchmark)")
     device = _choice(data, "device", "cpu", DEVICES, bad)
     dtypes = _choices(data, "dtypes", ["float64"], DTYPES, bad)
     repeats = _integer(data, "repeats", 3, 1, bad)
+    if repeats > MAX_REPEATS:
+        bad("repeats", f"{repeats} warm calls of every configuration is more than a study runs "
+                       f"(at most {MAX_REPEATS})")
     check_rows = _integer(data, "check_rows", 64, 0, bad)
     seed = _integer(data, "seed", 0, 0, bad)
     references = _choices(data, "references", [], REFERENCES, bad, empty_ok=True)
@@ -314,6 +336,11 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     if threads != "share" and (type(threads) is not int or threads < 1):
         bad("threads_per_rank", f"\"share\" or a positive integer, got {threads!r}")
     note = _string(data, "note", "", bad)
+    oversubscribe = data.get("oversubscribe", False)
+    if not isinstance(oversubscribe, bool):
+        bad("oversubscribe", f"true or false, got {oversubscribe!r}")
+    if oversubscribe and device != "cpu":
+        bad("oversubscribe", "a cpu study's key: a gpu study's counts are its GPUs")
     precision = _choice(data, "precision", "highest", PRECISIONS, bad)
     if precision != "highest":
         if dtypes != ["float32"]:
@@ -337,7 +364,7 @@ def parse_study(data: dict, *, default_name: str = "study", where: str = "study"
     _one_chunk(series, device, references, bad)
     study = Study(name, benchmark, device, repeats, check_rows, seed, tuple(references),
                   tuple(mpiexec), series, None if threads == "share" else threads, note, where,
-                  precision=precision)
+                  precision=precision, oversubscribe=oversubscribe)
     study.configurations()
     return study
 
