@@ -517,13 +517,14 @@ def test_results_too_big_are_refused_before_planning(client):
 
 @pytest.mark.slow
 def test_a_cluster_without_workers_is_named_by_the_function_called():
-    """A scheduler with no worker (waited for 30 s): one ValueError naming the function the
-    user called (gemm's said "matmul")."""
+    """A scheduler with no worker (waited for distmm.retry-timeout): one ValueError naming
+    the function the user called (gemm's said "matmul")."""
     rng = np.random.default_rng()
     a, b = rng.standard_normal((5, 4)), rng.standard_normal((4, 3))
     with distributed.LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cl, \
-            distributed.Client(cl) as empty:
-        with pytest.raises(ValueError, match="^gemm: the Dask cluster has no workers$"):
+            distributed.Client(cl) as empty, dask.config.set({"distmm.retry-timeout": "2s"}):
+        with pytest.raises(ValueError, match=r"^gemm: the Dask cluster at \S+ has no workers: "
+                                             r"none joined within 2 s \(distmm\.retry-timeout\)"):
             distmm.gemm(a, b, engine="dask", client=empty)
 
 

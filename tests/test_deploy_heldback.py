@@ -189,3 +189,89 @@ def test_jobqueue_memory_of_256_mib_per_worker_is_taken(monkeypatch):
     monkeypatch.setitem(sys.modules, "dask_jobqueue", None)
     with pytest.raises(ImportError, match="dask-jobqueue"):  # past every check
         jobqueue_cluster("slurm", cores=4, memory="1GiB")
+
+
+# -- a scheduler with no workers: waited for up to distmm.retry-timeout, then one line ----------
+
+def _no_workers_words(address: str, waited: str) -> str:
+    """The words after "FUNCTION: " (the command line's "distmm matmul: error: ")."""
+    return (f"the Dask cluster at {address} has no workers: none joined within {waited} s "
+            f"(distmm.retry-timeout); start workers for it (dask worker {address}), or a "
+            f"cluster with its workers (distmm cluster --scheduler-file FILE)")
+
+
+@pytest.fixture
+def empty_cluster():
+    """A real scheduler (TCP, in this process) that no worker ever joins."""
+    import distributed
+
+    with distributed.LocalCluster(n_workers=0, processes=False, protocol="tcp://",
+                                  dashboard_address=":0") as cl:
+        yield cl
+
+
+@pytest.mark.slow
+def test_matmul_on_a_scheduler_without_workers_says_how_long_it_waited(tmp_path: Path,
+                                                                        empty_cluster):
+    # it waited 30 s whatever the settings, then said only "the Dask cluster has no workers"
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((7, 5)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((5, 3)))
+    address = empty_cluster.scheduler_address
+    t0 = time.monotonic()
+    r = run_cli("matmul", "a.npy", "b.npy", "-o", "c.npy", "--scheduler", address, cwd=tmp_path,
+                env={"DISTMM_RETRY_TIMEOUT": "1s", "DASK_DISTMM__RETRY_TIMEOUT": "1s"},
+                timeout=120)  # both: this process's may have been fed from its DISTMM_ one
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr == f"distmm matmul: error: {_no_workers_words(address, '1')}\n", r.stderr
+    assert r.stdout == ""
+    assert 1 <= elapsed < 20, elapsed  # the configured wait, not 30 s
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]  # no output
+    assert not empty_cluster.scheduler.tasks  # nothing scattered or submitted
+
+
+def test_the_api_on_a_scheduler_without_workers_waits_the_retry_timeout(empty_cluster):
+    import dask
+    import distributed
+
+    import distmm
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((5, 4)), rng.standard_normal((4, 3))
+    with distributed.Client(empty_cluster) as empty, \
+            dask.config.set({"distmm.retry-timeout": "0.5s"}):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            distmm.gemm(a, b, engine="dask", client=empty)
+        elapsed = time.monotonic() - t0
+    address = empty_cluster.scheduler_address
+    assert str(info.value) == f"gemm: {_no_workers_words(address, '0.5')}"
+    assert 0.5 <= elapsed < 10, elapsed
+    assert not empty_cluster.scheduler.tasks
+
+
+# -- a scheduler file whose path goes through a regular file -----------------------------------
+
+@pytest.mark.parametrize("under", ["x.json", "d/x.json"], ids=["in-file", "below-file"])
+def test_a_scheduler_file_through_a_file_is_not_a_directory(tmp_path: Path, under: str):
+    # it said "no such directory: .../f", where .../f is a file
+    (tmp_path / "f").write_text("a file\n")
+    path = tmp_path / "f" / under
+    r = run_cli("cluster", "--port", "0", "--dashboard-address", ":0", "--workers", "1",
+                "--scheduler-file", path, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr == (f"distmm cluster: error: --scheduler-file {path}: {tmp_path / 'f'} "
+                        f"is not a directory\n"), r.stderr
+    assert r.stdout == "" and [p.name for p in tmp_path.iterdir()] == ["f"]
+    assert (tmp_path / "f").read_text() == "a file\n"
+
+
+def test_a_scheduler_file_in_a_missing_folder_is_still_no_such_directory(tmp_path: Path):
+    path = tmp_path / "gone" / "x.json"
+    r = run_cli("cluster", "--port", "0", "--dashboard-address", ":0", "--workers", "1",
+                "--scheduler-file", path, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr == (f"distmm cluster: error: --scheduler-file {path}: no such directory: "
+                        f"{tmp_path / 'gone'}\n"), r.stderr
+    assert list(tmp_path.iterdir()) == []

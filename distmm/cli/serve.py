@@ -55,7 +55,7 @@ import threading
 from pathlib import Path
 
 from distmm.cli.argtypes import integer_at_least
-from distmm.cli.outputs import check_creatable
+from distmm.cli.outputs import check_creatable, file_in_the_way
 from distmm.deploy import MIN_WORKER_MEMORY  # the smallest --memory-limit
 from distmm.plan import MAX_WORKERS
 
@@ -315,6 +315,9 @@ def _check_scheduler_file(path: str | None, overwrite: bool) -> Path | None:
         raise OutputExists(f"--scheduler-file {path} exists (a running cluster's, or one left by "
                            f"a killed one): pass --overwrite to replace it, or choose another file")
     if not target.parent.is_dir():
+        blocking = file_in_the_way(target)
+        if blocking is not None:
+            raise NotADirectoryError(f"--scheduler-file {path}: {blocking} is not a directory")
         raise FileNotFoundError(f"--scheduler-file {path}: no such directory: {target.parent}")
     try:  # its staged name, as the file is written once the workers are up
         check_creatable(_staged(target))

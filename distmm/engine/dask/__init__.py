@@ -157,6 +157,16 @@ def _scheduler_lost(client, exc: BaseException | None, address: str | None,
     return SchedulerLost(text)
 
 
+def _no_workers(what: str, address: str | None, waited: float) -> str:
+    """The one line of a cluster where no worker joined within ``waited`` seconds
+    (``distmm.retry-timeout``): how long it waited, and how to start workers."""
+    at = f" at {address}" if address else ""
+    where = address or "SCHEDULER-ADDRESS"
+    return (f"{what}: the Dask cluster{at} has no workers: none joined within {waited:g} s "
+            f"(distmm.retry-timeout); start workers for it (dask worker {where}), or a "
+            f"cluster with its workers (distmm cluster --scheduler-file FILE)")
+
+
 def _resolve_client(client, *, required: bool, what: str = "matmul"):
     if client is not None:
         if getattr(client, "status", None) in ("closing", "closed"):
@@ -235,7 +245,8 @@ class DaskEngine(Engine):
     retry_timeout : float
         Seconds the scatter/gather loop keeps retrying after workers are lost
         (waiting for one when none is alive) before it raises
-        ``distmm.errors.WorkersLost``.
+        ``distmm.errors.WorkersLost``; also how long a cluster with no worker yet is
+        waited for before any work.
     operands : Operands, optional
         The call's operands: for dask operands, where their persisted chunks are
         is asked together with the worker table.
@@ -246,7 +257,8 @@ class DaskEngine(Engine):
     Raises
     ------
     ValueError
-        No client when one is required; a cluster with no workers.
+        No client when one is required; a cluster where no worker joined within
+        ``retry_timeout``.
     distmm.errors.SchedulerLost
         The client's scheduler was lost while the cluster's facts were gathered (here, or in
         ``run`` before any task is sent), or before: a client distributed closed itself.
@@ -277,7 +289,7 @@ class DaskEngine(Engine):
                 self._info = info or None
                 if dask_ops:
                     self._where = (operands.a, operands.b, where)
-                self.slots = worker_slots(self.client, info=self._info)
+                self.slots = worker_slots(self.client, wait=self.retry_timeout, info=self._info)
             except Exception as exc:
                 # a scheduler lost here fails the request as it would any other: the
                 # connection's error, a closed pool, a closed client's missing scheduler
@@ -287,7 +299,7 @@ class DaskEngine(Engine):
             if not self.slots:
                 if _scheduler_gone(self.client):  # the wait for a worker ended with it
                     raise self._lost(None)
-                raise ValueError(f"{self.what}: the Dask cluster has no workers")
+                raise ValueError(_no_workers(self.what, self._address, self.retry_timeout))
 
     def _lost(self, exc: BaseException | None) -> SchedulerLost:
         """The ``SchedulerLost`` of a scheduler lost while the call was set up."""
