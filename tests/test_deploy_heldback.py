@@ -267,6 +267,21 @@ def test_a_scheduler_file_through_a_file_is_not_a_directory(tmp_path: Path, unde
     assert (tmp_path / "f").read_text() == "a file\n"
 
 
+def test_matmul_scheduler_file_through_a_file_is_not_a_directory(tmp_path: Path):
+    # it said "no such file: .../f/x.json"
+    (tmp_path / "f").write_text("a file\n")
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((3, 4)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((4, 5)))
+    path = tmp_path / "f" / "x.json"
+    r = run_cli("matmul", tmp_path / "a.npy", tmp_path / "b.npy", "-o", tmp_path / "c.npy",
+                "--scheduler-file", path, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr == (f"distmm matmul: error: --scheduler-file {path}: {tmp_path / 'f'} "
+                        f"is not a directory\n"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "f"]
+
+
 def test_a_scheduler_file_in_a_missing_folder_is_still_no_such_directory(tmp_path: Path):
     path = tmp_path / "gone" / "x.json"
     r = run_cli("cluster", "--port", "0", "--dashboard-address", ":0", "--workers", "1",

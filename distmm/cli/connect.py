@@ -68,12 +68,18 @@ def check_address(address: str, where: str) -> str:
 
 def scheduler_address(path: str) -> str:
     """The ``address`` a scheduler file holds (distributed's format: the scheduler's
-    identity as JSON); ``FileNotFoundError``, ``IsADirectoryError`` or ``ValueError``
-    naming the file."""
+    identity as JSON); ``FileNotFoundError``, ``IsADirectoryError``,
+    ``NotADirectoryError`` (a path through a regular file) or ``ValueError`` naming the
+    file."""
     p = Path(path)
     if p.is_dir():
         raise IsADirectoryError(f"--scheduler-file {path} is a directory, not a scheduler file")
     if not p.is_file():
+        from distmm.cli.outputs import file_in_the_way
+
+        blocked = file_in_the_way(p)  # /etc/hostname/x.json: no folder could hold it
+        if blocked is not None:
+            raise NotADirectoryError(f"--scheduler-file {path}: {blocked} is not a directory")
         raise FileNotFoundError(f"no such file: {path} (--scheduler-file)")
     try:
         info = json.loads(p.read_text())
