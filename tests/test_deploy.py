@@ -30,6 +30,8 @@ import pytest
 from conftest import ROOT, assert_close
 
 DEPLOY = ROOT / "deploy"
+#: the ranks' one line when a SIGTERM stops a batch run with stripes kept
+KEPT = "distmm matmul: error: terminated by SIGTERM;"
 SCRIPTS = sorted([*DEPLOY.glob("slurm/*.sbatch"), *DEPLOY.glob("pbs/*.pbs")])
 PROGRAM = DEPLOY / "dask_mpi_matmul.py"
 
@@ -465,6 +467,8 @@ def test_pbs_mpi_job_resubmits_before_its_walltime_and_resumes(tmp_path, batch_e
     first_id = out.split()[-1]
     log = (tmp_path / f"distmm-mpi.o{first_id.split('.')[0]}").read_text()
     assert "resubmitting" in log, log + err
+    # the ranks mpiexec started got the SIGTERM, not mpiexec: their line reached the log
+    assert KEPT in log and "C stripes kept in" in log, log
     # the resubmitted job: the next id, which finishes the product
     second = str(int(first_id.split(".")[0]) + 1)
     deadline = time.time() + 180
@@ -639,3 +643,70 @@ def test_jobqueue_cluster_scales_and_runs_a_product(tmp_path, batch_env, monkeyp
         assert len(jobs) == 2  # two batch jobs, a worker each
         got = distmm.matmul(a, b, client=client, engine="dask")
     assert_close(got, a @ b)
+
+
+# -- mpirun as the launcher, stopped mid-product ---------------------------------------------
+
+def _mpirun_env(batch_env, **more) -> dict:
+    """mpiexec as mpi.sbatch's launcher; the stand-ins' Slurm variables are not its
+    allocation (Slurm's ras and plm components would take them for one)."""
+    return {**batch_env, "DISTMM_LAUNCHER": "mpiexec -n 3", "DISTMM_BATCH_STRIPES": "24",
+            "DISTMM_BATCH_STRIPE_PAUSE": "0.1", "PRTE_MCA_ras": "^slurm",
+            "PRTE_MCA_plm": "^slurm", **more}
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_slurm_time_limit_keeps_the_ranks_line_under_mpirun(tmp_path, batch_env):
+    """mpi.sbatch with Open MPI's mpirun as launcher: at the time limit the ranks it started get
+    the SIGTERM, not mpirun (prterun, signalled itself, kills them and drops their line), so
+    the log has their line and status 143, and the requeued --resume run finishes."""
+    a, b = _operands(tmp_path, 301, 403, 297, seed=None)
+    trigger = tmp_path / "time-limit"
+    env = _mpirun_env(batch_env, BATCHSIM_SIGNAL_ON=str(trigger))
+    job = subprocess.Popen(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=3",
+                            str(DEPLOY / "slurm" / "mpi.sbatch"), "a.npy", "b.npy", "-o",
+                            "c.npy"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=tmp_path)
+    _when_stripes_logged(tmp_path, 4, trigger.touch)
+    out, err = job.communicate(timeout=180)
+    job_id = out.split()[-1]
+    log = (tmp_path / f"distmm-mpi-{job_id}.out").read_text()
+    assert job.returncode == 0, log + err
+    first = log.split("run 2,")[0]
+    assert KEPT in first and "C stripes kept in" in first, log
+    assert "stopped before the time limit (status 143); requeueing to resume" in first, log
+    assert _state(env, job_id)["restarts"] == 1
+    assert "wrote c.npy" in log.split("run 2,")[1], log
+    assert_close(np.load(tmp_path / "c.npy"), a @ b)
+    assert not list(tmp_path.glob(".c.npy.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_slurm_cancel_says_what_became_of_the_run_under_mpirun(tmp_path, batch_env, mpirun):
+    """``scancel``: SIGTERM to every process of the job, mpirun included, so the ranks' line
+    may be lost; the script's own says the job was terminated and the stripes are kept."""
+    a, b = _operands(tmp_path, 301, 403, 297, seed=None)
+    env = _mpirun_env(batch_env)
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=3",
+                          str(DEPLOY / "slurm" / "mpi.sbatch"), "a.npy", "b.npy", "-o", "c.npy"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.split()[-1]
+    _when_stripes_logged(tmp_path, 4, lambda: subprocess.run(["scancel", job_id], env=env,
+                                                             check=True))
+    deadline = time.time() + 120
+    while _state(env, job_id).get("state") in ("PENDING", "RUNNING"):
+        assert time.time() < deadline, "the cancelled job did not end"
+        time.sleep(0.1)
+    log = (tmp_path / f"distmm-mpi-{job_id}.out").read_text()
+    assert "mpi.sbatch: terminated by SIGTERM (status " in log, log
+    assert "C stripes finished are kept in the staged output" in log, log
+    assert _state(env, job_id)["left_running"] == []
+    assert list(tmp_path.glob(".c.npy.distmm-partial-*"))
+    r = mpirun(3, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o", "c.npy", "--resume",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert_close(np.load(tmp_path / "c.npy"), a @ b)
+    assert not list(tmp_path.glob(".c.npy.*"))
