@@ -33,6 +33,7 @@ See also the markers in ``pyproject.toml``: ``slow`` cases run only under
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -63,6 +64,25 @@ def one_line(stderr: str) -> str:
     """``stderr`` after checking it is one line, without a traceback (a command's refusal)."""
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     return stderr
+
+
+@contextlib.contextmanager
+def read_only_mount(src: Path, at: Path):
+    """``src`` bind-mounted read-only at ``at`` (made here) for the block: a folder where
+    nothing can be written even by root, who ignores permission bits; skips the test where
+    no such mount can be made."""
+    at.mkdir()
+    ok = subprocess.run(["mount", "--bind", src, at], capture_output=True).returncode == 0
+    if ok and (subprocess.run(["mount", "-o", "remount,ro,bind", at],
+                              capture_output=True).returncode != 0 or os.access(at, os.W_OK)):
+        subprocess.run(["umount", at], capture_output=True)
+        ok = False
+    if not ok:
+        pytest.skip("no read-only bind mount here")
+    try:
+        yield at
+    finally:
+        subprocess.run(["umount", at], capture_output=True)
 
 
 @pytest.fixture

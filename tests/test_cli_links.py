@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 from pathlib import Path
 
 import h5py
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import one_line, run_cli
+from conftest import one_line, read_only_mount, run_cli
 
 KINDS = {"npy": "c.npy", "zarr": "c.zarr", "h5": "c.h5:C"}
 
@@ -228,19 +227,8 @@ def read_only_with_links(tmp_path):
     np.save(src / "b.npy", b)
     for spec in KINDS.values():
         (src / spec.split(":")[0]).symlink_to("nowhere")
-    mounted = tmp_path / "ro"
-    mounted.mkdir()
-    ok = subprocess.run(["mount", "--bind", src, mounted], capture_output=True).returncode == 0
-    if ok and subprocess.run(["mount", "-o", "remount,ro,bind", mounted],
-                             capture_output=True).returncode != 0:
-        subprocess.run(["umount", mounted], capture_output=True)
-        ok = False
-    if not ok:
-        pytest.skip("no read-only bind mount here")
-    try:
+    with read_only_mount(src, tmp_path / "ro") as mounted:
         yield mounted
-    finally:
-        subprocess.run(["umount", mounted], capture_output=True)
 
 
 @pytest.mark.slow  # six runs of the command

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import one_line, pause_at, run_cli
+from conftest import one_line, pause_at, read_only_mount, run_cli
 
 
 
@@ -673,23 +673,13 @@ def read_only_folder(tmp_path):
     np.save(src / "a.npy", a)
     np.save(src / "b.npy", b)
     src.chmod(0o555)
-    mounted = None
-    if os.access(src, os.W_OK):
-        mounted = tmp_path / "ro"
-        mounted.mkdir()
-        ok = subprocess.run(["mount", "--bind", src, mounted], capture_output=True).returncode == 0
-        if ok and subprocess.run(["mount", "-o", "remount,ro,bind", mounted],
-                                 capture_output=True).returncode != 0:
-            subprocess.run(["umount", mounted], capture_output=True)
-            ok = False
-        if not ok or os.access(mounted, os.W_OK):
-            src.chmod(0o755)
-            pytest.skip("no read-only folder here (root, and no bind mount)")
     try:
-        yield mounted or src
+        if not os.access(src, os.W_OK):
+            yield src
+        else:
+            with read_only_mount(src, tmp_path / "ro") as mounted:
+                yield mounted
     finally:
-        if mounted is not None:
-            subprocess.run(["umount", mounted], capture_output=True)
         src.chmod(0o755)
 
 
