@@ -496,7 +496,7 @@ def test_ctrl_c_during_an_mpi_launch_is_one_line_and_130(tmp_path, mpi_env):
     study = _study(tmp_path, """
 name = "ctrl-c-mpi"
 device = "cpu"
-repeats = 40
+repeats = 200
 references = []
 [[series]]
 kind = "strong"

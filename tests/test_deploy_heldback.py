@@ -64,7 +64,13 @@ def test_a_hangup_closes_the_cluster_and_removes_the_scheduler_file(tmp_path: Pa
     # command died where it was, leaving the scheduler file naming a dead scheduler (and
     # multiprocessing's "leaked semaphore objects" warning)
     sched = tmp_path / "sched.json"
-    proc = serve_cluster(sched, "--workers", "2")
+    # a terminal's command starts with SIGHUP at its default; under nohup (a CI's runner may
+    # be) the child would inherit the ignore, which the command keeps (the next test)
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        proc = serve_cluster(sched, "--workers", "2")
+    finally:
+        signal.signal(signal.SIGHUP, hup)
     try:
         workers = _cluster_processes(proc)
         send = ((lambda p: p.send_signal(signal.SIGHUP)) if whom == "process"
