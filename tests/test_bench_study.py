@@ -522,7 +522,9 @@ sizes = [300, 301, 302, 303, 304, 305]
         assert err.strip().splitlines() == ["distmm bench: error: interrupted (SIGINT)"], err
         psutil.wait_procs(family, timeout=30)
         assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert 1 <= len(load([out])) < 6 and out.read_text().endswith("\n")
+        # whole records only; all 6 where the ranks finished before the SIGINT reached the
+        # runner, still in the launch (seen twice in a full local CI run, never alone)
+        assert 1 <= len(load([out])) <= 6 and out.read_text().endswith("\n")
     finally:
         _kill_all(proc, family)
 
