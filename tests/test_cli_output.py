@@ -58,6 +58,20 @@ def test_h5_operands_and_output_in_one_file(tmp_path):
         np.testing.assert_allclose(fh["C"][...], a @ b, rtol=1e-12, atol=1e-12)
 
 
+def _paused_matmul(site: Path, *args) -> subprocess.Popen:
+    """``python -m distmm matmul ARGS`` with ``site``'s ``sitecustomize`` (``pause_at``) first
+    on its path, returned once it waits at the paused function."""
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(site), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 60
+    while not (site / "paused").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    return proc
+
+
 def _shared_h5(folder: Path, a, b) -> Path:
     """An HDF5 file in HDF5's newest format (superblock 3, which marks a file open for
     writing) holding A, B and a dataset X of the user's."""
@@ -83,15 +97,7 @@ def test_runs_into_an_operand_s_h5_file_leave_it_as_it_was_when_refused_or_stopp
     site = tmp_path / "site"
     site.mkdir()
     pause_at(site, "distmm.api", "matmul")
-    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", f"{f}:A", f"{f}:B",
-                             "-o", f"{f}:C", "--engine", "local"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                [str(site), os.environ.get("PYTHONPATH", "")])})
-    deadline = time.monotonic() + 60
-    while not (site / "paused").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    proc = _paused_matmul(site, f"{f}:A", f"{f}:B", "-o", f"{f}:C", "--engine", "local")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "SIGTERM" in one_line(err)
@@ -484,15 +490,7 @@ def test_an_h5_file_made_while_the_run_computes_is_added_to_not_replaced(tmp_pat
     site.mkdir()
     pause_at(site, "distmm.staging", "commit_h5")
     f = tmp_path / "new.h5"
-    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", pa, pb, "-o", f"{f}:C",
-                             "--engine", "local"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                [str(site), os.environ.get("PYTHONPATH", "")])})
-    deadline = time.monotonic() + 60
-    while not (site / "paused").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    proc = _paused_matmul(site, pa, pb, "-o", f"{f}:C", "--engine", "local")
     other = np.random.default_rng().standard_normal((7, 3))
     with h5py.File(f, "w") as fh:
         fh["D"] = other
