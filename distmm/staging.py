@@ -37,14 +37,14 @@ HDF5 has no transactions: a copy that runs out of space half way can damage
 the file it writes into. That is why the room for the copy is checked first;
 what remains is a race with another process filling the disk during the copy.
 
-- ``check_target``: the refusals of a target before anything is written (an
-  existing one without ``overwrite``, a symbolic link too, which ``overwrite`` replaces
-  and never follows; whatever ``overwrite``, an HDF5 file's link to what exists, a folder where a
-  file would go, a zarr group, a folder that is no zarr array, an HDF5 group, an HDF5
-  dataset path through a dataset or into another file, an existing HDF5 file that cannot be
-  opened for writing; with ``overwrite``, a ``.npy`` file or zarr folder that is immutable or
-  append-only: ``fixed_attribute``, or a zarr folder holding what cannot be removed:
-  ``unremovable``),
+- ``check_target``: the refusals of a target before anything is written (a missing folder,
+  a path through a file: ``file_in_the_way``; an existing one without ``overwrite``, a
+  symbolic link too, which ``overwrite`` replaces and never follows; whatever ``overwrite``,
+  an HDF5 file's link to what exists, a folder where a file would go, a zarr group, a folder
+  that is no zarr array, an HDF5 group, an HDF5 dataset path through a dataset or into
+  another file, an existing HDF5 file that cannot be opened for writing; with ``overwrite``,
+  a ``.npy`` file or zarr folder that is immutable or append-only: ``fixed_attribute``, or a
+  zarr folder holding what cannot be removed: ``unremovable``),
   for the command line and ``DistArray.to_file`` alike; ``h5_held``: the one line for an
   HDF5 file, operand or target, that HDF5 would not open because another process writes it.
 
@@ -76,7 +76,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "preparing",
            "reclaimable", "remove_leftover",
            "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
-           "unremovable", "open_refusal"]
+           "unremovable", "open_refusal", "file_in_the_way"]
 
 PARTIAL = "distmm-partial"
 
@@ -228,6 +228,16 @@ def zarr_node(path: Path) -> str | None:
     return None
 
 
+def file_in_the_way(path) -> Path | None:
+    """The nearest of ``path``'s folders that exists but is not a folder (``path`` goes
+    through a file: ``/etc/hostname/x.json`` gives ``/etc/hostname``), named as ``path``
+    names it; or None: its folder exists, or is missing (no file in the way)."""
+    there = Path(path).parent
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    return there if there.exists() and not there.is_dir() else None
+
+
 def check_target(t, overwrite: bool) -> bool:
     """Refuse a target that must not be written; return whether it exists.
 
@@ -237,8 +247,11 @@ def check_target(t, overwrite: bool) -> bool:
 
     Raises
     ------
-    FileNotFoundError, NotADirectoryError
-        The target's folder does not exist, or is not a folder.
+    FileNotFoundError
+        The target's folder does not exist (``ENOENT``).
+    NotADirectoryError
+        The target's folder, or one above it, is a file (``ENOTDIR``; ``file_in_the_way``
+        names which).
     OutputExists
         It exists and ``overwrite`` is false; a target that is a symbolic link, of every
         kind, is an existing name, whatever it names (nothing, a file, a folder); with
@@ -263,10 +276,12 @@ def check_target(t, overwrite: bool) -> bool:
     p = Path(t.path)
     label = f"{p}:{t.dataset}" if t.kind == "h5" else str(p)
     parent = p.parent
-    if not parent.exists():
-        raise FileNotFoundError(f"no such folder for the output {label}: {parent}")
     if not parent.is_dir():
-        raise NotADirectoryError(f"cannot write {label}: {parent} is not a folder")
+        blocked = file_in_the_way(p)  # f/d/c.npy where f is a file: not a missing folder
+        if blocked is not None:
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot write {label}: {blocked} is not "
+                                                    f"a folder")
+        raise FileNotFoundError(errno.ENOENT, f"no such folder for the output {label}: {parent}")
     _check_zarr_path(p, label, t.kind)
     if p.is_symlink():  # the link itself is the target: never followed to write
         _check_link(p, t, overwrite)

@@ -374,3 +374,65 @@ def test_the_largest_repeats_and_name_are_taken():
     for name in ("n" * 197, "\u00e9" * 98):
         study = parse_study({"repeats": 1000, "name": name, "series": series})
         assert (study.repeats, study.name) == (1000, name)
+
+
+REACHED = "the run was reached"
+
+
+def _mpi_study(path, ranks: int, threads, top: str = "") -> None:
+    """A CPU study of one MPI series at ``ranks``, ``threads_per_rank = threads``, launched
+    by this Python (never launched: ``_no_launch``)."""
+    import sys
+
+    path.write_text(f'{top}repeats = 1\nreferences = []\nthreads_per_rank = {threads}\n'
+                    f'mpiexec = ["{sys.executable}"]\n[[series]]\nkind = "strong"\n'
+                    f'engines = ["mpi"]\ncounts = [{ranks}]\nsizes = [9]\n')
+
+
+def _no_launch(monkeypatch):
+    """The launch check passes without launching; the run stops the study at once, in one
+    line: ``REACHED``."""
+    import distmm.cli.bench as bench
+
+    def ran(self):
+        raise ValueError(REACHED)
+
+    monkeypatch.setattr(bench, "_check_launches", lambda study, configs: None)
+    monkeypatch.setattr(bench._Runner, "run", ran)
+
+
+def test_mpi_threads_times_ranks_beyond_the_cores_are_refused_before_anything_runs(
+        tmp_path, capsys, monkeypatch):
+    """``threads_per_rank`` x ranks beyond the usable cores of a CPU study was neither
+    refused nor warned (local threads and Dask workers were): one line naming the key, the
+    configuration and the product, before anything runs, unless ``oversubscribe = true``."""
+    rng = np.random.default_rng()
+    cores = _cores()
+    ranks = int(rng.integers(1, cores + 1))
+    threads = cores // ranks + int(rng.integers(1, 8))  # at least 2, product beyond the cores
+    study = tmp_path / "s.toml"
+    _mpi_study(study, ranks, threads)
+    _no_launch(monkeypatch)
+    err = _refused(tmp_path, capsys, monkeypatch, study, "threads_per_rank")
+    assert f"distmm-mpi@{ranks}ranks float64 9x9x9 (strong)" in err, err
+    assert (f"{threads} threads x {ranks} ranks = {threads * ranks}, more than this machine's "
+            f"{cores} usable cores" in err), err
+    assert "oversubscribe = true" in err, err
+
+
+@pytest.mark.parametrize("beyond, threads, top", [
+    (0, '"share"', ""), (1, "1", ""), (1, '"share"', ""), (0, "2", "oversubscribe = true\n")],
+    ids=["shared", "one-thread-ranks-beyond", "shared-ranks-beyond", "oversubscribe"])
+def test_mpi_ranks_alone_or_an_opted_in_product_reach_the_run(tmp_path, capsys, monkeypatch,
+                                                              beyond, threads, top):
+    """Ranks of one thread each beyond the cores stay with the launcher's slots, the shared
+    threads never exceed the cores, and ``oversubscribe = true`` lets the product through:
+    the study gets past its checks to its run."""
+    study = tmp_path / "s.toml"
+    _mpi_study(study, _cores() + beyond, threads, top)
+    _no_launch(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", str(study)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"distmm bench: error: {REACHED}\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]

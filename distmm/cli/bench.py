@@ -201,14 +201,21 @@ def _check_machine(study: Study, configs: list[Config]) -> None:
                 raise ValueError(f"{where}: the study's dask series on GPUs need dask-cuda: "
                                  f"pip install \"distmm[gpu]\"") from None
     elif not study.oversubscribe:
-        _check_cores(study)
+        _check_cores(study, configs)
 
 
-def _check_cores(study: Study) -> None:
-    """A CPU study's local threads and Dask workers (one single-thread process each) within
-    this machine's usable cores (``distmm.config.available_cpus``): more is refused before
-    anything runs unless the study sets ``oversubscribe = true`` (MPI ranks: the launcher's
-    slots, ``_check_launches``)."""
+def _rank_threads(study: Study, count: int, cores: int) -> int:
+    """The BLAS threads of each of ``count`` MPI ranks: ``threads_per_rank``, else
+    (``"share"``) the ``cores`` shared between them, at least one."""
+    return study.threads_per_rank or max(1, cores // count)
+
+
+def _check_cores(study: Study, configs: list[Config]) -> None:
+    """A CPU study's local threads and Dask workers (one single-thread process each), and
+    its MPI ranks' threads (``threads_per_rank`` x ranks, where a rank has more than one),
+    within this machine's usable cores (``distmm.config.available_cpus``): more is refused
+    before anything runs unless the study sets ``oversubscribe = true``. Ranks of one thread
+    each beyond the cores are the launcher's slots (``_check_launches``)."""
     from distmm.config import available_cpus
 
     cores = available_cpus()
@@ -218,6 +225,13 @@ def _check_cores(study: Study) -> None:
                 raise ValueError(f"{study.path}: series[{i}].counts: {max(s.counts)} {engine} "
                                  f"{unit}, more than this machine's {cores} usable cores: set "
                                  f"oversubscribe = true in the study to run them anyway")
+    for c in configs:
+        threads = _rank_threads(study, c.count, cores) if c.engine == "mpi" else 1
+        if threads > 1 and threads * c.count > cores:
+            raise ValueError(f"{study.path}: threads_per_rank: {c.describe()}: {threads} "
+                             f"threads x {c.count} ranks = {threads * c.count}, more than this "
+                             f"machine's {cores} usable cores: set oversubscribe = true in the "
+                             f"study to run them anyway")
 
 
 def _host_memory() -> int:
@@ -647,7 +661,7 @@ class _Runner:
         from distmm.cli.emulated import mpiexec_command
 
         # a CPU rank's BLAS threads; on GPUs only the threads that make each rank's blocks
-        threads = self.study.threads_per_rank or max(1, self.cores // count)
+        threads = _rank_threads(self.study, count, self.cores)
         spec = {"configs": [bench_rank.config_to_dict(c, self.index[id(c)]) for c in group],
                 "total": self.total, "repeats": self.study.repeats,
                 "check_rows": self.study.check_rows, "seed": self.study.seed, "gpu": self.gpu,

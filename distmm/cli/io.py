@@ -40,8 +40,8 @@ from distmm.direct_io import npy_header, preallocate
 from distmm.hdf5_filters import check_filters
 from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
-                            create_h5_stage, h5_held, put_in_place, reclaimable, staged_path,
-                            zarr_node)
+                            create_h5_stage, file_in_the_way, h5_held, put_in_place, reclaimable,
+                            staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "operand_target",
            "check_target", "check_report", "check_space", "check_writable", "check_unlocked",
@@ -527,7 +527,7 @@ def check_report(flag: str, path, files) -> None:
     FileNotFoundError
         Its folder does not exist.
     NotADirectoryError
-        Its folder is a file.
+        Its folder, or one above it, is a file (named).
     IsADirectoryError
         It names a folder.
     PermissionError
@@ -538,8 +538,9 @@ def check_report(flag: str, path, files) -> None:
     """
     p = Path(path)
     folder = p.parent
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{flag} {p}: {folder} is a file, not a folder")
+    blocked = file_in_the_way(p)  # its folder, or one above it, is a file
+    if blocked is not None:
+        raise NotADirectoryError(f"{flag} {p}: {blocked} is a file, not a folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder for {flag} {p}: {folder}")
     if p.is_dir():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import json
 import math
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from distmm.cli.argtypes import nonempty, positive_size
 from distmm.cli.exits import raise_if_signalled
-from distmm.cli.outputs import check_writable
+from distmm.cli.outputs import check_writable, file_in_the_way
 
 __all__ = ["add_parsers", "run_calibrate", "run_model"]
 
@@ -364,8 +365,11 @@ def _validate(args) -> int:
         out = Path(args.output)
         if out.is_dir():
             raise IsADirectoryError(21, "a folder, not a file", str(out))
+        blocked = file_in_the_way(out)  # its folder, or one above it, is a file
+        if blocked is not None:
+            raise NotADirectoryError(errno.ENOTDIR, f"{blocked} is not a folder", str(out))
         if not out.absolute().parent.is_dir():
-            raise FileNotFoundError(2, "no such folder", str(out))
+            raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
         for given in args.validate:  # the comparison replaces -o: never the measurements
             if out.exists() and out.samefile(given):
                 raise ValueError(f"-o {out} is one of the records it compares (the comparison "

@@ -3,9 +3,9 @@
 This module covers ``check_writable``: a file (or a folder) a command writes at its end (a
 calibration, a tuning cache, a records file, an image) refused at the start, in one line
 naming it, where it could not be written: an empty path, a folder where the file goes (or a
-file where the folder goes), a path through a file (``file_in_the_way``: which file), a
-folder that is missing (where the command does not make it) or in which no file can be made,
-an existing file it may not write as it will (``check_file``: opened, appended to or
+file where the folder goes), a path through a file (``distmm.staging.file_in_the_way``: which
+file), a folder that is missing (where the command does not make it) or in which no file can
+be made, an existing file it may not write as it will (``check_file``: opened, appended to or
 replaced); and ``check_creatable`` (``check_folder``: refused in one line), the test of a
 folder that every command's check before work makes (``distmm.cli.io``'s for ``distmm matmul``,
 ``distmm cluster``'s scheduler file, ``distmm report``'s folder). It
@@ -17,6 +17,8 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+
+from distmm.staging import file_in_the_way
 
 __all__ = ["check_writable", "check_file", "check_creatable", "check_folder", "file_in_the_way",
            "WRITES"]
@@ -40,25 +42,16 @@ def check_writable(path, *, folder: bool = False, makes_folders: bool = True,
             raise NotADirectoryError(20, "not a folder", str(path))
         raise IsADirectoryError(21, "a folder, not a file", str(path))
     there = path if folder and path.is_dir() else path.parent
+    blocked = file_in_the_way(path)  # a/f/d/x.json where f is a file: never a missing folder
+    if blocked is not None:
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocked} is not a folder", str(path))
     if not makes_folders and not there.is_dir():
-        raise FileNotFoundError(2, "No such folder for the output", str(path))
+        raise FileNotFoundError(errno.ENOENT, "No such folder for the output", str(path))
     while not there.exists() and there != there.parent:  # the command makes the rest
         there = there.parent
-    if not there.is_dir():
-        raise NotADirectoryError(20, f"{there} is not a folder", str(path))
     if path.is_file():
         check_file(path, writes)
     check_folder(there / f".distmm-check-{os.getpid()}", path)
-
-
-def file_in_the_way(path) -> Path | None:
-    """The nearest of ``path``'s folders that exists but is not a folder (``path`` goes
-    through a file: ``/etc/hostname/x.json``), or None: its folder exists, or is missing
-    (no file in the way)."""
-    there = Path(path).absolute().parent
-    while not there.exists() and there != there.parent:
-        there = there.parent
-    return there if there.exists() and not there.is_dir() else None
 
 
 #: how a command writes an existing file (``check_file``): None, opened for writing where it

@@ -29,10 +29,10 @@ default)::
     references = ["numpy"]      # numpy, dask.array, cublas: measured in the same run
     mpiexec = ["mpiexec"]       # the launcher, "-n P" and the rank program appended
     threads_per_rank = "share"  # BLAS threads of a CPU rank: "share" (cores // ranks) or a number
-    oversubscribe = false       # true: a cpu study's local threads and Dask workers may
-                                #   outnumber this machine's usable cores (refused otherwise,
-                                #   before anything runs); MPI ranks: the launcher's own
-                                #   --oversubscribe in mpiexec
+    oversubscribe = false       # true: a cpu study's local threads, Dask workers and MPI
+                                #   threads_per_rank x ranks may outnumber this machine's
+                                #   usable cores (refused otherwise, before anything runs);
+                                #   MPI ranks alone: the launcher's --oversubscribe in mpiexec
 
     [[series]]
     kind = "strong"             # "strong": the same sizes at every count
@@ -153,7 +153,7 @@ class Study:
     note: str = ""
     path: str = ""
     precision: str = "highest"
-    oversubscribe: bool = False  # local threads and Dask workers may outnumber the cores
+    oversubscribe: bool = False  # local threads, Dask workers, MPI threads x ranks past the cores
     _configs: list = field(default_factory=list, compare=False, repr=False)
 
     def configurations(self) -> list[Config]:
