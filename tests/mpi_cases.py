@@ -521,9 +521,9 @@ def case_objects_that_do_not_pickle():
 
 def case_distarray_refusals_agree():
     """DistArray arguments that only one rank gets wrong (a 1-D block, another grid, another
-    file name for ``to_file``, a suffix only that rank refuses): one error on every rank and
-    nothing left in the folder, where the other ranks waited for it in a collective before
-    (the timeout)."""
+    file name for ``to_file``, a suffix only that rank refuses), and a ``to_file`` path through
+    a file: one error on every rank and nothing left in the folder, where the other ranks
+    waited for it in a collective before (the timeout)."""
     if P == 1:
         return
     last = rank == P - 1
@@ -556,6 +556,21 @@ def case_distarray_refusals_agree():
             check(what + ": one message on every rank", len(set(message)) == 1, str(message))
     import os
 
+    if rank == 0:
+        open(f"{folder}/f", "w").close()
+    comm.Barrier()
+    for target in (f"{folder}/f/d/c.npy", f"{folder}/f/c.npy"):  # a path through a file
+        try:
+            d.to_file(target)
+            check(f"to_file {target}", False, "no error")
+        except NotADirectoryError as exc:  # on 2+ ranks rank 0 left the others waiting
+            message = comm.allgather(str(exc).splitlines()[0])
+            check(f"to_file {target}: one message naming the file on every rank",
+                  len(set(message)) == 1 and f"{folder}/f is not a folder" in message[0],
+                  str(message))
+    comm.Barrier()
+    if rank == 0:
+        os.remove(f"{folder}/f")
     comm.Barrier()
     left = sorted(os.listdir(folder))
     check("refused writes leave nothing", left == [], str(left))

@@ -199,7 +199,10 @@ def _finish(f: FileSpec, pid: int, ok: bool, overwrite: bool) -> None:
         if staged.is_dir():
             shutil.rmtree(staged, ignore_errors=True)
         else:
-            staged.unlink(missing_ok=True)
+            try:
+                staged.unlink()
+            except (FileNotFoundError, NotADirectoryError):  # never made (a path through a file)
+                pass
         return
     put_in_place(staged, f.path, pid, overwrite=overwrite)
 
@@ -269,7 +272,10 @@ def write_blocks(spec: str, dist, *, overwrite: bool = False) -> None:
             header = _create(f, dist.shape, dtype, pid)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-            _finish(f, pid, False, overwrite)  # a half-created staged output, if any
+            try:
+                _finish(f, pid, False, overwrite)  # a half-created staged output, if any
+            except OSError:
+                pass  # the refusal is the error to report: every rank waits for it below
     error = shared_error(comm, error)  # the same exception on every rank
     if error is not None:
         raise error
