@@ -27,7 +27,7 @@ from distmm.config import get_config, memory_budget
 from distmm.engine import Operands, Request, get_engine
 from distmm.engine.base import replace_fast
 from distmm.executor import resolve_backend
-from distmm.hdf5_filters import check_filters, dataset_name, is_dataset
+from distmm.hdf5_filters import check_filters, dataset_name, datasets_of, is_dataset
 from distmm import plan as planner
 from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
 from distmm.precision import check_precision
@@ -121,9 +121,12 @@ def _refuse_missing_filter(x, what: str) -> None:
     """A ValueError, before any read or write, for an h5py dataset (an operand, ``out=``)
     stored through a filter this HDF5 cannot apply (a plugin not installed:
     ``distmm.hdf5_filters``), naming it and the filter: HDF5 itself fails only where a block
-    is read or written, once the work began (on a Dask worker for a cluster's product)."""
+    is read or written, once the work began (on a Dask worker for a cluster's product); the
+    same for each dataset a dask array reads (``datasets_of``), which fails once computed."""
     if is_dataset(x) and x.id.valid:
         check_filters(x, f"{what} (HDF5 dataset {dataset_name(x)})")
+    for ds in datasets_of(x):  # a dask array that reads h5py datasets when computed
+        check_filters(ds, f"{what} (dask array of HDF5 dataset {dataset_name(ds)})")
 
 
 def _validate(a, b, what: str = "matmul", *, out=None, dtype=None, casting="same_kind",

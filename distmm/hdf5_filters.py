@@ -6,15 +6,18 @@ plugin not installed), and refusing such a dataset, before anything reads or wri
 one line naming it and the filter (``check_filters``). The command line's operands
 (``distmm.cli.io``) and the API's operands and ``out=`` (``distmm.api``) are checked here;
 the HDF5 of Dask workers that read an operand's file runs ``missing_filter`` there
-(``distmm.engine.dask.files.visible``).
+(``distmm.engine.dask.files.visible``). A dask array over h5py datasets
+(``dask.array.from_array``) reads them when computed: ``datasets_of`` finds them in its graph.
 It does *not* cover: opening files, or a filter that fails on a chunk it has
 (``distmm.errors.UnreadableInput``).
 """
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
-__all__ = ["is_dataset", "dataset_name", "missing_filter", "check_filters", "FILTER_NAMES"]
+__all__ = ["is_dataset", "dataset_name", "datasets_of", "missing_filter", "check_filters",
+           "FILTER_NAMES"]
 
 #: names of filters registered with The HDF Group that HDF5 itself lacks (their plugins are
 #: separate), for a file whose pipeline names none
@@ -31,6 +34,31 @@ def is_dataset(x) -> bool:
 def dataset_name(x) -> str:
     """An open h5py dataset as ``FILE:/PATH``."""
     return f"{x.file.filename}:{x.name}"
+
+
+def datasets_of(x) -> list:
+    """The open h5py datasets the dask array ``x`` reads when computed, as
+    ``dask.array.from_array`` puts them in its graph: a value of a layer of its own (the
+    graph's "original" array), or, with ``inline_array=True``, an argument of the layer that
+    reads it; each once, [] for anything else. One inlined into the tasks of an optimised
+    graph (``dask.optimize``) is not looked for: that would walk every task."""
+    h5py = sys.modules.get("h5py")
+    if h5py is None or not hasattr(x, "__dask_graph__"):
+        return []
+    graph = x.__dask_graph__()  # None for a collection not backed by dask (xarray's)
+    found: dict = {}
+    for layer in getattr(graph, "layers", {"": graph}).values():
+        if hasattr(layer, "indices"):  # Blockwise: its literal arguments (index None)
+            values = [v for v, index in layer.indices if index is None]
+        else:  # a MaterializedLayer (its mapping), or a plain dict graph
+            values = getattr(layer, "mapping", layer)
+            values = values.values() if isinstance(values, Mapping) else ()
+        for value in values:
+            if type(value).__name__ == "DataNode":  # dask's wrapper of a graph's data
+                value = getattr(value, "value", value)
+            if isinstance(value, h5py.Dataset):
+                found[id(value)] = value
+    return [ds for ds in found.values() if ds.id.valid]
 
 
 def missing_filter(dataset) -> str | None:

@@ -68,13 +68,14 @@ def _operands(rng, m=37, k=23, n=29):
     return rng.random((m, k)), rng.random((k, n))
 
 
-def _refused(call, what, ds, code):
-    """``call()`` raises a one-line ValueError naming ``what``, the dataset and the filter."""
+def _refused(call, what, ds, code, of="HDF5 dataset"):
+    """``call()`` raises a one-line ValueError naming ``what``, the dataset (``of`` it) and
+    the filter."""
     with pytest.raises(ValueError) as info:
         call()
     text = str(info.value)
     assert "\n" not in text, text
-    assert text.startswith(f"{what} (HDF5 dataset {ds.file.filename}:{ds.name}) needs HDF5 "
+    assert text.startswith(f"{what} ({of} {ds.file.filename}:{ds.name}) needs HDF5 "
                            f"filter {NAMED[code]}, {WHY}"), text
 
 
@@ -175,8 +176,51 @@ def test_the_dask_engine_refuses_them_before_any_task(tmp_path, no_plugins, clie
                  ds, BLOSC)
         _refused(lambda: distmm.matmul(a, b, out=out, client=client, tile=16), "matmul: out",
                  out, UNKNOWN)
+        import dask.array as da
+
+        _refused(lambda: distmm.matmul(da.from_array(ds, chunks=(10, 9)), b, client=client),
+                 "matmul: operand a", ds, BLOSC, "dask array of HDF5 dataset")
         assert not client.get_task_stream()
         assert _stored(out) == before
+
+
+@pytest.mark.parametrize("code", [BLOSC, UNKNOWN])
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_dask_array_over_such_a_dataset_is_refused_when_called(tmp_path, no_plugins, code,
+                                                                 inline):
+    """``dask.array.from_array(dataset)``: dask's own product (numpy's hands it to dask) is
+    lazy and raises h5py's OSError once computed, naming neither dataset nor filter; distmm's
+    lazy product did the same. Now refused when called, found in the array's graph (the
+    dataset a layer of its own, or inlined in the reading tasks), also through a transpose."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a, b = _operands(rng)
+    with h5py.File(tmp_path / "ops.h5", "w") as fh:
+        ds_a, ds_b = _filtered(fh, "A", a, code), _filtered(fh, "g/B", b.T.copy(), code)
+        x = da.from_array(ds_a, chunks=(10, 9), inline_array=inline)
+        y = da.from_array(ds_b, chunks=(8, 9), inline_array=inline).T
+        with pytest.raises(OSError):
+            np.matmul(x, b).compute()
+        of = "dask array of HDF5 dataset"
+        _refused(lambda: distmm.matmul(x, b, engine="local"), "matmul: operand a", ds_a, code,
+                 of)
+        _refused(lambda: distmm.matmul(a, y), "matmul: operand b", ds_b, code, of)
+        _refused(lambda: distmm.gemm(x, y), "gemm: operand a", ds_a, code, of)
+
+
+def test_a_dask_array_over_readable_datasets_multiplies_as_numpy(tmp_path, no_plugins):
+    """Datasets whose filters this HDF5 applies (gzip, lzf, an optional missing filter no
+    chunk went through) pass the check; the lazy product computes numpy's values."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng()
+    a, b = _operands(rng)
+    want = np.matmul(a, b)
+    with h5py.File(tmp_path / "ops.h5", "w") as fh:
+        for ds_a, ds_b, _ in _readable(fh, a, b, want.shape):
+            got = distmm.matmul(da.from_array(ds_a, chunks=(10, 9)),
+                                da.from_array(ds_b, chunks=(9, 8)), engine="local")
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got.compute(), want, rtol=1e-12, err_msg=ds_a.name)
 
 
 # -- what reads is multiplied as numpy does ---------------------------------------------------

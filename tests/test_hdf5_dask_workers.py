@@ -163,3 +163,49 @@ def test_workers_with_the_filter_read_it_in_one_round_trip(tmp_path, client, mon
         assert probes == ["_stamps"]
         assert last_stats()["read_on_workers"] == [False, True]
         np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+
+
+def test_a_worker_that_joins_after_the_check_reads_none_of_the_file(tmp_path, client,
+                                                                    monkeypatch):
+    """A worker that joins once the check passed (here: between it and the first tasks),
+    without lzf, was given its share of the reads and failed the product (h5py's OSError
+    "Can't synchronously read data", noted with the file). Now only the workers that were
+    asked read the file; the client reads what none of them may."""
+    import os
+    import subprocess
+    import sys
+
+    from distmm.engine.dask import eager
+
+    rng = np.random.default_rng()
+    a, b = _operands(rng, m=67, k=41)
+    asked, joined = set(_workers(client)), []
+    check = eager._file_sources
+
+    def then_join(*args, **kw):
+        found = check(*args, **kw)
+        joined.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", client.scheduler.address,
+             "--nthreads", "1", "--no-nanny", "--no-dashboard", "--memory-limit", "1GiB"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, sys.path)))))
+        client.wait_for_workers(len(asked) + 1, timeout=60)
+        assert all(client.run(_unregister_lzf, workers=sorted(set(_workers(client)) - asked))
+                   .values())
+        return found
+
+    monkeypatch.setattr(eager, "_file_sources", then_join)
+    try:
+        with h5py.File(tmp_path / "ops.h5", "w") as fh:
+            ds = _lzf(fh, "A", a)
+            fh.flush()
+            client.get_task_stream()
+            got = distmm.matmul(ds, b, client=client, tile=16)
+            stream = client.get_task_stream()
+        np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+        readers = {t["worker"] for t in stream if "distmm-a-" in str(t["key"])}
+        assert readers and readers <= asked, (readers, asked)
+    finally:
+        for proc in joined:
+            proc.terminate()
+            proc.wait(30)

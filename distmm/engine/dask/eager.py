@@ -2,7 +2,8 @@
 
 This module covers: sending the blocks of numpy (or on-disk) operands to the
 workers whose tasks read them (or the workers reading them from a file they
-all see: ``files``), running the product's graph over them, writing the output
+all see: ``files``; only those that were asked, a worker joining later is sent its blocks
+by the client), running the product's graph over them, writing the output
 blocks into the result as they arrive, or, for a staged output file every
 worker sees, a write task after each block that puts it there on the worker
 and sends the client only the bytes it wrote (``sink``; the writes end, on
@@ -95,10 +96,13 @@ class _Scattered:
     """
 
     def __init__(self, client, array, row_edges, col_edges, needers: dict, tag: str,
-                 copies: bool = False, source=None):
+                 copies: bool = False, source=None, readers=frozenset()):
         self.client = client
         self.array = array
         self.source = source  # files.FileSource: workers read their blocks from the file
+        # the workers found to read it (``files.visible``): a worker that joined since may not
+        # see the file or have the HDF5 filters its data needs
+        self.readers = frozenset(readers) if source is not None else frozenset()
         self.row_edges = row_edges
         self.col_edges = col_edges
         self.needers = needers
@@ -168,34 +172,44 @@ class _Scattered:
     def scatter(self, pairs, slots: list[str], alive: set, load: dict) -> None:
         """Send blocks, each to its worker (None: the least loaded live
         worker among those whose tasks need it, any live worker when none of
-        those is alive)."""
+        those is alive; for a file's blocks, among its live ``readers`` first). A file's
+        block is read by its worker when that worker is one of ``readers`` (and by no other
+        worker: ``allow_other_workers=False``), else by the client and sent."""
         if not pairs:
             return
         if not alive:
             raise OSError("no worker is alive to receive scattered blocks")
         self.generation += 1
         name = f"distmm-{self.tag}-{self.generation}"
-        by_worker: dict[str, dict] = defaultdict(dict)
+        readers = sorted(self.readers & alive)
+        reads: dict[str, dict] = defaultdict(dict)
+        sends: dict[str, dict] = defaultdict(dict)
         for idx, worker in pairs:
             if worker is None:
-                worker = min(self._wanted(idx, slots, alive), key=lambda w: load.get(w, 0))
-            blk = self.block(idx) if self.source is None else None
+                wanted = self._wanted(idx, slots, alive)
+                worker = min([w for w in wanted if w in self.readers] or readers or wanted,
+                             key=lambda w: load.get(w, 0))
             load[worker] = load.get(worker, 0) + self.nbytes(idx)
             if self.futures.get(idx):
                 self.resent += 1
-            by_worker[worker][(name,) + tuple(idx) + (worker,)] = (idx, blk)
-        for worker, items in by_worker.items():
-            if self.source is not None:  # the worker reads its blocks from the file
-                from distmm.engine.dask.files import read_block
-
-                futs = {key: self.client.submit(read_block, self.source, self.index(idx),
-                                                key=key, workers=[worker],
-                                                allow_other_workers=True, pure=False)
-                        for key, (idx, _) in items.items()}
+            key = (name,) + tuple(idx) + (worker,)
+            if worker in self.readers:  # the worker reads its block from the file
+                reads[worker][key] = (idx, worker)
             else:
-                futs = self.client.scatter({key: blk for key, (_, blk) in items.items()},
-                                           workers=[worker], hash=False)
-            for key, (idx, _) in items.items():
+                sends[worker][key] = (idx, worker, self.block(idx))
+        futs: dict = {}
+        if reads:
+            from distmm.engine.dask.files import read_block
+        for worker, items in reads.items():
+            futs.update({key: self.client.submit(read_block, self.source, self.index(idx),
+                                                 key=key, workers=[worker],
+                                                 allow_other_workers=False, pure=False)
+                         for key, (idx, _) in items.items()})
+        for worker, items in sends.items():
+            futs.update(self.client.scatter({key: item[2] for key, item in items.items()},
+                                            workers=[worker], hash=False))
+        for items in (*reads.values(), *sends.values()):
+            for key, (idx, worker, *_) in items.items():
                 by = self.futures.setdefault(idx, {})
                 if not self.copies:
                     by.clear()
@@ -206,9 +220,11 @@ class _StackScattered(_Scattered):
     """The batch blocks of one host operand of a stack (``stacks.batch_blocks``): block
     ``(b,)`` is what output batch block ``b`` reads (``stacks.operand_index``)."""
 
-    def __init__(self, client, array, regions, batch, tag: str, source=None):
+    def __init__(self, client, array, regions, batch, tag: str, source=None,
+                 readers=frozenset()):
         needers = {(b,): {b} for b in range(len(regions))}
-        super().__init__(client, array, None, None, needers, tag, source=source)
+        super().__init__(client, array, None, None, needers, tag, source=source,
+                         readers=readers)
         self.indexes = [stacks.operand_index(array.shape, batch, lo, hi) for lo, hi in regions]
 
     def index(self, idx) -> tuple:
@@ -346,20 +362,21 @@ def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> int:
 
 def _file_sources(client, a2, b2, what: str = "matmul"):
     """``files.FileSource`` of each operand whose file every worker sees (None: the client
-    reads its blocks and sends them). An HDF5 dataset that some worker's HDF5 lacks a
+    reads its blocks and sends them), and the workers that were asked (only they read the
+    files: one that joins later reads none). An HDF5 dataset that some worker's HDF5 lacks a
     filter for is refused (ValueError, ``files.visible``), named as ``what``'s operand."""
     from distmm.engine.dask import files
 
     found = [files.source_of(x) for x in (a2, b2)]
     if not any(found):
-        return None, None
+        return None, None, frozenset()
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
     if not files.visible(client, found, workers,
                          names=[f"{what}: operand {name}" for name in ("a", "b")]):
         log.info("distmm: an operand's file is not the same on every worker; the client "
                  "reads it and sends the blocks")
-        return None, None
-    return found[0], found[1]
+        return None, None, frozenset()
+    return found[0], found[1], frozenset(workers)
 
 
 def _needers(plan: Plan, batch, a_batch, b_batch):
@@ -606,16 +623,18 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     # float results (and object ones, whose numpy scalars raise flags too): the tasks keep
     # their floating-point flags under the token, reported here
     task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fcO" else "")
-    a_src, b_src = _file_sources(client, a2, b2, what)
+    a_src, b_src, readers = _file_sources(client, a2, b2, what)
     sink = _file_sink(client, out, rows, cols)
     if regions is not None:
-        a_sc = _StackScattered(client, a2, regions, batch, f"a-{token}", source=a_src)
-        b_sc = _StackScattered(client, b2, regions, batch, f"b-{token}", source=b_src)
+        a_sc = _StackScattered(client, a2, regions, batch, f"a-{token}", source=a_src,
+                               readers=readers)
+        b_sc = _StackScattered(client, b2, regions, batch, f"b-{token}", source=b_src,
+                               readers=readers)
     else:
         a_sc = _Scattered(client, a2, rows, ks, a_need, f"a-{token}",
-                          copies=blocks is not None, source=a_src)
+                          copies=blocks is not None, source=a_src, readers=readers)
         b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}",
-                          copies=blocks is not None, source=b_src)
+                          copies=blocks is not None, source=b_src, readers=readers)
     if stats is not None:
         stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
         stats["written_on_workers"] = sink is not None
