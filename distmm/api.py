@@ -24,9 +24,9 @@ import numpy as np
 
 from distmm._arrays import FAMILY_ORDER, array_family, unsupported
 from distmm.config import get_config, memory_budget
-from distmm.engine import Operands, Request, get_engine
+from distmm.engine import ENGINES, Operands, Request, get_engine
 from distmm.engine.base import replace_fast
-from distmm.executor import resolve_backend
+from distmm.executor import BACKENDS, resolve_backend
 from distmm.hdf5_filters import check_filters, dataset_name, datasets_of, is_dataset
 from distmm import plan as planner
 from distmm.plan import Plan, matmul_shapes, result_dtype, sums_whole_k, ufunc_dtype
@@ -638,7 +638,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         own) come back wrapped by the ``__array_wrap__`` numpy would pick, and
         operands that override ``__array_ufunc__`` take the call, as in numpy.
         numpy itself computes (with the keywords given; ``engine``, ``tile``,
-        ``backend`` and ``precision`` do not apply) a call with ``signature``,
+        ``backend`` and ``precision`` do not apply, though values they refuse
+        are refused as on every call) a call with ``signature``,
         one whose ``out`` has its own ``__array_wrap__`` (a masked array: numpy
         sets its mask) and one whose object loop takes a string, bytes or
         structured operand (paired with an object operand, or ``dtype=object``).
@@ -713,6 +714,9 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             # numpy reads order and casting (their ValueErrors) first: asked on empty arrays
             np.matmul(np.empty((0, 0)), np.empty((0, 0)), order=order, casting=casting)
             raise TypeError("'subok' must be a boolean")
+        if precision is not None:  # the name, on every route (numpy's own calls too)
+            check_precision(precision)
+        _check_choices(engine, tile, backend)
     except Exception as exc:
         if engine == "mpi":
             _mpi_agree(exc)
@@ -1000,6 +1004,17 @@ def _k_ordered(result, ops: Operands, a, b):
     if ops.family != "numpy" or len(ops.batch) < 2:
         return result
     return ufunc_rules.k_layout(result, a, b)
+
+
+def _check_choices(engine, tile, backend) -> None:
+    """``engine=``, ``backend=`` and ``tile=`` refused as the engines and the planner refuse
+    them, on every route: numpy's own calls (where they do not apply) too."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if tile is not None:
+        planner.make_plan(0, 0, 0, workers=1, tile=tile)
 
 
 def _is_distributed(x) -> bool:

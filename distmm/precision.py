@@ -36,6 +36,14 @@ wider than the result's. Integer, boolean, float64, longdouble, complex and
 object results are refused with a ``TypeError`` naming the dtype and the mode,
 before any work, as numpy refuses a dtype its loop does not have.
 
+NaN and infinities in the operands propagate as in numpy's product. The
+rounding can make more, as on the tensor cores: a finite operand that rounds
+past the format's largest value is an infinity (a magnitude from 65520 under
+``"fp16"``, from (2 - 2^-11) 2^127 under ``"tf32"``, from (2 - 2^-8) 2^127
+under ``"bf16"``), and one of at most half the format's smallest subnormal
+is zero, so an infinity it meets gives NaN (with numpy's "invalid value"
+report of inf * 0) where numpy's float32 product is infinite.
+
 The error bound (``error_bound``)
 ---------------------------------
 For ``C = A @ B`` with inner dimension k, ``C_ref`` the exact product of the
@@ -63,6 +71,7 @@ Tensor cores may add inside one MMA with truncation rather than rounding
 """
 from __future__ import annotations
 
+import numbers
 import operator
 
 import numpy as np
@@ -110,9 +119,12 @@ def error_bound(precision: str, k: int, *, out_dtype=None, u_acc: float = U_FP32
     ------
     ValueError
         ``"highest"`` (its bound is the dtype's own) or an unknown mode, a
-        negative ``k``, or ``k`` so large that ``(k - 1) u_acc >= 1``.
+        negative ``k``, a ``u_acc`` outside ``[0, 1)`` (negative or NaN would
+        make the bound smaller than the rounding's own, or NaN), or ``k`` so
+        large that ``(k - 1) u_acc >= 1``.
     TypeError
-        A ``k`` that is not an integer (a float is not truncated).
+        A ``k`` that is not an integer (a float is not truncated), or a
+        ``u_acc`` that is not a real number.
     """
     mode = precision.lower() if isinstance(precision, str) else precision
     if mode not in REDUCED:
@@ -124,6 +136,11 @@ def error_bound(precision: str, k: int, *, out_dtype=None, u_acc: float = U_FP32
         raise TypeError(f"error_bound: k must be an integer, got {k!r}") from None
     if k < 0:
         raise ValueError(f"error_bound: k must be at least 0, got {k}")
+    if isinstance(u_acc, bool) or not isinstance(u_acc, numbers.Real):
+        raise TypeError(f"error_bound: u_acc must be a real number, got {u_acc!r}")
+    if not 0 <= u_acc < 1:
+        raise ValueError(f"error_bound: u_acc must be a unit roundoff in [0, 1), got {u_acc!r}")
+    u_acc = float(u_acc)  # a float32 one would round the bound in float32
     u_in = UNIT_ROUNDOFF[mode]
     n = max(k - 1, 0)
     if n * u_acc >= 1:

@@ -989,3 +989,33 @@ def test_object_out_keeps_the_elements_before_a_failing_one_as_numpy(tile):
     with pytest.raises(ValueError, match="no product"):
         distmm.matmul(a, b, out=got, tile=tile)
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("bad", [dict(engine="bogus"), dict(engine=3), dict(backend="bogus"),
+                                 dict(backend=None), dict(tile=-3), dict(tile=2.5)], ids=repr)
+def test_engine_backend_and_tile_refused_on_numpys_own_routes(bad):
+    """Values of ``engine=``, ``backend=`` and ``tile=`` that a plain call refuses are refused
+    on the routes numpy computes itself too (``signature=``, an operand overriding
+    ``__array_ufunc__``, a masked ``out``), with the plain call's exception and line: they
+    were taken silently there, and the override was handed the call."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((5, 7))
+    b = rng.standard_normal((7, 3))
+
+    class Override:
+        called = False
+
+        def __array_ufunc__(self, ufunc, method, *args, **kwargs):
+            Override.called = True
+            return "override"
+
+    with pytest.raises((ValueError, TypeError)) as plain:
+        distmm.matmul(a, b, **bad)
+    for route, call in {
+            "signature": lambda: distmm.matmul(a, b, signature="dd->d", **bad),
+            "override": lambda: distmm.matmul(a, Override(), **bad),
+            "masked out": lambda: distmm.matmul(a, b, out=np.ma.zeros((5, 3)), **bad)}.items():
+        with pytest.raises(plain.type) as exc:
+            call()
+        assert str(exc.value) == str(plain.value) and "\n" not in str(exc.value), route
+    assert not Override.called
