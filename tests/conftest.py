@@ -124,7 +124,8 @@ _PAUSE_AT = """
 import functools, importlib.machinery, os, sys, time
 
 MODULE, NAME, FOLDER, AFTER = {module!r}, {name!r}, {folder!r}, {after!r}
-SECONDS, RANK = {seconds!r}, {rank!r}
+SECONDS, RANK, CALL = {seconds!r}, {rank!r}, {call!r}
+calls = 0
 
 
 def _wait():
@@ -141,10 +142,12 @@ def _wait():
 def _paused(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not AFTER:
+        global calls
+        calls += 1
+        if not AFTER and calls == CALL:
             _wait()
         made = fn(*args, **kwargs)
-        if AFTER:
+        if AFTER and calls == CALL:
             _wait()
         return made
     return wrapper
@@ -171,14 +174,15 @@ sys.meta_path.insert(0, PauseAt())
 
 
 def pause_at(folder: Path, module: str, name: str, *, after: bool = False,
-             seconds: float | None = None, rank: int | None = None) -> None:
+             seconds: float | None = None, rank: int | None = None, call: int = 1) -> None:
     """Make ``folder`` a ``sitecustomize`` (a child with it first on PYTHONPATH): the child's
-    ``module.name`` waits for ``folder/go`` before it runs (``after``: once it has returned),
-    making ``folder/paused`` when it starts waiting; with ``seconds``, it sleeps that long
-    instead; with ``rank``, only MPI rank ``rank`` waits."""
+    ``call``-th call of ``module.name`` waits for ``folder/go`` before it runs (``after``: once
+    it has returned), making ``folder/paused`` when it starts waiting; with ``seconds``, it
+    sleeps that long instead; with ``rank``, only MPI rank ``rank`` waits (Open MPI's rank
+    variable). A module run as ``__main__`` (``python -m``) is out of its reach."""
     (folder / "sitecustomize.py").write_text(
         _PAUSE_AT.format(module=module, name=name, folder=str(folder), after=after,
-                         seconds=seconds, rank=rank))
+                         seconds=seconds, rank=rank, call=call))
 
 
 # -- skipping by marker ---------------------------------------------------------------------
