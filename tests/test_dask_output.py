@@ -406,3 +406,89 @@ def test_a_worker_killed_while_blocks_are_written(tmp_path):
     assert written == {(i, j) for i in range(8) for j in range(8)}  # each block, by a worker
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), want)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.npy"]
+
+
+def test_write_placement_names_the_live_workers_that_were_checked(tmp_path):
+    """Write tasks go to the live workers found to see the staged file, and no other; with
+    none of them alive, none: the client writes that round's blocks."""
+    from distmm.cli.io import staged_output
+    from distmm.engine.dask.sink import sink_of, write_placement
+
+    with staged_output(str(tmp_path / "c.npy"), (5, 3), np.float64) as staged:
+        found = sink_of(staged).for_workers(["tcp://w1", "tcp://w2"])
+        assert found.writers == {"tcp://w1", "tcp://w2"}
+        assert write_placement(found, {"tcp://w2", "tcp://w3"}) == {
+            "workers": ["tcp://w2"], "allow_other_workers": False}
+        assert write_placement(found, {"tcp://w3"}) is None
+        staged[...] = 0
+
+
+def _port_sorting_first(workers) -> int:
+    """A free local port whose address sorts before every one of ``workers``: a joiner
+    there is the first worker slot, and so takes the plan's first owner's tiles."""
+    import socket
+
+    for port in range(10000, 20000, 7):
+        if all(f"tcp://127.0.0.1:{port}" < w for w in workers):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    pytest.skip("no free port sorting before the workers' addresses")
+
+
+@pytest.mark.slow
+def test_a_worker_that_joins_after_the_check_writes_none_of_the_output(client, operands,
+                                                                       monkeypatch):
+    """A worker that joins once the workers were found to see the staged output (here:
+    between that check and the first tasks), in a mount namespace of its own where the
+    output's folder is empty (a host without the shared file system), was given product
+    tasks and the write tasks after them, and failed the run (its ``StripeWriter`` found no
+    staged file). Now only the workers that were asked write C: the joiner's blocks go to
+    one of them."""
+    from distmm.cli.io import staged_output
+    from distmm.engine.dask import eager
+
+    a, b, h5 = operands
+    out = h5.parent.parent / "out"
+    want = _gathered(client, a, b)
+    asked = set(client.scheduler_info(n_workers=-1)["workers"])
+    prefix, joined = _unshare_prefix(out), []
+    port = _port_sorting_first(asked)
+    check = eager._file_sink
+
+    def then_join(*args, **kw):
+        found = check(*args, **kw)
+        joined.append(subprocess.Popen(
+            [*prefix, sys.executable, "-m", "distributed.cli.dask_worker",
+             client.scheduler.address, "--nthreads", "1", "--no-nanny", "--no-dashboard",
+             "--memory-limit", "1GiB", "--worker-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, sys.path)))))
+        client.wait_for_workers(len(asked) + 1, timeout=60)
+        return found
+
+    monkeypatch.setattr(eager, "_file_sink", then_join)
+    try:
+        with h5py.File(h5, "r") as fh:
+            _recorded(client)
+            with staged_output(str(out / "c.npy"), want.shape, want.dtype) as staged:
+                distmm.matmul(fh["A"], fh["B"], out=staged, client=client, tile=TILE)
+            stream = _recorded(client)
+        token = last_stats()["token"]
+        assert last_stats()["written_on_workers"]
+        joiner = set(client.scheduler_info(n_workers=-1)["workers"]) - asked
+        assert joiner
+        writers = {t["worker"] for t in stream if isinstance(t["key"], tuple)
+                   and str(t["key"][0]).startswith(f"distmm-write-{token}-")}
+        assert writers and writers <= asked, (writers, asked)
+        assert any(t["worker"] in joiner for t in stream if isinstance(t["key"], tuple)
+                   and str(t["key"][0]).startswith(f"distmm-matmul-{token}-"))  # it computed
+        assert _tasks(stream, "distmm-write-", token) == BLOCKS
+        np.testing.assert_array_equal(np.load(out / "c.npy"), want)
+        assert sorted(p.name for p in out.iterdir()) == ["c.npy"]
+    finally:
+        for proc in joined:
+            proc.terminate()
+            proc.wait(30)

@@ -209,3 +209,48 @@ def test_a_worker_that_joins_after_the_check_reads_none_of_the_file(tmp_path, cl
         for proc in joined:
             proc.terminate()
             proc.wait(30)
+
+
+@pytest.mark.parametrize("position, inline", [("a", False), ("b", True)])
+def test_a_dask_array_over_a_dataset_some_worker_lacks_a_filter_for_is_refused(
+        tmp_path, client, without_lzf, position, inline):
+    """``da.from_array(h5py_dataset)``: the workers open the dataset when the lazy result is
+    computed, and one without lzf failed there (h5py's OSError, after tasks ran); the API's
+    check asks the client's HDF5 only. Now: refused before any task, naming the worker."""
+    import dask.array as da
+
+    rng = np.random.default_rng()
+    a, b = _operands(rng)
+    lacking, having = _workers(client)
+    without_lzf([lacking])
+    with h5py.File(tmp_path / "ops.h5", "w") as fh:
+        _lzf(fh, "g/X", a if position == "a" else b)
+    with h5py.File(tmp_path / "ops.h5", "r") as fh:  # workers open it read-only (distributed)
+        x = da.from_array(fh["g/X"], chunks=(16, 16), inline_array=inline)
+        ops = (x, b) if position == "a" else (a, x)
+        ran = len(client.get_task_stream())  # the earlier tests' tasks
+        text = _refused(lambda: distmm.matmul(*ops, client=client, tile=16).compute(),
+                        f"^matmul: operand {position} \\(dask array of HDF5 dataset "
+                        f"{tmp_path / 'ops.h5'}:/g/X\\) needs HDF5 filter {LZF}, which is not "
+                        f"available on Dask worker {lacking} {WHY}")
+        assert having not in text
+        assert len(client.get_task_stream()) == ran
+
+
+def test_a_dask_array_over_a_dataset_every_worker_reads_is_computed(tmp_path, client,
+                                                                     monkeypatch):
+    """Workers with the filter (gzip: the in-process scheduler keeps the dataset it passed
+    on open, and an lzf one would keep this process from unregistering lzf in later tests):
+    the check is one round trip, and the product is right."""
+    import dask.array as da
+
+    rng = np.random.default_rng()
+    a, b = _operands(rng)
+    with h5py.File(tmp_path / "ops.h5", "w") as fh:
+        fh.create_dataset("A", data=a, chunks=(7, a.shape[1]), compression="gzip")
+    with h5py.File(tmp_path / "ops.h5", "r") as fh:
+        x = da.from_array(fh["A"], chunks=(16, 16))
+        probes = _probes(client, monkeypatch)
+        got = distmm.matmul(x, b, client=client, tile=16)
+        assert probes == ["_seen"], probes
+        np.testing.assert_allclose(got.compute(), a @ b, rtol=1e-12)

@@ -384,6 +384,8 @@ class DaskEngine(Engine):
     def _run(self, request: Request):
         t0, started = time.perf_counter(), time.time()
         ops = request.operands
+        if ops.family == "dask":
+            self._check_datasets(ops)
         facts, transfer_info = self._facts(ops, request.backend)
         self._check_scheduler()
         stats: dict = {"mode": "blocks" if facts else "tiles", "started": started,
@@ -397,6 +399,28 @@ class DaskEngine(Engine):
         if ops.family == "cupy":
             return self._run_from_device(request, facts, stats, t0)
         return self._run_eager(request, facts, stats, t0)
+
+    def _check_datasets(self, ops: Operands) -> None:
+        """Refuse, before any task, a dask operand over an HDF5 dataset
+        (``dask.array.from_array``) stored through a filter some worker's HDF5 lacks: the
+        workers open the dataset when the result is computed, and such a worker would fail
+        on its first chunk. Asked in one round trip (``files.visible``), where every worker
+        sees the file; a worker that joins later is not asked."""
+        if self.client is None:
+            return
+        from distmm.engine.dask import files
+        from distmm.hdf5_filters import datasets_of
+
+        sources, names = [], []
+        for name, x in (("a", ops.a), ("b", ops.b)):
+            for ds in datasets_of(x):
+                sources.append(files.source_of(ds))
+                names.append(f"{self.what}: operand {name}")
+        if not any(sources):
+            return
+        workers = sorted(self._info or self.client.scheduler_info(n_workers=-1)["workers"])
+        files.visible(self.client, sources, workers, names=names,
+                      kind="dask array of HDF5 dataset")
 
     def _run_from_device(self, request: Request, facts: ClusterFacts | None, stats: dict,
                          t0: float):

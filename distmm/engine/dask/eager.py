@@ -303,9 +303,10 @@ def _stack_region(regions, block) -> tuple:
 
 
 def _file_sink(client, out, rows, cols):
-    """The ``sink.FileSink`` of ``out`` when it is a staged output every worker sees (the
-    workers write C there), else None: the client writes the blocks, and says so on
-    stderr when ``out`` is a staged file the workers do not see."""
+    """The ``sink.FileSink`` of ``out`` when it is a staged output every worker sees (those
+    workers write C there, and no other: ``sink.write_placement``), else None: the client
+    writes the blocks, and says so on stderr when ``out`` is a staged file the workers do
+    not see."""
     from distmm.engine.dask import files, sink
 
     found = sink.sink_of(out)
@@ -317,7 +318,7 @@ def _file_sink(client, out, rows, cols):
                     "shared file system): C is gathered and written by this process",
                     found.target)
         return None
-    return found.for_blocks(rows, cols)
+    return found.for_blocks(rows, cols).for_workers(workers)
 
 
 def _let_go(client, futures, scattered) -> None:
@@ -625,6 +626,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     task_plan = TaskPlan.of(plan, flags=token if dtype.kind in "fcO" else "")
     a_src, b_src, readers = _file_sources(client, a2, b2, what)
     sink = _file_sink(client, out, rows, cols)
+    if sink is not None:
+        from distmm.engine.dask.sink import write_placement
     if regions is not None:
         a_sc = _StackScattered(client, a2, regions, batch, f"a-{token}", source=a_src,
                                readers=readers)
@@ -690,9 +693,14 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                             name, geometry, a_sc.keys(), b_sc.keys(), task_plan, backend,
                             batch, reduction, blocks=pending, annotations=where, cells=cells)
                     submitted += len(layer)
-                    futures = _submit(client, layer, sink, rows, cols)
-                    with _StallWatch(client, futures, targets) as watch:
-                        _collect(got, futures, watch, None if sink else out, rows, cols,
+                    # the workers found to see the staged output write it; none of them
+                    # alive: the client writes this round's blocks
+                    writes = write_placement(sink, alive) if sink is not None else None
+                    futures = _submit(client, layer, sink if writes else None, rows, cols,
+                                      writes)
+                    placed = set(targets) | set(writes["workers"] if writes else ())
+                    with _StallWatch(client, futures, placed) as watch:
+                        _collect(got, futures, watch, None if writes else out, rows, cols,
                                  pending, bar, fall_back=blocks is not None,
                                  transient=transient, region=region)
                 except transient as exc:
@@ -832,11 +840,13 @@ def _lost_message(timeout, attempts, pending, failed_tiles, resent, client, last
             f"{workers}; last error: {last_error!r}")
 
 
-def _submit(client, layer: ProductLayer, sink=None, rows=None, cols=None) -> dict:
+def _submit(client, layer: ProductLayer, sink=None, rows=None, cols=None,
+            where: dict | None = None) -> dict:
     """Send the layer and return ``{future: (batch, i, j)}`` for its output blocks; with a
     ``sink``, a write task after each output block (``sink.write_block``, keys
-    ``distmm-write-...``) whose future, the bytes it wrote, stands for the block."""
-    from dask.highlevelgraph import HighLevelGraph
+    ``distmm-write-...``, annotated ``where``: ``sink.write_placement``) whose future, the
+    bytes it wrote, stands for the block."""
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
     as_layer = getattr(layer, "as_layer", None)
     layers, deps = {layer.name: as_layer() if as_layer else layer}, {layer.name: set()}
@@ -852,7 +862,8 @@ def _submit(client, layer: ProductLayer, sink=None, rows=None, cols=None) -> dic
             wkey = (name,) + tuple(ob) + (i, j)
             region = (int(rows[i]), int(rows[i + 1]), int(cols[j]), int(cols[j + 1]))
             writes[wkey] = make_task(wkey, write_block, sink, region, task_ref(key))
-        layers[name], deps[name] = writes, {layer.name}
+        layers[name] = MaterializedLayer(writes, annotations=where)
+        deps[name] = {layer.name}
         keys = list(writes)
     futures = client.get(HighLevelGraph(layers, deps), keys, sync=False)
     return dict(zip(futures, blocks))

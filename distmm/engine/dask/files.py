@@ -193,7 +193,7 @@ def _missing_here(key: tuple) -> str | None:
             return None
 
 
-def visible(client, sources, workers, names=None) -> bool:
+def visible(client, sources, workers, names=None, kind: str = "HDF5 dataset") -> bool:
     """Whether every one of ``workers`` sees each of ``sources`` as the client does (same
     size, modification time and inode): a different machine's file of the same name, or
     one written or replaced since, is not the operand.
@@ -203,7 +203,7 @@ def visible(client, sources, workers, names=None) -> bool:
     needs (another machine's HDF5, an ``HDF5_PLUGIN_PATH`` the client alone has): where
     every worker sees the files, such a worker would fail on its first block, so the
     dataset is refused here, named ``names[i]`` (what the caller calls source ``i``) with
-    the dataset, the filter and the workers that lack it.
+    the dataset (as ``kind`` and its file), the filter and the workers that lack it.
 
     Raises
     ------
@@ -235,13 +235,14 @@ def visible(client, sources, workers, names=None) -> bool:
     ok = all(isinstance(v, list) and [tuple(x) if x else None for x in v] == want
              for v in seen.values()) and len(seen) == len(set(workers))
     if ok:
-        _refuse_missing(h5, missing)
+        _refuse_missing(h5, missing, kind)
     return ok
 
 
-def _refuse_missing(h5, missing: dict) -> None:
+def _refuse_missing(h5, missing: dict, kind: str) -> None:
     """The ValueError for the first HDF5 dataset of ``h5`` (``(source, name)``) needing a
-    filter that some workers lack (``missing``: each worker's filters, as ``_seen``)."""
+    filter that some workers lack (``missing``: each worker's filters, as ``_seen``), said
+    to be a ``kind``."""
     for i, (src, name) in enumerate(h5):
         lacking: dict = {}
         for worker, filters in sorted(missing.items()):
@@ -249,7 +250,7 @@ def _refuse_missing(h5, missing: dict) -> None:
                 lacking.setdefault(filters[i], []).append(worker)
         if lacking:
             code, who = next(iter(lacking.items()))
-            what = f"{name} (HDF5 dataset {src.name})" if name else f"HDF5 dataset {src.name}"
+            what = f"{name} ({kind} {src.name})" if name else f"{kind} {src.name}"
             raise ValueError(f"{what} needs HDF5 filter {code}, which is not available on "
                              f"Dask worker{'s' if len(who) > 1 else ''} {', '.join(who)} "
                              f"(not built into their HDF5, no plugin for it in their "

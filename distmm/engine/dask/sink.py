@@ -39,7 +39,7 @@ import numpy as np
 
 from distmm.staging import PARTIAL, staged_path
 
-__all__ = ["FileSink", "sink_of", "write_block", "close", "SinkClosed"]
+__all__ = ["FileSink", "sink_of", "write_block", "write_placement", "close", "SinkClosed"]
 
 _STAGED = re.compile(r"^\.(?P<name>.+)\." + re.escape(PARTIAL) + r"-(?P<pid>\d+)$")
 _ZARR_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")  # zarr's LocalStore: chunk.<uuid>.partial
@@ -57,9 +57,11 @@ class FileSink:
     data's byte offset (``.npy``, HDF5), zarr's ``chunks``, what the client saw of the
     staged file (``stamp_path``, ``size``, ``mtime_ns``, ``ino``: for ``files.visible``),
     this product's ``token``, for zarr, whether every block covers whole chunks
-    (``aligned``: written without the lock) and, for ``.npy`` and HDF5, whether large spans
+    (``aligned``: written without the lock), for ``.npy`` and HDF5, whether large spans
     go past the page cache (``direct``: the client's ``distmm.direct-writes``, as running
-    workers do not see the client's later ``dask.config`` changes)."""
+    workers do not see the client's later ``dask.config`` changes), and the workers found
+    to see the staged file (``writers``: ``for_workers``; only they write it,
+    ``write_placement``)."""
 
     kind: str
     target: str
@@ -75,6 +77,7 @@ class FileSink:
     aligned: bool = False
     ino: int = 0
     direct: bool = True
+    writers: frozenset = frozenset()
 
     @property
     def staged(self) -> Path:
@@ -89,6 +92,22 @@ class FileSink:
         aligned = (all(int(r) % cm == 0 or int(r) == m for r in row_edges)
                    and all(int(c) % cn == 0 or int(c) == n for c in col_edges))
         return replace(self, aligned=aligned)
+
+    def for_workers(self, workers) -> FileSink:
+        """This sink written by ``workers`` only: those found to see the staged file
+        (``files.visible``)."""
+        return replace(self, writers=frozenset(workers))
+
+
+def write_placement(sink: FileSink, alive) -> dict | None:
+    """The annotations of a round's write tasks: on the live workers of ``sink.writers`` and
+    no other (``allow_other_workers=False``: a worker that joined after the check may not see
+    the staged file, and would fail or write into another file of its name); None where none
+    of them is ``alive``: the client writes that round's blocks."""
+    workers = sorted(sink.writers & set(alive))
+    if not workers:
+        return None
+    return {"workers": workers, "allow_other_workers": False}
 
 
 def _staged_of(path: Path):
