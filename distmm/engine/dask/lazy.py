@@ -292,15 +292,24 @@ def _pinned_array_class():
 
         dask.array's default optimisation fuses tasks into a plain dict and so
         drops per-key annotations, the plan's worker pins among them.
-        Computing or persisting the result itself keeps them; arrays derived
-        from it are plain ``dask.array.Array`` objects (correct, placed by the
+        Computing or persisting the result itself keeps them, and so do its
+        copies (pickled, ``copy``, ``copy.deepcopy``); arrays derived from it
+        are plain ``dask.array.Array`` objects (correct, placed by the
         scheduler's own heuristics).
         """
 
         __slots__ = ()
         __dask_optimize__ = staticmethod(_cull_only)
 
+        # dask.array.Array's own copies are plain Arrays, whose optimisation drops the pins
+        def __reduce__(self):
+            return (PinnedArray, (self.dask, self.name, self.chunks, self.dtype, self._meta))
+
+        def copy(self):  # copy.deepcopy's too
+            return PinnedArray(self.dask, self.name, self.chunks, self.dtype, self._meta)
+
     PinnedArray.__module__ = __name__
+    PinnedArray.__qualname__ = "PinnedArray"  # pickled by reference as lazy.PinnedArray
     return PinnedArray
 
 
