@@ -62,6 +62,7 @@ import stat
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,7 +75,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "create_h5_stage", "commit_h5", "put_in_place", "HDF5_UNCLOSED", "H5_MARGIN",
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
-           "reclaimable", "remove_leftover",
+           "reclaimable", "remove_leftover", "remove_tree", "is_within",
            "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
            "unremovable", "open_refusal", "file_in_the_way"]
 
@@ -137,7 +138,8 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
     umask's). A symbolic link is replaced itself, never followed (it keeps the bits of what
     it names where that is a file for a file or a folder for a folder). A folder cannot be
     renamed onto another, or onto a link: the old one is moved
-    aside (``.NAME.distmm-old-PID``) and removed after the new one is in place;
+    aside (``.NAME.distmm-old-PID``) and removed after the new one is in place (a
+    ``RuntimeWarning`` names it where it cannot be: ``remove_tree``);
     if the new one cannot take its place, the old one is moved back. An old folder that
     could not be removed (``unremovable``) is refused before it is moved: ``PermissionError``,
     the target untouched.
@@ -177,8 +179,9 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
         fsync_paths([target.parent])
         if old.is_symlink():  # a link to a folder is replaced, as a .npy file's link is
             old.unlink()
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+        elif not remove_tree(old):
+            warnings.warn(f"{target} was replaced, but its old copy, moved aside to {old}, "
+                          f"could not be removed: remove it", RuntimeWarning, stacklevel=2)
     else:
         os.replace(staged, target)
         fsync_paths([target.parent])
@@ -223,7 +226,11 @@ def zarr_node(path: Path) -> str | None:
 
         try:
             return json.loads(meta.read_text()).get("node_type")
-        except (ValueError, OSError):
+        except OSError as exc:
+            if exc.errno in _PROCESS_LIMITS:  # this process's limit, not the file's fault
+                raise
+            return None
+        except ValueError:
             return None
     return None
 
@@ -874,10 +881,57 @@ def remove_leftover(staged: Path) -> None:
     staged = Path(staged)
     for extra in _extras(staged):
         extra.unlink(missing_ok=True)
-    if staged.is_dir():
-        shutil.rmtree(staged, ignore_errors=True)
+    if staged.is_dir() and not staged.is_symlink():
+        remove_tree(staged)
     else:
         staged.unlink(missing_ok=True)
+
+
+def is_within(name, path, *extra) -> bool:
+    """Whether the file ``name`` (an OSError's ``filename``) is ``path``, one of ``extra``,
+    or inside ``path``; False for None or a descriptor."""
+    try:
+        name = Path(os.path.abspath(os.fsdecode(name)))
+    except TypeError:  # None, or a descriptor
+        return False
+    path = Path(os.path.abspath(path))
+    return (name == path or path in name.parents
+            or name in (Path(os.path.abspath(x)) for x in extra))
+
+
+#: errnos of a process's own limits (open files, memory), which say nothing of a file
+_PROCESS_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def remove_tree(path) -> bool:
+    """Remove a folder of distmm's own (a staged zarr array, an old one moved aside) and
+    everything in it; whether it is gone. ``shutil.rmtree`` holds a descriptor per level
+    of the folder, which a small open-file limit (``ulimit -n``) refuses: what it left is
+    then removed by a walk that holds one descriptor at a time (``os.listdir``)."""
+    path = Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return True
+    try:
+        _remove_walk(str(path))
+    except OSError:
+        pass
+    return not os.path.lexists(path)
+
+
+def _remove_walk(path: str) -> None:
+    """Remove ``path`` bottom-up by name; a link is removed itself, never followed."""
+    for name in os.listdir(path):  # its descriptor is closed before the entries are visited
+        entry = os.path.join(path, name)
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(entry).st_mode)
+        except FileNotFoundError:
+            continue
+        if is_dir:
+            _remove_walk(entry)
+        else:
+            os.unlink(entry)
+    os.rmdir(path)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

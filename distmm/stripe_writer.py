@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from distmm.direct_io import libc_function
-from distmm.staging import BlockWriter, staged_path, zarr_node
+from distmm.staging import BlockWriter, is_within, staged_path, zarr_node
 
 __all__ = ["FileSpec", "parse_spec", "output_spec", "check_dtype", "zarr_format_for",
            "StripeWriter"]
@@ -189,6 +189,19 @@ class StripeWriter:
             self._header = int(header)
 
     def write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:
+        """Put ``block`` at ``[r0:r1, c0:c1]``. An ``OSError`` of the staged output's own
+        files (a chunk, the zarr lock: hidden names, removed with it) names the target."""
+        try:
+            self._write(r0, r1, c0, c1, block)
+        except OSError as exc:
+            if exc.errno is None or not is_within(exc.filename, self.path,
+                                                  f"{self.path}.lock"):
+                raise
+            label = f"{self.spec.path}:{self.spec.dataset}" if self.spec.kind == "h5" \
+                else str(self.spec.path)
+            raise OSError(exc.errno, f"{os.strerror(exc.errno)} while writing {label}") from exc
+
+    def _write(self, r0: int, r1: int, c0: int, c1: int, block) -> None:
         if r1 <= r0 or c1 <= c0:
             return
         if self._zarr is not None:

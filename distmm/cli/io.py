@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,8 +39,8 @@ from distmm.direct_io import npy_header, preallocate
 from distmm.hdf5_filters import check_filters
 from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
-                            create_h5_stage, file_in_the_way, h5_held, put_in_place, reclaimable,
-                            staged_path, zarr_node)
+                            create_h5_stage, file_in_the_way, h5_held, is_within, put_in_place,
+                            reclaimable, remove_tree, staged_path, zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "operand_target",
            "check_target", "check_report", "check_space", "check_writable", "check_unlocked",
@@ -587,7 +586,9 @@ def staged_output(spec: str, shape: tuple[int, ...], dtype, *, overwrite: bool =
         with _staged(t, shape, dtype, overwrite) as out:
             yield out
     except OSError as exc:
-        if exc.filename is None and exc.errno is not None:
+        ours = exc.filename is None or is_within(exc.filename, staged_path(t.path))
+        if exc.errno is not None and ours:
+            # (a file of the staged output, removed now, is no name to give the user)
             raise OSError(exc.errno, f"{os.strerror(exc.errno)} while writing {t}; the partial "
                                      f"output was removed") from exc
         raise
@@ -626,7 +627,7 @@ def _staged(t: Target, shape, dtype, overwrite: bool):
         # above) swapped out
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)  # our own staged array, never the target
+            remove_tree(tmp)  # our own staged array, never the target
         elif tmp.exists():
             tmp.unlink()
 

@@ -71,6 +71,7 @@ from distmm.cli.records import REQUIRED, json_file, read_records
 from distmm.cli.report_rules import (REFERENCES, arithmetic, count_of, emulated_label, family,
                                      is_reference)
 from distmm.errors import OutputExists
+from distmm.staging import remove_tree
 
 __all__ = ["REFERENCES", "REQUIRED", "SECTIONS", "count_of", "emulated_label", "family",
            "is_reference", "scaling",
@@ -797,10 +798,10 @@ def run_report(paths: list[str], output: str, *, overwrite: bool = False,
     except BaseException:
         if old is not None and (old.is_symlink() or old.exists()):
             if not staged.exists():  # the new report is in place: the old one goes
-                old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+                old.unlink() if old.is_symlink() else remove_tree(old)
             elif not (folder.exists() or folder.is_symlink()):
                 old.rename(folder)  # the report it was to replace goes back in place
-        shutil.rmtree(staged, ignore_errors=True)
+        remove_tree(staged)
         _remove_folders(made)
         raise
     print(f"wrote {folder}: report.md, {'index.html, ' if html else ''}{len(images)} figures from "

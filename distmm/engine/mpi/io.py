@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from distmm.config import get_config
 from distmm.engine.mpi.agree import agree, shared_error
 from distmm.direct_io import npy_header, preallocate
 from distmm.staging import (BlockWriter, check_target, commit_h5, create_h5_stage, put_in_place,
-                            staged_path)
+                            remove_tree, staged_path)
 from distmm.stripe_writer import (FileSpec, StripeWriter, check_dtype, output_spec, parse_spec,
                                   zarr_format_for)
 
@@ -196,8 +195,8 @@ def _finish(f: FileSpec, pid: int, ok: bool, overwrite: bool) -> None:
         commit_h5(staged, f.path, f.dataset, overwrite=overwrite)
         return
     if not ok:
-        if staged.is_dir():
-            shutil.rmtree(staged, ignore_errors=True)
+        if staged.is_dir() and not staged.is_symlink():
+            remove_tree(staged)  # also under a small open-file limit
         else:
             try:
                 staged.unlink()
