@@ -50,7 +50,8 @@ from dask.utils import parse_bytes, parse_timedelta
 from distmm.errors import ConfigError
 from distmm.plan import MAX_WORKERS, PRECISIONS
 
-__all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_available", "KEYS",
+__all__ = ["Config", "get_config", "memory_budget", "available_cpus", "host_available",
+           "address_space_left", "KEYS",
            "HOST_FRACTION", "WORKER_FRACTION", "GPU_FRACTION", "where_set", "yaml_file",
            "fallback"]
 
@@ -501,6 +502,22 @@ def host_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``,
+    ``RLIMIT_AS``: the limit less what it has mapped, memory-mapped operands included), or
+    None where there is no such limit."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    import psutil
+
+    return max(0, int(soft) - int(psutil.Process().memory_info().vms))
+
+
 def _device_free() -> int | None:
     """Free bytes on the current GPU, or None without cupy or a usable device
     (the executor then reports that, with its install hint)."""
@@ -554,8 +571,11 @@ def _measured(on_gpu: bool, local_threads: int | None) -> int:
             if free is not None:
                 value = _quantised(free * GPU_FRACTION)
             else:
-                share = host_available() * HOST_FRACTION
-                value = _quantised(share / (local_threads or available_cpus()))
+                threads = local_threads or available_cpus()
+                value = _quantised(host_available() * HOST_FRACTION / threads)
+                room = address_space_left()
+                if room is not None:  # the same share of what the limit leaves, unquantised
+                    value = min(value, max(1, int(room * HOST_FRACTION / threads)))
             hit = (now, value)
             _probes[key] = hit
     return hit[1]
@@ -574,11 +594,14 @@ def memory_budget(on_gpu: bool = False, *, config: Config | None = None) -> int:
       free memory (cupy is imported only then; without cupy or a device, the
       host's share below);
     - otherwise: ``HOST_FRACTION`` (0.5) of the machine's available memory
-      (psutil), split between the threads the local engine runs.
+      (psutil), split between the threads the local engine runs, and no more
+      than the same share of what an address-space limit (``ulimit -v``) leaves
+      this process (``address_space_left``).
 
     The rest is left for the operands, the result and everything else the
     process holds. The host and GPU budgets are rounded down to a multiple of
-    64 MiB (at least 64 MiB) and their measurements reused for a second, so
+    64 MiB (at least 64 MiB; one capped by an address-space limit is not) and
+    their measurements reused for a second, so
     back-to-back products get the same (cached) plan.
 
     Parameters

@@ -182,9 +182,6 @@ _PEAK = ("import re, sys\nfrom distmm.cli import main\nstatus = main(sys.argv[1:
 @pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0",
                     reason="numpy 1.x's OpenBLAS 0.3.23 hangs under a tight RLIMIT_AS")
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-@pytest.mark.xfail(strict=True, reason="distmm.config.memory_budget ('auto') takes half the "
-                   "machine's available memory and ignores the address-space limit "
-                   "(RLIMIT_AS): its tiles fail with MemoryError where a smaller budget fits")
 def test_automatic_memory_budget_fits_the_address_space_limit(tmp_path):
     """Under an address-space limit (``ulimit -v``) that a run with a 16 MiB memory budget
     fits with 8 MiB to spare, the default budget ('auto') plans tiles of 2048 and fails
