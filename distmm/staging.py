@@ -629,12 +629,16 @@ def _staged_beside(target: Path, dataset: str | None) -> list[Path]:
 
 
 def _h5_holds(staged: Path, dataset: str) -> bool:
-    """Whether the staged HDF5 file holds ``dataset``, or cannot be read as one."""
+    """Whether the staged HDF5 file holds ``dataset``, or cannot be read as one (not for this
+    process's own limits: ``_PROCESS_LIMITS``)."""
     import h5py
 
     try:
         with h5py.File(staged, "r") as fh:
             return isinstance(fh.get(dataset), h5py.Dataset)
+    except OSError as exc:
+        # this process's limits say nothing of the file, which may be another target's
+        return getattr(exc, "errno", None) not in _PROCESS_LIMITS
     except Exception:  # noqa: BLE001 - unreadable: no other target's to keep
         return True
 
@@ -651,8 +655,10 @@ def is_live(staged: Path) -> bool:
         return True
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):  # no such process
         return _claimed(staged)
+    except OSError:  # this process's limit (EMFILE, ENOMEM), or hidden (EACCES): not a fact
+        return True  # about that process, which may run
     return (b"distmm" in cmdline and _may_have_made(pid, staged)) or _claimed(staged)
 
 
@@ -673,7 +679,11 @@ def _may_have_made(pid: int, staged: Path) -> bool:
     entries, but its maker started before it made the folder."""
     started = _started(pid)
     changed = []
-    for path in (staged, *_extras(staged)):
+    try:
+        extras = _extras(staged, strict=True)
+    except OSError:  # this process's limit: the files' times are unknown
+        return True
+    for path in (staged, *extras):
         try:
             changed.append(path.stat().st_mtime)
         except OSError:
@@ -706,12 +716,16 @@ MANIFEST_SUFFIX = ".resume.json"
 _EXTRAS = re.escape(MANIFEST_SUFFIX) + r"(?:\.tmp)?|\.(?:done|sums)-\d+|\.lock"
 
 
-def _extras(staged: Path) -> list[Path]:
-    """The files a run keeps beside ``staged`` (``_EXTRAS``) that exist."""
+def _extras(staged: Path, *, strict: bool = False) -> list[Path]:
+    """The files a run keeps beside ``staged`` (``_EXTRAS``) that exist; none where the folder
+    cannot be listed, or with ``strict`` the ``OSError`` of a process limit
+    (``_PROCESS_LIMITS``), which says nothing of the folder."""
     pattern = re.compile(re.escape(staged.name) + f"(?:{_EXTRAS})")
     try:
         names = os.listdir(staged.parent)
-    except OSError:
+    except OSError as exc:
+        if strict and exc.errno in _PROCESS_LIMITS:
+            raise
         return []
     return [staged.parent / n for n in sorted(names)
             if pattern.fullmatch(n) and not (staged.parent / n).is_dir()]
@@ -753,13 +767,17 @@ def claim(staged: Path) -> int | None:
     manifest (``STAGED.resume.json``), held until the returned descriptor is closed or the
     process ends (a kill releases it). None where another process holds it: that one resumes
     or removes ``staged``, and this one leaves it alone. -1 (nothing held) where there is no
-    manifest: no run can resume such a staged output."""
+    manifest (``ENOENT``, ``ENOTDIR``): no run can resume such a staged output. A manifest
+    that cannot be opened for another reason (this process's limits, ``EMFILE``, ``ENFILE``,
+    ``ENOMEM``; ``EACCES``) counts as held: its lock cannot be tried, so a run may hold it."""
     import fcntl
 
     try:
         fd = os.open(f"{staged}{MANIFEST_SUFFIX}", os.O_RDONLY)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return -1
+    except OSError:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -249,3 +249,162 @@ def test_stripe_writer_error_past_the_open_file_limit_names_the_target(tmp_path)
             print(exc.errno == errno.EMFILE, exc.filename, "|", exc)
     """)
     assert r.stdout.strip() == "True None | [Errno 24] Too many open files while writing c.zarr"
+
+
+def _paused_matmul(folder: Path, site: Path, *args) -> subprocess.Popen:
+    """``distmm matmul ARGS`` in ``folder``, returned once it waits where ``pause_at`` in
+    ``site`` made it (``site/paused``)."""
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "distmm", "matmul", *map(str, args)],
+                            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (site / "paused").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not pause: {proc.communicate()}")
+        time.sleep(0.01)
+    return proc
+
+
+@pytest.mark.slow
+def test_live_staged_output_survives_a_scan_past_the_open_file_limit(tmp_path):
+    """A running ``distmm matmul -o c.npy`` (held before its rename) keeps
+    ``.c.npy.distmm-partial-PID``; a second process that scans the folder's leftovers and then
+    meets its open-file limit (``/proc/PID/cmdline`` and the manifest cannot be opened: EMFILE)
+    took it for a dead run's and removed it (``remove_if_left``), and the run then failed.
+    An error other than "no such process / no manifest" now counts as live."""
+    from conftest import pause_at
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((53, 31)), rng.standard_normal((31, 47))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    site = tmp_path.parent / f"{tmp_path.name}-site"
+    site.mkdir()
+    pause_at(site, "distmm.staging", "put_in_place")
+    proc = _paused_matmul(tmp_path, site, "a.npy", "b.npy", "-o", "c.npy", "--engine", "local")
+    try:
+        staged = f".c.npy.distmm-partial-{proc.pid}"
+        assert staged in os.listdir(tmp_path)
+        r = _child(tmp_path, """
+            from pathlib import Path
+            from distmm.staging import is_live, leftovers, reclaimable, remove_if_left
+            found = leftovers(Path("c.npy"))
+            held = hold(0)
+            try:
+                seen = [is_live(p) for p in found], [remove_if_left(p) for p in found]
+            finally:
+                let_go(held)
+            print([p.name for p in found], *seen)
+        """)
+        assert r.stdout.split() == [f"['{staged}']", "[True]", "[False]"], r.stdout
+        assert staged in os.listdir(tmp_path)
+    finally:
+        (site / "go").touch()
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_claimed_manifest_past_the_open_file_limit_is_held(tmp_path):
+    """A staged output whose maker is gone but whose manifest a ``--resume`` run holds (its
+    ``flock``, here this process's): ``claim`` under the open-file limit (the manifest cannot
+    be opened: EMFILE) returned -1, "no manifest, free to take", ``is_live`` False and
+    ``remove_if_left`` removed both; held (None), live, kept now."""
+    import fcntl
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    staged = tmp_path / f".c.npy.distmm-partial-{gone}"
+    with open(staged, "wb") as f:  # (np.save would add .npy to the name)
+        np.save(f, np.random.default_rng().standard_normal((7, 5)))
+    manifest = tmp_path / f"{staged.name}.resume.json"
+    manifest.write_text("{}")
+    fd = os.open(manifest, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        r = _child(tmp_path, f"""
+            from pathlib import Path
+            from distmm.staging import claim, is_live, remove_if_left
+            staged = Path({staged.name!r})
+            held = hold(0)
+            try:
+                seen = claim(staged), is_live(staged), remove_if_left(staged)
+            finally:
+                let_go(held)
+            print(*seen)
+        """)
+    finally:
+        os.close(fd)
+    assert r.stdout.split() == ["None", "True", "False"], r.stdout
+    assert sorted(os.listdir(tmp_path)) == sorted([staged.name, manifest.name])
+
+
+@pytest.fixture
+def scheduler_address():
+    """The TCP address of a real Dask scheduler (one worker thread, in this process)."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  protocol="tcp", dashboard_address=":0") as cluster:
+        yield cluster.scheduler_address
+
+
+def test_connecting_past_the_open_file_limit_fails_at_once(tmp_path, scheduler_address):
+    """``connect_client`` in a process with fewer descriptors free than connecting holds:
+    distributed's connect retried EMFILE until the timeout, then 'cannot connect ... (too
+    many open files); check the address and port' (or, with 4 free, 'the client could not
+    register within 20 s ()'); at once now, naming the limit and its value."""
+    r = _child(tmp_path, f"""
+        import time
+        import distributed, distributed.security  # (imported by the call otherwise)
+        from distmm.cli.connect import connect_client
+        for free in range(5):  # 4: the probe connects, the client does not
+            held = hold(free)
+            t0 = time.monotonic()
+            try:
+                connect_client(scheduler={scheduler_address!r}, timeout=20).close()
+                line = "connected"
+            except Exception as exc:
+                line = f"{{type(exc).__name__}}: {{exc}}"
+            seconds = time.monotonic() - t0
+            let_go(held)
+            print(free, seconds < 5, line)
+    """)
+    lines = r.stdout.splitlines()
+    assert len(lines) >= 5, r.stdout
+    for line in lines:
+        assert " True ConnectionError: cannot connect to " in line, line
+        assert "open-file limit (ulimit -n is 256)" in line and "check the address" not in line
+
+
+@pytest.mark.slow
+def test_command_connecting_past_the_open_file_limit_says_so_at_once(tmp_path,
+                                                                     scheduler_address):
+    """``distmm matmul --scheduler ADDRESS`` under ``ulimit -n`` brought down until it fails
+    before its output: a run whose connection meets the limit waited the whole
+    ``--connect-timeout`` and said to check the address and port; at once now, status 1, one
+    line naming ``ulimit -n`` and its value."""
+    import time
+
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((7, 5)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((5, 3)))
+    said = []
+    for limit in range(12, 5, -1):
+        t0 = time.monotonic()
+        r = run_cli("matmul", "a.npy", "b.npy", "-o", "c.npy", "--overwrite", "--scheduler",
+                    scheduler_address, "--connect-timeout", 20, cwd=tmp_path, timeout=120,
+                    preexec_fn=_limit(resource.RLIMIT_NOFILE, limit))
+        seconds = time.monotonic() - t0
+        line = r.stderr.splitlines()[-1] if r.stderr else ""
+        assert "check the address" not in line and seconds < 10, (limit, seconds, r.stderr)
+        if "cannot connect" in line:
+            assert r.returncode == 1, r.stderr
+            assert f"(ulimit -n is {limit})" in one_line(r.stderr), r.stderr
+            said.append(limit)
+    assert said, "no run met the limit while connecting"

@@ -10,7 +10,11 @@ This module covers: ``connect_client``, the ``distributed.Client`` of ``distmm m
   at once rather than after distributed's retries until the timeout (``check_listening``);
 - ``probe_scheduler``: one connection, distributed's handshake and an ``identity`` request,
   all inside one deadline, on an event loop of its own that is gone when it returns. Only
-  when a Dask scheduler has answered is the ``Client`` made.
+  when a Dask scheduler has answered is the ``Client`` made;
+- ``check_descriptors``: a process at its open-file limit (``ulimit -n``: ``EMFILE``, or the
+  system's, ``ENFILE``) is refused at once, naming the limit, before any connection:
+  distributed's connect retries that error until the timeout, and it says nothing of the
+  address.
 
 Why the probe: ``distributed.Client(address, timeout=...)`` bounds the TCP connect, but
 ``distributed.comm.connect`` then waits for the peer's handshake with no deadline, so an
@@ -30,13 +34,15 @@ connection (the Dask engine's retries: ``distmm.engine.dask``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import weakref
 from pathlib import Path
 
 __all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address",
-           "check_listening"]
+           "check_listening", "check_descriptors"]
 
 #: what to check when nothing answered as a scheduler at an address
 _CHECK = ("check the address and port (a scheduler listens on 8786 unless told otherwise; "
@@ -45,6 +51,55 @@ _CHECK = ("check the address and port (a scheduler listens on 8786 unless told o
 
 #: seconds past the timeout before an unanswered handshake is given up (see ``bounded``)
 _MARGIN = 0.25
+
+#: descriptors connecting holds at once: the probe's event loop (its selector and wake-up
+#: pair) and socket, then the client's event loop thread and its connections
+DESCRIPTORS = 5
+
+#: errnos of an open-file limit, this process's (``ulimit -n``) or the system's
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
+
+def _limit_refusal(where: str, err: int) -> str:
+    """The one line refusing to connect to ``where`` for the open-file limit ``err``."""
+    if err == errno.ENFILE:
+        return (f"cannot connect to {where}: the system's table of open files is full "
+                f"(ENFILE); close files or raise fs.file-max, and run again")
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    return (f"cannot connect to {where}: this process's open-file limit (ulimit -n is "
+            f"{limit}) leaves it fewer descriptors than connecting takes ({DESCRIPTORS}); "
+            f"raise the limit (ulimit -n) and run again")
+
+
+def check_descriptors(where: str) -> None:
+    """``ConnectionError`` at once (the limit named: ``ulimit -n`` and its value) where this
+    process cannot open the ``DESCRIPTORS`` files that connecting holds at once (``EMFILE``,
+    ``ENFILE``); each is closed again. Any other error is left to the connection."""
+    held = []
+    try:
+        while len(held) < DESCRIPTORS:
+            held.append(os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as exc:
+        if exc.errno in _NO_DESCRIPTOR:
+            raise ConnectionError(_limit_refusal(where, exc.errno)) from None
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _limit_errno(exc: BaseException) -> int | None:
+    """``EMFILE`` or ``ENFILE`` where one is in ``exc``'s chain (distributed's wrappers), else
+    None."""
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        if isinstance(exc, OSError) and exc.errno in _NO_DESCRIPTOR:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def check_address(address: str, where: str) -> str:
@@ -169,13 +224,15 @@ def probe_scheduler(address: str, timeout: float, *, connection_args: dict | Non
     ------
     ConnectionError
         Nothing accepted a connection, or what answered did not answer as a Dask scheduler
-        (another service, a Dask worker, silence) within ``timeout``.
+        (another service, a Dask worker, silence) within ``timeout``; at once, where this
+        process is at its open-file limit (``check_descriptors``).
     """
+    where = where or address
+    check_descriptors(where)
     if connection_args is None:
         from distributed.security import Security
 
         connection_args = Security().get_connection_args("client")
-    where = where or address
 
     async def bounded():
         # distributed's connect gives up on its own at ``timeout`` when nothing accepts (its
@@ -192,6 +249,8 @@ def probe_scheduler(address: str, timeout: float, *, connection_args: dict | Non
                               f"{_CHECK}") from None
     except OSError as exc:
         # distributed's connect: refused, unreachable or unresolvable until the deadline
+        if _limit_errno(exc) is not None:  # past check_descriptors: another thread's files
+            raise ConnectionError(_limit_refusal(where, _limit_errno(exc))) from None
         seen = _root_cause(exc)
         raise ConnectionError(f"cannot connect to {where} within {timeout:g} s "
                               f"({seen}); {_CHECK}") from None
@@ -213,7 +272,8 @@ def connect_client(*, scheduler: str | None = None, scheduler_file: str | None =
     Raises ``ValueError`` for an address or scheduler file that cannot name a scheduler,
     ``FileNotFoundError`` for a missing file, ``ConnectionError`` (one line: the address,
     what answered, what to check) when no scheduler answered in time, or at once when
-    nothing listens at a scheduler file's address (``check_listening``).
+    nothing listens at a scheduler file's address (``check_listening``) or this process is
+    at its open-file limit (``check_descriptors``).
     """
     from distributed import Client
     from distributed.security import Security
@@ -235,6 +295,8 @@ def connect_client(*, scheduler: str | None = None, scheduler_file: str | None =
         # client keeps ``timeout`` for its later calls too, as it did before the probe.
         client = Client(address, timeout=timeout, security=security)
     except (OSError, TimeoutError) as exc:
+        if _limit_errno(exc) is not None:
+            raise ConnectionError(_limit_refusal(where, _limit_errno(exc))) from None
         raise ConnectionError(f"the Dask scheduler at {where} answered, then the client could "
                               f"not register within {timeout:g} s "
                               f"({' '.join(str(exc).split())})") from None
