@@ -165,7 +165,7 @@ def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, bus
 
 
 @pytest.mark.slow
-def test_sigterm_while_the_workers_start_closes_them_once_up(tmp_path: Path):
+def test_sigterm_while_the_workers_start_closes_them_at_once(tmp_path: Path):
     sched = tmp_path / "sched.json"
     proc = subprocess.Popen([sys.executable, "-m", "distmm", "cluster", "--workers", "2",
                              "--port", "0", "--dashboard-address", ":0", "--scheduler-file", sched],
@@ -184,11 +184,11 @@ def test_sigterm_while_the_workers_start_closes_them_once_up(tmp_path: Path):
     status, out, err, seconds = stop_cluster(proc, lambda p: p.send_signal(signal.SIGTERM))
     assert status == 143, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
-                          "closed"), err
+    assert err.startswith("distmm cluster: stopped by SIGTERM while the workers started: the "
+                          "cluster closed"), err
     assert not sched.exists() and list(tmp_path.iterdir()) == []
     assert_all_gone(list(seen.values()))
-    assert seconds < 60
+    assert seconds < 30
 
 
 def _is_spawned_worker(p: psutil.Process) -> bool:
@@ -251,14 +251,14 @@ def _spawned_workers(proc: subprocess.Popen) -> list:
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_group_while_workers_start_closes_them_once_up(tmp_path: Path):
+def test_sigterm_to_the_group_while_workers_start_closes_them_at_once(tmp_path: Path):
     """A SIGTERM to the whole process group (``kill -- -PGID``, ``timeout``, a batch
     system's time limit) while the workers are starting reaches this command alone: the
     worker processes start with it blocked. It ended them there: under distributed 2024.12
     their nannies restarted them and the start never ended (the command hung, printing
     "Restarting worker", its restarted workers alive), under 2026.8 the start failed. The
-    workers come up and close in order: 143, the stop's one line, no scheduler file, no
-    process of the session left."""
+    command ends the start at once (the workers, still in their preload, killed): 143, the
+    stop's one line, no scheduler file, no process of the session left."""
     # each worker waits in its preload, inside the start: started, not yet up
     proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
     _wait_for(site / "paused", proc, "started a worker")
@@ -271,8 +271,8 @@ def test_sigterm_to_the_group_while_workers_start_closes_them_once_up(tmp_path: 
     status, out, err, seconds = stop_cluster(proc, group_sigterm_then_go)
     assert status == 143, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("distmm cluster: stopped by SIGTERM: 2 workers and the scheduler "
-                          "closed\n"), err
+    assert err == "distmm cluster: stopped by SIGTERM while the workers started: the cluster " \
+                  "closed\n", err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
     assert _left_in_session(proc.pid) == []
@@ -309,11 +309,11 @@ def test_a_start_failing_after_a_signal_is_the_signal_s_one_line(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_a_second_signal_while_the_workers_start_stops_at_once_once_they_are_up(tmp_path: Path):
-    """SIGTERM and SIGINT to the group while the workers start: both are noted, and the
-    second stops at once as soon as the start has returned the cluster, whose nannies then
-    restart no worker killed under them: both worker processes killed, one line, no
-    scheduler file, no process of the session left."""
+def test_a_second_signal_while_the_workers_start_adds_nothing(tmp_path: Path):
+    """SIGTERM and SIGINT to the group while the workers start: the first (Python runs
+    pending handlers in signal-number order: either) ends the start at once, the second
+    changes nothing: the first's status and one line, no scheduler file, no process of the
+    session left."""
     import re
 
     proc, sched, site = _cluster_pausing_at(tmp_path, "distmm.cli.worker_setup", "dask_setup")
@@ -326,10 +326,10 @@ def test_a_second_signal_while_the_workers_start_stops_at_once_once_they_are_up(
         (site / "go").touch()
 
     status, out, err, seconds = stop_cluster(proc, two_signals_then_go)
-    said = re.fullmatch(r"distmm cluster: stopped at once by a second (SIGINT|SIGTERM): 2 "
-                        r"worker process\(es\) killed\n", err)
+    said = re.fullmatch(r"distmm cluster: stopped by (SIGINT|SIGTERM) while the workers "
+                        r"started: the cluster closed\n", err)
     assert said, err
-    assert status == (130 if said[1] == "SIGTERM" else 143), err  # 128 + the first
+    assert status == (130 if said[1] == "SIGINT" else 143), err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
     assert _left_in_session(proc.pid) == []

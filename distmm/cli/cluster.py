@@ -108,23 +108,138 @@ def cpu_cluster(workers: int, *, threads_per_worker: int = 1, nodes: int = 1,
     lay = layout(workers, nodes)
     kwargs.setdefault("dashboard_address", ":0")
     _with_worker_setup(kwargs)
-    if not lay.active:
-        return _started(lambda: LocalCluster(n_workers=workers,
-                                             threads_per_worker=threads_per_worker,
-                                             processes=True, **kwargs))
     if "memory_limit" not in kwargs:  # LocalCluster's "auto" share, which n_workers=0 loses
         from distributed.system import MEMORY_LIMIT
 
         kwargs["memory_limit"] = int(MEMORY_LIMIT / workers)
+    if not lay.active and not _killed_start_fails():
+        return _started(lambda: LocalCluster(n_workers=workers,
+                                             threads_per_worker=threads_per_worker,
+                                             processes=True, **kwargs))
+    # the scheduler alone inside _started; the workers start outside it, where a signal's
+    # handler runs at once (``_start_workers``)
     cluster = _started(lambda: LocalCluster(n_workers=0, threads_per_worker=threads_per_worker,
                                             processes=True, **kwargs))
-    try:
+
+    def start():
+        if not lay.active:
+            _add_workers(cluster, workers)
+            return
         specs = {f"w{i}": copy.deepcopy(cluster.new_spec) for i in range(workers)}
         _start_as_nodes(cluster, specs, lay, timeout)
-    except BaseException:
-        cluster.close()
-        raise
+
+    _start_workers(cluster, start)
     return cluster
+
+
+def _killed_start_fails() -> bool:
+    """Whether a nanny's start fails where its worker process is killed while it starts
+    (distributed 2026.8); 2024.12's nanny starts it again, so that a start cut short by
+    killing its workers would never end: there the workers start inside ``_started``."""
+    import distributed
+    from packaging.version import Version
+
+    return Version(distributed.__version__) >= Version("2026.8.0")
+
+
+def _add_workers(cluster, workers: int) -> None:
+    """Start ``workers`` workers on ``cluster`` (a ``SpecCluster`` of no worker yet) as its
+    constructor does, and wait for them: a worker that fails to start fails it."""
+    while len(cluster.worker_spec) < workers:
+        cluster.worker_spec.update(cluster.new_worker_spec())
+    # what SpecCluster's constructor and scale() run to start the specs' workers, waited for
+    # in this thread so that a worker's failure to start is raised, as the constructor does
+    cluster.sync(cluster._correct_state)
+
+
+def _start_workers(cluster, start) -> None:
+    """``start()``, starting ``cluster``'s workers and waiting for them in this thread.
+
+    The worker processes are spawned by the cluster's event-loop thread, which ``_started``
+    made with SIGINT, SIGTERM and SIGHUP blocked, so they inherit the mask; this thread waits
+    with the handlers in force, so that one that raises (the command line's on SIGTERM or
+    Ctrl-C) ends the wait at once rather than once every worker is up. On any error the
+    cluster is closed at once (``_close_starting``): its worker processes killed, none
+    restarted."""
+    before = {p.pid for p in _children()}
+    try:
+        start()
+    except BaseException:
+        if _killed_start_fails():
+            _close_starting(cluster, before)
+        else:
+            cluster.close()
+        raise
+
+
+def _children() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _close_starting(cluster, before: set, most: float = 5.0) -> None:
+    """Close ``cluster`` whose workers may still be starting: every process under this one
+    that was not there before the start (``before``: their PIDs; multiprocessing's resource
+    tracker spared) is killed, and again until none has appeared for 0.3 s (``most`` seconds
+    at most), so that each nanny's start fails at once instead of waiting for its worker to
+    come up, then the cluster closes. A further signal meanwhile is the handler's to take."""
+    import time
+
+    import psutil
+
+    killed = set(before)
+
+    def started():
+        out = []
+        for p in _children():
+            try:
+                if (p.pid not in killed and p.status() != psutil.STATUS_ZOMBIE
+                        and "resource_tracker" not in " ".join(p.cmdline())):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    deadline = quiet_from = time.monotonic()
+    deadline += most
+    while time.monotonic() < deadline:
+        procs = started()
+        for p in procs:
+            killed.add(p.pid)
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        if procs:
+            _wait_ended(procs, 1.0)
+            quiet_from = time.monotonic()
+        elif time.monotonic() - quiet_from >= 0.3:
+            break
+        time.sleep(0.02)
+    cluster.close()
+
+
+def _wait_ended(procs: list, most: float) -> None:
+    """Wait until each of ``procs`` is a zombie or gone, ``most`` seconds at most, reaping
+    none (multiprocessing reads its children's exit statuses itself, and warns where one
+    was already read)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + most
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.Error:
+                break
+            time.sleep(0.01)
 
 
 def _node_specs(specs: dict, lay) -> dict:

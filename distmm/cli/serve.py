@@ -19,10 +19,11 @@ This module covers:
   ``nohup``), then closing the workers and the scheduler, making sure no worker process
   outlives the command, and removing the scheduler file when it is still
   the one this command wrote. A second signal during that stops at once (worker processes
-  are killed, the file still removed). A signal while the workers start is acted on once
-  they are up (a second one once the cluster is in hand), or in the failure's place where
-  the start fails; what distributed logs about the work a stop cuts short is not printed:
-  the stop's one line says what was closed.
+  are killed, the file still removed). A signal while CPU workers start ends the start at
+  once (the worker processes starting are killed, no scheduler file is written); while GPU
+  workers start, it is acted on once they are up (a second one once the cluster is in
+  hand), or in the failure's place where the start fails; what distributed logs about the
+  work a stop cuts short is not printed: the stop's one line says what was closed.
 
 Exit status: 130 after SIGINT, 143 after SIGTERM, 129 after SIGHUP (128 + the signal, as
 the rest of the command line and the shell report a process a signal ended), once the
@@ -469,7 +470,9 @@ def _kill_workers(cluster, most: float = 5.0) -> int:
 
 class _Stop:
     """The signal that asked for the stop, set from the handler (main thread), and the
-    cluster it stops once the start has returned it (``hold``)."""
+    cluster it stops once the start has returned it (``hold``). While CPU workers start
+    (``starting``), the first signal also raises ``Signalled`` there, which ends the start
+    at once (``distmm.cli.cluster.cpu_cluster`` kills the workers starting)."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -477,11 +480,18 @@ class _Stop:
         self.force = None  # called on a second signal, with the cluster in hand
         self.cluster = None
         self.second: int | None = None  # a second signal that came before the cluster
+        self.starting = False
 
     def handler(self, signum, frame):
         if self.signum is None:
             self.signum = signum
             self.event.set()
+            if self.starting:
+                from distmm.errors import Signalled
+
+                # what distributed logs about the workers the stop kills is not printed
+                logging.disable(logging.CRITICAL)
+                raise Signalled(signum)
         elif self.cluster is None:
             # the start has not returned the cluster yet (its nannies would restart the
             # workers killed under them): the stop at once comes as soon as it has
@@ -496,9 +506,10 @@ class _Stop:
             self.force(self.second)
 
 
-def _start(args, devices, hold):
-    """Start the cluster ``args`` describe, handing it to ``hold`` as soon as it is made;
-    ``(cluster, workers)``."""
+def _start(args, devices, stop: _Stop):
+    """Start the cluster ``args`` describe, handing it to ``stop.hold`` as soon as it is
+    made; ``(cluster, workers)``. A first signal while CPU workers start ends the start at
+    once (``Signalled``); while GPU workers start, it is acted on once they are up."""
     from distmm.cli.cluster import cpu_cluster, gpu_cluster
 
     common = dict(host=args.host, scheduler_port=args.port,
@@ -510,9 +521,13 @@ def _start(args, devices, hold):
         common.update(dashboard_address=f"{args.host}:0", scheduler_kwargs={"dashboard": False})
     workers = _worker_count(args, devices)
     if devices is None:
-        cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
+        stop.starting = True
         try:
-            hold(cluster)
+            cluster = cpu_cluster(workers, threads_per_worker=args.threads, **common)
+        finally:
+            stop.starting = False
+        try:
+            stop.hold(cluster)
             cluster.wait_for_workers(workers, timeout=START_TIMEOUT)
         except BaseException:
             cluster.close()
@@ -521,7 +536,7 @@ def _start(args, devices, hold):
     cluster = gpu_cluster(",".join(devices), per_device=args.workers or 1,
                           protocol=args.protocol, threads_per_worker=args.threads,
                           timeout=START_TIMEOUT, **common)
-    hold(cluster)
+    stop.hold(cluster)
     return cluster, workers
 
 
@@ -610,11 +625,14 @@ def run_cluster(args) -> int:
 def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
     cluster, written = None, None
     try:
-        # a first signal while the workers start is acted on once they are up: then they
-        # close in order (a second one stops at once)
+        # a first signal while CPU workers start ends the start at once; while GPU workers
+        # start, it is acted on once they are up: then they close in order (a second one
+        # stops at once)
+        from distmm.errors import Signalled
+
         try:
-            cluster, _ = _start(args, devices, stop.hold)
-        except Exception:
+            cluster, _ = _start(args, devices, stop)
+        except (Exception, Signalled):
             if stop.signum is None:
                 raise
             return _stopped_starting(stop.signum)
@@ -650,10 +668,11 @@ def _serve(args, devices, target: Path | None, stop: _Stop, keep) -> int:
 
 
 def _stopped_starting(signum: int) -> int:
-    """The start failed with a stop's signal noted (a SIGTERM to the process group ends the
-    workers starting, and their nannies report "Nanny failed to start"): the signal is acted
-    on in the failure's place. The cluster closed itself; no worker process is left, and no
-    scheduler file was written. Returns the exit status."""
+    """The start ended with a stop's signal noted: the signal ended it (CPU workers), or the
+    start failed meanwhile (a worker process ended by another program, and its nanny's
+    "Nanny failed to start"): the signal is acted on in the failure's place. The cluster
+    closed itself; no worker process is left, and no scheduler file was written. Returns the
+    exit status."""
     killed = _reap(5.0)
     note = f", {killed} worker process(es) killed after the close" if killed else ""
     print(f"distmm cluster: stopped by {signal.Signals(signum).name} while the workers "
