@@ -714,9 +714,6 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
             # numpy reads order and casting (their ValueErrors) first: asked on empty arrays
             np.matmul(np.empty((0, 0)), np.empty((0, 0)), order=order, casting=casting)
             raise TypeError("'subok' must be a boolean")
-        if precision is not None:  # the name, on every route (numpy's own calls too)
-            check_precision(precision)
-        _check_choices(engine, tile, backend)
     except Exception as exc:
         if engine == "mpi":
             _mpi_agree(exc)
@@ -726,7 +723,16 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if (ufunc_rules.overrides(a, b, out) or ufunc_rules.wraps_out(out)
             or signature is not None or _object_loop(a, b, dtype)):
         # numpy's own call (it hands an override the call); only the keywords the caller
-        # gave, as numpy passes them on
+        # gave, as numpy passes them on; the values every other route refuses refused here
+        # too (those routes check them where their ranks agree: DistArrays, the engines)
+        try:
+            if precision is not None:
+                check_precision(precision)
+            _check_choices(engine, tile, backend)
+        except Exception as exc:
+            if engine == "mpi":
+                _mpi_agree(exc)
+            raise
         if engine == "mpi":  # where every rank makes it: the others are in the engine
             _mpi_agree(None, route="numpy")
         given = {k: v for k, v in (("out", out), ("signature", signature)) if v is not None}
