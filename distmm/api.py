@@ -1014,7 +1014,7 @@ def _k_ordered(result, ops: Operands, a, b):
 
 def _check_choices(engine, tile, backend) -> None:
     """``engine=``, ``backend=`` and ``tile=`` refused as the engines and the planner refuse
-    them, on every route: numpy's own calls (where they do not apply) too."""
+    them, for a call numpy computes itself (they do not apply there, and no engine sees it)."""
     if not isinstance(engine, str) or engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(backend, str) or backend not in BACKENDS:
