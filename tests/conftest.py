@@ -173,6 +173,16 @@ sys.meta_path.insert(0, PauseAt())
 """
 
 
+def marking(path: Path):
+    """A ``map_blocks`` function that passes its block through and appends to ``path``: a
+    dask array built with it shows by ``path`` existing whether anything of it was computed."""
+    def mark(x):
+        with open(path, "a") as f:
+            f.write("x")
+        return x
+    return mark
+
+
 def pause_at(folder: Path, module: str, name: str, *, after: bool = False,
              seconds: float | None = None, rank: int | None = None, call: int = 1) -> None:
     """Make ``folder`` a ``sitecustomize`` (a child with it first on PYTHONPATH): the child's

@@ -27,6 +27,7 @@ dask = pytest.importorskip("dask")
 from dask.array.utils import assert_eq  # noqa: E402
 
 import distmm  # noqa: E402
+from conftest import marking  # noqa: E402
 from distmm.engine.dask.lazy import PinnedArray  # noqa: E402
 from distmm.engine.dask.stacks import SMALL_FLOPS  # noqa: E402
 
@@ -99,11 +100,7 @@ def test_vector_and_stack_products_are_lazy(tmp_path):
     """Nothing of a dask operand is computed while distmm builds the graph of a product
     with a vector (dask or numpy) or of a stack, small or large elements."""
     marks = tmp_path / "computed"
-
-    def mark(x):
-        with open(marks, "a") as f:
-            f.write("x")
-        return x
+    mark = marking(marks)
 
     rng = np.random.default_rng()
 

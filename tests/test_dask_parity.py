@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import distmm
-from conftest import random_array
+from conftest import marking, random_array
 
 da = pytest.importorskip("dask.array")
 from dask.array.utils import assert_eq  # noqa: E402
@@ -176,11 +176,7 @@ def test_result_dtype_is_numpys(dta, dtb):
 def test_the_product_is_lazy(tmp_path):
     """Nothing of the operands is computed while distmm builds the graph."""
     marks = tmp_path / "computed"
-
-    def mark(x):
-        with open(marks, "a") as f:
-            f.write("x")
-        return x
+    mark = marking(marks)
 
     rng = np.random.default_rng()
     x, y = rng.random((9, 7)), rng.random((7, 5))

@@ -13,7 +13,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from conftest import random_array
+from conftest import marking, random_array
 
 import distmm
 
@@ -273,11 +273,7 @@ def test_empty_spanning_stacks(x_shape, y_shape):
 
 def test_the_stack_product_is_lazy(tmp_path):
     marks = tmp_path / "computed"
-
-    def mark(z):
-        with open(marks, "a") as f:
-            f.write("x")
-        return z
+    mark = marking(marks)
 
     rng = np.random.default_rng()
     x, y = rng.random((40, 3, 4)), rng.random((40, 4, 2))
