@@ -595,7 +595,7 @@ def _swmr_marked(path) -> bool:
     return True
 
 
-def leftovers(target: Path, dataset: str | None = None) -> list[Path]:
+def leftovers(target: Path, dataset: str | None = None, *, strict: bool = False) -> list[Path]:
     """Staged outputs earlier runs left beside ``target`` (``.NAME.distmm-partial-PID``).
 
     With ``dataset`` (an HDF5 target), only the staged files holding that dataset, or none
@@ -604,10 +604,15 @@ def leftovers(target: Path, dataset: str | None = None) -> list[Path]:
 
     A run calls this before it writes, to resume or remove them; so the files a dead run kept
     beside a staged output that is gone (deleted by hand) are removed here first
-    (``_remove_orphans``): no run can resume from them, and no staged output leads to them."""
+    (``_remove_orphans``): no run can resume from them, and no staged output leads to them.
+
+    A folder that cannot be listed has none, and an HDF5 file that cannot be opened for this
+    process's limits (``_PROCESS_LIMITS``) is another target's; with ``strict`` (a ``--resume``
+    run, which would start over beside a stopped run it did not see) the ``OSError`` of a
+    process limit is raised instead, saying what could not be looked at."""
     target = Path(target)
     _remove_orphans(target)
-    return _staged_beside(target, dataset)
+    return _staged_beside(target, dataset, strict)
 
 
 def _staged_name(target: Path, tail: str) -> re.Pattern:
@@ -616,21 +621,24 @@ def _staged_name(target: Path, tail: str) -> re.Pattern:
     return re.compile(re.escape(f".{target.name}.{PARTIAL}-") + r"(\d+)" + tail)
 
 
-def _staged_beside(target: Path, dataset: str | None) -> list[Path]:
+def _staged_beside(target: Path, dataset: str | None, strict: bool = False) -> list[Path]:
     """``leftovers``, removing nothing."""
     pattern = _staged_name(target, "$")
     folder = target.parent if str(target.parent) else Path(".")
     try:
         names = os.listdir(folder)
-    except OSError:
+    except OSError as exc:
+        if strict and exc.errno in _PROCESS_LIMITS:
+            raise OSError(exc.errno, f"{_limit_reason(exc)}, so the folder "
+                                     f"{os.path.abspath(folder)} cannot be listed") from None
         return []
     found = sorted(folder / n for n in names if pattern.match(n))
-    return found if dataset is None else [p for p in found if _h5_holds(p, dataset)]
+    return found if dataset is None else [p for p in found if _h5_holds(p, dataset, strict)]
 
 
-def _h5_holds(staged: Path, dataset: str) -> bool:
+def _h5_holds(staged: Path, dataset: str, strict: bool = False) -> bool:
     """Whether the staged HDF5 file holds ``dataset``, or cannot be read as one (not for this
-    process's own limits: ``_PROCESS_LIMITS``)."""
+    process's own limits: ``_PROCESS_LIMITS``, raised with ``strict``)."""
     import h5py
 
     try:
@@ -638,6 +646,9 @@ def _h5_holds(staged: Path, dataset: str) -> bool:
             return isinstance(fh.get(dataset), h5py.Dataset)
     except OSError as exc:
         # this process's limits say nothing of the file, which may be another target's
+        if strict and exc.errno in _PROCESS_LIMITS:
+            raise OSError(exc.errno, f"{_limit_reason(exc)}, so {staged.name} cannot be opened "
+                                     f"to see which dataset it holds") from None
         return getattr(exc, "errno", None) not in _PROCESS_LIMITS
     except Exception:  # noqa: BLE001 - unreadable: no other target's to keep
         return True
@@ -762,21 +773,27 @@ def _remove_orphans(target: Path) -> None:
             release(fd)
 
 
-def claim(staged: Path) -> int | None:
+def claim(staged: Path, *, strict: bool = False) -> int | None:
     """Take ``staged`` over for this process: an exclusive advisory lock (``flock``) on its
     manifest (``STAGED.resume.json``), held until the returned descriptor is closed or the
     process ends (a kill releases it). None where another process holds it: that one resumes
     or removes ``staged``, and this one leaves it alone. -1 (nothing held) where there is no
     manifest (``ENOENT``, ``ENOTDIR``): no run can resume such a staged output. A manifest
     that cannot be opened for another reason (this process's limits, ``EMFILE``, ``ENFILE``,
-    ``ENOMEM``; ``EACCES``) counts as held: its lock cannot be tried, so a run may hold it."""
+    ``ENOMEM``; ``EACCES``) counts as held: its lock cannot be tried, so a run may hold it;
+    with ``strict`` the ``OSError`` of a process limit (``_PROCESS_LIMITS``) is raised
+    instead, as it says nothing of another run."""
     import fcntl
 
     try:
         fd = os.open(f"{staged}{MANIFEST_SUFFIX}", os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return -1
-    except OSError:
+    except OSError as exc:
+        if strict and exc.errno in _PROCESS_LIMITS:
+            raise OSError(exc.errno, f"{_limit_reason(exc)}, so the manifest of "
+                                     f"{Path(staged).name} cannot be opened to see whether a "
+                                     f"run holds it") from None
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -796,7 +813,10 @@ def preparing(target: Path, stop=None):
     ``--resume`` run looks at the staged outputs beside it and makes its own with its claimed
     manifest: a second such run waits, then finds that one claimed (between the staged
     output's making and its manifest's saving, it took it for a dead run's, or started beside
-    it). Where the folder takes no lock (some network file systems), nothing is held.
+    it). Where the folder takes no lock (some network file systems: ``flock`` fails) or cannot
+    be opened (no permission to read it), nothing is held; where this process cannot open it
+    for its open-file limit (``EMFILE``; the system's, ``ENFILE``) an ``OSError`` says so in
+    one line, before anything is looked at.
 
     A run that finds the lock taken says so in one line on stderr and waits (``_wait_lock``),
     calling ``stop`` (when given) every ``WAIT_STEP`` seconds: a ``stop`` that raises ends the
@@ -806,7 +826,11 @@ def preparing(target: Path, stop=None):
     folder = Path(target).parent
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in _NO_DESCRIPTOR:  # no lock taken, and other runs would race this one
+            raise OSError(exc.errno, f"cannot resume {target}: {_limit_reason(exc)}, so its "
+                                     f"folder {os.path.abspath(folder)} cannot be opened to hold "
+                                     f"off other --resume runs while this one prepares") from None
         fd = None
     try:
         if fd is not None:
@@ -919,6 +943,19 @@ def is_within(name, path, *extra) -> bool:
 
 #: errnos of a process's own limits (open files, memory), which say nothing of a file
 _PROCESS_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+#: errnos of an open-file limit: this process's (``ulimit -n``) or the system's
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
+
+def _limit_reason(exc: OSError) -> str:
+    """The process limit behind ``exc`` (``_PROCESS_LIMITS``) in words, for a line that the
+    command line ends with the limit in force (``ulimit -n``)."""
+    if exc.errno == errno.EMFILE:
+        return "too many open files"
+    if exc.errno == errno.ENFILE:
+        return "the system's table of open files is full (ENFILE)"
+    return "no memory left (ENOMEM)"
 
 
 def remove_tree(path) -> bool:

@@ -7,6 +7,10 @@ under ``ulimit -n``, SIGXCPU, OpenBLAS under ``ulimit -v``).
   are removed although ``shutil.rmtree`` cannot open a descriptor per level; an existing
   zarr target whose metadata cannot be opened is the limit's error, not "not a zarr array";
   a failed write names the target, not a file of the removed staged folder.
+- A ``--resume`` run that meets the open-file limit where it locks the target's folder, lists
+  it, or opens a stopped run's staged HDF5 file or manifest: one line naming the limit, the
+  stopped run's files kept (not "another run works on it", nor a fresh start beside it;
+  reading the manifest held back: ``resume.Manifest.load`` takes EMFILE for no manifest).
 - Under an address-space limit (``ulimit -v``) the automatic memory budget would have to
   plan tiles that fit it (held back: ``distmm.config.memory_budget`` does not read it).
 
@@ -343,6 +347,101 @@ def test_claimed_manifest_past_the_open_file_limit_is_held(tmp_path):
         os.close(fd)
     assert r.stdout.split() == ["None", "True", "False"], r.stdout
     assert sorted(os.listdir(tmp_path)) == sorted([staged.name, manifest.name])
+
+
+#: ``python -c _LIMITED_AT MODULE:NAME@CALL ARGV``: ``distmm ARGV`` whose open-file limit
+#: (soft) is brought down, as ``MODULE.NAME`` (a function, or a class's method: ``Class.name``)
+#: is called the CALL-th time, to the descriptors open then, so that the next file it opens
+#: meets the limit
+_LIMITED_AT = r"""
+import importlib, os, resource, sys
+where, argv = sys.argv[1], sys.argv[2:]
+module, name = where.split(":")
+name, call = name.split("@")
+owner = importlib.import_module(module)
+*path, name = name.split(".")
+for part in path:
+    owner = getattr(owner, part)
+real, calls = getattr(owner, name), []
+def limited(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == int(call):
+        fd = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor
+        os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (fd, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return real(*args, **kwargs)
+setattr(owner, name, staticmethod(limited) if isinstance(owner, type) else limited)
+from distmm.cli import main
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where, output", [
+    ("distmm.engine.mpi.batch:claim@1", "c.npy"),
+    ("distmm.engine.mpi.batch:preparing@1", "c.npy"),
+    ("distmm.engine.mpi.batch:leftovers@1", "c.npy"),
+    ("distmm.staging:_h5_holds@2", "c.h5:C"),  # (the first: the space check's)
+    ("distmm.engine.mpi.resume:Manifest.load@1", "c.npy")])
+def test_resume_past_the_open_file_limit_says_so_and_keeps_the_stopped_run(tmp_path, mpi_env,
+                                                                           where, output):
+    """``distmm matmul ... --resume`` beside a stopped run's staged output and manifest, whose
+    open-file limit is met (EMFILE) where it locks the folder (``preparing``), lists it
+    (``leftovers``), opens a staged HDF5 file (``_h5_holds``), claims the manifest (``claim``)
+    or reads it (``Manifest.load``): it said 'another run works on .c.npy.distmm-partial-PID'
+    (status 2: nobody did), or went on without the folder's lock or without the stopped run
+    and failed naming its own new hidden staged file, or took the manifest for none and
+    removed the stopped run's C; one line now, naming too many open files and the limit
+    (status 1), everything beside C kept."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((31, 17)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((17, 23)))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    name = output.split(":")[0]
+    staged = tmp_path / f".{name}.distmm-partial-{gone}"
+    if name.endswith(".h5"):
+        h5py = pytest.importorskip("h5py")
+        with h5py.File(staged, "w") as fh:
+            fh["C"] = rng.standard_normal((31, 23))
+    else:
+        with open(staged, "wb") as fh:  # (np.save would add .npy to the name)
+            np.save(fh, rng.standard_normal((31, 23)))
+    (tmp_path / f"{staged.name}.resume.json").write_text("{}")
+    names = sorted(os.listdir(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _LIMITED_AT, where, "matmul", "a.npy", "b.npy",
+                        "-o", output, "--resume"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**mpi_env, "OMPI_MCA_btl": "^ofi"})
+    line = one_line(r.stderr).rstrip("\n")
+    assert re.fullmatch(rf"distmm matmul: error: cannot resume {re.escape(output)}.*: .*"
+                        r"too many open files.*"
+                        r" \(the open-file limit, ulimit -n, is \d+\)", line, re.I), line
+    assert "another run works on" not in line, line
+    assert r.returncode == 1, r.stderr
+    assert sorted(os.listdir(tmp_path)) == names
+
+
+def test_preparing_past_the_open_file_limit_fails_in_one_line(tmp_path):
+    """``preparing`` (a ``--resume`` run's lock on the target's folder) where the folder
+    cannot be opened for the open-file limit (EMFILE) held nothing and went on, so two such
+    runs could race; an ``OSError`` naming too many open files now, before anything runs."""
+    r = _child(tmp_path, """
+        import errno
+        from pathlib import Path
+        from distmm.staging import preparing
+        held = hold(0)
+        try:
+            with preparing(Path("c.npy")):
+                line = "entered"
+        except OSError as exc:
+            line = f"{type(exc).__name__} {exc.errno == errno.EMFILE} {exc}"
+        let_go(held)
+        print(line)
+    """)
+    assert r.stdout.strip() == (
+        f"OSError True [Errno 24] cannot resume c.npy: too many open files, so its folder "
+        f"{tmp_path} cannot be opened to hold off other --resume runs while this one prepares")
 
 
 @pytest.fixture

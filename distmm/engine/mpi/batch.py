@@ -154,8 +154,17 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
     job = {*job, os.getpid()}
     # each one this process takes over (``claim``); a run started beside it leaves it alone
     claims, busy = {}, []
-    for p in leftovers(target, spec.dataset):
-        fd = claim(p)
+    try:  # a --resume run that cannot look (its open-file limit) cannot tell what to resume
+        left = leftovers(target, spec.dataset, strict=bool(args.resume))
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot resume {args.output}: {exc.strerror}") from None
+    for p in left:
+        try:  # nor whether another run works on a stopped run's staged output
+            fd = claim(p, strict=bool(args.resume))
+        except OSError as exc:
+            for held in claims.values():  # those taken before it
+                release(held)
+            raise OSError(exc.errno, f"cannot resume {args.output}: {exc.strerror}") from None
         if fd is None:  # held: a --resume run works on it (from its manifest's saving or its
             busy.append(p)  # taking over to its end), or another run removes it
         # a manifest no one holds: free to take. Without one only the PID in its name tells,
@@ -177,6 +186,10 @@ def _prepare_now(args, a, b, dtype, backend, comm, plan, panels, chunks, precisi
                     old = rs.Manifest.load(staged)
                 except ValueError as exc:  # damaged: kept, as a run that does not match is
                     old, what = None, str(exc)
+                except OSError as exc:  # this process's limit: kept, as it says nothing of it
+                    raise OSError(exc.errno, f"cannot resume {args.output} from {staged.name}: "
+                                             f"{(exc.strerror or str(exc)).lower()}, so its "
+                                             f"manifest cannot be read") from None
                 else:
                     if old is None:
                         continue

@@ -458,12 +458,14 @@ class Manifest(dict):
     def load(cls, staged: Path) -> "Manifest | None":
         """The manifest beside ``staged``, or None where it has none (or one of another
         format). Raises ``ValueError`` naming it where it is damaged (it does not parse, or a
-        field the run needs is missing or of the wrong kind)."""
+        field the run needs is missing or of the wrong kind), and the ``OSError`` of one that is
+        there but cannot be read (this process's open-file limit, its permissions): taken for
+        none, its staged output would be removed as a dead run's."""
         path = manifest_path(staged)
         try:
             with open(path) as fh:
                 text = fh.read()
-        except OSError:
+        except FileNotFoundError:
             return None
         try:
             data = json.loads(text)
