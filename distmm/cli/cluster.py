@@ -13,6 +13,10 @@ This module covers:
   ``WORKER_SETUP``, a preload), since Ctrl-C at a terminal reaches every process of the
   foreground group, as a SIGTERM to the group (``kill -- -PGID``, ``timeout``, a batch
   system's time limit) and a terminal's hangup do, and this process closes the cluster;
+- the worker processes under this process (``child_processes``; multiprocessing's resource
+  tracker is not one): killed until no new one appears (``kill_until_quiet``: a cluster
+  closed while its workers start, ``distmm cluster``'s stop at once), or given a grace
+  period to end before the rest are killed (``reap_processes``: after a close);
 - the Dask engine's task modules imported before the first product, by the workers
   (``TASKS_PRELOAD``) and by this process, which holds the scheduler;
 - emulated nodes (``nodes=N`` on either): the workers split into N groups, each worker
@@ -49,7 +53,8 @@ from distmm.deploy import TASKS_PRELOAD
 
 __all__ = ["local_gpus", "cpu_cluster", "gpu_cluster", "gpu_protocol", "ucx_available",
            "PROTOCOLS", "share_workers", "emulate_nodes", "random_array", "to_host",
-           "sync_workers", "GPU_RESOURCE", "WORKER_SETUP", "TASKS_PRELOAD"]
+           "sync_workers", "GPU_RESOURCE", "WORKER_SETUP", "TASKS_PRELOAD",
+           "child_processes", "kill_until_quiet", "reap_processes", "QUIET"]
 
 #: the preload every worker of these clusters runs as it starts (``distmm.cli.worker_setup``:
 #: it ignores SIGINT, and leaves out what a closing worker logs about its own close)
@@ -60,6 +65,9 @@ GPU_RESOURCE = "GPU"
 
 #: ``gpu_cluster``'s ``protocol``: UCX where it is installed (``auto``), or one of them
 PROTOCOLS = ("auto", "ucx", "tcp")
+
+#: seconds without a new worker process before ``kill_until_quiet`` ends
+QUIET = 0.3
 
 
 def ucx_available() -> bool:
@@ -161,7 +169,7 @@ def _start_workers(cluster, start) -> None:
     Ctrl-C) ends the wait at once rather than once every worker is up. On any error the
     cluster is closed at once (``_close_starting``): its worker processes killed, none
     restarted."""
-    before = {p.pid for p in _children()}
+    before = {p.pid for p in child_processes()}
     try:
         start()
     except BaseException:
@@ -172,7 +180,19 @@ def _start_workers(cluster, start) -> None:
         raise
 
 
-def _children() -> list:
+def _close_starting(cluster, before: set, most: float = 5.0) -> None:
+    """Close ``cluster`` whose workers may still be starting: every process under this one
+    that was not there before the start (``before``: their PIDs) is killed until none has
+    appeared for ``QUIET`` seconds (``kill_until_quiet``), so that each nanny's start fails
+    at once instead of waiting for its worker to come up, then the cluster closes. A further
+    signal meanwhile is the handler's to take."""
+    kill_until_quiet(before, most=most)
+    cluster.close()
+
+
+def child_processes() -> list:
+    """Every process under this one (``psutil.Process``, children's children included); none
+    where they cannot be listed."""
     import psutil
 
     try:
@@ -181,52 +201,76 @@ def _children() -> list:
         return []
 
 
-def _close_starting(cluster, before: set, most: float = 5.0) -> None:
-    """Close ``cluster`` whose workers may still be starting: every process under this one
-    that was not there before the start (``before``: their PIDs; multiprocessing's resource
-    tracker spared) is killed, and again until none has appeared for 0.3 s (``most`` seconds
-    at most), so that each nanny's start fails at once instead of waiting for its worker to
-    come up, then the cluster closes. A further signal meanwhile is the handler's to take."""
+def _is_worker(proc) -> bool:
+    """``proc`` still runs (not a zombie, not gone) and is not multiprocessing's resource
+    tracker, which ends with this process."""
+    import psutil
+
+    try:
+        return (proc.status() != psutil.STATUS_ZOMBIE
+                and "resource_tracker" not in " ".join(proc.cmdline()))
+    except psutil.Error:
+        return False
+
+
+def kill_until_quiet(spared=(), *, most: float = 5.0, reap: bool = False) -> int:
+    """Kill every worker process under this one (``_is_worker``) but ``spared`` (PIDs), and
+    again until none has appeared for ``QUIET`` seconds, ``most`` seconds at most; returns
+    how many were killed. Each round waits for its processes to end: with ``reap``, their
+    exit statuses are read (5 s at most); without, it waits until each is a zombie or gone
+    (1 s at most) and reads none, for multiprocessing reads its children's exit statuses
+    itself and warns where one was already read."""
     import time
 
     import psutil
 
-    killed = set(before)
-
-    def started():
-        out = []
-        for p in _children():
-            try:
-                if (p.pid not in killed and p.status() != psutil.STATUS_ZOMBIE
-                        and "resource_tracker" not in " ".join(p.cmdline())):
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
-
+    spared = set(spared)
+    killed = 0
     deadline = quiet_from = time.monotonic()
     deadline += most
     while time.monotonic() < deadline:
-        procs = started()
-        for p in procs:
-            killed.add(p.pid)
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        procs = [p for p in child_processes() if p.pid not in spared and _is_worker(p)]
+        spared.update(p.pid for p in procs)
+        _kill(procs)
         if procs:
-            _wait_ended(procs, 1.0)
+            if reap:
+                psutil.wait_procs(procs, timeout=5)
+            else:
+                _wait_ended(procs, 1.0)
+            killed += len(procs)
             quiet_from = time.monotonic()
-        elif time.monotonic() - quiet_from >= 0.3:
+        elif time.monotonic() - quiet_from >= QUIET:
             break
         time.sleep(0.02)
-    cluster.close()
+    return killed
+
+
+def reap_processes(grace: float) -> int:
+    """Wait ``grace`` seconds for the worker processes under this one (``_is_worker``) to
+    end, kill the rest, reading every exit status; returns how many had to be killed."""
+    import psutil
+
+    left = [p for p in child_processes() if _is_worker(p)]
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    _kill(alive)
+    psutil.wait_procs(alive, timeout=5)
+    return len(alive)
+
+
+def _kill(procs: list) -> None:
+    """Send SIGKILL to each of ``procs``, passing over those already gone."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def _wait_ended(procs: list, most: float) -> None:
     """Wait until each of ``procs`` is a zombie or gone, ``most`` seconds at most, reaping
-    none (multiprocessing reads its children's exit statuses itself, and warns where one
-    was already read)."""
+    none."""
     import time
 
     import psutil

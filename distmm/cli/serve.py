@@ -66,8 +66,6 @@ __all__ = ["add_parser", "run_cluster", "MIN_WORKER_MEMORY"]
 CLOSE_TIMEOUT = 30.0
 #: seconds the workers may take to start
 START_TIMEOUT = 120.0
-#: seconds without a new worker process before a stop at once ends (``_kill_workers``)
-QUIET = 0.3
 
 
 # ---------------------------------------------------------------- option types
@@ -400,51 +398,16 @@ def _remove_scheduler_file(target: Path | None, data: bytes | None) -> str:
 # ---------------------------------------------------------------- processes
 
 
-def _descendants() -> list:
-    import psutil
-
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _is_worker(proc) -> bool:
-    """A worker process (multiprocessing spawn), not the resource tracker, which ends
-    with this process."""
-    import psutil
-
-    try:
-        return "resource_tracker" not in " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-
-
-def _reap(grace: float) -> int:
-    """Wait ``grace`` seconds for worker processes still alive, kill the rest; returns
-    how many had to be killed."""
-    import psutil
-
-    left = [p for p in _descendants() if _is_worker(p)]
-    _, alive = psutil.wait_procs(left, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    return len(alive)
-
-
 def _kill_workers(cluster, most: float = 5.0) -> int:
-    """Kill every worker process, and again until none has appeared for ``QUIET`` seconds,
-    ``most`` seconds at most; returns how many. A nanny still running starts a new worker in
-    place of one killed under it, again and again, and the command's exit would leave the
-    last one starting (its traceback: "EOFError: Ran out of input"); so every nanny of
-    ``cluster`` (``SpecCluster.workers``; None: no cluster) is first set to the state its
-    close sets first (``Status.closing``), in which it starts none, from outside its event
-    loop, which a stop at once does not wait for."""
-    import time
+    """Kill every worker process, and again until none has appeared for
+    ``distmm.cli.cluster.QUIET`` seconds, ``most`` seconds at most (``kill_until_quiet``);
+    returns how many. A nanny still running starts a new worker in place of one killed under
+    it, again and again, and the command's exit would leave the last one starting (its
+    traceback: "EOFError: Ran out of input"); so every nanny of ``cluster``
+    (``SpecCluster.workers``; None: no cluster) is first set to the state its close sets
+    first (``Status.closing``), in which it starts none, from outside its event loop, which
+    a stop at once does not wait for."""
+    from distmm.cli.cluster import kill_until_quiet
 
     nannies = list(cluster.workers.values()) if cluster is not None else []
     if nannies:
@@ -452,17 +415,7 @@ def _kill_workers(cluster, most: float = 5.0) -> int:
 
         for nanny in nannies:
             nanny.status = Status.closing
-    killed, deadline = 0, time.monotonic() + most
-    quiet_from = time.monotonic()
-    while time.monotonic() < deadline:
-        now = time.monotonic()
-        n = _reap(0)
-        if n:
-            killed, quiet_from = killed + n, now
-        elif now - quiet_from >= QUIET:
-            break
-        time.sleep(0.02)
-    return killed
+    return kill_until_quiet(most=most, reap=True)
 
 
 # ---------------------------------------------------------------- the command
@@ -673,7 +626,9 @@ def _stopped_starting(signum: int) -> int:
     "Nanny failed to start"): the signal is acted on in the failure's place. The cluster
     closed itself; no worker process is left, and no scheduler file was written. Returns the
     exit status."""
-    killed = _reap(5.0)
+    from distmm.cli.cluster import reap_processes
+
+    killed = reap_processes(5.0)
     note = f", {killed} worker process(es) killed after the close" if killed else ""
     print(f"distmm cluster: stopped by {signal.Signals(signum).name} while the workers "
           f"started: the cluster closed{note}", file=sys.stderr, flush=True)
@@ -687,8 +642,10 @@ def _close(cluster) -> int:
     be killed."""
     import time
 
+    from distmm.cli.cluster import reap_processes
+
     if cluster is None:
-        return _reap(0)
+        return reap_processes(0)
     try:
         cluster.scale(0)
         deadline = time.monotonic() + CLOSE_TIMEOUT
@@ -696,5 +653,5 @@ def _close(cluster) -> int:
             time.sleep(0.05)
         cluster.close(timeout=CLOSE_TIMEOUT)
     finally:
-        killed = _reap(5.0)
+        killed = reap_processes(5.0)
     return killed
