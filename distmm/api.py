@@ -1136,8 +1136,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ----------
     a, b : 2-D array_like
         The operands; ``op(X)`` is ``X``, ``X.T`` (a view, never a copy) or
-        ``X.conj().T`` as ``trans_x`` says. An h5py dataset or zarr array is
-        read by slices as it is, and read whole where it is transposed.
+        ``X.conj().T`` as ``trans_x`` says. A subclass counts as its data (no
+        mask), as for ``c``. An h5py dataset or zarr array is read by slices
+        as it is, and read whole where it is transposed.
     c : 2-D array_like, optional
         Of shape ``(m, n)``; never modified. A subclass counts as its data
         (no mask); an h5py dataset or zarr array is read whole where it is read.
@@ -1175,7 +1176,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     ------
     ValueError
         Operands that are not 2-D, inner dimensions that differ, ``c`` of
-        the wrong shape, a ``trans_a``/``trans_b`` that is none of the above,
+        the wrong shape (one numpy would broadcast too) or of unknown dask
+        chunk sizes, a ``trans_a``/``trans_b`` that is none of the above,
         or an unknown ``precision``, ``engine``, ``backend`` or ``tile``. With
         ``engine="mpi"``, on every rank: a call another rank refuses, or
         shapes, letters, ``alpha``, ``beta`` or a read ``c`` (its sampled
@@ -1208,7 +1210,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         fam = max((array_family(x) for x in (a, b) + ((c,) if c is not None else ())),
                   key=FAMILY_ORDER.index)
         _refuse_unsupported("gemm", fam, a=a, b=b, **({} if c is None else {"c": c}))
-        a, b = _as_array(a, fam), _as_array(b, fam)
+        # a subclass's data, as for c (with a dask partner, its chunks would be the subclass)
+        a, b = (_as_array(ufunc_rules.base(x), fam) for x in (a, b))
         for name, x in (("a", a), ("b", b)):
             if x.ndim != 2:
                 raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
@@ -1217,6 +1220,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         dtype = ops.dtype
         if c is not None:
             c = _as_array(ufunc_rules.base(c), fam)  # a subclass's data: a plain result
+            if any(s is None or (isinstance(s, float) and math.isnan(s)) for s in c.shape):
+                raise ValueError(f"gemm: c has unknown chunk sizes (shape {tuple(c.shape)}); "
+                                 f"call c.compute_chunk_sizes() first")
             if tuple(c.shape) != (ops.m, ops.n):
                 raise ValueError(
                     f"gemm: c has shape {tuple(c.shape)} but op(a) @ op(b) has shape "
@@ -1239,6 +1245,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             # even where no product is made (alpha == 0, k == 0)
             cfg = get_config()
             eng = _engine_for(engine, ops.family, client, cfg, ops, what="gemm")
+            eng.check_operands(ops)  # (its run checks them too, but alpha == 0 or k == 0 skips it)
             request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
         if engine == "mpi":
             key = _gemm_key(ops, flag_a, flag_b, alpha_t, beta_t, c)

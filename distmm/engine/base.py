@@ -129,6 +129,10 @@ class Engine(ABC):
         from its workers' ``memory_limit`` (the lower budget wins)."""
         return {}
 
+    def check_operands(self, operands: Operands) -> None:
+        """Raise where this engine cannot take ``operands`` (their family), before any work
+        and also where no product is made; ``run`` checks the same."""
+
     def replayer(self, request: Request):
         """A callable ``f(a, b)`` that runs ``request`` again on new operands of
         the same signature (types, shapes, strides, dtypes) with nothing

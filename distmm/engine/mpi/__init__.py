@@ -88,10 +88,13 @@ class MPIEngine(Engine):
     def workers(self, operands: Operands, *, on_gpu: bool) -> int:
         return self.comm.size
 
+    def check_operands(self, operands: Operands) -> None:
+        if operands.family == "dask":
+            raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
+
     def run(self, request: Request):
         ops, plan = request.operands, request.plan
-        if ops.family == "dask":
-            raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
+        self.check_operands(ops)
         on_gpu = request.on_gpu or ops.family == "cupy"
         values = (fingerprint(ops.a2), fingerprint(ops.b2)) if self.comm.size > 1 else None
         _same_on_every_rank(self.comm, (tuple(ops.a.shape), ops.a.dtype.str, tuple(ops.b.shape),
