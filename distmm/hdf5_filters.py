@@ -39,9 +39,10 @@ def dataset_name(x) -> str:
 def datasets_of(x) -> list:
     """The open h5py datasets the dask array ``x`` reads when computed, as
     ``dask.array.from_array`` puts them in its graph: a value of a layer of its own (the
-    graph's "original" array), or, with ``inline_array=True``, an argument of the layer that
-    reads it; each once, [] for anything else. One inlined into the tasks of an optimised
-    graph (``dask.optimize``) is not looked for: that would walk every task."""
+    graph's "original" array), with ``inline_array=True`` an argument of the layer that
+    reads it, or, in an optimised graph (``dask.optimize``), an argument of the tasks it was
+    inlined into (fused ones included); each once, [] for anything else. Only the arguments
+    of tasks that read an array are walked (``_READERS``), never the data of an array."""
     h5py = sys.modules.get("h5py")
     if h5py is None or not hasattr(x, "__dask_graph__"):
         return []
@@ -53,12 +54,38 @@ def datasets_of(x) -> list:
         else:  # a MaterializedLayer (its mapping), or a plain dict graph
             values = getattr(layer, "mapping", layer)
             values = values.values() if isinstance(values, Mapping) else ()
-        for value in values:
-            if type(value).__name__ == "DataNode":  # dask's wrapper of a graph's data
-                value = getattr(value, "value", value)
-            if isinstance(value, h5py.Dataset):
-                found[id(value)] = value
+        _find(values, h5py.Dataset, found)
     return [ds for ds in found.values() if ds.id.valid]
+
+
+#: the functions of dask's tasks that read an array passed to them (``dask.array.core``'s
+#: getters), or run a fused task's inner tasks on the data passed to it (``dask.optimize``)
+_READERS = frozenset({"getter", "getter_nofancy", "getter_inline", "_execute_subgraph"})
+_CONTAINERS = frozenset({"List", "Tuple", "Dict", "Set"})  # dask's task spec: data, not calls
+
+
+def _find(values: list, dataset_type, found: dict) -> None:
+    """Add to ``found`` (by id) the ``dataset_type`` objects in ``values``, bare or in a
+    data node, and in the arguments of the tasks that read them (``_READERS``, old-style
+    tuples too) and of the containers of dask's task spec there; any other task costs one
+    look at its function. A fused task's inner tasks are not walked: the data they read
+    comes as its arguments."""
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        kind = type(value).__name__
+        if kind == "DataNode":
+            value = value.value
+        if isinstance(value, dataset_type):
+            found[id(value)] = value
+            continue
+        func = getattr(value, "func", None)
+        if func is not None:  # a task of dask's task spec
+            if kind in _CONTAINERS or getattr(func, "__name__", "") in _READERS:
+                stack.extend(value.args)
+                stack.extend((getattr(value, "kwargs", None) or {}).values())
+        elif kind == "tuple" and value and getattr(value[0], "__name__", "") in _READERS:
+            stack.extend(value[1:])
 
 
 def missing_filter(dataset) -> str | None:

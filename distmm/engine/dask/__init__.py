@@ -386,6 +386,8 @@ class DaskEngine(Engine):
         ops = request.operands
         if ops.family == "dask":
             self._check_datasets(ops)
+            ops = self._promoted(ops)
+            request = replace_fast(request, operands=ops)
         facts, transfer_info = self._facts(ops, request.backend)
         self._check_scheduler()
         stats: dict = {"mode": "blocks" if facts else "tiles", "started": started,
@@ -399,6 +401,17 @@ class DaskEngine(Engine):
         if ops.family == "cupy":
             return self._run_from_device(request, facts, stats, t0)
         return self._run_eager(request, facts, stats, t0)
+
+    def _promoted(self, ops: Operands) -> Operands:
+        """``ops`` with a 1-D operand promoted under distmm's own keys (``lazy.promoted``);
+        where its chunks are (asked with the worker table) is kept for the promoted one."""
+        from distmm.engine.dask.lazy import promoted
+
+        own = promoted(ops)
+        kept = self._where
+        if own is not ops and kept is not None and kept[0] is ops.a and kept[1] is ops.b:
+            self._where = (own.a, own.b, kept[2])
+        return own
 
     def _check_datasets(self, ops: Operands) -> None:
         """Refuse, before any task, a dask operand over an HDF5 dataset

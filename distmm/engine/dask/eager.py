@@ -640,7 +640,6 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                           copies=blocks is not None, source=b_src, readers=readers)
     if stats is not None:
         stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
-        stats["written_on_workers"] = sink is not None
         stats["token"] = token  # in the keys of this product's tasks: distmm-*-TOKEN-...
     region = None
     if regions is not None:
@@ -663,6 +662,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
     ctx = _performance_report(client, report) if report else nullcontext()
     attempts, failing_since, last_error, failed_tiles = 0, None, None, 0
     submitted, written, futures, raised = 0, False, {}, set()
+    client_wrote = False  # a round's blocks written into the sink's file by this process
     t0 = time.perf_counter()
     try:
         with ctx:
@@ -696,6 +696,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     # the workers found to see the staged output write it; none of them
                     # alive: the client writes this round's blocks
                     writes = write_placement(sink, alive) if sink is not None else None
+                    client_wrote = client_wrote or (sink is not None and not writes)
                     futures = _submit(client, layer, sink if writes else None, rows, cols,
                                       writes)
                     placed = set(targets) | set(writes["workers"] if writes else ())
@@ -756,6 +757,8 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                 a_sc, b_sc, a_need, b_need, blocks.addresses(alive), layout, out.nbytes,
                 np.dtype(plan.acc_dtype).itemsize)
         stats["tasks"] = submitted
+        # only where the workers wrote every block: no round of them was written here
+        stats["written_on_workers"] = sink is not None and not client_wrote
         stats["written_direct"] = direct  # bytes of C the workers wrote past the page cache
         stats["moved"] = sorted(blocks.moved) if blocks is not None else []
         stats["resent"] = a_sc.resent + b_sc.resent

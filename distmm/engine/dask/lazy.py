@@ -1,6 +1,7 @@
 """Dask-array operands: the product as a lazy ``dask.array.Array``.
 
-This module covers: wrapping a ``ProductLayer`` over the operands' own chunks
+This module covers: a 1-D operand promoted under keys of distmm's own (``promoted``),
+wrapping a ``ProductLayer`` over the operands' own chunks
 into a dask array (no rechunk is inserted; the input layers stay as they
 are), in block mode (``lazy_blocks``) the layout's block tasks with one small
 task per output chunk slicing it out of its block (on the block's worker,
@@ -16,14 +17,37 @@ from __future__ import annotations
 
 import numpy as np
 
+from distmm.engine.base import Operands, replace_fast
 from distmm.engine.dask.chunks import Geometry
 from distmm.engine.dask.graph import OperandKeys, ProductLayer, names_of
 from distmm.engine.dask.placement import Placement
-from distmm.engine.dask.tasks import TaskPlan
+from distmm.engine.dask.tasks import TaskPlan, as_column, as_row
 from distmm.plan import Plan
 
-__all__ = ["lazy_product", "lazy_blocks", "export_layer", "PinnedArray", "ChunkHomes",
-           "ExportHomes"]
+__all__ = ["promoted", "lazy_product", "lazy_blocks", "export_layer", "PinnedArray",
+           "ChunkHomes", "ExportHomes"]
+
+
+def promoted(ops: Operands) -> Operands:
+    """``ops`` with a 1-D dask operand made 2-D as numpy's matmul promotes it (a leading 1
+    for ``a``, a trailing 1 for ``b``) in a layer of distmm's own name, ``distmm-row-TOKEN``
+    or ``distmm-column-TOKEN``; ``a_vector``/``b_vector`` are then False (``distmm.api``
+    squeezes the result by its own operands). dask.array's ``v[None, :]`` (``v[:, None]``),
+    also made by its own ``v @ b``, has the name ``ops.a2`` (``ops.b2``) would have: on one
+    scheduler, that key could come with two different tasks (fused by dask's optimisation
+    in one graph, not in the other)."""
+    if not (ops.a_vector or ops.b_vector):
+        return ops
+    from dask.base import tokenize
+
+    a, b = ops.a, ops.b
+    if ops.a_vector:
+        a = a.map_blocks(as_row, new_axis=0, chunks=((1,),) + a.chunks, dtype=a.dtype,
+                         meta=as_row(a._meta), name="distmm-row-" + tokenize(a.name))
+    if ops.b_vector:
+        b = b.map_blocks(as_column, new_axis=1, chunks=b.chunks + ((1,),), dtype=b.dtype,
+                         meta=as_column(b._meta), name="distmm-column-" + tokenize(b.name))
+    return replace_fast(ops, a=a, b=b, a_vector=False, b_vector=False)
 
 
 def output_chunks(geometry_chunks, batch) -> tuple:

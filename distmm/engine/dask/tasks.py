@@ -3,7 +3,8 @@
 This module covers: the executor each worker process keeps (CPU, or its GPU
 where it has one), assembling a task's panels from the chunks it was given,
 the k-loop of one output block over one k group, one step of the plan's
-reduction tree, a batch chunk of a stack of whole matrices (``stack_block``), an output
+reduction tree, a 1-D dask operand's chunk as a row or a column (``as_row``, ``as_column``),
+a batch chunk of a stack of whole matrices (``stack_block``), an output
 block of a batch chunk of a stack whose matrices span chunks (``stack_panels``), the
 final cast to numpy's result dtype, and the floating-point flags those raise (kept on
 the worker under the call's token for the client to report as numpy's matmul would,
@@ -30,7 +31,8 @@ from distmm.fpflags import collect
 
 __all__ = ["TaskPlan", "BlockSpec", "StackSpec", "partial_block", "stack_block", "stack_panels",
            "sum_step", "block_parts", "executor_for", "cached_executor", "executors_made",
-           "worker_has_gpu", "array_module", "panel", "as_chunk", "recording_flags", "pop_flags"]
+           "worker_has_gpu", "array_module", "panel", "as_chunk", "as_row", "as_column",
+           "recording_flags", "pop_flags"]
 
 _EXECUTORS: dict[tuple, Any] = {}
 _GPU: list[bool] = []
@@ -208,6 +210,16 @@ def panel(blocks: dict, lead: tuple, row_pieces, col_pieces):
 def as_chunk(tile, batch_ndim: int):
     """A 2-D tile with ``batch_ndim`` leading length-1 axes, as an output chunk."""
     return tile.reshape((1,) * batch_ndim + tile.shape) if batch_ndim else tile
+
+
+def as_row(chunk):
+    """A chunk of a 1-D operand as one row (``a``'s promotion in numpy's matmul)."""
+    return chunk[None, :]
+
+
+def as_column(chunk):
+    """A chunk of a 1-D operand as one column (``b``'s promotion in numpy's matmul)."""
+    return chunk[:, None]
 
 
 @recording_flags
