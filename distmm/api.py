@@ -636,9 +636,11 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         results; a dask result is lazy); ``subok=False`` returns a plain ndarray
         for ndarray subclasses. Subclasses (``np.matrix``, masked arrays, your
         own) come back wrapped by the ``__array_wrap__`` numpy would pick, and
-        operands that override ``__array_ufunc__`` take the call, as in numpy.
-        numpy itself computes (with the keywords given; ``engine``, ``tile``,
-        ``backend`` and ``precision`` do not apply, though values they refuse
+        operands that override ``__array_ufunc__`` take the call, as in numpy
+        (beside a dask operand, a subclass's call is numpy's, which dask takes
+        after distmm's checks: a lazy dask array of the subclass's chunks, or
+        dask's error). numpy itself computes (with the keywords given;
+        ``engine``, ``tile``, ``backend`` and ``precision`` do not apply, though values they refuse
         are refused as on every call) a call with ``signature``,
         one whose ``out`` has its own ``__array_wrap__`` (a masked array: numpy
         sets its mask) and one whose object loop takes a string, bytes or
@@ -740,6 +742,11 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
         return np.matmul(a, b, **given)
     a, b = _as_objects(a, b, dtype)
+    if (subok is True and out is None and "dask" in (array_family(a), array_family(b))
+            and any(ufunc_rules.is_subclass(x) for x in (a, b))):
+        return _dask_takes_subclass(a, b, keywords, axes=axes, axis=axis, keepdims=keepdims,
+                                    engine=engine, client=client, tile=tile, backend=backend,
+                                    precision=precision)
     if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
         # numpy wraps the whole result (its axes placed as ``axes`` says) with the operands
         # as given in the wrap's context
@@ -860,6 +867,36 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         out_arrays.fill(out, result)
     fpflags.report(seen)
     return out
+
+
+def _dask_takes_subclass(a, b, keywords, *, axes, axis, keepdims, engine: str, client, tile,
+                         backend: str, precision):
+    """An ndarray subclass (``np.matrix``, a masked array, a user's own) beside a dask
+    operand: numpy hands the call to dask (its ``__array_ufunc__``), whose result is a lazy
+    dask array of the subclass's chunks (a masked product's masks as the chunks' own wrap
+    makes them), or dask's own error at the call (an ``np.matrix`` where k has several
+    chunks; any keyword numpy passes on). distmm's checks of the operands and keywords,
+    ``precision``, ``engine``, ``tile`` and ``backend`` come first (``engine="mpi"`` refuses
+    dask operands), then numpy's own call; dask's ValueError names the subclass."""
+    cfg = get_config()
+    try:
+        ops = _validate(ufunc_rules.base(a), ufunc_rules.base(b), dtype=keywords["dtype"],
+                        casting=keywords["casting"], order=keywords["order"])
+        resolve_precision(precision, ops.dtype, config=cfg)
+        _check_choices(engine, tile, backend)
+        _engine_for(engine, ops.family, client, cfg, ops).check_operands(ops)
+    except Exception as exc:
+        if engine == "mpi":
+            _mpi_agree(exc)
+        raise
+    given = ufunc_rules.given_keywords(axes=axes, axis=axis, keepdims=keepdims)
+    given.update((k, v) for k, v in keywords.items() if not _is_default(k, v))
+    try:
+        return np.matmul(a, b, **given)
+    except ValueError as exc:
+        sub = next(type(x).__name__ for x in (a, b) if ufunc_rules.is_subclass(x))
+        raise ValueError(f"matmul: dask's matmul of a {sub} operand and a dask array refused "
+                         f"it: {exc}") from exc
 
 
 def _mpi_agree(error: BaseException | None, *, comm=None, route: str | None = None,
