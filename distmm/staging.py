@@ -77,7 +77,7 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "preparing",
            "reclaimable", "remove_leftover", "remove_tree", "is_within",
            "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
-           "unremovable", "open_refusal", "file_in_the_way"]
+           "unremovable", "open_refusal", "file_in_the_way", "is_process_limit"]
 
 PARTIAL = "distmm-partial"
 
@@ -781,8 +781,8 @@ def claim(staged: Path, *, strict: bool = False) -> int | None:
     manifest (``ENOENT``, ``ENOTDIR``): no run can resume such a staged output. A manifest
     that cannot be opened for another reason (this process's limits, ``EMFILE``, ``ENFILE``,
     ``ENOMEM``; ``EACCES``) counts as held: its lock cannot be tried, so a run may hold it;
-    with ``strict`` the ``OSError`` of a process limit (``_PROCESS_LIMITS``) is raised
-    instead, as it says nothing of another run."""
+    with ``strict`` the ``OSError`` of a process limit (``_PROCESS_LIMITS``) or of a
+    permission (``PermissionError``) is raised instead, as it says nothing of another run."""
     import fcntl
 
     try:
@@ -794,6 +794,10 @@ def claim(staged: Path, *, strict: bool = False) -> int | None:
             raise OSError(exc.errno, f"{_limit_reason(exc)}, so the manifest of "
                                      f"{Path(staged).name} cannot be opened to see whether a "
                                      f"run holds it") from None
+        if strict and isinstance(exc, PermissionError):  # no sign of a run that holds it
+            raise PermissionError(exc.errno, f"the manifest of {Path(staged).name} cannot be "
+                                             f"read (permission denied), so whether a run "
+                                             f"holds it cannot be seen") from None
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -946,6 +950,30 @@ _PROCESS_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 #: errnos of an open-file limit: this process's (``ulimit -n``) or the system's
 _NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
+
+def descriptors_short(need: int) -> tuple[int, int] | None:
+    """None where this process can open ``need`` more files at once (each closed again);
+    else the errno that stopped it (``EMFILE``: its open-file limit; ``ENFILE``: the
+    system's table) and how many it could open. Any other error is raised."""
+    held = []
+    try:
+        while len(held) < need:
+            held.append(os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as exc:
+        if exc.errno not in _NO_DESCRIPTOR:
+            raise
+        return exc.errno, len(held)
+    finally:
+        for fd in held:
+            os.close(fd)
+    return None
+
+
+def is_process_limit(exc: BaseException) -> bool:
+    """Whether ``exc`` is the ``OSError`` of this process's own limits (``_PROCESS_LIMITS``:
+    open files, memory), which says nothing of the file it was opening."""
+    return isinstance(exc, OSError) and exc.errno in _PROCESS_LIMITS
 
 
 def _limit_reason(exc: OSError) -> str:

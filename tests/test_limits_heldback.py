@@ -11,6 +11,11 @@ under ``ulimit -n``, SIGXCPU, OpenBLAS under ``ulimit -v``).
   it, or opens a stopped run's staged HDF5 file or manifest: one line naming the limit, the
   stopped run's files kept (not "another run works on it", nor a fresh start beside it;
   reading the manifest held back: ``resume.Manifest.load`` takes EMFILE for no manifest).
+- A stopped ``--resume`` run whose done-logs cannot be opened (EMFILE) says its stripes are
+  kept, not '0 of N'; ``read_done``/``read_sums`` raise the limit's error, not "none logged".
+- ``--profile`` past the open-file limit is the run's failure (status 1), not bad input.
+- ``--resume`` beside a manifest this user cannot read (EACCES) says so, not "another run".
+- ``distmm cluster`` under a small ``ulimit -n``: one line before anything starts.
 - Under an address-space limit (``ulimit -v``) the automatic memory budget would have to
   plan tiles that fit it (held back: ``distmm.config.memory_budget`` does not read it).
 
@@ -507,3 +512,213 @@ def test_command_connecting_past_the_open_file_limit_says_so_at_once(tmp_path,
             assert f"(ulimit -n is {limit})" in one_line(r.stderr), r.stderr
             said.append(limit)
     assert said, "no run met the limit while connecting"
+
+
+def test_done_and_checksum_logs_past_the_open_file_limit_are_not_taken_for_none(tmp_path):
+    """A rank's log of finished stripes and of their checksums that cannot be opened for the
+    open-file limit (EMFILE): ``read_done`` gave an empty set ('0 of N C stripes kept', a
+    resumed run computing them all again) and ``read_sums`` no checksums (each kept stripe
+    'has no checksum logged'); the limit's OSError now, a missing log still none."""
+    staged = tmp_path / ".c.npy.distmm-partial-1"
+    staged.write_bytes(b"")
+    (tmp_path / f"{staged.name}.done-0").write_text("0\n2\n")
+    (tmp_path / f"{staged.name}.sums-0").write_text("0 0000abcd\n2 00001234\n")
+    r = _child(tmp_path, f"""
+        import errno
+        from pathlib import Path
+        from distmm.engine.mpi import resume as rs
+        staged = Path({staged.name!r})
+        seen = [sorted(rs.read_done(staged, 0)), rs.read_sums(staged, 0),
+                rs.read_done(staged, 1), rs.read_sums(staged, 1)]
+        held = hold(0)
+        for read in (rs.read_done, rs.read_sums):
+            try:
+                seen.append(read(staged, 0))
+            except OSError as exc:
+                seen.append(exc.errno == errno.EMFILE)
+        let_go(held)
+        print(*seen, sep=" | ")
+    """)
+    assert r.stdout.strip() == (f"[0, 2] | {{0: {0xabcd}, 2: {0x1234}}} | set() | {{}} | "
+                                f"True | True"), r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_stopped_run_past_the_open_file_limit_does_not_say_no_stripe_was_kept(tmp_path,
+                                                                               mpi_env):
+    """A ``--resume`` run stopped (SIGTERM) once it logged two stripes, whose done-logs cannot
+    be opened for the open-file limit as it says what it kept: '0 of 8 C stripes kept in
+    .c.npy.distmm-partial-PID'; now it says the stripes are kept and why it cannot count
+    them, and a rerun with ``--resume`` finishes C from them."""
+    from conftest import stop_after_logged
+
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((301, 67)), rng.standard_normal((67, 53))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    line = ["matmul", "a.npy", "b.npy", "-o", "c.npy", "--resume", "--backend", "numba"]
+    env = {**mpi_env, "OMPI_MCA_btl": "^ofi", "DISTMM_BATCH_STRIPES": "8"}
+    err = stop_after_logged([sys.executable, "-c", _LIMITED_AT,
+                             "distmm.engine.mpi.resume:read_done@1", *line], tmp_path, env, 2)
+    line_ = one_line(err).rstrip("\n")
+    assert re.search(r"; C stripes kept in \.c\.npy\.distmm-partial-\d+ \(how many cannot be "
+                     r"told: too many open files, so their logs cannot be read\): run the "
+                     r"same command with --resume to finish", line_), line_
+    assert " 0 of " not in line_, line_
+    r = subprocess.run([sys.executable, "-m", "distmm", *line], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_profile_file_past_the_open_file_limit_is_the_runs_failure(tmp_path, mpi_env):
+    """``distmm matmul ... --profile p.json`` whose report file cannot be created for the
+    open-file limit (EMFILE, met as ``check_report`` tries it): 'cannot create the --profile
+    file (Too many open files): p.json', status 2 (a PermissionError: bad input); the run's
+    failure now (the line as before), status 1, the limit named, nothing written."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((13, 7)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((7, 11)))
+    r = subprocess.run([sys.executable, "-c", _LIMITED_AT, "distmm.cli.io:check_report@1",
+                        "matmul", "a.npy", "b.npy", "-o", "c.npy", "--profile", "p.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**mpi_env, "OMPI_MCA_btl": "^ofi"})
+    line = one_line(r.stderr).rstrip("\n")
+    assert re.fullmatch(r"distmm matmul: error: cannot create the --profile file \(Too many "
+                        r"open files\): p\.json \(the open-file limit, ulimit -n, is \d+\)",
+                        line), line
+    assert r.returncode == 1, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy"]
+
+
+def _no_permission_override():
+    """A ``preexec_fn`` that drops the capabilities by which root ignores permission bits
+    (``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``: ``prctl(PR_CAPBSET_DROP)``, in force
+    from the ``exec``), so that a file of mode 0 cannot be read by anyone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.mpi
+def test_resume_beside_a_manifest_it_cannot_read_says_so(tmp_path, mpi_env):
+    """``--resume`` beside a stopped run's staged output whose manifest this user cannot read
+    (mode 0: EACCES; as root, run without the capabilities that ignore it): 'another run
+    works on .c.npy.distmm-partial-PID' although no run did; now that the manifest cannot be
+    read (permission), one line, status 2 (an input that cannot be read), its files kept."""
+    rng = np.random.default_rng()
+    np.save(tmp_path / "a.npy", rng.standard_normal((31, 17)))
+    np.save(tmp_path / "b.npy", rng.standard_normal((17, 23)))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    staged = tmp_path / f".c.npy.distmm-partial-{gone}"
+    with open(staged, "wb") as fh:  # (np.save would add .npy to the name)
+        np.save(fh, rng.standard_normal((31, 23)))
+    manifest = tmp_path / f"{staged.name}.resume.json"
+    manifest.write_text("{}")
+    manifest.chmod(0)
+    names = sorted(os.listdir(tmp_path))
+    try:
+        r = subprocess.run([sys.executable, "-m", "distmm", "matmul", "a.npy", "b.npy", "-o",
+                            "c.npy", "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**mpi_env, "OMPI_MCA_btl": "^ofi"},
+                           preexec_fn=_no_permission_override if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as exc:  # (a container that may not drop them)
+        pytest.skip(f"root's permission override cannot be dropped: {exc}")
+    line = one_line(r.stderr).rstrip("\n")
+    assert line == (f"distmm matmul: error: cannot resume c.npy: the manifest of {staged.name} "
+                    f"cannot be read (permission denied), so whether a run holds it cannot be "
+                    f"seen"), line
+    assert r.returncode == 2, r.stderr
+    assert sorted(os.listdir(tmp_path)) == names
+
+
+def _cluster_under(limit: int, *args) -> subprocess.Popen:
+    """``distmm cluster ARGS`` (any free port, no dashboard) under ``ulimit -n LIMIT`` set by
+    its shell, in a session of its own."""
+    import shlex
+
+    line = shlex.join([sys.executable, "-m", "distmm", "cluster", "--port", "0", *args])
+    return subprocess.Popen(["bash", "-c", f"ulimit -n {limit}; exec {line}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _ended(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc``'s output once it ended; its session killed and the test failed where it
+    takes ``timeout`` seconds."""
+    import signal
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s: {out} {err[-2000:]}")
+
+
+def _left_in_session(sid: int) -> list:
+    """The processes of session ``sid`` still running (not zombies) 10 s at most after its
+    leader ended."""
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append((p.pid, " ".join(p.cmdline())))
+            except (OSError, psutil.Error):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("limit", [14, 24, 32])
+def test_cluster_under_a_small_open_file_limit_says_so_before_it_starts(limit):
+    """``distmm cluster --workers 2`` under ``ulimit -n`` 24 or 32 (below the 40 or so that
+    starting two workers holds at once): a traceback per nanny ('OSError: [Errno 24] Too
+    many open files' in its pipes) and 'RuntimeError: Nanny failed to start.'; under 14 a
+    start that never ended. One line now, before anything starts, naming the limit, status
+    1, no process left."""
+    proc = _cluster_under(limit, "--workers", "2")
+    out, err = _ended(proc, 30)
+    line = one_line(err).rstrip("\n")
+    assert re.fullmatch(r"distmm cluster: error: cannot start 2 workers: the start holds about "
+                        r"\d+ files open at once .*; raise the limit \(ulimit -n\) or start "
+                        rf"fewer workers \(--workers\) \(the open-file limit, ulimit -n, is "
+                        rf"{limit}\)", line), line
+    assert proc.returncode == 1 and out == "", (proc.returncode, out)
+    assert _left_in_session(proc.pid) == []
+
+
+@pytest.mark.slow
+def test_cluster_under_an_open_file_limit_that_fits_starts():
+    """The check before the start refuses no limit at which the workers start: two workers
+    under ``ulimit -n 64`` serve, and SIGINT closes them in one line (status 130)."""
+    import signal
+    import time
+
+    proc = _cluster_under(64, "--workers", "2")
+    deadline = time.monotonic() + 120
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("distmm cluster: 2 CPU workers"), (first, proc.poll())
+        while not proc.stdout.readline().startswith("  use it with"):
+            assert time.monotonic() < deadline
+        os.killpg(proc.pid, signal.SIGINT)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out, err = _ended(proc, 60)
+    assert proc.returncode == 130, err
+    assert one_line(err).startswith("distmm cluster: stopped by SIGINT: 2 workers and the "
+                                    "scheduler closed"), err
+    assert _left_in_session(proc.pid) == []

@@ -37,9 +37,10 @@ import asyncio
 import errno
 import json
 import logging
-import os
 import weakref
 from pathlib import Path
+
+from distmm.staging import descriptors_short
 
 __all__ = ["connect_client", "probe_scheduler", "scheduler_address", "check_address",
            "check_listening", "check_descriptors"]
@@ -78,16 +79,12 @@ def check_descriptors(where: str) -> None:
     """``ConnectionError`` at once (the limit named: ``ulimit -n`` and its value) where this
     process cannot open the ``DESCRIPTORS`` files that connecting holds at once (``EMFILE``,
     ``ENFILE``); each is closed again. Any other error is left to the connection."""
-    held = []
     try:
-        while len(held) < DESCRIPTORS:
-            held.append(os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-    except OSError as exc:
-        if exc.errno in _NO_DESCRIPTOR:
-            raise ConnectionError(_limit_refusal(where, exc.errno)) from None
-    finally:
-        for fd in held:
-            os.close(fd)
+        short = descriptors_short(DESCRIPTORS)
+    except OSError:
+        return
+    if short is not None:
+        raise ConnectionError(_limit_refusal(where, short[0]))
 
 
 def _limit_errno(exc: BaseException) -> int | None:

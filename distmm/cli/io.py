@@ -39,8 +39,9 @@ from distmm.direct_io import npy_header, preallocate
 from distmm.hdf5_filters import check_filters
 from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
-                            create_h5_stage, file_in_the_way, h5_held, is_within, put_in_place,
-                            reclaimable, remove_tree, staged_path, zarr_node)
+                            create_h5_stage, file_in_the_way, h5_held, is_process_limit,
+                            is_within, put_in_place, reclaimable, remove_tree, staged_path,
+                            zarr_node)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "operand_target",
            "check_target", "check_report", "check_space", "check_writable", "check_unlocked",
@@ -532,6 +533,8 @@ def check_report(flag: str, path, files) -> None:
     PermissionError
         No file can be created in its folder (``FileNotFoundError`` where the file system says
         so), named as given.
+    OSError
+        This process's limits refuse the file (``EMFILE``, ``ENFILE``, ``ENOMEM``).
     ValueError
         It names an operand or the output.
     """
@@ -551,6 +554,9 @@ def check_report(flag: str, path, files) -> None:
     try:  # a dead run's temporary under this PID is left: replaced as the report is written
         check_creatable(f"{p}.tmp-{os.getpid()}")
     except OSError as exc:
+        if is_process_limit(exc):  # this process's, not the file's: the run's failure
+            raise OSError(exc.errno, f"cannot create the {flag} file ({exc.strerror})",
+                          str(p)) from None
         made = OSError(exc.errno, "")  # the subclass of its errno; an input's error, status 2
         kind = type(made) if isinstance(made, (FileNotFoundError, PermissionError)) \
             else PermissionError

@@ -59,6 +59,7 @@ from distmm.cli.argtypes import integer_at_least
 from distmm.cli.outputs import check_creatable, file_in_the_way
 from distmm.deploy import MIN_WORKER_MEMORY  # the smallest --memory-limit
 from distmm.plan import MAX_WORKERS
+from distmm.staging import descriptors_short
 
 __all__ = ["add_parser", "run_cluster", "MIN_WORKER_MEMORY"]
 
@@ -66,6 +67,12 @@ __all__ = ["add_parser", "run_cluster", "MIN_WORKER_MEMORY"]
 CLOSE_TIMEOUT = 30.0
 #: seconds the workers may take to start
 START_TIMEOUT = 120.0
+#: free file descriptors this process opens at once while it starts the scheduler, and more
+#: for each worker (its nanny's pipes, queues, process spawn and connections): the most seen
+#: at the smallest open-file limit (``ulimit -n``) at which 1, 2, 3, 4 and 6 CPU workers
+#: started under distributed 2024.12, less the descriptors open before (a GPU worker takes
+#: more)
+START_DESCRIPTORS, WORKER_DESCRIPTORS = 17, 10
 
 
 # ---------------------------------------------------------------- option types
@@ -270,6 +277,24 @@ def _check_worker_count(count: int, args) -> None:
                          f"{format_bytes(count * MIN_WORKER_MEMORY)} of memory "
                          f"({MIN_WORKER_MEMORY // 2**20} MiB each), and this machine has "
                          f"{format_bytes(MEMORY_LIMIT)}")
+
+
+def _check_descriptors(count: int) -> None:
+    """``OSError`` (``EMFILE``; ``ENFILE``: the system's table) at once where this process
+    cannot open the descriptors that starting ``count`` worker processes holds at once
+    (``START_DESCRIPTORS``, ``WORKER_DESCRIPTORS``; each closed again): under a smaller limit
+    the start failed with a traceback per nanny, or never ended."""
+    need = START_DESCRIPTORS + WORKER_DESCRIPTORS * count
+    short = descriptors_short(need)
+    if short is not None:
+        code, free = short
+        why = ("this process's open-file limit leaves it" if code == errno.EMFILE
+               else "the system's table of open files (ENFILE) leaves")
+        raise OSError(code, f"cannot start {count} worker{'s' if count != 1 else ''}: "
+                            f"the start holds about {need} files open at once "
+                            f"({START_DESCRIPTORS} and {WORKER_DESCRIPTORS} a worker), "
+                            f"and {why} {free}; raise the limit (ulimit -n) or "
+                            f"start fewer workers (--workers)")
 
 
 def _show(wanted) -> str:
@@ -532,6 +557,7 @@ def run_cluster(args) -> int:
     exit status."""
     devices = _choose_gpus(args.gpus)
     _check_worker_count(_worker_count(args, devices), args)
+    _check_descriptors(_worker_count(args, devices))
     if devices is not None and args.protocol != "tcp":
         from distmm.cli.cluster import gpu_protocol
 

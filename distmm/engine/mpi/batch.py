@@ -489,10 +489,15 @@ def run_batch(args, a, b, *, dtype, backend: str, on_gpu: bool, comm, phases, ju
         if outcome.status and args.resume and pid is not None and comm.rank == 0:
             staged = staged_path(parse_spec(args.output).path, pid)
             if staged.exists():
-                kept = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
-                outcome.message += (f"; {kept} of {_stripes(outcome.plan)} C stripes kept in "
-                                    f"{staged.name}: run the same command with --resume to "
-                                    f"finish")
+                try:
+                    kept = sum(len(rs.read_done(staged, r)) for r in range(comm.size))
+                    said = (f"{kept} of {_stripes(outcome.plan)} C stripes kept in "
+                            f"{staged.name}")
+                except OSError as exc:  # this process's limit: not "0 of N"
+                    said = (f"C stripes kept in {staged.name} (how many cannot be told: "
+                            f"{os.strerror(exc.errno).lower()}, so their logs cannot be "
+                            f"read)")
+                outcome.message += f"; {said}: run the same command with --resume to finish"
         watch.close()  # before the caller's handlers are back: a signal now changes nothing
     return outcome
 

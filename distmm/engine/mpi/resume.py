@@ -37,7 +37,7 @@ import os
 import zlib
 from pathlib import Path
 
-from distmm.staging import MANIFEST_SUFFIX, fsync_paths
+from distmm.staging import MANIFEST_SUFFIX, fsync_paths, is_process_limit
 
 __all__ = ["Manifest", "input_facts", "inputs_now", "manifest_path", "done_log_path", "read_done",
            "DoneLog", "mismatch", "short", "unwritten", "blas_facts", "gpu_facts",
@@ -258,10 +258,14 @@ def checksum(block, dtype) -> int:
 
 def read_sums(staged: Path, rank: int) -> dict[int, int]:
     """The checksums ``rank`` logged, by stripe (a stripe written again: its last; a torn
-    last line or a damaged one is ignored)."""
+    last line or a damaged one is ignored). Raises the ``OSError`` of this process's limits
+    (``EMFILE``), which says nothing of the log: taken for none, every kept stripe would be
+    said to have no checksum."""
     try:
         text = sums_path(staged, rank).read_text()
-    except OSError:
+    except OSError as exc:
+        if is_process_limit(exc):
+            raise
         return {}
     lines = text.split("\n")
     if not text.endswith("\n"):
@@ -607,10 +611,14 @@ def _count(edges) -> str:
 
 
 def read_done(staged: Path, rank: int) -> set[int]:
-    """Stripes ``rank`` logged as written (a torn last line is ignored)."""
+    """Stripes ``rank`` logged as written (a torn last line is ignored). Raises the
+    ``OSError`` of this process's limits (``EMFILE``), which says nothing of the log: taken
+    for none, no stripe would count as done."""
     try:
         text = done_log_path(staged, rank).read_text()
-    except OSError:
+    except OSError as exc:
+        if is_process_limit(exc):
+            raise
         return set()
     lines = text.split("\n")
     if not text.endswith("\n"):
