@@ -19,7 +19,9 @@ Where a value comes from, lowest precedence first:
    distmm is imported each one is copied to ``DASK_DISTMM__<KEY>`` unless that
    is set, so it then behaves as dask's own form (``dask.config.refresh()`` and
    worker processes see it); one spelt almost as a key (``DISTMM_PRECISON``) is
-   copied too, and fails as an unknown key naming the variable;
+   copied too, and fails as an unknown key naming the variable. One set in ``os.environ``
+   after the import is not read, not even by ``dask.config.refresh()`` (which reads
+   ``DASK_DISTMM__<KEY>`` set since);
 4. ``DASK_DISTMM__<KEY>`` environment variables, dask's convention (``_`` and
    ``-`` in a key are the same key);
 5. ``dask.config.set({"distmm.<key>": value})``.
@@ -29,7 +31,9 @@ is no setting, for every key: the key takes what the sources before it give (das
 ``DASK_X=`` as the string ``""``, which no key takes as a value).
 
 ``get_config`` reads the keys once per change of the ``distmm`` section, not
-once per call.
+once per call. A bad value's ``ValueError`` names the variable or the YAML file it came from;
+a YAML file in dask's config paths that cannot be opened, which dask skips without a word,
+is named in a ``RuntimeWarning``.
 """
 from __future__ import annotations
 
@@ -40,10 +44,12 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import dask.config
+import numpy as np
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
@@ -146,6 +152,17 @@ class _Bad(Exception):
     """A value that does not parse; ``_read`` turns it into one ValueError."""
 
 
+def _plain(value):
+    """numpy scalars (in a list or tuple too) and arrays as the Python scalars and lists they
+    hold: a computed ``np.int64(64)`` is a tile as ``64`` is, as numpy's own functions take
+    it."""
+    if isinstance(value, (np.generic, np.ndarray)):  # an array as the list it holds
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 def _bytes(value, *, allow_none: bool, minimum: int = 1) -> int | None:
     if value is None:
         if allow_none:
@@ -225,6 +242,8 @@ def _optional_bool(value):
 
 
 def _name(value, choices: tuple[str, ...] | None = None) -> str:
+    if isinstance(value, str):  # blanks around a name, as every other key takes them
+        value = value.strip()
     if choices and value not in choices:  # null (YAML's, and so 'none' in the environment) too
         raise _Bad(f"one of {', '.join(choices)} is needed")
     if not isinstance(value, str) or not value:
@@ -250,8 +269,13 @@ def _seconds(value, *, allow_zero: bool = False) -> float:
                    else "must be a positive, finite duration")
     try:
         out = float(parse_timedelta(value, default="seconds"))
-    except (TypeError, ValueError, KeyError) as e:
-        raise _Bad(f"not a duration ({e})") from None
+    except (TypeError, ValueError, KeyError):
+        # dask's own message lists its 60 spellings of the units
+        try:
+            out = float(value)  # 'inf', 'nan'
+        except (TypeError, ValueError):
+            raise _Bad("not a duration (seconds, or a number and a unit: ms, s, m, h, d, "
+                       "w)") from None
     except OverflowError:  # parse_timedelta('1e400'): int(inf)
         out = math.inf
     if not ((out >= 0 if allow_zero else out > 0) and math.isfinite(out)):
@@ -369,6 +393,19 @@ def where_set(key: str, files=None) -> str | None:
     return yaml_file(key, files=files)
 
 
+def _variable_giving(key: str, value) -> str | None:
+    """The ``DISTMM_``/``DASK_DISTMM__`` variable whose setting of ``key`` is ``value`` (as
+    dask reads it), or None: where a bad value came from, when the environment gave it."""
+    suffix = _env_suffix(key)
+    short, full = "DISTMM_" + suffix, "DASK_DISTMM__" + suffix
+    name = where_set(key, files=())
+    if name is None:
+        return None
+    text = os.environ[full] if not _blank(os.environ.get(full, "")) else os.environ[short]
+    given = next(iter(dask.config.collect_env({full: text})["distmm"].values()))
+    return name if _same(given, value) or repr(given) == repr(value) else None
+
+
 def fallback(key: str):
     """The value of ``key`` where the one in force is empty (no setting): the first of a
     ``DASK_DISTMM__``/``DISTMM_`` variable, the last of dask's YAML files and distmm.yaml's
@@ -419,15 +456,17 @@ def _read(section) -> Config:
         if _blank(raw):  # no setting: what the sources before it give
             raw = fallback(key)
         try:
-            values[field] = parse(raw)
+            values[field] = parse(_plain(raw))
         except _Bad as e:
             shown = "null" if raw is None else repr(raw)  # as YAML and dask's parser read it
             suffix = _env_suffix(key)
+            variable = _variable_giving(key, raw)
             path = (None if any(not _blank(os.environ.get(v, ""))
                                 for v in ("DISTMM_" + suffix, "DASK_DISTMM__" + suffix))
                     else yaml_file(key, raw))
             what = f"distmm configuration: distmm.{key} = {shown} is not valid: {e}"
-            came = f"from the dask YAML file {path}; " if path else ""
+            came = (f"from the environment variable {variable}; " if variable
+                    else f"from the dask YAML file {path}; " if path else "")
             raise ConfigError(f"{what} ({came}{_where(key)})",
                               cli_message=f"{what} ({came}set DISTMM_{suffix} or "
                                           f"DASK_DISTMM__{suffix} "
@@ -438,6 +477,49 @@ def _read(section) -> Config:
 
 
 _cache: tuple[dict, Config] | None = None
+
+
+def _same(old, section) -> bool:
+    """Whether the section last read is ``section``, value by value and each key's of the
+    same type: a numpy value compares element by element (``np.int64(64) == [64, 64, 64]``
+    is an array, ``np.int64(64) == np.array([64])`` true), which a dict comparison takes."""
+    try:
+        if not old == section:
+            return False
+    except (ValueError, TypeError):
+        return False
+    return not isinstance(old, dict) or (list(map(type, old.values()))
+                                         == list(map(type, section.values())))
+
+
+_unreadable_warned: set[str] = set()
+
+
+def _warn_unreadable_files(paths=None) -> None:
+    """One ``RuntimeWarning`` per process for each YAML/JSON file in dask's config paths
+    (``paths``; None: ``dask.config.paths``) that cannot be opened: dask skips such a file
+    (an ``OSError``) without a word, so none of its settings is in force."""
+    found = []
+    for path in dask.config.paths if paths is None else paths:
+        if os.path.isdir(path):
+            try:
+                found.extend(os.path.join(path, p) for p in sorted(os.listdir(path))
+                             if os.path.splitext(p)[1].lower() in (".json", ".yaml", ".yml"))
+            except OSError:  # a folder that cannot be listed: dask's as well
+                continue
+        elif os.path.exists(path):
+            found.append(path)
+    for path in found:
+        if path in _unreadable_warned:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            _unreadable_warned.add(path)
+            warnings.warn(f"distmm configuration: the dask config file {path} cannot be read "
+                          f"({e.strerror or type(e).__name__}); dask skips it, so none of its "
+                          f"settings is in force", RuntimeWarning, stacklevel=3)
 
 
 def get_config() -> Config:
@@ -459,8 +541,9 @@ def get_config() -> Config:
     # canonicalises the key on every call, and "distmm" has no '-'/'_' variant.
     section = dask.config.global_config.get("distmm")
     hit = _cache
-    if hit is not None and hit[0] == section:
+    if hit is not None and _same(hit[0], section):
         return hit[1]
+    _warn_unreadable_files()
     # Parsed from a copy, which is also the cache key: a dask.config.set block that another
     # thread leaves meanwhile changes the section, not the copy, so the next call re-reads.
     snapshot = copy.deepcopy(dict(section)) if isinstance(section, dict) else section
