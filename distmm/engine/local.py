@@ -13,6 +13,8 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import logging
+import threading
+import time
 
 import numpy as np
 
@@ -96,11 +98,15 @@ def _one_tile(plan: Plan, a, b, executor, out):
         # raises leaves the elements before it written, as numpy's own call does
         return np.matmul(executor.asarray(a, np.dtype(object)),
                          executor.asarray(b, np.dtype(object)), out=out)
-    if plan.acc_dtype != plan.dtype and np_dtype(plan.dtype).kind == "f":
-        # the kernel's flags and its sum's rounding (float16) are reported once, in numpy's
-        # order (overflow before invalid under errstate "raise"), as for a tiled product
+    rows = _strip_rows(plan, executor)  # in strips where allowed: a signal is seen between
+    if rows is not None and a.shape[-2] <= rows[0]:
+        rows = None  # one strip: the kernel at once, as below
+    if rows is not None or (plan.acc_dtype != plan.dtype and np_dtype(plan.dtype).kind == "f"):
+        # the kernel's flags (its strips') and its sum's rounding (float16) are reported once,
+        # in numpy's order (overflow before invalid under errstate "raise"), as for a tiled
+        # product
         with as_matmul():
-            acc = finish_tile(plan, tile_partial(executor, plan, a, b))
+            acc = finish_tile(plan, _partial_in_strips(executor, plan, a, b, rows, _NEVER))
     else:
         acc = finish_tile(plan, tile_partial(executor, plan, a, b))
     if out is None:
@@ -130,6 +136,71 @@ def _nothing(_plan) -> None:
     pass
 
 
+#: seconds that one kernel call takes, about, where a tile is computed a strip of rows at a
+#: time: numba's kernels and numpy's loops check no signal, so a stopped product's running
+#: tasks end within about that
+STRIP_SECONDS = 0.1
+
+#: flops of a tile's first strip (later ones are sized by the time the last one took)
+STRIP_FLOPS = 1 << 26
+
+
+#: the stop of a product that runs in the caller's thread only (a signal stops it there)
+_NEVER = threading.Event()
+
+
+def _strip_rows(plan: Plan, executor) -> tuple[int, int] | None:
+    """The rows of a tile's first strip and the fewest of any strip (the executor's
+    ``strip_rows``), or ``None`` where a tile is computed at once."""
+    fewest = getattr(executor, "strip_rows", lambda dtype: None)(np_dtype(plan.acc_dtype))
+    if fewest is None:
+        return None
+    kg = max(plan.k_slice(s).stop - plan.k_slice(s).start for s in range(plan.k_splits))
+    return max(fewest, STRIP_FLOPS // max(2 * kg * plan.tile[1], 1)), fewest
+
+
+def _partial_in_strips(executor, plan: Plan, a_panel, b_panel, rows, stop: threading.Event):
+    """``tile_partial`` of the panels, a strip of ``a_panel``'s rows at a time (``rows``:
+    the first strip's and the fewest, ``_strip_rows``; later strips take about
+    ``STRIP_SECONDS``), or at once where ``rows`` is ``None``; ``None`` where ``stop`` is
+    set before a strip starts."""
+    m = a_panel.shape[0]
+    if rows is None or m <= rows[0]:
+        return tile_partial(executor, plan, a_panel, b_panel)
+    step, fewest = rows
+    b_panel = executor.asarray(b_panel, np_dtype(plan.acc_dtype))  # converted once
+    part = None
+    r = 0
+    while r < m:
+        if stop.is_set():
+            return None
+        start = time.perf_counter()
+        strip = tile_partial(executor, plan, a_panel[r:r + step], b_panel)
+        took = time.perf_counter() - start
+        if part is None:
+            part = np.empty((m,) + strip.shape[1:], strip.dtype)
+        part[r:r + step] = strip
+        r += step
+        step = max(fewest, int(step * min(4.0, STRIP_SECONDS / max(took, 1e-6))))
+    return part
+
+
+def _first_result(window) -> object:
+    """The result of the first task of ``window`` (``(key, future)`` pairs), waited for;
+    where a task of the window fails first, its exception at once (the first in the
+    window's order), not once the tasks before it are done."""
+    head = window[0][1]
+    pending = {future for _, future in window}
+    while True:
+        for _, future in window:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                future.result()  # raises it
+        if head.done():
+            return head.result()
+        pending = {future for future in pending if not future.done()}
+        cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+
+
 def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
               progress: bool | None = False):
     """Compute ``a @ b`` on this process following ``plan``.
@@ -150,6 +221,9 @@ def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=Non
     out : array, optional
         Where to write C (shape ``batch + (m, n)``, the plan's dtype): a numpy
         array, a memmap, a zarr array or an h5py dataset, written tile by tile.
+        A product stopped early (KeyboardInterrupt, a tile's exception) leaves
+        each C tile of ``out`` either as it was or finished (of a zarr array:
+        each chunk, written one at a time).
     progress : bool, optional
         Show a progress bar over C tiles; ``None``: on a terminal for long runs.
 
@@ -207,15 +281,22 @@ def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
 
 def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flags: set,
            own: bool = False):
+    # Set where the product stops early (a signal, a task's exception): the tasks running
+    # end at their next strip of rows, before the caller's exception leaves this call.
+    stop = threading.Event()
+    rows = _strip_rows(plan, executor)
+
     # Index with one tuple (batch index + slices) so that on-disk arrays read
     # and write only the panel at hand.
     def task(idx, i, j, s):
+        if stop.is_set():
+            return None, set()
         ks = plan.k_slice(s)
         # a pool thread: its flags go to the caller's report (own: the tile reports them)
         with contextlib.nullcontext(set()) if own else collect() as seen:
-            part = tile_partial(executor, plan, a[idx + (plan.row_slice(i), ks)],
-                                b[idx + (ks, plan.col_slice(j))])
-        return executor.to_host(part), seen
+            part = _partial_in_strips(executor, plan, a[idx + (plan.row_slice(i), ks)],
+                                      b[idx + (ks, plan.col_slice(j))], rows, stop)
+        return (None if part is None else executor.to_host(part)), seen
 
     def keys():
         for idx in batch_index:
@@ -256,15 +337,16 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
         for key in keys():
             window.append((key, submit(pool, task, *key)))
             if len(window) > 2 * threads:
-                first, future = window.popleft()
-                take(first, future.result())
+                take(window[0][0], _first_result(window))
+                window.popleft()
         while window:
-            first, future = window.popleft()
-            take(first, future.result())
+            take(window[0][0], _first_result(window))
+            window.popleft()
     except BaseException:
-        # a signal or a failure: the tiles not started are dropped and the running ones are
-        # not waited for (a numba tile can take seconds), so the caller cleans up at once
-        pool.shutdown(wait=False, cancel_futures=True)
+        # a signal or a failure: the tasks not started are dropped and the running ones end
+        # at their next strip (waited for: no thread of the call outlives it)
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
     return out
