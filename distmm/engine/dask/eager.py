@@ -111,6 +111,7 @@ class _Scattered:
         self.generation = 0
         self.futures: dict[tuple, dict] = {}  # idx -> {worker: future}
         self.resent = 0
+        self.client_read = False  # a block of the file read by the client and sent
 
     def chunks(self) -> tuple:
         batch = self.array.shape[:-2]
@@ -197,6 +198,18 @@ class _Scattered:
                 reads[worker][key] = (idx, worker)
             else:
                 sends[worker][key] = (idx, worker, self.block(idx))
+        if sends and self.source is not None:
+            self.client_read = True  # blocks of the file read here, for workers not asked
+        futs = _uninterrupted(partial(self._send, reads, sends), _release)
+        for items in (*reads.values(), *sends.values()):
+            for key, (idx, worker, *_) in items.items():
+                by = self.futures.setdefault(idx, {})
+                if not self.copies:
+                    by.clear()
+                by[worker] = futs[key]
+
+    def _send(self, reads: dict, sends: dict) -> dict:
+        """Submit the reads and scatter the blocks (``scatter``); their futures by key."""
         futs: dict = {}
         if reads:
             from distmm.engine.dask.files import read_block
@@ -208,12 +221,59 @@ class _Scattered:
         for worker, items in sends.items():
             futs.update(self.client.scatter({key: item[2] for key, item in items.items()},
                                             workers=[worker], hash=False))
-        for items in (*reads.values(), *sends.values()):
-            for key, (idx, worker, *_) in items.items():
-                by = self.futures.setdefault(idx, {})
-                if not self.copies:
-                    by.clear()
-                by[worker] = futs[key]
+        return futs
+
+
+def _release(futs: dict) -> None:
+    for f in futs.values():
+        f.release()
+
+
+def _uninterrupted(fn, abandon):
+    """``fn()``'s result, ``fn`` run on a thread of its own while this thread waits: a
+    Ctrl-C (or any exception) in the wait raises here at once, and ``fn``'s result, once it
+    comes, is passed to ``abandon``. An interrupted blocking call of distributed cancels its
+    client side only: a ``Client.scatter`` the scheduler was carrying out left the blocks on
+    the workers, held for this client by no future that could release them."""
+    import contextlib
+    import sys
+    import threading
+
+    lock, box = threading.Lock(), {}
+    device = contextlib.nullcontext()
+    if "cupy" in sys.modules:  # the caller's current GPU, for cupy blocks' serialisation
+        try:
+            device = sys.modules["cupy"].cuda.Device()
+        except Exception:  # noqa: BLE001 - no GPU here: no cupy block either
+            pass
+
+    def run() -> None:
+        try:
+            with device:
+                got, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+            got, error = None, exc
+        with lock:
+            box.update(got=got, error=error)
+            if not box.get("abandoned") or error is not None:
+                return
+        abandon(got)
+
+    thread = threading.Thread(target=run, name="distmm-send", daemon=True)
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+    except BaseException:
+        with lock:
+            box["abandoned"] = True
+            done = "got" in box and box["error"] is None
+        if done:
+            abandon(box["got"])
+        raise
+    if box["error"] is not None:
+        raise box["error"]
+    return box["got"]
 
 
 class _StackScattered(_Scattered):
@@ -639,7 +699,6 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
         b_sc = _Scattered(client, b2, ks, cols, b_need, f"b-{token}",
                           copies=blocks is not None, source=b_src, readers=readers)
     if stats is not None:
-        stats["read_on_workers"] = [x is not None for x in (a_src, b_src)]
         stats["token"] = token  # in the keys of this product's tasks: distmm-*-TOKEN-...
     region = None
     if regions is not None:
@@ -762,6 +821,9 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
         stats["written_direct"] = direct  # bytes of C the workers wrote past the page cache
         stats["moved"] = sorted(blocks.moved) if blocks is not None else []
         stats["resent"] = a_sc.resent + b_sc.resent
+        # only where the workers read every block of the operand: none was read here
+        stats["read_on_workers"] = [sc.source is not None and not sc.client_read
+                                    for sc in (a_sc, b_sc)]
     if flags is None:
         report_flags(raised)  # under the caller's errstate
     else:

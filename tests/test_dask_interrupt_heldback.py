@@ -1,0 +1,198 @@
+"""A Ctrl-C during an eager Dask-engine call, and whose blocks ``read_on_workers`` counts.
+
+Covers, on a real ``LocalCluster`` of worker processes started by a child process that
+sends itself SIGINT: the call raises ``KeyboardInterrupt`` at once, wherever it was (sending
+the blocks of numpy operands, gathering C of numpy or ``.npy`` memmap operands into an
+``out=``), and leaves the cluster as dask.array's own interrupted compute does: no task or
+block of the call on the scheduler or in a worker's memory, nothing running, the client
+holding no future (also while the interrupted call's traceback is kept, as an interactive
+session keeps the last one); the next call on the same client is right. And
+``stats["read_on_workers"]``: True for an operand only where the workers read each of its
+blocks from the file, not where the client read some and sent them (a worker that joined
+after the check, the workers that were asked gone).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+import distmm  # noqa: E402
+from distmm.engine.dask import eager, last_stats  # noqa: E402
+
+_SCRIPT = r'''
+import asyncio, json, os, signal, sys, time
+import numpy as np
+import distributed
+import distmm
+
+sent = []
+
+def main(case, folder):
+
+    def interrupt(*_):
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    signal.signal(signal.SIGALRM, interrupt)
+
+    def held(client):
+        keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
+        return {"scheduler": keys, "who_has": sorted(map(str, client.who_has())),
+                "data": sum(client.run(lambda dask_worker: len(dask_worker.data)).values()),
+                "running": sum(client.run(lambda dask_worker: len(dask_worker.state.executing))
+                               .values())}
+
+    def settled(client):
+        # a block task already running on a worker ends on its own: wait for it (a few seconds)
+        deadline = time.monotonic() + 20
+        while True:
+            got = held(client)
+            if not any(got.values()) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    if case == "scatter":
+        # SIGINT while the scheduler (in this process) sends the blocks to the workers:
+        # distributed's sync cancels the client's side of the scatter, the scheduler's goes on
+        scatter = distributed.Scheduler.scatter
+
+        async def slow(self, *args, **kw):
+            await asyncio.sleep(0.6)
+            return await scatter(self, *args, **kw)
+
+        distributed.Scheduler.scatter = slow
+    else:  # SIGINT while C is gathered: at the first block taken
+        result = distributed.Future.result
+
+        def taking(self, *args, **kw):
+            if not sent:
+                interrupt()
+            return result(self, *args, **kw)
+
+        distributed.Future.result = taking
+
+    rng = np.random.default_rng()
+    m, k, n = 301, 283, 257
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    if case == "memmap":
+        np.save(os.path.join(folder, "a.npy"), a)
+        np.save(os.path.join(folder, "b.npy"), b)
+        A = np.load(os.path.join(folder, "a.npy"), mmap_mode="r")
+        B = np.load(os.path.join(folder, "b.npy"), mmap_mode="r")
+        out = np.lib.format.open_memmap(os.path.join(folder, "c.npy"), mode="w+", shape=(m, n))
+    else:
+        A, B, out = a, b, np.zeros((m, n))
+    report = {}
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB") as cluster, \
+            distributed.Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        report["before"] = settled(client)
+        kept = None
+        for attempt in range(3):  # a KeyboardInterrupt raised in a gc callback is ignored
+            del sent[:]
+            if case == "scatter":
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+            try:
+                distmm.matmul(A, B, engine="dask", client=client, out=out, tile=64)
+            except KeyboardInterrupt as exc:
+                kept = exc  # as an interactive session keeps the last traceback
+                report["late"] = time.monotonic() - sent[0]
+                break
+            settled(client)
+        report["interrupted"] = kept is not None
+        time.sleep(1.0)  # the scheduler's scatter, slowed to 0.6 s, has ended
+        report["after"] = settled(client)
+        if case != "scatter":
+            distributed.Future.result = result
+        got = distmm.matmul(a, b, engine="dask", client=client, tile=64)
+        ref = a @ b
+        report["again"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+        report["finally"] = settled(client)
+    print("REPORT", json.dumps(report))
+
+
+if __name__ == "__main__":  # the worker processes import this file too
+    main(sys.argv[1], sys.argv[2])
+'''
+
+
+def _interrupted(tmp_path, case: str) -> dict:
+    script = tmp_path / "interrupt.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
+    proc = subprocess.run([sys.executable, str(script), case, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+_EMPTY = {"scheduler": [], "who_has": [], "data": 0, "running": 0}
+
+
+@pytest.mark.slow  # a cluster of worker processes in a child process: about 10 s
+@pytest.mark.parametrize("case", ["scatter", "gather", "memmap"])
+def test_ctrl_c_leaves_the_cluster_as_it_found_it(tmp_path, case):
+    """``scatter``: SIGINT while the scheduler sends the blocks of numpy operands to the
+    workers. distributed's blocking ``Client.scatter`` then cancels the client's side only:
+    the scheduler went on and registered the blocks as the client's, for which the client
+    made no future to release, so they stayed on the workers for the client's lifetime.
+    ``gather``, ``memmap``: SIGINT while C is gathered into ``out=`` (numpy operands, and
+    ``.npy`` memmaps the workers read, with a memmap ``out``)."""
+    report = _interrupted(tmp_path, case)
+    assert report["before"] == _EMPTY, report
+    assert report["interrupted"], report
+    assert report["late"] < 0.5, report  # scatter: well before the scheduler's 0.6 s ended
+    assert report["after"] == _EMPTY, report
+    assert report["again"] < 1e-12, report
+    assert report["finally"] == _EMPTY, report
+
+
+def _npy(tmp_path, name, x):
+    np.save(tmp_path / name, x)
+    return np.load(tmp_path / name, mmap_mode="r")
+
+
+def test_read_on_workers_is_false_where_the_client_read_the_blocks(tmp_path, monkeypatch):
+    """Both ``.npy`` operands seen by the worker that was asked, which then leaves for a
+    worker that joined after the check: the client reads every block and sends it (the
+    new worker reads none of the file). ``read_on_workers`` said ``[True, True]``."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((97, 61)), rng.standard_normal((61, 83))
+    am, bm = _npy(tmp_path, "a.npy", a), _npy(tmp_path, "b.npy", b)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client:
+        client.wait_for_workers(1, timeout=60)
+        got = distmm.matmul(am, bm, client=client, tile=32)
+        assert last_stats()["read_on_workers"] == [True, True]
+        np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+
+        check = eager._file_sources
+
+        def then_replaced(*args, **kw):
+            found = check(*args, **kw)
+            asked = set(client.scheduler_info(n_workers=-1)["workers"])
+            cluster.scale(2)
+            client.wait_for_workers(2, timeout=60)
+            client.retire_workers(sorted(asked))
+            assert not asked & set(client.scheduler_info(n_workers=-1)["workers"])
+            return found
+
+        monkeypatch.setattr(eager, "_file_sources", then_replaced)
+        client.get_task_stream()
+        got = distmm.matmul(am, bm, client=client, tile=32)
+        stats = last_stats()
+        reads = [t for t in client.get_task_stream() if stats["token"] in str(t["key"])
+                 and str(t["key"]).startswith(("('distmm-a-", "('distmm-b-"))]
+        assert not reads, reads  # no block of either file read on a worker
+        assert stats["read_on_workers"] == [False, False]
+        np.testing.assert_allclose(got, a @ b, rtol=1e-12)
