@@ -626,6 +626,8 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         the result's dtype, the local and Dask engines write the tiles into it
         directly; on a Dask cluster the workers write a staged output file of
         ``distmm matmul`` (``.npy``, HDF5, zarr) themselves when they all see it.
+        A call stopped early (Ctrl-C, an exception) on the local engine leaves each
+        C tile of ``out`` as it was or finished (numpy's own call cannot be stopped).
     casting, order, dtype, subok, signature, axes, axis, keepdims
         As ``numpy.matmul``'s: ``axes`` names each operand's and the result's
         matrix axes (numpy checks them, and refuses ``axes=None``; ``axis`` and
