@@ -185,20 +185,34 @@ def _partial_in_strips(executor, plan: Plan, a_panel, b_panel, rows, stop: threa
     return part
 
 
-def _first_result(window) -> object:
-    """The result of the first task of ``window`` (``(key, future)`` pairs), waited for;
-    where a task of the window fails first, its exception at once (the first in the
-    window's order), not once the tasks before it are done."""
-    head = window[0][1]
-    pending = {future for _, future in window}
-    while True:
-        for _, future in window:
-            if future.done() and not future.cancelled() and future.exception() is not None:
-                future.result()  # raises it
-        if head.done():
-            return head.result()
-        pending = {future for future in pending if not future.done()}
-        cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+class _Ends:
+    """The pool's tasks as they end: those that raised, in the order they did, and a wake-up
+    for the thread waiting on the next task's partial at each end (one callback a task,
+    rather than a wait on the whole window for each partial)."""
+
+    def __init__(self):
+        self.failed: list = []
+        self.wake = threading.Event()
+
+    def watch(self, future):
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.failed.append(future)
+        self.wake.set()
+
+    def result(self, head):
+        """``head``'s result, waited for; where a task failed first, its exception at once,
+        not once the tasks before it are done."""
+        while True:
+            self.wake.clear()  # before the checks: an end after them sets it again
+            if self.failed:
+                self.failed[0].result()  # raises it
+            if head.done():
+                return head.result()
+            self.wake.wait()
 
 
 def run_local(plan: Plan, a, b, executor, *, threads: int | None = None, out=None,
@@ -333,14 +347,15 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
     # runs, no thread to start) leaves them to this thread (``distmm.threads.submit``).
     pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmm-local")
     window: collections.deque = collections.deque()
+    ends = _Ends()
     try:
         for key in keys():
-            window.append((key, submit(pool, task, *key)))
+            window.append((key, ends.watch(submit(pool, task, *key))))
             if len(window) > 2 * threads:
-                take(window[0][0], _first_result(window))
+                take(window[0][0], ends.result(window[0][1]))
                 window.popleft()
         while window:
-            take(window[0][0], _first_result(window))
+            take(window[0][0], ends.result(window[0][1]))
             window.popleft()
     except BaseException:
         # a signal or a failure: the tasks not started are dropped and the running ones end
