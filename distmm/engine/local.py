@@ -141,6 +141,9 @@ def _nothing(_plan) -> None:
 #: tasks end within about that
 STRIP_SECONDS = 0.1
 
+#: seconds a stopped product waits for its running tasks to end at their next strip
+STOP_WAIT = 0.5
+
 #: flops of a tile's first strip (later ones are sized by the time the last one took)
 STRIP_FLOPS = 1 << 26
 
@@ -359,9 +362,11 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
             window.popleft()
     except BaseException:
         # a signal or a failure: the tasks not started are dropped and the running ones end
-        # at their next strip (waited for: no thread of the call outlives it)
+        # at their next strip, waited for that long (``STOP_WAIT``), not for a task that
+        # cannot stop meanwhile (numba compiling its kernel, a BLAS call, a file's read)
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
+        cf.wait([future for _, future in window], timeout=STOP_WAIT)
         raise
     pool.shutdown(wait=True)
     return out
