@@ -669,6 +669,42 @@ def assert_all_gone(procs: list) -> None:
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
+def left_in_session(sid: int) -> list:
+    """The processes of session ``sid`` still running (not zombies) 10 s at most after its
+    leader ended or was stopped: a worker or nanny a command left behind."""
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append((p.pid, " ".join(p.cmdline())))
+            except (OSError, psutil.Error):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def reported(f):
+    """A call's result and numpy's reports: the warnings under errstate 'warn', in order,
+    and the ``FloatingPointError``'s message under 'raise' (None where none is raised)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen, np.errstate(all="warn"):
+        warnings.simplefilter("always")
+        result = f()
+    try:
+        with np.errstate(all="raise"):
+            f()
+        raised = None
+    except FloatingPointError as exc:
+        raised = str(exc)
+    return result, [str(w.message) for w in seen], raised
+
+
 def too_big_results():
     """Broadcast 1-column by 1-row operands whose results numpy cannot hold, numpy's error
     for each and the words distmm's has."""

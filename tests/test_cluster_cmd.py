@@ -17,8 +17,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import (_product_running, assert_all_gone, pause_at, run_cli, serve_cluster,
-                      stop_cluster)
+from conftest import (_product_running, assert_all_gone, left_in_session, pause_at, run_cli,
+                      serve_cluster, stop_cluster)
 
 
 @pytest.mark.slow
@@ -222,23 +222,6 @@ def _wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 60
         time.sleep(0.01)
 
 
-def _left_in_session(sid: int) -> list:
-    """The processes of session ``sid`` still running (not zombies) 10 s at most after it
-    was stopped: a worker or nanny the command left behind."""
-    deadline = time.monotonic() + 10
-    while True:
-        left = []
-        for p in psutil.process_iter(["status"]):
-            try:
-                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    left.append((p.pid, " ".join(p.cmdline())))
-            except (OSError, psutil.Error):
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
 def _distributed_before(version: str) -> bool:
     import distributed
     from packaging.version import Version
@@ -275,7 +258,7 @@ def test_sigterm_to_the_group_while_workers_start_closes_them_at_once(tmp_path: 
                   "closed\n", err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
     assert seconds < 30
 
 
@@ -304,7 +287,7 @@ def test_a_start_failing_after_a_signal_is_the_signal_s_one_line(tmp_path: Path)
     assert err.startswith("distmm cluster: stopped by SIGTERM while the workers started"), err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no scheduler file
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
     assert seconds < 30
 
 
@@ -332,7 +315,7 @@ def test_a_second_signal_while_the_workers_start_adds_nothing(tmp_path: Path):
     assert status == (130 if said[1] == "SIGINT" else 143), err
     assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
     assert seconds < 30
 
 
@@ -352,7 +335,7 @@ def test_a_second_signal_before_the_close_is_one_line(tmp_path: Path):
     assert err.startswith("distmm cluster: stopped at once by a second SIGTERM: 2 worker "
                           f"process(es) killed, {sched} removed"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
 
 
 @pytest.mark.slow

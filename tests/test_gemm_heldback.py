@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import distmm
-from conftest import run_rank_script
+from conftest import reported, run_rank_script
 
 OPS = {"N": lambda x: x, "T": lambda x: x.T, "C": lambda x: x.conj().T}
 SCIPY_TRANS = {"N": 0, "T": 1, "C": 2}
@@ -72,21 +72,6 @@ def _formula(a, b, c, alpha=1.0, beta=0.0, ta="N", tb="N"):
     else:
         product = al * (x @ y)
     return product if c is None or be == 0 else product + be * np.asarray(c).astype(dtype)
-
-
-def _reported(f):
-    """A call's result and numpy's reports: the warnings under errstate 'warn', in order,
-    and the error's type and message under 'raise'."""
-    with warnings.catch_warnings(record=True) as seen, np.errstate(all="warn"):
-        warnings.simplefilter("always")
-        result = f()
-    try:
-        with np.errstate(all="raise"):
-            f()
-        raised = None
-    except FloatingPointError as exc:
-        raised = str(exc)
-    return result, [str(w.message) for w in seen], raised
 
 
 def _identical(got, want) -> bool:
@@ -303,8 +288,8 @@ def test_nonfinite_and_signed_zero_scalars_are_numpys_with_blas_zero_rules():
     c[0, 0], c[0, 1] = -0.0, 0.0
     scalars = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0]
     for alpha, beta in itertools.product(scalars, scalars):
-        want = _reported(lambda: _formula(a, b, c, alpha, beta))
-        got = _reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta))
+        want = reported(lambda: _formula(a, b, c, alpha, beta))
+        got = reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta))
         assert _identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got, want)
     # -0.0 is zero: the NaNs are not read
     assert not np.isnan(distmm.gemm(a, b, c, alpha=-0.0, beta=1.0)[1]).any()
@@ -395,8 +380,8 @@ def test_overflow_values_and_reports_are_numpys(dtype):
     cases = [(a, b, c, big, 1.0), (a, b, c, 1.0, big), (a, b, np.full_like(c, big), 1.0, 1.0),
              (huge_a, b, c, 1.0, 0.0), (huge_a, b, c, 2.0, -1.0), (a, b, c, big, big)]
     for x, y, z, alpha, beta in cases:
-        want = _reported(lambda: _formula(x, y, z, alpha, beta))
-        got = _reported(lambda: distmm.gemm(x, y, z, alpha=alpha, beta=beta))
+        want = reported(lambda: _formula(x, y, z, alpha, beta))
+        got = reported(lambda: distmm.gemm(x, y, z, alpha=alpha, beta=beta))
         assert _identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got[1:],
                                                                       want[1:])
 
@@ -467,8 +452,8 @@ def test_on_a_dask_cluster_numpy_and_dask_operands(client):
         ("m 0", (x.T[:0], y, z[:0]), dict(beta=1.0)),
     ]
     for name, (a, b, c), kw in cases:
-        want = _reported(lambda: distmm.gemm(a, b, c, engine="local", **kw))
-        got = _reported(lambda: distmm.gemm(a, b, c, engine="dask", client=client, **kw))
+        want = reported(lambda: distmm.gemm(a, b, c, engine="local", **kw))
+        got = reported(lambda: distmm.gemm(a, b, c, engine="dask", client=client, **kw))
         assert _identical(got[0], want[0]) and got[1:] == want[1:], name
         lazy = distmm.gemm(da.from_array(a, chunks=2), da.from_array(b, chunks=3),
                            da.from_array(c, chunks=4), engine="dask", client=client,

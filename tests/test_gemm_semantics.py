@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import distmm
-from conftest import random_array
+from conftest import random_array, reported
 
 OPS = {"N": lambda x: x, "T": lambda x: x.T, "C": lambda x: x.conj().T}
 
@@ -183,21 +183,6 @@ def _numpys_gemm(a, b, c, alpha, beta):
     return prod if be == 0 else prod + be * c
 
 
-def _reported(f):
-    """A call's result and numpy's reports: the warnings under errstate 'warn', in order,
-    and the error under 'raise'."""
-    with warnings.catch_warnings(record=True) as seen, np.errstate(all="warn"):
-        warnings.simplefilter("always")
-        result = f()
-    try:
-        with np.errstate(all="raise"):
-            f()
-        raised = None
-    except FloatingPointError as exc:
-        raised = str(exc)
-    return result, [str(w.message) for w in seen], raised
-
-
 def _form(z):
     """Each part of each element: NaN, or its value and sign (-0.0 is not 0.0)."""
     parts = np.stack([z.real, z.imag])
@@ -227,8 +212,8 @@ def test_complex_non_finite_values_and_reports_are_numpys_alpha_a_b_plus_beta_c(
                 continue
             x[0, 0] = value
             for alpha, beta in itertools.product([0, 1, -1, 1j, 2], repeat=2):
-                want = _reported(lambda: _numpys_gemm(a, b, c, alpha, beta))
-                got = _reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta,
+                want = reported(lambda: _numpys_gemm(a, b, c, alpha, beta))
+                got = reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta,
                                                     engine="local"))
                 nan_w, val_w, sign_w = _form(want[0])
                 nan_g, val_g, sign_g = _form(got[0])

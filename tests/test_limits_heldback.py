@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import one_line, run_cli
+from conftest import left_in_session, one_line, run_cli
 
 zarr = pytest.importorskip("zarr")
 
@@ -661,25 +661,6 @@ def _ended(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         pytest.fail(f"still running after {timeout} s: {out} {err[-2000:]}")
 
 
-def _left_in_session(sid: int) -> list:
-    """The processes of session ``sid`` still running (not zombies) 10 s at most after its
-    leader ended."""
-    import time
-
-    psutil = pytest.importorskip("psutil")
-    deadline = time.monotonic() + 10
-    while True:
-        left = []
-        for p in psutil.process_iter(["status"]):
-            try:
-                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    left.append((p.pid, " ".join(p.cmdline())))
-            except (OSError, psutil.Error):
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
 
 @pytest.mark.parametrize("limit", [14, 24, 32])
 def test_cluster_under_a_small_open_file_limit_says_so_before_it_starts(limit):
@@ -696,7 +677,7 @@ def test_cluster_under_a_small_open_file_limit_says_so_before_it_starts(limit):
                         rf"fewer workers \(--workers\) \(the open-file limit, ulimit -n, is "
                         rf"{limit}\)", line), line
     assert proc.returncode == 1 and out == "", (proc.returncode, out)
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
 
 
 @pytest.mark.slow
@@ -721,4 +702,4 @@ def test_cluster_under_an_open_file_limit_that_fits_starts():
     assert proc.returncode == 130, err
     assert one_line(err).startswith("distmm cluster: stopped by SIGINT: 2 workers and the "
                                     "scheduler closed"), err
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid) == []
