@@ -299,7 +299,7 @@ def _run(plan: Plan, a, b, executor, threads: int, out, batch_index, bar):
 def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flags: set,
            own: bool = False):
     # Set where the product stops early (a signal, a task's exception): the tasks running
-    # end at their next strip of rows, before the caller's exception leaves this call.
+    # end at their next strip of rows (waited for ``STOP_WAIT`` seconds at most).
     stop = threading.Event()
     rows = _strip_rows(plan, executor)
 
