@@ -688,6 +688,20 @@ def left_in_session(sid: int) -> list:
         time.sleep(0.1)
 
 
+def identical(got, want) -> bool:
+    """Same type (a plain ndarray), dtype, shape and elements: NaN where NaN, each part's
+    sign too (-0.0 is not 0.0); objects by ==."""
+    if type(got) is not np.ndarray or got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if got.dtype == object:
+        return got.tolist() == want.tolist()
+    if got.dtype.kind in "biu":
+        return np.array_equal(got, want)
+    parts = [np.stack([z.real, z.imag]).astype(np.float64) for z in (got, want)]
+    return (np.array_equal(parts[0], parts[1], equal_nan=True)
+            and np.array_equal(np.signbit(parts[0]), np.signbit(parts[1])))
+
+
 def reported(f):
     """A call's result and numpy's reports: the warnings under errstate 'warn', in order,
     and the ``FloatingPointError``'s message under 'raise' (None where none is raised)."""

@@ -20,6 +20,7 @@ MPI argument agreement), GPU gemm (tests/test_gpu_api.py).
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from fractions import Fraction
 
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 
 import distmm
-from conftest import reported, run_rank_script
+from conftest import identical, reported, run_rank_script
 
 OPS = {"N": lambda x: x, "T": lambda x: x.T, "C": lambda x: x.conj().T}
 SCIPY_TRANS = {"N": 0, "T": 1, "C": 2}
@@ -72,20 +73,6 @@ def _formula(a, b, c, alpha=1.0, beta=0.0, ta="N", tb="N"):
     else:
         product = al * (x @ y)
     return product if c is None or be == 0 else product + be * np.asarray(c).astype(dtype)
-
-
-def _identical(got, want) -> bool:
-    """Same type (a plain ndarray), dtype, shape and elements: NaN where NaN, each part's
-    sign too (-0.0 is not 0.0); objects by ==."""
-    if type(got) is not np.ndarray or got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    if got.dtype == object:
-        return got.tolist() == want.tolist()
-    if got.dtype.kind in "biu":
-        return np.array_equal(got, want)
-    parts = [np.stack([z.real, z.imag]).astype(np.float64) for z in (got, want)]
-    return (np.array_equal(parts[0], parts[1], equal_nan=True)
-            and np.array_equal(np.signbit(parts[0]), np.signbit(parts[1])))
 
 
 # -- layouts and views against scipy's ?gemm ------------------------------------------------
@@ -222,7 +209,7 @@ def test_c_of_another_family_is_its_data_in_a_new_plain_array(dtype, tmp_path):
         for alpha, beta in itertools.product((1, 0), (0, 1, -2)):
             got = distmm.gemm(a, b, given, alpha=alpha, beta=beta)
             want = _formula(a, b, data, alpha, beta)
-            assert _identical(got, want), (name, alpha, beta, got.dtype, want.dtype)
+            assert identical(got, want), (name, alpha, beta, got.dtype, want.dtype)
             assert got.dtype.isnative and got.flags.writeable, name
             assert not np.shares_memory(got, np.asarray(given)), (name, alpha, beta)
         assert np.array_equal(np.asarray(given), before), name
@@ -240,14 +227,14 @@ def test_a_subclass_operand_with_a_dask_partner_is_its_data(kind, partner):
     a, b, c = (_quarters(rng, s, np.float64) for s in ((4, 3), (3, 5), (4, 5)))
     sub = {"matrix": np.matrix, "masked": lambda x: np.ma.masked_array(x, mask=x > 0)}[kind]
     want = _formula(a, b, c, 2.0, -1.0)
-    assert _identical(distmm.gemm(sub(a), b, c, alpha=2.0, beta=-1.0), want)  # numpy partners
+    assert identical(distmm.gemm(sub(a), b, c, alpha=2.0, beta=-1.0), want)  # numpy partners
     lazy_a = da.from_array(a, chunks=2) if partner == "b" else a  # a dask partner of b
     lazy_b = da.from_array(b, chunks=2) if partner == "b" else b
     lazy_c = da.from_array(c, chunks=2) if partner == "c" else c
     for x, y, ta in [(sub(a), lazy_b, "N"), (sub(a.T), lazy_b, "T"), (lazy_a, sub(b), "N")]:
         got = distmm.gemm(x, y, lazy_c, alpha=2.0, beta=-1.0, trans_a=ta)
         assert isinstance(got, da.Array), type(got)
-        assert _identical(got.compute(scheduler="sync"), want), ta
+        assert identical(got.compute(scheduler="sync"), want), ta
 
 
 # -- scalars ---------------------------------------------------------------------------------
@@ -263,11 +250,11 @@ def test_numpy_scalars_and_0d_arrays_are_their_values(dtype):
              np.complex64]
     for alpha, beta in [(2, 3), (0, 1), (1, 0)]:
         want = distmm.gemm(a, b, c, alpha=alpha, beta=beta)
-        assert _identical(want, _formula(a, b, c, alpha, beta))
+        assert identical(want, _formula(a, b, c, alpha, beta))
         for kind in kinds:
             for wrap in (kind, lambda v, kind=kind: np.array(v, kind)):
                 got = distmm.gemm(a, b, c, alpha=wrap(alpha), beta=wrap(beta))
-                assert _identical(got, want), (kind, alpha, beta)
+                assert identical(got, want), (kind, alpha, beta)
     if np.dtype(dtype).kind in "fc":
         f = _blas(dtype)
         got = distmm.gemm(a, b, c, alpha=np.float64(0.5), beta=np.array(-1.25, np.float32))
@@ -290,7 +277,7 @@ def test_nonfinite_and_signed_zero_scalars_are_numpys_with_blas_zero_rules():
     for alpha, beta in itertools.product(scalars, scalars):
         want = reported(lambda: _formula(a, b, c, alpha, beta))
         got = reported(lambda: distmm.gemm(a, b, c, alpha=alpha, beta=beta))
-        assert _identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got, want)
+        assert identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got, want)
     # -0.0 is zero: the NaNs are not read
     assert not np.isnan(distmm.gemm(a, b, c, alpha=-0.0, beta=1.0)[1]).any()
     assert not np.isnan(distmm.gemm(a[2:], b, c[2:], alpha=1.0, beta=-0.0)).any()
@@ -328,7 +315,7 @@ def test_integers_wrap_as_numpys_in_the_dtype_promoted_with_c(ab, cd, tile):
             ok = got.dtype == want.dtype and np.allclose(got, want, rtol=1e-6 if
                                                          want.dtype.itemsize <= 8 else 1e-12)
         else:
-            ok = _identical(got, want)
+            ok = identical(got, want)
         assert ok, (alpha, beta, got.dtype, want.dtype)
 
 
@@ -342,7 +329,7 @@ def test_int64_overflow_wraps_as_numpys():
         exact = (3 * (a.astype(object) @ b.astype(object)) + 5 * c.astype(object))
         wrapped = np.array([[(v + 2**63) % 2**64 - 2**63 for v in row] for row in exact.tolist()],
                            np.int64)
-        assert _identical(got, wrapped)
+        assert identical(got, wrapped)
 
 
 @pytest.mark.parametrize("dtype", [np.bool_, np.float16, np.longdouble, np.complex64, object])
@@ -363,7 +350,7 @@ def test_small_and_empty_shapes_of_every_letter_with_one_element_tiles(dtype, mn
             got = distmm.gemm(a, b, c, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb,
                               tile=tile)
             want = _formula(a, b, c, alpha, beta, ta, tb)
-            assert _identical(got, want), (ta, tb, alpha, beta, tile)
+            assert identical(got, want), (ta, tb, alpha, beta, tile)
 
 
 # -- overflow and numpy's reports ------------------------------------------------------------
@@ -382,7 +369,7 @@ def test_overflow_values_and_reports_are_numpys(dtype):
     for x, y, z, alpha, beta in cases:
         want = reported(lambda: _formula(x, y, z, alpha, beta))
         got = reported(lambda: distmm.gemm(x, y, z, alpha=alpha, beta=beta))
-        assert _identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got[1:],
+        assert identical(got[0], want[0]) and got[1:] == want[1:], (alpha, beta, got[1:],
                                                                       want[1:])
 
 
@@ -402,7 +389,7 @@ def test_c_that_is_a_or_b_or_shares_their_buffer():
         want = _formula(x.copy(), y.copy(), z.copy(), 2.0, 1.0, ta, tb)
         for tile in (None, (1, 1, 1)):
             got = distmm.gemm(x, y, z, alpha=2.0, beta=1.0, trans_a=ta, trans_b=tb, tile=tile)
-            assert _identical(got, want)
+            assert identical(got, want)
             assert not any(np.shares_memory(got, v) for v in (x, y, z))
         assert np.array_equal(buf, before[0]) and np.array_equal(sq, before[1])
 
@@ -454,25 +441,29 @@ def test_on_a_dask_cluster_numpy_and_dask_operands(client):
     for name, (a, b, c), kw in cases:
         want = reported(lambda: distmm.gemm(a, b, c, engine="local", **kw))
         got = reported(lambda: distmm.gemm(a, b, c, engine="dask", client=client, **kw))
-        assert _identical(got[0], want[0]) and got[1:] == want[1:], name
+        assert identical(got[0], want[0]) and got[1:] == want[1:], name
         lazy = distmm.gemm(da.from_array(a, chunks=2), da.from_array(b, chunks=3),
                            da.from_array(c, chunks=4), engine="dask", client=client,
                            **{key: v for key, v in kw.items() if key != "tile"})
         assert lazy.dtype == want[0].dtype and lazy.shape == want[0].shape, name
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the product's reports are the workers'
-            assert _identical(lazy.compute(), want[0]), name
+            assert identical(lazy.compute(), want[0]), name
 
 
 # -- MPI ------------------------------------------------------------------------------------------
 
 MPI_SCRIPT = '''
+import sys
 import warnings
 from fractions import Fraction
 import numpy as np
 import dask.array as da
 from mpi4py import MPI
 import distmm
+
+sys.path.insert(0, sys.argv[1])
+from conftest import identical
 
 comm = MPI.COMM_WORLD
 rank = comm.rank
@@ -493,14 +484,7 @@ def reported(f):
 def same(got, want):
     if isinstance(got, type) or isinstance(want, type):
         return got is want
-    if type(got) is not np.ndarray or got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    if got.dtype == object:
-        return got.tolist() == want.tolist()
-    if got.dtype.kind in "biu":
-        return np.array_equal(got, want)
-    g, w = (np.stack([z.real, z.imag]).astype(np.float64) for z in (got, want))
-    return np.array_equal(g, w, equal_nan=True) and np.array_equal(np.signbit(g), np.signbit(w))
+    return identical(got, want)
 
 
 def case(name, a, b, c=None, **kw):
@@ -580,6 +564,6 @@ def test_under_mpiexec_gemm_is_the_local_engines(ranks, tmp_path, mpirun):
     Dask operands are refused on every rank where no product is made too (alpha == 0 or
     k == 0 gave a dask array: the engine refuses them only where it multiplies)."""
     r, lines, bad = run_rank_script(mpirun, tmp_path / "gemm_heldback.py", MPI_SCRIPT, ranks,
-                                    timeout=180)
+                                    os.path.dirname(os.path.abspath(__file__)), timeout=180)
     assert len(lines) == 21 * ranks and not bad, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
