@@ -13,7 +13,8 @@ This module covers the parts of staging an output that the command line
 - ``put_in_place``: the finished ``.npy`` file or zarr folder renamed onto its
   target, keeping a replaced target's permission bits, and on disk before it returns (the
   file, or the folder and its metadata files, then the folder that names the target:
-  ``fsync_paths``), so that a crash after the run said it was done keeps the output;
+  ``fsync_paths``), so that a crash after the run said it was done keeps the output; the
+  consolidated metadata of the zarr groups above a zarr array made again (``_reconsolidate``);
 - ``BlockWriter``: a C-ordered array at a byte offset of a file, written tile
   by tile with ``os.pwrite``, so a full disk or a file-size limit raises a
   clean ``OSError`` (no memory map to die of SIGBUS, no HDF5 call to crash);
@@ -27,8 +28,8 @@ This module covers the parts of staging an output that the command line
   exist, else (after ``check_room`` for the copy) the dataset is copied into
   the user's file (opened for writing, never created or truncated) under a
   temporary name, in blocks that SIGINT and SIGTERM stop between, and only then
-  is an old dataset of that name deleted and the copy renamed onto it (signals
-  held off for those two metadata steps). The
+  is an old dataset of that name (or whatever link has it: never followed) deleted and the
+  copy renamed onto it (signals held off for those two metadata steps). The
   file's other datasets are never touched; on a failure the temporary dataset
   is removed, and the staged file is removed in every case. The file, and after a
   rename the folder that names it, are flushed to disk before it returns.
@@ -39,7 +40,8 @@ what remains is a race with another process filling the disk during the copy.
 
 - ``check_target``: the refusals of a target before anything is written (a missing folder,
   a path through a file: ``file_in_the_way``; an existing one without ``overwrite``, a
-  symbolic link too, which ``overwrite`` replaces and never follows; whatever ``overwrite``,
+  symbolic link too, which ``overwrite`` replaces and never follows, and an HDF5 file's link
+  at the dataset's name, to nothing or into another file too: ``_h5_name``; whatever ``overwrite``,
   an HDF5 file's link to what exists, a folder where a file would go, a zarr group, a folder
   that is no zarr array, an HDF5 group, an HDF5 dataset path through a dataset or into
   another file, an existing HDF5 file that cannot be opened for writing; with ``overwrite``,
@@ -146,9 +148,19 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
     Without ``overwrite`` a target that appeared while the run computed (another
     run's) is kept and ``OutputExists`` raised (``_rename_new``). The staged output is
     flushed to disk before the rename and the folder that names ``target`` after it
-    (``_synced_before``, ``fsync_paths``).
+    (``_synced_before``, ``fsync_paths``). A zarr array put in place in zarr groups with
+    consolidated metadata has that metadata made again once it is there
+    (``_reconsolidate``), so that what reads the group through it sees the new array.
     """
     staged, target = Path(staged), Path(target)
+    folder = staged.is_dir()
+    _put(staged, target, pid, overwrite)
+    if folder:
+        _reconsolidate(target)
+
+
+def _put(staged: Path, target: Path, pid: int | None, overwrite: bool) -> None:
+    """``put_in_place`` less the zarr groups' consolidated metadata."""
     if not overwrite:
         _synced_before(staged)
         _rename_new(staged, target)
@@ -185,6 +197,55 @@ def put_in_place(staged, target, pid: int | None = None, *, overwrite: bool = Tr
     else:
         os.replace(staged, target)
         fsync_paths([target.parent])
+
+
+def _group_format(folder: Path) -> tuple[int, bool] | None:
+    """``(zarr format, whether it holds consolidated metadata)`` of the folder ``folder`` where
+    it is a zarr group (format 2: ``.zgroup``, consolidated in ``.zmetadata``; format 3: a
+    ``zarr.json`` of node_type group, consolidated in its ``consolidated_metadata``); else
+    None."""
+    if (folder / ".zgroup").is_file():
+        return 2, (folder / ".zmetadata").is_file()
+    import json
+
+    try:
+        meta = json.loads((folder / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("node_type") != "group":
+        return None
+    return 3, meta.get("consolidated_metadata") is not None
+
+
+def _reconsolidate(target: Path) -> None:
+    """Make again, with zarr's own ``zarr.consolidate_metadata``, the consolidated metadata of
+    each zarr group above the zarr array ``target`` (up to the first folder that is no zarr
+    group) that has any, innermost first, so that it lists the array as it is now (a new
+    name, or an old one's new shape and dtype). A group without consolidated metadata is
+    left without. The array is in place already: a group whose metadata cannot be written is
+    a ``RuntimeWarning`` naming it, and how to do it by hand."""
+    groups = []
+    for above in target.parents:
+        group = _group_format(above)
+        if group is None:
+            break
+        if group[1]:
+            groups.append((above, group[0]))
+    if not groups:
+        return
+    import zarr
+
+    for group, fmt in groups:
+        try:
+            with warnings.catch_warnings():  # zarr's that format 3 has no such metadata yet
+                warnings.simplefilter("ignore")
+                zarr.consolidate_metadata(str(group), zarr_format=fmt)
+        except Exception as exc:  # noqa: BLE001 - C is in place: said, not raised
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            warnings.warn(f"{target} was written, but the consolidated metadata of the zarr "
+                          f"group {group} could not be updated ({why}), so it does not list "
+                          f"{target} as it is: run zarr.consolidate_metadata({str(group)!r})",
+                          RuntimeWarning, stacklevel=3)
 
 
 def _rename_new(staged: Path, target: Path) -> None:
@@ -263,11 +324,13 @@ def check_target(t, overwrite: bool) -> bool:
         It exists and ``overwrite`` is false; a target that is a symbolic link, of every
         kind, is an existing name, whatever it names (nothing, a file, a folder); with
         ``overwrite`` the link itself is replaced and what it names left as it is
-        (``_check_link``).
+        (``_check_link``). An HDF5 dataset's name is likewise whatever link the file has
+        under it (a soft link to nothing, an external link, whatever it names), replaced with
+        ``overwrite`` and never followed into another file (``_h5_name``).
     IsADirectoryError
         A folder sits where a ``.npy`` or HDF5 file would go, or a zarr group
-        or a folder that is no zarr array where an array would go (whatever
-        ``overwrite``).
+        or a folder that is no zarr array where an array would go, or an HDF5 group (or a soft
+        link to one of that file) where a dataset would go (whatever ``overwrite``).
     ValueError
         An HDF5 target that is not an HDF5 file, or that another process writes (``h5_held``:
         an SWMR writer, one that stopped and left it marked open, a writer's file lock); or
@@ -321,11 +384,10 @@ def check_target(t, overwrite: bool) -> bool:
             raise
         with fh:
             _check_h5_path(fh, p, t.dataset, label)
-            node = fh.get(t.dataset)
-        if node is None:
+            there = _h5_name(fh, t.dataset)
+        _refuse_h5_name(there, label, overwrite)
+        if there is None:
             return False
-        if not isinstance(node, h5py.Dataset):
-            raise IsADirectoryError(f"{label} is an HDF5 group, which distmm never replaces")
     elif not p.exists():
         return False
     if not overwrite:
@@ -507,6 +569,52 @@ def _fixed_in(folder, names) -> tuple:
         if fd != at_cwd:
             os.close(fd)
     return None, None
+
+
+def _h5_name(fh, dataset: str) -> str | None:
+    """What the name ``dataset`` is in the HDF5 file ``fh`` (opened for reading; the groups on
+    its way are groups of that file: ``_check_h5_path``), its last link never followed into
+    another file: None where no link has that name; "group" for a group, or a soft link to a
+    group of the file; "" for a dataset or a named datatype; else the link, in words (a soft
+    link to nothing, an external link, whatever it names: that file is never opened)."""
+    import h5py
+
+    if _first_missing_group(fh, dataset) is not None:
+        return None
+    name, links = dataset.encode(), fh.id.links
+    try:
+        if not links.exists(name):
+            return None
+        kind = links.get_info(name).type
+    except (KeyError, RuntimeError, OSError, ValueError):  # a path through a dataset: no
+        return None  # name there (check_target refuses it; a copy there fails, removed)
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        filename, obj = links.get_val(name)
+        return f"an external link to {os.fsdecode(filename)}:{obj.decode()}"
+    if kind == h5py.h5l.TYPE_SOFT:
+        try:
+            node = fh.get(dataset)  # (read-only: a link on its way out is opened for reading)
+        except (KeyError, OSError, ValueError):
+            node = None
+        if node is None:
+            return f"a soft link to {links.get_val(name).decode()}, which does not exist"
+        if isinstance(node, h5py.Group) and Path(node.file.filename).resolve() == \
+                Path(fh.filename).resolve():
+            return "group"
+        return ""
+    return "group" if h5py.h5o.get_info(fh.id, name).type == h5py.h5o.TYPE_GROUP else ""
+
+
+def _refuse_h5_name(there: str | None, label: str, overwrite: bool) -> None:
+    """Refuse the HDF5 target ``label`` whose name is ``there`` (``_h5_name``): a group whatever
+    ``overwrite`` (``IsADirectoryError``), any other existing name without it
+    (``OutputExists``; a link is an existing name whatever it names)."""
+    if there == "group":
+        raise IsADirectoryError(f"{label} is an HDF5 group, which distmm never replaces")
+    if there is not None and not overwrite:
+        what = f" ({there})" if there else ""
+        fix = "replace the link (what it names is left as it is)" if there else "replace it"
+        raise OutputExists(f"{label} exists{what}: pass --overwrite to {fix}")
 
 
 def _check_h5_path(fh, path: Path, dataset: str, label: str) -> None:
@@ -1270,8 +1378,9 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     never replaced: the dataset is copied into it, as into one that was there). Into an
     existing file the dataset is copied under a temporary name, after checking
     that the file system and the file-size limit have room for it; then an old
-    ``dataset`` (only with ``overwrite``) is deleted and the copy renamed onto
-    it. Nothing else in the file changes; on a failure the copy is removed. After the
+    ``dataset`` (only with ``overwrite``; whatever link has that name, looked at with the file
+    opened for reading and never followed into another file: ``_h5_name``) is deleted and
+    the copy renamed onto it. Nothing else in the file changes; on a failure the copy is removed. After the
     rename or the copy the file is flushed to disk (``fsync``), and after a rename the
     folder that names it too.
 
@@ -1280,9 +1389,9 @@ def commit_h5(staged, path, dataset: str, *, overwrite: bool = False) -> None:
     InsufficientSpace
         No room for the copy (the user's file was not opened).
     OutputExists
-        ``dataset`` exists and ``overwrite`` is false.
+        ``dataset`` exists (a link to nothing too) and ``overwrite`` is false.
     IsADirectoryError
-        ``dataset`` names an HDF5 group.
+        ``dataset`` names an HDF5 group, or a soft link to one.
     ValueError
         ``path`` is a symbolic link to a file (never written through, nor replaced).
     OSError
@@ -1375,17 +1484,18 @@ def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
         nbytes = int(src[dataset].id.get_storage_size())
     check_room(label, path.parent, nbytes + H5_MARGIN, path.stat().st_size + nbytes + H5_MARGIN)
     try:
+        with h5py.File(path, "r") as fh:  # the name, read-only: a link out of the file that
+            there = _h5_name(fh, dataset)  # followed here would open its file for writing
+    except OSError as exc:
+        raise OSError(f"cannot open {path} to add {dataset!r} ({' '.join(str(exc).split())})") from None
+    _refuse_h5_name(there, label, overwrite)  # (made while the run computed)
+    try:
         dst = h5py.File(path, "r+")
     except OSError as exc:
         raise OSError(f"cannot open {path} to add {dataset!r} ({' '.join(str(exc).split())})") from None
     temp = f"{dataset}.{PARTIAL}-{os.getpid()}"
     failed = True
     try:
-        old = dst.get(dataset)
-        if old is not None and not isinstance(old, h5py.Dataset):
-            raise IsADirectoryError(f"{label} is an HDF5 group, which distmm never replaces")
-        if old is not None and not overwrite:
-            raise OutputExists(f"{label} exists: pass --overwrite to replace it")
         new_group = _first_missing_group(dst, dataset)
         committed = False
         try:
@@ -1396,8 +1506,8 @@ def _copy_into(staged: Path, path: Path, dataset: str, overwrite: bool) -> None:
                 raise OSError(f"copying {dataset!r} into {path} failed "
                               f"({' '.join(str(exc).split())})") from exc
             with _signals_held():
-                if dataset in dst:
-                    del dst[dataset]
+                if dst.id.links.exists(dataset.encode()):  # the link itself, never followed:
+                    del dst[dataset]  # a link to nothing or to another file too
                 dst.move(temp, dataset)
                 dst.flush()
                 committed = True  # a signal held off until here finds C complete

@@ -12,7 +12,11 @@ file or dataset, and writing a result so that nothing but the target changes:
   for the copy) with its other datasets untouched (``distmm.staging``);
 - an existing target is an error (``OutputExists``) unless ``overwrite``;
 - a directory is never removed, and a zarr group is never replaced (a zarr
-  array inside a group is written as ``group.zarr/array``);
+  array inside a group is written as ``group.zarr/array``, and the groups' consolidated
+  metadata, where they have any, made again to list it: ``distmm.staging.put_in_place``);
+- an HDF5 dataset's name in an existing file is whatever link has it, a link to nothing
+  or to another file too: an existing name, replaced only with ``overwrite``, and never
+  followed into another file (``distmm.staging.check_target``, ``commit_h5``);
 - free space is checked before anything is computed (``InsufficientSpace``);
 - ``.npy`` and HDF5 tiles go to disk with ``os.pwrite``, not through a memory
   map or HDF5, so a full disk or a file-size limit raises ``OSError`` instead
