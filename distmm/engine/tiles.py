@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distmm.fpflags import as_matmul, object_rows
-from distmm.nonfinite import numpys_nonfinite
+from distmm.nonfinite import as_whole_call, numpys_nonfinite, part_shape
 from distmm.plan import Plan, np_dtype
 
 __all__ = ["tile_partial", "reduce_partials", "PartialSum", "finish_tile"]
@@ -31,6 +31,11 @@ def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any,
     and layout. ``at``: where the tile starts in C (``(*batch, row, column)``) when the
     panels hold all of k: an object tile's elements then keep their reports for the
     caller, in numpy's order (``distmm.fpflags.object_rows``, inside ``collect``).
+    A ``Plan``'s complex host product of panels one wide in k (a k group of a product of
+    more) has its elements that are not finite in the form of the tile's other k groups'
+    calls (``distmm.nonfinite.as_whole_call``), as ``finish_tile``'s default ``parts`` tell
+    (a Dask task's plan is left as numpy's loop gave it: its engine passes its pieces'
+    calls as they were).
     """
     acc = np_dtype(plan.acc_dtype)
     a_dev = executor.asarray(a_panel, acc)
@@ -39,6 +44,8 @@ def tile_partial(executor, plan: Plan, a_panel: Any, b_panel: Any,
         return object_rows(lambda x, y: executor.panel_product(x, y, plan.tile[2]), a_dev,
                            b_dev, at)
     part = executor.panel_product(a_dev, b_dev, plan.tile[2])
+    if a_dev.shape[-1] == 1 and isinstance(plan, Plan):  # numpy's loop (k == 1): no alpha
+        part = as_whole_call(plan, part)
     if (plan.dtype == "float16" and plan.precision == "highest" and isinstance(part, np.ndarray)
             and part.dtype != np.float16):
         _half_nans(part, a_dev, b_dev)
@@ -151,10 +158,11 @@ def finish_tile(plan: Plan, acc_tile: Any, parts: tuple | None = None) -> Any:
 
 def _parts(plan, acc_tile) -> tuple:
     """The ``(rows, columns, k)`` of the products a ``Plan``'s 2-D tile sums: one per k
-    group (``tile_partial``); none by default for other plans (the Dask and MPI engines pass
-    their blocks' own: pieces of the operands' chunks, SUMMA's panels)."""
+    group (``tile_partial``: a group one wide in the form of the others'); none by default
+    for other plans (the Dask and MPI engines pass their blocks' own: pieces of the
+    operands' chunks, SUMMA's panels)."""
     if not isinstance(plan, Plan) or getattr(acc_tile, "ndim", 0) != 2:
         return ()
     rows, cols = acc_tile.shape
-    return tuple((rows, cols, plan.k_edges[s + 1] - plan.k_edges[s])
+    return tuple(part_shape(plan, rows, cols, plan.k_edges[s + 1] - plan.k_edges[s])
                  for s in range(len(plan.k_edges) - 1))

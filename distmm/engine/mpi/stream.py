@@ -45,7 +45,7 @@ import numpy as np
 
 from distmm.engine.mpi.stop import StopWatch, poll
 from distmm.fpflags import collect, object_rows
-from distmm.nonfinite import numpys_nonfinite
+from distmm.nonfinite import as_whole_call, numpys_nonfinite, part_shape
 from distmm.plan import sums_whole_k
 from distmm.plan_batch import BatchPlan
 
@@ -403,7 +403,8 @@ class _CPURun(_Run):
     @property
     def on_host(self) -> bool:
         """Whether the products are numpy's matmul (the CPU executor's: its numba kernels
-        take no complex dtype), whose shapes ``numpys_nonfinite`` is told."""
+        take no complex dtype), whose shapes ``numpys_nonfinite`` is told (a panel one wide
+        in the form of the others': ``distmm.nonfinite.as_whole_call``, ``part_shape``)."""
         from distmm.executor.cpu import CPUExecutor
 
         return isinstance(self.executor, CPUExecutor)
@@ -510,7 +511,9 @@ class _CPURun(_Run):
             off = self.a_cuts[owner]
             part = self.executor.panel_product(pieces[owner][:, k0 - off:k1 - off],
                                                self.b_store[k0:k1], 256)
-            parts.append((h, self.nj, k1 - k0))
+            if k1 - k0 == 1 and self.on_host:  # numpy's own loop: the other panels' form
+                part = as_whole_call(self.grid, part)
+            parts.append(part_shape(self.grid, h, self.nj, k1 - k0))
             if c is None:
                 c = part
             else:  # in k order: the bits do not depend on timing

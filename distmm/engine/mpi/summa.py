@@ -18,9 +18,11 @@ grid's other layers send theirs to layer 0) and multiplies them in one product; 
 object block's elements keep their reports from their place in C, for numpy's order
 (``distmm.fpflags.object_rows``).
 A complex64 or complex128 element that is not finite is left as the panels' sum gives it
-(a panel one wide or a 1 x 1 block keeps an Inf numpy's BLAS turns NaN): the engine's
-``finish_tile`` gives it numpy's form for the whole product (``distmm.nonfinite``), told
-the shapes of the host products summed (``block_parts``).
+(a 1 x 1 block keeps an Inf numpy's BLAS turns NaN), but for a host panel one wide, whose
+product (numpy's own loop) takes the form of the block's other panels' (BLAS's:
+``distmm.nonfinite.as_whole_call``): the engine's ``finish_tile`` gives it numpy's form for
+the whole product (``distmm.nonfinite``), told the shapes of the host products summed
+(``block_parts``).
 It does *not* cover: choosing the grid (``distmm.grid``), the grid's
 communicators (``distmm.engine.mpi.gridcomms``), moving operands into
 the grid's layout (``distmm.engine.mpi.distarray``), or kernels (executors).
@@ -38,6 +40,7 @@ from distmm.engine.mpi.gridcomms import GridComms
 from distmm.errors import NotPicklable
 from distmm.fpflags import object_rows
 from distmm.grid import GridPlan
+from distmm.nonfinite import as_whole_call, part_shape
 from distmm.plan import sums_whole_k
 
 __all__ = ["summa", "block_parts", "LocalFailure"]
@@ -118,6 +121,8 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
                 executor.device_gemm(a_buf, b_buf, c, beta=0 if p == first else 1)
             else:
                 prod = executor.panel_product(a_buf, b_buf, tk)
+                if a_buf.shape[1] == 1:  # numpy's own loop on the host: the other panels' form
+                    prod = as_whole_call(grid, prod)
                 if c is None:
                     c = prod
                 else:
@@ -134,15 +139,16 @@ def summa(grid: GridPlan, a_local, b_local, executor, comms: GridComms, *, xp=np
 
 def block_parts(grid: GridPlan, rank: int) -> tuple:
     """The ``(rows, columns, k)`` of the panel products ``summa`` sums into ``rank``'s C
-    block on the host: every layer's panels (the layers' blocks are summed onto layer 0), or
-    the one product of a grid of one rank (``finish_tile``'s ``parts``)."""
+    block on the host: every layer's panels (the layers' blocks are summed onto layer 0; a
+    panel one wide in the form of the others', ``distmm.nonfinite.part_shape``), or the one
+    product of a grid of one rank (``finish_tile``'s ``parts``)."""
     _, i, j = grid.coords(rank)
     mi = grid.row_edges[i + 1] - grid.row_edges[i]
     nj = grid.col_edges[j + 1] - grid.col_edges[j]
     if grid.ranks == 1:
         return ((mi, nj, grid.k),)
-    return tuple((mi, nj, k1 - k0) for pe in grid.panel_edges for k0, k1 in zip(pe, pe[1:])
-                 if k1 > k0)
+    return tuple(part_shape(grid, mi, nj, k1 - k0) for pe in grid.panel_edges
+                 for k0, k1 in zip(pe, pe[1:]) if k1 > k0)
 
 
 def _whole_k_product(grid: GridPlan, a_whole, b_whole, executor, comms: GridComms,
