@@ -29,6 +29,7 @@ def _operands(tmp_path, a_shape, b_shape):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("a_shape,b_shape,out", CASES)
+@pytest.mark.slow
 def test_a_c_of_2_63_elements_or_more_is_refused_before_any_work(tmp_path, mpirun, a_shape,
                                                                  b_shape, out):
     """The batch path: it failed after staging with numpy's MemoryError."""
@@ -38,6 +39,7 @@ def test_a_c_of_2_63_elements_or_more_is_refused_before_any_work(tmp_path, mpiru
 
 
 @pytest.mark.parametrize("a_shape,b_shape,out", CASES)
+@pytest.mark.slow
 def test_one_process_refuses_a_c_of_2_63_elements_or_more_before_any_work(tmp_path, a_shape,
                                                                           b_shape, out):
     """One process: its space check wrapped too, and ``out=``'s shape check then said the

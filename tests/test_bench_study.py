@@ -204,6 +204,7 @@ def test_committed_studies_are_valid():
         assert load_study(path).configurations(), path
 
 
+@pytest.mark.slow
 def test_bad_file_is_one_line_and_exit_2(tmp_path):
     """At the command line: exit 2, one line naming the file and key, no traceback, and no
     records file made; a TOML syntax error and a missing file alike."""

@@ -135,6 +135,7 @@ def test_demo_and_plan_too_large_say_so_in_one_line():
 
 
 @pytest.mark.parametrize("fmt", ["npy", "zarr", "h5"])
+@pytest.mark.slow
 def test_matmul_on_files(tmp_path: Path, fmt):
     rng = np.random.default_rng()
     a = rng.standard_normal((37, 50))

@@ -13,6 +13,7 @@ from conftest import run_cli
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
+@pytest.mark.slow
 def test_plan_of_bfloat16_operands_is_the_plan_matmul_makes():
     """--dtype bfloat16 was refused ("data type 'bfloat16' not understood", status 2); it is
     the plan distmm.matmul makes for bfloat16 operands: of numpy's float32 result, said on

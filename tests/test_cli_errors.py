@@ -69,6 +69,7 @@ def _damage(folder: Path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("kind", ["empty-npy", "truncated-h5", "zarr2-no-dtype", "zarr3-no-dtype"])
+@pytest.mark.slow
 def test_an_unreadable_operand_is_bad_input_naming_its_file(files, kind):
     """Found by a fuzz of the command line: these exited 1 with the library's words alone
     ("No data left in file", "dtype", HDF5's "truncated file")."""
@@ -395,6 +396,7 @@ def _distmm(request, ranks: int, *argv):
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="writes under /proc")
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
 @pytest.mark.parametrize("name", ["c.npy", "c.h5:C"])
+@pytest.mark.slow
 def test_an_output_folder_no_file_can_be_made_in_is_refused_naming_it(files, name, ranks,
                                                                       request):
     """os.access lets root write in /proc, where no file can be made: the output was refused
@@ -737,6 +739,7 @@ def _corrupt_chunk(folder: Path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["zarr", "h5"])
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+@pytest.mark.slow
 def test_a_chunk_that_does_not_decode_names_its_file(files, kind, ranks, request):
     """A corrupt chunk found while the product reads it: one line naming the operand, exit
     2 (an unreadable input), nothing left behind; it named no file, exited 1 and zarr's
@@ -886,6 +889,7 @@ def _nofile(n: int):
 
 
 @pytest.mark.parametrize("name", ["c.npy", "c.h5:C"])
+@pytest.mark.slow
 def test_too_many_open_files_is_a_failed_run_naming_the_limit(tmp_path, name):
     """A zarr operand of many chunks under a small open-file limit (``ulimit -n``): the
     read's EMFILE was taken for an unreadable file (status 2, 'Az.zarr cannot be read');

@@ -12,6 +12,7 @@ from conftest import run_cli
 
 
 @pytest.mark.parametrize("which", ["a", "b", "-o", "--output="])
+@pytest.mark.slow
 def test_an_empty_operand_or_output_path_is_refused_naming_its_argument(tmp_path, which):
     """It was refused only by the suffix check, as ``unsupported file type '(no suffix)'
     for : use ...``: the line named neither the argument nor a file."""
@@ -67,6 +68,7 @@ def _output_case(tmp_path, case: str, under: str):
 
 @pytest.mark.parametrize("under", ["f/d", "f"], ids=["below-file", "in-file"])
 @pytest.mark.parametrize("case", list(OUTPUTS))
+@pytest.mark.slow
 def test_an_output_through_a_file_is_not_a_folder(tmp_path, case, under):
     """An output path through a regular file (``f/d/c.npy``, ``f`` a file) was told as a
     missing folder ("no such folder for the output f/d/c.npy: f/d") by matmul's -o,
@@ -84,6 +86,7 @@ def test_an_output_through_a_file_is_not_a_folder(tmp_path, case, under):
 
 
 @pytest.mark.parametrize("case", [c for c, (_, makes) in OUTPUTS.items() if not makes])
+@pytest.mark.slow
 def test_an_output_in_a_missing_folder_is_no_such_folder(tmp_path, case):
     """The other case, a folder that is not there (``no/d/c.npy``): still "no such folder"
     (or directory), not "not a folder"."""

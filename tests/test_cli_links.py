@@ -57,6 +57,7 @@ def run(pa, pb, target, *flags):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow
 def test_a_link_to_nothing_is_refused_then_replaced_for_every_kind(tmp_path, npy_operands, kind):
     """A link to nothing at the target: a ``.npy`` target's was refused without --overwrite
     and replaced with it, but a zarr or HDF5 target's was refused either way ('distmm writes
@@ -87,6 +88,7 @@ SLOW = pytest.mark.slow  # ~2 s a case on 2 cores; the fast run keeps the cases 
     ("npy", "folder"), ("zarr", "file"), pytest.param("zarr", "folder", marks=SLOW),
     pytest.param("npy", "file", marks=SLOW), pytest.param("npy", "zarr array", marks=SLOW),
     pytest.param("zarr", "zarr array", marks=SLOW)])
+@pytest.mark.slow
 def test_a_link_to_something_is_replaced_never_followed(tmp_path, npy_operands, kind, dest):
     """A ``.npy`` or zarr target that is a link to a file, a folder or a zarr array: some
     were replaced with --overwrite (.npy to a file, zarr to a zarr array), the others
@@ -125,6 +127,7 @@ def test_a_link_to_something_is_replaced_never_followed(tmp_path, npy_operands, 
 @pytest.mark.parametrize("dataset, overwrite", [
     ("N", False), ("C", True), pytest.param("C", False, marks=SLOW),
     pytest.param("N", True, marks=SLOW)])
+@pytest.mark.slow
 def test_an_hdf5_link_to_an_hdf5_file_is_refused_not_written_through(tmp_path, npy_operands,
                                                                       overwrite, dataset):
     """``-o link.h5:N`` where link.h5 is a link to real.h5: N was added to real.h5 through

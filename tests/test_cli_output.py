@@ -177,6 +177,7 @@ def test_h5_output_into_a_hard_link_of_an_operand_s_file(tmp_path, request, rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "twin.h5"]
 
 
+@pytest.mark.slow
 def test_zarr_group_is_never_replaced(tmp_path, npy_operands):
     pa, pb, ref = npy_operands
     g = zarr.open_group(str(tmp_path / "proj.zarr"), mode="w")
@@ -259,6 +260,7 @@ def test_symbolic_links_at_the_target_are_replaced_not_followed(tmp_path, npy_op
 
 
 @pytest.mark.parametrize("kind", ["npy", "zarr", "h5"])
+@pytest.mark.slow
 def test_replaced_output_keeps_its_permissions(tmp_path, npy_operands, kind):
     """--overwrite renames a new file onto the old one; the old one's permission bits pass to
     it (they were the umask's before), as writing into it would have kept them. A new output
@@ -294,6 +296,7 @@ def _limit(nbytes):
 
 
 @pytest.mark.parametrize("name", ["c.npy", "c.h5:C", "c.zarr"])
+@pytest.mark.slow
 def test_file_size_limit_is_a_clean_failure(tmp_path, name):
     rng = np.random.default_rng()
     np.save(tmp_path / "a.npy", rng.standard_normal((400, 300)))
@@ -306,6 +309,7 @@ def test_file_size_limit_is_a_clean_failure(tmp_path, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]
 
 
+@pytest.mark.slow
 def test_file_size_limit_on_a_zarr_output_leaves_no_chunk_behind(tmp_path):
     """A chunk write past the file-size limit ended zarr's assignment while its other chunks'
     writes went on in zarr's event loop: one finishing after the staged folder's removal made
@@ -366,6 +370,7 @@ def test_signal_mid_run_leaves_nothing(tmp_path, signum, status):
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.arange(5.0))
 
 
+@pytest.mark.slow
 def test_sigterm_is_acted_on_within_2_s_while_numba_compiles_and_runs(tmp_path):
     """The numba backend's first tiles compile and then run for seconds on a pool thread;
     the signal ends the process within 2 s anyway (running tiles are not waited for)."""
@@ -593,6 +598,7 @@ def test_file_size_limit_mid_run_leaves_the_h5_file_as_it_was(tmp_path, user_h5)
 
 
 @pytest.mark.parametrize("name", ["c.npy", "c.h5:C", "c.zarr"])
+@pytest.mark.slow
 def test_empty_results_of_stacks_and_vectors_are_written_as_numpy(tmp_path, name):
     """Empty results numpy computes (a stack with an empty core dimension, an empty
     matrix @ vector) are written in every format (.npy and HDF5 refused them with an
@@ -682,6 +688,7 @@ def read_only_folder(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["c.npy", "c.zarr", "c.h5:C"])
+@pytest.mark.slow
 def test_read_only_folder_is_bad_input_naming_the_target(read_only_folder, name):
     """The output's folder cannot be written: the run failed with status 1 and named the
     staged file ('Read-only file system: .c.npy.distmm-partial-PID'); now status 2 and the
@@ -712,6 +719,7 @@ def test_h5_file_in_a_folder_with_a_colon(tmp_path, npy_operands):
 
 
 @pytest.mark.parametrize("dataset", ["X/C", "grp/Y/C", "ext/C", "soft/C", "gone/C"])
+@pytest.mark.slow
 def test_h5_dataset_path_through_a_dataset_is_bad_input(tmp_path, npy_operands, dataset):
     """-o f.h5:X/C where X is a dataset (or a link to one, or a link to nothing): C was
     computed and the copy into the file failed at the end (status 1, 'message type not
@@ -780,6 +788,7 @@ def _linked_h5(folder: Path) -> tuple[Path, Path]:
     ("root/C", "root", "is an external link to '/' in {other}"),
     ("through/C", "through", "leads to a group of {other}"),
 ])
+@pytest.mark.slow
 def test_h5_dataset_path_into_another_file_is_bad_input(tmp_path, npy_operands, dataset, link, says):
     """-o f.h5:ext/C where ext is an external link to a group of another file: C was written
     into that other file (status 0), which distmm was not asked to write. Now status 2 before
@@ -852,6 +861,7 @@ def test_an_h5_file_that_cannot_be_opened_for_writing_is_refused_before_any_work
 
 @pytest.mark.parametrize("name", ["c.npy", "c.zarr"])
 @pytest.mark.parametrize("flag, fixed", [("i", "immutable"), ("a", "append-only")])
+@pytest.mark.slow
 def test_a_target_no_one_may_replace_is_refused_before_any_work(tmp_path, npy_operands, chattr,
                                                                 name, flag, fixed):
     """--overwrite of an immutable or append-only .npy file or zarr folder: C was computed and
@@ -995,6 +1005,7 @@ def test_a_read_only_file_in_a_writable_folder_may_be_replaced(as_nobody):
 
 
 @pytest.mark.parametrize("kind", ["h5", "zarr"])
+@pytest.mark.slow
 def test_an_operand_its_user_may_not_read_is_named_in_one_line(as_nobody, kind):
     """An HDF5 file or a zarr folder the user may not read: the HDF5 one said h5py's words on
     HDF5's call ("Unable to determine if file is accessible as hdf5 (unable to open file:
@@ -1056,6 +1067,7 @@ def test_a_zarr_output_named_as_a_folder_and_the_line_naming_what_was_written(
 
 
 @pytest.mark.parametrize("out", ["x.npy", "x.h5:C", "sub.zarr"])
+@pytest.mark.slow
 def test_an_output_inside_a_zarr_array_is_refused_before_any_work(tmp_path, out):
     """``-o sq.zarr/x.npy`` with ``sq.zarr`` an operand: C was computed, then the run failed
     with "input A (sq.zarr) changed" (its staged file counted in the folder's size), and any

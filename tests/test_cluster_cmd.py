@@ -145,6 +145,7 @@ def busy_port():
         "gpus-too-many", "port-range", "dashboard", "file-exists", "file-dir", "port-busy",
         "workers-most", "threads-most", "gpus-most", "workers-memory", "memory-above",
         "memory-fraction-small", "file-unwritable"])
+@pytest.mark.slow
 def test_bad_options_fail_in_one_line_before_anything_starts(tmp_path: Path, busy_port, args, says):
     from distributed.system import MEMORY_LIMIT
 

@@ -100,6 +100,7 @@ DASK_CASES = [("tiles", None), ("tiles", (4, 4, 11)), ("tiles", (4, 4, 4)), ("bl
 @pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
 @pytest.mark.parametrize("layout,tile", DASK_CASES,
                          ids=["one-tile", "m-n-tiles", "k-pieces", "blocks", "m-n-blocks"])
+@pytest.mark.slow
 def test_dask_engine_keeps_numpys_inf_nan(client, tmp_path, dtype, layout, tile):
     """``inf+nanj``/``nan+infj`` and numpy's warnings (``nan+nanj`` before)."""
     rng = np.random.default_rng()
@@ -294,6 +295,7 @@ def test_mpi_engine_keeps_numpys_inf_nan(tmp_path, mpirun):
 @pytest.mark.mpi
 @pytest.mark.parametrize("panels", ["broadcast", "read"])
 @pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
+@pytest.mark.slow
 def test_batch_command_keeps_numpys_inf_nan(tmp_path, mpirun, panels, dtype):
     """``mpirun -n 2 python -m distmm matmul`` (the striped batch path): numpy's
     ``inf+nanj``/``nan+infj`` in the file written and numpy's warnings, one line each

@@ -255,6 +255,7 @@ def _probe_ok(tmp_path, env_extra: dict, yaml_text: str | None = None) -> dict:
     ({"DISTMM_MEMORY_BUDGET": "5MiB", "DASK_DISTMM__MEMORY_BUDGET": ""}, None, 5 * MiB),
 ], ids=["dask-env", "distmm-env", "yaml", "distmm-env-over-yaml", "dask-env-over-distmm-env",
         "empty-distmm-env", "empty-dask-env", "empty-dask-env-over-distmm-env"])
+@pytest.mark.slow
 def test_environment_and_yaml(tmp_path, env, yaml_text, budget):
     out = _probe_ok(tmp_path, env, yaml_text)
     assert out["budget"] == budget and out["from"] == "config"
@@ -310,6 +311,7 @@ def test_a_bad_environment_value_names_the_key(tmp_path):
     ({"DISTMM_RETRY_TIMEOUT": "x"},
      ["distmm.retry-timeout = 'x' is not valid: not a duration"]),
 ], ids=["misspelt-shorthand", "bad-duration"])
+@pytest.mark.slow
 def test_a_bad_environment_setting_is_one_line_and_status_2(tmp_path, env, words):
     clean = {k: None for k in os.environ if k.startswith(("DASK_DISTMM__", "DISTMM_"))}
     res = run_cli("plan", 64, 64, 64, env={**clean, "DASK_CONFIG": None, **env}, timeout=120,

@@ -110,6 +110,7 @@ def _assert_bounded_failure(r, seconds, address, files):
         ["s.json"] if (files / "s.json").exists() else [])
 
 
+@pytest.mark.slow
 def test_connect_timeout_bounds_whatever_answers(files, address):
     t0 = time.monotonic()
     r = run_cli("matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy",
@@ -158,6 +159,7 @@ def test_probe_ends_on_its_deadline_and_leaves_no_thread():
     (["--scheduler-file", "{tmp}/bad.json"], "bad.json is not a scheduler file (not JSON"),
     (["--scheduler-file", "{tmp}/noaddr.json"], "noaddr.json is not a scheduler file (no \"address"),
 ], ids=["scheme", "no-port", "port-range", "file-port-0", "timeout-0", "timeout-nan", "file-not-json", "file-no-address"])
+@pytest.mark.slow
 def test_bad_addresses_are_bad_input(files, args, says):
     (files / "bad.json").write_text("{")
     (files / "noaddr.json").write_text("{}")
@@ -225,6 +227,7 @@ def test_the_api_keeps_python_advice():
             distmm.matmul(np.ones((2, 2)), np.ones((2, 2)))
 
 
+@pytest.mark.slow
 def test_configuration_errors_give_command_line_advice(files):
     env = dict(os.environ, DISTMM_MEMORY_BUDGET="lots")
     for args in (["matmul", files / "a.npy", files / "b.npy", "-o", files / "c.npy"],

@@ -63,6 +63,7 @@ def test_auto_leaves_a_small_integer_product_to_the_executor():
                            workers_decide=True) == ("auto", False)
 
 
+@pytest.mark.slow
 def test_a_first_small_integer_product_runs_on_numpys_loop_without_numba():
     out = _child("""
 a, b = operands("int64", 300, 200, 100, 1)
@@ -81,6 +82,7 @@ print(json.dumps({"first": first, "loop": loop, "blas": blas, "numba": numba,
     assert out["kernels"] and out["loop_after"] == out["loop"]
 
 
+@pytest.mark.slow
 def test_integer_products_give_numpys_wrapped_bits_on_the_loop_and_on_the_kernels():
     out = _child("""
 dtypes = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"]

@@ -47,6 +47,7 @@ def _operands(kind: str, rng):
 @pytest.mark.parametrize("layout", ["auto", "tiles", "blocks"])
 @pytest.mark.parametrize("kind", ["numpy", "dask", "stack"])
 @pytest.mark.parametrize("backend", ["raw", "cublas"])
+@pytest.mark.slow
 def test_gpu_backend_on_cpu_workers_is_refused_before_any_work(client, backend, kind, layout):
     a, b = _operands(kind, np.random.default_rng())
     before = _transitions(client)
@@ -73,6 +74,7 @@ def test_configured_gpu_backend_is_refused_too(client):
 @pytest.mark.parametrize("layout", ["auto", "tiles"])
 @pytest.mark.parametrize("kind", ["numpy", "dask", "stack"])
 @pytest.mark.parametrize("backend", ["auto", "numba", "blas"])
+@pytest.mark.slow
 def test_cpu_and_auto_backends_still_run(client, backend, kind, layout):
     rng = np.random.default_rng()
     a, b = _operands(kind, rng)

@@ -67,6 +67,7 @@ SHAPES = [(22, 23, 24), (1, 1, 1), (33, 17, 65), (65, 130, 1), (7, 300, 5)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES, ids=[f"{m}x{k}x{n}" for m, k, n in SHAPES])
+@pytest.mark.slow
 def test_numpy_operands_odd_shapes(client, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     a, b = _operands(rng, (m, k), (k, n), "float64")
@@ -107,6 +108,7 @@ def test_dask_chunks_become_tiles(client):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_every_dtype_numpy_and_dask(client, dtype):
     rng = np.random.default_rng(11)
     a, b = _operands(rng, (37, 90), (90, 29), dtype)
@@ -367,6 +369,7 @@ def test_a_block_mode_name_is_its_products_own(client):
     assert len(names) == 1
 
 
+@pytest.mark.slow
 def test_progress_bar_and_performance_report(client, tmp_path, capsys):
     rng = np.random.default_rng(4)
     a, b = _operands(rng, (100, 50), (50, 100), "float64")
@@ -453,6 +456,7 @@ def test_a_closed_client_is_refused_before_any_work(cluster):
             call()
 
 
+@pytest.mark.slow
 def test_a_client_that_is_not_the_default(cluster, tmp_path):
     """``client=`` made with ``set_as_default=False``: the eager loop waits on that client's
     futures (``as_completed`` took the default client's loop: "No clients found") and the
@@ -562,6 +566,7 @@ def test_direct_writes_set_in_the_client_reach_the_workers_writes(client, tmp_pa
     assert written[True] > 0 if takes_direct(tmp_path) else written[True] == 0
 
 
+@pytest.mark.slow
 def test_per_call_settings_set_in_the_client_reach_the_tasks(client):
     """``distmm.precision``, ``distmm.tile`` and ``distmm.memory-budget`` set in the client
     (the workers' own stay the defaults) decide the tasks: resolved on the client, they go

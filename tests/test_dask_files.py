@@ -43,6 +43,7 @@ def _operands(tmp_path, dtype, m=301, k=257, n=199):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+@pytest.mark.slow
 def test_npy_memmaps_are_read_by_the_workers(client, tmp_path, dtype):
     a, b = _operands(tmp_path, dtype)
     np.save(tmp_path / "a.npy", a)

@@ -153,6 +153,7 @@ def _config_in_subprocess(env_extra: dict) -> subprocess.CompletedProcess:
     ({"DASK_DISTMM__DASK_DEVICE_TRANSFER": "ipc"}, "ipc"),
     ({"DISTMM_DASK_DEVICE_TRANSFER": "tcp", "DASK_DISTMM__DASK_DEVICE_TRANSFER": "ipc"}, "ipc"),
 ])
+@pytest.mark.slow
 def test_environment_forms(env, want):
     res = _config_in_subprocess(env)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -206,6 +207,7 @@ def _placed_pair(client, w0, w1, rng):
     return a, b, A, B
 
 
+@pytest.mark.slow
 def test_ipc_exports_cross_worker_chunks_from_their_holder(pair):
     client, w0, w1 = pair
     rng = np.random.default_rng()
@@ -631,6 +633,7 @@ def test_a_block_task_lets_its_own_workers_exports_run_first(pair):
     assert other.result(timeout=30) is False
 
 
+@pytest.mark.slow
 def test_a_block_task_does_not_wait_for_its_own_export_released_before_it_started(pair):
     """Across hosts (or emulated nodes) a block task may start only after its own
     worker's export ran, was read and was released (its other inputs came over TCP

@@ -90,6 +90,7 @@ def test_a_vectors_promotion_has_keys_of_its_own(client, side):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64])
 @pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.slow
 def test_a_vector_product_meets_dasks_own_on_one_scheduler(client, side, dtype):
     """dask's product and promotion persisted unoptimised (their promotion task unfused),
     then distmm's computed (optimised): no key with two tasks; and, on fresh operands, all

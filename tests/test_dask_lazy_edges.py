@@ -13,6 +13,7 @@ import distmm  # noqa: E402
 
 @pytest.mark.parametrize("layout", ["tiles", "blocks"])
 @pytest.mark.parametrize("side", ["rows", "cols"])
+@pytest.mark.slow
 def test_trailing_empty_chunk(client, side, layout):
     """An operand whose last output chunk is empty (rows (2, 2, 0)), on a cluster: the
     result keeps the operands' chunks and numpy's values. The empty chunk starts at m or

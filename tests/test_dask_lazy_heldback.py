@@ -263,6 +263,7 @@ COPIES = {"pickle": lambda c: pickle.loads(pickle.dumps(c)), "copy": lambda c: c
 
 @pytest.mark.parametrize("how", sorted(COPIES))
 @pytest.mark.parametrize("layout", ["tiles", "blocks"])
+@pytest.mark.slow
 def test_a_copied_result_keeps_its_worker_pins(client, layout, how):
     """A lazy result of a cluster, pickled and loaded or copied, is still distmm's array:
     persisted, its tasks keep their workers, and its values are numpy's. It came back a

@@ -113,6 +113,7 @@ def _gathered(client, a, b):
 
 
 @pytest.mark.parametrize("target", ["c.npy", "c.h5:C", "ops.h5:C", "c.zarr", "g.zarr/c"])
+@pytest.mark.slow
 def test_each_format_is_written_by_the_workers(client, scheduler_file, operands, target,
                                                capsys):
     a, b, h5 = operands

@@ -217,6 +217,7 @@ def test_a_spanning_stack_is_one_task_per_batch_chunk_and_block():
     ((23, 9, 7), (7,), (10, 4, 3), (3,)),                 # a vector B, promoted
     ((21, 9, 7), (21, 7, 5), ((10, 11), (4, 0, 5), (3, 4)), (10, 3, 2)),  # an empty row chunk
 ])
+@pytest.mark.slow
 def test_spanning_stack_bits_are_the_per_element_paths(monkeypatch, x_shape, y_shape, x_chunks,
                                                        y_chunks):
     rng = np.random.default_rng()

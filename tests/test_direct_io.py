@@ -58,6 +58,7 @@ def test_npy_header_pads_to_a_block_and_numpy_reads_it(tmp_path, shape, dtype):
 @pytest.mark.parametrize("aligned_memory", [True, False])
 @pytest.mark.parametrize("offset, nbytes", [(0, 5 << 20), (777, (3 << 20) + 12345),
                                             (ALIGN, direct_io.CHUNK * 2 + ALIGN)])
+@pytest.mark.slow
 def test_span_writer_bytes(tmp_path, aligned_memory, offset, nbytes):
     """Every byte lands where an ordinary write would put it, with the aligned middle written
     directly where the file system takes O_DIRECT."""

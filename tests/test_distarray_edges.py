@@ -311,6 +311,7 @@ def _run(mpirun, tmp_path, ranks: int, case: str, timeout: float):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_layouts_and_files_one_rank_gets_wrong_are_refused_on_every_rank(tmp_path, mpirun):
     """On 3 ranks: a corrupt zarr chunk that only the last rank reads, and a from_file
     layout= that only the last rank gives, raise on every rank (the others waited for ever:

@@ -64,6 +64,7 @@ CASES = ["inf*0", "inf-inf", "overflow", "underflow", "nan-in", "nan-and-inf*0",
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kw", [{}, {"tile": 64}, {"tile": (32, 32, 48)}],
                          ids=["one-tile", "tiles", "split-k"])
+@pytest.mark.slow
 def test_float16_reports_as_numpys_matmul(kw, case, mode):
     """float16: numpy's own loop, in the calling thread, is the reference."""
     rng = np.random.default_rng()
@@ -169,6 +170,7 @@ def _flags_held(dask_worker=None):
 
 @pytest.mark.parametrize("mode", ["raise", "warn", "ignore", "call"])
 @pytest.mark.parametrize("case", ["inf*0", "inf-inf", "overflow", "underflow", "none"])
+@pytest.mark.slow
 def test_dask_cluster_reports_its_workers_flags_as_numpys_matmul(client, case, mode):
     """float16 tiles split along k on two worker processes: the client reports what numpy's
     loop raises, once, under the client's errstate (the workers' own would say nothing to the
@@ -341,6 +343,7 @@ def test_object_rows_report_in_numpys_order_whatever_order_the_blocks_ran(case):
             in_order(np.matmul, a, b, warnings_as, **state), state
 
 
+@pytest.mark.slow
 def test_object_rows_keep_a_bounded_number_of_reports():
     """int8 products that wrap in most of 64000 multiplications: the first KEPT_REPORTS
     reports are numpy's, in order, then each row's distinct ones once (not all of them)."""

@@ -85,6 +85,7 @@ def client():
         yield c
 
 
+@pytest.mark.slow
 def test_cluster_calls_build_one_engine_and_ask_the_scheduler_once(client, monkeypatch):
     """``out=`` on a cluster built a throwaway DaskEngine (and a second scheduler round trip)
     before the one that ran; now one engine and one ``cluster_state`` per call."""
@@ -205,6 +206,7 @@ def test_float16_products_are_numpys_bits(m, k, n):
     assert differ == 0, f"{differ} of {want.size} elements differ from numpy"
 
 
+@pytest.mark.slow
 def test_float16_stacks_and_the_cluster_are_numpys_bits(client):
     rng = np.random.default_rng()
     a = rng.standard_normal((3, 17, 4999)).astype(np.float16)
@@ -250,6 +252,7 @@ def test_long_double_products_are_numpys_values(m, k, n, dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "object", "longdouble"])
 @pytest.mark.parametrize("k_chunk", [4096, 1000], ids=["k-whole", "k-chunked"])
+@pytest.mark.slow
 def test_one_sum_dask_arrays_are_numpys_bits(k_chunk, dtype):
     """float16, long doubles and object floats: numpy's one sum over k, whatever the k
     chunks (long doubles and object floats differed in most elements' last bits with k

@@ -90,6 +90,7 @@ def _layouts(x):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
 @pytest.mark.parametrize("tile", [None, (1, 1, 1), (2, 3, 2)], ids=["default", "1x1x1", "2x3x2"])
+@pytest.mark.slow
 def test_views_of_every_layout_against_scipys_gemm(dtype, tile):
     """a, b and c in every layout (Fortran order, negative strides, strided views), every
     letter pair, with ragged tiles: scipy's ?gemm's dtype and values within a bound of the
@@ -335,6 +336,7 @@ def test_int64_overflow_wraps_as_numpys():
 @pytest.mark.parametrize("dtype", [np.bool_, np.float16, np.longdouble, np.complex64, object])
 @pytest.mark.parametrize("mnk", [(0, 3, 2), (3, 0, 2), (3, 2, 0), (1, 1, 1), (1, 4, 1),
                                  (4, 1, 5), (2, 1, 0), (0, 0, 0), (3, 5, 4)], ids=str)
+@pytest.mark.slow
 def test_small_and_empty_shapes_of_every_letter_with_one_element_tiles(dtype, mnk):
     """m, n or k of 0 or 1, every letter pair, one-element and ragged tiles: numpy's
     formula's dtype, shape and values exactly (values that sum exactly in every dtype)."""

@@ -10,6 +10,7 @@ from distmm.executor import hostmem
 
 @pytest.mark.parametrize("shape,dtype", [((3, 5), np.float64), ((4097, 4099), np.float32),
                                          ((2, 3000, 2900), np.float64)])
+@pytest.mark.slow
 def test_empty_host_is_a_writable_c_array(shape, dtype):
     c = hostmem.empty_host(shape, dtype)
     assert c.shape == shape and c.dtype == dtype and c.flags.c_contiguous and c.flags.writeable
@@ -40,6 +41,7 @@ def test_populate_reports_what_it_did():
     assert hostmem.thp_mode() in ("always", "madvise", "never", "?")
 
 
+@pytest.mark.slow
 def test_a_dropped_result_is_reused_for_the_next_of_its_size():
     """Mappings of dropped results come back (pages already in) for the same size only,
     and a reused array is an independent, writable result."""

@@ -390,6 +390,7 @@ def test_write_atomic_refuses_an_h5_path_into_another_file(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_to_file_refuses_an_h5_path_through_a_dataset_or_into_another_file(tmp_path, mpirun):
     """DistArray.to_file (2 ranks) to f.h5:X/C, X a dataset: every block was written and the
     copy into f.h5 failed at the end (OSError); to f.h5:ext/C, ext an external link to a
@@ -449,6 +450,7 @@ os.fsync = fsync
 
 
 @pytest.mark.parametrize("out", ["c.npy", "c.zarr", "c.h5:C", "f.h5:C"])
+@pytest.mark.slow
 def test_an_output_and_its_name_are_on_disk_when_the_run_ends(tmp_path, out):
     """After ``distmm matmul`` says it is done, a crash of the host (a power loss keeps no page
     cache) keeps C: the rename that puts it in place is flushed (``fsync`` of the folder, seen
@@ -518,6 +520,7 @@ def _tree(path):
 
 @pytest.mark.parametrize("inside, flag, fixed", [("c/0/0", "i", "immutable"),
                                                  ("c/0", "a", "append-only")])
+@pytest.mark.slow
 def test_a_zarr_target_holding_what_cannot_be_removed_is_refused_before_any_work(
         tmp_path, chattr, inside, flag, fixed):
     """--overwrite of a zarr array with an immutable chunk file (or an append-only chunk

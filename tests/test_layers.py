@@ -141,6 +141,7 @@ def test_no_lower_layer_imports_a_higher_one():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) >= 20 and graph["distmm.executor.gpu"]  # the graph is really read

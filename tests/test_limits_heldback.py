@@ -124,6 +124,7 @@ def test_staged_zarr_array_of_a_failed_run_is_removed_with_one_free_descriptor(t
 
 @pytest.mark.parametrize("call", ["check_target(parse_target('c.zarr'), True)",
                                   "open_operand('c.zarr')"])
+@pytest.mark.slow
 def test_zarr_array_metadata_past_the_open_file_limit_is_the_limits_error(tmp_path, call):
     """A v3 zarr array whose ``zarr.json`` cannot be opened (EMFILE): the target check said
     'c.zarr exists and is not a zarr array; distmm never removes it' (IsADirectoryError,
@@ -389,6 +390,7 @@ sys.exit(main(argv))
     ("distmm.engine.mpi.batch:leftovers@1", "c.npy"),
     ("distmm.staging:_h5_holds@2", "c.h5:C"),  # (the first: the space check's)
     ("distmm.engine.mpi.resume:Manifest.load@1", "c.npy")])
+@pytest.mark.slow
 def test_resume_past_the_open_file_limit_says_so_and_keeps_the_stopped_run(tmp_path, mpi_env,
                                                                            where, output):
     """``distmm matmul ... --resume`` beside a stopped run's staged output and manifest, whose
@@ -663,6 +665,7 @@ def _ended(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("limit", [14, 24, 32])
+@pytest.mark.slow
 def test_cluster_under_a_small_open_file_limit_says_so_before_it_starts(limit):
     """``distmm cluster --workers 2`` under ``ulimit -n`` 24 or 32 (below the 40 or so that
     starting two workers holds at once): a traceback per nanny ('OSError: [Errno 24] Too

@@ -90,6 +90,7 @@ def _resettable_peak():
     # the tile's 256 partials of 64 KiB are 16 MiB
     (64, 64, 65536, "blas", "a tile's k partials"),
 ])
+@pytest.mark.slow
 def test_the_local_engine_holds_about_threads_times_the_budget(m, n, k, backend, why):
     got = _peak(m, n, k, backend)
     assert got["exact"]

@@ -870,6 +870,7 @@ def test_pipeline_calibration_from_committed_records():
 
 # -- the command line ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_model_command_prints_a_row_per_device_count(tmp_path):
     from distmm.cli.calibrate import save
 
@@ -1145,6 +1146,7 @@ def test_a_calibration_that_would_mislead_is_refused_naming_its_file(tmp_path):
         load(records)
 
 
+@pytest.mark.slow
 def test_model_refuses_a_calibration_it_cannot_use_naming_the_file(tmp_path):
     from distmm.cli.calibrate import save
 

@@ -31,6 +31,7 @@ def test_mpi_engine_cases(ranks, tmp_path, mpirun):
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["case_one_sum_bits", "case_one_rank_refuses",
                                   "case_product_errors_agree", "case_objects_that_do_not_pickle"])
+@pytest.mark.slow
 def test_mpi_two_ranks(case, tmp_path, mpirun):
     """float16, long double and object-float products on 2 ranks are numpy's bits (in core,
     k split, broadcast stripes); operands only rank 1 refuses raise on both ranks (they hung
@@ -44,6 +45,7 @@ def test_mpi_two_ranks(case, tmp_path, mpirun):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_distarray_refusals_on_one_rank_reach_every_rank(tmp_path, mpirun):
     """from_local and to_file arguments only the last of 3 ranks gets wrong (a 1-D block,
     another grid, another file name or suffix): one error on every rank, nothing written

@@ -118,6 +118,7 @@ def test_products_match_numpy(tmp_path, run, ranks, shape, dtype, panels):
     assert not list(tmp_path.glob(".c.npy.*"))  # nothing staged is left
 
 
+@pytest.mark.slow
 def test_profile_file(tmp_path, run):
     _operands(tmp_path, 40, 30, 20, "float64", seed=5)
     prof = tmp_path / "p.json"
@@ -1090,6 +1091,7 @@ def _to_file_results(tmp_path, mpirun, case, specs) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_to_file_never_replaces_a_folder_or_group(tmp_path, mpirun):
     """``DistArray.to_file(..., overwrite=True)`` refuses, on every rank and before writing
     anything, what the command line refuses: a zarr group, a folder that is no zarr array, a
@@ -1113,6 +1115,7 @@ def test_to_file_never_replaces_a_folder_or_group(tmp_path, mpirun):
     assert _tree(out) == before
 
 
+@pytest.mark.slow
 def test_to_file_removes_its_staged_output_when_the_move_fails(tmp_path, mpirun):
     """The move of the finished output into place fails on rank 0: ``OSError`` on every rank,
     the staged ``.NAME.distmm-partial-PID`` removed, an old target left as it was."""
@@ -1304,6 +1307,7 @@ def _operands_in_work(tmp_path, seed):
 
 @pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
                          ids=["one process", "2 ranks"])
+@pytest.mark.slow
 def test_c_written_while_the_run_computes_is_kept(tmp_path, cmd, batch_env, ranks):
     """Another run (or the user) writes C while this one computes: without --overwrite it is
     kept and this run fails in one line, its staged output removed (the commit replaced it).
@@ -1345,6 +1349,7 @@ def test_a_resume_runs_stripes_kept_when_c_was_written_meanwhile_are_named(tmp_p
 
 @pytest.mark.parametrize("ranks", [None, pytest.param(2, marks=pytest.mark.mpi)],
                          ids=["one process", "2 ranks"])
+@pytest.mark.slow
 def test_an_input_rewritten_while_the_run_computes_is_not_multiplied(tmp_path, cmd, batch_env,
                                                                     ranks):
     """B edited in place (same size) after the run looked at it, before C is moved into place:

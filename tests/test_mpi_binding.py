@@ -226,6 +226,7 @@ if comm.rank == 0:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_bind_rank_under_mpiexec_3(tmp_path, mpiexec, script_env):
     script = tmp_path / "bind.py"
     script.write_text(BIND_SCRIPT)
@@ -242,6 +243,7 @@ def test_bind_rank_under_mpiexec_3(tmp_path, mpiexec, script_env):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_info_under_mpiexec_prints_every_rank_once(mpirun):
     r = mpirun(2, "-m", "distmm", "info")
     assert r.returncode == 0, r.stderr[-3000:]

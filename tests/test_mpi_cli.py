@@ -259,6 +259,7 @@ def test_mpirun_vector_or_stack_into_the_operands_own_h5_file(files, launch, ope
     assert not [p for p in d.iterdir() if "partial" in p.name]
 
 
+@pytest.mark.slow
 def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it(files,
                                                                                  launch):
     """The batch path: rank 0 opened the operands' own file for writing C as soon as it had
@@ -284,6 +285,7 @@ def test_mpirun_c_into_the_operands_own_h5_file_waits_for_every_rank_to_close_it
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="creates a file under /proc")
 @pytest.mark.parametrize("ranks,where", [(1, "proc"), (2, "proc"), (1, "long-name")])
+@pytest.mark.slow
 def test_a_profile_that_cannot_be_created_is_refused_before_any_work(files, launch, mpi_env,
                                                                      ranks, where):
     """A --profile in a folder where no file can be made (/proc; as root, permissions do not

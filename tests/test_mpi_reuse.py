@@ -31,6 +31,7 @@ def test_grid_communicators_are_reused_and_released_at_exit(ranks, mpirun):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_grid_communicators_are_released_in_finalize(mpirun):
     r = mpirun(2, CASES, "finalize")
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]

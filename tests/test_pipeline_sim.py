@@ -751,6 +751,7 @@ def test_direct_copies_never_lock_a_files_pages(tmp_path):
     assert not _locked_within(dev, out) and not _locked_within(dev, a)
 
 
+@pytest.mark.slow
 def test_out_of_memory_shrinks_tiles_and_retries():
     rng = np.random.default_rng(4)
     a, b = rand((512, 512), "float32", rng), rand((512, 512), "float32", rng)
@@ -761,6 +762,7 @@ def test_out_of_memory_shrinks_tiles_and_retries():
     assert info["tiling"]["tm_max"] < 256
 
 
+@pytest.mark.slow
 def test_out_of_memory_at_the_floor_raises_memory_error():
     rng = np.random.default_rng(5)
     a, b = rand((128, 128), "float64", rng), rand((128, 128), "float64", rng)

@@ -52,6 +52,7 @@ def _model(tmp_path, *argv):
     ("pipeline", 1, HUGE, MAX_STEPS),
     ("pipeline", 1, 10**7, MAX_STEPS),
 ])
+@pytest.mark.slow
 def test_model_refuses_a_product_too_large_to_plan(tmp_path, engine, gpus, size, limit):
     done = _model(tmp_path, str(size), str(size), str(size), "--gpus", str(gpus),
                   "--engine", engine)
@@ -74,6 +75,7 @@ def test_model_of_a_large_product_fits_the_same_cap(tmp_path, engine, gpus):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.slow
 def test_model_just_under_the_pipeline_cap_answers_in_seconds(tmp_path, dtype):
     """47 x 47 units of 372 k-blocks (822k GEMMs, MAX_STEPS 1.05M): each kernel simulated, a
     minute and gigabytes (past the child's 2 GiB); summarised, a second or two."""
@@ -102,6 +104,7 @@ CALIBRATION = dataclasses.replace(default_calibration(), gemm={
     # B resident: units of whole columns, the first two k outer, and the last ones halving
     (2**24, 32768, 32768, "float32", {"precision": "bf16"}),
 ])
+@pytest.mark.slow
 def test_a_summarised_pipeline_schedule_is_the_whole_one(monkeypatch, m, n, k, dtype, options):
     """A schedule of more than SIMULATED_STEPS kernels, extrapolated from shorter ones, has
     the time, each lane's busy seconds and the bytes of the whole one simulated kernel by
@@ -151,6 +154,7 @@ REFUSED = [  # (call, words of the message)
 
 
 @pytest.mark.parametrize("call, words", REFUSED)
+@pytest.mark.slow
 def test_planners_refuse_before_listing(tmp_path, call, words):
     code = ("from distmm.plan_batch import plan_batch\n"
             "from distmm.plan_model import default_calibration, pipeline_schedule\n"

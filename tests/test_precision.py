@@ -335,6 +335,7 @@ def test_kernel_for_falls_back_to_cublas():
 # -- Dask engine (a real LocalCluster) ----------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["tiles", "blocks"])
+@pytest.mark.slow
 def test_dask_within_bound(client, layout):
     import dask.array as da
     import dask.config

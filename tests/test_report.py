@@ -405,6 +405,7 @@ STUDY = [study_record(f"distmm-mpi@{p}ranks", t, ranks=p, m=301, n=257, k=283)
      "s.jsonl:2: run 20261206T195446Z was measured on 'node-b', and on 'node-a' ({d}/s.jsonl:1): "
      "two machines"),
 ], ids=["count-missing", "count-edited", "twice-in-a-run", "two-hosts"])
+@pytest.mark.slow
 def test_study_records_a_table_would_show_wrong_are_refused(tmp_path, capsys, change, expected):
     """A study's record without its count was tabulated at 1 (``ranks 1`` beside
     ``distmm-mpi@2ranks``, its series gone); a configuration twice in one run (two
@@ -835,6 +836,7 @@ def test_only_and_no_html_and_a_bad_section(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_docs_figures_are_the_report_of_the_committed_records(tmp_path, monkeypatch):
     """docs/figures is what the command at the top of docs/performance.md makes today."""
     root = RESULTS.parent.parent

@@ -181,6 +181,7 @@ def _past(*paths, ago: float = 60) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_a_dead_runs_staged_output_under_a_later_distmm_processs_pid(tmp_path, mpi_env):
     """PIDs come round again: a killed run's staged output named with the PID of a distmm
     process started after it last changed is a dead run's. A plain run and a ``--resume`` run
@@ -753,6 +754,7 @@ sys.stdin.readline()
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "released", "SIGTERM, mpiexec -n 2"])
+@pytest.mark.slow
 def test_a_resume_run_waiting_for_another_ones_preparing(tmp_path, mpiexec, mpi_env, how):
     """A ``--resume`` run while another prepares in the same folder (holds its lock) says so in
     one line and waits (it said nothing); SIGTERM or SIGINT to it (under mpiexec, to its

@@ -176,6 +176,7 @@ def test_a_name_no_records_file_can_carry_is_refused_before_anything_runs(tmp_pa
 
 
 @pytest.mark.parametrize("fails", ["move-in", "remove-old"])
+@pytest.mark.slow
 def test_a_report_that_fails_at_its_swap_keeps_the_report_it_was_to_replace(
         tmp_path, capsys, monkeypatch, fails):
     """``--overwrite`` moves the old report aside, then the new one in: a failure there (a
@@ -423,6 +424,7 @@ def test_mpi_threads_times_ranks_beyond_the_cores_are_refused_before_anything_ru
 @pytest.mark.parametrize("beyond, threads, top", [
     (0, '"share"', ""), (1, "1", ""), (1, '"share"', ""), (0, "2", "oversubscribe = true\n")],
     ids=["shared", "one-thread-ranks-beyond", "shared-ranks-beyond", "oversubscribe"])
+@pytest.mark.slow
 def test_mpi_ranks_alone_or_an_opted_in_product_reach_the_run(tmp_path, capsys, monkeypatch,
                                                               beyond, threads, top):
     """Ranks of one thread each beyond the cores stay with the launcher's slots, the shared

@@ -126,6 +126,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_thread_still_multiplies_after_the_main_thread_is_interrupted():
     """Ctrl-C ends the main thread while another (non-daemon) thread runs distmm: Python
     waits for that thread, whose products must still complete. The local engine's tile
@@ -316,6 +317,7 @@ def test_first_calls_leave_another_threads_warnings_alone():
 # the values' own cast warns, as numpy's call does (a filter unlike distmm's own, so that one
 # left in force is seen)
 @pytest.mark.filterwarnings("ignore:Casting complex values:numpy.exceptions.ComplexWarning")
+@pytest.mark.slow
 def test_unsafe_casts_from_threads_leave_the_filters_as_they_were():
     """``casting="unsafe"`` into a real dtype from complex operands: numpy's probe warns
     (ComplexWarning), which distmm silences for the probe alone; two threads doing so at
