@@ -93,6 +93,9 @@ def test_local_k_group_one_wide_is_numpys(dtype, m, n, k, tile):
     a, b = operands(rng, m, n, k, dtype)
     want, warned = recorded(np.matmul, a, b)
     overflowed = np.isinf(want) & np.isnan(want)  # one part Inf, the other NaN
+    if m == 1 and not overflowed.any():  # numpy 1.26's OpenBLAS gemv: alpha not on the sum
+        pytest.skip("this numpy's gemv leaves an overflowed sum without alpha's NaN: "
+                    "not the case at hand")
     assert overflowed.any()  # the case at hand
     with dask.config.set(SPLIT_ALL):
         plan = distmm.make_plan(m, n, k, dtype, tile=tile, workers=1)
