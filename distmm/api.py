@@ -1177,17 +1177,23 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         The operands; ``op(X)`` is ``X``, ``X.T`` (a view, never a copy) or
         ``X.conj().T`` as ``trans_x`` says. A subclass counts as its data (no
         mask), as for ``c``. An h5py dataset or zarr array is read by slices
-        as it is, and read whole where it is transposed.
+        as it is, and read whole where it is transposed; where no product is
+        made (``alpha == 0``, ``k == 0``) nothing of it is read.
     c : 2-D array_like, optional
         Of shape ``(m, n)``; never modified. A subclass counts as its data
         (no mask); an h5py dataset or zarr array is read whole where it is read.
     alpha, beta : number
-        Scalars, converted to the result dtype. As in BLAS, ``beta == 0``
-        means ``c`` is not read (NaN in ``c`` does not propagate) and
-        ``alpha == 0`` means ``A`` and ``B`` are not read. ``k == 0`` gives
-        ``beta * c``. Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c``
-        in the dtype promoted with ``c``'s (int8 operands with a float64 ``c``
-        multiply in float64, without int8's wrap), its Inf, NaN and
+        Scalars, converted to the result dtype. As in reference BLAS,
+        ``beta == 0`` means ``c`` is not read (NaN in ``c`` does not
+        propagate) and ``alpha == 0`` means ``A`` and ``B`` are not read (only
+        their shapes and dtypes are looked at). ``alpha == 0`` or ``k == 0``
+        gives numpy's ``beta * c`` exactly, its signed zeros, Inf, NaN and
+        reports as that product has them (a complex ``c`` is multiplied by a
+        beta of 1 too, as below; no zero product is added, which would make
+        -0.0 0.0), or zeros (0.0) where ``beta == 0`` or ``c`` is None.
+        Otherwise numpy's ``alpha * (op(A) @ op(B)) + beta * c`` in the dtype
+        promoted with ``c``'s (int8 operands with a float64 ``c`` multiply in
+        float64, without int8's wrap), its Inf, NaN and
         floating-point reports too: a complex result is multiplied by an alpha
         or beta of 1 as well (numpy's ``1 * (inf + 0j)`` is ``inf + nanj``, an
         "invalid value").
@@ -1254,7 +1260,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         for name, x in (("a", a), ("b", b)):
             if x.ndim != 2:
                 raise ValueError(f"gemm: operand {name} must be 2-D, got shape {x.shape}")
-        op_a, op_b = _op(a, flag_a), _op(b, flag_b)
+        # an on-disk operand op() transposes is read only once a product is to be made
+        op_a, op_b = _op(a, flag_a, read=False), _op(b, flag_b, read=False)
         ops = _validate(op_a, op_b, "gemm")
         dtype = ops.dtype
         if c is not None:
@@ -1271,6 +1278,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         alpha_t = _scalar_for(alpha, dtype, "alpha")
         beta_t = _scalar_for(beta, dtype, "beta")
         precision = resolve_precision(precision, dtype, what="gemm")
+        if alpha_t != 0 and ops.k != 0 and (_stands_in(a, flag_a) or _stands_in(b, flag_b)):
+            # a product is made: an on-disk operand that op() transposes is read now (the
+            # numpy family: the others' operands are in memory or dask arrays)
+            ops = replace(ops, a=_op(a, flag_a), b=_op(b, flag_b))
         if c is not None and beta_t != 0 and _on_disk(c):
             c = np.asarray(c)  # an h5py dataset or zarr array: read (it has no astype)
         on_device = fam == "cupy" and dtype in (np.float32, np.float64)
@@ -1310,7 +1321,23 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         return product.astype(dtype, copy=False)
     c = c.astype(dtype, copy=not _scales(beta_t, dtype))
     scaled = beta_t * c if _scales(beta_t, dtype) else c
+    if alpha_t == 0 or ops.k == 0:
+        # BLAS's C = beta * C, no zero product added to it (0.0 + -0.0 is 0.0)
+        return _as_sum(scaled, product).astype(dtype, copy=False)
     return (product + scaled).astype(dtype, copy=False)
+
+
+def _as_sum(x, product):
+    """``x`` (``beta * c``, a new array) of the type and chunks ``product + x`` has: a
+    plain ndarray for a numpy subclass (a memmap's ``astype`` is a memmap), a dask ``x`` in
+    the chunks dask's elementwise operations align their operands to (``unify_chunks``)."""
+    if array_family(x) == "numpy":
+        return np.asarray(x)
+    if array_family(x) != "dask":
+        return x
+    from dask.array.core import unify_chunks
+
+    return unify_chunks(product, "ij", x, "ij")[1][1]
 
 
 def _scales(scalar, dtype: np.dtype) -> bool:
@@ -1361,17 +1388,27 @@ def _trans_flag(value, name: str) -> str:
                      f"got {value!r}")
 
 
-def _op(x, flag: str):
+def _op(x, flag: str, *, read: bool = True):
     """op(X) for a BLAS transpose flag: X, X.T (a view), or X.conj().T for complex X and
     for object X (each element's ``conjugate()``, as numpy's ``conj``). An on-disk X (h5py,
-    zarr), which has no ``.T``, is read whole first, as ``numpy.asarray`` reads it."""
+    zarr), which has no ``.T``, is read whole first, as ``numpy.asarray`` reads it; with
+    ``read=False`` it is not read at all: a read-only stand-in of op(X)'s shape and dtype
+    (one element, broadcast) takes its place (``_stands_in``)."""
     if flag == "N":
         return x
     if _on_disk(x):
+        if not read:
+            rows, cols = x.shape
+            return np.broadcast_to(np.zeros((), np.dtype(x.dtype)), (cols, rows))
         x = np.asarray(x)
     if flag == "C" and np.dtype(x.dtype).kind in "cO":
         return x.conj().T
     return x.T
+
+
+def _stands_in(x, flag: str) -> bool:
+    """Whether ``_op(x, flag, read=False)`` gave a stand-in for op(X), not op(X) itself."""
+    return flag != "N" and _on_disk(x)
 
 
 def _gemm_on_device(op_a, op_b, c, dtype, alpha, beta, backend: str,

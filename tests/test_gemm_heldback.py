@@ -68,10 +68,11 @@ def _formula(a, b, c, alpha=1.0, beta=0.0, ta="N", tb="N"):
     dtype = _result_dtype(a, b, c)
     al, be = dtype.type(alpha), dtype.type(beta)
     x, y = OPS[ta](np.asarray(a)).astype(dtype), OPS[tb](np.asarray(b)).astype(dtype)
-    if al == 0 or x.shape[1] == 0:
-        product = np.zeros((x.shape[0], y.shape[1]), dtype)
-    else:
-        product = al * (x @ y)
+    if al == 0 or x.shape[1] == 0:  # BLAS's C = beta * C: no zero product added
+        if c is None or be == 0:
+            return np.zeros((x.shape[0], y.shape[1]), dtype)
+        return be * np.asarray(c).astype(dtype)
+    product = al * (x @ y)
     return product if c is None or be == 0 else product + be * np.asarray(c).astype(dtype)
 
 

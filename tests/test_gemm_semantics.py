@@ -179,7 +179,9 @@ def _numpys_gemm(a, b, c, alpha, beta):
     rules: ``beta == 0`` reads no c, ``alpha == 0`` (or k == 0) no a and b."""
     dtype = np.result_type(a, b, c)
     al, be = dtype.type(alpha), dtype.type(beta)
-    prod = np.zeros(c.shape, dtype) if al == 0 or a.shape[1] == 0 else al * (a @ b)
+    if al == 0 or a.shape[1] == 0:  # BLAS's C = beta * C: no zero product added
+        return np.zeros(c.shape, dtype) if be == 0 else be * c
+    prod = al * (a @ b)
     return prod if be == 0 else prod + be * c
 
 
