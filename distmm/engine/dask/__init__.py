@@ -25,7 +25,8 @@ backend) and runs it: dask operands give a lazy array over their own chunks
 ``stats``      ``last_stats`` (tasks, estimated bytes), ``transfer_mark`` and
                ``transfer_report``
 ``files``      operands in files every worker sees (``.npy``, zarr, HDF5): the
-               workers read their own blocks
+               workers read their own blocks; a dask operand's reads of an HDF5 file
+               go to the workers checked to read it, and no other
 ``sink``       C written by the workers into a staged output file (``out=``)
 ``scheduler``  the address of a client's scheduler
 
@@ -277,6 +278,9 @@ class DaskEngine(Engine):
         # budget and the units) and, for the call's dask ``operands``, where their
         # persisted chunks are
         self._info, self.slots, self._where = None, [], None
+        # whether an operand's reads of a file are pinned to the workers that read it: the
+        # lazy result is then a ``lazy.PinnedArray``, whose optimisation keeps those pins
+        self._reads_pinned = False
         # the scheduler's address, for the words of a SchedulerLost after the client closed
         self._address = scheduler_address(self.client)
         if self.client is not None:
@@ -385,8 +389,7 @@ class DaskEngine(Engine):
         t0, started = time.perf_counter(), time.time()
         ops = request.operands
         if ops.family == "dask":
-            self._check_datasets(ops)
-            ops = self._promoted(ops)
+            ops = self._promoted(self._check_datasets(ops))
             request = replace_fast(request, operands=ops)
         facts, transfer_info = self._facts(ops, request.backend)
         self._check_scheduler()
@@ -413,27 +416,53 @@ class DaskEngine(Engine):
             self._where = (own.a, own.b, kept[2])
         return own
 
-    def _check_datasets(self, ops: Operands) -> None:
-        """Refuse, before any task, a dask operand over an HDF5 dataset
-        (``dask.array.from_array``) stored through a filter some worker's HDF5 lacks: the
-        workers open the dataset when the result is computed, and such a worker would fail
-        on its first chunk. Asked in one round trip (``files.visible``), where every worker
-        sees the file; a worker that joins later is not asked."""
+    def _check_datasets(self, ops: Operands) -> Operands:
+        """``ops`` with the tasks of a dask operand that read an HDF5 dataset
+        (``dask.array.from_array``) pinned to the workers checked to read its file, and no
+        other (``lazy.pin_reads``: a worker that does not see the file, or that joins after
+        the check, would fail the read). The workers are asked in one round trip
+        (``files.visible``); where some do not see the files, each worker is asked for each
+        file. A dataset stored through a filter some worker's HDF5 lacks is refused before
+        any task, where that worker sees its file: it would fail on its first chunk. A file
+        no worker sees is not pinned (its reads fail where they run)."""
+        self._reads_pinned = False
         if self.client is None:
-            return
+            return ops
         from distmm.engine.dask import files
         from distmm.hdf5_filters import datasets_of
 
-        sources, names = [], []
+        kind = "dask array of HDF5 dataset"
+        found = []  # (dataset, its FileSource, the name of its operand)
         for name, x in (("a", ops.a), ("b", ops.b)):
             for ds in datasets_of(x):
-                sources.append(files.source_of(ds))
-                names.append(f"{self.what}: operand {name}")
-        if not any(sources):
-            return
+                found.append((ds, files.source_of(ds), f"{self.what}: operand {name}"))
+        found = [f for f in found if f[1] is not None]
+        if not found:
+            return ops
         workers = sorted(self._info or self.client.scheduler_info(n_workers=-1)["workers"])
-        files.visible(self.client, sources, workers, names=names,
-                      kind="dask array of HDF5 dataset")
+        sources, names = [f[1] for f in found], [f[2] for f in found]
+        if files.visible(self.client, sources, workers, names=names, kind=kind):
+            readers = {id(ds): workers for ds, _, _ in found}
+        else:
+            readers = {id(ds): [w for w in workers
+                                if files.visible(self.client, [src], [w], names=[name], kind=kind)]
+                       for ds, src, name in found}
+        return self._pinned_reads(ops, lambda ds: readers.get(id(ds)))
+
+    def _pinned_reads(self, ops: Operands, readers) -> Operands:
+        """``ops`` with each dask operand's reads pinned (``lazy.pin_reads``); where its
+        chunks are (asked with the worker table) is kept for the pinned ones (same keys)."""
+        from distmm.engine.dask.lazy import pin_reads
+
+        a, pinned_a = pin_reads(ops.a, readers)
+        b, pinned_b = pin_reads(ops.b, readers)
+        if not (pinned_a or pinned_b):
+            return ops
+        self._reads_pinned = True
+        kept = self._where
+        if kept is not None and kept[0] is ops.a and kept[1] is ops.b:
+            self._where = (a, b, kept[2])
+        return replace_fast(ops, a=a, b=b)
 
     def _run_from_device(self, request: Request, facts: ClusterFacts | None, stats: dict,
                          t0: float):
@@ -512,7 +541,7 @@ class DaskEngine(Engine):
 
     def _run_lazy(self, request: Request, facts: ClusterFacts | None, stats: dict):
         from distmm.engine.dask import stacks
-        from distmm.engine.dask.lazy import lazy_product
+        from distmm.engine.dask.lazy import lazy_product, pinned
 
         ops, plan = request.operands, request.plan
         a2, b2 = ops.a2, ops.b2
@@ -534,7 +563,7 @@ class DaskEngine(Engine):
             stats.update(tasks=len(result.dask.layers[result.name]), cells=gm * gn,
                          estimated_bytes={"plan": plan.bytes_moved})
         record(stats)
-        return result
+        return pinned(result) if self._reads_pinned else result
 
     def _lazy_blocks(self, request: Request, facts: ClusterFacts, geometry, stats: dict):
         """Block mode over dask operands: plan on the output chunks' edges, then build

@@ -7,8 +7,9 @@ are), in block mode (``lazy_blocks``) the layout's block tasks with one small
 task per output chunk slicing it out of its block (on the block's worker,
 where the block lies) and, where device chunks go through CUDA IPC, one
 export task per chunk and holder, pinned to the holder (``export_layer``),
-that placement joined with an enclosing ``dask.annotate``'s annotations, and the
-array class whose optimisation keeps the placement annotations.
+that placement joined with an enclosing ``dask.annotate``'s annotations, an operand's
+reads of an HDF5 file pinned to the workers that read it (``pin_reads``), and the
+array class whose optimisation keeps the placement annotations (``PinnedArray``).
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), stacks of
 small matrices in numpy chunks (``stacks``), or numpy operands
 (``distmm.engine.dask.eager``).
@@ -25,7 +26,7 @@ from distmm.engine.dask.tasks import TaskPlan, as_column, as_row
 from distmm.plan import Plan
 
 __all__ = ["promoted", "lazy_product", "lazy_blocks", "export_layer", "PinnedArray",
-           "ChunkHomes", "ExportHomes"]
+           "ChunkHomes", "ExportHomes", "pin_reads", "pinned"]
 
 
 def promoted(ops: Operands) -> Operands:
@@ -299,6 +300,85 @@ class ChunkHomes:
         return None
 
 
+def pin_reads(x, readers):
+    """``x`` (a dask array) with its tasks that read an open HDF5 dataset pinned to the
+    workers that read its file, ``allow_other_workers=False``: a worker that does not see
+    the file fails the read, and one that fetches the dataset itself (the value of
+    ``dask.array.from_array``'s ``original-array`` task) fails to unpickle it. The tasks
+    pinned: each layer holding a dataset (``hdf5_filters.datasets_of``: as a value, or as an
+    argument of the tasks reading it), and the layers taking the value of a layer that holds
+    it as a value (``from_array``'s getters). ``readers(dataset)``: the workers that read it
+    (None: not known, no pin from it); a layer reading several files goes to the workers that
+    read them all, and stays as it was where none does (its reads fail wherever they run).
+    These pins replace a layer's own ``workers`` and ``allow_other_workers``; its other
+    annotations stay. Returns ``(array, pinned)``: ``x`` itself and False where nothing is
+    pinned, else a ``PinnedArray`` (same name and keys) and True."""
+    import copy
+
+    from dask.highlevelgraph import HighLevelGraph
+
+    from distmm.hdf5_filters import datasets_of
+
+    graph = x.__dask_graph__()
+    layers = getattr(graph, "layers", None)
+    if not layers:
+        return x, False
+    pins: dict = {}
+    holders: set = set()  # layers with a task whose value is a dataset
+    for name, layer in layers.items():
+        found = datasets_of(_one_layer(name, layer))
+        known = [frozenset(r) for r in map(readers, found) if r is not None]
+        if known:
+            pins[name] = frozenset.intersection(*known)
+            if _holds_value(layer):
+                holders.add(name)
+    for name, deps in graph.dependencies.items():
+        for dep in set(deps) & holders:
+            pins[name] = pins[dep] if name not in pins else pins[name] & pins[dep]
+    pins = {name: workers for name, workers in pins.items() if workers}
+    if not pins:
+        return x, False
+    new = dict(layers)
+    for name, workers in pins.items():
+        new[name] = copy.copy(layers[name])  # dask's Layer.__copy__: shallow, its tasks shared
+        new[name].annotations = {**(layers[name].annotations or {}),
+                                 "workers": sorted(workers), "allow_other_workers": False}
+    return pinned(x, HighLevelGraph(new, graph.dependencies)), True
+
+
+def _one_layer(name: str, layer):
+    """A collection whose graph is ``layer`` alone (what ``datasets_of`` walks)."""
+    from types import SimpleNamespace
+
+    from dask.highlevelgraph import HighLevelGraph
+
+    graph = HighLevelGraph({name: layer}, {name: set()})
+    return SimpleNamespace(__dask_graph__=lambda: graph)
+
+
+def _holds_value(layer) -> bool:
+    """Whether a task of ``layer`` (a materialized one) is an h5py dataset itself, bare or in
+    a data node of dask's task spec."""
+    import sys
+
+    from collections.abc import Mapping
+
+    h5py = sys.modules.get("h5py")
+    mapping = getattr(layer, "mapping", None)
+    if h5py is None or not isinstance(mapping, Mapping):
+        return False
+    return any(isinstance(v.value if type(v).__name__ == "DataNode" else v, h5py.Dataset)
+               for v in mapping.values())
+
+
+def pinned(x, graph=None):
+    """``x`` as a ``PinnedArray`` (over ``graph`` instead of its own where given): its name,
+    chunks, dtype and meta; ``x`` itself where it is one already and no graph is given."""
+    if graph is None and isinstance(x, PinnedArray):
+        return x
+    return PinnedArray(x.dask if graph is None else graph, x.name, x.chunks, x.dtype, x._meta)
+
+
 def _cull_only(dsk, keys, **kwargs):
     from dask.core import flatten
     from dask.highlevelgraph import HighLevelGraph
@@ -308,18 +388,33 @@ def _cull_only(dsk, keys, **kwargs):
     return dsk.cull(set(flatten(keys)))
 
 
+#: numpy functions whose result over a ``PinnedArray`` is one too (``PinnedArray``)
+_KEPT_FUNCTIONS = frozenset({"squeeze", "transpose", "permute_dims", "matrix_transpose",
+                             "reshape", "ravel", "swapaxes", "moveaxis", "expand_dims",
+                             "astype"})
+
+
 def _pinned_array_class():
     import dask.array as da
+
+    def kept(x):
+        """``x`` a ``PinnedArray`` where it is a plain ``dask.array.Array``."""
+        return PinnedArray(x.dask, x.name, x.chunks, x.dtype, x._meta) if type(x) is da.Array \
+            else x
 
     class PinnedArray(da.Array):
         """A ``dask.array.Array`` whose own optimisation only culls.
 
         dask.array's default optimisation fuses tasks into a plain dict and so
-        drops per-key annotations, the plan's worker pins among them.
-        Computing or persisting the result itself keeps them, and so do its
-        copies (pickled, ``copy``, ``copy.deepcopy``); arrays derived from it
-        are plain ``dask.array.Array`` objects (correct, placed by the
-        scheduler's own heuristics).
+        drops per-key annotations, the plan's worker pins among them, and the pins of reads
+        of a file that only some workers see (``pin_reads``). Computing or persisting the
+        result itself keeps them, and so do its copies (pickled, ``copy``,
+        ``copy.deepcopy``) and the arrays made from it by indexing, ``squeeze``,
+        ``transpose`` (``.T``), ``reshape``, ``ravel`` (``flatten``), ``swapaxes``, ``astype`` and
+        ``rechunk`` (as methods, or numpy's functions of those names and ``moveaxis``,
+        ``expand_dims``, ``permute_dims``, ``matrix_transpose``), which are
+        ``PinnedArray`` objects too; other arrays derived from it are plain
+        ``dask.array.Array`` objects, placed by the scheduler's own heuristics.
         """
 
         __slots__ = ()
@@ -331,6 +426,37 @@ def _pinned_array_class():
 
         def copy(self):  # copy.deepcopy's too
             return PinnedArray(self.dask, self.name, self.chunks, self.dtype, self._meta)
+
+        # and so are the arrays its shape and dtype methods make (``.T`` calls transpose)
+        def __getitem__(self, index):
+            return kept(super().__getitem__(index))
+
+        def squeeze(self, *args, **kwargs):
+            return kept(super().squeeze(*args, **kwargs))
+
+        def transpose(self, *args, **kwargs):
+            return kept(super().transpose(*args, **kwargs))
+
+        def reshape(self, *args, **kwargs):
+            return kept(super().reshape(*args, **kwargs))
+
+        def ravel(self, *args, **kwargs):
+            return kept(super().ravel(*args, **kwargs))
+
+        flatten = ravel
+
+        def swapaxes(self, *args, **kwargs):
+            return kept(super().swapaxes(*args, **kwargs))
+
+        def astype(self, *args, **kwargs):
+            return kept(super().astype(*args, **kwargs))
+
+        def rechunk(self, *args, **kwargs):
+            return kept(super().rechunk(*args, **kwargs))
+
+        def __array_function__(self, func, types, args, kwargs):
+            out = super().__array_function__(func, types, args, kwargs)
+            return kept(out) if getattr(func, "__name__", None) in _KEPT_FUNCTIONS else out
 
     PinnedArray.__module__ = __name__
     PinnedArray.__qualname__ = "PinnedArray"  # pickled by reference as lazy.PinnedArray
