@@ -59,9 +59,13 @@ class MPIEngine(Engine):
     comm_backend : str
         Panel broadcasts: ``"auto"``, ``"mpi"``, ``"nccl"``, ``"cuda-aware"``, ``"staged"``.
     abort_on_error : bool
-        An exception on one rank while the ranks exchange panels calls ``MPI_Abort``
-        (the others would wait for it forever); errors found before any exchange
-        (operands that differ between ranks, a missing backend) are raised on every rank,
+        An exception on one rank while the ranks exchange panels, and a
+        ``KeyboardInterrupt`` on one rank (Ctrl-C, SIGINT at that rank) anywhere in the
+        product, print one line naming the rank and call ``MPI_Abort`` (status 130 for the
+        interrupt, 1 otherwise; the others would wait for it forever); errors found before
+        any exchange (operands that differ between ranks, a missing backend, a
+        ``MemoryError`` allocating the result or its gather on one rank) are raised on every
+        rank,
         and so are those of a rank's own work after its last exchange (an object element
         numpy cannot multiply: numpy's error on every rank) and numpy's floating-point
         reports of the whole product under ``np.errstate`` (``distmm.engine.mpi.agree``).
@@ -93,8 +97,14 @@ class MPIEngine(Engine):
             raise ValueError("engine='mpi' takes numpy, cupy or on-disk operands, not dask arrays")
 
     def run(self, request: Request):
+        self.check_operands(request.operands)
+        # a Ctrl-C on one rank, between collectives (it waits for a blocking MPI call to
+        # return), would leave the others waiting in the next one: it ends the job
+        with self._one_rank_ends_the_job(KeyboardInterrupt):
+            return self._run(request)
+
+    def _run(self, request: Request):
         ops, plan = request.operands, request.plan
-        self.check_operands(ops)
         on_gpu = request.on_gpu or ops.family == "cupy"
         values = (fingerprint(ops.a2), fingerprint(ops.b2)) if self.comm.size > 1 else None
         _same_on_every_rank(self.comm, (tuple(ops.a.shape), ops.a.dtype.str, tuple(ops.b.shape),
@@ -114,7 +124,12 @@ class MPIEngine(Engine):
             xp = np
             if ops.family == "cupy":
                 import cupy as xp
-            out_arr = xp.empty(batch + (ops.m, ops.n), dtype=np.dtype(plan.dtype))
+            out_arr, error = None, None
+            try:  # a MemoryError on one rank alone: raised on every rank, before any exchange
+                out_arr = xp.empty(batch + (ops.m, ops.n), dtype=np.dtype(plan.dtype))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+                error = exc
+            agree(self.comm, error, (), into=set(), when="allocating the product")
         else:
             out_arr = out
         flags: set = set()  # reported once for the whole stack, as numpy's loop does
@@ -166,10 +181,23 @@ class MPIEngine(Engine):
 
         Host products report numpy's floating-point flags of the whole product on every
         rank (``distmm.engine.mpi.agree``); with ``flags`` (a set) they are added to it
-        instead, for a caller that reports once for several products."""
+        instead, for a caller that reports once for several products.
+
+        With ``abort_on_error``, a ``KeyboardInterrupt`` on one rank (Ctrl-C, or SIGINT at
+        that rank) anywhere in the product ends the job with one line and status 130
+        (``MPI_Abort``): the other ranks would wait for it in their next collective call."""
+        _one_communicator(self.comm, a, b)
+        # a Ctrl-C on one rank, between the collectives below (it waits for a blocking MPI
+        # call to return), would leave the others waiting in the next one: it ends the job
+        with self._one_rank_ends_the_job(KeyboardInterrupt):
+            return self._distributed(a, b, grid, backend, on_gpu=on_gpu, phases=phases,
+                                     streamed=streamed, precision=precision, flags=flags)
+
+    def _distributed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
+                     on_gpu: bool, phases, streamed, precision: str, flags) -> DistArray:
+        """``run_distributed``'s work, once the operands are known to share the communicator."""
         from distmm.executor import get_executor
 
-        _one_communicator(self.comm, a, b)
         a.settle()  # from_array's operands: the same array on every rank (collective)
         b.settle()
         acc = np.dtype(grid.acc_dtype)
@@ -220,22 +248,10 @@ class MPIEngine(Engine):
             except LocalFailure as failed:
                 error, c, received = failed.error, None, 0
             except BaseException as exc:
-                if not self.abort_on_error or self.comm.size == 1:
-                    raise
                 # The other ranks may be waiting in a broadcast for this one: end the job
                 # rather than leave it hanging; a Ctrl-C with a shell's status (130).
-                import sys
-
-                if isinstance(exc, KeyboardInterrupt):
-                    print(f"distmm: rank {self.comm.rank} of {self.comm.size} interrupted "
-                          f"during the product; calling MPI_Abort", file=sys.stderr, flush=True)
-                    self.comm.Abort(130)
-                log.critical("rank %d of %d failed during the product (%s: %s); aborting the "
-                             "job", self.comm.rank, self.comm.size, type(exc).__name__, exc)
-                print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the "
-                      f"product ({type(exc).__name__}: {exc}); calling MPI_Abort",
-                      file=sys.stderr, flush=True)
-                self.comm.Abort(1)
+                self._end_the_job(exc)
+                raise
             start = time.perf_counter()
             on_device = on_gpu and hasattr(a.local, "__cuda_array_interface__")  # C stays there
             local = None
@@ -259,6 +275,36 @@ class MPIEngine(Engine):
         }
         return result
 
+
+    def _end_the_job(self, exc: BaseException) -> None:
+        """``MPI_Abort`` after one line naming this rank and ``exc`` (status 130 for a Ctrl-C,
+        1 otherwise), where ``abort_on_error`` and the other ranks may be waiting for this one
+        in a collective call; returns otherwise (the caller raises ``exc``)."""
+        if not self.abort_on_error or self.comm.size == 1 or \
+                getattr(exc, "_distmm_every_rank", False):
+            return
+        import sys
+
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"distmm: rank {self.comm.rank} of {self.comm.size} interrupted "
+                  f"during the product; calling MPI_Abort", file=sys.stderr, flush=True)
+            self.comm.Abort(130)
+        log.critical("rank %d of %d failed during the product (%s: %s); aborting the "
+                     "job", self.comm.rank, self.comm.size, type(exc).__name__, exc)
+        print(f"distmm: rank {self.comm.rank} of {self.comm.size} failed during the "
+              f"product ({type(exc).__name__}: {exc}); calling MPI_Abort",
+              file=sys.stderr, flush=True)
+        self.comm.Abort(1)
+
+    @contextlib.contextmanager
+    def _one_rank_ends_the_job(self, kinds=BaseException):
+        """``_end_the_job`` for an exception of ``kinds`` raised in the block (one every rank
+        raised together, marked by ``_streamed``, passes)."""
+        try:
+            yield
+        except kinds as exc:
+            self._end_the_job(exc)
+            raise
 
     def _streamed(self, a: DistArray, b: DistArray, grid: GridPlan, backend: str, *,
                   on_gpu: bool, phases, precision: str = "highest", flags=None) -> DistArray:
@@ -306,7 +352,11 @@ class MPIEngine(Engine):
         # learns the outcome, raises the error of the rank that stopped first and makes the
         # grid's communicators again (a broadcast may be left half done).
         own = None if isinstance(error, PeerStopped) else error
-        agree(comm, own, seen, before_raise=lambda: release(comm), into=flags)
+        try:
+            agree(comm, own, seen, before_raise=lambda: release(comm), into=flags)
+        except BaseException as exc:
+            exc._distmm_every_rank = True  # every rank raises it: no job to end
+            raise
         if error is not None:  # stopped by a rank outside the agreement (cannot happen)
             release(comm)
             raise error

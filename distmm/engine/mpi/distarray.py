@@ -5,7 +5,9 @@ mpi4py communicator as a ``distmm.grid.BlockLayout`` says), its constructors
 (from local blocks, from a replicated array, from a file each rank reads its
 own part of), moving it to another layout (``redistribute``, one
 ``Alltoallv``; point-to-point pieces where a block passes what one MPI count holds),
-``gather`` onto one rank or all, and ``to_file``.
+``gather`` onto one rank or all, and ``to_file``. A Ctrl-C (``KeyboardInterrupt``) on one
+rank in a collective constructor, ``redistribute`` or ``gather`` ends the job with one line
+and status 130 (``MPI_Abort``): the other ranks would wait for that rank for ever.
 It does *not* cover: the product (``distmm.engine.mpi.summa``), choosing grids
 (``distmm.grid``), or file formats beyond reading and writing blocks
 (``distmm.engine.mpi.io``).
@@ -61,6 +63,34 @@ def _world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+def _interrupt_ends_the_job(what: str):
+    """Decorate a collective method: a ``KeyboardInterrupt`` in it (Ctrl-C, SIGINT at one
+    rank) prints one line naming the rank and ``what``, and ends the job with status 130
+    (``MPI_Abort``), where the communicator has other ranks: they would wait for this one in
+    their next collective call for ever, and its own exit (``MPI_Finalize``) for them."""
+    import functools
+    import sys
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def collective(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except KeyboardInterrupt:
+                first = args[0] if args else None
+                comm = first.comm if isinstance(first, DistArray) else \
+                    kwargs.get("comm", args[2] if len(args) > 2 else None)
+                comm = comm if comm is not None else _world()
+                if comm.size == 1:
+                    raise
+                print(f"distmm: rank {comm.rank} of {comm.size} interrupted in {what}; "
+                      f"calling MPI_Abort", file=sys.stderr, flush=True)
+                comm.Abort(130)
+                raise
+        return collective
+    return decorate
 
 
 class DistArray:
@@ -130,6 +160,7 @@ class DistArray:
 
     # -- constructors ---------------------------------------------------------
     @classmethod
+    @_interrupt_ends_the_job("DistArray.from_array")
     def from_array(cls, x, comm=None, layout: BlockLayout | None = None) -> "DistArray":
         """From an array every rank holds (or can slice: a memmap, a zarr array,
         an h5py dataset, a cupy array): each rank keeps (reads) only its own block,
@@ -202,6 +233,7 @@ class DistArray:
         return cls(block, layout, comm)
 
     @classmethod
+    @_interrupt_ends_the_job("DistArray.from_local")
     def from_local(cls, block, comm=None, *, grid: tuple[int, int] | None = None) -> "DistArray":
         """From the block each rank holds, on a ``rows x cols`` grid of ranks
         numbered row-major (default: the most square grid). Block shapes are
@@ -273,6 +305,7 @@ class DistArray:
         return cls(block, layout, comm)
 
     @classmethod
+    @_interrupt_ends_the_job("DistArray.from_file")
     def from_file(cls, spec: str, comm=None, layout: BlockLayout | None = None) -> "DistArray":
         """From ``.npy`` (a memmap), a zarr array or ``file.h5:dataset``: each
         rank reads only its own block. Collective: what one rank cannot open or read (a
@@ -363,6 +396,7 @@ class DistArray:
         _check_owners(layout, self.comm.size, what)
 
     # -- moving -----------------------------------------------------------------
+    @_interrupt_ends_the_job("DistArray.redistribute")
     def redistribute(self, layout: BlockLayout) -> "DistArray":
         """The same matrix in another layout (one ``Alltoallv`` of raw bytes through
         host memory, or point-to-point ``distmm.engine.mpi.pieces`` where a block has more
@@ -435,6 +469,7 @@ class DistArray:
                 pos += count
         return DistArray(self._like_local(out), layout, comm)
 
+    @_interrupt_ends_the_job("DistArray.gather")
     def gather(self, root: int | None = 0):
         """The whole matrix as an ndarray on ``root`` (``None`` on the other
         ranks), or on every rank with ``root=None``. Collective; a root that is not a
@@ -450,19 +485,38 @@ class DistArray:
                 if not 0 <= root < comm.size:
                     raise ValueError(f"gather: root {root} is not one of the {comm.size} ranks "
                                      f"(0 to {comm.size - 1}); root=None gathers onto every rank")
+            # the whole matrix where it is gathered: a MemoryError on one rank alone is
+            # raised on every rank, not left to the exchange the others would wait in
+            whole = np.empty(self.shape, dtype=self.dtype) if root in (None, comm.rank) else None
+            if root is None:
+                whole = (whole, self._allgather_buffer())
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
             error = exc
         agree(comm, error, (), into=set(), when="in DistArray.gather")
         self.settle()
         _same_everywhere(comm, "gather", root, lambda r: f"root={r}")
         if root is None:
-            return self._allgather()
+            return self._allgather(*whole)
+        del whole  # moved() makes its own
         full = self.moved(BlockLayout.single(self.shape, root))
         return full._host_local() if comm.rank == root else None
 
-    def _allgather(self) -> np.ndarray:
+    def _allgather_buffer(self) -> np.ndarray | None:
+        """The bytes of every rank's block, in rank order, for ``_allgather`` (``None`` for
+        object blocks, which travel pickled)."""
+        if self.dtype.kind == "O":
+            return None
+        return np.empty(sum(self._allgather_counts()), dtype=np.uint8)
+
+    def _allgather_counts(self) -> list[int]:
+        """The bytes of each rank's block, in rank order."""
+        return [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize
+                for r in range(self.comm.size)]
+
+    def _allgather(self, out: np.ndarray, flat: np.ndarray | None) -> np.ndarray:
+        """Every rank's block into ``out`` (the whole matrix, on every rank), through ``flat``
+        (``_allgather_buffer``)."""
         comm = self.comm
-        out = np.empty(self.shape, dtype=self.dtype)
         if self.dtype.kind == "O":
             from distmm.engine.mpi.comm import pickled, unpickled
 
@@ -470,8 +524,7 @@ class DistArray:
             blocks = [unpickled(p) for p in pieces.alltoall_objects(comm, [mine] * comm.size)]
             _agree_sent(comm, blocks)
         else:
-            counts = [math.prod(self.layout.local_shape(r)) * self.dtype.itemsize for r in range(comm.size)]
-            flat = np.empty(sum(counts), dtype=np.uint8)
+            counts = self._allgather_counts()
             mine = np.ascontiguousarray(self._host_local()).reshape(-1).view(np.uint8)
             if _over_one_count((BlockLayout.single(self.shape),), self.dtype.itemsize):
                 pieces.pairwise(comm, [mine] * comm.size, flat, counts)
