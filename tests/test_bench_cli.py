@@ -42,6 +42,7 @@ def test_the_scripts_are_found():
 @pytest.mark.parametrize("script", [  # the research probes' with the slow cases
     pytest.param(p, marks=[pytest.mark.slow] * (p.parent.name == "research")) for p in SCRIPTS],
                          ids=lambda p: p.relative_to(BENCH).as_posix() if isinstance(p, Path) else None)
+@pytest.mark.slow
 def test_help_without_cupy(script):
     res = subprocess.run([sys.executable, "-c", NO_CUPY, str(script), "--help"], cwd=ROOT,
                          env=_env(), capture_output=True, text=True, timeout=120)

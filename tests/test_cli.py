@@ -383,6 +383,7 @@ def test_calibrate_probe_failure_names_the_mpi_notice_not_its_rule():
     assert _stderr_line("\n---\n") == "no output"
 
 
+@pytest.mark.slow
 def test_debug_before_a_command_that_parses_its_own_options(tmp_path):
     missing = tmp_path / "missing.json"
     r = run_cli("--debug", "trace", "--from-json", missing)

@@ -1022,6 +1022,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.slow
 def test_sigxcpu_at_the_cpu_time_limit_is_handled_as_sigterm(tmp_path):
     """The kernel sends SIGXCPU at a soft CPU-time limit (``prlimit --cpu=SOFT:HARD``): its
     default action killed the command with a core and its staged output left behind; now
@@ -1059,6 +1060,7 @@ def _zarr_array(path: Path, fmt: int) -> None:
 @pytest.mark.parametrize("fmt, out, ranks", [
     (2, "za.zarr/y", 1), (3, "za.zarr/y", 1), (3, "za.zarr/sub/C.zarr", 1),
     pytest.param(3, "za.zarr/y", 2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+@pytest.mark.slow
 def test_a_zarr_output_inside_a_zarr_array_is_refused_naming_the_array(files, fmt, out, ranks,
                                                                        request):
     """``-o za.zarr/y`` with za.zarr a zarr array (v2 ``.zarray``, v3 ``zarr.json``), or a
@@ -1102,6 +1104,7 @@ def _object_input(folder: Path, kind: str) -> tuple[str, str]:
 @pytest.mark.parametrize("kind, ranks", [
     ("h5-vlen-str", 1), ("h5-ref", 1), ("zarr-bytes", 1),
     pytest.param("h5-vlen-str", 2, marks=[pytest.mark.mpi, pytest.mark.slow])])
+@pytest.mark.slow
 def test_an_object_input_is_named_not_the_output(files, kind, ranks, request):
     """An HDF5 dataset of variable-length strings or object references, or a zarr array of
     variable-length bytes, comes as numpy's object dtype: it passed as an operand and the

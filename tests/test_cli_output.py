@@ -21,6 +21,7 @@ from conftest import one_line, pause_at, read_only_mount, run_cli
 
 
 
+@pytest.mark.slow
 def test_h5_output_keeps_the_other_datasets(tmp_path, npy_operands):
     pa, pb, ref = npy_operands
     f = tmp_path / "results.h5"

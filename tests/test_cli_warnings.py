@@ -67,6 +67,7 @@ def warning_lines(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("case", ["inf*0", "tiles", pytest.param("float16", marks=pytest.mark.slow),
                                   "float32", "stack", "complex"])
+@pytest.mark.slow
 def test_numpys_warnings_as_one_line_each(tmp_path, case):
     a, b = operands(case)
     np.save(tmp_path / "a.npy", a)
@@ -92,6 +93,7 @@ def test_numpys_warnings_as_one_line_each(tmp_path, case):
 
 
 @pytest.mark.parametrize("mode", ["ignore", "error", "debug"])
+@pytest.mark.slow
 def test_filters_the_user_sets_decide(tmp_path, mode):
     """``PYTHONWARNINGS`` (as ``-W``): ``ignore`` shows nothing, ``error`` makes the warning
     the command's one error line, and C is not written; ``--debug`` keeps Python's format."""

@@ -153,6 +153,7 @@ def test_dask_engine_lazy_stack_keeps_numpys_inf_nan(client, chunks):
 @pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
 @pytest.mark.parametrize("backend", ["auto", "blas"])
 @pytest.mark.parametrize("layout", ["tiles", "blocks"])
+@pytest.mark.slow
 def test_dask_engine_k_groups_keep_numpys_inf_nan(client, tmp_path, dtype, backend, layout):
     """A small memory budget splits k into groups, summed by the reduction's tasks
     (``nan+nanj`` before): numpy's values and warnings."""

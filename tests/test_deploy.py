@@ -621,6 +621,7 @@ def test_missing_dask_jobqueue_names_the_extra(monkeypatch):
 
 
 @pytest.mark.parametrize("system", ["slurm", pytest.param("pbs", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_jobqueue_cluster_scales_and_runs_a_product(tmp_path, batch_env, monkeypatch,
                                                     quiet_scheduler, system):
     pytest.importorskip("dask_jobqueue")

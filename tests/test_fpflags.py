@@ -281,6 +281,7 @@ def _numpys_loop(case):
 @pytest.mark.parametrize("state,warnings_as", [  # the last states with the slow cases
     pytest.param(s, w, id=f"{s}-{w}", marks=[pytest.mark.slow] if n > 4 else [])
     for n, (s, w) in enumerate(STATES)])
+@pytest.mark.slow
 def test_dask_cluster_reports_object_elements_as_numpy(client, case, state, warnings_as):
     """Object elements that are numpy scalars report in their own arithmetic ("overflow
     encountered in scalar multiply", "... scalar add"), once per operation, in numpy's

@@ -192,6 +192,7 @@ def _form(z):
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.slow
 def test_complex_non_finite_values_and_reports_are_numpys_alpha_a_b_plus_beta_c(dtype):
     """An Inf or NaN in a, b or c, alpha and beta among 0, 1, -1, 1j and 2, m x n x k of
     1 x 1 x 1, 1 x 1 x 4, 3 x 4 x 1, 3 x 4 x 0 and 3 x 5 x 7: every element's parts (NaN,
@@ -290,6 +291,7 @@ def test_scipys_cython_dgemm_transposes_and_shapes():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
 @pytest.mark.parametrize("family", ["numpy", "dask"])
+@pytest.mark.slow
 def test_against_scipys_gemm(dtype, family):
     """Every letter pair, alpha and beta (zero, one, others; complex ones for complex
     results), with and without c, on odd shapes: scipy's ?gemm's dtype and values, within
@@ -434,6 +436,7 @@ for mine in MPI.COMM_WORLD.gather(lines) or []:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_an_mpi_call_one_rank_refuses_or_makes_differently_raises_on_every_rank(tmp_path,
                                                                                 mpirun):
     """gemm(engine="mpi") agrees on every rank's arguments before the engine, as matmul

@@ -929,6 +929,7 @@ _SLOW_MODEL_IDS = {"gpus-zero", "negative", "engine", "link", "int8", "validate-
 @pytest.mark.parametrize("argv,needle", [
     pytest.param(*case, id=i, marks=[pytest.mark.slow] * (i in _SLOW_MODEL_IDS))
     for case, i in zip(_BAD_MODEL_ARGS, _BAD_MODEL_IDS, strict=True)])
+@pytest.mark.slow
 def test_model_bad_arguments_one_line_exit_2(argv, needle):
     done = _distmm("model", *argv)
     assert done.returncode == 2, (done.stdout, done.stderr)

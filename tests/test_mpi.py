@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_mpi_engine_cases(ranks, tmp_path, mpirun):
     r = mpirun(ranks, HERE / "mpi_cases.py", tmp_path, timeout=240)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]

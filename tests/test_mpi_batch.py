@@ -95,6 +95,7 @@ _FAST_PRODUCTS = {("read", 1, "float64"), ("read", 3, "longdouble"),
     pytest.param(*case, panels, marks=[pytest.mark.slow] * (
         (panels, case[0], case[2]) not in _FAST_PRODUCTS))
     for panels in ("read", "broadcast") for case in _PRODUCTS])
+@pytest.mark.slow
 def test_products_match_numpy(tmp_path, run, ranks, shape, dtype, panels):
     m, k, n = shape
     a, b = _operands(tmp_path, m, k, n, dtype, seed=ranks * 100 + m)
@@ -140,6 +141,7 @@ def test_profile_file(tmp_path, run):
 
 
 @pytest.mark.parametrize("fmt", ["npy", pytest.param("h5", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_ranks_write_whole_rows_directly(tmp_path, run, fmt):
     """On one host each of 3 ranks takes whole rows of C (grid 3 x 1) and writes its stripes,
     4 MiB and more, past the page cache where the file system takes O_DIRECT; the file equals
@@ -192,6 +194,7 @@ def _planned(out: str) -> tuple[list[int], list[int]]:
     (4, (64, 64, 64), "broadcast", 1),   # the 2-D grid
     pytest.param(4, (64, 64, 64), "auto", 2, marks=pytest.mark.slow),  # two emulated hosts
 ])
+@pytest.mark.slow
 def test_plan_ranks_is_the_dry_run_of_the_batch_command(tmp_path, run, mpiexec, batch_env,
                                                         ranks, shape, panels, nodes):
     """``distmm plan M N K --ranks P`` printed the in-memory engine's grid (1 x 2 x 2 for 400
@@ -351,6 +354,7 @@ for _name in ("fsync", "fdatasync", "write"):
     pytest.param(1, 96, "npy", marks=pytest.mark.slow),
     pytest.param(1, 96, "h5", marks=pytest.mark.slow), (1, 96, "zarr"),
     pytest.param(2, 97, "zarr", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_stripes_log_line_follows_its_bytes_on_disk(tmp_path, cmd, batch_env, ranks, m, fmt):
     """A ``--resume`` run's log names a stripe only once its bytes are on disk, so a host that
     crashes (a power loss keeps no page cache) never leaves a logged stripe unwritten: the
@@ -887,6 +891,7 @@ if comm.rank == 0:
 
 
 @pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
 def test_distarrays_multiply_in_stripes(tmp_path, mpirun, ranks):
     """``run_distributed(streamed=True)``: host blocks in, a host block of C out (the path
     GPU ranks take when their blocks do not fit the device), on CPU ranks here."""

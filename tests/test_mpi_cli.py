@@ -151,6 +151,7 @@ def test_mpirun_bad_input_ends_every_rank(files, launch, bad):
     assert not [p for p in d.iterdir() if "partial" in p.name]
 
 
+@pytest.mark.slow
 def test_mpirun_gpu_backend_without_a_gpu_is_refused(files, launch):
     d, _ = files
     r = launch(2, "matmul", d / "a.npy", d / "b.npy", "-o", d / "c.npy", "--backend", "raw",

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),
                                    pytest.param(2, marks=pytest.mark.slow), 3,
                                    pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_grid_communicators_are_reused_and_released_at_exit(ranks, mpirun):
     r = mpirun(ranks, CASES)
     assert "VERDICT ok" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]

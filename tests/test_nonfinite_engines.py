@@ -164,6 +164,7 @@ def _batch_operands(folder, m, k, n):
     pytest.param(2, (2, 2, 2), "read", marks=pytest.mark.slow),
     pytest.param(2, (1, 5, 1), "broadcast", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_batch_path_products_are_numpys(tmp_path, mpirun, ranks, shape, panels):
     """``mpirun distmm matmul`` (the striped batch path) writes numpy's NaN and Inf: a
     broadcast stripe's pieces one wide in k (numpy's own loop, no alpha), a 2 x 2 grid of

@@ -527,6 +527,7 @@ def _locked_within(dev, x) -> bool:
     pytest.param(400, 700, 600, "float32", 1 << 20,  # tiles mode, several column blocks
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_direct_copies_page_locked_in_place(m, n, k, dtype, limit):
     """Copies straight between the device and the caller's arrays: each finds its bytes
     inside one page-locked range when it runs (blocks whose ends are not page-aligned share a
@@ -595,6 +596,7 @@ def test_direct_copies_fall_back_to_the_ring_where_memory_cannot_be_locked():
     pytest.param(5000, 300, 600, "float32", 16 << 20, "A", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.slow
 def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit, owned,
                                                           tensor_cores):
     """Arrays already page-locked (``cupyx.empty_pinned``) cross straight without being asked
@@ -629,6 +631,7 @@ def test_arrays_page_locked_by_their_owner_cross_straight(m, n, k, dtype, limit,
 @pytest.mark.parametrize("m,n,k,dtype,columns", [
     pytest.param(1500, 300, 700, "float32", 2, marks=pytest.mark.slow),
     (999, 257, 130, "float64", 3)])
+@pytest.mark.slow
 def test_column_blocks_where_a_b_and_c_cross_straight(monkeypatch, how, m, n, k, dtype, columns):
     """Asked (``distmm-debug.pipeline-columns``), beside tensor-core GEMMs, where A, B and C
     all cross straight (page-locked by their owner, or in place by the debug setting), C's

@@ -306,6 +306,7 @@ def test_a_symbolic_link_as_the_folder_is_replaced_not_followed(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "out", "r.jsonl", "target"]
 
 
+@pytest.mark.slow
 def test_overwrite_never_replaces_a_folder_holding_an_input_or_the_current_folder(tmp_path):
     # the records kept in the report's folder were deleted by --overwrite
     out = tmp_path / "out"

@@ -405,6 +405,7 @@ os.execv(sys.executable, [sys.executable, "-m", "distmm", *argv])
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_a_leftover_under_a_pid_of_this_jobs_ranks_is_a_dead_runs(tmp_path, mpiexec, mpi_env):
     """A killed run's staged output named with the PID that rank 1 of the next job has: that
     job names and removes it (rank 0 took it for a live run's, as the PID runs distmm, and
@@ -657,6 +658,7 @@ def test_the_files_of_a_deleted_staged_output_are_removed_by_a_later_run(tmp_pat
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_chunk_files_lost_from_a_kept_zarr_folder_are_computed_again(tmp_path, mpiexec,
                                                                     mpi_env, ranks):
     """A stopped ``--resume`` run to a zarr array, chunk files of stripes its logs call done
