@@ -50,6 +50,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: numpy 1.x's bundled OpenBLAS (0.3.23) gives complex Inf and NaN forms that depend on the CPU's
+#: kernels (its SkylakeX ones: NaN where its generic ones, and numpy 2's, keep an Inf): where a
+#: test holds distmm to numpy's forms, numpy 1.x may fail it on such a CPU
+NUMPY1_BLAS_FORMS = pytest.mark.xfail(
+    np.lib.NumpyVersion(np.__version__) < "2.0.0", strict=False,
+    reason="numpy 1.x's OpenBLAS kernels on this CPU give other complex Inf/NaN forms")
+
 # A suite started as a background job of a non-interactive shell (`pytest ... &`, nohup in a
 # script) has SIGINT ignored, and every child it starts inherits that: the tests that send a
 # child SIGINT would see it ignored, as the shell asked. Python's own handler here instead,

@@ -67,7 +67,11 @@ def blind_worker(client, folder):
         yield address
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # a worker slow to close under load: not the case
+            proc.kill()
+            proc.wait(30)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and \
                 len(client.scheduler_info(n_workers=-1)["workers"]) > len(before):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_rank_script
+from conftest import NUMPY1_BLAS_FORMS, run_rank_script
 
 SCRIPT = r"""
 import numpy as np
@@ -97,6 +97,7 @@ for rank, mine in enumerate(comm.gather(lines) or []):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.slow
+@NUMPY1_BLAS_FORMS
 def test_complex_nan_and_inf_are_numpys(ranks, tmp_path, mpirun):
     """Each part of every element NaN, Inf or finite as in numpy's ``a @ b`` (matmul, a
     stack and gemm), and numpy's floating-point report: Inf times 0 and Inf + (-Inf) over k

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import distmm
+from conftest import NUMPY1_BLAS_FORMS
 
 inf, nan = np.inf, np.nan
 SPECIALS = [inf, -inf, nan, complex(0, inf), complex(0, -inf), complex(inf, inf),
@@ -68,6 +69,7 @@ def differences(products, product) -> list[str]:
     return bad
 
 
+@NUMPY1_BLAS_FORMS
 def test_local_engine_fuzzed_products_are_numpys():
     """120 fuzzed products, each over seven tile shapes and with k groups of one (a
     64-byte memory budget): every element's parts NaN, Inf or finite as numpy's, where a

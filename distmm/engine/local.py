@@ -368,5 +368,9 @@ def _tiles(plan: Plan, a, b, executor, threads: int, out, batch_index, bar, flag
         pool.shutdown(wait=False, cancel_futures=True)
         cf.wait([future for _, future in window], timeout=STOP_WAIT)
         raise
-    pool.shutdown(wait=True)
+    try:
+        pool.shutdown(wait=True)
+    except BaseException:  # a signal while the idle threads exit: they are gone at once
+        pool.shutdown(wait=True)
+        raise
     return out
