@@ -50,12 +50,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: numpy 1.x's bundled OpenBLAS (0.3.23) gives complex Inf and NaN forms that depend on the CPU's
-#: kernels (its SkylakeX ones: NaN where its generic ones, and numpy 2's, keep an Inf): where a
-#: test holds distmm to numpy's forms, numpy 1.x may fail it on such a CPU
+#: numpy 1.x's bundled OpenBLAS (0.3.23) picks its kernels by CPU, and its SkylakeX ones give
+#: complex Inf and NaN forms (NaN where the others, and numpy 2's, keep an Inf) and stack bits
+#: (a stack's gemm against its elements' calls) that differ: where a test holds distmm to those
+#: of numpy's, numpy 1.x may fail it on such a CPU (session 46's tree fails alike there)
 NUMPY1_BLAS_FORMS = pytest.mark.xfail(
     np.lib.NumpyVersion(np.__version__) < "2.0.0", strict=False,
-    reason="numpy 1.x's OpenBLAS kernels on this CPU give other complex Inf/NaN forms")
+    reason="numpy 1.x's OpenBLAS kernels on this CPU give other Inf/NaN forms or stack bits")
 
 # A suite started as a background job of a non-interactive shell (`pytest ... &`, nohup in a
 # script) has SIGINT ignored, and every child it starts inherits that: the tests that send a
@@ -707,6 +708,16 @@ def identical(got, want) -> bool:
     parts = [np.stack([z.real, z.imag]).astype(np.float64) for z in (got, want)]
     return (np.array_equal(parts[0], parts[1], equal_nan=True)
             and np.array_equal(np.signbit(parts[0]), np.signbit(parts[1])))
+
+
+def recorded(product, a, b):
+    """``product(a, b)`` and the warnings it gave, as ``(category, message)`` pairs in order."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        c = product(a, b)
+    return c, [(w.category, str(w.message)) for w in got]
 
 
 def reported(f):

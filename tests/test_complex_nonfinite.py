@@ -17,12 +17,12 @@ spread otherwise), the Dask and MPI engines.
 """
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
 
 import distmm
+from conftest import recorded
 from distmm.nonfinite import numpys_nonfinite
 
 inf, nan = np.inf, np.nan
@@ -39,13 +39,6 @@ def overflowing(rng, shape_a, shape_b, dtype):
     a[..., 1, :] = big * (1 + rng.random(k))          # real * real: each term inf
     a[..., 3, :] = 1j * big * (1 + rng.random(k))     # imag * real: each term inf
     return a.astype(dtype), b.astype(dtype)
-
-
-def recorded(product, a, b):
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        c = product(a, b)
-    return c, [(w.category, str(w.message)) for w in got]
 
 
 def assert_numpys(want, got, exact=True):

@@ -13,7 +13,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from conftest import marking, random_array
+from conftest import NUMPY1_BLAS_FORMS, marking, random_array
 
 import distmm
 
@@ -218,6 +218,7 @@ def test_a_spanning_stack_is_one_task_per_batch_chunk_and_block():
     ((21, 9, 7), (21, 7, 5), ((10, 11), (4, 0, 5), (3, 4)), (10, 3, 2)),  # an empty row chunk
 ])
 @pytest.mark.slow
+@NUMPY1_BLAS_FORMS
 def test_spanning_stack_bits_are_the_per_element_paths(monkeypatch, x_shape, y_shape, x_chunks,
                                                        y_chunks):
     rng = np.random.default_rng()
@@ -309,6 +310,7 @@ def test_on_a_client_with_annotations(client):
 
 
 @pytest.mark.slow
+@NUMPY1_BLAS_FORMS
 def test_a_spanning_stack_on_a_client(client, monkeypatch):
     rng = np.random.default_rng()
     for dt in ("f8", "i4"):
@@ -369,6 +371,7 @@ def test_a_numpy_stack_on_a_client_is_a_task_per_worker(client):
 @pytest.mark.parametrize("x_shape,y_shape", [((37, 3, 7), (37, 7, 5)), ((1, 3, 7), (37, 7, 5)),
                                              ((3, 7), (2, 37, 7, 5)), ((6, 1, 4, 5), (7, 5, 2)),
                                              ((37, 3, 7), (7,)), ((5,), (3, 1, 11, 5, 4))])
+@NUMPY1_BLAS_FORMS
 def test_numpy_stack_bits_and_out_are_the_per_element_paths(client, monkeypatch, x_shape, y_shape):
     from distmm.engine.dask import stacks
 

@@ -98,6 +98,19 @@ def _finish(proc, timeout: float):
     return proc.returncode, err, time.time() - start
 
 
+def _interrupt_rank_0(proc, folder) -> tuple[int, str]:
+    """SIGINT at rank 0 half a second after the held rank paused, then that rank let go
+    (``folder / "go"``); the job's status and stderr, once every rank ended (within seconds,
+    not at the timeout)."""
+    time.sleep(0.5)
+    _rank(proc, 0).send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    (folder / "go").touch()
+    status, err, took = _finish(proc, 30)
+    assert took < 10, (took, err)
+    return status, err
+
+
 def _assert_interrupted(status: int, err: str, rank: int, ranks: int, where: tuple) -> None:
     assert status == 130, err
     assert "Traceback" not in err, err
@@ -120,12 +133,7 @@ def test_sigint_while_the_others_wait_in_the_gather_ends_the_job(tmp_path, mpiex
     pause_at(folder, "distmm.engine.mpi.join", "join", rank=ranks - 1, call=2)
     proc = _launch(mpiexec, mpi_env, ranks, script, pythonpath=folder)
     _wait_for(proc, folder / "paused")
-    time.sleep(0.5)  # rank 0 has reached the gather's barrier (its sleeps)
-    _rank(proc, 0).send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    (folder / "go").touch()
-    status, err, took = _finish(proc, 30)
-    assert took < 10, (took, err)  # every rank ends within seconds, not at the timeout
+    status, err = _interrupt_rank_0(proc, folder)  # rank 0 has reached the gather's barrier
     # in the gather's barrier; "during the product" where the signal came before it (a slow
     # machine), which the engine's guard ends alike
     _assert_interrupted(status, err, 0, ranks, ("in DistArray.gather", "during the product"))
@@ -152,12 +160,7 @@ def test_sigint_held_in_a_blocking_exchange_ends_the_job(tmp_path, mpiexec, mpi_
     pause_at(folder, module, name, after=after, rank=ranks - 1)
     proc = _launch(mpiexec, mpi_env, ranks, script, pythonpath=folder)
     _wait_for(proc, folder / "paused")
-    time.sleep(0.5)
-    _rank(proc, 0).send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    (folder / "go").touch()
-    status, err, took = _finish(proc, 30)
-    assert took < 10, (took, err)  # every rank ends within seconds, not at the timeout
+    status, err = _interrupt_rank_0(proc, folder)
     _assert_interrupted(status, err, 0, ranks, ("during the product",))
 
 
@@ -167,12 +170,7 @@ def test_sigint_in_a_distarray_gather_ends_the_job(tmp_path, mpiexec, mpi_env, r
     script.write_text(_DISTARRAY)
     proc = _launch(mpiexec, mpi_env, ranks, script, tmp_path)
     _wait_for(proc, tmp_path / "paused", tmp_path / "gathering")
-    time.sleep(0.5)
-    _rank(proc, 0).send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    (tmp_path / "go").touch()
-    status, err, took = _finish(proc, 30)
-    assert took < 10, (took, err)  # every rank ends within seconds, not at the timeout
+    status, err = _interrupt_rank_0(proc, tmp_path)
     _assert_interrupted(status, err, 0, ranks, ("in DistArray.gather",))
 
 

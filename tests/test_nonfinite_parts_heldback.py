@@ -24,14 +24,13 @@ in some orders, GPU results.
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import dask
 import numpy as np
 import pytest
 
 import distmm
-from conftest import run_rank_script
+from conftest import recorded, run_rank_script
 
 inf, nan = np.inf, np.nan
 
@@ -58,13 +57,6 @@ def operands(rng, m, n, k, dtype):
         a[4, k - 1] = complex(0, inf)
         b[k - 1, 0] = 0                           # inf * 0
     return a.astype(dtype), b.astype(dtype)
-
-
-def recorded(product, a, b):
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        c = product(a, b)
-    return c, [(w.category, str(w.message)) for w in got]
 
 
 def assert_numpys(want, got):
