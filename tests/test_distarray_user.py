@@ -37,16 +37,18 @@ print(f"rank {comm.rank} WENT ON", flush=True)
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("call", ["gather", "to_file", "from_file", "redistribute"])
-def test_a_rank_that_left_ends_the_job_after_the_join_timeout(call, tmp_path, mpirun):
-    """The last rank raises its own error after from_array; the other two wait for it in
-    ``call`` and, after mpi-join-timeout, end the job with one line naming the call (they
-    waited for ever: only matmul, from_array and from_local were watched)."""
+def test_a_rank_that_left_ends_the_job(call, tmp_path, mpirun):
+    """The last rank raises its own error after from_array; the other two, waiting for it in
+    ``call``, end the job at once with one line naming the rank and the call, without
+    mpi-join-timeout (they waited for ever: only matmul, from_array and from_local were
+    watched, then only until the timeout)."""
     script = tmp_path / "leaves.py"
     script.write_text(LEAVES)
-    r = mpirun(3, script, call, tmp_path, timeout=60,
-               env={"DASK_DISTMM__MPI_JOIN_TIMEOUT": "2s"})
+    r = mpirun(3, script, call, tmp_path, timeout=60)
     assert r.returncode != 0 and "WENT ON" not in r.stdout, r.stdout + r.stderr[-3000:]
-    assert f"waited 2 s for every rank to call DistArray.{call}" in r.stderr, r.stderr[-3000:]
+    assert (f"distmm: rank 2 of 3 ended before calling DistArray.{call}, which rank 0 waits "
+            f"in: ending the job") in r.stderr, r.stderr[-3000:]
+    assert "the user's own error on the last rank" in r.stderr
     assert not (tmp_path / "out.npy").exists()
 
 
