@@ -10,7 +10,9 @@ This module covers:
 - the shared Dask fixtures, all on real worker processes: ``cluster`` and ``client`` (two
   single-thread workers), ``scheduler_file`` (the ``cluster``'s, for ``distmm matmul
   --scheduler-file``), ``pair`` (two workers marked GPU by their resource only),
-  ``shared_client`` (two dask-cuda workers sharing GPU 0), and ``tile_mode``;
+  ``shared_client`` (two dask-cuda workers sharing GPU 0), ``tile_mode``, and
+  ``blind_worker`` (one more worker of ``cluster`` that does not see ``tmp_path``:
+  ``hidden_worker``);
 - files no process may change (``chattr``: immutable or append-only, taken off at the end);
 - batch jobs on localhost (``batch_env``): Slurm's and PBS's commands replaced by the
   stand-ins of ``tests/batchsim/`` on ``PATH``, a spool folder per test, and the file the
@@ -322,6 +324,55 @@ def client(cluster):
     with distributed.Client(cluster) as c:
         c.wait_for_workers(2, timeout=120)
         yield c
+
+
+@contextlib.contextmanager
+def hidden_worker(client, folder):
+    """One more worker of ``client``'s cluster (one thread, no nanny) that does not see
+    ``folder``'s files: ``dask worker`` in a mount namespace of its own where a tmpfs hides
+    the folder, as on a host without the shared file system (the test is skipped where no
+    mount namespace can be made); yields its address. It is stopped at the end (killed
+    where SIGTERM does not end it in 10 s)."""
+    import uuid
+
+    hide = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f"mount -t tmpfs tmpfs '{folder}' && exec \"$0\" \"$@\""]
+    if shutil.which("unshare") is None or subprocess.run(
+            hide + ["true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here to hide a folder from one worker")
+    marker = folder / "seen-by-the-others"
+    marker.touch()
+    before = set(client.scheduler_info(n_workers=-1)["workers"])
+    proc = subprocess.Popen(hide + [
+        sys.executable, "-m", "distributed.cli.dask_worker", client.scheduler.address,
+        "--nthreads", "1", "--no-nanny", "--no-dashboard", "--memory-limit", "2GiB",
+        "--name", f"blind-{uuid.uuid4().hex[:8]}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client.wait_for_workers(len(before) + 1, timeout=60)
+        (address,) = set(client.scheduler_info(n_workers=-1)["workers"]) - before
+        seen = client.run(os.path.exists, str(marker))
+        assert not seen[address] and all(v for w, v in seen.items() if w != address), seen
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and \
+                len(client.scheduler_info(n_workers=-1)["workers"]) > len(before):
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def blind_worker(client, tmp_path):
+    """``hidden_worker`` of the ``client`` fixture's cluster, hiding ``tmp_path``: its
+    address."""
+    with hidden_worker(client, tmp_path) as address:
+        yield address
 
 
 def write_scheduler_file(client, path) -> Path:

@@ -9,19 +9,13 @@ The scheduler runs in this process: a plugin records, for each task, its worker
 restrictions and the worker it ran on."""
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import subprocess
-import sys
-import time
 import uuid
 
 import numpy as np
 import pytest
 
 import distmm
-from conftest import assert_close, assert_matches_numpy
+from conftest import assert_close, assert_matches_numpy, hidden_worker
 
 h5py = pytest.importorskip("h5py")
 da = pytest.importorskip("dask.array")
@@ -35,47 +29,6 @@ pytestmark = pytest.mark.slow  # a LocalCluster of worker processes, and one mor
 
 LAYOUTS = {"tiles": {"distmm.dask-layout": "tiles"},
            "blocks": {"distmm.dask-layout": "blocks", "distmm.dask-worker-gflops": {"cpu": 10}}}
-
-
-def _hidden(folder) -> list[str]:
-    """The command line that runs a shell command in a mount namespace of its own where a
-    tmpfs hides ``folder``."""
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f"mount -t tmpfs tmpfs '{folder}' && exec \"$0\" \"$@\""]
-
-
-@contextlib.contextmanager
-def blind_worker(client, folder):
-    """A worker of ``client``'s cluster that does not see ``folder``'s files (skips the test
-    where no mount namespace can be made); yields its address."""
-    if shutil.which("unshare") is None or subprocess.run(
-            _hidden(folder) + ["true"], capture_output=True).returncode != 0:
-        pytest.skip("no mount namespace here to hide a folder from one worker")
-    marker = folder / "seen-by-the-others"
-    marker.touch()
-    before = set(client.scheduler_info(n_workers=-1)["workers"])
-    proc = subprocess.Popen(_hidden(folder) + [
-        sys.executable, "-m", "distributed.cli.dask_worker", client.scheduler.address,
-        "--nthreads", "1", "--no-nanny", "--no-dashboard", "--memory-limit", "2GiB",
-        "--name", f"blind-{uuid.uuid4().hex[:8]}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client.wait_for_workers(len(before) + 1, timeout=60)
-        (address,) = set(client.scheduler_info(n_workers=-1)["workers"]) - before
-        seen = client.run(os.path.exists, str(marker))
-        assert not seen[address] and all(v for w, v in seen.items() if w != address), seen
-        yield address
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:  # a worker slow to close under load: not the case
-            proc.kill()
-            proc.wait(30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and \
-                len(client.scheduler_info(n_workers=-1)["workers"]) > len(before):
-            time.sleep(0.1)
 
 
 class _Record(SchedulerPlugin):
@@ -149,7 +102,7 @@ def test_reads_of_a_file_a_worker_cannot_open_go_only_to_those_that_can(
     rng = np.random.default_rng()
     a, b = rng.standard_normal((40, 30)), rng.standard_normal((30, 20))
     seeing = _workers(client)
-    with blind_worker(client, tmp_path):
+    with hidden_worker(client, tmp_path):
         x, token = _operand(_dataset(tmp_path, a), (10, 10), inline)
         with dask.config.set(LAYOUTS[layout]):
             c = distmm.matmul(x, da.from_array(b, chunks=(10, 7)), client=client)
@@ -168,7 +121,7 @@ def test_reads_stay_on_the_checked_workers_when_one_joins_later(tmp_path, client
     ds = _dataset(tmp_path, b)
     y, token = _operand(ds, (10, 8))
     c = distmm.matmul(a, y, client=client)
-    with blind_worker(client, tmp_path):
+    with hidden_worker(client, tmp_path):
         got = _computed(client, c)
         _assert_pinned(record, token, checked)
     assert_matches_numpy(got, a, b)
@@ -182,7 +135,7 @@ def test_a_vector_operand_s_squeezed_result_keeps_the_pins(tmp_path, client, rec
     a = rng.standard_normal(30) if position in ("a", "both") else rng.standard_normal((12, 30))
     b = rng.standard_normal(30) if position in ("b", "both") else rng.standard_normal((30, 9))
     seeing = _workers(client)
-    with blind_worker(client, tmp_path):
+    with hidden_worker(client, tmp_path):
         x, token = _operand(_dataset(tmp_path, a), 10)
         c = distmm.matmul(x, da.from_array(b, chunks=10), client=client)
         assert isinstance(c, PinnedArray) and c.shape == np.matmul(a, b).shape
@@ -228,7 +181,7 @@ def test_arrays_made_from_the_result_keep_the_read_pins(tmp_path, client, record
     rng = np.random.default_rng()
     a, b = rng.standard_normal((24, 30)), rng.standard_normal((30, 22))
     seeing = _workers(client)
-    with blind_worker(client, tmp_path):
+    with hidden_worker(client, tmp_path):
         x, token = _operand(_dataset(tmp_path, a), (8, 10))
         c = distmm.matmul(x, da.from_array(b, chunks=(10, 11)), client=client)
         want = DERIVED[op](_computed(client, c))

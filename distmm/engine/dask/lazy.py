@@ -8,13 +8,17 @@ task per output chunk slicing it out of its block (on the block's worker,
 where the block lies) and, where device chunks go through CUDA IPC, one
 export task per chunk and holder, pinned to the holder (``export_layer``),
 that placement joined with an enclosing ``dask.annotate``'s annotations, an operand's
-reads of an HDF5 file pinned to the workers that read it (``pin_reads``), and the
-array class whose optimisation keeps the placement annotations (``PinnedArray``).
+reads of an HDF5 file pinned to the workers that read it (``pin_reads``), the
+array class whose optimisation keeps the placement annotations (``PinnedArray``), and the
+optimisation that keeps the read pins in any dask array made from such a graph
+(``KeepReadPins``, ``keep_read_pins``).
 It does *not* cover: the tasks or their geometry (``graph``, ``chunks``), stacks of
 small matrices in numpy chunks (``stacks``), or numpy operands
 (``distmm.engine.dask.eager``).
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -26,7 +30,8 @@ from distmm.engine.dask.tasks import TaskPlan, as_column, as_row
 from distmm.plan import Plan
 
 __all__ = ["promoted", "lazy_product", "lazy_blocks", "export_layer", "PinnedArray",
-           "ChunkHomes", "ExportHomes", "pin_reads", "pinned"]
+           "ChunkHomes", "ExportHomes", "pin_reads", "pinned", "ReadPins", "has_read_pins",
+           "KeepReadPins", "keep_read_pins"]
 
 
 def promoted(ops: Operands) -> Operands:
@@ -310,9 +315,11 @@ def pin_reads(x, readers):
     it as a value (``from_array``'s getters). ``readers(dataset)``: the workers that read it
     (None: not known, no pin from it); a layer reading several files goes to the workers that
     read them all, and stays as it was where none does (its reads fail wherever they run).
-    These pins replace a layer's own ``workers`` and ``allow_other_workers``; its other
-    annotations stay. Returns ``(array, pinned)``: ``x`` itself and False where nothing is
-    pinned, else a ``PinnedArray`` (same name and keys) and True."""
+    These pins (a ``ReadPins`` list) replace a layer's own ``workers`` and
+    ``allow_other_workers``; its other annotations stay. Where something is pinned, dask
+    arrays made from the result keep the pins too (``keep_read_pins``). Returns ``(array,
+    pinned)``: ``x`` itself and False where nothing is pinned, else a ``PinnedArray`` (same
+    name and keys) and True."""
     import copy
 
     from dask.highlevelgraph import HighLevelGraph
@@ -342,8 +349,80 @@ def pin_reads(x, readers):
     for name, workers in pins.items():
         new[name] = copy.copy(layers[name])  # dask's Layer.__copy__: shallow, its tasks shared
         new[name].annotations = {**(layers[name].annotations or {}),
-                                 "workers": sorted(workers), "allow_other_workers": False}
+                                 "workers": ReadPins(sorted(workers)),
+                                 "allow_other_workers": False}
+    keep_read_pins()
     return pinned(x, HighLevelGraph(new, graph.dependencies)), True
+
+
+class ReadPins(list):
+    """The ``workers`` annotation of tasks that read an HDF5 file (``pin_reads``): the
+    workers that read it, a list to the scheduler and to dask's blockwise fusion; its type
+    marks the layer for ``KeepReadPins``."""
+
+    __slots__ = ()
+
+
+def has_read_pins(graph) -> bool:
+    """Whether a layer of ``graph`` (a ``HighLevelGraph``) has its tasks pinned by
+    ``pin_reads``."""
+    layers = getattr(graph, "layers", None) or {}
+    return any(isinstance((layer.annotations or {}).get("workers"), ReadPins)
+               for layer in layers.values())
+
+
+class KeepReadPins:
+    """dask.array's optimisation of a graph (``fallback``), except for a graph with reads
+    pinned by ``pin_reads`` (``has_read_pins``): that one is only culled, its layers and
+    their annotations kept (``fallback`` would fuse tasks into a plain dict, dropping the
+    annotations and renaming the tasks). Values are the same either way."""
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+
+    def __call__(self, dsk, keys, **kwargs):
+        if has_read_pins(dsk):
+            return _cull_only(dsk, keys)
+        return self.fallback(dsk, keys, **kwargs)
+
+
+class _ArrayOptimize:
+    """``dask.array.Array.__dask_optimize__`` as ``keep_read_pins`` sets it: dask's own
+    (``own``, a descriptor reading dask's ``array_optimize`` setting), with dask's default
+    optimisation in a ``KeepReadPins``; an ``array_optimize`` of the user's is theirs."""
+
+    def __init__(self, own, default, keeping):
+        self.own, self.default, self.keeping = own, default, keeping
+
+    def __get__(self, instance, owner=None):
+        optimize = self.own.__get__(instance, owner)
+        return self.keeping if optimize is self.default else optimize
+
+
+_KEEP_LOCK = threading.Lock()
+
+
+def keep_read_pins() -> bool:
+    """Make the optimisation of every plain ``dask.array.Array`` (``r + 1``, ``r.sum()``,
+    ``da.map_blocks``, ``da.concatenate`` ... of a lazy result) keep the read pins of
+    ``pin_reads`` (``KeepReadPins``), where dask's default optimisation would drop them:
+    dask.array's ``__dask_optimize__`` is the array class's own, with no per-array hook.
+    Client-side in dask 2024.12 (``Client.compute``/``persist`` optimise, then send the
+    layers' annotations), on the scheduler in newer dask (the client sends the optimisation
+    function with the graph). Arrays without such pins, and an ``array_optimize`` set in
+    ``dask.config`` (the user's optimisation), are as before. Returns whether it is in
+    place (False: dask.array's class has no such descriptor, and is left alone)."""
+    import dask.array as da
+    from dask.array.optimization import optimize
+
+    with _KEEP_LOCK:
+        own = da.Array.__dict__.get("__dask_optimize__")
+        if isinstance(own, _ArrayOptimize):
+            return True
+        if not hasattr(own, "__get__"):
+            return False
+        da.Array.__dask_optimize__ = _ArrayOptimize(own, optimize, KeepReadPins(optimize))
+        return True
 
 
 def _one_layer(name: str, layer):
@@ -393,8 +472,15 @@ _KEPT_FUNCTIONS = frozenset({"squeeze", "transpose", "permute_dims", "matrix_tra
                              "reshape", "ravel", "swapaxes", "moveaxis", "expand_dims",
                              "astype"})
 
+#: dask.array.Array's methods whose result over a ``PinnedArray`` is one too (``.T`` calls
+#: ``transpose``, ``flatten`` is ``ravel``)
+_KEPT_METHODS = ("__getitem__", "squeeze", "transpose", "reshape", "ravel", "swapaxes",
+                 "astype", "rechunk")
+
 
 def _pinned_array_class():
+    import functools
+
     import dask.array as da
 
     def kept(x):
@@ -402,19 +488,30 @@ def _pinned_array_class():
         return PinnedArray(x.dask, x.name, x.chunks, x.dtype, x._meta) if type(x) is da.Array \
             else x
 
+    def keeping(method):
+        """dask.array.Array's ``method``, its result made a ``PinnedArray`` (``kept``)."""
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            return kept(method(self, *args, **kwargs))
+        return wrapper
+
     class PinnedArray(da.Array):
         """A ``dask.array.Array`` whose own optimisation only culls.
 
-        dask.array's default optimisation fuses tasks into a plain dict and so
-        drops per-key annotations, the plan's worker pins among them, and the pins of reads
-        of a file that only some workers see (``pin_reads``). Computing or persisting the
-        result itself keeps them, and so do its copies (pickled, ``copy``,
-        ``copy.deepcopy``) and the arrays made from it by indexing, ``squeeze``,
-        ``transpose`` (``.T``), ``reshape``, ``ravel`` (``flatten``), ``swapaxes``, ``astype`` and
-        ``rechunk`` (as methods, or numpy's functions of those names and ``moveaxis``,
-        ``expand_dims``, ``permute_dims``, ``matrix_transpose``), which are
-        ``PinnedArray`` objects too; other arrays derived from it are plain
-        ``dask.array.Array`` objects, placed by the scheduler's own heuristics.
+        dask.array's default optimisation fuses tasks into a plain dict and so drops the
+        layers' annotations: the plan's worker pins (loose) and the pins of reads of a file
+        that only some workers see (``pin_reads``). Computing or persisting the result
+        itself keeps them all, and so do its copies (pickled, ``copy``, ``copy.deepcopy``)
+        and the arrays made from it by indexing, ``squeeze``, ``transpose`` (``.T``),
+        ``reshape``, ``ravel`` (``flatten``), ``swapaxes``, ``astype`` and ``rechunk`` (as
+        methods, or numpy's functions of those names and ``moveaxis``, ``expand_dims``,
+        ``permute_dims``, ``matrix_transpose``), which are ``PinnedArray`` objects too.
+        Any other array derived from it (arithmetic, ufuncs, reductions, ``map_blocks``,
+        ``da.concatenate`` or ``da.stack`` with other arrays, ...) is a plain
+        ``dask.array.Array``: where its graph reads such a file, dask.array's optimisation
+        only culls it too and every pin stays (``keep_read_pins``; unless ``dask.config``'s
+        ``array_optimize`` names another optimisation); otherwise its tasks are fused and
+        placed by the scheduler's own heuristics.
         """
 
         __slots__ = ()
@@ -427,37 +524,13 @@ def _pinned_array_class():
         def copy(self):  # copy.deepcopy's too
             return PinnedArray(self.dask, self.name, self.chunks, self.dtype, self._meta)
 
-        # and so are the arrays its shape and dtype methods make (``.T`` calls transpose)
-        def __getitem__(self, index):
-            return kept(super().__getitem__(index))
-
-        def squeeze(self, *args, **kwargs):
-            return kept(super().squeeze(*args, **kwargs))
-
-        def transpose(self, *args, **kwargs):
-            return kept(super().transpose(*args, **kwargs))
-
-        def reshape(self, *args, **kwargs):
-            return kept(super().reshape(*args, **kwargs))
-
-        def ravel(self, *args, **kwargs):
-            return kept(super().ravel(*args, **kwargs))
-
-        flatten = ravel
-
-        def swapaxes(self, *args, **kwargs):
-            return kept(super().swapaxes(*args, **kwargs))
-
-        def astype(self, *args, **kwargs):
-            return kept(super().astype(*args, **kwargs))
-
-        def rechunk(self, *args, **kwargs):
-            return kept(super().rechunk(*args, **kwargs))
-
         def __array_function__(self, func, types, args, kwargs):
             out = super().__array_function__(func, types, args, kwargs)
             return kept(out) if getattr(func, "__name__", None) in _KEPT_FUNCTIONS else out
 
+    for name in _KEPT_METHODS:
+        setattr(PinnedArray, name, keeping(getattr(da.Array, name)))
+    PinnedArray.flatten = PinnedArray.ravel
     PinnedArray.__module__ = __name__
     PinnedArray.__qualname__ = "PinnedArray"  # pickled by reference as lazy.PinnedArray
     return PinnedArray
