@@ -13,7 +13,9 @@ a worker are sent again, output blocks not yet gathered are run again (also
 those whose tasks wait for a worker that has left while nothing arrives:
 ``_StallWatch``), and when no worker is alive the loop waits for one. It gives up only after
 ``retry_timeout`` seconds of failures without one output block arriving, with
-``distmm.errors.WorkersLost`` saying what was lost.
+``distmm.errors.WorkersLost`` saying what was lost. A Ctrl-C (or any error) anywhere in
+the call leaves no task or block of it on the cluster, also while its traceback is kept:
+what was sent is always held where the cleanup finds it (``_uninterrupted``, ``_let_go``).
 A stack of small matrices that the plan keeps whole (``stacks.eager_applies``) is sent
 and computed in about one batch block per worker slot (``tasks.stack_block``), not one
 block and task per element.
@@ -200,7 +202,11 @@ class _Scattered:
                 sends[worker][key] = (idx, worker, self.block(idx))
         if sends and self.source is not None:
             self.client_read = True  # blocks of the file read here, for workers not asked
-        futs = _uninterrupted(partial(self._send, reads, sends), _release)
+        _uninterrupted(partial(self._send, reads, sends), partial(self._keep, reads, sends),
+                       _release)
+
+    def _keep(self, reads: dict, sends: dict, futs: dict) -> None:
+        """Hold the futures of blocks just sent or read (``futs``, by key) as the blocks'."""
         for items in (*reads.values(), *sends.values()):
             for key, (idx, worker, *_) in items.items():
                 by = self.futures.setdefault(idx, {})
@@ -229,12 +235,16 @@ def _release(futs: dict) -> None:
         f.release()
 
 
-def _uninterrupted(fn, abandon):
-    """``fn()``'s result, ``fn`` run on a thread of its own while this thread waits: a
-    Ctrl-C (or any exception) in the wait raises here at once, and ``fn``'s result, once it
-    comes, is passed to ``abandon``. An interrupted blocking call of distributed cancels its
-    client side only: a ``Client.scatter`` the scheduler was carrying out left the blocks on
-    the workers, held for this client by no future that could release them."""
+def _uninterrupted(fn, keep, abandon) -> None:
+    """Run ``fn()`` on a thread of its own while this thread waits, and hand what it made to
+    ``keep`` on that thread, at once: where the caller's cleanup finds it. A Ctrl-C (or any
+    exception) in the wait raises here at once, and what ``fn`` makes after that goes to
+    ``abandon`` instead. So what ``fn`` put on the cluster is never held only by a local
+    variable, which an interrupted call's traceback keeps (an interactive session keeps the
+    last one): an interrupted blocking call of distributed cancels its client side only (a
+    ``Client.scatter`` the scheduler was carrying out left the blocks on the workers, held
+    for this client by no future that could release them), and futures made but not yet
+    kept held the blocks, or a whole product's graph, on the cluster."""
     import contextlib
     import sys
     import threading
@@ -254,8 +264,11 @@ def _uninterrupted(fn, abandon):
         except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
             got, error = None, exc
         with lock:
-            box.update(got=got, error=error)
-            if not box.get("abandoned") or error is not None:
+            box["error"] = error
+            if error is not None:
+                return
+            if not box.get("abandoned"):
+                keep(got)  # signals reach the main thread only: this runs whole
                 return
         abandon(got)
 
@@ -266,14 +279,10 @@ def _uninterrupted(fn, abandon):
             thread.join(0.05)
     except BaseException:
         with lock:
-            box["abandoned"] = True
-            done = "got" in box and box["error"] is None
-        if done:
-            abandon(box["got"])
+            box["abandoned"] = True  # what ``fn`` made is kept already, or is abandoned
         raise
     if box["error"] is not None:
         raise box["error"]
-    return box["got"]
 
 
 class _StackScattered(_Scattered):
@@ -401,6 +410,11 @@ def _let_go(client, futures, scattered) -> None:
         client.cancel(list(futures))
     except Exception:  # noqa: BLE001 - the cluster in trouble: the call's own error stands
         pass
+
+
+def _cancel_round(client, futures: dict) -> None:
+    """Cancel a round's output blocks whose graph reached the scheduler after a Ctrl-C."""
+    _let_go(client, futures, ())
 
 
 def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> int:
@@ -756,8 +770,12 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     # alive: the client writes this round's blocks
                     writes = write_placement(sink, alive) if sink is not None else None
                     client_wrote = client_wrote or (sink is not None and not writes)
-                    futures = _submit(client, layer, sink if writes else None, rows, cols,
-                                      writes)
+                    # the round's futures, filled on the thread that sends the graph:
+                    # ``_let_go`` finds them whenever a Ctrl-C comes
+                    futures = {}
+                    _uninterrupted(partial(_submit, client, layer, sink if writes else None,
+                                           rows, cols, writes),
+                                   futures.update, partial(_cancel_round, client))
                     placed = set(targets) | set(writes["workers"] if writes else ())
                     with _StallWatch(client, futures, placed) as watch:
                         _collect(got, futures, watch, None if writes else out, rows, cols,
