@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 BOUND = 30
 
 #: the leaving rank (argv[1]) leaves (argv[2]: "raise" or "exit") before ``call``
-#: (argv[3]); ``after`` (argv[4] == "after"): once every rank made a first product
+#: (argv[3]); ``after`` (argv[4] == "after"): once every rank made a first product;
+#: ``late`` (argv[4] == "late"): the others reach the call 5 s later, the leaver in
+#: MPI_Finalize by then
 _LEAVES = r'''
-import sys, numpy as np, distmm
+import sys, time, numpy as np, distmm
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 leaver, how, call, when = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -39,6 +41,8 @@ if comm.rank == leaver:
     if how == "raise":
         raise RuntimeError(f"rank {comm.rank}'s own error")
     sys.exit(0)
+if when == "late":
+    time.sleep(5)
 if call == "matmul":
     distmm.matmul(a, a.T, engine="mpi")
 else:
@@ -169,6 +173,18 @@ def test_a_rank_that_leaves_after_a_first_product_ends_the_next(tmp_path, mpiexe
                                      "after")
     _assert_ended(status, out, err, took, left=2, ranks=3, call=_MATMUL, waits=0)
     assert "RuntimeError: rank 2's own error" in err, err[-3000:]
+
+
+def test_a_rank_in_mpi_finalize_ends_the_job_the_others_call_later(tmp_path, mpiexec,
+                                                                   mpi_env):
+    """Rank 1 raises at once; rank 0 calls matmul 5 s later, long after rank 1's wait for
+    its "left" collective (``join.LINGER``) ended and it went into ``MPI_Finalize``: the
+    collective still meets rank 0's join there, which ends the job."""
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    status, out, err, took, _ = _job(mpiexec, mpi_env, 2, script, 1, "raise", "matmul",
+                                     "late")
+    _assert_ended(status, out, err, took, left=1, ranks=2, call=_MATMUL, waits=0)
 
 
 def test_a_rank_that_leaves_a_sub_communicator_ends_the_job(tmp_path, mpiexec, mpi_env):

@@ -268,7 +268,10 @@ def _uninterrupted(fn, keep, abandon) -> None:
             if error is not None:
                 return
             if not box.get("abandoned"):
-                keep(got)  # signals reach the main thread only: this runs whole
+                try:
+                    keep(got)  # signals reach the main thread only: this runs whole
+                except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+                    box["error"] = exc
                 return
         abandon(got)
 

@@ -396,7 +396,13 @@ class _ArrayOptimize:
 
     def __get__(self, instance, owner=None):
         optimize = self.own.__get__(instance, owner)
-        return self.keeping if optimize is self.default else optimize
+        if optimize is not self.default:
+            return optimize
+        # an array without read pins keeps dask's own function: a scheduler that runs the
+        # optimisation (newer dask) needs no distmm for it
+        if instance is not None and not has_read_pins(instance.__dask_graph__()):
+            return optimize
+        return self.keeping
 
 
 _KEEP_LOCK = threading.Lock()
@@ -511,7 +517,9 @@ def _pinned_array_class():
         ``dask.array.Array``: where its graph reads such a file, dask.array's optimisation
         only culls it too and every pin stays (``keep_read_pins``; unless ``dask.config``'s
         ``array_optimize`` names another optimisation); otherwise its tasks are fused and
-        placed by the scheduler's own heuristics.
+        placed by the scheduler's own heuristics. What flattens the graph into one layer
+        without annotations drops the pins: ``dask.optimize`` of it, ``da.store``,
+        ``to_zarr``, ``to_hdf5``, ``to_delayed``.
         """
 
         __slots__ = ()

@@ -27,7 +27,9 @@ that never imports distmm or calls ``MPI.Finalize`` itself delays the others' ex
 at most. These collectives use MPI's collective context, never a tag that a user's
 ``recv(ANY_SOURCE, ANY_TAG)`` could take.
 
-It does *not* cover: collectives inside the engine, which follow an agreed start; a rank
+It does *not* cover: MPI libraries other than Open MPI (no "left" is sent, as whether
+``MPI_Finalize`` completes the open collective is not known there: the others wait, as
+above); collectives inside the engine, which follow an agreed start; a rank
 that leaves before it first joins on a communicator other than ``COMM_WORLD`` while the
 others join on that one (they wait, as above); a process that ends without running
 ``atexit`` hooks (``os._exit``, a signal; ``python -m mpi4py`` itself aborts the job on an
@@ -147,6 +149,8 @@ def _leave() -> None:
     try:
         if not MPI.Is_initialized() or MPI.Is_finalized():
             return
+        if not MPI.Get_library_version().startswith("Open MPI"):
+            return  # finalizing with the collective still open: known to work on Open MPI
         open_ = []
         for comm in [MPI.COMM_WORLD, *_JOINED.values()]:
             if comm == MPI.COMM_NULL or comm.size == 1:
@@ -162,8 +166,11 @@ def _leave() -> None:
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 - leaving: MPI_Finalize next
         pass
     if open_:  # MPI may write into these until MPI_Finalize, after Python freed its objects
-        import ctypes
-
         _KEPT.extend(open_)
-        for kept in open_:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+        try:
+            import ctypes
+
+            for kept in open_:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+        except Exception:  # noqa: BLE001 - no CPython API here: kept in _KEPT only
+            pass
