@@ -78,8 +78,9 @@ __all__ = ["PARTIAL", "staged_path", "staged_pid", "pwrite_all", "BlockWriter", 
            "leftovers", "is_live", "MANIFEST_SUFFIX", "claim", "release", "remove_if_left",
            "preparing",
            "reclaimable", "remove_leftover", "remove_tree", "is_within",
-           "check_target", "h5_held", "zarr_node", "fsync_paths", "fixed_attribute",
-           "unremovable", "open_refusal", "file_in_the_way", "is_process_limit"]
+           "check_target", "h5_held", "zarr_node", "zarr_metadata", "fsync_paths",
+           "fixed_attribute", "unremovable", "open_refusal", "file_in_the_way",
+           "is_process_limit", "ZARR_METADATA"]
 
 PARTIAL = "distmm-partial"
 
@@ -105,7 +106,7 @@ def staged_pid(staged) -> int:
 
 #: the files of a zarr folder that describe its array (v3, v2 and their attributes and
 #: consolidated metadata); its chunks are the other files
-_ZARR_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+ZARR_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
 
 
 def fsync_paths(paths) -> None:
@@ -127,7 +128,7 @@ def _synced_before(staged: Path) -> None:
     metadata files and the folder's entries (one ``fsync`` each; the chunk files are the
     writers', flushed per stripe by a ``--resume`` run's log)."""
     if staged.is_dir():
-        fsync_paths([*(staged / name for name in _ZARR_METADATA), staged])
+        fsync_paths([*(staged / name for name in ZARR_METADATA), staged])
     else:
         fsync_paths([staged])
 
@@ -201,20 +202,15 @@ def _put(staged: Path, target: Path, pid: int | None, overwrite: bool) -> None:
 
 def _group_format(folder: Path) -> tuple[int, bool] | None:
     """``(zarr format, whether it holds consolidated metadata)`` of the folder ``folder`` where
-    it is a zarr group (format 2: ``.zgroup``, consolidated in ``.zmetadata``; format 3: a
-    ``zarr.json`` of node_type group, consolidated in its ``consolidated_metadata``); else
-    None."""
-    if (folder / ".zgroup").is_file():
-        return 2, (folder / ".zmetadata").is_file()
-    import json
-
+    it is a zarr group (``zarr_metadata``); else None, also where its metadata cannot be read
+    (a process limit included: the array is in place by then)."""
     try:
-        meta = json.loads((folder / "zarr.json").read_text())
-    except (OSError, ValueError):
+        meta = zarr_metadata(folder)
+    except OSError:
         return None
-    if not isinstance(meta, dict) or meta.get("node_type") != "group":
+    if meta is None or meta[0] != "group":
         return None
-    return 3, meta.get("consolidated_metadata") is not None
+    return meta[1], meta[2]
 
 
 def _reconsolidate(target: Path) -> None:
@@ -274,26 +270,55 @@ def _rename_new(staged: Path, target: Path) -> None:
 # ---------------------------------------------------------------- the target
 
 
-def zarr_node(path: Path) -> str | None:
-    """"array", "group", or None for a folder that is no zarr node."""
-    path = Path(path)
-    if (path / ".zarray").exists():
-        return "array"
-    if (path / ".zgroup").exists():
-        return "group"
-    meta = path / "zarr.json"
-    if meta.exists():
-        import json
+def zarr_metadata(folder) -> tuple[object, int, bool] | None:
+    """``(node type, zarr format, whether it holds consolidated metadata)`` of the folder
+    ``folder`` as its zarr metadata says; None where it holds none that can be read.
 
-        try:
-            return json.loads(meta.read_text()).get("node_type")
-        except OSError as exc:
-            if exc.errno in _PROCESS_LIMITS:  # this process's limit, not the file's fault
-                raise
-            return None
-        except ValueError:
-            return None
-    return None
+    Format 2: ``.zarray`` (an array) or ``.zgroup`` (a group, consolidated in ``.zmetadata``),
+    known by their names without reading them. Format 3: ``zarr.json``'s ``node_type``
+    (whatever it holds: "array", "group", or another value) and ``consolidated_metadata``;
+    a ``zarr.json`` that is not a regular file (a named pipe, whose reader would wait for a
+    writer), not JSON, or not a JSON object is none.
+
+    Raises
+    ------
+    OSError
+        This process's limits refused the read (``EMFILE``, ``ENFILE``, ``ENOMEM``): no fault
+        of the folder, which may hold a node.
+    """
+    folder = Path(folder)
+    if (folder / ".zarray").exists():
+        return "array", 2, False
+    if (folder / ".zgroup").exists():
+        return "group", 2, (folder / ".zmetadata").is_file()
+    meta = folder / "zarr.json"
+    if not meta.is_file():
+        return None
+    import json
+
+    try:
+        doc = json.loads(meta.read_text())
+    except OSError as exc:
+        if exc.errno in _PROCESS_LIMITS:  # this process's limit, not the file's fault
+            raise
+        return None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    return doc.get("node_type"), 3, doc.get("consolidated_metadata") is not None
+
+
+def zarr_node(path: Path) -> str | None:
+    """"array", "group", or None for a folder that is no zarr node (``zarr_metadata``).
+
+    Raises
+    ------
+    OSError
+        See ``zarr_metadata``.
+    """
+    meta = zarr_metadata(path)
+    return None if meta is None else meta[0]
 
 
 def file_in_the_way(path) -> Path | None:

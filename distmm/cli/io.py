@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import stat
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from distmm.stripe_writer import output_spec, zarr_format_for
 from distmm.staging import (H5_MARGIN, BlockWriter, check_room, check_target, commit_h5,
                             create_h5_stage, file_in_the_way, h5_held, is_process_limit,
                             is_within, put_in_place, reclaimable, remove_tree, staged_path,
-                            zarr_node)
+                            zarr_node, ZARR_METADATA)
 
 __all__ = ["open_operand", "staged_output", "write_atomic", "parse_target", "operand_target",
            "check_target", "check_report", "check_space", "check_writable", "check_unlocked",
@@ -243,14 +244,18 @@ def open_operand(spec: str, *, writable: bool = False):
         A file, or a zarr array's folder, this user may not read; the message names it.
     ValueError
         Unsupported suffix, a file that is not of its suffix's format (a ``.npy`` file
-        shorter than its header says: truncated), a zarr group where an array was expected,
-        or an HDF5 file that another process holds: its file lock, or an SWMR writer (HDF5
-        files are read only when no process writes them); an HDF5 dataset stored through a
-        filter this HDF5 lacks (a plugin not installed: ``distmm.hdf5_filters``).
+        shorter than its header says: truncated), a named pipe, socket or device where a file
+        was expected (a zarr array's metadata file too), a file or a zarr group where a zarr
+        array was expected, or an HDF5 file that another process holds: its file lock, or an
+        SWMR writer (HDF5 files are read only when no process writes them); an HDF5 dataset
+        stored through a filter this HDF5 lacks (a plugin not installed:
+        ``distmm.hdf5_filters``).
     """
     t = operand_target(spec)
     if not t.path.exists():
         raise FileNotFoundError(f"no such file: {t.path}")
+    if t.kind != "zarr":  # before any open: a named pipe's would wait for a writer
+        _check_regular(t.path, f"{t.path} is", "not a regular file")
     if t.kind == "npy":
         if t.path.is_dir():
             raise IsADirectoryError(f"{t.path} is a directory, not a .npy file")
@@ -266,9 +271,17 @@ def open_operand(spec: str, *, writable: bool = False):
     if t.kind == "zarr":
         import zarr
 
+        if not t.path.is_dir():
+            _check_regular(t.path, f"{t.path} is", "not a zarr array (a folder)")
+            raise ValueError(f"{t.path} is a file, not a zarr array (a folder holding its "
+                             f"metadata, zarr.json or .zarray, and its chunks)")
+        for name in ZARR_METADATA:  # zarr reads these before any chunk
+            _check_regular(t.path / name, f"{t.path} is not a readable zarr array: its "
+                                          f"metadata file {t.path / name} is",
+                           "not a regular file")
         try:
             try:
-                node = zarr_node(t.path) if t.path.is_dir() else None
+                node = zarr_node(t.path)
             except PermissionError as exc:  # a folder this user may not enter: named itself,
                 # not the first metadata file looked for in it
                 raise PermissionError(exc.errno, exc.strerror, str(t.path)) from None
@@ -325,10 +338,38 @@ def open_operand(spec: str, *, writable: bool = False):
     return node
 
 
+#: what a path that is neither a regular file nor a folder is, by ``stat``'s test of its mode
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _check_regular(path: Path, lead: str, instead: str) -> None:
+    """Refuse a file of an operand (``path``, links followed) that is a named pipe, a socket
+    or a device: an operand is read in parts and more than once (a ``.npy`` file is
+    memory-mapped, HDF5 and zarr seek in theirs), and opening a named pipe waits for a
+    writer for ever. The message is ``lead``, what it is, ``instead``. Nothing is checked
+    where ``path`` is a regular file, a folder, or does not exist.
+
+    Raises
+    ------
+    ValueError
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing, or not to be looked at: the open that follows says so
+    what = next((name for test, name in _SPECIAL if test(mode)), None)
+    if what is not None:
+        raise ValueError(f"{lead} {what}, {instead}: distmm reads an operand in parts, more "
+                         f"than once")
+
+
 def _check_npy(path: Path) -> None:
     """Refuse, naming the file, a ``.npy`` file that ``np.load`` would not open as one
     array: a ``.npz`` archive (``np.load`` gives a lazy dictionary), a file without numpy's
-    magic string (``np.load`` takes it for a pickle), an object array (pickled)."""
+    magic string (``np.load`` takes it for a pickle), an object array (pickled), a header
+    whose shape is not of non-negative integers or is larger than numpy can address, data
+    shorter than the header says (truncated)."""
     with open(path, "rb") as f:
         head = f.read(6)
         if head[:4] == b"PK\x03\x04":
@@ -356,10 +397,19 @@ def _check_npy(path: Path) -> None:
             have = os.fstat(f.fileno()).st_size - f.tell()
         except (ValueError, EOFError, SyntaxError):
             return  # np.load's own error says what is wrong
+    # numpy's header check takes any int, True and -1 too, and its memory map then fails
+    # with a TypeError or OverflowError that names no file
+    if any(type(n) is not int or n < 0 for n in shape):
+        raise ValueError(f"{path} is not a readable .npy file (its header's shape {shape} is "
+                         f"not one of non-negative integers)")
     if dtype.hasobject:
         raise TypeError(f"{path} holds Python objects (dtype {dtype}, pickled): distmm does "
                         f"not unpickle files; save a numeric array")
     need = math.prod(shape) * dtype.itemsize
+    most = np.iinfo(np.intp).max
+    if need > most or any(n > most for n in shape):
+        raise ValueError(f"{path} is not a readable .npy file (its header's shape {shape} of "
+                         f"{dtype} is larger than numpy can address)")
     if have < need:  # a copy or a download cut short; numpy's memory map says "mmap length"
         raise ValueError(f"{path} is truncated: it holds {have} of the {need} bytes of data "
                          f"its header describes (shape {shape}, dtype {dtype})")
