@@ -503,6 +503,18 @@ def _squeeze(out, ops: Operands):
     return out
 
 
+def _empty(ops: Operands) -> bool:
+    """Whether the product has no element: m, n or a batch dimension is 0."""
+    return ops.m == 0 or ops.n == 0 or 0 in ops.batch
+
+
+def _planned(ops: Operands) -> Operands:
+    """``ops`` as the planner sees them: a product without elements (``_empty``) without its
+    k too, which no tile reads (numpy makes it at once; a plan of a k too long to list in
+    tiles would be refused with a MemoryError)."""
+    return replace(ops, k=0) if ops.k and _empty(ops) else ops
+
+
 def _loop_writes_out(out, ops: Operands, operands) -> bool:
     """Whether numpy's loop writes ``out`` itself: a numpy array of the result's dtype that
     shares no memory with a numpy operand (numpy's own check, which takes a case too hard to
@@ -637,7 +649,9 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         cast into ``out``); ``order`` the result's memory layout (numpy and cupy
         results; a dask result is lazy); ``subok=False`` returns a plain ndarray
         for ndarray subclasses. Subclasses (``np.matrix``, masked arrays, your
-        own) come back wrapped by the ``__array_wrap__`` numpy would pick, and
+        own) and array-likes with their own ``__array_wrap__`` come back wrapped
+        by the ``__array_wrap__`` numpy would pick (numpy 1.x's choice under
+        numpy 1.x), and
         operands that override ``__array_ufunc__`` take the call, as in numpy
         (beside a dask operand, a subclass's call is numpy's, which dask takes
         after distmm's checks: a lazy dask array of the subclass's chunks, or
@@ -749,9 +763,13 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
         return _dask_takes_subclass(a, b, keywords, axes=axes, axis=axis, keepdims=keepdims,
                                     engine=engine, client=client, tile=tile, backend=backend,
                                     precision=precision)
-    if any(ufunc_rules.is_subclass(x) for x in (a, b, out)):
+    if any(ufunc_rules.is_subclass(x) for x in (a, b, out)) or (
+            subok is True and out is None
+            and any(ufunc_rules.wraps_like_subclass(x) for x in (a, b))
+            and all(array_family(x) == "numpy" for x in (a, b))):
         # numpy wraps the whole result (its axes placed as ``axes`` says) with the operands
-        # as given in the wrap's context
+        # as given in the wrap's context; an array-like's own __array_wrap__ too (beside a
+        # cupy or dask operand numpy hands the call to that array's library: no wrap)
         wrap = ufunc_rules.find_wrap(a, b) if subok and out is None else None
         result = matmul(ufunc_rules.base(a), ufunc_rules.base(b), ufunc_rules.base(out),
                         casting=casting, order=order, dtype=dtype, axes=axes, axis=axis,
@@ -838,11 +856,22 @@ def matmul(a, b, out=None, *, casting="same_kind", order="K", dtype=None, subok=
     if eng is None:
         eng = _engine_for(engine, ops.family, client, cfg, ops)
         _check_disk_out(out, ops, eng)
-    if key is not None:
+    # numpy makes a product without elements at once, whatever k is: it is planned without
+    # k (_planned); the local engine returns it before any tile, others do not run it
+    empty = ops.family == "numpy" and eng.name != "mpi" and _empty(ops)
+    if key is not None and (eng.name == "local" or not empty):
         if request is None:
-            request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
+            request = _resolve(eng, _planned(ops), cfg, tile=tile, backend=backend,
+                               precision=precision)
+            if request.operands is not ops:  # the operands as they are, with their k
+                request = replace(request, operands=ops)
         _remember(key, ops, eng, request, a, b, cfg)
         return _k_ordered(_squeeze(eng.run(request), ops), ops, a, b)
+    if empty:  # the request is resolved for its refusals only (tile=, backend=)
+        _resolve(eng, _planned(ops), cfg, tile=tile, backend=backend, precision=precision)
+        if out is not None:
+            return out  # as empty as the result, which broadcasts into it
+        return _ordered(_squeeze(np.empty(ops.out_shape, ops.dtype), ops), order, ops, (a, b))
     if out is None:
         if request is not None:
             result = _squeeze(eng.run(request), ops)
@@ -1278,7 +1307,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
         alpha_t = _scalar_for(alpha, dtype, "alpha")
         beta_t = _scalar_for(beta, dtype, "beta")
         precision = resolve_precision(precision, dtype, what="gemm")
-        if alpha_t != 0 and ops.k != 0 and (_stands_in(a, flag_a) or _stands_in(b, flag_b)):
+        if (alpha_t != 0 and ops.k != 0 and not _empty(ops)
+                and (_stands_in(a, flag_a) or _stands_in(b, flag_b))):
             # a product is made: an on-disk operand that op() transposes is read now (the
             # numpy family: the others' operands are in memory or dask arrays)
             ops = replace(ops, a=_op(a, flag_a), b=_op(b, flag_b))
@@ -1296,7 +1326,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
             cfg = get_config()
             eng = _engine_for(engine, ops.family, client, cfg, ops, what="gemm")
             eng.check_operands(ops)  # (its run checks them too, but alpha == 0 or k == 0 skips it)
-            request = _resolve(eng, ops, cfg, tile=tile, backend=backend, precision=precision)
+            request = _resolve(eng, _planned(ops), cfg, tile=tile, backend=backend,
+                               precision=precision)
         if engine == "mpi":
             key = _gemm_key(ops, flag_a, flag_b, alpha_t, beta_t, c)
     except Exception as exc:
@@ -1309,7 +1340,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, trans_a: bool | str = False,
     xp = _namespace(fam)
     if on_device:
         return _gemm_on_device(op_a, op_b, c, dtype, alpha_t, beta_t, backend, precision)
-    if alpha_t == 0 or ops.k == 0:
+    if alpha_t == 0 or ops.k == 0 or _empty(ops):
         # the product's chunks (op(a)'s rows, op(b)'s columns), as the engine's would be
         chunks = {"chunks": (op_a.chunks[0], op_b.chunks[1])} if fam == "dask" else {}
         product = xp.zeros((ops.m, ops.n), dtype=dtype, **chunks)

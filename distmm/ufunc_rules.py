@@ -6,9 +6,10 @@ default is no value (``NO_VALUE``: numpy refuses ``axes=None``), an ``out``
 given as a one-element tuple, ``axes`` naming where the matrices lie, operands that
 override ``__array_ufunc__`` (they decide the call: numpy hands it to them), an ``out``
 with its own ``__array_wrap__`` (numpy passes the product through it), ndarray
-subclasses (``np.matrix``, masked arrays, a user's own), whose result is wrapped by the
-``__array_wrap__`` numpy picks, and the memory layout ``order="K"`` gives a stack's result
-(``k_layout``). It does *not* cover the product itself (``distmm.api``).
+subclasses (``np.matrix``, masked arrays, a user's own) and array-likes with their own
+``__array_wrap__``, whose result is wrapped by the ``__array_wrap__`` numpy picks, and
+the memory layout ``order="K"`` gives a stack's result (``k_layout``). It does *not* cover
+the product itself (``distmm.api``).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 from distmm._arrays import array_family, is_sparse
 
 __all__ = ["NO_VALUE", "given_keywords", "keyword_errors", "single_out", "overrides", "wraps_out",
-           "find_wrap", "apply_wrap", "is_subclass", "base", "core_axes_last", "k_layout"]
+           "find_wrap", "apply_wrap", "is_subclass", "wraps_like_subclass", "base",
+           "core_axes_last", "k_layout"]
 
 _NDARRAY_UFUNC = np.ndarray.__array_ufunc__
 _SCALAR_PRIORITY = -1000000.0  # numpy's NPY_SCALAR_PRIORITY
@@ -134,16 +136,32 @@ def is_subclass(x) -> bool:
     return isinstance(x, np.ndarray) and type(x) is not np.ndarray and not isinstance(x, np.memmap)
 
 
+def wraps_like_subclass(x) -> bool:
+    """An array-like that is no ndarray (an object with ``__array__``,
+    ``__array_interface__`` or a buffer) but has its own ``__array_wrap__``: numpy converts
+    it and passes the product through that wrap, chosen among the operands' as a subclass's
+    is (``find_wrap``). Not scalars (numpy passes a numpy scalar's wrap over), cupy or dask
+    arrays, or distmm's DistArray."""
+    return (x is not None and not isinstance(x, (np.ndarray, np.generic, numbers.Number, str,
+                                                 bytes))
+            and _host(x) and callable(getattr(x, "__array_wrap__", None)))
+
+
 def base(x):
-    """A subclass's data as a plain ndarray view (no copy); anything else as it is."""
-    return np.asarray(x) if is_subclass(x) else x
+    """A subclass's data as a plain ndarray view (no copy), an array-like with its own
+    ``__array_wrap__`` (``wraps_like_subclass``) as numpy converts it; anything else as it
+    is."""
+    return np.asarray(x) if is_subclass(x) or wraps_like_subclass(x) else x
 
 
 def find_wrap(*inputs):
     """The ``__array_wrap__`` numpy applies to the result of these inputs, or None for a
     plain ndarray: the first input of the highest ``__array_priority__``, a subclass
     preferred over a plain array at the same priority 0, scalars lowest (numpy's
-    ``npy_find_array_wrap``)."""
+    ``npy_find_array_wrap``). numpy 1.x passes plain arrays and scalars over: the first
+    other input of the highest priority that has a wrap, a negative priority too."""
+    if _NUMPY_1:
+        return _find_wrap_numpy_1(inputs)
     wrap, priority, seen = None, 0.0, False
     for x in inputs:
         if type(x) is np.ndarray:
@@ -159,6 +177,23 @@ def find_wrap(*inputs):
             current = float(getattr(x, "__array_priority__", 0.0))
             if not seen or priority < current or (current == 0.0 and wrap is None):
                 wrap, priority, seen = new, current, True
+    return wrap
+
+
+def _find_wrap_numpy_1(inputs):
+    """numpy 1.x's choice (``_find_array_method``): exact ndarrays and scalars are passed
+    over; of the other inputs with a callable ``__array_wrap__``, the first of the highest
+    ``__array_priority__`` (0 where none is set); None where no input has one."""
+    wrap, priority = None, 0.0
+    for x in inputs:
+        if type(x) is np.ndarray or isinstance(x, (numbers.Number, np.generic, str, bytes)):
+            continue
+        new = getattr(x, "__array_wrap__", None)
+        if not callable(new):
+            continue
+        current = float(getattr(x, "__array_priority__", 0.0))
+        if wrap is None or current > priority:
+            wrap, priority = new, current
     return wrap
 
 

@@ -28,8 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def _empty_cache():
+    """An empty cache, and a memory budget of a fixed size: the auto budget follows the
+    machine's available memory, which other processes move across its 64 MiB steps between
+    two calls, and a changed budget is rightly a miss."""
     CALLS.clear()
-    yield
+    with dask.config.set({"distmm.memory-budget": "1GiB"}):
+        yield
     CALLS.clear()
 
 
