@@ -35,12 +35,33 @@ distributed = pytest.importorskip("distributed")
 import distmm  # noqa: E402
 from distmm.engine.dask import eager, last_stats  # noqa: E402
 
+#: the child scripts' view of the cluster: what it holds (``held``: scheduler tasks, keys
+#: with a holder, worker data, tasks executing), and that once a task still running ended
+_CLUSTER_STATE = r'''
+
+def held(client):
+    keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
+    return {"scheduler": keys, "who_has": sorted(map(str, client.who_has())),
+            "data": sum(client.run(lambda dask_worker: len(dask_worker.data)).values()),
+            "running": sum(client.run(lambda dask_worker: len(dask_worker.state.executing))
+                           .values())}
+
+
+def settled(client):
+    deadline = time.monotonic() + 20  # a task still running on a worker ends on its own
+    while True:
+        got = held(client)
+        if not any(got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+'''
+
 _SCRIPT = r'''
 import asyncio, json, os, signal, sys, time
 import numpy as np
 import distributed
 import distmm
-
+''' + _CLUSTER_STATE + r'''
 sent = []
 
 def main(case, folder):
@@ -50,22 +71,6 @@ def main(case, folder):
         os.kill(os.getpid(), signal.SIGINT)
 
     signal.signal(signal.SIGALRM, interrupt)
-
-    def held(client):
-        keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
-        return {"scheduler": keys, "who_has": sorted(map(str, client.who_has())),
-                "data": sum(client.run(lambda dask_worker: len(dask_worker.data)).values()),
-                "running": sum(client.run(lambda dask_worker: len(dask_worker.state.executing))
-                               .values())}
-
-    def settled(client):
-        # a block task already running on a worker ends on its own: wait for it (a few seconds)
-        deadline = time.monotonic() + 20
-        while True:
-            got = held(client)
-            if not any(got.values()) or time.monotonic() > deadline:
-                return got
-            time.sleep(0.05)
 
     if case == "scatter":
         # SIGINT while the scheduler (in this process) sends the blocks to the workers:
@@ -215,23 +220,7 @@ import numpy as np
 import distributed
 import distmm
 
-
-def held(client):
-    keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
-    return {"scheduler": keys, "who_has": sorted(map(str, client.who_has())),
-            "data": sum(client.run(lambda dask_worker: len(dask_worker.data)).values()),
-            "running": sum(client.run(lambda dask_worker: len(dask_worker.state.executing))
-                           .values())}
-
-
-def settled(client):
-    deadline = time.monotonic() + 20  # a task still running on a worker ends on its own
-    while True:
-        got = held(client)
-        if not any(got.values()) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.05)
-
+''' + _CLUSTER_STATE + r'''
 
 def main(case, pause, tile):
     signal.signal(signal.SIGINT, signal.default_int_handler)
