@@ -35,9 +35,22 @@ distributed = pytest.importorskip("distributed")
 import distmm  # noqa: E402
 from distmm.engine.dask import eager, last_stats  # noqa: E402
 
-#: the child scripts' view of the cluster: what it holds (``held``: scheduler tasks, keys
-#: with a holder, worker data, tasks executing), and that once a task still running ended
+#: the child scripts' cluster (``two_workers``: two single-thread worker processes, the
+#: client once both are up, and what they held then) and its view of what the cluster holds
+#: (``held``: scheduler tasks, keys with a holder, worker data, tasks executing), and that
+#: once a task still running ended (``settled``)
 _CLUSTER_STATE = r'''
+import contextlib
+
+
+@contextlib.contextmanager
+def two_workers():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", memory_limit="2GiB") as cluster, \
+            distributed.Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client, settled(client)
+
 
 def held(client):
     keys = client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
@@ -104,11 +117,7 @@ def main(case, folder):
     else:
         A, B, out = a, b, np.zeros((m, n))
     report = {}
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", memory_limit="2GiB") as cluster, \
-            distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        report["before"] = settled(client)
+    with two_workers() as (client, report["before"]):
         kept = None
         for attempt in range(3):  # a KeyboardInterrupt raised in a gc callback is ignored
             del sent[:]
@@ -240,11 +249,7 @@ def main(case, pause, tile):
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
     out = np.full((m, n), 7.0) if case.endswith("-out") else None
     report = {}
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", memory_limit="2GiB") as cluster, \
-            distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        report["before"] = settled(client)
+    with two_workers() as (client, report["before"]):
         threading.Thread(target=interrupt_once_paused, daemon=True).start()
         kept = None
         try:

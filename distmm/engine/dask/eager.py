@@ -415,11 +415,6 @@ def _let_go(client, futures, scattered) -> None:
         pass
 
 
-def _cancel_round(client, futures: dict) -> None:
-    """Cancel a round's output blocks whose graph reached the scheduler after a Ctrl-C."""
-    _let_go(client, futures, ())
-
-
 def _finish_files(client, sink, sources, *, written: bool, lost: bool) -> int:
     """After the product, in success and in failure: the workers' writes of C end
     (``sink.close``: nothing writes into the staged output once the engine returns or
@@ -778,7 +773,7 @@ def run_eager(ops, plan: Plan, client, slots: list[str], backend: str, *, progre
                     futures = {}
                     _uninterrupted(partial(_submit, client, layer, sink if writes else None,
                                            rows, cols, writes),
-                                   futures.update, partial(_cancel_round, client))
+                                   futures.update, partial(_let_go, client, scattered=()))
                     placed = set(targets) | set(writes["workers"] if writes else ())
                     with _StallWatch(client, futures, placed) as watch:
                         _collect(got, futures, watch, None if writes else out, rows, cols,
