@@ -728,6 +728,17 @@ def assert_all_gone(procs: list) -> None:
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
+def ended(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc``'s output once it ended; its session (``start_new_session=True``) killed and
+    the test failed where it takes over ``timeout`` seconds (a hang)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s:\n{out}\n{err[-3000:]}")
+
+
 def left_in_session(sid: int) -> list:
     """The processes of session ``sid`` still running (not zombies) 10 s at most after its
     leader ended or was stopped: a worker or nanny a command left behind."""

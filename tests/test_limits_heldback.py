@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import left_in_session, one_line, run_cli
+from conftest import ended, left_in_session, one_line, run_cli
 
 zarr = pytest.importorskip("zarr")
 
@@ -650,17 +650,6 @@ def _cluster_under(limit: int, *args) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _ended(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """``proc``'s output once it ended; its session killed and the test failed where it
-    takes ``timeout`` seconds."""
-    import signal
-
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"still running after {timeout} s: {out} {err[-2000:]}")
 
 
 
@@ -673,7 +662,7 @@ def test_cluster_under_a_small_open_file_limit_says_so_before_it_starts(limit):
     start that never ended. One line now, before anything starts, naming the limit, status
     1, no process left."""
     proc = _cluster_under(limit, "--workers", "2")
-    out, err = _ended(proc, 30)
+    out, err = ended(proc, 30)
     line = one_line(err).rstrip("\n")
     assert re.fullmatch(r"distmm cluster: error: cannot start 2 workers: the start holds about "
                         r"\d+ files open at once .*; raise the limit \(ulimit -n\) or start "
@@ -701,7 +690,7 @@ def test_cluster_under_an_open_file_limit_that_fits_starts():
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    out, err = _ended(proc, 60)
+    out, err = ended(proc, 60)
     assert proc.returncode == 130, err
     assert one_line(err).startswith("distmm cluster: stopped by SIGINT: 2 workers and the "
                                     "scheduler closed"), err

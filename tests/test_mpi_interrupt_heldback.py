@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import pause_at, run_rank_script
+from conftest import ended, pause_at, run_rank_script
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -89,12 +89,7 @@ def _finish(proc, timeout: float):
     """``(status, stderr, seconds)``; a job still running after ``timeout`` s is killed and
     fails the test (a hang)."""
     start = time.time()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the job did not end within {timeout} s of the interrupt:\n{out}\n{err}")
+    _, err = ended(proc, timeout)
     return proc.returncode, err, time.time() - start
 
 

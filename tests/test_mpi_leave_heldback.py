@@ -12,13 +12,12 @@ is killed and the test fails.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import LAUNCH_ATTEMPTS, launcher_failed
+from conftest import LAUNCH_ATTEMPTS, ended, launcher_failed
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -107,12 +106,7 @@ def _job(mpiexec, mpi_env, ranks: int, script, *args, timeout: float = BOUND):
                                  str(script), *map(str, args)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"the job did not end within {timeout} s:\n{out}\n{err[-3000:]}")
+        out, err = ended(proc, timeout)
         end = time.time()
         if not launcher_failed(subprocess.CompletedProcess(proc.args, proc.returncode, out,
                                                            err)):
